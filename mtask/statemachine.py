@@ -1,0 +1,284 @@
+"""The task state machine: pure rules, and the same rules as MongoDB pipeline expressions.
+
+Every transition is one atomic update whose pipeline ends with ``recompute_stages(now)``, so
+``status`` and ``next_claim_at`` are always in step with ``runs`` and the counters. The Python
+functions here are the specification: property tests check them, and a test on the real server
+checks that the pipeline expressions agree with them.
+
+Rules (``now`` is always the MongoDB server's time, see ``mtask.clock``):
+
+* status: ``cancelled`` is sticky; else ``succeeded`` when ``successes >= concurrency``; else
+  ``failed`` when ``failed_permanently`` or ``failures > max_retries``; else ``running`` when a
+  run is RUNNING; else ``pending``.
+* next_claim_at: ``None`` once finished; else ``available_at`` while fewer than ``concurrency``
+  slots are taken (RUNNING + SUCCESS); else ``max(available_at, earliest RUNNING lease)`` — the
+  moment a lease can expire and the task be preempted.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mtask.models import MAX_RUNS_KEPT, RunState, TaskStatus
+
+Doc = Mapping[str, Any]
+RUNNING = RunState.RUNNING.value
+
+# ---------------------------------------------------------------------------------------------
+# Pure rules
+# ---------------------------------------------------------------------------------------------
+
+
+def derive_status(doc: Doc) -> TaskStatus:
+    if doc.get("status") == TaskStatus.CANCELLED:
+        return TaskStatus.CANCELLED
+    options = doc["options"]
+    if doc.get("successes", 0) >= options["concurrency"]:
+        return TaskStatus.SUCCEEDED
+    if doc.get("failed_permanently") or doc.get("failures", 0) > options["max_retries"]:
+        return TaskStatus.FAILED
+    if any(r["state"] == RUNNING for r in doc.get("runs", ())):
+        return TaskStatus.RUNNING
+    return TaskStatus.PENDING
+
+
+def compute_next_claim_at(doc: Doc, status: TaskStatus) -> dt.datetime | None:
+    if status.finished:
+        return None
+    available: dt.datetime = doc["available_at"]
+    leases = [r["lease_expires_at"] for r in doc.get("runs", ()) if r["state"] == RUNNING]
+    if len(leases) + doc.get("successes", 0) < doc["options"]["concurrency"]:
+        return available
+    latest: dt.datetime = max(available, min(leases))
+    return latest
+
+
+def backoff_ms(
+    failures: int,
+    *,
+    retry_delay_ms: int,
+    retry_backoff: float,
+    max_retry_delay_ms: int,
+    jitter: float = 0.2,
+    rng: random.Random | None = None,
+) -> int:
+    """Delay before retry number ``failures`` (1-based): exponential, capped, with +/- jitter.
+
+    The result always lies in ``[0, max_retry_delay_ms]``.
+    """
+    exponent = max(0, failures - 1)
+    try:
+        base = retry_delay_ms * retry_backoff**exponent
+    except OverflowError:
+        base = float(max_retry_delay_ms)
+    base = min(base, float(max_retry_delay_ms))
+    spread = (rng or random).uniform(-jitter, jitter)
+    return max(0, min(max_retry_delay_ms, round(base * (1.0 + spread))))
+
+
+# ---------------------------------------------------------------------------------------------
+# The same rules as aggregation expressions, for pipeline updates
+# ---------------------------------------------------------------------------------------------
+
+
+def _running_runs() -> dict[str, Any]:
+    return {"$filter": {"input": "$runs", "as": "r", "cond": {"$eq": ["$$r.state", RUNNING]}}}
+
+
+STATUS_EXPR: dict[str, Any] = {
+    "$switch": {
+        "branches": [
+            {"case": {"$eq": ["$status", TaskStatus.CANCELLED.value]}, "then": "cancelled"},
+            {
+                "case": {"$gte": ["$successes", "$options.concurrency"]},
+                "then": TaskStatus.SUCCEEDED.value,
+            },
+            {
+                "case": {
+                    "$or": [
+                        {"$eq": ["$failed_permanently", True]},
+                        {"$gt": ["$failures", "$options.max_retries"]},
+                    ]
+                },
+                "then": TaskStatus.FAILED.value,
+            },
+            {
+                "case": {"$gt": [{"$size": _running_runs()}, 0]},
+                "then": TaskStatus.RUNNING.value,
+            },
+        ],
+        "default": TaskStatus.PENDING.value,
+    }
+}
+
+NEXT_CLAIM_EXPR: dict[str, Any] = {
+    "$cond": [
+        {"$in": ["$status", [s.value for s in (TaskStatus.PENDING, TaskStatus.RUNNING)]]},
+        {
+            "$let": {
+                "vars": {"running": _running_runs()},
+                "in": {
+                    "$cond": [
+                        {
+                            "$lt": [
+                                {"$add": [{"$size": "$$running"}, "$successes"]},
+                                "$options.concurrency",
+                            ]
+                        },
+                        "$available_at",
+                        {"$max": ["$available_at", {"$min": "$$running.lease_expires_at"}]},
+                    ]
+                },
+            }
+        },
+        None,
+    ]
+}
+
+
+def fold_runs_expr(limit: int = MAX_RUNS_KEPT) -> dict[str, Any]:
+    """Keep every RUNNING run and the newest finished ones, at most ``limit`` entries in all
+    (unless more than ``limit`` are RUNNING); count what is dropped in ``runs_folded``."""
+    done = {"$filter": {"input": "$runs", "as": "r", "cond": {"$ne": ["$$r.state", RUNNING]}}}
+    return {
+        "$let": {
+            "vars": {"running": _running_runs(), "done": done},
+            "in": {
+                "$let": {
+                    "vars": {
+                        "keep": {
+                            "$min": [
+                                {"$size": "$$done"},
+                                {"$max": [0, {"$subtract": [limit, {"$size": "$$running"}]}]},
+                            ]
+                        }
+                    },
+                    "in": {
+                        "runs": {
+                            "$concatArrays": [
+                                {
+                                    "$cond": [
+                                        {"$gt": ["$$keep", 0]},
+                                        {"$lastN": {"input": "$$done", "n": "$$keep"}},
+                                        [],
+                                    ]
+                                },
+                                "$$running",
+                            ]
+                        },
+                        "dropped": {"$subtract": [{"$size": "$$done"}, "$$keep"]},
+                    },
+                }
+            },
+        }
+    }
+
+
+def recompute_stages(now: dt.datetime) -> list[dict[str, Any]]:
+    """Pipeline stages that end every transition: fold old runs, then derive ``status``,
+    ``next_claim_at`` and ``finished_at`` from the fields the earlier stages set."""
+    folded = fold_runs_expr()
+    return [
+        {"$set": {"_fold": folded}},
+        {
+            "$set": {
+                "runs": "$_fold.runs",
+                "runs_folded": {"$add": [{"$ifNull": ["$runs_folded", 0]}, "$_fold.dropped"]},
+                "status": STATUS_EXPR,
+                "updated_at": now,
+            }
+        },
+        {"$unset": "_fold"},
+        {
+            "$set": {
+                "next_claim_at": NEXT_CLAIM_EXPR,
+                "finished_at": {
+                    "$cond": [
+                        {"$in": ["$status", list(OPEN)]},
+                        None,
+                        {"$ifNull": ["$finished_at", now]},
+                    ]
+                },
+            }
+        },
+    ]
+
+
+OPEN = (TaskStatus.PENDING.value, TaskStatus.RUNNING.value)
+
+
+def set_run_fields(run_id: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Expression: ``runs`` with the run ``run_id`` merged with ``fields``."""
+    return {
+        "$map": {
+            "input": "$runs",
+            "as": "r",
+            "in": {
+                "$cond": [
+                    {"$eq": ["$$r.run_id", run_id]},
+                    {"$mergeObjects": ["$$r", dict(fields)]},
+                    "$$r",
+                ]
+            },
+        }
+    }
+
+
+def expire_leases_expr(now: dt.datetime) -> dict[str, Any]:
+    """Expression: ``runs`` with every RUNNING run whose lease ended by ``now`` made TIMEOUT."""
+    expired = {"$and": [{"$eq": ["$$r.state", RUNNING]}, {"$lte": ["$$r.lease_expires_at", now]}]}
+    return {
+        "$map": {
+            "input": "$runs",
+            "as": "r",
+            "in": {
+                "$cond": [
+                    expired,
+                    {
+                        "$mergeObjects": [
+                            "$$r",
+                            {
+                                "state": RunState.TIMEOUT.value,
+                                "finished_at": now,
+                                "error": "lease expired: the worker stopped pinging",
+                            },
+                        ]
+                    },
+                    "$$r",
+                ]
+            },
+        }
+    }
+
+
+def count_expired_expr(now: dt.datetime) -> dict[str, Any]:
+    return {
+        "$size": {
+            "$filter": {
+                "input": "$runs",
+                "as": "r",
+                "cond": {
+                    "$and": [
+                        {"$eq": ["$$r.state", RUNNING]},
+                        {"$lte": ["$$r.lease_expires_at", now]},
+                    ]
+                },
+            }
+        }
+    }
+
+
+def live_runs_expr(now: dt.datetime, runs: str | Sequence[Any] = "$runs") -> dict[str, Any]:
+    """Expression: RUNNING runs whose lease has not ended by ``now``."""
+    return {
+        "$filter": {
+            "input": runs,
+            "as": "r",
+            "cond": {
+                "$and": [{"$eq": ["$$r.state", RUNNING]}, {"$gt": ["$$r.lease_expires_at", now]}]
+            },
+        }
+    }

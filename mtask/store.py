@@ -1,0 +1,698 @@
+"""Every MongoDB operation on tasks, each one atomic call, each taking ``now`` from a clock.
+
+An operation is written once, as a generator that yields ``Call``\\ s (one collection method
+call each) and returns its result. ``SyncDriver`` runs it on pymongo's ``MongoClient`` and
+``AsyncDriver`` on its native ``AsyncMongoClient``, so the sync and async clients share one
+definition and the filters and pipelines stay free of I/O.
+
+Fencing: every write that changes a run matches ``{"runs": {"$elemMatch": {"run_id": R,
+"state": "RUNNING"}}}``, so a run whose lease was lost (taken over, released, cancelled) can
+change nothing. Every transition ends with ``statemachine.recompute_stages(now)``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pymongo import ASCENDING, DESCENDING, IndexModel, ReturnDocument, UpdateOne
+from pymongo.errors import (
+    DuplicateKeyError,
+    OperationFailure,
+    PyMongoError,
+    ServerSelectionTimeoutError,
+)
+
+from mtask.errors import InvalidTransition, StorageError, TaskNotFound
+from mtask.models import NewTask, OnConflict, RunState, TaskStatus
+from mtask.statemachine import (
+    OPEN,
+    RUNNING,
+    count_expired_expr,
+    expire_leases_expr,
+    live_runs_expr,
+    recompute_stages,
+    set_run_fields,
+)
+
+T = TypeVar("T")
+Doc = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of a collection method. ``find`` and ``aggregate`` return lists."""
+
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    collection: str = "tasks"
+
+
+Op = Generator[Call, Any, T]
+
+INDEXES: dict[str, list[IndexModel]] = {
+    "tasks": [
+        # Claims, scans and the safety sweep: open tasks only (finished ones have no
+        # next_claim_at), so the index stays small however many finished tasks there are.
+        IndexModel(
+            [("name", ASCENDING), ("next_claim_at", ASCENDING), ("_id", ASCENDING)],
+            name="claim",
+            partialFilterExpression={"next_claim_at": {"$type": "date"}},
+        ),
+        IndexModel([("created_at", DESCENDING), ("_id", DESCENDING)], name="newest"),
+        IndexModel(
+            [("status", ASCENDING), ("created_at", DESCENDING), ("_id", DESCENDING)],
+            name="status_newest",
+        ),
+        IndexModel(
+            [
+                ("name", ASCENDING),
+                ("status", ASCENDING),
+                ("created_at", DESCENDING),
+                ("_id", DESCENDING),
+            ],
+            name="name_status_newest",
+        ),
+    ],
+}
+
+SPECIFIC = "options.specific_worker_ids"
+
+
+def _lit(value: Any) -> dict[str, Any]:
+    """Wrap user data placed in a pipeline so ``$``-strings are never read as expressions."""
+    return {"$literal": value}
+
+
+def new_document(task: NewTask, now: dt.datetime) -> Doc:
+    available = task.options.run_at or now
+    return {
+        "_id": task.key,
+        "name": task.name,
+        "params": task.params,
+        "options": task.options.to_document(),
+        "status": TaskStatus.PENDING.value,
+        "next_claim_at": available,
+        "available_at": available,
+        "attempts": 0,
+        "successes": 0,
+        "failures": 0,
+        "failed_permanently": False,
+        "runs": [],
+        "runs_folded": 0,
+        "result": None,
+        "error": None,
+        "created_at": now,
+        "updated_at": now,
+        "finished_at": None,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup
+# ---------------------------------------------------------------------------------------------
+
+
+def ensure_indexes() -> Op[None]:
+    for collection, models in INDEXES.items():
+        yield Call("create_indexes", (models,), collection=collection)
+
+
+# ---------------------------------------------------------------------------------------------
+# Publishing
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Published:
+    created: bool
+    updated: bool
+    document: Doc
+
+
+def publish(task: NewTask, now: dt.datetime, on_conflict: OnConflict = "ignore") -> Op[Published]:
+    """Insert the task if its key is new (one upsert with ``$setOnInsert``); otherwise apply
+    ``on_conflict``: ``ignore`` leaves it, ``update_params`` replaces params and options of a
+    task that is not running, ``reset`` makes a finished task new again."""
+    doc = new_document(task, now)
+    insert = {k: v for k, v in doc.items() if k != "_id"}
+    before = None
+    for attempt in range(2):
+        try:
+            before = yield Call(
+                "find_one_and_update",
+                ({"_id": task.key}, {"$setOnInsert": insert}),
+                {"upsert": True, "return_document": ReturnDocument.BEFORE},
+            )
+            break
+        except DuplicateKeyError:  # two upserts raced on a new key; the other one inserted
+            if attempt:
+                raise
+    if before is None:
+        return Published(created=True, updated=False, document=doc)
+    if on_conflict == "ignore":
+        return Published(created=False, updated=False, document=before)
+    if on_conflict == "update_params":
+        filt: Doc = {"_id": task.key, "status": {"$ne": TaskStatus.RUNNING.value}}
+        sets: Doc = {"params": _lit(task.params), "options": _lit(task.options.to_document())}
+        if task.options.run_at is not None:
+            sets["available_at"] = task.options.run_at
+        pipeline = [{"$set": sets}, *recompute_stages(now)]
+    else:  # reset
+        filt = {
+            "_id": task.key,
+            "status": {"$in": [s.value for s in TaskStatus if s.finished]},
+            "runs": {"$not": {"$elemMatch": {"state": RUNNING, "lease_expires_at": {"$gt": now}}}},
+        }
+        fresh = {k: v for k, v in doc.items() if k not in ("_id", "created_at")}
+        pipeline = [
+            {
+                "$replaceWith": {
+                    "$mergeObjects": [{"_id": "$_id", "created_at": "$created_at"}, _lit(fresh)]
+                }
+            }
+        ]
+    after = yield Call(
+        "find_one_and_update",
+        (filt, pipeline),
+        {"return_document": ReturnDocument.AFTER},
+    )
+    if after is None:
+        current = yield Call("find_one", ({"_id": task.key},))
+        return Published(created=False, updated=False, document=current or before)
+    return Published(created=False, updated=True, document=after)
+
+
+def publish_many(tasks: Sequence[NewTask], now: dt.datetime, batch_size: int = 1000) -> Op[int]:
+    """Insert-if-absent many tasks with unordered bulk upserts; returns how many were created."""
+    created = 0
+    for start in range(0, len(tasks), batch_size):
+        requests = []
+        for task in tasks[start : start + batch_size]:
+            doc = new_document(task, now)
+            del doc["_id"]
+            requests.append(UpdateOne({"_id": task.key}, {"$setOnInsert": doc}, upsert=True))
+        result = yield Call("bulk_write", (requests,), {"ordered": False})
+        created += result.upserted_count
+    return created
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------
+
+
+def get(key: str) -> Op[Doc | None]:
+    doc: Doc | None = yield Call("find_one", ({"_id": key},))
+    return doc
+
+
+LIST_ORDERS = ("newest", "next_claim_at")
+
+
+def list_query(
+    name: str | None, status: str | None, order: str = "newest"
+) -> tuple[Doc, list[tuple[str, int]]]:
+    filt: Doc = {}
+    if name is not None:
+        filt["name"] = name
+    if status is not None:
+        filt["status"] = status
+    if order == "next_claim_at":
+        filt["next_claim_at"] = {"$type": "date"}
+        return filt, [("next_claim_at", ASCENDING), ("_id", ASCENDING)]
+    return filt, [("created_at", DESCENDING), ("_id", DESCENDING)]
+
+
+def list_tasks(
+    name: str | None = None,
+    status: str | None = None,
+    limit: int = 100,
+    after: str | None = None,
+    order: str = "newest",
+) -> Op[list[Doc]]:
+    """A page of tasks, newest first (or soonest claimable first); ``after`` is the last key of
+    the previous page."""
+    filt, sort = list_query(name, status, order)
+    if after is not None:
+        field_name, direction = sort[0]
+        anchor = yield Call("find_one", ({"_id": after}, {field_name: 1}))
+        if anchor is None:
+            raise TaskNotFound(after)
+        op = "$gt" if direction == ASCENDING else "$lt"
+        value = anchor.get(field_name)
+        filt = {
+            "$and": [
+                filt,
+                {"$or": [{field_name: {op: value}}, {field_name: value, "_id": {op: after}}]},
+            ]
+        }
+    docs: list[Doc] = yield Call("find", (filt,), {"sort": sort, "limit": limit})
+    return docs
+
+
+def stats() -> Op[dict[str, dict[str, int]]]:
+    """Counts per name and status, in one aggregation."""
+    rows = yield Call(
+        "aggregate",
+        ([{"$group": {"_id": {"name": "$name", "status": "$status"}, "n": {"$sum": 1}}}],),
+    )
+    out: dict[str, dict[str, int]] = {}
+    for row in rows:
+        out.setdefault(str(row["_id"].get("name")), {})[str(row["_id"].get("status"))] = row["n"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Operator actions
+# ---------------------------------------------------------------------------------------------
+
+
+def _require(key: str, doc: Doc | None, action: str, allowed: Iterable[str]) -> Op[Doc]:
+    if doc is not None:
+        return doc
+    current = yield Call("find_one", ({"_id": key}, {"status": 1}))
+    if current is None:
+        raise TaskNotFound(key)
+    raise InvalidTransition(
+        f"cannot {action} task {key!r}: it is {current.get('status')}; "
+        f"{action} applies to {' or '.join(allowed)} tasks"
+    )
+
+
+def cancel(key: str, now: dt.datetime) -> Op[Doc]:
+    """pending or running -> cancelled at once. A running handler is stopped by its worker at
+    the next ping (the ping matches only open tasks), and its run is then marked CANCELLED."""
+    doc = yield Call(
+        "find_one_and_update",
+        (
+            {"_id": key, "status": {"$in": list(OPEN)}},
+            [{"$set": {"status": TaskStatus.CANCELLED.value}}, *recompute_stages(now)],
+        ),
+        {"return_document": ReturnDocument.AFTER},
+    )
+    result: Doc = yield from _require(key, doc, "cancel", OPEN)
+    return result
+
+
+def retry(key: str, now: dt.datetime) -> Op[Doc]:
+    """failed or cancelled -> pending, with a fresh retry budget. Refused while a cancelled
+    run's handler may still be stopping (a RUNNING run with a live lease)."""
+    allowed = (TaskStatus.FAILED.value, TaskStatus.CANCELLED.value)
+    filt = {
+        "_id": key,
+        "status": {"$in": list(allowed)},
+        "runs": {"$not": {"$elemMatch": {"state": RUNNING, "lease_expires_at": {"$gt": now}}}},
+    }
+    pipeline = [
+        {
+            "$set": {
+                "status": TaskStatus.PENDING.value,
+                "failures": 0,
+                "failed_permanently": False,
+                "available_at": now,
+                "error": None,
+                "finished_at": None,
+                "runs": {
+                    "$map": {
+                        "input": "$runs",
+                        "as": "r",
+                        "in": {
+                            "$cond": [
+                                {"$eq": ["$$r.state", RUNNING]},
+                                {
+                                    "$mergeObjects": [
+                                        "$$r",
+                                        {"state": "CANCELLED", "finished_at": now},
+                                    ]
+                                },
+                                "$$r",
+                            ]
+                        },
+                    }
+                },
+            }
+        },
+        *recompute_stages(now),
+    ]
+    doc = yield Call(
+        "find_one_and_update", (filt, pipeline), {"return_document": ReturnDocument.AFTER}
+    )
+    if doc is None:
+        current = yield Call("find_one", ({"_id": key}, {"status": 1}))
+        if current is not None and current.get("status") in allowed:
+            raise InvalidTransition(
+                f"cannot retry task {key!r} yet: a cancelled run is still stopping; "
+                "try again after its lease ends"
+            )
+    result: Doc = yield from _require(key, doc, "retry", allowed)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker's operations
+# ---------------------------------------------------------------------------------------------
+
+
+def claim_filter(
+    keys: Sequence[str], names: Sequence[str], worker_id: str, now: dt.datetime
+) -> Doc:
+    """The claim filter, all of it decided on the server in one atomic update."""
+    mine = {
+        "$map": {
+            "input": "$runs",
+            "as": "r",
+            "in": {
+                "$and": [
+                    {"$eq": ["$$r.worker_id", _lit(worker_id)]},
+                    {
+                        "$or": [
+                            {"$eq": ["$$r.state", RunState.SUCCESS.value]},
+                            {
+                                "$and": [
+                                    {"$eq": ["$$r.state", RUNNING]},
+                                    {"$gt": ["$$r.lease_expires_at", now]},
+                                ]
+                            },
+                        ]
+                    },
+                ]
+            },
+        }
+    }
+    return {
+        "_id": {"$in": list(keys)},
+        "name": {"$in": list(names)},
+        "status": {"$in": list(OPEN)},
+        "next_claim_at": {"$type": "date", "$lte": now},
+        "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],
+        "$expr": {
+            "$and": [
+                # a free slot: live runs + successes < concurrency
+                {
+                    "$lt": [
+                        {"$add": [{"$size": live_runs_expr(now)}, "$successes"]},
+                        "$options.concurrency",
+                    ]
+                },
+                # with concurrency > 1, each run must be by a distinct worker
+                {
+                    "$or": [
+                        {"$eq": ["$options.concurrency", 1]},
+                        {"$not": [{"$anyElementTrue": [mine]}]},
+                    ]
+                },
+            ]
+        },
+    }
+
+
+def claim_pipeline(run_id: str, worker_id: str, now: dt.datetime) -> list[Doc]:
+    """Expire dead leases (each a failure), then append this worker's run if retries are left
+    after that; then recompute status and next_claim_at."""
+    new_run = {
+        "run_id": run_id,
+        "worker_id": _lit(worker_id),
+        "state": RUNNING,
+        "claimed_at": now,
+        "lease_expires_at": {"$add": [now, "$options.worker_timeout_ms"]},
+        "finished_at": None,
+        "error": None,
+        "result": None,
+    }
+    return [
+        {"$set": {"_expired": count_expired_expr(now)}},
+        {
+            "$set": {
+                "runs": expire_leases_expr(now),
+                "failures": {"$add": ["$failures", "$_expired"]},
+            }
+        },
+        {"$set": {"_claim": {"$lte": ["$failures", "$options.max_retries"]}}},
+        {
+            "$set": {
+                "runs": {"$cond": ["$_claim", {"$concatArrays": ["$runs", [new_run]]}, "$runs"]},
+                "attempts": {"$add": ["$attempts", {"$cond": ["$_claim", 1, 0]}]},
+                "error": {
+                    "$cond": [
+                        {"$gt": ["$_expired", 0]},
+                        "lease expired: the worker stopped pinging",
+                        "$error",
+                    ]
+                },
+            }
+        },
+        {"$unset": ["_expired", "_claim"]},
+        *recompute_stages(now),
+    ]
+
+
+def claim(
+    keys: Sequence[str], names: Sequence[str], worker_id: str, now: dt.datetime
+) -> Op[list[Doc]]:
+    """Claim as many of ``keys`` as the server allows, in one round trip for one key and two
+    for many. Returns the claimed documents; this worker's run is the one with ``run_id`` equal
+    to the ``claim_run_id`` key added to each."""
+    if not keys:
+        return []
+    run_id = uuid.uuid4().hex
+    filt = claim_filter(keys, names, worker_id, now)
+    pipeline = claim_pipeline(run_id, worker_id, now)
+    if len(keys) == 1:
+        doc = yield Call(
+            "find_one_and_update", (filt, pipeline), {"return_document": ReturnDocument.AFTER}
+        )
+        docs = [doc] if doc is not None else []
+    else:
+        result = yield Call("update_many", (filt, pipeline))
+        if result.modified_count == 0:
+            return []
+        docs = yield Call("find", ({"_id": {"$in": list(keys)}, "runs.run_id": run_id},))
+    claimed = []
+    for doc in docs:
+        if any(r.get("run_id") == run_id for r in doc.get("runs", ())):
+            doc["claim_run_id"] = run_id
+            claimed.append(doc)
+    return claimed
+
+
+def _run_filter(key: str, run_id: str) -> Doc:
+    return {"_id": key, "runs": {"$elemMatch": {"run_id": run_id, "state": RUNNING}}}
+
+
+def extend_lease(key: str, run_id: str, worker_id: str, now: dt.datetime) -> Op[Doc | None]:
+    """Push the run's lease to ``now + worker_timeout_ms``. ``None`` means the run lost the
+    task (taken over, released, cancelled, or this worker is no longer allowed): stop it."""
+    filt = {
+        **_run_filter(key, run_id),
+        "status": {"$in": list(OPEN)},
+        "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],
+    }
+    lease = {"lease_expires_at": {"$add": [now, "$options.worker_timeout_ms"]}}
+    doc: Doc | None = yield Call(
+        "find_one_and_update",
+        (filt, [{"$set": {"runs": set_run_fields(run_id, lease)}}, *recompute_stages(now)]),
+        {
+            "return_document": ReturnDocument.AFTER,
+            "projection": {"options": 1, "status": 1},
+        },
+    )
+    return doc
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a run ended, for ``finish``/``finish_many``."""
+
+    key: str
+    run_id: str
+    state: RunState
+    result: Any = None
+    error: str | None = None
+    counts_as_failure: bool = True
+    permanent: bool = False
+    retry_delay_ms: int | None = None
+    """Explicit delay before the task may be claimed again (FAIL); None: the task's backoff."""
+    jitter: float = 1.0
+    """Backoff multiplier drawn by the caller, e.g. uniform(0.8, 1.2)."""
+
+
+def _backoff_expr(outcome: Outcome, now: dt.datetime) -> Any:
+    if outcome.retry_delay_ms is not None:
+        return now + dt.timedelta(milliseconds=outcome.retry_delay_ms)
+    delay = {
+        "$min": [
+            "$options.max_retry_delay_ms",
+            {
+                "$multiply": [
+                    "$options.retry_delay_ms",
+                    {
+                        "$pow": [
+                            "$options.retry_backoff",
+                            {"$max": [0, {"$subtract": ["$failures", 1]}]},
+                        ]
+                    },
+                    outcome.jitter,
+                ]
+            },
+        ]
+    }
+    return {"$add": [now, {"$toLong": {"$round": [delay, 0]}}]}
+
+
+def finish_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, list[Doc]]:
+    """Filter and pipeline that record ``outcome`` on its run, fenced by run id and RUNNING."""
+    state = outcome.state
+    run_fields: Doc = {"state": state.value, "finished_at": now}
+    sets: Doc = {}
+    if state is RunState.SUCCESS:
+        run_fields["result"] = _lit(outcome.result)
+        sets["successes"] = {"$add": ["$successes", 1]}
+        sets["result"] = _lit(outcome.result)
+    elif state is RunState.FAIL:
+        run_fields["error"] = _lit(outcome.error)
+        sets["error"] = _lit(outcome.error)
+        if outcome.counts_as_failure:
+            sets["failures"] = {"$add": ["$failures", 1]}
+        if outcome.permanent:
+            sets["failed_permanently"] = True
+    elif state is RunState.RELEASED:
+        sets["available_at"] = now
+    elif state is RunState.CANCELLED:
+        run_fields["error"] = _lit(outcome.error)
+    else:
+        raise ValueError(f"a run cannot be finished as {state}")
+    stages: list[Doc] = [{"$set": {"runs": set_run_fields(outcome.run_id, run_fields), **sets}}]
+    if state is RunState.FAIL and not outcome.permanent:
+        stages.append({"$set": {"available_at": _backoff_expr(outcome, now)}})
+    return _run_filter(outcome.key, outcome.run_id), [*stages, *recompute_stages(now)]
+
+
+def finish(outcome: Outcome, now: dt.datetime) -> Op[Doc | None]:
+    """Record one run's outcome; ``None`` when the run no longer owns the task (fenced out)."""
+    filt, pipeline = finish_update(outcome, now)
+    doc: Doc | None = yield Call(
+        "find_one_and_update", (filt, pipeline), {"return_document": ReturnDocument.AFTER}
+    )
+    return doc
+
+
+def finish_many(outcomes: Sequence[Outcome], now: dt.datetime) -> Op[int]:
+    """Record many outcomes in one unordered bulk write; returns how many were recorded."""
+    if not outcomes:
+        return 0
+    requests = [UpdateOne(*finish_update(o, now)) for o in outcomes]
+    result = yield Call("bulk_write", (requests,), {"ordered": False})
+    return int(result.modified_count)
+
+
+def scan(
+    names: Sequence[str],
+    worker_id: str,
+    limit: int,
+    after: tuple[dt.datetime, str] | None = None,
+) -> Op[list[Doc]]:
+    """One page of open tasks for ``names`` that this worker may run, soonest claimable first;
+    ``after`` is the (next_claim_at, key) of the previous page's last entry."""
+    filt: Doc = {
+        "name": {"$in": list(names)},
+        "next_claim_at": {"$type": "date"},
+        "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],
+    }
+    if after is not None:
+        at, key = after
+        filt = {
+            "$and": [
+                filt,
+                {
+                    "$or": [
+                        {"next_claim_at": {"$gt": at}},
+                        {"next_claim_at": at, "_id": {"$gt": key}},
+                    ]
+                },
+            ]
+        }
+    docs: list[Doc] = yield Call(
+        "find",
+        (filt, {"next_claim_at": 1, "options.priority": 1, SPECIFIC: 1, "name": 1}),
+        {"sort": [("next_claim_at", ASCENDING), ("_id", ASCENDING)], "limit": limit},
+    )
+    return docs
+
+
+# ---------------------------------------------------------------------------------------------
+# Drivers
+# ---------------------------------------------------------------------------------------------
+
+
+def storage_error(exc: PyMongoError) -> StorageError:
+    """A short, plain message for a driver error (no topology dumps)."""
+    if isinstance(exc, ServerSelectionTimeoutError):
+        return StorageError(f"cannot reach MongoDB: {str(exc).split(' (configured timeouts')[0]}")
+    if isinstance(exc, OperationFailure) and exc.code in (13, 18):
+        return StorageError(f"MongoDB refused the credentials or the operation: {exc.details}")
+    return StorageError(f"MongoDB: {type(exc).__name__}: {str(exc)[:500]}")
+
+
+class SyncDriver:
+    """Runs operations on pymongo's synchronous ``Collection``\\ s."""
+
+    def __init__(self, collections: Mapping[str, Any]) -> None:
+        self.collections = collections
+
+    def _call(self, call: Call) -> Any:
+        method = getattr(self.collections[call.collection], call.method)
+        result = method(*call.args, **call.kwargs)
+        if call.method in ("find", "aggregate"):
+            return list(result)
+        return result
+
+    def run(self, op: Op[T]) -> T:
+        try:
+            call = next(op)
+            while True:
+                try:
+                    result = self._call(call)
+                except PyMongoError as exc:
+                    call = op.throw(exc)
+                else:
+                    call = op.send(result)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        except PyMongoError as exc:
+            raise storage_error(exc) from exc
+
+
+class AsyncDriver:
+    """Runs operations on pymongo's native asyncio ``AsyncCollection``\\ s."""
+
+    def __init__(self, collections: Mapping[str, Any]) -> None:
+        self.collections = collections
+
+    async def _call(self, call: Call) -> Any:
+        method = getattr(self.collections[call.collection], call.method)
+        if call.method == "find":
+            return await method(*call.args, **call.kwargs).to_list()
+        result = await method(*call.args, **call.kwargs)
+        if call.method == "aggregate":
+            return await result.to_list()
+        return result
+
+    async def run(self, op: Op[T]) -> T:
+        try:
+            call = next(op)
+            while True:
+                try:
+                    result = await self._call(call)
+                except PyMongoError as exc:
+                    call = op.throw(exc)
+                else:
+                    call = op.send(result)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        except PyMongoError as exc:
+            raise storage_error(exc) from exc

@@ -1,0 +1,67 @@
+"""Fixtures: one real MongoDB replica set for the session, one database per test.
+
+``MTASK_TEST_MONGODB_URI`` points the tests at an existing replica set; otherwise the embedded
+mongod is started in a temporary directory. If no MongoDB can be had, the tests fail loudly
+under CI (``CI=true``) and are skipped with the reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pymongo import MongoClient
+
+from mtask import AsyncTaskClient, TaskClient
+from mtask.errors import MtaskError
+
+
+@pytest.fixture(scope="session")
+def mongo_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    env = os.environ.get("MTASK_TEST_MONGODB_URI")
+    if env:
+        yield env
+        return
+    from mtask.embedded import EmbeddedMongo
+
+    server = EmbeddedMongo(Path(tmp_path_factory.mktemp("mongodb")))
+    try:
+        uri = server.start()
+    except MtaskError as exc:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"MongoDB is required in CI and could not be started: {exc}")
+        pytest.skip(f"no MongoDB for the tests: {exc}")
+    try:
+        yield uri
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def mongo(mongo_uri: str) -> Iterator[MongoClient[dict[str, Any]]]:
+    client: MongoClient[dict[str, Any]] = MongoClient(mongo_uri, tz_aware=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def db_name(mongo: MongoClient[dict[str, Any]]) -> Iterator[str]:
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    yield name
+    mongo.drop_database(name)
+
+
+@pytest.fixture
+def client(mongo_uri: str, db_name: str) -> Iterator[TaskClient]:
+    with TaskClient(mongo_uri, database=db_name) as c:
+        yield c
+
+
+@pytest.fixture
+async def aclient(mongo_uri: str, db_name: str) -> AsyncIterator[AsyncTaskClient]:
+    async with AsyncTaskClient(mongo_uri, database=db_name) as c:
+        yield c

@@ -1,0 +1,183 @@
+"""Publishing and reading through both clients, on the real server."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from pymongo import MongoClient
+
+from mtask import (
+    AsyncTaskClient,
+    InvalidTask,
+    InvalidTransition,
+    TaskClient,
+    TaskNotFound,
+    TaskStatus,
+)
+from mtask.store import Outcome, RunState, claim, finish
+
+
+def test_publish_creates_a_pending_document(client: TaskClient) -> None:
+    result = client.publish("resize", "img-1", {"w": 100}, options={"priority": 5})
+    assert result.created and not result.updated
+    task = result.task
+    assert (task.key, task.name, task.params, task.status) == (
+        "img-1",
+        "resize",
+        {"w": 100},
+        "pending",
+    )
+    assert task.options.priority == 5
+    assert task.next_claim_at == task.available_at == task.created_at
+    stored = client.get("img-1")
+    assert stored is not None and stored.model_dump() == task.model_dump()
+
+
+def test_fifty_concurrent_publishers_make_one_document(client: TaskClient) -> None:
+    def publish(i: int) -> bool:
+        return client.publish("resize", "same", {"from": i}).created
+
+    with ThreadPoolExecutor(50) as pool:
+        created = list(pool.map(publish, range(50)))
+    assert created.count(True) == 1
+    assert client.collection.count_documents({}) == 1
+
+
+async def test_fifty_concurrent_async_publishers(aclient: AsyncTaskClient) -> None:
+    results = await asyncio.gather(*(aclient.publish("n", "k", {"i": i}) for i in range(50)))
+    assert sum(r.created for r in results) == 1
+    winner = next(r for r in results if r.created)
+    assert all(r.task.params == winner.task.params for r in results)
+    assert await aclient.collection.count_documents({}) == 1
+
+
+def test_on_conflict_update_params(client: TaskClient) -> None:
+    client.publish("n", "k", {"v": 1})
+    result = client.publish(
+        "n", "k", {"v": 2}, options={"priority": 9}, on_conflict="update_params"
+    )
+    assert (result.created, result.updated) == (False, True)
+    assert result.task.params == {"v": 2} and result.task.options.priority == 9
+    # a running task is not changed
+    client._run(claim(["k"], ["n"], "w1", client.now()))
+    result = client.publish("n", "k", {"v": 3}, on_conflict="update_params")
+    assert (result.created, result.updated) == (False, False)
+    assert result.task.params == {"v": 2} and result.task.status == "running"
+
+
+def test_on_conflict_reset_reruns_a_finished_task(client: TaskClient) -> None:
+    client.publish("n", "k", {"v": 1})
+    [doc] = client._run(claim(["k"], ["n"], "w1", client.now()))
+    client._run(finish(Outcome("k", doc["claim_run_id"], RunState.SUCCESS, result=7), client.now()))
+    assert client.publish("n", "k", on_conflict="reset").task.status == "pending"
+    # (the reset above used params None -> {}); a pending task is not reset again
+    again = client.publish("n", "k", {"v": 5}, on_conflict="reset")
+    assert (again.created, again.updated) == (False, False)
+    task = client.get("k")
+    assert task is not None and task.runs == [] and task.successes == 0 and task.attempts == 0
+
+
+def test_publish_many_is_idempotent(client: TaskClient) -> None:
+    items = [{"name": "n", "key": f"k{i}", "params": {"i": i}} for i in range(2500)]
+    assert client.publish_many(items) == 2500
+    assert client.publish_many([*items[:10], {"name": "n", "key": "new"}]) == 1
+    assert client.collection.count_documents({}) == 2501
+
+
+def test_bad_input_writes_nothing(client: TaskClient) -> None:
+    with pytest.raises(InvalidTask, match="^params: not BSON-encodable"):
+        client.publish("n", "k", {"x": {1, 2}})
+    with pytest.raises(InvalidTask, match=r"^items\[1\]\.options\.max_retries"):
+        client.publish_many(
+            [{"name": "n", "key": "a"}, {"name": "n", "key": "b", "options": {"max_retries": -1}}]
+        )
+    with pytest.raises(InvalidTask, match="^on_conflict"):
+        client.publish("n", "k", on_conflict="replace")  # type: ignore[arg-type]
+    with pytest.raises(InvalidTask, match="^status"):
+        client.list(status="done")
+    assert client.collection.count_documents({}) == 0
+
+
+def test_delay_uses_server_time(client: TaskClient) -> None:
+    now = client.now()
+    task = client.publish("n", "k", delay=dt.timedelta(minutes=5)).task
+    assert task.next_claim_at is not None
+    assert dt.timedelta(minutes=5) <= task.next_claim_at - now < dt.timedelta(minutes=5, seconds=5)
+
+
+def test_list_pages_and_stats(client: TaskClient) -> None:
+    for i in range(7):
+        client.publish("a" if i % 2 else "b", f"k{i}")
+    client.cancel("k0")
+    page1 = client.list(limit=3)
+    page2 = client.list(limit=3, after=page1[-1].key)
+    page3 = client.list(limit=3, after=page2[-1].key)
+    keys = [t.key for t in page1 + page2 + page3]
+    assert keys == [f"k{i}" for i in range(6, -1, -1)]
+    assert [t.key for t in client.list(name="a")] == ["k5", "k3", "k1"]
+    assert [t.key for t in client.list(status="cancelled")] == ["k0"]
+    soonest = client.list(order="next_claim_at", limit=2)
+    assert [t.key for t in soonest] == ["k1", "k2"]
+    assert client.stats() == {"a": {"pending": 3}, "b": {"pending": 3, "cancelled": 1}}
+    with pytest.raises(TaskNotFound):
+        client.list(after="missing")
+
+
+def test_cancel_and_retry_transitions(client: TaskClient) -> None:
+    client.publish("n", "k", options={"max_retries": 0})
+    with pytest.raises(InvalidTransition, match="it is pending"):
+        client.retry("k")
+    cancelled = client.cancel("k")
+    assert cancelled.status == "cancelled" and cancelled.next_claim_at is None
+    assert cancelled.finished_at is not None
+    with pytest.raises(InvalidTransition, match="it is cancelled"):
+        client.cancel("k")
+    again = client.retry("k")
+    assert again.status == "pending" and again.next_claim_at is not None
+    [doc] = client._run(claim(["k"], ["n"], "w1", client.now()))
+    failed = client._run(
+        finish(Outcome("k", doc["claim_run_id"], RunState.FAIL, error="boom"), client.now())
+    )
+    assert failed is not None and failed["status"] == "failed" and failed["error"] == "boom"
+    assert client.retry("k").status == "pending"
+    with pytest.raises(TaskNotFound):
+        client.cancel("missing")
+
+
+def test_cancel_running_task(client: TaskClient) -> None:
+    client.publish("n", "k")
+    [doc] = client._run(claim(["k"], ["n"], "w1", client.now()))
+    run_id = doc["claim_run_id"]
+    assert client.cancel("k").status == TaskStatus.CANCELLED
+    assert client._run(claim(["k"], ["n"], "w2", client.now())) == []
+    with pytest.raises(InvalidTransition, match="still stopping"):
+        client.retry("k")
+    # the worker notices at its next ping and marks its run CANCELLED
+    stopped = client._run(
+        finish(Outcome("k", run_id, RunState.CANCELLED, error="cancelled"), client.now())
+    )
+    assert stopped is not None and stopped["status"] == "cancelled"
+    assert stopped["runs"][0]["state"] == "CANCELLED"
+    assert client.retry("k").status == "pending"
+    # a late SUCCESS of the stopped run is fenced out
+    assert client._run(finish(Outcome("k", run_id, RunState.SUCCESS), client.now())) is None
+
+
+def test_client_defaults_to_env_uri(
+    mongo_uri: str, db_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MTASK_MONGODB_URI", mongo_uri)
+    with TaskClient(database=db_name) as c:
+        assert c.publish("n", "k").created
+
+
+def test_documents_are_readable_with_plain_pymongo(
+    client: TaskClient, mongo: MongoClient[dict[str, Any]], db_name: str
+) -> None:
+    client.publish("n", "k", {"a": 1})
+    doc = mongo[db_name]["tasks"].find_one({"_id": "k"})
+    assert doc is not None and doc["status"] == "pending" and doc["params"] == {"a": 1}

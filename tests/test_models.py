@@ -1,0 +1,74 @@
+"""Bad input raises InvalidTask naming the field, before anything reaches MongoDB."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+
+import pytest
+
+from mtask import InvalidTask, MtaskError, TaskOptions
+from mtask.client import build_many, build_task
+from mtask.models import MAX_KEY_LENGTH, NewTask
+
+NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"key": ""}, "key"),
+        ({"key": "   "}, "key"),
+        ({"key": "k" * (MAX_KEY_LENGTH + 1)}, "key"),
+        ({"key": 12}, "key"),
+        ({"key": "a\x00b"}, "key"),
+        ({"name": ""}, "name"),
+        ({"name": None}, "name"),
+        ({"params": [1, 2]}, "params"),
+        ({"params": {"x": object()}}, "params"),
+        ({"params": {"x": 2**70}}, "params"),
+        ({"options": {"nope": 1}}, "options.nope"),
+        ({"options": {"worker_timeout_ms": -5}}, "options.worker_timeout_ms"),
+        ({"options": {"ping_interval_ms": -1}}, "options.ping_interval_ms"),
+        ({"options": {"max_retries": -1}}, "options.max_retries"),
+        ({"options": {"concurrency": 0}}, "options.concurrency"),
+        ({"options": {"run_at": "2026-01-01T00:00:00"}}, "options.run_at"),
+        ({"options": "fast"}, "options"),
+    ],
+)
+def test_bad_input_names_the_field(kwargs: dict[str, object], field: str) -> None:
+    args: dict[str, object] = {"name": "n", "key": "k", "params": {}, "options": None} | kwargs
+    with pytest.raises(InvalidTask) as info:
+        NewTask.build(args["name"], args["key"], args["params"], args["options"])
+    assert str(info.value).startswith(field), str(info.value)
+    assert isinstance(info.value, MtaskError)
+
+
+def test_params_size_limit_is_configurable() -> None:
+    big = {"blob": "x" * 2000}
+    NewTask.build("n", "k", big)  # under the default 1 MiB
+    with pytest.raises(InvalidTask, match=r"^params: is \d+ bytes as BSON; the limit is 1000"):
+        NewTask.build("n", "k", big, max_params_bytes=1000)
+
+
+def test_delay_sets_run_at_from_server_now() -> None:
+    task = build_task("n", "k", delay=dt.timedelta(seconds=90), now=NOW)
+    assert task.options.run_at == NOW + dt.timedelta(seconds=90)
+    with pytest.raises(InvalidTask, match="^delay: must not be negative"):
+        build_task("n", "k", delay=-1, now=NOW)
+    with pytest.raises(InvalidTask, match="^delay: give either"):
+        build_task("n", "k", options={"run_at": NOW}, delay=1, now=NOW)
+
+
+def test_build_many_names_the_item() -> None:
+    with pytest.raises(InvalidTask, match=re.escape("items[1].key: must not be empty")):
+        build_many([{"name": "a", "key": "x"}, {"name": "a", "key": ""}], NOW, 1 << 20)
+    with pytest.raises(InvalidTask, match=re.escape("items[0]: unknown field(s) prio")):
+        build_many([{"name": "a", "key": "x", "prio": 1}], NOW, 1 << 20)
+
+
+def test_options_defaults_and_document() -> None:
+    opts = TaskOptions(specific_worker_ids=("w1",))
+    doc = opts.to_document()
+    assert doc["concurrency"] == 1 and doc["specific_worker_ids"] == ["w1"]
+    assert doc["max_retries"] == 3 and doc["run_at"] is None

@@ -1,0 +1,201 @@
+"""The worker's store operations on the real server, with an injected clock (no sleeping)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pytest
+
+from mtask import TaskClient
+from mtask.clock import FixedClock
+from mtask.models import MAX_RUNS_KEPT
+from mtask.store import Outcome, RunState, claim, extend_lease, finish, finish_many, scan
+
+T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
+
+
+@pytest.fixture
+def clock() -> FixedClock:
+    return FixedClock(T0)
+
+
+@pytest.fixture
+def tc(mongo_uri: str, db_name: str, clock: FixedClock) -> Any:
+    with TaskClient(mongo_uri, database=db_name, clock=clock) as c:
+        yield c
+
+
+def one(
+    tc: TaskClient, key: str, worker: str, clock: FixedClock, names: tuple[str, ...] = ("n",)
+) -> dict[str, Any] | None:
+    docs = tc._run(claim([key], list(names), worker, clock.now()))
+    return docs[0] if docs else None
+
+
+def test_claim_respects_next_claim_at_and_names(tc: TaskClient, clock: FixedClock) -> None:
+    tc.publish("n", "k", delay=60)
+    assert one(tc, "k", "w1", clock) is None
+    clock.advance(seconds=60)
+    assert one(tc, "k", "w1", clock, names=("other",)) is None
+    doc = one(tc, "k", "w1", clock)
+    assert doc is not None and doc["status"] == "running" and doc["attempts"] == 1
+    run = doc["runs"][0]
+    assert run["worker_id"] == "w1" and run["lease_expires_at"] == clock.now() + dt.timedelta(
+        seconds=30
+    )
+    assert doc["next_claim_at"] == run["lease_expires_at"]
+    assert one(tc, "k", "w2", clock) is None  # the slot is taken
+
+
+def test_expired_lease_is_preempted_and_fenced(tc: TaskClient, clock: FixedClock) -> None:
+    tc.publish("n", "k", options={"worker_timeout_ms": 2000})
+    first = one(tc, "k", "w1", clock)
+    assert first is not None
+    clock.advance(milliseconds=1999)
+    assert one(tc, "k", "w2", clock) is None
+    clock.advance(milliseconds=1)
+    second = one(tc, "k", "w2", clock)
+    assert second is not None
+    states = [(r["worker_id"], r["state"]) for r in second["runs"]]
+    assert states == [("w1", "TIMEOUT"), ("w2", "RUNNING")]
+    assert second["failures"] == 1 and second["attempts"] == 2
+    # the zombie can neither ping nor record an outcome
+    old = first["claim_run_id"]
+    assert tc._run(extend_lease("k", old, "w1", clock.now())) is None
+    assert tc._run(finish(Outcome("k", old, RunState.SUCCESS), clock.now())) is None
+    done = tc._run(
+        finish(Outcome("k", second["claim_run_id"], RunState.SUCCESS, result=1), clock.now())
+    )
+    assert done is not None and done["status"] == "succeeded" and done["result"] == 1
+
+
+def test_ping_extends_lease_and_next_claim_at(tc: TaskClient, clock: FixedClock) -> None:
+    tc.publish("n", "k", options={"worker_timeout_ms": 2000})
+    doc = one(tc, "k", "w1", clock)
+    assert doc is not None
+    clock.advance(milliseconds=1500)
+    pinged = tc._run(extend_lease("k", doc["claim_run_id"], "w1", clock.now()))
+    assert pinged is not None and pinged["options"]["worker_timeout_ms"] == 2000
+    clock.advance(milliseconds=1500)  # past the first lease, within the extended one
+    assert one(tc, "k", "w2", clock) is None
+    stored = tc.collection.find_one({"_id": "k"})
+    assert stored is not None and stored["next_claim_at"] == T0 + dt.timedelta(milliseconds=3500)
+
+
+def test_expiries_exhaust_retries(tc: TaskClient, clock: FixedClock) -> None:
+    tc.publish("n", "k", options={"worker_timeout_ms": 1000, "max_retries": 1})
+    assert one(tc, "k", "w1", clock) is not None
+    clock.advance(seconds=1)
+    assert one(tc, "k", "w2", clock) is not None  # failure 1 of 1 allowed
+    clock.advance(seconds=1)
+    assert one(tc, "k", "w3", clock) is None  # failure 2 > max_retries: no new run
+    stored = tc.collection.find_one({"_id": "k"})
+    assert stored is not None and stored["status"] == "failed" and stored["failures"] == 2
+    assert stored["next_claim_at"] is None and stored["attempts"] == 2
+
+
+def test_specific_workers_checked_inside_claim_and_ping(tc: TaskClient, clock: FixedClock) -> None:
+    tc.publish("n", "k", options={"specific_worker_ids": ["w2"]})
+    assert one(tc, "k", "w1", clock) is None
+    doc = one(tc, "k", "w2", clock)
+    assert doc is not None
+    tc.collection.update_one({"_id": "k"}, {"$set": {"options.specific_worker_ids": ["w3"]}})
+    assert tc._run(extend_lease("k", doc["claim_run_id"], "w2", clock.now())) is None
+
+
+def test_concurrency_needs_distinct_workers(tc: TaskClient, clock: FixedClock) -> None:
+    tc.publish("n", "k", options={"concurrency": 2})
+    a = one(tc, "k", "w1", clock)
+    assert a is not None and a["next_claim_at"] == clock.now()  # a slot is still free
+    assert one(tc, "k", "w1", clock) is None  # same worker twice: no
+    b = one(tc, "k", "w2", clock)
+    assert b is not None and one(tc, "k", "w3", clock) is None  # both slots taken
+    tc._run(finish(Outcome("k", a["claim_run_id"], RunState.SUCCESS), clock.now()))
+    assert one(tc, "k", "w1", clock) is None  # w1 already succeeded
+    done = tc._run(finish(Outcome("k", b["claim_run_id"], RunState.SUCCESS), clock.now()))
+    assert done is not None and done["status"] == "succeeded" and done["successes"] == 2
+
+
+def test_failure_backoff_and_permanent_fail(tc: TaskClient, clock: FixedClock) -> None:
+    tc.publish("n", "k", options={"retry_delay_ms": 1000, "retry_backoff": 3.0})
+    for failures, delay_ms in ((1, 1000), (2, 3000), (3, 9000)):
+        doc = one(tc, "k", "w1", clock)
+        assert doc is not None
+        after = tc._run(
+            finish(
+                Outcome("k", doc["claim_run_id"], RunState.FAIL, error="x", jitter=1.0), clock.now()
+            )
+        )
+        assert after is not None and after["failures"] == failures
+        assert after["next_claim_at"] == clock.now() + dt.timedelta(milliseconds=delay_ms)
+        clock.advance(milliseconds=delay_ms)
+    doc = one(tc, "k", "w1", clock)
+    assert doc is not None
+    after = tc._run(
+        finish(
+            Outcome("k", doc["claim_run_id"], RunState.FAIL, error="bad input", permanent=True),
+            clock.now(),
+        )
+    )
+    assert after is not None and after["status"] == "failed" and after["error"] == "bad input"
+
+
+def test_release_does_not_spend_retries(tc: TaskClient, clock: FixedClock) -> None:
+    tc.publish("n", "k", options={"max_retries": 0})
+    doc = one(tc, "k", "w1", clock)
+    assert doc is not None
+    after = tc._run(finish(Outcome("k", doc["claim_run_id"], RunState.RELEASED), clock.now()))
+    assert after is not None and after["status"] == "pending" and after["failures"] == 0
+    assert after["next_claim_at"] == clock.now()
+    assert one(tc, "k", "w2", clock) is not None
+
+
+def test_runs_array_stays_bounded(tc: TaskClient, clock: FixedClock) -> None:
+    tc.publish("n", "k", options={"max_retries": 100, "retry_delay_ms": 0})
+    total = MAX_RUNS_KEPT + 7
+    for _ in range(total):
+        doc = one(tc, "k", "w1", clock)
+        assert doc is not None
+        tc._run(finish(Outcome("k", doc["claim_run_id"], RunState.FAIL, error="e"), clock.now()))
+    stored = tc.collection.find_one({"_id": "k"})
+    assert stored is not None
+    assert len(stored["runs"]) == MAX_RUNS_KEPT and stored["runs_folded"] == 7
+    assert stored["attempts"] == total == stored["failures"]
+
+
+def test_user_data_is_literal_in_pipelines(tc: TaskClient, clock: FixedClock) -> None:
+    tc.publish("n", "k")
+    doc = one(tc, "k", "$worker", clock)
+    assert doc is not None and doc["runs"][0]["worker_id"] == "$worker"
+    result = {"$set": "$name", "s": "$$NOW"}
+    after = tc._run(
+        finish(Outcome("k", doc["claim_run_id"], RunState.SUCCESS, result=result), clock.now())
+    )
+    assert after is not None and after["result"] == result
+
+
+def test_batch_claim_and_bulk_finish(tc: TaskClient, clock: FixedClock) -> None:
+    tc.publish_many([{"name": "n", "key": f"k{i}"} for i in range(10)])
+    tc.collection.update_one({"_id": "k3"}, {"$set": {"status": "cancelled"}})
+    docs = tc._run(claim([f"k{i}" for i in range(10)], ["n"], "w1", clock.now()))
+    assert sorted(d["_id"] for d in docs) == sorted(f"k{i}" for i in range(10) if i != 3)
+    assert len({d["claim_run_id"] for d in docs}) == 1
+    outcomes = [Outcome(d["_id"], d["claim_run_id"], RunState.SUCCESS) for d in docs]
+    stale = Outcome("k0", "not-a-run", RunState.SUCCESS)
+    assert tc._run(finish_many([*outcomes, stale], clock.now())) == 9
+    assert tc.stats() == {"n": {"succeeded": 9, "cancelled": 1}}
+
+
+def test_scan_pages_through_everything(tc: TaskClient, clock: FixedClock) -> None:
+    tc.publish_many([{"name": "n", "key": f"k{i:03}", "delay": i} for i in range(25)])
+    tc.publish("n", "not-mine", options={"specific_worker_ids": ["w9"]})
+    seen: list[str] = []
+    after = None
+    while True:
+        page = tc._run(scan(["n"], "w1", 10, after))
+        if not page:
+            break
+        seen += [d["_id"] for d in page]
+        after = (page[-1]["next_claim_at"], page[-1]["_id"])
+    assert seen == [f"k{i:03}" for i in range(25)]
