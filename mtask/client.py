@@ -144,7 +144,7 @@ class TaskClient(_Base):
         self.mongo: MongoClient[dict[str, Any]] = mongo_client or sync_client(uri)
         self.db = self.mongo[database]
         self.collection = self.db[collection]
-        self._driver = store.SyncDriver({"tasks": self.collection})
+        self._driver = store.SyncDriver(store.collections(self.db, collection))
 
     def _run(self, op: store.Op[store.T]) -> store.T:
         if not self._ready:
@@ -234,7 +234,7 @@ class AsyncTaskClient(_Base):
         self.mongo: AsyncMongoClient[dict[str, Any]] = mongo_client or async_client(uri)
         self.db = self.mongo[database]
         self.collection = self.db[collection]
-        self._driver = store.AsyncDriver({"tasks": self.collection})
+        self._driver = store.AsyncDriver(store.collections(self.db, collection))
 
     async def _run(self, op: store.Op[store.T]) -> store.T:
         if not self._ready:

@@ -78,9 +78,11 @@ INDEXES: dict[str, list[IndexModel]] = {
             name="name_status_newest",
         ),
     ],
+    "workers": [IndexModel([("last_seen", ASCENDING)], name="last_seen")],
 }
 
 SPECIFIC = "options.specific_worker_ids"
+PLACEMENT_FIELDS = {"next_claim_at": 1, "options.priority": 1, SPECIFIC: 1, "name": 1}
 
 
 def _lit(value: Any) -> dict[str, Any]:
@@ -209,6 +211,23 @@ def publish_many(tasks: Sequence[NewTask], now: dt.datetime, batch_size: int = 1
 def get(key: str) -> Op[Doc | None]:
     doc: Doc | None = yield Call("find_one", ({"_id": key},))
     return doc
+
+
+def get_status(key: str) -> Op[Doc | None]:
+    """The fields that say why a run lost its task."""
+    doc: Doc | None = yield Call(
+        "find_one", ({"_id": key}, {"status": 1, "runs.run_id": 1, "runs.state": 1, SPECIFIC: 1})
+    )
+    return doc
+
+
+def placements(keys: Sequence[str]) -> Op[list[Doc]]:
+    """Claim-time fields of open tasks among ``keys`` (to re-place keys a claim did not get)."""
+    docs: list[Doc] = yield Call(
+        "find",
+        ({"_id": {"$in": list(keys)}, "next_claim_at": {"$type": "date"}}, PLACEMENT_FIELDS),
+    )
+    return docs
 
 
 LIST_ORDERS = ("newest", "next_claim_at")
@@ -618,15 +637,81 @@ def scan(
         }
     docs: list[Doc] = yield Call(
         "find",
-        (filt, {"next_claim_at": 1, "options.priority": 1, SPECIFIC: 1, "name": 1}),
+        (filt, PLACEMENT_FIELDS),
         {"sort": [("next_claim_at", ASCENDING), ("_id", ASCENDING)], "limit": limit},
     )
     return docs
 
 
 # ---------------------------------------------------------------------------------------------
+# Workers and controls (collections "workers" and "controls")
+# ---------------------------------------------------------------------------------------------
+
+
+def heartbeat(info: Mapping[str, Any], now: dt.datetime) -> Op[Doc]:
+    """Register or refresh a worker; returns its document (with ``stop_requested``)."""
+    fields = {k: v for k, v in info.items() if k != "_id"}
+    doc: Doc = yield Call(
+        "find_one_and_update",
+        (
+            {"_id": info["_id"]},
+            {"$set": {**fields, "last_seen": now}, "$setOnInsert": {"stop_requested": False}},
+        ),
+        {"upsert": True, "return_document": ReturnDocument.AFTER},
+        collection="workers",
+    )
+    return doc
+
+
+def deregister(worker_id: str) -> Op[None]:
+    yield Call("delete_one", ({"_id": worker_id},), collection="workers")
+
+
+def live_workers(now: dt.datetime, within: dt.timedelta) -> Op[list[Doc]]:
+    """Workers whose last heartbeat is more recent than ``within``."""
+    docs: list[Doc] = yield Call(
+        "find",
+        ({"last_seen": {"$gt": now - within}},),
+        {"sort": [("_id", ASCENDING)]},
+        collection="workers",
+    )
+    return docs
+
+
+def request_stop(worker_id: str) -> Op[bool]:
+    """Ask a worker to drain and exit (it sees this at its next heartbeat)."""
+    result = yield Call(
+        "update_one",
+        ({"_id": worker_id}, {"$set": {"stop_requested": True}}),
+        collection="workers",
+    )
+    return bool(result.matched_count)
+
+
+def set_paused(name: str, paused: bool, now: dt.datetime) -> Op[None]:
+    """Pause or resume claiming of a task name across all workers."""
+    yield Call(
+        "update_one",
+        ({"_id": name}, {"$set": {"paused": paused, "updated_at": now}}),
+        {"upsert": True},
+        collection="controls",
+    )
+
+
+def paused_names() -> Op[set[str]]:
+    docs = yield Call("find", ({"paused": True}, {"_id": 1}), collection="controls")
+    return {str(d["_id"]) for d in docs}
+
+
+# ---------------------------------------------------------------------------------------------
 # Drivers
 # ---------------------------------------------------------------------------------------------
+
+
+def collections(db: Any, tasks: str = "tasks") -> dict[str, Any]:
+    """The collections the operations use, from a (sync or async) database: the tasks
+    collection as named, and the database's ``workers`` and ``controls``."""
+    return {"tasks": db[tasks], "workers": db["workers"], "controls": db["controls"]}
 
 
 def storage_error(exc: PyMongoError) -> StorageError:

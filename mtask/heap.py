@@ -1,0 +1,112 @@
+"""The claim queue: when each known task becomes claimable, and which to try first.
+
+Two heaps: ``timers`` orders tasks by claim time; once a task is due it moves to ``ready``,
+which orders by priority (high first), then tasks that name this worker, then claim time. The
+queue is bounded; when full it keeps the soonest tasks and remembers that it dropped some
+(``overflowed``), so the worker rescans once the queue runs dry. Entries are hints: the claim
+decides. Pure and synchronous, so it is property-tested without MongoDB.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import heapq
+import itertools
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Entry:
+    claim_at: dt.datetime
+    priority: int
+    specific: bool
+    seq: int
+
+
+class ClaimQueue:
+    def __init__(self, max_size: int = 10_000) -> None:
+        if max_size < 1:
+            raise ValueError("max_size must be at least 1")
+        self.max_size = max_size
+        self.entries: dict[str, Entry] = {}
+        self._timers: list[tuple[dt.datetime, int, str]] = []
+        self._ready: list[tuple[int, int, dt.datetime, int, str]] = []
+        self._seq = itertools.count()
+        self.overflowed = False
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.entries
+
+    def push(
+        self, key: str, claim_at: dt.datetime, priority: int = 0, specific: bool = False
+    ) -> bool:
+        """Add or move ``key``. Returns False when the queue is full and ``key`` is later than
+        everything kept (it is dropped and ``overflowed`` set)."""
+        if key not in self.entries and len(self.entries) >= self.max_size:
+            latest_key = self._latest_key()
+            if latest_key is None or self.entries[latest_key].claim_at <= claim_at:
+                self.overflowed = True
+                return False
+            self.discard(latest_key)
+            self.overflowed = True
+        entry = Entry(claim_at, priority, specific, next(self._seq))
+        self.entries[key] = entry
+        heapq.heappush(self._timers, (claim_at, entry.seq, key))
+        return True
+
+    def discard(self, key: str) -> None:
+        self.entries.pop(key, None)  # heap items of a discarded or moved key are skipped later
+
+    def _latest_key(self) -> str | None:
+        if not self.entries:
+            return None
+        return max(self.entries, key=lambda k: self.entries[k].claim_at)
+
+    def _promote(self, now: dt.datetime) -> None:
+        while self._timers and self._timers[0][0] <= now:
+            claim_at, seq, key = heapq.heappop(self._timers)
+            entry = self.entries.get(key)
+            if entry is None or entry.seq != seq:
+                continue
+            heapq.heappush(
+                self._ready, (-entry.priority, 0 if entry.specific else 1, claim_at, seq, key)
+            )
+
+    def pop_due(self, now: dt.datetime, limit: int) -> list[str]:
+        """Remove and return up to ``limit`` keys claimable at ``now``, best first."""
+        self._promote(now)
+        out: list[str] = []
+        while self._ready and len(out) < limit:
+            *_, seq, key = heapq.heappop(self._ready)
+            entry = self.entries.get(key)
+            if entry is None or entry.seq != seq:
+                continue
+            del self.entries[key]
+            out.append(key)
+        return out
+
+    def next_due(self, now: dt.datetime) -> dt.datetime | None:
+        """When the next entry becomes due (``now`` if one is due already)."""
+        self._promote(now)
+        while self._ready:
+            seq, key = self._ready[0][3], self._ready[0][4]
+            entry = self.entries.get(key)
+            if entry is not None and entry.seq == seq:
+                return now
+            heapq.heappop(self._ready)
+        while self._timers:
+            claim_at, seq, key = self._timers[0]
+            entry = self.entries.get(key)
+            if entry is not None and entry.seq == seq:
+                return claim_at
+            heapq.heappop(self._timers)
+        return None
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self._timers.clear()
+        self._ready.clear()
+        self.overflowed = False

@@ -1,0 +1,158 @@
+"""Pinging leases from a thread of its own.
+
+``LeasePinger`` extends the lease of every run in flight at the task's ``ping_interval_ms``
+with pymongo's sync client, on a thread, so pings keep flowing while a handler hogs the event
+loop or holds the GIL for a while. A ping that matches nothing means the run lost the task;
+the pinger reports it (``on_lost``) and forgets the run. A changed ping interval applies from
+the next ping. A frozen process (SIGSTOP) freezes this thread too, so its leases run out and
+the runs are preempted, as they must be.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mtask import store
+from mtask.clock import Clock
+from mtask.errors import StorageError
+
+log = logging.getLogger("mtask.worker")
+
+LostCallback = Callable[[str, dict[str, Any] | None], None]
+"""Called on the pinger thread with the run id and the task's current status document
+(``None`` if the task is gone)."""
+
+
+@dataclass
+class _Lease:
+    key: str
+    run_id: str
+    interval: float
+    timeout: float
+    next_at: float
+    started: float
+    overdue_logged: bool = False
+
+
+class LeasePinger:
+    def __init__(
+        self,
+        driver: store.SyncDriver,
+        worker_id: str,
+        clock: Clock,
+        on_lost: LostCallback,
+        loop_heartbeat: Callable[[], float] | None = None,
+    ) -> None:
+        self._driver = driver
+        self._worker_id = worker_id
+        self._clock = clock
+        self._on_lost = on_lost
+        self._loop_heartbeat = loop_heartbeat
+        self._leases: dict[str, _Lease] = {}
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="mtask-pinger", daemon=True)
+        self._failing = False
+        self._loop_block_logged = False
+        self.pings = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    def add(self, key: str, run_id: str, ping_interval_ms: int, worker_timeout_ms: int) -> None:
+        now = time.monotonic()
+        interval = ping_interval_ms / 1000
+        with self._cond:
+            self._leases[run_id] = _Lease(
+                key, run_id, interval, worker_timeout_ms / 1000, now + interval, now
+            )
+            self._cond.notify()
+
+    def remove(self, run_id: str) -> None:
+        with self._cond:
+            self._leases.pop(run_id, None)
+
+    def _due(self) -> list[_Lease]:
+        with self._cond:
+            while not self._stopping:
+                now = time.monotonic()
+                due = [lease for lease in self._leases.values() if lease.next_at <= now]
+                if due:
+                    return due
+                wake = min((lease.next_at for lease in self._leases.values()), default=now + 1)
+                self._cond.wait(timeout=min(max(wake - now, 0.0), 1.0))
+                self._check_loop()
+            return []
+
+    def _run(self) -> None:
+        while True:
+            due = self._due()
+            if not due:
+                return
+            for lease in due:
+                self._ping(lease)
+
+    def _ping(self, lease: _Lease) -> None:
+        try:
+            doc = self._driver.run(
+                store.extend_lease(lease.key, lease.run_id, self._worker_id, self._clock.now())
+            )
+            status = None
+            if doc is None:
+                status = self._driver.run(store.get_status(lease.key))
+        except StorageError as exc:
+            if not self._failing:
+                log.warning("cannot ping leases, retrying: %s", exc)
+                self._failing = True
+            lease.next_at = time.monotonic() + min(lease.interval, 0.5)
+            return
+        if self._failing:
+            log.info("pinging leases again")
+            self._failing = False
+        self.pings += 1
+        now = time.monotonic()
+        if doc is None:
+            with self._cond:
+                self._leases.pop(lease.run_id, None)
+            self._on_lost(lease.run_id, status)
+            return
+        options = doc.get("options", {})
+        lease.interval = options.get("ping_interval_ms", lease.interval * 1000) / 1000
+        lease.timeout = options.get("worker_timeout_ms", lease.timeout * 1000) / 1000
+        lease.next_at = now + lease.interval
+        if not lease.overdue_logged and now - lease.started > lease.timeout:
+            lease.overdue_logged = True
+            log.warning(
+                "run %s of %s has run longer than its worker timeout (%.1fs); its "
+                "lease is kept alive by pings",
+                lease.run_id[:8],
+                lease.key,
+                lease.timeout,
+            )
+
+    def _check_loop(self) -> None:
+        """Log once when the worker's event loop has not ticked for a while: a handler is
+        blocking it (its leases are still pinged from here)."""
+        if self._loop_heartbeat is None:
+            return
+        stalled = time.monotonic() - self._loop_heartbeat()
+        if stalled > 2.0 and not self._loop_block_logged:
+            self._loop_block_logged = True
+            log.warning(
+                "the event loop has been blocked for %.1fs: a handler is blocking it; "
+                "use a plain def handler (run in a thread) for blocking work",
+                stalled,
+            )
+        elif stalled < 1.0:
+            self._loop_block_logged = False

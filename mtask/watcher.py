@@ -1,0 +1,225 @@
+"""Finding work: a change stream, a scan, and a periodic sweep.
+
+The stream is opened before the first scan, so nothing slips between them. Events move tasks
+in the claim queue; they are hints, the claim decides. The stream's resume token is kept and
+the stream resumed after errors; when history is lost (or any error leaves a possible gap) the
+watcher scans again. A sweep rescans every ``sweep_interval`` seconds whatever happens, so a
+lost event delays a task by at most one sweep: no lost wake-ups.
+
+Stampede control: when several idle workers see the same new task, each places it at
+``claim time + rank * stagger``, where ``rank`` is its place in a rendezvous hash of the task's
+key over the live workers that handle the name. The first-ranked worker claims at once; the
+others try only if it did not (it was busy), so one task costs about one claim attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import hashlib
+import logging
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from pymongo.errors import OperationFailure, PyMongoError
+
+from mtask import store
+from mtask.clock import Clock
+from mtask.errors import StorageError
+from mtask.heap import ClaimQueue
+
+log = logging.getLogger("mtask.worker")
+
+# Change stream errors after which resuming is impossible: start afresh and rescan.
+FATAL_STREAM_CODES = {260, 280, 286}  # InvalidResumeToken, ChangeStreamFatalError, HistoryLost
+
+
+def rendezvous_rank(key: str, worker_id: str, peers: Collection[str]) -> int:
+    """This worker's place (0 = first) among ``peers`` for ``key``; 0 if it is not a peer."""
+    if len(peers) <= 1 or worker_id not in peers:
+        return 0
+
+    def weight(peer: str) -> bytes:
+        return hashlib.blake2b(f"{key}\x00{peer}".encode(), digest_size=8).digest()
+
+    mine = weight(worker_id)
+    return sum(1 for peer in peers if peer != worker_id and weight(peer) < mine)
+
+
+class Watcher:
+    def __init__(
+        self,
+        driver: store.AsyncDriver,
+        *,
+        worker_id: str,
+        queue: ClaimQueue,
+        clock: Clock,
+        wake: Callable[[], None],
+        in_flight: Callable[[str], bool],
+        sweep_interval: float = 30.0,
+        stagger_ms: float = 25.0,
+        page_size: int = 1000,
+    ) -> None:
+        self.driver = driver
+        self.worker_id = worker_id
+        self.queue = queue
+        self.clock = clock
+        self.wake = wake
+        self.in_flight = in_flight
+        self.sweep_interval = sweep_interval
+        self.stagger = dt.timedelta(milliseconds=stagger_ms)
+        self.page_size = page_size
+        self.names: list[str] = []
+        self.peers: Mapping[str, Collection[str]] = {}
+        self.ready = asyncio.Event()
+        self.drop_events = False  # tests: simulate lost events
+        self._touched: set[str] | None = None
+        self._rescan_requested = asyncio.Event()
+        self.events = 0
+        self.rescans = 0
+        self.stream_restarts = 0
+
+    # -- placing tasks in the queue -------------------------------------------------------------
+
+    def place(self, doc: Mapping[str, Any]) -> None:
+        key = doc["_id"]
+        claim_at = doc.get("next_claim_at")
+        name = doc.get("name")
+        options = doc.get("options") or {}
+        specific = options.get("specific_worker_ids") or []
+        if (
+            not isinstance(claim_at, dt.datetime)
+            or name not in self.names
+            or (specific and self.worker_id not in specific)
+            or self.in_flight(key)
+        ):
+            self.queue.discard(key)
+            return
+        priority = options.get("priority", 0)
+        rank = rendezvous_rank(key, self.worker_id, self.peers.get(name, ()))
+        self.queue.push(
+            key,
+            claim_at + rank * self.stagger,
+            priority if isinstance(priority, int) else 0,
+            bool(specific),
+        )
+        self.wake()
+
+    def _on_change(self, change: Mapping[str, Any]) -> None:
+        self.events += 1
+        if self.drop_events:
+            return
+        key = change.get("documentKey", {}).get("_id")
+        doc = change.get("fullDocument")
+        if self._touched is not None and key is not None:
+            self._touched.add(key)
+        if doc is None:
+            if key is not None:
+                self.queue.discard(key)
+            return
+        try:
+            self.place(doc)
+        except (KeyError, TypeError, ValueError) as exc:  # a malformed document: skip it
+            log.warning("ignoring a malformed task document %r: %s", key, exc)
+
+    # -- scanning -----------------------------------------------------------------------------
+
+    async def rescan(self) -> int:
+        """Page through every open task for our names, soonest first, until the queue is full."""
+        self.rescans += 1
+        self._touched = set()
+        self.queue.clear()
+        found = 0
+        after: tuple[dt.datetime, str] | None = None
+        try:
+            while self.names and len(self.queue) < self.queue.max_size:
+                page = await self.driver.run(
+                    store.scan(self.names, self.worker_id, self.page_size, after)
+                )
+                for doc in page:
+                    if doc["_id"] not in self._touched:
+                        self.place(doc)
+                found += len(page)
+                if len(page) < self.page_size:
+                    break
+                after = (page[-1]["next_claim_at"], page[-1]["_id"])
+            else:
+                self.queue.overflowed = bool(self.names)
+        finally:
+            self._touched = None
+        self.wake()
+        return found
+
+    def request_rescan(self) -> None:
+        self._rescan_requested.set()
+
+    async def run_sweep(self) -> None:
+        """Rescan every ``sweep_interval`` seconds, on request, and when an overflowed queue
+        has run dry."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._rescan_requested.wait(), self.sweep_interval)
+            self._rescan_requested.clear()
+            try:
+                await self.rescan()
+            except StorageError as exc:
+                log.warning("sweep failed, will retry: %s", exc)
+
+    # -- the change stream ----------------------------------------------------------------------
+
+    def _pipeline(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "$match": {
+                    "$or": [
+                        {"operationType": {"$in": ["insert", "replace"]}},
+                        {"operationType": "delete"},
+                        {
+                            "operationType": "update",
+                            "updateDescription.updatedFields.next_claim_at": {"$exists": True},
+                        },
+                    ]
+                }
+            },
+            {
+                "$project": {
+                    "operationType": 1,
+                    "documentKey": 1,
+                    **{f"fullDocument.{f}": 1 for f in ("_id", *store.PLACEMENT_FIELDS)},
+                }
+            },
+        ]
+
+    async def run_stream(self) -> None:
+        collection = self.driver.collections["tasks"]
+        token: Mapping[str, Any] | None = None
+        backoff = 0.1
+        while True:
+            try:
+                stream = await collection.watch(
+                    self._pipeline(),
+                    full_document="updateLookup",
+                    resume_after=token,
+                    max_await_time_ms=500,
+                )
+                async with stream:
+                    await self.rescan()  # after the stream is open: nothing slips between
+                    self.ready.set()
+                    backoff = 0.1
+                    while True:
+                        change = await stream.try_next()
+                        token = stream.resume_token
+                        if change is not None:
+                            self._on_change(change)
+            except OperationFailure as exc:
+                if exc.code in FATAL_STREAM_CODES:
+                    log.warning("change stream history lost (%s); rescanning", exc.code)
+                    token = None
+                else:
+                    log.warning("change stream failed, resuming: %s", exc)
+            except (PyMongoError, StorageError) as exc:
+                log.warning("change stream interrupted, resuming: %s", exc)
+            self.stream_restarts += 1
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)

@@ -1,0 +1,622 @@
+"""The worker: claims tasks, runs their handlers, records outcomes.
+
+Lifecycle ``ready → running → stopping → stopped``. The main loop waits on ``wake | timer |
+stop``; it claims only for free slots, in one round trip per batch. Side tasks — the change
+stream, the sweep, the heartbeat, the outcome writer and a loop ticker — are supervised: if one
+dies, the worker stops at once and ``run()`` raises, instead of living on half-alive. Leases are
+pinged from a thread (``mtask.lease``).
+
+Stopping has two steps: ``stop()`` stops claiming and lets runs in flight finish within
+``grace`` seconds; then (or at once with ``stop(immediate=True)``) the rest are cancelled and
+their runs marked RELEASED, so another worker takes them at once without spending a retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import functools
+import logging
+import os
+import random
+import socket
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import bson
+from pymongo import AsyncMongoClient, MongoClient
+
+import mtask
+from mtask import store
+from mtask.client import AsyncTaskClient
+from mtask.clock import Clock, ServerClock
+from mtask.connection import async_client, sync_client
+from mtask.errors import InvalidTask, MtaskError, StorageError
+from mtask.heap import ClaimQueue
+from mtask.lease import LeasePinger
+from mtask.models import RunState
+from mtask.registry import Fail, InvalidParams, Registry, Retry, TaskContext
+from mtask.store import Outcome
+from mtask.watcher import Watcher
+
+log = logging.getLogger("mtask.worker")
+
+WorkerState = Literal["ready", "running", "stopping", "stopped"]
+DEFAULT_MAX_RESULT_BYTES = 1024 * 1024
+TRACEBACK_LIMIT = 4000
+
+
+class WorkerCrashed(MtaskError):
+    """A part of the worker failed in a way it cannot recover from; the worker stopped."""
+
+    default_message = "a part of the worker died; the worker stopped"
+
+
+@dataclass
+class WorkerStats:
+    claim_calls: int = 0
+    claim_attempts: int = 0
+    """Keys tried in claims (for the stampede measure: attempts per claimed task)."""
+    claimed: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    retried: int = 0
+    lease_lost: int = 0
+    released: int = 0
+    cancelled: int = 0
+
+
+@dataclass
+class _Run:
+    key: str
+    name: str
+    run_id: str
+    ctx: TaskContext
+    task: asyncio.Task[None] | None = None
+    stop_reason: str | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def short_traceback(exc: BaseException) -> str:
+    text = "".join(traceback.format_exception(exc))
+    return text if len(text) <= TRACEBACK_LIMIT else "…" + text[-TRACEBACK_LIMIT:]
+
+
+class Worker:
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        uri: str | None = None,
+        database: str = "mtask",
+        collection: str = "tasks",
+        worker_id: str | None = None,
+        concurrency: int = 10,
+        names: Sequence[str] | None = None,
+        grace: float = 30.0,
+        sweep_interval: float = 30.0,
+        heartbeat_interval: float = 2.0,
+        stagger_ms: float = 25.0,
+        queue_size: int = 10_000,
+        max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+        clock: Clock | None = None,
+        on_event: Callable[..., None] | None = None,
+    ) -> None:
+        if concurrency < 1:
+            raise InvalidTask("must be at least 1", field="concurrency")
+        if grace < 0:
+            raise InvalidTask("must not be negative", field="grace")
+        chosen = list(names) if names else registry.names
+        unknown = [n for n in chosen if n not in registry]
+        if unknown:
+            raise InvalidTask(f"no handler registered for {', '.join(unknown)}", field="names")
+        if not chosen:
+            raise InvalidTask("the registry has no handlers", field="registry")
+        self.registry = registry
+        self.uri = uri
+        self.database = database
+        self.collection_name = collection
+        self.worker_id = worker_id or default_worker_id()
+        self.concurrency = concurrency
+        self.names = chosen
+        self.grace = grace
+        self.heartbeat_interval = heartbeat_interval
+        self.max_result_bytes = max_result_bytes
+        self.state: WorkerState = "ready"
+        self.stats = WorkerStats()
+        self.paused: set[str] = set()
+        self.queue = ClaimQueue(queue_size)
+        self._server_clock = ServerClock() if clock is None else None
+        self.clock: Clock = clock or self._server_clock  # type: ignore[assignment]
+        self._on_event = on_event
+        self._runs: dict[str, _Run] = {}
+        self._wake = asyncio.Event()
+        self._stop_now = asyncio.Event()
+        self._outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
+        self._side: list[asyncio.Task[None]] = []
+        self._crash: BaseException | None = None
+        self._loop_tick = time.monotonic()
+        self._executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="mtask-run")
+        self._sweep_interval = sweep_interval
+        self._stagger_ms = stagger_ms
+        self.watcher: Watcher | None = None
+        self.pinger: LeasePinger | None = None
+        self._peers: dict[str, list[str]] = {}
+
+    # -- public ---------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._runs)
+
+    def stop(self, immediate: bool = False) -> None:
+        """Stop claiming and drain within ``grace``; ``immediate`` cancels and releases now."""
+        if self.state in ("ready", "running"):
+            self.state = "stopping"
+            self._emit("stopping", immediate=immediate)
+        if immediate:
+            self._stop_now.set()
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Run until stopped. Raises ``WorkerCrashed`` if a part of the worker died."""
+        if self.state != "ready":
+            raise MtaskError(f"a worker runs once; this one is {self.state}")
+        self.state = "running"
+        loop = asyncio.get_running_loop()
+        self._aclient: AsyncMongoClient[dict[str, Any]] = async_client(self.uri)
+        self._sclient: MongoClient[dict[str, Any]] = sync_client(self.uri)
+        adb, sdb = self._aclient[self.database], self._sclient[self.database]
+        self.driver = store.AsyncDriver(
+            {
+                "tasks": adb[self.collection_name],
+                "workers": adb["workers"],
+                "controls": adb["controls"],
+            }
+        )
+        self._publisher = AsyncTaskClient(
+            database=self.database,
+            collection=self.collection_name,
+            clock=self.clock,
+            mongo_client=self._aclient,
+        )
+        try:
+            await self._startup(adb)
+            self.pinger = LeasePinger(
+                store.SyncDriver({"tasks": sdb[self.collection_name]}),
+                self.worker_id,
+                self.clock,
+                on_lost=lambda run_id, doc: self._lost_threadsafe(loop, run_id, doc),
+                loop_heartbeat=lambda: self._loop_tick,
+            )
+            self.pinger.start()
+            self._start_side_tasks()
+            self._emit("started", names=self.names, concurrency=self.concurrency)
+            await self._main_loop()
+            await self._drain()
+        finally:
+            await self._shutdown()
+        if self._crash is not None:
+            raise WorkerCrashed(
+                f"worker stopped because a part of it died: {self._crash!r}"
+            ) from self._crash
+
+    # -- startup and side tasks -----------------------------------------------------------------
+
+    async def _startup(self, adb: Any) -> None:
+        backoff = 0.5
+        while True:
+            try:
+                if self._server_clock is not None:
+                    await self._server_clock.calibrate_async(adb)
+                await self.driver.run(store.ensure_indexes())
+                await self._heartbeat_once()
+                return
+            except StorageError as exc:
+                if self.state != "running":
+                    raise
+                log.warning("cannot reach MongoDB yet, retrying in %.1fs: %s", backoff, exc)
+            except Exception as exc:  # noqa: BLE001 - pymongo raises plain errors for some I/O
+                log.warning("cannot reach MongoDB yet, retrying in %.1fs: %r", backoff, exc)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10)
+
+    def _start_side_tasks(self) -> None:
+        self.watcher = Watcher(
+            self.driver,
+            worker_id=self.worker_id,
+            queue=self.queue,
+            clock=self.clock,
+            wake=self._wake.set,
+            in_flight=self._key_in_flight,
+            sweep_interval=self._sweep_interval,
+            stagger_ms=self._stagger_ms,
+        )
+        self.watcher.names = self._active_names()
+        self.watcher.peers = self._peers
+        for name, coro in (
+            ("stream", self.watcher.run_stream()),
+            ("sweep", self.watcher.run_sweep()),
+            ("heartbeat", self._heartbeat_loop()),
+            ("outcomes", self._outcome_writer()),
+            ("ticker", self._ticker()),
+        ):
+            task = asyncio.create_task(coro, name=f"mtask-{name}")
+            task.add_done_callback(self._side_done)
+            self._side.append(task)
+
+    def _side_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or self._crash is not None:
+            return
+        exc = task.exception()
+        self._crash = exc or RuntimeError(f"{task.get_name()} ended unexpectedly")
+        log.error("%s died: %r; stopping the worker", task.get_name(), self._crash)
+        self.stop(immediate=True)
+
+    async def _ticker(self) -> None:
+        while True:
+            self._loop_tick = time.monotonic()
+            await asyncio.sleep(0.2)
+
+    # -- heartbeat, pause, remote stop ---------------------------------------------------------
+
+    async def _heartbeat_once(self) -> None:
+        now = self.clock.now()
+        doc = await self.driver.run(
+            store.heartbeat(
+                {
+                    "_id": self.worker_id,
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "version": mtask.__version__,
+                    "names": self.names,
+                    "concurrency": self.concurrency,
+                    "in_flight": len(self._runs),
+                    "state": self.state,
+                    "running": [
+                        {"key": r.key, "run_id": r.run_id} for r in list(self._runs.values())[:50]
+                    ],
+                    "started_at": getattr(self, "_started_at", now),
+                },
+                now,
+            )
+        )
+        self._started_at = doc.get("started_at", now)
+        if doc.get("stop_requested") and self.state == "running":
+            log.info("stop requested remotely")
+            self.stop()
+        paused = await self.driver.run(store.paused_names())
+        if paused != self.paused:
+            resumed = bool(self.paused - paused)
+            self.paused = paused
+            self._emit("paused_changed", paused=sorted(paused))
+            if self.watcher is not None:
+                self.watcher.names = self._active_names()
+                if resumed:
+                    self.watcher.request_rescan()
+        peers = await self.driver.run(
+            store.live_workers(now, 3 * dt_seconds(self.heartbeat_interval))
+        )
+        table: dict[str, list[str]] = {}
+        for peer in peers:
+            for name in peer.get("names") or ():
+                table.setdefault(name, []).append(peer["_id"])
+        self._peers = table
+        if self.watcher is not None:
+            self.watcher.peers = table
+
+    async def _heartbeat_loop(self) -> None:
+        beats = 0
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            try:
+                beats += 1
+                if self._server_clock is not None and beats % 15 == 0:
+                    await self._server_clock.calibrate_async(self._aclient[self.database])
+                await self._heartbeat_once()
+            except (StorageError, OSError) as exc:
+                log.warning("heartbeat failed, retrying: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - pymongo I/O errors outside PyMongoError
+                log.warning("heartbeat failed, retrying: %r", exc)
+
+    def _active_names(self) -> list[str]:
+        return [n for n in self.names if n not in self.paused]
+
+    def _key_in_flight(self, key: str) -> bool:
+        return any(r.key == key for r in self._runs.values())
+
+    # -- the main loop --------------------------------------------------------------------------
+
+    async def _main_loop(self) -> None:
+        while self.state == "running":
+            self._wake.clear()
+            timeout: float | None = None
+            free = self.concurrency - len(self._runs)
+            names = self._active_names()
+            if free > 0 and names:
+                now = self.clock.now()
+                keys = self.queue.pop_due(now, free)
+                if keys:
+                    await self._claim(keys, names, now)
+                    continue
+                if self.queue.overflowed and not len(self.queue) and self.watcher:
+                    self.watcher.request_rescan()
+                next_due = self.queue.next_due(now)
+                if next_due is not None:
+                    timeout = max(0.0, (next_due - now).total_seconds())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    async def _claim(self, keys: list[str], names: list[str], now: dt.datetime) -> None:
+        self.stats.claim_calls += 1
+        self.stats.claim_attempts += len(keys)
+        try:
+            docs = await self.driver.run(store.claim(keys, names, self.worker_id, now))
+            claimed = {d["_id"] for d in docs}
+            missed = [k for k in keys if k not in claimed]
+            if missed:
+                await self._replace_missed(missed, now)
+        except StorageError as exc:
+            log.warning("claim failed, retrying shortly: %s", exc)
+            for key in keys:
+                self.queue.push(key, now + dt_seconds(1))
+            await asyncio.sleep(0.5)
+            return
+        self.stats.claimed += len(docs)
+        for doc in docs:
+            self._start(doc)
+
+    async def _replace_missed(self, keys: list[str], now: dt.datetime) -> None:
+        """A key we did not get goes back in the queue only if it was not yet due when we tried
+        (our clock may be a millisecond early); otherwise another worker has it, or we may not
+        run it, and an event or the sweep will bring it back when that changes."""
+        for doc in await self.driver.run(store.placements(keys)):
+            claim_at = doc.get("next_claim_at")
+            if claim_at is not None and claim_at > now and self.watcher is not None:
+                self.watcher.place(doc)
+
+    # -- running a handler ----------------------------------------------------------------------
+
+    def _start(self, doc: dict[str, Any]) -> None:
+        run_id = doc["claim_run_id"]
+        options = doc["options"]
+        ctx = TaskContext(
+            key=doc["_id"],
+            name=doc["name"],
+            attempt=doc["attempts"],
+            run_id=run_id,
+            worker_id=self.worker_id,
+            publisher=self._publisher.publish,
+        )
+        run = _Run(key=doc["_id"], name=doc["name"], run_id=run_id, ctx=ctx)
+        self._runs[run_id] = run
+        self.queue.discard(run.key)
+        assert self.pinger is not None
+        self.pinger.add(run.key, run_id, options["ping_interval_ms"], options["worker_timeout_ms"])
+        run.task = asyncio.create_task(self._execute(run, doc), name=f"mtask-run-{run.key}")
+        self._emit("claimed", key=run.key, run_id=run_id, attempt=ctx.attempt)
+
+    async def _execute(self, run: _Run, doc: dict[str, Any]) -> None:
+        outcome: Outcome | None
+        try:
+            outcome = await self._call_handler(run, doc)
+        except asyncio.CancelledError:
+            outcome = self._stopped_outcome(run)
+            if outcome is None and run.stop_reason is None:
+                raise
+        finally:
+            self._runs.pop(run.run_id, None)
+            if self.pinger is not None:
+                self.pinger.remove(run.run_id)
+            self._wake.set()
+        if outcome is not None:
+            self._outcomes.put_nowait(outcome)
+
+    async def _call_handler(self, run: _Run, doc: dict[str, Any]) -> Outcome:
+        handler = self.registry[run.name]
+        try:
+            params = handler.parse(doc.get("params") or {})
+            args = handler.args(params, run.ctx)
+            if handler.is_async:
+                result = await handler.fn(*args)
+            else:
+                loop = asyncio.get_running_loop()
+                result = await loop.run_in_executor(
+                    self._executor, functools.partial(handler.fn, *args)
+                )
+            return self._success(run, result)
+        except Retry as exc:
+            delay = None if exc.delay is None else round(exc.delay * 1000)
+            return self._failure(run, f"retry requested: {exc}", retry_delay_ms=delay)
+        except Fail as exc:
+            return self._failure(run, f"failed: {exc}", permanent=True)
+        except InvalidParams as exc:
+            return self._failure(run, str(exc), permanent=True)
+        except Exception as exc:  # noqa: BLE001 - any handler error is the task's failure
+            return self._failure(run, short_traceback(exc))
+
+    def _success(self, run: _Run, result: Any) -> Outcome:
+        try:
+            size = len(bson.encode({"result": result}))
+        except Exception as exc:  # noqa: BLE001 - any encoding problem is the handler's
+            return self._failure(run, f"the result cannot be stored: {exc}", permanent=True)
+        if size > self.max_result_bytes:
+            return self._failure(
+                run,
+                f"the result is {size} bytes as BSON; the limit is {self.max_result_bytes}",
+                permanent=True,
+            )
+        self.stats.succeeded += 1
+        self._emit("succeeded", key=run.key, run_id=run.run_id)
+        return Outcome(run.key, run.run_id, RunState.SUCCESS, result=result)
+
+    def _failure(
+        self, run: _Run, error: str, *, permanent: bool = False, retry_delay_ms: int | None = None
+    ) -> Outcome:
+        if permanent:
+            self.stats.failed += 1
+        else:
+            self.stats.retried += 1
+        self._emit(
+            "failed",
+            key=run.key,
+            run_id=run.run_id,
+            error=error.splitlines()[-1:],
+            permanent=permanent,
+        )
+        return Outcome(
+            run.key,
+            run.run_id,
+            RunState.FAIL,
+            error=error,
+            permanent=permanent,
+            retry_delay_ms=retry_delay_ms,
+            jitter=random.uniform(0.8, 1.2),
+        )
+
+    def _stopped_outcome(self, run: _Run) -> Outcome | None:
+        reason = run.stop_reason
+        if reason == "shutdown" or reason == "not_allowed":
+            self.stats.released += 1
+            self._emit("released", key=run.key, run_id=run.run_id, reason=reason)
+            return Outcome(run.key, run.run_id, RunState.RELEASED)
+        if reason == "cancelled":
+            self.stats.cancelled += 1
+            self._emit("cancelled", key=run.key, run_id=run.run_id)
+            return Outcome(run.key, run.run_id, RunState.CANCELLED, error="cancelled")
+        if reason == "lost":
+            return None
+        return None
+
+    def _lost_threadsafe(
+        self, loop: asyncio.AbstractEventLoop, run_id: str, doc: dict[str, Any] | None
+    ) -> None:
+        loop.call_soon_threadsafe(self._lost, run_id, doc)
+
+    def _lost(self, run_id: str, doc: dict[str, Any] | None) -> None:
+        """The pinger found that a run no longer owns its task: stop its handler."""
+        run = self._runs.get(run_id)
+        if run is None or run.task is None:
+            return
+        still_running = doc is not None and any(
+            r.get("run_id") == run_id and r.get("state") == "RUNNING" for r in doc.get("runs", ())
+        )
+        if doc is not None and doc.get("status") == "cancelled":
+            run.stop_reason = "cancelled"
+        elif still_running:
+            run.stop_reason = "not_allowed"  # specific_worker_ids no longer names us
+        else:
+            run.stop_reason = "lost"
+            self.stats.lease_lost += 1
+            log.warning(
+                "lease lost: %s run %s was taken over; its outcome will not be recorded",
+                run.key,
+                run_id[:8],
+            )
+        self._emit("stopping_run", key=run.key, run_id=run_id, reason=run.stop_reason)
+        run.ctx.cancelled.set()
+        run.task.cancel()
+
+    # -- outcomes -------------------------------------------------------------------------------
+
+    async def _outcome_writer(self) -> None:
+        while True:
+            batch = [await self._outcomes.get()]
+            while not self._outcomes.empty() and len(batch) < 500:
+                batch.append(self._outcomes.get_nowait())
+            backoff = 0.2
+            while True:
+                try:
+                    recorded = await self.driver.run(store.finish_many(batch, self.clock.now()))
+                    break
+                except StorageError as exc:  # keep them: the fence makes a rewrite harmless
+                    log.warning("cannot record %d outcome(s) yet, retrying: %s", len(batch), exc)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5)
+            if recorded < len(batch):
+                log.info(
+                    "%d of %d outcome(s) were fenced out (their runs lost the task)",
+                    len(batch) - recorded,
+                    len(batch),
+                )
+            for outcome in batch:
+                self._outcomes.task_done()
+                self._emit(
+                    "recorded", key=outcome.key, run_id=outcome.run_id, state=outcome.state.value
+                )
+
+    # -- stopping -------------------------------------------------------------------------------
+
+    async def _drain(self) -> None:
+        tasks = [r.task for r in self._runs.values() if r.task is not None]
+        if tasks and not self._stop_now.is_set():
+            log.info("stopping: waiting up to %.0fs for %d run(s)", self.grace, len(tasks))
+            stop_now = asyncio.create_task(self._stop_now.wait())
+            await asyncio.wait(
+                [*tasks, stop_now], timeout=self.grace, return_when=asyncio.FIRST_COMPLETED
+            )
+            while not stop_now.done() and any(not t.done() for t in tasks):
+                pending = [t for t in tasks if not t.done()]
+                done, _ = await asyncio.wait(
+                    [*pending, stop_now], timeout=self.grace, return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    break
+            stop_now.cancel()
+        for run in list(self._runs.values()):
+            if run.task is not None and not run.task.done():
+                run.stop_reason = "shutdown"
+                run.ctx.cancelled.set()
+                run.task.cancel()
+        remaining = [r.task for r in self._runs.values() if r.task is not None]
+        if remaining:
+            await asyncio.gather(*remaining, return_exceptions=True)
+        if self._crash is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._outcomes.join(), timeout=30)
+
+    async def _shutdown(self) -> None:
+        for task in self._side:
+            task.cancel()
+        await asyncio.gather(*self._side, return_exceptions=True)
+        if self.pinger is not None:
+            await asyncio.to_thread(self.pinger.stop)
+        with contextlib.suppress(StorageError):
+            await asyncio.wait_for(self.driver.run(store.deregister(self.worker_id)), timeout=5)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        await self._aclient.close()
+        self._sclient.close()
+        self.state = "stopped"
+        self._emit("stopped", stats=self.stats)
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def _emit(self, event: str, **data: Any) -> None:
+        if event in (
+            "claimed",
+            "succeeded",
+            "failed",
+            "released",
+            "cancelled",
+            "stopping_run",
+            "started",
+            "stopping",
+            "stopped",
+        ):
+            log.info("%s %s", event, " ".join(f"{k}={v}" for k, v in data.items()))
+        if self._on_event is not None:
+            self._on_event(event, **data)
+
+
+def dt_seconds(seconds: float) -> dt.timedelta:
+    return dt.timedelta(seconds=seconds)
