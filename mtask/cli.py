@@ -216,6 +216,59 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# Workers and names
+# ---------------------------------------------------------------------------------------------
+
+
+@command("workers")
+def cmd_workers(args: argparse.Namespace) -> int:
+    with _task_client(args) as client:
+        workers = client.workers()
+    if args.json:
+        print_json(workers)
+        return 0
+    table = Table("worker", "names", "in flight", "concurrency", "state", "started", "last seen")
+    for w in workers:
+        table.add_row(
+            w["_id"],
+            ",".join(w.get("names", [])),
+            str(w.get("in_flight", 0)),
+            str(w.get("concurrency", "")),
+            str(w.get("state", "")),
+            _when(w.get("started_at")),
+            _when(w.get("last_seen")),
+        )
+    out.print(table)
+    return 0
+
+
+@command("worker")
+def cmd_worker(args: argparse.Namespace) -> int:
+    with _task_client(args) as client:
+        found = client.stop_worker(args.worker_id)
+    if not found:
+        raise UsageError(f"no worker {args.worker_id!r} is registered (see `mtask workers`)")
+    out.print(f"stop requested: {args.worker_id} drains and exits at its next heartbeat")
+    return 0
+
+
+@command("pause")
+def cmd_pause(args: argparse.Namespace) -> int:
+    with _task_client(args) as client:
+        client.pause(args.name)
+    out.print(f"paused: {args.name} (no worker claims it until `mtask resume {args.name}`)")
+    return 0
+
+
+@command("resume")
+def cmd_resume(args: argparse.Namespace) -> int:
+    with _task_client(args) as client:
+        client.resume(args.name)
+    out.print(f"resumed: {args.name}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 # Embedded MongoDB
 # ---------------------------------------------------------------------------------------------
 
@@ -300,6 +353,22 @@ def build_parser() -> argparse.ArgumentParser:
         _common(p)
         p.add_argument("key")
 
+    p = sub.add_parser("workers", help="list live workers")
+    _common(p)
+
+    p = sub.add_parser("worker", help="control a worker")
+    _common(p)
+    p.add_argument("action", choices=["stop"])
+    p.add_argument("worker_id")
+
+    for name, text in (
+        ("pause", "stop claiming a task name everywhere"),
+        ("resume", "claim a paused task name again"),
+    ):
+        p = sub.add_parser(name, help=text)
+        _common(p)
+        p.add_argument("name")
+
     p = sub.add_parser("mongod", help="the embedded MongoDB: start, stop, status")
     p.add_argument("action", choices=["start", "stop", "status"])
     p.add_argument("--data-dir", help="default ./.mtask/mongodb or $MTASK_DATA_DIR")
@@ -328,6 +397,12 @@ def run_command(handler: Handler, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return run_command(COMMANDS[args.command], args)
+
+
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    from mtask.runner import main as run_worker
+
+    return run_worker(argv)
 
 
 if __name__ == "__main__":

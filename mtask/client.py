@@ -8,6 +8,7 @@ operations from ``mtask.store``.
 
 from __future__ import annotations
 
+import builtins
 import datetime as dt
 from collections.abc import Iterable, Mapping
 from typing import Any, Self
@@ -26,6 +27,7 @@ from mtask.models import (
     Task,
     TaskOptions,
     TaskStatus,
+    validate_name,
 )
 
 
@@ -121,8 +123,8 @@ class _Base:
         self.database_name = database
         self.collection_name = collection
         self.max_params_bytes = max_params_bytes
-        self._server_clock = ServerClock() if clock is None else None
-        self.clock: Clock = clock or self._server_clock  # type: ignore[assignment]
+        self.clock: Clock = clock or ServerClock()
+        self._server_clock = self.clock if isinstance(self.clock, ServerClock) else None
         self._ready = False
 
 
@@ -204,6 +206,21 @@ class TaskClient(_Base):
 
     def retry(self, key: str) -> Task:
         return Task.from_document(self._run(store.retry(key, self.now())))
+
+    def workers(self, within_s: float = 10.0) -> builtins.list[dict[str, Any]]:
+        """Workers that sent a heartbeat in the last ``within_s`` seconds."""
+        return self._run(store.live_workers(self.now(), dt.timedelta(seconds=within_s)))
+
+    def stop_worker(self, worker_id: str) -> bool:
+        """Ask a worker to drain and exit; False if no such worker is registered."""
+        return self._run(store.request_stop(worker_id))
+
+    def pause(self, name: str) -> None:
+        """Stop claiming of ``name`` on every worker (runs in flight finish)."""
+        self._run(store.set_paused(validate_name(name), True, self.now()))
+
+    def resume(self, name: str) -> None:
+        self._run(store.set_paused(validate_name(name), False, self.now()))
 
     def close(self) -> None:
         if self._owns_client:
@@ -294,6 +311,22 @@ class AsyncTaskClient(_Base):
 
     async def retry(self, key: str) -> Task:
         return Task.from_document(await self._run(store.retry(key, await self.now())))
+
+    async def workers(self, within_s: float = 10.0) -> builtins.list[dict[str, Any]]:
+        """Workers that sent a heartbeat in the last ``within_s`` seconds."""
+        now = await self.now()
+        return await self._run(store.live_workers(now, dt.timedelta(seconds=within_s)))
+
+    async def stop_worker(self, worker_id: str) -> bool:
+        """Ask a worker to drain and exit; False if no such worker is registered."""
+        return await self._run(store.request_stop(worker_id))
+
+    async def pause(self, name: str) -> None:
+        """Stop claiming of ``name`` on every worker (runs in flight finish)."""
+        await self._run(store.set_paused(validate_name(name), True, await self.now()))
+
+    async def resume(self, name: str) -> None:
+        await self._run(store.set_paused(validate_name(name), False, await self.now()))
 
     async def close(self) -> None:
         if self._owns_client:

@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import bson
 from pymongo import AsyncMongoClient, MongoClient
+from pymongo.errors import PyMongoError
 
 import mtask
 from mtask import store
@@ -136,8 +137,9 @@ class Worker:
         self.stats = WorkerStats()
         self.paused: set[str] = set()
         self.queue = ClaimQueue(queue_size)
-        self._server_clock = ServerClock() if clock is None else None
-        self.clock: Clock = clock or self._server_clock  # type: ignore[assignment]
+        self.clock: Clock = clock or ServerClock()
+        # A ServerClock (ours or an injected one) is calibrated here; other clocks are trusted.
+        self._server_clock = self.clock if isinstance(self.clock, ServerClock) else None
         self._on_event = on_event
         self._runs: dict[str, _Run] = {}
         self._wake = asyncio.Event()
@@ -222,12 +224,10 @@ class Worker:
                 await self.driver.run(store.ensure_indexes())
                 await self._heartbeat_once()
                 return
-            except StorageError as exc:
+            except (StorageError, PyMongoError) as exc:
                 if self.state != "running":
                     raise
                 log.warning("cannot reach MongoDB yet, retrying in %.1fs: %s", backoff, exc)
-            except Exception as exc:  # noqa: BLE001 - pymongo raises plain errors for some I/O
-                log.warning("cannot reach MongoDB yet, retrying in %.1fs: %r", backoff, exc)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 10)
 
@@ -324,10 +324,8 @@ class Worker:
                 if self._server_clock is not None and beats % 15 == 0:
                     await self._server_clock.calibrate_async(self._aclient[self.database])
                 await self._heartbeat_once()
-            except (StorageError, OSError) as exc:
+            except (StorageError, PyMongoError) as exc:
                 log.warning("heartbeat failed, retrying: %s", exc)
-            except Exception as exc:  # noqa: BLE001 - pymongo I/O errors outside PyMongoError
-                log.warning("heartbeat failed, retrying: %r", exc)
 
     def _active_names(self) -> list[str]:
         return [n for n in self.names if n not in self.paused]

@@ -1,0 +1,80 @@
+"""Run workers inside the test's event loop and await what they report."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from mtask.registry import Registry
+from mtask.worker import Worker
+
+
+class Events:
+    """Collects a worker's events; ``wait`` awaits one that matches, without polling."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, dict[str, Any]]] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, event: str, **data: Any) -> None:
+        self.items.append((event, data))
+        self._changed.set()
+
+    def matching(self, event: str, **match: Any) -> list[dict[str, Any]]:
+        return [
+            d for e, d in self.items if e == event and all(d.get(k) == v for k, v in match.items())
+        ]
+
+    async def wait(
+        self, event: str, timeout: float = 20.0, count: int = 1, **match: Any
+    ) -> dict[str, Any]:
+        async def until() -> dict[str, Any]:
+            while True:
+                found = self.matching(event, **match)
+                if len(found) >= count:
+                    return found[count - 1]
+                self._changed.clear()
+                await self._changed.wait()
+
+        return await asyncio.wait_for(until(), timeout)
+
+
+async def wait_for(check: Callable[[], Any], timeout: float = 20.0, every: float = 0.02) -> Any:
+    """Await a condition on MongoDB state (for state no worker event reports)."""
+
+    async def until() -> Any:
+        while True:
+            value = check()
+            if asyncio.iscoroutine(value):
+                value = await value
+            if value:
+                return value
+            await asyncio.sleep(every)
+
+    return await asyncio.wait_for(until(), timeout)
+
+
+@contextlib.asynccontextmanager
+async def running_worker(
+    registry: Registry, uri: str, database: str, **kwargs: Any
+) -> AsyncIterator[tuple[Worker, Events]]:
+    events = Events()
+    kwargs.setdefault("heartbeat_interval", 0.2)
+    worker = Worker(registry, uri=uri, database=database, on_event=events, **kwargs)
+    task = asyncio.create_task(worker.run())
+    try:
+        await asyncio.wait_for(_ready(worker, task), 30)
+        yield worker, events
+    finally:
+        worker.stop(immediate=True)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 30)
+
+
+async def _ready(worker: Worker, task: asyncio.Task[None]) -> None:
+    while worker.watcher is None or not worker.watcher.ready.is_set():
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)

@@ -1,0 +1,118 @@
+"""Real mtask-worker processes: SIGKILL mid-task and takeover, SIGTERM, bad arguments."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from harness import running_worker, wait_for
+from workerapp import registry
+
+from mtask import TaskClient
+from mtask.runner import stop_on_signals
+
+TESTS = Path(__file__).parent
+
+
+def spawn_worker(uri: str, db: str, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mtask.runner",
+            "workerapp:registry",
+            "--uri",
+            uri,
+            "--database",
+            db,
+            "--log-level",
+            "WARNING",
+            *extra,
+        ],
+        cwd=TESTS,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+    )
+
+
+async def test_killed_worker_is_preempted(mongo_uri: str, db_name: str, client: TaskClient) -> None:
+    victim = spawn_worker(mongo_uri, db_name, "--worker-id", "victim", "--concurrency", "20")
+    try:
+        options = {"worker_timeout_ms": 2000, "ping_interval_ms": 300}
+        client.publish_many(
+            [
+                {"name": "sleep", "key": f"t{i}", "params": {"seconds": 3600}, "options": options}
+                for i in range(20)
+            ]
+        )
+        await wait_for(lambda: client.stats().get("sleep", {}).get("running") == 20, timeout=60)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=10)
+        async with running_worker(
+            registry, mongo_uri, db_name, worker_id="rescuer", concurrency=20
+        ) as (_, events):
+            await events.wait("claimed", count=20, timeout=30)
+            tasks = client.list(limit=20)
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        victim.communicate(timeout=10)
+    for task in tasks:
+        dead, rescue = task.runs[0], task.runs[1]
+        assert (dead.worker_id, dead.state) == ("victim", "TIMEOUT")
+        assert rescue.worker_id == "rescuer" and task.failures == 1
+        assert dead.lease_expires_at is not None
+        assert rescue.claimed_at - dead.lease_expires_at <= dt.timedelta(seconds=1)
+
+
+async def test_sigterm_drains_then_releases(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    proc = spawn_worker(mongo_uri, db_name, "--grace", "0.5")
+    try:
+        client.publish("sleep", "long", {"seconds": 3600})
+        await wait_for(lambda: client.get("long").status == "running", timeout=60)  # type: ignore[union-attr]
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _, err = proc.communicate(timeout=10)
+    assert code == 0, err
+    task = client.get("long")
+    assert task is not None and task.status == "pending" and task.runs[0].state == "RELEASED"
+    assert client.workers() == []
+
+
+def test_bad_registry_is_a_clear_error() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "mtask.runner", "no_such_module:registry"],
+        cwd=TESTS,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "cannot import 'no_such_module'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_signal_handlers_are_restored() -> None:
+    class Dummy:
+        def stop(self, immediate: bool = False) -> None: ...
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    loop = asyncio.new_event_loop()
+    try:
+        with stop_on_signals(Dummy(), loop):  # type: ignore[arg-type]
+            assert signal.getsignal(signal.SIGTERM) not in before
+    finally:
+        loop.close()
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before

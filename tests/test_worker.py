@@ -1,0 +1,364 @@
+"""The worker on the real server: outcomes, retries, leases, cancel, stop, pause, sweeps."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import time
+
+import pytest
+from harness import running_worker, wait_for
+from workerapp import registry
+
+from mtask import TaskClient
+from mtask.clock import ServerClock
+from mtask.errors import InvalidTask
+from mtask.registry import Registry
+from mtask.worker import Worker, WorkerCrashed
+
+
+async def test_runs_tasks_and_stores_results(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name, concurrency=4) as (worker, events):
+        client.publish("add", "sum", {"a": 2, "b": 3})
+        client.publish("echo", "e", {"x": 1})
+        await events.wait("recorded", key="sum")
+        await events.wait("recorded", key="e")
+    task = client.get("sum")
+    assert task is not None and task.status == "succeeded" and task.result == 5
+    assert task.runs[0].state == "SUCCESS" and task.runs[0].worker_id == worker.worker_id
+    echo = client.get("e")
+    assert echo is not None and echo.result == {
+        "params": {"x": 1},
+        "worker": worker.worker_id,
+        "attempt": 1,
+    }
+
+
+async def test_invalid_params_fail_at_once(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        client.publish("add", "bad", {"a": "two", "b": 3}, options={"max_retries": 5})
+        await events.wait("recorded", key="bad")
+    task = client.get("bad")
+    assert task is not None and task.status == "failed" and task.attempts == 1
+    assert task.error is not None and "params.a" in task.error and "AddParams" in task.error
+
+
+async def test_retries_backoff_and_final_failure(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    fast = {"retry_delay_ms": 20, "max_retries": 2}
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        client.publish("flaky", "f", {"fail_times": 2}, options=fast)
+        client.publish("always_fails", "a", options=fast)
+        client.publish("give_up", "g", options=fast)
+        client.publish("retry_later", "r", options=fast)
+        await events.wait("recorded", key="f", count=3)
+        await events.wait("recorded", key="a", count=3)
+        await events.wait("recorded", key="g")
+        await events.wait("recorded", key="r", count=2)
+    flaky = client.get("f")
+    assert flaky is not None and flaky.status == "succeeded" and flaky.attempts == 3
+    assert flaky.failures == 2 and "flaky failure on attempt 2" in (flaky.error or "")
+    fails = client.get("a")
+    assert fails is not None and fails.status == "failed" and fails.attempts == 3
+    assert "Traceback" in (fails.error or "") and "ValueError" in (fails.error or "")
+    gave_up = client.get("g")
+    assert gave_up is not None and gave_up.status == "failed" and gave_up.attempts == 1
+    assert gave_up.error == "failed: the input can never work"
+    later = client.get("r")
+    assert later is not None and later.status == "succeeded" and later.attempts == 2
+
+
+async def test_result_too_large(mongo_uri: str, db_name: str, client: TaskClient) -> None:
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        client.publish("huge_result", "h")
+        await events.wait("recorded", key="h")
+    task = client.get("h")
+    assert task is not None and task.status == "failed" and "the limit is" in (task.error or "")
+
+
+async def test_handler_publishes_follow_up(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        client.publish("follow_up", "p")
+        await events.wait("recorded", key="p/next")
+    assert client.get("p/next").result == 3  # type: ignore[union-attr]
+
+
+async def test_three_workers_run_each_task_once(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    async with (
+        running_worker(registry, mongo_uri, db_name, concurrency=5) as (w1, _e1),
+        running_worker(registry, mongo_uri, db_name, concurrency=5) as (w2, _e2),
+        running_worker(registry, mongo_uri, db_name, concurrency=5) as (w3, _e3),
+    ):
+        client.publish_many(
+            [{"name": "add", "key": f"k{i}", "params": {"a": i, "b": 0}} for i in range(300)]
+        )
+        await wait_for(lambda: client.stats().get("add", {}).get("succeeded") == 300)
+        ran = [w.stats.succeeded for w in (w1, w2, w3)]
+    assert sum(ran) == 300
+    assert all(t.attempts == 1 for t in client.list(limit=300))
+
+
+async def test_concurrency_runs_on_distinct_workers(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    async with (
+        running_worker(registry, mongo_uri, db_name, worker_id="w1") as (_, e1),
+        running_worker(registry, mongo_uri, db_name, worker_id="w2") as (_, e2),
+        running_worker(registry, mongo_uri, db_name, worker_id="w3") as (_, e3),
+    ):
+        client.publish("echo", "multi", options={"concurrency": 3})
+        for events in (e1, e2, e3):
+            await events.wait("recorded", key="multi")
+    task = client.get("multi")
+    assert task is not None and task.status == "succeeded" and task.successes == 3
+    assert sorted(r.worker_id for r in task.runs) == ["w1", "w2", "w3"]
+
+
+async def test_specific_workers(mongo_uri: str, db_name: str, client: TaskClient) -> None:
+    async with (
+        running_worker(registry, mongo_uri, db_name, worker_id="w1") as (_, _e1),
+        running_worker(registry, mongo_uri, db_name, worker_id="w2") as (_, e2),
+    ):
+        for i in range(10):
+            client.publish("echo", f"only-w2-{i}", options={"specific_worker_ids": ["w2"]})
+        await e2.wait("recorded", count=10)
+    assert {r.worker_id for t in client.list() for r in t.runs} == {"w2"}
+
+
+async def test_unknown_names_are_left_alone(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name, names=["add"]) as (_, events):
+        client.publish("echo", "not-mine")
+        client.publish("add", "mine", {"a": 1, "b": 1})
+        await events.wait("recorded", key="mine")
+    assert client.get("not-mine").status == "pending"  # type: ignore[union-attr]
+
+
+async def test_cancel_running_task(mongo_uri: str, db_name: str, client: TaskClient) -> None:
+    async with running_worker(registry, mongo_uri, db_name) as (worker, events):
+        client.publish("wait_cancel", "c", options={"ping_interval_ms": 100})
+        await events.wait("claimed", key="c")
+        client.cancel("c")
+        await events.wait("recorded", key="c", state="CANCELLED")
+    task = client.get("c")
+    assert task is not None and task.status == "cancelled" and task.runs[0].state == "CANCELLED"
+    assert worker.stats.cancelled == 1 and task.result is None
+
+
+async def test_lost_lease_stops_the_handler_and_fences_it(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name) as (worker, events):
+        client.publish("sleep", "z", {"seconds": 3600}, options={"ping_interval_ms": 100})
+        claimed = await events.wait("claimed", key="z")
+        # Another worker's claim after expiry would do exactly this: TIMEOUT the run.
+        client.collection.update_one(
+            {"_id": "z", "runs.run_id": claimed["run_id"]},
+            {"$set": {"runs.$.state": "TIMEOUT"}},
+        )
+        await events.wait("stopping_run", key="z", reason="lost")
+    assert worker.stats.lease_lost == 1
+    task = client.get("z")
+    assert task is not None and task.runs[0].state == "TIMEOUT" and task.successes == 0
+
+
+async def test_specific_worker_change_stops_the_run(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name, worker_id="w1") as (_, events):
+        client.publish("sleep", "moved", options={"ping_interval_ms": 100})
+        await events.wait("claimed", key="moved")
+        client.collection.update_one(
+            {"_id": "moved"}, {"$set": {"options.specific_worker_ids": ["w9"]}}
+        )
+        await events.wait("recorded", key="moved", state="RELEASED")
+    task = client.get("moved")
+    assert task is not None and task.status == "pending" and task.failures == 0
+
+
+async def test_graceful_stop_finishes_within_grace(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    events_seen = []
+    worker = Worker(
+        registry,
+        uri=mongo_uri,
+        database=db_name,
+        grace=30,
+        on_event=lambda e, **d: events_seen.append((e, d)),
+    )
+    task = asyncio.create_task(worker.run())
+    client.publish("sleep", "short", {"seconds": 0.3})
+    await wait_for(lambda: any(e == "claimed" for e, _ in events_seen))
+    worker.stop()
+    assert worker.state == "stopping"
+    await asyncio.wait_for(task, 30)
+    assert worker.state == "stopped"
+    assert client.get("short").status == "succeeded"  # type: ignore[union-attr]
+    assert client.workers() == []  # deregistered
+
+
+async def test_stop_after_grace_releases_without_spending_retries(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name, grace=0.2) as (w1, e1):
+        client.publish("sleep", "long", {"seconds": 3600}, options={"max_retries": 0})
+        await e1.wait("claimed", key="long")
+        w1.stop()
+        await e1.wait("stopped")
+    task = client.get("long")
+    assert task is not None and task.status == "pending" and task.failures == 0
+    assert task.runs[0].state == "RELEASED" and task.next_claim_at is not None
+    async with running_worker(registry, mongo_uri, db_name) as (_w2, e2):
+        await e2.wait("claimed", key="long")  # taken at once by another worker
+
+
+async def test_remote_stop(mongo_uri: str, db_name: str, client: TaskClient) -> None:
+    async with running_worker(registry, mongo_uri, db_name, worker_id="remote") as (w, events):
+        assert [x["_id"] for x in client.workers()] == ["remote"]
+        assert client.stop_worker("remote")
+        await events.wait("stopped")
+    assert w.state == "stopped"
+    assert not client.stop_worker("remote")
+
+
+async def test_pause_and_resume(mongo_uri: str, db_name: str, client: TaskClient) -> None:
+    async with running_worker(registry, mongo_uri, db_name) as (_worker, events):
+        client.pause("add")
+        await events.wait("paused_changed", paused=["add"])
+        client.publish("add", "held", {"a": 1, "b": 1})
+        client.publish("echo", "free")
+        await events.wait("recorded", key="free")
+        assert client.get("held").status == "pending"  # type: ignore[union-attr]
+        client.resume("add")
+        await events.wait("recorded", key="held")
+
+
+async def test_lost_events_are_caught_by_the_sweep(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name, sweep_interval=0.3) as (w, events):
+        assert w.watcher is not None
+        w.watcher.drop_events = True
+        client.publish("add", "missed", {"a": 1, "b": 1})
+        await events.wait("recorded", key="missed")
+        assert w.watcher.rescans >= 2
+
+
+async def test_killed_change_stream_resumes(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name) as (w, events):
+        assert w.watcher is not None
+        admin = client.mongo.admin
+        ops = admin.aggregate(
+            [
+                {"$currentOp": {"idleCursors": True, "allUsers": True}},
+                {
+                    "$match": {
+                        "ns": f"{db_name}.tasks",
+                        "cursor.originatingCommand.pipeline.0.$changeStream": {"$exists": True},
+                    }
+                },
+            ]
+        )
+        killed = 0
+        for op in ops:
+            client.mongo[db_name].command(
+                "killCursors", "tasks", cursors=[op["cursor"]["cursorId"]]
+            )
+            killed += 1
+        assert killed >= 1
+        client.publish("add", "after-kill", {"a": 1, "b": 1})
+        await events.wait("recorded", key="after-kill")
+
+
+async def test_skewed_clocks_change_nothing(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    ahead = ServerClock(monotonic=lambda: time.monotonic() + 600)
+    behind = ServerClock(monotonic=lambda: time.monotonic() - 600)
+    async with (
+        running_worker(registry, mongo_uri, db_name, clock=ahead, worker_id="ahead") as (_, _e1),
+        running_worker(registry, mongo_uri, db_name, clock=behind, worker_id="behind") as (_, _e2),
+    ):
+        for clock in (ahead, behind):
+            assert abs((clock.now() - client.now()).total_seconds()) < 0.5
+        for i in range(6):
+            client.publish("echo", f"d{i}", delay=0.3)
+        await wait_for(lambda: client.stats().get("echo", {}).get("succeeded") == 6)
+    for task in client.list():
+        run = task.runs[0]
+        assert task.options.run_at is not None and run.claimed_at >= task.options.run_at
+        assert run.claimed_at - task.options.run_at < dt.timedelta(seconds=5)
+
+
+async def test_blocking_handler_keeps_its_lease(
+    mongo_uri: str, db_name: str, client: TaskClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="mtask.worker")
+    async with running_worker(registry, mongo_uri, db_name) as (worker, events):
+        client.publish(
+            "block_loop",
+            "b",
+            {"seconds": 3.0},
+            options={"worker_timeout_ms": 1000, "ping_interval_ms": 200},
+        )
+        await events.wait("recorded", key="b", timeout=30)
+    task = client.get("b")
+    assert task is not None and task.status == "succeeded" and task.attempts == 1
+    assert worker.stats.lease_lost == 0
+    assert any("event loop has been blocked" in r.message for r in caplog.records)
+
+
+async def test_idle_workers_do_not_stampede(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    async with (
+        running_worker(registry, mongo_uri, db_name) as (w1, _e1),
+        running_worker(registry, mongo_uri, db_name) as (w2, _e2),
+        running_worker(registry, mongo_uri, db_name) as (w3, _e3),
+        running_worker(registry, mongo_uri, db_name) as (w4, _e4),
+    ):
+        workers = (w1, w2, w3, w4)
+        await wait_for(lambda: all(len(w._peers.get("add", ())) == 4 for w in workers))
+        for i in range(40):
+            client.publish("add", f"s{i}", {"a": i, "b": 0})
+            await wait_for(lambda i=i: client.get(f"s{i}").status == "succeeded")  # type: ignore[union-attr,misc]
+        attempts = sum(w.stats.claim_attempts for w in workers)
+        claimed = sum(w.stats.claimed for w in workers)
+    assert claimed == 40
+    assert attempts / claimed <= 1.5, (attempts, claimed)
+
+
+async def test_a_dying_side_task_stops_the_worker_loudly(
+    mongo_uri: str, db_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken_ticker(self: Worker) -> None:
+        raise RuntimeError("ticker broke")
+
+    monkeypatch.setattr(Worker, "_ticker", broken_ticker)
+    worker = Worker(registry, uri=mongo_uri, database=db_name)
+    with pytest.raises(WorkerCrashed, match="ticker broke"):
+        await asyncio.wait_for(worker.run(), 30)
+    assert worker.state == "stopped"
+
+
+def test_bad_worker_arguments() -> None:
+    with pytest.raises(InvalidTask, match="^names: no handler registered for nope"):
+        Worker(registry, names=["nope"])
+    with pytest.raises(InvalidTask, match="^concurrency"):
+        Worker(registry, concurrency=0)
+    with pytest.raises(InvalidTask, match="no handlers"):
+        Worker(Registry())

@@ -1,0 +1,80 @@
+"""Handlers used by the worker tests (also run by `mtask-worker workerapp:registry`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pydantic import BaseModel
+
+from mtask.registry import Fail, Registry, Retry, TaskContext
+
+registry = Registry()
+
+
+class AddParams(BaseModel):
+    a: int
+    b: int
+
+
+@registry.task("add")
+async def add(params: AddParams) -> int:
+    return params.a + params.b
+
+
+@registry.task("echo")
+def echo(params: dict[str, object], ctx: TaskContext) -> dict[str, object]:
+    return {"params": params, "worker": ctx.worker_id, "attempt": ctx.attempt}
+
+
+@registry.task("sleep")
+async def sleep(params: dict[str, float]) -> str:
+    await asyncio.sleep(params.get("seconds", 3600))
+    return "slept"
+
+
+@registry.task("wait_cancel")
+async def wait_cancel(params: dict[str, object], ctx: TaskContext) -> str:
+    await ctx.cancelled.wait()
+    return "should not be recorded"
+
+
+@registry.task("flaky")
+def flaky(params: dict[str, int], ctx: TaskContext) -> str:
+    if ctx.attempt <= params.get("fail_times", 1):
+        raise RuntimeError(f"flaky failure on attempt {ctx.attempt}")
+    return "ok"
+
+
+@registry.task("always_fails")
+def always_fails(params: dict[str, object]) -> None:
+    raise ValueError("this task always fails")
+
+
+@registry.task("give_up")
+def give_up(params: dict[str, object]) -> None:
+    raise Fail("the input can never work")
+
+
+@registry.task("retry_later")
+def retry_later(params: dict[str, object], ctx: TaskContext) -> str:
+    if ctx.attempt == 1:
+        raise Retry("not ready", delay=0.05)
+    return "ready"
+
+
+@registry.task("block_loop")
+async def block_loop(params: dict[str, float]) -> str:
+    time.sleep(params["seconds"])  # blocks the event loop on purpose  # noqa: ASYNC251
+    return "unblocked"
+
+
+@registry.task("huge_result")
+def huge_result(params: dict[str, object]) -> str:
+    return "x" * (2 * 1024 * 1024)
+
+
+@registry.task("follow_up")
+async def follow_up(params: dict[str, object], ctx: TaskContext) -> str:
+    await ctx.publish("add", f"{ctx.key}/next", {"a": 1, "b": 2})
+    return "published"
