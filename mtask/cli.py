@@ -268,6 +268,13 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("demo")
+def cmd_demo(args: argparse.Namespace) -> int:
+    from mtask.demo import run_demo
+
+    return run_demo(args.uri, seconds=args.seconds)
+
+
 # ---------------------------------------------------------------------------------------------
 # Embedded MongoDB
 # ---------------------------------------------------------------------------------------------
@@ -368,6 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         _common(p)
         p.add_argument("name")
+
+    p = sub.add_parser("demo", help="sample tasks, three workers, one killed mid-run")
+    p.add_argument("--uri", help="MongoDB URI (default: $MTASK_MONGODB_URI, else embedded)")
+    p.add_argument("--seconds", type=float, default=120.0, help="give up after this long")
 
     p = sub.add_parser("mongod", help="the embedded MongoDB: start, stop, status")
     p.add_argument("action", choices=["start", "stop", "status"])

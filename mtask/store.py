@@ -82,6 +82,18 @@ INDEXES: dict[str, list[IndexModel]] = {
 }
 
 SPECIFIC = "options.specific_worker_ids"
+WELL_FORMED: dict[str, Any] = {
+    # The fields the claim's expressions compute with. A document inserted by hand without
+    # them never matches a claim or a scan, so it cannot make a claim fail for its batch.
+    "runs": {"$type": "array"},
+    "successes": {"$type": "number"},
+    "failures": {"$type": "number"},
+    "attempts": {"$type": "number"},
+    "available_at": {"$type": "date"},
+    "options.concurrency": {"$type": "number"},
+    "options.max_retries": {"$type": "number"},
+    "options.worker_timeout_ms": {"$type": "number"},
+}
 PLACEMENT_FIELDS = {"next_claim_at": 1, "options.priority": 1, SPECIFIC: 1, "name": 1}
 
 
@@ -409,6 +421,7 @@ def claim_filter(
         "status": {"$in": list(OPEN)},
         "next_claim_at": {"$type": "date", "$lte": now},
         "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],
+        **WELL_FORMED,
         "$expr": {
             "$and": [
                 # a free slot: live runs + successes < concurrency
@@ -621,6 +634,7 @@ def scan(
         "name": {"$in": list(names)},
         "next_claim_at": {"$type": "date"},
         "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],
+        **WELL_FORMED,
     }
     if after is not None:
         at, key = after

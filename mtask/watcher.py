@@ -88,6 +88,8 @@ class Watcher:
         name = doc.get("name")
         options = doc.get("options") or {}
         specific = options.get("specific_worker_ids") or []
+        if not isinstance(specific, list):
+            specific = [specific]
         if (
             not isinstance(claim_at, dt.datetime)
             or name not in self.names
@@ -118,10 +120,13 @@ class Watcher:
             if key is not None:
                 self.queue.discard(key)
             return
+        self._place_safely(doc)
+
+    def _place_safely(self, doc: Mapping[str, Any]) -> None:
         try:
             self.place(doc)
-        except (KeyError, TypeError, ValueError) as exc:  # a malformed document: skip it
-            log.warning("ignoring a malformed task document %r: %s", key, exc)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:  # malformed: skip it
+            log.warning("ignoring a malformed task document %r: %s", doc.get("_id"), exc)
 
     # -- scanning -----------------------------------------------------------------------------
 
@@ -139,7 +144,7 @@ class Watcher:
                 )
                 for doc in page:
                     if doc["_id"] not in self._touched:
-                        self.place(doc)
+                        self._place_safely(doc)
                 found += len(page)
                 if len(page) < self.page_size:
                     break

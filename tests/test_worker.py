@@ -362,3 +362,58 @@ def test_bad_worker_arguments() -> None:
         Worker(registry, concurrency=0)
     with pytest.raises(InvalidTask, match="no handlers"):
         Worker(Registry())
+
+
+async def test_malformed_documents_do_not_stop_the_worker(
+    mongo_uri: str, db_name: str, client: TaskClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="mtask.worker")
+    now = client.now()
+    junk = [
+        {"_id": "no-runs", "name": "add", "status": "pending", "next_claim_at": now},
+        {
+            "_id": "bad-options",
+            "name": "add",
+            "status": "pending",
+            "next_claim_at": now,
+            "options": "fast",
+            "runs": "many",
+            "successes": "x",
+        },
+        {
+            "_id": "bad-specific",
+            "name": "add",
+            "status": "pending",
+            "next_claim_at": now,
+            "options": {"specific_worker_ids": "w1", "priority": "high"},
+            "runs": [],
+        },
+        {
+            "_id": "half",
+            "name": "add",
+            "status": "pending",
+            "next_claim_at": now,
+            "options": {"specific_worker_ids": [], "priority": "high"},
+        },
+        {
+            "_id": "half2",
+            "name": "add",
+            "status": "running",
+            "next_claim_at": now,
+            "options": {"specific_worker_ids": [], "concurrency": 1},
+            "runs": [{"state": 3}],
+            "successes": 0,
+        },
+    ]
+    client.collection.insert_many(junk)
+    async with running_worker(registry, mongo_uri, db_name, sweep_interval=0.2) as (w, events):
+        client.publish_many(
+            [{"name": "add", "key": f"ok{i}", "params": {"a": i, "b": 1}} for i in range(20)]
+        )
+        await events.wait("recorded", count=20)
+        assert w.watcher is not None
+        rescans = w.watcher.rescans
+        await wait_for(lambda: w.watcher.rescans >= rescans + 2)  # type: ignore[union-attr]
+        assert w.state == "running"
+    assert client.stats()["add"]["succeeded"] == 20
+    assert not [r for r in caplog.records if "claim failed" in r.message]

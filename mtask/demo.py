@@ -1,0 +1,187 @@
+"""``mtask demo``: publish a few hundred sample tasks, start three worker processes, kill one
+mid-run so its tasks are preempted, show progress live, and end with what ran where.
+
+The handlers here are also a registry you can run yourself:
+``mtask-worker mtask.demo:registry``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from mtask.client import TaskClient
+from mtask.registry import Registry, TaskContext
+
+registry = Registry()
+
+
+@registry.task("resize")
+async def resize(params: dict[str, Any]) -> dict[str, Any]:
+    await asyncio.sleep(params.get("ms", 50) / 1000)
+    return {"width": params.get("width", 640)}
+
+
+@registry.task("transcode")
+async def transcode(params: dict[str, Any]) -> str:
+    await asyncio.sleep(params.get("ms", 1500) / 1000)
+    return "done"
+
+
+@registry.task("flaky")
+def flaky(params: dict[str, Any], ctx: TaskContext) -> str:
+    if ctx.attempt == 1:
+        raise ConnectionError("upstream timed out (fails on the first attempt)")
+    return f"ok on attempt {ctx.attempt}"
+
+
+@registry.task("doomed")
+def doomed(params: dict[str, Any]) -> None:
+    raise ValueError("this sample task always fails")
+
+
+DATABASE = "mtask_demo"
+WORKERS = 3
+FAST = {"worker_timeout_ms": 3000, "ping_interval_ms": 500, "retry_delay_ms": 200}
+
+
+def sample_tasks(rng: random.Random) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    for i in range(200):
+        items.append(
+            {
+                "name": "resize",
+                "key": f"img-{i:03}",
+                "params": {"ms": rng.randint(20, 200), "width": rng.choice([320, 640])},
+                "options": FAST,
+            }
+        )
+    for i in range(60):
+        items.append(
+            {
+                "name": "transcode",
+                "key": f"video-{i:02}",
+                "params": {"ms": rng.randint(800, 2000)},
+                "options": FAST,
+            }
+        )
+    for i in range(39):
+        items.append({"name": "flaky", "key": f"flaky-{i:02}", "options": FAST})
+    items.append({"name": "doomed", "key": "doomed", "options": {**FAST, "max_retries": 2}})
+    return items
+
+
+def _spawn(uri: str, index: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mtask.runner",
+            "mtask.demo:registry",
+            "--uri",
+            uri,
+            "--database",
+            DATABASE,
+            "--worker-id",
+            f"worker-{index}",
+            "--concurrency",
+            "16",
+            "--log-level",
+            "ERROR",
+            "--grace",
+            "5",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+
+
+def _where(client: TaskClient) -> Table:
+    rows = client.collection.aggregate(
+        [
+            {"$unwind": "$runs"},
+            {"$group": {"_id": {"w": "$runs.worker_id", "s": "$runs.state"}, "n": {"$sum": 1}}},
+        ]
+    )
+    table_data: dict[str, dict[str, int]] = {}
+    for row in rows:
+        table_data.setdefault(row["_id"]["w"], {})[row["_id"]["s"]] = row["n"]
+    states = ["SUCCESS", "FAIL", "TIMEOUT", "RELEASED"]
+    table = Table("worker", *states, title="What ran where (one row per worker, runs by outcome)")
+    for worker in sorted(table_data):
+        table.add_row(worker, *(str(table_data[worker].get(s, 0)) for s in states))
+    return table
+
+
+def run_demo(uri: str | None = None, seconds: float = 120.0) -> int:
+    console = Console()
+    client = TaskClient(uri, database=DATABASE)
+    client.mongo.drop_database(DATABASE)
+    uri = _client_uri(client, uri)
+    items = sample_tasks(random.Random(7))
+    client.publish_many(items)
+    console.print(f"published {len(items)} tasks to {DATABASE}; starting {WORKERS} workers")
+    workers = [_spawn(uri, i) for i in range(1, WORKERS + 1)]
+    killed = False
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    bar = progress.add_task("finished", total=len(items))
+    deadline = time.monotonic() + seconds
+    try:
+        with Live(progress, console=console, refresh_per_second=8):
+            while time.monotonic() < deadline:
+                counts = client.stats()
+                done = sum(c.get("succeeded", 0) + c.get("failed", 0) for c in counts.values())
+                progress.update(bar, completed=done)
+                running = sum(c.get("running", 0) for c in counts.values())
+                if not killed and done > 60 and running > 0:
+                    workers[0].send_signal(signal.SIGKILL)
+                    killed = True
+                    progress.console.print(
+                        "killed worker-1 with SIGKILL mid-run; its tasks "
+                        "are taken over when their leases run out (3 s)"
+                    )
+                if done == len(items):
+                    break
+                time.sleep(0.25)
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in workers:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    console.print(_where(client))
+    doomed = client.get("doomed")
+    console.print(f"stats: {client.stats()}")
+    if doomed is not None:
+        console.print(
+            f"'doomed' ended {doomed.status} after {doomed.attempts} attempts: "
+            f"{(doomed.error or '').strip().splitlines()[-1]}"
+        )
+    finished = sum(c.get("succeeded", 0) + c.get("failed", 0) for c in client.stats().values())
+    client.close()
+    return 0 if finished == len(items) else 1
+
+
+def _client_uri(client: TaskClient, uri: str | None) -> str:
+    from mtask.connection import resolve_uri
+
+    return resolve_uri(uri)
