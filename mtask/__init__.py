@@ -1,5 +1,7 @@
 """mtask: a MongoDB-backed, multi-worker task service."""
 
+__version__ = "0.1.0"
+
 from mtask.client import AsyncTaskClient, TaskClient
 from mtask.errors import (
     EmbeddedUnavailable,
@@ -11,24 +13,30 @@ from mtask.errors import (
     TaskNotFound,
 )
 from mtask.models import PublishResult, Run, RunState, Task, TaskOptions, TaskStatus
-
-__version__ = "0.1.0"
+from mtask.registry import Fail, Registry, Retry, TaskContext
+from mtask.worker import Worker, WorkerCrashed
 
 __all__ = [
     "AsyncTaskClient",
     "EmbeddedUnavailable",
+    "Fail",
     "InvalidTask",
     "InvalidTransition",
     "LeaseLost",
     "MtaskError",
     "PublishResult",
+    "Registry",
+    "Retry",
     "Run",
     "RunState",
     "StorageError",
     "Task",
     "TaskClient",
+    "TaskContext",
     "TaskNotFound",
     "TaskOptions",
     "TaskStatus",
+    "Worker",
+    "WorkerCrashed",
     "__version__",
 ]

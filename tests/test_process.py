@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from harness import running_worker, wait_for
 from workerapp import registry
@@ -116,3 +117,41 @@ def test_signal_handlers_are_restored() -> None:
     finally:
         loop.close()
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+async def test_worker_survives_a_mongodb_restart(tmp_path: Path, db_name: str) -> None:
+    from mtask.embedded import EmbeddedMongo
+
+    server = EmbeddedMongo(tmp_path / "restart")
+    uri = server.start()
+    uri_fast = uri + "&serverSelectionTimeoutMS=2000"
+    try:
+        with TaskClient(uri_fast, database=db_name) as client:
+            async with running_worker(registry, uri_fast, db_name) as (worker, events):
+                client.publish("sleep", "across", {"seconds": 4})
+                await events.wait("claimed", key="across")
+                await asyncio.to_thread(server.stop)
+                await asyncio.sleep(1.0)  # an outage: the worker must ride it out
+                assert await asyncio.to_thread(server.start) == uri  # same port, same data
+                await events.wait("recorded", key="across", timeout=60)
+                client.publish("add", "after", {"a": 1, "b": 1})
+                await events.wait("recorded", key="after", timeout=60)
+                assert worker.state == "running"
+            task = client.get("across")
+            assert task is not None and task.status == "succeeded" and task.attempts == 1
+    finally:
+        server.stop()
+
+
+def test_demo_runs_and_preempts(mongo_uri: str, mongo: Any) -> None:
+    from mtask.demo import DATABASE, run_demo
+
+    try:
+        assert run_demo(mongo_uri, seconds=90) == 0
+        tasks = mongo[DATABASE]["tasks"]
+        assert tasks.count_documents({"status": {"$in": ["pending", "running"]}}) == 0
+        assert tasks.count_documents({"runs.state": "TIMEOUT"}) > 0  # worker-1 was preempted
+        doomed = tasks.find_one({"_id": "doomed"})
+        assert doomed is not None and doomed["status"] == "failed" and doomed["attempts"] == 3
+    finally:
+        mongo.drop_database(DATABASE)
