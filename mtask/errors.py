@@ -51,9 +51,14 @@ class LeaseLost(MtaskError):
 
 
 class StorageError(MtaskError):
-    """MongoDB could not be reached or refused an operation."""
+    """MongoDB could not be reached or refused an operation. ``transient`` is True when trying
+    again later may succeed (no connection, no primary, shutting down)."""
 
     default_message = "MongoDB could not be reached or refused the operation"
+
+    def __init__(self, message: str | None = None, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 class EmbeddedUnavailable(StorageError):

@@ -227,9 +227,14 @@ def set_run_fields(run_id: str, fields: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _expired(now: dt.datetime) -> dict[str, Any]:
+    """Condition on ``$$r``: a RUNNING run whose lease ended by ``now``."""
+    return {"$and": [{"$eq": ["$$r.state", RUNNING]}, {"$lte": ["$$r.lease_expires_at", now]}]}
+
+
 def expire_leases_expr(now: dt.datetime) -> dict[str, Any]:
     """Expression: ``runs`` with every RUNNING run whose lease ended by ``now`` made TIMEOUT."""
-    expired = {"$and": [{"$eq": ["$$r.state", RUNNING]}, {"$lte": ["$$r.lease_expires_at", now]}]}
+    expired = _expired(now)
     return {
         "$map": {
             "input": "$runs",
@@ -255,20 +260,7 @@ def expire_leases_expr(now: dt.datetime) -> dict[str, Any]:
 
 
 def count_expired_expr(now: dt.datetime) -> dict[str, Any]:
-    return {
-        "$size": {
-            "$filter": {
-                "input": "$runs",
-                "as": "r",
-                "cond": {
-                    "$and": [
-                        {"$eq": ["$$r.state", RUNNING]},
-                        {"$lte": ["$$r.lease_expires_at", now]},
-                    ]
-                },
-            }
-        }
-    }
+    return {"$size": {"$filter": {"input": "$runs", "as": "r", "cond": _expired(now)}}}
 
 
 def live_runs_expr(now: dt.datetime, runs: str | Sequence[Any] = "$runs") -> dict[str, Any]:

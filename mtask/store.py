@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from pymongo import ASCENDING, DESCENDING, IndexModel, ReturnDocument, UpdateOne
 from pymongo.errors import (
+    ConnectionFailure,
     DuplicateKeyError,
     OperationFailure,
     PyMongoError,
@@ -669,7 +670,10 @@ def heartbeat(info: Mapping[str, Any], now: dt.datetime) -> Op[Doc]:
         "find_one_and_update",
         (
             {"_id": info["_id"]},
-            {"$set": {**fields, "last_seen": now}, "$setOnInsert": {"stop_requested": False}},
+            {
+                "$set": {**fields, "last_seen": now},
+                "$setOnInsert": {"stop_requested": False, "started_at": now},
+            },
         ),
         {"upsert": True, "return_document": ReturnDocument.AFTER},
         collection="workers",
@@ -728,13 +732,31 @@ def collections(db: Any, tasks: str = "tasks") -> dict[str, Any]:
     return {"tasks": db[tasks], "workers": db["workers"], "controls": db["controls"]}
 
 
+# Server errors after which the same operation may succeed later: no primary, shutting down,
+# network trouble on the server's side.
+TRANSIENT_CODES = frozenset({6, 7, 89, 91, 189, 262, 9001, 10107, 11600, 11602, 13435, 13436})
+
+
+def is_transient(exc: PyMongoError) -> bool:
+    if isinstance(exc, ConnectionFailure):  # includes AutoReconnect, timeouts, no server
+        return True
+    if exc.has_error_label("RetryableWriteError") or exc.has_error_label(
+        "TransientTransactionError"
+    ):
+        return True
+    return isinstance(exc, OperationFailure) and exc.code in TRANSIENT_CODES
+
+
 def storage_error(exc: PyMongoError) -> StorageError:
     """A short, plain message for a driver error (no topology dumps)."""
+    transient = is_transient(exc)
     if isinstance(exc, ServerSelectionTimeoutError):
-        return StorageError(f"cannot reach MongoDB: {str(exc).split(' (configured timeouts')[0]}")
-    if isinstance(exc, OperationFailure) and exc.code in (13, 18):
-        return StorageError(f"MongoDB refused the credentials or the operation: {exc.details}")
-    return StorageError(f"MongoDB: {type(exc).__name__}: {str(exc)[:500]}")
+        text = f"cannot reach MongoDB: {str(exc).split(' (configured timeouts')[0]}"
+    elif isinstance(exc, OperationFailure) and exc.code in (13, 18):
+        text = f"MongoDB refused the credentials or the operation: {exc.details}"
+    else:
+        text = f"MongoDB: {type(exc).__name__}: {str(exc)[:500]}"
+    return StorageError(text, transient=transient)
 
 
 class SyncDriver:

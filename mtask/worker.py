@@ -142,6 +142,7 @@ class Worker:
         self._server_clock = self.clock if isinstance(self.clock, ServerClock) else None
         self._on_event = on_event
         self._runs: dict[str, _Run] = {}
+        self._keys: dict[str, int] = {}  # key -> runs of it in flight here
         self._wake = asyncio.Event()
         self._stop_now = asyncio.Event()
         self._outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
@@ -225,9 +226,10 @@ class Worker:
                 await self._heartbeat_once()
                 return
             except (StorageError, PyMongoError) as exc:
-                if self.state != "running":
-                    raise
-                log.warning("cannot reach MongoDB yet, retrying in %.1fs: %s", backoff, exc)
+                error = exc if isinstance(exc, StorageError) else store.storage_error(exc)
+                if self.state != "running" or not error.transient:
+                    raise error from exc
+                log.warning("cannot reach MongoDB yet, retrying in %.1fs: %s", backoff, error)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 10)
 
@@ -286,12 +288,10 @@ class Worker:
                     "running": [
                         {"key": r.key, "run_id": r.run_id} for r in list(self._runs.values())[:50]
                     ],
-                    "started_at": getattr(self, "_started_at", now),
                 },
                 now,
             )
         )
-        self._started_at = doc.get("started_at", now)
         if doc.get("stop_requested") and self.state == "running":
             log.info("stop requested remotely")
             self.stop()
@@ -331,7 +331,7 @@ class Worker:
         return [n for n in self.names if n not in self.paused]
 
     def _key_in_flight(self, key: str) -> bool:
-        return any(r.key == key for r in self._runs.values())
+        return key in self._keys
 
     # -- the main loop --------------------------------------------------------------------------
 
@@ -398,6 +398,7 @@ class Worker:
         )
         run = _Run(key=doc["_id"], name=doc["name"], run_id=run_id, ctx=ctx)
         self._runs[run_id] = run
+        self._keys[run.key] = self._keys.get(run.key, 0) + 1
         self.queue.discard(run.key)
         assert self.pinger is not None
         self.pinger.add(run.key, run_id, options["ping_interval_ms"], options["worker_timeout_ms"])
@@ -414,6 +415,9 @@ class Worker:
                 raise
         finally:
             self._runs.pop(run.run_id, None)
+            left = self._keys.pop(run.key, 1) - 1
+            if left:
+                self._keys[run.key] = left
             if self.pinger is not None:
                 self.pinger.remove(run.run_id)
             self._wake.set()
@@ -492,9 +496,7 @@ class Worker:
             self.stats.cancelled += 1
             self._emit("cancelled", key=run.key, run_id=run.run_id)
             return Outcome(run.key, run.run_id, RunState.CANCELLED, error="cancelled")
-        if reason == "lost":
-            return None
-        return None
+        return None  # lost: another run owns the task; nothing may be written
 
     def _lost_threadsafe(
         self, loop: asyncio.AbstractEventLoop, run_id: str, doc: dict[str, Any] | None
@@ -532,15 +534,7 @@ class Worker:
             batch = [await self._outcomes.get()]
             while not self._outcomes.empty() and len(batch) < 500:
                 batch.append(self._outcomes.get_nowait())
-            backoff = 0.2
-            while True:
-                try:
-                    recorded = await self.driver.run(store.finish_many(batch, self.clock.now()))
-                    break
-                except StorageError as exc:  # keep them: the fence makes a rewrite harmless
-                    log.warning("cannot record %d outcome(s) yet, retrying: %s", len(batch), exc)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5)
+            recorded = await self._record(batch)
             if recorded < len(batch):
                 log.info(
                     "%d of %d outcome(s) were fenced out (their runs lost the task)",
@@ -553,32 +547,66 @@ class Worker:
                     "recorded", key=outcome.key, run_id=outcome.run_id, state=outcome.state.value
                 )
 
+    async def _record(self, batch: list[Outcome]) -> int:
+        """Write outcomes, retrying transient errors until they land (the fence makes a repeat
+        harmless). A batch refused for another reason is written one by one; an outcome the
+        server refuses is logged and dropped: its run's lease then runs out and the task is
+        retried, so nothing is lost."""
+        backoff = 0.2
+        while True:
+            try:
+                return await self.driver.run(store.finish_many(batch, self.clock.now()))
+            except StorageError as exc:
+                if not exc.transient:
+                    break
+                log.warning("cannot record %d outcome(s) yet, retrying: %s", len(batch), exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5)
+        recorded = 0
+        for outcome in batch:
+            try:
+                recorded += await self.driver.run(store.finish_many([outcome], self.clock.now()))
+            except StorageError as exc:
+                if exc.transient:
+                    recorded += await self._record([outcome])
+                else:
+                    log.error(
+                        "cannot record the outcome of %s run %s; the task will be retried "
+                        "when its lease ends: %s",
+                        outcome.key,
+                        outcome.run_id[:8],
+                        exc,
+                    )
+        return recorded
+
     # -- stopping -------------------------------------------------------------------------------
 
     async def _drain(self) -> None:
-        tasks = [r.task for r in self._runs.values() if r.task is not None]
-        if tasks and not self._stop_now.is_set():
-            log.info("stopping: waiting up to %.0fs for %d run(s)", self.grace, len(tasks))
-            stop_now = asyncio.create_task(self._stop_now.wait())
-            await asyncio.wait(
-                [*tasks, stop_now], timeout=self.grace, return_when=asyncio.FIRST_COMPLETED
-            )
-            while not stop_now.done() and any(not t.done() for t in tasks):
-                pending = [t for t in tasks if not t.done()]
-                done, _ = await asyncio.wait(
-                    [*pending, stop_now], timeout=self.grace, return_when=asyncio.FIRST_COMPLETED
-                )
-                if not done:
+        """Step one of stopping: wait up to ``grace`` (or until an immediate stop) for the runs
+        in flight; step two: cancel what is left and release it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.grace
+        stop_now = asyncio.create_task(self._stop_now.wait())
+        try:
+            while not stop_now.done():
+                pending = [r.task for r in self._runs.values() if r.task and not r.task.done()]
+                remaining = deadline - loop.time()
+                if not pending or remaining <= 0:
                     break
+                log.info("stopping: waiting up to %.1fs for %d run(s)", remaining, len(pending))
+                await asyncio.wait(
+                    [*pending, stop_now], timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
+        finally:
             stop_now.cancel()
         for run in list(self._runs.values()):
             if run.task is not None and not run.task.done():
                 run.stop_reason = "shutdown"
                 run.ctx.cancelled.set()
                 run.task.cancel()
-        remaining = [r.task for r in self._runs.values() if r.task is not None]
-        if remaining:
-            await asyncio.gather(*remaining, return_exceptions=True)
+        stopping = [r.task for r in self._runs.values() if r.task is not None]
+        if stopping:
+            await asyncio.gather(*stopping, return_exceptions=True)
         if self._crash is None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._outcomes.join(), timeout=30)

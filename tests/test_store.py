@@ -199,3 +199,15 @@ def test_scan_pages_through_everything(tc: TaskClient, clock: FixedClock) -> Non
         seen += [d["_id"] for d in page]
         after = (page[-1]["next_claim_at"], page[-1]["_id"])
     assert seen == [f"k{i:03}" for i in range(25)]
+
+
+def test_transient_errors_are_told_apart() -> None:
+    from pymongo.errors import AutoReconnect, OperationFailure, ServerSelectionTimeoutError
+
+    from mtask.store import storage_error
+
+    assert storage_error(AutoReconnect("connection reset")).transient
+    assert storage_error(ServerSelectionTimeoutError("no primary")).transient
+    assert storage_error(OperationFailure("stepped down", code=189)).transient
+    assert not storage_error(OperationFailure("conflict", code=40)).transient
+    assert not storage_error(OperationFailure("auth failed", code=18)).transient

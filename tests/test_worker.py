@@ -417,3 +417,20 @@ async def test_malformed_documents_do_not_stop_the_worker(
         assert w.state == "running"
     assert client.stats()["add"]["succeeded"] == 20
     assert not [r for r in caplog.records if "claim failed" in r.message]
+
+
+async def test_refused_outcome_does_not_block_the_others(
+    mongo_uri: str, db_name: str, client: TaskClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="mtask.worker")
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        client.publish("too_deep", "deep", options={"worker_timeout_ms": 500, "max_retries": 0})
+        client.publish_many(
+            [{"name": "add", "key": f"n{i}", "params": {"a": i, "b": 0}} for i in range(10)]
+        )
+        await wait_for(lambda: client.stats().get("add", {}).get("succeeded") == 10)
+        # the refused outcome was dropped; the lease runs out and the retry budget decides
+        await wait_for(lambda: client.get("deep").status == "failed")  # type: ignore[union-attr]
+    assert any("cannot record the outcome of deep" in r.message for r in caplog.records)
+    task = client.get("deep")
+    assert task is not None and task.runs[0].state == "TIMEOUT"

@@ -78,3 +78,11 @@ def huge_result(params: dict[str, object]) -> str:
 async def follow_up(params: dict[str, object], ctx: TaskContext) -> str:
     await ctx.publish("add", f"{ctx.key}/next", {"a": 1, "b": 2})
     return "published"
+
+
+@registry.task("too_deep")
+def too_deep(params: dict[str, object]) -> dict[str, object]:
+    result: dict[str, object] = {}
+    for _ in range(200):  # BSON can encode it; the server refuses nesting this deep
+        result = {"x": result}
+    return result
