@@ -577,7 +577,15 @@ class Worker:
                         outcome.run_id[:8],
                         exc,
                     )
+                    await self._replace_dropped(outcome.key)
         return recorded
+
+    async def _replace_dropped(self, key: str) -> None:
+        """No write, so no change event: put the task back in the queue for its lease's end."""
+        with contextlib.suppress(StorageError):
+            for doc in await self.driver.run(store.placements([key])):
+                if self.watcher is not None:
+                    self.watcher.place(doc)
 
     # -- stopping -------------------------------------------------------------------------------
 

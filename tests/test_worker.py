@@ -423,7 +423,7 @@ async def test_refused_outcome_does_not_block_the_others(
     mongo_uri: str, db_name: str, client: TaskClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.ERROR, logger="mtask.worker")
-    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+    async with running_worker(registry, mongo_uri, db_name):
         client.publish("too_deep", "deep", options={"worker_timeout_ms": 500, "max_retries": 0})
         client.publish_many(
             [{"name": "add", "key": f"n{i}", "params": {"a": i, "b": 0}} for i in range(10)]
