@@ -57,6 +57,7 @@ class Watcher:
         clock: Clock,
         wake: Callable[[], None],
         in_flight: Callable[[str], bool],
+        on_control: Callable[[], None] = lambda: None,
         sweep_interval: float = 30.0,
         stagger_ms: float = 25.0,
         page_size: int = 1000,
@@ -67,6 +68,7 @@ class Watcher:
         self.clock = clock
         self.wake = wake
         self.in_flight = in_flight
+        self.on_control = on_control
         self.sweep_interval = sweep_interval
         self.stagger = dt.timedelta(milliseconds=stagger_ms)
         self.page_size = page_size
@@ -111,6 +113,9 @@ class Watcher:
     def _on_change(self, change: Mapping[str, Any]) -> None:
         self.events += 1
         if self.drop_events:
+            return
+        if change.get("ns", {}).get("coll") == "controls":
+            self.on_control()  # a name was paused or resumed
             return
         key = change.get("documentKey", {}).get("_id")
         doc = change.get("fullDocument")
@@ -173,24 +178,24 @@ class Watcher:
 
     # -- the change stream ----------------------------------------------------------------------
 
-    def _pipeline(self) -> list[dict[str, Any]]:
+    def _pipeline(self, tasks: str) -> list[dict[str, Any]]:
+        task_events = {
+            "ns.coll": tasks,
+            "$or": [
+                {"operationType": {"$in": ["insert", "replace", "delete"]}},
+                {
+                    "operationType": "update",
+                    "updateDescription.updatedFields.next_claim_at": {"$exists": True},
+                },
+            ],
+        }
         return [
-            {
-                "$match": {
-                    "$or": [
-                        {"operationType": {"$in": ["insert", "replace"]}},
-                        {"operationType": "delete"},
-                        {
-                            "operationType": "update",
-                            "updateDescription.updatedFields.next_claim_at": {"$exists": True},
-                        },
-                    ]
-                }
-            },
+            {"$match": {"$or": [task_events, {"ns.coll": "controls"}]}},
             {
                 "$project": {
                     "operationType": 1,
                     "documentKey": 1,
+                    "ns": 1,
                     **{f"fullDocument.{f}": 1 for f in ("_id", *store.PLACEMENT_FIELDS)},
                 }
             },
@@ -198,12 +203,14 @@ class Watcher:
 
     async def run_stream(self) -> None:
         collection = self.driver.collections["tasks"]
+        # One stream on the database: the tasks collection and the pause/resume controls.
+        database = collection.database
         token: Mapping[str, Any] | None = None
         backoff = 0.1
         while True:
             try:
-                stream = await collection.watch(
-                    self._pipeline(),
+                stream = await database.watch(
+                    self._pipeline(collection.name),
                     full_document="updateLookup",
                     resume_after=token,
                     max_await_time_ms=500,

@@ -145,6 +145,7 @@ class Worker:
         self._keys: dict[str, int] = {}  # key -> runs of it in flight here
         self._wake = asyncio.Event()
         self._stop_now = asyncio.Event()
+        self._controls_changed = asyncio.Event()
         self._outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
         self._side: list[asyncio.Task[None]] = []
         self._crash: BaseException | None = None
@@ -241,6 +242,7 @@ class Worker:
             clock=self.clock,
             wake=self._wake.set,
             in_flight=self._key_in_flight,
+            on_control=self._controls_changed.set,
             sweep_interval=self._sweep_interval,
             stagger_ms=self._stagger_ms,
         )
@@ -318,7 +320,10 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         beats = 0
         while True:
-            await asyncio.sleep(self.heartbeat_interval)
+            # A change to the controls (pause/resume) beats at once instead of waiting.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._controls_changed.wait(), self.heartbeat_interval)
+            self._controls_changed.clear()
             try:
                 beats += 1
                 if self._server_clock is not None and beats % 15 == 0:

@@ -267,7 +267,7 @@ async def test_killed_change_stream_resumes(
                 {"$currentOp": {"idleCursors": True, "allUsers": True}},
                 {
                     "$match": {
-                        "ns": f"{db_name}.tasks",
+                        "ns": {"$regex": f"^{db_name}\\."},
                         "cursor.originatingCommand.pipeline.0.$changeStream": {"$exists": True},
                     }
                 },
@@ -275,10 +275,11 @@ async def test_killed_change_stream_resumes(
         )
         killed = 0
         for op in ops:
-            client.mongo[db_name].command(
-                "killCursors", "tasks", cursors=[op["cursor"]["cursorId"]]
+            collection = op["ns"].split(".", 1)[1]  # "$cmd.aggregate" for a database stream
+            reply = client.mongo[db_name].command(
+                "killCursors", collection, cursors=[op["cursor"]["cursorId"]]
             )
-            killed += 1
+            killed += len(reply["cursorsKilled"])
         assert killed >= 1
         client.publish("add", "after-kill", {"a": 1, "b": 1})
         await events.wait("recorded", key="after-kill")
@@ -434,3 +435,30 @@ async def test_refused_outcome_does_not_block_the_others(
     assert any("cannot record the outcome of deep" in r.message for r in caplog.records)
     task = client.get("deep")
     assert task is not None and task.runs[0].state == "TIMEOUT"
+
+
+async def test_pause_reaches_workers_without_waiting_for_a_heartbeat(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name, heartbeat_interval=3600) as (
+        _,
+        events,
+    ):
+        client.pause("echo")
+        await events.wait("paused_changed", paused=["echo"], timeout=5)
+        client.resume("echo")
+        await events.wait("paused_changed", paused=[], timeout=5)
+
+
+async def test_changed_ping_interval_applies_at_the_next_ping(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name) as (worker, events):
+        client.publish("sleep", "p", options={"ping_interval_ms": 100})
+        claimed = await events.wait("claimed", key="p")
+        assert worker.pinger is not None
+        lease = worker.pinger._leases[claimed["run_id"]]
+        client.collection.update_one({"_id": "p"}, {"$set": {"options.ping_interval_ms": 250}})
+        await wait_for(lambda: lease.interval == 0.25)
+        pings = worker.pinger.pings
+        await wait_for(lambda: worker.pinger.pings >= pings + 2)  # type: ignore[union-attr]
