@@ -93,12 +93,13 @@ async def _serve(worker: Worker) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(message)s",
-        datefmt="[%X]",
-        handlers=[RichHandler(console=err, show_path=False, rich_tracebacks=False)],
-    )
+    if sys.stderr.isatty():
+        handler: logging.Handler = RichHandler(console=err, show_path=False)
+        handler.setFormatter(logging.Formatter("%(message)s", datefmt="[%X]"))
+    else:  # logs to a file or a collector: one plain line per event
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    logging.basicConfig(level=args.log_level, handlers=[handler])
     logging.getLogger("pymongo").setLevel(logging.WARNING)
     try:
         registry = load_registry(args.registry)

@@ -478,7 +478,7 @@ class Worker:
             "failed",
             key=run.key,
             run_id=run.run_id,
-            error=error.splitlines()[-1:],
+            error=(error.strip().splitlines() or [""])[-1],
             permanent=permanent,
         )
         return Outcome(
