@@ -1,0 +1,429 @@
+"""``python -m mtask.bench`` (also ``mtask bench``): throughput and latency on a real server.
+
+Every throughput figure is also printed as a ratio to W0, the same server doing the minimum a
+claim + completion cycle needs with raw PyMongo, measured in the same run: the machine is noisy,
+so only ratios within one run compare. Results go to a table and to ``bench/results.md``.
+Benchmarks measure; no test asserts a wall-clock figure (``--quick`` runs in CI so the suite
+never rots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pymongo import MongoClient, UpdateOne
+from rich.console import Console
+from rich.table import Table
+
+from mtask import store
+from mtask.client import AsyncTaskClient, TaskClient
+from mtask.connection import resolve_uri
+from mtask.registry import Registry, TaskContext
+
+registry = Registry()
+
+
+@registry.task("noop")
+async def noop(params: dict[str, Any]) -> None:
+    return None
+
+
+@registry.task("stamp")
+async def stamp(params: dict[str, Any], ctx: TaskContext) -> float:
+    return time.time()  # handler start, on the same host as the publisher
+
+
+@registry.task("hold")
+async def hold(params: dict[str, Any]) -> None:
+    await asyncio.sleep(3600)
+
+
+@dataclass
+class Sizes:
+    baseline: int
+    drain: int
+    latency: int
+    takeover: int
+    scale_small: int
+    scale_large: int
+    stampede: int
+    publish: int
+
+
+FULL = Sizes(20_000, 50_000, 300, 20, 10_000, 1_000_000, 1_000, 20_000)
+QUICK = Sizes(2_000, 3_000, 40, 20, 2_000, 20_000, 40, 2_000)
+
+
+@dataclass
+class Result:
+    name: str
+    figure: str
+    target: str
+    met: bool | None
+    notes: str = ""
+    values: dict[str, float] = field(default_factory=dict)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class Bench:
+    def __init__(self, uri: str, sizes: Sizes, console: Console) -> None:
+        self.uri = uri
+        self.sizes = sizes
+        self.console = console
+        self.mongo: MongoClient[dict[str, Any]] = MongoClient(uri, w="majority", tz_aware=True)
+        self.results: list[Result] = []
+        self.w0 = 0.0
+
+    def db(self) -> str:
+        name = f"mtask_bench_{uuid.uuid4().hex[:8]}"
+        return name
+
+    def drop(self, name: str) -> None:
+        self.mongo.drop_database(name)
+
+    def record(self, result: Result) -> None:
+        self.results.append(result)
+        mark = {True: "[green]met[/]", False: "[red]not met[/]", None: ""}[result.met]
+        self.console.print(f"{result.name}: {result.figure} (target {result.target}) {mark}")
+
+    # -- W0 ------------------------------------------------------------------------------------
+
+    def w0_baseline(self) -> None:
+        name = self.db()
+        coll = self.mongo[name]["raw"]
+        n, batch = self.sizes.baseline, 64
+        now = dt.datetime.now(dt.UTC)
+        for start in range(0, n, 1000):
+            coll.insert_many([{"_id": f"k{i}", "s": 0, "p": {}, "t": now}
+                              for i in range(start, min(n, start + 1000))])
+        ids = [f"k{i}" for i in range(n)]
+        began = time.perf_counter()
+        for start in range(0, n, batch):
+            chunk = ids[start : start + batch]
+            coll.update_many({"_id": {"$in": chunk}, "s": 0},
+                             {"$set": {"s": 1, "w": "raw", "l": now}})
+            list(coll.find({"_id": {"$in": chunk}, "s": 1}))
+            coll.bulk_write([UpdateOne({"_id": k, "s": 1}, {"$set": {"s": 2, "r": None}})
+                             for k in chunk], ordered=False)
+        elapsed = time.perf_counter() - began
+        self.drop(name)
+        self.w0 = n / elapsed
+        self.record(Result("W0 baseline", f"{self.w0:,.0f} cycles/s", "the limit", None,
+                           "raw PyMongo: update_many claim + find + bulk completion, batches of 64",
+                           {"per_s": self.w0}))
+
+    # -- W1 and W7 ------------------------------------------------------------------------------
+
+    def w1_drain(self) -> None:
+        name = self.db()
+        n = self.sizes.drain
+        with TaskClient(self.uri, database=name) as client:
+            client.publish_many({"name": "noop", "key": f"d{i}"} for i in range(n))
+        proc = spawn_worker(self.uri, name, "--concurrency", "64")
+        peak_kb = 0
+        try:
+            counts = self.mongo[name]["tasks"]
+            while counts.count_documents({"status": "succeeded"}) < n:
+                peak_kb = max(peak_kb, peak_rss_kb(proc.pid))
+                if proc.poll() is not None:
+                    raise RuntimeError("the worker exited during W1")
+                time.sleep(0.2)
+            peak_kb = max(peak_kb, peak_rss_kb(proc.pid))
+        finally:
+            stop_process(proc)
+        span = next(self.mongo[name]["tasks"].aggregate([
+            {"$unwind": "$runs"},
+            {"$group": {"_id": None, "a": {"$min": "$runs.claimed_at"},
+                        "b": {"$max": "$runs.finished_at"}}},
+        ]))
+        seconds = (span["b"] - span["a"]).total_seconds()
+        self.drop(name)
+        rate = n / seconds
+        ratio = rate / self.w0 if self.w0 else 0.0
+        self.record(Result("W1 drain", f"{rate:,.0f} tasks/s = {ratio:.0%} of W0",
+                           "≥ 60% of W0", ratio >= 0.6,
+                           f"{n:,} no-op tasks, one mtask-worker process, concurrency 64",
+                           {"per_s": rate, "ratio": ratio}))
+        mb = peak_kb / 1024
+        self.record(Result("W7 memory", f"{mb:.0f} MB peak RSS", "≤ 150 MB", mb <= 150,
+                           "the W1 worker", {"mb": mb}))
+
+    # -- W2 -------------------------------------------------------------------------------------
+
+    def w2_latency(self) -> None:
+        name = self.db()
+        proc = spawn_worker(self.uri, name, "--concurrency", "16")
+        try:
+            with TaskClient(self.uri, database=name) as client:
+                wait_for_worker(client, proc)
+                published: dict[str, float] = {}
+                for i in range(self.sizes.latency):
+                    key = f"l{i}"
+                    published[key] = time.time()
+                    client.publish("stamp", key)
+                    time.sleep(0.02)
+                wait_until(lambda: client.stats().get("stamp", {}).get("succeeded", 0)
+                           == self.sizes.latency)
+                lat = [(t.result - published[t.key]) * 1000
+                       for t in client.list(name="stamp", limit=10_000)]
+        finally:
+            stop_process(proc)
+            self.drop(name)
+        p50, p99, worst = pct(lat, 0.5), pct(lat, 0.99), max(lat)
+        self.record(Result("W2 latency", f"p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {worst:.1f} ms",
+                           "p50 ≤ 5 ms, p99 ≤ 15 ms", p50 <= 5 and p99 <= 15,
+                           f"{len(lat)} tasks published 20 ms apart to one idle worker; "
+                           "publish call → handler start", {"p50": p50, "p99": p99, "max": worst}))
+
+    # -- W3 -------------------------------------------------------------------------------------
+
+    def w3_takeover(self) -> None:
+        name = self.db()
+        n = self.sizes.takeover
+        victim = spawn_worker(self.uri, name, "--concurrency", str(n), "--worker-id", "victim")
+        rescuer = None
+        try:
+            with TaskClient(self.uri, database=name) as client:
+                client.publish_many({"name": "hold", "key": f"h{i}", "options":
+                                     {"worker_timeout_ms": 2000, "ping_interval_ms": 500}}
+                                    for i in range(n))
+                wait_until(lambda: client.stats().get("hold", {}).get("running", 0) == n)
+                rescuer = spawn_worker(self.uri, name, "--concurrency", str(n))
+                wait_for_worker(client, rescuer, count=2)
+                killed_at = client.now()
+                victim.send_signal(signal.SIGKILL)
+                wait_until(lambda: client.collection.count_documents({"runs.1": {"$exists": True},
+                                                                     "runs.1.state": "RUNNING"})
+                           == n, timeout=60)
+                waits = [(t.runs[1].claimed_at - killed_at).total_seconds()
+                         for t in client.list(limit=n)]
+        finally:
+            stop_process(victim)
+            if rescuer is not None:
+                stop_process(rescuer)
+            self.drop(name)
+        worst = max(waits)
+        self.record(Result("W3 takeover", f"p50 {pct(waits, 0.5):.2f} s, max {worst:.2f} s",
+                           "≤ 3.0 s (timeout 2 s + 1 s)", worst <= 3.0,
+                           f"{n} tasks held by a worker killed with SIGKILL",
+                           {"p50": pct(waits, 0.5), "max": worst}))
+
+    # -- W4 -------------------------------------------------------------------------------------
+
+    def _claim_p50(self, total: int) -> float:
+        name = self.db()
+        coll = self.mongo[name]["tasks"]
+        with TaskClient(self.uri, database=name) as client:
+            now = client.now()
+            client.publish("noop", "warm")
+            finished = {k: v for k, v in store.new_document(
+                store.NewTask.build("noop", "x"), now).items() if k != "_id"}
+            finished.update(status="succeeded", next_claim_at=None, successes=1)
+            for start in range(0, total - 1000, 10_000):
+                coll.insert_many([{"_id": f"f{i}", **finished}
+                                  for i in range(start, min(total - 1000, start + 10_000))])
+            client.publish_many({"name": "noop", "key": f"p{i}"} for i in range(1000))
+            times = []
+            for i in range(1000):
+                began = time.perf_counter()
+                client._run(store.claim([f"p{i}"], ["noop"], "bench", client.now()))
+                times.append((time.perf_counter() - began) * 1000)
+        self.drop(name)
+        return statistics.median(times)
+
+    def w4_scale(self) -> None:
+        small, large = self.sizes.scale_small, self.sizes.scale_large
+        a, b = self._claim_p50(small), self._claim_p50(large)
+        ratio = b / a
+        self.record(Result("W4 scale", f"claim p50 {a:.2f} ms at {small:,} vs {b:.2f} ms at "
+                           f"{large:,} tasks: ratio {ratio:.2f}", "≤ 1.5", ratio <= 1.5,
+                           "1,000 pending, the rest finished", {"ratio": ratio}))
+
+    # -- W5 -------------------------------------------------------------------------------------
+
+    def w5_stampede(self) -> None:
+        from mtask.worker import Worker
+
+        name = self.db()
+        n = self.sizes.stampede
+
+        async def run() -> float:
+            workers = [Worker(registry, uri=self.uri, database=name, names=["noop"],
+                              heartbeat_interval=0.5) for _ in range(4)]
+            tasks = [asyncio.create_task(w.run()) for w in workers]
+            async with AsyncTaskClient(self.uri, database=name) as client:
+                while any(len(w._peers.get("noop", ())) < 4 for w in workers):
+                    await asyncio.sleep(0.05)
+                for i in range(n):
+                    await client.publish("noop", f"s{i}")
+                    while (await client.get(f"s{i}")).status != "succeeded":  # type: ignore[union-attr]
+                        await asyncio.sleep(0.002)
+            for w in workers:
+                w.stop()
+            await asyncio.gather(*tasks)
+            return sum(w.stats.claim_attempts for w in workers) / sum(w.stats.claimed
+                                                                      for w in workers)
+
+        per_task = asyncio.run(run())
+        self.drop(name)
+        self.record(Result("W5 stampede", f"{per_task:.2f} claim attempts per task", "≤ 1.5",
+                           per_task <= 1.5, f"4 idle workers, {n} tasks published one at a time",
+                           {"attempts": per_task}))
+
+    # -- W6 -------------------------------------------------------------------------------------
+
+    def w6_publish(self) -> None:
+        n = self.sizes.publish
+        name = self.db()
+
+        async def singles() -> float:
+            async with AsyncTaskClient(self.uri, database=name) as client:
+                await client.publish("noop", "warm")
+                sem = asyncio.Semaphore(32)
+
+                async def one(i: int) -> None:
+                    async with sem:
+                        await client.publish("noop", f"one{i}")
+
+                began = time.perf_counter()
+                await asyncio.gather(*(one(i) for i in range(n // 4)))
+                return (n // 4) / (time.perf_counter() - began)
+
+        single = asyncio.run(singles())
+        with TaskClient(self.uri, database=name) as client:
+            began = time.perf_counter()
+            client.publish_many({"name": "noop", "key": f"many{i}"} for i in range(n))
+            many = n / (time.perf_counter() - began)
+        self.drop(name)
+        self.record(Result("W6 publish", f"publish {single:,.0f}/s (32 at once), publish_many "
+                           f"{many:,.0f}/s", "publish_many ≥ 5,000/s", many >= 5000,
+                           "", {"single": single, "many": many}))
+
+    # -- report ---------------------------------------------------------------------------------
+
+    def report(self, path: Path, quick: bool) -> None:
+        table = Table("workload", "figure", "target", "met", "notes")
+        for r in self.results:
+            table.add_row(r.name, r.figure, r.target,
+                          {True: "yes", False: "NO", None: "-"}[r.met], r.notes)
+        self.console.print(table)
+        version = self.mongo.server_info()["version"]
+        lines = [
+            "# mtask benchmark results",
+            "",
+            f"- date: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC; mode: "
+            f"{'quick (CI sizes)' if quick else 'full'}",
+            f"- machine: {os.cpu_count()} cores, {mem_gib():.0f} GiB, {platform.platform()}, "
+            f"Python {platform.python_version()}",
+            f"- MongoDB {version} on the same machine, single-node replica set, "
+            "write concern majority",
+            "",
+            "| workload | figure | target | met | notes |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for r in self.results:
+            met = {True: "yes", False: "**no**", None: "-"}[r.met]
+            lines.append(f"| {r.name} | {r.figure} | {r.target} | {met} | {r.notes} |")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+        self.console.print(f"written to {path}")
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def spawn_worker(uri: str, database: str, *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "mtask.runner", "mtask.bench:registry", "--uri", uri,
+         "--database", database, "--log-level", "WARNING", *extra],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+    )
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError("benchmark condition not reached in time")
+        time.sleep(0.05)
+
+
+def wait_for_worker(client: TaskClient, proc: subprocess.Popen[bytes], count: int = 1) -> None:
+    wait_until(lambda: len(client.workers()) >= count or proc.poll() is not None, timeout=60)
+    if proc.poll() is not None:
+        raise RuntimeError("the benchmark worker exited")
+    time.sleep(0.5)  # its change stream and first scan
+
+
+def peak_rss_kb(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def mem_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        return 0.0
+
+
+WORKLOADS = {
+    "W0": Bench.w0_baseline, "W1": Bench.w1_drain, "W2": Bench.w2_latency,
+    "W3": Bench.w3_takeover, "W4": Bench.w4_scale, "W5": Bench.w5_stampede,
+    "W6": Bench.w6_publish,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mtask bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--uri", help="MongoDB URI (default: $MTASK_MONGODB_URI, else embedded)")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for CI")
+    parser.add_argument("--only", help="comma-separated workloads, e.g. W0,W1")
+    parser.add_argument("--output", default="bench/results.md")
+    args = parser.parse_args(argv)
+    console = Console(highlight=False)
+    bench = Bench(resolve_uri(args.uri), QUICK if args.quick else FULL, console)
+    chosen = args.only.split(",") if args.only else list(WORKLOADS)
+    if "W1" in chosen and "W0" not in chosen:
+        chosen.insert(0, "W0")
+    for key in chosen:
+        WORKLOADS[key](bench)
+    bench.report(Path(args.output), args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
