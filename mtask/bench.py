@@ -32,6 +32,7 @@ from rich.table import Table
 from mtask import store
 from mtask.client import AsyncTaskClient, TaskClient
 from mtask.connection import resolve_uri
+from mtask.models import NewTask
 from mtask.registry import Registry, TaskContext
 
 registry = Registry()
@@ -112,23 +113,37 @@ class Bench:
         n, batch = self.sizes.baseline, 64
         now = dt.datetime.now(dt.UTC)
         for start in range(0, n, 1000):
-            coll.insert_many([{"_id": f"k{i}", "s": 0, "p": {}, "t": now}
-                              for i in range(start, min(n, start + 1000))])
+            coll.insert_many(
+                [
+                    {"_id": f"k{i}", "s": 0, "p": {}, "t": now}
+                    for i in range(start, min(n, start + 1000))
+                ]
+            )
         ids = [f"k{i}" for i in range(n)]
         began = time.perf_counter()
         for start in range(0, n, batch):
             chunk = ids[start : start + batch]
-            coll.update_many({"_id": {"$in": chunk}, "s": 0},
-                             {"$set": {"s": 1, "w": "raw", "l": now}})
+            coll.update_many(
+                {"_id": {"$in": chunk}, "s": 0}, {"$set": {"s": 1, "w": "raw", "l": now}}
+            )
             list(coll.find({"_id": {"$in": chunk}, "s": 1}))
-            coll.bulk_write([UpdateOne({"_id": k, "s": 1}, {"$set": {"s": 2, "r": None}})
-                             for k in chunk], ordered=False)
+            coll.bulk_write(
+                [UpdateOne({"_id": k, "s": 1}, {"$set": {"s": 2, "r": None}}) for k in chunk],
+                ordered=False,
+            )
         elapsed = time.perf_counter() - began
         self.drop(name)
         self.w0 = n / elapsed
-        self.record(Result("W0 baseline", f"{self.w0:,.0f} cycles/s", "the limit", None,
-                           "raw PyMongo: update_many claim + find + bulk completion, batches of 64",
-                           {"per_s": self.w0}))
+        self.record(
+            Result(
+                "W0 baseline",
+                f"{self.w0:,.0f} cycles/s",
+                "the limit",
+                None,
+                "raw PyMongo: update_many claim + find + bulk completion, batches of 64",
+                {"per_s": self.w0},
+            )
+        )
 
     # -- W1 and W7 ------------------------------------------------------------------------------
 
@@ -149,22 +164,45 @@ class Bench:
             peak_kb = max(peak_kb, peak_rss_kb(proc.pid))
         finally:
             stop_process(proc)
-        span = next(self.mongo[name]["tasks"].aggregate([
-            {"$unwind": "$runs"},
-            {"$group": {"_id": None, "a": {"$min": "$runs.claimed_at"},
-                        "b": {"$max": "$runs.finished_at"}}},
-        ]))
+        span = next(
+            self.mongo[name]["tasks"].aggregate(
+                [
+                    {"$unwind": "$runs"},
+                    {
+                        "$group": {
+                            "_id": None,
+                            "a": {"$min": "$runs.claimed_at"},
+                            "b": {"$max": "$runs.finished_at"},
+                        }
+                    },
+                ]
+            )
+        )
         seconds = (span["b"] - span["a"]).total_seconds()
         self.drop(name)
         rate = n / seconds
         ratio = rate / self.w0 if self.w0 else 0.0
-        self.record(Result("W1 drain", f"{rate:,.0f} tasks/s = {ratio:.0%} of W0",
-                           "≥ 60% of W0", ratio >= 0.6,
-                           f"{n:,} no-op tasks, one mtask-worker process, concurrency 64",
-                           {"per_s": rate, "ratio": ratio}))
+        self.record(
+            Result(
+                "W1 drain",
+                f"{rate:,.0f} tasks/s = {ratio:.0%} of W0",
+                "≥ 60% of W0",
+                ratio >= 0.6,
+                f"{n:,} no-op tasks, one mtask-worker process, concurrency 64",
+                {"per_s": rate, "ratio": ratio},
+            )
+        )
         mb = peak_kb / 1024
-        self.record(Result("W7 memory", f"{mb:.0f} MB peak RSS", "≤ 150 MB", mb <= 150,
-                           "the W1 worker", {"mb": mb}))
+        self.record(
+            Result(
+                "W7 memory",
+                f"{mb:.0f} MB peak RSS",
+                "≤ 150 MB",
+                mb <= 150,
+                "the W1 worker",
+                {"mb": mb},
+            )
+        )
 
     # -- W2 -------------------------------------------------------------------------------------
 
@@ -180,18 +218,30 @@ class Bench:
                     published[key] = time.time()
                     client.publish("stamp", key)
                     time.sleep(0.02)
-                wait_until(lambda: client.stats().get("stamp", {}).get("succeeded", 0)
-                           == self.sizes.latency)
-                lat = [(t.result - published[t.key]) * 1000
-                       for t in client.list(name="stamp", limit=10_000)]
+                wait_until(
+                    lambda: (
+                        client.stats().get("stamp", {}).get("succeeded", 0) == self.sizes.latency
+                    )
+                )
+                lat = [
+                    (t.result - published[t.key]) * 1000
+                    for t in client.list(name="stamp", limit=10_000)
+                ]
         finally:
             stop_process(proc)
             self.drop(name)
         p50, p99, worst = pct(lat, 0.5), pct(lat, 0.99), max(lat)
-        self.record(Result("W2 latency", f"p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {worst:.1f} ms",
-                           "p50 ≤ 5 ms, p99 ≤ 15 ms", p50 <= 5 and p99 <= 15,
-                           f"{len(lat)} tasks published 20 ms apart to one idle worker; "
-                           "publish call → handler start", {"p50": p50, "p99": p99, "max": worst}))
+        self.record(
+            Result(
+                "W2 latency",
+                f"p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {worst:.1f} ms",
+                "p50 ≤ 5 ms, p99 ≤ 15 ms",
+                p50 <= 5 and p99 <= 15,
+                f"{len(lat)} tasks published 20 ms apart to one idle worker; "
+                "publish call → handler start",
+                {"p50": p50, "p99": p99, "max": worst},
+            )
+        )
 
     # -- W3 -------------------------------------------------------------------------------------
 
@@ -202,29 +252,47 @@ class Bench:
         rescuer = None
         try:
             with TaskClient(self.uri, database=name) as client:
-                client.publish_many({"name": "hold", "key": f"h{i}", "options":
-                                     {"worker_timeout_ms": 2000, "ping_interval_ms": 500}}
-                                    for i in range(n))
+                client.publish_many(
+                    {
+                        "name": "hold",
+                        "key": f"h{i}",
+                        "options": {"worker_timeout_ms": 2000, "ping_interval_ms": 500},
+                    }
+                    for i in range(n)
+                )
                 wait_until(lambda: client.stats().get("hold", {}).get("running", 0) == n)
                 rescuer = spawn_worker(self.uri, name, "--concurrency", str(n))
                 wait_for_worker(client, rescuer, count=2)
                 killed_at = client.now()
                 victim.send_signal(signal.SIGKILL)
-                wait_until(lambda: client.collection.count_documents({"runs.1": {"$exists": True},
-                                                                     "runs.1.state": "RUNNING"})
-                           == n, timeout=60)
-                waits = [(t.runs[1].claimed_at - killed_at).total_seconds()
-                         for t in client.list(limit=n)]
+                wait_until(
+                    lambda: (
+                        client.collection.count_documents(
+                            {"runs.1": {"$exists": True}, "runs.1.state": "RUNNING"}
+                        )
+                        == n
+                    ),
+                    timeout=60,
+                )
+                waits = [
+                    (t.runs[1].claimed_at - killed_at).total_seconds() for t in client.list(limit=n)
+                ]
         finally:
             stop_process(victim)
             if rescuer is not None:
                 stop_process(rescuer)
             self.drop(name)
         worst = max(waits)
-        self.record(Result("W3 takeover", f"p50 {pct(waits, 0.5):.2f} s, max {worst:.2f} s",
-                           "≤ 3.0 s (timeout 2 s + 1 s)", worst <= 3.0,
-                           f"{n} tasks held by a worker killed with SIGKILL",
-                           {"p50": pct(waits, 0.5), "max": worst}))
+        self.record(
+            Result(
+                "W3 takeover",
+                f"p50 {pct(waits, 0.5):.2f} s, max {worst:.2f} s",
+                "≤ 3.0 s (timeout 2 s + 1 s)",
+                worst <= 3.0,
+                f"{n} tasks held by a worker killed with SIGKILL",
+                {"p50": pct(waits, 0.5), "max": worst},
+            )
+        )
 
     # -- W4 -------------------------------------------------------------------------------------
 
@@ -234,12 +302,19 @@ class Bench:
         with TaskClient(self.uri, database=name) as client:
             now = client.now()
             client.publish("noop", "warm")
-            finished = {k: v for k, v in store.new_document(
-                store.NewTask.build("noop", "x"), now).items() if k != "_id"}
+            finished = {
+                k: v
+                for k, v in store.new_document(NewTask.build("noop", "x"), now).items()
+                if k != "_id"
+            }
             finished.update(status="succeeded", next_claim_at=None, successes=1)
             for start in range(0, total - 1000, 10_000):
-                coll.insert_many([{"_id": f"f{i}", **finished}
-                                  for i in range(start, min(total - 1000, start + 10_000))])
+                coll.insert_many(
+                    [
+                        {"_id": f"f{i}", **finished}
+                        for i in range(start, min(total - 1000, start + 10_000))
+                    ]
+                )
             client.publish_many({"name": "noop", "key": f"p{i}"} for i in range(1000))
             times = []
             for i in range(1000):
@@ -253,9 +328,17 @@ class Bench:
         small, large = self.sizes.scale_small, self.sizes.scale_large
         a, b = self._claim_p50(small), self._claim_p50(large)
         ratio = b / a
-        self.record(Result("W4 scale", f"claim p50 {a:.2f} ms at {small:,} vs {b:.2f} ms at "
-                           f"{large:,} tasks: ratio {ratio:.2f}", "≤ 1.5", ratio <= 1.5,
-                           "1,000 pending, the rest finished", {"ratio": ratio}))
+        self.record(
+            Result(
+                "W4 scale",
+                f"claim p50 {a:.2f} ms at {small:,} vs {b:.2f} ms at "
+                f"{large:,} tasks: ratio {ratio:.2f}",
+                "≤ 1.5",
+                ratio <= 1.5,
+                "1,000 pending, the rest finished",
+                {"ratio": ratio},
+            )
+        )
 
     # -- W5 -------------------------------------------------------------------------------------
 
@@ -266,27 +349,39 @@ class Bench:
         n = self.sizes.stampede
 
         async def run() -> float:
-            workers = [Worker(registry, uri=self.uri, database=name, names=["noop"],
-                              heartbeat_interval=0.5) for _ in range(4)]
+            workers = [
+                Worker(
+                    registry, uri=self.uri, database=name, names=["noop"], heartbeat_interval=0.5
+                )
+                for _ in range(4)
+            ]
             tasks = [asyncio.create_task(w.run()) for w in workers]
             async with AsyncTaskClient(self.uri, database=name) as client:
-                while any(len(w._peers.get("noop", ())) < 4 for w in workers):
-                    await asyncio.sleep(0.05)
+                while any(len(w._peers.get("noop", ())) < 4 for w in workers):  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)  # polls MongoDB-backed state; no event to await
                 for i in range(n):
                     await client.publish("noop", f"s{i}")
-                    while (await client.get(f"s{i}")).status != "succeeded":  # type: ignore[union-attr]
+                    while (await client.get(f"s{i}")).status != "succeeded":  # type: ignore[union-attr]  # noqa: ASYNC110
                         await asyncio.sleep(0.002)
             for w in workers:
                 w.stop()
             await asyncio.gather(*tasks)
-            return sum(w.stats.claim_attempts for w in workers) / sum(w.stats.claimed
-                                                                      for w in workers)
+            return sum(w.stats.claim_attempts for w in workers) / sum(
+                w.stats.claimed for w in workers
+            )
 
         per_task = asyncio.run(run())
         self.drop(name)
-        self.record(Result("W5 stampede", f"{per_task:.2f} claim attempts per task", "≤ 1.5",
-                           per_task <= 1.5, f"4 idle workers, {n} tasks published one at a time",
-                           {"attempts": per_task}))
+        self.record(
+            Result(
+                "W5 stampede",
+                f"{per_task:.2f} claim attempts per task",
+                "≤ 1.5",
+                per_task <= 1.5,
+                f"4 idle workers, {n} tasks published one at a time",
+                {"attempts": per_task},
+            )
+        )
 
     # -- W6 -------------------------------------------------------------------------------------
 
@@ -313,17 +408,25 @@ class Bench:
             client.publish_many({"name": "noop", "key": f"many{i}"} for i in range(n))
             many = n / (time.perf_counter() - began)
         self.drop(name)
-        self.record(Result("W6 publish", f"publish {single:,.0f}/s (32 at once), publish_many "
-                           f"{many:,.0f}/s", "publish_many ≥ 5,000/s", many >= 5000,
-                           "", {"single": single, "many": many}))
+        self.record(
+            Result(
+                "W6 publish",
+                f"publish {single:,.0f}/s (32 at once), publish_many {many:,.0f}/s",
+                "publish_many ≥ 5,000/s",
+                many >= 5000,
+                "",
+                {"single": single, "many": many},
+            )
+        )
 
     # -- report ---------------------------------------------------------------------------------
 
     def report(self, path: Path, quick: bool) -> None:
         table = Table("workload", "figure", "target", "met", "notes")
         for r in self.results:
-            table.add_row(r.name, r.figure, r.target,
-                          {True: "yes", False: "NO", None: "-"}[r.met], r.notes)
+            table.add_row(
+                r.name, r.figure, r.target, {True: "yes", False: "NO", None: "-"}[r.met], r.notes
+            )
         self.console.print(table)
         version = self.mongo.server_info()["version"]
         lines = [
@@ -352,9 +455,21 @@ class Bench:
 
 def spawn_worker(uri: str, database: str, *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "mtask.runner", "mtask.bench:registry", "--uri", uri,
-         "--database", database, "--log-level", "WARNING", *extra],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "mtask.runner",
+            "mtask.bench:registry",
+            "--uri",
+            uri,
+            "--database",
+            database,
+            "--log-level",
+            "WARNING",
+            *extra,
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
     )
 
 
@@ -401,8 +516,12 @@ def mem_gib() -> float:
 
 
 WORKLOADS = {
-    "W0": Bench.w0_baseline, "W1": Bench.w1_drain, "W2": Bench.w2_latency,
-    "W3": Bench.w3_takeover, "W4": Bench.w4_scale, "W5": Bench.w5_stampede,
+    "W0": Bench.w0_baseline,
+    "W1": Bench.w1_drain,
+    "W2": Bench.w2_latency,
+    "W3": Bench.w3_takeover,
+    "W4": Bench.w4_scale,
+    "W5": Bench.w5_stampede,
     "W6": Bench.w6_publish,
 }
 

@@ -33,6 +33,9 @@ class ClaimQueue:
         self._ready: list[tuple[int, int, dt.datetime, int, str]] = []
         self._seq = itertools.count()
         self.overflowed = False
+        self.overflow_at: dt.datetime | None = None
+        """The earliest claim time of a task left out because the queue was full: every task
+        not in the queue becomes due no earlier than this."""
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -48,14 +51,26 @@ class ClaimQueue:
         if key not in self.entries and len(self.entries) >= self.max_size:
             latest_key = self._latest_key()
             if latest_key is None or self.entries[latest_key].claim_at <= claim_at:
-                self.overflowed = True
+                self.note_overflow(claim_at)
                 return False
+            self.note_overflow(self.entries[latest_key].claim_at)
             self.discard(latest_key)
-            self.overflowed = True
         entry = Entry(claim_at, priority, specific, next(self._seq))
         self.entries[key] = entry
         heapq.heappush(self._timers, (claim_at, entry.seq, key))
         return True
+
+    def note_overflow(self, claim_at: dt.datetime) -> None:
+        """Some task due at ``claim_at`` (or later) is known but not kept."""
+        self.overflowed = True
+        if self.overflow_at is None or claim_at < self.overflow_at:
+            self.overflow_at = claim_at
+
+    def needs_refill(self, now: dt.datetime) -> bool:
+        """True when tasks left out of a full queue may be due and none kept is: scan again."""
+        if not self.overflowed or self.next_due(now) == now:
+            return False
+        return self.overflow_at is None or self.overflow_at <= now
 
     def discard(self, key: str) -> None:
         self.entries.pop(key, None)  # heap items of a discarded or moved key are skipped later
@@ -110,3 +125,4 @@ class ClaimQueue:
         self._timers.clear()
         self._ready.clear()
         self.overflowed = False
+        self.overflow_at = None

@@ -155,7 +155,8 @@ class Watcher:
                     break
                 after = (page[-1]["next_claim_at"], page[-1]["_id"])
             else:
-                self.queue.overflowed = bool(self.names)
+                if self.names and after is not None:  # full: tasks after `after` were not read
+                    self.queue.note_overflow(after[0])
         finally:
             self._touched = None
         self.wake()
@@ -164,13 +165,17 @@ class Watcher:
     def request_rescan(self) -> None:
         self._rescan_requested.set()
 
-    async def run_sweep(self) -> None:
-        """Rescan every ``sweep_interval`` seconds, on request, and when an overflowed queue
-        has run dry."""
+    async def run_sweep(self, min_gap: float = 0.5) -> None:
+        """Rescan every ``sweep_interval`` seconds, and on request (a full queue ran out of due
+        tasks, a name was resumed) at most once every ``min_gap`` seconds."""
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._rescan_requested.wait(), self.sweep_interval)
+            await asyncio.sleep(max(0.0, last + min_gap - loop.time()))
             self._rescan_requested.clear()
+            last = loop.time()
             try:
                 await self.rescan()
             except StorageError as exc:

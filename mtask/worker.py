@@ -143,6 +143,7 @@ class Worker:
         self._on_event = on_event
         self._runs: dict[str, _Run] = {}
         self._keys: dict[str, int] = {}  # key -> runs of it in flight here
+        self._claiming: set[str] = set()  # keys whose claim is on its way
         self._wake = asyncio.Event()
         self._stop_now = asyncio.Event()
         self._controls_changed = asyncio.Event()
@@ -336,7 +337,7 @@ class Worker:
         return [n for n in self.names if n not in self.paused]
 
     def _key_in_flight(self, key: str) -> bool:
-        return key in self._keys
+        return key in self._keys or key in self._claiming
 
     # -- the main loop --------------------------------------------------------------------------
 
@@ -352,32 +353,43 @@ class Worker:
                 if keys:
                     await self._claim(keys, names, now)
                     continue
-                if self.queue.overflowed and not len(self.queue) and self.watcher:
+                if self.queue.needs_refill(now) and self.watcher:
                     self.watcher.request_rescan()
-                next_due = self.queue.next_due(now)
-                if next_due is not None:
-                    timeout = max(0.0, (next_due - now).total_seconds())
+                wake_at = min(
+                    (t for t in (self.queue.next_due(now), self.queue.overflow_at) if t),
+                    default=None,
+                )
+                if wake_at is not None:
+                    timeout = max(0.0, (wake_at - now).total_seconds())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
     async def _claim(self, keys: list[str], names: list[str], now: dt.datetime) -> None:
         self.stats.claim_calls += 1
         self.stats.claim_attempts += len(keys)
+        # From here the keys count as in flight: the claim's own change events may arrive
+        # before its reply, and must not put the keys back in the queue.
+        self._claiming.update(keys)
         try:
             docs = await self.driver.run(store.claim(keys, names, self.worker_id, now))
-            claimed = {d["_id"] for d in docs}
-            missed = [k for k in keys if k not in claimed]
-            if missed:
-                await self._replace_missed(missed, now)
         except StorageError as exc:
+            self._claiming.difference_update(keys)
             log.warning("claim failed, retrying shortly: %s", exc)
             for key in keys:
                 self.queue.push(key, now + dt_seconds(1))
             await asyncio.sleep(0.5)
             return
-        self.stats.claimed += len(docs)
         for doc in docs:
             self._start(doc)
+        self._claiming.difference_update(keys)
+        self.stats.claimed += len(docs)
+        claimed = {d["_id"] for d in docs}
+        missed = [k for k in keys if k not in claimed]
+        if missed:
+            try:
+                await self._replace_missed(missed, now)
+            except StorageError as exc:  # the sweep brings them back
+                log.warning("cannot re-read unclaimed tasks: %s", exc)
 
     async def _replace_missed(self, keys: list[str], now: dt.datetime) -> None:
         """A key we did not get goes back in the queue only if it was not yet due when we tried

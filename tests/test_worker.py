@@ -462,3 +462,18 @@ async def test_changed_ping_interval_applies_at_the_next_ping(
         await wait_for(lambda: lease.interval == 0.25)
         pings = worker.pinger.pings
         await wait_for(lambda: worker.pinger.pings >= pings + 2)  # type: ignore[union-attr]
+
+
+async def test_more_tasks_than_the_queue_holds(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    client.publish_many(
+        [{"name": "add", "key": f"q{i:04}", "params": {"a": i, "b": 0}} for i in range(1200)]
+    )
+    # No periodic sweep: only the refill of a full queue can find the tasks it left out.
+    async with running_worker(
+        registry, mongo_uri, db_name, concurrency=32, queue_size=100, sweep_interval=3600
+    ) as (worker, events):
+        await events.wait("recorded", count=1200, timeout=60)
+        assert worker.watcher is not None and worker.watcher.rescans >= 12
+    assert client.stats() == {"add": {"succeeded": 1200}}
