@@ -614,13 +614,55 @@ def finish(outcome: Outcome, now: dt.datetime) -> Op[Doc | None]:
     return doc
 
 
+def success_fast_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
+    """The common case as a plain update: SUCCESS of a concurrency-1 task that is running.
+
+    Its result is fully determined (succeeded, no next claim, nothing to fold), so it needs no
+    pipeline; the filter keeps the same fence (run id + RUNNING) and adds the conditions that
+    make the shortcut exact. A task it does not match gets the general pipeline instead."""
+    filt = {
+        **_run_filter(outcome.key, outcome.run_id),
+        "status": TaskStatus.RUNNING.value,
+        "options.concurrency": 1,
+    }
+    update = {
+        "$set": {
+            "runs.$.state": RunState.SUCCESS.value,
+            "runs.$.finished_at": now,
+            "runs.$.result": outcome.result,
+            "result": outcome.result,
+            "status": TaskStatus.SUCCEEDED.value,
+            "next_claim_at": None,
+            "finished_at": now,
+            "updated_at": now,
+        },
+        "$inc": {"successes": 1},
+    }
+    return filt, update
+
+
 def finish_many(outcomes: Sequence[Outcome], now: dt.datetime) -> Op[int]:
-    """Record many outcomes in one unordered bulk write; returns how many were recorded."""
+    """Record many outcomes in unordered bulk writes; returns how many were recorded.
+
+    SUCCESS outcomes first try the plain-update shortcut (one bulk write in the common case);
+    the rest, and any the shortcut did not match, take the general pipeline (fenced, so a
+    repeat is a no-op)."""
     if not outcomes:
         return 0
-    requests = [UpdateOne(*finish_update(o, now)) for o in outcomes]
-    result = yield Call("bulk_write", (requests,), {"ordered": False})
-    return int(result.modified_count)
+    fast = [o for o in outcomes if o.state is RunState.SUCCESS]
+    slow = [o for o in outcomes if o.state is not RunState.SUCCESS]
+    recorded = 0
+    if fast:
+        requests = [UpdateOne(*success_fast_update(o, now)) for o in fast]
+        result = yield Call("bulk_write", (requests,), {"ordered": False})
+        recorded = int(result.modified_count)
+        if recorded < len(fast):
+            slow += fast
+    if slow:
+        requests = [UpdateOne(*finish_update(o, now)) for o in slow]
+        result = yield Call("bulk_write", (requests,), {"ordered": False})
+        recorded += int(result.modified_count)
+    return recorded
 
 
 def scan(

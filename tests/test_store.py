@@ -211,3 +211,43 @@ def test_transient_errors_are_told_apart() -> None:
     assert storage_error(OperationFailure("stepped down", code=189)).transient
     assert not storage_error(OperationFailure("conflict", code=40)).transient
     assert not storage_error(OperationFailure("auth failed", code=18)).transient
+
+
+def test_success_shortcut_matches_the_pipeline(tc: TaskClient, clock: FixedClock) -> None:
+    result = {"$set": "$name", "n": [1, {"$$NOW": 2}]}
+    for prefix in ("fast", "slow"):
+        tc.publish("n", f"{prefix}-plain")
+        tc.publish("n", f"{prefix}-multi", options={"concurrency": 2})
+        tc.publish("n", f"{prefix}-cancelled")
+    docs = {
+        d["_id"]: d
+        for d in tc._run(
+            claim(
+                [f"{p}-{k}" for p in ("fast", "slow") for k in ("plain", "multi", "cancelled")],
+                ["n"],
+                "w1",
+                clock.now(),
+            )
+        )
+    }
+    tc.cancel("fast-cancelled")
+    tc.cancel("slow-cancelled")
+    clock.advance(seconds=1)
+    outcomes = [
+        Outcome(k, d["claim_run_id"], RunState.SUCCESS, result=result) for k, d in docs.items()
+    ]
+    assert tc._run(finish_many([o for o in outcomes if o.key.startswith("fast")], clock.now())) == 3
+    for o in outcomes:
+        if o.key.startswith("slow"):
+            assert tc._run(finish(o, clock.now())) is not None
+    for kind in ("plain", "multi", "cancelled"):
+        fast = tc.collection.find_one({"_id": f"fast-{kind}"}, {"_id": 0})
+        slow = tc.collection.find_one({"_id": f"slow-{kind}"}, {"_id": 0})
+        assert fast is not None and slow is not None
+        for doc in (fast, slow):
+            for run in doc["runs"]:
+                run.pop("run_id")
+        assert fast == slow, kind
+        assert fast["runs"][0]["result"] == result
+    statuses = {k: tc.get(f"fast-{k}").status for k in ("plain", "multi", "cancelled")}  # type: ignore[union-attr]
+    assert statuses == {"plain": "succeeded", "multi": "pending", "cancelled": "cancelled"}
