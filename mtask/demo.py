@@ -106,6 +106,25 @@ def _spawn(uri: str, index: int) -> subprocess.Popen[bytes]:
     )
 
 
+def _busiest(client: TaskClient) -> int | None:
+    """The demo worker (1-based) holding the most running tasks, if any holds some."""
+    rows = list(
+        client.collection.aggregate(
+            [
+                {"$match": {"status": "running"}},
+                {"$unwind": "$runs"},
+                {"$match": {"runs.state": "RUNNING"}},
+                {"$group": {"_id": "$runs.worker_id", "n": {"$sum": 1}}},
+                {"$sort": {"n": -1}},
+                {"$limit": 1},
+            ]
+        )
+    )
+    if not rows or not str(rows[0]["_id"]).startswith("worker-"):
+        return None
+    return int(str(rows[0]["_id"]).removeprefix("worker-"))
+
+
 def _where(client: TaskClient) -> Table:
     rows = client.collection.aggregate(
         [
@@ -148,13 +167,13 @@ def run_demo(uri: str | None = None, seconds: float = 120.0) -> int:
                 counts = client.stats()
                 done = sum(c.get("succeeded", 0) + c.get("failed", 0) for c in counts.values())
                 progress.update(bar, completed=done)
-                running = sum(c.get("running", 0) for c in counts.values())
-                if not killed and done > 60 and running > 0:
-                    workers[0].send_signal(signal.SIGKILL)
+                victim = _busiest(client) if not killed and done > 60 else None
+                if victim is not None:
+                    workers[victim - 1].send_signal(signal.SIGKILL)
                     killed = True
                     progress.console.print(
-                        "killed worker-1 with SIGKILL mid-run; its tasks "
-                        "are taken over when their leases run out (3 s)"
+                        f"killed worker-{victim} with SIGKILL mid-run; its tasks are taken "
+                        "over when their leases run out (3 s)"
                     )
                 if done == len(items):
                     break

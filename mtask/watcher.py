@@ -75,6 +75,9 @@ class Watcher:
         self.names: list[str] = []
         self.peers: Mapping[str, Collection[str]] = {}
         self.ready = asyncio.Event()
+        self.meta: dict[str, tuple[str, int, bool]] = {}
+        """name, priority and "names this worker" of the open tasks this watcher knows."""
+        self.unknown: set[str] = set()
         self.drop_events = False  # tests: simulate lost events
         self._touched: set[str] | None = None
         self._rescan_requested = asyncio.Event()
@@ -85,6 +88,7 @@ class Watcher:
     # -- placing tasks in the queue -------------------------------------------------------------
 
     def place(self, doc: Mapping[str, Any]) -> None:
+        """Put a task in the queue from its document (an insert event, a scan, a lookup)."""
         key = doc["_id"]
         claim_at = doc.get("next_claim_at")
         name = doc.get("name")
@@ -92,25 +96,36 @@ class Watcher:
         specific = options.get("specific_worker_ids") or []
         if not isinstance(specific, list):
             specific = [specific]
-        if (
-            not isinstance(claim_at, dt.datetime)
-            or name not in self.names
-            or (specific and self.worker_id not in specific)
-            or self.in_flight(key)
-        ):
-            self.queue.discard(key)
+        if name not in self.names or (specific and self.worker_id not in specific):
+            self.forget(key)
             return
         priority = options.get("priority", 0)
+        if len(self.meta) >= 4 * self.queue.max_size:
+            self.meta.clear()  # bounded memory; unknown keys are looked up again
+        self.meta[key] = (name, priority if isinstance(priority, int) else 0, bool(specific))
+        self._move(key, claim_at)
+
+    def forget(self, key: str) -> None:
+        self.queue.discard(key)
+        self.meta.pop(key, None)
+
+    def _move(self, key: str, claim_at: Any) -> None:
+        """A known task's claim time changed (``None``: it finished)."""
+        if not isinstance(claim_at, dt.datetime):
+            self.forget(key)
+            return
+        if self.in_flight(key):
+            self.queue.discard(key)
+            return
+        name, priority, specific = self.meta[key]
         rank = rendezvous_rank(key, self.worker_id, self.peers.get(name, ()))
-        self.queue.push(
-            key,
-            claim_at + rank * self.stagger,
-            priority if isinstance(priority, int) else 0,
-            bool(specific),
-        )
+        self.queue.push(key, claim_at + rank * self.stagger, priority, specific)
         self.wake()
 
     def _on_change(self, change: Mapping[str, Any]) -> None:
+        """Apply one event. The stream carries no looked-up documents: an insert has its
+        document, an update only the new ``next_claim_at``, which is enough for a task this
+        watcher already knows; an unknown one is looked up (``unknown``)."""
         self.events += 1
         if self.drop_events:
             return
@@ -118,14 +133,30 @@ class Watcher:
             self.on_control()  # a name was paused or resumed
             return
         key = change.get("documentKey", {}).get("_id")
-        doc = change.get("fullDocument")
-        if self._touched is not None and key is not None:
-            self._touched.add(key)
-        if doc is None:
-            if key is not None:
-                self.queue.discard(key)
+        if key is None:
             return
-        self._place_safely(doc)
+        if self._touched is not None:
+            self._touched.add(key)
+        doc = change.get("fullDocument")
+        if doc is not None:
+            self._place_safely(doc)
+        elif change.get("operationType") != "update":
+            self.forget(key)  # deleted
+        else:
+            claim_at = (
+                change.get("updateDescription", {}).get("updatedFields", {}).get("next_claim_at")
+            )
+            if key in self.meta:
+                self._move(key, claim_at)
+            elif claim_at is None:
+                self.forget(key)
+            elif not self.in_flight(key):
+                self.unknown.add(key)
+
+    async def _look_up_unknown(self) -> None:
+        keys, self.unknown = list(self.unknown), set()
+        for doc in await self.driver.run(store.placements(keys)):
+            self._place_safely(doc)
 
     def _place_safely(self, doc: Mapping[str, Any]) -> None:
         try:
@@ -201,6 +232,7 @@ class Watcher:
                     "operationType": 1,
                     "documentKey": 1,
                     "ns": 1,
+                    "updateDescription.updatedFields.next_claim_at": 1,
                     **{f"fullDocument.{f}": 1 for f in ("_id", *store.PLACEMENT_FIELDS)},
                 }
             },
@@ -215,10 +247,7 @@ class Watcher:
         while True:
             try:
                 stream = await database.watch(
-                    self._pipeline(collection.name),
-                    full_document="updateLookup",
-                    resume_after=token,
-                    max_await_time_ms=500,
+                    self._pipeline(collection.name), resume_after=token, max_await_time_ms=500
                 )
                 async with stream:
                     await self.rescan()  # after the stream is open: nothing slips between
@@ -229,6 +258,8 @@ class Watcher:
                         token = stream.resume_token
                         if change is not None:
                             self._on_change(change)
+                        if self.unknown:
+                            await self._look_up_unknown()
             except OperationFailure as exc:
                 if exc.code in FATAL_STREAM_CODES:
                     log.warning("change stream history lost (%s); rescanning", exc.code)
