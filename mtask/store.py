@@ -95,7 +95,13 @@ WELL_FORMED: dict[str, Any] = {
     "options.max_retries": {"$type": "number"},
     "options.worker_timeout_ms": {"$type": "number"},
 }
-PLACEMENT_FIELDS = {"next_claim_at": 1, "options.priority": 1, SPECIFIC: 1, "name": 1}
+PLACEMENT_FIELDS = {
+    "next_claim_at": 1,
+    "name": 1,
+    "options.priority": 1,
+    "options.worker_timeout_ms": 1,
+    SPECIFIC: 1,
+}
 
 
 def _lit(value: Any) -> dict[str, Any]:
@@ -484,21 +490,71 @@ def claim_pipeline(run_id: str, worker_id: str, now: dt.datetime) -> list[Doc]:
     ]
 
 
+def claim_fast_update(
+    key: str, names: Sequence[str], worker_id: str, now: dt.datetime, run_id: str, timeout_ms: int
+) -> tuple[Doc, Doc]:
+    """The common claim as a plain update: a pending, concurrency-1 task whose lease length
+    is ``timeout_ms``. Pending means no RUNNING run (so no lease to expire and the slot is
+    free) and retries left; fewer than 20 runs means nothing to fold. So the pipeline's result
+    is known in advance; the filter makes sure each of these holds."""
+    lease = now + dt.timedelta(milliseconds=timeout_ms)
+    filt = {
+        "_id": key,
+        "name": {"$in": list(names)},
+        "status": TaskStatus.PENDING.value,
+        "next_claim_at": {"$type": "date", "$lte": now},
+        "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],
+        **WELL_FORMED,
+        "options.concurrency": 1,
+        "options.worker_timeout_ms": timeout_ms,
+        "runs.19": {"$exists": False},
+    }
+    run = {
+        "run_id": run_id,
+        "worker_id": worker_id,
+        "state": RUNNING,
+        "claimed_at": now,
+        "lease_expires_at": lease,
+        "finished_at": None,
+        "error": None,
+        "result": None,
+    }
+    update = {
+        "$push": {"runs": run},
+        "$inc": {"attempts": 1},
+        "$set": {"status": TaskStatus.RUNNING.value, "next_claim_at": lease, "updated_at": now},
+    }
+    return filt, update
+
+
 def claim(
-    keys: Sequence[str], names: Sequence[str], worker_id: str, now: dt.datetime
+    keys: Sequence[str],
+    names: Sequence[str],
+    worker_id: str,
+    now: dt.datetime,
+    timeout_ms: int | None = None,
 ) -> Op[list[Doc]]:
     """Claim as many of ``keys`` as the server allows, in one round trip for one key and two
-    for many. Returns the claimed documents; this worker's run is the one with ``run_id`` equal
-    to the ``claim_run_id`` key added to each."""
+    for many. With ``timeout_ms`` (the single key's known ``worker_timeout_ms``) the plain
+    update shortcut is tried first. Returns the claimed documents; this worker's run is the
+    one with ``run_id`` equal to the ``claim_run_id`` key added to each."""
     if not keys:
         return []
     run_id = uuid.uuid4().hex
     filt = claim_filter(keys, names, worker_id, now)
     pipeline = claim_pipeline(run_id, worker_id, now)
     if len(keys) == 1:
-        doc = yield Call(
-            "find_one_and_update", (filt, pipeline), {"return_document": ReturnDocument.AFTER}
-        )
+        doc = None
+        if timeout_ms is not None:  # try the plain-update shortcut first
+            doc = yield Call(
+                "find_one_and_update",
+                claim_fast_update(keys[0], names, worker_id, now, run_id, timeout_ms),
+                {"return_document": ReturnDocument.AFTER},
+            )
+        if doc is None:
+            doc = yield Call(
+                "find_one_and_update", (filt, pipeline), {"return_document": ReturnDocument.AFTER}
+            )
         docs = [doc] if doc is not None else []
     else:
         result = yield Call("update_many", (filt, pipeline))

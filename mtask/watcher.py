@@ -75,8 +75,9 @@ class Watcher:
         self.names: list[str] = []
         self.peers: Mapping[str, Collection[str]] = {}
         self.ready = asyncio.Event()
-        self.meta: dict[str, tuple[str, int, bool]] = {}
-        """name, priority and "names this worker" of the open tasks this watcher knows."""
+        self.meta: dict[str, tuple[str, int, bool, int | None]] = {}
+        """name, priority, "names this worker" and worker_timeout_ms of the open tasks this
+        watcher knows."""
         self.unknown: set[str] = set()
         self.drop_events = False  # tests: simulate lost events
         self._touched: set[str] | None = None
@@ -102,8 +103,19 @@ class Watcher:
         priority = options.get("priority", 0)
         if len(self.meta) >= 4 * self.queue.max_size:
             self.meta.clear()  # bounded memory; unknown keys are looked up again
-        self.meta[key] = (name, priority if isinstance(priority, int) else 0, bool(specific))
+        timeout = options.get("worker_timeout_ms")
+        self.meta[key] = (
+            name,
+            priority if isinstance(priority, int) else 0,
+            bool(specific),
+            timeout if isinstance(timeout, int) else None,
+        )
         self._move(key, claim_at)
+
+    def timeout_ms(self, key: str) -> int | None:
+        """The task's worker_timeout_ms as last seen (a hint for the claim shortcut)."""
+        meta = self.meta.get(key)
+        return meta[3] if meta else None
 
     def forget(self, key: str) -> None:
         self.queue.discard(key)
@@ -117,7 +129,7 @@ class Watcher:
         if self.in_flight(key):
             self.queue.discard(key)
             return
-        name, priority, specific = self.meta[key]
+        name, priority, specific, _ = self.meta[key]
         rank = rendezvous_rank(key, self.worker_id, self.peers.get(name, ()))
         self.queue.push(key, claim_at + rank * self.stagger, priority, specific)
         self.wake()

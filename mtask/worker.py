@@ -371,7 +371,8 @@ class Worker:
         # before its reply, and must not put the keys back in the queue.
         self._claiming.update(keys)
         try:
-            docs = await self.driver.run(store.claim(keys, names, self.worker_id, now))
+            hint = self.watcher.timeout_ms(keys[0]) if self.watcher and len(keys) == 1 else None
+            docs = await self.driver.run(store.claim(keys, names, self.worker_id, now, hint))
         except StorageError as exc:
             self._claiming.difference_update(keys)
             log.warning("claim failed, retrying shortly: %s", exc)

@@ -251,3 +251,28 @@ def test_success_shortcut_matches_the_pipeline(tc: TaskClient, clock: FixedClock
         assert fast["runs"][0]["result"] == result
     statuses = {k: tc.get(f"fast-{k}").status for k in ("plain", "multi", "cancelled")}  # type: ignore[union-attr]
     assert statuses == {"plain": "succeeded", "multi": "pending", "cancelled": "cancelled"}
+
+
+def test_claim_shortcut_matches_the_pipeline(tc: TaskClient, clock: FixedClock) -> None:
+    for key in ("fast", "slow"):
+        tc.publish("n", key, {"p": 1}, options={"worker_timeout_ms": 1234})
+    fast = tc._run(claim(["fast"], ["n"], "w1", clock.now(), timeout_ms=1234))
+    slow = tc._run(claim(["slow"], ["n"], "w1", clock.now()))
+    assert len(fast) == len(slow) == 1
+    docs = []
+    for key in ("fast", "slow"):
+        doc = tc.collection.find_one({"_id": key}, {"_id": 0})
+        assert doc is not None
+        doc["runs"][0].pop("run_id")
+        docs.append(doc)
+    assert docs[0] == docs[1]
+    # a wrong hint, or a task the shortcut does not cover, falls back to the pipeline
+    tc.publish("n", "hint", options={"worker_timeout_ms": 5000})
+    tc.publish("n", "multi", options={"concurrency": 2, "worker_timeout_ms": 1234})
+    assert tc._run(claim(["hint"], ["n"], "w1", clock.now(), timeout_ms=1234))
+    assert tc._run(claim(["multi"], ["n"], "w1", clock.now(), timeout_ms=1234))
+    stored = tc.collection.find_one({"_id": "hint"})
+    assert stored is not None
+    assert stored["runs"][0]["lease_expires_at"] == clock.now() + dt.timedelta(seconds=5)
+    # and it never claims what the filter forbids
+    assert tc._run(claim(["fast"], ["n"], "w2", clock.now(), timeout_ms=1234)) == []
