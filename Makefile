@@ -10,5 +10,5 @@ typecheck:
 test:
 	$(PY) -m pytest
 bench:
-	@echo "the benchmark suite (python -m mtask.bench) is not written yet; see issue 5" && exit 1
+	$(PY) -m mtask.bench
 all: lint typecheck test
