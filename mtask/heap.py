@@ -31,6 +31,7 @@ class ClaimQueue:
         self.entries: dict[str, Entry] = {}
         self._timers: list[tuple[dt.datetime, int, str]] = []
         self._ready: list[tuple[int, int, dt.datetime, int, str]] = []
+        self._latest: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
         self.overflowed = False
         self.overflow_at: dt.datetime | None = None
@@ -39,6 +40,10 @@ class ClaimQueue:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    @property
+    def full(self) -> bool:
+        return len(self.entries) >= self.max_size
 
     def __contains__(self, key: object) -> bool:
         return key in self.entries
@@ -58,6 +63,7 @@ class ClaimQueue:
         entry = Entry(claim_at, priority, specific, next(self._seq))
         self.entries[key] = entry
         heapq.heappush(self._timers, (claim_at, entry.seq, key))
+        heapq.heappush(self._latest, (-claim_at.timestamp(), entry.seq, key))
         return True
 
     def note_overflow(self, claim_at: dt.datetime) -> None:
@@ -76,9 +82,18 @@ class ClaimQueue:
         self.entries.pop(key, None)  # heap items of a discarded or moved key are skipped later
 
     def _latest_key(self) -> str | None:
-        if not self.entries:
-            return None
-        return max(self.entries, key=lambda k: self.entries[k].claim_at)
+        """The kept key with the latest claim time (O(log n) amortised: a max-heap with lazy
+        deletion, rebuilt when stale items outnumber live ones)."""
+        if len(self._latest) > 2 * len(self.entries) + 64:
+            self._latest = [(-e.claim_at.timestamp(), e.seq, k) for k, e in self.entries.items()]
+            heapq.heapify(self._latest)
+        while self._latest:
+            _, seq, key = self._latest[0]
+            entry = self.entries.get(key)
+            if entry is not None and entry.seq == seq:
+                return key
+            heapq.heappop(self._latest)
+        return None
 
     def _promote(self, now: dt.datetime) -> None:
         while self._timers and self._timers[0][0] <= now:
@@ -124,5 +139,6 @@ class ClaimQueue:
         self.entries.clear()
         self._timers.clear()
         self._ready.clear()
+        self._latest.clear()
         self.overflowed = False
         self.overflow_at = None

@@ -191,6 +191,9 @@ class Watcher:
                     store.scan(self.names, self.worker_id, self.page_size, after)
                 )
                 for doc in page:
+                    if self.queue.full:  # the rest is later than everything kept
+                        self.queue.note_overflow(doc["next_claim_at"])
+                        break
                     if doc["_id"] not in self._touched:
                         self._place_safely(doc)
                 found += len(page)
