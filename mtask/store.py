@@ -95,6 +95,8 @@ WELL_FORMED: dict[str, Any] = {
     "options.max_retries": {"$type": "number"},
     "options.worker_timeout_ms": {"$type": "number"},
 }
+CLAIMED_FIELDS = {"name": 1, "params": 1, "options": 1, "attempts": 1}
+"""What a worker needs of a task it claimed."""
 PLACEMENT_FIELDS = {
     "next_claim_at": 1,
     "name": 1,
@@ -533,40 +535,48 @@ def claim(
     worker_id: str,
     now: dt.datetime,
     timeout_ms: int | None = None,
+    fields: Mapping[str, int] | None = None,
 ) -> Op[list[Doc]]:
     """Claim as many of ``keys`` as the server allows, in one round trip for one key and two
     for many. With ``timeout_ms`` (the single key's known ``worker_timeout_ms``) the plain
-    update shortcut is tried first. Returns the claimed documents; this worker's run is the
-    one with ``run_id`` equal to the ``claim_run_id`` key added to each."""
+    update shortcut is tried first. Returns the claimed documents (only ``fields`` of them, if
+    given); this worker's run is the one whose ``run_id`` is the ``claim_run_id`` added to
+    each."""
     if not keys:
         return []
     run_id = uuid.uuid4().hex
     filt = claim_filter(keys, names, worker_id, now)
     pipeline = claim_pipeline(run_id, worker_id, now)
+    options: dict[str, Any] = {"return_document": ReturnDocument.AFTER}
+    if fields is not None:
+        options["projection"] = {**fields, "runs.run_id": 1}
     if len(keys) == 1:
         doc = None
         if timeout_ms is not None:  # try the plain-update shortcut first
             doc = yield Call(
                 "find_one_and_update",
                 claim_fast_update(keys[0], names, worker_id, now, run_id, timeout_ms),
-                {"return_document": ReturnDocument.AFTER},
+                options,
             )
         if doc is None:
-            doc = yield Call(
-                "find_one_and_update", (filt, pipeline), {"return_document": ReturnDocument.AFTER}
-            )
-        docs = [doc] if doc is not None else []
+            doc = yield Call("find_one_and_update", (filt, pipeline), options)
+        # the pipeline may have matched only to expire leases, adding no run of ours
+        docs = [doc] if doc is not None and _has_run(doc, run_id) else []
     else:
         result = yield Call("update_many", (filt, pipeline))
         if result.modified_count == 0:
             return []
-        docs = yield Call("find", ({"_id": {"$in": list(keys)}, "runs.run_id": run_id},))
-    claimed = []
+        docs = yield Call(
+            "find",
+            ({"_id": {"$in": list(keys)}, "runs.run_id": run_id}, options.get("projection")),
+        )
     for doc in docs:
-        if any(r.get("run_id") == run_id for r in doc.get("runs", ())):
-            doc["claim_run_id"] = run_id
-            claimed.append(doc)
-    return claimed
+        doc["claim_run_id"] = run_id
+    return docs
+
+
+def _has_run(doc: Doc, run_id: str) -> bool:
+    return any(r.get("run_id") == run_id for r in doc.get("runs", ()))
 
 
 def _run_filter(key: str, run_id: str) -> Doc:

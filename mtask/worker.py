@@ -372,7 +372,9 @@ class Worker:
         self._claiming.update(keys)
         try:
             hint = self.watcher.timeout_ms(keys[0]) if self.watcher and len(keys) == 1 else None
-            docs = await self.driver.run(store.claim(keys, names, self.worker_id, now, hint))
+            docs = await self.driver.run(
+                store.claim(keys, names, self.worker_id, now, hint, store.CLAIMED_FIELDS)
+            )
         except StorageError as exc:
             self._claiming.difference_update(keys)
             log.warning("claim failed, retrying shortly: %s", exc)
