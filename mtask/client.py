@@ -15,7 +15,7 @@ from typing import Any, Self
 
 from pymongo import AsyncMongoClient, MongoClient
 
-from mtask import store
+from mtask import control, driver, store
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
 from mtask.errors import InvalidTask
@@ -146,9 +146,9 @@ class TaskClient(_Base):
         self.mongo: MongoClient[dict[str, Any]] = mongo_client or sync_client(uri)
         self.db = self.mongo[database]
         self.collection = self.db[collection]
-        self._driver = store.SyncDriver(store.collections(self.db, collection))
+        self._driver = driver.SyncDriver(driver.collections(self.db, collection))
 
-    def _run(self, op: store.Op[store.T]) -> store.T:
+    def _run(self, op: driver.Op[driver.T]) -> driver.T:
         if not self._ready:
             self._driver.run(store.ensure_indexes())
             self._ready = True
@@ -209,18 +209,18 @@ class TaskClient(_Base):
 
     def workers(self, within_s: float = 10.0) -> builtins.list[dict[str, Any]]:
         """Workers that sent a heartbeat in the last ``within_s`` seconds."""
-        return self._run(store.live_workers(self.now(), dt.timedelta(seconds=within_s)))
+        return self._run(control.live_workers(self.now(), dt.timedelta(seconds=within_s)))
 
     def stop_worker(self, worker_id: str) -> bool:
         """Ask a worker to drain and exit; False if no such worker is registered."""
-        return self._run(store.request_stop(worker_id))
+        return self._run(control.request_stop(worker_id))
 
     def pause(self, name: str) -> None:
         """Stop claiming of ``name`` on every worker (runs in flight finish)."""
-        self._run(store.set_paused(validate_name(name), True, self.now()))
+        self._run(control.set_paused(validate_name(name), True, self.now()))
 
     def resume(self, name: str) -> None:
-        self._run(store.set_paused(validate_name(name), False, self.now()))
+        self._run(control.set_paused(validate_name(name), False, self.now()))
 
     def close(self) -> None:
         if self._owns_client:
@@ -251,9 +251,9 @@ class AsyncTaskClient(_Base):
         self.mongo: AsyncMongoClient[dict[str, Any]] = mongo_client or async_client(uri)
         self.db = self.mongo[database]
         self.collection = self.db[collection]
-        self._driver = store.AsyncDriver(store.collections(self.db, collection))
+        self._driver = driver.AsyncDriver(driver.collections(self.db, collection))
 
-    async def _run(self, op: store.Op[store.T]) -> store.T:
+    async def _run(self, op: driver.Op[driver.T]) -> driver.T:
         if not self._ready:
             await self._driver.run(store.ensure_indexes())
             self._ready = True
@@ -315,18 +315,18 @@ class AsyncTaskClient(_Base):
     async def workers(self, within_s: float = 10.0) -> builtins.list[dict[str, Any]]:
         """Workers that sent a heartbeat in the last ``within_s`` seconds."""
         now = await self.now()
-        return await self._run(store.live_workers(now, dt.timedelta(seconds=within_s)))
+        return await self._run(control.live_workers(now, dt.timedelta(seconds=within_s)))
 
     async def stop_worker(self, worker_id: str) -> bool:
         """Ask a worker to drain and exit; False if no such worker is registered."""
-        return await self._run(store.request_stop(worker_id))
+        return await self._run(control.request_stop(worker_id))
 
     async def pause(self, name: str) -> None:
         """Stop claiming of ``name`` on every worker (runs in flight finish)."""
-        await self._run(store.set_paused(validate_name(name), True, await self.now()))
+        await self._run(control.set_paused(validate_name(name), True, await self.now()))
 
     async def resume(self, name: str) -> None:
-        await self._run(store.set_paused(validate_name(name), False, await self.now()))
+        await self._run(control.set_paused(validate_name(name), False, await self.now()))
 
     async def close(self) -> None:
         if self._owns_client:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mtask import store
+from mtask import driver, store
 from mtask.clock import Clock
 from mtask.errors import StorageError
 
@@ -42,7 +42,7 @@ class _Lease:
 class LeasePinger:
     def __init__(
         self,
-        driver: store.SyncDriver,
+        driver: driver.SyncDriver,
         worker_id: str,
         clock: Clock,
         on_lost: LostCallback,

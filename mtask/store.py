@@ -1,9 +1,7 @@
 """Every MongoDB operation on tasks, each one atomic call, each taking ``now`` from a clock.
 
-An operation is written once, as a generator that yields ``Call``\\ s (one collection method
-call each) and returns its result. ``SyncDriver`` runs it on pymongo's ``MongoClient`` and
-``AsyncDriver`` on its native ``AsyncMongoClient``, so the sync and async clients share one
-definition and the filters and pipelines stay free of I/O.
+Each operation is a generator that yields one ``Call`` per MongoDB call and returns its result;
+``mtask.driver`` runs it on the sync or the async client.
 
 Fencing: every write that changes a run matches ``{"runs": {"$elemMatch": {"run_id": R,
 "state": "RUNNING"}}}``, so a run whose lease was lost (taken over, released, cancelled) can
@@ -14,20 +12,15 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from collections.abc import Generator, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pymongo import ASCENDING, DESCENDING, IndexModel, ReturnDocument, UpdateOne
-from pymongo.errors import (
-    ConnectionFailure,
-    DuplicateKeyError,
-    OperationFailure,
-    PyMongoError,
-    ServerSelectionTimeoutError,
-)
+from pymongo.errors import DuplicateKeyError
 
-from mtask.errors import InvalidTransition, StorageError, TaskNotFound
+from mtask.driver import Call, Op
+from mtask.errors import InvalidTransition, TaskNotFound
 from mtask.models import NewTask, OnConflict, RunState, TaskStatus
 from mtask.statemachine import (
     OPEN,
@@ -42,18 +35,6 @@ from mtask.statemachine import (
 T = TypeVar("T")
 Doc = dict[str, Any]
 
-
-@dataclass(frozen=True)
-class Call:
-    """One call of a collection method. ``find`` and ``aggregate`` return lists."""
-
-    method: str
-    args: tuple[Any, ...] = ()
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
-    collection: str = "tasks"
-
-
-Op = Generator[Call, Any, T]
 
 INDEXES: dict[str, list[IndexModel]] = {
     "tasks": [
@@ -94,6 +75,7 @@ WELL_FORMED: dict[str, Any] = {
     "options.concurrency": {"$type": "number"},
     "options.max_retries": {"$type": "number"},
     "options.worker_timeout_ms": {"$type": "number"},
+    "options.ping_interval_ms": {"$type": "number"},
 }
 CLAIMED_FIELDS = {"name": 1, "params": 1, "options": 1, "attempts": 1}
 """What a worker needs of a task it claimed."""
@@ -764,164 +746,3 @@ def scan(
         {"sort": [("next_claim_at", ASCENDING), ("_id", ASCENDING)], "limit": limit},
     )
     return docs
-
-
-# ---------------------------------------------------------------------------------------------
-# Workers and controls (collections "workers" and "controls")
-# ---------------------------------------------------------------------------------------------
-
-
-def heartbeat(info: Mapping[str, Any], now: dt.datetime) -> Op[Doc]:
-    """Register or refresh a worker; returns its document (with ``stop_requested``)."""
-    fields = {k: v for k, v in info.items() if k != "_id"}
-    doc: Doc = yield Call(
-        "find_one_and_update",
-        (
-            {"_id": info["_id"]},
-            {
-                "$set": {**fields, "last_seen": now},
-                "$setOnInsert": {"stop_requested": False, "started_at": now},
-            },
-        ),
-        {"upsert": True, "return_document": ReturnDocument.AFTER},
-        collection="workers",
-    )
-    return doc
-
-
-def deregister(worker_id: str) -> Op[None]:
-    yield Call("delete_one", ({"_id": worker_id},), collection="workers")
-
-
-def live_workers(now: dt.datetime, within: dt.timedelta) -> Op[list[Doc]]:
-    """Workers whose last heartbeat is more recent than ``within``."""
-    docs: list[Doc] = yield Call(
-        "find",
-        ({"last_seen": {"$gt": now - within}},),
-        {"sort": [("_id", ASCENDING)]},
-        collection="workers",
-    )
-    return docs
-
-
-def request_stop(worker_id: str) -> Op[bool]:
-    """Ask a worker to drain and exit (it sees this at its next heartbeat)."""
-    result = yield Call(
-        "update_one",
-        ({"_id": worker_id}, {"$set": {"stop_requested": True}}),
-        collection="workers",
-    )
-    return bool(result.matched_count)
-
-
-def set_paused(name: str, paused: bool, now: dt.datetime) -> Op[None]:
-    """Pause or resume claiming of a task name across all workers."""
-    yield Call(
-        "update_one",
-        ({"_id": name}, {"$set": {"paused": paused, "updated_at": now}}),
-        {"upsert": True},
-        collection="controls",
-    )
-
-
-def paused_names() -> Op[set[str]]:
-    docs = yield Call("find", ({"paused": True}, {"_id": 1}), collection="controls")
-    return {str(d["_id"]) for d in docs}
-
-
-# ---------------------------------------------------------------------------------------------
-# Drivers
-# ---------------------------------------------------------------------------------------------
-
-
-def collections(db: Any, tasks: str = "tasks") -> dict[str, Any]:
-    """The collections the operations use, from a (sync or async) database: the tasks
-    collection as named, and the database's ``workers`` and ``controls``."""
-    return {"tasks": db[tasks], "workers": db["workers"], "controls": db["controls"]}
-
-
-# Server errors after which the same operation may succeed later: no primary, shutting down,
-# network trouble on the server's side.
-TRANSIENT_CODES = frozenset({6, 7, 89, 91, 189, 262, 9001, 10107, 11600, 11602, 13435, 13436})
-
-
-def is_transient(exc: PyMongoError) -> bool:
-    if isinstance(exc, ConnectionFailure):  # includes AutoReconnect, timeouts, no server
-        return True
-    if exc.has_error_label("RetryableWriteError") or exc.has_error_label(
-        "TransientTransactionError"
-    ):
-        return True
-    return isinstance(exc, OperationFailure) and exc.code in TRANSIENT_CODES
-
-
-def storage_error(exc: PyMongoError) -> StorageError:
-    """A short, plain message for a driver error (no topology dumps)."""
-    transient = is_transient(exc)
-    if isinstance(exc, ServerSelectionTimeoutError):
-        text = f"cannot reach MongoDB: {str(exc).split(' (configured timeouts')[0]}"
-    elif isinstance(exc, OperationFailure) and exc.code in (13, 18):
-        text = f"MongoDB refused the credentials or the operation: {exc.details}"
-    else:
-        text = f"MongoDB: {type(exc).__name__}: {str(exc)[:500]}"
-    return StorageError(text, transient=transient)
-
-
-class SyncDriver:
-    """Runs operations on pymongo's synchronous ``Collection``\\ s."""
-
-    def __init__(self, collections: Mapping[str, Any]) -> None:
-        self.collections = collections
-
-    def _call(self, call: Call) -> Any:
-        method = getattr(self.collections[call.collection], call.method)
-        result = method(*call.args, **call.kwargs)
-        if call.method in ("find", "aggregate"):
-            return list(result)
-        return result
-
-    def run(self, op: Op[T]) -> T:
-        try:
-            call = next(op)
-            while True:
-                try:
-                    result = self._call(call)
-                except PyMongoError as exc:
-                    call = op.throw(exc)
-                else:
-                    call = op.send(result)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
-        except PyMongoError as exc:
-            raise storage_error(exc) from exc
-
-
-class AsyncDriver:
-    """Runs operations on pymongo's native asyncio ``AsyncCollection``\\ s."""
-
-    def __init__(self, collections: Mapping[str, Any]) -> None:
-        self.collections = collections
-
-    async def _call(self, call: Call) -> Any:
-        method = getattr(self.collections[call.collection], call.method)
-        if call.method == "find":
-            return await method(*call.args, **call.kwargs).to_list()
-        result = await method(*call.args, **call.kwargs)
-        if call.method == "aggregate":
-            return await result.to_list()
-        return result
-
-    async def run(self, op: Op[T]) -> T:
-        try:
-            call = next(op)
-            while True:
-                try:
-                    result = await self._call(call)
-                except PyMongoError as exc:
-                    call = op.throw(exc)
-                else:
-                    call = op.send(result)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
-        except PyMongoError as exc:
-            raise storage_error(exc) from exc

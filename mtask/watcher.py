@@ -24,7 +24,7 @@ from typing import Any
 
 from pymongo.errors import OperationFailure, PyMongoError
 
-from mtask import store
+from mtask import driver, store
 from mtask.clock import Clock
 from mtask.errors import StorageError
 from mtask.heap import ClaimQueue
@@ -50,7 +50,7 @@ def rendezvous_rank(key: str, worker_id: str, peers: Collection[str]) -> int:
 class Watcher:
     def __init__(
         self,
-        driver: store.AsyncDriver,
+        driver: driver.AsyncDriver,
         *,
         worker_id: str,
         queue: ClaimQueue,

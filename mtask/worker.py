@@ -34,7 +34,7 @@ from pymongo import AsyncMongoClient, MongoClient
 from pymongo.errors import PyMongoError
 
 import mtask
-from mtask import store
+from mtask import control, driver, store
 from mtask.client import AsyncTaskClient
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
@@ -182,7 +182,7 @@ class Worker:
         self._aclient: AsyncMongoClient[dict[str, Any]] = async_client(self.uri)
         self._sclient: MongoClient[dict[str, Any]] = sync_client(self.uri)
         adb, sdb = self._aclient[self.database], self._sclient[self.database]
-        self.driver = store.AsyncDriver(
+        self.driver = driver.AsyncDriver(
             {
                 "tasks": adb[self.collection_name],
                 "workers": adb["workers"],
@@ -198,7 +198,7 @@ class Worker:
         try:
             await self._startup(adb)
             self.pinger = LeasePinger(
-                store.SyncDriver({"tasks": sdb[self.collection_name]}),
+                driver.SyncDriver({"tasks": sdb[self.collection_name]}),
                 self.worker_id,
                 self.clock,
                 on_lost=lambda run_id, doc: self._lost_threadsafe(loop, run_id, doc),
@@ -228,7 +228,7 @@ class Worker:
                 await self._heartbeat_once()
                 return
             except (StorageError, PyMongoError) as exc:
-                error = exc if isinstance(exc, StorageError) else store.storage_error(exc)
+                error = exc if isinstance(exc, StorageError) else driver.storage_error(exc)
                 if self.state != "running" or not error.transient:
                     raise error from exc
                 log.warning("cannot reach MongoDB yet, retrying in %.1fs: %s", backoff, error)
@@ -278,7 +278,7 @@ class Worker:
     async def _heartbeat_once(self) -> None:
         now = self.clock.now()
         doc = await self.driver.run(
-            store.heartbeat(
+            control.heartbeat(
                 {
                     "_id": self.worker_id,
                     "host": socket.gethostname(),
@@ -298,7 +298,7 @@ class Worker:
         if doc.get("stop_requested") and self.state == "running":
             log.info("stop requested remotely")
             self.stop()
-        paused = await self.driver.run(store.paused_names())
+        paused = await self.driver.run(control.paused_names())
         if paused != self.paused:
             resumed = bool(self.paused - paused)
             self.paused = paused
@@ -308,7 +308,7 @@ class Worker:
                 if resumed:
                     self.watcher.request_rescan()
         peers = await self.driver.run(
-            store.live_workers(now, 3 * dt_seconds(self.heartbeat_interval))
+            control.live_workers(now, 3 * dt_seconds(self.heartbeat_interval))
         )
         table: dict[str, list[str]] = {}
         for peer in peers:
@@ -646,7 +646,7 @@ class Worker:
         if self.pinger is not None:
             await asyncio.to_thread(self.pinger.stop)
         with contextlib.suppress(StorageError):
-            await asyncio.wait_for(self.driver.run(store.deregister(self.worker_id)), timeout=5)
+            await asyncio.wait_for(self.driver.run(control.deregister(self.worker_id)), timeout=5)
         self._executor.shutdown(wait=False, cancel_futures=True)
         await self._aclient.close()
         self._sclient.close()

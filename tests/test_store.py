@@ -204,7 +204,7 @@ def test_scan_pages_through_everything(tc: TaskClient, clock: FixedClock) -> Non
 def test_transient_errors_are_told_apart() -> None:
     from pymongo.errors import AutoReconnect, OperationFailure, ServerSelectionTimeoutError
 
-    from mtask.store import storage_error
+    from mtask.driver import storage_error
 
     assert storage_error(AutoReconnect("connection reset")).transient
     assert storage_error(ServerSelectionTimeoutError("no primary")).transient

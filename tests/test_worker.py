@@ -405,6 +405,24 @@ async def test_malformed_documents_do_not_stop_the_worker(
             "runs": [{"state": 3}],
             "successes": 0,
         },
+        {  # everything a claim needs but the ping interval the worker reads when it starts
+            "_id": "no-ping",
+            "name": "add",
+            "status": "pending",
+            "next_claim_at": now,
+            "available_at": now,
+            "runs": [],
+            "successes": 0,
+            "failures": 0,
+            "attempts": 0,
+            "params": {"a": 1, "b": 1},
+            "options": {
+                "specific_worker_ids": [],
+                "concurrency": 1,
+                "max_retries": 1,
+                "worker_timeout_ms": 1000,
+            },
+        },
     ]
     client.collection.insert_many(junk)
     async with running_worker(registry, mongo_uri, db_name, sweep_interval=0.2) as (w, events):

@@ -1,0 +1,72 @@
+"""Operations on the ``workers`` and ``controls`` collections: worker heartbeats and remote
+stop, and pausing task names. Each is one MongoDB call, like the task operations."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from typing import Any
+
+from pymongo import ASCENDING, ReturnDocument
+
+from mtask.driver import Call, Op
+
+Doc = dict[str, Any]
+
+
+def heartbeat(info: Mapping[str, Any], now: dt.datetime) -> Op[Doc]:
+    """Register or refresh a worker; returns its document (with ``stop_requested``)."""
+    fields = {k: v for k, v in info.items() if k != "_id"}
+    doc: Doc = yield Call(
+        "find_one_and_update",
+        (
+            {"_id": info["_id"]},
+            {
+                "$set": {**fields, "last_seen": now},
+                "$setOnInsert": {"stop_requested": False, "started_at": now},
+            },
+        ),
+        {"upsert": True, "return_document": ReturnDocument.AFTER},
+        collection="workers",
+    )
+    return doc
+
+
+def deregister(worker_id: str) -> Op[None]:
+    yield Call("delete_one", ({"_id": worker_id},), collection="workers")
+
+
+def live_workers(now: dt.datetime, within: dt.timedelta) -> Op[list[Doc]]:
+    """Workers whose last heartbeat is more recent than ``within``."""
+    docs: list[Doc] = yield Call(
+        "find",
+        ({"last_seen": {"$gt": now - within}},),
+        {"sort": [("_id", ASCENDING)]},
+        collection="workers",
+    )
+    return docs
+
+
+def request_stop(worker_id: str) -> Op[bool]:
+    """Ask a worker to drain and exit (it sees this at its next heartbeat)."""
+    result = yield Call(
+        "update_one",
+        ({"_id": worker_id}, {"$set": {"stop_requested": True}}),
+        collection="workers",
+    )
+    return bool(result.matched_count)
+
+
+def set_paused(name: str, paused: bool, now: dt.datetime) -> Op[None]:
+    """Pause or resume claiming of a task name across all workers."""
+    yield Call(
+        "update_one",
+        ({"_id": name}, {"$set": {"paused": paused, "updated_at": now}}),
+        {"upsert": True},
+        collection="controls",
+    )
+
+
+def paused_names() -> Op[set[str]]:
+    docs = yield Call("find", ({"paused": True}, {"_id": 1}), collection="controls")
+    return {str(d["_id"]) for d in docs}

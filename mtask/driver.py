@@ -1,0 +1,131 @@
+"""Running store operations on MongoDB.
+
+An operation (see ``mtask.store`` and ``mtask.control``) is written once, as a generator that
+yields ``Call``\\ s — one collection method call each — and returns its result. ``SyncDriver``
+runs it on pymongo's ``MongoClient``, ``AsyncDriver`` on its native ``AsyncMongoClient``, so the
+sync and async clients share one definition and the filters and pipelines stay free of I/O.
+Driver errors become ``StorageError`` with a short message and a ``transient`` flag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pymongo.errors import (
+    ConnectionFailure,
+    OperationFailure,
+    PyMongoError,
+    ServerSelectionTimeoutError,
+)
+
+from mtask.errors import StorageError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of a collection method. ``find`` and ``aggregate`` return lists."""
+
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    collection: str = "tasks"
+
+
+Op = Generator[Call, Any, T]
+
+
+def collections(db: Any, tasks: str = "tasks") -> dict[str, Any]:
+    """The collections the operations use, from a (sync or async) database: the tasks
+    collection as named, and the database's ``workers`` and ``controls``."""
+    return {"tasks": db[tasks], "workers": db["workers"], "controls": db["controls"]}
+
+
+# Server errors after which the same operation may succeed later: no primary, shutting down,
+# network trouble on the server's side.
+TRANSIENT_CODES = frozenset({6, 7, 89, 91, 189, 262, 9001, 10107, 11600, 11602, 13435, 13436})
+
+
+def is_transient(exc: PyMongoError) -> bool:
+    if isinstance(exc, ConnectionFailure):  # includes AutoReconnect, timeouts, no server
+        return True
+    if exc.has_error_label("RetryableWriteError") or exc.has_error_label(
+        "TransientTransactionError"
+    ):
+        return True
+    return isinstance(exc, OperationFailure) and exc.code in TRANSIENT_CODES
+
+
+def storage_error(exc: PyMongoError) -> StorageError:
+    """A short, plain message for a driver error (no topology dumps)."""
+    transient = is_transient(exc)
+    if isinstance(exc, ServerSelectionTimeoutError):
+        text = f"cannot reach MongoDB: {str(exc).split(' (configured timeouts')[0]}"
+    elif isinstance(exc, OperationFailure) and exc.code in (13, 18):
+        text = f"MongoDB refused the credentials or the operation: {exc.details}"
+    else:
+        text = f"MongoDB: {type(exc).__name__}: {str(exc)[:500]}"
+    return StorageError(text, transient=transient)
+
+
+class SyncDriver:
+    """Runs operations on pymongo's synchronous ``Collection``\\ s."""
+
+    def __init__(self, collections: Mapping[str, Any]) -> None:
+        self.collections = collections
+
+    def _call(self, call: Call) -> Any:
+        method = getattr(self.collections[call.collection], call.method)
+        result = method(*call.args, **call.kwargs)
+        if call.method in ("find", "aggregate"):
+            return list(result)
+        return result
+
+    def run(self, op: Op[T]) -> T:
+        try:
+            call = next(op)
+            while True:
+                try:
+                    result = self._call(call)
+                except PyMongoError as exc:
+                    call = op.throw(exc)
+                else:
+                    call = op.send(result)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        except PyMongoError as exc:
+            raise storage_error(exc) from exc
+
+
+class AsyncDriver:
+    """Runs operations on pymongo's native asyncio ``AsyncCollection``\\ s."""
+
+    def __init__(self, collections: Mapping[str, Any]) -> None:
+        self.collections = collections
+
+    async def _call(self, call: Call) -> Any:
+        method = getattr(self.collections[call.collection], call.method)
+        if call.method == "find":
+            return await method(*call.args, **call.kwargs).to_list()
+        result = await method(*call.args, **call.kwargs)
+        if call.method == "aggregate":
+            return await result.to_list()
+        return result
+
+    async def run(self, op: Op[T]) -> T:
+        try:
+            call = next(op)
+            while True:
+                try:
+                    result = await self._call(call)
+                except PyMongoError as exc:
+                    call = op.throw(exc)
+                else:
+                    call = op.send(result)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        except PyMongoError as exc:
+            raise storage_error(exc) from exc
