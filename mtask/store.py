@@ -407,7 +407,7 @@ def claim_filter(
         }
     }
     return {
-        "_id": {"$in": list(keys)},
+        "_id": {"$in": list(keys), "$type": "string"},
         "name": {"$in": list(names)},
         "status": {"$in": list(OPEN)},
         "next_claim_at": {"$type": "date", "$lte": now},
@@ -434,11 +434,17 @@ def claim_filter(
     }
 
 
-def claim_pipeline(run_id: str, worker_id: str, now: dt.datetime) -> list[Doc]:
+def run_id_for(batch: str, key: str) -> str:
+    """A run's id: unique across all runs, also within a batch claim (one batch, many keys)."""
+    return f"{batch}-{key}"
+
+
+def claim_pipeline(batch: str, worker_id: str, now: dt.datetime) -> list[Doc]:
     """Expire dead leases (each a failure), then append this worker's run if retries are left
-    after that; then recompute status and next_claim_at."""
+    after that; then recompute status and next_claim_at. The run's id is ``run_id_for(batch,
+    key)``, built on the server for each document of a batch."""
     new_run = {
-        "run_id": run_id,
+        "run_id": {"$concat": [_lit(f"{batch}-"), "$_id"]},
         "worker_id": _lit(worker_id),
         "state": RUNNING,
         "claimed_at": now,
@@ -526,14 +532,15 @@ def claim(
     each."""
     if not keys:
         return []
-    run_id = uuid.uuid4().hex
+    batch = uuid.uuid4().hex
     filt = claim_filter(keys, names, worker_id, now)
-    pipeline = claim_pipeline(run_id, worker_id, now)
+    pipeline = claim_pipeline(batch, worker_id, now)
     options: dict[str, Any] = {"return_document": ReturnDocument.AFTER}
     if fields is not None:
         options["projection"] = {**fields, "runs.run_id": 1}
     if len(keys) == 1:
         doc = None
+        run_id = run_id_for(batch, keys[0])
         if timeout_ms is not None:  # try the plain-update shortcut first
             doc = yield Call(
                 "find_one_and_update",
@@ -548,12 +555,16 @@ def claim(
         result = yield Call("update_many", (filt, pipeline))
         if result.modified_count == 0:
             return []
+        run_ids = [run_id_for(batch, k) for k in keys]
         docs = yield Call(
             "find",
-            ({"_id": {"$in": list(keys)}, "runs.run_id": run_id}, options.get("projection")),
+            (
+                {"_id": {"$in": list(keys)}, "runs.run_id": {"$in": run_ids}},
+                options.get("projection"),
+            ),
         )
     for doc in docs:
-        doc["claim_run_id"] = run_id
+        doc["claim_run_id"] = run_id_for(batch, doc["_id"])
     return docs
 
 
@@ -722,6 +733,7 @@ def scan(
     """One page of open tasks for ``names`` that this worker may run, soonest claimable first;
     ``after`` is the (next_claim_at, key) of the previous page's last entry."""
     filt: Doc = {
+        "_id": {"$type": "string"},
         "name": {"$in": list(names)},
         "next_claim_at": {"$type": "date"},
         "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],

@@ -144,6 +144,7 @@ class Worker:
         self._runs: dict[str, _Run] = {}
         self._keys: dict[str, int] = {}  # key -> runs of it in flight here
         self._claiming: set[str] = set()  # keys whose claim is on its way
+        self._unrecorded = 0  # finished runs whose outcome is not written yet
         self._wake = asyncio.Event()
         self._stop_now = asyncio.Event()
         self._controls_changed = asyncio.Event()
@@ -345,7 +346,8 @@ class Worker:
         while self.state == "running":
             self._wake.clear()
             timeout: float | None = None
-            free = self.concurrency - len(self._runs)
+            # A run holds its slot until its outcome is written: never more leases than slots.
+            free = self.concurrency - len(self._runs) - self._unrecorded
             names = self._active_names()
             if free > 0 and names:
                 now = self.clock.now()
@@ -442,6 +444,7 @@ class Worker:
                 self.pinger.remove(run.run_id)
             self._wake.set()
         if outcome is not None:
+            self._unrecorded += 1
             self._outcomes.put_nowait(outcome)
 
     async def _call_handler(self, run: _Run, doc: dict[str, Any]) -> Outcome:
@@ -561,6 +564,8 @@ class Worker:
                     len(batch) - recorded,
                     len(batch),
                 )
+            self._unrecorded -= len(batch)
+            self._wake.set()  # their slots are free now
             for outcome in batch:
                 self._outcomes.task_done()
                 self._emit(

@@ -180,7 +180,9 @@ def test_batch_claim_and_bulk_finish(tc: TaskClient, clock: FixedClock) -> None:
     tc.collection.update_one({"_id": "k3"}, {"$set": {"status": "cancelled"}})
     docs = tc._run(claim([f"k{i}" for i in range(10)], ["n"], "w1", clock.now()))
     assert sorted(d["_id"] for d in docs) == sorted(f"k{i}" for i in range(10) if i != 3)
-    assert len({d["claim_run_id"] for d in docs}) == 1
+    assert len({d["claim_run_id"] for d in docs}) == 9  # one batch, a distinct run per task
+    for doc in docs:
+        assert [r["run_id"] for r in doc["runs"]] == [doc["claim_run_id"]]
     outcomes = [Outcome(d["_id"], d["claim_run_id"], RunState.SUCCESS) for d in docs]
     stale = Outcome("k0", "not-a-run", RunState.SUCCESS)
     assert tc._run(finish_many([*outcomes, stale], clock.now())) == 9

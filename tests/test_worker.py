@@ -6,6 +6,7 @@ import asyncio
 import datetime as dt
 import logging
 import time
+from typing import Any
 
 import pytest
 from harness import running_worker, wait_for
@@ -405,6 +406,25 @@ async def test_malformed_documents_do_not_stop_the_worker(
             "runs": [{"state": 3}],
             "successes": 0,
         },
+        {  # well formed but for its key, which is not a string
+            "_id": 12345,
+            "name": "add",
+            "status": "pending",
+            "next_claim_at": now,
+            "available_at": now,
+            "runs": [],
+            "successes": 0,
+            "failures": 0,
+            "attempts": 0,
+            "params": {"a": 1, "b": 1},
+            "options": {
+                "specific_worker_ids": [],
+                "concurrency": 1,
+                "max_retries": 1,
+                "worker_timeout_ms": 1000,
+                "ping_interval_ms": 100,
+            },
+        },
         {  # everything a claim needs but the ping interval the worker reads when it starts
             "_id": "no-ping",
             "name": "add",
@@ -495,3 +515,50 @@ async def test_more_tasks_than_the_queue_holds(
         await events.wait("recorded", count=1200, timeout=60)
         assert worker.watcher is not None and worker.watcher.rescans >= 12
     assert client.stats() == {"add": {"succeeded": 1200}}
+
+
+async def test_a_worker_never_holds_more_leases_than_slots(
+    mongo_uri: str, db_name: str, client: TaskClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = Worker._record
+
+    async def slow_record(self: Worker, batch: list[Any]) -> int:
+        await asyncio.sleep(0.05)  # a lagging outcome writer
+        return await original(self, batch)
+
+    monkeypatch.setattr(Worker, "_record", slow_record)
+    client.publish_many(
+        [{"name": "add", "key": f"c{i}", "params": {"a": i, "b": 0}} for i in range(300)]
+    )
+    most = 0
+    async with running_worker(registry, mongo_uri, db_name, concurrency=8, worker_id="bounded") as (
+        _,
+        _events,
+    ):
+        while client.stats().get("add", {}).get("succeeded", 0) < 300:
+            held = client.collection.count_documents(
+                {"runs": {"$elemMatch": {"worker_id": "bounded", "state": "RUNNING"}}}
+            )
+            most = max(most, held)
+            await asyncio.sleep(0.005)
+    assert 0 < most <= 8
+
+
+async def test_every_run_of_a_batch_claim_keeps_its_lease(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    options = {"worker_timeout_ms": 1000, "ping_interval_ms": 100}
+    client.publish_many([{"name": "sleep", "key": f"b{i}", "options": options} for i in range(8)])
+    async with running_worker(registry, mongo_uri, db_name, concurrency=8) as (worker, events):
+        await events.wait("claimed", count=8)
+        assert worker.in_flight == 8
+        first = {t.key: t.runs[0].lease_expires_at for t in client.list(limit=8)}
+        # every lease is pushed by pings, not only one per batch
+        await wait_for(
+            lambda: all(
+                t.runs[0].lease_expires_at > first[t.key] + dt.timedelta(seconds=1)  # type: ignore[operator]
+                for t in client.list(limit=8)
+            )
+        )
+        assert {t.status for t in client.list(limit=8)} == {"running"}
+        assert worker.stats.lease_lost == 0
