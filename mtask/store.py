@@ -522,50 +522,54 @@ def claim(
     names: Sequence[str],
     worker_id: str,
     now: dt.datetime,
-    timeout_ms: int | None = None,
+    timeouts: Mapping[str, int] | None = None,
     fields: Mapping[str, int] | None = None,
+    batch: str | None = None,
 ) -> Op[list[Doc]]:
-    """Claim as many of ``keys`` as the server allows, in one round trip for one key and two
-    for many. With ``timeout_ms`` (the single key's known ``worker_timeout_ms``) the plain
-    update shortcut is tried first. Returns the claimed documents (only ``fields`` of them, if
-    given); this worker's run is the one whose ``run_id`` is the ``claim_run_id`` added to
-    each."""
+    """Claim as many of ``keys`` as the server allows. Returns the claimed documents (only
+    ``fields`` of them, if given); this worker's run is the one whose ``run_id`` is the
+    ``claim_run_id`` added to each.
+
+    One key: one ``find_one_and_update``; if ``timeouts`` gives its ``worker_timeout_ms`` as
+    this worker last saw it, the plain-update shortcut (``claim_fast_update``) is tried first.
+    Many keys: one pipeline ``update_many`` and one read of what was claimed (a batch shortcut
+    of one plain update per key measured no faster, so there is none)."""
     if not keys:
         return []
-    batch = uuid.uuid4().hex
-    filt = claim_filter(keys, names, worker_id, now)
-    pipeline = claim_pipeline(batch, worker_id, now)
-    options: dict[str, Any] = {"return_document": ReturnDocument.AFTER}
-    if fields is not None:
-        options["projection"] = {**fields, "runs.run_id": 1}
+    timeouts = timeouts or {}
+    batch = batch or uuid.uuid4().hex
     if len(keys) == 1:
+        key = keys[0]
+        run_id = run_id_for(batch, key)
+        options: dict[str, Any] = {"return_document": ReturnDocument.AFTER}
+        if fields is not None:
+            options["projection"] = {**fields, "runs.run_id": 1}
         doc = None
-        run_id = run_id_for(batch, keys[0])
-        if timeout_ms is not None:  # try the plain-update shortcut first
+        if key in timeouts:
             doc = yield Call(
                 "find_one_and_update",
-                claim_fast_update(keys[0], names, worker_id, now, run_id, timeout_ms),
+                claim_fast_update(key, names, worker_id, now, run_id, timeouts[key]),
                 options,
             )
         if doc is None:
-            doc = yield Call("find_one_and_update", (filt, pipeline), options)
+            doc = yield Call(
+                "find_one_and_update",
+                (claim_filter(keys, names, worker_id, now), claim_pipeline(batch, worker_id, now)),
+                options,
+            )
         # the pipeline may have matched only to expire leases, adding no run of ours
-        docs = [doc] if doc is not None and _has_run(doc, run_id) else []
-    else:
-        result = yield Call("update_many", (filt, pipeline))
-        if result.modified_count == 0:
+        if doc is None or not _has_run(doc, run_id):
             return []
-        run_ids = [run_id_for(batch, k) for k in keys]
-        docs = yield Call(
-            "find",
-            (
-                {"_id": {"$in": list(keys)}, "runs.run_id": {"$in": run_ids}},
-                options.get("projection"),
-            ),
-        )
-    for doc in docs:
-        doc["claim_run_id"] = run_id_for(batch, doc["_id"])
-    return docs
+        doc["claim_run_id"] = run_id
+        return [doc]
+    result = yield Call(
+        "update_many",
+        (claim_filter(keys, names, worker_id, now), claim_pipeline(batch, worker_id, now)),
+    )
+    if result.modified_count == 0:
+        return []
+    claimed: list[Doc] = yield from read_claimed(keys, batch, fields)
+    return claimed
 
 
 def _has_run(doc: Doc, run_id: str) -> bool:
@@ -700,28 +704,69 @@ def success_fast_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
     return filt, update
 
 
-def finish_many(outcomes: Sequence[Outcome], now: dt.datetime) -> Op[int]:
-    """Record many outcomes in unordered bulk writes; returns how many were recorded.
+def outcome_requests(outcomes: Sequence[Outcome], now: dt.datetime) -> list[UpdateOne]:
+    """One fenced update per outcome: the plain-update shortcut for SUCCESS, else the pipeline."""
+    return [
+        UpdateOne(*success_fast_update(o, now))
+        if o.state is RunState.SUCCESS
+        else UpdateOne(*finish_update(o, now))
+        for o in outcomes
+    ]
 
-    SUCCESS outcomes first try the plain-update shortcut (one bulk write in the common case);
-    the rest, and any the shortcut did not match, take the general pipeline (fenced, so a
-    repeat is a no-op)."""
+
+def _finish_unmatched(outcomes: Sequence[Outcome], now: dt.datetime) -> Op[int]:
+    """After a bulk write that applied fewer updates than expected: SUCCESS outcomes whose run
+    is still RUNNING were not matched by the shortcut (concurrency > 1, a cancelled task) and
+    take the pipeline; the others were fenced out (their runs lost the task) and stay so."""
+    success = {o.run_id: o for o in outcomes if o.state is RunState.SUCCESS}
+    if not success:
+        return 0
+    open_runs = yield Call(
+        "find",
+        (
+            {
+                "_id": {"$in": [o.key for o in success.values()]},
+                "runs": {"$elemMatch": {"run_id": {"$in": list(success)}, "state": RUNNING}},
+            },
+            {"runs.run_id": 1, "runs.state": 1},
+        ),
+    )
+    pending = [
+        success[r["run_id"]]
+        for doc in open_runs
+        for r in doc.get("runs", ())
+        if r.get("state") == RUNNING and r.get("run_id") in success
+    ]
+    if not pending:
+        return 0
+    requests = [UpdateOne(*finish_update(o, now)) for o in pending]
+    result = yield Call("bulk_write", (requests,), {"ordered": False})
+    return int(result.modified_count)
+
+
+def finish_many(outcomes: Sequence[Outcome], now: dt.datetime) -> Op[int]:
+    """Record many outcomes in one unordered bulk write; returns how many were recorded."""
     if not outcomes:
         return 0
-    fast = [o for o in outcomes if o.state is RunState.SUCCESS]
-    slow = [o for o in outcomes if o.state is not RunState.SUCCESS]
-    recorded = 0
-    if fast:
-        requests = [UpdateOne(*success_fast_update(o, now)) for o in fast]
-        result = yield Call("bulk_write", (requests,), {"ordered": False})
-        recorded = int(result.modified_count)
-        if recorded < len(fast):
-            slow += fast
-    if slow:
-        requests = [UpdateOne(*finish_update(o, now)) for o in slow]
-        result = yield Call("bulk_write", (requests,), {"ordered": False})
-        recorded += int(result.modified_count)
+    result = yield Call("bulk_write", (outcome_requests(outcomes, now),), {"ordered": False})
+    recorded = int(result.modified_count)
+    if recorded != len(outcomes):
+        recorded += yield from _finish_unmatched(outcomes, now)
     return recorded
+
+
+def read_claimed(
+    keys: Sequence[str], batch: str, fields: Mapping[str, int] | None = None
+) -> Op[list[Doc]]:
+    """The documents that batch ``batch`` claimed among ``keys``."""
+    run_ids = [run_id_for(batch, k) for k in keys]
+    projection = {**fields, "runs.run_id": 1} if fields is not None else None
+    docs: list[Doc] = yield Call(
+        "find", ({"_id": {"$in": list(keys)}, "runs.run_id": {"$in": run_ids}}, projection)
+    )
+    for doc in docs:
+        doc["claim_run_id"] = run_id_for(batch, doc["_id"])
+    return docs
 
 
 def scan(

@@ -112,10 +112,10 @@ class Watcher:
         )
         self._move(key, claim_at)
 
-    def timeout_ms(self, key: str) -> int | None:
-        """The task's worker_timeout_ms as last seen (a hint for the claim shortcut)."""
-        meta = self.meta.get(key)
-        return meta[3] if meta else None
+    def timeouts(self, keys: list[str]) -> dict[str, int]:
+        """The tasks' worker_timeout_ms as last seen (hints for the claim shortcut)."""
+        found = {k: self.meta[k][3] for k in keys if k in self.meta}
+        return {k: t for k, t in found.items() if t is not None}
 
     def forget(self, key: str) -> None:
         self.queue.discard(key)

@@ -144,11 +144,14 @@ class Worker:
         self._runs: dict[str, _Run] = {}
         self._keys: dict[str, int] = {}  # key -> runs of it in flight here
         self._claiming: set[str] = set()  # keys whose claim is on its way
-        self._unrecorded = 0  # finished runs whose outcome is not written yet
+        self._pending: list[Outcome] = []  # outcomes no write has taken yet
+        self._pending_ready = asyncio.Event()
+        self._writing = 0  # outcomes in a write on its way
+        self._all_written = asyncio.Event()
+        self._all_written.set()
         self._wake = asyncio.Event()
         self._stop_now = asyncio.Event()
         self._controls_changed = asyncio.Event()
-        self._outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
         self._side: list[asyncio.Task[None]] = []
         self._crash: BaseException | None = None
         self._loop_tick = time.monotonic()
@@ -346,10 +349,13 @@ class Worker:
         while self.state == "running":
             self._wake.clear()
             timeout: float | None = None
-            # A run holds its slot until its outcome is written: never more leases than slots.
-            free = self.concurrency - len(self._runs) - self._unrecorded
+            free = self.concurrency - len(self._runs)
+            # Backpressure: claim only while fewer than `concurrency` outcomes wait to be
+            # written, so a worker holds at most 2 x concurrency leases (running handlers plus
+            # finished runs whose outcome is on its way).
+            unwritten = len(self._pending) + self._writing
             names = self._active_names()
-            if free > 0 and names:
+            if free > 0 and names and unwritten <= self.concurrency:
                 now = self.clock.now()
                 keys = self.queue.pop_due(now, free)
                 if keys:
@@ -372,18 +378,21 @@ class Worker:
         # From here the keys count as in flight: the claim's own change events may arrive
         # before its reply, and must not put the keys back in the queue.
         self._claiming.update(keys)
+        batch = uuid.uuid4().hex
+        hints = self.watcher.timeouts(keys) if self.watcher else {}
         try:
-            hint = self.watcher.timeout_ms(keys[0]) if self.watcher and len(keys) == 1 else None
             docs = await self.driver.run(
-                store.claim(keys, names, self.worker_id, now, hint, store.CLAIMED_FIELDS)
+                store.claim(keys, names, self.worker_id, now, hints, store.CLAIMED_FIELDS, batch)
             )
         except StorageError as exc:
-            self._claiming.difference_update(keys)
             log.warning("claim failed, retrying shortly: %s", exc)
-            for key in keys:
-                self.queue.push(key, now + dt_seconds(1))
-            await asyncio.sleep(0.5)
-            return
+            docs = await self._adopt(keys, batch)
+            if not docs:
+                self._claiming.difference_update(keys)
+                for key in keys:
+                    self.queue.push(key, now + dt_seconds(1))
+                await asyncio.sleep(0.5)
+                return
         for doc in docs:
             self._start(doc)
         self._claiming.difference_update(keys)
@@ -395,6 +404,18 @@ class Worker:
                 await self._replace_missed(missed, now)
             except StorageError as exc:  # the sweep brings them back
                 log.warning("cannot re-read unclaimed tasks: %s", exc)
+
+    async def _adopt(self, keys: list[str], batch: str) -> list[dict[str, Any]]:
+        """After a failed claim call: the write may have been applied although its reply was
+        lost (multi-document writes are not retried by the driver). Find and run what this
+        batch claimed, rather than leave it to time out."""
+        for attempt in range(5):
+            try:
+                return await self.driver.run(store.read_claimed(keys, batch, store.CLAIMED_FIELDS))
+            except StorageError:
+                await asyncio.sleep(0.2 * 2**attempt)
+        log.warning("could not check what a failed claim took; its leases will run out")
+        return []
 
     async def _replace_missed(self, keys: list[str], now: dt.datetime) -> None:
         """A key we did not get goes back in the queue only if it was not yet due when we tried
@@ -444,8 +465,9 @@ class Worker:
                 self.pinger.remove(run.run_id)
             self._wake.set()
         if outcome is not None:
-            self._unrecorded += 1
-            self._outcomes.put_nowait(outcome)
+            self._pending.append(outcome)
+            self._pending_ready.set()
+            self._all_written.clear()
 
     async def _call_handler(self, run: _Run, doc: dict[str, Any]) -> Outcome:
         handler = self.registry[run.name]
@@ -552,25 +574,35 @@ class Worker:
 
     # -- outcomes -------------------------------------------------------------------------------
 
+    def _take_pending(self) -> list[Outcome]:
+        taken, self._pending = self._pending, []
+        self._pending_ready.clear()
+        self._writing += len(taken)
+        return taken
+
+    def _written(self, outcomes: list[Outcome], recorded: int) -> None:
+        self._writing -= len(outcomes)
+        if recorded < len(outcomes):
+            log.info(
+                "%d of %d outcome(s) were fenced out (their runs lost the task)",
+                len(outcomes) - recorded,
+                len(outcomes),
+            )
+        for outcome in outcomes:
+            self._emit(
+                "recorded", key=outcome.key, run_id=outcome.run_id, state=outcome.state.value
+            )
+        if not self._pending and not self._writing:
+            self._all_written.set()
+        self._wake.set()  # their slots are free now
+
     async def _outcome_writer(self) -> None:
+        """Writes outcomes in bulk, in parallel with the claims of the main loop."""
         while True:
-            batch = [await self._outcomes.get()]
-            while not self._outcomes.empty() and len(batch) < 500:
-                batch.append(self._outcomes.get_nowait())
-            recorded = await self._record(batch)
-            if recorded < len(batch):
-                log.info(
-                    "%d of %d outcome(s) were fenced out (their runs lost the task)",
-                    len(batch) - recorded,
-                    len(batch),
-                )
-            self._unrecorded -= len(batch)
-            self._wake.set()  # their slots are free now
-            for outcome in batch:
-                self._outcomes.task_done()
-                self._emit(
-                    "recorded", key=outcome.key, run_id=outcome.run_id, state=outcome.state.value
-                )
+            await self._pending_ready.wait()
+            batch = self._take_pending()
+            if batch:
+                self._written(batch, await self._record(batch))
 
     async def _record(self, batch: list[Outcome]) -> int:
         """Write outcomes, retrying transient errors until they land (the fence makes a repeat
@@ -595,15 +627,21 @@ class Worker:
                 if exc.transient:
                     recorded += await self._record([outcome])
                 else:
-                    log.error(
-                        "cannot record the outcome of %s run %s; the task will be retried "
-                        "when its lease ends: %s",
-                        outcome.key,
-                        outcome.run_id[:8],
-                        exc,
-                    )
-                    await self._replace_dropped(outcome.key)
+                    await self._drop_refused(outcome, str(exc))
         return recorded
+
+    async def _drop_refused(self, outcome: Outcome, reason: str) -> None:
+        """MongoDB will not store this outcome. Its run keeps its lease until that runs out and
+        the task is retried; no write means no change event, so put the task back in the
+        queue for that moment."""
+        log.error(
+            "cannot record the outcome of %s run %s; the task will be retried when its lease "
+            "ends: %s",
+            outcome.key,
+            outcome.run_id[:8],
+            reason,
+        )
+        await self._replace_dropped(outcome.key)
 
     async def _replace_dropped(self, key: str) -> None:
         """No write, so no change event: put the task back in the queue for its lease's end."""
@@ -642,7 +680,7 @@ class Worker:
             await asyncio.gather(*stopping, return_exceptions=True)
         if self._crash is None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._outcomes.join(), timeout=30)
+                await asyncio.wait_for(self._all_written.wait(), timeout=30)
 
     async def _shutdown(self) -> None:
         for task in self._side:

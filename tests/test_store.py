@@ -258,7 +258,7 @@ def test_success_shortcut_matches_the_pipeline(tc: TaskClient, clock: FixedClock
 def test_claim_shortcut_matches_the_pipeline(tc: TaskClient, clock: FixedClock) -> None:
     for key in ("fast", "slow"):
         tc.publish("n", key, {"p": 1}, options={"worker_timeout_ms": 1234})
-    fast = tc._run(claim(["fast"], ["n"], "w1", clock.now(), timeout_ms=1234))
+    fast = tc._run(claim(["fast"], ["n"], "w1", clock.now(), timeouts={"fast": 1234}))
     slow = tc._run(claim(["slow"], ["n"], "w1", clock.now()))
     assert len(fast) == len(slow) == 1
     docs = []
@@ -271,10 +271,22 @@ def test_claim_shortcut_matches_the_pipeline(tc: TaskClient, clock: FixedClock) 
     # a wrong hint, or a task the shortcut does not cover, falls back to the pipeline
     tc.publish("n", "hint", options={"worker_timeout_ms": 5000})
     tc.publish("n", "multi", options={"concurrency": 2, "worker_timeout_ms": 1234})
-    assert tc._run(claim(["hint"], ["n"], "w1", clock.now(), timeout_ms=1234))
-    assert tc._run(claim(["multi"], ["n"], "w1", clock.now(), timeout_ms=1234))
+    assert tc._run(claim(["hint"], ["n"], "w1", clock.now(), timeouts={"hint": 1234}))
+    assert tc._run(claim(["multi"], ["n"], "w1", clock.now(), timeouts={"multi": 1234}))
     stored = tc.collection.find_one({"_id": "hint"})
     assert stored is not None
     assert stored["runs"][0]["lease_expires_at"] == clock.now() + dt.timedelta(seconds=5)
     # and it never claims what the filter forbids
-    assert tc._run(claim(["fast"], ["n"], "w2", clock.now(), timeout_ms=1234)) == []
+    assert tc._run(claim(["fast"], ["n"], "w2", clock.now(), timeouts={"fast": 1234})) == []
+    # a batch: the shortcut for the keys it covers, the pipeline for the rest, one run each
+    tc.publish_many(
+        [{"name": "n", "key": f"m{i}", "options": {"worker_timeout_ms": 1234}} for i in range(6)]
+    )
+    tc.publish("n", "m-multi", options={"concurrency": 2, "worker_timeout_ms": 1234})
+    keys = [f"m{i}" for i in range(6)] + ["m-multi"]
+    hints = {k: 1234 for k in keys[:4]} | {"m4": 999, "m-multi": 1234}
+    got = tc._run(claim(keys, ["n"], "w1", clock.now(), timeouts=hints))
+    assert sorted(d["_id"] for d in got) == sorted(keys)
+    for d in got:
+        assert [r["run_id"] for r in d["runs"]] == [d["claim_run_id"]]
+        assert d["runs"][0]["lease_expires_at"] == clock.now() + dt.timedelta(milliseconds=1234)

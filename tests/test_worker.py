@@ -517,7 +517,7 @@ async def test_more_tasks_than_the_queue_holds(
     assert client.stats() == {"add": {"succeeded": 1200}}
 
 
-async def test_a_worker_never_holds_more_leases_than_slots(
+async def test_a_worker_holds_at_most_twice_its_slots_in_leases(
     mongo_uri: str, db_name: str, client: TaskClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     original = Worker._record
@@ -541,7 +541,8 @@ async def test_a_worker_never_holds_more_leases_than_slots(
             )
             most = max(most, held)
             await asyncio.sleep(0.005)
-    assert 0 < most <= 8
+    # running handlers (8) plus finished runs whose outcome is on its way (at most 8)
+    assert 0 < most <= 16
 
 
 async def test_every_run_of_a_batch_claim_keeps_its_lease(
