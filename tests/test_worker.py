@@ -371,6 +371,24 @@ async def test_malformed_documents_do_not_stop_the_worker(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="mtask.worker")
     now = client.now()
+    well_formed: dict[str, Any] = {
+        "name": "add",
+        "status": "pending",
+        "next_claim_at": now,
+        "available_at": now,
+        "runs": [],
+        "successes": 0,
+        "failures": 0,
+        "attempts": 0,
+        "params": {"a": 1, "b": 1},
+        "options": {
+            "specific_worker_ids": [],
+            "concurrency": 1,
+            "max_retries": 1,
+            "worker_timeout_ms": 1000,
+            "ping_interval_ms": 100,
+        },
+    }
     junk = [
         {"_id": "no-runs", "name": "add", "status": "pending", "next_claim_at": now},
         {
@@ -406,42 +424,12 @@ async def test_malformed_documents_do_not_stop_the_worker(
             "runs": [{"state": 3}],
             "successes": 0,
         },
-        {  # well formed but for its key, which is not a string
-            "_id": 12345,
-            "name": "add",
-            "status": "pending",
-            "next_claim_at": now,
-            "available_at": now,
-            "runs": [],
-            "successes": 0,
-            "failures": 0,
-            "attempts": 0,
-            "params": {"a": 1, "b": 1},
-            "options": {
-                "specific_worker_ids": [],
-                "concurrency": 1,
-                "max_retries": 1,
-                "worker_timeout_ms": 1000,
-                "ping_interval_ms": 100,
-            },
-        },
-        {  # everything a claim needs but the ping interval the worker reads when it starts
+        {**well_formed, "_id": 12345},  # well formed but for its key, which is not a string
+        # everything a claim needs but the ping interval the worker reads when it starts
+        {
+            **well_formed,
             "_id": "no-ping",
-            "name": "add",
-            "status": "pending",
-            "next_claim_at": now,
-            "available_at": now,
-            "runs": [],
-            "successes": 0,
-            "failures": 0,
-            "attempts": 0,
-            "params": {"a": 1, "b": 1},
-            "options": {
-                "specific_worker_ids": [],
-                "concurrency": 1,
-                "max_retries": 1,
-                "worker_timeout_ms": 1000,
-            },
+            "options": {k: v for k, v in well_formed["options"].items() if k != "ping_interval_ms"},
         },
     ]
     client.collection.insert_many(junk)
