@@ -151,7 +151,7 @@ class Watcher:
             self._touched.add(key)
         doc = change.get("fullDocument")
         if doc is not None:
-            self._place_safely(doc)
+            self.place_safely(doc)
         elif change.get("operationType") != "update":
             self.forget(key)  # deleted
         else:
@@ -168,9 +168,9 @@ class Watcher:
     async def _look_up_unknown(self) -> None:
         keys, self.unknown = list(self.unknown), set()
         for doc in await self.driver.run(store.placements(keys)):
-            self._place_safely(doc)
+            self.place_safely(doc)
 
-    def _place_safely(self, doc: Mapping[str, Any]) -> None:
+    def place_safely(self, doc: Mapping[str, Any]) -> None:
         try:
             self.place(doc)
         except (AttributeError, KeyError, TypeError, ValueError) as exc:  # malformed: skip it
@@ -195,7 +195,7 @@ class Watcher:
                         self.queue.note_overflow(doc["next_claim_at"])
                         break
                     if doc["_id"] not in self._touched:
-                        self._place_safely(doc)
+                        self.place_safely(doc)
                 found += len(page)
                 if len(page) < self.page_size:
                     break

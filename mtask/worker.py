@@ -400,10 +400,10 @@ class Worker:
         claimed = {d["_id"] for d in docs}
         missed = [k for k in keys if k not in claimed]
         if missed:
-            try:
-                await self._replace_missed(missed, now)
-            except StorageError as exc:  # the sweep brings them back
-                log.warning("cannot re-read unclaimed tasks: %s", exc)
+            # A key we did not get goes back only if it was not yet due when we tried (our
+            # clock may be a millisecond early); otherwise another worker has it, or we may not
+            # run it, and an event or the sweep brings it back when that changes.
+            await self._requeue(missed, later_than=now)
 
     async def _adopt(self, keys: list[str], batch: str) -> list[dict[str, Any]]:
         """After a failed claim call: the write may have been applied although its reply was
@@ -417,14 +417,22 @@ class Worker:
         log.warning("could not check what a failed claim took; its leases will run out")
         return []
 
-    async def _replace_missed(self, keys: list[str], now: dt.datetime) -> None:
-        """A key we did not get goes back in the queue only if it was not yet due when we tried
-        (our clock may be a millisecond early); otherwise another worker has it, or we may not
-        run it, and an event or the sweep will bring it back when that changes."""
-        for doc in await self.driver.run(store.placements(keys)):
+    async def _requeue(self, keys: list[str], later_than: dt.datetime | None = None) -> None:
+        """Put tasks back in the claim queue from their current documents (for when no change
+        event will: a claim that missed, an outcome that could not be written). With
+        ``later_than``, only those not claimable by then."""
+        try:
+            docs = await self.driver.run(store.placements(keys))
+        except StorageError as exc:  # the sweep brings them back
+            log.warning("cannot re-read tasks to requeue them: %s", exc)
+            return
+        for doc in docs:
             claim_at = doc.get("next_claim_at")
-            if claim_at is not None and claim_at > now and self.watcher is not None:
-                self.watcher.place(doc)
+            due_already = later_than is not None and not (
+                isinstance(claim_at, dt.datetime) and claim_at > later_than
+            )
+            if self.watcher is not None and not due_already:
+                self.watcher.place_safely(doc)
 
     # -- running a handler ----------------------------------------------------------------------
 
@@ -641,14 +649,7 @@ class Worker:
             outcome.run_id[:8],
             reason,
         )
-        await self._replace_dropped(outcome.key)
-
-    async def _replace_dropped(self, key: str) -> None:
-        """No write, so no change event: put the task back in the queue for its lease's end."""
-        with contextlib.suppress(StorageError):
-            for doc in await self.driver.run(store.placements([key])):
-                if self.watcher is not None:
-                    self.watcher.place(doc)
+        await self._requeue([outcome.key])
 
     # -- stopping -------------------------------------------------------------------------------
 

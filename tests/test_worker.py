@@ -434,6 +434,21 @@ async def test_malformed_documents_do_not_stop_the_worker(
     ]
     client.collection.insert_many(junk)
     async with running_worker(registry, mongo_uri, db_name, sweep_interval=0.2) as (w, events):
+        # junk that arrives by change event, soon due: queued, refused by the claim, requeued
+        soon = client.now() + dt.timedelta(milliseconds=50)
+        client.collection.insert_many(
+            [
+                {"_id": "late-junk", "name": "add", "status": "pending", "next_claim_at": soon},
+                {
+                    **well_formed,
+                    "_id": "late-no-ping",
+                    "next_claim_at": soon,
+                    "options": {
+                        k: v for k, v in well_formed["options"].items() if k != "ping_interval_ms"
+                    },
+                },
+            ]
+        )
         client.publish_many(
             [{"name": "add", "key": f"ok{i}", "params": {"a": i, "b": 1}} for i in range(20)]
         )
