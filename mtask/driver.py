@@ -18,6 +18,7 @@ from pymongo.errors import (
     OperationFailure,
     PyMongoError,
     ServerSelectionTimeoutError,
+    WriteError,
 )
 
 from mtask.errors import StorageError
@@ -68,7 +69,7 @@ def storage_error(exc: PyMongoError) -> StorageError:
         text = f"MongoDB refused the credentials or the operation: {exc.details}"
     else:
         text = f"MongoDB: {type(exc).__name__}: {str(exc)[:500]}"
-    return StorageError(text, transient=transient)
+    return StorageError(text, transient=transient, document=isinstance(exc, WriteError))
 
 
 class SyncDriver:

@@ -56,9 +56,14 @@ class StorageError(MtaskError):
 
     default_message = "MongoDB could not be reached or refused the operation"
 
-    def __init__(self, message: str | None = None, *, transient: bool = False) -> None:
+    def __init__(
+        self, message: str | None = None, *, transient: bool = False, document: bool = False
+    ) -> None:
         super().__init__(message)
         self.transient = transient
+        self.document = document
+        """The server refused to write one particular document (a write error), not the
+        operation as a whole."""
 
 
 class EmbeddedUnavailable(StorageError):

@@ -36,6 +36,8 @@ class _Lease:
     timeout: float
     next_at: float
     started: float
+    expires: float
+    """When the lease runs out at the earliest, by this process's monotonic clock."""
     overdue_logged: bool = False
 
 
@@ -70,14 +72,29 @@ class LeasePinger:
             self._cond.notify()
         self._thread.join(timeout=10)
 
-    def add(self, key: str, run_id: str, ping_interval_ms: int, worker_timeout_ms: int) -> None:
+    def add(
+        self,
+        key: str,
+        run_id: str,
+        ping_interval_ms: int,
+        worker_timeout_ms: int,
+        claim_sent: float,
+    ) -> None:
+        """Ping a run's lease from now on; ``claim_sent`` is when (monotonic) the claim that
+        took it was sent, so the lease cannot end before ``claim_sent + timeout``."""
         now = time.monotonic()
         interval = ping_interval_ms / 1000
+        timeout = worker_timeout_ms / 1000
         with self._cond:
             self._leases[run_id] = _Lease(
-                key, run_id, interval, worker_timeout_ms / 1000, now + interval, now
+                key, run_id, interval, timeout, now + interval, now, claim_sent + timeout
             )
             self._cond.notify()
+
+    def expiry(self, run_id: str) -> float | None:
+        """When the run's lease runs out at the earliest (monotonic); None if not pinged."""
+        lease = self._leases.get(run_id)
+        return None if lease is None else lease.expires
 
     def remove(self, run_id: str) -> None:
         with self._cond:
@@ -104,6 +121,7 @@ class LeasePinger:
                 self._ping(lease)
 
     def _ping(self, lease: _Lease) -> None:
+        sent = time.monotonic()
         try:
             doc = self._driver.run(
                 store.extend_lease(lease.key, lease.run_id, self._worker_id, self._clock.now())
@@ -131,6 +149,7 @@ class LeasePinger:
         lease.interval = options.get("ping_interval_ms", lease.interval * 1000) / 1000
         lease.timeout = options.get("worker_timeout_ms", lease.timeout * 1000) / 1000
         lease.next_at = now + lease.interval
+        lease.expires = sent + lease.timeout
         if not lease.overdue_logged and now - lease.started > lease.timeout:
             lease.overdue_logged = True
             log.warning(

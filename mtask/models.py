@@ -30,13 +30,18 @@ class TaskStatus(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    INVALID = "invalid"
+    """Set by a worker on a document no claim can match (inserted by hand with missing or
+    mistyped fields); ``invalid_reason`` says why. Never claimed again."""
 
     @property
     def finished(self) -> bool:
         return self in FINISHED_STATUSES
 
 
-FINISHED_STATUSES = frozenset({TaskStatus.SUCCEEDED, TaskStatus.FAILED, TaskStatus.CANCELLED})
+FINISHED_STATUSES = frozenset(
+    {TaskStatus.SUCCEEDED, TaskStatus.FAILED, TaskStatus.CANCELLED, TaskStatus.INVALID}
+)
 OPEN_STATUSES = (TaskStatus.PENDING.value, TaskStatus.RUNNING.value)
 
 
@@ -131,10 +136,38 @@ class Task(BaseModel):
     created_at: dt.datetime
     updated_at: dt.datetime
     finished_at: dt.datetime | None = None
+    invalid_reason: str | None = None
+    """Why a worker marked this document ``invalid`` (or why it cannot be read as a task)."""
 
     @classmethod
     def from_document(cls, doc: dict[str, Any]) -> Task:
-        return cls.model_validate(doc)
+        """The task a document holds. A malformed document (inserted by hand) never raises:
+        it reads as an ``invalid`` task whose ``invalid_reason`` names the bad field."""
+        try:
+            return cls.model_validate(doc)
+        except ValidationError as exc:
+            return cls._unreadable(doc, exc)
+
+    @classmethod
+    def _unreadable(cls, doc: dict[str, Any], exc: ValidationError) -> Task:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "document"
+        reason = doc.get("invalid_reason")
+        stamp = doc.get("updated_at")
+        when = stamp if isinstance(stamp, dt.datetime) else dt.datetime.fromtimestamp(0, dt.UTC)
+        name = doc.get("name")
+        status = doc.get("status")
+        return cls(
+            key=str(doc.get("_id")),
+            name=name if isinstance(name, str) else "?",
+            options=TaskOptions(),
+            status=status if status in TaskStatus.__members__.values() else TaskStatus.INVALID,
+            created_at=when,
+            updated_at=when,
+            invalid_reason=reason
+            if isinstance(reason, str)
+            else f"malformed task document: {field}: {first['msg']}",
+        )
 
 
 class PublishResult(BaseModel):

@@ -76,7 +76,62 @@ WELL_FORMED: dict[str, Any] = {
     "options.max_retries": {"$type": "number"},
     "options.worker_timeout_ms": {"$type": "number"},
     "options.ping_interval_ms": {"$type": "number"},
+    SPECIFIC: {"$type": "array"},
 }
+KNOWN_STATUSES = [status.value for status in TaskStatus]
+
+
+def _well_formed_expr() -> Doc:
+    """``WELL_FORMED`` (plus a string key and a known status) as an aggregation expression."""
+    return {
+        "$and": [
+            {"$eq": [{"$type": "$_id"}, "string"]},
+            {"$in": ["$status", KNOWN_STATUSES]},
+            *(
+                {"$in": [{"$type": f"${field}"}, _TYPE_ALIASES[spec["$type"]]]}
+                for field, spec in WELL_FORMED.items()
+            ),
+        ]
+    }
+
+
+_TYPE_ALIASES = {
+    "array": ["array"],
+    "date": ["date"],
+    "number": ["int", "long", "double", "decimal"],
+}
+
+
+def _invalid_reason_expr() -> Doc:
+    """Names the first field that makes a document malformed, and what it holds instead."""
+    checks: list[tuple[Doc, str, str]] = [
+        ({"$ne": [{"$type": "$_id"}, "string"]}, "_id", "a string"),
+        ({"$not": [{"$in": ["$status", KNOWN_STATUSES]}]}, "status", "a known status"),
+    ]
+    checks += [
+        (
+            {"$not": [{"$in": [{"$type": f"${field}"}, _TYPE_ALIASES[spec["$type"]]]}]},
+            field,
+            f"a {spec['$type']}",
+        )
+        for field, spec in WELL_FORMED.items()
+    ]
+    found: dict[str, Doc] = {"status": {"$toString": "$status"}}  # the unknown value itself
+    branches = [
+        {
+            "case": test,
+            "then": {
+                "$concat": [
+                    f"malformed task document: '{field}' must be {wanted}, found ",
+                    found.get(field, {"$type": f"${field}"}),
+                ]
+            },
+        }
+        for test, field, wanted in checks
+    ]
+    return {"$switch": {"branches": branches, "default": "malformed task document"}}
+
+
 CLAIMED_FIELDS = {"name": 1, "params": 1, "options": 1, "attempts": 1}
 """What a worker needs of a task it claimed."""
 PLACEMENT_FIELDS = {
@@ -224,13 +279,49 @@ def get_status(key: str) -> Op[Doc | None]:
     return doc
 
 
-def placements(keys: Sequence[str]) -> Op[list[Doc]]:
-    """Claim-time fields of open tasks among ``keys`` (to re-place keys a claim did not get)."""
+def placements(keys: Sequence[Any]) -> Op[list[Doc]]:
+    """Claim-time fields of open tasks among ``keys`` (to re-place keys a claim did not get),
+    each with ``well_formed``: whether a claim can match it at all."""
     docs: list[Doc] = yield Call(
         "find",
-        ({"_id": {"$in": list(keys)}, "next_claim_at": {"$type": "date"}}, PLACEMENT_FIELDS),
+        (
+            {"_id": {"$in": list(keys)}, "next_claim_at": {"$type": "date"}},
+            {**PLACEMENT_FIELDS, "well_formed": _well_formed_expr()},
+        ),
     )
     return docs
+
+
+def quarantine(keys: Sequence[Any], now: dt.datetime, reason: str | None = None) -> Op[int]:
+    """Mark open documents among ``keys`` that no claim can ever match (inserted by hand with
+    missing or mistyped fields) ``invalid``, with the reason, and take them out of the claim
+    index. Matches only documents that are still malformed, so a fixed one is left alone.
+    With ``reason`` (a claim failed on the document itself), the open documents among
+    ``keys`` whatever they hold."""
+    filt: Doc = {"_id": {"$in": list(keys)}, "next_claim_at": {"$type": "date"}}
+    if reason is None:
+        filt["$expr"] = {"$not": [_well_formed_expr()]}
+    result = yield Call(
+        "update_many",
+        (
+            filt,
+            [
+                {
+                    "$set": {
+                        "invalid_reason": _invalid_reason_expr()
+                        if reason is None
+                        else _lit(reason),
+                        "invalid_status": "$status",
+                        "status": TaskStatus.INVALID.value,
+                        "updated_at": now,
+                    }
+                },
+                {"$unset": "next_claim_at"},
+            ],
+        ),
+    )
+    count: int = result.modified_count
+    return count
 
 
 LIST_ORDERS = ("newest", "next_claim_at")
@@ -415,6 +506,11 @@ def claim_filter(
         **WELL_FORMED,
         "$expr": {
             "$and": [
+                # types first ($and stops at the first false): the server may evaluate this
+                # before the type filters above, and must not fail on a malformed document
+                {"$isArray": "$runs"},
+                {"$isNumber": "$successes"},
+                {"$isNumber": "$options.concurrency"},
                 # a free slot: live runs + successes < concurrency
                 {
                     "$lt": [
@@ -525,6 +621,7 @@ def claim(
     timeouts: Mapping[str, int] | None = None,
     fields: Mapping[str, int] | None = None,
     batch: str | None = None,
+    isolate: bool = False,
 ) -> Op[list[Doc]]:
     """Claim as many of ``keys`` as the server allows. Returns the claimed documents (only
     ``fields`` of them, if given); this worker's run is the one whose ``run_id`` is the
@@ -532,13 +629,14 @@ def claim(
 
     One key: one ``find_one_and_update``; if ``timeouts`` gives its ``worker_timeout_ms`` as
     this worker last saw it, the plain-update shortcut (``claim_fast_update``) is tried first.
-    Many keys: one pipeline ``update_many`` and one read of what was claimed (a batch shortcut
-    of one plain update per key measured no faster, so there is none)."""
+    Many keys (or one with ``isolate``, so that a document the server cannot update is
+    reported as a write error): one pipeline ``update_many`` and one read of what was claimed
+    (a batch shortcut of one plain update per key measured no faster, so there is none)."""
     if not keys:
         return []
     timeouts = timeouts or {}
     batch = batch or uuid.uuid4().hex
-    if len(keys) == 1:
+    if len(keys) == 1 and not isolate:
         key = keys[0]
         run_id = run_id_for(batch, key)
         options: dict[str, Any] = {"return_document": ReturnDocument.AFTER}
@@ -778,11 +876,15 @@ def scan(
     """One page of open tasks for ``names`` that this worker may run, soonest claimable first;
     ``after`` is the (next_claim_at, key) of the previous page's last entry."""
     filt: Doc = {
-        "_id": {"$type": "string"},
+        # Malformed documents are read too: the claim refuses them, and the worker then marks
+        # them invalid (``quarantine``) instead of skipping them in silence.
         "name": {"$in": list(names)},
         "next_claim_at": {"$type": "date"},
-        "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],
-        **WELL_FORMED,
+        "$or": [
+            {SPECIFIC: {"$size": 0}},
+            {SPECIFIC: worker_id},
+            {SPECIFIC: {"$not": {"$type": "array"}}},
+        ],
     }
     if after is not None:
         at, key = after

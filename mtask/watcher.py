@@ -79,6 +79,10 @@ class Watcher:
         """name, priority, "names this worker" and worker_timeout_ms of the open tasks this
         watcher knows."""
         self.unknown: set[str] = set()
+        self.malformed: set[Any] = set()
+        self.ignored: set[Any] = set()
+        """Keys of documents that could not even be marked invalid: never queued again."""
+        """Keys of malformed documents seen, to be marked invalid by ``quarantine``."""
         self.drop_events = False  # tests: simulate lost events
         self._touched: set[str] | None = None
         self._rescan_requested = asyncio.Event()
@@ -96,8 +100,12 @@ class Watcher:
         options = doc.get("options") or {}
         specific = options.get("specific_worker_ids") or []
         if not isinstance(specific, list):
-            specific = [specific]
-        if name not in self.names or (specific and self.worker_id not in specific):
+            raise TypeError("options.specific_worker_ids is not a list")  # malformed
+        if (
+            name not in self.names
+            or (specific and self.worker_id not in specific)
+            or key in self.ignored
+        ):
             self.forget(key)
             return
         priority = options.get("priority", 0)
@@ -171,10 +179,30 @@ class Watcher:
             self.place_safely(doc)
 
     def place_safely(self, doc: Mapping[str, Any]) -> None:
+        """``place``, or for a malformed document (inserted by hand), note it for
+        ``quarantine`` and go on."""
+        if doc.get("well_formed") is False:  # a claim cannot match it (store.placements)
+            self.malformed.add(doc.get("_id"))
+            return
         try:
             self.place(doc)
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:  # malformed: skip it
-            log.warning("ignoring a malformed task document %r: %s", doc.get("_id"), exc)
+        except (AttributeError, KeyError, TypeError, ValueError):
+            with contextlib.suppress(TypeError):  # an unhashable _id cannot even be noted
+                self.malformed.add(doc.get("_id"))
+
+    async def quarantine(self) -> None:
+        """Mark the malformed documents noted so far ``invalid`` (with the reason), so that
+        no worker tries them again; log each once."""
+        keys, self.malformed = list(self.malformed), set()
+        for key in keys:
+            self.forget(key)
+        marked = await self.driver.run(store.quarantine(keys, self.clock.now()))
+        if marked:
+            log.warning(
+                "marked %d malformed task document(s) invalid (see their invalid_reason): %s",
+                marked,
+                ", ".join(repr(k) for k in keys[:10]),
+            )
 
     # -- scanning -----------------------------------------------------------------------------
 
@@ -205,6 +233,8 @@ class Watcher:
                     self.queue.note_overflow(after[0])
         finally:
             self._touched = None
+        if self.malformed:
+            await self.quarantine()
         self.wake()
         return found
 
@@ -275,6 +305,8 @@ class Watcher:
                             self._on_change(change)
                         if self.unknown:
                             await self._look_up_unknown()
+                        if self.malformed:
+                            await self.quarantine()
             except OperationFailure as exc:
                 if exc.code in FATAL_STREAM_CODES:
                     log.warning("change stream history lost (%s); rescanning", exc.code)

@@ -16,16 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import functools
 import logging
 import os
 import random
 import socket
+import threading
 import time
 import traceback
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -155,7 +154,6 @@ class Worker:
         self._side: list[asyncio.Task[None]] = []
         self._crash: BaseException | None = None
         self._loop_tick = time.monotonic()
-        self._executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="mtask-run")
         self._sweep_interval = sweep_interval
         self._stagger_ms = stagger_ms
         self.watcher: Watcher | None = None
@@ -380,6 +378,7 @@ class Worker:
         self._claiming.update(keys)
         batch = uuid.uuid4().hex
         hints = self.watcher.timeouts(keys) if self.watcher else {}
+        sent = time.monotonic()  # no lease of this claim can end before sent + its timeout
         try:
             docs = await self.driver.run(
                 store.claim(keys, names, self.worker_id, now, hints, store.CLAIMED_FIELDS, batch)
@@ -387,14 +386,18 @@ class Worker:
         except StorageError as exc:
             log.warning("claim failed, retrying shortly: %s", exc)
             docs = await self._adopt(keys, batch)
-            if not docs:
+            if exc.document:  # one document the server cannot update: find it, mark it invalid
+                adopted = {d["_id"] for d in docs}
+                rest = [k for k in keys if k not in adopted]
+                docs += await self._isolate(rest, names, now)
+            elif not docs:
                 self._claiming.difference_update(keys)
                 for key in keys:
                     self.queue.push(key, now + dt_seconds(1))
                 await asyncio.sleep(0.5)
                 return
         for doc in docs:
-            self._start(doc)
+            self._start(doc, sent)
         self._claiming.difference_update(keys)
         self.stats.claimed += len(docs)
         claimed = {d["_id"] for d in docs}
@@ -404,6 +407,44 @@ class Worker:
             # clock may be a millisecond early); otherwise another worker has it, or we may not
             # run it, and an event or the sweep brings it back when that changes.
             await self._requeue(missed, later_than=now)
+
+    async def _isolate(
+        self, keys: list[str], names: list[str], now: dt.datetime
+    ) -> list[dict[str, Any]]:
+        """Claim ``keys`` one at a time after a batch claim failed on one document's write
+        error; mark the documents whose own claim fails so ``invalid`` with the error (or,
+        when even that cannot be written, ignore them from now on, logged once)."""
+        claimed: list[dict[str, Any]] = []
+        for key in keys:
+            try:
+                claimed += await self.driver.run(
+                    store.claim(
+                        [key],
+                        names,
+                        self.worker_id,
+                        now,
+                        None,
+                        store.CLAIMED_FIELDS,
+                        uuid.uuid4().hex,
+                        isolate=True,
+                    )
+                )
+            except StorageError as exc:
+                if not exc.document:
+                    break  # not this document's fault: the keys go back to the queue
+                await self._mark_invalid(key, f"a claim cannot update the document: {exc}")
+        return claimed
+
+    async def _mark_invalid(self, key: str, reason: str) -> None:
+        try:
+            await self.driver.run(store.quarantine([key], self.clock.now(), reason))
+            log.warning("marked task %r invalid: %s", key, reason)
+        except StorageError as exc:
+            log.warning(
+                "ignoring task %r from now on: %s (cannot mark it invalid: %s)", key, reason, exc
+            )
+            if self.watcher is not None:
+                self.watcher.ignored.add(key)
 
     async def _adopt(self, keys: list[str], batch: str) -> list[dict[str, Any]]:
         """After a failed claim call: the write may have been applied although its reply was
@@ -431,12 +472,13 @@ class Worker:
             due_already = later_than is not None and not (
                 isinstance(claim_at, dt.datetime) and claim_at > later_than
             )
-            if self.watcher is not None and not due_already:
+            malformed = doc.get("well_formed") is False  # the watcher marks it invalid
+            if self.watcher is not None and (malformed or not due_already):
                 self.watcher.place_safely(doc)
 
     # -- running a handler ----------------------------------------------------------------------
 
-    def _start(self, doc: dict[str, Any]) -> None:
+    def _start(self, doc: dict[str, Any], sent: float) -> None:
         run_id = doc["claim_run_id"]
         options = doc["options"]
         ctx = TaskContext(
@@ -452,8 +494,11 @@ class Worker:
         self._keys[run.key] = self._keys.get(run.key, 0) + 1
         self.queue.discard(run.key)
         assert self.pinger is not None
-        self.pinger.add(run.key, run_id, options["ping_interval_ms"], options["worker_timeout_ms"])
+        self.pinger.add(
+            run.key, run_id, options["ping_interval_ms"], options["worker_timeout_ms"], sent
+        )
         run.task = asyncio.create_task(self._execute(run, doc), name=f"mtask-run-{run.key}")
+        self._watch_deadline(run)
         self._emit("claimed", key=run.key, run_id=run_id, attempt=ctx.attempt)
 
     async def _execute(self, run: _Run, doc: dict[str, Any]) -> None:
@@ -485,10 +530,7 @@ class Worker:
             if handler.is_async:
                 result = await handler.fn(*args)
             else:
-                loop = asyncio.get_running_loop()
-                result = await loop.run_in_executor(
-                    self._executor, functools.partial(handler.fn, *args)
-                )
+                result = await run_in_thread(handler.fn, *args, name=f"mtask-run-{run.key}")
             return self._success(run, result)
         except Retry as exc:
             delay = None if exc.delay is None else round(exc.delay * 1000)
@@ -550,6 +592,28 @@ class Worker:
             self._emit("cancelled", key=run.key, run_id=run.run_id)
             return Outcome(run.key, run.run_id, RunState.CANCELLED, error="cancelled")
         return None  # lost: another run owns the task; nothing may be written
+
+    def _watch_deadline(self, run: _Run) -> None:
+        """Stop a run when its lease has run out by this process's own clock, before any
+        other worker can take it over: after a freeze (SIGSTOP, a VM pause) the run is stopped
+        by the first timer that fires, not by a ping answered later, and no ping success is
+        assumed while MongoDB cannot be reached."""
+        expiry = self.pinger.expiry(run.run_id) if self.pinger is not None else None
+        if expiry is None or run.task is None or run.task.done() or run.stop_reason:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < expiry:
+            loop.call_at(expiry, self._watch_deadline, run)
+            return
+        assert self.pinger is not None
+        self.pinger.remove(run.run_id)
+        log.warning(
+            "the lease of %s run %s ran out before a ping could extend it (was the process "
+            "frozen, or MongoDB out of reach?)",
+            run.key,
+            run.run_id[:8],
+        )
+        self._lost(run.run_id, None)
 
     def _lost_threadsafe(
         self, loop: asyncio.AbstractEventLoop, run_id: str, doc: dict[str, Any] | None
@@ -691,7 +755,6 @@ class Worker:
             await asyncio.to_thread(self.pinger.stop)
         with contextlib.suppress(StorageError):
             await asyncio.wait_for(self.driver.run(control.deregister(self.worker_id)), timeout=5)
-        self._executor.shutdown(wait=False, cancel_futures=True)
         await self._aclient.close()
         self._sclient.close()
         self.state = "stopped"
@@ -714,6 +777,33 @@ class Worker:
             log.info("%s %s", event, " ".join(f"{k}={v}" for k, v in data.items()))
         if self._on_event is not None:
             self._on_event(event, **data)
+
+
+async def run_in_thread(fn: Callable[..., Any], *args: Any, name: str) -> Any:
+    """Run a plain-def handler on a thread of its own. Cancelling the await abandons the
+    thread (Python cannot stop one): a handler that hangs forever then costs a thread, never a
+    slot of the worker, as it would in a fixed-size pool."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def target() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return await future
 
 
 def dt_seconds(seconds: float) -> dt.timedelta:

@@ -425,6 +425,12 @@ async def test_malformed_documents_do_not_stop_the_worker(
             "successes": 0,
         },
         {**well_formed, "_id": 12345},  # well formed but for its key, which is not a string
+        {**well_formed, "_id": "weird-status", "status": "paused"},
+        {**well_formed, "_id": "bad-run", "runs": [3]},
+        # so near BSON's 16 MiB limit that no run can be added: the claim itself fails
+        {**well_formed, "_id": "full", "params": {"pad": "x" * (16 * 1024 * 1024 - 400)}},
+        # huge, but a well-formed task: it runs
+        {**well_formed, "_id": "big", "params": {"a": 1, "b": 2, "pad": "x" * 10_000_000}},
         # everything a claim needs but the ping interval the worker reads when it starts
         {
             **well_formed,
@@ -457,8 +463,37 @@ async def test_malformed_documents_do_not_stop_the_worker(
         rescans = w.watcher.rescans
         await wait_for(lambda: w.watcher.rescans >= rescans + 2)  # type: ignore[union-attr]
         assert w.state == "running"
-    assert client.stats()["add"]["succeeded"] == 20
-    assert not [r for r in caplog.records if "claim failed" in r.message]
+        big = {"_id": "big", "status": "succeeded"}
+        await wait_for(lambda: client.collection.find_one(big, {"_id": 1}))
+    assert client.stats()["add"]["succeeded"] == 22  # 20 published, "big", "bad-run"
+    reasons = {
+        doc["_id"]: doc.get("invalid_reason")
+        for doc in client.collection.find({"status": "invalid"}, {"invalid_reason": 1})
+    }
+    expected = {
+        "no-runs": "'runs' must be a array, found missing",
+        "bad-options": "'runs' must be a array, found string",
+        "bad-specific": "'successes' must be a number, found missing",
+        "half": "'runs' must be a array, found missing",
+        "half2": "'failures' must be a number, found missing",
+        12345: "'_id' must be a string, found int",
+        "weird-status": "'status' must be a known status, found paused",
+        "no-ping": "'options.ping_interval_ms' must be a number, found missing",
+        "late-junk": "'runs' must be a array, found missing",
+        "late-no-ping": "'options.ping_interval_ms' must be a number, found missing",
+    }
+    for key, reason in expected.items():
+        assert reason in (reasons.get(key) or ""), (key, reasons.get(key))
+    # a document the claim cannot write is marked invalid, or if even that cannot be
+    # written, left alone and logged once
+    full = client.collection.find_one({"_id": "full"}, {"status": 1, "runs": 1})
+    assert full is not None and full["runs"] == []
+    logged = [r.message for r in caplog.records if "'full'" in r.message]
+    assert full["status"] == "invalid" or len(logged) == 1, logged
+    # every malformed document reads as an invalid task instead of raising
+    junk_task = client.get("no-runs")
+    assert junk_task is not None and junk_task.status == "invalid" and junk_task.invalid_reason
+    assert {t.key for t in client.list(status="invalid")} >= {"no-runs", "12345", "no-ping"}
 
 
 async def test_refused_outcome_does_not_block_the_others(
