@@ -69,7 +69,10 @@ def storage_error(exc: PyMongoError) -> StorageError:
         text = f"MongoDB refused the credentials or the operation: {exc.details}"
     else:
         text = f"MongoDB: {type(exc).__name__}: {str(exc)[:500]}"
-    return StorageError(text, transient=transient, document=isinstance(exc, WriteError))
+    # A write error names one document; one that is transient (the server shutting down or
+    # stepping down mid-write) says nothing about the document.
+    document = isinstance(exc, WriteError) and not transient
+    return StorageError(text, transient=transient, document=document)
 
 
 class SyncDriver:

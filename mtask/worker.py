@@ -440,6 +440,9 @@ class Worker:
             await self.driver.run(store.quarantine([key], self.clock.now(), reason))
             log.warning("marked task %r invalid: %s", key, reason)
         except StorageError as exc:
+            if not exc.document:  # MongoDB in trouble: a later claim tries again
+                log.warning("cannot mark task %r invalid now (%s): %s", key, reason, exc)
+                return
             log.warning(
                 "ignoring task %r from now on: %s (cannot mark it invalid: %s)", key, reason, exc
             )

@@ -20,6 +20,14 @@ from mtask import AsyncTaskClient, TaskClient
 from mtask.errors import MtaskError
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--chaos-long",
+        action="store_true",
+        help="run the chaos suite (tests/chaos) at its long size instead of the moderate one",
+    )
+
+
 @pytest.fixture(scope="session")
 def mongo_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     env = os.environ.get("MTASK_TEST_MONGODB_URI")

@@ -204,7 +204,12 @@ def test_scan_pages_through_everything(tc: TaskClient, clock: FixedClock) -> Non
 
 
 def test_transient_errors_are_told_apart() -> None:
-    from pymongo.errors import AutoReconnect, OperationFailure, ServerSelectionTimeoutError
+    from pymongo.errors import (
+        AutoReconnect,
+        OperationFailure,
+        ServerSelectionTimeoutError,
+        WriteError,
+    )
 
     from mtask.driver import storage_error
 
@@ -213,6 +218,13 @@ def test_transient_errors_are_told_apart() -> None:
     assert storage_error(OperationFailure("stepped down", code=189)).transient
     assert not storage_error(OperationFailure("conflict", code=40)).transient
     assert not storage_error(OperationFailure("auth failed", code=18)).transient
+    # a write error blames one document, unless it is the server shutting down mid-write
+    # (a worker once marked 30 good tasks as ignored during a MongoDB restart)
+    too_big = storage_error(WriteError("Resulting document after update is larger", 17419))
+    assert too_big.document and not too_big.transient
+    shutdown = storage_error(WriteError("interrupted at shutdown", 11600))
+    assert shutdown.transient and not shutdown.document
+    assert not storage_error(OperationFailure("auth failed", code=18)).document
 
 
 def test_success_shortcut_matches_the_pipeline(tc: TaskClient, clock: FixedClock) -> None:

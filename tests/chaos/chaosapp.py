@@ -1,0 +1,95 @@
+"""Handlers for the chaos suite, run by real ``mtask-worker`` processes.
+
+Every handler writes what it does to the ``execlog`` collection of the database named by
+``CHAOS_DB`` (on ``CHAOS_URI``): one entry per start and per end (``finish``, ``fail`` or
+``cancelled``), with the key, run id, worker id and the *server's* time (``$$NOW``), so that the
+invariants can be checked across processes from one clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from bson import ObjectId
+from pymongo import AsyncMongoClient, MongoClient
+
+from mtask.registry import Registry, TaskContext
+
+registry = Registry()
+_clients: dict[str, Any] = {}
+
+
+def _collection(sync: bool = False) -> Any:
+    kind = "sync" if sync else "async"
+    if kind not in _clients:
+        cls = MongoClient if sync else AsyncMongoClient
+        _clients[kind] = cls(os.environ["CHAOS_URI"], w="majority", tz_aware=True)
+    return _clients[kind][os.environ["CHAOS_DB"]]["execlog"]
+
+
+def _entry(ctx: TaskContext, event: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    fields = {"key": ctx.key, "run_id": ctx.run_id, "worker_id": ctx.worker_id, "event": event}
+    return {"_id": ObjectId()}, [{"$set": {**fields, "at": "$$NOW"}}]
+
+
+async def log(ctx: TaskContext, event: str) -> None:
+    filt, update = _entry(ctx, event)
+    for attempt in range(60):  # MongoDB may be restarting or failing over: keep the entry
+        try:
+            await _collection().update_one(filt, update, upsert=True)
+            return
+        except Exception:  # noqa: BLE001 - retried; the test fails if the entry is missing
+            await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
+    raise RuntimeError("cannot write the execution log")
+
+
+def log_sync(ctx: TaskContext, event: str) -> None:
+    filt, update = _entry(ctx, event)
+    _collection(sync=True).update_one(filt, update, upsert=True)
+
+
+@registry.task("work")
+async def work(params: dict[str, Any], ctx: TaskContext) -> str:
+    """Sleeps ``ms``; fails on attempts up to ``fail_attempts``."""
+    await log(ctx, "start")
+    try:
+        await asyncio.sleep(params.get("ms", 50) / 1000)
+    except asyncio.CancelledError:
+        await log(ctx, "cancelled")
+        raise
+    if ctx.attempt <= params.get("fail_attempts", 0):
+        await log(ctx, "fail")
+        raise RuntimeError(f"planned failure on attempt {ctx.attempt}")
+    await log(ctx, "finish")
+    return "ok"
+
+
+@registry.task("hang")
+async def hang(params: dict[str, Any], ctx: TaskContext) -> None:
+    """Never returns; only cancellation stops it."""
+    await log(ctx, "start")
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        await log(ctx, "cancelled")
+        raise
+
+
+@registry.task("hang_thread")
+def hang_thread(params: dict[str, Any], ctx: TaskContext) -> None:
+    """A plain-def handler that hangs forever and ignores ``ctx.cancelled``."""
+    log_sync(ctx, "start")
+    while True:
+        time.sleep(1)
+
+
+@registry.task("block_loop")
+async def block_loop(params: dict[str, Any], ctx: TaskContext) -> str:
+    """Blocks the worker's event loop for ``seconds``."""
+    await log(ctx, "start")
+    time.sleep(params["seconds"])  # noqa: ASYNC251 - blocking the loop is the point
+    await log(ctx, "finish")
+    return "unblocked"

@@ -1,0 +1,221 @@
+"""Real worker processes and MongoDB servers for the chaos suite."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pymongo import MongoClient
+from pymongo.errors import PyMongoError
+
+from mtask import TaskClient
+from mtask.embedded import find_mongod, free_port
+
+HERE = Path(__file__).parent
+
+
+@dataclass
+class Size:
+    """How big each scenario is: moderate in CI, big with ``--chaos-long``."""
+
+    tasks: int
+    kill_rounds: int
+    restarts: int
+    failovers: int
+    stream_kills: int
+    publishers: int
+
+
+MODERATE = Size(tasks=300, kill_rounds=5, restarts=1, failovers=1, stream_kills=3, publishers=4)
+LONG = Size(tasks=3000, kill_rounds=25, restarts=3, failovers=3, stream_kills=15, publishers=8)
+
+
+class Cluster:
+    """``mtask-worker`` processes running ``chaosapp:registry``; logs go to files."""
+
+    def __init__(self, uri: str, database: str, logs: Path) -> None:
+        self.uri = uri
+        self.database = database
+        self.logs = logs
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.kills = 0
+
+    def spawn(
+        self,
+        worker_id: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        log = open(self.logs / f"{worker_id}.log", "ab")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            [
+                *(prefix or []),
+                sys.executable,
+                "-m",
+                "mtask.runner",
+                "chaosapp:registry",
+                "--uri",
+                self.uri,
+                "--database",
+                self.database,
+                "--worker-id",
+                worker_id,
+                "--log-level",
+                "INFO",
+                *args,
+            ],
+            cwd=HERE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={
+                **os.environ,
+                "PYTHONPATH": str(HERE),
+                "CHAOS_URI": self.uri,
+                "CHAOS_DB": self.database,
+                **(env or {}),
+            },
+        )
+        log.close()
+        self.procs[worker_id] = proc
+        return proc
+
+    def signal(self, worker_id: str, sig: signal.Signals) -> None:
+        proc = self.procs[worker_id]
+        proc.send_signal(sig)
+        if sig == signal.SIGKILL:
+            proc.wait(timeout=10)
+            self.kills += 1
+            del self.procs[worker_id]
+
+    def log_of(self, worker_id: str) -> str:
+        return (self.logs / f"{worker_id}.log").read_text(errors="replace")
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGCONT)
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        self.procs.clear()
+
+
+async def until_finished(client: TaskClient, total: int, timeout: float) -> None:
+    """Wait until ``total`` tasks exist and none is pending or running."""
+    deadline = time.monotonic() + timeout
+    counts: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        try:
+            counts = {}
+            for by_status in client.stats().values():
+                for status, n in by_status.items():
+                    counts[status] = counts.get(status, 0) + n
+        except Exception:  # noqa: BLE001 - MongoDB may be failing over; ask again
+            await asyncio.sleep(0.5)
+            continue
+        open_ = counts.get("pending", 0) + counts.get("running", 0)
+        if sum(counts.values()) >= total and open_ == 0:
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"tasks still open after {timeout}s: {counts}")
+
+
+class ReplicaSet:
+    """A three-member replica set started from the embedded mongod binary."""
+
+    NAME = "chaos"
+
+    def __init__(self, root: Path, members: int = 3) -> None:
+        self.root = root
+        self.ports = [free_port() for _ in range(members)]
+        self.pids: dict[int, int] = {}
+
+    @property
+    def uri(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        return f"mongodb://{hosts}/?replicaSet={self.NAME}"
+
+    def start(self) -> str:
+        mongod = find_mongod()
+        for i, port in enumerate(self.ports):
+            path = self.root / f"m{i}"
+            path.mkdir(parents=True, exist_ok=True)
+            pid_file = path / "mongod.pid"
+            subprocess.run(
+                [
+                    str(mongod), "--replSet", self.NAME, "--dbpath", str(path),
+                    "--port", str(port), "--bind_ip", "127.0.0.1",
+                    "--wiredTigerCacheSizeGB", "0.25",
+                    "--setParameter", "diagnosticDataCollectionEnabled=false",
+                    "--logpath", str(path / "mongod.log"), "--fork",
+                    "--pidfilepath", str(pid_file),
+                ],
+                check=True, capture_output=True, timeout=60, start_new_session=True,
+            )  # fmt: skip
+            self.pids[port] = int(pid_file.read_text().strip())
+        first = self.direct(self.ports[0])
+        members = [{"_id": i, "host": f"127.0.0.1:{p}"} for i, p in enumerate(self.ports)]
+        first.admin.command(
+            "replSetInitiate",
+            {"_id": self.NAME, "members": members, "settings": {"electionTimeoutMillis": 2000}},
+        )
+        first.close()
+        self.wait_primary()
+        return self.uri
+
+    def direct(self, port: int) -> MongoClient[dict[str, Any]]:
+        return MongoClient(
+            f"mongodb://127.0.0.1:{port}/?directConnection=true", serverSelectionTimeoutMS=2000
+        )
+
+    def primary_port(self) -> int | None:
+        for port in self.ports:
+            client = self.direct(port)
+            try:
+                if client.admin.command("hello").get("isWritablePrimary"):
+                    return port
+            except PyMongoError:
+                pass
+            finally:
+                client.close()
+        return None
+
+    def wait_primary(self, timeout: float = 60, other_than: int | None = None) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            port = self.primary_port()
+            if port is not None and port != other_than:
+                return port
+            time.sleep(0.2)
+        raise AssertionError("the replica set elected no primary")
+
+    def step_down(self) -> tuple[int, int]:
+        """Step the primary down; returns (old primary, new primary)."""
+        old = self.wait_primary()
+        client = self.direct(old)
+        try:
+            client.admin.command("replSetStepDown", 10, secondaryCatchUpPeriodSecs=5)
+        except PyMongoError:
+            pass  # the connection is closed by the step-down
+        finally:
+            client.close()
+        return old, self.wait_primary(other_than=old)
+
+    def stop(self) -> None:
+        for pid in self.pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.pids.clear()

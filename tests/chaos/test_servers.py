@@ -1,0 +1,143 @@
+"""MongoDB itself in trouble: restarted under load, its primary stepped down, the change
+stream's cursor killed on the server."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster import Cluster, ReplicaSet, Size, until_finished
+from pymongo import MongoClient
+from test_kills import assert_invariants, work_items
+
+from mtask import TaskClient
+from mtask.embedded import EmbeddedMongo
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800)]
+
+LEASE = {"worker_timeout_ms": 5000, "ping_interval_ms": 500}
+
+
+async def test_mongodb_restarted_under_load(tmp_path: Path, db_name: str, size: Size) -> None:
+    server = EmbeddedMongo(tmp_path / "mongodb")
+    uri = server.start()
+    cluster = Cluster(uri, db_name, tmp_path)
+    try:
+        with TaskClient(uri, database=db_name) as client:
+            items = work_items(size.tasks, seed=2, **LEASE)
+            for name in ("a", "b"):
+                cluster.spawn(name, "--concurrency", "8", "--sweep-interval", "2")
+            client.publish_many(items)
+            for _ in range(size.restarts):
+                await asyncio.sleep(1.5)
+                await asyncio.to_thread(server.stop)
+                await asyncio.sleep(1.0)
+                assert await asyncio.to_thread(server.start) == uri
+            try:
+                await until_finished(client, len(items), timeout=120 + size.tasks / 5)
+            except AssertionError:
+                for doc in client.collection.find({"status": "pending"}, {"params": 0}).limit(3):
+                    print("STUCK", doc)
+                for name in ("a", "b"):
+                    print(name, cluster.procs[name].poll(), cluster.log_of(name)[-3000:])
+                print(client.now())
+                raise
+            with MongoClient(uri, tz_aware=True) as mongo:
+                report = assert_invariants(mongo, db_name, {i["key"] for i in items})
+            assert report.by_status["succeeded"] == len(items)
+            assert all(proc.poll() is None for proc in cluster.procs.values())  # rode it out
+    finally:
+        cluster.close()
+        server.stop()
+
+
+async def test_primary_stepped_down_mid_run(tmp_path: Path, db_name: str, size: Size) -> None:
+    replica_set = ReplicaSet(tmp_path / "rs")
+    uri = await asyncio.to_thread(replica_set.start)
+    cluster = Cluster(uri, db_name, tmp_path)
+    try:
+        with TaskClient(uri, database=db_name) as client:
+            items = work_items(size.tasks, seed=3, **LEASE)
+            for name in ("a", "b"):
+                cluster.spawn(name, "--concurrency", "8", "--sweep-interval", "2")
+            half = len(items) // 2
+            client.publish_many(items[:half])
+            failovers = []
+            for i in range(size.failovers):
+                await asyncio.sleep(1.5)
+                failovers.append(await asyncio.to_thread(replica_set.step_down))
+                if i == 0:  # publishing goes on across the failover
+                    client.publish_many(items[half:])
+            if not failovers:
+                client.publish_many(items[half:])
+            await until_finished(client, len(items), timeout=120 + size.tasks / 5)
+            with MongoClient(uri, tz_aware=True) as mongo:
+                report = assert_invariants(mongo, db_name, {i["key"] for i in items})
+            assert report.by_status["succeeded"] == len(items)
+            assert all(old != new for old, new in failovers) and len(failovers) == size.failovers
+            assert all(proc.poll() is None for proc in cluster.procs.values())
+    finally:
+        cluster.close()
+        replica_set.stop()
+
+
+def kill_change_streams(mongo: MongoClient[dict[str, Any]], db: str) -> int:
+    """Kill every change stream cursor on ``db`` (and the getMore waiting on it)."""
+    killed = 0
+    ops = mongo.admin.aggregate(
+        [
+            {"$currentOp": {"idleCursors": True, "allUsers": True}},
+            {
+                "$match": {
+                    "ns": {"$regex": f"^{db}\\."},
+                    "$or": [
+                        {"cursor.originatingCommand.pipeline.0.$changeStream": {"$exists": True}},
+                        {"command.pipeline.0.$changeStream": {"$exists": True}},
+                    ],
+                }
+            },
+        ]
+    )
+    for op in ops:
+        if op.get("type") == "op" and "opid" in op:
+            mongo.admin.command("killOp", op=op["opid"])
+            killed += 1
+        cursor_id = op.get("cursor", {}).get("cursorId")
+        if cursor_id:
+            collection = op["ns"].split(".", 1)[1]
+            reply = mongo[db].command("killCursors", collection, cursors=[cursor_id])
+            killed += len(reply["cursorsKilled"])
+    return killed
+
+
+async def test_change_stream_cursors_killed(
+    cluster: Cluster, client: TaskClient, mongo: Any, db_name: str, size: Size
+) -> None:
+    rng = random.Random(5)
+    for name in ("a", "b"):
+        cluster.spawn(name, "--concurrency", "8", "--sweep-interval", "2")
+    await _until_workers(client, 2)
+    items = work_items(size.tasks // 3, seed=4, worker_timeout_ms=3000, ping_interval_ms=300)
+    kills = 0
+    for n, item in enumerate(items):  # one by one, so that the stream is what finds them
+        client.publish(item["name"], item["key"], item["params"], options=item["options"])
+        if n % max(1, len(items) // size.stream_kills) == 0:
+            kills += kill_change_streams(mongo, db_name)
+        await asyncio.sleep(rng.uniform(0, 0.02))
+    await until_finished(client, len(items), timeout=120)
+    report = assert_invariants(mongo, db_name, {i["key"] for i in items})
+    assert report.by_status["succeeded"] == len(items)
+    assert kills >= size.stream_kills
+    logs = cluster.log_of("a") + cluster.log_of("b")
+    assert "change stream" in logs  # the workers noticed and resumed
+
+
+async def _until_workers(client: TaskClient, count: int) -> None:
+    for _ in range(600):
+        if len(client.workers()) >= count:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the workers did not start")
