@@ -66,7 +66,9 @@ def storage_error(exc: PyMongoError) -> StorageError:
     if isinstance(exc, ServerSelectionTimeoutError):
         text = f"cannot reach MongoDB: {str(exc).split(' (configured timeouts')[0]}"
     elif isinstance(exc, OperationFailure) and exc.code in (13, 18):
-        text = f"MongoDB refused the credentials or the operation: {exc.details}"
+        details = exc.details or {}
+        reason = f"{details.get('errmsg', exc)} ({details.get('codeName', exc.code)})"
+        text = f"MongoDB refused the credentials or the operation: {reason}"
     else:
         text = f"MongoDB: {type(exc).__name__}: {str(exc)[:500]}"
     # A write error names one document; one that is transient (the server shutting down or

@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-id")
     p.add_argument("--grace", type=float, default=30.0, help="seconds to drain on stop")
     p.add_argument("--sweep-interval", type=float, default=30.0)
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to keep trying to reach MongoDB at start before exiting (status 1)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -113,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             names=args.names.split(",") if args.names else None,
             grace=args.grace,
             sweep_interval=args.sweep_interval,
+            startup_timeout=args.startup_timeout,
         )
         asyncio.run(_serve(worker))
     except WorkerCrashed as exc:

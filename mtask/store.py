@@ -116,7 +116,16 @@ def _invalid_reason_expr() -> Doc:
         )
         for field, spec in WELL_FORMED.items()
     ]
-    found: dict[str, Doc] = {"status": {"$toString": "$status"}}  # the unknown value itself
+    found: dict[str, Doc] = {  # the unknown status itself, if it reads as a string
+        "status": {
+            "$convert": {
+                "input": "$status",
+                "to": "string",
+                "onError": {"$type": "$status"},
+                "onNull": "null",
+            }
+        }
+    }
     branches = [
         {
             "case": test,

@@ -105,6 +105,7 @@ class Worker:
         names: Sequence[str] | None = None,
         grace: float = 30.0,
         sweep_interval: float = 30.0,
+        startup_timeout: float = 60.0,
         heartbeat_interval: float = 2.0,
         stagger_ms: float = 25.0,
         queue_size: int = 10_000,
@@ -155,6 +156,7 @@ class Worker:
         self._crash: BaseException | None = None
         self._loop_tick = time.monotonic()
         self._sweep_interval = sweep_interval
+        self._startup_timeout = startup_timeout
         self._stagger_ms = stagger_ms
         self.watcher: Watcher | None = None
         self.pinger: LeasePinger | None = None
@@ -221,7 +223,9 @@ class Worker:
     # -- startup and side tasks -----------------------------------------------------------------
 
     async def _startup(self, adb: Any) -> None:
+        """Reach MongoDB, retrying transient errors for up to ``startup_timeout`` seconds."""
         backoff = 0.5
+        deadline = asyncio.get_running_loop().time() + self._startup_timeout
         while True:
             try:
                 if self._server_clock is not None:
@@ -233,6 +237,10 @@ class Worker:
                 error = exc if isinstance(exc, StorageError) else driver.storage_error(exc)
                 if self.state != "running" or not error.transient:
                     raise error from exc
+                if asyncio.get_running_loop().time() + backoff > deadline:
+                    raise StorageError(
+                        f"gave up after {self._startup_timeout:g}s: {error}", transient=True
+                    ) from exc
                 log.warning("cannot reach MongoDB yet, retrying in %.1fs: %s", backoff, error)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 10)
@@ -756,8 +764,11 @@ class Worker:
         await asyncio.gather(*self._side, return_exceptions=True)
         if self.pinger is not None:
             await asyncio.to_thread(self.pinger.stop)
-        with contextlib.suppress(StorageError):
-            await asyncio.wait_for(self.driver.run(control.deregister(self.worker_id)), timeout=5)
+        if self.pinger is not None:  # registered (startup reached MongoDB): deregister
+            with contextlib.suppress(StorageError, TimeoutError):
+                await asyncio.wait_for(
+                    self.driver.run(control.deregister(self.worker_id)), timeout=5
+                )
         await self._aclient.close()
         self._sclient.close()
         self.state = "stopped"
