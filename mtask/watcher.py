@@ -298,15 +298,21 @@ class Watcher:
                     await self.rescan()  # after the stream is open: nothing slips between
                     self.ready.set()
                     backoff = 0.1
-                    while True:
+                    # A closed stream (invalidated: the database or collection was dropped)
+                    # answers try_next with None at once: reopen it rather than spin.
+                    while stream.alive:
                         change = await stream.try_next()
                         token = stream.resume_token
+                        if change is not None and change.get("operationType") == "invalidate":
+                            token = None  # nothing to resume after: reopen afresh and rescan
+                            break
                         if change is not None:
                             self._on_change(change)
                         if self.unknown:
                             await self._look_up_unknown()
                         if self.malformed:
                             await self.quarantine()
+                log.warning("change stream closed (was the collection dropped?); reopening")
             except OperationFailure as exc:
                 if exc.code in FATAL_STREAM_CODES:
                     log.warning("change stream history lost (%s); rescanning", exc.code)

@@ -634,8 +634,8 @@ class Worker:
     def _lost(self, run_id: str, doc: dict[str, Any] | None) -> None:
         """The pinger found that a run no longer owns its task: stop its handler."""
         run = self._runs.get(run_id)
-        if run is None or run.task is None:
-            return
+        if run is None or run.task is None or run.stop_reason is not None:
+            return  # gone, or already being stopped (the local deadline and a ping may race)
         still_running = doc is not None and any(
             r.get("run_id") == run_id and r.get("state") == "RUNNING" for r in doc.get("runs", ())
         )

@@ -601,3 +601,38 @@ async def test_every_run_of_a_batch_claim_keeps_its_lease(
         )
         assert {t.status for t in client.list(limit=8)} == {"running"}
         assert worker.stats.lease_lost == 0
+
+
+async def test_a_run_lost_twice_is_stopped_once(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """The local lease deadline and a ping answered just after may both report the same lost
+    run; the handler is cancelled once, so its cleanup runs to the end."""
+    from workerapp import cleaned_up
+
+    async with running_worker(registry, mongo_uri, db_name) as (worker, events):
+        client.publish("slow_cleanup", "twice")
+        claimed = await events.wait("claimed", key="twice")
+        worker._lost(claimed["run_id"], None)
+        await asyncio.sleep(0.05)
+        worker._lost(claimed["run_id"], None)
+        await wait_for(lambda: "twice" in cleaned_up)
+        assert worker.stats.lease_lost == 1
+
+
+async def test_a_dropped_database_does_not_stall_the_worker(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """Dropping the database invalidates the change stream; a closed stream answers at once
+    with nothing, and the worker used to spin on it with its event loop blocked (deaf even to
+    SIGTERM). It reopens the stream and goes on."""
+    async with running_worker(registry, mongo_uri, db_name) as (worker, events):
+        assert worker.watcher is not None
+        client.publish("add", "before", {"a": 1, "b": 1})
+        await events.wait("recorded", key="before")
+        restarts = worker.watcher.stream_restarts
+        client.mongo.drop_database(db_name)
+        await wait_for(lambda: worker.watcher.stream_restarts > restarts)  # type: ignore[union-attr]
+        client.publish("add", "after", {"a": 2, "b": 2})
+        await events.wait("recorded", key="after")
+        assert worker.state == "running"

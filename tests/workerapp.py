@@ -86,3 +86,16 @@ def too_deep(params: dict[str, object]) -> dict[str, object]:
     for _ in range(200):  # BSON can encode it; the server refuses nesting this deep
         result = {"x": result}
     return result
+
+
+cleaned_up: set[str] = set()
+
+
+@registry.task("slow_cleanup")
+async def slow_cleanup(params: dict[str, object], ctx: TaskContext) -> None:
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        await asyncio.sleep(0.2)  # cleanup that awaits: a second cancel would cut it short
+        cleaned_up.add(ctx.key)
+        raise
