@@ -302,3 +302,19 @@ def test_claim_shortcut_matches_the_pipeline(tc: TaskClient, clock: FixedClock) 
     for d in got:
         assert [r["run_id"] for r in d["runs"]] == [d["claim_run_id"]]
         assert d["runs"][0]["lease_expires_at"] == clock.now() + dt.timedelta(milliseconds=1234)
+
+
+def test_lean_batch_claim_matches_the_pipeline(tc: TaskClient, clock: FixedClock) -> None:
+    from mtask.store import claim_filter, claim_pipeline
+
+    for key in ("a", "b", "p"):
+        tc.publish("n", key, {"p": 1}, options={"worker_timeout_ms": 1234, "max_retries": 2})
+    tc.publish("n", "c2", options={"concurrency": 2})
+    now = clock.now()
+    got = tc._run(claim(["a", "b", "c2"], ["n"], "w1", now, batch="B"))
+    assert sorted(d["_id"] for d in got) == ["a", "b", "c2"]  # lean for a, b; pipeline for c2
+    tc.collection.update_many(claim_filter(["p"], ["n"], "w1", now), claim_pipeline("B", "w1", now))
+    lean, full = (tc.collection.find_one({"_id": k}, {"_id": 0}) for k in ("a", "p"))
+    assert lean is not None and full is not None
+    assert (lean["runs"][0].pop("run_id"), full["runs"][0].pop("run_id")) == ("B-a", "B-p")
+    assert lean == full
