@@ -203,16 +203,22 @@ class ReplicaSet:
         raise AssertionError("the replica set elected no primary")
 
     def step_down(self) -> tuple[int, int]:
-        """Step the primary down; returns (old primary, new primary)."""
+        """Step the primary down; returns (old primary, new primary). Under load the step-down
+        is refused while no secondary has caught up: try again."""
         old = self.wait_primary()
-        client = self.direct(old)
-        try:
-            client.admin.command("replSetStepDown", 10, secondaryCatchUpPeriodSecs=5)
-        except PyMongoError:
-            pass  # the connection is closed by the step-down
-        finally:
-            client.close()
-        return old, self.wait_primary(other_than=old)
+        for _ in range(5):
+            client = self.direct(old)
+            try:
+                client.admin.command("replSetStepDown", 30, secondaryCatchUpPeriodSecs=10)
+            except PyMongoError:
+                pass  # the step-down closes the connection, or was refused
+            finally:
+                client.close()
+            try:
+                return old, self.wait_primary(timeout=20, other_than=old)
+            except AssertionError:
+                continue
+        raise AssertionError(f"the primary on port {old} could not be stepped down")
 
     def stop(self) -> None:
         for pid in self.pids.values():

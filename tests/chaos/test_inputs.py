@@ -102,10 +102,12 @@ async def test_workers_with_skewed_clocks(
     cluster.spawn("ahead", "--concurrency", "8", prefix=["faketime", "-f", "+600s"], env=quiet)
     cluster.spawn("behind", "--concurrency", "8", prefix=["faketime", "-f", "-600s"], env=quiet)
     cluster.spawn("true", "--concurrency", "8")
-    items = work_items(size.tasks // 2, seed=6, worker_timeout_ms=1500, ping_interval_ms=300)
+    # leases long enough that none runs out on a loaded machine: any TIMEOUT would be a
+    # worker whose clock made it take a live lease for an expired one
+    items = work_items(size.tasks // 2, seed=6, worker_timeout_ms=5000, ping_interval_ms=300)
     client.publish_many(items)
-    for i in range(20):
-        client.publish("work", f"delayed{i}", {"ms": 10}, delay=0.5)
+    for i in range(20):  # ahead of the backlog when due (priority), not before (run_at)
+        client.publish("work", f"delayed{i}", {"ms": 10}, delay=0.5, options={"priority": 10})
     await until_finished(client, len(items) + 20, timeout=120 + size.tasks / 5)
     keys = {i["key"] for i in items} | {f"delayed{i}" for i in range(20)}
     report = assert_invariants(mongo, db_name, keys)
