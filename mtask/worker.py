@@ -80,6 +80,8 @@ class _Run:
     ctx: TaskContext
     task: asyncio.Task[None] | None = None
     stop_reason: str | None = None
+    deadline: asyncio.TimerHandle | None = None
+    """The timer of ``Worker._watch_deadline``; cancelled when the run ends (it holds the run)."""
     started: float = field(default_factory=time.monotonic)
 
 
@@ -521,6 +523,8 @@ class Worker:
             if outcome is None and run.stop_reason is None:
                 raise
         finally:
+            if run.deadline is not None:
+                run.deadline.cancel()
             self._runs.pop(run.run_id, None)
             left = self._keys.pop(run.key, 1) - 1
             if left:
@@ -614,7 +618,7 @@ class Worker:
             return
         loop = asyncio.get_running_loop()
         if loop.time() < expiry:
-            loop.call_at(expiry, self._watch_deadline, run)
+            run.deadline = loop.call_at(expiry, self._watch_deadline, run)
             return
         assert self.pinger is not None
         self.pinger.remove(run.run_id)
