@@ -544,20 +544,30 @@ def run_id_for(batch: str, key: str) -> str:
     return f"{batch}-{key}"
 
 
-def claim_pipeline(batch: str, worker_id: str, now: dt.datetime) -> list[Doc]:
-    """Expire dead leases (each a failure), then append this worker's run if retries are left
-    after that; then recompute status and next_claim_at. The run's id is ``run_id_for(batch,
-    key)``, built on the server for each document of a batch."""
-    new_run = {
-        "run_id": {"$concat": [_lit(f"{batch}-"), "$_id"]},
-        "worker_id": _lit(worker_id),
+def _new_run(run_id: Any, worker_id: Any, now: dt.datetime, lease: Any) -> Doc:
+    """A RUNNING run as a claim appends it (values or expressions)."""
+    return {
+        "run_id": run_id,
+        "worker_id": worker_id,
         "state": RUNNING,
         "claimed_at": now,
-        "lease_expires_at": {"$add": [now, "$options.worker_timeout_ms"]},
+        "lease_expires_at": lease,
         "finished_at": None,
         "error": None,
         "result": None,
     }
+
+
+def claim_pipeline(batch: str, worker_id: str, now: dt.datetime) -> list[Doc]:
+    """Expire dead leases (each a failure), then append this worker's run if retries are left
+    after that; then recompute status and next_claim_at. The run's id is ``run_id_for(batch,
+    key)``, built on the server for each document of a batch."""
+    new_run = _new_run(
+        {"$concat": [_lit(f"{batch}-"), "$_id"]},
+        _lit(worker_id),
+        now,
+        {"$add": [now, "$options.worker_timeout_ms"]},
+    )
     return [
         {"$set": {"_expired": count_expired_expr(now)}},
         {
@@ -594,28 +604,11 @@ def claim_fast_update(
     is known in advance; the filter makes sure each of these holds."""
     lease = now + dt.timedelta(milliseconds=timeout_ms)
     filt = {
-        "_id": key,
-        "name": {"$in": list(names)},
-        "status": TaskStatus.PENDING.value,
-        "next_claim_at": {"$type": "date", "$lte": now},
-        "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],
-        **WELL_FORMED,
-        "options.concurrency": 1,
+        **claim_lean_filter([key], names, worker_id, now),
         "options.worker_timeout_ms": timeout_ms,
-        "runs.19": {"$exists": False},
-    }
-    run = {
-        "run_id": run_id,
-        "worker_id": worker_id,
-        "state": RUNNING,
-        "claimed_at": now,
-        "lease_expires_at": lease,
-        "finished_at": None,
-        "error": None,
-        "result": None,
     }
     update = {
-        "$push": {"runs": run},
+        "$push": {"runs": _new_run(run_id, worker_id, now, lease)},
         "$inc": {"attempts": 1},
         "$set": {"status": TaskStatus.RUNNING.value, "next_claim_at": lease, "updated_at": now},
     }
@@ -643,16 +636,7 @@ def claim_lean_pipeline(batch: str, worker_id: str, now: dt.datetime) -> list[Do
     """What ``claim_pipeline`` does to a document ``claim_lean_filter`` matches, in one stage:
     no lease to expire, a free slot, retries left, nothing to fold."""
     lease = {"$add": [now, "$options.worker_timeout_ms"]}
-    new_run = {
-        "run_id": {"$concat": [_lit(f"{batch}-"), "$_id"]},
-        "worker_id": _lit(worker_id),
-        "state": RUNNING,
-        "claimed_at": now,
-        "lease_expires_at": lease,
-        "finished_at": None,
-        "error": None,
-        "result": None,
-    }
+    new_run = _new_run({"$concat": [_lit(f"{batch}-"), "$_id"]}, _lit(worker_id), now, lease)
     return [
         {
             "$set": {
