@@ -621,7 +621,7 @@ def claim_lean_filter(
     """The batch form of ``claim_fast_update``'s filter: pending concurrency-1 tasks with
     fewer than 20 runs, for which the claim pipeline's result is known in advance."""
     return {
-        "_id": {"$in": list(keys)},
+        "_id": {"$in": list(keys), "$type": "string"},  # run ids are built from keys
         "name": {"$in": list(names)},
         "status": TaskStatus.PENDING.value,
         "next_claim_at": {"$type": "date", "$lte": now},

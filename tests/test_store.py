@@ -318,3 +318,8 @@ def test_lean_batch_claim_matches_the_pipeline(tc: TaskClient, clock: FixedClock
     assert lean is not None and full is not None
     assert (lean["runs"][0].pop("run_id"), full["runs"][0].pop("run_id")) == ("B-a", "B-p")
     assert lean == full
+    # a key that is not a string (inserted by hand) is never matched: run ids are built from it
+    numeric = {**tc.collection.find_one({"_id": "b"}, {"_id": 0}), "_id": 7, "status": "pending"}
+    numeric.update(runs=[], next_claim_at=now, attempts=0)
+    tc.collection.insert_one(numeric)
+    assert tc._run(claim([7, "x"], ["n"], "w1", now, batch="C")) == []  # type: ignore[list-item]
