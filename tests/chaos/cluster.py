@@ -76,6 +76,9 @@ class Cluster:
             cwd=HERE,
             stdout=log,
             stderr=subprocess.STDOUT,
+            # a group of its own: signals reach the worker also through a wrapper (faketime
+            # forks it, and would leave it running)
+            start_new_session=True,
             env={
                 **os.environ,
                 "PYTHONPATH": str(HERE),
@@ -90,7 +93,7 @@ class Cluster:
 
     def signal(self, worker_id: str, sig: signal.Signals) -> None:
         proc = self.procs[worker_id]
-        proc.send_signal(sig)
+        os.killpg(proc.pid, sig)
         if sig == signal.SIGKILL:
             proc.wait(timeout=10)
             self.kills += 1
@@ -102,14 +105,14 @@ class Cluster:
     def close(self) -> None:
         for proc in self.procs.values():
             with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGCONT)
-                proc.send_signal(signal.SIGTERM)
+                os.killpg(proc.pid, signal.SIGCONT)
+                os.killpg(proc.pid, signal.SIGTERM)
         for proc in self.procs.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+            with contextlib.suppress(ProcessLookupError):  # whatever is left of the group
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
         self.procs.clear()
 
 
