@@ -80,9 +80,9 @@ class Watcher:
         watcher knows."""
         self.unknown: set[str] = set()
         self.malformed: set[Any] = set()
+        """Keys of malformed documents seen, to be marked invalid by ``quarantine``."""
         self.ignored: set[Any] = set()
         """Keys of documents that could not even be marked invalid: never queued again."""
-        """Keys of malformed documents seen, to be marked invalid by ``quarantine``."""
         self.drop_events = False  # tests: simulate lost events
         self._touched: set[str] | None = None
         self._rescan_requested = asyncio.Event()

@@ -441,7 +441,7 @@ class Worker:
                 )
             except StorageError as exc:
                 if not exc.document:
-                    break  # not this document's fault: the keys go back to the queue
+                    break  # not this document's fault: the sweep brings the rest back
                 await self._mark_invalid(key, f"a claim cannot update the document: {exc}")
         return claimed
 
