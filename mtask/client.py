@@ -15,7 +15,7 @@ from typing import Any, Self
 
 from pymongo import AsyncMongoClient, MongoClient
 
-from mtask import control, driver, store
+from mtask import control, driver, limits, store
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
 from mtask.errors import InvalidTask
@@ -222,6 +222,24 @@ class TaskClient(_Base):
     def resume(self, name: str) -> None:
         self._run(control.set_paused(validate_name(name), False, self.now()))
 
+    def set_limit(
+        self,
+        name: str,
+        *,
+        concurrency: int | None = None,
+        rate: float | None = None,
+        burst: int | None = None,
+    ) -> dict[str, Any]:
+        """Limit ``name`` across all workers: at most ``concurrency`` runs at once, at most
+        ``rate`` claims per second (bursts of ``burst``). Applies within a second."""
+        return self._run(limits.set_limit(name, concurrency, rate, burst, self.now()))
+
+    def clear_limit(self, name: str) -> bool:
+        return self._run(limits.clear_limit(validate_name(name)))
+
+    def limits(self) -> builtins.list[dict[str, Any]]:
+        return self._run(limits.all_limits())
+
     def close(self) -> None:
         if self._owns_client:
             self.mongo.close()
@@ -327,6 +345,23 @@ class AsyncTaskClient(_Base):
 
     async def resume(self, name: str) -> None:
         await self._run(control.set_paused(validate_name(name), False, await self.now()))
+
+    async def set_limit(
+        self,
+        name: str,
+        *,
+        concurrency: int | None = None,
+        rate: float | None = None,
+        burst: int | None = None,
+    ) -> dict[str, Any]:
+        """Limit ``name`` across all workers (see ``TaskClient.set_limit``)."""
+        return await self._run(limits.set_limit(name, concurrency, rate, burst, await self.now()))
+
+    async def clear_limit(self, name: str) -> bool:
+        return await self._run(limits.clear_limit(validate_name(name)))
+
+    async def limits(self) -> builtins.list[dict[str, Any]]:
+        return await self._run(limits.all_limits())
 
     async def close(self) -> None:
         if self._owns_client:

@@ -41,8 +41,12 @@ Op = Generator[Call, Any, T]
 
 def collections(db: Any, tasks: str = "tasks") -> dict[str, Any]:
     """The collections the operations use, from a (sync or async) database: the tasks
-    collection as named, and the database's ``workers`` and ``controls``."""
-    return {"tasks": db[tasks], "workers": db["workers"], "controls": db["controls"]}
+    collection as named, and the database's ``workers``, ``controls``, ``limits`` and
+    ``schedules``."""
+    return {
+        "tasks": db[tasks],
+        **{name: db[name] for name in ("workers", "controls", "limits", "schedules")},
+    }
 
 
 # Server errors after which the same operation may succeed later: no primary, shutting down,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mtask import driver, store
+from mtask import driver, limits, store
 from mtask.clock import Clock
 from mtask.errors import StorageError
 
@@ -39,6 +39,8 @@ class _Lease:
     expires: float
     """When the lease runs out at the earliest, by this process's monotonic clock."""
     overdue_logged: bool = False
+    slot: str | None = None
+    """The limited name whose slot this run holds: extended with each ping."""
 
 
 class LeasePinger:
@@ -79,6 +81,7 @@ class LeasePinger:
         ping_interval_ms: int,
         worker_timeout_ms: int,
         claim_sent: float,
+        slot: str | None = None,
     ) -> None:
         """Ping a run's lease from now on; ``claim_sent`` is when (monotonic) the claim that
         took it was sent, so the lease cannot end before ``claim_sent + timeout``."""
@@ -87,7 +90,7 @@ class LeasePinger:
         timeout = worker_timeout_ms / 1000
         with self._cond:
             self._leases[run_id] = _Lease(
-                key, run_id, interval, timeout, now + interval, now, claim_sent + timeout
+                key, run_id, interval, timeout, now + interval, now, claim_sent + timeout, slot=slot
             )
             self._cond.notify()
 
@@ -123,12 +126,18 @@ class LeasePinger:
     def _ping(self, lease: _Lease) -> None:
         sent = time.monotonic()
         try:
+            server_now = self._clock.now()
             doc = self._driver.run(
-                store.extend_lease(lease.key, lease.run_id, self._worker_id, self._clock.now())
+                store.extend_lease(lease.key, lease.run_id, self._worker_id, server_now)
             )
             status = None
             if doc is None:
                 status = self._driver.run(store.get_status(lease.key))
+            elif lease.slot is not None:
+                timeout_ms = doc.get("options", {}).get("worker_timeout_ms", lease.timeout * 1000)
+                self._driver.run(
+                    limits.extend(lease.slot, lease.run_id, server_now, int(timeout_ms))
+                )
         except StorageError as exc:
             if not self._failing:
                 log.warning("cannot ping leases, retrying: %s", exc)

@@ -58,6 +58,7 @@ class Watcher:
         wake: Callable[[], None],
         in_flight: Callable[[str], bool],
         on_control: Callable[[], None] = lambda: None,
+        on_limit: Callable[[str], None] = lambda name: None,
         sweep_interval: float = 30.0,
         stagger_ms: float = 25.0,
         page_size: int = 1000,
@@ -69,6 +70,7 @@ class Watcher:
         self.wake = wake
         self.in_flight = in_flight
         self.on_control = on_control
+        self.on_limit = on_limit
         self.sweep_interval = sweep_interval
         self.stagger = dt.timedelta(milliseconds=stagger_ms)
         self.page_size = page_size
@@ -125,6 +127,11 @@ class Watcher:
         found = {k: self.meta[k][3] for k in keys if k in self.meta}
         return {k: t for k, t in found.items() if t is not None}
 
+    def requeue_at(self, key: str, when: dt.datetime) -> None:
+        """Put a known task back in the queue at ``when`` (a limit held it back)."""
+        if key in self.meta:
+            self._move(key, when)
+
     def forget(self, key: str) -> None:
         self.queue.discard(key)
         self.meta.pop(key, None)
@@ -149,8 +156,14 @@ class Watcher:
         self.events += 1
         if self.drop_events:
             return
-        if change.get("ns", {}).get("coll") == "controls":
+        collection = change.get("ns", {}).get("coll")
+        if collection == "controls":
             self.on_control()  # a name was paused or resumed
+            return
+        if collection == "limits":
+            name = change.get("documentKey", {}).get("_id")
+            if isinstance(name, str):
+                self.on_limit(name)  # a slot may have freed, or the limit changed
             return
         key = change.get("documentKey", {}).get("_id")
         if key is None:
@@ -271,7 +284,7 @@ class Watcher:
             ],
         }
         return [
-            {"$match": {"$or": [task_events, {"ns.coll": "controls"}]}},
+            {"$match": {"$or": [task_events, {"ns.coll": {"$in": ["controls", "limits"]}}]}},
             {
                 "$project": {
                     "operationType": 1,

@@ -38,6 +38,7 @@ from mtask.client import AsyncTaskClient
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
 from mtask.errors import InvalidTask, MtaskError, StorageError
+from mtask.gate import LimitGate
 from mtask.heap import ClaimQueue
 from mtask.lease import LeasePinger
 from mtask.models import RunState
@@ -78,6 +79,8 @@ class _Run:
     name: str
     run_id: str
     ctx: TaskContext
+    slot: str | None = None
+    """The name whose cluster-wide limit gave this run a slot (given back when it ends)."""
     task: asyncio.Task[None] | None = None
     stop_reason: str | None = None
     deadline: asyncio.TimerHandle | None = None
@@ -188,13 +191,8 @@ class Worker:
         self._aclient: AsyncMongoClient[dict[str, Any]] = async_client(self.uri)
         self._sclient: MongoClient[dict[str, Any]] = sync_client(self.uri)
         adb, sdb = self._aclient[self.database], self._sclient[self.database]
-        self.driver = driver.AsyncDriver(
-            {
-                "tasks": adb[self.collection_name],
-                "workers": adb["workers"],
-                "controls": adb["controls"],
-            }
-        )
+        self.driver = driver.AsyncDriver(driver.collections(adb, self.collection_name))
+        self.gate = LimitGate(self.driver, self.worker_id, self.clock, self._requeue_at)
         self._publisher = AsyncTaskClient(
             database=self.database,
             collection=self.collection_name,
@@ -204,7 +202,7 @@ class Worker:
         try:
             await self._startup(adb)
             self.pinger = LeasePinger(
-                driver.SyncDriver({"tasks": sdb[self.collection_name]}),
+                driver.SyncDriver(driver.collections(sdb, self.collection_name)),
                 self.worker_id,
                 self.clock,
                 on_lost=lambda run_id, doc: self._lost_threadsafe(loop, run_id, doc),
@@ -234,6 +232,7 @@ class Worker:
                     await self._server_clock.calibrate_async(adb)
                 await self.driver.run(store.ensure_indexes())
                 await self._heartbeat_once()
+                await self.gate.refresh()
                 return
             except (StorageError, PyMongoError) as exc:
                 error = exc if isinstance(exc, StorageError) else driver.storage_error(exc)
@@ -256,6 +255,7 @@ class Worker:
             wake=self._wake.set,
             in_flight=self._key_in_flight,
             on_control=self._controls_changed.set,
+            on_limit=self.gate.on_change,
             sweep_interval=self._sweep_interval,
             stagger_ms=self._stagger_ms,
         )
@@ -267,6 +267,7 @@ class Worker:
             ("heartbeat", self._heartbeat_loop()),
             ("outcomes", self._outcome_writer()),
             ("ticker", self._ticker()),
+            ("limits", self.gate.run_refresh()),
         ):
             task = asyncio.create_task(coro, name=f"mtask-{name}")
             task.add_done_callback(self._side_done)
@@ -381,6 +382,20 @@ class Worker:
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
     async def _claim(self, keys: list[str], names: list[str], now: dt.datetime) -> None:
+        if self.gate.limited:
+            # Names with a cluster-wide limit are claimed one key at a time, each after its
+            # slot and token were taken; the batch claim below never matches them.
+            meta = self.watcher.meta if self.watcher else {}
+            limited = [k for k in keys if k in meta and self.gate.is_limited(meta[k][0])]
+            if limited:
+                await self._claim_limited([(k, meta[k][0]) for k in limited], now)
+                keys = [k for k in keys if k not in set(limited)]
+            names = [n for n in names if not self.gate.is_limited(n)]
+            if not keys:
+                return
+            if not names:  # keys whose name we no longer know: look them up again
+                await self._requeue(keys)
+                return
         self.stats.claim_calls += 1
         self.stats.claim_attempts += len(keys)
         # From here the keys count as in flight: the claim's own change events may arrive
@@ -417,6 +432,55 @@ class Worker:
             # clock may be a millisecond early); otherwise another worker has it, or we may not
             # run it, and an event or the sweep brings it back when that changes.
             await self._requeue(missed, later_than=now)
+
+    async def _claim_limited(self, keys: list[tuple[str, str]], now: dt.datetime) -> None:
+        """Claim each key after taking a slot (and a token) of its name's limit; once a name
+        is full, its other keys wait for a slot to free or a token to come."""
+        full: dict[str, dt.datetime] = {}
+        hints = self.watcher.timeouts([k for k, _ in keys]) if self.watcher else {}
+        for key, name in keys:
+            if name in full:
+                self.gate.block(name, key, full[name])
+                continue
+            batch = uuid.uuid4().hex
+            run_id = store.run_id_for(batch, key)
+            self._claiming.add(key)
+            sent = time.monotonic()
+            try:
+                got = await self.gate.take(name, run_id, key, now, hints.get(key))
+                if got is None:
+                    self._requeue_at(key, now + dt_seconds(1))
+                    continue
+                if not got.taken and got.limited:
+                    full[name] = got.retry_at or now + dt_seconds(1)
+                    self.gate.block(name, key, full[name])
+                    continue
+                slot = name if got.taken else None
+                self.stats.claim_calls += 1
+                self.stats.claim_attempts += 1
+                try:
+                    docs = await self.driver.run(
+                        store.claim(
+                            [key], [name], self.worker_id, now, hints, store.CLAIMED_FIELDS, batch
+                        )
+                    )
+                except StorageError as exc:
+                    log.warning("claim failed, retrying shortly: %s", exc)
+                    docs = await self._adopt([key], batch)
+                    if not docs:
+                        self._requeue_at(key, now + dt_seconds(1))
+                for doc in docs:
+                    self._start(doc, sent, slot)
+                    self.stats.claimed += 1
+                if not docs and slot is not None:
+                    self.gate.release_later(slot, [run_id])
+                    self._pending_ready.set()
+            finally:
+                self._claiming.discard(key)
+
+    def _requeue_at(self, key: str, when: dt.datetime) -> None:
+        if self.watcher is not None:
+            self.watcher.requeue_at(key, when)
 
     async def _isolate(
         self, keys: list[str], names: list[str], now: dt.datetime
@@ -491,7 +555,7 @@ class Worker:
 
     # -- running a handler ----------------------------------------------------------------------
 
-    def _start(self, doc: dict[str, Any], sent: float) -> None:
+    def _start(self, doc: dict[str, Any], sent: float, slot: str | None = None) -> None:
         run_id = doc["claim_run_id"]
         options = doc["options"]
         ctx = TaskContext(
@@ -502,13 +566,18 @@ class Worker:
             worker_id=self.worker_id,
             publisher=self._publisher.publish,
         )
-        run = _Run(key=doc["_id"], name=doc["name"], run_id=run_id, ctx=ctx)
+        run = _Run(key=doc["_id"], name=doc["name"], run_id=run_id, ctx=ctx, slot=slot)
         self._runs[run_id] = run
         self._keys[run.key] = self._keys.get(run.key, 0) + 1
         self.queue.discard(run.key)
         assert self.pinger is not None
         self.pinger.add(
-            run.key, run_id, options["ping_interval_ms"], options["worker_timeout_ms"], sent
+            run.key,
+            run_id,
+            options["ping_interval_ms"],
+            options["worker_timeout_ms"],
+            sent,
+            slot=slot,
         )
         run.task = asyncio.create_task(self._execute(run, doc), name=f"mtask-run-{run.key}")
         self._watch_deadline(run)
@@ -531,6 +600,9 @@ class Worker:
                 self._keys[run.key] = left
             if self.pinger is not None:
                 self.pinger.remove(run.run_id)
+            if run.slot is not None:  # given back by the outcome writer, after the outcome
+                self.gate.release_later(run.slot, [run.run_id])
+                self._pending_ready.set()
             self._wake.set()
         if outcome is not None:
             self._pending.append(outcome)
@@ -688,8 +760,11 @@ class Worker:
         while True:
             await self._pending_ready.wait()
             batch = self._take_pending()
+            recorded = await self._record(batch) if batch else 0
+            if self.gate.releases:
+                await self.gate.flush()
             if batch:
-                self._written(batch, await self._record(batch))
+                self._written(batch, recorded)
 
     async def _record(self, batch: list[Outcome]) -> int:
         """Write outcomes, retrying transient errors until they land (the fence makes a repeat

@@ -1,0 +1,94 @@
+"""Cluster-wide limits held by three real worker processes, checked from the execution log
+(server times) and the runs' claim times."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pytest
+from cluster import Cluster, until_finished
+
+from mtask import TaskClient
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
+
+
+def spans(mongo: Any, db_name: str, keys: set[str]) -> list[tuple[dt.datetime, dt.datetime]]:
+    """(start, end) of every handler run of ``keys``, from the execution log."""
+    starts: dict[str, dt.datetime] = {}
+    ends: dict[str, dt.datetime] = {}
+    for entry in mongo[db_name]["execlog"].find({"key": {"$in": list(keys)}}):
+        (starts if entry["event"] == "start" else ends)[entry["run_id"]] = entry["at"]
+    assert set(starts) == set(ends), "every run that started has ended"
+    return [(starts[r], ends[r]) for r in starts]
+
+
+def peak(runs: list[tuple[dt.datetime, dt.datetime]]) -> int:
+    """The most runs at once; a run ending at the instant another starts is not counted with it
+    (``$$NOW`` has millisecond precision)."""
+    points = sorted([(s, 1) for s, _ in runs] + [(e, -1) for _, e in runs])
+    running = most = 0
+    for _, step in points:
+        running += step
+        most = max(most, running)
+    return most
+
+
+def publish(client: TaskClient, prefix: str, count: int, ms: int) -> set[str]:
+    keys = {f"{prefix}{i}" for i in range(count)}
+    client.publish_many([{"name": "work", "key": k, "params": {"ms": ms}} for k in keys])
+    return keys
+
+
+async def test_concurrency_limit_holds_across_three_workers_and_changes_apply(
+    cluster: Cluster, client: TaskClient, mongo: Any, db_name: str
+) -> None:
+    client.set_limit("work", concurrency=2)
+    for worker in ("a", "b", "c"):
+        cluster.spawn(worker, "--concurrency", "8")
+    first = publish(client, "c2-", 60, 40)
+    await until_finished(client, 60, timeout=120)
+    assert peak(spans(mongo, db_name, first)) == 2  # the limit was reached, never passed
+
+    changed_at = client.now()
+    client.set_limit("work", concurrency=4)
+    second = publish(client, "c4-", 80, 40)
+    await until_finished(client, 140, timeout=120)
+    runs = spans(mongo, db_name, second)
+    assert peak(runs) <= 4
+    soon = [r for r in runs if r[0] <= changed_at + dt.timedelta(seconds=1)]
+    assert peak(soon) > 2, "the raised limit was in use within a second"
+
+    client.set_limit("work", concurrency=1)
+    third = publish(client, "c1-", 20, 20)
+    await until_finished(client, 160, timeout=120)
+    assert peak(spans(mongo, db_name, third)) == 1
+    assert client.limits()[0]["holders"] == []
+    assert client.stats()["work"] == {"succeeded": 160}
+
+
+async def test_rate_limit_holds_across_three_workers(
+    cluster: Cluster, client: TaskClient, mongo: Any, db_name: str
+) -> None:
+    rate, burst = 10.0, 2
+    client.set_limit("work", rate=rate, burst=burst)
+    for worker in ("a", "b", "c"):
+        cluster.spawn(worker, "--concurrency", "8")
+    keys = publish(client, "r-", 25, 5)
+    await until_finished(client, 25, timeout=120)
+    claims = sorted(
+        run["claimed_at"]
+        for doc in client.collection.find({"_id": {"$in": list(keys)}})
+        for run in doc["runs"]
+    )
+    assert len(claims) == 25
+    # token bucket: in any span of t seconds, at most burst + rate * t claims; the workers'
+    # clocks (each calibrated to the server's) may disagree by a few milliseconds
+    slack = 0.05
+    for i in range(len(claims)):
+        for j in range(i, len(claims)):
+            window = (claims[j] - claims[i]).total_seconds() + slack
+            assert j - i + 1 <= burst + rate * window, (i, j, claims[i], claims[j])
+    took = (claims[-1] - claims[0]).total_seconds()
+    assert took >= (25 - burst) / rate - slack  # the limit did slow the claims down

@@ -1,0 +1,163 @@
+"""Cluster-wide limits: the token bucket rules, the atomic slot/token update on the real server
+(injected clock), and in-process workers sharing a limit."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Any
+
+import pytest
+from harness import running_worker
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mtask import TaskClient
+from mtask.clock import FixedClock
+from mtask.errors import InvalidTask
+from mtask.limits import acquire, extend, parse_rate, refill, release, wait_for_token
+from mtask.registry import Registry
+
+T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
+
+
+@given(
+    tokens=st.floats(0, 100),
+    elapsed_ms=st.integers(-10_000, 10**7),
+    rate=st.floats(0.001, 1e5),
+    burst=st.integers(1, 1000),
+)
+def test_refill_stays_within_the_bucket(
+    tokens: float, elapsed_ms: int, rate: float, burst: int
+) -> None:
+    tokens = min(tokens, burst)
+    now = T0 + dt.timedelta(milliseconds=elapsed_ms)
+    have = refill(tokens, T0, now, rate, burst)
+    assert tokens - 1e-9 <= have <= burst  # never loses tokens (a clock going back adds none)
+    if have < 1:
+        wait = wait_for_token(have, rate)
+        later = now + dt.timedelta(seconds=wait)
+        assert refill(have, now, later, rate, burst) >= 1 - 1e-6
+    else:
+        assert wait_for_token(have, rate) == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "per_second"), [("10/s", 10), ("600/m", 10), ("3600/h", 1), ("2.5", 2.5)]
+)
+def test_parse_rate(text: str, per_second: float) -> None:
+    assert parse_rate(text) == pytest.approx(per_second)
+
+
+@pytest.mark.parametrize("text", ["", "ten/s", "5/day", "-1/s", "0", "nan"])
+def test_parse_rate_names_the_problem(text: str) -> None:
+    with pytest.raises(InvalidTask, match="^rate: .* is not a rate like 10/s"):
+        parse_rate(text)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "limit: give concurrency, rate or both"),
+        ({"concurrency": 0}, "concurrency: must be an integer from 1"),
+        ({"concurrency": 2.5}, "concurrency: must be an integer"),
+        ({"rate": -1.0}, "rate: must be a number above 0"),
+        ({"rate": float("inf")}, "rate: must be a number above 0"),
+        ({"concurrency": 2, "burst": 3}, "burst: applies only with a rate"),
+        ({"rate": 1.0, "burst": 0}, "burst: must be an integer of at least 1"),
+    ],
+)
+def test_bad_limits_are_refused_and_nothing_is_written(
+    client: TaskClient, kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InvalidTask, match=f"^{message}"):
+        client.set_limit("n", **kwargs)
+    assert client.limits() == []
+
+
+def test_concurrency_slots_are_taken_atomically_and_run_out(client: TaskClient) -> None:
+    client.set_limit("n", concurrency=2)
+    now = T0
+    take = [client._run(acquire("n", f"r{i}", f"k{i}", "w", now, 1000)) for i in range(3)]
+    assert [t.taken for t in take] == [True, True, False]
+    assert take[2].retry_at == now + dt.timedelta(milliseconds=1001)
+    client._run(release("n", ["r0"]))
+    assert client._run(acquire("n", "r3", "k3", "w", now, 1000)).taken
+    # slots are leases: extended by the pinger, otherwise they run out (the worker died)
+    client._run(extend("n", "r1", now + dt.timedelta(milliseconds=900), 1000))
+    later = now + dt.timedelta(milliseconds=1000)  # r3's slot ends; r1's was extended
+    assert client._run(acquire("n", "r4", "k4", "w", later, 1000)).taken
+    assert not client._run(acquire("n", "r5", "k5", "w", later, 1000)).taken
+    holders = {h["run_id"] for h in client.limits()[0]["holders"]}
+    assert holders == {"r1", "r4"}
+
+
+def test_rate_tokens_refill_by_the_given_clock(mongo_uri: str, db_name: str) -> None:
+    clock = FixedClock(T0)
+    with TaskClient(mongo_uri, database=db_name, clock=clock) as tc:
+        tc.set_limit("n", rate=2.0, burst=2)  # a full bucket: 2 tokens
+        got = [tc._run(acquire("n", f"r{i}", "k", "w", T0, 1000)) for i in range(3)]
+        assert [g.taken for g in got] == [True, True, False]
+        assert got[2].retry_at == T0 + dt.timedelta(milliseconds=501)
+        half = T0 + dt.timedelta(milliseconds=499)
+        assert not tc._run(acquire("n", "r3", "k", "w", half, 1000)).taken
+        assert tc._run(
+            acquire("n", "r4", "k", "w", T0 + dt.timedelta(milliseconds=500), 1000)
+        ).taken
+        doc = tc.limits()[0]
+        assert doc["holders"] == [] and doc["tokens"] == pytest.approx(0)
+
+
+def test_no_limit_document_means_unlimited(client: TaskClient) -> None:
+    got = client._run(acquire("n", "r", "k", "w", T0, 1000))
+    assert not got.taken and not got.limited
+    client.set_limit("n", concurrency=1)
+    assert client.clear_limit("n") and not client.clear_limit("n")
+
+
+def test_changing_a_limit_keeps_the_slots_held(client: TaskClient) -> None:
+    client.set_limit("n", concurrency=1)
+    assert client._run(acquire("n", "r0", "k", "w", T0, 60_000)).taken
+    client.set_limit("n", concurrency=3, rate=100.0)
+    doc = client.limits()[0]
+    assert doc["concurrency"] == 3 and [h["run_id"] for h in doc["holders"]] == ["r0"]
+    assert doc["burst"] == 100 and doc["tokens"] == 100
+
+
+def _overlap(spans: list[tuple[float, float]]) -> int:
+    points = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+    running = peak = 0
+    for _, step in points:  # an end at the same instant as a start comes first (-1 < 1)
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+async def test_two_workers_share_a_concurrency_limit(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    registry = Registry()
+    spans: list[tuple[float, float]] = []
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+
+    @registry.task("limited")
+    async def limited(params: dict[str, Any]) -> None:
+        start = loop.time()
+        await asyncio.sleep(0.03)
+        spans.append((start, loop.time()))
+        if len(spans) == 24:
+            done.set()
+
+    client.set_limit("limited", concurrency=2)
+    async with (
+        running_worker(registry, mongo_uri, db_name, concurrency=8) as (_, events_a),
+        running_worker(registry, mongo_uri, db_name, concurrency=8) as (_, events_b),
+    ):
+        client.publish_many([{"name": "limited", "key": f"k{i}"} for i in range(24)])
+        await asyncio.wait_for(done.wait(), 30)
+    # both workers run in this one loop, so their spans share one clock
+    assert _overlap(spans) <= 2
+    assert client.stats()["limited"].get("succeeded") == 24
+    assert client.limits()[0]["holders"] == []  # every slot given back
+    assert len(events_a.matching("claimed")) + len(events_b.matching("claimed")) == 24
