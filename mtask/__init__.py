@@ -12,6 +12,7 @@ from mtask.errors import (
     StorageError,
     TaskNotFound,
 )
+from mtask.flows import Next
 from mtask.models import PublishResult, Run, RunState, Task, TaskOptions, TaskStatus
 from mtask.registry import Fail, Registry, Retry, TaskContext
 from mtask.worker import Worker, WorkerCrashed
@@ -24,6 +25,7 @@ __all__ = [
     "InvalidTransition",
     "LeaseLost",
     "MtaskError",
+    "Next",
     "PublishResult",
     "Registry",
     "Retry",

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import builtins
 import datetime as dt
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Self
 
 from pymongo import AsyncMongoClient, MongoClient
 
-from mtask import control, driver, limits, store
+from mtask import control, driver, flows, limits, store
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
 from mtask.errors import InvalidTask
@@ -40,10 +40,13 @@ def build_task(
     delay: dt.timedelta | float | None = None,
     now: dt.datetime | None = None,
     max_params_bytes: int = DEFAULT_MAX_PARAMS_BYTES,
+    depends_on: Sequence[str] | None = None,
 ) -> NewTask:
     """Validate one publish request. ``delay`` (seconds or a timedelta, from server ``now``)
-    sets ``options.run_at``."""
-    task = NewTask.build(name, key, params, options, max_params_bytes=max_params_bytes)
+    sets ``options.run_at``; ``depends_on`` keys must all succeed before the task may run."""
+    task = NewTask.build(
+        name, key, params, options, max_params_bytes=max_params_bytes, depends_on=depends_on
+    )
     if delay is not None:
         seconds = delay.total_seconds() if isinstance(delay, dt.timedelta) else float(delay)
         if seconds < 0:
@@ -65,7 +68,7 @@ def build_many(
     for index, item in enumerate(items):
         if not isinstance(item, Mapping):
             raise InvalidTask(f"items[{index}]: must be a mapping with name, key, params, options")
-        unknown = set(item) - {"name", "key", "params", "options", "delay"}
+        unknown = set(item) - {"name", "key", "params", "options", "delay", "depends_on"}
         if unknown:
             raise InvalidTask(f"items[{index}]: unknown field(s) {', '.join(sorted(unknown))}")
         try:
@@ -78,6 +81,7 @@ def build_many(
                     delay=item.get("delay"),
                     now=now,
                     max_params_bytes=max_params_bytes,
+                    depends_on=item.get("depends_on"),
                 )
             )
         except InvalidTask as exc:
@@ -169,18 +173,38 @@ class TaskClient(_Base):
         options: TaskOptions | Mapping[str, Any] | None = None,
         delay: dt.timedelta | float | None = None,
         on_conflict: OnConflict = "ignore",
+        depends_on: Sequence[str] | None = None,
     ) -> PublishResult:
         _check_on_conflict(on_conflict)
         now = self.now()
         task = build_task(
-            name, key, params, options, delay=delay, now=now, max_params_bytes=self.max_params_bytes
+            name,
+            key,
+            params,
+            options,
+            delay=delay,
+            now=now,
+            max_params_bytes=self.max_params_bytes,
+            depends_on=depends_on,
         )
-        return _result(self._run(store.publish(task, now, on_conflict)))
+        published = self._run(store.publish(task, now, on_conflict))
+        if task.depends_on:
+            self._run(flows.after_publish([task], now))
+            doc = self._run(store.get(task.key))  # its dependencies may have finished already
+            if doc is not None:
+                published = store.Published(published.created, published.updated, doc)
+        return _result(published)
 
     def publish_many(self, items: Iterable[Mapping[str, Any]]) -> int:
         now = self.now()
         tasks = build_many(items, now, self.max_params_bytes)
-        return self._run(store.publish_many(tasks, now))
+        created = self._run(store.publish_many(tasks, now))
+        self._run(flows.after_publish(tasks, now))
+        return created
+
+    def flow(self, key: str) -> dict[str, Any] | None:
+        """The tree of steps below ``key``: each node's key, name, status and children."""
+        return self._run(flows.tree(key))
 
     def get(self, key: str) -> Task | None:
         doc = self._run(store.get(key))
@@ -292,18 +316,38 @@ class AsyncTaskClient(_Base):
         options: TaskOptions | Mapping[str, Any] | None = None,
         delay: dt.timedelta | float | None = None,
         on_conflict: OnConflict = "ignore",
+        depends_on: Sequence[str] | None = None,
     ) -> PublishResult:
         _check_on_conflict(on_conflict)
         now = await self.now()
         task = build_task(
-            name, key, params, options, delay=delay, now=now, max_params_bytes=self.max_params_bytes
+            name,
+            key,
+            params,
+            options,
+            delay=delay,
+            now=now,
+            max_params_bytes=self.max_params_bytes,
+            depends_on=depends_on,
         )
-        return _result(await self._run(store.publish(task, now, on_conflict)))
+        published = await self._run(store.publish(task, now, on_conflict))
+        if task.depends_on:
+            await self._run(flows.after_publish([task], now))
+            doc = await self._run(store.get(task.key))
+            if doc is not None:
+                published = store.Published(published.created, published.updated, doc)
+        return _result(published)
 
     async def publish_many(self, items: Iterable[Mapping[str, Any]]) -> int:
         now = await self.now()
         tasks = build_many(items, now, self.max_params_bytes)
-        return await self._run(store.publish_many(tasks, now))
+        created = await self._run(store.publish_many(tasks, now))
+        await self._run(flows.after_publish(tasks, now))
+        return created
+
+    async def flow(self, key: str) -> dict[str, Any] | None:
+        """The tree of steps below ``key`` (see ``TaskClient.flow``)."""
+        return await self._run(flows.tree(key))
 
     async def get(self, key: str) -> Task | None:
         doc = await self._run(store.get(key))

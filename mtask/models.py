@@ -138,6 +138,13 @@ class Task(BaseModel):
     finished_at: dt.datetime | None = None
     invalid_reason: str | None = None
     """Why a worker marked this document ``invalid`` (or why it cannot be read as a task)."""
+    parent: str | None = None
+    """The task whose handler returned this one as a next step (``mtask.Next``)."""
+    children: list[str] = Field(default_factory=list)
+    """The next steps this task's handler returned (published once its SUCCESS was recorded)."""
+    depends_on: list[str] = Field(default_factory=list)
+    waiting_on: list[str] = Field(default_factory=list)
+    """The dependencies that have not succeeded yet; the task is not claimable while any are."""
 
     @classmethod
     def from_document(cls, doc: dict[str, Any]) -> Task:
@@ -260,6 +267,10 @@ class NewTask(BaseModel):
     key: str
     params: dict[str, Any]
     options: TaskOptions
+    parent: str | None = None
+    """The task whose handler returned this one as a ``Next`` step."""
+    depends_on: tuple[str, ...] = ()
+    """Claimable only once every one of these tasks succeeded; failed if one fails for good."""
 
     @classmethod
     def build(
@@ -270,10 +281,38 @@ class NewTask(BaseModel):
         options: object = None,
         *,
         max_params_bytes: int = DEFAULT_MAX_PARAMS_BYTES,
+        depends_on: object = None,
+        parent: str | None = None,
     ) -> NewTask:
+        key = validate_key(key)
         return cls(
             name=validate_name(name),
-            key=validate_key(key),
+            key=key,
             params=validate_params(params, max_params_bytes),
             options=validate_options(options),
+            parent=parent,
+            depends_on=validate_depends_on(depends_on, key),
         )
+
+
+MAX_DEPENDENCIES = 1000
+
+
+def validate_depends_on(value: object, key: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise InvalidTask("must be a list of task keys", field="depends_on")
+    if len(value) > MAX_DEPENDENCIES:
+        raise InvalidTask(f"has {len(value)} keys; at most {MAX_DEPENDENCIES}", field="depends_on")
+    keys: list[str] = []
+    for index, dep in enumerate(value):
+        try:
+            dep = validate_key(dep)
+        except InvalidTask as exc:
+            raise InvalidTask(f"depends_on[{index}]: {exc.message.removeprefix('key: ')}") from None
+        if dep == key:
+            raise InvalidTask("a task cannot depend on itself", field="depends_on")
+        if dep not in keys:
+            keys.append(dep)
+    return tuple(keys)

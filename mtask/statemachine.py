@@ -10,9 +10,10 @@ Rules (``now`` is always the MongoDB server's time, see ``mtask.clock``):
 * status: ``cancelled`` is sticky; else ``succeeded`` when ``successes >= concurrency``; else
   ``failed`` when ``failed_permanently`` or ``failures > max_retries``; else ``running`` when a
   run is RUNNING; else ``pending``.
-* next_claim_at: ``None`` once finished; else ``available_at`` while fewer than ``concurrency``
-  slots are taken (RUNNING + SUCCESS); else ``max(available_at, earliest RUNNING lease)`` — the
-  moment a lease can expire and the task be preempted.
+* next_claim_at: ``None`` once finished, and while ``waiting_on`` lists dependencies; else
+  ``available_at`` while fewer than ``concurrency`` slots are taken (RUNNING + SUCCESS); else
+  ``max(available_at, earliest RUNNING lease)`` — the moment a lease can expire and the task be
+  preempted.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def derive_status(doc: Doc) -> TaskStatus:
 
 
 def compute_next_claim_at(doc: Doc, status: TaskStatus) -> dt.datetime | None:
-    if status.finished:
+    if status.finished or doc.get("waiting_on"):
         return None
     available: dt.datetime = doc["available_at"]
     leases = [r["lease_expires_at"] for r in doc.get("runs", ()) if r["state"] == RUNNING]
@@ -116,7 +117,13 @@ STATUS_EXPR: dict[str, Any] = {
 
 NEXT_CLAIM_EXPR: dict[str, Any] = {
     "$cond": [
-        {"$in": ["$status", [s.value for s in (TaskStatus.PENDING, TaskStatus.RUNNING)]]},
+        {
+            "$and": [
+                {"$in": ["$status", [s.value for s in (TaskStatus.PENDING, TaskStatus.RUNNING)]]},
+                # waiting for dependencies: not claimable until the last one succeeded
+                {"$eq": [{"$size": {"$ifNull": ["$waiting_on", []]}}, 0]},
+            ]
+        },
         {
             "$let": {
                 "vars": {"running": _running_runs()},

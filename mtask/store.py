@@ -59,6 +59,22 @@ INDEXES: dict[str, list[IndexModel]] = {
             ],
             name="name_status_newest",
         ),
+        # Flows: a task's steps, tasks waiting for dependencies, outboxes left by a crash.
+        IndexModel(
+            [("parent", ASCENDING), ("created_at", ASCENDING), ("_id", ASCENDING)],
+            name="parent",
+            partialFilterExpression={"parent": {"$exists": True}},
+        ),
+        IndexModel(
+            [("waiting_on", ASCENDING)],
+            name="waiting_on",
+            partialFilterExpression={"waiting_on": {"$exists": True}},
+        ),
+        IndexModel(
+            [("updated_at", ASCENDING)],
+            name="outbox",
+            partialFilterExpression={"outbox": {"$exists": True}},
+        ),
     ],
     "workers": [IndexModel([("last_seen", ASCENDING)], name="last_seen")],
 }
@@ -141,7 +157,7 @@ def _invalid_reason_expr() -> Doc:
     return {"$switch": {"branches": branches, "default": "malformed task document"}}
 
 
-CLAIMED_FIELDS = {"name": 1, "params": 1, "options": 1, "attempts": 1}
+CLAIMED_FIELDS = {"name": 1, "params": 1, "options": 1, "attempts": 1, "has_dependents": 1}
 """What a worker needs of a task it claimed."""
 PLACEMENT_FIELDS = {
     "next_claim_at": 1,
@@ -178,7 +194,20 @@ def new_document(task: NewTask, now: dt.datetime) -> Doc:
         "created_at": now,
         "updated_at": now,
         "finished_at": None,
+        **_flow_fields(task),
     }
+
+
+def _flow_fields(task: NewTask) -> Doc:
+    """A step's parent; dependencies, and the ones still awaited (none claimable before)."""
+    fields: Doc = {}
+    if task.parent is not None:
+        fields["parent"] = task.parent
+    if task.depends_on:
+        fields["depends_on"] = list(task.depends_on)
+        fields["waiting_on"] = list(task.depends_on)
+        fields["next_claim_at"] = None
+    return fields
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,11 +288,16 @@ def publish(task: NewTask, now: dt.datetime, on_conflict: OnConflict = "ignore")
 def publish_many(tasks: Sequence[NewTask], now: dt.datetime, batch_size: int = 1000) -> Op[int]:
     """Insert-if-absent many tasks with unordered bulk upserts; returns how many were created."""
     created = 0
+    # a task that others of this batch depend on is born knowing it (so that the worker that
+    # records its outcome resolves them, even if it claims it before anyone marks it)
+    awaited = {d for task in tasks for d in task.depends_on}
     for start in range(0, len(tasks), batch_size):
         requests = []
         for task in tasks[start : start + batch_size]:
             doc = new_document(task, now)
             del doc["_id"]
+            if task.key in awaited:
+                doc["has_dependents"] = True
             requests.append(UpdateOne({"_id": task.key}, {"$setOnInsert": doc}, upsert=True))
         result = yield Call("bulk_write", (requests,), {"ordered": False})
         created += result.upserted_count
@@ -761,6 +795,16 @@ class Outcome:
     """Explicit delay before the task may be claimed again (FAIL); None: the task's backoff."""
     jitter: float = 1.0
     """Backoff multiplier drawn by the caller, e.g. uniform(0.8, 1.2)."""
+    steps: tuple[Doc, ...] = ()
+    """SUCCESS: next steps (``flows.outbox_entry``), written to the outbox with the success."""
+    has_dependents: bool = False
+    """Other tasks depend on this one: resolve them once the outcome is recorded."""
+
+
+def _step_fields(outcome: Outcome) -> Doc:
+    if not outcome.steps:
+        return {}
+    return {"outbox": list(outcome.steps), "children": [s["key"] for s in outcome.steps]}
 
 
 def _backoff_expr(outcome: Outcome, now: dt.datetime) -> Any:
@@ -795,6 +839,7 @@ def finish_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, list[Doc]]:
         run_fields["result"] = _lit(outcome.result)
         sets["successes"] = {"$add": ["$successes", 1]}
         sets["result"] = _lit(outcome.result)
+        sets.update({k: _lit(v) for k, v in _step_fields(outcome).items()})
     elif state is RunState.FAIL:
         run_fields["error"] = _lit(outcome.error)
         sets["error"] = _lit(outcome.error)
@@ -844,6 +889,7 @@ def success_fast_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
             "next_claim_at": None,
             "finished_at": now,
             "updated_at": now,
+            **_step_fields(outcome),
         },
         "$inc": {"successes": 1},
     }

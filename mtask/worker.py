@@ -33,7 +33,7 @@ from pymongo import AsyncMongoClient, MongoClient
 from pymongo.errors import PyMongoError
 
 import mtask
-from mtask import control, driver, store
+from mtask import control, driver, flows, store
 from mtask.client import AsyncTaskClient
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
@@ -81,6 +81,7 @@ class _Run:
     ctx: TaskContext
     slot: str | None = None
     """The name whose cluster-wide limit gave this run a slot (given back when it ends)."""
+    has_dependents: bool = False
     task: asyncio.Task[None] | None = None
     stop_reason: str | None = None
     deadline: asyncio.TimerHandle | None = None
@@ -110,6 +111,7 @@ class Worker:
         names: Sequence[str] | None = None,
         grace: float = 30.0,
         sweep_interval: float = 30.0,
+        flow_sweep_interval: float = 5.0,
         startup_timeout: float = 60.0,
         heartbeat_interval: float = 2.0,
         stagger_ms: float = 25.0,
@@ -161,6 +163,7 @@ class Worker:
         self._crash: BaseException | None = None
         self._loop_tick = time.monotonic()
         self._sweep_interval = sweep_interval
+        self._flow_sweep_interval = flow_sweep_interval
         self._startup_timeout = startup_timeout
         self._stagger_ms = stagger_ms
         self.watcher: Watcher | None = None
@@ -268,6 +271,7 @@ class Worker:
             ("outcomes", self._outcome_writer()),
             ("ticker", self._ticker()),
             ("limits", self.gate.run_refresh()),
+            ("flows", self._flow_sweep()),
         ):
             task = asyncio.create_task(coro, name=f"mtask-{name}")
             task.add_done_callback(self._side_done)
@@ -566,7 +570,14 @@ class Worker:
             worker_id=self.worker_id,
             publisher=self._publisher.publish,
         )
-        run = _Run(key=doc["_id"], name=doc["name"], run_id=run_id, ctx=ctx, slot=slot)
+        run = _Run(
+            key=doc["_id"],
+            name=doc["name"],
+            run_id=run_id,
+            ctx=ctx,
+            slot=slot,
+            has_dependents=doc.get("has_dependents") is True,
+        )
         self._runs[run_id] = run
         self._keys[run.key] = self._keys.get(run.key, 0) + 1
         self.queue.discard(run.key)
@@ -630,6 +641,14 @@ class Worker:
             return self._failure(run, short_traceback(exc))
 
     def _success(self, run: _Run, result: Any) -> Outcome:
+        steps: tuple[dict[str, Any], ...] = ()
+        if flows.is_steps(result):
+            try:
+                built = flows.build_steps(run.key, result, self._publisher.max_params_bytes)
+            except InvalidTask as exc:
+                return self._failure(run, f"invalid next step: {exc}", permanent=True)
+            steps = tuple(flows.outbox_entry(t) for t in built)
+            result = [t.key for t in built]
         try:
             size = len(bson.encode({"result": result}))
         except Exception as exc:  # noqa: BLE001 - any encoding problem is the handler's
@@ -642,7 +661,14 @@ class Worker:
             )
         self.stats.succeeded += 1
         self._emit("succeeded", key=run.key, run_id=run.run_id)
-        return Outcome(run.key, run.run_id, RunState.SUCCESS, result=result)
+        return Outcome(
+            run.key,
+            run.run_id,
+            RunState.SUCCESS,
+            result=result,
+            steps=steps,
+            has_dependents=run.has_dependents,
+        )
 
     def _failure(
         self, run: _Run, error: str, *, permanent: bool = False, retry_delay_ms: int | None = None
@@ -666,6 +692,7 @@ class Worker:
             permanent=permanent,
             retry_delay_ms=retry_delay_ms,
             jitter=random.uniform(0.8, 1.2),
+            has_dependents=run.has_dependents,
         )
 
     def _stopped_outcome(self, run: _Run) -> Outcome | None:
@@ -764,7 +791,40 @@ class Worker:
             if self.gate.releases:
                 await self.gate.flush()
             if batch:
+                await self._follow_up(batch)
                 self._written(batch, recorded)
+
+    async def _follow_up(self, batch: list[Outcome]) -> None:
+        """After outcomes are recorded: publish the next steps of the successes that returned
+        some, and release or fail the tasks that depend on these. If this fails, the flow
+        sweep does it later (the outboxes and the awaited dependencies stay in MongoDB)."""
+        parents = [o.key for o in batch if o.steps]
+        watched = [o.key for o in batch if o.has_dependents]
+        if not parents and not watched:
+            return
+        now = self.clock.now()
+        try:
+            if parents:
+                steps = await self.driver.run(flows.flush_outboxes(parents, now))
+                await self.driver.run(flows.after_publish(steps, now))
+            if watched:
+                await self.driver.run(flows.resolve(watched, now))
+        except StorageError as exc:
+            log.warning("next steps or dependents wait for the flow sweep: %s", exc)
+
+    async def _flow_sweep(self) -> None:
+        """Side task: publish outboxes a crash left behind, resolve dependencies whose
+        dependency's worker did not (it claimed before the dependent was published)."""
+        while True:
+            await asyncio.sleep(self._flow_sweep_interval)
+            now = self.clock.now()
+            try:
+                stale = now - dt_seconds(self._flow_sweep_interval)
+                steps = await self.driver.run(flows.flush_outboxes(None, now, older_than=stale))
+                await self.driver.run(flows.after_publish(steps, now))
+                await self.driver.run(flows.resolve(await self.driver.run(flows.awaited()), now))
+            except StorageError as exc:
+                log.warning("flow sweep failed, will retry: %s", exc)
 
     async def _record(self, batch: list[Outcome]) -> int:
         """Write outcomes, retrying transient errors until they land (the fence makes a repeat

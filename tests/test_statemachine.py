@@ -40,6 +40,7 @@ docs = st.fixed_dictionaries(
         "failed_permanently": st.booleans(),
         "available_at": times,
         "runs": st.lists(runs, max_size=30),
+        "waiting_on": st.lists(st.sampled_from(["a", "b"]), max_size=2, unique=True),
     }
 )
 
@@ -63,8 +64,8 @@ def test_status_rules(doc: dict[str, Any]) -> None:
 def test_next_claim_at_rules(doc: dict[str, Any]) -> None:
     status = derive_status(doc)
     at = compute_next_claim_at(doc, status)
-    if status.finished:
-        assert at is None
+    if status.finished or doc["waiting_on"]:
+        assert at is None  # finished, or waiting for a dependency
         return
     assert at is not None and at >= doc["available_at"]
     running = [r for r in doc["runs"] if r["state"] == "RUNNING"]

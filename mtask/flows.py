@@ -1,0 +1,283 @@
+"""Flows: next steps returned by a handler, and tasks that wait for other tasks.
+
+**Next steps.** A handler returns ``Next(name, params)`` (or a list of them). The worker writes
+the steps into the task's ``outbox`` in the same fenced update that records the run's SUCCESS,
+so they exist exactly when the success does; then it publishes them (idempotent upserts, keys
+derived from the parent key and the step) and clears the outbox. A crash in between leaves the
+outbox, which any worker's flow sweep publishes later: no step lost, none published twice.
+
+**Dependencies.** A task published with ``depends_on=[keys]`` carries ``waiting_on`` (the keys
+not yet succeeded) and no ``next_claim_at``, so no claim can match it. When a dependency
+finishes, ``resolve`` removes it from its dependents' ``waiting_on`` (succeeded) or fails them
+(failed, cancelled or invalid for good); the last removal makes the task claimable. Who calls
+``resolve``: the publisher right after inserting (the dependency may have finished already),
+the worker that recorded a dependency's outcome (it knows from the claim that the task has
+dependents), and the flow sweep (for the remaining races).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pymongo import UpdateOne
+
+from mtask.driver import Call, Op
+from mtask.models import MAX_KEY_LENGTH, NewTask, TaskStatus
+from mtask.statemachine import recompute_stages
+
+Doc = dict[str, Any]
+FAILED_FOR_GOOD = (TaskStatus.FAILED.value, TaskStatus.CANCELLED.value, TaskStatus.INVALID.value)
+MAX_TREE_NODES = 10_000
+
+
+@dataclass(frozen=True)
+class Next:
+    """A next step: returned by a handler, published once the run's SUCCESS is recorded.
+    Without ``key``, its key is derived from the parent's key and the step's name."""
+
+    name: str
+    params: Mapping[str, Any] | None = None
+    key: str | None = None
+    options: Mapping[str, Any] | None = None
+    depends_on: Sequence[str] = field(default_factory=tuple)
+
+
+def is_steps(result: Any) -> bool:
+    if isinstance(result, Next):
+        return True
+    return (
+        isinstance(result, list | tuple)
+        and bool(result)
+        and all(isinstance(r, Next) for r in result)
+    )
+
+
+def child_key(parent: str, name: str, ordinal: int | None) -> str:
+    """``parent/name`` (``parent/name.2`` for the third step of one name); hashed when that
+    would be longer than a key may be."""
+    key = f"{parent}/{name}" if ordinal is None else f"{parent}/{name}.{ordinal}"
+    if len(key) > MAX_KEY_LENGTH:
+        key = f"{parent[:64]}/…{hashlib.sha256(key.encode()).hexdigest()}"
+    return key
+
+
+def build_steps(parent: str, result: Any, max_params_bytes: int) -> list[NewTask]:
+    """Validate the steps a handler returned (``InvalidTask`` names the bad one)."""
+    steps = [result] if isinstance(result, Next) else list(result)
+    names = [s.name for s in steps]
+    seen: dict[str, int] = {}
+    built = []
+    for step in steps:
+        ordinal = seen.get(step.name, 0)
+        seen[step.name] = ordinal + 1
+        key = step.key or child_key(
+            parent, step.name, ordinal if names.count(step.name) > 1 else None
+        )
+        built.append(
+            NewTask.build(
+                step.name,
+                key,
+                dict(step.params or {}),
+                dict(step.options) if step.options is not None else None,
+                max_params_bytes=max_params_bytes,
+                depends_on=list(step.depends_on) or None,
+                parent=parent,
+            )
+        )
+    return built
+
+
+def outbox_entry(task: NewTask) -> Doc:
+    return {
+        "name": task.name,
+        "key": task.key,
+        "params": task.params,
+        "options": task.options.to_document(),
+        "depends_on": list(task.depends_on),
+    }
+
+
+def from_outbox(parent: str, entry: Mapping[str, Any]) -> NewTask:
+    return NewTask.build(
+        entry["name"],
+        entry["key"],
+        entry.get("params"),
+        entry.get("options"),
+        max_params_bytes=2**31,
+        depends_on=entry.get("depends_on") or None,
+        parent=parent,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Operations
+# ---------------------------------------------------------------------------------------------
+
+
+def flush_outboxes(
+    parents: Sequence[str] | None, now: dt.datetime, older_than: dt.datetime | None = None
+) -> Op[list[NewTask]]:
+    """Publish the next steps waiting in the outboxes of ``parents`` (or of any task whose
+    outbox is older than ``older_than``: the sweep), then clear those outboxes. Returns the
+    steps, for the caller to resolve their dependencies."""
+    from mtask import store  # store builds new documents; it does not import flows
+
+    filt: Doc = {"outbox": {"$exists": True}}
+    if parents is not None:
+        filt["_id"] = {"$in": list(parents)}
+    if older_than is not None:
+        filt["updated_at"] = {"$lt": older_than}
+    docs: list[Doc] = yield Call("find", (filt, {"outbox": 1}), {"limit": 1000})
+    steps: list[NewTask] = []
+    for doc in docs:
+        entries = doc.get("outbox")
+        if isinstance(entries, list):
+            steps += [from_outbox(doc["_id"], e) for e in entries if isinstance(e, Mapping)]
+    if steps:
+        yield from store.publish_many(steps, now)
+    if docs:
+        yield Call(
+            "bulk_write",
+            (
+                [
+                    UpdateOne({"_id": d["_id"], "outbox": d["outbox"]}, {"$unset": {"outbox": ""}})
+                    for d in docs
+                ],
+            ),
+            {"ordered": False},
+        )
+    return steps
+
+
+def mark_dependents(tasks: Iterable[NewTask]) -> Op[list[str]]:
+    """Note on each dependency that it has dependents (its worker then resolves them as soon
+    as it records the outcome). Returns the dependencies."""
+    deps = sorted({d for t in tasks for d in t.depends_on})
+    if deps:
+        yield Call(
+            "update_many",
+            (
+                {"_id": {"$in": deps}, "has_dependents": {"$ne": True}},
+                {"$set": {"has_dependents": True}},
+            ),
+        )
+    return deps
+
+
+def after_publish(tasks: Sequence[NewTask], now: dt.datetime) -> Op[int]:
+    """After tasks with dependencies were inserted: mark their dependencies, and resolve the
+    ones that finished before the insert."""
+    deps = yield from mark_dependents(tasks)
+    changed: int = yield from resolve(deps, now)
+    return changed
+
+
+def resolve(keys: Sequence[str], now: dt.datetime) -> Op[int]:
+    """Release the dependents of ``keys`` that succeeded; fail those of keys that failed for
+    good. Returns how many dependents changed."""
+    if not keys:
+        return 0
+    docs: list[Doc] = yield Call(
+        "find",
+        (
+            {
+                "_id": {"$in": list(keys)},
+                "status": {"$in": [TaskStatus.SUCCEEDED.value, *FAILED_FOR_GOOD]},
+            },
+            {"status": 1},
+        ),
+    )
+    succeeded = [d["_id"] for d in docs if d["status"] == TaskStatus.SUCCEEDED.value]
+    changed = 0
+    if succeeded:
+        remaining = {"$setDifference": ["$waiting_on", succeeded]}
+        result = yield Call(
+            "update_many",
+            (
+                {"waiting_on": {"$in": succeeded}},
+                [
+                    {
+                        "$set": {
+                            "waiting_on": {
+                                "$cond": [{"$eq": [{"$size": remaining}, 0]}, "$$REMOVE", remaining]
+                            }
+                        }
+                    },
+                    *recompute_stages(now),
+                ],
+            ),
+        )
+        changed += result.modified_count
+    for doc in docs:
+        if doc["status"] in FAILED_FOR_GOOD:
+            result = yield Call(
+                "update_many",
+                (
+                    {"waiting_on": doc["_id"], "status": TaskStatus.PENDING.value},
+                    [
+                        {
+                            "$set": {
+                                "failed_permanently": True,
+                                "error": {
+                                    "$literal": f"dependency {doc['_id']!r} is {doc['status']}"
+                                },
+                            }
+                        },
+                        *recompute_stages(now),
+                    ],
+                ),
+            )
+            changed += result.modified_count
+    return changed
+
+
+def awaited(limit: int = 1000) -> Op[list[str]]:
+    """The dependencies that pending tasks still wait for (for the flow sweep)."""
+    docs: list[Doc] = yield Call(
+        "find",
+        ({"waiting_on": {"$exists": True}, "status": TaskStatus.PENDING.value}, {"waiting_on": 1}),
+        {"limit": limit},
+    )
+    return sorted({k for d in docs for k in d.get("waiting_on") or () if isinstance(k, str)})
+
+
+def tree(key: str) -> Op[Doc | None]:
+    """The flow below ``key``: each node's key, name, status and children (at most
+    ``MAX_TREE_NODES`` nodes)."""
+    fields = {"name": 1, "status": 1, "parent": 1, "depends_on": 1, "waiting_on": 1}
+    root: Doc | None = yield Call("find_one", ({"_id": key}, fields))
+    if root is None:
+        return None
+    nodes = {key: _node(root)}
+    frontier = [key]
+    while frontier and len(nodes) < MAX_TREE_NODES:
+        found: list[Doc] = yield Call(
+            "find",
+            ({"parent": {"$in": frontier}}, fields),
+            {"sort": [("created_at", 1), ("_id", 1)], "limit": MAX_TREE_NODES},
+        )
+        frontier = []
+        for doc in found:
+            if doc["_id"] in nodes:
+                continue
+            nodes[doc["_id"]] = node = _node(doc)
+            nodes[doc["parent"]]["children"].append(node)
+            frontier.append(doc["_id"])
+    return nodes[key]
+
+
+def _node(doc: Mapping[str, Any]) -> Doc:
+    node: Doc = {
+        "key": doc["_id"],
+        "name": doc.get("name"),
+        "status": doc.get("status"),
+        "children": [],
+    }
+    if doc.get("depends_on"):
+        node["depends_on"] = doc["depends_on"]
+        node["waiting_on"] = doc.get("waiting_on") or []
+    return node
