@@ -15,7 +15,7 @@ from typing import Any, Self
 
 from pymongo import AsyncMongoClient, MongoClient
 
-from mtask import control, driver, flows, limits, store
+from mtask import control, driver, flows, limits, schedules, store
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
 from mtask.errors import InvalidTask
@@ -264,6 +264,24 @@ class TaskClient(_Base):
     def limits(self) -> builtins.list[dict[str, Any]]:
         return self._run(limits.all_limits())
 
+    def add_schedule(self, id: str, task: str, **definition: Any) -> dict[str, Any]:
+        """Create or change a schedule: ``cron=`` or ``every=``, and ``timezone``, ``params``,
+        ``options``, ``catch_up`` (see ``mtask.schedules.Schedule.build``)."""
+        schedule = schedules.Schedule.build(id, task, **definition)
+        return self._run(schedules.put(schedule, self.now()))
+
+    def schedules(self) -> builtins.list[dict[str, Any]]:
+        return self._run(schedules.all_schedules())
+
+    def pause_schedule(self, id: str) -> dict[str, Any]:
+        return self._run(schedules.set_paused(id, True, self.now()))
+
+    def resume_schedule(self, id: str) -> dict[str, Any]:
+        return self._run(schedules.set_paused(id, False, self.now()))
+
+    def remove_schedule(self, id: str) -> bool:
+        return self._run(schedules.remove(id))
+
     def close(self) -> None:
         if self._owns_client:
             self.mongo.close()
@@ -406,6 +424,23 @@ class AsyncTaskClient(_Base):
 
     async def limits(self) -> builtins.list[dict[str, Any]]:
         return await self._run(limits.all_limits())
+
+    async def add_schedule(self, id: str, task: str, **definition: Any) -> dict[str, Any]:
+        """Create or change a schedule (see ``TaskClient.add_schedule``)."""
+        schedule = schedules.Schedule.build(id, task, **definition)
+        return await self._run(schedules.put(schedule, await self.now()))
+
+    async def schedules(self) -> builtins.list[dict[str, Any]]:
+        return await self._run(schedules.all_schedules())
+
+    async def pause_schedule(self, id: str) -> dict[str, Any]:
+        return await self._run(schedules.set_paused(id, True, await self.now()))
+
+    async def resume_schedule(self, id: str) -> dict[str, Any]:
+        return await self._run(schedules.set_paused(id, False, await self.now()))
+
+    async def remove_schedule(self, id: str) -> bool:
+        return await self._run(schedules.remove(id))
 
     async def close(self) -> None:
         if self._owns_client:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from mtask.errors import InvalidTask, MtaskError
 from mtask.models import describe_validation_error
+from mtask.schedules import Schedule
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -110,6 +111,39 @@ class Registry:
 
     def __init__(self) -> None:
         self.handlers: dict[str, Handler] = {}
+        self.schedules: dict[str, Schedule] = {}
+
+    def schedule(
+        self,
+        task: str,
+        *,
+        id: str | None = None,
+        cron: str | None = None,
+        every: float | dt.timedelta | None = None,
+        timezone: str = "UTC",
+        params: Any = None,
+        options: Any = None,
+        catch_up: str = "latest",
+        misfire_grace_s: float = 60.0,
+    ) -> Schedule:
+        """Publish a ``task`` task on each tick of a cron expression or an interval. Workers
+        running this registry create (or update) the schedule in MongoDB when they start; the
+        schedule's id is ``id`` or the task name."""
+        schedule = Schedule.build(
+            id or task,
+            task,
+            cron=cron,
+            every=every,
+            timezone=timezone,
+            params=params,
+            options=options,
+            catch_up=catch_up,
+            misfire_grace_s=misfire_grace_s,
+        )
+        if schedule.id in self.schedules:
+            raise InvalidTask(f"a schedule {schedule.id!r} is already declared", field="id")
+        self.schedules[schedule.id] = schedule
+        return schedule
 
     def task(self, name: str | None = None) -> Callable[[F], F]:
         def register(fn: F) -> F:

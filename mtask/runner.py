@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds to keep trying to reach MongoDB at start before exiting (status 1)",
     )
+    p.add_argument(
+        "--no-schedules",
+        action="store_true",
+        help="do not publish the ticks of schedules (another worker does)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -120,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             grace=args.grace,
             sweep_interval=args.sweep_interval,
             startup_timeout=args.startup_timeout,
+            run_schedules=not args.no_schedules,
         )
         asyncio.run(_serve(worker))
     except WorkerCrashed as exc:

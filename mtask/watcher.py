@@ -59,6 +59,7 @@ class Watcher:
         in_flight: Callable[[str], bool],
         on_control: Callable[[], None] = lambda: None,
         on_limit: Callable[[str], None] = lambda name: None,
+        on_schedule: Callable[[], None] = lambda: None,
         sweep_interval: float = 30.0,
         stagger_ms: float = 25.0,
         page_size: int = 1000,
@@ -71,6 +72,7 @@ class Watcher:
         self.in_flight = in_flight
         self.on_control = on_control
         self.on_limit = on_limit
+        self.on_schedule = on_schedule
         self.sweep_interval = sweep_interval
         self.stagger = dt.timedelta(milliseconds=stagger_ms)
         self.page_size = page_size
@@ -157,13 +159,8 @@ class Watcher:
         if self.drop_events:
             return
         collection = change.get("ns", {}).get("coll")
-        if collection == "controls":
-            self.on_control()  # a name was paused or resumed
-            return
-        if collection == "limits":
-            name = change.get("documentKey", {}).get("_id")
-            if isinstance(name, str):
-                self.on_limit(name)  # a slot may have freed, or the limit changed
+        if collection in ("controls", "schedules", "limits"):
+            self._on_other(collection, change.get("documentKey", {}).get("_id"))
             return
         key = change.get("documentKey", {}).get("_id")
         if key is None:
@@ -185,6 +182,15 @@ class Watcher:
                 self.forget(key)
             elif not self.in_flight(key):
                 self.unknown.add(key)
+
+    def _on_other(self, collection: str, key: Any) -> None:
+        """An event on the database's other watched collections."""
+        if collection == "controls":
+            self.on_control()  # a name was paused or resumed
+        elif collection == "schedules":
+            self.on_schedule()  # added, changed, resumed, or advanced by a peer
+        elif isinstance(key, str):
+            self.on_limit(key)  # a slot may have freed, or the limit changed
 
     async def _look_up_unknown(self) -> None:
         keys, self.unknown = list(self.unknown), set()
@@ -284,7 +290,11 @@ class Watcher:
             ],
         }
         return [
-            {"$match": {"$or": [task_events, {"ns.coll": {"$in": ["controls", "limits"]}}]}},
+            {
+                "$match": {
+                    "$or": [task_events, {"ns.coll": {"$in": ["controls", "limits", "schedules"]}}]
+                }
+            },
             {
                 "$project": {
                     "operationType": 1,

@@ -43,6 +43,7 @@ from mtask.heap import ClaimQueue
 from mtask.lease import LeasePinger
 from mtask.models import RunState
 from mtask.registry import Fail, InvalidParams, Registry, Retry, TaskContext
+from mtask.schedules import Scheduler
 from mtask.store import Outcome
 from mtask.watcher import Watcher
 
@@ -112,6 +113,7 @@ class Worker:
         grace: float = 30.0,
         sweep_interval: float = 30.0,
         flow_sweep_interval: float = 5.0,
+        run_schedules: bool = True,
         startup_timeout: float = 60.0,
         heartbeat_interval: float = 2.0,
         stagger_ms: float = 25.0,
@@ -164,6 +166,7 @@ class Worker:
         self._loop_tick = time.monotonic()
         self._sweep_interval = sweep_interval
         self._flow_sweep_interval = flow_sweep_interval
+        self.run_schedules = run_schedules
         self._startup_timeout = startup_timeout
         self._stagger_ms = stagger_ms
         self.watcher: Watcher | None = None
@@ -196,6 +199,7 @@ class Worker:
         adb, sdb = self._aclient[self.database], self._sclient[self.database]
         self.driver = driver.AsyncDriver(driver.collections(adb, self.collection_name))
         self.gate = LimitGate(self.driver, self.worker_id, self.clock, self._requeue_at)
+        self.scheduler = Scheduler(self.driver, self.clock, list(self.registry.schedules.values()))
         self._publisher = AsyncTaskClient(
             database=self.database,
             collection=self.collection_name,
@@ -259,6 +263,7 @@ class Worker:
             in_flight=self._key_in_flight,
             on_control=self._controls_changed.set,
             on_limit=self.gate.on_change,
+            on_schedule=self.scheduler.wake.set,
             sweep_interval=self._sweep_interval,
             stagger_ms=self._stagger_ms,
         )
@@ -272,6 +277,7 @@ class Worker:
             ("ticker", self._ticker()),
             ("limits", self.gate.run_refresh()),
             ("flows", self._flow_sweep()),
+            *([("schedules", self.scheduler.run())] if self.run_schedules else []),
         ):
             task = asyncio.create_task(coro, name=f"mtask-{name}")
             task.add_done_callback(self._side_done)

@@ -1,0 +1,385 @@
+"""Repeatable tasks: APScheduler triggers (cron expressions or intervals, with time zones).
+
+A schedule is one document in the ``schedules`` collection::
+
+    {_id: id, task: name, cron: "0 * * * *" | null, every_s: 30.0 | null, timezone: "UTC",
+     start: date (the interval's anchor), params, options, catch_up, misfire_grace_s,
+     paused: bool, next_tick_at: date, last_tick_at, last_key, error, definition: hash, ...}
+
+Every worker runs the scheduler loop (``Scheduler.run``): it reads the schedules whose
+``next_tick_at`` has come (by the server's clock), publishes one task per tick with the key
+``"<id>@<tick in UTC>"``, and moves ``next_tick_at`` on with a compare-and-set on its old value.
+Any number of workers may do this at once: the publish is idempotent by key, so each tick is
+published once, and only one of them advances the schedule — no leader election. A crash
+between the two steps publishes the same keys again, which creates nothing.
+
+Ticks missed while no worker ran are handled by ``catch_up``: ``"all"`` publishes each of them
+(up to ``MAX_TICKS_PER_PASS`` at a time), ``"latest"`` (the default) only the most recent one,
+``"none"`` none of them — a tick is published only if it is at most ``misfire_grace_s`` old.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from apscheduler.triggers.base import BaseTrigger
+from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.interval import IntervalTrigger
+from pydantic import BaseModel, ConfigDict, Field
+from pymongo import ASCENDING, ReturnDocument
+from pymongo.errors import DuplicateKeyError
+
+from mtask import store
+from mtask.clock import Clock
+from mtask.driver import AsyncDriver, Call, Op
+from mtask.errors import InvalidTask, MtaskError, StorageError
+from mtask.models import (
+    NewTask,
+    validate_key,
+    validate_name,
+    validate_options,
+    validate_params,
+)
+
+log = logging.getLogger("mtask.schedules")
+
+Doc = dict[str, Any]
+CatchUp = Literal["none", "latest", "all"]
+CATCH_UP_CHOICES = ("none", "latest", "all")
+MAX_TICKS_PER_PASS = 1000
+POLL_SECONDS = 1.0
+"""The longest a scheduler sleeps: a schedule added or resumed is seen within this."""
+
+
+class Schedule(BaseModel):
+    """A validated schedule definition."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str
+    task: str
+    cron: str | None = None
+    every_s: float | None = None
+    timezone: str = "UTC"
+    params: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict)
+    catch_up: CatchUp = "latest"
+    misfire_grace_s: float = 60.0
+
+    @classmethod
+    def build(
+        cls,
+        id: object,
+        task: object,
+        *,
+        cron: str | None = None,
+        every: float | dt.timedelta | None = None,
+        timezone: str = "UTC",
+        params: object = None,
+        options: object = None,
+        catch_up: str = "latest",
+        misfire_grace_s: float = 60.0,
+    ) -> Schedule:
+        """Check everything before anything is written; the error names the bad field."""
+        sid = validate_key(id)
+        if "@" in sid:
+            raise InvalidTask("must not contain '@' (task keys are '<id>@<tick>')", field="id")
+        if (cron is None) == (every is None):
+            raise InvalidTask("give exactly one of cron or every", field="schedule")
+        every_s = every.total_seconds() if isinstance(every, dt.timedelta) else every
+        if every_s is not None and (
+            not math.isfinite(every_s) or not 0.05 <= every_s <= 366 * 86400
+        ):
+            raise InvalidTask("must be from 0.05 seconds to a year", field="every")
+        if catch_up not in CATCH_UP_CHOICES:
+            raise InvalidTask(f"must be one of {', '.join(CATCH_UP_CHOICES)}", field="catch_up")
+        if not math.isfinite(misfire_grace_s) or misfire_grace_s < 0:
+            raise InvalidTask("must be a number of seconds, at least 0", field="misfire_grace_s")
+        task_options = validate_options(options)
+        if task_options.run_at is not None:
+            raise InvalidTask("run_at cannot be set on a schedule's tasks", field="options.run_at")
+        schedule = cls(
+            id=sid,
+            task=validate_name(task),
+            cron=cron,
+            every_s=every_s,
+            timezone=timezone,
+            params=validate_params(params),
+            options=task_options.model_dump(exclude_defaults=True, mode="json"),
+            catch_up=catch_up,
+            misfire_grace_s=misfire_grace_s,
+        )
+        schedule.trigger(dt.datetime.now(dt.UTC))  # refuses a bad cron expression or zone
+        return schedule
+
+    def trigger(self, start: dt.datetime) -> BaseTrigger:
+        try:
+            zone = ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise InvalidTask(f"unknown time zone {self.timezone!r}", field="timezone") from None
+        if self.cron is not None:
+            try:
+                return CronTrigger.from_crontab(self.cron, timezone=zone)
+            except ValueError as exc:
+                raise InvalidTask(
+                    f"{self.cron!r} is not a cron expression: {exc}", field="cron"
+                ) from None
+        assert self.every_s is not None
+        return IntervalTrigger(seconds=self.every_s, start_date=start, timezone=zone)
+
+    def definition(self) -> str:
+        """A hash of everything that decides the ticks and the tasks."""
+        text = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure rules (property-tested)
+# ---------------------------------------------------------------------------------------------
+
+
+def _ms(value: dt.datetime) -> dt.datetime:
+    """MongoDB keeps milliseconds: compute with what will be stored."""
+    value = value.astimezone(dt.UTC)
+    return value.replace(microsecond=value.microsecond // 1000 * 1000)
+
+
+def next_after(trigger: BaseTrigger, tick: dt.datetime) -> dt.datetime | None:
+    """The first tick strictly after ``tick``."""
+    found = trigger.get_next_fire_time(tick, tick)
+    while found is not None and _ms(found) <= tick:  # a sub-millisecond step
+        found = trigger.get_next_fire_time(found, found)
+    return None if found is None else _ms(found)
+
+
+def first_tick(trigger: BaseTrigger, now: dt.datetime) -> dt.datetime | None:
+    """The first tick at or after ``now``. (Asked from a millisecond before: an interval
+    trigger computes with floats, and may step over a tick that falls exactly on ``now``.)"""
+    found = trigger.get_next_fire_time(None, now - dt.timedelta(milliseconds=1))
+    tick = None if found is None else _ms(found)
+    while tick is not None and tick < now:
+        tick = next_after(trigger, tick)
+    return tick
+
+
+def latest_tick(trigger: BaseTrigger, now: dt.datetime, floor: dt.datetime) -> dt.datetime | None:
+    """The last tick at or before ``now`` and at or after ``floor`` (a tick), without walking
+    every tick since ``floor``: look back 1 s, 2 s, 4 s, … for a window that holds one."""
+    step = dt.timedelta(seconds=1)
+    while True:
+        start = max(floor, now - step)
+        tick = first_tick(trigger, start)
+        if tick is not None and tick <= now:
+            while (following := next_after(trigger, tick)) is not None and following <= now:
+                tick = following
+            return tick
+        if start == floor:
+            return None
+        step *= 2
+
+
+def plan(
+    schedule: Schedule, trigger: BaseTrigger, next_tick_at: dt.datetime, now: dt.datetime
+) -> tuple[list[dt.datetime], dt.datetime | None]:
+    """The ticks to publish now, and the schedule's next tick after them."""
+    if next_tick_at > now:
+        return [], next_tick_at
+    if schedule.catch_up == "all":
+        ticks: list[dt.datetime] = []
+        tick: dt.datetime | None = next_tick_at
+        while tick is not None and tick <= now and len(ticks) < MAX_TICKS_PER_PASS:
+            ticks.append(tick)
+            tick = next_after(trigger, tick)
+        return ticks, tick
+    latest = latest_tick(trigger, now, next_tick_at)
+    if latest is None:  # the trigger gave no tick in the window (it has ended)
+        return [], next_after(trigger, now)
+    late = (now - latest).total_seconds()
+    publish = schedule.catch_up == "latest" or late <= schedule.misfire_grace_s
+    return ([latest] if publish else []), next_after(trigger, latest)
+
+
+def tick_key(schedule_id: str, tick: dt.datetime) -> str:
+    return f"{schedule_id}@{_ms(tick).isoformat(timespec='milliseconds').replace('+00:00', 'Z')}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Operations on the schedules collection
+# ---------------------------------------------------------------------------------------------
+
+INDEXES = [("paused", ASCENDING), ("next_tick_at", ASCENDING)]
+
+
+def ensure_indexes() -> Op[None]:
+    yield Call("create_index", (INDEXES,), {"name": "due"}, collection="schedules")
+
+
+def put(schedule: Schedule, now: dt.datetime) -> Op[Doc]:
+    """Create the schedule, or change its definition (its next tick is then computed afresh);
+    the same definition again changes nothing. A paused schedule stays paused."""
+    start = _ms(now)
+    definition = schedule.definition()
+    fields = {
+        **schedule.model_dump(exclude={"id"}),
+        "definition": definition,
+        "start": start,
+        "next_tick_at": first_tick(schedule.trigger(start), start),
+        "error": None,
+        "updated_at": now,
+    }
+    with contextlib.suppress(DuplicateKeyError):  # it exists with this very definition
+        yield Call(
+            "update_one",
+            (
+                {"_id": schedule.id, "definition": {"$ne": definition}},
+                {"$set": fields, "$setOnInsert": {"paused": False, "created_at": now}},
+            ),
+            {"upsert": True},
+            collection="schedules",
+        )
+    doc: Doc = yield Call("find_one", ({"_id": schedule.id},), collection="schedules")
+    return doc
+
+
+def all_schedules() -> Op[list[Doc]]:
+    docs: list[Doc] = yield Call(
+        "find", ({},), {"sort": [("_id", ASCENDING)]}, collection="schedules"
+    )
+    return docs
+
+
+def set_paused(schedule_id: str, paused: bool, now: dt.datetime) -> Op[Doc]:
+    """Pause, or resume: a resumed schedule's missed ticks follow its ``catch_up``."""
+    doc: Doc | None = yield Call(
+        "find_one_and_update",
+        ({"_id": schedule_id}, {"$set": {"paused": paused, "updated_at": now}}),
+        {"return_document": ReturnDocument.AFTER},
+        collection="schedules",
+    )
+    if doc is None:
+        raise ScheduleNotFound(schedule_id)
+    return doc
+
+
+def remove(schedule_id: str) -> Op[bool]:
+    result = yield Call("delete_one", ({"_id": schedule_id},), collection="schedules")
+    return bool(result.deleted_count)
+
+
+def due(now: dt.datetime, limit: int = 100) -> Op[list[Doc]]:
+    docs: list[Doc] = yield Call(
+        "find",
+        ({"paused": False, "next_tick_at": {"$lte": now}},),
+        {"sort": [("next_tick_at", ASCENDING)], "limit": limit},
+        collection="schedules",
+    )
+    return docs
+
+
+def next_due() -> Op[dt.datetime | None]:
+    doc = yield Call(
+        "find_one",
+        ({"paused": False, "next_tick_at": {"$type": "date"}}, {"next_tick_at": 1}),
+        {"sort": [("next_tick_at", ASCENDING)]},
+        collection="schedules",
+    )
+    return None if doc is None else doc["next_tick_at"]
+
+
+def advance(
+    doc: Mapping[str, Any],
+    ticks: Sequence[dt.datetime],
+    following: dt.datetime | None,
+    now: dt.datetime,
+    error: str | None = None,
+) -> Op[bool]:
+    """Move the schedule on, if no other worker did (compare-and-set on ``next_tick_at``)."""
+    sets: Doc = {"next_tick_at": following, "updated_at": now, "error": error}
+    if ticks:
+        sets["last_tick_at"] = ticks[-1]
+        sets["last_key"] = tick_key(doc["_id"], ticks[-1])
+    result = yield Call(
+        "update_one",
+        (
+            {
+                "_id": doc["_id"],
+                "next_tick_at": doc["next_tick_at"],
+                "definition": doc.get("definition"),
+            },
+            {"$set": sets},
+        ),
+        collection="schedules",
+    )
+    return bool(result.modified_count)
+
+
+def fire(doc: Mapping[str, Any], now: dt.datetime) -> Op[int]:
+    """Publish the due ticks of one schedule document and advance it; returns the tasks
+    created. A document that does not describe a valid schedule (edited by hand) gets an
+    ``error`` and no next tick, instead of stopping the scheduler."""
+    try:
+        schedule = Schedule.model_validate(
+            {k: doc.get(k) for k in Schedule.model_fields if k in doc} | {"id": doc["_id"]}
+        )
+        start = doc["start"]
+        trigger = schedule.trigger(start)
+        ticks, following = plan(schedule, trigger, doc["next_tick_at"], now)
+        tasks = [
+            NewTask.build(
+                schedule.task, tick_key(schedule.id, t), schedule.params, schedule.options
+            )
+            for t in ticks
+        ]
+    except (InvalidTask, ValueError, TypeError, KeyError) as exc:
+        log.warning("schedule %r is invalid, not firing it: %s", doc.get("_id"), exc)
+        yield from advance(doc, [], None, now, error=f"invalid schedule: {exc}")
+        return 0
+    created: int = (yield from store.publish_many(tasks, now)) if tasks else 0
+    yield from advance(doc, ticks, following, now)
+    return created
+
+
+class ScheduleNotFound(MtaskError):
+    default_message = "no schedule with that id"
+
+    def __init__(self, schedule_id: str) -> None:
+        super().__init__(f"no schedule {schedule_id!r}")
+
+
+class Scheduler:
+    """The worker's scheduler loop (a supervised side task)."""
+
+    def __init__(self, driver: AsyncDriver, clock: Clock, declared: Sequence[Schedule]) -> None:
+        self.driver = driver
+        self.clock = clock
+        self.declared = list(declared)
+        self.fired = 0
+        self.wake = asyncio.Event()
+
+    async def run(self) -> None:
+        await self.driver.run(ensure_indexes())
+        for schedule in self.declared:
+            await self.driver.run(put(schedule, self.clock.now()))
+        while True:
+            try:
+                for doc in await self.driver.run(due(self.clock.now())):
+                    self.fired += await self.driver.run(fire(doc, self.clock.now()))
+                upcoming = await self.driver.run(next_due())
+            except StorageError as exc:
+                log.warning("scheduler cannot reach MongoDB, retrying: %s", exc)
+                upcoming = None
+            wait = POLL_SECONDS
+            if upcoming is not None:
+                wait = min(wait, max(0.0, (upcoming - self.clock.now()).total_seconds()))
+            self.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), wait)
