@@ -102,6 +102,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
             options=options,
             delay=args.delay,
             on_conflict=args.on_conflict,
+            depends_on=args.depends_on,
         )
     if args.json:
         print_json(
@@ -143,6 +144,7 @@ def print_task(task: Task) -> None:
         ("finished", _when(task.finished_at)),
         ("error", task.error or "-"),
         ("result", json.dumps(task.result, default=_json_default)),
+        *_flow_rows(task),
     ]:
         grid.add_row(f"[bold]{label}[/]", value)
     out.print(grid)
@@ -158,6 +160,18 @@ def print_task(task: Task) -> None:
                 run.error or "",
             )
         out.print(runs)
+
+
+def _flow_rows(task: Task) -> list[tuple[str, str]]:
+    rows = []
+    if task.parent:
+        rows.append(("parent", task.parent))
+    if task.children:
+        rows.append(("children", ", ".join(task.children)))
+    if task.depends_on:
+        waiting = f" (waiting on {', '.join(task.waiting_on)})" if task.waiting_on else ""
+        rows.append(("depends on", ", ".join(task.depends_on) + waiting))
+    return rows
 
 
 @command("list")
@@ -339,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", action="append", help="only this worker id may run it (repeat)")
     p.add_argument("--delay", type=float, help="seconds before it may run")
     p.add_argument("--on-conflict", default="ignore", choices=["ignore", "update_params", "reset"])
+    p.add_argument(
+        "--depends-on", action="append", help="run only after this task succeeded (repeat)"
+    )
 
     p = sub.add_parser("get", help="show one task")
     _common(p)
@@ -375,6 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         _common(p)
         p.add_argument("name")
+
+    from mtask.cli_scheduling import add_parsers
+
+    add_parsers(sub)
 
     p = sub.add_parser("demo", help="sample tasks, three workers, one killed mid-run")
     p.add_argument("--uri", help="MongoDB URI (default: $MTASK_MONGODB_URI, else embedded)")

@@ -111,3 +111,48 @@ def test_unreachable_uri_is_a_clear_error() -> None:
         check=False,
     )
     assert proc.returncode == 1 and "invalid MongoDB URI" in proc.stderr
+
+
+def test_limits_schedules_and_flows_from_the_command_line(
+    capsys: pytest.CaptureFixture[str], mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    common = ("--uri", mongo_uri, "--database", db_name)
+    code, out, _ = run(capsys, "limit", "mail", "--concurrency", "3", "--rate", "600/m", *common)
+    assert code == 0 and "at most 3 at once, 10/s" in out
+    code, out, _ = run(capsys, "limits", "--json", *common)
+    [limit] = json.loads(out)
+    assert (limit["_id"], limit["concurrency"], limit["rate"]) == ("mail", 3, 10.0)
+    code, _, err = run(capsys, "limit", "mail", "--rate", "lots", *common)
+    assert code == 2 and "rate: 'lots' is not a rate like 10/s" in err
+    code, out, _ = run(capsys, "limit", "mail", "--clear", *common)
+    assert code == 0 and client.limits() == []
+
+    code, out, _ = run(
+        capsys, "schedule", "add", "hourly", "report", "--cron", "0 * * * *",
+        "--timezone", "Europe/Paris", "--params", '{"kind": "sales"}', *common,
+    )  # fmt: skip
+    assert code == 0 and "schedule hourly: next tick" in out
+    code, _, err = run(capsys, "schedule", "add", "bad", "report", "--cron", "99 * * * *", *common)
+    assert code == 2 and "cron: '99 * * * *' is not a cron expression" in err
+    code, out, _ = run(capsys, "schedule", "pause", "hourly", *common)
+    assert code == 0 and "paused: hourly" in out
+    code, out, _ = run(capsys, "schedule", "list", *common)
+    assert code == 0 and "hourly" in out
+    code, out, _ = run(capsys, "schedule", "list", "--json", *common)
+    [schedule] = json.loads(out)
+    assert schedule["paused"] is True and schedule["timezone"] == "Europe/Paris"
+    assert schedule["params"] == {"kind": "sales"}
+    code, _, err = run(capsys, "schedule", "resume", "nope", *common)
+    assert code == 1 and "no schedule 'nope'" in err
+    code, out, _ = run(capsys, "schedule", "remove", "hourly", *common)
+    assert code == 0 and client.schedules() == []
+
+    code, out, _ = run(capsys, "publish", "ship", "s1", "--depends-on", "p1", *common)
+    assert code == 0
+    client.publish("pack", "p1")
+    code, out, _ = run(capsys, "get", "s1", *common)
+    assert "depends on" in out and "p1 (waiting on p1)" in out
+    code, out, _ = run(capsys, "flow", "s1", "--json", *common)
+    assert json.loads(out)["waiting_on"] == ["p1"]
+    code, _, err = run(capsys, "flow", "nope", *common)
+    assert code == 1 and "no task with key 'nope'" in err

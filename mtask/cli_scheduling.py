@@ -1,0 +1,180 @@
+"""``mtask limit``, ``mtask limits``, ``mtask schedule …`` and ``mtask flow``: the scheduling
+features of the command line (registered into ``mtask.cli``'s command table)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.table import Table
+from rich.tree import Tree
+
+from mtask.cli import (
+    UsageError,
+    _common,
+    _task_client,
+    _when,
+    command,
+    out,
+    parse_json_object,
+    print_json,
+)
+from mtask.errors import TaskNotFound
+from mtask.limits import parse_rate
+from mtask.schedules import CATCH_UP_CHOICES, ScheduleNotFound
+
+
+@command("limit")
+def cmd_limit(args: argparse.Namespace) -> int:
+    with _task_client(args) as client:
+        if args.clear:
+            if args.concurrency is not None or args.rate is not None:
+                raise UsageError("--clear takes no --concurrency or --rate")
+            found = client.clear_limit(args.name)
+            out.print(f"limit of {args.name} removed" if found else f"{args.name} had no limit")
+            return 0
+        rate = parse_rate(args.rate) if args.rate is not None else None
+        doc = client.set_limit(args.name, concurrency=args.concurrency, rate=rate, burst=args.burst)
+    if args.json:
+        print_json(doc)
+    else:
+        out.print(f"limit of {args.name}: {_describe_limit(doc)} (applies within a second)")
+    return 0
+
+
+def _describe_limit(doc: dict[str, Any]) -> str:
+    parts = []
+    if doc.get("concurrency") is not None:
+        parts.append(f"at most {doc['concurrency']} at once")
+    if doc.get("rate") is not None:
+        parts.append(f"{doc['rate']:g}/s (bursts of {doc.get('burst', 1):g})")
+    return ", ".join(parts) or "none"
+
+
+@command("limits")
+def cmd_limits(args: argparse.Namespace) -> int:
+    with _task_client(args) as client:
+        docs = client.limits()
+    if args.json:
+        print_json(docs)
+        return 0
+    table = Table("name", "limit", "slots held")
+    for doc in docs:
+        table.add_row(str(doc["_id"]), _describe_limit(doc), str(len(doc.get("holders") or [])))
+    out.print(table)
+    return 0
+
+
+@command("schedule")
+def cmd_schedule(args: argparse.Namespace) -> int:
+    with _task_client(args) as client:
+        if args.action == "add":
+            return _schedule_add(client, args)
+        if args.action == "list":
+            docs = client.schedules()
+            if args.json:
+                print_json(docs)
+            else:
+                _print_schedules(docs)
+            return 0
+        if args.id is None:
+            raise UsageError(f"mtask schedule {args.action} needs the schedule's id")
+        if args.action == "remove":
+            if not client.remove_schedule(args.id):
+                raise ScheduleNotFound(args.id)
+            out.print(f"removed: {args.id}")
+            return 0
+        doc = (client.pause_schedule if args.action == "pause" else client.resume_schedule)(args.id)
+        out.print(f"{'paused' if doc['paused'] else 'resumed'}: {args.id}")
+        return 0
+
+
+def _schedule_add(client: Any, args: argparse.Namespace) -> int:
+    if args.id is None or args.task is None:
+        raise UsageError("usage: mtask schedule add ID TASK (--cron EXPR | --every SECONDS)")
+    doc = client.add_schedule(
+        args.id,
+        args.task,
+        cron=args.cron,
+        every=args.every,
+        timezone=args.timezone,
+        params=parse_json_object(args.params, "--params") if args.params else None,
+        options=parse_json_object(args.options, "--options") if args.options else None,
+        catch_up=args.catch_up,
+    )
+    if args.json:
+        print_json(doc)
+    else:
+        out.print(f"schedule {doc['_id']}: next tick {_when(doc.get('next_tick_at'))} UTC")
+    return 0
+
+
+def _print_schedules(docs: list[dict[str, Any]]) -> None:
+    table = Table("id", "task", "when", "catch up", "state", "next tick (UTC)", "last task")
+    for doc in docs:
+        when = doc.get("cron") or f"every {doc.get('every_s'):g}s"
+        state = "error" if doc.get("error") else "paused" if doc.get("paused") else "active"
+        table.add_row(
+            str(doc["_id"]),
+            str(doc.get("task")),
+            f"{when} ({doc.get('timezone')})",
+            str(doc.get("catch_up")),
+            state,
+            _when(doc.get("next_tick_at")),
+            str(doc.get("last_key") or "-"),
+        )
+    out.print(table)
+
+
+@command("flow")
+def cmd_flow(args: argparse.Namespace) -> int:
+    with _task_client(args) as client:
+        tree = client.flow(args.key)
+    if tree is None:
+        raise TaskNotFound(args.key)
+    if args.json:
+        print_json(tree)
+        return 0
+    root = Tree(_label(tree))
+    stack = [(root, tree)]
+    while stack:
+        branch, node = stack.pop()
+        for child in node["children"]:
+            stack.append((branch.add(_label(child)), child))
+    out.print(root)
+    return 0
+
+
+def _label(node: dict[str, Any]) -> str:
+    waiting = node.get("waiting_on")
+    extra = f" (waiting on {', '.join(waiting)})" if waiting else ""
+    return f"{node['key']}  {node['name']}  [bold]{node['status']}[/]{extra}"
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("limit", help="limit a task name across all workers")
+    _common(p)
+    p.add_argument("name")
+    p.add_argument("--concurrency", type=int, help="at most this many runs at once")
+    p.add_argument("--rate", help="at most this many claims, e.g. 10/s, 600/m, 3600/h")
+    p.add_argument("--burst", type=int, help="tokens the rate may save up (default: 1 s worth)")
+    p.add_argument("--clear", action="store_true", help="remove the limit")
+
+    p = sub.add_parser("limits", help="list the limits")
+    _common(p)
+
+    p = sub.add_parser("schedule", help="repeatable tasks: add, list, pause, resume, remove")
+    _common(p)
+    p.add_argument("action", choices=["add", "list", "pause", "resume", "remove"])
+    p.add_argument("id", nargs="?")
+    p.add_argument("task", nargs="?", help="the task name to publish (add)")
+    p.add_argument("--cron", help="a cron expression, e.g. '0 * * * *'")
+    p.add_argument("--every", type=float, help="an interval in seconds")
+    p.add_argument("--timezone", default="UTC", help="e.g. Europe/Paris (default UTC)")
+    p.add_argument("--params", help="JSON object")
+    p.add_argument("--options", help="JSON object of task options")
+    p.add_argument("--catch-up", default="latest", choices=CATCH_UP_CHOICES)
+
+    p = sub.add_parser("flow", help="a task and the steps below it, as a tree")
+    _common(p)
+    p.add_argument("key")
