@@ -162,3 +162,30 @@ async def test_two_workers_share_a_concurrency_limit(
     assert client.stats()["limited"].get("succeeded") == 24
     assert client.limits()[0]["holders"] == []  # every slot given back
     assert len(events_a.matching("claimed")) + len(events_b.matching("claimed")) == 24
+
+
+async def test_a_new_limit_is_known_to_running_workers_within_a_second(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    registry = Registry()
+    spans: list[tuple[float, float]] = []
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+
+    @registry.task("limited")
+    async def limited(params: dict[str, Any]) -> None:
+        start = loop.time()
+        await asyncio.sleep(0.02)
+        spans.append((start, loop.time()))
+        if len(spans) == 12:
+            done.set()
+
+    async with running_worker(registry, mongo_uri, db_name, concurrency=8) as (worker, _):
+        assert not worker.gate.limited
+        client.set_limit("limited", concurrency=1)
+        worker.gate.refreshed.clear()
+        await asyncio.wait_for(worker.gate.refreshed.wait(), 5)  # the next re-read (each second)
+        assert worker.gate.limited.keys() == {"limited"}
+        client.publish_many([{"name": "limited", "key": f"k{i}"} for i in range(12)])
+        await asyncio.wait_for(done.wait(), 30)
+    assert _overlap(spans) == 1
