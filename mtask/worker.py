@@ -489,6 +489,9 @@ class Worker:
                 self._claiming.discard(key)
 
     def _requeue_at(self, key: str, when: dt.datetime) -> None:
+        """Back in the queue at ``when``: a key held back by a limit, or whose slot could not
+        be taken. It is no longer being claimed (else the watcher would not queue it)."""
+        self._claiming.discard(key)
         if self.watcher is not None:
             self.watcher.requeue_at(key, when)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import itertools
 from typing import Any
 
 import pytest
@@ -190,3 +191,27 @@ async def test_a_new_limit_is_known_to_running_workers_within_a_second(
         client.publish_many([{"name": "limited", "key": f"k{i}"} for i in range(12)])
         await asyncio.wait_for(done.wait(), 30)
     assert _overlap(spans) == 1
+
+
+async def test_keys_held_back_by_a_rate_come_back_on_time(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """One worker, no sweep: every held-back key must be retried when its token is due (no
+    change event announces a token)."""
+    registry = Registry()
+
+    @registry.task("limited")
+    async def limited(params: dict[str, Any]) -> None:
+        return None
+
+    client.set_limit("limited", rate=20.0, burst=1)
+    async with running_worker(registry, mongo_uri, db_name, concurrency=8, sweep_interval=3600) as (
+        _,
+        events,
+    ):
+        client.publish_many([{"name": "limited", "key": f"k{i}"} for i in range(10)])
+        await events.wait("recorded", count=10, timeout=30)
+    claims = sorted(t.runs[0].claimed_at for t in client.list(limit=100))
+    assert len(claims) == 10
+    gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(claims)]
+    assert min(gaps) >= 0.05 - 0.002  # one token every 50 ms (server-clock milliseconds)
