@@ -366,11 +366,14 @@ class Scheduler:
         self.wake = asyncio.Event()
 
     async def run(self) -> None:
-        await self.driver.run(ensure_indexes())
-        for schedule in self.declared:
-            await self.driver.run(put(schedule, self.clock.now()))
+        declared = False
         while True:
             try:
+                if not declared:  # the registry's schedules, written once MongoDB answers
+                    await self.driver.run(ensure_indexes())
+                    for schedule in self.declared:
+                        await self.driver.run(put(schedule, self.clock.now()))
+                    declared = True
                 for doc in await self.driver.run(due(self.clock.now())):
                     self.fired += await self.driver.run(fire(doc, self.clock.now()))
                 upcoming = await self.driver.run(next_due())
