@@ -282,6 +282,33 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("serve")
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from mtask.web import create_app
+    from mtask.web.auth import AuthConfigError, check_bind, load_token
+
+    try:
+        token = load_token(args.token_file)
+        check_bind(args.host, token)
+    except AuthConfigError as exc:
+        raise UsageError(str(exc)) from None
+    app = create_app(args.uri, database=args.database, collection=args.collection, token=token)
+    auth = "bearer token required" if token else "no token (loopback only)"
+    err.print(f"mtask serve: http://{args.host}:{args.port}/ ({auth})", markup=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+@command("completion")
+def cmd_completion(args: argparse.Namespace) -> int:
+    import shtab
+
+    sys.stdout.write(shtab.complete(build_parser(), shell=args.shell))
+    return 0
+
+
 @command("demo")
 def cmd_demo(args: argparse.Namespace) -> int:
     from mtask.demo import run_demo
@@ -396,6 +423,18 @@ def build_parser() -> argparse.ArgumentParser:
     from mtask.cli_scheduling import add_parsers
 
     add_parsers(sub)
+
+    p = sub.add_parser("serve", help="the REST API, dashboard and metrics over HTTP")
+    p.add_argument("--uri", help="MongoDB URI (default: $MTASK_MONGODB_URI, else embedded)")
+    p.add_argument("--database", default="mtask")
+    p.add_argument("--collection", default="tasks")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--token-file", help="a file holding the API token (else $MTASK_API_TOKEN)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    p = sub.add_parser("completion", help="print a shell completion script")
+    p.add_argument("shell", choices=["bash", "zsh", "tcsh"])
 
     p = sub.add_parser("demo", help="sample tasks, three workers, one killed mid-run")
     p.add_argument("--uri", help="MongoDB URI (default: $MTASK_MONGODB_URI, else embedded)")

@@ -15,7 +15,7 @@ from typing import Any, Self
 
 from pymongo import AsyncMongoClient, MongoClient
 
-from mtask import control, driver, flows, limits, schedules, store
+from mtask import control, driver, flows, limits, metrics, schedules, store
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
 from mtask.errors import InvalidTask
@@ -29,6 +29,9 @@ from mtask.models import (
     TaskStatus,
     validate_name,
 )
+from mtask.tracing import span
+
+MAX_DELAY_SECONDS = 10 * 366 * 86400
 
 
 def build_task(
@@ -49,8 +52,10 @@ def build_task(
     )
     if delay is not None:
         seconds = delay.total_seconds() if isinstance(delay, dt.timedelta) else float(delay)
-        if seconds < 0:
+        if not seconds >= 0:  # also NaN
             raise InvalidTask("must not be negative", field="delay")
+        if seconds > MAX_DELAY_SECONDS:
+            raise InvalidTask("must be at most ten years", field="delay")
         if task.options.run_at is not None:
             raise InvalidTask("give either delay or options.run_at, not both", field="delay")
         assert now is not None
@@ -106,6 +111,11 @@ def _check_list_args(status: str | None, limit: int, order: str) -> None:
         raise InvalidTask("must be between 1 and 10000", field="limit")
     if order not in store.LIST_ORDERS:
         raise InvalidTask(f"must be one of {', '.join(store.LIST_ORDERS)}", field="order")
+
+
+def _count_created(by_name: Mapping[str, int]) -> None:
+    for name, count in by_name.items():
+        metrics.PUBLISHED.labels(name).inc(count)
 
 
 def _result(published: store.Published) -> PublishResult:
@@ -187,7 +197,9 @@ class TaskClient(_Base):
             max_params_bytes=self.max_params_bytes,
             depends_on=depends_on,
         )
-        published = self._run(store.publish(task, now, on_conflict))
+        with span("mtask.publish", name=task.name, key=task.key):
+            published = self._run(store.publish(task, now, on_conflict))
+        _count_created({task.name: 1} if published.created else {})
         if task.depends_on:
             self._run(flows.after_publish([task], now))
             doc = self._run(store.get(task.key))  # its dependencies may have finished already
@@ -198,7 +210,10 @@ class TaskClient(_Base):
     def publish_many(self, items: Iterable[Mapping[str, Any]]) -> int:
         now = self.now()
         tasks = build_many(items, now, self.max_params_bytes)
-        created = self._run(store.publish_many(tasks, now))
+        by_name: dict[str, int] = {}
+        with span("mtask.publish_many", count=len(tasks)):
+            created = self._run(store.publish_many(tasks, now, created_by_name=by_name))
+        _count_created(by_name)
         self._run(flows.after_publish(tasks, now))
         return created
 
@@ -348,7 +363,9 @@ class AsyncTaskClient(_Base):
             max_params_bytes=self.max_params_bytes,
             depends_on=depends_on,
         )
-        published = await self._run(store.publish(task, now, on_conflict))
+        with span("mtask.publish", name=task.name, key=task.key):
+            published = await self._run(store.publish(task, now, on_conflict))
+        _count_created({task.name: 1} if published.created else {})
         if task.depends_on:
             await self._run(flows.after_publish([task], now))
             doc = await self._run(store.get(task.key))
@@ -359,7 +376,10 @@ class AsyncTaskClient(_Base):
     async def publish_many(self, items: Iterable[Mapping[str, Any]]) -> int:
         now = await self.now()
         tasks = build_many(items, now, self.max_params_bytes)
-        created = await self._run(store.publish_many(tasks, now))
+        by_name: dict[str, int] = {}
+        with span("mtask.publish_many", count=len(tasks)):
+            created = await self._run(store.publish_many(tasks, now, created_by_name=by_name))
+        _count_created(by_name)
         await self._run(flows.after_publish(tasks, now))
         return created
 

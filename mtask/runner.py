@@ -93,8 +93,29 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not publish the ticks of schedules (another worker does)",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics (mtask_…) on this port, on every interface",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
+
+
+def serve_metrics(port: int, uri: str | None, database: str, collection: str) -> None:
+    """Prometheus metrics on ``port`` (a thread), with queue depth read through a client of
+    its own (cached a few seconds)."""
+    from prometheus_client import start_http_server
+
+    from mtask import metrics
+    from mtask.client import TaskClient
+
+    client = TaskClient(uri, database=database, collection=collection)
+    metrics.register_queue_depth(client.stats)
+    try:
+        start_http_server(port)
+    except OSError as exc:
+        raise MtaskError(f"cannot serve metrics on port {port}: {exc.strerror}") from None
 
 
 async def _serve(worker: Worker) -> None:
@@ -127,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             startup_timeout=args.startup_timeout,
             run_schedules=not args.no_schedules,
         )
+        if args.metrics_port is not None:
+            serve_metrics(args.metrics_port, args.uri, args.database, args.collection)
         asyncio.run(_serve(worker))
     except WorkerCrashed as exc:
         err.print(f"mtask-worker: {exc}", markup=False)

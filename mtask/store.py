@@ -285,8 +285,14 @@ def publish(task: NewTask, now: dt.datetime, on_conflict: OnConflict = "ignore")
     return Published(created=False, updated=True, document=after)
 
 
-def publish_many(tasks: Sequence[NewTask], now: dt.datetime, batch_size: int = 1000) -> Op[int]:
-    """Insert-if-absent many tasks with unordered bulk upserts; returns how many were created."""
+def publish_many(
+    tasks: Sequence[NewTask],
+    now: dt.datetime,
+    batch_size: int = 1000,
+    created_by_name: dict[str, int] | None = None,
+) -> Op[int]:
+    """Insert-if-absent many tasks with unordered bulk upserts; returns how many were created
+    (and counts them per name into ``created_by_name``, if given)."""
     created = 0
     # a task that others of this batch depend on is born knowing it (so that the worker that
     # records its outcome resolves them, even if it claims it before anyone marks it)
@@ -301,6 +307,10 @@ def publish_many(tasks: Sequence[NewTask], now: dt.datetime, batch_size: int = 1
             requests.append(UpdateOne({"_id": task.key}, {"$setOnInsert": doc}, upsert=True))
         result = yield Call("bulk_write", (requests,), {"ordered": False})
         created += result.upserted_count
+        if created_by_name is not None:
+            for index in result.upserted_ids:
+                name = tasks[start + index].name
+                created_by_name[name] = created_by_name.get(name, 0) + 1
     return created
 
 

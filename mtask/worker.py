@@ -33,7 +33,7 @@ from pymongo import AsyncMongoClient, MongoClient
 from pymongo.errors import PyMongoError
 
 import mtask
-from mtask import control, driver, flows, store
+from mtask import control, driver, flows, metrics, store
 from mtask.client import AsyncTaskClient
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
@@ -45,6 +45,7 @@ from mtask.models import RunState
 from mtask.registry import Fail, InvalidParams, Registry, Retry, TaskContext
 from mtask.schedules import Scheduler
 from mtask.store import Outcome
+from mtask.tracing import span
 from mtask.watcher import Watcher
 
 log = logging.getLogger("mtask.worker")
@@ -415,9 +416,13 @@ class Worker:
         hints = self.watcher.timeouts(keys) if self.watcher else {}
         sent = time.monotonic()  # no lease of this claim can end before sent + its timeout
         try:
-            docs = await self.driver.run(
-                store.claim(keys, names, self.worker_id, now, hints, store.CLAIMED_FIELDS, batch)
-            )
+            with span("mtask.claim", keys=len(keys)):
+                docs = await self.driver.run(
+                    store.claim(
+                        keys, names, self.worker_id, now, hints, store.CLAIMED_FIELDS, batch
+                    )
+                )
+            metrics.CLAIM_LATENCY.observe(time.monotonic() - sent)
         except StorageError as exc:
             log.warning("claim failed, retrying shortly: %s", exc)
             docs = await self._adopt(keys, batch)
@@ -601,6 +606,8 @@ class Worker:
         )
         run.task = asyncio.create_task(self._execute(run, doc), name=f"mtask-run-{run.key}")
         self._watch_deadline(run)
+        metrics.CLAIMED.labels(run.name).inc()
+        metrics.IN_FLIGHT.inc()
         self._emit("claimed", key=run.key, run_id=run_id, attempt=ctx.attempt)
 
     async def _execute(self, run: _Run, doc: dict[str, Any]) -> None:
@@ -612,6 +619,8 @@ class Worker:
             if outcome is None and run.stop_reason is None:
                 raise
         finally:
+            metrics.IN_FLIGHT.dec()
+            metrics.RUN_DURATION.labels(run.name).observe(time.monotonic() - run.started)
             if run.deadline is not None:
                 run.deadline.cancel()
             self._runs.pop(run.run_id, None)
@@ -634,10 +643,11 @@ class Worker:
         try:
             params = handler.parse(doc.get("params") or {})
             args = handler.args(params, run.ctx)
-            if handler.is_async:
-                result = await handler.fn(*args)
-            else:
-                result = await run_in_thread(handler.fn, *args, name=f"mtask-run-{run.key}")
+            with span("mtask.run", name=run.name, key=run.key, attempt=run.ctx.attempt):
+                if handler.is_async:
+                    result = await handler.fn(*args)
+                else:
+                    result = await run_in_thread(handler.fn, *args, name=f"mtask-run-{run.key}")
             return self._success(run, result)
         except Retry as exc:
             delay = None if exc.delay is None else round(exc.delay * 1000)
@@ -669,6 +679,7 @@ class Worker:
                 permanent=True,
             )
         self.stats.succeeded += 1
+        metrics.SUCCEEDED.labels(run.name).inc()
         self._emit("succeeded", key=run.key, run_id=run.run_id)
         return Outcome(
             run.key,
@@ -682,10 +693,12 @@ class Worker:
     def _failure(
         self, run: _Run, error: str, *, permanent: bool = False, retry_delay_ms: int | None = None
     ) -> Outcome:
+        metrics.FAILED.labels(run.name).inc()
         if permanent:
             self.stats.failed += 1
         else:
             self.stats.retried += 1
+            metrics.RETRIED.labels(run.name).inc()
         self._emit(
             "failed",
             key=run.key,
@@ -758,6 +771,7 @@ class Worker:
         else:
             run.stop_reason = "lost"
             self.stats.lease_lost += 1
+            metrics.LEASE_LOST.labels(run.name).inc()
             log.warning(
                 "lease lost: %s run %s was taken over; its outcome will not be recorded",
                 run.key,

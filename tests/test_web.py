@@ -1,0 +1,175 @@
+"""The REST API of ``mtask serve``: auth, publishing, reading, steering, metrics."""
+
+from __future__ import annotations
+
+import datetime as dt
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from mtask import TaskClient
+from mtask.clock import FixedClock
+from mtask.errors import MtaskError
+from mtask.store import Outcome, RunState, claim, finish
+from mtask.web import create_app
+from mtask.web.api import check_status_literal
+from mtask.web.auth import check_bind, load_token
+
+TOKEN = "test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def api(mongo_uri: str, db_name: str) -> Iterator[TestClient]:
+    with TestClient(create_app(mongo_uri, database=db_name, token=TOKEN)) as http:
+        yield http
+
+
+def test_every_route_but_healthz_needs_the_token(api: TestClient) -> None:
+    assert api.get("/healthz").json()["ok"] is True
+    for method, path in [
+        ("get", "/stats"),
+        ("get", "/tasks"),
+        ("post", "/tasks"),
+        ("get", "/tasks/x"),
+        ("get", "/workers"),
+        ("get", "/metrics"),
+        ("post", "/names/n/pause"),
+        ("get", "/schedules"),
+    ]:
+        response = api.request(method, path)
+        assert response.status_code == 401, path
+        assert response.headers["www-authenticate"] == "Bearer"
+    wrong = api.get("/stats", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    assert api.get("/stats", headers=AUTH).status_code == 200
+    assert "Authorization" in api.get("/openapi.json").json()["info"]["description"]
+
+
+def test_publish_is_idempotent_and_bad_input_names_the_field(
+    api: TestClient, client: TaskClient
+) -> None:
+    body = {"name": "resize", "key": "img/1", "params": {"w": 5}, "options": {"priority": 2}}
+    first = api.post("/tasks", json=body, headers=AUTH)
+    assert first.status_code == 201 and first.json()["created"] is True
+    again = api.post("/tasks", json=body, headers=AUTH)
+    assert again.status_code == 200 and again.json()["created"] is False
+    for bad, field in [
+        ({**body, "key": "k2", "options": {"colour": 1}}, "options.colour: unknown option"),
+        ({**body, "key": ""}, "key: must not be empty"),
+        ({**body, "key": "k3", "delay": -1}, "delay"),
+        ({**body, "key": "k4", "surprise": 1}, "surprise"),
+        ({"name": "n"}, "key"),
+        ({**body, "key": "k5", "depends_on": ["k5"]}, "a task cannot depend on itself"),
+    ]:
+        response = api.post("/tasks", json=bad, headers=AUTH)
+        assert response.status_code == 422, bad
+        assert field in str(response.json()["detail"]), response.json()
+    assert [t.key for t in client.list()] == ["img/1"]  # nothing else was written
+    batch = api.post(
+        "/tasks:batch",
+        json={"tasks": [{"name": "n", "key": f"b{i}"} for i in range(5)]},
+        headers=AUTH,
+    )
+    assert batch.json() == {"created": 5, "given": 5}
+
+
+def test_read_and_steer(api: TestClient, client: TaskClient) -> None:
+    client.publish_many([{"name": "n", "key": f"k{i}"} for i in range(5)])
+    page = api.get("/tasks", params={"limit": 2}, headers=AUTH).json()
+    assert len(page["tasks"]) == 2 and page["next_after"] == page["tasks"][-1]["key"]
+    rest = api.get("/tasks", params={"limit": 10, "after": page["next_after"]}, headers=AUTH).json()
+    assert len(rest["tasks"]) == 3 and rest["next_after"] is None
+    assert api.get("/tasks", params={"status": "nope"}, headers=AUTH).status_code == 422
+    assert api.get("/tasks/k1", headers=AUTH).json()["status"] == "pending"
+    assert api.get("/tasks/missing", headers=AUTH).status_code == 404
+    assert api.post("/tasks/k1/retry", headers=AUTH).status_code == 409
+    assert api.post("/tasks/k1/cancel", headers=AUTH).json()["status"] == "cancelled"
+    assert api.post("/tasks/k1/retry", headers=AUTH).json()["status"] == "pending"
+    assert api.post("/tasks/missing/cancel", headers=AUTH).status_code == 404
+    assert api.get("/stats", headers=AUTH).json() == {"n": {"pending": 5}}
+    assert api.post("/names/n/pause", headers=AUTH).json() == {"name": "n", "paused": True}
+    assert api.get("/names", headers=AUTH).json() == {"paused": ["n"]}
+    assert api.post("/names/n/resume", headers=AUTH).json()["paused"] is False
+    assert api.post("/workers/nobody/stop", headers=AUTH).status_code == 404
+    assert api.get("/workers", headers=AUTH).json() == []
+    assert api.get("/tasks/k1/flow", headers=AUTH).json()["key"] == "k1"
+
+
+def test_schedules_and_limits(api: TestClient, client: TaskClient) -> None:
+    client.add_schedule("beat", "n", every=60)
+    assert [s["_id"] for s in api.get("/schedules", headers=AUTH).json()] == ["beat"]
+    assert api.post("/schedules/beat/pause", headers=AUTH).json()["paused"] is True
+    assert api.post("/schedules/nope/pause", headers=AUTH).status_code == 404
+    assert api.delete("/schedules/beat", headers=AUTH).status_code == 204
+    assert api.delete("/schedules/beat", headers=AUTH).status_code == 404
+    limit = api.put("/limits/n", json={"concurrency": 2}, headers=AUTH).json()
+    assert limit["concurrency"] == 2
+    assert api.put("/limits/n", json={}, headers=AUTH).status_code == 422
+    assert api.delete("/limits/n", headers=AUTH).status_code == 204
+    assert api.get("/limits", headers=AUTH).json() == []
+
+
+def test_metrics(api: TestClient, client: TaskClient) -> None:
+    api.post("/tasks", json={"name": "metered", "key": "m1"}, headers=AUTH)
+    text = api.get("/metrics", headers=AUTH).text
+    assert 'mtask_tasks_published_total{name="metered"}' in text
+    assert 'mtask_queue_depth{name="metered",status="pending"} 1.0' in text
+    assert "mtask_claim_latency_seconds_bucket" in text
+
+
+def test_failed_tasks_show_their_error(api: TestClient, mongo_uri: str, db_name: str) -> None:
+    clock = FixedClock(dt.datetime(2026, 3, 1, tzinfo=dt.UTC))
+    with TaskClient(mongo_uri, database=db_name, clock=clock) as tc:
+        tc.publish("n", "f")
+        [doc] = tc._run(claim(["f"], ["n"], "w", clock.now()))
+        outcome = Outcome("f", doc["claim_run_id"], RunState.FAIL, error="boom", permanent=True)
+        tc._run(finish(outcome, clock.now()))
+    task = api.get("/tasks/f", headers=AUTH).json()
+    assert task["status"] == "failed" and task["error"] == "boom"
+    assert task["runs"][0]["state"] == "FAIL"
+
+
+def test_token_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MTASK_API_TOKEN", raising=False)
+    assert load_token(None) is None
+    monkeypatch.setenv("MTASK_API_TOKEN", " abc ")
+    assert load_token(None) == "abc"
+    file = tmp_path / "token"
+    file.write_text("from-file\n")
+    assert load_token(str(file)) == "from-file"
+    with pytest.raises(MtaskError, match="cannot read --token-file"):
+        load_token(str(tmp_path / "missing"))
+    check_bind("127.0.0.1", None)
+    check_bind("::1", None)
+    check_bind("0.0.0.0", "abc")
+    with pytest.raises(MtaskError, match="refusing to serve on 0.0.0.0 without a token"):
+        check_bind("0.0.0.0", None)
+    check_status_literal()
+
+
+def test_serve_refuses_a_public_address_without_a_token(mongo_uri: str) -> None:
+    env_free = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+    result = subprocess.run(
+        [sys.executable, "-m", "mtask.cli", "serve", "--uri", mongo_uri, "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env_free,
+    )
+    assert result.returncode == 2
+    assert "refusing to serve on 0.0.0.0 without a token" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_completion_script(capsys: pytest.CaptureFixture[str]) -> None:
+    from mtask.cli import main
+
+    assert main(["completion", "bash"]) == 0
+    script: Any = capsys.readouterr().out
+    assert "complete" in script and "publish" in script and "schedule" in script
