@@ -92,6 +92,14 @@ def _options_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 @command("publish")
 def cmd_publish(args: argparse.Namespace) -> int:
+    if args.from_file is not None:
+        if args.name is not None or args.key is not None:
+            raise UsageError("give NAME KEY or --from-file, not both")
+        from mtask.cli_live import publish_from_file
+
+        return publish_from_file(args)
+    if args.name is None or args.key is None:
+        raise UsageError("publish needs NAME and KEY (or --from-file FILE of JSON lines)")
     params = parse_json_object(args.params, "--params") if args.params else {}
     options = _options_from_args(args)
     with _task_client(args) as client:
@@ -368,8 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("publish", help="publish a task (idempotent by key)")
     _common(p)
-    p.add_argument("name")
-    p.add_argument("key")
+    p.add_argument("name", nargs="?")
+    p.add_argument("key", nargs="?")
+    p.add_argument(
+        "--from-file",
+        metavar="FILE",
+        help="publish JSON lines ({name, key, params, options, delay, depends_on}); - for stdin",
+    )
     p.add_argument("--params", help="JSON object")
     p.add_argument("--options", help="JSON object of task options")
     p.add_argument("--priority", type=int)
@@ -420,9 +433,10 @@ def build_parser() -> argparse.ArgumentParser:
         _common(p)
         p.add_argument("name")
 
-    from mtask.cli_scheduling import add_parsers
+    from mtask import cli_live, cli_scheduling
 
-    add_parsers(sub)
+    cli_scheduling.add_parsers(sub)
+    cli_live.add_parsers(sub)
 
     p = sub.add_parser("serve", help="the REST API, dashboard and metrics over HTTP")
     p.add_argument("--uri", help="MongoDB URI (default: $MTASK_MONGODB_URI, else embedded)")

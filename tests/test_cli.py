@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -156,3 +157,40 @@ def test_limits_schedules_and_flows_from_the_command_line(
     assert json.loads(out)["waiting_on"] == ["p1"]
     code, _, err = run(capsys, "flow", "nope", *common)
     assert code == 1 and "no task with key 'nope'" in err
+
+
+def test_publish_from_a_file_of_json_lines(
+    capsys: pytest.CaptureFixture[str],
+    mongo_uri: str,
+    db_name: str,
+    client: TaskClient,
+    tmp_path: Any,
+) -> None:
+    common = ("--uri", mongo_uri, "--database", db_name)
+    good = tmp_path / "tasks.jsonl"
+    lines = [json.dumps({"name": "n", "key": f"k{i}", "params": {"i": i}}) for i in range(2500)]
+    good.write_text("\n".join(lines[:10]) + "\n\n" + "\n".join(lines[10:]) + "\n")
+    code, out, _ = run(capsys, "publish", "--from-file", str(good), "--json", *common)
+    assert code == 0 and json.loads(out) == {"created": 2500, "given": 2500}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(lines[0] + "\n\n" + json.dumps({"name": "n", "key": ""}) + "\n")
+    code, _, err = run(capsys, "publish", "--from-file", str(bad), *common)
+    assert code == 2 and f"{bad}:3: key: must not be empty" in err
+    bad.write_text("{oops\n")
+    code, _, err = run(capsys, "publish", "--from-file", str(bad), *common)
+    assert code == 2 and f"{bad}:1: not valid JSON" in err
+    code, _, err = run(capsys, "publish", "n", *common)
+    assert code == 2 and "publish needs NAME and KEY" in err
+    assert client.collection.count_documents({}) == 2500  # nothing from the bad files
+
+
+def test_top_shows_counts_and_workers(
+    capsys: pytest.CaptureFixture[str], mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    client.publish_many([{"name": "resize", "key": f"k{i}"} for i in range(3)])
+    code, out, _ = run(
+        capsys, "top", "--iterations", "2", "--interval", "0.05",
+        "--uri", mongo_uri, "--database", db_name,
+    )  # fmt: skip
+    assert code == 0 and out.count("mtask top") == 2
+    assert "resize" in out and "0 worker(s)" in out
