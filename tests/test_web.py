@@ -7,7 +7,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from fastapi.testclient import TestClient
@@ -15,9 +15,10 @@ from fastapi.testclient import TestClient
 from mtask import TaskClient
 from mtask.clock import FixedClock
 from mtask.errors import MtaskError
+from mtask.models import TaskStatus
 from mtask.store import Outcome, RunState, claim, finish
 from mtask.web import create_app
-from mtask.web.api import check_status_literal
+from mtask.web.api import Status
 from mtask.web.auth import check_bind, load_token
 
 TOKEN = "test-token"
@@ -150,7 +151,7 @@ def test_token_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     check_bind("0.0.0.0", "abc")
     with pytest.raises(MtaskError, match="refusing to serve on 0.0.0.0 without a token"):
         check_bind("0.0.0.0", None)
-    check_status_literal()
+    assert set(get_args(Status)) == {s.value for s in TaskStatus}
 
 
 def test_serve_refuses_a_public_address_without_a_token(mongo_uri: str) -> None:
