@@ -1,0 +1,95 @@
+"""Every MongoDB operation on tasks, each one atomic call, each taking ``now`` from a clock.
+
+Each operation is a generator that yields one ``Call`` per MongoDB call and returns its result;
+``mtask.driver`` runs it on the sync or the async client.
+
+Fencing: every write that changes a run matches ``{"runs": {"$elemMatch": {"run_id": R,
+"state": "RUNNING"}}}``, so a run whose lease was lost (taken over, released, cancelled) can
+change nothing. Every transition ends with ``statemachine.recompute_stages(now)``.
+"""
+
+from mtask.models import RunState
+from mtask.store.claims import (
+    claim,
+    claim_fast_update,
+    claim_filter,
+    claim_lean_filter,
+    claim_lean_pipeline,
+    claim_pipeline,
+    extend_lease,
+    read_claimed,
+    run_id_for,
+)
+from mtask.store.outcomes import (
+    Outcome,
+    finish,
+    finish_many,
+    finish_update,
+    outcome_requests,
+    success_fast_update,
+)
+from mtask.store.schema import (
+    CLAIMED_FIELDS,
+    INDEXES,
+    PLACEMENT_FIELDS,
+    SPECIFIC,
+    WELL_FORMED,
+    ensure_indexes,
+    new_document,
+)
+from mtask.store.tasks import (
+    LIST_ORDERS,
+    Published,
+    cancel,
+    get,
+    get_status,
+    list_query,
+    list_tasks,
+    placements,
+    publish,
+    publish_many,
+    quarantine,
+    retry,
+    scan,
+    stats,
+)
+
+__all__ = [
+    "CLAIMED_FIELDS",
+    "INDEXES",
+    "LIST_ORDERS",
+    "PLACEMENT_FIELDS",
+    "SPECIFIC",
+    "WELL_FORMED",
+    "Outcome",
+    "Published",
+    "RunState",
+    "cancel",
+    "claim",
+    "claim_fast_update",
+    "claim_filter",
+    "claim_lean_filter",
+    "claim_lean_pipeline",
+    "claim_pipeline",
+    "ensure_indexes",
+    "extend_lease",
+    "finish",
+    "finish_many",
+    "finish_update",
+    "get",
+    "get_status",
+    "list_query",
+    "list_tasks",
+    "new_document",
+    "outcome_requests",
+    "placements",
+    "publish",
+    "publish_many",
+    "quarantine",
+    "read_claimed",
+    "retry",
+    "run_id_for",
+    "scan",
+    "stats",
+    "success_fast_update",
+]

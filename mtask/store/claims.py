@@ -1,0 +1,306 @@
+"""The worker's claim (one key, or a batch: the lean stage, then the full pipeline), reading
+what a batch claimed, and extending a lease."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pymongo import ReturnDocument
+
+from mtask.driver import Call, Op
+from mtask.models import RunState, TaskStatus
+from mtask.statemachine import (
+    OPEN,
+    RUNNING,
+    count_expired_expr,
+    expire_leases_expr,
+    live_runs_expr,
+    recompute_stages,
+    set_run_fields,
+)
+from mtask.store.schema import SPECIFIC, WELL_FORMED, literal
+
+Doc = dict[str, Any]
+
+
+def claim_filter(
+    keys: Sequence[str], names: Sequence[str], worker_id: str, now: dt.datetime
+) -> Doc:
+    """The claim filter, all of it decided on the server in one atomic update."""
+    mine = {
+        "$map": {
+            "input": "$runs",
+            "as": "r",
+            "in": {
+                "$and": [
+                    {"$eq": ["$$r.worker_id", literal(worker_id)]},
+                    {
+                        "$or": [
+                            {"$eq": ["$$r.state", RunState.SUCCESS.value]},
+                            {
+                                "$and": [
+                                    {"$eq": ["$$r.state", RUNNING]},
+                                    {"$gt": ["$$r.lease_expires_at", now]},
+                                ]
+                            },
+                        ]
+                    },
+                ]
+            },
+        }
+    }
+    return {
+        "_id": {"$in": list(keys), "$type": "string"},
+        "name": {"$in": list(names)},
+        "status": {"$in": list(OPEN)},
+        "next_claim_at": {"$type": "date", "$lte": now},
+        "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],
+        **WELL_FORMED,
+        "$expr": {
+            "$and": [
+                # types first ($and stops at the first false): the server may evaluate this
+                # before the type filters above, and must not fail on a malformed document
+                {"$isArray": "$runs"},
+                {"$isNumber": "$successes"},
+                {"$isNumber": "$options.concurrency"},
+                # a free slot: live runs + successes < concurrency
+                {
+                    "$lt": [
+                        {"$add": [{"$size": live_runs_expr(now)}, "$successes"]},
+                        "$options.concurrency",
+                    ]
+                },
+                # with concurrency > 1, each run must be by a distinct worker
+                {
+                    "$or": [
+                        {"$eq": ["$options.concurrency", 1]},
+                        {"$not": [{"$anyElementTrue": [mine]}]},
+                    ]
+                },
+            ]
+        },
+    }
+
+
+def run_id_for(batch: str, key: str) -> str:
+    """A run's id: unique across all runs, also within a batch claim (one batch, many keys)."""
+    return f"{batch}-{key}"
+
+
+def _new_run(run_id: Any, worker_id: Any, now: dt.datetime, lease: Any) -> Doc:
+    """A RUNNING run as a claim appends it (values or expressions)."""
+    return {
+        "run_id": run_id,
+        "worker_id": worker_id,
+        "state": RUNNING,
+        "claimed_at": now,
+        "lease_expires_at": lease,
+        "finished_at": None,
+        "error": None,
+        "result": None,
+    }
+
+
+def claim_pipeline(batch: str, worker_id: str, now: dt.datetime) -> list[Doc]:
+    """Expire dead leases (each a failure), then append this worker's run if retries are left
+    after that; then recompute status and next_claim_at. The run's id is ``run_id_for(batch,
+    key)``, built on the server for each document of a batch."""
+    new_run = _new_run(
+        {"$concat": [literal(f"{batch}-"), "$_id"]},
+        literal(worker_id),
+        now,
+        {"$add": [now, "$options.worker_timeout_ms"]},
+    )
+    return [
+        {"$set": {"_expired": count_expired_expr(now)}},
+        {
+            "$set": {
+                "runs": expire_leases_expr(now),
+                "failures": {"$add": ["$failures", "$_expired"]},
+            }
+        },
+        {"$set": {"_claim": {"$lte": ["$failures", "$options.max_retries"]}}},
+        {
+            "$set": {
+                "runs": {"$cond": ["$_claim", {"$concatArrays": ["$runs", [new_run]]}, "$runs"]},
+                "attempts": {"$add": ["$attempts", {"$cond": ["$_claim", 1, 0]}]},
+                "error": {
+                    "$cond": [
+                        {"$gt": ["$_expired", 0]},
+                        "lease expired: the worker stopped pinging",
+                        "$error",
+                    ]
+                },
+            }
+        },
+        {"$unset": ["_expired", "_claim"]},
+        *recompute_stages(now),
+    ]
+
+
+def claim_fast_update(
+    key: str, names: Sequence[str], worker_id: str, now: dt.datetime, run_id: str, timeout_ms: int
+) -> tuple[Doc, Doc]:
+    """The common claim as a plain update: a pending, concurrency-1 task whose lease length
+    is ``timeout_ms``. Pending means no RUNNING run (so no lease to expire and the slot is
+    free) and retries left; fewer than 20 runs means nothing to fold. So the pipeline's result
+    is known in advance; the filter makes sure each of these holds."""
+    lease = now + dt.timedelta(milliseconds=timeout_ms)
+    filt = {
+        **claim_lean_filter([key], names, worker_id, now),
+        "options.worker_timeout_ms": timeout_ms,
+    }
+    update = {
+        "$push": {"runs": _new_run(run_id, worker_id, now, lease)},
+        "$inc": {"attempts": 1},
+        "$set": {"status": TaskStatus.RUNNING.value, "next_claim_at": lease, "updated_at": now},
+    }
+    return filt, update
+
+
+def claim_lean_filter(
+    keys: Sequence[str], names: Sequence[str], worker_id: str, now: dt.datetime
+) -> Doc:
+    """The batch form of ``claim_fast_update``'s filter: pending concurrency-1 tasks with
+    fewer than 20 runs, for which the claim pipeline's result is known in advance."""
+    return {
+        "_id": {"$in": list(keys), "$type": "string"},  # run ids are built from keys
+        "name": {"$in": list(names)},
+        "status": TaskStatus.PENDING.value,
+        "next_claim_at": {"$type": "date", "$lte": now},
+        "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],
+        **WELL_FORMED,
+        "options.concurrency": 1,
+        "runs.19": {"$exists": False},
+    }
+
+
+def claim_lean_pipeline(batch: str, worker_id: str, now: dt.datetime) -> list[Doc]:
+    """What ``claim_pipeline`` does to a document ``claim_lean_filter`` matches, in one stage:
+    no lease to expire, a free slot, retries left, nothing to fold."""
+    lease = {"$add": [now, "$options.worker_timeout_ms"]}
+    new_run = _new_run({"$concat": [literal(f"{batch}-"), "$_id"]}, literal(worker_id), now, lease)
+    return [
+        {
+            "$set": {
+                "runs": {"$concatArrays": ["$runs", [new_run]]},
+                "attempts": {"$add": ["$attempts", 1]},
+                "status": TaskStatus.RUNNING.value,
+                "next_claim_at": lease,
+                "updated_at": now,
+            }
+        }
+    ]
+
+
+def claim(
+    keys: Sequence[str],
+    names: Sequence[str],
+    worker_id: str,
+    now: dt.datetime,
+    timeouts: Mapping[str, int] | None = None,
+    fields: Mapping[str, int] | None = None,
+    batch: str | None = None,
+    isolate: bool = False,
+) -> Op[list[Doc]]:
+    """Claim as many of ``keys`` as the server allows. Returns the claimed documents (only
+    ``fields`` of them, if given); this worker's run is the one whose ``run_id`` is the
+    ``claim_run_id`` added to each.
+
+    One key: one ``find_one_and_update``; if ``timeouts`` gives its ``worker_timeout_ms`` as
+    this worker last saw it, the plain-update shortcut (``claim_fast_update``) is tried first.
+    Many keys (or one with ``isolate``, so that a document the server cannot update is
+    reported as a write error): one pipeline ``update_many`` and one read of what was claimed
+    (a batch shortcut of one plain update per key measured no faster, so there is none)."""
+    if not keys:
+        return []
+    timeouts = timeouts or {}
+    batch = batch or uuid.uuid4().hex
+    if len(keys) == 1 and not isolate:
+        key = keys[0]
+        run_id = run_id_for(batch, key)
+        options: dict[str, Any] = {"return_document": ReturnDocument.AFTER}
+        if fields is not None:
+            options["projection"] = {**fields, "runs.run_id": 1}
+        doc = None
+        if key in timeouts:
+            doc = yield Call(
+                "find_one_and_update",
+                claim_fast_update(key, names, worker_id, now, run_id, timeouts[key]),
+                options,
+            )
+        if doc is None:
+            doc = yield Call(
+                "find_one_and_update",
+                (claim_filter(keys, names, worker_id, now), claim_pipeline(batch, worker_id, now)),
+                options,
+            )
+        # the pipeline may have matched only to expire leases, adding no run of ours
+        if doc is None or not _has_run(doc, run_id):
+            return []
+        doc["claim_run_id"] = run_id
+        return [doc]
+    # The common case first, in one lean stage; the full pipeline only for what it left.
+    lean = yield Call(
+        "update_many",
+        (
+            claim_lean_filter(keys, names, worker_id, now),
+            claim_lean_pipeline(batch, worker_id, now),
+        ),
+    )
+    modified = lean.modified_count
+    if modified < len(keys):
+        result = yield Call(
+            "update_many",
+            (claim_filter(keys, names, worker_id, now), claim_pipeline(batch, worker_id, now)),
+        )
+        modified += result.modified_count
+    if modified == 0:
+        return []
+    claimed: list[Doc] = yield from read_claimed(keys, batch, fields)
+    return claimed
+
+
+def _has_run(doc: Doc, run_id: str) -> bool:
+    return any(r.get("run_id") == run_id for r in doc.get("runs", ()))
+
+
+def run_filter(key: str, run_id: str) -> Doc:
+    return {"_id": key, "runs": {"$elemMatch": {"run_id": run_id, "state": RUNNING}}}
+
+
+def extend_lease(key: str, run_id: str, worker_id: str, now: dt.datetime) -> Op[Doc | None]:
+    """Push the run's lease to ``now + worker_timeout_ms``. ``None`` means the run lost the
+    task (taken over, released, cancelled, or this worker is no longer allowed): stop it."""
+    filt = {
+        **run_filter(key, run_id),
+        "status": {"$in": list(OPEN)},
+        "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],
+    }
+    lease = {"lease_expires_at": {"$add": [now, "$options.worker_timeout_ms"]}}
+    doc: Doc | None = yield Call(
+        "find_one_and_update",
+        (filt, [{"$set": {"runs": set_run_fields(run_id, lease)}}, *recompute_stages(now)]),
+        {
+            "return_document": ReturnDocument.AFTER,
+            "projection": {"options": 1, "status": 1},
+        },
+    )
+    return doc
+
+
+def read_claimed(
+    keys: Sequence[str], batch: str, fields: Mapping[str, int] | None = None
+) -> Op[list[Doc]]:
+    """The documents that batch ``batch`` claimed among ``keys``."""
+    run_ids = [run_id_for(batch, k) for k in keys]
+    projection = {**fields, "runs.run_id": 1} if fields is not None else None
+    docs: list[Doc] = yield Call(
+        "find", ({"_id": {"$in": list(keys)}, "runs.run_id": {"$in": run_ids}}, projection)
+    )
+    for doc in docs:
+        doc["claim_run_id"] = run_id_for(batch, doc["_id"])
+    return docs

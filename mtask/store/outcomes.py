@@ -1,0 +1,189 @@
+"""Recording how runs ended, fenced by run id and RUNNING: one, or many in one bulk write."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pymongo import ReturnDocument, UpdateOne
+
+from mtask.driver import Call, Op
+from mtask.models import RunState, TaskStatus
+from mtask.statemachine import (
+    RUNNING,
+    recompute_stages,
+    set_run_fields,
+)
+from mtask.store.claims import run_filter
+from mtask.store.schema import literal
+
+Doc = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a run ended, for ``finish``/``finish_many``."""
+
+    key: str
+    run_id: str
+    state: RunState
+    result: Any = None
+    error: str | None = None
+    counts_as_failure: bool = True
+    permanent: bool = False
+    retry_delay_ms: int | None = None
+    """Explicit delay before the task may be claimed again (FAIL); None: the task's backoff."""
+    jitter: float = 1.0
+    """Backoff multiplier drawn by the caller, e.g. uniform(0.8, 1.2)."""
+    steps: tuple[Doc, ...] = ()
+    """SUCCESS: next steps (``flows.outbox_entry``), written to the outbox with the success."""
+    has_dependents: bool = False
+    """Other tasks depend on this one: resolve them once the outcome is recorded."""
+
+
+def _step_fields(outcome: Outcome) -> Doc:
+    if not outcome.steps:
+        return {}
+    return {"outbox": list(outcome.steps), "children": [s["key"] for s in outcome.steps]}
+
+
+def _backoff_expr(outcome: Outcome, now: dt.datetime) -> Any:
+    if outcome.retry_delay_ms is not None:
+        return now + dt.timedelta(milliseconds=outcome.retry_delay_ms)
+    delay = {
+        "$min": [
+            "$options.max_retry_delay_ms",
+            {
+                "$multiply": [
+                    "$options.retry_delay_ms",
+                    {
+                        "$pow": [
+                            "$options.retry_backoff",
+                            {"$max": [0, {"$subtract": ["$failures", 1]}]},
+                        ]
+                    },
+                    outcome.jitter,
+                ]
+            },
+        ]
+    }
+    return {"$add": [now, {"$toLong": {"$round": [delay, 0]}}]}
+
+
+def finish_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, list[Doc]]:
+    """Filter and pipeline that record ``outcome`` on its run, fenced by run id and RUNNING."""
+    state = outcome.state
+    run_fields: Doc = {"state": state.value, "finished_at": now}
+    sets: Doc = {}
+    if state is RunState.SUCCESS:
+        run_fields["result"] = literal(outcome.result)
+        sets["successes"] = {"$add": ["$successes", 1]}
+        sets["result"] = literal(outcome.result)
+        sets.update({k: literal(v) for k, v in _step_fields(outcome).items()})
+    elif state is RunState.FAIL:
+        run_fields["error"] = literal(outcome.error)
+        sets["error"] = literal(outcome.error)
+        if outcome.counts_as_failure:
+            sets["failures"] = {"$add": ["$failures", 1]}
+        if outcome.permanent:
+            sets["failed_permanently"] = True
+    elif state is RunState.RELEASED:
+        sets["available_at"] = now
+    elif state is RunState.CANCELLED:
+        run_fields["error"] = literal(outcome.error)
+    else:
+        raise ValueError(f"a run cannot be finished as {state}")
+    stages: list[Doc] = [{"$set": {"runs": set_run_fields(outcome.run_id, run_fields), **sets}}]
+    if state is RunState.FAIL and not outcome.permanent:
+        stages.append({"$set": {"available_at": _backoff_expr(outcome, now)}})
+    return run_filter(outcome.key, outcome.run_id), [*stages, *recompute_stages(now)]
+
+
+def finish(outcome: Outcome, now: dt.datetime) -> Op[Doc | None]:
+    """Record one run's outcome; ``None`` when the run no longer owns the task (fenced out)."""
+    filt, pipeline = finish_update(outcome, now)
+    doc: Doc | None = yield Call(
+        "find_one_and_update", (filt, pipeline), {"return_document": ReturnDocument.AFTER}
+    )
+    return doc
+
+
+def success_fast_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
+    """The common case as a plain update: SUCCESS of a concurrency-1 task that is running.
+
+    Its result is fully determined (succeeded, no next claim, nothing to fold), so it needs no
+    pipeline; the filter keeps the same fence (run id + RUNNING) and adds the conditions that
+    make the shortcut exact. A task it does not match gets the general pipeline instead."""
+    filt = {
+        **run_filter(outcome.key, outcome.run_id),
+        "status": TaskStatus.RUNNING.value,
+        "options.concurrency": 1,
+    }
+    update = {
+        "$set": {
+            "runs.$.state": RunState.SUCCESS.value,
+            "runs.$.finished_at": now,
+            "runs.$.result": outcome.result,
+            "result": outcome.result,
+            "status": TaskStatus.SUCCEEDED.value,
+            "next_claim_at": None,
+            "finished_at": now,
+            "updated_at": now,
+            **_step_fields(outcome),
+        },
+        "$inc": {"successes": 1},
+    }
+    return filt, update
+
+
+def outcome_requests(outcomes: Sequence[Outcome], now: dt.datetime) -> list[UpdateOne]:
+    """One fenced update per outcome: the plain-update shortcut for SUCCESS, else the pipeline."""
+    return [
+        UpdateOne(*success_fast_update(o, now))
+        if o.state is RunState.SUCCESS
+        else UpdateOne(*finish_update(o, now))
+        for o in outcomes
+    ]
+
+
+def _finish_unmatched(outcomes: Sequence[Outcome], now: dt.datetime) -> Op[int]:
+    """After a bulk write that applied fewer updates than expected: SUCCESS outcomes whose run
+    is still RUNNING were not matched by the shortcut (concurrency > 1, a cancelled task) and
+    take the pipeline; the others were fenced out (their runs lost the task) and stay so."""
+    success = {o.run_id: o for o in outcomes if o.state is RunState.SUCCESS}
+    if not success:
+        return 0
+    open_runs = yield Call(
+        "find",
+        (
+            {
+                "_id": {"$in": [o.key for o in success.values()]},
+                "runs": {"$elemMatch": {"run_id": {"$in": list(success)}, "state": RUNNING}},
+            },
+            {"runs.run_id": 1, "runs.state": 1},
+        ),
+    )
+    pending = [
+        success[r["run_id"]]
+        for doc in open_runs
+        for r in doc.get("runs", ())
+        if r.get("state") == RUNNING and r.get("run_id") in success
+    ]
+    if not pending:
+        return 0
+    requests = [UpdateOne(*finish_update(o, now)) for o in pending]
+    result = yield Call("bulk_write", (requests,), {"ordered": False})
+    return int(result.modified_count)
+
+
+def finish_many(outcomes: Sequence[Outcome], now: dt.datetime) -> Op[int]:
+    """Record many outcomes in one unordered bulk write; returns how many were recorded."""
+    if not outcomes:
+        return 0
+    result = yield Call("bulk_write", (outcome_requests(outcomes, now),), {"ordered": False})
+    recorded = int(result.modified_count)
+    if recorded != len(outcomes):
+        recorded += yield from _finish_unmatched(outcomes, now)
+    return recorded

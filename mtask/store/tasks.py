@@ -1,0 +1,369 @@
+"""Operations on tasks by anyone: publishing, reading, listing, cancel, retry, quarantine and the
+worker's scan."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pymongo import ASCENDING, DESCENDING, ReturnDocument, UpdateOne
+from pymongo.errors import DuplicateKeyError
+
+from mtask.driver import Call, Op
+from mtask.errors import InvalidTransition, TaskNotFound
+from mtask.models import NewTask, OnConflict, TaskStatus
+from mtask.statemachine import (
+    OPEN,
+    RUNNING,
+    recompute_stages,
+)
+from mtask.store.schema import (
+    PLACEMENT_FIELDS,
+    SPECIFIC,
+    invalid_reason_expr,
+    literal,
+    new_document,
+    well_formed_expr,
+)
+
+Doc = dict[str, Any]
+
+# ---------------------------------------------------------------------------------------------
+# Publishing
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Published:
+    created: bool
+    updated: bool
+    document: Doc
+
+
+def publish(task: NewTask, now: dt.datetime, on_conflict: OnConflict = "ignore") -> Op[Published]:
+    """Insert the task if its key is new (one upsert with ``$setOnInsert``); otherwise apply
+    ``on_conflict``: ``ignore`` leaves it, ``update_params`` replaces params and options of a
+    task that is not running, ``reset`` makes a finished task new again."""
+    doc = new_document(task, now)
+    insert = {k: v for k, v in doc.items() if k != "_id"}
+    before = None
+    for attempt in range(2):
+        try:
+            before = yield Call(
+                "find_one_and_update",
+                ({"_id": task.key}, {"$setOnInsert": insert}),
+                {"upsert": True, "return_document": ReturnDocument.BEFORE},
+            )
+            break
+        except DuplicateKeyError:  # two upserts raced on a new key; the other one inserted
+            if attempt:
+                raise
+    if before is None:
+        return Published(created=True, updated=False, document=doc)
+    if on_conflict == "ignore":
+        return Published(created=False, updated=False, document=before)
+    if on_conflict == "update_params":
+        filt: Doc = {"_id": task.key, "status": {"$ne": TaskStatus.RUNNING.value}}
+        sets: Doc = {"params": literal(task.params), "options": literal(task.options.to_document())}
+        if task.options.run_at is not None:
+            sets["available_at"] = task.options.run_at
+        pipeline = [{"$set": sets}, *recompute_stages(now)]
+    else:  # reset
+        filt = {
+            "_id": task.key,
+            "status": {"$in": [s.value for s in TaskStatus if s.finished]},
+            "runs": {"$not": {"$elemMatch": {"state": RUNNING, "lease_expires_at": {"$gt": now}}}},
+        }
+        fresh = {k: v for k, v in doc.items() if k not in ("_id", "created_at")}
+        pipeline = [
+            {
+                "$replaceWith": {
+                    "$mergeObjects": [{"_id": "$_id", "created_at": "$created_at"}, literal(fresh)]
+                }
+            }
+        ]
+    after = yield Call(
+        "find_one_and_update",
+        (filt, pipeline),
+        {"return_document": ReturnDocument.AFTER},
+    )
+    if after is None:
+        current = yield Call("find_one", ({"_id": task.key},))
+        return Published(created=False, updated=False, document=current or before)
+    return Published(created=False, updated=True, document=after)
+
+
+def publish_many(
+    tasks: Sequence[NewTask],
+    now: dt.datetime,
+    batch_size: int = 1000,
+    created_by_name: dict[str, int] | None = None,
+) -> Op[int]:
+    """Insert-if-absent many tasks with unordered bulk upserts; returns how many were created
+    (and counts them per name into ``created_by_name``, if given)."""
+    created = 0
+    # a task that others of this batch depend on is born knowing it (so that the worker that
+    # records its outcome resolves them, even if it claims it before anyone marks it)
+    awaited = {d for task in tasks for d in task.depends_on}
+    for start in range(0, len(tasks), batch_size):
+        requests = []
+        for task in tasks[start : start + batch_size]:
+            doc = new_document(task, now)
+            del doc["_id"]
+            if task.key in awaited:
+                doc["has_dependents"] = True
+            requests.append(UpdateOne({"_id": task.key}, {"$setOnInsert": doc}, upsert=True))
+        result = yield Call("bulk_write", (requests,), {"ordered": False})
+        created += result.upserted_count
+        if created_by_name is not None:
+            for index in result.upserted_ids:
+                name = tasks[start + index].name
+                created_by_name[name] = created_by_name.get(name, 0) + 1
+    return created
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------
+
+
+def get(key: str) -> Op[Doc | None]:
+    doc: Doc | None = yield Call("find_one", ({"_id": key},))
+    return doc
+
+
+def get_status(key: str) -> Op[Doc | None]:
+    """The fields that say why a run lost its task."""
+    doc: Doc | None = yield Call(
+        "find_one", ({"_id": key}, {"status": 1, "runs.run_id": 1, "runs.state": 1, SPECIFIC: 1})
+    )
+    return doc
+
+
+def placements(keys: Sequence[Any]) -> Op[list[Doc]]:
+    """Claim-time fields of open tasks among ``keys`` (to re-place keys a claim did not get),
+    each with ``well_formed``: whether a claim can match it at all."""
+    docs: list[Doc] = yield Call(
+        "find",
+        (
+            {"_id": {"$in": list(keys)}, "next_claim_at": {"$type": "date"}},
+            {**PLACEMENT_FIELDS, "well_formed": well_formed_expr()},
+        ),
+    )
+    return docs
+
+
+def quarantine(keys: Sequence[Any], now: dt.datetime, reason: str | None = None) -> Op[int]:
+    """Mark open documents among ``keys`` that no claim can ever match (inserted by hand with
+    missing or mistyped fields) ``invalid``, with the reason, and take them out of the claim
+    index. Matches only documents that are still malformed, so a fixed one is left alone.
+    With ``reason`` (a claim failed on the document itself), the open documents among
+    ``keys`` whatever they hold."""
+    filt: Doc = {"_id": {"$in": list(keys)}, "next_claim_at": {"$type": "date"}}
+    if reason is None:
+        filt["$expr"] = {"$not": [well_formed_expr()]}
+    result = yield Call(
+        "update_many",
+        (
+            filt,
+            [
+                {
+                    "$set": {
+                        "invalid_reason": invalid_reason_expr()
+                        if reason is None
+                        else literal(reason),
+                        "invalid_status": "$status",
+                        "status": TaskStatus.INVALID.value,
+                        "updated_at": now,
+                    }
+                },
+                {"$unset": "next_claim_at"},
+            ],
+        ),
+    )
+    count: int = result.modified_count
+    return count
+
+
+LIST_ORDERS = ("newest", "next_claim_at")
+
+
+def list_query(
+    name: str | None, status: str | None, order: str = "newest"
+) -> tuple[Doc, list[tuple[str, int]]]:
+    filt: Doc = {}
+    if name is not None:
+        filt["name"] = name
+    if status is not None:
+        filt["status"] = status
+    if order == "next_claim_at":
+        filt["next_claim_at"] = {"$type": "date"}
+        return filt, [("next_claim_at", ASCENDING), ("_id", ASCENDING)]
+    return filt, [("created_at", DESCENDING), ("_id", DESCENDING)]
+
+
+def list_tasks(
+    name: str | None = None,
+    status: str | None = None,
+    limit: int = 100,
+    after: str | None = None,
+    order: str = "newest",
+) -> Op[list[Doc]]:
+    """A page of tasks, newest first (or soonest claimable first); ``after`` is the last key of
+    the previous page."""
+    filt, sort = list_query(name, status, order)
+    if after is not None:
+        field_name, direction = sort[0]
+        anchor = yield Call("find_one", ({"_id": after}, {field_name: 1}))
+        if anchor is None:
+            raise TaskNotFound(after)
+        op = "$gt" if direction == ASCENDING else "$lt"
+        value = anchor.get(field_name)
+        filt = {
+            "$and": [
+                filt,
+                {"$or": [{field_name: {op: value}}, {field_name: value, "_id": {op: after}}]},
+            ]
+        }
+    docs: list[Doc] = yield Call("find", (filt,), {"sort": sort, "limit": limit})
+    return docs
+
+
+def stats() -> Op[dict[str, dict[str, int]]]:
+    """Counts per name and status, in one aggregation."""
+    rows = yield Call(
+        "aggregate",
+        ([{"$group": {"_id": {"name": "$name", "status": "$status"}, "n": {"$sum": 1}}}],),
+    )
+    out: dict[str, dict[str, int]] = {}
+    for row in rows:
+        out.setdefault(str(row["_id"].get("name")), {})[str(row["_id"].get("status"))] = row["n"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Operator actions
+# ---------------------------------------------------------------------------------------------
+
+
+def _require(key: str, doc: Doc | None, action: str, allowed: Iterable[str]) -> Op[Doc]:
+    if doc is not None:
+        return doc
+    current = yield Call("find_one", ({"_id": key}, {"status": 1}))
+    if current is None:
+        raise TaskNotFound(key)
+    raise InvalidTransition(
+        f"cannot {action} task {key!r}: it is {current.get('status')}; "
+        f"{action} applies to {' or '.join(allowed)} tasks"
+    )
+
+
+def cancel(key: str, now: dt.datetime) -> Op[Doc]:
+    """pending or running -> cancelled at once. A running handler is stopped by its worker at
+    the next ping (the ping matches only open tasks), and its run is then marked CANCELLED."""
+    doc = yield Call(
+        "find_one_and_update",
+        (
+            {"_id": key, "status": {"$in": list(OPEN)}},
+            [{"$set": {"status": TaskStatus.CANCELLED.value}}, *recompute_stages(now)],
+        ),
+        {"return_document": ReturnDocument.AFTER},
+    )
+    result: Doc = yield from _require(key, doc, "cancel", OPEN)
+    return result
+
+
+def retry(key: str, now: dt.datetime) -> Op[Doc]:
+    """failed or cancelled -> pending, with a fresh retry budget. Refused while a cancelled
+    run's handler may still be stopping (a RUNNING run with a live lease)."""
+    allowed = (TaskStatus.FAILED.value, TaskStatus.CANCELLED.value)
+    filt = {
+        "_id": key,
+        "status": {"$in": list(allowed)},
+        "runs": {"$not": {"$elemMatch": {"state": RUNNING, "lease_expires_at": {"$gt": now}}}},
+    }
+    pipeline = [
+        {
+            "$set": {
+                "status": TaskStatus.PENDING.value,
+                "failures": 0,
+                "failed_permanently": False,
+                "available_at": now,
+                "error": None,
+                "finished_at": None,
+                "runs": {
+                    "$map": {
+                        "input": "$runs",
+                        "as": "r",
+                        "in": {
+                            "$cond": [
+                                {"$eq": ["$$r.state", RUNNING]},
+                                {
+                                    "$mergeObjects": [
+                                        "$$r",
+                                        {"state": "CANCELLED", "finished_at": now},
+                                    ]
+                                },
+                                "$$r",
+                            ]
+                        },
+                    }
+                },
+            }
+        },
+        *recompute_stages(now),
+    ]
+    doc = yield Call(
+        "find_one_and_update", (filt, pipeline), {"return_document": ReturnDocument.AFTER}
+    )
+    if doc is None:
+        current = yield Call("find_one", ({"_id": key}, {"status": 1}))
+        if current is not None and current.get("status") in allowed:
+            raise InvalidTransition(
+                f"cannot retry task {key!r} yet: a cancelled run is still stopping; "
+                "try again after its lease ends"
+            )
+    result: Doc = yield from _require(key, doc, "retry", allowed)
+    return result
+
+
+def scan(
+    names: Sequence[str],
+    worker_id: str,
+    limit: int,
+    after: tuple[dt.datetime, str] | None = None,
+) -> Op[list[Doc]]:
+    """One page of open tasks for ``names`` that this worker may run, soonest claimable first;
+    ``after`` is the (next_claim_at, key) of the previous page's last entry."""
+    filt: Doc = {
+        # Malformed documents are read too: the claim refuses them, and the worker then marks
+        # them invalid (``quarantine``) instead of skipping them in silence.
+        "name": {"$in": list(names)},
+        "next_claim_at": {"$type": "date"},
+        "$or": [
+            {SPECIFIC: {"$size": 0}},
+            {SPECIFIC: worker_id},
+            {SPECIFIC: {"$not": {"$type": "array"}}},
+        ],
+    }
+    if after is not None:
+        at, key = after
+        filt = {
+            "$and": [
+                filt,
+                {
+                    "$or": [
+                        {"next_claim_at": {"$gt": at}},
+                        {"next_claim_at": at, "_id": {"$gt": key}},
+                    ]
+                },
+            ]
+        }
+    docs: list[Doc] = yield Call(
+        "find",
+        (filt, PLACEMENT_FIELDS),
+        {"sort": [("next_claim_at", ASCENDING), ("_id", ASCENDING)], "limit": limit},
+    )
+    return docs
