@@ -42,6 +42,7 @@ from mtask.gate import LimitGate
 from mtask.heap import ClaimQueue
 from mtask.lease import LeasePinger
 from mtask.models import RunState
+from mtask.recorder import OutcomeRecorder, flow_sweep
 from mtask.registry import Fail, InvalidParams, Registry, Retry, TaskContext
 from mtask.schedules import Scheduler
 from mtask.store import Outcome
@@ -154,11 +155,6 @@ class Worker:
         self._runs: dict[str, _Run] = {}
         self._keys: dict[str, int] = {}  # key -> runs of it in flight here
         self._claiming: set[str] = set()  # keys whose claim is on its way
-        self._pending: list[Outcome] = []  # outcomes no write has taken yet
-        self._pending_ready = asyncio.Event()
-        self._writing = 0  # outcomes in a write on its way
-        self._all_written = asyncio.Event()
-        self._all_written.set()
         self._wake = asyncio.Event()
         self._stop_now = asyncio.Event()
         self._controls_changed = asyncio.Event()
@@ -200,6 +196,9 @@ class Worker:
         adb, sdb = self._aclient[self.database], self._sclient[self.database]
         self.driver = driver.AsyncDriver(driver.collections(adb, self.collection_name))
         self.gate = LimitGate(self.driver, self.worker_id, self.clock, self._requeue_at)
+        self.recorder = OutcomeRecorder(
+            self.driver, self.clock, self.gate, self._requeue, self._recorded
+        )
         self.scheduler = Scheduler(self.driver, self.clock, list(self.registry.schedules.values()))
         self._publisher = AsyncTaskClient(
             database=self.database,
@@ -274,10 +273,10 @@ class Worker:
             ("stream", self.watcher.run_stream()),
             ("sweep", self.watcher.run_sweep()),
             ("heartbeat", self._heartbeat_loop()),
-            ("outcomes", self._outcome_writer()),
+            ("outcomes", self.recorder.run()),
             ("ticker", self._ticker()),
             ("limits", self.gate.run_refresh()),
-            ("flows", self._flow_sweep()),
+            ("flows", flow_sweep(self.driver, self.clock, self._flow_sweep_interval)),
             *([("schedules", self.scheduler.run())] if self.run_schedules else []),
         ):
             task = asyncio.create_task(coro, name=f"mtask-{name}")
@@ -373,7 +372,7 @@ class Worker:
             # Backpressure: claim only while fewer than `concurrency` outcomes wait to be
             # written, so a worker holds at most 2 x concurrency leases (running handlers plus
             # finished runs whose outcome is on its way).
-            unwritten = len(self._pending) + self._writing
+            unwritten = self.recorder.unwritten
             names = self._active_names()
             if free > 0 and names and unwritten <= self.concurrency:
                 now = self.clock.now()
@@ -488,8 +487,7 @@ class Worker:
                     self._start(doc, sent, slot)
                     self.stats.claimed += 1
                 if not docs and slot is not None:
-                    self.gate.release_later(slot, [run_id])
-                    self._pending_ready.set()
+                    self.recorder.release_slot(slot, run_id)
             finally:
                 self._claiming.discard(key)
 
@@ -630,13 +628,10 @@ class Worker:
             if self.pinger is not None:
                 self.pinger.remove(run.run_id)
             if run.slot is not None:  # given back by the outcome writer, after the outcome
-                self.gate.release_later(run.slot, [run.run_id])
-                self._pending_ready.set()
+                self.recorder.release_slot(run.slot, run.run_id)
             self._wake.set()
         if outcome is not None:
-            self._pending.append(outcome)
-            self._pending_ready.set()
-            self._all_written.clear()
+            self.recorder.add(outcome)
 
     async def _call_handler(self, run: _Run, doc: dict[str, Any]) -> Outcome:
         handler = self.registry[run.name]
@@ -783,14 +778,7 @@ class Worker:
 
     # -- outcomes -------------------------------------------------------------------------------
 
-    def _take_pending(self) -> list[Outcome]:
-        taken, self._pending = self._pending, []
-        self._pending_ready.clear()
-        self._writing += len(taken)
-        return taken
-
-    def _written(self, outcomes: list[Outcome], recorded: int) -> None:
-        self._writing -= len(outcomes)
+    def _recorded(self, outcomes: list[Outcome], recorded: int) -> None:
         if recorded < len(outcomes):
             log.info(
                 "%d of %d outcome(s) were fenced out (their runs lost the task)",
@@ -801,92 +789,7 @@ class Worker:
             self._emit(
                 "recorded", key=outcome.key, run_id=outcome.run_id, state=outcome.state.value
             )
-        if not self._pending and not self._writing:
-            self._all_written.set()
         self._wake.set()  # their slots are free now
-
-    async def _outcome_writer(self) -> None:
-        """Writes outcomes in bulk, in parallel with the claims of the main loop."""
-        while True:
-            await self._pending_ready.wait()
-            batch = self._take_pending()
-            recorded = await self._record(batch) if batch else 0
-            if self.gate.releases:
-                await self.gate.flush()
-            if batch:
-                await self._follow_up(batch)
-                self._written(batch, recorded)
-
-    async def _follow_up(self, batch: list[Outcome]) -> None:
-        """After outcomes are recorded: publish the next steps of the successes that returned
-        some, and release or fail the tasks that depend on these. If this fails, the flow
-        sweep does it later (the outboxes and the awaited dependencies stay in MongoDB)."""
-        parents = [o.key for o in batch if o.steps]
-        watched = [o.key for o in batch if o.has_dependents]
-        if not parents and not watched:
-            return
-        now = self.clock.now()
-        try:
-            if parents:
-                steps = await self.driver.run(flows.flush_outboxes(parents, now))
-                await self.driver.run(flows.after_publish(steps, now))
-            if watched:
-                await self.driver.run(flows.resolve(watched, now))
-        except StorageError as exc:
-            log.warning("next steps or dependents wait for the flow sweep: %s", exc)
-
-    async def _flow_sweep(self) -> None:
-        """Side task: publish outboxes a crash left behind, resolve dependencies whose
-        dependency's worker did not (it claimed before the dependent was published)."""
-        while True:
-            await asyncio.sleep(self._flow_sweep_interval)
-            now = self.clock.now()
-            try:
-                stale = now - dt_seconds(self._flow_sweep_interval)
-                steps = await self.driver.run(flows.flush_outboxes(None, now, older_than=stale))
-                await self.driver.run(flows.after_publish(steps, now))
-                await self.driver.run(flows.resolve(await self.driver.run(flows.awaited()), now))
-            except StorageError as exc:
-                log.warning("flow sweep failed, will retry: %s", exc)
-
-    async def _record(self, batch: list[Outcome]) -> int:
-        """Write outcomes, retrying transient errors until they land (the fence makes a repeat
-        harmless). A batch refused for another reason is written one by one; an outcome the
-        server refuses is logged and dropped: its run's lease then runs out and the task is
-        retried, so nothing is lost."""
-        backoff = 0.2
-        while True:
-            try:
-                return await self.driver.run(store.finish_many(batch, self.clock.now()))
-            except StorageError as exc:
-                if not exc.transient:
-                    break
-                log.warning("cannot record %d outcome(s) yet, retrying: %s", len(batch), exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5)
-        recorded = 0
-        for outcome in batch:
-            try:
-                recorded += await self.driver.run(store.finish_many([outcome], self.clock.now()))
-            except StorageError as exc:
-                if exc.transient:
-                    recorded += await self._record([outcome])
-                else:
-                    await self._drop_refused(outcome, str(exc))
-        return recorded
-
-    async def _drop_refused(self, outcome: Outcome, reason: str) -> None:
-        """MongoDB will not store this outcome. Its run keeps its lease until that runs out and
-        the task is retried; no write means no change event, so put the task back in the
-        queue for that moment."""
-        log.error(
-            "cannot record the outcome of %s run %s; the task will be retried when its lease "
-            "ends: %s",
-            outcome.key,
-            outcome.run_id[:8],
-            reason,
-        )
-        await self._requeue([outcome.key])
 
     # -- stopping -------------------------------------------------------------------------------
 
@@ -918,7 +821,7 @@ class Worker:
             await asyncio.gather(*stopping, return_exceptions=True)
         if self._crash is None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._all_written.wait(), timeout=30)
+                await asyncio.wait_for(self.recorder.all_written.wait(), timeout=30)
 
     async def _shutdown(self) -> None:
         for task in self._side:

@@ -15,6 +15,7 @@ from workerapp import registry
 from mtask import TaskClient
 from mtask.clock import ServerClock
 from mtask.errors import InvalidTask
+from mtask.recorder import OutcomeRecorder
 from mtask.registry import Registry
 from mtask.worker import Worker, WorkerCrashed
 
@@ -558,13 +559,13 @@ async def test_more_tasks_than_the_queue_holds(
 async def test_a_worker_holds_at_most_twice_its_slots_in_leases(
     mongo_uri: str, db_name: str, client: TaskClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = Worker._record
+    original = OutcomeRecorder.record
 
-    async def slow_record(self: Worker, batch: list[Any]) -> int:
+    async def slow_record(self: OutcomeRecorder, batch: list[Any]) -> int:
         await asyncio.sleep(0.05)  # a lagging outcome writer
         return await original(self, batch)
 
-    monkeypatch.setattr(Worker, "_record", slow_record)
+    monkeypatch.setattr(OutcomeRecorder, "record", slow_record)
     client.publish_many(
         [{"name": "add", "key": f"c{i}", "params": {"a": i, "b": 0}} for i in range(300)]
     )

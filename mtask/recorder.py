@@ -1,0 +1,147 @@
+"""The worker's outcome writer: outcomes of finished runs are written in bulk, in parallel with
+the main loop's claims, then their limit slots are given back and their flows followed up.
+
+``unwritten`` (outcomes waiting or in a write) is the main loop's backpressure: it claims only
+while at most ``concurrency`` outcomes are unwritten, so a worker holds at most twice its slots
+in leases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import Awaitable, Callable
+
+from mtask import flows, store
+from mtask.clock import Clock
+from mtask.driver import AsyncDriver
+from mtask.errors import StorageError
+from mtask.gate import LimitGate
+from mtask.store import Outcome
+
+log = logging.getLogger("mtask.worker")
+
+
+class OutcomeRecorder:
+    def __init__(
+        self,
+        driver: AsyncDriver,
+        clock: Clock,
+        gate: LimitGate,
+        requeue: Callable[[list[str]], Awaitable[None]],
+        on_recorded: Callable[[list[Outcome], int], None],
+    ) -> None:
+        self.driver = driver
+        self.clock = clock
+        self.gate = gate
+        self.requeue = requeue
+        self.on_recorded = on_recorded
+        self.pending: list[Outcome] = []  # outcomes no write has taken yet
+        self.ready = asyncio.Event()
+        self.writing = 0  # outcomes in a write on its way
+        self.all_written = asyncio.Event()
+        self.all_written.set()
+
+    @property
+    def unwritten(self) -> int:
+        return len(self.pending) + self.writing
+
+    def add(self, outcome: Outcome) -> None:
+        self.pending.append(outcome)
+        self.ready.set()
+        self.all_written.clear()
+
+    def release_slot(self, name: str, run_id: str) -> None:
+        """Give a limit slot back after the outcomes now pending (or at once, if none)."""
+        self.gate.release_later(name, [run_id])
+        self.ready.set()
+
+    async def run(self) -> None:
+        """Side task: write what is pending, in bulk, for as long as the worker lives."""
+        while True:
+            await self.ready.wait()
+            batch, self.pending = self.pending, []
+            self.ready.clear()
+            self.writing += len(batch)
+            recorded = await self.record(batch) if batch else 0
+            if self.gate.releases:
+                await self.gate.flush()
+            if batch:
+                await self.follow_up(batch)
+                self.writing -= len(batch)
+                if not self.pending and not self.writing:
+                    self.all_written.set()
+                self.on_recorded(batch, recorded)
+
+    async def record(self, batch: list[Outcome]) -> int:
+        """Write outcomes, retrying transient errors until they land (the fence makes a repeat
+        harmless). A batch refused for another reason is written one by one; an outcome the
+        server refuses is logged and dropped: its run's lease then runs out and the task is
+        retried, so nothing is lost."""
+        backoff = 0.2
+        while True:
+            try:
+                return await self.driver.run(store.finish_many(batch, self.clock.now()))
+            except StorageError as exc:
+                if not exc.transient:
+                    break
+                log.warning("cannot record %d outcome(s) yet, retrying: %s", len(batch), exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5)
+        recorded = 0
+        for outcome in batch:
+            try:
+                recorded += await self.driver.run(store.finish_many([outcome], self.clock.now()))
+            except StorageError as exc:
+                if exc.transient:
+                    recorded += await self.record([outcome])
+                else:
+                    await self._drop_refused(outcome, str(exc))
+        return recorded
+
+    async def _drop_refused(self, outcome: Outcome, reason: str) -> None:
+        """MongoDB will not store this outcome. Its run keeps its lease until that runs out and
+        the task is retried; no write means no change event, so put the task back in the
+        queue for that moment."""
+        log.error(
+            "cannot record the outcome of %s run %s; the task will be retried when its lease "
+            "ends: %s",
+            outcome.key,
+            outcome.run_id[:8],
+            reason,
+        )
+        await self.requeue([outcome.key])
+
+    async def follow_up(self, batch: list[Outcome]) -> None:
+        """After outcomes are recorded: publish the next steps of the successes that returned
+        some, and release or fail the tasks that depend on these. If this fails, the flow
+        sweep does it later (the outboxes and the awaited dependencies stay in MongoDB)."""
+        parents = [o.key for o in batch if o.steps]
+        watched = [o.key for o in batch if o.has_dependents]
+        if not parents and not watched:
+            return
+        now = self.clock.now()
+        try:
+            if parents:
+                steps = await self.driver.run(flows.flush_outboxes(parents, now))
+                await self.driver.run(flows.after_publish(steps, now))
+            if watched:
+                await self.driver.run(flows.resolve(watched, now))
+        except StorageError as exc:
+            log.warning("next steps or dependents wait for the flow sweep: %s", exc)
+
+
+async def flow_sweep(driver: AsyncDriver, clock: Clock, interval: float) -> None:
+    """Side task: publish outboxes a crash left behind, and resolve dependencies whose
+    dependency's worker did not (it claimed before the dependent was published)."""
+    while True:
+        await asyncio.sleep(interval)
+        now = clock.now()
+        try:
+            stale = now - dt.timedelta(seconds=interval)
+            steps = await driver.run(flows.flush_outboxes(None, now, older_than=stale))
+            await driver.run(flows.after_publish(steps, now))
+            await driver.run(flows.resolve(await driver.run(flows.awaited()), now))
+        except StorageError as exc:
+            log.warning("flow sweep failed, will retry: %s", exc)
