@@ -12,13 +12,15 @@ try:
 except ImportError:  # pragma: no cover - the optional dependency is absent
     trace = None  # type: ignore[assignment]
 
+# A proxy until the application sets a tracer provider; it then delegates to that provider.
+_tracer = trace.get_tracer("mtask") if trace is not None else None
+
 
 @contextlib.contextmanager
 def span(span_name: str, /, **attributes: Any) -> Iterator[None]:
-    if trace is None:
+    if _tracer is None:
         yield
         return
-    tracer = trace.get_tracer("mtask")
     clean = {f"mtask.{k}": v for k, v in attributes.items() if v is not None}
-    with tracer.start_as_current_span(span_name, attributes=clean):
+    with _tracer.start_as_current_span(span_name, attributes=clean):
         yield

@@ -245,6 +245,8 @@ async def healthz(client: Client) -> JSONResponse:
         "ok": primary,
         "primary": primary,
         "set": hello.get("setName"),
-        "server_time": now.isoformat() if isinstance(now, dt.datetime) else None,
+        "server_time": (now if now.tzinfo else now.replace(tzinfo=dt.UTC)).isoformat()
+        if isinstance(now, dt.datetime)
+        else None,
     }
     return JSONResponse(body, status_code=200 if primary else 503)
