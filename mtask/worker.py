@@ -486,8 +486,11 @@ class Worker:
                 for doc in docs:
                     self._start(doc, sent, slot)
                     self.stats.claimed += 1
-                if not docs and slot is not None:
-                    self.recorder.release_slot(slot, run_id)
+                if not docs:
+                    if slot is not None:
+                        self.recorder.release_slot(slot, run_id)
+                    self._claiming.discard(key)
+                    await self._requeue([key], later_than=now)  # as for a batch claim's misses
             finally:
                 self._claiming.discard(key)
 
