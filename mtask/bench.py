@@ -190,7 +190,7 @@ class Bench:
         self.record(
             Result(
                 "W1 drain",
-                f"{rate:,.0f} tasks/s = {ratio:.0%} of W0",
+                f"{rate:,.0f} tasks/s = {ratio:.1%} of W0",
                 "≥ 60% of W0",
                 ratio >= 0.6,
                 f"{n:,} no-op tasks, one mtask-worker process, concurrency 64",
