@@ -53,7 +53,11 @@ def test_a_worker_serves_its_metrics(mongo_uri: str, db_name: str, client: TaskC
     with worker_process(mongo_uri, db_name, "--metrics-port", str(port)):
         deadline = time.monotonic() + 60
         text = ""
-        while 'mtask_tasks_failed_total{name="always_fails"} 1.0' not in text:
+        # queue depth is cached for a few seconds: wait for the counts after both runs
+        while not (
+            'mtask_tasks_failed_total{name="always_fails"} 1.0' in text
+            and 'mtask_queue_depth{name="add",status="succeeded"} 1.0' in text
+        ):
             assert time.monotonic() < deadline, text[-2000:]
             time.sleep(0.2)
             text = scrape(port) or ""
