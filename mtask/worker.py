@@ -18,22 +18,17 @@ import contextlib
 import datetime as dt
 import logging
 import os
-import random
 import socket
-import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import bson
 from pymongo import AsyncMongoClient, MongoClient
 from pymongo.errors import PyMongoError
 
 import mtask
-from mtask import control, driver, flows, metrics, store
+from mtask import control, driver, metrics, store
 from mtask.client import AsyncTaskClient
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
@@ -41,9 +36,15 @@ from mtask.errors import InvalidTask, MtaskError, StorageError
 from mtask.gate import LimitGate
 from mtask.heap import ClaimQueue
 from mtask.lease import LeasePinger
-from mtask.models import RunState
 from mtask.recorder import OutcomeRecorder, flow_sweep
-from mtask.registry import Fail, InvalidParams, Registry, Retry, TaskContext
+from mtask.registry import Registry, TaskContext
+from mtask.runs import (
+    ActiveRun,
+    RunOutcomes,
+    WorkerStats,
+    default_worker_id,
+    dt_seconds,
+)
 from mtask.schedules import Scheduler
 from mtask.store import Outcome
 from mtask.tracing import span
@@ -60,45 +61,6 @@ class WorkerCrashed(MtaskError):
     """A part of the worker failed in a way it cannot recover from; the worker stopped."""
 
     default_message = "a part of the worker died; the worker stopped"
-
-
-@dataclass
-class WorkerStats:
-    claim_calls: int = 0
-    claim_attempts: int = 0
-    """Keys tried in claims (for the stampede measure: attempts per claimed task)."""
-    claimed: int = 0
-    succeeded: int = 0
-    failed: int = 0
-    retried: int = 0
-    lease_lost: int = 0
-    released: int = 0
-    cancelled: int = 0
-
-
-@dataclass
-class _Run:
-    key: str
-    name: str
-    run_id: str
-    ctx: TaskContext
-    slot: str | None = None
-    """The name whose cluster-wide limit gave this run a slot (given back when it ends)."""
-    has_dependents: bool = False
-    task: asyncio.Task[None] | None = None
-    stop_reason: str | None = None
-    deadline: asyncio.TimerHandle | None = None
-    """The timer of ``Worker._watch_deadline``; cancelled when the run ends (it holds the run)."""
-    started: float = field(default_factory=time.monotonic)
-
-
-def default_worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-
-def short_traceback(exc: BaseException) -> str:
-    text = "".join(traceback.format_exception(exc))
-    return text if len(text) <= TRACEBACK_LIMIT else "…" + text[-TRACEBACK_LIMIT:]
 
 
 class Worker:
@@ -152,7 +114,7 @@ class Worker:
         # A ServerClock (ours or an injected one) is calibrated here; other clocks are trusted.
         self._server_clock = self.clock if isinstance(self.clock, ServerClock) else None
         self._on_event = on_event
-        self._runs: dict[str, _Run] = {}
+        self._runs: dict[str, ActiveRun] = {}
         self._keys: dict[str, int] = {}  # key -> runs of it in flight here
         self._claiming: set[str] = set()  # keys whose claim is on its way
         self._wake = asyncio.Event()
@@ -205,6 +167,9 @@ class Worker:
             collection=self.collection_name,
             clock=self.clock,
             mongo_client=self._aclient,
+        )
+        self.outcomes = RunOutcomes(
+            self.stats, self._emit, self.max_result_bytes, self._publisher.max_params_bytes
         )
         try:
             await self._startup(adb)
@@ -585,7 +550,7 @@ class Worker:
             worker_id=self.worker_id,
             publisher=self._publisher.publish,
         )
-        run = _Run(
+        run = ActiveRun(
             key=doc["_id"],
             name=doc["name"],
             run_id=run_id,
@@ -611,12 +576,12 @@ class Worker:
         metrics.IN_FLIGHT.inc()
         self._emit("claimed", key=run.key, run_id=run_id, attempt=ctx.attempt)
 
-    async def _execute(self, run: _Run, doc: dict[str, Any]) -> None:
+    async def _execute(self, run: ActiveRun, doc: dict[str, Any]) -> None:
         outcome: Outcome | None
         try:
-            outcome = await self._call_handler(run, doc)
+            outcome = await self.outcomes.call(run, self.registry[run.name], doc)
         except asyncio.CancelledError:
-            outcome = self._stopped_outcome(run)
+            outcome = self.outcomes.stopped(run)
             if outcome is None and run.stop_reason is None:
                 raise
         finally:
@@ -636,98 +601,7 @@ class Worker:
         if outcome is not None:
             self.recorder.add(outcome)
 
-    async def _call_handler(self, run: _Run, doc: dict[str, Any]) -> Outcome:
-        handler = self.registry[run.name]
-        try:
-            params = handler.parse(doc.get("params") or {})
-            args = handler.args(params, run.ctx)
-            with span("mtask.run", name=run.name, key=run.key, attempt=run.ctx.attempt):
-                if handler.is_async:
-                    result = await handler.fn(*args)
-                else:
-                    result = await run_in_thread(handler.fn, *args, name=f"mtask-run-{run.key}")
-            return self._success(run, result)
-        except Retry as exc:
-            delay = None if exc.delay is None else round(exc.delay * 1000)
-            return self._failure(run, f"retry requested: {exc}", retry_delay_ms=delay)
-        except Fail as exc:
-            return self._failure(run, f"failed: {exc}", permanent=True)
-        except InvalidParams as exc:
-            return self._failure(run, str(exc), permanent=True)
-        except Exception as exc:  # noqa: BLE001 - any handler error is the task's failure
-            return self._failure(run, short_traceback(exc))
-
-    def _success(self, run: _Run, result: Any) -> Outcome:
-        steps: tuple[dict[str, Any], ...] = ()
-        if flows.is_steps(result):
-            try:
-                built = flows.build_steps(run.key, result, self._publisher.max_params_bytes)
-            except InvalidTask as exc:
-                return self._failure(run, f"invalid next step: {exc}", permanent=True)
-            steps = tuple(flows.outbox_entry(t) for t in built)
-            result = [t.key for t in built]
-        try:
-            size = len(bson.encode({"result": result}))
-        except Exception as exc:  # noqa: BLE001 - any encoding problem is the handler's
-            return self._failure(run, f"the result cannot be stored: {exc}", permanent=True)
-        if size > self.max_result_bytes:
-            return self._failure(
-                run,
-                f"the result is {size} bytes as BSON; the limit is {self.max_result_bytes}",
-                permanent=True,
-            )
-        self.stats.succeeded += 1
-        metrics.SUCCEEDED.labels(run.name).inc()
-        self._emit("succeeded", key=run.key, run_id=run.run_id)
-        return Outcome(
-            run.key,
-            run.run_id,
-            RunState.SUCCESS,
-            result=result,
-            steps=steps,
-            has_dependents=run.has_dependents,
-        )
-
-    def _failure(
-        self, run: _Run, error: str, *, permanent: bool = False, retry_delay_ms: int | None = None
-    ) -> Outcome:
-        metrics.FAILED.labels(run.name).inc()
-        if permanent:
-            self.stats.failed += 1
-        else:
-            self.stats.retried += 1
-            metrics.RETRIED.labels(run.name).inc()
-        self._emit(
-            "failed",
-            key=run.key,
-            run_id=run.run_id,
-            error=(error.strip().splitlines() or [""])[-1],
-            permanent=permanent,
-        )
-        return Outcome(
-            run.key,
-            run.run_id,
-            RunState.FAIL,
-            error=error,
-            permanent=permanent,
-            retry_delay_ms=retry_delay_ms,
-            jitter=random.uniform(0.8, 1.2),
-            has_dependents=run.has_dependents,
-        )
-
-    def _stopped_outcome(self, run: _Run) -> Outcome | None:
-        reason = run.stop_reason
-        if reason == "shutdown" or reason == "not_allowed":
-            self.stats.released += 1
-            self._emit("released", key=run.key, run_id=run.run_id, reason=reason)
-            return Outcome(run.key, run.run_id, RunState.RELEASED)
-        if reason == "cancelled":
-            self.stats.cancelled += 1
-            self._emit("cancelled", key=run.key, run_id=run.run_id)
-            return Outcome(run.key, run.run_id, RunState.CANCELLED, error="cancelled")
-        return None  # lost: another run owns the task; nothing may be written
-
-    def _watch_deadline(self, run: _Run) -> None:
+    def _watch_deadline(self, run: ActiveRun) -> None:
         """Stop a run when its lease has run out by this process's own clock, before any
         other worker can take it over: after a freeze (SIGSTOP, a VM pause) the run is stopped
         by the first timer that fires, not by a ping answered later, and no ping success is
@@ -859,34 +733,3 @@ class Worker:
             log.info("%s %s", event, " ".join(f"{k}={v}" for k, v in data.items()))
         if self._on_event is not None:
             self._on_event(event, **data)
-
-
-async def run_in_thread(fn: Callable[..., Any], *args: Any, name: str) -> Any:
-    """Run a plain-def handler on a thread of its own. Cancelling the await abandons the
-    thread (Python cannot stop one): a handler that hangs forever then costs a thread, never a
-    slot of the worker, as it would in a fixed-size pool."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def target() -> None:
-        try:
-            result, error = fn(*args), None
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-            result, error = None, exc
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits any more
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=target, name=name, daemon=True).start()
-    return await future
-
-
-def dt_seconds(seconds: float) -> dt.timedelta:
-    return dt.timedelta(seconds=seconds)
