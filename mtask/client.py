@@ -261,6 +261,10 @@ class TaskClient(_Base):
     def resume(self, name: str) -> None:
         self._run(control.set_paused(validate_name(name), False, self.now()))
 
+    def paused(self) -> set[str]:
+        """The task names paused on every worker."""
+        return self._run(control.paused_names())
+
     def set_limit(
         self,
         name: str,
@@ -427,6 +431,10 @@ class AsyncTaskClient(_Base):
 
     async def resume(self, name: str) -> None:
         await self._run(control.set_paused(validate_name(name), False, await self.now()))
+
+    async def paused(self) -> set[str]:
+        """The task names paused on every worker."""
+        return await self._run(control.paused_names())
 
     async def set_limit(
         self,

@@ -113,33 +113,12 @@ class Registry:
         self.handlers: dict[str, Handler] = {}
         self.schedules: dict[str, Schedule] = {}
 
-    def schedule(
-        self,
-        task: str,
-        *,
-        id: str | None = None,
-        cron: str | None = None,
-        every: float | dt.timedelta | None = None,
-        timezone: str = "UTC",
-        params: Any = None,
-        options: Any = None,
-        catch_up: str = "latest",
-        misfire_grace_s: float = 60.0,
-    ) -> Schedule:
-        """Publish a ``task`` task on each tick of a cron expression or an interval. Workers
-        running this registry create (or update) the schedule in MongoDB when they start; the
-        schedule's id is ``id`` or the task name."""
-        schedule = Schedule.build(
-            id or task,
-            task,
-            cron=cron,
-            every=every,
-            timezone=timezone,
-            params=params,
-            options=options,
-            catch_up=catch_up,
-            misfire_grace_s=misfire_grace_s,
-        )
+    def schedule(self, task: str, *, id: str | None = None, **definition: Any) -> Schedule:
+        """Publish a ``task`` task on each tick of ``cron=`` or ``every=`` (and ``timezone``,
+        ``params``, ``options``, ``catch_up``, ``misfire_grace_s``: see ``Schedule.build``).
+        Workers running this registry create (or update) the schedule in MongoDB when they
+        start; the schedule's id is ``id`` or the task name."""
+        schedule = Schedule.build(id or task, task, **definition)
         if schedule.id in self.schedules:
             raise InvalidTask(f"a schedule {schedule.id!r} is already declared", field="id")
         self.schedules[schedule.id] = schedule

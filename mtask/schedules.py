@@ -56,6 +56,8 @@ Doc = dict[str, Any]
 CatchUp = Literal["none", "latest", "all"]
 CATCH_UP_CHOICES = ("none", "latest", "all")
 MAX_TICKS_PER_PASS = 1000
+VALIDATION_ANCHOR = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
+"""Any instant: building a trigger checks its definition; no time is decided by it."""
 POLL_SECONDS = 1.0
 """The longest a scheduler sleeps: a schedule added or resumed is seen within this."""
 
@@ -118,7 +120,7 @@ class Schedule(BaseModel):
             catch_up=catch_up,
             misfire_grace_s=misfire_grace_s,
         )
-        schedule.trigger(dt.datetime.now(dt.UTC))  # refuses a bad cron expression or zone
+        schedule.trigger(VALIDATION_ANCHOR)  # refuses a bad cron expression or zone
         return schedule
 
     def trigger(self, start: dt.datetime) -> BaseTrigger:

@@ -135,9 +135,11 @@ def _overlap(spans: list[tuple[float, float]]) -> int:
     return peak
 
 
-async def test_two_workers_share_a_concurrency_limit(
-    mongo_uri: str, db_name: str, client: TaskClient
-) -> None:
+def spans_registry(
+    count: int, seconds: float
+) -> tuple[Registry, list[tuple[float, float]], asyncio.Event]:
+    """A ``limited`` handler that records its (start, end) on the loop's clock, and an event
+    set when ``count`` runs have ended."""
     registry = Registry()
     spans: list[tuple[float, float]] = []
     loop = asyncio.get_running_loop()
@@ -146,11 +148,18 @@ async def test_two_workers_share_a_concurrency_limit(
     @registry.task("limited")
     async def limited(params: dict[str, Any]) -> None:
         start = loop.time()
-        await asyncio.sleep(0.03)
+        await asyncio.sleep(seconds)
         spans.append((start, loop.time()))
-        if len(spans) == 24:
+        if len(spans) == count:
             done.set()
 
+    return registry, spans, done
+
+
+async def test_two_workers_share_a_concurrency_limit(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    registry, spans, done = spans_registry(24, 0.03)
     client.set_limit("limited", concurrency=2)
     async with (
         running_worker(registry, mongo_uri, db_name, concurrency=8) as (_, events_a),
@@ -168,19 +177,7 @@ async def test_two_workers_share_a_concurrency_limit(
 async def test_a_new_limit_is_known_to_running_workers_within_a_second(
     mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
-    registry = Registry()
-    spans: list[tuple[float, float]] = []
-    loop = asyncio.get_running_loop()
-    done = asyncio.Event()
-
-    @registry.task("limited")
-    async def limited(params: dict[str, Any]) -> None:
-        start = loop.time()
-        await asyncio.sleep(0.02)
-        spans.append((start, loop.time()))
-        if len(spans) == 12:
-            done.set()
-
+    registry, spans, done = spans_registry(12, 0.02)
     async with running_worker(registry, mongo_uri, db_name, concurrency=8) as (worker, _):
         assert not worker.gate.limited
         client.set_limit("limited", concurrency=1)

@@ -17,7 +17,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from mtask import control
 from mtask.client import MAX_DELAY_SECONDS, AsyncTaskClient
 from mtask.errors import TaskNotFound
 from mtask.models import validate_name
@@ -180,7 +179,7 @@ async def resume(name: str, client: Client) -> dict[str, Any]:
 @router.get("/names")
 async def names(client: Client) -> dict[str, list[str]]:
     """Paused task names."""
-    paused = await client._run(control.paused_names())
+    paused = await client.paused()
     return {"paused": sorted(paused)}
 
 

@@ -18,7 +18,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
-from mtask import control
 from mtask.client import AsyncTaskClient
 from mtask.models import TaskStatus
 from mtask.web.auth import COOKIE, token_ok
@@ -85,7 +84,7 @@ async def overview(request: Request) -> HTMLResponse:
         return login_page()
     client: AsyncTaskClient = request.app.state.client
     counts = await client.stats()
-    paused = await client._run(control.paused_names())
+    paused = await client.paused()
     names = sorted(set(counts) | paused)
     return render(
         "overview.html",
