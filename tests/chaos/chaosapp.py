@@ -53,10 +53,12 @@ def log_sync(ctx: TaskContext, event: str) -> None:
 
 @registry.task("work")
 async def work(params: dict[str, Any], ctx: TaskContext) -> str:
-    """Sleeps ``ms``; fails on attempts up to ``fail_attempts``."""
+    """Sleeps ``ms`` (or ``ms_by_worker[worker id]``); fails on attempts up to
+    ``fail_attempts``."""
     await log(ctx, "start")
+    ms = params.get("ms_by_worker", {}).get(ctx.worker_id, params.get("ms", 50))
     try:
-        await asyncio.sleep(params.get("ms", 50) / 1000)
+        await asyncio.sleep(ms / 1000)
     except asyncio.CancelledError:
         await log(ctx, "cancelled")
         raise

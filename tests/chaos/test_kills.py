@@ -80,7 +80,17 @@ async def test_frozen_worker_is_preempted_and_writes_nothing(
     options = {"worker_timeout_ms": 1000, "ping_interval_ms": 200, "max_retries": 3}
     zombie = cluster.spawn("zombie", "--concurrency", "4")
     client.publish_many(
-        [{"name": "work", "key": k, "params": {"ms": 3000}, "options": options} for k in keys]
+        # the zombie's runs would sleep far past the freeze, so that only its lease deadline
+        # can end them (a handler waking in the same loop turn as the deadline would race it)
+        [
+            {
+                "name": "work",
+                "key": k,
+                "params": {"ms": 300, "ms_by_worker": {"zombie": 600_000}},
+                "options": options,
+            }
+            for k in keys
+        ]
     )
     log = mongo[db_name]["execlog"]
     await wait_for(lambda: log.count_documents({"worker_id": "zombie", "event": "start"}) == 4)
@@ -90,7 +100,15 @@ async def test_frozen_worker_is_preempted_and_writes_nothing(
         await until_finished(client, len(keys), timeout=60)
     finally:
         zombie.send_signal(signal.SIGCONT)
-    await wait_for(lambda: log.count_documents({"worker_id": "zombie", "event": "cancelled"}) == 4)
+    try:
+        await wait_for(
+            lambda: log.count_documents({"worker_id": "zombie", "event": "cancelled"}) == 4
+        )
+    except TimeoutError:
+        entries = list(log.find({"worker_id": "zombie"}, {"_id": 0, "key": 1, "event": 1}))
+        raise AssertionError(
+            f"the zombie logged {entries}; its log:\n{cluster.log_of('zombie')}"
+        ) from None
     report = assert_invariants(mongo, db_name, set(keys))
     assert report.by_status["succeeded"] == 4
     for task in client.list():
