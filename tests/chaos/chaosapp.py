@@ -51,16 +51,25 @@ def log_sync(ctx: TaskContext, event: str) -> None:
     _collection(sync=True).update_one(filt, update, upsert=True)
 
 
+async def stopped(ctx: TaskContext, start: asyncio.Future[None]) -> None:
+    """Log a run's ``cancelled`` end, after its ``start`` entry: a run may be stopped while
+    its start is still being written (a worker frozen right after the write reached MongoDB
+    wakes up to find its lease gone), and its entries must still read start, then cancelled."""
+    await start
+    await log(ctx, "cancelled")
+
+
 @registry.task("work")
 async def work(params: dict[str, Any], ctx: TaskContext) -> str:
     """Sleeps ``ms`` (or ``ms_by_worker[worker id]``); fails on attempts up to
     ``fail_attempts``."""
-    await log(ctx, "start")
     ms = params.get("ms_by_worker", {}).get(ctx.worker_id, params.get("ms", 50))
+    start = asyncio.ensure_future(log(ctx, "start"))
     try:
+        await asyncio.shield(start)
         await asyncio.sleep(ms / 1000)
     except asyncio.CancelledError:
-        await log(ctx, "cancelled")
+        await stopped(ctx, start)
         raise
     if ctx.attempt <= params.get("fail_attempts", 0):
         await log(ctx, "fail")
@@ -72,11 +81,12 @@ async def work(params: dict[str, Any], ctx: TaskContext) -> str:
 @registry.task("hang")
 async def hang(params: dict[str, Any], ctx: TaskContext) -> None:
     """Never returns; only cancellation stops it."""
-    await log(ctx, "start")
+    start = asyncio.ensure_future(log(ctx, "start"))
     try:
+        await asyncio.shield(start)
         await asyncio.Event().wait()
     except asyncio.CancelledError:
-        await log(ctx, "cancelled")
+        await stopped(ctx, start)
         raise
 
 
