@@ -136,6 +136,7 @@ class RunOutcomes:
             result=result,
             steps=steps,
             has_dependents=run.has_dependents,
+            worker_id=run.ctx.worker_id,
         )
 
     def failure(

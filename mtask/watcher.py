@@ -47,6 +47,41 @@ def rendezvous_rank(key: str, worker_id: str, peers: Collection[str]) -> int:
     return sum(1 for peer in peers if peer != worker_id and weight(peer) < mine)
 
 
+def stream_pipeline(tasks: str, worker_id: str) -> list[dict[str, Any]]:
+    """The worker's change stream: task inserts, deletes and changes of ``next_claim_at``
+    (except the worker's own claims and successes), and the controls, limits and schedules."""
+    own = [store.claim_tag(worker_id), store.success_tag(worker_id)]
+    task_events = {
+        "ns.coll": tasks,
+        "$or": [
+            {"operationType": {"$in": ["insert", "replace", "delete"]}},
+            {
+                "operationType": "update",
+                "updateDescription.updatedFields.next_claim_at": {"$exists": True},
+                # The worker knows what it wrote. The server applies this to the oplog
+                # entries, before it builds an event.
+                f"updateDescription.updatedFields.{store.LAST_WRITE}": {"$nin": own},
+            },
+        ],
+    }
+    return [
+        {
+            "$match": {
+                "$or": [task_events, {"ns.coll": {"$in": ["controls", "limits", "schedules"]}}]
+            }
+        },
+        {
+            "$project": {
+                "operationType": 1,
+                "documentKey": 1,
+                "ns": 1,
+                "updateDescription.updatedFields.next_claim_at": 1,
+                **{f"fullDocument.{f}": 1 for f in ("_id", *store.PLACEMENT_FIELDS)},
+            }
+        },
+    ]
+
+
 class Watcher:
     def __init__(
         self,
@@ -137,6 +172,13 @@ class Watcher:
     def forget(self, key: str) -> None:
         self.queue.discard(key)
         self.meta.pop(key, None)
+
+    def succeeded(self, key: str) -> None:
+        """This worker recorded a success of ``key``: its stream skips that event, so forget
+        the task here (a rescan that read it before then must not bring it back)."""
+        if self._touched is not None:
+            self._touched.add(key)
+        self.forget(key)
 
     def _move(self, key: str, claim_at: Any) -> None:
         """A known task's claim time changed (``None``: it finished)."""
@@ -278,34 +320,6 @@ class Watcher:
 
     # -- the change stream ----------------------------------------------------------------------
 
-    def _pipeline(self, tasks: str) -> list[dict[str, Any]]:
-        task_events = {
-            "ns.coll": tasks,
-            "$or": [
-                {"operationType": {"$in": ["insert", "replace", "delete"]}},
-                {
-                    "operationType": "update",
-                    "updateDescription.updatedFields.next_claim_at": {"$exists": True},
-                },
-            ],
-        }
-        return [
-            {
-                "$match": {
-                    "$or": [task_events, {"ns.coll": {"$in": ["controls", "limits", "schedules"]}}]
-                }
-            },
-            {
-                "$project": {
-                    "operationType": 1,
-                    "documentKey": 1,
-                    "ns": 1,
-                    "updateDescription.updatedFields.next_claim_at": 1,
-                    **{f"fullDocument.{f}": 1 for f in ("_id", *store.PLACEMENT_FIELDS)},
-                }
-            },
-        ]
-
     async def run_stream(self) -> None:
         collection = self.driver.collections["tasks"]
         # One stream on the database: the tasks collection and the pause/resume controls.
@@ -315,7 +329,9 @@ class Watcher:
         while True:
             try:
                 stream = await database.watch(
-                    self._pipeline(collection.name), resume_after=token, max_await_time_ms=500
+                    stream_pipeline(collection.name, self.worker_id),
+                    resume_after=token,
+                    max_await_time_ms=500,
                 )
                 async with stream:
                     await self.rescan()  # after the stream is open: nothing slips between

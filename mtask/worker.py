@@ -46,7 +46,7 @@ from mtask.runs import (
     dt_seconds,
 )
 from mtask.schedules import Scheduler
-from mtask.store import Outcome
+from mtask.store import Outcome, RunState
 from mtask.tracing import span
 from mtask.watcher import Watcher
 
@@ -662,7 +662,15 @@ class Worker:
                 len(outcomes) - recorded,
                 len(outcomes),
             )
+        all_landed = recorded == len(outcomes)  # else some may have been requeued
         for outcome in outcomes:
+            if (
+                all_landed
+                and outcome.state is RunState.SUCCESS
+                and self.watcher is not None
+                and not self._key_in_flight(outcome.key)
+            ):
+                self.watcher.succeeded(outcome.key)  # its stream skips the event
             self._emit(
                 "recorded", key=outcome.key, run_id=outcome.run_id, state=outcome.state.value
             )

@@ -11,6 +11,7 @@ from mtask import TaskClient
 from mtask.clock import FixedClock
 from mtask.models import MAX_RUNS_KEPT
 from mtask.store import Outcome, RunState, claim, extend_lease, finish, finish_many, scan
+from mtask.watcher import stream_pipeline
 
 T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -323,3 +324,41 @@ def test_lean_batch_claim_matches_the_pipeline(tc: TaskClient, clock: FixedClock
     numeric.update(runs=[], next_claim_at=now, attempts=0)
     tc.collection.insert_one(numeric)
     assert tc._run(claim([7, "x"], ["n"], "w1", now, batch="C")) == []  # type: ignore[list-item]
+
+
+def test_a_workers_stream_skips_its_own_claims_and_successes(
+    tc: TaskClient, clock: FixedClock
+) -> None:
+    """Every claim path and the success shortcut tag the task with ``last_write``; worker A's
+    stream (the server filters the oplog) then carries B's claim and success, A's failure (A
+    must learn the retry time from it) and A's ping, but not A's own claims and successes."""
+    with tc.collection.database.watch(stream_pipeline(tc.collection.name, "A")) as stream:
+        for key in ("lean1", "lean2", "single", "b", "fails"):
+            tc.publish("n", key, options={"max_retries": 1, "retry_delay_ms": 1000})
+        # A: a batch (the lean stage), one key without a timeout hint (the full pipeline), one
+        # key with it (the find-and-update shortcut); B: one key
+        batch = tc._run(claim(["lean1", "lean2"], ["n"], "A", clock.now()))
+        single = tc._run(claim(["single"], ["n"], "A", clock.now()))
+        fails = tc._run(claim(["fails"], ["n"], "A", clock.now(), timeouts={"fails": 30000}))
+        by_b = tc._run(claim(["b"], ["n"], "B", clock.now()))
+        assert len(batch) == 2 and single and fails and by_b
+        assert tc.collection.find_one({"_id": "lean1"})["last_write"] == "claim:A"
+        run_of = {d["_id"]: d["claim_run_id"] for d in [*batch, *single, *fails, *by_b]}
+        clock.advance(seconds=1)  # so that the ping moves the lease (and next_claim_at)
+        assert tc._run(extend_lease("single", run_of["single"], "A", clock.now()))
+        outcomes = [
+            Outcome(k, run_of[k], RunState.SUCCESS, worker_id=w)
+            for k, w in (("lean1", "A"), ("lean2", "A"), ("single", "A"), ("b", "B"))
+        ]
+        fail = Outcome("fails", run_of["fails"], RunState.FAIL, error="x", worker_id="A")
+        assert tc._run(finish_many([*outcomes, fail], clock.now())) == 5
+        assert tc.collection.find_one({"_id": "b"})["last_write"] == "success:B"
+        tc.publish("n", "end")
+        updates: list[str] = []
+        for change in stream:
+            if change["operationType"] == "update":
+                updates.append(change["documentKey"]["_id"])
+            if change["documentKey"]["_id"] == "end":
+                break
+    # B's claim and success; A's ping (single) and failure (fails)
+    assert sorted(updates) == ["b", "b", "fails", "single"]

@@ -31,11 +31,14 @@ from mtask.store.outcomes import (
 from mtask.store.schema import (
     CLAIMED_FIELDS,
     INDEXES,
+    LAST_WRITE,
     PLACEMENT_FIELDS,
     SPECIFIC,
     WELL_FORMED,
+    claim_tag,
     ensure_indexes,
     new_document,
+    success_tag,
 )
 from mtask.store.tasks import (
     LIST_ORDERS,
@@ -57,6 +60,7 @@ from mtask.store.tasks import (
 __all__ = [
     "CLAIMED_FIELDS",
     "INDEXES",
+    "LAST_WRITE",
     "LIST_ORDERS",
     "PLACEMENT_FIELDS",
     "SPECIFIC",
@@ -71,6 +75,7 @@ __all__ = [
     "claim_lean_filter",
     "claim_lean_pipeline",
     "claim_pipeline",
+    "claim_tag",
     "ensure_indexes",
     "extend_lease",
     "finish",
@@ -92,4 +97,5 @@ __all__ = [
     "scan",
     "stats",
     "success_fast_update",
+    "success_tag",
 ]

@@ -21,7 +21,7 @@ from mtask.statemachine import (
     recompute_stages,
     set_run_fields,
 )
-from mtask.store.schema import SPECIFIC, WELL_FORMED, literal
+from mtask.store.schema import LAST_WRITE, SPECIFIC, WELL_FORMED, claim_tag, literal
 
 Doc = dict[str, Any]
 
@@ -127,6 +127,8 @@ def claim_pipeline(batch: str, worker_id: str, now: dt.datetime) -> list[Doc]:
             "$set": {
                 "runs": {"$cond": ["$_claim", {"$concatArrays": ["$runs", [new_run]]}, "$runs"]},
                 "attempts": {"$add": ["$attempts", {"$cond": ["$_claim", 1, 0]}]},
+                # only when a run was added (a match that merely expired leases is not ours)
+                LAST_WRITE: {"$cond": ["$_claim", literal(claim_tag(worker_id)), f"${LAST_WRITE}"]},
                 "error": {
                     "$cond": [
                         {"$gt": ["$_expired", 0]},
@@ -156,7 +158,12 @@ def claim_fast_update(
     update = {
         "$push": {"runs": _new_run(run_id, worker_id, now, lease)},
         "$inc": {"attempts": 1},
-        "$set": {"status": TaskStatus.RUNNING.value, "next_claim_at": lease, "updated_at": now},
+        "$set": {
+            "status": TaskStatus.RUNNING.value,
+            "next_claim_at": lease,
+            "updated_at": now,
+            LAST_WRITE: claim_tag(worker_id),
+        },
     }
     return filt, update
 
@@ -191,6 +198,7 @@ def claim_lean_pipeline(batch: str, worker_id: str, now: dt.datetime) -> list[Do
                 "status": TaskStatus.RUNNING.value,
                 "next_claim_at": lease,
                 "updated_at": now,
+                LAST_WRITE: literal(claim_tag(worker_id)),
             }
         }
     ]

@@ -17,7 +17,7 @@ from mtask.statemachine import (
     set_run_fields,
 )
 from mtask.store.claims import run_filter
-from mtask.store.schema import literal
+from mtask.store.schema import LAST_WRITE, literal, success_tag
 
 Doc = dict[str, Any]
 
@@ -41,6 +41,12 @@ class Outcome:
     """SUCCESS: next steps (``flows.outbox_entry``), written to the outbox with the success."""
     has_dependents: bool = False
     """Other tasks depend on this one: resolve them once the outcome is recorded."""
+    worker_id: str | None = None
+    """The worker whose run this is: a SUCCESS it records is tagged ``last_write``."""
+
+
+def _success_tag(outcome: Outcome) -> Doc:
+    return {} if outcome.worker_id is None else {LAST_WRITE: success_tag(outcome.worker_id)}
 
 
 def _step_fields(outcome: Outcome) -> Doc:
@@ -82,6 +88,7 @@ def finish_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, list[Doc]]:
         sets["successes"] = {"$add": ["$successes", 1]}
         sets["result"] = literal(outcome.result)
         sets.update({k: literal(v) for k, v in _step_fields(outcome).items()})
+        sets.update({k: literal(v) for k, v in _success_tag(outcome).items()})
     elif state is RunState.FAIL:
         run_fields["error"] = literal(outcome.error)
         sets["error"] = literal(outcome.error)
@@ -132,6 +139,7 @@ def success_fast_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
             "finished_at": now,
             "updated_at": now,
             **_step_fields(outcome),
+            **_success_tag(outcome),
         },
         "$inc": {"successes": 1},
     }

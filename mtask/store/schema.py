@@ -146,6 +146,21 @@ PLACEMENT_FIELDS = {
 }
 
 
+LAST_WRITE = "last_write"
+"""Set by a worker's claims and successes to ``claim:<worker id>`` / ``success:<worker id>``:
+its own change stream skips these events (the worker knows what it wrote), so a draining
+worker does not read back two events per task. Any other write leaves it alone, so its events
+(a failure to retry, a release, a ping) reach every worker, the writer included."""
+
+
+def claim_tag(worker_id: str) -> str:
+    return f"claim:{worker_id}"
+
+
+def success_tag(worker_id: str) -> str:
+    return f"success:{worker_id}"
+
+
 def literal(value: Any) -> dict[str, Any]:
     """Wrap user data placed in a pipeline so ``$``-strings are never read as expressions."""
     return {"$literal": value}
