@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import T0
 from pymongo import MongoClient
 
 from mtask import AsyncTaskClient, TaskClient
+from mtask.clock import FixedClock
 from mtask.errors import MtaskError
 
 
@@ -72,4 +74,17 @@ def client(mongo_uri: str, db_name: str) -> Iterator[TaskClient]:
 @pytest.fixture
 async def aclient(mongo_uri: str, db_name: str) -> AsyncIterator[AsyncTaskClient]:
     async with AsyncTaskClient(mongo_uri, database=db_name) as c:
+        yield c
+
+
+@pytest.fixture
+def clock() -> FixedClock:
+    """An injected clock at ``T0`` (tests advance it instead of sleeping)."""
+    return FixedClock(T0)
+
+
+@pytest.fixture
+def tc(mongo_uri: str, db_name: str, clock: FixedClock) -> Iterator[TaskClient]:
+    """A client whose clock is ``clock``."""
+    with TaskClient(mongo_uri, database=db_name, clock=clock) as c:
         yield c

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from mtask.registry import Registry
 from mtask.worker import Worker
+
+T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
+"""The start of an injected clock (``FixedClock``) in tests that do not wait."""
 
 
 class Events:

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 import pytest
-from harness import running_worker, wait_for
+from harness import T0, running_worker, wait_for
 
 from mtask import Next, TaskClient
 from mtask.clock import FixedClock
@@ -146,9 +146,6 @@ async def test_an_invalid_next_step_fails_the_task(
     assert task is not None and task.status == "failed"
     assert task.error is not None and "invalid next step: options.priority" in task.error
     assert client.collection.count_documents({}) == 1
-
-
-T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 
 
 def test_the_sweep_publishes_an_outbox_left_by_a_crash_once(mongo_uri: str, db_name: str) -> None:

@@ -9,7 +9,7 @@ import itertools
 from typing import Any
 
 import pytest
-from harness import running_worker
+from harness import T0, running_worker
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -18,8 +18,6 @@ from mtask.clock import FixedClock
 from mtask.errors import InvalidTask
 from mtask.limits import acquire, extend, parse_rate, refill, release, wait_for_token
 from mtask.registry import Registry
-
-T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 
 
 @given(

@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 import pytest
-from harness import running_worker, wait_for
+from harness import T0, running_worker, wait_for
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -28,8 +28,6 @@ from mtask.schedules import (
     plan,
     tick_key,
 )
-
-T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 
 
 def ticks_between(trigger: Any, start: dt.datetime, now: dt.datetime) -> list[dt.datetime]:
@@ -140,17 +138,6 @@ def test_bad_schedules_are_refused_and_nothing_is_written(
     with pytest.raises(InvalidTask, match="^id: must not contain '@'"):
         client.add_schedule("a@b", "t", every=5)
     assert client.schedules() == []
-
-
-@pytest.fixture
-def clock() -> FixedClock:
-    return FixedClock(T0)
-
-
-@pytest.fixture
-def tc(mongo_uri: str, db_name: str, clock: FixedClock) -> Any:
-    with TaskClient(mongo_uri, database=db_name, clock=clock) as c:
-        yield c
 
 
 def test_concurrent_schedulers_publish_each_tick_once(tc: TaskClient, clock: FixedClock) -> None:

@@ -5,26 +5,13 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-import pytest
+from harness import T0
 
 from mtask import TaskClient
 from mtask.clock import FixedClock
 from mtask.models import MAX_RUNS_KEPT
 from mtask.store import Outcome, RunState, claim, extend_lease, finish, finish_many, scan
 from mtask.watcher import stream_pipeline
-
-T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
-
-
-@pytest.fixture
-def clock() -> FixedClock:
-    return FixedClock(T0)
-
-
-@pytest.fixture
-def tc(mongo_uri: str, db_name: str, clock: FixedClock) -> Any:
-    with TaskClient(mongo_uri, database=db_name, clock=clock) as c:
-        yield c
 
 
 def one(
