@@ -60,6 +60,8 @@ class LeasePinger:
         self._leases: dict[str, _Lease] = {}
         self._cond = threading.Condition()
         self._stopping = False
+        self._wake_at = 0.0
+        """When the thread's current wait ends (monotonic); 0 while it is not waiting."""
         self._thread = threading.Thread(target=self._run, name="mtask-pinger", daemon=True)
         self._failing = False
         self._loop_block_logged = False
@@ -92,7 +94,10 @@ class LeasePinger:
             self._leases[run_id] = _Lease(
                 key, run_id, interval, timeout, now + interval, now, claim_sent + timeout, slot=slot
             )
-            self._cond.notify()
+            # wake the thread only if this ping is due before it wakes anyway: a woken thread
+            # takes the GIL from the event loop, on every claim
+            if now + interval < self._wake_at:
+                self._cond.notify()
 
     def expiry(self, run_id: str) -> float | None:
         """When the run's lease runs out at the earliest (monotonic); None if not pinged."""
@@ -111,7 +116,9 @@ class LeasePinger:
                 if due:
                     return due
                 wake = min((lease.next_at for lease in self._leases.values()), default=now + 1)
-                self._cond.wait(timeout=min(max(wake - now, 0.0), 1.0))
+                self._wake_at = min(wake, now + 1.0)
+                self._cond.wait(timeout=max(self._wake_at - now, 0.0))
+                self._wake_at = 0.0  # awake: a lease added now is seen by the loop above
                 self._check_loop()
             return []
 

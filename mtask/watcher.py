@@ -347,6 +347,9 @@ class Watcher:
                             break
                         if change is not None:
                             self._on_change(change)
+                            # let a woken worker loop send its claim before this task
+                            # spends its turn sending the next getMore (W2 latency)
+                            await asyncio.sleep(0)
                         if self.unknown:
                             await self._look_up_unknown()
                         if self.malformed:

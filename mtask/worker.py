@@ -353,8 +353,11 @@ class Worker:
                 )
                 if wake_at is not None:
                     timeout = max(0.0, (wake_at - now).total_seconds())
+            # asyncio.timeout waits on the event itself; wait_for would wrap it in a task,
+            # costing two more event-loop turns between a wake-up and the claim (W2 latency)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
 
     async def _claim(self, keys: list[str], names: list[str], now: dt.datetime) -> None:
         if self.gate.limited:

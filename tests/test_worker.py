@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import threading
 import time
 from typing import Any
 
@@ -15,6 +16,7 @@ from workerapp import registry
 from mtask import TaskClient
 from mtask.clock import ServerClock
 from mtask.errors import InvalidTask
+from mtask.lease import LeasePinger
 from mtask.recorder import OutcomeRecorder
 from mtask.registry import Registry
 from mtask.worker import Worker, WorkerCrashed
@@ -539,6 +541,39 @@ async def test_changed_ping_interval_applies_at_the_next_ping(
         await wait_for(lambda: lease.interval == 0.25)
         pings = worker.pinger.pings
         await wait_for(lambda: worker.pinger.pings >= pings + 2)  # type: ignore[union-attr]
+
+
+def test_the_pinger_thread_is_woken_only_for_a_ping_due_before_its_wait_ends(
+    client: TaskClient,
+) -> None:
+    """Waking the pinger thread takes the GIL from the event loop: a claim wakes it only if
+    the new lease's first ping is due before the thread would wake anyway (at most 1 s)."""
+    lost: list[str] = []
+    found = threading.Event()
+
+    def on_lost(run_id: str, doc: dict[str, Any] | None) -> None:
+        lost.append(run_id)
+        found.set()
+
+    client.now()  # calibrates the client's server clock, which the pings read
+    pinger = LeasePinger(client._driver, "w1", client.clock, on_lost)
+    notified: list[bool] = []
+    real_notify = pinger._cond.notify
+    pinger._cond.notify = lambda n=1: (notified.append(True), real_notify(n))[1]  # type: ignore[method-assign]
+    pinger.start()
+    try:
+        deadline = time.monotonic() + 10
+        while pinger._wake_at == 0.0 and time.monotonic() < deadline:
+            time.sleep(0.001)  # until the idle thread waits (up to 1 s)
+        assert pinger._wake_at > 0.0
+        pinger.add("late", "run-late", 60_000, 180_000, time.monotonic())
+        assert notified == []  # its first ping is a minute away: the thread is left alone
+        pinger.add("soon", "run-soon", 1, 30_000, time.monotonic())
+        assert notified == [True]
+        # the woken thread pinged it at once: no such task, so the run is reported lost
+        assert found.wait(10) and lost == ["run-soon"]
+    finally:
+        pinger.stop()
 
 
 async def test_more_tasks_than_the_queue_holds(
