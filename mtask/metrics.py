@@ -8,9 +8,11 @@ The worker serves them on ``--metrics-port``; ``mtask serve`` on ``/metrics``.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -38,6 +40,13 @@ RUN_DURATION = Histogram(
     ["name"],
     buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800),
 )
+
+
+@functools.lru_cache(maxsize=4096)
+def by_name(metric: Counter | Histogram, name: str) -> Any:
+    """``metric.labels(name)``, cached: ``labels`` validates and takes a lock on every call,
+    and the worker asks for a child several times per task."""
+    return metric.labels(name)
 
 
 class QueueDepth(Collector):

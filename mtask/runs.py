@@ -127,7 +127,7 @@ class RunOutcomes:
                 permanent=True,
             )
         self.stats.succeeded += 1
-        metrics.SUCCEEDED.labels(run.name).inc()
+        metrics.by_name(metrics.SUCCEEDED, run.name).inc()
         self.emit("succeeded", key=run.key, run_id=run.run_id)
         return Outcome(
             run.key,
@@ -147,12 +147,12 @@ class RunOutcomes:
         permanent: bool = False,
         retry_delay_ms: int | None = None,
     ) -> Outcome:
-        metrics.FAILED.labels(run.name).inc()
+        metrics.by_name(metrics.FAILED, run.name).inc()
         if permanent:
             self.stats.failed += 1
         else:
             self.stats.retried += 1
-            metrics.RETRIED.labels(run.name).inc()
+            metrics.by_name(metrics.RETRIED, run.name).inc()
         self.emit(
             "failed",
             key=run.key,

@@ -575,7 +575,7 @@ class Worker:
         )
         run.task = asyncio.create_task(self._execute(run, doc), name=f"mtask-run-{run.key}")
         self._watch_deadline(run)
-        metrics.CLAIMED.labels(run.name).inc()
+        metrics.by_name(metrics.CLAIMED, run.name).inc()
         metrics.IN_FLIGHT.inc()
         self._emit("claimed", key=run.key, run_id=run_id, attempt=ctx.attempt)
 
@@ -589,7 +589,7 @@ class Worker:
                 raise
         finally:
             metrics.IN_FLIGHT.dec()
-            metrics.RUN_DURATION.labels(run.name).observe(time.monotonic() - run.started)
+            metrics.by_name(metrics.RUN_DURATION, run.name).observe(time.monotonic() - run.started)
             if run.deadline is not None:
                 run.deadline.cancel()
             self._runs.pop(run.run_id, None)
@@ -646,7 +646,7 @@ class Worker:
         else:
             run.stop_reason = "lost"
             self.stats.lease_lost += 1
-            metrics.LEASE_LOST.labels(run.name).inc()
+            metrics.by_name(metrics.LEASE_LOST, run.name).inc()
             log.warning(
                 "lease lost: %s run %s was taken over; its outcome will not be recorded",
                 run.key,
