@@ -115,7 +115,7 @@ def _check_list_args(status: str | None, limit: int, order: str) -> None:
 
 def _count_created(by_name: Mapping[str, int]) -> None:
     for name, count in by_name.items():
-        metrics.PUBLISHED.labels(name).inc(count)
+        metrics.by_name(metrics.PUBLISHED, name).inc(count)
 
 
 def _result(published: store.Published) -> PublishResult:
