@@ -11,6 +11,7 @@ from mtask import TaskClient
 from mtask.clock import FixedClock
 from mtask.models import MAX_RUNS_KEPT
 from mtask.store import Outcome, RunState, claim, extend_lease, finish, finish_many, scan
+from mtask.store.outcomes import _groups
 from mtask.watcher import stream_pipeline
 
 
@@ -253,6 +254,52 @@ def test_success_shortcut_matches_the_pipeline(tc: TaskClient, clock: FixedClock
         assert fast["runs"][0]["result"] == result
     statuses = {k: tc.get(f"fast-{k}").status for k in ("plain", "multi", "cancelled")}  # type: ignore[union-attr]
     assert statuses == {"plain": "succeeded", "multi": "pending", "cancelled": "cancelled"}
+
+
+def test_grouped_successes_match_the_pipeline(tc: TaskClient, clock: FixedClock) -> None:
+    """SUCCESSes without a result are written in one update_many (``success_group_update``);
+    each task ends exactly as the general pipeline leaves it, and the fence holds per task."""
+    kinds = ("plain1", "plain2", "plain3", "multi", "cancelled", "taken")
+    for prefix in ("group", "single"):
+        for kind in kinds:
+            options = {"concurrency": 2} if kind == "multi" else {"worker_timeout_ms": 1000}
+            tc.publish("n", f"{prefix}-{kind}", options=options)
+    keys = [f"{p}-{k}" for p in ("group", "single") for k in kinds]
+    docs = {d["_id"]: d for d in tc._run(claim(keys, ["n"], "w1", clock.now()))}
+    clock.advance(seconds=2)  # the "taken" tasks' leases run out and w2 takes them over
+    assert len(tc._run(claim(["group-taken", "single-taken"], ["n"], "w2", clock.now()))) == 2
+    for prefix in ("group", "single"):
+        tc.cancel(f"{prefix}-cancelled")
+    clock.advance(seconds=1)
+    outcomes = [
+        Outcome(k, d["claim_run_id"], RunState.SUCCESS, worker_id="w1") for k, d in docs.items()
+    ]
+    grouped = [o for o in outcomes if o.key.startswith("group")]
+    groups, rest = _groups(grouped)
+    assert [len(g) for g in groups] == [6] and rest == []
+    # recorded: the plain ones by the group update; "multi" and "cancelled" (whose run still
+    # runs) by the pipeline after it; "taken" not at all (fenced out)
+    assert tc._run(finish_many(grouped, clock.now())) == 5
+    for outcome in outcomes:
+        if outcome.key.startswith("single"):
+            tc._run(finish(outcome, clock.now()))
+    for kind in kinds:
+        group = tc.collection.find_one({"_id": f"group-{kind}"}, {"_id": 0})
+        single = tc.collection.find_one({"_id": f"single-{kind}"}, {"_id": 0})
+        assert group is not None and single is not None
+        for doc in (group, single):
+            for run in doc["runs"]:
+                run.pop("run_id")
+        assert group == single, kind
+    statuses = {k: tc.get(f"group-{k}").status for k in kinds}  # type: ignore[union-attr]
+    assert statuses == {
+        **{f"plain{i}": "succeeded" for i in (1, 2, 3)},
+        "multi": "pending",
+        "cancelled": "cancelled",
+        "taken": "running",
+    }
+    plain = tc.collection.find_one({"_id": "group-plain1"})
+    assert plain is not None and plain["last_write"] == "success:w1"
 
 
 def test_claim_shortcut_matches_the_pipeline(tc: TaskClient, clock: FixedClock) -> None:

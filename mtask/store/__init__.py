@@ -27,6 +27,7 @@ from mtask.store.outcomes import (
     finish_update,
     outcome_requests,
     success_fast_update,
+    success_group_update,
 )
 from mtask.store.schema import (
     CLAIMED_FIELDS,
@@ -97,5 +98,6 @@ __all__ = [
     "scan",
     "stats",
     "success_fast_update",
+    "success_group_update",
     "success_tag",
 ]
