@@ -137,6 +137,7 @@ class RunOutcomes:
             steps=steps,
             has_dependents=run.has_dependents,
             worker_id=run.ctx.worker_id,
+            result_bytes=size,
         )
 
     def failure(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+import pytest
 from harness import T0
 
 from mtask import TaskClient
@@ -256,9 +257,13 @@ def test_success_shortcut_matches_the_pipeline(tc: TaskClient, clock: FixedClock
     assert statuses == {"plain": "succeeded", "multi": "pending", "cancelled": "cancelled"}
 
 
-def test_grouped_successes_match_the_pipeline(tc: TaskClient, clock: FixedClock) -> None:
-    """SUCCESSes without a result are written in one update_many (``success_group_update``);
-    each task ends exactly as the general pipeline leaves it, and the fence holds per task."""
+@pytest.mark.parametrize("with_results", [False, True])
+def test_grouped_successes_match_the_pipeline(
+    tc: TaskClient, clock: FixedClock, with_results: bool
+) -> None:
+    """A worker's SUCCESSes are written in one update_many (``success_group_update``: a plain
+    update without results, a pipeline with them); each task ends exactly as the general
+    pipeline leaves it, with its own result, and the fence holds per task."""
     kinds = ("plain1", "plain2", "plain3", "multi", "cancelled", "taken")
     for prefix in ("group", "single"):
         for kind in kinds:
@@ -271,8 +276,15 @@ def test_grouped_successes_match_the_pipeline(tc: TaskClient, clock: FixedClock)
     for prefix in ("group", "single"):
         tc.cancel(f"{prefix}-cancelled")
     clock.advance(seconds=1)
+
+    def result(key: str) -> Any:
+        if not with_results or key.endswith("plain2"):  # a None among the results, too
+            return None
+        return {"$set": "$name", "key": key.split("-")[1], "n": [1, {"$$NOW": 2}]}
+
     outcomes = [
-        Outcome(k, d["claim_run_id"], RunState.SUCCESS, worker_id="w1") for k, d in docs.items()
+        Outcome(k, d["claim_run_id"], RunState.SUCCESS, result=result(k), worker_id="w1")
+        for k, d in docs.items()
     ]
     grouped = [o for o in outcomes if o.key.startswith("group")]
     groups, rest = _groups(grouped)
@@ -300,6 +312,23 @@ def test_grouped_successes_match_the_pipeline(tc: TaskClient, clock: FixedClock)
     }
     plain = tc.collection.find_one({"_id": "group-plain1"})
     assert plain is not None and plain["last_write"] == "success:w1"
+    assert plain["result"] == result("group-plain1") == plain["runs"][0]["result"]
+
+
+def test_grouped_successes_are_split_by_result_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mtask.store import outcomes as module
+
+    monkeypatch.setattr(module, "GROUP_RESULT_BYTES", 100)
+    small = {"s": "x" * 20}  # 46 bytes as {"result": ...}: two fit in 100
+    outcomes = [
+        Outcome(f"k{i}", f"r{i}", RunState.SUCCESS, result=small, worker_id="w1") for i in range(5)
+    ]
+    big = Outcome("big", "rb", RunState.SUCCESS, result={"s": "x" * 200}, worker_id="w1")
+    other = Outcome("o1", "ro", RunState.SUCCESS, worker_id="w2")
+    failed = Outcome("f1", "rf", RunState.FAIL, error="e", worker_id="w1")
+    groups, rest = _groups([*outcomes, big, other, failed])
+    assert [[o.key for o in g] for g in groups] == [["k0", "k1"], ["k2", "k3"]]
+    assert [o.key for o in rest] == ["big", "f1", "k4", "o1"]
 
 
 def test_claim_shortcut_matches_the_pipeline(tc: TaskClient, clock: FixedClock) -> None:

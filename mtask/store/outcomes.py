@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import bson
 from pymongo import ReturnDocument, UpdateOne
 
 from mtask.driver import Call, Op
@@ -43,6 +44,8 @@ class Outcome:
     """Other tasks depend on this one: resolve them once the outcome is recorded."""
     worker_id: str | None = None
     """The worker whose run this is: a SUCCESS it records is tagged ``last_write``."""
+    result_bytes: int | None = None
+    """The result's BSON size, if the caller measured it (else measured when needed)."""
 
 
 def _success_tag(outcome: Outcome) -> Doc:
@@ -146,45 +149,99 @@ def success_fast_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
     return filt, update
 
 
+GROUP_RESULT_BYTES = 4 * 1024 * 1024
+"""The most result BSON one grouped update carries (a command is capped at 16 MiB)."""
+
+
 def _groupable(outcome: Outcome) -> bool:
-    """A SUCCESS with no result and no next steps: its update is the same for every task."""
-    return outcome.state is RunState.SUCCESS and outcome.result is None and not outcome.steps
+    """A SUCCESS with no next steps (its outbox is per task) and a result that fits a group."""
+    return (
+        outcome.state is RunState.SUCCESS
+        and not outcome.steps
+        and _result_bytes(outcome) <= GROUP_RESULT_BYTES
+    )
 
 
-def success_group_update(outcomes: Sequence[Outcome], now: dt.datetime) -> tuple[Doc, Doc]:
+def _result_bytes(outcome: Outcome) -> int:
+    if outcome.result is None:
+        return 0
+    if outcome.result_bytes is not None:
+        return outcome.result_bytes
+    return len(bson.encode({"result": outcome.result}))
+
+
+def success_group_update(
+    outcomes: Sequence[Outcome], now: dt.datetime
+) -> tuple[Doc, Doc | list[Doc]]:
     """``success_fast_update`` for many ``_groupable`` outcomes of one worker, as the filter and
-    update of one ``update_many``: one write of many documents costs the server well under half
-    of as many single-document writes in a bulk (design.md, Performance, finding 13).
+    update of one ``update_many``: one write of many documents costs the server about half of
+    as many single-document writes in a bulk (design.md, Performance, finding 13).
 
     The fence is the same: each task matches only while one of its runs is RUNNING with an id
     from the list, and a run id belongs to one task (``run_id_for``: a uuid4 batch id and the
-    key), so that run is the task's own. ``$`` is the run the ``$elemMatch`` matched."""
-    first = outcomes[0]
+    key), so that run is the task's own; with concurrency 1 it is the only RUNNING run. When no
+    outcome has a result, the update is a plain ``$set`` (``$`` is the run the ``$elemMatch``
+    matched); else a pipeline picks each task's result by its key."""
+    keys = [o.key for o in outcomes]
+    run_ids = [o.run_id for o in outcomes]
     filt = {
-        "_id": {"$in": [o.key for o in outcomes]},
-        "runs": {"$elemMatch": {"run_id": {"$in": [o.run_id for o in outcomes]}, "state": RUNNING}},
+        "_id": {"$in": keys},
+        "runs": {"$elemMatch": {"run_id": {"$in": run_ids}, "state": RUNNING}},
         "status": TaskStatus.RUNNING.value,
         "options.concurrency": 1,
     }
-    update = {
-        "$set": {
-            "runs.$.state": RunState.SUCCESS.value,
-            "runs.$.finished_at": now,
-            "runs.$.result": None,
-            "result": None,
-            "status": TaskStatus.SUCCEEDED.value,
-            "next_claim_at": None,
-            "finished_at": now,
-            "updated_at": now,
-            **_success_tag(first),
-        },
-        "$inc": {"successes": 1},
+    done = {
+        "status": TaskStatus.SUCCEEDED.value,
+        "next_claim_at": None,
+        "finished_at": now,
+        "updated_at": now,
+        **_success_tag(outcomes[0]),
     }
-    return filt, update
+    if all(o.result is None for o in outcomes):
+        update = {
+            "$set": {
+                "runs.$.state": RunState.SUCCESS.value,
+                "runs.$.finished_at": now,
+                "runs.$.result": None,
+                "result": None,
+                **done,
+            },
+            "$inc": {"successes": 1},
+        }
+        return filt, update
+    result = {
+        "$arrayElemAt": [
+            literal([o.result for o in outcomes]),
+            {"$indexOfArray": [literal(keys), "$_id"]},
+        ]
+    }
+    ours = {"$and": [{"$eq": ["$$r.state", RUNNING]}, {"$in": ["$$r.run_id", literal(run_ids)]}]}
+    ended = {"state": RunState.SUCCESS.value, "finished_at": now, "result": "$_result"}
+    runs = {
+        "$map": {
+            "input": "$runs",
+            "as": "r",
+            "in": {"$cond": [ours, {"$mergeObjects": ["$$r", ended]}, "$$r"]},
+        }
+    }
+    pipeline: list[Doc] = [
+        {"$set": {"_result": result}},
+        {
+            "$set": {
+                "runs": runs,
+                "result": "$_result",
+                "successes": {"$add": ["$successes", 1]},
+                **done,
+            }
+        },
+        {"$unset": "_result"},
+    ]
+    return filt, pipeline
 
 
 def _groups(outcomes: Sequence[Outcome]) -> tuple[list[list[Outcome]], list[Outcome]]:
-    """Outcomes to write as one ``update_many`` per worker id (two or more alike), and the rest."""
+    """Outcomes to write in one ``update_many`` each (two or more of one worker, at most
+    ``GROUP_RESULT_BYTES`` of results), and the rest."""
     alike: dict[str | None, list[Outcome]] = {}
     rest: list[Outcome] = []
     for outcome in outcomes:
@@ -192,13 +249,19 @@ def _groups(outcomes: Sequence[Outcome]) -> tuple[list[list[Outcome]], list[Outc
             alike.setdefault(outcome.worker_id, []).append(outcome)
         else:
             rest.append(outcome)
-    groups = []
-    for group in alike.values():
-        if len(group) > 1:
-            groups.append(group)
-        else:
-            rest += group
-    return groups, rest
+    groups: list[list[Outcome]] = []
+    for same_worker in alike.values():
+        group: list[Outcome] = []
+        size = 0
+        for outcome in same_worker:
+            size += _result_bytes(outcome)
+            if group and size > GROUP_RESULT_BYTES:
+                groups.append(group)
+                group, size = [], _result_bytes(outcome)
+            group.append(outcome)
+        groups.append(group)
+    rest += [g[0] for g in groups if len(g) == 1]
+    return [g for g in groups if len(g) > 1], rest
 
 
 def outcome_requests(outcomes: Sequence[Outcome], now: dt.datetime) -> list[UpdateOne]:
@@ -242,7 +305,7 @@ def _finish_unmatched(outcomes: Sequence[Outcome], now: dt.datetime) -> Op[int]:
 
 
 def finish_many(outcomes: Sequence[Outcome], now: dt.datetime) -> Op[int]:
-    """Record many outcomes: SUCCESSes without a result in one ``update_many``
+    """Record many outcomes: a worker's SUCCESSes in one ``update_many``
     (``success_group_update``), the others in one unordered bulk write of one fenced update
     each; returns how many were recorded."""
     if not outcomes:
