@@ -326,9 +326,10 @@ def test_grouped_successes_are_split_by_result_size(monkeypatch: pytest.MonkeyPa
     big = Outcome("big", "rb", RunState.SUCCESS, result={"s": "x" * 200}, worker_id="w1")
     other = Outcome("o1", "ro", RunState.SUCCESS, worker_id="w2")
     failed = Outcome("f1", "rf", RunState.FAIL, error="e", worker_id="w1")
-    groups, rest = _groups([*outcomes, big, other, failed])
+    again = Outcome("k0", "r0-again", RunState.SUCCESS, worker_id="w1")  # a key once per group
+    groups, rest = _groups([*outcomes, big, other, failed, again])
     assert [[o.key for o in g] for g in groups] == [["k0", "k1"], ["k2", "k3"]]
-    assert [o.key for o in rest] == ["big", "f1", "k4", "o1"]
+    assert [o.run_id for o in rest] == ["rb", "rf", "r0-again", "r4", "ro"]
 
 
 def test_claim_shortcut_matches_the_pipeline(tc: TaskClient, clock: FixedClock) -> None:

@@ -241,12 +241,15 @@ def success_group_update(
 
 def _groups(outcomes: Sequence[Outcome]) -> tuple[list[list[Outcome]], list[Outcome]]:
     """Outcomes to write in one ``update_many`` each (two or more of one worker, at most
-    ``GROUP_RESULT_BYTES`` of results), and the rest."""
+    ``GROUP_RESULT_BYTES`` of results, each key once: a group picks results by key), and the
+    rest."""
     alike: dict[str | None, list[Outcome]] = {}
     rest: list[Outcome] = []
+    keys: set[str] = set()
     for outcome in outcomes:
-        if _groupable(outcome):
+        if _groupable(outcome) and outcome.key not in keys:
             alike.setdefault(outcome.worker_id, []).append(outcome)
+            keys.add(outcome.key)
         else:
             rest.append(outcome)
     groups: list[list[Outcome]] = []
