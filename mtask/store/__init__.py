@@ -4,8 +4,9 @@ Each operation is a generator that yields one ``Call`` per MongoDB call and retu
 ``mtask.driver`` runs it on the sync or the async client.
 
 Fencing: every write that changes a run matches ``{"runs": {"$elemMatch": {"run_id": R,
-"state": "RUNNING"}}}``, so a run whose lease was lost (taken over, released, cancelled) can
-change nothing. Every transition ends with ``statemachine.recompute_stages(now)``.
+"state": "RUNNING"}}}`` (a grouped SUCCESS write: R among the group's run ids, each of which
+names one task), so a run whose lease was lost (taken over, released, cancelled) can change
+nothing. Every transition ends with ``statemachine.recompute_stages(now)``.
 """
 
 from mtask.models import RunState
