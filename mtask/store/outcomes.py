@@ -131,22 +131,33 @@ def success_fast_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
         "status": TaskStatus.RUNNING.value,
         "options.concurrency": 1,
     }
-    update = {
+    fields = {**_succeeded(outcome, now), **_step_fields(outcome)}
+    return filt, _positional_success(outcome.result, now, fields)
+
+
+def _succeeded(outcome: Outcome, now: dt.datetime) -> Doc:
+    """The top-level fields a recorded SUCCESS of a concurrency-1 task sets (but the result)."""
+    return {
+        "status": TaskStatus.SUCCEEDED.value,
+        "next_claim_at": None,
+        "finished_at": now,
+        "updated_at": now,
+        **_success_tag(outcome),
+    }
+
+
+def _positional_success(result: Any, now: dt.datetime, fields: Doc) -> Doc:
+    """A plain update that ends the run ``$`` (the one the filter's ``$elemMatch`` matched)."""
+    return {
         "$set": {
             "runs.$.state": RunState.SUCCESS.value,
             "runs.$.finished_at": now,
-            "runs.$.result": outcome.result,
-            "result": outcome.result,
-            "status": TaskStatus.SUCCEEDED.value,
-            "next_claim_at": None,
-            "finished_at": now,
-            "updated_at": now,
-            **_step_fields(outcome),
-            **_success_tag(outcome),
+            "runs.$.result": result,
+            "result": result,
+            **fields,
         },
         "$inc": {"successes": 1},
     }
-    return filt, update
 
 
 GROUP_RESULT_BYTES = 4 * 1024 * 1024
@@ -190,25 +201,9 @@ def success_group_update(
         "status": TaskStatus.RUNNING.value,
         "options.concurrency": 1,
     }
-    done = {
-        "status": TaskStatus.SUCCEEDED.value,
-        "next_claim_at": None,
-        "finished_at": now,
-        "updated_at": now,
-        **_success_tag(outcomes[0]),
-    }
+    done = _succeeded(outcomes[0], now)  # one worker: the same tag for all
     if all(o.result is None for o in outcomes):
-        update = {
-            "$set": {
-                "runs.$.state": RunState.SUCCESS.value,
-                "runs.$.finished_at": now,
-                "runs.$.result": None,
-                "result": None,
-                **done,
-            },
-            "$inc": {"successes": 1},
-        }
-        return filt, update
+        return filt, _positional_success(None, now, done)
     result = {
         "$arrayElemAt": [
             literal([o.result for o in outcomes]),
