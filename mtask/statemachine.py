@@ -217,15 +217,21 @@ def recompute_stages(now: dt.datetime) -> list[dict[str, Any]]:
 OPEN = (TaskStatus.PENDING.value, TaskStatus.RUNNING.value)
 
 
-def set_run_fields(run_id: str, fields: Mapping[str, Any]) -> dict[str, Any]:
-    """Expression: ``runs`` with the run ``run_id`` merged with ``fields``."""
+def set_run_fields(run_id: str | Sequence[str], fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Expression: ``runs`` with the run ``run_id`` (or any run whose id is in a list of them)
+    merged with ``fields``."""
+    ours = (
+        {"$eq": ["$$r.run_id", run_id]}
+        if isinstance(run_id, str)
+        else {"$in": ["$$r.run_id", {"$literal": list(run_id)}]}
+    )
     return {
         "$map": {
             "input": "$runs",
             "as": "r",
             "in": {
                 "$cond": [
-                    {"$eq": ["$$r.run_id", run_id]},
+                    ours,
                     {"$mergeObjects": ["$$r", dict(fields)]},
                     "$$r",
                 ]

@@ -136,7 +136,7 @@ def success_fast_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
 
 
 def _succeeded(outcome: Outcome, now: dt.datetime) -> Doc:
-    """The top-level fields a recorded SUCCESS of a concurrency-1 task sets (but the result)."""
+    """The top-level fields a recorded SUCCESS of a concurrency-1 task sets, except the result."""
     return {
         "status": TaskStatus.SUCCEEDED.value,
         "next_claim_at": None,
@@ -210,20 +210,12 @@ def success_group_update(
             {"$indexOfArray": [literal(keys), "$_id"]},
         ]
     }
-    ours = {"$and": [{"$eq": ["$$r.state", RUNNING]}, {"$in": ["$$r.run_id", literal(run_ids)]}]}
     ended = {"state": RunState.SUCCESS.value, "finished_at": now, "result": "$_result"}
-    runs = {
-        "$map": {
-            "input": "$runs",
-            "as": "r",
-            "in": {"$cond": [ours, {"$mergeObjects": ["$$r", ended]}, "$$r"]},
-        }
-    }
     pipeline: list[Doc] = [
         {"$set": {"_result": result}},
         {
             "$set": {
-                "runs": runs,
+                "runs": set_run_fields(run_ids, ended),  # a task's only run among them: its own
                 "result": "$_result",
                 "successes": {"$add": ["$successes", 1]},
                 **done,
