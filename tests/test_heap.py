@@ -7,7 +7,7 @@ import datetime as dt
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mtask.heap import ClaimQueue
+from mtask.worker.claim_queue import ClaimQueue
 
 BASE = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 ops = st.lists(

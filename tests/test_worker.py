@@ -15,11 +15,11 @@ from workerapp import registry
 
 from mtask import TaskClient
 from mtask.clock import ServerClock
-from mtask.errors import InvalidTask
-from mtask.lease import LeasePinger
-from mtask.recorder import OutcomeRecorder
+from mtask.errors import ConfigError, WorkerCrashed
 from mtask.registry import Registry
-from mtask.worker import Worker, WorkerCrashed
+from mtask.worker import Worker
+from mtask.worker.lease import LeasePinger, LoopTicker
+from mtask.worker.recorder import OutcomeRecorder
 
 
 async def test_runs_tasks_and_stores_results(
@@ -253,8 +253,7 @@ async def test_lost_events_are_caught_by_the_sweep(
     mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
     async with running_worker(registry, mongo_uri, db_name, sweep_interval=0.3) as (w, events):
-        assert w.watcher is not None
-        w.watcher.drop_events = True
+        w.watcher.on_change = lambda change: None  # type: ignore[method-assign]  # events lost
         client.publish("add", "missed", {"a": 1, "b": 1})
         await events.wait("recorded", key="missed")
         assert w.watcher.rescans >= 2
@@ -263,8 +262,7 @@ async def test_lost_events_are_caught_by_the_sweep(
 async def test_killed_change_stream_resumes(
     mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
-    async with running_worker(registry, mongo_uri, db_name) as (w, events):
-        assert w.watcher is not None
+    async with running_worker(registry, mongo_uri, db_name) as (_worker, events):
         admin = client.mongo.admin
         ops = admin.aggregate(
             [
@@ -337,7 +335,7 @@ async def test_idle_workers_do_not_stampede(
         running_worker(registry, mongo_uri, db_name) as (w4, _e4),
     ):
         workers = (w1, w2, w3, w4)
-        await wait_for(lambda: all(len(w._peers.get("add", ())) == 4 for w in workers))
+        await wait_for(lambda: all(len(w.assignment.peers.get("add", ())) == 4 for w in workers))
         for i in range(40):
             client.publish("add", f"s{i}", {"a": i, "b": 0})
             await wait_for(lambda i=i: client.get(f"s{i}").status == "succeeded")  # type: ignore[union-attr,misc]
@@ -350,10 +348,10 @@ async def test_idle_workers_do_not_stampede(
 async def test_a_dying_side_task_stops_the_worker_loudly(
     mongo_uri: str, db_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def broken_ticker(self: Worker) -> None:
+    async def broken_ticker(self: LoopTicker) -> None:
         raise RuntimeError("ticker broke")
 
-    monkeypatch.setattr(Worker, "_ticker", broken_ticker)
+    monkeypatch.setattr(LoopTicker, "run", broken_ticker)
     worker = Worker(registry, uri=mongo_uri, database=db_name)
     with pytest.raises(WorkerCrashed, match="ticker broke"):
         await asyncio.wait_for(worker.run(), 30)
@@ -361,11 +359,11 @@ async def test_a_dying_side_task_stops_the_worker_loudly(
 
 
 def test_bad_worker_arguments() -> None:
-    with pytest.raises(InvalidTask, match="^names: no handler registered for nope"):
+    with pytest.raises(ConfigError, match="^names: no handler registered for nope"):
         Worker(registry, names=["nope"])
-    with pytest.raises(InvalidTask, match="^concurrency"):
+    with pytest.raises(ConfigError, match="^concurrency"):
         Worker(registry, concurrency=0)
-    with pytest.raises(InvalidTask, match="no handlers"):
+    with pytest.raises(ConfigError, match="no handlers"):
         Worker(Registry())
 
 
@@ -462,9 +460,8 @@ async def test_malformed_documents_do_not_stop_the_worker(
             [{"name": "add", "key": f"ok{i}", "params": {"a": i, "b": 1}} for i in range(20)]
         )
         await events.wait("recorded", count=20)
-        assert w.watcher is not None
         rescans = w.watcher.rescans
-        await wait_for(lambda: w.watcher.rescans >= rescans + 2)  # type: ignore[union-attr]
+        await wait_for(lambda: w.watcher.rescans >= rescans + 2)
         assert w.state == "running"
         big = {"_id": "big", "status": "succeeded"}
         await wait_for(lambda: client.collection.find_one(big, {"_id": 1}))
@@ -535,12 +532,11 @@ async def test_changed_ping_interval_applies_at_the_next_ping(
     async with running_worker(registry, mongo_uri, db_name) as (worker, events):
         client.publish("sleep", "p", options={"ping_interval_ms": 100})
         claimed = await events.wait("claimed", key="p")
-        assert worker.pinger is not None
         lease = worker.pinger._leases[claimed["run_id"]]
         client.collection.update_one({"_id": "p"}, {"$set": {"options.ping_interval_ms": 250}})
         await wait_for(lambda: lease.interval == 0.25)
         pings = worker.pinger.pings
-        await wait_for(lambda: worker.pinger.pings >= pings + 2)  # type: ignore[union-attr]
+        await wait_for(lambda: worker.pinger.pings >= pings + 2)
 
 
 def test_the_pinger_thread_is_woken_only_for_a_ping_due_before_its_wait_ends(
@@ -587,7 +583,7 @@ async def test_more_tasks_than_the_queue_holds(
         registry, mongo_uri, db_name, concurrency=32, queue_size=100, sweep_interval=3600
     ) as (worker, events):
         await events.wait("recorded", count=1200, timeout=60)
-        assert worker.watcher is not None and worker.watcher.rescans >= 12
+        assert worker.watcher.rescans >= 12
     assert client.stats() == {"add": {"succeeded": 1200}}
 
 
@@ -649,9 +645,11 @@ async def test_a_run_lost_twice_is_stopped_once(
     async with running_worker(registry, mongo_uri, db_name) as (worker, events):
         client.publish("slow_cleanup", "twice")
         claimed = await events.wait("claimed", key="twice")
-        worker._lost(claimed["run_id"], None)
+        run = worker.inflight.get(claimed["run_id"])
+        worker.executor.lost(claimed["run_id"], None)
+        assert run is not None and run.ctx.lease_lost  # its check_lease raises LeaseLost now
         await asyncio.sleep(0.05)
-        worker._lost(claimed["run_id"], None)
+        worker.executor.lost(claimed["run_id"], None)
         await wait_for(lambda: "twice" in cleaned_up)
         assert worker.stats.lease_lost == 1
 
@@ -663,12 +661,11 @@ async def test_a_dropped_database_does_not_stall_the_worker(
     with nothing, and the worker used to spin on it with its event loop blocked (deaf even to
     SIGTERM). It reopens the stream and goes on."""
     async with running_worker(registry, mongo_uri, db_name) as (worker, events):
-        assert worker.watcher is not None
         client.publish("add", "before", {"a": 1, "b": 1})
         await events.wait("recorded", key="before")
         restarts = worker.watcher.stream_restarts
         client.mongo.drop_database(db_name)
-        await wait_for(lambda: worker.watcher.stream_restarts > restarts)  # type: ignore[union-attr]
+        await wait_for(lambda: worker.watcher.stream_restarts > restarts)
         client.publish("add", "after", {"a": 2, "b": 2})
         await events.wait("recorded", key="after")
         assert worker.state == "running"

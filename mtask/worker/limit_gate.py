@@ -13,32 +13,35 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 from mtask import limits
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
+from mtask.worker.service import PeriodicService
+from mtask.worker.watcher import QueueSink
 
-log = logging.getLogger("mtask.worker")
+log = logging.getLogger(__name__)
 
 REFRESH_SECONDS = 1.0
 DEFAULT_SLOT_LEASE_MS = 30_000
 
 
-class LimitGate:
-    def __init__(
-        self,
-        driver: AsyncDriver,
-        worker_id: str,
-        clock: Clock,
-        requeue_at: Callable[[str, dt.datetime], None],
-    ) -> None:
+class LimitGate(PeriodicService):
+    """Also the side service that re-reads the limits every ``REFRESH_SECONDS``."""
+
+    name: ClassVar[str] = "limits"
+    failure: ClassVar[str] = "cannot read the limits, retrying"
+    run_first: ClassVar[bool] = True
+    interval = REFRESH_SECONDS
+
+    def __init__(self, driver: AsyncDriver, worker_id: str, clock: Clock, sink: QueueSink) -> None:
         self.driver = driver
         self.worker_id = worker_id
         self.clock = clock
-        self.requeue_at = requeue_at
+        self.sink = sink
         self.limited: dict[str, dict[str, Any]] = {}
         self.blocked: dict[str, set[str]] = {}
         self.releases: dict[str, list[str]] = {}
@@ -55,14 +58,8 @@ class LimitGate:
         self.limited = limited
         self.refreshed.set()
 
-    async def run_refresh(self) -> None:
-        """Side task: re-read the limits every second."""
-        while True:
-            try:
-                await self.refresh()
-            except StorageError as exc:
-                log.warning("cannot read the limits, retrying: %s", exc)
-            await asyncio.sleep(REFRESH_SECONDS)
+    async def run_once(self) -> None:
+        await self.refresh()
 
     async def take(
         self, name: str, run_id: str, key: str, now: dt.datetime, lease_ms: int | None
@@ -75,14 +72,19 @@ class LimitGate:
                 )
             )
         except StorageError as exc:
-            log.warning("cannot take a slot of %r's limit, retrying shortly: %s", name, exc)
+            log.warning(
+                "cannot take a slot of %r's limit, retrying shortly: %s",
+                name,
+                exc,
+                extra={"limit": name, "key": key},
+            )
             return None
 
     def block(self, name: str, key: str, until: dt.datetime) -> None:
         """``key`` waits for ``name``'s limit: back in the queue at ``until`` (the next token,
         or the earliest slot lease end) or at once when the limit document changes."""
         self.blocked.setdefault(name, set()).add(key)
-        self.requeue_at(key, until)
+        self.sink.requeue_at(key, until)
 
     def on_change(self, name: str) -> None:
         """The limit document of ``name`` changed (a slot freed, the limit was edited)."""
@@ -90,7 +92,7 @@ class LimitGate:
         if keys:
             now = self.clock.now()
             for key in keys:
-                self.requeue_at(key, now)
+                self.sink.requeue_at(key, now)
 
     def release_later(self, name: str, run_ids: Iterable[str]) -> None:
         self.releases.setdefault(name, []).extend(run_ids)

@@ -20,19 +20,24 @@ import datetime as dt
 import hashlib
 import logging
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 from pymongo.errors import OperationFailure, PyMongoError
 
 from mtask import driver, store
 from mtask.clock import Clock
 from mtask.errors import StorageError
-from mtask.heap import ClaimQueue
+from mtask.worker.claim_queue import ClaimQueue
+from mtask.worker.presence import Assignment
+from mtask.worker.service import PeriodicService, event_or_timeout
 
-log = logging.getLogger("mtask.worker")
+log = logging.getLogger(__name__)
 
 # Change stream errors after which resuming is impossible: start afresh and rescan.
 FATAL_STREAM_CODES = {260, 280, 286}  # InvalidResumeToken, ChangeStreamFatalError, HistoryLost
+STRANDED_OPEN_EVERY = 10
+"""Every this many rescans (and the first), the sweep also reads every open document for those
+no claim can reach (``store.complete.STRANDED_OPEN``); the cheap part runs on every rescan."""
 
 
 def rendezvous_rank(key: str, worker_id: str, peers: Collection[str]) -> int:
@@ -82,6 +87,37 @@ def stream_pipeline(tasks: str, worker_id: str) -> list[dict[str, Any]]:
     ]
 
 
+class TaskMeta(NamedTuple):
+    """What the watcher remembers of an open task it queued."""
+
+    name: str
+    priority: int
+    specific: bool
+    """The task names this worker in ``specific_worker_ids``."""
+    worker_timeout_ms: int | None
+
+
+class QueueSink(Protocol):
+    """The watcher as the ``Claimer``, the ``LimitGate`` and the ``OutcomeRecorder`` see it:
+    where tasks go back into the claim queue, and what is known of a queued task."""
+
+    def place_safely(self, doc: Mapping[str, Any]) -> None: ...
+
+    def requeue_at(self, key: str, when: dt.datetime) -> None: ...
+
+    async def requeue(self, keys: list[str], later_than: dt.datetime | None = None) -> None: ...
+
+    def request_rescan(self) -> None: ...
+
+    def succeeded(self, key: str) -> None: ...
+
+    def ignore(self, key: Any) -> None: ...
+
+    def known(self, key: str) -> TaskMeta | None: ...
+
+    def timeouts(self, keys: list[str]) -> dict[str, int]: ...
+
+
 class Watcher:
     def __init__(
         self,
@@ -98,6 +134,7 @@ class Watcher:
         sweep_interval: float = 30.0,
         stagger_ms: float = 25.0,
         page_size: int = 1000,
+        assignment: Assignment | None = None,
     ) -> None:
         self.driver = driver
         self.worker_id = worker_id
@@ -111,23 +148,30 @@ class Watcher:
         self.sweep_interval = sweep_interval
         self.stagger = dt.timedelta(milliseconds=stagger_ms)
         self.page_size = page_size
-        self.names: list[str] = []
-        self.peers: Mapping[str, Collection[str]] = {}
+        self.assignment = assignment or Assignment(())
+        """The names to queue and their peers, kept up to date by ``Presence``."""
         self.ready = asyncio.Event()
-        self.meta: dict[str, tuple[str, int, bool, int | None]] = {}
-        """name, priority, "names this worker" and worker_timeout_ms of the open tasks this
-        watcher knows."""
+        self.meta: dict[str, TaskMeta] = {}
+        """The open tasks this watcher knows."""
         self.unknown: set[str] = set()
         self.malformed: set[Any] = set()
         """Keys of malformed documents seen, to be marked invalid by ``quarantine``."""
-        self.ignored: set[Any] = set()
+        self._ignored: set[Any] = set()
         """Keys of documents that could not even be marked invalid: never queued again."""
-        self.drop_events = False  # tests: simulate lost events
         self._touched: set[str] | None = None
-        self._rescan_requested = asyncio.Event()
-        self.events = 0
+        self.rescan_requested = asyncio.Event()
         self.rescans = 0
         self.stream_restarts = 0
+
+    @property
+    def names(self) -> list[str]:
+        """The names whose tasks are queued (this worker's, except the paused ones)."""
+        return self.assignment.active
+
+    @names.setter
+    def names(self, names: list[str]) -> None:
+        """For a watcher used on its own (tests): queue these names."""
+        self.assignment = Assignment(tuple(names))
 
     # -- placing tasks in the queue -------------------------------------------------------------
 
@@ -143,7 +187,7 @@ class Watcher:
         if (
             name not in self.names
             or (specific and self.worker_id not in specific)
-            or key in self.ignored
+            or key in self._ignored
         ):
             self.forget(key)
             return
@@ -151,7 +195,7 @@ class Watcher:
         if len(self.meta) >= 4 * self.queue.max_size:
             self.meta.clear()  # bounded memory; unknown keys are looked up again
         timeout = options.get("worker_timeout_ms")
-        self.meta[key] = (
+        self.meta[key] = TaskMeta(
             name,
             priority if isinstance(priority, int) else 0,
             bool(specific),
@@ -161,8 +205,31 @@ class Watcher:
 
     def timeouts(self, keys: list[str]) -> dict[str, int]:
         """The tasks' worker_timeout_ms as last seen (hints for the claim shortcut)."""
-        found = {k: self.meta[k][3] for k in keys if k in self.meta}
+        found = {k: self.meta[k].worker_timeout_ms for k in keys if k in self.meta}
         return {k: t for k, t in found.items() if t is not None}
+
+    def known(self, key: str) -> TaskMeta | None:
+        return self.meta.get(key)
+
+    def ignore(self, key: Any) -> None:
+        """Never queue ``key`` again (its document cannot even be marked invalid)."""
+        self._ignored.add(key)
+        self.forget(key)
+
+    async def requeue(self, keys: list[str], later_than: dt.datetime | None = None) -> None:
+        """Put tasks back in the claim queue from their current documents (for when no change
+        event will: a claim that missed, an outcome that could not be written). With
+        ``later_than``, only those not claimable by then: a key a claim missed although it was
+        due has been taken by another worker, or may not run here, and an event or the sweep
+        brings it back when that changes."""
+        try:
+            docs = await self.driver.run(store.placements(keys))
+        except StorageError as exc:  # the sweep brings them back
+            log.warning("cannot re-read tasks to requeue them: %s", exc, extra={"keys": len(keys)})
+            return
+        for doc in docs:
+            if doc.get("well_formed") is False or not due_by(doc, later_than):
+                self.place_safely(doc)  # a malformed one is noted for quarantine
 
     def requeue_at(self, key: str, when: dt.datetime) -> None:
         """Put a known task back in the queue at ``when`` (a limit held it back)."""
@@ -189,17 +256,14 @@ class Watcher:
             self.queue.discard(key)
             return
         name, priority, specific, _ = self.meta[key]
-        rank = rendezvous_rank(key, self.worker_id, self.peers.get(name, ()))
+        rank = rendezvous_rank(key, self.worker_id, self.assignment.peers.get(name, ()))
         self.queue.push(key, claim_at + rank * self.stagger, priority, specific)
         self.wake()
 
-    def _on_change(self, change: Mapping[str, Any]) -> None:
+    def on_change(self, change: Mapping[str, Any]) -> None:
         """Apply one event. The stream carries no looked-up documents: an insert has its
         document, an update only the new ``next_claim_at``, which is enough for a task this
         watcher already knows; an unknown one is looked up (``unknown``)."""
-        self.events += 1
-        if self.drop_events:
-            return
         collection = change.get("ns", {}).get("coll")
         if collection in ("controls", "schedules", "limits"):
             self._on_other(collection, change.get("documentKey", {}).get("_id"))
@@ -213,7 +277,7 @@ class Watcher:
         if doc is not None:
             self.place_safely(doc)
         elif change.get("operationType") != "update":
-            self.forget(key)  # deleted
+            self.forget(key)  # a delete (a replace carries its document)
         else:
             claim_at = (
                 change.get("updateDescription", {}).get("updatedFields", {}).get("next_claim_at")
@@ -242,8 +306,11 @@ class Watcher:
     def place_safely(self, doc: Mapping[str, Any]) -> None:
         """``place``, or for a malformed document (inserted by hand), note it for
         ``quarantine`` and go on."""
-        if doc.get("well_formed") is False:  # a claim cannot match it (store.placements)
-            self.malformed.add(doc.get("_id"))
+        # a claim cannot match it (store.placements), or (hook, issue 14) a publisher's
+        # status-less document to complete, or one with an unknown option: quarantine settles it
+        if doc.get("well_formed") is False or not store.placeable(doc):
+            with contextlib.suppress(TypeError):  # an unhashable _id cannot even be noted
+                self.malformed.add(doc.get("_id"))
             return
         try:
             self.place(doc)
@@ -294,29 +361,22 @@ class Watcher:
                     self.queue.note_overflow(after[0])
         finally:
             self._touched = None
+        # hook (issue 14): documents no claim can reach and no event may bring back (no status,
+        # an unknown one, open without a claim time): quarantine completes or marks them
+        stranded = await self.driver.run(
+            store.stranded(open_too=self.rescans % STRANDED_OPEN_EVERY == 1)
+        )
+        if stranded:
+            marked: int = await self.driver.run(store.quarantine(stranded, self.clock.now()))
+            if marked:
+                log.warning("marked %d stranded task document(s) invalid (invalid_reason)", marked)
         if self.malformed:
             await self.quarantine()
         self.wake()
         return found
 
     def request_rescan(self) -> None:
-        self._rescan_requested.set()
-
-    async def run_sweep(self, min_gap: float = 0.5) -> None:
-        """Rescan every ``sweep_interval`` seconds, and on request (a full queue ran out of due
-        tasks, a name was resumed) at most once every ``min_gap`` seconds."""
-        loop = asyncio.get_running_loop()
-        last = loop.time()
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._rescan_requested.wait(), self.sweep_interval)
-            await asyncio.sleep(max(0.0, last + min_gap - loop.time()))
-            self._rescan_requested.clear()
-            last = loop.time()
-            try:
-                await self.rescan()
-            except StorageError as exc:
-                log.warning("sweep failed, will retry: %s", exc)
+        self.rescan_requested.set()
 
     # -- the change stream ----------------------------------------------------------------------
 
@@ -346,7 +406,7 @@ class Watcher:
                             token = None  # nothing to resume after: reopen afresh and rescan
                             break
                         if change is not None:
-                            self._on_change(change)
+                            self.on_change(change)
                             # let a woken worker loop send its claim before this task
                             # spends its turn sending the next getMore (W2 latency)
                             await asyncio.sleep(0)
@@ -366,3 +426,35 @@ class Watcher:
             self.stream_restarts += 1
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
+
+
+def due_by(doc: Mapping[str, Any], when: dt.datetime | None) -> bool:
+    """True when the task was claimable at ``when`` (never, without a ``when``)."""
+    claim_at = doc.get("next_claim_at")
+    return when is not None and not (isinstance(claim_at, dt.datetime) and claim_at > when)
+
+
+class Sweep(PeriodicService):
+    """Rescan every ``sweep_interval`` seconds, and on request (a full queue ran out of due
+    tasks, a name was resumed) at most once every ``min_gap`` seconds."""
+
+    name: ClassVar[str] = "sweep"
+    failure: ClassVar[str] = "sweep failed, will retry"
+
+    def __init__(self, watcher: Watcher, min_gap: float = 0.5) -> None:
+        self.watcher = watcher
+        self.interval = watcher.sweep_interval
+        self.min_gap = min_gap
+        self._last: float | None = None
+
+    async def wait(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._last is None:
+            self._last = loop.time()
+        await event_or_timeout(self.watcher.rescan_requested, self.interval)
+        await asyncio.sleep(max(0.0, self._last + self.min_gap - loop.time()))
+        self.watcher.rescan_requested.clear()
+        self._last = loop.time()
+
+    async def run_once(self) -> None:
+        await self.watcher.rescan()

@@ -9,34 +9,50 @@ in leases.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import logging
-from collections.abc import Awaitable, Callable
+from typing import ClassVar
 
 from mtask import flows, store
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
-from mtask.gate import LimitGate
-from mtask.store import Outcome
+from mtask.store import Outcome, RunState
+from mtask.worker.events import Emitter, Event
+from mtask.worker.inflight import InFlight
+from mtask.worker.limit_gate import LimitGate
+from mtask.worker.watcher import QueueSink
 
-log = logging.getLogger("mtask.worker")
+log = logging.getLogger(__name__)
 
 
 class OutcomeRecorder:
+    """A side service (``run``) fed by the ``Executor`` (``add``, ``release_slot``).
+
+    Ownership: every field is the event loop's; ``pending`` is appended to by the executor and
+    swapped out whole by ``run``.
+    """
+
+    name: ClassVar[str] = "outcomes"
+
     def __init__(
         self,
         driver: AsyncDriver,
         clock: Clock,
+        *,
         gate: LimitGate,
-        requeue: Callable[[list[str]], Awaitable[None]],
-        on_recorded: Callable[[list[Outcome], int], None],
+        sink: QueueSink,
+        inflight: InFlight,
+        emit: Emitter,
+        wake: asyncio.Event,
     ) -> None:
         self.driver = driver
         self.clock = clock
         self.gate = gate
-        self.requeue = requeue
-        self.on_recorded = on_recorded
+        self.sink = sink
+        self.inflight = inflight
+        self.emit = emit
+        self.wake = wake
+        """The claimer's wake-up: set when outcomes are written (their slots are free)."""
         self.pending: list[Outcome] = []  # outcomes no write has taken yet
         self.ready = asyncio.Event()
         self.writing = 0  # outcomes in a write on its way
@@ -72,9 +88,39 @@ class OutcomeRecorder:
                 self.writing -= len(batch)
                 if not self.pending and not self.writing:
                     self.all_written.set()
-                self.on_recorded(batch, recorded)
+                self.recorded(batch, recorded)
+
+    def recorded(self, outcomes: list[Outcome], recorded: int) -> None:
+        """After a write: tell the watcher which successes its stream will skip, report each
+        outcome, and wake the claimer."""
+        if recorded < len(outcomes):
+            log.info(
+                "%d of %d outcome(s) were fenced out (their runs lost the task)",
+                len(outcomes) - recorded,
+                len(outcomes),
+                extra={"fenced": len(outcomes) - recorded},
+            )
+        all_landed = recorded == len(outcomes)  # else some may have been requeued
+        for outcome in outcomes:
+            if (
+                all_landed
+                and outcome.state is RunState.SUCCESS
+                and not self.inflight.busy(outcome.key)
+            ):
+                self.sink.succeeded(outcome.key)  # its stream skips the event
+            self.emit(
+                Event.RECORDED, key=outcome.key, run_id=outcome.run_id, state=outcome.state.value
+            )
+        self.wake.set()  # their slots are free now
 
     async def record(self, batch: list[Outcome]) -> int:
+        """Write the outcomes not yet written (a transactional SUCCESS is committed already and
+        counts as recorded); returns how many are recorded."""
+        committed = sum(1 for o in batch if o.committed)
+        rest = [o for o in batch if not o.committed]
+        return committed + (await self._write(rest) if rest else 0)
+
+    async def _write(self, batch: list[Outcome]) -> int:
         """Write outcomes, retrying transient errors until they land (the fence makes a repeat
         harmless). A batch refused for another reason is written one by one; an outcome the
         server refuses is logged and dropped: its run's lease then runs out and the task is
@@ -86,7 +132,12 @@ class OutcomeRecorder:
             except StorageError as exc:
                 if not exc.transient:
                     break
-                log.warning("cannot record %d outcome(s) yet, retrying: %s", len(batch), exc)
+                log.warning(
+                    "cannot record %d outcome(s) yet, retrying: %s",
+                    len(batch),
+                    exc,
+                    extra={"outcomes": len(batch)},
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5)
         recorded = 0
@@ -95,7 +146,7 @@ class OutcomeRecorder:
                 recorded += await self.driver.run(store.finish_many([outcome], self.clock.now()))
             except StorageError as exc:
                 if exc.transient:
-                    recorded += await self.record([outcome])
+                    recorded += await self._write([outcome])
                 else:
                     await self._drop_refused(outcome, str(exc))
         return recorded
@@ -111,7 +162,7 @@ class OutcomeRecorder:
             outcome.run_id[:8],
             reason,
         )
-        await self.requeue([outcome.key])
+        await self.sink.requeue([outcome.key])
 
     async def follow_up(self, batch: list[Outcome]) -> None:
         """After outcomes are recorded: publish the next steps of the successes that returned
@@ -130,18 +181,3 @@ class OutcomeRecorder:
                 await self.driver.run(flows.resolve(watched, now))
         except StorageError as exc:
             log.warning("next steps or dependents wait for the flow sweep: %s", exc)
-
-
-async def flow_sweep(driver: AsyncDriver, clock: Clock, interval: float) -> None:
-    """Side task: publish outboxes a crash left behind, and resolve dependencies whose
-    dependency's worker did not (it claimed before the dependent was published)."""
-    while True:
-        await asyncio.sleep(interval)
-        now = clock.now()
-        try:
-            stale = now - dt.timedelta(seconds=interval)
-            steps = await driver.run(flows.flush_outboxes(None, now, older_than=stale))
-            await driver.run(flows.after_publish(steps, now))
-            await driver.run(flows.resolve(await driver.run(flows.awaited()), now))
-        except StorageError as exc:
-            log.warning("flow sweep failed, will retry: %s", exc)

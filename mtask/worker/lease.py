@@ -6,26 +6,52 @@ loop or holds the GIL for a while. A ping that matches nothing means the run los
 the pinger reports it (``on_lost``) and forgets the run. A changed ping interval applies from
 the next ping. A frozen process (SIGSTOP) freezes this thread too, so its leases run out and
 the runs are preempted, as they must be.
+
+Ownership: ``_leases`` is shared between the event loop's thread (``add``, ``remove``,
+``expiry``) and the pinger thread; every write holds ``_cond``. ``expiry`` reads one entry
+without the lock, which is safe under the GIL (a dict read of one key is atomic) and may see a
+value one ping old, which only makes the local deadline earlier. ``LoopTicker.last`` is written
+on the loop's thread and read here (a float read is atomic).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from mtask import driver, limits, store
 from mtask.clock import Clock
 from mtask.errors import StorageError
 
-log = logging.getLogger("mtask.worker")
+log = logging.getLogger(__name__)
+
+TICK_SECONDS = 0.2
 
 LostCallback = Callable[[str, dict[str, Any] | None], None]
-"""Called on the pinger thread with the run id and the task's current status document
-(``None`` if the task is gone)."""
+"""Called with the run id and the task's current status document (``None`` if the task is
+gone): on the pinger thread, or on the event loop given to ``LeasePinger.start``."""
+
+
+class LoopTicker:
+    """Side service: notes every ``TICK_SECONDS`` that the event loop runs, so the pinger
+    thread can tell when a handler blocks the loop."""
+
+    name: ClassVar[str] = "ticker"
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        """Written on the loop's thread, read on the pinger thread."""
+
+    async def run(self) -> None:
+        while True:
+            self.last = time.monotonic()
+            await asyncio.sleep(TICK_SECONDS)
 
 
 @dataclass
@@ -65,16 +91,20 @@ class LeasePinger:
         self._thread = threading.Thread(target=self._run, name="mtask-pinger", daemon=True)
         self._failing = False
         self._loop_block_logged = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.pings = 0
 
-    def start(self) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the thread; with a ``loop``, ``on_lost`` is called on it, not on the thread."""
+        self._loop = loop
         self._thread.start()
 
     def stop(self) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._thread.join(timeout=10)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=10)
 
     def add(
         self,
@@ -147,7 +177,7 @@ class LeasePinger:
                 )
         except StorageError as exc:
             if not self._failing:
-                log.warning("cannot ping leases, retrying: %s", exc)
+                log.warning("cannot ping leases, retrying: %s", exc, extra={"key": lease.key})
                 self._failing = True
             lease.next_at = time.monotonic() + min(lease.interval, 0.5)
             return
@@ -159,7 +189,7 @@ class LeasePinger:
         if doc is None:
             with self._cond:
                 self._leases.pop(lease.run_id, None)
-            self._on_lost(lease.run_id, status)
+            self._report_lost(lease.run_id, status)
             return
         options = doc.get("options", {})
         lease.interval = options.get("ping_interval_ms", lease.interval * 1000) / 1000
@@ -175,6 +205,13 @@ class LeasePinger:
                 lease.key,
                 lease.timeout,
             )
+
+    def _report_lost(self, run_id: str, status: dict[str, Any] | None) -> None:
+        if self._loop is None:
+            self._on_lost(run_id, status)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed: the worker is gone
+            self._loop.call_soon_threadsafe(self._on_lost, run_id, status)
 
     def _check_loop(self) -> None:
         """Log once when the worker's event loop has not ticked for a while: a handler is

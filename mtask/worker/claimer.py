@@ -1,0 +1,305 @@
+"""The claim path (River's producer): which keys to claim, claiming them, and what a claim
+that failed or missed leaves to do.
+
+``run`` is the worker's main loop. It waits on ``wake | timer``, and claims only for free
+slots, in one round trip per batch (``store.claim``), only while at most ``concurrency``
+outcomes wait to be written (so a worker holds at most twice its slots in leases). Keys of
+names under a cluster-wide limit are claimed one at a time, each after its slot and token
+(``LimitGate.take``). A claim call that fails is followed by a read of what it may have taken
+anyway (``adopt``); a batch refused because of one document's write error is claimed again one
+key at a time (``isolate``) and the bad document marked invalid (``mark_invalid``).
+
+Ownership: every field is the event loop's. Keys are ``InFlight.claiming`` from the moment a
+claim is sent until its runs have started, so the claim's own change events cannot queue them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime as dt
+import logging
+import time
+import uuid
+from typing import Any, ClassVar
+
+from mtask import metrics, store
+from mtask.clock import Clock
+from mtask.driver import AsyncDriver
+from mtask.errors import StorageError
+from mtask.tracing import span
+from mtask.worker.claim_queue import ClaimQueue
+from mtask.worker.executor import Executor, WorkerStats
+from mtask.worker.inflight import InFlight
+from mtask.worker.limit_gate import LimitGate
+from mtask.worker.presence import Assignment, Lifecycle
+from mtask.worker.recorder import OutcomeRecorder
+from mtask.worker.watcher import QueueSink
+
+log = logging.getLogger(__name__)
+
+RETRY_SOON = dt.timedelta(seconds=1)
+"""How long a key waits after a claim or a slot could not be had because of MongoDB."""
+ADOPT_ATTEMPTS = 5
+
+
+@dataclasses.dataclass
+class _Held:
+    """What became of one key of a limited claim, to be done once it is no longer claiming."""
+
+    requeue_at: dt.datetime | None = None
+    blocked_until: dt.datetime | None = None
+    missed: bool = False
+
+
+class Claimer:
+    name: ClassVar[str] = "claimer"
+
+    def __init__(
+        self,
+        driver: AsyncDriver,
+        clock: Clock,
+        *,
+        worker_id: str,
+        concurrency: int,
+        queue: ClaimQueue,
+        inflight: InFlight,
+        assignment: Assignment,
+        sink: QueueSink,
+        gate: LimitGate,
+        recorder: OutcomeRecorder,
+        executor: Executor,
+        stats: WorkerStats,
+        lifecycle: Lifecycle,
+        wake: asyncio.Event,
+    ) -> None:
+        self.driver = driver
+        self.clock = clock
+        self.worker_id = worker_id
+        self.concurrency = concurrency
+        self.queue = queue
+        self.inflight = inflight
+        self.assignment = assignment
+        self.sink = sink
+        self.gate = gate
+        self.recorder = recorder
+        self.executor = executor
+        self.stats = stats
+        self.lifecycle = lifecycle
+        self.wake = wake
+        """Set by whoever may have made a claim possible: the watcher (a task queued), the
+        executor and the recorder (a slot freed), ``Worker.stop``."""
+
+    async def run(self) -> None:
+        """The main loop: until the worker stops, claim what is due for the free slots."""
+        while self.lifecycle.state == "running":
+            self.wake.clear()
+            claimed, timeout = await self.run_once()
+            if claimed:
+                continue
+            # asyncio.timeout waits on the event itself; wait_for would wrap it in a task,
+            # costing two more event-loop turns between a wake-up and the claim (W2 latency)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self.wake.wait()
+
+    async def run_once(self) -> tuple[bool, float | None]:
+        """Claim once if a slot is free and a key due. Returns whether it claimed, and how
+        long to sleep at most until the next key is due (``None``: until woken)."""
+        free = self.concurrency - len(self.inflight)
+        names = self.assignment.active
+        # Backpressure: claim only while fewer than `concurrency` outcomes wait to be
+        # written, so a worker holds at most 2 x concurrency leases (running handlers plus
+        # finished runs whose outcome is on its way).
+        if free <= 0 or not names or self.recorder.unwritten > self.concurrency:
+            return False, None
+        now = self.clock.now()
+        keys = self.queue.pop_due(now, free)
+        if keys:
+            await self.claim(keys, names, now)
+            return True, None
+        if self.queue.needs_refill(now):
+            self.sink.request_rescan()
+        wake_at = min(
+            (t for t in (self.queue.next_due(now), self.queue.overflow_at) if t), default=None
+        )
+        return False, None if wake_at is None else max(0.0, (wake_at - now).total_seconds())
+
+    async def claim(self, keys: list[str], names: list[str], now: dt.datetime) -> None:
+        """Claim ``keys`` (due at ``now``) for ``names``, and start the runs claimed."""
+        if self.gate.limited:
+            # Names with a cluster-wide limit are claimed one key at a time, each after its
+            # slot and token were taken; the batch claim below never matches them.
+            limited = [(k, m.name) for k in keys if (m := self.sink.known(k)) is not None]
+            limited = [(k, n) for k, n in limited if self.gate.is_limited(n)]
+            if limited:
+                await self.claim_limited(limited, now)
+                done = {k for k, _ in limited}
+                keys = [k for k in keys if k not in done]
+            names = [n for n in names if not self.gate.is_limited(n)]
+            if not keys:
+                return
+            if not names:  # keys whose name we no longer know: look them up again
+                await self.sink.requeue(keys)
+                return
+        self.stats.claim_calls += 1
+        self.stats.claim_attempts += len(keys)
+        hints = self.sink.timeouts(keys)
+        # From here the keys count as in flight: the claim's own change events may arrive
+        # before its reply, and must not put the keys back in the queue.
+        with self.inflight.claiming(keys):
+            sent = time.monotonic()  # no lease of this claim can end before sent + its timeout
+            with span("mtask.claim", keys=len(keys)):
+                docs = await self._send(keys, names, now, hints, isolate_on_error=True)
+            if docs is None:  # MongoDB failed and nothing was taken: try again shortly
+                for key in keys:
+                    self.queue.push(key, now + RETRY_SOON)
+            else:
+                metrics.CLAIM_LATENCY.observe(time.monotonic() - sent)
+                for doc in docs:
+                    self.executor.start(doc, sent)
+                self.stats.claimed += len(docs)
+        if docs is None:
+            await asyncio.sleep(0.5)
+            return
+        claimed = {d["_id"] for d in docs}
+        missed = [k for k in keys if k not in claimed]
+        if missed:
+            # A key we did not get goes back only if it was not yet due when we tried (our
+            # clock may be a millisecond early); otherwise another worker has it, or we may not
+            # run it, and an event or the sweep brings it back when that changes.
+            await self.sink.requeue(missed, later_than=now)
+
+    async def _send(
+        self,
+        keys: list[str],
+        names: list[str],
+        now: dt.datetime,
+        hints: dict[str, int] | None,
+        *,
+        isolate_on_error: bool,
+        batch: str | None = None,
+    ) -> list[dict[str, Any]] | None:
+        """One claim call, and on a storage error what it took anyway (``adopt``), plus, for
+        one document's write error, the rest claimed one by one (``isolate``). ``None``: the
+        call failed and nothing was taken."""
+        batch = batch or uuid.uuid4().hex
+        try:
+            return await self.driver.run(
+                store.claim(keys, names, self.worker_id, now, hints, store.CLAIMED_FIELDS, batch)
+            )
+        except StorageError as exc:
+            log.warning(
+                "claim failed, retrying shortly: %s", exc, extra={"keys": len(keys), "batch": batch}
+            )
+            docs = await self.adopt(keys, batch)
+            if exc.document and isolate_on_error:
+                adopted = {d["_id"] for d in docs}
+                return docs + await self.isolate([k for k in keys if k not in adopted], names, now)
+            return docs or None
+
+    async def claim_limited(self, keys: list[tuple[str, str]], now: dt.datetime) -> None:
+        """Claim each key after taking a slot (and a token) of its name's limit; once a name
+        is full, its other keys wait for a slot to free or a token to come."""
+        full: dict[str, dt.datetime] = {}
+        hints = self.sink.timeouts([k for k, _ in keys])
+        for key, name in keys:
+            if name in full:
+                self.gate.block(name, key, full[name])
+                continue
+            with self.inflight.claiming([key]):
+                held = await self._claim_limited_one(key, name, now, hints)
+            # no longer claiming: the watcher may queue the key again
+            if held.blocked_until is not None:
+                full[name] = held.blocked_until
+                self.gate.block(name, key, held.blocked_until)
+            elif held.requeue_at is not None:
+                self.sink.requeue_at(key, held.requeue_at)
+            elif held.missed:
+                await self.sink.requeue([key], later_than=now)  # as for a batch claim's misses
+
+    async def _claim_limited_one(
+        self, key: str, name: str, now: dt.datetime, hints: dict[str, int]
+    ) -> _Held:
+        batch = uuid.uuid4().hex
+        run_id = store.run_id_for(batch, key)
+        sent = time.monotonic()
+        got = await self.gate.take(name, run_id, key, now, hints.get(key))
+        if got is None:
+            return _Held(requeue_at=now + RETRY_SOON)
+        if not got.taken and got.limited:
+            return _Held(blocked_until=got.retry_at or now + RETRY_SOON)
+        slot = name if got.taken else None
+        self.stats.claim_calls += 1
+        self.stats.claim_attempts += 1
+        docs = await self._send([key], [name], now, hints, isolate_on_error=False, batch=batch)
+        for doc in docs or ():
+            self.executor.start(doc, sent, slot)
+            self.stats.claimed += 1
+        if docs:
+            return _Held()
+        if slot is not None:
+            self.recorder.release_slot(slot, run_id)
+        return _Held(requeue_at=now + RETRY_SOON) if docs is None else _Held(missed=True)
+
+    async def isolate(
+        self, keys: list[str], names: list[str], now: dt.datetime
+    ) -> list[dict[str, Any]]:
+        """Claim ``keys`` one at a time after a batch claim failed on one document's write
+        error; mark the documents whose own claim fails so ``invalid`` with the error (or,
+        when even that cannot be written, ignore them from now on, logged once)."""
+        claimed: list[dict[str, Any]] = []
+        for key in keys:
+            try:
+                claimed += await self.driver.run(
+                    store.claim(
+                        [key],
+                        names,
+                        self.worker_id,
+                        now,
+                        None,
+                        store.CLAIMED_FIELDS,
+                        uuid.uuid4().hex,
+                        isolate=True,
+                    )
+                )
+            except StorageError as exc:
+                if not exc.document:
+                    break  # not this document's fault: the sweep brings the rest back
+                await self.mark_invalid(key, f"a claim cannot update the document: {exc}")
+        return claimed
+
+    async def mark_invalid(self, key: str, reason: str) -> None:
+        try:
+            await self.driver.run(store.quarantine([key], self.clock.now(), reason))
+            log.warning("marked task %r invalid: %s", key, reason, extra={"key": key})
+        except StorageError as exc:
+            if not exc.document:  # MongoDB in trouble: a later claim tries again
+                log.warning(
+                    "cannot mark task %r invalid now (%s): %s", key, reason, exc, extra={"key": key}
+                )
+                return
+            log.warning(
+                "ignoring task %r from now on: %s (cannot mark it invalid: %s)",
+                key,
+                reason,
+                exc,
+                extra={"key": key},
+            )
+            self.sink.ignore(key)
+
+    async def adopt(self, keys: list[str], batch: str) -> list[dict[str, Any]]:
+        """After a failed claim call: the write may have been applied although its reply was
+        lost (multi-document writes are not retried by the driver). Find and run what this
+        batch claimed, rather than leave it to time out."""
+        for attempt in range(ADOPT_ATTEMPTS):
+            try:
+                return await self.driver.run(store.read_claimed(keys, batch, store.CLAIMED_FIELDS))
+            except StorageError:
+                await asyncio.sleep(0.2 * 2**attempt)
+        log.warning(
+            "could not check what a failed claim took; its leases will run out",
+            extra={"batch": batch},
+        )
+        return []

@@ -1,0 +1,66 @@
+"""A worker's configuration: the keyword arguments of ``Worker``, checked in one place."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from mtask.clock import Clock
+from mtask.errors import ConfigError
+from mtask.registry import Registry
+
+DEFAULT_MAX_RESULT_BYTES = 1024 * 1024
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    uri: str | None = None
+    database: str = "mtask"
+    collection: str = "tasks"
+    worker_id: str | None = None
+    """``host:pid:random`` when not given."""
+    concurrency: int = 10
+    names: Sequence[str] | None = None
+    """The names to run (all the registry's when not given)."""
+    grace: float = 30.0
+    """Seconds a stopping worker waits for its runs before it cancels and releases them."""
+    sweep_interval: float = 30.0
+    flow_sweep_interval: float = 5.0
+    run_schedules: bool = True
+    startup_timeout: float = 60.0
+    heartbeat_interval: float = 2.0
+    stagger_ms: float = 25.0
+    queue_size: int = 10_000
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
+    clock: Clock | None = None
+    on_event: Callable[..., None] | None = None
+    # -- handler isolation (issue 18) --
+    pool: Literal["thread", "process"] = "thread"
+    """Where plain-def handlers that declare no ``isolation`` run."""
+    max_tasks_per_child: int | None = None
+    max_memory_per_child: int | None = None
+    """Bytes of resident memory after a run past which a pool child is recycled."""
+
+    def chosen_names(self, registry: Registry) -> list[str]:
+        """The names this worker runs; raises ``ConfigError`` for a bad configuration."""
+        if self.concurrency < 1:
+            raise ConfigError("must be at least 1", field="concurrency")
+        if self.grace < 0:
+            raise ConfigError("must not be negative", field="grace")
+        if self.pool not in ("thread", "process"):
+            raise ConfigError("must be thread or process", field="pool")
+        chosen = list(self.names) if self.names else registry.names
+        unknown = [n for n in chosen if n not in registry]
+        if unknown:
+            raise ConfigError(f"no handler registered for {', '.join(unknown)}", field="names")
+        if not chosen:
+            raise ConfigError("the registry has no handlers", field="registry")
+        return chosen

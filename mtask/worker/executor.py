@@ -1,0 +1,422 @@
+"""Running a claimed task: the run's lifecycle (``Executor``) and its outcome (``RunOutcomes``).
+
+``Executor.start`` turns a claimed document into a run in flight: a ``TaskContext``, a lease the
+pinger extends, a local deadline, and the handler's asyncio task. When the handler ends, the
+run leaves the in-flight ledger and its outcome goes to the outcome writer. A run whose lease
+was lost (the pinger found another run owns the task, or its local deadline passed first) is
+stopped and records nothing; a cancelled task's run records CANCELLED; a run stopped by the
+worker's shutdown records RELEASED.
+
+``RunOutcomes`` turns a handler's return value or exception into the outcome the worker records:
+SUCCESS (with next steps, if it returned ``Next``), FAIL (retried, or permanent for ``Fail``,
+invalid params, an unstorable result or an invalid step), RELEASED or CANCELLED for a run the
+worker stopped, nothing for a run that lost its lease. How a handler is called (loop, thread,
+child process; time limits) is ``mtask.invoke``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import bson
+
+from mtask import flows, metrics
+from mtask.errors import InvalidParams, InvalidTask, LeaseLost
+from mtask.invoke import invoke
+from mtask.models import RunState
+from mtask.pool import ChildDied, HandlerError, ProcessPool, TimeLimitExceeded
+from mtask.registry import Fail, Handler, Registry, Retry, TaskContext
+from mtask.statemachine import keep_ms
+from mtask.store import Outcome
+from mtask.tracing import run_span
+from mtask.transactional import Transactions, TransactionTooLong
+from mtask.worker.claim_queue import ClaimQueue
+from mtask.worker.events import Emitter, Event
+from mtask.worker.inflight import ActiveRun, InFlight
+from mtask.worker.lease import LeasePinger
+from mtask.worker.recorder import OutcomeRecorder
+
+log = logging.getLogger(__name__)
+
+TRACEBACK_LIMIT = 4000
+"""The most characters of a failed run's traceback that are stored (the end is kept)."""
+
+
+@dataclass
+class WorkerStats:
+    claim_calls: int = 0
+    claim_attempts: int = 0
+    """Keys tried in claims (for the stampede measure: attempts per claimed task)."""
+    claimed: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    retried: int = 0
+    lease_lost: int = 0
+    released: int = 0
+    cancelled: int = 0
+
+
+def short_traceback(exc: BaseException) -> str:
+    text = "".join(traceback.format_exception(exc))
+    return text if len(text) <= TRACEBACK_LIMIT else "…" + text[-TRACEBACK_LIMIT:]
+
+
+class RunOutcomes:
+    def __init__(
+        self,
+        stats: WorkerStats,
+        emit: Emitter,
+        max_result_bytes: int,
+        max_params_bytes: int,
+    ) -> None:
+        self.stats = stats
+        self.emit = emit
+        self.max_result_bytes = max_result_bytes
+        self.max_params_bytes = max_params_bytes
+        self.transactions: Transactions | None = None
+        """Set by the worker: how transactional handlers open their transactions."""
+        self.pool: ProcessPool | None = None
+        """Child processes for process-isolated plain-def handlers (issue 18)."""
+        self.isolation: Literal["thread", "process"] = "thread"
+        """The worker-wide default for plain-def handlers that do not declare one."""
+
+    async def call(self, run: ActiveRun, handler: Handler, doc: dict[str, Any]) -> Outcome:
+        """Run the handler and say how the run ended (an exception is the task's failure)."""
+        try:
+            # the CONSUMER run span, child of the publisher's stored trace context (issue 14)
+            with run_span(doc, run.name, run.key, run.ctx.attempt):
+                if handler.transactional:
+                    params = handler.parse(doc.get("params") or {})
+                    return await self._transactional(run, handler, params)
+                result = await invoke(
+                    handler,
+                    doc.get("params") or {},
+                    run.ctx,
+                    pool=self.pool,
+                    isolation=self.isolation,
+                    thread_name=f"mtask-run-{run.key}",
+                )
+            return replace(  # issue 17: the retention the plain SUCCESS updates write
+                self.success(run, result), keep_ms=keep_ms(doc.get("options") or {}, "succeeded")
+            )
+        except Retry as exc:
+            delay = None if exc.delay is None else round(exc.delay * 1000)
+            return self.failure(run, f"retry requested: {exc}", retry_delay_ms=delay)
+        except Fail as exc:
+            return self.failure(run, f"failed: {exc}", permanent=True)
+        except LeaseLost as exc:
+            if not handler.transactional:
+                return self.failure(run, short_traceback(exc))
+            return self.failure(
+                run,
+                "the run lost the task before its transaction committed; nothing it wrote landed",
+            )
+        except TransactionTooLong as exc:
+            return self.failure(run, str(exc))
+        except InvalidParams as exc:
+            return self.failure(run, str(exc), permanent=True)
+        except (HandlerError, ChildDied, TimeLimitExceeded) as exc:  # issue 18
+            return self.failure(run, str(exc))
+        except Exception as exc:  # noqa: BLE001 - any handler error is the task's failure
+            return self.failure(run, short_traceback(exc))
+
+    async def _transactional(self, run: ActiveRun, handler: Handler, params: Any) -> Outcome:
+        """The handler and the run's SUCCESS in one transaction; the SUCCESS outcome returned is
+        ``committed`` (the recorder does not write it again). A result that cannot be stored
+        aborts the transaction and is the run's FAIL."""
+        assert self.transactions is not None, "the worker sets RunOutcomes.transactions"
+
+        async def invoke(session: Any) -> Any:
+            run.ctx.session = session
+            try:
+                return await handler.fn(params, run.ctx)
+            finally:
+                run.ctx.session = None
+
+        built: list[Outcome] = []  # the last is the one committed (a body may run again)
+
+        def outcome_for(result: Any) -> Outcome:
+            outcome = self.success(run, result)
+            if outcome.state is not RunState.SUCCESS:
+                raise _NotStored(outcome)
+            built.append(outcome)
+            return outcome
+
+        try:
+            await self.transactions.complete(invoke, outcome_for)
+        except _NotStored as refused:
+            return refused.outcome
+        return dataclasses.replace(built[-1], committed=True)
+
+    def success(self, run: ActiveRun, result: Any) -> Outcome:
+        steps: tuple[dict[str, Any], ...] = ()
+        if flows.is_steps(result):
+            try:
+                built = flows.build_steps(run.key, result, self.max_params_bytes)
+            except InvalidTask as exc:
+                return self.failure(run, f"invalid next step: {exc}", permanent=True)
+            steps = tuple(flows.outbox_entry(t) for t in built)
+            result = [t.key for t in built]
+        try:
+            size = len(bson.encode({"result": result}))
+        except Exception as exc:  # noqa: BLE001 - any encoding problem is the handler's
+            return self.failure(run, f"the result cannot be stored: {exc}", permanent=True)
+        if size > self.max_result_bytes:
+            return self.failure(
+                run,
+                f"the result is {size} bytes as BSON; the limit is {self.max_result_bytes}",
+                permanent=True,
+            )
+        self.stats.succeeded += 1
+        metrics.by_name(metrics.SUCCEEDED, run.name).inc()
+        self.emit(Event.SUCCEEDED, key=run.key, run_id=run.run_id)
+        return Outcome(
+            run.key,
+            run.run_id,
+            RunState.SUCCESS,
+            result=result,
+            steps=steps,
+            has_dependents=run.has_dependents,
+            worker_id=run.ctx.worker_id,
+            result_bytes=size,
+        )
+
+    def failure(
+        self,
+        run: ActiveRun,
+        error: str,
+        *,
+        permanent: bool = False,
+        retry_delay_ms: int | None = None,
+    ) -> Outcome:
+        metrics.by_name(metrics.FAILED, run.name).inc()
+        if permanent:
+            self.stats.failed += 1
+        else:
+            self.stats.retried += 1
+            metrics.by_name(metrics.RETRIED, run.name).inc()
+        self.emit(
+            Event.FAILED,
+            key=run.key,
+            run_id=run.run_id,
+            error=(error.strip().splitlines() or [""])[-1],
+            permanent=permanent,
+        )
+        return Outcome(
+            run.key,
+            run.run_id,
+            RunState.FAIL,
+            error=error,
+            permanent=permanent,
+            retry_delay_ms=retry_delay_ms,
+            jitter=random.uniform(0.8, 1.2),
+            has_dependents=run.has_dependents,
+        )
+
+    def stopped(self, run: ActiveRun) -> Outcome | None:
+        """A cancelled run's outcome: RELEASED, CANCELLED, or nothing (the lease was lost)."""
+        reason = run.stop_reason
+        if reason == "shutdown" or reason == "not_allowed":
+            self.stats.released += 1
+            self.emit(Event.RELEASED, key=run.key, run_id=run.run_id, reason=reason)
+            return Outcome(run.key, run.run_id, RunState.RELEASED)
+        if reason == "cancelled":
+            self.stats.cancelled += 1
+            self.emit(Event.CANCELLED, key=run.key, run_id=run.run_id)
+            return Outcome(run.key, run.run_id, RunState.CANCELLED, error="cancelled")
+        return None  # lost: another run owns the task; nothing may be written
+
+
+class _NotStored(Exception):
+    """A transactional handler's result cannot be stored: abort, and fail the run."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__(outcome.error)
+        self.outcome = outcome
+
+
+class Executor:
+    """Starts claimed runs and sees each to its end (River's job executor).
+
+    Ownership: runs live in the ``InFlight`` ledger, written here on the event loop's thread;
+    ``lost`` is called on the loop too (the pinger delivers it with ``call_soon_threadsafe``).
+    """
+
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        worker_id: str,
+        publisher: Callable[..., Awaitable[Any]],
+        inflight: InFlight,
+        queue: ClaimQueue,
+        pinger: LeasePinger,
+        recorder: OutcomeRecorder,
+        outcomes: RunOutcomes,
+        wake: asyncio.Event,
+        emit: Emitter,
+    ) -> None:
+        self.registry = registry
+        self.worker_id = worker_id
+        self.publisher = publisher
+        self.inflight = inflight
+        self.queue = queue
+        self.pinger = pinger
+        self.recorder = recorder
+        self.outcomes = outcomes
+        self.stats = outcomes.stats
+        self.wake = wake
+        """The claimer's wake-up: set when a run ends (a slot is free)."""
+        self.emit = emit
+
+    def start(self, doc: dict[str, Any], sent: float, slot: str | None = None) -> None:
+        """Run a claimed task: ``sent`` is when (monotonic) the claim that took it was sent,
+        ``slot`` the limited name whose slot the run holds."""
+        run_id = doc["claim_run_id"]
+        options = doc["options"]
+        ctx = TaskContext(
+            key=doc["_id"],
+            name=doc["name"],
+            attempt=doc["attempts"],
+            run_id=run_id,
+            worker_id=self.worker_id,
+            publisher=self.publisher,
+        )
+        run = ActiveRun(
+            key=doc["_id"],
+            name=doc["name"],
+            run_id=run_id,
+            ctx=ctx,
+            slot=slot,
+            has_dependents=doc.get("has_dependents") is True,
+        )
+        self.inflight.started(run)
+        self.queue.discard(run.key)
+        self.pinger.add(
+            run.key,
+            run_id,
+            options["ping_interval_ms"],
+            options["worker_timeout_ms"],
+            sent,
+            slot=slot,
+        )
+        run.task = asyncio.create_task(self.execute(run, doc), name=f"mtask-run-{run.key}")
+        self.watch_deadline(run)
+        metrics.by_name(metrics.CLAIMED, run.name).inc()
+        metrics.IN_FLIGHT.inc()
+        self.emit(Event.CLAIMED, key=run.key, run_id=run_id, attempt=ctx.attempt)
+
+    async def execute(self, run: ActiveRun, doc: dict[str, Any]) -> None:
+        outcome: Outcome | None
+        try:
+            outcome = await self.outcomes.call(run, self.registry[run.name], doc)
+        except asyncio.CancelledError:
+            outcome = self.outcomes.stopped(run)
+            if outcome is None and run.stop_reason is None:
+                raise
+        finally:
+            metrics.IN_FLIGHT.dec()
+            metrics.by_name(metrics.RUN_DURATION, run.name).observe(time.monotonic() - run.started)
+            if run.deadline is not None:
+                run.deadline.cancel()
+            self.inflight.ended(run)
+            self.pinger.remove(run.run_id)
+            if run.slot is not None:  # given back by the outcome writer, after the outcome
+                self.recorder.release_slot(run.slot, run.run_id)
+            self.wake.set()
+        if outcome is not None:
+            self.recorder.add(outcome)
+
+    def watch_deadline(self, run: ActiveRun) -> None:
+        """Stop a run when its lease has run out by this process's own clock, before any
+        other worker can take it over: after a freeze (SIGSTOP, a VM pause) the run is stopped
+        by the first timer that fires, not by a ping answered later, and no ping success is
+        assumed while MongoDB cannot be reached."""
+        expiry = self.pinger.expiry(run.run_id)
+        if expiry is None or run.task is None or run.task.done() or run.stop_reason:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < expiry:
+            run.deadline = loop.call_at(expiry, self.watch_deadline, run)
+            return
+        self.pinger.remove(run.run_id)
+        log.warning(
+            "the lease of %s run %s ran out before a ping could extend it (was the process "
+            "frozen, or MongoDB out of reach?)",
+            run.key,
+            run.run_id[:8],
+            extra={"key": run.key, "run_id": run.run_id},
+        )
+        self.lost(run.run_id, None)
+
+    def lost(self, run_id: str, doc: dict[str, Any] | None) -> None:
+        """The run no longer owns its task (the pinger found out, with the task's current
+        status document, or the local deadline passed): stop its handler."""
+        run = self.inflight.get(run_id)
+        if run is None or run.task is None or run.stop_reason is not None:
+            return  # gone, or already being stopped (the local deadline and a ping may race)
+        still_running = doc is not None and any(
+            r.get("run_id") == run_id and r.get("state") == "RUNNING" for r in doc.get("runs", ())
+        )
+        if doc is not None and doc.get("status") == "cancelled":
+            run.stop_reason = "cancelled"
+        elif still_running:
+            run.stop_reason = "not_allowed"  # specific_worker_ids no longer names us
+        else:
+            run.stop_reason = "lost"
+            run.ctx.lease_lost = True  # the handler's check_lease and publish raise LeaseLost
+            self.stats.lease_lost += 1
+            metrics.by_name(metrics.LEASE_LOST, run.name).inc()
+            log.warning(
+                "lease lost: %s run %s was taken over; its outcome will not be recorded",
+                run.key,
+                run_id[:8],
+                extra={"key": run.key, "run_id": run_id},
+            )
+        self.stop(run, run.stop_reason)
+
+    def stop(self, run: ActiveRun, reason: str) -> None:
+        """Cancel a run's handler for ``reason`` (its outcome follows from the reason)."""
+        run.stop_reason = reason
+        if reason != "shutdown":
+            self.emit(Event.STOPPING_RUN, key=run.key, run_id=run.run_id, reason=reason)
+        run.ctx.cancelled.set()
+        if run.task is not None:
+            run.task.cancel()
+
+    async def drain(self, grace: float, stop_now: asyncio.Event) -> None:
+        """Wait up to ``grace`` seconds (or until ``stop_now``) for the runs in flight, then
+        stop the rest for "shutdown" (they record RELEASED) and wait until they have ended."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        immediate = asyncio.create_task(stop_now.wait())
+        try:
+            while not immediate.done():
+                pending = [r.task for r in self.inflight.active() if r.task is not None]
+                remaining = deadline - loop.time()
+                if not pending or remaining <= 0:
+                    break
+                log.info(
+                    "stopping: waiting up to %.1fs for %d run(s)",
+                    remaining,
+                    len(pending),
+                    extra={"runs": len(pending)},
+                )
+                await asyncio.wait(
+                    [*pending, immediate], timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
+        finally:
+            immediate.cancel()
+        for run in self.inflight.active():
+            self.stop(run, "shutdown")
+        stopping = [r.task for r in self.inflight.runs.values() if r.task is not None]
+        if stopping:
+            await asyncio.gather(*stopping, return_exceptions=True)

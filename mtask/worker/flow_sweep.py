@@ -1,0 +1,38 @@
+"""The flow sweep: what a crash or a race left undone in flows, done later.
+
+Each round publishes the outboxes (next steps) older than one interval that no worker flushed
+(it died between recording a success and publishing its steps), and resolves the dependencies
+whose dependency's worker did not (it claimed before the dependent was published), and gives
+finished flow parents whose steps all ended their ``expire_at`` (``retention.release_parents``).
+The
+outcome writer does both at once in the normal case; this sweep only makes them certain.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import ClassVar
+
+from mtask import flows
+from mtask.clock import Clock
+from mtask.driver import AsyncDriver
+from mtask.store.retention import release_parents
+from mtask.worker.service import PeriodicService
+
+
+class FlowSweep(PeriodicService):
+    name: ClassVar[str] = "flows"
+    failure: ClassVar[str] = "flow sweep failed, will retry"
+
+    def __init__(self, driver: AsyncDriver, clock: Clock, interval: float) -> None:
+        self.driver = driver
+        self.clock = clock
+        self.interval = interval
+
+    async def run_once(self) -> None:
+        now = self.clock.now()
+        stale = now - dt.timedelta(seconds=self.interval)
+        steps = await self.driver.run(flows.flush_outboxes(None, now, older_than=stale))
+        await self.driver.run(flows.after_publish(steps, now))
+        await self.driver.run(flows.resolve(await self.driver.run(flows.awaited()), now))
+        await self.driver.run(release_parents(now))  # issue 17: flow parents held for steps

@@ -1,0 +1,81 @@
+"""The in-flight ledger: the runs this worker holds, and the keys whose claim is on its way.
+
+This is the only mutable state the ``Claimer``, the ``Executor`` and the ``Watcher`` share.
+Ownership (River's producer style): every field is read and written on the event loop's thread
+only; the pinger thread never touches it (it learns about runs through ``LeasePinger.add``).
+
+- ``Claimer`` marks keys ``claiming`` for the length of a claim call, so that the claim's own
+  change events cannot put them back in the claim queue before its reply arrives;
+- ``Executor`` records a run ``started`` (under its claim) and ``ended`` (after its handler);
+- ``Watcher`` asks ``busy(key)`` before queueing a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from mtask.registry import TaskContext
+
+
+@dataclass
+class ActiveRun:
+    key: str
+    name: str
+    run_id: str
+    ctx: TaskContext
+    slot: str | None = None
+    """The name whose cluster-wide limit gave this run a slot (given back when it ends)."""
+    has_dependents: bool = False
+    task: asyncio.Task[None] | None = None
+    stop_reason: str | None = None
+    deadline: asyncio.TimerHandle | None = None
+    """The timer of ``Executor.watch_deadline``; cancelled when the run ends (it holds the run)."""
+    started: float = field(default_factory=time.monotonic)
+
+
+class InFlight:
+    def __init__(self) -> None:
+        self.runs: dict[str, ActiveRun] = {}
+        """Runs in flight by run id (``Executor``)."""
+        self._keys: dict[str, int] = {}
+        """Runs in flight per key (a task may be run again before its previous run ended)."""
+        self._claiming: set[str] = set()
+        """Keys whose claim is on its way (``Claimer``)."""
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def busy(self, key: str) -> bool:
+        """True while ``key`` is being claimed or run here: the watcher does not queue it."""
+        return key in self._keys or key in self._claiming
+
+    @contextlib.contextmanager
+    def claiming(self, keys: Iterable[str]) -> Iterator[None]:
+        """The keys count as in flight while the block runs (their claim is on its way)."""
+        keys = list(keys)
+        self._claiming.update(keys)
+        try:
+            yield
+        finally:
+            self._claiming.difference_update(keys)
+
+    def started(self, run: ActiveRun) -> None:
+        self.runs[run.run_id] = run
+        self._keys[run.key] = self._keys.get(run.key, 0) + 1
+
+    def ended(self, run: ActiveRun) -> None:
+        self.runs.pop(run.run_id, None)
+        left = self._keys.pop(run.key, 1) - 1
+        if left:
+            self._keys[run.key] = left
+
+    def get(self, run_id: str) -> ActiveRun | None:
+        return self.runs.get(run_id)
+
+    def active(self) -> list[ActiveRun]:
+        """Runs whose handler has not ended yet."""
+        return [r for r in self.runs.values() if r.task is not None and not r.task.done()]

@@ -1,0 +1,162 @@
+"""Presence in the cluster: the heartbeat, pause and resume, remote stop, and the peers.
+
+Every ``heartbeat_interval`` seconds (at once when a control changes) ``Presence`` writes this
+worker's document in ``workers``, reads the paused names and the live workers, and publishes
+what it learnt through the ``Assignment`` the ``Claimer`` and the ``Watcher`` read. It also
+re-calibrates a ``ServerClock`` now and then.
+
+Ownership: the one ``Assignment`` object is written by ``Presence`` only, on the event loop's
+thread (each field is replaced whole, never mutated in place); the ``Claimer`` and the
+``Watcher`` read it on the same thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import os
+import socket
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Protocol
+
+from pymongo.errors import PyMongoError
+
+from mtask import control
+from mtask._version import __version__
+from mtask.clock import Clock, ServerClock
+from mtask.driver import AsyncDriver
+from mtask.errors import StorageError
+from mtask.worker.events import Emitter, Event
+from mtask.worker.inflight import InFlight
+from mtask.worker.service import PeriodicService, event_or_timeout
+
+log = logging.getLogger(__name__)
+
+WorkerState = Literal["ready", "running", "stopping", "stopped"]
+CALIBRATE_EVERY = 15
+"""Heartbeats between two calibrations of a ``ServerClock``."""
+
+
+@dataclass
+class Assignment:
+    """What this worker claims: its names except the paused ones, and which live workers
+    handle each name (for the watcher's stagger)."""
+
+    names: tuple[str, ...]
+    paused: frozenset[str] = frozenset()
+    peers: Mapping[str, Collection[str]] = field(default_factory=dict)
+    active: list[str] = field(init=False)
+    """``names`` except the paused ones (kept, not computed: the watcher reads it per event)."""
+
+    def __post_init__(self) -> None:
+        self.active = [n for n in self.names if n not in self.paused]
+
+    def pause(self, paused: frozenset[str]) -> frozenset[str]:
+        """Make ``paused`` the paused names; return the names resumed by it."""
+        resumed = self.paused - paused
+        self.paused = paused
+        self.active = [n for n in self.names if n not in paused]
+        return resumed
+
+
+class Lifecycle(Protocol):
+    """The supervisor as Presence sees it: its state, and a way to ask it to stop."""
+
+    @property
+    def state(self) -> WorkerState: ...
+
+    def stop(self, immediate: bool = False) -> None: ...
+
+
+class Rescanner(Protocol):
+    def request_rescan(self) -> None: ...
+
+
+class Presence(PeriodicService):
+    name: ClassVar[str] = "heartbeat"
+    failure: ClassVar[str] = "heartbeat failed, retrying"
+    errors: ClassVar[tuple[type[Exception], ...]] = (StorageError, PyMongoError)
+
+    def __init__(
+        self,
+        driver: AsyncDriver,
+        clock: Clock,
+        *,
+        worker_id: str,
+        concurrency: int,
+        interval: float,
+        inflight: InFlight,
+        lifecycle: Lifecycle,
+        emit: Emitter,
+        assignment: Assignment,
+        rescanner: Rescanner,
+        controls_changed: asyncio.Event,
+        server_clock: ServerClock | None = None,
+        database: Any = None,
+    ) -> None:
+        self.driver = driver
+        self.clock = clock
+        self.worker_id = worker_id
+        self.concurrency = concurrency
+        self.interval = interval
+        self.inflight = inflight
+        self.lifecycle = lifecycle
+        self.emit = emit
+        self.server_clock = server_clock
+        self.database = database
+        """The async database a ``ServerClock`` calibrates against."""
+        self.assignment = assignment
+        self.rescanner = rescanner
+        """Told to rescan when a name is resumed (the watcher)."""
+        self.controls_changed = controls_changed
+        """Set by the watcher on a change of the controls: beat at once."""
+        self.beats = 0
+
+    async def wait(self) -> None:
+        await event_or_timeout(self.controls_changed, self.interval)
+        self.controls_changed.clear()
+
+    async def run_once(self) -> None:
+        self.beats += 1
+        if self.server_clock is not None and self.beats % CALIBRATE_EVERY == 0:
+            await self.server_clock.calibrate_async(self.database)
+        await self.beat()
+
+    async def beat(self) -> None:
+        """Write this worker's document; follow a remote stop, the paused names, the peers."""
+        now = self.clock.now()
+        doc = await self.driver.run(control.heartbeat(self.document(), now))
+        if doc.get("stop_requested") and self.lifecycle.state == "running":
+            log.info("stop requested remotely", extra={"worker_id": self.worker_id})
+            self.lifecycle.stop()
+        paused = await self.driver.run(control.paused_names())
+        peers = await self.driver.run(
+            control.live_workers(now, 3 * dt.timedelta(seconds=self.interval))
+        )
+        table: dict[str, list[str]] = {}
+        for peer in peers:
+            for name in peer.get("names") or ():
+                table.setdefault(name, []).append(peer["_id"])
+        assignment = self.assignment
+        assignment.peers = table
+        if paused != assignment.paused:
+            resumed = assignment.pause(frozenset(paused))
+            self.emit(Event.PAUSED_CHANGED, paused=sorted(paused))
+            if resumed:
+                self.rescanner.request_rescan()  # resumed names: find their tasks
+
+    def document(self) -> dict[str, Any]:
+        runs = list(self.inflight.runs.values())
+        return {
+            "_id": self.worker_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "version": __version__,
+            "names": list(self.assignment.names),
+            "concurrency": self.concurrency,
+            "in_flight": len(runs),
+            "state": self.lifecycle.state,
+            "running": [{"key": r.key, "run_id": r.run_id} for r in runs[:50]],
+        }

@@ -1,0 +1,176 @@
+"""The claim path without MongoDB: a ``Claimer`` with a scripted driver, a real ``ClaimQueue``,
+``InFlight``, ``Watcher`` (as its queue sink) and ``LimitGate``."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Any, cast
+
+from pymongo.errors import WriteError
+from pymongo.results import UpdateResult
+from scripted import AsyncScriptedDriver, Step
+
+from mtask.clock import FixedClock
+from mtask.driver import AsyncDriver
+from mtask.worker.claim_queue import ClaimQueue
+from mtask.worker.claimer import Claimer
+from mtask.worker.events import Emitter
+from mtask.worker.executor import Executor, WorkerStats
+from mtask.worker.inflight import InFlight
+from mtask.worker.limit_gate import LimitGate
+from mtask.worker.presence import Assignment
+from mtask.worker.recorder import OutcomeRecorder
+from mtask.worker.watcher import Watcher
+
+NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
+TOO_LARGE = 17419  # "Resulting document after update is larger than 16777216"
+
+
+def updated(n: int) -> UpdateResult:
+    return UpdateResult({"n": n, "nModified": n, "ok": 1.0}, acknowledged=True)
+
+
+def too_large() -> WriteError:
+    return WriteError("Resulting document after update is larger than 16777216", TOO_LARGE, {})
+
+
+class Started:
+    """Stands in for the ``Executor``: records the runs the claimer starts."""
+
+    def __init__(self, inflight: InFlight) -> None:
+        self.docs: list[dict[str, Any]] = []
+        self.busy_when_started: list[bool] = []
+        self.inflight = inflight
+
+    def start(self, doc: dict[str, Any], sent: float, slot: str | None = None) -> None:
+        self.busy_when_started.append(self.inflight.busy(doc["_id"]))
+        self.docs.append(doc)
+
+
+class Running:
+    state = "running"
+
+    def stop(self, immediate: bool = False) -> None:
+        raise AssertionError("not expected")
+
+
+def build(driver: AsyncScriptedDriver) -> tuple[Claimer, Watcher, Started]:
+    clock = FixedClock(NOW)
+    adriver = cast(AsyncDriver, driver)
+    inflight, queue, wake = InFlight(), ClaimQueue(100), asyncio.Event()
+    watcher = Watcher(
+        adriver,
+        worker_id="w1",
+        queue=queue,
+        clock=clock,
+        wake=wake.set,
+        in_flight=inflight.busy,
+        assignment=Assignment(("add",)),
+    )
+    gate = LimitGate(adriver, "w1", clock, watcher)
+    recorder = OutcomeRecorder(
+        adriver, clock, gate=gate, sink=watcher, inflight=inflight, emit=Emitter(), wake=wake
+    )
+    started = Started(inflight)
+    claimer = Claimer(
+        adriver,
+        clock,
+        worker_id="w1",
+        concurrency=10,
+        queue=queue,
+        inflight=inflight,
+        assignment=watcher.assignment,
+        sink=watcher,
+        gate=gate,
+        recorder=recorder,
+        executor=cast(Executor, started),
+        stats=WorkerStats(),
+        lifecycle=Running(),
+        wake=wake,
+    )
+    return claimer, watcher, started
+
+
+def placement(key: str, claim_at: dt.datetime) -> dict[str, Any]:
+    return {
+        "_id": key,
+        "name": "add",
+        "next_claim_at": claim_at,
+        "status": "pending",  # read by store.placeable (issue 14)
+        "options": {},
+        "well_formed": True,
+    }
+
+
+async def test_a_bad_document_is_isolated_and_marked_invalid() -> None:
+    """A batch claim fails on one document's write error: the claimer reads what the batch
+    took anyway (nothing), claims the keys one by one, runs the good one, marks the bad one
+    invalid, and does not queue it again."""
+    driver = AsyncScriptedDriver(
+        Step("update_many", raises=too_large()),  # the batch claim (lean stage)
+        Step("find", reply=[]),  # adopt: the failed write took nothing
+        Step("update_many", reply=updated(1)),  # isolate "good"
+        Step("find", reply=[{"_id": "good", "claim_run_id": "r1"}]),
+        Step("update_many", raises=too_large()),  # isolate "bad": its own write error
+        Step("update_many", reply=updated(1), check=lambda c: "invalid_reason" in str(c.args)),
+        Step("find", reply=[]),  # requeue the missed "bad": it is invalid now, not open
+    )
+    claimer, watcher, started = build(driver)
+    await claimer.claim(["good", "bad"], ["add"], NOW)
+    assert driver.done
+    assert [d["_id"] for d in started.docs] == ["good"]
+    assert started.busy_when_started == [True]  # claiming until its run started
+    assert not claimer.inflight.busy("good") and "bad" not in watcher.queue
+    assert claimer.stats.claimed == 1
+
+
+async def test_a_bad_document_that_cannot_be_marked_is_ignored_from_then_on() -> None:
+    driver = AsyncScriptedDriver(
+        Step("find_one_and_update", raises=too_large()),  # a claim of one key
+        Step("find", reply=[]),
+        Step("update_many", raises=too_large()),  # isolate "full"
+        Step("update_many", raises=too_large()),  # quarantine cannot write it either
+        Step("find", reply=[placement("full", NOW - dt.timedelta(seconds=1))]),
+    )
+    claimer, watcher, started = build(driver)
+    await claimer.claim(["full"], ["add"], NOW)
+    assert driver.done and started.docs == []
+    watcher.place_safely(placement("full", NOW))  # a later event or scan
+    assert "full" not in watcher.queue
+
+
+async def test_missed_keys_are_requeued_only_if_they_were_not_due() -> None:
+    """A key the claim did not get goes back in the queue only if it was not claimable yet
+    when the claim was sent (our clock may be early); a due one has another owner."""
+    later = NOW + dt.timedelta(seconds=5)
+    driver = AsyncScriptedDriver(
+        Step("update_many", reply=updated(1)),
+        Step("update_many", reply=updated(0)),
+        Step("find", reply=[{"_id": "mine", "claim_run_id": "r1"}]),
+        Step("find", reply=[placement("taken", NOW), placement("early", later)]),
+    )
+    claimer, watcher, started = build(driver)
+    await claimer.claim(["mine", "taken", "early"], ["add"], NOW)
+    assert driver.done and [d["_id"] for d in started.docs] == ["mine"]
+    assert "taken" not in watcher.queue
+    assert "early" in watcher.queue and watcher.queue.entries["early"].claim_at == later
+
+
+async def test_a_failed_claim_call_puts_its_keys_back_shortly() -> None:
+    """Not a document's fault (MongoDB away): what the call took is read back; nothing was,
+    so the keys wait a second in the queue."""
+    from pymongo.errors import AutoReconnect
+
+    driver = AsyncScriptedDriver(
+        Step("update_many", raises=AutoReconnect("primary stepped down")),
+        Step("find", reply=[]),
+    )
+    claimer, watcher, started = build(driver)
+    await claimer.claim(["a", "b"], ["add"], NOW)
+    assert driver.done and started.docs == []
+    assert {k: e.claim_at for k, e in watcher.queue.entries.items()} == {
+        "a": NOW + dt.timedelta(seconds=1),
+        "b": NOW + dt.timedelta(seconds=1),
+    }
+    assert not claimer.inflight.busy("a")

@@ -1,0 +1,108 @@
+"""Store operations without MongoDB: the exact ``Call`` sequence of the paths that only a race
+or a failure reaches on a real server."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from pymongo.errors import DuplicateKeyError
+from pymongo.results import UpdateResult
+from scripted import ScriptedDriver, Step
+
+from mtask import flows, store
+from mtask.driver import Call
+from mtask.errors import StorageError
+from mtask.models import NewTask
+
+NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
+
+
+def updated(n: int) -> UpdateResult:
+    return UpdateResult({"n": n, "nModified": n, "ok": 1.0}, acknowledged=True)
+
+
+def test_publish_retries_once_after_a_racing_insert() -> None:
+    """Two upserts of a new key race; the loser's DuplicateKeyError is retried and finds the
+    winner's document, which it leaves alone (``ignore``)."""
+    existing = {"_id": "k", "name": "add", "status": "pending"}
+    driver = ScriptedDriver(
+        Step("find", reply=[], collection="retention"),  # the name's retention defaults: none
+        Step("find_one_and_update", raises=DuplicateKeyError("E11000 duplicate key")),
+        Step("find_one_and_update", reply=existing),
+    )
+    published = driver.run(store.publish(NewTask.build("add", "k", {"a": 1}), NOW))
+    assert driver.done
+    assert not published.created and not published.updated and published.document is existing
+    # both attempts are the same upsert
+    assert driver.calls[1] == driver.calls[2]
+    assert driver.calls[1].kwargs["upsert"] is True
+
+
+def test_publish_gives_up_after_a_second_duplicate_key_error() -> None:
+    driver = ScriptedDriver(
+        Step("find", reply=[], collection="retention"),
+        Step("find_one_and_update", raises=DuplicateKeyError("E11000 duplicate key")),
+        Step("find_one_and_update", raises=DuplicateKeyError("E11000 duplicate key")),
+    )
+    with pytest.raises(StorageError) as raised:
+        driver.run(store.publish(NewTask.build("add", "k"), NOW))
+    assert driver.done and raised.value.document and not raised.value.transient
+
+
+def test_a_batch_claim_falls_back_to_the_full_pipeline_for_what_the_lean_one_left() -> None:
+    keys = ["a", "b", "c"]
+    claimed = [{"_id": "a"}, {"_id": "b"}, {"_id": "c"}]
+    driver = ScriptedDriver(
+        Step("update_many", reply=updated(2)),  # the lean stage: a running task it cannot take
+        Step("update_many", reply=updated(1)),  # the full pipeline takes the third
+        Step("find", reply=claimed),
+    )
+    docs = driver.run(store.claim(keys, ["add"], "w1", NOW, batch="b1"))
+    assert driver.done and [d["_id"] for d in docs] == keys
+    assert all(d["claim_run_id"] == store.run_id_for("b1", d["_id"]) for d in docs)
+    lean, full = driver.calls[0].args, driver.calls[1].args
+    assert lean[0]["status"] == "pending"  # the lean filter: only what is plainly claimable
+    assert full[0]["status"] != "pending" and full[0]["_id"]["$in"] == keys
+
+
+def test_a_batch_claim_the_lean_stage_completes_sends_two_calls() -> None:
+    driver = ScriptedDriver(
+        Step("update_many", reply=updated(2)),
+        Step("find", reply=[{"_id": "a"}, {"_id": "b"}]),
+    )
+    assert len(driver.run(store.claim(["a", "b"], ["add"], "w1", NOW))) == 2
+    assert driver.done
+
+
+def test_a_batch_claim_that_takes_nothing_reads_nothing() -> None:
+    driver = ScriptedDriver(Step("update_many", reply=updated(0)), Step("update_many", updated(0)))
+    assert driver.run(store.claim(["a", "b"], ["add"], "w1", NOW)) == []
+    assert driver.done
+
+
+def test_resolve_releases_dependents_of_successes_and_fails_those_of_failures() -> None:
+    def released(call: Call) -> None:
+        assert call.args[0] == {"waiting_on": {"$in": ["ok"]}}
+
+    def failed(call: Call) -> None:
+        assert call.args[0] == {"waiting_on": "bad", "status": "pending"}
+        assert "dependency 'bad' is failed" in str(call.args[1][0])
+
+    driver = ScriptedDriver(
+        Step(
+            "find", reply=[{"_id": "ok", "status": "succeeded"}, {"_id": "bad", "status": "failed"}]
+        ),
+        Step("update_many", reply=updated(2), check=released),
+        Step("update_many", reply=updated(1), check=failed),
+    )
+    assert driver.run(flows.resolve(["ok", "bad", "open"], NOW)) == 3
+    assert driver.done
+    assert driver.calls[0].args[0]["_id"] == {"$in": ["ok", "bad", "open"]}
+
+
+def test_resolve_of_unfinished_keys_changes_nothing() -> None:
+    driver = ScriptedDriver(Step("find", reply=[]))
+    assert driver.run(flows.resolve(["open"], NOW)) == 0
+    assert driver.done
+    assert ScriptedDriver().run(flows.resolve([], NOW)) == 0  # no call at all

@@ -1,0 +1,128 @@
+"""``mtask.testing``: a handler's outcome without MongoDB, as the worker would record it."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from mtask import Fail, LeaseLost, Next, Registry, Retry, RunState, TaskContext
+from mtask.testing import arun_handler, run_handler
+
+registry = Registry()
+
+
+class Size(BaseModel):
+    width: int
+
+
+@registry.task("resize")
+async def resize(params: Size, ctx: TaskContext) -> dict[str, Any]:
+    if params.width <= 0:
+        raise Fail("width must be positive")
+    if params.width > 10_000:
+        raise Retry("too big for now", delay=2.5)
+    return {"width": params.width, "attempt": ctx.attempt, "key": ctx.key}
+
+
+@registry.task("crash")
+def crash(params: dict[str, Any]) -> None:
+    raise RuntimeError(f"boom on {threading.current_thread().name}")
+
+
+@registry.task("order")
+async def order(params: dict[str, list[str]]) -> list[Next]:
+    return [Next("pack", {"item": item}) for item in params["items"]]
+
+
+@registry.task("huge")
+def huge(params: dict[str, Any]) -> str:
+    return "x" * 2000
+
+
+@registry.task("notify")
+async def notify(params: dict[str, Any], ctx: TaskContext) -> None:
+    await ctx.publish("email", "mail-1", {"to": params["to"]})
+
+
+def test_success_carries_the_result() -> None:
+    outcome = run_handler(registry, "resize", {"width": 640}, key="img-1", attempt=3)
+    assert outcome.state is RunState.SUCCESS
+    assert outcome.result == {"width": 640, "attempt": 3, "key": "img-1"}
+    assert outcome.key == "img-1" and outcome.steps == ()
+
+
+def test_fail_is_permanent_and_retry_keeps_its_delay() -> None:
+    failed = run_handler(registry, "resize", {"width": 0})
+    assert failed.state is RunState.FAIL and failed.permanent
+    assert failed.error == "failed: width must be positive"
+    retried = run_handler(registry, "resize", {"width": 20_000})
+    assert retried.state is RunState.FAIL and not retried.permanent
+    assert retried.retry_delay_ms == 2500
+
+
+def test_invalid_params_fail_for_good_without_calling_the_handler() -> None:
+    outcome = run_handler(registry, "resize", {"width": "wide"})
+    assert outcome.state is RunState.FAIL and outcome.permanent
+    assert outcome.error is not None and "params do not match Size" in outcome.error
+
+
+def test_an_exception_is_a_retryable_failure_with_its_traceback() -> None:
+    outcome = run_handler(registry, "crash")
+    assert outcome.state is RunState.FAIL and not outcome.permanent
+    assert outcome.error is not None and "RuntimeError: boom on mtask-run-" in outcome.error
+    assert "Traceback" in outcome.error  # a plain def ran on a thread of its own, as in a worker
+
+
+def test_next_steps_are_built_as_the_worker_would_publish_them() -> None:
+    outcome = run_handler(registry, "order", {"items": ["a", "b"]}, key="order-1")
+    assert outcome.state is RunState.SUCCESS
+    assert outcome.result == ["order-1/pack.0", "order-1/pack.1"]
+    assert [s["key"] for s in outcome.steps] == outcome.result
+    assert [s["params"] for s in outcome.steps] == [{"item": "a"}, {"item": "b"}]
+
+
+def test_a_result_over_the_limit_fails_for_good() -> None:
+    outcome = run_handler(registry, "huge", max_result_bytes=1000)
+    assert outcome.state is RunState.FAIL and outcome.permanent
+    assert outcome.error is not None and "the limit is 1000" in outcome.error
+
+
+async def test_inside_an_event_loop_and_with_a_publisher() -> None:
+    published: list[tuple[Any, ...]] = []
+
+    async def publisher(*args: Any, **kwargs: Any) -> None:
+        published.append(args)
+
+    outcome = await arun_handler(registry, "notify", {"to": "a@b.c"}, publisher=publisher)
+    assert outcome.state is RunState.SUCCESS
+    assert published == [("email", "mail-1", {"to": "a@b.c"})]
+    with pytest.raises(RuntimeError, match="await arun_handler"):
+        run_handler(registry, "notify", {"to": "x"})
+
+
+def test_an_unknown_name_raises() -> None:
+    with pytest.raises(KeyError):
+        run_handler(registry, "nope")
+
+
+@registry.task("zombie")
+async def zombie(params: dict[str, Any], ctx: TaskContext) -> None:
+    ctx.lease_lost = True  # as the worker sets it when another run took the task over
+    try:
+        await ctx.publish("email", "mail-2")
+    except LeaseLost:
+        ctx.check_lease()  # raises again: the run stops here
+
+
+def test_a_run_that_lost_its_lease_cannot_publish() -> None:
+    published: list[Any] = []
+
+    async def publisher(*args: Any) -> None:
+        published.append(args)
+
+    outcome = run_handler(registry, "zombie", publisher=publisher)
+    assert published == []
+    assert outcome.error is not None and "LeaseLost: run test-key:test-run" in outcome.error
