@@ -15,7 +15,7 @@ from harness import running_worker, wait_for
 from workerapp import registry
 
 from mtask import TaskClient
-from mtask.runner import stop_on_signals
+from mtask.cli.worker import stop_on_signals
 
 TESTS = Path(__file__).parent
 
@@ -25,7 +25,9 @@ def spawn_worker(uri: str, db: str, *extra: str) -> subprocess.Popen[str]:
         [
             sys.executable,
             "-m",
-            "mtask.runner",
+            "mtask",
+            "worker",
+            "run",
             "workerapp:registry",
             "--uri",
             uri,
@@ -94,7 +96,7 @@ async def test_sigterm_drains_then_releases(
 
 def test_bad_registry_is_a_clear_error() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "mtask.runner", "no_such_module:registry"],
+        [sys.executable, "-m", "mtask", "worker", "run", "no_such_module:registry"],
         cwd=TESTS,
         capture_output=True,
         text=True,

@@ -1,32 +1,31 @@
 """``mtask limit``, ``mtask limits``, ``mtask schedule …`` and ``mtask flow``: the scheduling
-features of the command line (registered into ``mtask.cli``'s command table)."""
+features of the command line."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from rich.table import Table
-from rich.tree import Tree
-
-from mtask.cli import (
-    UsageError,
-    _common,
-    _task_client,
-    _when,
-    command,
+from mtask.cli.common import (
+    Commands,
+    add_common,
     out,
     parse_json_object,
     print_json,
+    task_client,
+    when,
 )
-from mtask.errors import TaskNotFound
+from mtask.errors import TaskNotFound, UsageError
 from mtask.limits import parse_rate
 from mtask.schedules import CATCH_UP_CHOICES, ScheduleNotFound
 
+commands = Commands()
+run = commands.run
 
-@command("limit")
+
+@commands.command("limit")
 def cmd_limit(args: argparse.Namespace) -> int:
-    with _task_client(args) as client:
+    with task_client(args) as client:
         if args.clear:
             if args.concurrency is not None or args.rate is not None:
                 raise UsageError("--clear takes no --concurrency or --rate")
@@ -51,13 +50,15 @@ def _describe_limit(doc: dict[str, Any]) -> str:
     return ", ".join(parts) or "none"
 
 
-@command("limits")
+@commands.command("limits")
 def cmd_limits(args: argparse.Namespace) -> int:
-    with _task_client(args) as client:
+    with task_client(args) as client:
         docs = client.limits()
     if args.json:
         print_json(docs)
         return 0
+    from rich.table import Table
+
     table = Table("name", "limit", "slots held")
     for doc in docs:
         table.add_row(str(doc["_id"]), _describe_limit(doc), str(len(doc.get("holders") or [])))
@@ -65,9 +66,9 @@ def cmd_limits(args: argparse.Namespace) -> int:
     return 0
 
 
-@command("schedule")
+@commands.command("schedule")
 def cmd_schedule(args: argparse.Namespace) -> int:
-    with _task_client(args) as client:
+    with task_client(args) as client:
         if args.action == "add":
             return _schedule_add(client, args)
         if args.action == "list":
@@ -105,36 +106,40 @@ def _schedule_add(client: Any, args: argparse.Namespace) -> int:
     if args.json:
         print_json(doc)
     else:
-        out.print(f"schedule {doc['_id']}: next tick {_when(doc.get('next_tick_at'))} UTC")
+        out.print(f"schedule {doc['_id']}: next tick {when(doc.get('next_tick_at'))} UTC")
     return 0
 
 
 def _print_schedules(docs: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
     table = Table("id", "task", "when", "catch up", "state", "next tick (UTC)", "last task")
     for doc in docs:
-        when = doc.get("cron") or f"every {doc.get('every_s'):g}s"
+        spec = doc.get("cron") or f"every {doc.get('every_s'):g}s"
         state = "error" if doc.get("error") else "paused" if doc.get("paused") else "active"
         table.add_row(
             str(doc["_id"]),
             str(doc.get("task")),
-            f"{when} ({doc.get('timezone')})",
+            f"{spec} ({doc.get('timezone')})",
             str(doc.get("catch_up")),
             state,
-            _when(doc.get("next_tick_at")),
+            when(doc.get("next_tick_at")),
             str(doc.get("last_key") or "-"),
         )
     out.print(table)
 
 
-@command("flow")
+@commands.command("flow")
 def cmd_flow(args: argparse.Namespace) -> int:
-    with _task_client(args) as client:
+    with task_client(args) as client:
         tree = client.flow(args.key)
     if tree is None:
         raise TaskNotFound(args.key)
     if args.json:
         print_json(tree)
         return 0
+    from rich.tree import Tree
+
     root = Tree(_label(tree))
     stack = [(root, tree)]
     while stack:
@@ -151,9 +156,9 @@ def _label(node: dict[str, Any]) -> str:
     return f"{node['key']}  {node['name']}  [bold]{node['status']}[/]{extra}"
 
 
-def add_parsers(sub: Any) -> None:
+def register(sub: Any) -> None:
     p = sub.add_parser("limit", help="limit a task name across all workers")
-    _common(p)
+    add_common(p)
     p.add_argument("name")
     p.add_argument("--concurrency", type=int, help="at most this many runs at once")
     p.add_argument("--rate", help="at most this many claims, e.g. 10/s, 600/m, 3600/h")
@@ -161,10 +166,10 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--clear", action="store_true", help="remove the limit")
 
     p = sub.add_parser("limits", help="list the limits")
-    _common(p)
+    add_common(p)
 
     p = sub.add_parser("schedule", help="repeatable tasks: add, list, pause, resume, remove")
-    _common(p)
+    add_common(p)
     p.add_argument("action", choices=["add", "list", "pause", "resume", "remove"])
     p.add_argument("id", nargs="?")
     p.add_argument("task", nargs="?", help="the task name to publish (add)")
@@ -176,5 +181,5 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--catch-up", default="latest", choices=CATCH_UP_CHOICES)
 
     p = sub.add_parser("flow", help="a task and the steps below it, as a tree")
-    _common(p)
+    add_common(p)
     p.add_argument("key")

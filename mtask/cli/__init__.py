@@ -1,0 +1,117 @@
+"""The ``mtask`` command line (and ``mtask-worker``, ``python -m mtask``).
+
+Every command that touches tasks takes ``--uri`` (else ``MTASK_MONGODB_URI``, else the embedded
+server), ``--database`` and ``--collection``. Bad input prints one clear line on stderr and exits
+2; MongoDB trouble exits 1; nothing prints a traceback for a user's mistake.
+
+**Adding a command.** Write one module ``mtask/cli/<group>.py`` that imports only
+``mtask.cli.common`` (never another command module) and defines::
+
+    commands = Commands()
+    run = commands.run                      # (args) -> exit status
+
+    @commands.command("wait")
+    def cmd_wait(args): ...
+
+    def register(sub):                      # sub: the parser's subparsers action
+        p = sub.add_parser("wait", help="…")
+        add_common(p)                       # --uri, --database, --collection, --json
+
+then add ``(group.register, group.run)`` to ``COMMAND_MODULES`` below: one file, one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mtask._version import __version__
+from mtask.cli import collection, live, local, retention, scheduling, server, tasks, wait, worker
+from mtask.cli.common import EXIT_USAGE, EXTRAS, Commands, Handler, err, missing_extra
+from mtask.errors import InvalidTask, InvalidTransition, MtaskError, TaskNotFound, UsageError
+
+Register = Callable[[Any], None]
+CommandModule = tuple[Register, Handler]
+
+_builtin = Commands()
+
+
+@_builtin.command("completion")
+def cmd_completion(args: argparse.Namespace) -> int:
+    from mtask.cli.common import require
+
+    require("mtask completion", "shtab")
+    import shtab
+
+    sys.stdout.write(shtab.complete(build_parser(), shell=args.shell))
+    return 0
+
+
+def _register_builtin(sub: Any) -> None:
+    p = sub.add_parser("completion", help="print a shell completion script")
+    p.add_argument("shell", choices=["bash", "zsh", "tcsh"])
+
+
+# The command modules, in the order of ``mtask --help``: (register, run) each.
+COMMAND_MODULES: list[CommandModule] = [
+    (tasks.register, tasks.run),
+    (wait.register, wait.run),  # issue 14: mtask wait
+    (worker.register, worker.run),
+    (scheduling.register, scheduling.run),
+    (retention.register, retention.run),
+    (live.register, live.run),
+    (server.register, server.run),
+    (_register_builtin, _builtin.run),
+    (local.register, local.run),
+    (collection.register, collection.run),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mtask", description="MongoDB-backed task service.")
+    parser.add_argument("--version", action="version", version=f"mtask {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for register, run in COMMAND_MODULES:
+        before = set(sub.choices)
+        register(sub)
+        for name in set(sub.choices) - before:
+            sub.choices[name].set_defaults(run=run)
+    return parser
+
+
+def run_command(handler: Handler, args: argparse.Namespace) -> int:
+    """Run a handler, turning mtask's errors into one line on stderr and an exit status."""
+    try:
+        return handler(args)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] not in EXTRAS:
+            raise
+        message = missing_extra(f"mtask {args.command}", exc.name.partition(".")[0])
+        err.print(f"mtask: error: {message}", markup=False)
+        return EXIT_USAGE
+    except (UsageError, InvalidTask) as exc:
+        err.print(f"mtask: error: {exc}", markup=False)
+        return EXIT_USAGE
+    except (TaskNotFound, InvalidTransition) as exc:
+        err.print(f"mtask: {exc}", markup=False)
+        return 1
+    except MtaskError as exc:
+        err.print(f"mtask: {exc}", markup=False)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    return run_command(args.run, args)
+
+
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    """``mtask-worker`` (the same as ``mtask worker run``)."""
+    return worker.main(argv)
+
+
+__all__ = ["COMMAND_MODULES", "build_parser", "main", "run_command", "worker_main"]

@@ -1,0 +1,7 @@
+"""``python -m mtask.cli``: the ``mtask`` command line."""
+
+import sys
+
+from mtask.cli import main
+
+sys.exit(main())

@@ -1,0 +1,63 @@
+"""``mtask collection``: set up the tasks collection (indexes, the optional ``$jsonSchema``
+validator) and print the task document's JSON Schemas (``mtask.jsonschema``, issue 14)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from mtask.cli.common import Commands, add_common, out, task_client
+
+commands = Commands()
+run = commands.run
+
+SCHEMA_KINDS = {"publish": "publish", "stored": "task", "validator": "mongodb-validator"}
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("collection", help="set up the tasks collection; print its JSON Schema")
+    actions = p.add_subparsers(dest="collection_action", required=True, metavar="ACTION")
+    init = actions.add_parser(
+        "init", help="create the collection and its indexes (and optionally the validator)"
+    )
+    add_common(init)
+    init.add_argument(
+        "--validator",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="install (--validator) or remove (--no-validator) the $jsonSchema validator that "
+        "refuses a wrong task document at insert time; default: leave it as it is",
+    )
+    schema = actions.add_parser("schema", help="print a JSON Schema of the task document")
+    schema.add_argument(
+        "kind",
+        nargs="?",
+        default="publish",
+        choices=list(SCHEMA_KINDS),
+        help="publish: what a publisher writes (default); stored: the full document; "
+        "validator: the MongoDB $jsonSchema",
+    )
+
+
+@commands.command("collection")
+def cmd_collection(args: argparse.Namespace) -> int:
+    if args.collection_action == "schema":
+        from mtask import jsonschema
+
+        name = f"{SCHEMA_KINDS[args.kind]}.v{jsonschema.VERSION}.json"
+        sys.stdout.write(jsonschema.dump(jsonschema.generated()[name]))
+        return 0
+    with task_client(args) as client:
+        options = client.init_collection(args.validator)
+    installed = bool(options.get("validator"))
+    level, action = options.get("validationLevel"), options.get("validationAction")
+    if args.json:
+        target = f"{args.database}.{args.collection}"
+        report = {"collection": target, "validator": installed, "validationLevel": level}
+        sys.stdout.write(json.dumps({**report, "validationAction": action}) + "\n")
+        return 0
+    state = f"validator installed (level {level}, action {action})" if installed else "no validator"
+    out.print(f"{args.database}.{args.collection}: indexes ready, {state}", markup=False)
+    return 0

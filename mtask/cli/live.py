@@ -1,0 +1,79 @@
+"""``mtask top``: a live view of counts, rates and workers (rich's ``Live``; the ``cli``
+extra)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from mtask.cli.common import Commands, add_common, out, require, task_client, when
+from mtask.models import TaskStatus
+
+if TYPE_CHECKING:
+    from rich.console import Group
+
+commands = Commands()
+run = commands.run
+
+
+def _frames(client: Any, interval: float) -> Iterator[Group]:
+    from rich.console import Group
+    from rich.table import Table
+
+    previous: tuple[float, dict[str, int]] | None = None
+    statuses = [s.value for s in TaskStatus]
+    while True:
+        counts = client.stats()
+        workers = client.workers()
+        now = time.monotonic()
+        finished = {n: c.get("succeeded", 0) + c.get("failed", 0) for n, c in counts.items()}
+        table = Table("name", *statuses, "finished/s", title=f"mtask top · {when(client.now())}")
+        for name in sorted(counts):
+            rate = ""
+            if previous is not None:
+                took = max(1e-3, now - previous[0])
+                rate = f"{(finished[name] - previous[1].get(name, 0)) / took:.1f}"
+            table.add_row(name, *(str(counts[name].get(s, 0)) for s in statuses), rate)
+        crew = Table("worker", "state", "in flight", "running", title=f"{len(workers)} worker(s)")
+        for w in workers:
+            running = ", ".join(r["key"] for r in (w.get("running") or [])[:5])
+            crew.add_row(
+                w["_id"],
+                str(w.get("state")),
+                f"{w.get('in_flight')}/{w.get('concurrency')}",
+                running,
+            )
+        previous = (now, finished)
+        yield Group(table, crew)
+        time.sleep(interval)
+
+
+@commands.command("top")
+def cmd_top(args: argparse.Namespace) -> int:
+    """Counts, rates and workers, refreshed every ``--interval`` seconds until Ctrl-C."""
+    require("mtask top", "rich")
+    with task_client(args) as client:
+        frames = _frames(client, args.interval)
+        first = next(frames)
+        if args.iterations == 1 or not out.is_terminal:
+            out.print(first)
+            for _ in range(args.iterations - 1):
+                out.print(next(frames))
+            return 0
+        from rich.live import Live
+
+        with Live(first, console=out.console, screen=False, auto_refresh=False) as live:
+            shown = 1
+            while args.iterations == 0 or shown < args.iterations:
+                live.update(next(frames), refresh=True)
+                shown += 1
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("top", help="a live view of counts, rates and workers")
+    add_common(p)
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--iterations", type=int, default=0, help="stop after N frames (0: never)")

@@ -1,0 +1,59 @@
+"""``mtask demo`` and ``mtask mongod``: things for a laptop (the embedded MongoDB)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from mtask.cli.common import Commands, add_json, add_uri, out, print_json
+
+commands = Commands()
+run = commands.run
+
+
+@commands.command("demo")
+def cmd_demo(args: argparse.Namespace) -> int:
+    from mtask.demo import run_demo
+
+    return run_demo(args.uri, seconds=args.seconds)
+
+
+@commands.command("mongod")
+def cmd_mongod(args: argparse.Namespace) -> int:
+    from mtask.embedded import EmbeddedMongo
+
+    server = EmbeddedMongo(args.data_dir, port=args.port)
+    if args.action == "start":
+        print(server.start())
+        return 0
+    if args.action == "stop":
+        out.print("stopped" if server.stop() else "not running")
+        return 0
+    status = server.status()
+    if args.json:
+        print_json(
+            {
+                "running": status.running,
+                "pid": status.pid,
+                "port": status.port,
+                "uri": status.uri,
+                "data_dir": str(status.data_dir),
+            }
+        )
+    elif status.running:
+        out.print(f"running: pid {status.pid}, {status.uri} (data in {status.data_dir})")
+    else:
+        out.print(f"not running (data in {status.data_dir})")
+    return 0 if status.running else 3
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("demo", help="sample tasks, three workers, one killed mid-run")
+    add_uri(p)
+    p.add_argument("--seconds", type=float, default=120.0, help="give up after this long")
+
+    p = sub.add_parser("mongod", help="the embedded MongoDB: start, stop, status")
+    p.add_argument("action", choices=["start", "stop", "status"])
+    p.add_argument("--data-dir", help="default ./.mtask/mongodb or $MTASK_DATA_DIR")
+    p.add_argument("--port", type=int)
+    add_json(p)

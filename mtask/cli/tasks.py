@@ -1,0 +1,360 @@
+"""The task commands: ``publish`` (one task, or JSON lines with ``--from-file``), ``get``,
+``list``, ``stats``, ``cancel``, ``retry``, ``workers``, ``pause`` and ``resume``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import IO, Any
+
+from mtask.cli import bulk
+from mtask.cli.common import (
+    Commands,
+    add_common,
+    json_default,
+    out,
+    parse_json_object,
+    print_json,
+    task_client,
+    when,
+)
+from mtask.client import build_many
+from mtask.errors import InvalidTask, TaskNotFound, UsageError
+from mtask.models import Task, TaskStatus
+
+BATCH = 1000
+commands = Commands()
+run = commands.run
+
+
+def _options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    options = parse_json_object(args.options, "--options") if args.options else {}
+    flags = {
+        "priority": args.priority,
+        "concurrency": args.concurrency,
+        "max_retries": args.max_retries,
+        "worker_timeout_ms": args.worker_timeout_ms,
+        "ping_interval_ms": args.ping_interval_ms,
+    }
+    options.update({k: v for k, v in flags.items() if v is not None})
+    if args.worker:
+        options["specific_worker_ids"] = args.worker
+    return options
+
+
+@commands.command("publish")
+def cmd_publish(args: argparse.Namespace) -> int:
+    if args.from_file is not None:
+        if args.name is not None or args.key is not None:
+            raise UsageError("give NAME KEY or --from-file, not both")
+        return publish_from_file(args)
+    if args.name is None or args.key is None:
+        raise UsageError("publish needs NAME and KEY (or --from-file FILE of JSON lines)")
+    params = parse_json_object(args.params, "--params") if args.params else {}
+    options = _options_from_args(args)
+    with task_client(args) as client:
+        result = client.publish(
+            args.name,
+            args.key,
+            params,
+            options=options,
+            delay=args.delay,
+            on_conflict=args.on_conflict,
+            depends_on=args.depends_on,
+        )
+    if args.json:
+        print_json(
+            {
+                "created": result.created,
+                "updated": result.updated,
+                "task": result.task.model_dump(by_alias=True),
+            }
+        )
+    else:
+        what = "created" if result.created else ("updated" if result.updated else "exists")
+        out.print(f"{what}: {result.task.key} ({result.task.name}, {result.task.status})")
+    return 0
+
+
+@commands.command("get")
+def cmd_get(args: argparse.Namespace) -> int:
+    with task_client(args) as client:
+        task = client.get(args.key)
+    if task is None:
+        raise TaskNotFound(args.key)
+    if args.json:
+        print_json(task.model_dump(by_alias=True))
+    else:
+        print_task(task)
+    return 0
+
+
+def print_task(task: Task) -> None:
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 2))
+    for label, value in [
+        ("key", task.key),
+        ("name", task.name),
+        ("status", task.status or "-"),
+        ("params", json.dumps(task.params, default=json_default)),
+        ("attempts", f"{task.attempts} (successes {task.successes}, failures {task.failures})"),
+        ("next claim", when(task.next_claim_at)),
+        ("created", when(task.created_at)),
+        ("finished", when(task.finished_at)),
+        ("error", task.error or "-"),
+        ("result", json.dumps(task.result, default=json_default)),
+        *_flow_rows(task),
+    ]:
+        grid.add_row(f"[bold]{label}[/]", value)
+    out.print(grid)
+    if task.runs:
+        runs = Table("run", "worker", "state", "claimed", "lease / finished", "error")
+        for run in task.runs:
+            runs.add_row(
+                run.run_id[:8],
+                run.worker_id,
+                run.state.value,
+                when(run.claimed_at),
+                when(run.finished_at or run.lease_expires_at),
+                run.error or "",
+            )
+        out.print(runs)
+
+
+def _flow_rows(task: Task) -> list[tuple[str, str]]:
+    rows = [("invalid", task.invalid_reason)] if task.invalid_reason else []
+    rows += [("problem", p) for p in task.problems]  # issue 14: what is wrong where
+    if task.parent:
+        rows.append(("parent", task.parent))
+    if task.children:
+        rows.append(("children", ", ".join(task.children)))
+    if task.depends_on:
+        waiting = f" (waiting on {', '.join(task.waiting_on)})" if task.waiting_on else ""
+        rows.append(("depends on", ", ".join(task.depends_on) + waiting))
+    return rows
+
+
+@commands.command("list")
+def cmd_list(args: argparse.Namespace) -> int:
+    with task_client(args) as client:
+        tasks = client.list(
+            name=args.name, status=args.status, limit=args.limit, after=args.after, order=args.order
+        )
+    if args.json:
+        print_json([t.model_dump(by_alias=True) for t in tasks])
+        return 0
+    from rich.table import Table
+
+    table = Table("key", "name", "status", "attempts", "next claim", "created")
+    for t in tasks:
+        table.add_row(
+            t.key,
+            t.name,
+            # issue 14: an invalid task shows why
+            f"invalid: {t.invalid_reason}" if t.invalid_reason else (t.status or "-"),
+            str(t.attempts),
+            when(t.next_claim_at),
+            when(t.created_at),
+        )
+    out.print(table)
+    return 0
+
+
+@commands.command("stats")
+def cmd_stats(args: argparse.Namespace) -> int:
+    with task_client(args) as client:
+        counts = client.stats()
+    if args.json:
+        print_json(counts)
+        return 0
+    from rich.table import Table
+
+    statuses = [s.value for s in TaskStatus]
+    table = Table("name", *statuses, "total")
+    for name in sorted(counts):
+        row = counts[name]
+        table.add_row(name, *(str(row.get(s, 0)) for s in statuses), str(sum(row.values())))
+    out.print(table)
+    return 0
+
+
+def _one_key(args: argparse.Namespace) -> str:
+    if args.key is None:
+        raise UsageError(f"{args.command} needs a KEY, or a filter (--name, --status, --key, …)")
+    if bulk.has_filter(args):
+        raise UsageError(f"give {args.command} a KEY or a filter, not both")
+    return str(args.key)
+
+
+@commands.command("cancel")
+def cmd_cancel(args: argparse.Namespace) -> int:
+    if args.key is None and bulk.has_filter(args):
+        return bulk.run(args)
+    args.key = _one_key(args)
+    with task_client(args) as client:
+        task = client.cancel(args.key)
+    out.print(f"cancelled: {task.key}")
+    return 0
+
+
+@commands.command("retry")
+def cmd_retry(args: argparse.Namespace) -> int:
+    if args.key is None and bulk.has_filter(args):
+        return bulk.run(args)
+    args.key = _one_key(args)
+    with task_client(args) as client:
+        task = client.retry(args.key)
+    out.print(f"pending again: {task.key}")
+    return 0
+
+
+@commands.command("workers")
+def cmd_workers(args: argparse.Namespace) -> int:
+    with task_client(args) as client:
+        workers = client.workers()
+    if args.json:
+        print_json(workers)
+        return 0
+    from rich.table import Table
+
+    table = Table("worker", "names", "in flight", "concurrency", "state", "started", "last seen")
+    for w in workers:
+        table.add_row(
+            w["_id"],
+            ",".join(w.get("names", [])),
+            str(w.get("in_flight", 0)),
+            str(w.get("concurrency", "")),
+            str(w.get("state", "")),
+            when(w.get("started_at")),
+            when(w.get("last_seen")),
+        )
+    out.print(table)
+    return 0
+
+
+def read_lines(stream: IO[str], source: str) -> tuple[list[dict[str, Any]], list[int]]:
+    """Every line a JSON object (blank lines skipped), and the line number of each; an error
+    names the line."""
+    items = []
+    lines = []
+    for number, line in enumerate(stream, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{source}:{number}: not valid JSON: {exc.msg}") from None
+        if not isinstance(item, dict):
+            raise UsageError(f"{source}:{number}: must be a JSON object")
+        items.append(item)
+        lines.append(number)
+    return items, lines
+
+
+def publish_from_file(args: argparse.Namespace) -> int:
+    """Validate every line first (nothing is written if one is bad), then publish in batches
+    with a progress bar."""
+    source = "stdin" if args.from_file == "-" else args.from_file
+    try:
+        if args.from_file == "-":
+            items, lines = read_lines(sys.stdin, source)
+        else:
+            with open(args.from_file, encoding="utf-8") as stream:
+                items, lines = read_lines(stream, source)
+    except OSError as exc:
+        raise UsageError(f"cannot read {source}: {exc.strerror}") from None
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    with task_client(args) as client:
+        now = client.now()
+        try:
+            build_many(items, now, client.max_params_bytes)
+        except InvalidTask as exc:  # "items[3].key: …" -> "file:5: key: …"
+            found = re.match(r"items\[(\d+)\]\.?(.*)", exc.message, flags=re.S)
+            where = f"{source}:{lines[int(found[1])]}" if found else source
+            raise InvalidTask(f"{where}: {found[2] if found else exc.message}") from None
+        created = 0
+        progress = Progress(
+            TextColumn("publishing"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=out.console, disable=args.json or not out.is_terminal,
+        )  # fmt: skip
+        with progress:
+            bar = progress.add_task("publish", total=len(items))
+            for start in range(0, len(items), BATCH):
+                chunk = items[start : start + BATCH]
+                created += client.publish_many(chunk)
+                progress.advance(bar, len(chunk))
+    if args.json:
+        print_json({"created": created, "given": len(items)})
+    else:
+        out.print(f"published {len(items)} tasks from {source}: {created} created")
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("publish", help="publish a task (idempotent by key)")
+    add_common(p)
+    p.add_argument("name", nargs="?")
+    p.add_argument("key", nargs="?")
+    p.add_argument(
+        "--from-file",
+        metavar="FILE",
+        help="publish JSON lines ({name, key, params, options, delay, depends_on}); - for stdin",
+    )
+    p.add_argument("--params", help="JSON object")
+    p.add_argument("--options", help="JSON object of task options")
+    p.add_argument("--priority", type=int)
+    p.add_argument("--concurrency", type=int)
+    p.add_argument("--max-retries", type=int)
+    p.add_argument("--worker-timeout-ms", type=int)
+    p.add_argument("--ping-interval-ms", type=int)
+    p.add_argument("--worker", action="append", help="only this worker id may run it (repeat)")
+    p.add_argument("--delay", type=float, help="seconds before it may run")
+    p.add_argument("--on-conflict", default="ignore", choices=["ignore", "update_params", "reset"])
+    p.add_argument(
+        "--depends-on", action="append", help="run only after this task succeeded (repeat)"
+    )
+
+    p = sub.add_parser("get", help="show one task")
+    add_common(p)
+    p.add_argument("key")
+
+    p = sub.add_parser("list", help="list tasks")
+    add_common(p)
+    p.add_argument("--name")
+    p.add_argument("--status", choices=[s.value for s in TaskStatus])
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--after", help="last key of the previous page")
+    p.add_argument("--order", choices=["newest", "next_claim_at"], default="newest")
+
+    p = sub.add_parser("stats", help="counts per name and status")
+    add_common(p)
+
+    for name, text in (
+        ("cancel", "cancel a task, or the tasks a filter matches"),
+        ("retry", "run a failed/cancelled task again, or the tasks a filter matches"),
+    ):
+        p = sub.add_parser(name, help=text)
+        add_common(p)
+        p.add_argument("key", nargs="?")
+        bulk.add_filters(p)
+
+    p = sub.add_parser("workers", help="list live workers")
+    add_common(p)
+
+    for name, text in (
+        ("pause", "stop claiming a task name everywhere"),
+        ("resume", "claim a paused task name again"),
+    ):
+        p = sub.add_parser(name, help=text)
+        add_common(p)
+        p.add_argument("name")

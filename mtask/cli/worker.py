@@ -1,0 +1,233 @@
+"""``mtask-worker module:registry`` (also ``mtask worker run module:registry``): run a worker
+process until SIGTERM/SIGINT; and ``mtask worker stop ID``, which asks a running worker to drain.
+
+Signal handlers are installed by ``stop_on_signals``, a context manager that restores the
+previous handlers on exit: the first signal drains (``grace``), a second one stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import logging
+import signal
+import sys
+from collections.abc import Iterator, Sequence
+from types import FrameType
+from typing import Any
+
+from mtask._version import __version__
+from mtask.cli.common import Commands, add_common, add_connection, err, out, task_client
+from mtask.errors import MtaskError, RegistryNotFound, UsageError, WorkerCrashed
+from mtask.registry import Registry
+from mtask.worker import Worker
+
+commands = Commands()
+run = commands.run
+
+
+def load_registry(spec: str) -> Registry:
+    module_name, _, attr = spec.partition(":")
+    if not module_name:
+        raise RegistryNotFound(f"expected module:registry, got {spec!r}")
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")  # like python -m: modules in the current directory
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RegistryNotFound(f"cannot import {module_name!r}: {exc}") from None
+    if attr:
+        registry = getattr(module, attr, None)
+    else:
+        found = [v for v in vars(module).values() if isinstance(v, Registry)]
+        registry = found[0] if len(found) == 1 else None
+    if not isinstance(registry, Registry):
+        raise RegistryNotFound(f"{spec!r} is not an mtask.Registry")
+    return registry
+
+
+@contextlib.contextmanager
+def stop_on_signals(worker: Worker, loop: asyncio.AbstractEventLoop) -> Iterator[None]:
+    """First SIGTERM/SIGINT: graceful stop. Second: immediate. Old handlers restored after."""
+    received = 0
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        nonlocal received
+        received += 1
+        loop.call_soon_threadsafe(worker.stop, received > 1)
+
+    previous: dict[int, Any] = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, handle)
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+def add_worker_options(p: argparse.ArgumentParser) -> None:
+    """The options of ``mtask-worker``, shared with ``mtask worker run``."""
+    p.add_argument("registry", help="module:attribute of an mtask.Registry")
+    add_connection(p)
+    p.add_argument("--concurrency", type=int, default=10)
+    p.add_argument("--names", help="comma-separated task names (default: all registered)")
+    p.add_argument("--worker-id")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds to drain on stop")
+    p.add_argument("--sweep-interval", type=float, default=30.0)
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to keep trying to reach MongoDB at start before exiting (status 1)",
+    )
+    p.add_argument(
+        "--no-schedules",
+        action="store_true",
+        help="do not publish the ticks of schedules (another worker does)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on /metrics, and /healthz and /readyz, on this port",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="the address --metrics-port listens on (default 127.0.0.1; 0.0.0.0 in a container)",
+    )
+    p.add_argument(
+        "--cluster-metrics",
+        action="store_true",
+        help="also export the cluster-wide gauges (queue depth, due tasks): in ONE process "
+        "per cluster, and only if mtask serve does not (it exports them)",
+    )
+    # -- handler isolation (issue 18) --
+    p.add_argument(
+        "--pool",
+        choices=["thread", "process"],
+        default="thread",
+        help="where plain-def handlers run unless they declare isolation= (default: thread)",
+    )
+    p.add_argument(
+        "--max-tasks-per-child", type=int, help="recycle a pool child after this many runs"
+    )
+    p.add_argument(
+        "--max-memory-per-child",
+        type=int,
+        help="recycle a pool child whose resident memory after a run exceeds this many KiB",
+    )
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--version", action="version", version=f"mtask-worker {__version__}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mtask-worker", description="Run an mtask worker.")
+    add_worker_options(p)
+    return p
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("worker", help="run a worker, or stop one")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    add_worker_options(actions.add_parser("run", help="run a worker (same as mtask-worker)"))
+    stop = actions.add_parser("stop", help="ask a running worker to drain and exit")
+    add_common(stop)
+    stop.add_argument("worker_id")
+
+
+@commands.command("worker")
+def cmd_worker(args: argparse.Namespace) -> int:
+    if args.action == "run":
+        return run_worker(args)
+    with task_client(args) as client:
+        found = client.stop_worker(args.worker_id)
+    if not found:
+        raise UsageError(f"no worker {args.worker_id!r} is registered (see `mtask workers`)")
+    out.print(f"stop requested: {args.worker_id} drains and exits at its next heartbeat")
+    return 0
+
+
+def serve_metrics(args: argparse.Namespace, worker: Worker) -> None:
+    """Prometheus metrics, ``/healthz`` and ``/readyz`` on ``--metrics-host:--metrics-port`` (a
+    thread); with ``--cluster-metrics`` also the cluster-wide gauges, read through a client of
+    their own (cached a few seconds)."""
+    from mtask import metrics
+
+    if args.cluster_metrics:
+        from mtask.client import TaskClient
+
+        client = TaskClient(args.uri, database=args.database, collection=args.collection)
+        metrics.register_cluster_metrics(client)
+    try:
+        metrics.serve_http(args.metrics_host, args.metrics_port, lambda: worker.state)
+    except OSError as exc:
+        where = f"{args.metrics_host}:{args.metrics_port}"
+        raise MtaskError(f"cannot serve metrics on {where}: {exc.strerror}") from None
+
+
+async def _serve(worker: Worker) -> None:
+    with stop_on_signals(worker, asyncio.get_running_loop()):
+        await worker.run()
+
+
+def _log_handler() -> logging.Handler:
+    """rich's handler on a terminal when the ``cli`` extra is there; one plain line per event
+    otherwise (a file, a collector, a container's log)."""
+    if sys.stderr.isatty() and err.rich_available:
+        from rich.logging import RichHandler
+
+        handler: logging.Handler = RichHandler(console=err.console, show_path=False)
+        handler.setFormatter(logging.Formatter("%(message)s", datefmt="[%X]"))
+        return handler
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    return handler
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, handlers=[_log_handler()])
+    logging.getLogger("pymongo").setLevel(logging.WARNING)
+    try:
+        registry = load_registry(args.registry)
+        worker = Worker(
+            registry,
+            uri=args.uri,
+            database=args.database,
+            collection=args.collection,
+            worker_id=args.worker_id,
+            concurrency=args.concurrency,
+            names=args.names.split(",") if args.names else None,
+            grace=args.grace,
+            sweep_interval=args.sweep_interval,
+            startup_timeout=args.startup_timeout,
+            run_schedules=not args.no_schedules,
+            pool=args.pool,
+            max_tasks_per_child=args.max_tasks_per_child,
+            max_memory_per_child=(
+                None if args.max_memory_per_child is None else args.max_memory_per_child * 1024
+            ),
+        )
+        if args.cluster_metrics and args.metrics_port is None:
+            raise UsageError("--cluster-metrics needs --metrics-port")
+        if args.metrics_port is not None:
+            serve_metrics(args, worker)
+        asyncio.run(_serve(worker))
+    except WorkerCrashed as exc:
+        err.print(f"mtask-worker: {exc}", markup=False)
+        return 1
+    except MtaskError as exc:
+        err.print(f"mtask-worker: error: {exc}", markup=False)
+        return 2
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``mtask-worker``."""
+    return run_worker(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
