@@ -1,15 +1,8 @@
-"""``python -m mtask.bench`` (also ``mtask bench``): throughput and latency on a real server.
-
-Every throughput figure is also printed as a ratio to W0, the same server doing the minimum a
-claim + completion cycle needs with raw PyMongo, measured in the same run: the machine is noisy,
-so only ratios within one run compare. Results go to a table and to ``bench/results.md``.
-Benchmarks measure; no test asserts a wall-clock figure (``--quick`` runs in CI so the suite
-never rots).
-"""
+"""The workloads W0-W8, as methods of one ``Bench`` (they share its client, sizes and the W0
+figure every throughput is compared with)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime as dt
 import json
@@ -21,8 +14,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,64 +21,23 @@ from pymongo import MongoClient, UpdateOne
 from rich.console import Console
 from rich.table import Table
 
+from bench import txn
+from bench.app import registry
+from bench.support import (
+    ROOT,
+    Result,
+    Sizes,
+    mem_gib,
+    pct,
+    peak_rss_kb,
+    spawn_worker,
+    stop_process,
+    wait_for_worker,
+    wait_until,
+)
 from mtask import store
 from mtask.client import AsyncTaskClient, TaskClient
-from mtask.connection import resolve_uri
 from mtask.models import NewTask
-from mtask.registry import Registry, TaskContext
-
-registry = Registry()
-
-
-@registry.task("noop")
-async def noop(params: dict[str, Any]) -> None:
-    return None
-
-
-@registry.task("echo")
-async def echo(params: dict[str, Any]) -> dict[str, Any]:
-    return {"i": params.get("i")}
-
-
-@registry.task("stamp")
-async def stamp(params: dict[str, Any], ctx: TaskContext) -> float:
-    return time.time()  # handler start, on the same host as the publisher
-
-
-@registry.task("hold")
-async def hold(params: dict[str, Any]) -> None:
-    await asyncio.sleep(3600)
-
-
-@dataclass
-class Sizes:
-    baseline: int
-    drain: int
-    latency: int
-    takeover: int
-    scale_small: int
-    scale_large: int
-    stampede: int
-    publish: int
-
-
-FULL = Sizes(20_000, 50_000, 300, 20, 10_000, 1_000_000, 1_000, 20_000)
-QUICK = Sizes(2_000, 3_000, 40, 20, 2_000, 20_000, 40, 2_000)
-
-
-@dataclass
-class Result:
-    name: str
-    figure: str
-    target: str
-    met: bool | None
-    notes: str = ""
-    values: dict[str, float] = field(default_factory=dict)
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 class Bench:
@@ -98,9 +48,13 @@ class Bench:
         self.mongo: MongoClient[dict[str, Any]] = MongoClient(uri, w="majority", tz_aware=True)
         self.results: list[Result] = []
         self.w0 = 0.0
+        self.validator = False
 
     def db(self) -> str:
         name = f"mtask_bench_{uuid.uuid4().hex[:8]}"
+        if self.validator:  # --validator: the task document's $jsonSchema (issue 14)
+            with TaskClient(self.uri, database=name) as client:
+                client.init_collection(validator=True)
         return name
 
     def drop(self, name: str) -> None:
@@ -233,6 +187,12 @@ class Bench:
             )
         )
 
+    def w1_txn(self) -> None:
+        rate, _ = self._drain(txn.TASK)
+        w1 = next((r.values["per_s"] for r in self.results if r.name == "W1 drain"), None)
+        figure, notes, values = txn.summary(rate, self.w0, w1, self.sizes.drain)
+        self.record(Result("W1T transactional drain", figure, "(no target)", None, notes, values))
+
     # -- W2 -------------------------------------------------------------------------------------
 
     def w2_latency(self) -> None:
@@ -280,9 +240,10 @@ class Bench:
         name = self.db()
         n = self.sizes.latency
         helper = subprocess.Popen(
-            [sys.executable, "-m", "mtask.bench", "--floor-helper", self.uri, name, str(n)],
+            [sys.executable, "-m", "bench", "--floor-helper", self.uri, name, str(n)],
             stdout=subprocess.PIPE,
             text=True,
+            cwd=ROOT,
         )
         try:
             assert helper.stdout is not None
@@ -549,120 +510,3 @@ class Bench:
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-
-def spawn_worker(uri: str, database: str, *extra: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mtask.runner",
-            "mtask.bench:registry",
-            "--uri",
-            uri,
-            "--database",
-            database,
-            "--log-level",
-            "WARNING",
-            *extra,
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-    )
-
-
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def wait_until(check: Callable[[], bool], timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError("benchmark condition not reached in time")
-        time.sleep(0.05)
-
-
-def wait_for_worker(client: TaskClient, proc: subprocess.Popen[bytes], count: int = 1) -> None:
-    wait_until(lambda: len(client.workers()) >= count or proc.poll() is not None, timeout=60)
-    if proc.poll() is not None:
-        raise RuntimeError("the benchmark worker exited")
-    time.sleep(0.5)  # its change stream and first scan
-
-
-def peak_rss_kb(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def mem_gib() -> float:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError):
-        return 0.0
-
-
-def floor_helper(uri: str, database: str, count: str) -> int:
-    """The other process of the W2 floor: wait for each insert's event, claim it, report."""
-    client: MongoClient[dict[str, Any]] = MongoClient(uri, w="majority")
-    coll = client[database]["floor"]
-    took: list[float] = []
-    with coll.watch([{"$match": {"operationType": "insert"}}], max_await_time_ms=200) as stream:
-        print("ready", flush=True)
-        while len(took) < int(count):
-            change = stream.try_next()
-            if change is None:
-                continue
-            doc = change["fullDocument"]
-            coll.find_one_and_update({"_id": doc["_id"], "s": 0}, {"$set": {"s": 1}})
-            took.append((time.time() - doc["t"]) * 1000)
-    print(json.dumps(took), flush=True)
-    return 0
-
-
-WORKLOADS = {
-    "W0": Bench.w0_baseline,
-    "W1": Bench.w1_drain,
-    "W2": Bench.w2_latency,
-    "W3": Bench.w3_takeover,
-    "W4": Bench.w4_scale,
-    "W5": Bench.w5_stampede,
-    "W6": Bench.w6_publish,
-    "W8": Bench.w8_delayed,
-}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mtask bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--uri", help="MongoDB URI (default: $MTASK_MONGODB_URI, else embedded)")
-    parser.add_argument("--quick", action="store_true", help="small sizes, for CI")
-    parser.add_argument("--only", help="comma-separated workloads, e.g. W0,W1")
-    parser.add_argument("--output", default="bench/results.md")
-    parser.add_argument("--floor-helper", nargs=3, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.floor_helper:
-        return floor_helper(*args.floor_helper)
-    console = Console(highlight=False)
-    bench = Bench(resolve_uri(args.uri), QUICK if args.quick else FULL, console)
-    chosen = args.only.split(",") if args.only else list(WORKLOADS)
-    if "W1" in chosen and "W0" not in chosen:
-        chosen.insert(0, "W0")
-    for key in chosen:
-        WORKLOADS[key](bench)
-    bench.report(Path(args.output), args.quick)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

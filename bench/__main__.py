@@ -1,0 +1,64 @@
+"""``python -m bench [--quick] [--only W0,W1] [--output FILE]``: run the workloads and write the
+results table (``bench/results.md`` by default)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from bench import scale
+from bench.cpu import w10_cpu
+from bench.support import FULL, QUICK, floor_helper
+from bench.workloads import Bench
+from mtask.connection import resolve_uri
+
+DESCRIPTION = "mtask's benchmark suite: throughput and latency on a real server."
+
+WORKLOADS = {
+    "W0": Bench.w0_baseline,
+    "W1": Bench.w1_drain,
+    "W1T": Bench.w1_txn,
+    "W2": Bench.w2_latency,
+    "W3": Bench.w3_takeover,
+    "W4": Bench.w4_scale,
+    "W5": Bench.w5_stampede,
+    "W6": Bench.w6_publish,
+    "W8": Bench.w8_delayed,
+    # issue 17 (bench/scale.py): stats at scale, many workers, memory under a backlog
+    "ST": scale.stats_at_scale,
+    "W9": scale.many_workers,
+    "W7X": scale.backlog_memory,
+    "W10": w10_cpu,  # CPU-bound: thread vs process pool (issue 18, bench/cpu.py)
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=DESCRIPTION)
+    parser.add_argument("--uri", help="MongoDB URI (default: $MTASK_MONGODB_URI, else embedded)")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for CI")
+    parser.add_argument("--only", help="comma-separated workloads, e.g. W0,W1")
+    parser.add_argument("--output", default="bench/results.md")
+    parser.add_argument(
+        "--validator", action="store_true", help="tasks collections with the $jsonSchema validator"
+    )
+    parser.add_argument("--floor-helper", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.floor_helper:
+        return floor_helper(*args.floor_helper)
+    console = Console(highlight=False)
+    bench = Bench(resolve_uri(args.uri), QUICK if args.quick else FULL, console)
+    bench.validator = args.validator
+    chosen = args.only.split(",") if args.only else list(WORKLOADS)
+    if "W1" in chosen and "W0" not in chosen:
+        chosen.insert(0, "W0")
+    for key in chosen:
+        WORKLOADS[key](bench)
+    bench.report(Path(args.output), args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

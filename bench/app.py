@@ -1,0 +1,33 @@
+"""The registry the benchmark workers run (``bench.app:registry``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from bench import txn
+from mtask.registry import Registry, TaskContext
+
+registry = Registry()
+txn.register(registry)
+
+
+@registry.task("noop")
+async def noop(params: dict[str, Any]) -> None:
+    return None
+
+
+@registry.task("echo")
+async def echo(params: dict[str, Any]) -> dict[str, Any]:
+    return {"i": params.get("i")}
+
+
+@registry.task("stamp")
+async def stamp(params: dict[str, Any], ctx: TaskContext) -> float:
+    return time.time()  # handler start, on the same host as the publisher
+
+
+@registry.task("hold")
+async def hold(params: dict[str, Any]) -> None:
+    await asyncio.sleep(3600)

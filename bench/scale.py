@@ -1,0 +1,329 @@
+"""Benchmarks of a large collection and of many workers (issue 17), run by ``python -m bench``:
+
+* ``ST`` stats at scale: ``stats()`` at 10,000 and at 1,000,000 tasks (1,000 open, the rest
+  finished), and the open-only counts (``stats(OPEN)``) the queue-depth figures need.
+* ``W9`` many workers: 1, 8, 32 and 64 worker processes (concurrency 4 each; ``--quick``: 1
+  and 4) on a mongod of their own (so that its CPU is theirs alone), idle and under a steady
+  publish load: claim attempts per task, mongod CPU per task, change-stream cost per worker
+  (mongod CPU and getMores while idle), publish → handler start p50.
+* ``W7X`` memory under a backlog: 4 worker processes at concurrency 32 draining 100,000 tasks
+  published before they start; the peak RSS of the largest.
+
+Each function takes the ``Bench`` and records ``Result``\\ s; ``python -m bench.scale --worker
+URI DATABASE CONCURRENCY`` is the W9 worker process (it prints its claim counters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pymongo import MongoClient
+
+from bench.support import ROOT, Result, peak_rss_kb, spawn_worker, stop_process
+from mtask import store
+from mtask.client import TaskClient
+from mtask.models import NewTask
+from mtask.statemachine import OPEN
+
+if TYPE_CHECKING:
+    from bench.workloads import Bench
+
+Doc = dict[str, Any]
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _quick(bench: Bench) -> bool:
+    # by value, so that it holds however the runner was started (as ``__main__`` or not)
+    return bench.sizes.scale_large < 1_000_000
+
+
+# -- ST: stats at scale ---------------------------------------------------------------------------
+
+
+def _fill(bench: Bench, total: int) -> str:
+    """A database with ``total`` tasks of five names: 1,000 pending, the rest finished
+    (succeeded, failed, cancelled), inserted raw in the shape ``store.new_document`` gives."""
+    name = bench.db()
+    coll = bench.mongo[name]["tasks"]
+    with TaskClient(bench.uri, database=name) as client:
+        now = client.now()
+        base = {
+            k: v for k, v in store.new_document(NewTask.build("n", "x"), now).items() if k != "_id"
+        }
+        statuses = ["succeeded"] * 8 + ["failed", "cancelled"]
+        batch: list[Doc] = []
+        for i in range(total - 1000):
+            status = statuses[i % 10]
+            batch.append(
+                {
+                    **base,
+                    "_id": f"f{i}",
+                    "name": f"n{i % 5}",
+                    "status": status,
+                    "next_claim_at": None,
+                    "finished_at": now,
+                }
+            )
+            if len(batch) == 10_000:
+                coll.insert_many(batch, ordered=False)
+                batch = []
+        if batch:
+            coll.insert_many(batch, ordered=False)
+        client.publish_many({"name": f"n{i % 5}", "key": f"p{i}"} for i in range(1000))
+    return name
+
+
+def _stats_p50(bench: Bench, name: str, open_only: bool, rounds: int = 15) -> float:
+    with TaskClient(bench.uri, database=name) as client:
+        client.stats()  # warm
+        times = []
+        for _ in range(rounds):
+            began = time.perf_counter()
+            client._run(store.stats(OPEN if open_only else None))
+            times.append((time.perf_counter() - began) * 1000)
+    return statistics.median(times)
+
+
+def stats_at_scale(bench: Bench) -> None:
+    small, large = (2_000, 20_000) if _quick(bench) else (10_000, 1_000_000)
+    figures: dict[int, tuple[float, float]] = {}
+    for total in (small, large):
+        name = _fill(bench, total)
+        figures[total] = (_stats_p50(bench, name, False), _stats_p50(bench, name, True))
+        bench.drop(name)
+    (a, a_open), (b, b_open) = figures[small], figures[large]
+    bench.record(
+        _result(
+            "ST stats at scale",
+            f"stats() p50 {a:.1f} ms at {small:,} vs {b:.1f} ms at {large:,} tasks "
+            f"(ratio {b / a:.1f}); open counts only: {a_open:.1f} vs {b_open:.1f} ms",
+            "≤ 2x and < 20 ms at the large size",
+            b <= 2 * a and b < 20,
+            "1,000 pending, the rest finished, 5 names; index-only counts (COUNT_SCAN), "
+            "see design.md, Stats",
+            {"small_ms": a, "large_ms": b, "small_open_ms": a_open, "large_open_ms": b_open},
+        )
+    )
+
+
+def _result(*args: Any) -> Result:
+    return Result(*args)
+
+
+# -- W9: many workers -----------------------------------------------------------------------------
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def _getmores(client: MongoClient[Doc]) -> int:
+    status = client.admin.command("serverStatus")
+    return int(status["metrics"]["commands"]["getMore"]["total"])
+
+
+def _spawn(uri: str, database: str, concurrency: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "bench.scale", "--worker", uri, database, str(concurrency)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+
+
+def _stop_all(procs: list[subprocess.Popen[str]]) -> list[Doc]:
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    out = []
+    for proc in procs:
+        try:
+            text, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text, _ = proc.communicate()
+        lines = [line for line in text.splitlines() if line.startswith("{")]
+        out.append(json.loads(lines[-1]) if lines else {})
+    return out
+
+
+def _wait(check: Any, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError("benchmark condition not reached in time")
+        time.sleep(0.1)
+
+
+def _one_size(uri: str, mongod_pid: int, workers: int, rate: int, seconds: float) -> Doc:
+    mongo: MongoClient[Doc] = MongoClient(uri, w="majority")
+    database = f"w9_{workers}_{os.getpid()}"
+    mongo.drop_database(database)
+    with TaskClient(uri, database=database) as client:
+        client.publish("stamp", "warm", {"t": time.time()})
+        procs = [_spawn(uri, database, 4) for _ in range(workers)]
+        try:
+            _wait(lambda: len(client.workers()) >= workers)
+            _wait(lambda: client.stats().get("stamp", {}).get("succeeded", 0) == 1)
+            time.sleep(2.0)  # every worker's stream open, first scans done
+            # idle
+            cpu0, gm0, t0 = _cpu_s(mongod_pid), _getmores(mongo), time.monotonic()
+            time.sleep(seconds)
+            idle_cpu = _cpu_s(mongod_pid) - cpu0
+            idle_gm = _getmores(mongo) - gm0
+            idle_s = time.monotonic() - t0
+            # a steady publish load
+            n = int(rate * seconds)
+            cpu0, gm0 = _cpu_s(mongod_pid), _getmores(mongo)
+            began = time.monotonic()
+            chunk = max(1, rate // 20)
+            for start in range(0, n, chunk):
+                due = began + start / rate
+                pause = due - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)
+                now = time.time()
+                client.publish_many(
+                    {"name": "stamp", "key": f"k{i}", "params": {"t": now}}
+                    for i in range(start, min(n, start + chunk))
+                )
+            _wait(lambda: client.stats().get("stamp", {}).get("succeeded", 0) == n + 1)
+            load_cpu = _cpu_s(mongod_pid) - cpu0
+            load_gm = _getmores(mongo) - gm0
+            lags = [
+                (doc["result"] - doc["params"]["t"]) * 1000
+                for doc in client.collection.find(
+                    {"_id": {"$ne": "warm"}}, {"result": 1, "params.t": 1}
+                )
+            ]
+        finally:
+            counters = _stop_all(procs)
+    mongo.drop_database(database)
+    mongo.close()
+    attempts = sum(c.get("claim_attempts", 0) for c in counters)
+    claimed = sum(c.get("claimed", 0) for c in counters)
+    return {
+        "workers": workers,
+        "attempts_per_task": attempts / max(1, claimed),
+        "cpu_ms_per_task": load_cpu * 1000 / n,
+        "idle_cpu_pct_per_worker": idle_cpu / idle_s * 100 / workers,
+        "idle_getmores_per_worker_s": idle_gm / idle_s / workers,
+        "getmores_per_task": load_gm / n,
+        "start_p50_ms": statistics.median(lags),
+        "tasks": n,
+    }
+
+
+def many_workers(bench: Bench) -> None:
+    from mtask.embedded import EmbeddedMongo
+
+    sizes, rate, seconds = ([1, 4], 200, 3.0) if _quick(bench) else ([1, 8, 32, 64], 1000, 10.0)
+    if os.environ.get("MTASK_W9_SIZES"):  # a by-hand run on a small machine
+        sizes = [int(n) for n in os.environ["MTASK_W9_SIZES"].split(",")]
+    with tempfile.TemporaryDirectory(prefix="mtask-w9-") as tmp:
+        mongod = EmbeddedMongo(tmp, cache_size_gb=0.5)
+        uri = mongod.start()
+        try:
+            mongo: MongoClient[Doc] = MongoClient(uri)
+            pid = int(mongo.admin.command("serverStatus")["pid"])
+            mongo.close()
+            rows = [_one_size(uri, pid, n, rate, seconds) for n in sizes]
+        finally:
+            mongod.stop()
+    base = rows[0]["cpu_ms_per_task"]
+    for row in rows:
+        ratio = row["cpu_ms_per_task"] / base
+        bench.record(
+            _result(
+                f"W9 many workers x{row['workers']}",
+                f"{row['attempts_per_task']:.2f} claim attempts/task; mongod "
+                f"{row['cpu_ms_per_task']:.3f} ms CPU/task ({ratio:.2f}x of 1 worker); "
+                f"idle: {row['idle_cpu_pct_per_worker']:.2f} % CPU and "
+                f"{row['idle_getmores_per_worker_s']:.1f} getMore/s per worker; "
+                f"{row['getmores_per_task']:.1f} getMore/task; "
+                f"publish→start p50 {row['start_p50_ms']:.1f} ms",
+                "≤ 1.5 attempts/task; CPU/task ≤ 1.5x of 1 worker",
+                row["attempts_per_task"] <= 1.5 and ratio <= 1.5,
+                f"{row['workers']} processes x concurrency 4, own mongod, "
+                f"{row['tasks']:,} tasks at {rate}/s",
+                {k: float(v) for k, v in row.items()},
+            )
+        )
+
+
+def worker_process(uri: str, database: str, concurrency: int) -> int:
+    """One W9 worker: runs until SIGTERM, then prints its claim counters as JSON."""
+    from bench.app import registry
+    from mtask.worker import Worker
+
+    worker = Worker(registry, uri=uri, database=database, names=["stamp"], concurrency=concurrency)
+
+    async def main() -> None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.stop)
+        await worker.run()
+
+    asyncio.run(main())
+    stats = worker.stats
+    with contextlib.suppress(BrokenPipeError):  # the bench gave up on us
+        print(
+            json.dumps({"claim_attempts": stats.claim_attempts, "claimed": stats.claimed}),
+            flush=True,
+        )
+    return 0
+
+
+# -- W7X: memory under a large backlog ------------------------------------------------------------
+
+
+def backlog_memory(bench: Bench) -> None:
+    backlog = 10_000 if _quick(bench) else 100_000
+    name = bench.db()
+    with TaskClient(bench.uri, database=name) as client:
+        for start in range(0, backlog, 10_000):
+            client.publish_many(
+                {"name": "noop", "key": f"k{i}"} for i in range(start, min(backlog, start + 10_000))
+            )
+        procs = [spawn_worker(bench.uri, name, "--concurrency", "32") for _ in range(4)]
+        peaks = [0] * len(procs)
+        try:
+
+            def drained() -> bool:
+                for i, proc in enumerate(procs):
+                    peaks[i] = max(peaks[i], peak_rss_kb(proc.pid))
+                return client.stats().get("noop", {}).get("succeeded", 0) == backlog
+
+            _wait(drained)
+        finally:
+            for proc in procs:
+                peaks[procs.index(proc)] = max(peaks[procs.index(proc)], peak_rss_kb(proc.pid))
+                stop_process(proc)
+    bench.drop(name)
+    peak = max(peaks) / 1024
+    bench.record(
+        _result(
+            "W7X memory, backlog",
+            f"{peak:.0f} MB peak RSS (largest of 4 workers)",
+            "≤ 150 MB",
+            peak <= 150,
+            f"{backlog:,} tasks published before 4 workers at concurrency 32 start",
+            {"peak_mb": peak},
+        )
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        sys.exit(worker_process(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+    sys.exit("usage: python -m bench.scale --worker URI DATABASE CONCURRENCY")

@@ -1,0 +1,134 @@
+"""Sizes, results and the process helpers the workloads share."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pymongo import MongoClient
+
+from mtask.client import TaskClient
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository: `bench` imports from there
+
+
+@dataclass
+class Sizes:
+    baseline: int
+    drain: int
+    latency: int
+    takeover: int
+    scale_small: int
+    scale_large: int
+    stampede: int
+    publish: int
+
+
+FULL = Sizes(20_000, 50_000, 300, 20, 10_000, 1_000_000, 1_000, 20_000)
+QUICK = Sizes(2_000, 3_000, 40, 20, 2_000, 20_000, 40, 2_000)
+
+
+@dataclass
+class Result:
+    name: str
+    figure: str
+    target: str
+    met: bool | None
+    notes: str = ""
+    values: dict[str, float] = field(default_factory=dict)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def spawn_worker(uri: str, database: str, *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mtask",
+            "worker",
+            "run",
+            "bench.app:registry",
+            "--uri",
+            uri,
+            "--database",
+            database,
+            "--log-level",
+            "WARNING",
+            *extra,
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError("benchmark condition not reached in time")
+        time.sleep(0.05)
+
+
+def wait_for_worker(client: TaskClient, proc: subprocess.Popen[bytes], count: int = 1) -> None:
+    wait_until(lambda: len(client.workers()) >= count or proc.poll() is not None, timeout=60)
+    if proc.poll() is not None:
+        raise RuntimeError("the benchmark worker exited")
+    time.sleep(0.5)  # its change stream and first scan
+
+
+def peak_rss_kb(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def mem_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        return 0.0
+
+
+def floor_helper(uri: str, database: str, count: str) -> int:
+    """The other process of the W2 floor: wait for each insert's event, claim it, report."""
+    client: MongoClient[dict[str, Any]] = MongoClient(uri, w="majority")
+    coll = client[database]["floor"]
+    took: list[float] = []
+    with coll.watch([{"$match": {"operationType": "insert"}}], max_await_time_ms=200) as stream:
+        print("ready", flush=True)
+        while len(took) < int(count):
+            change = stream.try_next()
+            if change is None:
+                continue
+            doc = change["fullDocument"]
+            coll.find_one_and_update({"_id": doc["_id"], "s": 0}, {"$set": {"s": 1}})
+            took.append((time.time() - doc["t"]) * 1000)
+    print(json.dumps(took), flush=True)
+    return 0
