@@ -1,27 +1,58 @@
 """The task document, its options and runs, as pydantic models.
 
-The document stored in MongoDB is the source of truth; these models validate what goes in
-(``TaskOptions``, ``NewTask``) and give a typed view of what comes out (``Task``). The hot
-paths of the worker use plain dicts; these models are for the API surface.
+The document stored in MongoDB is the source of truth. ``TaskDocument`` is the one definition
+of its shape (``PublishedDocument`` the least a publisher in another language writes); the
+others validate what goes in (``TaskOptions``, ``NewTask``) and give a typed view of what
+comes out (``Task``, tolerant of any document). The hot paths of the worker use plain dicts;
+the store's filters and the JSON Schema (``mtask.jsonschema``) are derived from these models.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
+from collections.abc import Iterable, Mapping
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import bson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from bson import json_util
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    TypeAdapter,
+    ValidationError,
+    field_serializer,
+    field_validator,
+)
+from pydantic.fields import FieldInfo
 
 from mtask.errors import InvalidTask
 
 MAX_KEY_LENGTH = 512
 MAX_NAME_LENGTH = 200
 DEFAULT_MAX_PARAMS_BYTES = 1024 * 1024
+MAX_PARAMS_DEPTH = 64
+"""Nesting levels allowed in params (MongoDB refuses documents nested past 100 levels, and a
+task document holds params a level down, plus room for the stored result)."""
 MAX_RUNS_KEPT = 20
 """Finished runs beyond this many are folded into ``runs_folded``; RUNNING runs are always kept."""
 MAX_CONCURRENCY = 1000
+FOREVER = -1
+"""A retention (``keep_*_ms``) that never expires the finished task."""
+MAX_KEEP_MS = 100 * 365 * 86_400_000
+DAY_MS = 86_400_000
+DEFAULT_KEEP_MS: dict[str, int] = {
+    "succeeded": 7 * DAY_MS,
+    "failed": 30 * DAY_MS,
+    "cancelled": 7 * DAY_MS,
+}
+"""Built-in retention per finished status, used when neither the task, its name nor the global
+default (``mtask.store.retention``) sets one. ``invalid`` tasks are kept until purged."""
+KEEP_FIELDS = {status: f"keep_{status}_ms" for status in DEFAULT_KEEP_MS}
+"""The option (under ``options``) holding each finished status's retention."""
 
 
 class TaskStatus(StrEnum):
@@ -77,6 +108,15 @@ class TaskOptions(BaseModel):
     retry_backoff: float = Field(2.0, ge=1.0, le=100.0)
     max_retry_delay_ms: int = Field(3_600_000, ge=0, le=30 * 86_400_000)
     run_at: dt.datetime | None = Field(None, description="Not claimed before this time.")
+    keep_succeeded_ms: int | None = Field(
+        None,
+        ge=FOREVER,
+        le=MAX_KEEP_MS,
+        description="How long a succeeded task is kept after it finished (-1: forever; unset: "
+        "the name's or the global default, resolved at publish).",
+    )
+    keep_failed_ms: int | None = Field(None, ge=FOREVER, le=MAX_KEEP_MS)
+    keep_cancelled_ms: int | None = Field(None, ge=FOREVER, le=MAX_KEEP_MS)
 
     @field_validator("run_at")
     @classmethod
@@ -98,46 +138,160 @@ class TaskOptions(BaseModel):
         return doc
 
 
+BsonDate = Annotated[dt.datetime, Strict()]
+"""A BSON date: an ISO string where a date belongs is a mistake, not a date."""
+
+
 class Run(BaseModel):
     """One worker's run of a task."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     run_id: str
     worker_id: str
     state: RunState
-    claimed_at: dt.datetime
-    lease_expires_at: dt.datetime | None = None
-    finished_at: dt.datetime | None = None
+    claimed_at: BsonDate
+    lease_expires_at: BsonDate | None = None
+    finished_at: BsonDate | None = None
     error: str | None = None
     result: Any = None
 
 
+OPTION_NAMES: tuple[str, ...] = tuple(TaskOptions.model_fields)
+OPTION_DEFAULTS: dict[str, Any] = TaskOptions().to_document()
+"""Every option's default: what ``publish`` writes and what the worker completes a published
+document with (``mtask.store.complete``), from the one definition, ``TaskOptions``."""
+
+
+class TaskDocument(BaseModel):
+    """The task document as mtask stores it: the one definition of its shape.
+
+    Publishers build it (``store.new_document``), the worker completes a foreign publisher's
+    minimal document into it (``store.complete``), the claim computes with it, the JSON Schema
+    (``mtask/schema/task.v1.json``) and the MongoDB validator are generated from it, and
+    ``Task`` reads it. Other top-level fields are allowed (and kept)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, title="mtask task document")
+
+    key: str = Field(
+        alias="_id",
+        min_length=1,
+        max_length=MAX_KEY_LENGTH,
+        description="The task's key: publishing it again changes nothing.",
+    )
+    name: str = Field(
+        min_length=1, max_length=MAX_NAME_LENGTH, description="Which handler runs it."
+    )
+    params: dict[str, Any] = Field(description="The handler's input.")
+    options: TaskOptions
+    status: TaskStatus
+    next_claim_at: BsonDate | None = Field(
+        description="When the task may next be claimed; null once finished or while waiting."
+    )
+    available_at: BsonDate
+    attempts: int = Field(ge=0, description="Runs started.")
+    successes: int = Field(ge=0)
+    failures: int = Field(ge=0)
+    failed_permanently: bool = False
+    runs: list[Run] = Field(description="One entry per worker run, newest last, bounded.")
+    runs_folded: int = Field(0, ge=0)
+    result: Any = None
+    error: str | None = None
+    created_at: BsonDate
+    updated_at: BsonDate
+    finished_at: BsonDate | None = None
+    expire_at: BsonDate | None = None
+    """When MongoDB's TTL monitor removes the finished task (issue 17: retention)."""
+    expire_held: bool | None = None
+    """A finished flow parent whose removal waits for its open steps."""
+    invalid_reason: str | None = None
+    invalid_status: Any = None
+    parent: str | None = None
+    children: list[str] = Field(default_factory=list)
+    depends_on: list[str] = Field(default_factory=list)
+    waiting_on: list[str] = Field(default_factory=list)
+    has_dependents: bool = False
+    outbox: list[dict[str, Any]] = Field(default_factory=list)
+    last_write: str | None = None
+
+
+class PublishedDocument(BaseModel):
+    """What a publisher in any language writes, at least (``docs/publishing.md``): the key,
+    the name, the params, optionally any subset of the options and ``run_at``. mtask completes
+    the rest the first time a worker or the sweep meets it (``store.complete``)."""
+
+    model_config = ConfigDict(
+        extra="allow", populate_by_name=True, title="mtask task document, as published"
+    )
+
+    key: str = Field(alias="_id", min_length=1, max_length=MAX_KEY_LENGTH)
+    name: str = Field(min_length=1, max_length=MAX_NAME_LENGTH)
+    params: dict[str, Any] = Field(default_factory=dict)
+    options: TaskOptions = Field(
+        default_factory=TaskOptions, description="Any subset; the rest are defaults."
+    )
+    run_at: BsonDate | None = Field(None, description="Not claimed before this (a BSON date).")
+
+
+REQUIRED_FIELDS: tuple[str, ...] = tuple(
+    (f.alias or n) for n, f in TaskDocument.model_fields.items() if f.is_required()
+)
+"""The fields every stored task document holds."""
+
+
+class StoredOptions(BaseModel):
+    """The options a document holds: each one as stored, ``None`` where absent (or unreadable,
+    see ``Task.problems``). A test keeps its fields equal to ``TaskOptions``'s."""
+
+    model_config = ConfigDict(frozen=True)
+
+    priority: int | None = None
+    concurrency: int | None = None
+    ping_interval_ms: int | None = None
+    worker_timeout_ms: int | None = None
+    specific_worker_ids: tuple[str, ...] | None = None
+    max_retries: int | None = None
+    retry_delay_ms: int | None = None
+    retry_backoff: float | None = None
+    max_retry_delay_ms: int | None = None
+    run_at: dt.datetime | None = None
+    keep_succeeded_ms: int | None = None
+    keep_failed_ms: int | None = None
+    keep_cancelled_ms: int | None = None
+
+
 class Task(BaseModel):
-    """A typed view of one task document."""
+    """A typed view of one task document, as it is: a field the document lacks is ``None``
+    (and named in ``missing``), a field it holds in a shape ``TaskDocument`` refuses is
+    ``None`` too and named in ``problems``, fields ``TaskDocument`` does not know are kept
+    in ``extra``. Readers (client, CLI, REST, dashboard) never see invented values."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     key: str = Field(alias="_id")
-    name: str
-    params: dict[str, Any] = Field(default_factory=dict)
-    options: TaskOptions
-    status: TaskStatus
+    name: str | None = None
+    params: dict[str, Any] | None = None
+    options: StoredOptions = Field(default_factory=StoredOptions)
+    status: TaskStatus | None = None
     next_claim_at: dt.datetime | None = None
     available_at: dt.datetime | None = None
-    attempts: int = 0
-    successes: int = 0
-    failures: int = 0
+    attempts: int | None = None
+    successes: int | None = None
+    failures: int | None = None
     runs: list[Run] = Field(default_factory=list)
-    runs_folded: int = 0
+    """The runs the document holds (none if it holds none; see ``missing``)."""
+    runs_folded: int | None = None
     result: Any = None
     error: str | None = None
-    failed_permanently: bool = False
-    created_at: dt.datetime
-    updated_at: dt.datetime
+    failed_permanently: bool | None = None
+    created_at: dt.datetime | None = None
+    updated_at: dt.datetime | None = None
     finished_at: dt.datetime | None = None
+    expire_at: dt.datetime | None = None
+    """When MongoDB's TTL monitor removes the finished task (``finished_at`` + its retention);
+    ``None`` while open, kept forever, or held for a flow's open steps."""
     invalid_reason: str | None = None
-    """Why a worker marked this document ``invalid`` (or why it cannot be read as a task)."""
+    """Why a worker marked this document ``invalid``."""
     parent: str | None = None
     """The task whose handler returned this one as a next step (``mtask.Next``)."""
     children: list[str] = Field(default_factory=list)
@@ -145,36 +299,113 @@ class Task(BaseModel):
     depends_on: list[str] = Field(default_factory=list)
     waiting_on: list[str] = Field(default_factory=list)
     """The dependencies that have not succeeded yet; the task is not claimable while any are."""
+    missing: list[str] = Field(default_factory=list)
+    """Fields every stored task document holds that this one lacks (a publisher's minimal
+    document that no worker has completed yet lacks most of them)."""
+    problems: list[str] = Field(default_factory=list)
+    """What is wrong where: ``'options.max_retry': unknown option``, one line per field."""
+    extra: dict[str, Any] = Field(default_factory=dict)
+    """Top-level fields the task document's definition does not name, as stored."""
+
+    @property
+    def complete(self) -> bool:
+        """Whether the document holds every field of ``TaskDocument``, each readable."""
+        return not self.missing and not self.problems
+
+    @field_serializer("extra", when_used="json")
+    def _extra_json(self, value: dict[str, Any]) -> Any:
+        return json.loads(json_util.dumps(value, json_options=json_util.RELAXED_JSON_OPTIONS))
 
     @classmethod
-    def from_document(cls, doc: dict[str, Any]) -> Task:
-        """The task a document holds. A malformed document (inserted by hand) never raises:
-        it reads as an ``invalid`` task whose ``invalid_reason`` names the bad field."""
+    def from_document(cls, doc: Mapping[str, Any]) -> Task:
+        """The task a document holds, field by field against ``TaskDocument``. Never raises,
+        whatever the document holds."""
+        raw_key = doc.get("_id")
+        problems: list[str] = []
+        if not isinstance(raw_key, str):
+            problems.append(f"'_id': must be a string, found {type(raw_key).__name__}")
+        values: dict[str, Any] = {"key": raw_key if isinstance(raw_key, str) else str(raw_key)}
+        missing = [f for f in REQUIRED_FIELDS if f not in doc and f != "_id"]
+        extra = {k: v for k, v in doc.items() if k not in _DOCUMENT_FIELDS}
+        for name in _READ_FIELDS:
+            if name not in doc:
+                continue
+            value, problem = _read_field(name, doc[name])
+            if problem:
+                problems.append(problem)
+            else:
+                values[name] = value
+        if "options" in doc:
+            values["options"] = _read_options(doc["options"], problems)
+        if "runs" in doc:
+            values["runs"] = _read_runs(doc["runs"], problems)
+        return cls(**values, missing=missing, problems=problems, extra=extra)
+
+
+_DOCUMENT_FIELDS = frozenset((f.alias or n) for n, f in TaskDocument.model_fields.items())
+_READ_FIELDS = tuple(
+    n
+    for n in Task.model_fields
+    if n in TaskDocument.model_fields and n not in ("key", "options", "runs")
+)
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    return f"{loc}: {err['msg']}" if loc else str(err["msg"])
+
+
+def _read_field(name: str, value: Any) -> tuple[Any, str | None]:
+    """One top-level field, validated as ``TaskDocument`` declares it."""
+    try:
+        return _ADAPTERS[name].validate_python(value), None
+    except ValidationError as exc:
+        return None, f"'{name}': {_first_error(exc)}"
+
+
+def _adapter(field: FieldInfo) -> TypeAdapter[Any]:
+    kind: Any = field.annotation
+    if field.metadata:
+        kind = Annotated[(kind, *field.metadata)]
+    return TypeAdapter(kind)
+
+
+_ADAPTERS = {name: _adapter(field) for name, field in TaskDocument.model_fields.items()}
+
+
+def _read_options(value: Any, problems: list[str]) -> StoredOptions:
+    if not isinstance(value, Mapping):
+        problems.append(f"'options': must be an object, found {type(value).__name__}")
+        return StoredOptions()
+    found: dict[str, Any] = {}
+    for key, option in value.items():
+        if key not in TaskOptions.model_fields:
+            problems.append(f"'options.{key}': unknown option")
+            continue
+        if option is None and key != "run_at":
+            continue
+        if key == "run_at" and option is not None and not isinstance(option, dt.datetime):
+            problems.append(f"'options.run_at': must be a date, found {type(option).__name__}")
+            continue
         try:
-            return cls.model_validate(doc)
+            found[key] = getattr(TaskOptions.model_validate({key: option}), key)
         except ValidationError as exc:
-            return cls._unreadable(doc, exc)
+            problems.append(f"'options.{key}': {_first_error(exc).split(': ', 1)[-1]}")
+    return StoredOptions(**found)
 
-    @classmethod
-    def _unreadable(cls, doc: dict[str, Any], exc: ValidationError) -> Task:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "document"
-        reason = doc.get("invalid_reason")
-        stamp = doc.get("updated_at")
-        when = stamp if isinstance(stamp, dt.datetime) else dt.datetime.fromtimestamp(0, dt.UTC)
-        name = doc.get("name")
-        status = doc.get("status")
-        return cls(
-            key=str(doc.get("_id")),
-            name=name if isinstance(name, str) else "?",
-            options=TaskOptions(),
-            status=status if status in TaskStatus.__members__.values() else TaskStatus.INVALID,
-            created_at=when,
-            updated_at=when,
-            invalid_reason=reason
-            if isinstance(reason, str)
-            else f"malformed task document: {field}: {first['msg']}",
-        )
+
+def _read_runs(value: Any, problems: list[str]) -> list[Run]:
+    if not isinstance(value, list):
+        problems.append(f"'runs': must be an array, found {type(value).__name__}")
+        return []
+    runs = []
+    for index, run in enumerate(value):
+        try:
+            runs.append(Run.model_validate(run))
+        except ValidationError as exc:
+            problems.append(f"'runs.{index}': {_first_error(exc)}")
+    return runs
 
 
 class PublishResult(BaseModel):
@@ -195,6 +426,21 @@ def _bson_size(params: dict[str, Any]) -> int:
         return len(bson.encode(params))
     except (bson.errors.InvalidDocument, TypeError, OverflowError) as exc:
         raise InvalidTask(f"not BSON-encodable: {exc}", field="params") from None
+
+
+def check_depth(value: object, limit: int, field: str = "params") -> None:
+    """Refuse a value nested more than ``limit`` levels of mappings and lists (``{}`` is one
+    level), iteratively so that no depth makes Python recurse."""
+    if not isinstance(value, dict | list | tuple):
+        return
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            raise InvalidTask(f"is nested more than {limit} levels deep", field=field)
+        children = item.values() if isinstance(item, dict) else item
+        assert isinstance(children, Iterable)
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list | tuple))
 
 
 def validate_key(key: object) -> str:
@@ -226,6 +472,7 @@ def validate_params(params: object, max_bytes: int = DEFAULT_MAX_PARAMS_BYTES) -
         params = params.model_dump(mode="json")
     if not isinstance(params, dict):
         raise InvalidTask(f"must be a mapping, not {type(params).__name__}", field="params")
+    check_depth(params, MAX_PARAMS_DEPTH)
     size = _bson_size(params)
     if size > max_bytes:
         raise InvalidTask(f"is {size} bytes as BSON; the limit is {max_bytes}", field="params")

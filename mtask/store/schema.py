@@ -4,12 +4,14 @@ malformed document is recognised), the projections the worker reads, and new doc
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from typing import Any
 
-from pymongo import ASCENDING, DESCENDING, IndexModel
+from pymongo import ASCENDING, DESCENDING, TEXT, IndexModel
+from pymongo.errors import OperationFailure
 
 from mtask.driver import Call, Op
-from mtask.models import NewTask, TaskStatus
+from mtask.models import OPEN_STATUSES, OPTION_NAMES, NewTask, TaskStatus
 
 Doc = dict[str, Any]
 
@@ -53,6 +55,37 @@ INDEXES: dict[str, list[IndexModel]] = {
             name="outbox",
             partialFilterExpression={"outbox": {"$exists": True}},
         ),
+        # Retention (store/retention.py): MongoDB's TTL monitor removes a finished task once
+        # its expire_at has passed; flow parents held for their open steps.
+        IndexModel(
+            [("expire_at", ASCENDING)],
+            name="expire",
+            expireAfterSeconds=0,
+            partialFilterExpression={"expire_at": {"$type": "date"}},
+        ),
+        IndexModel(
+            [("expire_held", ASCENDING)],
+            name="expire_held",
+            partialFilterExpression={"expire_held": True},
+        ),
+        # Operator queries (store/queries.py; design.md, "Indexes for operators").
+        IndexModel(
+            [("finished_at", DESCENDING), ("_id", DESCENDING)],
+            name="finished",
+            partialFilterExpression={"finished_at": {"$type": "date"}},
+        ),
+        IndexModel([("runs.worker_id", ASCENDING)], name="worker_runs"),
+        IndexModel(
+            [("next_claim_at", ASCENDING), ("_id", ASCENDING)],
+            name="due",
+            partialFilterExpression={"next_claim_at": {"$type": "date"}},
+        ),
+        IndexModel(
+            [("error", TEXT)],
+            name="error_text",
+            default_language="none",
+            partialFilterExpression={"error": {"$type": "string"}},
+        ),
     ],
     "workers": [IndexModel([("last_seen", ASCENDING)], name="last_seen")],
 }
@@ -76,17 +109,71 @@ KNOWN_STATUSES = [status.value for status in TaskStatus]
 
 
 def well_formed_expr() -> Doc:
-    """``WELL_FORMED`` (plus a string key and a known status) as an aggregation expression."""
+    """``WELL_FORMED`` (plus a string key, a known status, a claim time unless waiting for
+    dependencies, and only known options) as an aggregation expression."""
     return {
         "$and": [
             {"$eq": [{"$type": "$_id"}, "string"]},
             {"$in": ["$status", KNOWN_STATUSES]},
+            {"$eq": [{"$type": "$name"}, "string"]},
+            {"$ne": ["$name", ""]},
             *(
                 {"$in": [{"$type": f"${field}"}, _TYPE_ALIASES[spec["$type"]]]}
                 for field, spec in WELL_FORMED.items()
             ),
+            {"$not": [_UNREACHABLE]},
+            {"$eq": [{"$size": _unknown_options()}, 0]},
         ]
     }
+
+
+_UNREACHABLE: Doc = {  # open, no date to be claimed at, not waiting for dependencies
+    "$and": [
+        {"$in": ["$status", ["pending", "running"]]},
+        {"$ne": [{"$type": "$next_claim_at"}, "date"]},
+        {"$eq": [{"$size": {"$cond": [{"$isArray": "$waiting_on"}, "$waiting_on", []]}}, 0]},
+    ]
+}
+
+
+def _unknown_options() -> Doc:
+    """The option keys the document holds that are not options (typos such as max_retry)."""
+    options = {"$cond": [{"$eq": [{"$type": "$options"}, "object"]}, "$options", {"$literal": {}}]}
+    keys = {"$map": {"input": {"$objectToArray": options}, "as": "o", "in": "$$o.k"}}
+    return {"$setDifference": [keys, list(OPTION_NAMES)]}
+
+
+def unknown_option_check() -> tuple[Doc, Doc]:
+    """(true when the document holds an unknown option key, the reason naming the first)."""
+    unknown = _unknown_options()
+    return (
+        {"$gt": [{"$size": unknown}, 0]},
+        {
+            "$concat": [
+                "'options.",
+                {"$arrayElemAt": [unknown, 0]},
+                f"' is not an option (options: {', '.join(OPTION_NAMES)})",
+            ]
+        },
+    )
+
+
+def placeable(doc: Mapping[str, Any]) -> bool:
+    """Whether a worker may queue a document it read (scan, event, lookup): it has a status, a
+    claim time if it is open (unless it waits for dependencies) and no unknown option.
+    Otherwise the worker notes it, to complete it (a publisher's document) or mark it invalid
+    (``store.quarantine``)."""
+    status = doc.get("status")
+    if status is None:
+        return False
+    waiting = doc.get("waiting_on")
+    if status in OPEN_STATUSES and not isinstance(doc.get("next_claim_at"), dt.datetime):
+        return isinstance(waiting, list) and bool(waiting)  # else no claim can reach it
+    options = doc.get("options")
+    return not isinstance(options, dict) or all(k in _OPTION_SET for k in options)
+
+
+_OPTION_SET = frozenset(OPTION_NAMES)
 
 
 _TYPE_ALIASES = {
@@ -101,6 +188,8 @@ def invalid_reason_expr() -> Doc:
     checks: list[tuple[Doc, str, str]] = [
         ({"$ne": [{"$type": "$_id"}, "string"]}, "_id", "a string"),
         ({"$not": [{"$in": ["$status", KNOWN_STATUSES]}]}, "status", "a known status"),
+        ({"$ne": [{"$type": "$name"}, "string"]}, "name", "a string"),
+        ({"$eq": ["$name", ""]}, "name", "a task name, not empty"),
     ]
     checks += [
         (
@@ -110,6 +199,7 @@ def invalid_reason_expr() -> Doc:
         )
         for field, spec in WELL_FORMED.items()
     ]
+    checks.append((_UNREACHABLE, "next_claim_at", "a date while the task is open"))
     found: dict[str, Doc] = {  # the unknown status itself, if it reads as a string
         "status": {
             "$convert": {
@@ -132,18 +222,16 @@ def invalid_reason_expr() -> Doc:
         }
         for test, field, wanted in checks
     ]
+    unknown, reason = unknown_option_check()
+    branches.append({"case": unknown, "then": {"$concat": ["malformed task document: ", reason]}})
     return {"$switch": {"branches": branches, "default": "malformed task document"}}
 
 
 CLAIMED_FIELDS = {"name": 1, "params": 1, "options": 1, "attempts": 1, "has_dependents": 1}
+CLAIMED_FIELDS["trace"] = 1  # the publisher's trace context, parent of the run span (issue 14)
 """What a worker needs of a task it claimed."""
-PLACEMENT_FIELDS = {
-    "next_claim_at": 1,
-    "name": 1,
-    "options.priority": 1,
-    "options.worker_timeout_ms": 1,
-    SPECIFIC: 1,
-}
+PLACEMENT_FIELDS = {"next_claim_at": 1, "name": 1, "status": 1, "options": 1, "waiting_on": 1}
+"""What a worker reads to queue a task (``status`` and all ``options``: see ``placeable``)."""
 
 
 LAST_WRITE = "last_write"
@@ -211,3 +299,34 @@ def _flow_fields(task: NewTask) -> Doc:
 def ensure_indexes() -> Op[None]:
     for collection, models in INDEXES.items():
         yield Call("create_indexes", (models,), collection=collection)
+
+
+VALIDATION_LEVEL = "moderate"
+"""The validator checks inserts and updates of documents that satisfy it; a document that was
+already there and does not (inserted before the validator) can still be marked ``invalid``."""
+
+
+def collection_init(name: str, validator: bool | None = None) -> Op[Doc]:
+    """Create the tasks collection ``name`` (if absent) and the indexes; with ``validator``
+    True install the task document's ``$jsonSchema`` (``mtask.jsonschema``) as its validator
+    (action ``error``, level ``moderate``), with False remove any validator, with None leave it.
+    Returns the collection's options as the server reports them."""
+    from mtask.jsonschema import validator_schema  # the schema module imports models only
+
+    try:
+        yield Call("command", ("create", name))
+    except OperationFailure as exc:
+        if exc.code != 48:  # NamespaceExists
+            raise
+    if validator is not None:
+        rule = {"$jsonSchema": validator_schema()} if validator else {}
+        yield Call(
+            "command",
+            ("collMod", name),
+            {"validator": rule, "validationLevel": VALIDATION_LEVEL, "validationAction": "error"},
+        )
+    yield from ensure_indexes()
+    info = yield Call("command", ("listCollections",), {"filter": {"name": name}})
+    batch = info.get("cursor", {}).get("firstBatch", [])
+    options: Doc = batch[0].get("options", {}) if batch else {}
+    return options

@@ -1,0 +1,257 @@
+"""Completing a publisher's minimal document, and finding documents no claim can reach.
+
+A service in any language may publish with just ``{_id, name, params}`` (optionally ``options``,
+any subset, and ``run_at``), upserted with ``$setOnInsert`` (``docs/publishing.md``). Such a
+document has no ``status``. The first worker (or sweep) that meets it completes it on the
+server, in one update whose filter is "still without a status and completable": the options
+it lacks get their defaults (``models.OPTION_DEFAULTS``), ``status``, the counters, ``runs``,
+``available_at`` (``run_at``, else ``$$NOW``), ``created_at`` (``$$NOW``) are set, and the
+state machine's ``recompute_stages`` derives ``next_claim_at``. A document that cannot be
+completed (a field of the wrong BSON type, an ISO string where a date belongs, an unknown option
+key, a bad name, params that are not an object) is marked ``invalid`` in one update with the
+same fence, with ``invalid_reason`` naming the first bad field.
+
+The checks are derived from the MongoDB validator schema (``mtask.jsonschema``), itself
+generated from ``models.TaskDocument``/``PublishedDocument``: one definition.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from mtask.driver import Call, Op
+from mtask.jsonschema import validator_schema
+from mtask.models import DEFAULT_MAX_PARAMS_BYTES, OPTION_DEFAULTS, TaskStatus
+from mtask.statemachine import OPEN, recompute_stages
+from mtask.store.schema import unknown_option_check
+
+Doc = dict[str, Any]
+NOW = "$$NOW"
+ABSENT = ["missing", "null"]
+
+INCOMPLETE: Doc = {"status": None}
+"""A publisher's document: no status (missing, or null)."""
+FLOW_FIELDS = ("depends_on", "waiting_on")
+"""Dependencies are mtask's own bookkeeping (resolved by the worker that records the awaited
+task's outcome): a foreign publisher cannot write them correctly, so they are refused."""
+
+
+def _type(path: str) -> Doc:
+    return {"$type": f"${path}"}
+
+
+def _kinds(spec: Doc) -> list[str]:
+    kind = spec.get("bsonType", [])
+    return kind if isinstance(kind, list) else [kind]
+
+
+def _field_checks(path: str, spec: Doc) -> list[tuple[Doc, Any]]:
+    """(condition that is true when the field is wrong, reason expression) pairs for one
+    field, from its ``$jsonSchema``. An absent (or null) field is not wrong here: it is
+    completed with its default."""
+    kinds = _kinds(spec)
+    field = f"${path}"
+    checks: list[tuple[Doc, Any]] = []
+    if kinds:
+        wanted = " or ".join(k for k in kinds if k != "null")
+        wanted = f"an {wanted}" if wanted[0] in "aeiou" else f"a {wanted}"
+        checks.append(
+            (
+                {"$not": [{"$in": [_type(path), [*kinds, *ABSENT]]}]},
+                {"$concat": [f"'{path}' must be {wanted}, found ", {"$type": field}]},
+            )
+        )
+    number = {"$isNumber": field}
+    if "minimum" in spec:
+        checks.append(
+            (
+                {"$and": [number, {"$lt": [field, spec["minimum"]]}]},
+                {"$concat": [f"'{path}' must be at least {spec['minimum']}, found ", _text(field)]},
+            )
+        )
+    if "maximum" in spec:
+        checks.append(
+            (
+                {"$and": [number, {"$gt": [field, spec["maximum"]]}]},
+                {"$concat": [f"'{path}' must be at most {spec['maximum']}, found ", _text(field)]},
+            )
+        )
+    string = {"$eq": [{"$type": field}, "string"]}
+    length = {"$strLenCP": {"$cond": [string, field, ""]}}
+    if "minLength" in spec:
+        checks.append(
+            (
+                {"$and": [string, {"$lt": [length, spec["minLength"]]}]},
+                f"'{path}' must not be empty",
+            )
+        )
+    if "maxLength" in spec:
+        checks.append(
+            (
+                {"$and": [string, {"$gt": [length, spec["maxLength"]]}]},
+                f"'{path}' must be at most {spec['maxLength']} characters",
+            )
+        )
+    items = _kinds(spec.get("items", {}))
+    if items:
+        array = {"$cond": [{"$isArray": field}, field, []]}
+        bad = {"$not": [{"$in": [{"$type": "$$item"}, items]}]}
+        checks.append(
+            (
+                {"$anyElementTrue": [{"$map": {"input": array, "as": "item", "in": bad}}]},
+                f"'{path}' must hold only {' or '.join(items)} values",
+            )
+        )
+    return checks
+
+
+def _text(expr: Any) -> Doc:
+    return {"$convert": {"input": expr, "to": "string", "onError": "?", "onNull": "null"}}
+
+
+def _checks() -> list[tuple[Doc, Any]]:
+    schema = validator_schema()
+    props: Doc = schema["properties"]
+    checks: list[tuple[Doc, Any]] = [
+        ({"$in": [_type("name"), ABSENT]}, "'name' is missing"),
+    ]
+    for field in ("_id", "name", "params", "options"):
+        checks += _field_checks(field, props[field])
+    checks.append(
+        (
+            {
+                "$and": [
+                    {"$eq": [_type("params"), "object"]},
+                    {"$gt": [{"$bsonSize": "$params"}, DEFAULT_MAX_PARAMS_BYTES]},
+                ]
+            },
+            f"'params' is larger than {DEFAULT_MAX_PARAMS_BYTES} bytes as BSON",
+        )
+    )
+    checks.append(unknown_option_check())
+    for option, spec in props["options"]["properties"].items():
+        checks += _field_checks(f"options.{option}", spec)
+    checks += [
+        (
+            {"$not": [{"$in": [_type(field), ["missing"]]}]},
+            f"'{field}' cannot be published by hand: publish tasks with dependencies "
+            "through mtask (TaskClient.publish, POST /tasks)",
+        )
+        for field in FLOW_FIELDS
+    ]
+    for field, spec in props.items():
+        if field not in ("_id", "name", "params", "options", "status", *FLOW_FIELDS):
+            checks += _field_checks(field, spec)
+    return checks
+
+
+@functools.cache
+def problem_expr() -> Doc:
+    """The first reason a status-less document cannot be completed, or null."""
+    branches = [{"case": case, "then": then} for case, then in _checks()]
+    return {"$switch": {"branches": branches, "default": None}}
+
+
+def _default(path: str, default: Any) -> Doc:
+    return {"$ifNull": [f"${path}", {"$literal": default}]}
+
+
+def completion_stages() -> list[Doc]:
+    """The pipeline that completes a completable status-less document."""
+    options = {
+        name: _default(f"options.{name}", default)
+        for name, default in OPTION_DEFAULTS.items()
+        if name != "run_at"
+    }
+    options["run_at"] = {"$ifNull": ["$run_at", "$options.run_at", None]}
+    return [
+        {
+            "$set": {
+                "params": _default("params", {}),
+                "options": options,
+                "status": TaskStatus.PENDING.value,
+                "attempts": _default("attempts", 0),
+                "successes": _default("successes", 0),
+                "failures": _default("failures", 0),
+                "failed_permanently": _default("failed_permanently", False),
+                "runs": _default("runs", []),
+                "runs_folded": _default("runs_folded", 0),
+                "result": {"$ifNull": ["$result", None]},
+                "error": {"$ifNull": ["$error", None]},
+                "created_at": {"$ifNull": ["$created_at", NOW]},
+                "finished_at": None,
+            }
+        },
+        {"$set": {"available_at": {"$ifNull": ["$available_at", "$options.run_at", NOW]}}},
+        {"$unset": "run_at"},
+        *recompute_stages(NOW),
+    ]
+
+
+def invalid_stages(reason: Any) -> list[Doc]:
+    return [
+        {
+            "$set": {
+                "status": TaskStatus.INVALID.value,
+                "invalid_reason": reason,
+                "updated_at": NOW,
+                "next_claim_at": None,
+            }
+        }
+    ]
+
+
+def complete(keys: list[Any]) -> Op[tuple[int, int]]:
+    """Complete the status-less documents among ``keys``, or mark them ``invalid`` with the
+    reason; returns (completed, marked invalid). Each document is changed by one update whose
+    filter re-checks, at write time, that it still has no status (and is, or is not,
+    completable), so a document another worker completed meanwhile is left alone."""
+    if not keys:
+        return 0, 0
+    problem = problem_expr()
+    done = yield Call(
+        "update_many",
+        (
+            {"_id": {"$in": keys}, **INCOMPLETE, "$expr": {"$eq": [problem, None]}},
+            completion_stages(),
+        ),
+    )
+    marked = yield Call(
+        "update_many",
+        (
+            {"_id": {"$in": keys}, **INCOMPLETE, "$expr": {"$ne": [problem, None]}},
+            invalid_stages(problem),
+        ),
+    )
+    return done.modified_count, marked.modified_count
+
+
+STRANDED_QUICK: Doc = {
+    "$or": [
+        {"status": {"$nin": [s.value for s in TaskStatus]}},
+        # not a string, or "": the only names no worker can have ($gt "" is every other string)
+        {"status": {"$in": list(OPEN)}, "name": {"$not": {"$gt": ""}}},
+    ]
+}
+"""Documents with no status, a null one, or one mtask does not know, and open ones whose name
+no worker can handle: few, and cheap to find through the ``status_newest`` and
+``name_status_newest`` indexes. (An open task whose name no running worker handles is not
+stranded: it waits for a worker of its name.)"""
+STRANDED_OPEN: Doc = {
+    "status": {"$in": list(OPEN)},
+    "next_claim_at": {"$not": {"$type": "date"}},
+    "waiting_on.0": {"$exists": False},
+}
+"""Open documents that no claim can reach: no date to be claimed at, and not waiting for
+dependencies. mtask never writes one; a document written by hand may be. Finding them reads
+every open task's document (through the ``status_newest`` index), so the sweep does it only
+every few rounds (``Watcher``)."""
+
+
+def stranded(limit: int = 1000, open_too: bool = True) -> Op[list[Any]]:
+    """Keys of documents no claim can reach and no change event may bring back (for the sweep,
+    which then completes or marks them: ``complete`` and ``quarantine``)."""
+    filt = {"$or": [*STRANDED_QUICK["$or"], STRANDED_OPEN]} if open_too else STRANDED_QUICK
+    docs: list[Doc] = yield Call("find", (filt, {"_id": 1}), {"limit": limit})
+    return [d["_id"] for d in docs]

@@ -1,0 +1,150 @@
+"""Waiting and events over HTTP (issue 14): the SSE stream read by httpx and by Node.js's own
+fetch, resumed with Last-Event-ID; the long-poll wait; auth and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import pytest
+from harness import running_worker
+from webserver import serving
+from workerapp import registry
+
+from mtask import TaskClient
+
+TOKEN = "test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+SSE_MJS = Path(__file__).parent / "interop" / "sse.mjs"
+
+
+@pytest.fixture
+def base(mongo_uri: str, db_name: str) -> Iterator[str]:
+    with serving(mongo_uri, db_name, token=TOKEN) as url:
+        yield url
+
+
+def read_events(
+    base: str, count: int, headers: dict[str, str], ready: Any, params: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Read ``count`` task events with httpx's streaming API; call ``ready`` on ``: open``."""
+    found: list[dict[str, Any]] = []
+    with httpx.stream(
+        "GET", f"{base}/events", params=params, headers={**AUTH, **headers}, timeout=60
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        block: dict[str, str] = {}
+        for line in response.iter_lines():
+            if line == ": open":
+                ready()
+            elif line == "":
+                if block.get("event") == "task":
+                    found.append({"id": block["id"], **json.loads(block["data"])})
+                    if len(found) == count:
+                        return found
+                block = {}
+            elif not line.startswith(":"):
+                field, _, value = line.partition(":")
+                block[field] = value.removeprefix(" ")
+    raise AssertionError(f"the stream ended after {found}")
+
+
+async def test_sse_with_httpx_resumes_with_last_event_id(
+    base: str, mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    assert httpx.get(f"{base}/events").status_code == 401
+    bad = httpx.get(f"{base}/events", params={"status": "done"}, headers=AUTH)
+    assert bad.status_code == 422
+    bad = httpx.get(f"{base}/events", headers={**AUTH, "Last-Event-ID": "not a token"})
+    assert bad.status_code == 422 and "Last-Event-ID" in bad.text
+    opened = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    params = {"name": "add", "status": "succeeded"}
+    reader = asyncio.create_task(
+        asyncio.to_thread(
+            read_events, base, 2, {}, lambda: loop.call_soon_threadsafe(opened.set), params
+        )
+    )
+    await opened.wait()
+    async with running_worker(registry, mongo_uri, db_name):
+        for i in range(4):
+            client.publish("add", f"h{i}", {"a": i, "b": 0})
+            client.publish("echo", f"e{i}", {})
+        first = await reader
+        await asyncio.to_thread(client.wait, "h3", 30)
+    assert all(e["name"] == "add" and e["status"] == "succeeded" for e in first)
+    rest = await asyncio.to_thread(
+        read_events, base, 2, {"Last-Event-ID": first[-1]["id"]}, lambda: None, params
+    )
+    assert sorted(e["key"] for e in first + rest) == ["h0", "h1", "h2", "h3"]  # none twice
+
+
+async def test_long_poll_wait(base: str, mongo_uri: str, db_name: str, client: TaskClient) -> None:
+    assert httpx.get(f"{base}/tasks/nope?wait=1", headers=AUTH).status_code == 404
+    assert httpx.get(f"{base}/tasks/nope?wait=1").status_code == 401
+    client.publish("add", "img/1", {"a": 1, "b": 1})
+    early = httpx.get(f"{base}/tasks/img/1", params={"wait": 0.2}, headers=AUTH)
+    assert early.status_code == 200 and early.json()["status"] == "pending"
+    assert httpx.get(f"{base}/tasks/img/1", params={"wait": -1}, headers=AUTH).status_code == 422
+    async with running_worker(registry, mongo_uri, db_name):
+        done = await asyncio.to_thread(
+            httpx.get,
+            f"{base}/tasks/img/1",
+            params={"wait": 30},
+            headers=AUTH,
+            timeout=60,
+        )
+    assert done.status_code == 200 and done.json()["status"] == "succeeded"
+    assert done.json()["result"] == 2
+
+
+def node() -> str:
+    path = shutil.which("node")
+    if path is None:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("Node.js is required in CI (.ci/run installs Debian's nodejs)")
+        pytest.skip("Node.js is not installed (apt-get install nodejs)")
+    return path
+
+
+async def test_sse_from_node_fetch_with_last_event_id(
+    base: str, mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    binary = node()
+
+    async def start(count: int, *last: str) -> asyncio.subprocess.Process:
+        proc = await asyncio.create_subprocess_exec(
+            binary, str(SSE_MJS), base, TOKEN, "add", str(count), *last,
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        assert (await asyncio.wait_for(proc.stdout.readline(), 30)).strip() == b"open"
+        return proc
+
+    async def lines(proc: asyncio.subprocess.Process) -> list[dict[str, Any]]:
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, out
+        return [json.loads(line) for line in out.decode().splitlines()]
+
+    proc = await start(3)
+    async with running_worker(registry, mongo_uri, db_name):
+        client.publish("add", "n1", {"a": 1, "b": 1})  # pending, running, succeeded
+        first = await lines(proc)
+        assert [e["data"]["status"] for e in first] == ["pending", "running", "succeeded"]
+        client.publish("add", "n2", {"a": 1, "b": 1})
+        await asyncio.to_thread(client.wait, "n2", 30)
+    proc = await start(3, first[-1]["id"])  # resumes: n2's events, none of n1's again
+    second = await lines(proc)
+    assert [(e["data"]["key"], e["data"]["status"]) for e in second] == [
+        ("n2", "pending"),
+        ("n2", "running"),
+        ("n2", "succeeded"),
+    ]
+    assert len({e["id"] for e in first + second}) == 6
