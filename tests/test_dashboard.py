@@ -1,6 +1,8 @@
 """The dashboard end to end in headless Chromium (Debian's ``chromium``, driven by Playwright):
-sign in, see the counts and the worker, click retry on a failed task, see it succeed.
-``MTASK_SCREENSHOT=path`` keeps a screenshot (docs/dashboard.png is made this way)."""
+sign in, filter failed tasks, search by error text, bulk-retry them, open a task's timeline,
+stop a worker, sign out — with JavaScript on and off; a 390 px phone viewport without
+horizontal scroll; dark mode. ``MTASK_SCREENSHOTS=dir`` keeps screenshots of the overview, the
+task list, a task page and the workers page at desktop and phone sizes (docs/ holds them)."""
 
 from __future__ import annotations
 
@@ -29,22 +31,26 @@ ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
+DESKTOP = {"width": 1280, "height": 900}
+PHONE = {"width": 390, "height": 844}
 
 
 @pytest.fixture
-def browser_page() -> Iterator[Any]:
+def browser() -> Iterator[Any]:
     if not Path(CHROMIUM).exists():
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail("chromium is required in CI (apt-get install chromium)")
         pytest.skip("no chromium here (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("playwright is required in CI (pip install -e '.[dev]')")
+        pytest.skip("playwright is not installed")
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)  # a fresh profile
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.set_default_timeout(30_000)
-            yield page
+            yield browser
         finally:
             browser.close()
 
@@ -56,57 +62,114 @@ def wait_until(check: Any, timeout: float = 60) -> None:
         time.sleep(0.1)
 
 
-def test_retry_a_failed_task_from_the_dashboard(
-    browser_page: Any, mongo_uri: str, db_name: str, client: TaskClient, tmp_path: Path
+def shots_dir(tmp_path: Path) -> Path:
+    return Path(os.environ.get("MTASK_SCREENSHOTS") or tmp_path)
+
+
+def operator_session(page: Any, url: str, client: TaskClient, worker_id: str, js: bool) -> None:
+    """The operator's round: every step through the UI only."""
+    from playwright.sync_api import expect
+
+    page.goto(url + "/")
+    page.fill("#token", "wrong")
+    page.click("form.login button[type=submit]")
+    expect(page.locator(".error")).to_have_text("That is not the token.")
+    page.fill("#token", TOKEN)
+    page.click("form.login button[type=submit]")
+    failed = page.locator('#counts tr[data-name="flaky"] td[data-status="failed"] a')
+    expect(failed).to_have_text("3")
+    failed.click()  # a count is a link to the filtered list
+    expect(page.locator("#tasks tbody tr")).to_have_count(3)
+    page.fill('input[name="q"]', "failure")  # error words
+    page.select_option('select[name="name"]', "flaky")
+    page.click("#filters button[type=submit]")
+    expect(page.locator("#tasks tbody tr")).to_have_count(3)
+    expect(page.locator("#tasks")).to_contain_text("flaky failure on attempt 1")
+    page.click("#bulk >> text=retry all 3")
+    expect(page.locator(".flash.ok")).to_contain_text("retry would apply to 3 tasks")
+    page.click("#bulk >> text=confirm: retry 3")
+    expect(page.locator(".flash.ok")).to_contain_text("retry: 3 of 3 tasks")
+    wait_until(lambda: client.stats().get("flaky", {}).get("succeeded") == 3)
+    page.goto(url + "/ui/tasks/f1")
+    expect(page.locator("#status")).to_have_text("succeeded")
+    expect(page.locator("#timeline svg rect")).to_have_count(2)
+    expect(page.locator("#runs tbody tr")).to_have_count(2)
+    page.click("header nav >> text=workers")
+    row = page.locator(f'#workers tr[data-worker="{worker_id}"]')
+    expect(row).to_contain_text("running")
+    expect(row.locator("td.counts")).to_have_text("11 / 3")  # 5 adds, 3 + 3 flaky runs
+    row.get_by_role("button", name="stop").click()
+    expect(page.locator(".flash.ok")).to_contain_text(f"stop requested: {worker_id}")
+    page.click("header .logout button")
+    expect(page.locator("#token")).to_be_visible()
+    page.goto(url + "/ui/workers")
+    expect(page.locator("#token")).to_be_visible()  # signed out: the session is gone
+
+
+def failing_tasks(client: TaskClient, prefix: str) -> None:
+    for i in (1, 2, 3):
+        client.publish("flaky", f"{prefix}{i}", {"fail_times": 1}, options={"max_retries": 0})
+    client.publish_many(
+        [{"name": "add", "key": f"{prefix}a{i}", "params": {"a": i, "b": 1}} for i in range(5)]
+    )
+
+
+@pytest.mark.parametrize("js", [True, False], ids=["js", "no-js"])
+def test_the_operator_round(
+    browser: Any, js: bool, mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    failing_tasks(client, "f")
+    worker_id = f"dash-worker-{'js' if js else 'nojs'}"
+    with worker_process(mongo_uri, db_name, "--worker-id", worker_id):
+        wait_until(lambda: client.stats().get("flaky", {}).get("failed") == 3)
+        with serving(mongo_uri, db_name, token=TOKEN, sample_seconds=0.25) as url:
+            context = browser.new_context(viewport=DESKTOP, java_script_enabled=js)
+            page = context.new_page()
+            page.set_default_timeout(30_000)
+            operator_session(page, url, client, worker_id, js)
+            context.close()
+        wait_until(lambda: not any(w["_id"] == worker_id for w in client.workers()))
+
+
+def test_phone_width_dark_mode_and_screenshots(
+    browser: Any, mongo_uri: str, db_name: str, client: TaskClient, tmp_path: Path
 ) -> None:
     from playwright.sync_api import expect
 
-    page = browser_page
-    client.publish("flaky", "f1", {"fail_times": 1}, options={"max_retries": 0})
+    failing_tasks(client, "f")
     client.publish_many(
-        [{"name": "add", "key": f"a{i}", "params": {"a": i, "b": 1}} for i in range(5)]
+        {"name": "sleep", "key": f"a-rather-long-task-key/{i}", "params": {"seconds": 0.3}}
+        for i in range(40)
     )
-    with worker_process(mongo_uri, db_name, "--worker-id", "dash-worker") as _:
-        wait_until(lambda: client.get("f1").status == "failed")  # type: ignore[union-attr]
+    out = shots_dir(tmp_path)
+    with worker_process(mongo_uri, db_name, "--worker-id", "worker-1", "--concurrency", "4"):
+        wait_until(lambda: client.stats().get("flaky", {}).get("failed") == 3)
         with serving(mongo_uri, db_name, token=TOKEN, sample_seconds=0.25) as url:
-            page.goto(url + "/")
-            page.fill("#token", "wrong")
-            page.click("button[type=submit]")
-            expect(page.locator(".error")).to_have_text("That is not the token.")
-            page.fill("#token", TOKEN)
-            page.click("button[type=submit]")
-            counts = page.locator("#counts")
-            expect(counts.locator('tr[data-name="flaky"] td[data-status="failed"]')).to_have_text(
-                "1"
-            )
-            expect(counts.locator('tr[data-name="add"] td[data-status="succeeded"]')).to_have_text(
-                "5"
-            )
-            expect(page.locator("#workers")).to_contain_text("dash-worker")
-            # some load for the throughput chart and the workers' running tasks
-            client.publish_many(
-                {"name": "sleep", "key": f"s{i}", "params": {"seconds": 0.4}} for i in range(60)
-            )
-            expect(page.locator("#throughput polyline")).to_have_count(1)
-            failure = page.locator('#failures tr[data-key="f1"]')
-            expect(failure).to_contain_text("flaky failure on attempt 1")
-            failure.get_by_role("button", name="retry").click()
-            # the page refreshes itself: the task moves from failed to succeeded
-            expect(
-                counts.locator('tr[data-name="flaky"] td[data-status="succeeded"]')
-            ).to_have_text("1")
-            expect(counts.locator('tr[data-name="flaky"] td[data-status="failed"]')).to_have_text(
-                "0"
-            )
-            expect(page.locator('#failures tr[data-key="f1"]')).to_have_count(0)
-            shot = os.environ.get("MTASK_SCREENSHOT") or str(tmp_path / "dashboard.png")
-            page.screenshot(path=shot, full_page=True)
-            page.goto(url + "/ui/tasks/f1")
-            expect(page.locator("#status")).to_have_text("succeeded")
-            expect(page.locator("#runs tbody tr")).to_have_count(2)
-            page.get_by_role("link", name="mtask").click()
-            page.locator('tr[data-name="add"]').get_by_role("button", name="pause").click()
-            expect(counts.locator('tr[data-name="add"]')).to_contain_text("paused")
-    assert Path(shot).stat().st_size > 10_000
-    task = client.get("f1")
-    assert task is not None and task.status == "succeeded" and task.attempts == 2
+            for scheme in ("light", "dark"):
+                for size, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
+                    context = browser.new_context(viewport=viewport, color_scheme=scheme)
+                    page = context.new_page()
+                    page.set_default_timeout(30_000)
+                    page.goto(url + "/")
+                    page.fill("#token", TOKEN)
+                    page.click("form.login button[type=submit]")
+                    expect(page.locator("#counts")).to_be_visible()
+                    background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+                    dark = background.startswith("rgb(11, 17, 32")
+                    assert dark == (scheme == "dark"), background
+                    wait_until(lambda: client.throughput(60) != [])
+                    for name, path in [
+                        ("overview", "/"),
+                        ("tasks", "/ui/tasks?status=failed"),
+                        ("task", "/ui/tasks/f1"),
+                        ("workers", "/ui/workers"),
+                    ]:
+                        page.goto(url + path)
+                        width = page.evaluate("document.documentElement.scrollWidth")
+                        assert width <= viewport["width"], (name, size, width)
+                        if scheme == "light" or name == "overview":
+                            suffix = "" if scheme == "light" else "-dark"
+                            shot = out / f"dashboard-{name}-{size}{suffix}.png"
+                            page.screenshot(path=str(shot), full_page=size == "phone")
+                            assert shot.stat().st_size > 5_000
+                    context.close()

@@ -11,6 +11,7 @@ from typing import Any, get_args
 
 import pytest
 from fastapi.testclient import TestClient
+from promtool import check_metrics
 
 from mtask import TaskClient
 from mtask.clock import FixedClock
@@ -61,7 +62,7 @@ def test_publish_is_idempotent_and_bad_input_names_the_field(
     again = api.post("/tasks", json=body, headers=AUTH)
     assert again.status_code == 200 and again.json()["created"] is False
     for bad, field in [
-        ({**body, "key": "k2", "options": {"colour": 1}}, "options.colour: unknown option"),
+        ({**body, "key": "k2", "options": {"colour": 1}}, "'colour'], 'msg': 'unknown option'"),
         ({**body, "key": ""}, "key: must not be empty"),
         ({**body, "key": "k3", "delay": -1}, "delay"),
         ({**body, "key": "k4", "surprise": 1}, "surprise"),
@@ -89,17 +90,17 @@ def test_read_and_steer(api: TestClient, client: TaskClient) -> None:
     assert api.get("/tasks", params={"status": "nope"}, headers=AUTH).status_code == 422
     assert api.get("/tasks/k1", headers=AUTH).json()["status"] == "pending"
     assert api.get("/tasks/missing", headers=AUTH).status_code == 404
-    assert api.post("/tasks/k1/retry", headers=AUTH).status_code == 409
-    assert api.post("/tasks/k1/cancel", headers=AUTH).json()["status"] == "cancelled"
-    assert api.post("/tasks/k1/retry", headers=AUTH).json()["status"] == "pending"
-    assert api.post("/tasks/missing/cancel", headers=AUTH).status_code == 404
+    assert api.post("/tasks/k1:retry", headers=AUTH).status_code == 409
+    assert api.post("/tasks/k1:cancel", headers=AUTH).json()["status"] == "cancelled"
+    assert api.post("/tasks/k1:retry", headers=AUTH).json()["status"] == "pending"
+    assert api.post("/tasks/missing:cancel", headers=AUTH).status_code == 404
     assert api.get("/stats", headers=AUTH).json() == {"n": {"pending": 5}}
     assert api.post("/names/n/pause", headers=AUTH).json() == {"name": "n", "paused": True}
     assert api.get("/names", headers=AUTH).json() == {"paused": ["n"]}
     assert api.post("/names/n/resume", headers=AUTH).json()["paused"] is False
     assert api.post("/workers/nobody/stop", headers=AUTH).status_code == 404
     assert api.get("/workers", headers=AUTH).json() == []
-    assert api.get("/tasks/k1/flow", headers=AUTH).json()["key"] == "k1"
+    assert api.get("/tasks/k1", params={"view": "flow"}, headers=AUTH).json()["key"] == "k1"
 
 
 def test_schedules_and_limits(api: TestClient, client: TaskClient) -> None:
@@ -122,6 +123,9 @@ def test_metrics(api: TestClient, client: TaskClient) -> None:
     assert 'mtask_tasks_published_total{name="metered"}' in text
     assert 'mtask_queue_depth{name="metered",status="pending"} 1.0' in text
     assert "mtask_claim_latency_seconds_bucket" in text
+    assert 'mtask_due_tasks{name="metered"} 1.0' in text  # serve exports the cluster gauges
+    assert 'mtask_oldest_due_age_seconds{name="metered"}' in text
+    check_metrics(text)
 
 
 def test_failed_tasks_show_their_error(api: TestClient, mongo_uri: str, db_name: str) -> None:
@@ -174,3 +178,57 @@ def test_completion_script(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["completion", "bash"]) == 0
     script: Any = capsys.readouterr().out
     assert "complete" in script and "publish" in script and "schedule" in script
+
+
+def test_bulk_actions_by_filter(api: TestClient, client: TaskClient) -> None:
+    client.publish_many([{"name": "a", "key": f"a{i}"} for i in range(6)])
+    client.publish_many([{"name": "b", "key": f"b{i}"} for i in range(3)])
+
+    def bulk(action: str, **body: Any) -> dict[str, Any]:
+        response = api.post(f"/tasks:{action}", json=body, headers=AUTH)
+        assert response.status_code == 200, response.text
+        result: dict[str, Any] = response.json()
+        return result
+
+    assert bulk("cancel", name="a", dry_run=True) == {
+        "action": "cancel",
+        "dry_run": True,
+        "matched": 6,
+        "changed": 0,
+        "truncated": False,
+    }
+    assert client.stats() == {"a": {"pending": 6}, "b": {"pending": 3}}
+    assert bulk("cancel", name="a", keys=["a0", "a1", "a2", "b0"])["changed"] == 3
+    assert bulk("retry", name="a", status=["cancelled"], keys=["a0"])["changed"] == 1
+    # purge never touches an open task, even when asked for pending ones
+    assert bulk("purge", status=["pending", "cancelled"], dry_run=True)["matched"] == 2
+    assert bulk("purge", status=["pending", "cancelled"])["changed"] == 2
+    assert client.get("a1") is None and client.get("a0") is not None
+    assert client.stats() == {"a": {"pending": 4}, "b": {"pending": 3}}
+    assert bulk("purge")["matched"] == 0
+    assert bulk("cancel", older_than=3600)["matched"] == 0  # all changed just now
+    assert bulk("cancel")["changed"] == 7
+    assert bulk("retry", name="b")["changed"] == 3
+    for bad in [{"status": ["nope"]}, {"older_than": -1}, {"surprise": 1}]:
+        assert api.post("/tasks:retry", json=bad, headers=AUTH).status_code == 422
+
+
+def test_search_and_the_typed_spec(api: TestClient, client: TaskClient) -> None:
+    client.publish_many([{"name": "img", "key": f"img/{i}"} for i in range(3)])
+    client.publish("doc", "doc/1")
+    page = api.get("/tasks", params={"prefix": "img/"}, headers=AUTH).json()
+    assert sorted(t["key"] for t in page["tasks"]) == ["img/0", "img/1", "img/2"]
+    assert [t["key"] for t in api.get("/tasks?name=doc", headers=AUTH).json()["tasks"]] == ["doc/1"]
+    spec = api.get("/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    assert {"TaskView", "TaskOptions", "Run", "WorkerView", "LimitView", "ScheduleView"} <= set(
+        schemas
+    )
+    assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    get_task = spec["paths"]["/tasks/{key}"]["get"]["responses"]["200"]
+    assert "TaskView" in str(get_task) and "FlowNode" in str(get_task)
+    assert "TaskOptions" in str(schemas["NewTaskBody"]["properties"]["options"])
+    docs = api.get("/docs").text
+    assert "cdn" not in docs.lower() and "/docs/assets/swagger-ui-bundle.js" in docs
+    assert api.get("/docs/assets/swagger-ui-bundle.js").status_code == 200
+    assert api.get("/redoc").status_code == 200

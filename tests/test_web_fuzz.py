@@ -1,5 +1,6 @@
-"""schemathesis against ``mtask serve``'s own OpenAPI spec, over real HTTP, on the real
-MongoDB: whatever it sends, the server answers without a 5xx."""
+"""schemathesis against ``mtask serve``'s own (typed) OpenAPI spec, over real HTTP, on the real
+MongoDB: whatever it sends, the server answers without a 5xx, and every answer it documents
+matches its response schema."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from pymongo import MongoClient
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import response_schema_conformance
 from webserver import serving
 
 TOKEN = "fuzz-token"
@@ -22,6 +25,9 @@ def test_no_server_errors(mongo_uri: str, db_name: str, mongo: MongoClient[dict[
     with serving(mongo_uri, db_name, token=TOKEN) as base_url:
         schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
         operations = [result.ok() for result in schema.get_all_operations()]
+        # issue 14: the SSE stream never ends (tested in tests/test_events_http.py)
+        streaming = {"/events"}
+        operations = [op for op in operations if op.path not in streaming]
         assert len(operations) >= 20
         for operation in operations:
 
@@ -35,12 +41,18 @@ def test_no_server_errors(mongo_uri: str, db_name: str, mongo: MongoClient[dict[
             def check(case: Any) -> None:
                 nonlocal calls
                 calls += 1
+                if case.query:
+                    case.query.pop("wait", None)  # a long poll may wait minutes (test_events_http)
                 response = case.call(headers={"Authorization": f"Bearer {TOKEN}"})
                 codes[response.status_code] = codes.get(response.status_code, 0) + 1
-                if response.status_code >= 500:
+                try:
+                    case.validate_response(
+                        response, checks=[not_a_server_error, response_schema_conformance]
+                    )
+                except Exception as exc:  # noqa: BLE001 - every failed check is collected
                     failures.append(
                         f"{case.method} {case.formatted_path} body={case.body!r} -> "
-                        f"{response.status_code} {response.text[:300]}"
+                        f"{response.status_code} {response.text[:300]}: {str(exc)[:300]}"
                     )
 
             check()

@@ -9,6 +9,7 @@ transition the task's state does not allow is 409, MongoDB out of reach 503.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 from typing import Annotated, Any, Literal
 
@@ -18,9 +19,23 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from mtask.client import MAX_DELAY_SECONDS, AsyncTaskClient
-from mtask.errors import TaskNotFound
-from mtask.models import validate_name
-from mtask.web.auth import require_token
+from mtask.errors import TaskNotFound, WaitTimeout
+from mtask.models import TaskOptions, validate_name
+from mtask.store import bulk
+from mtask.web.auth import bearer_scheme, require_token
+from mtask.web.schemas import (
+    BatchView,
+    BulkView,
+    LimitView,
+    NameView,
+    PausedView,
+    PublishView,
+    ScheduleView,
+    StopView,
+    TaskPage,
+    TaskView,
+    WorkerView,
+)
 
 MAX_BATCH = 10_000
 Status = Literal["pending", "running", "succeeded", "failed", "cancelled", "invalid"]
@@ -35,7 +50,7 @@ class NewTaskBody(BaseModel):
     name: str = Field(description="the handler's name")
     key: str = Field(description="the task's key: publishing it again changes nothing")
     params: dict[str, Any] | None = None
-    options: dict[str, Any] | None = None
+    options: TaskOptions | None = None
     delay: float | None = Field(None, ge=0, le=MAX_DELAY_SECONDS, description="seconds")
     depends_on: list[str] | None = Field(None, max_length=1000)
 
@@ -58,7 +73,33 @@ class LimitBody(BaseModel):
     burst: int | None = Field(None, ge=1, le=1_000_000)
 
 
+class BulkBody(BaseModel):
+    """Which tasks a bulk action applies to: every field given must match (none: all tasks the
+    action applies to). The action narrows ``status`` itself: retry to failed/cancelled, cancel
+    to pending/running, purge to finished statuses — a purge never deletes an open task."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, max_length=200)
+    status: list[Status] | None = Field(None, max_length=6)
+    older_than: float | None = Field(
+        None, ge=0, le=100 * 365 * 86400, description="seconds since the task last changed"
+    )
+    keys: list[str] | None = Field(None, max_length=bulk.MAX_PER_CALL)
+    dry_run: bool = Field(False, description="count what would change, change nothing")
+
+
+class FlowNode(BaseModel):
+    key: str
+    name: str | None = None
+    status: str | None = None
+    children: list[FlowNode] = Field(default_factory=list)
+    depends_on: list[str] | None = None
+    waiting_on: list[str] | None = None
+
+
 Responses = dict[int | str, dict[str, Any]]
+MAX_WAIT_SECONDS = 600.0
 NOT_FOUND: Responses = {404: {"description": "no such task (or schedule, or worker)"}}
 CONFLICT: Responses = {409: {"description": "the task's state does not allow this"}}
 
@@ -69,17 +110,18 @@ def client_of(request: Request) -> AsyncTaskClient:
 
 
 Client = Annotated[AsyncTaskClient, Depends(client_of)]
-router = APIRouter(dependencies=[Depends(require_token)])
+router = APIRouter(dependencies=[Depends(require_token), Depends(bearer_scheme)])
 public = APIRouter()
 
 
-def task_json(task: Any) -> dict[str, Any]:
-    data: dict[str, Any] = task.model_dump(mode="json")
-    return data
+def view(task: Any) -> TaskView:
+    return TaskView.of(task)
 
 
-@router.post("/tasks", status_code=201, responses={200: {"description": "it existed"}})
-async def publish(body: PublishBody, client: Client, response: Response) -> dict[str, Any]:
+@router.post(
+    "/tasks", status_code=201, responses={200: {"description": "it existed", "model": PublishView}}
+)
+async def publish(body: PublishBody, client: Client, response: Response) -> PublishView:
     """Publish a task: 201 when created, 200 when the key existed (idempotent)."""
     result = await client.publish(
         body.name,
@@ -92,55 +134,123 @@ async def publish(body: PublishBody, client: Client, response: Response) -> dict
     )
     if not result.created:
         response.status_code = 200
-    return {"created": result.created, "updated": result.updated, "task": task_json(result.task)}
+    return PublishView(created=result.created, updated=result.updated, task=view(result.task))
 
 
 @router.post("/tasks:batch")
-async def publish_batch(body: BatchBody, client: Client) -> dict[str, int]:
+async def publish_batch(body: BatchBody, client: Client) -> BatchView:
     """Publish many tasks (insert if absent); returns how many were created."""
     created = await client.publish_many(t.model_dump(exclude_none=True) for t in body.tasks)
-    return {"created": created, "given": len(body.tasks)}
+    return BatchView(created=created, given=len(body.tasks))
+
+
+async def _bulk(action: bulk.Action, body: BulkBody, client: AsyncTaskClient) -> BulkView:
+    where = bulk.Filter(body.name, body.status, body.older_than, body.keys)
+    result = await client.bulk(action, where, dry_run=body.dry_run)
+    return BulkView(**dataclasses.asdict(result))
+
+
+@router.post("/tasks:retry")
+async def retry_many(body: BulkBody, client: Client) -> BulkView:
+    """Retry the failed or cancelled tasks the filter matches (at most 1000 per call)."""
+    return await _bulk("retry", body, client)
+
+
+@router.post("/tasks:cancel")
+async def cancel_many(body: BulkBody, client: Client) -> BulkView:
+    """Cancel the pending or running tasks the filter matches (at most 1000 per call)."""
+    return await _bulk("cancel", body, client)
+
+
+@router.post("/tasks:purge")
+async def purge_many(body: BulkBody, client: Client) -> BulkView:
+    """Delete the finished tasks the filter matches (never a pending or running one)."""
+    return await _bulk("purge", body, client)
 
 
 @router.get("/tasks")
 async def list_tasks(
     client: Client,
-    name: str | None = None,
+    name: Annotated[str | None, Query(max_length=200)] = None,
     status: Status | None = None,
+    prefix: Annotated[str | None, Query(max_length=512, description="key prefix")] = None,
+    q: Annotated[str | None, Query(max_length=200, description="words of the error")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     after: str | None = Query(None, description="the last key of the previous page"),
-) -> dict[str, Any]:
-    tasks = await client.list(name=name, status=status, limit=limit, after=after)
-    return {
-        "tasks": [task_json(t) for t in tasks],
-        "next_after": tasks[-1].key if len(tasks) == limit else None,
-    }
+) -> TaskPage:
+    """A page of tasks, newest first (keyset pagination: pass ``next_after`` as ``after``)."""
+    tasks = await client.search(
+        name=name, status=status, prefix=prefix, text=q, limit=limit, after=after
+    )
+    return TaskPage(
+        tasks=[view(t) for t in tasks],
+        next_after=tasks[-1].key if len(tasks) == limit else None,
+    )
 
 
-@router.get("/tasks/{key:path}/flow", responses=NOT_FOUND)
-async def flow(key: str, client: Client) -> dict[str, Any]:
-    tree = await client.flow(key)
-    if tree is None:
-        raise TaskNotFound(key)
-    return tree
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None  # a hand-made document may hold anything
 
 
-@router.post("/tasks/{key:path}/cancel", responses={**NOT_FOUND, **CONFLICT})
-async def cancel(key: str, client: Client) -> dict[str, Any]:
-    return task_json(await client.cancel(key))
+def _flow_node(node: dict[str, Any]) -> FlowNode:
+    text = _text
+    return FlowNode(
+        key=str(node.get("key")),
+        name=text(node.get("name")),
+        status=text(node.get("status")),
+        children=[_flow_node(c) for c in node.get("children", [])],
+        depends_on=[str(k) for k in node["depends_on"]] if node.get("depends_on") else None,
+        waiting_on=[str(k) for k in node["waiting_on"]] if "waiting_on" in node else None,
+    )
 
 
-@router.post("/tasks/{key:path}/retry", responses={**NOT_FOUND, **CONFLICT})
-async def retry(key: str, client: Client) -> dict[str, Any]:
-    return task_json(await client.retry(key))
+@router.post("/tasks/{key:path}:cancel", responses={**NOT_FOUND, **CONFLICT})
+async def cancel(key: str, client: Client) -> TaskView:
+    """Cancel one task (``key`` percent-encoded; the action is always the last ``:verb``)."""
+    return view(await client.cancel(key))
+
+
+@router.post("/tasks/{key:path}:retry", responses={**NOT_FOUND, **CONFLICT})
+async def retry(key: str, client: Client) -> TaskView:
+    """Retry one failed or cancelled task."""
+    return view(await client.retry(key))
 
 
 @router.get("/tasks/{key:path}", responses=NOT_FOUND)
-async def get_task(key: str, client: Client) -> dict[str, Any]:
+async def get_task(
+    key: str,
+    client: Client,
+    view_: Annotated[
+        Literal["task", "flow"],
+        Query(alias="view", description="`flow`: the task's flow tree instead of the task"),
+    ] = "task",
+    wait: Annotated[
+        float | None,
+        Query(
+            ge=0,
+            le=MAX_WAIT_SECONDS,
+            description="long poll: answer once the task is finished (succeeded, failed, "
+            "cancelled or invalid), or as it is after this many seconds",
+        ),
+    ] = None,
+) -> TaskView | FlowNode:
+    """One task, or with ``?view=flow`` the flow below it (its next steps, recursively). With
+    ``?wait=S``, the answer waits until the task is finished or ``S`` seconds have passed
+    (one change stream per server process, shared by every waiting request)."""
+    if wait is not None and view_ == "task":
+        try:
+            return view(await client.wait(key, timeout=wait))
+        except WaitTimeout:
+            pass  # answer with the task as it is now
+    if view_ == "flow":
+        tree = await client.flow(key)
+        if tree is None:
+            raise TaskNotFound(key)
+        return _flow_node(tree)
     task = await client.get(key)
     if task is None:
         raise TaskNotFound(key)
-    return task_json(task)
+    return view(task)
 
 
 @router.get("/stats")
@@ -150,52 +260,52 @@ async def stats(client: Client) -> dict[str, dict[str, int]]:
 
 
 @router.get("/workers")
-async def workers(client: Client) -> list[dict[str, Any]]:
+async def workers(client: Client) -> list[WorkerView]:
     """Workers that sent a heartbeat in the last 10 seconds, with the runs they hold."""
-    return await client.workers()
+    return await client.workers()  # type: ignore[return-value] # checked by the response model
 
 
 @router.post("/workers/{worker_id}/stop", responses=NOT_FOUND)
-async def stop_worker(worker_id: str, client: Client) -> dict[str, str]:
+async def stop_worker(worker_id: str, client: Client) -> StopView:
     if not await client.stop_worker(worker_id):
         return JSONResponse(  # type: ignore[return-value]
             {"detail": f"no worker {worker_id!r} is registered"}, status_code=404
         )
-    return {"stop_requested": worker_id}
+    return StopView(stop_requested=worker_id)
 
 
 @router.post("/names/{name}/pause")
-async def pause(name: str, client: Client) -> dict[str, Any]:
+async def pause(name: str, client: Client) -> NameView:
     await client.pause(name)
-    return {"name": name, "paused": True}
+    return NameView(name=name, paused=True)
 
 
 @router.post("/names/{name}/resume")
-async def resume(name: str, client: Client) -> dict[str, Any]:
+async def resume(name: str, client: Client) -> NameView:
     await client.resume(name)
-    return {"name": name, "paused": False}
+    return NameView(name=name, paused=False)
 
 
 @router.get("/names")
-async def names(client: Client) -> dict[str, list[str]]:
+async def names(client: Client) -> PausedView:
     """Paused task names."""
     paused = await client.paused()
-    return {"paused": sorted(paused)}
+    return PausedView(paused=sorted(paused))
 
 
 @router.get("/schedules")
-async def schedules(client: Client) -> list[dict[str, Any]]:
-    return await client.schedules()
+async def schedules(client: Client) -> list[ScheduleView]:
+    return await client.schedules()  # type: ignore[return-value] # checked by the response model
 
 
 @router.post("/schedules/{schedule_id}/pause", responses=NOT_FOUND)
-async def pause_schedule(schedule_id: str, client: Client) -> dict[str, Any]:
-    return await client.pause_schedule(schedule_id)
+async def pause_schedule(schedule_id: str, client: Client) -> ScheduleView:
+    return await client.pause_schedule(schedule_id)  # type: ignore[return-value]
 
 
 @router.post("/schedules/{schedule_id}/resume", responses=NOT_FOUND)
-async def resume_schedule(schedule_id: str, client: Client) -> dict[str, Any]:
-    return await client.resume_schedule(schedule_id)
+async def resume_schedule(schedule_id: str, client: Client) -> ScheduleView:
+    return await client.resume_schedule(schedule_id)  # type: ignore[return-value]
 
 
 @router.delete("/schedules/{schedule_id}", status_code=204, responses=NOT_FOUND)
@@ -206,13 +316,13 @@ async def remove_schedule(schedule_id: str, client: Client) -> Response:
 
 
 @router.get("/limits")
-async def limits(client: Client) -> list[dict[str, Any]]:
-    return await client.limits()
+async def limits(client: Client) -> list[LimitView]:
+    return await client.limits()  # type: ignore[return-value] # checked by the response model
 
 
 @router.put("/limits/{name}")
-async def set_limit(name: str, body: LimitBody, client: Client) -> dict[str, Any]:
-    return await client.set_limit(
+async def set_limit(name: str, body: LimitBody, client: Client) -> LimitView:
+    return await client.set_limit(  # type: ignore[return-value]
         name, concurrency=body.concurrency, rate=body.rate, burst=body.burst
     )
 

@@ -4,49 +4,38 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import datetime as dt
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
+from fastapi_offline import FastAPIOffline
 
 import mtask
 from mtask import metrics
 from mtask.client import AsyncTaskClient, TaskClient
 from mtask.errors import InvalidTask, InvalidTransition, StorageError, TaskNotFound
 from mtask.schedules import ScheduleNotFound
-from mtask.web import api, dashboard
+from mtask.web import api, dashboard, events
+from mtask.web.auth import Keys
+from mtask.web.guard import DEFAULT_MAX_BODY, Guard
 
 log = logging.getLogger("mtask.serve")
 SAMPLE_SECONDS = 5.0
-SAMPLES_KEPT = 180  # 15 minutes
 
 
-@dataclass(frozen=True)
-class Sample:
-    at: dt.datetime
-    finished: int
-    """Succeeded + failed tasks, all names, at ``at``."""
-
-
-async def _sample(
-    client: AsyncTaskClient, samples: collections.deque[Sample], every: float
-) -> None:
-    """Side task: finished-task totals every few seconds, for the throughput chart."""
+async def _sample(client: AsyncTaskClient, every: float) -> None:
+    """Side task: the last minutes' finished/failed counts per name into MongoDB (idempotent
+    per minute, so any number of serves agree; a TTL index bounds it) for the charts."""
     while True:
         try:
-            counts = await client.stats()
-            finished = sum(s.get("succeeded", 0) + s.get("failed", 0) for s in counts.values())
-            samples.append(Sample(await client.now(), finished))
+            await client.record_throughput()
         except StorageError as exc:
-            log.warning("cannot sample throughput: %s", exc)
+            log.warning("cannot record throughput: %s", exc)
         await asyncio.sleep(every)
 
 
@@ -57,15 +46,24 @@ def create_app(
     collection: str = "tasks",
     token: str | None = None,
     sample_seconds: float = SAMPLE_SECONDS,
+    max_body: int = DEFAULT_MAX_BODY,
+    trust_proxy: bool = False,
 ) -> FastAPI:
+    """The app. ``max_body`` caps request bodies (bytes); ``trust_proxy`` believes a proxy's
+    ``X-Forwarded-Proto`` / ``X-Forwarded-Host`` (for ``Secure`` cookies and the origin check) —
+    set it only when serve is reachable through that proxy alone."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = AsyncTaskClient(uri, database=database, collection=collection)
+        try:
+            await client.ensure_bulk_indexes()
+        except StorageError as exc:  # serve starts anyway; /healthz says what is wrong
+            log.warning("cannot create the task list's indexes: %s", exc)
         depth = TaskClient(uri, database=database, collection=collection)
-        metrics.register_queue_depth(depth.stats)
+        metrics.register_cluster_metrics(depth)
         app.state.client = client
-        app.state.samples = collections.deque(maxlen=SAMPLES_KEPT)
-        sampler = asyncio.create_task(_sample(client, app.state.samples, sample_seconds))
+        sampler = asyncio.create_task(_sample(client, sample_seconds))
         try:
             yield
         finally:
@@ -75,19 +73,26 @@ def create_app(
             await client.close()
             depth.close()
 
-    app = FastAPI(
+    app = FastAPIOffline(
         title="mtask",
         version=mtask.__version__,
         description="Publish, read and steer mtask tasks. Every route but /healthz needs "
-        "`Authorization: Bearer <MTASK_API_TOKEN>`.",
+        "`Authorization: Bearer <MTASK_API_TOKEN>` (Swagger UI: the Authorize button). "
+        "Actions on one task are `POST /tasks/{key}:cancel` and `:retry` (the key "
+        "percent-encoded; the action is the last `:verb`).",
         lifespan=lifespan,
+        static_url="/docs/assets",
+        swagger_ui_parameters={"persistAuthorization": True},
     )
     app.state.token = token
+    app.state.keys = Keys.of(token)
     app.include_router(api.public)
+    app.include_router(events.router)  # issue 14: SSE and long-poll wait (before /tasks/{key})
     app.include_router(api.router)
     app.include_router(dashboard.router)
     app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")
     _errors(app)
+    app.add_middleware(Guard, keys=app.state.keys, max_body=max_body, trust_proxy=trust_proxy)
     return app
 
 
@@ -119,7 +124,11 @@ def _errors(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def shape(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [
-            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+            {
+                "loc": list(e.get("loc", ())),
+                "msg": "unknown option" if e.get("type") == "extra_forbidden" else e.get("msg", ""),
+                "type": e.get("type", ""),
+            }
             for e in exc.errors()
         ]
         return JSONResponse({"detail": errors}, status_code=422)

@@ -1,16 +1,20 @@
-"""The dashboard: server-rendered pages (Jinja2) with a little JS, no CDN.
+"""The dashboard: server-rendered pages (Jinja2), no CDN, every action a plain form.
 
-``/`` shows counts per name and status, throughput over the last minutes, live workers and the
-runs they hold, recent failures, and buttons (retry, cancel, pause, resume, stop worker) that
-call the API. ``/ui/tasks/{key}`` shows one task: params, options, flow and run history.
+Pages: ``/`` (counts per name and status, each a link to the task list; finished and failed
+per minute per name as SVG charts with axes; recent failures), ``/ui/tasks`` (the task list:
+filter by name and status, search by key prefix or error words, keyset pagination, bulk retry /
+cancel / purge of the filtered set with a dry-run count first), ``/ui/tasks/{key}`` (one task:
+``invalid_reason``, params / result / error as stored, flow links, runs with durations and a
+timeline) and ``/ui/workers``. Actions are forms posting to ``/ui/act`` and ``/ui/bulk`` with
+the session's CSRF token, answered POST-redirect-GET with a flash message, so everything works
+without JavaScript; ``static/dashboard.js`` submits them in place and refreshes pages.
 """
 
 from __future__ import annotations
 
-import collections
-import hmac
-import itertools
+import datetime as dt
 import json
+import secrets
 import urllib.parse
 from typing import Any
 
@@ -19,8 +23,11 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
 from mtask.client import AsyncTaskClient
+from mtask.errors import MtaskError
 from mtask.models import TaskStatus
-from mtask.web.auth import COOKIE, token_ok
+from mtask.store import bulk
+from mtask.web.auth import COOKIE, LOGIN_COOKIE, SESSION_SECONDS, Keys, csrf_of, signed_in
+from mtask.web.charts import charts, timeline
 
 router = APIRouter(include_in_schema=False)
 templates = Environment(
@@ -30,81 +37,285 @@ templates.filters["json"] = lambda value: json.dumps(value, indent=2, default=st
 templates.filters["when"] = lambda v: v.strftime("%Y-%m-%d %H:%M:%S") if v else "-"
 templates.filters["url"] = lambda v: urllib.parse.quote(str(v), safe="")
 templates.filters["path"] = lambda v: urllib.parse.quote(str(v), safe="/")
+templates.filters["lastline"] = lambda v: ((v or "").strip().splitlines() or [""])[-1]
+templates.globals["qs"] = lambda **kw: urllib.parse.urlencode(
+    {k: v for k, v in kw.items() if v not in (None, "")}
+)
 STATUSES = [s.value for s in TaskStatus]
+PAGE_SIZE = 50
 
 
-def render(name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
-    return HTMLResponse(templates.get_template(name).render(**context), status_code=status_code)
+def duration(start: dt.datetime | None, end: dt.datetime | None) -> str:
+    if start is None or end is None:
+        return "-"
+    seconds = (end - start).total_seconds()
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
-def login_page(message: str = "") -> HTMLResponse:
-    return render("login.html", status_code=401, message=message)
+templates.globals["duration"] = duration
+
+
+def render(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+    query = request.query_params
+    page = templates.get_template(name).render(
+        csrf=csrf_of(request),
+        nav=signed_in(request),
+        signed_in=signed_in(request) and request.app.state.keys.token is not None,
+        flash=query.get("flash", "")[:300],
+        problem=query.get("problem", "")[:300],
+        here=request.url.path + (f"?{request.url.query}" if request.url.query else ""),
+        **context,
+    )
+    return HTMLResponse(page, status_code=status_code)
+
+
+def client_of(request: Request) -> AsyncTaskClient:
+    client: AsyncTaskClient = request.app.state.client
+    return client
+
+
+# -- signing in and out -----------------------------------------------------------------------
+
+
+def login_page(request: Request, message: str = "") -> HTMLResponse:
+    """The sign-in form, with a fresh pre-session CSRF pair: a nonce cookie and its HMAC."""
+    keys: Keys = request.app.state.keys
+    nonce = secrets.token_urlsafe(18)
+    response = render(
+        request, "login.html", status_code=401, message=message, login_csrf=keys.login_csrf(nonce)
+    )
+    response.set_cookie(
+        LOGIN_COOKIE,
+        nonce,
+        max_age=3600,
+        httponly=True,
+        samesite="strict",
+        secure=bool(request.scope.get("mtask_secure")),
+    )
+    return response
+
+
+@router.get("/login", response_class=HTMLResponse)
+async def login_form(request: Request) -> HTMLResponse:
+    return login_page(request)
 
 
 @router.post("/login")
 async def login(request: Request) -> Response:
+    """The guard checked the origin and the form's CSRF pair before this body was read."""
     form = urllib.parse.parse_qs((await request.body()).decode(errors="replace"))
-    given = (form.get("token") or [""])[0].strip()
-    expected: str | None = request.app.state.token
-    if expected is not None and not hmac.compare_digest(given.encode(), expected.encode()):
-        return login_page("That is not the token.")
+    given = (form.get("token") or [""])[0]
+    keys: Keys = request.app.state.keys
+    if not keys.token_ok(given):
+        return login_page(request, "That is not the token.")
     response = RedirectResponse("/", status_code=303)
-    response.set_cookie(COOKIE, given, httponly=True, samesite="strict", max_age=7 * 86400)
+    response.set_cookie(
+        COOKIE,
+        keys.new_session(),
+        max_age=SESSION_SECONDS,
+        httponly=True,
+        samesite="strict",
+        secure=bool(request.scope.get("mtask_secure")),
+    )
+    response.delete_cookie(LOGIN_COOKIE)
     return response
 
 
-def chart(samples: collections.deque[Any], width: int = 600, height: int = 110) -> dict[str, Any]:
-    """Tasks finished per second between samples, as an SVG polyline."""
-    points = list(samples)
-    rates = [
-        (b.at, max(0.0, (b.finished - a.finished) / max(1e-3, (b.at - a.at).total_seconds())))
-        for a, b in itertools.pairwise(points)
-    ]
-    if not rates:
-        return {"points": "", "peak": 0.0, "last": 0.0, "minutes": 0, "width": width}
-    peak = max(r for _, r in rates) or 1.0
-    span = max(1e-3, (rates[-1][0] - rates[0][0]).total_seconds())
-    coords = [
-        f"{(t - rates[0][0]).total_seconds() / span * width:.1f},"
-        f"{height - r / peak * (height - 10):.1f}"
-        for t, r in rates
-    ]
-    return {
-        "points": " ".join(coords),
-        "peak": peak,
-        "last": rates[-1][1],
-        "minutes": round(span / 60, 1),
-        "width": width,
-    }
+@router.post("/logout")
+async def logout(request: Request) -> Response:
+    """Ends the browser's session (the guard checked its origin and CSRF token)."""
+    response = RedirectResponse("/login?" + urllib.parse.urlencode({"flash": "signed out"}), 303)
+    response.delete_cookie(COOKIE, httponly=True, samesite="strict")
+    return response
+
+
+# -- pages ------------------------------------------------------------------------------------
 
 
 @router.get("/", response_class=HTMLResponse)
 async def overview(request: Request) -> HTMLResponse:
-    if not token_ok(request):
-        return login_page()
-    client: AsyncTaskClient = request.app.state.client
+    if not signed_in(request):
+        return login_page(request)
+    client = client_of(request)
     counts = await client.stats()
     paused = await client.paused()
-    names = sorted(set(counts) | paused)
+    now = await client.now()
     return render(
+        request,
         "overview.html",
-        names=names,
+        names=sorted(set(counts) | paused),
         counts=counts,
         statuses=STATUSES,
         paused=paused,
+        charts=charts(await client.throughput(60), now),
+        failures=await client.search(status="failed", limit=10),
         workers=await client.workers(),
-        failures=await client.list(status="failed", limit=10),
-        chart=chart(request.app.state.samples),
+        now=now,
+    )
+
+
+@router.get("/ui/tasks", response_class=HTMLResponse)
+async def task_list(request: Request) -> HTMLResponse:
+    if not signed_in(request):
+        return login_page(request)
+    client = client_of(request)
+    q = request.query_params
+    filters = {
+        "name": q.get("name") or None,
+        "status": q.get("status") if q.get("status") in STATUSES else None,
+        "prefix": q.get("prefix") or None,
+        "text": q.get("q") or None,
+    }
+    problem = ""
+    try:
+        tasks = await client.search(**filters, after=q.get("after") or None, limit=PAGE_SIZE)
+    except MtaskError as exc:
+        tasks, problem = [], str(exc)
+    # bulk actions act on name + status, and on a search's listed tasks by their keys
+    keys = [t.key for t in tasks] if filters["prefix"] or filters["text"] else None
+    status = [filters["status"]] if filters["status"] else None
+    where = bulk.Filter(filters["name"], status, keys=keys)
+    counts: dict[str, int] = {}
+    actions: tuple[bulk.Action, ...] = ("retry", "cancel", "purge")
+    for action in actions:
+        counts[action] = (await client.bulk(action, where, dry_run=True)).matched
+    return render(
+        request,
+        "tasks.html",
+        tasks=tasks,
+        filters=filters,
+        statuses=STATUSES,
+        names=sorted(await client.stats()),
+        next_after=tasks[-1].key if len(tasks) == PAGE_SIZE else None,
+        bulk_counts=counts,
+        bulk_keys=json.dumps(keys) if keys is not None else None,
+        confirm=q.get("confirm", ""),
+        list_problem=problem,
         now=await client.now(),
     )
 
 
 @router.get("/ui/tasks/{key:path}", response_class=HTMLResponse)
 async def task_page(key: str, request: Request) -> HTMLResponse:
-    if not token_ok(request):
-        return login_page()
-    client: AsyncTaskClient = request.app.state.client
+    if not signed_in(request):
+        return login_page(request)
+    client = client_of(request)
     task = await client.get(key)
     if task is None:
-        return render("missing.html", status_code=404, key=key)
-    return render("task.html", task=task, now=await client.now())
+        return render(request, "missing.html", status_code=404, key=key)
+    now = await client.now()
+    return render(request, "task.html", task=task, now=now, timeline=timeline(task, now))
+
+
+@router.get("/ui/workers", response_class=HTMLResponse)
+async def workers_page(request: Request) -> HTMLResponse:
+    if not signed_in(request):
+        return login_page(request)
+    client = client_of(request)
+    now = await client.now()
+    workers = await client.workers()
+    for worker in workers:
+        worker["tasks"] = []
+        for held in (worker.get("running") or [])[:20]:
+            task = await client.get(str(held.get("key")))
+            run = (
+                next((r for r in task.runs if r.run_id == held.get("run_id")), None)
+                if task
+                else None
+            )
+            worker["tasks"].append(
+                {"key": held.get("key"), "since": run.claimed_at if run else None}
+            )
+    counts = await client.runs_by_worker(60)
+    for worker in workers:
+        worker["counts"] = counts.get(str(worker.get("_id")), {"processed": 0, "failed": 0})
+    return render(request, "workers.html", workers=workers, now=now)
+
+
+# -- actions (plain forms; POST-redirect-GET with a flash message) ------------------------------
+
+
+def back(next_url: str, **message: str) -> RedirectResponse:
+    """Redirect to a local page (never elsewhere) with a flash message."""
+    parts = urllib.parse.urlsplit(next_url)
+    if parts.scheme or parts.netloc or not next_url.startswith("/"):
+        next_url = "/"
+        parts = urllib.parse.urlsplit(next_url)
+    query = {
+        k: v
+        for k, v in urllib.parse.parse_qsl(parts.query)
+        if k not in ("flash", "problem", "confirm")
+    }
+    query.update(message)
+    return RedirectResponse(f"{parts.path}?{urllib.parse.urlencode(query)}", status_code=303)
+
+
+async def form_of(request: Request) -> dict[str, str]:
+    form = urllib.parse.parse_qs((await request.body()).decode(errors="replace"))
+    return {k: v[0] for k, v in form.items() if v}
+
+
+@router.post("/ui/act")
+async def act(request: Request) -> Response:
+    """One action: retry or cancel a task, pause or resume a name, stop a worker."""
+    form = await form_of(request)
+    client = client_of(request)
+    action, target, next_url = form.get("action", ""), form.get("target", ""), form.get("next", "/")
+    try:
+        if action in ("retry", "cancel"):
+            task = await (client.retry(target) if action == "retry" else client.cancel(target))
+            return back(next_url, flash=f"{action}: {target} is {task.status or 'unknown'} now")
+        if action in ("pause", "resume"):
+            await (client.pause(target) if action == "pause" else client.resume(target))
+            return back(next_url, flash=f"{target}: {action}d")
+        if action == "stop":
+            if not await client.stop_worker(target):
+                return back(next_url, problem=f"no worker {target!r} is registered")
+            return back(next_url, flash=f"stop requested: {target} drains and exits")
+    except MtaskError as exc:
+        return back(next_url, problem=str(exc))
+    return back(next_url, problem=f"unknown action {action!r}")
+
+
+def _keys(text: str) -> list[str]:
+    try:
+        keys = json.loads(text)
+    except ValueError:
+        return []
+    return (
+        [k for k in keys if isinstance(k, str)][: bulk.MAX_PER_CALL]
+        if isinstance(keys, list)
+        else []
+    )
+
+
+@router.post("/ui/bulk")
+async def bulk_action(request: Request) -> Response:
+    """Retry, cancel or purge the list's filtered set: a count first, then on confirmation."""
+    form = await form_of(request)
+    client = client_of(request)
+    action = form.get("action", "")
+    next_url = form.get("next", "/ui/tasks")
+    if action not in ("retry", "cancel", "purge"):
+        return back(next_url, problem=f"unknown action {action!r}")
+    status = form.get("status")
+    keys = _keys(form["keys"]) if "keys" in form else None
+    where = bulk.Filter(
+        form.get("name") or None, [status] if status in STATUSES else None, keys=keys
+    )
+    confirmed = form.get("confirmed") == action
+    result = await client.bulk(action, where, dry_run=not confirmed)  # type: ignore[arg-type]
+    if not confirmed:
+        return back(
+            next_url,
+            flash=f"{action} would apply to {result.matched} tasks: confirm below",
+            confirm=action,
+        )
+    more = " (more match: run it again)" if result.truncated else ""
+    return back(next_url, flash=f"{action}: {result.changed} of {result.matched} tasks{more}")

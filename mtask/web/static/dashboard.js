@@ -1,31 +1,39 @@
-// Buttons call the API (the session cookie carries the token); the page's content is
-// refreshed in place every 3 seconds without a reload.
+// Progressive enhancement: every action is a plain form that works without JavaScript
+// (POST, then redirect to a page with a flash message). With JavaScript, forms are submitted
+// in place (the redirected page's content replaces this one's), and the overview and workers
+// pages refresh themselves every 5 seconds.
 "use strict";
 
-async function refresh() {
-  const response = await fetch(location.href, { credentials: "same-origin" });
-  if (!response.ok) return;
-  const page = new DOMParser().parseFromString(await response.text(), "text/html");
+function swap(html, url) {
+  const page = new DOMParser().parseFromString(html, "text/html");
   const fresh = page.getElementById("content");
-  if (fresh) document.getElementById("content").replaceWith(fresh);
+  if (!fresh) return;
+  document.getElementById("content").replaceWith(fresh);
+  if (url && url !== location.href) history.replaceState(null, "", url);
 }
 
-async function post(button) {
-  button.disabled = true;
-  const note = document.getElementById("note");
-  try {
-    const response = await fetch(button.dataset.post, { method: "POST", credentials: "same-origin" });
-    const body = await response.json().catch(() => ({}));
-    note.textContent = response.ok ? "done" : `${response.status}: ${JSON.stringify(body.detail ?? body)}`;
-    note.className = response.ok ? "ok" : "error";
-  } finally {
-    await refresh();
-  }
+async function refresh() {
+  if (document.activeElement && document.activeElement.matches("input, select")) return;
+  const url = new URL(location.href);
+  url.searchParams.delete("flash");
+  url.searchParams.delete("problem");
+  const response = await fetch(url, { credentials: "same-origin" });
+  if (response.ok) swap(await response.text());
 }
 
-document.addEventListener("click", (event) => {
-  const button = event.target.closest("button[data-post]");
-  if (button) post(button);
+document.addEventListener("submit", async (event) => {
+  const form = event.target;
+  if ((form.getAttribute("method") || "").toLowerCase() !== "post" || form.classList.contains("logout")) return;
+  event.preventDefault();
+  for (const b of form.querySelectorAll("button")) b.disabled = true;
+  // (form.action would be the input named "action": read the attribute)
+  const response = await fetch(form.getAttribute("action"), {
+    method: "POST",
+    credentials: "same-origin",
+    headers: { "Content-Type": "application/x-www-form-urlencoded" },
+    body: new URLSearchParams(new FormData(form)),
+  });
+  swap(await response.text(), response.url);
 });
 
-setInterval(refresh, 3000);
+if (location.pathname === "/" || location.pathname === "/ui/workers") setInterval(refresh, 5000);
