@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from mtask import TaskClient
-from mtask.store import claim_filter, list_query, scan
+from mtask.driver import Call
+from mtask.store import Outcome, RunState, claim, claim_filter, finish_many, list_query, scan
+from mtask.store.queries import delayed, recently_finished, runs_by_worker, stats, with_error
 
 
 def _stages(plan: dict[str, Any]) -> set[str]:
@@ -46,3 +48,84 @@ def test_list_queries_use_indexes(client: TaskClient) -> None:
         filt, sort = list_query(name, status, order)
         explain = client.collection.find(filt, sort=sort, limit=10).explain()
         assert "COLLSCAN" not in _winning(explain), (name, status, order)
+
+
+# -- issue 17: stats and the operator queries, each from an index --------------------------------
+
+
+def _explain_call(client: TaskClient, call: Call) -> dict[str, Any]:
+    """``explain`` of one store ``Call`` on the tasks collection, as the server would run it."""
+    coll = client.collection
+    if call.method == "find":
+        explained: dict[str, Any] = coll.find(*call.args, **call.kwargs).explain()
+        return explained
+    command: dict[str, Any]
+    if call.method == "count_documents":
+        command = {"count": coll.name, "query": call.args[0], **call.kwargs}
+    elif call.method == "distinct":
+        command = {"distinct": coll.name, "key": call.args[0], **call.kwargs}
+    else:
+        raise AssertionError(f"no explain for {call.method}")
+    result: dict[str, Any] = coll.database.command("explain", command, verbosity="queryPlanner")
+    return result
+
+
+def _finished_mix(client: TaskClient) -> None:
+    client.publish_many([{"name": f"n{i % 3}", "key": f"k{i}"} for i in range(300)])
+    docs = client._run(claim([f"k{i}" for i in range(0, 300, 3)], ["n0"], "w1", client.now()))
+    outcomes = [Outcome(d["_id"], d["claim_run_id"], RunState.SUCCESS) for d in docs[:50]]
+    outcomes += [
+        Outcome(
+            d["_id"], d["claim_run_id"], RunState.FAIL, error="ValueError: width 0", permanent=True
+        )
+        for d in docs[50:]
+    ]
+    client._run(finish_many(outcomes, client.now()))
+    client.publish("n1", "later", delay=3600)
+
+
+def test_stats_counts_from_the_index_alone(client: TaskClient) -> None:
+    _finished_mix(client)
+    op = stats()
+    call = next(op)
+    plans = []
+    while True:
+        plans.append(_winning(_explain_call(client, call)))
+        result = client._run(_replay(call))
+        try:
+            call = op.send(result)
+        except StopIteration as stop:
+            counts = stop.value
+            break
+    assert counts == client.stats()
+    assert counts["n0"] == {"succeeded": 50, "failed": 50}
+    assert counts["n1"] == {"pending": 101}
+    assert all("COLLSCAN" not in p and "FETCH" not in p for p in plans), plans
+    assert "DISTINCT_SCAN" in plans[0]
+    assert all("COUNT_SCAN" in p for p in plans[1:]), plans
+
+
+def _replay(call: Call) -> Any:
+    result = yield call
+    return result
+
+
+def test_operator_queries_use_their_indexes(client: TaskClient) -> None:
+    _finished_mix(client)
+    now = client.now()
+    for op, index in [
+        (recently_finished(10), "finished"),
+        (runs_by_worker("w1", 10), "worker_runs"),
+        (delayed(now, 10), "due"),
+    ]:
+        explain = _explain_call(client, next(op))
+        stages = _winning(explain)
+        assert "COLLSCAN" not in stages and "SORT" not in stages, (index, stages)
+        assert f"'indexName': '{index}'" in str(explain["queryPlanner"]["winningPlan"]), index
+    explain = _explain_call(client, next(with_error("ValueError width")))
+    assert "TEXT_MATCH" in _winning(explain) and "COLLSCAN" not in _winning(explain)
+    assert len(client._run(recently_finished(500))) == 100
+    assert len(client._run(runs_by_worker("w1", 500))) == 100
+    assert [d["_id"] for d in client._run(delayed(now, 10))] == ["later"]
+    assert len(client._run(with_error("ValueError width"))) == 50
+    assert client._run(with_error("TypeError")) == []

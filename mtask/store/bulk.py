@@ -1,0 +1,143 @@
+"""Operations on many tasks at once: search with keyset pagination, and retry, cancel or purge
+by filter — for the dashboard's task list and ``POST /tasks:retry`` / ``:cancel`` / ``:purge``.
+
+A filter is ``{name, status, older_than, keys}`` (any may be absent). Each action narrows the
+statuses to those it applies to *in the filter itself*: retry to failed/cancelled, cancel to
+pending/running, purge to finished statuses — so a purge can never delete an open task, whatever
+the caller asks. Retry and cancel run the single-task operations (``store.tasks.retry`` /
+``cancel``) on each matching key, with their own fences; a key whose state changed in between is
+skipped. ``older_than`` compares ``updated_at`` (for a finished task, when it finished) with
+the server's ``now``.
+
+Search and list use the indexes of ``INDEXES`` (made by ``ensure_indexes`` when ``mtask serve``
+starts): name + newest first for a name's list, and a text index on ``error`` for error search;
+a key prefix uses ``_id``'s own index.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pymongo import ASCENDING, DESCENDING, IndexModel
+
+from mtask.driver import Call, Op
+from mtask.errors import InvalidTask, InvalidTransition, TaskNotFound
+from mtask.models import FINISHED_STATUSES, OPEN_STATUSES, TaskStatus
+from mtask.store import tasks
+
+Doc = dict[str, Any]
+Action = Literal["retry", "cancel", "purge"]
+MAX_PER_CALL = 1000
+"""Retry and cancel change at most this many tasks per call (``truncated`` says more matched)."""
+APPLIES: dict[str, tuple[str, ...]] = {
+    "retry": (TaskStatus.FAILED.value, TaskStatus.CANCELLED.value),
+    "cancel": OPEN_STATUSES,
+    "purge": tuple(sorted(s.value for s in FINISHED_STATUSES)),
+}
+INDEXES = [
+    IndexModel(
+        [("name", ASCENDING), ("created_at", DESCENDING), ("_id", DESCENDING)],
+        name="mtask_bulk_name_newest",
+    ),
+]
+"""Error-text search uses the store's own ``error_text`` index (``store.schema``): a collection
+may hold one text index only."""
+
+
+@dataclass(frozen=True)
+class Filter:
+    name: str | None = None
+    status: Sequence[str] | None = None
+    older_than_s: float | None = None
+    keys: Sequence[str] | None = None
+
+    def query(self, action: Action, now: dt.datetime) -> Doc:
+        """The MongoDB filter: this one, narrowed to the statuses ``action`` applies to."""
+        allowed = [s for s in APPLIES[action] if not self.status or s in self.status]
+        filt: Doc = {"status": {"$in": allowed}}
+        if self.name is not None:
+            filt["name"] = self.name
+        if self.older_than_s is not None:
+            filt["updated_at"] = {"$lt": now - dt.timedelta(seconds=self.older_than_s)}
+        if self.keys is not None:
+            filt["_id"] = {"$in": list(self.keys)}
+        return filt
+
+
+@dataclass(frozen=True)
+class BulkResult:
+    action: Action
+    dry_run: bool
+    matched: int
+    changed: int
+    truncated: bool = False
+
+
+def ensure_indexes() -> Op[None]:
+    """The task list's and search's own indexes (named ``mtask_bulk_*``)."""
+    yield Call("create_indexes", (INDEXES,))
+
+
+def apply(action: Action, where: Filter, now: dt.datetime, dry_run: bool) -> Op[BulkResult]:
+    filt = where.query(action, now)
+    matched: int = yield Call("count_documents", (filt,))
+    if dry_run or matched == 0:
+        return BulkResult(action, dry_run, matched, 0)
+    if action == "purge":
+        result = yield Call("delete_many", (filt,))
+        return BulkResult(action, False, matched, int(result.deleted_count))
+    docs = yield Call(
+        "find", (filt, {"_id": 1}), {"sort": [("_id", ASCENDING)], "limit": MAX_PER_CALL}
+    )
+    one = tasks.retry if action == "retry" else tasks.cancel
+    changed = 0
+    for doc in docs:
+        try:
+            yield from one(doc["_id"], now)
+        except (InvalidTransition, TaskNotFound):
+            continue  # its state changed since the count: not ours to change any more
+        changed += 1
+    return BulkResult(action, False, matched, changed, truncated=matched > MAX_PER_CALL)
+
+
+def search_query(
+    name: str | None, status: str | None, prefix: str | None, text: str | None
+) -> tuple[Doc, list[tuple[str, int]]]:
+    filt, sort = tasks.list_query(name, status)
+    if prefix:  # key order, so that _id's index serves both the prefix and the order
+        filt["_id"] = {"$regex": f"^{re.escape(prefix)}"}
+        sort = [("_id", ASCENDING)]
+    if text:  # the partial error_text index: the query carries its predicate
+        filt["$text"] = {"$search": text}
+        filt["error"] = {"$type": "string"}
+    return filt, sort
+
+
+def search(
+    name: str | None = None,
+    status: str | None = None,
+    prefix: str | None = None,
+    text: str | None = None,
+    after: str | None = None,
+    limit: int = 50,
+) -> Op[list[Doc]]:
+    """A page of tasks, newest first (in key order with a key ``prefix``), matching all the
+    filters given; ``after`` is the last key of the previous page (keyset pagination: every
+    page costs the same)."""
+    if limit < 1 or limit > 1000:
+        raise InvalidTask(f"is {limit}; 1 to 1000", field="limit")
+    filt, sort = search_query(name, status, prefix, text)
+    if after is not None and sort[0][0] == "_id":
+        filt = {"$and": [filt, {"_id": {"$gt": after}}]}
+    elif after is not None:
+        anchor = yield Call("find_one", ({"_id": after}, {"created_at": 1}))
+        if anchor is None:
+            raise TaskNotFound(after)
+        value = anchor.get("created_at")
+        filt["$or"] = [{"created_at": {"$lt": value}}, {"created_at": value, "_id": {"$lt": after}}]
+    docs: list[Doc] = yield Call("find", (filt,), {"sort": sort, "limit": limit})
+    return docs

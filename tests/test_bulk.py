@@ -1,0 +1,99 @@
+"""mtask.store.bulk and mtask.store.throughput on the real server: the task list's searches use
+their indexes (``explain``), bulk actions keep to the statuses they apply to, and the
+per-minute throughput is idempotent and survives a new client (a serve restart)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from mtask import TaskClient
+from mtask.clock import FixedClock
+from mtask.store import bulk, throughput
+
+
+def plan_stages(explained: dict[str, Any]) -> list[str]:
+    found: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if "stage" in node:
+                found.append(f"{node['stage']}:{node.get('indexName', '')}")
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(explained["queryPlanner"]["winningPlan"])
+    return found
+
+
+def test_searches_use_their_indexes(client: TaskClient) -> None:
+    client.ensure_bulk_indexes()
+    client.publish_many([{"name": f"n{i % 5}", "key": f"k/{i}"} for i in range(200)])
+    cases = [
+        (dict(name="n1", status=None, prefix=None, text=None), "IXSCAN:mtask_bulk_name_newest"),
+        (dict(name=None, status="failed", prefix=None, text=None), "IXSCAN:status_newest"),
+        (dict(name=None, status=None, prefix="k/1", text=None), "IXSCAN:_id_"),
+        (dict(name=None, status=None, prefix=None, text="boom"), "error_text"),
+    ]
+    for filters, index in cases:
+        filt, sort = bulk.search_query(**filters)  # type: ignore[arg-type]
+        explained = client.collection.find(filt).sort(sort).limit(50).explain()
+        stages = plan_stages(explained)
+        assert any(index in s for s in stages), (filters, stages)
+        assert "COLLSCAN:" not in stages, (filters, stages)
+    since = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=3)
+    explained = client.collection.find({"finished_at": {"$gte": since}}).explain()
+    assert "IXSCAN:mtask_throughput_finished_at" in plan_stages(explained)
+
+
+def test_search_pages_and_error_words(client: TaskClient) -> None:
+    client.publish_many([{"name": "n", "key": f"p/{i:02d}"} for i in range(25)])
+    client.collection.update_many(
+        {"_id": {"$in": ["p/03", "p/07"]}},
+        {"$set": {"status": "failed", "error": "ValueError: the disk is full"}},
+    )
+    seen: list[str] = []
+    after = None
+    while True:
+        page = client.search(prefix="p/", limit=10, after=after)
+        seen += [t.key for t in page]
+        if len(page) < 10:
+            break
+        after = page[-1].key
+    assert sorted(seen) == [f"p/{i:02d}" for i in range(25)] and len(set(seen)) == 25
+    assert sorted(t.key for t in client.search(text="disk")) == ["p/03", "p/07"]
+    assert [t.key for t in client.search(text="disk", status="failed", prefix="p/07")] == ["p/07"]
+    where = bulk.Filter(name="n")
+    assert client.bulk("purge", where, dry_run=True).matched == 2  # finished ones only
+    assert client.bulk("cancel", where).changed == 23
+    assert client.bulk("retry", bulk.Filter(keys=["p/03", "p/04"])).changed == 2
+
+
+def test_throughput_is_idempotent_and_kept(mongo_uri: str, db_name: str) -> None:
+    with TaskClient(mongo_uri, database=db_name) as probe:  # near the server's time: the TTL
+        now = probe.now().replace(minute=0, second=30, microsecond=0)  # monitor uses it
+    with TaskClient(mongo_uri, database=db_name, clock=FixedClock(now)) as client:
+        client.ensure_bulk_indexes()
+        client.publish_many([{"name": "a", "key": f"t{i}"} for i in range(5)])
+        for i, minute in enumerate([57, 58, 58, 59, 59]):
+            finished = now - dt.timedelta(minutes=60 - minute, seconds=20)
+            client.collection.update_one(
+                {"_id": f"t{i}"},
+                {"$set": {"status": "failed" if i == 0 else "succeeded", "finished_at": finished}},
+            )
+        assert client.record_throughput() == 3
+        assert client.record_throughput() == 3  # again: the same documents
+        first = client.throughput(60)
+    with TaskClient(mongo_uri, database=db_name, clock=FixedClock(now)) as again:  # a restart
+        assert again.throughput(60) == first
+    assert [(r["minute"].minute, r["finished"], r["failed"]) for r in first] == [
+        (57, 1, 1),
+        (58, 2, 0),
+        (59, 2, 0),
+    ]
+    with TaskClient(mongo_uri, database=db_name) as c:
+        indexes = {i["name"]: i for i in c.db[throughput.COLLECTION].list_indexes()}
+    assert indexes["ttl"]["expireAfterSeconds"] == throughput.KEEP_SECONDS
