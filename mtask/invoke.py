@@ -1,0 +1,127 @@
+"""How a handler is called, under its time limits: an ``async def`` on the worker's event loop,
+a plain ``def`` on a thread of its own or, when isolated, in a child process of the pool.
+
+Time limits are the handler's (``@registry.task(..., soft_time_limit=, time_limit=)``, seconds
+from the start of the call). At the soft limit ``ctx.cancelled`` is set: a cooperative handler
+stops and its return or exception is the run's outcome. At the hard limit the run ends with
+``TimeLimitExceeded`` (recorded FAIL ``time limit exceeded``, which uses the retry budget):
+
+- in a child process: the child is killed (SIGTERM, then SIGKILL) and replaced;
+- ``async def``: its task is cancelled;
+- plain ``def`` on a thread: Python cannot stop a thread. The run is recorded and the thread
+  is abandoned; it runs on until the handler returns (``mtask_time_limit_kills{how="thread"}``
+  counts them). Use ``isolation="process"`` for handlers that must be stoppable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Literal
+
+from mtask import metrics
+from mtask.pool import ProcessPool, RunInfo, TimeLimitExceeded
+from mtask.registry import Handler, TaskContext
+
+ASYNC_CANCEL_GRACE = 5.0
+"""How long a cancelled async handler may take to unwind before its run is recorded anyway."""
+
+
+async def invoke(
+    handler: Handler,
+    params: Mapping[str, Any],
+    ctx: TaskContext,
+    *,
+    pool: ProcessPool | None = None,
+    isolation: Literal["thread", "process"] = "thread",
+    thread_name: str = "mtask-run",
+) -> Any:
+    """Call ``handler`` for one run and return its result (or raise what it raised)."""
+    soft, hard = handler.soft_time_limit, handler.time_limit
+    if not handler.is_async and pool is not None and (handler.isolation or isolation) == "process":
+        info = RunInfo(ctx.key, ctx.name, ctx.attempt, ctx.run_id, ctx.worker_id)
+        try:
+            return await pool.run(
+                handler,
+                params,
+                info,
+                soft_timeout=soft,
+                hard_timeout=hard,
+                cancelled=ctx.cancelled,
+            )
+        except TimeLimitExceeded:
+            metrics.TIME_LIMIT_KILLS.labels(how="process").inc()
+            raise
+    args = handler.args(handler.parse(params), ctx)
+    if handler.is_async:
+        return await limited(handler.fn(*args), ctx, soft, hard, "async")
+    return await limited(
+        run_in_thread(handler.fn, *args, name=thread_name), ctx, soft, hard, "thread"
+    )
+
+
+async def limited(
+    call: Awaitable[Any],
+    ctx: TaskContext,
+    soft: float | None,
+    hard: float | None,
+    how: Literal["async", "thread"],
+) -> Any:
+    """Await ``call`` under a soft limit (set ``ctx.cancelled``) and a hard one (cancel it:
+    for a thread that abandons the thread; raise ``TimeLimitExceeded``)."""
+    if soft is None and hard is None:
+        return await call
+    task = asyncio.ensure_future(call)
+    try:
+        waited = 0.0
+        if soft is not None and (hard is None or soft < hard):
+            done, _ = await asyncio.wait({task}, timeout=soft)
+            if done:
+                return task.result()
+            ctx.cancelled.set()
+            waited = soft
+        if hard is None:
+            return await task
+        done, _ = await asyncio.wait({task}, timeout=max(0.0, hard - waited))
+        if done:
+            return task.result()
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    ctx.cancelled.set()
+    task.cancel()
+    if how == "async":
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(task, ASYNC_CANCEL_GRACE)
+    metrics.TIME_LIMIT_KILLS.labels(how=how).inc()
+    detail = "" if how == "async" else "; the handler's thread could not be stopped and runs on"
+    raise TimeLimitExceeded(f"time limit exceeded ({hard:g} s){detail}")
+
+
+async def run_in_thread(fn: Callable[..., Any], *args: Any, name: str) -> Any:
+    """Run a plain-def handler on a thread of its own. Cancelling the await abandons the
+    thread (Python cannot stop one): a handler that hangs forever then costs a thread, never a
+    slot of the worker, as it would in a fixed-size pool."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def target() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return await future

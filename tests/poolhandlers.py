@@ -1,0 +1,120 @@
+"""Handlers for the process-pool tests: importable by child processes (forkserver)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from typing import Any
+
+from mtask import Fail, Registry, Retry, TaskContext, TaskOptions
+
+registry = Registry()
+
+
+@registry.task("double", isolation="process")
+def double(params: dict[str, Any]) -> dict[str, Any]:
+    return {"value": params["n"] * 2, "pid": os.getpid()}
+
+
+@registry.task("exit3", isolation="process")
+def exit3(params: dict[str, Any]) -> None:
+    os._exit(3)
+
+
+@registry.task("segfault", isolation="process")
+def segfault(params: dict[str, Any]) -> None:
+    os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(10)
+
+
+@registry.task("hog", isolation="process")
+def hog(params: dict[str, Any]) -> None:
+    chunks = []
+    while True:
+        chunks.append(bytearray(16 * 1024 * 1024))
+
+
+@registry.task("spin", isolation="process", time_limit=1.0)
+def spin(params: dict[str, Any]) -> None:
+    while True:
+        pass
+
+
+@registry.task("sleepy", isolation="process", time_limit=1.0)
+def sleepy(params: dict[str, Any]) -> None:
+    time.sleep(3600)
+
+
+@registry.task("cooperative", isolation="process")
+def cooperative(params: dict[str, Any], ctx: TaskContext) -> str:
+    while not ctx.cancelled.is_set():
+        time.sleep(0.01)
+    return "saw cancelled"
+
+
+@registry.task("retry", isolation="process")
+def retry(params: dict[str, Any]) -> None:
+    raise Retry("later", delay=2.5)
+
+
+@registry.task("fail", isolation="process")
+def fail(params: dict[str, Any]) -> None:
+    raise Fail("no")
+
+
+@registry.task("boom", isolation="process")
+def boom(params: dict[str, Any]) -> None:
+    raise ValueError("boom in child")
+
+
+@registry.task("pid", isolation="process")
+def pid(params: dict[str, Any]) -> int:
+    return os.getpid()
+
+
+@registry.task("burn", isolation="process")
+def burn(params: dict[str, Any]) -> int:
+    n = 0
+    for i in range(int(params.get("loops", 200_000))):
+        n += i * i
+    return n % 1000
+
+
+@registry.task("forever", isolation="process")
+def forever(params: dict[str, Any]) -> None:
+    time.sleep(3600)
+
+
+@registry.task("nap", isolation="process")
+def nap(params: dict[str, Any]) -> float:
+    time.sleep(params["seconds"])
+    return float(params["seconds"])
+
+
+@registry.task("thread_coop", soft_time_limit=0.2, time_limit=10)
+def thread_coop(params: dict[str, Any], ctx: TaskContext) -> str:
+    while not ctx.cancelled.is_set():
+        time.sleep(0.01)
+    return "stopped at the soft limit"
+
+
+@registry.task("thread_hang", time_limit=0.3)
+def thread_hang(params: dict[str, Any]) -> None:
+    time.sleep(2)
+
+
+@registry.task("async_hang", time_limit=0.3)
+async def async_hang(params: dict[str, Any]) -> None:
+    await asyncio.sleep(3600)
+
+
+@registry.task("plain_pid")
+def plain_pid(params: dict[str, Any]) -> int:
+    return os.getpid()
+
+
+@registry.task("defaulted", options=TaskOptions(max_retries=7, priority=5))
+def defaulted(params: dict[str, Any]) -> None:
+    return None

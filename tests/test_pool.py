@@ -1,0 +1,197 @@
+"""The process pool with real child processes: results, Retry/Fail across the boundary,
+crashes, memory caps, hard time limits, cancellation, recycling, and no child left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import poolhandlers
+import pytest
+
+from mtask import Fail, Retry
+from mtask.pool import ChildDied, HandlerError, ProcessPool, RunInfo, TimeLimitExceeded
+
+INFO = RunInfo("k", "n", 1, "run-1", "w-1")
+
+
+def process_state(pid: int) -> str | None:
+    """The process's state letter (``Z`` for a zombie), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def gone(pid: int) -> bool:
+    return process_state(pid) is None
+
+
+async def until(condition: Any, limit: float = 10.0) -> None:
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[ProcessPool]:
+    p = ProcessPool(term_grace=0.5)
+    seen: list[int] = []
+    yield p
+    seen.extend(p.pids)
+    await p.close()
+    await until(lambda: all(gone(pid) for pid in seen))
+
+
+async def run(pool: ProcessPool, name: str, params: Any = None, **kw: Any) -> Any:
+    return await pool.run(poolhandlers.registry[name], params or {}, INFO, **kw)
+
+
+async def test_results_and_handler_outcomes_cross_the_boundary(pool: ProcessPool) -> None:
+    first = await run(pool, "double", {"n": 21})
+    assert first["value"] == 42 and first["pid"] != os.getpid()
+    with pytest.raises(Retry) as retry:
+        await run(pool, "retry")
+    assert str(retry.value) == "later" and retry.value.delay == 2.5
+    with pytest.raises(Fail, match="no"):
+        await run(pool, "fail")
+    with pytest.raises(HandlerError, match="boom in child"):
+        await run(pool, "boom")
+    again = await run(pool, "double", {"n": 1})
+    assert again["pid"] == first["pid"]  # one child served them all
+    assert pool.state()["started"] == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("exit3", "handler process died: exit code 3"),
+        ("segfault", r"handler process died: signal 11 \(SIGSEGV\)"),
+    ],
+)
+async def test_a_crashing_child_ends_its_run_and_is_replaced(
+    pool: ProcessPool, name: str, reason: str
+) -> None:
+    before = await run(pool, "pid")
+    with pytest.raises(ChildDied, match=reason):
+        await run(pool, name)
+    await until(lambda: gone(before))
+    after = await run(pool, "pid")
+    assert after != before and not gone(after)
+    assert pool.state()["died"] == 1
+
+
+async def test_a_memory_cap_makes_memory_error_in_the_child() -> None:
+    capped = ProcessPool(memory_limit=1024 * 1024 * 1024)
+    try:
+        child = await capped.run(poolhandlers.registry["pid"], {}, INFO)
+        with pytest.raises(HandlerError, match="MemoryError"):
+            await capped.run(poolhandlers.registry["hog"], {}, INFO)
+        await until(lambda: gone(child))  # not trusted with another run
+        assert await capped.run(poolhandlers.registry["pid"], {}, INFO) != child
+    finally:
+        await capped.close()
+
+
+@pytest.mark.parametrize("name", ["spin", "sleepy"])
+async def test_the_hard_time_limit_kills_the_child(pool: ProcessPool, name: str) -> None:
+    child = await run(pool, "pid")
+    handler = poolhandlers.registry[name]
+    with pytest.raises(TimeLimitExceeded, match="time limit exceeded"):
+        await run(pool, name, hard_timeout=handler.time_limit)
+    assert gone(child) and pool.state()["killed"] == 1
+    assert await run(pool, "pid") != child
+
+
+async def test_the_soft_limit_and_the_cancelled_event_reach_the_child(pool: ProcessPool) -> None:
+    assert await run(pool, "cooperative", soft_timeout=0.2, hard_timeout=30) == "saw cancelled"
+    cancelled = asyncio.Event()
+    running = asyncio.ensure_future(run(pool, "cooperative", cancelled=cancelled))
+    await asyncio.sleep(0.1)
+    cancelled.set()
+    assert await running == "saw cancelled"
+    assert pool.state()["killed"] == 0
+
+
+async def test_cancelling_the_await_kills_the_child(pool: ProcessPool) -> None:
+    child = await run(pool, "pid")
+    running = asyncio.ensure_future(run(pool, "sleepy"))
+    await until(lambda: pool.state()["busy"] == 1)
+    await asyncio.sleep(0.1)
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    assert gone(child) and pool.state() | {"busy": 0} == pool.state()
+
+
+async def test_children_are_recycled_by_task_count_and_memory() -> None:
+    by_count = ProcessPool(max_tasks_per_child=2)
+    by_memory = ProcessPool(max_memory_per_child=1)
+    try:
+        pids = [await by_count.run(poolhandlers.registry["pid"], {}, INFO) for _ in range(3)]
+        assert pids[0] == pids[1] != pids[2]
+        await until(lambda: gone(pids[0]))
+        mem = [await by_memory.run(poolhandlers.registry["pid"], {}, INFO) for _ in range(2)]
+        assert mem[0] != mem[1] and by_memory.state()["recycled"] == 2
+    finally:
+        await by_count.close()
+        await by_memory.close()
+
+
+async def test_other_runs_go_on_while_a_child_crashes(pool: ProcessPool) -> None:
+    results = await asyncio.gather(
+        run(pool, "burn", {"loops": 100_000}),
+        run(pool, "segfault"),
+        run(pool, "double", {"n": 2}),
+        return_exceptions=True,
+    )
+    assert isinstance(results[0], int)
+    assert isinstance(results[1], ChildDied)
+    assert results[2]["value"] == 4
+
+
+def test_no_child_outlives_a_killed_parent(tmp_path: Path) -> None:
+    """kill -9 of the process holding the pool: its children die with it (no orphans)."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import asyncio, sys
+            sys.path.insert(0, sys.argv[1])
+            import poolhandlers
+            from mtask.pool import ProcessPool, RunInfo
+
+            async def main():
+                pool = ProcessPool()
+                info = RunInfo("k", "n", 1, "r", "w")
+                pid = await pool.run(poolhandlers.registry["pid"], {}, info)
+                print(pid, flush=True)
+                await pool.run(poolhandlers.registry["sleepy"], {}, info)
+
+            if __name__ == "__main__":
+                asyncio.run(main())
+            """
+        )
+    )
+    with subprocess.Popen(
+        [sys.executable, str(script), str(Path(__file__).parent)], stdout=subprocess.PIPE
+    ) as parent:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert not gone(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while not gone(child):
+        assert time.monotonic() < deadline, f"child {child} outlived its parent"
+        time.sleep(0.05)
