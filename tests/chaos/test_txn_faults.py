@@ -1,0 +1,102 @@
+"""Transactional handlers under faults: a worker killed between its handler's writes and the
+commit, and a worker frozen past its lease. The handler's business writes (a ledger document
+and a counter increment per run, ``chaosapp.charge``) land exactly once per task — counted, not
+inferred from the runs."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Any
+
+import pytest
+from cluster import Cluster, until_finished
+from harness import wait_for
+
+from mtask import TaskClient
+
+pytestmark = [
+    pytest.mark.chaos,
+    pytest.mark.timeout(600),
+    # Known failure, found by these tests (docs/transactions.md, "Open problem"): while the
+    # killed or frozen worker's transaction is still open on the server (until MongoDB aborts
+    # it, transactionLifetimeLimitSeconds), the rescuer's transactional runs conflict on the
+    # same business documents and keep losing their 1 s leases; the tasks do not finish in
+    # time (in the killed-worker run observed, no business write landed at all).
+    pytest.mark.xfail(
+        strict=False,
+        reason="rescuer's runs lose their leases while the dead worker's transaction is open",
+    ),
+]
+
+OPTIONS = {"worker_timeout_ms": 1000, "ping_interval_ms": 200, "max_retries": 5}
+KEYS = [f"t{i}" for i in range(3)]
+
+
+def publish(client: TaskClient, hold_ms_by_worker: dict[str, int]) -> None:
+    client.ensure_indexes()
+    for name in ("ledger", "counters"):  # not created inside a handler's transaction
+        client.db.create_collection(name)
+    client.publish_many(
+        [
+            {
+                "name": "charge",
+                "key": k,
+                "params": {"hold_ms_by_worker": hold_ms_by_worker},
+                "options": OPTIONS,
+            }
+            for k in KEYS
+        ]
+    )
+
+
+def assert_exactly_once(client: TaskClient, worker: str) -> None:
+    counters = {d["_id"]: d["n"] for d in client.db["counters"].find()}
+    runs = {t.key: [(r.worker_id, r.state, r.error) for r in t.runs] for t in client.list()}
+    assert counters == dict.fromkeys(KEYS, 1), (counters, runs)
+    ledger = sorted((d["task"], d["worker_id"]) for d in client.db["ledger"].find())
+    assert ledger == [(k, worker) for k in KEYS], ledger
+    for task in client.list():
+        assert task.status == "succeeded", task
+        assert [r.state for r in task.runs][-1] == "SUCCESS"
+        assert [r.state for r in task.runs].count("SUCCESS") == 1
+
+
+async def test_killed_between_the_handlers_writes_and_commit(
+    cluster: Cluster, client: TaskClient, mongo: Any, db_name: str
+) -> None:
+    publish(client, {"victim": 600_000})
+    log = mongo[db_name]["execlog"]
+    cluster.spawn("victim", "--concurrency", "4")
+    await wait_for(lambda: log.count_documents({"worker_id": "victim", "event": "written"}) == 3)
+    cluster.signal("victim", signal.SIGKILL)  # its transactions are open, uncommitted
+    cluster.spawn("rescuer", "--concurrency", "4")
+    await until_finished(client, len(KEYS), timeout=120)
+    assert_exactly_once(client, "rescuer")
+    for task in client.list():
+        assert [(r.worker_id, r.state) for r in task.runs] == [
+            ("victim", "TIMEOUT"),
+            ("rescuer", "SUCCESS"),
+        ]
+
+
+async def test_frozen_past_its_lease_mid_handler_then_resumed(
+    cluster: Cluster, client: TaskClient, mongo: Any, db_name: str
+) -> None:
+    """The zombie has written and would commit 2 s later; frozen, it loses its lease, a rescuer
+    takes over and commits; resumed, whichever comes first — its deadline stopping the run, or
+    the handler returning into a fenced SUCCESS that no longer matches — its transaction
+    aborts."""
+    publish(client, {"zombie": 2000})
+    log = mongo[db_name]["execlog"]
+    zombie = cluster.spawn("zombie", "--concurrency", "4")
+    await wait_for(lambda: log.count_documents({"worker_id": "zombie", "event": "written"}) == 3)
+    zombie.send_signal(signal.SIGSTOP)
+    try:
+        cluster.spawn("rescuer", "--concurrency", "4")
+        await until_finished(client, len(KEYS), timeout=120)
+    finally:
+        zombie.send_signal(signal.SIGCONT)
+    cluster.signal("zombie", signal.SIGTERM)  # once it exited, nothing of it can land
+    assert await asyncio.to_thread(zombie.wait, 60) == 0
+    assert_exactly_once(client, "rescuer")

@@ -1,0 +1,94 @@
+"""A worker runs a ``transactional=True`` handler: its writes (with ``ctx.session``) and the run's
+SUCCESS commit together; a ``Retry`` or an unstorable result aborts them. Business writes are
+counted, not runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from harness import running_worker
+
+from mtask import TaskClient
+from mtask.errors import InvalidTask
+from mtask.registry import Registry, Retry, TaskContext
+
+registry = Registry()
+
+
+@registry.task("charge", transactional=True)
+async def charge(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    db = ctx.session.client[params["db"]]
+    await db["ledger"].insert_one({"task": ctx.key, "attempt": ctx.attempt}, session=ctx.session)
+    await db["counters"].update_one(
+        {"_id": "charges"}, {"$inc": {"n": 1}}, upsert=True, session=ctx.session
+    )
+    if params.get("retry_first") and ctx.attempt == 1:
+        raise Retry("declined, try again", delay=0)
+    return {"charged": ctx.key, "big": "x" * params.get("pad", 0)}
+
+
+@pytest.fixture
+def prepared(client: TaskClient) -> TaskClient:
+    client.ensure_indexes()
+    client.db.create_collection("ledger")
+    client.db["counters"].insert_one({"_id": "charges", "n": 0})
+    return client
+
+
+def business(client: TaskClient) -> tuple[int, list[tuple[str, int]]]:
+    counter = client.db["counters"].find_one({"_id": "charges"})
+    assert counter is not None
+    ledger = sorted((d["task"], d["attempt"]) for d in client.db["ledger"].find())
+    return counter["n"], ledger
+
+
+async def test_writes_and_success_commit_together(
+    mongo_uri: str, db_name: str, prepared: TaskClient
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name, concurrency=4) as (_, events):
+        for i in range(4):
+            prepared.publish("charge", f"c{i}", {"db": db_name})
+        for i in range(4):
+            await events.wait("recorded", key=f"c{i}")
+    assert business(prepared) == (4, [(f"c{i}", 1) for i in range(4)])
+    for i in range(4):
+        task = prepared.get(f"c{i}")
+        assert task is not None and task.status == "succeeded"
+        assert task.result == {"charged": f"c{i}", "big": ""}
+        assert [r.state for r in task.runs] == ["SUCCESS"]
+
+
+async def test_retry_aborts_the_attempts_writes(
+    mongo_uri: str, db_name: str, prepared: TaskClient
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        prepared.publish("charge", "c", {"db": db_name, "retry_first": True})
+        await events.wait("recorded", key="c", state="SUCCESS")
+    assert business(prepared) == (1, [("c", 2)])  # the first attempt's writes never landed
+    task = prepared.get("c")
+    assert task is not None and [r.state for r in task.runs] == ["FAIL", "SUCCESS"]
+
+
+async def test_an_unstorable_result_aborts_the_writes(
+    mongo_uri: str, db_name: str, prepared: TaskClient
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name, max_result_bytes=1000) as (_, ev):
+        prepared.publish("charge", "c", {"db": db_name, "pad": 5000})
+        await ev.wait("recorded", key="c")
+    assert business(prepared) == (0, [])
+    task = prepared.get("c")
+    assert task is not None and task.status == "failed" and "limit is 1000" in (task.error or "")
+
+
+def test_a_transactional_handler_must_be_async_and_take_ctx() -> None:
+    reg = Registry()
+    with pytest.raises(InvalidTask, match="must be an async def taking"):
+
+        @reg.task("sync", transactional=True)
+        def sync(params: dict[str, Any], ctx: TaskContext) -> None: ...
+
+    with pytest.raises(InvalidTask, match="must be an async def taking"):
+
+        @reg.task("no_ctx", transactional=True)
+        async def no_ctx(params: dict[str, Any]) -> None: ...
