@@ -1,14 +1,18 @@
 PY ?= .venv/bin/python
 
-.PHONY: venv lint typecheck test bench all
+.PHONY: venv format lint typecheck test testcov bench all
 venv:
 	python3 -m venv .venv && $(PY) -m pip install -e '.[dev]'
+format:
+	$(PY) -m ruff check --fix . && $(PY) -m ruff format .
 lint:
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
 typecheck:
 	$(PY) -m mypy
 test:
 	$(PY) -m pytest
+testcov:
+	$(PY) -m pytest --cov=mtask --cov-report=term-missing
 bench:
-	$(PY) -m mtask.bench
+	$(PY) -m bench
 all: lint typecheck test

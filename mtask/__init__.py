@@ -1,7 +1,6 @@
 """mtask: a MongoDB-backed, multi-worker task service."""
 
-__version__ = "0.1.0"
-
+from mtask._version import __version__
 from mtask.client import AsyncTaskClient, TaskClient
 from mtask.errors import (
     EmbeddedUnavailable,
@@ -11,11 +10,12 @@ from mtask.errors import (
     MtaskError,
     StorageError,
     TaskNotFound,
+    WorkerCrashed,
 )
 from mtask.flows import Next
 from mtask.models import PublishResult, Run, RunState, Task, TaskOptions, TaskStatus
 from mtask.registry import Fail, Registry, Retry, TaskContext
-from mtask.worker import Worker, WorkerCrashed
+from mtask.worker import Worker
 
 __all__ = [
     "AsyncTaskClient",

@@ -86,7 +86,9 @@ def _spawn(uri: str, index: int) -> subprocess.Popen[bytes]:
         [
             sys.executable,
             "-m",
-            "mtask.runner",
+            "mtask",
+            "worker",
+            "run",
             "mtask.demo:registry",
             "--uri",
             uri,

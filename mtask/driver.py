@@ -5,6 +5,11 @@ yields ``Call``\\ s — one collection method call each — and returns its resu
 runs it on pymongo's ``MongoClient``, ``AsyncDriver`` on its native ``AsyncMongoClient``, so the
 sync and async clients share one definition and the filters and pipelines stay free of I/O.
 Driver errors become ``StorageError`` with a short message and a ``transient`` flag.
+
+``run(op, session=s)`` runs every call of the operation in the caller's pymongo session (and so in
+its transaction, if one is open). Inside a transaction, an error the transaction itself must
+answer (labelled ``TransientTransactionError`` or ``UnknownTransactionCommitResult``) is raised
+as pymongo's own exception, unchanged, so that ``ClientSession.with_transaction`` retries it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Call:
-    """One call of a collection method. ``find`` and ``aggregate`` return lists."""
+    """One call of a collection method. ``find`` and ``aggregate`` return lists; ``command``
+    is a command on the collection's database."""
 
     method: str
     args: tuple[Any, ...] = ()
@@ -41,11 +47,12 @@ Op = Generator[Call, Any, T]
 
 def collections(db: Any, tasks: str = "tasks") -> dict[str, Any]:
     """The collections the operations use, from a (sync or async) database: the tasks
-    collection as named, and the database's ``workers``, ``controls``, ``limits`` and
-    ``schedules``."""
+    collection as named, and the database's ``workers``, ``controls``, ``limits``,
+    ``schedules``, ``retention`` and ``throughput``."""
+    names = ("workers", "controls", "limits", "schedules", "retention", "throughput")
     return {
         "tasks": db[tasks],
-        **{name: db[name] for name in ("workers", "controls", "limits", "schedules")},
+        **{name: db[name] for name in names},
     }
 
 
@@ -62,6 +69,16 @@ def is_transient(exc: PyMongoError) -> bool:
     ):
         return True
     return isinstance(exc, OperationFailure) and exc.code in TRANSIENT_CODES
+
+
+TRANSACTION_LABELS = ("TransientTransactionError", "UnknownTransactionCommitResult")
+
+
+def for_transaction(exc: PyMongoError, session: Any) -> bool:
+    """The error belongs to the caller's transaction: raise it as is (``with_transaction``
+    retries on its labels)."""
+    in_transaction = session is not None and bool(getattr(session, "in_transaction", False))
+    return in_transaction and any(exc.has_error_label(label) for label in TRANSACTION_LABELS)
 
 
 def storage_error(exc: PyMongoError) -> StorageError:
@@ -81,25 +98,31 @@ def storage_error(exc: PyMongoError) -> StorageError:
     return StorageError(text, transient=transient, document=document)
 
 
+def _method(collection: Any, name: str) -> Any:
+    return collection.database.command if name == "command" else getattr(collection, name)
+
+
 class SyncDriver:
     """Runs operations on pymongo's synchronous ``Collection``\\ s."""
 
     def __init__(self, collections: Mapping[str, Any]) -> None:
         self.collections = collections
 
-    def _call(self, call: Call) -> Any:
-        method = getattr(self.collections[call.collection], call.method)
-        result = method(*call.args, **call.kwargs)
+    def _call(self, call: Call, session: Any) -> Any:
+        method = _method(self.collections[call.collection], call.method)
+        kwargs = call.kwargs if session is None else {**call.kwargs, "session": session}
+        result = method(*call.args, **kwargs)
         if call.method in ("find", "aggregate"):
             return list(result)
         return result
 
-    def run(self, op: Op[T]) -> T:
+    def run(self, op: Op[T], session: Any = None) -> T:
+        """Run ``op``; every call in ``session`` (a ``ClientSession``) if given."""
         try:
             call = next(op)
             while True:
                 try:
-                    result = self._call(call)
+                    result = self._call(call, session)
                 except PyMongoError as exc:
                     call = op.throw(exc)
                 else:
@@ -107,6 +130,8 @@ class SyncDriver:
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
         except PyMongoError as exc:
+            if for_transaction(exc, session):
+                raise
             raise storage_error(exc) from exc
 
 
@@ -116,21 +141,23 @@ class AsyncDriver:
     def __init__(self, collections: Mapping[str, Any]) -> None:
         self.collections = collections
 
-    async def _call(self, call: Call) -> Any:
-        method = getattr(self.collections[call.collection], call.method)
+    async def _call(self, call: Call, session: Any) -> Any:
+        method = _method(self.collections[call.collection], call.method)
+        kwargs = call.kwargs if session is None else {**call.kwargs, "session": session}
         if call.method == "find":
-            return await method(*call.args, **call.kwargs).to_list()
-        result = await method(*call.args, **call.kwargs)
+            return await method(*call.args, **kwargs).to_list()
+        result = await method(*call.args, **kwargs)
         if call.method == "aggregate":
             return await result.to_list()
         return result
 
-    async def run(self, op: Op[T]) -> T:
+    async def run(self, op: Op[T], session: Any = None) -> T:
+        """Run ``op``; every call in ``session`` (an ``AsyncClientSession``) if given."""
         try:
             call = next(op)
             while True:
                 try:
-                    result = await self._call(call)
+                    result = await self._call(call, session)
                 except PyMongoError as exc:
                     call = op.throw(exc)
                 else:
@@ -138,4 +165,6 @@ class AsyncDriver:
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
         except PyMongoError as exc:
+            if for_transaction(exc, session):
+                raise
             raise storage_error(exc) from exc

@@ -45,7 +45,8 @@ class InvalidTransition(MtaskError):
 
 
 class LeaseLost(MtaskError):
-    """This worker's run no longer owns the task: it was taken over, released or cancelled."""
+    """This worker's run no longer owns the task: another run took it over. Raised by
+    ``TaskContext.check_lease`` and ``TaskContext.publish`` in a run the worker found lost."""
 
     default_message = "the run's lease was lost; its outcome is not recorded"
 
@@ -75,3 +76,67 @@ class EmbeddedUnavailable(StorageError):
         "at another MongoDB replica set instead: pass --uri mongodb://HOST:PORT/?replicaSet=NAME, "
         "or set MTASK_MONGODB_URI, or start one with `docker compose up -d mongo`."
     )
+
+
+class WaitTimeout(MtaskError):
+    """The task did not finish within the time given to ``wait``; it may still finish later."""
+
+    default_message = "the task did not finish in time"
+
+    def __init__(self, key: str | None = None, timeout: float | None = None) -> None:
+        self.key = key
+        self.timeout = timeout
+        super().__init__(
+            f"task {key!r} did not finish within {timeout:g} s"
+            if key is not None and timeout is not None
+            else None
+        )
+
+
+class EventsLost(StorageError):
+    """The change stream cannot continue after the given resume token (its history is gone
+    from the oplog, or the collection was dropped): events may have been missed, so re-read
+    the tasks you follow and start again without a token."""
+
+    default_message = "task events after the resume token are no longer available"
+
+
+class ConfigError(MtaskError, ValueError):
+    """A worker's configuration is not acceptable (bad concurrency, unknown names, ...)."""
+
+    default_message = "invalid worker configuration"
+
+    def __init__(self, message: str | None = None, *, field: str | None = None) -> None:
+        self.field = field
+        if field and message:
+            message = f"{field}: {message}"
+        super().__init__(message)
+
+
+class WorkerCrashed(MtaskError):
+    """A part of the worker failed in a way it cannot recover from; the worker stopped."""
+
+    default_message = "a part of the worker died; the worker stopped"
+
+
+class InvalidParams(MtaskError):
+    """The task's params do not validate against the handler's model."""
+
+
+class ScheduleNotFound(MtaskError):
+    default_message = "no schedule with that id"
+
+    def __init__(self, schedule_id: str) -> None:
+        super().__init__(f"no schedule {schedule_id!r}")
+
+
+class UsageError(MtaskError):
+    """The command line itself is wrong (bad JSON, bad option value); exit status 2."""
+
+
+class RegistryNotFound(MtaskError):
+    """The module:attribute given to ``mtask-worker`` is not a Registry."""
+
+
+class MissingExtra(UsageError):
+    """A command needs an optional dependency that is not installed (``pip install 'mtask[…]'``)."""

@@ -1,34 +1,49 @@
 """Prometheus metrics, all named ``mtask_…``, in the process's default registry.
 
-A worker counts what it claims and how runs end, times claims and runs, and tracks runs in
-flight; any client counts the tasks its publish calls created. Queue depth per name and status
-comes from one aggregation, cached for ``DEPTH_TTL`` seconds, read when metrics are scraped.
-The worker serves them on ``--metrics-port``; ``mtask serve`` on ``/metrics``.
+Runs and tasks are named apart: a task can have many runs. A worker counts the runs it claims
+and how they end (``mtask_runs_*_total``), times claims and runs, and tracks runs in flight;
+any client counts the tasks its publish calls created (``mtask_tasks_published_total``).
+
+The *cluster* gauges — queue depth per name and status, and for autoscaling the pending tasks
+due now and the age of the oldest due one per name — describe the whole collection, so they
+are exported once per cluster: by ``mtask serve`` on ``/metrics``, or by a worker started with
+``--cluster-metrics`` (never by every worker, or a sum over pods would count them N times).
+Each comes from one aggregation, cached for ``DEPTH_TTL`` seconds, read when scraped.
+
+A worker serves its metrics with ``serve_http`` (``--metrics-port``), beside ``/healthz`` and
+``/readyz`` for container probes.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.types import StartResponse, WSGIEnvironment
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 DEPTH_TTL = 5.0
 
+UNKNOWN = "unknown"  # the label of a document without a usable name or status (never "None")
+
 PUBLISHED = Counter("mtask_tasks_published", "Tasks created by publish calls", ["name"])
-CLAIMED = Counter("mtask_tasks_claimed", "Runs started by claims", ["name"])
-SUCCEEDED = Counter("mtask_tasks_succeeded", "Runs that ended in SUCCESS", ["name"])
-FAILED = Counter("mtask_tasks_failed", "Runs that ended in FAIL", ["name"])
+# The Python names below are the ones worker code calls; the metric names say they count runs.
+CLAIMED = Counter("mtask_runs_claimed", "Runs started by claims in this process", ["name"])
+SUCCEEDED = Counter("mtask_runs_succeeded", "Runs that ended in SUCCESS", ["name"])
+FAILED = Counter("mtask_runs_failed", "Runs that ended in FAIL", ["name"])
 RETRIED = Counter(
-    "mtask_tasks_retried", "FAIL runs that did not fail the task at once (retry budget)", ["name"]
+    "mtask_runs_retried", "FAIL runs that left their task pending (retry budget)", ["name"]
 )
-LEASE_LOST = Counter("mtask_tasks_lease_lost", "Runs stopped because another took over", ["name"])
-IN_FLIGHT = Gauge("mtask_in_flight", "Runs in flight in this process")
+LEASE_LOST = Counter("mtask_runs_lease_lost", "Runs stopped because another took over", ["name"])
+IN_FLIGHT = Gauge("mtask_runs_in_flight", "Runs in flight in this process")
 CLAIM_LATENCY = Histogram(
     "mtask_claim_latency_seconds",
     "One claim call (one key or a batch), from sending to the claimed documents",
@@ -41,12 +56,35 @@ RUN_DURATION = Histogram(
     buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800),
 )
 
+# -- handler isolation and time limits (issue 18) --
+POOL_CHILDREN = Gauge(
+    "mtask_pool_children", "Child processes of the process pool by state", ["state"]
+)
+POOL_CHILDREN_STARTED = Counter("mtask_pool_children_started", "Child processes started")
+POOL_CHILDREN_ENDED = Counter(
+    "mtask_pool_children_ended",
+    "Child processes ended, by reason: recycled, killed (time limit, cancel, stop), died",
+    ["reason"],
+)
+TIME_LIMIT_KILLS = Counter(
+    "mtask_time_limit_kills",
+    "Runs ended by their hard time limit, by how (process: killed, async: cancelled, "
+    "thread: abandoned)",
+    ["how"],
+)
+
 
 @functools.lru_cache(maxsize=4096)
 def by_name(metric: Counter | Histogram, name: str) -> Any:
     """``metric.labels(name)``, cached: ``labels`` validates and takes a lock on every call,
     and the worker asks for a child several times per task."""
-    return metric.labels(name)
+    return metric.labels(label(name))
+
+
+def label(value: object) -> str:
+    """A label value: the string itself, else ``unknown`` (a document of any shape may be in
+    the collection; a metric never says "None")."""
+    return value if isinstance(value, str) and value and value != "None" else UNKNOWN
 
 
 class QueueDepth(Collector):
@@ -83,13 +121,67 @@ class QueueDepth(Collector):
             counts = self.counts()
         except Exception:  # noqa: BLE001 - MongoDB out of reach: report the last known counts
             counts = self._counts
-        for name, by_status in sorted(counts.items()):
-            for status, count in sorted(by_status.items()):
-                family.add_metric([name, status], count)
+        merged: dict[tuple[str, str], int] = {}
+        for name, by_status in counts.items():
+            for status, count in by_status.items():
+                labels = (label(name), label(status))
+                merged[labels] = merged.get(labels, 0) + count
+        for labels, count in sorted(merged.items()):
+            family.add_metric(list(labels), count)
         yield family
 
 
+class DueTasks(Collector):
+    """``mtask_due_tasks{name}`` and ``mtask_oldest_due_age_seconds{name}`` from ``fetch`` (a
+    ``TaskClient.due`` call: pending tasks due now on the server's clock), cached like
+    ``QueueDepth``. A name with nothing due is absent (a Prometheus query treats it as 0 with
+    ``or vector(0)``); the scalers in deploy/kubernetes sum over names."""
+
+    def __init__(self, fetch: Callable[[], Mapping[str, tuple[int, float]]]) -> None:
+        self.fetch = fetch
+        self._lock = threading.Lock()
+        self._due: Mapping[str, tuple[int, float]] = {}
+        self._at = float("-inf")
+
+    def due(self) -> Mapping[str, tuple[int, float]]:
+        with self._lock:
+            if time.monotonic() - self._at >= DEPTH_TTL:
+                try:
+                    self._due = self.fetch()
+                finally:
+                    self._at = time.monotonic()
+            return self._due
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                "mtask_due_tasks", "Pending tasks due now, per name (cluster-wide)", labels=["name"]
+            ),
+            GaugeMetricFamily(
+                "mtask_oldest_due_age_seconds",
+                "Seconds since the oldest pending due task became due, per name (cluster-wide)",
+                labels=["name"],
+            ),
+        )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        count, age = self._families()
+        try:
+            due = self.due()
+        except Exception:  # noqa: BLE001 - MongoDB out of reach: report the last known figures
+            due = self._due
+        for name, (n, oldest) in sorted(due.items()):
+            count.add_metric([label(name)], n)
+            age.add_metric([label(name)], oldest)
+        yield count
+        yield age
+
+
 _depth: QueueDepth | None = None
+_due: DueTasks | None = None
 
 
 def register_queue_depth(fetch: Callable[[], Mapping[str, Mapping[str, int]]]) -> QueueDepth:
@@ -100,3 +192,45 @@ def register_queue_depth(fetch: Callable[[], Mapping[str, Mapping[str, int]]]) -
     _depth = QueueDepth(fetch)
     REGISTRY.register(_depth)
     return _depth
+
+
+def register_cluster_metrics(client: Any) -> None:
+    """Export the cluster-wide gauges (queue depth; due tasks and the oldest due age) from
+    ``client`` (``stats()`` and ``due()``). Call it in ONE process per cluster: ``mtask serve``,
+    or a worker started with ``--cluster-metrics``."""
+    global _due
+    register_queue_depth(client.stats)
+    if _due is not None:
+        REGISTRY.unregister(_due)
+    _due = DueTasks(client.due)
+    REGISTRY.register(_due)
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """No access log on stderr for each scrape and probe."""
+
+
+def serve_http(host: str, port: int, state: Callable[[], str]) -> ThreadingWSGIServer:
+    """Serve ``/metrics`` (Prometheus), ``/healthz`` (200 unless the worker has stopped: a
+    draining worker is alive) and ``/readyz`` (200 while it runs and claims) from a daemon
+    thread. ``state`` is the worker's state (``ready``, ``running``, ``stopping``,
+    ``stopped``); both probes answer ``{"state": …}`` as JSON."""
+    metrics_app = make_wsgi_app()
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "/")
+        if path not in ("/healthz", "/readyz"):
+            body: Iterable[bytes] = metrics_app(environ, start_response)
+            return body
+        current = state()
+        ok = current != "stopped" if path == "/healthz" else current == "running"
+        start_response(
+            "200 OK" if ok else "503 Service Unavailable",
+            [("Content-Type", "application/json")],
+        )
+        return [json.dumps({"state": current}).encode()]
+
+    server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True, name="mtask-metrics").start()
+    return server

@@ -9,15 +9,17 @@ import inspect
 import typing
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from mtask.errors import InvalidTask, MtaskError
-from mtask.models import describe_validation_error
+from mtask.errors import InvalidParams, InvalidTask, LeaseLost, MtaskError
+from mtask.models import TaskOptions, describe_validation_error
 from mtask.schedules import Schedule
 
 F = TypeVar("F", bound=Callable[..., Any])
+Isolation = Literal["thread", "process"]
+ISOLATIONS = ("thread", "process")
 
 
 class Retry(Exception):
@@ -42,10 +44,6 @@ class Fail(Exception):
         super().__init__(reason)
 
 
-class InvalidParams(MtaskError):
-    """The task's params do not validate against the handler's model."""
-
-
 @dataclass
 class TaskContext:
     """What a handler may know about its run."""
@@ -59,9 +57,23 @@ class TaskContext:
     """Set when the run must stop: cancelled, lease lost, or the worker shutting down. Thread
     handlers can poll ``cancelled.is_set()``."""
     publisher: Callable[..., Awaitable[Any]] | None = None
+    session: Any = None
+    """A transactional handler's ``AsyncClientSession``, in the transaction that also records
+    the run's SUCCESS (docs/transactions.md); ``None`` for other handlers."""
+    lease_lost: bool = False
+    """Set by the worker when another run took the task over (this run's outcome will not be
+    recorded); ``check_lease`` and ``publish`` then raise ``LeaseLost``."""
+
+    def check_lease(self) -> None:
+        """Raise ``LeaseLost`` if this run no longer owns its task: a plain-def handler (which
+        the worker cannot interrupt) calls it between steps to stop doing a zombie's work."""
+        if self.lease_lost:
+            raise LeaseLost(f"run {self.run_id} of {self.key!r} lost its lease")
 
     async def publish(self, name: str, key: str, params: Any = None, **kwargs: Any) -> Any:
-        """Publish a follow-up task (idempotent by key, like any publish)."""
+        """Publish a follow-up task (idempotent by key, like any publish). Raises
+        ``LeaseLost`` once the run lost its task: a follow-up is the owner's to publish."""
+        self.check_lease()
         if self.publisher is None:
             raise MtaskError("this context cannot publish")
         return await self.publisher(name, key, params, **kwargs)
@@ -74,6 +86,18 @@ class Handler:
     is_async: bool
     params_model: type[BaseModel] | None
     wants_context: bool
+    transactional: bool = False
+    # -- handler declarations (issue 18) --
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """Options a publish of this name gets when it does not give them (explicitly set fields
+    of the declared ``TaskOptions`` only)."""
+    isolation: Isolation | None = None
+    """``"process"``: a plain-def handler runs in a child process; ``None``: the worker's pool."""
+    time_limit: float | None = None
+    """Hard limit in seconds: the run is ended (child killed, task cancelled, thread abandoned)
+    and recorded FAIL ``time limit exceeded``."""
+    soft_time_limit: float | None = None
+    """Soft limit in seconds: ``ctx.cancelled`` is set, the handler may still end on its own."""
 
     def parse(self, params: Mapping[str, Any]) -> Any:
         if self.params_model is None:
@@ -106,6 +130,38 @@ def _inspect(fn: Callable[..., Any]) -> tuple[type[BaseModel] | None, bool]:
     return params_model, len(params) == 2
 
 
+def _declarations(
+    options: TaskOptions | Mapping[str, Any] | None,
+    isolation: str | None,
+    time_limit: float | None,
+    soft_time_limit: float | None,
+) -> dict[str, Any]:
+    """Check a handler's declarations; bad ones are ``InvalidTask`` at import time."""
+    if isolation is not None and isolation not in ISOLATIONS:
+        raise InvalidTask(f"must be one of {', '.join(ISOLATIONS)}", field="isolation")
+    for label, limit in (("time_limit", time_limit), ("soft_time_limit", soft_time_limit)):
+        if limit is not None and (isinstance(limit, bool) or not limit > 0):
+            raise InvalidTask("must be a positive number of seconds", field=label)
+    if time_limit is not None and soft_time_limit is not None and soft_time_limit > time_limit:
+        raise InvalidTask("must not exceed time_limit", field="soft_time_limit")
+    if isinstance(options, TaskOptions):
+        defaults = options.model_dump(include=options.model_fields_set)
+    else:
+        try:
+            given = TaskOptions.model_validate(dict(options or {}))
+        except ValidationError as exc:
+            raise InvalidTask(describe_validation_error(exc, prefix="options")) from None
+        defaults = given.model_dump(include=set(dict(options or {})))
+    if "run_at" in defaults:
+        raise InvalidTask("a handler default cannot be a fixed time", field="options.run_at")
+    return {
+        "options": defaults,
+        "isolation": isolation,
+        "time_limit": time_limit,
+        "soft_time_limit": soft_time_limit,
+    }
+
+
 class Registry:
     """Maps task names to handlers."""
 
@@ -124,18 +180,52 @@ class Registry:
         self.schedules[schedule.id] = schedule
         return schedule
 
-    def task(self, name: str | None = None) -> Callable[[F], F]:
+    def task(
+        self,
+        name: str | None = None,
+        *,
+        transactional: bool = False,
+        # -- handler declarations (issue 18) --
+        options: TaskOptions | Mapping[str, Any] | None = None,
+        isolation: Isolation | None = None,
+        time_limit: float | None = None,
+        soft_time_limit: float | None = None,
+    ) -> Callable[[F], F]:
+        """Register a handler. ``transactional``: an ``async def`` handler taking ``ctx``
+        writes with ``ctx.session``, and those writes commit with the run's SUCCESS
+        (docs/transactions.md). ``options``: defaults a publish of this name gets for the
+        options it does not give (publish options > handler defaults > global defaults; applied
+        by a ``TaskClient`` given this registry). ``isolation="process"`` runs a plain-def
+        handler in a child process. ``soft_time_limit``/``time_limit`` (seconds, Celery's
+        names): the run's cooperative and hard limits."""
+        declared = _declarations(options, isolation, time_limit, soft_time_limit)
+
         def register(fn: F) -> F:
             task_name = name or fn.__name__
             if task_name in self.handlers:
                 raise InvalidTask(f"a handler for {task_name!r} is already registered")
             params_model, wants_context = _inspect(fn)
+            if transactional and not (inspect.iscoroutinefunction(fn) and wants_context):
+                raise InvalidTask(
+                    f"transactional handler {fn.__qualname__} must be an async def taking "
+                    "(params, ctx): it writes with ctx.session, an AsyncClientSession"
+                )
+            if declared["isolation"] == "process" and (
+                inspect.iscoroutinefunction(fn) or "<locals>" in fn.__qualname__
+            ):
+                raise InvalidTask(
+                    f"handler {task_name!r}: isolation='process' needs a plain def handler "
+                    "defined at module level (a child process imports it by name)",
+                    field="isolation",
+                )
             self.handlers[task_name] = Handler(
                 name=task_name,
                 fn=fn,
                 is_async=inspect.iscoroutinefunction(fn),
                 params_model=params_model,
                 wants_context=wants_context,
+                transactional=transactional,
+                **declared,
             )
             return fn
 
@@ -144,6 +234,19 @@ class Registry:
     @property
     def names(self) -> list[str]:
         return sorted(self.handlers)
+
+    def options_for(
+        self, name: str, options: TaskOptions | Mapping[str, Any] | None
+    ) -> TaskOptions | Mapping[str, Any] | None:
+        """``options`` completed with the handler's declared defaults (publish options win)."""
+        handler = self.handlers.get(name)
+        if handler is None or not handler.options:
+            return options
+        if isinstance(options, TaskOptions):
+            given = options.model_dump(include=options.model_fields_set)
+        else:
+            given = dict(options or {})
+        return {**handler.options, **given}
 
     def __getitem__(self, name: str) -> Handler:
         return self.handlers[name]

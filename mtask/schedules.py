@@ -6,7 +6,7 @@ A schedule is one document in the ``schedules`` collection::
      start: date (the interval's anchor), params, options, catch_up, misfire_grace_s,
      paused: bool, next_tick_at: date, last_tick_at, last_key, error, definition: hash, ...}
 
-Every worker runs the scheduler loop (``Scheduler.run``): it reads the schedules whose
+Every worker runs the scheduler loop (``mtask.worker.scheduler``): it reads the schedules whose
 ``next_tick_at`` has come (by the server's clock), publishes one task per tick with the key
 ``"<id>@<tick in UTC>"``, and moves ``next_tick_at`` on with a compare-and-set on its old value.
 Any number of workers may do this at once: the publish is idempotent by key, so each tick is
@@ -20,7 +20,6 @@ Ticks missed while no worker ran are handled by ``catch_up``: ``"all"`` publishe
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime as dt
 import hashlib
@@ -39,9 +38,9 @@ from pymongo import ASCENDING, ReturnDocument
 from pymongo.errors import DuplicateKeyError
 
 from mtask import store
-from mtask.clock import Clock
-from mtask.driver import AsyncDriver, Call, Op
-from mtask.errors import InvalidTask, MtaskError, StorageError
+from mtask.driver import Call, Op
+from mtask.errors import InvalidTask
+from mtask.errors import ScheduleNotFound as ScheduleNotFound  # where mtask.web, the CLI look
 from mtask.models import (
     NewTask,
     validate_key,
@@ -58,8 +57,6 @@ CATCH_UP_CHOICES = ("none", "latest", "all")
 MAX_TICKS_PER_PASS = 1000
 VALIDATION_ANCHOR = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
 """Any instant: building a trigger checks its definition; no time is decided by it."""
-POLL_SECONDS = 1.0
-"""The longest a scheduler sleeps: a schedule added or resumed is seen within this."""
 
 
 class Schedule(BaseModel):
@@ -348,43 +345,3 @@ def fire(doc: Mapping[str, Any], now: dt.datetime) -> Op[int]:
     created: int = (yield from store.publish_many(tasks, now)) if tasks else 0
     yield from advance(doc, ticks, following, now)
     return created
-
-
-class ScheduleNotFound(MtaskError):
-    default_message = "no schedule with that id"
-
-    def __init__(self, schedule_id: str) -> None:
-        super().__init__(f"no schedule {schedule_id!r}")
-
-
-class Scheduler:
-    """The worker's scheduler loop (a supervised side task)."""
-
-    def __init__(self, driver: AsyncDriver, clock: Clock, declared: Sequence[Schedule]) -> None:
-        self.driver = driver
-        self.clock = clock
-        self.declared = list(declared)
-        self.fired = 0
-        self.wake = asyncio.Event()
-
-    async def run(self) -> None:
-        declared = False
-        while True:
-            try:
-                if not declared:  # the registry's schedules, written once MongoDB answers
-                    await self.driver.run(ensure_indexes())
-                    for schedule in self.declared:
-                        await self.driver.run(put(schedule, self.clock.now()))
-                    declared = True
-                for doc in await self.driver.run(due(self.clock.now())):
-                    self.fired += await self.driver.run(fire(doc, self.clock.now()))
-                upcoming = await self.driver.run(next_due())
-            except StorageError as exc:
-                log.warning("scheduler cannot reach MongoDB, retrying: %s", exc)
-                upcoming = None
-            wait = POLL_SECONDS
-            if upcoming is not None:
-                wait = min(wait, max(0.0, (upcoming - self.clock.now()).total_seconds()))
-            self.wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), wait)

@@ -23,7 +23,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mtask.models import MAX_RUNS_KEPT, RunState, TaskStatus
+from mtask.models import DEFAULT_KEEP_MS, KEEP_FIELDS, MAX_RUNS_KEPT, RunState, TaskStatus
 
 Doc = Mapping[str, Any]
 RUNNING = RunState.RUNNING.value
@@ -55,6 +55,29 @@ def compute_next_claim_at(doc: Doc, status: TaskStatus) -> dt.datetime | None:
         return available
     latest: dt.datetime = max(available, min(leases))
     return latest
+
+
+def keep_ms(options: Doc, status: TaskStatus | str) -> int | None:
+    """How long a task finished with ``status`` is kept (ms), ``None`` for forever: its own
+    ``options.keep_<status>_ms`` if it is a number, else the built-in default."""
+    status = str(status)
+    if status not in KEEP_FIELDS:
+        return None
+    value = options.get(KEEP_FIELDS[status]) if isinstance(options, Mapping) else None
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        value = DEFAULT_KEEP_MS[status]
+    return None if value < 0 else int(value)
+
+
+def compute_expire_at(doc: Doc, status: TaskStatus) -> dt.datetime | None:
+    """``finished_at`` + the retention of ``status``; ``None`` while open, for a task kept
+    forever, and for a flow parent with steps (held until they are finished, see
+    ``mtask.store.retention.release_parents``)."""
+    finished_at = doc.get("finished_at")
+    if not status.finished or doc.get("children") or not isinstance(finished_at, dt.datetime):
+        return None
+    keep = keep_ms(doc.get("options") or {}, status)
+    return None if keep is None else finished_at + dt.timedelta(milliseconds=keep)
 
 
 def backoff_ms(
@@ -184,9 +207,44 @@ def fold_runs_expr(limit: int = MAX_RUNS_KEPT) -> dict[str, Any]:
     }
 
 
-def recompute_stages(now: dt.datetime) -> list[dict[str, Any]]:
+def _keep_expr() -> dict[str, Any]:
+    """Expression: ``keep_ms`` of ``$status`` from the document's own options (-1: forever)."""
+    branches = []
+    for status, default in DEFAULT_KEEP_MS.items():
+        own = f"$options.{KEEP_FIELDS[status]}"
+        value = {"$cond": [{"$isNumber": own}, own, default]}
+        branches.append({"case": {"$eq": ["$status", status]}, "then": value})
+    return {"$switch": {"branches": branches, "default": -1}}
+
+
+def expire_fields(now: dt.datetime | str) -> dict[str, Any]:
+    """``$set`` fields (after ``status`` is derived): ``expire_at`` as ``compute_expire_at``
+    says, and ``expire_held`` on a finished flow parent whose retention waits for its steps.
+    Both are removed while the task is open."""
+    finished = {"$ifNull": ["$finished_at", now]}
+    is_open = {"$in": ["$status", list(OPEN)]}
+    has_steps = {"$gt": [{"$size": {"$ifNull": ["$children", []]}}, 0]}
+    return {
+        "expire_at": {
+            "$let": {
+                "vars": {"keep": _keep_expr()},
+                "in": {
+                    "$cond": [
+                        {"$or": [is_open, has_steps, {"$lt": ["$$keep", 0]}]},
+                        "$$REMOVE",
+                        {"$add": [finished, {"$toLong": "$$keep"}]},
+                    ]
+                },
+            }
+        },
+        "expire_held": {"$cond": [{"$and": [{"$not": [is_open]}, has_steps]}, True, "$$REMOVE"]},
+    }
+
+
+def recompute_stages(now: dt.datetime | str) -> list[dict[str, Any]]:
     """Pipeline stages that end every transition: fold old runs, then derive ``status``,
-    ``next_claim_at`` and ``finished_at`` from the fields the earlier stages set."""
+    ``next_claim_at``, ``finished_at`` and ``expire_at`` from the fields the earlier stages
+    set. ``now`` is the server's time as a value, or ``"$$NOW"``."""
     folded = fold_runs_expr()
     return [
         {"$set": {"_fold": folded}},
@@ -209,6 +267,7 @@ def recompute_stages(now: dt.datetime) -> list[dict[str, Any]]:
                         {"$ifNull": ["$finished_at", now]},
                     ]
                 },
+                **expire_fields(now),
             }
         },
     ]

@@ -32,3 +32,71 @@ def span(span_name: str, /, **attributes: Any) -> Iterator[None]:
     clean = {f"mtask.{k}": v for k, v in attributes.items() if v is not None}
     with _tracer.start_as_current_span(span_name, attributes=clean):
         yield
+
+
+# -- messaging spans and the trace context stored in the task (issue 14) ---------------------
+
+MESSAGING_SYSTEM = "mtask"
+"""``messaging.system``: no registered value fits (the broker is MongoDB, but the protocol is
+mtask's document contract), so the system names itself, as the conventions allow."""
+
+
+def _messaging(operation: str, op_name: str, name: str | None, key: str | None) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        "messaging.system": MESSAGING_SYSTEM,
+        "messaging.operation.type": operation,
+        "messaging.operation.name": op_name,
+    }
+    if name is not None:
+        attributes["messaging.destination.name"] = name
+    if key is not None:
+        attributes["messaging.message.id"] = key
+    return attributes
+
+
+@contextlib.contextmanager
+def publish_span(
+    name: str | None, key: str | None, count: int | None = None
+) -> Iterator[dict[str, str] | None]:
+    """A PRODUCER span around a publish; yields the W3C trace context to store in the task
+    (``{"traceparent": …, "tracestate": …}``), or None — and costs nothing — without a
+    configured tracer provider."""
+    if _tracer is None or not _configured():
+        yield None
+        return
+    from opentelemetry import propagate
+
+    attributes = _messaging("send", "publish", name, key)
+    attributes.update({f"mtask.{k}": v for k, v in (("name", name), ("key", key)) if v})
+    if count is not None:
+        attributes["messaging.batch.message_count"] = count
+    span_name = "mtask.publish" if count is None else "mtask.publish_many"
+    with _tracer.start_as_current_span(
+        span_name, kind=trace.SpanKind.PRODUCER, attributes=attributes
+    ):
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        context = {k: v for k, v in carrier.items() if k in ("traceparent", "tracestate")}
+        yield context or None
+
+
+@contextlib.contextmanager
+def run_span(doc: dict[str, Any], name: str, key: str, attempt: int) -> Iterator[None]:
+    """The CONSUMER span of one run: a child of the publisher's span when the task holds its
+    trace context (one message, one process: the conventions' parent case)."""
+    if _tracer is None or not _configured():
+        yield
+        return
+    from opentelemetry import propagate
+
+    stored = doc.get("trace")
+    carrier = (
+        {k: v for k, v in stored.items() if isinstance(v, str)} if isinstance(stored, dict) else {}
+    )
+    parent = propagate.extract(carrier) if carrier else None
+    attributes = _messaging("process", "run", name, key)
+    attributes.update({"mtask.name": name, "mtask.key": key, "mtask.attempt": attempt})
+    with _tracer.start_as_current_span(
+        "mtask.run", context=parent, kind=trace.SpanKind.CONSUMER, attributes=attributes
+    ):
+        yield

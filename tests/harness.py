@@ -11,8 +11,10 @@ from typing import Any
 from mtask.registry import Registry
 from mtask.worker import Worker
 
-T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
-"""The start of an injected clock (``FixedClock``) in tests that do not wait."""
+T0 = dt.datetime(2046, 3, 1, 12, 0, tzinfo=dt.UTC)
+"""The start of an injected clock (``FixedClock``) in tests that do not wait. In the future:
+a task finished at T0 expires (``expire_at``) after it, so MongoDB's TTL monitor, which goes
+by the server's real clock, never removes a test's task while the test reads it."""
 
 
 class Events:
@@ -78,7 +80,7 @@ async def running_worker(
 
 
 async def _ready(worker: Worker, task: asyncio.Task[None]) -> None:
-    while worker.watcher is None or not worker.watcher.ready.is_set():
+    while not worker.watcher.ready.is_set():
         if task.done():
             task.result()
         await asyncio.sleep(0.01)

@@ -35,7 +35,7 @@ async def test_a_delayed_task_is_claimed_on_time_by_the_heap(
         client.publish("quick", "by-run-at", options={"run_at": run_at})
         await events.wait("recorded", key="by-delay")
         await events.wait("recorded", key="by-run-at")
-        assert w.watcher is not None and w.watcher.rescans == rescans  # no scan found them
+        assert w.watcher.rescans == rescans  # no scan found them
     for key in ("by-delay", "by-run-at"):
         task = client.get(key)
         assert task is not None and task.options.run_at is not None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx2 as httpx
 from harness import running_worker
+from promtool import check_metrics
 from workerapp import registry
 
 from mtask import TaskClient
@@ -23,7 +24,7 @@ TESTS = Path(__file__).parent
 @contextlib.contextmanager
 def worker_process(uri: str, db: str, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mtask.runner", "workerapp:registry", "--uri", uri,
+        [sys.executable, "-m", "mtask", "worker", "run", "workerapp:registry", "--uri", uri,
          "--database", db, "--log-level", "WARNING", *extra],
         cwd=TESTS,
         env={**os.environ, "PYTHONPATH": str(TESTS)},
@@ -50,23 +51,68 @@ def test_a_worker_serves_its_metrics(mongo_uri: str, db_name: str, client: TaskC
     port = free_port()
     client.publish("add", "ok", {"a": 1, "b": 2})
     client.publish("always_fails", "bad", options={"max_retries": 0})
-    with worker_process(mongo_uri, db_name, "--metrics-port", str(port)):
+    client.publish("nobody_runs_this", "due-1")  # a name this worker does not handle: stays due
+    with worker_process(
+        mongo_uri, db_name, "--metrics-port", str(port), "--cluster-metrics"
+    ) as proc:
         deadline = time.monotonic() + 60
         text = ""
-        # queue depth is cached for a few seconds: wait for the counts after both runs
+        # the cluster gauges are cached for a few seconds: wait for the counts after both runs
         while not (
-            'mtask_tasks_failed_total{name="always_fails"} 1.0' in text
+            'mtask_runs_failed_total{name="always_fails"} 1.0' in text
             and 'mtask_queue_depth{name="add",status="succeeded"} 1.0' in text
         ):
             assert time.monotonic() < deadline, text[-2000:]
+            assert proc.poll() is None
             time.sleep(0.2)
             text = scrape(port) or ""
-    assert 'mtask_tasks_claimed_total{name="add"} 1.0' in text
-    assert 'mtask_tasks_succeeded_total{name="add"} 1.0' in text
+        health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+        ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
+    assert health.status_code == 200 and health.json() == {"state": "running"}
+    assert ready.status_code == 200
+    assert 'mtask_runs_claimed_total{name="add"} 1.0' in text
+    assert 'mtask_runs_succeeded_total{name="add"} 1.0' in text
     assert 'mtask_run_duration_seconds_count{name="add"} 1.0' in text
     assert "mtask_claim_latency_seconds_count" in text
-    assert "mtask_in_flight 0.0" in text
-    assert 'mtask_queue_depth{name="add",status="succeeded"} 1.0' in text
+    assert "mtask_runs_in_flight 0.0" in text
+    assert 'mtask_due_tasks{name="nobody_runs_this"} 1.0' in text
+    assert 'mtask_oldest_due_age_seconds{name="nobody_runs_this"}' in text
+    assert 'mtask_due_tasks{name="add"}' not in text  # nothing of it is due any more
+    assert "mtask_tasks_claimed" not in text and "None" not in text  # runs are not tasks
+    check_metrics(text)
+
+
+def test_only_a_worker_asked_to_exports_the_cluster_gauges(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    port = free_port()
+    client.publish("add", "ok", {"a": 1, "b": 2})
+    with worker_process(mongo_uri, db_name, "--metrics-port", str(port)) as proc:
+        text = ""
+        deadline = time.monotonic() + 60
+        while 'mtask_runs_succeeded_total{name="add"} 1.0' not in text:
+            assert time.monotonic() < deadline and proc.poll() is None, text[-2000:]
+            time.sleep(0.2)
+            text = scrape(port) or ""
+    assert "mtask_queue_depth" not in text and "mtask_due_tasks" not in text
+    check_metrics(text)
+
+
+def test_due_tasks_on_the_server_clock(client: TaskClient) -> None:
+    client.publish("due_a", "a1")
+    client.publish("due_a", "a2")
+    client.publish("due_a", "a-later", delay=3600)
+    client.publish("due_b", "b1")
+    # a task is due from its next_claim_at, stamped on the publisher's estimate of the server's
+    # clock: it may be a few ms ahead of the server's $$NOW, which decides
+    deadline = time.monotonic() + 10
+    due = client.due()
+    while sum(n for n, _ in due.values()) < 3:
+        assert time.monotonic() < deadline, due
+        time.sleep(0.01)
+        due = client.due()
+    assert {name: n for name, (n, _) in due.items()} == {"due_a": 2, "due_b": 1}
+    assert all(age >= 0 for _, age in due.values())
 
 
 async def test_publish_claim_and_run_make_spans(
@@ -87,6 +133,11 @@ async def test_publish_claim_and_run_make_spans(
         await events.wait("recorded", key="traced")
     spans = {s.name: s for s in exporter.get_finished_spans()}
     provider.shutdown()  # record nothing more for the rest of the session
+    # and be unconfigured again: with a provider set, publish stores a trace context (issue 14)
+    from opentelemetry.util._once import Once
+
+    trace._TRACER_PROVIDER = None  # type: ignore[attr-defined]
+    trace._TRACER_PROVIDER_SET_ONCE = Once()  # type: ignore[attr-defined]
     assert spans["mtask.publish"].attributes["mtask.key"] == "traced"
     assert spans["mtask.run"].attributes["mtask.name"] == "add"
     assert "mtask.claim" in spans

@@ -1,19 +1,65 @@
-"""The worker's store operations on the real server, with an injected clock (no sleeping)."""
+"""The worker's store operations on the real server, with an injected clock (no sleeping).
+
+Driver conformance (River's driver test suite): every test that runs operations through
+``tc._run`` runs twice, once through ``SyncDriver`` and once through ``AsyncDriver``, so the two
+drivers' special cases (``find``/``aggregate`` to lists, errors thrown into the operation) are
+held to the same results.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from harness import T0
+from pymongo import AsyncMongoClient
 
-from mtask import TaskClient
+from mtask import TaskClient, store
 from mtask.clock import FixedClock
+from mtask.driver import AsyncDriver, Op, T, collections
 from mtask.models import MAX_RUNS_KEPT
 from mtask.store import Outcome, RunState, claim, extend_lease, finish, finish_many, scan
 from mtask.store.outcomes import _groups
-from mtask.watcher import stream_pipeline
+from mtask.worker.watcher import stream_pipeline
+
+
+@pytest.fixture(params=["sync", "async"])
+def tc(
+    request: pytest.FixtureRequest, mongo_uri: str, db_name: str, clock: FixedClock
+) -> Iterator[TaskClient]:
+    """A client whose clock is ``clock``; with ``async``, its ``_run`` goes through an
+    ``AsyncDriver`` (on an event loop of its own thread, as these tests are sync)."""
+    with TaskClient(mongo_uri, database=db_name, clock=clock) as client:
+        if request.param == "sync":
+            yield client
+            return
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="async-driver", daemon=True)
+        thread.start()
+
+        async def connect() -> AsyncMongoClient[dict[str, Any]]:
+            return AsyncMongoClient(mongo_uri, tz_aware=True)
+
+        amongo = asyncio.run_coroutine_threadsafe(connect(), loop).result()
+        driver = AsyncDriver(collections(amongo[db_name]))
+
+        def run(op: Op[T], session: Any = None) -> T:
+            assert session is None  # a sync session cannot serve the async driver
+            return asyncio.run_coroutine_threadsafe(driver.run(op), loop).result(timeout=30)
+
+        client._run(store.ensure_indexes())  # as the sync client's first call does
+        client._run = run  # type: ignore[method-assign]
+        try:
+            yield client
+        finally:
+            asyncio.run_coroutine_threadsafe(amongo.close(), loop).result()
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
+            loop.close()
 
 
 def one(

@@ -21,6 +21,7 @@ from mtask.store.claims import (
     read_claimed,
     run_id_for,
 )
+from mtask.store.complete import complete, stranded
 from mtask.store.outcomes import (
     Outcome,
     finish,
@@ -30,6 +31,7 @@ from mtask.store.outcomes import (
     success_fast_update,
     success_group_update,
 )
+from mtask.store.queries import stats
 from mtask.store.schema import (
     CLAIMED_FIELDS,
     INDEXES,
@@ -38,8 +40,10 @@ from mtask.store.schema import (
     SPECIFIC,
     WELL_FORMED,
     claim_tag,
+    collection_init,
     ensure_indexes,
     new_document,
+    placeable,
     success_tag,
 )
 from mtask.store.tasks import (
@@ -56,7 +60,6 @@ from mtask.store.tasks import (
     quarantine,
     retry,
     scan,
-    stats,
 )
 
 __all__ = [
@@ -78,6 +81,8 @@ __all__ = [
     "claim_lean_pipeline",
     "claim_pipeline",
     "claim_tag",
+    "collection_init",
+    "complete",
     "ensure_indexes",
     "extend_lease",
     "finish",
@@ -89,6 +94,7 @@ __all__ = [
     "list_tasks",
     "new_document",
     "outcome_requests",
+    "placeable",
     "placements",
     "publish",
     "publish_many",
@@ -98,6 +104,7 @@ __all__ = [
     "run_id_for",
     "scan",
     "stats",
+    "stranded",
     "success_fast_update",
     "success_group_update",
     "success_tag",

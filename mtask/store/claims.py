@@ -53,7 +53,7 @@ def claim_filter(
         }
     }
     return {
-        "_id": {"$in": list(keys), "$type": "string"},
+        "_id": _keys_filter(keys),
         "name": {"$in": list(names)},
         "status": {"$in": list(OPEN)},
         "next_claim_at": {"$type": "date", "$lte": now},
@@ -83,6 +83,14 @@ def claim_filter(
             ]
         },
     }
+
+
+def _keys_filter(keys: Sequence[str]) -> Any:
+    """String keys among ``keys``: one key by equality (a single-document write on a sharded
+    collection names its shard key exactly; design.md, "Sharding"), more by ``$in``."""
+    if len(keys) == 1 and isinstance(keys[0], str):
+        return keys[0]
+    return {"$in": list(keys), "$type": "string"}
 
 
 def run_id_for(batch: str, key: str) -> str:
@@ -174,7 +182,7 @@ def claim_lean_filter(
     """The batch form of ``claim_fast_update``'s filter: pending concurrency-1 tasks with
     fewer than 20 runs, for which the claim pipeline's result is known in advance."""
     return {
-        "_id": {"$in": list(keys), "$type": "string"},  # run ids are built from keys
+        "_id": _keys_filter(keys),  # run ids are built from keys
         "name": {"$in": list(names)},
         "status": TaskStatus.PENDING.value,
         "next_claim_at": {"$type": "date", "$lte": now},

@@ -11,7 +11,7 @@ import bson
 from pymongo import ReturnDocument, UpdateOne
 
 from mtask.driver import Call, Op
-from mtask.models import RunState, TaskStatus
+from mtask.models import DEFAULT_KEEP_MS, OPTION_DEFAULTS, RunState, TaskStatus
 from mtask.statemachine import (
     RUNNING,
     recompute_stages,
@@ -46,6 +46,13 @@ class Outcome:
     """The worker whose run this is: a SUCCESS it records is tagged ``last_write``."""
     result_bytes: int | None = None
     """The result's BSON size, if the caller measured it (else measured when needed)."""
+    keep_ms: int | None = DEFAULT_KEEP_MS["succeeded"]
+    """SUCCESS: the task's retention once succeeded (``statemachine.keep_ms`` of the claimed
+    options; ``None``: forever), for the plain-update shortcuts that cannot read the document.
+    The pipeline path reads the document's own options instead."""
+    committed: bool = False
+    """A SUCCESS already committed in the handler's transaction (``store.transactional``):
+    the recorder does not write it again, only what follows it."""
 
 
 def _success_tag(outcome: Outcome) -> Doc:
@@ -58,18 +65,24 @@ def _step_fields(outcome: Outcome) -> Doc:
     return {"outbox": list(outcome.steps), "children": [s["key"] for s in outcome.steps]}
 
 
+def _option(name: str) -> Any:
+    """``$options.<name>``, or its default where the document lacks it."""
+    return {"$ifNull": [f"$options.{name}", OPTION_DEFAULTS[name]]}
+
+
 def _backoff_expr(outcome: Outcome, now: dt.datetime) -> Any:
     if outcome.retry_delay_ms is not None:
         return now + dt.timedelta(milliseconds=outcome.retry_delay_ms)
+    # a document written without the retry options backs off by their defaults (never null)
     delay = {
         "$min": [
-            "$options.max_retry_delay_ms",
+            _option("max_retry_delay_ms"),
             {
                 "$multiply": [
-                    "$options.retry_delay_ms",
+                    _option("retry_delay_ms"),
                     {
                         "$pow": [
-                            "$options.retry_backoff",
+                            _option("retry_backoff"),
                             {"$max": [0, {"$subtract": ["$failures", 1]}]},
                         ]
                     },
@@ -136,14 +149,21 @@ def success_fast_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
 
 
 def _succeeded(outcome: Outcome, now: dt.datetime) -> Doc:
-    """The top-level fields a recorded SUCCESS of a concurrency-1 task sets, except the result."""
-    return {
+    """The top-level fields a recorded SUCCESS of a concurrency-1 task sets, except the result:
+    with ``expire_at`` as ``statemachine.compute_expire_at`` gives it (a task with next steps
+    is held instead, ``expire_held``)."""
+    fields: Doc = {
         "status": TaskStatus.SUCCEEDED.value,
         "next_claim_at": None,
         "finished_at": now,
         "updated_at": now,
         **_success_tag(outcome),
     }
+    if outcome.steps:
+        fields["expire_held"] = True
+    elif outcome.keep_ms is not None:
+        fields["expire_at"] = now + dt.timedelta(milliseconds=outcome.keep_ms)
+    return fields
 
 
 def _positional_success(result: Any, now: dt.datetime, fields: Doc) -> Doc:
@@ -201,7 +221,7 @@ def success_group_update(
         "status": TaskStatus.RUNNING.value,
         "options.concurrency": 1,
     }
-    done = _succeeded(outcomes[0], now)  # one worker: the same tag for all
+    done = _succeeded(outcomes[0], now)  # one worker, one retention: the same for all
     if all(o.result is None for o in outcomes):
         return filt, _positional_success(None, now, done)
     result = {
@@ -227,15 +247,15 @@ def success_group_update(
 
 
 def _groups(outcomes: Sequence[Outcome]) -> tuple[list[list[Outcome]], list[Outcome]]:
-    """Outcomes to write in one ``update_many`` each (two or more of one worker, at most
-    ``GROUP_RESULT_BYTES`` of results, each key once: a group picks results by key), and the
-    rest."""
-    alike: dict[str | None, list[Outcome]] = {}
+    """Outcomes to write in one ``update_many`` each (two or more of one worker and one
+    retention, at most ``GROUP_RESULT_BYTES`` of results, each key once: a group picks results
+    by key), and the rest."""
+    alike: dict[tuple[str | None, int | None], list[Outcome]] = {}
     rest: list[Outcome] = []
     keys: set[str] = set()
     for outcome in outcomes:
         if _groupable(outcome) and outcome.key not in keys:
-            alike.setdefault(outcome.worker_id, []).append(outcome)
+            alike.setdefault((outcome.worker_id, outcome.keep_ms), []).append(outcome)
             keys.add(outcome.key)
         else:
             rest.append(outcome)

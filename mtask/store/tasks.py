@@ -19,6 +19,8 @@ from mtask.statemachine import (
     RUNNING,
     recompute_stages,
 )
+from mtask.store.complete import complete
+from mtask.store.retention import resolve
 from mtask.store.schema import (
     PLACEMENT_FIELDS,
     SPECIFIC,
@@ -42,11 +44,21 @@ class Published:
     document: Doc
 
 
-def publish(task: NewTask, now: dt.datetime, on_conflict: OnConflict = "ignore") -> Op[Published]:
+def publish(
+    task: NewTask,
+    now: dt.datetime,
+    on_conflict: OnConflict = "ignore",
+    trace: dict[str, str] | None = None,
+) -> Op[Published]:
     """Insert the task if its key is new (one upsert with ``$setOnInsert``); otherwise apply
     ``on_conflict``: ``ignore`` leaves it, ``update_params`` replaces params and options of a
-    task that is not running, ``reset`` makes a finished task new again."""
+    task that is not running, ``reset`` makes a finished task new again. Unset retention
+    options are resolved first (``retention.resolve``). ``trace`` is the publisher's W3C trace
+    context (``mtask.tracing.publish_span``), stored as ``trace``."""
+    task = (yield from resolve([task]))[0]
     doc = new_document(task, now)
+    if trace:
+        doc["trace"] = trace
     insert = {k: v for k, v in doc.items() if k != "_id"}
     before = None
     for attempt in range(2):
@@ -100,10 +112,12 @@ def publish_many(
     now: dt.datetime,
     batch_size: int = 1000,
     created_by_name: dict[str, int] | None = None,
+    trace: dict[str, str] | None = None,
 ) -> Op[int]:
     """Insert-if-absent many tasks with unordered bulk upserts; returns how many were created
     (and counts them per name into ``created_by_name``, if given)."""
     created = 0
+    tasks = yield from resolve(tasks)
     # a task that others of this batch depend on is born knowing it (so that the worker that
     # records its outcome resolves them, even if it claims it before anyone marks it)
     awaited = {d for task in tasks for d in task.depends_on}
@@ -112,6 +126,8 @@ def publish_many(
         for task in tasks[start : start + batch_size]:
             doc = new_document(task, now)
             del doc["_id"]
+            if trace:
+                doc["trace"] = trace
             if task.key in awaited:
                 doc["has_dependents"] = True
             requests.append(UpdateOne({"_id": task.key}, {"$setOnInsert": doc}, upsert=True))
@@ -156,14 +172,25 @@ def placements(keys: Sequence[Any]) -> Op[list[Doc]]:
 
 
 def quarantine(keys: Sequence[Any], now: dt.datetime, reason: str | None = None) -> Op[int]:
-    """Mark open documents among ``keys`` that no claim can ever match (inserted by hand with
-    missing or mistyped fields) ``invalid``, with the reason, and take them out of the claim
-    index. Matches only documents that are still malformed, so a fixed one is left alone.
-    With ``reason`` (a claim failed on the document itself), the open documents among
-    ``keys`` whatever they hold."""
-    filt: Doc = {"_id": {"$in": list(keys)}, "next_claim_at": {"$type": "date"}}
+    """Settle documents among ``keys`` that no claim can ever match: complete a publisher's
+    status-less document (``store.complete``), and mark an open (or unknown-status) one that
+    is malformed ``invalid``, with the reason, taking it out of the claim index. Matches only
+    documents that are still so, so a fixed one is left alone. With ``reason`` (a claim failed
+    on the document itself), the open documents among ``keys`` whatever they hold. Returns how
+    many were marked invalid."""
+    keys = list(keys)
+    completed_invalid = 0
     if reason is None:
-        filt["$expr"] = {"$not": [well_formed_expr()]}
+        _, completed_invalid = yield from complete(keys)
+    # has a status (else complete handles it) that is not a finished one, compared as a
+    # value ($expr): an array status holding "succeeded" is not finished
+    settled: list[Doc] = [
+        {"$not": [{"$in": [{"$type": "$status"}, ["missing", "null"]]}]},
+        {"$not": [{"$in": ["$status", FINISHED]}]},
+    ]
+    if reason is None:
+        settled.append({"$not": [well_formed_expr()]})
+    filt: Doc = {"_id": {"$in": keys}, "$expr": {"$and": settled}}
     result = yield Call(
         "update_many",
         (
@@ -177,14 +204,17 @@ def quarantine(keys: Sequence[Any], now: dt.datetime, reason: str | None = None)
                         "invalid_status": "$status",
                         "status": TaskStatus.INVALID.value,
                         "updated_at": now,
+                        "next_claim_at": None,  # out of the claim index; kept (the validator)
                     }
                 },
-                {"$unset": "next_claim_at"},
             ],
         ),
     )
     count: int = result.modified_count
-    return count
+    return count + completed_invalid
+
+
+FINISHED = [s.value for s in TaskStatus if s.finished]
 
 
 LIST_ORDERS = ("newest", "next_claim_at")
@@ -229,18 +259,6 @@ def list_tasks(
         }
     docs: list[Doc] = yield Call("find", (filt,), {"sort": sort, "limit": limit})
     return docs
-
-
-def stats() -> Op[dict[str, dict[str, int]]]:
-    """Counts per name and status, in one aggregation."""
-    rows = yield Call(
-        "aggregate",
-        ([{"$group": {"_id": {"name": "$name", "status": "$status"}, "n": {"$sum": 1}}}],),
-    )
-    out: dict[str, dict[str, int]] = {}
-    for row in rows:
-        out.setdefault(str(row["_id"].get("name")), {})[str(row["_id"].get("status"))] = row["n"]
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -105,3 +105,21 @@ async def block_loop(params: dict[str, Any], ctx: TaskContext) -> str:
     time.sleep(params["seconds"])  # noqa: ASYNC251 - blocking the loop is the point
     await log(ctx, "finish")
     return "unblocked"
+
+
+@registry.task("charge", transactional=True)
+async def charge(params: dict[str, Any], ctx: TaskContext) -> str:
+    """Transactional: one ``ledger`` document and one increment of the task's ``counters``
+    document per run, with ``ctx.session``; logs ``written`` (outside the transaction) once they
+    are written, then waits ``hold_ms`` (or ``hold_ms_by_worker[worker id]``) before returning,
+    i.e. before mtask commits them with the SUCCESS."""
+    db = ctx.session.client[os.environ["CHAOS_DB"]]
+    entry = {"task": ctx.key, "run_id": ctx.run_id, "worker_id": ctx.worker_id}
+    await db["ledger"].insert_one(entry, session=ctx.session)
+    await db["counters"].update_one(
+        {"_id": ctx.key}, {"$inc": {"n": 1}}, upsert=True, session=ctx.session
+    )
+    await log(ctx, "written")
+    hold = params.get("hold_ms_by_worker", {}).get(ctx.worker_id, params.get("hold_ms", 0))
+    await asyncio.sleep(hold / 1000)
+    return "charged"

@@ -19,16 +19,16 @@ from mtask import TaskClient, store
 from mtask.clock import FixedClock
 from mtask.driver import SyncDriver, collections
 from mtask.embedded import EmbeddedMongo
-from mtask.heap import ClaimQueue
 from mtask.models import Task
-from mtask.watcher import Watcher
+from mtask.worker.claim_queue import ClaimQueue
+from mtask.worker.watcher import Watcher
 
 pytestmark = pytest.mark.chaos
 
 
-def run_cli(*args: str, module: str = "mtask.cli") -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, worker: bool = False) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", module, *args],
+        [sys.executable, "-m", "mtask", *(["worker", "run"] if worker else []), *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -41,12 +41,12 @@ def run_cli(*args: str, module: str = "mtask.cli") -> subprocess.CompletedProces
 def test_worker_with_an_unreachable_or_wrong_uri_exits_clearly() -> None:
     proc = run_cli(
         "chaosapp:registry", "--uri", "mongodb://127.0.0.1:9/?serverSelectionTimeoutMS=500",
-        "--startup-timeout", "3", module="mtask.runner",
+        "--startup-timeout", "3", worker=True,
     )  # fmt: skip
     assert proc.returncode != 0
     assert "gave up after 3s: cannot reach MongoDB" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
-    proc = run_cli("chaosapp:registry", "--uri", "http://localhost:27017", module="mtask.runner")
+    proc = run_cli("chaosapp:registry", "--uri", "http://localhost:27017", worker=True)
     assert proc.returncode != 0
     assert "invalid MongoDB URI" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -80,9 +80,7 @@ async def test_mongodb_with_authentication(tmp_path: Path, db_name: str) -> None
             proc = run_cli("stats", "--uri", uri_, "--database", db_name)
             assert proc.returncode == 1, proc.stderr
             assert text in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-        proc = run_cli(
-            "chaosapp:registry", "--uri", bad, "--startup-timeout", "5", module="mtask.runner"
-        )
+        proc = run_cli("chaosapp:registry", "--uri", bad, "--startup-timeout", "5", worker=True)
         assert proc.returncode != 0
         assert "Authentication failed" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr, proc.stderr
