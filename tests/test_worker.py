@@ -669,3 +669,26 @@ async def test_a_dropped_database_does_not_stall_the_worker(
         client.publish("add", "after", {"a": 2, "b": 2})
         await events.wait("recorded", key="after")
         assert worker.state == "running"
+
+
+async def test_rescans_that_overlap_run_one_after_the_other(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    # The stream's reopen (after a killed cursor) rescans while the sweep may be rescanning:
+    # the two must not share one half-finished scan's state (a crash here stopped the worker).
+    client.publish_many(
+        [
+            {"name": "add", "key": f"o{i:04}", "params": {"a": i, "b": 0}, "delay": 3600}
+            for i in range(300)
+        ]
+    )
+    async with running_worker(
+        registry, mongo_uri, db_name, sweep_interval=3600
+    ) as (worker, _):
+        worker.watcher.page_size = 10  # many pages: the scans interleave
+        before = worker.watcher.rescans
+        found = await asyncio.gather(*(worker.watcher.rescan() for _ in range(3)))
+        assert found == [300, 300, 300]
+        assert worker.watcher.rescans == before + 3
+        assert len(worker.watcher.queue) == 300
+        assert worker.state == "running"

@@ -160,6 +160,7 @@ class Watcher:
         """Keys of documents that could not even be marked invalid: never queued again."""
         self._touched: set[str] | None = None
         self.rescan_requested = asyncio.Event()
+        self._scanning = asyncio.Lock()
         self.rescans = 0
         self.stream_restarts = 0
 
@@ -335,7 +336,13 @@ class Watcher:
     # -- scanning -----------------------------------------------------------------------------
 
     async def rescan(self) -> int:
-        """Page through every open task for our names, soonest first, until the queue is full."""
+        """Page through every open task for our names, soonest first, until the queue is full.
+        Rescans run one at a time: the stream's reopen may ask for one while the sweep's runs,
+        and a scan's state (``_touched``, the cleared queue) is its own."""
+        async with self._scanning:
+            return await self._rescan()
+
+    async def _rescan(self) -> int:
         self.rescans += 1
         self._touched = set()
         self.queue.clear()
