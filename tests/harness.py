@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-from collections.abc import AsyncIterator, Callable
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from mtask.registry import Registry
@@ -84,3 +88,25 @@ async def _ready(worker: Worker, task: asyncio.Task[None]) -> None:
         if task.done():
             task.result()
         await asyncio.sleep(0.01)
+
+
+TESTS = Path(__file__).parent
+
+
+@contextlib.contextmanager
+def worker_process(uri: str, db: str, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mtask", "worker", "run", "workerapp:registry", "--uri", uri,
+         "--database", db, "--log-level", "WARNING", *extra],
+        cwd=TESTS,
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+    )  # fmt: skip
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

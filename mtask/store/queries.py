@@ -1,5 +1,5 @@
 """Read-only questions an operator asks of a large collection, each answered from an index
-(tests/test_indexes.py checks each plan with ``explain``): counts per name and status
+(tests/integration/test_indexes.py checks each plan with ``explain``): counts per name and status
 (``stats``), recently finished tasks, all runs of a worker, delayed tasks, and error text."""
 
 from __future__ import annotations

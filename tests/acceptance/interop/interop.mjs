@@ -1,6 +1,6 @@
 // Publishes task documents from Node.js with the official driver, as a service in another
 // language would (docs/publishing.md), waits for one outcome through a change stream, waits
-// until every document is settled, and prints them as JSON lines (tests/interop/test_node.py
+// until every document is settled, and prints them as JSON lines (tests/acceptance/interop/test_node.py
 // checks them). Needs MONGODB_URI and MTASK_DATABASE; a real mtask-worker runs the tasks.
 import { MongoClient } from "mongodb";
 

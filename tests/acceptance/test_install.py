@@ -20,8 +20,8 @@ import pytest
 from mtask import TaskClient, __version__
 from mtask.embedded import free_port
 
-ROOT = Path(__file__).parent.parent
-TESTS = Path(__file__).parent
+ROOT = Path(__file__).parents[2]
+TESTS = Path(__file__).parents[1]
 pytestmark = pytest.mark.slow
 
 

@@ -13,7 +13,7 @@ from test_node import HERE, node_or_skip, spawn_worker, wait_for_worker
 
 from mtask import TaskClient
 
-DOC = HERE.parent.parent / "docs" / "publishing.md"
+DOC = HERE.parents[2] / "docs" / "publishing.md"
 
 
 def example(heading: str, language: str) -> str:

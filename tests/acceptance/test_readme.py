@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pymongo import MongoClient
 
-README = Path(__file__).parent.parent / "README.md"
+README = Path(__file__).parents[2] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 

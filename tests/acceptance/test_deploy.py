@@ -23,8 +23,8 @@ import yaml
 from mtask import TaskClient
 from mtask.metrics import DueTasks
 
-ROOT = Path(__file__).parent.parent
-TESTS = Path(__file__).parent
+ROOT = Path(__file__).parents[2]
+TESTS = Path(__file__).parents[1]
 K8S = ROOT / "deploy" / "kubernetes"
 CI = bool(os.environ.get("CI"))
 

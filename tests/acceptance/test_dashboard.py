@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_metrics import worker_process
+from harness import worker_process
 from webserver import serving
 
 from mtask import TaskClient

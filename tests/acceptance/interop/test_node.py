@@ -17,18 +17,18 @@ import pytest
 from mtask import TaskClient
 
 HERE = Path(__file__).parent
-TESTS = HERE.parent
+TESTS = HERE.parents[1]
 
 
 def node_or_skip() -> str:
-    """The ``node`` binary with the driver installed (``npm ci --prefix tests/interop``):
+    """The ``node`` binary with the driver installed (``npm ci --prefix tests/acceptance/interop``):
     missing, the test fails under CI=true (``.ci/run`` installs both) and skips otherwise."""
     node = shutil.which("node")
     problem = None
     if node is None:
         problem = "Node.js is not installed (Debian: apt-get install nodejs npm)"
     elif not (HERE / "node_modules" / "mongodb").is_dir():
-        problem = "the mongodb npm driver is missing: run npm ci --prefix tests/interop"
+        problem = "the mongodb npm driver is missing: run npm ci --prefix tests/acceptance/interop"
     if problem:
         if os.environ.get("CI") == "true":
             pytest.fail(problem)

@@ -2,42 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2 as httpx
-from harness import running_worker
+from harness import running_worker, worker_process
 from promtool import check_metrics
 from workerapp import registry
 
 from mtask import TaskClient
 from mtask.embedded import free_port
 
-TESTS = Path(__file__).parent
-
-
-@contextlib.contextmanager
-def worker_process(uri: str, db: str, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mtask", "worker", "run", "workerapp:registry", "--uri", uri,
-         "--database", db, "--log-level", "WARNING", *extra],
-        cwd=TESTS,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
-    )  # fmt: skip
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+TESTS = Path(__file__).parents[1]
 
 
 def scrape(port: int) -> str | None:

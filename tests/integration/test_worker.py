@@ -682,9 +682,7 @@ async def test_rescans_that_overlap_run_one_after_the_other(
             for i in range(300)
         ]
     )
-    async with running_worker(
-        registry, mongo_uri, db_name, sweep_interval=3600
-    ) as (worker, _):
+    async with running_worker(registry, mongo_uri, db_name, sweep_interval=3600) as (worker, _):
         worker.watcher.page_size = 10  # many pages: the scans interleave
         before = worker.watcher.rescans
         found = await asyncio.gather(*(worker.watcher.rescan() for _ in range(3)))

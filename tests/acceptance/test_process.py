@@ -17,7 +17,7 @@ from workerapp import registry
 from mtask import TaskClient
 from mtask.cli.worker import stop_on_signals
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 
 
 def spawn_worker(uri: str, db: str, *extra: str) -> subprocess.Popen[str]:

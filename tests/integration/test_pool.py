@@ -184,7 +184,7 @@ def test_no_child_outlives_a_killed_parent(tmp_path: Path) -> None:
         )
     )
     with subprocess.Popen(
-        [sys.executable, str(script), str(Path(__file__).parent)], stdout=subprocess.PIPE
+        [sys.executable, str(script), str(Path(__file__).parents[1])], stdout=subprocess.PIPE
     ) as parent:
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
