@@ -7,7 +7,14 @@ from typing import Any
 from mtask import TaskClient
 from mtask.driver import Call
 from mtask.store import Outcome, RunState, claim, claim_filter, finish_many, list_query, scan
-from mtask.store.queries import delayed, recently_finished, runs_by_worker, stats, with_error
+from mtask.store.queries import (
+    delayed,
+    delayed_find,
+    recently_finished,
+    runs_by_worker,
+    stats,
+    with_error,
+)
 
 
 def _stages(plan: dict[str, Any]) -> set[str]:
@@ -116,7 +123,7 @@ def test_operator_queries_use_their_indexes(client: TaskClient) -> None:
     for op, index in [
         (recently_finished(10), "finished"),
         (runs_by_worker("w1", 10), "worker_runs"),
-        (delayed(now, 10), "due"),
+        (iter([delayed_find(["n0", "n1"], now, 10)]), "claim"),
     ]:
         explain = _explain_call(client, next(op))
         stages = _winning(explain)
