@@ -170,7 +170,7 @@ def placeable(doc: Mapping[str, Any]) -> bool:
     if status in OPEN_STATUSES and not isinstance(doc.get("next_claim_at"), dt.datetime):
         return isinstance(waiting, list) and bool(waiting)  # else no claim can reach it
     options = doc.get("options")
-    return not isinstance(options, dict) or all(k in _OPTION_SET for k in options)
+    return not isinstance(options, dict) or _OPTION_SET.issuperset(options)
 
 
 _OPTION_SET = frozenset(OPTION_NAMES)

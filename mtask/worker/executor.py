@@ -23,7 +23,7 @@ import random
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import bson
@@ -31,7 +31,7 @@ import bson
 from mtask import flows, metrics
 from mtask.errors import InvalidParams, InvalidTask, LeaseLost
 from mtask.invoke import invoke
-from mtask.models import RunState
+from mtask.models import DEFAULT_KEEP_MS, RunState
 from mtask.pool import ChildDied, HandlerError, ProcessPool, TimeLimitExceeded
 from mtask.registry import Fail, Handler, Registry, Retry, TaskContext
 from mtask.statemachine import keep_ms
@@ -104,9 +104,8 @@ class RunOutcomes:
                     isolation=self.isolation,
                     thread_name=f"mtask-run-{run.key}",
                 )
-            return replace(  # issue 17: the retention the plain SUCCESS updates write
-                self.success(run, result), keep_ms=keep_ms(doc.get("options") or {}, "succeeded")
-            )
+            # issue 17: the retention the plain SUCCESS updates write
+            return self.success(run, result, keep_ms(doc.get("options") or {}, "succeeded"))
         except Retry as exc:
             delay = None if exc.delay is None else round(exc.delay * 1000)
             return self.failure(run, f"retry requested: {exc}", retry_delay_ms=delay)
@@ -156,7 +155,9 @@ class RunOutcomes:
             return refused.outcome
         return dataclasses.replace(built[-1], committed=True)
 
-    def success(self, run: ActiveRun, result: Any) -> Outcome:
+    def success(
+        self, run: ActiveRun, result: Any, keep: int | None = DEFAULT_KEEP_MS["succeeded"]
+    ) -> Outcome:
         steps: tuple[dict[str, Any], ...] = ()
         if flows.is_steps(result):
             try:
@@ -187,6 +188,7 @@ class RunOutcomes:
             has_dependents=run.has_dependents,
             worker_id=run.ctx.worker_id,
             result_bytes=size,
+            keep_ms=keep,
         )
 
     def failure(
