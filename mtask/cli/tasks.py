@@ -189,26 +189,25 @@ def _one_key(args: argparse.Namespace) -> str:
     return str(args.key)
 
 
-@commands.command("cancel")
-def cmd_cancel(args: argparse.Namespace) -> int:
+def _act(args: argparse.Namespace, action: str, done: str) -> int:
+    """``cancel`` or ``retry`` of one KEY, or of every task a filter matches (``bulk``)."""
     if args.key is None and bulk.has_filter(args):
         return bulk.run(args)
-    args.key = _one_key(args)
+    key = _one_key(args)
     with task_client(args) as client:
-        task = client.cancel(args.key)
-    out.print(f"cancelled: {task.key}")
+        task = getattr(client, action)(key)
+    out.print(f"{done}: {task.key}")
     return 0
+
+
+@commands.command("cancel")
+def cmd_cancel(args: argparse.Namespace) -> int:
+    return _act(args, "cancel", "cancelled")
 
 
 @commands.command("retry")
 def cmd_retry(args: argparse.Namespace) -> int:
-    if args.key is None and bulk.has_filter(args):
-        return bulk.run(args)
-    args.key = _one_key(args)
-    with task_client(args) as client:
-        task = client.retry(args.key)
-    out.print(f"pending again: {task.key}")
-    return 0
+    return _act(args, "retry", "pending again")
 
 
 @commands.command("workers")
