@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from typing import Any
 from pymongo import MongoClient
 
 from mtask.client import TaskClient
+from mtask.testing import worker_argv
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: `bench` imports from there
 
@@ -53,21 +53,7 @@ def pct(values: list[float], q: float) -> float:
 
 def spawn_worker(uri: str, database: str, *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mtask",
-            "worker",
-            "run",
-            "bench.app:registry",
-            "--uri",
-            uri,
-            "--database",
-            database,
-            "--log-level",
-            "WARNING",
-            *extra,
-        ],
+        worker_argv("bench.app:registry", uri, database, *extra),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         cwd=ROOT,

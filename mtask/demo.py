@@ -11,7 +11,6 @@ import asyncio
 import random
 import signal
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -22,6 +21,7 @@ from rich.table import Table
 
 from mtask.client import TaskClient
 from mtask.registry import Registry, TaskContext
+from mtask.testing import worker_argv
 
 registry = Registry()
 
@@ -82,27 +82,9 @@ def sample_tasks(rng: random.Random) -> list[dict[str, Any]]:
 
 
 def _spawn(uri: str, index: int) -> subprocess.Popen[bytes]:
+    options = ["--worker-id", f"worker-{index}", "--concurrency", "16", "--grace", "5"]
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mtask",
-            "worker",
-            "run",
-            "mtask.demo:registry",
-            "--uri",
-            uri,
-            "--database",
-            DATABASE,
-            "--worker-id",
-            f"worker-{index}",
-            "--concurrency",
-            "16",
-            "--log-level",
-            "ERROR",
-            "--grace",
-            "5",
-        ],
+        worker_argv("mtask.demo:registry", uri, DATABASE, *options, "--log-level", "ERROR"),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
     )

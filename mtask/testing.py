@@ -19,6 +19,7 @@ the worker publishes after the success), ``error`` (the message or traceback), `
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -30,7 +31,7 @@ from mtask.worker.events import Emitter
 from mtask.worker.executor import RunOutcomes, WorkerStats
 from mtask.worker.inflight import ActiveRun
 
-__all__ = ["Outcome", "arun_handler", "run_handler"]
+__all__ = ["Outcome", "arun_handler", "run_handler", "worker_argv"]
 
 
 async def arun_handler(
@@ -71,3 +72,12 @@ def run_handler(
     raise RuntimeError(
         "run_handler cannot be called from a running event loop: await arun_handler() instead"
     )
+
+
+def worker_argv(registry: str, uri: str, database: str, *extra: str) -> list[str]:
+    """The command line of a worker process for ``registry`` (``module:attribute``) with this
+    interpreter: for integration tests and tools that start real workers (``extra``: more
+    ``mtask worker run`` options; ``--log-level WARNING`` unless given)."""
+    level = [] if "--log-level" in extra else ["--log-level", "WARNING"]
+    return [sys.executable, "-m", "mtask", "worker", "run", registry, "--uri", uri,
+            "--database", database, *level, *extra]  # fmt: skip

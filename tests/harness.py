@@ -7,12 +7,12 @@ import contextlib
 import datetime as dt
 import os
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from mtask.registry import Registry
+from mtask.testing import worker_argv
 from mtask.worker import Worker
 
 T0 = dt.datetime(2046, 3, 1, 12, 0, tzinfo=dt.UTC)
@@ -96,8 +96,7 @@ TESTS = Path(__file__).parent
 @contextlib.contextmanager
 def worker_process(uri: str, db: str, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mtask", "worker", "run", "workerapp:registry", "--uri", uri,
-         "--database", db, "--log-level", "WARNING", *extra],
+        worker_argv("workerapp:registry", uri, db, *extra),
         cwd=TESTS,
         env={**os.environ, "PYTHONPATH": str(TESTS)},
     )  # fmt: skip

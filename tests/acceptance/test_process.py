@@ -16,27 +16,14 @@ from workerapp import registry
 
 from mtask import TaskClient
 from mtask.cli.worker import stop_on_signals
+from mtask.testing import worker_argv
 
 TESTS = Path(__file__).parents[1]
 
 
 def spawn_worker(uri: str, db: str, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mtask",
-            "worker",
-            "run",
-            "workerapp:registry",
-            "--uri",
-            uri,
-            "--database",
-            db,
-            "--log-level",
-            "WARNING",
-            *extra,
-        ],
+        worker_argv("workerapp:registry", uri, db, *extra),
         cwd=TESTS,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

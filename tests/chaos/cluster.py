@@ -7,7 +7,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from pymongo.errors import PyMongoError
 
 from mtask import TaskClient
 from mtask.embedded import find_mongod, free_port
+from mtask.testing import worker_argv
 
 HERE = Path(__file__).parent
 
@@ -56,25 +56,9 @@ class Cluster:
         prefix: list[str] | None = None,
     ) -> subprocess.Popen[bytes]:
         log = open(self.logs / f"{worker_id}.log", "ab")  # noqa: SIM115 - closed with the process
+        options = ("--worker-id", worker_id, "--log-level", "INFO", *args)
         proc = subprocess.Popen(
-            [
-                *(prefix or []),
-                sys.executable,
-                "-m",
-                "mtask",
-                "worker",
-                "run",
-                "chaosapp:registry",
-                "--uri",
-                self.uri,
-                "--database",
-                self.database,
-                "--worker-id",
-                worker_id,
-                "--log-level",
-                "INFO",
-                *args,
-            ],
+            [*(prefix or []), *worker_argv("chaosapp:registry", self.uri, self.database, *options)],
             cwd=HERE,
             stdout=log,
             stderr=subprocess.STDOUT,

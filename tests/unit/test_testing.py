@@ -126,3 +126,18 @@ def test_a_run_that_lost_its_lease_cannot_publish() -> None:
     outcome = run_handler(registry, "zombie", publisher=publisher)
     assert published == []
     assert outcome.error is not None and "LeaseLost: run test-key:test-run" in outcome.error
+
+
+def test_worker_argv_is_a_worker_command_line() -> None:
+    import subprocess
+
+    from mtask.testing import worker_argv
+
+    argv = worker_argv(
+        "workerapp:registry", "mongodb://h/?replicaSet=r", "db", "--concurrency", "3"
+    )
+    assert argv[1:5] == ["-m", "mtask", "worker", "run"]
+    assert argv[-4:] == ["--log-level", "WARNING", "--concurrency", "3"]
+    assert "--log-level" not in worker_argv("a:b", "u", "d", "--log-level", "INFO")[:-2]
+    shown = subprocess.run([*argv, "--help"], capture_output=True, text=True, check=True)
+    assert "--concurrency" in shown.stdout  # the interpreter and module run as a worker would

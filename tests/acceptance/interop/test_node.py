@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 
 from mtask import TaskClient
+from mtask.testing import worker_argv
 
 HERE = Path(__file__).parent
 TESTS = HERE.parents[1]
@@ -39,22 +39,7 @@ def node_or_skip() -> str:
 
 def spawn_worker(uri: str, db: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mtask",
-            "worker",
-            "run",
-            "workerapp:registry",
-            "--uri",
-            uri,
-            "--database",
-            db,
-            "--sweep-interval",
-            "0.5",
-            "--log-level",
-            "WARNING",
-        ],
+        worker_argv("workerapp:registry", uri, db, "--sweep-interval", "0.5"),
         cwd=TESTS,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
