@@ -28,6 +28,7 @@ from mtask.connection import async_client, sync_client
 from mtask.errors import InvalidTask, TaskNotFound
 from mtask.models import (
     DEFAULT_MAX_PARAMS_BYTES,
+    ON_CONFLICT_CHOICES,
     NewTask,
     OnConflict,
     PublishResult,
@@ -105,7 +106,7 @@ def build_many(
 
 
 def _check_on_conflict(on_conflict: str) -> None:
-    if on_conflict not in ("ignore", "update_params", "reset"):
+    if on_conflict not in ON_CONFLICT_CHOICES:
         raise InvalidTask(
             f"must be ignore, update_params or reset, not {on_conflict!r}", field="on_conflict"
         )
@@ -157,7 +158,6 @@ class _Base:
     ) -> None:
         self.registry = registry
         """Handlers whose declared option defaults complete this client's publishes."""
-        self.database_name = database
         self.collection_name = collection
         self.max_params_bytes = max_params_bytes
         self.clock: Clock = clock or ServerClock()

@@ -45,7 +45,6 @@ class ServerClock:
         # (server time, monotonic time) read together: one attribute, so a thread calling
         # now() while another calibrates never sees half of an update.
         self._anchor: tuple[dt.datetime, float] | None = None
-        self.last_rtt: float | None = None
 
     @property
     def calibrated(self) -> bool:
@@ -56,7 +55,6 @@ class ServerClock:
         if server_time.tzinfo is None:
             server_time = server_time.replace(tzinfo=UTC)
         rtt = after - before
-        self.last_rtt = rtt
         # localTime was read somewhere inside the round trip; assume the middle. (localTime has
         # millisecond resolution, so the offset is good to about a millisecond plus rtt/2.)
         self._anchor = (server_time, before + rtt / 2)

@@ -11,15 +11,12 @@ import datetime as dt
 import os
 from typing import Any
 
-from bson.codec_options import CodecOptions
 from pymongo import AsyncMongoClient, MongoClient
 from pymongo.errors import ConfigurationError, InvalidURI
-from pymongo.write_concern import WriteConcern
 
 from mtask.errors import StorageError
 
 ENV_URI = "MTASK_MONGODB_URI"
-CODEC_OPTIONS: CodecOptions[dict[str, Any]] = CodecOptions(tz_aware=True, tzinfo=dt.UTC)
 CLIENT_OPTIONS: dict[str, Any] = {
     "tz_aware": True,
     "tzinfo": dt.UTC,
@@ -72,6 +69,3 @@ def async_client(uri: str | None = None, **options: Any) -> AsyncMongoClient[dic
         return AsyncMongoClient(resolved, **_options(resolved, options))
     except (ConfigurationError, InvalidURI, ValueError) as exc:
         raise StorageError(f"invalid MongoDB URI: {exc}") from None
-
-
-MAJORITY = WriteConcern("majority")

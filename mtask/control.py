@@ -9,9 +9,7 @@ from typing import Any
 
 from pymongo import ASCENDING, ReturnDocument
 
-from mtask.driver import Call, Op
-
-Doc = dict[str, Any]
+from mtask.driver import Call, Doc, Op
 
 
 def heartbeat(info: Mapping[str, Any], now: dt.datetime) -> Op[Doc]:

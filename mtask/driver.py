@@ -28,6 +28,9 @@ from pymongo.errors import (
 
 from mtask.errors import StorageError
 
+Doc = dict[str, Any]
+"""A MongoDB document as the drivers return it (and as operations build them)."""
+
 T = TypeVar("T")
 
 

@@ -34,6 +34,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import OperationFailure, PyMongoError
 from pymongo.synchronous.collection import Collection
 
+from mtask.driver import Doc
 from mtask.errors import EventsLost, StorageError, TaskNotFound, WaitTimeout
 from mtask.models import FINISHED_STATUSES
 
@@ -41,7 +42,6 @@ log = logging.getLogger("mtask.events")
 FINISHED = sorted(s.value for s in FINISHED_STATUSES)
 HISTORY_LOST = {136, 280, 286}  # CappedPositionLost, ChangeStreamFatalError, HistoryLost
 AWAIT_MS = 500
-Doc = dict[str, Any]
 
 
 # -- pipelines ---------------------------------------------------------------------------------

@@ -25,11 +25,10 @@ from typing import Any
 
 from pymongo import UpdateOne
 
-from mtask.driver import Call, Op
+from mtask.driver import Call, Doc, Op
 from mtask.models import MAX_KEY_LENGTH, NewTask, TaskStatus
 from mtask.statemachine import recompute_stages
 
-Doc = dict[str, Any]
 FAILED_FOR_GOOD = (TaskStatus.FAILED.value, TaskStatus.CANCELLED.value, TaskStatus.INVALID.value)
 MAX_TREE_NODES = 10_000
 

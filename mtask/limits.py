@@ -20,15 +20,13 @@ import datetime as dt
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from pymongo import ReturnDocument
 
-from mtask.driver import Call, Op
+from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask
 from mtask.models import validate_name
 
-Doc = dict[str, Any]
 MAX_LIMIT_CONCURRENCY = 1_000_000
 MAX_RATE = 1_000_000.0
 

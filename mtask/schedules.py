@@ -38,7 +38,7 @@ from pymongo import ASCENDING, ReturnDocument
 from pymongo.errors import DuplicateKeyError
 
 from mtask import store
-from mtask.driver import Call, Op
+from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask
 from mtask.errors import ScheduleNotFound as ScheduleNotFound  # where mtask.web, the CLI look
 from mtask.models import (
@@ -51,7 +51,6 @@ from mtask.models import (
 
 log = logging.getLogger("mtask.schedules")
 
-Doc = dict[str, Any]
 CatchUp = Literal["none", "latest", "all"]
 CATCH_UP_CHOICES = ("none", "latest", "all")
 MAX_TICKS_PER_PASS = 1000

@@ -25,7 +25,7 @@ import asyncio
 import datetime as dt
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from pymongo import AsyncMongoClient
 from pymongo.asynchronous.client_session import AsyncClientSession
@@ -33,13 +33,12 @@ from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
 from mtask.clock import Clock
-from mtask.driver import AsyncDriver
+from mtask.driver import AsyncDriver, Doc
 from mtask.errors import LeaseLost, MtaskError
 from mtask.store.outcomes import Outcome
 from mtask.store.transactional import complete_in_transaction
 
 T = TypeVar("T")
-Doc = dict[str, Any]
 
 DEFAULT_LIFETIME_S = 50.0
 """How long a transactional run's body may take: under MongoDB's default 60 s

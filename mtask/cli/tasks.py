@@ -22,7 +22,7 @@ from mtask.cli.common import (
 )
 from mtask.client import build_many
 from mtask.errors import InvalidTask, TaskNotFound, UsageError
-from mtask.models import Task, TaskStatus
+from mtask.models import ON_CONFLICT_CHOICES, Task, TaskStatus
 
 BATCH = 1000
 commands = Commands()
@@ -318,7 +318,7 @@ def register(sub: Any) -> None:
     p.add_argument("--ping-interval-ms", type=int)
     p.add_argument("--worker", action="append", help="only this worker id may run it (repeat)")
     p.add_argument("--delay", type=float, help="seconds before it may run")
-    p.add_argument("--on-conflict", default="ignore", choices=["ignore", "update_params", "reset"])
+    p.add_argument("--on-conflict", default="ignore", choices=ON_CONFLICT_CHOICES)
     p.add_argument(
         "--depends-on", action="append", help="run only after this task succeeded (repeat)"
     )

@@ -20,16 +20,15 @@ import datetime as dt
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from pymongo import ASCENDING, DESCENDING, IndexModel
 
-from mtask.driver import Call, Op
+from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask, InvalidTransition, TaskNotFound
 from mtask.models import FINISHED_STATUSES, OPEN_STATUSES, TaskStatus
 from mtask.store import tasks
 
-Doc = dict[str, Any]
 Action = Literal["retry", "cancel", "purge"]
 MAX_PER_CALL = 1000
 """Retry and cancel change at most this many tasks per call (``truncated`` says more matched)."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from pymongo import ReturnDocument
 
-from mtask.driver import Call, Op
+from mtask.driver import Call, Doc, Op
 from mtask.models import RunState, TaskStatus
 from mtask.statemachine import (
     OPEN,
@@ -22,8 +22,6 @@ from mtask.statemachine import (
     set_run_fields,
 )
 from mtask.store.schema import LAST_WRITE, SPECIFIC, WELL_FORMED, claim_tag, literal
-
-Doc = dict[str, Any]
 
 
 def claim_filter(

@@ -20,13 +20,12 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from mtask.driver import Call, Op
+from mtask.driver import Call, Doc, Op
 from mtask.jsonschema import validator_schema
 from mtask.models import DEFAULT_MAX_PARAMS_BYTES, OPTION_DEFAULTS, TaskStatus
 from mtask.statemachine import OPEN, recompute_stages
 from mtask.store.schema import unknown_option_check
 
-Doc = dict[str, Any]
 NOW = "$$NOW"
 ABSENT = ["missing", "null"]
 

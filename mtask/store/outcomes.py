@@ -10,7 +10,7 @@ from typing import Any
 import bson
 from pymongo import ReturnDocument, UpdateOne
 
-from mtask.driver import Call, Op
+from mtask.driver import Call, Doc, Op
 from mtask.models import DEFAULT_KEEP_MS, OPTION_DEFAULTS, RunState, TaskStatus
 from mtask.statemachine import (
     RUNNING,
@@ -19,8 +19,6 @@ from mtask.statemachine import (
 )
 from mtask.store.claims import run_filter
 from mtask.store.schema import LAST_WRITE, literal, success_tag
-
-Doc = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -32,7 +30,6 @@ class Outcome:
     state: RunState
     result: Any = None
     error: str | None = None
-    counts_as_failure: bool = True
     permanent: bool = False
     retry_delay_ms: int | None = None
     """Explicit delay before the task may be claimed again (FAIL); None: the task's backoff."""
@@ -108,8 +105,7 @@ def finish_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, list[Doc]]:
     elif state is RunState.FAIL:
         run_fields["error"] = literal(outcome.error)
         sets["error"] = literal(outcome.error)
-        if outcome.counts_as_failure:
-            sets["failures"] = {"$add": ["$failures", 1]}
+        sets["failures"] = {"$add": ["$failures", 1]}
         if outcome.permanent:
             sets["failed_permanently"] = True
     elif state is RunState.RELEASED:

@@ -10,10 +10,9 @@ from typing import Any
 
 from pymongo import ASCENDING, DESCENDING
 
-from mtask.driver import Call, Op
+from mtask.driver import Call, Doc, Op
 from mtask.models import TaskStatus
 
-Doc = dict[str, Any]
 STATUSES = [s.value for s in TaskStatus]
 STATS_INDEX = "name_status_newest"
 """Counts are ``COUNT_SCAN``s of this index's (name, status) prefix."""

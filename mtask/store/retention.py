@@ -26,7 +26,7 @@ from typing import Any
 
 from pymongo import ReturnDocument
 
-from mtask.driver import Call, Op
+from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask
 from mtask.models import (
     DEFAULT_KEEP_MS,
@@ -40,7 +40,6 @@ from mtask.models import (
 )
 from mtask.statemachine import OPEN, keep_ms
 
-Doc = dict[str, Any]
 COLLECTION = "retention"
 GLOBAL = "*"
 """The ``retention`` document that holds the defaults for every name."""

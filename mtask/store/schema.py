@@ -10,11 +10,8 @@ from typing import Any
 from pymongo import ASCENDING, DESCENDING, TEXT, IndexModel
 from pymongo.errors import OperationFailure
 
-from mtask.driver import Call, Op
+from mtask.driver import Call, Doc, Op
 from mtask.models import OPEN_STATUSES, OPTION_NAMES, NewTask, TaskStatus
-
-Doc = dict[str, Any]
-
 
 INDEXES: dict[str, list[IndexModel]] = {
     "tasks": [

@@ -11,7 +11,7 @@ from typing import Any
 from pymongo import ASCENDING, DESCENDING, ReturnDocument, UpdateOne
 from pymongo.errors import DuplicateKeyError
 
-from mtask.driver import Call, Op
+from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTransition, TaskNotFound
 from mtask.models import NewTask, OnConflict, TaskStatus
 from mtask.statemachine import (
@@ -29,8 +29,6 @@ from mtask.store.schema import (
     new_document,
     well_formed_expr,
 )
-
-Doc = dict[str, Any]
 
 # ---------------------------------------------------------------------------------------------
 # Publishing

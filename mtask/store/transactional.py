@@ -16,16 +16,13 @@ before the takeover. Read-only fences would not conflict.
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
 
 from pymongo import ReturnDocument
 
-from mtask.driver import Call, Op
+from mtask.driver import Call, Doc, Op
 from mtask.models import RunState, TaskStatus
 from mtask.statemachine import RUNNING
 from mtask.store.outcomes import Outcome, finish_update
-
-Doc = dict[str, Any]
 
 
 def lease_alive_expr(run_id: str) -> Doc:
