@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import builtins
 import datetime as dt
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
@@ -163,6 +164,8 @@ class _Base:
         self.clock: Clock = clock or ServerClock()
         self._server_clock = self.clock if isinstance(self.clock, ServerClock) else None
         self._ready = False
+        self._retention = retention.DefaultsCache()
+        """The retention defaults, read at most every ``retention.CACHE_SECONDS``."""
 
 
 class TaskClient(_Base):
@@ -235,7 +238,10 @@ class TaskClient(_Base):
             depends_on=depends_on,
         )
         with tracing.publish_span(task.name, task.key) as trace:
-            published = self._run(store.publish(task, now, on_conflict, trace=trace), session)
+            published = self._run(
+                store.publish(task, now, on_conflict, trace=trace, retention=self._defaults()),
+                session,
+            )
         _count_created({task.name: 1} if published.created else {})
         if task.depends_on:
             self._run(flows.after_publish([task], now), session)
@@ -256,7 +262,10 @@ class TaskClient(_Base):
         by_name: dict[str, int] = {}
         with tracing.publish_span(None, None, count=len(tasks)) as trace:
             created = self._run(
-                store.publish_many(tasks, now, created_by_name=by_name, trace=trace), session
+                store.publish_many(
+                    tasks, now, created_by_name=by_name, trace=trace, retention=self._defaults()
+                ),
+                session,
             )
         _count_created(by_name)
         self._run(flows.after_publish(tasks, now), session)
@@ -374,11 +383,21 @@ class TaskClient(_Base):
     ) -> dict[str, Any]:
         """How long finished tasks of ``name`` (``"*"``: of every name) are kept, per status,
         in ms (-1: forever; ``None``: the next level's default). Applies to tasks published
-        afterwards (it is written into each task's options at publish)."""
+        afterwards (it is written into each task's options at publish; other clients read
+        the defaults again within ``retention.CACHE_SECONDS``)."""
+        self._retention.clear()
         return self._run(retention.set_defaults(name, succeeded_ms, failed_ms, cancelled_ms))
 
     def clear_retention(self, name: str) -> bool:
+        self._retention.clear()
         return self._run(retention.clear_defaults(name))
+
+    def _defaults(self) -> dict[str, Any]:
+        now = time.monotonic()
+        known = self._retention.get(now)
+        if known is None:
+            known = self._retention.put(self._run(retention.all_defaults()), now)
+        return known
 
     def retention(self) -> builtins.list[dict[str, Any]]:
         """The retention defaults set, per name (``"*"``: every name)."""
@@ -531,7 +550,12 @@ class AsyncTaskClient(_Base):
             depends_on=depends_on,
         )
         with tracing.publish_span(task.name, task.key) as trace:
-            published = await self._run(store.publish(task, now, on_conflict, trace=trace), session)
+            published = await self._run(
+                store.publish(
+                    task, now, on_conflict, trace=trace, retention=await self._defaults()
+                ),
+                session,
+            )
         _count_created({task.name: 1} if published.created else {})
         if task.depends_on:
             await self._run(flows.after_publish([task], now), session)
@@ -550,7 +574,14 @@ class AsyncTaskClient(_Base):
         by_name: dict[str, int] = {}
         with tracing.publish_span(None, None, count=len(tasks)) as trace:
             created = await self._run(
-                store.publish_many(tasks, now, created_by_name=by_name, trace=trace), session
+                store.publish_many(
+                    tasks,
+                    now,
+                    created_by_name=by_name,
+                    trace=trace,
+                    retention=await self._defaults(),
+                ),
+                session,
             )
         _count_created(by_name)
         await self._run(flows.after_publish(tasks, now), session)
@@ -657,10 +688,19 @@ class AsyncTaskClient(_Base):
         cancelled_ms: int | None = None,
     ) -> dict[str, Any]:
         """See ``TaskClient.set_retention``."""
+        self._retention.clear()
         return await self._run(retention.set_defaults(name, succeeded_ms, failed_ms, cancelled_ms))
 
     async def clear_retention(self, name: str) -> bool:
+        self._retention.clear()
         return await self._run(retention.clear_defaults(name))
+
+    async def _defaults(self) -> dict[str, Any]:
+        now = time.monotonic()
+        known = self._retention.get(now)
+        if known is None:
+            known = self._retention.put(await self._run(retention.all_defaults()), now)
+        return known
 
     async def retention(self) -> builtins.list[dict[str, Any]]:
         return await self._run(retention.all_defaults())

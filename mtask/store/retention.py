@@ -11,8 +11,8 @@ names::
 
     {_id: name | "*", succeeded_ms: int | -1 | null, failed_ms: ..., cancelled_ms: ...}
 
-They are resolved when a task is published (one read of this small collection per
-``publish``/``publish_many`` call) and written into the task's options, so every document
+They are resolved when a task is published (from this small collection, which a client reads
+at most once every ``CACHE_SECONDS``) and written into the task's options, so every document
 states its own retention, whoever reads it and in whatever language; a change of defaults
 applies to tasks published afterwards. A document inserted without these options (by hand, by
 another language's driver) gets the built-in defaults (``models.DEFAULT_KEEP_MS``).
@@ -42,6 +42,10 @@ from mtask.statemachine import OPEN, keep_ms
 
 COLLECTION = "retention"
 GLOBAL = "*"
+CACHE_SECONDS = 10.0
+"""How long a client reuses the defaults it read (``resolve``'s ``known``): a publish costs no
+extra round trip, and a default changed by another process applies to tasks published at most
+this long afterwards (at once for the client that changed it)."""
 """The ``retention`` document that holds the defaults for every name."""
 PURGEABLE = tuple(s.value for s in TaskStatus if s.finished)
 PURGE_DEFAULT_STATUSES = ("succeeded", "failed", "cancelled")
@@ -92,21 +96,43 @@ def all_defaults() -> Op[list[Doc]]:
     return docs
 
 
+class DefaultsCache:
+    """A client's copy of ``all_defaults`` by id, good for ``CACHE_SECONDS`` (monotonic)."""
+
+    def __init__(self) -> None:
+        self._until = -1.0
+        self._known: dict[str, Doc] = {}
+
+    def get(self, now: float) -> dict[str, Doc] | None:
+        return self._known if now < self._until else None
+
+    def put(self, docs: Sequence[Doc], now: float) -> dict[str, Doc]:
+        self._known = {d["_id"]: d for d in docs}
+        self._until = now + CACHE_SECONDS
+        return self._known
+
+    def clear(self) -> None:
+        self._until = -1.0
+
+
 def _unset(task: NewTask) -> bool:
     return any(getattr(task.options, f) is None for f in KEEP_FIELDS.values())
 
 
-def resolve(tasks: Sequence[NewTask]) -> Op[list[NewTask]]:
+def resolve(tasks: Sequence[NewTask], known: Mapping[str, Doc] | None = None) -> Op[list[NewTask]]:
     """``tasks`` with every unset ``keep_*_ms`` option filled from the name's default, else the
     global one, else the built-in one: one read of the ``retention`` collection, none if every
-    task sets all three itself."""
+    task sets all three itself or the caller ``known``s the defaults (``all_defaults`` by id,
+    read a moment ago: the clients keep them ``CACHE_SECONDS``)."""
     if not any(_unset(t) for t in tasks):
         return list(tasks)
-    names = sorted({t.name for t in tasks if _unset(t)})
-    docs: list[Doc] = yield Call(
-        "find", ({"_id": {"$in": [*names, GLOBAL]}},), collection=COLLECTION
-    )
-    by_id = {d["_id"]: d for d in docs}
+    if known is None:
+        names = sorted({t.name for t in tasks if _unset(t)})
+        docs: list[Doc] = yield Call(
+            "find", ({"_id": {"$in": [*names, GLOBAL]}},), collection=COLLECTION
+        )
+        known = {d["_id"]: d for d in docs}
+    by_id = known
     out = []
     for task in tasks:
         if not _unset(task):

@@ -4,7 +4,7 @@ worker's scan."""
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,13 +47,15 @@ def publish(
     now: dt.datetime,
     on_conflict: OnConflict = "ignore",
     trace: dict[str, str] | None = None,
+    retention: Mapping[str, Doc] | None = None,
 ) -> Op[Published]:
     """Insert the task if its key is new (one upsert with ``$setOnInsert``); otherwise apply
     ``on_conflict``: ``ignore`` leaves it, ``update_params`` replaces params and options of a
     task that is not running, ``reset`` makes a finished task new again. Unset retention
     options are resolved first (``retention.resolve``). ``trace`` is the publisher's W3C trace
-    context (``mtask.tracing.publish_span``), stored as ``trace``."""
-    task = (yield from resolve([task]))[0]
+    context (``mtask.tracing.publish_span``), stored as ``trace``. ``retention``: the
+    retention defaults, if the caller has them (``retention.DefaultsCache``)."""
+    task = (yield from resolve([task], retention))[0]
     doc = new_document(task, now)
     if trace:
         doc["trace"] = trace
@@ -111,11 +113,12 @@ def publish_many(
     batch_size: int = 1000,
     created_by_name: dict[str, int] | None = None,
     trace: dict[str, str] | None = None,
+    retention: Mapping[str, Doc] | None = None,
 ) -> Op[int]:
     """Insert-if-absent many tasks with unordered bulk upserts; returns how many were created
     (and counts them per name into ``created_by_name``, if given)."""
     created = 0
-    tasks = yield from resolve(tasks)
+    tasks = yield from resolve(tasks, retention)
     # a task that others of this batch depend on is born knowing it (so that the worker that
     # records its outcome resolves them, even if it claims it before anyone marks it)
     awaited = {d for task in tasks for d in task.depends_on}

@@ -19,7 +19,7 @@ from mtask.flows import flush_outboxes
 from mtask.models import DAY_MS, DEFAULT_KEEP_MS, FOREVER, TaskStatus
 from mtask.schedules import due, fire, tick_key
 from mtask.statemachine import compute_expire_at
-from mtask.store import CLAIMED_FIELDS, Outcome, RunState, claim, finish, finish_many
+from mtask.store import CLAIMED_FIELDS, Outcome, RunState, claim, finish, finish_many, retention
 from mtask.store.retention import release_parents
 
 Doc = dict[str, Any]
@@ -93,6 +93,34 @@ def test_defaults_are_resolved_at_publish(tc: TaskClient) -> None:
     with pytest.raises(InvalidTask, match="keep_failed_ms"):
         tc.publish("n", "bad", options={"keep_failed_ms": -2})
     assert tc.get("bad") is None
+
+
+def test_defaults_are_read_once_per_window_and_at_once_after_a_change(
+    tc: TaskClient, mongo_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads: list[object] = []
+    original = retention.all_defaults
+
+    def counting() -> Any:
+        reads.append(None)
+        return original()
+
+    monkeypatch.setattr(retention, "all_defaults", counting)
+    tc.publish("n", "a")
+    tc.publish_many([{"name": "n", "key": f"m{i}"} for i in range(3)])
+    tc.publish("n", "b")
+    assert len(reads) == 1  # no extra round trip per publish
+    tc.set_retention("n", succeeded_ms=60_000)  # this client applies its own change at once
+    tc.publish("n", "c")
+    assert tc.collection.find_one({"_id": "c"})["options"]["keep_succeeded_ms"] == 60_000  # type: ignore[index]
+    with TaskClient(mongo_uri, database=tc.db.name, clock=tc.clock) as other:
+        other.set_retention("n", succeeded_ms=120_000)  # another process's change: ...
+    tc.publish("n", "d")  # ... not seen within the window
+    assert tc.collection.find_one({"_id": "d"})["options"]["keep_succeeded_ms"] == 60_000  # type: ignore[index]
+    monkeypatch.setattr(retention, "CACHE_SECONDS", 0.0)
+    tc._retention.clear()  # the window ended
+    tc.publish("n", "e")
+    assert tc.collection.find_one({"_id": "e"})["options"]["keep_succeeded_ms"] == 120_000  # type: ignore[index]
 
 
 def test_the_ttl_monitor_removes_expired_tasks_only(
