@@ -15,17 +15,28 @@ from __future__ import annotations
 
 import builtins
 import datetime as dt
+import functools
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Self
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 
 from pymongo import AsyncMongoClient, MongoClient
 from pymongo.asynchronous.client_session import AsyncClientSession
+from pymongo.errors import PyMongoError
 from pymongo.synchronous.client_session import ClientSession
 
 from mtask import control, driver, events, flows, limits, metrics, schedules, store, tracing
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
+from mtask.driver import Op
 from mtask.errors import InvalidTask, TaskNotFound
 from mtask.models import (
     DEFAULT_MAX_PARAMS_BYTES,
@@ -148,7 +159,61 @@ def _result(published: store.Published) -> PublishResult:
     )
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+class operation(Generic[P, R]):
+    """A client method written once, as an operation (an ``Op``: the ``Call``s it makes, see
+    ``mtask.driver``). On a ``TaskClient`` it runs and returns its value; on an
+    ``AsyncTaskClient`` it returns a coroutine of it. A ``session=`` keyword, where the method
+    takes one, also goes to the driver: every write joins the caller's session."""
+
+    def __init__(self, build: Callable[Concatenate[Any, P], Op[R]]) -> None:
+        self.build = build
+        self.__doc__ = build.__doc__
+        self.__name__ = build.__name__
+
+    @overload
+    def __get__(self, client: None, owner: type[Any]) -> Self: ...
+
+    @overload
+    def __get__(self, client: TaskClient, owner: type[Any] | None = None) -> Callable[P, R]: ...
+
+    @overload
+    def __get__(
+        self, client: AsyncTaskClient, owner: type[Any] | None = None
+    ) -> Callable[P, Coroutine[Any, Any, R]]: ...
+
+    def __get__(self, client: Any, owner: Any = None) -> Any:
+        if client is None:
+            return self
+        build = self.build
+        if isinstance(client, AsyncTaskClient):
+
+            @functools.wraps(build)
+            async def awaited(*args: P.args, **kwargs: P.kwargs) -> R:
+                session: Any = kwargs.get("session")
+                return await client._run(build(client, *args, **kwargs), session)
+
+            return awaited
+
+        @functools.wraps(build)
+        def run(*args: P.args, **kwargs: P.kwargs) -> R:
+            session: Any = kwargs.get("session")
+            result: R = client._run(build(client, *args, **kwargs), session)
+            return result
+
+        return run
+
+
 class _Base:
+    """What both clients do, each method written once as an operation (``@operation``): the
+    sync client runs it, the async client awaits it."""
+
+    collection_name: str
+
     def __init__(
         self,
         database: str,
@@ -164,8 +229,297 @@ class _Base:
         self.clock: Clock = clock or ServerClock()
         self._server_clock = self.clock if isinstance(self.clock, ServerClock) else None
         self._ready = False
+        """The collection's indexes exist and the clock is calibrated (the first ``_run``)."""
+        self._bulk_ready = False
         self._retention = retention.DefaultsCache()
         """The retention defaults, read at most every ``retention.CACHE_SECONDS``."""
+        self.mongo: Any = None
+
+    # -- publishing -----------------------------------------------------------------------------
+
+    @operation
+    def publish(
+        self,
+        name: str,
+        key: str,
+        params: Any = None,
+        *,
+        options: TaskOptions | Mapping[str, Any] | None = None,
+        delay: dt.timedelta | float | None = None,
+        on_conflict: OnConflict = "ignore",
+        depends_on: Sequence[str] | None = None,
+        session: Any = None,
+    ) -> Op[PublishResult]:
+        """Publish one task (idempotent by key). With ``session``, every write joins it (and
+        its transaction): its dependency bookkeeping too."""
+        _check_on_conflict(on_conflict)
+        _check_session(session, self.mongo)
+        now = self.clock.now()
+        if self.registry is not None:  # handler defaults (issue 18)
+            options = self.registry.options_for(name, options)
+        task = build_task(
+            name,
+            key,
+            params,
+            options,
+            delay=delay,
+            now=now,
+            max_params_bytes=self.max_params_bytes,
+            depends_on=depends_on,
+        )
+        known = yield from self._retention_defaults()
+        with tracing.publish_span(task.name, task.key) as trace:
+            published = yield from store.publish(
+                task, now, on_conflict, trace=trace, retention=known
+            )
+        _count_created({task.name: 1} if published.created else {})
+        if task.depends_on:
+            yield from flows.after_publish([task], now)
+            # its dependencies may have finished already
+            doc = yield from store.get(task.key)
+            if doc is not None:
+                published = store.Published(published.created, published.updated, doc)
+        return _result(published)
+
+    @operation
+    def publish_many(self, items: Iterable[Mapping[str, Any]], *, session: Any = None) -> Op[int]:
+        """Insert-if-absent many tasks; returns how many were created. ``session``: as in
+        ``publish``."""
+        _check_session(session, self.mongo)
+        now = self.clock.now()
+        tasks = build_many(items, now, self.max_params_bytes)
+        by_name: dict[str, int] = {}
+        known = yield from self._retention_defaults()
+        with tracing.publish_span(None, None, count=len(tasks)) as trace:
+            created = yield from store.publish_many(
+                tasks, now, created_by_name=by_name, trace=trace, retention=known
+            )
+        _count_created(by_name)
+        yield from flows.after_publish(tasks, now)
+        return created
+
+    def _retention_defaults(self) -> Op[dict[str, Any]]:
+        now = time.monotonic()
+        known = self._retention.get(now)
+        if known is None:
+            known = self._retention.put((yield from retention.all_defaults()), now)
+        return known
+
+    @operation
+    def ensure_indexes(self) -> Op[None]:
+        """Create the collection's indexes now (done anyway on the first operation). Call it
+        before a transaction that publishes: an index built during a transaction makes the
+        transaction's snapshot unusable (a ``TransientTransactionError``)."""
+        yield from store.get("")
+
+    @operation
+    def init_collection(self, validator: bool | None = None) -> Op[dict[str, Any]]:
+        """Create the tasks collection and its indexes; ``validator=True`` installs the task
+        document's ``$jsonSchema`` validator (``mtask.jsonschema``), ``False`` removes any.
+        Returns the collection's options as the server reports them."""
+        return (yield from store.collection_init(self.collection_name, validator))
+
+    # -- reading and acting on tasks ------------------------------------------------------------
+
+    @operation
+    def get(self, key: str) -> Op[Task | None]:
+        doc = yield from store.get(key)
+        return Task.from_document(doc) if doc is not None else None
+
+    @operation
+    def list(
+        self,
+        name: str | None = None,
+        status: str | None = None,
+        limit: int = 100,
+        after: str | None = None,
+        order: str = "newest",
+    ) -> Op[builtins.list[Task]]:
+        _check_list_args(status, limit, order)
+        docs = yield from store.list_tasks(name, status, limit, after, order)
+        return [Task.from_document(d) for d in docs]
+
+    @operation
+    def stats(self) -> Op[dict[str, dict[str, int]]]:
+        return (yield from store.stats())
+
+    @operation
+    def due(self) -> Op[dict[str, tuple[int, float]]]:
+        """Per name: pending tasks due now, and the age in seconds of the oldest due one (the
+        server's clock; for autoscaling)."""
+        from mtask.store.depth import due
+
+        return (yield from due())
+
+    @operation
+    def flow(self, key: str) -> Op[dict[str, Any] | None]:
+        """The tree of steps below ``key``: each node's key, name, status and children."""
+        return (yield from flows.tree(key))
+
+    @operation
+    def cancel(self, key: str) -> Op[Task]:
+        return Task.from_document((yield from store.cancel(key, self.clock.now())))
+
+    @operation
+    def retry(self, key: str) -> Op[Task]:
+        return Task.from_document((yield from store.retry(key, self.clock.now())))
+
+    # -- workers and names ----------------------------------------------------------------------
+
+    @operation
+    def workers(self, within_s: float = 10.0) -> Op[builtins.list[dict[str, Any]]]:
+        """Workers that sent a heartbeat in the last ``within_s`` seconds."""
+        within = dt.timedelta(seconds=within_s)
+        return (yield from control.live_workers(self.clock.now(), within))
+
+    @operation
+    def stop_worker(self, worker_id: str) -> Op[bool]:
+        """Ask a worker to drain and exit; False if no such worker is registered."""
+        return (yield from control.request_stop(worker_id))
+
+    @operation
+    def pause(self, name: str) -> Op[None]:
+        """Stop claiming of ``name`` on every worker (runs in flight finish)."""
+        yield from control.set_paused(validate_name(name), True, self.clock.now())
+
+    @operation
+    def resume(self, name: str) -> Op[None]:
+        yield from control.set_paused(validate_name(name), False, self.clock.now())
+
+    @operation
+    def paused(self) -> Op[set[str]]:
+        """The task names paused on every worker."""
+        return (yield from control.paused_names())
+
+    # -- limits and retention -------------------------------------------------------------------
+
+    @operation
+    def set_limit(
+        self,
+        name: str,
+        *,
+        concurrency: int | None = None,
+        rate: float | None = None,
+        burst: int | None = None,
+    ) -> Op[dict[str, Any]]:
+        """Limit ``name`` across all workers: at most ``concurrency`` runs at once, at most
+        ``rate`` claims per second (bursts of ``burst``). Applies within a second."""
+        return (yield from limits.set_limit(name, concurrency, rate, burst, self.clock.now()))
+
+    @operation
+    def clear_limit(self, name: str) -> Op[bool]:
+        return (yield from limits.clear_limit(validate_name(name)))
+
+    @operation
+    def limits(self) -> Op[builtins.list[dict[str, Any]]]:
+        return (yield from limits.all_limits())
+
+    @operation
+    def set_retention(
+        self,
+        name: str,
+        *,
+        succeeded_ms: int | None = None,
+        failed_ms: int | None = None,
+        cancelled_ms: int | None = None,
+    ) -> Op[dict[str, Any]]:
+        """How long finished tasks of ``name`` (``"*"``: of every name) are kept, per status,
+        in ms (-1: forever; ``None``: the next level's default). Applies to tasks published
+        afterwards (it is written into each task's options at publish; other clients read
+        the defaults again within ``retention.CACHE_SECONDS``)."""
+        self._retention.clear()
+        return (yield from retention.set_defaults(name, succeeded_ms, failed_ms, cancelled_ms))
+
+    @operation
+    def clear_retention(self, name: str) -> Op[bool]:
+        self._retention.clear()
+        return (yield from retention.clear_defaults(name))
+
+    @operation
+    def retention(self) -> Op[builtins.list[dict[str, Any]]]:
+        """The retention defaults set, per name (``"*"``: every name)."""
+        return (yield from retention.all_defaults())
+
+    @operation
+    def purge(
+        self,
+        *,
+        name: str | None = None,
+        status: Sequence[str] | None = None,
+        older_than: dt.timedelta | None = None,
+        keys: Sequence[str] | None = None,
+        dry_run: bool = False,
+    ) -> Op[int]:
+        """Remove finished tasks (never an open one) matching the filters: ``status`` among
+        succeeded, failed, cancelled (the default) and invalid, finished at least
+        ``older_than`` ago; returns how many were (``dry_run``: would be) removed."""
+        filt = retention.purge_filter(
+            self.clock.now(), name=name, statuses=status, older_than=older_than, keys=keys
+        )
+        return (yield from (retention.purge_count(filt) if dry_run else retention.purge(filt)))
+
+    # -- schedules ------------------------------------------------------------------------------
+
+    @operation
+    def add_schedule(self, /, id: str, task: str, **definition: Any) -> Op[dict[str, Any]]:
+        """Create or change a schedule: ``cron=`` or ``every=``, and ``timezone``, ``params``,
+        ``options``, ``catch_up`` (see ``mtask.schedules.Schedule.build``)."""
+        schedule = schedules.Schedule.build(id, task, **definition)
+        return (yield from schedules.put(schedule, self.clock.now()))
+
+    @operation
+    def schedules(self) -> Op[builtins.list[dict[str, Any]]]:
+        return (yield from schedules.all_schedules())
+
+    @operation
+    def pause_schedule(self, id: str) -> Op[dict[str, Any]]:
+        return (yield from schedules.set_paused(id, True, self.clock.now()))
+
+    @operation
+    def resume_schedule(self, id: str) -> Op[dict[str, Any]]:
+        return (yield from schedules.set_paused(id, False, self.clock.now()))
+
+    @operation
+    def remove_schedule(self, id: str) -> Op[bool]:
+        return (yield from schedules.remove(id))
+
+    # -- many tasks at once (mtask.store.bulk): the dashboard's list, search and bulk actions --
+
+    @operation
+    def bulk(
+        self, action: bulk.Action, where: bulk.Filter, *, dry_run: bool = False
+    ) -> Op[bulk.BulkResult]:
+        """Retry, cancel or purge the tasks ``where`` matches (a dry run only counts them)."""
+        return (yield from bulk.apply(action, where, self.clock.now(), dry_run))
+
+    @operation
+    def search(self, /, **filters: Any) -> Op[builtins.list[Task]]:
+        """A page of tasks by name, status, key ``prefix``, error ``text``, ``after``, ``limit``."""
+        if filters.get("text") and not self._bulk_ready:
+            yield from self._bulk_indexes()  # error-text search needs its text index
+        return [Task.from_document(d) for d in (yield from bulk.search(**filters))]
+
+    @operation
+    def ensure_bulk_indexes(self) -> Op[None]:
+        """The task list's, search's and throughput's own indexes (``mtask serve`` makes them)."""
+        yield from self._bulk_indexes()
+
+    def _bulk_indexes(self) -> Op[None]:
+        yield from bulk.ensure_indexes()
+        yield from throughput.ensure_indexes()
+        self._bulk_ready = True
+
+    @operation
+    def record_throughput(self) -> Op[int]:
+        return (yield from throughput.record(self.clock.now()))
+
+    @operation
+    def throughput(self, minutes: int = 60) -> Op[builtins.list[dict[str, Any]]]:
+        return (yield from throughput.recent(self.clock.now(), minutes))
+
+    @operation
+    def runs_by_worker(self, minutes: int = 60) -> Op[dict[str, dict[str, int]]]:
+        return (yield from throughput.runs_by_worker(self.clock.now(), minutes))
 
 
 class TaskClient(_Base):
@@ -190,86 +544,21 @@ class TaskClient(_Base):
         self._driver = driver.SyncDriver(driver.collections(self.db, collection))
         self._waiter: events.SyncWaiter | None = None
 
-    def _run(self, op: driver.Op[driver.T], session: ClientSession | None = None) -> driver.T:
+    def _run(self, op: Op[T], session: ClientSession | None = None) -> T:
         if not self._ready:  # never in the caller's transaction
+            self.now()
             self._driver.run(store.ensure_indexes())
             self._ready = True
         return self._driver.run(op) if session is None else self._driver.run(op, session)
 
-    def ensure_indexes(self) -> None:
-        """Create the collection's indexes now (done anyway on the first operation). Call it
-        before a transaction that publishes: an index built during a transaction makes the
-        transaction's snapshot unusable (a ``TransientTransactionError``)."""
-        self._run(store.get(""))
-
     def now(self) -> dt.datetime:
         """The server's current time."""
         if self._server_clock is not None and not self._server_clock.calibrated:
-            self._server_clock.calibrate(self.db)
+            try:
+                self._server_clock.calibrate(self.db)
+            except PyMongoError as exc:
+                raise driver.storage_error(exc) from exc
         return self.clock.now()
-
-    def publish(
-        self,
-        name: str,
-        key: str,
-        params: Any = None,
-        *,
-        options: TaskOptions | Mapping[str, Any] | None = None,
-        delay: dt.timedelta | float | None = None,
-        on_conflict: OnConflict = "ignore",
-        depends_on: Sequence[str] | None = None,
-        session: ClientSession | None = None,
-    ) -> PublishResult:
-        """Publish one task (idempotent by key). With ``session``, every write joins it (and
-        its transaction): its dependency bookkeeping too."""
-        _check_on_conflict(on_conflict)
-        _check_session(session, self.mongo)
-        now = self.now()
-        if self.registry is not None:  # handler defaults (issue 18)
-            options = self.registry.options_for(name, options)
-        task = build_task(
-            name,
-            key,
-            params,
-            options,
-            delay=delay,
-            now=now,
-            max_params_bytes=self.max_params_bytes,
-            depends_on=depends_on,
-        )
-        with tracing.publish_span(task.name, task.key) as trace:
-            published = self._run(
-                store.publish(task, now, on_conflict, trace=trace, retention=self._defaults()),
-                session,
-            )
-        _count_created({task.name: 1} if published.created else {})
-        if task.depends_on:
-            self._run(flows.after_publish([task], now), session)
-            # its dependencies may have finished already
-            doc = self._run(store.get(task.key), session)
-            if doc is not None:
-                published = store.Published(published.created, published.updated, doc)
-        return _result(published)
-
-    def publish_many(
-        self, items: Iterable[Mapping[str, Any]], *, session: ClientSession | None = None
-    ) -> int:
-        """Insert-if-absent many tasks; returns how many were created. ``session``: as in
-        ``publish``."""
-        _check_session(session, self.mongo)
-        now = self.now()
-        tasks = build_many(items, now, self.max_params_bytes)
-        by_name: dict[str, int] = {}
-        with tracing.publish_span(None, None, count=len(tasks)) as trace:
-            created = self._run(
-                store.publish_many(
-                    tasks, now, created_by_name=by_name, trace=trace, retention=self._defaults()
-                ),
-                session,
-            )
-        _count_created(by_name)
-        self._run(flows.after_publish(tasks, now), session)
-        return created
 
     def wait(self, key: str, timeout: float | None = None) -> Task:
         """Block until the task is finished (succeeded, failed, cancelled or invalid) and
@@ -294,150 +583,6 @@ class TaskClient(_Base):
         """Task state changes across the cluster (see ``mtask.events``)."""
         return events.sync_events(self.collection, names, statuses, resume_after)
 
-    def flow(self, key: str) -> dict[str, Any] | None:
-        """The tree of steps below ``key``: each node's key, name, status and children."""
-        return self._run(flows.tree(key))
-
-    def init_collection(self, validator: bool | None = None) -> dict[str, Any]:
-        """Create the tasks collection and its indexes; ``validator=True`` installs the task
-        document's ``$jsonSchema`` validator (``mtask.jsonschema``), ``False`` removes any.
-        Returns the collection's options as the server reports them."""
-        return self._run(store.collection_init(self.collection_name, validator))
-
-    def get(self, key: str) -> Task | None:
-        doc = self._run(store.get(key))
-        return Task.from_document(doc) if doc is not None else None
-
-    def list(
-        self,
-        name: str | None = None,
-        status: str | None = None,
-        limit: int = 100,
-        after: str | None = None,
-        order: str = "newest",
-    ) -> list[Task]:
-        _check_list_args(status, limit, order)
-        docs = self._run(store.list_tasks(name, status, limit, after, order))
-        return [Task.from_document(d) for d in docs]
-
-    def stats(self) -> dict[str, dict[str, int]]:
-        return self._run(store.stats())
-
-    def due(self) -> dict[str, tuple[int, float]]:
-        """Per name: pending tasks due now, and the age in seconds of the oldest due one (the
-        server's clock; for autoscaling)."""
-        from mtask.store.depth import due
-
-        return self._run(due())
-
-    def cancel(self, key: str) -> Task:
-        return Task.from_document(self._run(store.cancel(key, self.now())))
-
-    def retry(self, key: str) -> Task:
-        return Task.from_document(self._run(store.retry(key, self.now())))
-
-    def workers(self, within_s: float = 10.0) -> builtins.list[dict[str, Any]]:
-        """Workers that sent a heartbeat in the last ``within_s`` seconds."""
-        return self._run(control.live_workers(self.now(), dt.timedelta(seconds=within_s)))
-
-    def stop_worker(self, worker_id: str) -> bool:
-        """Ask a worker to drain and exit; False if no such worker is registered."""
-        return self._run(control.request_stop(worker_id))
-
-    def pause(self, name: str) -> None:
-        """Stop claiming of ``name`` on every worker (runs in flight finish)."""
-        self._run(control.set_paused(validate_name(name), True, self.now()))
-
-    def resume(self, name: str) -> None:
-        self._run(control.set_paused(validate_name(name), False, self.now()))
-
-    def paused(self) -> set[str]:
-        """The task names paused on every worker."""
-        return self._run(control.paused_names())
-
-    def set_limit(
-        self,
-        name: str,
-        *,
-        concurrency: int | None = None,
-        rate: float | None = None,
-        burst: int | None = None,
-    ) -> dict[str, Any]:
-        """Limit ``name`` across all workers: at most ``concurrency`` runs at once, at most
-        ``rate`` claims per second (bursts of ``burst``). Applies within a second."""
-        return self._run(limits.set_limit(name, concurrency, rate, burst, self.now()))
-
-    def clear_limit(self, name: str) -> bool:
-        return self._run(limits.clear_limit(validate_name(name)))
-
-    def limits(self) -> builtins.list[dict[str, Any]]:
-        return self._run(limits.all_limits())
-
-    def set_retention(
-        self,
-        name: str,
-        *,
-        succeeded_ms: int | None = None,
-        failed_ms: int | None = None,
-        cancelled_ms: int | None = None,
-    ) -> dict[str, Any]:
-        """How long finished tasks of ``name`` (``"*"``: of every name) are kept, per status,
-        in ms (-1: forever; ``None``: the next level's default). Applies to tasks published
-        afterwards (it is written into each task's options at publish; other clients read
-        the defaults again within ``retention.CACHE_SECONDS``)."""
-        self._retention.clear()
-        return self._run(retention.set_defaults(name, succeeded_ms, failed_ms, cancelled_ms))
-
-    def clear_retention(self, name: str) -> bool:
-        self._retention.clear()
-        return self._run(retention.clear_defaults(name))
-
-    def _defaults(self) -> dict[str, Any]:
-        now = time.monotonic()
-        known = self._retention.get(now)
-        if known is None:
-            known = self._retention.put(self._run(retention.all_defaults()), now)
-        return known
-
-    def retention(self) -> builtins.list[dict[str, Any]]:
-        """The retention defaults set, per name (``"*"``: every name)."""
-        return self._run(retention.all_defaults())
-
-    def purge(
-        self,
-        *,
-        name: str | None = None,
-        status: Sequence[str] | None = None,
-        older_than: dt.timedelta | None = None,
-        keys: Sequence[str] | None = None,
-        dry_run: bool = False,
-    ) -> int:
-        """Remove finished tasks (never an open one) matching the filters: ``status`` among
-        succeeded, failed, cancelled (the default) and invalid, finished at least
-        ``older_than`` ago; returns how many were (``dry_run``: would be) removed."""
-        filt = retention.purge_filter(
-            self.now(), name=name, statuses=status, older_than=older_than, keys=keys
-        )
-        return self._run(retention.purge_count(filt) if dry_run else retention.purge(filt))
-
-    def add_schedule(self, id: str, task: str, **definition: Any) -> dict[str, Any]:
-        """Create or change a schedule: ``cron=`` or ``every=``, and ``timezone``, ``params``,
-        ``options``, ``catch_up`` (see ``mtask.schedules.Schedule.build``)."""
-        schedule = schedules.Schedule.build(id, task, **definition)
-        return self._run(schedules.put(schedule, self.now()))
-
-    def schedules(self) -> builtins.list[dict[str, Any]]:
-        return self._run(schedules.all_schedules())
-
-    def pause_schedule(self, id: str) -> dict[str, Any]:
-        return self._run(schedules.set_paused(id, True, self.now()))
-
-    def resume_schedule(self, id: str) -> dict[str, Any]:
-        return self._run(schedules.set_paused(id, False, self.now()))
-
-    def remove_schedule(self, id: str) -> bool:
-        return self._run(schedules.remove(id))
-
     def close(self) -> None:
         if self._owns_client:
             self.mongo.close()
@@ -448,38 +593,10 @@ class TaskClient(_Base):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- many tasks at once (mtask.store.bulk): the dashboard's list, search and bulk actions --
-
-    def bulk(
-        self, action: bulk.Action, where: bulk.Filter, *, dry_run: bool = False
-    ) -> bulk.BulkResult:
-        """Retry, cancel or purge the tasks ``where`` matches (a dry run only counts them)."""
-        return self._run(bulk.apply(action, where, self.now(), dry_run))
-
-    def search(self, **filters: Any) -> builtins.list[Task]:
-        """A page of tasks by name, status, key ``prefix``, error ``text``, ``after``, ``limit``."""
-        if filters.get("text") and not getattr(self, "_bulk_ready", False):
-            self.ensure_bulk_indexes()  # error-text search needs its text index
-        return [Task.from_document(d) for d in self._run(bulk.search(**filters))]
-
-    def ensure_bulk_indexes(self) -> None:
-        """The task list's, search's and throughput's own indexes (``mtask serve`` makes them)."""
-        self._run(bulk.ensure_indexes())
-        self._run(throughput.ensure_indexes())
-        self._bulk_ready = True
-
-    def record_throughput(self) -> int:
-        return self._run(throughput.record(self.now()))
-
-    def throughput(self, minutes: int = 60) -> builtins.list[dict[str, Any]]:
-        return self._run(throughput.recent(self.now(), minutes))
-
-    def runs_by_worker(self, minutes: int = 60) -> dict[str, dict[str, int]]:
-        return self._run(throughput.runs_by_worker(self.now(), minutes))
-
 
 class AsyncTaskClient(_Base):
-    """asyncio client on pymongo's native ``AsyncMongoClient``."""
+    """asyncio client on pymongo's native ``AsyncMongoClient``; the same methods as
+    ``TaskClient``, awaited."""
 
     def __init__(
         self,
@@ -500,92 +617,23 @@ class AsyncTaskClient(_Base):
         self._driver = driver.AsyncDriver(driver.collections(self.db, collection))
         self._waiter: events.AsyncWaiter | None = None
 
-    async def _run(
-        self, op: driver.Op[driver.T], session: AsyncClientSession | None = None
-    ) -> driver.T:
+    async def _run(self, op: Op[T], session: AsyncClientSession | None = None) -> T:
         if not self._ready:  # never in the caller's transaction
+            await self.now()
             await self._driver.run(store.ensure_indexes())
             self._ready = True
         if session is None:
             return await self._driver.run(op)
         return await self._driver.run(op, session)
 
-    async def ensure_indexes(self) -> None:
-        """Create the collection's indexes now (see ``TaskClient.ensure_indexes``)."""
-        await self._run(store.get(""))
-
     async def now(self) -> dt.datetime:
         """The server's current time."""
         if self._server_clock is not None and not self._server_clock.calibrated:
-            await self._server_clock.calibrate_async(self.db)
+            try:
+                await self._server_clock.calibrate_async(self.db)
+            except PyMongoError as exc:
+                raise driver.storage_error(exc) from exc
         return self.clock.now()
-
-    async def publish(
-        self,
-        name: str,
-        key: str,
-        params: Any = None,
-        *,
-        options: TaskOptions | Mapping[str, Any] | None = None,
-        delay: dt.timedelta | float | None = None,
-        on_conflict: OnConflict = "ignore",
-        depends_on: Sequence[str] | None = None,
-        session: AsyncClientSession | None = None,
-    ) -> PublishResult:
-        """Publish one task (idempotent by key). With ``session``, every write joins it (and
-        its transaction): its dependency bookkeeping too."""
-        _check_on_conflict(on_conflict)
-        _check_session(session, self.mongo)
-        now = await self.now()
-        if self.registry is not None:  # handler defaults (issue 18)
-            options = self.registry.options_for(name, options)
-        task = build_task(
-            name,
-            key,
-            params,
-            options,
-            delay=delay,
-            now=now,
-            max_params_bytes=self.max_params_bytes,
-            depends_on=depends_on,
-        )
-        with tracing.publish_span(task.name, task.key) as trace:
-            published = await self._run(
-                store.publish(
-                    task, now, on_conflict, trace=trace, retention=await self._defaults()
-                ),
-                session,
-            )
-        _count_created({task.name: 1} if published.created else {})
-        if task.depends_on:
-            await self._run(flows.after_publish([task], now), session)
-            doc = await self._run(store.get(task.key), session)
-            if doc is not None:
-                published = store.Published(published.created, published.updated, doc)
-        return _result(published)
-
-    async def publish_many(
-        self, items: Iterable[Mapping[str, Any]], *, session: AsyncClientSession | None = None
-    ) -> int:
-        """Insert-if-absent many tasks (see ``TaskClient.publish_many``)."""
-        _check_session(session, self.mongo)
-        now = await self.now()
-        tasks = build_many(items, now, self.max_params_bytes)
-        by_name: dict[str, int] = {}
-        with tracing.publish_span(None, None, count=len(tasks)) as trace:
-            created = await self._run(
-                store.publish_many(
-                    tasks,
-                    now,
-                    created_by_name=by_name,
-                    trace=trace,
-                    retention=await self._defaults(),
-                ),
-                session,
-            )
-        _count_created(by_name)
-        await self._run(flows.after_publish(tasks, now), session)
-        return created
 
     async def wait(self, key: str, timeout: float | None = None) -> Task:  # noqa: ASYNC109
         """Wait until the task is finished and return it (see ``TaskClient.wait``)."""
@@ -609,134 +657,6 @@ class AsyncTaskClient(_Base):
         ``mtask.events``)."""
         return events.events(self.collection, names, statuses, resume_after)
 
-    async def flow(self, key: str) -> dict[str, Any] | None:
-        """The tree of steps below ``key`` (see ``TaskClient.flow``)."""
-        return await self._run(flows.tree(key))
-
-    async def init_collection(self, validator: bool | None = None) -> dict[str, Any]:
-        """See ``TaskClient.init_collection``."""
-        return await self._run(store.collection_init(self.collection_name, validator))
-
-    async def get(self, key: str) -> Task | None:
-        doc = await self._run(store.get(key))
-        return Task.from_document(doc) if doc is not None else None
-
-    async def list(
-        self,
-        name: str | None = None,
-        status: str | None = None,
-        limit: int = 100,
-        after: str | None = None,
-        order: str = "newest",
-    ) -> list[Task]:
-        _check_list_args(status, limit, order)
-        docs = await self._run(store.list_tasks(name, status, limit, after, order))
-        return [Task.from_document(d) for d in docs]
-
-    async def stats(self) -> dict[str, dict[str, int]]:
-        return await self._run(store.stats())
-
-    async def cancel(self, key: str) -> Task:
-        return Task.from_document(await self._run(store.cancel(key, await self.now())))
-
-    async def retry(self, key: str) -> Task:
-        return Task.from_document(await self._run(store.retry(key, await self.now())))
-
-    async def workers(self, within_s: float = 10.0) -> builtins.list[dict[str, Any]]:
-        """Workers that sent a heartbeat in the last ``within_s`` seconds."""
-        now = await self.now()
-        return await self._run(control.live_workers(now, dt.timedelta(seconds=within_s)))
-
-    async def stop_worker(self, worker_id: str) -> bool:
-        """Ask a worker to drain and exit; False if no such worker is registered."""
-        return await self._run(control.request_stop(worker_id))
-
-    async def pause(self, name: str) -> None:
-        """Stop claiming of ``name`` on every worker (runs in flight finish)."""
-        await self._run(control.set_paused(validate_name(name), True, await self.now()))
-
-    async def resume(self, name: str) -> None:
-        await self._run(control.set_paused(validate_name(name), False, await self.now()))
-
-    async def paused(self) -> set[str]:
-        """The task names paused on every worker."""
-        return await self._run(control.paused_names())
-
-    async def set_limit(
-        self,
-        name: str,
-        *,
-        concurrency: int | None = None,
-        rate: float | None = None,
-        burst: int | None = None,
-    ) -> dict[str, Any]:
-        """Limit ``name`` across all workers (see ``TaskClient.set_limit``)."""
-        return await self._run(limits.set_limit(name, concurrency, rate, burst, await self.now()))
-
-    async def clear_limit(self, name: str) -> bool:
-        return await self._run(limits.clear_limit(validate_name(name)))
-
-    async def limits(self) -> builtins.list[dict[str, Any]]:
-        return await self._run(limits.all_limits())
-
-    async def set_retention(
-        self,
-        name: str,
-        *,
-        succeeded_ms: int | None = None,
-        failed_ms: int | None = None,
-        cancelled_ms: int | None = None,
-    ) -> dict[str, Any]:
-        """See ``TaskClient.set_retention``."""
-        self._retention.clear()
-        return await self._run(retention.set_defaults(name, succeeded_ms, failed_ms, cancelled_ms))
-
-    async def clear_retention(self, name: str) -> bool:
-        self._retention.clear()
-        return await self._run(retention.clear_defaults(name))
-
-    async def _defaults(self) -> dict[str, Any]:
-        now = time.monotonic()
-        known = self._retention.get(now)
-        if known is None:
-            known = self._retention.put(await self._run(retention.all_defaults()), now)
-        return known
-
-    async def retention(self) -> builtins.list[dict[str, Any]]:
-        return await self._run(retention.all_defaults())
-
-    async def purge(
-        self,
-        *,
-        name: str | None = None,
-        status: Sequence[str] | None = None,
-        older_than: dt.timedelta | None = None,
-        keys: Sequence[str] | None = None,
-        dry_run: bool = False,
-    ) -> int:
-        """See ``TaskClient.purge``."""
-        filt = retention.purge_filter(
-            await self.now(), name=name, statuses=status, older_than=older_than, keys=keys
-        )
-        return await self._run(retention.purge_count(filt) if dry_run else retention.purge(filt))
-
-    async def add_schedule(self, id: str, task: str, **definition: Any) -> dict[str, Any]:
-        """Create or change a schedule (see ``TaskClient.add_schedule``)."""
-        schedule = schedules.Schedule.build(id, task, **definition)
-        return await self._run(schedules.put(schedule, await self.now()))
-
-    async def schedules(self) -> builtins.list[dict[str, Any]]:
-        return await self._run(schedules.all_schedules())
-
-    async def pause_schedule(self, id: str) -> dict[str, Any]:
-        return await self._run(schedules.set_paused(id, True, await self.now()))
-
-    async def resume_schedule(self, id: str) -> dict[str, Any]:
-        return await self._run(schedules.set_paused(id, False, await self.now()))
-
-    async def remove_schedule(self, id: str) -> bool:
-        return await self._run(schedules.remove(id))
-
     async def close(self) -> None:
         if self._owns_client:
             await self.mongo.close()
@@ -746,34 +666,3 @@ class AsyncTaskClient(_Base):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    # -- many tasks at once (mtask.store.bulk): the dashboard's list, search and bulk actions --
-
-    async def bulk(
-        self, action: bulk.Action, where: bulk.Filter, *, dry_run: bool = False
-    ) -> bulk.BulkResult:
-        """Retry, cancel or purge the tasks ``where`` matches (a dry run only counts them)."""
-        return await self._run(bulk.apply(action, where, await self.now(), dry_run))
-
-    async def search(self, **filters: Any) -> builtins.list[Task]:
-        """A page of tasks by name, status, key ``prefix``, error ``text``, ``after``, ``limit``."""
-        if filters.get("text") and not getattr(self, "_bulk_ready", False):
-            await self.ensure_bulk_indexes()  # error-text search needs its text index
-        return [Task.from_document(d) for d in await self._run(bulk.search(**filters))]
-
-    async def ensure_bulk_indexes(self) -> None:
-        """The task list's, search's and throughput's own indexes (``mtask serve`` makes them)."""
-        await self._run(bulk.ensure_indexes())
-        await self._run(throughput.ensure_indexes())
-        self._bulk_ready = True
-
-    async def record_throughput(self) -> int:
-        """Count the last minutes' finished and failed tasks per name into ``throughput``."""
-        return await self._run(throughput.record(await self.now()))
-
-    async def throughput(self, minutes: int = 60) -> builtins.list[dict[str, Any]]:
-        return await self._run(throughput.recent(await self.now(), minutes))
-
-    async def runs_by_worker(self, minutes: int = 60) -> dict[str, dict[str, int]]:
-        """Runs each worker ended (processed, failed) in the last ``minutes`` minutes."""
-        return await self._run(throughput.runs_by_worker(await self.now(), minutes))

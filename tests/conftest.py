@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from harness import T0
+from hypothesis import settings
 from pymongo import MongoClient
 
 from mtask import AsyncTaskClient, TaskClient
@@ -28,6 +29,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="run the chaos suite (tests/chaos) at its long size instead of the moderate one",
     )
+
+
+# Tests never assert wall-clock figures, and hypothesis's per-example deadline is one: on a
+# loaded machine a pure example can take longer than 200 ms. Shrinking and health checks stay.
+settings.register_profile("mtask", deadline=None)
+settings.load_profile("mtask")
 
 
 @pytest.fixture(scope="session")
