@@ -22,7 +22,18 @@ from pymongo import AsyncMongoClient, MongoClient
 from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.synchronous.client_session import ClientSession
 
-from mtask import control, driver, events, flows, limits, metrics, schedules, store, tracing
+from mtask import (
+    control,
+    driver,
+    events,
+    flows,
+    limits,
+    metrics,
+    schedules,
+    store,
+    tracing,
+    waiters,
+)
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
 from mtask.errors import InvalidTask, TaskNotFound
@@ -185,7 +196,7 @@ class TaskClient(_Base):
         self.db = self.mongo[database]
         self.collection = self.db[collection]
         self._driver = driver.SyncDriver(driver.collections(self.db, collection))
-        self._waiter: events.SyncWaiter | None = None
+        self._waiter: waiters.SyncWaiter | None = None
 
     def _run(self, op: driver.Op[driver.T], session: ClientSession | None = None) -> driver.T:
         if not self._ready:  # never in the caller's transaction
@@ -265,14 +276,14 @@ class TaskClient(_Base):
     def wait(self, key: str, timeout: float | None = None) -> Task:
         """Block until the task is finished (succeeded, failed, cancelled or invalid) and
         return it. Raises ``WaitTimeout`` after ``timeout`` seconds (None: no limit) and
-        ``TaskNotFound`` if no task has that key. All waits of this client share one change
-        stream."""
+        ``TaskNotFound`` if no task has that key. All waits through one MongoClient on one
+        collection share one change stream (``mtask.waiters``), whichever client makes them."""
         doc = self._run(store.get(key))  # fails fast: no such key, finished, MongoDB away
         if doc is None:
             raise TaskNotFound(key)
-        if not events.finished(doc):
+        if not waiters.finished(doc):
             if self._waiter is None:
-                self._waiter = events.SyncWaiter(self.collection)
+                self._waiter = waiters.waiter_for(self.collection)
             doc = self._waiter.wait(key, timeout)
         return Task.from_document(doc)
 
@@ -479,7 +490,7 @@ class AsyncTaskClient(_Base):
         self.db = self.mongo[database]
         self.collection = self.db[collection]
         self._driver = driver.AsyncDriver(driver.collections(self.db, collection))
-        self._waiter: events.AsyncWaiter | None = None
+        self._waiter: waiters.AsyncWaiter | None = None
 
     async def _run(
         self, op: driver.Op[driver.T], session: AsyncClientSession | None = None
@@ -561,9 +572,9 @@ class AsyncTaskClient(_Base):
         doc = await self._run(store.get(key))  # fails fast: no such key, finished, MongoDB away
         if doc is None:
             raise TaskNotFound(key)
-        if not events.finished(doc):
+        if not waiters.finished(doc):
             if self._waiter is None:
-                self._waiter = events.AsyncWaiter(self.collection)
+                self._waiter = waiters.async_waiter_for(self.collection)
             doc = await self._waiter.wait(key, timeout)
         return Task.from_document(doc)
 
