@@ -243,6 +243,24 @@ async def test_events_reopen_where_the_killed_stream_stood(
     assert len({e.token for e in seen}) == 3
 
 
+async def test_sync_events_ride_out_a_killed_getmore(db_name: str, client: TaskClient) -> None:
+    """``TaskClient.events`` reopens at its position too (it used to raise ``StorageError``)."""
+    keys = ["s1", "s2"]
+    for key in keys:
+        client.publish("add", key, {"a": 1, "b": 1})
+    stream = client.events(names=["add"], statuses=["succeeded"])
+    try:
+        first = asyncio.ensure_future(asyncio.to_thread(next, stream))
+        await wait_for(lambda: change_stream_getmores(client, db_name))
+        assert kill_getmores(client, db_name, "killCursors") == 1
+        for key in keys:
+            client.collection.update_one({"_id": key}, {"$set": {"status": "succeeded"}})
+        got = [(await first).key, (await asyncio.to_thread(next, stream)).key]
+    finally:
+        stream.close()  # type: ignore[attr-defined]
+    assert got == keys
+
+
 async def test_events_resume_after_the_last_token(
     mongo_uri: str, db_name: str, client: TaskClient, aclient: AsyncTaskClient
 ) -> None:
