@@ -12,9 +12,10 @@ Where a broken stream resumes (``Position``): at the stream's own resume token, 
 driver keeps at the last change *handed out* or, between changes, at the server's
 ``postBatchResumeToken`` -- including the one of the opening ``aggregate``, so a stream that
 breaks before its first change resumes where it opened, never at "now". The driver resumes by
-itself once after a resumable error (a killed cursor between two ``getMore``s); a cursor killed
-*during* a ``getMore`` fails with ``CursorKilled``, which is not resumable, so ``follow``
-reopens the stream from the same position. Either way nothing is missed and nothing is handed
+itself once after a resumable error (a cursor killed between two ``getMore``s, a failover); a
+``getMore`` killed while it awaits changes fails with ``CursorKilled`` (``killCursors``) or
+``Interrupted`` (``killOp``), which are not resumable, so ``follow`` reopens the stream from
+the same position. Either way nothing is missed and nothing is handed
 out twice.
 """
 
