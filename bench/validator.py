@@ -191,6 +191,11 @@ def validator_interleaved(bench: Bench) -> None:
     finally:
         for name in names.values():
             bench.drop(name)
+    bench.console.print(
+        "publish interleaved, seconds without / with: "
+        f"publish_many {spent['many_a']:.2f} / {spent['many_b']:.2f}, "
+        f"publish {spent['single_a']:.2f} / {spent['single_b']:.2f}"
+    )
     loads = [os.getloadavg()[0]]
     drains = []
     for r in range(max(2, ROUNDS // 2)):
