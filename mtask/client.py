@@ -22,18 +22,7 @@ from pymongo import AsyncMongoClient, MongoClient
 from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.synchronous.client_session import ClientSession
 
-from mtask import (
-    control,
-    driver,
-    events,
-    flows,
-    limits,
-    metrics,
-    schedules,
-    store,
-    tracing,
-    waiters,
-)
+from mtask import control, driver, events, flows, limits, metrics, schedules, store, tracing
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
 from mtask.errors import InvalidTask, TaskNotFound
@@ -48,6 +37,7 @@ from mtask.models import (
     validate_name,
 )
 from mtask.store import bulk, retention, throughput
+from mtask.waiters import AsyncWaiter, SyncWaiter, async_waiter_for, finished, waiter_for
 
 if TYPE_CHECKING:
     from mtask.registry import Registry
@@ -196,7 +186,7 @@ class TaskClient(_Base):
         self.db = self.mongo[database]
         self.collection = self.db[collection]
         self._driver = driver.SyncDriver(driver.collections(self.db, collection))
-        self._waiter: waiters.SyncWaiter | None = None
+        self._waiter: SyncWaiter | None = None
 
     def _run(self, op: driver.Op[driver.T], session: ClientSession | None = None) -> driver.T:
         if not self._ready:  # never in the caller's transaction
@@ -281,9 +271,9 @@ class TaskClient(_Base):
         doc = self._run(store.get(key))  # fails fast: no such key, finished, MongoDB away
         if doc is None:
             raise TaskNotFound(key)
-        if not waiters.finished(doc):
+        if not finished(doc):
             if self._waiter is None:
-                self._waiter = waiters.waiter_for(self.collection)
+                self._waiter = waiter_for(self.collection)
             doc = self._waiter.wait(key, timeout)
         return Task.from_document(doc)
 
@@ -490,7 +480,7 @@ class AsyncTaskClient(_Base):
         self.db = self.mongo[database]
         self.collection = self.db[collection]
         self._driver = driver.AsyncDriver(driver.collections(self.db, collection))
-        self._waiter: waiters.AsyncWaiter | None = None
+        self._waiter: AsyncWaiter | None = None
 
     async def _run(
         self, op: driver.Op[driver.T], session: AsyncClientSession | None = None
@@ -572,9 +562,9 @@ class AsyncTaskClient(_Base):
         doc = await self._run(store.get(key))  # fails fast: no such key, finished, MongoDB away
         if doc is None:
             raise TaskNotFound(key)
-        if not waiters.finished(doc):
+        if not finished(doc):
             if self._waiter is None:
-                self._waiter = waiters.async_waiter_for(self.collection)
+                self._waiter = async_waiter_for(self.collection)
             doc = await self._waiter.wait(key, timeout)
         return Task.from_document(doc)
 
