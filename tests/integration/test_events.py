@@ -183,11 +183,15 @@ async def test_wait_outlives_a_worker_killed_mid_run(
     with TaskClient(mongo_uri, database=db_name, clock=clock) as old:
         old.publish("add", "orphan", {"a": 20, "b": 22}, options={"worker_timeout_ms": 1000})
         [_claimed] = old._run(claim(["orphan"], ["add"], "dead-worker", clock.now()))
-    waiting = asyncio.create_task(aclient.wait("orphan", timeout=60))
-    await wait_for(lambda: aclient._waiter is not None and "orphan" in aclient._waiter.waiting)
-    async with running_worker(registry, mongo_uri, db_name):
-        task = await waiting
+    async with following(aclient, names=["add"]) as seen:
+        waiting = asyncio.create_task(aclient.wait("orphan", timeout=60))
+        await wait_for(lambda: aclient._waiter is not None and "orphan" in aclient._waiter.waiting)
+        async with running_worker(registry, mongo_uri, db_name):
+            task = await waiting
+            await wait_for(lambda: any(e.status == "succeeded" for e in seen))
     assert task.status == "succeeded" and task.result == 42
+    assert [e.status for e in seen].count("succeeded") == 1  # the events saw the outcome once
+    assert {e.key for e in seen} == {"orphan"}
     assert [r.state for r in task.runs] == ["TIMEOUT", "SUCCESS"]
     assert task.runs[0].worker_id == "dead-worker"
 
