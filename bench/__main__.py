@@ -12,6 +12,7 @@ from rich.console import Console
 from bench import scale
 from bench.cpu import w10_cpu
 from bench.support import FULL, QUICK, floor_helper
+from bench.validator import validator_ab, validator_interleaved
 from bench.workloads import Bench
 from mtask.connection import resolve_uri
 
@@ -32,6 +33,8 @@ WORKLOADS = {
     "W9": scale.many_workers,
     "W7X": scale.backlog_memory,
     "W10": w10_cpu,  # CPU-bound: thread vs process pool (issue 18, bench/cpu.py)
+    "WV": validator_ab,  # the $jsonSchema validator's cost on W1 and W6, A/B (bench/validator.py)
+    "WVI": validator_interleaved,  # the same, interleaved batch by batch / side by side
 }
 
 

@@ -107,7 +107,7 @@ class Bench:
 
     # -- W1 and W7 ------------------------------------------------------------------------------
 
-    def _drain(self, task: str) -> tuple[float, float]:
+    def drain(self, task: str) -> tuple[float, float]:
         """Publish ``sizes.drain`` tasks named ``task``, drain them with one worker process of
         concurrency 64: tasks per second (first claim to last finish) and peak RSS in MB."""
         name = self.db()
@@ -152,7 +152,7 @@ class Bench:
         return n / seconds, peak_kb / 1024
 
     def w1_drain(self) -> None:
-        rate, mb = self._drain("noop")
+        rate, mb = self.drain("noop")
         ratio = rate / self.w0 if self.w0 else 0.0
         self.record(
             Result(
@@ -174,7 +174,7 @@ class Bench:
                 {"mb": mb},
             )
         )
-        rate, _ = self._drain("echo")
+        rate, _ = self.drain("echo")
         ratio = rate / self.w0 if self.w0 else 0.0
         self.record(
             Result(
@@ -188,7 +188,7 @@ class Bench:
         )
 
     def w1_txn(self) -> None:
-        rate, _ = self._drain(txn.TASK)
+        rate, _ = self.drain(txn.TASK)
         w1 = next((r.values["per_s"] for r in self.results if r.name == "W1 drain"), None)
         figure, notes, values = txn.summary(rate, self.w0, w1, self.sizes.drain)
         self.record(Result("W1T transactional drain", figure, "(no target)", None, notes, values))
@@ -403,6 +403,21 @@ class Bench:
     # -- W6 -------------------------------------------------------------------------------------
 
     def w6_publish(self) -> None:
+        single, many = self.publish_rates()
+        self.record(
+            Result(
+                "W6 publish",
+                f"publish {single:,.0f}/s (32 at once), publish_many {many:,.0f}/s",
+                "publish_many ≥ 5,000/s",
+                many >= 5000,
+                "",
+                {"single": single, "many": many},
+            )
+        )
+
+    def publish_rates(self) -> tuple[float, float]:
+        """W6: ``publish`` (``sizes.publish / 4``, 32 at once) and ``publish_many``
+        (``sizes.publish``), tasks per second."""
         n = self.sizes.publish
         name = self.db()
 
@@ -425,16 +440,7 @@ class Bench:
             client.publish_many({"name": "noop", "key": f"many{i}"} for i in range(n))
             many = n / (time.perf_counter() - began)
         self.drop(name)
-        self.record(
-            Result(
-                "W6 publish",
-                f"publish {single:,.0f}/s (32 at once), publish_many {many:,.0f}/s",
-                "publish_many ≥ 5,000/s",
-                many >= 5000,
-                "",
-                {"single": single, "many": many},
-            )
-        )
+        return single, many
 
     # -- W8 -------------------------------------------------------------------------------------
 

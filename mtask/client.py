@@ -50,6 +50,7 @@ from mtask.models import (
     validate_name,
 )
 from mtask.store import bulk, retention, throughput
+from mtask.waiters import AsyncWaiter, SyncWaiter, async_waiter_for, finished, waiter_for
 
 if TYPE_CHECKING:
     from mtask.registry import Registry
@@ -542,7 +543,7 @@ class TaskClient(_Base):
         self.db = self.mongo[database]
         self.collection = self.db[collection]
         self._driver = driver.SyncDriver(driver.collections(self.db, collection))
-        self._waiter: events.SyncWaiter | None = None
+        self._waiter: SyncWaiter | None = None
 
     def _run(self, op: Op[T], session: ClientSession | None = None) -> T:
         if not self._ready:  # never in the caller's transaction
@@ -563,14 +564,14 @@ class TaskClient(_Base):
     def wait(self, key: str, timeout: float | None = None) -> Task:
         """Block until the task is finished (succeeded, failed, cancelled or invalid) and
         return it. Raises ``WaitTimeout`` after ``timeout`` seconds (None: no limit) and
-        ``TaskNotFound`` if no task has that key. All waits of this client share one change
-        stream."""
+        ``TaskNotFound`` if no task has that key. All waits through one MongoClient on one
+        collection share one change stream (``mtask.waiters``), whichever client makes them."""
         doc = self._run(store.get(key))  # fails fast: no such key, finished, MongoDB away
         if doc is None:
             raise TaskNotFound(key)
-        if not events.finished(doc):
+        if not finished(doc):
             if self._waiter is None:
-                self._waiter = events.SyncWaiter(self.collection)
+                self._waiter = waiter_for(self.collection)
             doc = self._waiter.wait(key, timeout)
         return Task.from_document(doc)
 
@@ -615,7 +616,7 @@ class AsyncTaskClient(_Base):
         self.db = self.mongo[database]
         self.collection = self.db[collection]
         self._driver = driver.AsyncDriver(driver.collections(self.db, collection))
-        self._waiter: events.AsyncWaiter | None = None
+        self._waiter: AsyncWaiter | None = None
 
     async def _run(self, op: Op[T], session: AsyncClientSession | None = None) -> T:
         if not self._ready:  # never in the caller's transaction
@@ -640,9 +641,9 @@ class AsyncTaskClient(_Base):
         doc = await self._run(store.get(key))  # fails fast: no such key, finished, MongoDB away
         if doc is None:
             raise TaskNotFound(key)
-        if not events.finished(doc):
+        if not finished(doc):
             if self._waiter is None:
-                self._waiter = events.AsyncWaiter(self.collection)
+                self._waiter = async_waiter_for(self.collection)
             doc = await self._waiter.wait(key, timeout)
         return Task.from_document(doc)
 

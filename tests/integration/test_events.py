@@ -13,8 +13,9 @@ import pytest
 from harness import running_worker, wait_for
 from workerapp import registry
 
-from mtask import AsyncTaskClient, TaskClient
+from mtask import AsyncTaskClient, TaskClient, waiters
 from mtask.clock import FixedClock
+from mtask.connection import async_client
 from mtask.errors import TaskNotFound, WaitTimeout
 from mtask.events import TaskEvent, events
 from mtask.store import claim
@@ -40,6 +41,41 @@ def kill_change_streams(client: TaskClient, db_name: str) -> int:
             "killCursors", collection, cursors=[op["cursor"]["cursorId"]]
         )
         killed += len(reply["cursorsKilled"])
+    return killed
+
+
+def change_stream_getmores(client: TaskClient, db_name: str) -> list[dict[str, Any]]:
+    """The getMore commands in flight on the test database's change streams."""
+    return list(
+        client.mongo.admin.aggregate(
+            [
+                {"$currentOp": {"allUsers": True}},
+                {
+                    "$match": {
+                        "ns": {"$regex": f"^{db_name}\\."},
+                        "command.getMore": {"$exists": True},
+                        "cursor.originatingCommand.pipeline.0.$changeStream": {"$exists": True},
+                    }
+                },
+            ]
+        )
+    )
+
+
+def kill_getmores(client: TaskClient, db_name: str, how: str) -> int:
+    """Kill the change streams' getMores in flight, by ``killCursors`` (the getMore fails with
+    ``CursorKilled``) or ``killOp`` (``Interrupted``): neither is resumable for the driver."""
+    killed = 0
+    for op in change_stream_getmores(client, db_name):
+        if how == "killOp":
+            client.mongo.admin.command("killOp", op=op["opid"])
+            killed += 1
+        else:
+            collection = op["ns"].split(".", 1)[1]
+            reply = client.mongo[db_name].command(
+                "killCursors", collection, cursors=[op["cursor"]["cursorId"]]
+            )
+            killed += len(reply["cursorsKilled"])
     return killed
 
 
@@ -81,6 +117,34 @@ async def test_wait_returns_each_outcome_over_one_stream(
     assert again.status == "succeeded"
 
 
+async def test_clients_on_one_mongoclient_share_one_wait_stream(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """One change stream per MongoClient, database and collection, whichever client waits: two
+    ``AsyncTaskClient``s on one AsyncMongoClient share a waiter; another MongoClient (and the
+    other side, sync or async) has its own."""
+    mongo = async_client(mongo_uri)
+    try:
+        one = AsyncTaskClient(database=db_name, mongo_client=mongo)
+        two = AsyncTaskClient(database=db_name, mongo_client=mongo)
+        for key in ("x1", "x2"):
+            client.publish("add", key, {"a": 1, "b": 1})
+        both = asyncio.gather(one.wait("x1", timeout=30), two.wait("x2", timeout=30))
+        await wait_for(lambda: one._waiter is not None and len(one._waiter.waiting) == 2)
+        async with running_worker(registry, mongo_uri, db_name):
+            done = await both
+        assert [t.status for t in done] == ["succeeded", "succeeded"]
+        assert one._waiter is two._waiter and one._waiter.opened == 1
+        assert waiters.async_waiter_for(mongo[db_name]["other"]) is not one._waiter
+        async with AsyncTaskClient(mongo_uri, database=db_name) as own:
+            await own.wait("x1", timeout=5)  # finished: no waiter needed
+            assert waiters.async_waiter_for(own.collection) is not one._waiter
+        client.wait("x2", timeout=5)
+        assert client._waiter is None  # (finished: the sync side never opened one)
+    finally:
+        await mongo.close()
+
+
 async def test_wait_unknown_key_timeout_and_invalid(aclient: AsyncTaskClient) -> None:
     with pytest.raises(TaskNotFound, match="nope"):
         await aclient.wait("nope", timeout=10)
@@ -119,11 +183,15 @@ async def test_wait_outlives_a_worker_killed_mid_run(
     with TaskClient(mongo_uri, database=db_name, clock=clock) as old:
         old.publish("add", "orphan", {"a": 20, "b": 22}, options={"worker_timeout_ms": 1000})
         [_claimed] = old._run(claim(["orphan"], ["add"], "dead-worker", clock.now()))
-    waiting = asyncio.create_task(aclient.wait("orphan", timeout=60))
-    await wait_for(lambda: aclient._waiter is not None and "orphan" in aclient._waiter.waiting)
-    async with running_worker(registry, mongo_uri, db_name):
-        task = await waiting
+    async with following(aclient, names=["add"]) as seen:
+        waiting = asyncio.create_task(aclient.wait("orphan", timeout=60))
+        await wait_for(lambda: aclient._waiter is not None and "orphan" in aclient._waiter.waiting)
+        async with running_worker(registry, mongo_uri, db_name):
+            task = await waiting
+            await wait_for(lambda: any(e.status == "succeeded" for e in seen))
     assert task.status == "succeeded" and task.result == 42
+    assert [e.status for e in seen].count("succeeded") == 1  # the events saw the outcome once
+    assert {e.key for e in seen} == {"orphan"}
     assert [r.state for r in task.runs] == ["TIMEOUT", "SUCCESS"]
     assert task.runs[0].worker_id == "dead-worker"
 
@@ -134,11 +202,6 @@ def dt_past() -> Any:
     return dt.datetime(2020, 1, 1, tzinfo=dt.UTC)
 
 
-@pytest.mark.xfail(
-    reason="after the merge the events consumer sometimes sees fewer than all six outcomes within "
-    "20 s of a killCursors (the waits all end); open in issue 14, not counted as passing",
-    strict=False,
-)
 async def test_wait_and_events_survive_a_killed_cursor(
     mongo_uri: str, db_name: str, client: TaskClient, aclient: AsyncTaskClient
 ) -> None:
@@ -159,6 +222,47 @@ async def test_wait_and_events_survive_a_killed_cursor(
     assert len(seen) == len(keys)  # nothing twice
     assert len({e.token for e in seen}) == len(keys)
     assert all(e.name == "add" and e.status == "succeeded" for e in seen)
+
+
+@pytest.mark.parametrize("how", ["killCursors", "killOp"])
+async def test_events_reopen_where_the_killed_stream_stood(
+    how: str, db_name: str, client: TaskClient, aclient: AsyncTaskClient
+) -> None:
+    """A stream killed before it handed out anything reopens where it opened, not at "now": the
+    outcomes written while it is down arrive, once. (The event loop is blocked from the kill to
+    the last write, so the consumer cannot reopen in between.)"""
+    keys = ["g1", "g2"]
+    for key in keys:
+        client.publish("add", key, {"a": 1, "b": 1})
+    async with following(aclient, names=["add"], statuses=["succeeded"]) as seen:
+        await wait_for(lambda: change_stream_getmores(client, db_name))
+        assert kill_getmores(client, db_name, how) == 1
+        for key in keys:
+            client.collection.update_one({"_id": key}, {"$set": {"status": "succeeded"}})
+        await wait_for(lambda: {e.key for e in seen} == set(keys))
+        client.publish("add", "g3", {"a": 1, "b": 1})  # one more after the reopen
+        client.collection.update_one({"_id": "g3"}, {"$set": {"status": "succeeded"}})
+        await wait_for(lambda: any(e.key == "g3" for e in seen))
+    assert [e.key for e in seen] == [*keys, "g3"]  # each once, in order
+    assert len({e.token for e in seen}) == 3
+
+
+async def test_sync_events_ride_out_a_killed_getmore(db_name: str, client: TaskClient) -> None:
+    """``TaskClient.events`` reopens at its position too (it used to raise ``StorageError``)."""
+    keys = ["s1", "s2"]
+    for key in keys:
+        client.publish("add", key, {"a": 1, "b": 1})
+    stream = client.events(names=["add"], statuses=["succeeded"])
+    try:
+        first = asyncio.ensure_future(asyncio.to_thread(next, stream))
+        await wait_for(lambda: change_stream_getmores(client, db_name))
+        assert kill_getmores(client, db_name, "killCursors") == 1
+        for key in keys:
+            client.collection.update_one({"_id": key}, {"$set": {"status": "succeeded"}})
+        got = [(await first).key, (await asyncio.to_thread(next, stream)).key]
+    finally:
+        stream.close()  # type: ignore[attr-defined]
+    assert got == keys
 
 
 async def test_events_resume_after_the_last_token(
