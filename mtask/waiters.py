@@ -28,8 +28,9 @@ from typing import Any
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.synchronous.collection import Collection
 
+from mtask.driver import Doc
 from mtask.errors import TaskNotFound, WaitTimeout
-from mtask.events import FINISHED, Doc, Position, finish_pipeline, follow, sync_follow
+from mtask.events import FINISHED, Position, finish_pipeline, follow, sync_follow
 
 _shared: weakref.WeakValueDictionary[tuple[str, int, str, str], Any] = weakref.WeakValueDictionary()
 _shared_lock = threading.Lock()
