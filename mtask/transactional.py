@@ -36,7 +36,7 @@ from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import LeaseLost, MtaskError
 from mtask.store.outcomes import Outcome
-from mtask.store.transactional import complete_in_transaction
+from mtask.store.transactional import complete_in_transaction, kill_sessions, record_session
 
 T = TypeVar("T")
 Doc = dict[str, Any]
@@ -52,6 +52,19 @@ class TransactionTooLong(MtaskError):
     default_message = "the handler's transaction took too long and was aborted"
 
 
+@dataclass(frozen=True)
+class RunFence:
+    """What a worker's transactional run adds to the transaction (docs/transactions.md, "Under
+    faults"): its task and run (the run entry records the transaction's session), the sessions
+    of earlier runs to kill first, and ``alive()``, false once the worker stopped the run or
+    its lease ran out by the worker's clock (the body is then not run again)."""
+
+    key: str
+    run_id: str
+    stale_sessions: tuple[Any, ...] = ()
+    alive: Callable[[], bool] = lambda: True
+
+
 async def complete_transactionally(
     mongo: AsyncMongoClient[Doc],
     driver: AsyncDriver,
@@ -59,11 +72,18 @@ async def complete_transactionally(
     outcome_for: Callable[[T], Outcome],
     now: Callable[[], dt.datetime],
     lifetime_s: float = DEFAULT_LIFETIME_S,
+    fence: RunFence | None = None,
 ) -> tuple[T, Doc]:
     """Run ``handler(session)`` and record ``outcome_for(its result)`` in one transaction;
-    returns the handler's result and the task document after its SUCCESS."""
+    returns the handler's result and the task document after its SUCCESS.
+
+    With ``fence``, first kill the earlier runs' sessions (their open transactions abort, so
+    this run's writes do not wait on them) and record this run's session id in its run entry
+    (so that a run taking the task over can kill it in turn); neither is in the transaction."""
 
     async def body(session: AsyncClientSession) -> tuple[T, Doc]:
+        if fence is not None and not fence.alive():
+            raise LeaseLost()  # stopped or out of lease: not worth another try
         result = await handler(session)
         doc = await driver.run(complete_in_transaction(outcome_for(result), now()), session)
         if doc is None:
@@ -71,19 +91,41 @@ async def complete_transactionally(
         return result, doc
 
     async with mongo.start_session() as session:
+        committed = False
         try:
+            if fence is not None:
+                await driver.run(kill_sessions(list(fence.stale_sessions)))
+                lsid = session.session_id["id"]
+                if not await driver.run(record_session(fence.key, fence.run_id, lsid)):
+                    raise LeaseLost()
             async with asyncio.timeout(lifetime_s):
-                return await session.with_transaction(
+                done = await session.with_transaction(
                     body,
                     read_concern=ReadConcern("snapshot"),
                     write_concern=WriteConcern("majority"),
                 )
+            committed = True
+            return done
         except TimeoutError:
             raise TransactionTooLong(
                 f"the handler's transaction took more than {lifetime_s:g} s "
                 "(MongoDB aborts transactions after transactionLifetimeLimitSeconds, 60 s by "
                 "default); nothing it wrote landed"
             ) from None
+        finally:
+            if fence is not None and not committed:
+                _discard(session)
+
+
+def _discard(session: AsyncClientSession) -> None:
+    """Keep the session's server session out of pymongo's pool: its id is on the run entry, and
+    a later takeover may kill it; it must not be reused meanwhile by another operation of this
+    worker (which the kill would interrupt). pymongo has no public call for this; its own
+    ``mark_dirty`` (used after network errors) makes the pool drop the session."""
+    server_session = getattr(session, "_server_session", None)
+    mark_dirty = getattr(server_session, "mark_dirty", None)
+    if callable(mark_dirty):
+        mark_dirty()
 
 
 @dataclass(frozen=True)
@@ -99,7 +141,8 @@ class Transactions:
         self,
         handler: Callable[[AsyncClientSession], Awaitable[T]],
         outcome_for: Callable[[T], Outcome],
+        fence: RunFence | None = None,
     ) -> tuple[T, Doc]:
         return await complete_transactionally(
-            self.mongo, self.driver, handler, outcome_for, self.clock.now, self.lifetime_s
+            self.mongo, self.driver, handler, outcome_for, self.clock.now, self.lifetime_s, fence
         )

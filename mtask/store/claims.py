@@ -288,9 +288,16 @@ def run_filter(key: str, run_id: str) -> Doc:
     return {"_id": key, "runs": {"$elemMatch": {"run_id": run_id, "state": RUNNING}}}
 
 
-def extend_lease(key: str, run_id: str, worker_id: str, now: dt.datetime) -> Op[Doc | None]:
+def extend_lease(
+    key: str, run_id: str, worker_id: str, now: dt.datetime, max_time_ms: int | None = None
+) -> Op[Doc | None]:
     """Push the run's lease to ``now + worker_timeout_ms``. ``None`` means the run lost the
-    task (taken over, released, cancelled, or this worker is no longer allowed): stop it."""
+    task (taken over, released, cancelled, or this worker is no longer allowed): stop it.
+
+    ``max_time_ms`` bounds the update on the server: a write outside a transaction waits for an
+    open transaction that wrote the same document (a transactional run between its fenced
+    SUCCESS and its commit), and the pinger, one thread for all runs, must not wait with it."""
+    limit = {} if max_time_ms is None else {"maxTimeMS": max_time_ms}
     filt = {
         **run_filter(key, run_id),
         "status": {"$in": list(OPEN)},
@@ -303,6 +310,7 @@ def extend_lease(key: str, run_id: str, worker_id: str, now: dt.datetime) -> Op[
         {
             "return_document": ReturnDocument.AFTER,
             "projection": {"options": 1, "status": 1},
+            **limit,
         },
     )
     return doc

@@ -11,6 +11,15 @@ The fence is a write on the task document, not a read: a takeover that claims th
 this transaction's snapshot changes the document, so this update meets a ``WriteConflict`` (a
 ``TransientTransactionError``) and the transaction aborts, even if the zombie read the fence
 before the takeover. Read-only fences would not conflict.
+
+``record_session`` and ``kill_sessions`` keep a dead or frozen run's open transaction from
+blocking the run that takes its task over (docs/transactions.md, "Under faults"). Before its
+transaction starts, a run writes its session's id (``lsid``) into its run entry, fenced like
+every run write; a run that takes the task over kills the sessions of the earlier runs whose
+lease expired (``killSessions``), which aborts their transactions at once. Without it the server
+keeps such a transaction, and the locks its writes hold, until ``transactionLifetimeLimitSeconds``
+(60 s by default; the reaper ran up to ~30 s later in the runs observed), and every other
+transaction writing the same documents meets a ``WriteConflict`` until then.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from pymongo import ReturnDocument
 from mtask.driver import Call, Op
 from mtask.models import RunState, TaskStatus
 from mtask.statemachine import RUNNING
+from mtask.store.claims import run_filter
 from mtask.store.outcomes import Outcome, finish_update
 
 Doc = dict[str, Any]
@@ -71,3 +81,37 @@ def complete_in_transaction(outcome: Outcome, now: dt.datetime) -> Op[Doc | None
         "find_one_and_update", (filt, pipeline), {"return_document": ReturnDocument.AFTER}
     )
     return doc
+
+
+TXN_FIELD = "txn"
+"""The run entry's field holding the id (``lsid.id``, a UUID) of its transaction's session."""
+
+
+def record_session(key: str, run_id: str, session_uuid: Any) -> Op[bool]:
+    """Write the run's session id into its run entry, if the run is still RUNNING; ``False``:
+    the run lost the task (do not start its transaction)."""
+    result = yield Call(
+        "update_one", (run_filter(key, run_id), {"$set": {f"runs.$.{TXN_FIELD}": session_uuid}})
+    )
+    return bool(result.matched_count)
+
+
+def stale_sessions(runs: Any, run_id: str) -> list[Any]:
+    """The session ids of the earlier runs in ``runs`` (a claimed document's) whose lease
+    expired: their transactions may still be open on the server."""
+    return [
+        r[TXN_FIELD]
+        for r in runs or ()
+        if isinstance(r, dict)
+        and r.get("run_id") != run_id
+        and r.get("state") == RunState.TIMEOUT.value
+        and r.get(TXN_FIELD) is not None
+    ]
+
+
+def kill_sessions(session_uuids: list[Any]) -> Op[None]:
+    """Kill these sessions: the server aborts their open transactions and interrupts their
+    operations (a session of another MongoDB user is left alone: ``killSessions`` reaches the
+    caller's own sessions only, unless it has the ``killAnySession`` privilege)."""
+    if session_uuids:
+        yield Call("command", ("killSessions", [{"id": u} for u in session_uuids]))

@@ -36,8 +36,9 @@ from mtask.pool import ChildDied, HandlerError, ProcessPool, TimeLimitExceeded
 from mtask.registry import Fail, Handler, Registry, Retry, TaskContext
 from mtask.statemachine import keep_ms
 from mtask.store import Outcome
+from mtask.store.transactional import stale_sessions
 from mtask.tracing import run_span
-from mtask.transactional import Transactions, TransactionTooLong
+from mtask.transactional import RunFence, Transactions, TransactionTooLong
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import ActiveRun, InFlight
@@ -95,7 +96,7 @@ class RunOutcomes:
             with run_span(doc, run.name, run.key, run.ctx.attempt):
                 if handler.transactional:
                     params = handler.parse(doc.get("params") or {})
-                    return await self._transactional(run, handler, params)
+                    return await self._transactional(run, handler, params, doc)
                 result = await invoke(
                     handler,
                     doc.get("params") or {},
@@ -128,10 +129,13 @@ class RunOutcomes:
         except Exception as exc:  # noqa: BLE001 - any handler error is the task's failure
             return self.failure(run, short_traceback(exc))
 
-    async def _transactional(self, run: ActiveRun, handler: Handler, params: Any) -> Outcome:
+    async def _transactional(
+        self, run: ActiveRun, handler: Handler, params: Any, doc: dict[str, Any]
+    ) -> Outcome:
         """The handler and the run's SUCCESS in one transaction; the SUCCESS outcome returned is
         ``committed`` (the recorder does not write it again). A result that cannot be stored
-        aborts the transaction and is the run's FAIL."""
+        aborts the transaction and is the run's FAIL. The transactions of earlier runs of the
+        task whose lease expired are killed first (``RunFence``)."""
         assert self.transactions is not None, "the worker sets RunOutcomes.transactions"
 
         async def invoke(session: Any) -> Any:
@@ -150,8 +154,14 @@ class RunOutcomes:
             built.append(outcome)
             return outcome
 
+        fence = RunFence(
+            run.key,
+            run.run_id,
+            tuple(stale_sessions(doc.get("runs"), run.run_id)),
+            alive=lambda: run.stop_reason is None and not run.ctx.cancelled.is_set(),
+        )
         try:
-            await self.transactions.complete(invoke, outcome_for)
+            await self.transactions.complete(invoke, outcome_for, fence)
         except _NotStored as refused:
             return refused.outcome
         return dataclasses.replace(built[-1], committed=True)

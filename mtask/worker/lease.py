@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 
 TICK_SECONDS = 0.2
 
+PING_MAX_TIME_MS = 100
+"""The least ``maxTimeMS`` of a ping (otherwise its interval): a ping waiting for a transaction
+that holds its task document fails and is retried instead of holding up every other ping."""
+
 LostCallback = Callable[[str, dict[str, Any] | None], None]
 """Called with the run id and the task's current status document (``None`` if the task is
 gone): on the pinger thread, or on the event loop given to ``LeasePinger.start``."""
@@ -164,8 +168,9 @@ class LeasePinger:
         sent = time.monotonic()
         try:
             server_now = self._clock.now()
+            limit = max(PING_MAX_TIME_MS, round(lease.interval * 1000))
             doc = self._driver.run(
-                store.extend_lease(lease.key, lease.run_id, self._worker_id, server_now)
+                store.extend_lease(lease.key, lease.run_id, self._worker_id, server_now, limit)
             )
             status = None
             if doc is None:
