@@ -23,6 +23,7 @@ from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.synchronous.client_session import ClientSession
 
 from mtask import control, driver, events, flows, limits, metrics, schedules, store, tracing
+from mtask.aftercommit import after_commit
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
 from mtask.errors import InvalidTask, TaskNotFound
@@ -123,9 +124,16 @@ def _check_list_args(status: str | None, limit: int, order: str) -> None:
         raise InvalidTask(f"must be one of {', '.join(store.LIST_ORDERS)}", field="order")
 
 
-def _count_created(by_name: Mapping[str, int]) -> None:
-    for name, count in by_name.items():
-        metrics.by_name(metrics.PUBLISHED, name).inc(count)
+def _count_created(by_name: Mapping[str, int], session: Any = None) -> None:
+    """Count created tasks in ``mtask_published_total``: inside a transaction, once it has
+    committed (an aborted one created nothing)."""
+
+    def count() -> None:
+        for name, created in by_name.items():
+            metrics.by_name(metrics.PUBLISHED, name).inc(created)
+
+    if by_name:
+        after_commit(session, count)
 
 
 def _check_session(session: Any, mongo: Any) -> None:
@@ -236,7 +244,7 @@ class TaskClient(_Base):
         )
         with tracing.publish_span(task.name, task.key) as trace:
             published = self._run(store.publish(task, now, on_conflict, trace=trace), session)
-        _count_created({task.name: 1} if published.created else {})
+        _count_created({task.name: 1} if published.created else {}, session)
         if task.depends_on:
             self._run(flows.after_publish([task], now), session)
             # its dependencies may have finished already
@@ -258,7 +266,7 @@ class TaskClient(_Base):
             created = self._run(
                 store.publish_many(tasks, now, created_by_name=by_name, trace=trace), session
             )
-        _count_created(by_name)
+        _count_created(by_name, session)
         self._run(flows.after_publish(tasks, now), session)
         return created
 
@@ -532,7 +540,7 @@ class AsyncTaskClient(_Base):
         )
         with tracing.publish_span(task.name, task.key) as trace:
             published = await self._run(store.publish(task, now, on_conflict, trace=trace), session)
-        _count_created({task.name: 1} if published.created else {})
+        _count_created({task.name: 1} if published.created else {}, session)
         if task.depends_on:
             await self._run(flows.after_publish([task], now), session)
             doc = await self._run(store.get(task.key), session)
@@ -552,7 +560,7 @@ class AsyncTaskClient(_Base):
             created = await self._run(
                 store.publish_many(tasks, now, created_by_name=by_name, trace=trace), session
             )
-        _count_created(by_name)
+        _count_created(by_name, session)
         await self._run(flows.after_publish(tasks, now), session)
         return created
 
