@@ -289,21 +289,30 @@ def run_filter(key: str, run_id: str) -> Doc:
 
 
 def extend_lease(
-    key: str, run_id: str, worker_id: str, now: dt.datetime, max_time_ms: int | None = None
+    key: str,
+    run_id: str,
+    worker_id: str,
+    now: dt.datetime,
+    max_time_ms: int | None = None,
+    run_fields: Mapping[str, Any] | None = None,
 ) -> Op[Doc | None]:
     """Push the run's lease to ``now + worker_timeout_ms``. ``None`` means the run lost the
     task (taken over, released, cancelled, or this worker is no longer allowed): stop it.
 
     ``max_time_ms`` bounds the update on the server: a write outside a transaction waits for an
     open transaction that wrote the same document (a transactional run between its fenced
-    SUCCESS and its commit), and the pinger, one thread for all runs, must not wait with it."""
+    SUCCESS and its commit), and the pinger, one thread for all runs, must not wait with it.
+    ``run_fields``: more fields of the run entry to set in the same update."""
     limit = {} if max_time_ms is None else {"maxTimeMS": max_time_ms}
     filt = {
         **run_filter(key, run_id),
         "status": {"$in": list(OPEN)},
         "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],
     }
-    lease = {"lease_expires_at": {"$add": [now, "$options.worker_timeout_ms"]}}
+    lease = {
+        "lease_expires_at": {"$add": [now, "$options.worker_timeout_ms"]},
+        **(run_fields or {}),
+    }
     doc: Doc | None = yield Call(
         "find_one_and_update",
         (filt, [{"$set": {"runs": set_run_fields(run_id, lease)}}, *recompute_stages(now)]),

@@ -12,7 +12,7 @@ this transaction's snapshot changes the document, so this update meets a ``Write
 ``TransientTransactionError``) and the transaction aborts, even if the zombie read the fence
 before the takeover. Read-only fences would not conflict.
 
-``record_session`` and ``kill_sessions`` keep a dead or frozen run's open transaction from
+``begin_run_transaction`` and ``kill_sessions`` keep a dead or frozen run's open transaction from
 blocking the run that takes its task over (docs/transactions.md, "Under faults"). Before its
 transaction starts, a run writes its session's id (``lsid``) into its run entry, fenced like
 every run write; a run that takes the task over kills the sessions of the earlier runs whose
@@ -32,8 +32,9 @@ from pymongo import ReturnDocument
 from mtask.driver import Call, Op
 from mtask.models import RunState, TaskStatus
 from mtask.statemachine import RUNNING
-from mtask.store.claims import run_filter
+from mtask.store.claims import extend_lease
 from mtask.store.outcomes import Outcome, finish_update
+from mtask.store.schema import literal
 
 Doc = dict[str, Any]
 
@@ -87,13 +88,18 @@ TXN_FIELD = "txn"
 """The run entry's field holding the id (``lsid.id``, a UUID) of its transaction's session."""
 
 
-def record_session(key: str, run_id: str, session_uuid: Any) -> Op[bool]:
-    """Write the run's session id into its run entry, if the run is still RUNNING; ``False``:
-    the run lost the task (do not start its transaction)."""
-    result = yield Call(
-        "update_one", (run_filter(key, run_id), {"$set": {f"runs.$.{TXN_FIELD}": session_uuid}})
+def begin_run_transaction(
+    key: str, run_id: str, worker_id: str, now: dt.datetime, session_uuid: Any
+) -> Op[Doc | None]:
+    """Before the run's transaction starts: a ping (``extend_lease``: the same fence, the lease
+    pushed to ``now + worker_timeout_ms``) that also writes the session id into the run entry.
+    The worker does not ping the run while its transaction is open (a ping would make the
+    fenced SUCCESS a write conflict), so the transaction must end within this lease. ``None``:
+    the run lost the task, do not start the transaction."""
+    doc: Doc | None = yield from extend_lease(
+        key, run_id, worker_id, now, run_fields={TXN_FIELD: literal(session_uuid)}
     )
-    return bool(result.matched_count)
+    return doc
 
 
 def stale_sessions(runs: Any, run_id: str) -> list[Any]:

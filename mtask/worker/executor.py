@@ -84,6 +84,9 @@ class RunOutcomes:
         self.max_params_bytes = max_params_bytes
         self.transactions: Transactions | None = None
         """Set by the worker: how transactional handlers open their transactions."""
+        self.pinger: LeasePinger | None = None
+        """Set by the executor: a transactional run pauses its pings while its transaction is
+        open."""
         self.pool: ProcessPool | None = None
         """Child processes for process-isolated plain-def handlers (issue 18)."""
         self.isolation: Literal["thread", "process"] = "thread"
@@ -154,11 +157,17 @@ class RunOutcomes:
             built.append(outcome)
             return outcome
 
+        assert self.pinger is not None, "the executor sets RunOutcomes.pinger"
+        pinger = self.pinger
         fence = RunFence(
             run.key,
             run.run_id,
+            run.ctx.worker_id,
             tuple(stale_sessions(doc.get("runs"), run.run_id)),
             alive=lambda: run.stop_reason is None and not run.ctx.cancelled.is_set(),
+            pause=lambda: pinger.pause(run.run_id),
+            held=lambda sent: pinger.held(run.run_id, sent),
+            resume=lambda: pinger.resume(run.run_id),
         )
         try:
             await self.transactions.complete(invoke, outcome_for, fence)
@@ -282,6 +291,7 @@ class Executor:
         self.pinger = pinger
         self.recorder = recorder
         self.outcomes = outcomes
+        outcomes.pinger = pinger
         self.stats = outcomes.stats
         self.wake = wake
         """The claimer's wake-up: set when a run ends (a slot is free)."""

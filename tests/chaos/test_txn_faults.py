@@ -12,12 +12,16 @@ the run entry) before its own transaction starts (``store.transactional.kill_ses
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import Cluster, until_finished
+from cluster import Cluster, ReplicaSet, until_finished
 from harness import wait_for
+from pymongo import MongoClient
+from pymongo.errors import PyMongoError
 
 from mtask import TaskClient
 
@@ -32,7 +36,9 @@ TAKEOVER_S = 45
 """Under the 60 s a dead run's transaction lives on the server: the rescuer must not wait it out."""
 
 
-def publish(client: TaskClient, hold_ms_by_worker: dict[str, int]) -> None:
+def publish(
+    client: TaskClient, hold_ms_by_worker: dict[str, int], options: dict[str, int] = OPTIONS
+) -> None:
     client.ensure_indexes()
     for name in ("ledger", "counters"):  # not created inside a handler's transaction
         client.db.create_collection(name)
@@ -42,7 +48,7 @@ def publish(client: TaskClient, hold_ms_by_worker: dict[str, int]) -> None:
                 "name": "charge",
                 "key": k,
                 "params": {"hold_ms_by_worker": hold_ms_by_worker},
-                "options": OPTIONS,
+                "options": options,
             }
             for k in KEYS
         ]
@@ -99,3 +105,52 @@ async def test_frozen_past_its_lease_mid_handler_then_resumed(
     cluster.signal("zombie", signal.SIGTERM)  # once it exited, nothing of it can land
     assert await asyncio.to_thread(zombie.wait, 60) == 0
     assert_exactly_once(client, "rescuer")
+
+
+async def test_failover_during_commit(tmp_path: Path, db_name: str) -> None:
+    """The commits are applied on the primary but not yet replicated (the secondaries stopped
+    fetching its oplog) when the primary is stepped down: the new primary never saw them, the
+    old one rolls them back when it rejoins. The worker's ``with_transaction`` retries the
+    commit (its result is unknown), is told the transaction does not exist, and runs the body
+    again on the new primary; the run still owns its task (a lease longer than the failover),
+    so the second try commits. Business writes: once per task."""
+    replica_set = ReplicaSet(tmp_path / "rs", test_commands=True)
+    uri = await asyncio.to_thread(replica_set.start)
+    cluster = Cluster(uri, db_name, tmp_path)
+    try:
+        with TaskClient(uri, database=db_name) as client, MongoClient(uri) as mongo:
+            options = {"worker_timeout_ms": 30_000, "ping_interval_ms": 500, "max_retries": 5}
+            publish(client, {"a": 3000}, options)
+            log = mongo[db_name]["execlog"]
+            cluster.spawn("a", "--concurrency", "4")
+            await wait_for(lambda: log.count_documents({"event": "written"}) == 3, timeout=60)
+            old = replica_set.wait_primary()
+            secondaries = [p for p in replica_set.ports if p != old]
+            for port in secondaries:  # from now on nothing the primary writes is replicated
+                replica_set.fail_point(port, "stopReplProducer")
+            primary = replica_set.direct(old)
+            try:  # the three commits applied on the primary (read there, "local")
+                counters = primary[db_name]["counters"]
+                await wait_for(lambda: counters.count_documents({"n": 1}) == 3, timeout=60)
+                with contextlib.suppress(PyMongoError):  # the step-down drops the connection
+                    primary.admin.command(
+                        "replSetStepDown", 60, secondaryCatchUpPeriodSecs=1, force=True
+                    )
+            finally:
+                primary.close()
+            for port in secondaries:
+                replica_set.fail_point(port, "stopReplProducer", mode="off")
+            new = await asyncio.to_thread(replica_set.wait_primary, 60, old)
+            await until_finished(client, len(KEYS), timeout=120)
+            assert new != old
+            assert_exactly_once(client, "a")
+            for task in client.list():  # the same run committed, on its second try
+                assert [(r.worker_id, r.state) for r in task.runs] == [("a", "SUCCESS")]
+            # the commits the old primary had applied were rolled back when it rejoined
+            rollback = replica_set.dbpath(old) / "rollback"
+            await wait_for(lambda: rollback.is_dir() and any(rollback.rglob("*.bson")), 60)
+            tries = log.count_documents({"event": "written"})
+            assert tries == 6, tries  # each body ran twice: before and after the failover
+    finally:
+        cluster.close()
+        replica_set.stop()

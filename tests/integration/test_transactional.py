@@ -17,8 +17,8 @@ from mtask.errors import LeaseLost
 from mtask.registry import Retry
 from mtask.store import CLAIMED_FIELDS, Outcome, RunState, claim, finish_update
 from mtask.store.transactional import (
+    begin_run_transaction,
     complete_filter_and_pipeline,
-    record_session,
     stale_sessions,
 )
 from mtask.transactional import RunFence, TransactionTooLong, complete_transactionally
@@ -156,7 +156,8 @@ async def dead_run_with_open_transaction(ac: AsyncTaskClient) -> tuple[Any, Doc]
     await ac.publish("charge", "c1")
     dead_run = await claimed(ac, "c1", "dead")
     dead = ac.mongo.start_session()
-    assert await ac._run(record_session("c1", dead_run, dead.session_id["id"]))
+    begun = begin_run_transaction("c1", dead_run, "dead", await ac.now(), dead.session_id["id"])
+    assert await ac._run(begun) is not None
     await dead.start_transaction()
     await ac.db["ledger"].insert_one({"task": "c1", "dead": True}, session=dead)
     await ac.db["counters"].update_one({"_id": "charges"}, {"$inc": {"n": 1}}, session=dead)
@@ -186,7 +187,7 @@ async def test_the_takeover_kills_the_dead_runs_transaction(ac: AsyncTaskClient)
     run_id = doc["claim_run_id"]
     stale = stale_sessions(doc["runs"], run_id)
     assert stale == [dead.session_id["id"]]
-    fence = RunFence("c1", run_id, tuple(stale))
+    fence = RunFence("c1", run_id, "w2", tuple(stale))
     calls: list[str] = []
     async with asyncio.timeout(10):  # not the minute the server would keep it
         await complete(ac, "c1", run_id, charge(ac, "c1", calls), fence=fence)
@@ -210,7 +211,9 @@ async def test_a_run_that_lost_its_task_starts_no_transaction(ac: AsyncTaskClien
     await claimed(ac, "c1", "w2")
     calls: list[str] = []
     with pytest.raises(LeaseLost):
-        await complete(ac, "c1", run_id, charge(ac, "c1", calls), fence=RunFence("c1", run_id))
+        await complete(
+            ac, "c1", run_id, charge(ac, "c1", calls), fence=RunFence("c1", run_id, "w1")
+        )
     assert calls == [] and await business(ac) == (0, 0)
 
 

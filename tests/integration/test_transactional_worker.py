@@ -4,6 +4,7 @@ counted, not runs."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -23,6 +24,9 @@ async def charge(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
     await db["counters"].update_one(
         {"_id": "charges"}, {"$inc": {"n": 1}}, upsert=True, session=ctx.session
     )
+    if params.get("sleep"):  # longer than the ping interval
+        await db["calls"].insert_one({"task": ctx.key})  # outside the transaction: every call
+        await asyncio.sleep(params["sleep"])
     if params.get("retry_first") and ctx.attempt == 1:
         raise Retry("declined, try again", delay=0)
     return {"charged": ctx.key, "big": "x" * params.get("pad", 0)}
@@ -79,6 +83,23 @@ async def test_an_unstorable_result_aborts_the_writes(
     assert business(prepared) == (0, [])
     task = prepared.get("c")
     assert task is not None and task.status == "failed" and "limit is 1000" in (task.error or "")
+
+
+async def test_a_handler_longer_than_the_ping_interval_runs_once(
+    mongo_uri: str, db_name: str, prepared: TaskClient
+) -> None:
+    """Pings write the task document; one landing while the transaction is open would make its
+    fenced SUCCESS meet a write conflict, and the body run again (and again: a livelock until
+    the transaction's time limit). The run's lease is extended once when its transaction
+    starts, and not pinged while it is open."""
+    options = {"ping_interval_ms": 100, "worker_timeout_ms": 5000}
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        prepared.publish("charge", "c", {"db": db_name, "sleep": 0.8}, options=options)
+        await events.wait("recorded", key="c", timeout=30)
+    assert business(prepared) == (1, [("c", 1)])
+    assert prepared.db["calls"].count_documents({}) == 1  # the body ran once
+    task = prepared.get("c")
+    assert task is not None and [r.state for r in task.runs] == ["SUCCESS"]
 
 
 def test_a_transactional_handler_must_be_async_and_take_ctx() -> None:
