@@ -151,7 +151,7 @@ class RunOutcomes:
         built: list[Outcome] = []  # the last is the one committed (a body may run again)
 
         def outcome_for(result: Any) -> Outcome:
-            outcome = self.success(run, result)
+            outcome = self.success(run, result, count=False)  # counted once committed
             if outcome.state is not RunState.SUCCESS:
                 raise _NotStored(outcome)
             built.append(outcome)
@@ -173,9 +173,13 @@ class RunOutcomes:
             await self.transactions.complete(invoke, outcome_for, fence)
         except _NotStored as refused:
             return refused.outcome
+        self.succeeded(run)
         return dataclasses.replace(built[-1], committed=True)
 
-    def success(self, run: ActiveRun, result: Any) -> Outcome:
+    def success(self, run: ActiveRun, result: Any, count: bool = True) -> Outcome:
+        """The SUCCESS outcome of ``result`` (a FAIL if it cannot be stored); ``count``: count
+        it and emit ``succeeded`` now (a transactional run does once its transaction commits:
+        ``succeeded``)."""
         steps: tuple[dict[str, Any], ...] = ()
         if flows.is_steps(result):
             try:
@@ -194,9 +198,8 @@ class RunOutcomes:
                 f"the result is {size} bytes as BSON; the limit is {self.max_result_bytes}",
                 permanent=True,
             )
-        self.stats.succeeded += 1
-        metrics.by_name(metrics.SUCCEEDED, run.name).inc()
-        self.emit(Event.SUCCEEDED, key=run.key, run_id=run.run_id)
+        if count:
+            self.succeeded(run)
         return Outcome(
             run.key,
             run.run_id,
@@ -207,6 +210,11 @@ class RunOutcomes:
             worker_id=run.ctx.worker_id,
             result_bytes=size,
         )
+
+    def succeeded(self, run: ActiveRun) -> None:
+        self.stats.succeeded += 1
+        metrics.by_name(metrics.SUCCEEDED, run.name).inc()
+        self.emit(Event.SUCCEEDED, key=run.key, run_id=run.run_id)
 
     def failure(
         self,

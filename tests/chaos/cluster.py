@@ -143,12 +143,20 @@ class ReplicaSet:
 
     NAME = "chaos"
 
-    def __init__(self, root: Path, members: int = 3, test_commands: bool = False) -> None:
+    def __init__(
+        self,
+        root: Path,
+        members: int = 3,
+        test_commands: bool = False,
+        settings: dict[str, Any] | None = None,
+    ) -> None:
         self.root = root
         self.ports = [free_port() for _ in range(members)]
         self.pids: dict[int, int] = {}
         self.test_commands = test_commands
         """Start the members with ``enableTestCommands`` (fail points: ``fail_point``)."""
+        self.settings = {"electionTimeoutMillis": 2000, **(settings or {})}
+        """The replica set configuration's ``settings``."""
 
     @property
     def uri(self) -> str:
@@ -178,7 +186,7 @@ class ReplicaSet:
         members = [{"_id": i, "host": f"127.0.0.1:{p}"} for i, p in enumerate(self.ports)]
         first.admin.command(
             "replSetInitiate",
-            {"_id": self.NAME, "members": members, "settings": {"electionTimeoutMillis": 2000}},
+            {"_id": self.NAME, "members": members, "settings": self.settings},
         )
         first.close()
         self.wait_primary()

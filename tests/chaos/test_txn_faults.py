@@ -107,14 +107,19 @@ async def test_frozen_past_its_lease_mid_handler_then_resumed(
     assert_exactly_once(client, "rescuer")
 
 
-async def test_failover_during_commit(tmp_path: Path, db_name: str) -> None:
+@pytest.mark.parametrize("rolled_back", [False, True], ids=["caught-up", "rolled-back"])
+async def test_failover_during_commit(tmp_path: Path, db_name: str, rolled_back: bool) -> None:
     """The commits are applied on the primary but not yet replicated (the secondaries stopped
-    fetching its oplog) when the primary is stepped down: the new primary never saw them, the
-    old one rolls them back when it rejoins. The worker's ``with_transaction`` retries the
-    commit (its result is unknown), is told the transaction does not exist, and runs the body
-    again on the new primary; the run still owns its task (a lease longer than the failover),
-    so the second try commits. Business writes: once per task."""
-    replica_set = ReplicaSet(tmp_path / "rs", test_commands=True)
+    fetching its oplog) when the primary is stepped down, with their majority write concern
+    still unanswered. Either the new primary catches up from the old one in its election
+    (MongoDB's default): the commits survive, the worker's retried commit is told so, and the
+    bodies ran once. Or it does not (``catchUpTimeoutMillis: 0``, the secondaries still cut
+    off): the old primary rolls the commits back when it rejoins, the worker's retried commit
+    finds no such transaction, and ``with_transaction`` runs the body again on the new primary,
+    the run still owning its task (a lease longer than the failover). Business writes: once per
+    task, both ways."""
+    settings = {"catchUpTimeoutMillis": 0} if rolled_back else {}
+    replica_set = ReplicaSet(tmp_path / "rs", test_commands=True, settings=settings)
     uri = await asyncio.to_thread(replica_set.start)
     cluster = Cluster(uri, db_name, tmp_path)
     try:
@@ -138,19 +143,25 @@ async def test_failover_during_commit(tmp_path: Path, db_name: str) -> None:
                     )
             finally:
                 primary.close()
+            if rolled_back:  # elected while cut off from the old primary's last writes
+                await asyncio.to_thread(replica_set.wait_primary, 60, old)
             for port in secondaries:
                 replica_set.fail_point(port, "stopReplProducer", mode="off")
             new = await asyncio.to_thread(replica_set.wait_primary, 60, old)
             await until_finished(client, len(KEYS), timeout=120)
             assert new != old
             assert_exactly_once(client, "a")
-            for task in client.list():  # the same run committed, on its second try
+            for task in client.list():  # the same run committed, on its first or second try
                 assert [(r.worker_id, r.state) for r in task.runs] == [("a", "SUCCESS")]
-            # the commits the old primary had applied were rolled back when it rejoined
-            rollback = replica_set.dbpath(old) / "rollback"
-            await wait_for(lambda: rollback.is_dir() and any(rollback.rglob("*.bson")), 60)
             tries = log.count_documents({"event": "written"})
-            assert tries == 6, tries  # each body ran twice: before and after the failover
+            if rolled_back:
+                rollback = replica_set.dbpath(old) / "rollback"
+                await wait_for(lambda: rollback.is_dir() and any(rollback.rglob("*.bson")), 60)
+                assert tries == 6, tries  # each body ran twice: before and after the failover
+            else:
+                assert tries == 3, tries
+            for key in KEYS:  # counted once committed, however many times its body ran
+                assert cluster.log_of("a").count(f"succeeded key={key} ") == 1
     finally:
         cluster.close()
         replica_set.stop()
