@@ -25,6 +25,13 @@ from mtask.store.schema import LAST_WRITE, SPECIFIC, WELL_FORMED, claim_tag, lit
 
 Doc = dict[str, Any]
 
+CLAIM_TIMEOUT_S = 5.0
+"""The most a claim call may take (``Call.timeout``). A claim that would take over a task
+whose document an open transaction has written (a transactional run frozen or killed between
+its fenced SUCCESS and its commit) waits for that transaction, which the server keeps until
+``transactionLifetimeLimitSeconds``; this bounds the wait, and the claimer then kills that
+transaction (``Claimer.kill_stale_transactions``)."""
+
 
 def claim_filter(
     keys: Sequence[str], names: Sequence[str], worker_id: str, now: dt.datetime
@@ -247,12 +254,14 @@ def claim(
                 "find_one_and_update",
                 claim_fast_update(key, names, worker_id, now, run_id, timeouts[key]),
                 options,
+                timeout=CLAIM_TIMEOUT_S,
             )
         if doc is None:
             doc = yield Call(
                 "find_one_and_update",
                 (claim_filter(keys, names, worker_id, now), claim_pipeline(batch, worker_id, now)),
                 options,
+                timeout=CLAIM_TIMEOUT_S,
             )
         # the pipeline may have matched only to expire leases, adding no run of ours
         if doc is None or not _has_run(doc, run_id):
@@ -266,12 +275,14 @@ def claim(
             claim_lean_filter(keys, names, worker_id, now),
             claim_lean_pipeline(batch, worker_id, now),
         ),
+        timeout=CLAIM_TIMEOUT_S,
     )
     modified = lean.modified_count
     if modified < len(keys):
         result = yield Call(
             "update_many",
             (claim_filter(keys, names, worker_id, now), claim_pipeline(batch, worker_id, now)),
+            timeout=CLAIM_TIMEOUT_S,
         )
         modified += result.modified_count
     if modified == 0:

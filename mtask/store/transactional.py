@@ -115,6 +115,31 @@ def stale_sessions(runs: Any, run_id: str) -> list[Any]:
     ]
 
 
+def expired_transactions(keys: list[str], now: dt.datetime) -> Op[list[Any]]:
+    """The session ids of the RUNNING runs among ``keys`` whose lease ended by ``now`` and
+    that recorded a transaction: a claim taking such a task over waits if the transaction wrote
+    its document and is still open (read without waiting: a read outside a transaction sees the
+    last committed version)."""
+    expired = {"state": RUNNING, "lease_expires_at": {"$lte": now}, TXN_FIELD: {"$ne": None}}
+    docs: list[Doc] = yield Call(
+        "find",
+        (
+            {"_id": {"$in": list(keys)}, "runs": {"$elemMatch": expired}},
+            {"runs.state": 1, "runs.lease_expires_at": 1, f"runs.{TXN_FIELD}": 1},
+        ),
+    )
+    return [
+        r[TXN_FIELD]
+        for doc in docs
+        for r in doc.get("runs") or ()
+        if isinstance(r, dict)
+        and r.get("state") == RUNNING
+        and isinstance(r.get("lease_expires_at"), dt.datetime)
+        and r["lease_expires_at"] <= now
+        and r.get(TXN_FIELD) is not None
+    ]
+
+
 def kill_sessions(session_uuids: list[Any]) -> Op[None]:
     """Kill these sessions: the server aborts their open transactions and interrupts their
     operations (a session of another MongoDB user is left alone: ``killSessions`` reaches the
