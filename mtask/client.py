@@ -34,6 +34,7 @@ from pymongo.errors import PyMongoError
 from pymongo.synchronous.client_session import ClientSession
 
 from mtask import control, driver, events, flows, limits, metrics, schedules, store, tracing
+from mtask.aftercommit import after_commit
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
 from mtask.driver import Op
@@ -137,9 +138,16 @@ def _check_list_args(status: str | None, limit: int, order: str) -> None:
         raise InvalidTask(f"must be one of {', '.join(store.LIST_ORDERS)}", field="order")
 
 
-def _count_created(by_name: Mapping[str, int]) -> None:
-    for name, count in by_name.items():
-        metrics.by_name(metrics.PUBLISHED, name).inc(count)
+def _count_created(by_name: Mapping[str, int], session: Any = None) -> None:
+    """Count created tasks in ``mtask_published_total``: inside a transaction, once it has
+    committed (an aborted one created nothing)."""
+
+    def count() -> None:
+        for name, created in by_name.items():
+            metrics.by_name(metrics.PUBLISHED, name).inc(created)
+
+    if by_name:
+        after_commit(session, count)
 
 
 def _check_session(session: Any, mongo: Any) -> None:
@@ -273,7 +281,7 @@ class _Base:
             published = yield from store.publish(
                 task, now, on_conflict, trace=trace, retention=known
             )
-        _count_created({task.name: 1} if published.created else {})
+        _count_created({task.name: 1} if published.created else {}, session)
         if task.depends_on:
             yield from flows.after_publish([task], now)
             # its dependencies may have finished already
@@ -295,7 +303,7 @@ class _Base:
             created = yield from store.publish_many(
                 tasks, now, created_by_name=by_name, trace=trace, retention=known
             )
-        _count_created(by_name)
+        _count_created(by_name, session)
         yield from flows.after_publish(tasks, now)
         return created
 

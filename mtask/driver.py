@@ -14,10 +14,12 @@ as pymongo's own exception, unchanged, so that ``ClientSession.with_transaction`
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import pymongo
 from pymongo.errors import (
     ConnectionFailure,
     OperationFailure,
@@ -43,6 +45,8 @@ class Call:
     args: tuple[Any, ...] = ()
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     collection: str = "tasks"
+    timeout: float | None = None
+    """Seconds the call may take, run under ``pymongo.timeout`` (which sends ``maxTimeMS``)."""
 
 
 Op = Generator[Call, Any, T]
@@ -98,7 +102,11 @@ def storage_error(exc: PyMongoError) -> StorageError:
     # A write error names one document; one that is transient (the server shutting down or
     # stepping down mid-write) says nothing about the document.
     document = isinstance(exc, WriteError) and not transient
-    return StorageError(text, transient=transient, document=document)
+    return StorageError(text, transient=transient, document=document, timed_out=exc.timeout)
+
+
+def _limit(call: Call) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext() if call.timeout is None else pymongo.timeout(call.timeout)
 
 
 def _method(collection: Any, name: str) -> Any:
@@ -114,7 +122,8 @@ class SyncDriver:
     def _call(self, call: Call, session: Any) -> Any:
         method = _method(self.collections[call.collection], call.method)
         kwargs = call.kwargs if session is None else {**call.kwargs, "session": session}
-        result = method(*call.args, **kwargs)
+        with _limit(call):
+            result = method(*call.args, **kwargs)
         if call.method in ("find", "aggregate"):
             return list(result)
         return result
@@ -147,12 +156,13 @@ class AsyncDriver:
     async def _call(self, call: Call, session: Any) -> Any:
         method = _method(self.collections[call.collection], call.method)
         kwargs = call.kwargs if session is None else {**call.kwargs, "session": session}
-        if call.method == "find":
-            return await method(*call.args, **kwargs).to_list()
-        result = await method(*call.args, **kwargs)
-        if call.method == "aggregate":
-            return await result.to_list()
-        return result
+        with _limit(call):
+            if call.method == "find":
+                return await method(*call.args, **kwargs).to_list()
+            result = await method(*call.args, **kwargs)
+            if call.method == "aggregate":
+                return await result.to_list()
+            return result
 
     async def run(self, op: Op[T], session: Any = None) -> T:
         """Run ``op``; every call in ``session`` (an ``AsyncClientSession``) if given."""

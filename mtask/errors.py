@@ -58,13 +58,21 @@ class StorageError(MtaskError):
     default_message = "MongoDB could not be reached or refused the operation"
 
     def __init__(
-        self, message: str | None = None, *, transient: bool = False, document: bool = False
+        self,
+        message: str | None = None,
+        *,
+        transient: bool = False,
+        document: bool = False,
+        timed_out: bool = False,
     ) -> None:
         super().__init__(message)
         self.transient = transient
         self.document = document
         """The server refused to write one particular document (a write error), not the
         operation as a whole."""
+        self.timed_out = timed_out
+        """The operation ran out of its time (``Call.timeout``, ``maxTimeMS``): e.g. a write
+        waiting for an open transaction that wrote the same document."""
 
 
 class EmbeddedUnavailable(StorageError):

@@ -25,7 +25,7 @@ import asyncio
 import datetime as dt
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pymongo import AsyncMongoClient
 from pymongo.asynchronous.client_session import AsyncClientSession
@@ -36,7 +36,11 @@ from mtask.clock import Clock
 from mtask.driver import AsyncDriver, Doc
 from mtask.errors import LeaseLost, MtaskError
 from mtask.store.outcomes import Outcome
-from mtask.store.transactional import complete_in_transaction
+from mtask.store.transactional import (
+    begin_run_transaction,
+    complete_in_transaction,
+    kill_sessions,
+)
 
 T = TypeVar("T")
 
@@ -51,6 +55,29 @@ class TransactionTooLong(MtaskError):
     default_message = "the handler's transaction took too long and was aborted"
 
 
+@dataclass(frozen=True)
+class RunFence:
+    """What a worker's transactional run adds to its transaction (docs/transactions.md, "Under
+    faults"): its task, run and worker; the sessions of earlier runs to kill first; ``alive()``,
+    false once the worker stopped the run (the body is then not run again); and the worker's
+    pinger for this run: ``pause()`` before the transaction, ``held(sent)`` once the run has
+    extended its own lease with a write sent at ``sent`` (returns the lease's local expiry),
+    ``resume()`` after it."""
+
+    key: str
+    run_id: str
+    worker_id: str
+    stale_sessions: tuple[Any, ...] = ()
+    alive: Callable[[], bool] = lambda: True
+    pause: Callable[[], None] = lambda: None
+    held: Callable[[float], float | None] = lambda sent: None
+    resume: Callable[[], None] = lambda: None
+
+
+LEASE_MARGIN_S = 1.0
+"""A transaction in a lease must end this long before the lease does (at most a tenth of it)."""
+
+
 async def complete_transactionally(
     mongo: AsyncMongoClient[Doc],
     driver: AsyncDriver,
@@ -58,31 +85,75 @@ async def complete_transactionally(
     outcome_for: Callable[[T], Outcome],
     now: Callable[[], dt.datetime],
     lifetime_s: float = DEFAULT_LIFETIME_S,
+    fence: RunFence | None = None,
 ) -> tuple[T, Doc]:
     """Run ``handler(session)`` and record ``outcome_for(its result)`` in one transaction;
-    returns the handler's result and the task document after its SUCCESS."""
+    returns the handler's result and the task document after its SUCCESS.
+
+    With ``fence``, first kill the earlier runs' sessions (their open transactions abort, so
+    this run's writes do not wait on them), then, with pings paused, extend the run's lease and
+    record this run's session id in its run entry (``begin_run_transaction``; so that a run
+    taking the task over can kill it in turn); neither is in the transaction. The transaction
+    must then end before the lease does: ``TransactionTooLong`` otherwise."""
 
     async def body(session: AsyncClientSession) -> tuple[T, Doc]:
+        if fence is not None and not fence.alive():
+            raise LeaseLost()  # stopped: not worth another try
         result = await handler(session)
         doc = await driver.run(complete_in_transaction(outcome_for(result), now()), session)
         if doc is None:
             raise LeaseLost()  # with_transaction aborts: none of the handler's writes land
         return result, doc
 
+    loop = asyncio.get_running_loop()
+    deadline, limit = loop.time() + lifetime_s, f"{lifetime_s:g} s"
     async with mongo.start_session() as session:
+        committed = False
         try:
-            async with asyncio.timeout(lifetime_s):
-                return await session.with_transaction(
+            if fence is not None:
+                await driver.run(kill_sessions(list(fence.stale_sessions)))
+                fence.pause()
+                sent = loop.time()  # the monotonic clock, as the pinger's
+                lsid = session.session_id["id"]
+                begun = begin_run_transaction(fence.key, fence.run_id, fence.worker_id, now(), lsid)
+                if await driver.run(begun) is None:
+                    raise LeaseLost()
+                expires = fence.held(sent)
+                if expires is not None:
+                    end = expires - min(LEASE_MARGIN_S, (expires - sent) / 10)
+                    if end < deadline:
+                        deadline, limit = end, f"{end - sent:.3g} s (its lease, worker_timeout_ms)"
+            async with asyncio.timeout_at(deadline):
+                done = await session.with_transaction(
                     body,
                     read_concern=ReadConcern("snapshot"),
                     write_concern=WriteConcern("majority"),
                 )
+            committed = True
+            return done
         except TimeoutError:
             raise TransactionTooLong(
-                f"the handler's transaction took more than {lifetime_s:g} s "
-                "(MongoDB aborts transactions after transactionLifetimeLimitSeconds, 60 s by "
-                "default); nothing it wrote landed"
+                f"the handler's transaction took more than {limit} and was aborted (MongoDB "
+                "aborts transactions after transactionLifetimeLimitSeconds, 60 s by default; "
+                "a run's lease is not pinged while its transaction is open); nothing it wrote "
+                "landed"
             ) from None
+        finally:
+            if fence is not None:
+                fence.resume()
+                if not committed:
+                    _discard(session)
+
+
+def _discard(session: AsyncClientSession) -> None:
+    """Keep the session's server session out of pymongo's pool: its id is on the run entry, and
+    a later takeover may kill it; it must not be reused meanwhile by another operation of this
+    worker (which the kill would interrupt). pymongo has no public call for this; its own
+    ``mark_dirty`` (used after network errors) makes the pool drop the session."""
+    server_session = getattr(session, "_server_session", None)
+    mark_dirty = getattr(server_session, "mark_dirty", None)
+    if callable(mark_dirty):
+        mark_dirty()
 
 
 @dataclass(frozen=True)
@@ -98,7 +169,8 @@ class Transactions:
         self,
         handler: Callable[[AsyncClientSession], Awaitable[T]],
         outcome_for: Callable[[T], Outcome],
+        fence: RunFence | None = None,
     ) -> tuple[T, Doc]:
         return await complete_transactionally(
-            self.mongo, self.driver, handler, outcome_for, self.clock.now, self.lifetime_s
+            self.mongo, self.driver, handler, outcome_for, self.clock.now, self.lifetime_s, fence
         )

@@ -23,6 +23,13 @@ from mtask.statemachine import (
 )
 from mtask.store.schema import LAST_WRITE, SPECIFIC, WELL_FORMED, claim_tag, literal
 
+CLAIM_TIMEOUT_S = 5.0
+"""The most a claim call may take (``Call.timeout``). A claim that would take over a task
+whose document an open transaction has written (a transactional run frozen or killed between
+its fenced SUCCESS and its commit) waits for that transaction, which the server keeps until
+``transactionLifetimeLimitSeconds``; this bounds the wait, and the claimer then kills that
+transaction (``Claimer.kill_stale_transactions``)."""
+
 
 def claim_filter(
     keys: Sequence[str], names: Sequence[str], worker_id: str, now: dt.datetime
@@ -245,12 +252,14 @@ def claim(
                 "find_one_and_update",
                 claim_fast_update(key, names, worker_id, now, run_id, timeouts[key]),
                 options,
+                timeout=CLAIM_TIMEOUT_S,
             )
         if doc is None:
             doc = yield Call(
                 "find_one_and_update",
                 (claim_filter(keys, names, worker_id, now), claim_pipeline(batch, worker_id, now)),
                 options,
+                timeout=CLAIM_TIMEOUT_S,
             )
         # the pipeline may have matched only to expire leases, adding no run of ours
         if doc is None or not _has_run(doc, run_id):
@@ -264,12 +273,14 @@ def claim(
             claim_lean_filter(keys, names, worker_id, now),
             claim_lean_pipeline(batch, worker_id, now),
         ),
+        timeout=CLAIM_TIMEOUT_S,
     )
     modified = lean.modified_count
     if modified < len(keys):
         result = yield Call(
             "update_many",
             (claim_filter(keys, names, worker_id, now), claim_pipeline(batch, worker_id, now)),
+            timeout=CLAIM_TIMEOUT_S,
         )
         modified += result.modified_count
     if modified == 0:
@@ -286,21 +297,38 @@ def run_filter(key: str, run_id: str) -> Doc:
     return {"_id": key, "runs": {"$elemMatch": {"run_id": run_id, "state": RUNNING}}}
 
 
-def extend_lease(key: str, run_id: str, worker_id: str, now: dt.datetime) -> Op[Doc | None]:
+def extend_lease(
+    key: str,
+    run_id: str,
+    worker_id: str,
+    now: dt.datetime,
+    max_time_ms: int | None = None,
+    run_fields: Mapping[str, Any] | None = None,
+) -> Op[Doc | None]:
     """Push the run's lease to ``now + worker_timeout_ms``. ``None`` means the run lost the
-    task (taken over, released, cancelled, or this worker is no longer allowed): stop it."""
+    task (taken over, released, cancelled, or this worker is no longer allowed): stop it.
+
+    ``max_time_ms`` bounds the update on the server: a write outside a transaction waits for an
+    open transaction that wrote the same document (a transactional run between its fenced
+    SUCCESS and its commit), and the pinger, one thread for all runs, must not wait with it.
+    ``run_fields``: more fields of the run entry to set in the same update."""
+    limit = {} if max_time_ms is None else {"maxTimeMS": max_time_ms}
     filt = {
         **run_filter(key, run_id),
         "status": {"$in": list(OPEN)},
         "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],
     }
-    lease = {"lease_expires_at": {"$add": [now, "$options.worker_timeout_ms"]}}
+    lease = {
+        "lease_expires_at": {"$add": [now, "$options.worker_timeout_ms"]},
+        **(run_fields or {}),
+    }
     doc: Doc | None = yield Call(
         "find_one_and_update",
         (filt, [{"$set": {"runs": set_run_fields(run_id, lease)}}, *recompute_stages(now)]),
         {
             "return_document": ReturnDocument.AFTER,
             "projection": {"options": 1, "status": 1},
+            **limit,
         },
     )
     return doc

@@ -11,18 +11,30 @@ The fence is a write on the task document, not a read: a takeover that claims th
 this transaction's snapshot changes the document, so this update meets a ``WriteConflict`` (a
 ``TransientTransactionError``) and the transaction aborts, even if the zombie read the fence
 before the takeover. Read-only fences would not conflict.
+
+``begin_run_transaction`` and ``kill_sessions`` keep a dead or frozen run's open transaction from
+blocking the run that takes its task over (docs/transactions.md, "Under faults"). Before its
+transaction starts, a run writes its session's id (``lsid``) into its run entry, fenced like
+every run write; a run that takes the task over kills the sessions of the earlier runs whose
+lease expired (``killSessions``), which aborts their transactions at once. Without it the server
+keeps such a transaction, and the locks its writes hold, until ``transactionLifetimeLimitSeconds``
+(60 s by default; the reaper ran up to ~30 s later in the runs observed), and every other
+transaction writing the same documents meets a ``WriteConflict`` until then.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 from pymongo import ReturnDocument
 
 from mtask.driver import Call, Doc, Op
 from mtask.models import RunState, TaskStatus
 from mtask.statemachine import RUNNING
+from mtask.store.claims import extend_lease
 from mtask.store.outcomes import Outcome, finish_update
+from mtask.store.schema import literal
 
 
 def lease_alive_expr(run_id: str) -> Doc:
@@ -68,3 +80,67 @@ def complete_in_transaction(outcome: Outcome, now: dt.datetime) -> Op[Doc | None
         "find_one_and_update", (filt, pipeline), {"return_document": ReturnDocument.AFTER}
     )
     return doc
+
+
+TXN_FIELD = "txn"
+"""The run entry's field holding the id (``lsid.id``, a UUID) of its transaction's session."""
+
+
+def begin_run_transaction(
+    key: str, run_id: str, worker_id: str, now: dt.datetime, session_uuid: Any
+) -> Op[Doc | None]:
+    """Before the run's transaction starts: a ping (``extend_lease``: the same fence, the lease
+    pushed to ``now + worker_timeout_ms``) that also writes the session id into the run entry.
+    The worker does not ping the run while its transaction is open (a ping would make the
+    fenced SUCCESS a write conflict), so the transaction must end within this lease. ``None``:
+    the run lost the task, do not start the transaction."""
+    doc: Doc | None = yield from extend_lease(
+        key, run_id, worker_id, now, run_fields={TXN_FIELD: literal(session_uuid)}
+    )
+    return doc
+
+
+def stale_sessions(runs: Any, run_id: str) -> list[Any]:
+    """The session ids of the earlier runs in ``runs`` (a claimed document's) whose lease
+    expired: their transactions may still be open on the server."""
+    return [
+        r[TXN_FIELD]
+        for r in runs or ()
+        if isinstance(r, dict)
+        and r.get("run_id") != run_id
+        and r.get("state") == RunState.TIMEOUT.value
+        and r.get(TXN_FIELD) is not None
+    ]
+
+
+def expired_transactions(keys: list[str], now: dt.datetime) -> Op[list[Any]]:
+    """The session ids of the RUNNING runs among ``keys`` whose lease ended by ``now`` and
+    that recorded a transaction: a claim taking such a task over waits if the transaction wrote
+    its document and is still open (read without waiting: a read outside a transaction sees the
+    last committed version)."""
+    expired = {"state": RUNNING, "lease_expires_at": {"$lte": now}, TXN_FIELD: {"$ne": None}}
+    docs: list[Doc] = yield Call(
+        "find",
+        (
+            {"_id": {"$in": list(keys)}, "runs": {"$elemMatch": expired}},
+            {"runs.state": 1, "runs.lease_expires_at": 1, f"runs.{TXN_FIELD}": 1},
+        ),
+    )
+    return [
+        r[TXN_FIELD]
+        for doc in docs
+        for r in doc.get("runs") or ()
+        if isinstance(r, dict)
+        and r.get("state") == RUNNING
+        and isinstance(r.get("lease_expires_at"), dt.datetime)
+        and r["lease_expires_at"] <= now
+        and r.get(TXN_FIELD) is not None
+    ]
+
+
+def kill_sessions(session_uuids: list[Any]) -> Op[None]:
+    """Kill these sessions: the server aborts their open transactions and interrupts their
+    operations (a session of another MongoDB user is left alone: ``killSessions`` reaches the
+    caller's own sessions only, unless it has the ``killAnySession`` privilege)."""
+    if session_uuids:
+        yield Call("command", ("killSessions", [{"id": u} for u in session_uuids]))

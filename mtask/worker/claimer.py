@@ -28,6 +28,7 @@ from mtask import metrics, store
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
+from mtask.store.transactional import expired_transactions, kill_sessions
 from mtask.tracing import span
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.executor import Executor, WorkerStats
@@ -194,6 +195,8 @@ class Claimer:
                 "claim failed, retrying shortly: %s", exc, extra={"keys": len(keys), "batch": batch}
             )
             docs = await self.adopt(keys, batch)
+            if exc.timed_out:
+                await self.kill_stale_transactions(keys)
             if exc.document and isolate_on_error:
                 adopted = {d["_id"] for d in docs}
                 return docs + await self.isolate([k for k in keys if k not in adopted], names, now)
@@ -288,6 +291,24 @@ class Claimer:
                 extra={"key": key},
             )
             self.sink.ignore(key)
+
+    async def kill_stale_transactions(self, keys: list[str]) -> None:
+        """After a claim ran out of time: it may have waited for the open transaction of a run
+        whose lease has ended (frozen or killed between its fenced SUCCESS and its commit),
+        which the server would keep for a minute or more. Kill those transactions: the retried
+        claim goes through (docs/transactions.md, "Under faults")."""
+        try:
+            stale = await self.driver.run(expired_transactions(keys, self.clock.now()))
+            if stale:
+                await self.driver.run(kill_sessions(stale))
+                log.warning(
+                    "killed %d open transaction(s) of runs whose lease ended, in the way of a "
+                    "claim",
+                    len(stale),
+                    extra={"keys": len(keys)},
+                )
+        except StorageError as exc:
+            log.warning("cannot check for stale transactions: %s", exc)
 
     async def adopt(self, keys: list[str], batch: str) -> list[dict[str, Any]]:
         """After a failed claim call: the write may have been applied although its reply was

@@ -36,8 +36,9 @@ from mtask.pool import ChildDied, HandlerError, ProcessPool, TimeLimitExceeded
 from mtask.registry import Fail, Handler, Registry, Retry, TaskContext
 from mtask.statemachine import keep_ms
 from mtask.store import Outcome
+from mtask.store.transactional import stale_sessions
 from mtask.tracing import run_span
-from mtask.transactional import Transactions, TransactionTooLong
+from mtask.transactional import RunFence, Transactions, TransactionTooLong
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import ActiveRun, InFlight
@@ -83,6 +84,9 @@ class RunOutcomes:
         self.max_params_bytes = max_params_bytes
         self.transactions: Transactions | None = None
         """Set by the worker: how transactional handlers open their transactions."""
+        self.pinger: LeasePinger | None = None
+        """Set by the executor: a transactional run pauses its pings while its transaction is
+        open."""
         self.pool: ProcessPool | None = None
         """Child processes for process-isolated plain-def handlers (issue 18)."""
         self.isolation: Literal["thread", "process"] = "thread"
@@ -95,7 +99,7 @@ class RunOutcomes:
             with run_span(doc, run.name, run.key, run.ctx.attempt):
                 if handler.transactional:
                     params = handler.parse(doc.get("params") or {})
-                    return await self._transactional(run, handler, params)
+                    return await self._transactional(run, handler, params, doc)
                 result = await invoke(
                     handler,
                     doc.get("params") or {},
@@ -127,10 +131,13 @@ class RunOutcomes:
         except Exception as exc:  # noqa: BLE001 - any handler error is the task's failure
             return self.failure(run, short_traceback(exc))
 
-    async def _transactional(self, run: ActiveRun, handler: Handler, params: Any) -> Outcome:
+    async def _transactional(
+        self, run: ActiveRun, handler: Handler, params: Any, doc: dict[str, Any]
+    ) -> Outcome:
         """The handler and the run's SUCCESS in one transaction; the SUCCESS outcome returned is
         ``committed`` (the recorder does not write it again). A result that cannot be stored
-        aborts the transaction and is the run's FAIL."""
+        aborts the transaction and is the run's FAIL. The transactions of earlier runs of the
+        task whose lease expired are killed first (``RunFence``)."""
         assert self.transactions is not None, "the worker sets RunOutcomes.transactions"
 
         async def invoke(session: Any) -> Any:
@@ -143,21 +150,42 @@ class RunOutcomes:
         built: list[Outcome] = []  # the last is the one committed (a body may run again)
 
         def outcome_for(result: Any) -> Outcome:
-            outcome = self.success(run, result)
+            outcome = self.success(run, result, count=False)  # counted once committed
             if outcome.state is not RunState.SUCCESS:
                 raise _NotStored(outcome)
             built.append(outcome)
             return outcome
 
+        assert self.pinger is not None, "the executor sets RunOutcomes.pinger"
+        pinger = self.pinger
+        fence = RunFence(
+            run.key,
+            run.run_id,
+            run.ctx.worker_id,
+            tuple(stale_sessions(doc.get("runs"), run.run_id)),
+            alive=lambda: run.stop_reason is None and not run.ctx.cancelled.is_set(),
+            pause=lambda: pinger.pause(run.run_id),
+            held=lambda sent: pinger.held(run.run_id, sent),
+            resume=lambda: pinger.resume(run.run_id),
+        )
         try:
-            await self.transactions.complete(invoke, outcome_for)
+            await self.transactions.complete(invoke, outcome_for, fence)
         except _NotStored as refused:
             return refused.outcome
+        self.succeeded(run)
         return dataclasses.replace(built[-1], committed=True)
 
     def success(
-        self, run: ActiveRun, result: Any, keep: int | None = DEFAULT_KEEP_MS["succeeded"]
+        self,
+        run: ActiveRun,
+        result: Any,
+        keep: int | None = DEFAULT_KEEP_MS["succeeded"],
+        *,
+        count: bool = True,
     ) -> Outcome:
+        """The SUCCESS outcome of ``result`` (a FAIL if it cannot be stored), kept ``keep`` ms
+        once finished; ``count``: count it and emit ``succeeded`` now (a transactional run
+        does once its transaction commits: ``succeeded``)."""
         steps: tuple[dict[str, Any], ...] = ()
         if flows.is_steps(result):
             try:
@@ -176,9 +204,8 @@ class RunOutcomes:
                 f"the result is {size} bytes as BSON; the limit is {self.max_result_bytes}",
                 permanent=True,
             )
-        self.stats.succeeded += 1
-        metrics.by_name(metrics.SUCCEEDED, run.name).inc()
-        self.emit(Event.SUCCEEDED, key=run.key, run_id=run.run_id)
+        if count:
+            self.succeeded(run)
         return Outcome(
             run.key,
             run.run_id,
@@ -190,6 +217,11 @@ class RunOutcomes:
             result_bytes=size,
             keep_ms=keep,
         )
+
+    def succeeded(self, run: ActiveRun) -> None:
+        self.stats.succeeded += 1
+        metrics.by_name(metrics.SUCCEEDED, run.name).inc()
+        self.emit(Event.SUCCEEDED, key=run.key, run_id=run.run_id)
 
     def failure(
         self,
@@ -274,6 +306,7 @@ class Executor:
         self.pinger = pinger
         self.recorder = recorder
         self.outcomes = outcomes
+        outcomes.pinger = pinger
         self.stats = outcomes.stats
         self.wake = wake
         """The claimer's wake-up: set when a run ends (a slot is free)."""

@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 
 TICK_SECONDS = 0.2
 
+PING_MAX_TIME_MS = 100
+"""The least ``maxTimeMS`` of a ping (otherwise its interval): a ping waiting for a transaction
+that holds its task document fails and is retried instead of holding up every other ping."""
+
 LostCallback = Callable[[str, dict[str, Any] | None], None]
 """Called with the run id and the task's current status document (``None`` if the task is
 gone): on the pinger thread, or on the event loop given to ``LeasePinger.start``."""
@@ -67,6 +71,8 @@ class _Lease:
     overdue_logged: bool = False
     slot: str | None = None
     """The limited name whose slot this run holds: extended with each ping."""
+    paused: bool = False
+    """Not pinged: the run's transaction is open (``pause``)."""
 
 
 class LeasePinger:
@@ -134,6 +140,35 @@ class LeasePinger:
         lease = self._leases.get(run_id)
         return None if lease is None else lease.expires
 
+    def pause(self, run_id: str) -> None:
+        """Stop pinging the run until ``resume``: its transaction will write the task document
+        (the fenced SUCCESS), and a ping landing while the transaction is open would make that
+        write a conflict (the transaction aborts and its body runs again). The run extends its
+        lease itself when the transaction starts (``held``)."""
+        with self._cond:
+            lease = self._leases.get(run_id)
+            if lease is not None:
+                lease.paused = True
+
+    def held(self, run_id: str, sent: float) -> float | None:
+        """The run extended its own lease with a write sent at ``sent`` (monotonic): its lease
+        lasts until ``sent + timeout`` at the earliest; returns that, or None if not pinged."""
+        with self._cond:
+            lease = self._leases.get(run_id)
+            if lease is None:
+                return None
+            lease.expires = max(lease.expires, sent + lease.timeout)
+            return lease.expires
+
+    def resume(self, run_id: str) -> None:
+        """Ping the run again, from now on."""
+        with self._cond:
+            lease = self._leases.get(run_id)
+            if lease is not None and lease.paused:
+                lease.paused = False
+                lease.next_at = time.monotonic()
+                self._cond.notify()
+
     def remove(self, run_id: str) -> None:
         with self._cond:
             self._leases.pop(run_id, None)
@@ -142,10 +177,11 @@ class LeasePinger:
         with self._cond:
             while not self._stopping:
                 now = time.monotonic()
-                due = [lease for lease in self._leases.values() if lease.next_at <= now]
+                pinged = [lease for lease in self._leases.values() if not lease.paused]
+                due = [lease for lease in pinged if lease.next_at <= now]
                 if due:
                     return due
-                wake = min((lease.next_at for lease in self._leases.values()), default=now + 1)
+                wake = min((lease.next_at for lease in pinged), default=now + 1)
                 self._wake_at = min(wake, now + 1.0)
                 self._cond.wait(timeout=max(self._wake_at - now, 0.0))
                 self._wake_at = 0.0  # awake: a lease added now is seen by the loop above
@@ -161,11 +197,14 @@ class LeasePinger:
                 self._ping(lease)
 
     def _ping(self, lease: _Lease) -> None:
+        if lease.paused:  # paused since it was found due
+            return
         sent = time.monotonic()
         try:
             server_now = self._clock.now()
+            limit = max(PING_MAX_TIME_MS, round(lease.interval * 1000))
             doc = self._driver.run(
-                store.extend_lease(lease.key, lease.run_id, self._worker_id, server_now)
+                store.extend_lease(lease.key, lease.run_id, self._worker_id, server_now, limit)
             )
             status = None
             if doc is None:

@@ -127,10 +127,20 @@ class ReplicaSet:
 
     NAME = "chaos"
 
-    def __init__(self, root: Path, members: int = 3) -> None:
+    def __init__(
+        self,
+        root: Path,
+        members: int = 3,
+        test_commands: bool = False,
+        settings: dict[str, Any] | None = None,
+    ) -> None:
         self.root = root
         self.ports = [free_port() for _ in range(members)]
         self.pids: dict[int, int] = {}
+        self.test_commands = test_commands
+        """Start the members with ``enableTestCommands`` (fail points: ``fail_point``)."""
+        self.settings = {"electionTimeoutMillis": 2000, **(settings or {})}
+        """The replica set configuration's ``settings``."""
 
     @property
     def uri(self) -> str:
@@ -149,6 +159,7 @@ class ReplicaSet:
                     "--port", str(port), "--bind_ip", "127.0.0.1",
                     "--wiredTigerCacheSizeGB", "0.25",
                     "--setParameter", "diagnosticDataCollectionEnabled=false",
+                    *(["--setParameter", "enableTestCommands=1"] if self.test_commands else []),
                     "--logpath", str(path / "mongod.log"), "--fork",
                     "--pidfilepath", str(pid_file),
                 ],
@@ -159,7 +170,7 @@ class ReplicaSet:
         members = [{"_id": i, "host": f"127.0.0.1:{p}"} for i, p in enumerate(self.ports)]
         first.admin.command(
             "replSetInitiate",
-            {"_id": self.NAME, "members": members, "settings": {"electionTimeoutMillis": 2000}},
+            {"_id": self.NAME, "members": members, "settings": self.settings},
         )
         first.close()
         self.wait_primary()
@@ -208,6 +219,17 @@ class ReplicaSet:
             except AssertionError:
                 continue
         raise AssertionError(f"the primary on port {old} could not be stepped down")
+
+    def fail_point(self, port: int, name: str, mode: Any = "alwaysOn", **data: Any) -> None:
+        """Set a server fail point on one member (needs ``test_commands``)."""
+        client = self.direct(port)
+        try:
+            client.admin.command("configureFailPoint", name, mode=mode, data=data)
+        finally:
+            client.close()
+
+    def dbpath(self, port: int) -> Path:
+        return self.root / f"m{self.ports.index(port)}"
 
     def stop(self) -> None:
         for pid in self.pids.values():

@@ -10,13 +10,18 @@ from typing import Any
 
 import pytest
 from pymongo.asynchronous.client_session import AsyncClientSession
+from pymongo.errors import OperationFailure
 
 from mtask import AsyncTaskClient
 from mtask.errors import LeaseLost
 from mtask.registry import Retry
-from mtask.store import Outcome, RunState, claim, finish_update
-from mtask.store.transactional import complete_filter_and_pipeline
-from mtask.transactional import TransactionTooLong, complete_transactionally
+from mtask.store import CLAIMED_FIELDS, Outcome, RunState, claim, finish_update
+from mtask.store.transactional import (
+    begin_run_transaction,
+    complete_filter_and_pipeline,
+    stale_sessions,
+)
+from mtask.transactional import RunFence, TransactionTooLong, complete_transactionally
 
 Doc = dict[str, Any]
 
@@ -142,6 +147,74 @@ async def test_a_handler_outliving_the_limit_fails_clearly(ac: AsyncTaskClient) 
     with pytest.raises(TransactionTooLong, match="more than 0.3 s"):
         await complete(ac, "c1", run_id, charge(ac, "c1", [], then), lifetime_s=0.3)
     assert await business(ac) == (0, 0)
+
+
+async def dead_run_with_open_transaction(ac: AsyncTaskClient) -> tuple[Any, Doc]:
+    """A run that recorded its session, wrote its business documents in its transaction and
+    died (never committed, never aborted); its lease then ran out and w2 took the task over.
+    Returns the dead run's session and w2's claimed document."""
+    await ac.publish("charge", "c1")
+    dead_run = await claimed(ac, "c1", "dead")
+    dead = ac.mongo.start_session()
+    begun = begin_run_transaction("c1", dead_run, "dead", await ac.now(), dead.session_id["id"])
+    assert await ac._run(begun) is not None
+    await dead.start_transaction()
+    await ac.db["ledger"].insert_one({"task": "c1", "dead": True}, session=dead)
+    await ac.db["counters"].update_one({"_id": "charges"}, {"$inc": {"n": 1}}, session=dead)
+    old = dt.datetime(2020, 1, 1, tzinfo=dt.UTC)
+    await ac.collection.update_one(
+        {"_id": "c1"}, {"$set": {"runs.0.lease_expires_at": old, "next_claim_at": old}}
+    )
+    docs = await ac._run(claim(["c1"], ["charge"], "w2", await ac.now(), fields=CLAIMED_FIELDS))
+    assert len(docs) == 1
+    return dead, docs[0]
+
+
+async def test_a_dead_runs_open_transaction_blocks_the_takeover(ac: AsyncTaskClient) -> None:
+    """The control: without killing it, the dead run's transaction holds the counter, and the
+    takeover's transaction meets write conflicts until the server reaps it (60 s or more)."""
+    dead, doc = await dead_run_with_open_transaction(ac)
+    try:
+        with pytest.raises(TransactionTooLong):
+            await complete(ac, "c1", doc["claim_run_id"], charge(ac, "c1", []), lifetime_s=1.5)
+        assert await business(ac) == (0, 0)
+    finally:
+        await dead.end_session()  # aborts it
+
+
+async def test_the_takeover_kills_the_dead_runs_transaction(ac: AsyncTaskClient) -> None:
+    dead, doc = await dead_run_with_open_transaction(ac)
+    run_id = doc["claim_run_id"]
+    stale = stale_sessions(doc["runs"], run_id)
+    assert stale == [dead.session_id["id"]]
+    fence = RunFence("c1", run_id, "w2", tuple(stale))
+    calls: list[str] = []
+    async with asyncio.timeout(10):  # not the minute the server would keep it
+        await complete(ac, "c1", run_id, charge(ac, "c1", calls), fence=fence)
+    assert len(calls) == 1 and await business(ac) == (1, 1)  # the dead run's writes: gone
+    with pytest.raises(OperationFailure) as failure:  # the dead run can no longer commit
+        await dead.commit_transaction()
+    assert failure.value.code == 251  # NoSuchTransaction
+    task = await ac.collection.find_one({"_id": "c1"})
+    assert task is not None and task["status"] == "succeeded"
+    assert [r.get("txn") is not None for r in task["runs"]] == [True, True]  # both recorded
+    await dead.end_session()
+
+
+async def test_a_run_that_lost_its_task_starts_no_transaction(ac: AsyncTaskClient) -> None:
+    await ac.publish("charge", "c1")
+    run_id = await claimed(ac, "c1", "w1")
+    old = dt.datetime(2020, 1, 1, tzinfo=dt.UTC)  # its lease ran out; w2 took the task over
+    await ac.collection.update_one(
+        {"_id": "c1"}, {"$set": {"runs.0.lease_expires_at": old, "next_claim_at": old}}
+    )
+    await claimed(ac, "c1", "w2")
+    calls: list[str] = []
+    with pytest.raises(LeaseLost):
+        await complete(
+            ac, "c1", run_id, charge(ac, "c1", calls), fence=RunFence("c1", run_id, "w1")
+        )
+    assert calls == [] and await business(ac) == (0, 0)
 
 
 def test_the_fence_is_the_success_update_with_a_stronger_filter() -> None:

@@ -4,14 +4,18 @@ counted, not runs."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 from harness import running_worker
+from pymongo.errors import OperationFailure
 
-from mtask import TaskClient
+from mtask import AsyncTaskClient, TaskClient
 from mtask.errors import InvalidTask
 from mtask.registry import Registry, Retry, TaskContext
+from mtask.store import Outcome, RunState, claim
+from mtask.store.transactional import begin_run_transaction, complete_in_transaction
 
 registry = Registry()
 
@@ -23,6 +27,9 @@ async def charge(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
     await db["counters"].update_one(
         {"_id": "charges"}, {"$inc": {"n": 1}}, upsert=True, session=ctx.session
     )
+    if params.get("sleep"):  # longer than the ping interval
+        await db["calls"].insert_one({"task": ctx.key})  # outside the transaction: every call
+        await asyncio.sleep(params["sleep"])
     if params.get("retry_first") and ctx.attempt == 1:
         raise Retry("declined, try again", delay=0)
     return {"charged": ctx.key, "big": "x" * params.get("pad", 0)}
@@ -79,6 +86,56 @@ async def test_an_unstorable_result_aborts_the_writes(
     assert business(prepared) == (0, [])
     task = prepared.get("c")
     assert task is not None and task.status == "failed" and "limit is 1000" in (task.error or "")
+
+
+async def test_a_handler_longer_than_the_ping_interval_runs_once(
+    mongo_uri: str, db_name: str, prepared: TaskClient
+) -> None:
+    """Pings write the task document; one landing while the transaction is open would make its
+    fenced SUCCESS meet a write conflict, and the body run again (and again: a livelock until
+    the transaction's time limit). The run's lease is extended once when its transaction
+    starts, and not pinged while it is open."""
+    options = {"ping_interval_ms": 100, "worker_timeout_ms": 5000}
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        prepared.publish("charge", "c", {"db": db_name, "sleep": 0.8}, options=options)
+        await events.wait("recorded", key="c", timeout=30)
+    assert business(prepared) == (1, [("c", 1)])
+    assert prepared.db["calls"].count_documents({}) == 1  # the body ran once
+    task = prepared.get("c")
+    assert task is not None and [r.state for r in task.runs] == ["SUCCESS"]
+
+
+async def test_a_claim_kills_a_transaction_left_open_on_the_task_document(
+    mongo_uri: str, db_name: str, prepared: TaskClient
+) -> None:
+    """A run frozen or killed between its fenced SUCCESS and its commit leaves a transaction
+    open that has written the task document: a claim taking the task over waits for it, and
+    the server keeps it for a minute or more. The claim runs out of time (CLAIM_TIMEOUT_S),
+    the claimer kills the transactions of runs whose lease ended, and the next claim goes
+    through: the zombie's writes never land, the rescuer's once."""
+    options = {"worker_timeout_ms": 1000, "ping_interval_ms": 200}
+    prepared.publish("charge", "c", {"db": db_name}, options=options)
+    async with AsyncTaskClient(mongo_uri, database=db_name) as ac:
+        docs = await ac._run(claim(["c"], ["charge"], "zombie", await ac.now()))
+        run_id = docs[0]["claim_run_id"]
+        zombie = ac.mongo.start_session()
+        lsid = zombie.session_id["id"]
+        assert await ac._run(begin_run_transaction("c", run_id, "zombie", await ac.now(), lsid))
+        await zombie.start_transaction()
+        await ac.db["ledger"].insert_one({"task": "c", "attempt": 1}, session=zombie)
+        await ac.db["counters"].update_one({"_id": "charges"}, {"$inc": {"n": 1}}, session=zombie)
+        success = Outcome("c", run_id, RunState.SUCCESS, result="zombie", worker_id="zombie")
+        fenced = complete_in_transaction(success, await ac.now())
+        assert await ac._driver.run(fenced, zombie) is not None  # then frozen: no commit
+        async with running_worker(registry, mongo_uri, db_name) as (_, events):
+            await events.wait("recorded", key="c", state="SUCCESS", timeout=40)
+        with pytest.raises(OperationFailure):
+            await zombie.commit_transaction()  # killed
+        await zombie.end_session()
+    assert business(prepared) == (1, [("c", 2)])
+    task = prepared.get("c")
+    assert task is not None and task.status == "succeeded" and task.result != "zombie"
+    assert [r.state for r in task.runs] == ["TIMEOUT", "SUCCESS"]
 
 
 def test_a_transactional_handler_must_be_async_and_take_ctx() -> None:

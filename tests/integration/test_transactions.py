@@ -4,12 +4,14 @@ commits (docs/transactions.md)."""
 from __future__ import annotations
 
 import threading
+import uuid
 from typing import Any
 
 import pytest
 from harness import running_worker
+from prometheus_client import REGISTRY
 from pymongo import AsyncMongoClient, MongoClient
-from pymongo.errors import PyMongoError
+from pymongo.errors import OperationFailure, PyMongoError
 from workerapp import registry
 
 from mtask import AsyncTaskClient, TaskClient
@@ -18,6 +20,12 @@ from mtask.errors import InvalidTask
 
 class Abort(Exception):
     """Raised by a test inside a transaction to roll it back."""
+
+
+def published(name: str) -> float:
+    """``mtask_tasks_published_total`` for ``name`` in this process."""
+    value = REGISTRY.get_sample_value("mtask_tasks_published_total", {"name": name})
+    return value or 0.0
 
 
 def test_task_exists_iff_transaction_commits(mongo: MongoClient[Any], db_name: str) -> None:
@@ -115,12 +123,14 @@ def test_concurrent_transactions_publishing_one_key(client: TaskClient) -> None:
         with client.mongo.start_session() as s:
             s.with_transaction(callback)
 
+    before = published("echo")
     threads = [threading.Thread(target=run, args=(f,)) for f in (first, second)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     assert errors and all(e.has_error_label("TransientTransactionError") for e in errors)  # type: ignore[attr-defined]
+    assert published("echo") - before == 1  # the conflicting second run created nothing
     assert results["first"] == [True] and results["second"] == [False]
     assert client.collection.count_documents({}) == 1
     task = client.get("one")
@@ -165,3 +175,59 @@ async def test_worker_never_runs_an_aborted_publish_and_runs_a_committed_one_onc
     task = client.get("committed")
     assert task is not None and task.status == "succeeded" and len(task.runs) == 1
     assert len(events.matching("recorded", key="committed")) == 1
+
+
+def test_published_metric_counts_a_transactional_publish_after_commit(client: TaskClient) -> None:
+    name = f"m{uuid.uuid4().hex[:8]}"
+    with pytest.raises(Abort), client.mongo.start_session() as s, s.start_transaction():
+        assert client.publish(name, "aborted", session=s).created
+        assert client.publish_many([{"name": name, "key": "aborted-2"}], session=s) == 1
+        assert published(name) == 0  # not before the commit
+        raise Abort
+    assert published(name) == 0  # an aborted publish created nothing
+
+    with client.mongo.start_session() as s, s.start_transaction():
+        client.publish(name, "committed", session=s)
+        client.publish_many([{"name": name, "key": f"c{i}"} for i in range(2)], session=s)
+        assert published(name) == 0
+    assert published(name) == 3
+
+    attempts = []
+
+    def body(s: Any) -> None:  # with_transaction: a body run again counts once, after commit
+        client.publish(name, f"retried-{len(attempts)}", session=s)
+        attempts.append(1)
+        if len(attempts) == 1:  # as a write conflict would: with_transaction runs it again
+            raise OperationFailure("conflict", 112, {"errorLabels": ["TransientTransactionError"]})
+
+    with client.mongo.start_session() as s:
+        s.with_transaction(body)
+    assert len(attempts) == 2 and published(name) == 4
+
+    client.publish(name, "plain")  # no session: counted at once
+    assert published(name) == 5
+
+
+async def test_published_metric_after_commit_async(mongo_uri: str, db_name: str) -> None:
+    mongo: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
+    client = AsyncTaskClient(mongo_client=mongo, database=db_name)
+    name = f"m{uuid.uuid4().hex[:8]}"
+    items = [{"name": name, "key": f"k{i}"} for i in range(3)]
+    try:
+        await client.ensure_indexes()
+        with pytest.raises(Abort):
+            async with mongo.start_session() as s, await s.start_transaction():
+                assert await client.publish_many(items, session=s) == 3
+                raise Abort
+        assert published(name) == 0
+        async with mongo.start_session() as s:
+
+            async def body(s: Any) -> None:
+                await client.publish_many(items, session=s)
+                assert published(name) == 0
+
+            await s.with_transaction(body)
+        assert published(name) == 3
+    finally:
+        await client.close()
+        await mongo.close()
