@@ -150,7 +150,8 @@ class RunOutcomes:
         built: list[Outcome] = []  # the last is the one committed (a body may run again)
 
         def outcome_for(result: Any) -> Outcome:
-            outcome = self.success(run, result, count=False)  # counted once committed
+            keep = keep_ms(doc.get("options") or {}, "succeeded")
+            outcome = self.success(run, result, keep, count=False)  # counted once committed
             if outcome.state is not RunState.SUCCESS:
                 raise _NotStored(outcome)
             built.append(outcome)
