@@ -40,9 +40,10 @@ from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
+from mtask import errors
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
-from mtask.errors import LeaseLost, MtaskError, StorageError
+from mtask.errors import LeaseLost, MtaskError
 from mtask.store.outcomes import Outcome
 from mtask.store.transactional import (
     begin_run_transaction,
@@ -52,7 +53,6 @@ from mtask.store.transactional import (
 
 T = TypeVar("T")
 Doc = dict[str, Any]
-log = logging.getLogger(__name__)
 
 DEFAULT_LIFETIME_S = 50.0
 """How long a transactional run's body may take: under MongoDB's default 60 s
@@ -155,13 +155,16 @@ async def complete_transactionally(
                     _discard(session)
 
 
+log = logging.getLogger(__name__)
+
+
 async def _kill(driver: AsyncDriver, sessions: tuple[Any, ...]) -> None:
     """Kill the earlier runs' sessions, best effort: the kill is for the new run's speed, never
     its safety (the fence is), so a failed kill is logged and the run goes on (its writes may
     then meet the old transaction's until the server reaps it)."""
     try:
         await driver.run(kill_sessions(list(sessions)))
-    except StorageError as exc:
+    except errors.StorageError as exc:
         log.warning("cannot kill the open transactions of earlier runs: %s", exc)
 
 
