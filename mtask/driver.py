@@ -102,7 +102,10 @@ def storage_error(exc: PyMongoError) -> StorageError:
     # A write error names one document; one that is transient (the server shutting down or
     # stepping down mid-write) says nothing about the document.
     document = isinstance(exc, WriteError) and not transient
-    return StorageError(text, transient=transient, document=document, timed_out=exc.timeout)
+    # it ran out of its time limit (Call.timeout: pymongo.timeout), on the server (maxTimeMS)
+    # or waiting for the reply: e.g. a write waiting for a transaction; not finding a server
+    timed_out = exc.timeout and not isinstance(exc, ServerSelectionTimeoutError)
+    return StorageError(text, transient=transient, document=document, timed_out=timed_out)
 
 
 def _limit(call: Call) -> contextlib.AbstractContextManager[Any]:

@@ -71,8 +71,10 @@ class StorageError(MtaskError):
         """The server refused to write one particular document (a write error), not the
         operation as a whole."""
         self.timed_out = timed_out
-        """The operation ran out of its time (``Call.timeout``, ``maxTimeMS``): e.g. a write
-        waiting for an open transaction that wrote the same document."""
+        """The operation ran out of its time limit (``Call.timeout``, run under
+        ``pymongo.timeout``: on the server, ``maxTimeMS``, or waiting for its reply): e.g. a
+        write waiting for an open transaction that wrote the same document. Not set when no
+        server could be selected."""
 
 
 class EmbeddedUnavailable(StorageError):

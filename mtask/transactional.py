@@ -14,6 +14,13 @@ body finds the fence gone if the run lost the task meanwhile. The body is bounde
 ``lifetime_s``, under MongoDB's ``transactionLifetimeLimitSeconds`` (60 s by default), after
 which ``TransactionTooLong`` is raised and the transaction aborted.
 
+A worker's run passes a ``RunFence`` (docs/transactions.md, "Under faults"): the sessions of
+earlier runs whose lease expired are killed first (a dead or frozen worker's transaction would
+otherwise stay open, and block this run's writes, for a minute or more); one fenced write then
+extends the run's lease and records this run's session id; the run is not pinged while its
+transaction is open (a ping would make the fenced SUCCESS a write conflict), so the transaction
+must end within that lease.
+
 Transactional handlers are ``async def`` and get an ``AsyncClientSession``: the worker is an
 asyncio program, and a session must be used by the client that started it (a sync handler in a
 thread would need a second, synchronous ``MongoClient``).
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -32,6 +40,7 @@ from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
+from mtask import errors
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver, Doc
 from mtask.errors import LeaseLost, MtaskError
@@ -111,7 +120,7 @@ async def complete_transactionally(
         committed = False
         try:
             if fence is not None:
-                await driver.run(kill_sessions(list(fence.stale_sessions)))
+                await _kill(driver, fence.stale_sessions)
                 fence.pause()
                 sent = loop.time()  # the monotonic clock, as the pinger's
                 lsid = session.session_id["id"]
@@ -143,6 +152,19 @@ async def complete_transactionally(
                 fence.resume()
                 if not committed:
                     _discard(session)
+
+
+log = logging.getLogger(__name__)
+
+
+async def _kill(driver: AsyncDriver, sessions: tuple[Any, ...]) -> None:
+    """Kill the earlier runs' sessions, best effort: the kill is for the new run's speed, never
+    its safety (the fence is), so a failed kill is logged and the run goes on (its writes may
+    then meet the old transaction's until the server reaps it)."""
+    try:
+        await driver.run(kill_sessions(list(sessions)))
+    except errors.StorageError as exc:
+        log.warning("cannot kill the open transactions of earlier runs: %s", exc)
 
 
 def _discard(session: AsyncClientSession) -> None:

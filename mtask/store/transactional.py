@@ -82,6 +82,10 @@ def complete_in_transaction(outcome: Outcome, now: dt.datetime) -> Op[Doc | None
     return doc
 
 
+KILL_TIMEOUT_S = 5.0
+"""The most finding and killing stale transactions may take (a read and a command that wait
+for nothing; bounded all the same, since they run when MongoDB may be in trouble)."""
+
 TXN_FIELD = "txn"
 """The run entry's field holding the id (``lsid.id``, a UUID) of its transaction's session."""
 
@@ -125,6 +129,7 @@ def expired_transactions(keys: list[str], now: dt.datetime) -> Op[list[Any]]:
             {"_id": {"$in": list(keys)}, "runs": {"$elemMatch": expired}},
             {"runs.state": 1, "runs.lease_expires_at": 1, f"runs.{TXN_FIELD}": 1},
         ),
+        timeout=KILL_TIMEOUT_S,
     )
     return [
         r[TXN_FIELD]
@@ -143,4 +148,5 @@ def kill_sessions(session_uuids: list[Any]) -> Op[None]:
     operations (a session of another MongoDB user is left alone: ``killSessions`` reaches the
     caller's own sessions only, unless it has the ``killAnySession`` privilege)."""
     if session_uuids:
-        yield Call("command", ("killSessions", [{"id": u} for u in session_uuids]))
+        kill = ("killSessions", [{"id": u} for u in session_uuids])
+        yield Call("command", kill, timeout=KILL_TIMEOUT_S)

@@ -7,7 +7,7 @@ import asyncio
 import datetime as dt
 from typing import Any, cast
 
-from pymongo.errors import WriteError
+from pymongo.errors import ExecutionTimeout, WriteError
 from pymongo.results import UpdateResult
 from scripted import AsyncScriptedDriver, Step
 
@@ -174,3 +174,25 @@ async def test_a_failed_claim_call_puts_its_keys_back_shortly() -> None:
         "b": NOW + dt.timedelta(seconds=1),
     }
     assert not claimer.inflight.busy("a")
+
+
+async def test_a_claim_that_ran_out_of_time_kills_stale_transactions() -> None:
+    """A claim waited for an open transaction on a task document (a run frozen between its
+    fenced SUCCESS and its commit) until its time limit: the claimer reads the RUNNING runs
+    whose lease ended among its keys and kills the sessions they recorded."""
+    expired = NOW - dt.timedelta(seconds=1)
+    runs = [
+        {"state": "TIMEOUT", "lease_expires_at": expired, "txn": "old"},  # killed at takeover
+        {"state": "RUNNING", "lease_expires_at": expired, "txn": "frozen"},
+        {"state": "RUNNING", "lease_expires_at": NOW + dt.timedelta(seconds=5), "txn": "alive"},
+    ]
+    driver = AsyncScriptedDriver(
+        Step("update_many", raises=ExecutionTimeout("operation exceeded time limit", 50)),
+        Step("find", reply=[]),  # adopt: the batch took nothing
+        Step("find", reply=[{"_id": "a", "runs": runs}], check=lambda c: "$elemMatch" in str(c)),
+        Step("command", check=lambda c: c.args == ("killSessions", [{"id": "frozen"}])),
+    )
+    claimer, watcher, started = build(driver)
+    await claimer.claim(["a", "b"], ["add"], NOW)
+    assert driver.done and started.docs == []
+    assert "a" in watcher.queue and "b" in watcher.queue  # tried again shortly

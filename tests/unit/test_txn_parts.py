@@ -1,0 +1,43 @@
+"""Parts of transactional runs under faults without MongoDB: which earlier sessions a takeover
+kills, and the pinger leaving a run alone while its transaction is open."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+from harness import T0
+from scripted import ScriptedDriver
+
+from mtask.clock import FixedClock
+from mtask.driver import SyncDriver
+from mtask.store.transactional import stale_sessions
+from mtask.worker.lease import LeasePinger
+
+
+def test_a_takeover_kills_the_sessions_of_expired_runs_only() -> None:
+    runs: list[Any] = [
+        {"run_id": "r1", "state": "TIMEOUT", "txn": "s1"},
+        {"run_id": "r2", "state": "FAIL", "txn": "s2"},  # ended by its own worker: aborted
+        {"run_id": "r3", "state": "TIMEOUT"},  # not transactional
+        {"run_id": "r4", "state": "RUNNING", "txn": None},  # this run: nothing recorded yet
+        "not a run",
+    ]
+    assert stale_sessions(runs, "r4") == ["s1"]
+    assert stale_sessions(None, "r4") == []
+
+
+def test_the_pinger_leaves_a_paused_run_alone_until_resumed() -> None:
+    driver = ScriptedDriver()  # any call would fail: nothing is scripted
+    pinger = LeasePinger(cast(SyncDriver, driver), "w1", FixedClock(T0), lambda r, d: None)
+    claim_sent = time.monotonic()
+    pinger.add("k", "r1", 200, 5000, claim_sent)
+    lease = pinger._leases["r1"]
+    pinger.pause("r1")
+    pinger._ping(lease)  # found due just before the pause: skipped
+    assert driver.calls == []
+    sent = claim_sent + 1.0  # the run's own lease-extending write (begin_run_transaction)
+    assert pinger.held("r1", sent) == sent + 5.0 == pinger.expiry("r1")
+    assert pinger.held("gone", sent) is None
+    pinger.resume("r1")
+    assert not lease.paused and lease.next_at <= time.monotonic()  # pinged again at once
