@@ -106,6 +106,9 @@ def apply(action: Action, where: Filter, now: dt.datetime, dry_run: bool) -> Op[
 def search_query(
     name: str | None, status: str | None, prefix: str | None, text: str | None
 ) -> tuple[Doc, list[tuple[str, int]]]:
+    for field, value in (("prefix", prefix), ("q", text)):
+        if value and "\x00" in value:  # the server refuses it in a pattern (a 500 otherwise)
+            raise InvalidTask("must not contain a NUL character", field=field)
     filt, sort = tasks.list_query(name, status)
     if prefix:  # key order, so that _id's index serves both the prefix and the order
         filt["_id"] = {"$regex": f"^{re.escape(prefix)}"}

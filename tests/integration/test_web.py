@@ -232,3 +232,10 @@ def test_search_and_the_typed_spec(api: TestClient, client: TaskClient) -> None:
     assert "cdn" not in docs.lower() and "/docs/assets/swagger-ui-bundle.js" in docs
     assert api.get("/docs/assets/swagger-ui-bundle.js").status_code == 200
     assert api.get("/redoc").status_code == 200
+
+
+def test_a_nul_in_a_search_is_a_clear_4xx(api: TestClient) -> None:
+    for query in ("prefix=a%00b", "q=Value%00Error"):
+        reply = api.get(f"/tasks?{query}", headers=AUTH)
+        assert 400 <= reply.status_code < 500, (query, reply.status_code, reply.text)
+        assert "NUL" in reply.text
