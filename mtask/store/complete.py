@@ -24,7 +24,7 @@ from mtask.driver import Call, Doc, Op
 from mtask.jsonschema import validator_schema
 from mtask.models import DEFAULT_MAX_PARAMS_BYTES, OPTION_DEFAULTS, TaskStatus
 from mtask.statemachine import OPEN, recompute_stages
-from mtask.store.schema import unknown_option_check
+from mtask.store.schema import WELL_FORMED, unknown_option_check
 
 NOW = "$$NOW"
 ABSENT = ["missing", "null"]
@@ -239,13 +239,19 @@ no worker can handle: few, and cheap to find through the ``status_newest`` and
 stranded: it waits for a worker of its name.)"""
 STRANDED_OPEN: Doc = {
     "status": {"$in": list(OPEN)},
-    "next_claim_at": {"$not": {"$type": "date"}},
-    "waiting_on.0": {"$exists": False},
+    "$or": [
+        {"next_claim_at": {"$not": {"$type": "date"}}, "waiting_on.0": {"$exists": False}},
+        # a claim time, but a field the claim computes with missing or of another type: the
+        # scan (and the claim) skip it, so only its insert event could have brought it to a
+        # worker; a worker that was down then never would
+        *({field: {"$not": spec}} for field, spec in WELL_FORMED.items()),
+    ],
 }
-"""Open documents that no claim can reach: no date to be claimed at, and not waiting for
-dependencies. mtask never writes one; a document written by hand may be. Finding them reads
-every open task's document (through the ``status_newest`` index), so the sweep does it only
-every few rounds (``Watcher``)."""
+"""Open documents that no claim can reach: no date to be claimed at (and not waiting for
+dependencies), or a field the claim needs missing or mistyped (``WELL_FORMED``). mtask never
+writes one; a document written by hand may be. Finding them reads every open task's document
+(through the ``status_newest`` index), so the sweep does it only every few rounds
+(``Watcher``)."""
 
 
 def stranded(limit: int = 1000, open_too: bool = True) -> Op[list[Any]]:

@@ -192,7 +192,7 @@ def invalid_reason_expr() -> Doc:
         (
             {"$not": [{"$in": [{"$type": f"${field}"}, _TYPE_ALIASES[spec["$type"]]]}]},
             field,
-            f"a {spec['$type']}",
+            f"{'an' if spec['$type'][0] in 'aeiou' else 'a'} {spec['$type']}",
         )
         for field, spec in WELL_FORMED.items()
     ]

@@ -303,7 +303,7 @@ def test_collection_command(
     assert cli_main(["list", *common, "--status", "invalid", "--json"]) == 0
     listed = {t["_id"]: t["invalid_reason"] for t in json.loads(capsys.readouterr().out)}
     assert listed["x"].startswith("'options.max_retry' is not an option")
-    assert "'runs' must be a array, found missing" in listed["y"]
+    assert "'runs' must be an array, found missing" in listed["y"]
     assert cli_main(["list", *common, "--status", "invalid"]) == 0
     table = capsys.readouterr().out  # rich wraps the reason within its column
     assert "invalid:" in table and "'options.max_retry'" in table
@@ -377,6 +377,34 @@ def _shows_only_what_it_holds(task: Task, doc: dict[str, Any]) -> None:
     for name, value in task.options.model_dump().items():
         if value is not None:
             assert name in held, (name, value)
+
+
+def test_an_open_document_the_claim_cannot_read_is_marked_by_the_sweep_alone(
+    mongo: MongoClient[dict[str, Any]], mongo_uri: str, db_name: str
+) -> None:
+    # A claim time, so it sits in the claim index, but no runs and a date for attempts: the scan
+    # and the claim skip it, and its insert event went to no worker (none was running). Found by
+    # the hypothesis test below; before, it stayed pending for ever.
+    doc = {"_id": "d1", "name": "add", "status": "pending", "next_claim_at": NOW}
+    mongo[db_name].tasks.insert_one({**doc, "attempts": NOW, "depends_on": ["other"]})
+
+    async def one_sweep() -> None:
+        async with AsyncTaskClient(mongo_uri, database=db_name) as aclient:
+            watcher = Watcher(
+                AsyncDriver(collections(aclient.db)),
+                worker_id="w1",
+                queue=ClaimQueue(100),
+                clock=FixedClock(NOW),
+                wake=lambda: None,
+                in_flight=lambda key: False,
+            )
+            watcher.names = ["add"]
+            await Sweep(watcher).run_once()
+
+    asyncio.run(one_sweep())
+    after = mongo[db_name].tasks.find_one({"_id": "d1"})
+    assert after is not None and after["status"] == "invalid"
+    assert "'runs' must be an array" in after["invalid_reason"]
 
 
 @pytest.mark.timeout(600)

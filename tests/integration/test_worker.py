@@ -471,15 +471,15 @@ async def test_malformed_documents_do_not_stop_the_worker(
         for doc in client.collection.find({"status": "invalid"}, {"invalid_reason": 1})
     }
     expected = {
-        "no-runs": "'runs' must be a array, found missing",
-        "bad-options": "'runs' must be a array, found string",
+        "no-runs": "'runs' must be an array, found missing",
+        "bad-options": "'runs' must be an array, found string",
         "bad-specific": "'successes' must be a number, found missing",
-        "half": "'runs' must be a array, found missing",
+        "half": "'runs' must be an array, found missing",
         "half2": "'failures' must be a number, found missing",
         12345: "'_id' must be a string, found int",
         "weird-status": "'status' must be a known status, found paused",
         "no-ping": "'options.ping_interval_ms' must be a number, found missing",
-        "late-junk": "'runs' must be a array, found missing",
+        "late-junk": "'runs' must be an array, found missing",
         "late-no-ping": "'options.ping_interval_ms' must be a number, found missing",
     }
     for key, reason in expected.items():
