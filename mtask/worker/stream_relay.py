@@ -165,6 +165,8 @@ class Relay:
     async def _changed(self, change: Mapping[str, Any] | None) -> None:
         if change is not None:
             self.broadcast(frame(change))
+            # a batch holds many events: let subscribers in this process read as they come
+            await asyncio.sleep(0)
         if self._switch:  # a subscriber came or went: the other pipeline, from here on
             self._switch = False
             self.switches += 1
@@ -290,7 +292,7 @@ class SharedStream:
 
     async def _ensure_relay(self, name: str, watcher: Watcher) -> None:
         task = self._relay_task
-        if task is not None and task.done():
+        if task is not None and task.done() and not task.cancelled():
             task.result()  # a relay that died of anything but cancellation is a bug: raise it
         if task is not None and not task.done():
             return
