@@ -249,6 +249,8 @@ def _one_size(
         "getmores_per_task": load_gm / n,
         "start_p50_ms": statistics.median(lags),
         "tasks": n,
+        "rescans_per_worker": sum(c.get("rescans", 0) for c in counters) / workers,
+        "dropped": sum(c.get("dropped", 0) for c in counters),
     }
 
 
@@ -317,7 +319,14 @@ def worker_process(uri: str, database: str, concurrency: int, stream: str = "sha
     stats = worker.stats
     with contextlib.suppress(BrokenPipeError):  # the bench gave up on us
         print(
-            json.dumps({"claim_attempts": stats.claim_attempts, "claimed": stats.claimed}),
+            json.dumps(
+                {
+                    "claim_attempts": stats.claim_attempts,
+                    "claimed": stats.claimed,
+                    "rescans": worker.watcher.rescans,
+                    "dropped": getattr(getattr(worker.stream, "relay", None), "dropped", 0),
+                }
+            ),
             flush=True,
         )
     return 0

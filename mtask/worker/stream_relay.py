@@ -28,6 +28,7 @@ it is (BSON is length-prefixed), to every subscribed worker on the host, itself 
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
 import hashlib
 import logging
@@ -36,7 +37,7 @@ import random
 import socket
 import struct
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 from uuid import UUID
 
@@ -102,6 +103,66 @@ def peer(writer: asyncio.StreamWriter) -> tuple[int, int]:
     return pid, uid
 
 
+class _Socket:
+    """A subscriber in another process (or another event loop): frames on its connection."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+
+    def backlog(self) -> int:
+        return self.writer.transport.get_write_buffer_size()
+
+    def closing(self) -> bool:
+        return self.writer.transport.is_closing()
+
+    def send(self, doc: Mapping[str, Any], data: bytes) -> None:
+        self.writer.write(data)
+
+    def close(self) -> None:
+        self.writer.transport.abort()
+
+
+class Local:
+    """A subscriber in the relay's own process and event loop: documents handed over as
+    they are (no socket, no BSON), bounded like a connection's buffer."""
+
+    EVENT_BYTES = 256
+    """What an event counts for against the buffer (about a projected insert's size)."""
+
+    def __init__(self) -> None:
+        self.items: collections.deque[Mapping[str, Any]] = collections.deque()
+        self.ready = asyncio.Event()
+        self.closed = False
+
+    def backlog(self) -> int:
+        return len(self.items) * self.EVENT_BYTES
+
+    def closing(self) -> bool:
+        return self.closed
+
+    def send(self, doc: Mapping[str, Any], data: bytes) -> None:
+        self.items.append(doc)
+        self.ready.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.ready.set()
+
+    async def next(self) -> Mapping[str, Any] | None:
+        """The next event, or ``None`` once closed (the relay went, or dropped it)."""
+        while not self.items and not self.closed:
+            self.ready.clear()
+            await self.ready.wait()
+        return None if self.closed else self.items.popleft()
+
+
+Subscriber = _Socket | Local
+
+_LOCAL: dict[str, Relay] = {}
+"""The relays held in this process, by endpoint: a worker on the same event loop subscribes
+to its relay directly (``Local``)."""
+
+
 class Relay:
     """The host's change stream, forwarded to the subscribers connected to ``server``."""
 
@@ -111,8 +172,10 @@ class Relay:
         self.owner = owner
         """The worker id of the worker whose process holds the relay."""
         self.buffer = buffer
-        self.subscribers: dict[asyncio.StreamWriter, str] = {}
+        self.subscribers: dict[Subscriber, str] = {}
         self.server: asyncio.AbstractServer | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.name = ""
         self.open = False
         self.solo = False
         """The stream in use leaves out the owner's writes (it is the only subscriber)."""
@@ -132,6 +195,8 @@ class Relay:
             if exc.errno == errno.EADDRINUSE:
                 return None
             raise
+        relay.loop, relay.name = asyncio.get_running_loop(), name
+        _LOCAL[name] = relay
         return relay
 
     async def run(self, restarted: Callable[[], None] = lambda: None) -> None:
@@ -145,11 +210,30 @@ class Relay:
                 restarted=restarted,
             )
         finally:
+            if _LOCAL.get(self.name) is self:
+                del _LOCAL[self.name]
             if self.server is not None:
                 self.server.close()
-            for writer in list(self.subscribers):
-                writer.transport.abort()
+            for subscriber in list(self.subscribers):
+                subscriber.close()
             self.subscribers.clear()
+
+    def attach(self, worker_id: str) -> Local:
+        """Subscribe a worker of this process and event loop."""
+        local = Local()
+        self._add(local, worker_id)
+        return local
+
+    def _add(self, subscriber: Subscriber, worker_id: str) -> None:
+        self.subscribers[subscriber] = worker_id
+        self._note_change()
+        if self.open:
+            subscriber.send(OPEN, frame(OPEN))
+
+    def remove(self, subscriber: Subscriber) -> None:
+        if self.subscribers.pop(subscriber, None) is not None:
+            self._note_change()
+        subscriber.close()
 
     def _alone(self) -> bool:
         return all(worker_id == self.owner for worker_id in self.subscribers.values())
@@ -160,11 +244,11 @@ class Relay:
 
     async def _opened(self) -> None:
         self.open = True
-        self.broadcast(frame(OPEN))
+        self.broadcast(OPEN)
 
     async def _changed(self, change: Mapping[str, Any] | None) -> None:
         if change is not None:
-            self.broadcast(frame(change))
+            self.broadcast(change)
             # a batch holds many events: let subscribers in this process read as they come
             await asyncio.sleep(0)
         if self._switch:  # a subscriber came or went: the other pipeline, from here on
@@ -172,23 +256,24 @@ class Relay:
             self.switches += 1
             raise Reopen
 
-    def broadcast(self, data: bytes) -> None:
-        """Queue ``data`` for every subscriber; drop those whose buffer would overflow."""
-        for writer in list(self.subscribers):
-            transport = writer.transport
-            pending = transport.get_write_buffer_size() + len(data)
-            if transport.is_closing() or pending > self.buffer:
-                self._drop(writer)
+    def broadcast(self, doc: Mapping[str, Any]) -> None:
+        """Queue ``doc`` for every subscriber; drop those whose buffer would overflow."""
+        data = b""
+        if any(isinstance(s, _Socket) for s in self.subscribers):
+            data = frame(doc)  # once for all connections
+        for subscriber in list(self.subscribers):
+            size = len(data) if isinstance(subscriber, _Socket) else Local.EVENT_BYTES
+            if subscriber.closing() or subscriber.backlog() + size > self.buffer:
+                self._drop(subscriber)
             else:
-                writer.write(data)
+                subscriber.send(doc, data)
 
-    def _drop(self, writer: asyncio.StreamWriter) -> None:
-        worker_id = self.subscribers.pop(writer, None)
-        if worker_id is not None and not writer.transport.is_closing():
+    def _drop(self, subscriber: Subscriber) -> None:
+        worker_id = self.subscribers.get(subscriber)
+        if worker_id is not None and not subscriber.closing():
             self.dropped += 1
             log.warning("dropped a slow subscriber of the shared change stream: %s", worker_id)
-        writer.transport.abort()
-        self._note_change()
+        self.remove(subscriber)
 
     def _note_change(self) -> None:
         if self.solo != self._alone():
@@ -207,19 +292,15 @@ class Relay:
             log.debug("refused a subscriber: %s", exc)
             writer.transport.abort()
             return
-        self.subscribers[writer] = worker_id
-        self._note_change()
-        if self.open:
-            writer.write(frame(OPEN))
+        subscriber = _Socket(writer)
+        self._add(subscriber, worker_id)
         try:
             while await reader.read(4096):
                 pass  # a subscriber sends nothing after its hello
         except (ConnectionError, OSError):
             pass
         finally:
-            if self.subscribers.pop(writer, None) is not None:
-                self._note_change()
-            writer.transport.abort()
+            self.remove(subscriber)
 
 
 async def _frame_or_fail(reader: asyncio.StreamReader) -> bytes:
@@ -249,6 +330,10 @@ class SharedStream:
             while True:
                 try:
                     await self._ensure_relay(name, watcher)
+                    relay = _LOCAL.get(name)
+                    if relay is not None and relay.loop is asyncio.get_running_loop():
+                        await self._consume_local(relay, watcher)
+                        continue
                     reader, writer = await asyncio.open_unix_connection(name)
                 except (ConnectionRefusedError, FileNotFoundError):
                     await asyncio.sleep(random.uniform(0.01, 0.1))  # going or coming: bind
@@ -259,7 +344,15 @@ class SharedStream:
                     if peer(writer)[1] != os.getuid():
                         await self._fall_back(watcher, "the endpoint is another user's")
                     self.connections += 1
-                    await self._consume(reader, writer, watcher)
+                    writer.write(frame({"hello": PROTOCOL, "worker_id": watcher.worker_id}))
+
+                    async def next_change(
+                        reader: asyncio.StreamReader = reader,
+                    ) -> Mapping[str, Any] | None:
+                        data = await read_frame(reader)
+                        return None if data is None else decode(data)
+
+                    await self._consume(next_change, writer.transport.abort, watcher)
                 except (ConnectionError, OSError) as exc:
                     log.info("shared change stream connection lost (%s); reconnecting", exc)
                 finally:
@@ -271,6 +364,18 @@ class SharedStream:
             if self._relay_task is not None:
                 self._relay_task.cancel()
                 await asyncio.gather(self._relay_task, return_exceptions=True)
+
+    async def _consume_local(self, relay: Relay, watcher: Watcher) -> None:
+        """Subscribe to the relay of this event loop directly; until it goes or drops us."""
+        local = relay.attach(watcher.worker_id)
+        self.connections += 1
+        try:
+            await self._consume(local.next, local.close, watcher)
+        finally:
+            relay.remove(local)
+        if self._failure is not None:
+            raise self._failure
+        await asyncio.sleep(random.uniform(0.01, 0.1))
 
     async def _fall_back(self, watcher: Watcher, why: str) -> None:
         log.warning("cannot share the host's change stream (%s); using an own one", why)
@@ -309,22 +414,23 @@ class SharedStream:
             self._relay_task = asyncio.create_task(relay.run(restarted), name="mtask-relay")
 
     async def _consume(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, watcher: Watcher
+        self,
+        next_change: Callable[[], Awaitable[Mapping[str, Any] | None]],
+        close: Callable[[], None],
+        watcher: Watcher,
     ) -> None:
-        writer.write(frame({"hello": PROTOCOL, "worker_id": watcher.worker_id}))
         rescans: list[asyncio.Task[None]] = []
         try:
-            while (data := await read_frame(reader)) is not None:
-                change = decode(data)
+            while (change := await next_change()) is not None:
                 if change.get("relay") == "open":
                     # concurrently: an event applied meanwhile wins over the scan (``_touched``)
                     rescans = [t for t in rescans if not t.done()]
-                    rescans.append(asyncio.create_task(self._opened(watcher, writer)))
+                    rescans.append(asyncio.create_task(self._opened(watcher, close)))
                     continue
                 if own_write(change, watcher.worker_id):
                     continue
                 watcher.on_change(change)
-                # let a woken worker loop send its claim before the next frame (W2 latency)
+                # let a woken worker loop send its claim before the next event (W2 latency)
                 await asyncio.sleep(0)
                 try:
                     await watcher.settle()
@@ -336,7 +442,7 @@ class SharedStream:
                 task.cancel()
             await asyncio.gather(*rescans, return_exceptions=True)
 
-    async def _opened(self, watcher: Watcher, writer: asyncio.StreamWriter) -> None:
+    async def _opened(self, watcher: Watcher, close: Callable[[], None]) -> None:
         backoff = 0.1
         while True:
             try:
@@ -346,7 +452,7 @@ class SharedStream:
                 log.warning("rescan after the shared stream opened failed, retrying: %s", exc)
             except Exception as exc:  # noqa: BLE001 (a bug: stop the worker, as an own stream's would)
                 self._failure = exc
-                writer.transport.abort()
+                close()
                 return
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)

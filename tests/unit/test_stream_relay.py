@@ -11,7 +11,7 @@ import bson
 import pytest
 
 from mtask import store
-from mtask.worker.stream_relay import Relay, decode, endpoint, frame, read_frame
+from mtask.worker.stream_relay import Local, Relay, _Socket, decode, endpoint, frame, read_frame
 from mtask.worker.watcher import own_write, stream_pipeline
 
 WHEN = dt.datetime(2026, 11, 23, 12, 0, tzinfo=dt.UTC)
@@ -112,30 +112,49 @@ class FakeWriter:
         self.transport.pending += len(data)
 
 
-def relay_with(**subscribers: FakeWriter) -> Relay:
-    relay = Relay(database=None, tasks="tasks", owner="me", buffer=100)
-    relay.subscribers = {w: name for name, w in subscribers.items()}  # type: ignore[misc]
+def connection(pending: int = 0) -> tuple[_Socket, FakeWriter]:
+    writer = FakeWriter(pending)
+    return _Socket(writer), writer  # type: ignore[arg-type]
+
+
+def relay_with(buffer: int = 100, **subscribers: Any) -> Relay:
+    relay = Relay(database=None, tasks="tasks", owner="me", buffer=buffer)
+    relay.subscribers = {sub: name for name, sub in subscribers.items()}
     return relay
 
 
+EVENT = {"x": "y" * 7}  # a 20-byte frame
+
+
 def test_a_slow_subscriber_is_dropped_and_never_blocks_the_others() -> None:
-    fast, slow = FakeWriter(), FakeWriter(pending=90)
+    assert len(frame(EVENT)) == 20
+    (fast, fast_writer), (slow, slow_writer) = connection(), connection(pending=90)
     relay = relay_with(me=fast, slow=slow)
-    relay.solo = False
-    relay.broadcast(b"x" * 20)
-    assert fast.sent == [b"x" * 20] and slow.sent == []
-    assert slow.transport.aborted and relay.dropped == 1
+    relay.broadcast(EVENT)
+    assert fast_writer.sent == [frame(EVENT)] and slow_writer.sent == []
+    assert slow_writer.transport.aborted and relay.dropped == 1
     assert list(relay.subscribers.values()) == ["me"]
     assert relay._switch  # alone again: back to the pipeline that leaves out its own writes
     for _ in range(5):
-        relay.broadcast(b"y" * 20)
-    assert fast.transport.aborted and relay.dropped == 2  # 20 + 5 * 20 > 100: even the owner
+        relay.broadcast(EVENT)
+    assert fast_writer.transport.aborted and relay.dropped == 2  # 6 * 20 > 100: even the owner
+
+
+async def test_a_subscriber_in_the_relays_process_gets_documents_bounded_alike() -> None:
+    local = Local()
+    relay = relay_with(buffer=3 * Local.EVENT_BYTES, me=local)
+    for n in range(3):
+        relay.broadcast({"n": n})
+    assert [await local.next() for _ in range(2)] == [{"n": 0}, {"n": 1}]
+    for n in range(3, 6):
+        relay.broadcast({"n": n})  # the sixth would be one over
+    assert relay.dropped == 1 and not relay.subscribers
+    assert await local.next() is None  # dropped: it reconnects and rescans
 
 
 def test_the_relay_leaves_out_its_own_writes_only_while_it_is_alone() -> None:
-    relay = relay_with(me=FakeWriter())
+    relay = relay_with(me=connection()[0])
     assert "$nin" in repr(relay._pipeline()) and relay.solo
-    relay.subscribers[FakeWriter()] = "other"  # type: ignore[index]
-    relay._note_change()
+    relay._add(Local(), "other")
     assert relay._switch
     assert "$nin" not in repr(relay._pipeline()) and not relay.solo
