@@ -56,6 +56,9 @@ PROTOCOL = 1
 SUBSCRIBER_BUFFER = 4 * 1024 * 1024
 """Bytes the relay buffers for one subscriber before it drops it (about 20,000 events)."""
 MAX_FRAME = 16 * 1024 * 1024 + 16 * 1024
+YIELD_EVERY = 64
+"""Events the relay forwards before it lets the event loop turn: the frames of up to this many
+events go to a connection in one write, and subscribers in this process read meanwhile."""
 OPEN = {"relay": "open"}
 
 
@@ -104,19 +107,29 @@ def peer(writer: asyncio.StreamWriter) -> tuple[int, int]:
 
 
 class _Socket:
-    """A subscriber in another process (or another event loop): frames on its connection."""
+    """A subscriber in another process (or another event loop): frames on its connection,
+    gathered and written once per turn of the event loop (one write for a getMore's batch)."""
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
+        self.pending: list[bytes] = []
+        self.pending_bytes = 0
 
     def backlog(self) -> int:
-        return self.writer.transport.get_write_buffer_size()
+        return self.writer.transport.get_write_buffer_size() + self.pending_bytes
 
     def closing(self) -> bool:
         return self.writer.transport.is_closing()
 
     def send(self, doc: Mapping[str, Any], data: bytes) -> None:
-        self.writer.write(data)
+        self.pending.append(data)
+        self.pending_bytes += len(data)
+
+    def flush(self) -> None:
+        if self.pending and not self.closing():
+            self.writer.write(b"".join(self.pending))
+        self.pending.clear()
+        self.pending_bytes = 0
 
     def close(self) -> None:
         self.writer.transport.abort()
@@ -180,6 +193,8 @@ class Relay:
         self.solo = False
         """The stream in use leaves out the owner's writes (it is the only subscriber)."""
         self._switch = False
+        self._flush_soon: asyncio.Handle | None = None
+        self._unyielded = 0
         self.dropped = 0
         self.switches = 0
 
@@ -210,6 +225,8 @@ class Relay:
                 restarted=restarted,
             )
         finally:
+            if self._flush_soon is not None:
+                self._flush_soon.cancel()
             if _LOCAL.get(self.name) is self:
                 del _LOCAL[self.name]
             if self.server is not None:
@@ -249,8 +266,10 @@ class Relay:
     async def _changed(self, change: Mapping[str, Any] | None) -> None:
         if change is not None:
             self.broadcast(change)
-            # a batch holds many events: let subscribers in this process read as they come
-            await asyncio.sleep(0)
+            self._unyielded += 1
+            if self._unyielded >= YIELD_EVERY:  # a large batch: let the readers keep up
+                self._unyielded = 0
+                await asyncio.sleep(0)
         if self._switch:  # a subscriber came or went: the other pipeline, from here on
             self._switch = False
             self.switches += 1
@@ -267,6 +286,14 @@ class Relay:
                 self._drop(subscriber)
             else:
                 subscriber.send(doc, data)
+        if data and self._flush_soon is None:
+            self._flush_soon = asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_soon = None
+        for subscriber in self.subscribers:
+            if isinstance(subscriber, _Socket):
+                subscriber.flush()
 
     def _drop(self, subscriber: Subscriber) -> None:
         worker_id = self.subscribers.get(subscriber)
