@@ -107,9 +107,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stream",
         choices=["own", "shared"],
-        default="shared",
-        help="shared (default): one change stream per host, shared by the worker processes on "
-        "it; own: this worker's own stream",
+        default="own",
+        help="own (default): this worker's own change stream; shared: one stream per host, "
+        "shared by the worker processes on it",
     )
     # -- handler isolation (issue 18) --
     p.add_argument(

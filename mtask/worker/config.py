@@ -37,9 +37,9 @@ class WorkerConfig:
     run_schedules: bool = True
     startup_timeout: float = 60.0
     heartbeat_interval: float = 2.0
-    stream: Literal["own", "shared"] = "shared"
-    """``shared``: one change stream per host, shared by its worker processes
-    (``stream_relay``); ``own``: this worker's own stream."""
+    stream: Literal["own", "shared"] = "own"
+    """``own``: this worker's own change stream; ``shared``: one stream per host, shared by
+    the worker processes on it (``stream_relay``; docs/design.md, "Many workers")."""
     stagger_ms: float = 25.0
     queue_size: int = 10_000
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES

@@ -1,4 +1,4 @@
-"""Worker processes on one host share one change stream (``--stream shared``, the default):
+"""Worker processes on one host share one change stream (``--stream shared``):
 one server-side stream for all of them, every task run once, the relay killed with SIGKILL
 and taken over by another process."""
 
@@ -101,7 +101,9 @@ async def test_worker_processes_share_one_stream_and_take_over_a_killed_relay(
     mongo_uri: str, mongo: Mongo, db_name: str, client: TaskClient
 ) -> None:
     lease = {"worker_timeout_ms": 2000, "ping_interval_ms": 300}
-    procs = [spawn(mongo_uri, db_name, "--worker-id", f"w{i}") for i in range(4)]
+    procs = [
+        spawn(mongo_uri, db_name, "--worker-id", f"w{i}", "--stream", "shared") for i in range(4)
+    ]
     try:
         await wait_for(lambda: len(client.workers()) == 4, timeout=60)
         first = await wait_for(lambda: relay_pid(mongo, db_name), timeout=30)

@@ -29,13 +29,17 @@ async def test_a_slow_subscriber_is_dropped_then_reconnects_and_rescans(
     mongo_uri: str, db_name: str, client: TaskClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(stream_relay, "SUBSCRIBER_BUFFER", 65536)
-    async with running_worker(registry, mongo_uri, db_name, worker_id="a", concurrency=20) as (
+    async with running_worker(
+        registry, mongo_uri, db_name, worker_id="a", stream="shared", concurrency=20
+    ) as (
         a,
         _,
     ):
         relay = shared(a).relay
         assert relay is not None and relay.solo  # alone: the server leaves out its own writes
-        async with running_worker(registry, mongo_uri, db_name, worker_id="b", concurrency=20) as (
+        async with running_worker(
+            registry, mongo_uri, db_name, worker_id="b", stream="shared", concurrency=20
+        ) as (
             b,
             b_events,
         ):
@@ -72,13 +76,22 @@ async def test_a_slow_subscriber_is_dropped_then_reconnects_and_rescans(
 async def test_a_stopped_relay_is_taken_over(
     mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
-    async with running_worker(registry, mongo_uri, db_name, worker_id="b") as (b, b_events):
-        async with running_worker(registry, mongo_uri, db_name, worker_id="a") as (a, _):
+    async with running_worker(registry, mongo_uri, db_name, worker_id="b", stream="shared") as (
+        b,
+        b_events,
+    ):
+        async with running_worker(registry, mongo_uri, db_name, worker_id="a", stream="shared") as (
+            a,
+            _,
+        ):
             assert shared(b).relay is not None and shared(a).relay is None
             client.publish("add", "one", {"a": 1, "b": 1})
             await wait_for(lambda: done(client, 1))
         # a was the subscriber; now stop b's relay by hand and see a newcomer take it over
-        async with running_worker(registry, mongo_uri, db_name, worker_id="c") as (c, c_events):
+        async with running_worker(registry, mongo_uri, db_name, worker_id="c", stream="shared") as (
+            c,
+            c_events,
+        ):
             await wait_for(lambda: len(shared(b).relay.subscribers) == 2)  # type: ignore[union-attr]
             task = shared(b)._relay_task
             assert task is not None
