@@ -5,7 +5,9 @@
 * ``W9`` many workers: 1, 8, 32 and 64 worker processes (concurrency 4 each; ``--quick``: 1
   and 4) on a mongod of their own (so that its CPU is theirs alone), idle and under a steady
   publish load: claim attempts per task, mongod CPU per task, change-stream cost per worker
-  (mongod CPU and getMores while idle), publish → handler start p50.
+  (mongod CPU and getMores while idle, server-side streams), publish → handler start p50; each
+  size in both stream modes (``--stream own`` then ``shared``; ``MTASK_W9_STREAMS``), with
+  ``MTASK_W9_SIZES``, ``MTASK_W9_RATE`` and ``MTASK_W9_SECONDS`` for by-hand runs.
 * ``W7X`` memory under a backlog: 4 worker processes at concurrency 32 draining 100,000 tasks
   published before they start; the peak RSS of the largest.
 
