@@ -449,14 +449,18 @@ async def follow(
     restarted: Callable[[], None] = lambda: None,
 ) -> None:
     """Follow a change stream on ``database`` forever, resuming it after errors; ``opened``
-    after each (re)open, ``changed`` after each wait (``None``: no event came)."""
+    after each (re)open, except one asked for by ``Reopen`` (it resumes where it was: no gap),
+    ``changed`` after each wait (``None``: no event came)."""
     token: Mapping[str, Any] | None = None
     backoff = 0.1
+    switched = False
     while True:
         try:
             stream = await database.watch(pipeline(), resume_after=token, max_await_time_ms=500)
             async with stream:
-                await opened()  # after the stream is open: nothing slips between
+                if not switched:
+                    await opened()  # after the stream is open: nothing slips between
+                switched = False
                 backoff = 0.1
                 # A closed stream (invalidated: the database or collection was dropped)
                 # answers try_next with None at once: reopen it rather than spin.
@@ -469,14 +473,17 @@ async def follow(
                     await changed(change)
             log.warning("change stream closed (was the collection dropped?); reopening")
         except Reopen:
+            switched = True
             continue  # at once, after the last event seen
         except OperationFailure as exc:
+            switched = False
             if exc.code in FATAL_STREAM_CODES:
                 log.warning("change stream history lost (%s); rescanning", exc.code)
                 token = None
             else:
                 log.warning("change stream failed, resuming: %s", exc)
         except (PyMongoError, StorageError) as exc:
+            switched = False
             log.warning("change stream interrupted, resuming: %s", exc)
         restarted()
         await asyncio.sleep(backoff)

@@ -37,6 +37,7 @@ async def test_a_slow_subscriber_is_dropped_then_reconnects_and_rescans(
     ):
         relay = shared(a).relay
         assert relay is not None and relay.solo  # alone: the server leaves out its own writes
+        a_rescans = a.watcher.rescans
         async with running_worker(
             registry, mongo_uri, db_name, worker_id="b", stream="shared", concurrency=20
         ) as (
@@ -45,6 +46,8 @@ async def test_a_slow_subscriber_is_dropped_then_reconnects_and_rescans(
         ):
             assert shared(b).relay is None  # the endpoint was taken: b subscribes
             await wait_for(lambda: len(relay.subscribers) == 2 and not relay.solo, timeout=60)
+            await wait_for(lambda: relay.switches == 1)  # resumed with the shared pipeline
+            assert a.watcher.rescans == a_rescans  # no gap: a had nothing to rescan
 
             unblocked = asyncio.Event()
             settle = b.watcher.settle
