@@ -155,11 +155,16 @@ async def test_change_stream_cursors_killed(
 
     await wait_for(lambda: len(open_streams() - {None}) >= (2 if stream == "own" else 1))
     # and each worker still runs new tasks: one only it may run
-    for name in ("a", "b"):
-        item = work_items(1, seed=6)[0]
-        options = {**item["options"], "specific_worker_ids": [name]}
-        client.publish(item["name"], f"after-{name}", item["params"], options=options)
-    await until_finished(client, len(items) + 2, timeout=60)
+    for name in ("a", "b"):  # (concurrency 1: a task of concurrency 2 needs two workers)
+        client.publish("work", f"after-{name}", {"ms": 50}, options={"specific_worker_ids": [name]})
+    try:
+        await until_finished(client, len(items) + 2, timeout=60)
+    except AssertionError:
+        for doc in client.collection.find({"_id": {"$in": ["after-a", "after-b"]}}):
+            print("OPEN", doc)
+        for name in ("a", "b"):
+            print(name, cluster.procs[name].poll(), cluster.log_of(name)[-3000:])
+        raise
 
 
 async def _until_workers(client: TaskClient, count: int) -> None:
