@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 PROTOCOL = 1
 SUBSCRIBER_BUFFER = 4 * 1024 * 1024
-"""Bytes the relay buffers for one subscriber before it drops it (about 20,000 events)."""
+"""Bytes the relay buffers for one subscriber before it drops it (about 16,000 events)."""
 MAX_FRAME = 16 * 1024 * 1024 + 16 * 1024
 YIELD_EVERY = 64
 """Events the relay forwards before it lets the event loop turn: the frames of up to this many
