@@ -5,12 +5,14 @@
 * ``W9`` many workers: 1, 8, 32 and 64 worker processes (concurrency 4 each; ``--quick``: 1
   and 4) on a mongod of their own (so that its CPU is theirs alone), idle and under a steady
   publish load: claim attempts per task, mongod CPU per task, change-stream cost per worker
-  (mongod CPU and getMores while idle), publish → handler start p50.
+  (mongod CPU and getMores while idle, server-side streams), publish → handler start p50; each
+  size in both stream modes (``--stream own`` then ``shared``; ``MTASK_W9_STREAMS``), with
+  ``MTASK_W9_SIZES``, ``MTASK_W9_RATE`` and ``MTASK_W9_SECONDS`` for by-hand runs.
 * ``W7X`` memory under a backlog: 4 worker processes at concurrency 32 draining 100,000 tasks
   published before they start; the peak RSS of the largest.
 
 Each function takes the ``Bench`` and records ``Result``\\ s; ``python -m bench.scale --worker
-URI DATABASE CONCURRENCY`` is the W9 worker process (it prints its claim counters).
+URI DATABASE CONCURRENCY [own|shared]`` is the W9 worker process (it prints its claim counters).
 """
 
 from __future__ import annotations
@@ -134,9 +136,28 @@ def _getmores(client: MongoClient[Doc]) -> int:
     return int(status["metrics"]["commands"]["getMore"]["total"])
 
 
-def _spawn(uri: str, database: str, concurrency: int) -> subprocess.Popen[str]:
+def _streams(client: MongoClient[Doc], database: str) -> int:
+    """The change-stream cursors open on ``database`` (idle or in a getMore)."""
+    ops = client.admin.aggregate(
+        [
+            {"$currentOp": {"idleCursors": True, "allUsers": True}},
+            {
+                "$match": {
+                    "ns": {"$regex": f"^{database}\\."},
+                    "$or": [
+                        {"cursor.originatingCommand.pipeline.0.$changeStream": {"$exists": True}},
+                        {"command.pipeline.0.$changeStream": {"$exists": True}},
+                    ],
+                }
+            },
+        ]
+    )
+    return len({op.get("cursor", {}).get("cursorId", op.get("opid")) for op in ops})
+
+
+def _spawn(uri: str, database: str, concurrency: int, stream: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "bench.scale", "--worker", uri, database, str(concurrency)],
+        [sys.executable, "-m", "bench.scale", "--worker", uri, database, str(concurrency), stream],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         text=True,
@@ -167,13 +188,15 @@ def _wait(check: Any, timeout: float = 600.0) -> None:
         time.sleep(0.1)
 
 
-def _one_size(uri: str, mongod_pid: int, workers: int, rate: int, seconds: float) -> Doc:
+def _one_size(
+    uri: str, mongod_pid: int, workers: int, rate: int, seconds: float, stream: str
+) -> Doc:
     mongo: MongoClient[Doc] = MongoClient(uri, w="majority")
-    database = f"w9_{workers}_{os.getpid()}"
+    database = f"w9_{workers}_{stream}_{os.getpid()}"
     mongo.drop_database(database)
     with TaskClient(uri, database=database) as client:
         client.publish("stamp", "warm", {"t": time.time()})
-        procs = [_spawn(uri, database, 4) for _ in range(workers)]
+        procs = [_spawn(uri, database, 4, stream) for _ in range(workers)]
         try:
             _wait(lambda: len(client.workers()) >= workers)
             _wait(lambda: client.stats().get("stamp", {}).get("succeeded", 0) == 1)
@@ -184,6 +207,8 @@ def _one_size(uri: str, mongod_pid: int, workers: int, rate: int, seconds: float
             idle_cpu = _cpu_s(mongod_pid) - cpu0
             idle_gm = _getmores(mongo) - gm0
             idle_s = time.monotonic() - t0
+            streams = _streams(mongo, database)
+            load0 = os.getloadavg()[0]
             # a steady publish load
             n = int(rate * seconds)
             cpu0, gm0 = _cpu_s(mongod_pid), _getmores(mongo)
@@ -216,6 +241,9 @@ def _one_size(uri: str, mongod_pid: int, workers: int, rate: int, seconds: float
     claimed = sum(c.get("claimed", 0) for c in counters)
     return {
         "workers": workers,
+        "shared": float(stream == "shared"),
+        "streams": streams,
+        "load_avg": max(load0, os.getloadavg()[0]),
         "attempts_per_task": attempts / max(1, claimed),
         "cpu_ms_per_task": load_cpu * 1000 / n,
         "idle_cpu_pct_per_worker": idle_cpu / idle_s * 100 / workers,
@@ -223,15 +251,21 @@ def _one_size(uri: str, mongod_pid: int, workers: int, rate: int, seconds: float
         "getmores_per_task": load_gm / n,
         "start_p50_ms": statistics.median(lags),
         "tasks": n,
+        "rescans_per_worker": sum(c.get("rescans", 0) for c in counters) / workers,
+        "dropped": sum(c.get("dropped", 0) for c in counters),
     }
 
 
 def many_workers(bench: Bench) -> None:
+    """W9 in both stream modes, alternating (own, shared) at each size in one run."""
     from mtask.embedded import EmbeddedMongo
 
     sizes, rate, seconds = ([1, 4], 200, 3.0) if _quick(bench) else ([1, 8, 32, 64], 1000, 10.0)
     if os.environ.get("MTASK_W9_SIZES"):  # a by-hand run on a small machine
         sizes = [int(n) for n in os.environ["MTASK_W9_SIZES"].split(",")]
+    rate = int(os.environ.get("MTASK_W9_RATE", rate))
+    seconds = float(os.environ.get("MTASK_W9_SECONDS", seconds))
+    modes = os.environ.get("MTASK_W9_STREAMS", "own,shared").split(",")
     with tempfile.TemporaryDirectory(prefix="mtask-w9-") as tmp:
         mongod = EmbeddedMongo(tmp, cache_size_gb=0.5)
         uri = mongod.start()
@@ -239,36 +273,45 @@ def many_workers(bench: Bench) -> None:
             mongo: MongoClient[Doc] = MongoClient(uri)
             pid = int(mongo.admin.command("serverStatus")["pid"])
             mongo.close()
-            rows = [_one_size(uri, pid, n, rate, seconds) for n in sizes]
+            rows = [_one_size(uri, pid, n, rate, seconds, mode) for n in sizes for mode in modes]
         finally:
             mongod.stop()
-    base = rows[0]["cpu_ms_per_task"]
     for row in rows:
+        mode = "shared" if row["shared"] else "own"
+        base = next(r for r in rows if r["shared"] == row["shared"])["cpu_ms_per_task"]
         ratio = row["cpu_ms_per_task"] / base
         bench.record(
             _result(
-                f"W9 many workers x{row['workers']}",
+                f"W9 many workers x{row['workers']} ({mode} streams)",
                 f"{row['attempts_per_task']:.2f} claim attempts/task; mongod "
                 f"{row['cpu_ms_per_task']:.3f} ms CPU/task ({ratio:.2f}x of 1 worker); "
-                f"idle: {row['idle_cpu_pct_per_worker']:.2f} % CPU and "
-                f"{row['idle_getmores_per_worker_s']:.1f} getMore/s per worker; "
-                f"{row['getmores_per_task']:.1f} getMore/task; "
+                f"{row['streams']} change streams; idle: "
+                f"{row['idle_cpu_pct_per_worker']:.2f} % CPU and "
+                f"{row['idle_getmores_per_worker_s']:.2f} getMore/s per worker; "
+                f"{row['getmores_per_task']:.2f} getMore/task; "
                 f"publish→start p50 {row['start_p50_ms']:.1f} ms",
                 "≤ 1.5 attempts/task; CPU/task ≤ 1.5x of 1 worker",
                 row["attempts_per_task"] <= 1.5 and ratio <= 1.5,
-                f"{row['workers']} processes x concurrency 4, own mongod, "
-                f"{row['tasks']:,} tasks at {rate}/s",
+                f"{row['workers']} processes x concurrency 4, --stream {mode}, own mongod, "
+                f"{row['tasks']:,} tasks at {rate}/s, load average up to {row['load_avg']:.0f}",
                 {k: float(v) for k, v in row.items()},
             )
         )
 
 
-def worker_process(uri: str, database: str, concurrency: int) -> int:
+def worker_process(uri: str, database: str, concurrency: int, stream: str = "shared") -> int:
     """One W9 worker: runs until SIGTERM, then prints its claim counters as JSON."""
     from bench.app import registry
     from mtask.worker import Worker
 
-    worker = Worker(registry, uri=uri, database=database, names=["stamp"], concurrency=concurrency)
+    worker = Worker(
+        registry,
+        uri=uri,
+        database=database,
+        names=["stamp"],
+        concurrency=concurrency,
+        stream="own" if stream == "own" else "shared",
+    )
 
     async def main() -> None:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.stop)
@@ -278,7 +321,14 @@ def worker_process(uri: str, database: str, concurrency: int) -> int:
     stats = worker.stats
     with contextlib.suppress(BrokenPipeError):  # the bench gave up on us
         print(
-            json.dumps({"claim_attempts": stats.claim_attempts, "claimed": stats.claimed}),
+            json.dumps(
+                {
+                    "claim_attempts": stats.claim_attempts,
+                    "claimed": stats.claimed,
+                    "rescans": worker.watcher.rescans,
+                    "dropped": getattr(getattr(worker.stream, "relay", None), "dropped", 0),
+                }
+            ),
             flush=True,
         )
     return 0
@@ -325,5 +375,5 @@ def backlog_memory(bench: Bench) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        sys.exit(worker_process(sys.argv[2], sys.argv[3], int(sys.argv[4])))
-    sys.exit("usage: python -m bench.scale --worker URI DATABASE CONCURRENCY")
+        sys.exit(worker_process(sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:6]))
+    sys.exit("usage: python -m bench.scale --worker URI DATABASE CONCURRENCY [own|shared]")

@@ -104,6 +104,13 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         help="also export the cluster-wide gauges (queue depth, due tasks): in ONE process "
         "per cluster, and only if mtask serve does not (it exports them)",
     )
+    p.add_argument(
+        "--stream",
+        choices=["own", "shared"],
+        default="own",
+        help="own (default): this worker's own change stream; shared: one stream per host, "
+        "shared by the worker processes on it",
+    )
     # -- handler isolation (issue 18) --
     p.add_argument(
         "--pool",
@@ -204,6 +211,7 @@ def run_worker(args: argparse.Namespace) -> int:
             sweep_interval=args.sweep_interval,
             startup_timeout=args.startup_timeout,
             run_schedules=not args.no_schedules,
+            stream=args.stream,
             pool=args.pool,
             max_tasks_per_child=args.max_tasks_per_child,
             max_memory_per_child=(

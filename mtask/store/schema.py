@@ -330,3 +330,11 @@ def collection_init(name: str, validator: bool | None = None) -> Op[Doc]:
     batch = info.get("cursor", {}).get("firstBatch", [])
     options: Doc = batch[0].get("options", {}) if batch else {}
     return options
+
+
+def collection_uuid(name: str) -> Op[Any]:
+    """The tasks collection's UUID (``None`` if it does not exist): what tells one collection
+    from another across clusters (the shared change stream's endpoint is named after it)."""
+    info = yield Call("command", ("listCollections",), {"filter": {"name": name}})
+    batch = info.get("cursor", {}).get("firstBatch", [])
+    return batch[0].get("info", {}).get("uuid") if batch else None

@@ -51,7 +51,8 @@ from mtask.worker.presence import Assignment, Presence, WorkerState
 from mtask.worker.recorder import OutcomeRecorder
 from mtask.worker.scheduler import Scheduler
 from mtask.worker.service import Service
-from mtask.worker.watcher import Sweep, Watcher
+from mtask.worker.stream_relay import SharedStream
+from mtask.worker.watcher import OwnStream, Sweep, Watcher
 
 __all__ = ["Worker", "WorkerConfig", "WorkerCrashed", "WorkerState", "WorkerStats"]
 
@@ -107,6 +108,7 @@ class Worker:
         self.assignment = Assignment(tuple(self.names))
         self.scheduler = Scheduler(self.driver, self.clock, list(self.registry.schedules.values()))
         controls_changed = asyncio.Event()
+        self.stream = SharedStream() if config.stream == "shared" else OwnStream()
         self.watcher = Watcher(
             self.driver,
             worker_id=self.worker_id,
@@ -120,6 +122,7 @@ class Worker:
             sweep_interval=config.sweep_interval,
             stagger_ms=config.stagger_ms,
             assignment=self.assignment,
+            source=self.stream,
         )
         self.gate = LimitGate(self.driver, self.worker_id, self.clock, self.watcher)
         self.presence = Presence(

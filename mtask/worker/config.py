@@ -37,6 +37,9 @@ class WorkerConfig:
     run_schedules: bool = True
     startup_timeout: float = 60.0
     heartbeat_interval: float = 2.0
+    stream: Literal["own", "shared"] = "own"
+    """``own``: this worker's own change stream; ``shared``: one stream per host, shared by
+    the worker processes on it (``stream_relay``; docs/design.md, "Many workers")."""
     stagger_ms: float = 25.0
     queue_size: int = 10_000
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
@@ -55,6 +58,8 @@ class WorkerConfig:
             raise ConfigError("must be at least 1", field="concurrency")
         if self.grace < 0:
             raise ConfigError("must not be negative", field="grace")
+        if self.stream not in ("own", "shared"):
+            raise ConfigError("must be own or shared", field="stream")
         if self.pool not in ("thread", "process"):
             raise ConfigError("must be thread or process", field="pool")
         chosen = list(self.names) if self.names else registry.names

@@ -119,12 +119,13 @@ def kill_change_streams(mongo: MongoClient[dict[str, Any]], db: str) -> int:
     return killed
 
 
+@pytest.mark.parametrize("stream", ["own", "shared"])
 async def test_change_stream_cursors_killed(
-    cluster: Cluster, client: TaskClient, mongo: Any, db_name: str, size: Size
+    cluster: Cluster, client: TaskClient, mongo: Any, db_name: str, size: Size, stream: str
 ) -> None:
     rng = random.Random(5)
     for name in ("a", "b"):
-        cluster.spawn(name, "--concurrency", "8", "--sweep-interval", "2")
+        cluster.spawn(name, "--concurrency", "8", "--sweep-interval", "2", "--stream", stream)
     await _until_workers(client, 2)
     items = work_items(size.tasks // 3, seed=4, worker_timeout_ms=3000, ping_interval_ms=300)
     kills = 0
@@ -145,13 +146,25 @@ async def test_change_stream_cursors_killed(
     # Rode it out: a reopened stream's rescan that met the sweep's once stopped a worker.
     assert all(proc.poll() is None for proc in cluster.procs.values())
 
-    # Both workers' streams are open again: pymongo resumes a killed idle cursor by itself,
-    # the watcher reopens a stream whose waiting getMore was killed (and logs it). Which of
-    # the two a kill meets depends on timing, so no particular log line is required.
+    # Both workers' streams (own) or the host's one (shared) are open again: pymongo resumes
+    # a killed idle cursor by itself, the watcher (or the relay) reopens a stream whose waiting
+    # getMore was killed (and logs it). Which of the two a kill meets depends on timing, so no
+    # particular log line is required.
     def open_streams() -> set[Any]:
         return {op.get("cursor", {}).get("cursorId") for op in change_streams(mongo, db_name)}
 
-    await wait_for(lambda: len(open_streams() - {None}) >= 2)
+    await wait_for(lambda: len(open_streams() - {None}) >= (2 if stream == "own" else 1))
+    # and each worker still runs new tasks: one only it may run
+    for name in ("a", "b"):  # (concurrency 1: a task of concurrency 2 needs two workers)
+        client.publish("work", f"after-{name}", {"ms": 50}, options={"specific_worker_ids": [name]})
+    try:
+        await until_finished(client, len(items) + 2, timeout=60)
+    except AssertionError:
+        for doc in client.collection.find({"_id": {"$in": ["after-a", "after-b"]}}):
+            print("OPEN", doc)
+        for name in ("a", "b"):
+            print(name, cluster.procs[name].poll(), cluster.log_of(name)[-3000:])
+        raise
 
 
 async def _until_workers(client: TaskClient, count: int) -> None:

@@ -1,0 +1,154 @@
+"""Worker processes on one host share one change stream (``--stream shared``):
+one server-side stream for all of them, every task run once, the relay killed with SIGKILL
+and taken over by another process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from harness import wait_for
+from pymongo import MongoClient
+
+from mtask import TaskClient, driver, store
+from mtask.worker.stream_relay import endpoint
+
+TESTS = Path(__file__).parents[1]
+sys.path.insert(0, str(TESTS / "chaos"))
+from test_servers import change_streams  # noqa: E402
+
+Mongo = MongoClient[dict[str, Any]]
+
+
+def spawn(uri: str, db: str, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "mtask", "worker", "run", "workerapp:registry", "--uri", uri,
+         "--database", db, "--log-level", "WARNING", "--concurrency", "4", *extra],
+        cwd=TESTS,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+    )  # fmt: skip
+
+
+def stop(procs: list[subprocess.Popen[str]]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
+def relay_pid(mongo: Mongo, db: str) -> int | None:
+    """The pid of the process holding the host's stream for ``db`` (from the socket's peer)."""
+    uuid = driver.SyncDriver(driver.collections(mongo[db])).run(store.collection_uuid("tasks"))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.connect(endpoint(db, "tasks", uuid))
+        except ConnectionRefusedError:
+            return None
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return int(struct.unpack("3i", creds)[0])
+
+
+def live_streams(mongo: Mongo, db: str) -> set[int]:
+    """The change streams on ``db`` someone still reads (a getMore in the last two seconds;
+    a live one waits 0.5 s at most), not those a killed process left behind."""
+    now = mongo.admin.command("hello")["localTime"].replace(tzinfo=None)
+    return {
+        op["cursor"]["cursorId"]
+        for op in change_streams(mongo, db)
+        if "cursor" in op
+        and (
+            op.get("type") == "op"
+            or (now - op["cursor"]["lastAccessDate"].replace(tzinfo=None)).total_seconds() < 2
+        )
+    }
+
+
+def publish(client: TaskClient, prefix: str, count: int, **options: Any) -> list[str]:
+    keys = [f"{prefix}{i:03}" for i in range(count)]
+    client.publish_many(
+        [{"name": "echo", "key": k, "params": {"k": k}, "options": options} for k in keys]
+    )
+    return keys
+
+
+def finished(client: TaskClient, keys: list[str]) -> bool:
+    return client.collection.count_documents({"_id": {"$in": keys}, "status": "succeeded"}) == len(
+        keys
+    )
+
+
+def runs_per_task(client: TaskClient, keys: list[str]) -> Counter[str]:
+    docs = client.collection.find({"_id": {"$in": keys}}, {"runs.run_id": 1})
+    return Counter({doc["_id"]: len(doc.get("runs", [])) for doc in docs})
+
+
+async def test_worker_processes_share_one_stream_and_take_over_a_killed_relay(
+    mongo_uri: str, mongo: Mongo, db_name: str, client: TaskClient
+) -> None:
+    lease = {"worker_timeout_ms": 2000, "ping_interval_ms": 300}
+    procs = [
+        spawn(mongo_uri, db_name, "--worker-id", f"w{i}", "--stream", "shared") for i in range(4)
+    ]
+    try:
+        await wait_for(lambda: len(client.workers()) == 4, timeout=60)
+        first = await wait_for(lambda: relay_pid(mongo, db_name), timeout=30)
+        assert first in {p.pid for p in procs}
+        await wait_for(lambda: len(change_streams(mongo, db_name)) == 1)
+        assert len(live_streams(mongo, db_name)) == 1
+
+        # every task once, run by several processes, found by the shared stream's events
+        before = publish(client, "a", 60, **lease)
+        await wait_for(lambda: finished(client, before), timeout=60)
+        assert set(runs_per_task(client, before).values()) == {1}
+        workers = {d["result"]["worker"] for d in client.collection.find({"_id": {"$in": before}})}
+        assert len(workers) >= 2
+        assert len(change_streams(mongo, db_name)) == 1  # not one per process
+
+        # kill -9 the relay while tasks come: another process takes the stream over
+        during = publish(client, "b", 30, **lease)
+        victim = next(p for p in procs if p.pid == first)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=10)
+        more = publish(client, "c", 30, **lease)
+        second = await wait_for(lambda: relay_pid(mongo, db_name), timeout=30)
+        assert second != first and second in {p.pid for p in procs if p.poll() is None}
+        after = publish(client, "d", 60, **lease)
+        await wait_for(lambda: finished(client, during + more + after), timeout=90)
+        assert set(runs_per_task(client, after).values()) == {1}  # once, after the takeover
+        # tasks the victim held were taken over when its lease expired: none stranded
+        assert client.collection.count_documents({"status": {"$ne": "succeeded"}}) == 0
+        # the victim's cursor stays on the server, idle, until its timeout (as with own streams)
+        await wait_for(lambda: len(live_streams(mongo, db_name)) == 1, timeout=30)
+        assert all(p.poll() is None for p in procs if p is not victim)
+    finally:
+        await asyncio.to_thread(stop, procs)
+
+
+async def test_own_streams_when_asked(
+    mongo_uri: str, mongo: Mongo, db_name: str, client: TaskClient
+) -> None:
+    procs = [spawn(mongo_uri, db_name, "--stream", "own") for _ in range(2)]
+    try:
+        await wait_for(lambda: len(client.workers()) == 2, timeout=60)
+        await wait_for(lambda: len(change_streams(mongo, db_name)) == 2)
+        assert relay_pid(mongo, db_name) is None
+        keys = publish(client, "o", 20)
+        await wait_for(lambda: finished(client, keys), timeout=60)
+        assert set(runs_per_task(client, keys).values()) == {1}
+    finally:
+        await asyncio.to_thread(stop, procs)
