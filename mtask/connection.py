@@ -11,12 +11,15 @@ import datetime as dt
 import os
 from typing import Any
 
+from bson.codec_options import CodecOptions
 from pymongo import AsyncMongoClient, MongoClient
 from pymongo.errors import ConfigurationError, InvalidURI
 
 from mtask.errors import StorageError
 
 ENV_URI = "MTASK_MONGODB_URI"
+CODEC_OPTIONS: CodecOptions[dict[str, Any]] = CodecOptions(tz_aware=True, tzinfo=dt.UTC)
+"""How mtask decodes BSON: timezone-aware UTC datetimes (the drivers and the stream relay)."""
 CLIENT_OPTIONS: dict[str, Any] = {
     "tz_aware": True,
     "tzinfo": dt.UTC,
