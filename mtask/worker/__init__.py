@@ -51,8 +51,9 @@ from mtask.worker.presence import Assignment, Presence, WorkerState
 from mtask.worker.recorder import OutcomeRecorder
 from mtask.worker.scheduler import Scheduler
 from mtask.worker.service import Service
+from mtask.worker.stream import OwnStream
 from mtask.worker.stream_relay import SharedStream
-from mtask.worker.watcher import OwnStream, Sweep, Watcher
+from mtask.worker.watcher import Sweep, Watcher
 
 __all__ = ["Worker", "WorkerConfig", "WorkerCrashed", "WorkerState", "WorkerStats"]
 

@@ -12,14 +12,14 @@ it is (BSON is length-prefixed), to every subscribed worker on the host, itself 
   a subscriber gets), so one that (re)connects misses nothing, as an own stream's reopen.
 - The relay's stream leaves out nobody's writes at the server (``stream_pipeline(tasks,
   None)``) and keeps the last-write tag: each subscriber drops its own claims and successes
-  (``watcher.own_write``), as its own stream's ``$match`` would have. While the relay's worker
+  (``stream.own_write``), as its own stream's ``$match`` would have. While the relay's worker
   is its only subscriber, it uses the own pipeline (the server leaves out its writes, as
   before) and switches, resuming after the last event, when another subscriber comes or goes.
 - A slow subscriber never blocks the relay: writes are buffered per subscriber up to
   ``SUBSCRIBER_BUFFER`` bytes; past that the subscriber is dropped, reconnects and rescans.
 - If the relay dies (kill -9 included: the kernel closes its sockets), its subscribers see the
   end of their connection and race to bind; the kernel lets exactly one win, the others
-  connect to it. The relay's resume-token handling is the own stream's (``watcher.follow``).
+  connect to it. The relay's resume-token handling is the own stream's (``stream.follow``).
 - Peers are checked (``SO_PEERCRED``): only processes of the same user are served or trusted.
   Where the endpoint cannot be used (not Linux, another user's relay, an unexpected socket
   error) the worker falls back to its own stream.
@@ -48,7 +48,8 @@ from pymongo.errors import PyMongoError
 from mtask import store
 from mtask.connection import CODEC_OPTIONS
 from mtask.errors import StorageError
-from mtask.worker.watcher import OwnStream, Reopen, Watcher, follow, own_write, stream_pipeline
+from mtask.worker.stream import OwnStream, Reopen, follow, own_write, stream_pipeline
+from mtask.worker.watcher import Watcher
 
 log = logging.getLogger(__name__)
 

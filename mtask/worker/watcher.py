@@ -1,6 +1,7 @@
 """Finding work: a change stream, a scan, and a periodic sweep.
 
-The stream is opened before the first scan, so nothing slips between them. Events move tasks
+The stream (``stream.py``: the worker's own, or the host's shared one, ``stream_relay.py``)
+is opened before the first scan, so nothing slips between them. Events move tasks
 in the claim queue; they are hints, the claim decides. The stream's resume token is kept and
 the stream resumed after errors; when history is lost (or any error leaves a possible gap) the
 watcher scans again. A sweep rescans every ``sweep_interval`` seconds whatever happens, so a
@@ -19,10 +20,8 @@ import contextlib
 import datetime as dt
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, ClassVar, NamedTuple, Protocol
-
-from pymongo.errors import OperationFailure, PyMongoError
 
 from mtask import driver, store
 from mtask.clock import Clock
@@ -30,11 +29,10 @@ from mtask.errors import StorageError
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.presence import Assignment
 from mtask.worker.service import PeriodicService, event_or_timeout
+from mtask.worker.stream import ChangeSource, OwnStream
 
 log = logging.getLogger(__name__)
 
-# Change stream errors after which resuming is impossible: start afresh and rescan.
-FATAL_STREAM_CODES = {260, 280, 286}  # InvalidResumeToken, ChangeStreamFatalError, HistoryLost
 STRANDED_OPEN_EVERY = 10
 """Every this many rescans (and the first), the sweep also reads every open document for those
 no claim can reach (``store.complete.STRANDED_OPEN``); the cheap part runs on every rescan."""
@@ -50,59 +48,6 @@ def rendezvous_rank(key: str, worker_id: str, peers: Collection[str]) -> int:
 
     mine = weight(worker_id)
     return sum(1 for peer in peers if peer != worker_id and weight(peer) < mine)
-
-
-def stream_pipeline(tasks: str, worker_id: str | None) -> list[dict[str, Any]]:
-    """The worker's change stream: task inserts, deletes and changes of ``next_claim_at``
-    (except the worker's own claims and successes), and the controls, limits and schedules.
-
-    With ``worker_id=None``, the shared stream of a host (``stream_relay``): nobody's writes are
-    left out at the server, and the last-write tag is kept so that each subscriber drops its
-    own claims and successes (``own_write``), as the server would have."""
-    changed: dict[str, Any] = {
-        "operationType": "update",
-        "updateDescription.updatedFields.next_claim_at": {"$exists": True},
-    }
-    if worker_id is not None:
-        # The worker knows what it wrote. The server applies this to the oplog entries,
-        # before it builds an event.
-        changed[f"updateDescription.updatedFields.{store.LAST_WRITE}"] = {
-            "$nin": own_tags(worker_id)
-        }
-    task_events = {
-        "ns.coll": tasks,
-        "$or": [{"operationType": {"$in": ["insert", "replace", "delete"]}}, changed],
-    }
-    projection: dict[str, Any] = {
-        "operationType": 1,
-        "documentKey": 1,
-        "ns": 1,
-        "updateDescription.updatedFields.next_claim_at": 1,
-        **{f"fullDocument.{f}": 1 for f in ("_id", *store.PLACEMENT_FIELDS)},
-    }
-    if worker_id is None:
-        projection[f"updateDescription.updatedFields.{store.LAST_WRITE}"] = 1
-    return [
-        {
-            "$match": {
-                "$or": [task_events, {"ns.coll": {"$in": ["controls", "limits", "schedules"]}}]
-            }
-        },
-        {"$project": projection},
-    ]
-
-
-def own_tags(worker_id: str) -> list[str]:
-    return [store.claim_tag(worker_id), store.success_tag(worker_id)]
-
-
-def own_write(change: Mapping[str, Any], worker_id: str) -> bool:
-    """True for an event the own stream's ``$match`` would have left out: an update that
-    carries this worker's claim or success tag (a shared stream keeps them for the others)."""
-    if change.get("operationType") != "update":
-        return False
-    fields = change.get("updateDescription", {}).get("updatedFields", {})
-    return fields.get(store.LAST_WRITE) in own_tags(worker_id)
 
 
 class TaskMeta(NamedTuple):
@@ -425,96 +370,6 @@ class Watcher:
     async def run_stream(self) -> None:
         """Follow the source of change events (``OwnStream`` unless one was given)."""
         await self.source.run(self)
-
-
-class ChangeSource(Protocol):
-    """Where a watcher's change events come from: its own change stream (``OwnStream``) or
-    the host's shared one (``stream_relay.SharedStream``). ``run`` calls ``watcher.opened()``
-    each time the stream (re)opens, ``watcher.on_change`` for each event and
-    ``watcher.settle()`` after it; it runs until cancelled."""
-
-    async def run(self, watcher: Watcher) -> None: ...
-
-
-class Reopen(Exception):
-    """Raised by a ``follow`` callback: reopen the stream after the last event (resume)."""
-
-
-async def follow(
-    database: Any,
-    pipeline: Callable[[], list[dict[str, Any]]],
-    *,
-    opened: Callable[[], Awaitable[None]],
-    changed: Callable[[Mapping[str, Any] | None], Awaitable[None]],
-    restarted: Callable[[], None] = lambda: None,
-) -> None:
-    """Follow a change stream on ``database`` forever, resuming it after errors; ``opened``
-    after each (re)open, except one asked for by ``Reopen`` (it resumes where it was: no gap),
-    ``changed`` after each wait (``None``: no event came)."""
-    token: Mapping[str, Any] | None = None
-    backoff = 0.1
-    switched = False
-    while True:
-        try:
-            stream = await database.watch(pipeline(), resume_after=token, max_await_time_ms=500)
-            async with stream:
-                if not switched:
-                    await opened()  # after the stream is open: nothing slips between
-                switched = False
-                backoff = 0.1
-                # A closed stream (invalidated: the database or collection was dropped)
-                # answers try_next with None at once: reopen it rather than spin.
-                while stream.alive:
-                    change = await stream.try_next()
-                    token = stream.resume_token
-                    if change is not None and change.get("operationType") == "invalidate":
-                        token = None  # nothing to resume after: reopen afresh and rescan
-                        break
-                    await changed(change)
-            log.warning("change stream closed (was the collection dropped?); reopening")
-        except Reopen:
-            switched = True
-            continue  # at once, after the last event seen
-        except OperationFailure as exc:
-            switched = False
-            if exc.code in FATAL_STREAM_CODES:
-                log.warning("change stream history lost (%s); rescanning", exc.code)
-                token = None
-            else:
-                log.warning("change stream failed, resuming: %s", exc)
-        except (PyMongoError, StorageError) as exc:
-            switched = False
-            log.warning("change stream interrupted, resuming: %s", exc)
-        restarted()
-        await asyncio.sleep(backoff)
-        backoff = min(backoff * 2, 5.0)
-
-
-class OwnStream:
-    """The watcher's own change stream (``--stream own``)."""
-
-    async def run(self, watcher: Watcher) -> None:
-        collection = watcher.driver.collections["tasks"]
-
-        async def changed(change: Mapping[str, Any] | None) -> None:
-            if change is not None:
-                watcher.on_change(change)
-                # let a woken worker loop send its claim before this task
-                # spends its turn sending the next getMore (W2 latency)
-                await asyncio.sleep(0)
-            await watcher.settle()
-
-        def restarted() -> None:
-            watcher.stream_restarts += 1
-
-        # One stream on the database: the tasks collection and the pause/resume controls.
-        await follow(
-            collection.database,
-            lambda: stream_pipeline(collection.name, watcher.worker_id),
-            opened=watcher.opened,
-            changed=changed,
-            restarted=restarted,
-        )
 
 
 def due_by(doc: Mapping[str, Any], when: dt.datetime | None) -> bool:

@@ -24,7 +24,7 @@ from mtask.driver import AsyncDriver, Op, T, collections
 from mtask.models import MAX_RUNS_KEPT
 from mtask.store import Outcome, RunState, claim, extend_lease, finish, finish_many, scan
 from mtask.store.outcomes import _groups
-from mtask.worker.watcher import stream_pipeline
+from mtask.worker.stream import stream_pipeline
 
 
 @pytest.fixture(params=["sync", "async"])

@@ -11,8 +11,8 @@ import bson
 import pytest
 
 from mtask import store
+from mtask.worker.stream import own_write, stream_pipeline
 from mtask.worker.stream_relay import Local, Relay, _Socket, decode, endpoint, frame, read_frame
-from mtask.worker.watcher import own_write, stream_pipeline
 
 WHEN = dt.datetime(2026, 11, 23, 12, 0, tzinfo=dt.UTC)
 
