@@ -174,6 +174,7 @@ class Worker:
                 max_memory_per_child=config.max_memory_per_child,
             )
         outcomes.pool, outcomes.isolation = self.process_pool, config.pool
+        outcomes.slots = asyncio.Semaphore(self.concurrency)  # prefetched runs wait here
         self.executor = Executor(
             registry=self.registry,
             worker_id=self.worker_id,
@@ -190,7 +191,7 @@ class Worker:
             self.driver,
             self.clock,
             worker_id=self.worker_id,
-            concurrency=self.concurrency,
+            concurrency=self.concurrency + config.prefetch,
             queue=self.queue,
             inflight=self.inflight,
             assignment=self.assignment,
