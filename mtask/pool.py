@@ -188,6 +188,8 @@ class Child:
     cancelled: Any
     tasks: int = 0
     busy_since: float | None = field(default=None)
+    rss: int | None = None
+    """Resident bytes the child reported after its last run."""
 
 
 class ProcessPool:
@@ -218,6 +220,7 @@ class ProcessPool:
         self.recycled = 0
         self.killed = 0
         self.died = 0
+        self.time_limit_kills = 0
         self.closed = False
 
     # -- public ---------------------------------------------------------------------------------
@@ -227,7 +230,8 @@ class ProcessPool:
         return [c.process.pid for c in self._children.values() if c.process.pid is not None]
 
     def state(self) -> dict[str, int]:
-        """Counts for metrics and the heartbeat: busy, idle, started, recycled, killed, died."""
+        """Counts for metrics and the heartbeat: busy, idle, started, recycled, killed, died,
+        time-limit kills."""
         return {
             "busy": len(self._busy),
             "idle": len(self._idle),
@@ -235,7 +239,30 @@ class ProcessPool:
             "recycled": self.recycled,
             "killed": self.killed,
             "died": self.died,
+            "time_limit_kills": self.time_limit_kills,
         }
+
+    def children(self, limit: int = 64) -> list[dict[str, Any]]:
+        """Each live child for the heartbeat: pid, ``busy``/``idle``, runs done, the resident
+        bytes it reported after its last run, and for how long its current run has run."""
+        now = time.monotonic()
+        out: list[dict[str, Any]] = []
+        for pid, child in sorted(self._children.items())[:limit]:
+            busy = id(child) in self._busy
+            out.append(
+                {
+                    "pid": pid,
+                    "state": "busy" if busy else "idle",
+                    "tasks": child.tasks,
+                    "rss": child.rss,
+                    "busy_for": (
+                        round(now - child.busy_since, 3)
+                        if busy and child.busy_since is not None
+                        else None
+                    ),
+                }
+            )
+        return out
 
     async def run(
         self,
@@ -305,17 +332,23 @@ class ProcessPool:
         child.cancelled.clear()
         child.busy_since = time.monotonic()
         self._busy.add(id(child))
-        metrics.POOL_CHILDREN.labels(state="busy").set(len(self._busy))
+        self._gauges()
 
     def _mark_idle(self, child: Child) -> None:
         child.busy_since = None
         self._busy.discard(id(child))
-        metrics.POOL_CHILDREN.labels(state="busy").set(len(self._busy))
+        self._gauges()
+
+    def _gauges(self) -> None:
+        busy = len(self._busy)
+        metrics.POOL_CHILDREN.labels(state="busy").set(busy)
+        metrics.POOL_CHILDREN.labels(state="idle").set(max(0, len(self._children) - busy))
 
     def _forget(self, child: Child) -> None:
         self._mark_idle(child)
         if child.process.pid is not None:
             self._children.pop(child.process.pid, None)
+        self._gauges()
         for conn in (child.conn, child.alive):
             with contextlib.suppress(OSError):
                 conn.close()
@@ -358,6 +391,7 @@ class ProcessPool:
                     break
                 now = loop.time()
                 if hard_timeout is not None and now >= start + hard_timeout:
+                    self.time_limit_kills += 1  # run() kills the child
                     raise TimeLimitExceeded(f"time limit exceeded ({hard_timeout:g} s)")
                 if not soft_sent and (
                     (soft_timeout is not None and now >= start + soft_timeout)
@@ -384,6 +418,7 @@ class ProcessPool:
             raise ChildDied(f"handler process died: {reason}")
         kind, rss, *rest = reply
         child.tasks += 1
+        child.rss = rss
         self._mark_idle(child)
         recycle = kind == "memory" or (
             self.max_tasks_per_child is not None and child.tasks >= self.max_tasks_per_child
@@ -412,6 +447,7 @@ class ProcessPool:
             child.conn.send(None)
         if child.process.pid is not None:
             self._children.pop(child.process.pid, None)
+        self._gauges()
 
         def reap() -> None:
             child.process.join(self.term_grace + 5)

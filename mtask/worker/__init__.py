@@ -175,6 +175,7 @@ class Worker:
             )
         outcomes.pool, outcomes.isolation = self.process_pool, config.pool
         outcomes.slots = asyncio.Semaphore(self.concurrency)  # prefetched runs wait here
+        self.presence.pool = self.process_pool
         self.executor = Executor(
             registry=self.registry,
             worker_id=self.worker_id,
