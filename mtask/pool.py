@@ -203,6 +203,7 @@ class ProcessPool:
         memory_limit: int | None = None,
         term_grace: float = 1.0,
         start_method: str = "forkserver",
+        preload: tuple[str, ...] = (),
     ) -> None:
         if start_method not in ("forkserver", "spawn"):
             raise MtaskError("the process pool starts children with forkserver or spawn")
@@ -212,7 +213,9 @@ class ProcessPool:
         self.term_grace = term_grace
         self._mp: Any = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
-            self._mp.set_forkserver_preload(["mtask.registry"])  # children start warm
+            # children start warm: the forkserver imports the handlers' modules once, and
+            # each child forked from it has them (a module that fails there is skipped)
+            self._mp.set_forkserver_preload(["mtask.registry", *preload])
         self._idle: list[Child] = []
         self._busy: set[int] = set()
         self._children: dict[int, Child] = {}
@@ -289,6 +292,14 @@ class ProcessPool:
             await self._kill(child)
             raise
         return self._settle(child, reply)
+
+    async def start(self, count: int) -> None:
+        """Start children until ``count`` are alive (a worker's boot, as Celery's prefork
+        pool does): the first runs do not wait for the forkserver and the imports."""
+        while len(self._children) < count and not self.closed:
+            child = await asyncio.to_thread(self._start_child)
+            self._idle.append(child)
+            self._gauges()
 
     async def close(self) -> None:
         """Retire idle children and kill busy ones; wait until every child is reaped."""

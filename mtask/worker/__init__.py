@@ -169,9 +169,11 @@ class Worker:
         if config.pool == "process" or any(
             self.registry[n].isolation == "process" for n in self.names
         ):
+            modules = {self.registry[n].fn.__module__ for n in self.names}
             self.process_pool = ProcessPool(
                 max_tasks_per_child=config.max_tasks_per_child,
                 max_memory_per_child=config.max_memory_per_child,
+                preload=tuple(sorted(modules - {"__main__"})),
             )
         outcomes.pool, outcomes.isolation = self.process_pool, config.pool
         outcomes.slots = asyncio.Semaphore(self.concurrency)  # prefetched runs wait here
@@ -242,6 +244,8 @@ class Worker:
         self.state = "running"
         try:
             await self._startup()
+            if self.process_pool is not None and self.config.pool == "process":
+                await self.process_pool.start(self.concurrency)  # warm, before the first claim
             self.pinger.start(asyncio.get_running_loop())
             self._supervise()
             self.emit(Event.STARTED, names=self.names, concurrency=self.concurrency)
