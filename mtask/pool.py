@@ -188,6 +188,8 @@ class Child:
     cancelled: Any
     tasks: int = 0
     busy_since: float | None = field(default=None)
+    rss: int | None = None
+    """Resident bytes the child reported after its last run."""
 
 
 class ProcessPool:
@@ -201,6 +203,7 @@ class ProcessPool:
         memory_limit: int | None = None,
         term_grace: float = 1.0,
         start_method: str = "forkserver",
+        preload: tuple[str, ...] = (),
     ) -> None:
         if start_method not in ("forkserver", "spawn"):
             raise MtaskError("the process pool starts children with forkserver or spawn")
@@ -210,7 +213,9 @@ class ProcessPool:
         self.term_grace = term_grace
         self._mp: Any = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
-            self._mp.set_forkserver_preload(["mtask.registry"])  # children start warm
+            # children start warm: the forkserver imports the handlers' modules once, and
+            # each child forked from it has them (a module that fails there is skipped)
+            self._mp.set_forkserver_preload(["mtask.registry", *preload])
         self._idle: list[Child] = []
         self._busy: set[int] = set()
         self._children: dict[int, Child] = {}
@@ -218,6 +223,7 @@ class ProcessPool:
         self.recycled = 0
         self.killed = 0
         self.died = 0
+        self.time_limit_kills = 0
         self.closed = False
 
     # -- public ---------------------------------------------------------------------------------
@@ -227,7 +233,8 @@ class ProcessPool:
         return [c.process.pid for c in self._children.values() if c.process.pid is not None]
 
     def state(self) -> dict[str, int]:
-        """Counts for metrics and the heartbeat: busy, idle, started, recycled, killed, died."""
+        """Counts for metrics and the heartbeat: busy, idle, started, recycled, killed, died,
+        time-limit kills."""
         return {
             "busy": len(self._busy),
             "idle": len(self._idle),
@@ -235,7 +242,30 @@ class ProcessPool:
             "recycled": self.recycled,
             "killed": self.killed,
             "died": self.died,
+            "time_limit_kills": self.time_limit_kills,
         }
+
+    def children(self, limit: int = 64) -> list[dict[str, Any]]:
+        """Each live child for the heartbeat: pid, ``busy``/``idle``, runs done, the resident
+        bytes it reported after its last run, and for how long its current run has run."""
+        now = time.monotonic()
+        out: list[dict[str, Any]] = []
+        for pid, child in sorted(self._children.items())[:limit]:
+            busy = id(child) in self._busy
+            out.append(
+                {
+                    "pid": pid,
+                    "state": "busy" if busy else "idle",
+                    "tasks": child.tasks,
+                    "rss": child.rss,
+                    "busy_for": (
+                        round(now - child.busy_since, 3)
+                        if busy and child.busy_since is not None
+                        else None
+                    ),
+                }
+            )
+        return out
 
     async def run(
         self,
@@ -262,6 +292,14 @@ class ProcessPool:
             await self._kill(child)
             raise
         return self._settle(child, reply)
+
+    async def start(self, count: int) -> None:
+        """Start children until ``count`` are alive (a worker's boot, as Celery's prefork
+        pool does): the first runs do not wait for the forkserver and the imports."""
+        while len(self._children) < count and not self.closed:
+            child = await asyncio.to_thread(self._start_child)
+            self._idle.append(child)
+            self._gauges()
 
     async def close(self) -> None:
         """Retire idle children and kill busy ones; wait until every child is reaped."""
@@ -305,17 +343,23 @@ class ProcessPool:
         child.cancelled.clear()
         child.busy_since = time.monotonic()
         self._busy.add(id(child))
-        metrics.POOL_CHILDREN.labels(state="busy").set(len(self._busy))
+        self._gauges()
 
     def _mark_idle(self, child: Child) -> None:
         child.busy_since = None
         self._busy.discard(id(child))
-        metrics.POOL_CHILDREN.labels(state="busy").set(len(self._busy))
+        self._gauges()
+
+    def _gauges(self) -> None:
+        busy = len(self._busy)
+        metrics.POOL_CHILDREN.labels(state="busy").set(busy)
+        metrics.POOL_CHILDREN.labels(state="idle").set(max(0, len(self._children) - busy))
 
     def _forget(self, child: Child) -> None:
         self._mark_idle(child)
         if child.process.pid is not None:
             self._children.pop(child.process.pid, None)
+        self._gauges()
         for conn in (child.conn, child.alive):
             with contextlib.suppress(OSError):
                 conn.close()
@@ -358,6 +402,7 @@ class ProcessPool:
                     break
                 now = loop.time()
                 if hard_timeout is not None and now >= start + hard_timeout:
+                    self.time_limit_kills += 1  # run() kills the child
                     raise TimeLimitExceeded(f"time limit exceeded ({hard_timeout:g} s)")
                 if not soft_sent and (
                     (soft_timeout is not None and now >= start + soft_timeout)
@@ -384,6 +429,7 @@ class ProcessPool:
             raise ChildDied(f"handler process died: {reason}")
         kind, rss, *rest = reply
         child.tasks += 1
+        child.rss = rss
         self._mark_idle(child)
         recycle = kind == "memory" or (
             self.max_tasks_per_child is not None and child.tasks >= self.max_tasks_per_child
@@ -412,6 +458,7 @@ class ProcessPool:
             child.conn.send(None)
         if child.process.pid is not None:
             self._children.pop(child.process.pid, None)
+        self._gauges()
 
         def reap() -> None:
             child.process.join(self.term_grace + 5)

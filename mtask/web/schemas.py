@@ -53,6 +53,32 @@ class RunningRun(BaseModel):
     run_id: str
 
 
+class PoolChildView(Open):
+    pid: int
+    state: str
+    """``busy`` or ``idle``."""
+    tasks: int = 0
+    """Runs this child has done."""
+    rss: int | None = None
+    """Resident bytes the child reported after its last run."""
+    busy_since: dt.datetime | None = None
+
+
+class PoolView(Open):
+    """A worker's process pool (issue 18): children started, recycled (max tasks or memory),
+    killed (time limit, cancel, lost lease, stop), died on their own, runs ended by their hard
+    time limit, and the live children."""
+
+    started: int = 0
+    recycled: int = 0
+    killed: int = 0
+    died: int = 0
+    time_limit_kills: int = 0
+    max_tasks_per_child: int | None = None
+    max_memory_per_child: int | None = None
+    children: list[PoolChildView] = Field(default_factory=list)
+
+
 class WorkerView(Open):
     id: str = Field(alias="_id")
     host: str | None = None
@@ -63,6 +89,9 @@ class WorkerView(Open):
     in_flight: int | None = None
     state: str | None = None
     running: list[RunningRun] = Field(default_factory=list)
+    waiting: int | None = None
+    """Runs claimed ahead (``--prefetch``) and waiting for a slot."""
+    pool: PoolView | None = None
     started_at: dt.datetime | None = None
     last_seen: dt.datetime | None = None
     stop_requested: bool = False

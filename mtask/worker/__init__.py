@@ -173,11 +173,15 @@ class Worker:
         if config.pool == "process" or any(
             self.registry[n].isolation == "process" for n in self.names
         ):
+            modules = {self.registry[n].fn.__module__ for n in self.names}
             self.process_pool = ProcessPool(
                 max_tasks_per_child=config.max_tasks_per_child,
                 max_memory_per_child=config.max_memory_per_child,
+                preload=tuple(sorted(modules - {"__main__"})),
             )
         outcomes.pool, outcomes.isolation = self.process_pool, config.pool
+        outcomes.slots = asyncio.Semaphore(self.concurrency)  # prefetched runs wait here
+        self.presence.pool = self.process_pool
         self.executor = Executor(
             registry=self.registry,
             worker_id=self.worker_id,
@@ -194,7 +198,7 @@ class Worker:
             self.driver,
             self.clock,
             worker_id=self.worker_id,
-            concurrency=self.concurrency,
+            concurrency=self.concurrency + config.prefetch,
             queue=self.queue,
             inflight=self.inflight,
             assignment=self.assignment,
@@ -244,6 +248,8 @@ class Worker:
         self.state = "running"
         try:
             await self._startup()
+            if self.process_pool is not None and self.config.pool == "process":
+                await self.process_pool.start(self.concurrency)  # warm, before the first claim
             self.pinger.start(asyncio.get_running_loop())
             self._supervise()
             self.emit(Event.STARTED, names=self.names, concurrency=self.concurrency)

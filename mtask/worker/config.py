@@ -28,6 +28,11 @@ class WorkerConfig:
     worker_id: str | None = None
     """``host:pid:random`` when not given."""
     concurrency: int = 10
+    """Handlers running at once."""
+    prefetch: int = 0
+    """Runs claimed beyond ``concurrency``, each waiting for a free slot (Celery's prefetch):
+    the next run is claimed while the slots are busy, so a slot that frees does not wait a
+    claim round trip. They hold leases (pinged) while they wait."""
     names: Sequence[str] | None = None
     """The names to run (all the registry's when not given)."""
     grace: float = 30.0
@@ -56,6 +61,8 @@ class WorkerConfig:
         """The names this worker runs; raises ``ConfigError`` for a bad configuration."""
         if self.concurrency < 1:
             raise ConfigError("must be at least 1", field="concurrency")
+        if self.prefetch < 0:
+            raise ConfigError("must not be negative", field="prefetch")
         if self.grace < 0:
             raise ConfigError("must not be negative", field="grace")
         if self.stream not in ("own", "shared"):

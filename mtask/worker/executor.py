@@ -91,23 +91,28 @@ class RunOutcomes:
         """Child processes for process-isolated plain-def handlers (issue 18)."""
         self.isolation: Literal["thread", "process"] = "thread"
         """The worker-wide default for plain-def handlers that do not declare one."""
+        self.slots = asyncio.Semaphore(1_000_000)
+        """Set by the worker (``concurrency``): a run waits here for a slot, which only a
+        prefetched run (``WorkerConfig.prefetch``) has to do."""
 
     async def call(self, run: ActiveRun, handler: Handler, doc: dict[str, Any]) -> Outcome:
         """Run the handler and say how the run ended (an exception is the task's failure)."""
         try:
             # the CONSUMER run span, child of the publisher's stored trace context (issue 14)
-            with run_span(doc, run.name, run.key, run.ctx.attempt):
-                if handler.transactional:
-                    params = handler.parse(doc.get("params") or {})
-                    return await self._transactional(run, handler, params, doc)
-                result = await invoke(
-                    handler,
-                    doc.get("params") or {},
-                    run.ctx,
-                    pool=self.pool,
-                    isolation=self.isolation,
-                    thread_name=f"mtask-run-{run.key}",
-                )
+            async with self.slots:
+                run.waiting = False
+                with run_span(doc, run.name, run.key, run.ctx.attempt):
+                    if handler.transactional:
+                        params = handler.parse(doc.get("params") or {})
+                        return await self._transactional(run, handler, params, doc)
+                    result = await invoke(
+                        handler,
+                        doc.get("params") or {},
+                        run.ctx,
+                        pool=self.pool,
+                        isolation=self.isolation,
+                        thread_name=f"mtask-run-{run.key}",
+                    )
             # issue 17: the retention the plain SUCCESS updates write
             return self.success(run, result, keep_ms(doc.get("options") or {}, "succeeded"))
         except Retry as exc:
@@ -431,6 +436,9 @@ class Executor:
     async def drain(self, grace: float, stop_now: asyncio.Event) -> None:
         """Wait up to ``grace`` seconds (or until ``stop_now``) for the runs in flight, then
         stop the rest for "shutdown" (they record RELEASED) and wait until they have ended."""
+        for run in self.inflight.active():
+            if run.waiting:  # claimed ahead and not started: give it back now (RELEASED)
+                self.stop(run, "shutdown")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         immediate = asyncio.create_task(stop_now.wait())

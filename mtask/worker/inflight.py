@@ -35,6 +35,8 @@ class ActiveRun:
     deadline: asyncio.TimerHandle | None = None
     """The timer of ``Executor.watch_deadline``; cancelled when the run ends (it holds the run)."""
     started: float = field(default_factory=time.monotonic)
+    waiting: bool = True
+    """Claimed ahead (prefetch) and waiting for a slot: its handler has not started."""
 
 
 class InFlight:

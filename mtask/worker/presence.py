@@ -28,6 +28,7 @@ from mtask._version import __version__
 from mtask.clock import Clock, ServerClock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
+from mtask.pool import ProcessPool
 from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import InFlight
 from mtask.worker.service import PeriodicService, event_or_timeout
@@ -113,6 +114,8 @@ class Presence(PeriodicService):
         self.controls_changed = controls_changed
         """Set by the watcher on a change of the controls: beat at once."""
         self.beats = 0
+        self.pool: ProcessPool | None = None
+        """The worker's process pool, whose children the heartbeat shows (issue 18)."""
 
     async def wait(self) -> None:
         await event_or_timeout(self.controls_changed, self.interval)
@@ -127,7 +130,7 @@ class Presence(PeriodicService):
     async def beat(self) -> None:
         """Write this worker's document; follow a remote stop, the paused names, the peers."""
         now = self.clock.now()
-        doc = await self.driver.run(control.heartbeat(self.document(), now))
+        doc = await self.driver.run(control.heartbeat(self.document(now), now))
         if doc.get("stop_requested") and self.lifecycle.state == "running":
             log.info("stop requested remotely", extra={"worker_id": self.worker_id})
             self.lifecycle.stop()
@@ -147,9 +150,9 @@ class Presence(PeriodicService):
             if resumed:
                 self.rescanner.request_rescan()  # resumed names: find their tasks
 
-    def document(self) -> dict[str, Any]:
+    def document(self, now: dt.datetime | None = None) -> dict[str, Any]:
         runs = list(self.inflight.runs.values())
-        return {
+        doc = {
             "_id": self.worker_id,
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -159,4 +162,26 @@ class Presence(PeriodicService):
             "in_flight": len(runs),
             "state": self.lifecycle.state,
             "running": [{"key": r.key, "run_id": r.run_id} for r in runs[:50]],
+            "waiting": sum(1 for r in runs if r.waiting),
         }
+        if self.pool is not None:
+            doc["pool"] = pool_document(self.pool, now or self.clock.now())
+        return doc
+
+
+def pool_document(pool: ProcessPool, now: dt.datetime) -> dict[str, Any]:
+    """The process pool in the heartbeat: its counts (children started, recycled, killed,
+    died; runs ended by their hard time limit) and each live child (pid, ``busy``/``idle``,
+    runs done, resident bytes after its last run, since when its current run runs)."""
+    children = []
+    for child in pool.children():
+        busy_for = child.pop("busy_for")
+        child["busy_since"] = None if busy_for is None else now - dt.timedelta(seconds=busy_for)
+        children.append(child)
+    counts = pool.state()
+    return {
+        **{k: counts[k] for k in ("started", "recycled", "killed", "died", "time_limit_kills")},
+        "max_tasks_per_child": pool.max_tasks_per_child,
+        "max_memory_per_child": pool.max_memory_per_child,
+        "children": children,
+    }

@@ -148,6 +148,16 @@ async def test_children_are_recycled_by_task_count_and_memory() -> None:
         await by_memory.close()
 
 
+async def test_children_started_ahead_take_the_first_runs(pool: ProcessPool) -> None:
+    await pool.start(2)
+    ahead = set(pool.pids)
+    assert len(ahead) == 2 and pool.state() | {"idle": 2, "busy": 0} == pool.state()
+    results = await asyncio.gather(run(pool, "pid"), run(pool, "pid"))
+    assert set(results) == ahead and pool.state()["started"] == 2
+    (child,) = [c for c in pool.children() if c["pid"] == results[0]]
+    assert child["state"] == "idle" and child["tasks"] == 1 and child["rss"] > 0
+
+
 async def test_other_runs_go_on_while_a_child_crashes(pool: ProcessPool) -> None:
     results = await asyncio.gather(
         run(pool, "burn", {"loops": 100_000}),
