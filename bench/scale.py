@@ -113,7 +113,7 @@ def stats_at_scale(bench: Bench) -> None:
             "≤ 2x and < 20 ms at the large size",
             b <= 2 * a and b < 20,
             "1,000 pending, the rest finished, 5 names; index-only counts (COUNT_SCAN), "
-            "see design.md, Stats",
+            "see docs/performance.md, Stats",
             {"small_ms": a, "large_ms": b, "small_open_ms": a_open, "large_open_ms": b_open},
         )
     )

@@ -202,7 +202,7 @@ def success_group_update(
 ) -> tuple[Doc, Doc | list[Doc]]:
     """``success_fast_update`` for many ``_groupable`` outcomes of one worker, as the filter and
     update of one ``update_many``: one write of many documents costs the server about half of
-    as many single-document writes in a bulk (design.md, Performance, finding 13).
+    as many single-document writes in a bulk (docs/performance.md, finding 13).
 
     The fence is the same: each task matches only while one of its runs is RUNNING with an id
     from the list, and a run id belongs to one task (``run_id_for``: a uuid4 batch id and the

@@ -44,7 +44,7 @@ class WorkerConfig:
     heartbeat_interval: float = 2.0
     stream: Literal["own", "shared"] = "own"
     """``own``: this worker's own change stream; ``shared``: one stream per host, shared by
-    the worker processes on it (``stream_relay``; docs/design.md, "Many workers")."""
+    the worker processes on it (``stream_relay``; docs/performance.md, "Many workers")."""
     stagger_ms: float = 25.0
     queue_size: int = 10_000
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
