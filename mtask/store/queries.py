@@ -33,7 +33,8 @@ def stats(statuses: Sequence[str] | None = None) -> Op[dict[str, dict[str, int]]
     """Counts per name and status, from the ``name_status_newest`` index alone: the names by a
     ``DISTINCT_SCAN``, then one ``COUNT_SCAN`` per name and status (no document is read, no
     collection is scanned). Each count walks the index keys it counts, so its cost grows with
-    the number of tasks kept (docs/performance.md, "Stats at scale": retention bounds it). With ``statuses``
+    the number of tasks kept (docs/performance.md, "Stats at scale": retention bounds it).
+    With ``statuses``
     (e.g. ``statemachine.OPEN``), only those are counted: open tasks cost what the backlog
     costs, however many finished ones are kept."""
     names: list[Any] = yield stats_names()

@@ -1,6 +1,7 @@
 """The worker: claims tasks, runs their handlers, records outcomes.
 
-``Worker`` is a supervisor. It builds its parts once (``_build``), reaches MongoDB, starts the
+``Worker`` is a supervisor. Its parts are built once, in one place (``assembly.py``,
+``Assembly._build``); it reaches MongoDB, starts the
 lease pinger thread and its side services, runs the ``Claimer``'s main loop until it is told
 to stop, drains, and shuts down. The parts (see docs/design.md, "The worker package"):
 
@@ -9,7 +10,8 @@ to stop, drains, and shuts down. The parts (see docs/design.md, "The worker pack
 - ``InFlight`` (inflight.py): the runs in flight and the keys being claimed, the only state
   the claimer, executor and watcher share;
 - ``Presence`` (presence.py): heartbeat, pause/resume, remote stop, peers (``Assignment``);
-- ``Watcher`` + ``Sweep`` (watcher.py), ``ClaimQueue`` (claim_queue.py), ``LeasePinger`` +
+- ``Watcher`` + ``Sweep`` (watcher.py), fed by ``OwnStream`` (stream.py) or ``SharedStream``
+  (stream_relay.py), ``ClaimQueue`` (claim_queue.py), ``LeasePinger`` +
   ``LoopTicker`` (lease.py), ``OutcomeRecorder`` (recorder.py), ``LimitGate`` (limit_gate.py),
   ``Scheduler`` (scheduler.py), ``FlowSweep`` (flow_sweep.py).
 
@@ -31,29 +33,14 @@ from typing import Any
 from pymongo.errors import PyMongoError
 
 from mtask import control, driver, store
-from mtask.client import AsyncTaskClient
 from mtask.clock import Clock, ServerClock
-from mtask.connection import async_client, sync_client
 from mtask.errors import MtaskError, StorageError, WorkerCrashed
-from mtask.pool import ProcessPool
 from mtask.registry import Registry
-from mtask.transactional import Transactions
-from mtask.worker.claim_queue import ClaimQueue
-from mtask.worker.claimer import Claimer
+from mtask.worker.assembly import Assembly
 from mtask.worker.config import WorkerConfig, default_worker_id
-from mtask.worker.events import Emitter, Event
-from mtask.worker.executor import Executor, RunOutcomes, WorkerStats
-from mtask.worker.flow_sweep import FlowSweep
-from mtask.worker.inflight import InFlight
-from mtask.worker.lease import LeasePinger, LoopTicker
-from mtask.worker.limit_gate import LimitGate
-from mtask.worker.presence import Assignment, Presence, WorkerState
-from mtask.worker.recorder import OutcomeRecorder
-from mtask.worker.scheduler import Scheduler
-from mtask.worker.service import Service
-from mtask.worker.stream import OwnStream
-from mtask.worker.stream_relay import SharedStream
-from mtask.worker.watcher import Sweep, Watcher
+from mtask.worker.events import Event
+from mtask.worker.executor import WorkerStats
+from mtask.worker.presence import WorkerState
 
 __all__ = ["Worker", "WorkerConfig", "WorkerCrashed", "WorkerState", "WorkerStats"]
 
@@ -63,14 +50,7 @@ DRAIN_WRITE_TIMEOUT = 30.0
 """How long a stopping worker waits for its last outcomes to be written."""
 
 
-class _ChangeStream:
-    name = "stream"
-
-    def __init__(self, watcher: Watcher) -> None:
-        self.run = watcher.run_stream
-
-
-class Worker:
+class Worker(Assembly):
     """Run the handlers of ``registry``; the keyword arguments are ``WorkerConfig``'s."""
 
     def __init__(
@@ -94,132 +74,6 @@ class Worker:
         self._registered = False
         """The worker's document was written (startup reached MongoDB): deregister on exit."""
         self._build()
-
-    def _build(self) -> None:
-        """Every part, created together (clients connect on first use, inside ``run``)."""
-        config = self.config
-        self._aclient = async_client(config.uri, connect=False)
-        self._sclient = sync_client(config.uri, connect=False)
-        self._adb = self._aclient[config.database]
-        self.driver = driver.AsyncDriver(driver.collections(self._adb, config.collection))
-        self.emit = Emitter(config.on_event)
-        self.wake = asyncio.Event()
-        self.inflight = InFlight()
-        self.queue = ClaimQueue(config.queue_size)
-        self.assignment = Assignment(tuple(self.names))
-        self.scheduler = Scheduler(self.driver, self.clock, list(self.registry.schedules.values()))
-        controls_changed = asyncio.Event()
-        self.stream = SharedStream() if config.stream == "shared" else OwnStream()
-        self.watcher = Watcher(
-            self.driver,
-            worker_id=self.worker_id,
-            queue=self.queue,
-            clock=self.clock,
-            wake=self.wake.set,
-            in_flight=self.inflight.busy,
-            on_control=controls_changed.set,
-            on_limit=self._limit_changed,
-            on_schedule=self.scheduler.wake.set,
-            sweep_interval=config.sweep_interval,
-            stagger_ms=config.stagger_ms,
-            assignment=self.assignment,
-            source=self.stream,
-        )
-        self.gate = LimitGate(self.driver, self.worker_id, self.clock, self.watcher)
-        self.presence = Presence(
-            self.driver,
-            self.clock,
-            worker_id=self.worker_id,
-            concurrency=self.concurrency,
-            interval=config.heartbeat_interval,
-            inflight=self.inflight,
-            lifecycle=self,
-            emit=self.emit,
-            assignment=self.assignment,
-            rescanner=self.watcher,
-            controls_changed=controls_changed,
-            server_clock=self._server_clock,
-            database=self._adb,
-        )
-        self.recorder = OutcomeRecorder(
-            self.driver,
-            self.clock,
-            gate=self.gate,
-            sink=self.watcher,
-            inflight=self.inflight,
-            emit=self.emit,
-            wake=self.wake,
-        )
-        self.ticker = LoopTicker()
-        sdb = self._sclient[config.database]
-        self.pinger = LeasePinger(
-            driver.SyncDriver(driver.collections(sdb, config.collection)),
-            self.worker_id,
-            self.clock,
-            on_lost=self._lost,
-            loop_heartbeat=lambda: self.ticker.last,
-        )
-        self._publisher = AsyncTaskClient(
-            database=config.database,
-            collection=config.collection,
-            clock=self.clock,
-            mongo_client=self._aclient,
-        )
-        outcomes = RunOutcomes(
-            self.stats, self.emit, config.max_result_bytes, self._publisher.max_params_bytes
-        )
-        outcomes.transactions = Transactions(self._aclient, self.driver, self.clock)
-        self.process_pool: ProcessPool | None = None  # handler isolation (issue 18)
-        if config.pool == "process" or any(
-            self.registry[n].isolation == "process" for n in self.names
-        ):
-            modules = {self.registry[n].fn.__module__ for n in self.names}
-            self.process_pool = ProcessPool(
-                max_tasks_per_child=config.max_tasks_per_child,
-                max_memory_per_child=config.max_memory_per_child,
-                preload=tuple(sorted(modules - {"__main__"})),
-            )
-        outcomes.pool, outcomes.isolation = self.process_pool, config.pool
-        outcomes.slots = asyncio.Semaphore(self.concurrency)  # prefetched runs wait here
-        self.presence.pool = self.process_pool
-        self.executor = Executor(
-            registry=self.registry,
-            worker_id=self.worker_id,
-            publisher=self._publisher.publish,
-            inflight=self.inflight,
-            queue=self.queue,
-            pinger=self.pinger,
-            recorder=self.recorder,
-            outcomes=outcomes,
-            wake=self.wake,
-            emit=self.emit,
-        )
-        self.claimer = Claimer(
-            self.driver,
-            self.clock,
-            worker_id=self.worker_id,
-            concurrency=self.concurrency + config.prefetch,
-            queue=self.queue,
-            inflight=self.inflight,
-            assignment=self.assignment,
-            sink=self.watcher,
-            gate=self.gate,
-            recorder=self.recorder,
-            executor=self.executor,
-            stats=self.stats,
-            lifecycle=self,
-            wake=self.wake,
-        )
-        self.services: list[Service] = [
-            _ChangeStream(self.watcher),
-            Sweep(self.watcher),
-            self.presence,
-            self.recorder,
-            self.ticker,
-            self.gate,
-            FlowSweep(self.driver, self.clock, config.flow_sweep_interval),
-            *([self.scheduler] if config.run_schedules else []),
-        ]
 
     # -- the public surface ---------------------------------------------------------------------
 

@@ -1,0 +1,195 @@
+"""A worker's parts, made and wired together in one place (``Assembly._build``).
+
+``Worker`` (``mtask/worker/__init__.py``) is the supervisor: it runs, supervises and stops
+what this builds. Every part is created here, once, before ``run`` (the clients connect on
+first use, inside it), so no part is ever ``None`` and each gets what it needs by its
+constructor: the claim queue, the in-flight ledger, the watcher (as the ``QueueSink`` of the
+claimer, gate and recorder), the lease pinger, the outcome writer, the executor and the side
+services, in the order they depend on each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from mtask import driver
+from mtask.client import AsyncTaskClient
+from mtask.clock import Clock, ServerClock
+from mtask.connection import async_client, sync_client
+from mtask.pool import ProcessPool
+from mtask.registry import Registry
+from mtask.transactional import Transactions
+from mtask.worker.claim_queue import ClaimQueue
+from mtask.worker.claimer import Claimer
+from mtask.worker.config import WorkerConfig
+from mtask.worker.events import Emitter
+from mtask.worker.executor import Executor, RunOutcomes, WorkerStats
+from mtask.worker.flow_sweep import FlowSweep
+from mtask.worker.inflight import InFlight
+from mtask.worker.lease import LeasePinger, LoopTicker
+from mtask.worker.limit_gate import LimitGate
+from mtask.worker.presence import Assignment, Presence, WorkerState
+from mtask.worker.recorder import OutcomeRecorder
+from mtask.worker.scheduler import Scheduler
+from mtask.worker.service import Service
+from mtask.worker.stream import OwnStream
+from mtask.worker.stream_relay import SharedStream
+from mtask.worker.watcher import Sweep, Watcher
+
+
+class _ChangeStream:
+    name = "stream"
+
+    def __init__(self, watcher: Watcher) -> None:
+        self.run = watcher.run_stream
+
+
+class Assembly:
+    """The parts of a ``Worker`` and how they are wired (the worker supplies what they call
+    back: its state, ``stop``, and what to do on a changed limit or a lost lease)."""
+
+    config: WorkerConfig
+    registry: Registry
+    names: list[str]
+    worker_id: str
+    concurrency: int
+    clock: Clock
+    stats: WorkerStats
+    _server_clock: ServerClock | None
+    state: WorkerState
+
+    def stop(self, immediate: bool = False) -> None:
+        raise NotImplementedError
+
+    def _limit_changed(self, name: str) -> None:
+        raise NotImplementedError
+
+    def _lost(self, run_id: str, doc: dict[str, Any] | None) -> None:
+        raise NotImplementedError
+
+    def _build(self) -> None:
+        """Every part, created together (clients connect on first use, inside ``run``)."""
+        config = self.config
+        self._aclient = async_client(config.uri, connect=False)
+        self._sclient = sync_client(config.uri, connect=False)
+        self._adb = self._aclient[config.database]
+        self.driver = driver.AsyncDriver(driver.collections(self._adb, config.collection))
+        self.emit = Emitter(config.on_event)
+        self.wake = asyncio.Event()
+        self.inflight = InFlight()
+        self.queue = ClaimQueue(config.queue_size)
+        self.assignment = Assignment(tuple(self.names))
+        self.scheduler = Scheduler(self.driver, self.clock, list(self.registry.schedules.values()))
+        controls_changed = asyncio.Event()
+        self.stream = SharedStream() if config.stream == "shared" else OwnStream()
+        self.watcher = Watcher(
+            self.driver,
+            worker_id=self.worker_id,
+            queue=self.queue,
+            clock=self.clock,
+            wake=self.wake.set,
+            in_flight=self.inflight.busy,
+            on_control=controls_changed.set,
+            on_limit=self._limit_changed,
+            on_schedule=self.scheduler.wake.set,
+            sweep_interval=config.sweep_interval,
+            stagger_ms=config.stagger_ms,
+            assignment=self.assignment,
+            source=self.stream,
+        )
+        self.gate = LimitGate(self.driver, self.worker_id, self.clock, self.watcher)
+        self.presence = Presence(
+            self.driver,
+            self.clock,
+            worker_id=self.worker_id,
+            concurrency=self.concurrency,
+            interval=config.heartbeat_interval,
+            inflight=self.inflight,
+            lifecycle=self,
+            emit=self.emit,
+            assignment=self.assignment,
+            rescanner=self.watcher,
+            controls_changed=controls_changed,
+            server_clock=self._server_clock,
+            database=self._adb,
+        )
+        self.recorder = OutcomeRecorder(
+            self.driver,
+            self.clock,
+            gate=self.gate,
+            sink=self.watcher,
+            inflight=self.inflight,
+            emit=self.emit,
+            wake=self.wake,
+        )
+        self.ticker = LoopTicker()
+        sdb = self._sclient[config.database]
+        self.pinger = LeasePinger(
+            driver.SyncDriver(driver.collections(sdb, config.collection)),
+            self.worker_id,
+            self.clock,
+            on_lost=self._lost,
+            loop_heartbeat=lambda: self.ticker.last,
+        )
+        self._publisher = AsyncTaskClient(
+            database=config.database,
+            collection=config.collection,
+            clock=self.clock,
+            mongo_client=self._aclient,
+        )
+        outcomes = RunOutcomes(
+            self.stats, self.emit, config.max_result_bytes, self._publisher.max_params_bytes
+        )
+        outcomes.transactions = Transactions(self._aclient, self.driver, self.clock)
+        self.process_pool: ProcessPool | None = None  # handler isolation (issue 18)
+        if config.pool == "process" or any(
+            self.registry[n].isolation == "process" for n in self.names
+        ):
+            modules = {self.registry[n].fn.__module__ for n in self.names}
+            self.process_pool = ProcessPool(
+                max_tasks_per_child=config.max_tasks_per_child,
+                max_memory_per_child=config.max_memory_per_child,
+                preload=tuple(sorted(modules - {"__main__"})),
+            )
+        outcomes.pool, outcomes.isolation = self.process_pool, config.pool
+        outcomes.slots = asyncio.Semaphore(self.concurrency)  # prefetched runs wait here
+        self.presence.pool = self.process_pool
+        self.executor = Executor(
+            registry=self.registry,
+            worker_id=self.worker_id,
+            publisher=self._publisher.publish,
+            inflight=self.inflight,
+            queue=self.queue,
+            pinger=self.pinger,
+            recorder=self.recorder,
+            outcomes=outcomes,
+            wake=self.wake,
+            emit=self.emit,
+        )
+        self.claimer = Claimer(
+            self.driver,
+            self.clock,
+            worker_id=self.worker_id,
+            concurrency=self.concurrency + config.prefetch,
+            queue=self.queue,
+            inflight=self.inflight,
+            assignment=self.assignment,
+            sink=self.watcher,
+            gate=self.gate,
+            recorder=self.recorder,
+            executor=self.executor,
+            stats=self.stats,
+            lifecycle=self,
+            wake=self.wake,
+        )
+        self.services: list[Service] = [
+            _ChangeStream(self.watcher),
+            Sweep(self.watcher),
+            self.presence,
+            self.recorder,
+            self.ticker,
+            self.gate,
+            FlowSweep(self.driver, self.clock, config.flow_sweep_interval),
+            *([self.scheduler] if config.run_schedules else []),
+        ]
