@@ -73,11 +73,6 @@ INDEXES: dict[str, list[IndexModel]] = {
         ),
         IndexModel([("runs.worker_id", ASCENDING)], name="worker_runs"),
         IndexModel(
-            [("next_claim_at", ASCENDING), ("_id", ASCENDING)],
-            name="due",
-            partialFilterExpression={"next_claim_at": {"$type": "date"}},
-        ),
-        IndexModel(
             [("error", TEXT)],
             name="error_text",
             default_language="none",
