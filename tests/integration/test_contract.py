@@ -379,6 +379,22 @@ def _shows_only_what_it_holds(task: Task, doc: dict[str, Any]) -> None:
             assert name in held, (name, value)
 
 
+async def one_sweep(mongo_uri: str, db_name: str) -> None:
+    """One rescan of a watcher for ``add``, as the sweep runs it (its once-function), with no
+    change stream: what the sweep alone settles."""
+    async with AsyncTaskClient(mongo_uri, database=db_name) as aclient:
+        watcher = Watcher(
+            AsyncDriver(collections(aclient.db)),
+            worker_id="w1",
+            queue=ClaimQueue(100),
+            clock=FixedClock(NOW),
+            wake=lambda: None,
+            in_flight=lambda key: False,
+        )
+        watcher.names = ["add"]
+        await Sweep(watcher).run_once()
+
+
 def test_an_open_document_the_claim_cannot_read_is_marked_by_the_sweep_alone(
     mongo: MongoClient[dict[str, Any]], mongo_uri: str, db_name: str
 ) -> None:
@@ -388,20 +404,7 @@ def test_an_open_document_the_claim_cannot_read_is_marked_by_the_sweep_alone(
     doc = {"_id": "d1", "name": "add", "status": "pending", "next_claim_at": NOW}
     mongo[db_name].tasks.insert_one({**doc, "attempts": NOW, "depends_on": ["other"]})
 
-    async def one_sweep() -> None:
-        async with AsyncTaskClient(mongo_uri, database=db_name) as aclient:
-            watcher = Watcher(
-                AsyncDriver(collections(aclient.db)),
-                worker_id="w1",
-                queue=ClaimQueue(100),
-                clock=FixedClock(NOW),
-                wake=lambda: None,
-                in_flight=lambda key: False,
-            )
-            watcher.names = ["add"]
-            await Sweep(watcher).run_once()
-
-    asyncio.run(one_sweep())
+    asyncio.run(one_sweep(mongo_uri, db_name))
     after = mongo[db_name].tasks.find_one({"_id": "d1"})
     assert after is not None and after["status"] == "invalid"
     assert "'runs' must be an array" in after["invalid_reason"]
@@ -428,20 +431,7 @@ def test_random_partial_documents_are_completed_or_marked_in_one_sweep(
         task = Task.from_document(doc)  # readers never raise, never invent
         _shows_only_what_it_holds(task, doc)
 
-    async def one_sweep() -> None:
-        async with AsyncTaskClient(mongo_uri, database=db_name) as aclient:
-            watcher = Watcher(
-                AsyncDriver(collections(aclient.db)),
-                worker_id="w1",
-                queue=ClaimQueue(100),
-                clock=FixedClock(NOW),
-                wake=lambda: None,
-                in_flight=lambda key: False,
-            )
-            watcher.names = ["add"]
-            await Sweep(watcher).run_once()  # the sweep's once-function
-
-    asyncio.run(one_sweep())
+    asyncio.run(one_sweep(mongo_uri, db_name))
     driver = SyncDriver(collections(db))
     for doc in db.tasks.find():
         task = Task.from_document(doc)
