@@ -356,8 +356,11 @@ class Executor:
         self.emit(Event.CLAIMED, key=run.key, run_id=run_id, attempt=ctx.attempt)
 
     async def execute(self, run: ActiveRun, doc: dict[str, Any]) -> None:
+        run.begun = True
         outcome: Outcome | None
         try:
+            if run.stop_reason is not None:  # stopped before its task took a step
+                raise asyncio.CancelledError
             outcome = await self.outcomes.call(run, self.registry[run.name], doc)
         except asyncio.CancelledError:
             outcome = self.outcomes.stopped(run)
@@ -430,7 +433,7 @@ class Executor:
         if reason != "shutdown":
             self.emit(Event.STOPPING_RUN, key=run.key, run_id=run.run_id, reason=reason)
         run.ctx.cancelled.set()
-        if run.task is not None:
+        if run.task is not None and run.begun:  # else it sees stop_reason as it begins
             run.task.cancel()
 
     async def drain(self, grace: float, stop_now: asyncio.Event) -> None:

@@ -37,6 +37,10 @@ class ActiveRun:
     started: float = field(default_factory=time.monotonic)
     waiting: bool = True
     """Claimed ahead (prefetch) and waiting for a slot: its handler has not started."""
+    begun: bool = False
+    """Its task has taken its first step. A task cancelled before that never runs its body,
+    so no outcome would be recorded: ``Executor.stop`` leaves such a task to see
+    ``stop_reason`` itself."""
 
 
 class InFlight:

@@ -77,7 +77,7 @@ async def test_sigterm_drains_then_releases(
     _, err = proc.communicate(timeout=10)
     assert code == 0, err
     task = client.get("long")
-    assert task is not None and task.status == "pending" and task.runs[0].state == "RELEASED"
+    assert task is not None and task.status == "pending" and task.runs[0].state == "RELEASED", err
     assert client.workers() == []
 
 

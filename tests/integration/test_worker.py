@@ -18,6 +18,7 @@ from mtask.clock import ServerClock
 from mtask.errors import ConfigError, WorkerCrashed
 from mtask.registry import Registry
 from mtask.worker import Worker
+from mtask.worker.executor import Executor
 from mtask.worker.lease import LeasePinger, LoopTicker
 from mtask.worker.recorder import OutcomeRecorder
 
@@ -690,3 +691,31 @@ async def test_rescans_that_overlap_run_one_after_the_other(
         assert worker.watcher.rescans == before + 3
         assert len(worker.watcher.queue) == 300
         assert worker.state == "running"
+
+
+async def test_a_run_stopped_before_its_task_began_is_released(
+    mongo_uri: str, db_name: str, client: TaskClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stop (SIGTERM's drain) that comes between the claim's reply and the first step of the
+    # run's task: a task cancelled before it begins never runs its body, so nothing would
+    # release the task (it stayed "running" until its lease ran out; CI's flaky
+    # test_sigterm_drains_then_releases).
+    original = Executor.start
+
+    stopped: list[str] = []
+
+    def start_then_stop(self: Executor, doc: dict[str, Any], sent: float, slot: Any = None) -> None:
+        original(self, doc, sent, slot)
+        run = self.inflight.get(doc["claim_run_id"])
+        if not stopped:  # the first run only (the released task is claimed again)
+            assert run is not None and not run.begun
+            stopped.append(run.run_id)
+            self.stop(run, "shutdown")
+
+    monkeypatch.setattr(Executor, "start", start_then_stop)
+    client.publish("sleep", "early", {"seconds": 3600})
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await events.wait("recorded", timeout=10)  # without the fix: nothing is ever recorded
+        task = client.get("early")
+        assert task is not None
+        assert (task.runs[0].run_id, task.runs[0].state) == (stopped[0], "RELEASED")
