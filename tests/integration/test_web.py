@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,6 +10,7 @@ from typing import Any, get_args
 
 import pytest
 from fastapi.testclient import TestClient
+from harness import T0
 from promtool import check_metrics
 
 from mtask import TaskClient
@@ -129,7 +129,7 @@ def test_metrics(api: TestClient, client: TaskClient) -> None:
 
 
 def test_failed_tasks_show_their_error(api: TestClient, mongo_uri: str, db_name: str) -> None:
-    clock = FixedClock(dt.datetime(2026, 3, 1, tzinfo=dt.UTC))
+    clock = FixedClock(T0)  # in the future: the TTL monitor (the real clock) never removes it
     with TaskClient(mongo_uri, database=db_name, clock=clock) as tc:
         tc.publish("n", "f")
         [doc] = tc._run(claim(["f"], ["n"], "w", clock.now()))
