@@ -50,7 +50,7 @@ from mtask.models import (
     TaskStatus,
     validate_name,
 )
-from mtask.store import bulk, retention, throughput
+from mtask.store import bulk, counts, queries, retention, throughput
 from mtask.waiters import AsyncWaiter, SyncWaiter, async_waiter_for, finished, waiter_for
 
 if TYPE_CHECKING:
@@ -349,8 +349,13 @@ class _Base:
         return [Task.from_document(d) for d in docs]
 
     @operation
-    def stats(self) -> Op[dict[str, dict[str, int]]]:
-        return (yield from store.stats())
+    def stats(self, exact: bool = False, statuses: Sequence[str] | None = None) -> Op[store.Counts]:
+        """``{name: {status: count}}`` at a cost that does not grow with the tasks kept: open
+        tasks exactly; finished ones exactly up to 1,000 per name and status, above that as
+        1,001 (the pairs in ``.at_least``: a lower bound). ``exact=True`` counts everything
+        exactly, walking every index key (docs/design.md, "Counts"). ``statuses``: count only
+        those."""
+        return (yield from store.stats(statuses, exact=exact))
 
     @operation
     def due(self) -> Op[dict[str, tuple[int, float]]]:
@@ -495,11 +500,22 @@ class _Base:
     # -- many tasks at once (mtask.store.bulk): the dashboard's list, search and bulk actions --
 
     @operation
+    def bulk_count(self, action: bulk.Action, where: bulk.Filter, limit: int) -> Op[int]:
+        """How many tasks ``bulk`` would act on, up to ``limit`` (``limit + 1``: more)."""
+        return (yield from bulk.count(action, where, self.clock.now(), limit))
+
+    @operation
     def bulk(
         self, action: bulk.Action, where: bulk.Filter, *, dry_run: bool = False
     ) -> Op[bulk.BulkResult]:
         """Retry, cancel or purge the tasks ``where`` matches (a dry run only counts them)."""
         return (yield from bulk.apply(action, where, self.clock.now(), dry_run))
+
+    @operation
+    def names(self) -> Op[builtins.list[str]]:
+        """The names of the tasks in the collection (an index's distinct scan)."""
+        found = yield counts.names()
+        return sorted(str(n) for n in found if n is not None)
 
     @operation
     def search(self, /, **filters: Any) -> Op[builtins.list[Task]]:
@@ -525,6 +541,11 @@ class _Base:
     @operation
     def throughput(self, minutes: int = 60) -> Op[builtins.list[dict[str, Any]]]:
         return (yield from throughput.recent(self.clock.now(), minutes))
+
+    @operation
+    def finished_since(self, since: dt.datetime) -> Op[dict[str, int]]:
+        """Per name, the tasks that finished after ``since`` (a server time)."""
+        return (yield from queries.finished_since(since))
 
     @operation
     def runs_by_worker(self, minutes: int = 60) -> Op[dict[str, dict[str, int]]]:

@@ -14,8 +14,11 @@ as pymongo's own exception, unchanged, so that ``ClientSession.with_transaction`
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import threading
 from collections.abc import Generator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -39,7 +42,8 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Call:
     """One call of a collection method. ``find`` and ``aggregate`` return lists; ``command``
-    is a command on the collection's database."""
+    is a command on the collection's database; ``count`` is the ``count`` command on the
+    collection (``args[0]`` the query, the keyword arguments its fields), returning ``n``."""
 
     method: str
     args: tuple[Any, ...] = ()
@@ -50,6 +54,27 @@ class Call:
 
 
 Op = Generator[Call, Any, T]
+
+GATHER = "gather"
+
+
+def gather(*calls: Call) -> Call:
+    """Independent calls the driver may send at once (``args``: the calls); the result is
+    the list of their results, in order. In a session (a transaction) they run one by one."""
+    return Call(GATHER, calls)
+
+
+_GATHER_POOL: ThreadPoolExecutor | None = None
+_GATHER_LOCK = threading.Lock()
+
+
+def _gather_pool() -> ThreadPoolExecutor:
+    """The sync driver's threads for ``gather`` (pymongo's clients are thread-safe)."""
+    global _GATHER_POOL
+    with _GATHER_LOCK:
+        if _GATHER_POOL is None:
+            _GATHER_POOL = ThreadPoolExecutor(4, thread_name_prefix="mtask-gather")
+        return _GATHER_POOL
 
 
 def collections(db: Any, tasks: str = "tasks") -> dict[str, Any]:
@@ -113,6 +138,10 @@ def _limit(call: Call) -> contextlib.AbstractContextManager[Any]:
 
 
 def _method(collection: Any, name: str) -> Any:
+    if name == "count":
+        return lambda query, session=None, **kwargs: collection.database.command(
+            {"count": collection.name, "query": query, **kwargs}, session=session
+        )
     return collection.database.command if name == "command" else getattr(collection, name)
 
 
@@ -123,12 +152,18 @@ class SyncDriver:
         self.collections = collections
 
     def _call(self, call: Call, session: Any) -> Any:
+        if call.method == GATHER:
+            if session is not None or len(call.args) < 2:
+                return [self._call(c, session) for c in call.args]
+            return list(_gather_pool().map(lambda c: self._call(c, None), call.args))
         method = _method(self.collections[call.collection], call.method)
         kwargs = call.kwargs if session is None else {**call.kwargs, "session": session}
         with _limit(call):
             result = method(*call.args, **kwargs)
         if call.method in ("find", "aggregate"):
             return list(result)
+        if call.method == "count":
+            return int(result["n"])
         return result
 
     def run(self, op: Op[T], session: Any = None) -> T:
@@ -157,6 +192,10 @@ class AsyncDriver:
         self.collections = collections
 
     async def _call(self, call: Call, session: Any) -> Any:
+        if call.method == GATHER:
+            if session is not None:
+                return [await self._call(c, session) for c in call.args]
+            return list(await asyncio.gather(*(self._call(c, None) for c in call.args)))
         method = _method(self.collections[call.collection], call.method)
         kwargs = call.kwargs if session is None else {**call.kwargs, "session": session}
         with _limit(call):
@@ -165,6 +204,8 @@ class AsyncDriver:
             result = await method(*call.args, **kwargs)
             if call.method == "aggregate":
                 return await result.to_list()
+            if call.method == "count":
+                return int(result["n"])
             return result
 
     async def run(self, op: Op[T], session: Any = None) -> T:

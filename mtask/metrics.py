@@ -4,11 +4,11 @@ Runs and tasks are named apart: a task can have many runs. A worker counts the r
 and how they end (``mtask_runs_*_total``), times claims and runs, and tracks runs in flight;
 any client counts the tasks its publish calls created (``mtask_tasks_published_total``).
 
-The *cluster* gauges — queue depth per name and status, and for autoscaling the pending tasks
-due now and the age of the oldest due one per name — describe the whole collection, so they
-are exported once per cluster: by ``mtask serve`` on ``/metrics``, or by a worker started with
-``--cluster-metrics`` (never by every worker, or a sum over pods would count them N times).
-Each comes from one aggregation, cached for ``DEPTH_TTL`` seconds, read when scraped.
+The *cluster* gauges — queue depth (open tasks) per name and status, and for autoscaling the
+pending tasks due now and the age of the oldest due one per name — describe the whole
+collection, so they are exported once per cluster: by ``mtask serve`` on ``/metrics``, or by a
+worker started with ``--cluster-metrics`` (never by every worker, or a sum over pods would count
+them N times). Each comes from index-only reads, cached for ``DEPTH_TTL`` s, read when scraped.
 
 A worker serves its metrics with ``serve_http`` (``--metrics-port``), beside ``/healthz`` and
 ``/readyz`` for container probes.
@@ -29,6 +29,8 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
+
+from mtask.models import OPEN_STATUSES
 
 DEPTH_TTL = 5.0
 
@@ -88,8 +90,10 @@ def label(value: object) -> str:
 
 
 class QueueDepth(Collector):
-    """``mtask_queue_depth{name, status}`` from ``fetch`` (a stats call), at most once every
-    ``DEPTH_TTL`` seconds; a failed fetch reports the last counts."""
+    """``mtask_queue_depth{name, status}`` from ``fetch`` (a stats call of the open statuses,
+    pending and running: exact, at the cost of the backlog), at most once every ``DEPTH_TTL``
+    seconds; a failed fetch reports the last counts. Finished work is the runs' counters
+    (``mtask_runs_succeeded_total`` …), not a count of the finished tasks kept."""
 
     def __init__(self, fetch: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
         self.fetch = fetch
@@ -112,7 +116,7 @@ class QueueDepth(Collector):
 
     def _family(self) -> GaugeMetricFamily:
         return GaugeMetricFamily(
-            "mtask_queue_depth", "Tasks per name and status", labels=["name", "status"]
+            "mtask_queue_depth", "Open tasks per name and status", labels=["name", "status"]
         )
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -199,7 +203,7 @@ def register_cluster_metrics(client: Any) -> None:
     ``client`` (``stats()`` and ``due()``). Call it in ONE process per cluster: ``mtask serve``,
     or a worker started with ``--cluster-metrics``."""
     global _due
-    register_queue_depth(client.stats)
+    register_queue_depth(functools.partial(client.stats, statuses=OPEN_STATUSES))
     if _due is not None:
         REGISTRY.unregister(_due)
     _due = DueTasks(client.due)

@@ -4,6 +4,7 @@ extra)."""
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -22,20 +23,25 @@ def _frames(client: Any, interval: float) -> Iterator[Group]:
     from rich.console import Group
     from rich.table import Table
 
-    previous: tuple[float, dict[str, int]] | None = None
+    previous: tuple[float, dt.datetime] | None = None
     statuses = [s.value for s in TaskStatus]
     while True:
         counts = client.stats()
         workers = client.workers()
-        now = time.monotonic()
-        finished = {n: c.get("succeeded", 0) + c.get("failed", 0) for n, c in counts.items()}
-        table = Table("name", *statuses, "finished/s", title=f"mtask top · {when(client.now())}")
+        now, server_now = time.monotonic(), client.now()
+        # rates from the finished index (what finished since the last frame), not from the
+        # counts: those are estimates on a large collection
+        finished = client.finished_since(previous[1]) if previous is not None else {}
+        table = Table("name", *statuses, "finished/s", title=f"mtask top · {when(server_now)}")
+        if counts.at_least:
+            table.caption = f"{counts.exact_up_to:,}+: more than that many"
         for name in sorted(counts):
             rate = ""
             if previous is not None:
                 took = max(1e-3, now - previous[0])
-                rate = f"{(finished[name] - previous[1].get(name, 0)) / took:.1f}"
-            table.add_row(name, *(str(counts[name].get(s, 0)) for s in statuses), rate)
+                rate = f"{finished.get(name, 0) / took:.1f}"
+            cells = [counts.show(name, s) for s in statuses]
+            table.add_row(name, *cells, rate)
         crew = Table("worker", "state", "in flight", "running", title=f"{len(workers)} worker(s)")
         for w in workers:
             running = ", ".join(r["key"] for r in (w.get("running") or [])[:5])
@@ -45,7 +51,7 @@ def _frames(client: Any, interval: float) -> Iterator[Group]:
                 f"{w.get('in_flight')}/{w.get('concurrency')}",
                 running,
             )
-        previous = (now, finished)
+        previous = (now, server_now)
         yield Group(table, crew)
         time.sleep(interval)
 

@@ -166,17 +166,25 @@ def cmd_list(args: argparse.Namespace) -> int:
 @commands.command("stats")
 def cmd_stats(args: argparse.Namespace) -> int:
     with task_client(args) as client:
-        counts = client.stats()
+        counts = client.stats(exact=args.exact)
     if args.json:
         print_json(counts)
         return 0
     from rich.table import Table
 
     statuses = [s.value for s in TaskStatus]
-    table = Table("name", *statuses, "total")
+    caption = None
+    if counts.at_least:
+        caption = (
+            f"{counts.exact_up_to:,}+: more than that many finished tasks (--exact counts "
+            "them all, at a cost that grows with the collection)"
+        )
+    table = Table("name", *statuses, "total", caption=caption)
     for name in sorted(counts):
         row = counts[name]
-        table.add_row(name, *(str(row.get(s, 0)) for s in statuses), str(sum(row.values())))
+        more = "+" if any(counts.is_lower_bound(name, s) for s in row) else ""
+        cells = [counts.show(name, s) for s in statuses]
+        table.add_row(name, *cells, f"{sum(row.values()):,}{more}")
     out.print(table)
     return 0
 
@@ -337,6 +345,12 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("stats", help="counts per name and status")
     add_common(p)
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="count every finished task exactly (by default, above 1,000 per name and status "
+        "the count says 1,000+)",
+    )
 
     for name, text in (
         ("cancel", "cancel a task, or the tasks a filter matches"),

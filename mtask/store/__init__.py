@@ -22,6 +22,7 @@ from mtask.store.claims import (
     run_id_for,
 )
 from mtask.store.complete import complete, stranded
+from mtask.store.counts import Counts, stats
 from mtask.store.outcomes import (
     Outcome,
     finish,
@@ -31,7 +32,6 @@ from mtask.store.outcomes import (
     success_fast_update,
     success_group_update,
 )
-from mtask.store.queries import stats
 from mtask.store.schema import (
     CLAIMED_FIELDS,
     INDEXES,
@@ -71,6 +71,7 @@ __all__ = [
     "PLACEMENT_FIELDS",
     "SPECIFIC",
     "WELL_FORMED",
+    "Counts",
     "Outcome",
     "Published",
     "RunState",

@@ -81,6 +81,14 @@ def ensure_indexes() -> Op[None]:
     yield Call("create_indexes", (INDEXES,))
 
 
+def count(action: Action, where: Filter, now: dt.datetime, limit: int) -> Op[int]:
+    """How many tasks ``action`` would change, counting at most ``limit + 1`` (the ``count``
+    command stops there): a page that offers "purge all" must not walk a million keys to say
+    how many. More than ``limit`` comes back as ``limit + 1``."""
+    n: int = yield Call("count", (where.query(action, now),), {"limit": limit + 1})
+    return n
+
+
 def apply(action: Action, where: Filter, now: dt.datetime, dry_run: bool) -> Op[BulkResult]:
     filt = where.query(action, now)
     matched: int = yield Call("count_documents", (filt,))

@@ -1,6 +1,7 @@
 """Read-only questions an operator asks of a large collection, each answered from an index
-(tests/integration/test_indexes.py checks each plan with ``explain``): counts per name and status
-(``stats``), recently finished tasks, all runs of a worker, delayed tasks, and error text."""
+(tests/integration/test_indexes.py checks each plan with ``explain``): recently finished tasks,
+all runs of a worker, delayed tasks, and error text. Counts per name and status are
+``store/counts.py``."""
 
 from __future__ import annotations
 
@@ -11,46 +12,9 @@ from typing import Any
 from pymongo import ASCENDING, DESCENDING
 
 from mtask.driver import Call, Doc, Op
-from mtask.models import TaskStatus
+from mtask.store import counts
 
-STATUSES = [s.value for s in TaskStatus]
-STATS_INDEX = "name_status_newest"
-"""Counts are ``COUNT_SCAN``s of this index's (name, status) prefix."""
-INCOMPLETE = "incomplete"
-"""How ``stats`` counts documents without a status (published by hand, not completed yet)."""
 SUMMARY = {"name": 1, "status": 1, "created_at": 1, "finished_at": 1, "next_claim_at": 1}
-
-
-def stats_names() -> Call:
-    return Call("distinct", ("name",))  # a DISTINCT_SCAN (distinct takes no hint before 7.1)
-
-
-def stats_count(name: Any, status: str) -> Call:
-    return Call("count_documents", ({"name": name, "status": status},), {"hint": STATS_INDEX})
-
-
-def stats(statuses: Sequence[str] | None = None) -> Op[dict[str, dict[str, int]]]:
-    """Counts per name and status, from the ``name_status_newest`` index alone: the names by a
-    ``DISTINCT_SCAN``, then one ``COUNT_SCAN`` per name and status (no document is read, no
-    collection is scanned). Each count walks the index keys it counts, so its cost grows with
-    the number of tasks kept (docs/performance.md, "Stats at scale": retention bounds it).
-    With ``statuses``
-    (e.g. ``statemachine.OPEN``), only those are counted: open tasks cost what the backlog
-    costs, however many finished ones are kept."""
-    names: list[Any] = yield stats_names()
-    out: dict[str, dict[str, int]] = {}
-    for name in sorted(names, key=str):
-        for status in statuses or STATUSES:
-            count: int = yield stats_count(name, status)
-            if count:
-                out.setdefault(str(name), {})[status] = count
-        if statuses is None:  # a publisher's document that no worker has completed yet
-            count = yield Call(
-                "count_documents", ({"name": name, "status": None},), {"hint": STATS_INDEX}
-            )
-            if count:
-                out.setdefault(str(name), {})[INCOMPLETE] = count
-    return out
 
 
 def recently_finished(limit: int = 100, name: str | None = None) -> Op[list[Doc]]:
@@ -92,9 +56,9 @@ def delayed_find(names: Sequence[Any], now: dt.datetime, limit: int) -> Call:
 
 def delayed(now: dt.datetime, limit: int = 100) -> Op[list[Doc]]:
     """Open tasks not claimable before a later time, of any name, soonest first: the names
-    (``stats_names``), then ``delayed_find``. No index of its own: an index on
+    (``counts.names``), then ``delayed_find``. No index of its own: an index on
     ``next_claim_at`` alone would move a key on every claim and finish (W1 pays for it)."""
-    names: list[Any] = yield stats_names()
+    names: list[Any] = yield counts.names()
     names = [n for n in names if isinstance(n, str)]
     if not names:
         return []
@@ -112,3 +76,19 @@ def with_error(words: str, limit: int = 100) -> Op[list[Doc]]:
         {"limit": limit},
     )
     return docs
+
+
+def finished_since(since: dt.datetime) -> Op[dict[str, int]]:
+    """Per name, the tasks that finished after ``since`` (the ``finished`` index: the cost is
+    what finished since then, not what the collection keeps). For rates, as ``mtask top``'s."""
+    rows: list[Doc] = yield Call(
+        "aggregate",
+        (
+            [
+                {"$match": {"finished_at": {"$type": "date", "$gt": since}}},
+                {"$group": {"_id": "$name", "n": {"$sum": 1}}},
+            ],
+        ),
+        {"hint": "finished"},
+    )
+    return {str(row["_id"]): int(row["n"]) for row in rows}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
+import urllib.parse
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -253,10 +254,41 @@ async def get_task(
     return view(task)
 
 
-@router.get("/stats")
-async def stats(client: Client) -> dict[str, dict[str, int]]:
-    """Task counts per name and status."""
-    return await client.stats()
+AT_LEAST_HEADER = "Mtask-Counts-At-Least"
+
+
+@router.get(
+    "/stats",
+    responses={
+        200: {
+            "headers": {
+                AT_LEAST_HEADER: {
+                    "description": "the counts that are lower bounds (more than 1,000 "
+                    "finished tasks), as URL-encoded `name/status` pairs separated by commas "
+                    "(absent: every count is exact)",
+                    "schema": {"type": "string"},
+                }
+            }
+        }
+    },
+)
+async def stats(
+    client: Client,
+    response: Response,
+    exact: Annotated[
+        bool, Query(description="count every task (cost grows with the collection)")
+    ] = False,
+) -> dict[str, dict[str, int]]:
+    """Task counts per name and status. Open tasks are counted exactly; finished ones exactly up
+    to 1,000 per name and status, and above that as 1,001, a lower bound (named in the
+    ``Mtask-Counts-At-Least`` header), unless ``exact``."""
+    counts = await client.stats(exact=exact)
+    if counts.at_least:
+        response.headers[AT_LEAST_HEADER] = ",".join(
+            f"{urllib.parse.quote(name, safe='')}/{status}"
+            for name, status in sorted(counts.at_least)
+        )
+    return counts
 
 
 @router.get("/workers")

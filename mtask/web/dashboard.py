@@ -43,6 +43,8 @@ templates.globals["qs"] = lambda **kw: urllib.parse.urlencode(
 )
 STATUSES = [s.value for s in TaskStatus]
 PAGE_SIZE = 50
+BULK_COUNT_LIMIT = 10_000
+"""The task list says how many tasks a bulk action would change up to this many ("10,000+")."""
 
 
 def duration(start: dt.datetime | None, end: dt.datetime | None) -> str:
@@ -181,17 +183,19 @@ async def task_list(request: Request) -> HTMLResponse:
     keys = [t.key for t in tasks] if filters["prefix"] or filters["text"] else None
     status = [filters["status"]] if filters["status"] else None
     where = bulk.Filter(filters["name"], status, keys=keys)
-    counts: dict[str, int] = {}
+    counts: dict[str, tuple[str, int]] = {}
     actions: tuple[bulk.Action, ...] = ("retry", "cancel", "purge")
     for action in actions:
-        counts[action] = (await client.bulk(action, where, dry_run=True)).matched
+        # counted up to a bound: the page must not walk every finished task to say "purge all"
+        n = await client.bulk_count(action, where, BULK_COUNT_LIMIT)
+        counts[action] = (f"{BULK_COUNT_LIMIT:,}+" if n > BULK_COUNT_LIMIT else f"{n:,}", n)
     return render(
         request,
         "tasks.html",
         tasks=tasks,
         filters=filters,
         statuses=STATUSES,
-        names=sorted(await client.stats()),
+        names=await client.names(),
         next_after=tasks[-1].key if len(tasks) == PAGE_SIZE else None,
         bulk_counts=counts,
         bulk_keys=json.dumps(keys) if keys is not None else None,

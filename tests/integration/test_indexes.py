@@ -5,14 +5,23 @@ from __future__ import annotations
 from typing import Any
 
 from mtask import TaskClient
-from mtask.driver import Call
-from mtask.store import Outcome, RunState, claim, claim_filter, finish_many, list_query, scan
+from mtask.driver import GATHER, Call
+from mtask.store import (
+    Outcome,
+    RunState,
+    claim,
+    claim_filter,
+    finish_many,
+    list_query,
+    scan,
+)
+from mtask.store.counts import stats
 from mtask.store.queries import (
     delayed,
     delayed_find,
+    finished_since,
     recently_finished,
     runs_by_worker,
-    stats,
     with_error,
 )
 
@@ -29,6 +38,14 @@ def _stages(plan: dict[str, Any]) -> set[str]:
 
 def _winning(explain: dict[str, Any]) -> set[str]:
     return _stages(explain["queryPlanner"]["winningPlan"])
+
+
+def _plan(explain: dict[str, Any]) -> set[str]:
+    """The winning plan's stages, of a query or of an aggregation (whose first stage holds
+    the query, unless the whole pipeline was pushed down into it)."""
+    if "queryPlanner" in explain:
+        return _winning(explain)
+    return _stages(explain["stages"][0]["$cursor"]["queryPlanner"]["winningPlan"])
 
 
 def test_claim_and_scan_use_the_claim_index(client: TaskClient) -> None:
@@ -67,10 +84,15 @@ def _explain_call(client: TaskClient, call: Call) -> dict[str, Any]:
         explained: dict[str, Any] = coll.find(*call.args, **call.kwargs).explain()
         return explained
     command: dict[str, Any]
-    if call.method == "count_documents":
+    if call.method == "count":
         command = {"count": coll.name, "query": call.args[0], **call.kwargs}
+    elif call.method == "estimated_document_count":
+        command = {"count": coll.name}
     elif call.method == "distinct":
-        command = {"distinct": coll.name, "key": call.args[0], **call.kwargs}
+        query = {"query": call.args[1]} if len(call.args) > 1 else {}
+        command = {"distinct": coll.name, "key": call.args[0], **query, **call.kwargs}
+    elif call.method == "aggregate":
+        command = {"aggregate": coll.name, "pipeline": call.args[0], "cursor": {}, **call.kwargs}
     else:
         raise AssertionError(f"no explain for {call.method}")
     result: dict[str, Any] = coll.database.command("explain", command, verbosity="queryPlanner")
@@ -91,25 +113,86 @@ def _finished_mix(client: TaskClient) -> None:
     client.publish("n1", "later", delay=3600)
 
 
-def test_stats_counts_from_the_index_alone(client: TaskClient) -> None:
-    _finished_mix(client)
-    op = stats()
+def _explained(client: TaskClient, op: Any) -> tuple[Any, list[tuple[str, set[str]]]]:
+    """Run ``op`` call by call, explaining each (each call of a ``gather`` too): its result,
+    and (method, plan stages) of each call."""
     call = next(op)
     plans = []
     while True:
-        plans.append(_winning(_explain_call(client, call)))
-        result = client._run(_replay(call))
+        for one in call.args if call.method == GATHER else [call]:
+            plans.append((one.method, _plan(_explain_call(client, one))))
         try:
-            call = op.send(result)
+            call = op.send(client._run(_replay(call)))
         except StopIteration as stop:
-            counts = stop.value
-            break
-    assert counts == client.stats()
-    assert counts["n0"] == {"succeeded": 50, "failed": 50}
-    assert counts["n1"] == {"pending": 101}
-    assert all("COLLSCAN" not in p and "FETCH" not in p for p in plans), plans
-    assert "DISTINCT_SCAN" in plans[0]
-    assert all("COUNT_SCAN" in p for p in plans[1:]), plans
+            return stop.value, plans
+
+
+def test_stats_counts_from_the_index_alone(client: TaskClient) -> None:
+    _finished_mix(client)
+    client.collection.insert_one({"_id": "by-hand", "name": "n2"})  # no status yet
+    found, plans = _explained(client, stats())
+    assert found == client.stats() == client.stats(exact=True)
+    assert found["n0"] == {"succeeded": 50, "failed": 50}
+    assert found["n1"] == {"pending": 101}
+    assert found["n2"] == {"pending": 100, "incomplete": 1}
+    assert not found.at_least
+    assert all("COLLSCAN" not in p and "FETCH" not in p for _, p in plans), plans
+    methods = [m for m, _ in plans]
+    # names and statuses present; then one count per name and finished status present (and
+    # the incomplete ones: 3 names x (succeeded, failed, incomplete)); then the open tasks
+    assert methods == ["distinct"] * 2 + ["count"] * 9 + ["aggregate"], methods
+    assert all("DISTINCT_SCAN" in p for _, p in plans[:2]), plans
+    # COUNT_SCANs (a status of null is two, null and missing, under an OR)
+    assert all("COUNT_SCAN" in p and p <= {"COUNT", "COUNT_SCAN", "OR"} for _, p in plans[2:-1])
+    assert plans[-1][1] >= {"IXSCAN", "PROJECTION_COVERED"}, plans  # the open tasks, covered
+
+
+def test_finished_counts_stop_at_their_bound(client: TaskClient) -> None:
+    """Above ``exact_up_to``, a finished count is a lower bound, and the count that found it
+    walked at most ``exact_up_to + 1`` keys; open counts stay exact."""
+    _finished_mix(client)  # n0: 50 succeeded, 50 failed; n1: 101 pending; n2: 100 pending
+    found = client._run(stats(exact_up_to=40))
+    assert found == {
+        "n0": {"succeeded": 41, "failed": 41},
+        "n1": {"pending": 101},
+        "n2": {"pending": 100},
+    }
+    assert found.at_least == {("n0", "succeeded"), ("n0", "failed")}
+    assert found.show("n0", "failed") == "40+" and found.show("n1", "pending") == "101"
+    counted = [c for c in _calls(stats(exact_up_to=40), client) if c.method == "count"]
+    assert counted and all(c.kwargs["limit"] == 41 for c in counted)
+    executed = [
+        client.collection.database.command(
+            "explain",
+            {"count": "tasks", "query": c.args[0], **c.kwargs},
+            verbosity="executionStats",
+        )["executionStats"]["totalKeysExamined"]
+        for c in counted
+    ]
+    assert all(keys <= 41 for keys in executed), executed
+    assert client._run(stats(exact_up_to=40, exact=True))["n0"] == {"succeeded": 50, "failed": 50}
+    only_open = client._run(stats(["pending", "running"], exact_up_to=40))
+    assert only_open == {"n1": {"pending": 101}, "n2": {"pending": 100}}
+    assert client.stats(statuses=["pending"]) == only_open
+
+
+def _calls(op: Any, client: TaskClient) -> list[Call]:
+    call, calls = next(op), []
+    try:
+        while True:
+            calls += call.args if call.method == GATHER else [call]
+            call = op.send(client._run(_replay(call)))
+    except StopIteration:
+        return calls
+
+
+def test_finished_since_reads_the_finished_index(client: TaskClient) -> None:
+    before = client.now()
+    _finished_mix(client)
+    stages = _plan(_explain_call(client, next(finished_since(before))))
+    assert "COLLSCAN" not in stages and "IXSCAN" in stages
+    assert client.finished_since(before) == {"n0": 100}
+    assert client.finished_since(client.now()) == {}
 
 
 def _replay(call: Call) -> Any:

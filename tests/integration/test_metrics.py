@@ -36,7 +36,8 @@ def test_a_worker_serves_its_metrics(mongo_uri: str, db_name: str, client: TaskC
         # the cluster gauges are cached for a few seconds: wait for the counts after both runs
         while not (
             'mtask_runs_failed_total{name="always_fails"} 1.0' in text
-            and 'mtask_queue_depth{name="add",status="succeeded"} 1.0' in text
+            and 'mtask_runs_succeeded_total{name="add"} 1.0' in text
+            and 'mtask_queue_depth{name="add"' not in text  # the queue depth has none left
         ):
             assert time.monotonic() < deadline, text[-2000:]
             assert proc.poll() is None
@@ -52,6 +53,9 @@ def test_a_worker_serves_its_metrics(mongo_uri: str, db_name: str, client: TaskC
     assert "mtask_claim_latency_seconds_count" in text
     assert "mtask_runs_in_flight 0.0" in text
     assert 'mtask_due_tasks{name="nobody_runs_this"} 1.0' in text
+    # the queue depth is the open tasks (finished work is the runs' counters above)
+    assert 'mtask_queue_depth{name="nobody_runs_this",status="pending"} 1.0' in text
+    assert 'status="succeeded"' not in text and 'status="failed"' not in text
     assert 'mtask_oldest_due_age_seconds{name="nobody_runs_this"}' in text
     assert 'mtask_due_tasks{name="add"}' not in text  # nothing of it is due any more
     assert "mtask_tasks_claimed" not in text and "None" not in text  # runs are not tasks

@@ -20,7 +20,8 @@ from pymongo import AsyncMongoClient
 
 from mtask import TaskClient, store
 from mtask.clock import FixedClock
-from mtask.driver import AsyncDriver, Op, T, collections
+from mtask.driver import AsyncDriver, Call, Op, T, collections, gather
+from mtask.errors import StorageError
 from mtask.models import MAX_RUNS_KEPT
 from mtask.store import Outcome, RunState, claim, extend_lease, finish, finish_many, scan
 from mtask.store.outcomes import _groups
@@ -472,3 +473,37 @@ def test_a_workers_stream_skips_its_own_claims_and_successes(
                 break
     # B's claim and success; A's ping (single) and failure (fails)
     assert sorted(updates) == ["b", "b", "fails", "single"]
+
+
+def test_gathered_calls_answer_in_order_and_an_error_reaches_the_operation(
+    tc: TaskClient,
+) -> None:
+    """``driver.gather``: independent calls sent at once, their results in order; one that
+    fails is thrown into the operation like a single call's error."""
+    tc.publish_many([{"name": "n", "key": f"k{i}"} for i in range(3)])
+
+    def both() -> Op[tuple[Any, Any]]:
+        found = yield gather(
+            Call("find_one", ({"_id": "k2"},)),
+            Call("count", ({"name": "n"},)),
+            Call("find_one", ({"_id": "k0"},)),
+        )
+        return found[0]["_id"], found[1:]
+
+    key, rest = tc._run(both())
+    assert key == "k2" and rest[0] == 3 and rest[1]["_id"] == "k0"
+
+    def failing() -> Op[str]:
+        try:
+            yield gather(Call("find_one", ({"_id": "k1"},)), Call("count", ({},), {"hint": "no"}))
+        except Exception as exc:  # noqa: BLE001 - the driver's error, thrown into the op
+            return type(exc).__name__
+        return "no error"
+
+    assert tc._run(failing()) == "OperationFailure"
+    with pytest.raises(StorageError):
+        tc._run(gather_only())
+
+
+def gather_only() -> Op[Any]:
+    return (yield gather(Call("count", ({},), {"hint": "no such index"})))

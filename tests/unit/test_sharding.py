@@ -25,11 +25,13 @@ KEYS = ["k1", "k2", "k3"]
 
 def _reply(call: Call, found: Doc | None, modified: int) -> Any:
     """What the server would answer, enough for the operation to carry on."""
+    if call.method == "gather":
+        return [_reply(c, found, modified) for c in call.args]
     if call.method in ("find_one_and_update", "find_one"):
         return found
     if call.method in ("find", "distinct"):
         return ["n"] if call.method == "distinct" else []
-    if call.method == "count_documents":
+    if call.method in ("count_documents", "count", "estimated_document_count"):
         return 0
     if call.method == "bulk_write":
         return SimpleNamespace(modified_count=modified, upserted_count=0, upserted_ids={})
@@ -37,11 +39,11 @@ def _reply(call: Call, found: Doc | None, modified: int) -> Any:
 
 
 def calls_of(op: Op[Any], found: Doc | None = None, modified: int = 0) -> list[Call]:
-    made = []
+    made: list[Call] = []
     try:
         call = next(op)
         while True:
-            made.append(call)
+            made += call.args if call.method == "gather" else [call]
             call = op.send(_reply(call, found, modified))
     except StopIteration:
         return made
