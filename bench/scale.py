@@ -237,7 +237,7 @@ def _one_size(
                     {"name": "stamp", "key": f"k{i}", "params": {"t": now}}
                     for i in range(start, min(n, start + chunk))
                 )
-            _wait(lambda: client.stats().get("stamp", {}).get("succeeded", 0) == n + 1)
+            _wait(lambda: client.stats(exact=True).get("stamp", {}).get("succeeded", 0) == n + 1)
             load_cpu = _cpu_s(mongod_pid) - cpu0
             load_gm = _getmores(mongo) - gm0
             lags = [
@@ -365,7 +365,7 @@ def backlog_memory(bench: Bench) -> None:
             def drained() -> bool:
                 for i, proc in enumerate(procs):
                     peaks[i] = max(peaks[i], peak_rss_kb(proc.pid))
-                return client.stats().get("noop", {}).get("succeeded", 0) == backlog
+                return client.stats(exact=True).get("noop", {}).get("succeeded", 0) == backlog
 
             _wait(drained)
         finally:

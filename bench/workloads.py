@@ -209,7 +209,8 @@ class Bench:
                     time.sleep(0.02)
                 wait_until(
                     lambda: (
-                        client.stats().get("stamp", {}).get("succeeded", 0) == self.sizes.latency
+                        client.stats(exact=True).get("stamp", {}).get("succeeded", 0)
+                        == self.sizes.latency
                     )
                 )
                 lat = [
@@ -462,7 +463,9 @@ class Bench:
                     }
                     for i in range(n)
                 )
-                wait_until(lambda: client.stats().get("noop", {}).get("succeeded", 0) == n)
+                wait_until(
+                    lambda: client.stats(exact=True).get("noop", {}).get("succeeded", 0) == n
+                )
                 late = [
                     (t.runs[0].claimed_at - t.options.run_at).total_seconds() * 1000
                     for t in client.list(name="noop", limit=10_000)

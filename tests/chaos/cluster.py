@@ -109,7 +109,7 @@ async def until_finished(client: TaskClient, total: int, timeout: float) -> None
     while time.monotonic() < deadline:
         try:
             counts = {}
-            for by_status in client.stats().values():
+            for by_status in client.stats(exact=True).values():
                 for status, n in by_status.items():
                     counts[status] = counts.get(status, 0) + n
         except Exception:  # noqa: BLE001 - MongoDB may be failing over; ask again
