@@ -34,11 +34,15 @@ def deregister(worker_id: str) -> Op[None]:
     yield Call("delete_one", ({"_id": worker_id},), collection="workers")
 
 
-def live_workers(now: dt.datetime, within: dt.timedelta) -> Op[list[Doc]]:
-    """Workers whose last heartbeat is more recent than ``within``."""
+def live_workers(
+    now: dt.datetime, within: dt.timedelta, fields: Mapping[str, int] | None = None
+) -> Op[list[Doc]]:
+    """Workers whose last heartbeat is more recent than ``within`` (only ``fields`` of them,
+    if given: every worker reads its peers' names at each heartbeat, and N workers reading N
+    whole documents each is N² of them)."""
     docs: list[Doc] = yield Call(
         "find",
-        ({"last_seen": {"$gt": now - within}},),
+        ({"last_seen": {"$gt": now - within}}, fields),
         {"sort": [("_id", ASCENDING)]},
         collection="workers",
     )

@@ -350,12 +350,13 @@ def retry(key: str, now: dt.datetime) -> Op[Doc]:
 
 def scan(
     names: Sequence[str],
-    worker_id: str,
+    worker_id: str | Sequence[str],
     limit: int,
     after: tuple[dt.datetime, str] | None = None,
 ) -> Op[list[Doc]]:
-    """One page of open tasks for ``names`` that this worker may run, soonest claimable first;
-    ``after`` is the (next_claim_at, key) of the previous page's last entry."""
+    """One page of open tasks for ``names`` that this worker (or one of these workers: a
+    host's relay scans for all of them) may run, soonest claimable first; ``after`` is the
+    (next_claim_at, key) of the previous page's last entry."""
     filt: Doc = {
         # Malformed documents are read too: the claim refuses them, and the worker then marks
         # them invalid (``quarantine``) instead of skipping them in silence.
@@ -363,7 +364,7 @@ def scan(
         "next_claim_at": {"$type": "date"},
         "$or": [
             {SPECIFIC: {"$size": 0}},
-            {SPECIFIC: worker_id},
+            {SPECIFIC: worker_id if isinstance(worker_id, str) else {"$in": list(worker_id)}},
             {SPECIFIC: {"$not": {"$type": "array"}}},
         ],
     }

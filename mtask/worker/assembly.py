@@ -33,8 +33,8 @@ from mtask.worker.presence import Assignment, Presence, WorkerState
 from mtask.worker.recorder import OutcomeRecorder
 from mtask.worker.scheduler import Scheduler
 from mtask.worker.service import Service
+from mtask.worker.shared_stream import SharedStream
 from mtask.worker.stream import OwnStream
-from mtask.worker.stream_relay import SharedStream
 from mtask.worker.watcher import Sweep, Watcher
 
 
@@ -67,6 +67,12 @@ class Assembly:
 
     def _lost(self, run_id: str, doc: dict[str, Any] | None) -> None:
         raise NotImplementedError
+
+    def _capacity(self) -> int:
+        """How many more tasks this worker can take now (``--stream shared``: its credit)."""
+        if self.state != "running" or self.recorder.unwritten > self.concurrency:
+            return 0
+        return self.claimer.concurrency - self.inflight.load - len(self.queue)
 
     def _build(self) -> None:
         """Every part, created together (clients connect on first use, inside ``run``)."""
@@ -183,6 +189,10 @@ class Assembly:
             lifecycle=self,
             wake=self.wake,
         )
+        if isinstance(self.stream, SharedStream):
+            # what the relay may hand this worker: free slots less runs, claims and queued keys
+            self.stream.capacity = self._capacity
+            self.inflight.on_free = self.stream.report_soon
         self.services: list[Service] = [
             _ChangeStream(self.watcher),
             Sweep(self.watcher),

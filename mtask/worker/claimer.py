@@ -160,6 +160,7 @@ class Claimer:
                 metrics.CLAIM_LATENCY.observe(time.monotonic() - sent)
                 for doc in docs:
                     self.executor.start(doc, sent)
+                    self.sink.claimed(doc)
                 self.stats.claimed += len(docs)
         if docs is None:
             await asyncio.sleep(0.5)
@@ -239,6 +240,7 @@ class Claimer:
         docs = await self._send([key], [name], now, hints, isolate_on_error=False, batch=batch)
         for doc in docs or ():
             self.executor.start(doc, sent, slot)
+            self.sink.claimed(doc)
             self.stats.claimed += 1
         if docs:
             return _Held()

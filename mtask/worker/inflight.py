@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from mtask.registry import TaskContext
@@ -51,9 +51,17 @@ class InFlight:
         """Runs in flight per key (a task may be run again before its previous run ended)."""
         self._claiming: set[str] = set()
         """Keys whose claim is on its way (``Claimer``)."""
+        self.on_free: Callable[[], None] = lambda: None
+        """Called when a slot may have freed (a run ended, a claim came back): the shared
+        stream tells its relay how many tasks this worker can take."""
 
     def __len__(self) -> int:
         return len(self.runs)
+
+    @property
+    def load(self) -> int:
+        """Runs in flight and keys being claimed: the slots taken or about to be."""
+        return len(self.runs) + len(self._claiming)
 
     def busy(self, key: str) -> bool:
         """True while ``key`` is being claimed or run here: the watcher does not queue it."""
@@ -68,6 +76,7 @@ class InFlight:
             yield
         finally:
             self._claiming.difference_update(keys)
+            self.on_free()
 
     def started(self, run: ActiveRun) -> None:
         self.runs[run.run_id] = run
@@ -78,6 +87,7 @@ class InFlight:
         left = self._keys.pop(run.key, 1) - 1
         if left:
             self._keys[run.key] = left
+        self.on_free()
 
     def get(self, run_id: str) -> ActiveRun | None:
         return self.runs.get(run_id)

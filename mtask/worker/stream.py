@@ -1,7 +1,7 @@
 """The worker's change stream: what it asks the server for (``stream_pipeline``), how it is
 followed across errors (``follow``: resumed after its last event, or reopened afresh with a
 rescan when history is lost), and ``OwnStream``, a watcher's own stream (``--stream own``).
-The host's shared stream (``--stream shared``) is ``stream_relay.SharedStream``; both are a
+The host's shared stream (``--stream shared``) is ``shared_stream.SharedStream``; both are a
 ``ChangeSource`` for the ``Watcher``.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pymongo.errors import OperationFailure, PyMongoError
@@ -26,22 +26,20 @@ log = logging.getLogger(__name__)
 FATAL_STREAM_CODES = {260, 280, 286}  # InvalidResumeToken, ChangeStreamFatalError, HistoryLost
 
 
-def stream_pipeline(tasks: str, worker_id: str | None) -> list[dict[str, Any]]:
-    """The worker's change stream: task inserts, deletes and changes of ``next_claim_at``
-    (except the worker's own claims and successes), and the controls, limits and schedules.
-
-    With ``worker_id=None``, the shared stream of a host (``stream_relay``): nobody's writes are
-    left out at the server, and the last-write tag is kept so that each subscriber drops its
-    own claims and successes (``own_write``), as the server would have."""
+def stream_pipeline(tasks: str, excluded: str | Sequence[str]) -> list[dict[str, Any]]:
+    """The change stream of a worker (``excluded``: its id) or of a host's relay (the ids of
+    its subscribers): task inserts, deletes and changes of ``next_claim_at``, except the
+    claims and successes of the ``excluded`` workers (they know what they wrote), and the
+    controls, limits and schedules."""
     changed: dict[str, Any] = {
         "operationType": "update",
         "updateDescription.updatedFields.next_claim_at": {"$exists": True},
     }
-    if worker_id is not None:
-        # The worker knows what it wrote. The server applies this to the oplog entries,
-        # before it builds an event.
+    ids = [excluded] if isinstance(excluded, str) else list(excluded)
+    if ids:
+        # The server applies this to the oplog entries, before it builds an event.
         changed[f"updateDescription.updatedFields.{store.LAST_WRITE}"] = {
-            "$nin": own_tags(worker_id)
+            "$nin": [tag for worker_id in ids for tag in own_tags(worker_id)]
         }
     task_events = {
         "ns.coll": tasks,
@@ -54,8 +52,6 @@ def stream_pipeline(tasks: str, worker_id: str | None) -> list[dict[str, Any]]:
         "updateDescription.updatedFields.next_claim_at": 1,
         **{f"fullDocument.{f}": 1 for f in ("_id", *store.PLACEMENT_FIELDS)},
     }
-    if worker_id is None:
-        projection[f"updateDescription.updatedFields.{store.LAST_WRITE}"] = 1
     return [
         {
             "$match": {
@@ -70,15 +66,6 @@ def own_tags(worker_id: str) -> list[str]:
     return [store.claim_tag(worker_id), store.success_tag(worker_id)]
 
 
-def own_write(change: Mapping[str, Any], worker_id: str) -> bool:
-    """True for an event the own stream's ``$match`` would have left out: an update that
-    carries this worker's claim or success tag (a shared stream keeps them for the others)."""
-    if change.get("operationType") != "update":
-        return False
-    fields = change.get("updateDescription", {}).get("updatedFields", {})
-    return fields.get(store.LAST_WRITE) in own_tags(worker_id)
-
-
 class ChangeSource(Protocol):
     """Where a watcher's change events come from: its own change stream (``OwnStream``) or
     the host's shared one (``stream_relay.SharedStream``). ``run`` calls ``watcher.opened()``
@@ -86,6 +73,15 @@ class ChangeSource(Protocol):
     ``watcher.settle()`` after it; it runs until cancelled."""
 
     async def run(self, watcher: Watcher) -> None: ...
+
+    def claimed(self, key: str, claim_at: Any) -> None:
+        """A dispatched worker claimed ``key`` (next claimable at ``claim_at``: its lease)."""
+
+    def held(self, key: str) -> None:
+        """A dispatched worker keeps ``key`` for later (a cluster-wide limit holds it back)."""
+
+    def succeeded(self, key: str) -> None:
+        """A dispatched worker recorded a success of ``key``."""
 
 
 class Reopen(Exception):
@@ -144,6 +140,15 @@ async def follow(
 
 class OwnStream:
     """The watcher's own change stream (``--stream own``)."""
+
+    def claimed(self, key: str, claim_at: Any) -> None:
+        pass  # the stream's own filter leaves out this worker's writes
+
+    def held(self, key: str) -> None:
+        pass
+
+    def succeeded(self, key: str) -> None:
+        pass
 
     async def run(self, watcher: Watcher) -> None:
         collection = watcher.driver.collections["tasks"]

@@ -74,6 +74,8 @@ class QueueSink(Protocol):
 
     def succeeded(self, key: str) -> None: ...
 
+    def claimed(self, doc: Mapping[str, Any]) -> None: ...
+
     def ignore(self, key: Any) -> None: ...
 
     def known(self, key: str) -> TaskMeta | None: ...
@@ -126,6 +128,10 @@ class Watcher:
         self._touched: set[str] | None = None
         self.rescan_requested = asyncio.Event()
         self._scanning = asyncio.Lock()
+        self.dispatched = False
+        """The host's relay hands this worker its tasks (``stream_relay``, dispatch): events
+        and scans place nothing, and what this worker claims, holds and finishes is told to
+        the relay, whose stream leaves those writes out."""
         self.rescans = 0
         self.stream_restarts = 0
         """Restarts of the change stream this watcher's events come from (when it is held in
@@ -141,6 +147,11 @@ class Watcher:
         """For a watcher used on its own (tests): queue these names."""
         self.assignment = Assignment(tuple(names))
 
+    @property
+    def scan_ids(self) -> str | tuple[str, ...]:
+        """Whose tasks a scan reads (``specific_worker_ids``): this worker's."""
+        return self.worker_id
+
     # -- placing tasks in the queue -------------------------------------------------------------
 
     def place(self, doc: Mapping[str, Any]) -> None:
@@ -152,11 +163,7 @@ class Watcher:
         specific = options.get("specific_worker_ids") or []
         if not isinstance(specific, list):
             raise TypeError("options.specific_worker_ids is not a list")  # malformed
-        if (
-            name not in self.names
-            or (specific and self.worker_id not in specific)
-            or key in self._ignored
-        ):
+        if name not in self.names or not self.may_run(key, specific) or key in self._ignored:
             self.forget(key)
             return
         priority = options.get("priority", 0)
@@ -170,6 +177,15 @@ class Watcher:
             timeout if isinstance(timeout, int) else None,
         )
         self._move(key, claim_at)
+
+    def may_run(self, key: str, specific: list[Any]) -> bool:
+        """Whether a task whose ``specific_worker_ids`` are ``specific`` is this worker's."""
+        return not specific or self.worker_id in specific
+
+    def rank(self, key: str, name: str) -> int:
+        """This worker's place among the live workers of ``name`` for ``key`` (stampede
+        control: the task is queued ``rank * stagger`` after its claim time)."""
+        return rendezvous_rank(key, self.worker_id, self.assignment.peers.get(name, ()))
 
     def timeouts(self, keys: list[str]) -> dict[str, int]:
         """The tasks' worker_timeout_ms as last seen (hints for the claim shortcut)."""
@@ -203,6 +219,8 @@ class Watcher:
         """Put a known task back in the queue at ``when`` (a limit held it back)."""
         if key in self.meta:
             self._move(key, when)
+            if self.dispatched:
+                self.source.held(key)  # this worker keeps it: the relay does not hand it on
 
     def forget(self, key: str) -> None:
         self.queue.discard(key)
@@ -214,6 +232,33 @@ class Watcher:
         if self._touched is not None:
             self._touched.add(key)
         self.forget(key)
+        if self.dispatched:
+            self.source.succeeded(key)
+
+    def claimed(self, doc: Mapping[str, Any]) -> None:
+        """This worker claimed the task of ``doc`` (its stream skips that event too)."""
+        if self.dispatched:
+            self.source.claimed(doc["_id"], doc.get("next_claim_at"))
+
+    def place_dispatched(self, key: str, name: str, priority: int, timeout: int | None) -> None:
+        """The relay handed this worker ``key``, due now (its claim decides)."""
+        if key in self._ignored or self.in_flight(key):
+            return
+        self.meta[key] = TaskMeta(name, priority, False, timeout)
+        self.queue.push(key, self.clock.now(), priority)
+        self.wake()
+
+    def to_dispatch(self) -> None:
+        """From now on the relay hands this worker its tasks: what its own stream or scans
+        queued goes (the relay has it too)."""
+        self.dispatched = True
+        self.queue.clear()
+        self.meta.clear()
+        self.ready.set()
+
+    def to_own(self) -> None:
+        """Back to finding work itself (its own stream: the relay is gone or silent)."""
+        self.dispatched = False
 
     def _move(self, key: str, claim_at: Any) -> None:
         """A known task's claim time changed (``None``: it finished)."""
@@ -224,8 +269,7 @@ class Watcher:
             self.queue.discard(key)
             return
         name, priority, specific, _ = self.meta[key]
-        rank = rendezvous_rank(key, self.worker_id, self.assignment.peers.get(name, ()))
-        self.queue.push(key, claim_at + rank * self.stagger, priority, specific)
+        self.queue.push(key, claim_at + self.rank(key, name) * self.stagger, priority, specific)
         self.wake()
 
     def on_change(self, change: Mapping[str, Any]) -> None:
@@ -305,7 +349,10 @@ class Watcher:
     async def rescan(self) -> int:
         """Page through every open task for our names, soonest first, until the queue is full.
         Rescans run one at a time: the stream's reopen may ask for one while the sweep's runs,
-        and a scan's state (``_touched``, the cleared queue) is its own."""
+        and a scan's state (``_touched``, the cleared queue) is its own. A worker the relay
+        dispatches to has nothing to scan: the relay's host queue scans for the host."""
+        if self.dispatched:
+            return 0
         async with self._scanning:
             return await self._rescan()
 
@@ -318,7 +365,7 @@ class Watcher:
         try:
             while self.names and len(self.queue) < self.queue.max_size:
                 page = await self.driver.run(
-                    store.scan(self.names, self.worker_id, self.page_size, after)
+                    store.scan(self.names, self.scan_ids, self.page_size, after)
                 )
                 for doc in page:
                     if self.queue.full:  # the rest is later than everything kept

@@ -19,7 +19,7 @@ from harness import wait_for
 from pymongo import MongoClient
 
 from mtask import TaskClient, driver, store
-from mtask.worker.stream_relay import endpoint
+from mtask.worker.relay_wire import endpoint
 
 TESTS = Path(__file__).parents[1]
 sys.path.insert(0, str(TESTS / "chaos"))

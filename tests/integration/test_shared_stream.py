@@ -1,19 +1,19 @@
-"""The host's shared change stream with several workers in one process (the relay works the
-same whether its subscribers are processes or ``Worker`` objects): a slow subscriber is
-dropped, reconnects and rescans; a stopped relay is taken over."""
+"""The host's relay with several workers in one process (the relay works the same whether its
+subscribers are processes or ``Worker`` objects): one claim attempt per task, keys handed to
+the workers allowed to run them, a dropped subscriber back, a stopped relay taken over."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
 from harness import running_worker, wait_for
 from workerapp import registry
 
 from mtask import TaskClient
-from mtask.worker import stream_relay
-from mtask.worker.stream_relay import SharedStream
+from mtask.worker import Worker
+from mtask.worker.shared_stream import SharedStream
 
 
 def shared(worker: Any) -> SharedStream:
@@ -25,55 +25,67 @@ def done(client: TaskClient, count: int) -> bool:
     return client.collection.count_documents({"status": "succeeded"}) == count
 
 
-async def test_a_slow_subscriber_is_dropped_then_reconnects_and_rescans(
-    mongo_uri: str, db_name: str, client: TaskClient, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(stream_relay, "SUBSCRIBER_BUFFER", 65536)
-    async with running_worker(
-        registry, mongo_uri, db_name, worker_id="a", stream="shared", concurrency=20
-    ) as (
-        a,
-        _,
-    ):
-        relay = shared(a).relay
-        assert relay is not None and relay.solo  # alone: the server leaves out its own writes
-        a_rescans = a.watcher.rescans
-        async with running_worker(
-            registry, mongo_uri, db_name, worker_id="b", stream="shared", concurrency=20
-        ) as (
-            b,
-            b_events,
-        ):
-            assert shared(b).relay is None  # the endpoint was taken: b subscribes
-            await wait_for(lambda: len(relay.subscribers) == 2 and not relay.solo, timeout=60)
-            await wait_for(lambda: relay.switches == 1)  # resumed with the shared pipeline
-            assert a.watcher.rescans == a_rescans  # no gap: a had nothing to rescan
-
-            unblocked = asyncio.Event()
-            settle = b.watcher.settle
-
-            async def slow_settle() -> None:
-                await unblocked.wait()  # b reads no more frames: its buffer at the relay fills
-                await settle()
-
-            b.watcher.settle = slow_settle  # type: ignore[method-assign]
-            connections, rescans = shared(b).connections, b.watcher.rescans
-            client.publish_many(
-                [
-                    {"name": "add", "key": f"t{i:04}", "params": {"a": i, "b": 1}}
-                    for i in range(3000)
-                ]
+@contextlib.asynccontextmanager
+async def workers(
+    uri: str, db: str, ids: list[str], **kwargs: Any
+) -> AsyncIterator[list[tuple[Worker, Any]]]:
+    async with contextlib.AsyncExitStack() as stack:
+        started = []
+        for worker_id in ids:
+            started.append(
+                await stack.enter_async_context(
+                    running_worker(
+                        registry, uri, db, worker_id=worker_id, stream="shared", **kwargs
+                    )
+                )
             )
-            await wait_for(lambda: relay.dropped >= 1, timeout=60)
-            assert list(relay.subscribers.values()) == ["a"]  # a's own subscription goes on
-            unblocked.set()
-            await wait_for(lambda: shared(b).connections > connections, timeout=30)
-            await wait_for(lambda: b.watcher.rescans > rescans, timeout=60)  # after it reconnected
-            # b hears events again: a task only b may run
-            client.publish("add", "for-b", {"a": 1, "b": 2}, options={"specific_worker_ids": ["b"]})
-            await b_events.wait("recorded", key="for-b")
-            await wait_for(lambda: done(client, 3001), timeout=300)
-            assert a.state == b.state == "running"
+        yield started
+
+
+async def test_the_relay_hands_each_task_to_one_worker(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    async with workers(mongo_uri, db_name, ["a", "b", "c"], concurrency=4) as crew:
+        relay = shared(crew[0][0]).relay
+        assert relay is not None and all(shared(w).relay is None for w, _ in crew[1:])
+        await wait_for(lambda: len(relay.subscribers) == 3 and relay.excluded == ("a", "b", "c"))
+        client.publish_many(
+            [{"name": "add", "key": f"t{i:03}", "params": {"a": i, "b": 1}} for i in range(300)]
+        )
+        await wait_for(lambda: done(client, 300), timeout=120)
+        stats = [w.stats for w, _ in crew]
+        assert sum(s.claimed for s in stats) == 300
+        assert sum(s.claim_attempts for s in stats) == 300  # nobody raced for a task
+        assert all(s.claimed > 0 for s in stats)  # and every worker got some
+        assert relay.dispatcher.handed >= 300
+        # a task only one worker may run is handed to that one
+        client.publish("add", "for-c", {"a": 1, "b": 2}, options={"specific_worker_ids": ["c"]})
+        await crew[2][1].wait("recorded", key="for-c")
+
+
+async def test_a_dropped_subscriber_reconnects_and_gets_tasks_again(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """The relay drops a subscriber past its buffer (tests/unit/test_stream_relay.py): the
+    subscriber connects again, and the keys handed to it meanwhile are handed on."""
+    async with workers(mongo_uri, db_name, ["a", "b"], concurrency=20) as crew:
+        (a, _), (b, b_events) = crew
+        relay = shared(a).relay
+        assert relay is not None
+        await wait_for(lambda: len(relay.subscribers) == 2)
+        connections = shared(b).connections
+        [b_sub] = [s for s, worker_id in relay.subscribers.items() if worker_id == "b"]
+        relay.drop(b_sub)
+        assert relay.dropped == 1 and list(relay.subscribers.values()) == ["a"]
+        await wait_for(lambda: shared(b).connections > connections)
+        await wait_for(lambda: sorted(relay.subscribers.values()) == ["a", "b"])
+        client.publish("add", "for-b", {"a": 1, "b": 2}, options={"specific_worker_ids": ["b"]})
+        await b_events.wait("recorded", key="for-b")
+        client.publish_many(
+            [{"name": "add", "key": f"t{i:03}", "params": {"a": i, "b": 1}} for i in range(100)]
+        )
+        await wait_for(lambda: done(client, 101), timeout=60)
+        assert a.state == b.state == "running"
 
 
 async def test_a_stopped_relay_is_taken_over(
@@ -98,7 +110,7 @@ async def test_a_stopped_relay_is_taken_over(
             await wait_for(lambda: len(shared(b).relay.subscribers) == 2)  # type: ignore[union-attr]
             task = shared(b)._relay_task
             assert task is not None
-            rescans = c.watcher.rescans
+            connections = shared(c).connections
             task.cancel()  # the relay goes (as in a crash of its process, its sockets close)
 
             def live_relays() -> list[SharedStream]:
@@ -106,7 +118,7 @@ async def test_a_stopped_relay_is_taken_over(
                 return [s for s in streams if s._relay_task and not s._relay_task.done()]
 
             await wait_for(lambda: len(live_relays()) == 1)  # the bind race: one winner
-            await wait_for(lambda: c.watcher.rescans > rescans)  # reconnected and rescanned
+            await wait_for(lambda: shared(c).connections > connections)
             client.publish("add", "for-c", {"a": 2, "b": 2}, options={"specific_worker_ids": ["c"]})
             await c_events.wait("recorded", key="for-c")
             client.publish("add", "for-b", {"a": 3, "b": 3}, options={"specific_worker_ids": ["b"]})

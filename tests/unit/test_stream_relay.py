@@ -11,8 +11,12 @@ import bson
 import pytest
 
 from mtask import store
-from mtask.worker.stream import own_write, stream_pipeline
-from mtask.worker.stream_relay import Local, Relay, _Socket, decode, endpoint, frame, read_frame
+from mtask.clock import FixedClock
+from mtask.worker.dispatch import Dispatcher
+from mtask.worker.presence import Assignment
+from mtask.worker.relay_wire import decode, endpoint, frame, read_frame
+from mtask.worker.stream import stream_pipeline
+from mtask.worker.stream_relay import Local, Relay, _Socket
 
 WHEN = dt.datetime(2026, 11, 23, 12, 0, tzinfo=dt.UTC)
 
@@ -64,27 +68,20 @@ def test_endpoint_names_one_collection() -> None:
     assert len(name.encode()) < 108  # sun_path
 
 
-def update(tag: Any) -> dict[str, Any]:
-    fields = {"next_claim_at": WHEN}
-    if tag is not None:
-        fields[store.LAST_WRITE] = tag
-    return {"operationType": "update", "updateDescription": {"updatedFields": fields}}
-
-
-def test_a_subscriber_drops_its_own_claims_and_successes_only() -> None:
-    assert own_write(update(store.claim_tag("w1")), "w1")
-    assert own_write(update(store.success_tag("w1")), "w1")
-    assert not own_write(update(store.claim_tag("w2")), "w1")
-    assert not own_write(update(None), "w1")  # a release, a retry, a cancel
-    assert not own_write({"operationType": "insert", "fullDocument": {"_id": "k"}}, "w1")
-
-
-def test_the_shared_pipeline_keeps_everyones_writes_and_their_tags() -> None:
-    own, shared = stream_pipeline("tasks", "w1"), stream_pipeline("tasks", None)
-    assert "$nin" in repr(own) and "$nin" not in repr(shared)
+def test_the_relays_pipeline_leaves_out_the_claims_and_successes_of_its_subscribers() -> None:
+    one, host = stream_pipeline("tasks", "w1"), stream_pipeline("tasks", ("w1", "w2"))
     tag = f"updateDescription.updatedFields.{store.LAST_WRITE}"
-    assert tag in shared[1]["$project"] and tag not in own[1]["$project"]
-    assert own[0]["$match"]["$or"][1] == shared[0]["$match"]["$or"][1]  # controls etc. alike
+    assert one[0]["$match"]["$or"][0]["$or"][1][tag] == {
+        "$nin": [store.claim_tag("w1"), store.success_tag("w1")]
+    }
+    assert host[0]["$match"]["$or"][0]["$or"][1][tag]["$nin"] == [
+        store.claim_tag(w) if i % 2 == 0 else store.success_tag(w)
+        for w in ("w1", "w2")
+        for i in range(2)
+    ]
+    nobody = stream_pipeline("tasks", ())
+    assert tag not in nobody[0]["$match"]["$or"][0]["$or"][1]  # every write's event
+    assert one[0]["$match"]["$or"][1] == host[0]["$match"]["$or"][1]  # controls etc. alike
 
 
 class FakeTransport:
@@ -118,8 +115,12 @@ def connection(pending: int = 0) -> tuple[_Socket, FakeWriter]:
 
 
 def relay_with(buffer: int = 100, **subscribers: Any) -> Relay:
-    relay = Relay(database=None, tasks="tasks", owner="me", buffer=buffer)
-    relay.subscribers = {sub: name for name, sub in subscribers.items()}
+    relay = Relay(None, "tasks", "me", buffer, Dispatcher.build(None, "me", FixedClock(WHEN),
+                  Assignment(("n",)), 30.0, 25.0, 100))  # fmt: skip
+    for name, sub in subscribers.items():
+        if isinstance(sub, _Socket | Local):
+            sub.relay = relay
+        relay._add(sub, name, ["n"], 1)
     return relay
 
 
@@ -130,16 +131,18 @@ async def test_a_slow_subscriber_is_dropped_and_never_blocks_the_others() -> Non
     assert len(frame(EVENT)) == 20
     (fast, fast_writer), (slow, slow_writer) = connection(), connection(pending=90)
     relay = relay_with(me=fast, slow=slow)
+    relay.loop = asyncio.get_running_loop()
     relay.broadcast(EVENT)
     relay.broadcast(EVENT)
     await asyncio.sleep(0)  # one write per turn of the loop
     assert fast_writer.sent == [frame(EVENT) * 2] and slow_writer.sent == []
     assert slow_writer.transport.aborted and relay.dropped == 1
-    assert list(relay.subscribers.values()) == ["me"]
-    assert relay._switch  # alone again: back to the pipeline that leaves out its own writes
+    assert list(relay.subscribers.values()) == ["me"] and list(relay.dispatcher.subscribers)
+    assert relay._switch  # its writes are no longer left out: the stream's filter changes
     for _ in range(4):
         relay.broadcast(EVENT)
     assert fast_writer.transport.aborted and relay.dropped == 2  # 6 * 20 > 100: even the owner
+    assert not relay.dispatcher.subscribers
 
 
 async def test_a_subscriber_in_the_relays_process_gets_documents_bounded_alike() -> None:
@@ -151,12 +154,20 @@ async def test_a_subscriber_in_the_relays_process_gets_documents_bounded_alike()
     for n in range(3, 6):
         relay.broadcast({"n": n})  # the sixth would be one over
     assert relay.dropped == 1 and not relay.subscribers
-    assert await local.next() is None  # dropped: it reconnects and rescans
+    assert await local.next() is None  # dropped: it reconnects
 
 
-def test_the_relay_leaves_out_its_own_writes_only_while_it_is_alone() -> None:
-    relay = relay_with(me=connection()[0])
-    assert "$nin" in repr(relay._pipeline()) and relay.solo
-    relay._add(Local(), "other")
-    assert relay._switch
-    assert "$nin" not in repr(relay._pipeline()) and not relay.solo
+def test_what_a_subscriber_reports_reaches_the_dispatcher() -> None:
+    local = Local()
+    relay = relay_with(buffer=10_000, me=local)
+    dispatcher = relay.dispatcher
+    for key in ("k1", "k2"):
+        dispatcher.host.place({"_id": key, "name": "n", "status": "pending",
+                               "next_claim_at": WHEN, "options": {}})  # fmt: skip
+    relay.report(local, {"free": 5, "got": 0, "names": ["n", "m"]})
+    assert dispatcher.subscribers[local].credit == 5 and dispatcher.host.names == ["m", "n"]
+    assert dispatcher.hand_out(WHEN) == 2 and local.items[-1] == {
+        "d": [["k1", "n", 0, None], ["k2", "n", 0, None]]
+    }
+    relay.report(local, {"claimed": [["k1", WHEN]], "done": ["k2"]})
+    assert not dispatcher.awaiting and set(dispatcher.host.queue.entries) == {"k1"}

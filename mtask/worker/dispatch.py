@@ -1,0 +1,324 @@
+"""The host's claim queue and its dispatcher: one producer for every worker on a host.
+
+With ``--stream shared`` the worker process that holds the host's relay (``stream_relay``)
+also holds the host's claim queue (``HostQueue``, a ``Watcher`` for every subscriber's names),
+fed by the relay's one change stream, its scans and its sweep. The ``Dispatcher`` hands each
+due task to **one** subscriber with a free slot, which claims it as before: the claim still
+decides, and the relay never writes to a task. So a task costs one claim attempt however many
+workers the host runs, and each event is read by one process, not by all of them.
+
+- **Credit.** A subscriber says how many more tasks it can take (``free``: its slots less its
+  runs, claims on their way and keys waiting in its queue) and how many handed-over keys it has
+  received (``got``). Its credit is ``free - (sent - got)``: what the relay may still send it.
+- **The host knows what it wrote.** The relay's stream leaves out its subscribers' claims and
+  successes (the ``last_write`` tag, as an own stream leaves out its worker's): a subscriber
+  tells the relay instead (``claimed`` with the lease's end, ``succeeded``), and ``held`` for a
+  key a cluster-wide limit keeps back.
+- **Events are hints; the claim decides; the sweep bounds a loss.** A key handed over waits for
+  its claim (``awaiting``) until ``HAND_OVER_TIMEOUT``: then it goes back in the host queue. A
+  subscriber that goes gives its awaited keys back at once. Any event for an awaited key ends
+  the wait (another host claimed it, it was cancelled, it failed). The host queue rescans when
+  the stream (re)opens and every sweep.
+- **Hosts stagger.** Each host's relay hands a task on at ``claim time + rank * stagger``, where
+  ``rank`` is the host's place in a rendezvous hash of the key over the hosts that run its name
+  (``Assignment.hosts``): within a host nobody races; across hosts, the first-ranked claims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from mtask.worker.watcher import Watcher, rendezvous_rank
+
+log = logging.getLogger(__name__)
+
+HAND_OVER_TIMEOUT = 5.0
+"""Seconds a handed-over key waits for its claim before it goes back in the host queue."""
+TICK = 1.0
+"""Seconds between two frames to an idle subscriber: the relay is alive (``stream_relay``)."""
+
+
+class Channel(Protocol):
+    """Where a subscriber's frames go (a connection, or a worker in the relay's own loop)."""
+
+    def dispatch(self, entries: list[list[Any]]) -> None: ...
+
+    def tick(self) -> None: ...
+
+
+@dataclass(eq=False)
+class Subscriber:
+    """A subscribed worker, as the relay sees it."""
+
+    channel: Channel
+    worker_id: str
+    names: frozenset[str]
+    free: int
+    """Tasks it said it can take, when it last said so."""
+    sent: int = 0
+    """Keys handed to it so far."""
+    got: int = 0
+    """Keys it had received when it last said ``free``."""
+    last_frame: float = field(default_factory=time.monotonic)
+
+    @property
+    def credit(self) -> int:
+        return self.free - (self.sent - self.got)
+
+
+class HostQueue(Watcher):
+    """The claim queue of every worker on the host: a ``Watcher`` whose names are its
+    subscribers' and whose tasks may name any of them in ``specific_worker_ids``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._names: list[str] = []
+        super().__init__(*args, **kwargs)
+        self.worker_ids: tuple[str, ...] = ()
+        self.specific: dict[str, frozenset[str]] = {}
+        """The ``specific_worker_ids`` of queued tasks that name some."""
+        self.host = socket.gethostname()
+
+    @property
+    def names(self) -> list[str]:
+        """Every subscriber's names (the relay's worker's ``Assignment`` gives the hosts)."""
+        return self._names
+
+    @names.setter
+    def names(self, names: list[str]) -> None:
+        self._names = list(names)
+
+    @property
+    def scan_ids(self) -> str | tuple[str, ...]:
+        return self.worker_ids
+
+    def may_run(self, key: str, specific: list[Any]) -> bool:
+        if not specific:
+            self.specific.pop(key, None)
+            return True
+        allowed = frozenset(s for s in specific if isinstance(s, str))
+        if allowed.isdisjoint(self.worker_ids):
+            return False
+        self.specific[key] = allowed
+        return True
+
+    def rank(self, key: str, name: str) -> int:
+        return rendezvous_rank(key, self.host, self.assignment.hosts.get(name, ()))
+
+    def forget(self, key: str) -> None:
+        super().forget(key)
+        self.specific.pop(key, None)
+
+
+class Dispatcher:
+    """Hands the host queue's due keys to subscribers with credit, one subscriber a key."""
+
+    def __init__(self, host: HostQueue, now: Callable[[], dt.datetime]) -> None:
+        self.host = host
+        self.now = now
+        self.subscribers: dict[Channel, Subscriber] = {}
+        self.awaiting: dict[str, tuple[Subscriber, float]] = {}
+        """Keys handed over and not yet claimed: to whom, and until when (monotonic)."""
+        self.wake = asyncio.Event()
+        self._turn = 0
+        self._stuck = False
+        """Due keys are left that no subscriber with credit may run: wait for a change."""
+        self.handed = 0
+        self.returned = 0
+        """Keys that went back in the host queue (no claim in time, or their worker went)."""
+
+    # -- subscribers --------------------------------------------------------------------------
+
+    def add(self, channel: Channel, worker_id: str, names: list[str], free: int) -> None:
+        self.subscribers[channel] = Subscriber(channel, worker_id, frozenset(names), free)
+        self._refresh()
+
+    def remove(self, channel: Channel) -> None:
+        gone = self.subscribers.pop(channel, None)
+        if gone is None:
+            return
+        for key, (to, _) in list(self.awaiting.items()):
+            if to is gone:
+                self._give_back(key)
+        self._refresh()
+
+    def report(self, channel: Channel, free: int, got: int, names: list[str] | None = None) -> None:
+        """A subscriber's ``free`` slots, having received ``got`` keys (and its names)."""
+        sub = self.subscribers.get(channel)
+        if sub is None:
+            return
+        sub.free, sub.got = free, got
+        if names is not None and frozenset(names) != sub.names:
+            sub.names = frozenset(names)
+            self._refresh()
+        if sub.credit > 0:
+            self.wake.set()
+
+    def _refresh(self) -> None:
+        """The subscribers changed: the host queue's names and worker ids follow; new names
+        or workers may have tasks already, so the host queue scans again."""
+        names = sorted(set().union(*(s.names for s in self.subscribers.values())))
+        ids = tuple(sorted(s.worker_id for s in self.subscribers.values()))
+        grew = not set(names) <= set(self.host.names) or not set(ids) <= set(self.host.worker_ids)
+        self.host.names = names
+        self.host.worker_ids = ids
+        if grew:
+            self.host.request_rescan()
+        self.wake.set()
+
+    # -- what the subscribers and the stream say about keys -----------------------------------
+
+    def claimed(self, key: str, claim_at: Any) -> None:
+        """A subscriber claimed ``key``: next claimable at ``claim_at`` (its lease's end), when
+        the host queue takes it over should the claimer die."""
+        self.awaiting.pop(key, None)
+        if not isinstance(claim_at, dt.datetime):
+            self.host.forget(key)
+        elif key in self.host.meta:
+            self.host.requeue_at(key, claim_at)
+
+    def held(self, key: str) -> None:
+        """A subscriber keeps ``key`` (a limit holds it back): not the host queue's any more."""
+        self.awaiting.pop(key, None)
+        self.host.forget(key)
+
+    def succeeded(self, key: str) -> None:
+        self.awaiting.pop(key, None)
+        self.host.succeeded(key)
+
+    def on_event(self, key: Any) -> None:
+        """The stream said something of ``key``: a wait for its claim is over."""
+        self.awaiting.pop(key, None)
+
+    def _give_back(self, key: str) -> None:
+        self.awaiting.pop(key, None)
+        self.returned += 1
+        if key in self.host.meta:
+            self.host.requeue_at(key, self.now())
+
+    # -- handing out ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Until cancelled: hand out what is due, give back what waited too long, tick."""
+        while True:
+            self.wake.clear()
+            timeout = self.run_once()
+            if timeout is None or timeout > 0:
+                try:
+                    async with asyncio.timeout(timeout):
+                        await self.wake.wait()
+                except TimeoutError:
+                    pass
+
+    def run_once(self) -> float | None:
+        """One round; returns how long to sleep at most."""
+        now_mono = time.monotonic()
+        for key, (_, until) in list(self.awaiting.items()):
+            if until <= now_mono:
+                self._give_back(key)
+        now = self.now()
+        self.hand_out(now)
+        if self.host.queue.needs_refill(now):
+            self.host.request_rescan()
+        for sub in self.subscribers.values():
+            if now_mono - sub.last_frame >= TICK:
+                sub.channel.tick()
+                sub.last_frame = now_mono
+        waits = [TICK]
+        next_due = self.host.queue.next_due(now)
+        can_take = any(s.credit > 0 for s in self.subscribers.values())
+        if next_due is not None and can_take and not (self._stuck and next_due <= now):
+            waits.append(max(0.0, (next_due - now).total_seconds()))
+        if self.awaiting:
+            waits.append(max(0.0, min(u for _, u in self.awaiting.values()) - now_mono))
+        return min(waits)
+
+    def hand_out(self, now: dt.datetime) -> int:
+        """Hand every due key a subscriber can take to one such subscriber."""
+        credit = sum(max(0, s.credit) for s in self.subscribers.values())
+        self._stuck = False
+        if credit <= 0:
+            return 0
+        batches: dict[Subscriber, list[list[Any]]] = {}
+        kept: list[str] = []
+        deadline = time.monotonic() + HAND_OVER_TIMEOUT
+        for key in self.host.queue.pop_due(now, credit):
+            meta = self.host.meta.get(key)
+            sub = None if meta is None else self._choose(key, meta.name)
+            if meta is None or sub is None:
+                kept.append(key)
+                continue
+            sub.sent += 1
+            self.awaiting[key] = (sub, deadline)
+            batches.setdefault(sub, []).append(
+                [key, meta.name, meta.priority, meta.worker_timeout_ms]
+            )
+        for key in kept:  # due, but nobody with credit may run it now
+            meta = self.host.meta.get(key)
+            if meta is not None:
+                self.host.queue.push(key, now, meta.priority, meta.specific)
+        self._stuck = bool(kept)
+        for sub, entries in batches.items():
+            sub.channel.dispatch(entries)
+            sub.last_frame = time.monotonic()
+            self.handed += len(entries)
+        return sum(len(e) for e in batches.values())
+
+    def _choose(self, key: str, name: str) -> Subscriber | None:
+        """The next subscriber (round robin) with credit that runs ``name`` and may run
+        ``key``."""
+        subs = list(self.subscribers.values())
+        allowed: frozenset[str] | None = self.host.specific.get(key)
+        for i in range(len(subs)):
+            sub = subs[(self._turn + i) % len(subs)]
+            if sub.credit <= 0 or name not in sub.names:
+                continue
+            if allowed is not None and sub.worker_id not in allowed:
+                continue
+            self._turn = (self._turn + i + 1) % len(subs)
+            return sub
+        return None
+
+    @classmethod
+    def build(
+        cls,
+        driver: Any,
+        worker_id: str,
+        clock: Any,
+        assignment: Any,
+        sweep_interval: float,
+        stagger_ms: float,
+        queue_size: int,
+    ) -> Dispatcher:
+        """A dispatcher and its host queue, for the relay of ``worker_id``'s process."""
+        from mtask.worker.claim_queue import ClaimQueue
+
+        holder: list[Dispatcher] = []
+        host = HostQueue(
+            driver,
+            worker_id=worker_id,
+            queue=ClaimQueue(queue_size),
+            clock=clock,
+            wake=lambda: holder[0].wake.set(),
+            in_flight=lambda key: key in holder[0].awaiting,
+            sweep_interval=sweep_interval,
+            stagger_ms=stagger_ms,
+            assignment=assignment,
+        )
+        holder.append(cls(host, clock.now))
+        return holder[0]
+
+    def stats(self) -> Mapping[str, int]:
+        return {
+            "subscribers": len(self.subscribers),
+            "handed": self.handed,
+            "returned": self.returned,
+            "awaiting": len(self.awaiting),
+            "queued": len(self.host.queue),
+        }

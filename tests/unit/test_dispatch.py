@@ -1,0 +1,162 @@
+"""The host's dispatcher without MongoDB: credit, one subscriber a key, names and
+``specific_worker_ids``, keys given back, and what the subscribers report."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from mtask.clock import FixedClock
+from mtask.worker import dispatch
+from mtask.worker.dispatch import Dispatcher
+from mtask.worker.presence import Assignment
+
+NOW = dt.datetime(2046, 3, 1, 12, 0, tzinfo=dt.UTC)
+
+
+class Channel:
+    def __init__(self) -> None:
+        self.handed: list[list[Any]] = []
+        self.ticks = 0
+
+    def dispatch(self, entries: list[list[Any]]) -> None:
+        self.handed += entries
+
+    def tick(self) -> None:
+        self.ticks += 1
+
+    def keys(self) -> list[str]:
+        return [e[0] for e in self.handed]
+
+
+def build() -> tuple[Dispatcher, FixedClock]:
+    clock = FixedClock(NOW)
+    return Dispatcher.build(None, "w0", clock, Assignment(("n",)), 30.0, 25.0, 1000), clock
+
+
+def task(key: str, name: str = "n", **options: Any) -> dict[str, Any]:
+    return {"_id": key, "name": name, "status": "pending", "next_claim_at": NOW, "options": options}
+
+
+def test_each_due_key_goes_to_one_subscriber_with_credit_in_turn() -> None:
+    d, _ = build()
+    a, b = Channel(), Channel()
+    d.add(a, "a", ["n"], 2)
+    d.add(b, "b", ["n"], 1)
+    for i in range(5):
+        d.host.place(task(f"k{i}"))
+    assert d.hand_out(NOW) == 3  # all the credit there is
+    assert sorted(a.keys() + b.keys()) == ["k0", "k1", "k2"]
+    assert len(a.handed) == 2 and len(b.handed) == 1  # round robin, within each one's credit
+    assert set(d.awaiting) == {"k0", "k1", "k2"} and len(d.host.queue) == 2
+    assert d.hand_out(NOW) == 0  # no credit left: the rest waits in the host queue
+    d.report(a, free=1, got=2)  # a took its two; one slot free
+    assert d.hand_out(NOW) == 1 and a.keys()[-1] in ("k3", "k4")
+    assert a.handed[0][1:] == ["n", 0, None]  # name, priority, worker_timeout_ms
+
+
+def test_credit_counts_what_is_on_its_way() -> None:
+    d, _ = build()
+    a = Channel()
+    d.add(a, "a", ["n"], 2)
+    for i in range(4):
+        d.host.place(task(f"k{i}"))
+    d.hand_out(NOW)
+    d.report(a, free=2, got=0)  # said before it got the two: they still count
+    assert d.subscribers[a].credit == 0 and d.hand_out(NOW) == 0
+    d.report(a, free=2, got=2)  # got them, and has two more slots
+    assert d.hand_out(NOW) == 2
+
+
+def test_names_and_specific_workers_decide_who_may_take_a_key() -> None:
+    d, _ = build()
+    a, b = Channel(), Channel()
+    d.add(a, "a", ["n"], 5)
+    d.add(b, "b", ["m"], 5)
+    d.host.place(task("for-b", "m"))
+    d.host.place(task("only-a", specific_worker_ids=["a"]))
+    d.host.place(task("nobody-here", specific_worker_ids=["elsewhere"]))
+    assert "nobody-here" not in d.host.meta  # no subscriber may run it: not queued
+    d.hand_out(NOW)
+    assert a.keys() == ["only-a"] and b.keys() == ["for-b"]
+
+
+def test_a_key_nobody_with_credit_may_take_stays_queued() -> None:
+    d, _ = build()
+    a, b = Channel(), Channel()
+    d.add(a, "a", ["n"], 5)
+    d.add(b, "b", ["m"], 0)
+    d.host.place(task("for-b", "m"))
+    assert d.hand_out(NOW) == 0 and "for-b" in d.host.queue
+    assert d.run_once() == dispatch.TICK  # stuck: no busy loop, waits for a change
+    d.report(b, free=1, got=0)
+    assert d.hand_out(NOW) == 1 and b.keys() == ["for-b"]
+
+
+def test_a_key_not_claimed_in_time_or_whose_subscriber_went_goes_back() -> None:
+    d, _ = build()
+    a, b = Channel(), Channel()
+    d.add(a, "a", ["n"], 1)
+    d.add(b, "b", ["n"], 1)
+    d.host.place(task("k0"))
+    d.host.place(task("k1"))
+    d.hand_out(NOW)
+    d.awaiting["k0"] = (d.awaiting["k0"][0], 0.0)  # its time is up
+    d.run_once()
+    assert d.returned >= 1
+    who = d.awaiting.get("k1", (None,))[0]
+    d.remove(who.channel if who is not None else a)
+    assert "k1" not in d.awaiting and d.returned == 2
+
+
+def test_what_a_subscriber_claimed_waits_for_its_lease_and_what_it_finished_goes() -> None:
+    d, _ = build()
+    a = Channel()
+    d.add(a, "a", ["n"], 3)
+    for key in ("run", "done", "held"):
+        d.host.place(task(key))
+    d.hand_out(NOW)
+    lease = NOW + dt.timedelta(seconds=30)
+    d.claimed("run", lease)
+    assert "run" not in d.awaiting and d.host.queue.entries["run"].claim_at == lease
+    d.succeeded("done")
+    d.held("held")
+    assert not d.awaiting and set(d.host.queue.entries) == {"run"}
+    d.on_event("run")  # an event for a key not awaited: nothing to do
+    assert d.hand_out(lease) == 0  # no credit reported back yet
+    d.report(a, free=1, got=3)
+    assert d.hand_out(lease) == 1 and a.keys()[-1] == "run"  # its lease ran out: hand it on
+
+
+def test_an_event_for_a_handed_key_ends_the_wait() -> None:
+    d, _ = build()
+    a = Channel()
+    d.add(a, "a", ["n"], 1)
+    d.host.place(task("k"))
+    d.hand_out(NOW)
+    d.on_event("k")  # e.g. another host claimed it: the stream says so
+    assert not d.awaiting
+
+
+def test_new_names_or_workers_make_the_host_queue_scan_again() -> None:
+    d, _ = build()
+    d.add(Channel(), "a", ["n"], 1)
+    assert d.host.rescan_requested.is_set()
+    d.host.rescan_requested.clear()
+    d.add(Channel(), "b", ["n"], 1)  # a new worker: tasks may name it
+    assert d.host.rescan_requested.is_set() and d.host.worker_ids == ("a", "b")
+    d.host.rescan_requested.clear()
+    c = Channel()
+    d.add(c, "c", ["n"], 1)
+    d.host.rescan_requested.clear()
+    d.remove(c)  # fewer: nothing new to find
+    assert not d.host.rescan_requested.is_set() and d.host.names == ["n"]
+
+
+def test_idle_subscribers_get_ticks() -> None:
+    d, _ = build()
+    a = Channel()
+    d.add(a, "a", ["n"], 1)
+    d.subscribers[a].last_frame -= dispatch.TICK
+    d.run_once()
+    assert a.ticks == 1
