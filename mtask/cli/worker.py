@@ -114,9 +114,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stream",
         choices=["own", "shared"],
-        default="own",
-        help="own (default): this worker's own change stream; shared: one stream per host, "
-        "shared by the worker processes on it",
+        default="shared",
+        help="shared (default): the worker processes of a host share one change stream and "
+        "one claim queue, and each task goes to one of them; own: each its own",
     )
     # -- handler isolation (issue 18) --
     p.add_argument(

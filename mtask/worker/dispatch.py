@@ -84,6 +84,12 @@ class HostQueue(Watcher):
         self.specific: dict[str, frozenset[str]] = {}
         """The ``specific_worker_ids`` of queued tasks that name some."""
         self.host = socket.gethostname()
+        self.active = True
+        """False while the relay's own worker is its only subscriber and finds its own work:
+        the host queue then holds nothing and scans nothing."""
+
+    async def rescan(self) -> int:
+        return await super().rescan() if self.active else 0
 
     @property
     def names(self) -> list[str]:
@@ -195,6 +201,14 @@ class Dispatcher:
     def on_event(self, key: Any) -> None:
         """The stream said something of ``key``: a wait for its claim is over."""
         self.awaiting.pop(key, None)
+
+    def clear(self) -> None:
+        """Forget the host's tasks (its one worker finds its own work again)."""
+        self.host.active = False
+        self.awaiting.clear()
+        self.host.queue.clear()
+        self.host.meta.clear()
+        self.host.specific.clear()
 
     def _give_back(self, key: str) -> None:
         self.awaiting.pop(key, None)

@@ -2,7 +2,9 @@
 the tasks collection, length-prefixed BSON frames, and the peer's credentials.
 
 Relay to subscriber: ``{"relay": "open"}`` (the relay's stream is open: from now on the relay
-hands this worker its tasks), ``{"relay": "tick"}`` (alive, nothing to say), ``{"d": [[key,
+hands this worker its tasks), ``{"relay": "own"}`` (to the relay's own worker while it is the
+only subscriber: the task events follow, find work yourself), ``{"relay": "tick"}`` (alive,
+nothing to say), ``{"d": [[key,
 name, priority, worker_timeout_ms], …]}`` (tasks handed over, due now), and the change events
 of ``controls``, ``limits`` and ``schedules`` as they come. Subscriber to relay: its hello
 (``{"hello": PROTOCOL, "worker_id", "names", "free"}``), then reports: ``free`` and ``got``
@@ -27,6 +29,7 @@ from mtask.connection import CODEC_OPTIONS
 PROTOCOL = 2
 MAX_FRAME = 16 * 1024 * 1024 + 16 * 1024
 OPEN = {"relay": "open"}
+OWN = {"relay": "own"}
 TICK = {"relay": "tick"}
 
 

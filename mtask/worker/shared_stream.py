@@ -86,8 +86,10 @@ class SharedStream:
         self.report_soon()
 
     def report_soon(self) -> None:
-        """Say it once this turn of the event loop is over (one frame for all of it)."""
-        if self._send is not None and self._flush is None:
+        """Say it once this turn of the event loop is over (one frame for all of it); only
+        while the relay hands this worker its tasks."""
+        dispatched = self._watcher is not None and self._watcher.dispatched
+        if dispatched and self._send is not None and self._flush is None:
             self._flush = asyncio.get_running_loop().call_soon(self._report)
 
     def _report(self) -> None:
@@ -208,8 +210,14 @@ class SharedStream:
                         watcher.place_dispatched(key, name, priority, timeout)
                     self._got += len(doc["d"])
                     self.report_soon()
-                elif "relay" not in doc:  # a control, limit or schedule changed
+                elif doc.get("relay") == "own":  # alone with the relay: find work yourself
+                    watcher.to_own()
+                    await watcher.opened()
+                elif "relay" not in doc:  # a task's event (alone) or a control, limit, schedule
                     watcher.on_change(doc)
+                    if not watcher.dispatched:
+                        await asyncio.sleep(0)  # let a woken claimer send its claim first
+                        await watcher.settle()
         finally:
             self._send = None
             if self._flush is not None:
@@ -217,7 +225,9 @@ class SharedStream:
                 self._flush = None
 
     async def _fall_back(self, watcher: Watcher, why: str) -> None:
-        log.warning("cannot share the host's change stream (%s); using an own one", why)
+        # not Linux: expected, so quietly; a squatted or broken endpoint: worth a warning
+        level = logging.INFO if "Linux" in why else logging.WARNING
+        log.log(level, "cannot share the host's change stream (%s); using an own one", why)
         self.fallback = True
         watcher.to_own()
         await OwnStream().run(watcher)

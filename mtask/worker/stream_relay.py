@@ -18,6 +18,11 @@ included. The subscriber claims it as before (``shared_stream.py``).
   subscriber comes or goes the stream is reopened with the new tags, resuming after its last
   event (no gap, no rescan).
 - The change events of ``controls``, ``limits`` and ``schedules`` go to every subscriber.
+- While the relay's own worker is its only subscriber (one worker process on the host: the
+  common case), nothing is handed out: the relay passes that worker its task events as an own
+  stream would (``{"relay": "own"}``), at an own stream's cost. When another subscriber comes,
+  the host queue scans and the relay hands out again; when it is alone again, its worker
+  scans for itself.
 - A slow subscriber never blocks the relay: writes are buffered per subscriber up to
   ``SUBSCRIBER_BUFFER`` bytes; past that the subscriber is dropped and reconnects.
 - If the relay dies (kill -9 included: the kernel closes its sockets), its subscribers see the
@@ -39,7 +44,7 @@ from typing import Any
 from bson.errors import BSONError
 
 from mtask.worker.dispatch import Dispatcher
-from mtask.worker.relay_wire import OPEN, PROTOCOL, TICK, decode, frame, peer, read_frame
+from mtask.worker.relay_wire import OPEN, OWN, PROTOCOL, TICK, decode, frame, peer, read_frame
 from mtask.worker.stream import Reopen, follow, stream_pipeline
 from mtask.worker.watcher import Sweep
 
@@ -165,6 +170,8 @@ class Relay:
         self.open = False
         self.excluded: tuple[str, ...] = ()
         """The workers whose claims and successes the stream in use leaves out."""
+        self.direct: Local | None = None
+        """The relay's own worker, while it is the only subscriber: it gets the task events."""
         self._switch = False
         self._flush_soon: asyncio.Handle | None = None
         self._unyielded = 0
@@ -224,7 +231,7 @@ class Relay:
         self.subscribers[subscriber] = worker_id
         self.dispatcher.add(subscriber, worker_id, names, free)
         self._note_change()
-        if self.open:
+        if self.open and self.direct is None:
             subscriber.send(OPEN)
 
     def remove(self, subscriber: Subscriber) -> None:
@@ -232,6 +239,29 @@ class Relay:
             self.dispatcher.remove(subscriber)
             self._note_change()
         subscriber.close()
+
+    def _alone(self) -> Local | None:
+        """The relay's own worker, if it is the only subscriber."""
+        if len(self.subscribers) != 1:
+            return None
+        [(subscriber, worker_id)] = self.subscribers.items()
+        return subscriber if isinstance(subscriber, Local) and worker_id == self.owner else None
+
+    def _set_direct(self) -> None:
+        """Hand out or pass events on, as the subscribers are now."""
+        alone = self._alone()
+        if alone is self.direct:
+            return
+        was, self.direct = self.direct, alone
+        if not self.open:
+            return
+        if alone is not None:  # alone again: the host queue's work is its own worker's
+            self.dispatcher.clear()
+            alone.send(OWN)
+        elif was is not None:  # no longer alone: the host queue scans and hands out
+            self.dispatcher.host.active = True
+            self.dispatcher.host.request_rescan()
+            self.broadcast(OPEN)
 
     def drop(self, subscriber: Subscriber) -> None:
         """A subscriber past its buffer: it goes (it reconnects)."""
@@ -258,6 +288,7 @@ class Relay:
     def _note_change(self) -> None:
         if self.excluded != tuple(sorted(self.subscribers.values())):
             self._switch = True
+        self._set_direct()
 
     # -- the stream ---------------------------------------------------------------------------
 
@@ -266,6 +297,13 @@ class Relay:
         return stream_pipeline(self.tasks, self.excluded)
 
     async def _opened(self) -> None:
+        self.direct = self._alone()
+        if self.direct is not None:
+            self.dispatcher.clear()
+            self.open = True
+            self.direct.send(OWN)  # its worker scans, as after an own stream's (re)open
+            return
+        self.dispatcher.host.active = True
         await self.dispatcher.host.opened()  # the host queue scans: nothing slips between
         self.open = True
         self.broadcast(OPEN)
@@ -275,6 +313,8 @@ class Relay:
         if change is not None:
             if change.get("ns", {}).get("coll") in OTHER_COLLECTIONS:
                 self.broadcast(change)
+            elif self.direct is not None:
+                self.direct.send(change)
             else:
                 self.dispatcher.on_event(change.get("documentKey", {}).get("_id"))
                 host.on_change(change)
@@ -282,7 +322,8 @@ class Relay:
             if self._unyielded >= YIELD_EVERY:  # a large batch: let the dispatcher hand out
                 self._unyielded = 0
                 await asyncio.sleep(0)
-        await host.settle()
+        if self.direct is None:
+            await host.settle()
         if self._switch:  # a subscriber came or went: its tags in the filter, from here on
             self._switch = False
             self.switches += 1

@@ -152,3 +152,38 @@ async def test_own_streams_when_asked(
         assert set(runs_per_task(client, keys).values()) == {1}
     finally:
         await asyncio.to_thread(stop, procs)
+
+
+async def test_a_frozen_relay_is_left_for_own_streams(
+    mongo_uri: str, mongo: Mongo, db_name: str, client: TaskClient
+) -> None:
+    """SIGSTOP the relay's process: its connections stay open but say nothing. The other
+    processes leave it after 5 s of silence and find their work with streams of their own;
+    once it thaws, nothing ran twice."""
+    lease = {"worker_timeout_ms": 2000, "ping_interval_ms": 300}
+    procs = [
+        spawn(mongo_uri, db_name, "--worker-id", f"w{i}", "--stream", "shared") for i in range(3)
+    ]
+    frozen: subprocess.Popen[str] | None = None
+    try:
+        await wait_for(lambda: len(client.workers()) == 3, timeout=60)
+        first = await wait_for(lambda: relay_pid(mongo, db_name), timeout=30)
+        frozen = next(p for p in procs if p.pid == first)
+        warm = publish(client, "w", 20, **lease)
+        await wait_for(lambda: finished(client, warm), timeout=60)
+        frozen.send_signal(signal.SIGSTOP)
+        keys = publish(client, "f", 40, **lease)
+        await wait_for(lambda: finished(client, keys), timeout=90)
+        runs = runs_per_task(client, keys)
+        workers = {d["result"]["worker"] for d in client.collection.find({"_id": {"$in": keys}})}
+        assert f"w{procs.index(frozen)}" not in workers and len(workers) == 2
+        frozen.send_signal(signal.SIGCONT)
+        frozen = None
+        after = publish(client, "a", 20, **lease)
+        await wait_for(lambda: finished(client, after), timeout=60)
+        assert set(runs.values()) == {1} and set(runs_per_task(client, after).values()) == {1}
+        assert client.collection.count_documents({"status": {"$ne": "succeeded"}}) == 0
+    finally:
+        if frozen is not None:
+            frozen.send_signal(signal.SIGCONT)
+        await asyncio.to_thread(stop, procs)
