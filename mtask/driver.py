@@ -133,6 +133,22 @@ def storage_error(exc: PyMongoError) -> StorageError:
     return StorageError(text, transient=transient, document=document, timed_out=timed_out)
 
 
+def cancel_requests() -> int:
+    """The current task's pending cancellation requests (0 outside a task)."""
+    task = asyncio.current_task()
+    return task.cancelling() if task is not None else 0
+
+
+def raise_if_cancelled(before: int) -> None:
+    """Raise the cancellation an await swallowed. On Python 3.11 ``asyncio.wait_for``, which
+    pymongo's async driver sends with, can return its result and drop a cancellation requested
+    in the same turn (fixed in 3.12: gh-86296); the task then runs on with the request pending,
+    and a worker stopping waits for it for ever. ``before`` is ``cancel_requests()`` from
+    before the await: a request that arrived during it and raised nothing was swallowed."""
+    if cancel_requests() > before:
+        raise asyncio.CancelledError
+
+
 def _limit(call: Call) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext() if call.timeout is None else pymongo.timeout(call.timeout)
 
@@ -213,11 +229,13 @@ class AsyncDriver:
         try:
             call = next(op)
             while True:
+                before = cancel_requests()
                 try:
                     result = await self._call(call, session)
                 except PyMongoError as exc:
                     call = op.throw(exc)
                 else:
+                    raise_if_cancelled(before)
                     call = op.send(result)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]

@@ -44,7 +44,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import OperationFailure, PyMongoError
 from pymongo.synchronous.collection import Collection
 
-from mtask.driver import Doc
+from mtask.driver import Doc, cancel_requests, raise_if_cancelled
 from mtask.errors import EventsLost, StorageError
 from mtask.models import FINISHED_STATUSES
 
@@ -242,7 +242,9 @@ async def follow(
                 if on_open is not None:
                     await on_open()
                 while stream.alive:
+                    before = cancel_requests()
                     change = await stream.try_next()
+                    raise_if_cancelled(before)  # pymongo's send may swallow one (driver.py)
                     if change is not None and _invalidated(change):
                         at.lost("the collection was dropped or renamed")
                         break

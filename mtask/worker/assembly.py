@@ -72,7 +72,7 @@ class Assembly:
         """How many more tasks this worker can take now (``--stream shared``: its credit)."""
         if self.state != "running" or self.recorder.unwritten > self.concurrency:
             return 0
-        return self.claimer.concurrency - self.inflight.load - len(self.queue)
+        return self.claimer.concurrency - self.inflight.load - self.queue.due(self.clock.now())
 
     def _build(self) -> None:
         """Every part, created together (clients connect on first use, inside ``run``)."""

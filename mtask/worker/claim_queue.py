@@ -118,6 +118,15 @@ class ClaimQueue:
             out.append(key)
         return out
 
+    def due(self, now: dt.datetime) -> int:
+        """How many entries are claimable at ``now``."""
+        self._promote(now)
+        return sum(1 for *_, seq, key in self._ready if self._live(key, seq))
+
+    def _live(self, key: str, seq: int) -> bool:
+        entry = self.entries.get(key)
+        return entry is not None and entry.seq == seq
+
     def next_due(self, now: dt.datetime) -> dt.datetime | None:
         """When the next entry becomes due (``now`` if one is due already)."""
         self._promote(now)

@@ -112,6 +112,7 @@ class OutcomeRecorder:
                 Event.RECORDED, key=outcome.key, run_id=outcome.run_id, state=outcome.state.value
             )
         self.wake.set()  # their slots are free now
+        self.inflight.on_free()  # and the backpressure may have eased
 
     async def record(self, batch: list[Outcome]) -> int:
         """Write the outcomes not yet written (a transactional SUCCESS is committed already and

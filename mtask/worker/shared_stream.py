@@ -70,6 +70,8 @@ class SharedStream:
         self._held: list[str] = []
         self._done: list[str] = []
         self._flush: asyncio.Handle | None = None
+        self._free: int | None = None
+        """The ``free`` last told: a tick from the relay makes it say a changed one."""
 
     # -- what the worker tells the relay --------------------------------------------------------
 
@@ -96,7 +98,8 @@ class SharedStream:
         self._flush = None
         if self._send is None or self._watcher is None:
             return
-        message: dict[str, Any] = {"free": max(0, self.capacity()), "got": self._got}
+        self._free = max(0, self.capacity())
+        message: dict[str, Any] = {"free": self._free, "got": self._got}
         names = list(self._watcher.names)
         if names != self._names:
             message["names"] = self._names = names
@@ -201,28 +204,35 @@ class SharedStream:
                     raise RelaySilent from None
                 if doc is None:
                     return
-                handed = "d" in doc or doc.get("relay") == "open"
-                if handed and not watcher.dispatched:  # what it found itself: the relay has it
-                    watcher.to_dispatch()
-                    self.report_soon()
-                if "d" in doc:
-                    for key, name, priority, timeout in doc["d"]:
-                        watcher.place_dispatched(key, name, priority, timeout)
-                    self._got += len(doc["d"])
-                    self.report_soon()
-                elif doc.get("relay") == "own":  # alone with the relay: find work yourself
-                    watcher.to_own()
-                    await watcher.opened()
-                elif "relay" not in doc:  # a task's event (alone) or a control, limit, schedule
-                    watcher.on_change(doc)
-                    if not watcher.dispatched:
-                        await asyncio.sleep(0)  # let a woken claimer send its claim first
-                        await watcher.settle()
+                await self._on_frame(doc, watcher)
         finally:
             self._send = None
             if self._flush is not None:
                 self._flush.cancel()
                 self._flush = None
+
+    async def _on_frame(self, doc: Mapping[str, Any], watcher: Watcher) -> None:
+        """One frame from the relay (``relay_wire``)."""
+        relay = doc.get("relay")
+        if ("d" in doc or relay == "open") and not watcher.dispatched:
+            watcher.to_dispatch()  # what it found itself goes: the relay has it
+            self.report_soon()
+        if "d" in doc:
+            for key, name, priority, timeout in doc["d"]:
+                watcher.place_dispatched(key, name, priority, timeout)
+            self._got += len(doc["d"])
+            self.report_soon()
+        elif relay == "own":  # alone with the relay: find work yourself
+            watcher.to_own()
+            await watcher.opened()
+        elif relay == "tick":
+            if watcher.dispatched and max(0, self.capacity()) != self._free:
+                self.report_soon()  # a safety net: credit is never stuck
+        elif relay is None:  # a task's event (alone), or a control, limit or schedule's
+            watcher.on_change(doc)
+            if not watcher.dispatched:
+                await asyncio.sleep(0)  # let a woken claimer send its claim first
+                await watcher.settle()
 
     async def _fall_back(self, watcher: Watcher, why: str) -> None:
         # not Linux: expected, so quietly; a squatted or broken endpoint: worth a warning

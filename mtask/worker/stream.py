@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pymongo.errors import OperationFailure, PyMongoError
 
 from mtask import store
+from mtask.driver import cancel_requests, raise_if_cancelled
 from mtask.errors import StorageError
 
 if TYPE_CHECKING:
@@ -113,7 +114,9 @@ async def follow(
                 # A closed stream (invalidated: the database or collection was dropped)
                 # answers try_next with None at once: reopen it rather than spin.
                 while stream.alive:
+                    before = cancel_requests()
                     change = await stream.try_next()
+                    raise_if_cancelled(before)  # pymongo's send may swallow one (driver.py)
                     token = stream.resume_token
                     if change is not None and change.get("operationType") == "invalidate":
                         token = None  # nothing to resume after: reopen afresh and rescan

@@ -211,9 +211,18 @@ class Watcher:
         except StorageError as exc:  # the sweep brings them back
             log.warning("cannot re-read tasks to requeue them: %s", exc, extra={"keys": len(keys)})
             return
+        gone = set(keys)
         for doc in docs:
+            key = doc.get("_id")
+            if isinstance(doc.get("next_claim_at"), dt.datetime):
+                gone.discard(key)
             if doc.get("well_formed") is False or not due_by(doc, later_than):
                 self.place_safely(doc)  # a malformed one is noted for quarantine
+                if self.dispatched and key in self.meta:
+                    self.source.held(key)  # this worker claims it when it is due
+        if self.dispatched:
+            for key in gone:  # finished or deleted: the relay's queue lets it go
+                self.source.succeeded(key)
 
     def requeue_at(self, key: str, when: dt.datetime) -> None:
         """Put a known task back in the queue at ``when`` (a limit held it back)."""
