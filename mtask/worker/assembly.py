@@ -193,6 +193,7 @@ class Assembly:
             # what the relay may hand this worker: free slots less runs, claims and queued keys
             self.stream.capacity = self._capacity
             self.inflight.on_free = self.stream.report_soon
+            self.presence.stream_state = self.stream.state
         self.services: list[Service] = [
             _ChangeStream(self.watcher),
             Sweep(self.watcher),

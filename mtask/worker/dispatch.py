@@ -19,6 +19,13 @@ workers the host runs, and each event is read by one process, not by all of them
   subscriber that goes gives its awaited keys back at once. Any event for an awaited key ends
   the wait (another host claimed it, it was cancelled, it failed). The host queue rescans when
   the stream (re)opens and every sweep.
+- **A claim that misses is said.** A subscriber whose claim of a due key missed (it may not run
+  it: a task of ``concurrency`` > 1 it runs or ran already) says ``missed``; the key goes back
+  in the host queue for another subscriber, and is not handed to that one again until an event
+  for the key or a sweep interval has passed (``refused``). A task of ``concurrency`` > 1 that
+  one subscriber claimed stays in the host queue for the others; one it succeeded at is read
+  again (it may be open still: no event says so); one found finished or deleted (``gone``) is
+  let go.
 - **Hosts stagger.** Each host's relay hands a task on at ``claim time + rank * stagger``, where
   ``rank`` is the host's place in a rendezvous hash of the key over the hosts that run its name
   (``Assignment.hosts``): within a host nobody races; across hosts, the first-ranked claims.
@@ -83,6 +90,8 @@ class HostQueue(Watcher):
         self.worker_ids: tuple[str, ...] = ()
         self.specific: dict[str, frozenset[str]] = {}
         """The ``specific_worker_ids`` of queued tasks that name some."""
+        self.multi: set[str] = set()
+        """Queued tasks of ``concurrency`` > 1 (several subscribers may run each)."""
         self.host = socket.gethostname()
         self.active = True
         """False while the relay's own worker is its only subscriber and finds its own work:
@@ -117,9 +126,22 @@ class HostQueue(Watcher):
     def rank(self, key: str, name: str) -> int:
         return rendezvous_rank(key, self.host, self.assignment.hosts.get(name, ()))
 
+    def place(self, doc: Mapping[str, Any]) -> None:
+        super().place(doc)
+        key = doc["_id"]
+        if len(self.multi) > len(self.meta):  # the watcher let its memory go (bounded)
+            self.multi &= self.meta.keys()
+            self.specific = {k: v for k, v in self.specific.items() if k in self.meta}
+        concurrency = (doc.get("options") or {}).get("concurrency")
+        if key in self.meta and isinstance(concurrency, int) and concurrency > 1:
+            self.multi.add(key)
+        else:
+            self.multi.discard(key)
+
     def forget(self, key: str) -> None:
         super().forget(key)
         self.specific.pop(key, None)
+        self.multi.discard(key)
 
 
 class Dispatcher:
@@ -133,8 +155,11 @@ class Dispatcher:
         """Keys handed over and not yet claimed: to whom, and until when (monotonic)."""
         self.wake = asyncio.Event()
         self._turn = 0
+        self._pruned = 0.0
         self._stuck = False
         """Due keys are left that no subscriber with credit may run: wait for a change."""
+        self.refused: dict[str, dict[Subscriber, float]] = {}
+        """Keys some subscribers cannot claim now: who, and until when (monotonic)."""
         self.handed = 0
         self.returned = 0
         """Keys that went back in the host queue (no claim in time, or their worker went)."""
@@ -152,6 +177,10 @@ class Dispatcher:
         for key, (to, _) in list(self.awaiting.items()):
             if to is gone:
                 self._give_back(key)
+        for key, subs in list(self.refused.items()):
+            subs.pop(gone, None)
+            if not subs:
+                del self.refused[key]
         self._refresh()
 
     def report(self, channel: Channel, free: int, got: int, names: list[str] | None = None) -> None:
@@ -180,35 +209,92 @@ class Dispatcher:
 
     # -- what the subscribers and the stream say about keys -----------------------------------
 
-    def claimed(self, key: str, claim_at: Any) -> None:
-        """A subscriber claimed ``key``: next claimable at ``claim_at`` (its lease's end), when
-        the host queue takes it over should the claimer die."""
-        self.awaiting.pop(key, None)
+    def claimed(self, key: str, claim_at: Any, by: Channel | None = None) -> None:
+        """A subscriber claimed ``key``: next claimable at ``claim_at`` (its lease's end, or now
+        while a task of ``concurrency`` > 1 has a free slot), when the host queue takes it over
+        should the claimer die."""
+        self._end_wait(key, by)
         if not isinstance(claim_at, dt.datetime):
-            self.host.forget(key)
-        elif key in self.host.meta:
+            self.forget(key)
+            return
+        if key in self.host.multi:  # it runs it: the next slot is for another subscriber
+            self._refuse(key, by)
+        if key in self.host.meta:
             self.host.requeue_at(key, claim_at)
 
     def held(self, key: str) -> None:
         """A subscriber keeps ``key`` (a limit holds it back): not the host queue's any more."""
         self.awaiting.pop(key, None)
+        self.forget(key)
+
+    def succeeded(self, key: str, by: Channel | None = None) -> None:
+        """A subscriber recorded a success of ``key`` (its event is not in the stream)."""
+        self._end_wait(key, by)
+        if key in self.host.multi and key in self.host.meta:
+            # concurrency > 1: it may be open still, for another subscriber; the host queue
+            # reads it again (``settle``, within a stream wait), and places it or lets it go
+            self._refuse(key, by)
+            self.host.unknown.add(key)
+            self.host.queue.discard(key)
+        else:
+            self.refused.pop(key, None)
+            self.host.succeeded(key)
+
+    def missed(self, key: str, by: Channel | None = None) -> None:
+        """A subscriber's claim of ``key`` missed although it was due: hand it to another."""
+        self._end_wait(key, by)
+        self._refuse(key, by)
+        if key in self.host.meta:
+            self.host.requeue_at(key, self.now())
+
+    def gone(self, key: str) -> None:
+        """A subscriber found ``key`` finished or deleted."""
+        self.awaiting.pop(key, None)
+        self.forget(key)
+
+    def forget(self, key: str) -> None:
+        self.refused.pop(key, None)
         self.host.forget(key)
 
-    def succeeded(self, key: str) -> None:
-        self.awaiting.pop(key, None)
-        self.host.succeeded(key)
+    def _end_wait(self, key: str, by: Channel | None) -> None:
+        """``by`` said what became of ``key``: if it was handed to ``by``, the wait is over
+        (a task of ``concurrency`` > 1 may be on its way to another subscriber meanwhile)."""
+        waiting = self.awaiting.get(key)
+        if waiting is not None and (by is None or waiting[0].channel is by):
+            del self.awaiting[key]
+
+    def _refuse(self, key: str, by: Channel | None) -> None:
+        """Do not hand ``key`` to ``by`` for a sweep interval, or until an event for it comes
+        (it runs or ran it, or its claim missed): the sweep bounds a mistake."""
+        sub = None if by is None else self.subscribers.get(by)
+        if sub is not None:
+            self.refused.setdefault(key, {})[sub] = time.monotonic() + self.host.sweep_interval
+
+    def _refusers(self, key: str, now_mono: float) -> dict[Subscriber, float]:
+        subs = self.refused.get(key)
+        if subs is None:
+            return {}
+        for sub in [s for s, until in subs.items() if until <= now_mono]:
+            del subs[sub]
+        if not subs:
+            del self.refused[key]
+        return subs
 
     def on_event(self, key: Any) -> None:
-        """The stream said something of ``key``: a wait for its claim is over."""
+        """The stream said something of ``key``: a wait for its claim is over, and whoever
+        could not claim it may try again."""
         self.awaiting.pop(key, None)
+        self.refused.pop(key, None)
 
     def clear(self) -> None:
         """Forget the host's tasks (its one worker finds its own work again)."""
         self.host.active = False
         self.awaiting.clear()
+        self.refused.clear()
         self.host.queue.clear()
         self.host.meta.clear()
         self.host.specific.clear()
+        self.host.multi.clear()
 
     def _give_back(self, key: str) -> None:
         self.awaiting.pop(key, None)
@@ -236,6 +322,10 @@ class Dispatcher:
         for key, (_, until) in list(self.awaiting.items()):
             if until <= now_mono:
                 self._give_back(key)
+        if now_mono - self._pruned >= TICK:
+            self._pruned = now_mono
+            for key in list(self.refused):
+                self._refusers(key, now_mono)
         now = self.now()
         self.hand_out(now)
         if self.host.queue.needs_refill(now):
@@ -261,10 +351,20 @@ class Dispatcher:
             return 0
         batches: dict[Subscriber, list[list[Any]]] = {}
         kept: list[str] = []
-        deadline = time.monotonic() + HAND_OVER_TIMEOUT
+        now_mono = time.monotonic()
+        deadline = now_mono + HAND_OVER_TIMEOUT
         for key in self.host.queue.pop_due(now, credit):
             meta = self.host.meta.get(key)
-            sub = None if meta is None else self._choose(key, meta.name)
+            refusers = self._refusers(key, now_mono)
+            sub = None if meta is None else self._choose(key, meta.name, refusers)
+            if meta is not None and sub is None and refusers:
+                retry = self._all_refused(key, meta.name, refusers)
+                if retry is not None:
+                    # every subscriber that may take it cannot claim it now: until that
+                    # changes (an event, a lease's end), it waits out of the way
+                    after = dt.timedelta(seconds=retry - now_mono)
+                    self.host.queue.push(key, now + after, meta.priority, meta.specific)
+                    continue
             if meta is None or sub is None:
                 kept.append(key)
                 continue
@@ -284,14 +384,25 @@ class Dispatcher:
             self.handed += len(entries)
         return sum(len(e) for e in batches.values())
 
-    def _choose(self, key: str, name: str) -> Subscriber | None:
-        """The next subscriber (round robin) with credit that runs ``name`` and may run
-        ``key``."""
+    def _all_refused(self, key: str, name: str, refusers: dict[Subscriber, float]) -> float | None:
+        """When every subscriber that may run ``key`` refuses it: the first refusal's end."""
+        allowed = self.host.specific.get(key)
+        for sub in self.subscribers.values():
+            eligible = name in sub.names and (allowed is None or sub.worker_id in allowed)
+            if eligible and sub not in refusers:
+                return None
+        return min(refusers.values())
+
+    def _choose(
+        self, key: str, name: str, refusers: Mapping[Subscriber, float] | None = None
+    ) -> Subscriber | None:
+        """The next subscriber (round robin) with credit that runs ``name``, may run ``key``
+        and did not just fail to claim it."""
         subs = list(self.subscribers.values())
         allowed: frozenset[str] | None = self.host.specific.get(key)
         for i in range(len(subs)):
             sub = subs[(self._turn + i) % len(subs)]
-            if sub.credit <= 0 or name not in sub.names:
+            if sub.credit <= 0 or name not in sub.names or (refusers and sub in refusers):
                 continue
             if allowed is not None and sub.worker_id not in allowed:
                 continue
@@ -334,5 +445,6 @@ class Dispatcher:
             "handed": self.handed,
             "returned": self.returned,
             "awaiting": len(self.awaiting),
+            "refused": len(self.refused),
             "queued": len(self.host.queue),
         }

@@ -17,7 +17,7 @@ import datetime as dt
 import logging
 import os
 import socket
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -118,6 +118,8 @@ class Presence(PeriodicService):
         self.beats = 0
         self.pool: ProcessPool | None = None
         """The worker's process pool, whose children the heartbeat shows (issue 18)."""
+        self.stream_state: Callable[[], dict[str, Any]] | None = None
+        """What the heartbeat shows of the host's shared stream (``SharedStream.state``)."""
 
     async def wait(self) -> None:
         await event_or_timeout(self.controls_changed, self.interval)
@@ -173,6 +175,8 @@ class Presence(PeriodicService):
         }
         if self.pool is not None:
             doc["pool"] = pool_document(self.pool, now or self.clock.now())
+        if self.stream_state is not None:
+            doc["stream"] = self.stream_state()
         return doc
 
 

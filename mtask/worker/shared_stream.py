@@ -5,8 +5,8 @@ winner holds the relay (``stream_relay.Relay``) and subscribes to it in memory, 
 connect. A subscriber then finds no work itself: the relay hands it tasks due now
 (``Watcher.place_dispatched``), and it tells the relay how many more it can take (``free``,
 ``got``: its credit), and what it claimed, holds back or finished (the relay's stream leaves
-those writes out). Everything else about a task — the claim, the run, the outcome — is as
-with an own stream.
+those writes out), could not claim, or found gone. Everything else about a task — the claim,
+the run, the outcome — is as with an own stream.
 
 - A relay that goes (its connection ends) is raced for: one subscriber binds, the others
   connect, and the new relay's host queue scans.
@@ -69,6 +69,8 @@ class SharedStream:
         self._claimed: list[list[Any]] = []
         self._held: list[str] = []
         self._done: list[str] = []
+        self._missed: list[str] = []
+        self._gone: list[str] = []
         self._flush: asyncio.Handle | None = None
         self._free: int | None = None
         """The ``free`` last told: a tick from the relay makes it say a changed one."""
@@ -85,6 +87,14 @@ class SharedStream:
 
     def succeeded(self, key: str) -> None:
         self._done.append(key)
+        self.report_soon()
+
+    def missed(self, key: str) -> None:
+        self._missed.append(key)
+        self.report_soon()
+
+    def gone(self, key: str) -> None:
+        self._gone.append(key)
         self.report_soon()
 
     def report_soon(self) -> None:
@@ -107,11 +117,31 @@ class SharedStream:
             ("claimed", self._claimed),
             ("held", self._held),
             ("done", self._done),
+            ("missed", self._missed),
+            ("gone", self._gone),
         ):
             if items:
                 message[field] = list(items)
                 items.clear()
         self._send(message)
+
+    def state(self) -> dict[str, Any]:
+        """For the heartbeat: what this worker's side of the shared stream is doing, and the
+        relay's counters if it holds the relay."""
+        dispatched = self._watcher is not None and self._watcher.dispatched
+        state: dict[str, Any] = {
+            "mode": "own" if self.fallback else "dispatched" if dispatched else "alone",
+            "connections": self.connections,
+            "left_silent": self.left_silent,
+        }
+        relay = self.relay
+        if relay is not None and self._relay_task is not None and not self._relay_task.done():
+            state["relay"] = {
+                **relay.dispatcher.stats(),
+                "direct": relay.direct is not None,
+                "dropped": relay.dropped,
+            }
+        return state
 
     # -- following the relay --------------------------------------------------------------------
 

@@ -84,6 +84,12 @@ class ChangeSource(Protocol):
     def succeeded(self, key: str) -> None:
         """A dispatched worker recorded a success of ``key``."""
 
+    def missed(self, key: str) -> None:
+        """A dispatched worker's claim of ``key`` missed although it was due."""
+
+    def gone(self, key: str) -> None:
+        """A dispatched worker found ``key`` finished or deleted."""
+
 
 class Reopen(Exception):
     """Raised by a ``follow`` callback: reopen the stream after the last event (resume)."""
@@ -151,6 +157,12 @@ class OwnStream:
         pass
 
     def succeeded(self, key: str) -> None:
+        pass
+
+    def missed(self, key: str) -> None:
+        pass
+
+    def gone(self, key: str) -> None:
         pass
 
     async def run(self, watcher: Watcher) -> None:

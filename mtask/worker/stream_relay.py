@@ -272,14 +272,19 @@ class Relay:
         self.remove(subscriber)
 
     def report(self, subscriber: Subscriber, message: Mapping[str, Any]) -> None:
-        """What a subscriber said: its credit, its names, what it claimed, holds, finished."""
+        """What a subscriber said: its credit, its names, what it claimed, holds, finished,
+        could not claim, found gone."""
         dispatcher = self.dispatcher
         for key, claim_at in message.get("claimed") or ():
-            dispatcher.claimed(key, claim_at)
+            dispatcher.claimed(key, claim_at, subscriber)
         for key in message.get("held") or ():
             dispatcher.held(key)
         for key in message.get("done") or ():
-            dispatcher.succeeded(key)
+            dispatcher.succeeded(key, subscriber)
+        for key in message.get("missed") or ():
+            dispatcher.missed(key, subscriber)
+        for key in message.get("gone") or ():
+            dispatcher.gone(key)
         if "free" in message:
             dispatcher.report(
                 subscriber, int(message["free"]), int(message.get("got", 0)), message.get("names")

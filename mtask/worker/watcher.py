@@ -220,9 +220,11 @@ class Watcher:
                 self.place_safely(doc)  # a malformed one is noted for quarantine
                 if self.dispatched and key in self.meta:
                     self.source.held(key)  # this worker claims it when it is due
+            elif self.dispatched and isinstance(key, str) and key not in gone:
+                self.source.missed(key)  # due, and not ours to take: the relay hands it on
         if self.dispatched:
             for key in gone:  # finished or deleted: the relay's queue lets it go
-                self.source.succeeded(key)
+                self.source.gone(key)
 
     def requeue_at(self, key: str, when: dt.datetime) -> None:
         """Put a known task back in the queue at ``when`` (a limit held it back)."""

@@ -63,6 +63,32 @@ async def test_the_relay_hands_each_task_to_one_worker(
         await crew[2][1].wait("recorded", key="for-c")
 
 
+async def test_a_task_of_concurrency_two_is_run_by_two_workers_without_a_sweep(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """The relay's stream leaves out its subscribers' claims and successes: a task that needs
+    two workers must still reach the second one by what they report (not by a sweep)."""
+    async with workers(mongo_uri, db_name, ["a", "b"], concurrency=1, sweep_interval=3600) as crew:
+        relay = shared(crew[0][0]).relay
+        assert relay is not None
+        await wait_for(lambda: len(relay.subscribers) == 2)
+        client.publish_many(
+            [
+                {
+                    "name": "add",
+                    "key": f"c{i:02}",
+                    "params": {"a": i, "b": 1},
+                    "options": {"concurrency": 2},
+                }
+                for i in range(30)
+            ]
+        )
+        await wait_for(lambda: done(client, 30), timeout=60)
+        for doc in client.collection.find({}, {"runs": 1}):
+            workers_ok = {r["worker_id"] for r in doc["runs"] if r["state"] == "SUCCESS"}
+            assert len(workers_ok) == 2  # two distinct workers, each once
+
+
 async def test_a_dropped_subscriber_reconnects_and_gets_tasks_again(
     mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:

@@ -160,3 +160,47 @@ def test_idle_subscribers_get_ticks() -> None:
     d.subscribers[a].last_frame -= dispatch.TICK
     d.run_once()
     assert a.ticks == 1
+
+
+def test_a_missed_claim_hands_the_key_to_another_subscriber_not_back() -> None:
+    d, _ = build()
+    a, b = Channel(), Channel()
+    d.add(a, "a", ["n"], 5)
+    d.add(b, "b", ["n"], 5)
+    d.host.place(task("k"))
+    d.hand_out(NOW)
+    first, other = (a, b) if a.keys() else (b, a)
+    d.missed("k", first)  # e.g. it ran it already (concurrency > 1)
+    assert "k" not in d.awaiting and d.hand_out(NOW) == 1
+    assert other.keys() == ["k"] and first.keys() == ["k"]  # not handed to `first` again
+    d.missed("k", other)  # nobody here can claim it now: out of the way of the due keys
+    d.host.place(task("due"))
+    assert d.hand_out(NOW) == 1 and "k" not in d.awaiting
+    assert d.host.queue.entries["k"].claim_at > NOW
+    d.on_event("k")  # its document changed: anyone may try it again
+    assert "k" not in d.refused
+
+
+def test_a_task_of_concurrency_two_goes_to_a_second_subscriber() -> None:
+    d, _ = build()
+    a, b = Channel(), Channel()
+    d.add(a, "a", ["n"], 5)
+    d.add(b, "b", ["n"], 5)
+    d.host.place(task("k", concurrency=2))
+    d.hand_out(NOW)
+    first, other = (a, b) if a.keys() else (b, a)
+    d.claimed("k", NOW, first)  # one slot left, claimable now: for the other one
+    d.hand_out(NOW)
+    assert other.keys() == ["k"] and first.keys() == ["k"]
+    d.succeeded("k", first)  # it may be open still (no event says): read it again
+    assert "k" in d.host.unknown and "k" in d.host.multi
+    assert d.awaiting["k"][0].channel is other  # still on its way to the other one
+    d.missed("k", other)  # (say the other could not claim it after all)
+    assert "k" in d.host.queue and d.hand_out(NOW) == 0  # both ran or run it: it waits
+    assert d.host.queue.entries["k"].claim_at > NOW
+    d.gone("k")  # the other's claim found it finished
+    assert "k" not in d.host.meta and "k" not in d.refused
+    d.host.place(task("one"))
+    d.hand_out(NOW)
+    d.succeeded("one", first)  # concurrency 1: finished
+    assert "one" not in d.host.meta
