@@ -9,7 +9,8 @@
   size in both stream modes (``--stream own`` then ``shared``; ``MTASK_W9_STREAMS``), with
   ``MTASK_W9_SIZES``, ``MTASK_W9_RATE`` and ``MTASK_W9_SECONDS`` for by-hand runs.
 * ``W7X`` memory under a backlog: 4 worker processes at concurrency 32 draining 100,000 tasks
-  published before they start; the peak RSS of the largest.
+  published before they start, and published while they run, in each stream mode; the peak
+  RSS of the largest.
 
 Each function takes the ``Bench`` and records ``Result``\\ s; ``python -m bench.scale --worker
 URI DATABASE CONCURRENCY [own|shared]`` is the W9 worker process (it prints its claim counters).
@@ -351,39 +352,66 @@ def worker_process(uri: str, database: str, concurrency: int, stream: str = "sha
 
 
 def backlog_memory(bench: Bench) -> None:
+    """W7X in two shapes, each stream mode: the backlog published before the workers start,
+    and published while they run (every insert is an event for them)."""
     backlog = 10_000 if _quick(bench) else 100_000
+    rows = [
+        (mode, during, _backlog_peak(bench, backlog, mode, during))
+        for during in (False, True)
+        for mode in ("shared", "own")
+    ]
+    for mode, during, peak in rows:
+        shape = "published while they run" if during else "published before they start"
+        bench.record(
+            _result(
+                f"W7X memory, backlog {'during' if during else 'before'} ({mode} streams)",
+                f"{peak:.0f} MB peak RSS (largest of 4 workers)",
+                "≤ 150 MB",
+                peak <= 150,
+                f"{backlog:,} tasks {shape}; 4 workers at concurrency 32, --stream {mode}",
+                {"peak_mb": peak},
+            )
+        )
+
+
+def _backlog_peak(bench: Bench, backlog: int, mode: str, during: bool) -> float:
     name = bench.db()
     with TaskClient(bench.uri, database=name) as client:
-        for start in range(0, backlog, 10_000):
-            client.publish_many(
-                {"name": "noop", "key": f"k{i}"} for i in range(start, min(backlog, start + 10_000))
-            )
-        procs = [spawn_worker(bench.uri, name, "--concurrency", "32") for _ in range(4)]
+
+        def publish() -> None:
+            for start in range(0, backlog, 10_000):
+                client.publish_many(
+                    {"name": "noop", "key": f"k{i}"}
+                    for i in range(start, min(backlog, start + 10_000))
+                )
+
+        if not during:
+            publish()
+        procs = [
+            spawn_worker(bench.uri, name, "--concurrency", "32", "--stream", mode) for _ in range(4)
+        ]
         peaks = [0] * len(procs)
+
+        def sample() -> None:
+            for i, proc in enumerate(procs):
+                peaks[i] = max(peaks[i], peak_rss_kb(proc.pid))
+
         try:
+            _wait(lambda: len(client.workers()) >= len(procs))
+            if during:
+                publish()
 
             def drained() -> bool:
-                for i, proc in enumerate(procs):
-                    peaks[i] = max(peaks[i], peak_rss_kb(proc.pid))
+                sample()
                 return client.stats(exact=True).get("noop", {}).get("succeeded", 0) == backlog
 
             _wait(drained)
         finally:
+            sample()
             for proc in procs:
-                peaks[procs.index(proc)] = max(peaks[procs.index(proc)], peak_rss_kb(proc.pid))
                 stop_process(proc)
     bench.drop(name)
-    peak = max(peaks) / 1024
-    bench.record(
-        _result(
-            "W7X memory, backlog",
-            f"{peak:.0f} MB peak RSS (largest of 4 workers)",
-            "≤ 150 MB",
-            peak <= 150,
-            f"{backlog:,} tasks published before 4 workers at concurrency 32 start",
-            {"peak_mb": peak},
-        )
-    )
+    return max(peaks) / 1024
 
 
 if __name__ == "__main__":
