@@ -11,7 +11,7 @@ misses gives the slot back. A slot is a lease like the run's: it carries ``expir
 time), the lease pinger extends it with the run's lease, and a slot whose worker died simply
 runs out. The token bucket is refilled from the server clock inside the same update. No limit is
 ever kept in a single worker's memory: workers only cache *which* names are limited (refreshed
-every second, and at once on a change event), to know when to take a slot.
+on a change event for a name not known as limited, and every 5 s), to know when to take a slot.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """The worker's side of the cluster-wide limits (``mtask.limits``).
 
-The gate knows which names are limited (re-read every second, so a new or removed limit applies
-within one), takes a slot and token before each claim of such a name, remembers the keys a
-limit held back and puts them back in the claim queue when a slot may have freed (a change
-event on the name's limit document) or when the next token is due, and gives slots back in
-batches after the runs end. It never decides a limit itself: ``limits.acquire`` does, on the
-server.
+The gate knows which names are limited (read again at once when a limit document of a name it
+does not know as limited changes — a new limit applies as soon as its event comes — and every
+``REFRESH_SECONDS`` whatever happens, which bounds a lost event and a removed limit), takes a
+slot and token before each claim of such a name, remembers the keys a limit held back and puts
+them back in the claim queue when a slot may have freed (a change event on the name's limit
+document) or when the next token is due, and gives slots back in batches after the runs end.
+It never decides a limit itself: ``limits.acquire`` does, on the server.
 """
 
 from __future__ import annotations
@@ -20,17 +21,18 @@ from mtask import limits
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
-from mtask.worker.service import PeriodicService
+from mtask.worker.service import PeriodicService, event_or_timeout
 from mtask.worker.watcher import QueueSink
 
 log = logging.getLogger(__name__)
 
-REFRESH_SECONDS = 1.0
+REFRESH_SECONDS = 5.0
 DEFAULT_SLOT_LEASE_MS = 30_000
 
 
 class LimitGate(PeriodicService):
-    """Also the side service that re-reads the limits every ``REFRESH_SECONDS``."""
+    """Also the side service that re-reads the limits (every ``REFRESH_SECONDS``, and on an
+    event for a name not known as limited)."""
 
     name: ClassVar[str] = "limits"
     failure: ClassVar[str] = "cannot read the limits, retrying"
@@ -46,6 +48,8 @@ class LimitGate(PeriodicService):
         self.blocked: dict[str, set[str]] = {}
         self.releases: dict[str, list[str]] = {}
         self.refreshed = asyncio.Event()
+        self.unknown_changed = asyncio.Event()
+        """A limit document of a name not known as limited changed: read the limits now."""
 
     def is_limited(self, name: str | None) -> bool:
         return name in self.limited
@@ -57,6 +61,10 @@ class LimitGate(PeriodicService):
             self.on_change(name)
         self.limited = limited
         self.refreshed.set()
+
+    async def wait(self) -> None:
+        await event_or_timeout(self.unknown_changed, self.interval)
+        self.unknown_changed.clear()
 
     async def run_once(self) -> None:
         await self.refresh()
@@ -87,7 +95,10 @@ class LimitGate(PeriodicService):
         self.sink.requeue_at(key, until)
 
     def on_change(self, name: str) -> None:
-        """The limit document of ``name`` changed (a slot freed, the limit was edited)."""
+        """The limit document of ``name`` changed (a slot freed, the limit was edited, or a
+        new limit was set)."""
+        if name not in self.limited:
+            self.unknown_changed.set()
         keys = self.blocked.pop(name, ())
         if keys:
             now = self.clock.now()

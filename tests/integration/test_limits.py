@@ -9,7 +9,7 @@ import itertools
 from typing import Any
 
 import pytest
-from harness import T0, running_worker
+from harness import T0, running_worker, wait_for
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -18,6 +18,7 @@ from mtask.clock import FixedClock
 from mtask.errors import InvalidTask
 from mtask.limits import acquire, extend, parse_rate, refill, release, wait_for_token
 from mtask.registry import Registry
+from mtask.worker.limit_gate import LimitGate
 
 
 @given(
@@ -172,17 +173,16 @@ async def test_two_workers_share_a_concurrency_limit(
     assert len(events_a.matching("claimed")) + len(events_b.matching("claimed")) == 24
 
 
-async def test_a_new_limit_is_known_to_running_workers_within_a_second(
-    mongo_uri: str, db_name: str, client: TaskClient
+async def test_a_new_limit_is_known_to_running_workers_on_its_event(
+    mongo_uri: str, db_name: str, client: TaskClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     registry, spans, done = spans_registry(12, 0.02)
+    monkeypatch.setattr(LimitGate, "interval", 3600.0)  # no periodic refresh: the event must do
     async with running_worker(registry, mongo_uri, db_name, concurrency=8) as (worker, _):
+        await asyncio.wait_for(worker.gate.refreshed.wait(), 10)  # its first read
         assert not worker.gate.limited
         client.set_limit("limited", concurrency=1)
-        for _ in range(2):  # the first may have read before the limit was set
-            worker.gate.refreshed.clear()
-            await asyncio.wait_for(worker.gate.refreshed.wait(), 5)  # re-read each second
-        assert worker.gate.limited.keys() == {"limited"}
+        await wait_for(lambda: worker.gate.limited.keys() == {"limited"}, timeout=10)
         client.publish_many([{"name": "limited", "key": f"k{i}"} for i in range(12)])
         await asyncio.wait_for(done.wait(), 30)
     assert _overlap(spans) == 1

@@ -86,4 +86,4 @@ async def test_a_scheduler_round_writes_the_declared_schedules_once_then_fires_d
     driver.expect(Step("find", raises=AutoReconnect("gone"), collection="schedules"))
     with pytest.raises(StorageError):
         await scheduler.run_once()
-    assert scheduler.upcoming is None and POLL_SECONDS == 1.0
+    assert scheduler.upcoming is None and POLL_SECONDS == 10.0
