@@ -27,6 +27,11 @@ log = logging.getLogger(__name__)
 FATAL_STREAM_CODES = {260, 280, 286}  # InvalidResumeToken, ChangeStreamFatalError, HistoryLost
 
 
+STREAM_BATCH = 1000
+"""Events per getMore at most: a worker that falls behind a busy stream (every other worker's
+claims and successes, with own streams) decodes at most this many at once, not a 16 MB batch."""
+
+
 def stream_pipeline(tasks: str, excluded: str | Sequence[str]) -> list[dict[str, Any]]:
     """The change stream of a worker (``excluded``: its id) or of a host's relay (the ids of
     its subscribers): task inserts, deletes and changes of ``next_claim_at``, except the
@@ -111,7 +116,9 @@ async def follow(
     switched = False
     while True:
         try:
-            stream = await database.watch(pipeline(), resume_after=token, max_await_time_ms=500)
+            stream = await database.watch(
+                pipeline(), resume_after=token, max_await_time_ms=500, batch_size=STREAM_BATCH
+            )
             async with stream:
                 if not switched:
                     await opened()  # after the stream is open: nothing slips between
