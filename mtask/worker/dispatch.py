@@ -344,7 +344,9 @@ class Dispatcher:
         return min(waits)
 
     def hand_out(self, now: dt.datetime) -> int:
-        """Hand every due key a subscriber can take to one such subscriber."""
+        """Hand every due key a subscriber can take to one such subscriber. A key nobody with
+        credit may take now does not hold up the keys behind it (they are read on until the
+        credit is spent or no key is due)."""
         credit = sum(max(0, s.credit) for s in self.subscribers.values())
         self._stuck = False
         if credit <= 0:
@@ -353,7 +355,33 @@ class Dispatcher:
         kept: list[str] = []
         now_mono = time.monotonic()
         deadline = now_mono + HAND_OVER_TIMEOUT
-        for key in self.host.queue.pop_due(now, credit):
+        while credit > 0 and (due := self.host.queue.pop_due(now, credit)):
+            credit -= self._hand(due, now, now_mono, deadline, batches, kept)
+        for key in kept:  # due, but nobody with credit may run it now
+            meta = self.host.meta.get(key)
+            if meta is not None:
+                self.host.queue.push(key, now, meta.priority, meta.specific)
+        self._stuck = bool(kept)
+        for sub, entries in batches.items():
+            sub.channel.dispatch(entries)
+            sub.last_frame = time.monotonic()
+            self.handed += len(entries)
+        return sum(len(e) for e in batches.values())
+
+    def _hand(
+        self,
+        keys: list[str],
+        now: dt.datetime,
+        now_mono: float,
+        deadline: float,
+        batches: dict[Subscriber, list[list[Any]]],
+        kept: list[str],
+    ) -> int:
+        """Choose a subscriber for each of ``keys`` (popped, due); returns how many got one.
+        The others go to ``kept``, or back in the queue for later if every subscriber that
+        may run them refuses them now."""
+        handed = 0
+        for key in keys:
             meta = self.host.meta.get(key)
             refusers = self._refusers(key, now_mono)
             sub = None if meta is None else self._choose(key, meta.name, refusers)
@@ -369,20 +397,12 @@ class Dispatcher:
                 kept.append(key)
                 continue
             sub.sent += 1
+            handed += 1
             self.awaiting[key] = (sub, deadline)
             batches.setdefault(sub, []).append(
                 [key, meta.name, meta.priority, meta.worker_timeout_ms]
             )
-        for key in kept:  # due, but nobody with credit may run it now
-            meta = self.host.meta.get(key)
-            if meta is not None:
-                self.host.queue.push(key, now, meta.priority, meta.specific)
-        self._stuck = bool(kept)
-        for sub, entries in batches.items():
-            sub.channel.dispatch(entries)
-            sub.last_frame = time.monotonic()
-            self.handed += len(entries)
-        return sum(len(e) for e in batches.values())
+        return handed
 
     def _all_refused(self, key: str, name: str, refusers: dict[Subscriber, float]) -> float | None:
         """When every subscriber that may run ``key`` refuses it: the first refusal's end."""

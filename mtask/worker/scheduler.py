@@ -56,5 +56,5 @@ class Scheduler(PeriodicService):
         wait = POLL_SECONDS
         if self.upcoming is not None:
             wait = min(wait, max(0.0, (self.upcoming - self.clock.now()).total_seconds()))
-        self.wake.clear()
         await event_or_timeout(self.wake, wait)
+        self.wake.clear()  # after the wait: a change during the last round wakes it at once

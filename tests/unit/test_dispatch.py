@@ -204,3 +204,16 @@ def test_a_task_of_concurrency_two_goes_to_a_second_subscriber() -> None:
     d.hand_out(NOW)
     d.succeeded("one", first)  # concurrency 1: finished
     assert "one" not in d.host.meta
+
+
+def test_keys_nobody_with_credit_may_take_do_not_hold_up_the_rest() -> None:
+    d, _ = build()
+    a, b = Channel(), Channel()
+    d.add(a, "a", ["n"], 2)
+    d.add(b, "b", ["n"], 0)  # busy: may run them, cannot take them now
+    for key in ("k1", "k2"):
+        d.host.place(task(key, priority=9, concurrency=2))
+        d.refused[key] = {d.subscribers[a]: float("inf")}  # a ran them already
+    d.host.place(task("low"))
+    assert d.hand_out(NOW) == 1 and a.keys() == ["low"]  # not starved behind k1 and k2
+    assert {"k1", "k2"} <= set(d.host.queue.entries)  # waiting for b's credit
