@@ -253,7 +253,10 @@ class Watcher:
 
     def place_dispatched(self, key: str, name: str, priority: int, timeout: int | None) -> None:
         """The relay handed this worker ``key``, due now (its claim decides)."""
-        if key in self._ignored or self.in_flight(key):
+        if key in self._ignored:
+            return
+        if self.in_flight(key):  # it runs it already: for another worker (concurrency > 1)
+            self.source.missed(key)
             return
         self.meta[key] = TaskMeta(name, priority, False, timeout)
         self.queue.push(key, self.clock.now(), priority)

@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import Any, cast
 
 from mtask.clock import FixedClock
+from mtask.driver import AsyncDriver
 from mtask.worker import dispatch
+from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.dispatch import Dispatcher
 from mtask.worker.presence import Assignment
+from mtask.worker.stream import OwnStream
+from mtask.worker.watcher import Watcher
 
 NOW = dt.datetime(2046, 3, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -217,3 +221,27 @@ def test_keys_nobody_with_credit_may_take_do_not_hold_up_the_rest() -> None:
     d.host.place(task("low"))
     assert d.hand_out(NOW) == 1 and a.keys() == ["low"]  # not starved behind k1 and k2
     assert {"k1", "k2"} <= set(d.host.queue.entries)  # waiting for b's credit
+
+
+class Reporting(OwnStream):
+    def __init__(self) -> None:
+        self.missed_keys: list[str] = []
+
+    def missed(self, key: str) -> None:
+        self.missed_keys.append(key)
+
+
+def test_a_worker_handed_a_key_it_runs_says_it_missed() -> None:
+    source = Reporting()
+    watcher = Watcher(
+        cast(AsyncDriver, None),
+        worker_id="w1",
+        queue=ClaimQueue(10),
+        clock=FixedClock(NOW),
+        wake=lambda: None,
+        in_flight=lambda key: key == "running",
+        source=source,
+    )
+    watcher.place_dispatched("running", "n", 0, None)  # a second slot of a task it runs
+    watcher.place_dispatched("new", "n", 0, None)
+    assert source.missed_keys == ["running"] and list(watcher.queue.entries) == ["new"]
