@@ -111,8 +111,7 @@ class ClaimQueue:
         out: list[str] = []
         while self._ready and len(out) < limit:
             *_, seq, key = heapq.heappop(self._ready)
-            entry = self.entries.get(key)
-            if entry is None or entry.seq != seq:
+            if not self._live(key, seq):
                 continue
             del self.entries[key]
             out.append(key)
@@ -124,6 +123,7 @@ class ClaimQueue:
         return sum(1 for *_, seq, key in self._ready if self._live(key, seq))
 
     def _live(self, key: str, seq: int) -> bool:
+        """Whether a heap item is still its key's entry (a push or discard leaves old ones)."""
         entry = self.entries.get(key)
         return entry is not None and entry.seq == seq
 

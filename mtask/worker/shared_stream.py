@@ -66,11 +66,8 @@ class SharedStream:
         self._send: Callable[[dict[str, Any]], None] | None = None
         self._got = 0
         self._names: list[str] | None = None
-        self._claimed: list[list[Any]] = []
-        self._held: list[str] = []
-        self._done: list[str] = []
-        self._missed: list[str] = []
-        self._gone: list[str] = []
+        self._said: dict[str, list[Any]] = {}
+        """What to tell the relay in the next report, by field (``relay_wire``)."""
         self._flush: asyncio.Handle | None = None
         self._free: int | None = None
         """The ``free`` last told: a tick from the relay makes it say a changed one."""
@@ -78,23 +75,22 @@ class SharedStream:
     # -- what the worker tells the relay --------------------------------------------------------
 
     def claimed(self, key: str, claim_at: Any) -> None:
-        self._claimed.append([key, claim_at])
-        self.report_soon()
+        self._say("claimed", [key, claim_at])
 
     def held(self, key: str) -> None:
-        self._held.append(key)
-        self.report_soon()
+        self._say("held", key)
 
     def succeeded(self, key: str) -> None:
-        self._done.append(key)
-        self.report_soon()
+        self._say("done", key)
 
     def missed(self, key: str) -> None:
-        self._missed.append(key)
-        self.report_soon()
+        self._say("missed", key)
 
     def gone(self, key: str) -> None:
-        self._gone.append(key)
+        self._say("gone", key)
+
+    def _say(self, field: str, item: Any) -> None:
+        self._said.setdefault(field, []).append(item)
         self.report_soon()
 
     def report_soon(self) -> None:
@@ -113,16 +109,8 @@ class SharedStream:
         names = list(self._watcher.names)
         if names != self._names:
             message["names"] = self._names = names
-        for field, items in (
-            ("claimed", self._claimed),
-            ("held", self._held),
-            ("done", self._done),
-            ("missed", self._missed),
-            ("gone", self._gone),
-        ):
-            if items:
-                message[field] = list(items)
-                items.clear()
+        message.update(self._said)
+        self._said = {}
         self._send(message)
 
     def state(self) -> dict[str, Any]:
@@ -225,6 +213,7 @@ class SharedStream:
         silent: float | None,
     ) -> None:
         self._send, self._got, self._names = send, 0, list(watcher.names)
+        self._said = {}  # said of an earlier relay's keys: this one scans for itself
         try:
             while True:
                 try:
