@@ -46,6 +46,13 @@ RETRIED = Counter(
 )
 LEASE_LOST = Counter("mtask_runs_lease_lost", "Runs stopped because another took over", ["name"])
 IN_FLIGHT = Gauge("mtask_runs_in_flight", "Runs in flight in this process")
+SET_ASIDE = Counter(
+    "mtask_documents_set_aside",
+    "Change events or task documents this worker set aside, by reason: event (applying one "
+    "event failed; its document is marked invalid), unmarkable (a document that could not "
+    "even be marked invalid, let go with a logged reason)",
+    ["reason"],
+)
 CLAIM_LATENCY = Histogram(
     "mtask_claim_latency_seconds",
     "One claim call (one key or a batch), from sending to the claimed documents",

@@ -33,6 +33,9 @@ from mtask.errors import InvalidTask
 
 MAX_KEY_LENGTH = 512
 MAX_NAME_LENGTH = 200
+NO_NUL = "^[^\\x00]*$"
+"""The pattern of a key and of a name: no NUL character (a C string ends there; the server
+refuses one in a regular expression, and no worker can register such a name)."""
 DEFAULT_MAX_PARAMS_BYTES = 1024 * 1024
 MAX_PARAMS_DEPTH = 64
 """Nesting levels allowed in params (MongoDB refuses documents nested past 100 levels, and a
@@ -177,10 +180,14 @@ class TaskDocument(BaseModel):
         alias="_id",
         min_length=1,
         max_length=MAX_KEY_LENGTH,
+        pattern=NO_NUL,
         description="The task's key: publishing it again changes nothing.",
     )
     name: str = Field(
-        min_length=1, max_length=MAX_NAME_LENGTH, description="Which handler runs it."
+        min_length=1,
+        max_length=MAX_NAME_LENGTH,
+        pattern=NO_NUL,
+        description="Which handler runs it.",
     )
     params: dict[str, Any] = Field(description="The handler's input.")
     options: TaskOptions
@@ -224,8 +231,8 @@ class PublishedDocument(BaseModel):
         extra="allow", populate_by_name=True, title="mtask task document, as published"
     )
 
-    key: str = Field(alias="_id", min_length=1, max_length=MAX_KEY_LENGTH)
-    name: str = Field(min_length=1, max_length=MAX_NAME_LENGTH)
+    key: str = Field(alias="_id", min_length=1, max_length=MAX_KEY_LENGTH, pattern=NO_NUL)
+    name: str = Field(min_length=1, max_length=MAX_NAME_LENGTH, pattern=NO_NUL)
     params: dict[str, Any] = Field(default_factory=dict)
     options: TaskOptions = Field(
         default_factory=TaskOptions, description="Any subset; the rest are defaults."
@@ -462,6 +469,8 @@ def validate_name(name: object) -> str:
         raise InvalidTask("must not be empty", field="name")
     if len(name) > MAX_NAME_LENGTH:
         raise InvalidTask(f"is {len(name)} characters; at most {MAX_NAME_LENGTH}", field="name")
+    if "\x00" in name:
+        raise InvalidTask("must not contain NUL characters", field="name")
     return name
 
 

@@ -92,6 +92,18 @@ def _field_checks(path: str, spec: Doc) -> list[tuple[Doc, Any]]:
                 f"'{path}' must be at most {spec['maxLength']} characters",
             )
         )
+    if "pattern" in spec:  # models.NO_NUL, the only pattern
+        checks.append(
+            (
+                {
+                    "$and": [
+                        string,
+                        {"$not": [{"$regexMatch": {"input": field, "regex": spec["pattern"]}}]},
+                    ]
+                },
+                f"'{path}' must not contain NUL characters",
+            )
+        )
     items = _kinds(spec.get("items", {}))
     if items:
         array = {"$cond": [{"$isArray": field}, field, []]}
@@ -231,12 +243,15 @@ STRANDED_QUICK: Doc = {
         {"status": {"$nin": [s.value for s in TaskStatus]}},
         # not a string, or "": the only names no worker can have ($gt "" is every other string)
         {"status": {"$in": list(OPEN)}, "name": {"$not": {"$gt": ""}}},
+        # a key that is not a string (any service may insert one): no worker queues it; the
+        # _id index's bounds skip every string key, so this reads only such documents
+        {"_id": {"$not": {"$type": "string"}}, "status": {"$in": list(OPEN)}},
     ]
 }
-"""Documents with no status, a null one, or one mtask does not know, and open ones whose name
-no worker can handle: few, and cheap to find through the ``status_newest`` and
-``name_status_newest`` indexes. (An open task whose name no running worker handles is not
-stranded: it waits for a worker of its name.)"""
+"""Documents with no status, a null one, or one mtask does not know, open ones whose name
+no worker can handle, and unsettled ones whose key is not a string: few, and cheap to find
+through the ``status_newest``, ``name_status_newest`` and ``_id`` indexes. (An open task whose
+name no running worker handles is not stranded: it waits for a worker of its name.)"""
 STRANDED_OPEN: Doc = {
     "status": {"$in": list(OPEN)},
     "$or": [
@@ -245,6 +260,7 @@ STRANDED_OPEN: Doc = {
         # scan (and the claim) skip it, so only its insert event could have brought it to a
         # worker; a worker that was down then never would
         *({field: {"$not": spec}} for field, spec in WELL_FORMED.items()),
+        {"name": {"$regex": "\\x00"}},  # a name no worker can have (models.NO_NUL)
     ],
 }
 """Open documents that no claim can reach: no date to be claimed at (and not waiting for

@@ -109,6 +109,7 @@ def well_formed_expr() -> Doc:
             {"$in": ["$status", KNOWN_STATUSES]},
             {"$eq": [{"$type": "$name"}, "string"]},
             {"$ne": ["$name", ""]},
+            {"$not": [_NUL_NAME]},
             *(
                 {"$in": [{"$type": f"${field}"}, _TYPE_ALIASES[spec["$type"]]]}
                 for field, spec in WELL_FORMED.items()
@@ -118,6 +119,14 @@ def well_formed_expr() -> Doc:
         ]
     }
 
+
+_NUL_NAME: Doc = {
+    "$regexMatch": {
+        "input": {"$cond": [{"$eq": [{"$type": "$name"}, "string"]}, "$name", ""]},
+        "regex": "\\x00",
+    }
+}
+"""A name no worker can have: it holds a NUL character (``models.NO_NUL``)."""
 
 _UNREACHABLE: Doc = {  # open, no date to be claimed at, not waiting for dependencies
     "$and": [
@@ -182,6 +191,7 @@ def invalid_reason_expr() -> Doc:
         ({"$not": [{"$in": ["$status", KNOWN_STATUSES]}]}, "status", "a known status"),
         ({"$ne": [{"$type": "$name"}, "string"]}, "name", "a string"),
         ({"$eq": ["$name", ""]}, "name", "a task name, not empty"),
+        (_NUL_NAME, "name", "a task name without NUL characters"),
     ]
     checks += [
         (

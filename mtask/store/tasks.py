@@ -362,6 +362,9 @@ def scan(
         # them invalid (``quarantine``) instead of skipping them in silence.
         "name": {"$in": list(names)},
         "next_claim_at": {"$type": "date"},
+        # A key of another type is the sweep's (``STRANDED_QUICK``): it is never queued, and
+        # paging by (next_claim_at, _id) compares within one BSON type only.
+        "_id": {"$type": "string"},
         "$or": [
             {SPECIFIC: {"$size": 0}},
             {SPECIFIC: worker_id if isinstance(worker_id, str) else {"$in": list(worker_id)}},

@@ -282,9 +282,11 @@ class Dispatcher:
 
     def on_event(self, key: Any) -> None:
         """The stream said something of ``key``: a wait for its claim is over, and whoever
-        could not claim it may try again."""
-        self.awaiting.pop(key, None)
-        self.refused.pop(key, None)
+        could not claim it may try again. A key that is not a string is never handed out
+        (the host queue notes its document for quarantine)."""
+        if isinstance(key, str):
+            self.awaiting.pop(key, None)
+            self.refused.pop(key, None)
 
     def clear(self) -> None:
         """Forget the host's tasks (its one worker finds its own work again)."""

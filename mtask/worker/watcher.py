@@ -16,7 +16,6 @@ others try only if it did not (it was busy), so one task costs about one claim a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import hashlib
 import logging
@@ -29,6 +28,7 @@ from mtask.errors import StorageError
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.presence import Assignment
 from mtask.worker.service import PeriodicService, event_or_timeout
+from mtask.worker.setaside import SetAside, count, task_key
 from mtask.worker.stream import ChangeSource, OwnStream
 
 log = logging.getLogger(__name__)
@@ -121,9 +121,10 @@ class Watcher:
         self.meta: dict[str, TaskMeta] = {}
         """The open tasks this watcher knows."""
         self.unknown: set[str] = set()
-        self.malformed: set[Any] = set()
-        """Keys of malformed documents seen, to be marked invalid by ``quarantine``."""
-        self._ignored: set[Any] = set()
+        self.malformed = SetAside()
+        """Keys (of any type) of malformed documents seen, to be marked invalid by
+        ``quarantine``."""
+        self._ignored: set[str] = set()
         """Keys of documents that could not even be marked invalid: never queued again."""
         self._touched: set[str] | None = None
         self.rescan_requested = asyncio.Event()
@@ -287,15 +288,34 @@ class Watcher:
         self.wake()
 
     def on_change(self, change: Mapping[str, Any]) -> None:
-        """Apply one event. The stream carries no looked-up documents: an insert has its
-        document, an update only the new ``next_claim_at``, which is enough for a task this
-        watcher already knows; an unknown one is looked up (``unknown``)."""
+        """Apply one event, supervised: an error while applying it is about that one document
+        (any service may write any shape), so it is logged with the document's key, the
+        document is noted for ``quarantine`` and the worker goes on."""
+        try:
+            self._apply(change)
+        except Exception:
+            key = _event_key(change)
+            log.exception("could not apply a change event for task %r; marking it invalid", key)
+            count("event")
+            if key is not None:
+                self.malformed.add(key)
+
+    def _apply(self, change: Mapping[str, Any]) -> None:
+        """One event. The stream carries no looked-up documents: an insert has its document,
+        an update only the new ``next_claim_at``, which is enough for a task this watcher
+        already knows; an unknown one is looked up (``unknown``). A key that is not a string
+        is never queued: its document is noted for ``quarantine``."""
         collection = change.get("ns", {}).get("coll")
         if collection in ("controls", "schedules", "limits"):
             self._on_other(collection, change.get("documentKey", {}).get("_id"))
             return
-        key = change.get("documentKey", {}).get("_id")
+        raw = change.get("documentKey", {}).get("_id")
+        if raw is None:
+            return
+        key = task_key(raw)
         if key is None:
+            if change.get("operationType") != "delete":
+                self.malformed.add(raw)
             return
         if self._touched is not None:
             self._touched.add(key)
@@ -334,29 +354,51 @@ class Watcher:
         ``quarantine`` and go on."""
         # a claim cannot match it (store.placements), or (hook, issue 14) a publisher's
         # status-less document to complete, or one with an unknown option: quarantine settles it
-        if doc.get("well_formed") is False or not store.placeable(doc):
-            with contextlib.suppress(TypeError):  # an unhashable _id cannot even be noted
-                self.malformed.add(doc.get("_id"))
+        key = doc.get("_id")
+        if task_key(key) is None or doc.get("well_formed") is False or not store.placeable(doc):
+            if key is not None:
+                self.malformed.add(key)
             return
         try:
             self.place(doc)
         except (AttributeError, KeyError, TypeError, ValueError):
-            with contextlib.suppress(TypeError):  # an unhashable _id cannot even be noted
-                self.malformed.add(doc.get("_id"))
+            self.malformed.add(key)
 
     async def quarantine(self) -> None:
         """Mark the malformed documents noted so far ``invalid`` (with the reason), so that
         no worker tries them again; log each once."""
-        keys, self.malformed = list(self.malformed), set()
+        keys = self.malformed.take()
         for key in keys:
-            self.forget(key)
-        marked = await self.driver.run(store.quarantine(keys, self.clock.now()))
+            if task_key(key) is not None:
+                self.forget(key)
+        try:
+            marked = await self.driver.run(store.quarantine(keys, self.clock.now()))
+        except StorageError as exc:
+            if not exc.document:
+                raise
+            marked = await self._quarantine_one_by_one(keys)
         if marked:
             log.warning(
                 "marked %d malformed task document(s) invalid (see their invalid_reason): %s",
                 marked,
                 ", ".join(repr(k) for k in keys[:10]),
             )
+
+    async def _quarantine_one_by_one(self, keys: list[Any]) -> int:
+        """The server refused to mark one of ``keys``: mark each alone, and let go of the
+        ones it refuses (logged, counted), so that they stop nothing else."""
+        marked = 0
+        for key in keys:
+            try:
+                marked += await self.driver.run(store.quarantine([key], self.clock.now()))
+            except StorageError as exc:
+                if not exc.document:
+                    raise
+                log.warning("cannot mark task %r invalid, letting it go: %s", key, exc)
+                count("unmarkable")
+                if (known := task_key(key)) is not None:
+                    self._ignored.add(known)
+        return marked
 
     # -- scanning -----------------------------------------------------------------------------
 
@@ -385,7 +427,7 @@ class Watcher:
                     if self.queue.full:  # the rest is later than everything kept
                         self.queue.note_overflow(doc["next_claim_at"])
                         break
-                    if doc["_id"] not in self._touched:
+                    if doc.get("_id") not in self._touched:  # the scan reads string keys
                         self.place_safely(doc)
                 found += len(page)
                 if len(page) < self.page_size:
@@ -431,6 +473,12 @@ class Watcher:
     async def run_stream(self) -> None:
         """Follow the source of change events (``OwnStream`` unless one was given)."""
         await self.source.run(self)
+
+
+def _event_key(change: Mapping[str, Any]) -> Any:
+    """The document key of a change event of any shape, or ``None``."""
+    key = change.get("documentKey")
+    return key.get("_id") if isinstance(key, Mapping) else None
 
 
 def due_by(doc: Mapping[str, Any], when: dt.datetime | None) -> bool:

@@ -410,6 +410,36 @@ def test_an_open_document_the_claim_cannot_read_is_marked_by_the_sweep_alone(
     assert "'runs' must be an array" in after["invalid_reason"]
 
 
+def test_nul_names_and_keys_of_other_types_are_marked_by_one_sweep(
+    mongo: MongoClient[dict[str, Any]], mongo_uri: str, db_name: str
+) -> None:
+    """A name with a NUL, or a key that is not a string, published by hand (minimal or full):
+    no worker can run it, so one sweep marks it invalid, naming the field (issue 27)."""
+    tasks = mongo[db_name].tasks
+    tasks.insert_many(
+        [
+            {"_id": "nul-min", "name": "a\x00dd", "params": {}},
+            {"_id": "nul-full", "name": "a\x00dd", "status": "pending", "next_claim_at": NOW},
+            {"_id": {"n": 1}, "name": "add", "params": {}},
+            {"_id": 7, "name": "add", "status": "pending", "next_claim_at": NOW, "runs": []},
+            {"_id": "long", "name": "a" * 201, "params": {}},
+        ]
+    )
+    asyncio.run(one_sweep(mongo_uri, db_name))
+    reasons = {str(d["_id"]): (d["status"], d.get("invalid_reason")) for d in tasks.find()}
+    bad = "malformed task document: "  # a document with a status: not a publisher's
+    assert reasons == {
+        "nul-min": ("invalid", "'name' must not contain NUL characters"),
+        "nul-full": (
+            "invalid",
+            f"{bad}'name' must be a task name without NUL characters, found string",
+        ),
+        "{'n': 1}": ("invalid", "'_id' must be a string, found object"),
+        "7": ("invalid", f"{bad}'_id' must be a string, found int"),
+        "long": ("invalid", "'name' must be at most 200 characters"),
+    }
+
+
 @pytest.mark.timeout(600)
 @settings(
     max_examples=40,
