@@ -31,6 +31,7 @@ WORKLOADS = {
     # issue 17 (bench/scale.py): stats at scale, many workers, memory under a backlog
     "ST": scale.stats_at_scale,
     "W9": scale.many_workers,
+    "W9H": scale.many_hosts,  # issue 25: one worker per host (network namespaces)
     "W7X": scale.backlog_memory,
     "W10": w10_cpu,  # CPU-bound: thread vs process pool (issue 18, bench/cpu.py)
     "WV": validator_ab,  # the $jsonSchema validator's cost on W1 and W6, A/B (bench/validator.py)

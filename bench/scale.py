@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -169,9 +170,31 @@ def _streams(client: MongoClient[Doc], database: str) -> int:
     return len({op.get("cursor", {}).get("cursorId", op.get("opid")) for op in ops})
 
 
-def _spawn(uri: str, database: str, concurrency: int, stream: str) -> subprocess.Popen[str]:
+def _ops(client: MongoClient[Doc]) -> dict[str, int]:
+    """The server's operation counters (serverStatus ``opcounters``)."""
+    counters = client.admin.command("serverStatus")["opcounters"]
+    return {
+        kind: int(counters[kind]) for kind in ("insert", "query", "update", "getmore", "command")
+    }
+
+
+def socket_uri(port: int) -> str:
+    """mongod's Unix socket as a URI: a Unix socket crosses network namespaces (an abstract
+    one does not), so a worker in a namespace of its own reaches mongod through it."""
+    return f"mongodb://%2Ftmp%2Fmongodb-{port}.sock/?directConnection=true"
+
+
+def _spawn(
+    uri: str, database: str, concurrency: int, stream: str, host: bool = False
+) -> subprocess.Popen[str]:
+    """One W9 worker; with ``host``, in a network namespace of its own (``unshare --net``): a
+    host of its own, for the per-host relay too."""
     return subprocess.Popen(
-        [sys.executable, "-m", "bench.scale", "--worker", uri, database, str(concurrency), stream],
+        [
+            *(["unshare", "--net"] if host else []),
+            *(sys.executable, "-m", "bench.scale", "--worker", uri, database),
+            *(str(concurrency), stream),
+        ],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         text=True,
@@ -203,21 +226,34 @@ def _wait(check: Any, timeout: float = 600.0) -> None:
 
 
 def _one_size(
-    uri: str, mongod_pid: int, workers: int, rate: int, seconds: float, stream: str
+    uri: str,
+    mongod_pid: int,
+    workers: int,
+    rate: int,
+    seconds: float,
+    stream: str,
+    worker_uri: str | None = None,
+    chunk: int | None = None,
 ) -> Doc:
+    """One W9 size; with ``worker_uri`` (mongod's socket), each worker is a host of its own."""
     mongo: MongoClient[Doc] = MongoClient(uri, w="majority")
     database = f"w9_{workers}_{stream}_{os.getpid()}"
     mongo.drop_database(database)
     with TaskClient(uri, database=database) as client:
         client.publish("stamp", "warm", {"t": time.time()})
-        procs = [_spawn(uri, database, 4, stream) for _ in range(workers)]
+        procs = [
+            _spawn(worker_uri or uri, database, 4, stream, host=worker_uri is not None)
+            for _ in range(workers)
+        ]
         try:
             _wait(lambda: len(client.workers()) >= workers)
             _wait(lambda: client.stats().get("stamp", {}).get("succeeded", 0) == 1)
             time.sleep(2.0)  # every worker's stream open, first scans done
             # idle
             cpu0, gm0, t0 = _cpu_s(mongod_pid), _getmores(mongo), time.monotonic()
+            idle_ops0 = _ops(mongo)
             time.sleep(seconds)
+            idle_ops = {k: v - idle_ops0[k] for k, v in _ops(mongo).items()}
             idle_cpu = _cpu_s(mongod_pid) - cpu0
             idle_gm = _getmores(mongo) - gm0
             idle_s = time.monotonic() - t0
@@ -225,9 +261,9 @@ def _one_size(
             load0 = os.getloadavg()[0]
             # a steady publish load
             n = int(rate * seconds)
-            cpu0, gm0 = _cpu_s(mongod_pid), _getmores(mongo)
+            cpu0, gm0, ops0 = _cpu_s(mongod_pid), _getmores(mongo), _ops(mongo)
             began = time.monotonic()
-            chunk = max(1, rate // 20)
+            chunk = chunk or max(1, rate // 20)
             for start in range(0, n, chunk):
                 due = began + start / rate
                 pause = due - time.monotonic()
@@ -241,11 +277,16 @@ def _one_size(
             _wait(lambda: client.stats(exact=True).get("stamp", {}).get("succeeded", 0) == n + 1)
             load_cpu = _cpu_s(mongod_pid) - cpu0
             load_gm = _getmores(mongo) - gm0
-            lags = [
-                (doc["result"] - doc["params"]["t"]) * 1000
-                for doc in client.collection.find(
-                    {"_id": {"$ne": "warm"}}, {"result": 1, "params.t": 1}
+            load_ops = {k: v - ops0[k] for k, v in _ops(mongo).items()}
+            docs = list(
+                client.collection.find(
+                    {"_id": {"$ne": "warm"}},
+                    {"result": 1, "params.t": 1, "created_at": 1, "finished_at": 1},
                 )
+            )
+            lags = [(doc["result"] - doc["params"]["t"]) * 1000 for doc in docs]
+            waits = [
+                (doc["finished_at"] - doc["created_at"]).total_seconds() * 1000 for doc in docs
             ]
         finally:
             counters = _stop_all(procs)
@@ -264,6 +305,10 @@ def _one_size(
         "idle_getmores_per_worker_s": idle_gm / idle_s / workers,
         "getmores_per_task": load_gm / n,
         "start_p50_ms": statistics.median(lags),
+        "finished_p50_ms": statistics.median(waits),
+        **{f"{kind}_per_task": count / n for kind, count in load_ops.items()},
+        "idle_ops_per_s": sum(idle_ops.values()) / idle_s,
+        "idle_cpu_pct": idle_cpu / idle_s * 100,
         "tasks": n,
         "rescans_per_worker": sum(c.get("rescans", 0) for c in counters) / workers,
         "dropped": sum(c.get("dropped", 0) for c in counters),
@@ -308,6 +353,61 @@ def many_workers(bench: Bench) -> None:
                 row["attempts_per_task"] <= 1.5 and ratio <= 1.5,
                 f"{row['workers']} processes x concurrency 4, --stream {mode}, own mongod, "
                 f"{row['tasks']:,} tasks at {rate}/s, load average up to {row['load_avg']:.0f}",
+                {k: float(v) for k, v in row.items()},
+            )
+        )
+
+
+def many_hosts(bench: Bench) -> None:
+    """W9H: W9 with every worker a host of its own (its own network namespace, reaching mongod
+    through its Unix socket), so the per-host relay has one worker on each host, as with one
+    worker per pod or VM. Both stream modes at each size, in one run."""
+    from mtask.embedded import EmbeddedMongo
+
+    if shutil.which("unshare") is None:
+        raise RuntimeError("W9H needs unshare (util-linux) to give each worker a host of its own")
+    sizes, rate, seconds = ([1, 4], 100, 3.0) if _quick(bench) else ([1, 8, 32, 64], 100, 3.0)
+    if os.environ.get("MTASK_W9H_SIZES"):
+        sizes = [int(n) for n in os.environ["MTASK_W9H_SIZES"].split(",")]
+    modes = os.environ.get("MTASK_W9_STREAMS", "shared,own").split(",")
+    with tempfile.TemporaryDirectory(prefix="mtask-w9h-") as tmp:
+        mongod = EmbeddedMongo(tmp, cache_size_gb=0.5)
+        uri = mongod.start()
+        try:
+            mongo: MongoClient[Doc] = MongoClient(uri)
+            status = mongo.admin.command("serverStatus")
+            pid, port = int(status["pid"]), int(uri.split(":")[2].split("/")[0])
+            mongo.close()
+            rows = [
+                (mode, _one_size(uri, pid, n, rate, seconds, mode, socket_uri(port), chunk=1))
+                for n in sizes
+                for mode in modes
+            ]
+        finally:
+            mongod.stop()
+    for mode, row in rows:
+        one = next(r for m, r in rows if m == mode)
+        cpu = row["cpu_ms_per_task"] / one["cpu_ms_per_task"]
+        wait = row["finished_p50_ms"] / one["finished_p50_ms"]
+        ops = " ".join(
+            f"{kind} {row[f'{kind}_per_task']:.2f}"
+            for kind in ("insert", "query", "update", "getmore", "command")
+        )
+        bench.record(
+            _result(
+                f"W9H many hosts x{row['workers']} ({mode} streams)",
+                f"mongod {row['cpu_ms_per_task']:.2f} ms CPU/task ({cpu:.2f}x of 1 host); "
+                f"{row['attempts_per_task']:.2f} claim attempts/task; created→finished p50 "
+                f"{row['finished_p50_ms']:.1f} ms ({wait:.2f}x); ops/task: {ops}; idle: "
+                f"{row['idle_cpu_pct']:.1f} % of a core, {row['idle_ops_per_s']:.0f} ops/s",
+                "CPU/task ≤ 1.5x of 1 host; ≤ 1.1 attempts/task; p50 ≤ 2x; idle ≤ 5 % at 64",
+                cpu <= 1.5
+                and row["attempts_per_task"] <= 1.1
+                and wait <= 2
+                and (row["workers"] < 64 or row["idle_cpu_pct"] <= 5),
+                f"{row['workers']} hosts (network namespaces) x 1 worker at concurrency 4, "
+                f"--stream {mode}, own mongod over its Unix socket, {row['tasks']:,} no-op tasks "
+                f"at {rate}/s, load average up to {row['load_avg']:.0f}",
                 {k: float(v) for k, v in row.items()},
             )
         )
