@@ -80,8 +80,8 @@ def _gather_pool() -> ThreadPoolExecutor:
 def collections(db: Any, tasks: str = "tasks") -> dict[str, Any]:
     """The collections the operations use, from a (sync or async) database: the tasks
     collection as named, and the database's ``workers``, ``controls``, ``limits``,
-    ``schedules``, ``retention`` and ``throughput``."""
-    names = ("workers", "controls", "limits", "schedules", "retention", "throughput")
+    ``schedules``, ``retention``, ``throughput`` and ``relays``."""
+    names = ("workers", "controls", "limits", "schedules", "retention", "throughput", "relays")
     return {
         "tasks": db[tasks],
         **{name: db[name] for name in names},

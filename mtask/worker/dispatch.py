@@ -42,13 +42,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from mtask.worker.watcher import Watcher, rendezvous_rank
+from mtask.worker.watcher import Watcher
 
 log = logging.getLogger(__name__)
 
 HAND_OVER_TIMEOUT = 5.0
 """Seconds a handed-over key waits for its claim before it goes back in the host queue."""
-TICK = 1.0
+TICK = 2.0
 """Seconds between two frames to an idle subscriber: the relay is alive (``stream_relay``)."""
 
 
@@ -124,7 +124,9 @@ class HostQueue(Watcher):
         return True
 
     def rank(self, key: str, name: str) -> int:
-        return rendezvous_rank(key, self.host, self.assignment.hosts.get(name, ()))
+        """0: one relay holds the queue of every worker of the tasks collection, so no other
+        relay races it for a task (workers with own streams stagger among themselves)."""
+        return 0
 
     def place(self, doc: Mapping[str, Any]) -> None:
         super().place(doc)

@@ -1,48 +1,50 @@
-"""A worker's side of the host's shared stream (``--stream shared``): relay or subscriber.
+"""A worker's side of the shared stream (``--stream shared``): relay or subscriber.
 
-Each worker process computes the endpoint of its tasks collection and tries to bind it; the
-winner holds the relay (``stream_relay.Relay``) and subscribes to it in memory, the others
-connect. A subscriber then finds no work itself: the relay hands it tasks due now
-(``Watcher.place_dispatched``), and it tells the relay how many more it can take (``free``,
-``got``: its credit), and what it claimed, holds back or finished (the relay's stream leaves
-those writes out), could not claim, or found gone. Everything else about a task — the claim,
-the run, the outcome — is as with an own stream.
+Each worker process reads the relay's lease of its tasks collection (``store.relays``); if
+nobody holds it, it tries to take it, and the winner holds the relay (``stream_relay.Relay``)
+and subscribes to it in memory. The others subscribe through MongoDB (``mailbox``): each makes
+an inbox, says hello to the relay, and tails its inbox. A subscriber then finds no work itself:
+the relay hands it tasks due now (``Watcher.place_dispatched``), and it tells the relay how many
+more it can take (``free``, ``got``: its credit), and what it claimed, holds back or finished
+(the relay's stream leaves those writes out), could not claim, or found gone. Everything else
+about a task — the claim, the run, the outcome — is as with an own stream.
 
-- A relay that goes (its connection ends) is raced for: one subscriber binds, the others
-  connect, and the new relay's host queue scans.
-- A relay that says nothing for ``SILENT`` seconds (frozen, or its event loop blocked) is left:
-  the subscriber follows its own stream for ``OWN_FOR`` seconds, then tries the relay again.
-- Where the endpoint cannot be used (not Linux, another user's relay, an unexpected socket
-  error) the worker follows its own stream for good, with a warning.
+- A relay that says nothing for ``SILENT`` seconds (dead, frozen, cut off, or gone for another)
+  is left: if the lease names another relay, the subscriber subscribes to that one; otherwise
+  it follows its own stream until the lease names a relay again, or has run out and it takes
+  the lease itself.
+- Where the relay cannot be reached through MongoDB at all (no right to make a capped
+  collection), the worker follows its own stream for good, with a warning.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
-import sys
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from pymongo.errors import PyMongoError
+from pymongo.errors import OperationFailure, PyMongoError
 
-from mtask import store
 from mtask.errors import StorageError
+from mtask.store import relays
+from mtask.worker import mailbox
 from mtask.worker.dispatch import Dispatcher
-from mtask.worker.relay_wire import PROTOCOL, decode, endpoint, frame, peer, read_frame
+from mtask.worker.relay_wire import BYE, KEEPALIVE, PROTOCOL
 from mtask.worker.stream import OwnStream
-from mtask.worker.stream_relay import _LOCAL, SUBSCRIBER_BUFFER, Relay
+from mtask.worker.stream_relay import SUBSCRIBER_BUFFER, Relay
 from mtask.worker.watcher import Watcher
 
 log = logging.getLogger(__name__)
 
-SILENT = 5.0
-"""Seconds without a frame from the relay (it ticks every second) before a subscriber leaves
-it for its own stream."""
-OWN_FOR = 30.0
-"""Seconds a subscriber that left a silent relay follows its own stream before it retries."""
+SILENT = 6.0
+"""Seconds without a frame from the relay (it ticks every ``dispatch.TICK``) before a
+subscriber leaves it."""
+LOOK_EVERY = 2.0
+"""Seconds between two reads of the lease while a worker finds its own work."""
+UNAUTHORIZED = 13
 
 
 class RelaySilent(Exception):
@@ -58,7 +60,10 @@ class SharedStream:
         """How many more tasks this worker can take now (set by the worker's assembly)."""
         self.relay: Relay | None = None
         self._relay_task: asyncio.Task[None] | None = None
-        self.endpoint: str | None = None
+        self._subscribed_to: str | None = None
+        """The relay this worker subscribed to last."""
+        self._reported = 0.0
+        """When (event loop time) this worker last reported to its relay."""
         self.connections = 0
         self.fallback = False
         self.left_silent = 0
@@ -111,6 +116,7 @@ class SharedStream:
             message["names"] = self._names = names
         message.update(self._said)
         self._said = {}
+        self._reported = asyncio.get_running_loop().time()
         self._send(message)
 
     def state(self) -> dict[str, Any]:
@@ -135,66 +141,114 @@ class SharedStream:
 
     async def run(self, watcher: Watcher) -> None:
         self._watcher = watcher
-        if not sys.platform.startswith("linux"):  # abstract sockets are Linux's
-            await self._fall_back(watcher, "abstract Unix sockets need Linux")
-        name = self.endpoint = await self._endpoint(watcher)
         try:
             while True:
                 try:
-                    await self._follow_relay(name, watcher)
-                except RelaySilent:
-                    self.left_silent += 1
-                    log.warning(
-                        "the host's relay said nothing for %gs; following an own stream for %gs",
-                        SILENT,
-                        OWN_FOR,
-                    )
-                    watcher.to_own()
-                    try:
-                        async with asyncio.timeout(OWN_FOR):
-                            await OwnStream().run(watcher)
-                    except TimeoutError:
-                        pass
+                    await self._follow_relay(watcher)
+                except RelaySilent as silent:
+                    await self._left(watcher, str(silent))
+                except (StorageError, PyMongoError) as exc:
+                    log.warning("shared change stream: %s; trying again", exc)
+                    await asyncio.sleep(random.uniform(0.5, 1.0))
                 await asyncio.sleep(random.uniform(0.01, 0.1))
         finally:
             if self._relay_task is not None:
                 self._relay_task.cancel()
                 await asyncio.gather(self._relay_task, return_exceptions=True)
 
-    async def _follow_relay(self, name: str, watcher: Watcher) -> None:
-        """Subscribe to the host's relay (binding it first if nobody holds it) until the
-        connection ends."""
+    async def _follow_relay(self, watcher: Watcher) -> None:
+        """Subscribe to the relay that holds the lease (taking it first if nobody holds it)
+        until it goes."""
+        relay_id = await self._relay_id(watcher)
+        if relay_id is None:
+            await asyncio.sleep(random.uniform(0.1, 0.3))  # the lease is changing hands
+            return
+        self._subscribed_to = relay_id
+        relay = Relay.local.get(relay_id)
+        if relay is not None and relay.loop is asyncio.get_running_loop():
+            await self._consume_local(relay, watcher)
+            return
+        await self._subscribe(relay_id, watcher)
+
+    async def _relay_id(self, watcher: Watcher) -> str | None:
+        """The relay holding the lease now, after taking the lease if it has run out."""
+        await self._ensure_relay(watcher)
+        if self.relay is not None and self._relay_task is not None and not self._relay_task.done():
+            return self.relay.id
+        return await watcher.driver.run(relays.holder(watcher.driver.collections["tasks"].name))
+
+    async def _subscribe(self, relay_id: str, watcher: Watcher) -> None:
+        """Say hello to the relay ``relay_id`` and take its frames from an inbox of our own."""
+        tasks = watcher.driver.collections["tasks"]
+        database = tasks.database
+        subscription = f"{watcher.worker_id}/{uuid.uuid4().hex[:12]}"
+        name = mailbox.inbox_name(tasks.name, subscription)
         try:
-            await self._ensure_relay(name, watcher)
-            relay = _LOCAL.get(name)
-            if relay is not None and relay.loop is asyncio.get_running_loop():
-                await self._consume_local(relay, watcher)
-                return
-            reader, writer = await asyncio.open_unix_connection(name)
-        except (ConnectionRefusedError, FileNotFoundError):
-            return  # going or coming: bind again
-        except OSError as exc:
-            await self._fall_back(watcher, str(exc))
+            inbox = await mailbox.ensure_capped(database, name, mailbox.INBOX_BYTES)
+        except OperationFailure as exc:
+            if exc.code == UNAUTHORIZED:
+                await self._fall_back(watcher, f"cannot make an inbox: {exc}")
+            raise
+        reports = database[mailbox.reports_name(tasks.name)]
+        failed: list[Exception] = []
+        out = mailbox.Writer(reports, failed.append)
+
+        def send(message: dict[str, Any]) -> None:
+            out.put({"to": relay_id, "from": subscription, "f": message})
+
+        hello = {"hello": PROTOCOL, "worker_id": watcher.worker_id, "inbox": name}
+        send({**hello, "names": watcher.names, "free": self.capacity()})
+        self.connections += 1
+        frames = mailbox.tail(inbox)
+
+        async def next_frame() -> Mapping[str, Any] | None:
+            if failed:
+                raise failed[0]
+            try:
+                doc = await anext(frames)
+            except StopAsyncIteration:
+                return None  # the relay let us go (and dropped the inbox)
+            frame = doc.get("f")
+            return frame if isinstance(frame, Mapping) else {}
+
         try:
-            if peer(writer)[1] != os.getuid():
-                await self._fall_back(watcher, "the endpoint is another user's")
-            self.connections += 1
-            hello = {"hello": PROTOCOL, "worker_id": watcher.worker_id}
-            writer.write(frame({**hello, "names": watcher.names, "free": self.capacity()}))
-
-            async def next_frame() -> Mapping[str, Any] | None:
-                data = await read_frame(reader)
-                return None if data is None else decode(data)
-
-            def send(message: dict[str, Any]) -> None:
-                if not writer.transport.is_closing():
-                    writer.write(frame(message))
-
             await self._consume(next_frame, send, watcher, SILENT)
-        except (ConnectionError, OSError) as exc:
-            log.info("shared change stream connection lost (%s); reconnecting", exc)
+        except PyMongoError as exc:
+            log.info("shared change stream subscription lost (%s); subscribing again", exc)
         finally:
-            writer.transport.abort()
+            await frames.aclose()
+            send(dict(BYE))
+            await out.drain()
+            out.close()
+
+    async def _left(self, watcher: Watcher, why: str) -> None:
+        """The relay went silent: follow the lease's next relay, or an own stream until there
+        is one (or the lease has run out: the loop then takes it)."""
+        self.left_silent += 1
+        silent = self._subscribed_to
+        tasks = watcher.driver.collections["tasks"].name
+        holder = await watcher.driver.run(relays.holder(tasks))
+        if holder is not None and holder != silent:
+            return  # another relay holds the lease now: subscribe to it
+        log.warning(
+            "the relay said nothing for %gs (%s); finding work with an own stream", SILENT, why
+        )
+        watcher.to_own()
+        own = asyncio.create_task(OwnStream().run(watcher), name="mtask-own-stream")
+        try:
+            while True:
+                await asyncio.sleep(LOOK_EVERY)
+                if own.done():
+                    own.result()  # an own stream that ends is a bug: raise it
+                try:
+                    holder = await watcher.driver.run(relays.holder(tasks))
+                except StorageError:
+                    continue
+                if holder != silent:
+                    return  # a new relay, or none (the loop takes the lease)
+        finally:
+            own.cancel()
+            await asyncio.gather(own, return_exceptions=True)
 
     async def _consume_local(self, relay: Relay, watcher: Watcher) -> None:
         """Subscribe to the relay of this event loop directly; until it goes or drops us."""
@@ -245,8 +299,9 @@ class SharedStream:
             watcher.to_own()
             await watcher.opened()
         elif relay == "tick":
-            if watcher.dispatched and max(0, self.capacity()) != self._free:
-                self.report_soon()  # a safety net: credit is never stuck
+            quiet = asyncio.get_running_loop().time() - self._reported >= KEEPALIVE
+            if watcher.dispatched and (quiet or max(0, self.capacity()) != self._free):
+                self.report_soon()  # the relay hears from us; and credit is never stuck
         elif relay is None:  # a task's event (alone), or a control, limit or schedule's
             watcher.on_change(doc)
             if not watcher.dispatched:
@@ -254,30 +309,17 @@ class SharedStream:
                 await watcher.settle()
 
     async def _fall_back(self, watcher: Watcher, why: str) -> None:
-        # not Linux: expected, so quietly; a squatted or broken endpoint: worth a warning
-        level = logging.INFO if "Linux" in why else logging.WARNING
-        log.log(level, "cannot share the host's change stream (%s); using an own one", why)
+        log.warning("cannot share the change stream (%s); using an own one", why)
         self.fallback = True
         watcher.to_own()
         await OwnStream().run(watcher)
         raise AssertionError("unreachable: a stream is followed until cancelled")
 
-    async def _endpoint(self, watcher: Watcher) -> str:
-        tasks = watcher.driver.collections["tasks"]
-        backoff = 0.1
-        while True:
-            try:
-                uuid = await watcher.driver.run(store.collection_uuid(tasks.name))
-                return endpoint(tasks.database.name, tasks.name, uuid)
-            except (StorageError, PyMongoError) as exc:
-                log.warning("cannot read the tasks collection's UUID yet: %s", exc)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
-
-    async def _ensure_relay(self, name: str, watcher: Watcher) -> None:
+    async def _ensure_relay(self, watcher: Watcher) -> None:
+        """Hold the relay if the lease has run out (or this process holds it already)."""
         task = self._relay_task
         if task is not None and task.done() and not task.cancelled():
-            task.result()  # a relay that died of anything but cancellation is a bug: raise it
+            task.result()  # a relay that died of anything but its lease or a cancel: raise it
         if task is not None and not task.done():
             return
         tasks = watcher.driver.collections["tasks"]
@@ -291,17 +333,19 @@ class SharedStream:
             watcher.stagger.total_seconds() * 1000,
             watcher.queue.max_size,
         )
-        relay = await Relay.bind(
-            name, tasks.database, tasks.name, watcher.worker_id, buffer, dispatcher
+        relay = await Relay.acquire(
+            watcher.driver, tasks.database, tasks.name, watcher.worker_id, buffer, dispatcher
         )
         if relay is not None:
-            log.info("this worker holds the host's shared change stream")
+            log.info("this worker holds the relay of the shared change stream")
 
             def restarted() -> None:
                 watcher.stream_restarts += 1
 
             self.relay = relay
-            self._relay_task = asyncio.create_task(relay.run(restarted), name="mtask-relay")
+            self._relay_task = asyncio.create_task(
+                relay.run(watcher.driver, restarted), name="mtask-relay"
+            )
 
 
 __all__ = ["SharedStream"]

@@ -1,50 +1,56 @@
-"""One change stream and one claim queue per host, shared by the worker processes on it
+"""One change stream and one claim queue for every worker of a tasks collection, on any host
 (``--stream shared``): the relay.
 
-Every worker used to hold a change stream of its own, and mongod built and sent every event
-once per worker; and every worker queued every task, so several raced for each one: mongod's
-CPU and the claim attempts per task grew with the number of workers (bench W9). Here the first
-worker process on a host to bind the endpoint (an abstract Unix socket named after the tasks
-collection's UUID, so that it vanishes with its process and leaves no stale file) becomes the
-host's *relay*: it holds the one change stream, the host's claim queue and its dispatcher
-(``dispatch.py``), and hands each due task to one subscribed worker with a free slot, itself
-included. The subscriber claims it as before (``shared_stream.py``).
+Every worker used to hold a change stream of its own. mongod scanned every write once per
+stream and built every event once per worker, and every worker queued every task, so several
+raced for each one: mongod's CPU and the claim attempts per task grew with the number of
+workers and of hosts (bench W9, W9H). Here one worker process holds the *relay*, chosen by a
+lease in MongoDB (``store.relays``: taken and renewed on the server's clock): the one change
+stream, the claim queue of every worker's names and its dispatcher (``dispatch.py``), which
+hands each due task to one subscribed worker with a free slot, itself included. The subscriber
+claims it as before (``shared_stream.py``). Relay and subscribers talk through MongoDB alone
+(``mailbox``): no protocol of our own between hosts.
 
-- Events are hints, the claim decides, the sweep bounds a lost wake-up. The host queue rescans
-  each time the relay's stream (re)opens and every sweep; a subscriber that (re)connects gets
+- Events are hints, the claim decides, the sweep bounds a lost wake-up. The relay's queue
+  rescans each time its stream (re)opens and every sweep; a subscriber that says hello gets
   ``{"relay": "open"}`` and from then on its tasks from the relay.
 - The relay's stream leaves out its subscribers' claims and successes (their ``last_write``
   tags, as an own stream leaves out its worker's): they tell the relay instead. When a
   subscriber comes or goes the stream is reopened with the new tags, resuming after its last
   event (no gap, no rescan).
 - The change events of ``controls``, ``limits`` and ``schedules`` go to every subscriber.
-- While the relay's own worker is its only subscriber (one worker process on the host: the
-  common case), nothing is handed out: the relay passes that worker its task events as an own
+- While the relay's own worker is its only subscriber (one worker: the common case of a small
+  deployment), nothing is handed out: the relay passes that worker its task events as an own
   stream would (``{"relay": "own"}``), at an own stream's cost. When another subscriber comes,
-  the host queue scans and the relay hands out again; when it is alone again, its worker
+  the relay's queue scans and the relay hands out again; when it is alone again, its worker
   scans for itself.
-- A slow subscriber never blocks the relay: writes are buffered per subscriber up to
-  ``SUBSCRIBER_BUFFER`` bytes; past that the subscriber is dropped and reconnects.
-- If the relay dies (kill -9 included: the kernel closes its sockets), its subscribers see the
-  end of their connection and race to bind; the kernel lets exactly one win, the others
-  connect to it. Keys it had handed over are claimed, or come back with the sweep.
-- Peers are checked (``SO_PEERCRED``): only processes of the same user are served.
+- A slow subscriber never blocks the relay: frames are buffered per subscriber up to
+  ``SUBSCRIBER_BUFFER`` bytes; past that the subscriber is dropped and says hello again.
+- A subscriber silent for ``3 * KEEPALIVE`` seconds (dead, frozen, cut off) is let go, and the
+  keys handed to it come back after ``HAND_OVER_TIMEOUT``.
+- A relay that cannot renew its lease (frozen, cut off, MongoDB away) for ``LEASE_TTL``
+  seconds stops; subscribers that hear nothing from it for ``shared_stream.SILENT`` seconds
+  find their own work meanwhile, and one of them takes the lease once it has run out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import errno
+import contextlib
 import logging
-import os
+import time
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from bson.errors import BSONError
+from pymongo.errors import PyMongoError
 
+from mtask.errors import StorageError
+from mtask.store import relays
+from mtask.worker import mailbox
 from mtask.worker.dispatch import Dispatcher
-from mtask.worker.relay_wire import OPEN, OWN, PROTOCOL, TICK, decode, frame, peer, read_frame
+from mtask.worker.relay_wire import KEEPALIVE, OPEN, OWN, PROTOCOL, TICK
 from mtask.worker.stream import Reopen, follow, stream_pipeline
 from mtask.worker.watcher import Sweep
 
@@ -55,57 +61,51 @@ SUBSCRIBER_BUFFER = 4 * 1024 * 1024
 YIELD_EVERY = 64
 """Events the relay takes before it lets the event loop turn (subscribers read meanwhile)."""
 OTHER_COLLECTIONS = ("controls", "limits", "schedules")
-TICK_FRAME = frame(TICK)
+LEASE_TTL = 10.0
+"""Seconds a relay's lease lasts from its last renewal."""
+RENEW_EVERY = 2.0
+FRAME_BYTES = 256
+"""What a frame counts for against a subscriber's buffer."""
 
 
-class _Socket:
-    """A subscriber in another process (or another event loop): frames on its connection,
-    gathered and written once per turn of the event loop."""
+class LeaseLost(Exception):
+    """The relay's lease is another's now, or could not be renewed in time."""
 
-    def __init__(self, writer: asyncio.StreamWriter, relay: Relay | None = None) -> None:
-        self.writer = writer
+
+class _Inbox:
+    """A subscriber in another process (on any host): frames inserted into its inbox."""
+
+    def __init__(self, relay: Relay, collection: Any, subscription: str) -> None:
         self.relay = relay
-        self.pending: list[bytes] = []
-        self.pending_bytes = 0
+        self.subscription = subscription
+        self.heard = time.monotonic()
+        self.writer = mailbox.Writer(collection, lambda exc: relay.lost(self, exc))
 
     def backlog(self) -> int:
-        return self.writer.transport.get_write_buffer_size() + self.pending_bytes
+        return len(self.writer) * FRAME_BYTES
 
     def closing(self) -> bool:
-        return self.writer.transport.is_closing()
+        return self.writer.closed
 
-    def send(self, doc: Mapping[str, Any], data: bytes | None = None) -> None:
-        data = frame(doc) if data is None else data
-        if self.relay is not None and self.backlog() + len(data) > self.relay.buffer:
+    def send(self, doc: Mapping[str, Any]) -> None:
+        if self.backlog() + FRAME_BYTES > self.relay.buffer:
             self.relay.drop(self)
             return
-        self.pending.append(data)
-        self.pending_bytes += len(data)
-        if self.relay is not None:
-            self.relay.flush_soon()
+        self.writer.put({"f": doc})
 
     def dispatch(self, entries: list[list[Any]]) -> None:
         self.send({"d": entries})
 
     def tick(self) -> None:
-        self.send(TICK, TICK_FRAME)
-
-    def flush(self) -> None:
-        if self.pending and not self.closing():
-            self.writer.write(b"".join(self.pending))
-        self.pending.clear()
-        self.pending_bytes = 0
+        self.send(TICK)
 
     def close(self) -> None:
-        self.writer.transport.abort()
+        self.writer.close()
 
 
 class Local:
     """A subscriber in the relay's own process and event loop: frames handed over as the
-    documents they are (no socket, no BSON), bounded like a connection's buffer."""
-
-    EVENT_BYTES = 256
-    """What a frame counts for against the buffer."""
+    documents they are, bounded like an inbox."""
 
     def __init__(self, relay: Relay | None = None) -> None:
         self.relay = relay
@@ -114,13 +114,13 @@ class Local:
         self.closed = False
 
     def backlog(self) -> int:
-        return len(self.items) * self.EVENT_BYTES
+        return len(self.items) * FRAME_BYTES
 
     def closing(self) -> bool:
         return self.closed
 
-    def send(self, doc: Mapping[str, Any], data: bytes | None = None) -> None:
-        if self.relay is not None and self.backlog() + self.EVENT_BYTES > self.relay.buffer:
+    def send(self, doc: Mapping[str, Any]) -> None:
+        if self.relay is not None and self.backlog() + FRAME_BYTES > self.relay.buffer:
             self.relay.drop(self)
             return
         self.items.append(doc)
@@ -144,15 +144,15 @@ class Local:
         return None if self.closed else self.items.popleft()
 
 
-Subscriber = _Socket | Local
-
-_LOCAL: dict[str, Relay] = {}
-"""The relays held in this process, by endpoint: a worker on the same event loop subscribes
-to its relay directly (``Local``)."""
+Subscriber = _Inbox | Local
 
 
 class Relay:
-    """The host's change stream and claim queue, for the subscribers of ``server``."""
+    """The change stream and claim queue of one tasks collection, for every subscribed worker."""
+
+    local: dict[str, Relay] = {}
+    """The relays held in this process, by id: a worker on the same event loop subscribes to
+    its relay directly (``Local``)."""
 
     def __init__(
         self, database: Any, tasks: str, owner: str, buffer: int, dispatcher: Dispatcher
@@ -161,46 +161,47 @@ class Relay:
         self.tasks = tasks
         self.owner = owner
         """The worker id of the worker whose process holds the relay."""
+        self.id = f"{owner}/{uuid.uuid4().hex[:12]}"
+        """This relay's id: the lease names it, subscribers address their reports to it."""
         self.buffer = buffer
         self.dispatcher = dispatcher
         self.subscribers: dict[Subscriber, str] = {}
-        self.server: asyncio.AbstractServer | None = None
+        self.by_subscription: dict[str, _Inbox] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.name = ""
         self.open = False
         self.excluded: tuple[str, ...] = ()
         """The workers whose claims and successes the stream in use leaves out."""
         self.direct: Local | None = None
         """The relay's own worker, while it is the only subscriber: it gets the task events."""
         self._switch = False
-        self._flush_soon: asyncio.Handle | None = None
         self._unyielded = 0
         self.dropped = 0
-        self.switches = 0
 
     @classmethod
-    async def bind(
-        cls, name: str, database: Any, tasks: str, owner: str, buffer: int, dispatcher: Dispatcher
+    async def acquire(
+        cls, driver: Any, database: Any, tasks: str, owner: str, buffer: int, dispatcher: Dispatcher
     ) -> Relay | None:
-        """The relay, if this process won the endpoint; ``None`` if another holds it."""
+        """The relay, if this process took the lease; ``None`` if another holds it."""
         relay = cls(database, tasks, owner, buffer, dispatcher)
-        try:
-            relay.server = await asyncio.start_unix_server(relay._serve, path=name)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return None
-            raise
-        relay.loop, relay.name = asyncio.get_running_loop(), name
-        _LOCAL[name] = relay
+        await driver.run(relays.ensure(tasks))
+        if not await driver.run(relays.acquire(tasks, relay.id, int(LEASE_TTL * 1000))):
+            return None
+        relay.loop = asyncio.get_running_loop()
+        cls.local[relay.id] = relay
         return relay
 
-    async def run(self, restarted: Callable[[], None] = lambda: None) -> None:
-        """Follow the stream, hand out tasks and sweep until cancelled; then close the
-        endpoint and every connection. If one of them fails, so does the relay."""
+    async def run(self, driver: Any, restarted: Callable[[], None] = lambda: None) -> None:
+        """Follow the stream, hand out tasks, sweep and keep the lease until cancelled or the
+        lease is lost; then let the lease go and every subscriber with it."""
         try:
+            reports = await mailbox.ensure_capped(
+                self.database, mailbox.reports_name(self.tasks), mailbox.REPORTS_BYTES
+            )
             async with asyncio.TaskGroup() as group:
                 group.create_task(self.dispatcher.run(), name="mtask-dispatch")
                 group.create_task(Sweep(self.dispatcher.host).run(), name="mtask-host-sweep")
+                group.create_task(self._keep_lease(driver), name="mtask-relay-lease")
+                group.create_task(self._read_reports(reports), name="mtask-relay-reports")
                 await follow(
                     self.database,
                     self._pipeline,
@@ -208,16 +209,32 @@ class Relay:
                     changed=self._changed,
                     restarted=restarted,
                 )
+        except* LeaseLost as lost:
+            log.warning("the relay stops: %s", lost.exceptions[0])
         finally:
-            if self._flush_soon is not None:
-                self._flush_soon.cancel()
-            if _LOCAL.get(self.name) is self:
-                del _LOCAL[self.name]
-            if self.server is not None:
-                self.server.close()
+            if Relay.local.get(self.id) is self:
+                del Relay.local[self.id]
             for subscriber in list(self.subscribers):
                 subscriber.close()
             self.subscribers.clear()
+            self.by_subscription.clear()
+            with contextlib.suppress(StorageError, asyncio.CancelledError):  # else it runs out
+                await asyncio.shield(driver.run(relays.release(self.tasks, self.id)))
+
+    async def _keep_lease(self, driver: Any) -> None:
+        renewed = time.monotonic()
+        while True:
+            await asyncio.sleep(RENEW_EVERY)
+            try:
+                held = await driver.run(relays.acquire(self.tasks, self.id, int(LEASE_TTL * 1000)))
+            except StorageError as exc:
+                if time.monotonic() - renewed >= LEASE_TTL - RENEW_EVERY:
+                    raise LeaseLost(f"cannot renew the lease: {exc}") from exc
+                continue
+            if not held:
+                raise LeaseLost("another relay holds the lease")
+            renewed = time.monotonic()
+            self._let_go_of_the_silent()
 
     # -- subscribers ------------------------------------------------------------------------
 
@@ -238,7 +255,36 @@ class Relay:
         if self.subscribers.pop(subscriber, None) is not None:
             self.dispatcher.remove(subscriber)
             self._note_change()
+        if isinstance(subscriber, _Inbox):
+            self.by_subscription.pop(subscriber.subscription, None)
+            if self.loop is not None and not subscriber.closing():
+                name = subscriber.writer.collection.name
+                self.loop.create_task(self._drop_inbox(name), name="mtask-drop-inbox")
         subscriber.close()
+
+    async def _drop_inbox(self, name: str) -> None:
+        """The relay alone writes an inbox, so it drops it too, once it wrote its last frame
+        (an insert into a dropped collection would make it again)."""
+        try:
+            await self.database.drop_collection(name)
+        except PyMongoError as exc:
+            log.debug("cannot drop inbox %s: %s", name, exc)
+
+    def lost(self, subscriber: _Inbox, exc: Exception) -> None:
+        """A frame could not be written to the subscriber's inbox."""
+        log.info("cannot write to a subscriber's inbox (%s); letting it go", exc)
+        self.remove(subscriber)
+
+    def _let_go_of_the_silent(self) -> None:
+        now = time.monotonic()
+        for subscription, inbox in list(self.by_subscription.items()):
+            if now - inbox.heard > 3 * KEEPALIVE:
+                log.info(
+                    "subscription %s said nothing for %gs: letting it go",
+                    subscription,
+                    3 * KEEPALIVE,
+                )
+                self.remove(inbox)
 
     def _alone(self) -> Local | None:
         """The relay's own worker, if it is the only subscriber."""
@@ -255,16 +301,16 @@ class Relay:
         was, self.direct = self.direct, alone
         if not self.open:
             return
-        if alone is not None:  # alone again: the host queue's work is its own worker's
+        if alone is not None:  # alone again: the relay's work is its own worker's
             self.dispatcher.clear()
             alone.send(OWN)
-        elif was is not None:  # no longer alone: the host queue scans and hands out
+        elif was is not None:  # no longer alone: the relay's queue scans and hands out
             self.dispatcher.host.active = True
             self.dispatcher.host.request_rescan()
             self.broadcast(OPEN)
 
     def drop(self, subscriber: Subscriber) -> None:
-        """A subscriber past its buffer: it goes (it reconnects)."""
+        """A subscriber past its buffer: it goes (it says hello again)."""
         worker_id = self.subscribers.get(subscriber)
         if worker_id is not None and not subscriber.closing():
             self.dropped += 1
@@ -290,6 +336,55 @@ class Relay:
                 subscriber, int(message["free"]), int(message.get("got", 0)), message.get("names")
             )
 
+    async def _read_reports(self, reports: Any) -> None:
+        """The subscribers' hellos, reports and goodbyes, from the relay's inbox."""
+        query = {"$or": [{"to": self.id}, dict(mailbox.MARKER)]}
+        while True:
+            try:
+                async for doc in mailbox.tail(reports, query):
+                    self._on_report(doc)
+            except PyMongoError as exc:
+                log.warning("reading the subscribers' reports failed, again: %s", exc)
+                await asyncio.sleep(0.5)
+                reports = await mailbox.ensure_capped(
+                    self.database, reports.name, mailbox.REPORTS_BYTES
+                )
+
+    def _on_report(self, doc: Mapping[str, Any]) -> None:
+        subscription, message = doc.get("from"), doc.get("f")
+        if not isinstance(subscription, str) or not isinstance(message, Mapping):
+            return
+        inbox = self.by_subscription.get(subscription)
+        if message.get("hello") is not None:
+            self._hello(subscription, message, inbox)
+        elif inbox is None:
+            return  # an earlier subscription, let go: it hears nothing and says hello again
+        elif message.get("bye"):
+            self.remove(inbox)
+        else:
+            inbox.heard = time.monotonic()
+            try:
+                self.report(inbox, message)
+            except (TypeError, ValueError) as exc:
+                log.warning("a subscriber's report makes no sense (%s); letting it go", exc)
+                self.remove(inbox)
+
+    def _hello(self, subscription: str, hello: Mapping[str, Any], was: _Inbox | None) -> None:
+        worker_id, inbox_name = hello.get("worker_id"), hello.get("inbox")
+        if hello.get("hello") != PROTOCOL or not isinstance(worker_id, str):
+            log.warning("refused a subscriber that is not mtask %s's: %r", PROTOCOL, worker_id)
+            return
+        if not isinstance(inbox_name, str) or not mailbox.is_inbox(self.tasks, inbox_name):
+            log.warning("refused a subscriber without an inbox: %s", worker_id)
+            return
+        if was is not None:
+            self.remove(was)
+        names = [n for n in hello.get("names") or () if isinstance(n, str)]
+        free = hello.get("free")
+        inbox = _Inbox(self, self.database[inbox_name], subscription)
+        self.by_subscription[subscription] = inbox
+        self._add(inbox, worker_id, names, free if isinstance(free, int) else 0)
+
     def _note_change(self) -> None:
         if self.excluded != tuple(sorted(self.subscribers.values())):
             self._switch = True
@@ -309,7 +404,7 @@ class Relay:
             self.direct.send(OWN)  # its worker scans, as after an own stream's (re)open
             return
         self.dispatcher.host.active = True
-        await self.dispatcher.host.opened()  # the host queue scans: nothing slips between
+        await self.dispatcher.host.opened()  # the relay's queue scans: nothing slips between
         self.open = True
         self.broadcast(OPEN)
 
@@ -331,59 +426,15 @@ class Relay:
             await host.settle()
         if self._switch:  # a subscriber came or went: its tags in the filter, from here on
             self._switch = False
-            self.switches += 1
             raise Reopen
 
     def broadcast(self, doc: Mapping[str, Any]) -> None:
-        """Queue ``doc`` for every subscriber (encoded once for all connections)."""
-        data = frame(doc) if any(isinstance(s, _Socket) for s in self.subscribers) else b""
+        """Queue ``doc`` for every subscriber."""
         for subscriber in list(self.subscribers):
             if subscriber.closing():
                 self.drop(subscriber)
             else:
-                subscriber.send(doc, data)
-
-    def flush_soon(self) -> None:
-        if self._flush_soon is None and self.loop is not None:
-            self._flush_soon = self.loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_soon = None
-        for subscriber in self.subscribers:
-            if isinstance(subscriber, _Socket):
-                subscriber.flush()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One subscriber: its hello, then its reports until it goes."""
-        try:
-            if peer(writer)[1] != os.getuid():
-                raise ConnectionError("a process of another user")
-            hello = decode(await asyncio.wait_for(_frame_or_fail(reader), 10))
-            worker_id = hello.get("worker_id")
-            if hello.get("hello") != PROTOCOL or not isinstance(worker_id, str):
-                raise ConnectionError(f"not an mtask {PROTOCOL} subscriber")
-            names = [n for n in hello.get("names") or () if isinstance(n, str)]
-            free = int(hello.get("free") or 0)
-        except (ConnectionError, OSError, TimeoutError, BSONError, TypeError, ValueError) as exc:
-            log.debug("refused a subscriber: %s", exc)
-            writer.transport.abort()
-            return
-        subscriber = _Socket(writer, self)
-        self._add(subscriber, worker_id, names, free)
-        try:
-            while (data := await read_frame(reader)) is not None:
-                self.report(subscriber, decode(data))
-        except (ConnectionError, OSError, BSONError, TypeError, ValueError) as exc:
-            log.debug("a subscriber's connection ended: %s", exc)
-        finally:
-            self.remove(subscriber)
+                subscriber.send(doc)
 
 
-async def _frame_or_fail(reader: asyncio.StreamReader) -> bytes:
-    data = await read_frame(reader)
-    if data is None:
-        raise ConnectionError("closed before its hello")
-    return data
-
-
-__all__ = ["SUBSCRIBER_BUFFER", "Local", "Relay"]
+__all__ = ["LEASE_TTL", "SUBSCRIBER_BUFFER", "LeaseLost", "Local", "Relay"]

@@ -7,19 +7,18 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
-import struct
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 from harness import wait_for
 from pymongo import MongoClient
 
-from mtask import TaskClient, driver, store
-from mtask.worker.relay_wire import endpoint
+from mtask import TaskClient, driver
+from mtask.store import relays
 
 TESTS = Path(__file__).parents[1]
 sys.path.insert(0, str(TESTS / "chaos"))
@@ -28,9 +27,12 @@ from test_servers import change_streams  # noqa: E402
 Mongo = MongoClient[dict[str, Any]]
 
 
-def spawn(uri: str, db: str, *extra: str) -> subprocess.Popen[str]:
+def spawn(uri: str, db: str, *extra: str, host: bool = False) -> subprocess.Popen[str]:
+    """A worker process; with ``host``, a host of its own: its own network namespace, reaching
+    mongod through its Unix socket (``uri`` must say so)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "mtask", "worker", "run", "workerapp:registry", "--uri", uri,
+        [*(["unshare", "--net"] if host else []),
+         sys.executable, "-m", "mtask", "worker", "run", "workerapp:registry", "--uri", uri,
          "--database", db, "--log-level", "WARNING", "--concurrency", "4", *extra],
         cwd=TESTS,
         stdout=subprocess.DEVNULL,
@@ -51,16 +53,10 @@ def stop(procs: list[subprocess.Popen[str]]) -> None:
             proc.communicate()
 
 
-def relay_pid(mongo: Mongo, db: str) -> int | None:
-    """The pid of the process holding the host's stream for ``db`` (from the socket's peer)."""
-    uuid = driver.SyncDriver(driver.collections(mongo[db])).run(store.collection_uuid("tasks"))
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        try:
-            sock.connect(endpoint(db, "tasks", uuid))
-        except ConnectionRefusedError:
-            return None
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return int(struct.unpack("3i", creds)[0])
+def relay_worker(mongo: Mongo, db: str) -> str | None:
+    """The worker id of the process holding the relay for ``db`` (its unexpired lease)."""
+    relay = driver.SyncDriver(driver.collections(mongo[db])).run(relays.holder("tasks"))
+    return None if relay is None else relay.split("/")[0]
 
 
 def live_streams(mongo: Mongo, db: str) -> set[int]:
@@ -106,8 +102,8 @@ async def test_worker_processes_share_one_stream_and_take_over_a_killed_relay(
     ]
     try:
         await wait_for(lambda: len(client.workers()) == 4, timeout=60)
-        first = await wait_for(lambda: relay_pid(mongo, db_name), timeout=30)
-        assert first in {p.pid for p in procs}
+        first = await wait_for(lambda: relay_worker(mongo, db_name), timeout=30)
+        assert first in {f"w{i}" for i in range(4)}
         await wait_for(lambda: len(change_streams(mongo, db_name)) == 1)
         assert len(live_streams(mongo, db_name)) == 1
 
@@ -121,12 +117,14 @@ async def test_worker_processes_share_one_stream_and_take_over_a_killed_relay(
 
         # kill -9 the relay while tasks come: another process takes the stream over
         during = publish(client, "b", 30, **lease)
-        victim = next(p for p in procs if p.pid == first)
+        victim = procs[int(first[1:])]
         victim.send_signal(signal.SIGKILL)
         victim.wait(timeout=10)
         more = publish(client, "c", 30, **lease)
-        second = await wait_for(lambda: relay_pid(mongo, db_name), timeout=30)
-        assert second != first and second in {p.pid for p in procs if p.poll() is None}
+        second = await wait_for(
+            lambda: (w := relay_worker(mongo, db_name)) != first and w, timeout=30
+        )
+        assert procs[int(second[1:])].poll() is None
         after = publish(client, "d", 60, **lease)
         await wait_for(lambda: finished(client, during + more + after), timeout=90)
         assert set(runs_per_task(client, after).values()) == {1}  # once, after the takeover
@@ -146,7 +144,7 @@ async def test_own_streams_when_asked(
     try:
         await wait_for(lambda: len(client.workers()) == 2, timeout=60)
         await wait_for(lambda: len(change_streams(mongo, db_name)) == 2)
-        assert relay_pid(mongo, db_name) is None
+        assert relay_worker(mongo, db_name) is None
         keys = publish(client, "o", 20)
         await wait_for(lambda: finished(client, keys), timeout=60)
         assert set(runs_per_task(client, keys).values()) == {1}
@@ -167,8 +165,8 @@ async def test_a_frozen_relay_is_left_for_own_streams(
     frozen: subprocess.Popen[str] | None = None
     try:
         await wait_for(lambda: len(client.workers()) == 3, timeout=60)
-        first = await wait_for(lambda: relay_pid(mongo, db_name), timeout=30)
-        frozen = next(p for p in procs if p.pid == first)
+        first = await wait_for(lambda: relay_worker(mongo, db_name), timeout=30)
+        frozen = procs[int(first[1:])]
         warm = publish(client, "w", 20, **lease)
         await wait_for(lambda: finished(client, warm), timeout=60)
         frozen.send_signal(signal.SIGSTOP)
@@ -186,4 +184,53 @@ async def test_a_frozen_relay_is_left_for_own_streams(
     finally:
         if frozen is not None:
             frozen.send_signal(signal.SIGCONT)
+        await asyncio.to_thread(stop, procs)
+
+
+def own_hosts_available() -> None:
+    """``unshare --net`` (root, util-linux) gives a process a network of its own: required
+    under CI, else the test is skipped with the reason."""
+    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, check=False)
+    if probe.returncode != 0:
+        why = f"cannot make a network namespace: {probe.stderr.decode().strip()}"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+async def test_workers_on_different_hosts_share_one_stream_and_one_relay(
+    mongo_uri: str, mongo: Mongo, db_name: str, client: TaskClient
+) -> None:
+    """Each worker in a network namespace of its own (as one worker per pod or VM): they share
+    one change stream and one relay through MongoDB alone, every task runs once, and a killed
+    relay is taken over by a worker on another host."""
+    own_hosts_available()
+    port = int(mongo_uri.split(":")[2].split("/")[0])
+    uri = f"mongodb://%2Ftmp%2Fmongodb-{port}.sock/?directConnection=true"
+    lease = {"worker_timeout_ms": 2000, "ping_interval_ms": 300}
+    procs = [
+        spawn(uri, db_name, "--worker-id", f"h{i}", "--stream", "shared", host=True)
+        for i in range(4)
+    ]
+    try:
+        await wait_for(lambda: len(client.workers()) == 4, timeout=60)
+        first = await wait_for(lambda: relay_worker(mongo, db_name), timeout=30)
+        await wait_for(lambda: len(change_streams(mongo, db_name)) == 1)
+        keys = publish(client, "x", 80, **lease)
+        await wait_for(lambda: finished(client, keys), timeout=60)
+        assert set(runs_per_task(client, keys).values()) == {1}
+        workers = {d["result"]["worker"] for d in client.collection.find({"_id": {"$in": keys}})}
+        assert len(workers) >= 3  # handed out across the hosts
+        assert len(change_streams(mongo, db_name)) == 1  # one for the cluster, not per host
+
+        victim = procs[int(first[1:])]
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=10)
+        more = publish(client, "y", 60, **lease)
+        await wait_for(lambda: relay_worker(mongo, db_name) not in (None, first), timeout=60)
+        await wait_for(lambda: finished(client, more), timeout=90)
+        assert set(runs_per_task(client, more).values()) == {1}
+        assert client.collection.count_documents({"status": {"$ne": "succeeded"}}) == 0
+        assert all(p.poll() is None for p in procs if p is not victim)
+    finally:
         await asyncio.to_thread(stop, procs)

@@ -1,71 +1,23 @@
-"""The shared stream's framing, naming and filtering, without MongoDB."""
+"""The relay's side of the wire, its subscribers and its stream's filter, without MongoDB."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import uuid
 from typing import Any
 
-import bson
-import pytest
+from pymongo.errors import AutoReconnect
 
 from mtask import store
 from mtask.clock import FixedClock
+from mtask.worker import mailbox
 from mtask.worker.dispatch import Dispatcher
 from mtask.worker.presence import Assignment
-from mtask.worker.relay_wire import decode, endpoint, frame, read_frame
+from mtask.worker.relay_wire import KEEPALIVE, PROTOCOL
 from mtask.worker.stream import stream_pipeline
-from mtask.worker.stream_relay import Local, Relay, _Socket
+from mtask.worker.stream_relay import FRAME_BYTES, Local, Relay
 
 WHEN = dt.datetime(2026, 11, 23, 12, 0, tzinfo=dt.UTC)
-
-
-def reader_of(*chunks: bytes, eof: bool = True) -> asyncio.StreamReader:
-    reader = asyncio.StreamReader()
-    for chunk in chunks:
-        reader.feed_data(chunk)
-    if eof:
-        reader.feed_eof()
-    return reader
-
-
-async def test_frames_round_trip_whatever_the_chunking() -> None:
-    events = [
-        {"operationType": "insert", "documentKey": {"_id": "k1"}, "fullDocument": {"_id": "k1"}},
-        {"updateDescription": {"updatedFields": {"next_claim_at": WHEN}}, "documentKey": {}},
-        {"relay": "open"},
-    ]
-    data = b"".join(frame(e) for e in events)
-    for size in (1, 3, 7, len(data)):
-        reader = reader_of(*(data[i : i + size] for i in range(0, len(data), size)))
-        got = []
-        while (one := await read_frame(reader)) is not None:
-            got.append(decode(one))
-        assert got == events  # datetimes come back timezone-aware, as from the driver
-
-
-async def test_a_cut_or_bad_frame_is_a_connection_error() -> None:
-    whole = frame({"a": 1})
-    with pytest.raises(ConnectionError):
-        await read_frame(reader_of(whole[:-1]))
-    with pytest.raises(ConnectionError):
-        await read_frame(reader_of(whole[:2]))
-    with pytest.raises(ConnectionError):
-        await read_frame(reader_of((2**31 - 1).to_bytes(4, "little") + b"x"))
-    with pytest.raises(ConnectionError):
-        await read_frame(reader_of((3).to_bytes(4, "little")))
-    assert await read_frame(reader_of()) is None  # the end, between frames
-
-
-def test_endpoint_names_one_collection() -> None:
-    u = uuid.uuid4()
-    name = endpoint("db", "tasks", u)
-    assert name.startswith("\x00mtask-stream-")  # abstract: no file, gone with its process
-    assert name == endpoint("db", "tasks", bson.Binary(u.bytes, 4))  # any uuidRepresentation
-    others = {endpoint("db2", "tasks", u), endpoint("db", "jobs", u), endpoint("db", "tasks", None)}
-    assert name not in others and len(others) == 3
-    assert len(name.encode()) < 108  # sun_path
 
 
 def test_the_relays_pipeline_leaves_out_the_claims_and_successes_of_its_subscribers() -> None:
@@ -84,70 +36,95 @@ def test_the_relays_pipeline_leaves_out_the_claims_and_successes_of_its_subscrib
     assert one[0]["$match"]["$or"][1] == host[0]["$match"]["$or"][1]  # controls etc. alike
 
 
-class FakeTransport:
-    def __init__(self, pending: int = 0) -> None:
-        self.pending = pending
-        self.aborted = False
+class FakeInbox:
+    """A capped collection as the relay's writer sees it: ``insert_many`` records batches."""
 
-    def get_write_buffer_size(self) -> int:
-        return self.pending
+    def __init__(self, name: str = "tasks.inbox.x", fail: bool = False) -> None:
+        self.name = name
+        self.batches: list[list[dict[str, Any]]] = []
+        self.fail = fail
 
-    def is_closing(self) -> bool:
-        return self.aborted
-
-    def abort(self) -> None:
-        self.aborted = True
-
-
-class FakeWriter:
-    def __init__(self, pending: int = 0) -> None:
-        self.transport = FakeTransport(pending)
-        self.sent: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self.sent.append(data)
-        self.transport.pending += len(data)
+    async def insert_many(self, docs: list[dict[str, Any]], **kwargs: Any) -> None:
+        if self.fail:
+            raise AutoReconnect("cut off")
+        self.batches.append(docs)
 
 
-def connection(pending: int = 0) -> tuple[_Socket, FakeWriter]:
-    writer = FakeWriter(pending)
-    return _Socket(writer), writer  # type: ignore[arg-type]
+class FakeDatabase:
+    def __init__(self) -> None:
+        self.inboxes: dict[str, FakeInbox] = {}
+        self.dropped: list[str] = []
+
+    def __getitem__(self, name: str) -> FakeInbox:
+        return self.inboxes.setdefault(name, FakeInbox(name))
+
+    async def drop_collection(self, name: str) -> None:
+        self.dropped.append(name)
 
 
-def relay_with(buffer: int = 100, **subscribers: Any) -> Relay:
-    relay = Relay(None, "tasks", "me", buffer, Dispatcher.build(None, "me", FixedClock(WHEN),
-                  Assignment(("n",)), 30.0, 25.0, 100))  # fmt: skip
+def relay_with(buffer: int = 100_000, **subscribers: Any) -> Relay:
+    relay = Relay(FakeDatabase(), "tasks", "me", buffer, Dispatcher.build(None, "me",
+                  FixedClock(WHEN), Assignment(("n",)), 30.0, 25.0, 100))  # fmt: skip
     for name, sub in subscribers.items():
-        if isinstance(sub, _Socket | Local):
-            sub.relay = relay
+        sub.relay = relay
         relay._add(sub, name, ["n"], 1)
     return relay
 
 
-EVENT = {"x": "y" * 7}  # a 20-byte frame
+def hello(relay: Relay, worker_id: str, subscription: str, **more: Any) -> None:
+    inbox = mailbox.inbox_name("tasks", subscription)
+    message = {"hello": PROTOCOL, "worker_id": worker_id, "names": ["n"], "free": 2, "inbox": inbox}
+    relay._on_report({"to": relay.id, "from": subscription, "f": {**message, **more}})
 
 
-async def test_a_slow_subscriber_is_dropped_and_never_blocks_the_others() -> None:
-    assert len(frame(EVENT)) == 20
-    (fast, fast_writer), (slow, slow_writer) = connection(), connection(pending=90)
-    relay = relay_with(me=fast, slow=slow)
+EVENT = {"x": "y"}
+
+
+async def test_subscribers_on_other_hosts_say_hello_and_get_frames_in_their_inboxes() -> None:
+    relay = relay_with()
     relay.loop = asyncio.get_running_loop()
+    hello(relay, "a", "a/1")
+    hello(relay, "b", "b/1", hello=PROTOCOL + 1)  # another protocol: refused
+    hello(relay, "c", "c/1", inbox="elsewhere")  # not an inbox of these tasks: refused
+    assert list(relay.subscribers.values()) == ["a"] and relay._switch
+    [inbox] = relay.by_subscription.values()
     relay.broadcast(EVENT)
     relay.broadcast(EVENT)
-    await asyncio.sleep(0)  # one write per turn of the loop
-    assert fast_writer.sent == [frame(EVENT) * 2] and slow_writer.sent == []
-    assert slow_writer.transport.aborted and relay.dropped == 1
-    assert list(relay.subscribers.values()) == ["me"] and list(relay.dispatcher.subscribers)
-    assert relay._switch  # its writes are no longer left out: the stream's filter changes
-    for _ in range(4):
+    await asyncio.sleep(0.01)  # one insert_many for what was sent in one turn
+    database = relay.database
+    assert database[mailbox.inbox_name("tasks", "a/1")].batches == [[{"f": EVENT}] * 2]
+    relay._on_report({"to": relay.id, "from": "a/1", "f": {"free": 3, "got": 0}})
+    assert relay.dispatcher.subscribers[inbox].free == 3
+    relay._on_report({"to": relay.id, "from": "x/9", "f": {"free": 3}})  # unknown: ignored
+    relay._on_report({"to": relay.id, "from": "a/1", "f": {"bye": True}})
+    assert not relay.subscribers and not relay.dispatcher.subscribers
+    await asyncio.sleep(0.01)
+    assert database.dropped == [mailbox.inbox_name("tasks", "a/1")]  # the relay drops it
+
+
+async def test_a_slow_or_silent_or_cut_off_subscriber_is_let_go() -> None:
+    relay = relay_with(buffer=3 * FRAME_BYTES)
+    relay.loop = asyncio.get_running_loop()
+    hello(relay, "slow", "s/1")
+    for _ in range(4):  # the OPEN frame is not sent (the relay is not open): 4 > 3 frames
         relay.broadcast(EVENT)
-    assert fast_writer.transport.aborted and relay.dropped == 2  # 6 * 20 > 100: even the owner
-    assert not relay.dispatcher.subscribers
+    assert relay.dropped == 1 and not relay.subscribers
+    hello(relay, "quiet", "q/1")
+    [inbox] = relay.by_subscription.values()
+    inbox.heard -= 3 * KEEPALIVE + 1
+    relay._let_go_of_the_silent()
+    assert not relay.subscribers
+    hello(relay, "cut", "c/1")
+    [inbox] = relay.by_subscription.values()
+    relay.database[mailbox.inbox_name("tasks", "c/1")].fail = True
+    relay.broadcast(EVENT)
+    await asyncio.sleep(0.01)
+    assert not relay.subscribers and inbox.closing()
 
 
 async def test_a_subscriber_in_the_relays_process_gets_documents_bounded_alike() -> None:
     local = Local()
-    relay = relay_with(buffer=3 * Local.EVENT_BYTES, me=local)
+    relay = relay_with(buffer=3 * FRAME_BYTES, me=local)
     for n in range(3):
         relay.broadcast({"n": n})
     assert [await local.next() for _ in range(2)] == [{"n": 0}, {"n": 1}]

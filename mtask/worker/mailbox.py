@@ -1,0 +1,166 @@
+"""The wire between the relay and its subscribers, through MongoDB alone: they may be on any
+host, and nothing but MongoDB is shared.
+
+- **A subscriber's inbox**: a capped collection made for one subscription
+  (``inbox_name``), which only the relay writes and only that subscriber tails. A tailable
+  cursor wakes for inserts into its own collection only, so a frame costs the server the same
+  whatever the number of subscribers. (A change stream per worker, or one collection that every
+  worker tails with a filter, wakes every reader on every write: the server's CPU per task grew
+  with the hosts. ``docs/design.md``, "Finding work on many hosts", has the measurements.)
+- **The relay's inbox** (``reports_name``): one capped collection per tasks collection, which
+  every subscriber writes and only the relay tails, each frame addressed to one relay (``to``)
+  and signed by its subscription (``from``).
+- A frame is a document: ``{"f": frame}`` in an inbox, ``{"to", "from", "f"}`` in the relay's.
+  What the frames say is in ``relay_wire``.
+
+Every inbox starts with a marker document: a tailable cursor that finds nothing when it opens
+is closed by the server at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import logging
+from collections.abc import AsyncGenerator, Callable, Mapping
+from typing import Any
+
+from pymongo import CursorType
+from pymongo.errors import CollectionInvalid, OperationFailure, PyMongoError
+
+log = logging.getLogger(__name__)
+
+INBOX_BYTES = 1024 * 1024
+"""A subscriber's inbox: frames the subscriber has not read yet, at most (it is dropped past
+its buffer first: ``stream_relay.SUBSCRIBER_BUFFER`` counts what is in flight)."""
+REPORTS_BYTES = 16 * 1024 * 1024
+"""The relay's inbox, shared by every subscriber of every relay of one tasks collection."""
+AWAIT_MS = 1000
+"""How long one getMore of a tailing cursor waits for a frame."""
+DRAIN = 2.0
+"""Seconds a closing writer waits for its last frames to be written."""
+MARKER: Mapping[str, Any] = {"marker": True}
+NAMESPACE_EXISTS = 48
+
+
+def inbox_name(tasks: str, subscription: str) -> str:
+    digest = hashlib.blake2b(subscription.encode(), digest_size=12).hexdigest()
+    return f"{tasks}.inbox.{digest}"
+
+
+def reports_name(tasks: str) -> str:
+    return f"{tasks}.reports"
+
+
+def is_inbox(tasks: str, name: str) -> bool:
+    return name.startswith(f"{tasks}.inbox.")
+
+
+async def ensure_capped(database: Any, name: str, size: int) -> Any:
+    """The capped collection ``name`` (made if missing, with its marker)."""
+    try:
+        await database.create_collection(name, capped=True, size=size)
+    except CollectionInvalid:
+        pass  # made by another
+    except OperationFailure as exc:
+        if exc.code != NAMESPACE_EXISTS:
+            raise
+    collection = database[name]
+    await collection.insert_one(dict(MARKER), bypass_document_validation=True)
+    return collection
+
+
+async def tail(
+    collection: Any, query: Mapping[str, Any] | None = None
+) -> AsyncGenerator[Any, None]:
+    """The documents of a capped collection as they are inserted, from its start; ends when
+    the server closes the cursor (the collection was dropped, or the cursor fell behind its
+    capped size). The query must match the marker."""
+    cursor = collection.find(query or {}, cursor_type=CursorType.TAILABLE_AWAIT)
+    cursor = cursor.max_await_time_ms(AWAIT_MS)
+    try:
+        while cursor.alive:
+            try:
+                doc = await cursor.next()
+            except StopAsyncIteration:
+                continue  # no frame within AWAIT_MS: wait again
+            if not doc.get("marker"):
+                yield doc
+    finally:
+        await cursor.close()
+
+
+class Writer:
+    """Inserts frames into one collection in the order given, batched per turn of the event
+    loop, without blocking whoever sends them. ``failed`` is called (once) if a write fails."""
+
+    def __init__(self, collection: Any, failed: Callable[[Exception], None]) -> None:
+        self.collection = collection
+        self.failed = failed
+        self.pending: collections.deque[Mapping[str, Any]] = collections.deque()
+        self.in_flight = 0
+        self._ready = asyncio.Event()
+        self._written = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.closed = False
+
+    def put(self, doc: Mapping[str, Any]) -> None:
+        if self.closed:
+            return
+        self.pending.append(doc)
+        self._ready.set()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._write(), name="mtask-wire")
+
+    def __len__(self) -> int:
+        return len(self.pending) + self.in_flight
+
+    async def _write(self) -> None:
+        while not self.closed:
+            await self._ready.wait()
+            self._ready.clear()
+            while self.pending and not self.closed:
+                batch = list(self.pending)
+                self.pending.clear()
+                self.in_flight = len(batch)
+                try:
+                    await self.collection.insert_many(
+                        batch, ordered=True, bypass_document_validation=True
+                    )
+                except PyMongoError as exc:
+                    self.close()
+                    self.failed(exc)
+                    return
+                finally:
+                    self.in_flight = 0
+                    self._written.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.pending.clear()
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()
+
+    async def drain(self) -> None:
+        """Wait until what was put is written (a goodbye before closing), ``DRAIN`` seconds
+        at most."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(DRAIN):
+                while len(self) and not self.closed:
+                    self._written.clear()
+                    await self._written.wait()
+
+
+__all__ = [
+    "AWAIT_MS",
+    "INBOX_BYTES",
+    "REPORTS_BYTES",
+    "Writer",
+    "ensure_capped",
+    "inbox_name",
+    "is_inbox",
+    "reports_name",
+    "tail",
+]
