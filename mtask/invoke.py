@@ -6,7 +6,8 @@ from the start of the call). At the soft limit ``ctx.cancelled`` is set: a coope
 stops and its return or exception is the run's outcome. At the hard limit the run ends with
 ``TimeLimitExceeded`` (recorded FAIL ``time limit exceeded``, which uses the retry budget):
 
-- in a child process: the child is killed (SIGTERM, then SIGKILL) and replaced;
+- in a child process: the child is killed (SIGTERM, then SIGKILL, to its process group: what
+  the handler started too) and replaced;
 - ``async def``: its task is cancelled;
 - plain ``def`` on a thread: Python cannot stop a thread. The run is recorded and the thread
   is abandoned; it runs on until the handler returns (``mtask_time_limit_kills{how="thread"}``
@@ -22,7 +23,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
 
 from mtask import metrics
-from mtask.pool import ProcessPool, RunInfo, TimeLimitExceeded
+from mtask.pool import LeaseWatch, ProcessPool, RunInfo, TimeLimitExceeded
 from mtask.registry import Handler, TaskContext
 
 ASYNC_CANCEL_GRACE = 5.0
@@ -37,8 +38,10 @@ async def invoke(
     pool: ProcessPool | None = None,
     isolation: Literal["thread", "process"] = "thread",
     thread_name: str = "mtask-run",
+    lease: LeaseWatch | None = None,
 ) -> Any:
-    """Call ``handler`` for one run and return its result (or raise what it raised)."""
+    """Call ``handler`` for one run and return its result (or raise what it raised);
+    ``lease`` lets a child process follow the run's lease (``ProcessPool.run``)."""
     soft, hard = handler.soft_time_limit, handler.time_limit
     if not handler.is_async and pool is not None and (handler.isolation or isolation) == "process":
         info = RunInfo(ctx.key, ctx.name, ctx.attempt, ctx.run_id, ctx.worker_id)
@@ -50,6 +53,7 @@ async def invoke(
                 soft_timeout=soft,
                 hard_timeout=hard,
                 cancelled=ctx.cancelled,
+                lease=lease,
             )
         except TimeLimitExceeded:
             metrics.TIME_LIMIT_KILLS.labels(how="process").inc()

@@ -72,7 +72,8 @@ POOL_CHILDREN = Gauge(
 POOL_CHILDREN_STARTED = Counter("mtask_pool_children_started", "Child processes started")
 POOL_CHILDREN_ENDED = Counter(
     "mtask_pool_children_ended",
-    "Child processes ended, by reason: recycled, killed (time limit, cancel, stop), died",
+    "Child processes ended, by reason: recycled, killed (time limit, cancel, stop), died, "
+    "memory_limit",
     ["reason"],
 )
 TIME_LIMIT_KILLS = Counter(

@@ -10,11 +10,21 @@ its hard time limit or is cancelled (a ``cancel``, a lost lease, the worker's st
 grace: the awaiting task is cancelled). A child that dies on its own (a signal, ``os._exit``)
 ends its run with ``ChildDied`` ("handler process died: signal 11"). Children are recycled
 after ``max_tasks_per_child`` runs or when their resident memory after a run exceeds
-``max_memory_per_child`` bytes; ``memory_limit`` caps each child's address space
-(``RLIMIT_AS``), so an allocation past it raises ``MemoryError`` in the child, not in the
-worker. No child outlives the worker: each child asks the kernel for SIGKILL when its parent
-dies (``PR_SET_PDEATHSIG``) and a thread in it exits the process when the worker's end of an
-"alive" pipe closes.
+``max_memory_per_child`` bytes (Celery's soft limit). ``memory_limit`` is the hard one: a
+thread of the parent reads each busy child's resident set every ``memory_poll`` seconds and
+SIGKILLs a child past it; its run ends with ``MemoryLimitExceeded``.
+
+Containment (docs/design.md, "Children bounded and contained"): each child leads a process
+group of its own, which every process its handler starts inherits, and is a subreaper, so
+orphaned descendants are re-parented to it. What a run leaves running is killed before its
+reply is sent; a child that is killed or dies has its whole group SIGKILLed by the parent; and
+if the worker itself dies (even by SIGKILL), a small guard process the pool starts (it holds
+nothing but the pool's list of groups, on its stdin) sees its stdin close and SIGKILLs every
+group. The child also asks for SIGKILL when its kernel parent dies (``PR_SET_PDEATHSIG``) and
+a thread in it exits when the worker's end of an "alive" pipe closes. A child stops itself,
+and its group, when the lease of its run runs out with no renewal from the parent (the
+``LeasePinger`` passes each renewal, as a ``time.monotonic()`` deadline in shared memory): a
+frozen worker's children stop by the deadline.
 """
 
 from __future__ import annotations
@@ -23,16 +33,18 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
 import resource
 import signal
+import subprocess
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any, cast
@@ -45,6 +57,15 @@ log = logging.getLogger("mtask.pool")
 
 TRACEBACK_LIMIT = 4000
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+MEMORY_POLL = 0.1
+"""Seconds between two reads of a busy child's resident set, with a hard memory limit."""
+LEASE_POLL = 0.1
+"""The longest a child's lease watch sleeps between two looks at its run's deadline."""
+
+LeaseWatch = Callable[[Callable[[float], None]], Callable[[], None]]
+"""Subscribes to a run's lease: called with a function that is given the lease's expiry
+(``time.monotonic()`` seconds) now and at each renewal; returns the unsubscribe."""
 
 
 class HandlerError(MtaskError):
@@ -57,6 +78,10 @@ class ChildDied(MtaskError):
 
 class TimeLimitExceeded(MtaskError):
     """The run reached its hard time limit; its child was killed."""
+
+
+class MemoryLimitExceeded(MtaskError):
+    """The child's resident memory passed the pool's hard ``memory_limit``; it was killed."""
 
 
 @dataclass(frozen=True)
@@ -83,19 +108,38 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
+def _mib(n: int) -> str:
+    return f"{n / (1024 * 1024):.0f} MiB"
+
+
 # -- the child side -------------------------------------------------------------------------------
 
 
-def _die_with_parent(alive: multiprocessing.connection.Connection, worker_pid: int) -> None:
+def _prctl(option: int, value: int) -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            libc.prctl(option, value, 0, 0, 0)
+
+
+def _contain() -> None:
+    """Lead a process group of our own (every process the handler starts inherits it, so one
+    ``killpg`` reaches them all) and be a subreaper (descendants orphaned by their parent are
+    re-parented to us, not to init, so ``_sweep`` finds them, even one that left the group)."""
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _die_with_parent(alive: multiprocessing.connection.Connection, worker_pid: int) -> None:
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
     def watch() -> None:
         with contextlib.suppress(EOFError, OSError):
             while True:
                 alive.recv()  # the worker never sends: this returns only at EOF
+        with contextlib.suppress(OSError):
+            os.killpg(0, signal.SIGKILL)  # the group, with whatever the handler started
         os._exit(70)
 
     threading.Thread(target=watch, name="mtask-child-watch", daemon=True).start()
@@ -113,12 +157,59 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _rss_bytes() -> int:
+def _rss_of(pid: int | str) -> int | None:
+    """A process's resident bytes (``/proc/PID/statm``), None if it cannot be read."""
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return None
+
+
+def _rss_bytes() -> int:
+    rss = _rss_of("self")
+    return rss if rss is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _children_of(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid`` (a scan of ``/proc``)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _sweep() -> int:
+    """Kill and reap every descendant the run left behind; how many. Costs one ``waitpid``
+    when there is none (the usual case). A subreaper's orphaned descendants are its children,
+    so killing the children, round after round, reaches every generation."""
+    killed = 0
+    for _ in range(100):
+        try:
+            pid, _status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return killed  # no child at all
+        if pid:
+            continue  # reaped one that had ended; look again
+        strays = _children_of(os.getpid())
+        for stray in strays:
+            with contextlib.suppress(OSError):
+                os.kill(stray, signal.SIGKILL)
+        for stray in strays:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(stray, 0)
+        killed += len(strays)
+        if not strays:
+            time.sleep(0.01)  # a child between fork and /proc: look again
+    return killed
 
 
 def _short_traceback(exc: BaseException) -> str:
@@ -149,17 +240,52 @@ def _call(handler: Handler, params: Mapping[str, Any], info: RunInfo, cancelled:
         return ("error", _short_traceback(exc))
 
 
+class _Run:
+    """The child's current run, shared by its main thread and its lease watch: whoever takes
+    ``lock`` and finds ``active`` set ends the run (the reply, or the stop at the deadline)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active = False
+
+
+def _watch_lease(deadline: Any, run: _Run, conn: multiprocessing.connection.Connection) -> None:
+    """Stop the run, and the child's whole process group, once its lease deadline passes
+    with no renewal from the parent (a frozen or stopped worker). ``deadline.value`` is
+    ``time.monotonic()`` seconds (one clock for every process of the host); infinite while
+    the child is idle."""
+    while True:
+        left = deadline.value - time.monotonic()
+        if left > 0 or not run.active:
+            time.sleep(min(max(left, 0.0), LEASE_POLL) if run.active else LEASE_POLL)
+            continue
+        # the reply may be stuck in a full pipe to a frozen parent: wait for it a little only
+        if run.lock.acquire(timeout=0.2):
+            if not run.active or deadline.value > time.monotonic():
+                run.lock.release()  # the run ended, or a renewal arrived meanwhile
+                continue
+            run.active = False
+            with contextlib.suppress(Exception):
+                conn.send(("lease", _rss_bytes()))
+        with contextlib.suppress(OSError):
+            os.killpg(0, signal.SIGKILL)  # the handler and everything it started
+        os._exit(71)
+
+
 def _child_main(
     conn: multiprocessing.connection.Connection,
     alive: multiprocessing.connection.Connection,
     cancelled: Any,
+    deadline: Any,
     worker_pid: int,
-    memory_limit: int | None,
 ) -> None:
+    _contain()
     _die_with_parent(alive, worker_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the worker's to handle
-    if memory_limit is not None:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
+    run = _Run()
+    threading.Thread(
+        target=_watch_lease, args=(deadline, run, conn), name="mtask-child-lease", daemon=True
+    ).start()
     while True:
         try:
             message = conn.recv()
@@ -168,16 +294,93 @@ def _child_main(
         if message is None:
             return  # retired
         handler, params, info = message
+        run.active = True
         reply = _call(handler, params, info, cancelled)
-        try:
-            conn.send((*reply[:1], _rss_bytes(), *reply[1:]))
-        except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
-            conn.send(("error", _rss_bytes(), f"the result cannot be sent back: {exc!r}"))
+        with run.lock:
+            if not run.active:
+                return  # the lease watch stopped the run (and is killing us)
+            run.active = False
+            _sweep()  # what the handler left running ends with its run
+            try:
+                conn.send((*reply[:1], _rss_bytes(), *reply[1:]))
+            except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
+                conn.send(("error", _rss_bytes(), f"the result cannot be sent back: {exc!r}"))
         if reply[0] == "memory":
             return  # a child that ran out of memory is not trusted with another run
 
 
 # -- the parent side ------------------------------------------------------------------------------
+
+
+GUARD_CODE = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+groups = set()
+for line in sys.stdin.buffer:
+    pid = int(line[1:])
+    if line[:1] == b"+":
+        groups.add(pid)
+    else:
+        groups.discard(pid)
+for pid in groups:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+"""The guard: reads ``+PGID``/``-PGID`` lines; at EOF (the pool closed, or the worker died,
+even by SIGKILL: only the worker holds the write end) SIGKILLs every group still listed."""
+
+
+class _Guard:
+    """The pool's guard process (``GUARD_CODE``): started with the first child, in a session
+    of its own (signals for the worker's process group do not reach it), outliving the worker
+    by the moment it takes to kill the children's groups."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def _send(self, line: str) -> None:
+        with self._lock:
+            if self._process is None:
+                self._process = subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", GUARD_CODE],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            stdin = self._process.stdin
+            assert stdin is not None
+            with contextlib.suppress(OSError, ValueError):
+                stdin.write(line.encode() + b"\n")
+                stdin.flush()
+
+    def add(self, pgid: int) -> None:
+        self._send(f"+{pgid}")
+
+    def remove(self, pgid: int) -> None:
+        if self._process is not None:
+            self._send(f"-{pgid}")
+
+    def close(self) -> None:
+        with self._lock:
+            process, self._process = self._process, None
+        if process is not None:
+            with contextlib.suppress(OSError, ValueError):
+                assert process.stdin is not None
+                process.stdin.close()
+            try:
+                process.wait(5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _killpg(pgid: int | None, sig: int = signal.SIGKILL) -> None:
+    if pgid is not None:
+        with contextlib.suppress(OSError):
+            os.killpg(pgid, sig)
 
 
 @dataclass
@@ -186,10 +389,14 @@ class Child:
     conn: multiprocessing.connection.Connection
     alive: multiprocessing.connection.Connection
     cancelled: Any
+    deadline: Any
+    """The current run's lease deadline (``time.monotonic()``), shared with the child."""
     tasks: int = 0
     busy_since: float | None = field(default=None)
     rss: int | None = None
     """Resident bytes the child reported after its last run."""
+    over_limit: int | None = None
+    """The resident bytes for which the memory watch killed the child."""
 
 
 class ProcessPool:
@@ -201,6 +408,7 @@ class ProcessPool:
         max_tasks_per_child: int | None = None,
         max_memory_per_child: int | None = None,
         memory_limit: int | None = None,
+        memory_poll: float = MEMORY_POLL,
         term_grace: float = 1.0,
         start_method: str = "forkserver",
         preload: tuple[str, ...] = (),
@@ -210,6 +418,8 @@ class ProcessPool:
         self.max_tasks_per_child = max_tasks_per_child
         self.max_memory_per_child = max_memory_per_child
         self.memory_limit = memory_limit
+        """Resident bytes past which a busy child is killed (its run fails)."""
+        self.memory_poll = memory_poll
         self.term_grace = term_grace
         self._mp: Any = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
@@ -217,13 +427,17 @@ class ProcessPool:
             # each child forked from it has them (a module that fails there is skipped)
             self._mp.set_forkserver_preload(["mtask.registry", *preload])
         self._idle: list[Child] = []
-        self._busy: set[int] = set()
+        self._busy: dict[int, Child] = {}
+        self._any_busy = threading.Event()
+        self._memory_watch: threading.Thread | None = None
+        self._guard = _Guard()
         self._children: dict[int, Child] = {}
         self.started = 0
         self.recycled = 0
         self.killed = 0
         self.died = 0
         self.time_limit_kills = 0
+        self.memory_kills = 0
         self.closed = False
 
     # -- public ---------------------------------------------------------------------------------
@@ -234,7 +448,7 @@ class ProcessPool:
 
     def state(self) -> dict[str, int]:
         """Counts for metrics and the heartbeat: busy, idle, started, recycled, killed, died,
-        time-limit kills."""
+        time-limit kills, memory-limit kills."""
         return {
             "busy": len(self._busy),
             "idle": len(self._idle),
@@ -243,6 +457,7 @@ class ProcessPool:
             "killed": self.killed,
             "died": self.died,
             "time_limit_kills": self.time_limit_kills,
+            "memory_kills": self.memory_kills,
         }
 
     def children(self, limit: int = 64) -> list[dict[str, Any]]:
@@ -276,21 +491,36 @@ class ProcessPool:
         soft_timeout: float | None = None,
         hard_timeout: float | None = None,
         cancelled: asyncio.Event | None = None,
+        lease: LeaseWatch | None = None,
     ) -> Any:
         """Run ``handler`` in a child and return its result, or raise what the run ended with:
         ``Retry``, ``Fail``, ``InvalidParams``, ``HandlerError`` (the child's traceback),
-        ``MemoryError``-as-``HandlerError``, ``ChildDied``, ``TimeLimitExceeded``. At
-        ``soft_timeout`` (or when ``cancelled`` is set) the child's ``ctx.cancelled`` is set;
-        at ``hard_timeout``, or if this await is cancelled, the child is killed."""
+        ``MemoryError``-as-``HandlerError``, ``ChildDied``, ``TimeLimitExceeded``,
+        ``MemoryLimitExceeded``. At ``soft_timeout`` (or when ``cancelled`` is set) the child's
+        ``ctx.cancelled`` is set; at ``hard_timeout``, or if this await is cancelled, the child
+        is killed. With ``lease``, the child follows the run's lease expiry and stops itself
+        (and everything its handler started) if it passes with no renewal."""
         if self.closed:
             raise MtaskError("the process pool is closed")
         child = await self._take()
+        unwatch: Callable[[], None] | None = None
         try:
+            if lease is not None:
+                deadline = child.deadline
+
+                def renewed(expiry: float) -> None:  # on the pinger's thread
+                    deadline.value = expiry
+
+                unwatch = lease(renewed)
             child.conn.send((handler, dict(params), info))
             reply = await self._await_reply(child, soft_timeout, hard_timeout, cancelled)
         except BaseException:
             await self._kill(child)
             raise
+        finally:
+            if unwatch is not None:
+                unwatch()
+            child.deadline.value = math.inf
         return self._settle(child, reply)
 
     async def start(self, count: int) -> None:
@@ -304,7 +534,9 @@ class ProcessPool:
     async def close(self) -> None:
         """Retire idle children and kill busy ones; wait until every child is reaped."""
         self.closed = True
+        self._any_busy.set()  # the memory watch sees ``closed`` and ends
         await asyncio.gather(*(self._kill(c) for c in list(self._children.values())))
+        await asyncio.to_thread(self._guard.close)
 
     # -- children -------------------------------------------------------------------------------
 
@@ -323,9 +555,10 @@ class ProcessPool:
         parent_conn, child_conn = self._mp.Pipe()
         alive_r, alive_w = self._mp.Pipe(duplex=False)
         cancelled = self._mp.Event()
+        deadline = self._mp.RawValue("d", math.inf)
         process = self._mp.Process(
             target=_child_main,
-            args=(child_conn, alive_r, cancelled, os.getpid(), self.memory_limit),
+            args=(child_conn, alive_r, cancelled, deadline, os.getpid()),
             name="mtask-child",
             daemon=True,
         )
@@ -333,7 +566,8 @@ class ProcessPool:
         child_conn.close()
         alive_r.close()
         assert process.pid is not None
-        child = Child(process, parent_conn, alive_w, cancelled)
+        self._guard.add(process.pid)  # the child leads the group of its pid
+        child = Child(process, parent_conn, alive_w, cancelled, deadline)
         self._children[process.pid] = child
         self.started += 1
         metrics.POOL_CHILDREN_STARTED.inc()
@@ -342,13 +576,43 @@ class ProcessPool:
     def _mark_busy(self, child: Child) -> None:
         child.cancelled.clear()
         child.busy_since = time.monotonic()
-        self._busy.add(id(child))
+        self._busy[id(child)] = child
         self._gauges()
+        if self.memory_limit is not None:
+            self._any_busy.set()
+            if self._memory_watch is None:
+                self._memory_watch = threading.Thread(
+                    target=self._watch_memory, name="mtask-pool-memory", daemon=True
+                )
+                self._memory_watch.start()
 
     def _mark_idle(self, child: Child) -> None:
         child.busy_since = None
-        self._busy.discard(id(child))
+        if self._busy.pop(id(child), None) is not None and not self._busy:
+            self._any_busy.clear()
         self._gauges()
+
+    def _watch_memory(self) -> None:
+        """On a thread (a handler blocking the event loop does not stop it): SIGKILL the
+        group of a busy child whose resident set is past ``memory_limit``."""
+        limit = self.memory_limit
+        assert limit is not None
+        while True:
+            self._any_busy.wait()
+            if self.closed:
+                return
+            for child in list(self._busy.values()):
+                with contextlib.suppress(ValueError, OSError):  # closed, or gone
+                    pid = child.process.pid
+                    rss = None if pid is None else _rss_of(pid)
+                    if rss is None or rss <= limit or child.over_limit is not None:
+                        continue
+                    if child.busy_since is None:
+                        continue  # its run has just ended
+                    child.over_limit = rss
+                    _killpg(pid)
+                    child.process.kill()  # in case it has not made its group yet
+            time.sleep(self.memory_poll)
 
     def _gauges(self) -> None:
         busy = len(self._busy)
@@ -359,6 +623,7 @@ class ProcessPool:
         self._mark_idle(child)
         if child.process.pid is not None:
             self._children.pop(child.process.pid, None)
+            self._guard.remove(child.process.pid)
         self._gauges()
         for conn in (child.conn, child.alive):
             with contextlib.suppress(OSError):
@@ -420,13 +685,8 @@ class ProcessPool:
         return None
 
     def _settle(self, child: Child, reply: tuple[Any, ...] | None) -> Any:
-        if reply is None:
-            child.process.join(5)
-            reason = describe_exit(child.process.exitcode)
-            self.died += 1
-            metrics.POOL_CHILDREN_ENDED.labels(reason="died").inc()
-            self._forget(child)
-            raise ChildDied(f"handler process died: {reason}")
+        if reply is None or reply[0] == "lease":
+            raise self._ended(child, reply)
         kind, rss, *rest = reply
         child.tasks += 1
         child.rss = rss
@@ -434,9 +694,12 @@ class ProcessPool:
         recycle = kind == "memory" or (
             self.max_tasks_per_child is not None and child.tasks >= self.max_tasks_per_child
         )
-        if self.max_memory_per_child is not None and rss > self.max_memory_per_child:
-            recycle = True
-        if recycle or self.closed:
+        # past the hard limit too: its next run would be killed at once
+        limits = [n for n in (self.max_memory_per_child, self.memory_limit) if n is not None]
+        if child.over_limit is not None:  # killed for its memory just after it replied
+            self._count_ended("memory_limit")
+            self._forget(child)
+        elif recycle or self.closed or any(rss > n for n in limits):
             self._retire(child)
         else:
             self._idle.append(child)
@@ -449,6 +712,35 @@ class ProcessPool:
         if kind == "invalid":
             raise InvalidParams(rest[0])
         raise HandlerError(rest[0])
+
+    def _ended(self, child: Child, reply: tuple[Any, ...] | None) -> MtaskError:
+        """Forget a child that ended its run by dying (``reply`` None: killed for its
+        memory, or died) or by stopping itself at its lease deadline; what the run raises."""
+        child.process.join(5)  # ended, or ending: the lease watch is killing it
+        exit_reason = describe_exit(child.process.exitcode)
+        _killpg(child.process.pid)  # what its handler started dies with it
+        over = child.over_limit
+        self._count_ended("died" if over is None else "memory_limit")
+        self._forget(child)
+        if reply is not None:
+            return ChildDied(
+                "handler process stopped itself: the run's lease ran out with no renewal "
+                "from the worker (was the worker frozen?)"
+            )
+        if over is not None:
+            assert self.memory_limit is not None
+            return MemoryLimitExceeded(
+                f"memory limit exceeded: the handler's process reached {_mib(over)} "
+                f"resident, over its limit of {_mib(self.memory_limit)}; it was killed"
+            )
+        return ChildDied(f"handler process died: {exit_reason}")
+
+    def _count_ended(self, reason: str) -> None:
+        if reason == "memory_limit":
+            self.memory_kills += 1
+        else:
+            self.died += 1
+        metrics.POOL_CHILDREN_ENDED.labels(reason=reason).inc()
 
     def _retire(self, child: Child) -> None:
         """Recycle a healthy child: ask it to exit, reap it in the background."""
@@ -470,17 +762,21 @@ class ProcessPool:
         threading.Thread(target=reap, name="mtask-child-reap", daemon=True).start()
 
     async def _kill(self, child: Child) -> None:
-        """SIGTERM, then SIGKILL after ``term_grace``; reap; forget."""
-        if child.process.pid is not None and child.process.is_alive():
+        """SIGTERM, then SIGKILL after ``term_grace``, to the child's whole process group;
+        reap; forget."""
+        pid = child.process.pid
+        if pid is not None and child.process.is_alive():
             self.killed += 1
             metrics.POOL_CHILDREN_ENDED.labels(reason="killed").inc()
             child.cancelled.set()
             with contextlib.suppress(OSError):
                 child.process.terminate()
+            _killpg(pid, signal.SIGTERM)
             if not await _wait_fd(child.process.sentinel, self.term_grace):
                 with contextlib.suppress(OSError):
                     child.process.kill()
                 await _wait_fd(child.process.sentinel, None)
+        _killpg(pid)
         self._forget(child)
         if child in self._idle:
             self._idle.remove(child)

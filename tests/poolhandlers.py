@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from mtask import Fail, Registry, Retry, TaskContext, TaskOptions
@@ -91,6 +94,25 @@ def forever(params: dict[str, Any]) -> None:
 def nap(params: dict[str, Any]) -> float:
     time.sleep(params["seconds"])
     return float(params["seconds"])
+
+
+def _grandchild(pidfile: str) -> subprocess.Popen[bytes]:
+    """A process the handler starts and does not wait for; its pid written to ``pidfile``."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    Path(pidfile).write_text(str(sleeper.pid))
+    return sleeper
+
+
+@registry.task("spawn_and_sleep", isolation="process")
+def spawn_and_sleep(params: dict[str, Any]) -> None:
+    _grandchild(params["pidfile"])
+    time.sleep(params.get("seconds", 3600))
+
+
+@registry.task("leave_behind", isolation="process")
+def leave_behind(params: dict[str, Any]) -> str:
+    _grandchild(params["pidfile"])
+    return "left"
 
 
 @registry.task("thread_coop", soft_time_limit=0.2, time_limit=10)

@@ -131,7 +131,14 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-memory-per-child",
         type=int,
-        help="recycle a pool child whose resident memory after a run exceeds this many KiB",
+        help="recycle a pool child whose resident memory after a run exceeds this many KiB "
+        "(soft, as Celery's)",
+    )
+    p.add_argument(
+        "--memory-limit-per-child",
+        type=int,
+        help="kill a busy pool child whose resident memory passes this many KiB (hard): its "
+        "run fails with 'memory limit exceeded'",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--version", action="version", version=f"mtask-worker {__version__}")
@@ -201,6 +208,10 @@ def _log_handler() -> logging.Handler:
     return handler
 
 
+def _kib(value: int | None) -> int | None:
+    return None if value is None else value * 1024
+
+
 def run_worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, handlers=[_log_handler()])
     logging.getLogger("pymongo").setLevel(logging.WARNING)
@@ -222,9 +233,8 @@ def run_worker(args: argparse.Namespace) -> int:
             stream=args.stream,
             pool=args.pool,
             max_tasks_per_child=args.max_tasks_per_child,
-            max_memory_per_child=(
-                None if args.max_memory_per_child is None else args.max_memory_per_child * 1024
-            ),
+            max_memory_per_child=_kib(args.max_memory_per_child),
+            memory_limit_per_child=_kib(args.memory_limit_per_child),
         )
         if args.cluster_metrics and args.metrics_port is None:
             raise UsageError("--cluster-metrics needs --metrics-port")

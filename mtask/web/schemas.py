@@ -67,15 +67,18 @@ class PoolChildView(Open):
 class PoolView(Open):
     """A worker's process pool (issue 18): children started, recycled (max tasks or memory),
     killed (time limit, cancel, lost lease, stop), died on their own, runs ended by their hard
-    time limit, and the live children."""
+    time limit or memory limit, and the live children."""
 
     started: int = 0
     recycled: int = 0
     killed: int = 0
     died: int = 0
     time_limit_kills: int = 0
+    memory_kills: int = 0
+    """Children killed for passing ``memory_limit_per_child`` (issue 27)."""
     max_tasks_per_child: int | None = None
     max_memory_per_child: int | None = None
+    memory_limit_per_child: int | None = None
     children: list[PoolChildView] = Field(default_factory=list)
 
 

@@ -156,6 +156,7 @@ class Assembly:
             self.process_pool = ProcessPool(
                 max_tasks_per_child=config.max_tasks_per_child,
                 max_memory_per_child=config.max_memory_per_child,
+                memory_limit=config.memory_limit_per_child,
                 preload=tuple(sorted(modules - {"__main__"})),
             )
         outcomes.pool, outcomes.isolation = self.process_pool, config.pool

@@ -57,7 +57,10 @@ class WorkerConfig:
     """Where plain-def handlers that declare no ``isolation`` run."""
     max_tasks_per_child: int | None = None
     max_memory_per_child: int | None = None
-    """Bytes of resident memory after a run past which a pool child is recycled."""
+    """Bytes of resident memory after a run past which a pool child is recycled (soft)."""
+    memory_limit_per_child: int | None = None
+    """Bytes of resident memory past which a busy pool child is killed at once (hard): its
+    run fails with ``memory limit exceeded``."""
 
     def chosen_names(self, registry: Registry) -> list[str]:
         """The names this worker runs; raises ``ConfigError`` for a bad configuration."""
@@ -71,6 +74,8 @@ class WorkerConfig:
             raise ConfigError("must be own or shared", field="stream")
         if self.pool not in ("thread", "process"):
             raise ConfigError("must be thread or process", field="pool")
+        if self.memory_limit_per_child is not None and self.memory_limit_per_child < 1:
+            raise ConfigError("must be at least 1", field="memory_limit_per_child")
         chosen = list(self.names) if self.names else registry.names
         unknown = [n for n in chosen if n not in registry]
         if unknown:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import random
 import time
@@ -32,7 +33,14 @@ from mtask import flows, metrics
 from mtask.errors import InvalidParams, InvalidTask, LeaseLost
 from mtask.invoke import invoke
 from mtask.models import DEFAULT_KEEP_MS, RunState
-from mtask.pool import ChildDied, HandlerError, ProcessPool, TimeLimitExceeded
+from mtask.pool import (
+    ChildDied,
+    HandlerError,
+    LeaseWatch,
+    MemoryLimitExceeded,
+    ProcessPool,
+    TimeLimitExceeded,
+)
 from mtask.registry import Fail, Handler, Registry, Retry, TaskContext
 from mtask.statemachine import keep_ms
 from mtask.store import Outcome
@@ -112,6 +120,7 @@ class RunOutcomes:
                         pool=self.pool,
                         isolation=self.isolation,
                         thread_name=f"mtask-run-{run.key}",
+                        lease=self._lease_watch(run),
                     )
             # issue 17: the retention the plain SUCCESS updates write
             return self.success(run, result, keep_ms(doc.get("options") or {}, "succeeded"))
@@ -131,10 +140,18 @@ class RunOutcomes:
             return self.failure(run, str(exc))
         except InvalidParams as exc:
             return self.failure(run, str(exc), permanent=True)
-        except (HandlerError, ChildDied, TimeLimitExceeded) as exc:  # issue 18
-            return self.failure(run, str(exc))
+        except (HandlerError, ChildDied, TimeLimitExceeded, MemoryLimitExceeded) as exc:
+            return self.failure(run, str(exc))  # issue 18; a memory kill: issue 27
         except Exception as exc:  # noqa: BLE001 - any handler error is the task's failure
             return self.failure(run, short_traceback(exc))
+
+    def _lease_watch(self, run: ActiveRun) -> LeaseWatch | None:
+        """How a process-isolated run's child follows the run's lease (renewals from the
+        pinger), so it can stop itself if the worker stops renewing (a frozen worker)."""
+        pinger = self.pinger
+        if pinger is None:
+            return None
+        return functools.partial(pinger.watch, run.run_id)
 
     async def _transactional(
         self, run: ActiveRun, handler: Handler, params: Any, doc: dict[str, Any]

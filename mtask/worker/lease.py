@@ -5,7 +5,9 @@ with pymongo's sync client, on a thread, so pings keep flowing while a handler h
 loop or holds the GIL for a while. A ping that matches nothing means the run lost the task;
 the pinger reports it (``on_lost``) and forgets the run. A changed ping interval applies from
 the next ping. A frozen process (SIGSTOP) freezes this thread too, so its leases run out and
-the runs are preempted, as they must be.
+the runs are preempted, as they must be. ``watch`` passes each renewal on as it happens: a
+process-isolated run's child follows its lease that way, and stops itself when it runs out
+unrenewed (``mtask.pool``).
 
 Ownership: ``_leases`` is shared between the event loop's thread (``add``, ``remove``,
 ``expiry``) and the pinger thread; every write holds ``_cond``. ``expiry`` reads one entry
@@ -22,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from mtask import driver, limits, store
@@ -73,6 +75,14 @@ class _Lease:
     """The limited name whose slot this run holds: extended with each ping."""
     paused: bool = False
     """Not pinged: the run's transaction is open (``pause``)."""
+    watchers: list[Callable[[float], None]] = field(default_factory=list)
+    """Told each new ``expires`` (``watch``), under the pinger's lock."""
+
+    def renewed(self, expires: float) -> None:
+        """Note a later expiry and tell the watchers (call with the pinger's lock held)."""
+        self.expires = expires
+        for watcher in self.watchers:
+            watcher(expires)
 
 
 class LeasePinger:
@@ -140,6 +150,25 @@ class LeasePinger:
         lease = self._leases.get(run_id)
         return None if lease is None else lease.expires
 
+    def watch(self, run_id: str, on_expiry: Callable[[float], None]) -> Callable[[], None]:
+        """Call ``on_expiry`` with the run's lease expiry (monotonic) now and after every
+        renewal, on the pinger's thread, until the returned function is called: how a
+        process-isolated run's child learns its deadline (``mtask.pool``). ``on_expiry`` runs
+        under the pinger's lock: it must only note the value. Nothing if the run is not
+        pinged."""
+        with self._cond:
+            lease = self._leases.get(run_id)
+            if lease is None:
+                return lambda: None
+            lease.watchers.append(on_expiry)
+            on_expiry(lease.expires)
+
+        def unwatch() -> None:
+            with self._cond, contextlib.suppress(ValueError):
+                lease.watchers.remove(on_expiry)
+
+        return unwatch
+
     def pause(self, run_id: str) -> None:
         """Stop pinging the run until ``resume``: its transaction will write the task document
         (the fenced SUCCESS), and a ping landing while the transaction is open would make that
@@ -157,7 +186,7 @@ class LeasePinger:
             lease = self._leases.get(run_id)
             if lease is None:
                 return None
-            lease.expires = max(lease.expires, sent + lease.timeout)
+            lease.renewed(max(lease.expires, sent + lease.timeout))
             return lease.expires
 
     def resume(self, run_id: str) -> None:
@@ -234,7 +263,8 @@ class LeasePinger:
         lease.interval = options.get("ping_interval_ms", lease.interval * 1000) / 1000
         lease.timeout = options.get("worker_timeout_ms", lease.timeout * 1000) / 1000
         lease.next_at = now + lease.interval
-        lease.expires = sent + lease.timeout
+        with self._cond:
+            lease.renewed(sent + lease.timeout)
         if not lease.overdue_logged and now - lease.started > lease.timeout:
             lease.overdue_logged = True
             log.warning(

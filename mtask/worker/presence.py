@@ -182,8 +182,9 @@ class Presence(PeriodicService):
 
 def pool_document(pool: ProcessPool, now: dt.datetime) -> dict[str, Any]:
     """The process pool in the heartbeat: its counts (children started, recycled, killed,
-    died; runs ended by their hard time limit) and each live child (pid, ``busy``/``idle``,
-    runs done, resident bytes after its last run, since when its current run runs)."""
+    died; runs ended by their hard time limit or memory limit) and each live child (pid,
+    ``busy``/``idle``, runs done, resident bytes after its last run, since when its current
+    run runs)."""
     children = []
     for child in pool.children():
         busy_for = child.pop("busy_for")
@@ -191,8 +192,12 @@ def pool_document(pool: ProcessPool, now: dt.datetime) -> dict[str, Any]:
         children.append(child)
     counts = pool.state()
     return {
-        **{k: counts[k] for k in ("started", "recycled", "killed", "died", "time_limit_kills")},
+        **{
+            k: counts[k]
+            for k in ("started", "recycled", "killed", "died", "time_limit_kills", "memory_kills")
+        },
         "max_tasks_per_child": pool.max_tasks_per_child,
         "max_memory_per_child": pool.max_memory_per_child,
+        "memory_limit_per_child": pool.memory_limit,
         "children": children,
     }

@@ -17,8 +17,16 @@ from typing import Any
 import poolhandlers
 import pytest
 
-from mtask import Fail, Retry
-from mtask.pool import ChildDied, HandlerError, ProcessPool, RunInfo, TimeLimitExceeded
+from mtask import Fail, Retry, Worker
+from mtask.errors import ConfigError
+from mtask.pool import (
+    ChildDied,
+    HandlerError,
+    MemoryLimitExceeded,
+    ProcessPool,
+    RunInfo,
+    TimeLimitExceeded,
+)
 
 INFO = RunInfo("k", "n", 1, "run-1", "w-1")
 
@@ -34,6 +42,11 @@ def process_state(pid: int) -> str | None:
 
 def gone(pid: int) -> bool:
     return process_state(pid) is None
+
+
+def dead(pid: int) -> bool:
+    """Gone, or a zombie waiting for whoever adopted it to reap it."""
+    return process_state(pid) in (None, "Z")
 
 
 async def until(condition: Any, limit: float = 10.0) -> None:
@@ -91,16 +104,77 @@ async def test_a_crashing_child_ends_its_run_and_is_replaced(
     assert pool.state()["died"] == 1
 
 
-async def test_a_memory_cap_makes_memory_error_in_the_child() -> None:
-    capped = ProcessPool(memory_limit=1024 * 1024 * 1024)
+async def test_the_hard_memory_limit_kills_the_child_mid_run() -> None:
+    capped = ProcessPool(memory_limit=200 * 1024 * 1024)
     try:
         child = await capped.run(poolhandlers.registry["pid"], {}, INFO)
-        with pytest.raises(HandlerError, match="MemoryError"):
+        with pytest.raises(MemoryLimitExceeded, match=r"over its limit of 200 MiB; it was killed"):
             await capped.run(poolhandlers.registry["hog"], {}, INFO)
-        await until(lambda: gone(child))  # not trusted with another run
+        await until(lambda: gone(child))
         assert await capped.run(poolhandlers.registry["pid"], {}, INFO) != child
+        assert capped.state()["memory_kills"] == 1 and capped.state()["died"] == 0
     finally:
         await capped.close()
+
+
+async def test_what_a_run_leaves_running_ends_with_it(pool: ProcessPool, tmp_path: Path) -> None:
+    pidfile = tmp_path / "grandchild"
+    assert await run(pool, "leave_behind", {"pidfile": str(pidfile)}) == "left"
+    grandchild = int(pidfile.read_text())
+    assert dead(grandchild)  # killed and reaped before the reply
+    assert pool.state()["started"] == 1 and pool.state()["died"] == 0
+
+
+async def test_a_killed_child_takes_its_process_group_along(
+    pool: ProcessPool, tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "grandchild"
+    running = asyncio.ensure_future(run(pool, "spawn_and_sleep", {"pidfile": str(pidfile)}))
+    await until(lambda: pidfile.exists() and pidfile.read_text() != "")
+    grandchild = int(pidfile.read_text())
+    assert not dead(grandchild)
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    await until(lambda: dead(grandchild), 2)
+
+
+async def test_a_child_stops_itself_when_its_lease_runs_out(
+    pool: ProcessPool, tmp_path: Path
+) -> None:
+    """No renewal after the first expiry (as from a frozen worker): the child kills itself and
+    its group by the deadline, and says why."""
+    pidfile = tmp_path / "grandchild"
+    expiry = time.monotonic() + 1.0
+    renewals: list[object] = []
+
+    def lease(on_expiry: Any) -> Any:
+        renewals.append(on_expiry)
+        on_expiry(expiry)
+        return lambda: None
+
+    running = asyncio.ensure_future(
+        run(pool, "spawn_and_sleep", {"pidfile": str(pidfile)}, lease=lease)
+    )
+    await until(lambda: pidfile.exists() and pidfile.read_text() != "")
+    grandchild = int(pidfile.read_text())
+    with pytest.raises(ChildDied, match="lease ran out with no renewal"):
+        await running
+    assert time.monotonic() < expiry + 1.0 and dead(grandchild)
+    assert len(renewals) == 1
+
+
+async def test_a_renewed_lease_keeps_the_child_running(pool: ProcessPool) -> None:
+    def lease(on_expiry: Any) -> Any:
+        async def renew() -> None:
+            while True:
+                on_expiry(time.monotonic() + 0.3)
+                await asyncio.sleep(0.1)
+
+        renewing = asyncio.ensure_future(renew())
+        return renewing.cancel
+
+    assert await run(pool, "nap", {"seconds": 1.0}, lease=lease) == 1.0
 
 
 @pytest.mark.parametrize("name", ["spin", "sleepy"])
@@ -205,3 +279,9 @@ def test_no_child_outlives_a_killed_parent(tmp_path: Path) -> None:
     while not gone(child):
         assert time.monotonic() < deadline, f"child {child} outlived its parent"
         time.sleep(0.05)
+
+
+def test_the_hard_memory_limit_must_be_positive() -> None:
+    with pytest.raises(ConfigError) as caught:
+        Worker(poolhandlers.registry, memory_limit_per_child=0)
+    assert caught.value.field == "memory_limit_per_child"

@@ -7,7 +7,7 @@ import time
 from typing import Any, cast
 
 from harness import T0
-from scripted import ScriptedDriver
+from scripted import ScriptedDriver, Step
 
 from mtask.clock import FixedClock
 from mtask.driver import SyncDriver
@@ -41,3 +41,27 @@ def test_the_pinger_leaves_a_paused_run_alone_until_resumed() -> None:
     assert pinger.held("gone", sent) is None
     pinger.resume("r1")
     assert not lease.paused and lease.next_at <= time.monotonic()  # pinged again at once
+
+
+def test_the_pinger_tells_a_runs_watchers_each_renewal() -> None:
+    """How a process-isolated run's child learns its lease deadline (issue 27): now, after
+    each ping, and after the run's own lease-extending write; not after ``unwatch``."""
+    options = {"options": {"ping_interval_ms": 200, "worker_timeout_ms": 5000}}
+    driver = ScriptedDriver(Step("find_one_and_update", options))
+    pinger = LeasePinger(cast(SyncDriver, driver), "w1", FixedClock(T0), lambda r, d: None)
+    claim_sent = time.monotonic()
+    pinger.add("k", "r1", 200, 5000, claim_sent)
+    seen: list[float] = []
+    unwatch = pinger.watch("r1", seen.append)
+    assert seen == [claim_sent + 5.0]
+    before = time.monotonic()
+    pinger._ping(pinger._leases["r1"])
+    assert driver.done and len(seen) == 2 and seen[1] >= before + 5.0
+    assert seen[1] == pinger.expiry("r1")
+    sent = time.monotonic() + 1.0
+    pinger.held("r1", sent)
+    assert seen[2] == sent + 5.0
+    unwatch()
+    pinger.held("r1", sent + 1.0)
+    assert len(seen) == 3
+    assert pinger.watch("gone", seen.append)() is None and len(seen) == 3
