@@ -24,10 +24,11 @@ import collections
 import contextlib
 import hashlib
 import logging
+import re
 from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
-from pymongo import CursorType
+from pymongo import CursorType, WriteConcern
 from pymongo.errors import CollectionInvalid, OperationFailure, PyMongoError
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ DRAIN = 2.0
 """Seconds a closing writer waits for its last frames to be written."""
 MARKER: Mapping[str, Any] = {"marker": True}
 NAMESPACE_EXISTS = 48
+HINT = WriteConcern(w=1)
 
 
 def inbox_name(tasks: str, subscription: str) -> str:
@@ -58,8 +60,30 @@ def is_inbox(tasks: str, name: str) -> bool:
     return name.startswith(f"{tasks}.inbox.")
 
 
-async def ensure_capped(database: Any, name: str, size: int) -> Any:
-    """The capped collection ``name`` (made if missing, with its marker)."""
+async def stale_inboxes(database: Any, tasks: str, keep: set[str], before: Any) -> list[str]:
+    """Inboxes of ``tasks`` not in ``keep`` that nobody will read: not capped (made again by
+    a late write into a dropped one), or made before ``before`` (their subscriber is gone:
+    one that lives subscribes again, with a new inbox, within ``SILENT`` seconds)."""
+    stale = []
+    async for info in await database.list_collections(
+        filter={"name": {"$regex": f"^{re.escape(tasks)}\\.inbox\\."}}
+    ):
+        name = info["name"]
+        if name in keep:
+            continue
+        if not info.get("options", {}).get("capped"):
+            stale.append(name)
+            continue
+        marker = await database[name].find_one({"marker": True})
+        made = marker.get("at") if marker else None
+        if made is None or made < before:
+            stale.append(name)
+    return stale
+
+
+async def ensure_capped(database: Any, name: str, size: int, at: Any = None) -> Any:
+    """The capped collection ``name`` (made if missing, with its marker, which says when:
+    ``at``, from a server-synced clock)."""
     try:
         await database.create_collection(name, capped=True, size=size)
     except CollectionInvalid:
@@ -68,7 +92,7 @@ async def ensure_capped(database: Any, name: str, size: int) -> Any:
         if exc.code != NAMESPACE_EXISTS:
             raise
     collection = database[name]
-    await collection.insert_one(dict(MARKER), bypass_document_validation=True)
+    await collection.insert_one({**MARKER, "at": at}, bypass_document_validation=True)
     return collection
 
 
@@ -97,7 +121,9 @@ class Writer:
     loop, without blocking whoever sends them. ``failed`` is called (once) if a write fails."""
 
     def __init__(self, collection: Any, failed: Callable[[Exception], None]) -> None:
-        self.collection = collection
+        # a frame is a hint (the claim decides, the sweep bounds a loss): acknowledged by the
+        # primary, not waited on for a majority
+        self.collection = collection.with_options(write_concern=HINT)
         self.failed = failed
         self.pending: collections.deque[Mapping[str, Any]] = collections.deque()
         self.in_flight = 0

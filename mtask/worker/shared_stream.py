@@ -184,7 +184,9 @@ class SharedStream:
         subscription = f"{watcher.worker_id}/{uuid.uuid4().hex[:12]}"
         name = mailbox.inbox_name(tasks.name, subscription)
         try:
-            inbox = await mailbox.ensure_capped(database, name, mailbox.INBOX_BYTES)
+            inbox = await mailbox.ensure_capped(
+                database, name, mailbox.INBOX_BYTES, at=watcher.clock.now()
+            )
         except OperationFailure as exc:
             if exc.code == UNAUTHORIZED:
                 await self._fall_back(watcher, f"cannot make an inbox: {exc}")

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime as dt
 import logging
 import time
 import uuid
@@ -64,6 +65,8 @@ OTHER_COLLECTIONS = ("controls", "limits", "schedules")
 LEASE_TTL = 10.0
 """Seconds a relay's lease lasts from its last renewal."""
 RENEW_EVERY = 2.0
+INBOX_SWEEP = 600.0
+"""Seconds between two sweeps of inboxes nobody reads (made longer ago than this)."""
 FRAME_BYTES = 256
 """What a frame counts for against a subscriber's buffer."""
 
@@ -223,6 +226,7 @@ class Relay:
 
     async def _keep_lease(self, driver: Any) -> None:
         renewed = time.monotonic()
+        swept = renewed
         while True:
             await asyncio.sleep(RENEW_EVERY)
             try:
@@ -235,6 +239,18 @@ class Relay:
                 raise LeaseLost("another relay holds the lease")
             renewed = time.monotonic()
             self._let_go_of_the_silent()
+            if renewed - swept >= INBOX_SWEEP:
+                swept = renewed
+                await self._drop_stale_inboxes()
+
+    async def _drop_stale_inboxes(self) -> None:
+        keep = {inbox.writer.collection.name for inbox in self.by_subscription.values()}
+        before = self.dispatcher.now() - dt.timedelta(seconds=INBOX_SWEEP)
+        try:
+            for name in await mailbox.stale_inboxes(self.database, self.tasks, keep, before):
+                await self._drop_inbox(name)
+        except PyMongoError as exc:
+            log.debug("cannot sweep stale inboxes: %s", exc)
 
     # -- subscribers ------------------------------------------------------------------------
 

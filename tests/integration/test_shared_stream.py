@@ -5,14 +5,17 @@ the workers allowed to run them, a dropped subscriber back, a stopped relay take
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 from collections.abc import AsyncIterator
 from typing import Any
 
 from harness import running_worker, wait_for
 from workerapp import registry
 
-from mtask import TaskClient
-from mtask.worker import Worker
+from mtask import AsyncTaskClient, TaskClient
+from mtask.driver import SyncDriver, collections
+from mtask.store import relays
+from mtask.worker import Worker, mailbox
 from mtask.worker.shared_stream import SharedStream
 
 
@@ -150,3 +153,43 @@ async def test_a_stopped_relay_is_taken_over(
             client.publish("add", "for-b", {"a": 3, "b": 3}, options={"specific_worker_ids": ["b"]})
             await b_events.wait("recorded", key="for-b")
             assert b.state == c.state == "running"
+
+
+async def test_the_relays_lease_is_one_holders_until_it_runs_out(
+    mongo: Any, db_name: str, client: TaskClient
+) -> None:
+    run = SyncDriver(collections(mongo[db_name])).run
+    run(relays.ensure("tasks"))
+    run(relays.ensure("tasks"))  # once
+    assert run(relays.holder("tasks")) is None
+    assert run(relays.acquire("tasks", "a/1", 10_000))
+    assert not run(relays.acquire("tasks", "b/1", 10_000))  # a's, and not run out
+    assert run(relays.acquire("tasks", "a/1", 10_000))  # renewed
+    assert run(relays.holder("tasks")) == "a/1"
+    past = client.now() - dt.timedelta(seconds=1)  # a frozen holder's lease, on the server's clock
+    mongo[db_name].relays.update_one({"_id": "tasks"}, {"$set": {"expires_at": past}})
+    assert run(relays.holder("tasks")) is None
+    assert run(relays.acquire("tasks", "b/1", 10_000))
+    assert not run(relays.acquire("tasks", "a/1", 10_000))  # a thawed holder finds it b's
+    run(relays.release("tasks", "a/1"))  # not a's: nothing
+    assert run(relays.holder("tasks")) == "b/1"
+    run(relays.release("tasks", "b/1"))
+    assert run(relays.holder("tasks")) is None
+
+
+async def test_inboxes_nobody_reads_are_found(mongo_uri: str, db_name: str) -> None:
+    async with AsyncTaskClient(mongo_uri, database=db_name) as aclient:
+        db, now = aclient.db, await aclient.now()
+        old, fresh, kept = (mailbox.inbox_name("tasks", s) for s in ("old", "fresh", "kept"))
+        hour = dt.timedelta(hours=1)
+        await mailbox.ensure_capped(db, old, mailbox.INBOX_BYTES, at=now - hour)
+        await mailbox.ensure_capped(db, fresh, mailbox.INBOX_BYTES, at=now)
+        await mailbox.ensure_capped(db, kept, mailbox.INBOX_BYTES, at=now - hour)
+        await db[mailbox.inbox_name("tasks", "remade")].insert_one({"f": {}})  # not capped
+        await mailbox.ensure_capped(db, "jobs.inbox.x", mailbox.INBOX_BYTES, at=now - hour)
+        stale = await mailbox.stale_inboxes(db, "tasks", {kept}, now - dt.timedelta(minutes=10))
+        assert sorted(stale) == sorted([old, mailbox.inbox_name("tasks", "remade")])
+        frames = mailbox.tail(db[fresh])
+        await db[fresh].insert_one({"f": {"relay": "tick"}})
+        assert (await anext(frames))["f"] == {"relay": "tick"}  # the marker is skipped
+        await frames.aclose()

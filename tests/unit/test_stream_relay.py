@@ -44,6 +44,9 @@ class FakeInbox:
         self.batches: list[list[dict[str, Any]]] = []
         self.fail = fail
 
+    def with_options(self, **options: Any) -> FakeInbox:
+        return self
+
     async def insert_many(self, docs: list[dict[str, Any]], **kwargs: Any) -> None:
         if self.fail:
             raise AutoReconnect("cut off")
