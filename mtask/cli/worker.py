@@ -115,8 +115,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         "--stream",
         choices=["own", "shared"],
         default="shared",
-        help="shared (default): the worker processes of a host share one change stream and "
-        "one claim queue, and each task goes to one of them; own: each its own",
+        help="shared (default): every worker, on any host, shares one change stream and one "
+        "claim queue (held by one of them, chosen through MongoDB), and each task goes to one "
+        "worker; own: each its own",
     )
     # -- handler isolation (issue 18) --
     p.add_argument(

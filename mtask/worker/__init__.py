@@ -11,9 +11,9 @@ to stop, drains, and shuts down. The parts (see docs/design.md, "The worker pack
   the claimer, executor and watcher share;
 - ``Presence`` (presence.py): heartbeat, pause/resume, remote stop, peers (``Assignment``);
 - ``Watcher`` + ``Sweep`` (watcher.py), fed by ``OwnStream`` (stream.py) or ``SharedStream``
-  (stream_relay.py), ``ClaimQueue`` (claim_queue.py), ``LeasePinger`` +
-  ``LoopTicker`` (lease.py), ``OutcomeRecorder`` (recorder.py), ``LimitGate`` (limit_gate.py),
-  ``Scheduler`` (scheduler.py), ``FlowSweep`` (flow_sweep.py).
+  (shared_stream.py; the relay in stream_relay.py), ``ClaimQueue`` (claim_queue.py),
+  ``LeasePinger`` + ``LoopTicker`` (lease.py), ``OutcomeRecorder`` (recorder.py),
+  ``LimitGate`` (limit_gate.py), ``Scheduler`` (scheduler.py), ``FlowSweep`` (flow_sweep.py).
 
 Lifecycle ``ready → running → stopping → stopped``. Side services are supervised: if one dies,
 the worker stops at once and ``run()`` raises ``WorkerCrashed``, instead of living on

@@ -43,10 +43,10 @@ class WorkerConfig:
     startup_timeout: float = 60.0
     heartbeat_interval: float = 2.0
     stream: Literal["own", "shared"] = "shared"
-    """``shared``: the worker processes of a host share one change stream and one claim
-    queue, held by one of them, which hands each task to one worker (``stream_relay``,
-    ``dispatch``; docs/design.md, "One producer per host"); ``own``: this worker's own
-    change stream and queue."""
+    """``shared``: every worker of the tasks collection, on any host, shares one change
+    stream and one claim queue, held by one of them, which hands each task to one worker
+    (``stream_relay``, ``dispatch``; docs/design.md, "One producer for the cluster");
+    ``own``: this worker's own change stream and queue."""
     stagger_ms: float = 25.0
     queue_size: int = 10_000
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES

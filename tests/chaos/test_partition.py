@@ -1,0 +1,203 @@
+"""Every worker a host of its own (a network namespace), each reaching mongod through a proxy
+of its own (``socat`` on mongod's Unix socket): the holder of the relay cut off, frozen and
+killed while tasks flow. Nothing is lost or run twice, nothing stays stranded, and the other
+hosts' claims go on within one relay lease (issue 25)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster import Cluster, until_finished
+from harness import wait_for
+from invariants import check
+from pymongo import MongoClient
+
+from mtask import TaskClient
+from mtask.driver import SyncDriver, collections
+from mtask.store import relays
+from mtask.worker.stream_relay import LEASE_TTL
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
+
+LEASE = {"worker_timeout_ms": 1500, "ping_interval_ms": 300, "max_retries": 20}
+HOSTS = 3
+SLACK = 5.0
+"""Seconds on top of one relay lease that a claim may wait for (a loaded 2-core machine)."""
+
+
+def required(*commands: list[str]) -> None:
+    """The tools this test needs, run once: missing, it fails under CI and is skipped here."""
+    for command in commands:
+        ok = shutil.which(command[0]) is not None
+        if ok:
+            ok = subprocess.run(command, capture_output=True, check=False).returncode == 0
+        if not ok:
+            why = f"needs {' '.join(command)} (util-linux, socat, root)"
+            if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+                pytest.fail(why)
+            pytest.skip(why)
+
+
+class Proxies:
+    """A ``socat`` per host, from a socket of its own to mongod's, in a process group of its
+    own so that a freeze reaches the connections it forked too."""
+
+    def __init__(self, mongod_socket: str, root: Path) -> None:
+        self.mongod_socket = mongod_socket
+        self.root = root
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, host: str) -> str:
+        path = self.root / f"{host}.sock"
+        self.procs[host] = subprocess.Popen(
+            ["socat", f"UNIX-LISTEN:{path},fork,unlink-early",
+             f"UNIX-CONNECT:{self.mongod_socket}"],
+            start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return f"mongodb://{str(path).replace('/', '%2F')}/?directConnection=true"
+
+    def signal(self, host: str, sig: signal.Signals) -> None:
+        os.killpg(self.procs[host].pid, sig)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGCONT)
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+class Publisher(threading.Thread):
+    """Publishes a task every ``every`` seconds until stopped; remembers each key."""
+
+    def __init__(self, uri: str, db: str, every: float = 0.05) -> None:
+        super().__init__(daemon=True)
+        self.client = TaskClient(uri, database=db)
+        self.every = every
+        self.keys: list[str] = []
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            key = f"t{len(self.keys):05d}"
+            self.client.publish("work", key, {"ms": 20}, options=LEASE)
+            self.keys.append(key)
+            time.sleep(self.every)
+
+    def stop(self) -> list[str]:
+        self.stopping.set()
+        self.join(timeout=30)
+        self.client.close()
+        return self.keys
+
+
+def relay_host(mongo: MongoClient[dict[str, Any]], db: str) -> str | None:
+    relay = SyncDriver(collections(mongo[db])).run(relays.holder("tasks"))
+    return None if relay is None else relay.split("/")[0]
+
+
+def longest_wait(client: TaskClient, keys: list[str]) -> float:
+    """The longest time, by the server's clock, from a task's creation to its first claim."""
+    waits = [
+        (doc["runs"][0]["claimed_at"] - doc["created_at"]).total_seconds()
+        for doc in client.collection.find({"_id": {"$in": keys}}, {"runs": 1, "created_at": 1})
+        if doc.get("runs")
+    ]
+    return max(waits, default=0.0)
+
+
+@pytest.fixture
+def hosts(mongo_uri: str, db_name: str, tmp_path: Path) -> Iterator[tuple[Cluster, Proxies]]:
+    required(["unshare", "--net", "true"], ["socat", "-V"])
+    port = int(mongo_uri.split(":")[2].split("/")[0])
+    mongod_socket = f"/tmp/mongodb-{port}.sock"
+    direct = f"mongodb://{mongod_socket.replace('/', '%2F')}/?directConnection=true"
+    cluster = Cluster(direct, db_name, tmp_path)  # handlers log straight to mongod
+    proxies = Proxies(mongod_socket, tmp_path)
+    try:
+        for i in range(HOSTS):
+            uri = proxies.start(f"h{i}")
+            cluster.spawn(
+                f"h{i}", "--uri", uri, "--concurrency", "4", "--sweep-interval", "2",
+                prefix=["unshare", "--net"],
+            )  # fmt: skip
+        yield cluster, proxies
+    finally:
+        cluster.close()
+        proxies.close()
+
+
+async def test_the_relays_holder_cut_off_frozen_and_killed(
+    hosts: tuple[Cluster, Proxies],
+    mongo: MongoClient[dict[str, Any]],
+    mongo_uri: str,
+    db_name: str,
+    client: TaskClient,
+) -> None:
+    cluster, proxies = hosts
+    await wait_for(lambda: len(client.workers()) == HOSTS, timeout=60)
+    await wait_for(lambda: relay_host(mongo, db_name), timeout=30)
+    publisher = Publisher(mongo_uri, db_name)
+    publisher.start()
+    waits: dict[str, float] = {}
+    try:
+        for fault in ("cut off", "frozen", "killed"):
+            await asyncio.sleep(2)
+            holder = relay_host(mongo, db_name)
+            assert holder is not None
+            began = len(publisher.keys)
+            if fault == "cut off":
+                proxies.signal(holder, signal.SIGSTOP)
+            else:
+                cluster.signal(holder, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+            await asyncio.sleep(LEASE_TTL + 2)  # past the lease: another host holds the relay
+            during = publisher.keys[began:]
+            await wait_for(lambda h=holder: relay_host(mongo, db_name) not in (None, h), timeout=60)
+            if fault == "cut off":
+                proxies.signal(holder, signal.SIGCONT)
+            elif fault == "frozen":
+                cluster.signal(holder, signal.SIGCONT)
+            await until_some_finished(client, during)
+            waits[fault] = longest_wait(client, during)
+    finally:
+        keys = publisher.stop()
+    await until_finished(client, len(keys), timeout=120)
+    report = check(mongo[db_name], set(keys))
+    assert not report.problems, "\n".join(report.problems)
+    assert report.by_status["succeeded"] == len(keys)
+    for fault, wait in waits.items():  # the others went on within one relay lease
+        assert wait <= LEASE_TTL + SLACK, (fault, wait)
+    # latency back to normal: a task published now is claimed at once (no fault, no sweep)
+    after = client.now()
+    client.publish("work", "after", {"ms": 1}, options=LEASE)
+    await until_some_finished(client, ["after"])
+    doc = client.collection.find_one({"_id": "after"})
+    assert doc is not None and doc["runs"][0]["claimed_at"] - after < dt.timedelta(seconds=2)
+    for worker_id, proc in cluster.procs.items():
+        assert proc.poll() is None, (worker_id, cluster.log_of(worker_id)[-2000:])
+    print(f"tasks={len(keys)} runs={report.runs} waits={waits}")
+
+
+async def until_some_finished(client: TaskClient, keys: list[str], timeout: float = 90) -> None:
+    await wait_for(
+        lambda: (
+            client.collection.count_documents({"_id": {"$in": keys}, "status": "succeeded"})
+            == len(keys)
+        ),
+        timeout=timeout,
+    )
