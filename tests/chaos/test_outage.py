@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +29,15 @@ RECOVERY = 60.0
 
 class Publishers:
     """Threads publishing ``items`` in order, paced, each publish w=majority (the client's
-    write concern). A key is *acknowledged* once a publish of it returned; one that raised is
-    published again (publishing is idempotent by key) until it is acknowledged or the
-    publishers stop."""
+    write concern), the first ``limit`` of them until it is raised. A key is *acknowledged*
+    once a publish of it returned; one that raised is published again (publishing is
+    idempotent by key) until it is acknowledged or the publishers stop."""
 
     def __init__(self, client: TaskClient, items: list[dict[str, Any]], threads: int) -> None:
         self.client = client
-        self.todo = deque(items)
+        self.items = items
+        self.next = 0
+        self.limit = len(items)
         self.acked: list[str] = []
         self.errors = 0
         self.lock = threading.Lock()
@@ -50,9 +51,15 @@ class Publishers:
     def _run(self) -> None:
         while not self.stopping.is_set():
             with self.lock:
-                if not self.todo:
+                if self.next == len(self.items):
                     return
-                item = self.todo.popleft()
+                if self.next == self.limit:
+                    item = None
+                else:
+                    item, self.next = self.items[self.next], self.next + 1
+            if item is None:
+                self.stopping.wait(0.05)
+                continue
             while True:
                 try:
                     self.client.publish(
@@ -67,7 +74,7 @@ class Publishers:
                 with self.lock:
                     self.acked.append(item["key"])
                 break
-            self.stopping.wait(0.02)  # a flow, not a burst
+            self.stopping.wait(0.05)  # a flow, not a burst
 
     def done(self) -> bool:
         return not any(thread.is_alive() for thread in self.threads)
@@ -134,12 +141,16 @@ async def test_whole_replica_set_killed_and_restarted_under_load(
             # 10 s, through the whole outage): they meet it, and publish again
             quick = TaskClient(f"{uri}&serverSelectionTimeoutMS=1000", database=db_name)
             publishers = Publishers(quick, items, size.publishers)
+            # one phase of publishing per outage, and one after the last: each outage comes
+            # half-way through its phase, and the next phase begins once the set is back
+            phases = [len(items) * (n + 1) // (outages + 1) for n in range(outages + 1)]
+            publishers.limit = phases[0]
             publishers.start()
             downtimes = []
             try:
                 for n in range(outages):
                     # while tasks flow: some acknowledged (and more to come), some finished
-                    mark = len(items) * (n + 1) // (outages + 2)
+                    mark = (phases[n] + (phases[n - 1] if n else 0)) // 2
                     await wait_for(lambda m=mark: len(publishers.acked) >= m, timeout=120)  # type: ignore[misc]
                     await wait_for(
                         lambda: mongo[db_name]["execlog"].count_documents({"event": "finish"}),
@@ -150,13 +161,12 @@ async def test_whole_replica_set_killed_and_restarted_under_load(
                     await asyncio.sleep(DOWN)
                     await asyncio.to_thread(replica_set.restart_all)
                     downtimes.append(time.monotonic() - before)
+                    assert len(publishers.acked) <= phases[n]
+                    publishers.limit = phases[n + 1]
                     # each worker runs a new task soon after the set is back
                     await probe(client, mongo, db_name, workers, f"back{n}")
                     print(f"outage {n}: {downtimes[-1]:.1f}s; {publishers.errors} failed publishes")
-                # publishing went on after the last outage
-                after = len(publishers.acked)
                 await wait_for(publishers.done, timeout=120 + size.tasks / 5)
-                assert len(publishers.acked) > after
             finally:
                 publishers.stop()
                 quick.close()
