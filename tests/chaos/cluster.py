@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,24 +149,8 @@ class ReplicaSet:
         return f"mongodb://{hosts}/?replicaSet={self.NAME}"
 
     def start(self) -> str:
-        mongod = find_mongod()
-        for i, port in enumerate(self.ports):
-            path = self.root / f"m{i}"
-            path.mkdir(parents=True, exist_ok=True)
-            pid_file = path / "mongod.pid"
-            subprocess.run(
-                [
-                    str(mongod), "--replSet", self.NAME, "--dbpath", str(path),
-                    "--port", str(port), "--bind_ip", "127.0.0.1",
-                    "--wiredTigerCacheSizeGB", "0.25",
-                    "--setParameter", "diagnosticDataCollectionEnabled=false",
-                    *(["--setParameter", "enableTestCommands=1"] if self.test_commands else []),
-                    "--logpath", str(path / "mongod.log"), "--fork",
-                    "--pidfilepath", str(pid_file),
-                ],
-                check=True, capture_output=True, timeout=60, start_new_session=True,
-            )  # fmt: skip
-            self.pids[port] = int(pid_file.read_text().strip())
+        for port in self.ports:
+            self._launch(port)
         first = self.direct(self.ports[0])
         members = [{"_id": i, "host": f"127.0.0.1:{p}"} for i, p in enumerate(self.ports)]
         first.admin.command(
@@ -175,6 +160,46 @@ class ReplicaSet:
         first.close()
         self.wait_primary()
         return self.uri
+
+    def _launch(self, port: int) -> None:
+        """Start (or start again) the member on ``port`` with its data directory."""
+        path = self.dbpath(port)
+        path.mkdir(parents=True, exist_ok=True)
+        pid_file = path / "mongod.pid"
+        subprocess.run(
+            [
+                str(find_mongod()), "--replSet", self.NAME, "--dbpath", str(path),
+                "--port", str(port), "--bind_ip", "127.0.0.1",
+                "--wiredTigerCacheSizeGB", "0.25",
+                "--setParameter", "diagnosticDataCollectionEnabled=false",
+                *(["--setParameter", "enableTestCommands=1"] if self.test_commands else []),
+                "--logpath", str(path / "mongod.log"), "--logappend", "--fork",
+                "--pidfilepath", str(pid_file),
+            ],
+            check=True, capture_output=True, timeout=120, start_new_session=True,
+        )  # fmt: skip
+        self.pids[port] = int(pid_file.read_text().strip())
+
+    def kill_all(self, timeout: float = 30) -> None:
+        """SIGKILL every member at once (one signal after the other, nothing in between), and
+        wait until all are gone."""
+        pids = list(self.pids.values())
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.pids.clear()
+        deadline = time.monotonic() + timeout
+        while not all(_gone(pid) for pid in pids):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"mongod processes {pids} still there after SIGKILL")
+            time.sleep(0.05)
+
+    def restart_all(self) -> int:
+        """Start every member again on its port and data directory, all at once; returns the
+        port of the primary they elect."""
+        with ThreadPoolExecutor(len(self.ports)) as pool:
+            list(pool.map(self._launch, self.ports))
+        return self.wait_primary(timeout=120)
 
     def direct(self, port: int) -> MongoClient[dict[str, Any]]:
         return MongoClient(
@@ -236,3 +261,12 @@ class ReplicaSet:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.pids.clear()
+
+
+def _gone(pid: int) -> bool:
+    """The process has ended (a zombie nobody reaped yet counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
