@@ -64,6 +64,7 @@ class Proxies:
         self.procs[host] = subprocess.Popen(
             ["socat", f"UNIX-LISTEN:{path},fork,unlink-early",
              f"UNIX-CONNECT:{self.mongod_socket}"],
+            stderr=subprocess.DEVNULL,  # "Broken pipe" as connections end
             start_new_session=True,
         )  # fmt: skip
         deadline = time.monotonic() + 10
