@@ -37,6 +37,10 @@ from mtask.worker.shared_stream import SharedStream
 from mtask.worker.stream import OwnStream
 from mtask.worker.watcher import Sweep, Watcher
 
+SHARED_READ_EVERY = 5
+"""With the shared stream, the heartbeat reads the paused names and the peers every this many
+beats (and at once on a control's event, which the relay passes on)."""
+
 
 class _ChangeStream:
     name = "stream"
@@ -119,6 +123,7 @@ class Assembly:
             controls_changed=controls_changed,
             server_clock=self._server_clock,
             database=self._adb,
+            read_every=SHARED_READ_EVERY if isinstance(self.stream, SharedStream) else 1,
         )
         self.recorder = OutcomeRecorder(
             self.driver,
@@ -202,6 +207,11 @@ class Assembly:
             self.recorder,
             self.ticker,
             self.gate,
-            FlowSweep(self.driver, self.clock, config.flow_sweep_interval),
+            FlowSweep(
+                self.driver,
+                self.clock,
+                config.flow_sweep_interval,
+                self.stream.leads if isinstance(self.stream, SharedStream) else lambda: True,
+            ),
             *([self.scheduler] if config.run_schedules else []),
         ]

@@ -11,6 +11,7 @@ outcome writer does both at once in the normal case; this sweep only makes them 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from typing import ClassVar
 
 from mtask import flows
@@ -24,12 +25,23 @@ class FlowSweep(PeriodicService):
     name: ClassVar[str] = "flows"
     failure: ClassVar[str] = "flow sweep failed, will retry"
 
-    def __init__(self, driver: AsyncDriver, clock: Clock, interval: float) -> None:
+    def __init__(
+        self,
+        driver: AsyncDriver,
+        clock: Clock,
+        interval: float,
+        leads: Callable[[], bool] = lambda: True,
+    ) -> None:
         self.driver = driver
         self.clock = clock
         self.interval = interval
+        self.leads = leads
+        """Whether this worker sweeps now: with the shared stream, only the relay's (one
+        sweep for the cluster, not one per worker); with own streams, every worker."""
 
     async def run_once(self) -> None:
+        if not self.leads():
+            return
         now = self.clock.now()
         stale = now - dt.timedelta(seconds=self.interval)
         steps = await self.driver.run(flows.flush_outboxes(None, now, older_than=stale))

@@ -38,8 +38,9 @@ INBOX_BYTES = 1024 * 1024
 its buffer first: ``stream_relay.SUBSCRIBER_BUFFER`` counts what is in flight)."""
 REPORTS_BYTES = 16 * 1024 * 1024
 """The relay's inbox, shared by every subscriber of every relay of one tasks collection."""
-AWAIT_MS = 1000
-"""How long one getMore of a tailing cursor waits for a frame."""
+AWAIT_MS = 5000
+"""How long one getMore of a tailing cursor waits for a frame (one arrives at once: this is
+only the idle cost, a getMore every 5 s)."""
 DRAIN = 2.0
 """Seconds a closing writer waits for its last frames to be written."""
 MARKER: Mapping[str, Any] = {"marker": True}

@@ -98,6 +98,7 @@ class Presence(PeriodicService):
         controls_changed: asyncio.Event,
         server_clock: ServerClock | None = None,
         database: Any = None,
+        read_every: int = 1,
     ) -> None:
         self.driver = driver
         self.clock = clock
@@ -115,14 +116,20 @@ class Presence(PeriodicService):
         """Told to rescan when a name is resumed (the watcher)."""
         self.controls_changed = controls_changed
         """Set by the watcher on a change of the controls: beat at once."""
+        self.read_every = read_every
+        """Beats between two reads of the paused names and the peers (and on a change of the
+        controls, which the shared stream's relay passes on as it comes): with the shared
+        stream no worker ranks by its peers, and a read each beat by every worker cost the
+        server N reads every beat."""
         self.beats = 0
+        self._read = False
         self.pool: ProcessPool | None = None
         """The worker's process pool, whose children the heartbeat shows (issue 18)."""
         self.stream_state: Callable[[], dict[str, Any]] | None = None
         """What the heartbeat shows of the host's shared stream (``SharedStream.state``)."""
 
     async def wait(self) -> None:
-        await event_or_timeout(self.controls_changed, self.interval)
+        self._read = await event_or_timeout(self.controls_changed, self.interval)
         self.controls_changed.clear()
 
     async def run_once(self) -> None:
@@ -138,6 +145,8 @@ class Presence(PeriodicService):
         if doc.get("stop_requested") and self.lifecycle.state == "running":
             log.info("stop requested remotely", extra={"worker_id": self.worker_id})
             self.lifecycle.stop()
+        if not (self._read or self.beats % self.read_every == 1 % self.read_every):
+            return
         paused = await self.driver.run(control.paused_names())
         peers = await self.driver.run(
             control.live_workers(

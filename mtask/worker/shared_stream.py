@@ -137,6 +137,10 @@ class SharedStream:
             }
         return state
 
+    def leads(self) -> bool:
+        """Whether this worker holds the relay now (it runs the cluster's own duties)."""
+        return self._relay_task is not None and not self._relay_task.done()
+
     # -- following the relay --------------------------------------------------------------------
 
     async def run(self, watcher: Watcher) -> None:
