@@ -10,7 +10,7 @@ For every HTTP request it, in order:
 4. refuses a cookie-authorised (or credential-less) state-changing request from another origin
    (403): ``Origin``, else ``Referer``, must be the server's own origin;
 5. only then reads the body, counting bytes as they stream (413 past the limit) and scanning a
-   JSON body's nesting depth as it streams (422 naming the limit, as soon as it is exceeded),
+   JSON body's nesting depth as it streams (422 naming the limit),
    checks for a session the CSRF token — the ``X-CSRF-Token`` header or the ``csrf`` form field
    (403) — and hands the body on.
 
@@ -266,6 +266,8 @@ class Guard:
         kind = headers.get("content-type", "").split(";")[0].strip().lower()
         scan = DepthScan(stop_above=MAX_JSON_DEPTH) if is_json(kind) else None
         body = await _read(receive, limit, scan)
+        if scan is not None and scan.deepest > MAX_JSON_DEPTH:
+            raise too_deep()
         self._body_checks(scope, headers, jar, body, kind, who, login)
         return _replay(body, receive)
 
@@ -293,8 +295,9 @@ class Guard:
 
 
 async def _read(receive: Receive, limit: int, scan: DepthScan | None) -> bytes:
-    """The body, counted against ``limit`` as it streams and depth-scanned piece by piece (422
-    as soon as it is too deep), the loop free for other requests between pieces."""
+    """The body, counted against ``limit`` as it streams and depth-scanned piece by piece, the
+    loop free for other requests between pieces (once too deep, the rest is only counted: the
+    client is answered after its whole body, so it reads the 422)."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -317,8 +320,6 @@ async def _scan(scan: DepthScan, chunk: bytes) -> None:
         if start:
             await asyncio.sleep(0)
         scan.feed(chunk[start : start + PIECE])
-        if scan.deepest > MAX_JSON_DEPTH:
-            raise too_deep()
 
 
 def _replay(body: bytes, then: Receive) -> Receive:
