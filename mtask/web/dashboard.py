@@ -290,7 +290,7 @@ async def act(request: Request) -> Response:
 def _keys(text: str) -> list[str]:
     try:
         keys = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # deep nesting: the C decoder recurses
         return []
     return (
         [k for k in keys if isinstance(k, str)][: bulk.MAX_PER_CALL]

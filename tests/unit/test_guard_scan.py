@@ -127,3 +127,9 @@ def test_json_is_what_fastapi_parses_as_json() -> None:
         assert is_json(kind)
     for kind in ["application/x-www-form-urlencoded", "text/plain", "multipart/form-data"]:
         assert not is_json(kind)
+
+
+def test_a_deep_keys_field_of_the_dashboard_is_no_keys() -> None:
+    from mtask.web.dashboard import _keys
+
+    assert _keys("[" * 200_000) == [] and _keys('["a", 1, "b"]') == ["a", "b"]
