@@ -1,23 +1,23 @@
-"""The host's claim queue and its dispatcher: one producer for every worker on a host.
+"""The relay's claim queue and its dispatcher: one producer for every worker, on any host.
 
-With ``--stream shared`` the worker process that holds the host's relay (``stream_relay``)
-also holds the host's claim queue (``HostQueue``, a ``Watcher`` for every subscriber's names),
-fed by the relay's one change stream, its scans and its sweep. The ``Dispatcher`` hands each
+With ``--stream shared`` the worker process that holds the relay (``stream_relay``) also holds
+the claim queue of every subscriber (``HostQueue``, a ``Watcher`` for every subscriber's
+names), fed by the relay's one change stream, its scans and its sweep. The ``Dispatcher`` hands each
 due task to **one** subscriber with a free slot, which claims it as before: the claim still
 decides, and the relay never writes to a task. So a task costs one claim attempt however many
-workers the host runs, and each event is read by one process, not by all of them.
+workers and hosts run, and each event is read by one process, not by all of them.
 
 - **Credit.** A subscriber says how many more tasks it can take (``free``: its slots less its
   runs, claims on their way and keys waiting in its queue) and how many handed-over keys it has
   received (``got``). Its credit is ``free - (sent - got)``: what the relay may still send it.
-- **The host knows what it wrote.** The relay's stream leaves out its subscribers' claims and
+- **The relay knows what its subscribers wrote.** Its stream leaves out their claims and
   successes (the ``last_write`` tag, as an own stream leaves out its worker's): a subscriber
   tells the relay instead (``claimed`` with the lease's end, ``succeeded``), and ``held`` for a
   key a cluster-wide limit keeps back.
 - **Events are hints; the claim decides; the sweep bounds a loss.** A key handed over waits for
   its claim (``awaiting``) until ``HAND_OVER_TIMEOUT``: then it goes back in the host queue. A
   subscriber that goes gives its awaited keys back at once. Any event for an awaited key ends
-  the wait (another host claimed it, it was cancelled, it failed). The host queue rescans when
+  the wait (another worker claimed it, it was cancelled, it failed). The queue rescans when
   the stream (re)opens and every sweep.
 - **A claim that misses is said.** A subscriber whose claim of a due key missed (it may not run
   it: a task of ``concurrency`` > 1 it runs or ran already) says ``missed``; the key goes back
@@ -26,9 +26,8 @@ workers the host runs, and each event is read by one process, not by all of them
   one subscriber claimed stays in the host queue for the others; one it succeeded at is read
   again (it may be open still: no event says so); one found finished or deleted (``gone``) is
   let go.
-- **Hosts stagger.** Each host's relay hands a task on at ``claim time + rank * stagger``, where
-  ``rank`` is the host's place in a rendezvous hash of the key over the hosts that run its name
-  (``Assignment.hosts``): within a host nobody races; across hosts, the first-ranked claims.
+- **Nobody races.** One relay holds the queue of every worker of the tasks collection: it
+  hands a task on at its claim time (``HostQueue.rank`` is 0).
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -92,7 +90,6 @@ class HostQueue(Watcher):
         """The ``specific_worker_ids`` of queued tasks that name some."""
         self.multi: set[str] = set()
         """Queued tasks of ``concurrency`` > 1 (several subscribers may run each)."""
-        self.host = socket.gethostname()
         self.active = True
         """False while the relay's own worker is its only subscriber and finds its own work:
         the host queue then holds nothing and scans nothing."""
@@ -102,7 +99,7 @@ class HostQueue(Watcher):
 
     @property
     def names(self) -> list[str]:
-        """Every subscriber's names (the relay's worker's ``Assignment`` gives the hosts)."""
+        """Every subscriber's names."""
         return self._names
 
     @names.setter

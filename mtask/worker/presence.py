@@ -48,8 +48,6 @@ class Assignment:
     names: tuple[str, ...]
     paused: frozenset[str] = frozenset()
     peers: Mapping[str, Collection[str]] = field(default_factory=dict)
-    hosts: Mapping[str, Collection[str]] = field(default_factory=dict)
-    """The hosts of the live workers per name (a host's relay staggers by host)."""
     active: list[str] = field(init=False)
     """``names`` except the paused ones (kept, not computed: the watcher reads it per event)."""
 
@@ -149,19 +147,14 @@ class Presence(PeriodicService):
             return
         paused = await self.driver.run(control.paused_names())
         peers = await self.driver.run(
-            control.live_workers(
-                now, 3 * dt.timedelta(seconds=self.interval), {"names": 1, "host": 1}
-            )
+            control.live_workers(now, 3 * dt.timedelta(seconds=self.interval), {"names": 1})
         )
         table: dict[str, list[str]] = {}
-        hosts: dict[str, set[str]] = {}
         for peer in peers:
             for name in peer.get("names") or ():
                 table.setdefault(name, []).append(peer["_id"])
-                hosts.setdefault(name, set()).add(str(peer.get("host")))
         assignment = self.assignment
         assignment.peers = table
-        assignment.hosts = hosts
         if paused != assignment.paused:
             resumed = assignment.pause(frozenset(paused))
             self.emit(Event.PAUSED_CHANGED, paused=sorted(paused))

@@ -1,0 +1,32 @@
+"""docs/architecture.md's module map names every module of the package, and only those."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+
+
+def mapped() -> list[str]:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("## Module map", 1)[1].split("```", 2)[1]
+    return [line.split()[0] for line in block.splitlines() if line.strip()]
+
+
+def test_the_module_map_names_every_module() -> None:
+    package = ROOT / "mtask"
+    modules = sorted(str(p.relative_to(package)) for p in package.rglob("*.py"))
+    listed = mapped()
+    assert len(listed) == len(set(listed)), "a module is listed twice"
+    missing, stale = set(modules) - set(listed), set(listed) - set(modules)
+    assert not missing and not stale, f"not in the map: {sorted(missing)}; gone: {sorted(stale)}"
+
+
+def test_the_map_is_short_and_described() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert len(text.splitlines()) <= 300
+    block = text.split("## Module map", 1)[1].split("```", 2)[1]
+    for line in block.splitlines():
+        if line.strip():
+            assert re.match(r"^\S+\.py\s{2,}\S", line), f"no description: {line!r}"
