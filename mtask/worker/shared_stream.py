@@ -20,6 +20,7 @@ about a task — the claim, the run, the outcome — is as with an own stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import uuid
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 SILENT = 6.0
 """Seconds without a frame from the relay (it ticks every ``dispatch.TICK``) before a
 subscriber leaves it."""
+FIRST_FRAME = 1.0
+"""Seconds a subscriber waits for its relay's first frame before it finds work itself."""
 LOOK_EVERY = 2.0
 """Seconds between two reads of the lease while a worker finds its own work."""
 UNAUTHORIZED = 13
@@ -206,6 +209,8 @@ class SharedStream:
         send({**hello, "names": watcher.names, "free": self.capacity()})
         self.connections += 1
         frames = mailbox.tail(inbox)
+        heard = asyncio.Event()
+        meanwhile = asyncio.create_task(self._own_until(heard, watcher), name="mtask-own-until")
 
         async def next_frame() -> Mapping[str, Any] | None:
             if failed:
@@ -214,6 +219,7 @@ class SharedStream:
                 doc = await anext(frames)
             except StopAsyncIteration:
                 return None  # the relay let us go (and dropped the inbox)
+            heard.set()
             frame = doc.get("f")
             return frame if isinstance(frame, Mapping) else {}
 
@@ -222,10 +228,29 @@ class SharedStream:
         except PyMongoError as exc:
             log.info("shared change stream subscription lost (%s); subscribing again", exc)
         finally:
+            meanwhile.cancel()
+            await asyncio.gather(meanwhile, return_exceptions=True)
             await frames.aclose()
             send(dict(BYE))
             await out.drain()
             out.close()
+
+    async def _own_until(self, heard: asyncio.Event, watcher: Watcher) -> None:
+        """A relay that does not answer a hello within ``FIRST_FRAME`` seconds may be dead (its
+        lease runs on for a while): until it answers, find work with an own stream, so that a
+        worker started after its relay died claims on time."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(FIRST_FRAME):
+                await heard.wait()
+                return
+        if watcher.dispatched:
+            return
+        own = asyncio.create_task(OwnStream().run(watcher), name="mtask-own-stream")
+        try:
+            await heard.wait()
+        finally:
+            own.cancel()
+            await asyncio.gather(own, return_exceptions=True)
 
     async def _left(self, watcher: Watcher, why: str) -> None:
         """The relay went silent: follow the lease's next relay, or an own stream until there
