@@ -28,7 +28,7 @@ from mtask.worker.executor import Executor, RunOutcomes, WorkerStats
 from mtask.worker.flow_sweep import FlowSweep
 from mtask.worker.inflight import InFlight
 from mtask.worker.lease import LeasePinger, LoopTicker
-from mtask.worker.limit_gate import LimitGate
+from mtask.worker.limit_gate import REFRESH_SECONDS, LimitGate
 from mtask.worker.presence import Assignment, Presence, WorkerState
 from mtask.worker.recorder import OutcomeRecorder
 from mtask.worker.scheduler import Scheduler
@@ -40,6 +40,9 @@ from mtask.worker.watcher import Sweep, Watcher
 SHARED_READ_EVERY = 5
 """With the shared stream, the heartbeat reads the paused names and the peers every this many
 beats (and at once on a control's event, which the relay passes on)."""
+SHARED_LIMITS_REFRESH = 30.0
+"""With the shared stream, the limit gate's bounding read (the relay passes the limits' change
+events on as they come), as the sweep bounds a lost task event."""
 
 
 class _ChangeStream:
@@ -108,7 +111,14 @@ class Assembly:
             assignment=self.assignment,
             source=self.stream,
         )
-        self.gate = LimitGate(self.driver, self.worker_id, self.clock, self.watcher)
+        shared = isinstance(self.stream, SharedStream)
+        self.gate = LimitGate(
+            self.driver,
+            self.worker_id,
+            self.clock,
+            self.watcher,
+            interval=SHARED_LIMITS_REFRESH if shared else REFRESH_SECONDS,
+        )
         self.presence = Presence(
             self.driver,
             self.clock,
@@ -123,7 +133,7 @@ class Assembly:
             controls_changed=controls_changed,
             server_clock=self._server_clock,
             database=self._adb,
-            read_every=SHARED_READ_EVERY if isinstance(self.stream, SharedStream) else 1,
+            read_every=SHARED_READ_EVERY if shared else 1,
         )
         self.recorder = OutcomeRecorder(
             self.driver,

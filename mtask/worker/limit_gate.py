@@ -39,7 +39,17 @@ class LimitGate(PeriodicService):
     run_first: ClassVar[bool] = True
     interval = REFRESH_SECONDS
 
-    def __init__(self, driver: AsyncDriver, worker_id: str, clock: Clock, sink: QueueSink) -> None:
+    def __init__(
+        self,
+        driver: AsyncDriver,
+        worker_id: str,
+        clock: Clock,
+        sink: QueueSink,
+        interval: float = REFRESH_SECONDS,
+    ) -> None:
+        self.interval = interval
+        """Seconds between two reads of the limits whatever happens (their change events come
+        at once; this bounds a lost one and a removed limit)."""
         self.driver = driver
         self.worker_id = worker_id
         self.clock = clock
