@@ -1,8 +1,9 @@
 """The deployment files: the Dockerfile's command run as PID 1 of a new PID namespace (as a
 container runs it), docker-compose.yml parsed by docker-compose, and the Kubernetes manifests
 validated against the Kubernetes schemas, with the fields that matter checked against the code
-(grace periods, probes, ports, metric names). The image itself cannot be built here (no Docker
-engine)."""
+(grace periods, probes, ports, metric names, the restricted Pod Security Standard), and the
+image's health check read from command lines. tests/acceptance/test_docker.py builds and runs
+the image and the compose file on a real Docker engine."""
 
 from __future__ import annotations
 
@@ -67,10 +68,15 @@ def test_the_dockerfile_builds_a_wheel_and_runs_the_worker_as_pid_1() -> None:
     text = (ROOT / "Dockerfile").read_text()
     stages = re.findall(r"^FROM (\S+)", text, flags=re.M)
     assert len(stages) == 2 and all(s.startswith("python:3.11-slim") for s in stages)
-    assert "pip wheel" in text and "--no-index --find-links /wheels" in text
-    assert re.search(r"^USER mtask$", text, flags=re.M)
-    assert re.search(r"^HEALTHCHECK .*CMD \[", text, flags=re.M) and "/healthz" in text
+    assert "COPY --from=build /opt/mtask /opt/mtask" in text
+    assert re.search(r"^USER 10001:10001$", text, flags=re.M)  # numeric: runAsNonRoot checks it
+    assert re.search(r'^HEALTHCHECK .*CMD \["mtask-healthcheck"\]$', text, flags=re.M)
+    assert re.search(r"^STOPSIGNAL SIGTERM$", text, flags=re.M)
     assert "ENTRYPOINT" not in text  # no shell, no wrapper: CMD's program is PID 1
+    # Nothing only BuildKit understands: the legacy builder (docker-compose 1.29's, any CLI
+    # without buildx) builds it too (test_docker.py builds it with both).
+    for buildkit_only in ("--mount", "--chmod", "--link", "--secret", "--ssh", "<<", "# syntax"):
+        assert buildkit_only not in text, buildkit_only
     cmd = dockerfile_cmd()
     assert cmd[0] == "mtask-worker" and option(cmd, "--metrics-host") == "0.0.0.0"
 
@@ -133,26 +139,52 @@ def test_worker_as_pid_1_drains_and_releases_on_sigterm(
 # -- docker-compose.yml ----------------------------------------------------------------------
 
 
-def test_docker_compose_config_parses_and_is_consistent() -> None:
+def compose_config(*files: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``docker-compose config`` of ``files`` (none: what `docker-compose up` reads by itself,
+    docker-compose.yml and docker-compose.override.yml)."""
     compose = need("docker-compose", "docker-compose")
     proc = subprocess.run(
-        [compose, "-f", str(ROOT / "docker-compose.yml"), "config"],
+        [compose, *(a for f in files for a in ("-f", str(f))), "config"],
         capture_output=True,
         text=True,
         check=False,
         cwd=ROOT,
-        env={**os.environ, "MTASK_API_TOKEN": "t"},
+        env={**os.environ, "MTASK_API_TOKEN": "t", **(env or {})},
     )
     assert proc.returncode == 0, proc.stderr
-    config = yaml.safe_load(proc.stdout)
+    config: dict[str, Any] = yaml.safe_load(proc.stdout)
+    return config
+
+
+def seconds(duration: str) -> float:
+    found = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", duration)
+    assert found and duration, duration
+    return int(found[1] or 0) * 60 + int(found[2] or 0)
+
+
+def test_docker_compose_config_parses_and_is_consistent() -> None:
+    config = compose_config()
     worker, serve = config["services"]["worker"], config["services"]["serve"]
     for service in (worker, serve):
         assert "build" in service and isinstance(service["command"], list)  # exec form
         assert "pip" not in " ".join(service["command"])
-        assert "healthcheck" in service
         assert option(service["command"], "--uri") == "mongodb://mongo:27017/?replicaSet=rs0"
+        assert service["stop_signal"] == "SIGTERM"
+    for name, service in config["services"].items():
+        assert service["restart"] == "unless-stopped", name  # a crashed container comes back
+        if name != "mongo":
+            assert service["depends_on"]["mongo"]["condition"] == "service_healthy"
+    # `--scale worker=N`: nothing a second worker would collide on.
+    assert "ports" not in worker and "container_name" not in worker
+    # The worker's health is the image's HEALTHCHECK (liveness); serve's is readiness.
+    assert "healthcheck" not in worker
+    assert serve["healthcheck"]["test"][:2] == ["CMD", "mtask-healthcheck"]
+    assert serve["healthcheck"]["test"][2].endswith(":8080/healthz")
+    # Published ports come from docker-compose.override.yml; MongoDB (no auth) on loopback only.
+    assert config["services"]["mongo"]["ports"] == ["127.0.0.1:27017:27017/tcp"]
+    assert serve["ports"] == [{"published": 8080, "target": 8080}]
     grace = float(option(worker["command"], "--grace"))
-    assert float(worker["stop_grace_period"].rstrip("s")) > grace
+    assert seconds(worker["stop_grace_period"]) > grace
     assert worker["command"][0] == dockerfile_cmd()[0]
     assert option(worker["command"], "--metrics-host") == "0.0.0.0"
     assert "mongo-data" in config["volumes"]
