@@ -85,10 +85,11 @@ def url_for(argv: Sequence[str]) -> str | None:
     if role == "serve":
         port = _option(args, "--port") or str(SERVE_DEFAULT_PORT)
         return f"http://{_local(_option(args, '--host'))}:{port}{SERVE_LIVENESS_PATH}"
-    port = _option(args, "--metrics-port")
-    if port is None or port == "0":
+    metrics_port = _option(args, "--metrics-port")
+    if metrics_port is None or metrics_port == "0":
         return None
-    return f"http://{_local(_option(args, '--metrics-host'))}:{port}{WORKER_LIVENESS_PATH}"
+    host = _local(_option(args, "--metrics-host"))
+    return f"http://{host}:{metrics_port}{WORKER_LIVENESS_PATH}"
 
 
 def _cmdline(pid: str, proc: Path) -> list[str]:
