@@ -604,3 +604,20 @@ def test_the_keda_signal_counts_claimable_tasks_only(
     assert keda() == 64
     views = list(client.mongo[db_name].list_collections(filter={"type": "view"}))
     assert [(v["name"], v["options"]["viewOn"]) for v in views] == [(view["view"], "tasks")]
+
+
+# -- docs/deploy.md --------------------------------------------------------------------------
+
+
+def test_the_deployment_guide_is_linked_and_covers_what_an_operator_needs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "(docs/deploy.md)" in readme
+    guide = " ".join((ROOT / "docs" / "deploy.md").read_text().split())
+    for topic in ("## The image's contract", "## MongoDB for production", "## Upgrades",
+                  "Authentication", "TLS", "w=majority", "Backups", "oplog", "Rolling upgrade",
+                  "schema", "stand-in", "10001:10001", "STOPSIGNAL SIGTERM",
+                  SERVE_LIVENESS_PATH):  # fmt: skip
+        assert topic in guide, topic
+    # Its paths exist.
+    for path in re.findall(r"`((?:deploy|tests)/[\w./-]+)`", guide):
+        assert (ROOT / path).exists(), path
