@@ -96,8 +96,8 @@ def docker() -> str:
     path = os.environ.get("MTASK_TEST_DOCKER") or (
         "/usr/bin/docker" if Path("/usr/bin/docker").exists() else shutil.which("docker")
     )
-    if path is None:
-        unavailable("docker is not installed (apt-get install docker.io)")
+    if path is None or not os.access(path, os.X_OK):
+        unavailable(f"docker is not installed ({path or 'docker'}; apt-get install docker.io)")
         raise AssertionError("unreachable")
     info = run([path, "info", "--format", "{{.ServerVersion}}"], timeout=30)
     if info.returncode != 0:
