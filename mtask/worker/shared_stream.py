@@ -258,7 +258,10 @@ class SharedStream:
         self.left_silent += 1
         silent = self._subscribed_to
         tasks = watcher.driver.collections["tasks"].name
-        holder = await watcher.driver.run(relays.holder(tasks))
+        try:
+            holder = await watcher.driver.run(relays.holder(tasks))
+        except StorageError:
+            holder = silent  # MongoDB away too: find work alone until it says more
         if holder is not None and holder != silent:
             return  # another relay holds the lease now: subscribe to it
         log.warning(

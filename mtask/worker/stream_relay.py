@@ -197,14 +197,11 @@ class Relay:
         """Follow the stream, hand out tasks, sweep and keep the lease until cancelled or the
         lease is lost; then let the lease go and every subscriber with it."""
         try:
-            reports = await mailbox.ensure_capped(
-                self.database, mailbox.reports_name(self.tasks), mailbox.REPORTS_BYTES
-            )
             async with asyncio.TaskGroup() as group:
                 group.create_task(self.dispatcher.run(), name="mtask-dispatch")
                 group.create_task(Sweep(self.dispatcher.host).run(), name="mtask-host-sweep")
                 group.create_task(self._keep_lease(driver), name="mtask-relay-lease")
-                group.create_task(self._read_reports(reports), name="mtask-relay-reports")
+                group.create_task(self._read_reports(), name="mtask-relay-reports")
                 await follow(
                     self.database,
                     self._pipeline,
@@ -352,19 +349,19 @@ class Relay:
                 subscriber, int(message["free"]), int(message.get("got", 0)), message.get("names")
             )
 
-    async def _read_reports(self, reports: Any) -> None:
-        """The subscribers' hellos, reports and goodbyes, from the relay's inbox."""
+    async def _read_reports(self) -> None:
+        """The subscribers' hellos, reports and goodbyes, from the relay's inbox (made if
+        missing); MongoDB away is weather: read again."""
         query = {"$or": [{"to": self.id}, dict(mailbox.MARKER)]}
+        name = mailbox.reports_name(self.tasks)
         while True:
             try:
+                reports = await mailbox.ensure_capped(self.database, name, mailbox.REPORTS_BYTES)
                 async for doc in mailbox.tail(reports, query):
                     self._on_report(doc)
             except PyMongoError as exc:
                 log.warning("reading the subscribers' reports failed, again: %s", exc)
                 await asyncio.sleep(0.5)
-                reports = await mailbox.ensure_capped(
-                    self.database, reports.name, mailbox.REPORTS_BYTES
-                )
 
     def _on_report(self, doc: Mapping[str, Any]) -> None:
         subscription, message = doc.get("from"), doc.get("f")
