@@ -151,3 +151,22 @@ def test_what_a_subscriber_reports_reaches_the_dispatcher() -> None:
     }
     relay.report(local, {"claimed": [["k1", WHEN]], "done": ["k2"]})
     assert not dispatcher.awaiting and set(dispatcher.host.queue.entries) == {"k1"}
+
+
+async def test_the_writer_keeps_order_batches_per_turn_and_fails_once() -> None:
+    inbox, failures = FakeInbox(), []
+    writer = mailbox.Writer(inbox, failures.append)
+    for n in range(3):
+        writer.put({"n": n})
+    assert len(writer) == 3
+    await writer.drain()
+    writer.put({"n": 3})
+    await writer.drain()
+    assert inbox.batches == [[{"n": 0}, {"n": 1}, {"n": 2}], [{"n": 3}]] and not len(writer)
+    inbox.fail = True
+    writer.put({"n": 4})
+    writer.put({"n": 5})
+    await writer.drain()
+    assert len(failures) == 1 and writer.closed
+    writer.put({"n": 6})  # closed: nothing more is written
+    assert not len(writer) and len(inbox.batches) == 2
