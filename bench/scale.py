@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -315,16 +316,12 @@ def _one_size(
     }
 
 
-def many_workers(bench: Bench) -> None:
-    """W9 in both stream modes, alternating (own, shared) at each size in one run."""
+@contextlib.contextmanager
+def _own_mongod() -> Iterator[tuple[str, int, int]]:
+    """A mongod of the bench's own, so that the CPU read from ``/proc`` is its workers' alone:
+    its URI, pid and port (its Unix socket is ``/tmp/mongodb-PORT.sock``)."""
     from mtask.embedded import EmbeddedMongo
 
-    sizes, rate, seconds = ([1, 4], 200, 3.0) if _quick(bench) else ([1, 8, 32, 64], 1000, 10.0)
-    if os.environ.get("MTASK_W9_SIZES"):  # a by-hand run on a small machine
-        sizes = [int(n) for n in os.environ["MTASK_W9_SIZES"].split(",")]
-    rate = int(os.environ.get("MTASK_W9_RATE", rate))
-    seconds = float(os.environ.get("MTASK_W9_SECONDS", seconds))
-    modes = os.environ.get("MTASK_W9_STREAMS", "own,shared").split(",")
     with tempfile.TemporaryDirectory(prefix="mtask-w9-") as tmp:
         mongod = EmbeddedMongo(tmp, cache_size_gb=0.5)
         uri = mongod.start()
@@ -332,9 +329,21 @@ def many_workers(bench: Bench) -> None:
             mongo: MongoClient[Doc] = MongoClient(uri)
             pid = int(mongo.admin.command("serverStatus")["pid"])
             mongo.close()
-            rows = [_one_size(uri, pid, n, rate, seconds, mode) for n in sizes for mode in modes]
+            yield uri, pid, int(uri.split(":")[2].split("/")[0])
         finally:
             mongod.stop()
+
+
+def many_workers(bench: Bench) -> None:
+    """W9 in both stream modes, alternating (own, shared) at each size in one run."""
+    sizes, rate, seconds = ([1, 4], 200, 3.0) if _quick(bench) else ([1, 8, 32, 64], 1000, 10.0)
+    if os.environ.get("MTASK_W9_SIZES"):  # a by-hand run on a small machine
+        sizes = [int(n) for n in os.environ["MTASK_W9_SIZES"].split(",")]
+    rate = int(os.environ.get("MTASK_W9_RATE", rate))
+    seconds = float(os.environ.get("MTASK_W9_SECONDS", seconds))
+    modes = os.environ.get("MTASK_W9_STREAMS", "own,shared").split(",")
+    with _own_mongod() as (uri, pid, _):
+        rows = [_one_size(uri, pid, n, rate, seconds, mode) for n in sizes for mode in modes]
     for row in rows:
         mode = "shared" if row["shared"] else "own"
         base = next(r for r in rows if r["shared"] == row["shared"])["cpu_ms_per_task"]
@@ -360,31 +369,20 @@ def many_workers(bench: Bench) -> None:
 
 def many_hosts(bench: Bench) -> None:
     """W9H: W9 with every worker a host of its own (its own network namespace, reaching mongod
-    through its Unix socket), so the per-host relay has one worker on each host, as with one
-    worker per pod or VM. Both stream modes at each size, in one run."""
-    from mtask.embedded import EmbeddedMongo
-
+    through its Unix socket), as with one worker per pod or VM: only MongoDB is shared. Both
+    stream modes at each size, in one run."""
     if shutil.which("unshare") is None:
         raise RuntimeError("W9H needs unshare (util-linux) to give each worker a host of its own")
     sizes, rate, seconds = ([1, 4], 100, 3.0) if _quick(bench) else ([1, 8, 32, 64], 100, 3.0)
     if os.environ.get("MTASK_W9H_SIZES"):
         sizes = [int(n) for n in os.environ["MTASK_W9H_SIZES"].split(",")]
     modes = os.environ.get("MTASK_W9_STREAMS", "shared,own").split(",")
-    with tempfile.TemporaryDirectory(prefix="mtask-w9h-") as tmp:
-        mongod = EmbeddedMongo(tmp, cache_size_gb=0.5)
-        uri = mongod.start()
-        try:
-            mongo: MongoClient[Doc] = MongoClient(uri)
-            status = mongo.admin.command("serverStatus")
-            pid, port = int(status["pid"]), int(uri.split(":")[2].split("/")[0])
-            mongo.close()
-            rows = [
-                (mode, _one_size(uri, pid, n, rate, seconds, mode, socket_uri(port), chunk=1))
-                for n in sizes
-                for mode in modes
-            ]
-        finally:
-            mongod.stop()
+    with _own_mongod() as (uri, pid, port):
+        rows = [
+            (mode, _one_size(uri, pid, n, rate, seconds, mode, socket_uri(port), chunk=1))
+            for n in sizes
+            for mode in modes
+        ]
     for mode, row in rows:
         one = next(r for m, r in rows if m == mode)
         cpu = row["cpu_ms_per_task"] / one["cpu_ms_per_task"]

@@ -79,8 +79,9 @@ class Subscriber:
 
 
 class HostQueue(Watcher):
-    """The claim queue of every worker on the host: a ``Watcher`` whose names are its
-    subscribers' and whose tasks may name any of them in ``specific_worker_ids``."""
+    """The relay's claim queue, for every subscribed worker on any host (the name is from when
+    there was one relay per host): a ``Watcher`` whose names are its subscribers' and whose
+    tasks may name any of them in ``specific_worker_ids``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._names: list[str] = []

@@ -55,7 +55,7 @@ class RelaySilent(Exception):
 
 
 class SharedStream:
-    """A watcher's change source when it shares the host's stream: relay or subscriber."""
+    """A watcher's change source when it shares the cluster's stream: relay or subscriber."""
 
     def __init__(self, buffer: int | None = None) -> None:
         self.buffer = buffer
