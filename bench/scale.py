@@ -437,8 +437,8 @@ def worker_process(uri: str, database: str, concurrency: int, stream: str = "sha
                 {
                     "claim_attempts": stats.claim_attempts,
                     "claimed": stats.claimed,
-                    "rescans": worker.watcher.rescans,
-                    "dropped": getattr(getattr(worker.stream, "relay", None), "dropped", 0),
+                    "rescans": worker.finding.finder.scanner.rescans,
+                    "dropped": getattr(getattr(worker.finding.shared, "relay", None), "dropped", 0),
                 }
             ),
             flush=True,

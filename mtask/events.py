@@ -5,7 +5,7 @@ stream of the client side shares (``follow``: the task events here, the waiters 
 ``events`` / ``sync_events`` follow task state changes across the cluster: one ``TaskEvent``
 per insert or status change (name and status filtered on the server), each carrying the
 stream's resume token as an opaque string; pass the last one as ``resume_after`` to continue
-exactly after it. Change streams go around the store seam (like the worker's watcher): they are
+exactly after it. Change streams go around the store seam (like the worker's): they are
 long-lived cursors, not ``Call``s.
 
 Where a broken stream resumes (``Position``): at the stream's own resume token, which the
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import OperationFailure, PyMongoError
 from pymongo.synchronous.collection import Collection
 
@@ -50,7 +51,15 @@ from mtask.models import FINISHED_STATUSES
 
 log = logging.getLogger("mtask.events")
 FINISHED = sorted(s.value for s in FINISHED_STATUSES)
-HISTORY_LOST = {136, 280, 286}  # CappedPositionLost, ChangeStreamFatalError, HistoryLost
+HISTORY_LOST = {
+    136: "CappedPositionLost",  # the oplog rolled past the token
+    260: "InvalidResumeToken",  # a token this server cannot resume from
+    280: "ChangeStreamFatalError",  # e.g. the token's event is gone from the oplog
+    286: "ChangeStreamHistoryLost",
+}
+"""The one table of server errors after which a change stream cannot resume after its token:
+it opens afresh (and its consumer re-reads what it cares about) or raises ``EventsLost``.
+Every change stream of mtask, the client's and the worker's, reopens by these rules."""
 AWAIT_MS = 500
 
 
@@ -173,6 +182,17 @@ class Position:
         self.ever_opened = False
         self.failing_since: float | None = None
         self.delay = 0.05
+        self.restarts = 0
+        """Reopens after an error or a lost history (not those asked for by ``switch``)."""
+        self.streaming = False
+        """A stream is open at this position now."""
+        self.switching = False
+
+    def switch(self) -> None:
+        """Reopen the open stream after the change just handed out, without ``on_open`` (no
+        gap: it resumes there), so that it reads a new pipeline. A stream not open now reads
+        the new one when it opens."""
+        self.switching = self.streaming
 
     def opened(self, stream_token: Mapping[str, Any] | None) -> None:
         self.ever_opened, self.failing_since, self.delay = True, None, 0.05
@@ -188,8 +208,9 @@ class Position:
             raise EventsLost(why)
         log.warning("change stream lost (%s): opening afresh", why)
         self.token = None
+        self.restarts += 1
 
-    def failed(self, exc: PyMongoError, now: float) -> float:
+    def failed(self, exc: PyMongoError | StorageError, now: float) -> float:
         """Decide after ``exc``: returns how long to wait before reopening, or raises."""
         if isinstance(exc, OperationFailure):
             if exc.code in HISTORY_LOST:
@@ -207,6 +228,7 @@ class Position:
                 f"change stream failed for {self.give_up_after:g} s: {exc}", transient=True
             )
         log.warning("change stream interrupted, reopening: %s", exc)
+        self.restarts += 1
         delay, self.delay = self.delay, min(self.delay * 2, 2.0)
         return delay
 
@@ -229,30 +251,59 @@ async def follow(
     """The changes of one change stream for ever, reopened at ``at`` after every error; runs
     ``on_open`` each time the stream is (re)opened. Close it (``contextlib.aclosing``) to close
     the stream."""
+    waits = follow_waits(
+        collection, lambda: pipeline, at, full_document=full_document, on_open=on_open
+    )
+    async with contextlib.aclosing(waits):
+        async for change in waits:
+            if change is not None:
+                yield change
+
+
+async def follow_waits(
+    source: AsyncCollection[Doc] | AsyncDatabase[Doc],
+    pipeline: Callable[[], list[Doc]],
+    at: Position,
+    *,
+    full_document: str | None = None,
+    batch_size: int | None = None,
+    on_open: Callable[[], Awaitable[None]] | None = None,
+) -> AsyncGenerator[Doc | None, None]:
+    """The reopen loop itself: each change, and ``None`` after a wait that brought none (a
+    consumer settles what it owes then); ``on_open`` after each (re)open but one asked for by
+    ``at.switch()``: a failure there (``StorageError`` included) reopens as a failed stream
+    does. ``source`` is a collection or a whole database (the worker follows its tasks and
+    their controls, limits and schedules on one stream); ``pipeline`` is read at each open."""
     while True:
         delay = 0.05
         try:
-            async with await collection.watch(
-                pipeline,
+            async with await source.watch(
+                pipeline(),
                 full_document=full_document,
                 resume_after=at.token,
                 max_await_time_ms=AWAIT_MS,
+                batch_size=batch_size,
             ) as stream:
                 at.opened(stream.resume_token)
-                if on_open is not None:
-                    await on_open()
-                while stream.alive:
+                switched, at.switching, at.streaming = at.switching, False, True
+                if not switched and on_open is not None:
+                    await on_open()  # after the stream is open: nothing slips between
+                while stream.alive and not at.switching:
                     before = cancel_requests()
                     change = await stream.try_next()
                     raise_if_cancelled(before)  # pymongo's send may swallow one (driver.py)
                     if change is not None and _invalidated(change):
                         at.lost("the collection was dropped or renamed")
                         break
-                    if change is not None:
-                        yield change  # handed out: only now may the position move past it
+                    yield change  # handed out: only now may the position move past it
                     at.moved(stream.resume_token)
-        except PyMongoError as exc:
+                if at.switching:
+                    delay = 0.0  # a new pipeline, resumed after the last change: at once
+        except (PyMongoError, StorageError) as exc:
+            at.switching = False
             delay = at.failed(exc, time.monotonic())
+        finally:
+            at.streaming = False
         await asyncio.sleep(delay)
 
 

@@ -267,7 +267,7 @@ STRANDED_OPEN: Doc = {
 dependencies), or a field the claim needs missing or mistyped (``WELL_FORMED``). mtask never
 writes one; a document written by hand may be. Finding them reads every open task's document
 (through the ``status_newest`` index), so the sweep does it only every few rounds
-(``Watcher``)."""
+(``finding.scan``)."""
 
 
 def stranded(limit: int = 1000, open_too: bool = True) -> Op[list[Any]]:

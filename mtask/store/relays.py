@@ -1,7 +1,7 @@
 """The relay's lease: which worker process holds the one change stream and claim queue of a
-tasks collection for every worker, on any host (``worker/stream_relay``). MongoDB alone decides,
-on its own clock: a lease document per tasks collection in ``relays``, taken or renewed by one
-atomic update that matches only while the lease is the caller's or has run out.
+tasks collection for every worker, on any host (``worker/finding/shared/relay``). MongoDB
+alone decides, on its own clock: a lease document per tasks collection in ``relays``, taken or
+renewed by one atomic update that matches only while the lease is the caller's or has run out.
 """
 
 from __future__ import annotations
@@ -53,6 +53,25 @@ def holder(tasks: str) -> Op[str | None]:
     )
     relay = docs[0].get("relay") if docs else None
     return relay if isinstance(relay, str) else None
+
+
+def alive(tasks: str, relay: str, renewed_within_ms: int, ttl_ms: int) -> Op[bool]:
+    """Whether ``relay`` holds the lease of ``tasks`` and renewed it within the last
+    ``renewed_within_ms`` (its renewals set the end ``ttl_ms`` ahead): a relay that stopped
+    renewing (dead, frozen, cut off) is found out before its lease runs out."""
+    docs: list[Doc] = yield Call(
+        "find",
+        (
+            {
+                "_id": tasks,
+                "relay": relay,
+                "$expr": {"$gt": ["$expires_at", {"$add": ["$$NOW", ttl_ms - renewed_within_ms]}]},
+            },
+            {"_id": 1},
+        ),
+        collection=COLLECTION,
+    )
+    return bool(docs)
 
 
 def release(tasks: str, relay: str) -> Op[None]:

@@ -8,10 +8,10 @@ to stop, drains, and shuts down. The parts (see docs/design.md, "The worker pack
 - ``Claimer`` (claimer.py): the main loop and the claim path (River's producer);
 - ``Executor`` (executor.py): one run from claim to outcome, and ``RunOutcomes``;
 - ``InFlight`` (inflight.py): the runs in flight and the keys being claimed, the only state
-  the claimer, executor and watcher share;
+  the claimer, executor and finding parts share;
 - ``Presence`` (presence.py): heartbeat, pause/resume, remote stop, peers (``Assignment``);
-- ``Watcher`` + ``Sweep`` (watcher.py), fed by ``OwnStream`` (stream.py) or ``SharedStream``
-  (shared_stream.py; the relay in stream_relay.py), ``ClaimQueue`` (claim_queue.py),
+- finding work (``finding/``: the ``Finder`` and its sweep, fed by an ``OwnStream`` or the
+  ``SharedStream``, whose relay is ``finding/shared/relay.py``), ``ClaimQueue`` (claim_queue.py),
   ``LeasePinger`` + ``LoopTicker`` (lease.py), ``OutcomeRecorder`` (recorder.py),
   ``LimitGate`` (limit_gate.py), ``Scheduler`` (scheduler.py), ``FlowSweep`` (flow_sweep.py).
 

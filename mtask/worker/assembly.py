@@ -3,9 +3,9 @@
 ``Worker`` (``mtask/worker/__init__.py``) is the supervisor: it runs, supervises and stops
 what this builds. Every part is created here, once, before ``run`` (the clients connect on
 first use, inside it), so no part is ever ``None`` and each gets what it needs by its
-constructor: the claim queue, the in-flight ledger, the watcher (as the ``QueueSink`` of the
-claimer, gate and recorder), the lease pinger, the outcome writer, the executor and the side
-services, in the order they depend on each other.
+constructor: the claim queue, the in-flight ledger, the finding parts (whose sink is the
+``QueueSink`` of the claimer, gate and recorder), the lease pinger, the outcome writer, the
+executor and the side services, in the order they depend on each other.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from mtask.connection import async_client, sync_client
 from mtask.pool import ProcessPool
 from mtask.registry import Registry
 from mtask.transactional import Transactions
+from mtask.worker import finding
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.claimer import Claimer
 from mtask.worker.config import WorkerConfig
@@ -33,9 +34,6 @@ from mtask.worker.presence import Assignment, Presence, WorkerState
 from mtask.worker.recorder import OutcomeRecorder
 from mtask.worker.scheduler import Scheduler
 from mtask.worker.service import Service
-from mtask.worker.shared_stream import SharedStream
-from mtask.worker.stream import OwnStream
-from mtask.worker.watcher import Sweep, Watcher
 
 SHARED_READ_EVERY = 5
 """With the shared stream, the heartbeat reads the paused names and the peers every this many
@@ -43,13 +41,6 @@ beats (and at once on a control's event, which the relay passes on)."""
 SHARED_LIMITS_REFRESH = 30.0
 """With the shared stream, the limit gate's bounding read (the relay passes the limits' change
 events on as they come), as the sweep bounds a lost task event."""
-
-
-class _ChangeStream:
-    name = "stream"
-
-    def __init__(self, watcher: Watcher) -> None:
-        self.run = watcher.run_stream
 
 
 class Assembly:
@@ -95,28 +86,32 @@ class Assembly:
         self.assignment = Assignment(tuple(self.names))
         self.scheduler = Scheduler(self.driver, self.clock, list(self.registry.schedules.values()))
         controls_changed = asyncio.Event()
-        self.stream = SharedStream() if config.stream == "shared" else OwnStream()
-        self.watcher = Watcher(
+        shared = config.stream == "shared"
+        # finding work (issue 25): which parts are made is the choice of --stream
+        self.finding = finding.build(
             self.driver,
+            self.clock,
+            stream=config.stream,
             worker_id=self.worker_id,
             queue=self.queue,
-            clock=self.clock,
-            wake=self.wake.set,
+            assignment=self.assignment,
             in_flight=self.inflight.busy,
-            on_control=controls_changed.set,
-            on_limit=self._limit_changed,
-            on_schedule=self.scheduler.wake.set,
+            wake=self.wake.set,
+            others=finding.Others(
+                control=controls_changed.set,
+                limit=self._limit_changed,
+                schedule=self.scheduler.wake.set,
+            ),
+            capacity=self._capacity,
             sweep_interval=config.sweep_interval,
             stagger_ms=config.stagger_ms,
-            assignment=self.assignment,
-            source=self.stream,
         )
-        shared = isinstance(self.stream, SharedStream)
+        self.inflight.on_free = self.finding.freed
         self.gate = LimitGate(
             self.driver,
             self.worker_id,
             self.clock,
-            self.watcher,
+            self.finding.sink,
             interval=SHARED_LIMITS_REFRESH if shared else REFRESH_SECONDS,
         )
         self.presence = Presence(
@@ -129,17 +124,18 @@ class Assembly:
             lifecycle=self,
             emit=self.emit,
             assignment=self.assignment,
-            rescanner=self.watcher,
+            rescanner=self.finding.finder,
             controls_changed=controls_changed,
             server_clock=self._server_clock,
             database=self._adb,
             read_every=SHARED_READ_EVERY if shared else 1,
+            stream_state=self.finding.state,
         )
         self.recorder = OutcomeRecorder(
             self.driver,
             self.clock,
             gate=self.gate,
-            sink=self.watcher,
+            sink=self.finding.sink,
             inflight=self.inflight,
             emit=self.emit,
             wake=self.wake,
@@ -197,7 +193,7 @@ class Assembly:
             queue=self.queue,
             inflight=self.inflight,
             assignment=self.assignment,
-            sink=self.watcher,
+            sink=self.finding.sink,
             gate=self.gate,
             recorder=self.recorder,
             executor=self.executor,
@@ -205,14 +201,8 @@ class Assembly:
             lifecycle=self,
             wake=self.wake,
         )
-        if isinstance(self.stream, SharedStream):
-            # what the relay may hand this worker: free slots less runs, claims and queued keys
-            self.stream.capacity = self._capacity
-            self.inflight.on_free = self.stream.report_soon
-            self.presence.stream_state = self.stream.state
         self.services: list[Service] = [
-            _ChangeStream(self.watcher),
-            Sweep(self.watcher),
+            *self.finding.services,
             self.presence,
             self.recorder,
             self.ticker,
@@ -221,7 +211,7 @@ class Assembly:
                 self.driver,
                 self.clock,
                 config.flow_sweep_interval,
-                self.stream.leads if isinstance(self.stream, SharedStream) else lambda: True,
+                self.finding.leads,
             ),
             *([self.scheduler] if config.run_schedules else []),
         ]

@@ -32,11 +32,11 @@ from mtask.store.transactional import expired_transactions, kill_sessions
 from mtask.tracing import span
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.executor import Executor, WorkerStats
+from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight
 from mtask.worker.limit_gate import LimitGate
 from mtask.worker.presence import Assignment, Lifecycle
 from mtask.worker.recorder import OutcomeRecorder
-from mtask.worker.watcher import QueueSink
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class Claimer:
         self.stats = stats
         self.lifecycle = lifecycle
         self.wake = wake
-        """Set by whoever may have made a claim possible: the watcher (a task queued), the
+        """Set by whoever may have made a claim possible: the finding parts (a task queued), the
         executor and the recorder (a slot freed), ``Worker.stop``."""
 
     async def run(self) -> None:
@@ -214,7 +214,7 @@ class Claimer:
                 continue
             with self.inflight.claiming([key]):
                 held = await self._claim_limited_one(key, name, now, hints)
-            # no longer claiming: the watcher may queue the key again
+            # no longer claiming: it may be queued the key again
             if held.blocked_until is not None:
                 full[name] = held.blocked_until
                 self.gate.block(name, key, held.blocked_until)

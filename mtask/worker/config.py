@@ -45,7 +45,7 @@ class WorkerConfig:
     stream: Literal["own", "shared"] = "shared"
     """``shared``: every worker of the tasks collection, on any host, shares one change
     stream and one claim queue, held by one of them, which hands each task to one worker
-    (``stream_relay``, ``dispatch``; docs/design.md, "One producer for the cluster");
+    (``finding.shared``; docs/finding-work.md);
     ``own``: this worker's own change stream and queue."""
     stagger_ms: float = 25.0
     queue_size: int = 10_000

@@ -1,13 +1,13 @@
 """The in-flight ledger: the runs this worker holds, and the keys whose claim is on its way.
 
-This is the only mutable state the ``Claimer``, the ``Executor`` and the ``Watcher`` share.
+This is the only mutable state the ``Claimer``, the ``Executor`` and the finding parts share.
 Ownership (River's producer style): every field is read and written on the event loop's thread
 only; the pinger thread never touches it (it learns about runs through ``LeasePinger.add``).
 
 - ``Claimer`` marks keys ``claiming`` for the length of a claim call, so that the claim's own
   change events cannot put them back in the claim queue before its reply arrives;
 - ``Executor`` records a run ``started`` (under its claim) and ``ended`` (after its handler);
-- ``Watcher`` asks ``busy(key)`` before queueing a task.
+- the finding parts (``Placement``) ask ``busy(key)`` before queueing a task.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class InFlight:
         return len(self.runs) + len(self._claiming)
 
     def busy(self, key: str) -> bool:
-        """True while ``key`` is being claimed or run here: the watcher does not queue it."""
+        """True while ``key`` is being claimed or run here: it is not queued."""
         return key in self._keys or key in self._claiming
 
     @contextlib.contextmanager

@@ -21,8 +21,8 @@ from mtask import limits
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
+from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.service import PeriodicService, event_or_timeout
-from mtask.worker.watcher import QueueSink
 
 log = logging.getLogger(__name__)
 

@@ -2,12 +2,12 @@
 
 Every ``heartbeat_interval`` seconds (at once when a control changes) ``Presence`` writes this
 worker's document in ``workers``, reads the paused names and the live workers, and publishes
-what it learnt through the ``Assignment`` the ``Claimer`` and the ``Watcher`` read. It also
+what it learnt through the ``Assignment`` the ``Claimer`` and the finding parts read. It also
 re-calibrates a ``ServerClock`` now and then.
 
 Ownership: the one ``Assignment`` object is written by ``Presence`` only, on the event loop's
 thread (each field is replaced whole, never mutated in place); the ``Claimer`` and the
-``Watcher`` read it on the same thread.
+finding parts read it on the same thread.
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ CALIBRATE_EVERY = 15
 @dataclass
 class Assignment:
     """What this worker claims: its names except the paused ones, and which live workers
-    handle each name (for the watcher's stagger)."""
+    handle each name (for the stagger of own streams)."""
 
     names: tuple[str, ...]
     paused: frozenset[str] = frozenset()
     peers: Mapping[str, Collection[str]] = field(default_factory=dict)
     active: list[str] = field(init=False)
-    """``names`` except the paused ones (kept, not computed: the watcher reads it per event)."""
+    """``names`` except the paused ones (kept, not computed: it is read per event)."""
 
     def __post_init__(self) -> None:
         self.active = [n for n in self.names if n not in self.paused]
@@ -97,6 +97,7 @@ class Presence(PeriodicService):
         server_clock: ServerClock | None = None,
         database: Any = None,
         read_every: int = 1,
+        stream_state: Callable[[], dict[str, Any] | None] = lambda: None,
     ) -> None:
         self.driver = driver
         self.clock = clock
@@ -111,9 +112,9 @@ class Presence(PeriodicService):
         """The async database a ``ServerClock`` calibrates against."""
         self.assignment = assignment
         self.rescanner = rescanner
-        """Told to rescan when a name is resumed (the watcher)."""
+        """Told to rescan when a name is resumed (the worker's ``Finder``)."""
         self.controls_changed = controls_changed
-        """Set by the watcher on a change of the controls: beat at once."""
+        """Set on a change event of the controls: beat at once."""
         self.read_every = read_every
         """Beats between two reads of the paused names and the peers (and on a change of the
         controls, which the shared stream's relay passes on as it comes): with the shared
@@ -123,8 +124,8 @@ class Presence(PeriodicService):
         self._read = False
         self.pool: ProcessPool | None = None
         """The worker's process pool, whose children the heartbeat shows (issue 18)."""
-        self.stream_state: Callable[[], dict[str, Any]] | None = None
-        """What the heartbeat shows of the host's shared stream (``SharedStream.state``)."""
+        self.stream_state = stream_state
+        """What the heartbeat shows of the shared stream (``None``: an own stream)."""
 
     async def wait(self) -> None:
         self._read = await event_or_timeout(self.controls_changed, self.interval)
@@ -177,8 +178,8 @@ class Presence(PeriodicService):
         }
         if self.pool is not None:
             doc["pool"] = pool_document(self.pool, now or self.clock.now())
-        if self.stream_state is not None:
-            doc["stream"] = self.stream_state()
+        if (stream := self.stream_state()) is not None:
+            doc["stream"] = stream
         return doc
 
 

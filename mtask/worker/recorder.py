@@ -18,9 +18,9 @@ from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.store import Outcome, RunState
 from mtask.worker.events import Emitter, Event
+from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight
 from mtask.worker.limit_gate import LimitGate
-from mtask.worker.watcher import QueueSink
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class OutcomeRecorder:
                 self.recorded(batch, recorded)
 
     def recorded(self, outcomes: list[Outcome], recorded: int) -> None:
-        """After a write: tell the watcher which successes its stream will skip, report each
+        """After a write: tell the sink which successes its stream will skip, report each
         outcome, and wake the claimer."""
         if recorded < len(outcomes):
             log.info(

@@ -4,7 +4,7 @@ The schedule domain and its store operations are ``mtask.schedules``; this servi
 them: once MongoDB answers it writes the registry's declared schedules, then each round fires
 every due schedule (``schedules.fire``: publish idempotently, then advance with a
 compare-and-set) and sleeps until the next tick, at most ``POLL_SECONDS``, or until the
-watcher reports a change in the ``schedules`` collection.
+finding parts report a change in the ``schedules`` collection.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Scheduler(PeriodicService):
         self.upcoming: dt.datetime | None = None
         """The next tick of any schedule, as of the last round (``None``: unknown)."""
         self.wake = asyncio.Event()
-        """Set by the watcher on a change in ``schedules``: start a round at once."""
+        """Set on a change event in ``schedules``: start a round at once."""
 
     async def run_once(self) -> None:
         self.upcoming = None

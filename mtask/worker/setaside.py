@@ -3,7 +3,7 @@
 Every value read from MongoDB is untrusted. A task's key is a string when mtask writes it, but
 any service may insert a document whose ``_id`` is an object, a number, an ObjectId, a date,
 binary data or a boolean. Such a key never enters the claim queue or any set or dict keyed by
-task: it is noted here, as it is, and the watcher's ``quarantine`` marks its document
+task: it is noted here, as it is, and the scanner's ``quarantine`` marks its document
 ``invalid`` with the reason (``store.quarantine``). A key whose document cannot even be marked
 is let go with a logged reason and counted in ``mtask_documents_set_aside`` (``unmarkable``).
 """

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from cluster import HERE, Cluster, until_finished
+from finders import finder_for
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from pymongo import MongoClient
@@ -20,8 +21,6 @@ from mtask.clock import FixedClock
 from mtask.driver import SyncDriver, collections
 from mtask.embedded import EmbeddedMongo
 from mtask.models import Task
-from mtask.worker.claim_queue import ClaimQueue
-from mtask.worker.watcher import Watcher
 
 pytestmark = pytest.mark.chaos
 
@@ -136,16 +135,8 @@ documents = st.dictionaries(
 def test_random_documents_never_break_decoding(doc: dict[str, Any]) -> None:
     """The worker's decoding of event and scan documents, and the typed view every reader
     uses: any document at all is placed, noted as malformed, or skipped, never raised."""
-    watcher = Watcher(
-        None,  # type: ignore[arg-type]  # placing needs no MongoDB
-        worker_id="w1",
-        queue=ClaimQueue(100),
-        clock=FixedClock(NOW),
-        wake=lambda: None,
-        in_flight=lambda key: False,
-    )
-    watcher.names = ["add"]
-    watcher.place_safely(doc)
+    finder = finder_for(None, FixedClock(NOW), ["add"])  # placing needs no MongoDB
+    finder.scanner.place_safely(doc)
     task = Task.from_document(doc)
     assert task.status == "invalid" or task.key == str(doc["_id"])
 

@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import pytest
+from finders import finder_for
 from harness import running_worker, wait_for
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -30,8 +31,7 @@ from mtask.models import (
     TaskOptions,
 )
 from mtask.registry import Registry, TaskContext
-from mtask.worker.claim_queue import ClaimQueue
-from mtask.worker.watcher import Sweep, Watcher
+from mtask.worker.finding.scan import Sweep
 
 registry = Registry()
 
@@ -214,8 +214,7 @@ async def test_stranded_documents_are_found_by_one_sweep(
     )
     client.collection.update_one({"_id": "no-claim"}, {"$unset": {"next_claim_at": 1}})
     async with running_worker(registry, mongo_uri, db_name, names=["fan_out"]) as (worker, _):
-        assert worker.watcher is not None
-        await worker.watcher.rescan()  # the sweep's once-function (the first one ran at start)
+        await worker.finding.finder.scanner.rescan()  # the sweep's once-function (one ran at start)
         docs = {d["_id"]: d for d in client.collection.find()}
     assert docs["min"]["status"] == "pending" and isinstance(
         docs["min"]["next_claim_at"], dt.datetime
@@ -380,19 +379,11 @@ def _shows_only_what_it_holds(task: Task, doc: dict[str, Any]) -> None:
 
 
 async def one_sweep(mongo_uri: str, db_name: str) -> None:
-    """One rescan of a watcher for ``add``, as the sweep runs it (its once-function), with no
-    change stream: what the sweep alone settles."""
+    """One rescan of a worker's finder for ``add``, as the sweep runs it (its once-function),
+    with no change stream: what the sweep alone settles."""
     async with AsyncTaskClient(mongo_uri, database=db_name) as aclient:
-        watcher = Watcher(
-            AsyncDriver(collections(aclient.db)),
-            worker_id="w1",
-            queue=ClaimQueue(100),
-            clock=FixedClock(NOW),
-            wake=lambda: None,
-            in_flight=lambda key: False,
-        )
-        watcher.names = ["add"]
-        await Sweep(watcher).run_once()
+        finder = finder_for(AsyncDriver(collections(aclient.db)), FixedClock(NOW), ["add"])
+        await Sweep.of(finder.scanner).run_once()
 
 
 def test_an_open_document_the_claim_cannot_read_is_marked_by_the_sweep_alone(

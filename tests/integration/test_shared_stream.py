@@ -15,13 +15,14 @@ from workerapp import registry
 from mtask import AsyncTaskClient, TaskClient
 from mtask.driver import SyncDriver, collections
 from mtask.store import relays
-from mtask.worker import Worker, mailbox
-from mtask.worker.shared_stream import SharedStream
+from mtask.worker import Worker
+from mtask.worker.finding.shared import mailbox
+from mtask.worker.finding.shared.subscriber import SharedStream
 
 
 def shared(worker: Any) -> SharedStream:
-    assert isinstance(worker.stream, SharedStream)
-    return worker.stream
+    assert isinstance(worker.finding.shared, SharedStream)
+    return worker.finding.shared
 
 
 def done(client: TaskClient, count: int) -> bool:

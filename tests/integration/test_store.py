@@ -25,7 +25,7 @@ from mtask.errors import StorageError
 from mtask.models import MAX_RUNS_KEPT
 from mtask.store import Outcome, RunState, claim, extend_lease, finish, finish_many, scan
 from mtask.store.outcomes import _groups
-from mtask.worker.stream import stream_pipeline
+from mtask.worker.finding.stream import stream_pipeline
 
 
 @pytest.fixture(params=["sync", "async"])

@@ -254,10 +254,10 @@ async def test_lost_events_are_caught_by_the_sweep(
     mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
     async with running_worker(registry, mongo_uri, db_name, sweep_interval=0.3) as (w, events):
-        w.watcher.on_change = lambda change: None  # type: ignore[method-assign]  # events lost
+        w.finding.finder.on_change = lambda change: None  # type: ignore[method-assign]  # events lost
         client.publish("add", "missed", {"a": 1, "b": 1})
         await events.wait("recorded", key="missed")
-        assert w.watcher.rescans >= 2
+        assert w.finding.finder.scanner.rescans >= 2
 
 
 async def test_killed_change_stream_resumes(
@@ -461,8 +461,8 @@ async def test_malformed_documents_do_not_stop_the_worker(
             [{"name": "add", "key": f"ok{i}", "params": {"a": i, "b": 1}} for i in range(20)]
         )
         await events.wait("recorded", count=20)
-        rescans = w.watcher.rescans
-        await wait_for(lambda: w.watcher.rescans >= rescans + 2)
+        rescans = w.finding.finder.scanner.rescans
+        await wait_for(lambda: w.finding.finder.scanner.rescans >= rescans + 2)
         assert w.state == "running"
         big = {"_id": "big", "status": "succeeded"}
         await wait_for(lambda: client.collection.find_one(big, {"_id": 1}))
@@ -584,7 +584,7 @@ async def test_more_tasks_than_the_queue_holds(
         registry, mongo_uri, db_name, concurrency=32, queue_size=100, sweep_interval=3600
     ) as (worker, events):
         await events.wait("recorded", count=1200, timeout=60)
-        assert worker.watcher.rescans >= 12
+        assert worker.finding.finder.scanner.rescans >= 12
     assert client.stats(exact=True) == {"add": {"succeeded": 1200}}
 
 
@@ -664,9 +664,9 @@ async def test_a_dropped_database_does_not_stall_the_worker(
     async with running_worker(registry, mongo_uri, db_name) as (worker, events):
         client.publish("add", "before", {"a": 1, "b": 1})
         await events.wait("recorded", key="before")
-        restarts = worker.watcher.stream_restarts
+        restarts = worker.finding.restarts
         client.mongo.drop_database(db_name)
-        await wait_for(lambda: worker.watcher.stream_restarts > restarts)
+        await wait_for(lambda: worker.finding.restarts > restarts)
         client.publish("add", "after", {"a": 2, "b": 2})
         await events.wait("recorded", key="after")
         assert worker.state == "running"
@@ -684,12 +684,12 @@ async def test_rescans_that_overlap_run_one_after_the_other(
         ]
     )
     async with running_worker(registry, mongo_uri, db_name, sweep_interval=3600) as (worker, _):
-        worker.watcher.page_size = 10  # many pages: the scans interleave
-        before = worker.watcher.rescans
-        found = await asyncio.gather(*(worker.watcher.rescan() for _ in range(3)))
+        worker.finding.finder.scanner.page_size = 10  # many pages: the scans interleave
+        before = worker.finding.finder.scanner.rescans
+        found = await asyncio.gather(*(worker.finding.finder.scanner.rescan() for _ in range(3)))
         assert found == [300, 300, 300]
-        assert worker.watcher.rescans == before + 3
-        assert len(worker.watcher.queue) == 300
+        assert worker.finding.finder.scanner.rescans == before + 3
+        assert len(worker.queue) == 300
         assert worker.state == "running"
 
 

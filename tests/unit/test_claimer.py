@@ -1,5 +1,5 @@
 """The claim path without MongoDB: a ``Claimer`` with a scripted driver, a real ``ClaimQueue``,
-``InFlight``, ``Watcher`` (as its queue sink) and ``LimitGate``."""
+``InFlight``, a ``Finder`` (as its queue sink) and ``LimitGate``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import datetime as dt
 from typing import Any, cast
 
+from finders import finder_for
 from pymongo.errors import ExecutionTimeout, WriteError
 from pymongo.results import UpdateResult
 from scripted import AsyncScriptedDriver, Step
@@ -17,11 +18,11 @@ from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.claimer import Claimer
 from mtask.worker.events import Emitter
 from mtask.worker.executor import Executor, WorkerStats
+from mtask.worker.finding.finder import Finder
 from mtask.worker.inflight import InFlight
 from mtask.worker.limit_gate import LimitGate
 from mtask.worker.presence import Assignment
 from mtask.worker.recorder import OutcomeRecorder
-from mtask.worker.watcher import Watcher
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 TOO_LARGE = 17419  # "Resulting document after update is larger than 16777216"
@@ -55,18 +56,19 @@ class Running:
         raise AssertionError("not expected")
 
 
-def build(driver: AsyncScriptedDriver) -> tuple[Claimer, Watcher, Started]:
+def build(driver: AsyncScriptedDriver) -> tuple[Claimer, Finder, Started]:
     clock = FixedClock(NOW)
     adriver = cast(AsyncDriver, driver)
     inflight, queue, wake = InFlight(), ClaimQueue(100), asyncio.Event()
-    watcher = Watcher(
+    assignment = Assignment(("add",))
+    watcher = finder_for(
         adriver,
-        worker_id="w1",
+        clock,
+        ["add"],
         queue=queue,
-        clock=clock,
-        wake=wake.set,
         in_flight=inflight.busy,
-        assignment=Assignment(("add",)),
+        wake=wake.set,
+        assignment=assignment,
     )
     gate = LimitGate(adriver, "w1", clock, watcher)
     recorder = OutcomeRecorder(
@@ -80,7 +82,7 @@ def build(driver: AsyncScriptedDriver) -> tuple[Claimer, Watcher, Started]:
         concurrency=10,
         queue=queue,
         inflight=inflight,
-        assignment=watcher.assignment,
+        assignment=assignment,
         sink=watcher,
         gate=gate,
         recorder=recorder,
@@ -121,7 +123,7 @@ async def test_a_bad_document_is_isolated_and_marked_invalid() -> None:
     assert driver.done
     assert [d["_id"] for d in started.docs] == ["good"]
     assert started.busy_when_started == [True]  # claiming until its run started
-    assert not claimer.inflight.busy("good") and "bad" not in watcher.queue
+    assert not claimer.inflight.busy("good") and "bad" not in watcher.placement.queue
     assert claimer.stats.claimed == 1
 
 
@@ -136,8 +138,8 @@ async def test_a_bad_document_that_cannot_be_marked_is_ignored_from_then_on() ->
     claimer, watcher, started = build(driver)
     await claimer.claim(["full"], ["add"], NOW)
     assert driver.done and started.docs == []
-    watcher.place_safely(placement("full", NOW))  # a later event or scan
-    assert "full" not in watcher.queue
+    watcher.scanner.place_safely(placement("full", NOW))  # a later event or scan
+    assert "full" not in watcher.placement.queue
 
 
 async def test_missed_keys_are_requeued_only_if_they_were_not_due() -> None:
@@ -153,8 +155,11 @@ async def test_missed_keys_are_requeued_only_if_they_were_not_due() -> None:
     claimer, watcher, started = build(driver)
     await claimer.claim(["mine", "taken", "early"], ["add"], NOW)
     assert driver.done and [d["_id"] for d in started.docs] == ["mine"]
-    assert "taken" not in watcher.queue
-    assert "early" in watcher.queue and watcher.queue.entries["early"].claim_at == later
+    assert "taken" not in watcher.placement.queue
+    assert (
+        "early" in watcher.placement.queue
+        and watcher.placement.queue.entries["early"].claim_at == later
+    )
 
 
 async def test_a_failed_claim_call_puts_its_keys_back_shortly() -> None:
@@ -169,7 +174,7 @@ async def test_a_failed_claim_call_puts_its_keys_back_shortly() -> None:
     claimer, watcher, started = build(driver)
     await claimer.claim(["a", "b"], ["add"], NOW)
     assert driver.done and started.docs == []
-    assert {k: e.claim_at for k, e in watcher.queue.entries.items()} == {
+    assert {k: e.claim_at for k, e in watcher.placement.queue.entries.items()} == {
         "a": NOW + dt.timedelta(seconds=1),
         "b": NOW + dt.timedelta(seconds=1),
     }
@@ -195,4 +200,4 @@ async def test_a_claim_that_ran_out_of_time_kills_stale_transactions() -> None:
     claimer, watcher, started = build(driver)
     await claimer.claim(["a", "b"], ["add"], NOW)
     assert driver.done and started.docs == []
-    assert "a" in watcher.queue and "b" in watcher.queue  # tried again shortly
+    assert "a" in watcher.placement.queue and "b" in watcher.placement.queue  # tried again shortly

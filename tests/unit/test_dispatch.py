@@ -8,12 +8,12 @@ from typing import Any, cast
 
 from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver
-from mtask.worker import dispatch
 from mtask.worker.claim_queue import ClaimQueue
-from mtask.worker.dispatch import Dispatcher
+from mtask.worker.finding.placement import Placement, WorkerScope
+from mtask.worker.finding.shared import credit
+from mtask.worker.finding.shared.credit import Account
+from mtask.worker.finding.shared.dispatch import Dispatcher
 from mtask.worker.presence import Assignment
-from mtask.worker.stream import OwnStream
-from mtask.worker.watcher import Watcher
 
 NOW = dt.datetime(2046, 3, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -21,13 +21,9 @@ NOW = dt.datetime(2046, 3, 1, 12, 0, tzinfo=dt.UTC)
 class Channel:
     def __init__(self) -> None:
         self.handed: list[list[Any]] = []
-        self.ticks = 0
 
     def dispatch(self, entries: list[list[Any]]) -> None:
         self.handed += entries
-
-    def tick(self) -> None:
-        self.ticks += 1
 
     def keys(self) -> list[str]:
         return [e[0] for e in self.handed]
@@ -35,7 +31,14 @@ class Channel:
 
 def build() -> tuple[Dispatcher, FixedClock]:
     clock = FixedClock(NOW)
-    return Dispatcher.build(None, "w0", clock, Assignment(("n",)), 30.0, 25.0, 1000), clock
+    d = Dispatcher.build(cast(AsyncDriver, None), clock, queue_size=1000, sweep_interval=30.0)
+    return d, clock
+
+
+def account(d: Dispatcher, channel: Channel) -> Account:
+    found = d.accounts.get(channel)
+    assert found is not None
+    return found
 
 
 def task(key: str, name: str = "n", **options: Any) -> dict[str, Any]:
@@ -67,7 +70,7 @@ def test_credit_counts_what_is_on_its_way() -> None:
         d.host.place(task(f"k{i}"))
     d.hand_out(NOW)
     d.report(a, free=2, got=0)  # said before it got the two: they still count
-    assert d.subscribers[a].credit == 0 and d.hand_out(NOW) == 0
+    assert account(d, a).credit == 0 and d.hand_out(NOW) == 0
     d.report(a, free=2, got=2)  # got them, and has two more slots
     assert d.hand_out(NOW) == 2
 
@@ -80,7 +83,7 @@ def test_names_and_specific_workers_decide_who_may_take_a_key() -> None:
     d.host.place(task("for-b", "m"))
     d.host.place(task("only-a", specific_worker_ids=["a"]))
     d.host.place(task("nobody-here", specific_worker_ids=["elsewhere"]))
-    assert "nobody-here" not in d.host.meta  # no subscriber may run it: not queued
+    assert d.host.known("nobody-here") is None  # no subscriber may run it: not queued
     d.hand_out(NOW)
     assert a.keys() == ["only-a"] and b.keys() == ["for-b"]
 
@@ -92,7 +95,7 @@ def test_a_key_nobody_with_credit_may_take_stays_queued() -> None:
     d.add(b, "b", ["m"], 0)
     d.host.place(task("for-b", "m"))
     assert d.hand_out(NOW) == 0 and "for-b" in d.host.queue
-    assert d.run_once() == dispatch.TICK  # stuck: no busy loop, waits for a change
+    assert d.run_once() is None  # stuck: no busy loop, waits for a change
     d.report(b, free=1, got=0)
     assert d.hand_out(NOW) == 1 and b.keys() == ["for-b"]
 
@@ -145,25 +148,31 @@ def test_an_event_for_a_handed_key_ends_the_wait() -> None:
 def test_new_names_or_workers_make_the_host_queue_scan_again() -> None:
     d, _ = build()
     d.add(Channel(), "a", ["n"], 1)
-    assert d.host.rescan_requested.is_set()
-    d.host.rescan_requested.clear()
+    assert d.host.scanner.rescan_requested.is_set()
+    d.host.scanner.rescan_requested.clear()
     d.add(Channel(), "b", ["n"], 1)  # a new worker: tasks may name it
-    assert d.host.rescan_requested.is_set() and d.host.worker_ids == ("a", "b")
-    d.host.rescan_requested.clear()
+    assert d.host.scanner.rescan_requested.is_set() and d.host.scope.ids == ("a", "b")
+    d.host.scanner.rescan_requested.clear()
     c = Channel()
     d.add(c, "c", ["n"], 1)
-    d.host.rescan_requested.clear()
+    d.host.scanner.rescan_requested.clear()
     d.remove(c)  # fewer: nothing new to find
-    assert not d.host.rescan_requested.is_set() and d.host.names == ["n"]
+    assert not d.host.scanner.rescan_requested.is_set() and d.host.scope.names == ["n"]
 
 
-def test_idle_subscribers_get_ticks() -> None:
+def test_a_subscriber_that_leaves_handed_keys_unacknowledged_is_silent() -> None:
     d, _ = build()
-    a = Channel()
+    a, idle = Channel(), Channel()
     d.add(a, "a", ["n"], 1)
-    d.subscribers[a].last_frame -= dispatch.TICK
-    d.run_once()
-    assert a.ticks == 1
+    d.add(idle, "idle", ["m"], 1)
+    d.host.place(task("k"))
+    d.hand_out(NOW)
+    handed_at = account(d, a).unacked_since
+    assert handed_at is not None and account(d, idle).unacked_since is None
+    later = handed_at + credit.SILENT_SUBSCRIBER + 1
+    assert d.accounts.silent(later) == [a]  # an idle subscriber is asked nothing
+    d.report(a, free=1, got=1)  # it acknowledged: alive
+    assert d.accounts.silent(later) == []
 
 
 def test_a_missed_claim_hands_the_key_to_another_subscriber_not_back() -> None:
@@ -182,7 +191,7 @@ def test_a_missed_claim_hands_the_key_to_another_subscriber_not_back() -> None:
     assert d.hand_out(NOW) == 1 and "k" not in d.awaiting
     assert d.host.queue.entries["k"].claim_at > NOW
     d.on_event("k")  # its document changed: anyone may try it again
-    assert "k" not in d.refused
+    assert "k" not in d.refused.by_key
 
 
 def test_a_task_of_concurrency_two_goes_to_a_second_subscriber() -> None:
@@ -197,17 +206,18 @@ def test_a_task_of_concurrency_two_goes_to_a_second_subscriber() -> None:
     d.hand_out(NOW)
     assert other.keys() == ["k"] and first.keys() == ["k"]
     d.succeeded("k", first)  # it may be open still (no event says): read it again
-    assert "k" in d.host.unknown and "k" in d.host.multi
+    meta = d.host.known("k")
+    assert "k" in d.host.scanner.unknown and meta is not None and meta.multi
     assert d.awaiting["k"][0].channel is other  # still on its way to the other one
     d.missed("k", other)  # (say the other could not claim it after all)
     assert "k" in d.host.queue and d.hand_out(NOW) == 0  # both ran or run it: it waits
     assert d.host.queue.entries["k"].claim_at > NOW
     d.gone("k")  # the other's claim found it finished
-    assert "k" not in d.host.meta and "k" not in d.refused
+    assert d.host.known("k") is None and "k" not in d.refused.by_key
     d.host.place(task("one"))
     d.hand_out(NOW)
     d.succeeded("one", first)  # concurrency 1: finished
-    assert "one" not in d.host.meta
+    assert d.host.known("one") is None
 
 
 def test_keys_nobody_with_credit_may_take_do_not_hold_up_the_rest() -> None:
@@ -217,31 +227,19 @@ def test_keys_nobody_with_credit_may_take_do_not_hold_up_the_rest() -> None:
     d.add(b, "b", ["n"], 0)  # busy: may run them, cannot take them now
     for key in ("k1", "k2"):
         d.host.place(task(key, priority=9, concurrency=2))
-        d.refused[key] = {d.subscribers[a]: float("inf")}  # a ran them already
+        d.refused.by_key[key] = {account(d, a): float("inf")}  # a ran them already
     d.host.place(task("low"))
     assert d.hand_out(NOW) == 1 and a.keys() == ["low"]  # not starved behind k1 and k2
     assert {"k1", "k2"} <= set(d.host.queue.entries)  # waiting for b's credit
 
 
-class Reporting(OwnStream):
-    def __init__(self) -> None:
-        self.missed_keys: list[str] = []
-
-    def missed(self, key: str) -> None:
-        self.missed_keys.append(key)
-
-
 def test_a_worker_handed_a_key_it_runs_says_it_missed() -> None:
-    source = Reporting()
-    watcher = Watcher(
-        cast(AsyncDriver, None),
-        worker_id="w1",
-        queue=ClaimQueue(10),
-        clock=FixedClock(NOW),
-        wake=lambda: None,
+    placement = Placement(
+        ClaimQueue(10),
+        WorkerScope("w1", Assignment(("n",))),
         in_flight=lambda key: key == "running",
-        source=source,
+        wake=lambda: None,
     )
-    watcher.place_dispatched("running", "n", 0, None)  # a second slot of a task it runs
-    watcher.place_dispatched("new", "n", 0, None)
-    assert source.missed_keys == ["running"] and list(watcher.queue.entries) == ["new"]
+    assert not placement.hand("running", "n", 0, None, NOW)  # a second slot of a task it runs
+    assert placement.hand("new", "n", 0, None, NOW)
+    assert list(placement.queue.entries) == ["new"]

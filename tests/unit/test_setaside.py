@@ -1,4 +1,4 @@
-"""Change events of any shape: the watcher applies, notes or sets aside each one, and never
+"""Change events of any shape: a worker's finder applies, notes or sets aside each one, and never
 raises or queues a key that is not a string (issue 27)."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import datetime as dt
 from typing import Any
 
 from bson import Binary, Decimal128, Int64, MaxKey, MinKey, ObjectId, Timestamp
+from finders import finder_for
 from hypothesis import given
 from hypothesis import strategies as st
 
 from mtask import metrics
 from mtask.clock import FixedClock
-from mtask.worker.claim_queue import ClaimQueue
+from mtask.worker.finding.finder import Finder
 from mtask.worker.setaside import SetAside
-from mtask.worker.watcher import Watcher
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -63,18 +63,8 @@ events = st.fixed_dictionaries(
 )
 
 
-def watcher() -> Watcher:
-    w = Watcher(
-        None,  # type: ignore[arg-type]  # applying events needs no MongoDB
-        worker_id="w1",
-        queue=ClaimQueue(100),
-        clock=FixedClock(NOW),
-        wake=lambda: None,
-        in_flight=lambda key: False,
-        on_limit=lambda name: None,
-    )
-    w.names = ["add"]
-    return w
+def watcher() -> Finder:
+    return finder_for(None, FixedClock(NOW), ["add"])  # applying events needs no MongoDB
 
 
 @given(batch=st.lists(events, max_size=6))
@@ -82,9 +72,9 @@ def test_any_event_is_applied_noted_or_set_aside(batch: list[dict[str, Any]]) ->
     w = watcher()
     for change in batch:
         w.on_change(change)  # never raises
-    assert all(isinstance(key, str) for key in w.meta)
-    assert all(isinstance(key, str) for key in w.unknown)
-    assert all(isinstance(key, str) for key in w.queue.entries)
+    assert all(isinstance(key, str) for key in w.placement.meta)
+    assert all(isinstance(key, str) for key in w.scanner.unknown)
+    assert all(isinstance(key, str) for key in w.placement.queue.entries)
 
 
 def test_an_error_in_one_event_notes_its_document_and_counts_it() -> None:
@@ -94,9 +84,9 @@ def test_an_error_in_one_event_notes_its_document_and_counts_it() -> None:
     def broken(doc: Any) -> None:
         raise RuntimeError("a bug about this one document")
 
-    w.place_safely = broken  # type: ignore[method-assign]
+    w.scanner.place_safely = broken  # type: ignore[method-assign]
     w.on_change({"operationType": "insert", "documentKey": {"_id": "k"}, "fullDocument": {}})
-    assert list(w.malformed) == ["k"]
+    assert list(w.scanner.malformed) == ["k"]
     assert metrics.SET_ASIDE.labels("event")._value.get() == before + 1
 
 
@@ -119,10 +109,10 @@ def test_keys_of_other_types_are_noted_as_they_are() -> None:
                 "fullDocument": {"_id": key, "name": "add"},
             }
         )
-    assert not w.meta and not len(w.queue)
-    noted = w.malformed.take()
+    assert not w.placement.meta and not len(w.placement.queue)
+    noted = w.scanner.malformed.take()
     assert noted[0] == {"n": 1} and len(noted) == 6  # one of each (1, 1.0, True differ in BSON)
-    assert not w.malformed
+    assert not w.scanner.malformed
 
 
 def test_set_aside_keeps_each_key_once() -> None:

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from typing import Any
+from typing import Any, cast
 
 from pymongo.errors import AutoReconnect
 
 from mtask import store
 from mtask.clock import FixedClock
-from mtask.worker import mailbox
-from mtask.worker.dispatch import Dispatcher
-from mtask.worker.presence import Assignment
-from mtask.worker.relay_wire import KEEPALIVE, PROTOCOL
-from mtask.worker.stream import stream_pipeline
-from mtask.worker.stream_relay import FRAME_BYTES, Local, Relay
+from mtask.driver import AsyncDriver
+from mtask.worker.finding.shared import credit, mailbox
+from mtask.worker.finding.shared.channels import FRAME_BYTES
+from mtask.worker.finding.shared.dispatch import Dispatcher
+from mtask.worker.finding.shared.relay import Relay
+from mtask.worker.finding.shared.wire import PROTOCOL, apply_report
+from mtask.worker.finding.stream import stream_pipeline
 
 WHEN = dt.datetime(2026, 11, 23, 12, 0, tzinfo=dt.UTC)
 
@@ -65,13 +66,11 @@ class FakeDatabase:
         self.dropped.append(name)
 
 
-def relay_with(buffer: int = 100_000, **subscribers: Any) -> Relay:
-    relay = Relay(FakeDatabase(), "tasks", "me", buffer, Dispatcher.build(None, "me",
-                  FixedClock(WHEN), Assignment(("n",)), 30.0, 25.0, 100))  # fmt: skip
-    for name, sub in subscribers.items():
-        sub.relay = relay
-        relay._add(sub, name, ["n"], 1)
-    return relay
+def relay_with(buffer: int = 100_000) -> Relay:
+    dispatcher = Dispatcher.build(
+        cast(AsyncDriver, None), FixedClock(WHEN), queue_size=100, sweep_interval=30.0
+    )
+    return Relay(FakeDatabase(), "tasks", "me", buffer, dispatcher)
 
 
 def hello(relay: Relay, worker_id: str, subscription: str, **more: Any) -> None:
@@ -86,21 +85,23 @@ EVENT = {"x": "y"}
 async def test_subscribers_on_other_hosts_say_hello_and_get_frames_in_their_inboxes() -> None:
     relay = relay_with()
     relay.loop = asyncio.get_running_loop()
+    relay.position.streaming = True  # its stream is open: a new subscriber's tags reopen it
     hello(relay, "a", "a/1")
     hello(relay, "b", "b/1", hello=PROTOCOL + 1)  # another protocol: refused
     hello(relay, "c", "c/1", inbox="elsewhere")  # not an inbox of these tasks: refused
-    assert list(relay.subscribers.values()) == ["a"] and relay._switch
-    [inbox] = relay.by_subscription.values()
+    assert list(relay.subscribers.values()) == ["a"] and relay.position.switching
+    [inbox] = relay.inboxes.values()
     relay.broadcast(EVENT)
     relay.broadcast(EVENT)
     await asyncio.sleep(0.01)  # one insert_many for what was sent in one turn
     database = relay.database
     assert database[mailbox.inbox_name("tasks", "a/1")].batches == [[{"f": EVENT}] * 2]
     relay._on_report({"to": relay.id, "from": "a/1", "f": {"free": 3, "got": 0}})
-    assert relay.dispatcher.subscribers[inbox].free == 3
+    found = relay.dispatcher.accounts.get(inbox)
+    assert found is not None and found.free == 3
     relay._on_report({"to": relay.id, "from": "x/9", "f": {"free": 3}})  # unknown: ignored
     relay._on_report({"to": relay.id, "from": "a/1", "f": {"bye": True}})
-    assert not relay.subscribers and not relay.dispatcher.subscribers
+    assert not relay.subscribers and not len(relay.dispatcher.accounts)
     await asyncio.sleep(0.01)
     assert database.dropped == [mailbox.inbox_name("tasks", "a/1")]  # the relay drops it
 
@@ -113,12 +114,18 @@ async def test_a_slow_or_silent_or_cut_off_subscriber_is_let_go() -> None:
         relay.broadcast(EVENT)
     assert relay.dropped == 1 and not relay.subscribers
     hello(relay, "quiet", "q/1")
-    [inbox] = relay.by_subscription.values()
-    inbox.heard -= 3 * KEEPALIVE + 1
-    relay._let_go_of_the_silent()
-    assert not relay.subscribers
+    [inbox] = relay.inboxes.values()
+    relay.dispatcher.host.place(
+        {"_id": "k", "name": "n", "status": "pending", "next_claim_at": WHEN, "options": {}}
+    )
+    assert relay.dispatcher.hand_out(WHEN) == 1  # handed, and never acknowledged
+    account = relay.dispatcher.accounts.get(inbox)
+    assert account is not None and account.unacked_since is not None
+    account.unacked_since -= credit.SILENT_SUBSCRIBER + 1
+    relay.let_go_of_the_silent(account.unacked_since + credit.SILENT_SUBSCRIBER + 2)
+    assert not relay.subscribers and "k" not in relay.dispatcher.awaiting  # it came back
     hello(relay, "cut", "c/1")
-    [inbox] = relay.by_subscription.values()
+    [inbox] = relay.inboxes.values()
     relay.database[mailbox.inbox_name("tasks", "c/1")].fail = True
     relay.broadcast(EVENT)
     await asyncio.sleep(0.01)
@@ -126,8 +133,8 @@ async def test_a_slow_or_silent_or_cut_off_subscriber_is_let_go() -> None:
 
 
 async def test_a_subscriber_in_the_relays_process_gets_documents_bounded_alike() -> None:
-    local = Local()
-    relay = relay_with(buffer=3 * FRAME_BYTES, me=local)
+    relay = relay_with(buffer=3 * FRAME_BYTES)
+    local = relay.attach("me", ["n"], 1)
     for n in range(3):
         relay.broadcast({"n": n})
     assert [await local.next() for _ in range(2)] == [{"n": 0}, {"n": 1}]
@@ -138,18 +145,19 @@ async def test_a_subscriber_in_the_relays_process_gets_documents_bounded_alike()
 
 
 def test_what_a_subscriber_reports_reaches_the_dispatcher() -> None:
-    local = Local()
-    relay = relay_with(buffer=10_000, me=local)
+    relay = relay_with(buffer=10_000)
+    local = relay.attach("me", ["n"], 1)
     dispatcher = relay.dispatcher
     for key in ("k1", "k2"):
         dispatcher.host.place({"_id": key, "name": "n", "status": "pending",
                                "next_claim_at": WHEN, "options": {}})  # fmt: skip
-    relay.report(local, {"free": 5, "got": 0, "names": ["n", "m"]})
-    assert dispatcher.subscribers[local].credit == 5 and dispatcher.host.names == ["m", "n"]
+    apply_report(dispatcher, local, {"free": 5, "got": 0, "names": ["n", "m"]})
+    found = dispatcher.accounts.get(local)
+    assert found is not None and found.credit == 5 and dispatcher.host.scope.names == ["m", "n"]
     assert dispatcher.hand_out(WHEN) == 2 and local.items[-1] == {
         "d": [["k1", "n", 0, None], ["k2", "n", 0, None]]
     }
-    relay.report(local, {"claimed": [["k1", WHEN]], "done": ["k2"]})
+    apply_report(dispatcher, local, {"claimed": [["k1", WHEN]], "done": ["k2"]})
     assert not dispatcher.awaiting and set(dispatcher.host.queue.entries) == {"k1"}
 
 

@@ -6,12 +6,12 @@ host, and nothing but MongoDB is shared.
   cursor wakes for inserts into its own collection only, so a frame costs the server the same
   whatever the number of subscribers. (A change stream per worker, or one collection that every
   worker tails with a filter, wakes every reader on every write: the server's CPU per task grew
-  with the hosts. ``docs/design.md``, "Finding work on many hosts", has the measurements.)
+  with the hosts. ``docs/finding-work.md`` has the measurements.)
 - **The relay's inbox** (``reports_name``): one capped collection per tasks collection, which
   every subscriber writes and only the relay tails, each frame addressed to one relay (``to``)
   and signed by its subscription (``from``).
 - A frame is a document: ``{"f": frame}`` in an inbox, ``{"to", "from", "f"}`` in the relay's.
-  What the frames say is in ``relay_wire``.
+  What the frames say is in ``wire``.
 
 Every inbox starts with a marker document: a tailable cursor that finds nothing when it opens
 is closed by the server at once.
@@ -35,12 +35,12 @@ log = logging.getLogger(__name__)
 
 INBOX_BYTES = 1024 * 1024
 """A subscriber's inbox: frames the subscriber has not read yet, at most (it is dropped past
-its buffer first: ``stream_relay.SUBSCRIBER_BUFFER`` counts what is in flight)."""
+its buffer first: ``relay.SUBSCRIBER_BUFFER`` counts what is in flight)."""
 REPORTS_BYTES = 16 * 1024 * 1024
 """The relay's inbox, shared by every subscriber of every relay of one tasks collection."""
-AWAIT_MS = 5000
+AWAIT_MS = 10_000
 """How long one getMore of a tailing cursor waits for a frame (one arrives at once: this is
-only the idle cost, a getMore every 5 s)."""
+only the idle cost, a getMore every 10 s)."""
 DRAIN = 2.0
 """Seconds a closing writer waits for its last frames to be written."""
 MARKER: Mapping[str, Any] = {"marker": True}

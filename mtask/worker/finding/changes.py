@@ -1,0 +1,63 @@
+"""Applying one task change event to a placement (hints: the claim decides).
+
+The stream carries no looked-up documents: an insert or a replace has its document, an update
+only the new ``next_claim_at``, which is enough for a task already known; an unknown one is
+looked up (``Scanner.unknown``). A key that is not a string is never queued: its document is
+noted for quarantine. Applying is supervised: an error is about that one document (any service
+may write any shape), so it is logged with the key, the document noted, and the worker goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from mtask.worker.finding.scan import Scanner
+from mtask.worker.setaside import count, task_key
+
+log = logging.getLogger(__name__)
+
+
+def event_key(change: Mapping[str, Any]) -> Any:
+    """The document key of a change event of any shape, or ``None``."""
+    key = change.get("documentKey")
+    return key.get("_id") if isinstance(key, Mapping) else None
+
+
+def apply_task_change(scanner: Scanner, change: Mapping[str, Any]) -> None:
+    """Apply one task event to ``scanner``'s placement, supervised."""
+    try:
+        _apply(scanner, change)
+    except Exception:
+        key = event_key(change)
+        log.exception("could not apply a change event for task %r; marking it invalid", key)
+        count("event")
+        if key is not None:
+            scanner.malformed.add(key)
+
+
+def _apply(scanner: Scanner, change: Mapping[str, Any]) -> None:
+    placement = scanner.placement
+    raw = event_key(change)
+    if raw is None:
+        return
+    key = task_key(raw)
+    if key is None:
+        if change.get("operationType") != "delete":
+            scanner.malformed.add(raw)
+        return
+    scanner.touch(key)
+    doc = change.get("fullDocument")
+    if doc is not None:
+        scanner.place_safely(doc)
+    elif change.get("operationType") != "update":
+        placement.forget(key)  # a delete (a replace carries its document)
+    else:
+        claim_at = change.get("updateDescription", {}).get("updatedFields", {}).get("next_claim_at")
+        if key in placement.meta:
+            placement.move(key, claim_at)
+        elif claim_at is None:
+            placement.forget(key)
+        elif not placement.in_flight(key):
+            scanner.unknown.add(key)

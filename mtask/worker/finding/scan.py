@@ -1,0 +1,223 @@
+"""Reading tasks from their documents: the scan, the sweep, lookups and quarantine.
+
+The scan pages through every open task of the scope's names, soonest first, until the claim
+queue is full; it runs when a stream (re)opens (nothing slips between: the stream is open
+first) and every ``sweep_interval`` seconds whatever happens (``Sweep``), so a lost event
+delays a task by at most one sweep: no lost wake-ups. An update event of a task nobody here
+knows is looked up (``unknown``); a malformed document (any service may write any shape) is
+noted (``malformed``) and marked ``invalid`` with its reason (``quarantine``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, ClassVar
+
+from mtask import driver, store
+from mtask.clock import Clock
+from mtask.errors import StorageError
+from mtask.worker.finding.placement import Placement
+from mtask.worker.service import PeriodicService, event_or_timeout
+from mtask.worker.setaside import SetAside, count, task_key
+
+log = logging.getLogger(__name__)
+
+STRANDED_OPEN_EVERY = 10
+"""Every this many rescans (and the first), the sweep also reads every open document for those
+no claim can reach (``store.complete.STRANDED_OPEN``); the cheap part runs on every rescan."""
+
+
+def due_by(doc: Mapping[str, Any], when: dt.datetime | None) -> bool:
+    """True when the task was claimable at ``when`` (never, without a ``when``)."""
+    claim_at = doc.get("next_claim_at")
+    return when is not None and not (isinstance(claim_at, dt.datetime) and claim_at > when)
+
+
+class Scanner:
+    """Scans, lookups and quarantine for one ``Placement``."""
+
+    def __init__(
+        self,
+        driver: driver.AsyncDriver,
+        placement: Placement,
+        clock: Clock,
+        *,
+        sweep_interval: float = 30.0,
+        page_size: int = 1000,
+    ) -> None:
+        self.driver = driver
+        self.placement = placement
+        self.clock = clock
+        self.sweep_interval = sweep_interval
+        self.page_size = page_size
+        self.malformed = SetAside()
+        """Keys (of any type) of malformed documents seen, to be marked invalid."""
+        self.unknown: set[str] = set()
+        """Keys an update event moved that nobody here knows: looked up by ``settle``."""
+        self.rescans = 0
+        self.rescan_requested = asyncio.Event()
+        self._touched: set[str] | None = None
+        self._scanning = asyncio.Lock()
+
+    def touch(self, key: str) -> None:
+        """An event (or this worker's own write) changed ``key`` while a scan may be reading:
+        the scan must not bring back what it read before."""
+        if self._touched is not None:
+            self._touched.add(key)
+
+    def request_rescan(self) -> None:
+        self.rescan_requested.set()
+
+    def place_safely(self, doc: Mapping[str, Any]) -> None:
+        """``place``, or for a malformed document, note it for ``quarantine`` and go on."""
+        # a claim cannot match it (store.placements), or (hook, issue 14) a publisher's
+        # status-less document to complete, or one with an unknown option: quarantine settles it
+        key = doc.get("_id")
+        if task_key(key) is None or doc.get("well_formed") is False or not store.placeable(doc):
+            if key is not None:
+                self.malformed.add(key)
+            return
+        try:
+            self.placement.place(doc)
+        except (AttributeError, KeyError, TypeError, ValueError):
+            self.malformed.add(key)
+
+    async def read(self, keys: list[str]) -> list[dict[str, Any]]:
+        """The placement fields of ``keys``' current documents (those that exist)."""
+        return await self.driver.run(store.placements(keys))
+
+    async def settle(self) -> None:
+        """Look up the unknown, quarantine the malformed (after an event, or a quiet wait)."""
+        if self.unknown:
+            keys, self.unknown = list(self.unknown), set()
+            for doc in await self.read(keys):
+                self.place_safely(doc)
+        if self.malformed:
+            await self.quarantine()
+
+    async def quarantine(self) -> None:
+        """Mark the malformed documents noted so far ``invalid`` (with the reason), so that
+        no worker tries them again; log each once."""
+        keys = self.malformed.take()
+        for key in keys:
+            if task_key(key) is not None:
+                self.placement.forget(key)
+        try:
+            marked = await self.driver.run(store.quarantine(keys, self.clock.now()))
+        except StorageError as exc:
+            if not exc.document:
+                raise
+            marked = await self._quarantine_one_by_one(keys)
+        if marked:
+            log.warning(
+                "marked %d malformed task document(s) invalid (see their invalid_reason): %s",
+                marked,
+                ", ".join(repr(k) for k in keys[:10]),
+            )
+
+    async def _quarantine_one_by_one(self, keys: list[Any]) -> int:
+        """The server refused to mark one of ``keys``: mark each alone, and let go of the
+        ones it refuses (logged, counted), so that they stop nothing else."""
+        marked = 0
+        for key in keys:
+            try:
+                marked += await self.driver.run(store.quarantine([key], self.clock.now()))
+            except StorageError as exc:
+                if not exc.document:
+                    raise
+                log.warning("cannot mark task %r invalid, letting it go: %s", key, exc)
+                count("unmarkable")
+                if (known := task_key(key)) is not None:
+                    self.placement.ignore(known)
+        return marked
+
+    async def rescan(self) -> int:
+        """Page through every open task of the scope's names, soonest first, until the queue
+        is full. Rescans run one at a time: a stream's reopen may ask for one while the
+        sweep's runs, and a scan's state (the touched keys, the cleared queue) is its own."""
+        async with self._scanning:
+            return await self._rescan()
+
+    async def _rescan(self) -> int:
+        self.rescans += 1
+        scope, queue = self.placement.scope, self.placement.queue
+        self._touched = set()
+        queue.clear()
+        found = 0
+        after: tuple[dt.datetime, str] | None = None
+        try:
+            while scope.names and len(queue) < queue.max_size:
+                page = await self.driver.run(
+                    store.scan(list(scope.names), scope.ids, self.page_size, after)
+                )
+                for doc in page:
+                    if queue.full:  # the rest is later than everything kept
+                        queue.note_overflow(doc["next_claim_at"])
+                        break
+                    if doc.get("_id") not in self._touched:  # the scan reads string keys
+                        self.place_safely(doc)
+                found += len(page)
+                if len(page) < self.page_size:
+                    break
+                after = (page[-1]["next_claim_at"], page[-1]["_id"])
+            else:
+                if scope.names and after is not None:  # full: tasks after `after` unread
+                    queue.note_overflow(after[0])
+        finally:
+            self._touched = None
+        await self._stranded()
+        if self.malformed:
+            await self.quarantine()
+        self.placement.wake()
+        return found
+
+    async def _stranded(self) -> None:
+        # hook (issue 14): documents no claim can reach and no event may bring back (no status,
+        # an unknown one, open without a claim time): quarantine completes or marks them
+        stranded = await self.driver.run(
+            store.stranded(open_too=self.rescans % STRANDED_OPEN_EVERY == 1)
+        )
+        if stranded:
+            marked: int = await self.driver.run(store.quarantine(stranded, self.clock.now()))
+            if marked:
+                log.warning("marked %d stranded task document(s) invalid (invalid_reason)", marked)
+
+
+class Sweep(PeriodicService):
+    """Rescan every ``interval`` seconds, and on request (a full queue ran out of due
+    tasks, a name was resumed) at most once every ``min_gap`` seconds."""
+
+    name: ClassVar[str] = "sweep"
+    failure: ClassVar[str] = "sweep failed, will retry"
+
+    def __init__(
+        self,
+        rescan: Callable[[], Awaitable[int]],
+        requested: asyncio.Event,
+        interval: float,
+        min_gap: float = 0.5,
+    ) -> None:
+        self.rescan = rescan
+        self.requested = requested
+        self.interval = interval
+        self.min_gap = min_gap
+        self._last: float | None = None
+
+    @classmethod
+    def of(cls, scanner: Scanner) -> Sweep:
+        return cls(scanner.rescan, scanner.rescan_requested, scanner.sweep_interval)
+
+    async def wait(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._last is None:
+            self._last = loop.time()
+        await event_or_timeout(self.requested, self.interval)
+        await asyncio.sleep(max(0.0, self._last + self.min_gap - loop.time()))
+        self.requested.clear()
+        self._last = loop.time()
+
+    async def run_once(self) -> None:
+        await self.rescan()

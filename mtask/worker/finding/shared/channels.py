@@ -1,0 +1,92 @@
+"""Where the relay's frames for one subscriber go: an inbox in MongoDB (a subscriber in any
+other process, on any host) or a queue in memory (the worker of the relay's own event loop).
+Both are bounded: past ``buffer`` bytes of unsent frames the subscriber is dropped (``on_full``)
+and says hello again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mtask.worker.finding.shared import mailbox
+
+FRAME_BYTES = 256
+"""What a frame counts for against a subscriber's buffer."""
+
+
+class InboxChannel:
+    """A subscriber in another process: frames inserted into its inbox."""
+
+    def __init__(
+        self,
+        collection: Any,
+        subscription: str,
+        buffer: int,
+        on_full: Callable[[InboxChannel], None],
+        on_failed: Callable[[InboxChannel, Exception], None],
+    ) -> None:
+        self.subscription = subscription
+        self.buffer = buffer
+        self.on_full = on_full
+        self.writer = mailbox.Writer(collection, lambda exc: on_failed(self, exc))
+
+    @property
+    def inbox(self) -> str:
+        return str(self.writer.collection.name)
+
+    def closing(self) -> bool:
+        return self.writer.closed
+
+    def send(self, doc: Mapping[str, Any]) -> None:
+        if (len(self.writer) + 1) * FRAME_BYTES > self.buffer:
+            self.on_full(self)
+            return
+        self.writer.put({"f": doc})
+
+    def dispatch(self, entries: list[list[Any]]) -> None:
+        self.send({"d": entries})
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class LocalChannel:
+    """A subscriber in the relay's own process and event loop: frames handed over as the
+    documents they are."""
+
+    def __init__(self, buffer: int, on_full: Callable[[LocalChannel], None]) -> None:
+        self.buffer = buffer
+        self.on_full = on_full
+        self.items: collections.deque[Mapping[str, Any]] = collections.deque()
+        self.ready = asyncio.Event()
+        self.closed = False
+
+    def closing(self) -> bool:
+        return self.closed
+
+    def send(self, doc: Mapping[str, Any]) -> None:
+        if (len(self.items) + 1) * FRAME_BYTES > self.buffer:
+            self.on_full(self)
+            return
+        self.items.append(doc)
+        self.ready.set()
+
+    def dispatch(self, entries: list[list[Any]]) -> None:
+        self.send({"d": entries})
+
+    def close(self) -> None:
+        self.closed = True
+        self.ready.set()
+
+    async def next(self) -> Mapping[str, Any] | None:
+        """The next frame, or ``None`` once closed (the relay went, or dropped it)."""
+        while not self.items and not self.closed:
+            self.ready.clear()
+            await self.ready.wait()
+        return None if self.closed else self.items.popleft()
+
+
+SubscriberChannel = InboxChannel | LocalChannel

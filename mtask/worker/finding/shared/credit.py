@@ -1,0 +1,130 @@
+"""The relay's books on its subscribers: their credit, and who may not take a key now.
+
+- **Credit.** A subscriber says how many more tasks it can take (``free``: its slots less its
+  runs, claims on their way and keys waiting in its queue) and how many handed-over keys it has
+  received (``got``). Its credit is ``free - (sent - got)``: what the relay may still send it.
+- **Acknowledgement.** A live subscriber says ``got`` as soon as a frame arrives; one that
+  leaves keys unacknowledged for ``SILENT_SUBSCRIBER`` seconds is dead, frozen or cut off, and
+  the relay lets it go. An idle subscriber is asked nothing and costs nothing.
+- **Refusals.** A subscriber that cannot claim a key now (its claim missed, or it runs the key
+  already: ``concurrency`` > 1) is not handed that key again for a sweep interval, or until an
+  event for the key comes: the sweep bounds a mistake.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+SILENT_SUBSCRIBER = 10.0
+"""Seconds a subscriber may leave handed keys unacknowledged before the relay lets it go."""
+
+
+class Channel(Protocol):
+    """Where a subscriber's handed keys go (its inbox, or a worker in the relay's own loop)."""
+
+    def dispatch(self, entries: list[list[Any]]) -> None: ...
+
+
+@dataclass(eq=False)
+class Account:
+    """A subscribed worker, as the relay's dispatcher sees it."""
+
+    channel: Channel
+    worker_id: str
+    names: frozenset[str]
+    free: int
+    """Tasks it said it can take, when it last said so."""
+    sent: int = 0
+    """Keys handed to it so far."""
+    got: int = 0
+    """Keys it had received when it last said ``free``."""
+    unacked_since: float | None = None
+    """Since when (monotonic) keys sent to it wait for its ``got``."""
+
+    @property
+    def credit(self) -> int:
+        return self.free - (self.sent - self.got)
+
+    def may_take(self, name: str, allowed: frozenset[str]) -> bool:
+        return name in self.names and (not allowed or self.worker_id in allowed)
+
+    def handed(self, count: int, now_mono: float) -> None:
+        if self.sent == self.got:
+            self.unacked_since = now_mono
+        self.sent += count
+
+    def said(self, free: int, got: int, now_mono: float) -> None:
+        self.free, self.got = free, got
+        self.unacked_since = None if got >= self.sent else now_mono
+
+
+class Refusals:
+    """Keys some subscribers cannot claim now: who, and until when (monotonic)."""
+
+    def __init__(self, hold: float) -> None:
+        self.hold = hold
+        self.by_key: dict[str, dict[Account, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+    def add(self, key: str, account: Account | None) -> None:
+        if account is not None:
+            self.by_key.setdefault(key, {})[account] = time.monotonic() + self.hold
+
+    def of(self, key: str, now_mono: float) -> dict[Account, float]:
+        """Who refuses ``key`` now (expired refusals go)."""
+        subs = self.by_key.get(key)
+        if subs is None:
+            return {}
+        for sub in [s for s, until in subs.items() if until <= now_mono]:
+            del subs[sub]
+        if not subs:
+            del self.by_key[key]
+        return subs
+
+    def prune(self, now_mono: float) -> None:
+        for key in list(self.by_key):
+            self.of(key, now_mono)
+
+    def drop_key(self, key: str) -> None:
+        self.by_key.pop(key, None)
+
+    def drop_account(self, account: Account) -> None:
+        for key, subs in list(self.by_key.items()):
+            subs.pop(account, None)
+            if not subs:
+                del self.by_key[key]
+
+    def clear(self) -> None:
+        self.by_key.clear()
+
+
+@dataclass
+class Accounts:
+    """The subscribers in the order the dispatcher turns through them."""
+
+    by_channel: dict[Channel, Account] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.by_channel)
+
+    def __iter__(self) -> Iterator[Account]:
+        return iter(list(self.by_channel.values()))
+
+    def get(self, channel: Channel | None) -> Account | None:
+        return None if channel is None else self.by_channel.get(channel)
+
+    def credit(self) -> int:
+        return sum(max(0, a.credit) for a in self.by_channel.values())
+
+    def silent(self, now_mono: float) -> list[Channel]:
+        """Subscribers that left handed keys unacknowledged for ``SILENT_SUBSCRIBER``."""
+        return [
+            a.channel
+            for a in self.by_channel.values()
+            if a.unacked_since is not None and now_mono - a.unacked_since > SILENT_SUBSCRIBER
+        ]

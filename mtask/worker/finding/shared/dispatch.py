@@ -1,0 +1,321 @@
+"""The relay's dispatcher: one producer for every worker, on any host.
+
+The worker process that holds the relay (``relay.py``) holds the claim queue of every
+subscriber's names (``HostQueue``), fed by the relay's one change stream, its scans and its
+sweep. The ``Dispatcher`` hands each due task to **one** subscriber with credit
+(``credit.py``), which claims it as before: the claim still decides, and the relay never
+writes to a task. So a task costs one claim attempt however many workers and hosts run.
+
+- **The relay knows what its subscribers wrote.** Its stream leaves out their claims and
+  successes (the ``last_write`` tag, as an own stream leaves out its worker's): a subscriber
+  tells the relay instead (``claimed`` with the lease's end, ``succeeded``), and ``held`` for a
+  key a cluster-wide limit keeps back (``finding.protocols.ClaimReports``).
+- **Events are hints; the claim decides; the sweep bounds a loss.** A key handed over waits for
+  its claim (``awaiting``) until ``HAND_OVER_TIMEOUT``: then it goes back in the host queue. A
+  subscriber that goes gives its awaited keys back at once. Any event for an awaited key ends
+  the wait.
+- **A claim that misses is said.** The key goes back in the host queue for another subscriber,
+  and is refused to that one for a while (``credit.Refusals``). A task of ``concurrency`` > 1
+  that one subscriber claimed stays in the host queue for the others; one it succeeded at is
+  read again (it may be open still); one found finished or deleted (``gone``) is let go.
+- **Nobody races.** One relay holds the queue of every worker sharing the stream: it hands a
+  task on at its claim time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mtask import driver
+from mtask.clock import Clock
+from mtask.worker.finding.placement import TaskMeta
+from mtask.worker.finding.shared.credit import Account, Accounts, Channel, Refusals
+from mtask.worker.finding.shared.host_queue import HostQueue
+
+HAND_OVER_TIMEOUT = 5.0
+"""Seconds a handed-over key waits for its claim before it goes back in the host queue."""
+PRUNE_EVERY = 2.0
+"""Seconds between two prunings of expired refusals."""
+
+
+class Dispatcher:
+    """Hands the host queue's due keys to subscribers with credit, one subscriber a key."""
+
+    def __init__(
+        self,
+        host: HostQueue,
+        now: Callable[[], dt.datetime],
+        *,
+        awaiting: dict[str, tuple[Account, float]],
+        wake: asyncio.Event,
+    ) -> None:
+        self.host = host
+        self.now = now
+        self.awaiting = awaiting
+        """Keys handed over and not yet claimed: to whom, and until when (monotonic). The
+        host queue counts them as in flight (``build``)."""
+        self.wake = wake
+        self.accounts = Accounts()
+        self.refused = Refusals(host.scanner.sweep_interval)
+        self._turn = 0
+        self._pruned = 0.0
+        self._stuck = False
+        """Due keys are left that no subscriber with credit may run: wait for a change."""
+        self.handed = 0
+        self.returned = 0
+        """Keys that went back in the host queue (no claim in time, or their worker went)."""
+
+    @classmethod
+    def build(
+        cls, driver: driver.AsyncDriver, clock: Clock, *, queue_size: int, sweep_interval: float
+    ) -> Dispatcher:
+        """A dispatcher and its host queue (which counts the awaited keys as busy)."""
+        awaiting: dict[str, tuple[Account, float]] = {}
+        wake = asyncio.Event()
+        host = HostQueue(
+            driver,
+            clock,
+            busy=awaiting.__contains__,
+            wake=wake.set,
+            queue_size=queue_size,
+            sweep_interval=sweep_interval,
+        )
+        return cls(host, clock.now, awaiting=awaiting, wake=wake)
+
+    # -- subscribers --------------------------------------------------------------------------
+
+    def add(self, channel: Channel, worker_id: str, names: list[str], free: int) -> None:
+        self.accounts.by_channel[channel] = Account(channel, worker_id, frozenset(names), free)
+        self._refresh()
+
+    def remove(self, channel: Channel) -> None:
+        gone = self.accounts.by_channel.pop(channel, None)
+        if gone is None:
+            return
+        for key, (to, _) in list(self.awaiting.items()):
+            if to is gone:
+                self._give_back(key)
+        self.refused.drop_account(gone)
+        self._refresh()
+
+    def report(self, channel: Channel, free: int, got: int, names: list[str] | None = None) -> None:
+        """A subscriber's ``free`` slots, having received ``got`` keys (and its names)."""
+        account = self.accounts.get(channel)
+        if account is None:
+            return
+        account.said(free, got, time.monotonic())
+        if names is not None and frozenset(names) != account.names:
+            account.names = frozenset(names)
+            self._refresh()
+        if account.credit > 0:
+            self.wake.set()
+
+    def _refresh(self) -> None:
+        """The subscribers changed: the host queue's names and worker ids follow."""
+        accounts = list(self.accounts)
+        names = sorted(set().union(*(a.names for a in accounts)))
+        self.host.serve(names, tuple(sorted(a.worker_id for a in accounts)))
+        self.wake.set()
+
+    # -- what the subscribers (ClaimReports) and the stream say about keys --------------------
+
+    def claimed(self, key: str, claim_at: Any, by: Channel | None = None) -> None:
+        """A subscriber claimed ``key``: next claimable at ``claim_at`` (its lease's end, or now
+        while a task of ``concurrency`` > 1 has a free slot), when the host queue takes it over
+        should the claimer die."""
+        self._end_wait(key, by)
+        if not isinstance(claim_at, dt.datetime):
+            self.forget(key)
+            return
+        meta = self.host.known(key)
+        if meta is not None and meta.multi:  # the next slot is for another subscriber
+            self.refused.add(key, self.accounts.get(by))
+        self.host.requeue_at(key, claim_at)
+
+    def held(self, key: str) -> None:
+        """A subscriber keeps ``key`` (a limit holds it back): not the host queue's any more."""
+        self.awaiting.pop(key, None)
+        self.forget(key)
+
+    def succeeded(self, key: str, by: Channel | None = None) -> None:
+        """A subscriber recorded a success of ``key`` (its event is not in the stream)."""
+        self._end_wait(key, by)
+        meta = self.host.known(key)
+        if meta is not None and meta.multi:
+            # concurrency > 1: it may be open still, for another subscriber
+            self.refused.add(key, self.accounts.get(by))
+            self.host.read_again(key)
+        else:
+            self.refused.drop_key(key)
+            self.host.succeeded(key)
+
+    def missed(self, key: str, by: Channel | None = None) -> None:
+        """A subscriber's claim of ``key`` missed although it was due: hand it to another."""
+        self._end_wait(key, by)
+        self.refused.add(key, self.accounts.get(by))
+        self.host.requeue_at(key, self.now())
+
+    def gone(self, key: str) -> None:
+        """A subscriber found ``key`` finished or deleted."""
+        self.awaiting.pop(key, None)
+        self.forget(key)
+
+    def forget(self, key: str) -> None:
+        self.refused.drop_key(key)
+        self.host.forget(key)
+
+    def on_event(self, key: Any) -> None:
+        """The stream said something of ``key``: a wait for its claim is over, and whoever
+        could not claim it may try again (a key that is not a string is never handed out)."""
+        if isinstance(key, str):
+            self.awaiting.pop(key, None)
+            self.refused.drop_key(key)
+
+    def clear(self) -> None:
+        """Forget the tasks (the relay's one worker finds its own work again)."""
+        self.awaiting.clear()
+        self.refused.clear()
+        self.host.clear()
+
+    def _end_wait(self, key: str, by: Channel | None) -> None:
+        """``by`` said what became of ``key``: if it was handed to ``by``, the wait is over."""
+        waiting = self.awaiting.get(key)
+        if waiting is not None and (by is None or waiting[0].channel is by):
+            del self.awaiting[key]
+
+    def _give_back(self, key: str) -> None:
+        self.awaiting.pop(key, None)
+        self.returned += 1
+        self.host.requeue_at(key, self.now())
+
+    # -- handing out ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Until cancelled: hand out what is due, give back what waited too long."""
+        while True:
+            self.wake.clear()
+            timeout = self.run_once()
+            if timeout is None or timeout > 0:
+                try:
+                    async with asyncio.timeout(timeout):
+                        await self.wake.wait()
+                except TimeoutError:
+                    pass
+
+    def run_once(self) -> float | None:
+        """One round; returns how long to sleep at most (``None``: until woken)."""
+        now_mono = time.monotonic()
+        for key, (_, until) in list(self.awaiting.items()):
+            if until <= now_mono:
+                self._give_back(key)
+        if self.refused and now_mono - self._pruned >= PRUNE_EVERY:
+            self._pruned = now_mono
+            self.refused.prune(now_mono)
+        now = self.now()
+        self.hand_out(now)
+        if self.host.queue.needs_refill(now):
+            self.host.request_rescan()
+        waits: list[float] = []
+        next_due = self.host.queue.next_due(now)
+        can_take = any(a.credit > 0 for a in self.accounts)
+        if next_due is not None and can_take and not (self._stuck and next_due <= now):
+            waits.append(max(0.0, (next_due - now).total_seconds()))
+        if self.awaiting:
+            waits.append(max(0.0, min(u for _, u in self.awaiting.values()) - now_mono))
+        if self.refused:
+            waits.append(PRUNE_EVERY)
+        return min(waits) if waits else None
+
+    def hand_out(self, now: dt.datetime) -> int:
+        """Hand every due key a subscriber can take to one such subscriber. A key nobody with
+        credit may take now does not hold up the keys behind it."""
+        credit = self.accounts.credit()
+        self._stuck = False
+        if credit <= 0:
+            return 0
+        batches: dict[Account, list[list[Any]]] = {}
+        kept: list[str] = []
+        now_mono = time.monotonic()
+        deadline = now_mono + HAND_OVER_TIMEOUT
+        while credit > 0 and (due := self.host.queue.pop_due(now, credit)):
+            credit -= self._hand(due, now, now_mono, deadline, batches, kept)
+        for key in kept:  # due, but nobody with credit may run it now
+            meta = self.host.known(key)
+            if meta is not None:
+                self.host.queue.push(key, now, meta.priority, bool(meta.specific))
+        self._stuck = bool(kept)
+        for account, entries in batches.items():
+            account.channel.dispatch(entries)
+            self.handed += len(entries)
+        return sum(len(e) for e in batches.values())
+
+    def _hand(
+        self,
+        keys: list[str],
+        now: dt.datetime,
+        now_mono: float,
+        deadline: float,
+        batches: dict[Account, list[list[Any]]],
+        kept: list[str],
+    ) -> int:
+        """Choose a subscriber for each of ``keys`` (popped, due); returns how many got one.
+        The others go to ``kept``, or back in the queue for later if every subscriber that
+        may run them refuses them now."""
+        handed = 0
+        for key in keys:
+            meta = self.host.known(key)
+            refusers = self.refused.of(key, now_mono)
+            account = None if meta is None else self._choose(meta, refusers)
+            if meta is not None and account is None and refusers:
+                retry = self._all_refused(meta, refusers)
+                if retry is not None:
+                    # every subscriber that may take it cannot claim it now: until that
+                    # changes (an event, a lease's end), it waits out of the way
+                    after = dt.timedelta(seconds=retry - now_mono)
+                    self.host.queue.push(key, now + after, meta.priority, bool(meta.specific))
+                    continue
+            if meta is None or account is None:
+                kept.append(key)
+                continue
+            handed += 1
+            account.handed(1, now_mono)  # its credit counts it from now on
+            self.awaiting[key] = (account, deadline)
+            batches.setdefault(account, []).append(
+                [key, meta.name, meta.priority, meta.worker_timeout_ms]
+            )
+        return handed
+
+    def _all_refused(self, meta: TaskMeta, refusers: Mapping[Account, float]) -> float | None:
+        """When every subscriber that may run the key refuses it: the first refusal's end."""
+        for account in self.accounts:
+            if account.may_take(meta.name, meta.specific) and account not in refusers:
+                return None
+        return min(refusers.values())
+
+    def _choose(self, meta: TaskMeta, refusers: Mapping[Account, float]) -> Account | None:
+        """The next subscriber (round robin) with credit left that may run the key and did
+        not just fail to claim it."""
+        accounts = list(self.accounts)
+        for i in range(len(accounts)):
+            account = accounts[(self._turn + i) % len(accounts)]
+            if account.credit <= 0 or account in refusers:
+                continue
+            if not account.may_take(meta.name, meta.specific):
+                continue
+            self._turn = (self._turn + i + 1) % len(accounts)
+            return account
+        return None
+
+    def stats(self) -> Mapping[str, int]:
+        return {
+            "subscribers": len(self.accounts),
+            "handed": self.handed,
+            "returned": self.returned,
+            "awaiting": len(self.awaiting),
+            "refused": len(self.refused),
+            "queued": len(self.host.queue),
+        }

@@ -1,0 +1,75 @@
+"""What the relay and its subscribers say to each other (carried by ``mailbox``).
+
+Relay to subscriber: ``{"relay": "open"}`` (the relay's stream is open: from now on the relay
+hands this worker its tasks), ``{"relay": "own"}`` (to the relay's own worker while it is the
+only subscriber: the task events follow, find work yourself), ``{"d": [[key, name, priority,
+worker_timeout_ms], …]}`` (tasks handed over, due now), and the change events of
+``controls``, ``limits`` and ``schedules`` as they come.
+
+Subscriber to relay: its hello (``{"hello": PROTOCOL, "worker_id", "names", "free",
+"inbox"}``: the capped collection it tails), then reports when something changed: ``free`` and
+``got`` (its credit: ``got`` acknowledges handed keys), ``names`` (when a pause changes them),
+``claimed`` (``[[key, next_claim_at]]``), ``held``, ``done``, ``missed`` and ``gone`` (keys
+of ``finding.protocols.ClaimReports``); and ``{"bye": True}`` when it leaves.
+
+Nothing is said to keep a line alive: an idle subscriber and its relay cost the server nothing
+but a tailing getMore now and then. A subscriber learns that its relay is gone from the lease
+(``store.relays.alive``); the relay learns that a subscriber is gone when it leaves handed keys
+unacknowledged (``credit.SILENT_SUBSCRIBER``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from mtask.worker.finding.shared import mailbox
+from mtask.worker.finding.shared.credit import Channel
+from mtask.worker.finding.shared.dispatch import Dispatcher
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = 4
+OPEN = {"relay": "open"}
+OWN = {"relay": "own"}
+BYE = {"bye": True}
+
+
+class Hello(NamedTuple):
+    worker_id: str
+    inbox: str
+    names: list[str]
+    free: int
+
+
+def parse_hello(tasks: str, hello: Mapping[str, Any]) -> Hello | None:
+    """A subscriber's hello, or ``None`` (logged) if it is not one the relay can answer."""
+    worker_id, inbox = hello.get("worker_id"), hello.get("inbox")
+    if hello.get("hello") != PROTOCOL or not isinstance(worker_id, str):
+        log.warning("refused a subscriber that is not mtask %s's: %r", PROTOCOL, worker_id)
+        return None
+    if not isinstance(inbox, str) or not mailbox.is_inbox(tasks, inbox):
+        log.warning("refused a subscriber without an inbox: %s", worker_id)
+        return None
+    names = [n for n in hello.get("names") or () if isinstance(n, str)]
+    free = hello.get("free")
+    return Hello(worker_id, inbox, names, free if isinstance(free, int) else 0)
+
+
+def apply_report(dispatcher: Dispatcher, channel: Channel, message: Mapping[str, Any]) -> None:
+    """A subscriber's report (raises ``TypeError``/``ValueError`` on one that makes no sense):
+    what became of its keys, then its credit and its names."""
+    for key, claim_at in message.get("claimed") or ():
+        dispatcher.claimed(key, claim_at, channel)
+    for key in message.get("held") or ():
+        dispatcher.held(key)
+    for key in message.get("done") or ():
+        dispatcher.succeeded(key, channel)
+    for key in message.get("missed") or ():
+        dispatcher.missed(key, channel)
+    for key in message.get("gone") or ():
+        dispatcher.gone(key)
+    if "free" in message:
+        free, got = int(message["free"]), int(message.get("got", 0))
+        dispatcher.report(channel, free, got, message.get("names"))

@@ -1,0 +1,112 @@
+"""The change stream of finding work: what it asks the server for (``stream_pipeline``), how
+an ``Inbox`` follows it (``follow``, on the one reopen loop of ``mtask.events``), and
+``OwnStream``, a worker's own stream (``--stream own``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pymongo.errors import PyMongoError
+
+from mtask import events, store
+from mtask.errors import StorageError
+from mtask.worker.finding.protocols import Inbox
+
+log = logging.getLogger(__name__)
+
+STREAM_BATCH = 1000
+"""Events per getMore at most: a worker that falls behind a busy stream decodes at most this
+many at once, not a 16 MB batch."""
+OTHER_COLLECTIONS = ("controls", "limits", "schedules")
+
+
+def stream_pipeline(tasks: str, excluded: str | Sequence[str]) -> list[dict[str, Any]]:
+    """The change stream of a worker (``excluded``: its id) or of the relay (the ids of its
+    subscribers): task inserts, deletes and changes of ``next_claim_at``, except the claims
+    and successes of the ``excluded`` workers (they know what they wrote), and the controls,
+    limits and schedules."""
+    changed: dict[str, Any] = {
+        "operationType": "update",
+        "updateDescription.updatedFields.next_claim_at": {"$exists": True},
+    }
+    ids = [excluded] if isinstance(excluded, str) else list(excluded)
+    if ids:
+        # The server applies this to the oplog entries, before it builds an event.
+        changed[f"updateDescription.updatedFields.{store.LAST_WRITE}"] = {
+            "$nin": [tag for worker_id in ids for tag in own_tags(worker_id)]
+        }
+    task_events = {
+        "ns.coll": tasks,
+        "$or": [{"operationType": {"$in": ["insert", "replace", "delete"]}}, changed],
+    }
+    projection: dict[str, Any] = {
+        "operationType": 1,
+        "documentKey": 1,
+        "ns": 1,
+        "updateDescription.updatedFields.next_claim_at": 1,
+        **{f"fullDocument.{f}": 1 for f in ("_id", *store.PLACEMENT_FIELDS)},
+    }
+    others = {"ns.coll": {"$in": list(OTHER_COLLECTIONS)}}
+    return [{"$match": {"$or": [task_events, others]}}, {"$project": projection}]
+
+
+def own_tags(worker_id: str) -> list[str]:
+    return [store.claim_tag(worker_id), store.success_tag(worker_id)]
+
+
+async def follow(
+    database: Any,
+    pipeline: Callable[[], list[dict[str, Any]]],
+    inbox: Inbox,
+    at: events.Position | None = None,
+) -> None:
+    """Feed ``inbox`` from a change stream on ``database`` until cancelled: ``opened`` after
+    each (re)open (but one asked for by ``at.switch()``), ``on_change`` for each event,
+    ``settle`` after each event or quiet wait. A failure of the inbox's own reads (MongoDB
+    away) reopens the stream where it was, as a failed stream does."""
+    at = at or events.Position(fresh_when_lost=True)
+    backoff = 0.05
+    while True:
+        waits = events.follow_waits(
+            database, pipeline, at, batch_size=STREAM_BATCH, on_open=inbox.opened
+        )
+        restarts = at.restarts
+        try:
+            async with contextlib.aclosing(waits):
+                async for change in waits:
+                    if at.restarts != restarts:
+                        restarts = at.restarts
+                        inbox.restarted()
+                    if change is not None:
+                        inbox.on_change(change)
+                        # let a woken claimer send its claim before this task
+                        # spends its turn sending the next getMore (W2 latency)
+                        await asyncio.sleep(0)
+                    await inbox.settle()
+                    backoff = 0.05
+        except (StorageError, PyMongoError) as exc:
+            log.warning("following the change stream: %s; reopening", exc)
+            inbox.restarted()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+
+class OwnStream:
+    """A worker's own change stream (``--stream own``, or while it finds its own work)."""
+
+    name = "stream"
+
+    def __init__(self, database: Any, tasks: str, worker_id: str, inbox: Inbox) -> None:
+        self.database = database
+        self.tasks = tasks
+        self.worker_id = worker_id
+        self.inbox = inbox
+
+    async def run(self) -> None:
+        # One stream on the database: the tasks collection and the controls, limits, schedules.
+        await follow(self.database, lambda: stream_pipeline(self.tasks, self.worker_id), self.inbox)
