@@ -138,14 +138,14 @@ async def test_a_stopped_relay_is_taken_over(
             c_events,
         ):
             await wait_for(lambda: len(shared(b).relay.subscribers) == 2)  # type: ignore[union-attr]
-            task = shared(b)._relay_task
+            task = shared(b).holder._task
             assert task is not None
             connections = shared(c).connections
             task.cancel()  # the relay goes (as in a crash of its process, its sockets close)
 
             def live_relays() -> list[SharedStream]:
                 streams = (shared(b), shared(c))
-                return [s for s in streams if s._relay_task and not s._relay_task.done()]
+                return [s for s in streams if s.leads()]
 
             await wait_for(lambda: len(live_relays()) == 1)  # the bind race: one winner
             await wait_for(lambda: shared(c).connections > connections)

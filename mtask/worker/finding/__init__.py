@@ -97,7 +97,7 @@ def build(
         own = OwnStream(tasks.database, tasks.name, worker_id, finder)
         return Finding(finder, finder, (own, Sweep.of(finder.scanner)), None)
     shared = SharedStream(driver, clock, worker_id, finder, capacity, queue_size=queue.max_size)
-    return Finding(finder, ReportingSink(finder, shared), (shared,), shared)
+    return Finding(finder, ReportingSink(finder, shared.reports), (shared,), shared)
 
 
 __all__ = ["Finding", "Others", "build"]

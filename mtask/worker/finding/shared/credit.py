@@ -14,9 +14,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from mtask.worker.finding.placement import TaskMeta
 
 SILENT_SUBSCRIBER = 10.0
 """Seconds a subscriber may leave handed keys unacknowledged before the relay lets it go."""
@@ -108,6 +110,7 @@ class Accounts:
     """The subscribers in the order the dispatcher turns through them."""
 
     by_channel: dict[Channel, Account] = field(default_factory=dict)
+    turn: int = 0
 
     def __len__(self) -> int:
         return len(self.by_channel)
@@ -128,3 +131,24 @@ class Accounts:
             for a in self.by_channel.values()
             if a.unacked_since is not None and now_mono - a.unacked_since > SILENT_SUBSCRIBER
         ]
+
+    def choose(self, meta: TaskMeta, refusers: Mapping[Account, float]) -> Account | None:
+        """The next subscriber (round robin) with credit left that may run the key and did
+        not just fail to claim it."""
+        accounts = list(self.by_channel.values())
+        for i in range(len(accounts)):
+            account = accounts[(self.turn + i) % len(accounts)]
+            if account.credit <= 0 or account in refusers:
+                continue
+            if not account.may_take(meta.name, meta.specific):
+                continue
+            self.turn = (self.turn + i + 1) % len(accounts)
+            return account
+        return None
+
+    def all_refuse(self, meta: TaskMeta, refusers: Mapping[Account, float]) -> float | None:
+        """When every subscriber that may run the key refuses it: the first refusal's end."""
+        for account in self.by_channel.values():
+            if account.may_take(meta.name, meta.specific) and account not in refusers:
+                return None
+        return min(refusers.values())

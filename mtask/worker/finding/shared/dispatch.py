@@ -32,7 +32,6 @@ from typing import Any
 
 from mtask import driver
 from mtask.clock import Clock
-from mtask.worker.finding.placement import TaskMeta
 from mtask.worker.finding.shared.credit import Account, Accounts, Channel, Refusals
 from mtask.worker.finding.shared.host_queue import HostQueue
 
@@ -61,7 +60,6 @@ class Dispatcher:
         self.wake = wake
         self.accounts = Accounts()
         self.refused = Refusals(host.scanner.sweep_interval)
-        self._turn = 0
         self._pruned = 0.0
         self._stuck = False
         """Due keys are left that no subscriber with credit may run: wait for a change."""
@@ -84,7 +82,7 @@ class Dispatcher:
             queue_size=queue_size,
             sweep_interval=sweep_interval,
         )
-        return cls(host, clock.now, awaiting=awaiting, wake=wake)
+        return cls(host, clock.now, awaiting=awaiting, wake=wake)  # no cycle: awaiting came first
 
     # -- subscribers --------------------------------------------------------------------------
 
@@ -183,8 +181,7 @@ class Dispatcher:
 
     def _end_wait(self, key: str, by: Channel | None) -> None:
         """``by`` said what became of ``key``: if it was handed to ``by``, the wait is over."""
-        waiting = self.awaiting.get(key)
-        if waiting is not None and (by is None or waiting[0].channel is by):
+        if (waiting := self.awaiting.get(key)) and (by is None or waiting[0].channel is by):
             del self.awaiting[key]
 
     def _give_back(self, key: str) -> None:
@@ -269,9 +266,9 @@ class Dispatcher:
         for key in keys:
             meta = self.host.known(key)
             refusers = self.refused.of(key, now_mono)
-            account = None if meta is None else self._choose(meta, refusers)
+            account = None if meta is None else self.accounts.choose(meta, refusers)
             if meta is not None and account is None and refusers:
-                retry = self._all_refused(meta, refusers)
+                retry = self.accounts.all_refuse(meta, refusers)
                 if retry is not None:
                     # every subscriber that may take it cannot claim it now: until that
                     # changes (an event, a lease's end), it waits out of the way
@@ -289,33 +286,7 @@ class Dispatcher:
             )
         return handed
 
-    def _all_refused(self, meta: TaskMeta, refusers: Mapping[Account, float]) -> float | None:
-        """When every subscriber that may run the key refuses it: the first refusal's end."""
-        for account in self.accounts:
-            if account.may_take(meta.name, meta.specific) and account not in refusers:
-                return None
-        return min(refusers.values())
-
-    def _choose(self, meta: TaskMeta, refusers: Mapping[Account, float]) -> Account | None:
-        """The next subscriber (round robin) with credit left that may run the key and did
-        not just fail to claim it."""
-        accounts = list(self.accounts)
-        for i in range(len(accounts)):
-            account = accounts[(self._turn + i) % len(accounts)]
-            if account.credit <= 0 or account in refusers:
-                continue
-            if not account.may_take(meta.name, meta.specific):
-                continue
-            self._turn = (self._turn + i + 1) % len(accounts)
-            return account
-        return None
-
     def stats(self) -> Mapping[str, int]:
-        return {
-            "subscribers": len(self.accounts),
-            "handed": self.handed,
-            "returned": self.returned,
-            "awaiting": len(self.awaiting),
-            "refused": len(self.refused),
-            "queued": len(self.host.queue),
-        }
+        queued, refused, waits = len(self.host.queue), len(self.refused), len(self.awaiting)
+        counts = {"handed": self.handed, "returned": self.returned, "awaiting": waits}
+        return {"subscribers": len(self.accounts), **counts, "refused": refused, "queued": queued}

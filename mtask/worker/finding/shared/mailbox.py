@@ -82,6 +82,25 @@ async def stale_inboxes(database: Any, tasks: str, keep: set[str], before: Any) 
     return stale
 
 
+async def drop_stale(database: Any, tasks: str, keep: set[str], before: Any) -> None:
+    """Drop the inboxes of ``tasks`` made before ``before`` that are not in ``keep`` (their
+    subscribers went without a goodbye)."""
+    try:
+        for name in await stale_inboxes(database, tasks, keep, before):
+            await drop(database, name)
+    except PyMongoError as exc:
+        log.debug("cannot sweep stale inboxes: %s", exc)
+
+
+async def drop(database: Any, name: str) -> None:
+    """Drop an inbox. Only the relay writes one, so it drops it, after its last frame (an
+    insert into a dropped collection would make it again)."""
+    try:
+        await database.drop_collection(name)
+    except PyMongoError as exc:
+        log.debug("cannot drop inbox %s: %s", name, exc)
+
+
 async def ensure_capped(database: Any, name: str, size: int, at: Any = None) -> Any:
     """The capped collection ``name`` (made if missing, with its marker, which says when:
     ``at``, from a server-synced clock)."""

@@ -148,7 +148,9 @@ class Relay:
             self.let_go_of_the_silent(renewed)
             if renewed - swept >= INBOX_SWEEP:
                 swept = renewed
-                await self._drop_stale_inboxes()
+                keep = {inbox.inbox for inbox in self.inboxes.values()}
+                before = self.dispatcher.now() - dt.timedelta(seconds=INBOX_SWEEP)
+                await mailbox.drop_stale(self.database, self.tasks, keep, before)
 
     def let_go_of_the_silent(self, now_mono: float) -> None:
         """Subscribers in other processes that left handed keys unacknowledged go."""
@@ -156,15 +158,6 @@ class Relay:
             if isinstance(channel, InboxChannel):
                 log.info("subscription %s leaves keys unacknowledged", channel.subscription)
                 self.remove(channel)
-
-    async def _drop_stale_inboxes(self) -> None:
-        keep = {inbox.inbox for inbox in self.inboxes.values()}
-        before = self.dispatcher.now() - dt.timedelta(seconds=INBOX_SWEEP)
-        try:
-            for name in await mailbox.stale_inboxes(self.database, self.tasks, keep, before):
-                await self._drop_inbox(name)
-        except PyMongoError as exc:
-            log.debug("cannot sweep stale inboxes: %s", exc)
 
     # -- subscribers ------------------------------------------------------------------------
 
@@ -188,16 +181,9 @@ class Relay:
         if isinstance(channel, InboxChannel):
             self.inboxes.pop(channel.subscription, None)
             if self.loop is not None and not channel.closing():
-                self.loop.create_task(self._drop_inbox(channel.inbox), name="mtask-drop-inbox")
+                drop = mailbox.drop(self.database, channel.inbox)  # the tail ends with it
+                self.loop.create_task(drop, name="mtask-drop-inbox")
         channel.close()
-
-    async def _drop_inbox(self, name: str) -> None:
-        """The relay alone writes an inbox, so it drops it too, once it wrote its last frame
-        (an insert into a dropped collection would make it again); the tail ends with it."""
-        try:
-            await self.database.drop_collection(name)
-        except PyMongoError as exc:
-            log.debug("cannot drop inbox %s: %s", name, exc)
 
     def lost(self, channel: InboxChannel, exc: Exception) -> None:
         """A frame could not be written to the subscriber's inbox."""

@@ -21,11 +21,10 @@ import asyncio
 import contextlib
 import logging
 import random
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
-from pymongo.errors import OperationFailure, PyMongoError
+from pymongo.errors import PyMongoError
 
 from mtask import driver
 from mtask.clock import Clock
@@ -33,33 +32,27 @@ from mtask.errors import StorageError
 from mtask.store import relays
 from mtask.worker.finding.finder import Finder
 from mtask.worker.finding.scan import Sweep
-from mtask.worker.finding.shared import mailbox
-from mtask.worker.finding.shared.dispatch import Dispatcher
-from mtask.worker.finding.shared.relay import LEASE_TTL, SUBSCRIBER_BUFFER, Relay
-from mtask.worker.finding.shared.wire import BYE, PROTOCOL, apply_report
+from mtask.worker.finding.shared.holder import RelayHolder
+from mtask.worker.finding.shared.relay import SUBSCRIBER_BUFFER, Relay
+from mtask.worker.finding.shared.reporter import Reporter
+from mtask.worker.finding.shared.subscription import (
+    LOOK_EVERY,
+    InboxSubscription,
+    NoInbox,
+    RelaySilent,
+    relay_alive,
+)
+from mtask.worker.finding.shared.wire import apply_report
 from mtask.worker.finding.stream import OwnStream
 
 log = logging.getLogger(__name__)
 
 FIRST_FRAME = 1.0
 """Seconds a subscriber waits for its relay's first frame before it finds work itself."""
-LOOK_EVERY = 3.0
-"""Seconds without a frame between two reads of the relay's lease."""
-STALE_AFTER = 5.0
-"""A relay that has not renewed its lease for this long (it renews every 2 s) is left."""
-UNAUTHORIZED = 13
-
-
-class RelaySilent(Exception):
-    """The relay's lease went stale, or names another relay."""
-
-    def __init__(self, relay_id: str, why: str) -> None:
-        super().__init__(why)
-        self.relay_id = relay_id
 
 
 class SharedStream:
-    """A worker's source of work when it shares the cluster's stream; its ``ClaimReports``."""
+    """A worker's source of work when it shares the cluster's stream."""
 
     name = "stream"
 
@@ -84,65 +77,27 @@ class SharedStream:
         self.buffer = buffer
         tasks = driver.collections["tasks"]
         self.database, self.tasks = tasks.database, tasks.name
-        self.relay: Relay | None = None
-        self._relay_task: asyncio.Task[None] | None = None
+        self.holder = RelayHolder(
+            driver,
+            clock,
+            worker_id,
+            buffer=buffer,
+            queue_size=queue_size,
+            sweep_interval=finder.scanner.sweep_interval,
+        )
         self.dispatched = False
         """The relay hands this worker its tasks: it finds none itself, and says what it
         claims, holds and finishes."""
         self.connections = 0
         self.fallback = False
         self.left_silent = 0
+        self.reports = Reporter(capacity, self._scope_names)
+        """This worker's ``ClaimReports``: said only while the relay hands it its tasks."""
         self._send: Callable[[dict[str, Any]], None] | None = None
-        self._got = 0
-        self._names: list[str] | None = None
-        self._said: dict[str, list[Any]] = {}
-        """What to tell the relay in the next report, by field (``wire``)."""
-        self._flush: asyncio.Handle | None = None
-        self._free: int | None = None
+        """How to reach the relay followed now."""
         self._heard = False
         self._alone: asyncio.Task[None] | None = None
         self._own = False
-
-    # -- ClaimReports: what the worker tells the relay -----------------------------------------
-
-    def claimed(self, key: str, claim_at: Any) -> None:
-        self._say("claimed", [key, claim_at])
-
-    def held(self, key: str) -> None:
-        self._say("held", key)
-
-    def succeeded(self, key: str) -> None:
-        self._say("done", key)
-
-    def missed(self, key: str) -> None:
-        self._say("missed", key)
-
-    def gone(self, key: str) -> None:
-        self._say("gone", key)
-
-    def _say(self, field: str, item: Any) -> None:
-        if self.dispatched:
-            self._said.setdefault(field, []).append(item)
-            self.report_soon()
-
-    def report_soon(self) -> None:
-        """Report once this turn of the event loop is over (one frame for all of it); only
-        while the relay hands this worker its tasks."""
-        if self.dispatched and self._send is not None and self._flush is None:
-            self._flush = asyncio.get_running_loop().call_soon(self._report)
-
-    def _report(self) -> None:
-        self._flush = None
-        if self._send is None:
-            return
-        self._free = max(0, self.capacity())
-        message: dict[str, Any] = {"free": self._free, "got": self._got}
-        names = list(self.finder.placement.scope.names)
-        if names != self._names:
-            message["names"] = self._names = names
-        message.update(self._said)
-        self._said = {}
-        self._send(message)
 
     def state(self) -> dict[str, Any]:
         """For the heartbeat: what this side of the shared stream does, and the relay's
@@ -153,33 +108,38 @@ class SharedStream:
             "connections": self.connections,
             "left_silent": self.left_silent,
         }
-        if self.relay is not None and self.leads():
-            state["relay"] = {
-                **self.relay.dispatcher.stats(),
-                "direct": self.relay.direct is not None,
-                "dropped": self.relay.dropped,
-                "restarts": self.relay.restarts,
-            }
+        if (relay := self.holder.state()) is not None:
+            state["relay"] = relay
         return state
+
+    @property
+    def relay(self) -> Relay | None:
+        """The relay this worker's process holds or held last."""
+        return self.holder.relay
 
     def leads(self) -> bool:
         """Whether this worker holds the relay now (it runs the cluster's own duties)."""
-        return self._relay_task is not None and not self._relay_task.done()
+        return self.holder.holds()
 
     # -- finding work alone ----------------------------------------------------------------------
 
+    def report_soon(self) -> None:
+        """A slot was freed: say the credit (while dispatched)."""
+        self.reports.soon()
+
     def _dispatch(self) -> None:
         """From now on the relay hands this worker its tasks: what it found alone goes."""
-        if not self.dispatched:
+        if not self.dispatched and self._send is not None:
             self._stop_alone()
             self.dispatched = True
             self.finder.placement.clear()
             self.finder.ready.set()
-            self.report_soon()
+            self.reports.connect(self._send, self._scope_names())
 
     def _find_alone(self, own_stream: bool) -> None:
         """Find work with the sweep, and an own stream unless the relay passes the events."""
         self.dispatched = False
+        self.reports.disconnect()
         if self._alone is not None and not self._alone.done() and self._own == own_stream:
             return  # already so
         self._stop_alone()
@@ -213,9 +173,7 @@ class SharedStream:
                 await asyncio.sleep(random.uniform(0.01, 0.1))
         finally:
             self._stop_alone()
-            if self._relay_task is not None:
-                self._relay_task.cancel()
-                await asyncio.gather(self._relay_task, return_exceptions=True)
+            await self.holder.stop()
 
     async def _follow_relay(self) -> None:
         """Subscribe to the relay that holds the lease (taking it first if nobody holds it)
@@ -241,59 +199,39 @@ class SharedStream:
 
     async def _relay_id(self) -> str | None:
         """The relay holding the lease now, after taking the lease if it has run out."""
-        await self._ensure_relay()
-        if self.relay is not None and self.leads():
-            return self.relay.id
+        if (relay := await self.holder.take_if_free()) is not None:
+            return relay.id
         return await self.driver.run(relays.holder(self.tasks))
 
     async def _subscribe(self, relay_id: str) -> None:
         """Say hello to the relay ``relay_id`` and take its frames from an inbox of our own."""
-        subscription = f"{self.worker_id}/{uuid.uuid4().hex[:12]}"
-        name = mailbox.inbox_name(self.tasks, subscription)
+        sub = InboxSubscription(self.driver, relay_id, self.worker_id, self._look)
         try:
-            inbox = await mailbox.ensure_capped(
-                self.database, name, mailbox.INBOX_BYTES, at=self.clock.now()
+            await sub.open(
+                self.clock,
+                {
+                    "worker_id": self.worker_id,
+                    "names": self._scope_names(),
+                    "free": self.capacity(),
+                },
             )
-        except OperationFailure as exc:
-            if exc.code == UNAUTHORIZED:
-                await self._fall_back(f"cannot make an inbox: {exc}")
-            raise
-        failed: list[Exception] = []
-        out = mailbox.Writer(self.database[mailbox.reports_name(self.tasks)], failed.append)
-
-        def send(message: dict[str, Any]) -> None:
-            out.put({"to": relay_id, "from": subscription, "f": message})
-
-        hello = {"hello": PROTOCOL, "worker_id": self.worker_id, "inbox": name}
-        send({**hello, "names": self._scope_names(), "free": self.capacity()})
-        self.connections += 1
-        frames = mailbox.tail(inbox)
-        self._heard = False
-        first = asyncio.get_running_loop().call_later(FIRST_FRAME, self._no_first_frame)
-
-        async def next_frame() -> Mapping[str, Any] | None:
-            if failed:
-                raise failed[0]
+            self.connections += 1
+            self._heard = False
+            first = asyncio.get_running_loop().call_later(FIRST_FRAME, self._no_first_frame)
             try:
-                doc = await anext(frames)
-            except StopAsyncIteration:
-                return None  # the relay let us go (and dropped the inbox)
-            frame = doc.get("f")
-            return frame if isinstance(frame, Mapping) else {}
-
-        watch = asyncio.create_task(self._watch_lease(relay_id), name="mtask-relay-lease-watch")
-        try:
-            await self._consume(next_frame, send, watch)
+                await self._consume(sub.next_frame, sub.send, sub.watch)
+            finally:
+                first.cancel()
+        except NoInbox as exc:
+            await self._fall_back(str(exc))
         except PyMongoError as exc:
             log.info("shared change stream subscription lost (%s); subscribing again", exc)
         finally:
-            first.cancel()
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
-            await frames.aclose()
-            send(dict(BYE))
-            await out.drain()
-            out.close()
+            await sub.close()
+
+    def _look(self) -> None:
+        if self.reports.changed():
+            self.reports.soon()  # credit is never stuck
 
     def _no_first_frame(self) -> None:
         """A relay that does not answer a hello within ``FIRST_FRAME`` seconds may be dead (its
@@ -301,44 +239,20 @@ class SharedStream:
         if not self._heard and not self.dispatched and self._alone is None:
             self._find_alone(own_stream=True)
 
-    async def _watch_lease(self, relay_id: str) -> None:
-        """Every ``LOOK_EVERY`` seconds without a frame, read the lease: a relay that stopped
-        renewing it, or lost it, is left (``RelaySilent``). Also says a changed credit."""
-        while True:
-            self._heard = False
-            await asyncio.sleep(LOOK_EVERY)
-            if self.dispatched and max(0, self.capacity()) != self._free:
-                self.report_soon()  # credit is never stuck
-            if self._heard:
-                continue
-            try:
-                alive = await self.driver.run(
-                    relays.alive(
-                        self.tasks, relay_id, int(STALE_AFTER * 1000), int(LEASE_TTL * 1000)
-                    )
-                )
-            except StorageError as exc:
-                raise RelaySilent(relay_id, f"cannot read the lease: {exc}") from exc
-            if not alive:
-                raise RelaySilent(relay_id, "its lease went stale or changed hands")
-
     async def _left(self, relay_id: str, why: str) -> None:
         """The relay ``relay_id`` went: find work alone until another relay holds the lease
         (this worker takes it once it has run out), or that one renews it again."""
         self.left_silent += 1
         log.warning("left the relay (%s); finding work with an own stream meanwhile", why)
         self._find_alone(own_stream=True)
-        stale, ttl = int(STALE_AFTER * 1000), int(LEASE_TTL * 1000)
         while True:
             await asyncio.sleep(LOOK_EVERY)
             try:
-                await self._ensure_relay()
+                await self.holder.take_if_free()
                 holder = await self.driver.run(relays.holder(self.tasks))
                 if holder is not None and holder != relay_id:
                     return  # another relay (perhaps this worker's): subscribe to it
-                if holder == relay_id and await self.driver.run(
-                    relays.alive(self.tasks, relay_id, stale, ttl)
-                ):
+                if holder == relay_id and await relay_alive(self.driver, self.tasks, relay_id):
                     return  # it came back (it was frozen, or cut off, for a while)
             except StorageError:
                 continue
@@ -349,17 +263,15 @@ class SharedStream:
         send: Callable[[dict[str, Any]], None],
         watch: asyncio.Task[None] | None = None,
     ) -> None:
-        self._send, self._got, self._names = send, 0, self._scope_names()
-        self._said = {}  # said of an earlier relay's keys: this one scans for itself
+        self._send = send
         try:
             async for frame in _frames(next_frame, watch):
                 self._heard = True
                 await self._on_frame(frame)
         finally:
             self._send = None
-            if self._flush is not None:
-                self._flush.cancel()
-                self._flush = None
+            self.dispatched = False  # said of this relay's keys: the next one scans anew
+            self.reports.disconnect()
 
     async def _on_frame(self, frame: Mapping[str, Any]) -> None:
         """One frame from the relay (``wire``)."""
@@ -370,9 +282,8 @@ class SharedStream:
             now = self.clock.now()
             for key, name, priority, timeout in frame["d"]:
                 if not self.finder.placement.hand(key, name, priority, timeout, now):
-                    self.missed(key)  # it runs it already, for another worker
-            self._got += len(frame["d"])
-            self.report_soon()
+                    self.reports.missed(key)  # it runs it already, for another worker
+            self.reports.received(len(frame["d"]))
         elif relay == "own":  # alone with the relay: its events follow, find work yourself
             self._find_alone(own_stream=False)
             await self.finder.opened()
@@ -387,27 +298,6 @@ class SharedStream:
         self.fallback = True
         self._find_alone(own_stream=True)
         await asyncio.Event().wait()  # alone for good (until cancelled)
-
-    async def _ensure_relay(self) -> None:
-        """Hold the relay if the lease has run out (or this process holds it already)."""
-        task = self._relay_task
-        if task is not None and task.done() and not task.cancelled():
-            task.result()  # a relay that died of anything but its lease or a cancel: raise it
-        if task is not None and not task.done():
-            return
-        dispatcher = Dispatcher.build(
-            self.driver,
-            self.clock,
-            queue_size=self.queue_size,
-            sweep_interval=self.finder.scanner.sweep_interval,
-        )
-        relay = await Relay.acquire(
-            self.driver, self.database, self.tasks, self.worker_id, self.buffer, dispatcher
-        )
-        if relay is not None:
-            log.info("this worker holds the relay of the shared change stream")
-            self.relay = relay
-            self._relay_task = asyncio.create_task(relay.run(self.driver), name="mtask-relay")
 
 
 async def _frames(

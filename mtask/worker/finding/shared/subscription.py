@@ -1,0 +1,120 @@
+"""One subscription to a relay in another process, through MongoDB: an inbox of its own that
+it tails, its reports inserted into the relay's, and the relay's lease read while the relay is
+quiet (``LOOK_EVERY``): a relay that stopped renewing it (dead, frozen, cut off) for
+``STALE_AFTER`` seconds, or lost it, is left (``RelaySilent``)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pymongo.errors import OperationFailure
+
+from mtask import driver
+from mtask.clock import Clock
+from mtask.errors import StorageError
+from mtask.store import relays
+from mtask.worker.finding.shared import mailbox
+from mtask.worker.finding.shared.relay import LEASE_TTL
+from mtask.worker.finding.shared.wire import BYE, PROTOCOL
+
+LOOK_EVERY = 3.0
+"""Seconds without a frame between two reads of the relay's lease."""
+STALE_AFTER = 5.0
+"""A relay that has not renewed its lease for this long (it renews every 2 s) is left."""
+UNAUTHORIZED = 13
+
+
+class RelaySilent(Exception):
+    """The relay's lease went stale, or names another relay."""
+
+    def __init__(self, relay_id: str, why: str) -> None:
+        super().__init__(why)
+        self.relay_id = relay_id
+
+
+class NoInbox(Exception):
+    """This worker may not make a capped collection: it cannot subscribe."""
+
+
+async def relay_alive(driver: driver.AsyncDriver, tasks: str, relay_id: str) -> bool:
+    stale, ttl = int(STALE_AFTER * 1000), int(LEASE_TTL * 1000)
+    alive: bool = await driver.run(relays.alive(tasks, relay_id, stale, ttl))
+    return alive
+
+
+class InboxSubscription:
+    def __init__(
+        self, driver: driver.AsyncDriver, relay_id: str, worker_id: str, on_look: Callable[[], None]
+    ) -> None:
+        self.driver = driver
+        self.relay_id = relay_id
+        tasks = driver.collections["tasks"]
+        self.database, self.tasks = tasks.database, tasks.name
+        self.subscription = f"{worker_id}/{uuid.uuid4().hex[:12]}"
+        self.inbox = mailbox.inbox_name(self.tasks, self.subscription)
+        self.on_look = on_look
+        """Called at each look at the lease (the worker says a changed credit then)."""
+        self.heard = False
+        self._failed: list[Exception] = []
+        self._out = mailbox.Writer(
+            self.database[mailbox.reports_name(self.tasks)], self._failed.append
+        )
+        self._frames: Any = None
+        self.watch: asyncio.Task[None] | None = None
+
+    async def open(self, clock: Clock, hello: Mapping[str, Any]) -> None:
+        """Make the inbox, say hello (``hello``: the worker's names and credit), tail."""
+        try:
+            inbox = await mailbox.ensure_capped(
+                self.database, self.inbox, mailbox.INBOX_BYTES, at=clock.now()
+            )
+        except OperationFailure as exc:
+            if exc.code == UNAUTHORIZED:
+                raise NoInbox(f"cannot make an inbox: {exc}") from exc
+            raise
+        self.send({"hello": PROTOCOL, "inbox": self.inbox, **hello})
+        self._frames = mailbox.tail(inbox)
+        self.watch = asyncio.create_task(self._watch_lease(), name="mtask-relay-lease-watch")
+
+    def send(self, message: dict[str, Any]) -> None:
+        self._out.put({"to": self.relay_id, "from": self.subscription, "f": message})
+
+    async def next_frame(self) -> Mapping[str, Any] | None:
+        """The next frame, or ``None`` once the relay let go (it dropped the inbox)."""
+        if self._failed:
+            raise self._failed[0]
+        try:
+            doc = await anext(self._frames)
+        except StopAsyncIteration:
+            return None
+        self.heard = True
+        frame = doc.get("f")
+        return frame if isinstance(frame, Mapping) else {}
+
+    async def close(self) -> None:
+        """Stop watching and tailing, say goodbye, and write what is left."""
+        if self.watch is not None:
+            self.watch.cancel()
+            await asyncio.gather(self.watch, return_exceptions=True)
+        if self._frames is not None:
+            await self._frames.aclose()
+        self.send(dict(BYE))
+        await self._out.drain()
+        self._out.close()
+
+    async def _watch_lease(self) -> None:
+        while True:
+            self.heard = False
+            await asyncio.sleep(LOOK_EVERY)
+            self.on_look()
+            if self.heard:
+                continue
+            try:
+                alive = await relay_alive(self.driver, self.tasks, self.relay_id)
+            except StorageError as exc:
+                raise RelaySilent(self.relay_id, f"cannot read the lease: {exc}") from exc
+            if not alive:
+                raise RelaySilent(self.relay_id, "its lease went stale or changed hands")
