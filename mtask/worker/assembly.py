@@ -32,12 +32,19 @@ from mtask.worker.lease import LeasePinger, LoopTicker
 from mtask.worker.limit_gate import REFRESH_SECONDS, LimitGate
 from mtask.worker.presence import Assignment, Presence, WorkerState
 from mtask.worker.recorder import OutcomeRecorder
+from mtask.worker.scheduler import POLL_SECONDS as SCHEDULES_POLL
 from mtask.worker.scheduler import Scheduler
 from mtask.worker.service import Service
 
 SHARED_READ_EVERY = 5
 """With the shared stream, the heartbeat reads the paused names and the peers every this many
 beats (and at once on a control's event, which the relay passes on)."""
+SHARED_SCHEDULES_POLL = 60.0
+"""With the shared stream, the scheduler's bounding read (the relay passes the schedules' change
+events on as they come; it wakes at each schedule's next tick in any case)."""
+SHARED_QUIET_EVERY = 3
+"""With the shared stream, an idle worker whose heartbeat would say nothing new writes it every
+this many intervals (6 s by default: live in ``client.workers``' 10 s window)."""
 SHARED_LIMITS_REFRESH = 30.0
 """With the shared stream, the limit gate's bounding read (the relay passes the limits' change
 events on as they come), as the sweep bounds a lost task event."""
@@ -84,9 +91,14 @@ class Assembly:
         self.inflight = InFlight()
         self.queue = ClaimQueue(config.queue_size)
         self.assignment = Assignment(tuple(self.names))
-        self.scheduler = Scheduler(self.driver, self.clock, list(self.registry.schedules.values()))
-        controls_changed = asyncio.Event()
         shared = config.stream == "shared"
+        self.scheduler = Scheduler(
+            self.driver,
+            self.clock,
+            list(self.registry.schedules.values()),
+            poll=SHARED_SCHEDULES_POLL if shared else SCHEDULES_POLL,
+        )
+        controls_changed = asyncio.Event()
         # finding work (issue 25): which parts are made is the choice of --stream
         self.finding = finding.build(
             self.driver,
@@ -129,6 +141,7 @@ class Assembly:
             server_clock=self._server_clock,
             database=self._adb,
             read_every=SHARED_READ_EVERY if shared else 1,
+            quiet_every=SHARED_QUIET_EVERY if shared else 1,
             stream_state=self.finding.state,
         )
         self.recorder = OutcomeRecorder(

@@ -98,6 +98,7 @@ class Presence(PeriodicService):
         database: Any = None,
         read_every: int = 1,
         stream_state: Callable[[], dict[str, Any] | None] = lambda: None,
+        quiet_every: int = 1,
     ) -> None:
         self.driver = driver
         self.clock = clock
@@ -120,8 +121,14 @@ class Presence(PeriodicService):
         controls, which the shared stream's relay passes on as it comes): with the shared
         stream no worker ranks by its peers, and a read each beat by every worker cost the
         server N reads every beat."""
+        self.quiet_every = quiet_every
+        """Beats between two writes while this worker is idle and its document unchanged:
+        with the shared stream an idle worker writes every ``quiet_every`` intervals (live
+        within ``client.workers``' window all the same); a remote stop reaches it then."""
         self.beats = 0
         self._read = False
+        self._written: tuple[int, dict[str, Any]] | None = None
+        """The beat of the last write, and the document it wrote."""
         self.pool: ProcessPool | None = None
         """The worker's process pool, whose children the heartbeat shows (issue 18)."""
         self.stream_state = stream_state
@@ -140,7 +147,11 @@ class Presence(PeriodicService):
     async def beat(self) -> None:
         """Write this worker's document; follow a remote stop, the paused names, the peers."""
         now = self.clock.now()
-        doc = await self.driver.run(control.heartbeat(self.document(now), now))
+        document = self.document(now)
+        if self._quiet(document):
+            return
+        self._written = (self.beats, document)
+        doc = await self.driver.run(control.heartbeat(document, now))
         if doc.get("stop_requested") and self.lifecycle.state == "running":
             log.info("stop requested remotely", extra={"worker_id": self.worker_id})
             self.lifecycle.stop()
@@ -161,6 +172,14 @@ class Presence(PeriodicService):
             self.emit(Event.PAUSED_CHANGED, paused=sorted(paused))
             if resumed:
                 self.rescanner.request_rescan()  # resumed names: find their tasks
+
+    def _quiet(self, document: dict[str, Any]) -> bool:
+        """Whether this beat may go unwritten: idle, nothing changed, written lately."""
+        if self.quiet_every <= 1 or self._written is None or self._read:
+            return False
+        beat, written = self._written
+        idle = not self.inflight.runs and document == written
+        return idle and self.beats - beat < self.quiet_every
 
     def document(self, now: dt.datetime | None = None) -> dict[str, Any]:
         runs = list(self.inflight.runs.values())

@@ -31,8 +31,16 @@ class Scheduler(PeriodicService):
     run_first: ClassVar[bool] = True
     interval = POLL_SECONDS
 
-    def __init__(self, driver: AsyncDriver, clock: Clock, declared: Sequence[Schedule]) -> None:
+    def __init__(
+        self,
+        driver: AsyncDriver,
+        clock: Clock,
+        declared: Sequence[Schedule],
+        poll: float = POLL_SECONDS,
+    ) -> None:
         self.driver = driver
+        self.poll = poll
+        """The longest it sleeps (a lost change event delays a schedule by this at most)."""
         self.clock = clock
         self.declared = list(declared)
         self._declared_written = False
@@ -53,7 +61,7 @@ class Scheduler(PeriodicService):
         self.upcoming = await self.driver.run(next_due())
 
     async def wait(self) -> None:
-        wait = POLL_SECONDS
+        wait = self.poll
         if self.upcoming is not None:
             wait = min(wait, max(0.0, (self.upcoming - self.clock.now()).total_seconds()))
         await event_or_timeout(self.wake, wait)

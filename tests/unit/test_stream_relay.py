@@ -15,6 +15,7 @@ from mtask.worker.finding.shared import credit, mailbox
 from mtask.worker.finding.shared.channels import FRAME_BYTES
 from mtask.worker.finding.shared.dispatch import Dispatcher
 from mtask.worker.finding.shared.relay import Relay
+from mtask.worker.finding.shared.reporter import Reporter
 from mtask.worker.finding.shared.wire import PROTOCOL, apply_report
 from mtask.worker.finding.stream import stream_pipeline
 
@@ -178,3 +179,32 @@ async def test_the_writer_keeps_order_batches_per_turn_and_fails_once() -> None:
     assert len(failures) == 1 and writer.closed
     writer.put({"n": 6})  # closed: nothing more is written
     assert not len(writer) and len(inbox.batches) == 2
+
+
+async def test_the_keys_received_count_for_the_whole_subscription() -> None:
+    """``got`` answers the relay's ``sent`` on one subscription: finding work alone for a
+    while (the relay's ``own``, then ``open``) must not reset it, or the credit sticks."""
+    sent: list[dict[str, Any]] = []
+    reporter = Reporter(lambda: 4, lambda: ["n"])
+    reporter.connect(sent.append, ["n"])
+    reporter.claimed("k0", WHEN)  # not active: not the relay's business
+    reporter.resume()
+    reporter.received(3)
+    await asyncio.sleep(0)
+    reporter.pause()
+    reporter.resume()
+    reporter.missed("k1")
+    await asyncio.sleep(0)
+    assert sent == [{"free": 4, "got": 3}, {"free": 4, "got": 3, "missed": ["k1"]}]
+    reporter.connect(sent.append, ["n"])  # a new subscription counts afresh
+    assert reporter.got == 0 and not reporter.active
+
+
+async def test_a_workers_new_hello_ends_its_earlier_subscription() -> None:
+    relay = relay_with()
+    relay.loop = asyncio.get_running_loop()
+    hello(relay, "a", "a/1")
+    hello(relay, "a", "a/2")  # its first subscription died without a goodbye
+    assert list(relay.inboxes) == ["a/2"] and list(relay.subscribers.values()) == ["a"]
+    await asyncio.sleep(0.01)
+    assert relay.database.dropped == [mailbox.inbox_name("tasks", "a/1")]

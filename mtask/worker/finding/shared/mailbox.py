@@ -103,14 +103,17 @@ async def drop(database: Any, name: str) -> None:
 
 async def ensure_capped(database: Any, name: str, size: int, at: Any = None) -> Any:
     """The capped collection ``name`` (made if missing, with its marker, which says when:
-    ``at``, from a server-synced clock)."""
+    ``at``, from a server-synced clock). One that exists but is not capped (an insert made it
+    first) is converted, by the server."""
     try:
         await database.create_collection(name, capped=True, size=size)
-    except CollectionInvalid:
-        pass  # made by another
-    except OperationFailure as exc:
-        if exc.code != NAMESPACE_EXISTS:
+    except (CollectionInvalid, OperationFailure) as exc:
+        if isinstance(exc, OperationFailure) and exc.code != NAMESPACE_EXISTS:
             raise
+        found = await (await database.list_collections(filter={"name": name})).to_list(1)
+        if found and not (found[0].get("options") or {}).get("capped"):
+            log.warning("%s is not a capped collection: converting it", name)
+            await database.command("convertToCapped", name, size=size)
     collection = database[name]
     await collection.insert_one({**MARKER, "at": at}, bypass_document_validation=True)
     return collection

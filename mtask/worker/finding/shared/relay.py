@@ -272,6 +272,10 @@ class Relay:
         parsed = parse_hello(self.tasks, hello)
         if parsed is None:
             return
+        for old in [
+            c for c in self.inboxes.values() if self.subscribers.get(c) == parsed.worker_id
+        ]:
+            self.remove(old)  # a worker subscribes once: its earlier subscription is gone
         if was is not None:
             self.remove(was)
         channel = InboxChannel(

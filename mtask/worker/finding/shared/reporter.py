@@ -1,9 +1,11 @@
 """What a dispatched worker tells its relay (``ClaimReports``, and its credit), batched.
 
 Everything said in one turn of the event loop goes in one report: ``free`` and ``got`` (the
-credit), ``names`` when they changed, and what became of handed keys. The reporter says
-something only while it is connected: from the relay's ``open`` until the worker finds work
-alone again (keys it claims then are not the relay's business: its stream sees them).
+credit), ``names`` when they changed, and what became of handed keys. A reporter is connected
+to one subscription (``got`` counts the keys received on it, as the relay counts the keys it
+sent on it), and says something only while it is active: from the relay's ``open`` until the
+worker finds work alone again (keys it claims then are not the relay's business: its stream
+sees them).
 """
 
 from __future__ import annotations
@@ -22,21 +24,27 @@ class Reporter:
         self.free: int | None = None
         """The ``free`` last said."""
         self._send: Callable[[dict[str, Any]], None] | None = None
+        self.active = False
         self._said: dict[str, list[Any]] = {}
         self._names: list[str] | None = None
         self._flush: asyncio.Handle | None = None
 
-    @property
-    def connected(self) -> bool:
-        return self._send is not None
-
     def connect(self, send: Callable[[dict[str, Any]], None], names: list[str]) -> None:
-        """Report through ``send`` from now on (the relay knows ``names`` already)."""
-        self._send, self.got, self._names, self._said = send, 0, names, {}
-        self.soon()
+        """A new subscription: report through ``send`` (the relay knows ``names`` already)."""
+        self._send, self.got, self._names, self._said, self.active = send, 0, names, {}, False
 
     def disconnect(self) -> None:
-        self._send, self._said = None, {}
+        self._send = None
+        self.pause()
+
+    def resume(self) -> None:
+        """The relay hands this worker its tasks: say the credit, and what becomes of them."""
+        self.active = True
+        self.soon()
+
+    def pause(self) -> None:
+        """The worker finds work alone: nothing to say."""
+        self.active, self._said = False, {}
         if self._flush is not None:
             self._flush.cancel()
             self._flush = None
@@ -63,13 +71,13 @@ class Reporter:
         self._say("gone", key)
 
     def _say(self, field: str, item: Any) -> None:
-        if self._send is not None:
+        if self.active:
             self._said.setdefault(field, []).append(item)
             self.soon()
 
     def soon(self) -> None:
         """Report once this turn of the event loop is over (one frame for all of it)."""
-        if self._send is not None and self._flush is None:
+        if self.active and self._send is not None and self._flush is None:
             self._flush = asyncio.get_running_loop().call_soon(self._report)
 
     def changed(self) -> bool:
@@ -78,7 +86,7 @@ class Reporter:
 
     def _report(self) -> None:
         self._flush = None
-        if self._send is None:
+        if not self.active or self._send is None:
             return
         self.free = max(0, self.capacity())
         message: dict[str, Any] = {"free": self.free, "got": self.got}

@@ -134,12 +134,12 @@ class SharedStream:
             self.dispatched = True
             self.finder.placement.clear()
             self.finder.ready.set()
-            self.reports.connect(self._send, self._scope_names())
+            self.reports.resume()
 
     def _find_alone(self, own_stream: bool) -> None:
         """Find work with the sweep, and an own stream unless the relay passes the events."""
         self.dispatched = False
-        self.reports.disconnect()
+        self.reports.pause()
         if self._alone is not None and not self._alone.done() and self._own == own_stream:
             return  # already so
         self._stop_alone()
@@ -264,6 +264,7 @@ class SharedStream:
         watch: asyncio.Task[None] | None = None,
     ) -> None:
         self._send = send
+        self.reports.connect(send, self._scope_names())
         try:
             async for frame in _frames(next_frame, watch):
                 self._heard = True
@@ -308,18 +309,18 @@ async def _frames(
     while True:
         if watch is None:
             frame = await next_frame()
-            if frame is None:
-                return
-            yield frame
-            continue
-        reading = asyncio.ensure_future(next_frame())
-        await asyncio.wait({reading, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if watch.done() and not reading.done():
-            reading.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await reading
-            watch.result()  # RelaySilent (or what broke the watch)
-        frame = await reading
+        else:
+            reading = asyncio.ensure_future(next_frame())
+            try:
+                await asyncio.wait({reading, watch}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not reading.done():  # the watch ended, or this was cancelled
+                    reading.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                        await reading
+            if watch.done():
+                watch.result()  # RelaySilent (or what broke the watch)
+            frame = reading.result()
         if frame is None:
             return
         yield frame

@@ -6,6 +6,7 @@ quiet (``LOOK_EVERY``): a relay that stopped renewing it (dead, frozen, cut off)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -75,6 +76,9 @@ class InboxSubscription:
             if exc.code == UNAUTHORIZED:
                 raise NoInbox(f"cannot make an inbox: {exc}") from exc
             raise
+        # capped before the first report: an insert would make it a plain collection
+        reports = mailbox.reports_name(self.tasks)
+        await mailbox.ensure_capped(self.database, reports, mailbox.REPORTS_BYTES)
         self.send({"hello": PROTOCOL, "inbox": self.inbox, **hello})
         self._frames = mailbox.tail(inbox)
         self.watch = asyncio.create_task(self._watch_lease(), name="mtask-relay-lease-watch")
@@ -100,7 +104,8 @@ class InboxSubscription:
             self.watch.cancel()
             await asyncio.gather(self.watch, return_exceptions=True)
         if self._frames is not None:
-            await self._frames.aclose()
+            with contextlib.suppress(RuntimeError):  # a read cancelled mid-way: it is closed
+                await self._frames.aclose()
         self.send(dict(BYE))
         await self._out.drain()
         self._out.close()
