@@ -235,6 +235,7 @@ def _one_size(
     stream: str,
     worker_uri: str | None = None,
     chunk: int | None = None,
+    idle_seconds: float | None = None,
 ) -> Doc:
     """One W9 size; with ``worker_uri`` (mongod's socket), each worker is a host of its own."""
     mongo: MongoClient[Doc] = MongoClient(uri, w="majority")
@@ -253,7 +254,7 @@ def _one_size(
             # idle
             cpu0, gm0, t0 = _cpu_s(mongod_pid), _getmores(mongo), time.monotonic()
             idle_ops0 = _ops(mongo)
-            time.sleep(seconds)
+            time.sleep(idle_seconds or seconds)
             idle_ops = {k: v - idle_ops0[k] for k, v in _ops(mongo).items()}
             idle_cpu = _cpu_s(mongod_pid) - cpu0
             idle_gm = _getmores(mongo) - gm0
@@ -313,6 +314,9 @@ def _one_size(
         "tasks": n,
         "rescans_per_worker": sum(c.get("rescans", 0) for c in counters) / workers,
         "dropped": sum(c.get("dropped", 0) for c in counters),
+        "left_relay": sum(c.get("left", 0) for c in counters),
+        "subscriptions": sum(c.get("connections", 0) for c in counters),
+        "returned": sum(c.get("returned", 0) for c in counters),
     }
 
 
@@ -374,12 +378,18 @@ def many_hosts(bench: Bench) -> None:
     if shutil.which("unshare") is None:
         raise RuntimeError("W9H needs unshare (util-linux) to give each worker a host of its own")
     sizes, rate, seconds = ([1, 4], 100, 3.0) if _quick(bench) else ([1, 8, 32, 64], 100, 3.0)
+    idle = seconds if _quick(bench) else 12.0  # heartbeats, lease looks and tails: seconds apart
     if os.environ.get("MTASK_W9H_SIZES"):
         sizes = [int(n) for n in os.environ["MTASK_W9H_SIZES"].split(",")]
     modes = os.environ.get("MTASK_W9_STREAMS", "shared,own").split(",")
     with _own_mongod() as (uri, pid, port):
         rows = [
-            (mode, _one_size(uri, pid, n, rate, seconds, mode, socket_uri(port), chunk=1))
+            (
+                mode,
+                _one_size(
+                    uri, pid, n, rate, seconds, mode, socket_uri(port), chunk=1, idle_seconds=idle
+                ),
+            )
             for n in sizes
             for mode in modes
         ]
@@ -397,7 +407,8 @@ def many_hosts(bench: Bench) -> None:
                 f"mongod {row['cpu_ms_per_task']:.2f} ms CPU/task ({cpu:.2f}x of 1 host); "
                 f"{row['attempts_per_task']:.2f} claim attempts/task; created→finished p50 "
                 f"{row['finished_p50_ms']:.1f} ms ({wait:.2f}x); ops/task: {ops}; idle: "
-                f"{row['idle_cpu_pct']:.1f} % of a core, {row['idle_ops_per_s']:.0f} ops/s",
+                f"{row['idle_cpu_pct']:.1f} % of a core, {row['idle_ops_per_s']:.0f} ops/s; "
+                f"relay left {row['left_relay']:.0f}x, keys given back {row['returned']:.0f}",
                 "CPU/task ≤ 1.5x of 1 host; ≤ 1.1 attempts/task; p50 ≤ 2x; idle ≤ 5 % at 64",
                 cpu <= 1.5
                 and row["attempts_per_task"] <= 1.1
@@ -438,12 +449,26 @@ def worker_process(uri: str, database: str, concurrency: int, stream: str = "sha
                     "claim_attempts": stats.claim_attempts,
                     "claimed": stats.claimed,
                     "rescans": worker.finding.finder.scanner.rescans,
-                    "dropped": getattr(getattr(worker.finding.shared, "relay", None), "dropped", 0),
+                    **_shared_counters(worker),
                 }
             ),
             flush=True,
         )
     return 0
+
+
+def _shared_counters(worker: Any) -> dict[str, int]:
+    """What a worker's side of the shared stream counted (none with an own stream)."""
+    shared = worker.finding.shared
+    if shared is None:
+        return {}
+    relay = shared.relay if shared.leads() else None
+    return {
+        "left": shared.left_silent,
+        "connections": shared.connections,
+        "dropped": 0 if relay is None else relay.dropped,
+        "returned": 0 if relay is None else relay.dispatcher.returned,
+    }
 
 
 # -- W7X: memory under a large backlog ------------------------------------------------------------
