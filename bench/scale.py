@@ -242,13 +242,14 @@ def _one_size(
     database = f"w9_{workers}_{stream}_{os.getpid()}"
     mongo.drop_database(database)
     with TaskClient(uri, database=database) as client:
-        client.publish("stamp", "warm", {"t": time.time()})
         procs = [
             _spawn(worker_uri or uri, database, 4, stream, host=worker_uri is not None)
             for _ in range(workers)
         ]
         try:
             _wait(lambda: len(client.workers()) >= workers)
+            time.sleep(2.0)  # subscribed: a task open while they start is raced for (startup)
+            client.publish("stamp", "warm", {"t": time.time()})
             _wait(lambda: client.stats().get("stamp", {}).get("succeeded", 0) == 1)
             time.sleep(2.0)  # every worker's stream open, first scans done
             # idle
@@ -317,6 +318,10 @@ def _one_size(
         "left_relay": sum(c.get("left", 0) for c in counters),
         "subscriptions": sum(c.get("connections", 0) for c in counters),
         "returned": sum(c.get("returned", 0) for c in counters),
+        **{
+            f"said_{kind}": sum(c.get(kind, 0) for c in counters)
+            for kind in ("claimed", "held", "done", "missed", "gone")
+        },
     }
 
 
@@ -408,7 +413,8 @@ def many_hosts(bench: Bench) -> None:
                 f"{row['attempts_per_task']:.2f} claim attempts/task; created→finished p50 "
                 f"{row['finished_p50_ms']:.1f} ms ({wait:.2f}x); ops/task: {ops}; idle: "
                 f"{row['idle_cpu_pct']:.1f} % of a core, {row['idle_ops_per_s']:.0f} ops/s; "
-                f"relay left {row['left_relay']:.0f}x, keys given back {row['returned']:.0f}",
+                f"relay left {row['left_relay']:.0f}x, keys given back {row['returned']:.0f}, "
+                f"missed {row['said_missed']:.0f}, gone {row['said_gone']:.0f}",
                 "CPU/task ≤ 1.5x of 1 host; ≤ 1.1 attempts/task; p50 ≤ 2x; idle ≤ 5 % at 64",
                 cpu <= 1.5
                 and row["attempts_per_task"] <= 1.1
@@ -468,6 +474,7 @@ def _shared_counters(worker: Any) -> dict[str, int]:
         "connections": shared.connections,
         "dropped": 0 if relay is None else relay.dropped,
         "returned": 0 if relay is None else relay.dispatcher.returned,
+        **({} if relay is None else relay.dispatcher.said),
     }
 
 

@@ -353,7 +353,7 @@ class _Base:
         """``{name: {status: count}}`` at a cost that does not grow with the tasks kept: open
         tasks exactly; finished ones exactly up to 1,000 per name and status, above that as
         1,001 (the pairs in ``.at_least``: a lower bound). ``exact=True`` counts everything
-        exactly, walking every index key (docs/design.md, "Counts"). ``statuses``: count only
+        exactly, walking every index key (docs/scale.md, "Counts"). ``statuses``: count only
         those."""
         return (yield from store.stats(statuses, exact=exact))
 

@@ -14,7 +14,7 @@ after ``max_tasks_per_child`` runs or when their resident memory after a run exc
 thread of the parent reads each busy child's resident set every ``memory_poll`` seconds and
 SIGKILLs a child past it; its run ends with ``MemoryLimitExceeded``.
 
-Containment (docs/design.md, "Children bounded and contained"): each child leads a process
+Containment (docs/isolation.md, "Children bounded and contained"): each child leads a process
 group of its own, which every process its handler starts inherits, and is a subreaper, so
 orphaned descendants are re-parented to it. What a run leaves running is killed before its
 reply is sent; a child that is killed or dies has its whole group SIGKILLed by the parent; and

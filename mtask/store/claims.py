@@ -92,7 +92,7 @@ def claim_filter(
 
 def _keys_filter(keys: Sequence[str]) -> Any:
     """String keys among ``keys``: one key by equality (a single-document write on a sharded
-    collection names its shard key exactly; design.md, "Sharding"), more by ``$in``."""
+    collection names its shard key exactly; scale.md, "Sharding"), more by ``$in``."""
     if len(keys) == 1 and isinstance(keys[0], str):
         return keys[0]
     return {"$in": list(keys), "$type": "string"}

@@ -6,7 +6,7 @@ million tasks. Counters kept beside the tasks cannot be exact either: a counter 
 same atomic write as its task needs a transaction on every claim and outcome, and MongoDB's TTL
 monitor deletes expired tasks without telling anyone. And a sample (``$sample``) is neither
 cheap nor fair here: a thousand random documents took 100 ms at a million tasks, and
-WiredTiger's random cursor favours some pages (docs/design.md, "Counts").
+WiredTiger's random cursor favours some pages (docs/scale.md, "Counts").
 
 So ``stats`` counts the **open** tasks exactly (pending, running: they are the queue, and they
 cost what the backlog costs, not what retention keeps) and the **finished** ones exactly up to

@@ -65,7 +65,7 @@ INDEXES: dict[str, list[IndexModel]] = {
             name="expire_held",
             partialFilterExpression={"expire_held": True},
         ),
-        # Operator queries (store/queries.py; design.md, "Indexes for operators").
+        # Operator queries (store/queries.py; scale.md, "Indexes for operators").
         IndexModel(
             [("finished_at", DESCENDING), ("_id", DESCENDING)],
             name="finished",

@@ -22,7 +22,7 @@ the headers are split and compared once; the depth scan (``DepthScan``) runs per
 most ``PIECE`` bytes as the body streams, a fixed number of whole-piece C passes
 (``bytes.replace``/``translate``/``split``/``count``, ``int(…, 2)``) and one C-level
 ``accumulate`` over one value per 8 brackets — no regex and no backtracking; the form's CSRF
-field is found with ``bytes.find``. Measured (docs/design.md, "Web surface"): at most ~25 ns a
+field is found with ``bytes.find``. Measured (docs/web.md, "Web surface"): at most ~25 ns a
 byte on crafted bodies, so one 64 KiB piece holds the event loop about 2 ms and the 16 KiB
 sign-in form under 1 ms, and the scan yields to the loop between pieces.
 """

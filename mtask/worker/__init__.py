@@ -3,7 +3,7 @@
 ``Worker`` is a supervisor. Its parts are built once, in one place (``assembly.py``,
 ``Assembly._build``); it reaches MongoDB, starts the
 lease pinger thread and its side services, runs the ``Claimer``'s main loop until it is told
-to stop, drains, and shuts down. The parts (see docs/design.md, "The worker package"):
+to stop, drains, and shuts down. The parts (see docs/worker.md, "The worker package"):
 
 - ``Claimer`` (claimer.py): the main loop and the claim path (River's producer);
 - ``Executor`` (executor.py): one run from claim to outcome, and ``RunOutcomes``;

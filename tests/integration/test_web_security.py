@@ -401,7 +401,7 @@ LIMIT = 8 * 1024 * 1024
 LOGIN = 16 * 1024
 SECONDS = 30
 """The stated bound for any one crafted request (the socket's timeout): generous, since other
-work shares the machine; the guard's own cost is measured in docs/design.md."""
+work shares the machine; the guard's own cost is measured in docs/web.md."""
 
 
 def test_crafted_bodies_are_answered_with_4xx(full_server: Server, client: TaskClient) -> None:

@@ -1,7 +1,7 @@
 """The guard's body checks against references: the streaming depth scan agrees with Python's own
 JSON parser on generated JSON however the body is cut into pieces, and on crafted bodies (the
 run of ``\\"`` that made the old regex quadratic among them); the CSRF form field agrees with
-``parse_qs``. No timings: the scan's cost is stated and measured in docs/design.md."""
+``parse_qs``. No timings: the scan's cost is stated and measured in docs/web.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sharding on paper, checked where it can be without a mongos (design.md, "Sharding"): every
+"""Sharding on paper, checked where it can be without a mongos (scale.md, "Sharding"): every
 operation the section calls *targeted* with a hashed ``_id`` shard key is built through the
 store seam (generators yielding ``Call``s, driven here with canned replies: no I/O) and every
 call it makes on the tasks collection must hold the shard key: ``_id`` equality or ``$in``."""

@@ -66,6 +66,8 @@ class Dispatcher:
         self.handed = 0
         self.returned = 0
         """Keys that went back in the host queue (no claim in time, or their worker went)."""
+        self.said = {"claimed": 0, "held": 0, "done": 0, "missed": 0, "gone": 0}
+        """What the subscribers said of handed keys, by kind."""
 
     @classmethod
     def build(
@@ -125,6 +127,7 @@ class Dispatcher:
         """A subscriber claimed ``key``: next claimable at ``claim_at`` (its lease's end, or now
         while a task of ``concurrency`` > 1 has a free slot), when the host queue takes it over
         should the claimer die."""
+        self.said["claimed"] += 1
         self._end_wait(key, by)
         if not isinstance(claim_at, dt.datetime):
             self.forget(key)
@@ -136,11 +139,13 @@ class Dispatcher:
 
     def held(self, key: str) -> None:
         """A subscriber keeps ``key`` (a limit holds it back): not the host queue's any more."""
+        self.said["held"] += 1
         self.awaiting.pop(key, None)
         self.forget(key)
 
     def succeeded(self, key: str, by: Channel | None = None) -> None:
         """A subscriber recorded a success of ``key`` (its event is not in the stream)."""
+        self.said["done"] += 1
         self._end_wait(key, by)
         meta = self.host.known(key)
         if meta is not None and meta.multi:
@@ -153,12 +158,14 @@ class Dispatcher:
 
     def missed(self, key: str, by: Channel | None = None) -> None:
         """A subscriber's claim of ``key`` missed although it was due: hand it to another."""
+        self.said["missed"] += 1
         self._end_wait(key, by)
         self.refused.add(key, self.accounts.get(by))
         self.host.requeue_at(key, self.now())
 
     def gone(self, key: str) -> None:
         """A subscriber found ``key`` finished or deleted."""
+        self.said["gone"] += 1
         self.awaiting.pop(key, None)
         self.forget(key)
 
@@ -289,4 +296,5 @@ class Dispatcher:
     def stats(self) -> Mapping[str, int]:
         queued, refused, waits = len(self.host.queue), len(self.refused), len(self.awaiting)
         counts = {"handed": self.handed, "returned": self.returned, "awaiting": waits}
+        counts |= {f"said_{kind}": n for kind, n in self.said.items()}
         return {"subscribers": len(self.accounts), **counts, "refused": refused, "queued": queued}

@@ -25,6 +25,7 @@ class Reporter:
         """The ``free`` last said."""
         self._send: Callable[[dict[str, Any]], None] | None = None
         self.active = False
+        self._said_got = 0
         self._said: dict[str, list[Any]] = {}
         self._names: list[str] | None = None
         self._flush: asyncio.Handle | None = None
@@ -32,6 +33,7 @@ class Reporter:
     def connect(self, send: Callable[[dict[str, Any]], None], names: list[str]) -> None:
         """A new subscription: report through ``send`` (the relay knows ``names`` already)."""
         self._send, self.got, self._names, self._said, self.active = send, 0, names, {}, False
+        self._said_got = 0
 
     def disconnect(self) -> None:
         self._send = None
@@ -50,8 +52,10 @@ class Reporter:
             self._flush = None
 
     def received(self, count: int) -> None:
+        """Keys arrived: ``got`` goes with the next report (their claim follows within one
+        round trip, and says it: an insert saved per handed batch); the lease watch says it
+        within ``LOOK_EVERY`` if nothing else does."""
         self.got += count
-        self.soon()
 
     # -- ClaimReports ----------------------------------------------------------------------------
 
@@ -82,13 +86,13 @@ class Reporter:
 
     def changed(self) -> bool:
         """Whether the credit changed since it was last said."""
-        return max(0, self.capacity()) != self.free
+        return max(0, self.capacity()) != self.free or self.got != self._said_got
 
     def _report(self) -> None:
         self._flush = None
         if not self.active or self._send is None:
             return
-        self.free = max(0, self.capacity())
+        self.free, self._said_got = max(0, self.capacity()), self.got
         message: dict[str, Any] = {"free": self.free, "got": self.got}
         names = list(self.names())
         if names != self._names:
