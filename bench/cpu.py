@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 from bench.support import QUICK, ROOT, Result, stop_process, wait_until
 from mtask.client import TaskClient
-from mtask.invoke import run_in_thread
-from mtask.pool import ProcessPool, RunInfo
 from mtask.registry import Registry
+from mtask.worker.invoke import run_in_thread
+from mtask.worker.pool import ProcessPool, RunInfo
 
 if TYPE_CHECKING:
     from bench.workloads import Bench

@@ -17,9 +17,7 @@ from mtask import driver
 from mtask.client import AsyncTaskClient
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
-from mtask.pool import ProcessPool
 from mtask.registry import Registry
-from mtask.transactional import Transactions
 from mtask.worker import finding
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.claimer import Claimer
@@ -30,11 +28,13 @@ from mtask.worker.flow_sweep import FlowSweep
 from mtask.worker.inflight import InFlight
 from mtask.worker.lease import LeasePinger, LoopTicker
 from mtask.worker.limit_gate import REFRESH_SECONDS, LimitGate
+from mtask.worker.pool import ProcessPool
 from mtask.worker.presence import Assignment, Presence, WorkerState
 from mtask.worker.recorder import OutcomeRecorder
 from mtask.worker.scheduler import POLL_SECONDS as SCHEDULES_POLL
 from mtask.worker.scheduler import Scheduler
 from mtask.worker.service import Service
+from mtask.worker.transactional import Transactions
 
 SHARED_READ_EVERY = 5
 """With the shared stream, the heartbeat reads the paused names and the peers every this many

@@ -11,7 +11,7 @@ worker's shutdown records RELEASED.
 SUCCESS (with next steps, if it returned ``Next``), FAIL (retried, or permanent for ``Fail``,
 invalid params, an unstorable result or an invalid step), RELEASED or CANCELLED for a run the
 worker stopped, nothing for a run that lost its lease. How a handler is called (loop, thread,
-child process; time limits) is ``mtask.invoke``'s.
+child process; time limits) is ``mtask.worker.invoke``'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import functools
 import logging
 import random
 import time
-import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -31,32 +30,30 @@ import bson
 
 from mtask import flows, metrics
 from mtask.errors import InvalidParams, InvalidTask, LeaseLost
-from mtask.invoke import invoke
 from mtask.models import DEFAULT_KEEP_MS, RunState
-from mtask.pool import (
+from mtask.registry import Fail, Handler, Registry, Retry, TaskContext
+from mtask.statemachine import keep_ms
+from mtask.store import Outcome
+from mtask.store.transactional import stale_sessions
+from mtask.tracing import run_span
+from mtask.worker.claim_queue import ClaimQueue
+from mtask.worker.events import Emitter, Event
+from mtask.worker.inflight import ActiveRun, InFlight
+from mtask.worker.invoke import invoke
+from mtask.worker.lease import LeasePinger
+from mtask.worker.pool import (
     ChildDied,
     HandlerError,
     LeaseWatch,
     MemoryLimitExceeded,
     ProcessPool,
     TimeLimitExceeded,
+    short_traceback,
 )
-from mtask.registry import Fail, Handler, Registry, Retry, TaskContext
-from mtask.statemachine import keep_ms
-from mtask.store import Outcome
-from mtask.store.transactional import stale_sessions
-from mtask.tracing import run_span
-from mtask.transactional import RunFence, Transactions, TransactionTooLong
-from mtask.worker.claim_queue import ClaimQueue
-from mtask.worker.events import Emitter, Event
-from mtask.worker.inflight import ActiveRun, InFlight
-from mtask.worker.lease import LeasePinger
 from mtask.worker.recorder import OutcomeRecorder
+from mtask.worker.transactional import RunFence, Transactions, TransactionTooLong
 
 log = logging.getLogger(__name__)
-
-TRACEBACK_LIMIT = 4000
-"""The most characters of a failed run's traceback that are stored (the end is kept)."""
 
 
 @dataclass
@@ -71,11 +68,6 @@ class WorkerStats:
     lease_lost: int = 0
     released: int = 0
     cancelled: int = 0
-
-
-def short_traceback(exc: BaseException) -> str:
-    text = "".join(traceback.format_exception(exc))
-    return text if len(text) <= TRACEBACK_LIMIT else "…" + text[-TRACEBACK_LIMIT:]
 
 
 class RunOutcomes:

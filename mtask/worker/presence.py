@@ -28,9 +28,9 @@ from mtask._version import __version__
 from mtask.clock import Clock, ServerClock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
-from mtask.pool import ProcessPool
 from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import InFlight
+from mtask.worker.pool import ProcessPool
 from mtask.worker.service import PeriodicService, event_or_timeout
 
 log = logging.getLogger(__name__)

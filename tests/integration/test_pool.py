@@ -19,7 +19,7 @@ import pytest
 
 from mtask import Fail, Retry, Worker
 from mtask.errors import ConfigError
-from mtask.pool import (
+from mtask.worker.pool import (
     ChildDied,
     HandlerError,
     MemoryLimitExceeded,
@@ -253,7 +253,7 @@ def test_no_child_outlives_a_killed_parent(tmp_path: Path) -> None:
             import asyncio, sys
             sys.path.insert(0, sys.argv[1])
             import poolhandlers
-            from mtask.pool import ProcessPool, RunInfo
+            from mtask.worker.pool import ProcessPool, RunInfo
 
             async def main():
                 pool = ProcessPool()

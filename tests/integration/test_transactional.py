@@ -1,6 +1,6 @@
 """Transactional completion against the real server, without a worker: a handler's writes and
-its run's SUCCESS commit together, fenced by the run (mtask/transactional.py). Business writes
-are counted, not runs."""
+its run's SUCCESS commit together, fenced by the run (mtask/worker/transactional.py). Business
+writes are counted, not runs."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from mtask.store.transactional import (
     complete_filter_and_pipeline,
     stale_sessions,
 )
-from mtask.transactional import RunFence, TransactionTooLong, complete_transactionally
+from mtask.worker.transactional import RunFence, TransactionTooLong, complete_transactionally
 
 Doc = dict[str, Any]
 

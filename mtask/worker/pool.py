@@ -53,9 +53,11 @@ from mtask import metrics
 from mtask.errors import InvalidParams, MtaskError
 from mtask.registry import Fail, Handler, Retry, TaskContext
 
-log = logging.getLogger("mtask.pool")
+log = logging.getLogger("mtask.pool")  # the name operators filter on, kept
 
 TRACEBACK_LIMIT = 4000
+"""The most characters of a failed run's traceback that are stored (the end is kept): one
+limit for a run in a thread and one in a child."""
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 MEMORY_POLL = 0.1
@@ -212,7 +214,7 @@ def _sweep() -> int:
     return killed
 
 
-def _short_traceback(exc: BaseException) -> str:
+def short_traceback(exc: BaseException) -> str:
     text = "".join(traceback.format_exception(exc))
     return text if len(text) <= TRACEBACK_LIMIT else "…" + text[-TRACEBACK_LIMIT:]
 
@@ -235,9 +237,9 @@ def _call(handler: Handler, params: Mapping[str, Any], info: RunInfo, cancelled:
     except InvalidParams as exc:
         return ("invalid", str(exc))
     except MemoryError as exc:
-        return ("memory", _short_traceback(exc))
+        return ("memory", short_traceback(exc))
     except Exception as exc:  # noqa: BLE001 - any handler error is the task's failure
-        return ("error", _short_traceback(exc))
+        return ("error", short_traceback(exc))
 
 
 class _Run:

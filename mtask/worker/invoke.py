@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
 
 from mtask import metrics
-from mtask.pool import LeaseWatch, ProcessPool, RunInfo, TimeLimitExceeded
 from mtask.registry import Handler, TaskContext
+from mtask.worker.pool import LeaseWatch, ProcessPool, RunInfo, TimeLimitExceeded
 
 ASYNC_CANCEL_GRACE = 5.0
 """How long a cancelled async handler may take to unwind before its run is recorded anyway."""
