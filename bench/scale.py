@@ -454,7 +454,7 @@ def worker_process(uri: str, database: str, concurrency: int, stream: str = "sha
                 {
                     "claim_attempts": stats.claim_attempts,
                     "claimed": stats.claimed,
-                    "rescans": worker.finding.finder.scanner.rescans,
+                    "rescans": worker.parts.finding.finder.scanner.rescans,
                     **_shared_counters(worker),
                 }
             ),
@@ -465,7 +465,7 @@ def worker_process(uri: str, database: str, concurrency: int, stream: str = "sha
 
 def _shared_counters(worker: Any) -> dict[str, int]:
     """What a worker's side of the shared stream counted (none with an own stream)."""
-    shared = worker.finding.shared
+    shared = worker.parts.finding.shared
     if shared is None:
         return {}
     relay = shared.relay if shared.leads() else None

@@ -14,6 +14,13 @@ handler returned; for next steps, their keys), ``steps`` (the next steps, as the
 the worker publishes after the success), ``error`` (the message or traceback), ``permanent``
 (False when the task would be retried) and ``retry_delay_ms`` (from ``Retry(delay=...)``).
 ``arun_handler`` is the same for a test that already runs an event loop.
+
+A ``transactional=True`` handler (docs/transactions.md) runs in a real MongoDB transaction, as
+in a worker: give ``mongo_client`` (a ``pymongo.AsyncMongoClient`` to a replica set; for
+``run_handler``, a URI). Its writes through ``ctx.session`` commit together once it returns
+(the task's own SUCCESS, which a worker writes in the same transaction, is left out: there is
+no task document), and none lands when it raises. Without one, ``arun_handler`` raises
+``ConfigError`` naming the handler.
 """
 
 from __future__ import annotations
@@ -23,13 +30,20 @@ import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from pymongo import AsyncMongoClient
+from pymongo.asynchronous.client_session import AsyncClientSession
+from pymongo.read_concern import ReadConcern
+from pymongo.write_concern import WriteConcern
+
+from mtask.errors import ConfigError
 from mtask.models import DEFAULT_MAX_PARAMS_BYTES
 from mtask.registry import Registry, TaskContext
 from mtask.store import Outcome
 from mtask.worker.config import DEFAULT_MAX_RESULT_BYTES
 from mtask.worker.events import Emitter
-from mtask.worker.executor import RunOutcomes, WorkerStats
+from mtask.worker.executor import NoLeases, NoTransactions, RunOutcomes, WorkerStats
 from mtask.worker.inflight import ActiveRun
+from mtask.worker.transactional import RunFence
 
 __all__ = ["Outcome", "arun_handler", "run_handler", "worker_argv"]
 
@@ -44,34 +58,92 @@ async def arun_handler(
     worker_id: str = "test-worker",
     publisher: Callable[..., Awaitable[Any]] | None = None,
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+    mongo_client: AsyncMongoClient[dict[str, Any]] | None = None,
 ) -> Outcome:
     """Run ``registry``'s handler for ``name`` on ``params`` as run ``attempt`` of task
     ``key``, and return its outcome. ``publisher`` receives ``ctx.publish`` calls (without
-    one, ``ctx.publish`` raises). Raises ``KeyError`` for a name with no handler."""
+    one, ``ctx.publish`` raises); ``mongo_client`` runs a transactional handler's transaction.
+    Raises ``KeyError`` for a name with no handler."""
     handler = registry[name]
+    if handler.transactional and mongo_client is None:
+        raise ConfigError(
+            f"{name!r} is a transactional handler: give arun_handler a mongo_client (a "
+            "replica set) to run its transaction in"
+        )
     run_id = f"{key}:test-run"
     ctx = TaskContext(
         key=key, name=name, attempt=attempt, run_id=run_id, worker_id=worker_id, publisher=publisher
     )
     run = ActiveRun(key=key, name=name, run_id=run_id, ctx=ctx)
-    outcomes = RunOutcomes(WorkerStats(), Emitter(), max_result_bytes, DEFAULT_MAX_PARAMS_BYTES)
+    transactions = NoTransactions() if mongo_client is None else _Transactions(mongo_client)
+    outcomes = RunOutcomes(
+        WorkerStats(),
+        Emitter(),
+        max_result_bytes,
+        DEFAULT_MAX_PARAMS_BYTES,
+        transactions=transactions,
+        leases=NoLeases(),
+    )
     return await outcomes.call(run, handler, {"params": dict(params or {})})
+
+
+class _Transactions:
+    """A transactional handler's transaction, without a task: its writes commit together."""
+
+    def __init__(self, mongo: AsyncMongoClient[dict[str, Any]]) -> None:
+        self.mongo = mongo
+
+    async def complete(
+        self,
+        handler: Callable[[Any], Awaitable[Any]],
+        outcome_for: Callable[[Any], Outcome],
+        fence: RunFence | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        async def body(session: AsyncClientSession) -> Any:
+            result = await handler(session)
+            outcome_for(result)  # a result that cannot be stored aborts, as in a worker
+            return result
+
+        async with self.mongo.start_session() as session:
+            result = await session.with_transaction(
+                body, read_concern=ReadConcern("snapshot"), write_concern=WriteConcern("majority")
+            )
+        return result, {}
 
 
 def run_handler(
     registry: Registry,
     name: str,
     params: Mapping[str, Any] | None = None,
+    *,
+    mongo_uri: str | None = None,
     **options: Any,
 ) -> Outcome:
-    """``arun_handler`` in an event loop of its own (from synchronous code)."""
+    """``arun_handler`` in an event loop of its own (from synchronous code); ``mongo_uri``
+    (a replica set) runs a transactional handler's transaction."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(arun_handler(registry, name, params, **options))
+        return asyncio.run(_run_with_uri(registry, name, params, mongo_uri, options))
     raise RuntimeError(
         "run_handler cannot be called from a running event loop: await arun_handler() instead"
     )
+
+
+async def _run_with_uri(
+    registry: Registry,
+    name: str,
+    params: Mapping[str, Any] | None,
+    mongo_uri: str | None,
+    options: dict[str, Any],
+) -> Outcome:
+    if mongo_uri is None:
+        return await arun_handler(registry, name, params, **options)
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri)
+    try:
+        return await arun_handler(registry, name, params, mongo_client=client, **options)
+    finally:
+        await client.close()
 
 
 def worker_argv(registry: str, uri: str, database: str, *extra: str) -> list[str]:

@@ -84,7 +84,7 @@ async def running_worker(
 
 
 async def _ready(worker: Worker, task: asyncio.Task[None]) -> None:
-    while not worker.finding.finder.ready.is_set():
+    while not worker.parts.finding.finder.ready.is_set():
         if task.done():
             task.result()
         await asyncio.sleep(0.01)

@@ -1,7 +1,7 @@
 """The worker: claims tasks, runs their handlers, records outcomes.
 
-``Worker`` is a supervisor. Its parts are built once, in one place (``assembly.py``,
-``Assembly._build``); it reaches MongoDB, starts the
+``Worker`` is a supervisor. Its parts are built once, in one place (``assembly.build``), and
+held (``Worker.parts``); it reaches MongoDB, starts the
 lease pinger thread and its side services, runs the ``Claimer``'s main loop until it is told
 to stop, drains, and shuts down. The parts (see docs/worker.md, "The worker package"):
 
@@ -36,7 +36,7 @@ from mtask import control, driver, store
 from mtask.clock import Clock, ServerClock
 from mtask.errors import MtaskError, StorageError, WorkerCrashed
 from mtask.registry import Registry
-from mtask.worker.assembly import Assembly
+from mtask.worker import assembly
 from mtask.worker.config import WorkerConfig, default_worker_id
 from mtask.worker.events import Event
 from mtask.worker.executor import WorkerStats
@@ -50,7 +50,7 @@ DRAIN_WRITE_TIMEOUT = 30.0
 """How long a stopping worker waits for its last outcomes to be written."""
 
 
-class Worker(Assembly):
+class Worker:
     """Run the handlers of ``registry``; the keyword arguments are ``WorkerConfig``'s."""
 
     def __init__(
@@ -73,27 +73,36 @@ class Worker(Assembly):
         self._crash: BaseException | None = None
         self._registered = False
         """The worker's document was written (startup reached MongoDB): deregister on exit."""
-        self._build()
+        self.parts = assembly.build(
+            self.config,
+            registry,
+            names=self.names,
+            worker_id=self.worker_id,
+            clock=self.clock,
+            server_clock=self._server_clock,
+            stats=self.stats,
+            lifecycle=self,
+        )
 
     # -- the public surface ---------------------------------------------------------------------
 
     @property
     def in_flight(self) -> int:
-        return len(self.inflight)
+        return len(self.parts.inflight)
 
     @property
     def _peers(self) -> dict[str, list[str]]:
         """The live workers per name (read by mtask.bench's stampede measure)."""
-        return {name: list(ids) for name, ids in self.assignment.peers.items()}
+        return {name: list(ids) for name, ids in self.parts.assignment.peers.items()}
 
     def stop(self, immediate: bool = False) -> None:
         """Stop claiming and drain within ``grace``; ``immediate`` cancels and releases now."""
         if self.state in ("ready", "running"):
             self.state = "stopping"
-            self.emit(Event.STOPPING, immediate=immediate)
+            self.parts.emit(Event.STOPPING, immediate=immediate)
         if immediate:
             self._stop_now.set()
-        self.wake.set()
+        self.parts.wake.set()
 
     async def run(self) -> None:
         """Run until stopped. Raises ``WorkerCrashed`` if a part of the worker died."""
@@ -102,12 +111,14 @@ class Worker(Assembly):
         self.state = "running"
         try:
             await self._startup()
-            if self.process_pool is not None and self.config.pool == "process":
-                await self.process_pool.start(self.concurrency)  # warm, before the first claim
-            self.pinger.start(asyncio.get_running_loop())
+            if self.parts.process_pool is not None and self.config.pool == "process":
+                await self.parts.process_pool.start(
+                    self.concurrency
+                )  # warm, before the first claim
+            self.parts.pinger.start(asyncio.get_running_loop())
             self._supervise()
-            self.emit(Event.STARTED, names=self.names, concurrency=self.concurrency)
-            await self.claimer.run()
+            self.parts.emit(Event.STARTED, names=self.names, concurrency=self.concurrency)
+            await self.parts.claimer.run()
             await self._drain()
         finally:
             await self._shutdown()
@@ -126,13 +137,13 @@ class Worker(Assembly):
         while True:
             try:
                 if self._server_clock is not None:
-                    await self._server_clock.calibrate_async(self._adb)
-                await self.driver.run(store.ensure_indexes())
+                    await self._server_clock.calibrate_async(self.parts.adb)
+                await self.parts.driver.run(store.ensure_indexes())
                 # the pinger's client connects now, not on the first ping of a claimed run
-                await asyncio.to_thread(self._sclient.admin.command, "ping")
-                await self.presence.beat()
+                await asyncio.to_thread(self.parts.sclient.admin.command, "ping")
+                await self.parts.presence.beat()
                 self._registered = True
-                await self.gate.refresh()
+                await self.parts.gate.refresh()
                 return
             except (StorageError, PyMongoError) as exc:
                 error = exc if isinstance(exc, StorageError) else driver.storage_error(exc)
@@ -152,7 +163,7 @@ class Worker(Assembly):
             backoff = min(backoff * 2, 10)
 
     def _supervise(self) -> None:
-        for service in self.services:
+        for service in self.parts.services:
             task = asyncio.create_task(service.run(), name=f"mtask-{service.name}")
             task.add_done_callback(self._side_done)
             self._side.append(task)
@@ -170,35 +181,29 @@ class Worker(Assembly):
         )
         self.stop(immediate=True)
 
-    def _limit_changed(self, name: str) -> None:
-        self.gate.on_change(name)
-
-    def _lost(self, run_id: str, doc: dict[str, Any] | None) -> None:
-        self.executor.lost(run_id, doc)
-
     # -- stopping -------------------------------------------------------------------------------
 
     async def _drain(self) -> None:
         """Step one of stopping: let the runs in flight finish within ``grace`` (or until an
         immediate stop); step two: cancel and release the rest; then let their outcomes land."""
-        await self.executor.drain(self.grace, self._stop_now)
+        await self.parts.executor.drain(self.grace, self._stop_now)
         if self._crash is None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.recorder.all_written.wait(), DRAIN_WRITE_TIMEOUT)
+                await asyncio.wait_for(self.parts.recorder.all_written.wait(), DRAIN_WRITE_TIMEOUT)
 
     async def _shutdown(self) -> None:
         for task in self._side:
             task.cancel()
         await asyncio.gather(*self._side, return_exceptions=True)
-        await asyncio.to_thread(self.pinger.stop)
-        if self.process_pool is not None:
-            await self.process_pool.close()
+        await asyncio.to_thread(self.parts.pinger.stop)
+        if self.parts.process_pool is not None:
+            await self.parts.process_pool.close()
         if self._registered:
             with contextlib.suppress(StorageError, TimeoutError):
                 await asyncio.wait_for(
-                    self.driver.run(control.deregister(self.worker_id)), timeout=5
+                    self.parts.driver.run(control.deregister(self.worker_id)), timeout=5
                 )
-        await self._aclient.close()
-        self._sclient.close()
+        await self.parts.aclient.close()
+        self.parts.sclient.close()
         self.state = "stopped"
-        self.emit(Event.STOPPED, stats=self.stats)
+        self.parts.emit(Event.STOPPED, stats=self.stats)

@@ -105,6 +105,13 @@ class Claimer:
                 async with asyncio.timeout(timeout):
                     await self.wake.wait()
 
+    def capacity(self) -> int:
+        """How many more tasks this worker can take now (``--stream shared``: its credit):
+        its slots less its runs, its claims on their way and the due keys in its queue."""
+        if self.lifecycle.state != "running" or self.recorder.unwritten > self.concurrency:
+            return 0
+        return self.concurrency - self.inflight.load - self.queue.due(self.clock.now())
+
     async def run_once(self) -> tuple[bool, float | None]:
         """Claim once if a slot is free and a key due. Returns whether it claimed, and how
         long to sleep at most until the next key is due (``None``: until woken)."""

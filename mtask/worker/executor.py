@@ -24,12 +24,12 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import bson
 
 from mtask import flows, metrics
-from mtask.errors import InvalidParams, InvalidTask, LeaseLost
+from mtask.errors import ConfigError, InvalidParams, InvalidTask, LeaseLost
 from mtask.models import DEFAULT_KEEP_MS, RunState
 from mtask.registry import Fail, Handler, Registry, Retry, TaskContext
 from mtask.statemachine import keep_ms
@@ -51,7 +51,8 @@ from mtask.worker.pool import (
     short_traceback,
 )
 from mtask.worker.recorder import OutcomeRecorder
-from mtask.worker.transactional import RunFence, Transactions, TransactionTooLong
+from mtask.worker.transactional import RunFence, TransactionTooLong
+from mtask.worker.wiring import Signal
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,58 @@ class WorkerStats:
     cancelled: int = 0
 
 
+class TransactionRunner(Protocol):
+    """How a transactional handler's writes and its run's SUCCESS commit together
+    (``transactional.Transactions`` in a worker)."""
+
+    async def complete(
+        self,
+        handler: Callable[[Any], Awaitable[Any]],
+        outcome_for: Callable[[Any], Outcome],
+        fence: RunFence | None = None,
+    ) -> tuple[Any, dict[str, Any]]: ...
+
+
+class RunLeases(Protocol):
+    """The leases of the runs in flight, as a run sees them (``LeasePinger`` in a worker)."""
+
+    def watch(self, run_id: str, on_expiry: Callable[[float], None]) -> Callable[[], None]: ...
+
+    def pause(self, run_id: str) -> None: ...
+
+    def held(self, run_id: str, sent: float) -> float | None: ...
+
+    def resume(self, run_id: str) -> None: ...
+
+
+class NoTransactions:
+    """For ``RunOutcomes`` without MongoDB: a transactional handler cannot run there."""
+
+    async def complete(
+        self,
+        handler: Callable[[Any], Awaitable[Any]],
+        outcome_for: Callable[[Any], Outcome],
+        fence: RunFence | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        raise ConfigError("a transactional handler needs MongoDB to run its transaction in")
+
+
+class NoLeases:
+    """For ``RunOutcomes`` outside a worker: nothing pings, nothing expires."""
+
+    def watch(self, run_id: str, on_expiry: Callable[[float], None]) -> Callable[[], None]:
+        return lambda: None
+
+    def pause(self, run_id: str) -> None:
+        pass
+
+    def held(self, run_id: str, sent: float) -> float | None:
+        return None
+
+    def resume(self, run_id: str) -> None:
+        pass
+
+
 class RunOutcomes:
     def __init__(
         self,
@@ -77,23 +130,29 @@ class RunOutcomes:
         emit: Emitter,
         max_result_bytes: int,
         max_params_bytes: int,
+        *,
+        transactions: TransactionRunner,
+        leases: RunLeases,
+        pool: ProcessPool | None = None,
+        isolation: Literal["thread", "process"] = "thread",
+        slots: asyncio.Semaphore | None = None,
     ) -> None:
         self.stats = stats
         self.emit = emit
         self.max_result_bytes = max_result_bytes
         self.max_params_bytes = max_params_bytes
-        self.transactions: Transactions | None = None
-        """Set by the worker: how transactional handlers open their transactions."""
-        self.pinger: LeasePinger | None = None
-        """Set by the executor: a transactional run pauses its pings while its transaction is
-        open."""
-        self.pool: ProcessPool | None = None
+        self.transactions = transactions
+        """How transactional handlers open their transactions."""
+        self.leases = leases
+        """A transactional run pauses its pings while its transaction is open; a
+        process-isolated run's child follows its lease's renewals."""
+        self.pool = pool
         """Child processes for process-isolated plain-def handlers (issue 18)."""
-        self.isolation: Literal["thread", "process"] = "thread"
+        self.isolation = isolation
         """The worker-wide default for plain-def handlers that do not declare one."""
-        self.slots = asyncio.Semaphore(1_000_000)
-        """Set by the worker (``concurrency``): a run waits here for a slot, which only a
-        prefetched run (``WorkerConfig.prefetch``) has to do."""
+        self.slots = slots or asyncio.Semaphore(1_000_000)
+        """A run waits here for a slot, which only a prefetched run (``WorkerConfig.prefetch``)
+        has to do (``None``: no limit, outside a worker)."""
 
     async def call(self, run: ActiveRun, handler: Handler, doc: dict[str, Any]) -> Outcome:
         """Run the handler and say how the run ended (an exception is the task's failure)."""
@@ -140,10 +199,7 @@ class RunOutcomes:
     def _lease_watch(self, run: ActiveRun) -> LeaseWatch | None:
         """How a process-isolated run's child follows the run's lease (renewals from the
         pinger), so it can stop itself if the worker stops renewing (a frozen worker)."""
-        pinger = self.pinger
-        if pinger is None:
-            return None
-        return functools.partial(pinger.watch, run.run_id)
+        return functools.partial(self.leases.watch, run.run_id)
 
     async def _transactional(
         self, run: ActiveRun, handler: Handler, params: Any, doc: dict[str, Any]
@@ -152,7 +208,6 @@ class RunOutcomes:
         ``committed`` (the recorder does not write it again). A result that cannot be stored
         aborts the transaction and is the run's FAIL. The transactions of earlier runs of the
         task whose lease expired are killed first (``RunFence``)."""
-        assert self.transactions is not None, "the worker sets RunOutcomes.transactions"
 
         async def invoke(session: Any) -> Any:
             run.ctx.session = session
@@ -171,8 +226,7 @@ class RunOutcomes:
             built.append(outcome)
             return outcome
 
-        assert self.pinger is not None, "the executor sets RunOutcomes.pinger"
-        pinger = self.pinger
+        pinger = self.leases
         fence = RunFence(
             run.key,
             run.run_id,
@@ -312,6 +366,7 @@ class Executor:
         outcomes: RunOutcomes,
         wake: asyncio.Event,
         emit: Emitter,
+        lost: Signal[[str, dict[str, Any] | None]],
     ) -> None:
         self.registry = registry
         self.worker_id = worker_id
@@ -321,7 +376,7 @@ class Executor:
         self.pinger = pinger
         self.recorder = recorder
         self.outcomes = outcomes
-        outcomes.pinger = pinger
+        lost.connect(self.lost)  # the pinger found a run's task another's
         self.stats = outcomes.stats
         self.wake = wake
         """The claimer's wake-up: set when a run ends (a slot is free)."""

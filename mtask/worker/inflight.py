@@ -44,14 +44,14 @@ class ActiveRun:
 
 
 class InFlight:
-    def __init__(self) -> None:
+    def __init__(self, on_free: Callable[[], None] = lambda: None) -> None:
         self.runs: dict[str, ActiveRun] = {}
         """Runs in flight by run id (``Executor``)."""
         self._keys: dict[str, int] = {}
         """Runs in flight per key (a task may be run again before its previous run ended)."""
         self._claiming: set[str] = set()
         """Keys whose claim is on its way (``Claimer``)."""
-        self.on_free: Callable[[], None] = lambda: None
+        self.on_free = on_free
         """Called when a slot may have freed (a run ended, a claim came back): the shared
         stream tells its relay how many tasks this worker can take."""
 

@@ -23,6 +23,7 @@ from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.service import PeriodicService, event_or_timeout
+from mtask.worker.wiring import Signal
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class LimitGate(PeriodicService):
         clock: Clock,
         sink: QueueSink,
         interval: float = REFRESH_SECONDS,
+        changes: Signal[[str]] | None = None,
     ) -> None:
         self.interval = interval
         """Seconds between two reads of the limits whatever happens (their change events come
@@ -54,6 +56,8 @@ class LimitGate(PeriodicService):
         self.worker_id = worker_id
         self.clock = clock
         self.sink = sink
+        if changes is not None:
+            changes.connect(self.on_change)  # a limit's change event, from the finding parts
         self.limited: dict[str, dict[str, Any]] = {}
         self.blocked: dict[str, set[str]] = {}
         self.releases: dict[str, list[str]] = {}

@@ -99,6 +99,7 @@ class Presence(PeriodicService):
         read_every: int = 1,
         stream_state: Callable[[], dict[str, Any] | None] = lambda: None,
         quiet_every: int = 1,
+        pool: ProcessPool | None = None,
     ) -> None:
         self.driver = driver
         self.clock = clock
@@ -129,7 +130,7 @@ class Presence(PeriodicService):
         self._read = False
         self._written: tuple[int, dict[str, Any]] | None = None
         """The beat of the last write, and the document it wrote."""
-        self.pool: ProcessPool | None = None
+        self.pool = pool
         """The worker's process pool, whose children the heartbeat shows (issue 18)."""
         self.stream_state = stream_state
         """What the heartbeat shows of the shared stream (``None``: an own stream)."""

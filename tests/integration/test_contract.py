@@ -214,7 +214,9 @@ async def test_stranded_documents_are_found_by_one_sweep(
     )
     client.collection.update_one({"_id": "no-claim"}, {"$unset": {"next_claim_at": 1}})
     async with running_worker(registry, mongo_uri, db_name, names=["fan_out"]) as (worker, _):
-        await worker.finding.finder.scanner.rescan()  # the sweep's once-function (one ran at start)
+        await (
+            worker.parts.finding.finder.scanner.rescan()
+        )  # the sweep's once-function (one ran at start)
         docs = {d["_id"]: d for d in client.collection.find()}
     assert docs["min"]["status"] == "pending" and isinstance(
         docs["min"]["next_claim_at"], dt.datetime

@@ -29,13 +29,13 @@ async def test_a_delayed_task_is_claimed_on_time_by_the_heap(
 ) -> None:
     # no sweep during the test: only the heap's timer can start the delayed tasks
     async with running_worker(registry, mongo_uri, db_name, sweep_interval=3600) as (w, events):
-        rescans = w.finding.finder.scanner.rescans
+        rescans = w.parts.finding.finder.scanner.rescans
         client.publish("quick", "by-delay", delay=dt.timedelta(milliseconds=400))
         run_at = client.now() + dt.timedelta(milliseconds=300)
         client.publish("quick", "by-run-at", options={"run_at": run_at})
         await events.wait("recorded", key="by-delay")
         await events.wait("recorded", key="by-run-at")
-        assert w.finding.finder.scanner.rescans == rescans  # no scan found them
+        assert w.parts.finding.finder.scanner.rescans == rescans  # no scan found them
     for key in ("by-delay", "by-run-at"):
         task = client.get(key)
         assert task is not None and task.options.run_at is not None

@@ -36,7 +36,7 @@ async def test_crashes_and_hangs_end_their_runs_while_the_others_finish(
         client.publish("double", "after", {"n": 4})
         await events.wait("recorded", key="after")
         assert worker.state == "running"
-        pool = worker.process_pool
+        pool = worker.parts.process_pool
         assert pool is not None and pool.state()["died"] == 2 and pool.state()["killed"] == 1
     errors = {k: client.get(k) for k in ("seg", "exit", "sleepy")}
     assert errors["seg"] is not None and errors["seg"].status == "failed"
@@ -67,7 +67,7 @@ async def test_cancel_kills_the_child(mongo_uri: str, db_name: str, client: Task
     async with running_worker(poolhandlers.registry, mongo_uri, db_name) as (worker, events):
         client.publish("forever", "f", options={"ping_interval_ms": 100})
         await events.wait("claimed", key="f")
-        pool = worker.process_pool
+        pool = worker.parts.process_pool
         assert pool is not None
         await wait_for(lambda: pool.state()["busy"] == 1)
         (child,) = pool.pids
@@ -99,7 +99,10 @@ async def test_the_worker_wide_process_pool(
         client.publish("plain_pid", "b")
         await events.wait("recorded", key="a")
         await events.wait("recorded", key="b")
-        assert worker.process_pool is not None and worker.process_pool.state()["recycled"] == 2
+        assert (
+            worker.parts.process_pool is not None
+            and worker.parts.process_pool.state()["recycled"] == 2
+        )
     pids = {client.get(k).result for k in "ab"}  # type: ignore[union-attr]
     assert len(pids) == 2 and os.getpid() not in pids
 

@@ -179,10 +179,10 @@ async def test_a_new_limit_is_known_to_running_workers_on_its_event(
     registry, spans, done = spans_registry(12, 0.02)
     monkeypatch.setattr(LimitGate, "interval", 3600.0)  # no periodic refresh: the event must do
     async with running_worker(registry, mongo_uri, db_name, concurrency=8) as (worker, _):
-        await asyncio.wait_for(worker.gate.refreshed.wait(), 10)  # its first read
-        assert not worker.gate.limited
+        await asyncio.wait_for(worker.parts.gate.refreshed.wait(), 10)  # its first read
+        assert not worker.parts.gate.limited
         client.set_limit("limited", concurrency=1)
-        await wait_for(lambda: worker.gate.limited.keys() == {"limited"}, timeout=10)
+        await wait_for(lambda: worker.parts.gate.limited.keys() == {"limited"}, timeout=10)
         client.publish_many([{"name": "limited", "key": f"k{i}"} for i in range(12)])
         await asyncio.wait_for(done.wait(), 30)
     assert _overlap(spans) == 1

@@ -43,7 +43,7 @@ async def test_the_heartbeat_and_the_dashboard_show_the_children(
         await events.wait("recorded", key="b")
         client.publish("cooperative", "busy")
         await events.wait("claimed", key="busy")
-        pool = worker.process_pool
+        pool = worker.parts.process_pool
         assert pool is not None
         await wait_for(lambda: pool.state()["busy"] == 1)
         (busy_pid,) = pool.pids

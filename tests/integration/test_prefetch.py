@@ -20,7 +20,7 @@ async def test_a_prefetched_run_waits_for_the_slot(
     ) as (worker, events):
         client.publish("cooperative", "first", options={"ping_interval_ms": 100})
         await events.wait("claimed", key="first")
-        pool = worker.process_pool
+        pool = worker.parts.process_pool
         assert pool is not None
         await wait_for(lambda: pool.state()["busy"] == 1)
         client.publish("double", "second", {"n": 2})

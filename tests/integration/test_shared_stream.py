@@ -21,8 +21,8 @@ from mtask.worker.finding.shared.subscriber import SharedStream
 
 
 def shared(worker: Any) -> SharedStream:
-    assert isinstance(worker.finding.shared, SharedStream)
-    return worker.finding.shared
+    assert isinstance(worker.parts.finding.shared, SharedStream)
+    return worker.parts.finding.shared
 
 
 def done(client: TaskClient, count: int) -> bool:

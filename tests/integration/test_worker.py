@@ -254,10 +254,10 @@ async def test_lost_events_are_caught_by_the_sweep(
     mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
     async with running_worker(registry, mongo_uri, db_name, sweep_interval=0.3) as (w, events):
-        w.finding.finder.on_change = lambda change: None  # type: ignore[method-assign]  # events lost
+        w.parts.finding.finder.on_change = lambda change: None  # type: ignore[method-assign]  # events lost
         client.publish("add", "missed", {"a": 1, "b": 1})
         await events.wait("recorded", key="missed")
-        assert w.finding.finder.scanner.rescans >= 2
+        assert w.parts.finding.finder.scanner.rescans >= 2
 
 
 async def test_killed_change_stream_resumes(
@@ -336,7 +336,9 @@ async def test_idle_workers_do_not_stampede(
         running_worker(registry, mongo_uri, db_name) as (w4, _e4),
     ):
         workers = (w1, w2, w3, w4)
-        await wait_for(lambda: all(len(w.assignment.peers.get("add", ())) == 4 for w in workers))
+        await wait_for(
+            lambda: all(len(w.parts.assignment.peers.get("add", ())) == 4 for w in workers)
+        )
         for i in range(40):
             client.publish("add", f"s{i}", {"a": i, "b": 0})
             await wait_for(lambda i=i: client.get(f"s{i}").status == "succeeded")  # type: ignore[union-attr,misc]
@@ -461,8 +463,8 @@ async def test_malformed_documents_do_not_stop_the_worker(
             [{"name": "add", "key": f"ok{i}", "params": {"a": i, "b": 1}} for i in range(20)]
         )
         await events.wait("recorded", count=20)
-        rescans = w.finding.finder.scanner.rescans
-        await wait_for(lambda: w.finding.finder.scanner.rescans >= rescans + 2)
+        rescans = w.parts.finding.finder.scanner.rescans
+        await wait_for(lambda: w.parts.finding.finder.scanner.rescans >= rescans + 2)
         assert w.state == "running"
         big = {"_id": "big", "status": "succeeded"}
         await wait_for(lambda: client.collection.find_one(big, {"_id": 1}))
@@ -533,11 +535,11 @@ async def test_changed_ping_interval_applies_at_the_next_ping(
     async with running_worker(registry, mongo_uri, db_name) as (worker, events):
         client.publish("sleep", "p", options={"ping_interval_ms": 100})
         claimed = await events.wait("claimed", key="p")
-        lease = worker.pinger._leases[claimed["run_id"]]
+        lease = worker.parts.pinger._leases[claimed["run_id"]]
         client.collection.update_one({"_id": "p"}, {"$set": {"options.ping_interval_ms": 250}})
         await wait_for(lambda: lease.interval == 0.25)
-        pings = worker.pinger.pings
-        await wait_for(lambda: worker.pinger.pings >= pings + 2)
+        pings = worker.parts.pinger.pings
+        await wait_for(lambda: worker.parts.pinger.pings >= pings + 2)
 
 
 def test_the_pinger_thread_is_woken_only_for_a_ping_due_before_its_wait_ends(
@@ -584,7 +586,7 @@ async def test_more_tasks_than_the_queue_holds(
         registry, mongo_uri, db_name, concurrency=32, queue_size=100, sweep_interval=3600
     ) as (worker, events):
         await events.wait("recorded", count=1200, timeout=60)
-        assert worker.finding.finder.scanner.rescans >= 12
+        assert worker.parts.finding.finder.scanner.rescans >= 12
     assert client.stats(exact=True) == {"add": {"succeeded": 1200}}
 
 
@@ -646,11 +648,11 @@ async def test_a_run_lost_twice_is_stopped_once(
     async with running_worker(registry, mongo_uri, db_name) as (worker, events):
         client.publish("slow_cleanup", "twice")
         claimed = await events.wait("claimed", key="twice")
-        run = worker.inflight.get(claimed["run_id"])
-        worker.executor.lost(claimed["run_id"], None)
+        run = worker.parts.inflight.get(claimed["run_id"])
+        worker.parts.executor.lost(claimed["run_id"], None)
         assert run is not None and run.ctx.lease_lost  # its check_lease raises LeaseLost now
         await asyncio.sleep(0.05)
-        worker.executor.lost(claimed["run_id"], None)
+        worker.parts.executor.lost(claimed["run_id"], None)
         await wait_for(lambda: "twice" in cleaned_up)
         assert worker.stats.lease_lost == 1
 
@@ -664,9 +666,9 @@ async def test_a_dropped_database_does_not_stall_the_worker(
     async with running_worker(registry, mongo_uri, db_name) as (worker, events):
         client.publish("add", "before", {"a": 1, "b": 1})
         await events.wait("recorded", key="before")
-        restarts = worker.finding.restarts
+        restarts = worker.parts.finding.restarts
         client.mongo.drop_database(db_name)
-        await wait_for(lambda: worker.finding.restarts > restarts)
+        await wait_for(lambda: worker.parts.finding.restarts > restarts)
         client.publish("add", "after", {"a": 2, "b": 2})
         await events.wait("recorded", key="after")
         assert worker.state == "running"
@@ -684,12 +686,14 @@ async def test_rescans_that_overlap_run_one_after_the_other(
         ]
     )
     async with running_worker(registry, mongo_uri, db_name, sweep_interval=3600) as (worker, _):
-        worker.finding.finder.scanner.page_size = 10  # many pages: the scans interleave
-        before = worker.finding.finder.scanner.rescans
-        found = await asyncio.gather(*(worker.finding.finder.scanner.rescan() for _ in range(3)))
+        worker.parts.finding.finder.scanner.page_size = 10  # many pages: the scans interleave
+        before = worker.parts.finding.finder.scanner.rescans
+        found = await asyncio.gather(
+            *(worker.parts.finding.finder.scanner.rescan() for _ in range(3))
+        )
         assert found == [300, 300, 300]
-        assert worker.finding.finder.scanner.rescans == before + 3
-        assert len(worker.queue) == 300
+        assert worker.parts.finding.finder.scanner.rescans == before + 3
+        assert len(worker.parts.queue) == 300
         assert worker.state == "running"
 
 

@@ -35,6 +35,7 @@ from mtask.worker.finding.shared.subscriber import SharedStream
 from mtask.worker.finding.stream import OwnStream
 from mtask.worker.presence import Assignment
 from mtask.worker.service import Service
+from mtask.worker.wiring import Signal
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,6 @@ class Finding:
     def state(self) -> dict[str, Any] | None:
         return None if self.shared is None else self.shared.state()
 
-    def freed(self) -> None:
-        """A slot was freed: the relay may hand this worker more."""
-        if self.shared is not None:
-            self.shared.report_soon()
-
     @property
     def restarts(self) -> int:
         """Restarts of the change streams this worker follows (the relay's, if it holds it)."""
@@ -81,6 +77,7 @@ def build(
     wake: Callable[[], None],
     others: Others,
     capacity: Callable[[], int],
+    freed: Signal[[]],
     sweep_interval: float = 30.0,
     stagger_ms: float = 25.0,
 ) -> Finding:
@@ -97,6 +94,7 @@ def build(
         own = OwnStream(tasks.database, tasks.name, worker_id, finder)
         return Finding(finder, finder, (own, Sweep.of(finder.scanner)), None)
     shared = SharedStream(driver, clock, worker_id, finder, capacity, queue_size=queue.max_size)
+    freed.connect(shared.report_soon)  # a slot freed: the relay may hand this worker more
     return Finding(finder, ReportingSink(finder, shared.reports), (shared,), shared)
 
 

@@ -1,0 +1,58 @@
+"""``mtask.testing.run_handler`` runs a ``transactional=True`` handler in a real transaction,
+as docs/transactions.md says: its writes commit together when it returns, none lands when it
+raises; without MongoDB it refuses with the handler's name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient, MongoClient
+
+from mtask import Registry, TaskContext
+from mtask.errors import ConfigError
+from mtask.models import RunState
+from mtask.registry import Retry
+from mtask.testing import arun_handler, run_handler
+
+registry = Registry()
+
+
+@registry.task("charge", transactional=True)
+async def charge(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    db = ctx.session.client[params["db"]]
+    await db["ledger"].insert_one({"task": ctx.key}, session=ctx.session)
+    await db["counters"].update_one(
+        {"_id": "charges"}, {"$inc": {"n": 1}}, upsert=True, session=ctx.session
+    )
+    if params.get("decline"):
+        raise Retry("declined")
+    return {"charged": ctx.key}
+
+
+def test_a_transactional_handler_commits_its_writes_together(
+    mongo_uri: str, mongo: MongoClient[dict[str, Any]], db_name: str
+) -> None:
+    outcome = run_handler(registry, "charge", {"db": db_name}, key="k1", mongo_uri=mongo_uri)
+    assert outcome.state is RunState.SUCCESS and outcome.result == {"charged": "k1"}
+    assert mongo[db_name]["ledger"].count_documents({"task": "k1"}) == 1
+    assert mongo[db_name]["counters"].find_one({"_id": "charges"}) == {"_id": "charges", "n": 1}
+
+
+async def test_a_transactional_handler_that_raises_writes_nothing(
+    mongo_uri: str, mongo: MongoClient[dict[str, Any]], db_name: str
+) -> None:
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri)
+    try:
+        outcome = await arun_handler(
+            registry, "charge", {"db": db_name, "decline": True}, key="k2", mongo_client=client
+        )
+    finally:
+        await client.close()
+    assert outcome.state is RunState.FAIL and not outcome.permanent
+    assert mongo[db_name]["ledger"].count_documents({}) == 0  # aborted: none of it landed
+
+
+def test_without_mongodb_a_transactional_handler_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="'charge' is a transactional handler"):
+        run_handler(registry, "charge", {"db": "x"})
