@@ -248,7 +248,9 @@ def _one_size(
         ]
         try:
             _wait(lambda: len(client.workers()) >= workers)
-            time.sleep(2.0)  # subscribed: a task open while they start is raced for (startup)
+            if stream == "shared" and workers > 1:  # each handed its work by the relay
+                _wait(lambda: _dispatched(client) >= workers)
+            time.sleep(2.0)  # a task open while they start is raced for (startup, not steady)
             client.publish("stamp", "warm", {"t": time.time()})
             _wait(lambda: client.stats().get("stamp", {}).get("succeeded", 0) == 1)
             time.sleep(2.0)  # every worker's stream open, first scans done
@@ -414,7 +416,9 @@ def many_hosts(bench: Bench) -> None:
                 f"{row['finished_p50_ms']:.1f} ms ({wait:.2f}x); ops/task: {ops}; idle: "
                 f"{row['idle_cpu_pct']:.1f} % of a core, {row['idle_ops_per_s']:.0f} ops/s; "
                 f"relay left {row['left_relay']:.0f}x, keys given back {row['returned']:.0f}, "
-                f"missed {row['said_missed']:.0f}, gone {row['said_gone']:.0f}",
+                f"missed {row['said_missed']:.0f}, gone {row['said_gone']:.0f}, "
+                f"held {row['said_held']:.0f}; {row['subscriptions']:.0f} subscriptions, "
+                f"{row['dropped']:.0f} dropped",
                 "CPU/task ≤ 1.5x of 1 host; ≤ 1.1 attempts/task; p50 ≤ 2x; idle ≤ 5 % at 64",
                 cpu <= 1.5
                 and row["attempts_per_task"] <= 1.1
@@ -461,6 +465,11 @@ def worker_process(uri: str, database: str, concurrency: int, stream: str = "sha
             flush=True,
         )
     return 0
+
+
+def _dispatched(client: TaskClient) -> int:
+    """Workers whose heartbeat says the relay hands them their tasks."""
+    return sum((w.get("stream") or {}).get("mode") == "dispatched" for w in client.workers())
 
 
 def _shared_counters(worker: Any) -> dict[str, int]:
