@@ -6,6 +6,8 @@ import asyncio
 import datetime as dt
 from typing import Any, cast
 
+import pytest
+from finders import finder_for
 from pymongo.errors import AutoReconnect
 
 from mtask import store
@@ -16,6 +18,7 @@ from mtask.worker.finding.shared.channels import FRAME_BYTES
 from mtask.worker.finding.shared.dispatch import Dispatcher
 from mtask.worker.finding.shared.relay import Relay
 from mtask.worker.finding.shared.reporter import Reporter
+from mtask.worker.finding.shared.subscriber import SharedStream
 from mtask.worker.finding.shared.wire import PROTOCOL, apply_report
 from mtask.worker.finding.stream import stream_pipeline
 
@@ -208,3 +211,26 @@ async def test_a_workers_new_hello_ends_its_earlier_subscription() -> None:
     assert list(relay.inboxes) == ["a/2"] and list(relay.subscribers.values()) == ["a"]
     await asyncio.sleep(0.01)
     assert relay.database.dropped == [mailbox.inbox_name("tasks", "a/1")]
+
+
+async def test_finding_work_alone_that_breaks_stops_the_shared_stream() -> None:
+    """An own stream or sweep that dies of a bug must not leave the worker finding nothing:
+    the shared stream's ``run`` raises (and the supervised worker stops)."""
+    tasks = FakeInbox("tasks")
+    tasks.database = FakeDatabase()  # type: ignore[attr-defined]
+    fake_driver = cast(AsyncDriver, type("D", (), {"collections": {"tasks": tasks}})())
+    finder = finder_for(None, FixedClock(WHEN), ["n"])
+    stream = SharedStream(fake_driver, FixedClock(WHEN), "w1", finder, lambda: 1)
+
+    async def broken(own_stream: bool) -> None:
+        raise ValueError("a bug in the own stream")
+
+    async def left_alone() -> None:
+        stream._find_alone(own_stream=True)
+        await asyncio.Event().wait()
+
+    stream._run_alone = broken  # type: ignore[method-assign]
+    stream._follow_relay = left_alone  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="finding work alone failed") as caught:
+        await asyncio.wait_for(stream.run(), 5)
+    assert isinstance(caught.value.__cause__, ValueError)

@@ -98,6 +98,9 @@ class SharedStream:
         self._heard = False
         self._alone: asyncio.Task[None] | None = None
         self._own = False
+        self._runner: asyncio.Task[Any] | None = None
+        self._broken: BaseException | None = None
+        """What broke finding work alone: ``run`` raises it (the worker stops, supervised)."""
 
     def state(self) -> dict[str, Any]:
         """For the heartbeat: what this side of the shared stream does, and the relay's
@@ -145,6 +148,14 @@ class SharedStream:
         self._stop_alone()
         self._own = own_stream
         self._alone = asyncio.create_task(self._run_alone(own_stream), name="mtask-alone")
+        self._alone.add_done_callback(self._alone_done)
+
+    def _alone_done(self, task: asyncio.Task[None]) -> None:
+        """Finding work alone ends only when stopped: anything else stops ``run`` with it."""
+        if task.cancelled() or task.exception() is None or self._runner is None:
+            return
+        self._broken = task.exception()
+        self._runner.cancel()
 
     async def _run_alone(self, own_stream: bool) -> None:
         async with asyncio.TaskGroup() as group:
@@ -161,6 +172,7 @@ class SharedStream:
     # -- following the relay ---------------------------------------------------------------------
 
     async def run(self) -> None:
+        self._runner = asyncio.current_task()
         try:
             while True:
                 try:
@@ -171,6 +183,10 @@ class SharedStream:
                     log.warning("shared change stream: %s; trying again", exc)
                     await asyncio.sleep(random.uniform(0.5, 1.0))
                 await asyncio.sleep(random.uniform(0.01, 0.1))
+        except asyncio.CancelledError:
+            if self._broken is not None:
+                raise RuntimeError("finding work alone failed") from self._broken
+            raise
         finally:
             self._stop_alone()
             await self.holder.stop()
