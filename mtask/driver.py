@@ -80,10 +80,12 @@ def _gather_pool() -> ThreadPoolExecutor:
 def collections(db: Any, tasks: str = "tasks") -> dict[str, Any]:
     """The collections the operations use, from a (sync or async) database: the tasks
     collection as named, and the database's ``workers``, ``controls``, ``limits``,
-    ``schedules``, ``retention``, ``throughput`` and ``relays``."""
+    ``schedules``, ``retention``, ``throughput`` and ``relays``; ``output`` is the tasks'
+    side collection ``<tasks>.output`` (``store.output``)."""
     names = ("workers", "controls", "limits", "schedules", "retention", "throughput", "relays")
     return {
         "tasks": db[tasks],
+        "output": db[f"{tasks}.output"],
         **{name: db[name] for name in names},
     }
 

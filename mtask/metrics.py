@@ -46,6 +46,10 @@ RETRIED = Counter(
 )
 LEASE_LOST = Counter("mtask_runs_lease_lost", "Runs stopped because another took over", ["name"])
 IN_FLIGHT = Gauge("mtask_runs_in_flight", "Runs in flight in this process")
+RUNS_IN_PROGRESS = Gauge(
+    "mtask_runs_reporting_progress",
+    "Runs in flight in this process that have reported progress (ctx.progress)",
+)
 SET_ASIDE = Counter(
     "mtask_documents_set_aside",
     "Change events or task documents this worker set aside, by reason: event (applying one "

@@ -145,6 +145,32 @@ BsonDate = Annotated[dt.datetime, Strict()]
 """A BSON date: an ISO string where a date belongs is a mistake, not a date."""
 
 
+MAX_PROGRESS_LABEL = 200
+
+
+class Progress(BaseModel):
+    """How far the newest run that reported got (``ctx.progress``; docs/output.md)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    fraction: float | None = Field(None, ge=0.0, le=1.0)
+    label: str | None = Field(None, max_length=MAX_PROGRESS_LABEL)
+    run_id: str
+    attempt: int | None = None
+    at: BsonDate
+
+
+class OutputCounts(BaseModel):
+    """A run's live output (docs/output.md): what it wrote, and what the caps dropped."""
+
+    model_config = ConfigDict(extra="allow")
+
+    logs: int = Field(0, ge=0)
+    chunks: int = Field(0, ge=0)
+    logs_dropped: int = Field(0, ge=0)
+    chunks_dropped: int = Field(0, ge=0)
+
+
 class Run(BaseModel):
     """One worker's run of a task."""
 
@@ -158,6 +184,8 @@ class Run(BaseModel):
     finished_at: BsonDate | None = None
     error: str | None = None
     result: Any = None
+    output: OutputCounts | None = None
+    """Set by the run's first output write (``ctx.log``, ``ctx.emit``)."""
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(TaskOptions.model_fields)
@@ -220,6 +248,10 @@ class TaskDocument(BaseModel):
     has_dependents: bool = False
     outbox: list[dict[str, Any]] = Field(default_factory=list)
     last_write: str | None = None
+    progress: Progress | None = None
+    """The newest progress a run reported (``ctx.progress``); written only by runs that do."""
+    output_seq: int | None = Field(None, ge=0)
+    """The sequence number of the task's newest log line or output chunk (docs/output.md)."""
 
 
 class PublishedDocument(BaseModel):
@@ -306,6 +338,10 @@ class Task(BaseModel):
     depends_on: list[str] = Field(default_factory=list)
     waiting_on: list[str] = Field(default_factory=list)
     """The dependencies that have not succeeded yet; the task is not claimable while any are."""
+    progress: Progress | None = None
+    """The newest progress a run reported (``ctx.progress``), or ``None``."""
+    output_seq: int | None = None
+    """The sequence number of the newest log line or chunk (``None``: no output)."""
     missing: list[str] = Field(default_factory=list)
     """Fields every stored task document holds that this one lacks (a publisher's minimal
     document that no worker has completed yet lacks most of them)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import inspect
+import threading
 import typing
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -15,11 +16,13 @@ from pydantic import BaseModel, ValidationError
 
 from mtask.errors import InvalidParams, InvalidTask, LeaseLost, MtaskError
 from mtask.models import TaskOptions, describe_validation_error
+from mtask.output import RunLog, RunOutput
 from mtask.schedules import Schedule
 
 F = TypeVar("F", bound=Callable[..., Any])
 Isolation = Literal["thread", "process"]
 ISOLATIONS = ("thread", "process")
+_OUTPUT_LOCK = threading.Lock()
 
 
 class Retry(Exception):
@@ -63,6 +66,41 @@ class TaskContext:
     lease_lost: bool = False
     """Set by the worker when another run took the task over (this run's outcome will not be
     recorded); ``check_lease`` and ``publish`` then raise ``LeaseLost``."""
+    output_for: Callable[[TaskContext], RunOutput] = field(default=lambda _ctx: RunOutput())
+    """Makes the run's ``RunOutput`` the first time the handler reports (the worker's writer
+    follows it from then on); a run that reports nothing makes none."""
+    _output: RunOutput | None = field(default=None, repr=False)
+
+    @property
+    def output_made(self) -> RunOutput | None:
+        """The run's ``RunOutput`` if the handler reported anything (else ``None``)."""
+        return self._output
+
+    @property
+    def output(self) -> RunOutput:
+        """The run's live output (docs/output.md): made on first use."""
+        if self._output is None:
+            with _OUTPUT_LOCK:
+                if self._output is None:
+                    self._output = self.output_for(self)
+        return self._output
+
+    def progress(self, fraction: float | None = None, label: str | None = None) -> None:
+        """Say how far the run got: ``fraction`` in [0, 1] and/or a short ``label`` ("step 3
+        of 7"). Cheap to call often: the worker writes the newest value a few times a second,
+        and the last one before the run's outcome."""
+        self.output.progress(fraction, label)
+
+    @property
+    def log(self) -> RunLog:
+        """Structured log lines kept with the run: ``ctx.log.info("resized", width=640)``;
+        ``with ctx.log.capture("myapp"):`` keeps a standard logger's records too."""
+        return self.output.log
+
+    def emit(self, data: Any) -> None:
+        """Stream a chunk of output (a string, bytes, or any BSON value) to whoever follows
+        the task (``client.stream``, SSE, ``mtask logs --follow``), in order, resumably."""
+        self.output.emit(data)
 
     def check_lease(self) -> None:
         """Raise ``LeaseLost`` if this run no longer owns its task: a plain-def handler (which

@@ -37,11 +37,12 @@ from pymongo.write_concern import WriteConcern
 
 from mtask.errors import ConfigError
 from mtask.models import DEFAULT_MAX_PARAMS_BYTES
+from mtask.output import RunOutput
 from mtask.registry import Registry, TaskContext
 from mtask.store import Outcome
 from mtask.worker.config import DEFAULT_MAX_RESULT_BYTES
 from mtask.worker.events import Emitter
-from mtask.worker.executor import NoLeases, NoTransactions, RunOutcomes, WorkerStats
+from mtask.worker.executor import NoLeases, NoOutputs, NoTransactions, RunOutcomes, WorkerStats
 from mtask.worker.inflight import ActiveRun
 from mtask.worker.transactional import RunFence
 
@@ -59,11 +60,13 @@ async def arun_handler(
     publisher: Callable[..., Awaitable[Any]] | None = None,
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
     mongo_client: AsyncMongoClient[dict[str, Any]] | None = None,
+    output: RunOutput | None = None,
 ) -> Outcome:
     """Run ``registry``'s handler for ``name`` on ``params`` as run ``attempt`` of task
     ``key``, and return its outcome. ``publisher`` receives ``ctx.publish`` calls (without
-    one, ``ctx.publish`` raises); ``mongo_client`` runs a transactional handler's transaction.
-    Raises ``KeyError`` for a name with no handler."""
+    one, ``ctx.publish`` raises); ``mongo_client`` runs a transactional handler's transaction;
+    ``output`` receives what the handler reports (``ctx.progress``/``log``/``emit``: read it with
+    ``mtask.output.RecordedOutput.of(output)``). Raises ``KeyError`` for a name with no handler."""
     handler = registry[name]
     if handler.transactional and mongo_client is None:
         raise ConfigError(
@@ -72,7 +75,13 @@ async def arun_handler(
         )
     run_id = f"{key}:test-run"
     ctx = TaskContext(
-        key=key, name=name, attempt=attempt, run_id=run_id, worker_id=worker_id, publisher=publisher
+        key=key,
+        name=name,
+        attempt=attempt,
+        run_id=run_id,
+        worker_id=worker_id,
+        publisher=publisher,
+        output_for=(lambda _ctx: RunOutput()) if output is None else (lambda _ctx: output),
     )
     run = ActiveRun(key=key, name=name, run_id=run_id, ctx=ctx)
     transactions = NoTransactions() if mongo_client is None else _Transactions(mongo_client)
@@ -83,6 +92,7 @@ async def arun_handler(
         DEFAULT_MAX_PARAMS_BYTES,
         transactions=transactions,
         leases=NoLeases(),
+        outputs=NoOutputs(),
     )
     return await outcomes.call(run, handler, {"params": dict(params or {})})
 

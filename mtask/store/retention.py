@@ -39,6 +39,7 @@ from mtask.models import (
     validate_name,
 )
 from mtask.statemachine import OPEN, keep_ms
+from mtask.store import output
 
 COLLECTION = "retention"
 GLOBAL = "*"
@@ -253,5 +254,10 @@ def purge(filt: Doc) -> Op[int]:
         s not in PURGEABLE for s in filt["status"].get("$in", [None])
     ):
         raise InvalidTask("a purge filter must come from purge_filter", field="filter")
+    # the live output of the tasks that have some (docs/output.md) goes with them
+    with_output = yield Call("find", ({**filt, "output_seq": {"$gt": 0}}, {"_id": 1}))
     result = yield Call("delete_many", (filt,))
+    keys = [doc["_id"] for doc in with_output]
+    for start in range(0, len(keys), MAX_PURGE_KEYS):
+        yield from output.purge(keys[start : start + MAX_PURGE_KEYS])
     return int(result.deleted_count)

@@ -33,6 +33,7 @@ from mtask.worker.flow_sweep import FlowSweep
 from mtask.worker.inflight import InFlight
 from mtask.worker.lease import LeasePinger, LoopTicker
 from mtask.worker.limit_gate import REFRESH_SECONDS, LimitGate
+from mtask.worker.output_writer import OutputWriter
 from mtask.worker.pool import ProcessPool
 from mtask.worker.presence import Assignment, Lifecycle, Presence
 from mtask.worker.recorder import OutcomeRecorder
@@ -191,6 +192,7 @@ def build(
         publisher.max_params_bytes,
         transactions=Transactions(aclient, adriver, clock),
         leases=pinger,
+        outputs=OutputWriter(aclient, adriver, clock),
         pool=process_pool,
         isolation=config.pool,
         slots=asyncio.Semaphore(config.concurrency),  # prefetched runs wait here

@@ -22,7 +22,7 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -31,6 +31,7 @@ import bson
 from mtask import flows, metrics
 from mtask.errors import ConfigError, InvalidParams, InvalidTask, LeaseLost
 from mtask.models import DEFAULT_KEEP_MS, RunState
+from mtask.output import RunOutput
 from mtask.registry import Fail, Handler, Registry, Retry, TaskContext
 from mtask.statemachine import keep_ms
 from mtask.store import Outcome
@@ -95,6 +96,49 @@ class RunLeases(Protocol):
     def resume(self, run_id: str) -> None: ...
 
 
+class RunOutputs(Protocol):
+    """Where the runs' live output goes (``output_writer.OutputWriter`` in a worker)."""
+
+    def output_for(
+        self,
+        ctx: TaskContext,
+        *,
+        options: Mapping[str, Any],
+        held: bool,
+        loop: asyncio.AbstractEventLoop,
+    ) -> RunOutput: ...
+
+    async def finish(self, output: RunOutput, *, write: bool) -> bool: ...
+
+    async def write_in(self, output: RunOutput, session: Any) -> None: ...
+
+    def restart(self, output: RunOutput) -> None: ...
+
+
+class NoOutputs:
+    """For ``RunOutcomes`` outside a worker: a run's output stays in its buffer, where a test
+    reads it (``mtask.output.RecordedOutput``)."""
+
+    def output_for(
+        self,
+        ctx: TaskContext,
+        *,
+        options: Mapping[str, Any],
+        held: bool,
+        loop: asyncio.AbstractEventLoop,
+    ) -> RunOutput:
+        return RunOutput()
+
+    async def finish(self, output: RunOutput, *, write: bool) -> bool:
+        return False
+
+    async def write_in(self, output: RunOutput, session: Any) -> None:
+        pass
+
+    def restart(self, output: RunOutput) -> None:
+        output.discard()
+
+
 class NoTransactions:
     """For ``RunOutcomes`` without MongoDB: a transactional handler cannot run there."""
 
@@ -133,6 +177,7 @@ class RunOutcomes:
         *,
         transactions: TransactionRunner,
         leases: RunLeases,
+        outputs: RunOutputs,
         pool: ProcessPool | None = None,
         isolation: Literal["thread", "process"] = "thread",
         slots: asyncio.Semaphore | None = None,
@@ -143,6 +188,9 @@ class RunOutcomes:
         self.max_params_bytes = max_params_bytes
         self.transactions = transactions
         """How transactional handlers open their transactions."""
+        self.outputs = outputs
+        """Where ``ctx.progress``/``log``/``emit`` go: written under the run's fence; a
+        transactional run's in its transaction."""
         self.leases = leases
         """A transactional run pauses its pings while its transaction is open; a
         process-isolated run's child follows its lease's renewals."""
@@ -211,8 +259,15 @@ class RunOutcomes:
 
         async def invoke(session: Any) -> Any:
             run.ctx.session = session
+            held = run.ctx.output_made
+            if held is not None:  # a body run again: the aborted one's output is gone
+                self.outputs.restart(held)
             try:
-                return await handler.fn(params, run.ctx)
+                result = await handler.fn(params, run.ctx)
+                said = run.ctx.output_made
+                if said is not None:  # commits with the SUCCESS, or not at all
+                    await self.outputs.write_in(said, session)
+                return result
             finally:
                 run.ctx.session = None
 
@@ -394,6 +449,12 @@ class Executor:
             run_id=run_id,
             worker_id=self.worker_id,
             publisher=self.publisher,
+            output_for=functools.partial(
+                self.outcomes.outputs.output_for,
+                options=options,
+                held=self.registry[doc["name"]].transactional,
+                loop=asyncio.get_running_loop(),
+            ),
         )
         run = ActiveRun(
             key=doc["_id"],
@@ -426,10 +487,12 @@ class Executor:
             if run.stop_reason is not None:  # stopped before its task took a step
                 raise asyncio.CancelledError
             outcome = await self.outcomes.call(run, self.registry[run.name], doc)
+            outcome = await self.output_done(run, outcome)
         except asyncio.CancelledError:
             outcome = self.outcomes.stopped(run)
             if outcome is None and run.stop_reason is None:
                 raise
+            outcome = await self.output_done(run, outcome)
         finally:
             metrics.IN_FLIGHT.dec()
             metrics.by_name(metrics.RUN_DURATION, run.name).observe(time.monotonic() - run.started)
@@ -442,6 +505,17 @@ class Executor:
             self.wake.set()
         if outcome is not None:
             self.recorder.add(outcome)
+
+    async def output_done(self, run: ActiveRun, outcome: Outcome | None) -> Outcome | None:
+        """Before the outcome is recorded: write what the run said last (nothing if it lost
+        its task); an outcome of a run that stored lines or chunks seals them once recorded."""
+        output = run.ctx.output_made
+        if output is None:
+            return outcome  # it said nothing: no cost
+        stored = await self.outcomes.outputs.finish(output, write=outcome is not None)
+        if outcome is not None and stored:
+            return dataclasses.replace(outcome, has_output=True)
+        return outcome
 
     def watch_deadline(self, run: ActiveRun) -> None:
         """Stop a run when its lease has run out by this process's own clock, before any

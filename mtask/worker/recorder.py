@@ -17,6 +17,7 @@ from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.store import Outcome, RunState
+from mtask.store import output as store_output
 from mtask.worker.events import Emitter, Event
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight
@@ -171,6 +172,12 @@ class OutcomeRecorder:
         sweep does it later (the outboxes and the awaited dependencies stay in MongoDB)."""
         parents = [o.key for o in batch if o.steps]
         watched = [o.key for o in batch if o.has_dependents]
+        with_output = [o.key for o in batch if o.has_output]
+        if with_output:
+            try:  # their output's retention becomes the finished task's (docs/output.md)
+                await self.driver.run(store_output.seal(with_output))
+            except StorageError as exc:
+                log.warning("output kept until its own expiry, not sealed: %s", exc)
         if not parents and not watched:
             return
         now = self.clock.now()

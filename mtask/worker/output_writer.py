@@ -1,0 +1,223 @@
+"""Writing the runs' live output (docs/output.md): one writer per worker, a follower per run
+that reports.
+
+A run that never calls ``ctx.progress``, ``ctx.log`` or ``ctx.emit`` makes no ``RunOutput`` and
+costs nothing here. The first call wakes the writer, which starts a follower for that run: it
+waits ``interval`` (calls made meanwhile coalesce: progress keeps its newest value), then writes
+what the buffer holds with ``store.output.write``, fenced by the run: a progress-only batch is
+one update, a batch with lines or chunks is a transaction (the fenced update numbers them, the
+insert stores them). A transient error keeps the batch and tries it again; a failed fence (the
+run lost its task) closes the output: nothing more of this run is written.
+
+The run's end (``finish``) writes what is left before the run's outcome is recorded, so the
+last progress value and the last chunk land before the task is seen finished. A transactional
+handler's output is held until its body returns and then written in its transaction
+(``write_in``): it commits with the run's SUCCESS, or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pymongo import AsyncMongoClient
+from pymongo.errors import PyMongoError
+from pymongo.write_concern import WriteConcern
+
+from mtask import metrics
+from mtask.clock import Clock
+from mtask.driver import AsyncDriver, Doc, storage_error
+from mtask.errors import StorageError
+from mtask.output import DEFAULT_LIMITS, Batch, OutputLimits, RunOutput
+from mtask.registry import TaskContext
+from mtask.store import output as store_output
+
+log = logging.getLogger(__name__)
+
+INTERVAL_S = 0.25
+"""How long a run's output coalesces before it is written: at most four writes a second."""
+FINAL_WRITE_S = 10.0
+"""How long the run's end keeps trying to write what is left while MongoDB is out of reach."""
+MAX_ENTRIES = 500
+"""Lines and chunks per write (one transaction)."""
+
+
+@dataclass(eq=False)
+class _Followed:
+    output: RunOutput
+    key: str
+    run_id: str
+    attempt: int
+    options: Mapping[str, Any]
+    held: bool
+    loop: asyncio.AbstractEventLoop
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    unwritten: Batch | None = None
+    wrote_entries: bool = False
+    progress_counted: bool = False
+    lost: bool = False
+
+
+class OutputWriter:
+    """Writes the live output of one worker's runs."""
+
+    def __init__(
+        self,
+        mongo: AsyncMongoClient[Doc],
+        driver: AsyncDriver,
+        clock: Clock,
+        *,
+        interval: float = INTERVAL_S,
+        limits: OutputLimits = DEFAULT_LIMITS,
+    ) -> None:
+        self.mongo = mongo
+        self.driver = driver
+        self.clock = clock
+        self.interval = interval
+        self.limits = limits
+        self._runs: dict[int, _Followed] = {}
+        self._indexed = False
+        self.writes = 0
+        """Writes sent (updates and transactions), for tests and the bench."""
+
+    # -- a run's output, made on its first report ----------------------------------------------
+
+    def output_for(
+        self,
+        ctx: TaskContext,
+        *,
+        options: Mapping[str, Any],
+        held: bool,
+        loop: asyncio.AbstractEventLoop,
+    ) -> RunOutput:
+        """The ``RunOutput`` of ``ctx``'s run (``TaskContext.output_for``, bound per run by the
+        executor); ``held``: a transactional run's, written only in its transaction."""
+        followed: list[_Followed] = []
+
+        def wake(_out: RunOutput) -> None:  # from the handler's thread, whichever it is
+            loop.call_soon_threadsafe(self._woken, followed[0])
+
+        output = RunOutput(self.limits, wake=wake, now=self.clock.now)
+        run = _Followed(output, ctx.key, ctx.run_id, ctx.attempt, options, held, loop)
+        followed.append(run)
+        self._runs[id(output)] = run
+        return output
+
+    def _woken(self, run: _Followed) -> None:
+        if run.held or run.lost or id(run.output) not in self._runs:
+            return
+        if run.task is None:
+            run.task = asyncio.create_task(self._follow(run), name=f"mtask-output-{run.key}")
+        run.wakeup.set()
+
+    async def _follow(self, run: _Followed) -> None:
+        while not run.lost:
+            await asyncio.sleep(self.interval)  # what is said meanwhile coalesces
+            try:
+                await self._write_all(run)
+            except StorageError as exc:
+                log.warning("cannot write the output of %s yet: %s", run.key, exc)
+                continue  # the batch stays unwritten: tried again after the interval
+            run.wakeup.clear()
+            if not run.output.pending():
+                await run.wakeup.wait()
+
+    # -- the run's end ---------------------------------------------------------------------------
+
+    async def finish(self, output: RunOutput, *, write: bool) -> bool:
+        """The run ended: write what is left (``write`` False: it lost its task, drop it) and
+        stop following it. Returns whether any line or chunk of it was stored."""
+        run = self._runs.pop(id(output), None)
+        output.close()
+        if run is None:
+            return False
+        if run.task is not None:
+            run.task.cancel()
+            await asyncio.gather(run.task, return_exceptions=True)
+        if write and not run.lost and not run.held:
+            deadline = asyncio.get_running_loop().time() + FINAL_WRITE_S
+            while True:
+                try:
+                    await self._write_all(run)
+                    break
+                except StorageError as exc:
+                    if not exc.transient or asyncio.get_running_loop().time() > deadline:
+                        log.warning("the last output of %s is lost: %s", run.key, exc)
+                        break
+                    await asyncio.sleep(0.2)
+        if run.progress_counted:
+            metrics.RUNS_IN_PROGRESS.dec()
+        return run.wrote_entries
+
+    async def write_in(self, output: RunOutput, session: Any) -> None:
+        """Write all of a held (transactional) run's output in its transaction."""
+        run = self._runs.get(id(output))
+        if run is not None:
+            await self._write_all(run, session)
+
+    def restart(self, output: RunOutput) -> None:
+        """A transactional body runs again: what the aborted one said is forgotten."""
+        output.discard()
+        run = self._runs.get(id(output))
+        if run is not None:
+            run.unwritten = None
+
+    # -- writing -----------------------------------------------------------------------------------
+
+    async def _write_all(self, run: _Followed, session: Any = None) -> None:
+        while not run.lost:
+            batch = run.unwritten or run.output.take(MAX_ENTRIES)
+            if not batch:
+                return
+            run.unwritten = batch
+            written = await self._write(run, batch, session)
+            run.unwritten = None
+            if not written:
+                run.lost = True
+                run.output.close()
+                log.info("%s run %s lost its task: its output is no longer written",
+                         run.key, run.run_id[:8])  # fmt: skip
+                return
+            if batch.entries:
+                run.wrote_entries = True
+            if batch.progress is not None and not run.progress_counted:
+                run.progress_counted = True
+                metrics.RUNS_IN_PROGRESS.inc()
+
+    async def _write(self, run: _Followed, batch: Batch, session: Any) -> bool:
+        if batch.entries and not self._indexed:
+            await self.driver.run(store_output.ensure_indexes())
+            self._indexed = True
+
+        def op(now: dt.datetime) -> Any:
+            return store_output.write(
+                run.key,
+                run.run_id,
+                run.attempt,
+                progress=batch.progress,
+                counts=batch.counts,
+                entries=batch.entries,
+                expire_at=store_output.keep_until(run.options, now),
+                now=now,
+            )
+
+        self.writes += 1
+        if session is not None:
+            return bool(await self.driver.run(op(self.clock.now()), session))
+        if not batch.entries:
+            return bool(await self.driver.run(op(self.clock.now())))
+        return await self._transaction(lambda s: self.driver.run(op(self.clock.now()), s))
+
+    async def _transaction(self, body: Callable[[Any], Any]) -> bool:
+        try:
+            async with self.mongo.start_session() as session:
+                return bool(
+                    await session.with_transaction(body, write_concern=WriteConcern("majority"))
+                )
+        except PyMongoError as exc:
+            raise storage_error(exc) from exc
