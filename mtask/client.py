@@ -33,7 +33,18 @@ from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.errors import PyMongoError
 from pymongo.synchronous.client_session import ClientSession
 
-from mtask import control, driver, events, flows, limits, metrics, schedules, store, tracing
+from mtask import (
+    control,
+    driver,
+    events,
+    flows,
+    limits,
+    metrics,
+    schedules,
+    store,
+    streams,
+    tracing,
+)
 from mtask.aftercommit import after_commit
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
@@ -51,6 +62,7 @@ from mtask.models import (
     validate_name,
 )
 from mtask.store import bulk, counts, queries, retention, throughput
+from mtask.store import output as store_output
 from mtask.waiters import AsyncWaiter, SyncWaiter, async_waiter_for, finished, waiter_for
 
 if TYPE_CHECKING:
@@ -123,6 +135,15 @@ def _check_on_conflict(on_conflict: str) -> None:
     if on_conflict not in ON_CONFLICT_CHOICES:
         raise InvalidTask(
             f"must be ignore, update_params or reset, not {on_conflict!r}", field="on_conflict"
+        )
+
+
+def _check_kinds(kinds: Sequence[str] | None) -> None:
+    unknown = sorted(set(kinds or ()) - set(store_output.KINDS))
+    if unknown:
+        raise InvalidTask(
+            f"unknown output kind {unknown[0]!r}; one of {', '.join(store_output.KINDS)}",
+            field="kinds",
         )
 
 
@@ -334,6 +355,16 @@ class _Base:
     def get(self, key: str) -> Op[Task | None]:
         doc = yield from store.get(key)
         return Task.from_document(doc) if doc is not None else None
+
+    @operation
+    def output(
+        self, key: str, after: int = 0, kinds: Sequence[str] | None = None, limit: int = 1000
+    ) -> Op[builtins.list[streams.Entry]]:
+        """Task ``key``'s log lines and chunks after ``after`` (a ``seq``), oldest first, at
+        most ``limit`` (1,000): what is stored now (``stream`` follows new ones too)."""
+        _check_kinds(kinds)
+        docs = yield from store_output.read(key, after, kinds, limit)
+        return [streams.Entry.from_document(d) for d in docs]
 
     @operation
     def list(
@@ -613,6 +644,15 @@ class TaskClient(_Base):
         """Task state changes across the cluster (see ``mtask.events``)."""
         return events.sync_events(self.collection, names, statuses, resume_after)
 
+    def stream(
+        self, key: str, after: int = 0, kinds: Sequence[str] | None = None
+    ) -> Iterator[streams.Entry]:
+        """Task ``key``'s log lines and chunks after ``after``, then new ones as its runs
+        write them, until it is finished; resume with the last ``entry.seq`` seen as ``after``
+        (none lost, none repeated; see ``mtask.streams``). Raises ``TaskNotFound``."""
+        _check_kinds(kinds)
+        return streams.sync_stream(self.db, self.collection.name, key, after, kinds)
+
     def close(self) -> None:
         if self._owns_client:
             self.mongo.close()
@@ -686,6 +726,14 @@ class AsyncTaskClient(_Base):
         pass an event's ``token`` as ``resume_after`` to continue after it (see
         ``mtask.events``)."""
         return events.events(self.collection, names, statuses, resume_after)
+
+    def stream(
+        self, key: str, after: int = 0, kinds: Sequence[str] | None = None
+    ) -> AsyncIterator[streams.Entry]:
+        """Task ``key``'s log lines and chunks after ``after``, then new ones until it is
+        finished (see ``TaskClient.stream``)."""
+        _check_kinds(kinds)
+        return streams.stream(self.db, self.collection.name, key, after, kinds)
 
     async def close(self) -> None:
         if self._owns_client:

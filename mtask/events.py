@@ -38,12 +38,13 @@ from collections.abc import (
     Mapping,
 )
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import OperationFailure, PyMongoError
 from pymongo.synchronous.collection import Collection
+from pymongo.synchronous.database import Database
 
 from mtask.driver import Doc, cancel_requests, raise_if_cancelled
 from mtask.errors import EventsLost, StorageError
@@ -307,16 +308,44 @@ async def follow_waits(
         await asyncio.sleep(delay)
 
 
+@overload
 def sync_follow(
-    collection: Collection[Doc],
+    collection: Collection[Doc] | Database[Doc],
     pipeline: list[Doc],
     at: Position,
     *,
     full_document: str | None = None,
     on_open: Callable[[], None] | None = None,
     stop: threading.Event | None = None,
-) -> Generator[Doc, None, None]:
-    """``follow`` without an event loop; ends when ``stop`` is set."""
+    quiet: Literal[False] = False,
+) -> Generator[Doc, None, None]: ...
+
+
+@overload
+def sync_follow(
+    collection: Collection[Doc] | Database[Doc],
+    pipeline: list[Doc],
+    at: Position,
+    *,
+    full_document: str | None = None,
+    on_open: Callable[[], None] | None = None,
+    stop: threading.Event | None = None,
+    quiet: Literal[True],
+) -> Generator[Doc | None, None, None]: ...
+
+
+def sync_follow(
+    collection: Collection[Doc] | Database[Doc],
+    pipeline: list[Doc],
+    at: Position,
+    *,
+    full_document: str | None = None,
+    on_open: Callable[[], None] | None = None,
+    stop: threading.Event | None = None,
+    quiet: bool = False,
+) -> Generator[Doc | None, None, None]:
+    """``follow`` without an event loop; ends when ``stop`` is set. ``quiet``: yield
+    ``None`` after a wait that brought no change too (as ``follow_waits`` does)."""
     stop = stop or threading.Event()
     while not stop.is_set():
         delay = 0.05
@@ -335,7 +364,7 @@ def sync_follow(
                     if change is not None and _invalidated(change):
                         at.lost("the collection was dropped or renamed")
                         break
-                    if change is not None:
+                    if change is not None or quiet:
                         yield change
                     at.moved(stream.resume_token)
         except PyMongoError as exc:

@@ -99,3 +99,15 @@ async def slow_cleanup(params: dict[str, object], ctx: TaskContext) -> None:
         await asyncio.sleep(0.2)  # cleanup that awaits: a second cancel would cut it short
         cleaned_up.add(ctx.key)
         raise
+
+
+@registry.task("chatter")
+async def chatter(params: dict[str, int], ctx: TaskContext) -> int:
+    """Emits chunk i (1, 2, ...) every ``every_ms`` until ``count`` chunks, reporting progress
+    with each; a second attempt (a takeover) goes on from where the stream stands."""
+    count, every = params.get("count", 100), params.get("every_ms", 20) / 1000
+    for i in range(1, count + 1):
+        ctx.emit({"i": i, "attempt": ctx.attempt})
+        ctx.progress(i / count, f"chunk {i} of {count}")
+        await asyncio.sleep(every)
+    return count

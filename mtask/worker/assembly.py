@@ -79,6 +79,7 @@ class Parts:
     pinger: LeasePinger
     publisher: AsyncTaskClient
     process_pool: ProcessPool | None
+    outputs: OutputWriter
     executor: Executor
     claimer: Claimer
     services: tuple[Service, ...]
@@ -185,6 +186,7 @@ def build(
     publisher = AsyncTaskClient(
         database=config.database, collection=config.collection, clock=clock, mongo_client=aclient
     )
+    outputs = OutputWriter(aclient, adriver, clock)
     outcomes = RunOutcomes(
         stats,
         emit,
@@ -192,7 +194,7 @@ def build(
         publisher.max_params_bytes,
         transactions=Transactions(aclient, adriver, clock),
         leases=pinger,
-        outputs=OutputWriter(aclient, adriver, clock),
+        outputs=outputs,
         pool=process_pool,
         isolation=config.pool,
         slots=asyncio.Semaphore(config.concurrency),  # prefetched runs wait here
@@ -238,6 +240,6 @@ def build(
     )
     return Parts(
         aclient, sclient, adb, adriver, emit, wake, inflight, queue, assignment, scheduler,
-        found, gate, presence, recorder, ticker, pinger, publisher, process_pool, executor,
-        claimer, services,
+        found, gate, presence, recorder, ticker, pinger, publisher, process_pool, outputs,
+        executor, claimer, services,
     )  # fmt: skip

@@ -1,0 +1,219 @@
+"""A run's live output, end to end on a real replica set: ``ctx.progress`` / ``ctx.log`` /
+``ctx.emit`` written under the run's fence, and read back in order, exactly once, resumably
+(``client.stream``), across a reconnect, a retry and a takeover."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import signal
+import tracemalloc
+from typing import Any
+
+import pytest
+from harness import running_worker, wait_for, worker_process
+
+from mtask import AsyncTaskClient, TaskClient
+from mtask.errors import InvalidTask, TaskNotFound
+from mtask.registry import Registry, Retry, TaskContext
+
+registry = Registry()
+RELEASE: dict[str, asyncio.Event] = {}
+
+
+@registry.task("chunks")
+async def chunks(params: dict[str, int], ctx: TaskContext) -> int:
+    for i in range(1, params["n"] + 1):
+        ctx.emit(i)
+        if i % 10 == 0:
+            await asyncio.sleep(0.002)
+        if i == params.get("pause_at"):
+            await RELEASE[ctx.key].wait()
+    return params["n"]
+
+
+@registry.task("progress_storm")
+async def progress_storm(params: dict[str, int], ctx: TaskContext) -> str:
+    n = params["n"]
+    for i in range(1, n + 1):
+        ctx.progress(i / n, f"{i} of {n}")
+        if i % 5000 == 0:
+            await asyncio.sleep(0)
+    return "done"
+
+
+@registry.task("loud")
+def loud(params: dict[str, int], ctx: TaskContext) -> int:
+    tracemalloc.start()
+    try:
+        for i in range(params["lines"]):
+            ctx.log.info("line", i=i, pad="x" * 100)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak
+
+
+@registry.task("twice")
+async def twice(params: dict[str, Any], ctx: TaskContext) -> str:
+    ctx.log.warning("attempt", n=ctx.attempt)
+    ctx.emit(f"a{ctx.attempt}")
+    if ctx.attempt == 1:
+        raise Retry("once more", delay=0)
+    return "ok"
+
+
+async def test_a_stream_resumes_after_the_last_id_exactly_once(
+    mongo_uri: str, db_name: str, aclient: AsyncTaskClient
+) -> None:
+    RELEASE["s"] = asyncio.Event()
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("chunks", "s", {"n": 1000, "pause_at": 400})
+        first: list[int] = []
+        stream = aclient.stream("s")
+        async for entry in stream:
+            first.append(entry.data)
+            if len(first) == 300:
+                break  # the reader goes away while the handler is still emitting
+        await stream.aclose()  # type: ignore[attr-defined]
+        assert first == list(range(1, 301))
+        last = 300
+        RELEASE["s"].set()
+        rest = [(e.seq, e.data) async for e in aclient.stream("s", after=last)]
+        await events.wait("recorded", key="s")
+    assert rest == [(i, i) for i in range(301, 1001)]
+    task = await aclient.get("s")
+    assert task is not None and task.output_seq == 1000
+    assert task.runs[-1].output is not None and task.runs[-1].output.chunks == 1000
+
+
+def test_the_sync_stream_reads_a_finished_task_and_ends(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    async def run() -> None:
+        async with running_worker(registry, mongo_uri, db_name) as (_, events):
+            client.publish("chunks", "f", {"n": 25})
+            await events.wait("recorded", key="f")
+
+    asyncio.run(run())
+    assert [e.data for e in client.stream("f")] == list(range(1, 26))
+    assert [e.seq for e in client.stream("f", after=20)] == [21, 22, 23, 24, 25]
+    assert [e.seq for e in client.output("f", after=5, limit=3)] == [6, 7, 8]
+    with pytest.raises(TaskNotFound):
+        next(iter(client.stream("no-such-task")))
+    with pytest.raises(InvalidTask, match="unknown output kind 'logs'"):
+        client.output("f", kinds=["logs"])
+
+
+async def test_progress_is_coalesced_and_the_last_value_lands(
+    mongo_uri: str, db_name: str, aclient: AsyncTaskClient, client: TaskClient
+) -> None:
+    """100,000 calls; the profiler counts the updates that wrote progress."""
+    client.db.command("profile", 2)
+    try:
+        async with running_worker(registry, mongo_uri, db_name) as (worker, events):
+            await aclient.publish("progress_storm", "p", {"n": 100_000})
+            await events.wait("recorded", key="p")
+            writes = worker.parts.outputs.writes
+    finally:
+        client.db.command("profile", 0)
+    profiled = list(
+        client.db["system.profile"].find(
+            {"ns": f"{db_name}.tasks", "command.update.$set.progress": {"$exists": True}}
+        )
+    )
+    assert 1 <= len(profiled) <= writes <= 50
+    task = await aclient.get("p")
+    assert task is not None and task.progress is not None
+    assert (task.progress.fraction, task.progress.label) == (1.0, "100000 of 100000")
+
+
+async def test_the_log_is_capped_with_a_marker_and_memory_stays_flat(
+    mongo_uri: str, db_name: str, aclient: AsyncTaskClient
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("loud", "l", {"lines": 100_000})
+        await events.wait("recorded", key="l")
+    task = await aclient.get("l")
+    assert task is not None and task.runs[-1].output is not None
+    counts = task.runs[-1].output
+    assert (counts.logs, counts.logs_dropped) == (1001, 100_000 - 1000)
+    lines = [e async for e in aclient.stream("l")]
+    assert len(lines) == 1001 and lines[-1].fields == {"truncated": True}
+    assert "log truncated" in (lines[-1].message or "")
+    # 100,000 kept lines would hold tens of MB; the cap keeps the buffer to its 1,000
+    assert task.result < 5_000_000
+
+
+async def test_a_retry_keeps_the_earlier_runs_output_tagged(
+    mongo_uri: str, db_name: str, aclient: AsyncTaskClient
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("twice", "t", {})
+        await events.wait("recorded", key="t", state="SUCCESS")
+    entries = [e async for e in aclient.stream("t")]
+    assert [(e.seq, e.attempt, e.kind) for e in entries] == [
+        (1, 1, "log"),
+        (2, 1, "chunk"),
+        (3, 2, "log"),
+        (4, 2, "chunk"),
+    ]
+    assert [e.data for e in entries if e.kind == "chunk"] == ["a1", "a2"]
+    assert len({e.run_id for e in entries}) == 2
+
+
+async def test_output_is_removed_with_the_task(
+    mongo_uri: str, db_name: str, aclient: AsyncTaskClient, client: TaskClient
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("chunks", "r", {"n": 5})
+        await events.wait("recorded", key="r")
+    output = client.db["tasks.output"]
+    task = client.collection.find_one({"_id": "r"})
+    assert task is not None
+
+    def sealed() -> bool:
+        return {d.get("expire_at") for d in output.find({"task": "r"})} == {task["expire_at"]}
+
+    await wait_for(sealed)  # the seal follows the outcome
+    assert await aclient.purge(keys=["r"]) == 1
+    assert output.count_documents({"task": "r"}) == 0
+
+
+async def test_a_frozen_runs_output_stops_at_its_lease_and_the_stream_goes_on(
+    mongo_uri: str, db_name: str, aclient: AsyncTaskClient, client: TaskClient
+) -> None:
+    """Worker A is SIGSTOPped mid-run past its lease; B takes the task over. A is resumed:
+    none of its output lands after B's run began, and one reader sees one contiguous stream."""
+    options = {"worker_timeout_ms": 1500, "ping_interval_ms": 300, "max_retries": 5}
+    await aclient.publish("chatter", "z", {"count": 150, "every_ms": 20}, options=options)
+    seen: list[Any] = []
+
+    async def read() -> None:
+        async for entry in aclient.stream("z"):
+            seen.append(entry)
+
+    reader = asyncio.create_task(read())
+    with worker_process(mongo_uri, db_name, "--concurrency", "1") as a:
+        await wait_for(lambda: len(seen) >= 20, timeout=30)
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            with worker_process(mongo_uri, db_name, "--concurrency", "1"):
+                await asyncio.wait_for(reader, 60)
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+    task = client.collection.find_one({"_id": "z"})
+    assert task is not None and task["status"] == "succeeded"
+    first, second = task["runs"][0]["run_id"], task["runs"][-1]["run_id"]
+    assert first != second and task["runs"][0]["state"] == "TIMEOUT"
+    # A was resumed before it was stopped for good: whatever it still tried to write is in
+    stored = list(client.db["tasks.output"].find({"task": "z"}).sort("seq"))
+    assert [d["seq"] for d in stored] == list(range(1, len(stored) + 1))
+    assert [e.seq for e in seen] == [d["seq"] for d in stored]  # nothing lost, none twice
+    a_seqs = [d["seq"] for d in stored if d["run_id"] == first]
+    b_seqs = [d["seq"] for d in stored if d["run_id"] == second]
+    assert a_seqs and b_seqs and max(a_seqs) < min(b_seqs)  # A wrote nothing after B began
+    assert task["progress"]["run_id"] == second and task["progress"]["fraction"] == 1.0
+    b_first = next(d for d in stored if d["run_id"] == second)
+    assert b_first["attempt"] == 2 and isinstance(b_first["at"], dt.datetime)
