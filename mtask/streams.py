@@ -84,10 +84,11 @@ class Entry:
         return dict(json_util.loads(json_util.dumps(doc, json_options=_JSON)))
 
     def text(self) -> str:
-        """One line for a terminal: ``[seq] level message k=v`` or the chunk as text."""
+        """The entry as text: ``message k=v ...`` for a log line, the chunk itself (bytes
+        decoded as UTF-8, other values as their ``repr``)."""
         if self.kind == "log":
             extras = " ".join(f"{k}={v}" for k, v in (self.fields or {}).items())
-            return f"{self.level or ''} {self.message or ''} {extras}".rstrip()
+            return f"{self.message or ''} {extras}".rstrip()
         if isinstance(self.data, bytes):
             return self.data.decode("utf-8", "replace")
         return self.data if isinstance(self.data, str) else repr(self.data)

@@ -28,7 +28,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mtask._version import __version__
-from mtask.cli import collection, live, local, retention, scheduling, server, tasks, wait, worker
+from mtask.cli import (
+    collection,
+    live,
+    local,
+    logs,
+    retention,
+    scheduling,
+    server,
+    tasks,
+    wait,
+    worker,
+)
 from mtask.cli.common import EXIT_USAGE, EXTRAS, Commands, Handler, err, missing_extra
 from mtask.errors import InvalidTask, InvalidTransition, MtaskError, TaskNotFound, UsageError
 
@@ -58,6 +69,7 @@ def _register_builtin(sub: Any) -> None:
 COMMAND_MODULES: list[CommandModule] = [
     (tasks.register, tasks.run),
     (wait.register, wait.run),  # issue 14: mtask wait
+    (logs.register, logs.run),  # issue 31: mtask logs
     (worker.register, worker.run),
     (scheduling.register, scheduling.run),
     (retention.register, retention.run),

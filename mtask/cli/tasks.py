@@ -22,7 +22,7 @@ from mtask.cli.common import (
 )
 from mtask.client import build_many
 from mtask.errors import InvalidTask, TaskNotFound, UsageError
-from mtask.models import ON_CONFLICT_CHOICES, Task, TaskStatus
+from mtask.models import ON_CONFLICT_CHOICES, OutputCounts, Task, TaskStatus
 
 BATCH = 1000
 commands = Commands()
@@ -106,12 +106,13 @@ def print_task(task: Task) -> None:
         ("finished", when(task.finished_at)),
         ("error", task.error or "-"),
         ("result", json.dumps(task.result, default=json_default)),
+        *_progress_rows(task),
         *_flow_rows(task),
     ]:
         grid.add_row(f"[bold]{label}[/]", value)
     out.print(grid)
     if task.runs:
-        runs = Table("run", "worker", "state", "claimed", "lease / finished", "error")
+        runs = Table("run", "worker", "state", "claimed", "lease / finished", "output", "error")
         for run in task.runs:
             runs.add_row(
                 run.run_id[:8],
@@ -119,9 +120,30 @@ def print_task(task: Task) -> None:
                 run.state.value,
                 when(run.claimed_at),
                 when(run.finished_at or run.lease_expires_at),
+                _output_cell(run.output),
                 run.error or "",
             )
         out.print(runs)
+
+
+def _progress_rows(task: Task) -> list[tuple[str, str]]:
+    """Issue 31: the newest progress, and where the output is."""
+    rows = []
+    if task.progress is not None:
+        p = task.progress
+        share = "" if p.fraction is None else f"{p.fraction:.0%} "
+        rows.append(("progress", f"{share}{p.label or ''} (run {p.run_id[:8]}, {when(p.at)})"))
+    if task.output_seq:
+        rows.append(("output", f"{task.output_seq} entries: mtask logs {task.key}"))
+    return rows
+
+
+def _output_cell(counts: OutputCounts | None) -> str:
+    if counts is None:
+        return ""
+    text = f"{counts.logs} lines, {counts.chunks} chunks"
+    dropped = counts.logs_dropped + counts.chunks_dropped
+    return f"{text} ({dropped} dropped: truncated)" if dropped else text
 
 
 def _flow_rows(task: Task) -> list[tuple[str, str]]:
