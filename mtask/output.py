@@ -13,8 +13,9 @@ Coalescing and caps are decided here:
   flush precedes its outcome);
 - log lines are capped per run (``OutputLimits.max_log_lines``): past the cap one marker line
   says so and later lines are counted in ``logs_dropped``, not kept, so memory stays flat;
-- chunks are never dropped below ``max_chunk_bytes_per_run``; past it they are counted in
-  ``chunks_dropped`` and one marker chunk-less log line says so. One chunk is at most
+- chunks are never dropped below ``max_chunk_bytes_per_run``; the first chunk past it and
+  every later one are counted in ``chunks_dropped``, not kept (what a reader gets is always a
+  prefix of what was emitted), and one marker log line says so. One chunk is at most
   ``max_chunk_bytes``.
 """
 
@@ -148,7 +149,8 @@ class RunOutput:
             raise ValueError(f"a chunk is at most {self.limits.max_chunk_bytes} bytes as BSON")
 
         def put() -> None:
-            if self._chunk_bytes + size <= self.limits.max_chunk_bytes_per_run:
+            cut = self._counts["chunks_dropped"] > 0  # once cut, the stream stays a prefix
+            if not cut and self._chunk_bytes + size <= self.limits.max_chunk_bytes_per_run:
                 self._chunk_bytes += size
                 self._add({"kind": "chunk", "data": data}, "chunks")
                 return

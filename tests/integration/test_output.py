@@ -64,6 +64,34 @@ async def twice(params: dict[str, Any], ctx: TaskContext) -> str:
     return "ok"
 
 
+@registry.task("txn_talk", transactional=True)
+async def txn_talk(params: dict[str, Any], ctx: TaskContext) -> str:
+    await ctx.session.client[params["db"]]["ledger"].insert_one(
+        {"attempt": ctx.attempt}, session=ctx.session
+    )
+    ctx.log.info("in the transaction", attempt=ctx.attempt)
+    ctx.emit(f"t{ctx.attempt}")
+    ctx.progress(1.0, f"attempt {ctx.attempt}")
+    if ctx.attempt == 1:
+        raise Retry("again", delay=0)
+    return "ok"
+
+
+async def test_a_transactional_runs_output_commits_with_its_success_or_not_at_all(
+    mongo_uri: str, db_name: str, aclient: AsyncTaskClient, client: TaskClient
+) -> None:
+    client.db.create_collection("ledger")
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("txn_talk", "x", {"db": db_name})
+        await events.wait("recorded", key="x", state="SUCCESS")
+    entries = [e async for e in aclient.stream("x")]
+    assert [(e.seq, e.attempt, e.kind) for e in entries] == [(1, 2, "log"), (2, 2, "chunk")]
+    assert [d["attempt"] for d in client.db["ledger"].find()] == [2]  # as the business write
+    task = await aclient.get("x")
+    assert task is not None and task.progress is not None
+    assert task.progress.label == "attempt 2"
+
+
 async def test_a_stream_resumes_after_the_last_id_exactly_once(
     mongo_uri: str, db_name: str, aclient: AsyncTaskClient
 ) -> None:
