@@ -640,9 +640,11 @@ class TaskClient(_Base):
         names: Iterable[str] | None = None,
         statuses: Iterable[str] | None = None,
         resume_after: str | None = None,
+        progress: bool = False,
     ) -> Iterator[events.TaskEvent]:
-        """Task state changes across the cluster (see ``mtask.events``)."""
-        return events.sync_events(self.collection, names, statuses, resume_after)
+        """Task state changes across the cluster (see ``mtask.events``); ``progress``: the
+        progress its runs report too (``TaskEvent.progress``)."""
+        return events.sync_events(self.collection, names, statuses, resume_after, progress=progress)
 
     def stream(
         self, key: str, after: int = 0, kinds: Sequence[str] | None = None
@@ -721,11 +723,12 @@ class AsyncTaskClient(_Base):
         names: Iterable[str] | None = None,
         statuses: Iterable[str] | None = None,
         resume_after: str | None = None,
+        progress: bool = False,
     ) -> AsyncIterator[events.TaskEvent]:
         """Task state changes across the cluster, for ever, resuming after a lost connection;
         pass an event's ``token`` as ``resume_after`` to continue after it (see
         ``mtask.events``)."""
-        return events.events(self.collection, names, statuses, resume_after)
+        return events.events(self.collection, names, statuses, resume_after, progress=progress)
 
     def stream(
         self, key: str, after: int = 0, kinds: Sequence[str] | None = None

@@ -85,23 +85,27 @@ def finish_pipeline() -> list[Doc]:
     ]
 
 
-def events_pipeline(names: Iterable[str] | None, statuses: Iterable[str] | None) -> list[Doc]:
+def events_pipeline(
+    names: Iterable[str] | None, statuses: Iterable[str] | None, progress: bool = False
+) -> list[Doc]:
     """Inserts and status changes, filtered on name and status, projected to what a
     ``TaskEvent`` holds. The status is the one the change wrote (``updatedFields``), not the
-    looked-up document's current one: a consumer that resumes late still sees every step."""
-    kinds: Doc = {
-        "$or": [
-            {"operationType": {"$in": ["insert", "replace"]}},
-            {"updateDescription.updatedFields.status": {"$exists": True}},
-        ],
-        "fullDocument": {"$type": "object"},
-    }
+    looked-up document's current one: a consumer that resumes late still sees every step.
+    ``progress``: the updates that wrote a run's progress too (``ctx.progress``)."""
+    changes: list[Doc] = [
+        {"operationType": {"$in": ["insert", "replace"]}},
+        {"updateDescription.updatedFields.status": {"$exists": True}},
+    ]
+    if progress:
+        changes.append({"updateDescription.updatedFields.progress": {"$exists": True}})
+    kinds: Doc = {"$or": changes, "fullDocument": {"$type": "object"}}
     project = {
         "clusterTime": 1,
         "operationType": 1,
         "documentKey": 1,
         "name": "$fullDocument.name",
         "status": {"$ifNull": ["$updateDescription.updatedFields.status", "$fullDocument.status"]},
+        **({"progress": "$updateDescription.updatedFields.progress"} if progress else {}),
     }
     match: Doc = {}
     if names is not None:
@@ -122,6 +126,9 @@ class TaskEvent:
     token: str
     cluster_time: dt.datetime | None
     operation: str
+    progress: Mapping[str, Any] | None = None
+    """With ``progress=True``: the progress this change wrote (``fraction``, ``label``,
+    ``run_id``, ``attempt``, ``at``), else ``None``."""
 
     def to_json(self) -> dict[str, Any]:
         time = self.cluster_time.isoformat() if self.cluster_time else None
@@ -132,7 +139,13 @@ class TaskEvent:
             "token": self.token,
             "cluster_time": time,
             "operation": self.operation,
+            **({"progress": _progress_json(self.progress)} if self.progress else {}),
         }
+
+
+def _progress_json(progress: Mapping[str, Any]) -> dict[str, Any]:
+    at = progress.get("at")
+    return {**progress, "at": at.isoformat() if isinstance(at, dt.datetime) else at}
 
 
 def token_of(resume_token: Mapping[str, Any] | None) -> str:
@@ -153,6 +166,7 @@ def to_event(change: Mapping[str, Any]) -> TaskEvent:
         token=token_of(change["_id"]),
         cluster_time=at,
         operation=str(change.get("operationType")),
+        progress=change.get("progress"),
     )
 
 
@@ -383,6 +397,7 @@ async def events(
     *,
     retry_for: float = 60.0,
     opened: asyncio.Event | None = None,
+    progress: bool = False,
 ) -> AsyncIterator[TaskEvent]:
     """Task events for ever; reconnects (resuming after the last event handed out) when MongoDB
     is out of reach for less than ``retry_for`` seconds, else raises ``StorageError``. Raises
@@ -397,7 +412,7 @@ async def events(
 
     changes = follow(
         collection,
-        events_pipeline(names, statuses),
+        events_pipeline(names, statuses, progress),
         at,
         full_document="updateLookup",
         on_open=on_open,
@@ -414,11 +429,12 @@ def sync_events(
     resume_after: str | None = None,
     *,
     retry_for: float = 60.0,
+    progress: bool = False,
 ) -> Iterator[TaskEvent]:
     """``events`` for code without an event loop (close the iterator to close the stream)."""
     at = Position(resume_token(resume_after), give_up_after=retry_for)
     changes = sync_follow(
-        collection, events_pipeline(names, statuses), at, full_document="updateLookup"
+        collection, events_pipeline(names, statuses, progress), at, full_document="updateLookup"
     )
     with contextlib.closing(changes):
         for change in changes:

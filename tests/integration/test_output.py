@@ -15,6 +15,7 @@ import pytest
 from harness import running_worker, wait_for, worker_process
 
 from mtask import AsyncTaskClient, TaskClient
+from mtask.events import events as events_of
 from mtask.errors import InvalidTask, TaskNotFound
 from mtask.registry import Registry, Retry, TaskContext
 
@@ -90,6 +91,39 @@ async def test_a_transactional_runs_output_commits_with_its_success_or_not_at_al
     task = await aclient.get("x")
     assert task is not None and task.progress is not None
     assert task.progress.label == "attempt 2"
+
+
+@registry.task("steps")
+async def steps(params: dict[str, Any], ctx: TaskContext) -> str:
+    for i in range(1, 4):
+        ctx.progress(i / 3, f"{i} of 3")
+        await asyncio.sleep(0.4)  # longer than the writer's interval: one write each
+    return "ok"
+
+
+async def test_task_events_carry_progress_when_asked(
+    mongo_uri: str, db_name: str, aclient: AsyncTaskClient
+) -> None:
+    opened = asyncio.Event()
+    seen: list[Any] = []
+
+    async def follow() -> None:
+        async for event in events_of(aclient.collection, opened=opened, progress=True):
+            seen.append(event)
+            if event.status == "succeeded":
+                return
+
+    follower = asyncio.create_task(follow())
+    await opened.wait()
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("steps", "e", {})
+        await events.wait("recorded", key="e")
+        await asyncio.wait_for(follower, 30)
+    labels = [e.progress["label"] for e in seen if e.progress is not None]
+    assert labels and labels[-1] == "3 of 3" and labels == sorted(labels)
+    assert seen[0].status == "pending" and seen[-1].status == "succeeded"
+    assert all(e.progress["run_id"] for e in seen if e.progress is not None)
+    assert "progress" in [e for e in seen if e.progress][0].to_json()
 
 
 async def test_a_stream_resumes_after_the_last_id_exactly_once(
