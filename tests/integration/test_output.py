@@ -15,8 +15,8 @@ import pytest
 from harness import running_worker, wait_for, worker_process
 
 from mtask import AsyncTaskClient, TaskClient
-from mtask.events import events as events_of
 from mtask.errors import InvalidTask, TaskNotFound
+from mtask.events import events as events_of
 from mtask.registry import Registry, Retry, TaskContext
 
 registry = Registry()
