@@ -123,7 +123,7 @@ async def test_task_events_carry_progress_when_asked(
     assert labels and labels[-1] == "3 of 3" and labels == sorted(labels)
     assert seen[0].status == "pending" and seen[-1].status == "succeeded"
     assert all(e.progress["run_id"] for e in seen if e.progress is not None)
-    assert "progress" in [e for e in seen if e.progress][0].to_json()
+    assert "progress" in next(e for e in seen if e.progress).to_json()
 
 
 async def test_a_stream_resumes_after_the_last_id_exactly_once(
