@@ -279,3 +279,18 @@ async def test_a_frozen_runs_output_stops_at_its_lease_and_the_stream_goes_on(
     assert task["progress"]["run_id"] == second and task["progress"]["fraction"] == 1.0
     b_first = next(d for d in stored if d["run_id"] == second)
     assert b_first["attempt"] == 2 and isinstance(b_first["at"], dt.datetime)
+
+
+async def test_output_writes_pass_the_collections_validator(
+    mongo_uri: str, db_name: str, aclient: AsyncTaskClient, client: TaskClient
+) -> None:
+    client.init_collection(validator=True)  # the $jsonSchema generated from models.py
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("steps", "v", {})
+        await aclient.publish("twice", "w", {})
+        await events.wait("recorded", key="v")
+        await events.wait("recorded", key="w", state="SUCCESS")
+    task = await aclient.get("v")
+    assert task is not None and task.progress is not None and task.progress.fraction == 1.0
+    task = await aclient.get("w")
+    assert task is not None and task.output_seq == 4 and task.runs[-1].output is not None
