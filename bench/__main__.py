@@ -11,6 +11,7 @@ from rich.console import Console
 
 from bench import scale
 from bench.cpu import w10_cpu
+from bench.output import live_output
 from bench.support import FULL, QUICK, floor_helper
 from bench.validator import validator_ab, validator_interleaved
 from bench.workloads import Bench
@@ -36,6 +37,7 @@ WORKLOADS = {
     "W10": w10_cpu,  # CPU-bound: thread vs process pool (issue 18, bench/cpu.py)
     "WV": validator_ab,  # the $jsonSchema validator's cost on W1 and W6, A/B (bench/validator.py)
     "WVI": validator_interleaved,  # the same, interleaved batch by batch / side by side
+    "WO": live_output,  # issue 31: what progress, log lines and chunks cost (bench/output.py)
 }
 
 

@@ -6,11 +6,12 @@ import asyncio
 import time
 from typing import Any
 
-from bench import txn
+from bench import output, txn
 from mtask.registry import Registry, TaskContext
 
 registry = Registry()
 txn.register(registry)
+output.register(registry)
 
 
 @registry.task("noop")

@@ -119,7 +119,7 @@ class OutputWriter:
         while not run.lost:
             await asyncio.sleep(self.interval)  # what is said meanwhile coalesces
             try:
-                await self._write_all(run)
+                await self._write_all(run, drain=False)
             except StorageError as exc:
                 log.warning("cannot write the output of %s yet: %s", run.key, exc)
                 continue  # the batch stays unwritten: tried again after the interval
@@ -169,7 +169,9 @@ class OutputWriter:
 
     # -- writing -----------------------------------------------------------------------------------
 
-    async def _write_all(self, run: _Followed, session: Any = None) -> None:
+    async def _write_all(self, run: _Followed, session: Any = None, *, drain: bool = True) -> None:
+        """Write what the run has said; ``drain`` False (the follower's turn): what it held
+        when the turn began, not what it says meanwhile (that waits for the next turn)."""
         while not run.lost:
             batch = run.unwritten or run.output.take(MAX_ENTRIES)
             if not batch:
@@ -188,6 +190,8 @@ class OutputWriter:
             if batch.progress is not None and not run.progress_counted:
                 run.progress_counted = True
                 metrics.RUNS_IN_PROGRESS.inc()
+            if not drain and len(batch.entries) < MAX_ENTRIES:
+                return
 
     async def _write(self, run: _Followed, batch: Batch, session: Any) -> bool:
         if batch.entries and not self._indexed:
