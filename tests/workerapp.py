@@ -109,5 +109,7 @@ async def chatter(params: dict[str, int], ctx: TaskContext) -> int:
     for i in range(1, count + 1):
         ctx.emit({"i": i, "attempt": ctx.attempt})
         ctx.progress(i / count, f"chunk {i} of {count}")
+        if i % 10 == 0:
+            ctx.log.info("chunks so far", i=i)
         await asyncio.sleep(every)
     return count

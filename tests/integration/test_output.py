@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from harness import running_worker, wait_for, worker_process
 
-from mtask import AsyncTaskClient, TaskClient
+from mtask import AsyncTaskClient, TaskClient, metrics
 from mtask.errors import InvalidTask, TaskNotFound
 from mtask.events import events as events_of
 from mtask.registry import Registry, Retry, TaskContext
@@ -117,8 +117,10 @@ async def test_task_events_carry_progress_when_asked(
     await opened.wait()
     async with running_worker(registry, mongo_uri, db_name) as (_, events):
         await aclient.publish("steps", "e", {})
+        await wait_for(lambda: metrics.RUNS_IN_PROGRESS._value.get() == 1)  # while it runs
         await events.wait("recorded", key="e")
         await asyncio.wait_for(follower, 30)
+    assert metrics.RUNS_IN_PROGRESS._value.get() == 0
     labels = [e.progress["label"] for e in seen if e.progress is not None]
     assert labels and labels[-1] == "3 of 3" and labels == sorted(labels)
     assert seen[0].status == "pending" and seen[-1].status == "succeeded"
