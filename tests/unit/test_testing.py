@@ -9,6 +9,7 @@ import pytest
 from pydantic import BaseModel
 
 from mtask import Fail, LeaseLost, Next, Registry, Retry, RunState, TaskContext
+from mtask.output import RecordedOutput, RunOutput
 from mtask.testing import arun_handler, run_handler
 
 registry = Registry()
@@ -141,3 +142,22 @@ def test_worker_argv_is_a_worker_command_line() -> None:
     assert "--log-level" not in worker_argv("a:b", "u", "d", "--log-level", "INFO")[:-2]
     shown = subprocess.run([*argv, "--help"], capture_output=True, text=True, check=True)
     assert "--concurrency" in shown.stdout  # the interpreter and module run as a worker would
+
+
+@registry.task("narrate")
+def narrate(params: dict[str, Any], ctx: TaskContext) -> str:
+    ctx.progress(0.5, "half")
+    ctx.log.info("said", n=1)
+    ctx.emit("chunk")
+    return "ok"
+
+
+def test_run_handler_gives_back_what_the_handler_said() -> None:
+    output = RunOutput()
+    outcome = run_handler(registry, "narrate", {}, output=output)
+    assert outcome.state is RunState.SUCCESS
+    said = RecordedOutput.of(output)
+    assert said.progress == {"fraction": 0.5, "label": "half"}
+    assert [(e["message"], e["fields"]) for e in said.logs] == [("said", {"n": 1})]
+    assert said.chunks == ["chunk"]
+    assert run_handler(registry, "narrate", {}).state is RunState.SUCCESS  # no output given
