@@ -26,8 +26,8 @@ from typing import Any
 from pymongo import ASCENDING, IndexModel, ReturnDocument
 
 from mtask.driver import Call, Doc, Op
-from mtask.models import DEFAULT_KEEP_MS, FINISHED_STATUSES, FOREVER, KEEP_FIELDS, TaskStatus
-from mtask.statemachine import RUNNING
+from mtask.models import FINISHED_STATUSES, KEEP_FIELDS, TaskStatus
+from mtask.statemachine import RUNNING, keep_ms
 from mtask.store.transactional import lease_alive_expr
 
 COLLECTION = "output"
@@ -60,10 +60,10 @@ def keep_until(options: Mapping[str, Any], now: dt.datetime) -> dt.datetime | No
     """How long entries written now are kept if their task's end never seals them (its worker
     died between the outcome and ``seal``): the task's longest retention from now; ``None``
     (kept) if any of its retentions is forever."""
-    keeps = [options.get(field, DEFAULT_KEEP_MS[s]) for s, field in KEEP_FIELDS.items()]
-    if any(not isinstance(k, int) or isinstance(k, bool) or k == FOREVER for k in keeps):
+    keeps = [keep_ms(options, status) for status in KEEP_FIELDS]
+    if any(k is None for k in keeps):
         return None
-    return now + dt.timedelta(milliseconds=max(keeps))
+    return now + dt.timedelta(milliseconds=max(k for k in keeps if k is not None))
 
 
 def write(

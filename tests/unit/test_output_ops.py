@@ -1,0 +1,119 @@
+"""``store.output`` and the stream's catch-up without MongoDB: the exact calls, the fence in
+every write's filter, and the numbering of a batch."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from pymongo.results import UpdateResult
+from scripted import ScriptedDriver, Step
+
+from mtask.driver import Call
+from mtask.errors import TaskNotFound
+from mtask.store import output
+from mtask.streams import Follower, catch_up
+
+NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
+
+
+def fenced(call: Call) -> None:
+    filt = call.args[0]
+    assert filt["_id"] == "k" and filt["status"] == "running"
+    assert filt["runs"] == {"$elemMatch": {"run_id": "r", "state": "RUNNING"}}
+    assert "$$NOW" in str(filt["$expr"])  # the lease, on the server's clock
+
+
+def test_a_batch_is_numbered_by_the_fenced_update_then_inserted() -> None:
+    def numbered(call: Call) -> None:
+        docs = call.args[0]
+        assert [(d["seq"], d["kind"], d["run_id"], d["attempt"]) for d in docs] == [
+            (11, "log", "r", 2),
+            (12, "chunk", "r", 2),
+        ]
+        assert all(d["task"] == "k" and d["expire_at"] == NOW for d in docs)
+
+    def update(call: Call) -> None:
+        fenced(call)
+        change = call.args[1]
+        assert change["$inc"] == {"output_seq": 2}
+        assert change["$set"]["progress"]["run_id"] == "r"
+        assert change["$set"]["runs.$.output"] == {"logs": 1, "chunks": 1}
+
+    driver = ScriptedDriver(
+        Step("find_one_and_update", reply={"output_seq": 12}, check=update),
+        Step("insert_many", collection="output", check=numbered),
+    )
+    entries = [{"kind": "log", "message": "m"}, {"kind": "chunk", "data": "d"}]
+    written = driver.run(
+        output.write(
+            "k",
+            "r",
+            2,
+            progress={"fraction": 0.5, "label": None},
+            counts={"logs": 1, "chunks": 1},
+            entries=entries,
+            expire_at=NOW,
+            now=NOW,
+        )
+    )
+    assert written and driver.done
+
+
+def test_a_run_that_lost_its_task_inserts_nothing() -> None:
+    driver = ScriptedDriver(Step("find_one_and_update", reply=None, check=fenced))
+    op = output.write(
+        "k", "r", 1, progress=None, counts=None, entries=[{"kind": "chunk", "data": 1}],
+        expire_at=None, now=NOW,
+    )  # fmt: skip
+    assert driver.run(op) is False and driver.done
+
+
+def test_seal_gives_the_entries_their_finished_tasks_expiry() -> None:
+    expire = NOW + dt.timedelta(days=7)
+    modified = UpdateResult({"n": 3, "nModified": 3, "ok": 1.0}, acknowledged=True)
+    driver = ScriptedDriver(
+        Step("find", reply=[{"_id": "a", "expire_at": expire}, {"_id": "b"}, {"_id": "c",
+             "expire_held": True}]),  # fmt: skip
+        Step("update_many", reply=modified, collection="output",
+             check=lambda c: c.args == ({"task": "a"}, {"$set": {"expire_at": expire}})),
+        Step("update_many", reply=modified, collection="output",
+             check=lambda c: c.args == ({"task": "b"}, {"$unset": {"expire_at": ""}})),
+    )  # fmt: skip
+    assert driver.run(output.seal(["a", "b", "c"])) == 6 and driver.done
+
+
+def test_keep_until_is_the_longest_retention_or_none_for_forever() -> None:
+    assert output.keep_until({}, NOW) == NOW + dt.timedelta(days=30)
+    assert output.keep_until({"keep_succeeded_ms": -1}, NOW) is None
+
+
+def test_catch_up_reads_the_status_once_then_pages_after_last() -> None:
+    at = Follower("tasks", after=5)
+    page = [{"seq": 6, "kind": "chunk", "data": "x"}, {"seq": 7, "kind": "chunk", "data": "y"}]
+    driver = ScriptedDriver(
+        Step("find_one", reply={"_id": "k", "status": "running"}),
+        Step("find", reply=page, collection="output",
+             check=lambda c: c.args[0] == {"task": "k", "seq": {"$gt": 5}}),
+        Step("find", reply=[], collection="output",
+             check=lambda c: c.args[0] == {"task": "k", "seq": {"$gt": 7}}),
+    )  # fmt: skip
+    entries, over = driver.run(catch_up("k", at, None))
+    assert [e.seq for e in entries] == [6, 7] and not over and at.last == 7
+    assert not at.needs_read({"ns": {"coll": "tasks.output"}, "seq": 7})  # seen: skipped
+    assert at.needs_read({"ns": {"coll": "tasks.output"}, "seq": 8})
+    entries, over = driver.run(catch_up("k", at, None))
+    assert entries == [] and not over and driver.done
+    assert at.needs_read({"ns": {"coll": "tasks"}}) and at.check_task  # a status change
+
+
+def test_catch_up_ends_once_the_task_is_finished_and_raises_for_no_task() -> None:
+    at = Follower("tasks", after=0)
+    driver = ScriptedDriver(
+        Step("find_one", reply={"_id": "k", "status": "succeeded"}),
+        Step("find", reply=[{"seq": 1, "kind": "log"}], collection="output"),
+    )
+    entries, over = driver.run(catch_up("k", at, ["log"]))
+    assert [e.seq for e in entries] == [1] and over
+    with pytest.raises(TaskNotFound):
+        ScriptedDriver(Step("find_one", reply=None)).run(catch_up("x", Follower("tasks", 0), None))
