@@ -74,7 +74,7 @@ def test_seal_gives_the_entries_their_finished_tasks_expiry() -> None:
     modified = UpdateResult({"n": 3, "nModified": 3, "ok": 1.0}, acknowledged=True)
     driver = ScriptedDriver(
         Step("find", reply=[{"_id": "a", "expire_at": expire}, {"_id": "b"}, {"_id": "c",
-             "expire_held": True}]),  # fmt: skip
+             "expire_held": True}]),
         Step("update_many", reply=modified, collection="output",
              check=lambda c: c.args == ({"task": "a"}, {"$set": {"expire_at": expire}})),
         Step("update_many", reply=modified, collection="output",
