@@ -189,7 +189,10 @@ class RunOutput:
                 self._progress = batch.progress
             if batch.counts is not None:
                 self._counts, self._counts_changed = dict(batch.counts), True
-            self._entries.extend(batch.entries)
+            for entry in batch.entries:
+                if self._now is not None and "at" not in entry:
+                    entry["at"] = self._now()  # the child has no server clock: when it arrived
+                self._entries.append(entry)
 
         if batch:
             self._put(put, progress=batch.progress is not None)

@@ -140,3 +140,18 @@ def plain_pid(params: dict[str, Any]) -> int:
 @registry.task("defaulted", options=TaskOptions(max_retries=7, priority=5))
 def defaulted(params: dict[str, Any]) -> None:
     return None
+
+
+@registry.task("narrate_in_child", isolation="process")
+def narrate_in_child(params: dict[str, Any], ctx: TaskContext) -> int:
+    """Live output from a child process (docs/output.md): progress many times, lines and
+    chunks over more than one of the child's sends."""
+    for i in range(1, params["chunks"] + 1):
+        ctx.emit({"i": i, "pid": os.getpid()})
+        for step in range(100):
+            ctx.progress((i - 1 + step / 100) / params["chunks"], f"chunk {i}")
+        if i % 10 == 0:
+            ctx.log.info("ten more", i=i)
+        time.sleep(0.005)
+    ctx.progress(1.0, "all sent")
+    return os.getpid()

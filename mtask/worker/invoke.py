@@ -54,6 +54,7 @@ async def invoke(
                 hard_timeout=hard,
                 cancelled=ctx.cancelled,
                 lease=lease,
+                on_output=lambda batch: ctx.output.merge(batch),
             )
         except TimeLimitExceeded:
             metrics.TIME_LIMIT_KILLS.labels(how="process").inc()

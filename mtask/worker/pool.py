@@ -51,6 +51,7 @@ from typing import Any, cast
 
 from mtask import metrics
 from mtask.errors import InvalidParams, MtaskError
+from mtask.output import Batch, RunOutput
 from mtask.registry import Fail, Handler, Retry, TaskContext
 
 log = logging.getLogger("mtask.pool")  # the name operators filter on, kept
@@ -219,7 +220,13 @@ def short_traceback(exc: BaseException) -> str:
     return text if len(text) <= TRACEBACK_LIMIT else "…" + text[-TRACEBACK_LIMIT:]
 
 
-def _call(handler: Handler, params: Mapping[str, Any], info: RunInfo, cancelled: Any) -> tuple:  # type: ignore[type-arg]
+def _call(
+    handler: Handler,
+    params: Mapping[str, Any],
+    info: RunInfo,
+    cancelled: Any,
+    output: _ChildOutput,
+) -> tuple:  # type: ignore[type-arg]
     ctx = TaskContext(
         key=info.key,
         name=info.name,
@@ -227,7 +234,15 @@ def _call(handler: Handler, params: Mapping[str, Any], info: RunInfo, cancelled:
         run_id=info.run_id,
         worker_id=info.worker_id,
         cancelled=cast(asyncio.Event, cancelled),  # a multiprocessing Event: is_set() works
+        output_for=output.made,
     )
+    try:
+        return _reply(handler, params, ctx)
+    finally:
+        output.close()  # what the handler said reaches the worker before its reply
+
+
+def _reply(handler: Handler, params: Mapping[str, Any], ctx: TaskContext) -> tuple:  # type: ignore[type-arg]
     try:
         return ("ok", handler.fn(*handler.args(handler.parse(params), ctx)))
     except Retry as exc:
@@ -243,12 +258,62 @@ def _call(handler: Handler, params: Mapping[str, Any], info: RunInfo, cancelled:
 
 
 class _Run:
-    """The child's current run, shared by its main thread and its lease watch: whoever takes
-    ``lock`` and finds ``active`` set ends the run (the reply, or the stop at the deadline)."""
+    """The child's current run, shared by its main thread, its lease watch and its output
+    sender: whoever takes ``lock`` and finds ``active`` set ends the run (the reply, or the
+    stop at the deadline); every send on the pipe holds ``lock``."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.active = False
+
+
+OUTPUT_EVERY_S = 0.1
+"""How often a child sends what its handler said (``ctx.progress``/``log``/``emit``)."""
+
+
+class _ChildOutput:
+    """A process-isolated run's live output (docs/output.md): its handler's ``RunOutput``,
+    sent to the worker as ``("out", batch)`` every ``OUTPUT_EVERY_S`` by a thread started on
+    the first thing said, and once more before the reply. The worker merges it into the run's
+    own ``RunOutput`` and writes it under the run's fence. A run that says nothing starts no
+    thread and sends nothing."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection, run: _Run) -> None:
+        self.conn, self.run = conn, run
+        self.output = RunOutput(wake=self._woken)  # the worker stamps the entries' time
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def made(self, _ctx: TaskContext) -> RunOutput:
+        return self.output
+
+    def _woken(self, _output: RunOutput) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._follow, name="mtask-child-output", daemon=True
+                )
+                self._thread.start()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(OUTPUT_EVERY_S):
+            self.send()
+
+    def send(self) -> None:
+        while batch := self.output.take():
+            with self.run.lock:  # never between the bytes of another send
+                if not self.run.active:
+                    return  # the lease watch ended the run
+                self.conn.send(("out", batch))
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        self.send()
 
 
 def _watch_lease(deadline: Any, run: _Run, conn: multiprocessing.connection.Connection) -> None:
@@ -297,7 +362,7 @@ def _child_main(
             return  # retired
         handler, params, info = message
         run.active = True
-        reply = _call(handler, params, info, cancelled)
+        reply = _call(handler, params, info, cancelled, _ChildOutput(conn, run))
         with run.lock:
             if not run.active:
                 return  # the lease watch stopped the run (and is killing us)
@@ -494,6 +559,7 @@ class ProcessPool:
         hard_timeout: float | None = None,
         cancelled: asyncio.Event | None = None,
         lease: LeaseWatch | None = None,
+        on_output: Callable[[Batch], None] | None = None,
     ) -> Any:
         """Run ``handler`` in a child and return its result, or raise what the run ended with:
         ``Retry``, ``Fail``, ``InvalidParams``, ``HandlerError`` (the child's traceback),
@@ -501,7 +567,8 @@ class ProcessPool:
         ``MemoryLimitExceeded``. At ``soft_timeout`` (or when ``cancelled`` is set) the child's
         ``ctx.cancelled`` is set; at ``hard_timeout``, or if this await is cancelled, the child
         is killed. With ``lease``, the child follows the run's lease expiry and stops itself
-        (and everything its handler started) if it passes with no renewal."""
+        (and everything its handler started) if it passes with no renewal. ``on_output``
+        receives what the handler says (``ctx.progress``/``log``/``emit``), as it says it."""
         if self.closed:
             raise MtaskError("the process pool is closed")
         child = await self._take()
@@ -515,7 +582,9 @@ class ProcessPool:
 
                 unwatch = lease(renewed)
             child.conn.send((handler, dict(params), info))
-            reply = await self._await_reply(child, soft_timeout, hard_timeout, cancelled)
+            reply = await self._await_reply(
+                child, soft_timeout, hard_timeout, cancelled, on_output or (lambda _b: None)
+            )
         except BaseException:
             await self._kill(child)
             raise
@@ -640,8 +709,10 @@ class ProcessPool:
         soft_timeout: float | None,
         hard_timeout: float | None,
         cancelled: asyncio.Event | None,
+        on_output: Callable[[Batch], None],
     ) -> tuple[Any, ...] | None:
-        """The child's reply, ``None`` if it died first; raises ``TimeLimitExceeded``."""
+        """The child's reply, ``None`` if it died first; raises ``TimeLimitExceeded``. What
+        the child sends before it (its handler's output) goes to ``on_output``."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         readable = _Readable(child.conn.fileno(), child.process.sentinel)
@@ -666,7 +737,13 @@ class ProcessPool:
                     if stop is not None:
                         stop.cancel()
                 if readable.future.done():
-                    break
+                    message = self._received(child)
+                    if message is None or message[0] != "out":
+                        return message
+                    on_output(message[1])
+                    readable.close()
+                    readable = _Readable(child.conn.fileno(), child.process.sentinel)
+                    continue
                 now = loop.time()
                 if hard_timeout is not None and now >= start + hard_timeout:
                     self.time_limit_kills += 1  # run() kills the child
@@ -679,6 +756,11 @@ class ProcessPool:
                     soft_sent = True
         finally:
             readable.close()
+
+    @staticmethod
+    def _received(child: Child) -> tuple[Any, ...] | None:
+        """The next message from a child whose pipe or sentinel is ready; ``None`` if it died
+        with nothing more to say."""
         if child.conn.poll():
             try:
                 return cast(tuple[Any, ...], child.conn.recv())
