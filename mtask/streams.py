@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,13 +86,15 @@ class Entry:
 
     def text(self) -> str:
         """The entry as text: ``message k=v ...`` for a log line, the chunk itself (bytes
-        decoded as UTF-8, other values as their ``repr``)."""
+        decoded as UTF-8, other values as one line of JSON)."""
         if self.kind == "log":
             extras = " ".join(f"{k}={v}" for k, v in (self.fields or {}).items())
             return f"{self.message or ''} {extras}".rstrip()
         if isinstance(self.data, bytes):
             return self.data.decode("utf-8", "replace")
-        return self.data if isinstance(self.data, str) else repr(self.data)
+        if isinstance(self.data, str):
+            return self.data
+        return json.dumps(self.data, default=str)  # a row: as JSON, one line
 
 
 def _json_options() -> Any:

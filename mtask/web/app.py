@@ -20,7 +20,7 @@ from mtask import metrics
 from mtask.client import AsyncTaskClient, TaskClient
 from mtask.errors import InvalidTask, InvalidTransition, StorageError, TaskNotFound
 from mtask.schedules import ScheduleNotFound
-from mtask.web import api, dashboard, events
+from mtask.web import api, dashboard, events, output
 from mtask.web.auth import Keys
 from mtask.web.guard import DEFAULT_MAX_BODY, Guard
 
@@ -88,6 +88,7 @@ def create_app(
     app.state.keys = Keys.of(token)
     app.include_router(api.public)
     app.include_router(events.router)  # issue 14: SSE and long-poll wait (before /tasks/{key})
+    app.include_router(output.router)  # issue 31: /tasks/{key}:output and :stream (before too)
     app.include_router(api.router)
     app.include_router(dashboard.router)
     app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")

@@ -35,6 +35,7 @@ templates = Environment(
 )
 templates.filters["json"] = lambda value: json.dumps(value, indent=2, default=str)
 templates.filters["when"] = lambda v: v.strftime("%Y-%m-%d %H:%M:%S") if v else "-"
+templates.filters["clock"] = lambda v: v.strftime("%H:%M:%S") if v else "-"
 templates.filters["url"] = lambda v: urllib.parse.quote(str(v), safe="")
 templates.filters["path"] = lambda v: urllib.parse.quote(str(v), safe="/")
 templates.filters["lastline"] = lambda v: ((v or "").strip().splitlines() or [""])[-1]
@@ -205,6 +206,10 @@ async def task_list(request: Request) -> HTMLResponse:
     )
 
 
+OUTPUT_SHOWN = 200
+"""The newest log lines and chunks a task page shows (``mtask logs KEY`` has them all)."""
+
+
 @router.get("/ui/tasks/{key:path}", response_class=HTMLResponse)
 async def task_page(key: str, request: Request) -> HTMLResponse:
     if not signed_in(request):
@@ -214,7 +219,19 @@ async def task_page(key: str, request: Request) -> HTMLResponse:
     if task is None:
         return render(request, "missing.html", status_code=404, key=key)
     now = await client.now()
-    return render(request, "task.html", task=task, now=now, timeline=timeline(task, now))
+    newest = max(0, (task.output_seq or 0) - OUTPUT_SHOWN)  # issue 31: the newest lines
+    entries = await client.output(key, after=newest, limit=OUTPUT_SHOWN) if task.output_seq else []
+    live = task.status is not None and not task.status.finished
+    return render(
+        request,
+        "task.html",
+        task=task,
+        now=now,
+        timeline=timeline(task, now),
+        entries=entries,
+        live=live,
+        shown_from=newest,
+    )
 
 
 @router.get("/ui/workers", response_class=HTMLResponse)

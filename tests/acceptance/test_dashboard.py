@@ -7,9 +7,7 @@ task list, a task page and the workers page at desktop and phone sizes (docs/ ho
 from __future__ import annotations
 
 import os
-import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,40 +17,9 @@ from webserver import serving
 
 from mtask import TaskClient
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 TOKEN = "dash-token"
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 DESKTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 390, "height": 844}
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail("chromium is required in CI (apt-get install chromium)")
-        pytest.skip("no chromium here (apt-get install chromium)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail("playwright is required in CI (pip install -e '.[dev]')")
-        pytest.skip("playwright is not installed")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)  # a fresh profile
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 def wait_until(check: Any, timeout: float = 60) -> None:

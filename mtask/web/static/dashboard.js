@@ -1,7 +1,7 @@
 // Progressive enhancement: every action is a plain form that works without JavaScript
 // (POST, then redirect to a page with a flash message). With JavaScript, forms are submitted
 // in place (the redirected page's content replaces this one's), and the overview and workers
-// pages refresh themselves every 5 seconds.
+// pages refresh themselves every 5 seconds (an open task's page every 2).
 "use strict";
 
 function swap(html, url) {
@@ -37,3 +37,7 @@ document.addEventListener("submit", async (event) => {
 });
 
 if (location.pathname === "/" || location.pathname === "/ui/workers") setInterval(refresh, 5000);
+// a task page while the task is open: its progress and newest log lines, every 2 seconds
+if (location.pathname.startsWith("/ui/tasks/")) {
+  setInterval(() => { if (document.querySelector("[data-live]")) refresh(); }, 2000);
+}

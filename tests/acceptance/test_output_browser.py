@@ -1,0 +1,103 @@
+"""A task's live output in a real browser (Debian's Chromium, driven by Playwright): an
+``EventSource`` reads the SSE stream of 1,000 chunks a real worker emits, goes away after 300,
+and a new one resumes after the last id and gets the rest exactly once, then ``end``; the task
+page shows the progress and the live log at 1280 and 390 px, dark, without JavaScript
+(screenshots kept in the test's directory, and in ``MTASK_SCREENSHOTS`` if set)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from harness import worker_process
+from test_dashboard import DESKTOP, PHONE, shots_dir, wait_until
+from webserver import serving
+
+from mtask import TaskClient
+
+TOKEN = "out-token"
+READ = """async ([path, stopAfter]) => await new Promise((resolve, reject) => {
+  const got = [];
+  const source = new EventSource(path);
+  source.addEventListener("chunk", (e) => {
+    got.push([Number(e.lastEventId), JSON.parse(e.data).data.i]);
+    if (stopAfter && got.length === stopAfter) { source.close(); resolve({ got, end: null }); }
+  });
+  source.addEventListener("end", (e) => {
+    source.close();
+    resolve({ got, end: JSON.parse(e.data) });
+  });
+  source.addEventListener("error", () => {
+    if (source.readyState === EventSource.CLOSED) reject(new Error("the stream closed"));
+  });
+})"""
+
+
+def sign_in(page: Any, url: str) -> None:
+    page.goto(url + "/")
+    page.fill("#token", TOKEN)
+    page.click("form.login button[type=submit]")
+    page.wait_for_selector("#counts")
+
+
+def test_an_event_source_resumes_after_the_last_id_exactly_once(
+    browser: Any, mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    client.publish("chatter", "z", {"count": 1000, "every_ms": 4})
+    with (
+        worker_process(mongo_uri, db_name, "--concurrency", "1"),
+        serving(mongo_uri, db_name, token=TOKEN) as url,
+    ):
+        context = browser.new_context()
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        sign_in(page, url)  # the session cookie is the EventSource's credential
+        first = page.evaluate(READ, ["/tasks/z:stream?kind=chunk", 300])
+        assert [i for _, i in first["got"]] == list(range(1, 301)) and first["end"] is None
+        last = first["got"][-1][0]
+        rest = page.evaluate(READ, [f"/tasks/z:stream?kind=chunk&after={last}", 0])
+        context.close()
+    assert [i for _, i in rest["got"]] == list(range(301, 1001))  # none lost, none twice
+    ids = [seq for seq, _ in rest["got"]]
+    assert ids == sorted(set(ids)) and ids[0] > last
+    assert rest["end"] == {"status": "succeeded"}
+
+
+def test_the_task_page_shows_progress_and_the_live_log(
+    browser: Any, mongo_uri: str, db_name: str, client: TaskClient, tmp_path: Path
+) -> None:
+    from playwright.sync_api import expect
+
+    client.publish("chatter", "report/7", {"count": 3000, "every_ms": 20})
+    out = shots_dir(tmp_path)
+    with (
+        worker_process(mongo_uri, db_name, "--concurrency", "1"),
+        serving(mongo_uri, db_name, token=TOKEN) as url,
+    ):
+        wait_until(lambda: (t := client.get("report/7")) is not None and (t.output_seq or 0) > 60)
+        for size, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
+            context = browser.new_context(
+                viewport=viewport, color_scheme="dark", java_script_enabled=False
+            )
+            page = context.new_page()
+            page.set_default_timeout(30_000)
+            sign_in(page, url)
+            page.goto(url + "/ui/tasks/report/7")
+            expect(page.locator("#progress")).to_contain_text("chunk")
+            expect(page.locator("#progress")).to_contain_text("of 3000")
+            expect(page.locator("ol.log")).to_contain_text("chunks so far")
+            expect(page.locator("#runs")).to_contain_text("lines")
+            refresh = page.locator("noscript meta[http-equiv=refresh]")
+            assert refresh.count() == 1  # live without JavaScript while the task is open
+            background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+            assert background.startswith("rgb(11, 17, 32"), background  # dark
+            width = page.evaluate("document.documentElement.scrollWidth")
+            assert width <= viewport["width"], (size, width)
+            shot = out / f"dashboard-task-output-{size}-dark.png"
+            page.screenshot(path=str(shot), full_page=size == "phone")
+            assert shot.stat().st_size > 5_000
+            if Path("/tmp/shots").is_dir():
+                shutil.copy(shot, Path("/tmp/shots") / shot.name)
+            context.close()
+        client.cancel("report/7")
