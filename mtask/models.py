@@ -186,6 +186,8 @@ class Run(BaseModel):
     result: Any = None
     output: OutputCounts | None = None
     """Set by the run's first output write (``ctx.log``, ``ctx.emit``)."""
+    output_batch: int | None = Field(None, ge=0)
+    """The number of the run's newest output write: one sent again is not applied twice."""
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(TaskOptions.model_fields)

@@ -70,6 +70,7 @@ def write(
     key: str,
     run_id: str,
     attempt: int,
+    batch: int,
     *,
     progress: Doc | None,
     counts: Doc | None,
@@ -77,34 +78,40 @@ def write(
     expire_at: dt.datetime | None,
     now: dt.datetime,
 ) -> Op[bool]:
-    """Record a run's progress (``{fraction, label}``), its output counts and ``entries`` (log
-    lines and chunks, without ``task``/``seq``/``run_id``), if the run still owns the task:
-    RUNNING, its task ``running``, its lease unexpired on the server's clock. ``False``: it
-    does not, and nothing was written. With entries, run it in a transaction (the fenced
-    update numbers them, the insert stores them; they commit together)."""
+    """Record batch number ``batch`` of a run (numbered from 1, a retry keeps its number):
+    its progress (``{fraction, label}``), its output counts and ``entries`` (log lines and
+    chunks, without ``task``/``seq``/``run_id``), if the run still owns the task: RUNNING, its
+    task ``running``, its lease unexpired on the server's clock. ``False``: it does not, and
+    nothing was written. With entries, run it in a transaction (the fenced update numbers them,
+    the insert stores them; they commit together).
+
+    A batch is written once even if it is sent again (a reply lost after its commit): the
+    update records the batch's number in the run entry (``output_batch``) and matches only a
+    run that has not recorded it; a run that has is answered ``True`` without writing."""
+    run = {"run_id": run_id, "state": RUNNING}
     filt: Doc = {
         "_id": key,
         "status": TaskStatus.RUNNING.value,
-        "runs": {"$elemMatch": {"run_id": run_id, "state": RUNNING}},
+        "runs": {"$elemMatch": {**run, "output_batch": {"$not": {"$gte": batch}}}},
         "$expr": lease_alive_expr(run_id),
     }
-    sets: Doc = {}
+    sets: Doc = {"runs.$.output_batch": batch}
     if progress is not None:
         sets["progress"] = {**progress, "run_id": run_id, "attempt": attempt, "at": now}
     if counts is not None:
         sets["runs.$.output"] = dict(counts)
-    update: Doc = {"$set": sets} if sets else {}
+    update: Doc = {"$set": sets}
     if entries:
         update["$inc"] = {"output_seq": len(entries)}
-    if not update:
-        return True
     doc: Doc | None = yield Call(
         "find_one_and_update",
         (filt, update),
         {"projection": {"output_seq": 1}, "return_document": ReturnDocument.AFTER},
     )
     if doc is None:
-        return False
+        done = {"_id": key, "runs": {"$elemMatch": {**run, "output_batch": {"$gte": batch}}}}
+        written: Doc | None = yield Call("find_one", (done, {"_id": 1}))
+        return written is not None  # written before (its reply was lost), or lost the task
     if entries:
         first = int(doc["output_seq"]) - len(entries) + 1
         expiry = {} if expire_at is None else {"expire_at": expire_at}

@@ -58,6 +58,10 @@ class _Followed:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     unwritten: Batch | None = None
+    batches: int = 0
+    """The number of the newest batch taken (``store.output.write``'s ``batch``)."""
+    writing: bool = False
+    ending: bool = False
     wrote_entries: bool = False
     progress_counted: bool = False
     lost: bool = False
@@ -116,16 +120,31 @@ class OutputWriter:
         run.wakeup.set()
 
     async def _follow(self, run: _Followed) -> None:
-        while not run.lost:
+        while not run.lost and not run.ending:
             await asyncio.sleep(self.interval)  # what is said meanwhile coalesces
+            run.writing = True
             try:
                 await self._write_all(run, drain=False)
             except StorageError as exc:
-                log.warning("cannot write the output of %s yet: %s", run.key, exc)
-                continue  # the batch stays unwritten: tried again after the interval
+                self._failed(run, exc)
+                continue
+            finally:
+                run.writing = False
+            if run.ending:
+                return  # the run's end writes the rest
             run.wakeup.clear()
             if not run.output.pending():
                 await run.wakeup.wait()
+
+    @staticmethod
+    def _failed(run: _Followed, exc: StorageError) -> None:
+        """A transient error keeps the batch, tried again (with its number: never twice);
+        any other drops it (the server refuses it as it is)."""
+        if exc.transient:
+            log.warning("cannot write the output of %s yet: %s", run.key, exc)
+            return
+        log.warning("output of %s refused, one batch dropped: %s", run.key, exc)
+        run.unwritten = None
 
     # -- the run's end ---------------------------------------------------------------------------
 
@@ -136,9 +155,11 @@ class OutputWriter:
         output.close()
         if run is None:
             return False
+        run.ending = True
         if run.task is not None:
-            run.task.cancel()
-            await asyncio.gather(run.task, return_exceptions=True)
+            if not run.writing:
+                run.task.cancel()  # it waits: nothing is half-sent
+            await asyncio.gather(run.task, return_exceptions=True)  # a write in flight ends
         if write and not run.lost and not run.held:
             deadline = asyncio.get_running_loop().time() + FINAL_WRITE_S
             while True:
@@ -161,11 +182,12 @@ class OutputWriter:
             await self._write_all(run, session)
 
     def restart(self, output: RunOutput) -> None:
-        """A transactional body runs again: what the aborted one said is forgotten."""
+        """A transactional body runs again: what the aborted one said is forgotten (its
+        batches' numbers too: they were never committed)."""
         output.discard()
         run = self._runs.get(id(output))
         if run is not None:
-            run.unwritten = None
+            run.unwritten, run.batches = None, 0
 
     # -- writing -----------------------------------------------------------------------------------
 
@@ -173,11 +195,14 @@ class OutputWriter:
         """Write what the run has said; ``drain`` False (the follower's turn): what it held
         when the turn began, not what it says meanwhile (that waits for the next turn)."""
         while not run.lost:
-            batch = run.unwritten or run.output.take(MAX_ENTRIES)
-            if not batch:
-                return
-            run.unwritten = batch
-            written = await self._write(run, batch, session)
+            batch = run.unwritten
+            if batch is None:
+                batch = run.output.take(MAX_ENTRIES)
+                if not batch:
+                    return
+                run.batches += 1
+                run.unwritten = batch
+            written = await self._write(run, batch, run.batches, session)
             run.unwritten = None
             if not written:
                 run.lost = True
@@ -193,7 +218,7 @@ class OutputWriter:
             if not drain and len(batch.entries) < MAX_ENTRIES:
                 return
 
-    async def _write(self, run: _Followed, batch: Batch, session: Any) -> bool:
+    async def _write(self, run: _Followed, batch: Batch, number: int, session: Any) -> bool:
         if batch.entries and not self._indexed:
             await self.driver.run(store_output.ensure_indexes())
             self._indexed = True
@@ -203,6 +228,7 @@ class OutputWriter:
                 run.key,
                 run.run_id,
                 run.attempt,
+                number,
                 progress=batch.progress,
                 counts=batch.counts,
                 entries=batch.entries,

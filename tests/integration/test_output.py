@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 from harness import running_worker, wait_for, worker_process
 
-from mtask import AsyncTaskClient, TaskClient, metrics
+from mtask import AsyncTaskClient, TaskClient, driver, metrics
 from mtask.errors import InvalidTask, TaskNotFound
 from mtask.events import events as events_of
 from mtask.registry import Registry, Retry, TaskContext
+from mtask.store import output as store_output
 
 registry = Registry()
 RELEASE: dict[str, asyncio.Event] = {}
@@ -296,3 +297,39 @@ async def test_output_writes_pass_the_collections_validator(
     assert task is not None and task.progress is not None and task.progress.fraction == 1.0
     task = await aclient.get("w")
     assert task is not None and task.output_seq == 4 and task.runs[-1].output is not None
+
+
+def test_a_batch_sent_again_is_written_once_and_a_stale_lease_writes_nothing(
+    client: TaskClient,
+) -> None:
+    """``store.output.write`` on the real server: the same batch number twice (a reply lost
+    after its commit) stores its entries once; a run whose lease has expired by the server's
+    clock stores nothing."""
+
+    client.publish("n", "b", {})
+    now = client.now()
+    run = {"run_id": "r1", "worker_id": "w", "state": "RUNNING", "claimed_at": now}
+    lease = {"lease_expires_at": now + dt.timedelta(minutes=5)}
+    client.collection.update_one(
+        {"_id": "b"}, {"$set": {"status": "running", "runs": [{**run, **lease}]}}
+    )
+    sync = driver.SyncDriver(driver.collections(client.db))
+    entries = [{"kind": "chunk", "data": "x"}, {"kind": "chunk", "data": "y"}]
+
+    def write(batch: int) -> bool:
+        op = store_output.write(
+            "b", "r1", 1, batch, progress=None, counts={"chunks": 2}, entries=entries,
+            expire_at=None, now=now,
+        )  # fmt: skip
+        with client.mongo.start_session() as session:
+            return bool(session.with_transaction(lambda s: sync.run(op, s)))
+
+    assert write(1) and write(1)  # the second is answered, not applied
+    assert write(2)
+    stored = [d["data"] for d in client.db["tasks.output"].find({"task": "b"}).sort("seq")]
+    assert stored == ["x", "y", "x", "y"]  # batches 1 and 2, once each
+    assert client.collection.find_one({"_id": "b"})["output_seq"] == 4  # type: ignore[index]
+    expired = {"lease_expires_at": now - dt.timedelta(seconds=1)}
+    client.collection.update_one({"_id": "b"}, {"$set": {"runs": [{**run, **expired}]}})
+    assert not write(3)
+    assert client.db["tasks.output"].count_documents({"task": "b"}) == 4

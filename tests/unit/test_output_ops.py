@@ -20,7 +20,9 @@ NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 def fenced(call: Call) -> None:
     filt = call.args[0]
     assert filt["_id"] == "k" and filt["status"] == "running"
-    assert filt["runs"] == {"$elemMatch": {"run_id": "r", "state": "RUNNING"}}
+    assert filt["runs"] == {
+        "$elemMatch": {"run_id": "r", "state": "RUNNING", "output_batch": {"$not": {"$gte": 3}}}
+    }
     assert "$$NOW" in str(filt["$expr"])  # the lease, on the server's clock
 
 
@@ -39,6 +41,7 @@ def test_a_batch_is_numbered_by_the_fenced_update_then_inserted() -> None:
         assert change["$inc"] == {"output_seq": 2}
         assert change["$set"]["progress"]["run_id"] == "r"
         assert change["$set"]["runs.$.output"] == {"logs": 1, "chunks": 1}
+        assert change["$set"]["runs.$.output_batch"] == 3
 
     driver = ScriptedDriver(
         Step("find_one_and_update", reply={"output_seq": 12}, check=update),
@@ -50,6 +53,7 @@ def test_a_batch_is_numbered_by_the_fenced_update_then_inserted() -> None:
             "k",
             "r",
             2,
+            3,
             progress={"fraction": 0.5, "label": None},
             counts={"logs": 1, "chunks": 1},
             entries=entries,
@@ -61,12 +65,30 @@ def test_a_batch_is_numbered_by_the_fenced_update_then_inserted() -> None:
 
 
 def test_a_run_that_lost_its_task_inserts_nothing() -> None:
-    driver = ScriptedDriver(Step("find_one_and_update", reply=None, check=fenced))
+    def asks_for_the_batch(call: Call) -> None:
+        assert call.args[0]["runs"]["$elemMatch"]["output_batch"] == {"$gte": 3}
+
+    driver = ScriptedDriver(
+        Step("find_one_and_update", reply=None, check=fenced),
+        Step("find_one", reply=None, check=asks_for_the_batch),
+    )
     op = output.write(
-        "k", "r", 1, progress=None, counts=None, entries=[{"kind": "chunk", "data": 1}],
+        "k", "r", 1, 3, progress=None, counts=None, entries=[{"kind": "chunk", "data": 1}],
         expire_at=None, now=NOW,
     )  # fmt: skip
     assert driver.run(op) is False and driver.done
+
+
+def test_a_batch_sent_again_after_its_commit_is_not_written_twice() -> None:
+    driver = ScriptedDriver(
+        Step("find_one_and_update", reply=None, check=fenced),
+        Step("find_one", reply={"_id": "k"}),  # the run has recorded batch 3: nothing to do
+    )
+    op = output.write(
+        "k", "r", 1, 3, progress=None, counts=None, entries=[{"kind": "chunk", "data": 1}],
+        expire_at=None, now=NOW,
+    )  # fmt: skip
+    assert driver.run(op) is True and driver.done
 
 
 def test_seal_gives_the_entries_their_finished_tasks_expiry() -> None:
