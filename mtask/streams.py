@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import itertools
 import json
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,6 +188,15 @@ def _collections(db: Any, tasks: str) -> dict[str, Any]:
     }
 
 
+async def _now_then(waits: AsyncIterator[Doc | None]) -> AsyncGenerator[Doc | None, None]:
+    """A read at once, before the change stream opens: a finished task's entries come without
+    waiting for a change (or a quiet wait), and it ends without opening one; the stream's open
+    then reads again, so nothing committed in between is missed."""
+    yield None
+    async for change in waits:
+        yield change
+
+
 async def stream(
     db: AsyncDatabase[Doc],
     tasks: str,
@@ -207,8 +217,8 @@ async def stream(
         at.opened()
 
     waits = follow_waits(db, lambda: pipeline(tasks, key), position, on_open=on_open)
-    async with contextlib.aclosing(waits):
-        async for change in waits:
+    async with contextlib.aclosing(waits), contextlib.aclosing(_now_then(waits)) as changes:
+        async for change in changes:
             more = at.needs_read(change)
             while more:
                 entries, over = await reader.run(catch_up(key, at, kinds))
@@ -234,7 +244,7 @@ def sync_stream(
     position = Position(fresh_when_lost=True, give_up_after=retry_for)
     changes = sync_follow(db, pipeline(tasks, key), position, on_open=at.opened, quiet=True)
     with contextlib.closing(changes):
-        for change in changes:
+        for change in itertools.chain([None], changes):  # read at once (see _now_then)
             more = at.needs_read(change)
             while more:
                 entries, over = reader.run(catch_up(key, at, kinds))
