@@ -52,8 +52,12 @@ async def test_a_high_priority_task_waits_at_most_one_claim_round(
         _,
         events,
     ):
+        # runs of 0.3 s: a slot frees rarely, so the urgent task's change event reaches the
+        # worker before the next round of claims even on a loaded machine (with 50 ms runs a
+        # slow event let a second round of low claims go first: 5 > 4 in one CI run)
         client.publish_many(
-            {"name": "slow", "key": f"low{i}", "options": {"priority": -5}} for i in range(1000)
+            {"name": "slow", "key": f"low{i}", "params": {"s": 0.3}, "options": {"priority": -5}}
+            for i in range(1000)
         )
         await events.wait("claimed", count=2 * concurrency)  # the queue is busy
         mark = len(events.items)
