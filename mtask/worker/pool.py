@@ -305,7 +305,11 @@ class _ChildOutput:
             with self.run.lock:  # never between the bytes of another send
                 if not self.run.active:
                     return  # the lease watch ended the run
-                self.conn.send(("out", batch))
+                try:
+                    self.conn.send(("out", batch))
+                except Exception:  # noqa: BLE001 - the worker is gone: its run ends anyway
+                    self.output.close()  # and the reply must not fail with it
+                    return
 
     def close(self) -> None:
         self._stop.set()
