@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -155,3 +156,42 @@ def narrate_in_child(params: dict[str, Any], ctx: TaskContext) -> int:
         time.sleep(0.005)
     ctx.progress(1.0, "all sent")
     return os.getpid()
+
+
+@registry.task("narrate_then_fail", isolation="process")
+def narrate_then_fail(params: dict[str, Any], ctx: TaskContext) -> None:
+    """Says things in a child, then fails: what it said lands before its outcome."""
+    for i in range(params["chunks"]):
+        ctx.emit(i)
+        ctx.progress((i + 1) / params["chunks"], f"chunk {i}")
+        time.sleep(0.002)
+    ctx.log.error("giving up")
+    raise Fail("said it all, then failed")
+
+
+@registry.task("flood_in_child", isolation="process")
+def flood_in_child(params: dict[str, Any], ctx: TaskContext) -> None:
+    """Says its pid, then chunks of ``size`` bytes until it is stopped."""
+    ctx.emit(os.getpid())
+    while True:
+        ctx.emit(b"x" * params["size"])
+        time.sleep(0.001)
+
+
+def lease_watch_with_a_full_pipe(conn: Any) -> None:
+    """A child process's lease watch at a run's deadline when the pipe to the worker is full
+    (a frozen worker that stopped reading): its own group first, for the watch kills it."""
+    from types import SimpleNamespace
+
+    from mtask.worker.pool import _Run, _watch_lease
+
+    os.setpgid(0, 0)
+    os.set_blocking(conn.fileno(), False)
+    for size in (4096, 1):
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(conn.fileno(), b"\0" * size)
+    os.set_blocking(conn.fileno(), True)
+    run = _Run()
+    run.active = True
+    _watch_lease(SimpleNamespace(value=0.0), run, conn)

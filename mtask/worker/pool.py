@@ -312,12 +312,20 @@ class _ChildOutput:
                     return
 
     def close(self) -> None:
+        """Stop the thread and send what is left: called when the handler has returned or
+        raised, before its reply. What a thread it left behind says later is dropped."""
         self._stop.set()
         with self._lock:
             thread = self._thread
         if thread is not None:
             thread.join()
+        self.output.close()
         self.send()
+
+
+def _say(conn: multiprocessing.connection.Connection, message: tuple[Any, ...]) -> None:
+    with contextlib.suppress(Exception):
+        conn.send(message)
 
 
 def _watch_lease(deadline: Any, run: _Run, conn: multiprocessing.connection.Connection) -> None:
@@ -330,14 +338,18 @@ def _watch_lease(deadline: Any, run: _Run, conn: multiprocessing.connection.Conn
         if left > 0 or not run.active:
             time.sleep(min(max(left, 0.0), LEASE_POLL) if run.active else LEASE_POLL)
             continue
-        # the reply may be stuck in a full pipe to a frozen parent: wait for it a little only
+        # a send (the reply, output) may be stuck in a full pipe to a frozen parent, and so
+        # may ours: wait for either a little only
         if run.lock.acquire(timeout=0.2):
             if not run.active or deadline.value > time.monotonic():
                 run.lock.release()  # the run ended, or a renewal arrived meanwhile
                 continue
             run.active = False
-            with contextlib.suppress(Exception):
-                conn.send(("lease", _rss_bytes()))
+            saying = threading.Thread(
+                target=_say, args=(conn, ("lease", _rss_bytes())), daemon=True
+            )
+            saying.start()
+            saying.join(0.2)
         with contextlib.suppress(OSError):
             os.killpg(0, signal.SIGKILL)  # the handler and everything it started
         os._exit(71)
@@ -744,10 +756,9 @@ class ProcessPool:
                     message = self._received(child)
                     if message is None or message[0] != "out":
                         return message
-                    on_output(message[1])
+                    on_output(message[1])  # then the limits, as if nothing had come
                     readable.close()
                     readable = _Readable(child.conn.fileno(), child.process.sentinel)
-                    continue
                 now = loop.time()
                 if hard_timeout is not None and now >= start + hard_timeout:
                     self.time_limit_kills += 1  # run() kills the child
