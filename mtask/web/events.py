@@ -6,6 +6,10 @@ change stream's resume token, so a client that reconnects with ``Last-Event-ID``
 ``: open`` says the stream is open (every change after it is delivered) and ``: keep-alive``
 comes every ``KEEPALIVE_SECONDS`` of silence. The stream ends when the client goes.
 
+``relay`` is the SSE machinery itself (the ``retry:`` line, keep-alives, a bounded queue, and
+closing the producer's change stream when the client goes): ``/events`` and a task's output
+stream (``GET /tasks/{key}:stream``, ``mtask.web.output``) both use it.
+
 The long poll is ``GET /tasks/{key}?wait=S`` (in ``mtask.web.api``): the task once it is
 finished, or as it is after ``S`` seconds (its status says which).
 """
@@ -15,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query
@@ -24,11 +29,12 @@ from fastapi.responses import StreamingResponse
 
 from mtask import events
 from mtask.client import AsyncTaskClient
-from mtask.errors import InvalidTask, StorageError
+from mtask.errors import InvalidTask, MtaskError
 from mtask.models import TaskStatus, validate_name
 from mtask.web.api import Client, Status
 from mtask.web.auth import require_token
 
+log = logging.getLogger("mtask.serve")
 KEEPALIVE_SECONDS = 15.0
 TOKEN = re.compile(r"[0-9A-Fa-f]{2,4096}")
 router = APIRouter(dependencies=[Depends(require_token)])
@@ -45,43 +51,36 @@ def _check(names: list[str] | None, statuses: list[str] | None, token: str | Non
         raise InvalidTask("not a token this stream sent", field="Last-Event-ID")
 
 
-def frame(event: events.TaskEvent) -> str:
-    return f"id: {event.token}\nevent: task\ndata: {json.dumps(event.to_json())}\n\n"
+Send = Callable[[str], Awaitable[None]]
+"""How a producer hands ``relay`` one SSE frame (it waits while the client is behind)."""
+HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
 
-async def _frames(
-    client: AsyncTaskClient,
-    names: list[str] | None,
-    statuses: list[str] | None,
-    token: str | None,
-    keepalive: float,
-) -> AsyncIterator[str]:
+def error_frame(detail: str) -> str:
+    return f"event: error\ndata: {json.dumps({'detail': detail})}\n\n"
+
+
+async def relay(produce: Callable[[Send], Awaitable[None]], keepalive: float) -> AsyncIterator[str]:
+    """The body of an SSE response, shared by every stream serve has (``/events`` here, a
+    task's output in ``mtask.web.output``): ``retry: 1000``, then the frames ``produce`` sends
+    (through a bounded queue: a slow client slows the producer, never the server's memory),
+    ``: keep-alive`` after ``keepalive`` seconds of silence, and the end when ``produce``
+    returns. A producer's ``MtaskError`` (MongoDB out of reach) becomes ``event: error`` and
+    the end. When the client goes away the server stops iterating this body, and the producer
+    is cancelled: its change stream closes with it."""
     queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=1000)
-    opened = asyncio.Event()
-    announced = False
 
-    def announce() -> None:  # ": open" comes once, before any event
-        nonlocal announced
-        if not announced:
-            announced = True
-            queue.put_nowait(": open\n\n")
-
-    async def produce() -> None:
+    async def run() -> None:
         try:
-            stream = events.events(client.collection, names, statuses, token, opened=opened)
-            async for event in stream:
-                announce()
-                await queue.put(frame(event))
-        except StorageError as exc:
-            await queue.put(f"event: error\ndata: {json.dumps({'detail': str(exc)})}\n\n")
+            await produce(queue.put)
+        except MtaskError as exc:
+            await queue.put(error_frame(str(exc)))
+        except Exception:
+            log.exception("an SSE stream failed")
+            await queue.put(error_frame("internal error (see the server's log)"))
         await queue.put(None)
 
-    async def on_open() -> None:
-        await opened.wait()
-        announce()
-
-    producer = asyncio.create_task(produce(), name="mtask-sse")
-    watcher = asyncio.create_task(on_open(), name="mtask-sse-open")
+    producer = asyncio.create_task(run(), name="mtask-sse")
     try:
         yield "retry: 1000\n\n"
         while True:
@@ -94,10 +93,55 @@ async def _frames(
                 return
             yield item
     finally:  # the client went away (or the stream ended): close the change stream
-        for task in (producer, watcher):
-            task.cancel()
+        producer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await producer
+
+
+def sse_response(body: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream", headers=HEADERS)
+
+
+def frame(event: events.TaskEvent) -> str:
+    return f"id: {event.token}\nevent: task\ndata: {json.dumps(event.to_json())}\n\n"
+
+
+def _frames(
+    client: AsyncTaskClient,
+    names: list[str] | None,
+    statuses: list[str] | None,
+    token: str | None,
+    keepalive: float,
+) -> AsyncIterator[str]:
+    """``: open`` once the change stream is open (every change after it is delivered), or
+    before the first event if that comes first; then one frame per event."""
+
+    async def produce(send: Send) -> None:
+        opened = asyncio.Event()
+        announced = False
+
+        async def announce() -> None:  # ": open" comes once, before any event
+            nonlocal announced
+            if not announced:
+                announced = True
+                await send(": open\n\n")
+
+        async def on_open() -> None:
+            await opened.wait()
+            await announce()
+
+        watcher = asyncio.create_task(on_open(), name="mtask-sse-open")
+        try:
+            stream = events.events(client.collection, names, statuses, token, opened=opened)
+            async for event in stream:
+                await announce()
+                await send(frame(event))
+        finally:
+            watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await task
+                await watcher
+
+    return relay(produce, keepalive)
 
 
 @router.get(
@@ -114,8 +158,4 @@ async def stream_events(
     """Task events (insert and every status change) as Server-Sent Events."""
     statuses: list[str] | None = [str(s) for s in status] if status else None
     _check(name, statuses, last_event_id)
-    return StreamingResponse(
-        _frames(client, name, statuses, last_event_id or None, KEEPALIVE_SECONDS),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
-    )
+    return sse_response(_frames(client, name, statuses, last_event_id or None, KEEPALIVE_SECONDS))

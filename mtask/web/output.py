@@ -7,32 +7,57 @@ page. ``GET /tasks/{key}:stream?after=&kind=`` streams them: one ``event: log`` 
 chunk`` per entry, ``id:`` its ``seq`` and ``data:`` the entry as JSON, then new ones as the
 task's runs write them, and ``event: end`` (``data: {"status": ...}``) once the task is
 finished; a client that reconnects with ``Last-Event-ID`` (an ``EventSource`` does it by
-itself) gets exactly the entries after it. ``: keep-alive`` comes every 15 s of silence.
+itself) gets exactly the entries after it. The SSE machinery (keep-alives, a client that goes
+away) is ``mtask.web.events.relay``'s. Unknown query parameters are refused (422): a
+misspelt ``kinds=log`` would otherwise read every kind.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Annotated, Any, Literal, cast
 
-from fastapi import APIRouter, Depends, Header, Query
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from mtask.client import AsyncTaskClient
-from mtask.errors import InvalidTask, StorageError, TaskNotFound
+from mtask.errors import TaskNotFound
 from mtask.streams import Entry
 from mtask.web.api import NOT_FOUND, Client
 from mtask.web.auth import bearer_scheme, require_token
+from mtask.web.events import Send, relay, sse_response
 
 KEEPALIVE_SECONDS = 15.0
+MAX_LIMIT = 1000
 SEQ = re.compile(r"[0-9]{1,18}")
 Kind = Literal["log", "chunk"]
 router = APIRouter(dependencies=[Depends(require_token), Depends(bearer_scheme)])
+
+
+def _only(*names: str) -> Any:
+    """A dependency refusing query parameters other than ``names`` (422 naming them)."""
+
+    async def check(request: Request) -> None:
+        unknown = sorted(set(request.query_params) - set(names))
+        if unknown:
+            hint = " (kind=log or kind=chunk; repeat it for both)" if "kinds" in unknown else ""
+            raise RequestValidationError(
+                [
+                    {
+                        "loc": ("query", name),
+                        "msg": f"unknown query parameter; known: {', '.join(names)}{hint}",
+                        "type": "unknown_parameter",
+                    }
+                    for name in unknown
+                ]
+            )
+
+    return Depends(check)
 
 
 class OutputView(BaseModel):
@@ -46,13 +71,17 @@ async def _known(client: AsyncTaskClient, key: str) -> None:
         raise TaskNotFound(key)
 
 
-@router.get("/tasks/{key:path}:output", responses=NOT_FOUND)
+@router.get(
+    "/tasks/{key:path}:output",
+    responses=NOT_FOUND,
+    dependencies=[_only("after", "kind", "limit")],
+)
 async def output(
     key: str,
     client: Client,
     after: Annotated[int, Query(ge=0, le=10**18, description="entries after this seq")] = 0,
     kind: Annotated[list[Kind] | None, Query(description="log, chunk (repeat)")] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 1000,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = MAX_LIMIT,
 ) -> OutputView:
     """The task's log lines and chunks after ``after``, oldest first."""
     await _known(client, key)
@@ -66,39 +95,22 @@ def frame(entry: Entry) -> str:
     return f"id: {entry.seq}\nevent: {entry.kind}\ndata: {json.dumps(entry.to_json())}\n\n"
 
 
-async def _frames(
+def _frames(
     client: AsyncTaskClient, key: str, after: int, kinds: list[str] | None, keepalive: float
 ) -> AsyncIterator[str]:
-    yield "retry: 1000\n\n: open\n\n"
-    entries = aiter(client.stream(key, after, kinds))
-    pending: asyncio.Future[Entry] | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(entries))
-            done, _ = await asyncio.wait({pending}, timeout=keepalive)
-            if not done:
-                yield ": keep-alive\n\n"
-                continue
-            taken, pending = pending, None
-            try:
-                entry = taken.result()
-            except StopAsyncIteration:
-                break
-            except (StorageError, TaskNotFound) as exc:
-                yield f"event: error\ndata: {json.dumps({'detail': str(exc)})}\n\n"
-                return
-            yield frame(entry)
+    """``: open``, one frame per entry of ``client.stream``, then ``end`` with the status."""
+
+    async def produce(send: Send) -> None:
+        await send(": open\n\n")
+        entries = cast(AsyncGenerator[Entry, None], client.stream(key, after, kinds))
+        async with contextlib.aclosing(entries):  # closes its change stream on a cancel too
+            async for entry in entries:
+                await send(frame(entry))
         task = await client.get(key)
         status = None if task is None or task.status is None else task.status.value
-        yield f"event: end\ndata: {json.dumps({'status': status})}\n\n"
-    finally:  # the client went away (or the stream ended): close the change stream
-        if pending is not None:
-            pending.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await pending
-        with contextlib.suppress(Exception):
-            await entries.aclose()  # type: ignore[attr-defined]
+        await send(f"event: end\ndata: {json.dumps({'status': status})}\n\n")
+
+    return relay(produce, keepalive)
 
 
 @router.get(
@@ -108,6 +120,7 @@ async def _frames(
         200: {"content": {"text/event-stream": {}}, "description": "lines and chunks"},
         **NOT_FOUND,
     },
+    dependencies=[_only("after", "kind")],
 )
 async def stream(
     key: str,
@@ -116,14 +129,21 @@ async def stream(
     kind: Annotated[list[Kind] | None, Query(description="log, chunk (repeat)")] = None,
     last_event_id: Annotated[str | None, Header(description="resume after this seq")] = None,
 ) -> StreamingResponse:
-    """The task's log lines and chunks as Server-Sent Events, until it is finished."""
+    """The task's log lines and chunks as Server-Sent Events, until it is finished. The
+    ``Last-Event-ID`` header (an ``EventSource`` sends it when it reconnects) takes precedence
+    over ``after``."""
     if last_event_id:
         if not SEQ.fullmatch(last_event_id):
-            raise InvalidTask("not a seq this stream sent", field="Last-Event-ID")
+            raise RequestValidationError(
+                [
+                    {
+                        "loc": ("header", "Last-Event-ID"),
+                        "msg": "Last-Event-ID is not a seq this stream sent (digits)",
+                        "type": "value_error",
+                    }
+                ]
+            )
         after = int(last_event_id)
     await _known(client, key)
-    return StreamingResponse(
-        _frames(client, key, after, [str(k) for k in kind] if kind else None, KEEPALIVE_SECONDS),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
-    )
+    kinds = [str(k) for k in kind] if kind else None
+    return sse_response(_frames(client, key, after, kinds, KEEPALIVE_SECONDS))

@@ -1,22 +1,26 @@
 """A task's live output in a real browser (Debian's Chromium, driven by Playwright): an
 ``EventSource`` reads the SSE stream of 1,000 chunks a real worker emits, goes away after 300,
 and a new one resumes after the last id and gets the rest exactly once, then ``end``; the task
-page shows the progress and the live log at 1280 and 390 px, dark, without JavaScript
-(screenshots kept in the test's directory, and in ``MTASK_SCREENSHOTS`` if set)."""
+page shows the progress and the live log at 1280 and 390 px, dark (and light), without
+JavaScript: full-page screenshots in the test's directory (or ``MTASK_SCREENSHOTS`` if set),
+copied to /tmp/shots to be looked at."""
 
 from __future__ import annotations
 
+import contextlib
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 from harness import worker_process
-from test_dashboard import DESKTOP, PHONE, shots_dir, wait_until
+from test_dashboard import DESKTOP, PHONE, shots_dir
 from webserver import serving
 
 from mtask import TaskClient
 
 TOKEN = "out-token"
+BACKGROUND = {"dark": "rgb(11, 17, 32", "light": "rgb(248, 250, 252"}
 READ = """async ([path, stopAfter]) => await new Promise((resolve, reject) => {
   const got = [];
   const source = new EventSource(path);
@@ -71,33 +75,44 @@ def test_the_task_page_shows_progress_and_the_live_log(
 
     client.publish("chatter", "report/7", {"count": 3000, "every_ms": 20})
     out = shots_dir(tmp_path)
+    copies = Path("/tmp/shots")  # where a person looks at them
+    copies.mkdir(parents=True, exist_ok=True)
     with (
         worker_process(mongo_uri, db_name, "--concurrency", "1"),
         serving(mongo_uri, db_name, token=TOKEN) as url,
     ):
-        wait_until(lambda: (t := client.get("report/7")) is not None and (t.output_seq or 0) > 60)
-        for size, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
+        with contextlib.closing(client.stream("report/7")) as entries:  # awaits the worker
+            next(e for e in entries if e.kind == "log" and e.seq > 60)
+        for scheme, size, viewport in [
+            ("dark", "desktop", DESKTOP),
+            ("dark", "phone", PHONE),
+            ("light", "desktop", DESKTOP),
+            ("light", "phone", PHONE),
+        ]:
             context = browser.new_context(
-                viewport=viewport, color_scheme="dark", java_script_enabled=False
+                viewport=viewport, color_scheme=scheme, java_script_enabled=False
             )
             page = context.new_page()
             page.set_default_timeout(30_000)
             sign_in(page, url)
             page.goto(url + "/ui/tasks/report/7")
-            expect(page.locator("#progress")).to_contain_text("chunk")
-            expect(page.locator("#progress")).to_contain_text("of 3000")
-            expect(page.locator("ol.log")).to_contain_text("chunks so far")
+            expect(page.locator("#progress")).to_contain_text(re.compile(r"chunk \d+ of 3000"))
+            expect(page.locator("#progress [role=progressbar]")).to_be_visible()
+            expect(page.locator("ol.log")).to_contain_text("chunks so far i=")
+            expect(page.locator("ol.log")).to_contain_text('{"i": ')
+            expect(page.locator("#output-counts")).to_contain_text(
+                re.compile(r"\d+ lines, \d+ chunks")
+            )
             expect(page.locator("#runs")).to_contain_text("lines")
             refresh = page.locator("noscript meta[http-equiv=refresh]")
             assert refresh.count() == 1  # live without JavaScript while the task is open
             background = page.evaluate("getComputedStyle(document.body).backgroundColor")
-            assert background.startswith("rgb(11, 17, 32"), background  # dark
+            assert background.startswith(BACKGROUND[scheme]), (scheme, background)
             width = page.evaluate("document.documentElement.scrollWidth")
             assert width <= viewport["width"], (size, width)
-            shot = out / f"dashboard-task-output-{size}-dark.png"
-            page.screenshot(path=str(shot), full_page=size == "phone")
+            shot = out / f"dashboard-task-output-{size}-{scheme}.png"
+            page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 5_000
-            if Path("/tmp/shots").is_dir():
-                shutil.copy(shot, Path("/tmp/shots") / shot.name)
+            shutil.copy(shot, copies / shot.name)
             context.close()
         client.cancel("report/7")
