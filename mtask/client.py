@@ -63,6 +63,7 @@ from mtask.models import (
 )
 from mtask.store import bulk, counts, queries, retention, throughput
 from mtask.store import output as store_output
+from mtask.store import steps as store_steps
 from mtask.waiters import AsyncWaiter, SyncWaiter, async_waiter_for, finished, waiter_for
 
 if TYPE_CHECKING:
@@ -408,6 +409,15 @@ class _Base:
     @operation
     def retry(self, key: str) -> Op[Task]:
         return Task.from_document((yield from store.retry(key, self.clock.now())))
+
+    @operation
+    def signal(self, key: str, name: str, payload: Any = None) -> Op[bool]:
+        """Send signal ``name`` (with a BSON ``payload``) to an open task: its handler's
+        ``ctx.wait_for(name)`` returns the payload, whether the wait began before or after
+        (docs/steps.md). ``True`` if it woke the task (it was waiting for ``name``).
+        ``InvalidTask`` for a bad name or payload, ``TaskNotFound``, ``InvalidTransition`` for
+        a finished task."""
+        return (yield from store_steps.signal(key, name, payload))
 
     # -- workers and names ----------------------------------------------------------------------
 

@@ -80,12 +80,14 @@ def _gather_pool() -> ThreadPoolExecutor:
 def collections(db: Any, tasks: str = "tasks") -> dict[str, Any]:
     """The collections the operations use, from a (sync or async) database: the tasks
     collection as named, and the database's ``workers``, ``controls``, ``limits``,
-    ``schedules``, ``retention``, ``throughput`` and ``relays``; ``output`` is the tasks'
-    side collection ``<tasks>.output`` (``store.output``)."""
+    ``schedules``, ``retention``, ``throughput`` and ``relays``; ``output`` and ``steps`` are the
+    tasks' side collections ``<tasks>.output`` (``store.output``) and ``<tasks>.steps``
+    (``store.steps``: results too large for the task document)."""
     names = ("workers", "controls", "limits", "schedules", "retention", "throughput", "relays")
     return {
         "tasks": db[tasks],
         "output": db[f"{tasks}.output"],
+        "steps": db[f"{tasks}.steps"],
         **{name: db[name] for name in names},
     }
 

@@ -86,6 +86,9 @@ class RunState(StrEnum):
     TIMEOUT = "TIMEOUT"
     RELEASED = "RELEASED"
     CANCELLED = "CANCELLED"
+    WAITING = "WAITING"
+    """The handler slept or waits for a signal (``ctx.sleep``, ``ctx.wait_for``): the run
+    ended, the task is claimed again when the wait is over (docs/steps.md)."""
 
 
 class TaskOptions(BaseModel):
@@ -190,6 +193,68 @@ class Run(BaseModel):
     """The number of the run's newest output write: one sent again is not applied twice."""
 
 
+class StepTry(BaseModel):
+    """One call of a durable step (its newest ten are kept)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    run_id: str
+    attempt: int | None = None
+    at: BsonDate
+    ms: int = Field(ge=0)
+    error: str | None = None
+
+
+class Step(BaseModel):
+    """A durable step of the task's handler (``ctx.step``, ``ctx.sleep``, ``ctx.wait_for``;
+    docs/steps.md), in the order the handler asked for them. A later run gets a ``done`` step's
+    result back instead of calling it again."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=200)
+    kind: Literal["call", "sleep", "signal"]
+    state: Literal["done", "failed", "waiting", "timed_out"]
+    attempts: int = Field(0, ge=0)
+    run_id: str
+    attempt: int | None = None
+    started_at: BsonDate
+    finished_at: BsonDate | None = None
+    ms: int | None = Field(None, ge=0)
+    result: Any = None
+    spill: dict[str, Any] | None = None
+    """A result too large for the document: where it is (``<tasks>.steps``)."""
+    error: str | None = None
+    until: BsonDate | None = None
+    """A sleep's end, or a signal wait's deadline."""
+    signal: str | None = None
+    nth: int | None = Field(None, ge=0)
+    transactional: bool | None = None
+    tries: list[StepTry] = Field(default_factory=list)
+
+
+class SignalSent(BaseModel):
+    """A signal sent to the task (``client.signal``; docs/steps.md)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=200)
+    payload: Any = None
+    at: BsonDate
+
+
+class Waiting(BaseModel):
+    """What the task's last run waits for: until when, and for which signal."""
+
+    model_config = ConfigDict(extra="allow")
+
+    until: BsonDate
+    index: int = Field(ge=0)
+    step: str | None = None
+    signal: str | None = None
+    nth: int | None = Field(None, ge=0)
+
+
 OPTION_NAMES: tuple[str, ...] = tuple(TaskOptions.model_fields)
 OPTION_DEFAULTS: dict[str, Any] = TaskOptions().to_document()
 """Every option's default: what ``publish`` writes and what the worker completes a published
@@ -254,6 +319,12 @@ class TaskDocument(BaseModel):
     """The newest progress a run reported (``ctx.progress``); written only by runs that do."""
     output_seq: int | None = Field(None, ge=0)
     """The sequence number of the task's newest log line or output chunk (docs/output.md)."""
+    steps: list[Step] = Field(default_factory=list)
+    """The handler's durable steps, in order (docs/steps.md)."""
+    signals: list[SignalSent] = Field(default_factory=list)
+    """Signals sent to the task, oldest first (``client.signal``)."""
+    waiting: Waiting | None = None
+    """Set while the task waits (a sleep, a signal), cleared by its next run's step write."""
 
 
 class PublishedDocument(BaseModel):
@@ -344,6 +415,12 @@ class Task(BaseModel):
     """The newest progress a run reported (``ctx.progress``), or ``None``."""
     output_seq: int | None = None
     """The sequence number of the newest log line or chunk (``None``: no output)."""
+    steps: list[Step] = Field(default_factory=list)
+    """The handler's durable steps, in the order it asked for them (docs/steps.md)."""
+    signals: list[SignalSent] = Field(default_factory=list)
+    """Signals sent to the task, oldest first."""
+    waiting: Waiting | None = None
+    """What the task waits for (a sleep's end, a signal), if it waits."""
     missing: list[str] = Field(default_factory=list)
     """Fields every stored task document holds that this one lacks (a publisher's minimal
     document that no worker has completed yet lacks most of them)."""

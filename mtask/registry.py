@@ -18,6 +18,7 @@ from mtask.errors import InvalidParams, InvalidTask, LeaseLost, MtaskError
 from mtask.models import TaskOptions, describe_validation_error
 from mtask.output import RunLog, RunOutput
 from mtask.schedules import Schedule
+from mtask.steps import MemorySteps, RunSteps
 
 F = TypeVar("F", bound=Callable[..., Any])
 Isolation = Literal["thread", "process"]
@@ -70,6 +71,12 @@ class TaskContext:
     """Makes the run's ``RunOutput`` the first time the handler reports (the worker's writer
     follows it from then on); a run that reports nothing makes none."""
     _output: RunOutput | None = field(default=None, repr=False)
+    steps_for: Callable[[TaskContext], RunSteps] = field(
+        default=lambda ctx: RunSteps(MemorySteps(), [], run_id=ctx.run_id, attempt=ctx.attempt)
+    )
+    """Makes the run's journal of durable steps the first time the handler asks for a step,
+    sleeps or waits (docs/steps.md); a run that does none of these makes none."""
+    _steps: RunSteps | None = field(default=None, repr=False)
 
     @property
     def output_made(self) -> RunOutput | None:
@@ -101,6 +108,79 @@ class TaskContext:
         """Stream a chunk of output (a string, bytes, or any BSON value) to whoever follows
         the task (``client.stream``, SSE, ``mtask logs --follow``), in order, resumably."""
         self.output.emit(data)
+
+    @property
+    def steps_made(self) -> RunSteps | None:
+        """The run's journal if the handler used a step, a sleep or a wait (else ``None``)."""
+        return self._steps
+
+    @property
+    def journal(self) -> RunSteps:
+        """The run's durable steps (docs/steps.md): made on first use."""
+        if self._steps is None:
+            with _OUTPUT_LOCK:
+                if self._steps is None:
+                    self._steps = self.steps_for(self)
+        return self._steps
+
+    async def step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        transactional: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Call ``fn(*args, **kwargs)`` once per task and record its result (BSON) in the task
+        document under ``name``: a later run of the task (a retry, a takeover, a resume after
+        a sleep) gets the recorded result back instead of calling it again. ``fn`` may be an
+        ``async def``. ``transactional=True``: ``fn`` is an ``async def`` taking ``session=``,
+        and its MongoDB writes commit with the step's record. A step that raises is recorded
+        failed, and the task's retry policy decides (docs/steps.md)."""
+        self.check_lease()
+        return await self.journal.step(name, fn, *args, transactional=transactional, **kwargs)
+
+    def step_sync(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``step`` for a plain-def handler (on its thread or in its child process)."""
+        self.check_lease()
+        return self.journal.step_sync(name, fn, *args, **kwargs)
+
+    async def sleep(
+        self, duration: float | dt.timedelta | dt.datetime, name: str | None = None
+    ) -> None:
+        """Sleep ``duration`` seconds (or a timedelta, or until an aware datetime) without
+        holding a slot: the run ends as WAITING and the task is claimed again once the
+        server's clock passes the end; its recorded steps replay at once. Only returns when
+        the sleep is over (a run that resumes returns from it)."""
+        self.check_lease()
+        await self.journal.sleep(duration, name)
+
+    def sleep_sync(
+        self, duration: float | dt.timedelta | dt.datetime, name: str | None = None
+    ) -> None:
+        """``sleep`` for a plain-def handler."""
+        self.check_lease()
+        self.journal.sleep_sync(duration, name)
+
+    async def wait_for(
+        self,
+        signal: str,
+        timeout: float | dt.timedelta | None = None,  # noqa: ASYNC109 - durable, server clock
+        name: str | None = None,
+    ) -> Any:
+        """The payload of signal ``signal`` (``client.signal(key, signal, payload)``): at once
+        if it was sent, even before this wait began; else the run ends as WAITING and the task
+        is claimed again when it comes. After ``timeout`` seconds without it (on the server's
+        clock): ``SignalTimeout``, which the handler may catch."""
+        self.check_lease()
+        return await self.journal.wait_for(signal, timeout, name)
+
+    def wait_for_sync(
+        self, signal: str, timeout: float | dt.timedelta | None = None, name: str | None = None
+    ) -> Any:
+        """``wait_for`` for a plain-def handler."""
+        self.check_lease()
+        return self.journal.wait_for_sync(signal, timeout, name)
 
     def check_lease(self) -> None:
         """Raise ``LeaseLost`` if this run no longer owns its task: a plain-def handler (which

@@ -42,7 +42,14 @@ from mtask.registry import Registry, TaskContext
 from mtask.store import Outcome
 from mtask.worker.config import DEFAULT_MAX_RESULT_BYTES
 from mtask.worker.events import Emitter
-from mtask.worker.executor import NoLeases, NoOutputs, NoTransactions, RunOutcomes, WorkerStats
+from mtask.worker.executor import (
+    NoJournals,
+    NoLeases,
+    NoOutputs,
+    NoTransactions,
+    RunOutcomes,
+    WorkerStats,
+)
 from mtask.worker.inflight import ActiveRun
 from mtask.worker.transactional import RunFence
 
@@ -93,6 +100,7 @@ async def arun_handler(
         transactions=transactions,
         leases=NoLeases(),
         outputs=NoOutputs(),
+        journals=NoJournals(),
     )
     return await outcomes.call(run, handler, {"params": dict(params or {})})
 

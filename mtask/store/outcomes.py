@@ -17,6 +17,7 @@ from mtask.statemachine import (
     recompute_stages,
     set_run_fields,
 )
+from mtask.steps import Wait
 from mtask.store.claims import run_filter
 from mtask.store.schema import LAST_WRITE, literal, success_tag
 
@@ -53,6 +54,11 @@ class Outcome:
     committed: bool = False
     """A SUCCESS already committed in the handler's transaction (``store.transactional``):
     the recorder does not write it again, only what follows it."""
+    wait: Wait | None = None
+    """WAITING: the sleep or signal wait the run ended in (``mtask.steps``)."""
+    has_spills: bool = False
+    """The run stored step results aside: seal them once the outcome is recorded
+    (``store.steps.seal``)."""
 
 
 def _success_tag(outcome: Outcome) -> Doc:
@@ -115,12 +121,37 @@ def finish_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, list[Doc]]:
         sets["available_at"] = now
     elif state is RunState.CANCELLED:
         run_fields["error"] = literal(outcome.error)
+    elif state is RunState.WAITING and outcome.wait is not None:
+        sets.update(_waiting_fields(outcome.wait, now))
     else:
         raise ValueError(f"a run cannot be finished as {state}")
     stages: list[Doc] = [{"$set": {"runs": set_run_fields(outcome.run_id, run_fields), **sets}}]
     if state is RunState.FAIL and not outcome.permanent:
         stages.append({"$set": {"available_at": _backoff_expr(outcome, now)}})
     return run_filter(outcome.key, outcome.run_id), [*stages, *recompute_stages(now)]
+
+
+def _waiting_fields(wait: Wait, now: dt.datetime) -> Doc:
+    """A run that ends waiting (docs/steps.md): its step's entry (if new), ``waiting``, and
+    ``available_at``: the sleep's end, or the wait's deadline, or now if the signal is there
+    already (sent while the run was deciding to wait: it is not lost)."""
+    fields: Doc = {"waiting": literal(wait.to_document())}
+    if wait.entry is not None:
+        entry = literal([dict(wait.entry)])
+        fields["steps"] = {"$concatArrays": [{"$ifNull": ["$steps", []]}, entry]}
+    if wait.signal is None:
+        fields["available_at"] = wait.until
+    else:
+        came = {
+            "$size": {
+                "$filter": {
+                    "input": {"$ifNull": ["$signals", []]},
+                    "cond": {"$eq": ["$$this.name", wait.signal]},
+                }
+            }
+        }
+        fields["available_at"] = {"$cond": [{"$gt": [came, wait.nth]}, now, wait.until]}
+    return fields
 
 
 def finish(outcome: Outcome, now: dt.datetime) -> Op[Doc | None]:

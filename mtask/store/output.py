@@ -148,6 +148,13 @@ def seal(keys: Sequence[str]) -> Op[int]:
     its ``expire_at`` (unset: kept as long as the task is), so retention removes them with
     it. Open tasks are left alone (a retry's run writes more; the last seals). Returns the
     entries changed."""
+    changed: int = yield from seal_in(COLLECTION, keys)
+    return changed
+
+
+def seal_in(collection: str, keys: Sequence[str]) -> Op[int]:
+    """``seal`` for the side collection ``collection`` (documents with a ``task`` field):
+    ``store.output``'s entries, ``store.steps``' spilled results."""
     docs: list[Doc] = yield Call(
         "find",
         ({"_id": {"$in": list(keys)}, "status": {"$in": FINISHED}},),
@@ -162,7 +169,7 @@ def seal(keys: Sequence[str]) -> Op[int]:
             continue  # a flow parent waiting for its steps: the safety expiry stands
         else:
             update = {"$unset": {"expire_at": ""}}  # kept forever, as the task is
-        result = yield Call("update_many", ({"task": doc["_id"]}, update), collection=COLLECTION)
+        result = yield Call("update_many", ({"task": doc["_id"]}, update), collection=collection)
         changed += result.modified_count
     return changed
 

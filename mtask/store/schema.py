@@ -236,6 +236,7 @@ CLAIMED_FIELDS["trace"] = 1  # the publisher's trace context, parent of the run 
 CLAIMED_FIELDS.update({"runs.state": 1, "runs.txn": 1})
 # when it may be claimed next (its lease's end): a dispatched worker tells the host's relay
 CLAIMED_FIELDS["next_claim_at"] = 1
+CLAIMED_FIELDS["steps"] = 1  # durable steps to replay (docs/steps.md); absent: no bytes
 """What a worker needs of a task it claimed."""
 PLACEMENT_FIELDS = {"next_claim_at": 1, "name": 1, "status": 1, "options": 1, "waiting_on": 1}
 """What a worker reads to queue a task (``status`` and all ``options``: see ``placeable``)."""

@@ -40,6 +40,7 @@ from mtask.worker.recorder import OutcomeRecorder
 from mtask.worker.scheduler import POLL_SECONDS as SCHEDULES_POLL
 from mtask.worker.scheduler import Scheduler
 from mtask.worker.service import Service
+from mtask.worker.steps import RunStepStores
 from mtask.worker.transactional import Transactions
 from mtask.worker.wiring import Gauge, Signal
 
@@ -187,14 +188,16 @@ def build(
         database=config.database, collection=config.collection, clock=clock, mongo_client=aclient
     )
     outputs = OutputWriter(aclient, adriver, clock)
+    transactions = Transactions(aclient, adriver, clock)
     outcomes = RunOutcomes(
         stats,
         emit,
         config.max_result_bytes,
         publisher.max_params_bytes,
-        transactions=Transactions(aclient, adriver, clock),
+        transactions=transactions,
         leases=pinger,
         outputs=outputs,
+        journals=RunStepStores(adriver, clock, transactions),
         pool=process_pool,
         isolation=config.pool,
         slots=asyncio.Semaphore(config.concurrency),  # prefetched runs wait here

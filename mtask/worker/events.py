@@ -23,6 +23,8 @@ class Event(enum.StrEnum):
     FAILED = "failed"
     RELEASED = "released"
     CANCELLED = "cancelled"
+    WAITING = "waiting"
+    """A run ended sleeping or waiting for a signal (docs/steps.md)."""
     STOPPING_RUN = "stopping_run"
     RECORDED = "recorded"
     PAUSED_CHANGED = "paused_changed"
@@ -35,6 +37,7 @@ LOGGED = frozenset(
         Event.FAILED,
         Event.RELEASED,
         Event.CANCELLED,
+        Event.WAITING,
         Event.STOPPING_RUN,
         Event.STARTED,
         Event.STOPPING,

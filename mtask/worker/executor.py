@@ -34,6 +34,7 @@ from mtask.models import DEFAULT_KEEP_MS, RunState
 from mtask.output import RunOutput
 from mtask.registry import Fail, Handler, Registry, Retry, TaskContext
 from mtask.statemachine import keep_ms
+from mtask.steps import MemorySteps, RunSteps, SignalTimeout, StepError, Suspended, Wait
 from mtask.store import Outcome
 from mtask.store.transactional import stale_sessions
 from mtask.tracing import run_span
@@ -70,6 +71,7 @@ class WorkerStats:
     lease_lost: int = 0
     released: int = 0
     cancelled: int = 0
+    waiting: int = 0
 
 
 class TransactionRunner(Protocol):
@@ -139,6 +141,35 @@ class NoOutputs:
         output.discard()
 
 
+class RunJournals(Protocol):
+    """Where the runs' durable steps are recorded (``worker.steps.RunStepStores``)."""
+
+    def steps_for(
+        self,
+        ctx: TaskContext,
+        *,
+        doc: Mapping[str, Any],
+        transactional: bool,
+        fence: Callable[[], RunFence],
+        loop: asyncio.AbstractEventLoop,
+    ) -> RunSteps: ...
+
+
+class NoJournals:
+    """For ``RunOutcomes`` outside a worker: steps are recorded in memory."""
+
+    def steps_for(
+        self,
+        ctx: TaskContext,
+        *,
+        doc: Mapping[str, Any],
+        transactional: bool,
+        fence: Callable[[], RunFence],
+        loop: asyncio.AbstractEventLoop,
+    ) -> RunSteps:
+        return RunSteps(MemorySteps(), doc.get("steps"), run_id=ctx.run_id, attempt=ctx.attempt)
+
+
 class NoTransactions:
     """For ``RunOutcomes`` without MongoDB: a transactional handler cannot run there."""
 
@@ -178,6 +209,7 @@ class RunOutcomes:
         transactions: TransactionRunner,
         leases: RunLeases,
         outputs: RunOutputs,
+        journals: RunJournals,
         pool: ProcessPool | None = None,
         isolation: Literal["thread", "process"] = "thread",
         slots: asyncio.Semaphore | None = None,
@@ -191,6 +223,8 @@ class RunOutcomes:
         self.outputs = outputs
         """Where ``ctx.progress``/``log``/``emit`` go: written under the run's fence; a
         transactional run's in its transaction."""
+        self.journals = journals
+        """Where ``ctx.step``/``sleep``/``wait_for`` record (docs/steps.md)."""
         self.leases = leases
         """A transactional run pauses its pings while its transaction is open; a
         process-isolated run's child follows its lease's renewals."""
@@ -223,6 +257,10 @@ class RunOutcomes:
                     )
             # issue 17: the retention the plain SUCCESS updates write
             return self.success(run, result, keep_ms(doc.get("options") or {}, "succeeded"))
+        except Suspended as suspended:
+            return self.waiting(run, suspended.wait)
+        except (StepError, SignalTimeout) as exc:  # the same on every replay: no retry
+            return self.failure(run, f"{type(exc).__name__}: {exc}", permanent=True)
         except Retry as exc:
             delay = None if exc.delay is None else round(exc.delay * 1000)
             return self.failure(run, f"retry requested: {exc}", retry_delay_ms=delay)
@@ -281,8 +319,17 @@ class RunOutcomes:
             built.append(outcome)
             return outcome
 
+        try:
+            await self.transactions.complete(invoke, outcome_for, self.fence(run, doc))
+        except _NotStored as refused:
+            return refused.outcome
+        self.succeeded(run)
+        return dataclasses.replace(built[-1], committed=True)
+
+    def fence(self, run: ActiveRun, doc: Mapping[str, Any]) -> RunFence:
+        """What a run's transaction adds (a transactional handler's, or a step's)."""
         pinger = self.leases
-        fence = RunFence(
+        return RunFence(
             run.key,
             run.run_id,
             run.ctx.worker_id,
@@ -292,12 +339,18 @@ class RunOutcomes:
             held=lambda sent: pinger.held(run.run_id, sent),
             resume=lambda: pinger.resume(run.run_id),
         )
-        try:
-            await self.transactions.complete(invoke, outcome_for, fence)
-        except _NotStored as refused:
-            return refused.outcome
-        self.succeeded(run)
-        return dataclasses.replace(built[-1], committed=True)
+
+    def waiting(self, run: ActiveRun, wait: Wait) -> Outcome:
+        """A run that ends sleeping or waiting for a signal (docs/steps.md)."""
+        self.stats.waiting += 1
+        self.emit(
+            Event.WAITING,
+            key=run.key,
+            run_id=run.run_id,
+            until=wait.until.isoformat(),
+            signal=wait.signal,
+        )
+        return Outcome(run.key, run.run_id, RunState.WAITING, wait=wait)
 
     def success(
         self,
@@ -393,6 +446,15 @@ class RunOutcomes:
         return None  # lost: another run owns the task; nothing may be written
 
 
+def _spilled(run: ActiveRun, doc: Mapping[str, Any]) -> bool:
+    """Whether the task holds step results stored aside (its outcome seals them)."""
+    journal = run.ctx.steps_made
+    if journal is not None:
+        return journal.spilled or any("spill" in e for e in journal.recorded)
+    steps = doc.get("steps")
+    return isinstance(steps, list) and any(isinstance(e, dict) and "spill" in e for e in steps)
+
+
 class _NotStored(Exception):
     """A transactional handler's result cannot be stored: abort, and fail the run."""
 
@@ -442,6 +504,7 @@ class Executor:
         ``slot`` the limited name whose slot the run holds."""
         run_id = doc["claim_run_id"]
         options = doc["options"]
+        loop = asyncio.get_running_loop()
         ctx = TaskContext(
             key=doc["_id"],
             name=doc["name"],
@@ -454,6 +517,13 @@ class Executor:
                 options=options,
                 held=self.registry[doc["name"]].transactional,
                 loop=asyncio.get_running_loop(),
+            ),
+            steps_for=lambda made: self.outcomes.journals.steps_for(
+                made,
+                doc=doc,
+                transactional=self.registry[doc["name"]].transactional,
+                fence=lambda: self.outcomes.fence(run, doc),
+                loop=loop,
             ),
         )
         run = ActiveRun(
@@ -488,6 +558,8 @@ class Executor:
                 raise asyncio.CancelledError
             outcome = await self.outcomes.call(run, self.registry[run.name], doc)
             outcome = await self.output_done(run, outcome)
+            if outcome is not None and _spilled(run, doc):
+                outcome = dataclasses.replace(outcome, has_spills=True)
         except asyncio.CancelledError:
             outcome = self.outcomes.stopped(run)
             if outcome is None and run.stop_reason is None:

@@ -18,6 +18,7 @@ from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.store import Outcome, RunState
 from mtask.store import output as store_output
+from mtask.store import steps as store_steps
 from mtask.worker.events import Emitter, Event
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight
@@ -178,6 +179,12 @@ class OutcomeRecorder:
                 await self.driver.run(store_output.seal(with_output))
             except StorageError as exc:
                 log.warning("output kept until its own expiry, not sealed: %s", exc)
+        with_spills = [o.key for o in batch if o.has_spills]
+        if with_spills:
+            try:  # results stored aside go with their finished task (docs/steps.md)
+                await self.driver.run(store_steps.seal(with_spills))
+            except StorageError as exc:
+                log.warning("step results kept until their own expiry, not sealed: %s", exc)
         if not parents and not watched:
             return
         now = self.clock.now()

@@ -42,7 +42,7 @@ from pymongo.write_concern import WriteConcern
 
 from mtask import errors
 from mtask.clock import Clock
-from mtask.driver import AsyncDriver, Doc
+from mtask.driver import AsyncDriver, Doc, Op
 from mtask.errors import LeaseLost, MtaskError
 from mtask.store.outcomes import Outcome
 from mtask.store.transactional import (
@@ -97,7 +97,32 @@ async def complete_transactionally(
     fence: RunFence | None = None,
 ) -> tuple[T, Doc]:
     """Run ``handler(session)`` and record ``outcome_for(its result)`` in one transaction;
-    returns the handler's result and the task document after its SUCCESS.
+    returns the handler's result and the task document after its SUCCESS (see
+    ``transact``)."""
+    return await transact(
+        mongo,
+        driver,
+        handler,
+        lambda result: complete_in_transaction(outcome_for(result), now()),
+        now,
+        lifetime_s,
+        fence,
+    )
+
+
+async def transact(
+    mongo: AsyncMongoClient[Doc],
+    driver: AsyncDriver,
+    handler: Callable[[AsyncClientSession], Awaitable[T]],
+    write: Callable[[T], Op[Doc | None]],
+    now: Callable[[], dt.datetime],
+    lifetime_s: float = DEFAULT_LIFETIME_S,
+    fence: RunFence | None = None,
+) -> tuple[T, Doc]:
+    """Run ``handler(session)`` and the fenced ``write(its result)`` in one transaction: a
+    run's SUCCESS (``complete_transactionally``) or a durable step's record (docs/steps.md).
+    ``write`` returns ``None`` when the run lost its task: the transaction aborts and
+    ``LeaseLost`` is raised. Returns the handler's result and what ``write`` returned.
 
     With ``fence``, first kill the earlier runs' sessions (their open transactions abort, so
     this run's writes do not wait on them), then, with pings paused, extend the run's lease and
@@ -109,7 +134,7 @@ async def complete_transactionally(
         if fence is not None and not fence.alive():
             raise LeaseLost()  # stopped: not worth another try
         result = await handler(session)
-        doc = await driver.run(complete_in_transaction(outcome_for(result), now()), session)
+        doc = await driver.run(write(result), session)
         if doc is None:
             raise LeaseLost()  # with_transaction aborts: none of the handler's writes land
         return result, doc
@@ -195,4 +220,14 @@ class Transactions:
     ) -> tuple[T, Doc]:
         return await complete_transactionally(
             self.mongo, self.driver, handler, outcome_for, self.clock.now, self.lifetime_s, fence
+        )
+
+    async def transact(
+        self,
+        handler: Callable[[AsyncClientSession], Awaitable[T]],
+        write: Callable[[T], Op[Doc | None]],
+        fence: RunFence | None = None,
+    ) -> tuple[T, Doc]:
+        return await transact(
+            self.mongo, self.driver, handler, write, self.clock.now, self.lifetime_s, fence
         )

@@ -1,0 +1,576 @@
+"""Durable steps (docs/steps.md): a handler's steps recorded in its task document, replayed by
+later runs of the task instead of being called again; sleeps and signal waits that end the run
+and resume it on the server's clock.
+
+``RunSteps`` is one run's journal: what earlier runs recorded (from the claimed document), the
+replay rules, and what to record next. Its logic is written once, as generators that yield what
+they need done (``_Io``: a write or read through the ``StepStore``; ``_Call``: the user's step
+function), and run by ``step``/``sleep``/``wait_for`` (``async def`` handlers, on the worker's
+loop) or ``step_sync``/``sleep_sync``/``wait_for_sync`` (plain ``def`` handlers, on a thread or
+in a child process). No I/O here: the ``StepStore`` is the worker's (``worker/steps.py``), a
+child process's pipe to it (``worker/pool.py``), or memory (``MemorySteps``, for tests).
+
+Replay rules: step names are unique in a task; a run asks for its steps in the recorded order
+(the n-th step asked is the n-th recorded, same name and kind), else ``StepMismatch`` and the
+run fails for good with nothing written. A step recorded ``done`` returns its result; one
+recorded ``failed`` is called again (its attempts and errors kept); a ``sleep`` recorded with
+its ``until`` is over once the server's clock passes it; a ``wait_for`` is over once its signal
+is there (the k-th wait for a signal name takes the k-th signal of that name) or its timeout
+passed (``SignalTimeout``, recorded, so a replay raises it again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import inspect
+import time
+from collections.abc import Callable, Coroutine, Generator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import bson
+
+from mtask.errors import MtaskError
+
+Doc = dict[str, Any]
+T = TypeVar("T")
+
+MAX_STEPS = 1000
+"""The most steps one task records (its document holds them)."""
+MAX_STEP_NAME = 200
+INLINE_BYTES = 16 * 1024
+"""A result larger than this as BSON is kept in the side collection (``<tasks>.steps``)."""
+INLINE_TOTAL_BYTES = 1024 * 1024
+"""The most inline results one task document holds; later results spill."""
+SPILL_CHUNK_BYTES = 4 * 1024 * 1024
+"""A spilled result is cut into side documents of at most this many bytes."""
+MAX_SPILL_BYTES = 512 * 1024 * 1024
+MAX_TRIES_KEPT = 10
+"""A step keeps its newest tries (run, attempt, when, how long, error)."""
+NEVER = dt.datetime(9999, 1, 1, tzinfo=dt.UTC)
+"""``available_at`` of a task waiting for a signal without a timeout."""
+KINDS = ("call", "sleep", "signal")
+STATES = ("done", "failed", "waiting", "timed_out")
+
+
+class StepError(MtaskError):
+    """A step asked for in a way the journal cannot record (a name used twice, too many steps,
+    a result that is not BSON): the run fails for good, nothing is written."""
+
+    default_message = "invalid step"
+
+
+class StepMismatch(StepError):
+    """This run asked for a step other than the one recorded at its place: the handler's code
+    changed, or it chooses its steps by something other than its params and earlier steps."""
+
+    default_message = "the steps asked for differ from the recorded ones"
+
+
+class SignalTimeout(MtaskError):
+    """``wait_for`` timed out before its signal came (the handler may catch it)."""
+
+    default_message = "no signal before the timeout"
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Why a run ends waiting: its step's place, the entry to record there (``None``: recorded
+    by an earlier run), and until when (a sleep), or for which signal (its ``nth`` of that name)
+    with a deadline (``NEVER`` without a timeout)."""
+
+    index: int
+    entry: Doc | None
+    until: dt.datetime
+    signal: str | None = None
+    nth: int = 0
+
+    def to_document(self) -> Doc:
+        step = self.entry["name"] if self.entry else None
+        doc: Doc = {"until": self.until, "index": self.index}
+        if step is not None:
+            doc["step"] = step
+        if self.signal is not None:
+            doc["signal"] = self.signal
+            doc["nth"] = self.nth
+        return doc
+
+
+class Suspended(BaseException):
+    """Raised by ``sleep`` and ``wait_for`` to end the run as WAITING (a ``BaseException``, so
+    a handler's ``except Exception`` does not swallow it): the worker records the wait and
+    frees the slot; the task is claimed again when the sleep ends or the signal comes."""
+
+    def __init__(self, wait: Wait) -> None:
+        super().__init__(f"waiting until {wait.until.isoformat()}")
+        self.wait = wait
+
+
+class StepStore(Protocol):
+    """Where a run's steps are written and read, fenced by the run (``worker/steps.py``)."""
+
+    def now(self) -> dt.datetime:
+        """The server's time, as this process estimates it."""
+        ...
+
+    async def record(self, index: int, entry: Doc, prior: Doc | None) -> None:
+        """Write ``entry`` at ``index`` (replacing ``prior``, or as a new last entry) if the run
+        still owns its task; ``LeaseLost`` if it does not."""
+        ...
+
+    async def spill(self, data: bytes) -> Doc:
+        """Store a large encoded result aside; returns its reference (``id``, ``chunks``,
+        ``bytes``) for the step's entry."""
+        ...
+
+    async def load(self, spill: Mapping[str, Any]) -> bytes: ...
+
+    async def signals(self, name: str) -> list[Doc]:
+        """The task's signals named ``name``, oldest first (``payload``, ``at``)."""
+        ...
+
+    async def transact(
+        self,
+        fn: Callable[[Any], Coroutine[Any, Any, Any]],
+        entry_for: Callable[[Any], tuple[Doc, bytes | None]],
+        index: int,
+        prior: Doc | None,
+    ) -> Any:
+        """Run ``fn(session)`` and record ``entry_for(its result)`` at ``index`` in one
+        transaction; returns the result."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Io:
+    make: Callable[[], Coroutine[Any, Any, Any]]
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[], Any]
+
+
+Plan = Generator[_Io | _Call, Any, T]
+
+
+def encode(result: Any) -> bytes:
+    try:
+        return bson.encode({"v": result})
+    except Exception as exc:  # noqa: BLE001 - any encoding problem is the handler's
+        raise StepError(f"a step's result must be BSON: {exc}") from None
+
+
+def decode(data: bytes) -> Any:
+    return bson.decode(data)["v"]
+
+
+def _error(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= 2000 else text[:2000] + "…"
+
+
+def check_name(name: Any) -> str:
+    if not isinstance(name, str) or not name or len(name) > MAX_STEP_NAME or "\x00" in name:
+        raise StepError(f"a step's name is a string of 1 to {MAX_STEP_NAME} characters, no NUL")
+    return name
+
+
+class RunSteps:
+    """One run's journal (see the module's docstring). ``recorded`` is the claimed document's
+    ``steps``; ``loop`` is the worker's event loop, where a thread handler's I/O runs."""
+
+    def __init__(
+        self,
+        store: StepStore,
+        recorded: Any,
+        *,
+        run_id: str,
+        attempt: int,
+        loop: asyncio.AbstractEventLoop | None = None,
+        blocking_io: Callable[[Coroutine[Any, Any, Any]], Any] | None = None,
+    ) -> None:
+        self.store = store
+        self.recorded: list[Doc] = [
+            dict(e) for e in (recorded if isinstance(recorded, list) else []) if isinstance(e, dict)
+        ]
+        self.run_id = run_id
+        self.attempt = attempt
+        self.loop = loop
+        self.blocking_io = blocking_io
+        """How a plain-def handler's I/O runs (default: on ``loop``, waited for)."""
+        self.asked: list[str] = []
+        self.waits: dict[str, int] = {}
+        self.sleeps = 0
+        self.spilled = False
+        """Whether this run stored a result aside (its task's retention seals it)."""
+        self.inline = sum(len(encode(e["result"])) for e in self.recorded if "result" in e)
+        """The bytes of the inline results recorded so far."""
+
+    # -- the public calls ---------------------------------------------------------------------
+
+    async def step(
+        self, name: str, fn: Callable[..., Any], *args: Any, transactional: bool = False, **kw: Any
+    ) -> Any:
+        if transactional:
+            return await self._transactional(name, fn, args, kw)
+        return await self._run_async(self._step(name, lambda: fn(*args, **kw)))
+
+    def step_sync(self, name: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        return self._run_sync(self._step(name, lambda: fn(*args, **kw)))
+
+    async def sleep(
+        self, duration: float | dt.timedelta | dt.datetime, name: str | None = None
+    ) -> None:
+        await self._run_async(self._sleep(duration, name))
+
+    def sleep_sync(
+        self, duration: float | dt.timedelta | dt.datetime, name: str | None = None
+    ) -> None:
+        self._run_sync(self._sleep(duration, name))
+
+    async def wait_for(
+        self,
+        signal: str,
+        timeout: float | dt.timedelta | None = None,  # noqa: ASYNC109 - durable, server clock
+        name: str | None = None,
+    ) -> Any:
+        return await self._run_async(self._wait_for(signal, timeout, name))
+
+    def wait_for_sync(
+        self, signal: str, timeout: float | dt.timedelta | None = None, name: str | None = None
+    ) -> Any:
+        return self._run_sync(self._wait_for(signal, timeout, name))
+
+    # -- runners ------------------------------------------------------------------------------
+
+    async def _run_async(self, plan: Plan[T]) -> T:
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                need = plan.throw(error) if error is not None else plan.send(value)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            value, error = None, None
+            try:
+                if isinstance(need, _Io):
+                    value = await need.make()
+                else:
+                    value = need.fn()
+                    if inspect.isawaitable(value):
+                        value = await value
+            except BaseException as exc:
+                if isinstance(exc, asyncio.CancelledError):
+                    plan.close()
+                    raise
+                error = exc
+
+    def _run_sync(self, plan: Plan[T]) -> T:
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                need = plan.throw(error) if error is not None else plan.send(value)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            value, error = None, None
+            try:
+                if isinstance(need, _Io):
+                    value = self._blocking(need.make())
+                else:
+                    value = need.fn()
+                    if inspect.isawaitable(value):
+                        close = getattr(value, "close", None)
+                        if callable(close):
+                            close()
+                        raise StepError(
+                            "step_sync calls plain functions; await ctx.step(...) in an "
+                            "async def handler for a coroutine function"
+                        )
+            except BaseException as exc:  # noqa: BLE001 - given back to the plan
+                error = exc
+
+    def _blocking(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        if self.blocking_io is not None:
+            return self.blocking_io(coro)
+        if self.loop is None:
+            return asyncio.run(coro)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            coro.close()
+            raise StepError("in an async def handler, await ctx.step/sleep/wait_for")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    # -- the journal --------------------------------------------------------------------------
+
+    def _begin(self, name: str, kind: str) -> tuple[int, Doc | None]:
+        """The place of the next step asked for and what is recorded there (``None``: nothing)."""
+        check_name(name)
+        if name in self.asked:
+            raise StepError(f"step {name!r} was asked for twice: step names are unique in a task")
+        index = len(self.asked)
+        if index >= MAX_STEPS:
+            raise StepError(f"a task records at most {MAX_STEPS} steps")
+        prior = self.recorded[index] if index < len(self.recorded) else None
+        if prior is not None and (prior.get("name") != name or prior.get("kind") != kind):
+            raise StepMismatch(
+                f"step {index + 1} is recorded as {prior.get('name')!r} ({prior.get('kind')}); "
+                f"this run asked for {name!r} ({kind}) there: the steps must be asked for in "
+                "the recorded order"
+            )
+        self.asked.append(name)
+        return index, prior
+
+    def _entry(self, name: str, kind: str, prior: Doc | None, now: dt.datetime) -> Doc:
+        entry: Doc = {
+            "name": name,
+            "kind": kind,
+            "attempts": int((prior or {}).get("attempts") or 0),
+            "run_id": self.run_id,
+            "attempt": self.attempt,
+            "started_at": (prior or {}).get("started_at") or now,
+        }
+        for kept in ("until", "signal", "nth", "tries"):
+            if prior is not None and kept in prior:
+                entry[kept] = prior[kept]
+        return entry
+
+    def _tried(self, entry: Doc, now: dt.datetime, ms: int, error: str | None = None) -> None:
+        tried: Doc = {"run_id": self.run_id, "attempt": self.attempt, "at": now, "ms": ms}
+        if error is not None:
+            tried["error"] = error
+        tries = [t for t in entry.get("tries") or [] if isinstance(t, dict)]
+        entry["tries"] = [*tries, tried][-MAX_TRIES_KEPT:]
+        entry["attempts"] = int(entry.get("attempts") or 0) + 1
+        entry["finished_at"] = now
+        entry["ms"] = ms
+
+    def _store_result(self, entry: Doc, result: Any) -> bytes | None:
+        """Put ``result`` in ``entry`` if it is small; else return its encoding, to spill."""
+        data = encode(result)
+        if len(data) > MAX_SPILL_BYTES:
+            raise StepError(f"a step's result is {len(data)} bytes; at most {MAX_SPILL_BYTES}")
+        if len(data) <= INLINE_BYTES and self.inline + len(data) <= INLINE_TOTAL_BYTES:
+            entry["result"] = result
+            self.inline += len(data)
+            return None
+        return data
+
+    def _read(self, prior: Doc) -> Plan[Any]:
+        spill = prior.get("spill")
+        if isinstance(spill, dict):
+            data = yield _Io(lambda: self.store.load(spill))
+            return decode(data)
+        return prior.get("result")
+
+    def _keep(self, index: int, entry: Doc) -> None:
+        if index < len(self.recorded):
+            self.recorded[index] = entry
+        else:
+            self.recorded.append(entry)
+
+    def _write(self, index: int, entry: Doc, prior: Doc | None) -> Plan[None]:
+        yield _Io(lambda: self.store.record(index, entry, prior))
+        self._keep(index, entry)
+
+    def _step(self, name: str, call: Callable[[], Any]) -> Plan[Any]:
+        index, prior = self._begin(name, "call")
+        if prior is not None and prior.get("state") == "done":
+            value = yield from self._read(prior)
+            return value
+        started, now = time.monotonic(), self.store.now()
+        entry = self._entry(name, "call", prior, now)
+        try:
+            result = yield _Call(call)
+        except Exception as exc:
+            ms = round((time.monotonic() - started) * 1000)
+            entry.update(state="failed", error=_error(exc))
+            self._tried(entry, self.store.now(), ms, _error(exc))
+            yield from self._write(index, entry, prior)
+            raise
+        ms = round((time.monotonic() - started) * 1000)
+        entry["state"] = "done"
+        self._tried(entry, self.store.now(), ms)
+        entry.pop("error", None)
+        data = self._store_result(entry, result)
+        if data is not None:
+            entry["spill"] = yield _Io(lambda: self.store.spill(data))
+            self.spilled = True
+        yield from self._write(index, entry, prior)
+        return result
+
+    async def _transactional(
+        self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]
+    ) -> Any:
+        if not inspect.iscoroutinefunction(fn):
+            raise StepError(
+                "a transactional step's function is an async def taking session=: its writes "
+                "use the worker's AsyncClientSession (docs/transactions.md)"
+            )
+        index, prior = self._begin(name, "call")
+        if prior is not None and prior.get("state") == "done":
+            return await self._run_async(self._read(prior))
+        started, now = time.monotonic(), self.store.now()
+        made: list[Doc] = []
+
+        def entry_for(result: Any) -> tuple[Doc, bytes | None]:
+            entry = self._entry(name, "call", prior, now)
+            entry["state"] = "done"
+            entry["transactional"] = True
+            self._tried(entry, self.store.now(), round((time.monotonic() - started) * 1000))
+            data = self._store_result(entry, result)
+            made.append(entry)
+            return entry, data
+
+        try:
+            result = await self.store.transact(
+                lambda session: fn(*args, session=session, **kw), entry_for, index, prior
+            )
+        except Exception as exc:
+            failed = self._entry(name, "call", prior, now)
+            failed.update(state="failed", error=_error(exc), transactional=True)
+            ms = round((time.monotonic() - started) * 1000)
+            self._tried(failed, self.store.now(), ms, _error(exc))
+            if not isinstance(exc, MtaskError) or isinstance(exc, StepError):
+                await self.store.record(index, failed, prior)
+            raise
+        self._keep(index, made[-1])
+        self.spilled = self.spilled or "spill" in made[-1]
+        return result
+
+    def _sleep(self, duration: float | dt.timedelta | dt.datetime, name: str | None) -> Plan[None]:
+        self.sleeps += 1
+        step = name if name is not None else f"sleep#{self.sleeps}"
+        index, prior = self._begin(step, "sleep")
+        now = self.store.now()
+        if prior is not None and prior.get("state") == "done":
+            return
+        if prior is not None and isinstance(prior.get("until"), dt.datetime):
+            until = _aware(prior["until"])
+        else:
+            until = _until(duration, now)
+        entry = self._entry(step, "sleep", prior, now)
+        if now >= until:
+            entry["state"] = "done"
+            entry["until"] = until
+            self._tried(entry, now, 0)
+            yield from self._write(index, entry, prior)
+            return
+        entry.update(state="waiting", until=until)
+        raise Suspended(Wait(index, None if prior is not None else entry, until))
+
+    def _wait_for(
+        self, signal: str, timeout: float | dt.timedelta | None, name: str | None
+    ) -> Plan[Any]:
+        check_name(signal)
+        nth = self.waits.get(signal, 0)
+        self.waits[signal] = nth + 1
+        step = name if name is not None else (f"wait:{signal}" + (f"#{nth + 1}" if nth else ""))
+        index, prior = self._begin(step, "signal")
+        if prior is not None and prior.get("state") == "done":
+            value = yield from self._read(prior)
+            return value
+        if prior is not None and prior.get("state") == "timed_out":
+            raise SignalTimeout(f"no signal {signal!r} came before the timeout (recorded)")
+        now = self.store.now()
+        entry = self._entry(step, "signal", prior, now)
+        entry.update(signal=signal, nth=nth)
+        came = yield _Io(lambda: self.store.signals(signal))
+        if len(came) > nth:
+            payload = came[nth].get("payload")
+            entry["state"] = "done"
+            self._tried(entry, now, 0)
+            data = self._store_result(entry, payload)
+            if data is not None:
+                entry["spill"] = yield _Io(lambda: self.store.spill(data))
+                self.spilled = True
+            yield from self._write(index, entry, prior)
+            return payload
+        if prior is not None and isinstance(prior.get("until"), dt.datetime):
+            until = _aware(prior["until"])
+        else:
+            until = NEVER if timeout is None else _until(timeout, now)
+        if now >= until:
+            entry.update(state="timed_out", until=until)
+            self._tried(entry, now, 0, "timed out")
+            yield from self._write(index, entry, prior)
+            raise SignalTimeout(f"no signal {signal!r} came before {until.isoformat()}")
+        entry.update(state="waiting", until=until)
+        raise Suspended(Wait(index, None if prior is not None else entry, until, signal, nth))
+
+
+def _aware(when: dt.datetime) -> dt.datetime:
+    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
+
+
+def _until(duration: float | dt.timedelta | dt.datetime, now: dt.datetime) -> dt.datetime:
+    if isinstance(duration, dt.datetime):
+        if duration.tzinfo is None:
+            raise StepError("a time to sleep until must be timezone-aware")
+        return duration
+    seconds = duration.total_seconds() if isinstance(duration, dt.timedelta) else duration
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
+        raise StepError("a duration is a number of seconds (or a timedelta), not negative")
+    if seconds > 366 * 86400 * 100:
+        raise StepError("a duration of at most 100 years")
+    return now + dt.timedelta(seconds=seconds)
+
+
+class MemorySteps:
+    """A ``StepStore`` in memory, for ``mtask.testing`` and the unit tier: records in a list,
+    signals given by the test, time from ``clock`` (default: the local clock)."""
+
+    def __init__(
+        self,
+        recorded: list[Doc] | None = None,
+        signals: list[Doc] | None = None,
+        clock: Callable[[], dt.datetime] | None = None,
+    ) -> None:
+        self.recorded: list[Doc] = recorded if recorded is not None else []
+        self.sent: list[Doc] = signals if signals is not None else []
+        self.spilled: dict[str, bytes] = {}
+        self.clock = clock or (lambda: dt.datetime.now(dt.UTC))
+
+    def now(self) -> dt.datetime:
+        return self.clock()
+
+    def signal(self, name: str, payload: Any = None) -> None:
+        self.sent.append({"name": name, "payload": payload, "at": self.now()})
+
+    async def record(self, index: int, entry: Doc, prior: Doc | None) -> None:
+        if index < len(self.recorded):
+            self.recorded[index] = dict(entry)
+        elif index == len(self.recorded):
+            self.recorded.append(dict(entry))
+        else:
+            raise StepError(f"step {index} recorded after {len(self.recorded)} steps")
+
+    async def spill(self, data: bytes) -> Doc:
+        ref = f"spill-{len(self.spilled) + 1}"
+        self.spilled[ref] = data
+        return {"id": ref, "chunks": 1, "bytes": len(data)}
+
+    async def load(self, spill: Mapping[str, Any]) -> bytes:
+        return self.spilled[str(spill["id"])]
+
+    async def signals(self, name: str) -> list[Doc]:
+        return [s for s in self.sent if s.get("name") == name]
+
+    async def transact(
+        self,
+        fn: Callable[[Any], Coroutine[Any, Any, Any]],
+        entry_for: Callable[[Any], tuple[Doc, bytes | None]],
+        index: int,
+        prior: Doc | None,
+    ) -> Any:
+        result = await fn(None)
+        entry, data = entry_for(result)
+        if data is not None:
+            entry["spill"] = await self.spill(data)
+        await self.record(index, entry, prior)
+        return result

@@ -1,0 +1,222 @@
+"""Durable steps in MongoDB (docs/steps.md): a run's step records in its task document, fenced
+by the run; results too large for it in the side collection ``<tasks>.steps``; signals.
+
+The task document holds ``steps`` (one entry per step, in the order the handler asks for them,
+see ``mtask.steps``), ``signals`` (``{name, payload, at}``, oldest first) and, while a run waits,
+``waiting`` (``{until, index, step, signal, nth}``). A spilled result is a few documents::
+
+    {_id: ObjectId, task: key, spill: id, n: 0, 1, …, data: Binary, expire_at: date}
+
+written before the step's entry that names them (a zombie's spill is never named, and expires),
+removed with the task (sealed to its ``expire_at`` after the outcome, like the output).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import bson
+from pymongo import ASCENDING, IndexModel
+
+from mtask.driver import Call, Doc, Op
+from mtask.errors import InvalidTask, InvalidTransition, LeaseLost, TaskNotFound
+from mtask.models import OPEN_STATUSES, TaskStatus
+from mtask.statemachine import RUNNING
+from mtask.steps import SPILL_CHUNK_BYTES, StepError, check_name
+from mtask.store.output import seal_in
+from mtask.store.transactional import lease_alive_expr
+
+COLLECTION = "steps"
+"""The key of the side collection in ``driver.collections``: ``<tasks>.steps``."""
+INDEXES = [
+    IndexModel([("task", ASCENDING), ("spill", ASCENDING), ("n", ASCENDING)], name="task_spill_n"),
+    IndexModel(
+        [("expire_at", ASCENDING)],
+        name="expire",
+        expireAfterSeconds=0,
+        partialFilterExpression={"expire_at": {"$type": "date"}},
+    ),
+]
+MAX_SIGNALS = 1000
+"""The most signals one task keeps."""
+MAX_PAYLOAD_BYTES = 64 * 1024
+"""A signal's payload, as BSON, at most."""
+
+
+def collection_name(tasks: str) -> str:
+    return f"{tasks}.steps"
+
+
+def ensure_indexes() -> Op[None]:
+    yield Call("create_indexes", (INDEXES,), collection=COLLECTION)
+
+
+def fence(key: str, run_id: str) -> Doc:
+    """The filter of a run's step writes: its task running, the run RUNNING with its lease
+    alive on the server's clock."""
+    return {
+        "_id": key,
+        "status": TaskStatus.RUNNING.value,
+        "runs": {"$elemMatch": {"run_id": run_id, "state": RUNNING}},
+        "$expr": lease_alive_expr(run_id),
+    }
+
+
+def record_update(
+    key: str, run_id: str, index: int, entry: Mapping[str, Any], prior: Mapping[str, Any] | None
+) -> tuple[Doc, Doc]:
+    """Filter and update writing step ``entry`` at ``index``: a new last entry (``prior`` is
+    ``None``; the filter proves the journal is ``index`` long) or in place of ``prior`` (the
+    filter proves it is still the one this run read). Either clears ``waiting``."""
+    filt = fence(key, run_id)
+    if prior is None:
+        filt[f"steps.{index}"] = {"$exists": False}
+        if index > 0:
+            filt[f"steps.{index - 1}"] = {"$exists": True}
+        update: Doc = {"$push": {"steps": dict(entry)}}
+    else:
+        filt[f"steps.{index}.name"] = prior.get("name")
+        filt[f"steps.{index}.attempts"] = prior.get("attempts")
+        filt[f"steps.{index}.state"] = prior.get("state")
+        update = {"$set": {f"steps.{index}": dict(entry)}}
+    update["$unset"] = {"waiting": ""}
+    return filt, update
+
+
+def record(
+    key: str, run_id: str, index: int, entry: Mapping[str, Any], prior: Mapping[str, Any] | None
+) -> Op[None]:
+    """Write a step's entry if the run still owns its task (``LeaseLost`` if not; nothing is
+    written); ``StepError`` if another run of the task recorded that step meanwhile."""
+    filt, update = record_update(key, run_id, index, entry, prior)
+    result = yield Call("update_one", (filt, update))
+    if result.matched_count:
+        return
+    owned: Doc | None = yield Call("find_one", (fence(key, run_id), {"_id": 1}))
+    if owned is None:
+        raise LeaseLost(f"run {run_id} of {key!r} no longer owns the task: step not recorded")
+    raise StepError(f"step {index + 1} of {key!r} was recorded meanwhile by another run")
+
+
+def signals(key: str, name: str) -> Op[list[Doc]]:
+    """The task's signals named ``name``, oldest first."""
+    mine = {
+        "$filter": {
+            "input": {"$ifNull": ["$signals", []]},
+            "cond": {"$eq": ["$$this.name", name]},
+        }
+    }
+    doc: Doc | None = yield Call("find_one", ({"_id": key}, {"signals": mine}))
+    found = (doc or {}).get("signals")
+    return [s for s in found if isinstance(s, dict)] if isinstance(found, list) else []
+
+
+def signal_pipeline(name: str, payload: Any) -> list[Doc]:
+    """The update that signals a task (docs/steps.md gives it for any language): the signal
+    appended to ``signals`` with the server's time, and the task made claimable now if it is
+    waiting for this name. One atomic update: a wait that ends after it finds the signal, a
+    wait that ended before it is woken by it."""
+    entry = {"name": name, "payload": {"$literal": payload}, "at": "$$NOW"}
+    wakes = {
+        "$and": [
+            {"$eq": ["$status", TaskStatus.PENDING.value]},
+            {"$eq": ["$waiting.signal", name]},
+        ]
+    }
+    return [
+        {
+            "$set": {
+                "signals": {"$concatArrays": [{"$ifNull": ["$signals", []]}, [entry]]},
+                "available_at": {"$cond": [wakes, "$$NOW", "$available_at"]},
+                "next_claim_at": {"$cond": [wakes, "$$NOW", "$next_claim_at"]},
+                "updated_at": "$$NOW",
+            }
+        }
+    ]
+
+
+def check_signal(name: Any, payload: Any) -> None:
+    try:
+        check_name(name)
+    except StepError as exc:
+        raise InvalidTask(str(exc).replace("step's", "signal's"), field="name") from None
+    try:
+        size = len(bson.encode({"payload": payload}))
+    except Exception as exc:  # noqa: BLE001 - any encoding problem is the caller's
+        raise InvalidTask(f"a signal's payload must be BSON: {exc}", field="payload") from None
+    if size > MAX_PAYLOAD_BYTES:
+        raise InvalidTask(
+            f"the payload is {size} bytes as BSON; at most {MAX_PAYLOAD_BYTES}", field="payload"
+        )
+
+
+def signal(key: str, name: str, payload: Any = None) -> Op[bool]:
+    """Send signal ``name`` to an open task; ``True`` if it woke the task (it was waiting for
+    this name). ``TaskNotFound``, or ``InvalidTransition`` for a finished task or one holding
+    ``MAX_SIGNALS`` already."""
+    check_signal(name, payload)
+    filt = {
+        "_id": key,
+        "status": {"$in": list(OPEN_STATUSES)},
+        f"signals.{MAX_SIGNALS - 1}": {"$exists": False},
+    }
+    before: Doc | None = yield Call(
+        "find_one_and_update",
+        (filt, signal_pipeline(name, payload)),
+        {"projection": {"status": 1, "waiting": 1}},
+    )
+    if before is not None:
+        waiting = before.get("waiting")
+        return (
+            before.get("status") == TaskStatus.PENDING.value
+            and isinstance(waiting, dict)
+            and waiting.get("signal") == name
+        )
+    doc: Doc | None = yield Call("find_one", ({"_id": key}, {"status": 1}))
+    if doc is None:
+        raise TaskNotFound(f"no task with key {key!r}")
+    if doc.get("status") in OPEN_STATUSES:
+        raise InvalidTransition(f"task {key!r} holds {MAX_SIGNALS} signals already")
+    raise InvalidTransition(f"task {key!r} is {doc.get('status')}: it waits for no signal")
+
+
+def spill(key: str, data: bytes, expire_at: dt.datetime | None) -> Op[Doc]:
+    """Store an encoded result aside, in chunks; returns the reference its entry holds."""
+    ref = uuid.uuid4().hex
+    chunks = [data[i : i + SPILL_CHUNK_BYTES] for i in range(0, len(data), SPILL_CHUNK_BYTES)]
+    expiry = {} if expire_at is None else {"expire_at": expire_at}
+    docs = [
+        {"task": key, "spill": ref, "n": n, "data": bson.Binary(chunk), **expiry}
+        for n, chunk in enumerate(chunks)
+    ]
+    for doc in docs:  # one at a time: a batch of them would pass the 48 MB message size
+        yield Call("insert_one", (doc,), collection=COLLECTION)
+    return {"id": ref, "chunks": len(docs), "bytes": len(data)}
+
+
+def load(key: str, ref: Mapping[str, Any]) -> Op[bytes]:
+    """A spilled result's bytes; ``StepError`` if a chunk is missing."""
+    docs: list[Doc] = yield Call(
+        "find",
+        ({"task": key, "spill": ref.get("id")}, {"n": 1, "data": 1}),
+        {"sort": [("n", ASCENDING)]},
+        collection=COLLECTION,
+    )
+    if [d.get("n") for d in docs] != list(range(int(ref.get("chunks") or 0))):
+        raise StepError(f"the stored result {ref.get('id')} of {key!r} is incomplete")
+    return b"".join(bytes(d["data"]) for d in docs)
+
+
+def seal(keys: Sequence[str]) -> Op[int]:
+    """After the outcome of runs that spilled: their spills expire with the finished task."""
+    changed: int = yield from seal_in(COLLECTION, keys)
+    return changed
+
+
+def purge(keys: Sequence[str]) -> Op[int]:
+    """Remove the spilled results of tasks that were removed (``purge``)."""
+    result = yield Call("delete_many", ({"task": {"$in": list(keys)}},), collection=COLLECTION)
+    return int(result.deleted_count)

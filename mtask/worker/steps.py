@@ -1,0 +1,138 @@
+"""The worker's side of durable steps (docs/steps.md): each run's ``StepStore`` on MongoDB.
+
+``RunStepStores`` is the collaborator the executor is built with; ``steps_for`` makes a run's
+``RunSteps`` (``mtask.steps``) the first time its handler asks for a step, sleeps or waits, so
+a handler that does none of these costs nothing. Every write goes through ``store.steps``,
+fenced by the run; a transactional step's function and its record commit in one transaction
+(``worker.transactional.transact``, with the run's ``RunFence``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any
+
+from mtask.clock import Clock
+from mtask.driver import AsyncDriver, Doc, Op
+from mtask.errors import ConfigError
+from mtask.registry import TaskContext
+from mtask.steps import RunSteps, StepError
+from mtask.store import steps as store_steps
+from mtask.store.output import keep_until
+from mtask.worker.transactional import RunFence, Transactions
+
+
+class TaskSteps:
+    """One run's ``StepStore``: its task, run and retention; the worker's driver and clock."""
+
+    def __init__(
+        self,
+        driver: AsyncDriver,
+        clock: Clock,
+        key: str,
+        run_id: str,
+        options: Mapping[str, Any],
+        transactions: Transactions | None,
+        fence: Callable[[], RunFence],
+        indexes: Callable[[], Coroutine[Any, Any, None]],
+    ) -> None:
+        self.driver = driver
+        self.clock = clock
+        self.key = key
+        self.run_id = run_id
+        self.options = options
+        self.transactions = transactions
+        self.fence = fence
+        self.indexes = indexes
+
+    def now(self) -> dt.datetime:
+        return self.clock.now()
+
+    async def record(self, index: int, entry: Doc, prior: Doc | None) -> None:
+        await self.driver.run(store_steps.record(self.key, self.run_id, index, entry, prior))
+
+    def _spill(self, data: bytes) -> Op[Doc]:
+        expire = keep_until(self.options, self.clock.now())
+        ref: Doc = yield from store_steps.spill(self.key, data, expire)
+        return ref
+
+    async def spill(self, data: bytes) -> Doc:
+        await self.indexes()
+        return await self.driver.run(self._spill(data))
+
+    async def load(self, spill: Mapping[str, Any]) -> bytes:
+        return await self.driver.run(store_steps.load(self.key, spill))
+
+    async def signals(self, name: str) -> list[Doc]:
+        return await self.driver.run(store_steps.signals(self.key, name))
+
+    async def transact(
+        self,
+        fn: Callable[[Any], Coroutine[Any, Any, Any]],
+        entry_for: Callable[[Any], tuple[Doc, bytes | None]],
+        index: int,
+        prior: Doc | None,
+    ) -> Any:
+        if self.transactions is None:
+            raise ConfigError("a transactional step needs the worker's MongoDB client")
+        await self.indexes()  # never built inside a transaction (docs/transactions.md)
+
+        def write(result: Any) -> Op[Doc | None]:
+            entry, data = entry_for(result)
+            if data is not None:
+                entry["spill"] = yield from self._spill(data)
+            yield from store_steps.record(self.key, self.run_id, index, entry, prior)
+            return entry
+
+        result, _ = await self.transactions.transact(fn, write, self.fence())
+        return result
+
+
+class RunStepStores:
+    """Makes each run's ``RunSteps`` on first use (``TaskContext.steps_for``)."""
+
+    def __init__(
+        self, driver: AsyncDriver, clock: Clock, transactions: Transactions | None
+    ) -> None:
+        self.driver = driver
+        self.clock = clock
+        self.transactions = transactions
+        self._indexed: asyncio.Future[None] | None = None
+
+    async def ensure_indexes(self) -> None:
+        """The side collection's indexes, once per worker, before the first spill."""
+        if self._indexed is None:
+            self._indexed = asyncio.ensure_future(self.driver.run(store_steps.ensure_indexes()))
+        try:
+            await asyncio.shield(self._indexed)
+        except Exception:
+            self._indexed = None
+            raise
+
+    def steps_for(
+        self,
+        ctx: TaskContext,
+        *,
+        doc: Mapping[str, Any],
+        transactional: bool,
+        fence: Callable[[], RunFence],
+        loop: asyncio.AbstractEventLoop,
+    ) -> RunSteps:
+        if transactional:
+            raise StepError(
+                "a transactional handler has no steps: its writes commit with its SUCCESS; "
+                "use ctx.step(..., transactional=True) in a handler that is not"
+            )
+        store = TaskSteps(
+            self.driver,
+            self.clock,
+            ctx.key,
+            ctx.run_id,
+            doc.get("options") or {},
+            self.transactions,
+            fence,
+            self.ensure_indexes,
+        )
+        return RunSteps(store, doc.get("steps"), run_id=ctx.run_id, attempt=ctx.attempt, loop=loop)

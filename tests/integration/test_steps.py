@@ -1,0 +1,278 @@
+"""Durable steps end to end on a real replica set with a real (in-process) worker: a step runs
+once per task and replays across retries; a failed step is recorded and retried; sleeps free
+the slot and resume on the server's clock; signals sent before, after and never; large
+results spill aside and come back; the replay rules; a transactional step's writes commit with
+its record; plain-def handlers on threads (docs/steps.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import hashlib
+from collections import Counter
+from typing import Any
+
+import pytest
+from harness import running_worker, wait_for
+from pymongo import AsyncMongoClient
+
+from mtask import AsyncTaskClient
+from mtask.errors import InvalidTask, InvalidTransition, TaskNotFound
+from mtask.registry import Registry, TaskContext
+from mtask.steps import SignalTimeout
+
+registry = Registry()
+CALLS: Counter[str] = Counter()
+FAIL_ONCE: set[str] = set()
+
+
+def _call(label: str, value: Any) -> Any:
+    CALLS[label] += 1
+    if label in FAIL_ONCE:
+        FAIL_ONCE.discard(label)
+        raise RuntimeError(f"{label} failed once")
+    return value
+
+
+@registry.task("checkout", options={"retry_delay_ms": 0, "max_retries": 3})
+async def checkout(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    k = ctx.key
+    charged = await ctx.step("charge", _call, f"{k}:charge", {"charge": "ch_1"})
+    label = await ctx.step("label", _call, f"{k}:label", "L-42")
+    shipped = await ctx.step("ship", _call, f"{k}:ship", True)
+    return {"charged": charged, "label": label, "shipped": shipped, "attempt": ctx.attempt}
+
+
+@registry.task("napper")
+async def napper(params: dict[str, Any], ctx: TaskContext) -> str:
+    before = await ctx.step("before", _call, f"{ctx.key}:before", 1)
+    await ctx.sleep(params["seconds"])
+    after = await ctx.step("after", _call, f"{ctx.key}:after", 2)
+    return f"{before}+{after}"
+
+
+@registry.task("quick")
+async def quick(params: dict[str, Any], ctx: TaskContext) -> str:
+    return "quick"
+
+
+@registry.task("approval")
+async def approval(params: dict[str, Any], ctx: TaskContext) -> Any:
+    await ctx.step("ask", _call, f"{ctx.key}:ask", None)
+    try:
+        decision = await ctx.wait_for("approved", timeout=params.get("timeout"))
+    except SignalTimeout:
+        return "timed out"
+    return {"decision": decision}
+
+
+@registry.task("big")
+async def big(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    blob = await ctx.step("blob", _call, f"{ctx.key}:blob", b"\x07" * params["size"])
+    await ctx.sleep(0.05)  # ends the run: the next one reads the spilled result back
+    return {"bytes": len(blob), "sha": hashlib.sha256(blob).hexdigest(), "attempt": ctx.attempt}
+
+
+@registry.task("fickle", options={"retry_delay_ms": 0})
+async def fickle(params: dict[str, Any], ctx: TaskContext) -> str:
+    first = "a" if ctx.attempt == 1 else "b"  # not a function of its params: a mismatch
+    await ctx.step(first, _call, f"{ctx.key}:{first}", 1)
+    await ctx.sleep(0.01)
+    return "never"
+
+
+@registry.task("twice_named")
+async def twice_named(params: dict[str, Any], ctx: TaskContext) -> str:
+    await ctx.step("same", _call, f"{ctx.key}:1", 1)
+    await ctx.step("same", _call, f"{ctx.key}:2", 2)
+    return "never"
+
+
+@registry.task("threaded", options={"retry_delay_ms": 0})
+def threaded(params: dict[str, Any], ctx: TaskContext) -> list[Any]:
+    one = ctx.step_sync("one", _call, f"{ctx.key}:one", 1)
+    ctx.sleep_sync(0.05)
+    two = ctx.step_sync("two", _call, f"{ctx.key}:two", 2)
+    got = ctx.wait_for_sync("go", timeout=30)
+    return [one, two, got]
+
+
+@registry.task("ledger", options={"retry_delay_ms": 0})
+async def ledger(params: dict[str, Any], ctx: TaskContext) -> int:
+    async def book(amount: int, *, session: Any) -> int:
+        CALLS[f"{ctx.key}:book"] += 1
+        rows = session.client[params["db"]]["ledger"]
+        await rows.insert_one({"task": ctx.key, "amount": amount}, session=session)
+        if params.get("abort") and CALLS[f"{ctx.key}:book"] == 1:
+            raise RuntimeError("the first transaction aborts")
+        return amount
+
+    booked = await ctx.step("book", book, 42, transactional=True)
+    if ctx.attempt == 1 and params.get("fail_after"):
+        raise RuntimeError("after the step")
+    return int(booked)
+
+
+async def _finished(aclient: AsyncTaskClient, key: str, timeout: float = 30) -> Any:
+    async with asyncio.timeout(timeout):
+        return await aclient.wait(key)
+
+
+async def test_steps_run_once_and_replay_across_a_retry(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    FAIL_ONCE.add("c1:label")
+    async with running_worker(registry, mongo_uri, db_name):
+        await aclient.publish("checkout", "c1", {})
+        task = await _finished(aclient, "c1")
+    assert task.status.value == "succeeded", task
+    assert task.result == {
+        "charged": {"charge": "ch_1"}, "label": "L-42", "shipped": True, "attempt": 2
+    }  # fmt: skip
+    assert CALLS["c1:charge"] == 1  # recorded by run 1, replayed by run 2
+    assert CALLS["c1:label"] == 2 and CALLS["c1:ship"] == 1
+    steps = {s.name: s for s in task.steps}
+    assert [s.name for s in task.steps] == ["charge", "label", "ship"]
+    assert steps["charge"].state == "done" and steps["charge"].attempts == 1
+    assert steps["label"].attempts == 2 and [t.error for t in steps["label"].tries] == [
+        "RuntimeError: label failed once".replace("label", "c1:label"),
+        None,
+    ]
+    assert steps["charge"].run_id == task.runs[0].run_id
+    assert steps["ship"].run_id == task.runs[1].run_id
+
+
+async def test_sleep_frees_the_slot_and_resumes_on_the_servers_clock(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name, concurrency=1) as (_, events):
+        await aclient.publish("napper", "n1", {"seconds": 2})
+        await events.wait("recorded", key="n1", state="WAITING")
+        await aclient.publish("quick", "q1", {})  # the one slot is free while n1 sleeps
+        quick_done = await _finished(aclient, "q1")
+        waiting = await aclient.get("n1")
+        assert waiting is not None and waiting.status.value == "pending"
+        assert waiting.waiting is not None and waiting.waiting.step == "sleep#1"
+        task = await _finished(aclient, "n1")
+    assert task.result == "1+2" and CALLS["n1:before"] == 1 and CALLS["n1:after"] == 1
+    first, second = task.runs
+    assert first.state.value == "WAITING" and second.state.value == "SUCCESS"
+    nap = task.steps[1]
+    assert nap.kind == "sleep" and nap.state == "done" and nap.until is not None
+    assert nap.until - first.finished_at >= dt.timedelta(seconds=1.9)
+    assert second.claimed_at >= nap.until  # no earlier, by the server's clock
+    assert quick_done.finished_at < second.claimed_at
+    assert task.waiting is None
+
+
+async def test_signals_after_the_wait_and_never(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("approval", "after", {})
+        await aclient.publish("approval", "never", {"timeout": 1})
+        await events.wait("recorded", key="after", state="WAITING")
+        assert await aclient.signal("after", "approved", {"by": "bob"}) is True
+        after = await _finished(aclient, "after")
+        never = await _finished(aclient, "never")
+    assert after.result == {"decision": {"by": "bob"}}
+    assert [r.state.value for r in after.runs] == ["WAITING", "SUCCESS"]
+    assert never.result == "timed out"
+    assert [s.state for s in never.steps] == ["done", "timed_out"]
+    assert CALLS["after:ask"] == 1 and CALLS["never:ask"] == 1
+    assert [s.name for s in after.signals] == ["approved"]
+
+
+async def test_a_signal_sent_before_the_wait_is_not_lost(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    await aclient.publish("approval", "early", {})
+    assert await aclient.signal("early", "approved", "yes") is False
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        task = await _finished(aclient, "early")
+    assert task.result == {"decision": "yes"}
+    assert [r.state.value for r in task.runs] == ["SUCCESS"]  # it never had to wait
+    assert not events.matching("waiting", key="early")
+
+
+async def test_signal_refuses_bad_input_and_finished_tasks(aclient: AsyncTaskClient) -> None:
+    with pytest.raises(TaskNotFound):
+        await aclient.signal("nope", "approved")
+    await aclient.publish("quick", "done-already", {})
+    await aclient.cancel("done-already")
+    with pytest.raises(InvalidTransition):
+        await aclient.signal("done-already", "approved")
+    with pytest.raises(InvalidTask, match="name"):
+        await aclient.signal("done-already", "")
+    with pytest.raises(InvalidTask, match="payload"):
+        await aclient.signal("done-already", "x", object())
+    with pytest.raises(InvalidTask, match="bytes"):
+        await aclient.signal("done-already", "x", "y" * 70_000)
+
+
+async def test_a_large_result_spills_aside_and_comes_back(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    size = 20 * 1024 * 1024
+    side = aclient.collection.database[f"{aclient.collection.name}.steps"]
+    async with running_worker(registry, mongo_uri, db_name):
+        await aclient.publish("big", "b1", {"size": size})
+        task = await _finished(aclient, "b1", timeout=120)
+        sealed = {"task": "b1", "expire_at": task.expire_at}
+        await wait_for(lambda: side.count_documents(sealed), every=0.05)  # go with the task
+    assert task.status.value == "succeeded", task
+    blob = b"\x07" * size
+    assert task.result == {"bytes": size, "sha": hashlib.sha256(blob).hexdigest(), "attempt": 2}
+    assert CALLS["b1:blob"] == 1
+    step = task.steps[0]
+    assert step.result is None and step.spill is not None and step.spill["chunks"] == 6
+    chunks = await side.find({"task": "b1"}, {"n": 1}).to_list()
+    assert sorted(c["n"] for c in chunks) == list(range(6))
+    assert await side.count_documents(sealed) == 6
+
+
+async def test_replay_rules_fail_the_task_for_good(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name):
+        await aclient.publish("fickle", "f1", {})
+        await aclient.publish("twice_named", "t1", {})
+        fickle_task = await _finished(aclient, "f1")
+        twice = await _finished(aclient, "t1")
+    assert fickle_task.status.value == "failed"
+    assert "StepMismatch" in (fickle_task.error or "")
+    assert "recorded as 'a' (call); this run asked for 'b'" in (fickle_task.error or "")
+    assert [s.name for s in fickle_task.steps] == ["a", "sleep#1"]  # nothing half-written
+    assert CALLS["f1:b"] == 0
+    assert twice.status.value == "failed" and "asked for twice" in (twice.error or "")
+    assert [s.name for s in twice.steps] == ["same"] and CALLS["t1:2"] == 0
+
+
+async def test_plain_def_handlers_on_threads(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("threaded", "th1", {})
+        await events.wait("recorded", key="th1", state="WAITING", count=2)  # sleep, signal
+        await aclient.signal("th1", "go", [1, 2])
+        task = await _finished(aclient, "th1")
+    assert task.result == [1, 2, [1, 2]]
+    assert CALLS["th1:one"] == 1 and CALLS["th1:two"] == 1
+    assert [r.state.value for r in task.runs] == ["WAITING", "WAITING", "SUCCESS"]
+
+
+@pytest.mark.parametrize("mode", ["fail_after", "abort"])
+async def test_a_transactional_steps_writes_commit_with_its_record(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str, mode: str
+) -> None:
+    key = f"l-{mode}"
+    async with running_worker(registry, mongo_uri, db_name):
+        await aclient.publish("ledger", key, {"db": db_name, mode: True})
+        task = await _finished(aclient, key)
+    assert task.status.value == "succeeded" and task.result == 42, task
+    mongo: AsyncMongoClient[dict[str, Any]] = aclient.mongo
+    rows = await mongo[db_name]["ledger"].find({"task": key}).to_list()
+    assert len(rows) == 1  # the aborted try (abort) or the replay (fail_after) wrote nothing
+    step = task.steps[0]
+    assert step.state == "done" and step.transactional is True and step.result == 42
+    assert CALLS[f"{key}:book"] == (2 if mode == "abort" else 1)
