@@ -39,6 +39,7 @@ from mtask.errors import ConfigError
 from mtask.models import DEFAULT_MAX_PARAMS_BYTES
 from mtask.output import RunOutput
 from mtask.registry import Registry, TaskContext
+from mtask.steps import MemorySteps, RunSteps
 from mtask.store import Outcome
 from mtask.worker.config import DEFAULT_MAX_RESULT_BYTES
 from mtask.worker.events import Emitter
@@ -53,7 +54,7 @@ from mtask.worker.executor import (
 from mtask.worker.inflight import ActiveRun
 from mtask.worker.transactional import RunFence
 
-__all__ = ["Outcome", "arun_handler", "run_handler", "worker_argv"]
+__all__ = ["MemorySteps", "Outcome", "arun_handler", "run_handler", "worker_argv"]
 
 
 async def arun_handler(
@@ -68,19 +69,26 @@ async def arun_handler(
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
     mongo_client: AsyncMongoClient[dict[str, Any]] | None = None,
     output: RunOutput | None = None,
+    steps: MemorySteps | None = None,
 ) -> Outcome:
     """Run ``registry``'s handler for ``name`` on ``params`` as run ``attempt`` of task
     ``key``, and return its outcome. ``publisher`` receives ``ctx.publish`` calls (without
     one, ``ctx.publish`` raises); ``mongo_client`` runs a transactional handler's transaction;
     ``output`` receives what the handler reports (``ctx.progress``/``log``/``emit``: read it with
-    ``mtask.output.RecordedOutput.of(output)``). Raises ``KeyError`` for a name with no handler."""
+    ``mtask.output.RecordedOutput.of(output)``); ``steps`` holds the task's durable steps and
+    signals between calls (docs/steps.md): a run that sleeps or waits returns a WAITING outcome
+    and its step is recorded there, so calling again (after ``steps.signal(...)``, or with a
+    ``clock`` past the sleep) resumes it and replays what is recorded. Raises ``KeyError`` for
+    a name with no handler."""
     handler = registry[name]
     if handler.transactional and mongo_client is None:
         raise ConfigError(
             f"{name!r} is a transactional handler: give arun_handler a mongo_client (a "
             "replica set) to run its transaction in"
         )
-    run_id = f"{key}:test-run"
+    run_id = f"{key}:test-run:{attempt}"
+    journal = MemorySteps() if steps is None else steps
+    loop = asyncio.get_running_loop()
     ctx = TaskContext(
         key=key,
         name=name,
@@ -89,6 +97,9 @@ async def arun_handler(
         worker_id=worker_id,
         publisher=publisher,
         output_for=(lambda _ctx: RunOutput()) if output is None else (lambda _ctx: output),
+        steps_for=lambda made: RunSteps(
+            journal, journal.recorded, run_id=run_id, attempt=attempt, loop=loop
+        ),
     )
     run = ActiveRun(key=key, name=name, run_id=run_id, ctx=ctx)
     transactions = NoTransactions() if mongo_client is None else _Transactions(mongo_client)
@@ -102,7 +113,10 @@ async def arun_handler(
         outputs=NoOutputs(),
         journals=NoJournals(),
     )
-    return await outcomes.call(run, handler, {"params": dict(params or {})})
+    outcome = await outcomes.call(run, handler, {"params": dict(params or {})})
+    if outcome.wait is not None and outcome.wait.entry is not None:  # as the worker records it
+        await journal.record(outcome.wait.index, dict(outcome.wait.entry), None)
+    return outcome
 
 
 class _Transactions:

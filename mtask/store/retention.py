@@ -39,7 +39,7 @@ from mtask.models import (
     validate_name,
 )
 from mtask.statemachine import OPEN, keep_ms
-from mtask.store import output
+from mtask.store import output, steps
 
 COLLECTION = "retention"
 GLOBAL = "*"
@@ -256,8 +256,11 @@ def purge(filt: Doc) -> Op[int]:
         raise InvalidTask("a purge filter must come from purge_filter", field="filter")
     # the live output of the tasks that have some (docs/output.md) goes with them
     with_output = yield Call("find", ({**filt, "output_seq": {"$gt": 0}}, {"_id": 1}))
+    # and the step results stored aside (docs/steps.md)
+    with_spills = yield Call("find", ({**filt, "steps.spill": {"$exists": True}}, {"_id": 1}))
     result = yield Call("delete_many", (filt,))
-    keys = [doc["_id"] for doc in with_output]
-    for start in range(0, len(keys), MAX_PURGE_KEYS):
-        yield from output.purge(keys[start : start + MAX_PURGE_KEYS])
+    for side, docs in ((output.purge, with_output), (steps.purge, with_spills)):
+        keys = [doc["_id"] for doc in docs]
+        for start in range(0, len(keys), MAX_PURGE_KEYS):
+            yield from side(keys[start : start + MAX_PURGE_KEYS])
     return int(result.deleted_count)

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from mtask import Fail, LeaseLost, Next, Registry, Retry, RunState, TaskContext
 from mtask.output import RecordedOutput, RunOutput
-from mtask.testing import arun_handler, run_handler
+from mtask.testing import MemorySteps, arun_handler, run_handler
 
 registry = Registry()
 
@@ -161,3 +161,25 @@ def test_run_handler_gives_back_what_the_handler_said() -> None:
     assert [(e["message"], e["fields"]) for e in said.logs] == [("said", {"n": 1})]
     assert said.chunks == ["chunk"]
     assert run_handler(registry, "narrate", {}).state is RunState.SUCCESS  # no output given
+
+
+CHARGES: list[int] = []
+
+
+@registry.task("approve")
+def approve(params: dict[str, int], ctx: TaskContext) -> dict[str, Any]:
+    charged = ctx.step_sync("charge", lambda: CHARGES.append(params["amount"]) or len(CHARGES))
+    decision = ctx.wait_for_sync("approved")
+    return {"charged": charged, "decision": decision}
+
+
+def test_steps_and_signals_between_calls() -> None:
+    steps = MemorySteps()
+    first = run_handler(registry, "approve", {"amount": 5}, steps=steps)
+    assert first.state is RunState.WAITING and first.wait is not None
+    assert first.wait.signal == "approved"
+    assert [e["name"] for e in steps.recorded] == ["charge", "wait:approved"]
+    steps.signal("approved", "yes")
+    second = run_handler(registry, "approve", {"amount": 5}, steps=steps, attempt=2)
+    assert second.state is RunState.SUCCESS
+    assert second.result == {"charged": 1, "decision": "yes"} and CHARGES == [5]  # replayed
