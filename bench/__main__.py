@@ -12,6 +12,7 @@ from rich.console import Console
 from bench import scale
 from bench.cpu import w10_cpu
 from bench.output import live_output
+from bench.steps import durable_steps
 from bench.support import FULL, QUICK, floor_helper
 from bench.validator import validator_ab, validator_interleaved
 from bench.workloads import Bench
@@ -38,6 +39,7 @@ WORKLOADS = {
     "WV": validator_ab,  # the $jsonSchema validator's cost on W1 and W6, A/B (bench/validator.py)
     "WVI": validator_interleaved,  # the same, interleaved batch by batch / side by side
     "WO": live_output,  # issue 31: what progress, log lines and chunks cost (bench/output.py)
+    "WS": durable_steps,  # issue 30: what a step, a sleep and a signal wait cost (bench/steps.py)
 }
 
 

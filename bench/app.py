@@ -6,12 +6,13 @@ import asyncio
 import time
 from typing import Any
 
-from bench import output, txn
+from bench import output, steps, txn
 from mtask.registry import Registry, TaskContext
 
 registry = Registry()
 txn.register(registry)
 output.register(registry)
+steps.register(registry)
 
 
 @registry.task("noop")

@@ -120,6 +120,12 @@ class RunStepStores:
         fence: Callable[[], RunFence],
         loop: asyncio.AbstractEventLoop,
     ) -> RunSteps:
+        concurrency = (doc.get("options") or {}).get("concurrency", 1)
+        if concurrency != 1:
+            raise StepError(
+                f"durable steps need a task of concurrency 1 (this one has {concurrency}): "
+                "the steps are the task's, and one run at a time records them"
+            )
         if transactional:
             raise StepError(
                 "a transactional handler has no steps: its writes commit with its SUCCESS; "

@@ -1,0 +1,134 @@
+"""Bench WS, durable steps (issue 30): what a step, a sleep and a signal cost per task.
+
+One worker (concurrency 8) drains ``n`` tasks of one handler on a mongod of the bench's own
+(the CPU read from ``/proc`` is this workload's alone), once per mode:
+
+- ``none``: a handler that uses no step (the baseline);
+- ``steps``: the same handler with ``STEPS`` steps of a small result each;
+- ``sleep``: one ``ctx.sleep(0.01)`` (the run ends WAITING; a second run replays and returns);
+- ``signal``: ``ctx.wait_for`` a signal the bench sends once the run is waiting.
+
+Per task, above ``none``: the worker's CPU µs, mongod's CPU µs and the server's operations
+(``opcounters`` insert + query + update + command); for ``steps`` also per step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from pymongo import MongoClient
+
+from bench.support import QUICK, Result, spawn_worker, stop_process, wait_for_worker, wait_until
+from mtask.client import TaskClient
+from mtask.registry import Registry, TaskContext
+
+if TYPE_CHECKING:
+    from bench.workloads import Bench
+
+STEPS = 5
+MODES = ("none", "steps", "sleep", "signal")
+
+
+def _small(i: int) -> dict[str, int]:
+    return {"i": i}
+
+
+async def stepper(params: dict[str, Any], ctx: TaskContext) -> int:
+    mode = params["mode"]
+    if mode == "steps":
+        for i in range(STEPS):
+            await ctx.step(f"s{i}", _small, i)
+    elif mode == "sleep":
+        await ctx.sleep(0.01)
+    elif mode == "signal":
+        await ctx.wait_for("go")
+    return 0
+
+
+def register(registry: Registry) -> None:
+    registry.task("stepper")(stepper)
+
+
+def _ops(mongo: MongoClient[dict[str, Any]]) -> int:
+    counters = mongo.admin.command("serverStatus")["opcounters"]
+    return sum(int(counters[k]) for k in ("insert", "query", "update", "command"))
+
+
+def _one(uri: str, mongod_pid: int, mode: str, n: int) -> dict[str, float]:
+    from bench.cpu import tree_cpu_seconds
+    from bench.scale import _cpu_s
+
+    database = f"ws_{mode}"
+    proc = spawn_worker(uri, database, "--concurrency", "8")
+    try:
+        with TaskClient(uri, database=database) as client:
+            wait_for_worker(client, proc)
+            mongo = client.mongo
+            w0, m0, o0 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid), _ops(mongo)
+            began = time.monotonic()
+            client.publish_many(
+                {"name": "stepper", "key": f"{mode}-{i}", "params": {"mode": mode}}
+                for i in range(n)
+            )
+            if mode == "signal":
+                tasks = client.collection
+                signalled: set[str] = set()
+
+                def all_signalled() -> bool:
+                    for doc in tasks.find({"waiting.signal": "go"}, {"_id": 1}):
+                        if doc["_id"] not in signalled:
+                            client.signal(doc["_id"], "go")
+                            signalled.add(doc["_id"])
+                    return len(signalled) == n
+
+                wait_until(all_signalled, timeout=300)
+            wait_until(
+                lambda: client.stats().get("stepper", {}).get("succeeded", 0) == n, timeout=300
+            )
+            wall = time.monotonic() - began
+            w1, m1, o1 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid), _ops(mongo)
+            signal_ops = n * 1.0 if mode == "signal" else 0.0  # the bench's own signals
+            return {
+                "worker_us": (w1 - w0) * 1e6 / n,
+                "mongod_us": (m1 - m0) * 1e6 / n,
+                "ops": (o1 - o0 - signal_ops) / n,
+                "wall": wall,
+            }
+    finally:
+        stop_process(proc)
+
+
+def durable_steps(bench: Bench) -> None:
+    from bench.scale import _own_mongod
+
+    n = 300 if bench.sizes is QUICK else 2000
+    with _own_mongod() as (uri, pid, _port):
+        figures = {mode: _one(uri, pid, mode, n) for mode in MODES}
+    base = figures["none"]
+
+    def above(mode: str, key: str, per: int = 1) -> float:
+        return (figures[mode][key] - base[key]) / per
+
+    rows = [
+        f"a step: worker +{above('steps', 'worker_us', STEPS):.0f} µs, mongod "
+        f"+{above('steps', 'mongod_us', STEPS):.0f} µs, +{above('steps', 'ops', STEPS):.2f} "
+        "server ops",
+        f"a sleep: worker +{above('sleep', 'worker_us'):.0f} µs, mongod "
+        f"+{above('sleep', 'mongod_us'):.0f} µs, +{above('sleep', 'ops'):.1f} ops per task",
+        f"a signal wait: worker +{above('signal', 'worker_us'):.0f} µs, mongod "
+        f"+{above('signal', 'mongod_us'):.0f} µs, +{above('signal', 'ops'):.1f} ops per task "
+        "(the signal's own update not counted)",
+    ]
+    bench.record(
+        Result(
+            "WS durable steps",
+            "; ".join(rows),
+            "measured (issue 30: a handler with no step pays nothing)",
+            None,
+            f"above a handler with no step (worker {base['worker_us']:.0f} µs, mongod "
+            f"{base['mongod_us']:.0f} µs, {base['ops']:.2f} server ops per task); {n} tasks a "
+            f"mode, one worker at concurrency 8, own mongod",
+            {f"{m}_{k}": v for m, f in figures.items() for k, v in f.items()},
+        )
+    )
