@@ -276,3 +276,19 @@ async def test_a_transactional_steps_writes_commit_with_its_record(
     step = task.steps[0]
     assert step.state == "done" and step.transactional is True and step.result == 42
     assert CALLS[f"{key}:book"] == (2 if mode == "abort" else 1)
+
+
+async def test_step_writes_and_signals_pass_the_collections_validator(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    await aclient.init_collection(validator=True)  # the $jsonSchema generated from models.py
+    FAIL_ONCE.add("v1:label")
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("checkout", "v1", {})  # a failed step, then done ones
+        await aclient.publish("approval", "v2", {"timeout": 30})  # a wait, then a signal
+        await aclient.publish("big", "v3", {"size": 100_000})  # a spill, a sleep
+        await events.wait("recorded", key="v2", state="WAITING")
+        await aclient.signal("v2", "approved", {"by": "val"})
+        done = [await _finished(aclient, k) for k in ("v1", "v2", "v3")]
+    assert [t.status.value for t in done] == ["succeeded"] * 3, done
+    assert all(t.complete for t in done), [t.problems for t in done]
