@@ -201,6 +201,8 @@ class RunSteps:
         self.blocking_io = blocking_io
         """How a plain-def handler's I/O runs (default: on ``loop``, waited for)."""
         self.asked: list[str] = []
+        self.inside: str | None = None
+        """The step whose function is running (another is refused meanwhile)."""
         self.waits: dict[str, int] = {}
         self.sleeps = 0
         self.spilled = False
@@ -215,20 +217,20 @@ class RunSteps:
     ) -> Any:
         if transactional:
             return await self._transactional(name, fn, args, kw)
-        return await self._run_async(self._step(name, lambda: fn(*args, **kw)))
+        return await self._run_async(self._one(self._step(name, lambda: fn(*args, **kw))))
 
     def step_sync(self, name: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        return self._run_sync(self._step(name, lambda: fn(*args, **kw)))
+        return self._run_sync(self._one(self._step(name, lambda: fn(*args, **kw))))
 
     async def sleep(
         self, duration: float | dt.timedelta | dt.datetime, name: str | None = None
     ) -> None:
-        await self._run_async(self._sleep(duration, name))
+        await self._run_async(self._one(self._sleep(duration, name)))
 
     def sleep_sync(
         self, duration: float | dt.timedelta | dt.datetime, name: str | None = None
     ) -> None:
-        self._run_sync(self._sleep(duration, name))
+        self._run_sync(self._one(self._sleep(duration, name)))
 
     async def wait_for(
         self,
@@ -236,14 +238,24 @@ class RunSteps:
         timeout: float | dt.timedelta | None = None,  # noqa: ASYNC109 - durable, server clock
         name: str | None = None,
     ) -> Any:
-        return await self._run_async(self._wait_for(signal, timeout, name))
+        return await self._run_async(self._one(self._wait_for(signal, timeout, name)))
 
     def wait_for_sync(
         self, signal: str, timeout: float | dt.timedelta | None = None, name: str | None = None
     ) -> Any:
-        return self._run_sync(self._wait_for(signal, timeout, name))
+        return self._run_sync(self._one(self._wait_for(signal, timeout, name)))
 
     # -- runners ------------------------------------------------------------------------------
+
+    def _one(self, plan: Plan[T]) -> Plan[T]:
+        """``plan``, after which another step may begin (one at a time: ``_begin``)."""
+        asked = len(self.asked)
+        try:
+            value = yield from plan
+        finally:
+            if len(self.asked) > asked:  # it began (a refused one leaves the running one be)
+                self.inside = None
+        return value
 
     async def _run_async(self, plan: Plan[T]) -> T:
         value: Any = None
@@ -311,6 +323,11 @@ class RunSteps:
     def _begin(self, name: str, kind: str) -> tuple[int, Doc | None]:
         """The place of the next step asked for and what is recorded there (``None``: nothing)."""
         check_name(name)
+        if self.inside is not None:
+            raise StepError(
+                f"step {name!r} was asked for while step {self.inside!r} runs: one step at a "
+                "time (steps do not nest or run concurrently; their order is the record's)"
+            )
         if name in self.asked:
             raise StepError(f"step {name!r} was asked for twice: step names are unique in a task")
         index = len(self.asked)
@@ -324,6 +341,7 @@ class RunSteps:
                 "the recorded order"
             )
         self.asked.append(name)
+        self.inside = name  # until its plan ends (``_one``)
         return index, prior
 
     def _entry(self, name: str, kind: str, prior: Doc | None, now: dt.datetime) -> Doc:
@@ -413,6 +431,20 @@ class RunSteps:
                 "use the worker's AsyncClientSession (docs/transactions.md)"
             )
         index, prior = self._begin(name, "call")
+        try:
+            return await self._transact(name, fn, args, kw, index, prior)
+        finally:
+            self.inside = None
+
+    async def _transact(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kw: dict[str, Any],
+        index: int,
+        prior: Doc | None,
+    ) -> Any:
         if prior is not None and prior.get("state") == "done":
             return await self._run_async(self._read(prior))
         started, now = time.monotonic(), self.store.now()

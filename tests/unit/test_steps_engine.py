@@ -254,3 +254,29 @@ def test_a_waiting_outcome_records_its_step_and_when_to_wake() -> None:
     signal = store_steps.signal_pipeline("ok", {"a": 1})[0]["$set"]
     assert signal["signals"]["$concatArrays"][1][0]["payload"] == {"$literal": {"a": 1}}
     assert signal["available_at"]["$cond"][1] == "$$NOW"
+
+
+def test_steps_run_one_at_a_time() -> None:
+    store = MemorySteps()
+    steps = journal(store, 1)
+
+    async def inner() -> int:
+        return int(await steps.step("inner", lambda: 1))
+
+    async def nested() -> None:
+        await steps.step("outer", inner)
+
+    with pytest.raises(StepError, match="one step at a time"):
+        asyncio.run(nested())
+    assert [e["state"] for e in store.recorded] == ["failed"]  # the outer one, refused inside
+
+    async def slow(i: int) -> int:
+        await asyncio.sleep(0.01)
+        return i
+
+    async def both() -> list[Any]:
+        return list(await asyncio.gather(steps2.step("a", slow, 1), steps2.step("b", slow, 2)))
+
+    steps2 = journal(MemorySteps(), 1)
+    with pytest.raises(StepError, match="one step at a time"):
+        asyncio.run(both())
