@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from pydantic import BaseModel
+from pymongo import AsyncMongoClient
+from pymongo.errors import PyMongoError
 
 from mtask.registry import Fail, Registry, Retry, TaskContext
 
@@ -113,3 +116,119 @@ async def chatter(params: dict[str, int], ctx: TaskContext) -> int:
             ctx.log.info("chunks so far", i=i)
         await asyncio.sleep(every)
     return count
+
+
+# -- durable steps under faults (tests/integration/test_steps_faults.py) ---------------------
+# The handlers write their side effects to the test's database (``params["db"]`` on
+# ``params["uri"]``, majority-acknowledged, so a primary's death loses none the test saw).
+
+_side_clients: dict[str, Any] = {}
+
+
+def _side(params: dict[str, Any]) -> Any:
+    uri = str(params["uri"])
+    if uri not in _side_clients:
+        _side_clients[uri] = AsyncMongoClient(uri, w="majority", tz_aware=True)
+    return _side_clients[uri][str(params["db"])]
+
+
+async def _note(db: Any, doc: dict[str, Any]) -> None:
+    """Insert ``doc`` outside any transaction, retried while MongoDB fails over."""
+    for attempt in range(100):
+        try:
+            await db["step_notes"].insert_one(dict(doc))
+            return
+        except PyMongoError:
+            await asyncio.sleep(min(0.05 * 2**attempt, 0.5))
+    raise RuntimeError("cannot write a step note")
+
+
+async def _until_stopped(ctx: TaskContext, limit_s: float = 120) -> None:
+    """Wait until the worker stops the run (its lease lost), swallowing the cancellation: the
+    caller goes on as if nothing happened, the way a step function that ignores cancellation
+    would."""
+    deadline = time.monotonic() + limit_s
+    while not ctx.cancelled.is_set() and time.monotonic() < deadline:
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            return
+
+
+@registry.task("step_chain")
+async def step_chain(params: dict[str, Any], ctx: TaskContext) -> list[dict[str, Any]]:
+    """``count`` (5) durable steps ``s1``, ``s2``, …; step i inserts ``{task, step: i, run_id,
+    worker}`` into ``step_rows`` and returns ``{step: i, run_id}``. ``hold_after`` (worker id to
+    step number): that worker's run waits forever once that step is recorded (the test kills
+    it). ``block_in`` (worker id to step number): that worker's step function, after its row,
+    waits until the run is stopped (lease lost), swallows the cancellation and returns, so the
+    step's record is attempted; how it went is noted in ``step_notes`` (``event: "record"``,
+    ``error``: the exception's class name, or ``None`` if it was recorded)."""
+    db = _side(params)
+    hold_after = params.get("hold_after", {}).get(ctx.worker_id)
+    block_in = params.get("block_in", {}).get(ctx.worker_id)
+    results: list[dict[str, Any]] = []
+    for i in range(1, int(params.get("count", 5)) + 1):
+
+        async def fn(i: int) -> dict[str, Any]:
+            row = {"task": ctx.key, "step": i, "run_id": ctx.run_id, "worker": ctx.worker_id}
+            await db["step_rows"].insert_one(row)
+            if i == block_in:
+                await _note(db, {"task": ctx.key, "step": i, "event": "blocked"})
+                await _until_stopped(ctx)
+            return {"step": i, "run_id": ctx.run_id}
+
+        note = {"task": ctx.key, "step": i, "event": "record", "run_id": ctx.run_id}
+        try:
+            results.append(await ctx.step(f"s{i}", fn, i))
+        except Exception as exc:
+            if i == block_in:
+                await _note(db, {**note, "error": type(exc).__name__})
+            raise
+        if i == block_in:
+            await _note(db, {**note, "error": None})
+        if i == hold_after:
+            await asyncio.sleep(3600)
+    return results
+
+
+@registry.task("txn_step_chain")
+async def txn_step_chain(params: dict[str, Any], ctx: TaskContext) -> list[dict[str, Any]]:
+    """``count`` (4) transactional steps ``t1``, ``t2``, …; step i inserts ``{task, step: i,
+    run_id}`` into ``txn_rows`` in its transaction, notes ``written`` in ``step_notes`` (outside
+    it, majority-acknowledged), then waits ``slow_ms`` (300) before returning — or, for step
+    ``block_in``, until a ``{_id: task}`` document is in ``step_control`` — and MongoDB commits
+    the row with the step's record."""
+    db_name = str(params["db"])
+    block_in = params.get("block_in")
+    results: list[dict[str, Any]] = []
+    for i in range(1, int(params.get("count", 4)) + 1):
+
+        async def book(i: int, *, session: Any) -> dict[str, Any]:
+            db = session.client[db_name]
+            row = {"task": ctx.key, "step": i, "run_id": ctx.run_id}
+            await db["txn_rows"].insert_one(row, session=session)
+            await _note(_side(params), {"task": ctx.key, "step": i, "event": "written"})
+            if i == block_in:
+                await _until_control(_side(params), ctx.key)
+            else:
+                await asyncio.sleep(params.get("slow_ms", 300) / 1000)
+            return {"step": i}
+
+        results.append(await ctx.step(f"t{i}", book, i, transactional=True))
+    return results
+
+
+async def _until_control(db: Any, key: str, limit_s: float = 120) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            if await db["step_control"].find_one({"_id": key}) is not None:
+                return
+        except PyMongoError:
+            pass  # failing over: ask again
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"no control document for {key!r}")
