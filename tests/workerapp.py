@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -143,19 +144,30 @@ async def _note(db: Any, doc: dict[str, Any]) -> None:
     raise RuntimeError("cannot write a step note")
 
 
-async def _until_stopped(ctx: TaskContext, limit_s: float = 120) -> None:
-    """Wait until the worker stops the run (its lease lost), swallowing the cancellation: the
-    caller goes on as if nothing happened, the way a step function that ignores cancellation
-    would."""
-    deadline = time.monotonic() + limit_s
-    while not ctx.cancelled.is_set() and time.monotonic() < deadline:
+async def _until_stopped(ctx: TaskContext, db: Any, limit_s: float = 120) -> None:
+    """Note ``blocked``, then wait until the worker stops the run (its lease lost), ignoring
+    the cancellation wherever it comes (the process may be frozen before the note's reply came
+    back): the caller goes on as if nothing happened, the way a step function that ignores
+    cancellation would."""
+
+    async def blocked() -> None:
+        await _note(db, {"task": ctx.key, "run_id": ctx.run_id, "event": "blocked"})
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(limit_s):
+                await ctx.cancelled.wait()
+
+    inner = asyncio.ensure_future(blocked())
+    while True:
         try:
-            await asyncio.sleep(0.05)
+            await asyncio.shield(inner)
+            return
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is not None:
                 current.uncancel()
-            return
+            if inner.done():
+                inner.result()
+                return
 
 
 @registry.task("step_chain")
@@ -177,8 +189,7 @@ async def step_chain(params: dict[str, Any], ctx: TaskContext) -> list[dict[str,
             row = {"task": ctx.key, "step": i, "run_id": ctx.run_id, "worker": ctx.worker_id}
             await db["step_rows"].insert_one(row)
             if i == block_in:
-                await _note(db, {"task": ctx.key, "step": i, "event": "blocked"})
-                await _until_stopped(ctx)
+                await _until_stopped(ctx, db)
             return {"step": i, "run_id": ctx.run_id}
 
         note = {"task": ctx.key, "step": i, "event": "record", "run_id": ctx.run_id}
