@@ -25,6 +25,7 @@ from typing import Any, Literal
 from mtask import metrics
 from mtask.registry import Handler, TaskContext
 from mtask.worker.pool import LeaseWatch, ProcessPool, RunInfo, TimeLimitExceeded
+from mtask.worker.pool_steps import ParentSteps
 
 ASYNC_CANCEL_GRACE = 5.0
 """How long a cancelled async handler may take to unwind before its run is recorded anyway."""
@@ -55,6 +56,7 @@ async def invoke(
                 cancelled=ctx.cancelled,
                 lease=lease,
                 on_output=lambda batch: ctx.output.merge(batch),
+                on_step=ParentSteps(ctx).answer,  # ctx.journal, made on the child's first ask
             )
         except TimeLimitExceeded:
             metrics.TIME_LIMIT_KILLS.labels(how="process").inc()

@@ -4,6 +4,10 @@ Children are started with ``forkserver`` (never a plain ``fork`` of the threaded
 child runs one handler call at a time; the parent sends ``(handler, params, context info)``
 through a pipe and gets back a result, ``Retry``/``Fail`` (which keep their meaning), or a
 traceback. ``await ProcessPool.run(...)`` is what the worker awaits instead of a thread.
+Before its reply a child may send its handler's output (``("out", batch)``) and requests
+about its durable steps (``("step", ...)``, answered on the pipe: ``pool_steps``); a run that
+ends sleeping or waiting, or misuses a step, raises ``Suspended``/``StepError`` here as on a
+thread.
 
 A child is killed (SIGTERM, then SIGKILL after ``term_grace``) and replaced when its run hits
 its hard time limit or is cancelled (a ``cancel``, a lost lease, the worker's stop after its
@@ -44,7 +48,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any, cast
@@ -53,6 +57,8 @@ from mtask import metrics
 from mtask.errors import InvalidParams, MtaskError
 from mtask.output import Batch, RunOutput
 from mtask.registry import Fail, Handler, Retry, TaskContext
+from mtask.steps import SignalTimeout, StepError, Suspended
+from mtask.worker.pool_steps import ChildSteps, sendable
 
 log = logging.getLogger("mtask.pool")  # the name operators filter on, kept
 
@@ -69,6 +75,8 @@ LEASE_POLL = 0.1
 LeaseWatch = Callable[[Callable[[float], None]], Callable[[], None]]
 """Subscribes to a run's lease: called with a function that is given the lease's expiry
 (``time.monotonic()`` seconds) now and at each renewal; returns the unsubscribe."""
+OnStep = Callable[[str, tuple[Any, ...]], Awaitable[Any]]
+"""Answers a child's request about its run's durable steps (``pool_steps.ParentSteps``)."""
 
 
 class HandlerError(MtaskError):
@@ -226,6 +234,7 @@ def _call(
     info: RunInfo,
     cancelled: Any,
     output: _ChildOutput,
+    steps: ChildSteps,
 ) -> tuple:  # type: ignore[type-arg]
     ctx = TaskContext(
         key=info.key,
@@ -235,10 +244,12 @@ def _call(
         worker_id=info.worker_id,
         cancelled=cast(asyncio.Event, cancelled),  # a multiprocessing Event: is_set() works
         output_for=output.made,
+        steps_for=steps.steps_for,
     )
     try:
         return _reply(handler, params, ctx)
     finally:
+        steps.close()  # a request a thread it left behind makes now is refused
         output.close()  # what the handler said reaches the worker before its reply
 
 
@@ -249,6 +260,10 @@ def _reply(handler: Handler, params: Mapping[str, Any], ctx: TaskContext) -> tup
         return ("retry", str(exc), exc.delay)
     except Fail as exc:
         return ("fail", str(exc))
+    except Suspended as exc:  # the run ends WAITING (a BaseException: not a handler error)
+        return ("suspended", exc.wait)
+    except (StepError, SignalTimeout) as exc:  # fail the task for good, as on a thread
+        return ("raise", exc)
     except InvalidParams as exc:
         return ("invalid", str(exc))
     except MemoryError as exc:
@@ -378,7 +393,9 @@ def _child_main(
             return  # retired
         handler, params, info = message
         run.active = True
-        reply = _call(handler, params, info, cancelled, _ChildOutput(conn, run))
+        reply = _call(
+            handler, params, info, cancelled, _ChildOutput(conn, run), ChildSteps(conn, run)
+        )
         with run.lock:
             if not run.active:
                 return  # the lease watch stopped the run (and is killing us)
@@ -576,6 +593,7 @@ class ProcessPool:
         cancelled: asyncio.Event | None = None,
         lease: LeaseWatch | None = None,
         on_output: Callable[[Batch], None] | None = None,
+        on_step: OnStep | None = None,
     ) -> Any:
         """Run ``handler`` in a child and return its result, or raise what the run ended with:
         ``Retry``, ``Fail``, ``InvalidParams``, ``HandlerError`` (the child's traceback),
@@ -584,7 +602,9 @@ class ProcessPool:
         ``ctx.cancelled`` is set; at ``hard_timeout``, or if this await is cancelled, the child
         is killed. With ``lease``, the child follows the run's lease expiry and stops itself
         (and everything its handler started) if it passes with no renewal. ``on_output``
-        receives what the handler says (``ctx.progress``/``log``/``emit``), as it says it."""
+        receives what the handler says (``ctx.progress``/``log``/``emit``), as it says it;
+        ``on_step`` answers its durable steps' requests (``pool_steps``): a handler that
+        sleeps or waits raises ``Suspended`` here, a step it misuses ``StepError``."""
         if self.closed:
             raise MtaskError("the process pool is closed")
         child = await self._take()
@@ -599,7 +619,12 @@ class ProcessPool:
                 unwatch = lease(renewed)
             child.conn.send((handler, dict(params), info))
             reply = await self._await_reply(
-                child, soft_timeout, hard_timeout, cancelled, on_output or (lambda _b: None)
+                child,
+                soft_timeout,
+                hard_timeout,
+                cancelled,
+                on_output or (lambda _b: None),
+                on_step or _no_steps,
             )
         except BaseException:
             await self._kill(child)
@@ -726,13 +751,16 @@ class ProcessPool:
         hard_timeout: float | None,
         cancelled: asyncio.Event | None,
         on_output: Callable[[Batch], None],
+        on_step: OnStep,
     ) -> tuple[Any, ...] | None:
         """The child's reply, ``None`` if it died first; raises ``TimeLimitExceeded``. What
-        the child sends before it (its handler's output) goes to ``on_output``."""
+        the child sends before it goes to ``on_output`` (its handler's output) or is answered
+        by ``on_step`` (its steps' requests, answered while the limits are kept)."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         readable = _Readable(child.conn.fileno(), child.process.sentinel)
         soft_sent = False
+        answering: set[asyncio.Future[None]] = set()
         try:
             while True:
                 now = loop.time()
@@ -754,9 +782,14 @@ class ProcessPool:
                         stop.cancel()
                 if readable.future.done():
                     message = self._received(child)
-                    if message is None or message[0] != "out":
+                    if message is None or message[0] not in ("out", "step"):
                         return message
-                    on_output(message[1])  # then the limits, as if nothing had come
+                    if message[0] == "out":
+                        on_output(message[1])  # then the limits, as if nothing had come
+                    else:  # the child waits for the answer; the limits are kept meanwhile
+                        answer = asyncio.ensure_future(_answer(child, on_step, *message[1:]))
+                        answering.add(answer)
+                        answer.add_done_callback(answering.discard)
                     readable.close()
                     readable = _Readable(child.conn.fileno(), child.process.sentinel)
                 now = loop.time()
@@ -771,6 +804,8 @@ class ProcessPool:
                     soft_sent = True
         finally:
             readable.close()
+            for pending in list(answering):  # the run ended (a limit, a death): nobody asks now
+                pending.cancel()
 
     @staticmethod
     def _received(child: Child) -> tuple[Any, ...] | None:
@@ -810,6 +845,10 @@ class ProcessPool:
             raise Fail(rest[0])
         if kind == "invalid":
             raise InvalidParams(rest[0])
+        if kind == "suspended":
+            raise Suspended(rest[0])
+        if kind == "raise":
+            raise rest[0]
         raise HandlerError(rest[0])
 
     def _ended(self, child: Child, reply: tuple[Any, ...] | None) -> MtaskError:
@@ -879,6 +918,25 @@ class ProcessPool:
         self._forget(child)
         if child in self._idle:
             self._idle.remove(child)
+
+
+async def _answer(child: Child, on_step: OnStep, op: str, args: tuple[Any, ...]) -> None:
+    """Answer a child's request about its steps: ``("ok", value)`` or ``("error", exc)``."""
+    try:
+        reply: tuple[str, Any] = ("ok", await on_step(op, args))
+    except Exception as exc:  # noqa: BLE001 - raised in the child, as itself
+        reply = ("error", sendable(exc))
+    try:
+        child.conn.send(reply)
+    except (OSError, ValueError):
+        return  # the child is gone, or going: its run ends anyway
+    except Exception as exc:  # noqa: BLE001 - an answer that cannot be pickled
+        with contextlib.suppress(OSError, ValueError):
+            child.conn.send(("error", StepError(f"the answer cannot be sent: {exc!r}")))
+
+
+async def _no_steps(op: str, args: tuple[Any, ...]) -> Any:
+    raise StepError("this run has no journal for durable steps")
 
 
 class _Readable:

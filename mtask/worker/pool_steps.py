@@ -1,0 +1,156 @@
+"""Durable steps in a child process of the pool (docs/steps.md): ``ctx.step_sync``,
+``sleep_sync`` and ``wait_for_sync`` in a process-isolated handler work as on a thread.
+
+The child's journal is a ``RunSteps`` like any run's; its ``StepStore`` is ``PipeSteps``, which
+asks the worker for each write and read over the child's pipe (``("step", op, args)``, sent
+under the run's lock like the child's output) and blocks for its answer (``("ok", value)`` or
+``("error", exception)``, raised in the child as itself: ``LeaseLost``, ``StepError``, a
+``StorageError``). The worker answers with the run's own ``StepStore`` (``ParentSteps``: the
+parent's ``ctx.journal``, made on the first request, so a run of a task that cannot have
+steps fails there, as on a thread). The first request, ``journal``, brings the steps the
+claimed document recorded; ``now`` is the worker's estimate of the server's clock. Nothing is
+asked of the worker by a run that takes no step.
+
+How the run ends travels back as itself too: ``Suspended`` (with its ``Wait``) ends the run
+WAITING; ``StepError``, ``StepMismatch`` and ``SignalTimeout`` fail it for good (``pool.py``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import pickle
+import threading
+from collections.abc import Coroutine, Mapping
+from typing import Any, Protocol
+
+from mtask.errors import LeaseLost, MtaskError
+from mtask.registry import TaskContext
+from mtask.steps import Doc, RunSteps, StepError
+
+# -- the child side -------------------------------------------------------------------------------
+
+
+class _RunLock(Protocol):
+    lock: threading.Lock
+    active: bool
+
+
+def complete(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine that never suspends (``PipeSteps``' methods) to its end, here."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise StepError("a step's I/O in a child process cannot await")
+
+
+class ChildSteps:
+    """One run's requests to the worker, one at a time (the reply to each is read before the
+    next is sent); after ``close`` (the handler returned) a thread it left behind gets
+    ``LeaseLost``, as it does once the lease watch ended the run."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection, run: _RunLock) -> None:
+        self.conn, self.run = conn, run
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def ask(self, op: str, *args: Any) -> Any:
+        with self._lock:
+            with self.run.lock:  # never between the bytes of another send (the output's)
+                if self._closed or not self.run.active:
+                    raise LeaseLost("the run has ended: its steps cannot be recorded")
+                self.conn.send(("step", op, args))
+            try:
+                kind, value = self.conn.recv()
+            except (EOFError, OSError):
+                raise LeaseLost("the worker is gone: the run's steps cannot be recorded") from None
+        if kind == "error":
+            raise value
+        return value
+
+    def steps_for(self, ctx: TaskContext) -> RunSteps:
+        recorded = self.ask("journal")
+        return RunSteps(
+            PipeSteps(self), recorded, run_id=ctx.run_id, attempt=ctx.attempt, blocking_io=complete
+        )
+
+    def close(self) -> None:
+        """The run's reply is next: no request may come between (waits for one in flight)."""
+        with self._lock:
+            self._closed = True
+
+
+class PipeSteps:
+    """The child's ``StepStore``: each call is a request to the worker (``ParentSteps``). Its
+    async methods never await; ``complete`` runs them (``RunSteps(blocking_io=)``)."""
+
+    def __init__(self, steps: ChildSteps) -> None:
+        self.steps = steps
+
+    def now(self) -> Any:
+        return self.steps.ask("now")
+
+    async def record(self, index: int, entry: Doc, prior: Doc | None) -> None:
+        self.steps.ask("record", index, entry, prior)
+
+    async def spill(self, data: bytes) -> Doc:
+        ref: Doc = self.steps.ask("spill", data)
+        return ref
+
+    async def load(self, spill: Mapping[str, Any]) -> bytes:
+        data: bytes = self.steps.ask("load", dict(spill))
+        return data
+
+    async def signals(self, name: str) -> list[Doc]:
+        came: list[Doc] = self.steps.ask("signals", name)
+        return came
+
+    async def transact(self, *args: Any, **kw: Any) -> Any:
+        raise StepError("transactional steps need an async def handler")
+
+
+# -- the worker side ------------------------------------------------------------------------------
+
+
+class ParentSteps:
+    """Answers a child's requests with the run's ``StepStore`` (the parent's ``ctx.journal``,
+    whose ``recorded`` and ``spilled`` follow what the child writes: the run's outcome seals
+    what it stored aside)."""
+
+    def __init__(self, ctx: TaskContext) -> None:
+        self.ctx = ctx
+
+    async def answer(self, op: str, args: tuple[Any, ...]) -> Any:
+        journal = self.ctx.journal  # made on the first request; may refuse (StepError)
+        store = journal.store
+        if op == "journal":
+            return [dict(e) for e in journal.recorded]
+        if op == "now":
+            return store.now()
+        if op == "record":
+            index, entry, prior = args
+            await store.record(index, entry, prior)
+            if index < len(journal.recorded):
+                journal.recorded[index] = entry
+            else:
+                journal.recorded.append(entry)
+            return None
+        if op == "spill":
+            ref = await store.spill(args[0])
+            journal.spilled = True
+            return ref
+        if op == "load":
+            return await store.load(args[0])
+        if op == "signals":
+            return await store.signals(args[0])
+        raise StepError(f"no such step request: {op!r}")
+
+
+def sendable(exc: BaseException) -> BaseException:
+    """``exc`` if it pickles (and comes back as itself), else an ``MtaskError`` saying it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - any exception may fail to pickle
+        return MtaskError(f"{type(exc).__name__}: {exc}")
+    return exc
