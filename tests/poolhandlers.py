@@ -195,3 +195,82 @@ def lease_watch_with_a_full_pipe(conn: Any) -> None:
     run = _Run()
     run.active = True
     _watch_lease(SimpleNamespace(value=0.0), run, conn)
+
+
+# -- durable steps in a child process (tests/integration/test_steps_process.py) -------------------
+
+_MONGO: dict[str, Any] = {}
+
+
+def _counted(params: dict[str, Any], label: str, value: Any) -> Any:
+    """A step's function: counts its calls in MongoDB (the child is another process than the
+    test's), fails its first call when ``label`` is in ``params["fail_once"]``."""
+    from pymongo import MongoClient
+
+    uri = params["uri"]
+    if uri not in _MONGO:
+        _MONGO[uri] = MongoClient(uri)
+    calls = _MONGO[uri][params["db"]]["step_calls"]
+    n = calls.find_one_and_update(
+        {"_id": label}, {"$inc": {"n": 1}}, upsert=True, return_document=True
+    )["n"]
+    if label in params.get("fail_once", ()) and n == 1:
+        raise RuntimeError(f"{label} failed once")
+    return value
+
+
+@registry.task(
+    "steps_in_child", isolation="process", options={"retry_delay_ms": 0, "max_retries": 3}
+)
+def steps_in_child(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    k = ctx.key
+    charged = ctx.step_sync("charge", _counted, params, f"{k}:charge", {"pid": os.getpid()})
+    ctx.progress(0.5, "charged")  # output and steps share the child's pipe
+    label = ctx.step_sync("label", _counted, params, f"{k}:label", "L-42")
+    return {"charged": charged, "label": label, "attempt": ctx.attempt, "pid": os.getpid()}
+
+
+@registry.task("nap_in_child", isolation="process")
+def nap_in_child(params: dict[str, Any], ctx: TaskContext) -> str:
+    before = ctx.step_sync("before", _counted, params, f"{ctx.key}:before", 1)
+    ctx.sleep_sync(params["seconds"])
+    after = ctx.step_sync("after", _counted, params, f"{ctx.key}:after", 2)
+    return f"{before}+{after}"
+
+
+@registry.task("approval_in_child", isolation="process")
+def approval_in_child(params: dict[str, Any], ctx: TaskContext) -> Any:
+    from mtask.steps import SignalTimeout
+
+    ctx.step_sync("ask", _counted, params, f"{ctx.key}:ask", None)
+    try:
+        decision = ctx.wait_for_sync("approved", timeout=params.get("timeout"))
+    except SignalTimeout:
+        return "timed out"
+    return {"decision": decision, "pid": os.getpid()}
+
+
+@registry.task("big_in_child", isolation="process")
+def big_in_child(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    """A result past the inline size: spilled through the worker, loaded back after a sleep."""
+    blob = ctx.step_sync("blob", _counted, params, f"{ctx.key}:blob", b"\x07" * params["size"])
+    ctx.sleep_sync(0.05)
+    return {"bytes": len(blob), "ok": blob == b"\x07" * params["size"], "attempt": ctx.attempt}
+
+
+@registry.task("fickle_in_child", isolation="process", options={"retry_delay_ms": 0})
+def fickle_in_child(params: dict[str, Any], ctx: TaskContext) -> str:
+    first = "a" if ctx.attempt == 1 else "b"  # not a function of its params: a mismatch
+    ctx.step_sync(first, _counted, params, f"{ctx.key}:{first}", 1)
+    ctx.sleep_sync(0.01)
+    return "never"
+
+
+@registry.task("steps_without_a_worker", isolation="process")
+def steps_without_a_worker(params: dict[str, Any], ctx: TaskContext) -> Any:
+    return ctx.step_sync("one", int, 1)
+
+
+@registry.task("sleep_in_child", isolation="process")
+def sleep_in_child(params: dict[str, Any], ctx: TaskContext) -> None:
+    ctx.sleep_sync(params["seconds"], name="nap")

@@ -1,0 +1,169 @@
+"""Durable steps in a process-isolated plain-def handler (docs/steps.md): its child asks the
+worker over its pipe for each write and read of its journal (``worker/pool_steps.py``), so
+``ctx.step_sync``/``sleep_sync``/``wait_for_sync`` work as on a thread: steps recorded once and
+replayed across a retry, a sleep and a signal wait that end the run WAITING and resume it, a
+large result spilled and loaded back, a mismatch that fails the task for good. The step
+functions count their calls in MongoDB: they run in another process than the test."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import poolhandlers
+import pytest
+from harness import running_worker
+from test_pool import INFO, gone, until
+
+from mtask import AsyncTaskClient, TaskContext
+from mtask.steps import StepError, Suspended
+from mtask.worker.pool import ProcessPool
+from mtask.worker.pool_steps import ParentSteps
+
+
+async def _finished(aclient: AsyncTaskClient, key: str, timeout: float = 30) -> Any:
+    async with asyncio.timeout(timeout):
+        return await aclient.wait(key)
+
+
+async def _calls(aclient: AsyncTaskClient, label: str) -> int:
+    found = await aclient.collection.database["step_calls"].find_one({"_id": label})
+    return 0 if found is None else int(found["n"])
+
+
+@pytest.fixture
+def where(mongo_uri: str, db_name: str) -> dict[str, Any]:
+    """What a step function in a child needs to count its calls."""
+    return {"uri": mongo_uri, "db": db_name}
+
+
+async def test_steps_run_once_and_replay_across_a_retry(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str, where: dict[str, Any]
+) -> None:
+    async with running_worker(poolhandlers.registry, mongo_uri, db_name, pool="process"):
+        await aclient.publish("steps_in_child", "c1", {**where, "fail_once": ["c1:label"]})
+        task = await _finished(aclient, "c1")
+    assert task.status.value == "succeeded", task
+    first_child = task.result["charged"]["pid"]
+    assert first_child != os.getpid()  # recorded in a child by run 1
+    assert task.result["label"] == "L-42" and task.result["attempt"] == 2
+    assert await _calls(aclient, "c1:charge") == 1  # replayed by run 2, not called
+    assert await _calls(aclient, "c1:label") == 2  # failed in run 1, called again in run 2
+    assert [s.name for s in task.steps] == ["charge", "label"]
+    charge, label = task.steps
+    assert charge.state == "done" and charge.attempts == 1
+    assert charge.run_id == task.runs[0].run_id
+    assert label.state == "done" and label.attempts == 2
+    assert [t.error for t in label.tries] == ["RuntimeError: c1:label failed once", None]
+    assert label.run_id == task.runs[1].run_id
+    assert task.progress is not None and task.progress.label == "charged"
+
+
+async def test_sleep_sync_ends_the_run_waiting_and_resumes(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str, where: dict[str, Any]
+) -> None:
+    async with running_worker(poolhandlers.registry, mongo_uri, db_name, pool="process") as (
+        _,
+        events,
+    ):
+        await aclient.publish("nap_in_child", "n1", {**where, "seconds": 1})
+        await events.wait("recorded", key="n1", state="WAITING")
+        waiting = await aclient.get("n1")
+        assert waiting is not None and waiting.status.value == "pending"
+        assert waiting.waiting is not None and waiting.waiting.step == "sleep#1"
+        task = await _finished(aclient, "n1")
+    assert task.result == "1+2"
+    assert await _calls(aclient, "n1:before") == 1 and await _calls(aclient, "n1:after") == 1
+    first, second = task.runs
+    assert first.state.value == "WAITING" and second.state.value == "SUCCESS"
+    nap = task.steps[1]
+    assert nap.kind == "sleep" and nap.state == "done" and nap.until is not None
+    assert nap.until - first.finished_at >= dt.timedelta(seconds=0.9)
+    assert second.claimed_at >= nap.until  # no earlier, by the server's clock
+    assert task.waiting is None
+
+
+async def test_wait_for_sync_gets_a_signal_sent_after_the_wait(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str, where: dict[str, Any]
+) -> None:
+    async with running_worker(poolhandlers.registry, mongo_uri, db_name, pool="process") as (
+        _,
+        events,
+    ):
+        await aclient.publish("approval_in_child", "after", where)
+        await aclient.publish("approval_in_child", "never", {**where, "timeout": 1})
+        await events.wait("recorded", key="after", state="WAITING")
+        assert await aclient.signal("after", "approved", {"by": "bob"}) is True
+        after = await _finished(aclient, "after")
+        never = await _finished(aclient, "never")
+    assert after.result["decision"] == {"by": "bob"} and after.result["pid"] != os.getpid()
+    assert [r.state.value for r in after.runs] == ["WAITING", "SUCCESS"]
+    assert [s.state for s in after.steps] == ["done", "done"]
+    assert never.result == "timed out"  # SignalTimeout raised in the child, caught there
+    assert [s.state for s in never.steps] == ["done", "timed_out"]
+    assert await _calls(aclient, "after:ask") == 1 and await _calls(aclient, "never:ask") == 1
+
+
+async def test_a_large_result_spills_through_the_worker_and_comes_back(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str, where: dict[str, Any]
+) -> None:
+    size = 100_000
+    async with running_worker(poolhandlers.registry, mongo_uri, db_name, pool="process"):
+        await aclient.publish("big_in_child", "b1", {**where, "size": size})
+        task = await _finished(aclient, "b1")
+    assert task.result == {"bytes": size, "ok": True, "attempt": 2}, task
+    assert await _calls(aclient, "b1:blob") == 1
+    step = task.steps[0]
+    assert step.result is None and step.spill is not None and step.spill["chunks"] == 1
+    side = aclient.collection.database[f"{aclient.collection.name}.steps"]
+    assert await side.count_documents({"task": "b1", "expire_at": task.expire_at}) == 1
+
+
+async def test_a_step_mismatch_fails_the_task_for_good(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str, where: dict[str, Any]
+) -> None:
+    async with running_worker(poolhandlers.registry, mongo_uri, db_name, pool="process"):
+        await aclient.publish("fickle_in_child", "f1", where, options={"max_retries": 5})
+        task = await _finished(aclient, "f1")
+    assert task.status.value == "failed"
+    assert (task.error or "").startswith("StepMismatch: ")
+    assert "recorded as 'a' (call); this run asked for 'b'" in (task.error or "")
+    assert len(task.runs) == 2  # no retry after the mismatch
+    assert [s.name for s in task.steps] == ["a", "sleep#1"]  # nothing half-written
+    assert await _calls(aclient, "f1:b") == 0
+
+
+# -- the pool: what the run ends with arrives as itself --------------------------------------------
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[ProcessPool]:
+    p = ProcessPool(term_grace=0.5)
+    yield p
+    seen = p.pids
+    await p.close()
+    await until(lambda: all(gone(pid) for pid in seen))
+
+
+async def test_a_sleep_in_a_child_raises_suspended_with_its_wait(pool: ProcessPool) -> None:
+    ctx = TaskContext("k", "n", 1, "run-1", "w-1")  # its journal in memory
+    with pytest.raises(Suspended) as raised:
+        await pool.run(
+            poolhandlers.registry["sleep_in_child"],
+            {"seconds": 60},
+            INFO,
+            on_step=ParentSteps(ctx).answer,
+        )
+    wait = raised.value.wait
+    assert wait.index == 0 and wait.entry is not None and wait.entry["name"] == "nap"
+    assert wait.until - dt.datetime.now(dt.UTC) > dt.timedelta(seconds=50)
+    assert pool.state()["idle"] == 1  # the child is kept: a wait is no failure
+
+
+async def test_steps_in_a_run_without_a_journal_are_a_step_error(pool: ProcessPool) -> None:
+    with pytest.raises(StepError, match="no journal"):
+        await pool.run(poolhandlers.registry["steps_without_a_worker"], {}, INFO)
+    assert pool.state()["idle"] == 1
