@@ -274,3 +274,16 @@ def steps_without_a_worker(params: dict[str, Any], ctx: TaskContext) -> Any:
 @registry.task("sleep_in_child", isolation="process")
 def sleep_in_child(params: dict[str, Any], ctx: TaskContext) -> None:
     ctx.sleep_sync(params["seconds"], name="nap")
+
+
+@registry.task("steps_refused_in_child", isolation="process")
+def steps_refused_in_child(params: dict[str, Any], ctx: TaskContext) -> None:
+    """The worker refuses steps to a task of concurrency 2: its error is raised here (and
+    said in a ``Fail``, which ends the task at once)."""
+    from mtask.steps import StepError
+
+    try:
+        ctx.step_sync("one", int, 1)
+    except StepError as exc:
+        raise Fail(f"caught {type(exc).__name__} in {os.getpid()}: {exc}") from None
+    raise Fail("not refused")

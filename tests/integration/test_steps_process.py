@@ -20,7 +20,7 @@ from test_pool import INFO, gone, until
 
 from mtask import AsyncTaskClient, TaskContext
 from mtask.steps import StepError, Suspended
-from mtask.worker.pool import ProcessPool
+from mtask.worker.pool import ProcessPool, TimeLimitExceeded
 from mtask.worker.pool_steps import ParentSteps
 
 
@@ -136,6 +136,19 @@ async def test_a_step_mismatch_fails_the_task_for_good(
     assert await _calls(aclient, "f1:b") == 0
 
 
+async def test_the_workers_refusal_is_raised_in_the_child_as_itself(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    async with running_worker(poolhandlers.registry, mongo_uri, db_name, pool="process"):
+        await aclient.publish("steps_refused_in_child", "r1", {}, options={"concurrency": 2})
+        task = await _finished(aclient, "r1")
+    assert task.status.value == "failed", task
+    assert (task.error or "").startswith("failed: caught StepError in ")
+    assert f"in {os.getpid()}:" not in (task.error or "")  # caught in the child
+    assert "durable steps need a task of concurrency 1" in (task.error or "")
+    assert task.steps == []
+
+
 # -- the pool: what the run ends with arrives as itself --------------------------------------------
 
 
@@ -167,3 +180,29 @@ async def test_steps_in_a_run_without_a_journal_are_a_step_error(pool: ProcessPo
     with pytest.raises(StepError, match="no journal"):
         await pool.run(poolhandlers.registry["steps_without_a_worker"], {}, INFO)
     assert pool.state()["idle"] == 1
+
+
+async def test_a_step_answer_that_hangs_does_not_keep_the_run_from_its_time_limit(
+    pool: ProcessPool,
+) -> None:
+    asked: list[str] = []
+    given_up = asyncio.Event()
+
+    async def hang(op: str, args: tuple[Any, ...]) -> Any:
+        asked.append(op)
+        try:
+            await asyncio.Event().wait()  # MongoDB does not answer
+        finally:
+            given_up.set()
+
+    with pytest.raises(TimeLimitExceeded):
+        await pool.run(
+            poolhandlers.registry["steps_without_a_worker"],
+            {},
+            INFO,
+            hard_timeout=0.5,
+            on_step=hang,
+        )
+    assert asked == ["journal"]
+    await asyncio.wait_for(given_up.wait(), 5)  # the answer is abandoned with the run
+    assert pool.state()["time_limit_kills"] == 1
