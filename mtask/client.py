@@ -651,10 +651,14 @@ class TaskClient(_Base):
         statuses: Iterable[str] | None = None,
         resume_after: str | None = None,
         progress: bool = False,
+        steps: bool = False,
     ) -> Iterator[events.TaskEvent]:
         """Task state changes across the cluster (see ``mtask.events``); ``progress``: the
-        progress its runs report too (``TaskEvent.progress``)."""
-        return events.sync_events(self.collection, names, statuses, resume_after, progress=progress)
+        progress its runs report too (``TaskEvent.progress``); ``steps``: the durable steps they
+        record and the waits they begin (``TaskEvent.steps``, ``TaskEvent.waiting``)."""
+        return events.sync_events(
+            self.collection, names, statuses, resume_after, progress=progress, steps=steps
+        )
 
     def stream(
         self, key: str, after: int = 0, kinds: Sequence[str] | None = None
@@ -734,11 +738,14 @@ class AsyncTaskClient(_Base):
         statuses: Iterable[str] | None = None,
         resume_after: str | None = None,
         progress: bool = False,
+        steps: bool = False,
     ) -> AsyncIterator[events.TaskEvent]:
         """Task state changes across the cluster, for ever, resuming after a lost connection;
         pass an event's ``token`` as ``resume_after`` to continue after it (see
-        ``mtask.events``)."""
-        return events.events(self.collection, names, statuses, resume_after, progress=progress)
+        ``mtask.events``); ``progress`` and ``steps`` as ``TaskClient.events``."""
+        return events.events(
+            self.collection, names, statuses, resume_after, progress=progress, steps=steps
+        )
 
     def stream(
         self, key: str, after: int = 0, kinds: Sequence[str] | None = None

@@ -85,19 +85,36 @@ def finish_pipeline() -> list[Doc]:
     ]
 
 
+STEPS_WRITTEN: Doc = {
+    "$filter": {
+        "input": {"$objectToArray": {"$ifNull": ["$updateDescription.updatedFields", {}]}},
+        "cond": {"$regexMatch": {"input": "$$this.k", "regex": r"^steps(\.[0-9]+)?$"}},
+    }
+}
+"""The durable-step entries an update wrote, as ``{k, v}``: ``steps.N`` (an entry written at
+index N) or ``steps`` (the whole array, when it was empty or missing before)."""
+
+
 def events_pipeline(
-    names: Iterable[str] | None, statuses: Iterable[str] | None, progress: bool = False
+    names: Iterable[str] | None,
+    statuses: Iterable[str] | None,
+    progress: bool = False,
+    steps: bool = False,
 ) -> list[Doc]:
     """Inserts and status changes, filtered on name and status, projected to what a
     ``TaskEvent`` holds. The status is the one the change wrote (``updatedFields``), not the
     looked-up document's current one: a consumer that resumes late still sees every step.
-    ``progress``: the updates that wrote a run's progress too (``ctx.progress``)."""
+    ``progress``: the updates that wrote a run's progress too (``ctx.progress``). ``steps``:
+    the updates that wrote a durable step's entry or began a wait (docs/steps.md)."""
     changes: list[Doc] = [
         {"operationType": {"$in": ["insert", "replace"]}},
         {"updateDescription.updatedFields.status": {"$exists": True}},
     ]
     if progress:
         changes.append({"updateDescription.updatedFields.progress": {"$exists": True}})
+    if steps:
+        changes.append({"updateDescription.updatedFields.waiting": {"$exists": True}})
+        changes.append({"$expr": {"$gt": [{"$size": STEPS_WRITTEN}, 0]}})
     kinds: Doc = {"$or": changes, "fullDocument": {"$type": "object"}}
     project = {
         "clusterTime": 1,
@@ -106,6 +123,7 @@ def events_pipeline(
         "name": "$fullDocument.name",
         "status": {"$ifNull": ["$updateDescription.updatedFields.status", "$fullDocument.status"]},
         **({"progress": "$updateDescription.updatedFields.progress"} if progress else {}),
+        **(_steps_projection() if steps else {}),
     }
     match: Doc = {}
     if names is not None:
@@ -114,6 +132,18 @@ def events_pipeline(
         match["status"] = {"$in": list(statuses)}
     stages = [{"$match": kinds}, {"$project": project}]
     return [*stages, {"$match": match}] if match else stages
+
+
+def _steps_projection() -> Doc:
+    """An update's written entries (``STEPS_WRITTEN``) and ``waiting``; a change MongoDB logged
+    as a whole-document replace (its diff would not be smaller) carries every entry."""
+    replaced = {"$eq": ["$operationType", "replace"]}
+    return {
+        "steps": {"$cond": [replaced, [{"k": "steps", "v": "$fullDocument.steps"}], STEPS_WRITTEN]},
+        "waiting": {
+            "$cond": [replaced, "$fullDocument.waiting", "$updateDescription.updatedFields.waiting"]
+        },
+    }
 
 
 @dataclass(frozen=True)
@@ -129,6 +159,13 @@ class TaskEvent:
     progress: Mapping[str, Any] | None = None
     """With ``progress=True``: the progress this change wrote (``fraction``, ``label``,
     ``run_id``, ``attempt``, ``at``), else ``None``."""
+    steps: tuple[Mapping[str, Any], ...] = ()
+    """With ``steps=True``: the durable-step entries this change wrote, each with its
+    ``index`` (docs/steps.md: name, kind, state, attempts, tries, ms, error, …; not the result,
+    which ``client.get`` reads)."""
+    waiting: Mapping[str, Any] | None = None
+    """With ``steps=True``: the wait this change began (``until``, ``index``, ``step``,
+    ``signal``, ``nth``), else ``None``."""
 
     def to_json(self) -> dict[str, Any]:
         time = self.cluster_time.isoformat() if self.cluster_time else None
@@ -139,13 +176,38 @@ class TaskEvent:
             "token": self.token,
             "cluster_time": time,
             "operation": self.operation,
-            **({"progress": _progress_json(self.progress)} if self.progress else {}),
+            **({"progress": _dates_json(self.progress)} if self.progress else {}),
+            **({"steps": [_step_json(s) for s in self.steps]} if self.steps else {}),
+            **({"waiting": _dates_json(self.waiting)} if self.waiting else {}),
         }
 
 
-def _progress_json(progress: Mapping[str, Any]) -> dict[str, Any]:
-    at = progress.get("at")
-    return {**progress, "at": at.isoformat() if isinstance(at, dt.datetime) else at}
+def _dates_json(fields: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v.isoformat() if isinstance(v, dt.datetime) else v for k, v in fields.items()}
+
+
+def _step_json(step: Mapping[str, Any]) -> dict[str, Any]:
+    tries = step.get("tries")
+    listed = (
+        [_dates_json(t) for t in tries if isinstance(t, Mapping)] if isinstance(tries, list) else []
+    )
+    return {**_dates_json(step), **({"tries": listed} if "tries" in step else {})}
+
+
+def written_steps(written: Any) -> tuple[Mapping[str, Any], ...]:
+    """``{k, v}`` pairs of ``STEPS_WRITTEN`` as entries with their ``index``, in index order;
+    results left out (they may be large). Anything malformed is skipped: events are hints."""
+    found: list[tuple[int, Mapping[str, Any]]] = []
+    for pair in written if isinstance(written, list) else ():
+        k, v = (pair.get("k"), pair.get("v")) if isinstance(pair, Mapping) else (None, None)
+        if k == "steps" and isinstance(v, list):
+            found += [(i, e) for i, e in enumerate(v) if isinstance(e, Mapping)]
+        elif isinstance(k, str) and k.startswith("steps.") and isinstance(v, Mapping):
+            found.append((int(k[len("steps.") :]), v))
+    return tuple(
+        {**{f: x for f, x in entry.items() if f != "result"}, "index": i}
+        for i, entry in sorted(found, key=lambda p: p[0])
+    )
 
 
 def token_of(resume_token: Mapping[str, Any] | None) -> str:
@@ -167,6 +229,8 @@ def to_event(change: Mapping[str, Any]) -> TaskEvent:
         cluster_time=at,
         operation=str(change.get("operationType")),
         progress=change.get("progress"),
+        steps=written_steps(change.get("steps")),
+        waiting=waiting if isinstance(waiting := change.get("waiting"), Mapping) else None,
     )
 
 
@@ -398,6 +462,7 @@ async def events(
     retry_for: float = 60.0,
     opened: asyncio.Event | None = None,
     progress: bool = False,
+    steps: bool = False,
 ) -> AsyncIterator[TaskEvent]:
     """Task events for ever; reconnects (resuming after the last event handed out) when MongoDB
     is out of reach for less than ``retry_for`` seconds, else raises ``StorageError``. Raises
@@ -412,7 +477,7 @@ async def events(
 
     changes = follow(
         collection,
-        events_pipeline(names, statuses, progress),
+        events_pipeline(names, statuses, progress, steps),
         at,
         full_document="updateLookup",
         on_open=on_open,
@@ -430,11 +495,15 @@ def sync_events(
     *,
     retry_for: float = 60.0,
     progress: bool = False,
+    steps: bool = False,
 ) -> Iterator[TaskEvent]:
     """``events`` for code without an event loop (close the iterator to close the stream)."""
     at = Position(resume_token(resume_after), give_up_after=retry_for)
     changes = sync_follow(
-        collection, events_pipeline(names, statuses, progress), at, full_document="updateLookup"
+        collection,
+        events_pipeline(names, statuses, progress, steps),
+        at,
+        full_document="updateLookup",
     )
     with contextlib.closing(changes):
         for change in changes:

@@ -36,6 +36,7 @@ from mtask.cli import (
     retention,
     scheduling,
     server,
+    signal,
     tasks,
     wait,
     worker,
@@ -70,6 +71,7 @@ COMMAND_MODULES: list[CommandModule] = [
     (tasks.register, tasks.run),
     (wait.register, wait.run),  # issue 14: mtask wait
     (logs.register, logs.run),  # issue 31: mtask logs
+    (signal.register, signal.run),  # issue 30: mtask signal
     (worker.register, worker.run),
     (scheduling.register, scheduling.run),
     (retention.register, retention.run),

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import re
 import sys
+from collections import Counter
 from typing import IO, Any
 
 from mtask.cli import bulk
@@ -23,6 +25,7 @@ from mtask.cli.common import (
 from mtask.client import build_many
 from mtask.errors import InvalidTask, TaskNotFound, UsageError
 from mtask.models import ON_CONFLICT_CHOICES, OutputCounts, Task, TaskStatus
+from mtask.steps import NEVER
 
 BATCH = 1000
 commands = Commands()
@@ -92,6 +95,7 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 
 def print_task(task: Task) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     grid = Table.grid(padding=(0, 2))
@@ -108,8 +112,9 @@ def print_task(task: Task) -> None:
         ("result", json.dumps(task.result, default=json_default)),
         *_progress_rows(task),
         *_flow_rows(task),
+        *_waiting_rows(task),
     ]:
-        grid.add_row(f"[bold]{label}[/]", value)
+        grid.add_row(f"[bold]{label}[/]", escape(str(value)))
     out.print(grid)
     if task.runs:
         runs = Table("run", "worker", "state", "claimed", "lease / finished", "output", "error")
@@ -124,6 +129,61 @@ def print_task(task: Task) -> None:
                 run.error or "",
             )
         out.print(runs)
+    if task.steps:
+        out.print(steps_table(task))
+
+
+def _deadline(at: dt.datetime | None) -> str:
+    return "no deadline" if at is None or at.year >= NEVER.year else f"until {when(at)}"
+
+
+def _waiting_rows(task: Task) -> list[tuple[str, str]]:
+    """Issue 30: what a waiting task waits for, and the signals it was sent."""
+    rows = []
+    w = task.waiting
+    if w is not None and task.status == TaskStatus.PENDING:
+        what = f"signal {w.signal!r}, {_deadline(w.until)}" if w.signal else f"{_deadline(w.until)}"
+        rows.append(("waiting", f"{what} (step {w.index + 1}: {w.step or '-'})"))
+    if task.signals:
+        names = Counter(s.name for s in task.signals)
+        listed = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in names.items())
+        rows.append(("signals", f"{len(task.signals)}: {listed}"))
+    return rows
+
+
+def steps_table(task: Task) -> Any:
+    """Issue 30: one row per durable step, in the handler's order; a step's earlier tries
+    as a count of failures with the newest error."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table("#", "step", "kind", "state", "attempts", "ms", "started", "detail")
+    for i, step in enumerate(task.steps, 1):
+        detail = []
+        if step.kind == "sleep":
+            detail.append(_deadline(step.until))
+        elif step.kind == "signal":
+            detail.append(f"{step.signal!r} #{(step.nth or 0) + 1}, {_deadline(step.until)}")
+        if step.spill:
+            detail.append(f"result aside: {step.spill.get('bytes', '?')} bytes")
+        if step.transactional:
+            detail.append("transactional")
+        failed = [t for t in step.tries if t.error]
+        if step.error:
+            detail.append(f"error: {step.error}")
+        elif failed:
+            detail.append(f"{len(failed)} failed tries, last: {failed[-1].error}")
+        table.add_row(
+            str(i),
+            escape(step.name),
+            step.kind,
+            step.state,
+            str(step.attempts),
+            "" if step.ms is None else str(step.ms),
+            when(step.started_at),
+            escape("; ".join(detail)),
+        )
+    return table
 
 
 def _progress_rows(task: Task) -> list[tuple[str, str]]:

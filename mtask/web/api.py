@@ -32,6 +32,7 @@ from mtask.web.schemas import (
     PausedView,
     PublishView,
     ScheduleView,
+    SignalView,
     StopView,
     TaskPage,
     TaskView,
@@ -58,6 +59,15 @@ class NewTaskBody(BaseModel):
 
 class PublishBody(NewTaskBody):
     on_conflict: Literal["ignore", "update_params", "reset"] = "ignore"
+
+
+class SignalBody(BaseModel):
+    """A signal for a task's ``ctx.wait_for(name)`` (docs/steps.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="the signal's name", max_length=200)
+    payload: Any = Field(None, description="any JSON value (at most 64 KiB as BSON)")
 
 
 class BatchBody(BaseModel):
@@ -215,6 +225,15 @@ async def cancel(key: str, client: Client) -> TaskView:
 async def retry(key: str, client: Client) -> TaskView:
     """Retry one failed or cancelled task."""
     return view(await client.retry(key))
+
+
+@router.post("/tasks/{key:path}:signal", responses={**NOT_FOUND, **CONFLICT})
+async def signal(key: str, body: SignalBody, client: Client) -> SignalView:
+    """Send a signal to an open task: its handler's ``ctx.wait_for(name)`` returns the payload,
+    whether the wait began before or after. ``woke``: it was waiting for this signal and runs
+    again now. 404 no such task; 409 a finished task, or one holding 1,000 signals."""
+    woke = await client.signal(key, body.name, body.payload)
+    return SignalView(key=key, signal=body.name, woke=woke)
 
 
 @router.get("/tasks/{key:path}", responses=NOT_FOUND)

@@ -103,7 +103,8 @@ def sse_response(body: AsyncIterator[str]) -> StreamingResponse:
 
 
 def frame(event: events.TaskEvent) -> str:
-    return f"id: {event.token}\nevent: task\ndata: {json.dumps(event.to_json())}\n\n"
+    data = json.dumps(event.to_json(), default=str)  # a hand-written odd value: still a frame
+    return f"id: {event.token}\nevent: task\ndata: {data}\n\n"
 
 
 def _frames(
@@ -112,6 +113,9 @@ def _frames(
     statuses: list[str] | None,
     token: str | None,
     keepalive: float,
+    *,
+    progress: bool = False,
+    steps: bool = False,
 ) -> AsyncIterator[str]:
     """``: open`` once the change stream is open (every change after it is delivered), or
     before the first event if that comes first; then one frame per event."""
@@ -132,7 +136,15 @@ def _frames(
 
         watcher = asyncio.create_task(on_open(), name="mtask-sse-open")
         try:
-            stream = events.events(client.collection, names, statuses, token, opened=opened)
+            stream = events.events(
+                client.collection,
+                names,
+                statuses,
+                token,
+                opened=opened,
+                progress=progress,
+                steps=steps,
+            )
             async for event in stream:
                 await announce()
                 await send(frame(event))
@@ -154,8 +166,24 @@ async def stream_events(
     name: Annotated[list[str] | None, Query(description="task names (repeat)")] = None,
     status: Annotated[list[Status] | None, Query(description="statuses (repeat)")] = None,
     last_event_id: Annotated[str | None, Header(description="resume after this event")] = None,
+    progress: Annotated[
+        bool, Query(description="also the updates that report a run's progress")
+    ] = False,
+    steps: Annotated[
+        bool, Query(description="also the durable steps recorded and the waits begun")
+    ] = False,
 ) -> StreamingResponse:
-    """Task events (insert and every status change) as Server-Sent Events."""
+    """Task events (insert and every status change) as Server-Sent Events; with
+    ``progress=true`` and ``steps=true``, a run's progress and its durable steps too."""
     statuses: list[str] | None = [str(s) for s in status] if status else None
     _check(name, statuses, last_event_id)
-    return sse_response(_frames(client, name, statuses, last_event_id or None, KEEPALIVE_SECONDS))
+    frames = _frames(
+        client,
+        name,
+        statuses,
+        last_event_id or None,
+        KEEPALIVE_SECONDS,
+        progress=progress,
+        steps=steps,
+    )
+    return sse_response(frames)

@@ -31,6 +31,12 @@ class PublishView(BaseModel):
     task: TaskView
 
 
+class SignalView(BaseModel):
+    key: str
+    signal: str
+    woke: bool = Field(description="it was waiting for this signal, and may run again now")
+
+
 class BatchView(BaseModel):
     created: int
     given: int

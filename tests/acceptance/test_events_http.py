@@ -86,6 +86,32 @@ async def test_sse_with_httpx_resumes_with_last_event_id(
     assert sorted(e["key"] for e in first + rest) == ["h0", "h1", "h2", "h3"]  # none twice
 
 
+async def test_sse_carries_durable_steps_when_asked(
+    base: str, mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    opened = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    params = {"name": "step_chain", "steps": "true"}
+    reader = asyncio.create_task(
+        asyncio.to_thread(
+            read_events, base, 5, {}, lambda: loop.call_soon_threadsafe(opened.set), params
+        )
+    )
+    await opened.wait()
+    async with running_worker(registry, mongo_uri, db_name):
+        client.publish("step_chain", "sc1", {"count": 2, "uri": mongo_uri, "db": db_name})
+        seen = await reader
+    assert [e["status"] for e in seen] == ["pending", "running", "running", "running", "succeeded"]
+    steps = [s for e in seen for s in e.get("steps", [])]
+    assert [(s["index"], s["name"], s["state"], s["attempts"]) for s in steps] == [
+        (0, "s1", "done", 1),
+        (1, "s2", "done", 1),
+    ]
+    assert all(s["started_at"] <= s["finished_at"] and "result" not in s for s in steps)
+    refused = httpx.get(f"{base}/events", params={"steps": "maybe"}, headers=AUTH)
+    assert refused.status_code == 422 and "steps" in refused.text
+
+
 async def test_long_poll_wait(base: str, mongo_uri: str, db_name: str, client: TaskClient) -> None:
     assert httpx.get(f"{base}/tasks/nope?wait=1", headers=AUTH).status_code == 404
     assert httpx.get(f"{base}/tasks/nope?wait=1").status_code == 401

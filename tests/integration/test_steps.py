@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import hashlib
+import json
 from collections import Counter
 from typing import Any
 
@@ -18,6 +19,8 @@ from pymongo import AsyncMongoClient
 
 from mtask import AsyncTaskClient
 from mtask.errors import InvalidTask, InvalidTransition, TaskNotFound
+from mtask.events import TaskEvent
+from mtask.events import events as events_of
 from mtask.registry import Registry, TaskContext
 from mtask.steps import SignalTimeout
 
@@ -292,3 +295,60 @@ async def test_step_writes_and_signals_pass_the_collections_validator(
         done = [await _finished(aclient, k) for k in ("v1", "v2", "v3")]
     assert [t.status.value for t in done] == ["succeeded"] * 3, done
     assert all(t.complete for t in done), [t.problems for t in done]
+
+
+async def test_task_events_carry_the_steps_and_waits_when_asked(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    seen: dict[bool, list[TaskEvent]] = {True: [], False: []}
+
+    async def follow(steps: bool, opened: asyncio.Event) -> None:
+        names = ["checkout", "approval"]
+        async for event in events_of(aclient.collection, names, opened=opened, steps=steps):
+            seen[steps].append(event)
+            if event.key == "ev-a" and event.status == "succeeded":
+                return
+
+    opened = {True: asyncio.Event(), False: asyncio.Event()}
+    followers = [asyncio.create_task(follow(b, opened[b])) for b in (True, False)]
+    await asyncio.gather(*(o.wait() for o in opened.values()))
+    FAIL_ONCE.add("ev-c:label")
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("checkout", "ev-c", {})
+        await _finished(aclient, "ev-c")
+        await aclient.publish("approval", "ev-a", {})
+        await events.wait("recorded", key="ev-a", state="WAITING")
+        await aclient.signal("ev-a", "approved", "ok")
+        await asyncio.wait_for(asyncio.gather(*followers), 30)
+    steps = [
+        (e.key, s["index"], s["name"], s["state"], s["attempts"])
+        for e in seen[True]
+        for s in e.steps
+    ]
+    assert steps == [
+        ("ev-c", 0, "charge", "done", 1),
+        ("ev-c", 1, "label", "failed", 1),
+        ("ev-c", 1, "label", "done", 2),
+        ("ev-c", 2, "ship", "done", 1),
+        ("ev-a", 0, "ask", "done", 1),
+        ("ev-a", 1, "wait:approved", "waiting", 0),
+        ("ev-a", 1, "wait:approved", "done", 1),
+    ]
+    assert all("result" not in s for e in seen[True] for s in e.steps)  # client.get reads it
+    failed = next(s for e in seen[True] for s in e.steps if s["state"] == "failed")
+    assert failed["error"] == "RuntimeError: ev-c:label failed once" and failed["ms"] >= 0
+    began = [e for e in seen[True] if e.waiting is not None]
+    assert len(began) == 1 and began[0].key == "ev-a" and began[0].status == "pending"
+    assert began[0].waiting["signal"] == "approved" and began[0].waiting["index"] == 1
+    as_json = json.loads(json.dumps(began[0].to_json()))
+    assert as_json["waiting"]["until"].startswith("9999-01-01")
+    assert as_json["steps"][0]["name"] == "wait:approved"
+    plain = seen[False]  # not asked for: the status changes only, none of the steps
+    assert all(not e.steps and e.waiting is None for e in plain)
+    assert [e.status for e in plain if e.key == "ev-a"] == [
+        "pending",
+        "running",
+        "pending",
+        "running",
+        "succeeded",
+    ]

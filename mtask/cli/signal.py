@@ -1,0 +1,55 @@
+"""``mtask signal KEY NAME [--payload JSON]``: send a signal to an open task (docs/steps.md).
+
+The handler's ``ctx.wait_for(NAME)`` returns the payload, whether its wait began before or after.
+Prints whether the signal woke the task (it was waiting for NAME) or was kept for a later wait;
+``--json`` prints ``{"key", "signal", "woke"}``. Exit 2 for a bad name or payload (not JSON, not
+BSON-able, over 64 KiB); 1 for no such task, a finished one, or one holding 1,000 signals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from mtask.cli.common import Commands, add_common, out, print_json, task_client
+from mtask.errors import UsageError
+
+commands = Commands()
+run = commands.run
+
+
+def parse_payload(text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--payload is not valid JSON: {exc.msg} at position {exc.pos}") from None
+
+
+@commands.command("signal")
+def cmd_signal(args: argparse.Namespace) -> int:
+    payload = parse_payload(args.payload)
+    with task_client(args) as client:
+        woke = client.signal(args.key, args.name, payload)
+    if args.json:
+        print_json({"key": args.key, "signal": args.name, "woke": woke})
+    elif woke:
+        out.print(
+            f"signalled: {args.key} ({args.name}): it was waiting, it runs again now", markup=False
+        )
+    else:
+        out.print(
+            f"signalled: {args.key} ({args.name}): kept for its wait_for({args.name!r})",
+            markup=False,
+        )
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("signal", help="send a signal to a task (its ctx.wait_for returns it)")
+    add_common(p)
+    p.add_argument("key")
+    p.add_argument("name", help="the signal's name")
+    p.add_argument("--payload", help="a JSON value, handed to the waiting handler")
