@@ -177,6 +177,16 @@ def check_name(name: Any) -> str:
     return name
 
 
+def check_signal_name(name: Any) -> str:
+    """A signal's name: a step's name that does not start with ``$`` (it is a value in the
+    signal's pipeline update, where ``$…`` would read a field)."""
+    if not isinstance(name, str) or not name or len(name) > MAX_STEP_NAME or "\x00" in name:
+        raise StepError(f"a signal's name is a string of 1 to {MAX_STEP_NAME} characters, no NUL")
+    if name.startswith("$"):
+        raise StepError(f"a signal's name cannot start with '$': {name!r}")
+    return name
+
+
 class RunSteps:
     """One run's journal (see the module's docstring). ``recorded`` is the claimed document's
     ``steps``; ``loop`` is the worker's event loop, where a thread handler's I/O runs."""
@@ -499,7 +509,7 @@ class RunSteps:
     def _wait_for(
         self, signal: str, timeout: float | dt.timedelta | None, name: str | None
     ) -> Plan[Any]:
-        check_name(signal)
+        check_signal_name(signal)
         nth = self.waits.get(signal, 0)
         self.waits[signal] = nth + 1
         step = name if name is not None else (f"wait:{signal}" + (f"#{nth + 1}" if nth else ""))

@@ -25,7 +25,7 @@ from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask, InvalidTransition, LeaseLost, TaskNotFound
 from mtask.models import OPEN_STATUSES, TaskStatus
 from mtask.statemachine import RUNNING
-from mtask.steps import SPILL_CHUNK_BYTES, StepError, check_name
+from mtask.steps import SPILL_CHUNK_BYTES, StepError, check_signal_name
 from mtask.store.output import seal_in
 from mtask.store.transactional import lease_alive_expr
 
@@ -140,9 +140,9 @@ def signal_pipeline(name: str, payload: Any) -> list[Doc]:
 
 def check_signal(name: Any, payload: Any) -> None:
     try:
-        check_name(name)
+        check_signal_name(name)
     except StepError as exc:
-        raise InvalidTask(str(exc).replace("step's", "signal's"), field="name") from None
+        raise InvalidTask(str(exc), field="name") from None
     try:
         size = len(bson.encode({"payload": payload}))
     except Exception as exc:  # noqa: BLE001 - any encoding problem is the caller's

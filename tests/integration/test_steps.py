@@ -207,6 +207,8 @@ async def test_signal_refuses_bad_input_and_finished_tasks(aclient: AsyncTaskCli
         await aclient.signal("done-already", "approved")
     with pytest.raises(InvalidTask, match="name"):
         await aclient.signal("done-already", "")
+    with pytest.raises(InvalidTask, match=r"cannot start with '\$'"):  # it would read a field
+        await aclient.signal("done-already", "$status")
     with pytest.raises(InvalidTask, match="payload"):
         await aclient.signal("done-already", "x", object())
     with pytest.raises(InvalidTask, match="bytes"):

@@ -140,6 +140,7 @@ def test_rest_signal(mongo_uri: str, db_name: str) -> None:
         assert sent.json() == {"key": "r/1", "signal": "approved", "woke": False}
         for body, field in [
             ({"name": ""}, "name"),
+            ({"name": "$status"}, "name"),
             ({"name": "x", "colour": 1}, "colour"),
             ({"payload": 1}, "name"),
             ({"name": "x", "payload": "y" * 70_000}, "payload"),

@@ -135,6 +135,9 @@ def test_a_name_twice_and_bad_names_are_refused() -> None:
     for bad in ("", "x" * 201, "a\x00b", 3):
         with pytest.raises(StepError, match="name"):
             asyncio.run(journal(MemorySteps(), 1).step(bad, lambda: 1))  # type: ignore[arg-type]
+    for bad in ("", "$status", "a\x00b"):  # a signal's name is a value in a pipeline: no "$"
+        with pytest.raises(StepError, match="signal's name"):
+            asyncio.run(journal(MemorySteps(), 1).wait_for(bad))
 
 
 def test_a_result_must_be_bson_and_large_ones_spill() -> None:
