@@ -451,8 +451,12 @@ def _spilled(run: ActiveRun, doc: Mapping[str, Any]) -> bool:
     journal = run.ctx.steps_made
     if journal is not None:
         return journal.spilled or any("spill" in e for e in journal.recorded)
-    steps = doc.get("steps")
-    return isinstance(steps, list) and any(isinstance(e, dict) and "spill" in e for e in steps)
+    steps = doc.get("steps")  # absent for a task that never used a step: nothing more to do
+    return (
+        bool(steps)
+        and isinstance(steps, list)
+        and any(isinstance(e, dict) and "spill" in e for e in steps)
+    )
 
 
 class _NotStored(Exception):
@@ -516,7 +520,7 @@ class Executor:
                 self.outcomes.outputs.output_for,
                 options=options,
                 held=self.registry[doc["name"]].transactional,
-                loop=asyncio.get_running_loop(),
+                loop=loop,
             ),
             steps_for=lambda made: self.outcomes.journals.steps_for(
                 made,
