@@ -12,6 +12,7 @@ from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
 from mtask.registry import Fail, Registry, Retry, TaskContext
+from mtask.steps import SignalTimeout
 
 registry = Registry()
 
@@ -243,3 +244,30 @@ async def _until_control(db: Any, key: str, limit_s: float = 120) -> None:
             pass  # failing over: ask again
         await asyncio.sleep(0.05)
     raise RuntimeError(f"no control document for {key!r}")
+
+
+@registry.task("step_showcase", options={"retry_delay_ms": 0, "max_retries": 3})
+async def step_showcase(params: dict[str, Any], ctx: TaskContext) -> Any:
+    """Every kind of durable step for the dashboard's step timeline: a plain one, one that fails
+    once (its error holds markup), a 20 KB result (stored aside), a transactional one (a row
+    in ``ledger`` of ``params["db"]``), a sleep, a wait that times out, and a wait for
+    ``approved`` without a deadline, whose payload is the result."""
+
+    def charge() -> str:
+        if ctx.attempt == 1:
+            raise RuntimeError("the gateway said <script>alert(1)</script>")
+        return "ch_42"
+
+    async def book(amount: int, *, session: Any) -> int:
+        rows = session.client[str(params["db"])]["ledger"]
+        await rows.insert_one({"task": ctx.key, "amount": amount}, session=session)
+        return amount
+
+    await ctx.step("reserve", dict, sku="A-1", n=2)
+    await ctx.step("charge", charge)
+    await ctx.step("label", str.__mul__, "x", 20_000)
+    await ctx.step("book", book, 42, transactional=True)
+    await ctx.sleep(0.05)
+    with contextlib.suppress(SignalTimeout):
+        await ctx.wait_for("nudge", timeout=0.05)
+    return await ctx.wait_for("approved")

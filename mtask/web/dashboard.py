@@ -5,9 +5,10 @@ per minute per name as SVG charts with axes; recent failures), ``/ui/tasks`` (th
 filter by name and status, search by key prefix or error words, keyset pagination, bulk retry /
 cancel / purge of the filtered set with a dry-run count first), ``/ui/tasks/{key}`` (one task:
 ``invalid_reason``, params / result / error as stored, flow links, runs with durations and a
-timeline) and ``/ui/workers``. Actions are forms posting to ``/ui/act`` and ``/ui/bulk`` with
-the session's CSRF token, answered POST-redirect-GET with a flash message, so everything works
-without JavaScript; ``static/dashboard.js`` submits them in place and refreshes pages.
+timeline, its durable steps as a step timeline) and ``/ui/workers``. Actions are forms posting
+to ``/ui/act`` and ``/ui/bulk`` with the session's CSRF token, answered POST-redirect-GET with
+a flash message, so everything works without JavaScript; ``static/dashboard.js`` submits them
+in place and refreshes pages.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from mtask.client import AsyncTaskClient
 from mtask.errors import MtaskError
 from mtask.models import TaskStatus
+from mtask.steps import NEVER
 from mtask.store import bulk
 from mtask.web.auth import COOKIE, LOGIN_COOKIE, SESSION_SECONDS, Keys, csrf_of, signed_in
 from mtask.web.charts import charts, timeline
@@ -39,6 +41,24 @@ templates.filters["clock"] = lambda v: v.strftime("%H:%M:%S") if v else "-"
 templates.filters["url"] = lambda v: urllib.parse.quote(str(v), safe="")
 templates.filters["path"] = lambda v: urllib.parse.quote(str(v), safe="/")
 templates.filters["lastline"] = lambda v: ((v or "").strip().splitlines() or [""])[-1]
+PREVIEW_CHARS = 120
+"""The most of a step's result or a signal's payload a task page shows (the JSON has it all)."""
+
+
+def _deadline(value: dt.datetime | None) -> str:
+    """A wait's end: ``no deadline`` for a wait without a timeout (9999-01-01)."""
+    if value is None or value.year >= NEVER.year:
+        return "no deadline"
+    return value.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _preview(value: Any) -> str:
+    text = json.dumps(value, default=str, separators=(",", ":"))
+    return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 1] + "…"
+
+
+templates.filters["deadline"] = _deadline
+templates.filters["preview"] = _preview
 templates.globals["qs"] = lambda **kw: urllib.parse.urlencode(
     {k: v for k, v in kw.items() if v not in (None, "")}
 )

@@ -1,0 +1,107 @@
+"""The task page's step timeline (issue 30) in headless Chromium without JavaScript: a task a
+real worker process took through every kind of step — done, failed then done (an error holding
+markup, shown as text), a result stored aside, a transactional step, a sleep, a timed-out
+wait, and a wait without deadline — with the signals it was sent; a task without steps has no
+step section. Full-page screenshots at 1280 and 390 px, dark and light, copied to /tmp/shots
+to be looked at; no horizontal scroll at 390 px."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from harness import worker_process
+from test_dashboard import DESKTOP, PHONE, shots_dir, wait_until
+from test_output_browser import BACKGROUND
+from webserver import serving
+
+from mtask import TaskClient
+
+TOKEN = "steps-token"
+
+
+def sign_in(page: Any, url: str) -> None:
+    page.goto(url + "/")
+    page.fill("#token", TOKEN)
+    page.click("form.login button[type=submit]")
+    page.wait_for_selector("#counts")
+
+
+def _waiting_for_approval(client: TaskClient, key: str) -> bool:
+    task = client.get(key)
+    assert task is not None and task.status.value not in ("failed", "cancelled"), task
+    return task.waiting is not None and task.waiting.signal == "approved"
+
+
+def test_the_task_page_shows_the_step_timeline(
+    browser: Any, mongo_uri: str, db_name: str, client: TaskClient, tmp_path: Path
+) -> None:
+    from playwright.sync_api import expect
+
+    client.publish("step_showcase", "order/9", {"db": db_name})
+    client.publish("add", "plain", {"a": 1, "b": 2})
+    out = shots_dir(tmp_path)
+    copies = Path("/tmp/shots")
+    copies.mkdir(parents=True, exist_ok=True)
+    with (
+        worker_process(mongo_uri, db_name, "--concurrency", "1"),
+        serving(mongo_uri, db_name, token=TOKEN) as url,
+    ):
+        wait_until(lambda: _waiting_for_approval(client, "order/9"))
+        wait_until(lambda: client.get("plain").status.value == "succeeded")  # type: ignore[union-attr]
+        client.signal("order/9", "note", {"from": "ops", "text": "<b>rush</b>"})
+        for scheme, size, viewport in [
+            ("dark", "desktop", DESKTOP),
+            ("dark", "phone", PHONE),
+            ("light", "phone", PHONE),
+        ]:
+            context = browser.new_context(
+                viewport=viewport, color_scheme=scheme, java_script_enabled=False
+            )
+            page = context.new_page()
+            page.set_default_timeout(30_000)
+            sign_in(page, url)
+            page.goto(url + "/ui/tasks/order/9")
+            steps = page.locator("#steps")
+            expect(page.locator("#waiting")).to_contain_text(
+                "Waiting for the signal approved, no deadline (step 7: wait:approved)"
+            )
+            names = page.locator("ol.steps > li .name").all_inner_texts()
+            assert names == [
+                "reserve", "charge", "label", "book", "sleep#1", "wait:nudge", "wait:approved"
+            ]  # fmt: skip
+            states = page.locator("ol.steps > li .head .tag").all_inner_texts()
+            assert states == ["done", "done", "done", "done", "done", "timed_out", "waiting"]
+            charge = page.locator("ol.steps > li").nth(1)
+            expect(charge).to_contain_text("2 attempts")
+            expect(charge.locator("details summary")).to_have_text("1 failed try")
+            error = charge.locator("ul.tries .error")  # markup shown as text, not run
+            expect(error).to_have_text("RuntimeError: the gateway said <script>alert(1)</script>")
+            expect(page.locator("ol.steps > li").nth(0)).to_contain_text('{"sku":"A-1","n":2}')
+            expect(page.locator("ol.steps > li").nth(2)).to_contain_text(
+                re.compile(r"result stored aside: 2\d{4} bytes")
+            )
+            expect(page.locator("ol.steps > li").nth(3)).to_contain_text("transactional")
+            expect(page.locator("ol.steps > li").nth(5)).to_contain_text("signal nudge")
+            expect(steps.locator("ul.signals")).to_contain_text(
+                '{"from":"ops","text":"<b>rush</b>"}'
+            )
+            assert page.locator("ol.steps li script, ul.signals b").count() == 0
+            background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+            assert background.startswith(BACKGROUND[scheme]), (scheme, background)
+            width = page.evaluate("document.documentElement.scrollWidth")
+            assert width <= viewport["width"], (size, width)
+            shot = out / f"dashboard-task-steps-{size}-{scheme}.png"
+            page.screenshot(path=str(shot), full_page=True)
+            assert shot.stat().st_size > 5_000
+            shutil.copy(shot, copies / shot.name)
+            page.goto(url + "/ui/tasks/plain")
+            expect(page.locator("#runs")).to_contain_text("SUCCESS")
+            assert page.locator("#steps").count() == 0  # no steps: no section
+            context.close()
+        assert client.signal("order/9", "approved", {"ok": True}) is True
+        wait_until(lambda: client.get("order/9").status.value == "succeeded")  # type: ignore[union-attr]
+    task = client.get("order/9")
+    assert task is not None and task.result == {"ok": True}
