@@ -27,7 +27,7 @@ from mtask.models import OPEN_STATUSES, TaskStatus
 from mtask.statemachine import RUNNING
 from mtask.steps import SPILL_CHUNK_BYTES, StepError, check_signal_name
 from mtask.store.output import seal_in
-from mtask.store.transactional import lease_alive_expr
+from mtask.store.transactional import TXN_FIELD, lease_alive_expr
 
 COLLECTION = "steps"
 """The key of the side collection in ``driver.collections``: ``<tasks>.steps``."""
@@ -87,12 +87,25 @@ def record_update(
 
 
 def record(
-    key: str, run_id: str, index: int, entry: Mapping[str, Any], prior: Mapping[str, Any] | None
+    key: str,
+    run_id: str,
+    index: int,
+    entry: Mapping[str, Any],
+    prior: Mapping[str, Any] | None,
+    *,
+    in_transaction: bool = False,
 ) -> Op[None]:
     """Write a step's entry if the run still owns its task (``LeaseLost`` if not; nothing is
-    written); ``StepError`` if another run of the task recorded that step meanwhile."""
+    written); ``StepError`` if another run of the task recorded that step meanwhile.
+    ``in_transaction``: the record of a transactional step, which also clears the run's ``txn``
+    (its session's id, written when the transaction began): once the step commits, its session
+    goes back to the driver's pool, and a run taking the task over must not kill it there."""
     filt, update = record_update(key, run_id, index, entry, prior)
-    result = yield Call("update_one", (filt, update))
+    options: Doc = {}
+    if in_transaction:
+        update["$unset"][f"runs.$[mine].{TXN_FIELD}"] = ""
+        options["array_filters"] = [{"mine.run_id": run_id}]
+    result = yield Call("update_one", (filt, update), options)
     if result.matched_count:
         return
     owned: Doc | None = yield Call("find_one", (fence(key, run_id), {"_id": 1}))

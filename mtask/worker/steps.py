@@ -83,7 +83,9 @@ class TaskSteps:
             entry, data = entry_for(result)
             if data is not None:
                 entry["spill"] = yield from self._spill(data)
-            yield from store_steps.record(self.key, self.run_id, index, entry, prior)
+            yield from store_steps.record(
+                self.key, self.run_id, index, entry, prior, in_transaction=True
+            )
             return entry
 
         result, _ = await self.transactions.transact(fn, write, self.fence())

@@ -281,6 +281,10 @@ async def test_a_transactional_steps_writes_commit_with_its_record(
     step = task.steps[0]
     assert step.state == "done" and step.transactional is True and step.result == 42
     assert CALLS[f"{key}:book"] == (2 if mode == "abort" else 1)
+    raw = await aclient.collection.find_one({"_id": key})
+    assert raw is not None
+    committed = next(r for r in raw["runs"] if r["run_id"] == step.run_id)
+    assert "txn" not in committed  # its session is back in the pool: no takeover may kill it
 
 
 async def test_step_writes_and_signals_pass_the_collections_validator(

@@ -240,6 +240,12 @@ def test_record_writes_are_fenced_and_positioned() -> None:
     filt, update = store_steps.record_update("k", "r1", 0, {**entry, "attempts": 2}, prior)
     assert filt["steps.0.attempts"] == 1 and filt["steps.0.state"] == "failed"
     assert update["$set"] == {"steps.0": {**entry, "attempts": 2}}
+    call = store_steps.record("k", "r1", 0, entry, None, in_transaction=True).send(None)
+    assert call.method == "update_one"  # a transactional step's record frees its session's id
+    assert call.args[1]["$unset"] == {"waiting": "", "runs.$[mine].txn": ""}
+    assert call.kwargs == {"array_filters": [{"mine.run_id": "r1"}]}
+    plain = store_steps.record("k", "r1", 0, entry, None).send(None)
+    assert plain.args[1]["$unset"] == {"waiting": ""} and plain.kwargs == {}
 
 
 def test_a_waiting_outcome_records_its_step_and_when_to_wake() -> None:
