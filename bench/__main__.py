@@ -10,8 +10,10 @@ from pathlib import Path
 from rich.console import Console
 
 from bench import scale
+from bench.budget import cost_budget
 from bench.cpu import w10_cpu
 from bench.output import live_output
+from bench.peers import peers
 from bench.steps import durable_steps
 from bench.support import FULL, QUICK, floor_helper
 from bench.validator import validator_ab, validator_interleaved
@@ -40,6 +42,8 @@ WORKLOADS = {
     "WVI": validator_interleaved,  # the same, interleaved batch by batch / side by side
     "WO": live_output,  # issue 31: what progress, log lines and chunks cost (bench/output.py)
     "WS": durable_steps,  # issue 30: what a step, a sleep and a signal wait cost (bench/steps.py)
+    "WB": cost_budget,  # issue 26: the cost budget per task, beside bench/budget.json
+    "WQ": peers,  # issue 26: W1 and W2 beside arq on Redis, same run (bench/peers.py)
 }
 
 
