@@ -107,11 +107,12 @@ class Bench:
 
     # -- W1 and W7 ------------------------------------------------------------------------------
 
-    def drain(self, task: str) -> tuple[float, float]:
-        """Publish ``sizes.drain`` tasks named ``task``, drain them with one worker process of
-        concurrency 64: tasks per second (first claim to last finish) and peak RSS in MB."""
+    def drain(self, task: str, n: int | None = None) -> tuple[float, float]:
+        """Publish ``n`` (``sizes.drain``) tasks named ``task``, drain them with one worker
+        process of concurrency 64: tasks per second (first claim to last finish) and peak RSS
+        in MB."""
         name = self.db()
-        n = self.sizes.drain
+        n = self.sizes.drain if n is None else n
         with TaskClient(self.uri, database=name) as client:
             client.publish_many(
                 {"name": task, "key": f"d{i}", "params": {"i": i} if task == "echo" else {}}
@@ -195,31 +196,33 @@ class Bench:
 
     # -- W2 -------------------------------------------------------------------------------------
 
-    def w2_latency(self) -> None:
+    def latencies(self, n: int) -> list[float]:
+        """``n`` tasks published 20 ms apart to one idle worker (concurrency 16): publish call
+        → handler start, in ms."""
         name = self.db()
         proc = spawn_worker(self.uri, name, "--concurrency", "16")
         try:
             with TaskClient(self.uri, database=name) as client:
                 wait_for_worker(client, proc)
                 published: dict[str, float] = {}
-                for i in range(self.sizes.latency):
+                for i in range(n):
                     key = f"l{i}"
                     published[key] = time.time()
                     client.publish("stamp", key)
                     time.sleep(0.02)
                 wait_until(
-                    lambda: (
-                        client.stats(exact=True).get("stamp", {}).get("succeeded", 0)
-                        == self.sizes.latency
-                    )
+                    lambda: client.stats(exact=True).get("stamp", {}).get("succeeded", 0) == n
                 )
-                lat = [
+                return [
                     (t.result - published[t.key]) * 1000
                     for t in client.list(name="stamp", limit=10_000)
                 ]
         finally:
             stop_process(proc)
             self.drop(name)
+
+    def w2_latency(self) -> None:
+        lat = self.latencies(self.sizes.latency)
         p50, p99, worst = pct(lat, 0.5), pct(lat, 0.99), max(lat)
         floor = self.w2_floor()
         self.record(
