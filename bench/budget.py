@@ -28,7 +28,6 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pymongo import MongoClient
@@ -101,11 +100,6 @@ def grew(
 
 
 # -- measuring ---------------------------------------------------------------------------------
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _counters(mongo: MongoClient[dict[str, Any]]) -> dict[str, int]:
@@ -188,6 +182,7 @@ def _one(
 ) -> dict[str, float]:
     """One pass: the CPU pass (``profile`` False) or the counting pass."""
     from bench.cpu import tree_cpu_seconds
+    from bench.scale import _cpu_s
 
     database = f"wb_{shape}_{variant.replace(' ', '_')}_{'p' if profile else 'c'}"
     mongo: MongoClient[dict[str, Any]] = MongoClient(uri, appname="mtask-bench")
