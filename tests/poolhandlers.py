@@ -287,3 +287,28 @@ def steps_refused_in_child(params: dict[str, Any], ctx: TaskContext) -> None:
     except StepError as exc:
         raise Fail(f"caught {type(exc).__name__} in {os.getpid()}: {exc}") from None
     raise Fail("not refused")
+
+
+def _row(params: dict[str, Any], ctx: TaskContext, i: int) -> dict[str, Any]:
+    """Step ``i`` of ``step_chain_in_child``: one row in ``step_rows``, written by the child."""
+    from pymongo import MongoClient
+
+    uri = params["uri"]
+    if uri not in _MONGO:
+        _MONGO[uri] = MongoClient(uri)
+    row = {"task": ctx.key, "step": i, "run_id": ctx.run_id, "pid": os.getpid()}
+    _MONGO[uri][params["db"]]["step_rows"].insert_one(row)
+    return {"step": i, "run_id": ctx.run_id}
+
+
+@registry.task("step_chain_in_child", isolation="process")
+def step_chain_in_child(params: dict[str, Any], ctx: TaskContext) -> list[dict[str, Any]]:
+    """``workerapp.step_chain`` in a child process: five steps ``s1``…``s5``, each a row; the
+    run of worker ``hold_after``'s key holds after that step is recorded (the test kills it)."""
+    hold_after = params.get("hold_after", {}).get(ctx.worker_id)
+    results = []
+    for i in range(1, 6):
+        results.append(ctx.step_sync(f"s{i}", _row, params, ctx, i))
+        if i == hold_after:
+            time.sleep(3600)
+    return results

@@ -1,6 +1,7 @@
 """Durable steps (issue 30) under faults, with real worker processes (``workerapp``): a worker
-killed with SIGKILL between steps, a worker frozen inside a step past its lease and then resumed,
-and the primary of a three-member replica set killed while a transactional step is in flight.
+killed with SIGKILL between steps (its handler on the event loop, or in a child process:
+``poolhandlers``), a worker frozen inside a step past its lease and then resumed, and the
+primary of a three-member replica set killed while a transactional step is in flight.
 Side effects are counted in the test's database, never inferred from the task document."""
 
 from __future__ import annotations
@@ -9,18 +10,21 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from chaos.cluster import ReplicaSet
-from harness import wait_for, worker_process
+from harness import TESTS, wait_for, worker_process
 from pymongo import MongoClient
 from pymongo.errors import PyMongoError
 
 from mtask import TaskClient
+from mtask.testing import worker_argv
 
 OPTIONS = {
     "worker_timeout_ms": 2000,
@@ -71,6 +75,72 @@ async def test_a_killed_workers_recorded_steps_are_replayed_by_the_takeover(
     assert [s["run_id"] for s in steps] == [first, first, first, second, second]
     # the rescuer's result holds the victim's recorded results for steps 1-3
     assert doc["result"] == [{"step": i, "run_id": s["run_id"]} for i, s in enumerate(steps, 1)]
+
+
+async def test_a_killed_workers_process_isolated_steps_are_replayed_by_the_takeover(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """The same takeover with the handler in a child process (``isolation="process"``): the
+    child records steps 1-3 through its worker, which is killed (SIGKILL) while the child holds;
+    the child dies with it (issue 27), and the rescuer's child runs steps 4 and 5 only."""
+    params = {"uri": mongo_uri, "db": db_name, "hold_after": {"victim": 3}}
+    client.publish("step_chain_in_child", "p", params, options=OPTIONS)
+    with _pool_worker(mongo_uri, db_name, "--worker-id", "victim") as victim:
+        await wait_for(lambda: len(_task(client, "p").get("steps", [])) == 3, timeout=60)
+        victim.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(victim.wait, 10)
+    child = client.db["step_rows"].find_one({"task": "p", "step": 3})["pid"]
+    assert child != victim.pid
+    await wait_for(lambda: not _alive(child), timeout=10)  # it can record nothing more
+    assert _rows(client, "p") == {1: 1, 2: 1, 3: 1}
+    with _pool_worker(mongo_uri, db_name, "--worker-id", "rescuer"):
+        await wait_for(lambda: _task(client, "p")["status"] == "succeeded", timeout=60)
+    doc = _task(client, "p")
+    assert [(r["worker_id"], r["state"]) for r in doc["runs"]] == [
+        ("victim", "TIMEOUT"),
+        ("rescuer", "SUCCESS"),
+    ]
+    first, second = (r["run_id"] for r in doc["runs"])
+    rows = list(client.db["step_rows"].find({"task": "p"}))
+    assert sorted((d["step"], d["run_id"]) for d in rows) == [
+        (1, first), (2, first), (3, first), (4, second), (5, second)
+    ]  # fmt: skip
+    assert len({d["pid"] for d in rows if d["run_id"] == second} - {child}) == 1
+    assert [(s["name"], s["state"], s["attempts"], s["run_id"]) for s in doc["steps"]] == [
+        (f"s{i}", "done", 1, first if i <= 3 else second) for i in range(1, 6)
+    ]
+    steps = doc["steps"]
+    assert doc["result"] == [{"step": i, "run_id": s["run_id"]} for i, s in enumerate(steps, 1)]
+
+
+@contextlib.contextmanager
+def _pool_worker(uri: str, db: str, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A real worker process for tests/poolhandlers.py (its process-isolated handlers)."""
+    proc = subprocess.Popen(
+        worker_argv("poolhandlers:registry", uri, db, *extra),
+        cwd=TESTS,
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 async def test_a_frozen_worker_cannot_record_the_step_it_was_in(
