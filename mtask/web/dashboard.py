@@ -324,6 +324,28 @@ async def act(request: Request) -> Response:
     return back(next_url, problem=f"unknown action {action!r}")
 
 
+@router.post("/ui/signal")
+async def send_signal(request: Request) -> Response:
+    """Send a signal to a task from its page (``client.signal``): a name, and a payload given
+    as JSON (empty: none). A payload that is not JSON, a bad name, a finished task: a
+    problem shown on the page, nothing sent."""
+    form = await form_of(request)
+    key, name = form.get("target", ""), form.get("name", "").strip()
+    next_url = form.get("next", "/")
+    text = form.get("payload", "").strip()
+    try:
+        payload = json.loads(text) if text else None
+    except (ValueError, RecursionError) as exc:  # deep nesting: the C decoder recurses
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+        return back(next_url, problem=f"signal not sent: the payload is not JSON ({reason})")
+    try:
+        woke = await client_of(request).signal(key, name, payload)
+    except MtaskError as exc:
+        return back(next_url, problem=f"signal not sent: {exc}")
+    outcome = "it woke the task" if woke else "kept for the task's next wait for it"
+    return back(next_url, flash=f"signal {name!r} sent to {key}: {outcome}")
+
+
 def _keys(text: str) -> list[str]:
     try:
         keys = json.loads(text)

@@ -1,8 +1,9 @@
 """The task page's step timeline (issue 30) in headless Chromium without JavaScript: a task a
 real worker process took through every kind of step — done, failed then done (an error holding
 markup, shown as text), a result stored aside, a transactional step, a sleep, a timed-out
-wait, and a wait without deadline — with the signals it was sent; a task without steps has no
-step section. Full-page screenshots at 1280 and 390 px, dark and light, copied to /tmp/shots
+wait, and a wait without deadline — with the signals it was sent, and the form that sends the
+one it waits for (a payload that is not JSON is refused, nothing sent); a task without steps
+has no step section. Full-page screenshots at 1280 and 390 px, dark and light, copied to /tmp/shots
 to be looked at; no horizontal scroll at 390 px."""
 
 from __future__ import annotations
@@ -101,7 +102,31 @@ def test_the_task_page_shows_the_step_timeline(
             expect(page.locator("#runs")).to_contain_text("SUCCESS")
             assert page.locator("#steps").count() == 0  # no steps: no section
             context.close()
-        assert client.signal("order/9", "approved", {"ok": True}) is True
+        # the page's form sends the signal the task waits for (no JavaScript)
+        context = browser.new_context(
+            viewport=PHONE, color_scheme="dark", java_script_enabled=False
+        )
+        page = context.new_page()
+        page.set_default_timeout(30_000)
+        sign_in(page, url)
+        page.goto(url + "/ui/tasks/order/9")
+        form = page.locator("#send-signal")
+        expect(form.locator("input[name=name]")).to_have_value("approved")  # what it waits for
+        form.locator("textarea[name=payload]").fill("{oops")
+        form.locator("button[type=submit]").click()
+        expect(page.locator("#note .flash.error")).to_contain_text(
+            "signal not sent: the payload is not JSON"
+        )
+        assert _waiting_for_approval(client, "order/9")  # nothing sent
+        assert [g.name for g in client.get("order/9").signals] == ["note"]  # type: ignore[union-attr]
+        form.locator("textarea[name=payload]").fill('{"ok": true}')
+        form.locator("button[type=submit]").click()
+        expect(page.locator("#note .flash.ok")).to_have_text(
+            "signal 'approved' sent to order/9: it woke the task"
+        )
         wait_until(lambda: client.get("order/9").status.value == "succeeded")  # type: ignore[union-attr]
+        page.goto(url + "/ui/tasks/order/9")
+        assert page.locator("#send-signal").count() == 0  # a finished task takes no signal
+        context.close()
     task = client.get("order/9")
     assert task is not None and task.result == {"ok": True}

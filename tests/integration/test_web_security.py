@@ -190,13 +190,56 @@ def test_cookie_requests_need_our_origin_and_the_csrf_token(
     for bad in [session[:-2] + "00", "x.1.abc", session.replace(".", ".9", 1)]:
         assert server.request("GET", "/stats", Cookie=f"mtask_session={bad}")[0] == 401
     # a dashboard form without a session goes to the sign-in page, unread and unchanged
-    status, headers, _ = server.request("POST", "/ui/act", b"action=cancel&target=victim")
-    assert status == 303 and headers["location"].startswith("/login")
+    for path in ("/ui/act", "/ui/signal"):
+        status, headers, _ = server.request("POST", path, b"action=cancel&target=victim&name=go")
+        assert status == 303 and headers["location"].startswith("/login")
     # logout ends the cookie
     status, headers, _ = server.request(
         "POST", "/logout", Cookie=cookie, Origin=server.origin, X_CSRF_Token=csrf
     )
     assert status == 303 and 'mtask_session=""' in headers["set-cookie"]
+
+
+def test_the_signal_form_refuses_bad_input_and_sends_nothing(
+    server: Server, client: TaskClient
+) -> None:
+    """The task page's signal form (``POST /ui/signal``), signed in with its CSRF token: a
+    payload that is not JSON or nested too deeply, a bad name, an unknown or a finished task
+    each come back to the page with the problem named, and nothing is written."""
+    session, csrf = sign_in(server)
+    client.publish("anything", "open-task")
+    client.publish("anything", "done-task")
+    client.cancel("done-task")
+
+    def send(target: str, name: str, payload: str) -> str:
+        form = {"csrf": csrf, "target": target, "name": name, "payload": payload, "next": "/"}
+        status, headers, _ = server.request(
+            "POST",
+            "/ui/signal",
+            urllib.parse.urlencode(form).encode(),
+            Cookie=f"mtask_session={session}",
+            Origin=server.origin,
+            Content_Type="application/x-www-form-urlencoded",
+        )
+        assert status == 303, status
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(headers["location"]).query)
+        return (query.get("problem") or query.get("flash") or [""])[0]
+
+    assert send("open-task", "go", "{oops").startswith("signal not sent: the payload is not JSON")
+    deep = send("open-task", "go", "[" * 200_000 + "]" * 200_000)
+    assert deep == "signal not sent: the payload is not JSON (nested too deeply)"
+    assert send("open-task", "", "1").startswith("signal not sent: ")
+    assert send("no-such-task", "go", "1").startswith("signal not sent: ")
+    assert send("done-task", "go", "1").startswith("signal not sent: ")
+    for key in ("open-task", "done-task"):
+        doc = client.collection.find_one({"_id": key})
+        assert doc is not None and not doc.get("signals"), doc
+    ok = send("open-task", "go", '{"n": 1}')
+    assert ok == "signal 'go' sent to open-task: kept for the task's next wait for it"
+    doc = client.collection.find_one({"_id": "open-task"})
+    assert doc is not None and [(g["name"], g["payload"]) for g in doc["signals"]] == [
+        ("go", {"n": 1})
+    ]
 
 
 def test_login_csrf_is_refused(server: Server) -> None:
@@ -430,15 +473,16 @@ def test_crafted_bodies_are_answered_with_4xx(full_server: Server, client: TaskC
             assert b"nested deeper than 80" in answer
     session, _ = sign_in(server)
     for label, body in hostile_forms(LIMIT).items():  # a session's form without its CSRF token
-        status, _, answer = server.request(
-            "POST",
-            "/ui/act",
-            body,
-            Cookie=f"mtask_session={session}",
-            Origin=server.origin,
-            Content_Type="application/x-www-form-urlencoded",
-        )
-        assert status == 403, (label, status, answer[:200])
+        for path in ("/ui/act", "/ui/signal"):
+            status, _, answer = server.request(
+                "POST",
+                path,
+                body,
+                Cookie=f"mtask_session={session}",
+                Origin=server.origin,
+                Content_Type="application/x-www-form-urlencoded",
+            )
+            assert status == 403, (label, path, status, answer[:200])
     assert client.list() == []
 
 
