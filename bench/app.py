@@ -6,9 +6,10 @@ import asyncio
 import time
 from typing import Any
 
-from bench import output, steps, txn
+from bench import features_off, output, steps, txn
 from mtask.registry import Registry, TaskContext
 
+features_off.apply()  # bench WB's worker-side variants (MTASK_BENCH_OFF); none by default
 registry = Registry()
 txn.register(registry)
 output.register(registry)

@@ -14,7 +14,10 @@ profiler costs CPU of its own), and the bytes of a finished task document (``$bs
 
 Each shape runs ``as shipped`` and once per feature turned off (``VARIANTS``): the tasks
 collection's listing, operator and flow indexes, each group dropped once the worker has made
-them. A share is what turning the feature off saved, as a part of the shipped figure.
+them; the worker's metrics, its lease timer per run and its claim's client-side time limit,
+turned off in the bench's worker process (``bench.features_off``: the product has no switch for
+them); and retention (tasks published to be kept for ever). A share is what turning the feature
+off saved, as a part of the shipped figure.
 
 The figures are printed beside the committed baseline (``bench/budget.json``, the same size on
 this machine) with the lines that grew; nothing here is judged (CI runs on a shared machine).
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from pymongo import MongoClient
 
+from bench import features_off
 from bench.support import ROOT, Result, spawn_worker, stop_process, wait_for_worker, wait_until
 from mtask.client import TaskClient
 
@@ -40,13 +44,31 @@ if TYPE_CHECKING:
 
 BASELINE = ROOT / "bench" / "budget.json"
 KINDS = ("insert", "query", "update", "delete", "getmore", "command")
-VARIANTS: dict[str, tuple[str, ...]] = {
-    "as shipped": (),
-    # the tasks collection's indexes (store/schema.py) that no claim, run or outcome reads,
-    # dropped once the worker has made them: each group's share of the budget
-    "no listing indexes": ("newest", "status_newest", "name_status_newest"),
-    "no operator indexes": ("finished", "worker_runs", "error_text"),
-    "no flow indexes": ("parent", "waiting_on", "outbox", "expire_held"),
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What one variant turns off: indexes of the tasks collection dropped once the worker has
+    made them, features of the worker's process (``bench.features_off``), options each task is
+    published with."""
+
+    drop: tuple[str, ...] = ()
+    off: tuple[str, ...] = ()
+    options: Mapping[str, Any] | None = None
+
+
+VARIANTS: dict[str, Variant] = {
+    "as shipped": Variant(),
+    # the tasks collection's indexes (store/schema.py) that no claim, run or outcome reads:
+    # each group's share of the budget
+    "no listing indexes": Variant(drop=("newest", "status_newest", "name_status_newest")),
+    "no operator indexes": Variant(drop=("finished", "worker_runs", "error_text")),
+    "no flow indexes": Variant(drop=("parent", "waiting_on", "outbox", "expire_held")),
+    # what the run path does per task that a plain worker could be asked to do without
+    "no metrics": Variant(off=("metrics",)),
+    "no lease timer": Variant(off=("lease timer",)),
+    "no claim timeout": Variant(off=("claim timeout",)),
+    "no retention": Variant(options={"keep_succeeded_ms": -1}),  # kept for ever: no expire_at
 }
 SHAPES = ("drain", "trickle")
 METRICS = (
@@ -137,12 +159,15 @@ def _drop_indexes(
             mongo[database]["tasks"].drop_index(name)
 
 
-def _publish(client: TaskClient, shape: str, n: int) -> None:
+def _publish(
+    client: TaskClient, shape: str, n: int, options: Mapping[str, Any] | None = None
+) -> None:
+    given = {} if options is None else {"options": dict(options)}
     if shape == "drain":
-        client.publish_many({"name": "noop", "key": f"b{i}"} for i in range(n))
+        client.publish_many({"name": "noop", "key": f"b{i}", **given} for i in range(n))
         return
     for i in range(n):
-        client.publish("noop", f"b{i}")
+        client.publish("noop", f"b{i}", options=options)
         time.sleep(0.01)
 
 
@@ -187,16 +212,19 @@ def _one(
     database = f"wb_{shape}_{variant.replace(' ', '_')}_{'p' if profile else 'c'}"
     mongo: MongoClient[dict[str, Any]] = MongoClient(uri, appname="mtask-bench")
     concurrency = "64" if shape == "drain" else "16"
-    proc = spawn_worker(uri, database, "--concurrency", concurrency)
+    what = VARIANTS[variant]
+    proc = spawn_worker(
+        uri, database, "--concurrency", concurrency, env={features_off.ENV: ",".join(what.off)}
+    )
     try:
         with TaskClient(uri, database=database) as client:
             wait_for_worker(client, proc)
-            _drop_indexes(mongo, database, VARIANTS[variant])
+            _drop_indexes(mongo, database, what.drop)
             probe = Probe(mongo, database)
             if profile:
                 _profile_on(mongo, database)
             w0, m0, o0 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid), _counters(mongo)
-            _publish(client, shape, n)
+            _publish(client, shape, n, what.options)
             wait_until(probe.drained, 600)
             w1, m1, o1 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid), _counters(mongo)
             done = mongo[database]["tasks"].count_documents({"status": "succeeded"})
@@ -255,6 +283,7 @@ def _shares(figures: Mapping[str, Mapping[str, float]]) -> Iterator[str]:
 
 
 SHOWN = 15
+PER_TABLE = 4
 
 
 def _fmt(value: float) -> str:
@@ -264,26 +293,28 @@ def _fmt(value: float) -> str:
 def _print(
     bench: Bench, figures: Mapping[str, Mapping[str, float]], baseline: dict[str, float]
 ) -> None:
-    """A table per shape: a metric a row, a variant a column, each cell the figure now and the
+    """Tables per shape: a metric a row, a variant a column (the shipped one first, then
+    ``PER_TABLE`` variants, so that a table fits 80 columns), each cell the figure now and the
     baseline's (``now / baseline``)."""
     from rich.table import Table
 
+    others = list(VARIANTS)[1:]
     for shape in SHAPES:
-        off = [v.removeprefix("no ").removesuffix(" indexes") for v in list(VARIANTS)[1:]]
-        table = Table(
-            "per task",
-            "shipped",
-            *(f"-{v}" for v in off),
-            title=f"WB {shape}: now / baseline (-x: without the x indexes)",
-        )
-        for metric in METRICS:
-            cells = []
-            for variant in VARIANTS:
-                case = f"{shape}, {variant}"
-                value, before = figures[case][metric], baseline.get(f"{case}: {metric}")
-                cells.append(_fmt(value) + ("" if before is None else f" / {_fmt(before)}"))
-            table.add_row(metric, *cells)
-        bench.console.print(table)
+        for start in range(0, len(others), PER_TABLE):
+            shown = ["as shipped", *others[start : start + PER_TABLE]]
+            table = Table(
+                "per task",
+                *(v.removeprefix("no ").removesuffix(" indexes") for v in shown),
+                title=f"WB {shape}: now / baseline, as shipped and without each feature",
+            )
+            for metric in METRICS:
+                cells = []
+                for variant in shown:
+                    case = f"{shape}, {variant}"
+                    value, before = figures[case][metric], baseline.get(f"{case}: {metric}")
+                    cells.append(_fmt(value) + ("" if before is None else f" / {_fmt(before)}"))
+                table.add_row(metric, *cells)
+            bench.console.print(table)
     named = grew(lines(figures), baseline)
     if named:
         bench.console.print(f"[yellow]{len(named)} line(s) grew against bench/budget.json:[/]")

@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,12 +51,17 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def spawn_worker(uri: str, database: str, *extra: str) -> subprocess.Popen[bytes]:
+def spawn_worker(
+    uri: str, database: str, *extra: str, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """A worker process of ``bench.app``; ``env``: more environment for it (e.g. WB's
+    ``MTASK_BENCH_OFF``)."""
     return subprocess.Popen(
         worker_argv("bench.app:registry", uri, database, *extra),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         cwd=ROOT,
+        env=None if env is None else {**os.environ, **env},
     )
 
 

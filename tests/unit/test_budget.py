@@ -4,11 +4,16 @@ baseline's shape (issue 26)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench import budget
+from bench import budget, features_off
+from bench.support import ROOT
+from mtask.store.claims import CLAIM_TIMEOUT_S
 
 
 def test_lines_flatten_each_case() -> None:
@@ -56,3 +61,49 @@ def test_the_committed_baseline_has_every_line_the_bench_measures() -> None:
     assert set(stored) == {"quick", "full"}
     for size in stored.values():
         assert set(size) == expected
+
+
+CHECK_OFF = """
+import datetime as dt
+from bench import features_off
+from mtask import metrics, store
+from mtask.worker.executor import Executor
+
+print(sorted(features_off.apply()))
+print(next(store.claim(["k"], ["n"], "w", dt.datetime(2026, 1, 1), {"k": 1000})).timeout)
+print(type(metrics.by_name(metrics.CLAIMED, "n")).__name__, type(metrics.IN_FLIGHT).__name__)
+print(Executor.watch_deadline.__module__)
+"""
+
+
+def _off(features: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", CHECK_OFF],
+        env={**os.environ, features_off.ENV: features},
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+
+
+def test_the_bench_turns_off_only_what_it_is_told_in_its_own_process() -> None:
+    """Each WB worker-side variant turns its feature off in the process that asks
+    (``MTASK_BENCH_OFF``), and nothing else; an unknown name stops the worker."""
+    off = _off("metrics, lease timer, claim timeout")
+    assert off.stdout.splitlines() == [
+        "['claim timeout', 'lease timer', 'metrics']",
+        "None",
+        "_Nothing _Nothing",
+        "bench.features_off",
+    ], off.stderr
+    shipped = _off("")
+    assert shipped.stdout.splitlines() == [
+        "[]",
+        str(CLAIM_TIMEOUT_S),
+        "Counter Gauge",
+        "mtask.worker.executor",
+    ], shipped.stderr
+    typo = _off("metric")
+    assert typo.returncode != 0
+    assert "unknown feature(s) ['metric']" in typo.stderr
