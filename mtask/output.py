@@ -94,6 +94,8 @@ class RunOutput:
         self._progress: dict[str, Any] | None = None
         self._entries: list[dict[str, Any]] = []
         self._counts = {"logs": 0, "chunks": 0, "logs_dropped": 0, "chunks_dropped": 0}
+        self._lines = 0
+        """The handler's lines kept (``logs`` counts the markers too)."""
         self._counts_changed = False
         self._chunk_bytes = 0
         self._pending = False
@@ -125,9 +127,11 @@ class RunOutput:
 
         def put() -> None:
             cap = self.limits.max_log_lines
-            if self._counts["logs"] < cap:
+            if self._lines < cap:  # the handler's lines: the chunks' marker is not one
+                self._lines += 1
                 self._add(entry, "logs")
-            elif self._counts["logs"] == cap:
+                return
+            if self._counts["logs_dropped"] == 0:
                 marker = {
                     "kind": "log",
                     "level": "warning",
@@ -136,9 +140,7 @@ class RunOutput:
                     "fields": {"truncated": True},
                 }
                 self._add(marker, "logs")
-                self._drop("logs_dropped")
-            else:
-                self._drop("logs_dropped")
+            self._drop("logs_dropped")
 
         self._put(put)
 
@@ -207,7 +209,7 @@ class RunOutput:
             self._entries.clear()
             self._progress = None
             self._counts = dict.fromkeys(self._counts, 0)
-            self._chunk_bytes, self._counts_changed, self._pending = 0, False, False
+            self._chunk_bytes, self._lines, self._counts_changed, self._pending = 0, 0, False, False
 
     def close(self) -> None:
         with self._lock:
