@@ -107,10 +107,13 @@ class Claimer:
 
     def capacity(self) -> int:
         """How many more tasks this worker can take now (``--stream shared``: its credit):
-        its slots less its runs, its claims on their way and the due keys in its queue."""
-        if self.lifecycle.state != "running" or self.recorder.unwritten > self.concurrency:
+        its slots less its runs, its claims on their way, the outcomes not yet written and the
+        due keys in its queue. (A written success gives its slot back to the relay by its
+        event, and the relay counts it: ``finding.shared.credit``.)"""
+        if self.lifecycle.state != "running":
             return 0
-        return self.concurrency - self.inflight.load - self.queue.due(self.clock.now())
+        busy = self.inflight.load + self.recorder.unwritten + self.queue.due(self.clock.now())
+        return self.concurrency - busy
 
     async def run_once(self) -> tuple[bool, float | None]:
         """Claim once if a slot is free and a key due. Returns whether it claimed, and how

@@ -1,5 +1,6 @@
 """The host's dispatcher without MongoDB: credit, one subscriber a key, names and
-``specific_worker_ids``, keys given back, and what the subscribers report."""
+``specific_worker_ids``, keys given back, what the subscribers report, and what the relay's
+stream shows of their claims and successes (their ``last_write`` tags)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,26 @@ def task(key: str, name: str = "n", **options: Any) -> dict[str, Any]:
     return {"_id": key, "name": name, "status": "pending", "next_claim_at": NOW, "options": options}
 
 
+def change(key: str, claim_at: dt.datetime | None, tag: str | None = None) -> dict[str, Any]:
+    """An update's event as the relay's stream projects it (``stream_pipeline``)."""
+    fields: dict[str, Any] = {"next_claim_at": claim_at}
+    if tag is not None:
+        fields["last_write"] = tag
+    return {
+        "operationType": "update",
+        "documentKey": {"_id": key},
+        "updateDescription": {"updatedFields": fields},
+    }
+
+
+def claimed(key: str, worker: str, lease: dt.datetime) -> dict[str, Any]:
+    return change(key, lease, f"claim:{worker}")
+
+
+def succeeded(key: str, worker: str, claim_at: dt.datetime | None = None) -> dict[str, Any]:
+    return change(key, claim_at, f"success:{worker}")
+
+
 def test_each_due_key_goes_to_one_subscriber_with_credit_in_turn() -> None:
     d, _ = build()
     a, b = Channel(), Channel()
@@ -57,7 +78,7 @@ def test_each_due_key_goes_to_one_subscriber_with_credit_in_turn() -> None:
     assert len(a.handed) == 2 and len(b.handed) == 1  # round robin, within each one's credit
     assert set(d.awaiting) == {"k0", "k1", "k2"} and len(d.host.queue) == 2
     assert d.hand_out(NOW) == 0  # no credit left: the rest waits in the host queue
-    d.report(a, free=1, got=2)  # a took its two; one slot free
+    d.report(a, free=1, got=2, done=0)  # a took its two; one slot free
     assert d.hand_out(NOW) == 1 and a.keys()[-1] in ("k3", "k4")
     assert a.handed[0][1:] == ["n", 0, None]  # name, priority, worker_timeout_ms
 
@@ -69,10 +90,35 @@ def test_credit_counts_what_is_on_its_way() -> None:
     for i in range(4):
         d.host.place(task(f"k{i}"))
     d.hand_out(NOW)
-    d.report(a, free=2, got=0)  # said before it got the two: they still count
+    d.report(a, free=2, got=0, done=0)  # said before it got the two: they still count
     assert account(d, a).credit == 0 and d.hand_out(NOW) == 0
-    d.report(a, free=2, got=2)  # got them, and has two more slots
+    d.report(a, free=2, got=2, done=0)  # got them, and has two more slots
     assert d.hand_out(NOW) == 2
+
+
+def test_a_subscribers_successes_in_the_stream_give_its_slots_back() -> None:
+    d, _ = build()
+    a = Channel()
+    d.add(a, "a", ["n"], 2)
+    for i in range(6):
+        d.host.place(task(f"k{i}"))
+    assert d.hand_out(NOW) == 2 and account(d, a).credit == 0
+    lease = NOW + dt.timedelta(seconds=30)
+    for key in list(a.keys()):
+        d.on_change(claimed(key, "a", lease))
+    assert account(d, a).credit == 0 and d.hand_out(NOW) == 0  # a claim changes no credit
+    d.on_change(succeeded("k0", "a"))
+    assert account(d, a).credit == 1 and d.hand_out(NOW) == 1  # nothing said: a slot back
+    d.on_change(succeeded("k1", "b-elsewhere"))  # not a subscriber's: nobody's credit
+    assert account(d, a).credit == 0
+    # a report counts the successes it says it had recorded (done): one whose event came
+    # before it is not counted twice, nor is one whose event comes after it
+    d.on_change(succeeded("k1", "a"))  # the stream showed it: +1
+    d.report(a, free=2, got=3, done=2)  # counted it too (and k0): no double count
+    assert account(d, a).credit == 2 - (3 - 3) + 0
+    d.report(a, free=1, got=3, done=3)  # counted a success whose event has not come yet
+    d.on_change(succeeded("k2", "a"))  # ... here it is: already in `free`
+    assert account(d, a).credit == 1
 
 
 def test_names_and_specific_workers_decide_who_may_take_a_key() -> None:
@@ -96,7 +142,7 @@ def test_a_key_nobody_with_credit_may_take_stays_queued() -> None:
     d.host.place(task("for-b", "m"))
     assert d.hand_out(NOW) == 0 and "for-b" in d.host.queue
     assert d.run_once() is None  # stuck: no busy loop, waits for a change
-    d.report(b, free=1, got=0)
+    d.report(b, free=1, got=0, done=0)
     assert d.hand_out(NOW) == 1 and b.keys() == ["for-b"]
 
 
@@ -124,14 +170,13 @@ def test_what_a_subscriber_claimed_waits_for_its_lease_and_what_it_finished_goes
         d.host.place(task(key))
     d.hand_out(NOW)
     lease = NOW + dt.timedelta(seconds=30)
-    d.claimed("run", lease)
+    d.on_change(claimed("run", "a", lease))  # its claim, in the stream
     assert "run" not in d.awaiting and d.host.queue.entries["run"].claim_at == lease
-    d.succeeded("done")
+    d.on_change(claimed("done", "a", lease))
+    d.on_change(succeeded("done", "a"))
     d.held("held")
     assert not d.awaiting and set(d.host.queue.entries) == {"run"}
-    d.on_event("run")  # an event for a key not awaited: nothing to do
-    assert d.hand_out(lease) == 0  # no credit reported back yet
-    d.report(a, free=1, got=3)
+    assert d.host.known("done") is None and d.heard == {"claim": 2, "success": 1}
     assert d.hand_out(lease) == 1 and a.keys()[-1] == "run"  # its lease ran out: hand it on
 
 
@@ -141,8 +186,8 @@ def test_an_event_for_a_handed_key_ends_the_wait() -> None:
     d.add(a, "a", ["n"], 1)
     d.host.place(task("k"))
     d.hand_out(NOW)
-    d.on_event("k")  # e.g. another host claimed it: the stream says so
-    assert not d.awaiting
+    d.on_change(claimed("k", "elsewhere", NOW + dt.timedelta(seconds=30)))  # another's claim
+    assert not d.awaiting and account(d, a).credit == 0  # a's credit comes back when it says
 
 
 def test_new_names_or_workers_make_the_host_queue_scan_again() -> None:
@@ -171,8 +216,20 @@ def test_a_subscriber_that_leaves_handed_keys_unacknowledged_is_silent() -> None
     assert handed_at is not None and account(d, idle).unacked_since is None
     later = handed_at + credit.SILENT_SUBSCRIBER + 1
     assert d.accounts.silent(later) == [a]  # an idle subscriber is asked nothing
-    d.report(a, free=1, got=1)  # it acknowledged: alive
+    d.report(a, free=1, got=1, done=0)  # it acknowledged: alive
     assert d.accounts.silent(later) == []
+    lease = NOW + dt.timedelta(seconds=30)
+    d.on_change(claimed("k", "a", lease))
+    d.host.place(task("k2"))
+    d.host.place(task("k3"))
+    d.report(a, free=2, got=1, done=0)
+    d.hand_out(NOW)
+    assert account(d, a).unacked_since is not None
+    d.on_change(claimed("k2", "a", lease))  # heard through the stream; k3 still on its way
+    restarted = account(d, a).unacked_since
+    assert restarted is not None and restarted >= handed_at
+    d.on_change(claimed("k3", "a", lease))  # nothing left on its way
+    assert account(d, a).unacked_since is None and d.accounts.silent(later) == []
 
 
 def test_a_missed_claim_hands_the_key_to_another_subscriber_not_back() -> None:
@@ -190,7 +247,7 @@ def test_a_missed_claim_hands_the_key_to_another_subscriber_not_back() -> None:
     d.host.place(task("due"))
     assert d.hand_out(NOW) == 1 and "k" not in d.awaiting
     assert d.host.queue.entries["k"].claim_at > NOW
-    d.on_event("k")  # its document changed: anyone may try it again
+    d.on_change(change("k", NOW))  # its document changed: anyone may try it again
     assert "k" not in d.refused.by_key
 
 
@@ -202,13 +259,14 @@ def test_a_task_of_concurrency_two_goes_to_a_second_subscriber() -> None:
     d.host.place(task("k", concurrency=2))
     d.hand_out(NOW)
     first, other = (a, b) if a.keys() else (b, a)
-    d.claimed("k", NOW, first)  # one slot left, claimable now: for the other one
+    by = account(d, first).worker_id
+    d.on_change(claimed("k", by, NOW))  # one slot left, claimable now: for the other one
     d.hand_out(NOW)
     assert other.keys() == ["k"] and first.keys() == ["k"]
-    d.succeeded("k", first)  # it may be open still (no event says): read it again
+    d.on_change(succeeded("k", by, NOW))  # still open, as its event says: not back to `first`
     meta = d.host.known("k")
-    assert "k" in d.host.scanner.unknown and meta is not None and meta.multi
-    assert d.awaiting["k"][0].channel is other  # still on its way to the other one
+    assert meta is not None and meta.multi and "k" in d.host.queue
+    assert d.awaiting == {}  # the event ended the wait of the other one too: its claim decides
     d.missed("k", other)  # (say the other could not claim it after all)
     assert "k" in d.host.queue and d.hand_out(NOW) == 0  # both ran or run it: it waits
     assert d.host.queue.entries["k"].claim_at > NOW
@@ -216,7 +274,7 @@ def test_a_task_of_concurrency_two_goes_to_a_second_subscriber() -> None:
     assert d.host.known("k") is None and "k" not in d.refused.by_key
     d.host.place(task("one"))
     d.hand_out(NOW)
-    d.succeeded("one", first)  # concurrency 1: finished
+    d.on_change(succeeded("one", by))  # concurrency 1: finished
     assert d.host.known("one") is None
 
 

@@ -25,20 +25,21 @@ from mtask.worker.finding.stream import stream_pipeline
 WHEN = dt.datetime(2026, 11, 23, 12, 0, tzinfo=dt.UTC)
 
 
-def test_the_relays_pipeline_leaves_out_the_claims_and_successes_of_its_subscribers() -> None:
-    one, host = stream_pipeline("tasks", "w1"), stream_pipeline("tasks", ("w1", "w2"))
+def test_the_relays_pipeline_leaves_out_only_its_own_workers_writes_while_it_is_alone() -> None:
+    one = stream_pipeline("tasks", "w1")
     tag = f"updateDescription.updatedFields.{store.LAST_WRITE}"
     assert one[0]["$match"]["$or"][0]["$or"][1][tag] == {
         "$nin": [store.claim_tag("w1"), store.success_tag("w1")]
     }
-    assert host[0]["$match"]["$or"][0]["$or"][1][tag]["$nin"] == [
-        store.claim_tag(w) if i % 2 == 0 else store.success_tag(w)
-        for w in ("w1", "w2")
-        for i in range(2)
-    ]
     nobody = stream_pipeline("tasks", ())
     assert tag not in nobody[0]["$match"]["$or"][0]["$or"][1]  # every write's event
-    assert one[0]["$match"]["$or"][1] == host[0]["$match"]["$or"][1]  # controls etc. alike
+    assert nobody[1]["$project"][tag] == 1  # whose claim or success it is
+    assert one[0]["$match"]["$or"][1] == nobody[0]["$match"]["$or"][1]  # controls etc. alike
+    relay = relay_with()
+    relay.attach("me", ["n"], 1)
+    assert relay._pipeline() == stream_pipeline("tasks", "me")  # its own worker alone
+    hello(relay, "w2", "w2/1")
+    assert relay._pipeline() == nobody  # handing out: every subscriber's claims and successes
 
 
 class FakeInbox:
@@ -89,23 +90,25 @@ EVENT = {"x": "y"}
 async def test_subscribers_on_other_hosts_say_hello_and_get_frames_in_their_inboxes() -> None:
     relay = relay_with()
     relay.loop = asyncio.get_running_loop()
-    relay.position.streaming = True  # its stream is open: a new subscriber's tags reopen it
-    hello(relay, "a", "a/1")
+    relay.position.streaming = True  # its stream is open
+    relay.attach("me", ["n"], 1)  # its own worker, alone: its writes are left out
+    relay.excluded = ("me",)
+    hello(relay, "a", "a/1")  # no longer alone: the stream reopens without a filter on tags
     hello(relay, "b", "b/1", hello=PROTOCOL + 1)  # another protocol: refused
     hello(relay, "c", "c/1", inbox="elsewhere")  # not an inbox of these tasks: refused
-    assert list(relay.subscribers.values()) == ["a"] and relay.position.switching
+    assert list(relay.subscribers.values()) == ["me", "a"] and relay.position.switching
     [inbox] = relay.inboxes.values()
     relay.broadcast(EVENT)
     relay.broadcast(EVENT)
     await asyncio.sleep(0.01)  # one insert_many for what was sent in one turn
     database = relay.database
     assert database[mailbox.inbox_name("tasks", "a/1")].batches == [[{"f": EVENT}] * 2]
-    relay._on_report({"to": relay.id, "from": "a/1", "f": {"free": 3, "got": 0}})
+    relay._on_report({"to": relay.id, "from": "a/1", "f": {"free": 3, "got": 0, "done": 0}})
     found = relay.dispatcher.accounts.get(inbox)
     assert found is not None and found.free == 3
     relay._on_report({"to": relay.id, "from": "x/9", "f": {"free": 3}})  # unknown: ignored
     relay._on_report({"to": relay.id, "from": "a/1", "f": {"bye": True}})
-    assert not relay.subscribers and not len(relay.dispatcher.accounts)
+    assert list(relay.subscribers.values()) == ["me"] and len(relay.dispatcher.accounts) == 1
     await asyncio.sleep(0.01)
     assert database.dropped == [mailbox.inbox_name("tasks", "a/1")]  # the relay drops it
 
@@ -155,14 +158,16 @@ def test_what_a_subscriber_reports_reaches_the_dispatcher() -> None:
     for key in ("k1", "k2"):
         dispatcher.host.place({"_id": key, "name": "n", "status": "pending",
                                "next_claim_at": WHEN, "options": {}})  # fmt: skip
-    apply_report(dispatcher, local, {"free": 5, "got": 0, "names": ["n", "m"]})
+    apply_report(dispatcher, local, {"free": 5, "got": 0, "done": 0, "names": ["n", "m"]})
     found = dispatcher.accounts.get(local)
     assert found is not None and found.credit == 5 and dispatcher.host.scope.names == ["m", "n"]
     assert dispatcher.hand_out(WHEN) == 2 and local.items[-1] == {
         "d": [["k1", "n", 0, None], ["k2", "n", 0, None]]
     }
-    apply_report(dispatcher, local, {"claimed": [["k1", WHEN]], "done": ["k2"]})
+    apply_report(dispatcher, local, {"missed": ["k1"], "gone": ["k2"]})
     assert not dispatcher.awaiting and set(dispatcher.host.queue.entries) == {"k1"}
+    with pytest.raises(ValueError, match="'done' is not a count"):
+        apply_report(dispatcher, local, {"free": 1, "got": 2})  # an earlier protocol's
 
 
 async def test_the_writer_keeps_order_batches_per_turn_and_fails_once() -> None:
@@ -190,17 +195,56 @@ async def test_the_keys_received_count_for_the_whole_subscription() -> None:
     sent: list[dict[str, Any]] = []
     reporter = Reporter(lambda: 4, lambda: ["n"])
     reporter.connect(sent.append, ["n"])
-    reporter.claimed("k0", WHEN)  # not active: not the relay's business
+    reporter.held("k0")  # not active: not the relay's business
     reporter.resume()
-    reporter.received(3)
+    reporter.received(["k1", "k2", "k3"])
     await asyncio.sleep(0)
     reporter.pause()
     reporter.resume()
     reporter.missed("k1")
     await asyncio.sleep(0)
-    assert sent == [{"free": 4, "got": 3}, {"free": 4, "got": 3, "missed": ["k1"]}]
+    assert sent == [
+        {"free": 4, "got": 3, "done": 0},
+        {"free": 4, "got": 3, "done": 0, "missed": ["k1"]},
+    ]
     reporter.connect(sent.append, ["n"])  # a new subscription counts afresh
     assert reporter.got == 0 and not reporter.active
+
+
+async def test_a_subscriber_whose_work_goes_well_says_nothing() -> None:
+    """Claims and successes show in the relay's stream: the credit they change is not said;
+    a slot freed by anything else is, and so are keys that wait unclaimed at a look."""
+    sent: list[dict[str, Any]] = []
+    slots = {"free": 2}
+    reporter = Reporter(lambda: slots["free"], lambda: ["n"])
+    reporter.connect(sent.append, ["n"])
+    reporter.resume()
+    await asyncio.sleep(0)
+    assert sent == [{"free": 2, "got": 0, "done": 0}]
+    reporter.received(["a", "b"])  # queued: two slots taken
+    slots["free"] = 0
+    reporter.claimed("a", WHEN)
+    reporter.claimed("b", WHEN)
+    reporter.check()  # their claims came back
+    slots["free"] = 1  # a's run ended; its outcome on its way still counts as busy ...
+    slots["free"] = 1
+    reporter.succeeded("a")  # ... until its success is written: the relay counts that
+    reporter.check()
+    reporter.look()
+    await asyncio.sleep(0)
+    assert len(sent) == 1  # nothing said
+    slots["free"] = 2  # b failed (or was released): no event gives the slot back
+    reporter.check()
+    await asyncio.sleep(0)
+    assert sent[-1] == {"free": 2, "got": 2, "done": 1}
+    reporter.received(["c"])  # handed, not claimed by the next look: acknowledged then
+    slots["free"] = 1
+    reporter.look()
+    await asyncio.sleep(0)
+    assert sent[-1] == {"free": 1, "got": 3, "done": 1}
+    reporter.look()
+    await asyncio.sleep(0)
+    assert len(sent) == 3  # said once
 
 
 async def test_a_workers_new_hello_ends_its_earlier_subscription() -> None:

@@ -94,7 +94,7 @@ def build(
         own = OwnStream(tasks.database, tasks.name, worker_id, finder)
         return Finding(finder, finder, (own, Sweep.of(finder.scanner)), None)
     shared = SharedStream(driver, clock, worker_id, finder, capacity, queue_size=queue.max_size)
-    freed.connect(shared.report_soon)  # a slot freed: the relay may hand this worker more
+    freed.connect(shared.slot_freed)  # a slot freed: the relay may hand this worker more
     return Finding(finder, ReportingSink(finder, shared.reports), (shared,), shared)
 
 

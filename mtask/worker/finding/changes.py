@@ -47,14 +47,17 @@ def _apply(scanner: Scanner, change: Mapping[str, Any]) -> None:
         if change.get("operationType") != "delete":
             scanner.malformed.add(raw)
         return
-    scanner.touch(key)
     doc = change.get("fullDocument")
+    fields = (change.get("updateDescription") or {}).get("updatedFields") or {}
+    if doc is None and change.get("operationType") == "update" and "next_claim_at" not in fields:
+        return  # another worker's claim or success that left its place as it was
+    scanner.touch(key)
     if doc is not None:
         scanner.place_safely(doc)
     elif change.get("operationType") != "update":
         placement.forget(key)  # a delete (a replace carries its document)
     else:
-        claim_at = change.get("updateDescription", {}).get("updatedFields", {}).get("next_claim_at")
+        claim_at = fields["next_claim_at"]
         if key in placement.meta:
             placement.move(key, claim_at)
         elif claim_at is None:

@@ -26,13 +26,19 @@ OTHER_COLLECTIONS = ("controls", "limits", "schedules")
 
 
 def stream_pipeline(tasks: str, excluded: str | Sequence[str]) -> list[dict[str, Any]]:
-    """The change stream of a worker (``excluded``: its id) or of the relay (the ids of its
-    subscribers): task inserts, deletes and changes of ``next_claim_at``, except the claims
+    """The change stream of a worker (``excluded``: its id) or of the relay (its own worker's
+    id while that is alone, else none): task inserts, deletes and changes of ``next_claim_at``
+    (with the ``last_write`` tag that says whose claim or success it is), except the claims
     and successes of the ``excluded`` workers (they know what they wrote), and the controls,
     limits and schedules."""
     changed: dict[str, Any] = {
         "operationType": "update",
-        "updateDescription.updatedFields.next_claim_at": {"$exists": True},
+        "$or": [
+            {"updateDescription.updatedFields.next_claim_at": {"$exists": True}},
+            # a claim or success that leaves next_claim_at as it was (a task of concurrency
+            # > 1 with a slot left): the relay still hears whose it was
+            {f"updateDescription.updatedFields.{store.LAST_WRITE}": {"$exists": True}},
+        ],
     }
     ids = [excluded] if isinstance(excluded, str) else list(excluded)
     if ids:
@@ -49,6 +55,7 @@ def stream_pipeline(tasks: str, excluded: str | Sequence[str]) -> list[dict[str,
         "documentKey": 1,
         "ns": 1,
         "updateDescription.updatedFields.next_claim_at": 1,
+        f"updateDescription.updatedFields.{store.LAST_WRITE}": 1,  # whose claim or success
         **{f"fullDocument.{f}": 1 for f in ("_id", *store.PLACEMENT_FIELDS)},
     }
     others = {"ns.coll": {"$in": list(OTHER_COLLECTIONS)}}

@@ -1,11 +1,19 @@
 """The relay's books on its subscribers: their credit, and who may not take a key now.
 
 - **Credit.** A subscriber says how many more tasks it can take (``free``: its slots less its
-  runs, claims on their way and keys waiting in its queue) and how many handed-over keys it has
-  received (``got``). Its credit is ``free - (sent - got)``: what the relay may still send it.
-- **Acknowledgement.** A live subscriber says ``got`` as soon as a frame arrives; one that
-  leaves keys unacknowledged for ``SILENT_SUBSCRIBER`` seconds is dead, frozen or cut off, and
-  the relay lets it go. An idle subscriber is asked nothing and costs nothing.
+  runs, claims on their way, outcomes on their way and keys waiting in its queue), how many
+  handed-over keys it has received (``got``) and how many successes it has recorded (``done``)
+  when it says so. Between two reports the relay counts the subscriber's successes itself, from
+  their events in its stream (``seen``: the ``success:<worker id>`` tag): each gives a slot
+  back. Its credit is ``free - (sent - got) + max(0, seen - done)``: what the relay may still
+  send it. A success whose event comes after the report that counted it is not counted twice,
+  nor one counted by the relay before a report that had not; so a subscriber whose work goes
+  well says nothing at all, and one that fails, misses or holds a key says so.
+- **Acknowledgement.** A live subscriber is heard: its claims and successes in the relay's
+  stream, or a report; one that keeps handed keys waiting says ``got`` at its next look at the
+  relay's lease. One that leaves keys unacknowledged for ``SILENT_SUBSCRIBER`` seconds is dead,
+  frozen or cut off, and the relay lets it go. An idle subscriber is asked nothing and costs
+  nothing.
 - **Refusals.** A subscriber that cannot claim a key now (its claim missed, or it runs the key
   already: ``concurrency`` > 1) is not handed that key again for a sweep interval, or until an
   event for the key comes: the sweep bounds a mistake.
@@ -43,12 +51,16 @@ class Account:
     """Keys handed to it so far."""
     got: int = 0
     """Keys it had received when it last said ``free``."""
+    done: int = 0
+    """Successes it had recorded when it last said ``free``."""
+    seen: int = 0
+    """Its successes the relay's stream has shown so far."""
     unacked_since: float | None = None
-    """Since when (monotonic) keys sent to it wait for its ``got``."""
+    """Since when (monotonic) keys sent to it wait to be heard of."""
 
     @property
     def credit(self) -> int:
-        return self.free - (self.sent - self.got)
+        return self.free - (self.sent - self.got) + max(0, self.seen - self.done)
 
     def may_take(self, name: str, allowed: frozenset[str]) -> bool:
         return name in self.names and (not allowed or self.worker_id in allowed)
@@ -58,9 +70,15 @@ class Account:
             self.unacked_since = now_mono
         self.sent += count
 
-    def said(self, free: int, got: int, now_mono: float) -> None:
-        self.free, self.got = free, got
+    def said(self, free: int, got: int, done: int, now_mono: float) -> None:
+        self.free, self.got, self.done = free, got, done
         self.unacked_since = None if got >= self.sent else now_mono
+
+    def heard(self, waiting: bool, now_mono: float) -> None:
+        """Its claim or success came through the stream: alive (the clock starts again for
+        the keys it still has to claim, if any)."""
+        if self.unacked_since is not None:
+            self.unacked_since = now_mono if waiting else None
 
 
 class Refusals:
@@ -110,6 +128,8 @@ class Accounts:
     """The subscribers in the order the dispatcher turns through them."""
 
     by_channel: dict[Channel, Account] = field(default_factory=dict)
+    by_worker: dict[str, Account] = field(default_factory=dict)
+    """The same accounts by worker id (a worker subscribes once: its tags name it)."""
     turn: int = 0
 
     def __len__(self) -> int:
@@ -120,6 +140,16 @@ class Accounts:
 
     def get(self, channel: Channel | None) -> Account | None:
         return None if channel is None else self.by_channel.get(channel)
+
+    def add(self, account: Account) -> None:
+        self.by_channel[account.channel] = account
+        self.by_worker[account.worker_id] = account
+
+    def remove(self, channel: Channel) -> Account | None:
+        gone = self.by_channel.pop(channel, None)
+        if gone is not None and self.by_worker.get(gone.worker_id) is gone:
+            del self.by_worker[gone.worker_id]
+        return gone
 
     def credit(self) -> int:
         return sum(max(0, a.credit) for a in self.by_channel.values())

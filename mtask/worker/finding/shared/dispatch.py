@@ -6,18 +6,20 @@ sweep. The ``Dispatcher`` hands each due task to **one** subscriber with credit
 (``credit.py``), which claims it as before: the claim still decides, and the relay never
 writes to a task. So a task costs one claim attempt however many workers and hosts run.
 
-- **The relay knows what its subscribers wrote.** Its stream leaves out their claims and
-  successes (the ``last_write`` tag, as an own stream leaves out its worker's): a subscriber
-  tells the relay instead (``claimed`` with the lease's end, ``succeeded``), and ``held`` for a
-  key a cluster-wide limit keeps back (``finding.protocols.ClaimReports``).
+- **The relay reads what its subscribers wrote.** Its stream carries their claims and
+  successes, tagged with their worker ids (``last_write``): a claim places the task at its
+  lease's end (taken over should the claimer die), a success lets it go and gives the
+  subscriber's slot back (``credit``). A subscriber says only what no event shows: ``held``
+  for a key a cluster-wide limit keeps back, ``missed``, ``gone`` and its credit after
+  anything but a success (``finding.protocols.ClaimReports``).
 - **Events are hints; the claim decides; the sweep bounds a loss.** A key handed over waits for
   its claim (``awaiting``) until ``HAND_OVER_TIMEOUT``: then it goes back in the host queue. A
   subscriber that goes gives its awaited keys back at once. Any event for an awaited key ends
   the wait.
 - **A claim that misses is said.** The key goes back in the host queue for another subscriber,
   and is refused to that one for a while (``credit.Refusals``). A task of ``concurrency`` > 1
-  that one subscriber claimed stays in the host queue for the others; one it succeeded at is
-  read again (it may be open still); one found finished or deleted (``gone``) is let go.
+  that one subscriber claimed or succeeded at stays in the host queue, as its event places it,
+  for the others; one found finished or deleted (``gone``) is let go.
 - **Nobody races.** One relay holds the queue of every worker sharing the stream: it hands a
   task on at its claim time.
 """
@@ -32,6 +34,8 @@ from typing import Any
 
 from mtask import driver
 from mtask.clock import Clock
+from mtask.store.schema import LAST_WRITE
+from mtask.worker.finding.changes import event_key
 from mtask.worker.finding.shared.credit import Account, Accounts, Channel, Refusals
 from mtask.worker.finding.shared.host_queue import HostQueue
 
@@ -66,8 +70,12 @@ class Dispatcher:
         self.handed = 0
         self.returned = 0
         """Keys that went back in the host queue (no claim in time, or their worker went)."""
-        self.said = {"claimed": 0, "held": 0, "done": 0, "missed": 0, "gone": 0}
+        self.said = {"held": 0, "missed": 0, "gone": 0}
         """What the subscribers said of handed keys, by kind."""
+        self.heard = {"claim": 0, "success": 0}
+        """The subscribers' claims and successes the stream showed."""
+        self.reports = 0
+        """Credit the subscribers said (their hellos not counted)."""
 
     @classmethod
     def build(
@@ -89,11 +97,11 @@ class Dispatcher:
     # -- subscribers --------------------------------------------------------------------------
 
     def add(self, channel: Channel, worker_id: str, names: list[str], free: int) -> None:
-        self.accounts.by_channel[channel] = Account(channel, worker_id, frozenset(names), free)
+        self.accounts.add(Account(channel, worker_id, frozenset(names), free))
         self._refresh()
 
     def remove(self, channel: Channel) -> None:
-        gone = self.accounts.by_channel.pop(channel, None)
+        gone = self.accounts.remove(channel)
         if gone is None:
             return
         for key, (to, _) in list(self.awaiting.items()):
@@ -102,12 +110,16 @@ class Dispatcher:
         self.refused.drop_account(gone)
         self._refresh()
 
-    def report(self, channel: Channel, free: int, got: int, names: list[str] | None = None) -> None:
-        """A subscriber's ``free`` slots, having received ``got`` keys (and its names)."""
+    def report(
+        self, channel: Channel, free: int, got: int, done: int, names: list[str] | None = None
+    ) -> None:
+        """A subscriber's ``free`` slots, having received ``got`` keys and recorded ``done``
+        successes (and its names)."""
         account = self.accounts.get(channel)
         if account is None:
             return
-        account.said(free, got, time.monotonic())
+        self.reports += 1
+        account.said(free, got, done, time.monotonic())
         if names is not None and frozenset(names) != account.names:
             account.names = frozenset(names)
             self._refresh()
@@ -123,38 +135,11 @@ class Dispatcher:
 
     # -- what the subscribers (ClaimReports) and the stream say about keys --------------------
 
-    def claimed(self, key: str, claim_at: Any, by: Channel | None = None) -> None:
-        """A subscriber claimed ``key``: next claimable at ``claim_at`` (its lease's end, or now
-        while a task of ``concurrency`` > 1 has a free slot), when the host queue takes it over
-        should the claimer die."""
-        self.said["claimed"] += 1
-        self._end_wait(key, by)
-        if not isinstance(claim_at, dt.datetime):
-            self.forget(key)
-            return
-        meta = self.host.known(key)
-        if meta is not None and meta.multi:  # the next slot is for another subscriber
-            self.refused.add(key, self.accounts.get(by))
-        self.host.requeue_at(key, claim_at)
-
     def held(self, key: str) -> None:
         """A subscriber keeps ``key`` (a limit holds it back): not the host queue's any more."""
         self.said["held"] += 1
         self.awaiting.pop(key, None)
         self.forget(key)
-
-    def succeeded(self, key: str, by: Channel | None = None) -> None:
-        """A subscriber recorded a success of ``key`` (its event is not in the stream)."""
-        self.said["done"] += 1
-        self._end_wait(key, by)
-        meta = self.host.known(key)
-        if meta is not None and meta.multi:
-            # concurrency > 1: it may be open still, for another subscriber
-            self.refused.add(key, self.accounts.get(by))
-            self.host.read_again(key)
-        else:
-            self.refused.drop_key(key)
-            self.host.succeeded(key)
 
     def missed(self, key: str, by: Channel | None = None) -> None:
         """A subscriber's claim of ``key`` missed although it was due: hand it to another."""
@@ -173,12 +158,49 @@ class Dispatcher:
         self.refused.drop_key(key)
         self.host.forget(key)
 
-    def on_event(self, key: Any) -> None:
-        """The stream said something of ``key``: a wait for its claim is over, and whoever
-        could not claim it may try again (a key that is not a string is never handed out)."""
-        if isinstance(key, str):
-            self.awaiting.pop(key, None)
+    def on_change(self, change: Mapping[str, Any]) -> None:
+        """A task's event in the relay's stream: what it says of the subscribers, then its
+        place in the host queue (a claim's at its lease's end, a success's nowhere)."""
+        self._on_event(change)
+        self.host.on_change(change)
+
+    def _on_event(self, change: Mapping[str, Any]) -> None:
+        """A wait for the task's claim is over, and whoever could not claim it may try again
+        (a key that is not a string is never handed out). A subscriber's claim or success (its
+        tag) is heard from it, and a success gives its slot back; a task of ``concurrency`` > 1
+        it claimed or succeeded at is refused to it (the next slot is another's)."""
+        key = event_key(change)
+        if not isinstance(key, str):
+            return
+        self.awaiting.pop(key, None)
+        kind, account = self._writer(change)
+        if account is None:
             self.refused.drop_key(key)
+            return
+        self.heard[kind] += 1
+        if kind == "success":
+            account.seen += 1
+            if account.credit > 0:
+                self.wake.set()
+        waiting = any(to is account for to, _ in self.awaiting.values())
+        account.heard(waiting, time.monotonic())
+        meta = self.host.known(key)
+        if meta is not None and meta.multi:
+            self.refused.add(key, account)
+            if "next_claim_at" not in _fields(change):  # a slot left, or not: read it
+                self.host.read_again(key)
+        else:
+            self.refused.drop_key(key)
+
+    def _writer(self, change: Mapping[str, Any]) -> tuple[str, Account | None]:
+        """Which subscriber's claim or success ``change`` is, by its ``last_write`` tag."""
+        tag = _fields(change).get(LAST_WRITE)
+        if not isinstance(tag, str):
+            return "", None
+        kind, _, worker_id = tag.partition(":")
+        if kind not in self.heard:
+            return "", None
+        return kind, self.accounts.by_worker.get(worker_id)
 
     def clear(self) -> None:
         """Forget the tasks (the relay's one worker finds its own work again)."""
@@ -297,4 +319,13 @@ class Dispatcher:
         queued, refused, waits = len(self.host.queue), len(self.refused), len(self.awaiting)
         counts = {"handed": self.handed, "returned": self.returned, "awaiting": waits}
         counts |= {f"said_{kind}": n for kind, n in self.said.items()}
+        counts |= {f"heard_{kind}": n for kind, n in self.heard.items()}
+        counts["reports"] = self.reports
         return {"subscribers": len(self.accounts), **counts, "refused": refused, "queued": queued}
+
+
+def _fields(change: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The fields an update's event says were set (none for any other event or shape)."""
+    update = change.get("updateDescription")
+    fields = update.get("updatedFields") if isinstance(update, Mapping) else None
+    return fields if isinstance(fields, Mapping) else {}

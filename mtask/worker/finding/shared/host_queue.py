@@ -61,13 +61,9 @@ class HostQueue:
         self.placement.move_known(key, when)
 
     def read_again(self, key: str) -> None:
-        """Read ``key``'s document again (``settle``): it may be open still, or not."""
+        """Read ``key``'s document again (``settle``): its event did not say where it goes."""
         self.scanner.unknown.add(key)
         self.queue.discard(key)
-
-    def succeeded(self, key: str) -> None:
-        self.scanner.touch(key)
-        self.placement.forget(key)
 
     def forget(self, key: str) -> None:
         self.placement.forget(key)

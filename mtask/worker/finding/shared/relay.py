@@ -12,9 +12,11 @@ included. Relay and subscribers talk through MongoDB alone (``mailbox``, ``wire`
 - Events are hints, the claim decides, the sweep bounds a lost wake-up. The relay's queue
   rescans each time its stream (re)opens and every sweep; a subscriber that says hello gets
   ``{"relay": "open"}`` and from then on its tasks from the relay.
-- The relay's stream leaves out its subscribers' claims and successes (their ``last_write``
-  tags): they tell the relay instead. When a subscriber comes or goes the stream is reopened
-  with the new tags, resuming after its last event (``Position.switch``: no gap, no rescan).
+- The relay's stream carries its subscribers' claims and successes (their ``last_write``
+  tags name them): the dispatcher reads them, and the subscribers do not report them. While the
+  relay's own worker is alone, its stream leaves that worker's out, as an own stream does; the
+  stream is reopened with the other filter when that changes, resuming after its last event
+  (``Position.switch``: no gap, no rescan).
 - The change events of ``controls``, ``limits`` and ``schedules`` go to every subscriber.
 - While the relay's own worker is its only subscriber (one worker: a small deployment's common
   case), nothing is handed out: the relay passes that worker its task events as an own stream
@@ -43,7 +45,6 @@ from pymongo.errors import PyMongoError
 from mtask import events
 from mtask.errors import StorageError
 from mtask.store import relays
-from mtask.worker.finding.changes import event_key
 from mtask.worker.finding.shared import mailbox
 from mtask.worker.finding.shared.channels import InboxChannel, LocalChannel, SubscriberChannel
 from mtask.worker.finding.shared.dispatch import Dispatcher
@@ -91,7 +92,8 @@ class Relay:
         self.open = False
         self.position = events.Position(fresh_when_lost=True)
         self.excluded: tuple[str, ...] = ()
-        """The workers whose claims and successes the stream in use leaves out."""
+        """The workers whose claims and successes the stream in use leaves out: the relay's
+        own worker while it is the only subscriber, else none."""
         self.direct: LocalChannel | None = None
         """The relay's own worker, while it is the only subscriber: it gets the task events."""
         self.dropped = 0
@@ -199,9 +201,12 @@ class Relay:
         self.remove(channel)
 
     def _note_change(self) -> None:
-        if self.excluded != tuple(sorted(self.subscribers.values())):
-            self.position.switch()  # its tags in the filter, from the next event on
+        if self.excluded != self._excluded():
+            self.position.switch()  # the other filter, from the next event on
         self._set_direct()
+
+    def _excluded(self) -> tuple[str, ...]:
+        return (self.owner,) if self._alone() is not None else ()
 
     def _alone(self) -> LocalChannel | None:
         """The relay's own worker, if it is the only subscriber."""
@@ -287,7 +292,7 @@ class Relay:
     # -- the stream (the relay is its Inbox) ------------------------------------------------
 
     def _pipeline(self) -> list[dict[str, Any]]:
-        self.excluded = tuple(sorted(self.subscribers.values()))
+        self.excluded = self._excluded()
         return stream_pipeline(self.tasks, self.excluded)
 
     async def opened(self) -> None:
@@ -308,8 +313,7 @@ class Relay:
         elif self.direct is not None:
             self.direct.send(change)
         else:
-            self.dispatcher.on_event(event_key(change))
-            self.dispatcher.host.on_change(change)
+            self.dispatcher.on_change(change)
 
     async def settle(self) -> None:
         if self.direct is None:

@@ -5,8 +5,9 @@ it, it tries to take it, and the winner holds the relay (``relay.Relay``) and su
 in memory. The others subscribe through MongoDB (``mailbox``): each makes an inbox, says hello
 to the relay, and tails its inbox. While the relay hands it its tasks (*dispatched*), a
 worker finds no work itself: it queues what it is handed (``Placement.hand``) and tells the
-relay its credit and what became of each key (it is the ``ClaimReports``). The claim, the run
-and the outcome are as with an own stream.
+relay what became of a key and its credit when the relay's stream does not show them (it is
+the ``ClaimReports``: ``reporter``). The claim, the run and the outcome are as with an own
+stream.
 
 A worker finds its own work (its ``Finder``, with an own stream and its sweep) while it has no
 relay to follow: before its relay's first frame (``FIRST_FRAME``), when the relay's lease goes
@@ -126,9 +127,10 @@ class SharedStream:
 
     # -- finding work alone ----------------------------------------------------------------------
 
-    def report_soon(self) -> None:
-        """A slot was freed: say the credit (while dispatched)."""
-        self.reports.soon()
+    def slot_freed(self) -> None:
+        """A slot may have freed: say the credit if the relay cannot count it (while
+        dispatched; a success's event gives the relay the slot back)."""
+        self.reports.check()
 
     def _dispatch(self) -> None:
         """From now on the relay hands this worker its tasks: what it found alone goes."""
@@ -246,8 +248,7 @@ class SharedStream:
             await sub.close()
 
     def _look(self) -> None:
-        if self.reports.changed():
-            self.reports.soon()  # credit is never stuck
+        self.reports.look()  # credit is never stuck, handed keys never unacknowledged
 
     def _no_first_frame(self) -> None:
         """A relay that does not answer a hello within ``FIRST_FRAME`` seconds may be dead (its
@@ -293,14 +294,16 @@ class SharedStream:
     async def _on_frame(self, frame: Mapping[str, Any]) -> None:
         """One frame from the relay (``wire``)."""
         relay = frame.get("relay")
+        if relay == "open" and self.dispatched:
+            self.reports.soon()  # its stream (re)opened and may have missed a success: resay
         if "d" in frame or relay == "open":
             self._dispatch()
         if "d" in frame:
             now = self.clock.now()
+            self.reports.received(entry[0] for entry in frame["d"])
             for key, name, priority, timeout in frame["d"]:
                 if not self.finder.placement.hand(key, name, priority, timeout, now):
                     self.reports.missed(key)  # it runs it already, for another worker
-            self.reports.received(len(frame["d"]))
         elif relay == "own":  # alone with the relay: its events follow, find work yourself
             self._find_alone(own_stream=False)
             await self.finder.opened()

@@ -7,10 +7,12 @@ worker_timeout_ms], …]}`` (tasks handed over, due now), and the change events 
 ``controls``, ``limits`` and ``schedules`` as they come.
 
 Subscriber to relay: its hello (``{"hello": PROTOCOL, "worker_id", "names", "free",
-"inbox"}``: the capped collection it tails), then reports when something changed: ``free`` and
-``got`` (its credit: ``got`` acknowledges handed keys), ``names`` (when a pause changes them),
-``claimed`` (``[[key, next_claim_at]]``), ``held``, ``done``, ``missed`` and ``gone`` (keys
-of ``finding.protocols.ClaimReports``); and ``{"bye": True}`` when it leaves.
+"inbox"}``: the capped collection it tails), then a report only when something happened that
+the relay's stream does not show: ``free``, ``got`` and ``done`` (its credit: ``got``
+acknowledges handed keys, ``done`` counts its successes, ``credit``), ``names`` (when a pause
+changes them), ``held``, ``missed`` and ``gone`` (keys of ``finding.protocols.ClaimReports``);
+and ``{"bye": True}`` when it leaves. Its claims and successes are not said: the relay reads
+them from its stream (``dispatch``), so a task costs the wire one insert, its hand-out.
 
 Nothing is said to keep a line alive: an idle subscriber and its relay cost the server nothing
 but a tailing getMore now and then. A subscriber learns that its relay is gone from the lease
@@ -30,7 +32,7 @@ from mtask.worker.finding.shared.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = 4
+PROTOCOL = 5
 OPEN = {"relay": "open"}
 OWN = {"relay": "own"}
 BYE = {"bye": True}
@@ -60,16 +62,19 @@ def parse_hello(tasks: str, hello: Mapping[str, Any]) -> Hello | None:
 def apply_report(dispatcher: Dispatcher, channel: Channel, message: Mapping[str, Any]) -> None:
     """A subscriber's report (raises ``TypeError``/``ValueError`` on one that makes no sense):
     what became of its keys, then its credit and its names."""
-    for key, claim_at in message.get("claimed") or ():
-        dispatcher.claimed(key, claim_at, channel)
     for key in message.get("held") or ():
         dispatcher.held(key)
-    for key in message.get("done") or ():
-        dispatcher.succeeded(key, channel)
     for key in message.get("missed") or ():
         dispatcher.missed(key, channel)
     for key in message.get("gone") or ():
         dispatcher.gone(key)
     if "free" in message:
-        free, got = int(message["free"]), int(message.get("got", 0))
-        dispatcher.report(channel, free, got, message.get("names"))
+        free, got, done = (_count(message, f) for f in ("free", "got", "done"))
+        dispatcher.report(channel, free, got, done, message.get("names"))
+
+
+def _count(message: Mapping[str, Any], field: str) -> int:
+    value = message.get(field)
+    if not isinstance(value, int):
+        raise ValueError(f"{field!r} is not a count: {value!r}")
+    return value
