@@ -26,7 +26,7 @@ class Channel:
     def dispatch(self, entries: list[list[Any]]) -> None:
         self.handed += entries
 
-    def keys(self) -> list[str]:
+    def got(self) -> list[str]:
         return [e[0] for e in self.handed]
 
 
@@ -74,12 +74,12 @@ def test_each_due_key_goes_to_one_subscriber_with_credit_in_turn() -> None:
     for i in range(5):
         d.host.place(task(f"k{i}"))
     assert d.hand_out(NOW) == 3  # all the credit there is
-    assert sorted(a.keys() + b.keys()) == ["k0", "k1", "k2"]
+    assert sorted(a.got() + b.got()) == ["k0", "k1", "k2"]
     assert len(a.handed) == 2 and len(b.handed) == 1  # round robin, within each one's credit
     assert set(d.awaiting) == {"k0", "k1", "k2"} and len(d.host.queue) == 2
     assert d.hand_out(NOW) == 0  # no credit left: the rest waits in the host queue
     d.report(a, free=1, got=2, done=0)  # a took its two; one slot free
-    assert d.hand_out(NOW) == 1 and a.keys()[-1] in ("k3", "k4")
+    assert d.hand_out(NOW) == 1 and a.got()[-1] in ("k3", "k4")
     assert a.handed[0][1:] == ["n", 0, None]  # name, priority, worker_timeout_ms
 
 
@@ -104,21 +104,52 @@ def test_a_subscribers_successes_in_the_stream_give_its_slots_back() -> None:
         d.host.place(task(f"k{i}"))
     assert d.hand_out(NOW) == 2 and account(d, a).credit == 0
     lease = NOW + dt.timedelta(seconds=30)
-    for key in list(a.keys()):
+    for key in a.got():
         d.on_change(claimed(key, "a", lease))
     assert account(d, a).credit == 0 and d.hand_out(NOW) == 0  # a claim changes no credit
     d.on_change(succeeded("k0", "a"))
     assert account(d, a).credit == 1 and d.hand_out(NOW) == 1  # nothing said: a slot back
     d.on_change(succeeded("k1", "b-elsewhere"))  # not a subscriber's: nobody's credit
     assert account(d, a).credit == 0
+    d.on_change(claimed("k1", "a", lease))  # (the stream said nothing of its earlier claim)
     # a report counts the successes it says it had recorded (done): one whose event came
     # before it is not counted twice, nor is one whose event comes after it
     d.on_change(succeeded("k1", "a"))  # the stream showed it: +1
     d.report(a, free=2, got=3, done=2)  # counted it too (and k0): no double count
     assert account(d, a).credit == 2 - (3 - 3) + 0
     d.report(a, free=1, got=3, done=3)  # counted a success whose event has not come yet
+    d.on_change(claimed("k2", "a", lease))
     d.on_change(succeeded("k2", "a"))  # ... here it is: already in `free`
     assert account(d, a).credit == 1
+
+
+def test_only_successes_of_keys_handed_then_claimed_count() -> None:
+    """The subscriber counts the same (its ``Reporter``): else the counts drift apart."""
+    d, _ = build()
+    a, b = Channel(), Channel()
+    d.add(a, "a", ["n"], 1)
+    d.add(b, "b", ["n"], 1)
+    lease = NOW + dt.timedelta(seconds=30)
+    d.on_change(claimed("alone", "a", lease))  # a task `a` found alone, before it was handed any
+    d.on_change(succeeded("alone", "a"))
+    assert account(d, a).seen == 0
+    d.host.place(task("k"))
+    d.hand_out(NOW)
+    first, other = (a, b) if a.got() else (b, a)
+    not_by = account(d, other).worker_id
+    d.on_change(claimed("k", not_by, lease))  # the other one claimed it (it had it too)
+    d.on_change(succeeded("k", not_by))
+    assert account(d, first).seen == account(d, other).seen == 0
+    d.host.place(task("j"))
+    d.hand_out(NOW)
+    holder = a if "j" in a.got() else b
+    who = account(d, holder)
+    d.on_change(claimed("j", who.worker_id, lease))
+    d.report(holder, free=0, got=1, done=5)  # (its counts, whatever they are)
+    d.on_change(succeeded("j", who.worker_id))
+    assert who.seen == 1 and not d.attribution
+    d.report(holder, free=1, got=1, done=7, quiet=True)  # nothing on its way: counts agree
+    assert who.seen == 7 and who.credit == 1 - (1 - 1)
 
 
 def test_names_and_specific_workers_decide_who_may_take_a_key() -> None:
@@ -131,7 +162,7 @@ def test_names_and_specific_workers_decide_who_may_take_a_key() -> None:
     d.host.place(task("nobody-here", specific_worker_ids=["elsewhere"]))
     assert d.host.known("nobody-here") is None  # no subscriber may run it: not queued
     d.hand_out(NOW)
-    assert a.keys() == ["only-a"] and b.keys() == ["for-b"]
+    assert a.got() == ["only-a"] and b.got() == ["for-b"]
 
 
 def test_a_key_nobody_with_credit_may_take_stays_queued() -> None:
@@ -143,7 +174,7 @@ def test_a_key_nobody_with_credit_may_take_stays_queued() -> None:
     assert d.hand_out(NOW) == 0 and "for-b" in d.host.queue
     assert d.run_once() is None  # stuck: no busy loop, waits for a change
     d.report(b, free=1, got=0, done=0)
-    assert d.hand_out(NOW) == 1 and b.keys() == ["for-b"]
+    assert d.hand_out(NOW) == 1 and b.got() == ["for-b"]
 
 
 def test_a_key_not_claimed_in_time_or_whose_subscriber_went_goes_back() -> None:
@@ -177,7 +208,7 @@ def test_what_a_subscriber_claimed_waits_for_its_lease_and_what_it_finished_goes
     d.held("held")
     assert not d.awaiting and set(d.host.queue.entries) == {"run"}
     assert d.host.known("done") is None and d.heard == {"claim": 2, "success": 1}
-    assert d.hand_out(lease) == 1 and a.keys()[-1] == "run"  # its lease ran out: hand it on
+    assert d.hand_out(lease) == 1 and a.got()[-1] == "run"  # its lease ran out: hand it on
 
 
 def test_an_event_for_a_handed_key_ends_the_wait() -> None:
@@ -239,10 +270,10 @@ def test_a_missed_claim_hands_the_key_to_another_subscriber_not_back() -> None:
     d.add(b, "b", ["n"], 5)
     d.host.place(task("k"))
     d.hand_out(NOW)
-    first, other = (a, b) if a.keys() else (b, a)
+    first, other = (a, b) if a.got() else (b, a)
     d.missed("k", first)  # e.g. it ran it already (concurrency > 1)
     assert "k" not in d.awaiting and d.hand_out(NOW) == 1
-    assert other.keys() == ["k"] and first.keys() == ["k"]  # not handed to `first` again
+    assert other.got() == ["k"] and first.got() == ["k"]  # not handed to `first` again
     d.missed("k", other)  # nobody here can claim it now: out of the way of the due keys
     d.host.place(task("due"))
     assert d.hand_out(NOW) == 1 and "k" not in d.awaiting
@@ -258,11 +289,11 @@ def test_a_task_of_concurrency_two_goes_to_a_second_subscriber() -> None:
     d.add(b, "b", ["n"], 5)
     d.host.place(task("k", concurrency=2))
     d.hand_out(NOW)
-    first, other = (a, b) if a.keys() else (b, a)
+    first, other = (a, b) if a.got() else (b, a)
     by = account(d, first).worker_id
     d.on_change(claimed("k", by, NOW))  # one slot left, claimable now: for the other one
     d.hand_out(NOW)
-    assert other.keys() == ["k"] and first.keys() == ["k"]
+    assert other.got() == ["k"] and first.got() == ["k"]
     d.on_change(succeeded("k", by, NOW))  # still open, as its event says: not back to `first`
     meta = d.host.known("k")
     assert meta is not None and meta.multi and "k" in d.host.queue
@@ -287,7 +318,7 @@ def test_keys_nobody_with_credit_may_take_do_not_hold_up_the_rest() -> None:
         d.host.place(task(key, priority=9, concurrency=2))
         d.refused.by_key[key] = {account(d, a): float("inf")}  # a ran them already
     d.host.place(task("low"))
-    assert d.hand_out(NOW) == 1 and a.keys() == ["low"]  # not starved behind k1 and k2
+    assert d.hand_out(NOW) == 1 and a.got() == ["low"]  # not starved behind k1 and k2
     assert {"k1", "k2"} <= set(d.host.queue.entries)  # waiting for b's credit
 
 

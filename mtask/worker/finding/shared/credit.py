@@ -9,6 +9,12 @@
   send it. A success whose event comes after the report that counted it is not counted twice,
   nor one counted by the relay before a report that had not; so a subscriber whose work goes
   well says nothing at all, and one that fails, misses or holds a key says so.
+- **The same successes on both sides.** Both count only the successes of keys the relay handed
+  to that subscriber and it then claimed (``Attribution``; the subscriber's ``Reporter``
+  alike), not those of tasks it found alone before or between subscriptions. What could still
+  set the counts apart (an event the relay never saw: its stream's history lost) is put right
+  by the subscriber's next *quiet* report, made at a look when nothing of its is on its way and
+  something happened since it last spoke: the relay then takes its ``done`` as seen.
 - **Acknowledgement.** A live subscriber is heard: its claims and successes in the relay's
   stream, or a report; one that keeps handed keys waiting says ``got`` at its next look at the
   relay's lease. One that leaves keys unacknowledged for ``SILENT_SUBSCRIBER`` seconds is dead,
@@ -54,7 +60,7 @@ class Account:
     done: int = 0
     """Successes it had recorded when it last said ``free``."""
     seen: int = 0
-    """Its successes the relay's stream has shown so far."""
+    """Its successes the relay's stream has shown so far (of keys handed to it)."""
     unacked_since: float | None = None
     """Since when (monotonic) keys sent to it wait to be heard of."""
 
@@ -70,8 +76,12 @@ class Account:
             self.unacked_since = now_mono
         self.sent += count
 
-    def said(self, free: int, got: int, done: int, now_mono: float) -> None:
+    def said(self, free: int, got: int, done: int, now_mono: float, quiet: bool = False) -> None:
+        """A report. ``quiet``: nothing of the subscriber's is on its way (no run, no outcome
+        unwritten), so every success it counted has been seen: the counts agree again."""
         self.free, self.got, self.done = free, got, done
+        if quiet:
+            self.seen = done
         self.unacked_since = None if got >= self.sent else now_mono
 
     def heard(self, waiting: bool, now_mono: float) -> None:
@@ -79,6 +89,53 @@ class Account:
         the keys it still has to claim, if any)."""
         if self.unacked_since is not None:
             self.unacked_since = now_mono if waiting else None
+
+
+class Attribution:
+    """Which subscriber each key was handed to, and which subscribers claimed it after that: a
+    success counts for a subscriber's credit only then (as its ``Reporter`` counts it)."""
+
+    def __init__(self) -> None:
+        self.handed: dict[str, Account] = {}
+        """The subscriber each key was last handed to, until someone claims it."""
+        self.claimed: dict[str, set[Account]] = {}
+        """The subscribers that claimed a key handed to them (more than one: concurrency > 1)."""
+
+    def hand(self, key: str, account: Account) -> None:
+        self.handed[key] = account
+
+    def claim(self, key: str, account: Account | None) -> None:
+        """A claim of ``key`` by ``account`` (``None``: a worker that is not a subscriber)."""
+        if account is not None and self.handed.pop(key, None) is account:
+            self.claimed.setdefault(key, set()).add(account)
+        else:
+            self.handed.pop(key, None)
+
+    def success(self, key: str, account: Account) -> bool:
+        """A success of ``key`` by ``account``: True if it claimed it as handed."""
+        owners = self.claimed.get(key)
+        if owners is None or account not in owners:
+            return False
+        owners.discard(account)
+        if not owners:
+            del self.claimed[key]
+        return True
+
+    def drop_key(self, key: str) -> None:
+        """The task finished, was deleted, or is not the relay's any more."""
+        self.handed.pop(key, None)
+        self.claimed.pop(key, None)
+
+    def drop_account(self, account: Account) -> None:
+        for key in [k for k, a in self.handed.items() if a is account]:
+            del self.handed[key]
+        for key, owners in list(self.claimed.items()):
+            owners.discard(account)
+            if not owners:
+                del self.claimed[key]
+
+    def __len__(self) -> int:
+        return len(self.handed) + len(self.claimed)
 
 
 class Refusals:

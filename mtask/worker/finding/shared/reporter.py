@@ -10,6 +10,8 @@ claimed after a look at the relay's lease are acknowledged then (``got``). A rep
 connected to one subscription (``got`` counts the keys received on it, as the relay counts the
 keys it sent on it), and says something only while it is active: from the relay's ``open``
 until the worker finds work alone again (keys it claims then are not the relay's business).
+``done`` counts the successes of keys it was handed and then claimed while active, as the
+relay counts them (``credit.Attribution``).
 """
 
 from __future__ import annotations
@@ -20,17 +22,28 @@ from typing import Any
 
 
 class Reporter:
-    def __init__(self, capacity: Callable[[], int], names: Callable[[], Sequence[str]]) -> None:
+    def __init__(
+        self,
+        capacity: Callable[[], int],
+        names: Callable[[], Sequence[str]],
+        busy: Callable[[str], bool],
+    ) -> None:
         self.capacity = capacity
         """How many more tasks this worker can take, outcomes on their way counted as busy: a
         success gives its slot back to the relay through its event, anything else is said."""
         self.names = names
+        self.busy = busy
+        """Whether a key is being claimed or run here."""
         self.got = 0
         """Keys received from the relay of this connection."""
         self.done = 0
         """Successes recorded while the relay hands this worker its tasks."""
         self.waiting: set[str] = set()
         """Keys received and not yet claimed nor said of."""
+        self.running: set[str] = set()
+        """Keys received and claimed, whose success counts in ``done``."""
+        self._ended: set[str] = set()
+        """Keys of ``running`` not run here at the last look (gone at the next one)."""
         self.free: int | None = None
         """The ``free`` last said."""
         self._send: Callable[[dict[str, Any]], None] | None = None
@@ -42,13 +55,15 @@ class Reporter:
         self._flush: asyncio.Handle | None = None
         self._must = False
         """Something is to be said at the end of this turn, whatever the credit."""
+        self._quiet = False
+        """What is to be said is a quiet report (``look``)."""
 
     def connect(self, send: Callable[[dict[str, Any]], None], names: list[str]) -> None:
         """A new subscription: report through ``send`` (the relay knows ``names`` already)."""
         self._send, self._names, self._said, self.active = send, names, {}, False
         self.got = self.done = self._said_got = self._said_done = 0
         self.free = None
-        self.waiting.clear()
+        self._forget_keys()
 
     def disconnect(self) -> None:
         self._send = None
@@ -62,7 +77,7 @@ class Reporter:
     def pause(self) -> None:
         """The worker finds work alone: nothing to say."""
         self.active, self._said, self._must = False, {}, False
-        self.waiting.clear()
+        self._forget_keys()
         if self._flush is not None:
             self._flush.cancel()
             self._flush = None
@@ -78,14 +93,17 @@ class Reporter:
 
     def claimed(self, key: str, claim_at: Any) -> None:
         """Nothing to say: the claim's event shows it (and that this worker is alive)."""
-        self.waiting.discard(key)
+        if key in self.waiting:
+            self.waiting.discard(key)
+            self.running.add(key)
 
     def held(self, key: str) -> None:
         self._say("held", key)
 
     def succeeded(self, key: str) -> None:
         """Nothing to say: the success's event gives the relay the slot back."""
-        if self.active:
+        if key in self.running:
+            self.running.discard(key)
             self.done += 1
 
     def missed(self, key: str) -> None:
@@ -120,12 +138,25 @@ class Reporter:
         return self.capacity() != expected
 
     def look(self) -> None:
-        """At a look at the relay's lease: say the credit if the relay's count is off, and
-        acknowledge keys that still wait for their claim."""
+        """At a look at the relay's lease (every few seconds): say the credit if the relay's
+        count is off, and acknowledge keys that still wait for their claim. Keys whose run
+        ended without a success are let go of at the second look that finds them not run."""
+        ended = {k for k in self.running if not self.busy(k)}
+        self.running -= ended & self._ended
+        self._ended = ended
+        spoke = self.got != self._said_got or self.done != self._said_done
         if self.waiting and self.got != self._said_got:
+            self.soon()
+        elif spoke and not self.running:  # nothing of ours on its way: the counts can agree
+            self._quiet = True
             self.soon()
         else:
             self.check()
+
+    def _forget_keys(self) -> None:
+        self.waiting.clear()
+        self.running.clear()
+        self._ended.clear()
 
     def _report(self) -> None:
         self._flush = None
@@ -136,6 +167,9 @@ class Reporter:
         self._must = False
         self.free, self._said_got, self._said_done = self.capacity(), self.got, self.done
         message: dict[str, Any] = {"free": self.free, "got": self.got, "done": self.done}
+        if self._quiet and not self.running and not self.waiting:
+            message["quiet"] = True
+        self._quiet = False
         names = list(self.names())
         if names != self._names:
             message["names"] = self._names = names

@@ -64,6 +64,7 @@ class SharedStream:
         worker_id: str,
         finder: Finder,
         capacity: Callable[[], int],
+        busy: Callable[[str], bool],
         *,
         queue_size: int = 10_000,
         buffer: int = SUBSCRIBER_BUFFER,
@@ -92,7 +93,7 @@ class SharedStream:
         self.connections = 0
         self.fallback = False
         self.left_silent = 0
-        self.reports = Reporter(capacity, self._scope_names)
+        self.reports = Reporter(capacity, self._scope_names, busy)
         """This worker's ``ClaimReports``: said only while the relay hands it its tasks."""
         self._send: Callable[[dict[str, Any]], None] | None = None
         """How to reach the relay followed now."""
@@ -204,10 +205,12 @@ class SharedStream:
         if relay is not None and relay.loop is asyncio.get_running_loop():
             local = relay.attach(self.worker_id, self._scope_names(), self.capacity())
             self.connections += 1
+            looks = asyncio.create_task(self._looks(), name="mtask-relay-looks")
             try:
                 report = lambda m: apply_report(relay.dispatcher, local, m)  # noqa: E731
-                await self._consume(local.next, report)
+                await self._consume(local.next, report, looks)
             finally:
+                looks.cancel()
                 relay.remove(local)
             return
         await self._subscribe(relay_id)
@@ -249,6 +252,13 @@ class SharedStream:
 
     def _look(self) -> None:
         self.reports.look()  # credit is never stuck, handed keys never unacknowledged
+
+    async def _looks(self) -> None:
+        """The relay's own worker looks as a subscriber in another process does at each look
+        at the lease (it has no lease to watch)."""
+        while True:
+            await asyncio.sleep(LOOK_EVERY)
+            self._look()
 
     def _no_first_frame(self) -> None:
         """A relay that does not answer a hello within ``FIRST_FRAME`` seconds may be dead (its
