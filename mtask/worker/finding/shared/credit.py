@@ -87,8 +87,7 @@ class Account:
     def heard(self, waiting: bool, now_mono: float) -> None:
         """Its claim or success came through the stream: alive (the clock starts again for
         the keys it still has to claim, if any)."""
-        if self.unacked_since is not None:
-            self.unacked_since = now_mono if waiting else None
+        self.unacked_since = now_mono if waiting else None
 
 
 class Attribution:

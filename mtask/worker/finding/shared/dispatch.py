@@ -196,8 +196,9 @@ class Dispatcher:
             self.refused.drop_key(key)
             return
         self.heard[kind] += 1
-        waiting = any(to is account for to, _ in self.awaiting.values())
-        account.heard(waiting, time.monotonic())
+        if account.unacked_since is not None:  # alive: the clock starts again, if keys wait
+            waiting = any(to is account for to, _ in self.awaiting.values())
+            account.heard(waiting, time.monotonic())
         meta = self.host.known(key)
         if meta is not None and meta.multi:
             self.refused.add(key, account)

@@ -147,7 +147,7 @@ class Reporter:
         spoke = self.got != self._said_got or self.done != self._said_done
         if self.waiting and self.got != self._said_got:
             self.soon()
-        elif spoke and not self.running:  # nothing of ours on its way: the counts can agree
+        elif spoke and not self.running and not self.waiting:  # nothing on its way: agree
             self._quiet = True
             self.soon()
         else:
