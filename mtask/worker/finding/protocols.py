@@ -4,8 +4,9 @@
   subscriber passing on what its relay sent).
 - ``QueueSink``: the worker's claim queue as the ``Claimer``, the ``LimitGate`` and the
   ``OutcomeRecorder`` see it: where tasks go back, and what is known of one.
-- ``ClaimReports``: what a subscriber tells its relay of the keys it was handed (the relay's
-  stream leaves out its subscribers' own writes). Only the shared stream implements it.
+- ``ClaimReports``: what a subscriber knows of the keys it was handed. Its claims and
+  successes reach the relay through the relay's stream (their tags); a held, missed or gone
+  key the relay hears from the subscriber. Only the shared stream implements it.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class QueueSink(Protocol):
 
 class ClaimReports(Protocol):
     def claimed(self, key: str, claim_at: Any) -> None:
-        """Claimed ``key``: next claimable at ``claim_at`` (its lease's end)."""
+        """Claimed ``key``: next claimable at ``claim_at`` (its lease's end). The claim's
+        event tells the relay; a success of a key claimed as handed counts in the credit."""
 
     def held(self, key: str) -> None:
         """Keeps ``key`` for later (a cluster-wide limit holds it back)."""
