@@ -3,8 +3,14 @@
 ``ServerClock`` asks the server for its time (``hello.localTime``), corrects by half the round
 trip, and from then on returns ``server time at calibration + monotonic time elapsed``. The host's
 wall clock is never read, so a host whose clock is off by minutes, or jumps, decides exactly as a
-correct one does. Calibrate again from time to time (workers do it at each heartbeat) to follow
-the server's own clock adjustments.
+correct one does. Calibrate again from time to time (workers do it every few heartbeats) to
+follow the server's own clock adjustments.
+
+A calibration's error is up to half its round trip, and a round trip taken while the host is
+loaded (many workers starting at once) is long and lopsided: the reply waits for a CPU, so the
+estimate falls behind the server, and a worker behind the server misses the claims of tasks due
+just now. So a calibration replaces the one in use only if its round trip was no longer (the
+most precise measure wins), or the one in use is older than ``KEEP_BEST``.
 
 Tests inject ``FixedClock`` (or any object with ``now()``) into the store.
 """
@@ -30,6 +36,11 @@ def _truncate_ms(value: dt.datetime) -> dt.datetime:
 
 Sample = tuple[float, float, Mapping[str, Any]]
 
+KEEP_BEST = 300.0
+"""Seconds a calibration with the shortest round trip is kept over later, longer ones."""
+HALF_MS = dt.timedelta(microseconds=500)
+"""``localTime`` holds whole milliseconds: the server's time was up to 1 ms later."""
+
 
 def _faster(best: Sample | None, sample: Sample) -> Sample:
     if best is None or sample[1] - sample[0] < best[1] - best[0]:
@@ -45,6 +56,8 @@ class ServerClock:
         # (server time, monotonic time) read together: one attribute, so a thread calling
         # now() while another calibrates never sees half of an update.
         self._anchor: tuple[dt.datetime, float] | None = None
+        self.rtt = float("inf")
+        """The round trip of the calibration in use, in seconds."""
 
     @property
     def calibrated(self) -> bool:
@@ -55,9 +68,12 @@ class ServerClock:
         if server_time.tzinfo is None:
             server_time = server_time.replace(tzinfo=UTC)
         rtt = after - before
-        # localTime was read somewhere inside the round trip; assume the middle. (localTime has
-        # millisecond resolution, so the offset is good to about a millisecond plus rtt/2.)
-        self._anchor = (server_time, before + rtt / 2)
+        anchor = self._anchor
+        if anchor is not None and rtt > self.rtt and after - anchor[1] < KEEP_BEST:
+            return  # less precise than the one in use, which is recent enough
+        # localTime was read somewhere inside the round trip; assume the middle, and the
+        # middle of its millisecond (the offset is good to half a millisecond plus rtt/2)
+        self._anchor, self.rtt = (server_time + HALF_MS, before + rtt / 2), rtt
 
     def calibrate(self, db: Any, samples: int = 3) -> None:
         """Measure the offset with a sync ``Database`` (the fastest of ``samples`` trips)."""

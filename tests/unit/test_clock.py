@@ -1,0 +1,58 @@
+"""``ServerClock`` without MongoDB: the most precise calibration wins, for a while."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from mtask.clock import KEEP_BEST, ServerClock
+
+T0 = dt.datetime(2046, 3, 1, 12, 0, tzinfo=dt.UTC)
+
+
+class Hello:
+    """A server whose time is ``T0 + real time``, read ``at`` into each round trip."""
+
+    def __init__(self, mono: list[float]) -> None:
+        self.mono = mono
+        self.trips: list[tuple[float, float]] = []  # (round trip, when the server reads)
+
+    def command(self, name: str) -> dict[str, Any]:
+        rtt, at = self.trips.pop(0)
+        self.mono[0] += at
+        local = T0 + dt.timedelta(seconds=self.mono[0])
+        self.mono[0] += rtt - at
+        return {"localTime": local.replace(microsecond=local.microsecond // 1000 * 1000)}
+
+
+def test_a_longer_round_trip_does_not_replace_a_recent_precise_one() -> None:
+    mono = [100.0]
+    clock = ServerClock(lambda: mono[0])
+    server = Hello(mono)
+    server.trips = [(0.002, 0.001)]  # 2 ms, read in the middle
+    clock.calibrate(server, samples=1)
+    truth = lambda: T0 + dt.timedelta(seconds=mono[0])  # noqa: E731
+    assert abs((clock.now() - truth()).total_seconds()) <= 0.0015
+    mono[0] += 10
+    server.trips = [(0.080, 0.001)]  # a loaded host: the reply waited 79 ms for a CPU
+    clock.calibrate(server, samples=1)
+    assert abs((clock.now() - truth()).total_seconds()) <= 0.0015  # kept the precise one
+    assert round(clock.rtt, 6) == 0.002
+    mono[0] += KEEP_BEST
+    server.trips = [(0.010, 0.005)]  # the precise one is old now: the next one replaces it
+    clock.calibrate(server, samples=1)
+    assert round(clock.rtt, 6) == 0.010 and abs((clock.now() - truth()).total_seconds()) <= 0.0015
+
+
+def test_an_even_more_precise_calibration_replaces_the_one_in_use() -> None:
+    mono = [5.0]
+    clock = ServerClock(lambda: mono[0])
+    server = Hello(mono)
+    server.trips = [(0.060, 0.005)]  # started on a loaded host: the reply waited, 25 ms behind
+    clock.calibrate(server, samples=1)
+    truth = lambda: T0 + dt.timedelta(seconds=mono[0])  # noqa: E731
+    assert (truth() - clock.now()).total_seconds() > 0.02
+    mono[0] += 4
+    server.trips = [(0.001, 0.0005)]
+    clock.calibrate(server, samples=1)
+    assert abs((clock.now() - truth()).total_seconds()) <= 0.0015
