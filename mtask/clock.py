@@ -10,7 +10,8 @@ A calibration's error is up to half its round trip, and a round trip taken while
 loaded (many workers starting at once) is long and lopsided: the reply waits for a CPU, so the
 estimate falls behind the server, and a worker behind the server misses the claims of tasks due
 just now. So a calibration replaces the one in use only if its round trip was no longer (the
-most precise measure wins), or the one in use is older than ``KEEP_BEST``.
+most precise measure wins), or the one in use is older than ``KEEP_BEST``, or the two disagree
+by more than both their errors together (the server's clock was stepped).
 
 Tests inject ``FixedClock`` (or any object with ``now()``) into the store.
 """
@@ -68,12 +69,18 @@ class ServerClock:
         if server_time.tzinfo is None:
             server_time = server_time.replace(tzinfo=UTC)
         rtt = after - before
-        anchor = self._anchor
-        if anchor is not None and rtt > self.rtt and after - anchor[1] < KEEP_BEST:
-            return  # less precise than the one in use, which is recent enough
         # localTime was read somewhere inside the round trip; assume the middle, and the
         # middle of its millisecond (the offset is good to half a millisecond plus rtt/2)
-        self._anchor, self.rtt = (server_time + HALF_MS, before + rtt / 2), rtt
+        new = (server_time + HALF_MS, before + rtt / 2)
+        old = self._anchor
+        if old is not None and rtt > self.rtt and after - old[1] < KEEP_BEST:
+            # less precise than the one in use, which is recent enough: kept, unless the two
+            # disagree by more than both errors together (the server's clock was stepped, or
+            # another member with another clock became primary)
+            apart = abs((new[0] - old[0]).total_seconds() - (new[1] - old[1]))
+            if apart <= (rtt + self.rtt) / 2 + 0.001:
+                return
+        self._anchor, self.rtt = new, rtt
 
     def calibrate(self, db: Any, samples: int = 3) -> None:
         """Measure the offset with a sync ``Database`` (the fastest of ``samples`` trips)."""

@@ -109,7 +109,7 @@ class OutcomeRecorder:
                 and outcome.state is RunState.SUCCESS
                 and not self.inflight.busy(outcome.key)
             ):
-                self.sink.succeeded(outcome.key)  # its stream skips the event
+                self.sink.succeeded(outcome.key)  # an own stream skips the event
             self.emit(
                 Event.RECORDED, key=outcome.key, run_id=outcome.run_id, state=outcome.state.value
             )

@@ -16,11 +16,12 @@ class Hello:
     def __init__(self, mono: list[float]) -> None:
         self.mono = mono
         self.trips: list[tuple[float, float]] = []  # (round trip, when the server reads)
+        self.offset = 0.0
 
     def command(self, name: str) -> dict[str, Any]:
         rtt, at = self.trips.pop(0)
         self.mono[0] += at
-        local = T0 + dt.timedelta(seconds=self.mono[0])
+        local = T0 + dt.timedelta(seconds=self.mono[0] + self.offset)
         self.mono[0] += rtt - at
         return {"localTime": local.replace(microsecond=local.microsecond // 1000 * 1000)}
 
@@ -56,3 +57,21 @@ def test_an_even_more_precise_calibration_replaces_the_one_in_use() -> None:
     server.trips = [(0.001, 0.0005)]
     clock.calibrate(server, samples=1)
     assert abs((clock.now() - truth()).total_seconds()) <= 0.0015
+
+
+def test_a_step_of_the_servers_clock_is_followed_at_once() -> None:
+    mono = [50.0]
+    clock = ServerClock(lambda: mono[0])
+    server = Hello(mono)
+    server.trips = [(0.002, 0.001)]
+    clock.calibrate(server, samples=1)
+    mono[0] += 10
+    server.trips = [(0.020, 0.010)]
+    clock.calibrate(server, samples=1)
+    assert round(clock.rtt, 6) == 0.002  # no step: the precise one stays
+    server.offset = 2.0  # the server's clock is stepped 2 s ahead (another primary, NTP)
+    mono[0] += 10
+    server.trips = [(0.020, 0.010)]
+    clock.calibrate(server, samples=1)
+    truth = T0 + dt.timedelta(seconds=mono[0] + 2.0)
+    assert abs((clock.now() - truth).total_seconds()) <= 0.011

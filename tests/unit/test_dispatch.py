@@ -123,33 +123,29 @@ def test_a_subscribers_successes_in_the_stream_give_its_slots_back() -> None:
     assert account(d, a).credit == 1
 
 
-def test_only_successes_of_keys_handed_then_claimed_count() -> None:
-    """The subscriber counts the same (its ``Reporter``): else the counts drift apart."""
+def test_a_sync_makes_the_counts_agree_and_a_dead_subscriber_still_goes_silent() -> None:
     d, _ = build()
-    a, b = Channel(), Channel()
+    a = Channel()
     d.add(a, "a", ["n"], 1)
-    d.add(b, "b", ["n"], 1)
     lease = NOW + dt.timedelta(seconds=30)
-    d.on_change(claimed("alone", "a", lease))  # a task `a` found alone, before it was handed any
-    d.on_change(succeeded("alone", "a"))
-    assert account(d, a).seen == 0
     d.host.place(task("k"))
     d.hand_out(NOW)
-    first, other = (a, b) if a.got() else (b, a)
-    not_by = account(d, other).worker_id
-    d.on_change(claimed("k", not_by, lease))  # the other one claimed it (it had it too)
-    d.on_change(succeeded("k", not_by))
-    assert account(d, first).seen == account(d, other).seen == 0
+    d.report(a, free=0, got=1, done=5)  # (its counts, whatever they are)
+    d.on_change(claimed("k", "a", lease))
+    d.on_change(succeeded("k", "a"))
+    assert account(d, a).seen == 1 and account(d, a).credit == 0  # counted short: 1 < 6
+    d.report(a, free=1, got=1, done=6, sync=True)  # free, handed nothing for a look: sync
+    assert account(d, a).seen == 6 and account(d, a).credit == 1
+    # heard through its events while busy, then handed more and never heard again: silent
     d.host.place(task("j"))
     d.hand_out(NOW)
-    holder = a if "j" in a.got() else b
-    who = account(d, holder)
-    d.on_change(claimed("j", who.worker_id, lease))
-    d.report(holder, free=0, got=1, done=5)  # (its counts, whatever they are)
-    d.on_change(succeeded("j", who.worker_id))
-    assert who.seen == 1 and not d.attribution
-    d.report(holder, free=1, got=1, done=7, quiet=True)  # nothing on its way: counts agree
-    assert who.seen == 7 and who.credit == 1 - (1 - 1)
+    d.on_change(claimed("j", "a", lease))
+    d.on_change(succeeded("j", "a"))
+    assert account(d, a).unacked_since is None
+    d.host.place(task("dead"))
+    assert d.hand_out(NOW) == 1
+    since = account(d, a).unacked_since
+    assert since is not None and d.accounts.silent(since + credit.SILENT_SUBSCRIBER + 1) == [a]
 
 
 def test_names_and_specific_workers_decide_who_may_take_a_key() -> None:

@@ -17,7 +17,7 @@ from mtask.worker.finding.shared import credit, mailbox
 from mtask.worker.finding.shared.channels import FRAME_BYTES
 from mtask.worker.finding.shared.dispatch import Dispatcher
 from mtask.worker.finding.shared.relay import Relay
-from mtask.worker.finding.shared.reporter import QUIET_LOOKS, Reporter
+from mtask.worker.finding.shared.reporter import Reporter
 from mtask.worker.finding.shared.subscriber import SharedStream
 from mtask.worker.finding.shared.wire import PROTOCOL, apply_report
 from mtask.worker.finding.stream import stream_pipeline
@@ -193,11 +193,11 @@ async def test_the_keys_received_count_for_the_whole_subscription() -> None:
     """``got`` answers the relay's ``sent`` on one subscription: finding work alone for a
     while (the relay's ``own``, then ``open``) must not reset it, or the credit sticks."""
     sent: list[dict[str, Any]] = []
-    reporter = Reporter(lambda: 4, lambda: ["n"], lambda k: False)
+    reporter = Reporter(lambda: 4, lambda: ["n"])
     reporter.connect(sent.append, ["n"])
     reporter.held("k0")  # not active: not the relay's business
     reporter.resume()
-    reporter.received(["k1", "k2", "k3"])
+    reporter.received(3)
     await asyncio.sleep(0)
     reporter.pause()
     reporter.resume()
@@ -213,58 +213,46 @@ async def test_the_keys_received_count_for_the_whole_subscription() -> None:
 
 async def test_a_subscriber_whose_work_goes_well_says_nothing() -> None:
     """Claims and successes show in the relay's stream: the credit they change is not said;
-    a slot freed by anything else is, and so are keys that wait unclaimed at a look, and a
-    quiet report once nothing is on its way."""
+    a slot freed by anything else is; keys received are acknowledged at a look only if nothing
+    else showed the worker alive; a worker with free slots that was handed nothing syncs."""
     sent: list[dict[str, Any]] = []
     slots = {"free": 2}
-    running: set[str] = set()
-    reporter = Reporter(lambda: slots["free"], lambda: ["n"], running.__contains__)
+    reporter = Reporter(lambda: slots["free"], lambda: ["n"])
     reporter.connect(sent.append, ["n"])
     reporter.resume()
     await asyncio.sleep(0)
     assert sent == [{"free": 2, "got": 0, "done": 0}]
-    reporter.received(["a", "b"])  # queued: two slots taken
+    reporter.received(2)  # queued: two slots taken
     slots["free"] = 0
-    running.update("ab")
     reporter.claimed("a", WHEN)
     reporter.claimed("b", WHEN)
     reporter.check()  # their claims came back
-    running.discard("a")  # a's run ended; its outcome on its way still counts as busy ...
+    slots["free"] = 0  # a's run ended; its outcome on its way still counts as busy ...
     reporter.check()
     slots["free"] = 1
     reporter.succeeded("a")  # ... until its success is written: the relay counts that
     reporter.check()
-    reporter.look()
+    reporter.look()  # handed keys since the last look: no sync; it acted: no acknowledgement
     await asyncio.sleep(0)
     assert len(sent) == 1 and reporter.done == 1  # nothing said
-    running.discard("b")
     slots["free"] = 2  # b failed (or was released): no event gives the slot back
     reporter.check()
     await asyncio.sleep(0)
     assert sent[-1] == {"free": 2, "got": 2, "done": 1}
-    reporter.received(["c"])  # handed, not claimed by the next look: acknowledged then
+    reporter.received(1)  # handed, not claimed, and nothing else done by the next look
     slots["free"] = 1
     reporter.look()
     await asyncio.sleep(0)
-    assert sent[-1] == {"free": 1, "got": 3, "done": 1} and reporter.running == {"b"}
-    reporter.look()
-    await asyncio.sleep(0)
-    assert len(sent) == 3 and not reporter.running  # said once; b let go at the second look
+    assert sent[-1] == {"free": 1, "got": 3, "done": 1}  # acknowledged
     reporter.claimed("c", WHEN)
     reporter.succeeded("c")
     slots["free"] = 2
-    for _ in range(QUIET_LOOKS - 1):
-        reporter.look()
-        await asyncio.sleep(0)
-    assert len(sent) == 3  # a trickle's subscriber does not say its counts after each task
-    reporter.look()  # nothing on its way for a while, and something happened: counts agree
+    reporter.look()
     await asyncio.sleep(0)
-    assert sent[-1] == {"free": 2, "got": 3, "done": 2, "quiet": True}
+    assert sent[-1] == {"free": 2, "got": 3, "done": 2, "sync": True}  # free, handed nothing
     reporter.look()
     await asyncio.sleep(0)
     assert len(sent) == 4  # an idle subscriber says nothing more
-    reporter.succeeded("z")  # a success of a key it found alone: not the relay's to count
-    assert reporter.done == 2
 
 
 async def test_a_workers_new_hello_ends_its_earlier_subscription() -> None:
@@ -284,7 +272,7 @@ async def test_finding_work_alone_that_breaks_stops_the_shared_stream() -> None:
     tasks.database = FakeDatabase()  # type: ignore[attr-defined]
     fake_driver = cast(AsyncDriver, type("D", (), {"collections": {"tasks": tasks}})())
     finder = finder_for(None, FixedClock(WHEN), ["n"])
-    stream = SharedStream(fake_driver, FixedClock(WHEN), "w1", finder, lambda: 1, lambda k: False)
+    stream = SharedStream(fake_driver, FixedClock(WHEN), "w1", finder, lambda: 1)
 
     async def broken(own_stream: bool) -> None:
         raise ValueError("a bug in the own stream")

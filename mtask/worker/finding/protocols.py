@@ -44,10 +44,11 @@ class QueueSink(Protocol):
     def request_rescan(self) -> None: ...
 
     def succeeded(self, key: str) -> None:
-        """This worker recorded a success of ``key`` (its stream leaves that event out)."""
+        """This worker recorded a success of ``key`` (an own stream leaves that event out; a
+        relay's counts it, as the subscriber's ``Reporter`` does)."""
 
     def claimed(self, doc: Mapping[str, Any]) -> None:
-        """This worker claimed the task of ``doc`` (its stream leaves that event out too)."""
+        """This worker claimed the task of ``doc`` (an own stream leaves that event out too)."""
 
     def ignore(self, key: Any) -> None: ...
 
@@ -59,7 +60,7 @@ class QueueSink(Protocol):
 class ClaimReports(Protocol):
     def claimed(self, key: str, claim_at: Any) -> None:
         """Claimed ``key``: next claimable at ``claim_at`` (its lease's end). The claim's
-        event tells the relay; a success of a key claimed as handed counts in the credit."""
+        event tells the relay."""
 
     def held(self, key: str) -> None:
         """Keeps ``key`` for later (a cluster-wide limit holds it back)."""

@@ -9,15 +9,16 @@
   send it. A success whose event comes after the report that counted it is not counted twice,
   nor one counted by the relay before a report that had not; so a subscriber whose work goes
   well says nothing at all, and one that fails, misses or holds a key says so.
-- **The same successes on both sides.** Both count only the successes of keys the relay handed
-  to that subscriber and it then claimed (``Attribution``; the subscriber's ``Reporter``
-  alike), not those of tasks it found alone before or between subscriptions. What could still
-  set the counts apart (an event the relay never saw: its stream's history lost) is put right
-  by the subscriber's next *quiet* report, made at a look when nothing of its is on its way and
-  something happened since it last spoke: the relay then takes its ``done`` as seen.
+- **Counts that drift are synced.** The two counts of successes can come apart (an event the
+  relay never saw, one seen just before a subscription was counted; a success whose outcome
+  write was fenced in part). A relay that counts too few starves the subscriber; one that counts
+  too many hands it a key or two it must queue. So a subscriber with free slots that was handed
+  nothing for a look (a few seconds), and did something since it last spoke, *syncs*: the relay
+  takes its ``done`` as the successes seen. That costs one report per host when its work stops,
+  none while it flows.
 - **Acknowledgement.** A live subscriber is heard: its claims and successes in the relay's
-  stream, or a report; one that keeps handed keys waiting says ``got`` at its next look at the
-  relay's lease. One that leaves keys unacknowledged for ``SILENT_SUBSCRIBER`` seconds is dead,
+  stream, or a report; one that has neither claimed nor finished anything for a look says
+  ``got``. One that leaves keys unacknowledged for ``SILENT_SUBSCRIBER`` seconds is dead,
   frozen or cut off, and the relay lets it go. An idle subscriber is asked nothing and costs
   nothing.
 - **Refusals.** A subscriber that cannot claim a key now (its claim missed, or it runs the key
@@ -60,7 +61,7 @@ class Account:
     done: int = 0
     """Successes it had recorded when it last said ``free``."""
     seen: int = 0
-    """Its successes the relay's stream has shown so far (of keys handed to it)."""
+    """Its successes the relay's stream has shown so far."""
     unacked_since: float | None = None
     """Since when (monotonic) keys sent to it wait to be heard of."""
 
@@ -72,15 +73,14 @@ class Account:
         return name in self.names and (not allowed or self.worker_id in allowed)
 
     def handed(self, count: int, now_mono: float) -> None:
-        if self.sent == self.got:
+        if self.unacked_since is None:  # from now on it has to be heard from
             self.unacked_since = now_mono
         self.sent += count
 
-    def said(self, free: int, got: int, done: int, now_mono: float, quiet: bool = False) -> None:
-        """A report. ``quiet``: nothing of the subscriber's is on its way (no run, no outcome
-        unwritten), so every success it counted has been seen: the counts agree again."""
+    def said(self, free: int, got: int, done: int, now_mono: float, sync: bool = False) -> None:
+        """A report (``sync``: the relay takes ``done`` as the successes seen)."""
         self.free, self.got, self.done = free, got, done
-        if quiet:
+        if sync:
             self.seen = done
         self.unacked_since = None if got >= self.sent else now_mono
 
@@ -88,53 +88,6 @@ class Account:
         """Its claim or success came through the stream: alive (the clock starts again for
         the keys it still has to claim, if any)."""
         self.unacked_since = now_mono if waiting else None
-
-
-class Attribution:
-    """Which subscriber each key was handed to, and which subscribers claimed it after that: a
-    success counts for a subscriber's credit only then (as its ``Reporter`` counts it)."""
-
-    def __init__(self) -> None:
-        self.handed: dict[str, Account] = {}
-        """The subscriber each key was last handed to, until someone claims it."""
-        self.claimed: dict[str, set[Account]] = {}
-        """The subscribers that claimed a key handed to them (more than one: concurrency > 1)."""
-
-    def hand(self, key: str, account: Account) -> None:
-        self.handed[key] = account
-
-    def claim(self, key: str, account: Account | None) -> None:
-        """A claim of ``key`` by ``account`` (``None``: a worker that is not a subscriber)."""
-        if account is not None and self.handed.pop(key, None) is account:
-            self.claimed.setdefault(key, set()).add(account)
-        else:
-            self.handed.pop(key, None)
-
-    def success(self, key: str, account: Account) -> bool:
-        """A success of ``key`` by ``account``: True if it claimed it as handed."""
-        owners = self.claimed.get(key)
-        if owners is None or account not in owners:
-            return False
-        owners.discard(account)
-        if not owners:
-            del self.claimed[key]
-        return True
-
-    def drop_key(self, key: str) -> None:
-        """The task finished, was deleted, or is not the relay's any more."""
-        self.handed.pop(key, None)
-        self.claimed.pop(key, None)
-
-    def drop_account(self, account: Account) -> None:
-        for key in [k for k, a in self.handed.items() if a is account]:
-            del self.handed[key]
-        for key, owners in list(self.claimed.items()):
-            owners.discard(account)
-            if not owners:
-                del self.claimed[key]
-
-    def __len__(self) -> int:
-        return len(self.handed) + len(self.claimed)
 
 
 class Refusals:

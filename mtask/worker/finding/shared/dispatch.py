@@ -36,7 +36,7 @@ from mtask import driver
 from mtask.clock import Clock
 from mtask.store.schema import LAST_WRITE
 from mtask.worker.finding.changes import event_key
-from mtask.worker.finding.shared.credit import Account, Accounts, Attribution, Channel, Refusals
+from mtask.worker.finding.shared.credit import Account, Accounts, Channel, Refusals
 from mtask.worker.finding.shared.host_queue import HostQueue
 
 HAND_OVER_TIMEOUT = 5.0
@@ -63,7 +63,6 @@ class Dispatcher:
         host queue counts them as in flight (``build``)."""
         self.wake = wake
         self.accounts = Accounts()
-        self.attribution = Attribution()
         self.refused = Refusals(host.scanner.sweep_interval)
         self._pruned = 0.0
         self._stuck = False
@@ -109,7 +108,6 @@ class Dispatcher:
             if to is gone:
                 self._give_back(key)
         self.refused.drop_account(gone)
-        self.attribution.drop_account(gone)
         self._refresh()
 
     def report(
@@ -119,15 +117,15 @@ class Dispatcher:
         got: int,
         done: int,
         names: list[str] | None = None,
-        quiet: bool = False,
+        sync: bool = False,
     ) -> None:
         """A subscriber's ``free`` slots, having received ``got`` keys and recorded ``done``
-        successes (and its names; ``quiet``: ``credit.Account.said``)."""
+        successes (and its names; ``sync``: ``credit.Account.said``)."""
         account = self.accounts.get(channel)
         if account is None:
             return
         self.reports += 1
-        account.said(free, got, done, time.monotonic(), quiet)
+        account.said(free, got, done, time.monotonic(), sync)
         if names is not None and frozenset(names) != account.names:
             account.names = frozenset(names)
             self._refresh()
@@ -164,7 +162,6 @@ class Dispatcher:
 
     def forget(self, key: str) -> None:
         self.refused.drop_key(key)
-        self.attribution.drop_key(key)
         self.host.forget(key)
 
     def on_change(self, change: Mapping[str, Any]) -> None:
@@ -184,18 +181,14 @@ class Dispatcher:
         self.awaiting.pop(key, None)
         fields = _fields(change)
         kind, account = self._writer(change)
-        if kind == "claim":
-            self.attribution.claim(key, account)
-        elif kind == "success" and account is not None and self.attribution.success(key, account):
-            account.seen += 1
-            if account.credit > 0:
-                self.wake.set()
-        if change.get("operationType") == "delete" or fields.get("next_claim_at", 0) is None:
-            self.attribution.drop_key(key)  # finished or gone
         if account is None:
             self.refused.drop_key(key)
             return
         self.heard[kind] += 1
+        if kind == "success":
+            account.seen += 1
+            if account.credit > 0:
+                self.wake.set()
         if account.unacked_since is not None:  # alive: the clock starts again, if keys wait
             waiting = any(to is account for to, _ in self.awaiting.values())
             account.heard(waiting, time.monotonic())
@@ -221,7 +214,6 @@ class Dispatcher:
         """Forget the tasks (the relay's one worker finds its own work again)."""
         self.awaiting.clear()
         self.refused.clear()
-        self.attribution = Attribution()
         self.host.clear()
 
     def _end_wait(self, key: str, by: Channel | None) -> None:
@@ -326,7 +318,6 @@ class Dispatcher:
             handed += 1
             account.handed(1, now_mono)  # its credit counts it from now on
             self.awaiting[key] = (account, deadline)
-            self.attribution.hand(key, account)
             batches.setdefault(account, []).append(
                 [key, meta.name, meta.priority, meta.worker_timeout_ms]
             )

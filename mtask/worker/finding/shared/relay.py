@@ -16,7 +16,9 @@ included. Relay and subscribers talk through MongoDB alone (``mailbox``, ``wire`
   tags name them): the dispatcher reads them, and the subscribers do not report them. While the
   relay's own worker is alone, its stream leaves that worker's out, as an own stream does; the
   stream is reopened with the other filter when that changes, resuming after its last event
-  (``Position.switch``: no gap, no rescan).
+  (``Position.switch``: no rescan). Until the reopen (one getMore at most) the old filter still
+  leaves out the own worker's claims and successes: a key handed to it meanwhile waits out its
+  hand-over, and a short count of its successes is synced (``credit``).
 - The change events of ``controls``, ``limits`` and ``schedules`` go to every subscriber.
 - While the relay's own worker is its only subscriber (one worker: a small deployment's common
   case), nothing is handed out: the relay passes that worker its task events as an own stream

@@ -5,51 +5,39 @@ the relay counts a slot given back for each success (``credit``). So the worker 
 no event shows: ``held``, ``missed`` and ``gone`` keys, new ``names``, and its credit when the
 relay's count of it would be wrong — after a failure, a release or a claim that came back
 empty. Everything said in one turn of the event loop goes in one report, with ``free``,
-``got`` and ``done`` (the credit, as the relay reads it). Keys it was handed and has not
-claimed after a look at the relay's lease are acknowledged then (``got``), and once nothing of
-its has been on its way for ``QUIET_LOOKS`` looks it says its counts once (a quiet report:
-``credit``). A reporter is
-connected to one subscription (``got`` counts the keys received on it, as the relay counts the
-keys it sent on it), and says something only while it is active: from the relay's ``open``
-until the worker finds work alone again (keys it claims then are not the relay's business).
-``done`` counts the successes of keys it was handed and then claimed while active, as the
-relay counts them (``credit.Attribution``).
+``got`` and ``done`` (the credit, as the relay reads it: ``done`` counts the successes this
+worker recorded while the relay handed it its tasks, as the relay counts their events).
+
+At each look at the relay's lease (every few seconds) it also acknowledges keys received
+since its last report if it has neither claimed nor finished anything since the last look (its
+events say it is alive otherwise), and it *syncs* — the relay takes its ``done`` as the
+successes seen — when it has free slots, was handed nothing since the last look, and something
+happened since it last spoke: a relay whose count of it fell short (an event it never saw, a
+claim it could not tell apart) hands it work again, and an idle worker says nothing at all.
+
+A reporter is connected to one subscription (``got`` counts the keys received on it, as the
+relay counts the keys it sent on it), and says something only while it is active: from the
+relay's ``open`` until the worker finds work alone again (keys it claims then are not the
+relay's business).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
-
-QUIET_LOOKS = 3
-"""Looks in a row that find nothing of this worker's on its way before it makes a quiet report
-(about 9 s): the counts agree again without a report per task of a trickle."""
 
 
 class Reporter:
-    def __init__(
-        self,
-        capacity: Callable[[], int],
-        names: Callable[[], Sequence[str]],
-        busy: Callable[[str], bool],
-    ) -> None:
+    def __init__(self, capacity: Callable[[], int], names: Callable[[], Sequence[str]]) -> None:
         self.capacity = capacity
         """How many more tasks this worker can take, outcomes on their way counted as busy: a
         success gives its slot back to the relay through its event, anything else is said."""
         self.names = names
-        self.busy = busy
-        """Whether a key is being claimed or run here."""
         self.got = 0
         """Keys received from the relay of this connection."""
         self.done = 0
         """Successes recorded while the relay hands this worker its tasks."""
-        self.waiting: set[str] = set()
-        """Keys received and not yet claimed nor said of."""
-        self.running: set[str] = set()
-        """Keys received and claimed, whose success counts in ``done``."""
-        self._ended: set[str] = set()
-        """Keys of ``running`` not run here at the last look (gone at the next one)."""
         self.free: int | None = None
         """The ``free`` last said."""
         self._send: Callable[[dict[str, Any]], None] | None = None
@@ -61,17 +49,17 @@ class Reporter:
         self._flush: asyncio.Handle | None = None
         self._must = False
         """Something is to be said at the end of this turn, whatever the credit."""
-        self._quiet = False
-        """What is to be said is a quiet report (``look``)."""
-        self._quiet_looks = 0
-        """Looks in a row that found nothing on its way."""
+        self._sync = False
+        """What is to be said syncs the relay's count of successes (``look``)."""
+        self._acted = False
+        """A claim or a success since the last look (the relay heard it through its stream)."""
+        self._got_at_look = 0
 
     def connect(self, send: Callable[[dict[str, Any]], None], names: list[str]) -> None:
         """A new subscription: report through ``send`` (the relay knows ``names`` already)."""
         self._send, self._names, self._said, self.active = send, names, {}, False
-        self.got = self.done = self._said_got = self._said_done = 0
+        self.got = self.done = self._said_got = self._said_done = self._got_at_look = 0
         self.free = None
-        self._forget_keys()
 
     def disconnect(self) -> None:
         self._send = None
@@ -84,34 +72,29 @@ class Reporter:
 
     def pause(self) -> None:
         """The worker finds work alone: nothing to say."""
-        self.active, self._said, self._must = False, {}, False
-        self._forget_keys()
+        self.active, self._said, self._must, self._sync = False, {}, False, False
         if self._flush is not None:
             self._flush.cancel()
             self._flush = None
 
-    def received(self, keys: Iterable[str]) -> None:
+    def received(self, count: int) -> None:
         """Keys arrived: their claims will show in the relay's stream; ``got`` goes with the
-        next report, or at the next look if they are still waiting then."""
-        for key in keys:
-            self.got += 1
-            self.waiting.add(key)
+        next report, or at the next look if nothing else says this worker is alive."""
+        self.got += count
 
     # -- ClaimReports ----------------------------------------------------------------------------
 
     def claimed(self, key: str, claim_at: Any) -> None:
         """Nothing to say: the claim's event shows it (and that this worker is alive)."""
-        if key in self.waiting:
-            self.waiting.discard(key)
-            self.running.add(key)
+        self._acted = True
 
     def held(self, key: str) -> None:
         self._say("held", key)
 
     def succeeded(self, key: str) -> None:
         """Nothing to say: the success's event gives the relay the slot back."""
-        if key in self.running:
-            self.running.discard(key)
+        self._acted = True
+        if self.active:
             self.done += 1
 
     def missed(self, key: str) -> None:
@@ -122,7 +105,6 @@ class Reporter:
 
     def _say(self, field: str, item: Any) -> None:
         if self.active:
-            self.waiting.discard(item)
             self._said.setdefault(field, []).append(item)
             self.soon()
 
@@ -146,28 +128,19 @@ class Reporter:
         return self.capacity() != expected
 
     def look(self) -> None:
-        """At a look at the relay's lease (every few seconds): say the credit if the relay's
-        count is off, and acknowledge keys that still wait for their claim. Keys whose run
-        ended without a success are let go of at the second look that finds them not run."""
-        ended = {k for k in self.running if not self.busy(k)}
-        self.running -= ended & self._ended
-        self._ended = ended
-        idle = not self.running and not self.waiting
-        self._quiet_looks = self._quiet_looks + 1 if idle else 0
+        """At a look at the relay's lease (every few seconds): acknowledge keys received if
+        nothing else showed this worker alive since the last look; sync the relay's count if
+        this worker has free slots and was handed nothing since the last look."""
+        acted, self._acted = self._acted, False
+        handed, self._got_at_look = self.got != self._got_at_look, self.got
         spoke = self.got != self._said_got or self.done != self._said_done
-        if self.waiting and self.got != self._said_got:
+        if self.got != self._said_got and not acted:
             self.soon()
-        elif spoke and self._quiet_looks >= QUIET_LOOKS:  # nothing on its way: counts agree
-            self._quiet = True
+        elif spoke and not handed and self.capacity() > 0:
+            self._sync = True
             self.soon()
         else:
             self.check()
-
-    def _forget_keys(self) -> None:
-        self.waiting.clear()
-        self.running.clear()
-        self._ended.clear()
-        self._quiet_looks = 0
 
     def _report(self) -> None:
         self._flush = None
@@ -178,9 +151,9 @@ class Reporter:
         self._must = False
         self.free, self._said_got, self._said_done = self.capacity(), self.got, self.done
         message: dict[str, Any] = {"free": self.free, "got": self.got, "done": self.done}
-        if self._quiet and not self.running and not self.waiting:
-            message["quiet"] = True
-        self._quiet = False
+        if self._sync:
+            message["sync"] = True
+        self._sync = False
         names = list(self.names())
         if names != self._names:
             message["names"] = self._names = names

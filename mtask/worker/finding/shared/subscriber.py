@@ -64,7 +64,6 @@ class SharedStream:
         worker_id: str,
         finder: Finder,
         capacity: Callable[[], int],
-        busy: Callable[[str], bool],
         *,
         queue_size: int = 10_000,
         buffer: int = SUBSCRIBER_BUFFER,
@@ -93,7 +92,7 @@ class SharedStream:
         self.connections = 0
         self.fallback = False
         self.left_silent = 0
-        self.reports = Reporter(capacity, self._scope_names, busy)
+        self.reports = Reporter(capacity, self._scope_names)
         """This worker's ``ClaimReports``: said only while the relay hands it its tasks."""
         self._send: Callable[[dict[str, Any]], None] | None = None
         """How to reach the relay followed now."""
@@ -208,7 +207,7 @@ class SharedStream:
             looks = asyncio.create_task(self._looks(), name="mtask-relay-looks")
             try:
                 report = lambda m: apply_report(relay.dispatcher, local, m)  # noqa: E731
-                await self._consume(local.next, report, looks)
+                await self._consume(local.next, report)
             finally:
                 looks.cancel()
                 relay.remove(local)
@@ -305,12 +304,12 @@ class SharedStream:
         """One frame from the relay (``wire``)."""
         relay = frame.get("relay")
         if relay == "open" and self.dispatched:
-            self.reports.soon()  # its stream (re)opened and may have missed a success: resay
+            self.reports.soon()  # its stream (re)opened: say the credit again
         if "d" in frame or relay == "open":
             self._dispatch()
         if "d" in frame:
             now = self.clock.now()
-            self.reports.received(entry[0] for entry in frame["d"])
+            self.reports.received(len(frame["d"]))
             for key, name, priority, timeout in frame["d"]:
                 if not self.finder.placement.hand(key, name, priority, timeout, now):
                     self.reports.missed(key)  # it runs it already, for another worker

@@ -9,8 +9,8 @@ worker_timeout_ms], …]}`` (tasks handed over, due now), and the change events 
 Subscriber to relay: its hello (``{"hello": PROTOCOL, "worker_id", "names", "free",
 "inbox"}``: the capped collection it tails), then a report only when something happened that
 the relay's stream does not show: ``free``, ``got`` and ``done`` (its credit: ``got``
-acknowledges handed keys, ``done`` counts its successes, ``credit``; with ``"quiet": true``
-when nothing of its is on its way), ``names`` (when a pause
+acknowledges handed keys, ``done`` counts its successes, ``credit``; with ``"sync": true``
+when the relay is to take ``done`` as the successes it has seen), ``names`` (when a pause
 changes them), ``held``, ``missed`` and ``gone`` (keys of ``finding.protocols.ClaimReports``);
 and ``{"bye": True}`` when it leaves. Its claims and successes are not said: the relay reads
 them from its stream (``dispatch``), so a task costs the wire one insert, its hand-out.
@@ -72,7 +72,7 @@ def apply_report(dispatcher: Dispatcher, channel: Channel, message: Mapping[str,
     if "free" in message:
         free, got, done = (_count(message, f) for f in ("free", "got", "done"))
         dispatcher.report(
-            channel, free, got, done, message.get("names"), message.get("quiet") is True
+            channel, free, got, done, message.get("names"), message.get("sync") is True
         )
 
 
