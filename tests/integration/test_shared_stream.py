@@ -98,6 +98,32 @@ async def test_a_task_of_concurrency_two_is_run_by_two_workers_without_a_sweep(
             assert len(workers_ok) == 2  # two distinct workers, each once
 
 
+async def test_failures_give_the_slots_back_without_a_sweep(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """A failure frees a slot no event gives back to the relay: the subscriber says its credit,
+    so workers of concurrency 1 whose every task fails once keep being handed work."""
+    ids = ["a", "b", "c"]
+    async with workers(mongo_uri, db_name, ids, concurrency=1, sweep_interval=3600) as crew:
+        relay = shared(crew[0][0]).relay
+        assert relay is not None
+        await wait_for(lambda: len(relay.subscribers) == 3 and relay.excluded == ())
+        client.publish_many(
+            {
+                "name": "flaky",
+                "key": f"f{i:02}",
+                "params": {"fail_times": 1},
+                "options": {"retry_delay_ms": 0, "max_retries": 2},
+            }
+            for i in range(40)
+        )
+        await wait_for(lambda: done(client, 40), timeout=60)
+        stats = [w.stats for w, _ in crew]
+        assert sum(s.claimed for s in stats) == 80  # each failed once, then succeeded
+        assert relay.dispatcher.heard["success"] == 40
+        assert relay.dispatcher.reports >= 20  # failures are said (one report may say two)
+
+
 async def test_a_dropped_subscriber_reconnects_and_gets_tasks_again(
     mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
