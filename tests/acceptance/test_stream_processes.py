@@ -137,6 +137,41 @@ async def test_worker_processes_share_one_stream_and_take_over_a_killed_relay(
         await asyncio.to_thread(stop, procs)
 
 
+def relay_subscribers(client: TaskClient, holder: str) -> int | None:
+    """How many subscribers the relay's heartbeat says it has."""
+    for doc in client.collection.database["workers"].find({"_id": holder}):
+        return ((doc.get("stream") or {}).get("relay") or {}).get("subscribers")
+    return None
+
+
+async def test_a_killed_subscriber_is_let_go_and_its_keys_handed_on(
+    mongo_uri: str, mongo: Mongo, db_name: str, client: TaskClient
+) -> None:
+    """kill -9 a worker the relay hands tasks to (not the relay): the keys handed to it come
+    back, what it had claimed is taken over when its leases end, and the relay lets it go
+    (``SILENT_SUBSCRIBER``): nothing is stranded, every task runs to a success."""
+    lease = {"worker_timeout_ms": 2000, "ping_interval_ms": 300}
+    procs = [
+        spawn(mongo_uri, db_name, "--worker-id", f"w{i}", "--stream", "shared") for i in range(3)
+    ]
+    try:
+        holder = await wait_for(lambda: relay_worker(mongo, db_name), timeout=60)
+        await wait_for(lambda: relay_subscribers(client, holder) == 3, timeout=30)
+        warm = publish(client, "a", 30, **lease)
+        await wait_for(lambda: finished(client, warm), timeout=60)
+        victim = next(p for i, p in enumerate(procs) if f"w{i}" != holder)
+        during = publish(client, "b", 30, **lease)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=10)
+        after = publish(client, "c", 60, **lease)  # some are handed to the dead one first
+        await wait_for(lambda: finished(client, warm + during + after), timeout=90)
+        await wait_for(lambda: relay_subscribers(client, holder) == 2, timeout=30)
+        assert client.collection.count_documents({"status": {"$ne": "succeeded"}}) == 0
+        assert all(p.poll() is None for p in procs if p is not victim)
+    finally:
+        await asyncio.to_thread(stop, procs)
+
+
 async def test_own_streams_when_asked(
     mongo_uri: str, mongo: Mongo, db_name: str, client: TaskClient
 ) -> None:
