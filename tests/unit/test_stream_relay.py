@@ -204,8 +204,8 @@ async def test_the_keys_received_count_for_the_whole_subscription() -> None:
     reporter.missed("k1")
     await asyncio.sleep(0)
     assert sent == [
-        {"free": 4, "got": 3, "done": 0},
-        {"free": 4, "got": 3, "done": 0, "missed": ["k1"]},
+        {"free": 4, "got": 3, "done": 0, "sync": True},
+        {"free": 4, "got": 3, "done": 0, "sync": True, "missed": ["k1"]},
     ]
     reporter.connect(sent.append, ["n"])  # a new subscription counts afresh
     assert reporter.got == 0 and not reporter.active
@@ -221,7 +221,7 @@ async def test_a_subscriber_whose_work_goes_well_says_nothing() -> None:
     reporter.connect(sent.append, ["n"])
     reporter.resume()
     await asyncio.sleep(0)
-    assert sent == [{"free": 2, "got": 0, "done": 0}]
+    assert sent == [{"free": 2, "got": 0, "done": 0, "sync": True}]  # handed work: counts agree
     reporter.received(2)  # queued: two slots taken
     slots["free"] = 0
     reporter.claimed("a", WHEN)
@@ -253,6 +253,26 @@ async def test_a_subscriber_whose_work_goes_well_says_nothing() -> None:
     reporter.look()
     await asyncio.sleep(0)
     assert len(sent) == 4  # an idle subscriber says nothing more
+    # handed keys it claimed and finished between two looks, then nothing: it syncs (a relay
+    # that counts its successes short would hand it nothing more), not a plain acknowledgement
+    reporter.received(2)
+    reporter.claimed("d", WHEN)
+    reporter.succeeded("d")
+    reporter.claimed("e", WHEN)
+    reporter.succeeded("e")
+    reporter.look()  # it was handed keys since the last look: nothing yet
+    await asyncio.sleep(0)
+    assert len(sent) == 4
+    reporter.look()  # free, handed nothing since: sync
+    await asyncio.sleep(0)
+    assert sent[-1] == {"free": 2, "got": 5, "done": 4, "sync": True}
+    # more due keys than slots: the relay counts too many of its successes
+    reporter.received(3)
+    slots["free"] = -1
+    reporter.claimed("f", WHEN)
+    reporter.look()
+    await asyncio.sleep(0)
+    assert sent[-1] == {"free": -1, "got": 8, "done": 4, "sync": True}
 
 
 async def test_a_workers_new_hello_ends_its_earlier_subscription() -> None:

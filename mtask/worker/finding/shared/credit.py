@@ -12,10 +12,11 @@
 - **Counts that drift are synced.** The two counts of successes can come apart (an event the
   relay never saw, one seen just before a subscription was counted; a success whose outcome
   write was fenced in part). A relay that counts too few starves the subscriber; one that counts
-  too many hands it a key or two it must queue. So a subscriber with free slots that was handed
-  nothing for a look (a few seconds), and did something since it last spoke, *syncs*: the relay
-  takes its ``done`` as the successes seen. That costs one report per host when its work stops,
-  none while it flows.
+  too many hands it keys it must queue. So a subscriber that did something since it last spoke
+  *syncs* (the relay takes its ``done`` as the successes seen) at a look that finds it with free
+  slots and nothing handed since the previous look, or with more due keys than slots; and when
+  it is first handed work, and when the relay's stream reopens. That costs one report per host
+  when its work stops, none while it flows.
 - **Acknowledgement.** A live subscriber is heard: its claims and successes in the relay's
   stream, or a report; one that has neither claimed nor finished anything for a look says
   ``got``. One that leaves keys unacknowledged for ``SILENT_SUBSCRIBER`` seconds is dead,

@@ -8,12 +8,13 @@ empty. Everything said in one turn of the event loop goes in one report, with ``
 ``got`` and ``done`` (the credit, as the relay reads it: ``done`` counts the successes this
 worker recorded while the relay handed it its tasks, as the relay counts their events).
 
-At each look at the relay's lease (every few seconds) it also acknowledges keys received
-since its last report if it has neither claimed nor finished anything since the last look (its
-events say it is alive otherwise), and it *syncs* — the relay takes its ``done`` as the
-successes seen — when it has free slots, was handed nothing since the last look, and something
-happened since it last spoke: a relay whose count of it fell short (an event it never saw, a
-claim it could not tell apart) hands it work again, and an idle worker says nothing at all.
+At each look at the relay's lease (every few seconds) it *syncs* — the relay takes its
+``done`` as the successes seen — when something happened since it last spoke and it has free
+slots but was handed nothing since the last look (the relay may count too few of its
+successes: it is handed work again) or holds more due keys than slots (too many); else it
+acknowledges keys received since its last report if it has neither claimed nor finished
+anything since the last look (its events say it is alive otherwise). It syncs too when the
+relay first hands it work and when the relay's stream reopens. An idle worker says nothing.
 
 A reporter is connected to one subscription (``got`` counts the keys received on it, as the
 relay counts the keys it sent on it), and says something only while it is active: from the
@@ -66,8 +67,14 @@ class Reporter:
         self.pause()
 
     def resume(self) -> None:
-        """The relay hands this worker its tasks: say the credit, and what becomes of them."""
+        """The relay hands this worker its tasks: say the credit, and what becomes of them (a
+        sync: successes the relay saw before this worker counted them are not credit)."""
         self.active = True
+        self.sync()
+
+    def sync(self) -> None:
+        """Report once this turn is over, and have the relay take ``done`` as seen."""
+        self._sync = True
         self.soon()
 
     def pause(self) -> None:
@@ -128,16 +135,17 @@ class Reporter:
         return self.capacity() != expected
 
     def look(self) -> None:
-        """At a look at the relay's lease (every few seconds): acknowledge keys received if
-        nothing else showed this worker alive since the last look; sync the relay's count if
-        this worker has free slots and was handed nothing since the last look."""
+        """At a look at the relay's lease (every few seconds): sync the relay's count if this
+        worker has free slots and was handed nothing since the last look (the relay may count
+        too few of its successes), or holds more keys than slots (too many); else acknowledge
+        keys received if nothing showed this worker alive since the last look."""
         acted, self._acted = self._acted, False
         handed, self._got_at_look = self.got != self._got_at_look, self.got
         spoke = self.got != self._said_got or self.done != self._said_done
-        if self.got != self._said_got and not acted:
-            self.soon()
-        elif spoke and not handed and self.capacity() > 0:
-            self._sync = True
+        free = self.capacity()
+        if spoke and ((free > 0 and not handed) or free < 0):
+            self.sync()
+        elif self.got != self._said_got and not acted:
             self.soon()
         else:
             self.check()

@@ -304,7 +304,7 @@ class SharedStream:
         """One frame from the relay (``wire``)."""
         relay = frame.get("relay")
         if relay == "open" and self.dispatched:
-            self.reports.soon()  # its stream (re)opened: say the credit again
+            self.reports.sync()  # its stream (re)opened, perhaps past events: counts agree
         if "d" in frame or relay == "open":
             self._dispatch()
         if "d" in frame:
