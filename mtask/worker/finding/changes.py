@@ -25,6 +25,13 @@ def event_key(change: Mapping[str, Any]) -> Any:
     return key.get("_id") if isinstance(key, Mapping) else None
 
 
+def updated_fields(change: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The fields an update's event says were set (none for any other event or shape)."""
+    update = change.get("updateDescription")
+    fields = update.get("updatedFields") if isinstance(update, Mapping) else None
+    return fields if isinstance(fields, Mapping) else {}
+
+
 def apply_task_change(scanner: Scanner, change: Mapping[str, Any]) -> None:
     """Apply one task event to ``scanner``'s placement, supervised."""
     try:
@@ -48,7 +55,7 @@ def _apply(scanner: Scanner, change: Mapping[str, Any]) -> None:
             scanner.malformed.add(raw)
         return
     doc = change.get("fullDocument")
-    fields = (change.get("updateDescription") or {}).get("updatedFields") or {}
+    fields = updated_fields(change)
     if doc is None and change.get("operationType") == "update" and "next_claim_at" not in fields:
         return  # another worker's claim or success that left its place as it was
     scanner.touch(key)

@@ -35,7 +35,7 @@ from typing import Any
 from mtask import driver
 from mtask.clock import Clock
 from mtask.store.schema import LAST_WRITE
-from mtask.worker.finding.changes import event_key
+from mtask.worker.finding.changes import event_key, updated_fields
 from mtask.worker.finding.shared.credit import Account, Accounts, Channel, Refusals
 from mtask.worker.finding.shared.host_queue import HostQueue
 
@@ -179,8 +179,8 @@ class Dispatcher:
         if not isinstance(key, str):
             return
         self.awaiting.pop(key, None)
-        fields = _fields(change)
-        kind, account = self._writer(change)
+        fields = updated_fields(change)
+        kind, account = self._writer(fields)
         if account is None:
             self.refused.drop_key(key)
             return
@@ -200,9 +200,9 @@ class Dispatcher:
         else:
             self.refused.drop_key(key)
 
-    def _writer(self, change: Mapping[str, Any]) -> tuple[str, Account | None]:
-        """Which subscriber's claim or success ``change`` is, by its ``last_write`` tag."""
-        tag = _fields(change).get(LAST_WRITE)
+    def _writer(self, fields: Mapping[str, Any]) -> tuple[str, Account | None]:
+        """Whose claim or success an update that set ``fields`` is, by its ``last_write``."""
+        tag = fields.get(LAST_WRITE)
         if not isinstance(tag, str):
             return "", None
         kind, _, worker_id = tag.partition(":")
@@ -330,10 +330,3 @@ class Dispatcher:
         counts |= {f"heard_{kind}": n for kind, n in self.heard.items()}
         counts["reports"] = self.reports
         return {"subscribers": len(self.accounts), **counts, "refused": refused, "queued": queued}
-
-
-def _fields(change: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The fields an update's event says were set (none for any other event or shape)."""
-    update = change.get("updateDescription")
-    fields = update.get("updatedFields") if isinstance(update, Mapping) else None
-    return fields if isinstance(fields, Mapping) else {}
