@@ -97,6 +97,14 @@ class TaskOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     priority: int = Field(0, ge=-1_000_000, le=1_000_000, description="Higher runs first.")
+    group: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_NAME_LENGTH,
+        pattern=NO_NUL,
+        description="Its fairness group (a tenant, a customer): the groups of a name take "
+        "turns at being claimed, so one group's backlog does not starve another's tasks.",
+    )
     concurrency: int = Field(
         1,
         ge=1,

@@ -85,6 +85,14 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=30.0, help="seconds to drain on stop")
     p.add_argument("--sweep-interval", type=float, default=30.0)
     p.add_argument(
+        "--priority-aging",
+        type=float,
+        metavar="SECONDS",
+        help="raise a waiting task's priority by one for every SECONDS it has waited, so "
+        "low-priority work is not starved (default: strict priorities; give every worker "
+        "the same value)",
+    )
+    p.add_argument(
         "--startup-timeout",
         type=float,
         default=60.0,
@@ -229,6 +237,7 @@ def run_worker(args: argparse.Namespace) -> int:
             names=args.names.split(",") if args.names else None,
             grace=args.grace,
             sweep_interval=args.sweep_interval,
+            priority_aging=args.priority_aging,
             startup_timeout=args.startup_timeout,
             run_schedules=not args.no_schedules,
             stream=args.stream,

@@ -238,7 +238,14 @@ CLAIMED_FIELDS.update({"runs.state": 1, "runs.txn": 1})
 CLAIMED_FIELDS["next_claim_at"] = 1
 CLAIMED_FIELDS["steps"] = 1  # durable steps to replay (docs/steps.md); absent: no bytes
 """What a worker needs of a task it claimed."""
-PLACEMENT_FIELDS = {"next_claim_at": 1, "name": 1, "status": 1, "options": 1, "waiting_on": 1}
+PLACEMENT_FIELDS = {
+    "next_claim_at": 1,
+    "available_at": 1,
+    "name": 1,
+    "status": 1,
+    "options": 1,
+    "waiting_on": 1,
+}
 """What a worker reads to queue a task (``status`` and all ``options``: see ``placeable``)."""
 
 

@@ -12,6 +12,7 @@ need each other, they meet at a ``wiring.Signal`` or ``Gauge`` made first.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,7 +111,8 @@ def build(
     lost: Signal[[str, dict[str, Any] | None]] = Signal()
     capacity = Gauge()
     inflight = InFlight(on_free=freed)
-    queue = ClaimQueue(config.queue_size)
+    aging = config.priority_aging
+    queue = ClaimQueue(config.queue_size, None if aging is None else dt.timedelta(seconds=aging))
     assignment = Assignment(tuple(names))
     scheduler = Scheduler(
         adriver,

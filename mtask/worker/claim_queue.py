@@ -1,8 +1,22 @@
 """The claim queue: when each known task becomes claimable, and which to try first.
 
-Two heaps: ``timers`` orders tasks by claim time; once a task is due it moves to ``ready``,
-which orders by priority (high first), then tasks that name this worker, then claim time. The
-queue is bounded; when full it keeps the soonest tasks and remembers that it dropped some
+Two stages: ``timers`` orders tasks by claim time; once a task is due it moves to the ready
+stage (``Ready``), which chooses which due task goes first:
+
+1. the higher **effective priority**: the task's priority, raised by one for every ``aging``
+   its task has waited since its place in line (``place``: the document's ``available_at``,
+   when it last became due by publish, retry or wake-up; a lease's end does not move it), so
+   low-priority work is not starved for ever (off when ``aging`` is ``None``);
+2. tasks that name this worker;
+3. **fairness**: the fairness group (a task's name and ``options.group``; every task
+   without a group is in one group together) that has been served least since it had due
+   work, so a group with a backlog takes turns with a group that has a few tasks instead
+   of going first with all of them (round robin); a group that comes back starts level
+   with the group served last, not with the credit of its idle time;
+4. the earlier place in line, so a task whose lease ran out (its worker killed, its run
+   timed out) goes ahead of tasks published after it.
+
+The queue is bounded; when full it keeps the soonest tasks and remembers that it dropped some
 (``overflowed``), so the worker rescans once the queue runs dry. Entries are hints: the claim
 decides. Pure and synchronous, so it is property-tested without MongoDB.
 """
@@ -12,7 +26,12 @@ from __future__ import annotations
 import datetime as dt
 import heapq
 import itertools
+import math
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
+
+Group = Hashable
+"""A fairness group: ``(name, group)`` for a task with a group, ``None`` for all others."""
 
 
 @dataclass(frozen=True)
@@ -21,22 +40,141 @@ class Entry:
     priority: int
     specific: bool
     seq: int
+    group: Group = None
+    place: dt.datetime | None = None
+    """Its place in line (``available_at``); the claim time when not known."""
+
+    @property
+    def line(self) -> dt.datetime:
+        return self.claim_at if self.place is None else self.place
+
+
+def effective_priority(
+    priority: int, place: dt.datetime, now: dt.datetime, aging: dt.timedelta | None
+) -> int:
+    """``priority`` plus one for every whole ``aging`` waited since ``place`` (none before it,
+    and none when ``aging`` is ``None``)."""
+    if aging is None or now <= place:
+        return priority
+    return priority + math.floor((now - place) / aging)
+
+
+# (-effective priority, not specific, place, seq, key)
+_Item = tuple[int, int, dt.datetime, int, str]
+
+
+class Ready:
+    """The due entries: a heap per fairness group, and the groups in turn (a heap of each
+    group's head, with lazy deletion: an item is current while its ``tick`` is the group's)."""
+
+    def __init__(self, live: Callable[[str, int], bool]) -> None:
+        self._live = live
+        self._groups: dict[Group, list[_Item]] = {}
+        self._served: dict[Group, int] = {}
+        self._tick: dict[Group, int] = {}
+        self._top: list[tuple[int, int, int, dt.datetime, int, Group]] = []
+        self._ticks = itertools.count()
+        self._level = 0
+        """How many turns the group served last had had: a group that comes back starts
+        there."""
+
+    def add(self, item: _Item, group: Group) -> None:
+        heap = self._groups.get(group)
+        if heap is None:
+            heap = self._groups[group] = []
+            self._served[group] = self._level
+        heapq.heappush(heap, item)
+        if heap[0] is item:
+            self._announce(group)
+
+    def _announce(self, group: Group) -> None:
+        """Put ``group``'s current head in the turn heap (its older item goes stale)."""
+        head = self._groups[group][0]
+        tick = next(self._ticks)
+        self._tick[group] = tick
+        heapq.heappush(self._top, (head[0], head[1], self._served[group], head[2], tick, group))
+
+    def _settled(self) -> tuple[int, Group] | None:
+        """The turn heap's top made current (stale items and dead heads cleaned on the way):
+        its group and how many turns that group has had, or ``None`` when nothing is ready."""
+        while self._top:
+            neg, spec, served, place, tick, group = self._top[0]
+            if self._tick.get(group) != tick:
+                heapq.heappop(self._top)
+                continue
+            heap = self._groups[group]
+            while heap and not self._live(heap[0][4], heap[0][3]):
+                heapq.heappop(heap)
+            heapq.heappop(self._top)
+            if not heap:
+                self._drop(group)
+            elif heap[0][:3] != (neg, spec, place):  # its head changed: its turn again
+                self._announce(group)
+            else:
+                heapq.heappush(self._top, (neg, spec, served, place, tick, group))
+                return served, group
+        return None
+
+    def pop(self) -> str | None:
+        """The best due key (or ``None``), taken out."""
+        settled = self._settled()
+        if settled is None:
+            return None
+        served, group = settled
+        heapq.heappop(self._top)
+        heap = self._groups[group]
+        key = heapq.heappop(heap)[4]
+        self._level = served
+        self._served[group] = served + 1
+        if heap:
+            self._announce(group)
+        else:
+            self._drop(group)
+        return key
+
+    def _drop(self, group: Group) -> None:
+        del self._groups[group], self._served[group], self._tick[group]
+
+    def live_items(self) -> Iterator[tuple[_Item, Group]]:
+        for group, heap in self._groups.items():
+            for item in heap:
+                if self._live(item[4], item[3]):
+                    yield item, group
+
+    def __bool__(self) -> bool:
+        """Whether any live entry is ready."""
+        return self._settled() is not None
+
+    def clear(self) -> None:
+        self._groups.clear()
+        self._served.clear()
+        self._tick.clear()
+        self._top.clear()
+        self._level = 0
 
 
 class ClaimQueue:
-    def __init__(self, max_size: int = 10_000) -> None:
+    def __init__(self, max_size: int = 10_000, aging: dt.timedelta | None = None) -> None:
         if max_size < 1:
             raise ValueError("max_size must be at least 1")
+        if aging is not None and aging <= dt.timedelta(0):
+            raise ValueError("aging must be positive")
         self.max_size = max_size
+        self.aging = aging
         self.entries: dict[str, Entry] = {}
         self._timers: list[tuple[dt.datetime, int, str]] = []
-        self._ready: list[tuple[int, int, dt.datetime, int, str]] = []
+        self._ready = Ready(self._live)
+        self._aged_at: dt.datetime | None = None
         self._latest: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
         self.overflowed = False
         self.overflow_at: dt.datetime | None = None
         """The earliest claim time of a task left out because the queue was full: every task
         not in the queue becomes due no earlier than this."""
+
+    def like(self) -> ClaimQueue:
+        """An empty queue of the same size and aging (the relay's, for every subscriber)."""
+        return ClaimQueue(self.max_size, self.aging)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -49,7 +187,14 @@ class ClaimQueue:
         return key in self.entries
 
     def push(
-        self, key: str, claim_at: dt.datetime, priority: int = 0, specific: bool = False
+        self,
+        key: str,
+        claim_at: dt.datetime,
+        priority: int = 0,
+        specific: bool = False,
+        *,
+        group: Group = None,
+        place: dt.datetime | None = None,
     ) -> bool:
         """Add or move ``key``. Returns False when the queue is full and ``key`` is later than
         everything kept (it is dropped and ``overflowed`` set)."""
@@ -60,7 +205,7 @@ class ClaimQueue:
                 return False
             self.note_overflow(self.entries[latest_key].claim_at)
             self.discard(latest_key)
-        entry = Entry(claim_at, priority, specific, next(self._seq))
+        entry = Entry(claim_at, priority, specific, next(self._seq), group, place)
         self.entries[key] = entry
         heapq.heappush(self._timers, (claim_at, entry.seq, key))
         heapq.heappush(self._latest, (-claim_at.timestamp(), entry.seq, key))
@@ -95,24 +240,33 @@ class ClaimQueue:
             heapq.heappop(self._latest)
         return None
 
+    def _item(self, key: str, entry: Entry, now: dt.datetime) -> _Item:
+        priority = effective_priority(entry.priority, entry.line, now, self.aging)
+        return (-priority, 0 if entry.specific else 1, entry.line, entry.seq, key)
+
     def _promote(self, now: dt.datetime) -> None:
+        if self.aging is not None and (self._aged_at is None or now >= self._aged_at + self.aging):
+            self._age(now)
         while self._timers and self._timers[0][0] <= now:
-            claim_at, seq, key = heapq.heappop(self._timers)
+            _, seq, key = heapq.heappop(self._timers)
             entry = self.entries.get(key)
             if entry is None or entry.seq != seq:
                 continue
-            heapq.heappush(
-                self._ready, (-entry.priority, 0 if entry.specific else 1, claim_at, seq, key)
-            )
+            self._ready.add(self._item(key, entry, now), entry.group)
+
+    def _age(self, now: dt.datetime) -> None:
+        """Compute the ready entries' effective priorities again (once per ``aging``)."""
+        self._aged_at = now
+        ready = [(item[4], group) for item, group in self._ready.live_items()]
+        self._ready.clear()
+        for key, group in ready:
+            self._ready.add(self._item(key, self.entries[key], now), group)
 
     def pop_due(self, now: dt.datetime, limit: int) -> list[str]:
         """Remove and return up to ``limit`` keys claimable at ``now``, best first."""
         self._promote(now)
         out: list[str] = []
-        while self._ready and len(out) < limit:
-            *_, seq, key = heapq.heappop(self._ready)
-            if not self._live(key, seq):
-                continue
+        while len(out) < limit and (key := self._ready.pop()) is not None:
             del self.entries[key]
             out.append(key)
         return out
@@ -120,7 +274,7 @@ class ClaimQueue:
     def due(self, now: dt.datetime) -> int:
         """How many entries are claimable at ``now``."""
         self._promote(now)
-        return sum(1 for *_, seq, key in self._ready if self._live(key, seq))
+        return sum(1 for _ in self._ready.live_items())
 
     def _live(self, key: str, seq: int) -> bool:
         """Whether a heap item is still its key's entry (a push or discard leaves old ones)."""
@@ -130,12 +284,8 @@ class ClaimQueue:
     def next_due(self, now: dt.datetime) -> dt.datetime | None:
         """When the next entry becomes due (``now`` if one is due already)."""
         self._promote(now)
-        while self._ready:
-            seq, key = self._ready[0][3], self._ready[0][4]
-            entry = self.entries.get(key)
-            if entry is not None and entry.seq == seq:
-                return now
-            heapq.heappop(self._ready)
+        if self._ready:
+            return now
         while self._timers:
             claim_at, seq, key = self._timers[0]
             entry = self.entries.get(key)
@@ -149,5 +299,6 @@ class ClaimQueue:
         self._timers.clear()
         self._ready.clear()
         self._latest.clear()
+        self._aged_at = None
         self.overflowed = False
         self.overflow_at = None

@@ -49,6 +49,11 @@ class WorkerConfig:
     ``own``: this worker's own change stream and queue."""
     stagger_ms: float = 25.0
     queue_size: int = 10_000
+    priority_aging: float | None = None
+    """Seconds of waiting that raise a due task's priority by one when choosing what to claim
+    (and, for the relay's holder, what to hand out), so low-priority work is not starved for
+    ever; ``None``: strict priorities. Give every worker the same value
+    (docs/fairness.md)."""
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
     clock: Clock | None = None
     on_event: Callable[..., None] | None = None
@@ -74,6 +79,8 @@ class WorkerConfig:
             raise ConfigError("must be own or shared", field="stream")
         if self.pool not in ("thread", "process"):
             raise ConfigError("must be thread or process", field="pool")
+        if self.priority_aging is not None and not 1 <= self.priority_aging <= 86_400:
+            raise ConfigError("must be from 1 to 86400 seconds", field="priority_aging")
         if self.memory_limit_per_child is not None and self.memory_limit_per_child < 1:
             raise ConfigError("must be at least 1", field="memory_limit_per_child")
         chosen = list(self.names) if self.names else registry.names

@@ -32,7 +32,9 @@ class Channel:
 
 def build() -> tuple[Dispatcher, FixedClock]:
     clock = FixedClock(NOW)
-    d = Dispatcher.build(cast(AsyncDriver, None), clock, queue_size=1000, sweep_interval=30.0)
+    d = Dispatcher.build(
+        cast(AsyncDriver, None), clock, new_queue=lambda: ClaimQueue(1000), sweep_interval=30.0
+    )
     return d, clock
 
 

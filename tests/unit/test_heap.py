@@ -7,7 +7,7 @@ import datetime as dt
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mtask.worker.claim_queue import ClaimQueue
+from mtask.worker.claim_queue import ClaimQueue, effective_priority
 
 BASE = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 ops = st.lists(
@@ -63,3 +63,111 @@ def test_full_queue_keeps_the_soonest_and_says_it_overflowed() -> None:
     assert queue.push("soon", BASE)  # evicts the latest ("a")
     assert set(queue.entries) == {"b", "soon"}
     assert queue.pop_due(BASE + dt.timedelta(seconds=5), 10) == ["soon", "b"]
+
+
+# -- fairness between groups, places in line, priority aging -----------------------------------
+
+grouped = st.lists(
+    st.tuples(
+        st.integers(0, 40).map(lambda i: f"k{i}"),
+        st.integers(-5_000, 0).map(lambda ms: BASE + dt.timedelta(milliseconds=ms)),
+        st.integers(-2, 2),
+        st.booleans(),
+        st.sampled_from([None, ("n", "a"), ("n", "b"), ("m", "a")]),
+        st.integers(-600, 0).map(lambda s: BASE + dt.timedelta(seconds=s)),
+    ),
+    max_size=80,
+)
+
+
+@given(grouped, st.integers(1, 60), st.sampled_from([None, 30, 120]))
+def test_groups_take_turns_within_the_best_priority(
+    pushes: list[tuple[str, dt.datetime, int, bool, object, dt.datetime]],
+    limit: int,
+    aging_s: int | None,
+) -> None:
+    aging = None if aging_s is None else dt.timedelta(seconds=aging_s)
+    queue = ClaimQueue(max_size=100, aging=aging)
+    model: dict[str, tuple[int, bool, object, dt.datetime]] = {}
+    for key, at, priority, specific, group, place in pushes:
+        assert queue.push(key, at, priority, specific, group=group, place=place)
+        model[key] = (priority, specific, group, place)
+    now = BASE
+
+    def rank(key: str) -> tuple[int, bool]:
+        priority, specific, _, place = model[key]
+        return (-effective_priority(priority, place, now, aging), not specific)
+
+    popped = queue.pop_due(now, limit)
+    assert len(popped) == min(limit, len(model))
+    ranks = [rank(k) for k in popped]
+    assert ranks == sorted(ranks)  # the best effective priority first, then this worker's
+    left = [rank(k) for k in model if k not in popped]
+    if left and popped:
+        assert min(left) >= ranks[-1]
+    for group in {g for _, _, g, _ in model.values()}:  # within a group: its place in line
+        mine = [(rank(k), model[k][3]) for k in popped if model[k][2] == group]
+        assert mine == sorted(mine)
+    # while several groups of one rank wait, they take turns: counts differ by at most one
+    for level in set(ranks):
+        at_level = [k for k in popped if rank(k) == level]
+        groups = {model[k][2] for k in model if rank(k) == level}
+        served = dict.fromkeys(groups, 0)
+        for key in at_level:
+            served[model[key][2]] += 1
+            remaining = {
+                g
+                for g in groups
+                if any(model[k][2] == g and rank(k) == level and k not in at_level for k in model)
+            }
+            if remaining == groups:  # every group still has some: nobody ran ahead
+                assert max(served.values()) - min(served.values()) <= 1
+
+
+def test_a_group_with_a_few_tasks_is_not_starved_by_a_backlog() -> None:
+    queue = ClaimQueue()
+    for i in range(200):
+        queue.push(f"a{i}", BASE, group=("n", "A"), place=BASE)
+    assert queue.pop_due(BASE, 50) == [f"a{i}" for i in range(50)]
+    later = BASE + dt.timedelta(seconds=1)
+    for i in range(5):
+        queue.push(f"b{i}", later, group=("n", "B"), place=later)
+    order = queue.pop_due(later, 12)
+    assert [k for k in order if k.startswith("b")] == [f"b{i}" for i in range(5)]
+    assert order.index("b4") <= 10  # taking turns: five of B within the next eleven
+
+
+def test_a_task_whose_lease_ran_out_keeps_its_place() -> None:
+    queue = ClaimQueue()
+    published = BASE - dt.timedelta(seconds=60)
+    for i in range(5):  # published after it, due long before its lease ended
+        queue.push(f"new{i}", BASE - dt.timedelta(seconds=30 - i), place=None)
+    queue.push("taken-over", BASE, place=published)  # due at its lease's end
+    assert queue.pop_due(BASE, 6)[0] == "taken-over"
+
+
+def test_priority_ages_one_level_per_interval() -> None:
+    aging = dt.timedelta(seconds=60)
+    assert effective_priority(0, BASE, BASE + dt.timedelta(seconds=59), aging) == 0
+    assert effective_priority(0, BASE, BASE + dt.timedelta(seconds=120), aging) == 2
+    assert effective_priority(3, BASE, BASE - dt.timedelta(seconds=5), aging) == 3
+    assert effective_priority(0, BASE, BASE + dt.timedelta(days=1), None) == 0
+    queue = ClaimQueue(aging=aging)
+    queue.push("old-low", BASE, priority=0, place=BASE - dt.timedelta(minutes=10))
+    queue.push("new-high", BASE, priority=5, place=BASE)
+    assert queue.pop_due(BASE, 1) == ["old-low"]  # 0 + 10 levels of waiting beats 5
+    strict = ClaimQueue()
+    strict.push("old-low", BASE, priority=0, place=BASE - dt.timedelta(minutes=10))
+    strict.push("new-high", BASE, priority=5, place=BASE)
+    assert strict.pop_due(BASE, 1) == ["new-high"]
+
+
+def test_waiting_entries_age_while_they_wait() -> None:
+    aging = dt.timedelta(seconds=10)
+    queue = ClaimQueue(aging=aging)
+    queue.push("low", BASE, priority=0, place=BASE)
+    queue.push("high", BASE, priority=3, place=BASE + dt.timedelta(seconds=1))
+    assert queue.due(BASE + dt.timedelta(seconds=1)) == 2  # promoted while both rank 0 < 3
+    queue.push("high2", BASE, priority=3, place=BASE + dt.timedelta(seconds=35))
+    # 40 s on: low has waited 4 levels (4), high 3 levels (6), high2 0 (3)
+    assert queue.pop_due(BASE + dt.timedelta(seconds=40), 3) == ["high", "low", "high2"]

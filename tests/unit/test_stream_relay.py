@@ -13,6 +13,7 @@ from pymongo.errors import AutoReconnect
 from mtask import store
 from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver
+from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.shared import credit, mailbox
 from mtask.worker.finding.shared.channels import FRAME_BYTES
 from mtask.worker.finding.shared.dispatch import Dispatcher
@@ -73,7 +74,10 @@ class FakeDatabase:
 
 def relay_with(buffer: int = 100_000) -> Relay:
     dispatcher = Dispatcher.build(
-        cast(AsyncDriver, None), FixedClock(WHEN), queue_size=100, sweep_interval=30.0
+        cast(AsyncDriver, None),
+        FixedClock(WHEN),
+        new_queue=lambda: ClaimQueue(100),
+        sweep_interval=30.0,
     )
     return Relay(FakeDatabase(), "tasks", "me", buffer, dispatcher)
 

@@ -93,7 +93,7 @@ def build(
         tasks = driver.collections["tasks"]
         own = OwnStream(tasks.database, tasks.name, worker_id, finder)
         return Finding(finder, finder, (own, Sweep.of(finder.scanner)), None)
-    shared = SharedStream(driver, clock, worker_id, finder, capacity, queue_size=queue.max_size)
+    shared = SharedStream(driver, clock, worker_id, finder, capacity, new_queue=queue.like)
     freed.connect(shared.slot_freed)  # a slot freed: the relay may hand this worker more
     return Finding(finder, ReportingSink(finder, shared.reports), (shared,), shared)
 

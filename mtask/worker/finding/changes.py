@@ -66,7 +66,7 @@ def _apply(scanner: Scanner, change: Mapping[str, Any]) -> None:
     else:
         claim_at = fields["next_claim_at"]
         if key in placement.meta:
-            placement.move(key, claim_at)
+            placement.move(key, claim_at, fields.get("available_at"))
         elif claim_at is None:
             placement.forget(key)
         elif not placement.in_flight(key):

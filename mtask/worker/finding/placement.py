@@ -18,7 +18,7 @@ import hashlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from mtask.worker.claim_queue import ClaimQueue
+from mtask.worker.claim_queue import ClaimQueue, Group
 from mtask.worker.presence import Assignment
 
 
@@ -32,6 +32,10 @@ class TaskMeta(NamedTuple):
     worker_timeout_ms: int | None
     multi: bool = False
     """Its ``concurrency`` is over 1: several workers may run it at once."""
+    group: Group = None
+    """Its fairness group: ``(name, options.group)``, or ``None`` without a group."""
+    place: dt.datetime | None = None
+    """Its place in line: ``available_at`` as last seen."""
 
 
 class Scope(Protocol):
@@ -145,28 +149,41 @@ class Placement:
         if len(self.meta) >= 4 * self.queue.max_size:
             self.meta.clear()  # bounded memory; unknown keys are looked up again
         priority, timeout = options.get("priority", 0), options.get("worker_timeout_ms")
-        concurrency = options.get("concurrency")
+        concurrency, group = options.get("concurrency"), options.get("group")
+        place = doc.get("available_at")
         self.meta[key] = TaskMeta(
             name,
             priority if isinstance(priority, int) else 0,
             specific,
             timeout if isinstance(timeout, int) else None,
             isinstance(concurrency, int) and concurrency > 1,
+            (name, group) if isinstance(group, str) else None,
+            place if isinstance(place, dt.datetime) else None,
         )
         self.move(key, doc.get("next_claim_at"))
 
-    def move(self, key: str, claim_at: Any) -> None:
-        """A known task's claim time changed (not a date: it finished)."""
+    def move(self, key: str, claim_at: Any, place: Any = None) -> None:
+        """A known task's claim time changed (not a date: it finished), and its place in line
+        too if ``place`` is a date (a retry's or a wake-up's ``available_at``)."""
         if not isinstance(claim_at, dt.datetime):
             self.forget(key)
             return
+        if isinstance(place, dt.datetime):
+            self.meta[key] = self.meta[key]._replace(place=place)
         if self.in_flight(key):
             self.queue.discard(key)
             return
         meta = self.meta[key]
-        at = claim_at + self.scope.rank(key, meta.name) * self.stagger
-        self.queue.push(key, at, meta.priority, bool(meta.specific))
+        self.requeue(key, claim_at + self.scope.rank(key, meta.name) * self.stagger)
         self.wake()
+
+    def requeue(self, key: str, at: dt.datetime) -> None:
+        """Queue a known ``key`` at ``at``, keeping its priority, group and place in line."""
+        meta = self.meta.get(key)
+        if meta is not None:
+            self.queue.push(
+                key, at, meta.priority, bool(meta.specific), group=meta.group, place=meta.place
+            )
 
     def move_known(self, key: str, when: dt.datetime) -> bool:
         """Move ``key`` to ``when`` if it is known; whether it was."""

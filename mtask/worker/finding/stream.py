@@ -55,6 +55,7 @@ def stream_pipeline(tasks: str, excluded: str | Sequence[str]) -> list[dict[str,
         "documentKey": 1,
         "ns": 1,
         "updateDescription.updatedFields.next_claim_at": 1,
+        "updateDescription.updatedFields.available_at": 1,  # a retry's new place in line
         f"updateDescription.updatedFields.{store.LAST_WRITE}": 1,  # whose claim or success
         **{f"fullDocument.{f}": 1 for f in ("_id", *store.PLACEMENT_FIELDS)},
     }

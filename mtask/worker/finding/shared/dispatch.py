@@ -35,6 +35,7 @@ from typing import Any
 from mtask import driver
 from mtask.clock import Clock
 from mtask.store.schema import LAST_WRITE
+from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.changes import event_key, updated_fields
 from mtask.worker.finding.shared.credit import Account, Accounts, Channel, Refusals
 from mtask.worker.finding.shared.host_queue import HostQueue
@@ -79,7 +80,12 @@ class Dispatcher:
 
     @classmethod
     def build(
-        cls, driver: driver.AsyncDriver, clock: Clock, *, queue_size: int, sweep_interval: float
+        cls,
+        driver: driver.AsyncDriver,
+        clock: Clock,
+        *,
+        new_queue: Callable[[], ClaimQueue],
+        sweep_interval: float,
     ) -> Dispatcher:
         """A dispatcher and its host queue (which counts the awaited keys as busy)."""
         awaiting: dict[str, tuple[Account, float]] = {}
@@ -89,7 +95,7 @@ class Dispatcher:
             clock,
             busy=awaiting.__contains__,
             wake=wake.set,
-            queue_size=queue_size,
+            queue=new_queue(),
             sweep_interval=sweep_interval,
         )
         return cls(host, clock.now, awaiting=awaiting, wake=wake)  # no cycle: awaiting came first
@@ -278,9 +284,7 @@ class Dispatcher:
         while credit > 0 and (due := self.host.queue.pop_due(now, credit)):
             credit -= self._hand(due, now, now_mono, deadline, batches, kept)
         for key in kept:  # due, but nobody with credit may run it now
-            meta = self.host.known(key)
-            if meta is not None:
-                self.host.queue.push(key, now, meta.priority, bool(meta.specific))
+            self.host.placement.requeue(key, now)
         self._stuck = bool(kept)
         for account, entries in batches.items():
             account.channel.dispatch(entries)
@@ -310,7 +314,7 @@ class Dispatcher:
                     # every subscriber that may take it cannot claim it now: until that
                     # changes (an event, a lease's end), it waits out of the way
                     after = dt.timedelta(seconds=retry - now_mono)
-                    self.host.queue.push(key, now + after, meta.priority, bool(meta.specific))
+                    self.host.placement.requeue(key, now + after)
                     continue
             if meta is None or account is None:
                 kept.append(key)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from mtask import driver
 from mtask.clock import Clock
+from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.shared.dispatch import Dispatcher
 from mtask.worker.finding.shared.relay import Relay
 
@@ -23,14 +25,14 @@ class RelayHolder:
         worker_id: str,
         *,
         buffer: int,
-        queue_size: int,
+        new_queue: Callable[[], ClaimQueue],
         sweep_interval: float,
     ) -> None:
         self.driver = driver
         self.clock = clock
         self.worker_id = worker_id
         self.buffer = buffer
-        self.queue_size = queue_size
+        self.new_queue = new_queue
         self.sweep_interval = sweep_interval
         tasks = driver.collections["tasks"]
         self.database, self.tasks = tasks.database, tasks.name
@@ -50,7 +52,7 @@ class RelayHolder:
         if self.holds():
             return self.relay
         dispatcher = Dispatcher.build(
-            self.driver, self.clock, queue_size=self.queue_size, sweep_interval=self.sweep_interval
+            self.driver, self.clock, new_queue=self.new_queue, sweep_interval=self.sweep_interval
         )
         relay = await Relay.acquire(
             self.driver, self.database, self.tasks, self.worker_id, self.buffer, dispatcher

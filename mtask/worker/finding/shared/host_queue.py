@@ -28,11 +28,11 @@ class HostQueue:
         *,
         busy: Callable[[str], bool],
         wake: Callable[[], None],
-        queue_size: int = 10_000,
+        queue: ClaimQueue,
         sweep_interval: float = 30.0,
     ) -> None:
         self.scope = HostScope()
-        self.queue = ClaimQueue(queue_size)
+        self.queue = queue
         self.placement = Placement(self.queue, self.scope, in_flight=busy, wake=wake)
         self.scanner = Scanner(driver, self.placement, clock, sweep_interval=sweep_interval)
         self.sweep = Sweep(self.rescan, self.scanner.rescan_requested, sweep_interval)

@@ -31,6 +31,7 @@ from mtask import driver
 from mtask.clock import Clock
 from mtask.errors import StorageError
 from mtask.store import relays
+from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.finder import Finder
 from mtask.worker.finding.scan import Sweep
 from mtask.worker.finding.shared.holder import RelayHolder
@@ -65,7 +66,7 @@ class SharedStream:
         finder: Finder,
         capacity: Callable[[], int],
         *,
-        queue_size: int = 10_000,
+        new_queue: Callable[[], ClaimQueue] = ClaimQueue,
         buffer: int = SUBSCRIBER_BUFFER,
     ) -> None:
         self.driver = driver
@@ -74,7 +75,6 @@ class SharedStream:
         self.finder = finder
         self.capacity = capacity
         """How many more tasks this worker can take now."""
-        self.queue_size = queue_size
         self.buffer = buffer
         tasks = driver.collections["tasks"]
         self.database, self.tasks = tasks.database, tasks.name
@@ -83,7 +83,7 @@ class SharedStream:
             clock,
             worker_id,
             buffer=buffer,
-            queue_size=queue_size,
+            new_queue=new_queue,
             sweep_interval=finder.scanner.sweep_interval,
         )
         self.dispatched = False
