@@ -456,10 +456,18 @@ class _Base:
         concurrency: int | None = None,
         rate: float | None = None,
         burst: int | None = None,
+        group_concurrency: int | None = None,
+        group_rate: float | None = None,
+        group_burst: int | None = None,
     ) -> Op[dict[str, Any]]:
         """Limit ``name`` across all workers: at most ``concurrency`` runs at once, at most
-        ``rate`` claims per second (bursts of ``burst``). Applies within a second."""
-        return (yield from limits.set_limit(name, concurrency, rate, burst, self.clock.now()))
+        ``rate`` claims per second (bursts of ``burst``); and each of its groups
+        (``options.group``) likewise with ``group_concurrency``, ``group_rate`` and
+        ``group_burst`` (``group_concurrency=1``: each group is a sequence, run one at a time
+        in publish order). Applies within a second."""
+        own = limits.Limit(concurrency, rate, burst)
+        group = limits.Limit(group_concurrency, group_rate, group_burst)
+        return (yield from limits.set_limit(name, own, group, self.clock.now()))
 
     @operation
     def clear_limit(self, name: str) -> Op[bool]:

@@ -1,9 +1,17 @@
-"""Cluster-wide limits per task name: at most N runs at once, at most R claims per second.
+"""Cluster-wide limits per task name, and per group of a name: at most N runs at once, at most
+R claims per second.
 
-One document per limited name in the ``limits`` collection holds both the limit and its state::
+One document per limited name in the ``limits`` collection holds the limit and the name's
+state; a name may also limit each of its groups (``options.group``), whose state is a document
+of its own, made by the first claim that needs it (``mtask.slots``)::
 
     {_id: name, concurrency: N | null, rate: per second | null, burst: tokens | null,
+     group_concurrency: N | null, group_rate: per second | null, group_burst: tokens | null,
      holders: [{run_id, key, worker_id, expires}], tokens: float, refilled_at: date}
+    {_id: "<name>\\x00<group>", name, group, concurrency, rate, burst, holders, tokens, ...}
+
+``group_concurrency: 1`` makes each group a **sequence**: its tasks run one at a time, in
+publish order (docs/fairness.md).
 
 A worker takes a slot (and a token) with one atomic update of that document *before* it claims
 a task of that name, and claims the task with the run id the slot was taken for; a claim that
@@ -18,8 +26,9 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from pymongo import ReturnDocument
 
@@ -50,20 +59,41 @@ def wait_for_token(tokens: float, rate: float) -> float:
     return 0.0 if tokens >= 1 else (1 - tokens) / rate
 
 
-def validate_limit(
-    name: object, concurrency: int | None, rate: float | None, burst: int | None
-) -> tuple[str, int | None, float | None, int | None]:
+@dataclass(frozen=True)
+class Limit:
+    """What one slot document allows: runs at once, claims per second, the bucket's size."""
+
+    concurrency: int | None = None
+    rate: float | None = None
+    burst: int | None = None
+
+    @property
+    def set(self) -> bool:
+        return self.concurrency is not None or self.rate is not None
+
+    def full(self) -> float:
+        """The bucket's size (a new bucket starts full)."""
+        return float(self.burst or max(1.0, self.rate or 1.0))
+
+
+def validate_limit(name: object, own: Limit, group: Limit = Limit()) -> tuple[str, Limit, Limit]:
     """Check a limit before anything is written; the error names the bad field."""
     name = validate_name(name)
-    if concurrency is None and rate is None:
-        raise InvalidTask("give concurrency, rate or both", field="limit")
+    if not own.set and not group.set:
+        raise InvalidTask("give concurrency, rate, group_concurrency or group_rate", field="limit")
+    own = _validate_one(own, "")
+    return name, own, _validate_one(group, "group_")
+
+
+def _validate_one(limit: Limit, prefix: str) -> Limit:
+    concurrency, rate, burst = limit.concurrency, limit.rate, limit.burst
     if concurrency is not None and (
         isinstance(concurrency, bool)
         or not isinstance(concurrency, int)
         or not 1 <= concurrency <= MAX_LIMIT_CONCURRENCY
     ):
         raise InvalidTask(
-            f"must be an integer from 1 to {MAX_LIMIT_CONCURRENCY}", field="concurrency"
+            f"must be an integer from 1 to {MAX_LIMIT_CONCURRENCY}", field=f"{prefix}concurrency"
         )
     if rate is not None and (
         isinstance(rate, bool)
@@ -72,14 +102,14 @@ def validate_limit(
         or not 0 < rate <= MAX_RATE
     ):
         raise InvalidTask(
-            f"must be a number above 0 and at most {MAX_RATE:g} per second", field="rate"
+            f"must be a number above 0 and at most {MAX_RATE:g} per second", field=f"{prefix}rate"
         )
     if burst is not None:
         if rate is None:
-            raise InvalidTask("applies only with a rate", field="burst")
+            raise InvalidTask(f"applies only with a {prefix}rate", field=f"{prefix}burst")
         if isinstance(burst, bool) or not isinstance(burst, int) or not 1 <= burst <= MAX_RATE:
-            raise InvalidTask("must be an integer of at least 1", field="burst")
-    return name, concurrency, None if rate is None else float(rate), burst
+            raise InvalidTask("must be an integer of at least 1", field=f"{prefix}burst")
+    return Limit(concurrency, None if rate is None else float(rate), burst)
 
 
 def parse_rate(text: str) -> float:
@@ -99,16 +129,32 @@ def parse_rate(text: str) -> float:
 # Operations on the limits collection
 # ---------------------------------------------------------------------------------------------
 
-CONFIG_FIELDS = {"concurrency": 1, "rate": 1, "burst": 1}
+CONFIG_FIELDS = {
+    "concurrency": 1,
+    "rate": 1,
+    "burst": 1,
+    "group_concurrency": 1,
+    "group_rate": 1,
+    "group_burst": 1,
+}
+
+GROUP_SEPARATOR = "\x00"
+"""Between a name and a group in a group's slot id (neither may hold a NUL)."""
+NAME_LIMITS = {"group": {"$exists": False}}
+"""The documents of the names' limits (not the groups' state)."""
 
 
-def set_limit(
-    name: str, concurrency: int | None, rate: float | None, burst: int | None, now: dt.datetime
-) -> Op[Doc]:
-    """Create or change the limit of ``name``. Slots held and tokens left are kept; a new
-    bucket starts full."""
-    name, concurrency, rate, burst = validate_limit(name, concurrency, rate, burst)
-    full = float(burst or max(1.0, rate or 1.0))
+def group_slot(name: str, group: str) -> str:
+    """The ``_id`` of the limit document of ``group`` of ``name``."""
+    return f"{name}{GROUP_SEPARATOR}{group}"
+
+
+def set_limit(name: str, own: Limit, group: Limit, now: dt.datetime) -> Op[Doc]:
+    """Create or change the limit of ``name`` (and of each of its groups). Slots held and
+    tokens left are kept; a new bucket starts full. The groups' documents take the new
+    group limit at their next claim."""
+    name, own, group = validate_limit(name, own, group)
+    full = own.full()
     doc: Doc = yield Call(
         "find_one_and_update",
         (
@@ -116,9 +162,12 @@ def set_limit(
             [
                 {
                     "$set": {
-                        "concurrency": concurrency,
-                        "rate": rate,
-                        "burst": None if rate is None else full,
+                        "concurrency": own.concurrency,
+                        "rate": own.rate,
+                        "burst": None if own.rate is None else full,
+                        "group_concurrency": group.concurrency,
+                        "group_rate": group.rate,
+                        "group_burst": None if group.rate is None else group.full(),
                         "holders": {"$ifNull": ["$holders", []]},
                         "tokens": {"$min": [full, {"$ifNull": ["$tokens", full]}]},
                         "refilled_at": {"$ifNull": ["$refilled_at", now]},
@@ -134,6 +183,7 @@ def set_limit(
 
 
 def clear_limit(name: str) -> Op[bool]:
+    """Remove the limit of ``name`` (its groups' documents run out: ``slots.GROUP_TTL``)."""
     result = yield Call("delete_one", ({"_id": name},), collection="limits")
     return bool(result.deleted_count)
 
@@ -141,82 +191,30 @@ def clear_limit(name: str) -> Op[bool]:
 def all_limits() -> Op[list[Doc]]:
     docs: list[Doc] = yield Call(
         "find",
-        ({}, {**CONFIG_FIELDS, "holders": 1, "tokens": 1, "refilled_at": 1}),
+        (NAME_LIMITS, {**CONFIG_FIELDS, "holders": 1, "tokens": 1, "refilled_at": 1}),
         collection="limits",
     )
     return docs
 
 
-def _live(now: dt.datetime) -> Doc:
-    return {"$filter": {"input": "$holders", "as": "h", "cond": {"$gt": ["$$h.expires", now]}}}
+def own_limit(doc: Mapping[str, Any]) -> Limit:
+    """The limit a name's document sets on the name as a whole (any shape: what is not a
+    limit is none)."""
+    return _limit(doc, "")
 
 
-def _tokens_now(now: dt.datetime) -> Doc:
-    elapsed = {"$max": [0, {"$subtract": [now, "$refilled_at"]}]}
-    return {"$min": ["$burst", {"$add": ["$tokens", {"$multiply": [elapsed, "$rate", 0.001]}]}]}
+def group_limit(doc: Mapping[str, Any]) -> Limit:
+    """The limit a name's document sets on each group of the name."""
+    return _limit(doc, "group_")
 
 
-@dataclass(frozen=True)
-class Acquired:
-    """What ``acquire`` found: ``taken`` (a slot and/or token is this run's), ``limited``
-    (False: the name has no limit now) and, when not taken, ``retry_at``: when one may be."""
-
-    taken: bool
-    limited: bool = True
-    retry_at: dt.datetime | None = None
-
-
-def acquire(
-    name: str, run_id: str, key: str, worker_id: str, now: dt.datetime, lease_ms: int
-) -> Op[Acquired]:
-    """Take a slot and a token for one run of ``name`` in one atomic update: dead slots are
-    dropped, the bucket is refilled, and the update matches only if a slot is free and a
-    token is there."""
-    live = _live(now)
-    tokens = _tokens_now(now)
-    holder = {
-        "run_id": run_id,
-        "key": key,
-        "worker_id": worker_id,
-        "expires": now + dt.timedelta(milliseconds=lease_ms),
-    }
-    has_room = {
-        "$or": [
-            {"$not": [{"$isNumber": "$concurrency"}]},
-            {"$lt": [{"$size": live}, "$concurrency"]},
-        ]
-    }
-    has_token = {"$or": [{"$not": [{"$isNumber": "$rate"}]}, {"$gte": [tokens, 1]}]}
-    result = yield Call(
-        "update_one",
-        (
-            {"_id": name, "holders": {"$type": "array"}, "$expr": {"$and": [has_room, has_token]}},
-            [
-                {
-                    "$set": {
-                        "holders": {
-                            "$cond": [
-                                {"$isNumber": "$concurrency"},
-                                {"$concatArrays": [live, [{"$literal": holder}]]},
-                                [],
-                            ]
-                        },
-                        "tokens": {
-                            "$cond": [{"$isNumber": "$rate"}, {"$subtract": [tokens, 1]}, None]
-                        },
-                        "refilled_at": now,
-                    }
-                }
-            ],
-        ),
-        collection="limits",
+def _limit(doc: Mapping[str, Any], prefix: str) -> Limit:
+    concurrency, rate, burst = (doc.get(f"{prefix}{f}") for f in ("concurrency", "rate", "burst"))
+    return Limit(
+        concurrency if isinstance(concurrency, int) and not isinstance(concurrency, bool) else None,
+        float(rate) if isinstance(rate, int | float) and not isinstance(rate, bool) else None,
+        int(burst) if isinstance(burst, int | float) and not isinstance(burst, bool) else None,
     )
-    if result.modified_count:
-        return Acquired(taken=True)
-    doc = yield Call("find_one", ({"_id": name},), collection="limits")
-    if doc is None:
-        return Acquired(taken=False, limited=False)
-    return Acquired(taken=False, retry_at=retry_at(doc, now))
 
 
 def retry_at(doc: Doc, now: dt.datetime) -> dt.datetime:
@@ -240,24 +238,3 @@ def retry_at(doc: Doc, now: dt.datetime) -> dt.datetime:
     if isinstance(concurrency, int) and len(live) >= concurrency and live:
         waits.append((live[len(live) - concurrency] - now).total_seconds())
     return now + dt.timedelta(seconds=max(waits) + 0.001)
-
-
-def extend(name: str, run_id: str, now: dt.datetime, lease_ms: int) -> Op[None]:
-    """Keep a run's slot as long as its lease (called by the lease pinger with each ping)."""
-    yield Call(
-        "update_one",
-        (
-            {"_id": name, "holders.run_id": run_id},
-            {"$set": {"holders.$.expires": now + dt.timedelta(milliseconds=lease_ms)}},
-        ),
-        collection="limits",
-    )
-
-
-def release(name: str, run_ids: Sequence[str]) -> Op[None]:
-    """Give back the slots of runs that ended (or whose claim missed)."""
-    yield Call(
-        "update_one",
-        ({"_id": name}, {"$pull": {"holders": {"run_id": {"$in": list(run_ids)}}}}),
-        collection="limits",
-    )

@@ -323,6 +323,9 @@ class TaskDocument(BaseModel):
     has_dependents: bool = False
     outbox: list[dict[str, Any]] = Field(default_factory=list)
     last_write: str | None = None
+    publish_seq: int | None = None
+    """A grouped task's place in its group's publish order (microseconds since the epoch,
+    plus its place in a ``publish_many`` call); a sequence runs its group in this order."""
     progress: Progress | None = None
     """The newest progress a run reported (``ctx.progress``); written only by runs that do."""
     output_seq: int | None = Field(None, ge=0)

@@ -26,14 +26,24 @@ run = commands.run
 @commands.command("limit")
 def cmd_limit(args: argparse.Namespace) -> int:
     with task_client(args) as client:
+        given = (args.concurrency, args.rate, args.group_concurrency, args.group_rate)
         if args.clear:
-            if args.concurrency is not None or args.rate is not None:
-                raise UsageError("--clear takes no --concurrency or --rate")
+            if any(v is not None for v in given):
+                raise UsageError("--clear takes no --concurrency, --rate or --group-…")
             found = client.clear_limit(args.name)
             out.print(f"limit of {args.name} removed" if found else f"{args.name} had no limit")
             return 0
         rate = parse_rate(args.rate) if args.rate is not None else None
-        doc = client.set_limit(args.name, concurrency=args.concurrency, rate=rate, burst=args.burst)
+        group_rate = parse_rate(args.group_rate) if args.group_rate is not None else None
+        doc = client.set_limit(
+            args.name,
+            concurrency=args.concurrency,
+            rate=rate,
+            burst=args.burst,
+            group_concurrency=args.group_concurrency,
+            group_rate=group_rate,
+            group_burst=args.group_burst,
+        )
     if args.json:
         print_json(doc)
     else:
@@ -46,7 +56,14 @@ def _describe_limit(doc: dict[str, Any]) -> str:
     if doc.get("concurrency") is not None:
         parts.append(f"at most {doc['concurrency']} at once")
     if doc.get("rate") is not None:
-        parts.append(f"{doc['rate']:g}/s (bursts of {doc.get('burst', 1):g})")
+        parts.append(f"{doc['rate']:g}/s (bursts of {doc.get('burst') or 1:g})")
+    if doc.get("group_concurrency") == 1:
+        parts.append("each group a sequence (one at a time, in publish order)")
+    elif doc.get("group_concurrency") is not None:
+        parts.append(f"at most {doc['group_concurrency']} at once per group")
+    if doc.get("group_rate") is not None:
+        burst = doc.get("group_burst") or 1
+        parts.append(f"{doc['group_rate']:g}/s per group (bursts of {burst:g})")
     return ", ".join(parts) or "none"
 
 
@@ -163,6 +180,14 @@ def register(sub: Any) -> None:
     p.add_argument("--concurrency", type=int, help="at most this many runs at once")
     p.add_argument("--rate", help="at most this many claims, e.g. 10/s, 600/m, 3600/h")
     p.add_argument("--burst", type=int, help="tokens the rate may save up (default: 1 s worth)")
+    p.add_argument(
+        "--group-concurrency",
+        type=int,
+        help="at most this many runs at once in each group (options.group); 1: each group is "
+        "a sequence, run one at a time in publish order",
+    )
+    p.add_argument("--group-rate", help="at most this many claims per group, e.g. 5/s")
+    p.add_argument("--group-burst", type=int, help="tokens each group's rate may save up")
     p.add_argument("--clear", action="store_true", help="remove the limit")
 
     p = sub.add_parser("limits", help="list the limits")

@@ -23,6 +23,7 @@ from mtask.store.claims import (
 )
 from mtask.store.complete import complete, stranded
 from mtask.store.counts import Counts, stats
+from mtask.store.groups import heads, largest
 from mtask.store.outcomes import (
     Outcome,
     finish,
@@ -93,6 +94,8 @@ __all__ = [
     "finish_update",
     "get",
     "get_status",
+    "heads",
+    "largest",
     "list_query",
     "list_tasks",
     "new_document",

@@ -194,7 +194,19 @@ def completion_stages() -> list[Doc]:
                 "finished_at": None,
             }
         },
-        {"$set": {"available_at": {"$ifNull": ["$available_at", "$options.run_at", NOW]}}},
+        {
+            "$set": {
+                "available_at": {"$ifNull": ["$available_at", "$options.run_at", NOW]},
+                # a grouped task's place in its group's publish order (microseconds)
+                "publish_seq": {
+                    "$cond": [
+                        {"$eq": [{"$type": "$options.group"}, "string"]},
+                        {"$ifNull": ["$publish_seq", {"$multiply": [{"$toLong": NOW}, 1000]}]},
+                        "$$REMOVE",
+                    ]
+                },
+            }
+        },
         {"$unset": "run_at"},
         *recompute_stages(NOW),
     ]

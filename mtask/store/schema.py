@@ -13,6 +13,10 @@ from pymongo.errors import OperationFailure
 from mtask.driver import Call, Doc, Op
 from mtask.models import OPEN_STATUSES, OPTION_NAMES, NewTask, TaskStatus
 
+OPEN_LIST = [TaskStatus.PENDING.value, TaskStatus.RUNNING.value]
+"""The open statuses as the ``group_open`` index and its queries spell them (the same list:
+the server uses a partial index only for a query that names its filter)."""
+
 INDEXES: dict[str, list[IndexModel]] = {
     "tasks": [
         # Claims, scans and the safety sweep: open tasks only (finished ones have no
@@ -78,8 +82,32 @@ INDEXES: dict[str, list[IndexModel]] = {
             default_language="none",
             partialFilterExpression={"error": {"$type": "string"}},
         ),
+        # Groups (docs/fairness.md): the open tasks of each group in publish order, for a
+        # sequence's next task and the largest groups. Tasks without a group have no key.
+        IndexModel(
+            [
+                ("name", ASCENDING),
+                ("options.group", ASCENDING),
+                ("publish_seq", ASCENDING),
+                ("_id", ASCENDING),
+            ],
+            name="group_open",
+            partialFilterExpression={
+                "options.group": {"$exists": True},
+                "status": {"$in": OPEN_LIST},
+            },
+        ),
     ],
     "workers": [IndexModel([("last_seen", ASCENDING)], name="last_seen")],
+    # A group's limit document (mtask.slots) is removed once unused for slots.GROUP_TTL.
+    "limits": [
+        IndexModel(
+            [("expire_at", ASCENDING)],
+            name="group_expire",
+            expireAfterSeconds=0,
+            partialFilterExpression={"group": {"$exists": True}},
+        )
+    ],
 }
 
 SPECIFIC = "options.specific_worker_ids"
@@ -269,8 +297,15 @@ def literal(value: Any) -> dict[str, Any]:
     return {"$literal": value}
 
 
-def new_document(task: NewTask, now: dt.datetime) -> Doc:
+def publish_seq(now: dt.datetime, index: int = 0) -> int:
+    """A grouped task's place in its group's publish order: the publish time in microseconds,
+    plus its place in a ``publish_many`` call."""
+    return int(now.timestamp() * 1_000_000) + index
+
+
+def new_document(task: NewTask, now: dt.datetime, index: int = 0) -> Doc:
     available = task.options.run_at or now
+    grouped = {} if task.options.group is None else {"publish_seq": publish_seq(now, index)}
     return {
         "_id": task.key,
         "name": task.name,
@@ -290,6 +325,7 @@ def new_document(task: NewTask, now: dt.datetime) -> Doc:
         "created_at": now,
         "updated_at": now,
         "finished_at": None,
+        **grouped,
         **_flow_fields(task),
     }
 

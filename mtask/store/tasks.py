@@ -124,8 +124,8 @@ def publish_many(
     awaited = {d for task in tasks for d in task.depends_on}
     for start in range(0, len(tasks), batch_size):
         requests = []
-        for task in tasks[start : start + batch_size]:
-            doc = new_document(task, now)
+        for index, task in enumerate(tasks[start : start + batch_size], start):
+            doc = new_document(task, now, index)
             del doc["_id"]
             if trace:
                 doc["trace"] = trace

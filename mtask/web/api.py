@@ -82,6 +82,13 @@ class LimitBody(BaseModel):
     concurrency: int | None = Field(None, ge=1, le=1_000_000)
     rate: float | None = Field(None, gt=0, le=1_000_000, description="claims per second")
     burst: int | None = Field(None, ge=1, le=1_000_000)
+    group_concurrency: int | None = Field(
+        None, ge=1, le=1_000_000, description="runs at once per group (1: a sequence)"
+    )
+    group_rate: float | None = Field(
+        None, gt=0, le=1_000_000, description="claims per second per group"
+    )
+    group_burst: int | None = Field(None, ge=1, le=1_000_000)
 
 
 class BulkBody(BaseModel):
@@ -374,7 +381,13 @@ async def limits(client: Client) -> list[LimitView]:
 @router.put("/limits/{name}")
 async def set_limit(name: str, body: LimitBody, client: Client) -> LimitView:
     return await client.set_limit(  # type: ignore[return-value]
-        name, concurrency=body.concurrency, rate=body.rate, burst=body.burst
+        name,
+        concurrency=body.concurrency,
+        rate=body.rate,
+        burst=body.burst,
+        group_concurrency=body.group_concurrency,
+        group_rate=body.group_rate,
+        group_burst=body.group_burst,
     )
 
 

@@ -111,6 +111,9 @@ class LimitView(Open):
     concurrency: int | None = None
     rate: float | None = None
     burst: float | None = None
+    group_concurrency: int | None = None
+    group_rate: float | None = None
+    group_burst: float | None = None
     tokens: float | None = None
     refilled_at: dt.datetime | None = None
     holders: list[dict[str, Any]] = Field(default_factory=list)

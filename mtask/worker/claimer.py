@@ -4,10 +4,11 @@ that failed or missed leaves to do.
 ``run`` is the worker's main loop. It waits on ``wake | timer``, and claims only for free
 slots, in one round trip per batch (``store.claim``), only while at most ``concurrency``
 outcomes wait to be written (so a worker holds at most twice its slots in leases). Keys of
-names under a cluster-wide limit are claimed one at a time, each after its slot and token
-(``LimitGate.take``). A claim call that fails is followed by a read of what it may have taken
-anyway (``adopt``); a batch refused because of one document's write error is claimed again one
-key at a time (``isolate``) and the bad document marked invalid (``mark_invalid``).
+names under a cluster-wide limit are claimed in a batch too, after their slots and tokens
+(``claim_limited``: a sequence's next task read, the slots taken in one bulk write). A claim
+call that fails is followed by a read of what it may have taken anyway (``adopt``); a batch
+refused because of one document's write error is claimed again one key at a time
+(``isolate``) and the bad document marked invalid (``mark_invalid``).
 
 Ownership: every field is the event loop's. Keys are ``InFlight.claiming`` from the moment a
 claim is sent until its runs have started, so the claim's own change events cannot queue them.
@@ -17,24 +18,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import datetime as dt
 import logging
 import time
 import uuid
 from typing import Any, ClassVar
 
-from mtask import metrics, store
+from mtask import metrics, slots, store
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.store.transactional import expired_transactions, kill_sessions
 from mtask.tracing import span
+from mtask.worker import limited
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.executor import Executor, WorkerStats
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight
-from mtask.worker.limit_gate import LimitGate
+from mtask.worker.limit_gate import DEFAULT_SLOT_LEASE_MS, LimitGate
 from mtask.worker.presence import Assignment, Lifecycle
 from mtask.worker.recorder import OutcomeRecorder
 
@@ -43,15 +44,6 @@ log = logging.getLogger(__name__)
 RETRY_SOON = dt.timedelta(seconds=1)
 """How long a key waits after a claim or a slot could not be had because of MongoDB."""
 ADOPT_ATTEMPTS = 5
-
-
-@dataclasses.dataclass
-class _Held:
-    """What became of one key of a limited claim, to be done once it is no longer claiming."""
-
-    requeue_at: dt.datetime | None = None
-    blocked_until: dt.datetime | None = None
-    missed: bool = False
 
 
 class Claimer:
@@ -140,13 +132,12 @@ class Claimer:
     async def claim(self, keys: list[str], names: list[str], now: dt.datetime) -> None:
         """Claim ``keys`` (due at ``now``) for ``names``, and start the runs claimed."""
         if self.gate.limited:
-            # Names with a cluster-wide limit are claimed one key at a time, each after its
-            # slot and token were taken; the batch claim below never matches them.
-            limited = [(k, m.name) for k in keys if (m := self.sink.known(k)) is not None]
-            limited = [(k, n) for k, n in limited if self.gate.is_limited(n)]
-            if limited:
-                await self.claim_limited(limited, now)
-                done = {k for k, _ in limited}
+            # Names with a cluster-wide limit are claimed after their slots were taken; the
+            # batch claim below never matches them.
+            held = [k for k in keys if (m := self.sink.known(k)) and self.gate.is_limited(m.name)]
+            if held:
+                await self.claim_limited(held, names, now)
+                done = set(held)
                 keys = [k for k in keys if k not in done]
             names = [n for n in names if not self.gate.is_limited(n)]
             if not keys:
@@ -213,50 +204,107 @@ class Claimer:
                 return docs + await self.isolate([k for k in keys if k not in adopted], names, now)
             return docs or None
 
-    async def claim_limited(self, keys: list[tuple[str, str]], now: dt.datetime) -> None:
-        """Claim each key after taking a slot (and a token) of its name's limit; once a name
-        is full, its other keys wait for a slot to free or a token to come."""
-        full: dict[str, dt.datetime] = {}
-        hints = self.sink.timeouts([k for k, _ in keys])
-        for key, name in keys:
-            if name in full:
-                self.gate.block(name, key, full[name])
-                continue
-            with self.inflight.claiming([key]):
-                held = await self._claim_limited_one(key, name, now, hints)
-            # no longer claiming: it may be queued the key again
-            if held.blocked_until is not None:
-                full[name] = held.blocked_until
-                self.gate.block(name, key, held.blocked_until)
-            elif held.requeue_at is not None:
-                self.sink.requeue_at(key, held.requeue_at)
-            elif held.missed:
-                await self.sink.requeue([key], later_than=now)  # as for a batch claim's misses
-
-    async def _claim_limited_one(
-        self, key: str, name: str, now: dt.datetime, hints: dict[str, int]
-    ) -> _Held:
+    async def claim_limited(self, keys: list[str], names: list[str], now: dt.datetime) -> None:
+        """Claim ``keys`` of limited names as one batch: the heads of their sequences read,
+        then every slot they need taken in one bulk write (``slots.take``), then the keys
+        whose slots were all granted claimed together. A key a limit holds back waits for its
+        slot (``LimitGate.block``)."""
+        known = {k: m for k in keys if (m := self.sink.known(k)) is not None}
+        pairs = limited.sequences(keys, known, self.gate.limited)
+        heads: dict[tuple[str, str], dict[str, Any]] = {}
+        if pairs:
+            try:
+                heads = await self.driver.run(store.heads(pairs))
+            except StorageError as exc:
+                log.warning("cannot read the sequences' next tasks, retrying shortly: %s", exc)
+                for key in keys:
+                    self.sink.requeue_at(key, now + RETRY_SOON)
+                return
         batch = uuid.uuid4().hex
-        run_id = store.run_id_for(batch, key)
-        sent = time.monotonic()
-        got = await self.gate.take(name, run_id, key, now, hints.get(key))
-        if got is None:
-            return _Held(requeue_at=now + RETRY_SOON)
-        if not got.taken and got.limited:
-            return _Held(blocked_until=got.retry_at or now + RETRY_SOON)
-        slot = name if got.taken else None
+        plan = limited.plan(
+            keys,
+            known,
+            self.gate.limited,
+            heads,
+            now,
+            lambda key: store.run_id_for(batch, key),
+            DEFAULT_SLOT_LEASE_MS,
+        )
+        waits = list(plan.waits)
+        candidates = [key for key, _ in plan.claims]
+        requeue: list[str] = []
+        missed: list[str] = []
+        with self.inflight.claiming(candidates):
+            sent = time.monotonic()
+            requests = [r for _, rs in plan.claims for r in rs]
+            taken = await self.gate.take(requests, now) if requests else []
+            if taken is None:
+                requeue = candidates
+            else:
+                go, held = self._granted(plan.claims, taken, waits)
+                missed = await self._claim_granted(go, held, names, now, sent, batch)
+        for wait in waits:  # no longer claiming: they may be queued again
+            self.gate.block(wait.slot, wait.key, wait.until, now)
+        for key in requeue:
+            self.sink.requeue_at(key, now + RETRY_SOON)
+        if plan.gone or missed:
+            await self.sink.requeue([*plan.gone, *missed], later_than=now)
+
+    def _granted(
+        self,
+        claims: list[tuple[str, list[slots.Request]]],
+        taken: list[slots.Taken],
+        waits: list[limited.Wait],
+    ) -> tuple[list[str], dict[str, tuple[str, ...]]]:
+        """The keys whose slots were all granted, and the slots each holds; the others give
+        back what they got and wait for the slot that refused them."""
+        results = iter(taken)
+        go: list[str] = []
+        held: dict[str, tuple[str, ...]] = {}
+        for key, requests in claims:
+            got = [(r, next(results)) for r in requests]
+            if all(t.taken for _, t in got):
+                go.append(key)
+                held[key] = tuple(r.slot for r, t in got if t.limited)
+                continue
+            for request, t in got:
+                if t.taken and t.limited:
+                    self.recorder.release_slot(request.slot, request.run_id)
+            request, refusal = next((r, t) for r, t in got if not t.taken)
+            waits.append(limited.Wait(key, request.slot, refusal.retry_at))
+        return go, held
+
+    async def _claim_granted(
+        self,
+        keys: list[str],
+        held: dict[str, tuple[str, ...]],
+        names: list[str],
+        now: dt.datetime,
+        sent: float,
+        batch: str,
+    ) -> list[str]:
+        """Claim ``keys`` (their slots taken for this batch's run ids) and start the runs;
+        the slots of keys not claimed are given back. Returns the keys missed."""
+        if not keys:
+            return []
         self.stats.claim_calls += 1
-        self.stats.claim_attempts += 1
-        docs = await self._send([key], [name], now, hints, isolate_on_error=False, batch=batch)
+        self.stats.claim_attempts += len(keys)
+        hints = self.sink.timeouts(keys)
+        docs = await self._send(keys, names, now, hints, isolate_on_error=False, batch=batch)
         for doc in docs or ():
-            self.executor.start(doc, sent, slot)
+            self.executor.start(doc, sent, held.get(doc["_id"], ()))
             self.sink.claimed(doc)
             self.stats.claimed += 1
-        if docs:
-            return _Held()
-        if slot is not None:
-            self.recorder.release_slot(slot, run_id)
-        return _Held(requeue_at=now + RETRY_SOON) if docs is None else _Held(missed=True)
+        claimed = {d["_id"] for d in docs or ()}
+        for key in keys:
+            if key not in claimed:
+                for slot in held.get(key, ()):
+                    self.recorder.release_slot(slot, store.run_id_for(batch, key))
+        if docs is None:
+            for key in keys:
+                self.sink.requeue_at(key, now + RETRY_SOON)
+            return []
+        return [k for k in keys if k not in claimed]
 
     async def isolate(
         self, keys: list[str], names: list[str], now: dt.datetime

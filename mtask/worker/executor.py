@@ -503,9 +503,9 @@ class Executor:
         """The claimer's wake-up: set when a run ends (a slot is free)."""
         self.emit = emit
 
-    def start(self, doc: dict[str, Any], sent: float, slot: str | None = None) -> None:
+    def start(self, doc: dict[str, Any], sent: float, slots: tuple[str, ...] = ()) -> None:
         """Run a claimed task: ``sent`` is when (monotonic) the claim that took it was sent,
-        ``slot`` the limited name whose slot the run holds."""
+        ``slots`` the limit slots the run holds (a name's, a group's)."""
         run_id = doc["claim_run_id"]
         options = doc["options"]
         loop = asyncio.get_running_loop()
@@ -535,7 +535,7 @@ class Executor:
             name=doc["name"],
             run_id=run_id,
             ctx=ctx,
-            slot=slot,
+            slots=slots,
             has_dependents=doc.get("has_dependents") is True,
         )
         self.inflight.started(run)
@@ -546,7 +546,7 @@ class Executor:
             options["ping_interval_ms"],
             options["worker_timeout_ms"],
             sent,
-            slot=slot,
+            slots=slots,
         )
         run.task = asyncio.create_task(self.execute(run, doc), name=f"mtask-run-{run.key}")
         self.watch_deadline(run)
@@ -576,8 +576,8 @@ class Executor:
                 run.deadline.cancel()
             self.inflight.ended(run)
             self.pinger.remove(run.run_id)
-            if run.slot is not None:  # given back by the outcome writer, after the outcome
-                self.recorder.release_slot(run.slot, run.run_id)
+            for slot in run.slots:  # given back by the outcome writer, after the outcome
+                self.recorder.release_slot(slot, run.run_id)
             self.wake.set()
         if outcome is not None:
             self.recorder.add(outcome)

@@ -27,8 +27,8 @@ class ActiveRun:
     name: str
     run_id: str
     ctx: TaskContext
-    slot: str | None = None
-    """The name whose cluster-wide limit gave this run a slot (given back when it ends)."""
+    slots: tuple[str, ...] = ()
+    """The limit slots this run holds (a name's, a group's): given back when it ends."""
     has_dependents: bool = False
     task: asyncio.Task[None] | None = None
     stop_reason: str | None = None

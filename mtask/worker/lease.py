@@ -27,9 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from mtask import driver, limits, store
+from mtask import driver, store
 from mtask.clock import Clock
 from mtask.errors import StorageError
+from mtask.slots import extend as extend_slot
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,8 @@ class _Lease:
     expires: float
     """When the lease runs out at the earliest, by this process's monotonic clock."""
     overdue_logged: bool = False
-    slot: str | None = None
-    """The limited name whose slot this run holds: extended with each ping."""
+    slots: tuple[str, ...] = ()
+    """The limit slots this run holds (a name's, a group's): extended with each ping."""
     paused: bool = False
     """Not pinged: the run's transaction is open (``pause``)."""
     watchers: list[Callable[[float], None]] = field(default_factory=list)
@@ -129,7 +130,7 @@ class LeasePinger:
         ping_interval_ms: int,
         worker_timeout_ms: int,
         claim_sent: float,
-        slot: str | None = None,
+        slots: tuple[str, ...] = (),
     ) -> None:
         """Ping a run's lease from now on; ``claim_sent`` is when (monotonic) the claim that
         took it was sent, so the lease cannot end before ``claim_sent + timeout``."""
@@ -138,7 +139,14 @@ class LeasePinger:
         timeout = worker_timeout_ms / 1000
         with self._cond:
             self._leases[run_id] = _Lease(
-                key, run_id, interval, timeout, now + interval, now, claim_sent + timeout, slot=slot
+                key,
+                run_id,
+                interval,
+                timeout,
+                now + interval,
+                now,
+                claim_sent + timeout,
+                slots=slots,
             )
             # wake the thread only if this ping is due before it wakes anyway: a woken thread
             # takes the GIL from the event loop, on every claim
@@ -238,11 +246,10 @@ class LeasePinger:
             status = None
             if doc is None:
                 status = self._driver.run(store.get_status(lease.key))
-            elif lease.slot is not None:
+            elif lease.slots:
                 timeout_ms = doc.get("options", {}).get("worker_timeout_ms", lease.timeout * 1000)
-                self._driver.run(
-                    limits.extend(lease.slot, lease.run_id, server_now, int(timeout_ms))
-                )
+                for slot in lease.slots:
+                    self._driver.run(extend_slot(slot, lease.run_id, server_now, int(timeout_ms)))
         except StorageError as exc:
             if not self._failing:
                 log.warning("cannot ping leases, retrying: %s", exc, extra={"key": lease.key})

@@ -1,12 +1,13 @@
-"""The worker's side of the cluster-wide limits (``mtask.limits``).
+"""The worker's side of the cluster-wide limits (``mtask.limits``, ``mtask.slots``).
 
 The gate knows which names are limited (read again at once when a limit document of a name it
 does not know as limited changes — a new limit applies as soon as its event comes — and every
-``REFRESH_SECONDS`` whatever happens, which bounds a lost event and a removed limit), takes a
-slot and token before each claim of such a name, remembers the keys a limit held back and puts
-them back in the claim queue when a slot may have freed (a change event on the name's limit
-document) or when the next token is due, and gives slots back in batches after the runs end.
-It never decides a limit itself: ``limits.acquire`` does, on the server.
+``REFRESH_SECONDS`` whatever happens, which bounds a lost event and a removed limit), takes the
+slots and tokens of a batch of runs before they are claimed (``slots.take``), remembers the
+keys a limit held back and puts them back in the claim queue when a slot may have freed (a
+change event on its slot's document: a name's or a group's) or when the next token is due (at
+the latest after ``REFRESH_SECONDS``), and gives slots back in batches after the runs end. It
+never decides a limit itself: the slot documents' atomic updates do, on the server.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from mtask import limits
+from mtask import limits, slots
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
@@ -29,6 +30,9 @@ log = logging.getLogger(__name__)
 
 REFRESH_SECONDS = 5.0
 DEFAULT_SLOT_LEASE_MS = 30_000
+BLOCKED_AT_MOST = dt.timedelta(seconds=REFRESH_SECONDS)
+"""How long a key held back by a limit waits at most before it is tried again, if no change
+event of its slot came (events are hints)."""
 
 
 class LimitGate(PeriodicService):
@@ -71,7 +75,8 @@ class LimitGate(PeriodicService):
     async def refresh(self) -> None:
         docs = await self.driver.run(limits.all_limits())
         limited = {str(d["_id"]): d for d in docs}
-        for name in set(self.blocked) - set(limited):  # a limit was removed: free its keys
+        names = {s for s in self.blocked if not slots.is_group_slot(s)}
+        for name in names - set(limited):  # a limit was removed: free its keys
             self.on_change(name)
         self.limited = limited
         self.refreshed.set()
@@ -84,52 +89,50 @@ class LimitGate(PeriodicService):
         await self.refresh()
 
     async def take(
-        self, name: str, run_id: str, key: str, now: dt.datetime, lease_ms: int | None
-    ) -> limits.Acquired | None:
-        """A slot and token for this run, or why not; ``None`` if MongoDB could not say."""
+        self, requests: list[slots.Request], now: dt.datetime
+    ) -> list[slots.Taken] | None:
+        """Slots and tokens for these runs, or why not; ``None`` if MongoDB could not say."""
         try:
-            return await self.driver.run(
-                limits.acquire(
-                    name, run_id, key, self.worker_id, now, lease_ms or DEFAULT_SLOT_LEASE_MS
-                )
-            )
+            return await self.driver.run(slots.take(requests, self.worker_id, now))
         except StorageError as exc:
             log.warning(
-                "cannot take a slot of %r's limit, retrying shortly: %s",
-                name,
+                "cannot take %d limit slot(s), retrying shortly: %s",
+                len(requests),
                 exc,
-                extra={"limit": name, "key": key},
+                extra={"slots": len(requests)},
             )
             return None
 
-    def block(self, name: str, key: str, until: dt.datetime) -> None:
-        """``key`` waits for ``name``'s limit: back in the queue at ``until`` (the next token,
-        or the earliest slot lease end) or at once when the limit document changes."""
-        self.blocked.setdefault(name, set()).add(key)
-        self.sink.requeue_at(key, until)
+    def block(self, slot: str, key: str, until: dt.datetime | None, now: dt.datetime) -> None:
+        """``key`` waits for ``slot`` (a name's or a group's): back in the queue at ``until``
+        (the next token, the earliest slot lease end, a sequence's next task due), at once when
+        the slot's document changes, and after ``BLOCKED_AT_MOST`` at the latest."""
+        self.blocked.setdefault(slot, set()).add(key)
+        latest = now + BLOCKED_AT_MOST
+        self.sink.requeue_at(key, latest if until is None else min(until, latest))
 
-    def on_change(self, name: str) -> None:
-        """The limit document of ``name`` changed (a slot freed, the limit was edited, or a
-        new limit was set)."""
-        if name not in self.limited:
+    def on_change(self, slot: str) -> None:
+        """The limit document ``slot`` changed (a slot freed, a limit was edited or set)."""
+        if slot not in self.limited and not slots.is_group_slot(slot):
             self.unknown_changed.set()
-        keys = self.blocked.pop(name, ())
+        keys = self.blocked.pop(slot, ())
         if keys:
             now = self.clock.now()
             for key in keys:
                 self.sink.requeue_at(key, now)
 
-    def release_later(self, name: str, run_ids: Iterable[str]) -> None:
-        self.releases.setdefault(name, []).extend(run_ids)
+    def release_later(self, slot: str, run_ids: Iterable[str]) -> None:
+        self.releases.setdefault(slot, []).extend(run_ids)
 
     async def flush(self) -> None:
-        """Give back the slots of runs that ended. A release that fails is not retried: the
-        slot runs out with its lease, as if the worker had died."""
+        """Give back the slots of runs that ended, in one write. A release that fails is not
+        retried: the slots run out with their leases, as if the worker had died."""
         releases, self.releases = self.releases, {}
-        for name, run_ids in releases.items():
-            try:
-                await self.driver.run(limits.release(name, run_ids))
-            except StorageError as exc:
-                log.warning(
-                    "cannot give back %d slot(s) of %r (they run out): %s", len(run_ids), name, exc
-                )
+        try:
+            await self.driver.run(slots.release(releases))
+        except StorageError as exc:
+            log.warning(
+                "cannot give back %d slot(s) (they run out): %s",
+                sum(len(r) for r in releases.values()),
+                exc,
+            )

@@ -70,9 +70,9 @@ class OutcomeRecorder:
         self.ready.set()
         self.all_written.clear()
 
-    def release_slot(self, name: str, run_id: str) -> None:
+    def release_slot(self, slot: str, run_id: str) -> None:
         """Give a limit slot back after the outcomes now pending (or at once, if none)."""
-        self.gate.release_later(name, [run_id])
+        self.gate.release_later(slot, [run_id])
         self.ready.set()
 
     async def run(self) -> None:

@@ -13,12 +13,25 @@ from harness import T0, running_worker, wait_for
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mtask import TaskClient
+from mtask import TaskClient, slots
 from mtask.clock import FixedClock
+from mtask.driver import Op
 from mtask.errors import InvalidTask
-from mtask.limits import acquire, extend, parse_rate, refill, release, wait_for_token
+from mtask.limits import parse_rate, refill, wait_for_token
 from mtask.registry import Registry
+from mtask.slots import Request, Taken, extend, take
 from mtask.worker.limit_gate import LimitGate
+
+
+def acquire(
+    slot: str, run_id: str, key: str, worker: str, now: dt.datetime, lease_ms: int
+) -> Op[Taken]:
+    """One run's slot of a name's limit (``slots.take`` of one request)."""
+    return (yield from take([Request(slot, run_id, key, lease_ms)], worker, now))[0]
+
+
+def release(slot: str, run_ids: list[str]) -> Op[None]:
+    yield from slots.release({slot: run_ids})
 
 
 @given(
@@ -59,7 +72,7 @@ def test_parse_rate_names_the_problem(text: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({}, "limit: give concurrency, rate or both"),
+        ({}, "limit: give concurrency, rate, group_concurrency or group_rate"),
         ({"concurrency": 0}, "concurrency: must be an integer from 1"),
         ({"concurrency": 2.5}, "concurrency: must be an integer"),
         ({"rate": -1.0}, "rate: must be a number above 0"),
@@ -111,7 +124,7 @@ def test_rate_tokens_refill_by_the_given_clock(mongo_uri: str, db_name: str) -> 
 
 def test_no_limit_document_means_unlimited(client: TaskClient) -> None:
     got = client._run(acquire("n", "r", "k", "w", T0, 1000))
-    assert not got.taken and not got.limited
+    assert got.taken and not got.limited  # go on without a slot: none is held
     client.set_limit("n", concurrency=1)
     assert client.clear_limit("n") and not client.clear_limit("n")
 

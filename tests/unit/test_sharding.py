@@ -133,7 +133,7 @@ def test_targeted_operations_hold_the_shard_key(operation: str) -> None:
 def test_the_limits_and_schedules_documents_are_addressed_by_id() -> None:
     """Small collections (one document per limited name / schedule): unsharded, or sharded on
     ``_id``; their writes name the ``_id``."""
-    calls = calls_of(limits.set_limit("n", 2, None, None, T0), found={"_id": "n"})
+    calls = calls_of(limits.set_limit("n", limits.Limit(2), limits.Limit(), T0), found={"_id": "n"})
     calls += calls_of(schedules.remove("s"))
     assert calls and all(holds_id(c.args[0], True) for c in calls if c.method != "find")
 

@@ -34,6 +34,7 @@ from typing import Any
 
 from mtask import driver
 from mtask.clock import Clock
+from mtask.limits import group_slot
 from mtask.store.schema import LAST_WRITE
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.changes import event_key, updated_fields
@@ -72,6 +73,9 @@ class Dispatcher:
         self.returned = 0
         """Keys that went back in the host queue (no claim in time, or their worker went)."""
         self.said = {"held": 0, "missed": 0, "gone": 0}
+        self.slot_waiters: dict[str, set[Channel]] = {}
+        """Subscribers holding a key of a group (``held``), by the group's slot document: the
+        relay passes that document's next change event to them alone."""
         """What the subscribers said of handed keys, by kind."""
         self.heard = {"claim": 0, "success": 0}
         """The subscribers' claims and successes the stream showed."""
@@ -147,9 +151,15 @@ class Dispatcher:
 
     # -- what the subscribers (ClaimReports) and the stream say about keys --------------------
 
-    def held(self, key: str) -> None:
-        """A subscriber keeps ``key`` (a limit holds it back): not the host queue's any more."""
+    def held(self, key: str, by: Channel | None = None) -> None:
+        """A subscriber keeps ``key`` (a limit holds it back): not the host queue's any more.
+        If the task has a group, ``by`` is told when its group's slot document changes
+        (``slot_waiters``): those events go only to who waits for them."""
         self.said["held"] += 1
+        meta = self.host.known(key)
+        if by is not None and meta is not None and isinstance(meta.group, tuple):
+            slot = group_slot(*meta.group)
+            self.slot_waiters.setdefault(slot, set()).add(by)
         self.awaiting.pop(key, None)
         self.forget(key)
 

@@ -46,7 +46,9 @@ from pymongo.errors import PyMongoError
 
 from mtask import events
 from mtask.errors import StorageError
+from mtask.slots import is_group_slot
 from mtask.store import relays
+from mtask.worker.finding.changes import event_key
 from mtask.worker.finding.shared import mailbox
 from mtask.worker.finding.shared.channels import InboxChannel, LocalChannel, SubscriberChannel
 from mtask.worker.finding.shared.dispatch import Dispatcher
@@ -310,7 +312,14 @@ class Relay:
 
     def on_change(self, change: Mapping[str, Any]) -> None:
         ns = change.get("ns")
-        if isinstance(ns, Mapping) and ns.get("coll") in OTHER_COLLECTIONS:
+        collection = ns.get("coll") if isinstance(ns, Mapping) else None
+        slot = event_key(change) if collection == "limits" else None
+        if self.direct is None and isinstance(slot, str) and is_group_slot(slot):
+            # a group's slot changes twice a run: only who waits for it hears of it
+            waiters = self.dispatcher.slot_waiters.pop(slot, set())
+            for channel in [c for c in self.subscribers if c in waiters]:
+                channel.send(change)
+        elif collection in OTHER_COLLECTIONS:
             self.broadcast(change)
         elif self.direct is not None:
             self.direct.send(change)

@@ -64,7 +64,7 @@ def apply_report(dispatcher: Dispatcher, channel: Channel, message: Mapping[str,
     """A subscriber's report (raises ``TypeError``/``ValueError`` on one that makes no sense):
     what became of its keys, then its credit and its names."""
     for key in message.get("held") or ():
-        dispatcher.held(key)
+        dispatcher.held(key, channel)
     for key in message.get("missed") or ():
         dispatcher.missed(key, channel)
     for key in message.get("gone") or ():

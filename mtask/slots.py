@@ -1,0 +1,220 @@
+"""Taking and giving back the slots of cluster-wide limits (``mtask.limits``): a name's, and a
+group's of a name.
+
+A worker takes a slot (and a token) for a run *before* it claims the task, and claims it with
+the run id the slot was taken for; a claim that misses gives the slot back. A slot is a lease
+like the run's: it carries ``expires`` (server time), the lease pinger extends it with the
+run's lease, and a slot whose worker died simply runs out. The token bucket is refilled from
+the server clock inside the same update. No limit is ever kept in a single worker's memory.
+
+``take`` takes any number of slots in one bulk write and one read (a batch claim of limited
+names costs two round trips more, not two per key): each request is one pipeline update of
+its slot's document, whose filter matches only if a slot is free and a token there (a full
+slot is not written: no change event), adding the holder and noting the run id in ``granted``
+(the newest ``GRANTED_KEPT``), which the read then looks for. A
+group's document is made by its first request (an upsert carrying the name's group limit) and
+removed by MongoDB's TTL monitor ``GROUP_TTL`` after its last request or ping.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pymongo import UpdateOne
+from pymongo.errors import BulkWriteError
+
+from mtask.driver import Call, Doc, Op
+from mtask.limits import GROUP_SEPARATOR, Limit, retry_at
+from mtask.store.schema import literal
+
+GRANTED_KEPT = 256
+"""Run ids a slot document remembers as granted: more than any one bulk of requests."""
+DUPLICATE_KEY = 11000
+GROUP_TTL = dt.timedelta(days=7)
+"""A group's document is removed this long after its last request or ping."""
+
+
+def is_group_slot(slot: str) -> bool:
+    return GROUP_SEPARATOR in slot
+
+
+@dataclass(frozen=True)
+class Request:
+    """One run's request for one slot. ``limit``: a group's limit (its document is made with
+    it, and takes it at every request); ``None`` for a name's slot, whose document holds its
+    own limit."""
+
+    slot: str
+    run_id: str
+    key: str
+    lease_ms: int
+    limit: Limit | None = None
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What became of one request: ``taken``, or ``limited`` False (the name has no limit
+    now: go on without its slot), else ``retry_at``: when one may be had at the earliest."""
+
+    taken: bool
+    limited: bool = True
+    retry_at: dt.datetime | None = None
+
+
+def _terms(request: Request, now: dt.datetime) -> tuple[Any, Any, Any, Doc, Doc]:
+    """The slot's limit (its document's fields for a name, literals for a group), its live
+    holders and its tokens now, as expressions over the document."""
+    limit = request.limit
+    conc: Any = "$concurrency" if limit is None else limit.concurrency
+    rate: Any = "$rate" if limit is None else limit.rate
+    burst: Any = "$burst" if limit is None else (None if limit.rate is None else limit.full())
+    live: Doc = {
+        "$filter": {
+            "input": {"$ifNull": ["$holders", []]},
+            "as": "h",
+            "cond": {"$gt": ["$$h.expires", now]},
+        }
+    }
+    elapsed = {"$max": [0, {"$subtract": [now, {"$ifNull": ["$refilled_at", now]}]}]}
+    tokens: Doc = {
+        "$min": [
+            burst,
+            {"$add": [{"$ifNull": ["$tokens", burst]}, {"$multiply": [elapsed, rate, 0.001]}]},
+        ]
+    }
+    return conc, rate, burst, live, tokens
+
+
+def _filter(request: Request, now: dt.datetime) -> Doc:
+    """The slot's document, only if a slot is free and a token there: a full slot is not
+    written at all (no change event wakes the keys that wait for it). A group's document that
+    does not exist yet is made (the upsert); one that is full makes the upsert fail on its
+    ``_id``, which ``take`` reads as a refusal."""
+    conc, rate, _, live, tokens = _terms(request, now)
+    ok = {
+        "$and": [
+            {"$or": [{"$not": [{"$isNumber": conc}]}, {"$lt": [{"$size": live}, conc]}]},
+            {"$or": [{"$not": [{"$isNumber": rate}]}, {"$gte": [tokens, 1]}]},
+        ]
+    }
+    if request.limit is None:  # a name's document must exist: a cleared limit is not made again
+        return {"_id": request.slot, "holders": {"$type": "array"}, "$expr": ok}
+    return {"_id": request.slot, "$expr": ok}
+
+
+def _take_pipeline(request: Request, worker_id: str, now: dt.datetime) -> list[Doc]:
+    """Add the run as a holder and take a token (the filter made sure there is room)."""
+    conc, rate, burst, live, tokens = _terms(request, now)
+    holder = {
+        "run_id": request.run_id,
+        "key": request.key,
+        "worker_id": worker_id,
+        "expires": now + dt.timedelta(milliseconds=request.lease_ms),
+    }
+    granted = {"$ifNull": ["$granted", []]}
+    sets: Doc = {
+        "holders": {
+            "$cond": [{"$isNumber": conc}, {"$concatArrays": [live, [literal(holder)]]}, []]
+        },
+        "tokens": {"$cond": [{"$isNumber": rate}, {"$subtract": [tokens, 1]}, None]},
+        "refilled_at": now,
+        "granted": {
+            "$slice": [{"$concatArrays": [granted, [literal(request.run_id)]]}, -GRANTED_KEPT]
+        },
+    }
+    if request.limit is not None:  # a group's document carries its group's limit
+        name, _, group = request.slot.partition(GROUP_SEPARATOR)
+        sets |= {
+            "name": literal(name),
+            "group": literal(group),
+            "concurrency": conc,
+            "rate": rate,
+            "burst": burst,
+            "expire_at": now + GROUP_TTL,
+        }
+    return [{"$set": sets}]
+
+
+def take(requests: Sequence[Request], worker_id: str, now: dt.datetime) -> Op[list[Taken]]:
+    """Take each requested slot if it is free (and a token there): one bulk write, one read.
+    Returns what became of each request, in order."""
+    if not requests:
+        return []
+    ops = [
+        UpdateOne(_filter(r, now), _take_pipeline(r, worker_id, now), upsert=r.limit is not None)
+        for r in requests
+    ]
+    try:
+        yield Call("bulk_write", (ops,), {"ordered": False}, collection="limits")
+    except BulkWriteError as exc:
+        errors = exc.details.get("writeErrors") or []
+        if any(e.get("code") != DUPLICATE_KEY for e in errors) or exc.details.get(
+            "writeConcernErrors"
+        ):
+            raise
+        # a full group's slot: its upsert found no room and could not make the document again
+    slots = sorted({r.slot for r in requests})
+    docs: list[Doc] = yield Call(
+        "find",
+        (
+            {"_id": {"$in": slots}},
+            {
+                "granted": 1,
+                "holders": 1,
+                "concurrency": 1,
+                "rate": 1,
+                "burst": 1,
+                "tokens": 1,
+                "refilled_at": 1,
+            },
+        ),
+        collection="limits",
+    )
+    return decide(requests, {d["_id"]: d for d in docs}, now)
+
+
+def decide(requests: Sequence[Request], docs: Mapping[str, Doc], now: dt.datetime) -> list[Taken]:
+    """What became of each request, from its slot's document as read after the bulk (pure)."""
+    out = []
+    for request in requests:
+        doc = docs.get(request.slot)
+        if doc is None:  # a name's limit was removed; a group's document is always made
+            out.append(Taken(taken=request.limit is None, limited=request.limit is not None))
+            continue
+        granted = doc.get("granted")
+        if isinstance(granted, list) and request.run_id in granted:
+            out.append(Taken(taken=True))
+        else:
+            out.append(Taken(taken=False, retry_at=retry_at(doc, now)))
+    return out
+
+
+def extend(slot: str, run_id: str, now: dt.datetime, lease_ms: int) -> Op[None]:
+    """Keep a run's slot as long as its lease (called by the lease pinger with each ping); a
+    group's document is kept for ``GROUP_TTL`` more."""
+    sets: Doc = {"holders.$.expires": now + dt.timedelta(milliseconds=lease_ms)}
+    if is_group_slot(slot):
+        sets["expire_at"] = now + GROUP_TTL
+    yield Call(
+        "update_one",
+        ({"_id": slot, "holders.run_id": run_id}, {"$set": sets}),
+        collection="limits",
+    )
+
+
+def release(by_slot: Mapping[str, Sequence[str]]) -> Op[None]:
+    """Give back the slots of runs that ended (or whose claim missed): one write for all."""
+    if not by_slot:
+        return
+    run_ids = sorted({r for ids in by_slot.values() for r in ids})
+    yield Call(
+        "update_many",
+        (
+            {"_id": {"$in": sorted(by_slot)}},
+            {"$pull": {"holders": {"run_id": {"$in": run_ids}}}},
+        ),
+        collection="limits",
+    )

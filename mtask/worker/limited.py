@@ -1,0 +1,143 @@
+"""Which slots a batch of limited keys asks for, and which keys wait (pure: no I/O).
+
+A key of a limited name asks for the name's slot (if the name itself is limited) and for its
+group's slot (if the name limits its groups and the task has a group). In a **sequence** (a
+name whose ``group_concurrency`` is 1) only the group's first open task in publish order may
+run (``store.groups.heads``): a key that is not its group's head waits for its turn, and the
+head is claimed in its place if it is due. A batch never asks a slot for more runs than it
+allows at once; the rest wait for it. The server decides: the slots' atomic updates, then the
+claim.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mtask import limits
+from mtask.slots import Request
+from mtask.worker.finding.placement import TaskMeta
+
+
+@dataclass(frozen=True)
+class Wait:
+    """``key`` waits for ``slot``: until ``until`` (``None``: its document's change)."""
+
+    key: str
+    slot: str
+    until: dt.datetime | None = None
+
+
+@dataclass
+class Plan:
+    claims: list[tuple[str, list[Request]]] = field(default_factory=list)
+    """Keys to claim, each with the slot requests that must all be granted first."""
+    waits: list[Wait] = field(default_factory=list)
+    gone: list[str] = field(default_factory=list)
+    """Keys whose group has no open task any more: they finished (let the sink say so)."""
+
+
+def group_of(meta: TaskMeta) -> str | None:
+    group = meta.group
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[1], str):
+        return group[1]
+    return None
+
+
+def sequences(
+    keys: Sequence[str], known: Mapping[str, TaskMeta], limited: Mapping[str, Any]
+) -> list[tuple[str, str]]:
+    """The ``(name, group)`` of ``keys`` that are sequences: their heads are read first."""
+    pairs = set()
+    for key in keys:
+        meta = known.get(key)
+        doc = limited.get(meta.name) if meta is not None else None
+        if meta is None or not isinstance(doc, Mapping):
+            continue
+        group = group_of(meta)
+        if group is not None and limits.group_limit(doc).concurrency == 1:
+            pairs.add((meta.name, group))
+    return sorted(pairs)
+
+
+def due(head: Mapping[str, Any], now: dt.datetime) -> bool:
+    at = head.get("next_claim_at")
+    return isinstance(at, dt.datetime) and at <= now
+
+
+def _turn(
+    key: str, gslot: str, head: Mapping[str, Any] | None, now: dt.datetime, out: Plan
+) -> str | None:
+    """In a sequence: the key to claim for ``key``'s group (its head, if due), or ``None``;
+    ``key`` waits if it is not its turn."""
+    if head is None:  # no open task in its group: it finished
+        out.gone.append(key)
+        return None
+    if head.get("_id") != key:
+        out.waits.append(Wait(key, gslot))  # not its turn: the head goes first
+    if due(head, now):
+        return str(head["_id"])
+    if head.get("_id") == key:  # its turn, but running elsewhere or retrying later
+        at = head.get("next_claim_at")
+        out.waits.append(Wait(key, gslot, at if isinstance(at, dt.datetime) else None))
+    return None
+
+
+def plan(
+    keys: Sequence[str],
+    known: Mapping[str, TaskMeta],
+    limited: Mapping[str, Any],
+    heads: Mapping[tuple[str, str], Mapping[str, Any]],
+    now: dt.datetime,
+    run_id: Callable[[str], str],
+    default_lease_ms: int,
+) -> Plan:
+    """What to ask for ``keys`` (popped in the claim queue's order, best first)."""
+    out = Plan()
+    asked: dict[str, int] = {}  # requests per slot in this batch
+    turns: set[tuple[str, str]] = set()  # sequences that have had their turn in this batch
+    chosen: set[str] = set()
+    for key in keys:
+        meta = known.get(key)
+        doc = limited.get(meta.name) if meta is not None else None
+        if meta is None or not isinstance(doc, Mapping):
+            out.claims.append((key, []))  # no limit (any more): a plain claim
+            continue
+        own, each = limits.own_limit(doc), limits.group_limit(doc)
+        group = group_of(meta)
+        gslot = limits.group_slot(meta.name, group) if group is not None and each.set else None
+        candidate: str | None = key
+        if gslot is not None and group is not None and each.concurrency == 1:
+            if (meta.name, group) in turns:
+                out.waits.append(Wait(key, gslot))
+                continue
+            turns.add((meta.name, group))
+            candidate = _turn(key, gslot, heads.get((meta.name, group)), now, out)
+        if candidate is None or candidate in chosen:
+            continue
+        lease = (meta.worker_timeout_ms if candidate == key else None) or default_lease_ms
+        requests = []
+        if own.set:
+            requests.append(Request(meta.name, run_id(candidate), candidate, lease))
+        if gslot is not None:
+            requests.append(Request(gslot, run_id(candidate), candidate, lease, limit=each))
+        caps = {meta.name: own.concurrency, gslot: each.concurrency}
+        full = next(
+            (
+                r.slot
+                for r in requests
+                if (cap := caps[r.slot]) is not None and asked.get(r.slot, 0) >= cap
+            ),
+            None,
+        )
+        if full is not None:  # the batch asks no slot for more runs than it allows at once
+            if candidate == key:
+                out.waits.append(Wait(key, full))
+            continue
+        for r in requests:
+            asked[r.slot] = asked.get(r.slot, 0) + 1
+        chosen.add(candidate)
+        out.claims.append((candidate, requests))
+    return out
