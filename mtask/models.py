@@ -369,6 +369,7 @@ class StoredOptions(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     priority: int | None = None
+    group: str | None = None
     concurrency: int | None = None
     ping_interval_ms: int | None = None
     worker_timeout_ms: int | None = None

@@ -11,9 +11,10 @@ the server clock inside the same update. No limit is ever kept in a single worke
 names costs two round trips more, not two per key): each request is one pipeline update of
 its slot's document, whose filter matches only if a slot is free and a token there (a full
 slot is not written: no change event), adding the holder and noting the run id in ``granted``
-(the newest ``GRANTED_KEPT``), which the read then looks for. A
-group's document is made by its first request (an upsert carrying the name's group limit) and
-removed by MongoDB's TTL monitor ``GROUP_TTL`` after its last request or ping.
+(the newest ``GRANTED_KEPT``), which the read then looks for. A group's document is made by
+the first bulk that needs it (an upsert of nothing but its name, ahead of the requests; each
+request sets the name's group limit on it) and removed by MongoDB's TTL monitor ``GROUP_TTL``
+after its last request or ping.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from pymongo import UpdateOne
-from pymongo.errors import BulkWriteError
 
 from mtask.driver import Call, Doc, Op
 from mtask.limits import GROUP_SEPARATOR, Limit, retry_at
@@ -32,7 +32,6 @@ from mtask.store.schema import literal
 
 GRANTED_KEPT = 256
 """Run ids a slot document remembers as granted: more than any one bulk of requests."""
-DUPLICATE_KEY = 11000
 GROUP_TTL = dt.timedelta(days=7)
 """A group's document is removed this long after its last request or ping."""
 
@@ -88,11 +87,14 @@ def _terms(request: Request, now: dt.datetime) -> tuple[Any, Any, Any, Doc, Doc]
     return conc, rate, burst, live, tokens
 
 
+def _new_group(slot: str, now: dt.datetime) -> Doc:
+    name, _, group = slot.partition(GROUP_SEPARATOR)
+    return {"name": name, "group": group, "holders": [], "expire_at": now + GROUP_TTL}
+
+
 def _filter(request: Request, now: dt.datetime) -> Doc:
     """The slot's document, only if a slot is free and a token there: a full slot is not
-    written at all (no change event wakes the keys that wait for it). A group's document that
-    does not exist yet is made (the upsert); one that is full makes the upsert fail on its
-    ``_id``, which ``take`` reads as a refusal."""
+    written at all (no change event wakes the keys that wait for it)."""
     conc, rate, _, live, tokens = _terms(request, now)
     ok = {
         "$and": [
@@ -100,9 +102,8 @@ def _filter(request: Request, now: dt.datetime) -> Doc:
             {"$or": [{"$not": [{"$isNumber": rate}]}, {"$gte": [tokens, 1]}]},
         ]
     }
-    if request.limit is None:  # a name's document must exist: a cleared limit is not made again
-        return {"_id": request.slot, "holders": {"$type": "array"}, "$expr": ok}
-    return {"_id": request.slot, "$expr": ok}
+    # a name's document must exist: a cleared limit is not made again
+    return {"_id": request.slot, "holders": {"$type": "array"}, "$expr": ok}
 
 
 def _take_pipeline(request: Request, worker_id: str, now: dt.datetime) -> list[Doc]:
@@ -126,10 +127,7 @@ def _take_pipeline(request: Request, worker_id: str, now: dt.datetime) -> list[D
         },
     }
     if request.limit is not None:  # a group's document carries its group's limit
-        name, _, group = request.slot.partition(GROUP_SEPARATOR)
         sets |= {
-            "name": literal(name),
-            "group": literal(group),
             "concurrency": conc,
             "rate": rate,
             "burst": burst,
@@ -143,19 +141,15 @@ def take(requests: Sequence[Request], worker_id: str, now: dt.datetime) -> Op[li
     Returns what became of each request, in order."""
     if not requests:
         return []
+    made = sorted({r.slot for r in requests if r.limit is not None})
     ops = [
-        UpdateOne(_filter(r, now), _take_pipeline(r, worker_id, now), upsert=r.limit is not None)
-        for r in requests
+        # a group's document is made if it is not there (an update of one that is changes
+        # nothing: no write, no event); then each request in turn, in order
+        UpdateOne({"_id": slot}, {"$setOnInsert": _new_group(slot, now)}, upsert=True)
+        for slot in made
     ]
-    try:
-        yield Call("bulk_write", (ops,), {"ordered": False}, collection="limits")
-    except BulkWriteError as exc:
-        errors = exc.details.get("writeErrors") or []
-        if any(e.get("code") != DUPLICATE_KEY for e in errors) or exc.details.get(
-            "writeConcernErrors"
-        ):
-            raise
-        # a full group's slot: its upsert found no room and could not make the document again
+    ops += [UpdateOne(_filter(r, now), _take_pipeline(r, worker_id, now)) for r in requests]
+    yield Call("bulk_write", (ops,), {"ordered": True}, collection="limits")
     slots = sorted({r.slot for r in requests})
     docs: list[Doc] = yield Call(
         "find",

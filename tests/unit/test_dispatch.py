@@ -82,7 +82,7 @@ def test_each_due_key_goes_to_one_subscriber_with_credit_in_turn() -> None:
     assert d.hand_out(NOW) == 0  # no credit left: the rest waits in the host queue
     d.report(a, free=1, got=2, done=0)  # a took its two; one slot free
     assert d.hand_out(NOW) == 1 and a.got()[-1] in ("k3", "k4")
-    assert a.handed[0][1:] == ["n", 0, None]  # name, priority, worker_timeout_ms
+    assert a.handed[0][1:] == ["n", 0, None, None]  # name, priority, worker_timeout_ms, group
 
 
 def test_credit_counts_what_is_on_its_way() -> None:

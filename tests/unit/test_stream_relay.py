@@ -166,7 +166,7 @@ def test_what_a_subscriber_reports_reaches_the_dispatcher() -> None:
     found = dispatcher.accounts.get(local)
     assert found is not None and found.credit == 5 and dispatcher.host.scope.names == ["m", "n"]
     assert dispatcher.hand_out(WHEN) == 2 and local.items[-1] == {
-        "d": [["k1", "n", 0, None], ["k2", "n", 0, None]]
+        "d": [["k1", "n", 0, None, None], ["k2", "n", 0, None, None]]
     }
     apply_report(dispatcher, local, {"missed": ["k1"], "gone": ["k2"]})
     assert not dispatcher.awaiting and set(dispatcher.host.queue.entries) == {"k1"}

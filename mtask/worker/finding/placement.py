@@ -193,7 +193,13 @@ class Placement:
         return True
 
     def hand(
-        self, key: str, name: str, priority: int, timeout: int | None, now: dt.datetime
+        self,
+        key: str,
+        name: str,
+        priority: int,
+        timeout: int | None,
+        now: dt.datetime,
+        group: str | None = None,
     ) -> bool:
         """Queue ``key``, handed over by the relay, due ``now``; False if it runs here already
         (for another worker of a task of ``concurrency`` > 1)."""
@@ -201,8 +207,9 @@ class Placement:
             return True
         if self.in_flight(key):
             return False
-        self.meta[key] = TaskMeta(name, priority, frozenset(), timeout)
-        self.queue.push(key, now, priority)
+        grouped = (name, group) if isinstance(group, str) else None
+        self.meta[key] = TaskMeta(name, priority, frozenset(), timeout, group=grouped)
+        self.queue.push(key, now, priority, group=grouped)
         self.wake()
         return True
 

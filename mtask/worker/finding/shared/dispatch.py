@@ -74,6 +74,9 @@ class Dispatcher:
         """Keys that went back in the host queue (no claim in time, or their worker went)."""
         self.said = {"held": 0, "missed": 0, "gone": 0}
         self.slot_waiters: dict[str, set[Channel]] = {}
+        self.held_slots: dict[str, str] = {}
+        """The group slot of each key a subscriber holds, until the key's next event (the
+        relay forgot the task itself, so that it is not handed out again)."""
         """Subscribers holding a key of a group (``held``), by the group's slot document: the
         relay passes that document's next change event to them alone."""
         """What the subscribers said of handed keys, by kind."""
@@ -157,8 +160,9 @@ class Dispatcher:
         (``slot_waiters``): those events go only to who waits for them."""
         self.said["held"] += 1
         meta = self.host.known(key)
-        if by is not None and meta is not None and isinstance(meta.group, tuple):
-            slot = group_slot(*meta.group)
+        if meta is not None and isinstance(meta.group, tuple):
+            self.held_slots[key] = group_slot(*meta.group)
+        if by is not None and (slot := self.held_slots.get(key)) is not None:
             self.slot_waiters.setdefault(slot, set()).add(by)
         self.awaiting.pop(key, None)
         self.forget(key)
@@ -174,6 +178,7 @@ class Dispatcher:
         """A subscriber found ``key`` finished or deleted."""
         self.said["gone"] += 1
         self.awaiting.pop(key, None)
+        self.held_slots.pop(key, None)
         self.forget(key)
 
     def forget(self, key: str) -> None:
@@ -184,6 +189,8 @@ class Dispatcher:
         """A task's event in the relay's stream: what it says of the subscribers, then its
         place in the host queue (a claim's at its lease's end, a success's nowhere)."""
         self._on_event(change)
+        if isinstance(key := event_key(change), str):
+            self.held_slots.pop(key, None)  # the host queue learns the task again
         self.host.on_change(change)
 
     def _on_event(self, change: Mapping[str, Any]) -> None:
@@ -332,8 +339,9 @@ class Dispatcher:
             handed += 1
             account.handed(1, now_mono)  # its credit counts it from now on
             self.awaiting[key] = (account, deadline)
+            group = meta.group[1] if isinstance(meta.group, tuple) else None
             batches.setdefault(account, []).append(
-                [key, meta.name, meta.priority, meta.worker_timeout_ms]
+                [key, meta.name, meta.priority, meta.worker_timeout_ms, group]
             )
         return handed
 

@@ -310,8 +310,8 @@ class SharedStream:
         if "d" in frame:
             now = self.clock.now()
             self.reports.received(len(frame["d"]))
-            for key, name, priority, timeout in frame["d"]:
-                if not self.finder.placement.hand(key, name, priority, timeout, now):
+            for key, name, priority, timeout, group in frame["d"]:
+                if not self.finder.placement.hand(key, name, priority, timeout, now, group):
                     self.reports.missed(key)  # it runs it already, for another worker
         elif relay == "own":  # alone with the relay: its events follow, find work yourself
             self._find_alone(own_stream=False)

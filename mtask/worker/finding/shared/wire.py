@@ -3,7 +3,8 @@
 Relay to subscriber: ``{"relay": "open"}`` (the relay's stream is open: from now on the relay
 hands this worker its tasks), ``{"relay": "own"}`` (to the relay's own worker while it is the
 only subscriber: the task events follow, find work yourself), ``{"d": [[key, name, priority,
-worker_timeout_ms], …]}`` (tasks handed over, due now), and the change events of
+worker_timeout_ms, group], …]}`` (tasks handed over, due now; ``group``: ``options.group`` or
+null), and the change events of
 ``controls``, ``limits`` and ``schedules`` as they come.
 
 Subscriber to relay: its hello (``{"hello": PROTOCOL, "worker_id", "names", "free",
@@ -33,7 +34,7 @@ from mtask.worker.finding.shared.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = 5
+PROTOCOL = 6
 OPEN = {"relay": "open"}
 OWN = {"relay": "own"}
 BYE = {"bye": True}

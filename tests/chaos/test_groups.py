@@ -1,0 +1,128 @@
+"""Per-group limits and sequences (issue 29), held by three real worker processes through
+kills and freezes, checked from the execution log (server times) and the task documents' run
+arrays."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import itertools
+import signal
+from collections import defaultdict
+from typing import Any
+
+import pytest
+from cluster import Cluster, until_finished
+from harness import wait_for
+from test_cluster_limits import peak
+
+from mtask import TaskClient
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
+
+FAST = {"worker_timeout_ms": 2000, "ping_interval_ms": 300, "retry_delay_ms": 50}
+
+
+Span = tuple[dt.datetime, dt.datetime, str]
+
+
+def runs_of(mongo: Any, db_name: str) -> dict[str, list[Span]]:
+    """Per task, (start, end, state) of each run that counts: its entry in the task's run
+    array is SUCCESS or FAIL (a run taken over after its lease ran out is TIMEOUT: fenced, it
+    does not count), its times from the execution log (the server's clock)."""
+    starts: dict[str, dt.datetime] = {}
+    ends: dict[str, dt.datetime] = {}
+    for entry in mongo[db_name]["execlog"].find():
+        if entry["event"] == "start":
+            starts[entry["run_id"]] = entry["at"]
+        elif entry["event"] in ("finish", "fail"):
+            ends[entry["run_id"]] = entry["at"]
+    out: dict[str, list[Span]] = defaultdict(list)
+    for doc in mongo[db_name]["tasks"].find({}, {"runs": 1}):
+        for run in doc["runs"]:
+            if run["state"] in ("SUCCESS", "FAIL"):
+                rid = run["run_id"]
+                out[doc["_id"]].append((starts[rid], ends[rid], run["state"]))
+    return out
+
+
+def publish_groups(client: TaskClient, groups: int, each: int, **params: Any) -> None:
+    """``each`` tasks in each of ``groups`` groups, published interleaved (g0/0, g1/0, …,
+    g0/1, …) in one call; a task of every seventh index fails once."""
+    client.publish_many(
+        [
+            {
+                "name": "work",
+                "key": f"g{g:02d}/{i:02d}",
+                "params": {**params, "fail_attempts": 1 if (g + i) % 7 == 0 else 0},
+                "options": {**FAST, "group": f"g{g:02d}"},
+            }
+            for i in range(each)
+            for g in range(groups)
+        ]
+    )
+
+
+async def test_sequences_run_one_at_a_time_in_publish_order_through_kills_and_freezes(
+    cluster: Cluster, client: TaskClient, mongo: Any, db_name: str
+) -> None:
+    """20 groups x 10 tasks, ``group_concurrency=1``, 3 workers; some tasks fail once; one
+    worker is killed with SIGKILL and one frozen past its leases. In every group no two
+    counted runs overlap, and the successes come in publish order."""
+    client.set_limit("work", group_concurrency=1)
+    for worker in ("a", "b", "c"):
+        cluster.spawn(worker, "--concurrency", "8")
+    publish_groups(client, 20, 10, ms=60)
+    tasks = mongo[db_name]["tasks"]
+    await wait_for(lambda: tasks.count_documents({"status": "succeeded"}) >= 30, timeout=120)
+    cluster.signal("a", signal.SIGKILL)
+    await wait_for(lambda: tasks.count_documents({"status": "succeeded"}) >= 70, timeout=120)
+    cluster.signal("b", signal.SIGSTOP)
+    await asyncio.sleep(FAST["worker_timeout_ms"] / 1000 + 1.5)  # the fault: past its leases
+    cluster.signal("b", signal.SIGCONT)
+    await until_finished(client, 200, timeout=300)
+    assert client.stats()["work"] == {"succeeded": 200}
+
+    runs = runs_of(mongo, db_name)
+    for g in range(20):
+        keys = [f"g{g:02d}/{i:02d}" for i in range(10)]  # in publish order
+        spans = sorted(span for key in keys for span in runs[key])
+        for before, after in itertools.pairwise(spans):
+            assert before[1] <= after[0], f"g{g:02d}: two runs at once: {before} and {after}"
+        ends = [next(end for _, end, state in runs[key] if state == "SUCCESS") for key in keys]
+        assert ends == sorted(ends), f"g{g:02d}: successes out of publish order"
+    took_over = tasks.count_documents({"runs.state": "TIMEOUT"})
+    assert took_over >= 1, "the kill and the freeze left runs to take over"
+
+
+async def test_group_concurrency_holds_across_three_workers(
+    cluster: Cluster, client: TaskClient, mongo: Any, db_name: str
+) -> None:
+    """``group_concurrency=2`` over 5 groups x 40 tasks on 3 workers: never more than two
+    runs at once in a group (and two are reached)."""
+    client.set_limit("work", group_concurrency=2)
+    for worker in ("a", "b", "c"):
+        cluster.spawn(worker, "--concurrency", "8")
+    client.publish_many(
+        [
+            {
+                "name": "work",
+                "key": f"e{g}/{i:02d}",
+                "params": {"ms": 30},
+                "options": {"group": f"e{g}"},
+            }
+            for i in range(40)
+            for g in range(5)
+        ]
+    )
+    await until_finished(client, 200, timeout=300)
+    assert client.stats()["work"] == {"succeeded": 200}
+    runs = runs_of(mongo, db_name)
+    for g in range(5):
+        spans = [(a, b) for key, got in runs.items() if key.startswith(f"e{g}/") for a, b, _ in got]
+        assert len(spans) == 40
+        assert peak(spans) == 2, f"e{g}: at most two at once, and two reached"
+    # every slot was given back, and the groups' documents say so
+    groups = list(mongo[db_name]["limits"].find({"group": {"$exists": True}}))
+    assert sorted(d["group"] for d in groups) == [f"e{g}" for g in range(5)]
+    assert all(d["holders"] == [] for d in groups)

@@ -1,0 +1,85 @@
+"""Groups on the real replica set with in-process workers: sequences in publish order, limits
+per group, the slot documents (issue 29)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+from typing import Any
+
+import pytest
+import workerapp
+from harness import running_worker, wait_for
+from pymongo import MongoClient
+
+from mtask import TaskClient, slots
+from mtask.driver import SyncDriver
+from mtask.limits import Limit, group_slot
+
+
+def spans(db: Any, prefix: str) -> dict[str, list[tuple[dt.datetime, dt.datetime, str]]]:
+    """Per task, (claimed, finished, state) of its runs that ended."""
+    return {
+        d["_id"]: [
+            (r["claimed_at"], r["finished_at"], r["state"]) for r in d["runs"] if r["finished_at"]
+        ]
+        for d in db.tasks.find({"_id": {"$regex": f"^{prefix}"}}, {"runs": 1})
+    }
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_sequence_runs_its_group_one_at_a_time_in_publish_order(
+    mongo_uri: str, mongo: MongoClient[Any], db_name: str, client: TaskClient, workers: int
+) -> None:
+    db = mongo[db_name]
+    client.set_limit("sleep", group_concurrency=1)
+    client.publish_many(
+        [
+            {
+                "name": "sleep",
+                "key": f"s{g}/{i}",
+                "params": {"seconds": 0.02},
+                "options": {"group": f"s{g}"},
+            }
+            for i in range(6)
+            for g in range(3)
+        ]
+    )
+    async with running_worker(workerapp.registry, mongo_uri, db_name, concurrency=4):
+        if workers == 2:
+            async with running_worker(workerapp.registry, mongo_uri, db_name, concurrency=4):
+                await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 18)
+        else:
+            await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 18)
+    runs = spans(db, "s")
+    for g in range(3):
+        ordered = [runs[f"s{g}/{i}"][-1] for i in range(6)]  # publish order
+        for before, after in itertools.pairwise(ordered):
+            assert before[1] <= after[0], f"s{g}: not one at a time, in order: {before}, {after}"
+
+
+def test_a_groups_slot_document_is_made_by_its_first_request_and_holds_its_limit(
+    client: TaskClient, mongo: MongoClient[Any], db_name: str
+) -> None:
+    driver = SyncDriver(mongo[db_name])
+    now = client.now()
+    slot = group_slot("n", "$tenant")  # a group's name is data, never an expression
+    limit = Limit(concurrency=2)
+    requests = [slots.Request(slot, f"r{i}", f"k{i}", 1000, limit) for i in range(3)]
+    taken = driver.run(slots.take(requests, "w", now))
+    assert [t.taken for t in taken] == [True, True, False]
+    assert taken[2].retry_at is not None
+    doc = mongo[db_name].limits.find_one({"_id": slot})
+    assert doc["name"] == "n" and doc["group"] == "$tenant" and doc["concurrency"] == 2
+    assert [h["run_id"] for h in doc["holders"]] == ["r0", "r1"]
+    before = doc["refilled_at"]
+    # a full slot is not written (no change event wakes those who wait for it)
+    assert not driver.run(slots.take([slots.Request(slot, "r9", "k9", 1000, limit)], "w", now))[
+        0
+    ].taken
+    assert mongo[db_name].limits.find_one({"_id": slot})["refilled_at"] == before
+    driver.run(slots.release({slot: ["r0"]}))
+    assert driver.run(slots.take([slots.Request(slot, "r3", "k3", 1000, limit)], "w", now))[0].taken
+    # the name's own limits are not a group's: they are listed, the groups' documents are not
+    client.set_limit("n", group_concurrency=2)
+    assert [d["_id"] for d in client.limits()] == ["n"]
