@@ -375,9 +375,12 @@ class _Base:
         limit: int = 100,
         after: str | None = None,
         order: str = "newest",
+        group: str | None = None,
     ) -> Op[builtins.list[Task]]:
+        """A page of tasks (of ``name``, ``status``, ``group``), newest first or soonest
+        claimable first; ``after``: the last key of the previous page."""
         _check_list_args(status, limit, order)
-        docs = yield from store.list_tasks(name, status, limit, after, order)
+        docs = yield from store.list_tasks(name, status, limit, after, order, group)
         return [Task.from_document(d) for d in docs]
 
     @operation
@@ -388,6 +391,13 @@ class _Base:
         exactly, walking every index key (docs/scale.md, "Counts"). ``statuses``: count only
         those."""
         return (yield from store.stats(statuses, exact=exact))
+
+    @operation
+    def groups(self, name: str | None = None, top: int = 10) -> Op[builtins.list[dict[str, Any]]]:
+        """The groups (``options.group``) with the most open tasks, of ``name`` or of every
+        name, largest first: ``{name, group, open, running}`` (at most 100)."""
+        names = None if name is None else [validate_name(name)]
+        return (yield from store.largest(names, top))
 
     @operation
     def due(self) -> Op[dict[str, tuple[int, float]]]:
@@ -568,7 +578,8 @@ class _Base:
 
     @operation
     def search(self, /, **filters: Any) -> Op[builtins.list[Task]]:
-        """A page of tasks by name, status, key ``prefix``, error ``text``, ``after``, ``limit``."""
+        """A page of tasks by name, status, ``group``, key ``prefix``, error ``text``,
+        ``after``, ``limit``."""
         if filters.get("text") and not self._bulk_ready:
             yield from self._bulk_indexes()  # error-text search needs its text index
         return [Task.from_document(d) for d in (yield from bulk.search(**filters))]

@@ -149,6 +149,8 @@ class TaskOptions(BaseModel):
     def to_document(self) -> dict[str, Any]:
         doc = self.model_dump()
         doc["specific_worker_ids"] = list(self.specific_worker_ids)
+        if doc["group"] is None:
+            del doc["group"]  # an option nobody set costs no bytes
         return doc
 
 

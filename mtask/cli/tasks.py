@@ -223,7 +223,12 @@ def _flow_rows(task: Task) -> list[tuple[str, str]]:
 def cmd_list(args: argparse.Namespace) -> int:
     with task_client(args) as client:
         tasks = client.list(
-            name=args.name, status=args.status, limit=args.limit, after=args.after, order=args.order
+            name=args.name,
+            status=args.status,
+            limit=args.limit,
+            after=args.after,
+            order=args.order,
+            group=args.group,
         )
     if args.json:
         print_json([t.model_dump(by_alias=True) for t in tasks])
@@ -247,8 +252,11 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 @commands.command("stats")
 def cmd_stats(args: argparse.Namespace) -> int:
+    if args.groups < 0:
+        raise UsageError("--groups must not be negative")
     with task_client(args) as client:
         counts = client.stats(exact=args.exact)
+        groups = client.groups(top=args.groups) if args.groups else []
     if args.json:
         print_json(counts)
         return 0
@@ -268,6 +276,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
         cells = [counts.show(name, s) for s in statuses]
         table.add_row(name, *cells, f"{sum(row.values()):,}{more}")
     out.print(table)
+    if groups:
+        largest = Table("name", "group", "open", "running", title="largest groups (open tasks)")
+        for g in groups:
+            largest.add_row(g["name"], g["group"], f"{g['open']:,}", f"{g['running']:,}")
+        out.print(largest)
     return 0
 
 
@@ -424,6 +437,7 @@ def register(sub: Any) -> None:
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--after", help="last key of the previous page")
     p.add_argument("--order", choices=["newest", "next_claim_at"], default="newest")
+    p.add_argument("--group", help="only the tasks of this group (options.group)")
 
     p = sub.add_parser("stats", help="counts per name and status")
     add_common(p)
@@ -432,6 +446,13 @@ def register(sub: Any) -> None:
         action="store_true",
         help="count every finished task exactly (by default, above 1,000 per name and status "
         "the count says 1,000+)",
+    )
+    p.add_argument(
+        "--groups",
+        type=int,
+        default=10,
+        metavar="N",
+        help="show the N groups (options.group) with the most open tasks (default 10; 0: none)",
     )
 
     for name, text in (

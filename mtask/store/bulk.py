@@ -42,6 +42,12 @@ INDEXES = [
         [("name", ASCENDING), ("created_at", DESCENDING), ("_id", DESCENDING)],
         name="mtask_bulk_name_newest",
     ),
+    # a group's tasks, newest first: only tasks with a group have keys
+    IndexModel(
+        [("options.group", ASCENDING), ("created_at", DESCENDING), ("_id", DESCENDING)],
+        name="mtask_bulk_group_newest",
+        partialFilterExpression={"options.group": {"$type": "string"}},
+    ),
 ]
 """Error-text search uses the store's own ``error_text`` index (``store.schema``): a collection
 may hold one text index only."""
@@ -112,12 +118,18 @@ def apply(action: Action, where: Filter, now: dt.datetime, dry_run: bool) -> Op[
 
 
 def search_query(
-    name: str | None, status: str | None, prefix: str | None, text: str | None
+    name: str | None,
+    status: str | None,
+    prefix: str | None,
+    text: str | None,
+    group: str | None = None,
 ) -> tuple[Doc, list[tuple[str, int]]]:
     for field, value in (("prefix", prefix), ("q", text)):
         if value and "\x00" in value:  # the server refuses it in a pattern (a 500 otherwise)
             raise InvalidTask("must not contain a NUL character", field=field)
     filt, sort = tasks.list_query(name, status)
+    if group is not None:  # as the partial index spells it, so that the server uses it
+        filt["options.group"] = {"$eq": group, "$type": "string"}
     if prefix:  # key order, so that _id's index serves both the prefix and the order
         filt["_id"] = {"$regex": f"^{re.escape(prefix)}"}
         sort = [("_id", ASCENDING)]
@@ -134,13 +146,14 @@ def search(
     text: str | None = None,
     after: str | None = None,
     limit: int = 50,
+    group: str | None = None,
 ) -> Op[list[Doc]]:
     """A page of tasks, newest first (in key order with a key ``prefix``), matching all the
     filters given; ``after`` is the last key of the previous page (keyset pagination: every
     page costs the same)."""
     if limit < 1 or limit > 1000:
         raise InvalidTask(f"is {limit}; 1 to 1000", field="limit")
-    filt, sort = search_query(name, status, prefix, text)
+    filt, sort = search_query(name, status, prefix, text, group)
     if after is not None and sort[0][0] == "_id":
         filt = {"$and": [filt, {"_id": {"$gt": after}}]}
     elif after is not None:

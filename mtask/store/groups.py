@@ -12,10 +12,15 @@ from mtask.store.schema import OPEN_LIST
 MAX_TOP = 100
 
 
-def _open(names: Sequence[str], groups: Sequence[str] | None = None) -> Doc:
-    """Open grouped tasks of ``names`` (and ``groups``), as the index's filter spells it."""
-    match: Doc = {"name": {"$in": list(names)}, "status": {"$in": OPEN_LIST}}
-    match["options.group"] = {"$exists": True} if groups is None else {"$in": list(groups)}
+def _open(names: Sequence[str] | None, groups: Sequence[str] | None = None) -> Doc:
+    """Open grouped tasks of ``names`` (all names: ``None``) and ``groups``, as the index's
+    filter spells it."""
+    match: Doc = {"status": {"$in": OPEN_LIST}}
+    if names is not None:
+        match["name"] = {"$in": list(names)}
+    match["options.group"] = {"$type": "string"}
+    if groups is not None:
+        match["options.group"]["$in"] = list(groups)
     return match
 
 
@@ -57,9 +62,10 @@ def heads(pairs: Sequence[tuple[str, str]]) -> Op[dict[tuple[str, str], Doc]]:
     return out
 
 
-def largest(names: Sequence[str], top: int = 10) -> Op[list[dict[str, Any]]]:
-    """The groups of ``names`` with the most open tasks (the index's keys only), largest
-    first: ``{name, group, open, running}``."""
+def largest(names: Sequence[str] | None = None, top: int = 10) -> Op[list[dict[str, Any]]]:
+    """The groups of ``names`` (of every name: ``None``) with the most open tasks, largest
+    first: ``{name, group, open, running}``. It reads the ``group_open`` index and the open
+    grouped tasks: a cost that grows with the open grouped work, never with finished tasks."""
     top = max(1, min(top, MAX_TOP))
     docs: list[Doc] = yield Call(
         "aggregate",
@@ -77,6 +83,7 @@ def largest(names: Sequence[str], top: int = 10) -> Op[list[dict[str, Any]]]:
                 {"$limit": top},
             ],
         ),
+        {"hint": "group_open"},
     )
     return [
         {

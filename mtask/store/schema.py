@@ -93,7 +93,7 @@ INDEXES: dict[str, list[IndexModel]] = {
             ],
             name="group_open",
             partialFilterExpression={
-                "options.group": {"$exists": True},
+                "options.group": {"$type": "string"},
                 "status": {"$in": OPEN_LIST},
             },
         ),

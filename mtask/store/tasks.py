@@ -222,11 +222,13 @@ LIST_ORDERS = ("newest", "next_claim_at")
 
 
 def list_query(
-    name: str | None, status: str | None, order: str = "newest"
+    name: str | None, status: str | None, order: str = "newest", group: str | None = None
 ) -> tuple[Doc, list[tuple[str, int]]]:
     filt: Doc = {}
     if name is not None:
         filt["name"] = name
+    if group is not None:
+        filt["options.group"] = {"$eq": group, "$type": "string"}
     if status is not None:
         filt["status"] = status
     if order == "next_claim_at":
@@ -241,10 +243,11 @@ def list_tasks(
     limit: int = 100,
     after: str | None = None,
     order: str = "newest",
+    group: str | None = None,
 ) -> Op[list[Doc]]:
     """A page of tasks, newest first (or soonest claimable first); ``after`` is the last key of
     the previous page."""
-    filt, sort = list_query(name, status, order)
+    filt, sort = list_query(name, status, order, group)
     if after is not None:
         field_name, direction = sort[0]
         anchor = yield Call("find_one", ({"_id": after}, {field_name: 1}))

@@ -27,6 +27,7 @@ from mtask.web.auth import bearer_scheme, require_token
 from mtask.web.schemas import (
     BatchView,
     BulkView,
+    GroupView,
     LimitView,
     NameView,
     PausedView,
@@ -193,12 +194,15 @@ async def list_tasks(
     status: Status | None = None,
     prefix: Annotated[str | None, Query(max_length=512, description="key prefix")] = None,
     q: Annotated[str | None, Query(max_length=200, description="words of the error")] = None,
+    group: Annotated[
+        str | None, Query(min_length=1, max_length=200, description="options.group")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     after: str | None = Query(None, description="the last key of the previous page"),
 ) -> TaskPage:
     """A page of tasks, newest first (keyset pagination: pass ``next_after`` as ``after``)."""
     tasks = await client.search(
-        name=name, status=status, prefix=prefix, text=q, limit=limit, after=after
+        name=name, status=status, prefix=prefix, text=q, limit=limit, after=after, group=group
     )
     return TaskPage(
         tasks=[view(t) for t in tasks],
@@ -371,6 +375,16 @@ async def remove_schedule(schedule_id: str, client: Client) -> Response:
     if not await client.remove_schedule(schedule_id):
         return JSONResponse({"detail": f"no schedule {schedule_id!r}"}, status_code=404)
     return Response(status_code=204)
+
+
+@router.get("/groups")
+async def groups(
+    client: Client,
+    name: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
+    top: Annotated[int, Query(ge=1, le=100)] = 10,
+) -> list[GroupView]:
+    """The groups (``options.group``) with the most open tasks, largest first."""
+    return await client.groups(name, top)  # type: ignore[return-value] # the response model
 
 
 @router.get("/limits")

@@ -178,6 +178,7 @@ async def overview(request: Request) -> HTMLResponse:
         paused=paused,
         charts=charts(await client.throughput(60), now),
         failures=await client.search(status="failed", limit=10),
+        groups=await client.groups(top=10),
         workers=await client.workers(),
         now=now,
     )
@@ -194,6 +195,7 @@ async def task_list(request: Request) -> HTMLResponse:
         "status": q.get("status") if q.get("status") in STATUSES else None,
         "prefix": q.get("prefix") or None,
         "text": q.get("q") or None,
+        "group": (q.get("group") or None) if len(q.get("group") or "") <= 200 else None,
     }
     problem = ""
     try:
@@ -201,7 +203,9 @@ async def task_list(request: Request) -> HTMLResponse:
     except MtaskError as exc:
         tasks, problem = [], str(exc)
     # bulk actions act on name + status, and on a search's listed tasks by their keys
-    keys = [t.key for t in tasks] if filters["prefix"] or filters["text"] else None
+    keys = (
+        [t.key for t in tasks] if filters["prefix"] or filters["text"] or filters["group"] else None
+    )
     status = [filters["status"]] if filters["status"] else None
     where = bulk.Filter(filters["name"], status, keys=keys)
     counts: dict[str, tuple[str, int]] = {}

@@ -119,6 +119,13 @@ class LimitView(Open):
     holders: list[dict[str, Any]] = Field(default_factory=list)
 
 
+class GroupView(BaseModel):
+    name: str
+    group: str
+    open: int
+    running: int
+
+
 class ScheduleView(Open):
     id: str = Field(alias="_id")
     task: str | None = None

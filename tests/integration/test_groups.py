@@ -9,12 +9,18 @@ from typing import Any
 
 import pytest
 import workerapp
+from fastapi.testclient import TestClient
 from harness import running_worker, wait_for
 from pymongo import MongoClient
 
 from mtask import TaskClient, slots
+from mtask.cli import main
 from mtask.driver import SyncDriver
 from mtask.limits import Limit, group_slot
+from mtask.web import create_app
+
+TOKEN = "test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def spans(db: Any, prefix: str) -> dict[str, list[tuple[dt.datetime, dt.datetime, str]]]:
@@ -83,3 +89,40 @@ def test_a_groups_slot_document_is_made_by_its_first_request_and_holds_its_limit
     # the name's own limits are not a group's: they are listed, the groups' documents are not
     client.set_limit("n", group_concurrency=2)
     assert [d["_id"] for d in client.limits()] == ["n"]
+
+
+def test_groups_are_visible_to_operators(
+    client: TaskClient, mongo_uri: str, db_name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Open work per group and the largest groups: the client, the REST API (which filters by
+    group), ``mtask stats`` and the dashboard; metrics carry no group label."""
+    client.publish_many(
+        [{"name": "n", "key": f"big/{i}", "options": {"group": "big"}} for i in range(5)]
+        + [{"name": "n", "key": f"small/{i}", "options": {"group": "small"}} for i in range(2)]
+        + [{"name": "m", "key": "plain"}]
+    )
+    client.cancel("big/0")  # finished: no longer open
+    assert client.groups() == [
+        {"name": "n", "group": "big", "open": 4, "running": 0},
+        {"name": "n", "group": "small", "open": 2, "running": 0},
+    ]
+    assert client.groups("m") == [] and len(client.groups(top=1)) == 1
+    assert {t.key for t in client.list(group="small")} == {"small/0", "small/1"}
+
+    with TestClient(create_app(mongo_uri, database=db_name, token=TOKEN)) as http:
+        page = http.get("/tasks", params={"group": "small"}, headers=AUTH).json()
+        assert sorted(t["key"] for t in page["tasks"]) == ["small/0", "small/1"]
+        assert http.get("/groups", params={"top": 1}, headers=AUTH).json() == [
+            {"name": "n", "group": "big", "open": 4, "running": 0}
+        ]
+        assert http.get("/groups", params={"top": 0}, headers=AUTH).status_code == 422
+        assert http.get("/tasks", params={"group": ""}, headers=AUTH).status_code == 422
+        assert "group" not in http.get("/metrics", headers=AUTH).text
+        overview = http.get("/", headers=AUTH).text
+        assert 'data-group="big"' in overview and 'data-group="small"' in overview
+        listed = http.get("/ui/tasks", params={"group": "big"}, headers=AUTH).text
+        assert "big/1" in listed and "small/0" not in listed
+
+    assert main(["stats", "--uri", mongo_uri, "--database", db_name]) == 0
+    shown = capsys.readouterr().out
+    assert "largest groups" in shown and "big" in shown and "small" in shown

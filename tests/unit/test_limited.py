@@ -1,0 +1,160 @@
+"""Property tests of the pure part that chooses what a batch of limited keys asks for
+(``mtask.worker.limited``) and of the group limits' pure rules, without MongoDB."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mtask import limits
+from mtask.errors import InvalidTask
+from mtask.slots import Request, Taken, decide
+from mtask.worker.finding.placement import TaskMeta
+from mtask.worker.limited import plan, sequences
+
+NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+NAMES = ["a", "b"]
+GROUPS = ["g1", "g2", "g3"]
+
+limit_docs = st.fixed_dictionaries(
+    {},
+    optional={
+        "concurrency": st.integers(1, 3),
+        "rate": st.sampled_from([1.0, 5.0]),
+        "group_concurrency": st.integers(1, 3),
+        "group_rate": st.sampled_from([1.0, 5.0]),
+    },
+)
+keys = st.lists(
+    st.tuples(st.sampled_from(NAMES), st.sampled_from([None, *GROUPS])),
+    max_size=30,
+)
+
+
+@given(
+    keys,
+    st.dictionaries(st.sampled_from(NAMES), limit_docs),
+    st.dictionaries(
+        st.tuples(st.sampled_from(NAMES), st.sampled_from(GROUPS)),
+        st.tuples(st.integers(0, 40), st.booleans()),
+    ),
+)
+def test_a_batch_never_asks_more_than_a_limit_allows_and_a_sequence_runs_only_its_head(
+    entries: list[tuple[str, str | None]],
+    limited: dict[str, dict[str, Any]],
+    head_of: dict[tuple[str, str], tuple[int, bool]],
+) -> None:
+    known = {
+        f"k{i}": TaskMeta(name, 0, frozenset(), 1000, group=None if g is None else (name, g))
+        for i, (name, g) in enumerate(entries)
+    }
+    popped = list(known)
+    heads = {
+        pair: {
+            "_id": f"k{index}",
+            "next_claim_at": NOW if is_due else NOW + dt.timedelta(seconds=1),
+        }
+        for pair, (index, is_due) in head_of.items()
+    }
+    assert set(sequences(popped, known, limited)) == {
+        (m.name, m.group[1])
+        for m in known.values()
+        if m.group and limits.group_limit(limited.get(m.name, {})).concurrency == 1
+    }
+    out = plan(popped, known, limited, heads, NOW, lambda k: f"run-{k}", 30_000)
+
+    claimed = [key for key, _ in out.claims]
+    assert len(claimed) == len(set(claimed))  # a key is claimed once
+    waiting = {w.key for w in out.waits}
+    accounted = set(claimed) | waiting | set(out.gone)
+    assert set(popped) <= accounted | {h["_id"] for h in heads.values()}  # nothing dropped
+    asked = Counter(r.slot for _, requests in out.claims for r in requests)
+    for slot, n in asked.items():
+        name, _, group = slot.partition(limits.GROUP_SEPARATOR)
+        doc = limited[name]
+        cap = (limits.group_limit(doc) if group else limits.own_limit(doc)).concurrency
+        assert cap is None or n <= cap  # never more requests than runs a slot allows at once
+    for key, requests in out.claims:
+        assert all(r.run_id == f"run-{key}" and r.key == key for r in requests)
+        meta = known.get(key)
+        if meta is None:  # a sequence's head claimed in the place of a key
+            assert any(h["_id"] == key and h["next_claim_at"] <= NOW for h in heads.values())
+            continue
+        doc = limited.get(meta.name)
+        if doc is None:
+            assert requests == []  # no limit: a plain claim
+            continue
+        own, each = limits.own_limit(doc), limits.group_limit(doc)
+        assert [r.slot for r in requests if r.limit is None] == ([meta.name] if own.set else [])
+        grouped = meta.group is not None and each.set
+        assert len([r for r in requests if r.limit is not None]) == int(grouped)
+        if grouped and each.concurrency == 1:  # in a sequence only the due head runs
+            head = heads[(meta.name, meta.group[1])]
+            assert head["_id"] == key and head["next_claim_at"] <= NOW
+    for pair in {(m.name, m.group[1]) for m in known.values() if m.group}:
+        candidates = [
+            k
+            for k in claimed
+            if (m := known.get(k)) is not None and m.group and (m.name, m.group[1]) == pair
+        ]
+        if limits.group_limit(limited.get(pair[0], {})).concurrency == 1:
+            assert len(candidates) <= 1  # one turn per sequence in a batch
+
+
+def test_a_key_that_is_not_its_sequences_head_waits_and_the_head_is_claimed() -> None:
+    known = {
+        "second": TaskMeta("a", 0, frozenset(), 1000, group=("a", "g")),
+        "third": TaskMeta("a", 0, frozenset(), 1000, group=("a", "g")),
+    }
+    heads = {("a", "g"): {"_id": "first", "next_claim_at": NOW}}
+    out = plan(["second", "third"], known, {"a": {"group_concurrency": 1}}, heads, NOW, str, 30_000)
+    assert [k for k, _ in out.claims] == ["first"]
+    assert {w.key for w in out.waits} == {"second", "third"}
+    slot = limits.group_slot("a", "g")
+    assert out.claims[0][1] == [Request(slot, "first", "first", 30_000, limits.Limit(1))]
+    # the head retrying later: nothing runs, its group waits for it
+    later = {("a", "g"): {"_id": "second", "next_claim_at": NOW + dt.timedelta(seconds=5)}}
+    out = plan(["second"], known, {"a": {"group_concurrency": 1}}, later, NOW, str, 30_000)
+    assert out.claims == [] and out.waits[0].until == NOW + dt.timedelta(seconds=5)
+    # the group has no open task any more: the key finished
+    out = plan(["second"], known, {"a": {"group_concurrency": 1}}, {}, NOW, str, 30_000)
+    assert out.gone == ["second"]
+
+
+def test_what_a_slot_document_says_of_each_request() -> None:
+    requests = [Request("n", "r1", "k1", 1000), Request("n", "r2", "k2", 1000)]
+    docs = {
+        "n": {
+            "granted": ["r0", "r1"],
+            "concurrency": 1,
+            "holders": [{"run_id": "r1", "expires": NOW + dt.timedelta(seconds=2)}],
+        }
+    }
+    got = decide(requests, docs, NOW)
+    assert got[0] == Taken(taken=True)
+    assert not got[1].taken and got[1].retry_at is not None
+    assert got[1].retry_at >= NOW + dt.timedelta(seconds=2)  # when the holder's lease ends
+    # no document: the name's limit is gone (claim without a slot)
+    assert decide(requests[:1], {}, NOW) == [Taken(taken=True, limited=False)]
+
+
+@pytest.mark.parametrize(
+    ("own", "group", "field"),
+    [
+        (limits.Limit(), limits.Limit(), "limit"),
+        (limits.Limit(), limits.Limit(concurrency=0), "group_concurrency"),
+        (limits.Limit(), limits.Limit(rate=-1.0), "group_rate"),
+        (limits.Limit(), limits.Limit(concurrency=1, burst=3), "group_burst"),
+    ],
+)
+def test_bad_group_limits_name_the_field(
+    own: limits.Limit, group: limits.Limit, field: str
+) -> None:
+    with pytest.raises(InvalidTask) as caught:
+        limits.validate_limit("n", own, group)
+    assert caught.value.field == field
