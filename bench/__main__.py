@@ -12,6 +12,7 @@ from rich.console import Console
 from bench import scale
 from bench.budget import cost_budget
 from bench.cpu import w10_cpu
+from bench.groups import groups_cost
 from bench.output import live_output
 from bench.peers import peers
 from bench.steps import durable_steps
@@ -44,6 +45,7 @@ WORKLOADS = {
     "WS": durable_steps,  # issue 30: what a step, a sleep and a signal wait cost (bench/steps.py)
     "WB": cost_budget,  # issue 26: the cost budget per task, beside bench/budget.json
     "WQ": peers,  # issue 26: W1 and W2 beside arq on Redis, same run (bench/peers.py)
+    "WG": groups_cost,  # issue 29: fairness, group limits and sequences in a drain
 }
 
 

@@ -10,8 +10,12 @@ the server clock inside the same update. No limit is ever kept in a single worke
 ``take`` takes any number of slots in one bulk write and one read (a batch claim of limited
 names costs two round trips more, not two per key): each request is one pipeline update of
 its slot's document, whose filter matches only if a slot is free and a token there (a full
-slot is not written: no change event), adding the holder and noting the run id in ``granted``
-(the newest ``GRANTED_KEPT``), which the read then looks for. A group's document is made by
+slot is not written: no change event), adding the holder (a slot limiting runs at once) or
+noting the run id in ``granted`` (one limiting only a rate: the newest ``GRANTED_KEPT``), which
+the read then looks for. A take sets
+``taken_at``: the workers' change streams leave out those events (a slot taken frees none:
+nobody waiting for the slot needs to hear of it); a release, a new limit or a change of one
+reach them. A group's document is made by
 the first bulk that needs it (an upsert of nothing but its name, ahead of the requests; each
 request sets the name's group limit on it) and removed by MongoDB's TTL monitor ``GROUP_TTL``
 after its last request or ping.
@@ -30,8 +34,12 @@ from mtask.driver import Call, Doc, Op
 from mtask.limits import GROUP_SEPARATOR, Limit, retry_at
 from mtask.store.schema import literal
 
-GRANTED_KEPT = 256
-"""Run ids a slot document remembers as granted: more than any one bulk of requests."""
+GRANTED_KEPT = 64
+"""Run ids a rate-only slot remembers as granted. One evicted by other workers' grants before
+this worker's read costs a token, never a run beyond a limit (a concurrency is read from
+``holders``, which holds exactly the live runs)."""
+TAKEN_AT = "taken_at"
+"""Set by every take (and only by a take): the field the change streams' filter leaves out."""
 GROUP_TTL = dt.timedelta(days=7)
 """A group's document is removed this long after its last request or ping."""
 
@@ -123,8 +131,18 @@ def _take_pipeline(request: Request, worker_id: str, now: dt.datetime) -> list[D
         "tokens": {"$cond": [{"$isNumber": rate}, {"$subtract": [tokens, 1]}, None]},
         "refilled_at": now,
         "granted": {
-            "$slice": [{"$concatArrays": [granted, [literal(request.run_id)]]}, -GRANTED_KEPT]
+            "$cond": [
+                {"$isNumber": conc},
+                [],
+                {
+                    "$slice": [
+                        {"$concatArrays": [granted, [literal(request.run_id)]]},
+                        -GRANTED_KEPT,
+                    ]
+                },
+            ]
         },
+        TAKEN_AT: now,
     }
     if request.limit is not None:  # a group's document carries its group's limit
         sets |= {
@@ -171,15 +189,24 @@ def take(requests: Sequence[Request], worker_id: str, now: dt.datetime) -> Op[li
 
 
 def decide(requests: Sequence[Request], docs: Mapping[str, Doc], now: dt.datetime) -> list[Taken]:
-    """What became of each request, from its slot's document as read after the bulk (pure)."""
+    """What became of each request, from its slot's document as read after the bulk (pure):
+    taken if its run holds the slot (or, for a slot limiting only a rate, was granted it)."""
     out = []
     for request in requests:
         doc = docs.get(request.slot)
         if doc is None:  # a name's limit was removed; a group's document is always made
             out.append(Taken(taken=request.limit is None, limited=request.limit is not None))
             continue
-        granted = doc.get("granted")
-        if isinstance(granted, list) and request.run_id in granted:
+        concurrency = doc.get("concurrency")
+        if isinstance(concurrency, int) and not isinstance(concurrency, bool):
+            holders = doc.get("holders")
+            held = isinstance(holders, list) and any(
+                isinstance(h, dict) and h.get("run_id") == request.run_id for h in holders
+            )
+        else:
+            granted = doc.get("granted")
+            held = isinstance(granted, list) and request.run_id in granted
+        if held:
             out.append(Taken(taken=True))
         else:
             out.append(Taken(taken=False, retry_at=retry_at(doc, now)))

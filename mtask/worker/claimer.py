@@ -291,6 +291,7 @@ class Claimer:
         self.stats.claim_attempts += len(keys)
         hints = self.sink.timeouts(keys)
         docs = await self._send(keys, names, now, hints, isolate_on_error=False, batch=batch)
+        self.gate.unblock(d["_id"] for d in docs or ())
         for doc in docs or ():
             self.executor.start(doc, sent, held.get(doc["_id"], ()))
             self.sink.claimed(doc)

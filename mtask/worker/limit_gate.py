@@ -63,7 +63,10 @@ class LimitGate(PeriodicService):
         if changes is not None:
             changes.connect(self.on_change)  # a limit's change event, from the finding parts
         self.limited: dict[str, dict[str, Any]] = {}
-        self.blocked: dict[str, set[str]] = {}
+        self.blocked: dict[str, dict[str, None]] = {}
+        """The keys that wait for each slot, first blocked first."""
+        self.waits_for: dict[str, str] = {}
+        """The slot each blocked key waits for."""
         self.releases: dict[str, list[str]] = {}
         self.refreshed = asyncio.Event()
         self.unknown_changed = asyncio.Event()
@@ -76,9 +79,9 @@ class LimitGate(PeriodicService):
         docs = await self.driver.run(limits.all_limits())
         limited = {str(d["_id"]): d for d in docs}
         names = {s for s in self.blocked if not slots.is_group_slot(s)}
-        for name in names - set(limited):  # a limit was removed: free its keys
-            self.on_change(name)
         self.limited = limited
+        for name in names - set(limited):  # a limit was removed: free all its keys
+            self.on_change(name)
         self.refreshed.set()
 
     async def wait(self) -> None:
@@ -107,19 +110,44 @@ class LimitGate(PeriodicService):
         """``key`` waits for ``slot`` (a name's or a group's): back in the queue at ``until``
         (the next token, the earliest slot lease end, a sequence's next task due), at once when
         the slot's document changes, and after ``BLOCKED_AT_MOST`` at the latest."""
-        self.blocked.setdefault(slot, set()).add(key)
+        self.unblock([key])
+        self.blocked.setdefault(slot, {})[key] = None
+        self.waits_for[key] = slot
         latest = now + BLOCKED_AT_MOST
         self.sink.requeue_at(key, latest if until is None else min(until, latest))
 
     def on_change(self, slot: str) -> None:
-        """The limit document ``slot`` changed (a slot freed, a limit was edited or set)."""
+        """The limit document ``slot`` changed (a slot freed, a limit was edited or set): the
+        keys that wait for it are tried again — as many as it allows at once, first blocked
+        first (the others wait for the next change: a group's backlog is not woken whole
+        for every slot it frees), or all of them if it limits only a rate."""
         if slot not in self.limited and not slots.is_group_slot(slot):
             self.unknown_changed.set()
-        keys = self.blocked.pop(slot, ())
-        if keys:
-            now = self.clock.now()
-            for key in keys:
-                self.sink.requeue_at(key, now)
+        keys = list(self.blocked.get(slot, ()))
+        room = self._room(slot)
+        if room is not None:
+            keys = keys[:room]
+        self.unblock(keys)
+        now = self.clock.now()
+        for key in keys:
+            self.sink.requeue_at(key, now)
+
+    def unblock(self, keys: Iterable[str]) -> None:
+        """``keys`` wait for no slot any more (claimed, or tried again)."""
+        for key in keys:
+            slot = self.waits_for.pop(key, None)
+            if slot is not None and (waiting := self.blocked.get(slot)) is not None:
+                waiting.pop(key, None)
+                if not waiting:
+                    del self.blocked[slot]
+
+    def _room(self, slot: str) -> int | None:
+        """How many runs ``slot`` allows at once (``None``: no such bound known)."""
+        name, _, group = slot.partition(limits.GROUP_SEPARATOR)
+        doc = self.limited.get(name)
+        if doc is None:
+            return None
+        return (limits.group_limit(doc) if group else limits.own_limit(doc)).concurrency
 
     def release_later(self, slot: str, run_ids: Iterable[str]) -> None:
         self.releases.setdefault(slot, []).extend(run_ids)

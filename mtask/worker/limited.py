@@ -103,7 +103,9 @@ def plan(
         meta = known.get(key)
         doc = limited.get(meta.name) if meta is not None else None
         if meta is None or not isinstance(doc, Mapping):
-            out.claims.append((key, []))  # no limit (any more): a plain claim
+            if key not in chosen:  # no limit (any more): a plain claim
+                chosen.add(key)
+                out.claims.append((key, []))
             continue
         own, each = limits.own_limit(doc), limits.group_limit(doc)
         group = group_of(meta)

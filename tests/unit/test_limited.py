@@ -54,9 +54,15 @@ def test_a_batch_never_asks_more_than_a_limit_allows_and_a_sequence_runs_only_it
         for i, (name, g) in enumerate(entries)
     }
     popped = list(known)
+
+    def head_id(pair: tuple[str, str], index: int) -> str:
+        """A sequence's head is a task of its group: one of the keys, or one not popped."""
+        mine = [k for k, m in known.items() if m.group == pair]
+        return mine[index % len(mine)] if mine and index % 3 else f"h-{pair[0]}-{pair[1]}"
+
     heads = {
         pair: {
-            "_id": f"k{index}",
+            "_id": head_id(pair, index),
             "next_claim_at": NOW if is_due else NOW + dt.timedelta(seconds=1),
         }
         for pair, (index, is_due) in head_of.items()
@@ -130,7 +136,7 @@ def test_what_a_slot_document_says_of_each_request() -> None:
     requests = [Request("n", "r1", "k1", 1000), Request("n", "r2", "k2", 1000)]
     docs = {
         "n": {
-            "granted": ["r0", "r1"],
+            "granted": ["r2"],  # a rate's grants: not read for a concurrency
             "concurrency": 1,
             "holders": [{"run_id": "r1", "expires": NOW + dt.timedelta(seconds=2)}],
         }
@@ -158,3 +164,11 @@ def test_bad_group_limits_name_the_field(
     with pytest.raises(InvalidTask) as caught:
         limits.validate_limit("n", own, group)
     assert caught.value.field == field
+
+
+def test_a_rate_only_slot_is_read_from_its_grants() -> None:
+    requests = [Request("n", "r1", "k1", 1000), Request("n", "r2", "k2", 1000)]
+    docs = {"n": {"granted": ["r0", "r1"], "rate": 5.0, "tokens": 0.2, "refilled_at": NOW}}
+    got = decide(requests, docs, NOW)
+    assert got[0] == Taken(taken=True)
+    assert not got[1].taken and got[1].retry_at is not None

@@ -15,6 +15,7 @@ from pymongo.errors import PyMongoError
 
 from mtask import events, store
 from mtask.errors import StorageError
+from mtask.slots import TAKEN_AT
 from mtask.worker.finding.protocols import Inbox
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,11 @@ def stream_pipeline(tasks: str, excluded: str | Sequence[str]) -> list[dict[str,
         f"updateDescription.updatedFields.{store.LAST_WRITE}": 1,  # whose claim or success
         **{f"fullDocument.{f}": 1 for f in ("_id", *store.PLACEMENT_FIELDS)},
     }
-    others = {"ns.coll": {"$in": list(OTHER_COLLECTIONS)}}
+    others = {
+        "ns.coll": {"$in": list(OTHER_COLLECTIONS)},
+        # a limit slot taken frees none: whoever waits for a slot does not need to hear of it
+        f"updateDescription.updatedFields.{TAKEN_AT}": {"$exists": False},
+    }
     return [{"$match": {"$or": [task_events, others]}}, {"$project": projection}]
 
 
