@@ -26,8 +26,8 @@ def _open(names: Sequence[str] | None, groups: Sequence[str] | None = None) -> D
 
 def heads(pairs: Sequence[tuple[str, str]]) -> Op[dict[tuple[str, str], Doc]]:
     """The first open task, in publish order, of each ``(name, group)``: the only one of a
-    sequence that may run. Groups with no open task are absent. Returns ``_id``, ``status``
-    and ``next_claim_at`` of each."""
+    sequence that may run. Groups with no open task are absent. Returns ``_id``, ``status``,
+    ``next_claim_at`` and ``worker_timeout_ms`` of each."""
     if not pairs:
         return {}
     names = sorted({n for n, _ in pairs})
@@ -44,6 +44,7 @@ def heads(pairs: Sequence[tuple[str, str]]) -> Op[dict[tuple[str, str], Doc]]:
                         "key": {"$first": "$_id"},
                         "status": {"$first": "$status"},
                         "next_claim_at": {"$first": "$next_claim_at"},
+                        "timeout": {"$first": "$options.worker_timeout_ms"},
                     }
                 },
             ],
@@ -58,6 +59,7 @@ def heads(pairs: Sequence[tuple[str, str]]) -> Op[dict[tuple[str, str], Doc]]:
                 "_id": doc["key"],
                 "status": doc["status"],
                 "next_claim_at": doc["next_claim_at"],
+                "worker_timeout_ms": doc.get("timeout"),
             }
     return out
 

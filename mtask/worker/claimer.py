@@ -242,7 +242,12 @@ class Claimer:
                 requeue = candidates
             else:
                 go, held = self._granted(plan.claims, taken, waits)
-                missed = await self._claim_granted(go, held, names, now, sent, batch)
+                hints = {
+                    h["_id"]: t
+                    for h in heads.values()
+                    if isinstance(t := h.get("worker_timeout_ms"), int)
+                }
+                missed = await self._claim_granted(go, held, names, now, sent, batch, hints)
         for wait in waits:  # no longer claiming: they may be queued again
             self.gate.block(wait.slot, wait.key, wait.until, now)
         for key in requeue:
@@ -282,6 +287,7 @@ class Claimer:
         now: dt.datetime,
         sent: float,
         batch: str,
+        hints: dict[str, int],
     ) -> list[str]:
         """Claim ``keys`` (their slots taken for this batch's run ids) and start the runs;
         the slots of keys not claimed are given back. Returns the keys missed."""
@@ -289,7 +295,7 @@ class Claimer:
             return []
         self.stats.claim_calls += 1
         self.stats.claim_attempts += len(keys)
-        hints = self.sink.timeouts(keys)
+        hints = {**hints, **self.sink.timeouts(keys)}  # a sequence's head may be unknown here
         docs = await self._send(keys, names, now, hints, isolate_on_error=False, batch=batch)
         self.gate.unblock(d["_id"] for d in docs or ())
         for doc in docs or ():
