@@ -28,14 +28,13 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 Group = Hashable
 """A fairness group: ``(name, group)`` for a task with a group, ``None`` for all others."""
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     claim_at: dt.datetime
     priority: int
     specific: bool
@@ -65,7 +64,9 @@ _Item = tuple[int, int, dt.datetime, int, str]
 
 class Ready:
     """The due entries: a heap per fairness group, and the groups in turn (a heap of each
-    group's head, with lazy deletion: an item is current while its ``tick`` is the group's)."""
+    group's head, with lazy deletion: an item is current while its ``tick`` is the group's).
+    While one group alone has due entries (all work without groups, the common case) the turn
+    heap is not kept: a pop is one heap pop, as before groups existed."""
 
     def __init__(self, live: Callable[[str, int], bool]) -> None:
         self._live = live
@@ -83,8 +84,12 @@ class Ready:
         if heap is None:
             heap = self._groups[group] = []
             self._served[group] = self._level
+            if len(self._groups) == 2:  # turns begin: the group that was alone takes its place
+                for other, others in self._groups.items():
+                    if others:
+                        self._announce(other)
         heapq.heappush(heap, item)
-        if heap[0] is item:
+        if len(self._groups) > 1 and heap[0] is item:
             self._announce(group)
 
     def _announce(self, group: Group) -> None:
@@ -115,8 +120,29 @@ class Ready:
                 return served, group
         return None
 
+    def _alone(self) -> tuple[Group, list[_Item]] | None:
+        """The one group with due entries, its dead heads dropped (``None`` if none is)."""
+        group, heap = next(iter(self._groups.items()))
+        while heap and not self._live(heap[0][4], heap[0][3]):
+            heapq.heappop(heap)
+        if heap:
+            return group, heap
+        self._drop(group)
+        return None
+
     def pop(self) -> str | None:
         """The best due key (or ``None``), taken out."""
+        if len(self._groups) <= 1:
+            alone = self._alone() if self._groups else None
+            if alone is None:
+                return None
+            group, heap = alone
+            key = heapq.heappop(heap)[4]
+            self._level = served = self._served[group]
+            self._served[group] = served + 1
+            if not heap:
+                self._drop(group)
+            return key
         settled = self._settled()
         if settled is None:
             return None
@@ -133,7 +159,11 @@ class Ready:
         return key
 
     def _drop(self, group: Group) -> None:
-        del self._groups[group], self._served[group], self._tick[group]
+        del self._groups[group], self._served[group]
+        self._tick.pop(group, None)
+        if len(self._groups) <= 1:  # no turns to take: the turn heap is not kept
+            self._top.clear()
+            self._tick.clear()
 
     def live_items(self) -> Iterator[tuple[_Item, Group]]:
         for group, heap in self._groups.items():
@@ -143,7 +173,20 @@ class Ready:
 
     def __bool__(self) -> bool:
         """Whether any live entry is ready."""
+        if len(self._groups) <= 1:
+            return bool(self._groups) and self._alone() is not None
         return self._settled() is not None
+
+    def rebuild(self, items: list[tuple[_Item, Group]]) -> None:
+        """Hold ``items`` instead, each group keeping the turns it has had."""
+        served, level = self._served, self._level
+        self.clear()
+        for item, group in items:
+            self.add(item, group)
+        for group in self._groups:
+            self._served[group] = served.get(group, level)
+            self._announce(group)
+        self._level = level
 
     def clear(self) -> None:
         self._groups.clear()
@@ -241,8 +284,11 @@ class ClaimQueue:
         return None
 
     def _item(self, key: str, entry: Entry, now: dt.datetime) -> _Item:
-        priority = effective_priority(entry.priority, entry.line, now, self.aging)
-        return (-priority, 0 if entry.specific else 1, entry.line, entry.seq, key)
+        line = entry.claim_at if entry.place is None else entry.place
+        priority = entry.priority
+        if self.aging is not None:
+            priority = effective_priority(priority, line, now, self.aging)
+        return (-priority, 0 if entry.specific else 1, line, entry.seq, key)
 
     def _promote(self, now: dt.datetime) -> None:
         if self.aging is not None and (self._aged_at is None or now >= self._aged_at + self.aging):
@@ -255,12 +301,11 @@ class ClaimQueue:
             self._ready.add(self._item(key, entry, now), entry.group)
 
     def _age(self, now: dt.datetime) -> None:
-        """Compute the ready entries' effective priorities again (once per ``aging``)."""
+        """Compute the ready entries' effective priorities again (once per ``aging``); the
+        groups' turns are kept."""
         self._aged_at = now
         ready = [(item[4], group) for item, group in self._ready.live_items()]
-        self._ready.clear()
-        for key, group in ready:
-            self._ready.add(self._item(key, self.entries[key], now), group)
+        self._ready.rebuild([(self._item(key, self.entries[key], now), g) for key, g in ready])
 
     def pop_due(self, now: dt.datetime, limit: int) -> list[str]:
         """Remove and return up to ``limit`` keys claimable at ``now``, best first."""

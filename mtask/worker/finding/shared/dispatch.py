@@ -121,6 +121,10 @@ class Dispatcher:
             if to is gone:
                 self._give_back(key)
         self.refused.drop_account(gone)
+        for slot, waiters in list(self.slot_waiters.items()):
+            waiters.discard(channel)
+            if not waiters:
+                del self.slot_waiters[slot]
         self._refresh()
 
     def report(
