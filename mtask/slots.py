@@ -24,7 +24,7 @@ after its last request or ping.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableSet, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,12 +154,19 @@ def _take_pipeline(request: Request, worker_id: str, now: dt.datetime) -> list[D
     return [{"$set": sets}]
 
 
-def take(requests: Sequence[Request], worker_id: str, now: dt.datetime) -> Op[list[Taken]]:
+def take(
+    requests: Sequence[Request],
+    worker_id: str,
+    now: dt.datetime,
+    known: MutableSet[str] | None = None,
+) -> Op[list[Taken]]:
     """Take each requested slot if it is free (and a token there): one bulk write, one read.
-    Returns what became of each request, in order."""
+    Returns what became of each request, in order. ``known``: the groups' documents this
+    worker has seen exist (not made again; kept up to date from the read)."""
     if not requests:
         return []
-    made = sorted({r.slot for r in requests if r.limit is not None})
+    known = set() if known is None else known
+    made = sorted({r.slot for r in requests if r.limit is not None and r.slot not in known})
     ops = [
         # a group's document is made if it is not there (an update of one that is changes
         # nothing: no write, no event); then each request in turn, in order
@@ -185,7 +192,14 @@ def take(requests: Sequence[Request], worker_id: str, now: dt.datetime) -> Op[li
         ),
         collection="limits",
     )
-    return decide(requests, {d["_id"]: d for d in docs}, now)
+    found = {d["_id"]: d for d in docs}
+    for request in requests:  # a group's document removed by its TTL is made again next time
+        if request.limit is not None:
+            if request.slot in found:
+                known.add(request.slot)
+            else:
+                known.discard(request.slot)
+    return decide(requests, found, now)
 
 
 def decide(requests: Sequence[Request], docs: Mapping[str, Doc], now: dt.datetime) -> list[Taken]:
@@ -194,8 +208,11 @@ def decide(requests: Sequence[Request], docs: Mapping[str, Doc], now: dt.datetim
     out = []
     for request in requests:
         doc = docs.get(request.slot)
-        if doc is None:  # a name's limit was removed; a group's document is always made
-            out.append(Taken(taken=request.limit is None, limited=request.limit is not None))
+        if doc is None:  # a name's limit was removed; a group's document is made next time
+            if request.limit is None:
+                out.append(Taken(taken=True, limited=False))
+            else:
+                out.append(Taken(taken=False, retry_at=now))
             continue
         concurrency = doc.get("concurrency")
         if isinstance(concurrency, int) and not isinstance(concurrency, bool):

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 REFRESH_SECONDS = 5.0
 DEFAULT_SLOT_LEASE_MS = 30_000
+MADE_KEPT = 100_000
 BLOCKED_AT_MOST = dt.timedelta(seconds=REFRESH_SECONDS)
 """How long a key held back by a limit waits at most before it is tried again, if no change
 event of its slot came (events are hints)."""
@@ -65,6 +66,8 @@ class LimitGate(PeriodicService):
         self.limited: dict[str, dict[str, Any]] = {}
         self.blocked: dict[str, dict[str, None]] = {}
         """The keys that wait for each slot, first blocked first."""
+        self.made: set[str] = set()
+        """Groups' slot documents seen to exist (``slots.take`` does not make them again)."""
         self.waits_for: dict[str, str] = {}
         """The slot each blocked key waits for."""
         self.releases: dict[str, list[str]] = {}
@@ -96,7 +99,9 @@ class LimitGate(PeriodicService):
     ) -> list[slots.Taken] | None:
         """Slots and tokens for these runs, or why not; ``None`` if MongoDB could not say."""
         try:
-            return await self.driver.run(slots.take(requests, self.worker_id, now))
+            if len(self.made) > MADE_KEPT:
+                self.made.clear()  # bounded: a group's document is upserted again, once
+            return await self.driver.run(slots.take(requests, self.worker_id, now, self.made))
         except StorageError as exc:
             log.warning(
                 "cannot take %d limit slot(s), retrying shortly: %s",
