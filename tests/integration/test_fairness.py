@@ -102,3 +102,28 @@ async def test_a_task_whose_lease_ran_out_keeps_its_place(
     assert "taken-over" in [key for _, key in starts[:workers]]
     doc = db.tasks.find_one({"_id": "taken-over"})
     assert [r["state"] for r in doc["runs"]] == ["TIMEOUT", "SUCCESS"]
+
+
+@pytest.mark.parametrize(("aging", "first"), [(None, "fresh-high"), (60.0, "old-low")])
+async def test_priority_aging_lets_long_waiting_work_go_first(
+    mongo_uri: str,
+    mongo: MongoClient[Any],
+    db_name: str,
+    client: TaskClient,
+    aging: float | None,
+    first: str,
+) -> None:
+    """A priority-0 task due ten minutes ago against a fresh priority-5 one: with
+    ``priority_aging=60`` (one level a minute) the old one has risen to 10 and goes first;
+    with strict priorities the fresh one does."""
+    now = client.now()
+    client.publish(
+        "sleep", "old-low", SLEEP_10MS, options={"run_at": now - dt.timedelta(minutes=10)}
+    )
+    client.publish("sleep", "fresh-high", SLEEP_10MS, options={"priority": 5})
+    async with running_worker(
+        workerapp.registry, mongo_uri, db_name, concurrency=1, priority_aging=aging
+    ):
+        await wait_for(lambda: len(finished(mongo[db_name], "")) == 2)
+    starts = sorted((d["runs"][-1]["claimed_at"], d["_id"]) for d in mongo[db_name].tasks.find())
+    assert starts[0][1] == first
