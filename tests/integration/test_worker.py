@@ -708,8 +708,10 @@ async def test_a_run_stopped_before_its_task_began_is_released(
 
     stopped: list[str] = []
 
-    def start_then_stop(self: Executor, doc: dict[str, Any], sent: float, slot: Any = None) -> None:
-        original(self, doc, sent, slot)
+    def start_then_stop(
+        self: Executor, doc: dict[str, Any], sent: float, slots: tuple[str, ...] = ()
+    ) -> None:
+        original(self, doc, sent, slots)
         run = self.inflight.get(doc["claim_run_id"])
         if not stopped:  # the first run only (the released task is claimed again)
             assert run is not None and not run.begun
