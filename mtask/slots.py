@@ -41,7 +41,9 @@ this worker's read costs a token, never a run beyond a limit (a concurrency is r
 TAKEN_AT = "taken_at"
 """Set by every take (and only by a take): the field the change streams' filter leaves out."""
 GROUP_TTL = dt.timedelta(days=7)
-"""A group's document is removed this long after its last request or ping."""
+GROUP_TTL_SLACK = dt.timedelta(days=1)
+"""A group's document is removed this long after its last ping, or its last take less a day at
+most (a take pushes the removal back once a day, not each time)."""
 
 
 def is_group_slot(slot: str) -> bool:
@@ -149,7 +151,14 @@ def _take_pipeline(request: Request, worker_id: str, now: dt.datetime) -> list[D
             "concurrency": conc,
             "rate": rate,
             "burst": burst,
-            "expire_at": now + GROUP_TTL,
+            # pushed back once a day, not at every take (its TTL index key is not rewritten)
+            "expire_at": {
+                "$cond": [
+                    {"$lt": [{"$ifNull": ["$expire_at", now]}, now + GROUP_TTL - GROUP_TTL_SLACK]},
+                    now + GROUP_TTL,
+                    "$expire_at",
+                ]
+            },
         }
     return [{"$set": sets}]
 

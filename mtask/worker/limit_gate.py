@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 REFRESH_SECONDS = 5.0
 DEFAULT_SLOT_LEASE_MS = 30_000
 MADE_KEPT = 100_000
+BLOCKED_KEPT = 100_000
 BLOCKED_AT_MOST = dt.timedelta(seconds=REFRESH_SECONDS)
 """How long a key held back by a limit waits at most before it is tried again, if no change
 event of its slot came (events are hints)."""
@@ -116,6 +117,9 @@ class LimitGate(PeriodicService):
         (the next token, the earliest slot lease end, a sequence's next task due), at once when
         the slot's document changes, and after ``BLOCKED_AT_MOST`` at the latest."""
         self.unblock([key])
+        if len(self.waits_for) >= BLOCKED_KEPT:  # bounded: keys whose task ended elsewhere
+            self.blocked.clear()  # are never woken; those still queued come back by ``until``
+            self.waits_for.clear()
         self.blocked.setdefault(slot, {})[key] = None
         self.waits_for[key] = slot
         latest = now + BLOCKED_AT_MOST
