@@ -78,6 +78,10 @@ def test_a_groups_slot_document_is_made_by_its_first_request_and_holds_its_limit
     doc = mongo[db_name].limits.find_one({"_id": slot})
     assert doc["name"] == "n" and doc["group"] == "$tenant" and doc["concurrency"] == 2
     assert [h["run_id"] for h in doc["holders"]] == ["r0", "r1"]
+    assert (
+        doc["expire_at"]
+        == now.replace(microsecond=now.microsecond // 1000 * 1000) + slots.GROUP_TTL
+    )
     before = doc["refilled_at"]
     # a full slot is not written (no change event wakes those who wait for it)
     assert not driver.run(slots.take([slots.Request(slot, "r9", "k9", 1000, limit)], "w", now))[
@@ -85,7 +89,11 @@ def test_a_groups_slot_document_is_made_by_its_first_request_and_holds_its_limit
     ].taken
     assert mongo[db_name].limits.find_one({"_id": slot})["refilled_at"] == before
     driver.run(slots.release({slot: ["r0"]}))
-    assert driver.run(slots.take([slots.Request(slot, "r3", "k3", 1000, limit)], "w", now))[0].taken
+    later = now + dt.timedelta(hours=1)  # a take within a day leaves the removal time alone
+    assert driver.run(slots.take([slots.Request(slot, "r3", "k3", 1000, limit)], "w", later))[
+        0
+    ].taken
+    assert mongo[db_name].limits.find_one({"_id": slot})["expire_at"] == doc["expire_at"]
     # the name's own limits are not a group's: they are listed, the groups' documents are not
     client.set_limit("n", group_concurrency=2)
     assert [d["_id"] for d in client.limits()] == ["n"]
