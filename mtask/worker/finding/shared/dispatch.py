@@ -73,13 +73,13 @@ class Dispatcher:
         self.returned = 0
         """Keys that went back in the host queue (no claim in time, or their worker went)."""
         self.said = {"held": 0, "missed": 0, "gone": 0}
+        """What the subscribers said of handed keys, by kind."""
         self.slot_waiters: dict[str, set[Channel]] = {}
+        """Subscribers holding a key of a group (``held``), by the group's slot document: the
+        relay passes that document's next change event to them alone."""
         self.held_slots: dict[str, str] = {}
         """The group slot of each key a subscriber holds, until the key's next event (the
         relay forgot the task itself, so that it is not handed out again)."""
-        """Subscribers holding a key of a group (``held``), by the group's slot document: the
-        relay passes that document's next change event to them alone."""
-        """What the subscribers said of handed keys, by kind."""
         self.heard = {"claim": 0, "success": 0}
         """The subscribers' claims and successes the stream showed."""
         self.reports = 0
