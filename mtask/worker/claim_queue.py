@@ -43,10 +43,6 @@ class Entry(NamedTuple):
     place: dt.datetime | None = None
     """Its place in line (``available_at``); the claim time when not known."""
 
-    @property
-    def line(self) -> dt.datetime:
-        return self.claim_at if self.place is None else self.place
-
 
 def effective_priority(
     priority: int, place: dt.datetime, now: dt.datetime, aging: dt.timedelta | None
