@@ -7,18 +7,27 @@ like the run's: it carries ``expires`` (server time), the lease pinger extends i
 run's lease, and a slot whose worker died simply runs out. The token bucket is refilled from
 the server clock inside the same update. No limit is ever kept in a single worker's memory.
 
-``take`` takes any number of slots in one bulk write and one read (a batch claim of limited
-names costs two round trips more, not two per key): each request is one pipeline update of
-its slot's document, whose filter matches only if a slot is free and a token there (a full
-slot is not written: no change event), adding the holder (a slot limiting runs at once) or
-noting the run id in ``granted`` (one limiting only a rate: the newest ``GRANTED_KEPT``), which
-the read then looks for. A take sets
-``taken_at``: the workers' change streams leave out those events (a slot taken frees none:
-nobody waiting for the slot needs to hear of it); a release, a new limit or a change of one
-reach them. A group's document is made by
-the first bulk that needs it (an upsert of nothing but its name, ahead of the requests; each
-request sets the name's group limit on it) and removed by MongoDB's TTL monitor ``GROUP_TTL``
-after its last request or ping.
+``take`` takes any number of slots in at most two bulk writes and one read (a batch claim of
+limited names costs a few round trips more, not a few per key):
+
+- a group's slot limiting only runs at once (``group_concurrency``: a sequence's, or a
+  partition's) is a **lock**: one plain update with ``upsert`` whose filter matches only if
+  the slot has room (fewer holders than it allows, or as many with one whose lease ended);
+  it pushes the holder (the holders kept sorted by lease end and as many as the slot allows,
+  so an ended lease is dropped by the push that replaces it), and makes the group's document
+  if there is none. A full slot makes the upsert's insert fail on ``_id`` (duplicate key):
+  the bulk's own reply says which requests were refused, with no read and no write;
+- the others (a name's slot, a group's with a rate, and a lock refused while a holder's lease
+  had ended unseen — say after the limit was lowered) take the **exact** path: each request
+  one pipeline update whose filter matches only if a slot is free and a token there (a full
+  slot is not written: no change event), adding the holder (a slot limiting runs at once) or
+  noting the run id in ``granted`` (one limiting only a rate: the newest ``GRANTED_KEPT``),
+  which one read then looks for.
+
+A take sets ``taken_at``: the workers' change streams leave out those events (a slot taken
+frees none: nobody waiting for the slot needs to hear of it); a release, a new limit or a
+change of one reach them. A group's document is removed by MongoDB's TTL monitor
+``GROUP_TTL`` after its last take or ping (a day more at most: ``expire_at`` moves once a day).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pymongo import UpdateOne
+from pymongo.errors import BulkWriteError
 
 from mtask.driver import Call, Doc, Op
 from mtask.limits import GROUP_SEPARATOR, Limit, retry_at
@@ -41,9 +51,14 @@ this worker's read costs a token, never a run beyond a limit (a concurrency is r
 TAKEN_AT = "taken_at"
 """Set by every take (and only by a take): the field the change streams' filter leaves out."""
 GROUP_TTL = dt.timedelta(days=7)
-GROUP_TTL_SLACK = dt.timedelta(days=1)
-"""A group's document is removed this long after its last ping, or its last take less a day at
-most (a take pushes the removal back once a day, not each time)."""
+"""A group's document is removed this long after the day of its last take or ping ends."""
+DUPLICATE_KEY = 11000
+
+
+def expire_at(now: dt.datetime) -> dt.datetime:
+    """When a group's document used at ``now`` is removed: ``GROUP_TTL`` after that day ends.
+    The same value all day, so a take or ping on the same day rewrites no index key."""
+    return now.replace(hour=0, minute=0, second=0, microsecond=0) + GROUP_TTL + dt.timedelta(1)
 
 
 def is_group_slot(slot: str) -> bool:
@@ -99,7 +114,7 @@ def _terms(request: Request, now: dt.datetime) -> tuple[Any, Any, Any, Doc, Doc]
 
 def _new_group(slot: str, now: dt.datetime) -> Doc:
     name, _, group = slot.partition(GROUP_SEPARATOR)
-    return {"name": name, "group": group, "holders": [], "expire_at": now + GROUP_TTL}
+    return {"name": name, "group": group, "holders": [], "expire_at": expire_at(now)}
 
 
 def _filter(request: Request, now: dt.datetime) -> Doc:
@@ -116,15 +131,56 @@ def _filter(request: Request, now: dt.datetime) -> Doc:
     return {"_id": request.slot, "holders": {"$type": "array"}, "$expr": ok}
 
 
-def _take_pipeline(request: Request, worker_id: str, now: dt.datetime) -> list[Doc]:
-    """Add the run as a holder and take a token (the filter made sure there is room)."""
-    conc, rate, burst, live, tokens = _terms(request, now)
-    holder = {
+def _holder(request: Request, worker_id: str, now: dt.datetime) -> Doc:
+    return {
         "run_id": request.run_id,
         "key": request.key,
         "worker_id": worker_id,
         "expires": now + dt.timedelta(milliseconds=request.lease_ms),
     }
+
+
+def is_lock(request: Request) -> bool:
+    """A group's slot limiting only runs at once: taken by ``_lock``."""
+    limit = request.limit
+    return limit is not None and limit.rate is None and limit.concurrency is not None
+
+
+def _lock(request: Request, worker_id: str, now: dt.datetime) -> UpdateOne:
+    """Take a lock's slot, or fail on ``_id`` if it is full (see the module's docstring). The
+    holders stay sorted by lease end and at most ``n``: room is fewer than ``n`` holders, or
+    ``n`` with an ended lease, which the push drops (it sorts first, ahead of the new one)."""
+    assert request.limit is not None and request.limit.concurrency is not None
+    n = request.limit.concurrency
+    name, _, group = request.slot.partition(GROUP_SEPARATOR)
+    room = [
+        {f"holders.{n - 1}": {"$exists": False}},
+        {f"holders.{n}": {"$exists": False}, "holders": {"$elemMatch": {"expires": {"$lte": now}}}},
+    ]
+    update = {
+        "$push": {
+            "holders": {
+                "$each": [_holder(request, worker_id, now)],
+                "$sort": {"expires": 1},
+                "$slice": -n,
+            }
+        },
+        "$set": {
+            TAKEN_AT: now,
+            "concurrency": n,
+            "rate": None,
+            "burst": None,
+            "expire_at": expire_at(now),
+        },
+        "$setOnInsert": {"name": name, "group": group},
+    }
+    return UpdateOne({"_id": request.slot, "$or": room}, update, upsert=True)
+
+
+def _take_pipeline(request: Request, worker_id: str, now: dt.datetime) -> list[Doc]:
+    """Add the run as a holder and take a token (the filter made sure there is room)."""
+    conc, rate, burst, live, tokens = _terms(request, now)
+    holder = _holder(request, worker_id, now)
     granted = {"$ifNull": ["$granted", []]}
     sets: Doc = {
         "holders": {
@@ -151,14 +207,7 @@ def _take_pipeline(request: Request, worker_id: str, now: dt.datetime) -> list[D
             "concurrency": conc,
             "rate": rate,
             "burst": burst,
-            # pushed back once a day, not at every take (its TTL index key is not rewritten)
-            "expire_at": {
-                "$cond": [
-                    {"$lt": [{"$ifNull": ["$expire_at", now]}, now + GROUP_TTL - GROUP_TTL_SLACK]},
-                    now + GROUP_TTL,
-                    "$expire_at",
-                ]
-            },
+            "expire_at": expire_at(now),
         }
     return [{"$set": sets}]
 
@@ -169,12 +218,51 @@ def take(
     now: dt.datetime,
     known: MutableSet[str] | None = None,
 ) -> Op[list[Taken]]:
-    """Take each requested slot if it is free (and a token there): one bulk write, one read.
-    Returns what became of each request, in order. ``known``: the groups' documents this
-    worker has seen exist (not made again; kept up to date from the read)."""
-    if not requests:
-        return []
+    """Take each requested slot if it is free (and a token there): the locks in one bulk
+    write, the others (and the locks refused with a lease that had ended) in one more and a
+    read. Returns what became of each request, in order. ``known``: the groups' documents
+    this worker has seen exist (not made again by the exact path; kept up to date)."""
     known = set() if known is None else known
+    out: list[Taken | None] = [None] * len(requests)
+    locks = [i for i, r in enumerate(requests) if is_lock(r)]
+    if locks:
+        refused = yield from _take_locks([requests[i] for i in locks], worker_id, now, known)
+        for j, i in enumerate(locks):
+            if j not in refused:
+                out[i] = Taken(taken=True)
+    rest = [i for i, t in enumerate(out) if t is None]
+    if rest:
+        got = yield from _take_exact([requests[i] for i in rest], worker_id, now, known)
+        for i, t in zip(rest, got, strict=True):
+            out[i] = t
+    return [t for t in out if t is not None]
+
+
+def _take_locks(
+    requests: Sequence[Request], worker_id: str, now: dt.datetime, known: MutableSet[str]
+) -> Op[set[int]]:
+    """Take the locks' slots in one unordered bulk write; returns the positions refused (a
+    full slot's upsert fails on ``_id``; any other write error refuses its request too)."""
+    ops = [_lock(r, worker_id, now) for r in requests]
+    refused: dict[int, int] = {}
+    try:
+        yield Call("bulk_write", (ops,), {"ordered": False}, collection="limits")
+    except BulkWriteError as exc:
+        details = exc.details or {}
+        if details.get("writeConcernErrors"):
+            raise
+        refused = {int(e["index"]): int(e.get("code", 0)) for e in details.get("writeErrors", ())}
+    for j, request in enumerate(requests):
+        if refused.get(j, DUPLICATE_KEY) == DUPLICATE_KEY:  # taken, or full: it exists
+            known.add(request.slot)
+    return set(refused)
+
+
+def _take_exact(
+    requests: Sequence[Request], worker_id: str, now: dt.datetime, known: MutableSet[str]
+) -> Op[list[Taken]]:
+    """The exact path: each request a pipeline update (a group's document made first if this
+    worker has not seen it), in one ordered bulk write, then one read."""
     made = sorted({r.slot for r in requests if r.limit is not None and r.slot not in known})
     ops = [
         # a group's document is made if it is not there (an update of one that is changes
@@ -244,7 +332,7 @@ def extend(slot: str, run_id: str, now: dt.datetime, lease_ms: int) -> Op[None]:
     group's document is kept for ``GROUP_TTL`` more."""
     sets: Doc = {"holders.$.expires": now + dt.timedelta(milliseconds=lease_ms)}
     if is_group_slot(slot):
-        sets["expire_at"] = now + GROUP_TTL
+        sets["expire_at"] = expire_at(now)
     yield Call(
         "update_one",
         ({"_id": slot, "holders.run_id": run_id}, {"$set": sets}),

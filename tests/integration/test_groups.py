@@ -68,35 +68,63 @@ def test_a_groups_slot_document_is_made_by_its_first_request_and_holds_its_limit
     client: TaskClient, mongo: MongoClient[Any], db_name: str
 ) -> None:
     driver = SyncDriver(mongo[db_name])
-    now = client.now()
+    limits = mongo[db_name].limits
+    now = dt.datetime(2099, 1, 1, 9, tzinfo=dt.UTC)  # the take's clock is given: a fixed day
     slot = group_slot("n", "$tenant")  # a group's name is data, never an expression
     limit = Limit(concurrency=2)
     requests = [slots.Request(slot, f"r{i}", f"k{i}", 1000, limit) for i in range(3)]
     taken = driver.run(slots.take(requests, "w", now))
     assert [t.taken for t in taken] == [True, True, False]
-    assert taken[2].retry_at is not None
-    doc = mongo[db_name].limits.find_one({"_id": slot})
+    assert taken[2].retry_at == now + dt.timedelta(seconds=1.001)  # the first lease's end
+    doc = limits.find_one({"_id": slot})
     assert doc["name"] == "n" and doc["group"] == "$tenant" and doc["concurrency"] == 2
     assert [h["run_id"] for h in doc["holders"]] == ["r0", "r1"]
-    assert (
-        doc["expire_at"]
-        == now.replace(microsecond=now.microsecond // 1000 * 1000) + slots.GROUP_TTL
-    )
-    before = doc["refilled_at"]
+    assert doc["expire_at"] == dt.datetime(2099, 1, 2, tzinfo=dt.UTC) + slots.GROUP_TTL
     # a full slot is not written (no change event wakes those who wait for it)
     assert not driver.run(slots.take([slots.Request(slot, "r9", "k9", 1000, limit)], "w", now))[
         0
     ].taken
-    assert mongo[db_name].limits.find_one({"_id": slot})["refilled_at"] == before
+    assert limits.find_one({"_id": slot}) == doc
     driver.run(slots.release({slot: ["r0"]}))
     later = now + dt.timedelta(hours=1)  # a take within a day leaves the removal time alone
     assert driver.run(slots.take([slots.Request(slot, "r3", "k3", 1000, limit)], "w", later))[
         0
     ].taken
-    assert mongo[db_name].limits.find_one({"_id": slot})["expire_at"] == doc["expire_at"]
+    assert limits.find_one({"_id": slot})["expire_at"] == doc["expire_at"]
     # the name's own limits are not a group's: they are listed, the groups' documents are not
     client.set_limit("n", group_concurrency=2)
     assert [d["_id"] for d in client.limits()] == ["n"]
+
+
+def test_a_groups_slot_is_exact_when_a_lease_ended_or_the_limit_was_lowered(
+    mongo: MongoClient[Any], db_name: str
+) -> None:
+    """A lock's push drops a holder whose lease ended; holders beyond a lowered limit leave
+    the decision to the exact path, which counts the live ones."""
+    driver = SyncDriver(mongo[db_name])
+    limits = mongo[db_name].limits
+    now = dt.datetime(2099, 1, 1, 9, tzinfo=dt.UTC)
+    slot = group_slot("n", "g")
+
+    def take(run: str, at: dt.datetime, concurrency: int, lease_ms: int = 1000) -> bool:
+        request = slots.Request(slot, run, f"k-{run}", lease_ms, Limit(concurrency=concurrency))
+        return driver.run(slots.take([request], "w", at))[0].taken
+
+    assert take("a", now, 2, lease_ms=500) and take("b", now, 2)
+    assert not take("c", now, 2)
+    after_a = now + dt.timedelta(milliseconds=600)  # a's lease ended (its worker died)
+    assert take("c", after_a, 2)
+    assert [h["run_id"] for h in limits.find_one({"_id": slot})["holders"]] == ["b", "c"]
+    assert take("d", now, 4, lease_ms=5000) and take("e", now, 4, lease_ms=5000)
+    assert len(limits.find_one({"_id": slot})["holders"]) == 4
+    # lowered to 1 with four holders: refused while they are live ...
+    assert not take("f", after_a, 1)
+    # ... and taken by the exact path once two are given back and two leases ended
+    driver.run(slots.release({slot: ["d", "e"]}))
+    assert take("f", now + dt.timedelta(seconds=2), 1)
+    doc = limits.find_one({"_id": slot})
+    live = [h["run_id"] for h in doc["holders"] if h["expires"] > now + dt.timedelta(seconds=2)]
+    assert live == ["f"] and doc["concurrency"] == 1
 
 
 def test_groups_are_visible_to_operators(

@@ -63,7 +63,11 @@ def stream_pipeline(tasks: str, excluded: str | Sequence[str]) -> list[dict[str,
     others = {
         "ns.coll": {"$in": list(OTHER_COLLECTIONS)},
         # a limit slot taken frees none: whoever waits for a slot does not need to hear of it
-        f"updateDescription.updatedFields.{TAKEN_AT}": {"$exists": False},
+        # (nor of a group's document made by its first take)
+        "$nor": [
+            {f"updateDescription.updatedFields.{TAKEN_AT}": {"$exists": True}},
+            {"operationType": "insert", f"fullDocument.{TAKEN_AT}": {"$exists": True}},
+        ],
     }
     return [{"$match": {"$or": [task_events, others]}}, {"$project": projection}]
 
