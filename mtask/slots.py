@@ -76,12 +76,17 @@ class Request:
     key: str
     lease_ms: int
     limit: Limit | None = None
+    replaces: str | None = None
+    """A lock's request only: the run id of this worker's ended run that holds the slot, handed
+    over to this run in the same write that gives it back (``_lock``)."""
 
 
 @dataclass(frozen=True)
 class Taken:
     """What became of one request: ``taken``, or ``limited`` False (the name has no limit
-    now: go on without its slot), else ``retry_at``: when one may be had at the earliest."""
+    now: go on without its slot), else ``retry_at``: when one may be had at the earliest.
+    A request that ``replaces`` an ended run took that run's place if taken; if not, the ended
+    run still holds the slot (give it back)."""
 
     taken: bool
     limited: bool = True
@@ -95,13 +100,10 @@ def _terms(request: Request, now: dt.datetime) -> tuple[Any, Any, Any, Doc, Doc]
     conc: Any = "$concurrency" if limit is None else limit.concurrency
     rate: Any = "$rate" if limit is None else limit.rate
     burst: Any = "$burst" if limit is None else (None if limit.rate is None else limit.full())
-    live: Doc = {
-        "$filter": {
-            "input": {"$ifNull": ["$holders", []]},
-            "as": "h",
-            "cond": {"$gt": ["$$h.expires", now]},
-        }
-    }
+    cond: Doc = {"$gt": ["$$h.expires", now]}
+    if request.replaces is not None:  # the ended run handing its place over is not counted
+        cond = {"$and": [cond, {"$ne": ["$$h.run_id", literal(request.replaces)]}]}
+    live: Doc = {"$filter": {"input": {"$ifNull": ["$holders", []]}, "as": "h", "cond": cond}}
     elapsed = {"$max": [0, {"$subtract": [now, {"$ifNull": ["$refilled_at", now]}]}]}
     tokens: Doc = {
         "$min": [
@@ -152,6 +154,24 @@ def _lock(request: Request, worker_id: str, now: dt.datetime) -> UpdateOne:
     ``n`` with an ended lease, which the push drops (it sorts first, ahead of the new one)."""
     assert request.limit is not None and request.limit.concurrency is not None
     n = request.limit.concurrency
+    if request.replaces is not None:
+        # the ended run's place goes to this one, if it still holds it and the slot holds no
+        # more runs than it allows (else, as a missed upsert, an error: the exact path decides)
+        return UpdateOne(
+            {
+                "_id": request.slot,
+                "holders.run_id": request.replaces,
+                f"holders.{n}": {"$exists": False},
+            },
+            {
+                "$set": {
+                    "holders.$": _holder(request, worker_id, now),
+                    TAKEN_AT: now,
+                    "expire_at": expire_at(now),
+                }
+            },
+            upsert=True,
+        )
     name, _, group = request.slot.partition(GROUP_SEPARATOR)
     room = [
         {f"holders.{n - 1}": {"$exists": False}},

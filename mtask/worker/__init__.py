@@ -195,6 +195,8 @@ class Worker:
         for task in self._side:
             task.cancel()
         await asyncio.gather(*self._side, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):  # slots kept for a handover no run will take
+            await asyncio.wait_for(self.parts.gate.flush(keep=False), timeout=5)
         await asyncio.to_thread(self.parts.pinger.stop)
         if self.parts.process_pool is not None:
             await self.parts.process_pool.close()

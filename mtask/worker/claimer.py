@@ -109,7 +109,17 @@ class Claimer:
 
     async def run_once(self) -> tuple[bool, float | None]:
         """Claim once if a slot is free and a key due. Returns whether it claimed, and how
-        long to sleep at most until the next key is due (``None``: until woken)."""
+        long to sleep at most until the next key is due (``None``: until woken). The lock
+        slots kept for a handover before this pass and not used in it are given back."""
+        started = time.monotonic()
+        try:
+            return await self._pass()
+        finally:
+            for slot, run_ids in self.gate.unused(started).items():
+                for run_id in run_ids:
+                    self.recorder.release_slot(slot, run_id)
+
+    async def _pass(self) -> tuple[bool, float | None]:
         free = self.concurrency - len(self.inflight)
         names = self.assignment.active
         # Backpressure: claim only while fewer than `concurrency` outcomes wait to be
@@ -231,17 +241,22 @@ class Claimer:
             DEFAULT_SLOT_LEASE_MS,
         )
         waits = list(plan.waits)
-        candidates = [key for key, _ in plan.claims]
+        # a lock slot of this worker's ended run goes straight to the run that waited for it
+        claims = [(key, [self.gate.hand_over(r) for r in rs]) for key, rs in plan.claims]
+        candidates = [key for key, _ in claims]
         requeue: list[str] = []
         missed: list[str] = []
         with self.inflight.claiming(candidates):
             sent = time.monotonic()
-            requests = [r for _, rs in plan.claims for r in rs]
+            requests = [r for _, rs in claims for r in rs]
             taken = await self.gate.take(requests, now) if requests else []
             if taken is None:
                 requeue = candidates
+                for r in requests:  # taken or not: given back (a release of nothing is none)
+                    for run_id in filter(None, (r.run_id, r.replaces)):
+                        self.recorder.release_slot(r.slot, run_id)
             else:
-                go, held = self._granted(plan.claims, taken, waits)
+                go, held = self._granted(claims, taken, waits)
                 hints = {
                     h["_id"]: t
                     for h in heads.values()
@@ -268,6 +283,9 @@ class Claimer:
         held: dict[str, tuple[str, ...]] = {}
         for key, requests in claims:
             got = [(r, next(results)) for r in requests]
+            for request, t in got:
+                if request.replaces is not None and not t.taken:  # still the ended run's
+                    self.recorder.release_slot(request.slot, request.replaces)
             if all(t.taken for _, t in got):
                 go.append(key)
                 held[key] = tuple(r.slot for r, t in got if t.limited)

@@ -13,8 +13,10 @@ never decides a limit itself: the slot documents' atomic updates do, on the serv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -72,6 +74,13 @@ class LimitGate(PeriodicService):
         self.waits_for: dict[str, str] = {}
         """The slot each blocked key waits for."""
         self.releases: dict[str, list[str]] = {}
+        self.handovers: dict[str, list[tuple[str, float]]] = {}
+        """Per lock slot, this worker's ended runs that still hold it, kept (with the monotonic
+        time they were kept) for a key of this worker that waited for the slot: its take
+        hands the place over in one write (``slots.Request.replaces``) instead of a release
+        and a take. Those the claimer did not use in its next pass are given back."""
+        self.offered: set[str] = set()
+        """Run ids kept for a handover once: given back without being kept again."""
         self.refreshed = asyncio.Event()
         self.unknown_changed = asyncio.Event()
         """A limit document of a name not known as limited changed: read the limits now."""
@@ -161,10 +170,75 @@ class LimitGate(PeriodicService):
     def release_later(self, slot: str, run_ids: Iterable[str]) -> None:
         self.releases.setdefault(slot, []).extend(run_ids)
 
-    async def flush(self) -> None:
-        """Give back the slots of runs that ended, in one write. A release that fails is not
-        retried: the slots run out with their leases, as if the worker had died."""
+    def is_lock(self, slot: str) -> bool:
+        """A group's slot limiting only runs at once (``slots.is_lock``)."""
+        name, _, group = slot.partition(limits.GROUP_SEPARATOR)
+        doc = self.limited.get(name)
+        if not group or doc is None:
+            return False
+        each = limits.group_limit(doc)
+        return each.concurrency is not None and each.rate is None
+
+    def keep_for_handover(self, releases: dict[str, list[str]]) -> dict[str, list[str]]:
+        """Of the ended runs' slots to give back, keep a lock's for the keys of this worker
+        that wait for it (as many as there are such keys, which go back in the queue now);
+        returns the rest, to give back."""
+        now, kept_at = self.clock.now(), time.monotonic()
+        rest: dict[str, list[str]] = {}
+        for slot, ids in releases.items():
+            run_ids = [r for r in ids if r not in self.offered]
+            again = [r for r in ids if r in self.offered]  # unused once: given back now
+            self.offered.difference_update(again)
+            waiting = list(self.blocked.get(slot, ()))[: len(run_ids)]
+            if waiting and self.is_lock(slot):
+                kept = self.handovers.setdefault(slot, [])
+                kept += [(run_id, kept_at) for run_id in run_ids[: len(waiting)]]
+                self.offered.update(run_ids[: len(waiting)])
+                run_ids = run_ids[len(waiting) :]
+                self.unblock(waiting)
+                for key in waiting:
+                    self.sink.requeue_at(key, now)
+            if run_ids or again:
+                rest[slot] = run_ids + again
+        return rest
+
+    def hand_over(self, request: slots.Request) -> slots.Request:
+        """``request`` taking the place of an ended run of this worker, if one holds its slot."""
+        kept = self.handovers.get(request.slot)
+        if not kept or request.replaces is not None or not slots.is_lock(request):
+            return request
+        run_id, _ = kept.pop(0)
+        self.offered.discard(run_id)
+        if not kept:
+            del self.handovers[request.slot]
+        return dataclasses.replace(request, replaces=run_id)
+
+    def unused(self, before: float) -> dict[str, list[str]]:
+        """Remove and return the kept slots kept before ``before`` (monotonic)."""
+        out: dict[str, list[str]] = {}
+        for slot in list(self.handovers):
+            kept = self.handovers[slot]
+            out_ids = [r for r, at in kept if at < before]
+            if out_ids:
+                out[slot] = out_ids
+                kept[:] = [(r, at) for r, at in kept if at >= before]
+                if not kept:
+                    del self.handovers[slot]
+        return out
+
+    async def flush(self, keep: bool = True) -> None:
+        """Give back the slots of runs that ended, in one write (but those kept for a handover,
+        if ``keep``). A release that fails is not retried: the slots run out with their
+        leases, as if the worker had died."""
         releases, self.releases = self.releases, {}
+        if keep:
+            releases = self.keep_for_handover(releases)
+        else:
+            for slot, run_ids in self.unused(float("inf")).items():
+                releases.setdefault(slot, []).extend(run_ids)
+            self.offered.clear()
+        if not releases:
+            return
         try:
             await self.driver.run(slots.release(releases))
         except StorageError as exc:
