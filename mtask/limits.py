@@ -149,6 +149,32 @@ def group_slot(name: str, group: str) -> str:
     return f"{name}{GROUP_SEPARATOR}{group}"
 
 
+CLAIM_LOCK = f"{GROUP_SEPARATOR}lock"
+
+
+def claim_lock(name: str, group: str) -> str:
+    """What the keys of a sequence wait for while another task of it runs: its group's lock,
+    held by a task document (``store.claim_locked``), not a slot document. (A group's name
+    holds no NUL: this never names a document.)"""
+    return group_slot(name, group) + CLAIM_LOCK
+
+
+def is_claim_lock(slot: str) -> bool:
+    return slot.endswith(CLAIM_LOCK)
+
+
+def lock_group(lock: str) -> tuple[str, str]:
+    """The ``(name, group)`` of a ``claim_lock``."""
+    name, _, group = lock.removesuffix(CLAIM_LOCK).partition(GROUP_SEPARATOR)
+    return name, group
+
+
+def is_sequence(limit: Limit) -> bool:
+    """A group limit of one run at a time and no rate: its groups run in publish order, each
+    held by its running task's claim (``claim_lock``), with no slot document."""
+    return limit.concurrency == 1 and limit.rate is None
+
+
 def set_limit(name: str, own: Limit, group: Limit, now: dt.datetime) -> Op[Doc]:
     """Create or change the limit of ``name`` (and of each of its groups). Slots held and
     tokens left are kept; a new bucket starts full. The groups' documents take the new

@@ -328,6 +328,10 @@ class TaskDocument(BaseModel):
     publish_seq: int | None = None
     """A grouped task's place in its group's publish order (microseconds since the epoch,
     plus its place in a ``publish_many`` call); a sequence runs its group in this order."""
+    group_lock: bool | None = None
+    """``True`` while this task holds its sequence's lock, taken by its claim (the unique
+    ``group_lock`` index admits one open holder per group); left on a finished task, where it
+    holds nothing, and removed when the task is reopened."""
     progress: Progress | None = None
     """The newest progress a run reported (``ctx.progress``); written only by runs that do."""
     output_seq: int | None = Field(None, ge=0)

@@ -8,7 +8,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pymongo import ReturnDocument
+from pymongo import ReturnDocument, UpdateOne
+from pymongo.errors import BulkWriteError, WriteError
 
 from mtask.driver import Call, Doc, Op
 from mtask.models import RunState, TaskStatus
@@ -21,7 +22,14 @@ from mtask.statemachine import (
     recompute_stages,
     set_run_fields,
 )
-from mtask.store.schema import LAST_WRITE, SPECIFIC, WELL_FORMED, claim_tag, literal
+from mtask.store.schema import (
+    GROUP_LOCK,
+    LAST_WRITE,
+    SPECIFIC,
+    WELL_FORMED,
+    claim_tag,
+    literal,
+)
 
 CLAIM_TIMEOUT_S = 5.0
 """The most a claim call may take (``Call.timeout``). A claim that would take over a task
@@ -287,6 +295,105 @@ def claim(
         return []
     claimed: list[Doc] = yield from read_claimed(keys, batch, fields)
     return claimed
+
+
+DUPLICATE_KEY = 11000
+
+
+def lock_stage(batch: str) -> Doc:
+    """The stage a sequence's claim ends with: the task holds its group's lock if this batch's
+    run was added (a match that merely expired leases takes no lock)."""
+    ours = {"$in": [{"$concat": [literal(f"{batch}-"), "$_id"]}, "$runs.run_id"]}
+    return {"$set": {GROUP_LOCK: {"$cond": [ours, True, f"${GROUP_LOCK}"]}}}
+
+
+LOCKED_TRIES = 4
+"""Batch claims of sequences' heads that busy groups may cost before what is left is claimed
+one update each."""
+
+
+def claim_locked(
+    groups: Mapping[str, tuple[str, str]],
+    names: Sequence[str],
+    worker_id: str,
+    now: dt.datetime,
+    fields: Mapping[str, int] | None = None,
+    batch: str | None = None,
+) -> Op[tuple[list[Doc], set[str], dict[str, str]]]:
+    """Claim the keys of ``groups``, each the next task of the sequence ``(name, group)``, each
+    taking its group's lock in the same update (``group_lock``, docs/fairness.md).
+
+    The ``group_lock`` index lets one open task of a group hold the lock: the update of a key
+    whose group another open task holds fails on it (a duplicate key, naming the group), and
+    that key is **busy**. One ``update_many`` of the lean stage claims the batch; as a
+    multi-document update stops at its first error, it is sent again without a busy key (at
+    most ``LOCKED_TRIES`` times in all). One read of what was claimed; what is left (a
+    takeover, more busy groups, a document the lean stage does not fit) gets one update per
+    key of the full pipeline in one unordered bulk, and a read. Returns the claimed
+    documents, the busy keys, and the keys the server could not update with why."""
+    keys = list(groups)
+    if not keys:
+        return [], set(), {}
+    batch = batch or uuid.uuid4().hex
+    busy: set[str] = set()
+    broken: dict[str, str] = {}
+    group = {"options.group": {"$type": "string"}}
+    (stage,) = claim_lean_pipeline(batch, worker_id, now)  # one stage, the lock in it
+    lean = [{"$set": {**stage["$set"], GROUP_LOCK: True}}]
+    left = keys
+    for _ in range(LOCKED_TRIES):
+        try:
+            yield Call(
+                "update_many",
+                ({**claim_lean_filter(left, names, worker_id, now), **group}, lean),
+                timeout=CLAIM_TIMEOUT_S,
+            )
+            break
+        except WriteError as exc:
+            if exc.code != DUPLICATE_KEY:
+                break  # the bulk below names the document
+            value = (exc.details or {}).get("keyValue") or {}
+            pair = (value.get("name"), value.get("options.group"))
+            culprits = {k for k in left if tuple(groups[k]) == pair}
+            busy |= culprits
+            left = [k for k in left if k not in culprits]
+            if not culprits or not left:
+                break
+    claimed: list[Doc] = yield from read_claimed(keys, batch, fields)
+    got = {d["_id"] for d in claimed}
+    rest = [k for k in keys if k not in got and k not in busy]
+    if rest:
+        full = [
+            UpdateOne(
+                {**claim_filter([k], names, worker_id, now), **group},
+                [*claim_pipeline(batch, worker_id, now), lock_stage(batch)],
+            )
+            for k in rest
+        ]
+        if (yield from _bulk(rest, full, busy, broken)):
+            claimed += yield from read_claimed(rest, batch, fields)
+    return claimed, busy, broken
+
+
+def _bulk(
+    keys: Sequence[str], requests: list[UpdateOne], busy: set[str], broken: dict[str, str]
+) -> Op[int]:
+    """One unordered bulk write of one request per key; returns how many it modified, noting
+    the keys refused by a held group lock (``busy``) or another write error (``broken``)."""
+    try:
+        result = yield Call("bulk_write", (requests,), {"ordered": False}, timeout=CLAIM_TIMEOUT_S)
+    except BulkWriteError as exc:
+        details = exc.details or {}
+        if details.get("writeConcernErrors"):
+            raise
+        for error in details.get("writeErrors", ()):
+            key = keys[int(error["index"])]
+            if error.get("code") == DUPLICATE_KEY:
+                busy.add(key)
+            else:
+                broken[key] = str(error.get("errmsg", error.get("code")))
+        return int(details.get("nModified", 0))
+    return int(result.modified_count)
 
 
 def _has_run(doc: Doc, run_id: str) -> bool:

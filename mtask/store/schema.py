@@ -13,6 +13,9 @@ from pymongo.errors import OperationFailure
 from mtask.driver import Call, Doc, Op
 from mtask.models import OPEN_STATUSES, OPTION_NAMES, NewTask, TaskStatus
 
+GROUP_LOCK = "group_lock"
+"""``true`` on the open task that holds its group's lock (a sequence's: set by its claim, in
+the same update); the ``group_lock`` index admits one per group. A reopened task loses it."""
 OPEN_LIST = [TaskStatus.PENDING.value, TaskStatus.RUNNING.value]
 """The open statuses as the ``group_open`` index and its queries spell them (the same list:
 the server uses a partial index only for a query that names its filter)."""
@@ -93,6 +96,18 @@ INDEXES: dict[str, list[IndexModel]] = {
             ],
             name="group_open",
             partialFilterExpression={
+                "options.group": {"$type": "string"},
+                "status": {"$in": OPEN_LIST},
+            },
+        ),
+        # Sequences (docs/fairness.md): one open task of a group holds its lock, taken by the
+        # claim. A task gives it up by finishing (it leaves the index); others have no key.
+        IndexModel(
+            [("name", ASCENDING), ("options.group", ASCENDING)],
+            name=GROUP_LOCK,
+            unique=True,
+            partialFilterExpression={
+                GROUP_LOCK: True,
                 "options.group": {"$type": "string"},
                 "status": {"$in": OPEN_LIST},
             },

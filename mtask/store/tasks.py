@@ -22,6 +22,7 @@ from mtask.statemachine import (
 from mtask.store.complete import complete
 from mtask.store.retention import resolve
 from mtask.store.schema import (
+    GROUP_LOCK,
     PLACEMENT_FIELDS,
     SPECIFIC,
     invalid_reason_expr,
@@ -335,6 +336,7 @@ def retry(key: str, now: dt.datetime) -> Op[Doc]:
                 },
             }
         },
+        {"$unset": GROUP_LOCK},  # a sequence's task reopened takes its group's lock anew
         *recompute_stages(now),
     ]
     doc = yield Call(

@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Any, ClassVar
 
-from mtask import metrics, slots, store
+from mtask import limits, metrics, slots, store
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 RETRY_SOON = dt.timedelta(seconds=1)
 """How long a key waits after a claim or a slot could not be had because of MongoDB."""
 ADOPT_ATTEMPTS = 5
+LIMITED_IN_FLIGHT = 2
+"""Batches of limited keys being claimed at once (``Claimer.claim_limited_soon``)."""
 
 
 class Claimer:
@@ -80,12 +82,23 @@ class Claimer:
         self.executor = executor
         self.stats = stats
         self.lifecycle = lifecycle
+        self.limited_batches: set[asyncio.Task[None]] = set()
+        self.limited_pending = 0
+        """Keys in the limited batches on their way (``claim_limited_soon``)."""
+        self.failure: BaseException | None = None
         self.wake = wake
         """Set by whoever may have made a claim possible: the finding parts (a task queued), the
         executor and the recorder (a slot freed), ``Worker.stop``."""
 
     async def run(self) -> None:
         """The main loop: until the worker stops, claim what is due for the free slots."""
+        try:
+            await self._loop()
+        finally:  # the limited batches on their way start their runs, or are cancelled
+            if self.limited_batches:
+                await asyncio.wait(self.limited_batches)
+
+    async def _loop(self) -> None:
         while self.lifecycle.state == "running":
             self.wake.clear()
             claimed, timeout = await self.run_once()
@@ -115,12 +128,15 @@ class Claimer:
         try:
             return await self._pass()
         finally:
-            for slot, run_ids in self.gate.unused(started).items():
+            kept = self.gate.unused(started if not self.limited_batches else float("-inf"))
+            for slot, run_ids in kept.items():
                 for run_id in run_ids:
                     self.recorder.release_slot(slot, run_id)
 
     async def _pass(self) -> tuple[bool, float | None]:
-        free = self.concurrency - len(self.inflight)
+        if self.failure is not None:
+            raise self.failure
+        free = self.concurrency - len(self.inflight) - self.limited_pending
         names = self.assignment.active
         # Backpressure: claim only while fewer than `concurrency` outcomes wait to be
         # written, so a worker holds at most 2 x concurrency leases (running handlers plus
@@ -146,7 +162,7 @@ class Claimer:
             # batch claim below never matches them.
             held = [k for k in keys if (m := self.sink.known(k)) and self.gate.is_limited(m.name)]
             if held:
-                await self.claim_limited(held, names, now)
+                await self.claim_limited_soon(held, names, now)
                 done = set(held)
                 keys = [k for k in keys if k not in done]
             names = [n for n in names if not self.gate.is_limited(n)]
@@ -214,6 +230,30 @@ class Claimer:
                 return docs + await self.isolate([k for k in keys if k not in adopted], names, now)
             return docs or None
 
+    async def claim_limited_soon(self, keys: list[str], names: list[str], now: dt.datetime) -> None:
+        """``claim_limited`` in the background, at most ``LIMITED_IN_FLIGHT`` batches at once:
+        a batch of limited keys costs more round trips than a plain one (the heads, the slots),
+        and the next batch need not wait for them. Its keys count as taken meanwhile."""
+        while len(self.limited_batches) >= LIMITED_IN_FLIGHT:
+            await asyncio.wait(self.limited_batches, return_when=asyncio.FIRST_COMPLETED)
+        self.limited_pending += len(keys)
+
+        async def batch() -> None:
+            try:
+                await self.claim_limited(keys, names, now)
+            finally:
+                self.limited_pending -= len(keys)
+                self.wake.set()
+
+        task = asyncio.create_task(batch(), name="mtask-claim-limited")
+        self.limited_batches.add(task)
+        task.add_done_callback(self._limited_done)
+
+    def _limited_done(self, task: asyncio.Task[None]) -> None:
+        self.limited_batches.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.failure = exc  # raised by the main loop: the worker stops, as for its own
+
     async def claim_limited(self, keys: list[str], names: list[str], now: dt.datetime) -> None:
         """Claim ``keys`` of limited names as one batch: the heads of their sequences read,
         then every slot they need taken in one bulk write (``slots.take``), then the keys
@@ -262,7 +302,7 @@ class Claimer:
                     for h in heads.values()
                     if isinstance(t := h.get("worker_timeout_ms"), int)
                 }
-                missed = await self._claim_granted(go, held, names, now, sent, batch, hints)
+                missed = await self._claim_granted(go, held, plan, names, now, sent, batch, hints)
         for wait in waits:  # no longer claiming: they may be queued again
             self.gate.block(wait.slot, wait.key, wait.until, now)
         for key in requeue:
@@ -301,35 +341,78 @@ class Claimer:
         self,
         keys: list[str],
         held: dict[str, tuple[str, ...]],
+        plan: limited.Plan,
         names: list[str],
         now: dt.datetime,
         sent: float,
         batch: str,
         hints: dict[str, int],
     ) -> list[str]:
-        """Claim ``keys`` (their slots taken for this batch's run ids) and start the runs;
-        the slots of keys not claimed are given back. Returns the keys missed."""
+        """Claim ``keys`` (their slots taken for this batch's run ids) and start the runs —
+        a sequence's head with its group's lock (``plan.locked``); one whose group's lock is
+        held waits for it. The slots of keys not claimed are given back. Returns the keys
+        missed."""
         if not keys:
             return []
         self.stats.claim_calls += 1
         self.stats.claim_attempts += len(keys)
         hints = {**hints, **self.sink.timeouts(keys)}  # a sequence's head may be unknown here
-        docs = await self._send(keys, names, now, hints, isolate_on_error=False, batch=batch)
-        self.gate.unblock(d["_id"] for d in docs or ())
-        for doc in docs or ():
-            self.executor.start(doc, sent, held.get(doc["_id"], ()))
+        plain = [k for k in keys if k not in plan.locked]
+        heads = [k for k in keys if k in plan.locked]
+        docs: list[dict[str, Any]] = []
+        failed: list[str] = []  # MongoDB failed: tried again shortly
+        if plain:
+            got = await self._send(plain, names, now, hints, isolate_on_error=False, batch=batch)
+            docs += got or []
+            failed += plain if got is None else []
+        busy: set[str] = set()
+        if heads:
+            pairs = {k: limits.lock_group(plan.locked[k]) for k in heads}
+            locked = await self._send_locked(pairs, names, now, batch)
+            docs += locked[0] if locked else []
+            busy = locked[1] if locked else set()
+            failed += heads if locked is None else []
+        for doc in docs:
+            key = doc["_id"]
+            self.gate.unblock([key])
+            lock = plan.locked.get(key)
+            self.executor.start(doc, sent, held.get(key, ()) + ((lock,) if lock else ()))
             self.sink.claimed(doc)
             self.stats.claimed += 1
-        claimed = {d["_id"] for d in docs or ()}
+        claimed = {d["_id"] for d in docs}
         for key in keys:
             if key not in claimed:
                 for slot in held.get(key, ()):
                     self.recorder.release_slot(slot, store.run_id_for(batch, key))
-        if docs is None:
-            for key in keys:
-                self.sink.requeue_at(key, now + RETRY_SOON)
-            return []
-        return [k for k in keys if k not in claimed]
+        for key in busy:  # another task of its group holds the lock: wait for it
+            self.gate.block(plan.locked[key], key, None, now)
+        for key in failed:
+            self.sink.requeue_at(key, now + RETRY_SOON)
+        gone = claimed | busy | set(failed)
+        return [k for k in keys if k not in gone]
+
+    async def _send_locked(
+        self, groups: dict[str, tuple[str, str]], names: list[str], now: dt.datetime, batch: str
+    ) -> tuple[list[dict[str, Any]], set[str]] | None:
+        """Claim sequences' heads with their groups' locks (``store.claim_locked``): the
+        documents claimed and the keys whose group is busy; ``None`` if MongoDB failed (what
+        the call took anyway is adopted). A document the server cannot update is marked
+        invalid."""
+        try:
+            docs, busy, broken = await self.driver.run(
+                store.claim_locked(groups, names, self.worker_id, now, store.CLAIMED_FIELDS, batch)
+            )
+        except StorageError as exc:
+            log.warning(
+                "claim failed, retrying shortly: %s",
+                exc,
+                extra={"keys": len(groups), "batch": batch},
+            )
+            adopted = await self.adopt(list(groups), batch)
+            return (adopted, set()) if adopted else None
+        for key, reason in broken.items():
+            await self.mark_invalid(key, f"a claim cannot update the document: {reason}")
+        return docs, busy
 
     async def isolate(
         self, keys: list[str], names: list[str], now: dt.datetime

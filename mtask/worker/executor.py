@@ -28,7 +28,7 @@ from typing import Any, Literal, Protocol
 
 import bson
 
-from mtask import flows, metrics
+from mtask import flows, limits, metrics
 from mtask.errors import ConfigError, InvalidParams, InvalidTask, LeaseLost
 from mtask.models import DEFAULT_KEEP_MS, RunState
 from mtask.output import RunOutput
@@ -505,7 +505,7 @@ class Executor:
 
     def start(self, doc: dict[str, Any], sent: float, slots: tuple[str, ...] = ()) -> None:
         """Run a claimed task: ``sent`` is when (monotonic) the claim that took it was sent,
-        ``slots`` the limit slots the run holds (a name's, a group's)."""
+        ``slots`` the limit slots the run holds (a name's, a group's, a sequence's lock)."""
         run_id = doc["claim_run_id"]
         options = doc["options"]
         loop = asyncio.get_running_loop()
@@ -546,7 +546,7 @@ class Executor:
             options["ping_interval_ms"],
             options["worker_timeout_ms"],
             sent,
-            slots=slots,
+            slots=tuple(s for s in slots if not limits.is_claim_lock(s)),  # no document
         )
         run.task = asyncio.create_task(self.execute(run, doc), name=f"mtask-run-{run.key}")
         self.watch_deadline(run)

@@ -174,7 +174,7 @@ class LimitGate(PeriodicService):
         """A group's slot limiting only runs at once (``slots.is_lock``)."""
         name, _, group = slot.partition(limits.GROUP_SEPARATOR)
         doc = self.limited.get(name)
-        if not group or doc is None:
+        if not group or doc is None or limits.is_claim_lock(slot):
             return False
         each = limits.group_limit(doc)
         return each.concurrency is not None and each.rate is None
@@ -226,11 +226,22 @@ class LimitGate(PeriodicService):
                     del self.handovers[slot]
         return out
 
-    async def flush(self, keep: bool = True) -> None:
-        """Give back the slots of runs that ended, in one write (but those kept for a handover,
-        if ``keep``). A release that fails is not retried: the slots run out with their
-        leases, as if the worker had died."""
+    def take_releases(self) -> dict[str, list[str]]:
+        """The slots given back so far (by runs whose outcomes are pending now): the recorder
+        flushes them once those outcomes are written."""
         releases, self.releases = self.releases, {}
+        return releases
+
+    async def flush(self, releases: dict[str, list[str]] | None = None, keep: bool = True) -> None:
+        """Give back the slots of runs that ended (``releases``, or all given back so far), in
+        one write (but those kept for a handover, if ``keep``). A release that fails is not
+        retried: the slots run out with their leases, as if the worker had died."""
+        releases = self.take_releases() if releases is None else dict(releases)
+        for slot in [s for s in releases if limits.is_claim_lock(s)]:
+            # a sequence's lock is its task's: given up by the outcome just written, with no
+            # write of its own; the keys of this worker that wait for it are tried again
+            del releases[slot]
+            self.on_change(slot)
         if keep:
             releases = self.keep_for_handover(releases)
         else:

@@ -4,9 +4,10 @@ A key of a limited name asks for the name's slot (if the name itself is limited)
 group's slot (if the name limits its groups and the task has a group). In a **sequence** (a
 name whose ``group_concurrency`` is 1) only the group's first open task in publish order may
 run (``store.groups.heads``): a key that is not its group's head waits for its turn, and the
-head is claimed in its place if it is due. A batch never asks a slot for more runs than it
-allows at once; the rest wait for it. The server decides: the slots' atomic updates, then the
-claim.
+head is claimed in its place if it is due. A sequence with no group rate has no slot: its head
+is claimed with its group's lock (``store.claim_locked``, ``Plan.locked``), and its keys wait
+for that lock (``limits.claim_lock``). A batch never asks a slot for more runs than it allows
+at once; the rest wait for it. The server decides: the slots' atomic updates, then the claim.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class Plan:
     waits: list[Wait] = field(default_factory=list)
     gone: list[str] = field(default_factory=list)
     """Keys whose group has no open task any more: they finished (let the sink say so)."""
+    locked: dict[str, str] = field(default_factory=dict)
+    """Keys to claim with their group's lock (a sequence's head), each with that lock."""
 
 
 def group_of(meta: TaskMeta) -> str | None:
@@ -85,6 +88,46 @@ def _turn(
     return None
 
 
+def _group_slots(name: str, group: str | None, each: limits.Limit) -> tuple[str | None, str | None]:
+    """The group's slot (if its name limits groups), and its lock instead (a sequence with no
+    rate: taken by the claim, ``store.claim_locked``)."""
+    if group is None or not each.set:
+        return None, None
+    lock = limits.claim_lock(name, group) if limits.is_sequence(each) else None
+    return limits.group_slot(name, group), lock
+
+
+def _in_turn(
+    key: str,
+    pair: tuple[str, str],
+    slot: str,
+    turns: set[tuple[str, str]],
+    heads: Mapping[tuple[str, str], Mapping[str, Any]],
+    now: dt.datetime,
+    out: Plan,
+) -> str | None:
+    """In a sequence: the key to claim for ``key``'s group, once per batch (``turns``)."""
+    if pair in turns:
+        out.waits.append(Wait(key, slot))
+        return None
+    turns.add(pair)
+    return _turn(key, slot, heads.get(pair), now, out)
+
+
+def _full(
+    caps: Mapping[str | None, int | None], requests: Sequence[Request], asked: Mapping[str, int]
+) -> str | None:
+    """A slot the batch has already asked for as many runs as it allows at once."""
+    return next(
+        (
+            r.slot
+            for r in requests
+            if (cap := caps[r.slot]) is not None and asked.get(r.slot, 0) >= cap
+        ),
+        None,
+    )
+
+
 def plan(
     keys: Sequence[str],
     known: Mapping[str, TaskMeta],
@@ -109,31 +152,19 @@ def plan(
             continue
         own, each = limits.own_limit(doc), limits.group_limit(doc)
         group = group_of(meta)
-        gslot = limits.group_slot(meta.name, group) if group is not None and each.set else None
+        gslot, lock = _group_slots(meta.name, group, each)
         candidate: str | None = key
         if gslot is not None and group is not None and each.concurrency == 1:
-            if (meta.name, group) in turns:
-                out.waits.append(Wait(key, gslot))
-                continue
-            turns.add((meta.name, group))
-            candidate = _turn(key, gslot, heads.get((meta.name, group)), now, out)
+            candidate = _in_turn(key, (meta.name, group), lock or gslot, turns, heads, now, out)
         if candidate is None or candidate in chosen:
             continue
         lease = (meta.worker_timeout_ms if candidate == key else None) or default_lease_ms
         requests = []
         if own.set:
             requests.append(Request(meta.name, run_id(candidate), candidate, lease))
-        if gslot is not None:
+        if gslot is not None and lock is None:
             requests.append(Request(gslot, run_id(candidate), candidate, lease, limit=each))
-        caps = {meta.name: own.concurrency, gslot: each.concurrency}
-        full = next(
-            (
-                r.slot
-                for r in requests
-                if (cap := caps[r.slot]) is not None and asked.get(r.slot, 0) >= cap
-            ),
-            None,
-        )
+        full = _full({meta.name: own.concurrency, gslot: each.concurrency}, requests, asked)
         if full is not None:  # the batch asks no slot for more runs than it allows at once
             if candidate == key:
                 out.waits.append(Wait(key, full))
@@ -142,4 +173,6 @@ def plan(
             asked[r.slot] = asked.get(r.slot, 0) + 1
         chosen.add(candidate)
         out.claims.append((candidate, requests))
+        if lock is not None:
+            out.locked[candidate] = lock
     return out

@@ -80,11 +80,12 @@ class OutcomeRecorder:
         while True:
             await self.ready.wait()
             batch, self.pending = self.pending, []
+            released = self.gate.take_releases()  # given back with these outcomes or before
             self.ready.clear()
             self.writing += len(batch)
             recorded = await self.record(batch) if batch else 0
-            if self.gate.releases:
-                await self.gate.flush()
+            if released:  # after the outcomes: a sequence's lock is given up by its outcome
+                await self.gate.flush(released)
             if batch:
                 await self.follow_up(batch)
                 self.writing -= len(batch)

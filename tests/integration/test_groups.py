@@ -13,10 +13,11 @@ from fastapi.testclient import TestClient
 from harness import running_worker, wait_for
 from pymongo import MongoClient
 
-from mtask import TaskClient, slots
+from mtask import TaskClient, slots, store
 from mtask.cli import main
-from mtask.driver import SyncDriver
+from mtask.driver import SyncDriver, collections
 from mtask.limits import Limit, group_slot
+from mtask.store import Outcome, RunState
 from mtask.web import create_app
 
 TOKEN = "test-token"
@@ -125,6 +126,48 @@ def test_a_groups_slot_is_exact_when_a_lease_ended_or_the_limit_was_lowered(
     doc = limits.find_one({"_id": slot})
     live = [h["run_id"] for h in doc["holders"] if h["expires"] > now + dt.timedelta(seconds=2)]
     assert live == ["f"] and doc["concurrency"] == 1
+
+
+def test_a_sequence_is_held_by_the_claim_of_its_running_task(
+    client: TaskClient, mongo: MongoClient[Any], db_name: str
+) -> None:
+    """A sequence's lock is taken by the claim itself (``group_lock``, one open holder per
+    group): another task of the group is refused whatever a worker read, until the holder
+    finishes; a task reopened by ``retry`` takes the lock anew."""
+    driver = SyncDriver(collections(mongo[db_name]))
+    client.publish_many(
+        [{"name": "n", "key": f"k{i}", "options": {"group": "g"}} for i in range(3)]
+        + [{"name": "n", "key": "other", "options": {"group": "h"}}]
+    )
+
+    def claim(*keys: str) -> tuple[list[str], set[str]]:
+        pairs = {k: ("n", "h" if k == "other" else "g") for k in keys}
+        docs, busy, broken = driver.run(store.claim_locked(pairs, ["n"], "w", client.now()))
+        assert broken == {}
+        runs[docs[0]["_id"] if docs else ""] = docs[0]["claim_run_id"] if docs else ""
+        return sorted(d["_id"] for d in docs), busy
+
+    def end(key: str, state: RunState, permanent: bool = False) -> None:
+        outcome = Outcome(key=key, run_id=runs[key], state=state, permanent=permanent)
+        assert driver.run(store.finish_many([outcome], client.now())) == 1
+
+    runs: dict[str, str] = {}
+    assert claim("k0") == (["k0"], set())
+    assert claim("other") == (["other"], set())  # another group: not held
+    assert claim("k1") == ([], {"k1"})  # k0 holds the group: refused, nothing written
+    assert mongo[db_name].tasks.find_one({"_id": "k1"})["status"] == "pending"
+    end("k0", RunState.SUCCESS)  # finishing gives the lock up
+    assert claim("k1") == (["k1"], set())
+    end("k1", RunState.FAIL, permanent=True)
+    assert claim("k2") == (["k2"], set())
+    client.retry("k1")  # reopened while k2 runs: it waits for k2, not the other way round
+    assert claim("k1") == ([], {"k1"})
+    end("k2", RunState.SUCCESS)
+    assert claim("k1") == (["k1"], set())
+    held = mongo[db_name].tasks.count_documents(
+        {"group_lock": True, "status": {"$in": ["pending", "running"]}}
+    )
+    assert held == 2  # k1 and other
 
 
 def test_groups_are_visible_to_operators(

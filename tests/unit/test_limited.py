@@ -98,7 +98,11 @@ def test_a_batch_never_asks_more_than_a_limit_allows_and_a_sequence_runs_only_it
         own, each = limits.own_limit(doc), limits.group_limit(doc)
         assert [r.slot for r in requests if r.limit is None] == ([meta.name] if own.set else [])
         grouped = meta.group is not None and each.set
-        assert len([r for r in requests if r.limit is not None]) == int(grouped)
+        locked = grouped and limits.is_sequence(each)  # the claim takes the group's lock
+        assert len([r for r in requests if r.limit is not None]) == int(grouped and not locked)
+        assert out.locked.get(key) == (
+            limits.claim_lock(meta.name, meta.group[1]) if locked and meta.group else None
+        )
         if grouped and each.concurrency == 1:  # in a sequence only the due head runs
             head = heads[(meta.name, meta.group[1])]
             assert head["_id"] == key and head["next_claim_at"] <= NOW
@@ -121,8 +125,15 @@ def test_a_key_that_is_not_its_sequences_head_waits_and_the_head_is_claimed() ->
     out = plan(["second", "third"], known, {"a": {"group_concurrency": 1}}, heads, NOW, str, 30_000)
     assert [k for k, _ in out.claims] == ["first"]
     assert {w.key for w in out.waits} == {"second", "third"}
+    lock = limits.claim_lock("a", "g")  # no slot: the claim takes the group's lock
+    assert out.claims[0][1] == [] and out.locked == {"first": lock}
+    assert {w.slot for w in out.waits} == {lock}
+    # with a group rate too, the group's slot document counts both
+    rated = {"a": {"group_concurrency": 1, "group_rate": 5.0}}
+    out = plan(["second", "third"], known, rated, heads, NOW, str, 30_000)
     slot = limits.group_slot("a", "g")
-    assert out.claims[0][1] == [Request(slot, "first", "first", 30_000, limits.Limit(1))]
+    assert out.claims[0][1] == [Request(slot, "first", "first", 30_000, limits.Limit(1, 5.0))]
+    assert out.locked == {}
     # the head retrying later: nothing runs, its group waits for it
     later = {("a", "g"): {"_id": "second", "next_claim_at": NOW + dt.timedelta(seconds=5)}}
     out = plan(["second"], known, {"a": {"group_concurrency": 1}}, later, NOW, str, 30_000)

@@ -10,10 +10,11 @@ import pytest
 from finders import finder_for
 from pymongo.errors import AutoReconnect
 
-from mtask import store
+from mtask import limits, store
 from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver
 from mtask.worker.claim_queue import ClaimQueue
+from mtask.worker.finding.finder import Others
 from mtask.worker.finding.shared import credit, mailbox
 from mtask.worker.finding.shared.channels import FRAME_BYTES
 from mtask.worker.finding.shared.dispatch import Dispatcher
@@ -310,3 +311,64 @@ async def test_finding_work_alone_that_breaks_stops_the_shared_stream() -> None:
     with pytest.raises(RuntimeError, match="finding work alone failed") as caught:
         await asyncio.wait_for(stream.run(), 5)
     assert isinstance(caught.value.__cause__, ValueError)
+
+
+async def test_the_end_of_a_sequences_run_reaches_only_who_waits_for_its_group() -> None:
+    """A sequence's lock is a task's, not a document's: when another worker's run of a grouped
+    task ends, the relay tells the subscribers holding keys of that group (its lock may be
+    free), and no one else."""
+    relay = relay_with()
+    first = relay.attach("a", ["n"], 4)
+    second = relay.attach("b", ["n"], 4)
+    for key in ("k1", "k2"):
+        relay.dispatcher.host.place(
+            {
+                "_id": key,
+                "name": "n",
+                "status": "pending",
+                "next_claim_at": WHEN,
+                "options": {"group": "g"},
+            }
+        )
+    relay.dispatcher.held("k2", second)  # b keeps k2: it waits for the group's lock
+
+    def ended(key: str, next_claim_at: Any) -> dict[str, Any]:
+        return {
+            "operationType": "update",
+            "ns": {"coll": "tasks"},
+            "documentKey": {"_id": key},
+            "updateDescription": {"updatedFields": {"next_claim_at": next_claim_at}},
+        }
+
+    relay.on_change(ended("k1", WHEN + dt.timedelta(seconds=5)))  # a retry: still holds it
+    relay.on_change(ended("k1", None))  # finished: the lock may be free
+    notice = {
+        "operationType": "update",
+        "ns": {"coll": "limits"},
+        "documentKey": {"_id": limits.claim_lock("n", "g")},
+    }
+    assert await second.next() == notice
+    assert not first.items and not second.items  # once, to b alone
+    relay.on_change(ended("k1", None))  # no one waits any more
+    assert not second.items
+
+
+def test_a_worker_alone_hears_the_end_of_another_workers_run_of_a_sequence() -> None:
+    """With its own stream (or alone with the relay), a worker applies the task's event and
+    tells its limit gate that the group's lock may be free."""
+    heard: list[str] = []
+    finder = finder_for(None, FixedClock(WHEN), ["n"])
+    finder.others = Others(limit=heard.append)
+    finder.placement.place(
+        {
+            "_id": "k1",
+            "name": "n",
+            "status": "running",
+            "next_claim_at": WHEN,
+            "options": {"group": "g"},
+        }
+    )
+    update = {"operationType": "update", "ns": {"coll": "tasks"}, "documentKey": {"_id": "k1"}}
+    finder.on_change({**update, "updateDescription": {"updatedFields": {"attempts": 2}}})
+    finder.on_change({**update, "updateDescription": {"updatedFields": {"next_claim_at": None}}})
+    assert heard == [limits.claim_lock("n", "g")] and "k1" not in finder.placement.meta

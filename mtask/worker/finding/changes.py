@@ -13,6 +13,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from mtask.limits import claim_lock
+from mtask.worker.finding.placement import TaskMeta
 from mtask.worker.finding.scan import Scanner
 from mtask.worker.setaside import count, task_key
 
@@ -30,6 +32,27 @@ def updated_fields(change: Mapping[str, Any]) -> Mapping[str, Any]:
     update = change.get("updateDescription")
     fields = update.get("updatedFields") if isinstance(update, Mapping) else None
     return fields if isinstance(fields, Mapping) else {}
+
+
+def lock_freed(change: Mapping[str, Any], meta: TaskMeta | None) -> tuple[str, str] | None:
+    """The ``(name, group)`` of a grouped task whose run this event ended for good (it has no
+    next claim time: finished, or waiting for its dependencies): its sequence's lock
+    (``limits.claim_lock``) may be free."""
+    group = None if meta is None else meta.group
+    if not (isinstance(group, tuple) and len(group) == 2):
+        return None
+    name, of = group
+    fields = updated_fields(change)
+    if change.get("operationType") != "update" or fields.get("next_claim_at", 0) is not None:
+        return None
+    return (name, of) if isinstance(name, str) and isinstance(of, str) else None
+
+
+def lock_notice(pair: tuple[str, str]) -> dict[str, Any]:
+    """A limit document's change event for a sequence's lock: the keys that wait for it try
+    again (``LimitGate.on_change``)."""
+    lock = claim_lock(*pair)
+    return {"operationType": "update", "ns": {"coll": "limits"}, "documentKey": {"_id": lock}}
 
 
 def apply_task_change(scanner: Scanner, change: Mapping[str, Any]) -> None:

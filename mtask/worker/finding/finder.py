@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtask.errors import StorageError
-from mtask.worker.finding.changes import apply_task_change, event_key
+from mtask.worker.finding.changes import apply_task_change, event_key, lock_freed, lock_notice
 from mtask.worker.finding.placement import TaskMeta
 from mtask.worker.finding.protocols import ClaimReports
 from mtask.worker.finding.scan import Scanner, due_by
@@ -75,7 +75,12 @@ class Finder:
             if isinstance(key := event_key(change), str):
                 self.others.limit(key)
         else:
+            key = event_key(change)
+            meta = self.placement.meta.get(key) if isinstance(key, str) else None
+            freed = lock_freed(change, meta)
             apply_task_change(self.scanner, change)
+            if freed is not None:  # another worker's run of a sequence ended
+                self.on_change(lock_notice(freed))
 
     async def settle(self) -> None:
         await self.scanner.settle()

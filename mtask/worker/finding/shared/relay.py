@@ -46,9 +46,10 @@ from pymongo.errors import PyMongoError
 
 from mtask import events
 from mtask.errors import StorageError
+from mtask.limits import group_slot
 from mtask.slots import is_group_slot
 from mtask.store import relays
-from mtask.worker.finding.changes import event_key
+from mtask.worker.finding.changes import event_key, lock_freed, lock_notice
 from mtask.worker.finding.shared import mailbox
 from mtask.worker.finding.shared.channels import InboxChannel, LocalChannel, SubscriberChannel
 from mtask.worker.finding.shared.dispatch import Dispatcher
@@ -324,6 +325,13 @@ class Relay:
         elif self.direct is not None:
             self.direct.send(change)
         else:
+            key = event_key(change)
+            meta = self.dispatcher.host.known(key) if isinstance(key, str) else None
+            if (freed := lock_freed(change, meta)) is not None:
+                # a run of a sequence ended: who waits for its group hears of it
+                waiters = self.dispatcher.slot_waiters.pop(group_slot(*freed), set())
+                for channel in [c for c in self.subscribers if c in waiters]:
+                    channel.send(lock_notice(freed))
             self.dispatcher.on_change(change)
 
     async def settle(self) -> None:
