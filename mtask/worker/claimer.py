@@ -302,7 +302,9 @@ class Claimer:
                     for h in heads.values()
                     if isinstance(t := h.get("worker_timeout_ms"), int)
                 }
-                missed = await self._claim_granted(go, held, plan, names, now, sent, batch, hints)
+                missed = await self._claim_granted(
+                    go, held, plan, names, now, sent, batch, hints, waits, requeue
+                )
         for wait in waits:  # no longer claiming: they may be queued again
             self.gate.block(wait.slot, wait.key, wait.until, now)
         for key in requeue:
@@ -347,11 +349,14 @@ class Claimer:
         sent: float,
         batch: str,
         hints: dict[str, int],
+        waits: list[limited.Wait],
+        requeue: list[str],
     ) -> list[str]:
         """Claim ``keys`` (their slots taken for this batch's run ids) and start the runs —
         a sequence's head with its group's lock (``plan.locked``); one whose group's lock is
-        held waits for it. The slots of keys not claimed are given back. Returns the keys
-        missed."""
+        held waits for it (``waits``), one MongoDB failed to claim is tried again shortly
+        (``requeue``; both once no longer claiming). The slots of keys not claimed are given
+        back. Returns the keys missed."""
         if not keys:
             return []
         self.stats.claim_calls += 1
@@ -360,7 +365,7 @@ class Claimer:
         plain = [k for k in keys if k not in plan.locked]
         heads = [k for k in keys if k in plan.locked]
         docs: list[dict[str, Any]] = []
-        failed: list[str] = []  # MongoDB failed: tried again shortly
+        failed: list[str] = []
         if plain:
             got = await self._send(plain, names, now, hints, isolate_on_error=False, batch=batch)
             docs += got or []
@@ -384,10 +389,8 @@ class Claimer:
             if key not in claimed:
                 for slot in held.get(key, ()):
                     self.recorder.release_slot(slot, store.run_id_for(batch, key))
-        for key in busy:  # another task of its group holds the lock: wait for it
-            self.gate.block(plan.locked[key], key, None, now)
-        for key in failed:
-            self.sink.requeue_at(key, now + RETRY_SOON)
+        waits += [limited.Wait(k, plan.locked[k]) for k in busy]  # another task holds it
+        requeue += failed
         gone = claimed | busy | set(failed)
         return [k for k in keys if k not in gone]
 
