@@ -94,6 +94,8 @@ def collections(db: Any, tasks: str = "tasks") -> dict[str, Any]:
 
 # Server errors after which the same operation may succeed later: no primary, shutting down,
 # network trouble on the server's side.
+DUPLICATE_KEY = 11000
+"""A unique index refused the write: a full slot's upsert, a held group lock's claim."""
 TRANSIENT_CODES = frozenset({6, 7, 89, 91, 189, 262, 9001, 10107, 11600, 11602, 13435, 13436})
 
 

@@ -169,6 +169,12 @@ def lock_group(lock: str) -> tuple[str, str]:
     return name, group
 
 
+def is_lock(limit: Limit) -> bool:
+    """A limit of runs at once and no rate: a slot document taken by one plain upsert
+    (``slots._lock``), or a sequence's lock (``is_sequence``)."""
+    return limit.concurrency is not None and limit.rate is None
+
+
 def is_sequence(limit: Limit) -> bool:
     """A group limit of one run at a time and no rate: its groups run in publish order, each
     held by its running task's claim (``claim_lock``), with no slot document."""

@@ -10,9 +10,10 @@ the server clock inside the same update. No limit is ever kept in a single worke
 ``take`` takes any number of slots in at most two bulk writes and one read (a batch claim of
 limited names costs a few round trips more, not a few per key):
 
-- a group's slot limiting only runs at once (``group_concurrency``: a sequence's, or a
-  partition's) is a **lock**: one plain update with ``upsert`` whose filter matches only if
-  the slot has room (fewer holders than it allows, or as many with one whose lease ended);
+- a group's slot limiting only runs at once (``group_concurrency`` above 1: a sequence has no
+  slot document, its claim takes its lock, ``store.claim_locked``) is a **lock**: one plain
+  update with ``upsert`` whose filter matches only if the slot has room (fewer holders than it
+  allows, or as many with one whose lease ended);
   it pushes the holder (the holders kept sorted by lease end and as many as the slot allows,
   so an ended lease is dropped by the push that replaces it), and makes the group's document
   if there is none. A full slot makes the upsert's insert fail on ``_id`` (duplicate key):
@@ -40,8 +41,9 @@ from typing import Any
 from pymongo import UpdateOne
 from pymongo.errors import BulkWriteError
 
-from mtask.driver import Call, Doc, Op
+from mtask.driver import DUPLICATE_KEY, Call, Doc, Op
 from mtask.limits import GROUP_SEPARATOR, Limit, retry_at
+from mtask.limits import is_lock as is_lock_limit
 from mtask.store.schema import literal
 
 GRANTED_KEPT = 64
@@ -52,7 +54,6 @@ TAKEN_AT = "taken_at"
 """Set by every take (and only by a take): the field the change streams' filter leaves out."""
 GROUP_TTL = dt.timedelta(days=7)
 """A group's document is removed this long after the day of its last take or ping ends."""
-DUPLICATE_KEY = 11000
 
 
 def expire_at(now: dt.datetime) -> dt.datetime:
@@ -144,8 +145,7 @@ def _holder(request: Request, worker_id: str, now: dt.datetime) -> Doc:
 
 def is_lock(request: Request) -> bool:
     """A group's slot limiting only runs at once: taken by ``_lock``."""
-    limit = request.limit
-    return limit is not None and limit.rate is None and limit.concurrency is not None
+    return request.limit is not None and is_lock_limit(request.limit)
 
 
 def _lock(request: Request, worker_id: str, now: dt.datetime) -> UpdateOne:

@@ -11,7 +11,7 @@ from typing import Any
 from pymongo import ReturnDocument, UpdateOne
 from pymongo.errors import BulkWriteError, WriteError
 
-from mtask.driver import Call, Doc, Op
+from mtask.driver import DUPLICATE_KEY, Call, Doc, Op
 from mtask.models import RunState, TaskStatus
 from mtask.statemachine import (
     OPEN,
@@ -295,9 +295,6 @@ def claim(
         return []
     claimed: list[Doc] = yield from read_claimed(keys, batch, fields)
     return claimed
-
-
-DUPLICATE_KEY = 11000
 
 
 def lock_stage(batch: str) -> Doc:

@@ -176,8 +176,7 @@ class LimitGate(PeriodicService):
         doc = self.limited.get(name)
         if not group or doc is None or limits.is_claim_lock(slot):
             return False
-        each = limits.group_limit(doc)
-        return each.concurrency is not None and each.rate is None
+        return limits.is_lock(limits.group_limit(doc))
 
     def keep_for_handover(self, releases: dict[str, list[str]]) -> dict[str, list[str]]:
         """Of the ended runs' slots to give back, keep a lock's for the keys of this worker
