@@ -31,7 +31,7 @@ def recently_finished(limit: int = 100, name: str | None = None) -> Op[list[Doc]
 
 
 def runs_by_worker(worker_id: str, limit: int = 100) -> Op[list[Doc]]:
-    """Tasks with a (kept) run by ``worker_id`` (the multikey ``worker_runs`` index)."""
+    """Tasks with a (kept) run by ``worker_id`` (the multikey ``runs_worker`` index)."""
     docs: list[Doc] = yield Call(
         "find",
         (

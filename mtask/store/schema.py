@@ -78,7 +78,13 @@ INDEXES: dict[str, list[IndexModel]] = {
             name="finished",
             partialFilterExpression={"finished_at": {"$type": "date"}},
         ),
-        IndexModel([("runs.worker_id", ASCENDING)], name="worker_runs"),
+        # A task without runs has no key (a multikey index would hold one for its empty array,
+        # replaced at its first claim: two more key writes a task).
+        IndexModel(
+            [("runs.worker_id", ASCENDING)],
+            name="runs_worker",
+            partialFilterExpression={"runs.worker_id": {"$exists": True}},
+        ),
         IndexModel(
             [("error", TEXT)],
             name="error_text",
@@ -362,9 +368,25 @@ def _flow_fields(task: NewTask) -> Doc:
 # ---------------------------------------------------------------------------------------------
 
 
+RETIRED_INDEXES: dict[str, tuple[str, ...]] = {"tasks": ("worker_runs",)}
+"""Indexes earlier versions made, replaced by one of ``INDEXES`` under another name (an index
+cannot change its options in place): ``ensure_indexes`` drops them. (A worker of an earlier
+version started later makes its index again; the next start of this one drops it. Where the
+user may make indexes but not drop them, the retired one stays: it costs its key writes only.)"""
+DROP_REFUSALS = (27, 13)
+"""IndexNotFound (dropped already), Unauthorized."""
+
+
 def ensure_indexes() -> Op[None]:
     for collection, models in INDEXES.items():
         yield Call("create_indexes", (models,), collection=collection)
+    for collection, names in RETIRED_INDEXES.items():
+        for name in names:
+            try:
+                yield Call("drop_index", (name,), collection=collection)
+            except OperationFailure as exc:
+                if exc.code not in DROP_REFUSALS:
+                    raise
 
 
 VALIDATION_LEVEL = "moderate"

@@ -16,6 +16,7 @@ from mtask.store import (
     scan,
 )
 from mtask.store.counts import stats
+from mtask.store.schema import ensure_indexes
 from mtask.store.queries import (
     delayed,
     delayed_find,
@@ -205,7 +206,7 @@ def test_operator_queries_use_their_indexes(client: TaskClient) -> None:
     now = client.now()
     for op, index in [
         (recently_finished(10), "finished"),
-        (runs_by_worker("w1", 10), "worker_runs"),
+        (runs_by_worker("w1", 10), "runs_worker"),
         (iter([delayed_find(["n0", "n1"], now, 10)]), "claim"),
     ]:
         explain = _explain_call(client, next(op))
@@ -219,3 +220,29 @@ def test_operator_queries_use_their_indexes(client: TaskClient) -> None:
     assert [d["_id"] for d in client._run(delayed(now, 10))] == ["later"]
     assert len(client._run(with_error("ValueError width"))) == 50
     assert client._run(with_error("TypeError")) == []
+
+
+def test_a_task_without_runs_has_no_key_in_runs_worker(client: TaskClient) -> None:
+    """``runs_worker`` is partial: a task gets its key at its first claim, none before (a
+    multikey index holds one for an empty array, replaced at the claim)."""
+    client.publish_many({"name": "rw", "key": f"rw{i}", "params": {}} for i in range(5))
+    now = client.now()
+    claimed = client._run(claim(["rw0", "rw1"], ["rw"], "w-rw", now))
+    assert sorted(d["_id"] for d in claimed) == ["rw0", "rw1"]
+    keys = client.collection.database.command("validate", client.collection.name)["keysPerIndex"]
+    assert keys["runs_worker"] == 2
+    assert "worker_runs" not in keys
+
+
+def test_ensure_indexes_drops_the_retired_worker_runs(client: TaskClient) -> None:
+    """A collection made by an earlier version holds ``worker_runs`` (not partial): the next
+    ``ensure_indexes`` drops it, and dropping it again is not an error."""
+    client.collection.create_index("runs.worker_id", name="worker_runs")
+    assert "worker_runs" in client.collection.index_information()
+    client._run(ensure_indexes())
+    indexes = client.collection.index_information()
+    assert "worker_runs" not in indexes
+    assert indexes["runs_worker"]["partialFilterExpression"] == {
+        "runs.worker_id": {"$exists": True}
+    }
+    client._run(ensure_indexes())
