@@ -16,7 +16,6 @@ from mtask.store import (
     scan,
 )
 from mtask.store.counts import stats
-from mtask.store.schema import ensure_indexes
 from mtask.store.queries import (
     delayed,
     delayed_find,
@@ -25,6 +24,7 @@ from mtask.store.queries import (
     runs_by_worker,
     with_error,
 )
+from mtask.store.schema import ensure_indexes
 
 
 def _stages(plan: dict[str, Any]) -> set[str]:
