@@ -20,14 +20,15 @@ import datetime as dt
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pymongo import ASCENDING, DESCENDING, IndexModel
 
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask, InvalidTransition, TaskNotFound
 from mtask.models import FINISHED_STATUSES, OPEN_STATUSES, TaskStatus
-from mtask.store import tasks
+from mtask.store import counts, tasks
+from mtask.store.schema import any_name
 
 Action = Literal["retry", "cancel", "purge"]
 MAX_PER_CALL = 1000
@@ -60,12 +61,21 @@ class Filter:
     older_than_s: float | None = None
     keys: Sequence[str] | None = None
 
-    def query(self, action: Action, now: dt.datetime) -> Doc:
-        """The MongoDB filter: this one, narrowed to the statuses ``action`` applies to."""
+    @property
+    def across_names(self) -> bool:
+        """Whether the query reads every name present (``counts.names``) first: it has no
+        name and no keys (a status alone has no index)."""
+        return self.name is None and self.keys is None
+
+    def query(self, action: Action, now: dt.datetime, names: Sequence[Any] | None = None) -> Doc:
+        """The MongoDB filter: this one, narrowed to the statuses ``action`` applies to;
+        ``names``: the names present, for a filter ``across_names``."""
         allowed = [s for s in APPLIES[action] if not self.status or s in self.status]
         filt: Doc = {"status": {"$in": allowed}}
         if self.name is not None:
             filt["name"] = self.name
+        elif names is not None:
+            filt["name"] = any_name(names)
         if self.older_than_s is not None:
             filt["updated_at"] = {"$lt": now - dt.timedelta(seconds=self.older_than_s)}
         if self.keys is not None:
@@ -91,12 +101,14 @@ def count(action: Action, where: Filter, now: dt.datetime, limit: int) -> Op[int
     """How many tasks ``action`` would change, counting at most ``limit + 1`` (the ``count``
     command stops there): a page that offers "purge all" must not walk a million keys to say
     how many. More than ``limit`` comes back as ``limit + 1``."""
-    n: int = yield Call("count", (where.query(action, now),), {"limit": limit + 1})
+    names = (yield counts.names()) if where.across_names else None
+    n: int = yield Call("count", (where.query(action, now, names),), {"limit": limit + 1})
     return n
 
 
 def apply(action: Action, where: Filter, now: dt.datetime, dry_run: bool) -> Op[BulkResult]:
-    filt = where.query(action, now)
+    names = (yield counts.names()) if where.across_names else None
+    filt = where.query(action, now, names)
     matched: int = yield Call("count_documents", (filt,))
     if dry_run or matched == 0:
         return BulkResult(action, dry_run, matched, 0)
@@ -123,11 +135,14 @@ def search_query(
     prefix: str | None,
     text: str | None,
     group: str | None = None,
+    names: Sequence[Any] | None = None,
 ) -> tuple[Doc, list[tuple[str, int]]]:
+    """A search's filter and order; ``names``: the names present, if it reads them
+    (``search_across_names``)."""
     for field, value in (("prefix", prefix), ("q", text)):
         if value and "\x00" in value:  # the server refuses it in a pattern (a 500 otherwise)
             raise InvalidTask("must not contain a NUL character", field=field)
-    filt, sort = tasks.list_query(name, status)
+    filt, sort = tasks.list_query(name, status, names=names)
     if group is not None:  # as the partial index spells it, so that the server uses it
         filt["options.group"] = {"$eq": group, "$type": "string"}
     if prefix:  # key order, so that _id's index serves both the prefix and the order
@@ -137,6 +152,14 @@ def search_query(
         filt["$text"] = {"$search": text}
         filt["error"] = {"$type": "string"}
     return filt, sort
+
+
+def search_across_names(
+    name: str | None, status: str | None, prefix: str | None, text: str | None
+) -> bool:
+    """Whether a search reads every name present first: by status without a name, and
+    neither by key prefix nor by error text (which have indexes of their own)."""
+    return tasks.across_names(name, status) and not prefix and not text
 
 
 def search(
@@ -153,7 +176,9 @@ def search(
     page costs the same)."""
     if limit < 1 or limit > 1000:
         raise InvalidTask(f"is {limit}; 1 to 1000", field="limit")
-    filt, sort = search_query(name, status, prefix, text, group)
+    across = search_across_names(name, status, prefix, text)
+    names = (yield counts.names()) if across else None
+    filt, sort = search_query(name, status, prefix, text, group, names)
     if after is not None and sort[0][0] == "_id":
         filt = {"$and": [filt, {"_id": {"$gt": after}}]}
     elif after is not None:

@@ -18,13 +18,15 @@ generated from ``models.TaskDocument``/``PublishedDocument``: one definition.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 from mtask.driver import Call, Doc, Op
 from mtask.jsonschema import validator_schema
-from mtask.models import DEFAULT_MAX_PARAMS_BYTES, OPTION_DEFAULTS, TaskStatus
+from mtask.models import DEFAULT_MAX_PARAMS_BYTES, FINISHED_STATUSES, OPTION_DEFAULTS, TaskStatus
 from mtask.statemachine import OPEN, recompute_stages
-from mtask.store.schema import WELL_FORMED, unknown_option_check
+from mtask.store import counts
+from mtask.store.schema import WELL_FORMED, any_name, unknown_option_check
 
 NOW = "$$NOW"
 ABSENT = ["missing", "null"]
@@ -250,41 +252,53 @@ def complete(keys: list[Any]) -> Op[tuple[int, int]]:
     return done.modified_count, marked.modified_count
 
 
-STRANDED_QUICK: Doc = {
-    "$or": [
-        {"status": {"$nin": [s.value for s in TaskStatus]}},
-        # not a string, or "": the only names no worker can have ($gt "" is every other string)
-        {"status": {"$in": list(OPEN)}, "name": {"$not": {"$gt": ""}}},
-        # a key that is not a string (any service may insert one): no worker queues it; the
-        # _id index's bounds skip every string key, so this reads only such documents
-        {"_id": {"$not": {"$type": "string"}}, "status": {"$in": list(OPEN)}},
-    ]
-}
-"""Documents with no status, a null one, or one mtask does not know, open ones whose name
-no worker can handle, and unsettled ones whose key is not a string: few, and cheap to find
-through the ``status_newest``, ``name_status_newest`` and ``_id`` indexes. (An open task whose
-name no running worker handles is not stranded: it waits for a worker of its name.)"""
-STRANDED_OPEN: Doc = {
-    "status": {"$in": list(OPEN)},
-    "$or": [
-        {"next_claim_at": {"$not": {"$type": "date"}}, "waiting_on.0": {"$exists": False}},
-        # a claim time, but a field the claim computes with missing or of another type: the
-        # scan (and the claim) skip it, so only its insert event could have brought it to a
-        # worker; a worker that was down then never would
-        *({field: {"$not": spec}} for field, spec in WELL_FORMED.items()),
-        {"name": {"$regex": "\\x00"}},  # a name no worker can have (models.NO_NUL)
-    ],
-}
-"""Open documents that no claim can reach: no date to be claimed at (and not waiting for
-dependencies), or a field the claim needs missing or mistyped (``WELL_FORMED``). mtask never
-writes one; a document written by hand may be. Finding them reads every open task's document
-(through the ``status_newest`` index), so the sweep does it only every few rounds
-(``finding.scan``)."""
+def stranded_quick(names: Sequence[Any]) -> Doc:
+    """Documents with no status, a null one, or one mtask does not know, open ones whose name
+    no worker can handle, and unsettled ones whose key is not a string: few, and cheap to find
+    through ``name_status_newest``, name by name (``names``: the names present). (An open task
+    whose name no running worker handles is not stranded: it waits for a worker of its name.)"""
+    return {
+        "$or": [
+            {"name": any_name(names), "status": {"$nin": [s.value for s in TaskStatus]}},
+            # not a string, or "": the only names no worker can have ($gt "" is every other
+            # string), unfinished (an unknown status, or open)
+            {"name": {"$not": {"$gt": ""}}, "status": {"$nin": FINISHED}},
+            # a key that is not a string (any service may insert one): no worker queues it;
+            # read from the index's keys of open tasks (they hold the key), no document fetched
+            {"name": any_name(names), "status": {"$in": list(OPEN)}, "_id": NOT_A_STRING},
+        ]
+    }
+
+
+FINISHED = sorted(s.value for s in FINISHED_STATUSES)
+NOT_A_STRING: Doc = {"$not": {"$type": "string"}}
+
+
+def stranded_open(names: Sequence[Any]) -> Doc:
+    """Open documents that no claim can reach: no date to be claimed at (and not waiting for
+    dependencies), or a field the claim needs missing or mistyped (``WELL_FORMED``). mtask
+    never writes one; a document written by hand may be. Finding them reads every open task's
+    document (through ``name_status_newest``, name by name), so the sweep does it only every
+    few rounds (``finding.scan``)."""
+    return {
+        "name": any_name(names),
+        "status": {"$in": list(OPEN)},
+        "$or": [
+            {"next_claim_at": {"$not": {"$type": "date"}}, "waiting_on.0": {"$exists": False}},
+            # a claim time, but a field the claim computes with missing or of another type: the
+            # scan (and the claim) skip it, so only its insert event could have brought it to a
+            # worker; a worker that was down then never would
+            *({field: {"$not": spec}} for field, spec in WELL_FORMED.items()),
+            {"name": {"$regex": "\\x00"}},  # a name no worker can have (models.NO_NUL)
+        ],
+    }
 
 
 def stranded(limit: int = 1000, open_too: bool = True) -> Op[list[Any]]:
     """Keys of documents no claim can reach and no change event may bring back (for the sweep,
     which then completes or marks them: ``complete`` and ``quarantine``)."""
-    filt = {"$or": [*STRANDED_QUICK["$or"], STRANDED_OPEN]} if open_too else STRANDED_QUICK
+    names: list[Any] = yield counts.names()
+    quick = stranded_quick(names)
+    filt = {"$or": [*quick["$or"], stranded_open(names)]} if open_too else quick
     docs: list[Doc] = yield Call("find", (filt, {"_id": 1}), {"limit": limit})
     return [d["_id"] for d in docs]

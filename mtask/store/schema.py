@@ -4,7 +4,7 @@ malformed document is recognised), the projections the worker reads, and new doc
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pymongo import ASCENDING, DESCENDING, TEXT, IndexModel
@@ -30,10 +30,9 @@ INDEXES: dict[str, list[IndexModel]] = {
             partialFilterExpression={"next_claim_at": {"$type": "date"}},
         ),
         IndexModel([("created_at", DESCENDING), ("_id", DESCENDING)], name="newest"),
-        IndexModel(
-            [("status", ASCENDING), ("created_at", DESCENDING), ("_id", DESCENDING)],
-            name="status_newest",
-        ),
+        # Lists, counts and searches by status; across names they name every name present
+        # (``any_name``). A status alone has no index: it would cost every task five more key
+        # writes (its insert, then a delete and an insert at each status change).
         IndexModel(
             [
                 ("name", ASCENDING),
@@ -130,6 +129,15 @@ INDEXES: dict[str, list[IndexModel]] = {
         )
     ],
 }
+
+
+def any_name(names: Iterable[Any]) -> Doc:
+    """A predicate on ``name`` that a document with any of ``names`` (the names present:
+    ``counts.names``) or with none matches. A query across names by status says it, so that the
+    server reads ``name_status_newest`` name by name (for a list newest first, a ``SORT_MERGE``
+    of the names' ranges, up to 200 names; above, a sort of what matches)."""
+    return {"$in": [*names, None]}
+
 
 SPECIFIC = "options.specific_worker_ids"
 WELL_FORMED: dict[str, Any] = {
@@ -368,22 +376,32 @@ def _flow_fields(task: NewTask) -> Doc:
 # ---------------------------------------------------------------------------------------------
 
 
-RETIRED_INDEXES: dict[str, tuple[str, ...]] = {"tasks": ("worker_runs",)}
-"""Indexes earlier versions made, replaced by one of ``INDEXES`` under another name (an index
-cannot change its options in place): ``ensure_indexes`` drops them. (A worker of an earlier
-version started later makes its index again; the next start of this one drops it. Where the
-user may make indexes but not drop them, the retired one stays: it costs its key writes only.)"""
-DROP_REFUSALS = (27, 13)
-"""IndexNotFound (dropped already), Unauthorized."""
+RETIRED_INDEXES: dict[str, tuple[str, ...]] = {"tasks": ("worker_runs", "status_newest")}
+"""Indexes earlier versions made that nothing reads any more, or that one of ``INDEXES``
+replaces under another name (an index cannot change its options in place): ``ensure_indexes``
+drops them. (A worker of an earlier version started later makes its index again; the next
+start of this one drops it. Where the user may make indexes but not drop them, the retired one
+stays: it costs its key writes only.)"""
+DROP_WAIT_MS = 2_000
+"""How long dropping a retired index may wait for the collection's exclusive lock, which an
+open transaction on the collection holds off (for up to a minute): past it the index stays
+until the next start, and the start goes on."""
+DROP_REFUSALS = (27, 13, 50, 24)
+"""IndexNotFound (dropped meanwhile), Unauthorized, MaxTimeMSExpired, LockTimeout."""
 
 
 def ensure_indexes() -> Op[None]:
     for collection, models in INDEXES.items():
         yield Call("create_indexes", (models,), collection=collection)
     for collection, names in RETIRED_INDEXES.items():
+        present = yield Call("index_information", collection=collection)
         for name in names:
+            if name not in present:  # the common case: no exclusive lock asked for
+                continue
             try:
-                yield Call("drop_index", (name,), collection=collection)
+                yield Call(
+                    "drop_index", (name,), {"maxTimeMS": DROP_WAIT_MS}, collection=collection
+                )
             except OperationFailure as exc:
                 if exc.code not in DROP_REFUSALS:
                     raise

@@ -19,12 +19,14 @@ from mtask.statemachine import (
     RUNNING,
     recompute_stages,
 )
+from mtask.store import counts
 from mtask.store.complete import complete
 from mtask.store.retention import resolve
 from mtask.store.schema import (
     GROUP_LOCK,
     PLACEMENT_FIELDS,
     SPECIFIC,
+    any_name,
     invalid_reason_expr,
     literal,
     new_document,
@@ -223,11 +225,19 @@ LIST_ORDERS = ("newest", "next_claim_at")
 
 
 def list_query(
-    name: str | None, status: str | None, order: str = "newest", group: str | None = None
+    name: str | None,
+    status: str | None,
+    order: str = "newest",
+    group: str | None = None,
+    names: Sequence[Any] | None = None,
 ) -> tuple[Doc, list[tuple[str, int]]]:
+    """A list's filter and order. A status without a name reads every name present, if given
+    (``names``: ``counts.names``, read when ``across_names``)."""
     filt: Doc = {}
     if name is not None:
         filt["name"] = name
+    elif status is not None and names is not None:
+        filt["name"] = any_name(names)
     if group is not None:
         filt["options.group"] = {"$eq": group, "$type": "string"}
     if status is not None:
@@ -236,6 +246,11 @@ def list_query(
         filt["next_claim_at"] = {"$type": "date"}
         return filt, [("next_claim_at", ASCENDING), ("_id", ASCENDING)]
     return filt, [("created_at", DESCENDING), ("_id", DESCENDING)]
+
+
+def across_names(name: str | None, status: Any) -> bool:
+    """Whether a query by ``status`` reads every name present first (it has no name)."""
+    return name is None and status is not None
 
 
 def list_tasks(
@@ -248,7 +263,8 @@ def list_tasks(
 ) -> Op[list[Doc]]:
     """A page of tasks, newest first (or soonest claimable first); ``after`` is the last key of
     the previous page."""
-    filt, sort = list_query(name, status, order, group)
+    names = (yield counts.names()) if across_names(name, status) else None
+    filt, sort = list_query(name, status, order, group, names)
     if after is not None:
         field_name, direction = sort[0]
         anchor = yield Call("find_one", ({"_id": after}, {field_name: 1}))

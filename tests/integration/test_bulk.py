@@ -34,16 +34,25 @@ def test_searches_use_their_indexes(client: TaskClient) -> None:
     client.publish_many([{"name": f"n{i % 5}", "key": f"k/{i}"} for i in range(200)])
     cases = [
         (dict(name="n1", status=None, prefix=None, text=None), "IXSCAN:mtask_bulk_name_newest"),
-        (dict(name=None, status="failed", prefix=None, text=None), "IXSCAN:status_newest"),
+        (dict(name=None, status="failed", prefix=None, text=None), "IXSCAN:name_status_newest"),
         (dict(name=None, status=None, prefix="k/1", text=None), "IXSCAN:_id_"),
         (dict(name=None, status=None, prefix=None, text="boom"), "error_text"),
     ]
     for filters, index in cases:
-        filt, sort = bulk.search_query(**filters)  # type: ignore[arg-type]
+        # a status across names reads the names present first, then name by name
+        names = client.names() if bulk.search_across_names(**filters) else None  # type: ignore[arg-type]
+        filt, sort = bulk.search_query(**filters, names=names)  # type: ignore[arg-type]
         explained = client.collection.find(filt).sort(sort).limit(50).explain()
         stages = plan_stages(explained)
         assert any(index in s for s in stages), (filters, stages)
         assert "COLLSCAN:" not in stages, (filters, stages)
+        if names:  # merged name by name, in order: no sort of what matched
+            assert "SORT:" not in stages and "SORT_MERGE:" in stages, (filters, stages)
+    # an action by status across names, too: name by name, no collection scan
+    where = bulk.Filter(status=["failed"], older_than_s=60)
+    query = where.query("purge", dt.datetime.now(dt.UTC), client.names())
+    stages = plan_stages(client.collection.find(query).explain())
+    assert "IXSCAN:name_status_newest" in stages and "COLLSCAN:" not in stages, stages
     since = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=3)
     explained = client.collection.find({"finished_at": {"$gte": since}}).explain()
     assert "IXSCAN:mtask_throughput_finished_at" in plan_stages(explained)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from mtask import TaskClient
 from mtask.driver import GATHER, Call
 from mtask.store import (
@@ -14,7 +16,9 @@ from mtask.store import (
     finish_many,
     list_query,
     scan,
+    schema,
 )
+from mtask.store.complete import stranded
 from mtask.store.counts import stats
 from mtask.store.queries import (
     delayed,
@@ -25,6 +29,7 @@ from mtask.store.queries import (
     with_error,
 )
 from mtask.store.schema import ensure_indexes
+from mtask.store.tasks import across_names
 
 
 def _stages(plan: dict[str, Any]) -> set[str]:
@@ -70,9 +75,11 @@ def test_list_queries_use_indexes(client: TaskClient) -> None:
         ("n1", "pending", "newest"),
         ("n1", None, "next_claim_at"),
     ]:
-        filt, sort = list_query(name, status, order)
+        names = client.names() if across_names(name, status) else None
+        filt, sort = list_query(name, status, order, names=names)
         explain = client.collection.find(filt, sort=sort, limit=10).explain()
         assert "COLLSCAN" not in _winning(explain), (name, status, order)
+        assert "SORT" not in _winning(explain), (name, status, order)  # read in order
 
 
 # -- issue 17: stats and the operator queries, each from an index --------------------------------
@@ -139,10 +146,10 @@ def test_stats_counts_from_the_index_alone(client: TaskClient) -> None:
     assert not found.at_least
     assert all("COLLSCAN" not in p and "FETCH" not in p for _, p in plans), plans
     methods = [m for m, _ in plans]
-    # names and statuses present; then one count per name and finished status present (and
-    # the incomplete ones: 3 names x (succeeded, failed, incomplete)); then the open tasks
-    assert methods == ["distinct"] * 2 + ["count"] * 9 + ["aggregate"], methods
-    assert all("DISTINCT_SCAN" in p for _, p in plans[:2]), plans
+    # the names present; then one count per name and finished status and of the incomplete
+    # (3 names x (succeeded, failed, cancelled, invalid, incomplete)); then the open tasks
+    assert methods == ["distinct"] + ["count"] * 15 + ["aggregate"], methods
+    assert "DISTINCT_SCAN" in plans[0][1], plans
     # COUNT_SCANs (a status of null is two, null and missing, under an OR)
     assert all("COUNT_SCAN" in p and p <= {"COUNT", "COUNT_SCAN", "OR"} for _, p in plans[2:-1])
     assert plans[-1][1] >= {"IXSCAN", "PROJECTION_COVERED"}, plans  # the open tasks, covered
@@ -160,7 +167,10 @@ def test_finished_counts_stop_at_their_bound(client: TaskClient) -> None:
     }
     assert found.at_least == {("n0", "succeeded"), ("n0", "failed")}
     assert found.show("n0", "failed") == "40+" and found.show("n1", "pending") == "101"
-    counted = [c for c in _calls(stats(exact_up_to=40), client) if c.method == "count"]
+    calls = [c for c in _calls(stats(exact_up_to=40), client) if c.method == "count"]
+    # the finished ones (a count of documents without a status is exact: publishers' own,
+    # not completed yet, few)
+    counted = [c for c in calls if c.args[0]["status"] is not None]
     assert counted and all(c.kwargs["limit"] == 41 for c in counted)
     executed = [
         client.collection.database.command(
@@ -234,15 +244,55 @@ def test_a_task_without_runs_has_no_key_in_runs_worker(client: TaskClient) -> No
     assert "worker_runs" not in keys
 
 
-def test_ensure_indexes_drops_the_retired_worker_runs(client: TaskClient) -> None:
-    """A collection made by an earlier version holds ``worker_runs`` (not partial): the next
-    ``ensure_indexes`` drops it, and dropping it again is not an error."""
+def test_ensure_indexes_drops_the_retired_indexes(client: TaskClient) -> None:
+    """A collection made by an earlier version holds ``worker_runs`` (not partial) and
+    ``status_newest``: the next ``ensure_indexes`` drops them, and dropping them again is not
+    an error."""
     client.collection.create_index("runs.worker_id", name="worker_runs")
-    assert "worker_runs" in client.collection.index_information()
+    client.collection.create_index([("status", 1), ("created_at", -1)], name="status_newest")
     client._run(ensure_indexes())
     indexes = client.collection.index_information()
-    assert "worker_runs" not in indexes
+    assert "worker_runs" not in indexes and "status_newest" not in indexes
     assert indexes["runs_worker"]["partialFilterExpression"] == {
         "runs.worker_id": {"$exists": True}
     }
     client._run(ensure_indexes())
+
+
+def test_the_sweeps_search_for_stranded_documents_reads_indexes(client: TaskClient) -> None:
+    """The sweep's search (each rescan: no status, an unknown one, a name no worker can have,
+    a key that is not a string; every few: open ones no claim can reach) reads the names
+    present, then ``name_status_newest`` name by name: never the whole collection."""
+    _finished_mix(client)
+    client.collection.insert_many(
+        [
+            {"_id": "no-status", "name": "n1"},
+            {"_id": "odd-status", "name": "n2", "status": "paused"},
+            {"_id": 7, "name": "n1", "status": "pending"},
+            {"_id": "no-name", "status": "pending"},
+        ]
+    )
+    for open_too in (False, True):
+        found, plans = _explained(client, stranded(open_too=open_too))
+        assert sorted(map(str, found)) == ["7", "no-name", "no-status", "odd-status"]
+        assert [m for m, _ in plans] == ["distinct", "find"], plans
+        assert all("COLLSCAN" not in p for _, p in plans), plans
+
+
+def test_a_retired_index_waits_for_no_open_transaction(
+    client: TaskClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dropping an index needs the collection's exclusive lock, which a transaction open on it
+    holds off for up to a minute: the start gives up after ``DROP_WAIT_MS`` and goes on, and
+    a later one drops it."""
+    monkeypatch.setattr(schema, "DROP_WAIT_MS", 300)
+    client.publish("t", "held", {})
+    client.collection.create_index([("status", 1), ("created_at", -1)], name="status_newest")
+    with client.mongo.start_session() as session:
+        session.start_transaction()
+        client.collection.update_one({"_id": "held"}, {"$set": {"x": 1}}, session=session)
+        client._run(ensure_indexes())  # returns: the index stays
+        assert "status_newest" in client.collection.index_information()
+        session.abort_transaction()
+    client._run(ensure_indexes())
+    assert "status_newest" not in client.collection.index_information()

@@ -29,7 +29,7 @@ def _reply(call: Call, found: Doc | None, modified: int) -> Any:
         return [_reply(c, found, modified) for c in call.args]
     if call.method in ("find_one_and_update", "find_one"):
         return found
-    if call.method in ("find", "distinct"):
+    if call.method in ("find", "distinct", "aggregate"):
         return ["n"] if call.method == "distinct" else []
     if call.method in ("count_documents", "count", "estimated_document_count"):
         return 0
