@@ -263,8 +263,8 @@ def stranded_quick(names: Sequence[Any]) -> Doc:
             # not a string, or "": the only names no worker can have ($gt "" is every other
             # string), unfinished (an unknown status, or open)
             {"name": {"$not": {"$gt": ""}}, "status": {"$nin": FINISHED}},
-            # a key that is not a string (any service may insert one): no worker queues it;
-            # read from the index's keys of open tasks (they hold the key), no document fetched
+            # a key that is not a string (any service may insert one): no worker queues it; the
+            # open tasks' documents are read for it (an index key does not keep its type)
             {"name": any_name(names), "status": {"$in": list(OPEN)}, "_id": NOT_A_STRING},
         ]
     }
