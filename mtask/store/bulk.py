@@ -27,8 +27,7 @@ from pymongo import ASCENDING, DESCENDING, IndexModel
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask, InvalidTransition, TaskNotFound
 from mtask.models import FINISHED_STATUSES, OPEN_STATUSES, TaskStatus
-from mtask.store import counts, tasks
-from mtask.store.schema import any_name
+from mtask.store import across, counts, tasks
 
 Action = Literal["retry", "cancel", "purge"]
 MAX_PER_CALL = 1000
@@ -63,8 +62,8 @@ class Filter:
 
     @property
     def across_names(self) -> bool:
-        """Whether the query reads every name present (``counts.names``) first: it has no
-        name and no keys (a status alone has no index)."""
+        """Whether the query is read name by name (``store.across``): it has no name and no
+        keys (a status alone has no index)."""
         return self.name is None and self.keys is None
 
     def query(self, action: Action, now: dt.datetime, names: Sequence[Any] | None = None) -> Doc:
@@ -75,7 +74,7 @@ class Filter:
         if self.name is not None:
             filt["name"] = self.name
         elif names is not None:
-            filt["name"] = any_name(names)
+            filt |= across.every_name(names)
         if self.older_than_s is not None:
             filt["updated_at"] = {"$lt": now - dt.timedelta(seconds=self.older_than_s)}
         if self.keys is not None:
@@ -135,14 +134,12 @@ def search_query(
     prefix: str | None,
     text: str | None,
     group: str | None = None,
-    names: Sequence[Any] | None = None,
 ) -> tuple[Doc, list[tuple[str, int]]]:
-    """A search's filter and order; ``names``: the names present, if it reads them
-    (``search_across_names``)."""
+    """A search's filter and order (read name by name if ``search_across_names``)."""
     for field, value in (("prefix", prefix), ("q", text)):
         if value and "\x00" in value:  # the server refuses it in a pattern (a 500 otherwise)
             raise InvalidTask("must not contain a NUL character", field=field)
-    filt, sort = tasks.list_query(name, status, names=names)
+    filt, sort = tasks.list_query(name, status)
     if group is not None:  # as the partial index spells it, so that the server uses it
         filt["options.group"] = {"$eq": group, "$type": "string"}
     if prefix:  # key order, so that _id's index serves both the prefix and the order
@@ -157,8 +154,8 @@ def search_query(
 def search_across_names(
     name: str | None, status: str | None, prefix: str | None, text: str | None
 ) -> bool:
-    """Whether a search reads every name present first: by status without a name, and
-    neither by key prefix nor by error text (which have indexes of their own)."""
+    """Whether a search is read name by name (``store.across``): by status without a name,
+    and neither by key prefix nor by error text (which have indexes of their own)."""
     return tasks.across_names(name, status) and not prefix and not text
 
 
@@ -176,9 +173,7 @@ def search(
     page costs the same)."""
     if limit < 1 or limit > 1000:
         raise InvalidTask(f"is {limit}; 1 to 1000", field="limit")
-    across = search_across_names(name, status, prefix, text)
-    names = (yield counts.names()) if across else None
-    filt, sort = search_query(name, status, prefix, text, group, names)
+    filt, sort = search_query(name, status, prefix, text, group)
     if after is not None and sort[0][0] == "_id":
         filt = {"$and": [filt, {"_id": {"$gt": after}}]}
     elif after is not None:
@@ -187,5 +182,7 @@ def search(
             raise TaskNotFound(after)
         value = anchor.get("created_at")
         filt["$or"] = [{"created_at": {"$lt": value}}, {"created_at": value, "_id": {"$lt": after}}]
+    if search_across_names(name, status, prefix, text):
+        return (yield from across.find_sorted(filt, sort, limit, (yield counts.names())))
     docs: list[Doc] = yield Call("find", (filt,), {"sort": sort, "limit": limit})
     return docs

@@ -26,7 +26,8 @@ from mtask.jsonschema import validator_schema
 from mtask.models import DEFAULT_MAX_PARAMS_BYTES, FINISHED_STATUSES, OPTION_DEFAULTS, TaskStatus
 from mtask.statemachine import OPEN, recompute_stages
 from mtask.store import counts
-from mtask.store.schema import WELL_FORMED, any_name, unknown_option_check
+from mtask.store.across import NOT_A_NAME, string_names
+from mtask.store.schema import WELL_FORMED, unknown_option_check
 
 NOW = "$$NOW"
 ABSENT = ["missing", "null"]
@@ -255,22 +256,28 @@ def complete(keys: list[Any]) -> Op[tuple[int, int]]:
 def stranded_quick(names: Sequence[Any]) -> Doc:
     """Documents with no status, a null one, or one mtask does not know, open ones whose name
     no worker can handle, and unsettled ones whose key is not a string: few, and cheap to find
-    through ``name_status_newest``, name by name (``names``: the names present). (An open task
+    through ``name_status_newest``, name by name (``names``: the names present; a name that is
+    not a string is the second branch's, as ``store.across`` reads them). (An open task
     whose name no running worker handles is not stranded: it waits for a worker of its name.)"""
     return {
         "$or": [
-            {"name": any_name(names), "status": {"$nin": [s.value for s in TaskStatus]}},
+            {"name": {"$in": string_names(names)}, "status": {"$nin": KNOWN}},
             # not a string, or "": the only names no worker can have ($gt "" is every other
             # string), unfinished (an unknown status, or open)
-            {"name": {"$not": {"$gt": ""}}, "status": {"$nin": FINISHED}},
+            {"name": NOT_A_NAME, "status": {"$nin": FINISHED}},
             # a key that is not a string (any service may insert one): no worker queues it; the
             # open tasks' documents are read for it (an index key does not keep its type)
-            {"name": any_name(names), "status": {"$in": list(OPEN)}, "_id": NOT_A_STRING},
+            {
+                "name": {"$in": string_names(names)},
+                "status": {"$in": list(OPEN)},
+                "_id": NOT_A_STRING,
+            },
         ]
     }
 
 
 FINISHED = sorted(s.value for s in FINISHED_STATUSES)
+KNOWN = [s.value for s in TaskStatus]
 NOT_A_STRING: Doc = {"$not": {"$type": "string"}}
 
 
@@ -281,7 +288,7 @@ def stranded_open(names: Sequence[Any]) -> Doc:
     document (through ``name_status_newest``, name by name), so the sweep does it only every
     few rounds (``finding.scan``)."""
     return {
-        "name": any_name(names),
+        "name": {"$in": string_names(names)},  # the others: stranded_quick's second branch
         "status": {"$in": list(OPEN)},
         "$or": [
             {"next_claim_at": {"$not": {"$type": "date"}}, "waiting_on.0": {"$exists": False}},

@@ -78,7 +78,8 @@ def count(name: Any, status: str | None, limit: int | None = None) -> Call:
     kwargs: dict[str, Any] = {"hint": STATS_INDEX}
     if limit is not None:
         kwargs["limit"] = limit
-    return Call("count", ({"name": name, "status": status},), kwargs)
+    # $eq: a name written by hand may be a document, whose $ keys would read as operators
+    return Call("count", ({"name": {"$eq": name}, "status": status},), kwargs)
 
 
 def open_counts(all_names: Sequence[Any], statuses: Sequence[str]) -> Call:
@@ -87,12 +88,22 @@ def open_counts(all_names: Sequence[Any], statuses: Sequence[str]) -> Call:
         "aggregate",
         (
             [
-                {"$match": {"name": {"$in": list(all_names)}, "status": {"$in": list(statuses)}}},
+                {"$match": {**_named(all_names), "status": {"$in": list(statuses)}}},
                 {"$group": {"_id": {"name": "$name", "status": "$status"}, "n": {"$sum": 1}}},
             ],
         ),
         {"hint": STATS_INDEX},
     )
+
+
+def _named(all_names: Sequence[Any]) -> dict[str, Any]:
+    """A filter on ``all_names``: one ``$in``, and an ``$eq`` for each name that is a document
+    (one written by hand; a ``$`` key of it cannot go in a ``$in``)."""
+    plain = [n for n in all_names if not isinstance(n, dict)]
+    documents = [n for n in all_names if isinstance(n, dict)]
+    if not documents:
+        return {"name": {"$in": plain}}
+    return {"$or": [{"name": {"$in": plain}}, *({"name": {"$eq": d}} for d in documents)]}
 
 
 def stats(

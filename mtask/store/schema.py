@@ -4,7 +4,7 @@ malformed document is recognised), the projections the worker reads, and new doc
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from pymongo import ASCENDING, DESCENDING, TEXT, IndexModel
@@ -31,8 +31,8 @@ INDEXES: dict[str, list[IndexModel]] = {
         ),
         IndexModel([("created_at", DESCENDING), ("_id", DESCENDING)], name="newest"),
         # Lists, counts and searches by status; across names they name every name present
-        # (``any_name``). A status alone has no index: it would cost every task five more key
-        # writes (its insert, then a delete and an insert at each status change).
+        # (``store.across``). A status alone has no index: it would cost every task five more
+        # key writes (its insert, then a delete and an insert at each status change).
         IndexModel(
             [
                 ("name", ASCENDING),
@@ -129,14 +129,6 @@ INDEXES: dict[str, list[IndexModel]] = {
         )
     ],
 }
-
-
-def any_name(names: Iterable[Any]) -> Doc:
-    """A predicate on ``name`` that a document with any of ``names`` (the names present:
-    ``counts.names``) or with none matches. A query across names by status says it, so that the
-    server reads ``name_status_newest`` name by name (for a list newest first, a ``SORT_MERGE``
-    of the names' ranges, up to 200 names; above, a sort of what matches)."""
-    return {"$in": [*names, None]}
 
 
 SPECIFIC = "options.specific_worker_ids"

@@ -19,14 +19,13 @@ from mtask.statemachine import (
     RUNNING,
     recompute_stages,
 )
-from mtask.store import counts
+from mtask.store import across, counts
 from mtask.store.complete import complete
 from mtask.store.retention import resolve
 from mtask.store.schema import (
     GROUP_LOCK,
     PLACEMENT_FIELDS,
     SPECIFIC,
-    any_name,
     invalid_reason_expr,
     literal,
     new_document,
@@ -229,15 +228,12 @@ def list_query(
     status: str | None,
     order: str = "newest",
     group: str | None = None,
-    names: Sequence[Any] | None = None,
 ) -> tuple[Doc, list[tuple[str, int]]]:
-    """A list's filter and order. A status without a name reads every name present, if given
-    (``names``: ``counts.names``, read when ``across_names``)."""
+    """A list's filter and order (a status without a name is read name by name:
+    ``across_names``)."""
     filt: Doc = {}
     if name is not None:
         filt["name"] = name
-    elif status is not None and names is not None:
-        filt["name"] = any_name(names)
     if group is not None:
         filt["options.group"] = {"$eq": group, "$type": "string"}
     if status is not None:
@@ -249,7 +245,8 @@ def list_query(
 
 
 def across_names(name: str | None, status: Any) -> bool:
-    """Whether a query by ``status`` reads every name present first (it has no name)."""
+    """Whether a query by ``status`` is read name by name (``store.across``): it has no
+    name."""
     return name is None and status is not None
 
 
@@ -263,8 +260,7 @@ def list_tasks(
 ) -> Op[list[Doc]]:
     """A page of tasks, newest first (or soonest claimable first); ``after`` is the last key of
     the previous page."""
-    names = (yield counts.names()) if across_names(name, status) else None
-    filt, sort = list_query(name, status, order, group, names)
+    filt, sort = list_query(name, status, order, group)
     if after is not None:
         field_name, direction = sort[0]
         anchor = yield Call("find_one", ({"_id": after}, {field_name: 1}))
@@ -278,6 +274,8 @@ def list_tasks(
                 {"$or": [{field_name: {op: value}}, {field_name: value, "_id": {op: after}}]},
             ]
         }
+    if across_names(name, status):
+        return (yield from across.find_sorted(filt, sort, limit, (yield counts.names())))
     docs: list[Doc] = yield Call("find", (filt,), {"sort": sort, "limit": limit})
     return docs
 
@@ -383,7 +381,7 @@ def scan(
         # them invalid (``quarantine``) instead of skipping them in silence.
         "name": {"$in": list(names)},
         "next_claim_at": {"$type": "date"},
-        # A key of another type is the sweep's (``STRANDED_QUICK``): it is never queued, and
+        # A key of another type is the sweep's (``stranded_quick``): it is never queued, and
         # paging by (next_claim_at, _id) compares within one BSON type only.
         "_id": {"$type": "string"},
         "$or": [

@@ -10,6 +10,8 @@ from typing import Any
 from mtask import TaskClient
 from mtask.clock import FixedClock
 from mtask.store import bulk, throughput
+from mtask.store.across import NOT_A_NAME, name_parts
+from mtask.store.complete import stranded
 
 
 def plan_stages(explained: dict[str, Any]) -> list[str]:
@@ -39,15 +41,20 @@ def test_searches_use_their_indexes(client: TaskClient) -> None:
         (dict(name=None, status=None, prefix=None, text="boom"), "error_text"),
     ]
     for filters, index in cases:
-        # a status across names reads the names present first, then name by name
-        names = client.names() if bulk.search_across_names(**filters) else None  # type: ignore[arg-type]
-        filt, sort = bulk.search_query(**filters, names=names)  # type: ignore[arg-type]
-        explained = client.collection.find(filt).sort(sort).limit(50).explain()
-        stages = plan_stages(explained)
-        assert any(index in s for s in stages), (filters, stages)
-        assert "COLLSCAN:" not in stages, (filters, stages)
-        if names:  # merged name by name, in order: no sort of what matched
-            assert "SORT:" not in stages and "SORT_MERGE:" in stages, (filters, stages)
+        filt, sort = bulk.search_query(**filters)  # type: ignore[arg-type]
+        # a status across names is read name by name: one find per part, merged
+        across = bulk.search_across_names(**filters)  # type: ignore[arg-type]
+        parts = name_parts(client.names()) if across else [None]
+        for part in parts:
+            query = filt if part is None else {"$and": [filt, {"name": part}]}
+            stages = plan_stages(client.collection.find(query).sort(sort).limit(50).explain())
+            assert "COLLSCAN:" not in stages, (filters, stages)
+            if part is None:
+                assert any(index in s for s in stages), (filters, stages)
+                continue
+            assert "IXSCAN:name_status_newest" in stages, (filters, stages)
+            if part is not NOT_A_NAME:  # string names, read in order: no sort of the matches
+                assert "SORT:" not in stages, (filters, stages)
     # an action by status across names, too: name by name, no collection scan
     where = bulk.Filter(status=["failed"], older_than_s=60)
     query = where.query("purge", dt.datetime.now(dt.UTC), client.names())
@@ -106,3 +113,50 @@ def test_throughput_is_idempotent_and_kept(mongo_uri: str, db_name: str) -> None
     with TaskClient(mongo_uri, database=db_name) as c:
         indexes = {i["name"]: i for i in c.db[throughput.COLLECTION].list_indexes()}
     assert indexes["ttl"]["expireAfterSeconds"] == throughput.KEEP_SECONDS
+
+
+def test_by_status_across_names_every_document_and_a_page_at_a_time(client: TaskClient) -> None:
+    """A status without a name: more names than MongoDB merges in one find (200), and names
+    that are not strings (documents written by hand). Every matching document is listed,
+    searched and acted on, in order; each find reads a page, not every match; a name holding
+    a ``$`` key breaks nothing (it could not go in a ``$in``)."""
+    client.publish_many({"name": f"n{i % 230:03d}", "key": f"t{i:04d}"} for i in range(690))
+    failed = [f"t{i:04d}" for i in range(0, 690, 3)]
+    client.collection.update_many({"_id": {"$in": failed}}, {"$set": {"status": "failed"}})
+    odd_names: list[Any] = [[], 7, {"$x": 1}, [["x"]], "", None]
+    client.collection.insert_many(
+        [
+            {"_id": f"odd{i}", "name": name, "status": "failed", "created_at": client.now()}
+            for i, name in enumerate(odd_names)
+        ]
+    )
+    everything = list(client.collection.find({"status": "failed"}, {"_id": 1}))
+    newest = sorted(
+        client.collection.find({"status": "failed"}, {"created_at": 1}),
+        key=lambda d: (d["created_at"], d["_id"]),
+        reverse=True,
+    )
+    pages: list[str] = []
+    after = None
+    while True:
+        page = client._run(bulk.search(status="failed", limit=50, after=after))
+        pages += [d["_id"] for d in page]
+        if len(page) < 50:
+            break
+        after = page[-1]["_id"]
+    assert pages == [d["_id"] for d in newest] and len(pages) == len(everything) == 236
+    listed = [t.key for t in client.list(status="failed", limit=10)]
+    assert listed == [d["_id"] for d in newest[:10]]
+    assert client.bulk("purge", bulk.Filter(status=["failed"]), dry_run=True).matched == 236
+    # each find of a page reads a page (keys examined near its size, not the 236 matches)
+    filt, sort = bulk.search_query(None, "failed", None, None)
+    for part in name_parts(client.names())[:-1]:
+        stats = (
+            client.collection.find({"$and": [filt, {"name": part}]})
+            .sort(sort)
+            .limit(10)
+            .explain()["executionStats"]
+        )
+        assert stats["totalKeysExamined"] <= 10 + len(part["$in"]), stats["totalKeysExamined"]
+    assert client._run(stranded()) is not None  # the sweep's search: no error
+    assert client.stats()[str({"$x": 1})] == {"failed": 1}  # a count by that name too

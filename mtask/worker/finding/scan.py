@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 STRANDED_OPEN_EVERY = 10
 """Every this many rescans (and the first), the sweep also reads every open document for those
-no claim can reach (``store.complete.STRANDED_OPEN``); the cheap part runs on every rescan."""
+no claim can reach (``store.complete.stranded_open``); the cheap part runs on every rescan."""
 
 
 def due_by(doc: Mapping[str, Any], when: dt.datetime | None) -> bool:
