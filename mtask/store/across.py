@@ -33,6 +33,7 @@ from bson.timestamp import Timestamp
 from pymongo import DESCENDING
 
 from mtask.driver import Call, Doc, Op, gather
+from mtask.store import counts
 
 MERGE_AT_MOST = 200
 """String names a sorted find names at most (MongoDB merges at most 200 index ranges)."""
@@ -58,6 +59,17 @@ def every_name(names: Iterable[Any]) -> Doc:
     """A filter clause matching every document, name by name (for a query that is not
     sorted: a bulk action, a count)."""
     return {"$or": [{"name": part} for part in name_parts(names)]}
+
+
+def find_page(
+    filt: Doc, sort: Sequence[tuple[str, int]], limit: int, by_name: bool
+) -> Op[list[Doc]]:
+    """A page of ``filt`` in ``sort``'s order: one find, or (``by_name``: a status without a
+    name) the names present, then ``find_sorted``."""
+    if by_name:
+        return (yield from find_sorted(filt, sort, limit, (yield counts.names())))
+    docs: list[Doc] = yield Call("find", (filt,), {"sort": list(sort), "limit": limit})
+    return docs
 
 
 def find_sorted(

@@ -96,18 +96,22 @@ def ensure_indexes() -> Op[None]:
     yield Call("create_indexes", (INDEXES,))
 
 
+def _query(action: Action, where: Filter, now: dt.datetime) -> Op[Doc]:
+    """``where.query``, with the names present read first if it is ``across_names``."""
+    names = (yield counts.names()) if where.across_names else None
+    return where.query(action, now, names)
+
+
 def count(action: Action, where: Filter, now: dt.datetime, limit: int) -> Op[int]:
     """How many tasks ``action`` would change, counting at most ``limit + 1`` (the ``count``
     command stops there): a page that offers "purge all" must not walk a million keys to say
     how many. More than ``limit`` comes back as ``limit + 1``."""
-    names = (yield counts.names()) if where.across_names else None
-    n: int = yield Call("count", (where.query(action, now, names),), {"limit": limit + 1})
+    n: int = yield Call("count", ((yield from _query(action, where, now)),), {"limit": limit + 1})
     return n
 
 
 def apply(action: Action, where: Filter, now: dt.datetime, dry_run: bool) -> Op[BulkResult]:
-    names = (yield counts.names()) if where.across_names else None
-    filt = where.query(action, now, names)
+    filt = yield from _query(action, where, now)
     matched: int = yield Call("count_documents", (filt,))
     if dry_run or matched == 0:
         return BulkResult(action, dry_run, matched, 0)
@@ -182,7 +186,5 @@ def search(
             raise TaskNotFound(after)
         value = anchor.get("created_at")
         filt["$or"] = [{"created_at": {"$lt": value}}, {"created_at": value, "_id": {"$lt": after}}]
-    if search_across_names(name, status, prefix, text):
-        return (yield from across.find_sorted(filt, sort, limit, (yield counts.names())))
-    docs: list[Doc] = yield Call("find", (filt,), {"sort": sort, "limit": limit})
-    return docs
+    by_name = search_across_names(name, status, prefix, text)
+    return (yield from across.find_page(filt, sort, limit, by_name))

@@ -19,7 +19,7 @@ from mtask.statemachine import (
     RUNNING,
     recompute_stages,
 )
-from mtask.store import across, counts
+from mtask.store import across
 from mtask.store.complete import complete
 from mtask.store.retention import resolve
 from mtask.store.schema import (
@@ -274,10 +274,7 @@ def list_tasks(
                 {"$or": [{field_name: {op: value}}, {field_name: value, "_id": {op: after}}]},
             ]
         }
-    if across_names(name, status):
-        return (yield from across.find_sorted(filt, sort, limit, (yield counts.names())))
-    docs: list[Doc] = yield Call("find", (filt,), {"sort": sort, "limit": limit})
-    return docs
+    return (yield from across.find_page(filt, sort, limit, across_names(name, status)))
 
 
 # ---------------------------------------------------------------------------------------------
