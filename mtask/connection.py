@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from bson.codec_options import CodecOptions
@@ -29,6 +30,14 @@ CLIENT_OPTIONS: dict[str, Any] = {
     "appname": "mtask",
     "serverSelectionTimeoutMS": 10_000,
 }
+WORKER_CLIENT_OPTIONS: dict[str, Any] = {**CLIENT_OPTIONS, "heartbeatFrequencyMS": 60_000}
+"""A worker's two clients (claims and streams; lease pings): ours, with each server checked
+every 60 s instead of the driver's 10 s. A check is two ``hello`` commands (the monitor's and
+the round-trip time's): at 10 s, 64 idle hosts sent 26 of them a second, a third of all that
+an idle cluster asks of the server (docs/performance.md). Nothing waits on it: the monitor
+hears of an election or a step-down at once (it streams ``hello``), and an operation that
+fails, or waits for a server, makes the driver check at once (at most every 0.5 s). A URI
+that sets ``heartbeatFrequencyMS`` wins."""
 
 
 def resolve_uri(uri: str | None = None) -> str:
@@ -49,26 +58,36 @@ def _check(uri: str) -> None:
         )
 
 
-def _options(uri: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Our defaults, except where the URI or the caller says otherwise."""
+def _options(
+    uri: str, options: dict[str, Any], defaults: Mapping[str, Any] = CLIENT_OPTIONS
+) -> dict[str, Any]:
+    """``defaults``, except where the URI or the caller says otherwise."""
     query = uri.partition("?")[2].lower()
-    merged = {k: v for k, v in CLIENT_OPTIONS.items() if f"{k.lower()}=" not in query}
+    merged = {k: v for k, v in defaults.items() if f"{k.lower()}=" not in query}
     return {**merged, **options}
 
 
-def sync_client(uri: str | None = None, **options: Any) -> MongoClient[dict[str, Any]]:
+def sync_client(
+    uri: str | None = None, *, defaults: Mapping[str, Any] = CLIENT_OPTIONS, **options: Any
+) -> MongoClient[dict[str, Any]]:
+    """A client with ``defaults`` (``CLIENT_OPTIONS``, or a worker's), except where the URI or
+    ``options`` say otherwise."""
     resolved = resolve_uri(uri)
     _check(resolved)
     try:
-        return MongoClient(resolved, **_options(resolved, options))
+        return MongoClient(resolved, **_options(resolved, options, defaults))
     except (ConfigurationError, InvalidURI, ValueError) as exc:
         raise StorageError(f"invalid MongoDB URI: {exc}") from None
 
 
-def async_client(uri: str | None = None, **options: Any) -> AsyncMongoClient[dict[str, Any]]:
+def async_client(
+    uri: str | None = None, *, defaults: Mapping[str, Any] = CLIENT_OPTIONS, **options: Any
+) -> AsyncMongoClient[dict[str, Any]]:
+    """A client with ``defaults`` (``CLIENT_OPTIONS``, or a worker's), except where the URI or
+    ``options`` say otherwise."""
     resolved = resolve_uri(uri)
     _check(resolved)
     try:
-        return AsyncMongoClient(resolved, **_options(resolved, options))
+        return AsyncMongoClient(resolved, **_options(resolved, options, defaults))
     except (ConfigurationError, InvalidURI, ValueError) as exc:
         raise StorageError(f"invalid MongoDB URI: {exc}") from None

@@ -22,7 +22,7 @@ from pymongo.asynchronous.database import AsyncDatabase
 from mtask import driver
 from mtask.client import AsyncTaskClient
 from mtask.clock import Clock, ServerClock
-from mtask.connection import async_client, sync_client
+from mtask.connection import WORKER_CLIENT_OPTIONS, async_client, sync_client
 from mtask.registry import Registry
 from mtask.worker import finding
 from mtask.worker.claim_queue import ClaimQueue
@@ -100,8 +100,8 @@ def build(
 ) -> Parts:
     """Every part, created together (clients connect on first use, inside ``run``)."""
     shared = config.stream == "shared"
-    aclient = async_client(config.uri, connect=False)
-    sclient = sync_client(config.uri, connect=False)
+    aclient = async_client(config.uri, defaults=WORKER_CLIENT_OPTIONS, connect=False)
+    sclient = sync_client(config.uri, defaults=WORKER_CLIENT_OPTIONS, connect=False)
     adb = aclient[config.database]
     adriver = driver.AsyncDriver(driver.collections(adb, config.collection))
     emit = Emitter(config.on_event)
