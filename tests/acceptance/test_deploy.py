@@ -7,6 +7,7 @@ the image and the compose file on a real Docker engine."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -107,13 +108,14 @@ def test_worker_as_pid_1_drains_and_releases_on_sigterm(
     grace = float(option(args, "--grace"))
     client.publish("sleep", "long", {"seconds": 3600}, options={"max_retries": 1})
     proc = subprocess.Popen(
-        [unshare, "--pid", "--fork", "--mount-proc", *args, "--uri", mongo_uri,
+        [unshare, "--pid", "--fork", "--kill-child", "--mount-proc", *args, "--uri", mongo_uri,
          "--database", db_name],
         cwd=TESTS,
         env={**os.environ, "PYTHONPATH": str(TESTS)},
         stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
+    worker, stacks = None, ""
     try:
         deadline = time.monotonic() + 60
         while (task := client.get("long")) is None or task.status != "running":
@@ -130,18 +132,38 @@ def test_worker_as_pid_1_drains_and_releases_on_sigterm(
         assert nspid[-1] == "1", nspid  # the worker itself is PID 1 in its namespace
         started = time.monotonic()
         os.kill(worker, signal.SIGTERM)
-        code = proc.wait(timeout=grace + 30)
+        try:
+            code = proc.wait(timeout=grace + 30)
+        except subprocess.TimeoutExpired:
+            stacks = threads_of(worker)  # where its shutdown waits, for the failure below
+            code = None
         took = time.monotonic() - started
     finally:
         if proc.poll() is None:
+            if worker is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker, signal.SIGKILL)
             proc.kill()
-    _, err = proc.communicate(timeout=10)
+        _, err = proc.communicate(timeout=10)  # its pipe closed, whatever happened
+    assert code is not None, f"not gone {grace + 30:.0f} s after SIGTERM:\n{stacks}\n{err}"
     assert code == 0, err
     assert took < grace + 15, took  # drained within its grace (plus the release and exit)
     task = client.get("long")
     assert task is not None and task.status == "pending"
     assert task.runs[0].state == "RELEASED" and task.failures == 0 and task.attempts <= 1
     assert client.workers() == []
+
+
+def threads_of(pid: int) -> str:
+    """Every thread's Python stack of process ``pid`` (``py-spy dump``), or why not."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    try:
+        done = subprocess.run(
+            [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(no py-spy dump: {exc})"
+    return done.stdout + done.stderr
 
 
 # -- docker-compose.yml ----------------------------------------------------------------------
