@@ -300,8 +300,8 @@ class _Base:
         )
         known = yield from self._retention_defaults()
         with tracing.publish_span(task.name, task.key) as trace:
-            published = yield from store.publish(
-                task, now, on_conflict, trace=trace, retention=known
+            published = yield from store.publish(  # in a session: one that cannot abort it
+                task, now, on_conflict, trace=trace, retention=known, upsert=session is not None
             )
         _count_created({task.name: 1} if published.created else {}, session)
         if task.depends_on:

@@ -12,7 +12,7 @@ from pymongo import ASCENDING, DESCENDING, ReturnDocument, UpdateOne
 from pymongo.errors import DuplicateKeyError
 
 from mtask.driver import Call, Doc, Op
-from mtask.errors import InvalidTransition, TaskNotFound
+from mtask.errors import InvalidTransition, StorageError, TaskNotFound
 from mtask.models import NewTask, OnConflict, TaskStatus
 from mtask.statemachine import (
     OPEN,
@@ -50,30 +50,20 @@ def publish(
     on_conflict: OnConflict = "ignore",
     trace: dict[str, str] | None = None,
     retention: Mapping[str, Doc] | None = None,
+    upsert: bool = False,
 ) -> Op[Published]:
-    """Insert the task if its key is new (one upsert with ``$setOnInsert``); otherwise apply
+    """Insert the task if its key is new (``insert_if_absent``); otherwise apply
     ``on_conflict``: ``ignore`` leaves it, ``update_params`` replaces params and options of a
     task that is not running, ``reset`` makes a finished task new again. Unset retention
     options are resolved first (``retention.resolve``). ``trace`` is the publisher's W3C trace
     context (``mtask.tracing.publish_span``), stored as ``trace``. ``retention``: the
-    retention defaults, if the caller has them (``retention.DefaultsCache``)."""
+    retention defaults, if the caller has them (``retention.DefaultsCache``). ``upsert``: for
+    a caller's session (``insert_if_absent``)."""
     task = (yield from resolve([task], retention))[0]
     doc = new_document(task, now)
     if trace:
         doc["trace"] = trace
-    insert = {k: v for k, v in doc.items() if k != "_id"}
-    before = None
-    for attempt in range(2):
-        try:
-            before = yield Call(
-                "find_one_and_update",
-                ({"_id": task.key}, {"$setOnInsert": insert}),
-                {"upsert": True, "return_document": ReturnDocument.BEFORE},
-            )
-            break
-        except DuplicateKeyError:  # two upserts raced on a new key; the other one inserted
-            if attempt:
-                raise
+    before = yield from insert_if_absent(doc, upsert)
     if before is None:
         return Published(created=True, updated=False, document=doc)
     if on_conflict == "ignore":
@@ -107,6 +97,38 @@ def publish(
         current = yield Call("find_one", ({"_id": task.key},))
         return Published(created=False, updated=False, document=current or before)
     return Published(created=False, updated=True, document=after)
+
+
+def insert_if_absent(doc: Doc, upsert: bool = False) -> Op[Doc | None]:
+    """Insert ``doc`` unless a document has its ``_id``; returns that document (None: inserted).
+
+    A new key costs one ``insert``, which mongod applies more cheaply than an upsert that
+    returns the document before it; a key that exists costs the refused insert and a read of
+    what is there (a document removed in between is inserted again). ``upsert``: one
+    ``findOneAndUpdate`` with ``$setOnInsert`` instead, for a caller's session — in a
+    transaction a refused insert would abort the caller's transaction, an upsert does not."""
+    key = doc["_id"]
+    if upsert:
+        fields = {k: v for k, v in doc.items() if k != "_id"}
+        call = Call(
+            "find_one_and_update",
+            ({"_id": key}, {"$setOnInsert": fields}),
+            {"upsert": True, "return_document": ReturnDocument.BEFORE},
+        )
+        try:
+            found: Doc | None = yield call
+        except DuplicateKeyError:  # two upserts raced on a new key; the other one inserted
+            found = yield call
+        return found
+    for _ in range(3):
+        try:
+            yield Call("insert_one", (doc,))
+            return None
+        except DuplicateKeyError:  # the key exists, or another publish inserted it first
+            found = yield Call("find_one", ({"_id": key},))
+            if found is not None:
+                return found
+    raise StorageError(f"task {key!r} was removed each time it was found while publishing")
 
 
 def publish_many(

@@ -92,10 +92,13 @@ STEP = {"name": "m", "key": "k1/m", "params": {}, "options": {}, "depends_on": [
 
 TARGETED: dict[str, Callable[[], list[Call]]] = {
     "publish": lambda: calls_of(store.publish(task(), T0)),
+    "publish in a session (an upsert)": lambda: calls_of(store.publish(task(), T0, upsert=True)),
     "publish, update_params": lambda: calls_of(
-        store.publish(task(), T0, "update_params"), found={"_id": "k1"}
+        store.publish(task(), T0, "update_params", upsert=True), found={"_id": "k1"}
     ),
-    "publish, reset": lambda: calls_of(store.publish(task(), T0, "reset"), found={"_id": "k1"}),
+    "publish, reset": lambda: calls_of(
+        store.publish(task(), T0, "reset", upsert=True), found={"_id": "k1"}
+    ),
     "publish_many": lambda: calls_of(store.publish_many([task(k) for k in KEYS], T0)),
     "get": lambda: calls_of(store.get("k1")),
     "get_status": lambda: calls_of(store.get_status("k1")),
@@ -152,7 +155,11 @@ def test_scatter_gather_operations_say_so() -> None:
 
 
 def test_a_publish_names_the_shard_key_once_per_task() -> None:
-    """With ``name`` + ``_id`` as the shard key, a publish's upsert lacks ``name`` in its
-    filter: the section says it would need it added (and loses key uniqueness across names)."""
-    [upsert] = calls_of(store.publish(task(), T0))  # retention options set: no defaults read
+    """With ``name`` + ``_id`` as the shard key, a publish's insert holds both, but the upsert
+    of a publish in a session lacks ``name`` in its filter: the section says it would need it
+    added (and loses key uniqueness across names)."""
+    [insert] = calls_of(store.publish(task(), T0))  # retention options set: no defaults read
+    assert insert.method == "insert_one"
+    assert insert.args[0]["_id"] == "k1" and "name" in insert.args[0]
+    [upsert] = calls_of(store.publish(task(), T0, upsert=True))
     assert upsert.args[0] == {"_id": "k1"} and "name" not in upsert.args[0]

@@ -22,16 +22,65 @@ def updated(n: int) -> UpdateResult:
     return UpdateResult({"n": n, "nModified": n, "ok": 1.0}, acknowledged=True)
 
 
-def test_publish_retries_once_after_a_racing_insert() -> None:
-    """Two upserts of a new key race; the loser's DuplicateKeyError is retried and finds the
-    winner's document, which it leaves alone (``ignore``)."""
+def test_a_new_key_is_published_by_one_insert() -> None:
+    driver = ScriptedDriver(
+        Step("find", reply=[], collection="retention"),  # the name's retention defaults: none
+        Step("insert_one", reply=None),
+    )
+    published = driver.run(store.publish(NewTask.build("add", "k", {"a": 1}), NOW))
+    assert driver.done and published.created and not published.updated
+    assert driver.calls[1].args[0] is published.document and published.document["_id"] == "k"
+
+
+def test_a_known_key_costs_the_refused_insert_and_a_read() -> None:
+    """The insert is refused on ``_id``; the document found is left alone (``ignore``). One
+    removed between the refusal and the read (its retention ran out) is inserted again."""
+    existing = {"_id": "k", "name": "add", "status": "pending"}
+    driver = ScriptedDriver(
+        Step("find", reply=[], collection="retention"),
+        Step("insert_one", raises=DuplicateKeyError("E11000 duplicate key")),
+        Step("find_one", reply=existing),
+    )
+    published = driver.run(store.publish(NewTask.build("add", "k", {"a": 1}), NOW))
+    assert driver.done
+    assert not published.created and not published.updated and published.document is existing
+    assert driver.calls[2].args == ({"_id": "k"},)
+
+    removed_meanwhile = ScriptedDriver(
+        Step("find", reply=[], collection="retention"),
+        Step("insert_one", raises=DuplicateKeyError("E11000 duplicate key")),
+        Step("find_one", reply=None),
+        Step("insert_one", reply=None),
+    )
+    published = removed_meanwhile.run(store.publish(NewTask.build("add", "k"), NOW))
+    assert removed_meanwhile.done and published.created
+
+
+def test_a_key_removed_each_time_it_is_found_fails_the_publish() -> None:
+    steps = [Step("find", reply=[], collection="retention")]
+    for _ in range(3):
+        steps += [
+            Step("insert_one", raises=DuplicateKeyError("E11000 duplicate key")),
+            Step("find_one", reply=None),
+        ]
+    driver = ScriptedDriver(*steps)
+    with pytest.raises(StorageError, match="removed each time"):
+        driver.run(store.publish(NewTask.build("add", "k"), NOW))
+    assert driver.done
+
+
+def test_in_a_session_publish_upserts_and_retries_once_after_a_racing_insert() -> None:
+    """In a caller's session a publish is one upsert (a refused insert would abort the
+    caller's transaction). Two upserts of a new key race; the loser's DuplicateKeyError is
+    retried and finds the winner's document, which it leaves alone (``ignore``)."""
     existing = {"_id": "k", "name": "add", "status": "pending"}
     driver = ScriptedDriver(
         Step("find", reply=[], collection="retention"),  # the name's retention defaults: none
         Step("find_one_and_update", raises=DuplicateKeyError("E11000 duplicate key")),
         Step("find_one_and_update", reply=existing),
     )
-    published = driver.run(store.publish(NewTask.build("add", "k", {"a": 1}), NOW))
+    task = NewTask.build("add", "k", {"a": 1})
+    published = driver.run(store.publish(task, NOW, upsert=True))
     assert driver.done
     assert not published.created and not published.updated and published.document is existing
     # both attempts are the same upsert
@@ -39,14 +88,14 @@ def test_publish_retries_once_after_a_racing_insert() -> None:
     assert driver.calls[1].kwargs["upsert"] is True
 
 
-def test_publish_gives_up_after_a_second_duplicate_key_error() -> None:
+def test_in_a_session_publish_gives_up_after_a_second_duplicate_key_error() -> None:
     driver = ScriptedDriver(
         Step("find", reply=[], collection="retention"),
         Step("find_one_and_update", raises=DuplicateKeyError("E11000 duplicate key")),
         Step("find_one_and_update", raises=DuplicateKeyError("E11000 duplicate key")),
     )
     with pytest.raises(StorageError) as raised:
-        driver.run(store.publish(NewTask.build("add", "k"), NOW))
+        driver.run(store.publish(NewTask.build("add", "k"), NOW, upsert=True))
     assert driver.done and raised.value.document and not raised.value.transient
 
 
