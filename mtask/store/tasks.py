@@ -12,7 +12,7 @@ from pymongo import ASCENDING, DESCENDING, ReturnDocument, UpdateOne
 from pymongo.errors import DuplicateKeyError
 
 from mtask.driver import Call, Doc, Op
-from mtask.errors import InvalidTransition, StorageError, TaskNotFound
+from mtask.errors import InvalidTransition, TaskNotFound
 from mtask.models import NewTask, OnConflict, TaskStatus
 from mtask.statemachine import (
     OPEN,
@@ -103,32 +103,27 @@ def insert_if_absent(doc: Doc, upsert: bool = False) -> Op[Doc | None]:
     """Insert ``doc`` unless a document has its ``_id``; returns that document (None: inserted).
 
     A new key costs one ``insert``, which mongod applies more cheaply than an upsert that
-    returns the document before it; a key that exists costs the refused insert and a read of
-    what is there (a document removed in between is inserted again). ``upsert``: one
-    ``findOneAndUpdate`` with ``$setOnInsert`` instead, for a caller's session — in a
-    transaction a refused insert would abort the caller's transaction, an upsert does not."""
-    key = doc["_id"]
-    if upsert:
-        fields = {k: v for k, v in doc.items() if k != "_id"}
-        call = Call(
-            "find_one_and_update",
-            ({"_id": key}, {"$setOnInsert": fields}),
-            {"upsert": True, "return_document": ReturnDocument.BEFORE},
-        )
-        try:
-            found: Doc | None = yield call
-        except DuplicateKeyError:  # two upserts raced on a new key; the other one inserted
-            found = yield call
-        return found
-    for _ in range(3):
+    returns the document before it. A key that exists costs the refused insert and then that
+    upsert, which reads the document on the primary (or inserts ``doc``, if it was removed in
+    between). ``upsert``: the upsert alone, for a caller's session — in a transaction a refused
+    insert would abort the caller's transaction, an upsert does not."""
+    if not upsert:
         try:
             yield Call("insert_one", (doc,))
             return None
         except DuplicateKeyError:  # the key exists, or another publish inserted it first
-            found = yield Call("find_one", ({"_id": key},))
-            if found is not None:
-                return found
-    raise StorageError(f"task {key!r} was removed each time it was found while publishing")
+            pass
+    fields = {k: v for k, v in doc.items() if k != "_id"}
+    call = Call(
+        "find_one_and_update",
+        ({"_id": doc["_id"]}, {"$setOnInsert": fields}),
+        {"upsert": True, "return_document": ReturnDocument.BEFORE},
+    )
+    try:
+        found: Doc | None = yield call
+    except DuplicateKeyError:  # two upserts raced on a new key; the other one inserted
+        found = yield call
+    return found
 
 
 def publish_many(

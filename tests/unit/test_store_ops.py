@@ -32,41 +32,32 @@ def test_a_new_key_is_published_by_one_insert() -> None:
     assert driver.calls[1].args[0] is published.document and published.document["_id"] == "k"
 
 
-def test_a_known_key_costs_the_refused_insert_and_a_read() -> None:
-    """The insert is refused on ``_id``; the document found is left alone (``ignore``). One
-    removed between the refusal and the read (its retention ran out) is inserted again."""
+def test_a_known_key_costs_the_refused_insert_and_the_upsert() -> None:
+    """The insert is refused on ``_id``; the upsert returns the document there, which is left
+    alone (``ignore``). One removed in between is inserted by that upsert."""
     existing = {"_id": "k", "name": "add", "status": "pending"}
     driver = ScriptedDriver(
         Step("find", reply=[], collection="retention"),
         Step("insert_one", raises=DuplicateKeyError("E11000 duplicate key")),
-        Step("find_one", reply=existing),
+        Step("find_one_and_update", reply=existing),
     )
     published = driver.run(store.publish(NewTask.build("add", "k", {"a": 1}), NOW))
     assert driver.done
     assert not published.created and not published.updated and published.document is existing
-    assert driver.calls[2].args == ({"_id": "k"},)
+    upsert = driver.calls[2]
+    assert upsert.args[0] == {"_id": "k"} and upsert.kwargs["upsert"] is True
+    assert (
+        upsert.args[1]["$setOnInsert"]["name"] == "add"
+        and "_id" not in upsert.args[1]["$setOnInsert"]
+    )
 
     removed_meanwhile = ScriptedDriver(
         Step("find", reply=[], collection="retention"),
         Step("insert_one", raises=DuplicateKeyError("E11000 duplicate key")),
-        Step("find_one", reply=None),
-        Step("insert_one", reply=None),
+        Step("find_one_and_update", reply=None),
     )
     published = removed_meanwhile.run(store.publish(NewTask.build("add", "k"), NOW))
     assert removed_meanwhile.done and published.created
-
-
-def test_a_key_removed_each_time_it_is_found_fails_the_publish() -> None:
-    steps = [Step("find", reply=[], collection="retention")]
-    for _ in range(3):
-        steps += [
-            Step("insert_one", raises=DuplicateKeyError("E11000 duplicate key")),
-            Step("find_one", reply=None),
-        ]
-    driver = ScriptedDriver(*steps)
-    with pytest.raises(StorageError, match="removed each time"):
-        driver.run(store.publish(NewTask.build("add", "k"), NOW))
-    assert driver.done
 
 
 def test_in_a_session_publish_upserts_and_retries_once_after_a_racing_insert() -> None:
