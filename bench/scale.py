@@ -410,9 +410,12 @@ def many_hosts(bench: Bench) -> None:
         (mode, {k: statistics.median(run[i][k] for run in runs) for k in runs[0][i]})
         for i, mode in enumerate(m for _ in sizes for m in modes)
     ]
-    for mode, row in rows:
-        one = next(r for m, r in rows if m == mode)
+    for i, (mode, row) in enumerate(rows):
+        first = next(j for j, (m, _) in enumerate(rows) if m == mode)
+        one = rows[first][1]
         cpu = row["cpu_ms_per_task"] / one["cpu_ms_per_task"]
+        # the same ratio within each pass (one host's figure drifts from pass to pass)
+        by_pass = [run[i]["cpu_ms_per_task"] / run[first]["cpu_ms_per_task"] for run in runs]
         wait = row["finished_p50_ms"] / one["finished_p50_ms"]
         ops = " ".join(
             f"{kind} {row[f'{kind}_per_task']:.2f}"
@@ -421,7 +424,13 @@ def many_hosts(bench: Bench) -> None:
         bench.record(
             _result(
                 f"W9H many hosts x{row['workers']:.0f} ({mode} streams)",
-                f"mongod {row['cpu_ms_per_task']:.2f} ms CPU/task ({cpu:.2f}x of 1 host); "
+                f"mongod {row['cpu_ms_per_task']:.2f} ms CPU/task ({cpu:.2f}x of 1 host"
+                + (
+                    f"; within each pass {', '.join(f'{r:.2f}' for r in by_pass)}x"
+                    if passes > 1
+                    else ""
+                )
+                + "); "
                 f"{row['attempts_per_task']:.2f} claim attempts/task; created→finished p50 "
                 f"{row['finished_p50_ms']:.1f} ms ({wait:.2f}x); ops/task: {ops}; idle: "
                 f"{row['idle_cpu_pct']:.1f} % of a core, {row['idle_ops_per_s']:.0f} ops/s; "
@@ -438,7 +447,8 @@ def many_hosts(bench: Bench) -> None:
                 f"--stream {mode}, own mongod over its Unix socket, {row['tasks']:,.0f} no-op "
                 f"tasks at {rate}/s, load average up to {row['load_avg']:.0f}"
                 + (f"; each figure the median of {passes} passes" if passes > 1 else ""),
-                {k: float(v) for k, v in row.items()},
+                {k: float(v) for k, v in row.items()}
+                | {f"cpu_ratio_pass_{p}": r for p, r in enumerate(by_pass, 1)},
             )
         )
 
