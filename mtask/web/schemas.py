@@ -162,12 +162,3 @@ class BulkView(BaseModel):
     truncated: bool = Field(
         False, description="more tasks matched than one call handles; call again"
     )
-
-
-Stats = dict[str, dict[str, int]]
-"""Task counts per name, then per status."""
-
-
-def views(model: type[Open], docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Documents checked against ``model`` and returned as stored (by alias)."""
-    return [model.model_validate(d).model_dump(by_alias=True, mode="json") for d in docs]
