@@ -393,7 +393,7 @@ def many_hosts(bench: Bench) -> None:
         sizes = [int(n) for n in os.environ["MTASK_W9H_SIZES"].split(",")]
     seconds = float(os.environ.get("MTASK_W9_SECONDS", seconds))  # tasks: rate x seconds
     modes = os.environ.get("MTASK_W9_STREAMS", "shared,own").split(",")
-    passes = int(os.environ.get("MTASK_W9H_PASSES", "1"))
+    passes = max(1, int(os.environ.get("MTASK_W9H_PASSES", "1")))
     with _own_mongod() as (uri, pid, port):
         runs = [
             [
