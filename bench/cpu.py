@@ -90,7 +90,7 @@ def drain(
     )
     try:
         counts = bench.mongo[name]["tasks"]
-        wait_until(lambda: counts.count_documents({"status": "succeeded"}) >= n)
+        wait_until(lambda: counts.count_documents({"name": task, "status": "succeeded"}) >= n)
         cpu_s = tree_cpu_seconds(proc.pid)
     finally:
         stop_process(proc)

@@ -170,7 +170,8 @@ def _drain_side_by_side(bench: Bench, first: bool) -> dict[bool, float]:
                 if proc.poll() is not None:
                     raise RuntimeError("a worker exited during a drain")
             return all(
-                bench.mongo[name]["tasks"].count_documents({"status": "succeeded"}) >= n
+                bench.mongo[name]["tasks"].count_documents({"name": "noop", "status": "succeeded"})
+                >= n
                 for name in names.values()
             )
 
