@@ -26,8 +26,11 @@ from mtask.worker.setaside import SetAside, count, task_key
 log = logging.getLogger(__name__)
 
 STRANDED_OPEN_EVERY = 10
-"""Every this many rescans (and the first), the sweep also reads every open document for those
-no claim can reach (``store.complete.stranded_open``); the cheap part runs on every rescan."""
+"""Every this many searches for stranded documents (and the first), the search also reads every
+open document for those no claim can reach (``store.complete.stranded_open``)."""
+PAGE_MOST = 20_000
+"""The most one find of a rescan reads (a bound on the list it makes; the default queue holds
+10,000 tasks, so one find fills it)."""
 
 
 def due_by(doc: Mapping[str, Any], when: dt.datetime | None) -> bool:
@@ -46,19 +49,24 @@ class Scanner:
         clock: Clock,
         *,
         sweep_interval: float = 30.0,
-        page_size: int = 1000,
+        page_size: int | None = None,
     ) -> None:
         self.driver = driver
         self.placement = placement
         self.clock = clock
         self.sweep_interval = sweep_interval
         self.page_size = page_size
+        """The most a page of a rescan reads (``None``: what fills the queue and one more, up
+        to ``PAGE_MOST``)."""
         self.malformed = SetAside()
         """Keys (of any type) of malformed documents seen, to be marked invalid."""
         self.unknown: set[str] = set()
         """Keys an update event moved that nobody here knows: looked up by ``settle``."""
         self.rescans = 0
         self.rescan_requested = asyncio.Event()
+        self.stranded_searches = 0
+        self._stranded_at: dt.datetime | None = None
+        """When the last search for stranded documents began."""
         self._touched: set[str] | None = None
         self._scanning = asyncio.Lock()
 
@@ -134,14 +142,21 @@ class Scanner:
                     self.placement.ignore(known)
         return marked
 
-    async def rescan(self) -> int:
+    async def rescan(self, requested: bool = False) -> int:
         """Page through every open task of the scope's names, soonest first, until the queue
-        is full. Rescans run one at a time: a stream's reopen may ask for one while the
-        sweep's runs, and a scan's state (the touched keys, the cleared queue) is its own."""
-        async with self._scanning:
-            return await self._rescan()
+        is full, then search for stranded documents. Rescans run one at a time: a stream's
+        reopen may ask for one while the sweep's runs, and a scan's state (the touched keys,
+        the cleared queue) is its own.
 
-    async def _rescan(self) -> int:
+        A ``requested`` rescan (a full queue ran out of due tasks, a name was resumed) searches
+        for stranded documents only if the last search is ``sweep_interval`` old: that search
+        reads every open task, and a backlog larger than the queue asks for a rescan each time
+        the queue runs out (a search each time made a drain's cost grow with the backlog's
+        square)."""
+        async with self._scanning:
+            return await self._rescan(requested)
+
+    async def _rescan(self, requested: bool) -> int:
         self.rescans += 1
         scope, queue = self.placement.scope, self.placement.queue
         self._touched = set()
@@ -150,9 +165,11 @@ class Scanner:
         after: tuple[dt.datetime, str] | None = None
         try:
             while scope.names and len(queue) < queue.max_size:
-                page = await self.driver.run(
-                    store.scan(list(scope.names), scope.ids, self.page_size, after)
-                )
+                # One find reads what fills the queue and the first task left out: a page
+                # after another (``after``) across several names is planned without its
+                # bounds, reading every earlier task again (docs/performance.md).
+                limit = min(queue.max_size - len(queue) + 1, self.page_size or PAGE_MOST)
+                page = await self.driver.run(store.scan(list(scope.names), scope.ids, limit, after))
                 for doc in page:
                     if queue.full:  # the rest is later than everything kept
                         queue.note_overflow(doc["next_claim_at"])
@@ -160,7 +177,7 @@ class Scanner:
                     if doc.get("_id") not in self._touched:  # the scan reads string keys
                         self.place_safely(doc)
                 found += len(page)
-                if len(page) < self.page_size:
+                if len(page) < limit:
                     break
                 after = (page[-1]["next_claim_at"], page[-1]["_id"])
             else:
@@ -168,18 +185,24 @@ class Scanner:
                     queue.note_overflow(after[0])
         finally:
             self._touched = None
-        await self._stranded()
+        if not requested or self._stranded_due():
+            await self._stranded()
         if self.malformed:
             await self.quarantine()
         self.placement.wake()
         return found
 
+    def _stranded_due(self) -> bool:
+        last = self._stranded_at
+        return last is None or self.clock.now() - last >= dt.timedelta(seconds=self.sweep_interval)
+
     async def _stranded(self) -> None:
         # hook (issue 14): documents no claim can reach and no event may bring back (no status,
         # an unknown one, open without a claim time): quarantine completes or marks them
-        stranded = await self.driver.run(
-            store.stranded(open_too=self.rescans % STRANDED_OPEN_EVERY == 1)
-        )
+        self._stranded_at = self.clock.now()
+        self.stranded_searches += 1
+        open_too = self.stranded_searches % STRANDED_OPEN_EVERY == 1
+        stranded = await self.driver.run(store.stranded(open_too=open_too))
         if stranded:
             marked: int = await self.driver.run(store.quarantine(stranded, self.clock.now()))
             if marked:
@@ -195,7 +218,7 @@ class Sweep(PeriodicService):
 
     def __init__(
         self,
-        rescan: Callable[[], Awaitable[int]],
+        rescan: Callable[[bool], Awaitable[int]],
         requested: asyncio.Event,
         interval: float,
         min_gap: float = 0.5,
@@ -205,6 +228,8 @@ class Sweep(PeriodicService):
         self.interval = interval
         self.min_gap = min_gap
         self._last: float | None = None
+        self._requested = False
+        """Whether the coming rescan was asked for (else the interval passed)."""
 
     @classmethod
     def of(cls, scanner: Scanner) -> Sweep:
@@ -214,10 +239,10 @@ class Sweep(PeriodicService):
         loop = asyncio.get_running_loop()
         if self._last is None:
             self._last = loop.time()
-        await event_or_timeout(self.requested, self.interval)
+        self._requested = await event_or_timeout(self.requested, self.interval)
         await asyncio.sleep(max(0.0, self._last + self.min_gap - loop.time()))
         self.requested.clear()
         self._last = loop.time()
 
     async def run_once(self) -> None:
-        await self.rescan()
+        await self.rescan(self._requested)

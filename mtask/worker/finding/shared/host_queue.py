@@ -88,6 +88,6 @@ class HostQueue:
     async def settle(self) -> None:
         await self.scanner.settle()
 
-    async def rescan(self) -> int:
+    async def rescan(self, requested: bool = False) -> int:
         """Scan, while the queue is active."""
-        return await self.scanner.rescan() if self.active else 0
+        return await self.scanner.rescan(requested) if self.active else 0
