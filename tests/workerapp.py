@@ -38,6 +38,20 @@ async def sleep(params: dict[str, float]) -> str:
     return "slept"
 
 
+handler_spans: dict[str, list[tuple[float, float]]] = {}
+"""Per key, (start, end) of each ``timed_sleep`` run, on this process's monotonic clock: one
+clock for all the in-process workers of a test, where the documents' times come from each
+worker's own estimate of the server's clock."""
+
+
+@registry.task("timed_sleep")
+async def timed_sleep(params: dict[str, float], ctx: TaskContext) -> str:
+    start = time.monotonic()
+    await asyncio.sleep(params["seconds"])
+    handler_spans.setdefault(ctx.key, []).append((start, time.monotonic()))
+    return "slept"
+
+
 @registry.task("wait_cancel")
 async def wait_cancel(params: dict[str, object], ctx: TaskContext) -> str:
     await ctx.cancelled.wait()

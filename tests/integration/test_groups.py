@@ -3,6 +3,7 @@ per group, the slot documents (issue 29)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import itertools
 from typing import Any
@@ -39,11 +40,11 @@ async def test_a_sequence_runs_its_group_one_at_a_time_in_publish_order(
     mongo_uri: str, mongo: MongoClient[Any], db_name: str, client: TaskClient, workers: int
 ) -> None:
     db = mongo[db_name]
-    client.set_limit("sleep", group_concurrency=1)
+    client.set_limit("timed_sleep", group_concurrency=1)
     client.publish_many(
         [
             {
-                "name": "sleep",
+                "name": "timed_sleep",
                 "key": f"s{g}/{i}",
                 "params": {"seconds": 0.02},
                 "options": {"group": f"s{g}"},
@@ -52,16 +53,20 @@ async def test_a_sequence_runs_its_group_one_at_a_time_in_publish_order(
             for g in range(3)
         ]
     )
-    async with running_worker(workerapp.registry, mongo_uri, db_name, concurrency=4):
-        if workers == 2:
-            async with running_worker(workerapp.registry, mongo_uri, db_name, concurrency=4):
-                await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 18)
-        else:
-            await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 18)
+    workerapp.handler_spans.clear()
+    async with contextlib.AsyncExitStack() as stack:
+        for _ in range(workers):
+            await stack.enter_async_context(
+                running_worker(workerapp.registry, mongo_uri, db_name, concurrency=4)
+            )
+        await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 18)
     runs = spans(db, "s")
+    assert all(len(r) == 1 and r[0][2] == "SUCCESS" for r in runs.values()), runs
     for g in range(3):
-        ordered = [runs[f"s{g}/{i}"][-1] for i in range(6)]  # publish order
-        for before, after in itertools.pairwise(ordered):
+        # the handlers' own spans, on one clock: exact
+        ordered = [workerapp.handler_spans[f"s{g}/{i}"] for i in range(6)]  # publish order
+        assert all(len(s) == 1 for s in ordered), ordered
+        for (before,), (after,) in itertools.pairwise(ordered):
             assert before[1] <= after[0], f"s{g}: not one at a time, in order: {before}, {after}"
 
 
