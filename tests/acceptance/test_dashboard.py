@@ -22,6 +22,15 @@ DESKTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 390, "height": 844}
 
 
+SHOWN_RIGHT = """selector => Math.max(...[...document.querySelectorAll(selector)]
+    .map(e => e.getBoundingClientRect().right))"""
+"""The rightmost edge of what ``selector`` matches, where the page shows it: a cell in a table
+scrolled sideways lies beyond the screen even when the page itself does not scroll."""
+
+
+SHOWN = {"overview": "#counts td, #failures td", "tasks": "#tasks td"}
+
+
 def wait_until(check: Any, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -134,6 +143,9 @@ def test_phone_width_dark_mode_and_screenshots(
                         page.goto(url + path)
                         width = page.evaluate("document.documentElement.scrollWidth")
                         assert width <= viewport["width"], (name, size, width)
+                        if name in SHOWN:  # every count, error and button on the screen
+                            right = page.evaluate(SHOWN_RIGHT, SHOWN[name])
+                            assert 0 < right <= viewport["width"], (name, size, right)
                         if scheme == "light" or name == "overview":
                             suffix = "" if scheme == "light" else "-dark"
                             shot = out / f"dashboard-{name}-{size}{suffix}.png"
