@@ -11,7 +11,7 @@ for (let i = 0; i < 4; i++) {
   for (const group of ["tenant-a", "tenant-b", "tenant-c"]) {
     await tasks.updateOne(
       { _id: `${group}/${i}` },
-      { $setOnInsert: { name: "sleep", params: { seconds: 0.05 }, options: { group } } },
+      { $setOnInsert: { name: "timed_sleep", params: { seconds: 0.05 }, options: { group } } },
       { upsert: true },
     );
   }
