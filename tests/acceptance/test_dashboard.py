@@ -28,7 +28,7 @@ SHOWN_RIGHT = """selector => Math.max(...[...document.querySelectorAll(selector)
 scrolled sideways lies beyond the screen even when the page itself does not scroll."""
 
 
-SHOWN = {"overview": "#counts td, #failures td", "tasks": "#tasks td"}
+SHOWN = {"overview": "table.blocks td", "tasks": "table.blocks td", "workers": "table.blocks td"}
 
 
 def wait_until(check: Any, timeout: float = 60) -> None:
