@@ -202,23 +202,27 @@ class Bench:
         → handler start, in ms. With ``floor`` (a list to fill), the floor's ``n`` raw writes
         go in between, 10 ms after each publish: both see the same machine, whose state moves
         a W2 figure by more than the target's margin from one minute to the next."""
-        name, floor_db = self.db(), self.db()
+        name = self.db()
+        floor_db = self.db() if floor is not None else None
         proc = spawn_worker(self.uri, name, "--concurrency", "16")
-        helper = None
+        helper: subprocess.Popen[str] | None = None
+        raw: Any = None
         try:
             with TaskClient(self.uri, database=name) as client:
                 wait_for_worker(client, proc)
-                if floor is not None:
+                if floor_db is not None:
                     helper, raw = self._floor_helper(floor_db, n)
                 published: dict[str, float] = {}
                 for i in range(n):
                     key = f"l{i}"
                     published[key] = time.time()
                     client.publish("stamp", key)
-                    time.sleep(0.01 if floor is not None else 0.02)
-                    if floor is not None:
-                        raw.insert_one({"_id": i, "t": time.time(), "s": 0})
-                        time.sleep(0.01)
+                    if raw is None:
+                        time.sleep(0.02)
+                        continue
+                    time.sleep(0.01)
+                    raw.insert_one({"_id": i, "t": time.time(), "s": 0})
+                    time.sleep(0.01)
                 wait_until(
                     lambda: client.stats(exact=True).get("stamp", {}).get("succeeded", 0) == n
                 )
@@ -234,7 +238,8 @@ class Bench:
                 helper.kill()
             stop_process(proc)
             self.drop(name)
-            self.drop(floor_db)
+            if floor_db is not None:
+                self.drop(floor_db)
 
     def w2_latency(self) -> None:
         floor_lat: list[float] = []
