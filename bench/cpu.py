@@ -29,7 +29,8 @@ from bench.support import QUICK, ROOT, Result, stop_process, wait_until
 from mtask.client import TaskClient
 from mtask.registry import Registry
 from mtask.worker.invoke import run_in_thread
-from mtask.worker.pool import ProcessPool, RunInfo
+from mtask.worker.pool import ProcessPool
+from mtask.worker.pool_child import RunInfo
 
 if TYPE_CHECKING:
     from bench.workloads import Bench

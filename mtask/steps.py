@@ -8,7 +8,7 @@ they need done (``_Io``: a write or read through the ``StepStore``; ``_Call``: t
 function), and run by ``step``/``sleep``/``wait_for`` (``async def`` handlers, on the worker's
 loop) or ``step_sync``/``sleep_sync``/``wait_for_sync`` (plain ``def`` handlers, on a thread or
 in a child process). No I/O here: the ``StepStore`` is the worker's (``worker/steps.py``), a
-child process's pipe to it (``worker/pool.py``), or memory (``MemorySteps``, for tests).
+child process's pipe to it (``worker/pool_child.py``), or memory (``MemorySteps``, for tests).
 
 Replay rules: step names are unique in a task; a run asks for its steps in the recorded order
 (the n-th step asked is the n-th recorded, same name and kind), else ``StepMismatch`` and the

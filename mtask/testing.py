@@ -43,15 +43,15 @@ from mtask.steps import MemorySteps, RunSteps
 from mtask.store import Outcome
 from mtask.worker.config import DEFAULT_MAX_RESULT_BYTES
 from mtask.worker.events import Emitter
-from mtask.worker.executor import (
+from mtask.worker.inflight import ActiveRun
+from mtask.worker.run_outcomes import (
     NoJournals,
     NoLeases,
     NoOutputs,
     NoTransactions,
     RunOutcomes,
-    WorkerStats,
 )
-from mtask.worker.inflight import ActiveRun
+from mtask.worker.stats import WorkerStats
 from mtask.worker.transactional import RunFence
 
 __all__ = ["MemorySteps", "Outcome", "arun_handler", "run_handler", "worker_argv"]

@@ -6,7 +6,8 @@ lease pinger thread and its side services, runs the ``Claimer``'s main loop unti
 to stop, drains, and shuts down. The parts (see docs/worker.md, "The worker package"):
 
 - ``Claimer`` (claimer.py): the main loop and the claim path (River's producer);
-- ``Executor`` (executor.py): one run from claim to outcome, and ``RunOutcomes``;
+- ``Executor`` (executor.py): one run from claim to outcome; ``RunOutcomes``
+  (run_outcomes.py): what the run ends with;
 - ``InFlight`` (inflight.py): the runs in flight and the keys being claimed, the only state
   the claimer, executor and finding parts share;
 - ``Presence`` (presence.py): heartbeat, pause/resume, remote stop, peers (``Assignment``);
@@ -39,8 +40,8 @@ from mtask.registry import Registry
 from mtask.worker import assembly
 from mtask.worker.config import WorkerConfig, default_worker_id
 from mtask.worker.events import Event
-from mtask.worker.executor import WorkerStats
 from mtask.worker.presence import WorkerState
+from mtask.worker.stats import WorkerStats
 
 __all__ = ["Worker", "WorkerConfig", "WorkerCrashed", "WorkerState", "WorkerStats"]
 

@@ -29,7 +29,7 @@ from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.claimer import Claimer
 from mtask.worker.config import WorkerConfig
 from mtask.worker.events import Emitter
-from mtask.worker.executor import Executor, RunOutcomes, WorkerStats
+from mtask.worker.executor import Executor
 from mtask.worker.flow_sweep import FlowSweep
 from mtask.worker.inflight import InFlight
 from mtask.worker.lease import LeasePinger, LoopTicker
@@ -38,9 +38,11 @@ from mtask.worker.output_writer import OutputWriter
 from mtask.worker.pool import ProcessPool
 from mtask.worker.presence import Assignment, Lifecycle, Presence
 from mtask.worker.recorder import OutcomeRecorder
+from mtask.worker.run_outcomes import RunOutcomes
 from mtask.worker.scheduler import POLL_SECONDS as SCHEDULES_POLL
 from mtask.worker.scheduler import Scheduler
 from mtask.worker.service import Service
+from mtask.worker.stats import WorkerStats
 from mtask.worker.steps import RunStepStores
 from mtask.worker.transactional import Transactions
 from mtask.worker.wiring import Gauge, Signal

@@ -32,12 +32,13 @@ from mtask.store.transactional import expired_transactions, kill_sessions
 from mtask.tracing import span
 from mtask.worker import limited
 from mtask.worker.claim_queue import ClaimQueue
-from mtask.worker.executor import Executor, WorkerStats
+from mtask.worker.executor import Executor
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight
 from mtask.worker.limit_gate import DEFAULT_SLOT_LEASE_MS, LimitGate
 from mtask.worker.presence import Assignment, Lifecycle
 from mtask.worker.recorder import OutcomeRecorder
+from mtask.worker.stats import WorkerStats
 
 log = logging.getLogger(__name__)
 

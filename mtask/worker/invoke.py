@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 from mtask import metrics
 from mtask.registry import Handler, TaskContext
-from mtask.worker.pool import LeaseWatch, ProcessPool, RunInfo, TimeLimitExceeded
+from mtask.worker.pool import LeaseWatch, ProcessPool, TimeLimitExceeded
+from mtask.worker.pool_child import RunInfo
 from mtask.worker.pool_steps import ParentSteps
 
 ASYNC_CANCEL_GRACE = 5.0

@@ -7,7 +7,7 @@ the pinger reports it (``on_lost``) and forgets the run. A changed ping interval
 the next ping. A frozen process (SIGSTOP) freezes this thread too, so its leases run out and
 the runs are preempted, as they must be. ``watch`` passes each renewal on as it happens: a
 process-isolated run's child follows its lease that way, and stops itself when it runs out
-unrenewed (``mtask.worker.pool``).
+unrenewed (``mtask.worker.pool_child``).
 
 Ownership: ``_leases`` is shared between the event loop's thread (``add``, ``remove``,
 ``expiry``) and the pinger thread; every write holds ``_cond``. ``expiry`` reads one entry
@@ -161,9 +161,9 @@ class LeasePinger:
     def watch(self, run_id: str, on_expiry: Callable[[float], None]) -> Callable[[], None]:
         """Call ``on_expiry`` with the run's lease expiry (monotonic) now and after every
         renewal, on the pinger's thread, until the returned function is called: how a
-        process-isolated run's child learns its deadline (``mtask.worker.pool``). ``on_expiry`` runs
-        under the pinger's lock: it must only note the value. Nothing if the run is not
-        pinged."""
+        process-isolated run's child learns its deadline (``mtask.worker.pool_child``).
+        ``on_expiry`` runs under the pinger's lock: it must only note the value. Nothing if
+        the run is not pinged."""
         with self._cond:
             lease = self._leases.get(run_id)
             if lease is None:

@@ -28,26 +28,24 @@ group. The child also asks for SIGKILL when its kernel parent dies (``PR_SET_PDE
 a thread in it exits when the worker's end of an "alive" pipe closes. A child stops itself,
 and its group, when the lease of its run runs out with no renewal from the parent (the
 ``LeasePinger`` passes each renewal, as a ``time.monotonic()`` deadline in shared memory): a
-frozen worker's children stop by the deadline.
+frozen worker's children stop by the deadline. What runs in the child is
+``mtask.worker.pool_child``; this module is the parent's side.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import math
 import multiprocessing
 import multiprocessing.connection
 import os
-import resource
 import signal
 import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -55,23 +53,16 @@ from typing import Any, cast
 
 from mtask import metrics
 from mtask.errors import InvalidParams, MtaskError
-from mtask.output import Batch, RunOutput
-from mtask.registry import Fail, Handler, Retry, TaskContext
-from mtask.steps import SignalTimeout, StepError, Suspended
-from mtask.worker.pool_steps import ChildSteps, sendable
+from mtask.output import Batch
+from mtask.registry import Fail, Handler, Retry
+from mtask.steps import StepError, Suspended
+from mtask.worker.pool_child import RunInfo, child_main, rss_of
+from mtask.worker.pool_steps import sendable
 
 log = logging.getLogger("mtask.pool")  # the name operators filter on, kept
 
-TRACEBACK_LIMIT = 4000
-"""The most characters of a failed run's traceback that are stored (the end is kept): one
-limit for a run in a thread and one in a child."""
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
 MEMORY_POLL = 0.1
 """Seconds between two reads of a busy child's resident set, with a hard memory limit."""
-LEASE_POLL = 0.1
-"""The longest a child's lease watch sleeps between two looks at its run's deadline."""
-
 LeaseWatch = Callable[[Callable[[float], None]], Callable[[], None]]
 """Subscribes to a run's lease: called with a function that is given the lease's expiry
 (``time.monotonic()`` seconds) now and at each renewal; returns the unsubscribe."""
@@ -95,17 +86,6 @@ class MemoryLimitExceeded(MtaskError):
     """The child's resident memory passed the pool's hard ``memory_limit``; it was killed."""
 
 
-@dataclass(frozen=True)
-class RunInfo:
-    """What a child needs to build the handler's ``TaskContext``."""
-
-    key: str
-    name: str
-    attempt: int
-    run_id: str
-    worker_id: str
-
-
 def describe_exit(exitcode: int | None) -> str:
     """``signal 11 (SIGSEGV)`` or ``exit code 3``."""
     if exitcode is None:
@@ -123,293 +103,7 @@ def _mib(n: int) -> str:
     return f"{n / (1024 * 1024):.0f} MiB"
 
 
-# -- the child side -------------------------------------------------------------------------------
-
-
-def _prctl(option: int, value: int) -> None:
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(option, value, 0, 0, 0)
-
-
-def _contain() -> None:
-    """Lead a process group of our own (every process the handler starts inherits it, so one
-    ``killpg`` reaches them all) and be a subreaper (descendants orphaned by their parent are
-    re-parented to us, not to init, so ``_sweep`` finds them, even one that left the group)."""
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
-
-
-def _die_with_parent(alive: multiprocessing.connection.Connection, worker_pid: int) -> None:
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-    def watch() -> None:
-        with contextlib.suppress(EOFError, OSError):
-            while True:
-                alive.recv()  # the worker never sends: this returns only at EOF
-        with contextlib.suppress(OSError):
-            os.killpg(0, signal.SIGKILL)  # the group, with whatever the handler started
-        os._exit(70)
-
-    threading.Thread(target=watch, name="mtask-child-watch", daemon=True).start()
-    if os.getppid() == 1 or not _alive(worker_pid):
-        os._exit(70)  # the worker died before the watch started
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _rss_of(pid: int | str) -> int | None:
-    """A process's resident bytes (``/proc/PID/statm``), None if it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _rss_bytes() -> int:
-    rss = _rss_of("self")
-    return rss if rss is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _children_of(pid: int) -> list[int]:
-    """The live processes whose parent is ``pid`` (a scan of ``/proc``)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(entry))
-    return found
-
-
-def _sweep() -> int:
-    """Kill and reap every descendant the run left behind; how many. Costs one ``waitpid``
-    when there is none (the usual case). A subreaper's orphaned descendants are its children,
-    so killing the children, round after round, reaches every generation."""
-    killed = 0
-    for _ in range(100):
-        try:
-            pid, _status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return killed  # no child at all
-        if pid:
-            continue  # reaped one that had ended; look again
-        strays = _children_of(os.getpid())
-        for stray in strays:
-            with contextlib.suppress(OSError):
-                os.kill(stray, signal.SIGKILL)
-        for stray in strays:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(stray, 0)
-        killed += len(strays)
-        if not strays:
-            time.sleep(0.01)  # a child between fork and /proc: look again
-    return killed
-
-
-def short_traceback(exc: BaseException) -> str:
-    text = "".join(traceback.format_exception(exc))
-    return text if len(text) <= TRACEBACK_LIMIT else "…" + text[-TRACEBACK_LIMIT:]
-
-
-def _call(
-    handler: Handler,
-    params: Mapping[str, Any],
-    info: RunInfo,
-    cancelled: Any,
-    output: _ChildOutput,
-    steps: ChildSteps,
-) -> tuple:  # type: ignore[type-arg]
-    ctx = TaskContext(
-        key=info.key,
-        name=info.name,
-        attempt=info.attempt,
-        run_id=info.run_id,
-        worker_id=info.worker_id,
-        cancelled=cast(asyncio.Event, cancelled),  # a multiprocessing Event: is_set() works
-        output_for=output.made,
-        steps_for=steps.steps_for,
-    )
-    try:
-        return _reply(handler, params, ctx)
-    finally:
-        steps.close()  # a request a thread it left behind makes now is refused
-        output.close()  # what the handler said reaches the worker before its reply
-
-
-def _reply(handler: Handler, params: Mapping[str, Any], ctx: TaskContext) -> tuple:  # type: ignore[type-arg]
-    try:
-        return ("ok", handler.fn(*handler.args(handler.parse(params), ctx)))
-    except Retry as exc:
-        return ("retry", str(exc), exc.delay)
-    except Fail as exc:
-        return ("fail", str(exc))
-    except Suspended as exc:  # the run ends WAITING (a BaseException: not a handler error)
-        return ("suspended", exc.wait)
-    except (StepError, SignalTimeout) as exc:  # fail the task for good, as on a thread
-        return ("raise", exc)
-    except InvalidParams as exc:
-        return ("invalid", str(exc))
-    except MemoryError as exc:
-        return ("memory", short_traceback(exc))
-    except Exception as exc:  # noqa: BLE001 - any handler error is the task's failure
-        return ("error", short_traceback(exc))
-
-
-class _Run:
-    """The child's current run, shared by its main thread, its lease watch and its output
-    sender: whoever takes ``lock`` and finds ``active`` set ends the run (the reply, or the
-    stop at the deadline); every send on the pipe holds ``lock``."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.active = False
-
-
-OUTPUT_EVERY_S = 0.1
-"""How often a child sends what its handler said (``ctx.progress``/``log``/``emit``)."""
-
-
-class _ChildOutput:
-    """A process-isolated run's live output (docs/output.md): its handler's ``RunOutput``,
-    sent to the worker as ``("out", batch)`` every ``OUTPUT_EVERY_S`` by a thread started on
-    the first thing said, and once more before the reply. The worker merges it into the run's
-    own ``RunOutput`` and writes it under the run's fence. A run that says nothing starts no
-    thread and sends nothing."""
-
-    def __init__(self, conn: multiprocessing.connection.Connection, run: _Run) -> None:
-        self.conn, self.run = conn, run
-        self.output = RunOutput(wake=self._woken)  # the worker stamps the entries' time
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def made(self, _ctx: TaskContext) -> RunOutput:
-        return self.output
-
-    def _woken(self, _output: RunOutput) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._follow, name="mtask-child-output", daemon=True
-                )
-                self._thread.start()
-
-    def _follow(self) -> None:
-        while not self._stop.wait(OUTPUT_EVERY_S):
-            self.send()
-
-    def send(self) -> None:
-        while batch := self.output.take():
-            with self.run.lock:  # never between the bytes of another send
-                if not self.run.active:
-                    return  # the lease watch ended the run
-                try:
-                    self.conn.send(("out", batch))
-                except Exception:  # noqa: BLE001 - the worker is gone: its run ends anyway
-                    self.output.close()  # and the reply must not fail with it
-                    return
-
-    def close(self) -> None:
-        """Stop the thread and send what is left: called when the handler has returned or
-        raised, before its reply. What a thread it left behind says later is dropped."""
-        self._stop.set()
-        with self._lock:
-            thread = self._thread
-        if thread is not None:
-            thread.join()
-        self.output.close()
-        self.send()
-
-
-def _say(conn: multiprocessing.connection.Connection, message: tuple[Any, ...]) -> None:
-    with contextlib.suppress(Exception):
-        conn.send(message)
-
-
-def _watch_lease(deadline: Any, run: _Run, conn: multiprocessing.connection.Connection) -> None:
-    """Stop the run, and the child's whole process group, once its lease deadline passes
-    with no renewal from the parent (a frozen or stopped worker). ``deadline.value`` is
-    ``time.monotonic()`` seconds (one clock for every process of the host); infinite while
-    the child is idle."""
-    while True:
-        left = deadline.value - time.monotonic()
-        if left > 0 or not run.active:
-            time.sleep(min(max(left, 0.0), LEASE_POLL) if run.active else LEASE_POLL)
-            continue
-        # a send (the reply, output) may be stuck in a full pipe to a frozen parent, and so
-        # may ours: wait for either a little only
-        if run.lock.acquire(timeout=0.2):
-            if not run.active or deadline.value > time.monotonic():
-                run.lock.release()  # the run ended, or a renewal arrived meanwhile
-                continue
-            run.active = False
-            saying = threading.Thread(
-                target=_say, args=(conn, ("lease", _rss_bytes())), daemon=True
-            )
-            saying.start()
-            saying.join(0.2)
-        with contextlib.suppress(OSError):
-            os.killpg(0, signal.SIGKILL)  # the handler and everything it started
-        os._exit(71)
-
-
-def _child_main(
-    conn: multiprocessing.connection.Connection,
-    alive: multiprocessing.connection.Connection,
-    cancelled: Any,
-    deadline: Any,
-    worker_pid: int,
-) -> None:
-    _contain()
-    _die_with_parent(alive, worker_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the worker's to handle
-    run = _Run()
-    threading.Thread(
-        target=_watch_lease, args=(deadline, run, conn), name="mtask-child-lease", daemon=True
-    ).start()
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return  # retired
-        handler, params, info = message
-        run.active = True
-        reply = _call(
-            handler, params, info, cancelled, _ChildOutput(conn, run), ChildSteps(conn, run)
-        )
-        with run.lock:
-            if not run.active:
-                return  # the lease watch stopped the run (and is killing us)
-            run.active = False
-            _sweep()  # what the handler left running ends with its run
-            try:
-                conn.send((*reply[:1], _rss_bytes(), *reply[1:]))
-            except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
-                conn.send(("error", _rss_bytes(), f"the result cannot be sent back: {exc!r}"))
-        if reply[0] == "memory":
-            return  # a child that ran out of memory is not trusted with another run
-
-
-# -- the parent side ------------------------------------------------------------------------------
+# -- the guard ------------------------------------------------------------------------------------
 
 
 GUARD_CODE = """
@@ -669,7 +363,7 @@ class ProcessPool:
         cancelled = self._mp.Event()
         deadline = self._mp.RawValue("d", math.inf)
         process = self._mp.Process(
-            target=_child_main,
+            target=child_main,
             args=(child_conn, alive_r, cancelled, deadline, os.getpid()),
             name="mtask-child",
             daemon=True,
@@ -716,7 +410,7 @@ class ProcessPool:
             for child in list(self._busy.values()):
                 with contextlib.suppress(ValueError, OSError):  # closed, or gone
                     pid = child.process.pid
-                    rss = None if pid is None else _rss_of(pid)
+                    rss = None if pid is None else rss_of(pid)
                     if rss is None or rss <= limit or child.over_limit is not None:
                         continue
                     if child.busy_since is None:

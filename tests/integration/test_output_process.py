@@ -19,7 +19,8 @@ from test_pool import INFO, dead, gone, until
 
 from mtask import Fail, TaskClient
 from mtask.output import Batch
-from mtask.worker.pool import ChildDied, ProcessPool, TimeLimitExceeded, _ChildOutput, _Run
+from mtask.worker.pool import ChildDied, ProcessPool, TimeLimitExceeded
+from mtask.worker.pool_child import _ChildOutput, _Run
 
 # -- through a worker, into MongoDB --------------------------------------------------------------
 

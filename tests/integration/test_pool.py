@@ -24,9 +24,9 @@ from mtask.worker.pool import (
     HandlerError,
     MemoryLimitExceeded,
     ProcessPool,
-    RunInfo,
     TimeLimitExceeded,
 )
+from mtask.worker.pool_child import RunInfo
 
 INFO = RunInfo("k", "n", 1, "run-1", "w-1")
 
@@ -253,7 +253,8 @@ def test_no_child_outlives_a_killed_parent(tmp_path: Path) -> None:
             import asyncio, sys
             sys.path.insert(0, sys.argv[1])
             import poolhandlers
-            from mtask.worker.pool import ProcessPool, RunInfo
+            from mtask.worker.pool import ProcessPool
+            from mtask.worker.pool_child import RunInfo
 
             async def main():
                 pool = ProcessPool()

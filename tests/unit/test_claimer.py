@@ -17,12 +17,13 @@ from mtask.driver import AsyncDriver
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.claimer import Claimer
 from mtask.worker.events import Emitter
-from mtask.worker.executor import Executor, WorkerStats
+from mtask.worker.executor import Executor
 from mtask.worker.finding.finder import Finder
 from mtask.worker.inflight import InFlight
 from mtask.worker.limit_gate import LimitGate
 from mtask.worker.presence import Assignment
 from mtask.worker.recorder import OutcomeRecorder
+from mtask.worker.stats import WorkerStats
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 TOO_LARGE = 17419  # "Resulting document after update is larger than 16777216"
