@@ -518,6 +518,24 @@ def _read_options(value: Any, problems: list[str]) -> StoredOptions:
     if not isinstance(value, Mapping):
         problems.append(f"'options': must be an object, found {type(value).__name__}")
         return StoredOptions()
+    present = {k: v for k, v in value.items() if v is not None or k == "run_at"}
+    run_at = present.get("run_at")
+    if value.keys() <= TaskOptions.model_fields.keys() and (
+        run_at is None or isinstance(run_at, dt.datetime)
+    ):
+        # the usual document, in one validation (each option's own validators are per field,
+        # so this is the loop below's result when it passes); the loop names every problem
+        try:
+            model = TaskOptions.model_validate(present)
+        except ValidationError:
+            pass
+        else:
+            return StoredOptions(**{k: getattr(model, k) for k in present})
+    return _read_each_option(value, problems)
+
+
+def _read_each_option(value: Mapping[str, Any], problems: list[str]) -> StoredOptions:
+    """The options one by one, each problem named."""
     found: dict[str, Any] = {}
     for key, option in value.items():
         if key not in TaskOptions.model_fields:

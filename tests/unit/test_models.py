@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mtask import InvalidTask, MtaskError, TaskOptions
 from mtask.client import build_many, build_task
-from mtask.models import MAX_KEY_LENGTH, NewTask
+from mtask.models import MAX_KEY_LENGTH, NewTask, Task, _read_each_option, _read_options
+from mtask.store.schema import new_document
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -72,3 +76,38 @@ def test_options_defaults_and_document() -> None:
     doc = opts.to_document()
     assert doc["concurrency"] == 1 and doc["specific_worker_ids"] == ["w1"]
     assert doc["max_retries"] == 3 and doc["run_at"] is None
+
+
+_OPTION_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**40), max_value=2**40),
+    st.floats(allow_nan=True),
+    st.text(max_size=4),
+    st.lists(st.text(max_size=3), max_size=2),
+    st.datetimes(timezones=st.one_of(st.none(), st.just(dt.UTC))),
+)
+
+
+@given(
+    st.dictionaries(
+        st.one_of(st.sampled_from(sorted(TaskOptions.model_fields)), st.text(max_size=3)),
+        _OPTION_VALUES,
+        max_size=8,
+    )
+)
+def test_stored_options_read_at_once_as_one_by_one(options: dict[str, Any]) -> None:
+    """A document's options are read in one validation when they pass; it must give what
+    reading them one by one gives, the problems too (none, or the same named ones)."""
+    at_once: list[str] = []
+    each: list[str] = []
+    assert _read_options(options, at_once) == _read_each_option(options, each)
+    assert at_once == each
+
+
+def test_stored_options_of_a_published_document_are_read_at_once() -> None:
+    doc = new_document(NewTask.build("n", "k", {}, {"priority": 3, "group": "g"}), NOW)
+    problems: list[str] = []
+    stored = _read_options(doc["options"], problems)
+    assert (stored.priority, stored.group, stored.concurrency, problems) == (3, "g", 1, [])
+    assert Task.from_document(doc).complete
