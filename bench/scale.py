@@ -417,6 +417,10 @@ def many_hosts(bench: Bench) -> None:
         # the same ratio within each pass (one host's figure drifts from pass to pass)
         by_pass = [run[i]["cpu_ms_per_task"] / run[first]["cpu_ms_per_task"] for run in runs]
         wait = row["finished_p50_ms"] / one["finished_p50_ms"]
+        # the same wait on one clock: publish → handler start, both read by this host's
+        # time.time() (created_at and finished_at are two processes' estimates of the server's
+        # clock, each stored to the millisecond)
+        start = row["start_p50_ms"] / one["start_p50_ms"]
         ops = " ".join(
             f"{kind} {row[f'{kind}_per_task']:.2f}"
             for kind in ("insert", "query", "update", "getmore", "command")
@@ -432,7 +436,8 @@ def many_hosts(bench: Bench) -> None:
                 )
                 + "); "
                 f"{row['attempts_per_task']:.2f} claim attempts/task; created→finished p50 "
-                f"{row['finished_p50_ms']:.1f} ms ({wait:.2f}x); ops/task: {ops}; idle: "
+                f"{row['finished_p50_ms']:.1f} ms ({wait:.2f}x), publish→start "
+                f"{row['start_p50_ms']:.1f} ms ({start:.2f}x); ops/task: {ops}; idle: "
                 f"{row['idle_cpu_pct']:.1f} % of a core, {row['idle_ops_per_s']:.0f} ops/s; "
                 f"relay left {row['left_relay']:.0f}x, keys given back {row['returned']:.0f}, "
                 f"missed {row['said_missed']:.0f}, gone {row['said_gone']:.0f}, "
