@@ -36,7 +36,7 @@ CLAIM_TIMEOUT_S = 5.0
 whose document an open transaction has written (a transactional run frozen or killed between
 its fenced SUCCESS and its commit) waits for that transaction, which the server keeps until
 ``transactionLifetimeLimitSeconds``; this bounds the wait, and the claimer then kills that
-transaction (``Claimer.kill_stale_transactions``)."""
+transaction (``ClaimCalls.kill_stale_transactions``)."""
 
 
 def claim_filter(

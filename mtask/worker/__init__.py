@@ -5,7 +5,8 @@ held (``Worker.parts``); it reaches MongoDB, starts the
 lease pinger thread and its side services, runs the ``Claimer``'s main loop until it is told
 to stop, drains, and shuts down. The parts (see docs/worker.md, "The worker package"):
 
-- ``Claimer`` (claimer.py): the main loop and the claim path (River's producer);
+- ``Claimer`` (claimer.py): the main loop and the claim path (River's producer), with
+  ``ClaimCalls`` (claim_calls.py) and ``LimitedClaims`` (limited_claims.py);
 - ``Executor`` (executor.py): one run from claim to outcome; ``RunOutcomes``
   (run_outcomes.py): what the run ends with;
 - ``InFlight`` (inflight.py): the runs in flight and the keys being claimed, the only state

@@ -25,6 +25,7 @@ from mtask.clock import Clock, ServerClock
 from mtask.connection import WORKER_CLIENT_OPTIONS, async_client, sync_client
 from mtask.registry import Registry
 from mtask.worker import finding
+from mtask.worker.claim_calls import ClaimCalls
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.claimer import Claimer
 from mtask.worker.config import WorkerConfig
@@ -34,6 +35,7 @@ from mtask.worker.flow_sweep import FlowSweep
 from mtask.worker.inflight import InFlight
 from mtask.worker.lease import LeasePinger, LoopTicker
 from mtask.worker.limit_gate import REFRESH_SECONDS, LimitGate
+from mtask.worker.limited_claims import LimitedClaims
 from mtask.worker.output_writer import OutputWriter
 from mtask.worker.pool import ProcessPool
 from mtask.worker.presence import Assignment, Lifecycle, Presence
@@ -219,10 +221,22 @@ def build(
         emit=emit,
         lost=lost,
     )
-    claimer = Claimer(
+    calls = ClaimCalls(adriver, clock, worker_id=worker_id, ignore=found.sink.ignore)
+    limited_claims = LimitedClaims(
         adriver,
+        calls,
+        gate=gate,
+        sink=found.sink,
+        inflight=inflight,
+        recorder=recorder,
+        executor=executor,
+        stats=stats,
+        wake=wake,
+    )
+    claimer = Claimer(
         clock,
-        worker_id=worker_id,
+        calls,
+        limited_claims,
         concurrency=config.concurrency + config.prefetch,
         queue=queue,
         inflight=inflight,

@@ -14,6 +14,7 @@ from scripted import AsyncScriptedDriver, Step
 
 from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver
+from mtask.worker.claim_calls import ClaimCalls
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.claimer import Claimer
 from mtask.worker.events import Emitter
@@ -21,6 +22,7 @@ from mtask.worker.executor import Executor
 from mtask.worker.finding.finder import Finder
 from mtask.worker.inflight import InFlight
 from mtask.worker.limit_gate import LimitGate
+from mtask.worker.limited_claims import LimitedClaims
 from mtask.worker.presence import Assignment
 from mtask.worker.recorder import OutcomeRecorder
 from mtask.worker.stats import WorkerStats
@@ -76,10 +78,24 @@ def build(driver: AsyncScriptedDriver) -> tuple[Claimer, Finder, Started]:
         adriver, clock, gate=gate, sink=watcher, inflight=inflight, emit=Emitter(), wake=wake
     )
     started = Started(inflight)
-    claimer = Claimer(
+    calls = ClaimCalls(adriver, clock, worker_id="w1", ignore=watcher.ignore)
+    executor = cast(Executor, started)
+    stats = WorkerStats()
+    limited_claims = LimitedClaims(
         adriver,
+        calls,
+        gate=gate,
+        sink=watcher,
+        inflight=inflight,
+        recorder=recorder,
+        executor=executor,
+        stats=stats,
+        wake=wake,
+    )
+    claimer = Claimer(
         clock,
-        worker_id="w1",
+        calls,
+        limited_claims,
         concurrency=10,
         queue=queue,
         inflight=inflight,
@@ -87,8 +103,8 @@ def build(driver: AsyncScriptedDriver) -> tuple[Claimer, Finder, Started]:
         sink=watcher,
         gate=gate,
         recorder=recorder,
-        executor=cast(Executor, started),
-        stats=WorkerStats(),
+        executor=executor,
+        stats=stats,
         lifecycle=Running(),
         wake=wake,
     )
