@@ -265,8 +265,8 @@ def stranded_quick(names: Sequence[Any]) -> Doc:
             # not a string, or "": the only names no worker can have ($gt "" is every other
             # string), unfinished (an unknown status, or open)
             {"name": NOT_A_NAME, "status": {"$nin": FINISHED}},
-            # a key that is not a string (any service may insert one): no worker queues it; the
-            # open tasks' documents are read for it (an index key does not keep its type)
+            # a key that is not a string (any service may insert one): no worker queues it;
+            # found through the _id index, whose bounds a list of types narrows to those keys
             {
                 "name": {"$in": string_names(names)},
                 "status": {"$in": list(OPEN)},
@@ -278,7 +278,29 @@ def stranded_quick(names: Sequence[Any]) -> Doc:
 
 FINISHED = sorted(s.value for s in FINISHED_STATUSES)
 KNOWN = [s.value for s in TaskStatus]
-NOT_A_STRING: Doc = {"$not": {"$type": "string"}}
+NOT_A_STRING: Doc = {
+    "$type": [
+        "number",
+        "objectId",
+        "object",
+        "binData",
+        "bool",
+        "date",
+        "null",
+        "regex",
+        "dbPointer",
+        "javascript",
+        "javascriptWithScope",
+        "timestamp",
+        "minKey",
+        "maxKey",
+        "undefined",
+    ]
+}
+"""A key of any type but a string, as a list of types: ``$not: {$type: "string"}`` has no index
+bounds, so it read every open task's document; each listed type is one range of the ``_id``
+index. Left out besides strings: an array (never an ``_id``) and a symbol (a deprecated type
+some drivers still write), whose range is the strings': ``stranded_open`` finds those."""
 
 
 def stranded_open(names: Sequence[Any]) -> Doc:
@@ -297,6 +319,9 @@ def stranded_open(names: Sequence[Any]) -> Doc:
             # worker; a worker that was down then never would
             *({field: {"$not": spec}} for field, spec in WELL_FORMED.items()),
             {"name": {"$regex": "\\x00"}},  # a name no worker can have (models.NO_NUL)
+            # a key that is a symbol: read as a string, but no batch claim ($type "string")
+            # matches it; NOT_A_STRING leaves it out (its bounds would be every string key)
+            {"_id": {"$type": "symbol"}},
         ],
     }
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
+import bson
 import pytest
+from bson import ObjectId
+from bson.raw_bson import RawBSONDocument
 
 from mtask import TaskClient
 from mtask.driver import GATHER, Call
@@ -281,6 +285,39 @@ def test_the_sweeps_search_for_stranded_documents_reads_indexes(client: TaskClie
         assert sorted(map(str, found)) == ["7", "no-name", "no-status", "odd-status"]
         assert [m for m, _ in plans] == ["distinct", "find"], plans
         assert all("COLLSCAN" not in p for _, p in plans), plans
+
+
+def _symbol_key(key: str, name: str) -> RawBSONDocument:
+    """An open task whose ``_id`` is a BSON symbol (type 0x0E: a deprecated type that PyMongo
+    reads as a string and cannot write; other drivers still can)."""
+    key_bytes = key.encode() + b"\x00"
+    element = b"\x0e_id\x00" + struct.pack("<i", len(key_bytes)) + key_bytes
+    rest = bson.encode({"name": name, "status": "pending"})[4:-1]
+    body = element + rest + b"\x00"
+    return RawBSONDocument(struct.pack("<i", len(body) + 4) + body)
+
+
+def test_keys_that_are_not_strings_are_found_through_the_id_index(client: TaskClient) -> None:
+    """The search at each sweep finds an open task whose key is not a string by the ``_id``
+    index's bounds (a list of types): it reads those documents, not every open one, whatever
+    the backlog. A symbol key (indexed as a string) is found by the search of the open
+    documents, every few sweeps."""
+    client.publish_many({"name": "n1", "key": f"k{i}"} for i in range(500))
+    oid = ObjectId()
+    client.collection.insert_many(
+        [
+            {"_id": 7, "name": "n1", "status": "pending"},
+            {"_id": oid, "name": "n1", "status": "pending"},
+        ]
+    )
+    client.collection.insert_one(_symbol_key("sym", "n1"))
+    op = stranded(open_too=False)
+    call = op.send(client._run(_replay(next(op))))  # the names present, then the search
+    stats = client.collection.find(*call.args, **call.kwargs).explain()["executionStats"]
+    assert stats["totalDocsExamined"] < 20, stats["totalDocsExamined"]  # 500 open tasks
+    assert sorted(map(str, client._run(stranded(open_too=False)))) == sorted(["7", str(oid)])
+    found = client._run(stranded(open_too=True))
+    assert sorted(map(str, found)) == sorted(["7", str(oid), "sym"])
 
 
 def test_a_retired_index_waits_for_no_open_transaction(
