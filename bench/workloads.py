@@ -387,7 +387,10 @@ class Bench:
             ]
             tasks = [asyncio.create_task(w.run()) for w in workers]
             async with AsyncTaskClient(self.uri, database=name) as client:
-                while any(len(w._peers.get("noop", ())) < 4 for w in workers):  # noqa: ASYNC110
+                # each sees the 4 live workers of its name (its heartbeat's read of its peers)
+                while any(  # noqa: ASYNC110
+                    len(w.parts.assignment.peers.get("noop", ())) < 4 for w in workers
+                ):
                     await asyncio.sleep(0.05)  # polls MongoDB-backed state; no event to await
                 for i in range(n):
                     await client.publish("noop", f"s{i}")

@@ -92,11 +92,6 @@ class Worker:
     def in_flight(self) -> int:
         return len(self.parts.inflight)
 
-    @property
-    def _peers(self) -> dict[str, list[str]]:
-        """The live workers per name (read by mtask.bench's stampede measure)."""
-        return {name: list(ids) for name, ids in self.parts.assignment.peers.items()}
-
     def stop(self, immediate: bool = False) -> None:
         """Stop claiming and drain within ``grace``; ``immediate`` cancels and releases now."""
         if self.state in ("ready", "running"):
