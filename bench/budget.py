@@ -62,7 +62,7 @@ VARIANTS: dict[str, Variant] = {
     # the tasks collection's indexes (store/schema.py) that no claim, run or outcome reads:
     # each group's share of the budget
     "no listing indexes": Variant(drop=("newest", "name_status_newest")),
-    "no operator indexes": Variant(drop=("finished", "runs_worker", "error_text")),
+    "no finished index": Variant(drop=("finished",)),  # operators' and `mtask top`'s
     "no flow indexes": Variant(drop=("parent", "waiting_on", "outbox", "expire_held")),
     # what the run path does per task that a plain worker could be asked to do without
     "no metrics": Variant(off=("metrics",)),

@@ -344,11 +344,14 @@ class _Base:
         yield from store.get("")
 
     @operation
-    def init_collection(self, validator: bool | None = None) -> Op[dict[str, Any]]:
+    def init_collection(
+        self, validator: bool | None = None, operator_indexes: bool | None = None
+    ) -> Op[dict[str, Any]]:
         """Create the tasks collection and its indexes; ``validator=True`` installs the task
-        document's ``$jsonSchema`` validator (``mtask.jsonschema``), ``False`` removes any.
-        Returns the collection's options as the server reports them."""
-        return (yield from store.collection_init(self.collection_name, validator))
+        document's ``$jsonSchema`` validator (``mtask.jsonschema``), ``False`` removes any;
+        ``operator_indexes`` likewise makes or drops ``store.schema.OPERATOR_INDEXES``. Returns
+        the collection's options as the server reports them."""
+        return (yield from store.collection_init(self.collection_name, validator, operator_indexes))
 
     # -- reading and acting on tasks ------------------------------------------------------------
 

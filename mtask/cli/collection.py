@@ -30,6 +30,14 @@ def register(sub: Any) -> None:
         help="install (--validator) or remove (--no-validator) the $jsonSchema validator that "
         "refuses a wrong task document at insert time; default: leave it as it is",
     )
+    init.add_argument(
+        "--operator-indexes",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="make (--operator-indexes) or drop (--no-operator-indexes) the indexes for "
+        "operators' own queries that no command reads (runs_worker: all runs by a worker); "
+        "each index costs every task's writes; default: leave them as they are",
+    )
     schema = actions.add_parser("schema", help="print a JSON Schema of the task document")
     schema.add_argument(
         "kind",
@@ -49,15 +57,21 @@ def cmd_collection(args: argparse.Namespace) -> int:
         name = f"{SCHEMA_KINDS[args.kind]}.v{jsonschema.VERSION}.json"
         sys.stdout.write(jsonschema.dump(jsonschema.generated()[name]))
         return 0
+    from mtask.store.schema import OPERATOR_INDEXES
+
     with task_client(args) as client:
-        options = client.init_collection(args.validator)
+        options = client.init_collection(args.validator, args.operator_indexes)
+        indexes = client.collection.index_information()
+    operator = [m.document["name"] for m in OPERATOR_INDEXES if m.document["name"] in indexes]
     installed = bool(options.get("validator"))
     level, action = options.get("validationLevel"), options.get("validationAction")
     if args.json:
         target = f"{args.database}.{args.collection}"
         report = {"collection": target, "validator": installed, "validationLevel": level}
-        sys.stdout.write(json.dumps({**report, "validationAction": action}) + "\n")
+        report |= {"validationAction": action, "operator_indexes": operator}
+        sys.stdout.write(json.dumps(report) + "\n")
         return 0
     state = f"validator installed (level {level}, action {action})" if installed else "no validator"
-    out.print(f"{args.database}.{args.collection}: indexes ready, {state}", markup=False)
+    extra = f"operator indexes: {', '.join(operator)}" if operator else "no operator indexes"
+    out.print(f"{args.database}.{args.collection}: indexes ready, {state}, {extra}", markup=False)
     return 0

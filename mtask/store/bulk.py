@@ -10,8 +10,8 @@ skipped. ``older_than`` compares ``updated_at`` (for a finished task, when it fi
 the server's ``now``.
 
 Search and list use the indexes of ``INDEXES`` (made by ``ensure_indexes`` when ``mtask serve``
-starts): name + newest first for a name's list, and a text index on ``error`` for error search;
-a key prefix uses ``_id``'s own index.
+starts, or by a client's first search by error text): name + newest first for a name's list,
+and a text index on ``error`` for error search; a key prefix uses ``_id``'s own index.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pymongo import ASCENDING, DESCENDING, IndexModel
+from pymongo import ASCENDING, DESCENDING, TEXT, IndexModel
 
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask, InvalidTransition, TaskNotFound
@@ -49,8 +49,18 @@ INDEXES = [
         partialFilterExpression={"options.group": {"$type": "string"}},
     ),
 ]
-"""Error-text search uses the store's own ``error_text`` index (``store.schema``): a collection
-may hold one text index only."""
+ERROR_TEXT = IndexModel(
+    [("error", TEXT)],
+    name="error_text",
+    default_language="none",
+    partialFilterExpression={"error": {"$type": "string"}},
+)
+"""Error words (``search(text=...)``, ``queries.with_error``): no stemming, so exception names
+match exactly; partial, so only tasks with an error have keys. Made with the dashboard's
+indexes or by the first search by error text, not by every worker: each index of the tasks
+collection costs every claim and outcome its key generation (docs/scale.md, "Indexes for
+operators"). A collection may hold one text index only."""
+INDEXES.append(ERROR_TEXT)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pymongo import ASCENDING, DESCENDING
 
 from mtask.driver import Call, Doc, Op
 from mtask.store import counts
+from mtask.store.bulk import ERROR_TEXT
 
 SUMMARY = {"name": 1, "status": 1, "created_at": 1, "finished_at": 1, "next_claim_at": 1}
 
@@ -31,7 +32,9 @@ def recently_finished(limit: int = 100, name: str | None = None) -> Op[list[Doc]
 
 
 def runs_by_worker(worker_id: str, limit: int = 100) -> Op[list[Doc]]:
-    """Tasks with a (kept) run by ``worker_id`` (the multikey ``runs_worker`` index)."""
+    """Tasks with a (kept) run by ``worker_id``, on the multikey ``runs_worker`` index: one of
+    ``schema.OPERATOR_INDEXES``, made on request only (``mtask collection init
+    --operator-indexes``); without it the query reads every task."""
     docs: list[Doc] = yield Call(
         "find",
         (
@@ -68,7 +71,9 @@ def delayed(now: dt.datetime, limit: int = 100) -> Op[list[Doc]]:
 
 def with_error(words: str, limit: int = 100) -> Op[list[Doc]]:
     """Tasks whose last error contains all of ``words`` (whole words, no stemming: the
-    ``error_text`` text index with language ``none``), best match first."""
+    ``error_text`` text index with language ``none``, made first if it is not there), best
+    match first."""
+    yield Call("create_indexes", ([ERROR_TEXT],))
     search = " ".join(f'"{w}"' for w in words.replace('"', " ").split())
     docs: list[Doc] = yield Call(
         "find",

@@ -7,7 +7,7 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
-from pymongo import ASCENDING, DESCENDING, TEXT, IndexModel
+from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.errors import OperationFailure
 
 from mtask.driver import Call, Doc, Op
@@ -71,24 +71,12 @@ INDEXES: dict[str, list[IndexModel]] = {
             name="expire_held",
             partialFilterExpression={"expire_held": True},
         ),
-        # Operator queries (store/queries.py; scale.md, "Indexes for operators").
+        # Finished tasks, newest first: ``mtask top``'s rate and operators' "recently finished"
+        # (store/queries.py; scale.md, "Indexes for operators").
         IndexModel(
             [("finished_at", DESCENDING), ("_id", DESCENDING)],
             name="finished",
             partialFilterExpression={"finished_at": {"$type": "date"}},
-        ),
-        # A task without runs has no key (a multikey index would hold one for its empty array,
-        # replaced at its first claim: two more key writes a task).
-        IndexModel(
-            [("runs.worker_id", ASCENDING)],
-            name="runs_worker",
-            partialFilterExpression={"runs.worker_id": {"$exists": True}},
-        ),
-        IndexModel(
-            [("error", TEXT)],
-            name="error_text",
-            default_language="none",
-            partialFilterExpression={"error": {"$type": "string"}},
         ),
         # Groups (docs/fairness.md): the open tasks of each group in publish order, for a
         # sequence's next task and the largest groups. Tasks without a group have no key.
@@ -130,6 +118,21 @@ INDEXES: dict[str, list[IndexModel]] = {
     ],
 }
 
+
+OPERATOR_INDEXES: list[IndexModel] = [
+    # All runs by a worker (``store.queries.runs_by_worker``). A task without runs has no key
+    # (a multikey index would hold one for its empty array, replaced at its first claim).
+    IndexModel(
+        [("runs.worker_id", ASCENDING)],
+        name="runs_worker",
+        partialFilterExpression={"runs.worker_id": {"$exists": True}},
+    ),
+]
+"""Indexes for an operator's own questions, which no command, route or page asks: made only on
+request (``mtask collection init --operator-indexes``, ``collection_init``). Every index of the
+tasks collection costs each claim and outcome its key generation, whether or not the task has a
+key in it (docs/scale.md, "Indexes for operators"), so one nobody reads is not made for them.
+``ensure_indexes`` neither makes nor drops them."""
 
 SPECIFIC = "options.specific_worker_ids"
 WELL_FORMED: dict[str, Any] = {
@@ -404,11 +407,14 @@ VALIDATION_LEVEL = "moderate"
 already there and does not (inserted before the validator) can still be marked ``invalid``."""
 
 
-def collection_init(name: str, validator: bool | None = None) -> Op[Doc]:
+def collection_init(
+    name: str, validator: bool | None = None, operator_indexes: bool | None = None
+) -> Op[Doc]:
     """Create the tasks collection ``name`` (if absent) and the indexes; with ``validator``
     True install the task document's ``$jsonSchema`` (``mtask.jsonschema``) as its validator
-    (action ``error``, level ``moderate``), with False remove any validator, with None leave it.
-    Returns the collection's options as the server reports them."""
+    (action ``error``, level ``moderate``), with False remove any validator, with None leave it;
+    ``operator_indexes`` likewise for ``OPERATOR_INDEXES``. Returns the collection's options as
+    the server reports them."""
     from mtask.jsonschema import validator_schema  # the schema module imports models only
 
     try:
@@ -424,6 +430,13 @@ def collection_init(name: str, validator: bool | None = None) -> Op[Doc]:
             {"validator": rule, "validationLevel": VALIDATION_LEVEL, "validationAction": "error"},
         )
     yield from ensure_indexes()
+    if operator_indexes:
+        yield Call("create_indexes", (OPERATOR_INDEXES,))
+    elif operator_indexes is not None:
+        present = yield Call("index_information")
+        for index in (str(model.document["name"]) for model in OPERATOR_INDEXES):
+            if index in present:
+                yield Call("drop_index", (index,))
     info = yield Call("command", ("listCollections",), {"filter": {"name": name}})
     batch = info.get("cursor", {}).get("firstBatch", [])
     options: Doc = batch[0].get("options", {}) if batch else {}

@@ -291,6 +291,13 @@ def test_collection_command(
     assert cli_main(["collection", "init", *common, "--validator", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["validator"] is True and out["validationLevel"] == "moderate"
+    assert out["operator_indexes"] == []  # made on request only
+    assert cli_main(["collection", "init", *common, "--operator-indexes", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["operator_indexes"] == ["runs_worker"]
+    assert cli_main(["collection", "init", *common]) == 0  # left as they are
+    assert "operator indexes: runs_worker" in capsys.readouterr().out
+    assert cli_main(["collection", "init", *common, "--no-operator-indexes", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["operator_indexes"] == []
     assert cli_main(["collection", "schema", "validator"]) == 0
     assert json.loads(capsys.readouterr().out) == jsonschema.validator_schema()
     with TaskClient(mongo_uri, database=db_name) as client:

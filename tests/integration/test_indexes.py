@@ -220,6 +220,7 @@ def _replay(call: Call) -> Any:
 
 
 def test_operator_queries_use_their_indexes(client: TaskClient) -> None:
+    client.init_collection(operator_indexes=True)  # runs_worker is made on request only
     _finished_mix(client)
     now = client.now()
     for op, index in [
@@ -231,7 +232,11 @@ def test_operator_queries_use_their_indexes(client: TaskClient) -> None:
         stages = _winning(explain)
         assert "COLLSCAN" not in stages and "SORT" not in stages, (index, stages)
         assert f"'indexName': '{index}'" in str(explain["queryPlanner"]["winningPlan"]), index
-    explain = _explain_call(client, next(with_error("ValueError width")))
+    # error words: the text index is made by the query's first call if it is not there
+    op = with_error("ValueError width")
+    first = next(op)
+    assert first.method == "create_indexes"
+    explain = _explain_call(client, op.send(client._run(_replay(first))))
     assert "TEXT_MATCH" in _winning(explain) and "COLLSCAN" not in _winning(explain)
     assert len(client._run(recently_finished(500))) == 100
     assert len(client._run(runs_by_worker("w1", 500))) == 100
@@ -243,6 +248,7 @@ def test_operator_queries_use_their_indexes(client: TaskClient) -> None:
 def test_a_task_without_runs_has_no_key_in_runs_worker(client: TaskClient) -> None:
     """``runs_worker`` is partial: a task gets its key at its first claim, none before (a
     multikey index holds one for an empty array, replaced at the claim)."""
+    client.init_collection(operator_indexes=True)
     client.publish_many({"name": "rw", "key": f"rw{i}", "params": {}} for i in range(5))
     now = client.now()
     claimed = client._run(claim(["rw0", "rw1"], ["rw"], "w-rw", now))
@@ -261,10 +267,33 @@ def test_ensure_indexes_drops_the_retired_indexes(client: TaskClient) -> None:
     client._run(ensure_indexes())
     indexes = client.collection.index_information()
     assert "worker_runs" not in indexes and "status_newest" not in indexes
+    client._run(ensure_indexes())
+
+
+def test_indexes_no_worker_reads_are_made_on_request(client: TaskClient) -> None:
+    """A worker makes the indexes its claims, scans, outcomes, flows and retention read, and
+    those of the commands every user has (lists, stats, ``top``); not an operator's own
+    (``runs_worker``: made and dropped by ``collection init``, kept by a worker's start), nor
+    error search's text index (made by the dashboard's start or the first search by text)."""
+    client._run(ensure_indexes())
+    made = set(client.collection.index_information())
+    assert {"claim", "name_status_newest", "finished", "expire"} <= made
+    assert not made & {"runs_worker", "error_text"}, made
+    client.init_collection(operator_indexes=True)
+    indexes = client.collection.index_information()
     assert indexes["runs_worker"]["partialFilterExpression"] == {
         "runs.worker_id": {"$exists": True}
     }
-    client._run(ensure_indexes())
+    client._run(ensure_indexes())  # a worker's start leaves it
+    assert "runs_worker" in client.collection.index_information()
+    client.init_collection()  # and so does init without the option
+    assert "runs_worker" in client.collection.index_information()
+    client.init_collection(operator_indexes=False)
+    client.init_collection(operator_indexes=False)  # dropping what is not there: no error
+    assert "runs_worker" not in client.collection.index_information()
+    client.publish("n", "k", params={})
+    assert client.search(text="boom") == []  # the first search by error words makes its index
+    assert "error_text" in client.collection.index_information()
 
 
 def test_the_sweeps_search_for_stranded_documents_reads_indexes(client: TaskClient) -> None:
