@@ -266,6 +266,9 @@ class Position:
         self.streaming = False
         """A stream is open at this position now."""
         self.switching = False
+        self.buffered = True
+        """After a change was handed out: whether the stream holds more it has read already
+        (its next read sends no ``getMore``); ``True`` when that cannot be told."""
 
     def switch(self) -> None:
         """Reopen the open stream after the change just handed out, without ``on_open`` (no
@@ -374,6 +377,7 @@ async def follow_waits(
                     if change is not None and _invalidated(change):
                         at.lost("the collection was dropped or renamed")
                         break
+                    at.buffered = _buffered(stream)
                     yield change  # handed out: only now may the position move past it
                     at.moved(stream.resume_token)
                 if at.switching:
@@ -384,6 +388,15 @@ async def follow_waits(
         finally:
             at.streaming = False
         await asyncio.sleep(delay)
+
+
+def _buffered(stream: Any) -> bool:
+    """Whether ``stream`` holds changes it has read and not handed out. PyMongo says so nowhere
+    public: its cursor's buffer is read, and ``True`` said when it cannot be (a consumer then
+    reads on at once, as it would without knowing; tests/integration/test_events.py checks that the
+    installed PyMongo can be read)."""
+    data = getattr(getattr(stream, "_cursor", None), "_data", None)
+    return True if data is None else len(data) > 0
 
 
 @overload

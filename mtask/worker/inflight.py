@@ -54,6 +54,8 @@ class InFlight:
         self.on_free = on_free
         """Called when a slot may have freed (a run ended, a claim came back): the shared
         stream tells its relay how many tasks this worker can take."""
+        self._back = asyncio.Event()
+        """Set when the last claim on its way came back (``claims_back``)."""
 
     def __len__(self) -> int:
         return len(self.runs)
@@ -76,7 +78,18 @@ class InFlight:
             yield
         finally:
             self._claiming.difference_update(keys)
+            if not self._claiming:
+                self._back.set()
             self.on_free()
+
+    async def claims_back(self, within: float) -> None:
+        """Return once no claim is on its way, or after ``within`` seconds (``ClaimsBack``)."""
+        if not self._claiming:
+            return
+        self._back.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within):
+                await self._back.wait()
 
     def started(self, run: ActiveRun) -> None:
         self.runs[run.run_id] = run

@@ -362,3 +362,34 @@ async def test_mtask_wait_exit_codes(
     with pytest.raises(SystemExit) as exit_info:
         main(["wait", "w1", "--timeout", "soon"])
     assert exit_info.value.code == 2
+
+
+async def test_follow_says_whether_the_stream_holds_more_changes_read(
+    mongo_uri: str, db_name: str
+) -> None:
+    """``Position.buffered`` reads PyMongo's cursor (nothing public says it): of three changes
+    read in one ``getMore`` the first two are ``buffered``, the last not. A PyMongo whose cursor
+    cannot be read fails here (its relay would never wait for its own worker's claim: W2,
+    docs/performance.md)."""
+    from mtask import events as events_module
+
+    mongo = async_client(mongo_uri)
+    collection = mongo[db_name]["buffered"]
+    at = events_module.Position()
+
+    async def on_open() -> None:  # after the stream opened, before its first getMore
+        await collection.insert_many([{"_id": n} for n in range(3)])
+
+    follow = events_module.follow_waits(
+        collection, lambda: [{"$match": {"operationType": "insert"}}], at, on_open=on_open
+    )
+    seen: list[tuple[Any, bool]] = []
+    try:
+        while len(seen) < 3:
+            change = await anext(follow)
+            if change is not None:
+                seen.append((change["documentKey"]["_id"], at.buffered))
+    finally:
+        await follow.aclose()
+        await mongo.close()
+    assert seen == [(0, True), (1, True), (2, False)]

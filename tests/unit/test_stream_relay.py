@@ -15,7 +15,7 @@ from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.finder import Others
-from mtask.worker.finding.shared import credit, mailbox
+from mtask.worker.finding.shared import channels, credit, mailbox
 from mtask.worker.finding.shared.channels import FRAME_BYTES
 from mtask.worker.finding.shared.dispatch import Dispatcher
 from mtask.worker.finding.shared.relay import Relay
@@ -23,6 +23,7 @@ from mtask.worker.finding.shared.reporter import Reporter
 from mtask.worker.finding.shared.subscriber import SharedStream
 from mtask.worker.finding.shared.wire import PROTOCOL, apply_report
 from mtask.worker.finding.stream import stream_pipeline
+from mtask.worker.inflight import InFlight
 
 WHEN = dt.datetime(2026, 11, 23, 12, 0, tzinfo=dt.UTC)
 
@@ -372,3 +373,53 @@ def test_a_worker_alone_hears_the_end_of_another_workers_run_of_a_sequence() -> 
     finder.on_change({**update, "updateDescription": {"updatedFields": {"attempts": 2}}})
     finder.on_change({**update, "updateDescription": {"updatedFields": {"next_claim_at": None}}})
     assert heard == [limits.claim_lock("n", "g")] and "k1" not in finder.placement.meta
+
+
+async def test_the_relay_reads_on_once_its_own_workers_claim_is_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its own worker alone: after a change it read last, the relay's next read waits for the
+    claim that change led to, so that the claim is sent first (W2); not between changes it read
+    together (its worker claims them together), and never past ``CLAIM_WAIT``."""
+    monkeypatch.setattr(channels, "CLAIM_WAIT", 60.0)  # the test decides when the claim is back
+    inflight = InFlight()
+    relay = relay_with()
+    local = relay.attach("me", ["n"], 1, inflight.claims_back)
+    await relay.opened()  # alone: its worker gets the changes in memory
+    assert relay.direct is local and await local.next() is not None  # the OWN frame
+    back = asyncio.Event()
+    claims: list[str] = []
+
+    async def worker() -> None:  # a claimer woken by each change, claiming its key
+        while (change := await local.next()) is not None:
+            await asyncio.sleep(0)  # the claimer's own turn
+            with inflight.claiming([change["documentKey"]["_id"]]):
+                claims.append(change["documentKey"]["_id"])
+                await back.wait()
+            back.clear()
+
+    running = asyncio.create_task(worker())
+
+    async def change(key: str, buffered: bool) -> asyncio.Task[None]:
+        relay.on_change(
+            {"operationType": "insert", "ns": {"coll": "tasks"}, "documentKey": {"_id": key}}
+        )
+        relay.position.buffered = buffered
+        await asyncio.sleep(0)  # as ``stream.follow`` does after each change
+        return asyncio.create_task(relay.settle())
+
+    settle = await change("k1", buffered=False)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert claims == ["k1"] and not settle.done()  # the next read waits for k1's claim
+    back.set()
+    await asyncio.wait_for(settle, 5)
+    settle = await change("k2", buffered=True)  # more read already: handed on at once
+    await asyncio.wait_for(settle, 5)
+    assert relay.handed  # it waits after the last change it read
+    monkeypatch.setattr(channels, "CLAIM_WAIT", 0.01)
+    await asyncio.sleep(0)
+    assert claims == ["k1", "k2"]  # k2's claim is still on its way
+    settle = await change("k3", buffered=False)
+    await asyncio.wait_for(settle, 5)  # k2's claim never came back: the wait is bounded
+    running.cancel()

@@ -7,15 +7,24 @@
 - ``ClaimReports``: what a subscriber knows of the keys it was handed. Its claims and
   successes reach the relay through the relay's stream (their tags); a held, missed or gone
   key the relay hears from the subscriber. Only the shared stream implements it.
+- ``ClaimsBack``: wait until the worker has no claim on its way (at most the seconds given);
+  ``InFlight.claims_back``. The relay of the worker's own process reads its stream again after
+  the claim its last event caused has come back.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from mtask.worker.finding.placement import TaskMeta
+
+ClaimsBack = Callable[[float], Awaitable[None]]
+
+
+async def no_claims(within: float) -> None:
+    """``ClaimsBack`` of a subscriber without a claimer (tests, tools): nothing to wait for."""
 
 
 class Inbox(Protocol):

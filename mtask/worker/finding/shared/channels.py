@@ -11,10 +11,14 @@ import collections
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from mtask.worker.finding.protocols import ClaimsBack, no_claims
 from mtask.worker.finding.shared import mailbox
 
 FRAME_BYTES = 256
 """What a frame counts for against a subscriber's buffer."""
+CLAIM_WAIT = 0.005
+"""The longest the relay holds its next read for the claim its own worker is making (a claim
+takes 1-2 ms here): what a change arriving meanwhile may wait at most for it."""
 
 
 class InboxChannel:
@@ -57,9 +61,15 @@ class LocalChannel:
     """A subscriber in the relay's own process and event loop: frames handed over as the
     documents they are."""
 
-    def __init__(self, buffer: int, on_full: Callable[[LocalChannel], None]) -> None:
+    def __init__(
+        self,
+        buffer: int,
+        on_full: Callable[[LocalChannel], None],
+        claims_back: ClaimsBack = no_claims,
+    ) -> None:
         self.buffer = buffer
         self.on_full = on_full
+        self.claims_back = claims_back
         self.items: collections.deque[Mapping[str, Any]] = collections.deque()
         self.ready = asyncio.Event()
         self.closed = False
@@ -80,6 +90,16 @@ class LocalChannel:
     def close(self) -> None:
         self.closed = True
         self.ready.set()
+
+    async def settled(self) -> None:
+        """Return once the subscriber has taken what was sent and the claim it led to (if any)
+        is back, or after ``CLAIM_WAIT``. Its worker shares this event loop: a read of the
+        stream sent first would run its client's work before that claim's (W2's latency).
+        Two turns of the loop: the subscriber's (the task queued, the claimer woken), the
+        claimer's (its claim on its way)."""
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        await self.claims_back(CLAIM_WAIT)
 
     async def next(self) -> Mapping[str, Any] | None:
         """The next frame, or ``None`` once closed (the relay went, or dropped it)."""

@@ -50,6 +50,7 @@ from mtask.limits import group_slot
 from mtask.slots import is_group_slot
 from mtask.store import relays
 from mtask.worker.finding.changes import event_key, lock_freed, lock_notice
+from mtask.worker.finding.protocols import ClaimsBack, no_claims
 from mtask.worker.finding.shared import mailbox
 from mtask.worker.finding.shared.channels import InboxChannel, LocalChannel, SubscriberChannel
 from mtask.worker.finding.shared.dispatch import Dispatcher
@@ -101,6 +102,8 @@ class Relay:
         own worker while it is the only subscriber, else none."""
         self.direct: LocalChannel | None = None
         """The relay's own worker, while it is the only subscriber: it gets the task events."""
+        self.handed = False
+        """A change went to ``direct`` since the last ``settle``."""
         self.dropped = 0
         self.restarts = 0
 
@@ -168,9 +171,11 @@ class Relay:
 
     # -- subscribers ------------------------------------------------------------------------
 
-    def attach(self, worker_id: str, names: list[str], free: int) -> LocalChannel:
-        """Subscribe a worker of this process and event loop."""
-        local = LocalChannel(self.buffer, self.drop)
+    def attach(
+        self, worker_id: str, names: list[str], free: int, claims_back: ClaimsBack = no_claims
+    ) -> LocalChannel:
+        """Subscribe a worker of this process and event loop (``claims_back``: its claims)."""
+        local = LocalChannel(self.buffer, self.drop, claims_back)
         self._add(local, worker_id, names, free)
         return local
 
@@ -324,6 +329,7 @@ class Relay:
             self.broadcast(change)
         elif self.direct is not None:
             self.direct.send(change)
+            self.handed = True
         else:
             key = event_key(change)
             meta = self.dispatcher.host.known(key) if isinstance(key, str) else None
@@ -337,6 +343,12 @@ class Relay:
     async def settle(self) -> None:
         if self.direct is None:
             await self.dispatcher.host.settle()
+        elif self.handed and not self.position.buffered:
+            # Its own worker alone: the next read waits for the claim the last change led to
+            # (at most CLAIM_WAIT), so that the claim is sent first; not between changes it
+            # has read already, which its worker claims together.
+            self.handed = False
+            await self.direct.settled()
 
     def restarted(self) -> None:
         self.restarts += 1
