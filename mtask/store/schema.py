@@ -435,8 +435,8 @@ def collection_init(
     elif operator_indexes is not None:
         present = yield Call("index_information")
         for index in (str(model.document["name"]) for model in OPERATOR_INDEXES):
-            if index in present:
-                yield Call("drop_index", (index,))
+            if index in present:  # an open transaction may hold the lock: not for ever
+                yield Call("drop_index", (index,), {"maxTimeMS": DROP_WAIT_MS})
     info = yield Call("command", ("listCollections",), {"filter": {"name": name}})
     batch = info.get("cursor", {}).get("firstBatch", [])
     options: Doc = batch[0].get("options", {}) if batch else {}

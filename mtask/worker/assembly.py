@@ -139,7 +139,7 @@ def build(
         ),
         capacity=capacity,
         freed=freed,
-        claims_back=inflight.claims_back,
+        claims=inflight,
         sweep_interval=config.sweep_interval,
         stagger_ms=config.stagger_ms,
     )

@@ -54,8 +54,12 @@ class InFlight:
         self.on_free = on_free
         """Called when a slot may have freed (a run ended, a claim came back): the shared
         stream tells its relay how many tasks this worker can take."""
-        self._back = asyncio.Event()
-        """Set when the last claim on its way came back (``claims_back``)."""
+        self._begun = 0
+        """Claims begun so far (``claims_mark``)."""
+        self._open: set[int] = set()
+        """The numbers of the claims on their way."""
+        self._ended = asyncio.Event()
+        """Set when a claim came back (``claims_back`` waits on it)."""
 
     def __len__(self) -> int:
         return len(self.runs)
@@ -74,22 +78,30 @@ class InFlight:
         """The keys count as in flight while the block runs (their claim is on its way)."""
         keys = list(keys)
         self._claiming.update(keys)
+        self._begun += 1
+        number = self._begun
+        self._open.add(number)
         try:
             yield
         finally:
             self._claiming.difference_update(keys)
-            if not self._claiming:
-                self._back.set()
+            self._open.discard(number)
+            self._ended.set()
             self.on_free()
 
-    async def claims_back(self, within: float) -> None:
-        """Return once no claim is on its way, or after ``within`` seconds (``ClaimsBack``)."""
-        if not self._claiming:
-            return
-        self._back.clear()
+    def claims_mark(self) -> int:
+        """``ClaimsBack``: a mark of the claims begun so far."""
+        return self._begun
+
+    async def claims_back(self, mark: int, within: float) -> None:
+        """``ClaimsBack``: return once no claim begun after ``mark`` is on its way (those of
+        limited names in batches beside the main loop, begun before, are not waited for), or
+        after ``within`` seconds."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(within):
-                await self._back.wait()
+                while any(number > mark for number in self._open):
+                    self._ended.clear()
+                    await self._ended.wait()
 
     def started(self, run: ActiveRun) -> None:
         self.runs[run.run_id] = run

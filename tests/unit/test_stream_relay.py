@@ -10,9 +10,10 @@ import pytest
 from finders import finder_for
 from pymongo.errors import AutoReconnect
 
-from mtask import limits, store
+from mtask import Registry, TaskContext, limits, store
 from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver
+from mtask.worker import Worker
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.finder import Others
 from mtask.worker.finding.shared import channels, credit, mailbox
@@ -380,11 +381,12 @@ async def test_the_relay_reads_on_once_its_own_workers_claim_is_back(
 ) -> None:
     """Its own worker alone: after a change it read last, the relay's next read waits for the
     claim that change led to, so that the claim is sent first (W2); not between changes it read
-    together (its worker claims them together), and never past ``CLAIM_WAIT``."""
+    together (its worker claims them together), not for a claim begun before the change (a
+    limited batch beside the main loop), and never past ``CLAIM_WAIT``."""
     monkeypatch.setattr(channels, "CLAIM_WAIT", 60.0)  # the test decides when the claim is back
     inflight = InFlight()
     relay = relay_with()
-    local = relay.attach("me", ["n"], 1, inflight.claims_back)
+    local = relay.attach("me", ["n"], 1, inflight)
     await relay.opened()  # alone: its worker gets the changes in memory
     assert relay.direct is local and await local.next() is not None  # the OWN frame
     back = asyncio.Event()
@@ -401,25 +403,48 @@ async def test_the_relay_reads_on_once_its_own_workers_claim_is_back(
     running = asyncio.create_task(worker())
 
     async def change(key: str, buffered: bool) -> asyncio.Task[None]:
-        relay.on_change(
-            {"operationType": "insert", "ns": {"coll": "tasks"}, "documentKey": {"_id": key}}
-        )
+        event = {"operationType": "insert", "ns": {"coll": "tasks"}, "documentKey": {"_id": key}}
+        relay.on_change(event)
         relay.position.buffered = buffered
         await asyncio.sleep(0)  # as ``stream.follow`` does after each change
         return asyncio.create_task(relay.settle())
 
+    earlier = asyncio.Event()
+
+    async def limited_batch() -> None:  # begun before the change, back only at the test's end
+        with inflight.claiming(["held"]):
+            await earlier.wait()
+
+    batch = asyncio.create_task(limited_batch())
+    await asyncio.sleep(0)
     settle = await change("k1", buffered=False)
     for _ in range(20):
         await asyncio.sleep(0)
     assert claims == ["k1"] and not settle.done()  # the next read waits for k1's claim
     back.set()
-    await asyncio.wait_for(settle, 5)
+    await asyncio.wait_for(settle, 5)  # k1's claim is back; the batch begun before is not
     settle = await change("k2", buffered=True)  # more read already: handed on at once
     await asyncio.wait_for(settle, 5)
-    assert relay.handed  # it waits after the last change it read
+    assert local.mark is not None  # it waits after the last change it read
     monkeypatch.setattr(channels, "CLAIM_WAIT", 0.01)
     await asyncio.sleep(0)
     assert claims == ["k1", "k2"]  # k2's claim is still on its way
     settle = await change("k3", buffered=False)
     await asyncio.wait_for(settle, 5)  # k2's claim never came back: the wait is bounded
+    assert local.mark is None
     running.cancel()
+    earlier.set()
+    await batch
+
+
+async def test_a_worker_built_to_share_its_stream_gives_the_relay_its_claims() -> None:
+    """The wiring: without it the relay's wait would silently wait for nothing."""
+    registry = Registry()
+
+    @registry.task("noop")
+    async def noop(ctx: TaskContext) -> None:
+        return None
+
+    worker = Worker(registry, uri="mongodb://127.0.0.1:1/?directConnection=true")
+    shared = worker.parts.finding.shared
+    assert shared is not None and shared.claims is worker.parts.inflight

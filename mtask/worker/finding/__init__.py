@@ -29,7 +29,7 @@ from mtask.clock import Clock
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.finder import Finder, Others, ReportingSink
 from mtask.worker.finding.placement import Placement, WorkerScope
-from mtask.worker.finding.protocols import ClaimsBack, QueueSink, no_claims
+from mtask.worker.finding.protocols import ClaimsBack, QueueSink
 from mtask.worker.finding.scan import Scanner, Sweep
 from mtask.worker.finding.shared.subscriber import SharedStream
 from mtask.worker.finding.stream import OwnStream
@@ -78,7 +78,7 @@ def build(
     others: Others,
     capacity: Callable[[], int],
     freed: Signal[[]],
-    claims_back: ClaimsBack = no_claims,
+    claims: ClaimsBack | None = None,
     sweep_interval: float = 30.0,
     stagger_ms: float = 25.0,
 ) -> Finding:
@@ -95,7 +95,7 @@ def build(
         own = OwnStream(tasks.database, tasks.name, worker_id, finder)
         return Finding(finder, finder, (own, Sweep.of(finder.scanner)), None)
     shared = SharedStream(
-        driver, clock, worker_id, finder, capacity, claims_back=claims_back, new_queue=queue.like
+        driver, clock, worker_id, finder, capacity, claims=claims, new_queue=queue.like
     )
     freed.connect(shared.slot_freed)  # a slot freed: the relay may hand this worker more
     return Finding(finder, ReportingSink(finder, shared.reports), (shared,), shared)

@@ -7,24 +7,37 @@
 - ``ClaimReports``: what a subscriber knows of the keys it was handed. Its claims and
   successes reach the relay through the relay's stream (their tags); a held, missed or gone
   key the relay hears from the subscriber. Only the shared stream implements it.
-- ``ClaimsBack``: wait until the worker has no claim on its way (at most the seconds given);
-  ``InFlight.claims_back``. The relay of the worker's own process reads its stream again after
-  the claim its last event caused has come back.
+- ``ClaimsBack``: the worker's claims as the relay of its own process sees them (``InFlight``):
+  a mark before a change is handed over, then a wait (bounded) for the claims begun since.
+  That relay reads its stream again after the claim its last change led to has come back.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from mtask.worker.finding.placement import TaskMeta
 
-ClaimsBack = Callable[[float], Awaitable[None]]
+
+class ClaimsBack(Protocol):
+    def claims_mark(self) -> int:
+        """A mark of the claims begun so far."""
+
+    async def claims_back(self, mark: int, within: float) -> None:
+        """Return once no claim begun after ``mark`` is on its way, or after ``within``
+        seconds."""
 
 
-async def no_claims(within: float) -> None:
+class NoClaims:
     """``ClaimsBack`` of a subscriber without a claimer (tests, tools): nothing to wait for."""
+
+    def claims_mark(self) -> int:
+        return 0
+
+    async def claims_back(self, mark: int, within: float) -> None:
+        return None
 
 
 class Inbox(Protocol):

@@ -11,7 +11,7 @@ import collections
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mtask.worker.finding.protocols import ClaimsBack, no_claims
+from mtask.worker.finding.protocols import ClaimsBack, NoClaims
 from mtask.worker.finding.shared import mailbox
 
 FRAME_BYTES = 256
@@ -65,11 +65,15 @@ class LocalChannel:
         self,
         buffer: int,
         on_full: Callable[[LocalChannel], None],
-        claims_back: ClaimsBack = no_claims,
+        claims: ClaimsBack | None = None,
     ) -> None:
         self.buffer = buffer
         self.on_full = on_full
-        self.claims_back = claims_back
+        self.claims: ClaimsBack = NoClaims() if claims is None else claims
+        """Its worker's claims: ``settled`` waits for those begun since a change was sent."""
+        self.mark: int | None = None
+        """``claims.claims_mark()`` when the first change since the last ``settled`` was
+        handed (``hand``); ``None``: none was."""
         self.items: collections.deque[Mapping[str, Any]] = collections.deque()
         self.ready = asyncio.Event()
         self.closed = False
@@ -84,6 +88,13 @@ class LocalChannel:
         self.items.append(doc)
         self.ready.set()
 
+    def hand(self, change: Mapping[str, Any]) -> None:
+        """A task's change event for the relay's own worker alone: ``settled`` then waits for
+        the claims begun since the first one handed."""
+        if self.mark is None:
+            self.mark = self.claims.claims_mark()
+        self.send(change)
+
     def dispatch(self, entries: list[list[Any]]) -> None:
         self.send({"d": entries})
 
@@ -92,14 +103,16 @@ class LocalChannel:
         self.ready.set()
 
     async def settled(self) -> None:
-        """Return once the subscriber has taken what was sent and the claim it led to (if any)
-        is back, or after ``CLAIM_WAIT``. Its worker shares this event loop: a read of the
-        stream sent first would run its client's work before that claim's (W2's latency).
+        """Return once the subscriber has taken what was sent and the claims it led to (if
+        any) are back, or after ``CLAIM_WAIT``. Its worker shares this event loop: a read of
+        the stream sent first would run its client's work before that claim's (W2's latency).
         Two turns of the loop: the subscriber's (the task queued, the claimer woken), the
         claimer's (its claim on its way)."""
+        mark, self.mark = self.mark, None
         await asyncio.sleep(0)
         await asyncio.sleep(0)
-        await self.claims_back(CLAIM_WAIT)
+        if mark is not None:
+            await self.claims.claims_back(mark, CLAIM_WAIT)
 
     async def next(self) -> Mapping[str, Any] | None:
         """The next frame, or ``None`` once closed (the relay went, or dropped it)."""

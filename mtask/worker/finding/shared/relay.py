@@ -50,7 +50,7 @@ from mtask.limits import group_slot
 from mtask.slots import is_group_slot
 from mtask.store import relays
 from mtask.worker.finding.changes import event_key, lock_freed, lock_notice
-from mtask.worker.finding.protocols import ClaimsBack, no_claims
+from mtask.worker.finding.protocols import ClaimsBack
 from mtask.worker.finding.shared import mailbox
 from mtask.worker.finding.shared.channels import InboxChannel, LocalChannel, SubscriberChannel
 from mtask.worker.finding.shared.dispatch import Dispatcher
@@ -102,8 +102,6 @@ class Relay:
         own worker while it is the only subscriber, else none."""
         self.direct: LocalChannel | None = None
         """The relay's own worker, while it is the only subscriber: it gets the task events."""
-        self.handed = False
-        """A change went to ``direct`` since the last ``settle``."""
         self.dropped = 0
         self.restarts = 0
 
@@ -172,10 +170,10 @@ class Relay:
     # -- subscribers ------------------------------------------------------------------------
 
     def attach(
-        self, worker_id: str, names: list[str], free: int, claims_back: ClaimsBack = no_claims
+        self, worker_id: str, names: list[str], free: int, claims: ClaimsBack | None = None
     ) -> LocalChannel:
-        """Subscribe a worker of this process and event loop (``claims_back``: its claims)."""
-        local = LocalChannel(self.buffer, self.drop, claims_back)
+        """Subscribe a worker of this process and event loop (``claims``: its claims)."""
+        local = LocalChannel(self.buffer, self.drop, claims)
         self._add(local, worker_id, names, free)
         return local
 
@@ -231,6 +229,8 @@ class Relay:
         if alone is self.direct:
             return
         was, self.direct = self.direct, alone
+        if was is not None:
+            was.mark = None  # what it was handed is no longer waited for
         if not self.open:
             return
         if alone is not None:  # alone again: the relay's work is its own worker's
@@ -328,8 +328,7 @@ class Relay:
         elif collection in OTHER_COLLECTIONS:
             self.broadcast(change)
         elif self.direct is not None:
-            self.direct.send(change)
-            self.handed = True
+            self.direct.hand(change)
         else:
             key = event_key(change)
             meta = self.dispatcher.host.known(key) if isinstance(key, str) else None
@@ -343,11 +342,10 @@ class Relay:
     async def settle(self) -> None:
         if self.direct is None:
             await self.dispatcher.host.settle()
-        elif self.handed and not self.position.buffered:
+        elif self.direct.mark is not None and not self.position.buffered:
             # Its own worker alone: the next read waits for the claim the last change led to
             # (at most CLAIM_WAIT), so that the claim is sent first; not between changes it
             # has read already, which its worker claims together.
-            self.handed = False
             await self.direct.settled()
 
     def restarted(self) -> None:

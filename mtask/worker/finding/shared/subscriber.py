@@ -33,7 +33,7 @@ from mtask.errors import StorageError
 from mtask.store import relays
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.finder import Finder
-from mtask.worker.finding.protocols import ClaimsBack, no_claims
+from mtask.worker.finding.protocols import ClaimsBack
 from mtask.worker.finding.scan import Sweep
 from mtask.worker.finding.shared.holder import RelayHolder
 from mtask.worker.finding.shared.relay import SUBSCRIBER_BUFFER, Relay
@@ -67,7 +67,7 @@ class SharedStream:
         finder: Finder,
         capacity: Callable[[], int],
         *,
-        claims_back: ClaimsBack = no_claims,
+        claims: ClaimsBack | None = None,
         new_queue: Callable[[], ClaimQueue] = ClaimQueue,
         buffer: int = SUBSCRIBER_BUFFER,
     ) -> None:
@@ -77,8 +77,8 @@ class SharedStream:
         self.finder = finder
         self.capacity = capacity
         """How many more tasks this worker can take now."""
-        self.claims_back = claims_back
-        """Until this worker's claim on its way is back (a relay of this process waits for it
+        self.claims = claims
+        """This worker's claims (a relay of this process waits for the one a change led to
         before its next read)."""
         self.buffer = buffer
         tasks = driver.collections["tasks"]
@@ -207,9 +207,7 @@ class SharedStream:
             return
         relay = Relay.local.get(relay_id)
         if relay is not None and relay.loop is asyncio.get_running_loop():
-            local = relay.attach(
-                self.worker_id, self._scope_names(), self.capacity(), self.claims_back
-            )
+            local = relay.attach(self.worker_id, self._scope_names(), self.capacity(), self.claims)
             self.connections += 1
             looks = asyncio.create_task(self._looks(), name="mtask-relay-looks")
             try:
