@@ -10,20 +10,21 @@ import pytest
 from finders import finder_for
 from pymongo.errors import AutoReconnect
 
-from mtask import Registry, TaskContext, limits, store
+from mtask import Registry, TaskContext, events, limits, store
 from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver
 from mtask.worker import Worker
 from mtask.worker.claim_queue import ClaimQueue
+from mtask.worker.finding import stream
 from mtask.worker.finding.finder import Others
-from mtask.worker.finding.shared import channels, credit, mailbox
+from mtask.worker.finding.shared import credit, mailbox
 from mtask.worker.finding.shared.channels import FRAME_BYTES
 from mtask.worker.finding.shared.dispatch import Dispatcher
 from mtask.worker.finding.shared.relay import Relay
 from mtask.worker.finding.shared.reporter import Reporter
 from mtask.worker.finding.shared.subscriber import SharedStream
 from mtask.worker.finding.shared.wire import PROTOCOL, apply_report
-from mtask.worker.finding.stream import stream_pipeline
+from mtask.worker.finding.stream import ClaimsFirst, ClaimsFirstInbox, OwnStream, stream_pipeline
 from mtask.worker.inflight import InFlight
 
 WHEN = dt.datetime(2026, 11, 23, 12, 0, tzinfo=dt.UTC)
@@ -383,7 +384,7 @@ async def test_the_relay_reads_on_once_its_own_workers_claim_is_back(
     claim that change led to, so that the claim is sent first (W2); not between changes it read
     together (its worker claims them together), not for a claim begun before the change (a
     limited batch beside the main loop), and never past ``CLAIM_WAIT``."""
-    monkeypatch.setattr(channels, "CLAIM_WAIT", 60.0)  # the test decides when the claim is back
+    monkeypatch.setattr(stream, "CLAIM_WAIT", 60.0)  # the test decides when the claim is back
     inflight = InFlight()
     relay = relay_with()
     local = relay.attach("me", ["n"], 1, inflight)
@@ -425,13 +426,13 @@ async def test_the_relay_reads_on_once_its_own_workers_claim_is_back(
     await asyncio.wait_for(settle, 5)  # k1's claim is back; the batch begun before is not
     settle = await change("k2", buffered=True)  # more read already: handed on at once
     await asyncio.wait_for(settle, 5)
-    assert local.mark is not None  # it waits after the last change it read
-    monkeypatch.setattr(channels, "CLAIM_WAIT", 0.01)
+    assert local.first.mark is not None  # it waits after the last change it read
+    monkeypatch.setattr(stream, "CLAIM_WAIT", 0.01)
     await asyncio.sleep(0)
     assert claims == ["k1", "k2"]  # k2's claim is still on its way
     settle = await change("k3", buffered=False)
     await asyncio.wait_for(settle, 5)  # k2's claim never came back: the wait is bounded
-    assert local.mark is None
+    assert local.first.mark is None
     running.cancel()
     earlier.set()
     await batch
@@ -448,3 +449,73 @@ async def test_a_worker_built_to_share_its_stream_gives_the_relay_its_claims() -
     worker = Worker(registry, uri="mongodb://127.0.0.1:1/?directConnection=true")
     shared = worker.parts.finding.shared
     assert shared is not None and shared.claims is worker.parts.inflight
+    alone = Worker(registry, uri="mongodb://127.0.0.1:1/?directConnection=true", stream="own")
+    [own] = [s for s in alone.parts.finding.services if isinstance(s, OwnStream)]
+    assert own.claims is alone.parts.inflight
+
+
+class Heard:
+    """An ``Inbox`` that notes what reaches it."""
+
+    def __init__(self) -> None:
+        self.changes: list[Any] = []
+        self.settled = 0
+        self.restarts = 0
+
+    async def opened(self) -> None:
+        return None
+
+    def on_change(self, change: Any) -> None:
+        self.changes.append(change["documentKey"]["_id"])
+
+    async def settle(self) -> None:
+        self.settled += 1
+
+    def restarted(self) -> None:
+        self.restarts += 1
+
+
+async def test_an_own_stream_reads_on_once_its_workers_claim_is_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the relay's (above): an own stream's next read waits for the claim its last change
+    led to, not between changes it read together, and not past ``CLAIM_WAIT``; a reopened
+    stream waits for nothing handed before."""
+    monkeypatch.setattr(stream, "CLAIM_WAIT", 60.0)
+    inflight = InFlight()
+    heard = Heard()
+    at = events.Position(fresh_when_lost=True)
+    inbox = ClaimsFirstInbox(heard, ClaimsFirst(inflight), at)
+    back = asyncio.Event()
+
+    async def change(key: str, buffered: bool) -> asyncio.Task[None]:
+        inbox.on_change({"operationType": "insert", "documentKey": {"_id": key}})
+        at.buffered = buffered
+        await asyncio.sleep(0)
+        return asyncio.create_task(inbox.settle())
+
+    async def claim(key: str) -> None:
+        with inflight.claiming([key]):
+            await back.wait()
+
+    settle = await change("k1", buffered=False)
+    claiming = asyncio.create_task(claim("k1"))  # begun after the change, as the claimer's
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert heard.changes == ["k1"] and heard.settled == 1 and not settle.done()
+    back.set()
+    await asyncio.wait_for(settle, 5)
+    await claiming
+    back.clear()
+    await asyncio.wait_for(await change("k2", buffered=True), 5)  # more read: on at once
+    assert inbox.first.mark is not None
+    monkeypatch.setattr(stream, "CLAIM_WAIT", 0.01)
+    claiming = asyncio.create_task(claim("k2"))
+    await asyncio.sleep(0)
+    await asyncio.wait_for(await change("k3", buffered=False), 5)  # bounded by CLAIM_WAIT
+    assert inbox.first.mark is None and heard.changes == ["k1", "k2", "k3"]
+    inbox.on_change({"operationType": "insert", "documentKey": {"_id": "k4"}})
+    inbox.restarted()  # reopened: what was handed before is not waited for
+    assert inbox.first.mark is None and heard.restarts == 1
+    back.set()
+    await claiming

@@ -92,7 +92,7 @@ def build(
     finder = Finder(Scanner(driver, placement, clock, sweep_interval=sweep_interval), others)
     if stream == "own":
         tasks = driver.collections["tasks"]
-        own = OwnStream(tasks.database, tasks.name, worker_id, finder)
+        own = OwnStream(tasks.database, tasks.name, worker_id, finder, claims)
         return Finding(finder, finder, (own, Sweep.of(finder.scanner)), None)
     shared = SharedStream(
         driver, clock, worker_id, finder, capacity, claims=claims, new_queue=queue.like

@@ -1,6 +1,7 @@
 """The change stream of finding work: what it asks the server for (``stream_pipeline``), how
-an ``Inbox`` follows it (``follow``, on the one reopen loop of ``mtask.events``), and
-``OwnStream``, a worker's own stream (``--stream own``).
+an ``Inbox`` follows it (``follow``, on the one reopen loop of ``mtask.events``), the claim
+a change led to sent before the stream's next read (``ClaimsFirst``), and ``OwnStream``, a
+worker's own stream (``--stream own``).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pymongo.errors import PyMongoError
@@ -16,7 +17,7 @@ from pymongo.errors import PyMongoError
 from mtask import events, store
 from mtask.errors import StorageError
 from mtask.slots import TAKEN_AT
-from mtask.worker.finding.protocols import Inbox
+from mtask.worker.finding.protocols import ClaimsBack, Inbox, NoClaims
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,9 @@ STREAM_BATCH = 1000
 """Events per getMore at most: a worker that falls behind a busy stream decodes at most this
 many at once, not a 16 MB batch."""
 OTHER_COLLECTIONS = ("controls", "limits", "schedules")
+CLAIM_WAIT = 0.005
+"""The longest a stream's next read waits for the claim its worker is making (a claim takes
+1-2 ms here): what a change arriving meanwhile may wait at most for it (``ClaimsFirst``)."""
 
 
 def stream_pipeline(tasks: str, excluded: str | Sequence[str]) -> list[dict[str, Any]]:
@@ -113,17 +117,90 @@ async def follow(
             backoff = min(backoff * 2, 2.0)
 
 
+class ClaimsFirst:
+    """The claims a stream's changes led to are sent before the stream is read again.
+
+    The stream's reader and the worker share one event loop, and PyMongo's async client takes
+    about nine turns of it for one command: a ``getMore`` sent first runs its client work
+    before the claim's, and between its turns (about 0.25 ms of W2's latency,
+    ``docs/performance.md``). So the reader notes ``handed`` when it passes a change on, and
+    before its next read awaits ``settled``: two turns (the change placed, the claimer woken;
+    the claim on its way), then the claims begun since the first change handed are back, or
+    ``CLAIM_WAIT`` has passed. Its reader calls ``settled`` only once it has passed on the
+    changes its stream had read together (``events.Position.buffered``): those are claimed
+    together. Claims begun before (a batch of limited names beside the main loop) are not
+    waited for."""
+
+    def __init__(self, claims: ClaimsBack) -> None:
+        self.claims = claims
+        self.mark: int | None = None
+        """``claims.claims_mark()`` when the first change since the last ``settled`` was
+        handed; ``None``: none was."""
+
+    def handed(self) -> None:
+        if self.mark is None:
+            self.mark = self.claims.claims_mark()
+
+    def forget(self) -> None:
+        """What was handed is no longer waited for."""
+        self.mark = None
+
+    async def settled(self) -> None:
+        mark, self.mark = self.mark, None
+        if mark is None:
+            return
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        await self.claims.claims_back(mark, CLAIM_WAIT)
+
+
+class ClaimsFirstInbox:
+    """An ``Inbox`` whose stream reads on once the claims its changes led to are back."""
+
+    def __init__(self, inbox: Inbox, first: ClaimsFirst, at: events.Position) -> None:
+        self.inbox = inbox
+        self.first = first
+        self.at = at
+
+    async def opened(self) -> None:
+        await self.inbox.opened()
+
+    def on_change(self, change: Mapping[str, Any]) -> None:
+        self.first.handed()
+        self.inbox.on_change(change)
+
+    async def settle(self) -> None:
+        await self.inbox.settle()
+        if not self.at.buffered:
+            await self.first.settled()
+
+    def restarted(self) -> None:
+        self.first.forget()
+        self.inbox.restarted()
+
+
 class OwnStream:
-    """A worker's own change stream (``--stream own``, or while it finds its own work)."""
+    """A worker's own change stream (``--stream own``, or while it finds its own work);
+    ``claims``: the worker's, sent before the stream's next read (``ClaimsFirst``)."""
 
     name = "stream"
 
-    def __init__(self, database: Any, tasks: str, worker_id: str, inbox: Inbox) -> None:
+    def __init__(
+        self,
+        database: Any,
+        tasks: str,
+        worker_id: str,
+        inbox: Inbox,
+        claims: ClaimsBack | None = None,
+    ) -> None:
         self.database = database
         self.tasks = tasks
         self.worker_id = worker_id
         self.inbox = inbox
+        self.claims: ClaimsBack = NoClaims() if claims is None else claims
 
     async def run(self) -> None:
         # One stream on the database: the tasks collection and the controls, limits, schedules.
-        await follow(self.database, lambda: stream_pipeline(self.tasks, self.worker_id), self.inbox)
+        at = events.Position(fresh_when_lost=True)
+        inbox = ClaimsFirstInbox(self.inbox, ClaimsFirst(self.claims), at)
+        await follow(self.database, lambda: stream_pipeline(self.tasks, self.worker_id), inbox, at)

@@ -13,12 +13,10 @@ from typing import Any
 
 from mtask.worker.finding.protocols import ClaimsBack, NoClaims
 from mtask.worker.finding.shared import mailbox
+from mtask.worker.finding.stream import ClaimsFirst
 
 FRAME_BYTES = 256
 """What a frame counts for against a subscriber's buffer."""
-CLAIM_WAIT = 0.005
-"""The longest the relay holds its next read for the claim its own worker is making (a claim
-takes 1-2 ms here): what a change arriving meanwhile may wait at most for it."""
 
 
 class InboxChannel:
@@ -69,11 +67,8 @@ class LocalChannel:
     ) -> None:
         self.buffer = buffer
         self.on_full = on_full
-        self.claims: ClaimsBack = NoClaims() if claims is None else claims
-        """Its worker's claims: ``settled`` waits for those begun since a change was sent."""
-        self.mark: int | None = None
-        """``claims.claims_mark()`` when the first change since the last ``settled`` was
-        handed (``hand``); ``None``: none was."""
+        self.first = ClaimsFirst(NoClaims() if claims is None else claims)
+        """Its worker's claims: ``settled`` waits for those begun since a change was handed."""
         self.items: collections.deque[Mapping[str, Any]] = collections.deque()
         self.ready = asyncio.Event()
         self.closed = False
@@ -91,8 +86,7 @@ class LocalChannel:
     def hand(self, change: Mapping[str, Any]) -> None:
         """A task's change event for the relay's own worker alone: ``settled`` then waits for
         the claims begun since the first one handed."""
-        if self.mark is None:
-            self.mark = self.claims.claims_mark()
+        self.first.handed()
         self.send(change)
 
     def dispatch(self, entries: list[list[Any]]) -> None:
@@ -103,16 +97,9 @@ class LocalChannel:
         self.ready.set()
 
     async def settled(self) -> None:
-        """Return once the subscriber has taken what was sent and the claims it led to (if
-        any) are back, or after ``CLAIM_WAIT``. Its worker shares this event loop: a read of
-        the stream sent first would run its client's work before that claim's (W2's latency).
-        Two turns of the loop: the subscriber's (the task queued, the claimer woken), the
-        claimer's (its claim on its way)."""
-        mark, self.mark = self.mark, None
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        if mark is not None:
-            await self.claims.claims_back(mark, CLAIM_WAIT)
+        """Return once the claims the changes handed since the last call led to (if any) are
+        back, or after ``CLAIM_WAIT`` (``ClaimsFirst``): its worker shares this event loop."""
+        await self.first.settled()
 
     async def next(self) -> Mapping[str, Any] | None:
         """The next frame, or ``None`` once closed (the relay went, or dropped it)."""

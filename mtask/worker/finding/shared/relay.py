@@ -230,7 +230,7 @@ class Relay:
             return
         was, self.direct = self.direct, alone
         if was is not None:
-            was.mark = None  # what it was handed is no longer waited for
+            was.first.forget()  # what it was handed is no longer waited for
         if not self.open:
             return
         if alone is not None:  # alone again: the relay's work is its own worker's
@@ -342,7 +342,7 @@ class Relay:
     async def settle(self) -> None:
         if self.direct is None:
             await self.dispatcher.host.settle()
-        elif self.direct.mark is not None and not self.position.buffered:
+        elif not self.position.buffered:
             # Its own worker alone: the next read waits for the claim the last change led to
             # (at most CLAIM_WAIT), so that the claim is sent first; not between changes it
             # has read already, which its worker claims together.

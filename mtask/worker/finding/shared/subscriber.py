@@ -168,7 +168,7 @@ class SharedStream:
         async with asyncio.TaskGroup() as group:
             group.create_task(Sweep.of(self.finder.scanner).run())
             if own_stream:
-                own = OwnStream(self.database, self.tasks, self.worker_id, self.finder)
+                own = OwnStream(self.database, self.tasks, self.worker_id, self.finder, self.claims)
                 group.create_task(own.run())
 
     def _stop_alone(self) -> None:
