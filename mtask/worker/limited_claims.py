@@ -22,7 +22,7 @@ from mtask import limits, slots, store
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.worker import limited
-from mtask.worker.claim_calls import ClaimCalls
+from mtask.worker.claim_calls import RETRY_SOON, ClaimCalls
 from mtask.worker.executor import Executor
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight
@@ -32,8 +32,6 @@ from mtask.worker.stats import WorkerStats
 
 log = logging.getLogger("mtask.worker.claimer")  # the name operators filter on, kept
 
-RETRY_SOON = dt.timedelta(seconds=1)
-"""How long a key waits after a claim or a slot could not be had because of MongoDB."""
 LIMITED_IN_FLIGHT = 2
 """Batches of limited keys being claimed at once (``LimitedClaims.claim_soon``)."""
 
