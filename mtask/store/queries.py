@@ -10,11 +10,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from pymongo import ASCENDING, DESCENDING
+from pymongo.errors import OperationFailure
 
 from mtask.driver import Call, Doc, Op
 from mtask.store import counts
 from mtask.store.bulk import ERROR_TEXT
 
+INDEX_NOT_FOUND = 27
+"""The server's code for a ``$text`` query on a collection without a text index."""
 SUMMARY = {"name": 1, "status": 1, "created_at": 1, "finished_at": 1, "next_claim_at": 1}
 
 
@@ -71,15 +74,22 @@ def delayed(now: dt.datetime, limit: int = 100) -> Op[list[Doc]]:
 
 def with_error(words: str, limit: int = 100) -> Op[list[Doc]]:
     """Tasks whose last error contains all of ``words`` (whole words, no stemming: the
-    ``error_text`` text index with language ``none``, made first if it is not there), best
-    match first."""
-    yield Call("create_indexes", ([ERROR_TEXT],))
+    ``error_text`` text index with language ``none``), best match first. Where that index is
+    not there yet, the first search makes it and asks again (no index is asked for on every
+    call: a search costs its one find)."""
     search = " ".join(f'"{w}"' for w in words.replace('"', " ").split())
-    docs: list[Doc] = yield Call(
+    find = Call(
         "find",
         ({"$text": {"$search": search}, "error": {"$type": "string"}}, {**SUMMARY, "error": 1}),
         {"limit": limit},
     )
+    try:
+        docs: list[Doc] = yield find
+    except OperationFailure as exc:
+        if exc.code != INDEX_NOT_FOUND:
+            raise
+        yield Call("create_indexes", ([ERROR_TEXT],))
+        docs = yield find
     return docs
 
 

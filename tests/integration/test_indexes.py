@@ -9,6 +9,7 @@ import bson
 import pytest
 from bson import ObjectId
 from bson.raw_bson import RawBSONDocument
+from pymongo.errors import PyMongoError
 
 from mtask import TaskClient
 from mtask.driver import GATHER, Call
@@ -219,6 +220,25 @@ def _replay(call: Call) -> Any:
     return result
 
 
+def _counting(op: Any, methods: list[str]) -> Any:
+    """``op``, noting the method of each call it makes (a failed call's too)."""
+    call = next(op)
+    while True:
+        methods.append(call.method)
+        try:
+            result = yield call
+        except PyMongoError as exc:  # the server's error goes on to the op, as the driver's does
+            try:
+                call = op.throw(exc)
+            except StopIteration as stop:
+                return stop.value
+            continue
+        try:
+            call = op.send(result)
+        except StopIteration as stop:
+            return stop.value
+
+
 def test_operator_queries_use_their_indexes(client: TaskClient) -> None:
     client.init_collection(operator_indexes=True)  # runs_worker is made on request only
     _finished_mix(client)
@@ -232,11 +252,17 @@ def test_operator_queries_use_their_indexes(client: TaskClient) -> None:
         stages = _winning(explain)
         assert "COLLSCAN" not in stages and "SORT" not in stages, (index, stages)
         assert f"'indexName': '{index}'" in str(explain["queryPlanner"]["winningPlan"]), index
-    # error words: the text index is made by the query's first call if it is not there
-    op = with_error("ValueError width")
-    first = next(op)
-    assert first.method == "create_indexes"
-    explain = _explain_call(client, op.send(client._run(_replay(first))))
+    # error words: the text index is made by the first search if it is not there; then a
+    # search is its one find
+    assert "error_text" not in client.collection.index_information()
+    calls: list[str] = []
+    found = client._run(_counting(with_error("ValueError width"), calls))
+    assert len(found) == 50 and calls == ["find", "create_indexes", "find"]
+    assert "error_text" in client.collection.index_information()
+    calls.clear()
+    assert len(client._run(_counting(with_error("ValueError width"), calls))) == 50
+    assert calls == ["find"]
+    explain = _explain_call(client, next(with_error("ValueError width")))
     assert "TEXT_MATCH" in _winning(explain) and "COLLSCAN" not in _winning(explain)
     assert len(client._run(recently_finished(500))) == 100
     assert len(client._run(runs_by_worker("w1", 500))) == 100
