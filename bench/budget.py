@@ -14,10 +14,10 @@ profiler costs CPU of its own), and the bytes of a finished task document (``$bs
 
 Each shape runs ``as shipped`` and once per feature turned off (``VARIANTS``): the tasks
 collection's listing, operator and flow indexes, each group dropped once the worker has made
-them; the worker's metrics, its lease timer per run and its claim's client-side time limit,
-turned off in the bench's worker process (``bench.features_off``: the product has no switch for
-them); and retention (tasks published to be kept for ever). A share is what turning the feature
-off saved, as a part of the shipped figure.
+them; the worker's metrics, its local deadline per run (one timer for all) and its claim's
+client-side time limit, turned off in the bench's worker process (``bench.features_off``: the
+product has no switch for them); and retention (tasks published to be kept for ever). A share
+is what turning the feature off saved, as a part of the shipped figure.
 
 The figures are printed beside the committed baseline (``bench/budget.json``, the same size on
 this machine) with the lines that grew; nothing here is judged (CI runs on a shared machine).

@@ -47,10 +47,12 @@ def _metrics() -> None:
 
 
 def _lease_timer() -> None:
-    """The timer per run that stops it when its lease ran out by the process's own clock."""
-    from mtask.worker.executor import Executor
+    """The local deadline of each run: the look at its lease's end that keeps the one timer
+    (``Deadlines``) set for the earliest, which stops a run whose lease ran out by the
+    process's own clock."""
+    from mtask.worker.deadlines import Deadlines
 
-    Executor.watch_deadline = lambda self, run: None  # type: ignore[method-assign]
+    Deadlines.watch = lambda self, run: None  # type: ignore[method-assign]
 
 
 def _claim_timeout() -> None:

@@ -22,6 +22,7 @@ from mtask import limits, metrics
 from mtask.registry import Registry, TaskContext
 from mtask.store import Outcome
 from mtask.worker.claim_queue import ClaimQueue
+from mtask.worker.deadlines import Deadlines
 from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import ActiveRun, InFlight
 from mtask.worker.lease import LeasePinger
@@ -80,6 +81,8 @@ class Executor:
         self.wake = wake
         """The claimer's wake-up: set when a run ends (a slot is free)."""
         self.emit = emit
+        self.deadlines = Deadlines(pinger, inflight.active, self._lease_ran_out)
+        """One timer for every run's local deadline (its lease's end by this clock)."""
 
     def start(self, doc: dict[str, Any], sent: float, slots: tuple[str, ...] = ()) -> None:
         """Run a claimed task: ``sent`` is when (monotonic) the claim that took it was sent,
@@ -127,7 +130,7 @@ class Executor:
             slots=tuple(s for s in slots if not limits.is_claim_lock(s)),  # no document
         )
         run.task = asyncio.create_task(self.execute(run, doc), name=f"mtask-run-{run.key}")
-        self.watch_deadline(run)
+        self.deadlines.watch(run)
         metrics.by_name(metrics.CLAIMED, run.name).inc()
         metrics.IN_FLIGHT.inc()
         self.emit(Event.CLAIMED, key=run.key, run_id=run_id, attempt=ctx.attempt)
@@ -150,8 +153,6 @@ class Executor:
         finally:
             metrics.IN_FLIGHT.dec()
             metrics.by_name(metrics.RUN_DURATION, run.name).observe(time.monotonic() - run.started)
-            if run.deadline is not None:
-                run.deadline.cancel()
             self.inflight.ended(run)
             self.pinger.remove(run.run_id)
             for slot in run.slots:  # given back by the outcome writer, after the outcome
@@ -171,18 +172,9 @@ class Executor:
             return dataclasses.replace(outcome, has_output=True)
         return outcome
 
-    def watch_deadline(self, run: ActiveRun) -> None:
-        """Stop a run when its lease has run out by this process's own clock, before any
-        other worker can take it over: after a freeze (SIGSTOP, a VM pause) the run is stopped
-        by the first timer that fires, not by a ping answered later, and no ping success is
-        assumed while MongoDB cannot be reached."""
-        expiry = self.pinger.expiry(run.run_id)
-        if expiry is None or run.task is None or run.task.done() or run.stop_reason:
-            return
-        loop = asyncio.get_running_loop()
-        if loop.time() < expiry:
-            run.deadline = loop.call_at(expiry, self.watch_deadline, run)
-            return
+    def _lease_ran_out(self, run: ActiveRun) -> None:
+        """``Deadlines``: the run's lease ran out by this process's clock before a ping could
+        extend it; stop it before any other worker can take its task over."""
         self.pinger.remove(run.run_id)
         log.warning(
             "the lease of %s run %s ran out before a ping could extend it (was the process "

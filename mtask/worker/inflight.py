@@ -32,8 +32,6 @@ class ActiveRun:
     has_dependents: bool = False
     task: asyncio.Task[None] | None = None
     stop_reason: str | None = None
-    deadline: asyncio.TimerHandle | None = None
-    """The timer of ``Executor.watch_deadline``; cancelled when the run ends (it holds the run)."""
     started: float = field(default_factory=time.monotonic)
     waiting: bool = True
     """Claimed ahead (prefetch) and waiting for a slot: its handler has not started."""

@@ -67,12 +67,12 @@ CHECK_OFF = """
 import datetime as dt
 from bench import features_off
 from mtask import metrics, store
-from mtask.worker.executor import Executor
+from mtask.worker.deadlines import Deadlines
 
 print(sorted(features_off.apply()))
 print(next(store.claim(["k"], ["n"], "w", dt.datetime(2026, 1, 1), {"k": 1000})).timeout)
 print(type(metrics.by_name(metrics.CLAIMED, "n")).__name__, type(metrics.IN_FLIGHT).__name__)
-print(Executor.watch_deadline.__module__)
+print(Deadlines.watch.__module__)
 """
 
 
@@ -102,7 +102,7 @@ def test_the_bench_turns_off_only_what_it_is_told_in_its_own_process() -> None:
         "[]",
         str(CLAIM_TIMEOUT_S),
         "Counter Gauge",
-        "mtask.worker.executor",
+        "mtask.worker.deadlines",
     ], shipped.stderr
     typo = _off("metric")
     assert typo.returncode != 0
