@@ -24,65 +24,60 @@ def _run(run_id: str) -> ActiveRun:
     return run
 
 
+class Watching:
+    """A ``Deadlines`` over runs in a dict: a run whose lease ran out is noted and ends."""
+
+    def __init__(self) -> None:
+        self.leases = Leases()
+        self.runs: dict[str, ActiveRun] = {}
+        self.stopped: list[str] = []
+        self.ran_out = asyncio.Event()
+        self.deadlines = Deadlines(self.leases, lambda: self.runs.values(), self.stop)
+
+    def stop(self, run: ActiveRun) -> None:
+        self.stopped.append(run.run_id)
+        del self.runs[run.run_id]
+        self.ran_out.set()
+
+    def start(self, run_id: str, lease_end: float | None) -> ActiveRun:
+        run = self.runs[run_id] = _run(run_id)
+        if lease_end is not None:
+            self.leases.ends[run_id] = lease_end
+        self.deadlines.watch(run)
+        return run
+
+
 def _timers() -> int:
     loop = asyncio.get_running_loop()
     return sum(1 for h in loop._scheduled if not h.cancelled())  # type: ignore[attr-defined]
 
 
 async def test_one_timer_stops_the_runs_whose_lease_ran_out() -> None:
-    loop = asyncio.get_running_loop()
-    leases = Leases()
-    runs: dict[str, ActiveRun] = {}
-    stopped: list[str] = []
-    ran_out = asyncio.Event()
-
-    def stop(run: ActiveRun) -> None:
-        stopped.append(run.run_id)
-        del runs[run.run_id]
-        ran_out.set()
-
-    deadlines = Deadlines(leases, lambda: runs.values(), stop)
-    now = loop.time()
+    w = Watching()
+    now = asyncio.get_running_loop().time()
     before = _timers()
     for i in range(64):  # the runs of one claim: their leases end together
-        run = runs[f"a{i}"] = _run(f"a{i}")
-        leases.ends[run.run_id] = now + 0.05 + i * 1e-6
-        deadlines.watch(run)
+        w.start(f"a{i}", now + 0.05 + i * 1e-6)
     assert _timers() == before + 1  # one timer, not one a run
-    pinged = runs["a1"]
-    leases.ends[pinged.run_id] = now + 60  # a ping extended this one
-    runs["a2"].stop_reason = "lost"  # already being stopped: left alone
-    del runs["a3"]  # ended: no longer in flight
-    await asyncio.wait_for(ran_out.wait(), 10)
-    assert sorted(stopped) == sorted(f"a{i}" for i in range(64) if i not in (1, 2, 3))
-    assert deadlines._at == leases.ends["a1"]  # set again for the run still in flight
+    w.leases.ends["a1"] = now + 60  # a ping extended this one
+    w.runs["a2"].stop_reason = "lost"  # already being stopped: left alone
+    del w.runs["a3"]  # ended: no longer in flight
+    await asyncio.wait_for(w.ran_out.wait(), 10)
+    assert sorted(w.stopped) == sorted(f"a{i}" for i in range(64) if i not in (1, 2, 3))
+    assert w.deadlines._at == now + 60  # set again for the run still in flight
     assert _timers() == before + 1
-    deadlines.close()
+    w.deadlines.close()
     assert _timers() == before
 
 
 async def test_a_run_whose_lease_ends_sooner_moves_the_timer_up() -> None:
-    loop = asyncio.get_running_loop()
-    leases = Leases()
-    runs: dict[str, ActiveRun] = {}
-    stopped: list[str] = []
-    ran_out = asyncio.Event()
-
-    def stop(run: ActiveRun) -> None:
-        stopped.append(run.run_id)
-        del runs[run.run_id]
-        ran_out.set()
-
-    deadlines = Deadlines(leases, lambda: runs.values(), stop)
-    now = loop.time()
-    runs["long"], runs["short"], runs["unpinged"] = _run("long"), _run("short"), _run("unpinged")
-    leases.ends["long"] = now + 60
-    deadlines.watch(runs["long"])
-    deadlines.watch(runs["unpinged"])  # not pinged (no lease to watch): no timer for it
-    assert deadlines._at == now + 60
-    leases.ends["short"] = now + 0.02  # a task with a shorter worker_timeout_ms
-    deadlines.watch(runs["short"])
-    assert deadlines._at == now + 0.02
-    await asyncio.wait_for(ran_out.wait(), 10)
-    assert stopped == ["short"] and deadlines._at == now + 60
-    deadlines.close()
+    w = Watching()
+    now = asyncio.get_running_loop().time()
+    w.start("long", now + 60)
+    w.start("unpinged", None)  # not pinged (no lease to watch): no timer for it
+    assert w.deadlines._at == now + 60
+    w.start("short", now + 0.02)  # a task with a shorter worker_timeout_ms
+    assert w.deadlines._at == now + 0.02
+    await asyncio.wait_for(w.ran_out.wait(), 10)
+    assert w.stopped == ["short"] and w.deadlines._at == now + 60
+    w.deadlines.close()
