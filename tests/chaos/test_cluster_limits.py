@@ -24,6 +24,36 @@ def spans(mongo: Any, db_name: str, keys: set[str]) -> list[tuple[dt.datetime, d
     return [(starts[r], ends[r]) for r in starts]
 
 
+def crowd(mongo: Any, db_name: str, run_ids: set[str] | None = None) -> list[str]:
+    """The runs at once at the busiest moment, each with its key, run id, worker, start and
+    end (server times) and how it ended: what a failed limit check shows, so that a failure
+    says which workers overlapped and how (``run_ids``: only these runs)."""
+    runs: dict[str, dict[str, Any]] = {}
+    for entry in mongo[db_name]["execlog"].find():
+        if run_ids is not None and entry["run_id"] not in run_ids:
+            continue
+        run = runs.setdefault(entry["run_id"], {"key": entry["key"], "worker": entry["worker_id"]})
+        if entry["event"] == "start":
+            run["start"] = entry["at"]
+        else:
+            run["end"], run["how"] = entry["at"], entry["event"]
+    whole = [(rid, r) for rid, r in runs.items() if "start" in r and "end" in r]
+    points = sorted(
+        [(r["start"], 1, rid) for rid, r in whole] + [(r["end"], -1, rid) for rid, r in whole]
+    )
+    running: set[str] = set()
+    busiest: set[str] = set()
+    for _, step, rid in points:
+        (running.add if step > 0 else running.discard)(rid)
+        if len(running) > len(busiest):
+            busiest = set(running)
+    return [
+        f"{runs[rid]['key']} run {rid[:12]} on {runs[rid]['worker']}: "
+        f"{runs[rid]['start']:%H:%M:%S.%f}-{runs[rid]['end']:%H:%M:%S.%f} ({runs[rid]['how']})"
+        for rid in sorted(busiest, key=lambda rid: runs[rid]["start"])
+    ]
+
+
 def peak(runs: list[tuple[dt.datetime, dt.datetime]]) -> int:
     """The most runs at once; a run ending at the instant another starts is not counted with it
     (``$$NOW`` has millisecond precision)."""
@@ -49,7 +79,8 @@ async def test_concurrency_limit_holds_across_three_workers_and_changes_apply(
         cluster.spawn(worker, "--concurrency", "8")
     first = publish(client, "c2-", 60, 40)
     await until_finished(client, 60, timeout=120)
-    assert peak(spans(mongo, db_name, first)) == 2  # the limit was reached, never passed
+    # the limit was reached, never passed (else: who overlapped, and how)
+    assert peak(spans(mongo, db_name, first)) == 2, crowd(mongo, db_name)
 
     changed_at = client.now()
     client.set_limit("work", concurrency=4)
