@@ -251,3 +251,4 @@ class Executor:
         stopping = [r.task for r in self.inflight.runs.values() if r.task is not None]
         if stopping:
             await asyncio.gather(*stopping, return_exceptions=True)
+        self.deadlines.close()  # every run has ended: no timer is left behind
