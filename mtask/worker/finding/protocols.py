@@ -7,9 +7,10 @@
 - ``ClaimReports``: what a subscriber knows of the keys it was handed. Its claims and
   successes reach the relay through the relay's stream (their tags); a held, missed or gone
   key the relay hears from the subscriber. Only the shared stream implements it.
-- ``ClaimsBack``: the worker's claims as the relay of its own process sees them (``InFlight``):
-  a mark before a change is handed over, then a wait (bounded) for the claims begun since.
-  That relay reads its stream again after the claim its last change led to has come back.
+- ``ClaimsBack``: the worker's claims as a stream read in its own process sees them
+  (``InFlight``): a mark before a change is handed over, then a wait (bounded) for the claims
+  begun since. The relay alone with its worker, and an own stream, read again after the claim
+  their last change led to has come back (``stream.ClaimsFirst``).
 """
 
 from __future__ import annotations

@@ -78,8 +78,8 @@ class SharedStream:
         self.capacity = capacity
         """How many more tasks this worker can take now."""
         self.claims = claims
-        """This worker's claims (a relay of this process waits for the one a change led to
-        before its next read)."""
+        """This worker's claims (a relay of this process, or this worker's own stream while
+        it finds its work alone, waits for the one a change led to before its next read)."""
         self.buffer = buffer
         tasks = driver.collections["tasks"]
         self.database, self.tasks = tasks.database, tasks.name
