@@ -226,6 +226,7 @@ def build(
     limited_claims = LimitedClaims(
         adriver,
         calls,
+        clock,
         gate=gate,
         sink=found.sink,
         inflight=inflight,

@@ -139,7 +139,7 @@ class Claimer:
         return False, None if wake_at is None else max(0.0, (wake_at - now).total_seconds())
 
     async def claim(self, keys: list[str], names: list[str], now: dt.datetime) -> None:
-        """Claim ``keys`` (due at ``now``) for ``names``, and start the runs claimed."""
+        """Claim ``keys`` (found due at ``now``) for ``names``, and start the runs claimed."""
         if self.gate.limited:
             # Names with a cluster-wide limit are claimed after their slots were taken; the
             # batch claim below never matches them.
@@ -160,7 +160,11 @@ class Claimer:
         # From here the keys count as in flight: the claim's own change events may arrive
         # before its reply, and must not put the keys back in the queue.
         with self.inflight.claiming(keys):
-            sent = time.monotonic()  # no lease of this claim can end before sent + its timeout
+            # The claim's leases end at `now` + their timeout: `now` is read after `sent` (and
+            # after any wait for the limited batches above), so none ends before `sent` + its
+            # timeout by this process's clock, when the run's local deadline falls.
+            sent = time.monotonic()
+            now = self.clock.now()
             with span("mtask.claim", keys=len(keys)):
                 docs = await self.calls.send(keys, names, now, hints, isolate_on_error=True)
             if docs is None:  # MongoDB failed and nothing was taken: try again shortly

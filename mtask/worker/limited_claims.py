@@ -19,6 +19,7 @@ import uuid
 from typing import Any
 
 from mtask import limits, slots, store
+from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.worker import limited
@@ -43,6 +44,7 @@ class LimitedClaims:
         self,
         driver: AsyncDriver,
         calls: ClaimCalls,
+        clock: Clock,
         *,
         gate: LimitGate,
         sink: QueueSink,
@@ -54,6 +56,7 @@ class LimitedClaims:
     ) -> None:
         self.driver = driver
         self.calls = calls
+        self.clock = clock
         self.gate = gate
         self.sink = sink
         self.inflight = inflight
@@ -93,10 +96,10 @@ class LimitedClaims:
             self.failure = exc  # raised by the main loop: the worker stops, as for its own
 
     async def claim(self, keys: list[str], names: list[str], now: dt.datetime) -> None:
-        """Claim ``keys`` of limited names as one batch: the heads of their sequences read,
-        then every slot they need taken in one bulk write (``slots.take``), then the keys
-        whose slots were all granted claimed together. A key a limit holds back waits for its
-        slot (``LimitGate.block``)."""
+        """Claim ``keys`` of limited names (found due at ``now``) as one batch: the heads of
+        their sequences read, then every slot they need taken in one bulk write
+        (``slots.take``), then the keys whose slots were all granted claimed together. A key a
+        limit holds back waits for its slot (``LimitGate.block``)."""
         known = {k: m for k in keys if (m := self.sink.known(k)) is not None}
         pairs = limited.sequences(keys, known, self.gate.limited)
         heads: dict[tuple[str, str], dict[str, Any]] = {}
@@ -109,6 +112,12 @@ class LimitedClaims:
                     self.sink.requeue_at(key, now + RETRY_SOON)
                 return
         batch = uuid.uuid4().hex
+        # The leases and slots of this batch end at `now` + their timeouts: `now` is read
+        # after `sent` (and after the waits above: for a batch's turn, for the heads), so none
+        # ends before `sent` + its timeout by this process's clock, when a run's local
+        # deadline falls.
+        sent = time.monotonic()
+        now = self.clock.now()
         plan = limited.plan(
             keys,
             known,
@@ -125,7 +134,6 @@ class LimitedClaims:
         requeue: list[str] = []
         missed: list[str] = []
         with self.inflight.claiming(candidates):
-            sent = time.monotonic()
             requests = [r for _, rs in claims for r in rs]
             taken = await self.gate.take(requests, now) if requests else []
             if taken is None:

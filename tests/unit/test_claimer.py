@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import time
+import uuid
+from collections.abc import Callable
 from typing import Any, cast
 
+import pytest
 from finders import finder_for
 from pymongo.errors import ExecutionTimeout, WriteError
 from pymongo.results import UpdateResult
 from scripted import AsyncScriptedDriver, Step
 
-from mtask.clock import FixedClock
-from mtask.driver import AsyncDriver
+from mtask import store
+from mtask.clock import Clock, FixedClock
+from mtask.driver import AsyncDriver, Call
 from mtask.worker.claim_calls import ClaimCalls
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.claimer import Claimer
@@ -45,11 +50,27 @@ class Started:
     def __init__(self, inflight: InFlight) -> None:
         self.docs: list[dict[str, Any]] = []
         self.busy_when_started: list[bool] = []
+        self.sent: list[float] = []
+        """When each run's local deadline counts from (``Executor.start``'s ``sent``)."""
         self.inflight = inflight
 
-    def start(self, doc: dict[str, Any], sent: float, slot: str | None = None) -> None:
+    def start(self, doc: dict[str, Any], sent: float, slot: Any = None) -> None:
         self.busy_when_started.append(self.inflight.busy(doc["_id"]))
         self.docs.append(doc)
+        self.sent.append(sent)
+
+
+class TickingClock:
+    """Each read a millisecond after the last, noting when (monotonic) it was read."""
+
+    def __init__(self, start: dt.datetime) -> None:
+        self.value = start
+        self.read_at: dict[dt.datetime, float] = {}
+
+    def now(self) -> dt.datetime:
+        self.value += dt.timedelta(milliseconds=1)
+        self.read_at[self.value] = time.monotonic()
+        return self.value
 
 
 class Running:
@@ -59,8 +80,10 @@ class Running:
         raise AssertionError("not expected")
 
 
-def build(driver: AsyncScriptedDriver) -> tuple[Claimer, Finder, Started]:
-    clock = FixedClock(NOW)
+def build(
+    driver: AsyncScriptedDriver, clock: Clock | None = None
+) -> tuple[Claimer, Finder, Started]:
+    clock = clock or FixedClock(NOW)
     adriver = cast(AsyncDriver, driver)
     inflight, queue, wake = InFlight(), ClaimQueue(100), asyncio.Event()
     assignment = Assignment(("add",))
@@ -84,6 +107,7 @@ def build(driver: AsyncScriptedDriver) -> tuple[Claimer, Finder, Started]:
     limited_claims = LimitedClaims(
         adriver,
         calls,
+        clock,
         gate=gate,
         sink=watcher,
         inflight=inflight,
@@ -218,3 +242,63 @@ async def test_a_claim_that_ran_out_of_time_kills_stale_transactions() -> None:
     await claimer.claim(["a", "b"], ["add"], NOW)
     assert driver.done and started.docs == []
     assert "a" in watcher.placement.queue and "b" in watcher.placement.queue  # tried again shortly
+
+
+def claim_time(into: list[dt.datetime]) -> Callable[[Call], None]:
+    """A ``Step`` check noting the server time a claim's filter claims at."""
+
+    def note(call: Call) -> None:
+        into.append(call.args[0]["next_claim_at"]["$lte"])
+
+    return note
+
+
+async def test_a_runs_local_deadline_counts_from_before_its_claims_time_was_read() -> None:
+    """The claim's leases end at its time + their timeout (on the server's clock), the run's
+    local deadline at ``sent`` + its timeout (this process's): ``sent`` must be no later than
+    the moment the claim's time was read, however long the claimer held the keys before."""
+    clock = TickingClock(NOW)
+    at: list[dt.datetime] = []
+    driver = AsyncScriptedDriver(
+        Step("update_many", reply=updated(2), check=claim_time(at)),
+        Step(
+            "find", reply=[{"_id": "a", "claim_run_id": "r1"}, {"_id": "b", "claim_run_id": "r2"}]
+        ),
+    )
+    claimer, _, started = build(driver, clock)
+    await claimer.claim(["a", "b"], ["add"], NOW)  # found due at NOW, claimed later
+    assert driver.done and len(started.sent) == 2 and len(at) == 1
+    assert at[0] in clock.read_at, "the claim's time was read for the claim"
+    assert all(sent <= clock.read_at[at[0]] for sent in started.sent)
+
+
+async def test_a_limited_runs_local_deadline_counts_from_before_its_claims_time_was_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same for a batch of limited keys, claimed beside the main loop once its slots are
+    taken: its time is read when the batch begins, not when its keys were found due."""
+    clock = TickingClock(NOW)
+    batch = uuid.UUID(int=7)
+    monkeypatch.setattr(uuid, "uuid4", lambda: batch)
+    run_id = store.run_id_for(batch.hex, "k")
+    at: list[dt.datetime] = []
+    driver = AsyncScriptedDriver(
+        Step("bulk_write", collection="limits"),  # the slot, taken
+        Step(
+            "find",
+            collection="limits",
+            reply=[{"_id": "add", "concurrency": 2, "holders": [{"run_id": run_id}]}],
+        ),
+        Step(
+            "find_one_and_update",
+            reply={"_id": "k", "name": "add", "runs": [{"run_id": run_id}]},
+            check=claim_time(at),
+        ),
+    )
+    claimer, watcher, started = build(driver, clock)
+    claimer.gate.limited = {"add": {"_id": "add", "concurrency": 2}}
+    watcher.scanner.place_safely(placement("k", NOW))
+    await claimer.limited.claim(["k"], ["add"], NOW)
+    assert driver.done and [d["_id"] for d in started.docs] == ["k"] and len(at) == 1
+    assert at[0] in clock.read_at, "the claim's time was read for the batch"
+    assert started.sent[0] <= clock.read_at[at[0]]
