@@ -85,8 +85,9 @@ class Executor:
         """One timer for every run's local deadline (its lease's end by this clock)."""
 
     def start(self, doc: dict[str, Any], sent: float, slots: tuple[str, ...] = ()) -> None:
-        """Run a claimed task: ``sent`` is when (monotonic) the claim that took it was sent,
-        ``slots`` the limit slots the run holds (a name's, a group's, a sequence's lock)."""
+        """Run a claimed task: ``sent`` is when (monotonic) the claim that took it began,
+        before it read the time its leases end from; ``slots`` the limit slots the run holds
+        (a name's, a group's, a sequence's lock)."""
         run_id = doc["claim_run_id"]
         options = doc["options"]
         loop = asyncio.get_running_loop()

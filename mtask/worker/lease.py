@@ -133,7 +133,8 @@ class LeasePinger:
         slots: tuple[str, ...] = (),
     ) -> None:
         """Ping a run's lease from now on; ``claim_sent`` is when (monotonic) the claim that
-        took it was sent, so the lease cannot end before ``claim_sent + timeout``."""
+        took it began, before it read the time its lease ends from, so the lease cannot end
+        before ``claim_sent + timeout``."""
         now = time.monotonic()
         interval = ping_interval_ms / 1000
         timeout = worker_timeout_ms / 1000
