@@ -49,7 +49,8 @@ def refill(
 ) -> float:
     """Tokens in the bucket at ``now``: ``rate`` per second since ``refilled_at``, at most
     ``burst``. A clock that went back (another worker's ``now`` a millisecond behind) adds
-    nothing and takes nothing."""
+    nothing and takes nothing, and a take leaves the bucket's clock where it was
+    (``slots._take_pipeline``: a clock moved back would count that time twice)."""
     elapsed_ms = max(0.0, (now - refilled_at).total_seconds() * 1000)
     return min(burst, tokens + elapsed_ms * rate / 1000)
 
@@ -258,8 +259,12 @@ def retry_at(doc: Doc, now: dt.datetime) -> dt.datetime:
         refilled = doc.get("refilled_at")
         tokens = doc.get("tokens")
         if isinstance(refilled, dt.datetime) and isinstance(tokens, int | float):
-            have = refill(float(tokens), refilled, now, float(rate), float(burst or 1))
-            waits.append(wait_for_token(have, float(rate)))
+            # tokens come at the bucket's clock, which may be ahead of ``now`` (another
+            # worker's estimate of the server's clock): from whichever is later
+            start = max(now, refilled)
+            have = refill(float(tokens), refilled, start, float(rate), float(burst or 1))
+            ahead = (start - now).total_seconds()
+            waits.append(ahead + wait_for_token(have, float(rate)))
     concurrency = doc.get("concurrency")
     holders = [h for h in doc.get("holders") or () if isinstance(h, dict)]
     live = sorted(

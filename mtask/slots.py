@@ -207,7 +207,10 @@ def _take_pipeline(request: Request, worker_id: str, now: dt.datetime) -> list[D
             "$cond": [{"$isNumber": conc}, {"$concatArrays": [live, [literal(holder)]]}, []]
         },
         "tokens": {"$cond": [{"$isNumber": rate}, {"$subtract": [tokens, 1]}, None]},
-        "refilled_at": now,
+        # the bucket's clock never goes back: a take whose time is behind it (another
+        # worker's estimate of the server's clock, some milliseconds behind) added no tokens,
+        # and moving the clock back would let the next take count that time again
+        "refilled_at": {"$max": [now, {"$ifNull": ["$refilled_at", now]}]},
         "granted": {
             "$cond": [
                 {"$isNumber": conc},

@@ -122,6 +122,28 @@ def test_rate_tokens_refill_by_the_given_clock(mongo_uri: str, db_name: str) -> 
         assert doc["holders"] == [] and doc["tokens"] == pytest.approx(0)
 
 
+def test_a_take_behind_the_buckets_clock_does_not_move_it_back(
+    mongo_uri: str, db_name: str
+) -> None:
+    """Workers' estimates of the server's clock differ by some milliseconds. A take whose time
+    is behind the bucket's adds no token, and must not move the bucket's clock back either:
+    the next take would count that time again (a CI run saw four claims within 30 ms under
+    2 a second and a burst of 2)."""
+    with TaskClient(mongo_uri, database=db_name, clock=FixedClock(T0)) as tc:
+        tc.set_limit("n", rate=2.0, burst=2)  # a token every 500 ms
+        ms = lambda n: T0 + dt.timedelta(milliseconds=n)  # noqa: E731
+        assert tc._run(acquire("n", "a1", "k", "a", ms(1000), 1000)).taken  # 2 → 1
+        assert tc._run(acquire("n", "b1", "k", "b", ms(600), 1000)).taken  # b 400 ms behind
+        assert tc.limits()[0]["refilled_at"] == ms(1000)
+        # 100 ms after the bucket's clock: a fifth of a token, not the 500 ms from b's time
+        refused = tc._run(acquire("n", "a2", "k", "a", ms(1100), 1000))
+        assert not refused.taken and refused.retry_at == ms(1501)
+        # b, behind the bucket's clock, comes back once its own clock reaches the token's time
+        # on the bucket's (not 500 ms after its own time, too early by the distance)
+        assert tc._run(acquire("n", "b2", "k", "b", ms(700), 1000)).retry_at == ms(1501)
+        assert tc._run(acquire("n", "a3", "k", "a", ms(1500), 1000)).taken
+
+
 def test_no_limit_document_means_unlimited(client: TaskClient) -> None:
     got = client._run(acquire("n", "r", "k", "w", T0, 1000))
     assert got.taken and not got.limited  # go on without a slot: none is held
