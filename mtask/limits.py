@@ -44,13 +44,30 @@ MAX_RATE = 1_000_000.0
 # ---------------------------------------------------------------------------------------------
 
 
+BUCKET_CLOCK_SLACK = dt.timedelta(seconds=1)
+"""How far a rate bucket's clock (``refilled_at``) may be ahead of a taker's time and still
+hold: workers' estimates of the server's clock differ by milliseconds. A bucket further ahead
+was stamped before the server's clock was stepped back: it starts again, full, from the
+taker's time (``refill``, ``bucket_clock``)."""
+
+
+def bucket_clock(refilled_at: dt.datetime, now: dt.datetime) -> dt.datetime:
+    """The bucket's clock after a take at ``now``: never back by less than
+    ``BUCKET_CLOCK_SLACK`` (a clock moved back would count that stretch twice)."""
+    return now if refilled_at > now + BUCKET_CLOCK_SLACK else max(now, refilled_at)
+
+
 def refill(
     tokens: float, refilled_at: dt.datetime, now: dt.datetime, rate: float, burst: float
 ) -> float:
     """Tokens in the bucket at ``now``: ``rate`` per second since ``refilled_at``, at most
     ``burst``. A clock that went back (another worker's ``now`` a millisecond behind) adds
     nothing and takes nothing, and a take leaves the bucket's clock where it was
-    (``slots._take_pipeline``: a clock moved back would count that time twice)."""
+    (``bucket_clock``). A bucket's clock more than ``BUCKET_CLOCK_SLACK`` ahead was set before
+    the server's clock was stepped back: the bucket is full again (else it would refill
+    nothing, and so grant nothing, until the server's clock caught up)."""
+    if refilled_at > now + BUCKET_CLOCK_SLACK:
+        return burst
     elapsed_ms = max(0.0, (now - refilled_at).total_seconds() * 1000)
     return min(burst, tokens + elapsed_ms * rate / 1000)
 
@@ -261,7 +278,7 @@ def retry_at(doc: Doc, now: dt.datetime) -> dt.datetime:
         if isinstance(refilled, dt.datetime) and isinstance(tokens, int | float):
             # tokens come at the bucket's clock, which may be ahead of ``now`` (another
             # worker's estimate of the server's clock): from whichever is later
-            start = max(now, refilled)
+            start = bucket_clock(refilled, now)
             have = refill(float(tokens), refilled, start, float(rate), float(burst or 1))
             ahead = (start - now).total_seconds()
             waits.append(ahead + wait_for_token(have, float(rate)))

@@ -42,7 +42,7 @@ from pymongo import UpdateOne
 from pymongo.errors import BulkWriteError
 
 from mtask.driver import DUPLICATE_KEY, Call, Doc, Op
-from mtask.limits import GROUP_SEPARATOR, Limit, retry_at
+from mtask.limits import BUCKET_CLOCK_SLACK, GROUP_SEPARATOR, Limit, retry_at
 from mtask.limits import is_lock as is_lock_limit
 from mtask.store.schema import literal
 
@@ -105,11 +105,23 @@ def _terms(request: Request, now: dt.datetime) -> tuple[Any, Any, Any, Doc, Doc]
     if request.replaces is not None:  # the ended run handing its place over is not counted
         cond = {"$and": [cond, {"$ne": ["$$h.run_id", literal(request.replaces)]}]}
     live: Doc = {"$filter": {"input": {"$ifNull": ["$holders", []]}, "as": "h", "cond": cond}}
-    elapsed = {"$max": [0, {"$subtract": [now, {"$ifNull": ["$refilled_at", now]}]}]}
+    refilled = {"$ifNull": ["$refilled_at", now]}
+    elapsed = {"$max": [0, {"$subtract": [now, refilled]}]}
     tokens: Doc = {
-        "$min": [
+        "$cond": [
+            {"$gt": [refilled, now + BUCKET_CLOCK_SLACK]},  # limits.refill: a step back
             burst,
-            {"$add": [{"$ifNull": ["$tokens", burst]}, {"$multiply": [elapsed, rate, 0.001]}]},
+            {
+                "$min": [
+                    burst,
+                    {
+                        "$add": [
+                            {"$ifNull": ["$tokens", burst]},
+                            {"$multiply": [elapsed, rate, 0.001]},
+                        ]
+                    },
+                ]
+            },
         ]
     }
     return conc, rate, burst, live, tokens
@@ -202,15 +214,22 @@ def _take_pipeline(request: Request, worker_id: str, now: dt.datetime) -> list[D
     conc, rate, burst, live, tokens = _terms(request, now)
     holder = _holder(request, worker_id, now)
     granted = {"$ifNull": ["$granted", []]}
+    refilled = {"$ifNull": ["$refilled_at", now]}
     sets: Doc = {
         "holders": {
             "$cond": [{"$isNumber": conc}, {"$concatArrays": [live, [literal(holder)]]}, []]
         },
         "tokens": {"$cond": [{"$isNumber": rate}, {"$subtract": [tokens, 1]}, None]},
-        # the bucket's clock never goes back: a take whose time is behind it (another
-        # worker's estimate of the server's clock, some milliseconds behind) added no tokens,
-        # and moving the clock back would let the next take count that time again
-        "refilled_at": {"$max": [now, {"$ifNull": ["$refilled_at", now]}]},
+        # limits.bucket_clock: a take whose time is behind the bucket's clock (another
+        # worker's estimate of the server's clock, some milliseconds behind) added no tokens
+        # and leaves it, else the next take would count that stretch again
+        "refilled_at": {
+            "$cond": [
+                {"$gt": [refilled, now + BUCKET_CLOCK_SLACK]},
+                now,
+                {"$max": [now, refilled]},
+            ]
+        },
         "granted": {
             "$cond": [
                 {"$isNumber": conc},

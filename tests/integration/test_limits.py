@@ -142,6 +142,13 @@ def test_a_take_behind_the_buckets_clock_does_not_move_it_back(
         # on the bucket's (not 500 ms after its own time, too early by the distance)
         assert tc._run(acquire("n", "b2", "k", "b", ms(700), 1000)).retry_at == ms(1501)
         assert tc._run(acquire("n", "a3", "k", "a", ms(1500), 1000)).taken
+        # more than BUCKET_CLOCK_SLACK behind: the server's clock was stepped back since the
+        # bucket's was set; the bucket starts again, full, from the taker's time (else it would
+        # grant nothing until the server's clock caught up)
+        assert tc._run(acquire("n", "c1", "k", "c", ms(-1000), 1000)).taken
+        assert tc.limits()[0]["refilled_at"] == ms(-1000)
+        assert tc._run(acquire("n", "c2", "k", "c", ms(-1000), 1000)).taken
+        assert not tc._run(acquire("n", "c3", "k", "c", ms(-1000), 1000)).taken
 
 
 def test_no_limit_document_means_unlimited(client: TaskClient) -> None:
