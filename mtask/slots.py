@@ -94,6 +94,14 @@ class Taken:
     retry_at: dt.datetime | None = None
 
 
+def _bucket(now: dt.datetime) -> tuple[Doc, Doc]:
+    """The bucket's clock (``refilled_at``, ``now`` if it has none) and whether it is more than
+    ``BUCKET_CLOCK_SLACK`` ahead of ``now`` (set before the server's clock was stepped back:
+    ``limits.refill``, ``limits.bucket_clock``), as expressions over the document."""
+    refilled = {"$ifNull": ["$refilled_at", now]}
+    return refilled, {"$gt": [refilled, now + BUCKET_CLOCK_SLACK]}
+
+
 def _terms(request: Request, now: dt.datetime) -> tuple[Any, Any, Any, Doc, Doc]:
     """The slot's limit (its document's fields for a name, literals for a group), its live
     holders and its tokens now, as expressions over the document."""
@@ -105,11 +113,11 @@ def _terms(request: Request, now: dt.datetime) -> tuple[Any, Any, Any, Doc, Doc]
     if request.replaces is not None:  # the ended run handing its place over is not counted
         cond = {"$and": [cond, {"$ne": ["$$h.run_id", literal(request.replaces)]}]}
     live: Doc = {"$filter": {"input": {"$ifNull": ["$holders", []]}, "as": "h", "cond": cond}}
-    refilled = {"$ifNull": ["$refilled_at", now]}
+    refilled, stepped_back = _bucket(now)
     elapsed = {"$max": [0, {"$subtract": [now, refilled]}]}
     tokens: Doc = {
         "$cond": [
-            {"$gt": [refilled, now + BUCKET_CLOCK_SLACK]},  # limits.refill: a step back
+            stepped_back,  # limits.refill: full again
             burst,
             {
                 "$min": [
@@ -214,7 +222,7 @@ def _take_pipeline(request: Request, worker_id: str, now: dt.datetime) -> list[D
     conc, rate, burst, live, tokens = _terms(request, now)
     holder = _holder(request, worker_id, now)
     granted = {"$ifNull": ["$granted", []]}
-    refilled = {"$ifNull": ["$refilled_at", now]}
+    refilled, stepped_back = _bucket(now)
     sets: Doc = {
         "holders": {
             "$cond": [{"$isNumber": conc}, {"$concatArrays": [live, [literal(holder)]]}, []]
@@ -223,13 +231,7 @@ def _take_pipeline(request: Request, worker_id: str, now: dt.datetime) -> list[D
         # limits.bucket_clock: a take whose time is behind the bucket's clock (another
         # worker's estimate of the server's clock, some milliseconds behind) added no tokens
         # and leaves it, else the next take would count that stretch again
-        "refilled_at": {
-            "$cond": [
-                {"$gt": [refilled, now + BUCKET_CLOCK_SLACK]},
-                now,
-                {"$max": [now, refilled]},
-            ]
-        },
+        "refilled_at": {"$cond": [stepped_back, now, {"$max": [now, refilled]}]},
         "granted": {
             "$cond": [
                 {"$isNumber": conc},
