@@ -20,6 +20,7 @@ from typing import Any
 
 from mtask import limits, metrics
 from mtask.registry import Registry, TaskContext
+from mtask.steps import RunSteps, StepError
 from mtask.store import Outcome
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.deadlines import Deadlines
@@ -104,13 +105,9 @@ class Executor:
                 held=self.registry[doc["name"]].transactional,
                 loop=loop,
             ),
-            steps_for=lambda made: self.outcomes.journals.steps_for(
-                made,
-                doc=doc,
-                transactional=self.registry[doc["name"]].transactional,
-                fence=lambda: self.outcomes.fence(run, doc),
-                loop=loop,
-            ),
+            # a method and its arguments, not a closure over the run: the run holds this
+            # context, so a closure would make a cycle that only the garbage collector frees
+            steps_for=functools.partial(self._steps_for, doc=doc, loop=loop),
         )
         run = ActiveRun(
             key=doc["_id"],
@@ -135,6 +132,22 @@ class Executor:
         metrics.by_name(metrics.CLAIMED, run.name).inc()
         metrics.IN_FLIGHT.inc()
         self.emit(Event.CLAIMED, key=run.key, run_id=run_id, attempt=ctx.attempt)
+
+    def _steps_for(
+        self, made: TaskContext, *, doc: dict[str, Any], loop: asyncio.AbstractEventLoop
+    ) -> RunSteps:
+        """``TaskContext.steps_for``: the run's journal, made when its handler first asks for a
+        step, a sleep or a wait (while it runs: the run is in flight)."""
+        run = self.inflight.get(made.run_id)
+        if run is None:
+            raise StepError(f"the run {made.run_id[:8]} of {made.key!r} has ended: no more steps")
+        return self.outcomes.journals.steps_for(
+            made,
+            doc=doc,
+            transactional=self.registry[run.name].transactional,
+            fence=lambda: self.outcomes.fence(run, doc),
+            loop=loop,
+        )
 
     async def execute(self, run: ActiveRun, doc: dict[str, Any]) -> None:
         run.begun = True
