@@ -80,13 +80,24 @@ def publish_span(
         yield context or None
 
 
-@contextlib.contextmanager
-def run_span(doc: dict[str, Any], name: str, key: str, attempt: int) -> Iterator[None]:
+_NO_SPAN = contextlib.nullcontext()
+
+
+def run_span(
+    doc: dict[str, Any], name: str, key: str, attempt: int
+) -> contextlib.AbstractContextManager[None]:
     """The CONSUMER span of one run: a child of the publisher's span when the task holds its
-    trace context (one message, one process: the conventions' parent case)."""
+    trace context (one message, one process: the conventions' parent case). Without a tracer
+    provider, a context that does nothing (no generator made for each run)."""
     if _tracer is None or not _configured():
-        yield
-        return
+        return _NO_SPAN
+    return _run_span(_tracer, doc, name, key, attempt)
+
+
+@contextlib.contextmanager
+def _run_span(
+    tracer: trace.Tracer, doc: dict[str, Any], name: str, key: str, attempt: int
+) -> Iterator[None]:
     from opentelemetry import propagate
 
     stored = doc.get("trace")
@@ -96,7 +107,7 @@ def run_span(doc: dict[str, Any], name: str, key: str, attempt: int) -> Iterator
     parent = propagate.extract(carrier) if carrier else None
     attributes = _messaging("process", "run", name, key)
     attributes.update({"mtask.name": name, "mtask.key": key, "mtask.attempt": attempt})
-    with _tracer.start_as_current_span(
+    with tracer.start_as_current_span(
         "mtask.run", context=parent, kind=trace.SpanKind.CONSUMER, attributes=attributes
     ):
         yield

@@ -207,7 +207,8 @@ def build(
         journals=RunStepStores(adriver, clock, transactions),
         pool=process_pool,
         isolation=config.pool,
-        slots=asyncio.Semaphore(config.concurrency),  # prefetched runs wait here
+        # prefetched runs wait here; without prefetch no run has to
+        slots=asyncio.Semaphore(config.concurrency) if config.prefetch else None,
     )
     executor = Executor(
         registry=registry,

@@ -125,7 +125,7 @@ class Executor:
             options["ping_interval_ms"],
             options["worker_timeout_ms"],
             sent,
-            slots=tuple(s for s in slots if not limits.is_claim_lock(s)),  # no document
+            slots=tuple(s for s in slots if not limits.is_claim_lock(s)) if slots else (),
         )
         run.task = asyncio.create_task(self.execute(run, doc), name=f"mtask-run-{run.key}")
         self.deadlines.watch(run)

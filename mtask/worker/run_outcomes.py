@@ -13,6 +13,7 @@ the call is ``mtask.worker.executor``'s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import random
@@ -171,6 +172,10 @@ class NoLeases:
         pass
 
 
+NO_RESULT_BYTES = len(bson.encode({"result": None}))
+"""A handler that returns nothing stores this much."""
+
+
 class RunOutcomes:
     def __init__(
         self,
@@ -185,7 +190,7 @@ class RunOutcomes:
         journals: RunJournals,
         pool: ProcessPool | None = None,
         isolation: Literal["thread", "process"] = "thread",
-        slots: asyncio.Semaphore | None = None,
+        slots: contextlib.AbstractAsyncContextManager[Any] | None = None,
     ) -> None:
         self.stats = stats
         self.emit = emit
@@ -205,9 +210,9 @@ class RunOutcomes:
         """Child processes for process-isolated plain-def handlers (issue 18)."""
         self.isolation = isolation
         """The worker-wide default for plain-def handlers that do not declare one."""
-        self.slots = slots or asyncio.Semaphore(1_000_000)
+        self.slots = slots or contextlib.nullcontext()
         """A run waits here for a slot, which only a prefetched run (``WorkerConfig.prefetch``)
-        has to do (``None``: no limit, outside a worker)."""
+        has to do (``None``: no worker claims ahead, so no run waits)."""
 
     async def call(self, run: ActiveRun, handler: Handler, doc: dict[str, Any]) -> Outcome:
         """Run the handler and say how the run ended (an exception is the task's failure)."""
@@ -345,7 +350,7 @@ class RunOutcomes:
             steps = tuple(flows.outbox_entry(t) for t in built)
             result = [t.key for t in built]
         try:
-            size = len(bson.encode({"result": result}))
+            size = NO_RESULT_BYTES if result is None else len(bson.encode({"result": result}))
         except Exception as exc:  # noqa: BLE001 - any encoding problem is the handler's
             return self.failure(run, f"the result cannot be stored: {exc}", permanent=True)
         if size > self.max_result_bytes:
