@@ -386,10 +386,16 @@ def scan(
     worker_id: str | Sequence[str],
     limit: int,
     after: tuple[dt.datetime, str] | None = None,
+    *,
+    start: tuple[dt.datetime, str] | None = None,
+    batch_size: int = 0,
 ) -> Op[list[Doc]]:
     """One page of open tasks for ``names`` that this worker (or one of these workers: a
     host's relay scans for all of them) may run, soonest claimable first; ``after`` is the
-    (next_claim_at, key) of the previous page's last entry."""
+    (next_claim_at, key) of the previous page's last entry, ``start`` that of the page's first
+    (a top-up reading on from the first task a full queue left out). ``batch_size``: how many
+    documents each reply carries (0: the server's choice), so a long page is decoded a batch
+    at a time, the event loop running between."""
     filt: Doc = {
         # Malformed documents are read too: the claim refuses them, and the worker then marks
         # them invalid (``quarantine``) instead of skipping them in silence.
@@ -404,22 +410,31 @@ def scan(
             {SPECIFIC: {"$not": {"$type": "array"}}},
         ],
     }
-    if after is not None:
-        at, key = after
+    bound, tie = (after, "$gt") if after is not None else (start, "$gte")
+    if bound is not None:
+        # The bound for each name on its own: the index (name, next_claim_at, _id) then bounds
+        # each name's scan. Across an `$in` of names, the planner merges each name's whole
+        # range and filters after the fetch, reading every earlier task again (explained:
+        # 15,001 documents read for a page of 5,001 with two names, against 5,001).
+        at, key = bound
+        del filt["name"]
         filt = {
             "$and": [
                 filt,
                 {
                     "$or": [
-                        {"next_claim_at": {"$gt": at}},
-                        {"next_claim_at": at, "_id": {"$gt": key}},
+                        branch
+                        for name in names
+                        for branch in (
+                            {"name": name, "next_claim_at": {"$gt": at}},
+                            {"name": name, "next_claim_at": at, "_id": {tie: key}},
+                        )
                     ]
                 },
             ]
         }
-    docs: list[Doc] = yield Call(
-        "find",
-        (filt, PLACEMENT_FIELDS),
-        {"sort": [("next_claim_at", ASCENDING), ("_id", ASCENDING)], "limit": limit},
-    )
+    options: Doc = {"sort": [("next_claim_at", ASCENDING), ("_id", ASCENDING)], "limit": limit}
+    if batch_size:
+        options["batch_size"] = batch_size
+    docs: list[Doc] = yield Call("find", (filt, PLACEMENT_FIELDS), options)
     return docs

@@ -16,8 +16,9 @@ stage (``Ready``), which chooses which due task goes first:
 4. the earlier place in line, so a task whose lease ran out (its worker killed, its run
    timed out) goes ahead of tasks published after it.
 
-The queue is bounded; when full it keeps the soonest tasks and remembers that it dropped some
-(``overflowed``), so the worker rescans once the queue runs dry. Entries are hints: the claim
+The queue is bounded; when full it keeps the soonest tasks and remembers where the first it
+dropped sits (``resume``), so the worker reads on from there once half the queue is gone
+(``Scanner.top_up``), and rescans if it runs dry all the same. Entries are hints: the claim
 decides. Pure and synchronous, so it is property-tested without MongoDB.
 """
 
@@ -206,10 +207,11 @@ class ClaimQueue:
         self._aged_at: dt.datetime | None = None
         self._latest: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
-        self.overflowed = False
-        self.overflow_at: dt.datetime | None = None
-        """The earliest claim time of a task left out because the queue was full: every task
-        not in the queue becomes due no earlier than this."""
+        self.resume: tuple[dt.datetime, str] | None = None
+        """The first place, in the scan's order (claim time, key), of a task left out because
+        the queue was full (or a place before it): every open task not in the queue (nor in
+        flight, nor moved by an event since) is at or after it, so a top-up reads on from here
+        (``Scanner.top_up``). ``None``: nothing was left out."""
 
     def like(self) -> ClaimQueue:
         """An empty queue of the same size and aging (the relay's, for every subscriber)."""
@@ -217,6 +219,22 @@ class ClaimQueue:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    @property
+    def overflowed(self) -> bool:
+        """Some task is known but not kept."""
+        return self.resume is not None
+
+    @property
+    def overflow_at(self) -> dt.datetime | None:
+        """The earliest claim time of a task left out because the queue was full: every task
+        not in the queue becomes due no earlier than this."""
+        return None if self.resume is None else self.resume[0]
+
+    def wants_top_up(self) -> bool:
+        """Tasks were left out and half the queue is gone: read on from ``resume`` before it
+        runs dry, while the claims go on from what is left."""
+        return self.resume is not None and len(self.entries) <= self.max_size // 2
 
     @property
     def full(self) -> bool:
@@ -240,9 +258,9 @@ class ClaimQueue:
         if key not in self.entries and len(self.entries) >= self.max_size:
             latest_key = self._latest_key()
             if latest_key is None or self.entries[latest_key].claim_at <= claim_at:
-                self.note_overflow(claim_at)
+                self.note_overflow(claim_at, key)
                 return False
-            self.note_overflow(self.entries[latest_key].claim_at)
+            self.note_overflow(self.entries[latest_key].claim_at, latest_key)
             self.discard(latest_key)
         entry = Entry(claim_at, priority, specific, next(self._seq), group, place)
         self.entries[key] = entry
@@ -250,11 +268,11 @@ class ClaimQueue:
         heapq.heappush(self._latest, (-claim_at.timestamp(), entry.seq, key))
         return True
 
-    def note_overflow(self, claim_at: dt.datetime) -> None:
-        """Some task due at ``claim_at`` (or later) is known but not kept."""
-        self.overflowed = True
-        if self.overflow_at is None or claim_at < self.overflow_at:
-            self.overflow_at = claim_at
+    def note_overflow(self, claim_at: dt.datetime, key: str) -> None:
+        """The task ``key``, due at ``claim_at``, is known but not kept (or, from a scan, the
+        first one read and not kept, or the last one read before those not read)."""
+        if self.resume is None or (claim_at, key) < self.resume:
+            self.resume = (claim_at, key)
 
     def needs_refill(self, now: dt.datetime) -> bool:
         """True when tasks left out of a full queue may be due and none kept is: scan again."""
@@ -341,5 +359,4 @@ class ClaimQueue:
         self._ready.clear()
         self._latest.clear()
         self._aged_at = None
-        self.overflowed = False
-        self.overflow_at = None
+        self.resume = None

@@ -129,6 +129,8 @@ class Claimer:
         now = self.clock.now()
         keys = self.queue.pop_due(now, free)
         if keys:
+            if self.queue.wants_top_up():
+                self.sink.request_top_up()
             await self.claim(keys, names, now)
             return True, None
         if self.queue.needs_refill(now):

@@ -302,3 +302,37 @@ async def test_a_limited_runs_local_deadline_counts_from_before_its_claims_time_
     assert driver.done and [d["_id"] for d in started.docs] == ["k"] and len(at) == 1
     assert at[0] in clock.read_at, "the claim's time was read for the batch"
     assert started.sent[0] <= clock.read_at[at[0]]
+
+
+async def test_a_claim_that_leaves_half_of_an_overflowed_queue_asks_for_a_top_up() -> None:
+    """The top-up is asked for as the claim goes out, so the queue is read on from where it
+    left tasks out while the claims go on from what is left (``Scanner.top_up``)."""
+    claimer, watcher, _ = build(AsyncScriptedDriver())
+    queue = watcher.placement.queue
+    for i in range(100):
+        watcher.scanner.place_safely(placement(f"k{i:03}", NOW))
+    queue.note_overflow(NOW, "k100")
+    claimed: list[list[str]] = []
+
+    async def claim(keys: list[str], names: list[str], now: dt.datetime) -> None:
+        claimed.append(keys)
+
+    claimer.claim = claim  # type: ignore[method-assign]
+    claimer.concurrency = 50
+    assert await claimer.run_once() == (True, None)
+    assert claimed[0][:2] == ["k000", "k001"] and len(queue) == 50
+    assert watcher.scanner.top_up_requested.is_set()
+
+
+async def test_no_top_up_is_asked_for_while_more_than_half_is_left() -> None:
+    claimer, watcher, _ = build(AsyncScriptedDriver())
+    for i in range(100):
+        watcher.scanner.place_safely(placement(f"k{i:03}", NOW))
+    watcher.placement.queue.note_overflow(NOW, "k100")
+
+    async def claim(keys: list[str], names: list[str], now: dt.datetime) -> None:
+        return None
+
+    claimer.claim = claim  # type: ignore[method-assign]
+    assert await claimer.run_once() == (True, None)  # 10 of 100 taken
+    assert not watcher.scanner.top_up_requested.is_set()

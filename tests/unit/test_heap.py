@@ -66,6 +66,26 @@ def test_full_queue_keeps_the_soonest_and_says_it_overflowed() -> None:
     assert queue.pop_due(BASE + dt.timedelta(seconds=5), 10) == ["soon", "b"]
 
 
+
+def test_a_full_queue_remembers_the_first_place_it_left_a_task_out() -> None:
+    """``resume``: where a top-up reads on from, in the scan's order (claim time, key)."""
+    queue = ClaimQueue(max_size=2)
+    queue.push("a", BASE + dt.timedelta(seconds=3))
+    queue.push("b", BASE + dt.timedelta(seconds=1))
+    assert queue.resume is None and not queue.wants_top_up()
+    assert not queue.push("late", BASE + dt.timedelta(seconds=9))
+    assert queue.resume == (BASE + dt.timedelta(seconds=9), "late")
+    assert queue.push("soon", BASE)  # evicts "a", which sits before "late"
+    assert queue.resume == (BASE + dt.timedelta(seconds=3), "a")
+    assert queue.overflow_at == BASE + dt.timedelta(seconds=3)
+    queue.note_overflow(BASE + dt.timedelta(seconds=3), "Z")  # same time, an earlier key
+    assert queue.resume == (BASE + dt.timedelta(seconds=3), "Z")
+    assert not queue.wants_top_up()
+    assert queue.pop_due(BASE, 1) == ["soon"]  # half of the queue gone
+    assert queue.wants_top_up()
+    queue.clear()
+    assert queue.resume is None and not queue.overflowed and not queue.wants_top_up()
+
 # -- fairness between groups, places in line, priority aging -----------------------------------
 
 grouped = st.lists(

@@ -6,11 +6,14 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+import pytest
 from finders import finder_for
+from pymongo.errors import NotPrimaryError
 from scripted import AsyncScriptedDriver, Step
 
 from mtask.clock import FixedClock
 from mtask.driver import Call
+from mtask.errors import StorageError
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.scan import STRANDED_OPEN_EVERY
 
@@ -85,3 +88,87 @@ async def test_a_requested_rescan_searches_for_stranded_documents_once_an_interv
     driver.expect(scan(101), *stranded(open_too=True))
     await scanner.rescan()
     assert driver.done
+
+
+# -- the top-up: reading on from the first task a full queue left out ----------------------------
+
+
+def top_up(start: tuple[dt.datetime, str], limit: int, reply: list[dict[str, Any]]) -> Step:
+    def check(call: Call) -> None:
+        assert call.kwargs["limit"] == limit and call.kwargs["batch_size"] == 1000
+        [_, bound] = call.args[0]["$and"]
+        at, key = start
+        assert bound["$or"] == [
+            {"name": "n", "next_claim_at": {"$gt": at}},
+            {"name": "n", "next_claim_at": at, "_id": {"$gte": key}},
+        ]
+
+    return Step("find", reply, check=check)
+
+
+async def full_queue() -> tuple[Any, ClaimQueue, AsyncScriptedDriver]:
+    """A queue of 100 filled by a rescan of 101 tasks (k000…k100): k100 left out."""
+    queue = ClaimQueue(100)
+    driver = AsyncScriptedDriver(
+        scan(101, reply=[pending(i) for i in range(101)]), *stranded(open_too=True)
+    )
+    finder = finder_for(driver, FixedClock(WHEN), ["n"], queue=queue)
+    await finder.scanner.rescan()
+    assert queue.resume == (WHEN, "k100") and not queue.wants_top_up()
+    return finder, queue, driver
+
+
+async def test_a_top_up_reads_on_from_the_first_task_left_out_without_clearing() -> None:
+    finder, queue, driver = await full_queue()
+    assert len(queue.pop_due(WHEN, 49)) == 49 and not queue.wants_top_up()
+    assert await finder.scanner.top_up() == 0  # more than half is left: nothing read
+    assert len(queue.pop_due(WHEN, 1)) == 1 and queue.wants_top_up()  # half is gone
+    # room for 50 and the first left out again: k150 does not fit
+    driver.expect(top_up((WHEN, "k100"), 51, [pending(i) for i in range(100, 151)]))
+    assert await finder.scanner.top_up() == 51
+    assert driver.done and len(queue) == 100
+    assert {f"k{i:03}" for i in range(50, 150)} == set(queue.entries)  # the rest kept
+    assert queue.resume == (WHEN, "k150")
+
+
+async def test_a_top_up_that_reads_the_last_tasks_leaves_nothing_out() -> None:
+    finder, queue, driver = await full_queue()
+    queue.pop_due(WHEN, 60)
+    driver.expect(top_up((WHEN, "k100"), 61, [pending(i) for i in range(100, 120)]))
+    assert await finder.scanner.top_up() == 20
+    assert len(queue) == 60 and queue.resume is None and not queue.overflowed
+
+
+async def test_a_top_up_that_fills_its_page_notes_the_last_task_read() -> None:
+    """A page as long as its limit may have more behind it, though some of it was not queued
+    (here: two tasks in flight), so the queue is not full: the next top-up starts there."""
+    queue = ClaimQueue(100)
+    driver = AsyncScriptedDriver(
+        scan(101, reply=[pending(i) for i in range(101)]), *stranded(open_too=True)
+    )
+    finder = finder_for(
+        driver, FixedClock(WHEN), ["n"], queue=queue, in_flight=lambda key: key in ("k120", "k121")
+    )
+    await finder.scanner.rescan()
+    queue.pop_due(WHEN, 60)
+    driver.expect(top_up((WHEN, "k100"), 61, [pending(i) for i in range(100, 161)]))
+    await finder.scanner.top_up()
+    assert len(queue) == 99 and queue.resume == (WHEN, "k160")
+
+
+async def test_a_failed_top_up_keeps_where_to_read_on_from() -> None:
+    finder, queue, driver = await full_queue()
+    queue.pop_due(WHEN, 60)
+    driver.expect(Step("find", raises=NotPrimaryError("stepped down")))
+    with pytest.raises(StorageError):
+        await finder.scanner.top_up()
+    assert queue.resume == (WHEN, "k100") and queue.wants_top_up()
+
+
+async def test_a_rescan_after_a_top_up_was_asked_for_makes_it_read_nothing() -> None:
+    finder, queue, driver = await full_queue()
+    queue.pop_due(WHEN, 60)
+    driver.expect(scan(101, reply=[pending(i) for i in range(60, 100)]))
+    await finder.scanner.rescan(requested=True)  # within the interval: no stranded search
+    assert queue.resume is None
+    assert await finder.scanner.top_up() == 0 and driver.done

@@ -30,7 +30,7 @@ from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.finder import Finder, Others, ReportingSink
 from mtask.worker.finding.placement import Placement, WorkerScope
 from mtask.worker.finding.protocols import ClaimsBack, QueueSink
-from mtask.worker.finding.scan import Scanner, Sweep
+from mtask.worker.finding.scan import Scanner, Sweep, TopUp
 from mtask.worker.finding.shared.subscriber import SharedStream
 from mtask.worker.finding.stream import OwnStream
 from mtask.worker.presence import Assignment
@@ -46,7 +46,7 @@ class Finding:
     sink: QueueSink
     """What the claimer, the limit gate and the recorder put tasks back into."""
     services: tuple[Service, ...]
-    """What runs for it: an own stream and the sweep, or the shared stream."""
+    """What runs for it: an own stream, the sweep and the top-up, or the shared stream."""
     shared: SharedStream | None
     """The worker's side of the shared stream, if it shares it."""
 
@@ -93,7 +93,8 @@ def build(
     if stream == "own":
         tasks = driver.collections["tasks"]
         own = OwnStream(tasks.database, tasks.name, worker_id, finder, claims)
-        return Finding(finder, finder, (own, Sweep.of(finder.scanner)), None)
+        services = (own, Sweep.of(finder.scanner), TopUp(finder.scanner))
+        return Finding(finder, finder, services, None)
     shared = SharedStream(
         driver, clock, worker_id, finder, capacity, claims=claims, new_queue=queue.like
     )

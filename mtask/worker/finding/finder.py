@@ -124,6 +124,9 @@ class Finder:
     def request_rescan(self) -> None:
         self.scanner.request_rescan()
 
+    def request_top_up(self) -> None:
+        self.scanner.request_top_up()
+
     def succeeded(self, key: str) -> None:
         self.scanner.touch(key)  # a rescan that read it before now must not bring it back
         self.placement.forget(key)
@@ -168,6 +171,9 @@ class ReportingSink:
 
     def request_rescan(self) -> None:
         self.finder.request_rescan()
+
+    def request_top_up(self) -> None:
+        self.finder.request_top_up()
 
     def succeeded(self, key: str) -> None:
         self.finder.succeeded(key)

@@ -66,6 +66,9 @@ class QueueSink(Protocol):
 
     def request_rescan(self) -> None: ...
 
+    def request_top_up(self) -> None:
+        """Half of a queue that left tasks out is gone: read on (``Scanner.top_up``)."""
+
     def succeeded(self, key: str) -> None:
         """This worker recorded a success of ``key`` (an own stream leaves that event out; a
         relay's counts it, as the subscriber's ``Reporter`` does)."""

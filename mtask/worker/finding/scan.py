@@ -1,9 +1,10 @@
-"""Reading tasks from their documents: the scan, the sweep, lookups and quarantine.
+"""Reading tasks from their documents: the scan, the sweep, the top-up, lookups and quarantine.
 
 The scan pages through every open task of the scope's names, soonest first, until the claim
 queue is full; it runs when a stream (re)opens (nothing slips between: the stream is open
 first) and every ``sweep_interval`` seconds whatever happens (``Sweep``), so a lost event
-delays a task by at most one sweep: no lost wake-ups. An update event of a task nobody here
+delays a task by at most one sweep: no lost wake-ups. A queue that left tasks out is topped up
+from the first of them once half of it is gone (``TopUp``). An update event of a task nobody here
 knows is looked up (``unknown``); a malformed document (any service may write any shape) is
 noted (``malformed``) and marked ``invalid`` with its reason (``quarantine``).
 """
@@ -31,6 +32,9 @@ open document for those no claim can reach (``store.complete.stranded_open``).""
 PAGE_MOST = 20_000
 """The most one find of a rescan reads (a bound on the list it makes; the default queue holds
 10,000 tasks, so one find fills it)."""
+TOP_UP_BATCH = 1_000
+"""Documents a reply of a top-up's find carries, and placed between two turns of the event
+loop: the claims go on while half a queue is read and placed."""
 
 
 def due_by(doc: Mapping[str, Any], when: dt.datetime | None) -> bool:
@@ -64,6 +68,8 @@ class Scanner:
         """Keys an update event moved that nobody here knows: looked up by ``settle``."""
         self.rescans = 0
         self.rescan_requested = asyncio.Event()
+        self.top_ups = 0
+        self.top_up_requested = asyncio.Event()
         self.stranded_searches = 0
         self._stranded_at: dt.datetime | None = None
         """When the last search for stranded documents began."""
@@ -78,6 +84,9 @@ class Scanner:
 
     def request_rescan(self) -> None:
         self.rescan_requested.set()
+
+    def request_top_up(self) -> None:
+        self.top_up_requested.set()
 
     def place_safely(self, doc: Mapping[str, Any]) -> None:
         """``place``, or for a malformed document, note it for ``quarantine`` and go on."""
@@ -165,14 +174,13 @@ class Scanner:
         after: tuple[dt.datetime, str] | None = None
         try:
             while scope.names and len(queue) < queue.max_size:
-                # One find reads what fills the queue and the first task left out: a page
-                # after another (``after``) across several names is planned without its
-                # bounds, reading every earlier task again (docs/performance.md).
+                # One find reads what fills the queue and the first task left out; a page
+                # after another (``after``) only if some of what it read was not queued.
                 limit = min(queue.max_size - len(queue) + 1, self.page_size or PAGE_MOST)
                 page = await self.driver.run(store.scan(list(scope.names), scope.ids, limit, after))
                 for doc in page:
                     if queue.full:  # the rest is later than everything kept
-                        queue.note_overflow(doc["next_claim_at"])
+                        queue.note_overflow(doc["next_claim_at"], doc["_id"])
                         break
                     if doc.get("_id") not in self._touched:  # the scan reads string keys
                         self.place_safely(doc)
@@ -182,7 +190,7 @@ class Scanner:
                 after = (page[-1]["next_claim_at"], page[-1]["_id"])
             else:
                 if scope.names and after is not None:  # full: tasks after `after` unread
-                    queue.note_overflow(after[0])
+                    queue.note_overflow(*after)
         finally:
             self._touched = None
         if not requested or self._stranded_due():
@@ -191,6 +199,48 @@ class Scanner:
             await self.quarantine()
         self.placement.wake()
         return found
+
+    async def top_up(self) -> int:
+        """Read on from where a full queue left tasks out (``ClaimQueue.resume``), into what
+        half a queue's claims have made room for, without clearing it: a backlog larger than
+        the queue is read once, and the claims never wait for a whole queue's read (a rescan
+        when the queue ran dry stopped them for about 0.2 s a queue, docs/performance.md).
+        Returns how many documents it read."""
+        async with self._scanning:
+            scope, queue = self.placement.scope, self.placement.queue
+            start = queue.resume
+            if start is None or not scope.names or not queue.wants_top_up():
+                return 0  # a rescan came first, or the queue is full again
+            self.top_ups += 1
+            queue.resume = None  # what is left out while this reads is noted afresh
+            self._touched = set()
+            limit = min(queue.max_size - len(queue) + 1, PAGE_MOST)
+            try:
+                page = await self.driver.run(
+                    store.scan(
+                        list(scope.names), scope.ids, limit, start=start, batch_size=TOP_UP_BATCH
+                    )
+                )
+                for i, doc in enumerate(page):
+                    if queue.full:  # the rest is later than everything kept
+                        queue.note_overflow(doc["next_claim_at"], doc["_id"])
+                        break
+                    if doc.get("_id") not in self._touched:
+                        self.place_safely(doc)
+                    if i % TOP_UP_BATCH == TOP_UP_BATCH - 1:
+                        await asyncio.sleep(0)  # the claimer's turn
+                else:
+                    if len(page) == limit:  # tasks after the last one read are unread
+                        queue.note_overflow(page[-1]["next_claim_at"], page[-1]["_id"])
+            except BaseException:
+                queue.note_overflow(*start)  # nothing may be skipped: read from there again
+                raise
+            finally:
+                self._touched = None
+        if self.malformed:
+            await self.quarantine()
+        self.placement.wake()
+        return len(page)
 
     def _stranded_due(self) -> bool:
         last = self._stranded_at
@@ -207,6 +257,23 @@ class Scanner:
             marked: int = await self.driver.run(store.quarantine(stranded, self.clock.now()))
             if marked:
                 log.warning("marked %d stranded task document(s) invalid (invalid_reason)", marked)
+
+
+class TopUp(PeriodicService):
+    """A top-up each time the claimer asks for one (``Scanner.top_up``)."""
+
+    name: ClassVar[str] = "top-up"
+    failure: ClassVar[str] = "top-up failed; the sweep or a rescan reads the rest"
+
+    def __init__(self, scanner: Scanner) -> None:
+        self.scanner = scanner
+
+    async def wait(self) -> None:
+        await self.scanner.top_up_requested.wait()
+        self.scanner.top_up_requested.clear()
+
+    async def run_once(self) -> None:
+        await self.scanner.top_up()
 
 
 class Sweep(PeriodicService):

@@ -34,7 +34,7 @@ from mtask.store import relays
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.finder import Finder
 from mtask.worker.finding.protocols import ClaimsBack
-from mtask.worker.finding.scan import Sweep
+from mtask.worker.finding.scan import Sweep, TopUp
 from mtask.worker.finding.shared.holder import RelayHolder
 from mtask.worker.finding.shared.relay import SUBSCRIBER_BUFFER, Relay
 from mtask.worker.finding.shared.reporter import Reporter
@@ -167,6 +167,7 @@ class SharedStream:
     async def _run_alone(self, own_stream: bool) -> None:
         async with asyncio.TaskGroup() as group:
             group.create_task(Sweep.of(self.finder.scanner).run())
+            group.create_task(TopUp(self.finder.scanner).run())
             if own_stream:
                 own = OwnStream(self.database, self.tasks, self.worker_id, self.finder, self.claims)
                 group.create_task(own.run())
