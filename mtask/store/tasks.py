@@ -434,6 +434,10 @@ def scan(
             ]
         }
     options: Doc = {"sort": [("next_claim_at", ASCENDING), ("_id", ASCENDING)], "limit": limit}
+    if bound is not None:
+        # In a drain's mix of open and running tasks, the planner chose the `_id` index for the
+        # `_id` bound of one branch: 20,000 documents read for a reply of 1,000 (the profiler).
+        options["hint"] = "claim"
     if batch_size:
         options["batch_size"] = batch_size
     docs: list[Doc] = yield Call("find", (filt, PLACEMENT_FIELDS), options)
