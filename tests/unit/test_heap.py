@@ -66,7 +66,6 @@ def test_full_queue_keeps_the_soonest_and_says_it_overflowed() -> None:
     assert queue.pop_due(BASE + dt.timedelta(seconds=5), 10) == ["soon", "b"]
 
 
-
 def test_a_full_queue_remembers_the_first_place_it_left_a_task_out() -> None:
     """``resume``: where a top-up reads on from, in the scan's order (claim time, key)."""
     queue = ClaimQueue(max_size=2)
@@ -85,6 +84,7 @@ def test_a_full_queue_remembers_the_first_place_it_left_a_task_out() -> None:
     assert queue.wants_top_up()
     queue.clear()
     assert queue.resume is None and not queue.overflowed and not queue.wants_top_up()
+
 
 # -- fairness between groups, places in line, priority aging -----------------------------------
 
