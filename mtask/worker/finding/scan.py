@@ -179,11 +179,8 @@ class Scanner:
                 limit = min(queue.max_size - len(queue) + 1, self.page_size or PAGE_MOST)
                 page = await self.driver.run(store.scan(list(scope.names), scope.ids, limit, after))
                 for doc in page:
-                    if queue.full:  # the rest is later than everything kept
-                        queue.note_overflow(doc["next_claim_at"], doc["_id"])
+                    if not self._place_read(doc):
                         break
-                    if doc.get("_id") not in self._touched:  # the scan reads string keys
-                        self.place_safely(doc)
                 found += len(page)
                 if len(page) < limit:
                     break
@@ -222,11 +219,8 @@ class Scanner:
                     )
                 )
                 for i, doc in enumerate(page):
-                    if queue.full:  # the rest is later than everything kept
-                        queue.note_overflow(doc["next_claim_at"], doc["_id"])
+                    if not self._place_read(doc):
                         break
-                    if doc.get("_id") not in self._touched:
-                        self.place_safely(doc)
                     if i % TOP_UP_BATCH == TOP_UP_BATCH - 1:
                         await asyncio.sleep(0)  # the claimer's turn
                 else:
@@ -241,6 +235,18 @@ class Scanner:
             await self.quarantine()
         self.placement.wake()
         return len(page)
+
+    def _place_read(self, doc: Mapping[str, Any]) -> bool:
+        """Place a document a scan or a top-up read, unless an event moved its task since the
+        read began (the event's view is newer); False, noting it left out, once the queue is
+        full (what follows in the page is later than everything kept)."""
+        queue = self.placement.queue
+        if queue.full:
+            queue.note_overflow(doc["next_claim_at"], doc["_id"])
+            return False
+        if self._touched is None or doc.get("_id") not in self._touched:  # string keys
+            self.place_safely(doc)
+        return True
 
     def _stranded_due(self) -> bool:
         last = self._stranded_at
