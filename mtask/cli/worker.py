@@ -29,6 +29,18 @@ commands = Commands()
 run = commands.run
 
 
+def _prefetch(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected auto or a number not below 0, got {value!r}")
+    return number
+
+
 def load_registry(spec: str) -> Registry:
     module_name, _, attr = spec.partition(":")
     if not module_name:
@@ -76,10 +88,13 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=10)
     p.add_argument(
         "--prefetch",
-        type=int,
-        default=0,
-        help="runs claimed ahead of a free slot, waiting for one (default 0); hides the claim "
-        "round trip between short tasks, e.g. CPU-bound ones in --pool process",
+        type=_prefetch,
+        default="auto",
+        metavar="auto|N",
+        help="runs claimed ahead of a free slot, waiting for one; hides the claim round trip "
+        "between short tasks. auto (default): up to --concurrency while runs are shorter than "
+        "a claim's round trip, a run that waited 1 s for its slot given back; N: always up to "
+        "N (e.g. CPU-bound tasks in --pool process); 0: never",
     )
     p.add_argument("--names", help="comma-separated task names (default: all registered)")
     p.add_argument("--worker-id")

@@ -24,7 +24,7 @@ from mtask.client import AsyncTaskClient
 from mtask.clock import Clock, ServerClock
 from mtask.connection import WORKER_CLIENT_OPTIONS, async_client, sync_client
 from mtask.registry import Registry
-from mtask.worker import finding
+from mtask.worker import claim_ahead, finding
 from mtask.worker.claim_calls import ClaimCalls
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.claimer import Claimer
@@ -196,6 +196,7 @@ def build(
     )
     outputs = OutputWriter(aclient, adriver, clock)
     transactions = Transactions(aclient, adriver, clock)
+    ahead, slots = claim_ahead.build(config.concurrency, config.prefetch)
     outcomes = RunOutcomes(
         stats,
         emit,
@@ -207,8 +208,7 @@ def build(
         journals=RunStepStores(adriver, clock, transactions),
         pool=process_pool,
         isolation=config.pool,
-        # prefetched runs wait here; without prefetch no run has to
-        slots=asyncio.Semaphore(config.concurrency) if config.prefetch else None,
+        slots=slots,
     )
     executor = Executor(
         registry=registry,
@@ -219,6 +219,7 @@ def build(
         pinger=pinger,
         recorder=recorder,
         outcomes=outcomes,
+        ahead=ahead,
         wake=wake,
         emit=emit,
         lost=lost,
@@ -240,7 +241,8 @@ def build(
         clock,
         calls,
         limited_claims,
-        concurrency=config.concurrency + config.prefetch,
+        concurrency=config.concurrency,
+        ahead=ahead,
         queue=queue,
         inflight=inflight,
         assignment=assignment,

@@ -2,11 +2,13 @@
 that failed or missed leaves to do.
 
 ``run`` is the worker's main loop. It waits on ``wake | timer``, and claims only for free
-slots, in one round trip per batch (``store.claim``), only while at most ``concurrency``
-outcomes wait to be written (so a worker holds at most twice its slots in leases). Its two
-collaborators: ``ClaimCalls`` (claim_calls.py: one claim call, and what a failed one leaves to
-do) and ``LimitedClaims`` (limited_claims.py: keys of names under a cluster-wide limit, claimed
-in batches of their own after their slots and tokens).
+slots and the runs its ``ClaimAhead`` allows beyond them (claim_ahead.py), in one round trip
+per batch (``store.claim``), only while at most ``concurrency`` outcomes wait to be written (so
+a worker holds at most three times its slots in leases: running, claimed ahead, and finished
+with their outcome on its way). Its two collaborators: ``ClaimCalls`` (claim_calls.py: one
+claim call, and what a failed one leaves to do) and ``LimitedClaims`` (limited_claims.py: keys
+of names under a cluster-wide limit, claimed in batches of their own after their slots and
+tokens).
 
 Ownership: every field is the event loop's. Keys are ``InFlight.claiming`` from the moment a
 claim is sent until its runs have started, so the claim's own change events cannot queue them.
@@ -23,6 +25,7 @@ from typing import ClassVar
 from mtask import metrics
 from mtask.clock import Clock
 from mtask.tracing import span
+from mtask.worker.claim_ahead import ClaimAhead
 from mtask.worker.claim_calls import RETRY_SOON, ClaimCalls
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.executor import Executor
@@ -45,6 +48,7 @@ class Claimer:
         limited: LimitedClaims,
         *,
         concurrency: int,
+        ahead: ClaimAhead,
         queue: ClaimQueue,
         inflight: InFlight,
         assignment: Assignment,
@@ -60,6 +64,8 @@ class Claimer:
         self.calls = calls
         self.limited = limited
         self.concurrency = concurrency
+        self.ahead = ahead
+        """How many runs may be claimed beyond ``concurrency`` (claim_ahead.py)."""
         self.queue = queue
         self.inflight = inflight
         self.assignment = assignment
@@ -95,13 +101,14 @@ class Claimer:
 
     def capacity(self) -> int:
         """How many more tasks this worker can take now (``--stream shared``: its credit):
-        its slots less its runs, its claims on their way, the outcomes not yet written and the
-        due keys in its queue. (A written success gives its slot back to the relay by its
-        event, and the relay counts it: ``finding.shared.credit``.)"""
+        its slots and the runs it may claim ahead, less its runs, its claims on their way, the
+        outcomes not yet written and the due keys in its queue. (A written success gives its
+        slot back to the relay by its event, and the relay counts it:
+        ``finding.shared.credit``.)"""
         if self.lifecycle.state != "running":
             return 0
         busy = self.inflight.load + self.recorder.unwritten + self.queue.due(self.clock.now())
-        return self.concurrency - busy
+        return self.concurrency + self.ahead.ahead() - busy
 
     async def run_once(self) -> tuple[bool, float | None]:
         """Claim once if a slot is free and a key due. Returns whether it claimed, and how
@@ -119,11 +126,11 @@ class Claimer:
     async def _pass(self) -> tuple[bool, float | None]:
         if self.limited.failure is not None:
             raise self.limited.failure
-        free = self.concurrency - len(self.inflight) - self.limited.pending
+        free = self.concurrency + self.ahead.ahead() - len(self.inflight) - self.limited.pending
         names = self.assignment.active
         # Backpressure: claim only while fewer than `concurrency` outcomes wait to be
-        # written, so a worker holds at most 2 x concurrency leases (running handlers plus
-        # finished runs whose outcome is on its way).
+        # written, so a worker holds at most concurrency + ahead + concurrency leases (running
+        # handlers, runs claimed ahead, finished runs whose outcome is on its way).
         if free <= 0 or not names or self.recorder.unwritten > self.concurrency:
             return False, None
         now = self.clock.now()
@@ -173,7 +180,9 @@ class Claimer:
                 for key in keys:
                     self.queue.push(key, now + RETRY_SOON)
             else:
-                metrics.CLAIM_LATENCY.observe(time.monotonic() - sent)
+                round_trip = time.monotonic() - sent
+                metrics.CLAIM_LATENCY.observe(round_trip)
+                self.ahead.claimed(round_trip)
                 for doc in docs:
                     self.executor.start(doc, sent)
                     self.sink.claimed(doc)

@@ -29,10 +29,13 @@ class WorkerConfig:
     """``host:pid:random`` when not given."""
     concurrency: int = 10
     """Handlers running at once."""
-    prefetch: int = 0
+    prefetch: int | Literal["auto"] = "auto"
     """Runs claimed beyond ``concurrency``, each waiting for a free slot (Celery's prefetch):
     the next run is claimed while the slots are busy, so a slot that frees does not wait a
-    claim round trip. They hold leases (pinged) while they wait."""
+    claim round trip. They hold leases (pinged) while they wait. ``"auto"``: up to
+    ``concurrency`` ahead while runs are shorter than a claim's round trip, and a run that
+    waited a second for its slot is given back (RELEASED); ``N``: always up to N ahead, each
+    waiting as long as it takes; ``0``: never (``mtask.worker.claim_ahead``)."""
     names: Sequence[str] | None = None
     """The names to run (all the registry's when not given)."""
     grace: float = 30.0
@@ -71,8 +74,11 @@ class WorkerConfig:
         """The names this worker runs; raises ``ConfigError`` for a bad configuration."""
         if self.concurrency < 1:
             raise ConfigError("must be at least 1", field="concurrency")
-        if self.prefetch < 0:
-            raise ConfigError("must not be negative", field="prefetch")
+        prefetch = self.prefetch
+        if prefetch != "auto" and (
+            isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0
+        ):
+            raise ConfigError('must be "auto" or a number not below 0', field="prefetch")
         if self.grace < 0:
             raise ConfigError("must not be negative", field="grace")
         if self.stream not in ("own", "shared"):

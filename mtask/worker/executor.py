@@ -22,6 +22,7 @@ from mtask import limits, metrics
 from mtask.registry import Registry, TaskContext
 from mtask.steps import RunSteps, StepError
 from mtask.store import Outcome
+from mtask.worker.claim_ahead import ClaimAhead
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.deadlines import Deadlines
 from mtask.worker.events import Emitter, Event
@@ -65,6 +66,7 @@ class Executor:
         pinger: LeasePinger,
         recorder: OutcomeRecorder,
         outcomes: RunOutcomes,
+        ahead: ClaimAhead,
         wake: asyncio.Event,
         emit: Emitter,
         lost: Signal[[str, dict[str, Any] | None]],
@@ -77,6 +79,8 @@ class Executor:
         self.pinger = pinger
         self.recorder = recorder
         self.outcomes = outcomes
+        self.ahead = ahead
+        """Learns how long the handlers run (whether to claim ahead)."""
         lost.connect(self.lost)  # the pinger found a run's task another's
         self.stats = outcomes.stats
         self.wake = wake
@@ -166,7 +170,10 @@ class Executor:
             outcome = await self.output_done(run, outcome)
         finally:
             metrics.IN_FLIGHT.dec()
-            metrics.by_name(metrics.RUN_DURATION, run.name).observe(time.monotonic() - run.started)
+            ended = time.monotonic()
+            metrics.by_name(metrics.RUN_DURATION, run.name).observe(ended - run.started)
+            if not run.waiting:
+                self.ahead.ran(ended - run.running_since)
             self.inflight.ended(run)
             self.pinger.remove(run.run_id)
             for slot in run.slots:  # given back by the outcome writer, after the outcome

@@ -35,6 +35,8 @@ class ActiveRun:
     started: float = field(default_factory=time.monotonic)
     waiting: bool = True
     """Claimed ahead (prefetch) and waiting for a slot: its handler has not started."""
+    running_since: float = 0.0
+    """When (monotonic) it took its slot: how long its handler ran is measured from here."""
     begun: bool = False
     """Its task has taken its first step. A task cancelled before that never runs its body,
     so no outcome would be recorded: ``Executor.stop`` leaves such a task to see

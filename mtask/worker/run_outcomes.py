@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import random
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal, Protocol
 
@@ -32,6 +33,7 @@ from mtask.steps import MemorySteps, RunSteps, SignalTimeout, StepError, Suspend
 from mtask.store import Outcome
 from mtask.store.transactional import stale_sessions
 from mtask.tracing import run_span
+from mtask.worker.claim_ahead import GiveBack
 from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import ActiveRun
 from mtask.worker.invoke import invoke
@@ -211,28 +213,38 @@ class RunOutcomes:
         self.isolation = isolation
         """The worker-wide default for plain-def handlers that do not declare one."""
         self.slots = slots or contextlib.nullcontext()
-        """A run waits here for a slot, which only a prefetched run (``WorkerConfig.prefetch``)
-        has to do (``None``: no worker claims ahead, so no run waits)."""
+        """A run waits here for a slot, which only a run claimed ahead (``WorkerConfig.prefetch``,
+        ``claim_ahead.RunSlots``) has to do; ``GiveBack`` from it records the run RELEASED
+        (``None``: this worker never claims ahead, so no run waits)."""
 
     async def call(self, run: ActiveRun, handler: Handler, doc: dict[str, Any]) -> Outcome:
+        """Take a slot (only a run claimed ahead may wait for one), run the handler in it, and
+        say how the run ended."""
+        try:
+            async with self.slots:
+                run.waiting = False
+                run.running_since = time.monotonic()
+                return await self._run(run, handler, doc)
+        except GiveBack:  # claimed ahead, it waited too long for its slot (claim_ahead.py)
+            return self.given_back(run)
+
+    async def _run(self, run: ActiveRun, handler: Handler, doc: dict[str, Any]) -> Outcome:
         """Run the handler and say how the run ended (an exception is the task's failure)."""
         try:
             # the CONSUMER run span, child of the publisher's stored trace context (issue 14)
-            async with self.slots:
-                run.waiting = False
-                with run_span(doc, run.name, run.key, run.ctx.attempt):
-                    if handler.transactional:
-                        params = handler.parse(doc.get("params") or {})
-                        return await self._transactional(run, handler, params, doc)
-                    result = await invoke(
-                        handler,
-                        doc.get("params") or {},
-                        run.ctx,
-                        pool=self.pool,
-                        isolation=self.isolation,
-                        thread_name=f"mtask-run-{run.key}",
-                        lease=self._lease_watch(run),
-                    )
+            with run_span(doc, run.name, run.key, run.ctx.attempt):
+                if handler.transactional:
+                    params = handler.parse(doc.get("params") or {})
+                    return await self._transactional(run, handler, params, doc)
+                result = await invoke(
+                    handler,
+                    doc.get("params") or {},
+                    run.ctx,
+                    pool=self.pool,
+                    isolation=self.isolation,
+                    thread_name=f"mtask-run-{run.key}",
+                    lease=self._lease_watch(run),
+                )
             # issue 17: the retention the plain SUCCESS updates write
             return self.success(run, result, keep_ms(doc.get("options") or {}, "succeeded"))
         except Suspended as suspended:
@@ -409,6 +421,13 @@ class RunOutcomes:
             jitter=random.uniform(0.8, 1.2),
             has_dependents=run.has_dependents,
         )
+
+    def given_back(self, run: ActiveRun) -> Outcome:
+        """A run claimed ahead that waited too long for its slot: RELEASED, never started (no
+        retry spent; any worker may claim its task at once)."""
+        self.stats.released += 1
+        self.emit(Event.RELEASED, key=run.key, run_id=run.run_id, reason="slot_wait")
+        return Outcome(run.key, run.run_id, RunState.RELEASED)
 
     def stopped(self, run: ActiveRun) -> Outcome | None:
         """A cancelled run's outcome: RELEASED, CANCELLED, or nothing (the lease was lost)."""

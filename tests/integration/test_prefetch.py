@@ -1,15 +1,18 @@
 """``prefetch``: runs claimed ahead of a free slot wait for one (their lease pinged), start when
-a slot frees, and are given back at once when the worker stops."""
+a slot frees, and are given back at once when the worker stops; by default (``"auto"``) only
+while runs are short, and a run that waited too long for its slot is given back."""
 
 from __future__ import annotations
 
 import poolhandlers
 import pytest
+import workerapp
 from harness import running_worker, wait_for
 
 from mtask import TaskClient
 from mtask.errors import ConfigError
 from mtask.worker import Worker
+from mtask.worker.claim_ahead import AdaptiveAhead
 
 
 async def test_a_prefetched_run_waits_for_the_slot(
@@ -59,3 +62,40 @@ def test_prefetch_must_not_be_negative() -> None:
     with pytest.raises(ConfigError) as caught:
         Worker(poolhandlers.registry, prefetch=-1)
     assert caught.value.field == "prefetch"
+
+
+async def test_auto_claims_ahead_of_short_runs_and_gives_back_a_run_that_waited(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    async with running_worker(workerapp.registry, mongo_uri, db_name, concurrency=1) as (
+        worker,
+        events,
+    ):
+        ahead = worker.parts.claimer.ahead
+        assert isinstance(ahead, AdaptiveAhead) and ahead.ahead() == 0  # nothing measured yet
+        client.publish_many(
+            [{"name": "add", "key": f"short{i}", "params": {"a": i, "b": 1}} for i in range(5)]
+        )
+        await events.wait("recorded", count=5)
+        assert ahead.ahead() == 1  # runs shorter than a claim's round trip
+        client.publish("wait_cancel", "long")
+        await events.wait("claimed", key="long")
+        client.publish("add", "next", {"a": 1, "b": 1})
+        claimed = await events.wait("claimed", key="next")  # ahead: its slot is taken
+        assert worker.in_flight == 2
+        # after GIVE_BACK_AFTER (1 s) it is given back, and no more runs are claimed ahead
+        await events.wait("released", key="next", reason="slot_wait")
+        await events.wait("recorded", key="next", state="RELEASED")
+        assert ahead.ahead() == 0 and ahead.given_back == 1 and worker.in_flight == 1
+        async with running_worker(workerapp.registry, mongo_uri, db_name, concurrency=1) as (
+            other,
+            other_events,
+        ):
+            await other_events.wait("recorded", key="next", state="SUCCESS")
+        assert len(events.matching("claimed", key="next")) == 1  # it did not take it again
+        client.cancel("long")
+        await events.wait("recorded", key="long", state="CANCELLED")
+    task = client.get("next")
+    assert task is not None and task.status == "succeeded" and task.result == 2
+    assert [r.state for r in task.runs] == ["RELEASED", "SUCCESS"]
+    assert task.runs[0].run_id == claimed["run_id"] and task.runs[1].worker_id == other.worker_id

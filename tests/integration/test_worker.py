@@ -593,8 +593,14 @@ async def test_more_tasks_than_the_queue_holds(
     assert client.stats(exact=True) == {"add": {"succeeded": 1200}}
 
 
-async def test_a_worker_holds_at_most_twice_its_slots_in_leases(
-    mongo_uri: str, db_name: str, client: TaskClient, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("prefetch", "bound"), [(0, 16), ("auto", 24)])
+async def test_a_worker_bounds_the_leases_it_holds(
+    mongo_uri: str,
+    db_name: str,
+    client: TaskClient,
+    monkeypatch: pytest.MonkeyPatch,
+    prefetch: int | str,
+    bound: int,
 ) -> None:
     original = OutcomeRecorder.record
 
@@ -607,18 +613,20 @@ async def test_a_worker_holds_at_most_twice_its_slots_in_leases(
         [{"name": "add", "key": f"c{i}", "params": {"a": i, "b": 0}} for i in range(300)]
     )
     most = 0
-    async with running_worker(registry, mongo_uri, db_name, concurrency=8, worker_id="bounded") as (
-        _,
-        _events,
-    ):
+    async with running_worker(
+        registry, mongo_uri, db_name, concurrency=8, prefetch=prefetch, worker_id="bounded"
+    ) as (worker, _events):
         while client.stats().get("add", {}).get("succeeded", 0) < 300:
             held = client.collection.count_documents(
                 {"runs": {"$elemMatch": {"worker_id": "bounded", "state": "RUNNING"}}}
             )
             most = max(most, held)
             await asyncio.sleep(0.005)
-    # running handlers (8) plus finished runs whose outcome is on its way (at most 8)
-    assert 0 < most <= 16
+        ahead = worker.parts.claimer.ahead.ahead()
+    # running handlers (8), runs claimed ahead (8 with "auto": these are short runs), and
+    # finished runs whose outcome is on its way (at most 8)
+    assert 0 < most <= bound
+    assert ahead == (8 if prefetch == "auto" else 0)
 
 
 async def test_every_run_of_a_batch_claim_keeps_its_lease(

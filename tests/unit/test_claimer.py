@@ -19,6 +19,7 @@ from scripted import AsyncScriptedDriver, Step
 from mtask import store
 from mtask.clock import Clock, FixedClock
 from mtask.driver import AsyncDriver, Call
+from mtask.worker.claim_ahead import FixedAhead
 from mtask.worker.claim_calls import ClaimCalls
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.claimer import Claimer
@@ -121,6 +122,7 @@ def build(
         calls,
         limited_claims,
         concurrency=10,
+        ahead=FixedAhead(0),
         queue=queue,
         inflight=inflight,
         assignment=assignment,
