@@ -37,7 +37,7 @@ _RTT_WEIGHT = 1 / 8
 class ClaimAhead(Protocol):
     """How many runs the claimer may hold beyond its slots, and what it learns from."""
 
-    def ahead(self) -> int:
+    def allowed(self) -> int:
         """Runs that may be claimed beyond ``concurrency`` now."""
         ...
 
@@ -56,7 +56,7 @@ class FixedAhead:
     def __init__(self, n: int) -> None:
         self.n = n
 
-    def ahead(self) -> int:
+    def allowed(self) -> int:
         return self.n
 
     def claimed(self, round_trip: float) -> None:
@@ -81,7 +81,7 @@ class AdaptiveAhead:
         self.given_back = 0
         """Runs given back for waiting too long (``RunSlots``)."""
 
-    def ahead(self) -> int:
+    def allowed(self) -> int:
         return self.concurrency if self.on else 0
 
     def claimed(self, round_trip: float) -> None:

@@ -108,7 +108,7 @@ class Claimer:
         if self.lifecycle.state != "running":
             return 0
         busy = self.inflight.load + self.recorder.unwritten + self.queue.due(self.clock.now())
-        return self.concurrency + self.ahead.ahead() - busy
+        return self.concurrency + self.ahead.allowed() - busy
 
     async def run_once(self) -> tuple[bool, float | None]:
         """Claim once if a slot is free and a key due. Returns whether it claimed, and how
@@ -126,12 +126,15 @@ class Claimer:
     async def _pass(self) -> tuple[bool, float | None]:
         if self.limited.failure is not None:
             raise self.limited.failure
-        free = self.concurrency + self.ahead.ahead() - len(self.inflight) - self.limited.pending
+        slots = self.concurrency + self.ahead.allowed()
+        free = slots - len(self.inflight) - self.limited.pending
         names = self.assignment.active
-        # Backpressure: claim only while fewer than `concurrency` outcomes wait to be
-        # written, so a worker holds at most concurrency + ahead + concurrency leases (running
-        # handlers, runs claimed ahead, finished runs whose outcome is on its way).
-        if free <= 0 or not names or self.recorder.unwritten > self.concurrency:
+        # Backpressure: claim only while at most `slots` outcomes wait to be written, so a
+        # worker holds at most 2 x slots leases (running handlers and runs claimed ahead, plus
+        # finished runs whose outcome is on its way). Counting the runs claimed ahead here
+        # lets the next claim go while a batch's outcomes are written: with `concurrency`,
+        # a batch of `slots` runs that ended would hold the claimer until they were written.
+        if free <= 0 or not names or self.recorder.unwritten > slots:
             return False, None
         now = self.clock.now()
         keys = self.queue.pop_due(now, free)

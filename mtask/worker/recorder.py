@@ -2,8 +2,8 @@
 the main loop's claims, then their limit slots are given back and their flows followed up.
 
 ``unwritten`` (outcomes waiting or in a write) is the main loop's backpressure: it claims only
-while at most ``concurrency`` outcomes are unwritten, so a worker holds at most twice its slots
-in leases.
+while at most ``concurrency`` and the runs it may claim ahead (claim_ahead.py) are unwritten,
+so a worker holds at most twice that in leases.
 """
 
 from __future__ import annotations

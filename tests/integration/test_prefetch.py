@@ -72,12 +72,12 @@ async def test_auto_claims_ahead_of_short_runs_and_gives_back_a_run_that_waited(
         events,
     ):
         ahead = worker.parts.claimer.ahead
-        assert isinstance(ahead, AdaptiveAhead) and ahead.ahead() == 0  # nothing measured yet
+        assert isinstance(ahead, AdaptiveAhead) and ahead.allowed() == 0  # nothing measured yet
         client.publish_many(
             [{"name": "add", "key": f"short{i}", "params": {"a": i, "b": 1}} for i in range(5)]
         )
         await events.wait("recorded", count=5)
-        assert ahead.ahead() == 1  # runs shorter than a claim's round trip
+        assert ahead.allowed() == 1  # runs shorter than a claim's round trip
         client.publish("wait_cancel", "long")
         await events.wait("claimed", key="long")
         client.publish("add", "next", {"a": 1, "b": 1})
@@ -86,7 +86,7 @@ async def test_auto_claims_ahead_of_short_runs_and_gives_back_a_run_that_waited(
         # after GIVE_BACK_AFTER (1 s) it is given back, and no more runs are claimed ahead
         await events.wait("released", key="next", reason="slot_wait")
         await events.wait("recorded", key="next", state="RELEASED")
-        assert ahead.ahead() == 0 and ahead.given_back == 1 and worker.in_flight == 1
+        assert ahead.allowed() == 0 and ahead.given_back == 1 and worker.in_flight == 1
         async with running_worker(workerapp.registry, mongo_uri, db_name, concurrency=1) as (
             other,
             other_events,

@@ -15,33 +15,33 @@ from mtask.worker.claim_ahead import AdaptiveAhead, FixedAhead, GiveBack, RunSlo
 
 def test_nothing_ahead_until_a_run_and_a_claim_were_measured() -> None:
     ahead = AdaptiveAhead(8)
-    assert ahead.ahead() == 0
+    assert ahead.allowed() == 0
     ahead.ran(0.0001)
-    assert ahead.ahead() == 0
+    assert ahead.allowed() == 0
     ahead.claimed(0.005)
-    assert ahead.ahead() == 8
+    assert ahead.allowed() == 8
 
 
 def test_runs_longer_than_a_round_trip_are_not_claimed_ahead() -> None:
     ahead = AdaptiveAhead(8)
     ahead.claimed(0.005)
     ahead.ran(0.050)
-    assert ahead.ahead() == 0
+    assert ahead.allowed() == 0
 
 
 def test_it_turns_on_below_half_a_round_trip_and_off_above_one() -> None:
     ahead = AdaptiveAhead(4)
     ahead.claimed(0.010)
     ahead.ran(0.007)  # shorter than a round trip, but not than half of one: still off
-    assert ahead.ahead() == 0
-    while ahead.ahead() == 0:
+    assert ahead.allowed() == 0
+    while ahead.allowed() == 0:
         ahead.ran(0.001)
     assert ahead.run_s is not None and ahead.run_s < 0.005
     while ahead.run_s < 0.009:  # between half a round trip and one: stays on
         ahead.ran(0.012)
         if ahead.run_s < 0.010:
-            assert ahead.ahead() == 4
-    while ahead.ahead() == 4:
+            assert ahead.allowed() == 4
+    while ahead.allowed() == 4:
         ahead.ran(0.012)
     assert ahead.run_s > 0.010
 
@@ -50,11 +50,11 @@ def test_a_run_given_back_stops_claiming_ahead_until_runs_are_short_again() -> N
     ahead = AdaptiveAhead(8, give_back_after=1.0)
     ahead.claimed(0.005)
     ahead.ran(0.0001)
-    assert ahead.ahead() == 8
+    assert ahead.allowed() == 8
     ahead.gave_back()
-    assert ahead.ahead() == 0 and ahead.given_back == 1
+    assert ahead.allowed() == 0 and ahead.given_back == 1
     short_runs = 0
-    while ahead.ahead() == 0:
+    while ahead.allowed() == 0:
         ahead.ran(0.0001)
         short_runs += 1
     assert short_runs > 50  # counted as a run of a second: many short ones before it is on
@@ -76,8 +76,8 @@ def test_adaptive_ahead_is_none_or_the_concurrency(
             ahead.gave_back()
         else:
             getattr(ahead, call)(seconds)
-        assert ahead.ahead() in (0, concurrency)
-        if ahead.ahead():
+        assert ahead.allowed() in (0, concurrency)
+        if ahead.allowed():
             assert ahead.run_s is not None and ahead.round_trip_s is not None
             assert ahead.run_s < ahead.round_trip_s
 
@@ -87,10 +87,10 @@ def test_build_chooses_by_prefetch() -> None:
     assert isinstance(auto, AdaptiveAhead) and isinstance(auto_slots, RunSlots)
     assert auto_slots.give_back_after == claim_ahead.GIVE_BACK_AFTER
     fixed, fixed_slots = claim_ahead.build(4, 3)
-    assert isinstance(fixed, FixedAhead) and fixed.ahead() == 3
+    assert isinstance(fixed, FixedAhead) and fixed.allowed() == 3
     assert isinstance(fixed_slots, RunSlots) and fixed_slots.give_back_after is None
     never, no_slots = claim_ahead.build(4, 0)
-    assert isinstance(never, FixedAhead) and never.ahead() == 0 and no_slots is None
+    assert isinstance(never, FixedAhead) and never.allowed() == 0 and no_slots is None
 
 
 async def test_a_run_claimed_ahead_takes_the_slot_that_frees() -> None:

@@ -338,3 +338,38 @@ async def test_no_top_up_is_asked_for_while_more_than_half_is_left() -> None:
     claimer.claim = claim  # type: ignore[method-assign]
     assert await claimer.run_once() == (True, None)  # 10 of 100 taken
     assert not watcher.scanner.top_up_requested.is_set()
+
+
+def claims_made(claimer: Claimer) -> list[list[str]]:
+    claimed: list[list[str]] = []
+
+    async def claim(keys: list[str], names: list[str], now: dt.datetime) -> None:
+        claimed.append(keys)
+
+    claimer.claim = claim  # type: ignore[method-assign]
+    return claimed
+
+
+async def test_the_claimer_claims_ahead_as_many_as_it_is_allowed() -> None:
+    claimer, watcher, _ = build(AsyncScriptedDriver())
+    claimer.ahead = FixedAhead(5)
+    for i in range(30):
+        watcher.scanner.place_safely(placement(f"k{i:03}", NOW))
+    claimed = claims_made(claimer)
+    assert await claimer.run_once() == (True, None)
+    assert len(claimed[0]) == 15  # its 10 slots and 5 ahead
+    assert claimer.capacity() == 15 - 15  # the 15 due keys it still holds are its own
+
+
+async def test_outcomes_on_their_way_hold_the_claims_past_the_slots_and_the_runs_ahead() -> None:
+    """Backpressure counts the runs claimed ahead: a batch of slots + ahead runs that ended
+    does not stop the next claim while its outcomes are written."""
+    claimer, watcher, _ = build(AsyncScriptedDriver())
+    claimer.ahead = FixedAhead(10)
+    for i in range(30):
+        watcher.scanner.place_safely(placement(f"k{i:03}", NOW))
+    claimed = claims_made(claimer)
+    claimer.recorder.writing = 20  # slots + ahead: not more
+    assert await claimer.run_once() == (True, None) and len(claimed[0]) == 20
+    claimer.recorder.writing = 21
+    assert await claimer.run_once() == (False, None) and len(claimed) == 1
