@@ -7,8 +7,9 @@ while that wait is short, and gives back a run that waited too long:
 
 - ``AdaptiveAhead`` claims up to ``concurrency`` runs ahead while its runs are shorter than a
   claim's round trip (both averaged over the last runs and claims), so each slot frees within
-  about one round trip. Its runs must get shorter than half a round trip before it claims ahead
-  again (a workload on the boundary does not flap);
+  about one round trip; until both were measured it takes runs to be short. Once off, its runs
+  must get shorter than half a round trip before it claims ahead again (a workload on the
+  boundary does not flap);
 - ``RunSlots`` is where a run waits for its slot. With a bound (``GIVE_BACK_AFTER``), a run that
   waited longer raises ``GiveBack``: the run is recorded RELEASED (no retry spent; another
   worker may claim it at once), and ``AdaptiveAhead`` stops claiming ahead until its runs are
@@ -68,7 +69,7 @@ class FixedAhead:
 
 class AdaptiveAhead:
     """``prefetch="auto"``: ``concurrency`` ahead while runs are shorter than a claim's round
-    trip, none otherwise (and none until a run and a claim were measured)."""
+    trip (or not yet measured), none otherwise."""
 
     def __init__(self, concurrency: int, give_back_after: float = GIVE_BACK_AFTER) -> None:
         self.concurrency = concurrency
@@ -77,7 +78,10 @@ class AdaptiveAhead:
         """The runs' average duration (seconds)."""
         self.round_trip_s: float | None = None
         """The claims' average round trip (seconds)."""
-        self.on = False
+        self.on = True
+        """Until a run and a claim were measured, runs are taken to be short: a worker's
+        credit with the relay then does not change (a report to say so) when its first runs
+        are (docs/isolation.md)."""
         self.given_back = 0
         """Runs given back for waiting too long (``RunSlots``)."""
 
