@@ -3,6 +3,7 @@ a run claimed ahead waits for its slot or is given back."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import pytest
@@ -150,3 +151,36 @@ async def test_without_a_bound_a_run_waits_as_long_as_it_takes() -> None:
         assert not waiter.done()
     await waiter
     await slots.__aexit__(None, None, None)
+
+
+def test_the_prefetch_option_takes_auto_or_a_number(capsys: pytest.CaptureFixture[str]) -> None:
+    from mtask.cli.worker import add_worker_options
+
+    parser = argparse.ArgumentParser(prog="mtask-worker")
+    add_worker_options(parser)
+    assert parser.parse_args(["app:registry"]).prefetch == "auto"
+    assert parser.parse_args(["app:registry", "--prefetch", "auto"]).prefetch == "auto"
+    assert parser.parse_args(["app:registry", "--prefetch", "3"]).prefetch == 3
+    for bad in ("-1", "many"):
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args(["app:registry", "--prefetch", bad])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert "--prefetch" in err and f"expected auto or a number not below 0, got {bad!r}" in err
+
+
+@pytest.mark.parametrize("bad", [-1, "always", True, 1.5])
+def test_a_worker_refuses_a_bad_prefetch(bad: object) -> None:
+    from mtask.errors import ConfigError
+    from mtask.registry import Registry
+    from mtask.worker.config import WorkerConfig
+
+    registry = Registry()
+
+    @registry.task("t")
+    async def t(params: dict[str, object]) -> None:
+        return None
+
+    with pytest.raises(ConfigError) as caught:
+        WorkerConfig(prefetch=bad).chosen_names(registry)  # type: ignore[arg-type]
+    assert caught.value.field == "prefetch"
