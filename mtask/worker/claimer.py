@@ -3,9 +3,9 @@ that failed or missed leaves to do.
 
 ``run`` is the worker's main loop. It waits on ``wake | timer``, and claims only for free
 slots and the runs its ``ClaimAhead`` allows beyond them (claim_ahead.py), in one round trip
-per batch (``store.claim``), only while at most ``concurrency`` outcomes wait to be written (so
-a worker holds at most three times its slots in leases: running, claimed ahead, and finished
-with their outcome on its way). Its two collaborators: ``ClaimCalls`` (claim_calls.py: one
+per batch (``store.claim``), only while at most as many outcomes wait to be written (so a
+worker holds at most twice that in leases: runs running or claimed ahead, and finished runs
+whose outcome is on its way). Its two collaborators: ``ClaimCalls`` (claim_calls.py: one
 claim call, and what a failed one leaves to do) and ``LimitedClaims`` (limited_claims.py: keys
 of names under a cluster-wide limit, claimed in batches of their own after their slots and
 tokens).
