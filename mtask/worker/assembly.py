@@ -196,7 +196,9 @@ def build(
     )
     outputs = OutputWriter(aclient, adriver, clock)
     transactions = Transactions(aclient, adriver, clock)
-    ahead, slots = claim_ahead.build(config.concurrency, config.prefetch)
+    ahead, slots = claim_ahead.build(
+        config.concurrency, config.prefetch, limited=lambda: bool(gate.limited)
+    )
     outcomes = RunOutcomes(
         stats,
         emit,

@@ -14,7 +14,8 @@ while that wait is short, and gives back a run that waited too long:
   waited longer raises ``GiveBack``: the run is recorded RELEASED (no retry spent; another
   worker may claim it at once), and ``AdaptiveAhead`` stops claiming ahead until its runs are
   short again. So a workload that turns from short runs to long ones costs at most one round
-  of ``concurrency`` runs given back.
+  of ``concurrency`` runs given back. While any cluster-wide limit is set, ``AdaptiveAhead``
+  claims nothing ahead: a run claimed ahead would hold its slot of the limit while it waits.
 
 ``FixedAhead(n)`` is ``--prefetch N``: always up to ``n`` runs ahead, each waiting as long as its
 slot takes (``0``: never ahead, and no run waits). docs/isolation.md says when to choose it.
@@ -71,9 +72,17 @@ class AdaptiveAhead:
     """``prefetch="auto"``: ``concurrency`` ahead while runs are shorter than a claim's round
     trip (or not yet measured), none otherwise."""
 
-    def __init__(self, concurrency: int, give_back_after: float = GIVE_BACK_AFTER) -> None:
+    def __init__(
+        self,
+        concurrency: int,
+        give_back_after: float = GIVE_BACK_AFTER,
+        limited: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.concurrency = concurrency
         self.give_back_after = give_back_after
+        self.limited = limited
+        """Whether a cluster-wide limit is set (``LimitGate``): then nothing is claimed ahead,
+        since a run claimed ahead would hold its slot of the limit while it waits."""
         self.run_s: float | None = None
         """The runs' average duration (seconds)."""
         self.round_trip_s: float | None = None
@@ -86,7 +95,7 @@ class AdaptiveAhead:
         """Runs given back for waiting too long (``RunSlots``)."""
 
     def allowed(self) -> int:
-        return self.concurrency if self.on else 0
+        return self.concurrency if self.on and not self.limited() else 0
 
     def claimed(self, round_trip: float) -> None:
         rtt = self.round_trip_s
@@ -149,10 +158,13 @@ class RunSlots:
         self._free.release()
 
 
-def build(concurrency: int, prefetch: int | Literal["auto"]) -> tuple[ClaimAhead, RunSlots | None]:
+def build(
+    concurrency: int, prefetch: int | Literal["auto"], limited: Callable[[], bool]
+) -> tuple[ClaimAhead, RunSlots | None]:
     """The claimer's ``ClaimAhead`` for ``WorkerConfig.prefetch``, and the slots its runs wait
-    on (``None`` for ``0``: no run ever waits, so none passes a semaphore)."""
+    on (``None`` for ``0``: no run ever waits, so none passes a semaphore). ``limited``: whether
+    a cluster-wide limit is set (``auto`` claims nothing ahead then)."""
     if prefetch == "auto":
-        adaptive = AdaptiveAhead(concurrency)
+        adaptive = AdaptiveAhead(concurrency, limited=limited)
         return adaptive, RunSlots(concurrency, adaptive.give_back_after, adaptive.gave_back)
     return FixedAhead(prefetch), RunSlots(concurrency) if prefetch else None

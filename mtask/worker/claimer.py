@@ -186,6 +186,9 @@ class Claimer:
                 round_trip = time.monotonic() - sent
                 metrics.CLAIM_LATENCY.observe(round_trip)
                 self.ahead.claimed(round_trip)
+                if len(docs) > 1:  # started in the queue's order: the first take the slots
+                    order = {key: i for i, key in enumerate(keys)}
+                    docs.sort(key=lambda d: order.get(d["_id"], len(order)))
                 for doc in docs:
                     self.executor.start(doc, sent)
                     self.sink.claimed(doc)

@@ -50,6 +50,16 @@ def test_it_turns_on_below_half_a_round_trip_and_off_above_one() -> None:
     assert ahead.run_s > 0.010
 
 
+def test_nothing_is_claimed_ahead_while_a_cluster_wide_limit_is_set() -> None:
+    limits: list[str] = []
+    ahead = AdaptiveAhead(8, limited=lambda: bool(limits))
+    assert ahead.allowed() == 8
+    limits.append("work")  # a run claimed ahead would hold its slot of the limit
+    assert ahead.allowed() == 0
+    limits.clear()
+    assert ahead.allowed() == 8
+
+
 def test_a_run_given_back_stops_claiming_ahead_until_runs_are_short_again() -> None:
     ahead = AdaptiveAhead(8, give_back_after=1.0)
     ahead.claimed(0.005)
@@ -88,13 +98,13 @@ def test_adaptive_ahead_is_none_or_the_concurrency(
 
 
 def test_build_chooses_by_prefetch() -> None:
-    auto, auto_slots = claim_ahead.build(4, "auto")
+    auto, auto_slots = claim_ahead.build(4, "auto", limited=lambda: False)
     assert isinstance(auto, AdaptiveAhead) and isinstance(auto_slots, RunSlots)
     assert auto_slots.give_back_after == claim_ahead.GIVE_BACK_AFTER
-    fixed, fixed_slots = claim_ahead.build(4, 3)
+    fixed, fixed_slots = claim_ahead.build(4, 3, limited=lambda: True)
     assert isinstance(fixed, FixedAhead) and fixed.allowed() == 3
     assert isinstance(fixed_slots, RunSlots) and fixed_slots.give_back_after is None
-    never, no_slots = claim_ahead.build(4, 0)
+    never, no_slots = claim_ahead.build(4, 0, limited=lambda: False)
     assert isinstance(never, FixedAhead) and never.allowed() == 0 and no_slots is None
 
 

@@ -373,3 +373,22 @@ async def test_outcomes_on_their_way_hold_the_claims_past_the_slots_and_the_runs
     assert await claimer.run_once() == (True, None) and len(claimed[0]) == 20
     claimer.recorder.writing = 21
     assert await claimer.run_once() == (False, None) and len(claimed) == 1
+
+
+async def test_the_runs_of_a_batch_start_in_the_queues_order() -> None:
+    """The server returns a batch's documents in its own order; with runs claimed ahead, the
+    first started take the slots, so they start in the order the queue gave the keys."""
+    driver = AsyncScriptedDriver(
+        Step("update_many", reply=updated(3)),
+        Step(
+            "find",
+            reply=[
+                {"_id": "a", "claim_run_id": "r1"},
+                {"_id": "b", "claim_run_id": "r2"},
+                {"_id": "c", "claim_run_id": "r3"},
+            ],
+        ),
+    )
+    claimer, _, started = build(driver)
+    await claimer.claim(["c", "a", "b"], ["add"], NOW)
+    assert driver.done and [d["_id"] for d in started.docs] == ["c", "a", "b"]
