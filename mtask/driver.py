@@ -28,6 +28,7 @@ from pymongo.errors import (
     OperationFailure,
     PyMongoError,
     ServerSelectionTimeoutError,
+    WriteConcernError,
     WriteError,
 )
 
@@ -56,6 +57,14 @@ class Call:
 Op = Generator[Call, Any, T]
 
 GATHER = "gather"
+
+MODIFY_ONCE = "find_and_modify_once"
+"""A ``findAndModify`` that is not a retryable write: ``args`` the filter and the update,
+``kwargs`` the command's own fields (``new``, ``fields``); the result is the document, or
+``None``. Sent as a plain command, so the server keeps no image of it in
+``config.image_collection`` and no record in ``config.transactions`` (two writes fewer on the
+server), and the driver does not send it again after a network error: for callers that
+recover what such a call did themselves (a claim: ``ClaimCalls.adopt``)."""
 
 
 def gather(*calls: Call) -> Call:
@@ -159,7 +168,32 @@ def _limit(call: Call) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext() if call.timeout is None else pymongo.timeout(call.timeout)
 
 
+def _modify_once(collection: Any) -> Any:
+    def call(query: Doc, update: Any, session: Any = None, **fields: Any) -> Any:
+        command = {"findAndModify": collection.name, "query": query, "update": update, **fields}
+        concern = collection.write_concern.document
+        if concern and not (session is not None and session.in_transaction):
+            command["writeConcern"] = concern
+        return collection.database.command(
+            command, session=session, codec_options=collection.codec_options
+        )
+
+    return call
+
+
+def _modified(reply: Mapping[str, Any]) -> Any:
+    """The document of a ``MODIFY_ONCE`` reply; its write concern's failure raised, as the
+    collection's own methods raise it."""
+    error = reply.get("writeConcernError")
+    if error:
+        message = error.get("errmsg", "write concern failed")
+        raise WriteConcernError(message, error.get("code"), reply)
+    return reply.get("value")
+
+
 def _method(collection: Any, name: str) -> Any:
+    if name == MODIFY_ONCE:
+        return _modify_once(collection)
     if name == "count":
         return lambda query, session=None, **kwargs: collection.database.command(
             {"count": collection.name, "query": query, **kwargs}, session=session
@@ -186,6 +220,8 @@ class SyncDriver:
             return list(result)
         if call.method == "count":
             return int(result["n"])
+        if call.method == MODIFY_ONCE:
+            return _modified(result)
         return result
 
     def run(self, op: Op[T], session: Any = None) -> T:
@@ -228,6 +264,8 @@ class AsyncDriver:
                 return await result.to_list()
             if call.method == "count":
                 return int(result["n"])
+            if call.method == MODIFY_ONCE:
+                return _modified(result)
             return result
 
     async def run(self, op: Op[T], session: Any = None) -> T:

@@ -11,7 +11,7 @@ from typing import Any
 from pymongo import ReturnDocument, UpdateOne
 from pymongo.errors import BulkWriteError, WriteError
 
-from mtask.driver import DUPLICATE_KEY, Call, Doc, Op
+from mtask.driver import DUPLICATE_KEY, MODIFY_ONCE, Call, Doc, Op
 from mtask.models import RunState, TaskStatus
 from mtask.statemachine import (
     OPEN,
@@ -239,8 +239,9 @@ def claim(
     ``fields`` of them, if given); this worker's run is the one whose ``run_id`` is the
     ``claim_run_id`` added to each.
 
-    One key: one ``find_one_and_update``; if ``timeouts`` gives its ``worker_timeout_ms`` as
-    this worker last saw it, the plain-update shortcut (``claim_fast_update``) is tried first.
+    One key: one ``findAndModify``, not a retryable write (``MODIFY_ONCE``: the claimer adopts
+    what a failed claim took); if ``timeouts`` gives its ``worker_timeout_ms`` as this worker
+    last saw it, the plain-update shortcut (``claim_fast_update``) is tried first.
     Many keys (or one with ``isolate``, so that a document the server cannot update is
     reported as a write error): one pipeline ``update_many`` and one read of what was claimed
     (a batch shortcut of one plain update per key measured no faster, so there is none)."""
@@ -251,20 +252,21 @@ def claim(
     if len(keys) == 1 and not isolate:
         key = keys[0]
         run_id = run_id_for(batch, key)
-        options: dict[str, Any] = {"return_document": ReturnDocument.AFTER}
+        # not a retryable write (MODIFY_ONCE): a claim's caller adopts what a failed call took
+        options: dict[str, Any] = {"new": True}
         if fields is not None:
-            options["projection"] = {**fields, "runs.run_id": 1}
+            options["fields"] = {**fields, "runs.run_id": 1}
         doc = None
         if key in timeouts:
             doc = yield Call(
-                "find_one_and_update",
+                MODIFY_ONCE,
                 claim_fast_update(key, names, worker_id, now, run_id, timeouts[key]),
                 options,
                 timeout=CLAIM_TIMEOUT_S,
             )
         if doc is None:
             doc = yield Call(
-                "find_one_and_update",
+                MODIFY_ONCE,
                 (claim_filter(keys, names, worker_id, now), claim_pipeline(batch, worker_id, now)),
                 options,
                 timeout=CLAIM_TIMEOUT_S,

@@ -507,3 +507,64 @@ def test_gathered_calls_answer_in_order_and_an_error_reaches_the_operation(
 
 def gather_only() -> Op[Any]:
     return (yield gather(Call("count", ({},), {"hint": "no such index"})))
+
+
+def _last_update(tc: TaskClient, key: str) -> dict[str, Any]:
+    ns = f"{tc.db.name}.{tc.collection.name}"
+    entry = tc.mongo.local["oplog.rs"].find_one(
+        {"ns": ns, "op": "u", "o2._id": key}, sort=[("$natural", -1)]
+    )
+    assert entry is not None, key
+    return entry
+
+
+def test_a_claim_of_one_key_is_not_a_retryable_write(tc: TaskClient, clock: FixedClock) -> None:
+    """A single-key claim (both its forms) is a plain ``findAndModify`` command: no
+    transaction number, so the server writes no retry image and no session record for it;
+    the same update through the collection's method is a retryable write."""
+    for key in ("fast", "slow", "control"):
+        tc.publish("n", key, options={"worker_timeout_ms": 1234})
+    assert tc._run(claim(["fast"], ["n"], "w1", clock.now(), timeouts={"fast": 1234}))
+    assert tc._run(claim(["slow"], ["n"], "w1", clock.now()))
+    assert "txnNumber" not in _last_update(tc, "fast")
+    assert "txnNumber" not in _last_update(tc, "slow")
+    tc.collection.find_one_and_update({"_id": "control"}, {"$inc": {"runs_folded": 1}})
+    assert "txnNumber" in _last_update(tc, "control")  # what the test tells apart
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_write_concern_failure_of_a_plain_find_and_modify_is_raised(
+    kind: str, mongo_uri: str, db_name: str, mongo: Any
+) -> None:
+    """The plain command answers ``ok`` with a ``writeConcernError`` beside the document: the
+    drivers raise it, as the collection's own methods do (a claim the majority may not hold
+    must not start its run)."""
+    from pymongo.write_concern import WriteConcern
+
+    from mtask.driver import MODIFY_ONCE, SyncDriver
+
+    mongo[db_name]["tasks"].insert_one({"_id": "k", "n": 0})
+    unsatisfiable = WriteConcern(w=5, wtimeout=200)  # more members than the set has
+
+    def modify() -> Op[Any]:
+        found = yield Call(MODIFY_ONCE, ({"_id": "k"}, {"$inc": {"n": 1}}), {"new": True})
+        return found
+
+    if kind == "sync":
+        tasks = mongo[db_name].get_collection("tasks", write_concern=unsatisfiable)
+        with pytest.raises(StorageError, match="WriteConcernError"):
+            SyncDriver({"tasks": tasks}).run(modify())
+        ok = SyncDriver({"tasks": mongo[db_name]["tasks"]}).run(modify())
+        assert ok == {"_id": "k", "n": 2}
+        return
+
+    async def run() -> None:
+        amongo: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri)
+        try:
+            tasks = amongo[db_name].get_collection("tasks", write_concern=unsatisfiable)
+            with pytest.raises(StorageError, match="WriteConcernError"):
+                await AsyncDriver({"tasks": tasks}).run(modify())
+        finally:
+            await amongo.close()
+
+    asyncio.run(run())

@@ -18,7 +18,7 @@ from scripted import AsyncScriptedDriver, Step
 
 from mtask import store
 from mtask.clock import Clock, FixedClock
-from mtask.driver import AsyncDriver, Call
+from mtask.driver import MODIFY_ONCE, AsyncDriver, Call
 from mtask.worker.claim_ahead import FixedAhead
 from mtask.worker.claim_calls import ClaimCalls
 from mtask.worker.claim_queue import ClaimQueue
@@ -172,7 +172,7 @@ async def test_a_bad_document_is_isolated_and_marked_invalid() -> None:
 
 async def test_a_bad_document_that_cannot_be_marked_is_ignored_from_then_on() -> None:
     driver = AsyncScriptedDriver(
-        Step("find_one_and_update", raises=too_large()),  # a claim of one key
+        Step(MODIFY_ONCE, raises=too_large()),  # a claim of one key
         Step("find", reply=[]),
         Step("update_many", raises=too_large()),  # isolate "full"
         Step("update_many", raises=too_large()),  # quarantine cannot write it either
@@ -292,7 +292,7 @@ async def test_a_limited_runs_local_deadline_counts_from_before_its_claims_time_
             reply=[{"_id": "add", "concurrency": 2, "holders": [{"run_id": run_id}]}],
         ),
         Step(
-            "find_one_and_update",
+            MODIFY_ONCE,
             reply={"_id": "k", "name": "add", "runs": [{"run_id": run_id}]},
             check=claim_time(at),
         ),

@@ -14,7 +14,7 @@ from harness import T0
 from pymongo import UpdateOne
 
 from mtask import flows, limits, schedules, store
-from mtask.driver import Call, Op
+from mtask.driver import MODIFY_ONCE, Call, Op
 from mtask.models import NewTask, RunState
 from mtask.store import Outcome
 from mtask.store.retention import purge, purge_filter
@@ -27,7 +27,7 @@ def _reply(call: Call, found: Doc | None, modified: int) -> Any:
     """What the server would answer, enough for the operation to carry on."""
     if call.method == "gather":
         return [_reply(c, found, modified) for c in call.args]
-    if call.method in ("find_one_and_update", "find_one"):
+    if call.method in ("find_one_and_update", "find_one", MODIFY_ONCE):
         return found
     if call.method in ("find", "distinct", "aggregate"):
         return ["n"] if call.method == "distinct" else []
@@ -49,7 +49,7 @@ def calls_of(op: Op[Any], found: Doc | None = None, modified: int = 0) -> list[C
         return made
 
 
-SINGLE = {"find_one_and_update", "find_one", "update_one", "delete_one"}
+SINGLE = {"find_one_and_update", "find_one", "update_one", "delete_one", MODIFY_ONCE}
 """Single-document calls: before MongoDB 7.1 their filter must hold the shard key by equality."""
 
 
