@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pymongo import ReturnDocument, UpdateOne
+from pymongo import UpdateOne
 from pymongo.errors import BulkWriteError, WriteError
 
 from mtask.driver import DUPLICATE_KEY, MODIFY_ONCE, Call, Doc, Op
@@ -403,22 +403,20 @@ def run_filter(key: str, run_id: str) -> Doc:
     return {"_id": key, "runs": {"$elemMatch": {"run_id": run_id, "state": RUNNING}}}
 
 
-def extend_lease(
+LEASE_FIELDS = {"options": 1, "status": 1}
+"""What a lease's extension returns of the task document."""
+
+
+def lease_update(
     key: str,
     run_id: str,
     worker_id: str,
     now: dt.datetime,
-    max_time_ms: int | None = None,
     run_fields: Mapping[str, Any] | None = None,
-) -> Op[Doc | None]:
-    """Push the run's lease to ``now + worker_timeout_ms``. ``None`` means the run lost the
-    task (taken over, released, cancelled, or this worker is no longer allowed): stop it.
-
-    ``max_time_ms`` bounds the update on the server: a write outside a transaction waits for an
-    open transaction that wrote the same document (a transactional run between its fenced
-    SUCCESS and its commit), and the pinger, one thread for all runs, must not wait with it.
-    ``run_fields``: more fields of the run entry to set in the same update."""
-    limit = {} if max_time_ms is None else {"maxTimeMS": max_time_ms}
+) -> tuple[Doc, list[Doc]]:
+    """The fenced update that pushes the run's lease to ``now + worker_timeout_ms``, while the
+    run is RUNNING and this worker is still allowed; ``run_fields``: more fields of the run
+    entry to set in the same update."""
     filt = {
         **run_filter(key, run_id),
         "status": {"$in": list(OPEN)},
@@ -428,14 +426,25 @@ def extend_lease(
         "lease_expires_at": {"$add": [now, "$options.worker_timeout_ms"]},
         **(run_fields or {}),
     }
+    return filt, [{"$set": {"runs": set_run_fields(run_id, lease)}}, *recompute_stages(now)]
+
+
+def extend_lease(
+    key: str, run_id: str, worker_id: str, now: dt.datetime, max_time_ms: int | None = None
+) -> Op[Doc | None]:
+    """A ping: push the run's lease to ``now + worker_timeout_ms``. ``None`` means the run lost
+    the task (taken over, released, cancelled, or this worker is no longer allowed): stop it.
+
+    Not a retryable write (``MODIFY_ONCE``): a ping that failed is sent again within half a
+    second, and pushing a lease twice is pushing it once. ``max_time_ms`` bounds the update on
+    the server: a write outside a transaction waits for an open transaction that wrote the
+    same document (a transactional run between its fenced SUCCESS and its commit), and the
+    pinger, one thread for all runs, must not wait with it."""
+    limit = {} if max_time_ms is None else {"maxTimeMS": max_time_ms}
     doc: Doc | None = yield Call(
-        "find_one_and_update",
-        (filt, [{"$set": {"runs": set_run_fields(run_id, lease)}}, *recompute_stages(now)]),
-        {
-            "return_document": ReturnDocument.AFTER,
-            "projection": {"options": 1, "status": 1},
-            **limit,
-        },
+        MODIFY_ONCE,
+        lease_update(key, run_id, worker_id, now),
+        {"new": True, "fields": LEASE_FIELDS, **limit},
     )
     return doc
 

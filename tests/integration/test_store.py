@@ -518,16 +518,22 @@ def _last_update(tc: TaskClient, key: str) -> dict[str, Any]:
     return entry
 
 
-def test_a_claim_of_one_key_is_not_a_retryable_write(tc: TaskClient, clock: FixedClock) -> None:
-    """A single-key claim (both its forms) is a plain ``findAndModify`` command: no
-    transaction number, so the server writes no retry image and no session record for it;
+def test_a_claim_of_one_key_and_a_ping_are_not_retryable_writes(
+    tc: TaskClient, clock: FixedClock
+) -> None:
+    """A single-key claim (both its forms) and a ping are plain ``findAndModify`` commands: no
+    transaction number, so the server writes no retry image and no session record for them;
     the same update through the collection's method is a retryable write."""
     for key in ("fast", "slow", "control"):
         tc.publish("n", key, options={"worker_timeout_ms": 1234})
     assert tc._run(claim(["fast"], ["n"], "w1", clock.now(), timeouts={"fast": 1234}))
-    assert tc._run(claim(["slow"], ["n"], "w1", clock.now()))
+    [slow] = tc._run(claim(["slow"], ["n"], "w1", clock.now()))
     assert "txnNumber" not in _last_update(tc, "fast")
     assert "txnNumber" not in _last_update(tc, "slow")
+    clock.advance(seconds=1)
+    assert tc._run(extend_lease("slow", slow["claim_run_id"], "w1", clock.now())) is not None
+    pinged = _last_update(tc, "slow")
+    assert "txnNumber" not in pinged and "lease_expires_at" in str(pinged["o"])
     tc.collection.find_one_and_update({"_id": "control"}, {"$inc": {"runs_folded": 1}})
     assert "txnNumber" in _last_update(tc, "control")  # what the test tells apart
 

@@ -10,7 +10,7 @@ from harness import T0
 from scripted import ScriptedDriver, Step
 
 from mtask.clock import FixedClock
-from mtask.driver import SyncDriver
+from mtask.driver import MODIFY_ONCE, SyncDriver
 from mtask.store.transactional import stale_sessions
 from mtask.worker.lease import LeasePinger
 
@@ -47,7 +47,7 @@ def test_the_pinger_tells_a_runs_watchers_each_renewal() -> None:
     """How a process-isolated run's child learns its lease deadline (issue 27): now, after
     each ping, and after the run's own lease-extending write; not after ``unwatch``."""
     options = {"options": {"ping_interval_ms": 200, "worker_timeout_ms": 5000}}
-    driver = ScriptedDriver(Step("find_one_and_update", options))
+    driver = ScriptedDriver(Step(MODIFY_ONCE, options))
     pinger = LeasePinger(cast(SyncDriver, driver), "w1", FixedClock(T0), lambda r, d: None)
     claim_sent = time.monotonic()
     pinger.add("k", "r1", 200, 5000, claim_sent)
