@@ -304,14 +304,17 @@ def _groups(outcomes: Sequence[Outcome]) -> tuple[list[list[Outcome]], list[Outc
     return [g for g in groups if len(g) > 1], rest
 
 
+def outcome_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Any]:
+    """The fenced update of one outcome: the plain-update shortcut for SUCCESS, else the
+    pipeline."""
+    if outcome.state is RunState.SUCCESS:
+        return success_fast_update(outcome, now)
+    return finish_update(outcome, now)
+
+
 def outcome_requests(outcomes: Sequence[Outcome], now: dt.datetime) -> list[UpdateOne]:
-    """One fenced update per outcome: the plain-update shortcut for SUCCESS, else the pipeline."""
-    return [
-        UpdateOne(*success_fast_update(o, now))
-        if o.state is RunState.SUCCESS
-        else UpdateOne(*finish_update(o, now))
-        for o in outcomes
-    ]
+    """One fenced update per outcome, for a bulk write."""
+    return [UpdateOne(*outcome_update(o, now)) for o in outcomes]
 
 
 def _finish_unmatched(outcomes: Sequence[Outcome], now: dt.datetime) -> Op[int]:
@@ -355,7 +358,14 @@ def finish_many(outcomes: Sequence[Outcome], now: dt.datetime) -> Op[int]:
     for group in groups:
         result = yield Call("update_many", success_group_update(group, now))
         recorded += int(result.modified_count)
-    if rest:
+    if len(rest) == 1:
+        # One outcome (a trickle's): its fenced update as `update_many`, which matches one
+        # document by its key and is not a retryable write, so the server keeps no session
+        # record for it. The recorder sends a failed write again itself, and the fence makes a
+        # repeat harmless (docs/performance.md, "A claim and a ping are not retryable writes").
+        result = yield Call("update_many", outcome_update(rest[0], now))
+        recorded += int(result.modified_count)
+    elif rest:
         result = yield Call("bulk_write", (outcome_requests(rest, now),), {"ordered": False})
         recorded += int(result.modified_count)
     if recorded != len(outcomes):

@@ -518,12 +518,13 @@ def _last_update(tc: TaskClient, key: str) -> dict[str, Any]:
     return entry
 
 
-def test_a_claim_of_one_key_and_a_ping_are_not_retryable_writes(
+def test_a_claim_of_one_key_a_ping_and_one_outcome_are_not_retryable_writes(
     tc: TaskClient, clock: FixedClock
 ) -> None:
-    """A single-key claim (both its forms) and a ping are plain ``findAndModify`` commands: no
-    transaction number, so the server writes no retry image and no session record for them;
-    the same update through the collection's method is a retryable write."""
+    """A single-key claim (both its forms) and a ping are plain ``findAndModify`` commands, and
+    one outcome alone an ``update_many`` of its key: no transaction number, so the server
+    writes no retry image and no session record for them; the same update through the
+    collection's method is a retryable write."""
     for key in ("fast", "slow", "control"):
         tc.publish("n", key, options={"worker_timeout_ms": 1234})
     assert tc._run(claim(["fast"], ["n"], "w1", clock.now(), timeouts={"fast": 1234}))
@@ -534,6 +535,10 @@ def test_a_claim_of_one_key_and_a_ping_are_not_retryable_writes(
     assert tc._run(extend_lease("slow", slow["claim_run_id"], "w1", clock.now())) is not None
     pinged = _last_update(tc, "slow")
     assert "txnNumber" not in pinged and "lease_expires_at" in str(pinged["o"])
+    done = Outcome("slow", slow["claim_run_id"], RunState.SUCCESS, worker_id="w1")
+    assert tc._run(finish_many([done], clock.now())) == 1
+    recorded = _last_update(tc, "slow")
+    assert "txnNumber" not in recorded and "SUCCESS" in str(recorded["o"])
     tc.collection.find_one_and_update({"_id": "control"}, {"$inc": {"runs_folded": 1}})
     assert "txnNumber" in _last_update(tc, "control")  # what the test tells apart
 
