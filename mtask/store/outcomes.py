@@ -350,7 +350,8 @@ def _finish_unmatched(outcomes: Sequence[Outcome], now: dt.datetime) -> Op[int]:
 def finish_many(outcomes: Sequence[Outcome], now: dt.datetime) -> Op[int]:
     """Record many outcomes: a worker's SUCCESSes in one ``update_many``
     (``success_group_update``), the others in one unordered bulk write of one fenced update
-    each; returns how many were recorded."""
+    each (one alone: an ``update_many`` of its key, not a retryable write); returns how many
+    were recorded."""
     if not outcomes:
         return 0
     groups, rest = _groups(outcomes)
@@ -362,7 +363,8 @@ def finish_many(outcomes: Sequence[Outcome], now: dt.datetime) -> Op[int]:
         # One outcome (a trickle's): its fenced update as `update_many`, which matches one
         # document by its key and is not a retryable write, so the server keeps no session
         # record for it. The recorder sends a failed write again itself, and the fence makes a
-        # repeat harmless (docs/performance.md, "A claim and a ping are not retryable writes").
+        # repeat harmless (docs/performance.md, "A claim, a ping and an outcome alone are not
+        # retryable writes").
         result = yield Call("update_many", outcome_update(rest[0], now))
         recorded += int(result.modified_count)
     elif rest:
