@@ -123,11 +123,19 @@ async def run_in_thread(fn: Callable[..., Any], *args: Any, name: str) -> Any:
         else:
             future.set_result(result)
 
+    # The thread takes the call out of this list and lets go of it before it tells the loop:
+    # the thread object holds `target` until the thread has ended, and a closure over `args`
+    # would keep the run's context alive after the run ended, until then.
+    work: list[Any] = [fn, args]
+
     def target() -> None:
+        call, arguments = work
+        work.clear()
         try:
-            result, error = fn(*args), None
+            result, error = call(*arguments), None
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
             result, error = None, exc
+        del call, arguments
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits any more
             loop.call_soon_threadsafe(settle, result, error)
 
