@@ -11,11 +11,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from harness import running_worker, wait_for
 from workerapp import registry
 
 from mtask import TaskClient
-from mtask.cli.worker import stop_on_signals
+from mtask.cli.worker import loop_factory, stop_on_signals
+from mtask.errors import UsageError
 from mtask.testing import worker_argv
 
 TESTS = Path(__file__).parents[1]
@@ -62,10 +64,11 @@ async def test_killed_worker_is_preempted(mongo_uri: str, db_name: str, client: 
         assert rescue.claimed_at - dead.lease_expires_at <= dt.timedelta(seconds=1)
 
 
+@pytest.mark.parametrize("loop", ["auto", "asyncio", "uvloop"])
 async def test_sigterm_drains_then_releases(
-    mongo_uri: str, db_name: str, client: TaskClient
+    mongo_uri: str, db_name: str, client: TaskClient, loop: str
 ) -> None:
-    proc = spawn_worker(mongo_uri, db_name, "--grace", "0.5")
+    proc = spawn_worker(mongo_uri, db_name, "--grace", "0.5", "--loop", loop, "--log-level", "INFO")
     try:
         client.publish("sleep", "long", {"seconds": 3600})
         await wait_for(lambda: client.get("long").status == "running", timeout=60)  # type: ignore[union-attr]
@@ -76,6 +79,8 @@ async def test_sigterm_drains_then_releases(
             proc.kill()
     _, err = proc.communicate(timeout=10)
     assert code == 0, err
+    # auto: uvloop, a dependency wherever this suite runs (Linux, CPython)
+    assert f"event loop: {'asyncio' if loop == 'asyncio' else 'uvloop'}" in err, err
     task = client.get("long")
     assert task is not None and task.status == "pending" and task.runs[0].state == "RELEASED", err
     assert client.workers() == []
@@ -92,6 +97,27 @@ def test_bad_registry_is_a_clear_error() -> None:
     )
     assert proc.returncode == 2
     assert "cannot import 'no_such_module'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_loop_uvloop_without_uvloop_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if it were not installed
+    with pytest.raises(UsageError, match="uvloop is not installed"):
+        loop_factory("uvloop")
+    assert loop_factory("auto") == ("asyncio", None)  # auto falls back to asyncio's own
+    assert loop_factory("asyncio") == ("asyncio", None)
+
+
+def test_bad_loop_is_a_usage_error() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "mtask", "worker", "run", "workerapp:registry", "--loop", "trio"],
+        cwd=TESTS,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "--loop: invalid choice: 'trio'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_signal_handlers_are_restored() -> None:
