@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from pymongo import MongoClient
 
-from bench.support import ROOT, Result, peak_rss_kb, spawn_worker, stop_process
+from bench.support import LOOP, ROOT, Result, peak_rss_kb, spawn_worker, stop_process
 from mtask import store
 from mtask.client import TaskClient
 from mtask.models import NewTask
@@ -461,6 +461,7 @@ def many_hosts(bench: Bench) -> None:
 def worker_process(uri: str, database: str, concurrency: int, stream: str = "shared") -> int:
     """One W9 worker: runs until SIGTERM, then prints its claim counters as JSON."""
     from bench.app import registry
+    from mtask.cli.worker import loop_factory
     from mtask.worker import Worker
 
     worker = Worker(
@@ -476,7 +477,8 @@ def worker_process(uri: str, database: str, concurrency: int, stream: str = "sha
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.stop)
         await worker.run()
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=loop_factory(LOOP)[1]) as runner:  # as mtask-worker's
+        runner.run(main())
     stats = worker.stats
     with contextlib.suppress(BrokenPipeError):  # the bench gave up on us
         print(

@@ -18,6 +18,9 @@ from mtask.client import TaskClient
 from mtask.testing import worker_argv
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: `bench` imports from there
+# The workers' event loop (`mtask-worker --loop`): by default what users run; an A/B of the
+# loop sets MTASK_BENCH_LOOP=asyncio for one of its runs
+LOOP = os.environ.get("MTASK_BENCH_LOOP", "auto")
 
 
 @dataclass
@@ -57,7 +60,7 @@ def spawn_worker(
     """A worker process of ``bench.app``; ``env``: more environment for it (e.g. WB's
     ``MTASK_BENCH_OFF``)."""
     return subprocess.Popen(
-        worker_argv("bench.app:registry", uri, database, *extra),
+        worker_argv("bench.app:registry", uri, database, "--loop", LOOP, *extra),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         cwd=ROOT,

@@ -24,6 +24,7 @@ from rich.table import Table
 from bench import txn
 from bench.app import registry
 from bench.support import (
+    LOOP,
     ROOT,
     Result,
     Sizes,
@@ -36,6 +37,7 @@ from bench.support import (
     wait_until,
 )
 from mtask import store
+from mtask.cli.worker import loop_factory
 from mtask.client import AsyncTaskClient, TaskClient
 from mtask.models import NewTask
 
@@ -521,6 +523,7 @@ class Bench:
             f"Python {platform.python_version()}",
             f"- MongoDB {version} on the same machine, single-node replica set, "
             "write concern majority",
+            f"- the workers' event loop: {loop_factory(LOOP)[0]}",
             "",
             "| workload | figure | target | met | notes |",
             "| --- | --- | --- | --- | --- |",
