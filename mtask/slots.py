@@ -371,17 +371,27 @@ def decide(requests: Sequence[Request], docs: Mapping[str, Doc], now: dt.datetim
     return out
 
 
-def extend(slot: str, run_id: str, now: dt.datetime, lease_ms: int) -> Op[None]:
+def extend(slot: str, run_id: str, now: dt.datetime, lease_ms: int) -> Op[bool]:
     """Keep a run's slot as long as its lease (called by the lease pinger with each ping); a
-    group's document is kept for ``GROUP_TTL`` more."""
+    group's document is kept for ``GROUP_TTL`` more.
+
+    Returns whether the run may go on: ``False`` if the slot's document is there and no longer
+    holds the run. Its lease ran out (the worker was frozen, or cut off from MongoDB, past it)
+    and another run took its place, while nobody took the task: the run holds no slot, and
+    must stop, or the slot's runs would be one more than its limit. A slot whose document is
+    gone (its limit cleared) limits nothing: ``True``."""
     sets: Doc = {"holders.$.expires": now + dt.timedelta(milliseconds=lease_ms)}
     if is_group_slot(slot):
         sets["expire_at"] = expire_at(now)
-    yield Call(
+    result = yield Call(
         "update_one",
         ({"_id": slot, "holders.run_id": run_id}, {"$set": sets}),
         collection="limits",
     )
+    if result.matched_count:
+        return True
+    there = yield Call("find_one", ({"_id": slot}, {"_id": 1}), collection="limits")
+    return there is None
 
 
 def release(by_slot: Mapping[str, Sequence[str]]) -> Op[None]:

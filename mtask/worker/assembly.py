@@ -113,6 +113,7 @@ def build(
     freed: Signal[[]] = Signal()
     limit_changed: Signal[[str]] = Signal()
     lost: Signal[[str, dict[str, Any] | None]] = Signal()
+    slot_lost: Signal[[str, str]] = Signal()
     capacity = Gauge()
     inflight = InFlight(on_free=freed)
     aging = config.priority_aging
@@ -189,6 +190,7 @@ def build(
         worker_id,
         clock,
         on_lost=lost,
+        on_slot_lost=slot_lost,
         loop_heartbeat=lambda: ticker.last,
     )
     publisher = AsyncTaskClient(
@@ -225,6 +227,7 @@ def build(
         wake=wake,
         emit=emit,
         lost=lost,
+        slot_lost=slot_lost,
     )
     calls = ClaimCalls(adriver, clock, worker_id=worker_id, ignore=found.sink.ignore)
     limited_claims = LimitedClaims(

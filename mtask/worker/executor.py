@@ -70,6 +70,7 @@ class Executor:
         wake: asyncio.Event,
         emit: Emitter,
         lost: Signal[[str, dict[str, Any] | None]],
+        slot_lost: Signal[[str, str]],
     ) -> None:
         self.registry = registry
         self.worker_id = worker_id
@@ -82,6 +83,7 @@ class Executor:
         self.ahead = ahead
         """Learns how long the handlers run (whether to claim ahead)."""
         lost.connect(self.lost)  # the pinger found a run's task another's
+        slot_lost.connect(self.slot_lost)  # ... or its limit's slot another run's
         self.stats = outcomes.stats
         self.wake = wake
         """The claimer's wake-up: set when a run ends (a slot is free)."""
@@ -231,6 +233,24 @@ class Executor:
                 extra={"key": run.key, "run_id": run_id},
             )
         self.stop(run, run.stop_reason)
+
+    def slot_lost(self, run_id: str, slot: str) -> None:
+        """The run's task is still its own, but a limit's slot it held was taken by another
+        run after its lease there ran out (the process frozen or cut off past it): stop its
+        handler and give the task back (RELEASED), so that the limit holds."""
+        run = self.inflight.get(run_id)
+        if run is None or run.task is None or run.stop_reason is not None:
+            return  # ended, or already being stopped
+        self.stats.slots_lost += 1
+        log.warning(
+            "slot lost: %s run %s no longer holds its slot of %s (its lease there ran out and "
+            "another run took it); the run is stopped and its task given back",
+            run.key,
+            run_id[:8],
+            slot,
+            extra={"key": run.key, "run_id": run_id},
+        )
+        self.stop(run, "slot_lost")
 
     def stop(self, run: ActiveRun, reason: str) -> None:
         """Cancel a run's handler for ``reason`` (its outcome follows from the reason)."""

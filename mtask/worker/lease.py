@@ -3,7 +3,9 @@
 ``LeasePinger`` extends the lease of every run in flight at the task's ``ping_interval_ms``
 with pymongo's sync client, on a thread, so pings keep flowing while a handler hogs the event
 loop or holds the GIL for a while. A ping that matches nothing means the run lost the task;
-the pinger reports it (``on_lost``) and forgets the run. A changed ping interval applies from
+the pinger reports it (``on_lost``) and forgets the run. A run's limit slots are extended with
+its lease; one found taken by another run (``slots.extend``) is reported (``on_slot_lost``), and
+the run forgotten too. A changed ping interval applies from
 the next ping. A frozen process (SIGSTOP) freezes this thread too, so its leases run out and
 the runs are preempted, as they must be. ``watch`` passes each renewal on as it happens: a
 process-isolated run's child follows its lease that way, and stops itself when it runs out
@@ -41,6 +43,8 @@ PING_MAX_TIME_MS = 100
 that holds its task document fails and is retried instead of holding up every other ping."""
 
 LostCallback = Callable[[str, dict[str, Any] | None], None]
+SlotLostCallback = Callable[[str, str], None]
+"""A run that lost a limit's slot while it kept its task (``slots.extend``): run id, slot."""
 """Called with the run id and the task's current status document (``None`` if the task is
 gone): on the pinger thread, or on the event loop given to ``LeasePinger.start``."""
 
@@ -93,12 +97,14 @@ class LeasePinger:
         worker_id: str,
         clock: Clock,
         on_lost: LostCallback,
+        on_slot_lost: SlotLostCallback,
         loop_heartbeat: Callable[[], float] | None = None,
     ) -> None:
         self._driver = driver
         self._worker_id = worker_id
         self._clock = clock
         self._on_lost = on_lost
+        self._on_slot_lost = on_slot_lost
         self._loop_heartbeat = loop_heartbeat
         self._leases: dict[str, _Lease] = {}
         self._cond = threading.Condition()
@@ -112,7 +118,8 @@ class LeasePinger:
         self.pings = 0
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Start the thread; with a ``loop``, ``on_lost`` is called on it, not on the thread."""
+        """Start the thread; with a ``loop``, ``on_lost`` and ``on_slot_lost`` are called on it,
+        not on the thread."""
         self._loop = loop
         self._thread.start()
 
@@ -244,13 +251,16 @@ class LeasePinger:
             doc = self._driver.run(
                 store.extend_lease(lease.key, lease.run_id, self._worker_id, server_now, limit)
             )
-            status = None
+            status, slot_lost = None, None
             if doc is None:
                 status = self._driver.run(store.get_status(lease.key))
             elif lease.slots:
                 timeout_ms = doc.get("options", {}).get("worker_timeout_ms", lease.timeout * 1000)
                 for slot in lease.slots:
-                    self._driver.run(extend_slot(slot, lease.run_id, server_now, int(timeout_ms)))
+                    ms = int(timeout_ms)
+                    if not self._driver.run(extend_slot(slot, lease.run_id, server_now, ms)):
+                        slot_lost = slot
+                        break
         except StorageError as exc:
             if not self._failing:
                 log.warning("cannot ping leases, retrying: %s", exc, extra={"key": lease.key})
@@ -266,6 +276,11 @@ class LeasePinger:
             with self._cond:
                 self._leases.pop(lease.run_id, None)
             self._report_lost(lease.run_id, status)
+            return
+        if slot_lost is not None:  # the task is still the run's: it is given back (RELEASED)
+            with self._cond:
+                self._leases.pop(lease.run_id, None)
+            self._call_on_loop(self._on_slot_lost, lease.run_id, slot_lost)
             return
         options = doc.get("options", {})
         lease.interval = options.get("ping_interval_ms", lease.interval * 1000) / 1000
@@ -284,11 +299,14 @@ class LeasePinger:
             )
 
     def _report_lost(self, run_id: str, status: dict[str, Any] | None) -> None:
+        self._call_on_loop(self._on_lost, run_id, status)
+
+    def _call_on_loop(self, callback: Callable[..., None], *args: Any) -> None:
         if self._loop is None:
-            self._on_lost(run_id, status)
+            callback(*args)
             return
         with contextlib.suppress(RuntimeError):  # the loop closed: the worker is gone
-            self._loop.call_soon_threadsafe(self._on_lost, run_id, status)
+            self._loop.call_soon_threadsafe(callback, *args)
 
     def _check_loop(self) -> None:
         """Log once when the worker's event loop has not ticked for a while: a handler is

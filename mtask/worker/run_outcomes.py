@@ -432,7 +432,7 @@ class RunOutcomes:
     def stopped(self, run: ActiveRun) -> Outcome | None:
         """A cancelled run's outcome: RELEASED, CANCELLED, or nothing (the lease was lost)."""
         reason = run.stop_reason
-        if reason == "shutdown" or reason == "not_allowed":
+        if reason in ("shutdown", "not_allowed", "slot_lost"):
             self.stats.released += 1
             self.emit(Event.RELEASED, key=run.key, run_id=run.run_id, reason=reason)
             return Outcome(run.key, run.run_id, RunState.RELEASED)

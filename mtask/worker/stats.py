@@ -15,6 +15,9 @@ class WorkerStats:
     failed: int = 0
     retried: int = 0
     lease_lost: int = 0
+    slots_lost: int = 0
+    """Runs stopped because a limit's slot they held was taken by another (their task given
+    back: RELEASED)."""
     released: int = 0
     cancelled: int = 0
     waiting: int = 0

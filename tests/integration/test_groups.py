@@ -208,3 +208,41 @@ def test_groups_are_visible_to_operators(
     assert main(["stats", "--uri", mongo_uri, "--database", db_name]) == 0
     shown = capsys.readouterr().out
     assert "largest groups" in shown and "big" in shown and "small" in shown
+
+
+async def test_a_run_whose_slot_another_run_took_is_stopped_and_given_back(
+    mongo_uri: str, mongo: MongoClient[Any], db_name: str, client: TaskClient
+) -> None:
+    """A run frozen or cut off past its lease, whose task nobody took but whose slot another
+    run did (the take drops a holder whose lease ended), must not run on beside that run: its
+    next ping finds the slot gone, and the run stops and gives its task back (RELEASED, no
+    retry spent). Here the other run's take is written by hand (the take itself:
+    test_limits)."""
+    db = mongo[db_name]
+    client.set_limit("sleep", group_concurrency=2)
+    options = {"group": "g", "ping_interval_ms": 100, "worker_timeout_ms": 30_000}
+    client.publish("sleep", "a", {"seconds": 3600}, options=options)
+    async with running_worker(workerapp.registry, mongo_uri, db_name, concurrency=2) as (
+        worker,
+        events,
+    ):
+        await events.wait("claimed", key="a")
+        run_id = db.tasks.find_one({"_id": "a"})["runs"][0]["run_id"]
+        slot = group_slot("sleep", "g")
+        await wait_for(lambda: db.limits.find_one({"_id": slot, "holders.run_id": run_id}))
+        taken = db.limits.update_one(
+            {"_id": slot, "holders.run_id": run_id},
+            {"$set": {"holders.$": {"run_id": "other", "key": "b", "worker_id": "w2",
+                                    "expires": dt.datetime(2099, 1, 1, tzinfo=dt.UTC)}}},
+        )  # fmt: skip
+        assert taken.modified_count == 1
+        released = await events.wait("released", key="a", timeout=30)
+        assert released["reason"] == "slot_lost" and released["run_id"] == run_id
+        assert worker.stats.slots_lost == 1 and worker.stats.lease_lost == 0
+        await wait_for(lambda: len(db.tasks.find_one({"_id": "a"})["runs"]) == 2)
+    doc = db.tasks.find_one({"_id": "a"})
+    first = doc["runs"][0]
+    assert first["run_id"] == run_id and first["state"] == "RELEASED"
+    assert doc["failures"] == 0  # no retry spent
+    # claimed again in the room left (the other run holds one place of two)
+    assert doc["runs"][1]["state"] in ("RUNNING", "RELEASED")

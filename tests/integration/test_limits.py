@@ -104,6 +104,11 @@ def test_concurrency_slots_are_taken_atomically_and_run_out(client: TaskClient) 
     assert not client._run(acquire("n", "r5", "k5", "w", later, 1000)).taken
     holders = {h["run_id"] for h in client.limits()[0]["holders"]}
     assert holders == {"r1", "r4"}
+    # extend says whether the run may go on: r3's place was taken (r4), r1 still holds one
+    assert client._run(extend("n", "r1", later, 1000)) is True
+    assert client._run(extend("n", "r3", later, 1000)) is False
+    assert client.clear_limit("n")  # no limit any more: nothing to hold
+    assert client._run(extend("n", "r1", later, 1000)) is True
 
 
 def test_rate_tokens_refill_by_the_given_clock(mongo_uri: str, db_name: str) -> None:

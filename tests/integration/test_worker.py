@@ -555,7 +555,7 @@ def test_the_pinger_thread_is_woken_only_for_a_ping_due_before_its_wait_ends(
         found.set()
 
     client.now()  # calibrates the client's server clock, which the pings read
-    pinger = LeasePinger(client._driver, "w1", client.clock, on_lost)
+    pinger = LeasePinger(client._driver, "w1", client.clock, on_lost, lambda r, s: None)
     notified: list[bool] = []
     real_notify = pinger._cond.notify
     pinger._cond.notify = lambda n=1: (notified.append(True), real_notify(n))[1]  # type: ignore[method-assign]

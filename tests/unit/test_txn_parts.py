@@ -29,7 +29,9 @@ def test_a_takeover_kills_the_sessions_of_expired_runs_only() -> None:
 
 def test_the_pinger_leaves_a_paused_run_alone_until_resumed() -> None:
     driver = ScriptedDriver()  # any call would fail: nothing is scripted
-    pinger = LeasePinger(cast(SyncDriver, driver), "w1", FixedClock(T0), lambda r, d: None)
+    pinger = LeasePinger(
+        cast(SyncDriver, driver), "w1", FixedClock(T0), lambda r, d: None, lambda r, s: None
+    )
     claim_sent = time.monotonic()
     pinger.add("k", "r1", 200, 5000, claim_sent)
     lease = pinger._leases["r1"]
@@ -48,7 +50,9 @@ def test_the_pinger_tells_a_runs_watchers_each_renewal() -> None:
     each ping, and after the run's own lease-extending write; not after ``unwatch``."""
     options = {"options": {"ping_interval_ms": 200, "worker_timeout_ms": 5000}}
     driver = ScriptedDriver(Step(MODIFY_ONCE, options))
-    pinger = LeasePinger(cast(SyncDriver, driver), "w1", FixedClock(T0), lambda r, d: None)
+    pinger = LeasePinger(
+        cast(SyncDriver, driver), "w1", FixedClock(T0), lambda r, d: None, lambda r, s: None
+    )
     claim_sent = time.monotonic()
     pinger.add("k", "r1", 200, 5000, claim_sent)
     seen: list[float] = []
