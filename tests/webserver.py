@@ -19,7 +19,8 @@ def serving(
 ) -> Iterator[str]:
     port = free_port()
     app = create_app(uri, database=database, token=token, sample_seconds=sample_seconds)
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning", lifespan="on"))
+    config = uvicorn.Config(app, port=port, log_level="warning", lifespan="on", loop="asyncio")
+    server = uvicorn.Server(config)  # the loop mtask serve runs on
     thread = threading.Thread(target=server.run, name="mtask-serve-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

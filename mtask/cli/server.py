@@ -37,7 +37,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     auth = "bearer token required" if token else "no token (loopback only)"
     err.print(f"mtask serve: http://{args.host}:{args.port}/ ({auth})", markup=False)
     # The proxy headers are read by the app only with --trust-proxy (not by uvicorn's default).
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, proxy_headers=False)
+    # asyncio's own loop: uvicorn's "auto" would take uvloop (a dependency, for the worker),
+    # under which the server's event streams left sockets for the collector to close
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        proxy_headers=False,
+        loop="asyncio",
+    )
     return 0
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import uvloop
 
 from mtask.registry import Registry, TaskContext
 from mtask.worker.assembly import Parts, build
@@ -114,12 +115,23 @@ def test_the_worker_command_freezes_what_lives_before_its_loop(
     from mtask.cli import worker as cli
 
     frozen: list[int] = []
+    factories: list[Any] = []
 
-    def run(coro: Any) -> None:
-        frozen.append(gc.get_freeze_count())
-        coro.close()
+    class Runner:  # asyncio.Runner's part the command uses: the loop is never made
+        def __init__(self, loop_factory: Any = None) -> None:
+            factories.append(loop_factory)
 
-    monkeypatch.setattr("mtask.cli.worker.asyncio.run", run)
+        def __enter__(self) -> Runner:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def run(self, coro: Any) -> None:
+            frozen.append(gc.get_freeze_count())
+            coro.close()
+
+    monkeypatch.setattr("mtask.cli.worker.asyncio.Runner", Runner)
     gc.unfreeze()
     try:
         uri = "mongodb://127.0.0.1:9/?directConnection=true"
@@ -127,3 +139,4 @@ def test_the_worker_command_freezes_what_lives_before_its_loop(
     finally:
         gc.unfreeze()
     assert len(frozen) == 1 and frozen[0] > 1000
+    assert factories == [uvloop.new_event_loop]  # --loop auto, uvloop installed
