@@ -7,16 +7,23 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
-from pymongo import ASCENDING, ReturnDocument
+from pymongo import ASCENDING
 
-from mtask.driver import Call, Doc, Op
+from mtask.driver import MODIFY_ONCE, Call, Doc, Op
+
+BEAT_CONCERN = {"w": 1}
+"""A heartbeat's write concern: the primary's acknowledgement. A heartbeat is a hint of who is
+alive that the next one writes again within seconds, and no state of a task depends on it; a
+majority write made the server flush its journal for each (performance.md, "Heartbeats")."""
 
 
 def heartbeat(info: Mapping[str, Any], now: dt.datetime) -> Op[Doc]:
-    """Register or refresh a worker; returns its document (with ``stop_requested``)."""
+    """Register or refresh a worker; returns its document (with ``stop_requested``). A plain
+    ``findAndModify`` with ``BEAT_CONCERN``, not a retryable write: a beat that fails is
+    written again by the next."""
     fields = {k: v for k, v in info.items() if k != "_id"}
     doc: Doc = yield Call(
-        "find_one_and_update",
+        MODIFY_ONCE,
         (
             {"_id": info["_id"]},
             {
@@ -24,7 +31,7 @@ def heartbeat(info: Mapping[str, Any], now: dt.datetime) -> Op[Doc]:
                 "$setOnInsert": {"stop_requested": False, "started_at": now},
             },
         ),
-        {"upsert": True, "return_document": ReturnDocument.AFTER},
+        {"upsert": True, "new": True, "writeConcern": BEAT_CONCERN},
         collection="workers",
     )
     return doc

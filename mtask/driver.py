@@ -60,11 +60,12 @@ GATHER = "gather"
 
 MODIFY_ONCE = "find_and_modify_once"
 """A ``findAndModify`` that is not a retryable write: ``args`` the filter and the update,
-``kwargs`` the command's own fields (``new``, ``fields``); the result is the document, or
-``None``. Sent as a plain command, so the server keeps no image of it in
-``config.image_collection`` and no record in ``config.transactions`` (two writes fewer on the
-server), and the driver does not send it again after a network error: for callers that
-recover what such a call did themselves (a claim: ``ClaimCalls.adopt``)."""
+``kwargs`` the command's own fields (``new``, ``fields``, ``upsert``; ``writeConcern``, else
+the collection's); the result is the document, or ``None``. Sent as a plain command, so the
+server keeps no image of it in ``config.image_collection`` and no record in
+``config.transactions`` (two writes fewer on the server), and the driver does not send it
+again after a network error: for callers that recover what such a call did themselves (a
+claim: ``ClaimCalls.adopt``) or send it again anyway (a ping, a heartbeat)."""
 
 
 def gather(*calls: Call) -> Call:
@@ -171,9 +172,10 @@ def _limit(call: Call) -> contextlib.AbstractContextManager[Any]:
 def _modify_once(collection: Any) -> Any:
     def call(query: Doc, update: Any, session: Any = None, **fields: Any) -> Any:
         command = {"findAndModify": collection.name, "query": query, "update": update, **fields}
-        concern = collection.write_concern.document
-        if concern and not (session is not None and session.in_transaction):
-            command["writeConcern"] = concern
+        if session is not None and session.in_transaction:
+            command.pop("writeConcern", None)  # the transaction's, at its commit
+        elif "writeConcern" not in command and collection.write_concern.document:
+            command["writeConcern"] = collection.write_concern.document
         return collection.database.command(
             command, session=session, codec_options=collection.codec_options
         )
