@@ -375,11 +375,11 @@ def extend(slot: str, run_id: str, now: dt.datetime, lease_ms: int) -> Op[bool]:
     """Keep a run's slot as long as its lease (called by the lease pinger with each ping); a
     group's document is kept for ``GROUP_TTL`` more.
 
-    Returns whether the run may go on: ``False`` if the slot's document is there and no longer
-    holds the run. Its lease ran out (the worker was frozen, or cut off from MongoDB, past it)
-    and another run took its place, while nobody took the task: the run holds no slot, and
-    must stop, or the slot's runs would be one more than its limit. A slot whose document is
-    gone (its limit cleared) limits nothing: ``True``."""
+    Returns whether the run may go on: ``False`` if the slot still limits runs at once and no
+    longer holds the run. Its lease ran out (the worker was frozen, or cut off from MongoDB,
+    past it) and another run took its place, while nobody took the task: the run holds no slot,
+    and must stop, or the slot's runs would be one more than its limit. A slot whose document
+    is gone (its limit cleared), or that now limits only a rate, holds no runs: ``True``."""
     sets: Doc = {"holders.$.expires": now + dt.timedelta(milliseconds=lease_ms)}
     if is_group_slot(slot):
         sets["expire_at"] = expire_at(now)
@@ -390,8 +390,8 @@ def extend(slot: str, run_id: str, now: dt.datetime, lease_ms: int) -> Op[bool]:
     )
     if result.matched_count:
         return True
-    there = yield Call("find_one", ({"_id": slot}, {"_id": 1}), collection="limits")
-    return there is None
+    there = yield Call("find_one", ({"_id": slot}, {"concurrency": 1}), collection="limits")
+    return there is None or not isinstance(there.get("concurrency"), int)
 
 
 def release(by_slot: Mapping[str, Sequence[str]]) -> Op[None]:

@@ -4,12 +4,12 @@
 with pymongo's sync client, on a thread, so pings keep flowing while a handler hogs the event
 loop or holds the GIL for a while. A ping that matches nothing means the run lost the task;
 the pinger reports it (``on_lost``) and forgets the run. A run's limit slots are extended with
-its lease; one found taken by another run (``slots.extend``) is reported (``on_slot_lost``), and
-the run forgotten too. A changed ping interval applies from
-the next ping. A frozen process (SIGSTOP) freezes this thread too, so its leases run out and
-the runs are preempted, as they must be. ``watch`` passes each renewal on as it happens: a
-process-isolated run's child follows its lease that way, and stops itself when it runs out
-unrenewed (``mtask.worker.pool_child``).
+its lease; one found taken by another run (``slots.extend``) is reported (``on_slot_lost``),
+and the run forgotten too. A changed ping interval applies from the next ping. A frozen
+process (SIGSTOP) freezes this thread too, so its leases run out and the runs are preempted,
+as they must be. ``watch`` passes each renewal on as it happens: a process-isolated run's
+child follows its lease that way, and stops itself when it runs out unrenewed
+(``mtask.worker.pool_child``).
 
 Ownership: ``_leases`` is shared between the event loop's thread (``add``, ``remove``,
 ``expiry``) and the pinger thread; every write holds ``_cond``. ``expiry`` reads one entry
@@ -43,10 +43,11 @@ PING_MAX_TIME_MS = 100
 that holds its task document fails and is retried instead of holding up every other ping."""
 
 LostCallback = Callable[[str, dict[str, Any] | None], None]
-SlotLostCallback = Callable[[str, str], None]
-"""A run that lost a limit's slot while it kept its task (``slots.extend``): run id, slot."""
 """Called with the run id and the task's current status document (``None`` if the task is
 gone): on the pinger thread, or on the event loop given to ``LeasePinger.start``."""
+SlotLostCallback = Callable[[str, str], None]
+"""Called, as ``LostCallback`` is, with the run id and the slot of a limit it no longer holds,
+while its task is still its own (``slots.extend``)."""
 
 
 class LoopTicker:
@@ -255,9 +256,8 @@ class LeasePinger:
             if doc is None:
                 status = self._driver.run(store.get_status(lease.key))
             elif lease.slots:
-                timeout_ms = doc.get("options", {}).get("worker_timeout_ms", lease.timeout * 1000)
+                ms = int(doc.get("options", {}).get("worker_timeout_ms", lease.timeout * 1000))
                 for slot in lease.slots:
-                    ms = int(timeout_ms)
                     if not self._driver.run(extend_slot(slot, lease.run_id, server_now, ms)):
                         slot_lost = slot
                         break

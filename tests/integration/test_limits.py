@@ -107,6 +107,10 @@ def test_concurrency_slots_are_taken_atomically_and_run_out(client: TaskClient) 
     # extend says whether the run may go on: r3's place was taken (r4), r1 still holds one
     assert client._run(extend("n", "r1", later, 1000)) is True
     assert client._run(extend("n", "r3", later, 1000)) is False
+    client.set_limit("n", rate=5.0)  # a rate alone counts no runs at once
+    assert client._run(acquire("n", "r6", "k6", "w", later, 1000)).taken
+    assert client.limits()[0]["holders"] == []
+    assert client._run(extend("n", "r1", later, 1000)) is True
     assert client.clear_limit("n")  # no limit any more: nothing to hold
     assert client._run(extend("n", "r1", later, 1000)) is True
 
