@@ -74,6 +74,20 @@ def live_streams(mongo: Mongo, db: str) -> set[int]:
     }
 
 
+def relay_subscribers(client: TaskClient, holder: str) -> int | None:
+    """How many subscribers the relay's heartbeat says it has."""
+    for doc in client.collection.database["workers"].find({"_id": holder}):
+        return ((doc.get("stream") or {}).get("relay") or {}).get("subscribers")
+    return None
+
+
+def all_dispatched(client: TaskClient, count: int) -> bool:
+    """Whether ``count`` workers' heartbeats say the relay hands them their tasks: none of them
+    follows an own stream (as a subscriber does until its relay's first frame)."""
+    modes = [(w.get("stream") or {}).get("mode") for w in client.workers()]
+    return modes.count("dispatched") == count
+
+
 def publish(client: TaskClient, prefix: str, count: int, **options: Any) -> list[str]:
     keys = [f"{prefix}{i:03}" for i in range(count)]
     client.publish_many(
@@ -104,6 +118,8 @@ async def test_worker_processes_share_one_stream_and_take_over_a_killed_relay(
         await wait_for(lambda: len(client.workers()) == 4, timeout=60)
         first = await wait_for(lambda: relay_worker(mongo, db_name), timeout=30)
         assert first in {f"w{i}" for i in range(4)}
+        await wait_for(lambda: relay_subscribers(client, first) == 4, timeout=30)
+        await wait_for(lambda: all_dispatched(client, 4), timeout=30)
         await wait_for(lambda: len(change_streams(mongo, db_name)) == 1)
         assert len(live_streams(mongo, db_name)) == 1
 
@@ -135,13 +151,6 @@ async def test_worker_processes_share_one_stream_and_take_over_a_killed_relay(
         assert all(p.poll() is None for p in procs if p is not victim)
     finally:
         await asyncio.to_thread(stop, procs)
-
-
-def relay_subscribers(client: TaskClient, holder: str) -> int | None:
-    """How many subscribers the relay's heartbeat says it has."""
-    for doc in client.collection.database["workers"].find({"_id": holder}):
-        return ((doc.get("stream") or {}).get("relay") or {}).get("subscribers")
-    return None
 
 
 async def test_a_killed_subscriber_is_let_go_and_its_keys_handed_on(
@@ -257,6 +266,8 @@ async def test_workers_on_different_hosts_share_one_stream_and_one_relay(
     try:
         await wait_for(lambda: len(client.workers()) == 4, timeout=60)
         first = await wait_for(lambda: relay_worker(mongo, db_name), timeout=30)
+        await wait_for(lambda: relay_subscribers(client, first) == 4, timeout=30)
+        await wait_for(lambda: all_dispatched(client, 4), timeout=30)
         await wait_for(lambda: len(change_streams(mongo, db_name)) == 1)
         keys = publish(client, "x", 80, **lease)
         await wait_for(lambda: finished(client, keys), timeout=60)
