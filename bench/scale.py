@@ -22,6 +22,7 @@ URI DATABASE CONCURRENCY [own|shared]`` is the W9 worker process (it prints its 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -289,8 +290,17 @@ def _one_size(
             docs = list(
                 client.collection.find(
                     {"_id": {"$ne": "warm"}},
-                    {"result": 1, "params.t": 1, "created_at": 1, "finished_at": 1},
+                    {
+                        "result": 1,
+                        "params.t": 1,
+                        "created_at": 1,
+                        "finished_at": 1,
+                        "runs.worker_id": 1,
+                    },
                 )
+            )
+            ran = collections.Counter(
+                run.get("worker_id") for doc in docs for run in doc.get("runs") or ()
             )
             lags = [(doc["result"] - doc["params"]["t"]) * 1000 for doc in docs]
             waits = [
@@ -318,6 +328,8 @@ def _one_size(
         "idle_ops_per_s": sum(idle_ops.values()) / idle_s,
         "idle_cpu_pct": idle_cpu / idle_s * 100,
         "tasks": n,
+        "busiest_share": max(ran.values(), default=0) / max(1, sum(ran.values())),
+        "workers_used": float(len(ran)),
         "rescans_per_worker": sum(c.get("rescans", 0) for c in counters) / workers,
         "dropped": sum(c.get("dropped", 0) for c in counters),
         "left_relay": sum(c.get("left", 0) for c in counters),
@@ -441,7 +453,8 @@ def many_hosts(bench: Bench) -> None:
                 f"{row['idle_cpu_pct']:.1f} % of a core, {row['idle_ops_per_s']:.0f} ops/s; "
                 f"relay left {row['left_relay']:.0f}x, keys given back {row['returned']:.0f}, "
                 f"missed {row['said_missed']:.0f}, gone {row['said_gone']:.0f}, "
-                f"held {row['said_held']:.0f}; {row['subscriptions']:.0f} subscriptions, "
+                f"held {row['said_held']:.0f}; runs on {row['workers_used']:.0f} workers, the "
+                f"busiest {row['busiest_share']:.0%}; {row['subscriptions']:.0f} subscriptions, "
                 f"{row['dropped']:.0f} dropped",
                 "CPU/task ≤ 1.5x of 1 host; ≤ 1.1 attempts/task; p50 ≤ 2x; idle ≤ 5 % at 64",
                 cpu <= 1.5
