@@ -183,6 +183,29 @@ def _ops(client: MongoClient[Doc]) -> dict[str, int]:
     }
 
 
+def _commands(client: MongoClient[Doc]) -> dict[str, int]:
+    """How many of each command the server has run (serverStatus ``metrics.commands``)."""
+    commands = client.admin.command("serverStatus")["metrics"]["commands"]
+    return {
+        name: int(counts["total"])
+        for name, counts in commands.items()
+        if isinstance(counts, dict) and "total" in counts
+    }
+
+
+def _idle_commands(row: Doc) -> str:
+    """The commands an idle cluster sent most, a second each (``idle_cmd_*``)."""
+    rates = {k[len("idle_cmd_") : -len("_per_s")]: v for k, v in row.items() if "idle_cmd_" in k}
+    top = sorted(rates.items(), key=lambda kv: -kv[1])[:6]
+    return ", ".join(f"{name} {rate:.1f}" for name, rate in top)
+
+
+def _checkpoints(client: MongoClient[Doc]) -> int:
+    """The checkpoints WiredTiger has taken (one a minute: one in a window costs it CPU)."""
+    status = client.admin.command("serverStatus")
+    return int(status["wiredTiger"]["transaction"]["transaction checkpoints"])
+
+
 def socket_uri(port: int) -> str:
     """mongod's Unix socket as a URI: a Unix socket crosses network namespaces (an abstract
     one does not), so a worker in a namespace of its own reaches mongod through it."""
@@ -260,9 +283,16 @@ def _one_size(
             time.sleep(2.0)  # every worker's stream open, first scans done
             # idle
             cpu0, gm0, t0 = _cpu_s(mongod_pid), _getmores(mongo), time.monotonic()
-            idle_ops0 = _ops(mongo)
+            idle_ops0, checkpoints0 = _ops(mongo), _checkpoints(mongo)
+            commands0 = _commands(mongo)
             time.sleep(idle_seconds or seconds)
             idle_ops = {k: v - idle_ops0[k] for k, v in _ops(mongo).items()}
+            checkpoints = _checkpoints(mongo) - checkpoints0
+            idle_commands = {
+                name: count - commands0.get(name, 0)
+                for name, count in _commands(mongo).items()
+                if count > commands0.get(name, 0)
+            }
             idle_cpu = _cpu_s(mongod_pid) - cpu0
             idle_gm = _getmores(mongo) - gm0
             idle_s = time.monotonic() - t0
@@ -326,7 +356,10 @@ def _one_size(
         "finished_p50_ms": statistics.median(waits),
         **{f"{kind}_per_task": count / n for kind, count in load_ops.items()},
         "idle_ops_per_s": sum(idle_ops.values()) / idle_s,
+        **{f"idle_{kind}_per_s": count / idle_s for kind, count in idle_ops.items()},
         "idle_cpu_pct": idle_cpu / idle_s * 100,
+        "idle_checkpoints": float(checkpoints),
+        **{f"idle_cmd_{name}_per_s": n / idle_s for name, n in idle_commands.items()},
         "tasks": n,
         "busiest_share": max(ran.values(), default=0) / max(1, sum(ran.values())),
         "workers_used": float(len(ran)),
@@ -419,7 +452,7 @@ def many_hosts(bench: Bench) -> None:
         ]
     # each figure the median of its passes: one pass swings by a third on a small machine
     rows = [
-        (mode, {k: statistics.median(run[i][k] for run in runs) for k in runs[0][i]})
+        (mode, {k: statistics.median(run[i].get(k, 0.0) for run in runs) for k in runs[0][i]})
         for i, mode in enumerate(m for _ in sizes for m in modes)
     ]
     for i, (mode, row) in enumerate(rows):
@@ -450,7 +483,14 @@ def many_hosts(bench: Bench) -> None:
                 f"{row['attempts_per_task']:.2f} claim attempts/task; created→finished p50 "
                 f"{row['finished_p50_ms']:.1f} ms ({wait:.2f}x), publish→start "
                 f"{row['start_p50_ms']:.1f} ms ({start:.2f}x); ops/task: {ops}; idle: "
-                f"{row['idle_cpu_pct']:.1f} % of a core, {row['idle_ops_per_s']:.0f} ops/s; "
+                f"{row['idle_cpu_pct']:.1f} % of a core, {row['idle_ops_per_s']:.0f} ops/s ("
+                + " ".join(
+                    f"{kind} {row[f'idle_{kind}_per_s']:.1f}"
+                    for kind in ("insert", "query", "update", "getmore", "command")
+                )
+                + f"; {row['idle_checkpoints']:.0f} checkpoints; by command: "
+                + _idle_commands(row)
+                + "); "
                 f"relay left {row['left_relay']:.0f}x, keys given back {row['returned']:.0f}, "
                 f"missed {row['said_missed']:.0f}, gone {row['said_gone']:.0f}, "
                 f"held {row['said_held']:.0f}; runs on {row['workers_used']:.0f} workers, the "
