@@ -21,7 +21,7 @@ from mtask.worker.finding.shared import mailbox
 from mtask.worker.finding.shared.relay import LEASE_TTL
 from mtask.worker.finding.shared.wire import BYE, PROTOCOL
 
-LOOK_EVERY = 3.0
+LOOK_EVERY = 4.5
 """Seconds without a frame between two reads of the relay's lease."""
 STALE_AFTER = 5.0
 """A relay that has not renewed its lease for this long (it renews every 2 s) is left."""
