@@ -326,9 +326,18 @@ def _one_size(
                         "created_at": 1,
                         "finished_at": 1,
                         "runs.worker_id": 1,
+                        "runs.claimed_at": 1,
                     },
                 )
             )
+            # mongod runs on this host: its clock is time.time()'s, so a run's claimed_at (the
+            # claimer's estimate of the server's clock) against its handler's start shows how
+            # far off that estimate is (less the claim's reply → handler start, under 1 ms)
+            ahead = [
+                (doc["runs"][0]["claimed_at"].timestamp() - doc["result"]) * 1000
+                for doc in docs
+                if doc.get("runs") and isinstance(doc.get("result"), float)
+            ]
             ran = collections.Counter(
                 run.get("worker_id") for doc in docs for run in doc.get("runs") or ()
             )
@@ -363,6 +372,7 @@ def _one_size(
         "tasks": n,
         "busiest_share": max(ran.values(), default=0) / max(1, sum(ran.values())),
         "workers_used": float(len(ran)),
+        "claimed_at_ahead_p50_ms": statistics.median(ahead) if ahead else 0.0,
         "rescans_per_worker": sum(c.get("rescans", 0) for c in counters) / workers,
         "dropped": sum(c.get("dropped", 0) for c in counters),
         "left_relay": sum(c.get("left", 0) for c in counters),
@@ -482,7 +492,8 @@ def many_hosts(bench: Bench) -> None:
                 + "); "
                 f"{row['attempts_per_task']:.2f} claim attempts/task; created→finished p50 "
                 f"{row['finished_p50_ms']:.1f} ms ({wait:.2f}x), publish→start "
-                f"{row['start_p50_ms']:.1f} ms ({start:.2f}x); ops/task: {ops}; idle: "
+                f"{row['start_p50_ms']:.1f} ms ({start:.2f}x), claimed_at - handler start "
+                f"{row['claimed_at_ahead_p50_ms']:+.1f} ms; ops/task: {ops}; idle: "
                 f"{row['idle_cpu_pct']:.1f} % of a core, {row['idle_ops_per_s']:.0f} ops/s ("
                 + " ".join(
                     f"{kind} {row[f'idle_{kind}_per_s']:.1f}"
