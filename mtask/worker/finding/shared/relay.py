@@ -179,8 +179,7 @@ class Relay:
 
     def _add(self, channel: SubscriberChannel, worker_id: str, names: list[str], free: int) -> None:
         self.subscribers[channel] = worker_id
-        near = isinstance(channel, LocalChannel)
-        self.dispatcher.add(channel, worker_id, names, free, near=near)
+        self.dispatcher.add(channel, worker_id, names, free)
         self._note_change()
         if self.open and self.direct is None:
             channel.send(OPEN)
