@@ -85,6 +85,30 @@ def test_each_due_key_goes_to_one_subscriber_with_credit_in_turn() -> None:
     assert a.handed[0][1:] == ["n", 0, None, None]  # name, priority, worker_timeout_ms, group
 
 
+def test_the_relays_own_worker_is_handed_keys_first_while_it_has_credit() -> None:
+    """A subscriber in the relay's own process (``near``) costs the server no hand-out: it
+    takes what it has credit for, and only the rest goes round the others."""
+    d, _ = build()
+    a, near, b = Channel(), Channel(), Channel()
+    d.add(a, "a", ["n"], 5)
+    d.add(near, "near", ["n", "m"], 2, near=True)
+    d.add(b, "b", ["n"], 5)
+    for i in range(6):
+        d.host.place(task(f"k{i}"))
+    assert d.hand_out(NOW) == 6
+    assert len(near.handed) == 2  # all its credit
+    assert len(a.handed) == 2 and len(b.handed) == 2  # the rest in turn
+    d.report(near, free=2, got=2, done=2)  # its two succeeded: two slots again
+    d.host.place(task("k6"))
+    d.host.place(task("k7", "m"))  # a name only it runs
+    assert d.hand_out(NOW) == 2 and near.got()[-2:] == ["k6", "k7"]
+    d.report(near, free=0, got=4, done=2)
+    d.host.place(task("k8"))
+    assert d.hand_out(NOW) == 1 and a.got()[-1] == "k8"  # no credit left near: the next in turn
+    d.remove(near)
+    assert d.accounts.near == []
+
+
 def test_credit_counts_what_is_on_its_way() -> None:
     d, _ = build()
     a = Channel()

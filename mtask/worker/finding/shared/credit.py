@@ -55,6 +55,8 @@ class Account:
     names: frozenset[str]
     free: int
     """Tasks it said it can take, when it last said so."""
+    near: bool = False
+    """In the relay's own process: a key handed to it costs no write and no read (no inbox)."""
     sent: int = 0
     """Keys handed to it so far."""
     got: int = 0
@@ -140,6 +142,8 @@ class Accounts:
     by_channel: dict[Channel, Account] = field(default_factory=dict)
     by_worker: dict[str, Account] = field(default_factory=dict)
     """The same accounts by worker id (a worker subscribes once: its tags name it)."""
+    near: list[Account] = field(default_factory=list)
+    """The accounts in the relay's own process, which ``choose`` tries first."""
     turn: int = 0
 
     def __len__(self) -> int:
@@ -154,11 +158,15 @@ class Accounts:
     def add(self, account: Account) -> None:
         self.by_channel[account.channel] = account
         self.by_worker[account.worker_id] = account
+        if account.near:
+            self.near.append(account)
 
     def remove(self, channel: Channel) -> Account | None:
         gone = self.by_channel.pop(channel, None)
         if gone is not None and self.by_worker.get(gone.worker_id) is gone:
             del self.by_worker[gone.worker_id]
+        if gone is not None and gone.near:
+            self.near.remove(gone)
         return gone
 
     def credit(self) -> int:
@@ -173,17 +181,18 @@ class Accounts:
         ]
 
     def choose(self, meta: TaskMeta, refusers: Mapping[Account, float]) -> Account | None:
-        """The next subscriber (round robin) with credit left that may run the key and did
-        not just fail to claim it."""
+        """A subscriber with credit left that may run the key and did not just fail to claim
+        it: one in the relay's own process first (``near``: handing it the key costs the server
+        nothing), else the next in turn (round robin)."""
+        for account in self.near:
+            if _may_hand(account, meta, refusers):
+                return account
         accounts = list(self.by_channel.values())
         for i in range(len(accounts)):
             account = accounts[(self.turn + i) % len(accounts)]
-            if account.credit <= 0 or account in refusers:
-                continue
-            if not account.may_take(meta.name, meta.specific):
-                continue
-            self.turn = (self.turn + i + 1) % len(accounts)
-            return account
+            if not account.near and _may_hand(account, meta, refusers):
+                self.turn = (self.turn + i + 1) % len(accounts)
+                return account
         return None
 
     def all_refuse(self, meta: TaskMeta, refusers: Mapping[Account, float]) -> float | None:
@@ -192,3 +201,12 @@ class Accounts:
             if account.may_take(meta.name, meta.specific) and account not in refusers:
                 return None
         return min(refusers.values())
+
+
+def _may_hand(account: Account, meta: TaskMeta, refusers: Mapping[Account, float]) -> bool:
+    """Whether ``account`` has credit left, may run the key and did not just fail to claim it."""
+    return (
+        account.credit > 0
+        and account not in refusers
+        and account.may_take(meta.name, meta.specific)
+    )

@@ -109,8 +109,11 @@ class Dispatcher:
 
     # -- subscribers --------------------------------------------------------------------------
 
-    def add(self, channel: Channel, worker_id: str, names: list[str], free: int) -> None:
-        self.accounts.add(Account(channel, worker_id, frozenset(names), free))
+    def add(
+        self, channel: Channel, worker_id: str, names: list[str], free: int, *, near: bool = False
+    ) -> None:
+        """A subscriber (``near``: in the relay's own process, handed keys first)."""
+        self.accounts.add(Account(channel, worker_id, frozenset(names), free, near=near))
         self._refresh()
 
     def remove(self, channel: Channel) -> None:

@@ -179,7 +179,8 @@ class Relay:
 
     def _add(self, channel: SubscriberChannel, worker_id: str, names: list[str], free: int) -> None:
         self.subscribers[channel] = worker_id
-        self.dispatcher.add(channel, worker_id, names, free)
+        near = isinstance(channel, LocalChannel)
+        self.dispatcher.add(channel, worker_id, names, free, near=near)
         self._note_change()
         if self.open and self.direct is None:
             channel.send(OPEN)
