@@ -40,6 +40,9 @@ class Plan:
     """Keys whose group has no open task any more: they finished (let the sink say so)."""
     locked: dict[str, str] = field(default_factory=dict)
     """Keys to claim with their group's lock (a sequence's head), each with that lock."""
+    unknown: list[str] = field(default_factory=list)
+    """Keys whose task this worker no longer knows (its name, its group): never claimed
+    blind, since a plain claim would pass every limit by; looked up again."""
 
 
 def group_of(meta: TaskMeta) -> str | None:
@@ -128,6 +131,16 @@ def _full(
     )
 
 
+def _unlimited(key: str, meta: TaskMeta | None, chosen: set[str], out: Plan) -> None:
+    """A key with no limit (any more) is a plain claim; one whose task the worker forgot is
+    looked up again: claimed blind, it would pass every limit of its name by."""
+    if meta is None:
+        out.unknown.append(key)
+    elif key not in chosen:
+        chosen.add(key)
+        out.claims.append((key, []))
+
+
 def plan(
     keys: Sequence[str],
     known: Mapping[str, TaskMeta],
@@ -146,9 +159,7 @@ def plan(
         meta = known.get(key)
         doc = limited.get(meta.name) if meta is not None else None
         if meta is None or not isinstance(doc, Mapping):
-            if key not in chosen:  # no limit (any more): a plain claim
-                chosen.add(key)
-                out.claims.append((key, []))
+            _unlimited(key, meta, chosen, out)
             continue
         own, each = limits.own_limit(doc), limits.group_limit(doc)
         group = group_of(meta)

@@ -157,6 +157,8 @@ class LimitedClaims:
             self.sink.requeue_at(key, now + RETRY_SOON)
         if plan.gone or missed:
             await self.sink.requeue([*plan.gone, *missed], later_than=now)
+        if plan.unknown:  # forgotten on the way (a switch to the relay's hand-outs clears them)
+            await self.sink.requeue(plan.unknown)
 
     def _granted(
         self,
