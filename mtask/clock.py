@@ -3,8 +3,10 @@
 ``ServerClock`` asks the server for its time (``hello.localTime``), corrects by half the round
 trip, and from then on returns ``server time at calibration + monotonic time elapsed``. The host's
 wall clock is never read, so a host whose clock is off by minutes, or jumps, decides exactly as a
-correct one does. Calibrate again from time to time (workers do it every few heartbeats) to
-follow the server's own clock adjustments.
+correct one does. Calibrate again from time to time to follow the server's own clock adjustments:
+a worker does when its calibration is ``KEEP_BEST`` old, and when the server's time its
+heartbeat wrote disagrees with the calibration's (``needs_calibration``), so a stepped server
+clock is followed within a beat at no extra round trip.
 
 A calibration's error is up to half its round trip, and a round trip taken while the host is
 loaded (many workers starting at once) is long and lopsided: the reply waits for a CPU, so the
@@ -53,7 +55,8 @@ class ServerClock:
     """Server time as ``offset + monotonic``; ``calibrate*`` measures the offset."""
 
     def __init__(self, monotonic: Callable[[], float] = time.monotonic) -> None:
-        self._monotonic = monotonic
+        self.monotonic = monotonic
+        """The monotonic clock the calibration runs on (a round trip to check is timed by it)."""
         # (server time, monotonic time) read together: one attribute, so a thread calling
         # now() while another calibrates never sees half of an update.
         self._anchor: tuple[dt.datetime, float] | None = None
@@ -64,40 +67,59 @@ class ServerClock:
     def calibrated(self) -> bool:
         return self._anchor is not None
 
+    def _agrees(self, before: float, after: float, server_time: dt.datetime) -> bool:
+        """Whether ``server_time``, read by the server within the round trip ``before`` →
+        ``after``, agrees with the calibration in use within both their errors."""
+        if server_time.tzinfo is None:
+            server_time = server_time.replace(tzinfo=UTC)
+        old = self._anchor
+        if old is None:
+            return False
+        # read somewhere inside the round trip; assume the middle, and the middle of its
+        # millisecond (the offset is good to half a millisecond plus rtt/2)
+        rtt = after - before
+        apart = abs((server_time + HALF_MS - old[0]).total_seconds() - (before + rtt / 2 - old[1]))
+        return apart <= (rtt + self.rtt) / 2 + 0.001
+
     def _apply(self, before: float, after: float, reply: Mapping[str, Any]) -> None:
         server_time = reply["localTime"]
         if server_time.tzinfo is None:
             server_time = server_time.replace(tzinfo=UTC)
         rtt = after - before
-        # localTime was read somewhere inside the round trip; assume the middle, and the
-        # middle of its millisecond (the offset is good to half a millisecond plus rtt/2)
-        new = (server_time + HALF_MS, before + rtt / 2)
         old = self._anchor
-        if old is not None and rtt > self.rtt and after - old[1] < KEEP_BEST:
-            # less precise than the one in use, which is recent enough: kept, unless the two
-            # disagree by more than both errors together (the server's clock was stepped, or
-            # another member with another clock became primary)
-            apart = abs((new[0] - old[0]).total_seconds() - (new[1] - old[1]))
-            if apart <= (rtt + self.rtt) / 2 + 0.001:
-                return
-        self._anchor, self.rtt = new, rtt
+        # less precise than the one in use, which is recent enough: kept, unless the two
+        # disagree by more than both errors together (the server's clock was stepped, or
+        # another member with another clock became primary)
+        recent = old is not None and rtt > self.rtt and after - old[1] < KEEP_BEST
+        if recent and self._agrees(before, after, server_time):
+            return
+        self._anchor, self.rtt = (server_time + HALF_MS, before + rtt / 2), rtt
+
+    def needs_calibration(self, before: float, after: float, server_time: Any) -> bool:
+        """Whether to calibrate again, given the server's time read within ``before`` →
+        ``after`` by this clock (a heartbeat's ``$currentDate``; anything else: not read):
+        never calibrated, calibrated ``KEEP_BEST`` ago, or a time that disagrees."""
+        anchor = self._anchor
+        if anchor is None or after - anchor[1] >= KEEP_BEST:
+            return True
+        return isinstance(server_time, dt.datetime) and not self._agrees(before, after, server_time)
 
     def calibrate(self, db: Any, samples: int = 3) -> None:
         """Measure the offset with a sync ``Database`` (the fastest of ``samples`` trips)."""
         best: tuple[float, float, Mapping[str, Any]] | None = None
         for _ in range(samples):
-            before = self._monotonic()
+            before = self.monotonic()
             reply = db.command("hello")
-            best = _faster(best, (before, self._monotonic(), reply))
+            best = _faster(best, (before, self.monotonic(), reply))
         self._apply(*best)  # type: ignore[misc]
 
     async def calibrate_async(self, db: Any, samples: int = 3) -> None:
         """Measure the offset with an async ``AsyncDatabase`` (the fastest of ``samples``)."""
         best: tuple[float, float, Mapping[str, Any]] | None = None
         for _ in range(samples):
-            before = self._monotonic()
+            before = self.monotonic()
             reply = await db.command("hello")
-            best = _faster(best, (before, self._monotonic(), reply))
+            best = _faster(best, (before, self.monotonic(), reply))
         self._apply(*best)  # type: ignore[misc]
 
     def now(self) -> dt.datetime:
@@ -105,7 +127,7 @@ class ServerClock:
         if anchor is None:
             raise RuntimeError("ServerClock.now() before calibrate()")
         base, base_mono = anchor
-        return _truncate_ms(base + dt.timedelta(seconds=self._monotonic() - base_mono))
+        return _truncate_ms(base + dt.timedelta(seconds=self.monotonic() - base_mono))
 
 
 class FixedClock:

@@ -18,9 +18,10 @@ majority write made the server flush its journal for each (performance.md, "Hear
 
 
 def heartbeat(info: Mapping[str, Any], now: dt.datetime) -> Op[Doc]:
-    """Register or refresh a worker; returns its document (with ``stop_requested``). A plain
-    ``findAndModify`` with ``BEAT_CONCERN``, not a retryable write: a beat that fails is
-    written again by the next."""
+    """Register or refresh a worker; returns its document (with ``stop_requested``, and the
+    server's time of the write in ``beat_at``, which checks the worker's clock at no extra round
+    trip: ``ServerClock.needs_calibration``). A plain ``findAndModify`` with ``BEAT_CONCERN``,
+    not a retryable write: a beat that fails is written again by the next."""
     fields = {k: v for k, v in info.items() if k != "_id"}
     doc: Doc = yield Call(
         MODIFY_ONCE,
@@ -28,6 +29,7 @@ def heartbeat(info: Mapping[str, Any], now: dt.datetime) -> Op[Doc]:
             {"_id": info["_id"]},
             {
                 "$set": {**fields, "last_seen": now},
+                "$currentDate": {"beat_at": True},
                 "$setOnInsert": {"stop_requested": False, "started_at": now},
             },
         ),

@@ -3,7 +3,8 @@
 Every ``heartbeat_interval`` seconds (at once when a control changes) ``Presence`` writes this
 worker's document in ``workers``, reads the paused names and the live workers, and publishes
 what it learnt through the ``Assignment`` the ``Claimer`` and the finding parts read. It also
-re-calibrates a ``ServerClock`` now and then.
+re-calibrates a ``ServerClock`` when its heartbeat's server time disagrees with it or its
+calibration is old (``ServerClock.needs_calibration``), and twice soon after the start.
 
 Ownership: the one ``Assignment`` object is written by ``Presence`` only, on the event loop's
 thread (each field is replaced whole, never mutated in place); the ``Claimer`` and the
@@ -36,8 +37,6 @@ from mtask.worker.service import PeriodicService, event_or_timeout
 log = logging.getLogger(__name__)
 
 WorkerState = Literal["ready", "running", "stopping", "stopped"]
-CALIBRATE_EVERY = 15
-"""Heartbeats between two calibrations of a ``ServerClock``."""
 CALIBRATE_EARLY = frozenset({2, 5})
 """Heartbeats soon after the start that calibrate too: workers started together measure their
 first round trips on a loaded host (the clock keeps the most precise: ``mtask.clock``)."""
@@ -144,9 +143,7 @@ class Presence(PeriodicService):
 
     async def run_once(self) -> None:
         self.beats += 1
-        if self.server_clock is not None and (
-            self.beats % CALIBRATE_EVERY == 0 or self.beats in CALIBRATE_EARLY
-        ):
+        if self.server_clock is not None and self.beats in CALIBRATE_EARLY:
             await self.server_clock.calibrate_async(self.database)
         await self.beat()
 
@@ -157,7 +154,13 @@ class Presence(PeriodicService):
         if self._quiet(document):
             return
         self._written = (self.beats, document)
+        clock = self.server_clock
+        sent = clock.monotonic() if clock is not None else 0.0
         doc = await self.driver.run(control.heartbeat(document, now))
+        if clock is not None and clock.needs_calibration(
+            sent, clock.monotonic(), doc.get("beat_at")
+        ):
+            await clock.calibrate_async(self.database)
         if doc.get("stop_requested") and self.lifecycle.state == "running":
             log.info("stop requested remotely", extra={"worker_id": self.worker_id})
             self.lifecycle.stop()

@@ -736,3 +736,27 @@ async def test_a_run_stopped_before_its_task_began_is_released(
         task = client.get("early")
         assert task is not None
         assert (task.runs[0].run_id, task.runs[0].state) == (stopped[0], "RELEASED")
+
+
+async def test_a_worker_follows_a_stepped_server_clock_at_its_next_heartbeat(
+    mongo_uri: str, db_name: str, mongo: Any
+) -> None:
+    """The heartbeat writes the server's time (``$currentDate``); a worker whose clock
+    disagrees with it calibrates again at once, not at its next periodic calibration
+    (``KEEP_BEST`` later)."""
+    step = [0.0]
+    clock = ServerClock(lambda: time.monotonic() + step[0])
+
+    def off() -> float:
+        """Seconds the worker's clock is off the server's (within a round trip)."""
+        before = clock.now()
+        server = mongo.admin.command("hello")["localTime"].replace(tzinfo=dt.UTC)
+        return abs((server - before).total_seconds())
+
+    async with running_worker(registry, mongo_uri, db_name, clock=clock) as (worker, _):
+        presence = worker.parts.presence
+        await wait_for(lambda: presence.beats > 5)  # past the calibrations soon after the start
+        assert off() < 0.5
+        step[0] = 2.0  # as if the server's clock were stepped 2 s back
+        assert off() > 1.5
+        await wait_for(lambda: off() < 0.5, timeout=10)  # its next written beat: 0.6 s here

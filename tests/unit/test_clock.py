@@ -75,3 +75,30 @@ def test_a_step_of_the_servers_clock_is_followed_at_once() -> None:
     clock.calibrate(server, samples=1)
     truth = T0 + dt.timedelta(seconds=mono[0] + 2.0)
     assert abs((clock.now() - truth).total_seconds()) <= 0.011
+
+
+def test_a_heartbeats_server_time_asks_for_a_calibration_only_when_it_disagrees_or_is_old() -> None:
+    mono = [10.0]
+    clock = ServerClock(lambda: mono[0])
+    assert clock.needs_calibration(10.0, 10.001, T0)  # never calibrated
+    server = Hello(mono)
+    server.trips = [(0.002, 0.001)]
+    clock.calibrate(server, samples=1)
+    mono[0] += 30
+
+    def beat(rtt: float, at: float, offset: float = 0.0) -> bool:
+        """A heartbeat of round trip ``rtt`` whose write reads the server's clock ``at`` into
+        it (``$currentDate``: whole milliseconds), ``offset`` seconds off the true time."""
+        before = mono[0]
+        local = T0 + dt.timedelta(seconds=before + at + offset)
+        mono[0] += rtt
+        written = local.replace(microsecond=local.microsecond // 1000 * 1000)
+        return clock.needs_calibration(before, mono[0], written)
+
+    assert not beat(0.004, 0.001)  # agrees: no round trip spent
+    assert not beat(0.030, 0.029)  # lopsided but within its own error
+    assert beat(0.004, 0.002, offset=0.5)  # the server's clock was stepped
+    assert beat(0.004, 0.002, offset=-0.01)  # or slewed past both errors
+    assert not clock.needs_calibration(mono[0], mono[0] + 0.001, None)  # no time read
+    mono[0] = 10.0 + KEEP_BEST
+    assert clock.needs_calibration(mono[0], mono[0] + 0.001, None)  # old: calibrate again
