@@ -642,11 +642,14 @@ class TaskClient(_Base):
             self.now()
             self._driver.run(store.ensure_indexes())
             self._ready = True
+        elif self._server_clock is not None and self._server_clock.due():
+            self.now()  # calibrated again: a long-lived client follows the server's clock
         return self._driver.run(op) if session is None else self._driver.run(op, session)
 
     def now(self) -> dt.datetime:
-        """The server's current time."""
-        if self._server_clock is not None and not self._server_clock.calibrated:
+        """The server's current time (the clock calibrated first, and again every
+        ``clock.KEEP_BEST`` seconds: a long-lived client follows the server's clock)."""
+        if self._server_clock is not None and self._server_clock.due():
             try:
                 self._server_clock.calibrate(self.db)
             except PyMongoError as exc:
@@ -730,13 +733,15 @@ class AsyncTaskClient(_Base):
             await self.now()
             await self._driver.run(store.ensure_indexes())
             self._ready = True
+        elif self._server_clock is not None and self._server_clock.due():
+            await self.now()  # calibrated again: a long-lived client follows the server's clock
         if session is None:
             return await self._driver.run(op)
         return await self._driver.run(op, session)
 
     async def now(self) -> dt.datetime:
-        """The server's current time."""
-        if self._server_clock is not None and not self._server_clock.calibrated:
+        """The server's current time (see ``TaskClient.now``)."""
+        if self._server_clock is not None and self._server_clock.due():
             try:
                 await self._server_clock.calibrate_async(self.db)
             except PyMongoError as exc:

@@ -95,12 +95,17 @@ class ServerClock:
             return
         self._anchor, self.rtt = (server_time + HALF_MS, before + rtt / 2), rtt
 
+    def due(self) -> bool:
+        """Whether to calibrate again: never calibrated, or ``KEEP_BEST`` ago (to follow the
+        server's clock adjustments)."""
+        anchor = self._anchor
+        return anchor is None or self.monotonic() - anchor[1] >= KEEP_BEST
+
     def needs_calibration(self, before: float, after: float, server_time: Any) -> bool:
         """Whether to calibrate again, given the server's time read within ``before`` →
         ``after`` by this clock (a heartbeat's ``$currentDate``; anything else: not read):
-        never calibrated, calibrated ``KEEP_BEST`` ago, or a time that disagrees."""
-        anchor = self._anchor
-        if anchor is None or after - anchor[1] >= KEEP_BEST:
+        ``due``, or a time that disagrees."""
+        if self.due():
             return True
         return isinstance(server_time, dt.datetime) and not self._agrees(before, after, server_time)
 

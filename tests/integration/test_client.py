@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,6 +19,7 @@ from mtask import (
     TaskNotFound,
     TaskStatus,
 )
+from mtask.clock import KEEP_BEST, ServerClock
 from mtask.store import Outcome, RunState, claim, finish
 
 
@@ -181,3 +183,26 @@ def test_documents_are_readable_with_plain_pymongo(
     client.publish("n", "k", {"a": 1})
     doc = mongo[db_name]["tasks"].find_one({"_id": "k"})
     assert doc is not None and doc["status"] == "pending" and doc["params"] == {"a": 1}
+
+
+def test_a_long_lived_client_calibrates_its_clock_again_every_keep_best_seconds(
+    mongo_uri: str, db_name: str, mongo: MongoClient[Any]
+) -> None:
+    step = [0.0]
+    clock = ServerClock(lambda: step[0] + time.monotonic())
+
+    def off(key: str) -> float:
+        """Seconds between the task's created_at (the client's clock) and the server's time."""
+        created = mongo[db_name].tasks.find_one({"_id": key})["created_at"]
+        server = mongo.admin.command("hello")["localTime"]
+        return abs((server.replace(tzinfo=None) - created.replace(tzinfo=None)).total_seconds())
+
+    with TaskClient(mongo_uri, database=db_name, clock=clock) as client:
+        client.publish("n", "a", {})
+        assert off("a") < 1
+        step[0] = 30.0  # its clock runs 30 s ahead (as if the server's were stepped back)
+        client.publish("n", "b", {})
+        assert off("b") > 25  # within KEEP_BEST the calibration in use is kept
+        step[0] = 30.0 + KEEP_BEST
+        client.publish("n", "c", {})
+        assert off("c") < 1  # KEEP_BEST later, the next call calibrates first
