@@ -10,7 +10,8 @@
   ``MTASK_W9_SIZES``, ``MTASK_W9_RATE`` and ``MTASK_W9_SECONDS`` for by-hand runs.
 * ``W9H`` many hosts: W9 with every worker in a network namespace of its own (below);
   ``MTASK_W9H_SIZES``, ``MTASK_W9_STREAMS``, ``MTASK_W9_SECONDS`` (tasks = 100/s x seconds) and
-  ``MTASK_W9H_PASSES`` (each figure the median of that many passes) for by-hand runs.
+  ``MTASK_W9H_PASSES`` (each figure the median of that many passes) and
+  ``MTASK_W9_IDLE_SECONDS`` (the idle window, 60 s) for by-hand runs.
 * ``W7X`` memory under a backlog: 4 worker processes at concurrency 32 draining 100,000 tasks
   published before they start, and published while they run, in each stream mode; the peak
   RSS of the largest.
@@ -303,16 +304,21 @@ def _one_size(
             cpu0, gm0, ops0 = _cpu_s(mongod_pid), _getmores(mongo), _ops(mongo)
             began = time.monotonic()
             chunk = chunk or max(1, rate // 20)
-            for start in range(0, n, chunk):
-                due = began + start / rate
-                pause = due - time.monotonic()
-                if pause > 0:
-                    time.sleep(pause)
-                now = time.time()
-                client.publish_many(
-                    {"name": "stamp", "key": f"k{i}", "params": {"t": now}}
-                    for i in range(start, min(n, start + chunk))
-                )
+            # created_at is the publisher's estimate of the server's clock: one calibrated now,
+            # on a quiet host (``client`` calibrated while the workers started, when a round
+            # trip, and so its estimate's error, could be long)
+            with TaskClient(uri, database=database) as publisher:
+                publisher.now()
+                for start in range(0, n, chunk):
+                    due = began + start / rate
+                    pause = due - time.monotonic()
+                    if pause > 0:
+                        time.sleep(pause)
+                    now = time.time()
+                    publisher.publish_many(
+                        {"name": "stamp", "key": f"k{i}", "params": {"t": now}}
+                        for i in range(start, min(n, start + chunk))
+                    )
             _wait(lambda: client.stats(exact=True).get("stamp", {}).get("succeeded", 0) == n + 1)
             load_cpu = _cpu_s(mongod_pid) - cpu0
             load_gm = _getmores(mongo) - gm0
@@ -443,7 +449,10 @@ def many_hosts(bench: Bench) -> None:
     if shutil.which("unshare") is None:
         raise RuntimeError("W9H needs unshare (util-linux) to give each worker a host of its own")
     sizes, rate, seconds = ([1, 4], 100, 3.0) if _quick(bench) else ([1, 8, 32, 64], 100, 3.0)
-    idle = seconds if _quick(bench) else 12.0  # heartbeats, lease looks and tails: seconds apart
+    # idle: heartbeats, lease looks and tails come seconds apart, the bounding reads of the
+    # limits, paused names and schedules every 30 and 60 s: a minute holds each as often as
+    # it comes (12 s windows read 3.6 to 6.3 % at 64 hosts, by whether a read fell in them)
+    idle = seconds if _quick(bench) else float(os.environ.get("MTASK_W9_IDLE_SECONDS", "60"))
     if os.environ.get("MTASK_W9H_SIZES"):
         sizes = [int(n) for n in os.environ["MTASK_W9H_SIZES"].split(",")]
     seconds = float(os.environ.get("MTASK_W9_SECONDS", seconds))  # tasks: rate x seconds
