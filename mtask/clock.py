@@ -104,8 +104,10 @@ class ServerClock:
     def needs_calibration(self, before: float, after: float, server_time: Any) -> bool:
         """Whether to calibrate again, given the server's time read within ``before`` →
         ``after`` by this clock (a heartbeat's ``$currentDate``; anything else: not read):
-        ``due``, or a time that disagrees."""
-        if self.due():
+        ``due``; a round trip under half the calibration's (a quieter moment than the one it
+        was measured in, as after a start on a loaded host: a calibration now is more
+        precise, and the most precise is kept); or a time that disagrees."""
+        if self.due() or after - before < self.rtt / 2:
             return True
         return isinstance(server_time, dt.datetime) and not self._agrees(before, after, server_time)
 
