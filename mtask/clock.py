@@ -111,6 +111,13 @@ class ServerClock:
             return True
         return isinstance(server_time, dt.datetime) and not self._agrees(before, after, server_time)
 
+    def offer(self, before: float, after: float, server_time: Any) -> None:
+        """A server time read within ``before`` → ``after`` anyway (a heartbeat's), weighed as
+        a calibration's sample is: kept if it is the more precise (so a calibration that came
+        back slower than the beat does not leave the beat asking for another)."""
+        if isinstance(server_time, dt.datetime):
+            self._apply(before, after, {"localTime": server_time})
+
     def calibrate(self, db: Any, samples: int = 3) -> None:
         """Measure the offset with a sync ``Database`` (the fastest of ``samples`` trips)."""
         best: tuple[float, float, Mapping[str, Any]] | None = None

@@ -157,10 +157,11 @@ class Presence(PeriodicService):
         clock = self.server_clock
         sent = clock.monotonic() if clock is not None else 0.0
         doc = await self.driver.run(control.heartbeat(document, now))
-        if clock is not None and clock.needs_calibration(
-            sent, clock.monotonic(), doc.get("beat_at")
-        ):
-            await clock.calibrate_async(self.database)
+        if clock is not None:
+            back, beat_at = clock.monotonic(), doc.get("beat_at")
+            if clock.needs_calibration(sent, back, beat_at):
+                await clock.calibrate_async(self.database)
+            clock.offer(sent, back, beat_at)
         if doc.get("stop_requested") and self.lifecycle.state == "running":
             log.info("stop requested remotely", extra={"worker_id": self.worker_id})
             self.lifecycle.stop()

@@ -106,3 +106,12 @@ def test_a_heartbeats_server_time_asks_for_a_calibration_only_when_it_disagrees_
     clock.calibrate(server, samples=1)
     assert not beat(0.030, 0.015)
     assert beat(0.012, 0.006)  # a quieter moment than the calibration's: a better one now
+    # a beat's own sample, offered, is kept if it is the more precise: a calibration that came
+    # back slower than the beat does not leave the next beats asking for another
+    before = mono[0]
+    local = T0 + dt.timedelta(seconds=before + 0.006)
+    mono[0] += 0.012
+    clock.offer(before, mono[0], local.replace(microsecond=local.microsecond // 1000 * 1000))
+    assert round(clock.rtt, 6) == 0.012
+    assert not beat(0.012, 0.006)
+    assert abs((clock.now() - (T0 + dt.timedelta(seconds=mono[0]))).total_seconds()) <= 0.007
