@@ -4,9 +4,10 @@
 trip, and from then on returns ``server time at calibration + monotonic time elapsed``. The host's
 wall clock is never read, so a host whose clock is off by minutes, or jumps, decides exactly as a
 correct one does. Calibrate again from time to time to follow the server's own clock adjustments:
-a worker does when its calibration is ``KEEP_BEST`` old, and when the server's time its
-heartbeat wrote disagrees with the calibration's (``needs_calibration``), so a stepped server
-clock is followed within a beat at no extra round trip.
+a worker does when its calibration is ``KEEP_BEST`` old, when the server's time its heartbeat
+wrote disagrees with the calibration's, and when a heartbeat came back in under half the
+calibration's round trip (``needs_calibration``), so a stepped server clock is followed within a
+beat at no extra round trip; the heartbeat's time is weighed as a sample too (``offer``).
 
 A calibration's error is up to half its round trip, and a round trip taken while the host is
 loaded (many workers starting at once) is long and lopsided: the reply waits for a CPU, so the

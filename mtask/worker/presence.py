@@ -3,8 +3,10 @@
 Every ``heartbeat_interval`` seconds (at once when a control changes) ``Presence`` writes this
 worker's document in ``workers``, reads the paused names and the live workers, and publishes
 what it learnt through the ``Assignment`` the ``Claimer`` and the finding parts read. It also
-re-calibrates a ``ServerClock`` when its heartbeat's server time disagrees with it or its
-calibration is old (``ServerClock.needs_calibration``), and twice soon after the start.
+re-calibrates a ``ServerClock`` when its heartbeat's server time disagrees with it, the beat
+came back quicker than half the calibration's round trip, or its calibration is old
+(``ServerClock.needs_calibration``), and twice soon after the start; the beat's time is offered
+to the clock as a sample (``ServerClock.offer``).
 
 Ownership: the one ``Assignment`` object is written by ``Presence`` only, on the event loop's
 thread (each field is replaced whole, never mutated in place); the ``Claimer`` and the
