@@ -1,7 +1,8 @@
 """Presence in the cluster: the heartbeat, pause and resume, remote stop, and the peers.
 
 Every ``heartbeat_interval`` seconds (at once when a control changes) ``Presence`` writes this
-worker's document in ``workers``, reads the paused names and the live workers, and publishes
+worker's document in ``workers``, reads the paused names and (while this worker finds its own
+work) the live workers, and publishes
 what it learnt through the ``Assignment`` the ``Claimer`` and the finding parts read. It also
 re-calibrates a ``ServerClock`` when its heartbeat's server time disagrees with it, the beat
 came back quicker than half the calibration's round trip, or its calibration is old
@@ -103,6 +104,7 @@ class Presence(PeriodicService):
         read_every: int = 1,
         stream_state: Callable[[], dict[str, Any] | None] = lambda: None,
         quiet_every: int = 1,
+        ranks: Callable[[], bool] = lambda: True,
         pool: ProcessPool | None = None,
     ) -> None:
         self.driver = driver
@@ -138,6 +140,10 @@ class Presence(PeriodicService):
         """The worker's process pool, whose children the heartbeat shows (issue 18)."""
         self.stream_state = stream_state
         """What the heartbeat shows of the shared stream (``None``: an own stream)."""
+        self.ranks = ranks
+        """Whether this worker's claims are staggered by its peers now (it finds its own
+        work): the peers are read only then. A worker the shared stream's relay hands its
+        tasks to ranks nothing, and 64 idle hosts read them twice a second for nothing."""
 
     async def wait(self) -> None:
         self._read = await event_or_timeout(self.controls_changed, self.interval)
@@ -170,6 +176,17 @@ class Presence(PeriodicService):
         if not (self._read or self.beats % self.read_every == 1 % self.read_every):
             return
         paused = await self.driver.run(control.paused_names())
+        assignment = self.assignment
+        if self.ranks():
+            assignment.peers = await self.peers(now)
+        if paused != assignment.paused:
+            resumed = assignment.pause(frozenset(paused))
+            self.emit(Event.PAUSED_CHANGED, paused=sorted(paused))
+            if resumed:
+                self.rescanner.request_rescan()  # resumed names: find their tasks
+
+    async def peers(self, now: dt.datetime) -> dict[str, list[str]]:
+        """The live workers of each name."""
         peers = await self.driver.run(
             control.live_workers(now, 3 * dt.timedelta(seconds=self.interval), {"names": 1})
         )
@@ -177,13 +194,7 @@ class Presence(PeriodicService):
         for peer in peers:
             for name in peer.get("names") or ():
                 table.setdefault(name, []).append(peer["_id"])
-        assignment = self.assignment
-        assignment.peers = table
-        if paused != assignment.paused:
-            resumed = assignment.pause(frozenset(paused))
-            self.emit(Event.PAUSED_CHANGED, paused=sorted(paused))
-            if resumed:
-                self.rescanner.request_rescan()  # resumed names: find their tasks
+        return table
 
     def _quiet(self, document: dict[str, Any]) -> bool:
         """Whether this beat may go unwritten: idle, nothing changed, written lately."""

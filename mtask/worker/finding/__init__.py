@@ -55,6 +55,12 @@ class Finding:
         its work alone)."""
         return self.shared is None or self.shared.leads()
 
+    def ranks(self) -> bool:
+        """Whether this worker finds its own work now, its claims staggered by its peers (an
+        own stream; a shared one whose relay hands it nothing): the heartbeat reads the peers
+        only then."""
+        return self.shared is None or self.shared.ranks()
+
     def state(self) -> dict[str, Any] | None:
         return None if self.shared is None else self.shared.state()
 

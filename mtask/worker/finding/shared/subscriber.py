@@ -130,6 +130,11 @@ class SharedStream:
         """Whether this worker holds the relay now (it runs the cluster's own duties)."""
         return self.holder.holds()
 
+    def ranks(self) -> bool:
+        """Whether this worker finds its own work now (the relay hands it none), so that its
+        claims are staggered by its peers: only then does its heartbeat read them."""
+        return not self.dispatched
+
     # -- finding work alone ----------------------------------------------------------------------
 
     def slot_freed(self) -> None:
@@ -148,6 +153,8 @@ class SharedStream:
 
     def _find_alone(self, own_stream: bool) -> None:
         """Find work with the sweep, and an own stream unless the relay passes the events."""
+        if self.dispatched:
+            self.finder.others.control()  # read the peers (for the stagger) and pauses now
         self.dispatched = False
         self.reports.pause()
         if self._alone is not None and not self._alone.done() and self._own == own_stream:
