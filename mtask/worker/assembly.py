@@ -119,12 +119,7 @@ def build(
     aging = config.priority_aging
     queue = ClaimQueue(config.queue_size, None if aging is None else dt.timedelta(seconds=aging))
     assignment = Assignment(tuple(names))
-    scheduler = Scheduler(
-        adriver,
-        clock,
-        list(registry.schedules.values()),
-        poll=SHARED_SCHEDULES_POLL if shared else SCHEDULES_POLL,
-    )
+    schedules_changed = asyncio.Event()
     controls_changed = asyncio.Event()
     found = finding.build(
         adriver,
@@ -136,13 +131,21 @@ def build(
         in_flight=inflight.busy,
         wake=wake.set,
         others=finding.Others(
-            control=controls_changed.set, limit=limit_changed, schedule=scheduler.wake.set
+            control=controls_changed.set, limit=limit_changed, schedule=schedules_changed.set
         ),
         capacity=capacity,
         freed=freed,
         claims=inflight,
         sweep_interval=config.sweep_interval,
         stagger_ms=config.stagger_ms,
+    )
+    scheduler = Scheduler(
+        adriver,
+        clock,
+        list(registry.schedules.values()),
+        poll=SHARED_SCHEDULES_POLL if shared else SCHEDULES_POLL,
+        wake=schedules_changed,
+        leads=found.leads,
     )
     gate = LimitGate(
         adriver,
@@ -178,6 +181,7 @@ def build(
         read_every=SHARED_READ_EVERY if shared else 1,
         stream_state=found.state,
         quiet_every=SHARED_QUIET_EVERY if shared else 1,
+        ranks=found.ranks,
         pool=process_pool,
     )
     recorder = OutcomeRecorder(
