@@ -4,11 +4,13 @@ the workers allowed to run them, a dropped subscriber back, a stopped relay take
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
 from harness import running_worker, wait_for
 from workerapp import registry
 
@@ -18,6 +20,7 @@ from mtask.store import relays
 from mtask.worker import Worker
 from mtask.worker.finding.shared import mailbox
 from mtask.worker.finding.shared.subscriber import SharedStream
+from mtask.worker.finding.shared.wire import LET_GO
 
 
 def shared(worker: Any) -> SharedStream:
@@ -226,3 +229,33 @@ async def test_inboxes_nobody_reads_are_found(mongo_uri: str, db_name: str) -> N
         await db[fresh].insert_one({"f": {"relay": "tick"}})
         assert (await anext(frames))["f"] == {"relay": "tick"}  # the marker is skipped
         await frames.aclose()
+
+
+async def test_an_inbox_the_relay_drops_ends_its_waiting_tail_at_once(
+    mongo_uri: str, db_name: str
+) -> None:
+    """A drop does not wake a tailing ``getMore`` that waits (it would return only after
+    ``mailbox.AWAIT_MS``, a minute); the relay's last frame does, and the subscription ends
+    with it (``InboxSubscription.next_frame``: ``None``, and the subscriber says hello
+    again)."""
+    async with AsyncTaskClient(mongo_uri, database=db_name) as aclient:
+        db = aclient.db
+        name = mailbox.inbox_name("tasks", "let-go")
+        await mailbox.ensure_capped(db, name, mailbox.INBOX_BYTES)
+        frames = mailbox.tail(db[name])
+        reading = asyncio.ensure_future(anext(frames))
+
+        async def waiting() -> bool:
+            cursor = await db.client.admin.aggregate(
+                [{"$currentOp": {}}, {"$match": {"ns": f"{db_name}.{name}", "op": "getmore"}}]
+            )
+            ops = await cursor.to_list()
+            return bool(ops)
+
+        await wait_for(waiting)  # its getMore waits on the server
+        await mailbox.drop(db, name, {"f": LET_GO})
+        last = await asyncio.wait_for(reading, timeout=mailbox.AWAIT_MS / 3000)
+        assert last["f"] == LET_GO
+        with pytest.raises(StopAsyncIteration):  # the inbox is gone: its cursor with it
+            await asyncio.wait_for(anext(frames), timeout=mailbox.AWAIT_MS / 3000)
+        assert name not in await db.list_collection_names()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -23,7 +25,8 @@ from mtask.worker.finding.shared.dispatch import Dispatcher
 from mtask.worker.finding.shared.relay import Relay
 from mtask.worker.finding.shared.reporter import Reporter
 from mtask.worker.finding.shared.subscriber import SharedStream
-from mtask.worker.finding.shared.wire import PROTOCOL, apply_report
+from mtask.worker.finding.shared.subscription import InboxSubscription
+from mtask.worker.finding.shared.wire import LET_GO, PROTOCOL, apply_report
 from mtask.worker.finding.stream import ClaimsFirst, ClaimsFirstInbox, OwnStream, stream_pipeline
 from mtask.worker.inflight import InFlight
 
@@ -48,11 +51,13 @@ def test_the_relays_pipeline_leaves_out_only_its_own_workers_writes_while_it_is_
 
 
 class FakeInbox:
-    """A capped collection as the relay's writer sees it: ``insert_many`` records batches."""
+    """A capped collection as the relay's writer sees it: ``insert_many`` records batches,
+    ``insert_one`` the last frame before a drop."""
 
     def __init__(self, name: str = "tasks.inbox.x", fail: bool = False) -> None:
         self.name = name
         self.batches: list[list[dict[str, Any]]] = []
+        self.last: list[dict[str, Any]] = []
         self.fail = fail
 
     def with_options(self, **options: Any) -> FakeInbox:
@@ -62,6 +67,11 @@ class FakeInbox:
         if self.fail:
             raise AutoReconnect("cut off")
         self.batches.append(docs)
+
+    async def insert_one(self, doc: dict[str, Any], **kwargs: Any) -> None:
+        if self.fail:
+            raise AutoReconnect("cut off")
+        self.last.append(doc)
 
 
 class FakeDatabase:
@@ -119,6 +129,8 @@ async def test_subscribers_on_other_hosts_say_hello_and_get_frames_in_their_inbo
     assert list(relay.subscribers.values()) == ["me"] and len(relay.dispatcher.accounts) == 1
     await asyncio.sleep(0.01)
     assert database.dropped == [mailbox.inbox_name("tasks", "a/1")]  # the relay drops it
+    # after a last frame, which ends a tail whose getMore waits (a drop does not wake it)
+    assert database[mailbox.inbox_name("tasks", "a/1")].last == [{"f": {"relay": "gone"}}]
 
 
 async def test_a_slow_or_silent_or_cut_off_subscriber_is_let_go() -> None:
@@ -519,3 +531,21 @@ async def test_an_own_stream_reads_on_once_its_workers_claim_is_back(
     assert inbox.first.mark is None and heard.restarts == 1
     back.set()
     await claiming
+
+
+async def test_a_subscription_ends_at_its_relays_last_frame() -> None:
+    """The relay's last frame before it drops an inbox (``wire.LET_GO``) ends the subscription
+    as the end of its tail does: the subscriber says hello again."""
+    database = FakeDatabase()
+    tasks = SimpleNamespace(database=database, name="tasks")
+    driver = SimpleNamespace(collections={"tasks": tasks})
+    sub = InboxSubscription(cast(AsyncDriver, driver), "relay-1", "w1", lambda: None)
+
+    async def frames() -> AsyncIterator[dict[str, Any]]:
+        yield {"f": {"relay": "open"}}
+        yield {"f": LET_GO}
+        raise AssertionError("read past the last frame")
+
+    sub._frames = frames()
+    assert await sub.next_frame() == {"relay": "open"}
+    assert await sub.next_frame() is None

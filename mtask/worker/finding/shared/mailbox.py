@@ -93,9 +93,16 @@ async def drop_stale(database: Any, tasks: str, keep: set[str], before: Any) -> 
         log.debug("cannot sweep stale inboxes: %s", exc)
 
 
-async def drop(database: Any, name: str) -> None:
+async def drop(database: Any, name: str, last: Mapping[str, Any] | None = None) -> None:
     """Drop an inbox. Only the relay writes one, so it drops it, after its last frame (an
-    insert into a dropped collection would make it again)."""
+    insert into a dropped collection would make it again). ``last``, if given, is inserted
+    first: a drop does not wake a tailing ``getMore`` that waits (it returns after
+    ``AWAIT_MS``), an insert does."""
+    if last is not None:
+        try:
+            await database[name].with_options(write_concern=HINT).insert_one(dict(last))
+        except PyMongoError as exc:
+            log.debug("cannot write the last frame of inbox %s: %s", name, exc)
     try:
         await database.drop_collection(name)
     except PyMongoError as exc:

@@ -54,7 +54,7 @@ from mtask.worker.finding.protocols import ClaimsBack
 from mtask.worker.finding.shared import mailbox
 from mtask.worker.finding.shared.channels import InboxChannel, LocalChannel, SubscriberChannel
 from mtask.worker.finding.shared.dispatch import Dispatcher
-from mtask.worker.finding.shared.wire import OPEN, OWN, apply_report, parse_hello
+from mtask.worker.finding.shared.wire import LET_GO, OPEN, OWN, apply_report, parse_hello
 from mtask.worker.finding.stream import OTHER_COLLECTIONS, follow, stream_pipeline
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,8 @@ class Relay:
         if isinstance(channel, InboxChannel):
             self.inboxes.pop(channel.subscription, None)
             if self.loop is not None and not channel.closing():
-                drop = mailbox.drop(self.database, channel.inbox)  # the tail ends with it
+                last = {"f": LET_GO}  # wakes the tail, which ends with it
+                drop = mailbox.drop(self.database, channel.inbox, last)
                 self.loop.create_task(drop, name="mtask-drop-inbox")
         channel.close()
 

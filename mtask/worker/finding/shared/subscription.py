@@ -19,7 +19,7 @@ from mtask.errors import StorageError
 from mtask.store import relays
 from mtask.worker.finding.shared import mailbox
 from mtask.worker.finding.shared.relay import LEASE_TTL
-from mtask.worker.finding.shared.wire import BYE, PROTOCOL
+from mtask.worker.finding.shared.wire import BYE, LET_GO, PROTOCOL
 
 LOOK_EVERY = 4.5
 """Seconds without a frame between two reads of the relay's lease."""
@@ -96,6 +96,8 @@ class InboxSubscription:
             return None
         self.heard = True
         frame = doc.get("f")
+        if frame == LET_GO:
+            return None  # the relay dropped the inbox after this frame
         return frame if isinstance(frame, Mapping) else {}
 
     async def close(self) -> None:

@@ -4,8 +4,8 @@ Relay to subscriber: ``{"relay": "open"}`` (the relay's stream is open: from now
 hands this worker its tasks), ``{"relay": "own"}`` (to the relay's own worker while it is the
 only subscriber: the task events follow, find work yourself), ``{"d": [[key, name, priority,
 worker_timeout_ms, group], …]}`` (tasks handed over, due now; ``group``: ``options.group`` or
-null), and the change events of
-``controls``, ``limits`` and ``schedules`` as they come.
+null), the change events of ``controls``, ``limits`` and ``schedules`` as they come, and
+``{"relay": "gone"}`` as the last frame of an inbox it drops (the subscriber says hello again).
 
 Subscriber to relay: its hello (``{"hello": PROTOCOL, "worker_id", "names", "free",
 "inbox"}``: the capped collection it tails), then a report only when something happened that
@@ -38,6 +38,8 @@ PROTOCOL = 6
 OPEN = {"relay": "open"}
 OWN = {"relay": "own"}
 BYE = {"bye": True}
+LET_GO = {"relay": "gone"}
+"""The last frame of an inbox the relay drops (a subscriber it let go): its tail ends at once."""
 
 
 class Hello(NamedTuple):
