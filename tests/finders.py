@@ -24,9 +24,10 @@ def finder_for(
     in_flight: Callable[[str], bool] = lambda key: False,
     wake: Callable[[], None] = lambda: None,
     assignment: Assignment | None = None,
+    others: Others | None = None,
 ) -> Finder:
     """``driver`` may be ``None`` where nothing is read or written."""
     scope = WorkerScope(worker_id, assignment or Assignment(tuple(names)))
     queue = ClaimQueue(100) if queue is None else queue
     placement = Placement(queue, scope, in_flight=in_flight, wake=wake)
-    return Finder(Scanner(driver, placement, clock), Others())
+    return Finder(Scanner(driver, placement, clock), others or Others())

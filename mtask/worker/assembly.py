@@ -50,8 +50,9 @@ from mtask.worker.transactional import Transactions
 from mtask.worker.wiring import Gauge, Signal
 
 SHARED_READ_EVERY = 5
-"""With the shared stream, the heartbeat reads the paused names and the peers every this many
-beats (and at once on a control's event, which the relay passes on)."""
+"""With the shared stream, the heartbeat reads the paused names (and, while the worker finds its
+own work, the peers: ``Finding.ranks``) every this many beats, and at once on a control's event,
+which the relay passes on, or when the worker begins to find its own work."""
 SHARED_LIMITS_REFRESH = 30.0
 """With the shared stream, the limit gate's bounding read (the relay passes the limits' change
 events on as they come), as the sweep bounds a lost task event."""
@@ -119,7 +120,12 @@ def build(
     aging = config.priority_aging
     queue = ClaimQueue(config.queue_size, None if aging is None else dt.timedelta(seconds=aging))
     assignment = Assignment(tuple(names))
-    schedules_changed = asyncio.Event()
+    scheduler = Scheduler(
+        adriver,
+        clock,
+        list(registry.schedules.values()),
+        poll=SHARED_SCHEDULES_POLL if shared else SCHEDULES_POLL,
+    )
     controls_changed = asyncio.Event()
     found = finding.build(
         adriver,
@@ -131,21 +137,13 @@ def build(
         in_flight=inflight.busy,
         wake=wake.set,
         others=finding.Others(
-            control=controls_changed.set, limit=limit_changed, schedule=schedules_changed.set
+            control=controls_changed.set, limit=limit_changed, schedule=scheduler.wake.set
         ),
         capacity=capacity,
         freed=freed,
         claims=inflight,
         sweep_interval=config.sweep_interval,
         stagger_ms=config.stagger_ms,
-    )
-    scheduler = Scheduler(
-        adriver,
-        clock,
-        list(registry.schedules.values()),
-        poll=SHARED_SCHEDULES_POLL if shared else SCHEDULES_POLL,
-        wake=schedules_changed,
-        leads=found.leads,
     )
     gate = LimitGate(
         adriver,

@@ -125,9 +125,10 @@ class Presence(PeriodicService):
         """Set on a change event of the controls: beat at once."""
         self.read_every = read_every
         """Beats between two reads of the paused names and the peers (and on a change of the
-        controls, which the shared stream's relay passes on as it comes): with the shared
-        stream no worker ranks by its peers, and a read each beat by every worker cost the
-        server N reads every beat."""
+        controls, which the shared stream's relay passes on as it comes, or when the worker
+        begins to find its own work): with the shared stream a worker ranks by its peers only
+        while it finds its own work, and a read each beat by every worker cost the server N
+        reads every beat."""
         self.quiet_every = quiet_every
         """Beats between two writes while this worker is idle and its document unchanged:
         with the shared stream an idle worker writes every ``quiet_every`` intervals (live

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import ClassVar
 
 from mtask.clock import Clock
@@ -19,8 +19,6 @@ from mtask.driver import AsyncDriver
 from mtask.schedules import Schedule, due, ensure_indexes, fire, next_due, put
 from mtask.worker.service import PeriodicService, event_or_timeout
 
-FOLLOW_SECONDS = 1.0
-"""How often a worker that does not lead looks (in memory) whether it leads now."""
 POLL_SECONDS = 10.0
 """The longest a scheduler sleeps. A schedule added, changed or resumed wakes it at once (its
 change event: ``wake``); the poll bounds a lost event, as the sweep does for tasks. (It was 1 s:
@@ -39,9 +37,6 @@ class Scheduler(PeriodicService):
         clock: Clock,
         declared: Sequence[Schedule],
         poll: float = POLL_SECONDS,
-        *,
-        wake: asyncio.Event | None = None,
-        leads: Callable[[], bool] = lambda: True,
     ) -> None:
         self.driver = driver
         self.poll = poll
@@ -51,13 +46,8 @@ class Scheduler(PeriodicService):
         self._declared_written = False
         self.upcoming: dt.datetime | None = None
         """The next tick of any schedule, as of the last round (``None``: unknown)."""
-        self.wake = wake or asyncio.Event()
+        self.wake = asyncio.Event()
         """Set on a change event in ``schedules``: start a round at once."""
-        self.leads = leads
-        """Whether this worker fires the cluster's schedules now: with the shared stream, the
-        relay's worker only (64 idle hosts read the schedules twice a second, every one for
-        nothing but the relay's); with own streams, every worker. Each writes its registry's
-        declared schedules all the same."""
 
     async def run_once(self) -> None:
         self.upcoming = None
@@ -66,14 +56,12 @@ class Scheduler(PeriodicService):
             for schedule in self.declared:
                 await self.driver.run(put(schedule, self.clock.now()))
             self._declared_written = True
-        if not self.leads():
-            return
         for doc in await self.driver.run(due(self.clock.now())):
             await self.driver.run(fire(doc, self.clock.now()))
         self.upcoming = await self.driver.run(next_due())
 
     async def wait(self) -> None:
-        wait = self.poll if self.leads() else min(self.poll, FOLLOW_SECONDS)
+        wait = self.poll
         if self.upcoming is not None:
             wait = min(wait, max(0.0, (self.upcoming - self.clock.now()).total_seconds()))
         await event_or_timeout(self.wake, wait)

@@ -16,9 +16,8 @@ from scripted import AsyncScriptedDriver, Step
 from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
-from mtask.worker import scheduler as scheduler_module
 from mtask.worker.flow_sweep import FlowSweep
-from mtask.worker.scheduler import FOLLOW_SECONDS, POLL_SECONDS, Scheduler
+from mtask.worker.scheduler import POLL_SECONDS, Scheduler
 from mtask.worker.service import PeriodicService
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
@@ -88,34 +87,3 @@ async def test_a_scheduler_round_writes_the_declared_schedules_once_then_fires_d
     with pytest.raises(StorageError):
         await scheduler.run_once()
     assert scheduler.upcoming is None and POLL_SECONDS == 10.0
-
-
-async def test_a_scheduler_that_does_not_lead_reads_no_schedules_and_looks_each_second(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    leads = [False]
-    driver = AsyncScriptedDriver(Step("create_index", collection="schedules"))
-    scheduler = Scheduler(
-        cast(AsyncDriver, driver), FixedClock(NOW), [], poll=60.0, leads=lambda: leads[0]
-    )
-    await scheduler.run_once()  # the indexes (and the declared schedules), nothing read
-    assert driver.done and scheduler.upcoming is None
-    await scheduler.run_once()
-    assert driver.done  # another worker holds the relay: it fires
-    waits: list[float] = []
-
-    async def waited(event: asyncio.Event, timeout: float) -> bool:
-        waits.append(timeout)
-        return False
-
-    monkeypatch.setattr(scheduler_module, "event_or_timeout", waited)
-    await scheduler.wait()
-    leads[0] = True  # this worker took the relay: its next round fires what is due
-    await scheduler.wait()
-    assert waits == [FOLLOW_SECONDS, 60.0]
-    driver.expect(
-        Step("find", reply=[], collection="schedules"),
-        Step("find_one", reply=None, collection="schedules"),
-    )
-    await scheduler.run_once()
-    assert driver.done

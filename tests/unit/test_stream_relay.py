@@ -157,6 +157,10 @@ async def test_a_slow_or_silent_or_cut_off_subscriber_is_let_go() -> None:
     relay.broadcast(EVENT)
     await asyncio.sleep(0.01)
     assert not relay.subscribers and inbox.closing()
+    database = relay.database
+    inboxes = [mailbox.inbox_name("tasks", s) for s in ("s/1", "q/1", "c/1")]
+    assert sorted(database.dropped) == sorted(inboxes)  # each, the one cut off too
+    assert database[inboxes[1]].last == [{"f": LET_GO}]  # (the cut-off one's failed)
 
 
 async def test_a_subscriber_in_the_relays_process_gets_documents_bounded_alike() -> None:
@@ -326,6 +330,38 @@ async def test_finding_work_alone_that_breaks_stops_the_shared_stream() -> None:
     with pytest.raises(RuntimeError, match="finding work alone failed") as caught:
         await asyncio.wait_for(stream.run(), 5)
     assert isinstance(caught.value.__cause__, ValueError)
+
+
+async def test_finding_alone_reads_the_peers_at_once_and_a_worker_without_inboxes_leads() -> None:
+    """The heartbeat reads the peers only while the worker ranks by them (``ranks``), so each
+    start of finding work alone asks for a beat with that read at once; a worker that may not
+    make an inbox follows its own stream for good, and runs the cluster's duties as a worker of
+    ``--stream own`` does (nobody else would: it never takes the relay's lease again)."""
+    asked: list[str] = []
+    tasks = FakeInbox("tasks")
+    tasks.database = FakeDatabase()  # type: ignore[attr-defined]
+    fake_driver = cast(AsyncDriver, type("D", (), {"collections": {"tasks": tasks}})())
+    others = Others(control=lambda: asked.append("read"))
+    finder = finder_for(None, FixedClock(WHEN), ["n"], others=others)
+    stream = SharedStream(fake_driver, FixedClock(WHEN), "w1", finder, lambda: 1)
+
+    async def alone(own_stream: bool) -> None:
+        await asyncio.Event().wait()
+
+    stream._run_alone = alone  # type: ignore[method-assign]
+    stream.dispatched = True  # the relay hands it its tasks: nothing to rank
+    assert not stream.ranks() and not stream.leads()
+    stream.dispatched = False  # as a subscription's end leaves it, before it finds work alone
+    stream._find_alone(own_stream=True)
+    assert stream.ranks() and asked == ["read"]
+    stream._find_alone(own_stream=True)  # already so: no second read
+    assert asked == ["read"] and not stream.leads()
+    falling = asyncio.create_task(stream._fall_back("no right to make a capped collection"))
+    await asyncio.sleep(0)
+    assert stream.leads() and stream.ranks()
+    falling.cancel()
+    stream._stop_alone()
+    await asyncio.gather(falling, return_exceptions=True)
 
 
 async def test_the_end_of_a_sequences_run_reaches_only_who_waits_for_its_group() -> None:

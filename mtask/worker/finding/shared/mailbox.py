@@ -83,12 +83,15 @@ async def stale_inboxes(database: Any, tasks: str, keep: set[str], before: Any) 
     return stale
 
 
-async def drop_stale(database: Any, tasks: str, keep: set[str], before: Any) -> None:
+async def drop_stale(
+    database: Any, tasks: str, keep: set[str], before: Any, last: Mapping[str, Any] | None = None
+) -> None:
     """Drop the inboxes of ``tasks`` made before ``before`` that are not in ``keep`` (their
-    subscribers went without a goodbye)."""
+    subscribers went without a goodbye, or the relay lost track of them), each after
+    ``last``."""
     try:
         for name in await stale_inboxes(database, tasks, keep, before):
-            await drop(database, name)
+            await drop(database, name, last)
     except PyMongoError as exc:
         log.debug("cannot sweep stale inboxes: %s", exc)
 

@@ -59,6 +59,10 @@ from mtask.worker.finding.stream import OTHER_COLLECTIONS, follow, stream_pipeli
 
 log = logging.getLogger(__name__)
 
+LAST_FRAME = {"f": LET_GO}
+"""Written into an inbox before the relay drops it: it wakes a tail's waiting ``getMore``, and
+the subscription ends with it (a drop alone does not wake it)."""
+
 SUBSCRIBER_BUFFER = 4 * 1024 * 1024
 """Bytes the relay buffers for one subscriber before it drops it."""
 LEASE_TTL = 10.0
@@ -158,7 +162,7 @@ class Relay:
                 swept = renewed
                 keep = {inbox.inbox for inbox in self.inboxes.values()}
                 before = self.dispatcher.now() - dt.timedelta(seconds=INBOX_SWEEP)
-                await mailbox.drop_stale(self.database, self.tasks, keep, before)
+                await mailbox.drop_stale(self.database, self.tasks, keep, before, LAST_FRAME)
 
     def let_go_of_the_silent(self, now_mono: float) -> None:
         """Subscribers in other processes that left handed keys unacknowledged go."""
@@ -189,11 +193,10 @@ class Relay:
         if self.subscribers.pop(channel, None) is not None:
             self.dispatcher.remove(channel)
             self._note_change()
-        if isinstance(channel, InboxChannel):
-            self.inboxes.pop(channel.subscription, None)
-            if self.loop is not None and not channel.closing():
-                last = {"f": LET_GO}  # wakes the tail, which ends with it
-                drop = mailbox.drop(self.database, channel.inbox, last)
+        if isinstance(channel, InboxChannel) and self.inboxes.get(channel.subscription) is channel:
+            del self.inboxes[channel.subscription]  # once (a writer that failed is closed too)
+            if self.loop is not None:
+                drop = mailbox.drop(self.database, channel.inbox, LAST_FRAME)
                 self.loop.create_task(drop, name="mtask-drop-inbox")
         channel.close()
 

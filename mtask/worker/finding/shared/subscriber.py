@@ -127,8 +127,10 @@ class SharedStream:
         return self.holder.relay
 
     def leads(self) -> bool:
-        """Whether this worker holds the relay now (it runs the cluster's own duties)."""
-        return self.holder.holds()
+        """Whether this worker runs the cluster's own duties (the flow sweep): it holds the
+        relay now, or it follows its own stream for good (it may not make an inbox, so it
+        never subscribes, nor takes the lease again), as a worker of ``--stream own`` does."""
+        return self.fallback or self.holder.holds()
 
     def ranks(self) -> bool:
         """Whether this worker finds its own work now (the relay hands it none), so that its
@@ -153,12 +155,11 @@ class SharedStream:
 
     def _find_alone(self, own_stream: bool) -> None:
         """Find work with the sweep, and an own stream unless the relay passes the events."""
-        if self.dispatched:
-            self.finder.others.control()  # read the peers (for the stagger) and pauses now
         self.dispatched = False
         self.reports.pause()
         if self._alone is not None and not self._alone.done() and self._own == own_stream:
             return  # already so
+        self.finder.others.control()  # the heartbeat reads the peers (the stagger), pauses now
         self._stop_alone()
         self._own = own_stream
         self._alone = asyncio.create_task(self._run_alone(own_stream), name="mtask-alone")
