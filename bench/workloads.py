@@ -389,9 +389,12 @@ class Bench:
             ]
             tasks = [asyncio.create_task(w.run()) for w in workers]
             async with AsyncTaskClient(self.uri, database=name) as client:
-                # each sees the 4 live workers of its name (its heartbeat's read of its peers)
-                while any(  # noqa: ASYNC110
-                    len(w.parts.assignment.peers.get("noop", ())) < 4 for w in workers
+                # each is handed its tasks by the relay (the shared stream), or sees the 4 live
+                # workers of its name (its heartbeat's read of its peers, for the stagger)
+                while not all(  # noqa: ASYNC110
+                    not w.parts.finding.ranks()
+                    or len(w.parts.assignment.peers.get("noop", ())) == 4
+                    for w in workers
                 ):
                     await asyncio.sleep(0.05)  # polls MongoDB-backed state; no event to await
                 for i in range(n):
