@@ -30,7 +30,9 @@ class Others:
     """Who hears of a change in the database's other watched collections."""
 
     control: Callable[[], None] = lambda: None
-    """A name was paused or resumed."""
+    """A name was paused or resumed, or the worker began to find its own work: either way the
+    heartbeat beats at once and reads the paused names (and, when the worker ranks by them,
+    its peers)."""
     limit: Callable[[str], None] = lambda name: None
     """A name's limit changed, or a slot may have freed."""
     schedule: Callable[[], None] = lambda: None
