@@ -92,6 +92,8 @@ class Claimer:
             self.wake.clear()
             claimed, timeout = await self.run_once()
             if claimed:
+                # the runs just claimed take their first step before the next pass (W2)
+                await asyncio.sleep(0)
                 continue
             # asyncio.timeout waits on the event itself; wait_for would wrap it in a task,
             # costing two more event-loop turns between a wake-up and the claim (W2 latency)
