@@ -55,23 +55,26 @@ def holder(tasks: str) -> Op[str | None]:
     return relay if isinstance(relay, str) else None
 
 
-def alive(tasks: str, relay: str, renewed_within_ms: int, ttl_ms: int) -> Op[bool]:
-    """Whether ``relay`` holds the lease of ``tasks`` and renewed it within the last
-    ``renewed_within_ms`` (its renewals set the end ``ttl_ms`` ahead): a relay that stopped
-    renewing (dead, frozen, cut off) is found out before its lease runs out."""
+def renewed_ago(tasks: str, relay: str, ttl_ms: int) -> Op[int | None]:
+    """Milliseconds since ``relay`` last renewed its lease of ``tasks``, on the server's clock
+    (its renewals set the end ``ttl_ms`` ahead); ``None`` if the lease is not its own or has run
+    out. A relay that stopped renewing (dead, frozen, cut off) is found out before its lease runs
+    out, and how late it is tells a subscriber when to look again."""
     docs: list[Doc] = yield Call(
         "find",
         (
             {
                 "_id": tasks,
                 "relay": relay,
-                "$expr": {"$gt": ["$expires_at", {"$add": ["$$NOW", ttl_ms - renewed_within_ms]}]},
+                "expires_at": {"$type": "date"},
+                "$expr": {"$gt": ["$expires_at", "$$NOW"]},
             },
-            {"_id": 1},
+            {"_id": 0, "ago": {"$subtract": [{"$add": ["$$NOW", ttl_ms]}, "$expires_at"]}},
         ),
         collection=COLLECTION,
     )
-    return bool(docs)
+    ago = docs[0].get("ago") if docs else None
+    return int(ago) if isinstance(ago, int | float) and not isinstance(ago, bool) else None
 
 
 def release(tasks: str, relay: str) -> Op[None]:

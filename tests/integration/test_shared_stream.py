@@ -191,6 +191,28 @@ async def test_a_stopped_relay_is_taken_over(
             assert b.state == c.state == "running"
 
 
+async def test_a_look_at_the_relays_lease_reads_how_long_ago_it_was_renewed(
+    mongo: Any, db_name: str, client: TaskClient
+) -> None:
+    run = SyncDriver(collections(mongo[db_name])).run
+    leases = mongo[db_name].relays
+    run(relays.ensure("tasks"))
+    assert run(relays.renewed_ago("tasks", "a/1", 10_000)) is None  # nobody's
+    assert run(relays.acquire("tasks", "a/1", 10_000))
+    fresh = run(relays.renewed_ago("tasks", "a/1", 10_000))
+    assert fresh is not None and 0 <= fresh < 1_000
+    assert run(relays.renewed_ago("tasks", "b/1", 10_000)) is None  # not b's
+    # renewed 3 s ago by the server's clock: its end 7 s ahead
+    leases.update_one({"_id": "tasks"}, [{"$set": {"expires_at": {"$add": ["$$NOW", 7_000]}}}])
+    late = run(relays.renewed_ago("tasks", "a/1", 10_000))
+    assert late is not None and 3_000 <= late < 4_000
+    past = client.now() - dt.timedelta(seconds=1)  # run out
+    leases.update_one({"_id": "tasks"}, {"$set": {"expires_at": past}})
+    assert run(relays.renewed_ago("tasks", "a/1", 10_000)) is None
+    leases.update_one({"_id": "tasks"}, {"$set": {"expires_at": "tomorrow"}})  # any shape
+    assert run(relays.renewed_ago("tasks", "a/1", 10_000)) is None
+
+
 async def test_the_relays_lease_is_one_holders_until_it_runs_out(
     mongo: Any, db_name: str, client: TaskClient
 ) -> None:

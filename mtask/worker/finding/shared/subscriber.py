@@ -11,9 +11,10 @@ stream.
 
 A worker finds its own work (its ``Finder``, with an own stream and its sweep) while it has no
 relay to follow: before its relay's first frame (``FIRST_FRAME``), when the relay's lease goes
-stale (dead, frozen, cut off: checked every ``LOOK_EVERY`` seconds without a frame, renewed
-within ``STALE_AFTER``) until another relay holds the lease or it takes the lease itself, and
-for good where it cannot make an inbox (no right to make a capped collection).
+stale (dead, frozen, cut off: read every ``LOOK_EVERY`` seconds without a recent frame, sooner
+once the relay is late, renewed within ``STALE_AFTER``) until another relay holds the lease or
+it takes the lease itself, and for good where it cannot make an inbox (no right to make a
+capped collection).
 """
 
 from __future__ import annotations

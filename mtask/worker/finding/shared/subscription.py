@@ -1,12 +1,14 @@
 """One subscription to a relay in another process, through MongoDB: an inbox of its own that
 it tails, its reports inserted into the relay's, and the relay's lease read while the relay is
-quiet (``LOOK_EVERY``): a relay that stopped renewing it (dead, frozen, cut off) for
-``STALE_AFTER`` seconds, or lost it, is left (``RelaySilent``)."""
+quiet (``LOOK_EVERY``, and sooner once the relay is late: ``look_after``): a relay that stopped
+renewing it (dead, frozen, cut off) for ``STALE_AFTER`` seconds, or lost it, is left
+(``RelaySilent``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,7 +20,7 @@ from mtask.clock import Clock
 from mtask.errors import StorageError
 from mtask.store import relays
 from mtask.worker.finding.shared import mailbox
-from mtask.worker.finding.shared.relay import LEASE_TTL
+from mtask.worker.finding.shared.relay import LEASE_TTL, RENEW_EVERY
 from mtask.worker.finding.shared.wire import BYE, LET_GO, PROTOCOL
 
 LOOK_EVERY = 4.5
@@ -40,10 +42,34 @@ class NoInbox(Exception):
     """This worker may not make a capped collection: it cannot subscribe."""
 
 
+LATE_AFTER = RENEW_EVERY + 0.5
+"""A lease not renewed for this long has missed a renewal: the next look comes just after the
+relay would go stale (``look_after``), not ``LOOK_EVERY`` later."""
+LOOK_MARGIN = 0.25
+"""Seconds past the moment a late relay goes stale at which it is looked at again."""
+
+
+def look_after(ago: float) -> float:
+    """Seconds from a look that found the lease renewed ``ago`` seconds before to the next look:
+    ``LOOK_EVERY`` while the relay renews on time (an idle subscriber's reads stay as they
+    were), and once it is late just after it would go stale. So a dead relay is left at most
+    ``LATE_AFTER`` + ``LOOK_EVERY`` (7 s) after its last renewal, not ``STALE_AFTER`` +
+    ``LOOK_EVERY`` (9.5 s); a late relay costs each subscriber one look more."""
+    if ago < LATE_AFTER:
+        return LOOK_EVERY
+    return min(LOOK_EVERY, max(0.0, STALE_AFTER - ago) + LOOK_MARGIN)
+
+
+async def renewed_ago(driver: driver.AsyncDriver, tasks: str, relay_id: str) -> float | None:
+    """Seconds since ``relay_id`` renewed its lease of ``tasks`` (``None``: it does not hold
+    it, or it ran out)."""
+    ago: int | None = await driver.run(relays.renewed_ago(tasks, relay_id, int(LEASE_TTL * 1000)))
+    return None if ago is None else ago / 1000
+
+
 async def relay_alive(driver: driver.AsyncDriver, tasks: str, relay_id: str) -> bool:
-    stale, ttl = int(STALE_AFTER * 1000), int(LEASE_TTL * 1000)
-    alive: bool = await driver.run(relays.alive(tasks, relay_id, stale, ttl))
-    return alive
+    ago = await renewed_ago(driver, tasks, relay_id)
+    return ago is not None and ago < STALE_AFTER
 
 
 class InboxSubscription:
@@ -58,7 +84,9 @@ class InboxSubscription:
         self.inbox = mailbox.inbox_name(self.tasks, self.subscription)
         self.on_look = on_look
         """Called at each look at the lease (the worker says a changed credit then)."""
-        self.heard = False
+        self.heard_at = float("-inf")
+        """When (monotonic) the last frame came: a relay heard from within ``LATE_AFTER`` is
+        alive, and its lease is not read."""
         self._failed: list[Exception] = []
         self._out = mailbox.Writer(
             self.database[mailbox.reports_name(self.tasks)], self._failed.append
@@ -94,7 +122,7 @@ class InboxSubscription:
             doc = await anext(self._frames)
         except StopAsyncIteration:
             return None
-        self.heard = True
+        self.heard_at = time.monotonic()
         frame = doc.get("f")
         if frame == LET_GO:
             return None  # the relay dropped the inbox after this frame
@@ -113,15 +141,26 @@ class InboxSubscription:
         self._out.close()
 
     async def _watch_lease(self) -> None:
+        """Every ``LOOK_EVERY``: the worker's look (``on_look``), then a read of the relay's
+        lease unless a frame came within ``LATE_AFTER``; while the relay is late, once more
+        just after it would go stale (``look_after``), until it renewed or is left."""
         while True:
-            self.heard = False
             await asyncio.sleep(LOOK_EVERY)
             self.on_look()
-            if self.heard:
-                continue
-            try:
-                alive = await relay_alive(self.driver, self.tasks, self.relay_id)
-            except StorageError as exc:
-                raise RelaySilent(self.relay_id, f"cannot read the lease: {exc}") from exc
-            if not alive:
-                raise RelaySilent(self.relay_id, "its lease went stale or changed hands")
+            ago = await self._lease_read()
+            while ago is not None and ago >= LATE_AFTER:
+                await asyncio.sleep(look_after(ago))
+                ago = await self._lease_read()
+
+    async def _lease_read(self) -> float | None:
+        """Seconds since the relay renewed its lease, or ``None`` if a frame came within
+        ``LATE_AFTER``; ``RelaySilent`` if it has gone stale or is another's."""
+        if time.monotonic() - self.heard_at < LATE_AFTER:
+            return None
+        try:
+            ago = await renewed_ago(self.driver, self.tasks, self.relay_id)
+        except StorageError as exc:
+            raise RelaySilent(self.relay_id, f"cannot read the lease: {exc}") from exc
+        if ago is None or ago >= STALE_AFTER:
+            raise RelaySilent(self.relay_id, "its lease went stale or changed hands")
+        return ago

@@ -18,8 +18,8 @@ them from its stream (``dispatch``), so a task costs the wire one insert, its ha
 
 Nothing is said to keep a line alive: an idle subscriber and its relay cost the server nothing
 but a tailing getMore now and then. A subscriber learns that its relay is gone from the lease
-(``store.relays.alive``); the relay learns that a subscriber is gone when it leaves handed keys
-unacknowledged (``credit.SILENT_SUBSCRIBER``).
+(``store.relays.renewed_ago``); the relay learns that a subscriber is gone when it leaves
+handed keys unacknowledged (``credit.SILENT_SUBSCRIBER``).
 """
 
 from __future__ import annotations

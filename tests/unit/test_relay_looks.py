@@ -1,0 +1,57 @@
+"""When a subscriber looks at its relay's lease (``subscription.look_after``), without MongoDB:
+an on-time relay is read every ``LOOK_EVERY``, a late one again just after it would go stale."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mtask.worker.finding.shared.relay import RENEW_EVERY
+from mtask.worker.finding.shared.subscription import (
+    LATE_AFTER,
+    LOOK_EVERY,
+    LOOK_MARGIN,
+    STALE_AFTER,
+    look_after,
+)
+
+
+def left_at(last_renewal: float, first_look: float, next_look: object) -> float:
+    """When a subscriber leaves a relay that died right after renewing at ``last_renewal``
+    (seconds before its death at 0), looking first at ``first_look`` and then as
+    ``next_look(age)`` says."""
+    at = first_look
+    for _ in range(100):
+        age = at - last_renewal
+        if age >= STALE_AFTER:
+            return at
+        at += next_look(age)  # type: ignore[operator]
+    raise AssertionError("never left")
+
+
+@given(st.floats(min_value=0, max_value=RENEW_EVERY + 0.4))
+def test_a_relay_that_renews_on_time_is_looked_at_every_look_every(ago: float) -> None:
+    assert look_after(ago) == LOOK_EVERY  # an idle subscriber asks no more than before
+
+
+@given(st.floats(min_value=LATE_AFTER, max_value=STALE_AFTER, exclude_max=True))
+def test_a_late_relay_is_looked_at_again_just_after_it_would_go_stale(ago: float) -> None:
+    wait = look_after(ago)
+    assert 0 < wait <= LOOK_EVERY
+    assert ago + wait >= STALE_AFTER  # if it renews no more, the next look leaves it
+    assert ago + wait <= STALE_AFTER + LOOK_MARGIN
+
+
+@given(
+    st.floats(min_value=-RENEW_EVERY, max_value=0),
+    st.floats(min_value=0, max_value=LOOK_EVERY, exclude_max=True),
+)
+def test_a_dead_relay_is_left_sooner_and_never_later(
+    last_renewal: float, first_look: float
+) -> None:
+    now = left_at(last_renewal, first_look, look_after)
+    before = left_at(last_renewal, first_look, lambda ago: LOOK_EVERY)
+    assert now <= before
+    assert now - last_renewal >= STALE_AFTER  # never left while its lease is still fresh
+    assert now - last_renewal <= LATE_AFTER + LOOK_EVERY  # 7 s, against 9.5 s before
+    assert before - last_renewal <= STALE_AFTER + LOOK_EVERY
