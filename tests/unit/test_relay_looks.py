@@ -1,17 +1,27 @@
-"""When a subscriber looks at its relay's lease (``subscription.look_after``), without MongoDB:
-an on-time relay is read every ``LOOK_EVERY``, a late one again just after it would go stale."""
+"""When a subscriber reads its relay's lease, without MongoDB (``scripted``): at a look unless a
+frame came within ``LATE_AFTER``, and a late relay again just after it would go stale
+(``subscription.look_after``)."""
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from scripted import AsyncScriptedDriver, Step
 
+from mtask.driver import AsyncDriver
 from mtask.worker.finding.shared.relay import RENEW_EVERY
 from mtask.worker.finding.shared.subscription import (
     LATE_AFTER,
     LOOK_EVERY,
     LOOK_MARGIN,
     STALE_AFTER,
+    InboxSubscription,
+    RelaySilent,
     look_after,
 )
 
@@ -55,3 +65,29 @@ def test_a_dead_relay_is_left_sooner_and_never_later(
     assert now - last_renewal >= STALE_AFTER  # never left while its lease is still fresh
     assert now - last_renewal <= LATE_AFTER + LOOK_EVERY  # 7 s, against 9.5 s before
     assert before - last_renewal <= STALE_AFTER + LOOK_EVERY
+
+
+class _Database(dict[str, Any]):
+    def __missing__(self, name: str) -> Any:
+        return SimpleNamespace(with_options=lambda **_: SimpleNamespace())
+
+
+async def test_a_look_reads_the_lease_unless_a_frame_came_within_late_after() -> None:
+    script = AsyncScriptedDriver()
+    script.collections = {"tasks": SimpleNamespace(name="tasks", database=_Database())}
+    sub = InboxSubscription(cast(AsyncDriver, script), "r/1", "w/1", on_look=lambda: None)
+    sub.heard_at = time.monotonic()  # a frame just now: it is alive
+    assert await sub._lease_read() is None
+    assert script.calls == []
+    # a frame long enough ago for a renewal to have been missed since (before, any frame since
+    # the last look skipped the read: a relay killed just after its hello was read 9 s later)
+    sub.heard_at = time.monotonic() - LATE_AFTER
+    script.expect(Step("find", [{"ago": 4_000}], collection="relays"))
+    assert await sub._lease_read() == 4.0
+    script.expect(Step("find", [{"ago": 5_000}], collection="relays"))
+    with pytest.raises(RelaySilent):
+        await sub._lease_read()  # stale
+    script.expect(Step("find", [], collection="relays"))
+    with pytest.raises(RelaySilent):
+        await sub._lease_read()  # another's, or run out
+    assert script.done
