@@ -3,7 +3,9 @@ asked for by a queue that ran out searches for stranded documents once a sweep i
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -172,3 +174,56 @@ async def test_a_rescan_after_a_top_up_was_asked_for_makes_it_read_nothing() -> 
     await finder.scanner.rescan(requested=True)  # within the interval: no stranded search
     assert queue.resume is None
     assert await finder.scanner.top_up() == 0 and driver.done
+
+
+class GatedDriver(AsyncScriptedDriver):
+    """A scripted driver whose calls take a turn of the loop each, and whose first write of
+    ``held``'s key waits for ``gate``: two operations at once interleave as on a server."""
+
+    def __init__(self, held: str, *steps: Step) -> None:
+        super().__init__(*steps)
+        self.held = held
+        self.gate = asyncio.Event()
+        self.holding = asyncio.Event()
+
+    async def run(self, op: Any) -> Any:
+        try:
+            call = next(op)
+            while True:
+                if call.method == "update_many" and self.held in call.args[0]["_id"]["$in"]:
+                    self.holding.set()
+                    await self.gate.wait()
+                await asyncio.sleep(0)
+                call = op.send(self._answer(call))
+        except StopIteration as stop:
+            return stop.value
+
+
+def writes_of(key: str) -> list[Step]:
+    def check(call: Call) -> None:
+        assert call.args[0]["_id"]["$in"] == [key], "another key's write came first"
+
+    return [Step("update_many", SimpleNamespace(modified_count=0), check=check)] * 3
+
+
+async def test_the_stranded_search_completes_after_a_quarantine_on_its_way() -> None:
+    # Completing a document sets its publish_seq from the server's time: the stream's
+    # quarantine of an earlier-published key, on its way, must land before the stranded
+    # search's of a later one, or a sequence could run the later task first.
+    driver = GatedDriver(
+        "seq/0",
+        Step("distinct", ["n"]),
+        Step("find", [{"_id": "seq/1"}]),
+        *writes_of("seq/0"),
+        *writes_of("seq/1"),
+    )
+    scanner = finder_for(driver, FixedClock(WHEN), ["n"]).scanner
+    scanner.malformed.add("seq/0")  # a status-less document the stream saw
+    first = asyncio.create_task(scanner.quarantine())
+    await driver.holding.wait()
+    later = asyncio.create_task(scanner._stranded())
+    for _ in range(20):  # the stranded search's find, and its write if nothing holds it
+        await asyncio.sleep(0)
+    driver.gate.set()
+    await asyncio.gather(first, later)
+    assert driver.done

@@ -75,6 +75,10 @@ class Scanner:
         """When the last search for stranded documents began."""
         self._touched: set[str] | None = None
         self._scanning = asyncio.Lock()
+        self._settling = asyncio.Lock()
+        """One quarantine write at a time (the stream's, a scan's, the stranded search's):
+        completing a document sets its ``publish_seq`` from the server's time, so two writes
+        at once could complete a later-published document of a sequence first."""
 
     def touch(self, key: str) -> None:
         """An event (or this worker's own write) changed ``key`` while a scan may be reading:
@@ -117,17 +121,20 @@ class Scanner:
 
     async def quarantine(self) -> None:
         """Mark the malformed documents noted so far ``invalid`` (with the reason), so that
-        no worker tries them again; log each once."""
-        keys = self.malformed.take()
-        for key in keys:
-            if task_key(key) is not None:
-                self.placement.forget(key)
-        try:
-            marked = await self.driver.run(store.quarantine(keys, self.clock.now()))
-        except StorageError as exc:
-            if not exc.document:
-                raise
-            marked = await self._quarantine_one_by_one(keys)
+        no worker tries them again; log each once. One at a time (``_settling``)."""
+        async with self._settling:
+            keys = self.malformed.take()
+            if not keys:
+                return
+            for key in keys:
+                if task_key(key) is not None:
+                    self.placement.forget(key)
+            try:
+                marked = await self.driver.run(store.quarantine(keys, self.clock.now()))
+            except StorageError as exc:
+                if not exc.document:
+                    raise
+                marked = await self._quarantine_one_by_one(keys)
         if marked:
             log.warning(
                 "marked %d malformed task document(s) invalid (see their invalid_reason): %s",
@@ -260,7 +267,8 @@ class Scanner:
         open_too = self.stranded_searches % STRANDED_OPEN_EVERY == 1
         stranded = await self.driver.run(store.stranded(open_too=open_too))
         if stranded:
-            marked: int = await self.driver.run(store.quarantine(stranded, self.clock.now()))
+            async with self._settling:  # after a quarantine on its way (it may hold earlier keys)
+                marked: int = await self.driver.run(store.quarantine(stranded, self.clock.now()))
             if marked:
                 log.warning("marked %d stranded task document(s) invalid (invalid_reason)", marked)
 
