@@ -41,4 +41,4 @@ def test_a_node_publishers_groups_are_honoured(
         # documents' claimed_at and finished_at come from two writes' own clock readings)
         spans = [d["result"] for d in mine]
         for before, after in pairwise(spans):
-            assert before[1] <= after[0], f"{group}: not one at a time, in order"
+            assert before[1] <= after[0], f"{group}: not one at a time, in order: {spans}"
