@@ -5,6 +5,7 @@ frame came within ``LATE_AFTER``, and a late relay again just after it would go 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -26,7 +27,7 @@ from mtask.worker.finding.shared.subscription import (
 )
 
 
-def left_at(last_renewal: float, first_look: float, next_look: object) -> float:
+def left_at(last_renewal: float, first_look: float, next_look: Callable[[float], float]) -> float:
     """When a subscriber leaves a relay that died right after renewing at ``last_renewal``
     (seconds before its death at 0), looking first at ``first_look`` and then as
     ``next_look(age)`` says."""
@@ -35,7 +36,7 @@ def left_at(last_renewal: float, first_look: float, next_look: object) -> float:
         age = at - last_renewal
         if age >= STALE_AFTER:
             return at
-        at += next_look(age)  # type: ignore[operator]
+        at += next_look(age)
     raise AssertionError("never left")
 
 
