@@ -7,7 +7,10 @@ the pinger reports it (``on_lost``) and forgets the run. A run's limit slots are
 its lease; one found taken by another run (``slots.extend``) is reported (``on_slot_lost``),
 and the run forgotten too. A changed ping interval applies from the next ping. A frozen
 process (SIGSTOP) freezes this thread too, so its leases run out and the runs are preempted,
-as they must be. ``watch`` passes each renewal on as it happens: a process-isolated run's
+as they must be. A lease past its local deadline is never pinged again: a ping sent after it
+(the thawed thread's first) would extend on the server a lease whose run has already stopped
+by its own clock (``mtask.worker.deadlines``), and let that run's outcome be recorded.
+``watch`` passes each renewal on as it happens: a process-isolated run's
 child follows its lease that way, and stops itself when it runs out unrenewed
 (``mtask.worker.pool_child``).
 
@@ -223,7 +226,12 @@ class LeasePinger:
         with self._cond:
             while not self._stopping:
                 now = time.monotonic()
-                pinged = [lease for lease in self._leases.values() if not lease.paused]
+                # a lease past its local deadline is not pinged: the run is stopping
+                pinged = [
+                    lease
+                    for lease in self._leases.values()
+                    if not lease.paused and lease.expires > now
+                ]
                 due = [lease for lease in pinged if lease.next_at <= now]
                 if due:
                     return due
@@ -243,9 +251,9 @@ class LeasePinger:
                 self._ping(lease)
 
     def _ping(self, lease: _Lease) -> None:
-        if lease.paused:  # paused since it was found due
-            return
         sent = time.monotonic()
+        if lease.paused or sent >= lease.expires:  # paused, or ran out, since it was found due
+            return
         try:
             server_now = self._clock.now()
             limit = max(PING_MAX_TIME_MS, round(lease.interval * 1000))

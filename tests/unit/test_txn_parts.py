@@ -69,3 +69,23 @@ def test_the_pinger_tells_a_runs_watchers_each_renewal() -> None:
     pinger.held("r1", sent + 1.0)
     assert len(seen) == 3
     assert pinger.watch("gone", seen.append)() is None and len(seen) == 3
+
+
+def test_a_lease_past_its_local_deadline_is_never_pinged() -> None:
+    """A thawed worker (SIGSTOP past its lease): its pinger thread must not send the ping that
+    was due during the freeze. The run has stopped by its own clock (``Deadlines``, and a
+    pool child by its deadline); a ping landing now would extend the lease on the server and
+    let that run record its outcome after all."""
+    driver = ScriptedDriver()  # any call would fail: nothing is scripted
+    pinger = LeasePinger(
+        cast(SyncDriver, driver), "w1", FixedClock(T0), lambda r, d: None, lambda r, s: None
+    )
+    now = time.monotonic()
+    pinger.add("frozen", "r1", 200, 3000, now - 5.0)  # its lease ended 2 s ago
+    pinger.add("alive", "r2", 200, 3000, now)
+    frozen, alive = pinger._leases["r1"], pinger._leases["r2"]
+    frozen.next_at = alive.next_at = now - 1.0  # both were due during the freeze
+    assert pinger._due() == [alive]  # the thread wakes for the live lease only
+    pinger._ping(frozen)  # found due just before its deadline passed: skipped
+    assert driver.calls == []
+    assert pinger.expiry("r1") == now - 2.0  # still there: the loop's timer stops the run
