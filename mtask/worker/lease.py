@@ -1,8 +1,9 @@
 """Pinging leases from a thread of its own.
 
 ``LeasePinger`` extends the lease of every run in flight at the task's ``ping_interval_ms``
-with pymongo's sync client, on a thread, so pings keep flowing while a handler hogs the event
-loop or holds the GIL for a while. A ping that matches nothing means the run lost the task;
+(at most a third of its ``worker_timeout_ms``: ``ping_every``) with pymongo's sync client, on
+a thread, so pings keep flowing while a handler hogs the event loop or holds the GIL for a
+while. A ping that matches nothing means the run lost the task;
 the pinger reports it (``on_lost``) and forgets the run. A run's limit slots are extended with
 its lease; one found taken by another run (``slots.extend``) is reported (``on_slot_lost``),
 and the run forgotten too. A changed ping interval applies from the next ping. A frozen
@@ -44,6 +45,15 @@ TICK_SECONDS = 0.2
 PING_MAX_TIME_MS = 100
 """The least ``maxTimeMS`` of a ping (otherwise its interval): a ping waiting for a transaction
 that holds its task document fails and is retried instead of holding up every other ping."""
+
+
+def ping_every(ping_interval_ms: float, worker_timeout_ms: float) -> float:
+    """Seconds between a run's pings: its ``ping_interval_ms``, but at most a third of its lease
+    (``worker_timeout_ms``). A lease that ran out between two pings would stop every run longer
+    than it (the default interval, 5 s, under a 3 s timeout); a third lets one ping come late
+    and the next still land in time."""
+    return min(ping_interval_ms, worker_timeout_ms / 3) / 1000
+
 
 LostCallback = Callable[[str, dict[str, Any] | None], None]
 """Called with the run id and the task's current status document (``None`` if the task is
@@ -147,7 +157,7 @@ class LeasePinger:
         took it began, before it read the time its lease ends from, so the lease cannot end
         before ``claim_sent + timeout``."""
         now = time.monotonic()
-        interval = ping_interval_ms / 1000
+        interval = ping_every(ping_interval_ms, worker_timeout_ms)
         timeout = worker_timeout_ms / 1000
         with self._cond:
             self._leases[run_id] = _Lease(
@@ -291,8 +301,10 @@ class LeasePinger:
             self._call_on_loop(self._on_slot_lost, lease.run_id, slot_lost)
             return
         options = doc.get("options", {})
-        lease.interval = options.get("ping_interval_ms", lease.interval * 1000) / 1000
         lease.timeout = options.get("worker_timeout_ms", lease.timeout * 1000) / 1000
+        lease.interval = ping_every(
+            options.get("ping_interval_ms", lease.interval * 1000), lease.timeout * 1000
+        )
         lease.next_at = now + lease.interval
         with self._cond:
             lease.renewed(sent + lease.timeout)

@@ -545,6 +545,20 @@ async def test_changed_ping_interval_applies_at_the_next_ping(
         await wait_for(lambda: worker.parts.pinger.pings >= pings + 2)
 
 
+async def test_a_run_longer_than_its_lease_with_the_default_ping_interval_succeeds(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """A 1.5 s lease under the default 5 s ping interval: pinged every 0.5 s (``ping_every``),
+    not after the lease has run out. The run outlives its lease three times and succeeds,
+    once."""
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        client.publish("sleep", "long", {"seconds": 4.5}, options={"worker_timeout_ms": 1500})
+        await events.wait("recorded", key="long", timeout=30)
+    task = client.get("long")
+    assert task is not None and task.options.ping_interval_ms == 5000
+    assert task.status == "succeeded" and [r.state.value for r in task.runs] == ["SUCCESS"]
+
+
 def test_the_pinger_thread_is_woken_only_for_a_ping_due_before_its_wait_ends(
     client: TaskClient,
 ) -> None:
