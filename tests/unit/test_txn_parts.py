@@ -3,19 +3,16 @@ kills, and the pinger leaving a run alone while its transaction is open."""
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, cast
 
 from harness import T0
-from hypothesis import given
-from hypothesis import strategies as st
 from scripted import ScriptedDriver, Step
 
 from mtask.clock import FixedClock
 from mtask.driver import MODIFY_ONCE, SyncDriver
 from mtask.store.transactional import stale_sessions
-from mtask.worker.lease import LeasePinger, ping_every
+from mtask.worker.lease import LeasePinger
 
 
 def test_a_takeover_kills_the_sessions_of_expired_runs_only() -> None:
@@ -72,51 +69,3 @@ def test_the_pinger_tells_a_runs_watchers_each_renewal() -> None:
     pinger.held("r1", sent + 1.0)
     assert len(seen) == 3
     assert pinger.watch("gone", seen.append)() is None and len(seen) == 3
-
-
-def test_a_lease_past_its_local_deadline_is_never_pinged() -> None:
-    """A thawed worker (SIGSTOP past its lease): its pinger thread must not send the ping that
-    was due during the freeze. The run has stopped by its own clock (``Deadlines``, and a
-    pool child by its deadline); a ping landing now would extend the lease on the server and
-    let that run record its outcome after all."""
-    driver = ScriptedDriver()  # any call would fail: nothing is scripted
-    pinger = LeasePinger(
-        cast(SyncDriver, driver), "w1", FixedClock(T0), lambda r, d: None, lambda r, s: None
-    )
-    now = time.monotonic()
-    pinger.add("frozen", "r1", 200, 3000, now - 5.0)  # its lease ended 2 s ago
-    pinger.add("alive", "r2", 200, 3000, now)
-    frozen, alive = pinger._leases["r1"], pinger._leases["r2"]
-    frozen.next_at = alive.next_at = now - 1.0  # both were due during the freeze
-    assert pinger._due() == [alive]  # the thread wakes for the live lease only
-    pinger._ping(frozen)  # found due just before its deadline passed: skipped
-    assert driver.calls == []
-    assert pinger.expiry("r1") == now - 2.0  # still there: the loop's timer stops the run
-
-
-@given(st.integers(50, 3_600_000), st.integers(100, 86_400_000))
-def test_a_run_is_pinged_at_least_three_times_a_lease(ping_ms: int, timeout_ms: int) -> None:
-    every = ping_every(ping_ms, timeout_ms)
-    assert every <= ping_ms / 1000 and every * 3 <= timeout_ms / 1000 * (1 + 1e-12)
-    if ping_ms * 3 <= timeout_ms:  # shortened only when the lease is too short for it
-        assert every == ping_ms / 1000
-    else:
-        assert math.isclose(every, timeout_ms / 3000)
-
-
-def test_the_default_ping_interval_is_shortened_to_a_third_of_a_short_lease() -> None:
-    """The task's options say 5 s between pings and a 3 s lease: the lease would run out
-    between two pings. The pinger pings every second, from the claim and after each ping (which
-    reads the options again)."""
-    options = {"options": {"ping_interval_ms": 5000, "worker_timeout_ms": 3000}}
-    driver = ScriptedDriver(Step(MODIFY_ONCE, options))
-    pinger = LeasePinger(
-        cast(SyncDriver, driver), "w1", FixedClock(T0), lambda r, d: None, lambda r, s: None
-    )
-    pinger.add("k", "r1", 5000, 3000, time.monotonic())
-    lease = pinger._leases["r1"]
-    assert lease.interval == 1.0
-    before = time.monotonic()
-    pinger._ping(lease)
-    assert driver.done and lease.interval == 1.0 and lease.next_at <= time.monotonic() + 1.0
-    assert lease.next_at >= before + 1.0
