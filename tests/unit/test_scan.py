@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from finders import finder_for
-from pymongo.errors import NotPrimaryError
+from pymongo.errors import NotPrimaryError, WriteError
 from scripted import AsyncScriptedDriver, Step
 
 from mtask.clock import FixedClock
@@ -227,3 +227,30 @@ async def test_the_stranded_search_completes_after_a_quarantine_on_its_way() -> 
     driver.gate.set()
     await asyncio.gather(first, later)
     assert driver.done
+
+
+def refused(*keys: str) -> Step:
+    """The first write of a quarantine of ``keys``, refused by the server for a document."""
+
+    def check(call: Call) -> None:
+        assert call.args[0]["_id"]["$in"] == list(keys)
+
+    error = WriteError("Document failed validation", 121, {})
+    return Step("update_many", raises=error, check=check)
+
+
+async def test_a_stranded_document_the_server_refuses_stops_nothing_else() -> None:
+    # the stranded search settles through the same path as the stream's quarantine: a batch
+    # the server refuses is settled key by key, and the refused key is let go
+    driver = AsyncScriptedDriver(
+        Step("distinct", ["n"]),
+        Step("find", [{"_id": "good"}, {"_id": "bad"}]),
+        refused("good", "bad"),
+        *writes_of("good")[:2],
+        Step("update_many", SimpleNamespace(modified_count=1)),
+        refused("bad"),
+    )
+    scanner = finder_for(driver, FixedClock(WHEN), ["n"]).scanner
+    await scanner._stranded()
+    assert driver.done
+    assert scanner.placement.ignored == {"bad"}

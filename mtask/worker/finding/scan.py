@@ -76,9 +76,9 @@ class Scanner:
         self._touched: set[str] | None = None
         self._scanning = asyncio.Lock()
         self._settling = asyncio.Lock()
-        """One quarantine write at a time (the stream's, a scan's, the stranded search's):
-        completing a document sets its ``publish_seq`` from the server's time, so two writes
-        at once could complete a later-published document of a sequence first."""
+        """One quarantine write at a time (``_settle``: the stream's, a scan's, the stranded
+        search's): completing a document sets its ``publish_seq`` from the server's time, so
+        two writes at once could complete a later-published document of a sequence first."""
 
     def touch(self, key: str) -> None:
         """An event (or this worker's own write) changed ``key`` while a scan may be reading:
@@ -121,26 +121,33 @@ class Scanner:
 
     async def quarantine(self) -> None:
         """Mark the malformed documents noted so far ``invalid`` (with the reason), so that
-        no worker tries them again; log each once. One at a time (``_settling``)."""
-        async with self._settling:
-            keys = self.malformed.take()
-            if not keys:
-                return
-            for key in keys:
-                if task_key(key) is not None:
-                    self.placement.forget(key)
-            try:
-                marked = await self.driver.run(store.quarantine(keys, self.clock.now()))
-            except StorageError as exc:
-                if not exc.document:
-                    raise
-                marked = await self._quarantine_one_by_one(keys)
+        no worker tries them again; log each once."""
+        keys = self.malformed.take()
+        if not keys:
+            return
+        for key in keys:
+            if task_key(key) is not None:
+                self.placement.forget(key)
+        marked = await self._settle(keys)
         if marked:
             log.warning(
                 "marked %d malformed task document(s) invalid (see their invalid_reason): %s",
                 marked,
                 ", ".join(repr(k) for k in keys[:10]),
             )
+
+    async def _settle(self, keys: list[Any]) -> int:
+        """Complete or mark ``keys`` (``store.quarantine``), one such write at a time
+        (``_settling``: in the order they were asked for), each alone if the server refuses
+        one of them; how many were marked invalid."""
+        async with self._settling:
+            try:
+                marked: int = await self.driver.run(store.quarantine(keys, self.clock.now()))
+            except StorageError as exc:
+                if not exc.document:
+                    raise
+                marked = await self._quarantine_one_by_one(keys)
+            return marked
 
     async def _quarantine_one_by_one(self, keys: list[Any]) -> int:
         """The server refused to mark one of ``keys``: mark each alone, and let go of the
@@ -266,9 +273,8 @@ class Scanner:
         self.stranded_searches += 1
         open_too = self.stranded_searches % STRANDED_OPEN_EVERY == 1
         stranded = await self.driver.run(store.stranded(open_too=open_too))
-        if stranded:
-            async with self._settling:  # after a quarantine on its way (it may hold earlier keys)
-                marked: int = await self.driver.run(store.quarantine(stranded, self.clock.now()))
+        if stranded:  # after a quarantine on its way (it may hold earlier keys): _settle
+            marked = await self._settle(stranded)
             if marked:
                 log.warning("marked %d stranded task document(s) invalid (invalid_reason)", marked)
 
