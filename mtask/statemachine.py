@@ -7,7 +7,8 @@ checks that the pipeline expressions agree with them.
 
 Rules (``now`` is always the MongoDB server's time, see ``mtask.clock``):
 
-* status: ``cancelled`` is sticky; else ``succeeded`` when ``successes >= concurrency``; else
+* status: ``cancelled`` and ``invalid`` are sticky (``STICKY``: only ``retry`` of a cancelled
+  task, or a publish that resets the task, sets another); else ``succeeded`` when ``successes >= concurrency``; else
   ``failed`` when ``failed_permanently`` or ``failures > max_retries``; else ``running`` when a
   run is RUNNING; else ``pending``.
 * next_claim_at: ``None`` once finished, and while ``waiting_on`` lists dependencies; else
@@ -33,9 +34,15 @@ RUNNING = RunState.RUNNING.value
 # ---------------------------------------------------------------------------------------------
 
 
+STICKY = (TaskStatus.CANCELLED.value, TaskStatus.INVALID.value)
+"""Statuses no run's outcome changes: a cancelled task stays cancelled, and one marked invalid
+(``store.quarantine``, which may mark a running task) is not revived by the outcome of a run
+that was in flight, whose counters were judged from fields found malformed."""
+
+
 def derive_status(doc: Doc) -> TaskStatus:
-    if doc.get("status") == TaskStatus.CANCELLED:
-        return TaskStatus.CANCELLED
+    if doc.get("status") in STICKY:
+        return TaskStatus(doc["status"])
     options = doc["options"]
     if doc.get("successes", 0) >= options["concurrency"]:
         return TaskStatus.SUCCEEDED
@@ -115,7 +122,7 @@ def _running_runs() -> dict[str, Any]:
 STATUS_EXPR: dict[str, Any] = {
     "$switch": {
         "branches": [
-            {"case": {"$eq": ["$status", TaskStatus.CANCELLED.value]}, "then": "cancelled"},
+            {"case": {"$in": ["$status", list(STICKY)]}, "then": "$status"},
             {
                 "case": {"$gte": ["$successes", "$options.concurrency"]},
                 "then": TaskStatus.SUCCEEDED.value,

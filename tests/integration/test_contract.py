@@ -24,6 +24,7 @@ from mtask.errors import InvalidTask
 from mtask.models import (
     OPTION_DEFAULTS,
     REQUIRED_FIELDS,
+    RunState,
     NewTask,
     StoredOptions,
     Task,
@@ -505,6 +506,27 @@ def test_rest_and_dashboard_show_what_documents_hold(
         assert "&#39;options.max_retry&#39; is not an option" in page
         page = http.get("/ui/tasks/bare").text
         assert "not in the document" in page and "(successes None" in page
+
+
+@pytest.mark.parametrize("state", [RunState.FAIL, RunState.RELEASED, RunState.SUCCESS])
+def test_a_task_marked_invalid_while_running_stays_invalid_after_its_runs_outcome(
+    client: TaskClient, state: RunState
+) -> None:
+    """The quarantine may mark a running task (its document edited under it); the outcome of
+    the run in flight is recorded on its run, and the status judged from fields found
+    malformed is not derived again (it read ``succeeded``: 0 successes >= a missing
+    concurrency)."""
+    client.publish("add", "edited")
+    doc = client._run(store.claim(["edited"], ["add"], "w1", client.now()))[0]
+    client.collection.update_one({"_id": "edited"}, {"$unset": {"options.concurrency": ""}})
+    assert client._run(store.quarantine(["edited"], client.now())) == 1
+    outcome = store.Outcome("edited", doc["claim_run_id"], state, result=1, error="boom")
+    client._run(store.finish(outcome, client.now()))
+    after = client.collection.find_one({"_id": "edited"})
+    assert after is not None
+    assert [r["state"] for r in after["runs"]] == [state.value]  # the run's end is recorded
+    assert after["status"] == "invalid" and after["next_claim_at"] is None
+    assert "expire_at" not in after  # invalid tasks are kept until purged
 
 
 async def test_async_client_installs_the_validator(mongo_uri: str, db_name: str) -> None:
