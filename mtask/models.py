@@ -47,6 +47,8 @@ FOREVER = -1
 """A retention (``keep_*_ms``) that never expires the finished task."""
 MAX_KEEP_MS = 100 * 365 * 86_400_000
 DAY_MS = 86_400_000
+MAX_RETRY_DELAY_MS = 30 * DAY_MS
+"""The longest wait before a retry: ``max_retry_delay_ms``'s ceiling, and ``Retry``'s."""
 DEFAULT_KEEP_MS: dict[str, int] = {
     "succeeded": 7 * DAY_MS,
     "failed": 30 * DAY_MS,
@@ -120,7 +122,7 @@ class TaskOptions(BaseModel):
     max_retries: int = Field(3, ge=0, le=1_000_000)
     retry_delay_ms: int = Field(1_000, ge=0, le=86_400_000)
     retry_backoff: float = Field(2.0, ge=1.0, le=100.0)
-    max_retry_delay_ms: int = Field(3_600_000, ge=0, le=30 * 86_400_000)
+    max_retry_delay_ms: int = Field(3_600_000, ge=0, le=MAX_RETRY_DELAY_MS)
     run_at: dt.datetime | None = Field(None, description="Not claimed before this time.")
     keep_succeeded_ms: int | None = Field(
         None,

@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from mtask.errors import InvalidParams, InvalidTask, LeaseLost, MtaskError
-from mtask.models import TaskOptions, describe_validation_error
+from mtask.models import MAX_RETRY_DELAY_MS, TaskOptions, describe_validation_error
 from mtask.output import RunLog, RunOutput
 from mtask.schedules import Schedule
 from mtask.steps import MemorySteps, RunSteps
@@ -34,11 +34,27 @@ class Retry(Exception):
         self, reason: str = "retry requested", *, delay: float | dt.timedelta | None = None
     ):
         super().__init__(reason)
-        if isinstance(delay, dt.timedelta):
-            delay = delay.total_seconds()
-        if delay is not None and delay < 0:
-            raise ValueError("Retry delay must not be negative")
-        self.delay = delay
+        ms = retry_delay_ms(delay)
+        self.delay = None if ms is None else ms / 1000
+
+
+def retry_delay_ms(delay: object) -> int | None:
+    """``Retry``'s delay in milliseconds: ``None``, or seconds (a number or a timedelta) from 0
+    to ``MAX_RETRY_DELAY_MS`` (30 days), else ``ValueError`` naming it. A date that far off
+    would not even be one the server's time plus the delay can name."""
+    if delay is None:
+        return None
+    seconds = delay.total_seconds() if isinstance(delay, dt.timedelta) else delay
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, int | float)
+        or not 0 <= seconds <= MAX_RETRY_DELAY_MS / 1000
+    ):
+        raise ValueError(
+            f"Retry delay must be a number of seconds from 0 to {MAX_RETRY_DELAY_MS // 1000} "
+            f"(30 days), not {delay!r}"
+        )
+    return round(seconds * 1000)
 
 
 class Fail(Exception):

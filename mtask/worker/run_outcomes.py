@@ -27,7 +27,7 @@ from mtask import flows, metrics
 from mtask.errors import ConfigError, InvalidParams, InvalidTask, LeaseLost
 from mtask.models import DEFAULT_KEEP_MS, RunState
 from mtask.output import RunOutput
-from mtask.registry import Fail, Handler, Retry, TaskContext
+from mtask.registry import Fail, Handler, Retry, TaskContext, retry_delay_ms
 from mtask.statemachine import keep_ms
 from mtask.steps import MemorySteps, RunSteps, SignalTimeout, StepError, Suspended, Wait
 from mtask.store import Outcome
@@ -252,8 +252,7 @@ class RunOutcomes:
         except (StepError, SignalTimeout) as exc:  # the same on every replay: no retry
             return self.failure(run, f"{type(exc).__name__}: {exc}", permanent=True)
         except Retry as exc:
-            delay = None if exc.delay is None else round(exc.delay * 1000)
-            return self.failure(run, f"retry requested: {exc}", retry_delay_ms=delay)
+            return self._retried(run, exc)
         except Fail as exc:
             return self.failure(run, f"failed: {exc}", permanent=True)
         except LeaseLost as exc:
@@ -271,6 +270,15 @@ class RunOutcomes:
             return self.failure(run, str(exc))  # issue 18; a memory kill: issue 27
         except Exception as exc:  # noqa: BLE001 - any handler error is the task's failure
             return self.failure(run, short_traceback(exc))
+
+    def _retried(self, run: ActiveRun, exc: Retry) -> Outcome:
+        """A ``Retry``: a failure with its delay, checked again (a subclass or a changed
+        ``delay`` skips the constructor's check); a delay out of range gets the backoff."""
+        try:
+            delay = retry_delay_ms(getattr(exc, "delay", None))
+        except ValueError as bad:
+            return self.failure(run, f"retry requested: {exc} ({bad})")
+        return self.failure(run, f"retry requested: {exc}", retry_delay_ms=delay)
 
     def _lease_watch(self, run: ActiveRun) -> LeaseWatch | None:
         """How a process-isolated run's child follows the run's lease (renewals from the

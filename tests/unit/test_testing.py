@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from mtask import Fail, LeaseLost, Next, Registry, Retry, RunState, TaskContext
+from mtask.models import MAX_RETRY_DELAY_MS
 from mtask.output import RecordedOutput, RunOutput
+from mtask.registry import retry_delay_ms
 from mtask.testing import MemorySteps, arun_handler, run_handler
 
 registry = Registry()
@@ -62,6 +67,50 @@ def test_fail_is_permanent_and_retry_keeps_its_delay() -> None:
     retried = run_handler(registry, "resize", {"width": 20_000})
     assert retried.state is RunState.FAIL and not retried.permanent
     assert retried.retry_delay_ms == 2500
+
+
+class LaterStill(Retry):
+    """A subclass that sets its delay itself, past the constructor's check."""
+
+    def __init__(self) -> None:
+        super().__init__("later still")
+        self.delay = float("inf")
+
+
+@registry.task("far")
+def far(params: dict[str, Any]) -> None:
+    if params["how"] == "subclass":
+        raise LaterStill()
+    raise Retry("much later", delay=params["delay"])
+
+
+@pytest.mark.parametrize(
+    "delay", [1e12, float("inf"), float("nan"), -1, True, "5", dt.timedelta.max]
+)
+def test_a_retry_delay_out_of_range_fails_the_run_naming_it(delay: Any) -> None:
+    """It made a date past year 9999 (OverflowError), which stopped the outcome writer and so
+    the worker, and every worker that took the task over."""
+    with pytest.raises(ValueError, match="Retry delay must be a number of seconds from 0 to"):
+        Retry(delay=delay)
+    outcome = run_handler(registry, "far", {"how": "raise", "delay": delay})
+    assert outcome.state is RunState.FAIL and not outcome.permanent
+    assert outcome.retry_delay_ms is None  # the task's own backoff
+    assert outcome.error is not None and "Retry delay must be a number of seconds" in outcome.error
+
+
+def test_a_retry_delay_changed_past_the_check_gets_the_backoff() -> None:
+    outcome = run_handler(registry, "far", {"how": "subclass"})
+    assert outcome.state is RunState.FAIL and outcome.retry_delay_ms is None
+    assert outcome.error == (
+        "retry requested: later still (Retry delay must be a number of seconds from 0 to "
+        "2592000 (30 days), not inf)"
+    )
+
+
+@given(st.floats(0, MAX_RETRY_DELAY_MS / 1000) | st.integers(0, MAX_RETRY_DELAY_MS // 1000))
+def test_a_retry_delay_in_range_is_kept(delay: float) -> None:
+    assert Retry(delay=delay).delay == round(delay * 1000) / 1000
+    assert 0 <= (retry_delay_ms(delay) or 0) <= MAX_RETRY_DELAY_MS
 
 
 def test_invalid_params_fail_for_good_without_calling_the_handler() -> None:
