@@ -8,9 +8,9 @@ checks that the pipeline expressions agree with them.
 Rules (``now`` is always the MongoDB server's time, see ``mtask.clock``):
 
 * status: ``cancelled`` and ``invalid`` are sticky (``STICKY``: only ``retry`` of a cancelled
-  task, or a publish that resets the task, sets another); else ``succeeded`` when ``successes >= concurrency``; else
-  ``failed`` when ``failed_permanently`` or ``failures > max_retries``; else ``running`` when a
-  run is RUNNING; else ``pending``.
+  task, or a publish that resets the task, sets another); else ``succeeded`` when
+  ``successes >= concurrency``; else ``failed`` when ``failed_permanently`` or
+  ``failures > max_retries``; else ``running`` when a run is RUNNING; else ``pending``.
 * next_claim_at: ``None`` once finished, and while ``waiting_on`` lists dependencies; else
   ``available_at`` while fewer than ``concurrency`` slots are taken (RUNNING + SUCCESS); else
   ``max(available_at, earliest RUNNING lease)`` — the moment a lease can expire and the task be
@@ -24,7 +24,14 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mtask.models import DEFAULT_KEEP_MS, KEEP_FIELDS, MAX_RUNS_KEPT, RunState, TaskStatus
+from mtask.models import (
+    DEFAULT_KEEP_MS,
+    KEEP_FIELDS,
+    MAX_KEEP_MS,
+    MAX_RUNS_KEPT,
+    RunState,
+    TaskStatus,
+)
 
 Doc = Mapping[str, Any]
 RUNNING = RunState.RUNNING.value
@@ -66,13 +73,16 @@ def compute_next_claim_at(doc: Doc, status: TaskStatus) -> dt.datetime | None:
 
 def keep_ms(options: Doc, status: TaskStatus | str) -> int | None:
     """How long a task finished with ``status`` is kept (ms), ``None`` for forever: its own
-    ``options.keep_<status>_ms`` if it is a number, else the built-in default."""
+    ``options.keep_<status>_ms`` if it is a number no larger than ``MAX_KEEP_MS`` (a negative
+    one: forever), else the built-in default: a document edited by hand with ``1e15``, infinity
+    or NaN there is kept as by default, not past the dates a driver can read (``_keep_expr``
+    says the same on the server)."""
     status = str(status)
     if status not in KEEP_FIELDS:
         return None
     value = options.get(KEEP_FIELDS[status]) if isinstance(options, Mapping) else None
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        value = DEFAULT_KEEP_MS[status]
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value <= MAX_KEEP_MS:
+        value = DEFAULT_KEEP_MS[status]  # ``not <=``: NaN too
     return None if value < 0 else int(value)
 
 
@@ -219,7 +229,14 @@ def _keep_expr() -> dict[str, Any]:
     branches = []
     for status, default in DEFAULT_KEEP_MS.items():
         own = f"$options.{KEEP_FIELDS[status]}"
-        value = {"$cond": [{"$isNumber": own}, own, default]}
+        usable = {
+            "$and": [
+                {"$in": [{"$type": own}, ["int", "long", "double"]]},  # as Python's int | float
+                {"$lte": [own, MAX_KEEP_MS]},
+                {"$gte": [own, float("-inf")]},  # not NaN (which sorts below every number)
+            ]
+        }
+        value = {"$cond": [usable, own, default]}
         branches.append({"case": {"$eq": ["$status", status]}, "then": value})
     return {"$switch": {"branches": branches, "default": -1}}
 

@@ -24,8 +24,8 @@ from mtask.errors import InvalidTask
 from mtask.models import (
     OPTION_DEFAULTS,
     REQUIRED_FIELDS,
-    RunState,
     NewTask,
+    RunState,
     StoredOptions,
     Task,
     TaskDocument,

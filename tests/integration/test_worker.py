@@ -13,9 +13,10 @@ import pytest
 from harness import running_worker, wait_for
 from workerapp import registry
 
-from mtask import TaskClient
+from mtask import TaskClient, store
 from mtask.clock import ServerClock
 from mtask.errors import ConfigError, WorkerCrashed
+from mtask.models import DEFAULT_KEEP_MS
 from mtask.registry import Registry
 from mtask.worker import Worker
 from mtask.worker.executor import Executor
@@ -40,6 +41,57 @@ async def test_runs_tasks_and_stores_results(
         "worker": worker.worker_id,
         "attempt": 1,
     }
+
+
+@pytest.mark.parametrize("keep", [1e15, float("inf"), float("nan")])
+async def test_a_stored_retention_no_date_can_hold_is_kept_as_by_default(
+    mongo_uri: str, db_name: str, client: TaskClient, keep: float
+) -> None:
+    """A document edited by hand with such a ``keep_*_ms`` stopped the worker that finished it
+    (a date past year 9999: OverflowError), and then every worker that took the task over;
+    on the server's side it wrote a date no driver can read. Both sides now read it as unset."""
+    client.publish("add", "ok", {"a": 1, "b": 2})
+    client.publish("add", "no", {"a": "one", "b": 2})  # invalid params: failed for good
+    client.collection.update_many(
+        {}, {"$set": {"options.keep_succeeded_ms": keep, "options.keep_failed_ms": keep}}
+    )
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await events.wait("recorded", key="ok")
+        await events.wait("recorded", key="no")
+    for key, status in (("ok", "succeeded"), ("no", "failed")):
+        doc = client.collection.find_one({"_id": key})
+        assert doc is not None and doc["status"] == status
+        default = dt.timedelta(milliseconds=DEFAULT_KEEP_MS[status])
+        assert doc["expire_at"] == doc["finished_at"] + default
+
+
+async def test_an_outcome_whose_update_cannot_be_built_stops_nothing_else(
+    mongo_uri: str, db_name: str, client: TaskClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any error building an outcome's update (here injected, for the first run's outcome:
+    in its batch and alone) drops that outcome alone: the others of its batch are recorded,
+    the writer goes on, and the task is run again once its lease ends. Such an error stopped
+    the writer, and so the worker."""
+    original = store.finish_many
+    poisoned: list[int] = []
+
+    def finish_many(batch: list[store.Outcome], now: dt.datetime) -> Any:
+        if len(poisoned) < 2 and any(o.key == "poison" for o in batch):
+            poisoned.append(len(batch))
+            raise OverflowError("date value out of range")
+        return original(batch, now)
+
+    monkeypatch.setattr(store, "finish_many", finish_many)
+    client.publish("add", "poison", {"a": 1, "b": 1}, options={"worker_timeout_ms": 500})
+    client.publish("add", "plain", {"a": 2, "b": 2})
+    async with running_worker(registry, mongo_uri, db_name, concurrency=2) as (_, events):
+        await events.wait("recorded", key="plain")
+        await events.wait("recorded", key="poison", count=2)  # again, after the lease
+    poison, plain = client.get("poison"), client.get("plain")
+    assert plain is not None and plain.status == "succeeded" and plain.result == 4
+    assert poison is not None and poison.status == "succeeded" and poison.result == 2
+    assert [r.state for r in poison.runs] == ["TIMEOUT", "SUCCESS"]
+    assert poisoned[-1] == 1  # tried alone before it was dropped
 
 
 async def test_invalid_params_fail_at_once(
