@@ -126,9 +126,11 @@ class OutcomeRecorder:
 
     async def _write(self, batch: list[Outcome]) -> int:
         """Write outcomes, retrying transient errors until they land (the fence makes a repeat
-        harmless). A batch refused for another reason is written one by one; an outcome the
-        server refuses is logged and dropped: its run's lease then runs out and the task is
-        retried, so nothing is lost."""
+        harmless). A batch refused for another reason, or whose update cannot even be built
+        (a value no date can hold: a bug, since outcomes are checked when made), is written one
+        by one; an outcome the server refuses, or that cannot be built, is logged and dropped:
+        its run's lease then runs out and the task is retried, so nothing is lost and the
+        writer goes on."""
         backoff = 0.2
         while True:
             try:
@@ -144,6 +146,8 @@ class OutcomeRecorder:
                 )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5)
+            except Exception:  # noqa: BLE001 - an update that cannot be built: found one by one
+                break
         recorded = 0
         for outcome in batch:
             try:
@@ -153,6 +157,9 @@ class OutcomeRecorder:
                     recorded += await self._write([outcome])
                 else:
                     await self._drop_refused(outcome, str(exc))
+            except Exception as exc:  # one outcome never stops the writer (logged, traceback too)
+                log.exception("cannot build the update that records %s", outcome.key)
+                await self._drop_refused(outcome, repr(exc))
         return recorded
 
     async def _drop_refused(self, outcome: Outcome, reason: str) -> None:
