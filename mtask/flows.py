@@ -175,6 +175,26 @@ def after_publish(tasks: Sequence[NewTask], now: dt.datetime) -> Op[int]:
     return changed
 
 
+def dependents_of(keys: Sequence[str], statuses: Sequence[str]) -> Doc:
+    """The tasks with one of ``statuses`` that wait for one of ``keys``, in a ``waiting_on`` that
+    is an array. A string ``waiting_on`` equal to a key matches ``$in`` too, and ``resolve``'s
+    pipeline then fails on it, stopping its ``update_many`` before the well-formed dependents
+    after it; such a document (open, no claim time, no dependency listed) is the sweep's
+    stranded search's, which marks it invalid (``store.quarantine``)."""
+    return {
+        "waiting_on": {"$in": list(keys)},
+        "status": {"$in": list(statuses)},
+        "$expr": {"$isArray": "$waiting_on"},
+    }
+
+
+RELEASABLE = (TaskStatus.PENDING.value, TaskStatus.FAILED.value, TaskStatus.CANCELLED.value)
+"""The dependents whose ``waiting_on`` a success shrinks: the waiting ones, and those failed or
+cancelled meanwhile (it keeps naming what had not succeeded, and a retry finds it current).
+Never an invalid one, nor one of another status: ``recompute_stages`` would derive a status
+from the fields a worker judged malformed, reviving it."""
+
+
 def resolve(keys: Sequence[str], now: dt.datetime) -> Op[int]:
     """Release the dependents of ``keys`` that succeeded; fail those of keys that failed for
     good. Returns how many dependents changed."""
@@ -197,7 +217,7 @@ def resolve(keys: Sequence[str], now: dt.datetime) -> Op[int]:
         result = yield Call(
             "update_many",
             (
-                {"waiting_on": {"$in": succeeded}},
+                dependents_of(succeeded, RELEASABLE),
                 [
                     {
                         "$set": {
@@ -216,7 +236,7 @@ def resolve(keys: Sequence[str], now: dt.datetime) -> Op[int]:
             result = yield Call(
                 "update_many",
                 (
-                    {"waiting_on": doc["_id"], "status": TaskStatus.PENDING.value},
+                    dependents_of([doc["_id"]], [TaskStatus.PENDING.value]),
                     [
                         {
                             "$set": {
@@ -238,10 +258,25 @@ def awaited(limit: int = 1000) -> Op[list[str]]:
     """The dependencies that pending tasks still wait for (for the flow sweep)."""
     docs: list[Doc] = yield Call(
         "find",
-        ({"waiting_on": {"$exists": True}, "status": TaskStatus.PENDING.value}, {"waiting_on": 1}),
+        (
+            {
+                "waiting_on": {"$exists": True},
+                "status": TaskStatus.PENDING.value,
+                "$expr": {"$isArray": "$waiting_on"},  # another shape is the stranded search's
+            },
+            {"waiting_on": 1},
+        ),
         {"limit": limit},
     )
-    return sorted({k for d in docs for k in d.get("waiting_on") or () if isinstance(k, str)})
+    return sorted(
+        {
+            k
+            for d in docs
+            if isinstance(d.get("waiting_on"), list)
+            for k in d["waiting_on"]
+            if isinstance(k, str)
+        }
+    )
 
 
 def tree(key: str) -> Op[Doc | None]:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from harness import T0, running_worker, wait_for
 
-from mtask import Next, TaskClient
+from mtask import Next, TaskClient, store
 from mtask.clock import FixedClock
 from mtask.errors import InvalidTask
 from mtask.flows import awaited, child_key, flush_outboxes, resolve
@@ -167,6 +167,37 @@ def test_the_sweep_publishes_an_outbox_left_by_a_crash_once(mongo_uri: str, db_n
         child = tc.get("p/m")
         assert child is not None and child.parent == "p" and child.params == {"x": 1}
         assert tc.collection.count_documents({}) == 2
+
+
+def test_a_malformed_dependent_does_not_strand_the_others_and_is_marked_invalid(
+    mongo_uri: str, db_name: str
+) -> None:
+    """A string ``waiting_on`` equal to the key matched resolve's ``$in``: its ``$setDifference``
+    failed and stopped the update_many before the well-formed dependents, on every retry; an
+    invalid dependent was revived by the status rule; an int ``waiting_on`` crashed ``awaited``."""
+    with TaskClient(mongo_uri, database=db_name, clock=FixedClock(T0)) as tc:
+        tc.publish("n", "dep")
+        for key in ("a_bad", "b_good", "c_invalid", "d_int"):
+            tc.publish("n", key, depends_on=["dep"])
+        tc.collection.update_one({"_id": "a_bad"}, {"$set": {"waiting_on": "dep"}})
+        tc.collection.update_one({"_id": "d_int"}, {"$set": {"waiting_on": 5}})
+        tc.collection.update_one({"_id": "c_invalid"}, {"$unset": {"options.concurrency": ""}})
+        assert tc._run(store.quarantine(["c_invalid"], T0)) == 1
+        assert tc._run(awaited()) == ["dep"]
+        [doc] = tc._run(claim(["dep"], ["n"], "w", T0, fields=CLAIMED_FIELDS))
+        tc._run(finish(Outcome("dep", doc["claim_run_id"], RunState.SUCCESS), T0))
+        assert tc._run(resolve(["dep"], T0)) == 1
+        good = tc.collection.find_one({"_id": "b_good"})
+        assert good is not None and "waiting_on" not in good and good["next_claim_at"] == T0
+        assert tc.collection.find_one({"_id": "c_invalid"})["status"] == "invalid"  # type: ignore[index]
+        # the odd ones are not stranded in silence: the sweep's stranded search marks them
+        odd = sorted(tc._run(store.stranded()))
+        assert odd == ["a_bad", "d_int"]
+        assert tc._run(store.quarantine(odd, T0)) == 2
+        for key in odd:
+            bad = tc.collection.find_one({"_id": key})
+            assert bad is not None and bad["status"] == "invalid"
+            assert "'next_claim_at' must be a date while the task is open" in bad["invalid_reason"]
 
 
 def test_the_sweep_resolves_a_dependency_claimed_before_its_dependent_existed(

@@ -123,10 +123,20 @@ def test_a_batch_claim_that_takes_nothing_reads_nothing() -> None:
 
 def test_resolve_releases_dependents_of_successes_and_fails_those_of_failures() -> None:
     def released(call: Call) -> None:
-        assert call.args[0] == {"waiting_on": {"$in": ["ok"]}}
+        assert call.args[0] == {
+            "waiting_on": {"$in": ["ok"]},
+            # not an invalid dependent (the status rule would revive it), and only an array:
+            # a string waiting_on equal to the key matches $in, and $setDifference fails on it
+            "status": {"$in": ["pending", "failed", "cancelled"]},
+            "$expr": {"$isArray": "$waiting_on"},
+        }
 
     def failed(call: Call) -> None:
-        assert call.args[0] == {"waiting_on": "bad", "status": "pending"}
+        assert call.args[0] == {
+            "waiting_on": {"$in": ["bad"]},
+            "status": {"$in": ["pending"]},
+            "$expr": {"$isArray": "$waiting_on"},
+        }
         assert "dependency 'bad' is failed" in str(call.args[1][0])
 
     driver = ScriptedDriver(
