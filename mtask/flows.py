@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,11 +27,14 @@ from typing import Any
 from pymongo import UpdateOne
 
 from mtask.driver import Call, Doc, Op
+from mtask.errors import InvalidTask
 from mtask.models import MAX_KEY_LENGTH, NewTask, TaskStatus
 from mtask.statemachine import recompute_stages
 
 FAILED_FOR_GOOD = (TaskStatus.FAILED.value, TaskStatus.CANCELLED.value, TaskStatus.INVALID.value)
 MAX_TREE_NODES = 10_000
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -100,15 +104,56 @@ def outbox_entry(task: NewTask) -> Doc:
     }
 
 
-def from_outbox(parent: str, entry: Mapping[str, Any]) -> NewTask:
+def from_outbox(parent: object, entry: object) -> NewTask:
+    """The step an outbox entry describes; ``InvalidTask`` says what is wrong with it."""
+    if not isinstance(parent, str):
+        raise InvalidTask(f"must be a string, not {type(parent).__name__}", field="parent key")
+    if not isinstance(entry, Mapping):
+        raise InvalidTask(f"must be an object, not {type(entry).__name__}", field="step")
     return NewTask.build(
-        entry["name"],
-        entry["key"],
+        entry.get("name"),
+        entry.get("key"),
         entry.get("params"),
         entry.get("options"),
         max_params_bytes=2**31,
         depends_on=entry.get("depends_on") or None,
         parent=parent,
+    )
+
+
+def read_outbox(parent: object, outbox: object) -> tuple[list[NewTask], list[Doc]]:
+    """The steps a task's ``outbox`` holds, and the entries no step can be built from (a hand
+    edit, another version's shape), each as ``{"entry": ..., "reason": ...}``. Never raises,
+    whatever the document holds."""
+    if outbox is None:
+        return [], []
+    if not isinstance(outbox, list):
+        reason = f"outbox: must be a list of steps, not {type(outbox).__name__}"
+        return [], [{"entry": outbox, "reason": reason}]
+    steps: list[NewTask] = []
+    rejected: list[Doc] = []
+    for index, entry in enumerate(outbox):
+        try:
+            steps.append(from_outbox(parent, entry))
+        except InvalidTask as exc:
+            rejected.append({"entry": entry, "reason": f"outbox[{index}]: {exc.message}"})
+    return steps, rejected
+
+
+def clear_outbox(key: Any, outbox: Any, rejected: Sequence[Doc]) -> UpdateOne:
+    """Unset the ``outbox`` if it still holds what was read (``$eq``: a value, never an
+    operator), moving the ``rejected`` entries to ``outbox_rejected``, where they are kept
+    with the reason and no sweep meets them again."""
+    filt = {"_id": key, "outbox": {"$eq": outbox}}
+    if not rejected:
+        return UpdateOne(filt, {"$unset": {"outbox": ""}})
+    kept = {"$cond": [{"$isArray": "$outbox_rejected"}, "$outbox_rejected", []]}
+    return UpdateOne(
+        filt,
+        [
+            {"$set": {"outbox_rejected": {"$concatArrays": [kept, {"$literal": rejected}]}}},
+            {"$unset": "outbox"},
+        ],
     )
 
 
@@ -121,8 +166,10 @@ def flush_outboxes(
     parents: Sequence[str] | None, now: dt.datetime, older_than: dt.datetime | None = None
 ) -> Op[list[NewTask]]:
     """Publish the next steps waiting in the outboxes of ``parents`` (or of any task whose
-    outbox is older than ``older_than``: the sweep), then clear those outboxes. Returns the
-    steps, for the caller to resolve their dependencies."""
+    outbox is older than ``older_than``: the sweep), then clear those outboxes. An entry no
+    step can be built from is logged and kept in the task's ``outbox_rejected`` with the
+    reason (``read_outbox``), the others published: a malformed outbox neither stops the sweep
+    nor is met by it again. Returns the steps, for the caller to resolve their dependencies."""
     from mtask import store  # store builds new documents; it does not import flows
 
     filt: Doc = {"outbox": {"$exists": True}}
@@ -132,23 +179,21 @@ def flush_outboxes(
         filt["updated_at"] = {"$lt": older_than}
     docs: list[Doc] = yield Call("find", (filt, {"outbox": 1}), {"limit": 1000})
     steps: list[NewTask] = []
+    clears: list[UpdateOne] = []
     for doc in docs:
-        entries = doc.get("outbox")
-        if isinstance(entries, list):
-            steps += [from_outbox(doc["_id"], e) for e in entries if isinstance(e, Mapping)]
+        found, rejected = read_outbox(doc["_id"], doc.get("outbox"))
+        steps += found
+        clears.append(clear_outbox(doc["_id"], doc.get("outbox"), rejected))
+        if rejected:
+            log.error(
+                "next steps of task %r not published, kept in its outbox_rejected: %s",
+                doc["_id"],
+                "; ".join(r["reason"] for r in rejected),
+            )
     if steps:
         yield from store.publish_many(steps, now)
-    if docs:
-        yield Call(
-            "bulk_write",
-            (
-                [
-                    UpdateOne({"_id": d["_id"], "outbox": d["outbox"]}, {"$unset": {"outbox": ""}})
-                    for d in docs
-                ],
-            ),
-            {"ordered": False},
-        )
+    if clears:
+        yield Call("bulk_write", (clears,), {"ordered": False})
     return steps
 
 

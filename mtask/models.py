@@ -326,6 +326,9 @@ class TaskDocument(BaseModel):
     waiting_on: list[str] = Field(default_factory=list)
     has_dependents: bool = False
     outbox: list[dict[str, Any]] = Field(default_factory=list)
+    outbox_rejected: list[dict[str, Any]] = Field(default_factory=list)
+    """Outbox entries no step could be built from (a hand edit, another version's shape), each
+    ``{"entry", "reason"}``, kept instead of published (``flows.read_outbox``)."""
     last_write: str | None = None
     publish_seq: int | None = None
     """A grouped task's place in its group's publish order (microseconds since the epoch,
@@ -428,6 +431,9 @@ class Task(BaseModel):
     """The task whose handler returned this one as a next step (``mtask.Next``)."""
     children: list[str] = Field(default_factory=list)
     """The next steps this task's handler returned (published once its SUCCESS was recorded)."""
+    outbox_rejected: list[dict[str, Any]] = Field(default_factory=list)
+    """Next steps in its outbox that were not published because no task could be built from
+    them (a hand edit, another version's shape), each ``{"entry", "reason"}``."""
     depends_on: list[str] = Field(default_factory=list)
     waiting_on: list[str] = Field(default_factory=list)
     """The dependencies that have not succeeded yet; the task is not claimable while any are."""

@@ -213,6 +213,8 @@ def _flow_rows(task: Task) -> list[tuple[str, str]]:
         rows.append(("parent", task.parent))
     if task.children:
         rows.append(("children", ", ".join(task.children)))
+    # outbox entries no step could be built from (flows.read_outbox): kept, not published
+    rows += [("step not published", str(r.get("reason"))) for r in task.outbox_rejected]
     if task.depends_on:
         waiting = f" (waiting on {', '.join(task.waiting_on)})" if task.waiting_on else ""
         rows.append(("depends on", ", ".join(task.depends_on) + waiting))

@@ -11,6 +11,7 @@ import pytest
 from harness import T0, running_worker, wait_for
 
 from mtask import Next, TaskClient, store
+from mtask.cli.tasks import _flow_rows
 from mtask.clock import FixedClock
 from mtask.errors import InvalidTask
 from mtask.flows import awaited, child_key, flush_outboxes, resolve
@@ -167,6 +168,60 @@ def test_the_sweep_publishes_an_outbox_left_by_a_crash_once(mongo_uri: str, db_n
         child = tc.get("p/m")
         assert child is not None and child.parent == "p" and child.params == {"x": 1}
         assert tc.collection.count_documents({}) == 2
+
+
+def test_a_malformed_outbox_neither_stops_the_sweep_nor_is_met_again(
+    mongo_uri: str, db_name: str
+) -> None:
+    """An entry without a key (a hand edit, another version) raised KeyError out of the sweep,
+    which stopped the worker, and every worker's sweep met the same document. Now the good
+    entries are published and the bad ones kept aside with the reason."""
+    clock = FixedClock(T0)
+    good = {"name": "m", "key": "p/m", "params": {"x": 1}, "options": {}, "depends_on": []}
+    outboxes: dict[Any, Any] = {
+        "p": [good, {"name": "m"}, 5, {"name": "m", "key": "p/o", "options": {"priority": "x"}}],
+        "q": "not a list",
+        "r": {"$gt": 1},  # read back, it must be compared as a value, not as an operator
+        7: [{"name": "m", "key": "seven/m"}],  # a key that is not a string: no parent key
+    }
+    with TaskClient(mongo_uri, database=db_name, clock=clock) as tc:
+        for key, outbox in outboxes.items():
+            tc.collection.insert_one(
+                {"_id": key, "name": "n", "status": "succeeded", "updated_at": T0}
+            )
+            tc.collection.update_one({"_id": key}, [{"$set": {"outbox": {"$literal": outbox}}}])
+        later = T0 + dt.timedelta(seconds=10)
+        [published] = tc._run(flush_outboxes(None, later, older_than=later))
+        assert published.key == "p/m" and tc.get("p/m").parent == "p"  # type: ignore[union-attr]
+        assert tc._run(flush_outboxes(None, later, older_than=later)) == []  # not met again
+        assert tc.collection.count_documents({"outbox": {"$exists": True}}) == 0
+        kept = {
+            d["_id"]: d["outbox_rejected"]
+            for d in tc.collection.find({}, {"outbox_rejected": 1})
+            if "outbox_rejected" in d
+        }
+        assert kept["p"] == [
+            {"entry": {"name": "m"}, "reason": "outbox[1]: key: must be a string, not NoneType"},
+            {"entry": 5, "reason": "outbox[2]: step: must be an object, not int"},
+            {
+                "entry": {"name": "m", "key": "p/o", "options": {"priority": "x"}},
+                "reason": kept["p"][2]["reason"],
+            },
+        ]
+        assert kept["p"][2]["reason"].startswith("outbox[3]: options.priority")
+        assert kept["q"] == [
+            {"entry": "not a list", "reason": "outbox: must be a list of steps, not str"}
+        ]
+        assert kept["r"] == [
+            {"entry": {"$gt": 1}, "reason": "outbox: must be a list of steps, not dict"}
+        ]
+        assert kept[7] == [
+            {"entry": outboxes[7][0], "reason": "outbox[0]: parent key: must be a string, not int"}
+        ]
+        parent = tc.get("p")
+        assert parent is not None and parent.outbox_rejected == kept["p"]
+        assert ("step not published", kept["p"][0]["reason"]) in _flow_rows(parent)  # mtask get
+        assert tc.collection.count_documents({}) == 5  # only the good step was published
 
 
 def test_a_malformed_dependent_does_not_strand_the_others_and_is_marked_invalid(

@@ -4,15 +4,18 @@ or a failure reaches on a real server."""
 from __future__ import annotations
 
 import datetime as dt
+from types import SimpleNamespace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pymongo.errors import DuplicateKeyError
 from pymongo.results import UpdateResult
 from scripted import ScriptedDriver, Step
 
 from mtask import flows, store
 from mtask.driver import Call
-from mtask.errors import StorageError
+from mtask.errors import InvalidTask, StorageError
 from mtask.models import NewTask
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
@@ -119,6 +122,88 @@ def test_a_batch_claim_that_takes_nothing_reads_nothing() -> None:
     driver = ScriptedDriver(Step("update_many", reply=updated(0)), Step("update_many", updated(0)))
     assert driver.run(store.claim(["a", "b"], ["add"], "w1", NOW)) == []
     assert driver.done
+
+
+junk = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**70), 2**70),
+        st.floats(),
+        st.text(max_size=4),
+        st.just(NOW),
+        st.binary(max_size=3),
+    ),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=8,
+)
+entries = st.one_of(
+    junk,
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "name": st.one_of(st.just("m"), junk),
+            "key": st.one_of(st.just("p/m"), st.just("p"), junk),
+            "params": st.one_of(st.just({"x": 1}), junk),
+            "options": st.one_of(st.just({}), st.just({"priority": 3}), junk),
+            "depends_on": st.one_of(st.just([]), st.just(["a"]), junk),
+        },
+    ),
+)
+
+
+@given(parent=st.one_of(st.just("p"), junk), outbox=st.one_of(st.lists(entries, max_size=4), junk))
+def test_an_outbox_of_any_shape_is_read_into_steps_and_rejected_entries(
+    parent: object, outbox: object
+) -> None:
+    """A malformed entry raised KeyError or InvalidTask out of the flow sweep, which stopped
+    the worker (every worker's sweep met the same document)."""
+    steps, rejected = flows.read_outbox(parent, outbox)
+    assert all(isinstance(r["reason"], str) and r["reason"] for r in rejected)
+    if outbox is None:
+        assert steps == [] and rejected == []
+    elif not isinstance(outbox, list):
+        assert steps == [] and rejected == [{"entry": outbox, "reason": rejected[0]["reason"]}]
+    else:
+        assert len(steps) + len(rejected) == len(outbox)
+        assert [r["entry"] for r in rejected] == [e for e in outbox if not _builds(parent, e)]
+        assert all(step.parent == parent for step in steps)
+
+
+def _builds(parent: object, entry: object) -> bool:
+    try:
+        flows.from_outbox(parent, entry)
+    except InvalidTask:
+        return False
+    return True
+
+
+def test_a_rejected_outbox_entry_is_moved_aside_with_its_reason() -> None:
+    outbox = [{"name": "m", "key": "p/m"}, {"name": "m"}]
+    driver = ScriptedDriver(
+        Step("find", reply=[{"_id": "p", "outbox": outbox}, {"_id": "q", "outbox": {"$gt": 1}}]),
+        Step("find", reply=[], collection="retention"),  # the steps' retention defaults
+        Step("bulk_write", reply=SimpleNamespace(upserted_count=1)),  # the publish
+        Step("bulk_write", reply=None),  # the clear
+    )
+    [step] = driver.run(flows.flush_outboxes(None, NOW, older_than=NOW))
+    assert step.key == "p/m" and step.parent == "p"
+    clear_p, clear_q = driver.calls[-1].args[0]
+    # $eq: the outbox read is compared as a value (an object of operators is not a filter)
+    assert clear_p._filter == {"_id": "p", "outbox": {"$eq": outbox}}
+    assert clear_q._filter == {"_id": "q", "outbox": {"$eq": {"$gt": 1}}}
+    rejected = [
+        {"entry": {"name": "m"}, "reason": "outbox[1]: key: must be a string, not NoneType"}
+    ]
+    assert _literal(clear_p._doc) == rejected
+    assert _literal(clear_q._doc) == [
+        {"entry": {"$gt": 1}, "reason": "outbox: must be a list of steps, not dict"}
+    ]
+
+
+def _literal(pipeline: object) -> object:
+    assert isinstance(pipeline, list)
+    return pipeline[0]["$set"]["outbox_rejected"]["$concatArrays"][1]["$literal"]
 
 
 def test_resolve_releases_dependents_of_successes_and_fails_those_of_failures() -> None:
