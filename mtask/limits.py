@@ -28,8 +28,10 @@ import datetime as dt
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
+from bson.decimal128 import Decimal128
 from pymongo import ReturnDocument
 
 from mtask.driver import Call, Doc, Op
@@ -38,6 +40,11 @@ from mtask.models import validate_name
 
 MAX_LIMIT_CONCURRENCY = 1_000_000
 MAX_RATE = 1_000_000.0
+
+NO_ROOM_WAIT = dt.timedelta(hours=1)
+"""``retry_at`` of a slot that admits no run (a concurrency below 1, written by hand): no run
+ending frees one; the worker tries again on the limit's change event (``LimitGate.block`` waits
+a few seconds at most anyway)."""
 
 # ---------------------------------------------------------------------------------------------
 # Pure rules (property-tested); the pipeline below computes the same on the server
@@ -70,6 +77,24 @@ def refill(
         return burst
     elapsed_ms = max(0.0, (now - refilled_at).total_seconds() * 1000)
     return min(burst, tokens + elapsed_ms * rate / 1000)
+
+
+def runs_at_once(value: object) -> int | None:
+    """How many runs at once a stored ``concurrency`` allows, read as the server's take reads it
+    (``slots._filter``): ``None`` if it is no number (``$isNumber``: the slot limits no runs
+    at once), else the most live holders it admits — the take adds one only while there are
+    fewer than the value. So a document written by hand reads the same everywhere: ``3.0``
+    (mongosh writes ``3`` as a double) allows 3; ``2.5`` allows 3; ``0``, a value below it, or
+    NaN none; infinity ``MAX_LIMIT_CONCURRENCY`` (more than a document can hold)."""
+    if isinstance(value, Decimal128):
+        value = value.to_decimal()
+    if isinstance(value, bool) or not isinstance(value, int | float | Decimal):
+        return None
+    if value.is_nan() if isinstance(value, Decimal) else value != value:
+        return 0  # no number of holders is below NaN
+    if value >= MAX_LIMIT_CONCURRENCY:
+        return MAX_LIMIT_CONCURRENCY
+    return math.ceil(value) if value > 0 else 0
 
 
 def wait_for_token(tokens: float, rate: float) -> float:
@@ -188,9 +213,10 @@ def lock_group(lock: str) -> tuple[str, str]:
 
 
 def is_lock(limit: Limit) -> bool:
-    """A limit of runs at once and no rate: a slot document taken by one plain upsert
-    (``slots._lock``), or a sequence's lock (``is_sequence``)."""
-    return limit.concurrency is not None and limit.rate is None
+    """A limit of runs at once (at least one) and no rate: a slot document taken by one plain
+    upsert (``slots._lock``), or a sequence's lock (``is_sequence``). One admitting none (a
+    hand-written ``group_concurrency`` below 1) takes the exact path, which refuses it."""
+    return limit.concurrency is not None and limit.concurrency >= 1 and limit.rate is None
 
 
 def is_sequence(limit: Limit) -> bool:
@@ -261,7 +287,7 @@ def group_limit(doc: Mapping[str, Any]) -> Limit:
 def _limit(doc: Mapping[str, Any], prefix: str) -> Limit:
     concurrency, rate, burst = (doc.get(f"{prefix}{f}") for f in ("concurrency", "rate", "burst"))
     return Limit(
-        concurrency if isinstance(concurrency, int) and not isinstance(concurrency, bool) else None,
+        runs_at_once(concurrency),
         float(rate) if isinstance(rate, int | float) and not isinstance(rate, bool) else None,
         int(burst) if isinstance(burst, int | float) and not isinstance(burst, bool) else None,
     )
@@ -282,13 +308,15 @@ def retry_at(doc: Doc, now: dt.datetime) -> dt.datetime:
             have = refill(float(tokens), refilled, start, float(rate), float(burst or 1))
             ahead = (start - now).total_seconds()
             waits.append(ahead + wait_for_token(have, float(rate)))
-    concurrency = doc.get("concurrency")
+    concurrency = runs_at_once(doc.get("concurrency"))
     holders = [h for h in doc.get("holders") or () if isinstance(h, dict)]
     live = sorted(
         h["expires"]
         for h in holders
         if isinstance(h.get("expires"), dt.datetime) and h["expires"] > now
     )
-    if isinstance(concurrency, int) and len(live) >= concurrency and live:
+    if concurrency == 0:  # no slot frees: only a change of the limit (its event) lets one in
+        waits.append(NO_ROOM_WAIT.total_seconds())
+    elif concurrency is not None and len(live) >= concurrency:
         waits.append((live[len(live) - concurrency] - now).total_seconds())
     return now + dt.timedelta(seconds=max(waits) + 0.001)

@@ -42,7 +42,7 @@ from pymongo import UpdateOne
 from pymongo.errors import BulkWriteError
 
 from mtask.driver import DUPLICATE_KEY, Call, Doc, Op
-from mtask.limits import BUCKET_CLOCK_SLACK, GROUP_SEPARATOR, Limit, retry_at
+from mtask.limits import BUCKET_CLOCK_SLACK, GROUP_SEPARATOR, Limit, retry_at, runs_at_once
 from mtask.limits import is_lock as is_lock_limit
 from mtask.store.schema import literal
 
@@ -355,8 +355,8 @@ def decide(requests: Sequence[Request], docs: Mapping[str, Doc], now: dt.datetim
             else:
                 out.append(Taken(taken=False, retry_at=now))
             continue
-        concurrency = doc.get("concurrency")
-        if isinstance(concurrency, int) and not isinstance(concurrency, bool):
+        # as the take's pipeline decided: holders if the slot limits runs at once (a number)
+        if runs_at_once(doc.get("concurrency")) is not None:
             holders = doc.get("holders")
             held = isinstance(holders, list) and any(
                 isinstance(h, dict) and h.get("run_id") == request.run_id for h in holders
@@ -391,7 +391,7 @@ def extend(slot: str, run_id: str, now: dt.datetime, lease_ms: int) -> Op[bool]:
     if result.matched_count:
         return True
     there = yield Call("find_one", ({"_id": slot}, {"concurrency": 1}), collection="limits")
-    return there is None or not isinstance(there.get("concurrency"), int)
+    return there is None or runs_at_once(there.get("concurrency")) is None
 
 
 def release(by_slot: Mapping[str, Sequence[str]]) -> Op[None]:

@@ -9,15 +9,26 @@ import itertools
 from typing import Any
 
 import pytest
+from bson.decimal128 import Decimal128
+from bson.int64 import Int64
 from harness import T0, running_worker, wait_for
 from hypothesis import given
 from hypothesis import strategies as st
+from pymongo import MongoClient
 
 from mtask import TaskClient, slots
 from mtask.clock import FixedClock
 from mtask.driver import Op
 from mtask.errors import InvalidTask
-from mtask.limits import parse_rate, refill, wait_for_token
+from mtask.limits import (
+    MAX_LIMIT_CONCURRENCY,
+    NO_ROOM_WAIT,
+    own_limit,
+    parse_rate,
+    refill,
+    runs_at_once,
+    wait_for_token,
+)
 from mtask.registry import Registry
 from mtask.slots import Request, Taken, extend, take
 from mtask.worker.limit_gate import LimitGate
@@ -174,6 +185,67 @@ def test_changing_a_limit_keeps_the_slots_held(client: TaskClient) -> None:
     doc = client.limits()[0]
     assert doc["concurrency"] == 3 and [h["run_id"] for h in doc["holders"]] == ["r0"]
     assert doc["burst"] == 100 and doc["tokens"] == 100
+
+
+@given(
+    value=st.one_of(
+        st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=True, allow_infinity=True)
+    )
+)
+def test_runs_at_once_admits_what_the_servers_take_admits(value: float) -> None:
+    """The take adds a holder while there are fewer live holders than the stored number
+    (``slots._filter``, ``$lt``); ``runs_at_once`` is the most it admits."""
+    n = runs_at_once(value)
+    assert n is not None and 0 <= n <= MAX_LIMIT_CONCURRENCY
+    for size in {0, 1, n - 1, n, n + 1} - {-1}:
+        if size < MAX_LIMIT_CONCURRENCY:  # more than a document can hold
+            assert (size < value) == (size < n)
+
+
+@pytest.mark.parametrize(
+    ("value", "admitted"),
+    [
+        (3, 3),
+        (3.0, 3),  # what mongosh writes for 3
+        (Int64(3), 3),
+        (Decimal128("3"), 3),
+        (2.5, 3),
+        (0, 0),
+        (-1.5, 0),
+        (float("nan"), 0),
+        (float("inf"), 4),
+        ("3", None),
+        (True, None),
+    ],
+)
+def test_a_hand_written_concurrency_is_read_as_the_servers_take_reads_it(
+    mongo: MongoClient[dict[str, Any]],
+    db_name: str,
+    client: TaskClient,
+    value: Any,
+    admitted: int | None,
+) -> None:
+    """A limit document written by hand (mongosh writes ``3`` as a double): the worker reads
+    its concurrency as the take on the server does, so a take that adds a holder is reported
+    taken (else the name's tasks were never claimed) and a concurrency alone limits the name
+    (else it was not enforced)."""
+    limits = mongo[db_name].limits
+    bucket = {"rate": 100.0, "burst": 100, "tokens": 100.0, "refilled_at": T0}
+    limits.insert_one({"_id": "n", "concurrency": value, "holders": [], **bucket})
+    got = [client._run(acquire("n", f"r{i}", f"k{i}", "w", T0, 1000)) for i in range(4)]
+    held = [h["run_id"] for h in limits.find_one({"_id": "n"})["holders"]]
+    if admitted is None:  # no number: a rate alone, no place held
+        assert all(g.taken for g in got) and held == []
+    else:
+        assert [g.taken for g in got] == [i < admitted for i in range(4)]
+        assert held == [f"r{i}" for i in range(admitted) if i < 4]
+        refused = [g.retry_at for g in got if not g.taken]
+        after = NO_ROOM_WAIT if admitted == 0 else dt.timedelta(seconds=1)
+        assert refused == [T0 + after + dt.timedelta(milliseconds=1)] * len(refused)
+    limits.update_one({"_id": "n"}, {"$set": {"rate": None, "burst": None}})
+    alone = own_limit(limits.find_one({"_id": "n"}))
+    assert alone.set is (admitted is not None)
+    assert alone.concurrency == (None if admitted is None else runs_at_once(value))
 
 
 def _overlap(spans: list[tuple[float, float]]) -> int:

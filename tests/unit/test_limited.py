@@ -172,6 +172,17 @@ def test_what_a_slot_document_says_of_each_request() -> None:
     assert decide(requests[:1], {}, NOW) == [Taken(taken=True, limited=False)]
 
 
+def test_a_concurrency_written_as_a_double_is_read_from_the_holders() -> None:
+    """mongosh writes ``1`` as a double: the take's pipeline counts it a concurrency
+    (``$isNumber``) and adds the holder; so must ``decide``, or the take is reported refused."""
+    requests = [Request("n", "r1", "k1", 1000), Request("n", "r2", "k2", 1000)]
+    expires = NOW + dt.timedelta(seconds=2)
+    doc = {"concurrency": 1.0, "rate": 5.0, "holders": [{"run_id": "r1", "expires": expires}]}
+    got = decide(requests, {"n": doc}, NOW)
+    assert got[0] == Taken(taken=True)
+    assert not got[1].taken and got[1].retry_at == expires + dt.timedelta(milliseconds=1)
+
+
 @pytest.mark.parametrize(
     ("own", "group", "field"),
     [
@@ -187,6 +198,14 @@ def test_bad_group_limits_name_the_field(
     with pytest.raises(InvalidTask) as caught:
         limits.validate_limit("n", own, group)
     assert caught.value.field == field
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -2, float("nan")])
+def test_a_group_limit_admitting_no_run_is_no_lock(value: float) -> None:
+    """A lock's upsert needs room for at least one (``holders.{n - 1}``): one of none would
+    admit every run. It is refused on the exact path instead, as the server reads it."""
+    each = limits.group_limit({"group_concurrency": value})
+    assert each.concurrency == 0 and not limits.is_lock(each)
 
 
 def test_a_rate_only_slot_is_read_from_its_grants() -> None:
