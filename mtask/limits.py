@@ -228,7 +228,9 @@ def is_sequence(limit: Limit) -> bool:
 def set_limit(name: str, own: Limit, group: Limit, now: dt.datetime) -> Op[Doc]:
     """Create or change the limit of ``name`` (and of each of its groups). Slots held and
     tokens left are kept; a new bucket starts full. The groups' documents take the new
-    group limit at their next claim."""
+    group limit at their next claim. No run in flight is stopped: one granted only a token
+    under a rate alone takes a place at its next ping if a concurrency is added
+    (``slots.extend``), and counts towards it."""
     name, own, group = validate_limit(name, own, group)
     full = own.full()
     doc: Doc = yield Call(

@@ -25,6 +25,10 @@ limited names costs a few round trips more, not a few per key):
   noting the run id in ``granted`` (one limiting only a rate: the newest ``GRANTED_KEPT``),
   which one read then looks for.
 
+A run granted only a token holds no place; if its slot comes to limit runs at once while it
+runs (a concurrency added), its next ping gives it one (``extend``): a change of limit stops
+no run, and the runs in flight count towards the new one.
+
 A take sets ``taken_at``: the workers' change streams leave out those events (a slot taken
 frees none: nobody waiting for the slot needs to hear of it); a release, a new limit or a
 change of one reach them. A group's document is removed by MongoDB's TTL monitor
@@ -92,6 +96,9 @@ class Taken:
     taken: bool
     limited: bool = True
     retry_at: dt.datetime | None = None
+    holder: bool = False
+    """Taken as one of the slot's holders (it limits runs at once); ``False``: only granted a
+    token (it limits only a rate), so the run holds no place there (``extend``'s ``joins``)."""
 
 
 def _bucket(now: dt.datetime) -> tuple[Doc, Doc]:
@@ -273,7 +280,7 @@ def take(
         refused = yield from _take_locks([requests[i] for i in locks], worker_id, now, known)
         for j, i in enumerate(locks):
             if j not in refused:
-                out[i] = Taken(taken=True)
+                out[i] = Taken(taken=True, holder=True)
     rest = [i for i, t in enumerate(out) if t is None]
     if rest:
         got = yield from _take_exact([requests[i] for i in rest], worker_id, now, known)
@@ -356,7 +363,8 @@ def decide(requests: Sequence[Request], docs: Mapping[str, Doc], now: dt.datetim
                 out.append(Taken(taken=False, retry_at=now))
             continue
         # as the take's pipeline decided: holders if the slot limits runs at once (a number)
-        if runs_at_once(doc.get("concurrency")) is not None:
+        holder = runs_at_once(doc.get("concurrency")) is not None
+        if holder:
             holders = doc.get("holders")
             held = isinstance(holders, list) and any(
                 isinstance(h, dict) and h.get("run_id") == request.run_id for h in holders
@@ -365,33 +373,78 @@ def decide(requests: Sequence[Request], docs: Mapping[str, Doc], now: dt.datetim
             granted = doc.get("granted")
             held = isinstance(granted, list) and request.run_id in granted
         if held:
-            out.append(Taken(taken=True))
+            out.append(Taken(taken=True, holder=holder))
         else:
             out.append(Taken(taken=False, retry_at=retry_at(doc, now)))
     return out
 
 
-def extend(slot: str, run_id: str, now: dt.datetime, lease_ms: int) -> Op[bool]:
-    """Keep a run's slot as long as its lease (called by the lease pinger with each ping); a
-    group's document is kept for ``GROUP_TTL`` more.
+def extend(
+    request: Request, worker_id: str, now: dt.datetime, joins: bool = False
+) -> Op[bool | None]:
+    """Keep a run's place in its slot as long as its lease (``request.lease_ms`` from ``now``;
+    called by the lease pinger with each ping); a group's document is kept for ``GROUP_TTL``
+    more. ``joins``: the run holds no place there (its take only granted it a token, or its
+    slot stopped limiting runs at once): it takes one if the slot limits runs at once now.
 
-    Returns whether the run may go on: ``False`` if the slot still limits runs at once and no
-    longer holds the run. Its lease ran out (the worker was frozen, or cut off from MongoDB,
-    past it) and another run took its place, while nobody took the task: the run holds no slot,
-    and must stop, or the slot's runs would be one more than its limit. A slot whose document
-    is gone (its limit cleared), or that now limits only a rate, holds no runs: ``True``."""
-    sets: Doc = {"holders.$.expires": now + dt.timedelta(milliseconds=lease_ms)}
-    if is_group_slot(slot):
-        sets["expire_at"] = expire_at(now)
+    Returns ``True`` if the run holds its place (kept, or taken now), ``None`` if the slot
+    limits no runs at once (its document is gone: its limit cleared; or it limits only a rate)
+    and so holds none, and ``False`` if the run held a place there and lost it: its lease ran
+    out (the worker was frozen, or cut off from MongoDB, past it) and another run took its
+    place, while nobody took the task. It must stop, or the slot's runs would be one more than
+    its limit.
+
+    A run that joins is never refused, even by a slot that is full: a concurrency added to a
+    limit of a rate alone (or lowered) applies to the runs that start from then on, and runs in
+    flight are not stopped by a change of limit; they count towards it (new runs wait until
+    fewer than the limit run), as the places kept by a limit lowered do (``set_limit``)."""
+    group: Doc = {"expire_at": expire_at(now)} if is_group_slot(request.slot) else {}
+    if joins:
+        # one update: the run's place kept if it has one, else taken if the slot (still there)
+        # limits runs at once; a slot limiting only a rate, or gone, matches nothing
+        others = {"$ne": ["$$h.run_id", literal(request.run_id)]}
+        result = yield Call(
+            "update_one",
+            (
+                {
+                    "_id": request.slot,
+                    "holders": {"$type": "array"},
+                    "$or": [
+                        {"holders.run_id": request.run_id},
+                        {"$expr": {"$isNumber": "$concurrency"}},
+                    ],
+                },
+                [
+                    {
+                        "$set": {
+                            "holders": {
+                                "$concatArrays": [
+                                    {"$filter": {"input": "$holders", "as": "h", "cond": others}},
+                                    [literal(_holder(request, worker_id, now))],
+                                ]
+                            },
+                            **group,
+                        }
+                    }
+                ],
+            ),
+            collection="limits",
+        )
+        return True if result.matched_count else None
     result = yield Call(
         "update_one",
-        ({"_id": slot, "holders.run_id": run_id}, {"$set": sets}),
+        (
+            {"_id": request.slot, "holders.run_id": request.run_id},
+            {"$set": {"holders.$.expires": _holder(request, worker_id, now)["expires"]} | group},
+        ),
         collection="limits",
     )
     if result.matched_count:
         return True
-    there = yield Call("find_one", ({"_id": slot}, {"concurrency": 1}), collection="limits")
-    return there is None or runs_at_once(there.get("concurrency")) is None
+    there = yield Call("find_one", ({"_id": request.slot}, {"concurrency": 1}), collection="limits")
+    if there is None or runs_at_once(there.get("concurrency")) is None:
+        return None
+    return False
 
 
 def release(by_slot: Mapping[str, Sequence[str]]) -> Op[None]:

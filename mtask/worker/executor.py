@@ -91,10 +91,17 @@ class Executor:
         self.deadlines = Deadlines(pinger, inflight.active, self._lease_ran_out)
         """One timer for every run's local deadline (its lease's end by this clock)."""
 
-    def start(self, doc: dict[str, Any], sent: float, slots: tuple[str, ...] = ()) -> None:
+    def start(
+        self,
+        doc: dict[str, Any],
+        sent: float,
+        slots: tuple[str, ...] = (),
+        tokens: frozenset[str] = frozenset(),
+    ) -> None:
         """Run a claimed task: ``sent`` is when (monotonic) the claim that took it began,
         before it read the time its leases end from; ``slots`` the limit slots the run holds
-        (a name's, a group's, a sequence's lock)."""
+        (a name's, a group's, a sequence's lock), ``tokens`` those of them it was only granted
+        a token of (``slots.Taken.holder``)."""
         run_id = doc["claim_run_id"]
         options = doc["options"]
         loop = asyncio.get_running_loop()
@@ -132,6 +139,7 @@ class Executor:
             options["worker_timeout_ms"],
             sent,
             slots=tuple(s for s in slots if not limits.is_claim_lock(s)) if slots else (),
+            tokens=tokens,
         )
         run.task = asyncio.create_task(self.execute(run, doc), name=f"mtask-run-{run.key}")
         self.deadlines.watch(run)

@@ -6,13 +6,15 @@ a thread, so pings keep flowing while a handler hogs the event loop or holds the
 while. A ping that matches nothing means the run lost the task;
 the pinger reports it (``on_lost``) and forgets the run. A run's limit slots are extended with
 its lease; one found taken by another run (``slots.extend``) is reported (``on_slot_lost``),
-and the run forgotten too. A changed ping interval applies from the next ping. A frozen
-process (SIGSTOP) freezes this thread too, so its leases run out and the runs are preempted,
-as they must be. A lease past its local deadline is never pinged again: a ping sent after it
-(the thawed thread's first) would extend on the server a lease whose run has already stopped
-by its own clock (``mtask.worker.deadlines``), and let that run's outcome be recorded.
-``watch`` passes each renewal on as it happens: a process-isolated run's
-child follows its lease that way, and stops itself when it runs out unrenewed
+and the run forgotten too. A run that holds no place in a slot (granted only a token by a
+slot limiting only a rate) takes one when the slot comes to limit runs at once: a concurrency
+added later counts it, and does not stop it. A changed ping interval applies from the next
+ping. A frozen process (SIGSTOP) freezes this thread too, so its leases run out and the runs
+are preempted, as they must be. A lease past its local deadline is never pinged again: a ping
+sent after it (the thawed thread's first) would extend on the server a lease whose run has
+already stopped by its own clock (``mtask.worker.deadlines``), and let that run's outcome be
+recorded. ``watch`` passes each renewal on as it happens: a process-isolated run's child
+follows its lease that way, and stops itself when it runs out unrenewed
 (``mtask.worker.pool_child``).
 
 Ownership: ``_leases`` is shared between the event loop's thread (``add``, ``remove``,
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 import threading
 import time
@@ -36,6 +39,7 @@ from typing import Any, ClassVar
 from mtask import driver, store
 from mtask.clock import Clock
 from mtask.errors import StorageError
+from mtask.slots import Request
 from mtask.slots import extend as extend_slot
 
 log = logging.getLogger(__name__)
@@ -92,6 +96,10 @@ class _Lease:
     overdue_logged: bool = False
     slots: tuple[str, ...] = ()
     """The limit slots this run holds (a name's, a group's): extended with each ping."""
+    joins: set[str] = field(default_factory=set)
+    """Those of ``slots`` where the run holds no place (its take only granted it a token, or the
+    slot stopped limiting runs at once): it takes one if the slot limits runs at once now
+    (``slots.extend``). Written by the pinger's thread only (and by ``add``)."""
     paused: bool = False
     """Not pinged: the run's transaction is open (``pause``)."""
     watchers: list[Callable[[float], None]] = field(default_factory=list)
@@ -152,10 +160,12 @@ class LeasePinger:
         worker_timeout_ms: int,
         claim_sent: float,
         slots: tuple[str, ...] = (),
+        tokens: frozenset[str] = frozenset(),
     ) -> None:
         """Ping a run's lease from now on; ``claim_sent`` is when (monotonic) the claim that
         took it began, before it read the time its lease ends from, so the lease cannot end
-        before ``claim_sent + timeout``."""
+        before ``claim_sent + timeout``. ``slots``: its limit slots, extended with it;
+        ``tokens``: those it was only granted a token of (``slots.Taken.holder``)."""
         now = time.monotonic()
         interval = ping_every(ping_interval_ms, worker_timeout_ms)
         timeout = worker_timeout_ms / 1000
@@ -169,6 +179,7 @@ class LeasePinger:
                 now,
                 claim_sent + timeout,
                 slots=slots,
+                joins=set(tokens),
             )
             # wake the thread only if this ping is due before it wakes anyway: a woken thread
             # takes the GIL from the event loop, on every claim
@@ -260,6 +271,22 @@ class LeasePinger:
             for lease in due:
                 self._ping(lease)
 
+    def _ping_slots(self, lease: _Lease, server_now: dt.datetime, lease_ms: int) -> str | None:
+        """Extend the run's places in its limit slots (``slots.extend``); returns the first slot
+        it held a place in and lost, if any (the rest are not pinged: the run stops)."""
+        for slot in lease.slots:
+            request = Request(slot, lease.run_id, lease.key, lease_ms)
+            held = self._driver.run(
+                extend_slot(request, self._worker_id, server_now, slot in lease.joins)
+            )
+            if held is False:
+                return slot
+            if held:
+                lease.joins.discard(slot)
+            else:  # the slot limits no runs at once: the run holds no place there
+                lease.joins.add(slot)
+        return None
+
     def _ping(self, lease: _Lease) -> None:
         sent = time.monotonic()
         if lease.paused or sent >= lease.expires:  # paused, or ran out, since it was found due
@@ -275,10 +302,7 @@ class LeasePinger:
                 status = self._driver.run(store.get_status(lease.key))
             elif lease.slots:
                 ms = int(doc.get("options", {}).get("worker_timeout_ms", lease.timeout * 1000))
-                for slot in lease.slots:
-                    if not self._driver.run(extend_slot(slot, lease.run_id, server_now, ms)):
-                        slot_lost = slot
-                        break
+                slot_lost = self._ping_slots(lease, server_now, ms)
         except StorageError as exc:
             if not self._failing:
                 log.warning("cannot ping leases, retrying: %s", exc, extra={"key": lease.key})

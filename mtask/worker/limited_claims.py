@@ -142,14 +142,14 @@ class LimitedClaims:
                     for run_id in filter(None, (r.run_id, r.replaces)):
                         self.recorder.release_slot(r.slot, run_id)
             else:
-                go, held = self._granted(claims, taken, waits)
+                go, held, tokens = self._granted(claims, taken, waits)
                 hints = {
                     h["_id"]: t
                     for h in heads.values()
                     if isinstance(t := h.get("worker_timeout_ms"), int)
                 }
                 missed = await self._claim_granted(
-                    go, held, plan, names, now, sent, batch, hints, waits, requeue
+                    go, held, tokens, plan, names, now, sent, batch, hints, waits, requeue
                 )
         for wait in waits:  # no longer claiming: they may be queued again
             self.gate.block(wait.slot, wait.key, wait.until, now)
@@ -165,12 +165,14 @@ class LimitedClaims:
         claims: list[tuple[str, list[slots.Request]]],
         taken: list[slots.Taken],
         waits: list[limited.Wait],
-    ) -> tuple[list[str], dict[str, tuple[str, ...]]]:
-        """The keys whose slots were all granted, and the slots each holds; the others give
-        back what they got and wait for the slot that refused them."""
+    ) -> tuple[list[str], dict[str, tuple[str, ...]], dict[str, frozenset[str]]]:
+        """The keys whose slots were all granted, the slots each holds, and those of them it
+        was only granted a token of (``slots.Taken.holder``); the others give back what they
+        got and wait for the slot that refused them."""
         results = iter(taken)
         go: list[str] = []
         held: dict[str, tuple[str, ...]] = {}
+        tokens: dict[str, frozenset[str]] = {}
         for key, requests in claims:
             got = [(r, next(results)) for r in requests]
             for request, t in got:
@@ -179,18 +181,20 @@ class LimitedClaims:
             if all(t.taken for _, t in got):
                 go.append(key)
                 held[key] = tuple(r.slot for r, t in got if t.limited)
+                tokens[key] = frozenset(r.slot for r, t in got if t.limited and not t.holder)
                 continue
             for request, t in got:
                 if t.taken and t.limited:
                     self.recorder.release_slot(request.slot, request.run_id)
             request, refusal = next((r, t) for r, t in got if not t.taken)
             waits.append(limited.Wait(key, request.slot, refusal.retry_at))
-        return go, held
+        return go, held, tokens
 
     async def _claim_granted(
         self,
         keys: list[str],
         held: dict[str, tuple[str, ...]],
+        tokens: dict[str, frozenset[str]],
         plan: limited.Plan,
         names: list[str],
         now: dt.datetime,
@@ -231,7 +235,8 @@ class LimitedClaims:
             key = doc["_id"]
             self.gate.unblock([key])
             lock = plan.locked.get(key)
-            self.executor.start(doc, sent, held.get(key, ()) + ((lock,) if lock else ()))
+            runs_in = held.get(key, ()) + ((lock,) if lock else ())
+            self.executor.start(doc, sent, runs_in, tokens.get(key, frozenset()))
             self.sink.claimed(doc)
             self.stats.claimed += 1
         claimed = {d["_id"] for d in docs}

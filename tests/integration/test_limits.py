@@ -9,6 +9,7 @@ import itertools
 from typing import Any
 
 import pytest
+import workerapp
 from bson.decimal128 import Decimal128
 from bson.int64 import Int64
 from harness import T0, running_worker, wait_for
@@ -18,11 +19,13 @@ from pymongo import MongoClient
 
 from mtask import TaskClient, slots
 from mtask.clock import FixedClock
-from mtask.driver import Op
+from mtask.driver import Call, Op
 from mtask.errors import InvalidTask
 from mtask.limits import (
     MAX_LIMIT_CONCURRENCY,
     NO_ROOM_WAIT,
+    Limit,
+    group_slot,
     own_limit,
     parse_rate,
     refill,
@@ -43,6 +46,11 @@ def acquire(
 
 def release(slot: str, run_ids: list[str]) -> Op[None]:
     yield from slots.release({slot: run_ids})
+
+
+def slots_doc(slot: str) -> Op[Any]:
+    doc = yield Call("find_one", ({"_id": slot},), collection="limits")
+    return doc
 
 
 @given(
@@ -109,21 +117,21 @@ def test_concurrency_slots_are_taken_atomically_and_run_out(client: TaskClient) 
     client._run(release("n", ["r0"]))
     assert client._run(acquire("n", "r3", "k3", "w", now, 1000)).taken
     # slots are leases: extended by the pinger, otherwise they run out (the worker died)
-    client._run(extend("n", "r1", now + dt.timedelta(milliseconds=900), 1000))
+    client._run(extend(Request("n", "r1", "k1", 1000), "w", now + dt.timedelta(milliseconds=900)))
     later = now + dt.timedelta(milliseconds=1000)  # r3's slot ends; r1's was extended
     assert client._run(acquire("n", "r4", "k4", "w", later, 1000)).taken
     assert not client._run(acquire("n", "r5", "k5", "w", later, 1000)).taken
     holders = {h["run_id"] for h in client.limits()[0]["holders"]}
     assert holders == {"r1", "r4"}
     # extend says whether the run may go on: r3's place was taken (r4), r1 still holds one
-    assert client._run(extend("n", "r1", later, 1000)) is True
-    assert client._run(extend("n", "r3", later, 1000)) is False
+    assert client._run(extend(Request("n", "r1", "k1", 1000), "w", later)) is True
+    assert client._run(extend(Request("n", "r3", "k3", 1000), "w", later)) is False
     client.set_limit("n", rate=5.0)  # a rate alone counts no runs at once
     assert client._run(acquire("n", "r6", "k6", "w", later, 1000)).taken
     assert client.limits()[0]["holders"] == []
-    assert client._run(extend("n", "r1", later, 1000)) is True
+    assert client._run(extend(Request("n", "r1", "k1", 1000), "w", later)) is None
     assert client.clear_limit("n")  # no limit any more: nothing to hold
-    assert client._run(extend("n", "r1", later, 1000)) is True
+    assert client._run(extend(Request("n", "r1", "k1", 1000), "w", later, joins=True)) is None
 
 
 def test_rate_tokens_refill_by_the_given_clock(mongo_uri: str, db_name: str) -> None:
@@ -187,6 +195,55 @@ def test_changing_a_limit_keeps_the_slots_held(client: TaskClient) -> None:
     assert doc["burst"] == 100 and doc["tokens"] == 100
 
 
+def test_a_concurrency_added_to_a_rate_counts_the_runs_in_flight_and_stops_none(
+    client: TaskClient,
+) -> None:
+    """Runs taken under a rate alone hold no place among the holders (only a token). A
+    concurrency added later must not stop them at their next ping as if another run had taken
+    their place (every run in flight was given back): each takes a place, even beyond the new
+    limit — runs in flight are not stopped by a change of limit, as when one is lowered — and
+    counts towards it."""
+    client.set_limit("n", rate=100.0)
+    got = [client._run(acquire("n", f"r{i}", f"k{i}", "w", T0, 60_000)) for i in range(2)]
+    assert all(g.taken and not g.holder for g in got)  # a token, no place
+    client.set_limit("n", concurrency=1, rate=100.0)
+    for i in range(2):  # what the pinger does for a slot it was only granted a token of
+        joined = extend(Request("n", f"r{i}", f"k{i}", 60_000), "w", T0, joins=True)
+        assert client._run(joined) is True
+    holders = client.limits()[0]["holders"]
+    assert [(h["run_id"], h["key"], h["worker_id"]) for h in holders] == [
+        ("r0", "k0", "w"),
+        ("r1", "k1", "w"),
+    ]
+    assert holders[0]["expires"] == T0 + dt.timedelta(seconds=60)
+    # now held like any place: kept by the next pings, and counted
+    later = T0 + dt.timedelta(seconds=1)
+    assert client._run(extend(Request("n", "r0", "k0", 60_000), "w", later)) is True
+    assert client._run(extend(Request("n", "r1", "k1", 60_000), "w", later, joins=True))
+    assert [h["run_id"] for h in client.limits()[0]["holders"]] == ["r0", "r1"]
+    assert not client._run(acquire("n", "r2", "k2", "w", later, 60_000)).taken
+    client._run(release("n", ["r0", "r1"]))
+    assert client._run(acquire("n", "r3", "k3", "w", later, 60_000)).holder
+
+
+def test_a_group_concurrency_added_to_a_group_rate_counts_the_runs_in_flight(
+    client: TaskClient,
+) -> None:
+    """The same for a group: its document limits runs at once from the first take that writes
+    the new ``group_concurrency`` into it; the runs granted a token before then join."""
+    slot = group_slot("n", "g")
+    rate, both = Limit(rate=100.0), Limit(concurrency=1, rate=100.0)
+    old = client._run(take([Request(slot, "r0", "k0", 60_000, limit=rate)], "w", T0))[0]
+    assert old.taken and not old.holder
+    assert client._run(extend(Request(slot, "r0", "k0", 60_000), "w", T0, joins=True)) is None
+    new = client._run(take([Request(slot, "r1", "k1", 60_000, limit=both)], "w", T0))[0]
+    assert new.taken and new.holder  # the group's document now limits runs at once
+    assert client._run(extend(Request(slot, "r0", "k0", 60_000), "w", T0, joins=True)) is True
+    doc = client._run(slots_doc(slot))
+    assert [h["run_id"] for h in doc["holders"]] == ["r1", "r0"]  # beyond the limit: counted
+    assert not client._run(take([Request(slot, "r2", "k2", 60_000, limit=both)], "w", T0))[0].taken
+
+
 @given(
     value=st.one_of(
         st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=True, allow_infinity=True)
@@ -235,9 +292,10 @@ def test_a_hand_written_concurrency_is_read_as_the_servers_take_reads_it(
     got = [client._run(acquire("n", f"r{i}", f"k{i}", "w", T0, 1000)) for i in range(4)]
     held = [h["run_id"] for h in limits.find_one({"_id": "n"})["holders"]]
     if admitted is None:  # no number: a rate alone, no place held
-        assert all(g.taken for g in got) and held == []
+        assert all(g.taken and not g.holder for g in got) and held == []
     else:
         assert [g.taken for g in got] == [i < admitted for i in range(4)]
+        assert all(g.holder for g in got if g.taken)
         assert held == [f"r{i}" for i in range(admitted) if i < 4]
         refused = [g.retry_at for g in got if not g.taken]
         after = NO_ROOM_WAIT if admitted == 0 else dt.timedelta(seconds=1)
@@ -309,6 +367,38 @@ async def test_a_new_limit_is_known_to_running_workers_on_its_event(
         client.publish_many([{"name": "limited", "key": f"k{i}"} for i in range(12)])
         await asyncio.wait_for(done.wait(), 30)
     assert _overlap(spans) == 1
+
+
+async def test_runs_in_flight_under_a_rate_go_on_when_a_concurrency_is_added(
+    mongo: MongoClient[dict[str, Any]], mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """Two long runs under a rate alone; a concurrency is added. Their next pings stopped both
+    as "slot lost" and gave their tasks back (though no other run took a place): instead each
+    takes a place, and keeps it with the pings after."""
+    db = mongo[db_name]
+    client.set_limit("sleep", rate=100.0)
+    options = {"ping_interval_ms": 100, "worker_timeout_ms": 30_000}
+    for key in ("a", "b"):
+        client.publish("sleep", key, {"seconds": 3600}, options=options)
+    async with running_worker(workerapp.registry, mongo_uri, db_name, concurrency=4) as (
+        worker,
+        events,
+    ):
+        await events.wait("claimed", key="a")
+        await events.wait("claimed", key="b")
+        runs = {db.tasks.find_one({"_id": k})["runs"][0]["run_id"] for k in ("a", "b")}
+
+        def holders() -> dict[str, dt.datetime]:
+            doc = db.limits.find_one({"_id": "sleep"}) or {}
+            return {h["run_id"]: h["expires"] for h in doc.get("holders", ())}
+
+        client.set_limit("sleep", concurrency=1, rate=100.0)  # fewer than the runs in flight
+        await wait_for(lambda: holders().keys() == runs or events.matching("released"))
+        assert not events.matching("released") and worker.stats.slots_lost == 0
+        first = holders()
+        await wait_for(lambda: all(e > first[r] for r, e in holders().items()))  # pinged on
+        assert not events.matching("released") and worker.stats.slots_lost == 0
+        assert db.tasks.count_documents({"status": "running"}) == 2
 
 
 async def test_keys_held_back_by_a_rate_come_back_on_time(

@@ -55,7 +55,7 @@ class Started:
         """When each run's local deadline counts from (``Executor.start``'s ``sent``)."""
         self.inflight = inflight
 
-    def start(self, doc: dict[str, Any], sent: float, slot: Any = None) -> None:
+    def start(self, doc: dict[str, Any], sent: float, slot: Any = None, tokens: Any = None) -> None:
         self.busy_when_started.append(self.inflight.busy(doc["_id"]))
         self.docs.append(doc)
         self.sent.append(sent)

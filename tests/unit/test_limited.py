@@ -165,7 +165,7 @@ def test_what_a_slot_document_says_of_each_request() -> None:
         }
     }
     got = decide(requests, docs, NOW)
-    assert got[0] == Taken(taken=True)
+    assert got[0] == Taken(taken=True, holder=True)
     assert not got[1].taken and got[1].retry_at is not None
     assert got[1].retry_at >= NOW + dt.timedelta(seconds=2)  # when the holder's lease ends
     # no document: the name's limit is gone (claim without a slot)
@@ -179,7 +179,7 @@ def test_a_concurrency_written_as_a_double_is_read_from_the_holders() -> None:
     expires = NOW + dt.timedelta(seconds=2)
     doc = {"concurrency": 1.0, "rate": 5.0, "holders": [{"run_id": "r1", "expires": expires}]}
     got = decide(requests, {"n": doc}, NOW)
-    assert got[0] == Taken(taken=True)
+    assert got[0] == Taken(taken=True, holder=True)
     assert not got[1].taken and got[1].retry_at == expires + dt.timedelta(milliseconds=1)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from types import SimpleNamespace
 from typing import cast
 
 from harness import T0
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from scripted import ScriptedDriver, Step
 
 from mtask.clock import FixedClock
-from mtask.driver import MODIFY_ONCE, SyncDriver
+from mtask.driver import MODIFY_ONCE, Call, SyncDriver
 from mtask.worker.lease import LeasePinger, ping_every
 
 
@@ -63,3 +64,43 @@ def test_the_default_ping_interval_is_shortened_to_a_third_of_a_short_lease() ->
     pinger._ping(lease)
     assert driver.done and lease.interval == 1.0 and lease.next_at <= time.monotonic() + 1.0
     assert lease.next_at >= before + 1.0
+
+
+def test_a_run_granted_only_a_token_takes_a_place_when_its_slot_comes_to_limit_runs() -> None:
+    """A run taken under a rate alone holds no place among the slot's holders. Its pings ask
+    to join (``slots.extend``'s ``joins``): nothing while the slot limits only a rate; a place
+    once a concurrency was added, which it then keeps as any holder — and loses as any holder
+    (reported, the run stops) if another run takes it after its lease there ran out."""
+    options = {"options": {"ping_interval_ms": 100, "worker_timeout_ms": 30_000}}
+    lost: list[tuple[str, str]] = []
+    driver = ScriptedDriver()
+    pinger = LeasePinger(
+        cast(SyncDriver, driver),
+        "w1",
+        FixedClock(T0),
+        lambda r, d: None,
+        lambda r, s: lost.append((r, s)),
+    )
+    pinger.add("k", "r1", 100, 30_000, time.monotonic(), slots=("n",), tokens=frozenset({"n"}))
+    lease = pinger._leases["r1"]
+
+    def joins(call: Call) -> None:
+        assert "$or" in call.args[0] and isinstance(call.args[1], list)  # the pipeline update
+
+    def keeps(call: Call) -> None:
+        assert call.args[0] == {"_id": "n", "holders.run_id": "r1"}
+
+    def ping(*slot_steps: Step) -> None:
+        driver.expect(Step(MODIFY_ONCE, options), *slot_steps)
+        pinger._ping(lease)
+        assert driver.done
+
+    ping(Step("update_one", SimpleNamespace(matched_count=0), collection="limits", check=joins))
+    assert lease.joins == {"n"} and not lost  # a rate alone: goes on, holding no place
+    ping(Step("update_one", SimpleNamespace(matched_count=1), collection="limits", check=joins))
+    assert lease.joins == set() and not lost  # a concurrency now: it took a place
+    ping(
+        Step("update_one", SimpleNamespace(matched_count=0), collection="limits", check=keeps),
+        Step("find_one", {"_id": "n", "concurrency": 1.0}, collection="limits"),
+    )
+    assert lost == [("r1", "n")] and "r1" not in pinger._leases
