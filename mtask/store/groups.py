@@ -1,15 +1,24 @@
 """Groups of a name (``options.group``): the next task of each sequence, and the largest
-groups, each read from the ``group_open`` index (open grouped tasks only, in publish order)."""
+groups, each read from the ``group_open`` index (open grouped tasks only, in publish order;
+a sequence's lock holder from the ``group_lock`` index)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from mtask.driver import Call, Doc, Op
-from mtask.store.schema import OPEN_LIST
+from mtask.driver import Call, Doc, Op, gather
+from mtask.store.schema import GROUP_LOCK, OPEN_LIST
 
 MAX_TOP = 100
+HEAD_FIELDS = {
+    "name": 1,
+    "options.group": 1,
+    "options.worker_timeout_ms": 1,
+    "status": 1,
+    "next_claim_at": 1,
+}
+"""What ``heads`` reads of a group's lock holder."""
 
 
 def _open(names: Sequence[str] | None, groups: Sequence[str] | None = None) -> Doc:
@@ -25,43 +34,73 @@ def _open(names: Sequence[str] | None, groups: Sequence[str] | None = None) -> D
 
 
 def heads(pairs: Sequence[tuple[str, str]]) -> Op[dict[tuple[str, str], Doc]]:
-    """The first open task, in publish order, of each ``(name, group)``: the only one of a
-    sequence that may run. Groups with no open task are absent. Returns ``_id``, ``status``,
-    ``next_claim_at`` and ``worker_timeout_ms`` of each."""
+    """The next task of each ``(name, group)``, the only one of a sequence that may run: the
+    open task that holds the group's lock (``group_lock``: it started and goes on first,
+    whether it runs, waits for a retry, sleeps, or was left by a worker that died), else the
+    first open task in publish order. Groups with no open task are absent. Returns ``_id``,
+    ``status``, ``next_claim_at`` and ``worker_timeout_ms`` of each.
+
+    Two reads sent at once (``gather``): the first tasks through the ``group_open`` index, the
+    holders through the ``group_lock`` index (one key per group at most)."""
     if not pairs:
         return {}
     names = sorted({n for n, _ in pairs})
     groups = sorted({g for _, g in pairs})
-    docs: list[Doc] = yield Call(
-        "aggregate",
-        (
-            [
-                {"$match": _open(names, groups)},
-                {"$sort": {"name": 1, "options.group": 1, "publish_seq": 1, "_id": 1}},
-                {
-                    "$group": {
-                        "_id": {"name": "$name", "group": "$options.group"},
-                        "key": {"$first": "$_id"},
-                        "status": {"$first": "$status"},
-                        "next_claim_at": {"$first": "$next_claim_at"},
-                        "timeout": {"$first": "$options.worker_timeout_ms"},
-                    }
-                },
-            ],
+    match = _open(names, groups)
+    firsts, holders = yield gather(
+        Call(
+            "aggregate",
+            (
+                [
+                    {"$match": match},
+                    {"$sort": {"name": 1, "options.group": 1, "publish_seq": 1, "_id": 1}},
+                    {
+                        "$group": {
+                            "_id": {"name": "$name", "group": "$options.group"},
+                            "key": {"$first": "$_id"},
+                            "status": {"$first": "$status"},
+                            "next_claim_at": {"$first": "$next_claim_at"},
+                            "timeout": {"$first": "$options.worker_timeout_ms"},
+                        }
+                    },
+                ],
+            ),
+        ),
+        Call(
+            "find",
+            ({**match, GROUP_LOCK: True}, HEAD_FIELDS),
+            {"hint": GROUP_LOCK},
         ),
     )
     wanted = set(pairs)
     out: dict[tuple[str, str], Doc] = {}
-    for doc in docs:
-        pair = (doc["_id"].get("name"), doc["_id"].get("group"))
-        if pair in wanted:
-            out[pair] = {
-                "_id": doc["key"],
-                "status": doc["status"],
-                "next_claim_at": doc["next_claim_at"],
-                "worker_timeout_ms": doc.get("timeout"),
-            }
+    for doc in firsts:
+        _head(out, wanted, doc["_id"], doc["key"], doc, doc.get("timeout"))
+    for doc in holders:  # the holder goes first
+        options = doc.get("options")
+        if isinstance(options, dict):
+            group = {"name": doc.get("name"), "group": options.get("group")}
+            _head(out, wanted, group, doc["_id"], doc, options.get("worker_timeout_ms"))
     return out
+
+
+def _head(
+    out: dict[tuple[str, str], Doc],
+    wanted: set[tuple[str, str]],
+    group: Doc,
+    key: Any,
+    doc: Doc,
+    timeout: Any,
+) -> None:
+    """``key`` is the head of ``group`` (``{name, group}``), if that is one of ``wanted``."""
+    pair = (group.get("name"), group.get("group"))
+    if pair in wanted:
+        out[pair] = {
+            "_id": key,
+            "status": doc.get("status"),
+            "next_claim_at": doc.get("next_claim_at"),
+            "worker_timeout_ms": timeout,
+        }
 
 
 def largest(names: Sequence[str] | None = None, top: int = 10) -> Op[list[dict[str, Any]]]:

@@ -2,12 +2,13 @@
 
 A key of a limited name asks for the name's slot (if the name itself is limited) and for its
 group's slot (if the name limits its groups and the task has a group). In a **sequence** (a
-name whose ``group_concurrency`` is 1) only the group's first open task in publish order may
-run (``store.groups.heads``): a key that is not its group's head waits for its turn, and the
-head is claimed in its place if it is due. A sequence with no group rate has no slot: its head
-is claimed with its group's lock (``store.claim_locked``, ``Plan.locked``), and its keys wait
-for that lock (``limits.claim_lock``). A batch never asks a slot for more runs than it allows
-at once; the rest wait for it. The server decides: the slots' atomic updates, then the claim.
+name whose ``group_concurrency`` is 1) only the group's head may run (``store.groups.heads``:
+the task that holds its lock, else its first open task in publish order): a key that is not
+its group's head waits for its turn, and the head is claimed in its place if it is due. A
+sequence with no group rate has no slot: its head is claimed with its group's lock
+(``store.claim_locked``, ``Plan.locked``), and its keys wait for that lock
+(``limits.claim_lock``). A batch never asks a slot for more runs than it allows at once; the
+rest wait for it. The server decides: the slots' atomic updates, then the claim.
 """
 
 from __future__ import annotations

@@ -246,3 +246,53 @@ async def test_a_run_whose_slot_another_run_took_is_stopped_and_given_back(
     assert doc["failures"] == 0  # no retry spent
     # claimed again in the room left (the other run holds one place of two)
     assert doc["runs"][1]["state"] in ("RUNNING", "RELEASED")
+
+
+@pytest.mark.parametrize("why", ["retried", "taken_over"])
+async def test_a_sequence_runs_the_task_holding_its_lock_first_whatever_its_place(
+    mongo_uri: str, mongo: MongoClient[Any], db_name: str, client: TaskClient, why: str
+) -> None:
+    """A task keeps its group's lock while it is open, running or not (waiting for its retry,
+    left by a worker that died), and a task with an earlier place can become open meanwhile:
+    one reopened by ``retry`` or one whose publisher's clock put it first. The holder is the
+    group's head: it runs first, then the other (claiming the earlier task first failed on
+    the lock for ever, and nothing claimed the holder: neither ran again)."""
+    db = mongo[db_name]
+    driver = SyncDriver(collections(db))
+    client.set_limit("sleep", group_concurrency=1)
+    quick = {"seconds": 0.01}
+    if why == "retried":  # k1 failed for good; k2 failed and waits for its retry, holding g
+        client.publish("sleep", "k1", quick, options={"group": "g"})
+        client.publish("sleep", "k2", quick, options={"group": "g", "retry_delay_ms": 0})
+        for key, permanent in (("k1", True), ("k2", False)):
+            docs, busy, _ = driver.run(
+                store.claim_locked({key: ("sleep", "g")}, ["sleep"], "w", client.now())
+            )
+            assert [d["_id"] for d in docs] == [key] and not busy
+            failed = Outcome(key, docs[0]["claim_run_id"], RunState.FAIL, permanent=permanent)
+            assert driver.run(store.finish_many([failed], client.now())) == 1
+        client.retry("k1")  # reopened by an operator: earlier in publish order than k2
+        holder, other = "k2", "k1"
+    else:  # the holder's worker died; a task published with an earlier place appears
+        client.publish("sleep", "late", quick, options={"group": "g"})
+        docs, _, _ = driver.run(
+            store.claim_locked({"late": ("sleep", "g")}, ["sleep"], "dead", client.now())
+        )
+        assert [d["_id"] for d in docs] == ["late"]
+        client.publish("sleep", "early", quick, options={"group": "g"})
+        seq = db.tasks.find_one({"_id": "late"})["publish_seq"] - 500
+        lease_end = client.now()
+        db.tasks.update_one({"_id": "early"}, {"$set": {"publish_seq": seq}})
+        db.tasks.update_one(
+            {"_id": "late"},
+            {"$set": {"runs.0.lease_expires_at": lease_end, "next_claim_at": lease_end}},
+        )
+        await wait_for(lambda: client.now() > lease_end + dt.timedelta(milliseconds=50))
+        holder, other = "late", "early"
+    assert db.tasks.find_one({"_id": holder})["group_lock"] is True
+    heads = driver.run(store.heads([("sleep", "g")]))
+    assert heads[("sleep", "g")]["_id"] == holder
+    async with running_worker(workerapp.registry, mongo_uri, db_name, concurrency=2):
+        await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 2)
+    runs = {d["_id"]: d["runs"][-1] for d in db.tasks.find({}, {"runs": 1})}
+    assert runs[holder]["finished_at"] <= runs[other]["claimed_at"]  # the holder went first
