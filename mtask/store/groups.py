@@ -37,7 +37,8 @@ def heads(pairs: Sequence[tuple[str, str]]) -> Op[dict[tuple[str, str], Doc]]:
     """The next task of each ``(name, group)``, the only one of a sequence that may run: the
     open task that holds the group's lock (``group_lock``: it started and goes on first,
     whether it runs, waits for a retry, sleeps, or was left by a worker that died), else the
-    first open task in publish order. Groups with no open task are absent. Returns ``_id``,
+    first open task in publish order. Groups with no open task are absent; so are tasks whose
+    key is not a string (no claim takes one: the sweep marks it invalid). Returns ``_id``,
     ``status``, ``next_claim_at`` and ``worker_timeout_ms`` of each.
 
     Two reads sent at once (``gather``): the first tasks through the ``group_open`` index, the
@@ -46,7 +47,7 @@ def heads(pairs: Sequence[tuple[str, str]]) -> Op[dict[tuple[str, str], Doc]]:
         return {}
     names = sorted({n for n, _ in pairs})
     groups = sorted({g for _, g in pairs})
-    match = _open(names, groups)
+    match = {**_open(names, groups), "_id": {"$type": "string"}}
     firsts, holders = yield gather(
         Call(
             "aggregate",
@@ -92,10 +93,11 @@ def _head(
     doc: Doc,
     timeout: Any,
 ) -> None:
-    """``key`` is the head of ``group`` (``{name, group}``), if that is one of ``wanted``."""
-    pair = (group.get("name"), group.get("group"))
-    if pair in wanted:
-        out[pair] = {
+    """``key`` is the head of ``group`` (``{name, group}``), if that is one of ``wanted``. An
+    odd document (``options`` an array: its group is one too) names none of them."""
+    name, of = group.get("name"), group.get("group")
+    if isinstance(name, str) and isinstance(of, str) and (name, of) in wanted:
+        out[(name, of)] = {
             "_id": key,
             "status": doc.get("status"),
             "next_claim_at": doc.get("next_claim_at"),

@@ -82,11 +82,14 @@ def _turn(
     if head is None:  # no open task in its group: it finished
         out.gone.append(key)
         return None
-    if head.get("_id") != key:
+    first = head.get("_id")
+    if first != key:
         out.waits.append(Wait(key, gslot))  # not its turn: the head goes first
+    if not isinstance(first, str):  # no claim takes it: the sweep marks it invalid
+        return None
     if due(head, now):
-        return str(head["_id"])
-    if head.get("_id") == key:  # its turn, but running elsewhere or retrying later
+        return first
+    if first == key:  # its turn, but running elsewhere or retrying later
         at = head.get("next_claim_at")
         out.waits.append(Wait(key, gslot, at if isinstance(at, dt.datetime) else None))
     return None

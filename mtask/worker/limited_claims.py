@@ -144,9 +144,10 @@ class LimitedClaims:
             else:
                 go, held, tokens = self._granted(claims, taken, waits)
                 hints = {
-                    h["_id"]: t
+                    first: t
                     for h in heads.values()
-                    if isinstance(t := h.get("worker_timeout_ms"), int)
+                    if isinstance(first := h.get("_id"), str)
+                    and isinstance(t := h.get("worker_timeout_ms"), int)
                 }
                 missed = await self._claim_granted(
                     go, held, tokens, plan, names, now, sent, batch, hints, waits, requeue

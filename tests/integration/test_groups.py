@@ -296,3 +296,28 @@ async def test_a_sequence_runs_the_task_holding_its_lock_first_whatever_its_plac
         await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 2)
     runs = {d["_id"]: d["runs"][-1] for d in db.tasks.find({}, {"runs": 1})}
     assert runs[holder]["finished_at"] <= runs[other]["claimed_at"]  # the holder went first
+
+
+@pytest.mark.parametrize("odd", ["object_id", "options_array"])
+async def test_an_odd_document_in_a_sequence_never_stops_the_worker(
+    mongo_uri: str, mongo: MongoClient[Any], db_name: str, client: TaskClient, odd: str
+) -> None:
+    """A document written by hand into a sequence's group, first in publish order (it has no
+    ``publish_seq``): a key that is not a string, or ``options`` an array (whose group reads
+    as an array). It is never a head (no claim could take it; the sweep marks it invalid),
+    and reading the heads never stops the worker (it raised ``TypeError``: unhashable)."""
+    db = mongo[db_name]
+    client.set_limit("sleep", group_concurrency=1)
+    client.publish("sleep", "k1", {"seconds": 0.01}, options={"group": "g"})
+    doc = db.tasks.find_one({"_id": "k1"})
+    doc.pop("publish_seq")
+    if odd == "object_id":
+        doc["_id"] = {"tenant": 7}
+    else:
+        doc["_id"], doc["options"] = "odd", [doc["options"]]
+    db.tasks.insert_one(doc)
+    heads = SyncDriver(collections(db)).run(store.heads([("sleep", "g")]))
+    assert heads[("sleep", "g")]["_id"] == "k1"
+    async with running_worker(workerapp.registry, mongo_uri, db_name, concurrency=2):
+        await wait_for(lambda: db.tasks.find_one({"_id": "k1"})["status"] == "succeeded")
+        await wait_for(lambda: db.tasks.find_one({"_id": doc["_id"]})["status"] == "invalid")

@@ -155,6 +155,26 @@ def test_a_key_that_is_not_its_sequences_head_waits_and_the_head_is_claimed() ->
     assert out.gone == ["second"]
 
 
+def test_a_head_whose_key_is_not_a_string_is_never_claimed() -> None:
+    """A sequence's head read with a key of another type (a hand-written document; the sweep
+    marks it invalid) is no key to claim: ``7`` is not the task ``"7"`` of another group, which
+    would take its own group's lock out of turn. The group's keys wait for it."""
+    known = {
+        "k": TaskMeta("a", 0, frozenset(), 1000, group=("a", "g")),
+        "7": TaskMeta("a", 0, frozenset(), 1000, group=("a", "h")),
+    }
+    heads: dict[tuple[str, str], dict[str, Any]] = {
+        ("a", "g"): {"_id": 7, "next_claim_at": NOW},
+        ("a", "h"): {"_id": "6", "next_claim_at": NOW + dt.timedelta(seconds=5)},
+    }
+    sequence = {"a": {"group_concurrency": 1}}
+    out = plan(["k", "7"], known, sequence, heads, NOW, str, 30_000)
+    assert out.claims == [] and out.locked == {}
+    assert {w.key for w in out.waits} == {"k", "7"}
+    heads[("a", "g")]["_id"] = {"tenant": 7}
+    assert plan(["k"], known, sequence, heads, NOW, str, 30_000).claims == []
+
+
 def test_what_a_slot_document_says_of_each_request() -> None:
     requests = [Request("n", "r1", "k1", 1000), Request("n", "r2", "k2", 1000)]
     docs = {
