@@ -13,7 +13,7 @@ import datetime as dt
 import json
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeGuard
 
 import bson
 from bson import json_util
@@ -47,6 +47,21 @@ FOREVER = -1
 """A retention (``keep_*_ms``) that never expires the finished task."""
 MAX_KEEP_MS = 100 * 365 * 86_400_000
 DAY_MS = 86_400_000
+PING_INTERVAL_MS = (50, 3_600_000)
+WORKER_TIMEOUT_MS = (100, DAY_MS)
+"""The ranges of ``ping_interval_ms`` and ``worker_timeout_ms``: the worker computes each run's
+lease and pings from them, so a document holding another value is not claimed
+(``store.schema.WELL_FORMED``)."""
+
+
+def in_range(value: object, bounds: tuple[int, int]) -> TypeGuard[int]:
+    """``value`` is an int (not a bool) within ``bounds``: a stored option the worker may
+    compute with (a lease's end from ``worker_timeout_ms``), whatever a document holds."""
+    return (
+        isinstance(value, int) and not isinstance(value, bool) and bounds[0] <= value <= bounds[1]
+    )
+
+
 MAX_RETRY_DELAY_MS = 30 * DAY_MS
 """The longest wait before a retry: ``max_retry_delay_ms``'s ceiling, and ``Retry``'s."""
 DEFAULT_KEEP_MS: dict[str, int] = {
@@ -114,8 +129,8 @@ class TaskOptions(BaseModel):
         description="How many distinct workers must run the task successfully; at most this "
         "many run it at once.",
     )
-    ping_interval_ms: int = Field(5_000, ge=50, le=3_600_000)
-    worker_timeout_ms: int = Field(30_000, ge=100, le=86_400_000)
+    ping_interval_ms: int = Field(5_000, ge=PING_INTERVAL_MS[0], le=PING_INTERVAL_MS[1])
+    worker_timeout_ms: int = Field(30_000, ge=WORKER_TIMEOUT_MS[0], le=WORKER_TIMEOUT_MS[1])
     specific_worker_ids: tuple[str, ...] = Field(
         (), description="If not empty, only these workers may run the task."
     )

@@ -11,7 +11,14 @@ from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.errors import OperationFailure
 
 from mtask.driver import Call, Doc, Op
-from mtask.models import OPEN_STATUSES, OPTION_NAMES, NewTask, TaskStatus
+from mtask.models import (
+    OPEN_STATUSES,
+    OPTION_NAMES,
+    PING_INTERVAL_MS,
+    WORKER_TIMEOUT_MS,
+    NewTask,
+    TaskStatus,
+)
 
 GROUP_LOCK = "group_lock"
 """``true`` on the open task that holds its group's lock (a sequence's: set by its claim, in
@@ -145,8 +152,18 @@ WELL_FORMED: dict[str, Any] = {
     "available_at": {"$type": "date"},
     "options.concurrency": {"$type": "number"},
     "options.max_retries": {"$type": "number"},
-    "options.worker_timeout_ms": {"$type": "number"},
-    "options.ping_interval_ms": {"$type": "number"},
+    # the lease and the pings, computed in Python too: in the publisher's range, not a
+    # decimal (no arithmetic with floats), not NaN or infinite (which no $gte/$lte pair holds)
+    "options.worker_timeout_ms": {
+        "$type": ["int", "long", "double"],
+        "$gte": WORKER_TIMEOUT_MS[0],
+        "$lte": WORKER_TIMEOUT_MS[1],
+    },
+    "options.ping_interval_ms": {
+        "$type": ["int", "long", "double"],
+        "$gte": PING_INTERVAL_MS[0],
+        "$lte": PING_INTERVAL_MS[1],
+    },
     SPECIFIC: {"$type": "array"},
 }
 KNOWN_STATUSES = [status.value for status in TaskStatus]
@@ -162,10 +179,7 @@ def well_formed_expr() -> Doc:
             {"$eq": [{"$type": "$name"}, "string"]},
             {"$ne": ["$name", ""]},
             {"$not": [_NUL_NAME]},
-            *(
-                {"$in": [{"$type": f"${field}"}, _TYPE_ALIASES[spec["$type"]]]}
-                for field, spec in WELL_FORMED.items()
-            ),
+            *(_holds(field, spec) for field, spec in WELL_FORMED.items()),
             {"$not": [_UNREACHABLE]},
             {"$eq": [{"$size": _unknown_options()}, 0]},
         ]
@@ -236,6 +250,31 @@ _TYPE_ALIASES = {
 }
 
 
+def _holds(field: str, spec: Doc) -> Doc:
+    """A ``WELL_FORMED`` entry as an aggregation expression: its types, then its range (``$and``
+    stops at the first false, so a range is only compared with a number)."""
+    types = spec["$type"]
+    tests: list[Doc] = [
+        {
+            "$in": [
+                {"$type": f"${field}"},
+                types if isinstance(types, list) else _TYPE_ALIASES[types],
+            ]
+        }
+    ]
+    if "$gte" in spec:
+        tests += [{"$gte": [f"${field}", spec["$gte"]]}, {"$lte": [f"${field}", spec["$lte"]]}]
+    return tests[0] if len(tests) == 1 else {"$and": tests}
+
+
+def _wanted(spec: Doc) -> str:
+    """What a ``WELL_FORMED`` entry asks for, in words."""
+    types = spec["$type"]
+    if isinstance(types, list):
+        return f"a number from {spec['$gte']} to {spec['$lte']}"
+    return f"{'an' if types[0] in 'aeiou' else 'a'} {types}"
+
+
 def invalid_reason_expr() -> Doc:
     """Names the first field that makes a document malformed, and what it holds instead."""
     checks: list[tuple[Doc, str, str]] = [
@@ -246,11 +285,7 @@ def invalid_reason_expr() -> Doc:
         (_NUL_NAME, "name", "a task name without NUL characters"),
     ]
     checks += [
-        (
-            {"$not": [{"$in": [{"$type": f"${field}"}, _TYPE_ALIASES[spec["$type"]]]}]},
-            field,
-            f"{'an' if spec['$type'][0] in 'aeiou' else 'a'} {spec['$type']}",
-        )
+        ({"$not": [_holds(field, spec)]}, field, _wanted(spec))
         for field, spec in WELL_FORMED.items()
     ]
     checks.append((_UNREACHABLE, "next_claim_at", "a date while the task is open"))
@@ -264,6 +299,12 @@ def invalid_reason_expr() -> Doc:
             }
         }
     }
+    for field, spec in WELL_FORMED.items():  # a number out of range: its type and its value
+        if "$gte" in spec:
+            value = {
+                "$convert": {"input": f"${field}", "to": "string", "onError": "", "onNull": ""}
+            }
+            found[field] = {"$trim": {"input": {"$concat": [{"$type": f"${field}"}, " ", value]}}}
     branches = [
         {
             "case": test,

@@ -22,6 +22,7 @@ from mtask import limits, slots, store
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
+from mtask.models import WORKER_TIMEOUT_MS, in_range
 from mtask.worker import limited
 from mtask.worker.claim_calls import RETRY_SOON, ClaimCalls
 from mtask.worker.executor import Executor
@@ -147,7 +148,7 @@ class LimitedClaims:
                     first: t
                     for h in heads.values()
                     if isinstance(first := h.get("_id"), str)
-                    and isinstance(t := h.get("worker_timeout_ms"), int)
+                    and in_range(t := h.get("worker_timeout_ms"), WORKER_TIMEOUT_MS)
                 }
                 missed = await self._claim_granted(
                     go, held, tokens, plan, names, now, sent, batch, hints, waits, requeue

@@ -429,7 +429,7 @@ async def test_malformed_documents_do_not_stop_the_worker(
     mongo_uri: str, db_name: str, client: TaskClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="mtask.worker")
-    now = client.now()
+    now, nan = client.now(), float("nan")
     well_formed: dict[str, Any] = {
         "name": "add",
         "status": "pending",
@@ -448,6 +448,7 @@ async def test_malformed_documents_do_not_stop_the_worker(
             "ping_interval_ms": 100,
         },
     }
+    opts = well_formed["options"]
     junk = [
         {"_id": "no-runs", "name": "add", "status": "pending", "next_claim_at": now},
         {
@@ -496,6 +497,11 @@ async def test_malformed_documents_do_not_stop_the_worker(
             "_id": "no-ping",
             "options": {k: v for k, v in well_formed["options"].items() if k != "ping_interval_ms"},
         },
+        # a lease no date can end (it was claimed, and stranded running until the year 33,700),
+        # and pings at no interval (each claim failed for its whole batch: date overflow)
+        {**well_formed, "_id": "far", "options": {**opts, "worker_timeout_ms": 1e15}},
+        {**well_formed, "_id": "nan", "options": {**opts, "worker_timeout_ms": nan}},
+        {**well_formed, "_id": "tiny", "options": {**opts, "ping_interval_ms": 1}},
     ]
     client.collection.insert_many(junk)
     async with running_worker(registry, mongo_uri, db_name, sweep_interval=0.2) as (w, events):
@@ -528,6 +534,8 @@ async def test_malformed_documents_do_not_stop_the_worker(
         doc["_id"]: doc.get("invalid_reason")
         for doc in client.collection.find({"status": "invalid"}, {"invalid_reason": 1})
     }
+    ping = "'options.ping_interval_ms' must be a number from 50 to 3600000,"
+    timeout = "'options.worker_timeout_ms' must be a number from 100 to 86400000,"
     expected = {
         "no-runs": "'runs' must be an array, found missing",
         "bad-options": "'runs' must be an array, found string",
@@ -536,9 +544,12 @@ async def test_malformed_documents_do_not_stop_the_worker(
         "half2": "'failures' must be a number, found missing",
         12345: "'_id' must be a string, found int",
         "weird-status": "'status' must be a known status, found paused",
-        "no-ping": "'options.ping_interval_ms' must be a number, found missing",
+        "no-ping": f"{ping} found missing",
         "late-junk": "'runs' must be an array, found missing",
-        "late-no-ping": "'options.ping_interval_ms' must be a number, found missing",
+        "late-no-ping": f"{ping} found missing",
+        "far": f"{timeout} found double 1e+15",
+        "nan": f"{timeout} found double NaN",
+        "tiny": f"{ping} found int 1",
     }
     for key, reason in expected.items():
         assert reason in (reasons.get(key) or ""), (key, reasons.get(key))

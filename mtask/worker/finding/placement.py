@@ -18,6 +18,7 @@ import hashlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
+from mtask.models import WORKER_TIMEOUT_MS, in_range
 from mtask.worker.claim_queue import ClaimQueue, Group
 from mtask.worker.presence import Assignment
 
@@ -155,7 +156,7 @@ class Placement:
             name,
             priority if isinstance(priority, int) else 0,
             specific,
-            timeout if isinstance(timeout, int) else None,
+            timeout if in_range(timeout, WORKER_TIMEOUT_MS) else None,
             isinstance(concurrency, int) and concurrency > 1,
             (name, group) if isinstance(group, str) else None,
             place if isinstance(place, dt.datetime) else None,
