@@ -16,6 +16,7 @@ from __future__ import annotations
 import builtins
 import datetime as dt
 import functools
+import numbers
 import time
 from collections.abc import (
     AsyncIterator,
@@ -89,11 +90,7 @@ def build_task(
         name, key, params, options, max_params_bytes=max_params_bytes, depends_on=depends_on
     )
     if delay is not None:
-        seconds = delay.total_seconds() if isinstance(delay, dt.timedelta) else float(delay)
-        if not seconds >= 0:  # also NaN
-            raise InvalidTask("must not be negative", field="delay")
-        if seconds > MAX_DELAY_SECONDS:
-            raise InvalidTask("must be at most ten years", field="delay")
+        seconds = delay_seconds(delay)
         if task.options.run_at is not None:
             raise InvalidTask("give either delay or options.run_at, not both", field="delay")
         assert now is not None
@@ -102,6 +99,25 @@ def build_task(
             update={"options": task.options.model_copy(update={"run_at": run_at})}
         )
     return task
+
+
+def delay_seconds(delay: object) -> float:
+    """A publish's ``delay`` (seconds, or a timedelta) in seconds: 0 to ten years, else
+    ``InvalidTask`` (a string, a bool, NaN or an int too large for a float included)."""
+    if isinstance(delay, dt.timedelta):
+        seconds: Any = delay.total_seconds()
+    elif isinstance(delay, numbers.Real) and not isinstance(delay, bool):
+        seconds = delay
+    else:
+        raise InvalidTask(
+            f"must be a number of seconds or a timedelta, not {type(delay).__name__}",
+            field="delay",
+        )
+    if not seconds >= 0:  # also NaN
+        raise InvalidTask("must not be negative", field="delay")
+    if seconds > MAX_DELAY_SECONDS:  # compared before float(): 10**400 has none
+        raise InvalidTask("must be at most ten years", field="delay")
+    return float(seconds)
 
 
 def build_many(

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
 from typing import Annotated, Any, Literal, TypeGuard
 
 import bson
 from bson import json_util
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -28,6 +29,7 @@ from pydantic import (
     field_validator,
 )
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 
 from mtask.errors import InvalidTask
 
@@ -37,6 +39,10 @@ NO_NUL = "^[^\\x00]*$"
 """The pattern of a key and of a name: no NUL character (a C string ends there; the server
 refuses one in a regular expression, and no worker can register such a name)."""
 DEFAULT_MAX_PARAMS_BYTES = 1024 * 1024
+PARAMS_BYTES_CEILING = 12 * 1024 * 1024
+"""Params are refused above this size whatever ``max_params_bytes`` allows: with the longest
+key, name and ``depends_on`` the task document stays below MongoDB's 16 MiB, so a validated
+task is always written (``publish_many`` never fails half-way on one document)."""
 MAX_PARAMS_DEPTH = 64
 """Nesting levels allowed in params (MongoDB refuses documents nested past 100 levels, and a
 task document holds params a level down, plus room for the stored result)."""
@@ -46,12 +52,26 @@ MAX_CONCURRENCY = 1000
 FOREVER = -1
 """A retention (``keep_*_ms``) that never expires the finished task."""
 MAX_KEEP_MS = 100 * 365 * 86_400_000
+MAX_AGE_SECONDS = MAX_KEEP_MS // 1000
+"""The longest age a filter compares (``older_than``: 100 years, as long as a retention)."""
 DAY_MS = 86_400_000
 PING_INTERVAL_MS = (50, 3_600_000)
 WORKER_TIMEOUT_MS = (100, DAY_MS)
 """The ranges of ``ping_interval_ms`` and ``worker_timeout_ms``: the worker computes each run's
 lease and pings from them, so a document holding another value is not claimed
 (``store.schema.WELL_FORMED``)."""
+
+
+UNENCODABLE = "must be valid Unicode: a lone surrogate (such as '\\ud800') has no UTF-8 form"
+
+
+def encodable(text: str) -> bool:
+    """Whether ``text`` can be stored (BSON strings are UTF-8; a lone surrogate is not)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def in_range(value: object, bounds: tuple[int, int]) -> TypeGuard[int]:
@@ -152,8 +172,14 @@ class TaskOptions(BaseModel):
     @field_validator("run_at")
     @classmethod
     def _aware(cls, value: dt.datetime | None) -> dt.datetime | None:
-        if value is not None and value.tzinfo is None:
+        if value is None:
+            return value
+        if value.tzinfo is None:
             raise ValueError("must be timezone-aware (e.g. datetime.now(timezone.utc))")
+        try:  # BSON stores UTC: 0001-01-01T00:00+14:00 is before the year 1 there
+            value.astimezone(dt.UTC)
+        except OverflowError:
+            raise ValueError("is out of range once converted to UTC") from None
         return value
 
     @field_validator("specific_worker_ids")
@@ -161,6 +187,8 @@ class TaskOptions(BaseModel):
     def _ids(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if any(not w or len(w) > 255 for w in value):
             raise ValueError("worker ids must be 1 to 255 characters")
+        if not all(encodable(w) for w in value):
+            raise ValueError(f"worker ids {UNENCODABLE}")
         return value
 
     def to_document(self) -> dict[str, Any]:
@@ -605,7 +633,8 @@ ON_CONFLICT_CHOICES: tuple[str, ...] = ("ignore", "update_params", "reset")
 def _bson_size(params: dict[str, Any]) -> int:
     try:
         return len(bson.encode(params))
-    except (bson.errors.InvalidDocument, TypeError, OverflowError) as exc:
+    except (bson.errors.InvalidDocument, TypeError, OverflowError, ValueError) as exc:
+        # ValueError: a lone surrogate (UnicodeEncodeError), a date out of range in UTC
         raise InvalidTask(f"not BSON-encodable: {exc}", field="params") from None
 
 
@@ -633,6 +662,8 @@ def validate_key(key: object) -> str:
         raise InvalidTask(f"is {len(key)} characters; at most {MAX_KEY_LENGTH}", field="key")
     if "\x00" in key:
         raise InvalidTask("must not contain NUL characters", field="key")
+    if not encodable(key):
+        raise InvalidTask(UNENCODABLE, field="key")
     return key
 
 
@@ -645,7 +676,30 @@ def validate_name(name: object) -> str:
         raise InvalidTask(f"is {len(name)} characters; at most {MAX_NAME_LENGTH}", field="name")
     if "\x00" in name:
         raise InvalidTask("must not contain NUL characters", field="name")
+    if not encodable(name):
+        raise InvalidTask(UNENCODABLE, field="name")
     return name
+
+
+def _as_field(validate: Callable[[object], str]) -> Callable[[str], str]:
+    """``validate`` for a pydantic field: its ``InvalidTask`` as the error pydantic reports
+    (over HTTP, the 422 an ``InvalidTask`` is: ``type`` ``invalid_task``, the same message)."""
+
+    def check(value: str) -> str:
+        try:
+            return validate(value)
+        except InvalidTask as exc:
+            raise PydanticCustomError(
+                "invalid_task", "{message}", {"message": exc.message}
+            ) from None
+
+    return check
+
+
+TaskKey = Annotated[str, AfterValidator(_as_field(validate_key))]
+"""A task key as a request body holds it, checked by ``validate_key``."""
+TaskName = Annotated[str, AfterValidator(_as_field(validate_name))]
+"""A task name as a request body holds it, checked by ``validate_name``."""
 
 
 def validate_params(params: object, max_bytes: int = DEFAULT_MAX_PARAMS_BYTES) -> dict[str, Any]:
@@ -657,8 +711,9 @@ def validate_params(params: object, max_bytes: int = DEFAULT_MAX_PARAMS_BYTES) -
         raise InvalidTask(f"must be a mapping, not {type(params).__name__}", field="params")
     check_depth(params, MAX_PARAMS_DEPTH)
     size = _bson_size(params)
-    if size > max_bytes:
-        raise InvalidTask(f"is {size} bytes as BSON; the limit is {max_bytes}", field="params")
+    limit = min(max_bytes, PARAMS_BYTES_CEILING)
+    if size > limit:
+        raise InvalidTask(f"is {size} bytes as BSON; the limit is {limit}", field="params")
     return params
 
 

@@ -26,7 +26,14 @@ from pymongo import ASCENDING, DESCENDING, TEXT, IndexModel
 
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask, InvalidTransition, TaskNotFound
-from mtask.models import FINISHED_STATUSES, OPEN_STATUSES, TaskStatus
+from mtask.models import (
+    FINISHED_STATUSES,
+    MAX_AGE_SECONDS,
+    OPEN_STATUSES,
+    UNENCODABLE,
+    TaskStatus,
+    encodable,
+)
 from mtask.store import across, counts, tasks
 
 Action = Literal["retry", "cancel", "purge"]
@@ -69,6 +76,18 @@ class Filter:
     status: Sequence[str] | None = None
     older_than_s: float | None = None
     keys: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse what no query can hold (``InvalidTask``), before anything is read or written:
+        a lone surrogate in the name or a key, an age beyond ``MAX_AGE_SECONDS``."""
+        if isinstance(self.name, str) and not encodable(self.name):
+            raise InvalidTask(UNENCODABLE, field="name")
+        for index, key in enumerate(self.keys or ()):
+            if isinstance(key, str) and not encodable(key):
+                raise InvalidTask(UNENCODABLE, field=f"keys[{index}]")
+        age = self.older_than_s
+        if age is not None and not 0 <= age <= MAX_AGE_SECONDS:  # also NaN
+            raise InvalidTask(f"must be 0 to {MAX_AGE_SECONDS} seconds", field="older_than")
 
     @property
     def across_names(self) -> bool:

@@ -32,6 +32,7 @@ from mtask.models import (
     DEFAULT_KEEP_MS,
     FOREVER,
     KEEP_FIELDS,
+    MAX_AGE_SECONDS,
     MAX_KEEP_MS,
     NewTask,
     TaskStatus,
@@ -231,8 +232,8 @@ def purge_filter(
     if name is not None:
         filt["name"] = validate_name(name)
     if older_than is not None:
-        if older_than < dt.timedelta(0):
-            raise InvalidTask("must not be negative", field="older_than")
+        if not dt.timedelta(0) <= older_than <= dt.timedelta(seconds=MAX_AGE_SECONDS):
+            raise InvalidTask(f"must be 0 to {MAX_AGE_SECONDS} seconds", field="older_than")
         filt["finished_at"] = {"$lte": now - older_than}
     if keys is not None:
         if not keys or len(keys) > MAX_PURGE_KEYS:

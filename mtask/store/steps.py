@@ -23,7 +23,14 @@ from pymongo import ASCENDING, IndexModel
 
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask, InvalidTransition, LeaseLost, TaskNotFound
-from mtask.models import OPEN_STATUSES, TaskStatus
+from mtask.models import (
+    MAX_PARAMS_DEPTH,
+    OPEN_STATUSES,
+    UNENCODABLE,
+    TaskStatus,
+    check_depth,
+    encodable,
+)
 from mtask.statemachine import RUNNING
 from mtask.steps import SPILL_CHUNK_BYTES, StepError, check_signal_name
 from mtask.store.output import seal_in
@@ -156,6 +163,11 @@ def check_signal(name: Any, payload: Any) -> None:
         check_signal_name(name)
     except StepError as exc:
         raise InvalidTask(str(exc), field="name") from None
+    if not encodable(name):
+        raise InvalidTask(UNENCODABLE, field="name")
+    # as deep as params may be: the signal is stored three levels down in the task document
+    # (MongoDB refuses past 100), and ctx.wait_for reads it back
+    check_depth(payload, MAX_PARAMS_DEPTH, "payload")
     try:
         size = len(bson.encode({"payload": payload}))
     except Exception as exc:  # noqa: BLE001 - any encoding problem is the caller's

@@ -141,17 +141,20 @@ def publish_many(
     # a task that others of this batch depend on is born knowing it (so that the worker that
     # records its outcome resolves them, even if it claims it before anyone marks it)
     awaited = {d for task in tasks for d in task.depends_on}
-    for start in range(0, len(tasks), batch_size):
-        requests = []
-        for index, task in enumerate(tasks[start : start + batch_size], start):
-            doc = new_document(task, now, index)
-            del doc["_id"]
-            if trace:
-                doc["trace"] = trace
-            if task.key in awaited:
-                doc["has_dependents"] = True
-            requests.append(UpdateOne({"_id": task.key}, {"$setOnInsert": doc}, upsert=True))
-        result = yield Call("bulk_write", (requests,), {"ordered": False})
+    # every request is made before the first write: what fails, fails with nothing written
+    # (a validated task is always encodable: models.NewTask)
+    requests = []
+    for index, task in enumerate(tasks):
+        doc = new_document(task, now, index)
+        del doc["_id"]
+        if trace:
+            doc["trace"] = trace
+        if task.key in awaited:
+            doc["has_dependents"] = True
+        requests.append(UpdateOne({"_id": task.key}, {"$setOnInsert": doc}, upsert=True))
+    for start in range(0, len(requests), batch_size):
+        batch = requests[start : start + batch_size]
+        result = yield Call("bulk_write", (batch,), {"ordered": False})
         created += result.upserted_count
         if created_by_name is not None:
             for index in result.upserted_ids:

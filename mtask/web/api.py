@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mtask.client import MAX_DELAY_SECONDS, AsyncTaskClient
 from mtask.errors import TaskNotFound, WaitTimeout
-from mtask.models import TaskOptions, validate_name
+from mtask.models import MAX_AGE_SECONDS, TaskKey, TaskName, TaskOptions, validate_name
 from mtask.store import bulk
 from mtask.web.auth import bearer_scheme, require_token
 from mtask.web.schemas import (
@@ -50,12 +50,12 @@ class NewTaskBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(description="the handler's name")
-    key: str = Field(description="the task's key: publishing it again changes nothing")
+    name: TaskName = Field(description="the handler's name")
+    key: TaskKey = Field(description="the task's key: publishing it again changes nothing")
     params: dict[str, Any] | None = None
     options: TaskOptions | None = None
     delay: float | None = Field(None, ge=0, le=MAX_DELAY_SECONDS, description="seconds")
-    depends_on: list[str] | None = Field(None, max_length=1000)
+    depends_on: list[TaskKey] | None = Field(None, max_length=1000)
 
 
 class PublishBody(NewTaskBody):
@@ -99,12 +99,12 @@ class BulkBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str | None = Field(None, max_length=200)
+    name: TaskName | None = None
     status: list[Status] | None = Field(None, max_length=6)
     older_than: float | None = Field(
-        None, ge=0, le=100 * 365 * 86400, description="seconds since the task last changed"
+        None, ge=0, le=MAX_AGE_SECONDS, description="seconds since the task last changed"
     )
-    keys: list[str] | None = Field(None, max_length=bulk.MAX_PER_CALL)
+    keys: list[TaskKey] | None = Field(None, max_length=bulk.MAX_PER_CALL)
     dry_run: bool = Field(False, description="count what would change, change nothing")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -20,6 +21,7 @@ from mtask import (
     TaskStatus,
 )
 from mtask.clock import KEEP_BEST, ServerClock
+from mtask.models import MAX_PARAMS_DEPTH
 from mtask.store import Outcome, RunState, claim, finish
 
 
@@ -102,6 +104,49 @@ def test_bad_input_writes_nothing(client: TaskClient) -> None:
     with pytest.raises(InvalidTask, match="^status"):
         client.list(status="done")
     assert client.collection.count_documents({}) == 0
+
+
+PLUS_14 = dt.timezone(dt.timedelta(hours=14))
+
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ({"key": "\ud800"}, "key"),
+        ({"name": "\ud800"}, "name"),
+        ({"params": {"\udc80": 1}}, "params"),
+        ({"depends_on": ["\ud800"]}, "depends_on[0]"),
+        ({"options": {"specific_worker_ids": ["\ud800"]}}, "options.specific_worker_ids"),
+        ({"options": {"run_at": dt.datetime(1, 1, 1, tzinfo=PLUS_14)}}, "options.run_at"),
+        ({"delay": "abc"}, "delay"),
+        ({"delay": 10**400}, "delay"),
+    ],
+)
+def test_publish_many_writes_nothing_when_one_item_cannot_be_stored(
+    client: TaskClient, bad: dict[str, Any], field: str
+) -> None:
+    """The bad item comes after a whole internal batch (1,000) of good ones: it is refused as
+    InvalidTask before anything is written, not once the first batch is in."""
+    items = [{"name": "n", "key": f"k{i}"} for i in range(1000)]
+    with pytest.raises(InvalidTask, match=rf"^items\[1000\]\.{re.escape(field)}: "):
+        client.publish_many([*items, {"name": "n", "key": "bad"} | bad])
+    with pytest.raises(InvalidTask, match=rf"^{re.escape(field)}: "):
+        client.publish(**({"name": "n", "key": "bad"} | bad))
+    assert client.collection.count_documents({}) == 0
+
+
+def test_a_signal_payload_nested_deeper_than_params_is_refused(client: TaskClient) -> None:
+    client.publish("n", "sig")
+    deep: list[Any] = []
+    for _ in range(MAX_PARAMS_DEPTH):
+        deep = [deep]
+    with pytest.raises(InvalidTask, match="^payload: is nested more than 64 levels deep"):
+        client.signal("sig", "s", deep)
+    with pytest.raises(InvalidTask, match="^name: must be valid Unicode"):
+        client.signal("sig", "\ud800", 1)
+    client.signal("sig", "s", deep[0])  # 64 levels
+    task = client.get("sig")
+    assert task is not None and [s.name for s in task.signals] == ["s"]
 
 
 def test_delay_uses_server_time(client: TaskClient) -> None:

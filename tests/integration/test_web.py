@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -239,3 +240,32 @@ def test_a_nul_in_a_search_is_a_clear_4xx(api: TestClient) -> None:
         reply = api.get(f"/tasks?{query}", headers=AUTH)
         assert 400 <= reply.status_code < 500, (query, reply.status_code, reply.text)
         assert "NUL" in reply.text
+
+
+def test_text_bson_cannot_hold_is_a_422_naming_the_field(
+    api: TestClient, client: TaskClient
+) -> None:
+    """A lone surrogate (valid JSON: "\\ud800") in a key, name or key list, or a run_at out of
+    range in UTC: 422 naming the field, nothing written (not a 500 from the encoder)."""
+    headers = {**AUTH, "content-type": "application/json"}
+    good = [{"name": "n", "key": f"h{i}"} for i in range(1000)]
+    for path, body, where in [
+        ("/tasks", {"name": "n", "key": "\ud800"}, "'body', 'key'"),
+        ("/tasks", {"name": "\ud800", "key": "k"}, "'body', 'name'"),
+        ("/tasks", {"name": "n", "key": "k", "depends_on": ["\ud800"]}, "'depends_on', 0"),
+        ("/tasks", {"name": "n", "key": "k", "params": {"\ud800": 1}}, "'body', 'params'"),
+        (
+            "/tasks",
+            {"name": "n", "key": "k", "options": {"run_at": "0001-01-01T00:00:00+14:00"}},
+            "'run_at'",
+        ),
+        ("/tasks:batch", {"tasks": [*good, {"name": "n", "key": "\ud800"}]}, "1000, 'key'"),
+        ("/tasks:retry", {"keys": ["\ud800"]}, "'keys', 0"),
+        ("/tasks:cancel", {"name": "\ud800"}, "'body', 'name'"),
+        ("/tasks:purge", {"keys": ["\ud800"]}, "'keys', 0"),
+        ("/tasks/k:signal", {"name": "\ud800"}, "'body', 'name'"),
+    ]:
+        response = api.post(path, content=json.dumps(body).encode(), headers=headers)
+        assert response.status_code == 422, (path, response.text)
+        assert where in str(response.json()["detail"]), response.text
+    assert client.collection.count_documents({}) == 0

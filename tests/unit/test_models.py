@@ -6,16 +6,25 @@ import datetime as dt
 import re
 from typing import Any
 
+import bson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from mtask import InvalidTask, MtaskError, TaskOptions
 from mtask.client import build_many, build_task
-from mtask.models import MAX_KEY_LENGTH, NewTask, Task, _read_each_option, _read_options
+from mtask.models import (
+    MAX_KEY_LENGTH,
+    PARAMS_BYTES_CEILING,
+    NewTask,
+    Task,
+    _read_each_option,
+    _read_options,
+)
 from mtask.store.schema import new_document
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+PLUS_14 = dt.timezone(dt.timedelta(hours=14))
 
 
 @pytest.mark.parametrize(
@@ -38,6 +47,16 @@ NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
         ({"options": {"concurrency": 0}}, "options.concurrency"),
         ({"options": {"run_at": "2026-01-01T00:00:00"}}, "options.run_at"),
         ({"options": "fast"}, "options"),
+        # passes every other check, but BSON (UTF-8) cannot hold it
+        ({"key": "\ud800"}, "key"),
+        ({"name": "a\udfff"}, "name"),
+        ({"params": {"\udc80": 1}}, "params"),
+        ({"params": {"x": ["\udc80"]}}, "params"),
+        ({"options": {"specific_worker_ids": ["\ud800"]}}, "options.specific_worker_ids"),
+        # UTC (BSON's) is before the year 1 or after 9999
+        ({"options": {"run_at": "0001-01-01T00:00:00+14:00"}}, "options.run_at"),
+        ({"options": {"run_at": dt.datetime(1, 1, 1, tzinfo=PLUS_14)}}, "options.run_at"),
+        ({"options": {"run_at": "9999-12-31T23:59:59-14:00"}}, "options.run_at"),
     ],
 )
 def test_bad_input_names_the_field(kwargs: dict[str, object], field: str) -> None:
@@ -46,6 +65,47 @@ def test_bad_input_names_the_field(kwargs: dict[str, object], field: str) -> Non
         NewTask.build(args["name"], args["key"], args["params"], args["options"])
     assert str(info.value).startswith(field), str(info.value)
     assert isinstance(info.value, MtaskError)
+
+
+def test_a_validated_task_is_always_encodable() -> None:
+    """Every check of NewTask.build is what writing it needs: a task it accepts is a document
+    BSON can hold (else publish_many wrote the tasks before it, then failed)."""
+    task = NewTask.build(
+        "n\u00e9",
+        "k\U0001f600",
+        {"x": "\u20ac"},
+        {"run_at": "9999-12-31T23:59:59+14:00", "specific_worker_ids": ["w\u00e9"]},
+        depends_on=["d\U0001f600"],
+    )
+    bson.encode(new_document(task, NOW))
+
+
+def test_params_over_the_ceiling_are_refused_whatever_the_limit() -> None:
+    big = {"blob": "x" * (PARAMS_BYTES_CEILING + 1)}
+    limit = f"the limit is {PARAMS_BYTES_CEILING}$"
+    with pytest.raises(InvalidTask, match=f"^params: is \\d+ bytes as BSON; {limit}"):
+        NewTask.build("n", "k", big, max_params_bytes=2**31)
+
+
+@pytest.mark.parametrize(
+    ("delay", "message"),
+    [
+        ("abc", "must be a number of seconds or a timedelta, not str"),
+        ("5", "must be a number of seconds or a timedelta, not str"),
+        ({}, "must be a number of seconds or a timedelta, not dict"),
+        ([1], "must be a number of seconds or a timedelta, not list"),
+        (True, "must be a number of seconds or a timedelta, not bool"),
+        (10**400, "must be at most ten years"),
+        (float("inf"), "must be at most ten years"),
+        (float("nan"), "must not be negative"),
+        (dt.timedelta(days=-1), "must not be negative"),
+    ],
+)
+def test_a_bad_delay_is_invalid_task(delay: object, message: str) -> None:
+    with pytest.raises(InvalidTask, match=f"^delay: {re.escape(message)}$"):
+        build_task("n", "k", delay=delay, now=NOW)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTask, match=f"^items\\[0\\].delay: {re.escape(message)}$"):
+        build_many([{"name": "n", "key": "k", "delay": delay}], NOW, 1 << 20)
 
 
 def test_params_size_limit_is_configurable() -> None:
