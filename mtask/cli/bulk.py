@@ -11,22 +11,21 @@ runs either with a filter; exit 0 done, 1 declined, 2 bad usage.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
-from mtask.cli.common import err, out, task_client
+from mtask.cli.common import err, out, parse_duration, task_client
+from mtask.errors import UsageError
 from mtask.models import TaskStatus
 
-UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 STATUSES = [s.value for s in TaskStatus]
 
 
 def duration(text: str) -> float:
-    """``90``, ``90s``, ``15m``, ``2h``, ``7d`` → seconds."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", text.strip())
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 15m, 2h or 7d")
-    return float(match.group(1)) * UNITS[match.group(2) or "s"]
+    """``--older-than``: ``common.parse_duration`` in seconds, for argparse (exit 2)."""
+    try:
+        return parse_duration(text, "--older-than").total_seconds()
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_filters(parser: argparse.ArgumentParser) -> None:

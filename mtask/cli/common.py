@@ -21,6 +21,7 @@ from mtask.errors import MissingExtra, UsageError
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.table import Table
 
     from mtask.client import TaskClient
 
@@ -93,6 +94,16 @@ out = Output()
 err = Output(stderr=True)
 
 
+def add_row(table: Table, *cells: object) -> None:
+    """A row of data in a rich table, every cell shown as it is: a key, name or error such as
+    ``a[/b]`` is text, never markup (rich would refuse it as an unmatched closing tag). Each
+    table of the CLI adds its rows through here; a line of data is printed with
+    ``markup=False``."""
+    from rich.text import Text
+
+    table.add_row(*(c if isinstance(c, Text) else Text(str(c)) for c in cells))
+
+
 class Commands:
     """A command module's table of handlers: ``@commands.command("get")`` registers one, and
     ``commands.run`` is the module's ``run`` for ``mtask.cli.COMMAND_MODULES``."""
@@ -145,14 +156,44 @@ def task_client(args: argparse.Namespace) -> TaskClient:
 # -- JSON and times ---------------------------------------------------------------------------
 
 
-def parse_json_object(text: str, what: str) -> dict[str, Any]:
+def parse_json(text: str, what: str) -> Any:
+    """A JSON argument (``what`` names it in the error): ``UsageError`` (exit 2) for anything
+    Python's json cannot read, not only bad syntax: an integer of more than 4,300 digits, a
+    value nested deeper than Python recurses."""
     try:
-        value = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise UsageError(f"{what} is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    except RecursionError:
+        raise UsageError(f"{what} is nested too deeply to read") from None
+    except ValueError as exc:  # int_max_str_digits
+        reason = str(exc).split(";")[0]
+        raise UsageError(f"{what} cannot be read: {reason}") from None
+
+
+def parse_json_object(text: str, what: str) -> dict[str, Any]:
+    value = parse_json(text, what)
     if not isinstance(value, dict):
         raise UsageError(f"{what} must be a JSON object, not {type(value).__name__}")
     return value
+
+
+DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)?")
+
+
+def parse_duration(text: str, what: str) -> dt.timedelta:
+    """``90`` (seconds), ``90s``, ``15m``, ``12h``, ``7d``, ``2w``, ``500ms``: at most 100
+    years (``models.MAX_AGE_SECONDS``, as the API allows), else ``UsageError`` (exit 2)."""
+    from mtask.models import MAX_AGE_SECONDS
+
+    match = DURATION.fullmatch(text.strip())
+    if match is None:
+        raise UsageError(f"{what}: {text!r} is not a duration such as 500ms, 90s, 15m, 12h, 7d")
+    seconds = float(match[1]) * DURATION_UNITS[match[2] or "s"]  # inf for 1e400 digits
+    if seconds > MAX_AGE_SECONDS:
+        raise UsageError(f"{what}: {text!r} is more than 100 years")
+    return dt.timedelta(seconds=seconds)
 
 
 def json_default(value: Any) -> Any:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from mtask.cli.common import Commands, add_common, out, require, task_client, when
+from mtask.cli.common import Commands, add_common, add_row, out, require, task_client, when
 from mtask.models import TaskStatus
 
 if TYPE_CHECKING:
@@ -41,11 +41,12 @@ def _frames(client: Any, interval: float) -> Iterator[Group]:
                 took = max(1e-3, now - previous[0])
                 rate = f"{finished.get(name, 0) / took:.1f}"
             cells = [counts.show(name, s) for s in statuses]
-            table.add_row(name, *cells, rate)
+            add_row(table, name, *cells, rate)
         crew = Table("worker", "state", "in flight", "running", title=f"{len(workers)} worker(s)")
         for w in workers:
             running = ", ".join(r["key"] for r in (w.get("running") or [])[:5])
-            crew.add_row(
+            add_row(
+                crew,
                 w["_id"],
                 str(w.get("state")),
                 f"{w.get('in_flight')}/{w.get('concurrency')}",

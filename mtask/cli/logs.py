@@ -58,13 +58,17 @@ def show(entries: Iterable[Entry], args: argparse.Namespace) -> None:
         sys.stdout.flush()
 
 
+MAX_SEQ = 2**63 - 1
+"""The largest ``seq`` a query can hold (a BSON int64)."""
+
+
 def _seq(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a sequence number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
+    if not 0 <= value <= MAX_SEQ:
+        raise argparse.ArgumentTypeError(f"must be 0 to {MAX_SEQ}: {text!r}")
     return value
 
 

@@ -10,27 +10,23 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import re
 import sys
 from typing import Any
 
-from mtask.cli.common import Commands, add_common, out, print_json, task_client
+from mtask.cli.common import (
+    Commands,
+    add_common,
+    out,
+    parse_duration,
+    print_json,
+    task_client,
+)
 from mtask.errors import UsageError
 from mtask.models import FOREVER
 from mtask.store.retention import PURGEABLE
 
 commands = Commands()
 run = commands.run
-UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)$")
-
-
-def parse_duration(text: str, what: str) -> dt.timedelta:
-    """``90s``, ``15m``, ``12h``, ``7d``, ``2w``, ``500ms``."""
-    match = DURATION.match(text.strip())
-    if match is None:
-        raise UsageError(f"{what}: {text!r} is not a duration such as 500ms, 90s, 15m, 12h, 7d")
-    return dt.timedelta(seconds=float(match[1]) * UNITS[match[2]])
 
 
 def parse_keep(text: str | None, what: str) -> int | None:
@@ -112,7 +108,8 @@ def cmd_retention(args: argparse.Namespace) -> int:
     with task_client(args) as client:
         if args.name is not None and args.clear:
             found = client.clear_retention(args.name)
-            out.print(f"retention of {args.name} removed" if found else f"{args.name} had none")
+            said = f"retention of {args.name} removed" if found else f"{args.name} had none"
+            out.print(said, markup=False)
             return 0
         if args.name is not None and any(v is not None for v in values.values()):
             client.set_retention(

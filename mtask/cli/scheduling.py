@@ -9,6 +9,7 @@ from typing import Any
 from mtask.cli.common import (
     Commands,
     add_common,
+    add_row,
     out,
     parse_json_object,
     print_json,
@@ -31,7 +32,8 @@ def cmd_limit(args: argparse.Namespace) -> int:
             if any(v is not None for v in given):
                 raise UsageError("--clear takes no --concurrency, --rate or --group-…")
             found = client.clear_limit(args.name)
-            out.print(f"limit of {args.name} removed" if found else f"{args.name} had no limit")
+            said = f"limit of {args.name} removed" if found else f"{args.name} had no limit"
+            out.print(said, markup=False)
             return 0
         rate = parse_rate(args.rate) if args.rate is not None else None
         group_rate = parse_rate(args.group_rate) if args.group_rate is not None else None
@@ -47,7 +49,8 @@ def cmd_limit(args: argparse.Namespace) -> int:
     if args.json:
         print_json(doc)
     else:
-        out.print(f"limit of {args.name}: {_describe_limit(doc)} (applies within a second)")
+        described = _describe_limit(doc)
+        out.print(f"limit of {args.name}: {described} (applies within a second)", markup=False)
     return 0
 
 
@@ -78,7 +81,7 @@ def cmd_limits(args: argparse.Namespace) -> int:
 
     table = Table("name", "limit", "slots held")
     for doc in docs:
-        table.add_row(str(doc["_id"]), _describe_limit(doc), str(len(doc.get("holders") or [])))
+        add_row(table, doc["_id"], _describe_limit(doc), len(doc.get("holders") or []))
     out.print(table)
     return 0
 
@@ -100,10 +103,10 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         if args.action == "remove":
             if not client.remove_schedule(args.id):
                 raise ScheduleNotFound(args.id)
-            out.print(f"removed: {args.id}")
+            out.print(f"removed: {args.id}", markup=False)
             return 0
         doc = (client.pause_schedule if args.action == "pause" else client.resume_schedule)(args.id)
-        out.print(f"{'paused' if doc['paused'] else 'resumed'}: {args.id}")
+        out.print(f"{'paused' if doc['paused'] else 'resumed'}: {args.id}", markup=False)
         return 0
 
 
@@ -123,7 +126,8 @@ def _schedule_add(client: Any, args: argparse.Namespace) -> int:
     if args.json:
         print_json(doc)
     else:
-        out.print(f"schedule {doc['_id']}: next tick {when(doc.get('next_tick_at'))} UTC")
+        tick = when(doc.get("next_tick_at"))
+        out.print(f"schedule {doc['_id']}: next tick {tick} UTC", markup=False)
     return 0
 
 
@@ -134,8 +138,9 @@ def _print_schedules(docs: list[dict[str, Any]]) -> None:
     for doc in docs:
         spec = doc.get("cron") or f"every {doc.get('every_s'):g}s"
         state = "error" if doc.get("error") else "paused" if doc.get("paused") else "active"
-        table.add_row(
-            str(doc["_id"]),
+        add_row(
+            table,
+            doc["_id"],
             str(doc.get("task")),
             f"{spec} ({doc.get('timezone')})",
             str(doc.get("catch_up")),
@@ -170,7 +175,10 @@ def cmd_flow(args: argparse.Namespace) -> int:
 def _label(node: dict[str, Any]) -> str:
     waiting = node.get("waiting_on")
     extra = f" (waiting on {', '.join(waiting)})" if waiting else ""
-    return f"{node['key']}  {node['name']}  [bold]{node['status']}[/]{extra}"
+    from rich.markup import escape
+
+    key, name, status = (escape(str(node.get(f))) for f in ("key", "name", "status"))
+    return f"{key}  {name}  [bold]{status}[/]{escape(extra)}"
 
 
 def register(sub: Any) -> None:

@@ -9,11 +9,9 @@ BSON-able, over 64 KiB); 1 for no such task, a finished one, or one holding 1,00
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
-from mtask.cli.common import Commands, add_common, out, print_json, task_client
-from mtask.errors import UsageError
+from mtask.cli.common import Commands, add_common, out, parse_json, print_json, task_client
 
 commands = Commands()
 run = commands.run
@@ -22,10 +20,7 @@ run = commands.run
 def parse_payload(text: str | None) -> Any:
     if text is None:
         return None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--payload is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    return parse_json(text, "--payload")
 
 
 @commands.command("signal")

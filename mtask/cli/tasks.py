@@ -15,8 +15,10 @@ from mtask.cli import bulk
 from mtask.cli.common import (
     Commands,
     add_common,
+    add_row,
     json_default,
     out,
+    parse_json,
     parse_json_object,
     print_json,
     task_client,
@@ -77,7 +79,9 @@ def cmd_publish(args: argparse.Namespace) -> int:
         )
     else:
         what = "created" if result.created else ("updated" if result.updated else "exists")
-        out.print(f"{what}: {result.task.key} ({result.task.name}, {result.task.status})")
+        out.print(
+            f"{what}: {result.task.key} ({result.task.name}, {result.task.status})", markup=False
+        )
     return 0
 
 
@@ -95,8 +99,8 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 
 def print_task(task: Task) -> None:
-    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     grid = Table.grid(padding=(0, 2))
     for label, value in [
@@ -114,12 +118,13 @@ def print_task(task: Task) -> None:
         *_flow_rows(task),
         *_waiting_rows(task),
     ]:
-        grid.add_row(f"[bold]{label}[/]", escape(str(value)))
+        add_row(grid, Text(label, style="bold"), value)
     out.print(grid)
     if task.runs:
         runs = Table("run", "worker", "state", "claimed", "lease / finished", "output", "error")
         for run in task.runs:
-            runs.add_row(
+            add_row(
+                runs,
                 run.run_id[:8],
                 run.worker_id,
                 run.state.value,
@@ -154,7 +159,6 @@ def _waiting_rows(task: Task) -> list[tuple[str, str]]:
 def steps_table(task: Task) -> Any:
     """Issue 30: one row per durable step, in the handler's order; a step's earlier tries
     as a count of failures with the newest error."""
-    from rich.markup import escape
     from rich.table import Table
 
     table = Table("#", "step", "kind", "state", "attempts", "ms", "started", "detail")
@@ -173,15 +177,16 @@ def steps_table(task: Task) -> Any:
             detail.append(f"error: {step.error}")
         elif failed:
             detail.append(f"{len(failed)} failed tries, last: {failed[-1].error}")
-        table.add_row(
+        add_row(
+            table,
             str(i),
-            escape(step.name),
+            step.name,
             step.kind,
             step.state,
             str(step.attempts),
             "" if step.ms is None else str(step.ms),
             when(step.started_at),
-            escape("; ".join(detail)),
+            "; ".join(detail),
         )
     return table
 
@@ -239,7 +244,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     table = Table("key", "name", "status", "attempts", "next claim", "created")
     for t in tasks:
-        table.add_row(
+        add_row(
+            table,
             t.key,
             t.name,
             # issue 14: an invalid task shows why
@@ -276,12 +282,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
         row = counts[name]
         more = "+" if any(counts.is_lower_bound(name, s) for s in row) else ""
         cells = [counts.show(name, s) for s in statuses]
-        table.add_row(name, *cells, f"{sum(row.values()):,}{more}")
+        add_row(table, name, *cells, f"{sum(row.values()):,}{more}")
     out.print(table)
     if groups:
         largest = Table("name", "group", "open", "running", title="largest groups (open tasks)")
         for g in groups:
-            largest.add_row(g["name"], g["group"], f"{g['open']:,}", f"{g['running']:,}")
+            add_row(largest, g["name"], g["group"], f"{g['open']:,}", f"{g['running']:,}")
         out.print(largest)
     return 0
 
@@ -301,7 +307,7 @@ def _act(args: argparse.Namespace, action: str, done: str) -> int:
     key = _one_key(args)
     with task_client(args) as client:
         task = getattr(client, action)(key)
-    out.print(f"{done}: {task.key}")
+    out.print(f"{done}: {task.key}", markup=False)
     return 0
 
 
@@ -326,7 +332,8 @@ def cmd_workers(args: argparse.Namespace) -> int:
 
     table = Table("worker", "names", "in flight", "concurrency", "state", "started", "last seen")
     for w in workers:
-        table.add_row(
+        add_row(
+            table,
             w["_id"],
             ",".join(w.get("names", [])),
             str(w.get("in_flight", 0)),
@@ -344,17 +351,18 @@ def read_lines(stream: IO[str], source: str) -> tuple[list[dict[str, Any]], list
     names the line."""
     items = []
     lines = []
-    for number, line in enumerate(stream, 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{source}:{number}: not valid JSON: {exc.msg}") from None
-        if not isinstance(item, dict):
-            raise UsageError(f"{source}:{number}: must be a JSON object")
-        items.append(item)
-        lines.append(number)
+    number = 0
+    try:
+        for number, line in enumerate(stream, 1):
+            if not line.strip():
+                continue
+            item = parse_json(line, f"{source}:{number}")
+            if not isinstance(item, dict):
+                raise UsageError(f"{source}:{number}: must be a JSON object")
+            items.append(item)
+            lines.append(number)
+    except UnicodeDecodeError as exc:  # raised by the reading, for the lines after ``number``
+        raise UsageError(f"{source}: not UTF-8 after line {number}: {exc.reason}") from None
     return items, lines
 
 
@@ -400,7 +408,7 @@ def publish_from_file(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"created": created, "given": len(items)})
     else:
-        out.print(f"published {len(items)} tasks from {source}: {created} created")
+        out.print(f"published {len(items)} tasks from {source}: {created} created", markup=False)
     return 0
 
 

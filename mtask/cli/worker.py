@@ -200,7 +200,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         found = client.stop_worker(args.worker_id)
     if not found:
         raise UsageError(f"no worker {args.worker_id!r} is registered (see `mtask workers`)")
-    out.print(f"stop requested: {args.worker_id} drains and exits at its next heartbeat")
+    said = f"stop requested: {args.worker_id} drains and exits at its next heartbeat"
+    out.print(said, markup=False)
     return 0
 
 

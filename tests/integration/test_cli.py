@@ -178,7 +178,7 @@ def test_publish_from_a_file_of_json_lines(
     assert code == 2 and f"{bad}:3: key: must not be empty" in err
     bad.write_text("{oops\n")
     code, _, err = run(capsys, "publish", "--from-file", str(bad), *common)
-    assert code == 2 and f"{bad}:1: not valid JSON" in err
+    assert code == 2 and f"{bad}:1 is not valid JSON" in err
     code, _, err = run(capsys, "publish", "n", *common)
     assert code == 2 and "publish needs NAME and KEY" in err
     assert client.collection.count_documents({}) == 2500  # nothing from the bad files
@@ -194,3 +194,98 @@ def test_top_shows_counts_and_workers(
     )  # fmt: skip
     assert code == 0 and out.count("mtask top") == 2
     assert "resize" in out and "0 worker(s)" in out
+
+
+def test_markup_in_keys_names_and_errors_is_shown_as_text(
+    capsys: pytest.CaptureFixture[str], mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """Keys, names, groups, worker ids and errors are data: ``[/b]`` in one is printed as it
+    is, not parsed as rich markup (a MarkupError traceback, after publish/cancel had written)."""
+    common = ("--uri", mongo_uri, "--database", db_name)
+    options = json.dumps({"group": "g[/g]"})
+    code, out, err = run(capsys, "publish", "m[/y]", "pk[/z]", "--options", options, *common)
+    assert (code, err) == (0, "") and "created: pk[/z] (m[/y], pending)" in out
+    now = client.now()
+    run_doc = {"run_id": "r1", "worker_id": "w[/w]", "state": "FAIL", "claimed_at": now}
+    client.collection.update_one(
+        {"_id": "pk[/z]"}, {"$set": {"runs": [run_doc | {"error": "boom[/i]"}]}}
+    )
+    client.collection.database["workers"].insert_one(
+        {"_id": "w[/w]", "names": ["m[/y]"], "last_seen": now, "running": [{"key": "pk[/z]"}]}
+    )
+    for argv, shown in [
+        (["list"], "pk[/z]"),
+        (["stats", "--groups", "5"], "g[/g]"),
+        (["get", "pk[/z]"], "boom[/i]"),
+        (["workers"], "w[/w]"),
+        (["top", "--iterations", "1"], "m[/y]"),
+        (["cancel", "pk[/z]"], "cancelled: pk[/z]"),
+        (["retry", "pk[/z]"], "pending again: pk[/z]"),
+    ]:
+        code, out, err = run(capsys, *argv, *common)
+        assert (code, err) == (0, ""), (argv, err)
+        assert shown in out, (argv, out)
+
+
+def test_json_arguments_python_cannot_read_exit_2(
+    capsys: pytest.CaptureFixture[str],
+    mongo_uri: str,
+    db_name: str,
+    client: TaskClient,
+    tmp_path: Any,
+) -> None:
+    """Valid JSON that json.loads still refuses (an int of 5,000 digits, 100,000 nested
+    arrays), a file that is not UTF-8, and a line whose delay is a string: one line, exit 2."""
+    common = ("--uri", mongo_uri, "--database", db_name)
+    client.publish("n", "sig")
+    big, deep = "1" * 5000, "[" * 100_000
+    for argv, message in [
+        (["publish", "n", "k", "--params", f'{{"a": {big}}}'], "--params cannot be read"),
+        (["publish", "n", "k", "--params", '{"a":' * 3000], "--params is nested too deeply"),
+        (["publish", "n", "k", "--options", deep], "--options is nested too deeply"),
+        (["signal", "sig", "s", "--payload", big], "--payload cannot be read"),
+        (["signal", "sig", "s", "--payload", deep], "--payload is nested too deeply"),
+    ]:
+        code, _, err = run(capsys, *argv, *common)
+        assert code == 2 and message in err and "Traceback" not in err, (argv, err)
+    lines = tmp_path / "tasks.jsonl"
+    first = json.dumps({"name": "n", "key": "f1"}) + "\n"
+    for content, message in [
+        (
+            first.encode() + b'{"name":"n","key":"f2","params":{"a":' + big.encode() + b"}}\n",
+            ":2 cannot be read",
+        ),
+        (first.encode() + deep.encode() + b"\n", ":2 is nested too deeply"),
+        (first.encode() + b'{"name":"n","key":"f3","delay":"abc"}\n', "delay: must be a number"),
+        (first.encode() + b'{"name":"n","key":"\\ud800"}\n', "key: must be valid Unicode"),
+        (b"\xff\xfe\n", "not UTF-8"),
+    ]:
+        lines.write_bytes(content)
+        code, _, err = run(capsys, "publish", "--from-file", str(lines), *common)
+        assert code == 2 and message in err, (content[:80], err)
+    assert [t.key for t in client.list()] == ["sig"]  # nothing written
+    assert client.get("sig").signals == []  # type: ignore[union-attr]
+
+
+def test_durations_and_sequence_numbers_out_of_range_exit_2(
+    capsys: pytest.CaptureFixture[str], mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    common = ("--uri", mongo_uri, "--database", db_name)
+    client.publish("n", "k")
+    code, _, err = run(capsys, "purge", "--older-than", "1000000d", "--dry-run", *common)
+    assert code == 2 and "--older-than: '1000000d' is more than 100 years" in err
+    code, _, err = run(capsys, "retention", "n", "--failed", "99999999999d", *common)
+    assert code == 2 and "--failed: '99999999999d' is more than 100 years" in err
+    for argv in (
+        ["retry", "--older-than", "99999999999d", "--dry-run"],
+        ["cancel", "--older-than", "9" * 400 + "d", "--yes"],
+        ["logs", "k", "--after", "100000000000000000000"],
+    ):
+        with pytest.raises(SystemExit) as exited:
+            run(capsys, *argv, *common)
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert "more than 100 years" in err or "must be 0 to" in err, err
+    code, out, _ = run(capsys, "purge", "--older-than", "36500d", "--dry-run", *common)
+    assert code == 0 and "0 finished tasks match" in out
+    assert client.get("k").status == "pending"  # type: ignore[union-attr]

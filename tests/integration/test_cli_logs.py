@@ -81,5 +81,5 @@ def test_logs_bad_input_exits_2_and_a_missing_task_1(
         text=True,
         check=False,
     )
-    assert proc.returncode == 2 and "must be 0 or more" in proc.stderr
+    assert proc.returncode == 2 and "must be 0 to 9223372036854775807" in proc.stderr
     assert "Traceback" not in proc.stderr
