@@ -286,12 +286,25 @@ async def workers_page(request: Request) -> HTMLResponse:
 # -- actions (plain forms; POST-redirect-GET with a flash message) ------------------------------
 
 
+def local_url(next_url: str) -> str:
+    """``next_url`` if it is a path of this site, else ``/``. Read as a browser reads a URL (tabs
+    and newlines dropped, ``\\`` as ``/``), it must start with one ``/`` (``//host`` and
+    ``/\\host`` are another site) and hold no scheme or host. The redirect then sends it
+    percent-encoded (a task key's ``\\`` stays in the path)."""
+    seen = next_url.translate({ord("\t"): None, ord("\n"): None, ord("\r"): None})
+    seen = seen.replace("\\", "/")
+    if not seen.startswith("/") or seen.startswith("//"):
+        return "/"
+    try:
+        parts = urllib.parse.urlsplit(seen)
+    except ValueError:
+        return "/"
+    return "/" if parts.scheme or parts.netloc else next_url
+
+
 def back(next_url: str, **message: str) -> RedirectResponse:
     """Redirect to a local page (never elsewhere) with a flash message."""
-    parts = urllib.parse.urlsplit(next_url)
-    if parts.scheme or parts.netloc or not next_url.startswith("/"):
-        next_url = "/"
-        parts = urllib.parse.urlsplit(next_url)
+    parts = urllib.parse.urlsplit(local_url(next_url))
     query = {
         k: v
         for k, v in urllib.parse.parse_qsl(parts.query)
@@ -340,7 +353,13 @@ async def send_signal(request: Request) -> Response:
     try:
         payload = json.loads(text) if text else None
     except (ValueError, RecursionError) as exc:  # deep nesting: the C decoder recurses
-        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+        reason = (
+            exc.msg
+            if isinstance(exc, json.JSONDecodeError)
+            else "nested too deeply"
+            if isinstance(exc, RecursionError)
+            else str(exc).split(":")[0]  # "Exceeds the limit (4300 digits) for integer …"
+        )
         return back(next_url, problem=f"signal not sent: the payload is not JSON ({reason})")
     try:
         woke = await client_of(request).signal(key, name, payload)

@@ -2,13 +2,17 @@
 
 For every HTTP request it, in order:
 
+0. reads the headers once, as Starlette does (the first of repeated ones), and refuses a request
+   repeating one the guard decides on (``SINGLE``: ``Content-Type``, ``Authorization``,
+   ``Origin``, …; 400): the guard and the app must not read two different values;
 1. reads the credentials from the headers only: a strict bearer header (a malformed or wrong
    one is 401), else a signed session cookie (``mtask.web.auth``), else none;
 2. refuses a body larger than the limit from its ``Content-Length`` (413 naming the limit);
 3. refuses what needs credentials and has none (401) — API routes always, dashboard forms
    (``POST /ui/…``) too; dashboard pages render the sign-in form themselves;
 4. refuses a cookie-authorised (or credential-less) state-changing request from another origin
-   (403): ``Origin``, else ``Referer``, must be the server's own origin;
+   (403): ``Origin``, else ``Referer``, must be the server's own origin (a ``Referer`` that is not
+   a URL is refused too);
 5. only then reads the body, counting bytes as they stream (413 past the limit) and scanning a
    JSON body's nesting depth as it streams (422 naming the limit),
    checks for a session the CSRF token — the ``X-CSRF-Token`` header or the ``csrf`` form field
@@ -54,6 +58,11 @@ SAFE = frozenset({"GET", "HEAD", "OPTIONS"})
 PUBLIC = ("/healthz", "/static/", "/docs", "/redoc", "/openapi.json", "/favicon.ico", "/login")
 PIECE = 64 * 1024
 """The depth scan's unit of work: the loop runs other requests between pieces."""
+SINGLE = frozenset(
+    {"host", "content-length", "content-type", "authorization", "origin", "referer", CSRF_HEADER}
+)
+"""Headers a request may send once: the guard decides on them, and a repeated one would leave
+the guard and the app (which reads the first) to disagree on what the request is."""
 
 
 class Refused(Exception):
@@ -177,6 +186,19 @@ def too_deep() -> Refused:
     return Refused(422, [{"loc": ["body"], "msg": detail, "type": "too_deep"}])
 
 
+def header_map(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The request's headers by lower-case name, the first value of a repeated one (as
+    Starlette reads them); one of ``SINGLE`` repeated is refused (400)."""
+    headers: dict[str, str] = {}
+    for key, value in raw:
+        name = key.decode("latin-1").lower()
+        if name not in headers:
+            headers[name] = value.decode("latin-1")
+        elif name in SINGLE:
+            raise Refused(400, f"the {name} header is repeated: send it once")
+    return headers
+
+
 def cookies(headers: dict[str, str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for part in headers.get("cookie", "").split(";"):
@@ -218,7 +240,10 @@ class Guard:
     def same_origin(self, scope: Scope, headers: dict[str, str], required: bool) -> None:
         origin = headers.get("origin")
         if origin is None and headers.get("referer"):
-            parts = urllib.parse.urlsplit(headers["referer"])
+            try:
+                parts = urllib.parse.urlsplit(headers["referer"])
+            except ValueError:  # "http://[::1": a bracket not closed, or a bad host
+                raise Refused(403, "cross-site request refused: the Referer is not a URL") from None
             origin = f"{parts.scheme}://{parts.netloc}"
         if origin is None:
             if required:
@@ -240,7 +265,7 @@ class Guard:
         return "open" if self.keys.token is None else None
 
     async def _check(self, scope: Scope, receive: Receive) -> Receive:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        headers = header_map(scope["headers"])
         jar = cookies(headers)
         path: str = scope["path"]
         unsafe = scope["method"] not in SAFE
