@@ -60,6 +60,7 @@ from mtask.models import (
     Task,
     TaskOptions,
     TaskStatus,
+    read_worker,
     validate_name,
 )
 from mtask.store import bulk, counts, queries, retention, throughput
@@ -452,9 +453,12 @@ class _Base:
 
     @operation
     def workers(self, within_s: float = 10.0) -> Op[builtins.list[dict[str, Any]]]:
-        """Workers that sent a heartbeat in the last ``within_s`` seconds."""
+        """Workers that sent a heartbeat in the last ``within_s`` seconds, each document as
+        ``models.read_worker`` reads it (any shape: fields in another shape are named in its
+        ``problems``)."""
         within = dt.timedelta(seconds=within_s)
-        return (yield from control.live_workers(self.clock.now(), within))
+        docs = yield from control.live_workers(self.clock.now(), within)
+        return [read_worker(doc) for doc in docs]
 
     @operation
     def stop_worker(self, worker_id: str) -> Op[bool]:

@@ -22,10 +22,10 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainSerializer,
     Strict,
     TypeAdapter,
     ValidationError,
-    field_serializer,
     field_validator,
 )
 from pydantic.fields import FieldInfo
@@ -203,13 +203,37 @@ BsonDate = Annotated[dt.datetime, Strict()]
 """A BSON date: an ISO string where a date belongs is a mistake, not a date."""
 
 
+def bson_json(value: Any) -> Any:
+    """A value read from a document, as JSON: MongoDB Extended JSON, relaxed (``bson.json_util``)
+    — an ObjectId is ``{"$oid": …}``, bytes ``{"$binary": …}``, a date ``{"$date": …}``, NaN
+    ``{"$numberDouble": "NaN"}``, a Decimal128 ``{"$numberDecimal": …}``; strings, numbers, bools,
+    arrays and objects as themselves. The one way the API writes what a document holds."""
+    return json.loads(json_util.dumps(value, json_options=json_util.RELAXED_JSON_OPTIONS))
+
+
+BsonAny = Annotated[Any, PlainSerializer(bson_json, when_used="json")]
+"""Any value a document may hold (a foreign publisher's ObjectId, Buffer, Decimal128, …),
+written as JSON with ``bson_json`` (a Python dump keeps it as stored)."""
+BsonObject = Annotated[
+    dict[str, Any], PlainSerializer(bson_json, return_type=dict[str, Any], when_used="json")
+]
+"""An object a document holds, written as JSON with ``bson_json`` (typed as an object in the
+OpenAPI spec)."""
+
+
+class Stored(BaseModel):
+    """A (sub-)document as stored: the fields named are typed, any others are kept as they are,
+    and written as JSON with ``bson_json``."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": True})
+    __pydantic_extra__: dict[str, BsonAny] = Field(init=False)
+
+
 MAX_PROGRESS_LABEL = 200
 
 
-class Progress(BaseModel):
+class Progress(Stored):
     """How far the newest run that reported got (``ctx.progress``; docs/output.md)."""
-
-    model_config = ConfigDict(extra="allow")
 
     fraction: float | None = Field(None, ge=0.0, le=1.0)
     label: str | None = Field(None, max_length=MAX_PROGRESS_LABEL)
@@ -218,10 +242,8 @@ class Progress(BaseModel):
     at: BsonDate
 
 
-class OutputCounts(BaseModel):
+class OutputCounts(Stored):
     """A run's live output (docs/output.md): what it wrote, and what the caps dropped."""
-
-    model_config = ConfigDict(extra="allow")
 
     logs: int = Field(0, ge=0)
     chunks: int = Field(0, ge=0)
@@ -229,10 +251,8 @@ class OutputCounts(BaseModel):
     chunks_dropped: int = Field(0, ge=0)
 
 
-class Run(BaseModel):
+class Run(Stored):
     """One worker's run of a task."""
-
-    model_config = ConfigDict(extra="allow")
 
     run_id: str
     worker_id: str
@@ -241,17 +261,15 @@ class Run(BaseModel):
     lease_expires_at: BsonDate | None = None
     finished_at: BsonDate | None = None
     error: str | None = None
-    result: Any = None
+    result: BsonAny = None
     output: OutputCounts | None = None
     """Set by the run's first output write (``ctx.log``, ``ctx.emit``)."""
     output_batch: int | None = Field(None, ge=0)
     """The number of the run's newest output write: one sent again is not applied twice."""
 
 
-class StepTry(BaseModel):
+class StepTry(Stored):
     """One call of a durable step (its newest ten are kept)."""
-
-    model_config = ConfigDict(extra="allow")
 
     run_id: str
     attempt: int | None = None
@@ -260,12 +278,10 @@ class StepTry(BaseModel):
     error: str | None = None
 
 
-class Step(BaseModel):
+class Step(Stored):
     """A durable step of the task's handler (``ctx.step``, ``ctx.sleep``, ``ctx.wait_for``;
     docs/steps.md), in the order the handler asked for them. A later run gets a ``done`` step's
     result back instead of calling it again."""
-
-    model_config = ConfigDict(extra="allow")
 
     name: str = Field(min_length=1, max_length=200)
     kind: Literal["call", "sleep", "signal"]
@@ -276,8 +292,8 @@ class Step(BaseModel):
     started_at: BsonDate
     finished_at: BsonDate | None = None
     ms: int | None = Field(None, ge=0)
-    result: Any = None
-    spill: dict[str, Any] | None = None
+    result: BsonAny = None
+    spill: BsonObject | None = None
     """A result too large for the document: where it is (``<tasks>.steps``)."""
     error: str | None = None
     until: BsonDate | None = None
@@ -288,20 +304,16 @@ class Step(BaseModel):
     tries: list[StepTry] = Field(default_factory=list)
 
 
-class SignalSent(BaseModel):
+class SignalSent(Stored):
     """A signal sent to the task (``client.signal``; docs/steps.md)."""
 
-    model_config = ConfigDict(extra="allow")
-
     name: str = Field(min_length=1, max_length=200)
-    payload: Any = None
+    payload: BsonAny = None
     at: BsonDate
 
 
-class Waiting(BaseModel):
+class Waiting(Stored):
     """What the task's last run waits for: until when, and for which signal."""
-
-    model_config = ConfigDict(extra="allow")
 
     until: BsonDate
     index: int = Field(ge=0)
@@ -448,7 +460,7 @@ class Task(BaseModel):
 
     key: str = Field(alias="_id")
     name: str | None = None
-    params: dict[str, Any] | None = None
+    params: BsonObject | None = None
     options: StoredOptions = Field(default_factory=StoredOptions)
     status: TaskStatus | None = None
     next_claim_at: dt.datetime | None = None
@@ -459,7 +471,7 @@ class Task(BaseModel):
     runs: list[Run] = Field(default_factory=list)
     """The runs the document holds (none if it holds none; see ``missing``)."""
     runs_folded: int | None = None
-    result: Any = None
+    result: BsonAny = None
     error: str | None = None
     failed_permanently: bool | None = None
     created_at: dt.datetime | None = None
@@ -474,7 +486,7 @@ class Task(BaseModel):
     """The task whose handler returned this one as a next step (``mtask.Next``)."""
     children: list[str] = Field(default_factory=list)
     """The next steps this task's handler returned (published once its SUCCESS was recorded)."""
-    outbox_rejected: list[dict[str, Any]] = Field(default_factory=list)
+    outbox_rejected: list[BsonObject] = Field(default_factory=list)
     """Next steps in its outbox that were not published because no task could be built from
     them (a hand edit, another version's shape), each ``{"entry", "reason"}``."""
     depends_on: list[str] = Field(default_factory=list)
@@ -495,17 +507,13 @@ class Task(BaseModel):
     document that no worker has completed yet lacks most of them)."""
     problems: list[str] = Field(default_factory=list)
     """What is wrong where: ``'options.max_retry': unknown option``, one line per field."""
-    extra: dict[str, Any] = Field(default_factory=dict)
+    extra: BsonObject = Field(default_factory=dict)
     """Top-level fields the task document's definition does not name, as stored."""
 
     @property
     def complete(self) -> bool:
         """Whether the document holds every field of ``TaskDocument``, each readable."""
         return not self.missing and not self.problems
-
-    @field_serializer("extra", when_used="json")
-    def _extra_json(self, value: dict[str, Any]) -> Any:
-        return json.loads(json_util.dumps(value, json_options=json_util.RELAXED_JSON_OPTIONS))
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> Task:
@@ -615,6 +623,93 @@ def _read_runs(value: Any, problems: list[str]) -> list[Run]:
         except ValidationError as exc:
             problems.append(f"'runs.{index}': {_first_error(exc)}")
     return runs
+
+
+class RunningRun(Stored):
+    key: str
+    run_id: str
+
+
+class PoolChildView(Stored):
+    pid: int
+    state: str
+    """``busy`` or ``idle``."""
+    tasks: int = 0
+    """Runs this child has done."""
+    rss: int | None = None
+    """Resident bytes the child reported after its last run."""
+    busy_since: BsonDate | None = None
+
+
+class PoolView(Stored):
+    """A worker's process pool (issue 18): children started, recycled (max tasks or memory),
+    killed (time limit, cancel, lost lease, stop), died on their own, runs ended by their hard
+    time limit or memory limit, and the live children."""
+
+    started: int = 0
+    recycled: int = 0
+    killed: int = 0
+    died: int = 0
+    time_limit_kills: int = 0
+    memory_kills: int = 0
+    """Children killed for passing ``memory_limit_per_child`` (issue 27)."""
+    max_tasks_per_child: int | None = None
+    max_memory_per_child: int | None = None
+    memory_limit_per_child: int | None = None
+    children: list[PoolChildView] = Field(default_factory=list)
+
+
+class WorkerView(Stored):
+    """A worker's heartbeat document (``control.heartbeat``), as ``read_worker`` reads it."""
+
+    id: str = Field(alias="_id")
+    host: str | None = None
+    pid: int | None = None
+    version: str | None = None
+    names: list[str] | None = None
+    concurrency: int | None = None
+    in_flight: int | None = None
+    state: str | None = None
+    running: list[RunningRun] = Field(default_factory=list)
+    waiting: int | None = None
+    """Runs claimed ahead (``--prefetch``) and waiting for a slot."""
+    pool: PoolView | None = None
+    started_at: BsonDate | None = None
+    last_seen: BsonDate | None = None
+    beat_at: BsonDate | None = None
+    """The server's time of the last heartbeat's write."""
+    stop_requested: bool = False
+    problems: list[str] = Field(default_factory=list)
+    """Fields held in a shape mtask does not write (a hand edit, another version), one line
+    each; they read as their default."""
+
+
+_WORKER_ADAPTERS = {
+    (field.alias or name): _adapter(field)
+    for name, field in WorkerView.model_fields.items()
+    if name != "problems"
+}
+
+
+def read_worker(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A worker's heartbeat document as every reader shows it (``client.workers``: the API, the
+    dashboard, the CLI), whatever it holds: each field ``WorkerView`` names is read as it
+    declares it, one in another shape reads as its default and is named in ``problems``, an
+    ``_id`` that is not a string reads as its ``str``; other fields are kept as stored. Never
+    raises."""
+    problems: list[str] = []
+    values: dict[str, Any] = {k: v for k, v in doc.items() if k not in _WORKER_ADAPTERS}
+    for name, adapter in _WORKER_ADAPTERS.items():
+        if name not in doc:
+            continue
+        try:
+            values[name] = adapter.validate_python(doc[name])
+        except ValidationError as exc:
+            problems.append(f"'{name}': {_first_error(exc)}")
+    if not isinstance(doc.get("_id"), str):
+        values["_id"] = str(doc.get("_id"))
+    values["problems"] = problems
+    return WorkerView.model_validate(values).model_dump(by_alias=True)
 
 
 class PublishResult(BaseModel):

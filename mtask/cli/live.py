@@ -43,13 +43,13 @@ def _frames(client: Any, interval: float) -> Iterator[Group]:
             cells = [counts.show(name, s) for s in statuses]
             add_row(table, name, *cells, rate)
         crew = Table("worker", "state", "in flight", "running", title=f"{len(workers)} worker(s)")
-        for w in workers:
-            running = ", ".join(r["key"] for r in (w.get("running") or [])[:5])
+        for w in workers:  # models.read_worker: every field in its shape, or its default
+            running = ", ".join(r["key"] for r in w["running"][:5])
             add_row(
                 crew,
                 w["_id"],
-                str(w.get("state")),
-                f"{w.get('in_flight')}/{w.get('concurrency')}",
+                str(w["state"]),
+                f"{w['in_flight']}/{w['concurrency']}",
                 running,
             )
         previous = (now, server_now)

@@ -331,16 +331,16 @@ def cmd_workers(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table("worker", "names", "in flight", "concurrency", "state", "started", "last seen")
-    for w in workers:
+    for w in workers:  # models.read_worker: every field in its shape, or its default
         add_row(
             table,
             w["_id"],
-            ",".join(w.get("names", [])),
-            str(w.get("in_flight", 0)),
-            str(w.get("concurrency", "")),
-            str(w.get("state", "")),
-            when(w.get("started_at")),
-            when(w.get("last_seen")),
+            ",".join(w["names"] or []),
+            str(w["in_flight"] if w["in_flight"] is not None else 0),
+            str(w["concurrency"] if w["concurrency"] is not None else ""),
+            w["state"] or "",
+            when(w["started_at"]),
+            when(w["last_seen"]),
         )
     out.print(table)
     return 0

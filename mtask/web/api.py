@@ -21,7 +21,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mtask.client import MAX_DELAY_SECONDS, AsyncTaskClient
 from mtask.errors import TaskNotFound, WaitTimeout
-from mtask.models import MAX_AGE_SECONDS, TaskKey, TaskName, TaskOptions, validate_name
+from mtask.models import (
+    MAX_AGE_SECONDS,
+    TaskKey,
+    TaskName,
+    TaskOptions,
+    WorkerView,
+    validate_name,
+)
 from mtask.store import bulk
 from mtask.web.auth import bearer_scheme, require_token
 from mtask.web.schemas import (
@@ -37,7 +44,6 @@ from mtask.web.schemas import (
     StopView,
     TaskPage,
     TaskView,
-    WorkerView,
 )
 
 MAX_BATCH = 10_000

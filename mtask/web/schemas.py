@@ -1,7 +1,8 @@
 """The response models of the REST API, so the OpenAPI spec is typed (generated Go, Java or
 TypeScript clients get structs, not maps). A task is ``mtask.models.Task`` itself, with its key
-under ``key``; the other collections' documents are described here as they are read, with any
-extra fields passed through."""
+under ``key``, a worker ``mtask.models.WorkerView`` (what every reader shows,
+``models.read_worker``); the other collections' documents are described here as they are read,
+with any extra fields passed through."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mtask.models import Task
+from mtask.models import Stored, Task
 
 
 class TaskView(Task):
@@ -47,63 +48,9 @@ class TaskPage(BaseModel):
     next_after: str | None = Field(description="pass as `after` for the next page")
 
 
-class Open(BaseModel):
-    """A document of a small collection: the fields named are always there, others may be."""
-
-    model_config = ConfigDict(extra="allow")
-
-
-class RunningRun(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    key: str
-    run_id: str
-
-
-class PoolChildView(Open):
-    pid: int
-    state: str
-    """``busy`` or ``idle``."""
-    tasks: int = 0
-    """Runs this child has done."""
-    rss: int | None = None
-    """Resident bytes the child reported after its last run."""
-    busy_since: dt.datetime | None = None
-
-
-class PoolView(Open):
-    """A worker's process pool (issue 18): children started, recycled (max tasks or memory),
-    killed (time limit, cancel, lost lease, stop), died on their own, runs ended by their hard
-    time limit or memory limit, and the live children."""
-
-    started: int = 0
-    recycled: int = 0
-    killed: int = 0
-    died: int = 0
-    time_limit_kills: int = 0
-    memory_kills: int = 0
-    """Children killed for passing ``memory_limit_per_child`` (issue 27)."""
-    max_tasks_per_child: int | None = None
-    max_memory_per_child: int | None = None
-    memory_limit_per_child: int | None = None
-    children: list[PoolChildView] = Field(default_factory=list)
-
-
-class WorkerView(Open):
-    id: str = Field(alias="_id")
-    host: str | None = None
-    pid: int | None = None
-    version: str | None = None
-    names: list[str] | None = None
-    concurrency: int | None = None
-    in_flight: int | None = None
-    state: str | None = None
-    running: list[RunningRun] = Field(default_factory=list)
-    waiting: int | None = None
-    """Runs claimed ahead (``--prefetch``) and waiting for a slot."""
-    pool: PoolView | None = None
-    started_at: dt.datetime | None = None
-    last_seen: dt.datetime | None = None
-    stop_requested: bool = False
+class Open(Stored):
+    """A document of a small collection: the fields named are always there, others may be (as
+    stored, written as JSON with ``models.bson_json``)."""
 
 
 class LimitView(Open):
