@@ -33,7 +33,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from apscheduler.triggers.base import BaseTrigger
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pymongo import ASCENDING, ReturnDocument
 from pymongo.errors import DuplicateKeyError
 
@@ -43,6 +43,7 @@ from mtask.errors import InvalidTask
 from mtask.errors import ScheduleNotFound as ScheduleNotFound  # where mtask.web, the CLI look
 from mtask.models import (
     NewTask,
+    describe_validation_error,
     validate_key,
     validate_name,
     validate_options,
@@ -58,8 +59,16 @@ VALIDATION_ANCHOR = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
 """Any instant: building a trigger checks its definition; no time is decided by it."""
 
 
+MIN_EVERY_S = 0.05
+MAX_EVERY_S = 366 * 86400.0
+"""An interval is from 50 ms to a year."""
+
+
 class Schedule(BaseModel):
-    """A validated schedule definition."""
+    """A validated schedule definition. The model itself holds every check (its validators
+    raise ``InvalidTask`` naming the field), so a stored document read back (``read``) is held
+    to what ``build`` accepts: a hand-edited ``every_s`` of ``Infinity``, ``-5`` or ``1e-6``
+    is refused there, never handed to a trigger."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -72,6 +81,65 @@ class Schedule(BaseModel):
     options: dict[str, Any] = Field(default_factory=dict)
     catch_up: CatchUp = "latest"
     misfire_grace_s: float = 60.0
+
+    @field_validator("id", mode="before")
+    @classmethod
+    def _check_id(cls, value: object) -> str:
+        try:
+            sid = validate_key(value)
+        except InvalidTask as exc:
+            raise InvalidTask(exc.message.removeprefix("key: "), field="id") from None
+        if "@" in sid:
+            raise InvalidTask("must not contain '@' (task keys are '<id>@<tick>')", field="id")
+        return sid
+
+    @field_validator("task", mode="before")
+    @classmethod
+    def _check_task(cls, value: object) -> str:
+        return validate_name(value)
+
+    @field_validator("every_s")
+    @classmethod
+    def _check_every(cls, value: float | None) -> float | None:
+        if value is not None and (
+            not math.isfinite(value) or not MIN_EVERY_S <= value <= MAX_EVERY_S
+        ):
+            raise InvalidTask("must be from 0.05 seconds to a year", field="every")
+        return value
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _check_params(cls, value: object) -> dict[str, Any]:
+        return validate_params(value)
+
+    @field_validator("options", mode="before")
+    @classmethod
+    def _check_options(cls, value: object) -> dict[str, Any]:
+        task_options = validate_options(value)
+        if task_options.run_at is not None:
+            raise InvalidTask("run_at cannot be set on a schedule's tasks", field="options.run_at")
+        dumped: dict[str, Any] = task_options.model_dump(exclude_defaults=True, mode="json")
+        return dumped
+
+    @field_validator("catch_up", mode="before")
+    @classmethod
+    def _check_catch_up(cls, value: object) -> object:
+        if value not in CATCH_UP_CHOICES:
+            raise InvalidTask(f"must be one of {', '.join(CATCH_UP_CHOICES)}", field="catch_up")
+        return value
+
+    @field_validator("misfire_grace_s")
+    @classmethod
+    def _check_grace(cls, value: float) -> float:
+        if not math.isfinite(value) or value < 0:
+            raise InvalidTask("must be a number of seconds, at least 0", field="misfire_grace_s")
+        return value
+
+    @model_validator(mode="after")
+    def _check_one_trigger(self) -> Schedule:
+        if (self.cron is None) == (self.every_s is None):
+            raise InvalidTask("give exactly one of cron or every", field="schedule")
+        return self
 
     @classmethod
     def build(
@@ -88,36 +156,29 @@ class Schedule(BaseModel):
         misfire_grace_s: float = 60.0,
     ) -> Schedule:
         """Check everything before anything is written; the error names the bad field."""
-        sid = validate_key(id)
-        if "@" in sid:
-            raise InvalidTask("must not contain '@' (task keys are '<id>@<tick>')", field="id")
-        if (cron is None) == (every is None):
-            raise InvalidTask("give exactly one of cron or every", field="schedule")
-        every_s = every.total_seconds() if isinstance(every, dt.timedelta) else every
-        if every_s is not None and (
-            not math.isfinite(every_s) or not 0.05 <= every_s <= 366 * 86400
-        ):
-            raise InvalidTask("must be from 0.05 seconds to a year", field="every")
-        if catch_up not in CATCH_UP_CHOICES:
-            raise InvalidTask(f"must be one of {', '.join(CATCH_UP_CHOICES)}", field="catch_up")
-        if not math.isfinite(misfire_grace_s) or misfire_grace_s < 0:
-            raise InvalidTask("must be a number of seconds, at least 0", field="misfire_grace_s")
-        task_options = validate_options(options)
-        if task_options.run_at is not None:
-            raise InvalidTask("run_at cannot be set on a schedule's tasks", field="options.run_at")
-        schedule = cls(
-            id=sid,
-            task=validate_name(task),
-            cron=cron,
-            every_s=every_s,
-            timezone=timezone,
-            params=validate_params(params),
-            options=task_options.model_dump(exclude_defaults=True, mode="json"),
-            catch_up=catch_up,
-            misfire_grace_s=misfire_grace_s,
+        schedule = cls.read(
+            {
+                "id": id,
+                "task": task,
+                "cron": cron,
+                "every_s": every.total_seconds() if isinstance(every, dt.timedelta) else every,
+                "timezone": timezone,
+                "params": params,
+                "options": options,
+                "catch_up": catch_up,
+                "misfire_grace_s": misfire_grace_s,
+            }
         )
         schedule.trigger(VALIDATION_ANCHOR)  # refuses a bad cron expression or zone
         return schedule
+
+    @classmethod
+    def read(cls, values: Mapping[str, Any]) -> Schedule:
+        """The schedule these values describe, or ``InvalidTask`` naming the bad field."""
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            raise InvalidTask(describe_validation_error(exc)) from None
 
     def trigger(self, start: dt.datetime) -> BaseTrigger:
         try:
@@ -151,10 +212,22 @@ def _ms(value: dt.datetime) -> dt.datetime:
     return value.replace(microsecond=value.microsecond // 1000 * 1000)
 
 
+MAX_SUB_MS_STEPS = 100
+"""How many steps ``next_after`` takes that do not pass the next millisecond before it gives up
+(a valid trigger takes one or two: an interval of at least 50 ms computed with floats)."""
+
+
 def next_after(trigger: BaseTrigger, tick: dt.datetime) -> dt.datetime | None:
-    """The first tick strictly after ``tick``."""
+    """The first tick strictly after ``tick``; ``InvalidTask`` if the trigger does not move
+    forward (it would never find one)."""
     found = trigger.get_next_fire_time(tick, tick)
+    steps = 0
     while found is not None and _ms(found) <= tick:  # a sub-millisecond step
+        steps += 1
+        if steps > MAX_SUB_MS_STEPS:
+            raise InvalidTask(
+                f"the trigger does not move past {tick.isoformat()}", field="schedule"
+            )
         found = trigger.get_next_fire_time(found, found)
     return None if found is None else _ms(found)
 
@@ -325,7 +398,7 @@ def fire(doc: Mapping[str, Any], now: dt.datetime) -> Op[int]:
     created. A document that does not describe a valid schedule (edited by hand) gets an
     ``error`` and no next tick, instead of stopping the scheduler."""
     try:
-        schedule = Schedule.model_validate(
+        schedule = Schedule.read(
             {k: doc.get(k) for k in Schedule.model_fields if k in doc} | {"id": doc["_id"]}
         )
         start = doc["start"]
@@ -337,7 +410,7 @@ def fire(doc: Mapping[str, Any], now: dt.datetime) -> Op[int]:
             )
             for t in ticks
         ]
-    except (InvalidTask, ValueError, TypeError, KeyError) as exc:
+    except (InvalidTask, ValueError, TypeError, KeyError, ArithmeticError) as exc:
         log.warning("schedule %r is invalid, not firing it: %s", doc.get("_id"), exc)
         yield from advance(doc, [], None, now, error=f"invalid schedule: {exc}")
         return 0

@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 import pytest
+from apscheduler.triggers.interval import IntervalTrigger
 from harness import T0, running_worker, wait_for
 from hypothesis import given
 from hypothesis import strategies as st
@@ -194,6 +195,73 @@ def test_a_schedule_edited_into_nonsense_does_not_stop_the_scheduler(
     assert bad is not None and bad["next_tick_at"] is None
     assert "invalid schedule: cron: 'nonsense' is not a cron expression" in bad["error"]
     assert [t.key for t in tc.list()] == [tick_key("good", T0)]
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"every_s": float("inf")}, "every: must be from 0.05 seconds to a year"),
+        ({"every_s": 1e15}, "every: must be from 0.05 seconds to a year"),
+        ({"every_s": -5.0}, "every: must be from 0.05 seconds to a year"),
+        ({"every_s": 1e-6}, "every: must be from 0.05 seconds to a year"),
+        ({"every_s": float("nan")}, "every: must be from 0.05 seconds to a year"),
+        ({"every_s": None}, "schedule: give exactly one of cron or every"),
+        ({"cron": "* * * * *"}, "schedule: give exactly one of cron or every"),
+        ({"misfire_grace_s": float("nan")}, "misfire_grace_s: must be a number of seconds"),
+        ({"misfire_grace_s": -1.0}, "misfire_grace_s: must be a number of seconds"),
+        ({"options": {"run_at": T0}}, "options.run_at: run_at cannot be set"),
+        ({"task": ""}, "name: must not be empty"),
+    ],
+)
+def test_a_stored_schedule_is_held_to_what_build_accepts(
+    tc: TaskClient, clock: FixedClock, edit: dict[str, Any], message: str
+) -> None:
+    """A hand edit that no definition could give (an interval of Infinity overflowed the
+    trigger and stopped the worker; a negative one made ``next_after`` spin for ever) marks
+    the schedule invalid with no next tick; the others fire."""
+    tc.add_schedule("bad", "t", every=60)
+    tc.add_schedule("good", "t", every=60)
+    tc.db["schedules"].update_one({"_id": "bad"}, {"$set": edit})
+    for doc in tc._run(due(clock.now())):
+        tc._run(fire(doc, clock.now()))
+    bad = tc.db["schedules"].find_one({"_id": "bad"})
+    assert bad is not None and bad["next_tick_at"] is None
+    assert bad["error"].startswith("invalid schedule: " + message)
+    assert [t.key for t in tc.list()] == [tick_key("good", T0)]
+
+
+def test_next_after_gives_up_on_a_trigger_that_does_not_move_forward() -> None:
+    """A trigger stepping back (or by less than a millisecond for ever) ends the search with
+    an error instead of spinning the event loop."""
+    backwards = IntervalTrigger(seconds=-5, start_date=T0, timezone=dt.UTC)
+    with pytest.raises(InvalidTask, match="^schedule: the trigger does not move past"):
+        next_after(backwards, T0)
+    with pytest.raises(InvalidTask, match="^schedule: the trigger does not move past"):
+        first_tick(backwards, T0 + dt.timedelta(minutes=1))
+
+
+async def test_a_schedule_edited_to_an_endless_interval_does_not_stop_the_worker(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    registry = Registry()
+
+    @registry.task("beat")
+    async def beat(params: dict[str, Any], ctx: Any) -> None:
+        return None
+
+    async with running_worker(registry, mongo_uri, db_name) as (worker, _):
+        client.add_schedule("s1", "beat", every=3600)
+        past = client.schedules()[0]["start"] - dt.timedelta(hours=2)
+        client.db["schedules"].update_one(
+            {"_id": "s1"}, {"$set": {"every_s": float("inf"), "next_tick_at": past}}
+        )
+        await wait_for(lambda: client.schedules()[0]["error"])
+        client.publish("beat", "after-edit")
+        await wait_for(lambda: client.get("after-edit").status == "succeeded")
+        assert worker._crash is None
+    [doc] = client.schedules()
+    assert doc["next_tick_at"] is None
+    assert doc["error"].startswith("invalid schedule: every: must be from 0.05 seconds")
 
 
 async def test_workers_publish_every_tick_once(
