@@ -80,14 +80,12 @@ def publish(
             "status": {"$in": [s.value for s in TaskStatus if s.finished]},
             "runs": {"$not": {"$elemMatch": {"state": RUNNING, "lease_expires_at": {"$gt": now}}}},
         }
-        fresh = {k: v for k, v in doc.items() if k not in ("_id", "created_at")}
-        pipeline = [
-            {
-                "$replaceWith": {
-                    "$mergeObjects": [{"_id": "$_id", "created_at": "$created_at"}, literal(fresh)]
-                }
-            }
-        ]
+        # the output's numbering goes on (as across retries): the old runs' entries keep
+        # their ``seq`` until retention removes them with the task, and the new run's first
+        # line must not take one of them (a missing ``output_seq`` stays missing)
+        kept = {"_id": "$_id", "created_at": "$created_at", "output_seq": "$output_seq"}
+        fresh = {k: v for k, v in doc.items() if k not in kept}
+        pipeline = [{"$replaceWith": {"$mergeObjects": [kept, literal(fresh)]}}]
     after = yield Call(
         "find_one_and_update",
         (filt, pipeline),

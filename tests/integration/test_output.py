@@ -228,6 +228,23 @@ async def test_a_retry_keeps_the_earlier_runs_output_tagged(
     assert len({e.run_id for e in entries}) == 2
 
 
+async def test_a_reset_tasks_output_goes_on_after_the_earlier_runs(
+    mongo_uri: str, db_name: str, aclient: AsyncTaskClient
+) -> None:
+    """``on_conflict="reset"`` kept only ``_id`` and ``created_at``: the new run numbered its
+    output from 1 again, onto the old run's entries (a duplicate key), and all of it was lost."""
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("chunks", "r", {"n": 2})
+        await events.wait("recorded", key="r", state="SUCCESS")
+        await aclient.publish("chunks", "r", {"n": 3}, on_conflict="reset")
+        await events.wait("recorded", key="r", state="SUCCESS", count=2)
+    entries = [e async for e in aclient.stream("r")]
+    assert [(e.seq, e.data) for e in entries] == [(1, 1), (2, 2), (3, 1), (4, 2), (5, 3)]
+    assert len({e.run_id for e in entries}) == 2
+    task = await aclient.get("r")
+    assert task.output_seq == 5 and task.result == 3
+
+
 async def test_output_is_removed_with_the_task(
     mongo_uri: str, db_name: str, aclient: AsyncTaskClient, client: TaskClient
 ) -> None:
