@@ -118,8 +118,8 @@ class RunOutput:
         entry: dict[str, Any] = {"kind": "log", "level": level, "message": str(message)}
         entry["message"] = entry["message"][:MAX_MESSAGE_CHARS]
         if fields:
-            clean = _bson_value(dict(fields), "log fields")
-            if len(bson.encode({"f": clean})) > self.limits.max_fields_bytes:
+            clean, size = _snapshot("f", dict(fields), "log fields")
+            if size > self.limits.max_fields_bytes:
                 raise ValueError(
                     f"log fields are over {self.limits.max_fields_bytes} bytes as BSON"
                 )
@@ -145,8 +145,7 @@ class RunOutput:
         self._put(put)
 
     def emit(self, data: Any) -> None:
-        data = _bson_value(data, "a chunk")
-        size = len(bson.encode({"data": data}))
+        data, size = _snapshot("data", data, "a chunk")
         if size > self.limits.max_chunk_bytes:
             raise ValueError(f"a chunk is at most {self.limits.max_chunk_bytes} bytes as BSON")
 
@@ -240,12 +239,19 @@ class RunOutput:
         self._counts_changed = True
 
 
-def _bson_value(value: Any, what: str) -> Any:
+_SNAPSHOT: bson.CodecOptions[dict[str, Any]] = bson.CodecOptions(tz_aware=True)
+
+
+def _snapshot(name: str, value: Any, what: str) -> tuple[Any, int]:
+    """``value`` as it is now, and its size as the BSON document ``{name: value}``: encoded
+    (which checks it is storable) and decoded back, so what is written later is what the
+    handler passed, even if it then changes it (a buffer it reuses, a field it sets to
+    something BSON cannot store)."""
     try:
-        bson.encode({"v": value})
+        encoded = bson.encode({name: value})
     except Exception as exc:  # noqa: BLE001 - what BSON refuses, said plainly
         raise TypeError(f"{what} must be storable as BSON: {exc}") from None
-    return value
+    return bson.decode(encoded, _SNAPSHOT)[name], len(encoded)
 
 
 class RunLog:

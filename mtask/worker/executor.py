@@ -198,7 +198,11 @@ class Executor:
         output = run.ctx.output_made
         if output is None:
             return outcome  # it said nothing: no cost
-        stored = await self.outcomes.outputs.finish(output, write=outcome is not None)
+        try:
+            stored = await self.outcomes.outputs.finish(output, write=outcome is not None)
+        except Exception:  # the output is lost, never the run's outcome
+            log.exception("the output of %s run %s could not be finished", run.key, run.run_id[:8])
+            stored = True  # some may be stored: the outcome seals them (sealing none is cheap)
         if outcome is not None and stored:
             return dataclasses.replace(outcome, has_output=True)
         return outcome

@@ -65,6 +65,8 @@ class _Followed:
     wrote_entries: bool = False
     progress_counted: bool = False
     lost: bool = False
+    refused: bool = False
+    """A batch of it could not be sent at all (not a MongoDB error): said once."""
 
 
 class OutputWriter:
@@ -143,7 +145,8 @@ class OutputWriter:
         if exc.transient:
             log.warning("cannot write the output of %s yet: %s", run.key, exc)
             return
-        log.warning("output of %s refused, one batch dropped: %s", run.key, exc)
+        if not run.refused:
+            log.warning("output of %s refused, one batch dropped: %s", run.key, exc)
         run.unwritten = None
 
     # -- the run's end ---------------------------------------------------------------------------
@@ -237,11 +240,28 @@ class OutputWriter:
             )
 
         self.writes += 1
-        if session is not None:
+        if session is not None:  # the run's transaction: an error is the body's
             return bool(await self.driver.run(op(self.clock.now()), session))
-        if not batch.entries:
-            return bool(await self.driver.run(op(self.clock.now())))
-        return await self._transaction(lambda s: self.driver.run(op(self.clock.now()), s))
+        try:
+            if not batch.entries:
+                return bool(await self.driver.run(op(self.clock.now())))
+            return await self._transaction(lambda s: self.driver.run(op(self.clock.now()), s))
+        except (StorageError, PyMongoError):
+            raise
+        except Exception as exc:
+            # not MongoDB's answer (e.g. a task's output_seq that no int follows): the batch
+            # cannot be sent as it is, it is dropped; the writer and the run's end go on, and
+            # this is said once per run
+            if not run.refused:
+                run.refused = True
+                log.warning(
+                    "output of %s cannot be written, dropped: %s: %s",
+                    run.key,
+                    type(exc).__name__,
+                    exc,
+                    exc_info=exc,
+                )
+            raise StorageError(f"cannot write the output: {type(exc).__name__}: {exc}") from exc
 
     async def _transaction(self, body: Callable[[Any], Any]) -> bool:
         try:

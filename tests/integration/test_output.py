@@ -12,6 +12,7 @@ import tracemalloc
 from typing import Any
 
 import pytest
+from bson.decimal128 import Decimal128
 from harness import running_worker, wait_for, worker_process
 
 from mtask import AsyncTaskClient, TaskClient, driver, metrics
@@ -243,6 +244,55 @@ async def test_a_reset_tasks_output_goes_on_after_the_earlier_runs(
     assert len({e.run_id for e in entries}) == 2
     task = await aclient.get("r")
     assert task.output_seq == 5 and task.result == 3
+
+
+@registry.task("rows")
+async def rows(params: dict[str, Any], ctx: TaskContext) -> str:
+    row: dict[str, Any] = {}
+    for i in range(3):  # a reused buffer
+        row["i"] = i
+        ctx.emit(row)
+    ctx.log.info("said", row=row)
+    row["day"] = dt.date(2026, 1, 1)  # changed after the calls into what BSON cannot store
+    return "done"
+
+
+async def test_what_a_handler_changes_after_saying_it_changes_nothing(
+    mongo_uri: str, db_name: str, aclient: AsyncTaskClient
+) -> None:
+    """The buffer held references: the three chunks were stored as the last one, and the
+    date set afterwards broke the write, which escaped the run's end: its SUCCESS was never
+    recorded (a TIMEOUT once the lease ran out, on every retry)."""
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("rows", "r", {})
+        await events.wait("recorded", key="r", state="SUCCESS")
+    entries = [e async for e in aclient.stream("r")]
+    assert [e.data for e in entries if e.kind == "chunk"] == [{"i": 0}, {"i": 1}, {"i": 2}]
+    assert [e.fields for e in entries if e.kind == "log"] == [{"row": {"i": 2}}]
+
+
+@registry.task("hello")
+async def hello(params: dict[str, Any], ctx: TaskContext) -> str:
+    ctx.log.info("hello")
+    ctx.emit("world")
+    return "done"
+
+
+async def test_a_task_whose_output_seq_is_no_int_still_records_its_outcome(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """An ``output_seq`` edited into a decimal, NaN or 1e19 made the output write raise
+    something other than a MongoDB error; it escaped the run's end and its outcome was never
+    recorded. The output is dropped, the outcome stands."""
+    values = {"decimal": Decimal128("5"), "nan": float("nan"), "huge": 1e19}
+    for key, value in values.items():
+        client.publish("hello", key, {})
+        client.collection.update_one({"_id": key}, {"$set": {"output_seq": value}})
+    async with running_worker(registry, mongo_uri, db_name) as (worker, events):
+        for key in values:
+            await events.wait("recorded", key=key, state="SUCCESS")
+        assert worker._crash is None
+    assert {client.get(key).result for key in values} == {"done"}
 
 
 async def test_output_is_removed_with_the_task(

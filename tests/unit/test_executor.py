@@ -140,3 +140,31 @@ def test_the_worker_command_freezes_what_lives_before_its_loop(
         gc.unfreeze()
     assert len(frozen) == 1 and frozen[0] > 1000
     assert factories == [uvloop.new_event_loop]  # --loop auto, uvloop installed
+
+
+def test_a_run_whose_output_cannot_be_finished_still_records_its_outcome(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An error out of the output's end (an unexpected one: not MongoDB's) escaped
+    ``Executor.execute``: the run's SUCCESS was never recorded, and the task failed later as a
+    TIMEOUT, on every retry."""
+    registry = Registry()
+
+    @registry.task("talk")
+    async def talk(params: dict[str, Any], ctx: TaskContext) -> str:
+        ctx.emit("hello")
+        return "done"
+
+    async def broken(*args: Any, **kwargs: Any) -> bool:
+        raise RuntimeError("the output writer broke")
+
+    async def main() -> None:
+        worker = parts(registry)
+        monkeypatch.setattr(worker.executor.outcomes.outputs, "finish", broken)
+        worker.executor.start(claimed("k", "talk"), time.monotonic())
+        await asyncio.wait([run.task for run in worker.inflight.runs.values() if run.task])
+        [outcome] = worker.recorder.pending
+        assert outcome.state.value == "SUCCESS" and outcome.has_output
+        worker.executor.deadlines.close()
+
+    asyncio.run(main())

@@ -3,9 +3,11 @@ what a handler's mistakes raise."""
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 
+import bson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -114,3 +116,22 @@ def test_capture_keeps_this_threads_records_only() -> None:
     recorded = RecordedOutput.of(out)
     assert [e["message"] for e in recorded.logs] == ["mine 1"]
     assert recorded.logs[0]["fields"] == {"logger": "mtask.test.capture"}
+
+
+def test_what_is_said_is_taken_as_it_was_when_said() -> None:
+    """The buffer kept the handler's objects: a reused row was stored N times with its last
+    value, and a value made non-BSON after the call broke the run's output writer."""
+    out = RunOutput()
+    row: dict[str, object] = {}
+    for i in range(3):
+        row["i"] = i
+        out.emit(row)
+    fields: dict[str, object] = {"tags": ["a"]}
+    out.log.info("tagged", **fields)
+    fields["tags"].append(dt.date(2026, 1, 1))  # type: ignore[attr-defined]
+    row["day"] = dt.date(2026, 1, 1)  # not BSON: what was said is not changed by it
+    entries = out.take().entries
+    assert [e["data"] for e in entries if e["kind"] == "chunk"] == [{"i": 0}, {"i": 1}, {"i": 2}]
+    [line] = [e for e in entries if e["kind"] == "log"]
+    assert line["fields"] == {"tags": ["a"]}
+    bson.encode({"entries": entries})  # storable as taken
