@@ -42,6 +42,7 @@ from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask
 from mtask.errors import ScheduleNotFound as ScheduleNotFound  # where mtask.web, the CLI look
 from mtask.models import (
+    MAX_KEY_LENGTH,
     NewTask,
     describe_validation_error,
     validate_key,
@@ -59,6 +60,8 @@ VALIDATION_ANCHOR = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
 """Any instant: building a trigger checks its definition; no time is decided by it."""
 
 
+MAX_ID_LENGTH = MAX_KEY_LENGTH - len("@YYYY-MM-DDTHH:MM:SS.mmmZ")
+"""A schedule's id and its tick make a task key (``tick_key``): the key is at most 512."""
 MIN_EVERY_S = 0.05
 MAX_EVERY_S = 366 * 86400.0
 """An interval is from 50 ms to a year."""
@@ -91,6 +94,12 @@ class Schedule(BaseModel):
             raise InvalidTask(exc.message.removeprefix("key: "), field="id") from None
         if "@" in sid:
             raise InvalidTask("must not contain '@' (task keys are '<id>@<tick>')", field="id")
+        if len(sid) > MAX_ID_LENGTH:
+            raise InvalidTask(
+                f"is {len(sid)} characters; at most {MAX_ID_LENGTH} (task keys are "
+                f"'<id>@<tick>', at most {MAX_KEY_LENGTH})",
+                field="id",
+            )
         return sid
 
     @field_validator("task", mode="before")

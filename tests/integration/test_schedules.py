@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from mtask import TaskClient
 from mtask.clock import FixedClock
 from mtask.errors import InvalidTask
+from mtask.models import MAX_KEY_LENGTH, NewTask
 from mtask.registry import Registry
 from mtask.schedules import (
     Schedule,
@@ -115,6 +116,17 @@ def test_cron_ticks_follow_the_time_zone() -> None:
 def test_tick_keys() -> None:
     tick = dt.datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=dt.UTC)
     assert tick_key("report", tick) == "report@2026-03-01T12:00:00.123Z"
+
+
+def test_a_schedule_id_leaves_room_for_its_ticks() -> None:
+    """An id of 488 to 512 characters was accepted, and its first tick's key (25 more) was
+    refused: the schedule stopped with an error on its first tick."""
+    latest = dt.datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=dt.UTC)
+    longest = "a" * (MAX_KEY_LENGTH - len(tick_key("", latest)))  # 487
+    NewTask.build("t", tick_key(Schedule.build(longest, "t", every=60).id, latest))
+    for length in (len(longest) + 1, MAX_KEY_LENGTH):
+        with pytest.raises(InvalidTask, match=f"^id: is {length} characters; at most 487"):
+            Schedule.build("a" * length, "t", every=60)
 
 
 @pytest.mark.parametrize(
