@@ -23,7 +23,7 @@ import datetime as dt
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pymongo import ASCENDING, IndexModel, ReturnDocument
+from pymongo import ASCENDING, DESCENDING, IndexModel, ReturnDocument
 
 from mtask.driver import Call, Doc, Op
 from mtask.models import FINISHED_STATUSES, KEEP_FIELDS, TaskStatus
@@ -121,6 +121,32 @@ def write(
         ]
         yield Call("insert_many", (docs,), {"ordered": True}, collection=COLLECTION)
     return True
+
+
+def skip_past_stored(key: str, run_id: str) -> Op[bool]:
+    """After ``write``'s insert met an entry with one of its numbers (a duplicate key): move
+    the task's ``output_seq`` past the highest ``seq`` stored for its key, if the run still
+    owns the task, so that the batch sent again is numbered after them. Such entries belong to
+    an earlier task of the same key, removed (by retention, or by hand) before its entries
+    were; they keep their numbers and go with this task. ``False``: nothing to move past."""
+    docs: list[Doc] = yield Call(
+        "find",
+        ({"task": key}, {"_id": 0, "seq": 1}),
+        {"sort": [("seq", DESCENDING)], "limit": 1},
+        collection=COLLECTION,
+    )
+    highest = docs[0].get("seq") if docs else None
+    if not isinstance(highest, int) or isinstance(highest, bool):
+        return False
+    run = {"run_id": run_id, "state": RUNNING}
+    filt: Doc = {
+        "_id": key,
+        "status": TaskStatus.RUNNING.value,
+        "runs": {"$elemMatch": run},
+        "$expr": lease_alive_expr(run_id),
+    }
+    result = yield Call("update_one", (filt, {"$max": {"output_seq": highest}}))
+    return bool(result.matched_count)
 
 
 def read_filter(key: str, after: int = 0, kinds: Sequence[str] | None = None) -> Doc:

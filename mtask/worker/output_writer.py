@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pymongo import AsyncMongoClient
-from pymongo.errors import PyMongoError
+from pymongo.errors import BulkWriteError, DuplicateKeyError, PyMongoError
 from pymongo.write_concern import WriteConcern
 
 from mtask import metrics
@@ -245,7 +245,16 @@ class OutputWriter:
         try:
             if not batch.entries:
                 return bool(await self.driver.run(op(self.clock.now())))
-            return await self._transaction(lambda s: self.driver.run(op(self.clock.now()), s))
+            try:
+                return await self._transaction(lambda s: self.driver.run(op(self.clock.now()), s))
+            except StorageError as exc:
+                # entries of an earlier task of this key outlived it: number after them, once
+                if not _duplicate_key(exc.__cause__) or not await self.driver.run(
+                    store_output.skip_past_stored(run.key, run.run_id)
+                ):
+                    raise
+                log.info("output of %s: numbered after the entries stored before", run.key)
+                return await self._transaction(lambda s: self.driver.run(op(self.clock.now()), s))
         except (StorageError, PyMongoError):
             raise
         except Exception as exc:
@@ -271,3 +280,12 @@ class OutputWriter:
                 )
         except PyMongoError as exc:
             raise storage_error(exc) from exc
+
+
+def _duplicate_key(exc: BaseException | None) -> bool:
+    """The insert of entries met an entry with one of their numbers."""
+    if isinstance(exc, DuplicateKeyError):
+        return True
+    if isinstance(exc, BulkWriteError):
+        return any(e.get("code") == 11000 for e in (exc.details or {}).get("writeErrors", ()))
+    return False

@@ -295,6 +295,23 @@ async def test_a_task_whose_output_seq_is_no_int_still_records_its_outcome(
     assert {client.get(key).result for key in values} == {"done"}
 
 
+async def test_a_key_published_again_numbers_its_output_after_entries_left_behind(
+    mongo_uri: str, db_name: str, aclient: AsyncTaskClient, client: TaskClient
+) -> None:
+    """A task removed before its entries (retention's TTL passes are not one operation with
+    the entries', or by hand) and its key published again: the new run numbered from 1 onto
+    the entries left behind (a duplicate key), and all of its output was lost."""
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("chunks", "r", {"n": 2})
+        await events.wait("recorded", key="r", state="SUCCESS")
+        client.collection.delete_one({"_id": "r"})
+        await aclient.publish("chunks", "r", {"n": 3})
+        await events.wait("recorded", key="r", state="SUCCESS", count=2)
+    entries = [e async for e in aclient.stream("r")]
+    assert [(e.seq, e.data) for e in entries] == [(1, 1), (2, 2), (3, 1), (4, 2), (5, 3)]
+    assert (await aclient.get("r")).output_seq == 5
+
+
 async def test_output_is_removed_with_the_task(
     mongo_uri: str, db_name: str, aclient: AsyncTaskClient, client: TaskClient
 ) -> None:

@@ -139,3 +139,20 @@ def test_catch_up_ends_once_the_task_is_finished_and_raises_for_no_task() -> Non
     assert [e.seq for e in entries] == [1] and over
     with pytest.raises(TaskNotFound):
         ScriptedDriver(Step("find_one", reply=None)).run(catch_up("x", Follower("tasks", 0), None))
+
+
+@pytest.mark.parametrize(("stored", "moved"), [([{"seq": 7}], True), ([], False)])
+def test_numbering_moves_past_entries_left_behind_only_for_the_owner(
+    stored: list[dict[str, int]], moved: bool
+) -> None:
+    def update(call: Call) -> None:
+        filt = call.args[0]
+        assert filt["_id"] == "k" and filt["status"] == "running"
+        assert filt["runs"] == {"$elemMatch": {"run_id": "r", "state": "RUNNING"}}
+        assert "$$NOW" in str(filt["$expr"])  # the lease, on the server's clock
+        assert call.args[1] == {"$max": {"output_seq": 7}}
+
+    steps = [Step("find", collection="output", reply=stored)]
+    if moved:
+        steps.append(Step("update_one", reply=UpdateResult({"n": 1}, True), check=update))
+    assert ScriptedDriver(*steps).run(output.skip_past_stored("k", "r")) is moved
