@@ -183,6 +183,8 @@ def test_worker_heartbeats_of_any_shape_render_everywhere(
     page = api.get("/ui/workers")
     assert page.status_code == 200, page.text
     assert "w-markup[/b]" in page.text and "65f000000000000000000009" in page.text
+    assert "unreadable: &#39;running&#39;: " in page.text  # what could not be read, said
+    assert "None" not in page.text  # a count it could not read shows as "-"
     assert api.get("/").status_code == 200
     common = ("--uri", mongo_uri, "--database", db_name)
     monkeypatch.setattr(out.console, "width", 300)  # no id wrapped
