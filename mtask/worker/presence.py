@@ -193,8 +193,12 @@ class Presence(PeriodicService):
         )
         table: dict[str, list[str]] = {}
         for peer in peers:
-            for name in peer.get("names") or ():
-                table.setdefault(name, []).append(peer["_id"])
+            names, worker = peer.get("names"), peer.get("_id")
+            if not isinstance(names, list) or not isinstance(worker, str):
+                continue  # a heartbeat edited by hand: no worker wrote it, none ranks by it
+            for name in names:
+                if isinstance(name, str):
+                    table.setdefault(name, []).append(worker)
         return table
 
     def _quiet(self, document: dict[str, Any]) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 
+from bson import ObjectId
 from scripted import AsyncScriptedDriver, Step
 
 from mtask.clock import FixedClock
@@ -71,3 +72,28 @@ async def test_a_beat_reads_the_peers_only_while_the_worker_ranks_by_them() -> N
     await heart.run_once()
     assert driver.done  # the paused names, and no read of the peers
     assert heart.assignment.peers == {"a": ["w1", "w2"]}  # kept for when it ranks again
+
+
+async def test_peers_of_any_shape_stop_nothing() -> None:
+    """A heartbeat document edited by hand (names not a list, a name not a string, a key not a
+    string) is left out of the ranking; it raised TypeError out of the heartbeat, which stopped
+    the worker."""
+    driver = AsyncScriptedDriver(
+        beat(),
+        Step("find", [], collection="controls"),
+        Step(
+            "find",
+            [
+                {"_id": "w1", "names": ["a"]},
+                {"_id": "w2", "names": 5},
+                {"_id": "w3", "names": [{"x": 1}, ["a"], "a"]},
+                {"_id": ObjectId(), "names": ["a"]},
+                {"_id": "w4"},
+            ],
+            collection="workers",
+        ),
+    )
+    heart = presence(driver, [True])
+    await heart.run_once()
+    assert driver.done
+    assert heart.assignment.peers == {"a": ["w1", "w3"]}
