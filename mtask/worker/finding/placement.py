@@ -175,7 +175,11 @@ class Placement:
             self.queue.discard(key)
             return
         meta = self.meta[key]
-        self.requeue(key, claim_at + self.scope.rank(key, meta.name) * self.stagger)
+        try:
+            at = claim_at + self.scope.rank(key, meta.name) * self.stagger
+        except OverflowError:  # a claim time at the last date Python holds: none is later
+            at = claim_at
+        self.requeue(key, at)
         self.wake()
 
     def requeue(self, key: str, at: dt.datetime) -> None:

@@ -1,0 +1,60 @@
+"""Documents whose dates sit at the edges of what Python can hold, found by a worker's scan and
+its change stream: no worker stops, and the other tasks run."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from harness import running_worker, wait_for
+from workerapp import registry
+
+from mtask import TaskClient
+
+LAST = dt.datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=dt.UTC)
+
+
+def _doc(client: TaskClient, key: Any, **fields: Any) -> dict[str, Any]:
+    now = client.now()
+    return {
+        "_id": key,
+        "name": "add",
+        "status": "pending",
+        "next_claim_at": now,
+        "available_at": now,
+        "runs": [],
+        "successes": 0,
+        "failures": 0,
+        "attempts": 0,
+        "params": {"a": 1, "b": 1},
+        "options": {
+            "specific_worker_ids": [],
+            "concurrency": 1,
+            "max_retries": 1,
+            "worker_timeout_ms": 1000,
+            "ping_interval_ms": 100,
+        },
+        **fields,
+    }
+
+
+async def test_a_claim_time_at_the_last_date_stops_no_staggered_worker(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """A worker that ranks second for a task placed it one stagger after its claim time: past
+    the last date Python holds, an OverflowError that stopped the worker at its next scan."""
+    client.collection.insert_many([_doc(client, f"last{i}", next_claim_at=LAST) for i in range(8)])
+    async with (
+        running_worker(registry, mongo_uri, db_name, stream="own", sweep_interval=0.2) as (a, _),
+        running_worker(registry, mongo_uri, db_name, stream="own", sweep_interval=0.2) as (b, _),
+    ):
+        peers = {a.worker_id, b.worker_id}
+        await wait_for(
+            lambda: all(set(w.parts.assignment.peers.get("add", ())) == peers for w in (a, b))
+        )
+        scanners = [w.parts.finding.finder.scanner for w in (a, b)]
+        scans = [s.rescans for s in scanners]
+        await wait_for(lambda: all(s.rescans > n + 1 for s, n in zip(scanners, scans, strict=True)))
+        client.publish("add", "after", {"a": 1, "b": 2})
+        await wait_for(lambda: (t := client.get("after")) is not None and t.status == "succeeded")
+        assert a.state == b.state == "running"
