@@ -27,7 +27,7 @@ from mtask.models import DEFAULT_MAX_PARAMS_BYTES, FINISHED_STATUSES, OPTION_DEF
 from mtask.statemachine import OPEN, recompute_stages
 from mtask.store import counts
 from mtask.store.across import NOT_A_NAME, string_names
-from mtask.store.schema import WELL_FORMED, unknown_option_check
+from mtask.store.schema import WELL_FORMED, keys_in, unknown_option_check
 
 NOW = "$$NOW"
 ABSENT = ["missing", "null"]
@@ -239,14 +239,14 @@ def complete(keys: list[Any]) -> Op[tuple[int, int]]:
     done = yield Call(
         "update_many",
         (
-            {"_id": {"$in": keys}, **INCOMPLETE, "$expr": {"$eq": [problem, None]}},
+            {**keys_in(keys), **INCOMPLETE, "$expr": {"$eq": [problem, None]}},
             completion_stages(),
         ),
     )
     marked = yield Call(
         "update_many",
         (
-            {"_id": {"$in": keys}, **INCOMPLETE, "$expr": {"$ne": [problem, None]}},
+            {**keys_in(keys), **INCOMPLETE, "$expr": {"$ne": [problem, None]}},
             invalid_stages(problem),
         ),
     )

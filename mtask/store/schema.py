@@ -4,7 +4,7 @@ malformed document is recognised), the projections the worker reads, and new doc
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pymongo import ASCENDING, DESCENDING, IndexModel
@@ -167,6 +167,23 @@ WELL_FORMED: dict[str, Any] = {
     SPECIFIC: {"$type": "array"},
 }
 KNOWN_STATUSES = [status.value for status in TaskStatus]
+FIRST_DATE = dt.datetime.min.replace(tzinfo=dt.UTC)
+LAST_DATE = dt.datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=dt.UTC)
+"""The first and last dates a worker reads: a date beyond them, valid BSON, reads as one of
+them (``connection.WORKER_CLIENT_OPTIONS``)."""
+
+
+def keys_in(keys: Sequence[Any]) -> Doc:
+    """Documents whose ``_id`` is among ``keys``, as a worker read them: a date key at the first
+    or last date stands for every date key beyond it too (it read them all so), so that a
+    document keyed by such a date can be settled (``quarantine``)."""
+    beyond: list[Doc] = []
+    if any(isinstance(k, dt.datetime) and k <= FIRST_DATE for k in keys):
+        beyond.append({"_id": {"$type": "date", "$lte": FIRST_DATE}})
+    if any(isinstance(k, dt.datetime) and k >= LAST_DATE for k in keys):
+        beyond.append({"_id": {"$type": "date", "$gte": LAST_DATE}})
+    listed = {"_id": {"$in": list(keys)}}
+    return {"$or": [listed, *beyond]} if beyond else listed
 
 
 def well_formed_expr() -> Doc:

@@ -27,6 +27,7 @@ from mtask.store.schema import (
     PLACEMENT_FIELDS,
     SPECIFIC,
     invalid_reason_expr,
+    keys_in,
     literal,
     new_document,
     well_formed_expr,
@@ -211,7 +212,7 @@ def quarantine(keys: Sequence[Any], now: dt.datetime, reason: str | None = None)
     ]
     if reason is None:
         settled.append({"$not": [well_formed_expr()]})
-    filt: Doc = {"_id": {"$in": keys}, "$expr": {"$and": settled}}
+    filt: Doc = {**keys_in(keys), "$expr": {"$and": settled}}
     result = yield Call(
         "update_many",
         (

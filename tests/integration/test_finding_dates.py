@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+import pytest
+from bson import DatetimeMS
 from harness import running_worker, wait_for
 from workerapp import registry
 
@@ -58,3 +60,45 @@ async def test_a_claim_time_at_the_last_date_stops_no_staggered_worker(
         client.publish("add", "after", {"a": 1, "b": 2})
         await wait_for(lambda: (t := client.get("after")) is not None and t.status == "succeeded")
         assert a.state == b.state == "running"
+
+
+@pytest.mark.parametrize("stream", ["own", "shared"])
+async def test_a_date_no_python_date_can_hold_stops_no_worker(
+    mongo_uri: str, db_name: str, client: TaskClient, stream: str
+) -> None:
+    """A date past year 9999 (or before year 1) is valid BSON that PyMongo cannot decode:
+    read by the scan, carried by a change event or by a claim's reply, it raised InvalidBSON
+    out of the worker. It reads as the first or last date: a claim time long past is due."""
+    far, early = DatetimeMS(2**60), DatetimeMS(-(2**60))
+    options = _doc(client, "x")["options"]
+    client.collection.insert_many(
+        [
+            _doc(client, "far-claim", next_claim_at=far),
+            _doc(client, "early-claim", next_claim_at=early),
+            _doc(client, "early-place", available_at=early),
+        ]
+    )
+    async with running_worker(registry, mongo_uri, db_name, stream=stream, sweep_interval=0.2) as (
+        w,
+        events,
+    ):
+        client.collection.insert_many(
+            [
+                _doc(client, far),
+                _doc(client, "late-early", next_claim_at=early),
+                _doc(client, "late-opt", options={**options, "priority": far}),
+                *(_doc(client, f"p{i}", params={"a": i, "b": 1}) for i in range(5)),
+                _doc(client, "late-params", params={"a": 1, "b": 1, "at": far}),
+            ]
+        )
+        done = ["early-claim", "early-place", "late-early", "late-params"]
+        for key in [*done, *(f"p{i}" for i in range(5))]:
+            await events.wait("recorded", key=key)
+        marked = {"_id": far, "status": "invalid"}
+        await wait_for(lambda: client.collection.find_one(marked, {"_id": 0}))
+        scans = w.parts.finding.finder.scanner.rescans
+        await wait_for(lambda: w.parts.finding.finder.scanner.rescans > scans + 1)
+        assert w.state == "running"
+    for key in done:
+        assert client.collection.find_one({"_id": key}, {"status": 1})["status"] == "succeeded"
+    assert client.collection.find_one({"_id": "far-claim"}, {"status": 1})["status"] == "pending"
