@@ -266,6 +266,7 @@ class ClaimQueue:
         self.entries[key] = entry
         heapq.heappush(self._timers, (claim_at, entry.seq, key))
         heapq.heappush(self._latest, (-claim_at.timestamp(), entry.seq, key))
+        self._compact_latest()
         return True
 
     def note_overflow(self, claim_at: dt.datetime, key: str) -> None:
@@ -283,12 +284,18 @@ class ClaimQueue:
     def discard(self, key: str) -> None:
         self.entries.pop(key, None)  # heap items of a discarded or moved key are skipped later
 
-    def _latest_key(self) -> str | None:
-        """The kept key with the latest claim time (O(log n) amortised: a max-heap with lazy
-        deletion, rebuilt when stale items outnumber live ones)."""
+    def _compact_latest(self) -> None:
+        """Rebuild the heap of latest claim times once its stale items outnumber the live
+        ones (O(1) amortised). At each push, not only when the queue is full: a queue never
+        cleared (a dispatched worker's, which never rescans) grew by one item a task."""
         if len(self._latest) > 2 * len(self.entries) + 64:
             self._latest = [(-e.claim_at.timestamp(), e.seq, k) for k, e in self.entries.items()]
             heapq.heapify(self._latest)
+
+    def _latest_key(self) -> str | None:
+        """The kept key with the latest claim time (O(log n) amortised: a max-heap with lazy
+        deletion, rebuilt when stale items outnumber live ones)."""
+        self._compact_latest()
         while self._latest:
             _, seq, key = self._latest[0]
             entry = self.entries.get(key)

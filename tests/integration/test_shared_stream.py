@@ -281,3 +281,23 @@ async def test_an_inbox_the_relay_drops_ends_its_waiting_tail_at_once(
         with pytest.raises(StopAsyncIteration):  # the inbox is gone: its cursor with it
             await asyncio.wait_for(anext(frames), timeout=mailbox.AWAIT_MS / 3000)
         assert name not in await db.list_collection_names()
+
+
+async def test_a_dispatched_workers_queue_keeps_no_more_than_it_holds(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """A dispatched worker never rescans, so its queue is never cleared: each key handed to it
+    left an item in the queue's heap of latest claim times (read only when the queue is
+    full), which grew by one a task for as long as the worker lived."""
+    async with workers(mongo_uri, db_name, ["a", "b"], concurrency=4) as crew:
+        relay = shared(crew[0][0]).relay
+        assert relay is not None
+        await wait_for(lambda: len(relay.subscribers) == 2 and relay.excluded == ())
+        client.publish_many(
+            [{"name": "add", "key": f"t{i:03}", "params": {"a": i, "b": 1}} for i in range(400)]
+        )
+        await wait_for(lambda: done(client, 400), timeout=120)
+        for worker, _ in crew:
+            assert shared(worker).dispatched
+            queue = worker.parts.queue
+            assert len(queue._latest) <= 2 * len(queue) + 64
