@@ -283,11 +283,13 @@ class ClaimQueue:
 
     def discard(self, key: str) -> None:
         self.entries.pop(key, None)  # heap items of a discarded or moved key are skipped later
+        self._compact_latest()
 
     def _compact_latest(self) -> None:
         """Rebuild the heap of latest claim times once its stale items outnumber the live
-        ones (O(1) amortised). At each push, not only when the queue is full: a queue never
-        cleared (a dispatched worker's, which never rescans) grew by one item a task."""
+        ones (O(1) amortised), after every change to the entries, so that it never holds more
+        than ``2 * len(self) + 64`` items: a queue never cleared (a dispatched worker's, which
+        never rescans) grew by one item a task while it was read only when the queue was full."""
         if len(self._latest) > 2 * len(self.entries) + 64:
             self._latest = [(-e.claim_at.timestamp(), e.seq, k) for k, e in self.entries.items()]
             heapq.heapify(self._latest)
@@ -335,6 +337,8 @@ class ClaimQueue:
         while len(out) < limit and (key := self._ready.pop()) is not None:
             del self.entries[key]
             out.append(key)
+        if out:
+            self._compact_latest()
         return out
 
     def due(self, now: dt.datetime) -> int:

@@ -186,3 +186,33 @@ def test_waiting_entries_age_while_they_wait() -> None:
     queue.push("high2", BASE, priority=3, place=BASE + dt.timedelta(seconds=35))
     # 40 s on: low has waited 4 levels (4), high 3 levels (6), high2 0 (3)
     assert queue.pop_due(BASE + dt.timedelta(seconds=40), 3) == ["high", "low", "high2"]
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["push", "discard", "pop"]), st.integers(0, 2_000)),
+        max_size=600,
+    )
+)
+def test_the_heap_of_latest_claim_times_stays_bounded_by_what_the_queue_holds(
+    operations: list[tuple[str, int]],
+) -> None:
+    """A queue that is never cleared (a dispatched worker's never rescans) keeps no more heap
+    items than twice its entries and 64, after every change: it grew by one item a task."""
+    queue = ClaimQueue(max_size=10_000)
+    for i, (op, n) in enumerate(operations):
+        if op == "push":
+            queue.push(f"k{n}", BASE + dt.timedelta(milliseconds=i))
+        elif op == "discard":
+            queue.discard(f"k{n}")
+        else:
+            queue.pop_due(BASE + dt.timedelta(seconds=10), n % 8 + 1)
+        assert len(queue._latest) <= 2 * len(queue) + 64
+
+
+def test_a_queue_handed_many_tasks_one_at_a_time_keeps_few_heap_items() -> None:
+    queue = ClaimQueue(max_size=10_000)
+    for i in range(5_000):
+        queue.push(f"k{i}", BASE + dt.timedelta(milliseconds=i))
+        assert queue.pop_due(BASE + dt.timedelta(seconds=10), 1) == [f"k{i}"]
+        assert len(queue) == 0 and len(queue._latest) <= 64
