@@ -312,3 +312,34 @@ def step_chain_in_child(params: dict[str, Any], ctx: TaskContext) -> list[dict[s
         if i == hold_after:
             time.sleep(3600)
     return results
+
+
+def _tally(words: list[str]) -> Any:
+    """A ``defaultdict`` with a lambda: BSON stores it as a document, pickle refuses it."""
+    import collections
+
+    counts: Any = collections.defaultdict(lambda: 0)
+    for word in words:
+        counts[word] += 1
+    return counts
+
+
+@registry.task("unpicklable_result", isolation="process")
+def unpicklable_result(params: dict[str, Any]) -> Any:
+    return _tally(params.get("words", ["a", "b", "a"]))
+
+
+@registry.task("unpicklable_and_no_bson", isolation="process")
+def unpicklable_and_no_bson(params: dict[str, Any]) -> Any:
+    return lambda: None
+
+
+@registry.task("unpicklable_step", isolation="process", options={"retry_delay_ms": 0})
+def unpicklable_step(params: dict[str, Any], ctx: TaskContext) -> Any:
+    def tally() -> Any:
+        _counted(params, f"{ctx.key}:tally", None)
+        return _tally(["a", "b", "a"])
+
+    counts = ctx.step_sync("tally", tally)
+    ctx.sleep_sync(0.01)  # the next run replays the step
+    return {"counts": dict(counts), "attempt": ctx.attempt}

@@ -30,7 +30,7 @@ from mtask.errors import InvalidParams
 from mtask.output import RunOutput
 from mtask.registry import Fail, Handler, Retry, TaskContext
 from mtask.steps import SignalTimeout, StepError, Suspended
-from mtask.worker.pool_steps import ChildSteps
+from mtask.worker.pool_steps import ChildSteps, plain
 
 TRACEBACK_LIMIT = 4000
 """The most characters of a failed run's traceback that are stored (the end is kept): one
@@ -264,6 +264,18 @@ class _ChildOutput:
         self.send()
 
 
+def _unpickled(reply: tuple[Any, ...], exc: Exception) -> tuple[Any, ...]:
+    """What to reply instead of ``reply``, which pickle refused: a result as BSON gives it back
+    (what the worker stores of it anyway), or why it cannot be stored (for good, as on a
+    thread); anything else as an error."""
+    if reply[0] == "ok":
+        try:
+            return ("ok", _rss_bytes(), plain(reply[1]))
+        except Exception as bad:  # noqa: BLE001 - any encoding problem is the handler's
+            return ("fail", _rss_bytes(), f"the result cannot be stored: {bad}")
+    return ("error", _rss_bytes(), f"the result cannot be sent back: {exc!r}")
+
+
 def _say(conn: multiprocessing.connection.Connection, message: tuple[Any, ...]) -> None:
     with contextlib.suppress(Exception):
         conn.send(message)
@@ -330,6 +342,6 @@ def child_main(
             try:
                 conn.send((*reply[:1], _rss_bytes(), *reply[1:]))
             except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
-                conn.send(("error", _rss_bytes(), f"the result cannot be sent back: {exc!r}"))
+                conn.send(_unpickled(reply, exc))
         if reply[0] == "memory":
             return  # a child that ran out of memory is not trusted with another run

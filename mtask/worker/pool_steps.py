@@ -23,11 +23,24 @@ import threading
 from collections.abc import Coroutine, Mapping
 from typing import Any, Protocol
 
+import bson
+from bson.codec_options import CodecOptions
+
 from mtask.errors import LeaseLost, MtaskError
 from mtask.registry import TaskContext
 from mtask.steps import Doc, RunSteps, StepError
 
 # -- the child side -------------------------------------------------------------------------------
+
+
+AWARE: CodecOptions[Any] = CodecOptions(tz_aware=True)
+
+
+def plain(value: Any) -> Any:
+    """``value`` as BSON gives it back: how a value that BSON stores but pickle refuses (a
+    ``defaultdict`` with a lambda: any mapping is a document to BSON) crosses the pipe. Raises
+    what BSON raises for a value it cannot store."""
+    return bson.decode(bson.encode({"v": value}), codec_options=AWARE)["v"]
 
 
 class _RunLock(Protocol):
@@ -60,7 +73,12 @@ class ChildSteps:
             with self.run.lock:  # never between the bytes of another send (the output's)
                 if self._closed or not self.run.active:
                     raise LeaseLost("the run has ended: its steps cannot be recorded")
-                self.conn.send(("step", op, args))
+                try:
+                    self.conn.send(("step", op, args))  # pickled whole before it is written
+                except OSError:
+                    raise
+                except Exception:  # noqa: BLE001 - a step's result pickle refuses, BSON takes
+                    self.conn.send(("step", op, plain(list(args))))
             try:
                 kind, value = self.conn.recv()
             except (EOFError, OSError):

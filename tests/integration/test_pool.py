@@ -117,6 +117,16 @@ async def test_the_hard_memory_limit_kills_the_child_mid_run() -> None:
         await capped.close()
 
 
+async def test_a_result_bson_stores_but_pickle_refuses_comes_back_as_a_document(
+    pool: ProcessPool,
+) -> None:
+    # a defaultdict with a lambda: stored as a document from a thread, so from a child too
+    assert await run(pool, "unpicklable_result") == {"a": 2, "b": 1}
+    with pytest.raises(Fail, match="the result cannot be stored"):  # for good, as on a thread
+        await run(pool, "unpicklable_and_no_bson")
+    assert pool.state()["started"] == 1 and pool.state()["idle"] == 1
+
+
 async def test_what_a_run_leaves_running_ends_with_it(pool: ProcessPool, tmp_path: Path) -> None:
     pidfile = tmp_path / "grandchild"
     assert await run(pool, "leave_behind", {"pidfile": str(pidfile)}) == "left"

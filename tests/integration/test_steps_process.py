@@ -122,6 +122,18 @@ async def test_a_large_result_spills_through_the_worker_and_comes_back(
     assert await side.count_documents({"task": "b1", "expire_at": task.expire_at}) == 1
 
 
+async def test_a_step_result_bson_stores_but_pickle_refuses_is_recorded_once(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str, where: dict[str, Any]
+) -> None:
+    async with running_worker(poolhandlers.registry, mongo_uri, db_name, pool="process"):
+        await aclient.publish("unpicklable_step", "u1", where)
+        task = await _finished(aclient, "u1")
+    assert task.status.value == "succeeded", task
+    assert task.result == {"counts": {"a": 2, "b": 1}, "attempt": 2}
+    assert await _calls(aclient, "u1:tally") == 1  # recorded by run 1, replayed by run 2
+    assert task.steps[0].state == "done" and task.steps[0].result == {"a": 2, "b": 1}
+
+
 async def test_a_step_mismatch_fails_the_task_for_good(
     aclient: AsyncTaskClient, mongo_uri: str, db_name: str, where: dict[str, Any]
 ) -> None:
