@@ -125,6 +125,10 @@ def finish_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, list[Doc]]:
         sets.update(_waiting_fields(outcome.wait, now))
     else:
         raise ValueError(f"a run cannot be finished as {state}")
+    if state is not RunState.WAITING:
+        # the wait it was woken from is over (a run that fails before it asks for its wait
+        # again records no step, which would clear it): a signal must not wake it from a backoff
+        sets["waiting"] = "$$REMOVE"
     stages: list[Doc] = [{"$set": {"runs": set_run_fields(outcome.run_id, run_fields), **sets}}]
     if state is RunState.FAIL and not outcome.permanent:
         stages.append({"$set": {"available_at": _backoff_expr(outcome, now)}})

@@ -116,6 +116,13 @@ async def ledger(params: dict[str, Any], ctx: TaskContext) -> int:
     return int(booked)
 
 
+@registry.task("gate", options={"retry_delay_ms": 3_600_000})
+async def gate(params: dict[str, Any], ctx: TaskContext) -> Any:
+    if ctx.attempt == 2:  # woken by the signal, it fails before it asks for its wait again
+        raise RuntimeError("fails after the wake")
+    return await ctx.wait_for("go")
+
+
 async def _finished(aclient: AsyncTaskClient, key: str, timeout: float = 30) -> Any:
     async with asyncio.timeout(timeout):
         return await aclient.wait(key)
@@ -196,6 +203,23 @@ async def test_a_signal_sent_before_the_wait_is_not_lost(
     assert task.result == {"decision": "yes"}
     assert [r.state.value for r in task.runs] == ["SUCCESS"]  # it never had to wait
     assert not events.matching("waiting", key="early")
+
+
+async def test_a_failed_run_after_a_wake_is_not_woken_again_by_a_signal(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("gate", "g1", {})
+        await events.wait("recorded", key="g1", state="WAITING")
+        assert await aclient.signal("g1", "go", 1) is True
+        await events.wait("recorded", key="g1", state="FAIL")
+        failed = await aclient.get("g1")
+        assert failed is not None and failed.status.value == "pending"
+        assert failed.waiting is None  # it waits for its retry's backoff, not for a signal
+        assert await aclient.signal("g1", "go", 2) is False  # kept, and the backoff stands
+        again = await aclient.get("g1")
+    assert again is not None and again.next_claim_at == failed.next_claim_at
+    assert [r.state.value for r in again.runs] == ["WAITING", "FAIL"]
 
 
 async def test_signal_refuses_bad_input_and_finished_tasks(aclient: AsyncTaskClient) -> None:
