@@ -31,7 +31,8 @@ from typing import Any, Protocol, TypeVar
 
 import bson
 
-from mtask.errors import MtaskError
+from mtask.errors import InvalidTask, MtaskError
+from mtask.models import MAX_PARAMS_DEPTH, check_depth
 
 Doc = dict[str, Any]
 T = TypeVar("T")
@@ -160,6 +161,17 @@ def encode(result: Any) -> bytes:
         return bson.encode({"v": result})
     except Exception as exc:  # noqa: BLE001 - any encoding problem is the handler's
         raise StepError(f"a step's result must be BSON: {exc}") from None
+
+
+def _shallow(result: Any) -> bool:
+    """Whether ``result`` fits the task document's nesting (MongoDB refuses a document nested
+    past 100 levels, and the entry holds it three down); a deeper one is stored aside, as
+    bytes."""
+    try:
+        check_depth(result, MAX_PARAMS_DEPTH, "result")
+    except InvalidTask:
+        return False
+    return True
 
 
 def decode(data: bytes) -> Any:
@@ -379,11 +391,16 @@ class RunSteps:
         entry["ms"] = ms
 
     def _store_result(self, entry: Doc, result: Any) -> bytes | None:
-        """Put ``result`` in ``entry`` if it is small; else return its encoding, to spill."""
+        """Put ``result`` in ``entry`` if it is small and shallow; else return its encoding,
+        to spill."""
         data = encode(result)
         if len(data) > MAX_SPILL_BYTES:
             raise StepError(f"a step's result is {len(data)} bytes; at most {MAX_SPILL_BYTES}")
-        if len(data) <= INLINE_BYTES and self.inline + len(data) <= INLINE_TOTAL_BYTES:
+        if (
+            len(data) <= INLINE_BYTES
+            and self.inline + len(data) <= INLINE_TOTAL_BYTES
+            and _shallow(result)
+        ):
             entry["result"] = result
             self.inline += len(data)
             return None

@@ -123,6 +123,23 @@ async def gate(params: dict[str, Any], ctx: TaskContext) -> Any:
     return await ctx.wait_for("go")
 
 
+def _nested(levels: int) -> Any:
+    value: Any = "bottom"
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+@registry.task("deep", options={"retry_delay_ms": 0})
+async def deep(params: dict[str, Any], ctx: TaskContext) -> int:
+    value = await ctx.step("deep", _call, f"{ctx.key}:deep", _nested(params["levels"]))
+    await ctx.sleep(0.01)  # the next run reads it back
+    depth = 0
+    while isinstance(value, list):
+        value, depth = value[0], depth + 1
+    return depth
+
+
 async def _finished(aclient: AsyncTaskClient, key: str, timeout: float = 30) -> Any:
     async with asyncio.timeout(timeout):
         return await aclient.wait(key)
@@ -258,6 +275,18 @@ async def test_a_large_result_spills_aside_and_comes_back(
     chunks = await side.find({"task": "b1"}, {"n": 1}).to_list()
     assert sorted(c["n"] for c in chunks) == list(range(6))
     assert await side.count_documents(sealed) == 6
+
+
+async def test_a_small_result_too_deep_for_the_task_document_is_stored_aside(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    # a few hundred bytes as BSON, but nested past what MongoDB stores in a document
+    async with running_worker(registry, mongo_uri, db_name):
+        await aclient.publish("deep", "d1", {"levels": 250})
+        task = await _finished(aclient, "d1")
+    assert task.status.value == "succeeded", task.error
+    assert task.result == 250 and CALLS["d1:deep"] == 1
+    assert task.steps[0].spill is not None
 
 
 async def test_replay_rules_fail_the_task_for_good(
