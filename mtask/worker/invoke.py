@@ -24,8 +24,9 @@ from typing import Any, Literal
 
 from mtask import metrics
 from mtask.registry import Handler, TaskContext
-from mtask.worker.pool import LeaseWatch, ProcessPool, TimeLimitExceeded
-from mtask.worker.pool_child import RunInfo
+from mtask.steps import Suspended
+from mtask.worker.pool import HandlerError, LeaseWatch, ProcessPool, TimeLimitExceeded
+from mtask.worker.pool_child import RunInfo, short_traceback
 from mtask.worker.pool_steps import ParentSteps
 
 ASYNC_CANCEL_GRACE = 5.0
@@ -81,7 +82,7 @@ async def limited(
     for a thread that abandons the thread; raise ``TimeLimitExceeded``)."""
     if soft is None and hard is None:
         return await call
-    task = asyncio.ensure_future(call)
+    task = asyncio.ensure_future(_contained(call))
     try:
         waited = 0.0
         if soft is not None and (hard is None or soft < hard):
@@ -106,6 +107,20 @@ async def limited(
     metrics.TIME_LIMIT_KILLS.labels(how=how).inc()
     detail = "" if how == "async" else "; the handler's thread could not be stopped and runs on"
     raise TimeLimitExceeded(f"time limit exceeded ({hard:g} s){detail}")
+
+
+async def _contained(call: Awaitable[Any]) -> Any:
+    """Await a handler's call in a task of its own: what it raises that is not an
+    ``Exception`` (``SystemExit``: ``sys.exit()``, argparse's error) is raised as a
+    ``HandlerError`` holding its traceback, the run's failure, as the run's own task records it
+    (``RunOutcomes``): asyncio hands a task's ``SystemExit`` or ``KeyboardInterrupt`` on to the
+    event loop, which would end the worker."""
+    try:
+        return await call
+    except (Exception, asyncio.CancelledError, Suspended):
+        raise
+    except BaseException as exc:  # the handler's: its run's failure
+        raise HandlerError(short_traceback(exc)) from exc
 
 
 async def run_in_thread(fn: Callable[..., Any], *args: Any, name: str) -> Any:

@@ -262,13 +262,22 @@ class RunOutcomes:
                 run,
                 "the run lost the task before its transaction committed; nothing it wrote landed",
             )
-        except TransactionTooLong as exc:
-            return self.failure(run, str(exc))
         except InvalidParams as exc:
             return self.failure(run, str(exc), permanent=True)
-        except (HandlerError, ChildDied, TimeLimitExceeded, MemoryLimitExceeded) as exc:
-            return self.failure(run, str(exc))  # issue 18; a memory kill: issue 27
-        except Exception as exc:  # noqa: BLE001 - any handler error is the task's failure
+        except (
+            TransactionTooLong,
+            HandlerError,  # issue 18
+            ChildDied,
+            TimeLimitExceeded,
+            MemoryLimitExceeded,  # issue 27
+        ) as exc:
+            return self.failure(run, str(exc))
+        except asyncio.CancelledError:
+            raise  # the run is stopped: its outcome follows from why (``stopped``)
+        except BaseException as exc:  # noqa: BLE001 - any handler error is the task's failure:
+            # sys.exit() (argparse's error) or a class of its own too; up in its task, asyncio
+            # hands a SystemExit or KeyboardInterrupt to the event loop (the worker's end), any
+            # other would end the task with no outcome (its task RUNNING until its lease ran out)
             return self.failure(run, short_traceback(exc))
 
     def _retried(self, run: ActiveRun, exc: Retry) -> Outcome:

@@ -1,0 +1,90 @@
+"""Handlers that end in odd ways, on the real server: each ends its own run, never the worker
+nor another run."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+from harness import running_worker
+
+from mtask import TaskClient
+from mtask.registry import Registry, TaskContext
+
+registry = Registry()
+
+
+class Abort(BaseException):
+    """A handler's own exception class that is not an ``Exception``."""
+
+
+@registry.task("exit_async")
+async def exit_async(params: dict[str, Any]) -> None:
+    sys.exit(3)  # as argparse does on an argument it refuses
+
+
+@registry.task("exit_thread")
+def exit_thread(params: dict[str, Any]) -> None:
+    sys.exit(3)
+
+
+@registry.task("exit_limited", time_limit=60)
+async def exit_limited(params: dict[str, Any]) -> None:
+    sys.exit(3)
+
+
+@registry.task("exit_limited_thread", soft_time_limit=30, time_limit=60)
+def exit_limited_thread(params: dict[str, Any]) -> None:
+    sys.exit(3)
+
+
+@registry.task("exit_transactional", transactional=True)
+async def exit_transactional(params: dict[str, Any], ctx: TaskContext) -> None:
+    sys.exit(3)
+
+
+@registry.task("interrupt_thread")
+def interrupt_thread(params: dict[str, Any]) -> None:
+    raise KeyboardInterrupt  # on a handler's thread: its own, never a Ctrl-C
+
+
+@registry.task("abort")
+async def abort(params: dict[str, Any]) -> None:
+    raise Abort("given up")
+
+
+@registry.task("add")
+async def add(params: dict[str, int]) -> int:
+    return params["a"] + params["b"]
+
+
+@pytest.mark.parametrize(
+    ("name", "error"),
+    [
+        ("exit_async", "SystemExit: 3"),
+        ("exit_thread", "SystemExit: 3"),
+        ("exit_limited", "SystemExit: 3"),
+        ("exit_limited_thread", "SystemExit: 3"),
+        ("exit_transactional", "SystemExit: 3"),
+        ("interrupt_thread", "KeyboardInterrupt"),
+        ("abort", "Abort: given up"),
+    ],
+)
+async def test_an_exception_that_is_not_an_exception_fails_its_run_alone(
+    mongo_uri: str, db_name: str, client: TaskClient, name: str, error: str
+) -> None:
+    """``SystemExit`` (``sys.exit()``, argparse's error) raised by a handler went up through
+    its run's task to the event loop (asyncio hands it on) and ended the worker, stranding
+    every run in flight; any other ``BaseException`` ended the run's task with no outcome, its
+    task RUNNING until its lease ran out. Either is now the run's FAIL, with its traceback."""
+    client.publish(name, "odd", options={"max_retries": 0})
+    async with running_worker(registry, mongo_uri, db_name, concurrency=2) as (worker, events):
+        await events.wait("recorded", key="odd")
+        client.publish("add", "after", {"a": 1, "b": 2})
+        await events.wait("recorded", key="after")
+        assert worker.state == "running"
+    odd, after = client.get("odd"), client.get("after")
+    assert odd is not None and odd.status == "failed" and odd.error is not None
+    assert error in odd.error
+    assert after is not None and after.status == "succeeded" and after.result == 3
