@@ -10,7 +10,7 @@ import pytest
 from harness import running_worker
 
 from mtask import TaskClient
-from mtask.registry import Registry, TaskContext
+from mtask.registry import Fail, Registry, Retry, TaskContext
 
 registry = Registry()
 
@@ -54,6 +54,26 @@ async def abort(params: dict[str, Any]) -> None:
     raise Abort("given up")
 
 
+class Unsaid(Fail):
+    def __str__(self) -> str:
+        raise ValueError("cannot say")
+
+
+class UnsaidRetry(Retry):
+    def __str__(self) -> str:
+        raise ValueError("cannot say")
+
+
+@registry.task("unsaid_fail")
+async def unsaid_fail(params: dict[str, Any]) -> None:
+    raise Unsaid()
+
+
+@registry.task("unsaid_retry")
+def unsaid_retry(params: dict[str, Any]) -> None:
+    raise UnsaidRetry(delay=0)
+
+
 @registry.task("add")
 async def add(params: dict[str, int]) -> int:
     return params["a"] + params["b"]
@@ -88,3 +108,22 @@ async def test_an_exception_that_is_not_an_exception_fails_its_run_alone(
     assert odd is not None and odd.status == "failed" and odd.error is not None
     assert error in odd.error
     assert after is not None and after.status == "succeeded" and after.result == 3
+
+
+@pytest.mark.parametrize(
+    ("name", "error", "attempts"),
+    [("unsaid_fail", "failed: <exception str() failed>", 1),
+     ("unsaid_retry", "retry requested: <exception str() failed>", 2)],
+)  # fmt: skip
+async def test_a_fail_or_retry_whose_str_raises_is_recorded(
+    mongo_uri: str, db_name: str, client: TaskClient, name: str, error: str, attempts: int
+) -> None:
+    """A ``Fail`` or ``Retry`` whose ``__str__`` raises left its run with no outcome (the
+    error went up out of the outcome's making and ended the run's task), its task RUNNING
+    until its lease ran out and then run again, each time. It is recorded as what it is."""
+    client.publish(name, "odd", options={"max_retries": 1, "retry_delay_ms": 10})
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await events.wait("recorded", key="odd", count=attempts)
+    odd = client.get("odd")
+    assert odd is not None and odd.status == "failed" and odd.attempts == attempts
+    assert odd.error == error
