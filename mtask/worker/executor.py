@@ -170,6 +170,8 @@ class Executor:
             if run.stop_reason is not None:  # stopped before its task took a step
                 raise asyncio.CancelledError
             outcome = await self.outcomes.call(run, self.registry[run.name], doc)
+            if run.stop_reason == "lost":  # its handler ignored its stop: its lease is gone
+                outcome = None
             outcome = await self.output_done(run, outcome)
             if outcome is not None and _spilled(run, doc):
                 outcome = dataclasses.replace(outcome, has_spills=True)

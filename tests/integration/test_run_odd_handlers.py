@@ -3,11 +3,12 @@ nor another run."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from typing import Any
 
 import pytest
-from harness import running_worker
+from harness import running_worker, wait_for
 
 from mtask import TaskClient
 from mtask.registry import Fail, Registry, Retry, TaskContext
@@ -127,3 +128,31 @@ async def test_a_fail_or_retry_whose_str_raises_is_recorded(
     odd = client.get("odd")
     assert odd is not None and odd.status == "failed" and odd.attempts == attempts
     assert odd.error == error
+
+
+@registry.task("deaf")
+async def deaf(params: dict[str, Any]) -> str:
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        return "went on"  # ignores its stop
+    return "slept"
+
+
+async def test_a_handler_that_ignores_its_stop_records_nothing_once_its_lease_ran_out(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """The run's lease ran out by the worker's own clock (its pings stopped getting through:
+    here they are never sent), so it is stopped and must record nothing: another worker may
+    take its task over. Its handler swallowed the cancellation and returned; that SUCCESS was
+    recorded anyway, after the lease had run out."""
+    async with running_worker(registry, mongo_uri, db_name) as (worker, events):
+        worker.parts.pinger._ping = lambda lease: None  # type: ignore[method-assign]
+        client.publish("deaf", "d", options={"worker_timeout_ms": 1000, "ping_interval_ms": 100})
+        await events.wait("stopping_run", key="d", reason="lost")
+        await wait_for(lambda: worker.in_flight == 0)
+        await wait_for(lambda: worker.parts.recorder.unwritten == 0)
+        assert not events.matching("recorded", key="d")
+    task = client.get("d")
+    assert task is not None and task.status == "running"
+    assert [r.state.value for r in task.runs] == ["RUNNING"]
