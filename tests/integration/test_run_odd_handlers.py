@@ -156,3 +156,33 @@ async def test_a_handler_that_ignores_its_stop_records_nothing_once_its_lease_ra
     task = client.get("d")
     assert task is not None and task.status == "running"
     assert [r.state.value for r in task.runs] == ["RUNNING"]
+
+
+@registry.task("deep")
+async def deep(params: dict[str, int]) -> Any:
+    result: Any = "bottom"
+    for _ in range(params["levels"]):
+        result = [result]
+    return result
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])  # the plain update, the pipeline
+async def test_a_result_nested_too_deep_to_store_fails_its_run(
+    mongo_uri: str, db_name: str, client: TaskClient, concurrency: int
+) -> None:
+    """A result BSON can encode but MongoDB will not store (nested past what a document may
+    hold) had its SUCCESS refused by the server and dropped: the task stayed RUNNING until its
+    lease ran out, then ran again, each time. It is now the run's FAIL, for good, naming the
+    problem, as any result that cannot be stored is; one just within the limit is stored."""
+    options = {"max_retries": 3, "concurrency": concurrency}
+    client.publish("deep", "too_deep", {"levels": 200}, options=options)
+    client.publish("deep", "deep", {"levels": 97}, options=options)
+    async with running_worker(registry, mongo_uri, db_name, concurrency=2) as (_, events):
+        await events.wait("recorded", key="too_deep")
+        await events.wait("recorded", key="deep")
+    too_deep, deep = client.get("too_deep"), client.get("deep")
+    assert too_deep is not None and too_deep.attempts == 1
+    assert [r.state.value for r in too_deep.runs] == ["FAIL"]
+    assert too_deep.error is not None and "nested more than 97 levels" in too_deep.error
+    assert deep is not None and [r.state.value for r in deep.runs] == ["SUCCESS"]
+    assert deep.runs[0].result is not None
