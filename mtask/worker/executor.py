@@ -170,8 +170,9 @@ class Executor:
             if run.stop_reason is not None:  # stopped before its task took a step
                 raise asyncio.CancelledError
             outcome = await self.outcomes.call(run, self.registry[run.name], doc)
-            if run.stop_reason == "lost":  # its handler ignored its stop: its lease is gone
-                outcome = None
+            if run.stop_reason == "lost" and not (outcome is not None and outcome.committed):
+                outcome = None  # its handler ignored its stop: its lease is gone (a SUCCESS
+                # its transaction committed, fenced by the lease, still has what follows it)
             outcome = await self.output_done(run, outcome)
             if outcome is not None and _spilled(run, doc):
                 outcome = dataclasses.replace(outcome, has_spills=True)
