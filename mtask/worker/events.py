@@ -48,8 +48,15 @@ LOGGED = frozenset(
 
 
 class Emitter:
+    """Logs an event and calls ``on_event``. The hook is the program's: what it raises is
+    logged (at ERROR with its traceback the first time for each event name, then at DEBUG)
+    and counted in ``hook_errors``, never passed on to the claim, the run or the outcome
+    writer that emitted the event (it stranded runs and stopped the worker)."""
+
     def __init__(self, on_event: Callable[..., None] | None = None) -> None:
         self._on_event = on_event
+        self.hook_errors = 0
+        self._told: set[str] = set()
 
     def __call__(self, event: Event, **data: Any) -> None:
         if event in LOGGED and log.isEnabledFor(logging.INFO):
@@ -60,4 +67,21 @@ class Emitter:
                 extra={"event": event.value, **{f"mtask_{k}": v for k, v in data.items()}},
             )
         if self._on_event is not None:
-            self._on_event(event.value, **data)
+            try:
+                self._on_event(event.value, **data)
+            except Exception:  # noqa: BLE001 - the program's hook: its error is its own
+                self._hook_failed(event)
+
+    def _hook_failed(self, event: Event) -> None:
+        self.hook_errors += 1
+        first = event.value not in self._told
+        self._told.add(event.value)
+        # a hook that fails on every event would log a line a task: the first of each name
+        # has its traceback, the rest go to DEBUG
+        log.log(
+            logging.ERROR if first else logging.DEBUG,
+            "on_event(%r) raised; the worker goes on (%d hook errors in all)",
+            event.value,
+            self.hook_errors,
+            exc_info=first,
+        )

@@ -8,9 +8,9 @@ import sys
 from typing import Any
 
 import pytest
-from harness import running_worker, wait_for
+from harness import Events, running_worker, wait_for
 
-from mtask import TaskClient
+from mtask import TaskClient, Worker
 from mtask.registry import Fail, Registry, Retry, TaskContext
 
 registry = Registry()
@@ -186,3 +186,31 @@ async def test_a_result_nested_too_deep_to_store_fails_its_run(
     assert too_deep.error is not None and "nested more than 97 levels" in too_deep.error
     assert deep is not None and [r.state.value for r in deep.runs] == ["SUCCESS"]
     assert deep.runs[0].result is not None
+
+
+async def test_an_on_event_hook_that_raises_stops_no_run_nor_the_worker(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """A program's ``on_event`` hook that raises (on every event here) was called bare: its
+    error went up out of the claim, the run or the outcome writer, which stranded runs and
+    stopped the worker. It is logged, and the worker goes on."""
+    events = Events()
+
+    def hook(name: str, **data: Any) -> None:
+        events(name, **data)
+        raise RuntimeError("the program's hook failed")
+
+    worker = Worker(registry, uri=mongo_uri, database=db_name, on_event=hook, concurrency=2)
+    task = asyncio.create_task(worker.run())
+    try:
+        for i in range(3):
+            client.publish("add", f"h{i}", {"a": i, "b": 1})
+        for i in range(3):
+            await events.wait("recorded", key=f"h{i}")
+        assert worker.state == "running" and not task.done()
+    finally:
+        worker.stop(immediate=True)
+        await asyncio.wait_for(task, 30)
+    for i in range(3):
+        done = client.get(f"h{i}")
+        assert done is not None and done.status == "succeeded" and done.result == i + 1
