@@ -343,3 +343,18 @@ def unpicklable_step(params: dict[str, Any], ctx: TaskContext) -> Any:
     counts = ctx.step_sync("tally", tally)
     ctx.sleep_sync(0.01)  # the next run replays the step
     return {"counts": dict(counts), "attempt": ctx.attempt}
+
+
+@registry.task("sys_exit_in_child", isolation="process")
+def sys_exit_in_child(params: dict[str, Any]) -> None:
+    sys.exit(3)  # as argparse does on an argument it refuses
+
+
+class Unsaid(Fail):
+    def __str__(self) -> str:
+        raise ValueError("cannot say")
+
+
+@registry.task("unsaid_fail_in_child", isolation="process")
+def unsaid_fail_in_child(params: dict[str, Any]) -> None:
+    raise Unsaid()

@@ -154,6 +154,16 @@ def short_traceback(exc: BaseException) -> str:
     return text if len(text) <= TRACEBACK_LIMIT else "…" + text[-TRACEBACK_LIMIT:]
 
 
+def said(exc: BaseException) -> str:
+    """What a handler's ``Fail`` or ``Retry`` says: ``str(exc)``, or what ``traceback`` says of
+    an exception whose ``__str__`` raises (a subclass's: it left its run with no outcome, its
+    task RUNNING until its lease ran out; in a child, it ended the child)."""
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - the handler's exception, not the worker's
+        return "<exception str() failed>"
+
+
 def _call(
     handler: Handler,
     params: Mapping[str, Any],
@@ -183,9 +193,9 @@ def _reply(handler: Handler, params: Mapping[str, Any], ctx: TaskContext) -> tup
     try:
         return ("ok", handler.fn(*handler.args(handler.parse(params), ctx)))
     except Retry as exc:
-        return ("retry", str(exc), exc.delay)
+        return ("retry", said(exc), exc.delay)
     except Fail as exc:
-        return ("fail", str(exc))
+        return ("fail", said(exc))
     except Suspended as exc:  # the run ends WAITING (a BaseException: not a handler error)
         return ("suspended", exc.wait)
     except (StepError, SignalTimeout) as exc:  # fail the task for good, as on a thread
@@ -194,7 +204,8 @@ def _reply(handler: Handler, params: Mapping[str, Any], ctx: TaskContext) -> tup
         return ("invalid", str(exc))
     except MemoryError as exc:
         return ("memory", short_traceback(exc))
-    except Exception as exc:  # noqa: BLE001 - any handler error is the task's failure
+    except BaseException as exc:  # noqa: BLE001 - any handler error is the task's failure:
+        # sys.exit() (argparse's error) too, as on a thread; it ended the child
         return ("error", short_traceback(exc))
 
 

@@ -45,7 +45,7 @@ from mtask.worker.pool import (
     ProcessPool,
     TimeLimitExceeded,
 )
-from mtask.worker.pool_child import short_traceback
+from mtask.worker.pool_child import said, short_traceback
 from mtask.worker.stats import WorkerStats
 from mtask.worker.transactional import RunFence, TransactionTooLong
 
@@ -261,7 +261,7 @@ class RunOutcomes:
         except Retry as exc:
             return self._retried(run, exc)
         except Fail as exc:
-            return self.failure(run, f"failed: {_said(exc)}", permanent=True)
+            return self.failure(run, f"failed: {said(exc)}", permanent=True)
         except LeaseLost as exc:
             if not handler.transactional:
                 return self.failure(run, short_traceback(exc))
@@ -293,8 +293,8 @@ class RunOutcomes:
         try:
             delay = retry_delay_ms(getattr(exc, "delay", None))
         except ValueError as bad:
-            return self.failure(run, f"retry requested: {_said(exc)} ({bad})")
-        return self.failure(run, f"retry requested: {_said(exc)}", retry_delay_ms=delay)
+            return self.failure(run, f"retry requested: {said(exc)} ({bad})")
+        return self.failure(run, f"retry requested: {said(exc)}", retry_delay_ms=delay)
 
     def _lease_watch(self, run: ActiveRun) -> LeaseWatch | None:
         """How a process-isolated run's child follows the run's lease (renewals from the
@@ -470,16 +470,6 @@ class RunOutcomes:
             self.emit(Event.CANCELLED, key=run.key, run_id=run.run_id)
             return Outcome(run.key, run.run_id, RunState.CANCELLED, error="cancelled")
         return None  # lost: another run owns the task; nothing may be written
-
-
-def _said(exc: BaseException) -> str:
-    """What a handler's ``Fail`` or ``Retry`` says: ``str(exc)``, or what ``traceback`` says of
-    an exception whose ``__str__`` raises (a subclass's: it left its run with no outcome, its
-    task RUNNING until its lease ran out)."""
-    try:
-        return str(exc)
-    except Exception:  # noqa: BLE001 - the handler's exception, not the worker's
-        return "<exception str() failed>"
 
 
 class _NotStored(Exception):

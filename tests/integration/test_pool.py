@@ -127,6 +127,20 @@ async def test_a_result_bson_stores_but_pickle_refuses_comes_back_as_a_document(
     assert pool.state()["started"] == 1 and pool.state()["idle"] == 1
 
 
+async def test_sys_exit_or_an_unsayable_fail_in_a_child_is_its_runs_failure_as_on_a_thread(
+    pool: ProcessPool,
+) -> None:
+    """``sys.exit()`` in a child's handler ended the child (a retryable "process died"), and a
+    ``Fail`` whose ``__str__`` raises ended it too; on a thread each is the run's failure. The
+    child now replies them as such, and lives on."""
+    child = await run(pool, "pid")
+    with pytest.raises(HandlerError, match="SystemExit: 3"):
+        await run(pool, "sys_exit_in_child")
+    with pytest.raises(Fail, match=r"<exception str\(\) failed>"):
+        await run(pool, "unsaid_fail_in_child")
+    assert await run(pool, "pid") == child and pool.state()["died"] == 0
+
+
 async def test_what_a_run_leaves_running_ends_with_it(pool: ProcessPool, tmp_path: Path) -> None:
     pidfile = tmp_path / "grandchild"
     assert await run(pool, "leave_behind", {"pidfile": str(pidfile)}) == "left"
