@@ -95,12 +95,9 @@ async def follow_up(params: dict[str, object], ctx: TaskContext) -> str:
     return "published"
 
 
-@registry.task("too_deep")
-def too_deep(params: dict[str, object]) -> dict[str, object]:
-    result: dict[str, object] = {}
-    for _ in range(200):  # BSON can encode it; the server refuses nesting this deep
-        result = {"x": result}
-    return result
+@registry.task("too_big")
+def too_big(params: dict[str, object]) -> str:
+    return "x" * 1_000_000  # within the result limit; its document has no room for it
 
 
 cleaned_up: set[str] = set()

@@ -569,8 +569,11 @@ async def test_refused_outcome_does_not_block_the_others(
     mongo_uri: str, db_name: str, client: TaskClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.ERROR, logger="mtask.worker")
+    # a document a service padded (unknown fields are kept) to within 1 MB of 16 MiB: the
+    # SUCCESS of a 1 MB result would pass it, and the server refuses that update
+    client.publish("too_big", "deep", options={"worker_timeout_ms": 500, "max_retries": 0})
+    client.collection.update_one({"_id": "deep"}, {"$set": {"padding": "p" * 15_800_000}})
     async with running_worker(registry, mongo_uri, db_name):
-        client.publish("too_deep", "deep", options={"worker_timeout_ms": 500, "max_retries": 0})
         client.publish_many(
             [{"name": "add", "key": f"n{i}", "params": {"a": i, "b": 0}} for i in range(10)]
         )
