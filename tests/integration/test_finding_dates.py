@@ -3,6 +3,7 @@ its change stream: no worker stops, and the other tasks run."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from typing import Any
 
@@ -102,3 +103,22 @@ async def test_a_date_no_python_date_can_hold_stops_no_worker(
     for key in done:
         assert client.collection.find_one({"_id": key}, {"status": 1})["status"] == "succeeded"
     assert client.collection.find_one({"_id": "far-claim"}, {"status": 1})["status"] == "pending"
+
+
+async def test_a_rescan_ends_over_pages_of_dates_past_the_last(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """A page of claim times past year 9999 ends at the last date, as the worker reads them; the
+    next page, read from there, found the same tasks again (their stored dates are later), and
+    a rescan over a page's worth of them read that page for ever."""
+    far = DatetimeMS(2**60)
+    client.collection.insert_many([_doc(client, f"far{i}", next_claim_at=far) for i in range(5)])
+    async with running_worker(registry, mongo_uri, db_name, sweep_interval=3600) as (worker, _):
+        scanner = worker.parts.finding.finder.scanner
+        scanner.page_size = 2
+        found = await asyncio.wait_for(scanner.rescan(), timeout=30)
+        assert found >= 2 and worker.state == "running"
+        client.publish("add", "after", {"a": 1, "b": 2})
+        await wait_for(lambda: (t := client.get("after")) is not None and t.status == "succeeded")
+    for i in range(5):
+        assert client.collection.find_one({"_id": f"far{i}"}, {"status": 1})["status"] == "pending"

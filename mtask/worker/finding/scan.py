@@ -198,7 +198,10 @@ class Scanner:
                 found += len(page)
                 if len(page) < limit:
                     break
-                after = (page[-1]["next_claim_at"], page[-1]["_id"])
+                last = (page[-1]["next_claim_at"], page[-1]["_id"])
+                if last == after:  # read as the page before ended: dates past year 9999, which
+                    break  # a worker reads as that year's end, would be read again for ever
+                after = last
             else:
                 if scope.names and after is not None:  # full: tasks after `after` unread
                     queue.note_overflow(*after)
