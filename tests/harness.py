@@ -109,3 +109,27 @@ def worker_process(uri: str, db: str, *extra: str) -> Iterator[subprocess.Popen[
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def hand_written(now: dt.datetime, **fields: Any) -> dict[str, Any]:
+    """A well-formed pending ``add`` task document as a service writes it by hand (no ``_id``
+    unless given in ``fields``, which override what they name)."""
+    return {
+        "name": "add",
+        "status": "pending",
+        "next_claim_at": now,
+        "available_at": now,
+        "runs": [],
+        "successes": 0,
+        "failures": 0,
+        "attempts": 0,
+        "params": {"a": 1, "b": 1},
+        "options": {
+            "specific_worker_ids": [],
+            "concurrency": 1,
+            "max_retries": 1,
+            "worker_timeout_ms": 1000,
+            "ping_interval_ms": 100,
+        },
+        **fields,
+    }

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from bson import DatetimeMS
-from harness import running_worker, wait_for
+from harness import hand_written, running_worker, wait_for
 from workerapp import registry
 
 from mtask import TaskClient
@@ -18,27 +18,7 @@ LAST = dt.datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=dt.UTC)
 
 
 def _doc(client: TaskClient, key: Any, **fields: Any) -> dict[str, Any]:
-    now = client.now()
-    return {
-        "_id": key,
-        "name": "add",
-        "status": "pending",
-        "next_claim_at": now,
-        "available_at": now,
-        "runs": [],
-        "successes": 0,
-        "failures": 0,
-        "attempts": 0,
-        "params": {"a": 1, "b": 1},
-        "options": {
-            "specific_worker_ids": [],
-            "concurrency": 1,
-            "max_retries": 1,
-            "worker_timeout_ms": 1000,
-            "ping_interval_ms": 100,
-        },
-        **fields,
-    }
+    return hand_written(client.now(), _id=key, **fields)
 
 
 async def test_a_claim_time_at_the_last_date_stops_no_staggered_worker(

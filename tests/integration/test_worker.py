@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import pytest
-from harness import running_worker, wait_for
+from harness import hand_written, running_worker, wait_for
 from workerapp import registry
 
 from mtask import TaskClient, store
@@ -430,24 +430,7 @@ async def test_malformed_documents_do_not_stop_the_worker(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="mtask.worker")
     now, nan = client.now(), float("nan")
-    well_formed: dict[str, Any] = {
-        "name": "add",
-        "status": "pending",
-        "next_claim_at": now,
-        "available_at": now,
-        "runs": [],
-        "successes": 0,
-        "failures": 0,
-        "attempts": 0,
-        "params": {"a": 1, "b": 1},
-        "options": {
-            "specific_worker_ids": [],
-            "concurrency": 1,
-            "max_retries": 1,
-            "worker_timeout_ms": 1000,
-            "ping_interval_ms": 100,
-        },
-    }
+    well_formed = hand_written(now)
     opts = well_formed["options"]
     junk = [
         {"_id": "no-runs", "name": "add", "status": "pending", "next_claim_at": now},
