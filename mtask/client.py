@@ -165,6 +165,13 @@ def _check_kinds(kinds: Sequence[str] | None) -> None:
         )
 
 
+def _check_key(key: object, field: str = "key") -> None:
+    """A key to look up is a string: a mapping, a regex or a number would be read as a query
+    (``{"$gt": ""}`` matches whichever task comes first) or could never name a task."""
+    if not isinstance(key, str):
+        raise InvalidTask(f"must be a string, not {type(key).__name__}", field=field)
+
+
 def _check_list_args(status: str | None, limit: int, order: str) -> None:
     if status is not None and status not in {s.value for s in TaskStatus}:
         raise InvalidTask(
@@ -374,6 +381,7 @@ class _Base:
 
     @operation
     def get(self, key: str) -> Op[Task | None]:
+        _check_key(key)
         doc = yield from store.get(key)
         return Task.from_document(doc) if doc is not None else None
 
@@ -400,6 +408,8 @@ class _Base:
         """A page of tasks (of ``name``, ``status``, ``group``), newest first or soonest
         claimable first; ``after``: the last key of the previous page."""
         _check_list_args(status, limit, order)
+        if after is not None:
+            _check_key(after, "after")
         docs = yield from store.list_tasks(name, status, limit, after, order, group)
         return [Task.from_document(d) for d in docs]
 
@@ -434,10 +444,12 @@ class _Base:
 
     @operation
     def cancel(self, key: str) -> Op[Task]:
+        _check_key(key)
         return Task.from_document((yield from store.cancel(key, self.clock.now())))
 
     @operation
     def retry(self, key: str) -> Op[Task]:
+        _check_key(key)
         return Task.from_document((yield from store.retry(key, self.clock.now())))
 
     @operation
@@ -447,6 +459,7 @@ class _Base:
         (docs/steps.md). ``True`` if it woke the task (it was waiting for ``name``).
         ``InvalidTask`` for a bad name or payload, ``TaskNotFound``, ``InvalidTransition`` for
         a finished task."""
+        _check_key(key)
         return (yield from store_steps.signal(key, name, payload))
 
     # -- workers and names ----------------------------------------------------------------------
@@ -603,6 +616,8 @@ class _Base:
     def search(self, /, **filters: Any) -> Op[builtins.list[Task]]:
         """A page of tasks by name, status, ``group``, key ``prefix``, error ``text``,
         ``after``, ``limit``."""
+        if filters.get("after") is not None:
+            _check_key(filters["after"], "after")
         if filters.get("text") and not self._bulk_ready:
             yield from self._bulk_indexes()  # error-text search needs its text index
         return [Task.from_document(d) for d in (yield from bulk.search(**filters))]
@@ -681,6 +696,7 @@ class TaskClient(_Base):
         return it. Raises ``WaitTimeout`` after ``timeout`` seconds (None: no limit) and
         ``TaskNotFound`` if no task has that key. All waits through one MongoClient on one
         collection share one change stream (``mtask.waiters``), whichever client makes them."""
+        _check_key(key)
         doc = self._run(store.get(key))  # fails fast: no such key, finished, MongoDB away
         if doc is None:
             raise TaskNotFound(key)
@@ -770,6 +786,7 @@ class AsyncTaskClient(_Base):
 
     async def wait(self, key: str, timeout: float | None = None) -> Task:  # noqa: ASYNC109
         """Wait until the task is finished and return it (see ``TaskClient.wait``)."""
+        _check_key(key)
         doc = await self._run(store.get(key))  # fails fast: no such key, finished, MongoDB away
         if doc is None:
             raise TaskNotFound(key)

@@ -251,3 +251,38 @@ def test_a_long_lived_client_calibrates_its_clock_again_every_keep_best_seconds(
         step[0] = 30.0 + KEEP_BEST
         client.publish("n", "c", {})
         assert off("c") < 1  # KEEP_BEST later, the next call calibrates first
+
+
+@pytest.mark.parametrize("key", [{"$gt": ""}, re.compile("^k"), 5, None])
+def test_a_key_that_is_not_a_string_reads_and_changes_no_other_task(
+    client: TaskClient, key: Any
+) -> None:
+    """A key is a string: a query operator, a regex or a number is refused, never matched
+    against the keys (where ``{"$gt": ""}`` would cancel whichever open task came first)."""
+    client.publish("n", "k1")
+    for act in (
+        lambda: client.get(key),
+        lambda: client.cancel(key),
+        lambda: client.retry(key),
+        lambda: client.signal(key, "go"),
+        lambda: client.wait(key, timeout=5),
+    ):
+        with pytest.raises(InvalidTask, match="^key: must be a string"):
+            act()
+    for page in (lambda: client.list(after=key), lambda: client.search(after=key)):
+        if key is None:  # no cursor: the first page
+            continue
+        with pytest.raises(InvalidTask, match="^after: must be a string"):
+            page()
+    assert client.get("k1").status == TaskStatus.PENDING  # type: ignore[union-attr]
+
+
+async def test_a_key_that_is_not_a_string_is_refused_by_the_async_client_too(
+    aclient: AsyncTaskClient,
+) -> None:
+    await aclient.publish("n", "k1")
+    with pytest.raises(InvalidTask, match="^key: must be a string"):
+        await aclient.cancel({"$gt": ""})  # type: ignore[arg-type]
+    with pytest.raises(InvalidTask, match="^key: must be a string"):
+        await aclient.wait({"$gt": ""}, timeout=5)  # type: ignore[arg-type]
+    assert (await aclient.get("k1")).status == TaskStatus.PENDING  # type: ignore[union-attr]
