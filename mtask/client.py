@@ -173,14 +173,16 @@ def _check_key(key: object, field: str = "key") -> None:
 
 
 def _check_list_args(status: str | None, limit: int, order: str) -> None:
-    if status is not None and status not in {s.value for s in TaskStatus}:
+    if status is not None and (
+        not isinstance(status, str) or status not in {s.value for s in TaskStatus}
+    ):
         raise InvalidTask(
             f"unknown status {status!r}; one of {', '.join(s.value for s in TaskStatus)}",
             field="status",
         )
-    if not 1 <= limit <= 10_000:
-        raise InvalidTask("must be between 1 and 10000", field="limit")
-    if order not in store.LIST_ORDERS:
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 10_000:
+        raise InvalidTask("must be an integer between 1 and 10000", field="limit")
+    if not isinstance(order, str) or order not in store.LIST_ORDERS:
         raise InvalidTask(f"must be one of {', '.join(store.LIST_ORDERS)}", field="order")
 
 

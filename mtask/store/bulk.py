@@ -204,7 +204,7 @@ def search(
     """A page of tasks, newest first (in key order with a key ``prefix``), matching all the
     filters given; ``after`` is the last key of the previous page (keyset pagination: every
     page costs the same)."""
-    if limit < 1 or limit > 1000:
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
         raise InvalidTask(f"is {limit}; 1 to 1000", field="limit")
     filt, sort = search_query(name, status, prefix, text, group)
     if after is not None and sort[0][0] == "_id":

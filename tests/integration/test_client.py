@@ -286,3 +286,23 @@ async def test_a_key_that_is_not_a_string_is_refused_by_the_async_client_too(
     with pytest.raises(InvalidTask, match="^key: must be a string"):
         await aclient.wait({"$gt": ""}, timeout=5)  # type: ignore[arg-type]
     assert (await aclient.get("k1")).status == TaskStatus.PENDING  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda c: c.list(limit="5"), "limit"),
+        (lambda c: c.list(limit=1.5), "limit"),
+        (lambda c: c.list(limit=True), "limit"),
+        (lambda c: c.list(status=["pending"]), "status"),
+        (lambda c: c.list(order=["newest"]), "order"),
+        (lambda c: c.search(limit="5"), "limit"),
+        (lambda c: c.search(limit=2.5), "limit"),
+    ],
+)
+def test_a_list_argument_of_the_wrong_type_is_invalid_task(
+    client: TaskClient, call: Any, field: str
+) -> None:
+    client.publish("n", "k1")
+    with pytest.raises(InvalidTask, match=f"^{field}:"):
+        call(client)
