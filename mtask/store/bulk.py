@@ -79,14 +79,22 @@ class Filter:
 
     def __post_init__(self) -> None:
         """Refuse what no query can hold (``InvalidTask``), before anything is read or written:
-        a lone surrogate in the name or a key, an age beyond ``MAX_AGE_SECONDS``."""
+        a lone surrogate in the name or a key, an age beyond ``MAX_AGE_SECONDS``, statuses or
+        keys that are not a list (a string would be read as its characters)."""
         if isinstance(self.name, str) and not encodable(self.name):
             raise InvalidTask(UNENCODABLE, field="name")
+        for field, values in (("status", self.status), ("keys", self.keys)):
+            if values is not None and not isinstance(values, list | tuple):
+                raise InvalidTask(f"must be a list, not {type(values).__name__}", field=field)
         for index, key in enumerate(self.keys or ()):
             if isinstance(key, str) and not encodable(key):
                 raise InvalidTask(UNENCODABLE, field=f"keys[{index}]")
         age = self.older_than_s
-        if age is not None and not 0 <= age <= MAX_AGE_SECONDS:  # also NaN
+        if age is not None and (
+            not isinstance(age, int | float)
+            or isinstance(age, bool)
+            or not 0 <= age <= MAX_AGE_SECONDS  # also NaN
+        ):
             raise InvalidTask(f"must be 0 to {MAX_AGE_SECONDS} seconds", field="older_than")
 
     @property
@@ -127,6 +135,8 @@ def ensure_indexes() -> Op[None]:
 
 def _query(action: Action, where: Filter, now: dt.datetime) -> Op[Doc]:
     """``where.query``, with the names present read first if it is ``across_names``."""
+    if action not in APPLIES:
+        raise InvalidTask(f"must be one of {', '.join(APPLIES)}, not {action!r}", field="action")
     names = (yield counts.names()) if where.across_names else None
     return where.query(action, now, names)
 

@@ -232,11 +232,13 @@ def purge_filter(
     if name is not None:
         filt["name"] = validate_name(name)
     if older_than is not None:
-        if not dt.timedelta(0) <= older_than <= dt.timedelta(seconds=MAX_AGE_SECONDS):
+        if not isinstance(older_than, dt.timedelta) or not (
+            dt.timedelta(0) <= older_than <= dt.timedelta(seconds=MAX_AGE_SECONDS)
+        ):
             raise InvalidTask(f"must be 0 to {MAX_AGE_SECONDS} seconds", field="older_than")
         filt["finished_at"] = {"$lte": now - older_than}
     if keys is not None:
-        if not keys or len(keys) > MAX_PURGE_KEYS:
+        if not isinstance(keys, list | tuple) or not keys or len(keys) > MAX_PURGE_KEYS:
             raise InvalidTask(f"give 1 to {MAX_PURGE_KEYS} keys", field="keys")
         filt["_id"] = {"$in": [validate_key(k) for k in keys]}
     return filt

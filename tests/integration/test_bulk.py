@@ -160,3 +160,34 @@ def test_by_status_across_names_every_document_and_a_page_at_a_time(client: Task
         assert stats["totalKeysExamined"] <= 10 + len(part["$in"]), stats["totalKeysExamined"]
     assert client._run(stranded()) is not None  # the sweep's search: no error
     assert client.stats()[str({"$x": 1})] == {"failed": 1}  # a count by that name too
+
+
+def test_bulk_refuses_an_unknown_action_and_filter_fields_of_the_wrong_type(
+    client: TaskClient,
+) -> None:
+    """Bad input is an ``InvalidTask`` naming the field, before anything is read or written: a
+    string of keys is not read as its characters (``keys="k1"`` would act on "k" and "1")."""
+    import pytest
+
+    from mtask.errors import InvalidTask
+
+    client.publish_many([{"name": "n", "key": k} for k in ("k", "1", "k1")])
+    with pytest.raises(InvalidTask, match="^action:"):
+        client.bulk("delete", bulk.Filter())  # type: ignore[arg-type]
+    with pytest.raises(InvalidTask, match="^action:"):
+        client.bulk_count("delete", bulk.Filter(), 10)  # type: ignore[arg-type]
+    for bad, field in [
+        ({"keys": "k1"}, "keys"),
+        ({"keys": 5}, "keys"),
+        ({"status": "pending"}, "status"),
+        ({"status": 5}, "status"),
+        ({"older_than_s": "5"}, "older_than"),
+        ({"older_than_s": True}, "older_than"),
+    ]:
+        with pytest.raises(InvalidTask, match=f"^{field}:"):
+            client.bulk("cancel", bulk.Filter(**bad))
+    with pytest.raises(InvalidTask, match="^keys:"):
+        client.purge(keys="k1", status=["cancelled"])
+    with pytest.raises(InvalidTask, match="^older_than:"):
+        client.purge(older_than="5")  # type: ignore[arg-type]
+    assert {t.status.value for t in client.list()} == {"pending"}
