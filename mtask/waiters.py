@@ -74,7 +74,7 @@ class AsyncWaiter:
 
     def __init__(self, collection: AsyncCollection[Doc]) -> None:
         self.collection = collection
-        self.waiting: dict[Any, set[asyncio.Future[Doc]]] = {}
+        self.waiting: dict[str, set[asyncio.Future[Doc]]] = {}
         self.ready = asyncio.Event()
         self.opened = 0
         """How many times the stream was opened or reopened (for tests and logs)."""
@@ -130,7 +130,7 @@ class AsyncWaiter:
         async with contextlib.aclosing(changes):
             async for change in changes:
                 key = change["documentKey"]["_id"]
-                if key in self.waiting:
+                if isinstance(key, str) and key in self.waiting:  # a key may be a document
                     await self._reread([key])
 
 
@@ -140,7 +140,7 @@ class SyncWaiter:
 
     def __init__(self, collection: Collection[Doc]) -> None:
         self.collection = collection
-        self.waiting: dict[Any, set[concurrent.futures.Future[Doc]]] = {}
+        self.waiting: dict[str, set[concurrent.futures.Future[Doc]]] = {}
         self.lock = threading.Lock()
         self.ready = threading.Event()
         """Set by the current stream thread once its stream is open (each thread has its own:
@@ -197,7 +197,7 @@ class SyncWaiter:
 
     def _is_waited(self, key: Any) -> bool:
         with self.lock:
-            return key in self.waiting
+            return isinstance(key, str) and key in self.waiting  # a key may be a document
 
     def _reread(self, keys: list[Any]) -> None:
         if not keys:

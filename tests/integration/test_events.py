@@ -393,3 +393,27 @@ async def test_follow_says_whether_the_stream_holds_more_changes_read(
         await follow.aclose()
         await mongo.close()
     assert seen == [(0, True), (1, True), (2, False)]
+
+
+async def test_a_task_finished_with_a_document_as_key_does_not_stop_the_waits(
+    aclient: AsyncTaskClient, client: TaskClient
+) -> None:
+    """A document's ``_id`` may be a document (one written by hand); its finish arrives on
+    the waiters' streams like any other and must not end them (an unhashable key)."""
+    await aclient.publish("add", "idle", {"a": 1, "b": 1})
+    client.publish("add", "sidle", {"a": 1, "b": 1})
+    waiting = asyncio.create_task(aclient.wait("idle", timeout=30))
+    sync_waiting = asyncio.create_task(asyncio.to_thread(client.wait, "sidle", 30))
+    await wait_for(lambda: aclient._waiter is not None and aclient._waiter.ready.is_set())
+    await wait_for(lambda: "idle" in aclient._waiter.waiting)  # type: ignore[union-attr]
+    await wait_for(lambda: client._waiter is not None and client._waiter.ready.is_set())
+    await wait_for(lambda: "sidle" in client._waiter.waiting)  # type: ignore[union-attr]
+    await aclient.collection.insert_one({"_id": {"by": "hand"}, "name": "add", "status": "failed"})
+    # each stream has read past the odd key: a change after it is written
+    await aclient.collection.insert_one({"_id": "after", "name": "add", "status": "failed"})
+    for key in ("idle", "sidle"):
+        await aclient.collection.update_one(
+            {"_id": key}, {"$set": {"status": "invalid", "invalid_reason": "test"}}
+        )
+    assert (await waiting).status == "invalid"
+    assert (await sync_waiting).status == "invalid"
