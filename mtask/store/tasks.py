@@ -26,6 +26,7 @@ from mtask.store.schema import (
     GROUP_LOCK,
     PLACEMENT_FIELDS,
     SPECIFIC,
+    WELL_FORMED,
     invalid_reason_expr,
     keys_in,
     literal,
@@ -301,12 +302,21 @@ def list_tasks(
 # ---------------------------------------------------------------------------------------------
 
 
+def _problem() -> Doc:
+    """What makes a document malformed (``invalid_reason_expr``), or null."""
+    return {"$cond": [well_formed_expr(), None, invalid_reason_expr()]}
+
+
 def _require(key: str, doc: Doc | None, action: str, allowed: Iterable[str]) -> Op[Doc]:
+    """``doc``, the task ``action`` changed; else why it changed nothing: no such task, a
+    status ``action`` does not apply to, or a malformed document (``InvalidTransition``)."""
     if doc is not None:
         return doc
-    current = yield Call("find_one", ({"_id": key}, {"status": 1}))
+    current = yield Call("find_one", ({"_id": key}, {"status": 1, "problem": _problem()}))
     if current is None:
         raise TaskNotFound(key)
+    if current.get("status") in allowed and current.get("problem") is not None:
+        raise InvalidTransition(f"cannot {action} task {key!r}: {current['problem']}")
     raise InvalidTransition(
         f"cannot {action} task {key!r}: it is {current.get('status')}; "
         f"{action} applies to {' or '.join(allowed)} tasks"
@@ -319,7 +329,8 @@ def cancel(key: str, now: dt.datetime) -> Op[Doc]:
     doc = yield Call(
         "find_one_and_update",
         (
-            {"_id": key, "status": {"$in": list(OPEN)}},
+            # well formed: the server refuses the recompute over a document without its fields
+            {"_id": key, "status": {"$in": list(OPEN)}, **WELL_FORMED},
             [{"$set": {"status": TaskStatus.CANCELLED.value}}, *recompute_stages(now)],
         ),
         {"return_document": ReturnDocument.AFTER},
@@ -335,7 +346,11 @@ def retry(key: str, now: dt.datetime) -> Op[Doc]:
     filt = {
         "_id": key,
         "status": {"$in": list(allowed)},
-        "runs": {"$not": {"$elemMatch": {"state": RUNNING, "lease_expires_at": {"$gt": now}}}},
+        **WELL_FORMED,  # the server refuses the recompute over a document without its fields
+        "runs": {
+            "$type": "array",
+            "$not": {"$elemMatch": {"state": RUNNING, "lease_expires_at": {"$gt": now}}},
+        },
     }
     pipeline = [
         {
@@ -373,8 +388,8 @@ def retry(key: str, now: dt.datetime) -> Op[Doc]:
         "find_one_and_update", (filt, pipeline), {"return_document": ReturnDocument.AFTER}
     )
     if doc is None:
-        current = yield Call("find_one", ({"_id": key}, {"status": 1}))
-        if current is not None and current.get("status") in allowed:
+        current = yield Call("find_one", ({"_id": key}, {"status": 1, "problem": _problem()}))
+        if current is not None and current.get("status") in allowed and not current.get("problem"):
             raise InvalidTransition(
                 f"cannot retry task {key!r} yet: a cancelled run is still stopping; "
                 "try again after its lease ends"

@@ -7,8 +7,11 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+import pytest
+
 from mtask import TaskClient
 from mtask.clock import FixedClock
+from mtask.errors import InvalidTransition
 from mtask.store import bulk, throughput
 from mtask.store.across import NOT_A_NAME, name_parts
 from mtask.store.complete import stranded
@@ -191,3 +194,30 @@ def test_bulk_refuses_an_unknown_action_and_filter_fields_of_the_wrong_type(
     with pytest.raises(InvalidTask, match="^older_than:"):
         client.purge(older_than="5")  # type: ignore[arg-type]
     assert {t.status.value for t in client.list()} == {"pending"}
+
+
+def test_a_malformed_document_is_named_and_passed_over_by_retry_and_cancel(
+    client: TaskClient,
+) -> None:
+    """A hand-written document without the fields a retry or a cancel recomputes made the server
+    refuse the update: one retry or cancel was a ``StorageError``, and a bulk retry stopped at
+    it, with the tasks after it left as they were and no result. It is named now, and a bulk
+    action passes over it."""
+    client.collection.insert_many(
+        [
+            {"_id": "a-failed", "name": "add", "status": "failed"},
+            {"_id": "a-pending", "name": "add", "status": "pending"},
+        ]
+    )
+    client.publish("add", "b-failed", {"a": 1, "b": 1})
+    client.collection.update_one({"_id": "b-failed"}, {"$set": {"status": "failed"}})
+    with pytest.raises(InvalidTransition, match="cannot retry task 'a-failed': .*'runs' must be"):
+        client.retry("a-failed")
+    with pytest.raises(InvalidTransition, match="cannot cancel task 'a-pending': .*'runs'"):
+        client.cancel("a-pending")
+    result = client.bulk("retry", bulk.Filter(name="add"))
+    assert (result.matched, result.changed) == (2, 1)
+    again = client.get("b-failed")
+    assert again is not None and again.status == "pending"
+    with pytest.raises(InvalidTransition, match="it is pending"):  # the well-formed rule holds
+        client.retry("b-failed")
