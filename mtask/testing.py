@@ -35,6 +35,7 @@ from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
+from mtask.connection import WORKER_CLIENT_OPTIONS, async_client
 from mtask.errors import ConfigError
 from mtask.models import DEFAULT_MAX_PARAMS_BYTES
 from mtask.output import RunOutput
@@ -171,7 +172,7 @@ async def _run_with_uri(
 ) -> Outcome:
     if mongo_uri is None:
         return await arun_handler(registry, name, params, **options)
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri)
+    client = async_client(mongo_uri, defaults=WORKER_CLIENT_OPTIONS)  # a worker's codec too
     try:
         return await arun_handler(registry, name, params, mongo_client=client, **options)
     finally:

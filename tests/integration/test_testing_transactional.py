@@ -4,6 +4,7 @@ raises; without MongoDB it refuses with the handler's name."""
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 import pytest
@@ -51,6 +52,23 @@ async def test_a_transactional_handler_that_raises_writes_nothing(
         await client.close()
     assert outcome.state is RunState.FAIL and not outcome.permanent
     assert mongo[db_name]["ledger"].count_documents({}) == 0  # aborted: none of it landed
+
+
+@registry.task("due", transactional=True)
+async def due(params: dict[str, Any], ctx: TaskContext) -> bool:
+    order = await ctx.session.client[params["db"]]["orders"].find_one({}, session=ctx.session)
+    return bool(order["due"] < dt.datetime.now(dt.UTC))
+
+
+def test_the_session_reads_dates_as_a_workers_does(
+    mongo_uri: str, mongo: MongoClient[dict[str, Any]], db_name: str
+) -> None:
+    """A worker's session decodes dates timezone-aware (UTC), as every mtask client does; so
+    does run_handler's, or a handler passing in a worker fails in its test (naive vs aware)."""
+    mongo[db_name]["orders"].insert_one({"due": dt.datetime(2000, 1, 1, tzinfo=dt.UTC)})
+    outcome = run_handler(registry, "due", {"db": db_name}, mongo_uri=mongo_uri)
+    assert outcome.state is RunState.SUCCESS, outcome.error
+    assert outcome.result is True
 
 
 def test_without_mongodb_a_transactional_handler_is_refused_by_name() -> None:
