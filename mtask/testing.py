@@ -53,7 +53,7 @@ from mtask.worker.run_outcomes import (
     RunOutcomes,
 )
 from mtask.worker.stats import WorkerStats
-from mtask.worker.transactional import RunFence
+from mtask.worker.transactional import RunFence, TransactionEnded
 
 __all__ = ["MemorySteps", "Outcome", "arun_handler", "run_handler", "worker_argv"]
 
@@ -134,6 +134,8 @@ class _Transactions:
     ) -> tuple[Any, dict[str, Any]]:
         async def body(session: AsyncClientSession) -> Any:
             result = await handler(session)
+            if not session.in_transaction:  # as in a worker
+                raise TransactionEnded()
             outcome_for(result)  # a result that cannot be stored aborts, as in a worker
             return result
 

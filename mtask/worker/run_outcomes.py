@@ -47,7 +47,7 @@ from mtask.worker.pool import (
 )
 from mtask.worker.pool_child import said, short_traceback
 from mtask.worker.stats import WorkerStats
-from mtask.worker.transactional import RunFence, TransactionTooLong
+from mtask.worker.transactional import RunFence, TransactionEnded, TransactionTooLong
 
 
 class TransactionRunner(Protocol):
@@ -269,7 +269,7 @@ class RunOutcomes:
                 run,
                 "the run lost the task before its transaction committed; nothing it wrote landed",
             )
-        except InvalidParams as exc:
+        except (InvalidParams, TransactionEnded) as exc:  # the same on every run
             return self.failure(run, str(exc), permanent=True)
         except (
             TransactionTooLong,

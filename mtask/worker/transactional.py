@@ -64,6 +64,17 @@ class TransactionTooLong(MtaskError):
     default_message = "the handler's transaction took too long and was aborted"
 
 
+class TransactionEnded(MtaskError):
+    """The handler ended mtask's transaction itself (committed, aborted, or ended its session):
+    the run's SUCCESS could no longer commit with its writes."""
+
+    default_message = (
+        "the handler ended its transaction itself (commit_transaction, abort_transaction or "
+        "end_session on ctx.session): mtask commits it with the run's SUCCESS when the handler "
+        "returns, and aborts it when the handler raises"
+    )
+
+
 @dataclass(frozen=True)
 class RunFence:
     """What a worker's transactional run adds to its transaction (docs/transactions.md, "Under
@@ -134,6 +145,8 @@ async def transact(
         if fence is not None and not fence.alive():
             raise LeaseLost()  # stopped: not worth another try
         result = await handler(session)
+        if not session.in_transaction:  # the write would land on its own, outside it
+            raise TransactionEnded()
         doc = await driver.run(write(result), session)
         if doc is None:
             raise LeaseLost()  # with_transaction aborts: none of the handler's writes land

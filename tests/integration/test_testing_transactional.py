@@ -71,6 +71,17 @@ def test_the_session_reads_dates_as_a_workers_does(
     assert outcome.result is True
 
 
+@registry.task("aborts", transactional=True)
+async def aborts(params: dict[str, Any], ctx: TaskContext) -> None:
+    await ctx.session.abort_transaction()
+
+
+def test_a_handler_ending_its_transaction_fails_as_in_a_worker(mongo_uri: str) -> None:
+    outcome = run_handler(registry, "aborts", mongo_uri=mongo_uri)
+    assert outcome.state is RunState.FAIL and outcome.permanent
+    assert "ended its transaction itself" in (outcome.error or "")
+
+
 def test_without_mongodb_a_transactional_handler_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="'charge' is a transactional handler"):
         run_handler(registry, "charge", {"db": "x"})

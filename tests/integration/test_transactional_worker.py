@@ -35,6 +35,17 @@ async def charge(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
     return {"charged": ctx.key, "big": "x" * params.get("pad", 0)}
 
 
+@registry.task("ends", transactional=True)
+async def ends(params: dict[str, Any], ctx: TaskContext) -> str:
+    db = ctx.session.client[params["db"]]
+    await db["ledger"].insert_one({"task": ctx.key, "attempt": ctx.attempt}, session=ctx.session)
+    if params["how"] == "abort":
+        await ctx.session.abort_transaction()
+    else:
+        await ctx.session.commit_transaction()
+    return "done"
+
+
 @pytest.fixture
 def prepared(client: TaskClient) -> TaskClient:
     client.ensure_indexes()
@@ -136,6 +147,25 @@ async def test_a_claim_kills_a_transaction_left_open_on_the_task_document(
     task = prepared.get("c")
     assert task is not None and task.status == "succeeded" and task.result != "zombie"
     assert [r.state for r in task.runs] == ["TIMEOUT", "SUCCESS"]
+
+
+@pytest.mark.parametrize("how", ["abort", "commit"])
+async def test_a_handler_ending_the_transaction_itself_fails_clearly(
+    mongo_uri: str, db_name: str, prepared: TaskClient, how: str
+) -> None:
+    """The run's SUCCESS must commit in the handler's transaction: a handler that aborted it
+    (its writes gone) or committed it (its writes landed, the SUCCESS not yet written) gets a
+    clear, permanent failure instead of a SUCCESS written outside any transaction."""
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        prepared.publish("ends", "e", {"db": db_name, "how": how})
+        await events.wait("recorded", key="e")
+    task = prepared.get("e")
+    assert task is not None and task.status == "failed"
+    assert [r.state for r in task.runs] == ["FAIL"]
+    assert "ended its transaction itself" in (task.error or "")
+    assert "Traceback" not in (task.error or "")
+    landed = prepared.db["ledger"].count_documents({"task": "e"})
+    assert landed == (1 if how == "commit" else 0)
 
 
 def test_a_transactional_handler_must_be_async_and_take_ctx() -> None:
