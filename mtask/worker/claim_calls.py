@@ -91,6 +91,8 @@ class ClaimCalls:
                 extra={"keys": len(groups), "batch": batch},
             )
             adopted = await self.adopt(list(groups), batch)
+            if exc.timed_out:  # as ``send``'s: a sequence's task may be held the same way
+                await self.kill_stale_transactions(list(groups))
             return (adopted, set()) if adopted else None
         for key, reason in broken.items():
             await self.mark_invalid(key, f"a claim cannot update the document: {reason}")

@@ -14,7 +14,7 @@ from pymongo.errors import OperationFailure
 from mtask import AsyncTaskClient, TaskClient
 from mtask.errors import InvalidTask
 from mtask.registry import Registry, Retry, TaskContext
-from mtask.store import Outcome, RunState, claim
+from mtask.store import Outcome, RunState, claim, claim_locked
 from mtask.store.transactional import begin_run_transaction, complete_in_transaction
 
 registry = Registry()
@@ -166,6 +166,38 @@ async def test_a_handler_ending_the_transaction_itself_fails_clearly(
     assert "Traceback" not in (task.error or "")
     landed = prepared.db["ledger"].count_documents({"task": "e"})
     assert landed == (1 if how == "commit" else 0)
+
+
+async def test_a_sequence_claim_kills_a_transaction_left_open_on_its_head(
+    mongo_uri: str, db_name: str, prepared: TaskClient
+) -> None:
+    """As above for a task of a sequence, claimed with its group's lock (``claim_locked``):
+    that claim too waits for the open transaction, runs out of time, and must kill it."""
+    prepared.set_limit("charge", group_concurrency=1)
+    options = {"worker_timeout_ms": 1000, "ping_interval_ms": 200, "group": "g"}
+    prepared.publish("charge", "c", {"db": db_name}, options=options)
+    async with AsyncTaskClient(mongo_uri, database=db_name) as ac:
+        now = await ac.now()
+        docs, _, _ = await ac._run(claim_locked({"c": ("charge", "g")}, ["charge"], "zombie", now))
+        run_id = docs[0]["claim_run_id"]
+        zombie = ac.mongo.start_session()
+        lsid = zombie.session_id["id"]
+        assert await ac._run(begin_run_transaction("c", run_id, "zombie", await ac.now(), lsid))
+        await zombie.start_transaction()
+        await ac.db["ledger"].insert_one({"task": "c", "attempt": 1}, session=zombie)
+        await ac.db["counters"].update_one({"_id": "charges"}, {"$inc": {"n": 1}}, session=zombie)
+        success = Outcome("c", run_id, RunState.SUCCESS, result="zombie", worker_id="zombie")
+        fenced = complete_in_transaction(success, await ac.now())
+        assert await ac._driver.run(fenced, zombie) is not None  # then frozen: no commit
+        async with running_worker(registry, mongo_uri, db_name) as (_, events):
+            await events.wait("recorded", key="c", state="SUCCESS", timeout=40)
+        with pytest.raises(OperationFailure):
+            await zombie.commit_transaction()  # killed
+        await zombie.end_session()
+    assert business(prepared) == (1, [("c", 2)])
+    task = prepared.get("c")
+    assert task is not None and task.status == "succeeded" and task.result != "zombie"
+    assert [r.state for r in task.runs] == ["TIMEOUT", "SUCCESS"]
 
 
 def test_a_transactional_handler_must_be_async_and_take_ctx() -> None:
