@@ -215,6 +215,20 @@ def completion_stages() -> list[Doc]:
     ]
 
 
+INVALID_FILL: Doc = {
+    "params": {},
+    "options": {},
+    "attempts": 0,
+    "successes": 0,
+    "failures": 0,
+    "runs": [],
+}
+"""What a status-less document marked ``invalid`` is given where it lacks it: a document with a
+status holds the whole stored shape (``models.REQUIRED_FIELDS``), as the collection's validator
+requires, which refused the marking of a document it had accepted (params over 1 MiB,
+dependencies) and left that document without a status for ever."""
+
+
 def invalid_stages(reason: Any) -> list[Doc]:
     return [
         {
@@ -223,6 +237,9 @@ def invalid_stages(reason: Any) -> list[Doc]:
                 "invalid_reason": reason,
                 "updated_at": NOW,
                 "next_claim_at": None,
+                **{field: _default(field, value) for field, value in INVALID_FILL.items()},
+                "available_at": {"$ifNull": ["$available_at", NOW]},
+                "created_at": {"$ifNull": ["$created_at", NOW]},
             }
         }
     ]

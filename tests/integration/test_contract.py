@@ -32,6 +32,7 @@ from mtask.models import (
     TaskOptions,
 )
 from mtask.registry import Registry, TaskContext
+from mtask.store.complete import INVALID_FILL
 from mtask.worker.finding.scan import Sweep
 
 registry = Registry()
@@ -283,6 +284,34 @@ async def test_the_validator_refuses_wrong_documents_and_never_mtasks_own_writes
     }
     client.retry("fails")  # an operator action on a validated collection
     assert client.init_collection(validator=False).get("validator", {}) == {}
+
+
+def test_a_published_document_the_validator_accepts_but_no_worker_can_run_is_marked_invalid(
+    mongo: MongoClient[dict[str, Any]], mongo_uri: str, db_name: str
+) -> None:
+    """The validator cannot see a publisher's params over 1 MiB, nor refuse dependencies in
+    a status-less document, so it accepts them; the worker refuses them. Marking one
+    ``invalid`` gives it a status, and a document with a status must hold the whole shape:
+    without the rest, the server refused the marking and the document stayed without a
+    status for ever (its publisher waiting for an outcome)."""
+    with TaskClient(mongo_uri, database=db_name) as client:
+        client.init_collection(validator=True)
+    tasks = mongo[db_name].tasks
+    tasks.insert_many(
+        [
+            {"_id": "big", "name": "add", "params": {"blob": "x" * (1 << 20)}},
+            {"_id": "deps", "name": "add", "depends_on": ["other"]},
+            {"_id": "fine", "name": "add", "options": {"priority": 2}},
+        ]
+    )
+    asyncio.run(one_sweep(mongo_uri, db_name))
+    found = {d["_id"]: (d.get("status"), d.get("invalid_reason")) for d in tasks.find()}
+    assert found["big"] == ("invalid", "'params' is larger than 1048576 bytes as BSON")
+    assert found["deps"][0] == "invalid"
+    assert found["deps"][1].startswith("'depends_on' cannot be published by hand")
+    assert found["fine"] == ("pending", None)
+    filled = {"_id", "name", "status", "next_claim_at", "available_at", "created_at", "updated_at"}
+    assert set(REQUIRED_FIELDS) <= filled | set(INVALID_FILL)
 
 
 def test_collection_command(
