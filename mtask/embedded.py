@@ -145,12 +145,29 @@ class EmbeddedMongo:
     def uri_for(port: int) -> str:
         return f"mongodb://127.0.0.1:{port}/?replicaSet={REPLICA_SET}"
 
+    def _db_locked(self) -> bool:
+        """Whether a mongod runs on this data directory: one holds its dbpath's lock file. The
+        state file's pid alone is not enough: after a reboot or a container's restart it may
+        be another process's (and a killed mongod nobody reaped still answers signals)."""
+        try:
+            with open(self.data_dir / "db" / "mongod.lock", "rb") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return True  # mongod holds it
+                fcntl.flock(handle, fcntl.LOCK_UN)
+        except OSError:
+            pass  # no lock file: no mongod ever ran here
+        return False
+
     # -- public API ---------------------------------------------------------------------------
 
     def status(self) -> Status:
         state = self._read_state()
         pid, port = state.get("pid"), state.get("port")
-        alive = isinstance(pid, int) and state.get("running") and _pid_alive(pid)
+        alive = (
+            isinstance(pid, int) and state.get("running") and _pid_alive(pid) and self._db_locked()
+        )
         if alive and isinstance(pid, int) and isinstance(port, int):
             return Status(True, pid, port, self.uri_for(port), self.data_dir)
         return Status(False, None, port if isinstance(port, int) else None, None, self.data_dir)

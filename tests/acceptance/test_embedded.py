@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 
 import pytest
 from pymongo import MongoClient
 
-from mtask.embedded import EmbeddedMongo, find_mongod
+from mtask.embedded import EmbeddedMongo, find_mongod, free_port
 from mtask.errors import EmbeddedUnavailable, MtaskError
 
 
@@ -62,3 +64,42 @@ def test_binary_that_cannot_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(EmbeddedUnavailable, match="wrong architecture") as info:
         EmbeddedMongo(tmp_path / "data").start(timeout=10)
     assert "--uri" in str(info.value)
+
+
+def test_a_state_file_naming_another_process_is_no_running_mongod(tmp_path: Path) -> None:
+    """After a reboot or a container restart (or a mongod killed whose zombie nobody reaped)
+    the state file's pid may be another process: it is not the data directory's mongod (none
+    holds the lock of its dbpath), so ``status`` says not running and ``stop`` kills nothing.
+    Before, ``stop`` sent that process SIGTERM and ``start`` waited for it to become primary
+    until its timeout, every time."""
+    other = subprocess.Popen(["sleep", "600"])
+    try:
+        (tmp_path / "db").mkdir()
+        (tmp_path / "mtask-mongod.json").write_text(
+            json.dumps({"pid": other.pid, "port": free_port(), "running": True})
+        )
+        server = EmbeddedMongo(tmp_path)
+        assert not server.status().running
+        assert not server.stop()
+        assert other.poll() is None  # not killed
+    finally:
+        other.kill()
+        other.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("mongod_available")
+def test_start_after_a_state_file_naming_another_process(tmp_path: Path) -> None:
+    other = subprocess.Popen(["sleep", "600"])
+    server = EmbeddedMongo(tmp_path)
+    try:
+        (tmp_path / "mtask-mongod.json").write_text(
+            json.dumps({"pid": other.pid, "port": free_port(), "running": True})
+        )
+        uri = server.start(timeout=20)  # before: StorageError, not primary in time
+        with MongoClient(uri) as c:
+            assert c.admin.command("hello")["isWritablePrimary"]
+    finally:
+        server.stop()
+        other.kill()
+        other.wait()
