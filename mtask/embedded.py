@@ -25,7 +25,7 @@ from typing import Any
 from pymongo import MongoClient
 from pymongo.errors import OperationFailure, PyMongoError
 
-from mtask.errors import EmbeddedUnavailable, StorageError
+from mtask.errors import ConfigError, EmbeddedUnavailable, StorageError
 
 DEFAULT_DATA_DIR = Path(".mtask") / "mongodb"
 REPLICA_SET = "mtask"
@@ -249,6 +249,11 @@ class EmbeddedMongo:
 
     def _choose_port(self) -> int:
         if self.port is not None:
+            if not _port_free(self.port):  # else mongod exits 48, read as "cannot run here"
+                raise ConfigError(
+                    f"port {self.port} is in use by another process: choose another, or "
+                    "leave the port out to take a free one"
+                )
             return self.port
         previous = self._read_state().get("port")
         # Reuse the last port when it is free: the replica set's config names it.

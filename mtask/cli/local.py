@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from mtask.cli.common import Commands, add_json, add_uri, out, print_json
+from mtask.errors import ConfigError, UsageError
 
 commands = Commands()
 run = commands.run
@@ -24,7 +25,11 @@ def cmd_mongod(args: argparse.Namespace) -> int:
 
     server = EmbeddedMongo(args.data_dir, port=args.port)
     if args.action == "start":
-        print(server.start())
+        try:
+            uri = server.start()
+        except ConfigError as exc:  # the --port given is taken: the command line's mistake
+            raise UsageError(str(exc)) from None
+        print(uri)
         return 0
     if args.action == "stop":
         out.print("stopped" if server.stop() else "not running")

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 from pymongo import MongoClient
 
+from mtask.cli import main as cli_main
 from mtask.embedded import EmbeddedMongo, find_mongod, free_port
-from mtask.errors import EmbeddedUnavailable, MtaskError
+from mtask.errors import ConfigError, EmbeddedUnavailable, MtaskError
 
 
 @pytest.fixture
@@ -103,3 +105,19 @@ def test_start_after_a_state_file_naming_another_process(tmp_path: Path) -> None
         server.stop()
         other.kill()
         other.wait()
+
+
+@pytest.mark.usefixtures("mongod_available")
+def test_a_busy_port_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A port another process listens on: the error says so (before: "cannot run on this
+    machine", the message for a missing or foreign binary), and the CLI exits 2."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"port {port} is in use"):
+            EmbeddedMongo(tmp_path, port=port).start(timeout=20)
+        args = ["mongod", "start", "--port", str(port), "--data-dir", str(tmp_path)]
+        assert cli_main(args) == 2
+        assert f"port {port} is in use" in capsys.readouterr().err
+    assert not EmbeddedMongo(tmp_path).status().running
