@@ -210,7 +210,8 @@ def completion_stages() -> list[Doc]:
                 },
             }
         },
-        {"$unset": "run_at"},
+        # group_lock: taken by a sequence's claim; a document without a status holds none
+        {"$unset": ["run_at", "group_lock"]},
         *recompute_stages(NOW),
     ]
 

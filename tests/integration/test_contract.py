@@ -564,3 +564,24 @@ async def test_async_client_installs_the_validator(mongo_uri: str, db_name: str)
         assert options["validator"] == {"$jsonSchema": jsonschema.validator_schema()}
         with pytest.raises(WriteError, match="Document failed validation"):
             await aclient.collection.insert_one({"_id": "k", "name": "add", "run_at": "2026"})
+
+
+def test_a_published_group_lock_is_not_kept_by_the_completion(
+    mongo: MongoClient[dict[str, Any]], mongo_uri: str, db_name: str
+) -> None:
+    """``group_lock`` is taken by a sequence's claim; a document without a status holds no
+    lock. Kept by the completion (a document copied from another collection, say), two of a
+    group collided in the unique ``group_lock`` index: the second could not be completed and
+    stayed without a status, and the first blocked its group's sequence."""
+    with TaskClient(mongo_uri, database=db_name) as client:
+        client.init_collection()
+    tasks = mongo[db_name].tasks
+    tasks.insert_many(
+        [
+            {"_id": f"g{i}", "name": "add", "options": {"group": "g"}, "group_lock": True}
+            for i in range(2)
+        ]
+    )
+    asyncio.run(one_sweep(mongo_uri, db_name))
+    found = {d["_id"]: (d.get("status"), "group_lock" in d) for d in tasks.find()}
+    assert found == {"g0": ("pending", False), "g1": ("pending", False)}
