@@ -29,24 +29,20 @@ CLIENT_OPTIONS: dict[str, Any] = {
     "retryReads": True,
     "appname": "mtask",
     "serverSelectionTimeoutMS": 10_000,
-}
-WORKER_CLIENT_OPTIONS: dict[str, Any] = {
-    **CLIENT_OPTIONS,
-    "heartbeatFrequencyMS": 60_000,
     "datetime_conversion": "DATETIME_CLAMP",
 }
+"""Every mtask client's. A date before year 1 or after 9999 (valid BSON, which any service may
+write) is read as the first or last date Python holds: PyMongo raised ``InvalidBSON`` for it,
+which stopped a worker out of its scan, its change stream or a claim's reply (and every worker
+the stream carried it to), and was a 500 or a traceback from every reader of its task."""
+WORKER_CLIENT_OPTIONS: dict[str, Any] = {**CLIENT_OPTIONS, "heartbeatFrequencyMS": 60_000}
 """A worker's two clients (claims and streams; lease pings): ours, with each server checked
 every 60 s instead of the driver's 10 s. A check is two ``hello`` commands (the monitor's and
 the round-trip time's): 64 idle hosts asked the server 83 operations a second at 10 s and 56
 at 60 s, 4.2-4.7 % and 3.2-3.4 % of a core (docs/performance.md, W9H). Nothing waits on it:
 the monitor hears of an election or a step-down at once (it streams ``hello``), and an
 operation that fails, or waits for a server, makes the driver check at once (at most every
-0.5 s). A URI that sets ``heartbeatFrequencyMS`` wins.
-
-A date before year 1 or after 9999 (valid BSON, which any service may write) is read as the
-first or last date Python holds: PyMongo raised ``InvalidBSON`` for it out of the scan, the
-change stream or a claim's reply, and that stopped the worker (and every worker the change
-stream carried it to)."""
+0.5 s). A URI that sets ``heartbeatFrequencyMS`` wins."""
 
 
 def resolve_uri(uri: str | None = None) -> str:

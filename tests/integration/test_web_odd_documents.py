@@ -14,6 +14,7 @@ import pytest
 from bson import (
     Binary,
     Code,
+    DatetimeMS,
     DBRef,
     Decimal128,
     Int64,
@@ -26,6 +27,7 @@ from bson import (
 from fastapi.testclient import TestClient
 from pymongo import MongoClient
 
+from mtask import TaskClient
 from mtask.cli import main
 from mtask.cli.common import out
 from mtask.models import bson_json
@@ -132,6 +134,31 @@ def test_a_task_holding_any_bson_value_reads_as_extended_json(
     assert [t["key"] for t in page.json()["tasks"]] == [kind]
     after = api.get("/tasks", params={"name": "odd", "after": kind}, headers=AUTH)
     assert [t["result"] for t in after.json()["tasks"]] == [want]
+
+
+def test_dates_no_python_date_can_hold_read_as_the_first_and_last(
+    api: TestClient, mongo: MongoClient[dict[str, Any]], mongo_uri: str, db_name: str
+) -> None:
+    """A date before year 1 or after 9999 is valid BSON, which any service may write, but no
+    Python date: PyMongo raised InvalidBSON reading it, a 500 on the task and on every list
+    page holding it, and a traceback from the client and the CLI. Readers read it as the first
+    or last date Python holds, as the workers do."""
+    tasks = mongo[db_name]["tasks"]
+    far, early = DatetimeMS(2**60), DatetimeMS(-(2**60))
+    tasks.insert_one(odd_document("far", far) | {"created_at": far})
+    tasks.insert_one(odd_document("early", early) | {"created_at": NOW})
+    last = dt.datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=dt.UTC)
+    first = dt.datetime.min.replace(tzinfo=dt.UTC)
+    for key, date in (("far", last), ("early", first)):
+        answer = api.get(f"/tasks/{key}", headers=AUTH)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["params"] == {"v": bson_json(date)}
+    page = api.get("/tasks", params={"name": "odd"}, headers=AUTH)
+    assert page.status_code == 200, page.text
+    assert sorted(t["key"] for t in page.json()["tasks"]) == ["early", "far"]
+    with TaskClient(mongo_uri, database=db_name) as client:
+        task = client.get("far")
+        assert task is not None and task.params == {"v": last} and task.created_at == last
 
 
 def test_bson_values_are_written_as_relaxed_extended_json() -> None:
