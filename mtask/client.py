@@ -53,6 +53,7 @@ from mtask.driver import Op
 from mtask.errors import InvalidTask, TaskNotFound
 from mtask.models import (
     DEFAULT_MAX_PARAMS_BYTES,
+    MAX_AGE_SECONDS,
     ON_CONFLICT_CHOICES,
     NewTask,
     OnConflict,
@@ -170,6 +171,18 @@ def _check_key(key: object, field: str = "key") -> None:
     (``{"$gt": ""}`` matches whichever task comes first) or could never name a task."""
     if not isinstance(key, str):
         raise InvalidTask(f"must be a string, not {type(key).__name__}", field=field)
+
+
+def _check_number(
+    value: object, field: str, low: float, high: float, *, integer: bool = False
+) -> None:
+    """``value`` is a number from ``low`` to ``high`` (an int if ``integer``; never a bool or
+    NaN): ``InvalidTask`` naming ``field`` otherwise, not a ``TypeError`` or an
+    ``OverflowError`` from the date arithmetic it goes into."""
+    kinds = int if integer else (int, float)
+    if not isinstance(value, kinds) or isinstance(value, bool) or not low <= value <= high:
+        kind = "an integer" if integer else "a number"
+        raise InvalidTask(f"must be {kind} from {low:g} to {high:g}, not {value!r}", field=field)
 
 
 def _check_list_args(status: str | None, limit: int, order: str) -> None:
@@ -428,6 +441,7 @@ class _Base:
     def groups(self, name: str | None = None, top: int = 10) -> Op[builtins.list[dict[str, Any]]]:
         """The groups (``options.group``) with the most open tasks, of ``name`` or of every
         name, largest first: ``{name, group, open, running}`` (at most 100)."""
+        _check_number(top, "top", 0, 10**9, integer=True)  # the store keeps it within 1 to 100
         names = None if name is None else [validate_name(name)]
         return (yield from store.largest(names, top))
 
@@ -471,6 +485,7 @@ class _Base:
         """Workers that sent a heartbeat in the last ``within_s`` seconds, each document as
         ``models.read_worker`` reads it (any shape: fields in another shape are named in its
         ``problems``)."""
+        _check_number(within_s, "within_s", 0, MAX_AGE_SECONDS)
         within = dt.timedelta(seconds=within_s)
         docs = yield from control.live_workers(self.clock.now(), within)
         return [read_worker(doc) for doc in docs]
@@ -599,6 +614,7 @@ class _Base:
     @operation
     def bulk_count(self, action: bulk.Action, where: bulk.Filter, limit: int) -> Op[int]:
         """How many tasks ``bulk`` would act on, up to ``limit`` (``limit + 1``: more)."""
+        _check_number(limit, "limit", 1, 10**9, integer=True)
         return (yield from bulk.count(action, where, self.clock.now(), limit))
 
     @operation
@@ -640,6 +656,7 @@ class _Base:
 
     @operation
     def throughput(self, minutes: int = 60) -> Op[builtins.list[dict[str, Any]]]:
+        _check_number(minutes, "minutes", 1, MAX_AGE_SECONDS // 60, integer=True)
         return (yield from throughput.recent(self.clock.now(), minutes))
 
     @operation
@@ -649,6 +666,7 @@ class _Base:
 
     @operation
     def runs_by_worker(self, minutes: int = 60) -> Op[dict[str, dict[str, int]]]:
+        _check_number(minutes, "minutes", 1, MAX_AGE_SECONDS // 60, integer=True)
         return (yield from throughput.runs_by_worker(self.clock.now(), minutes))
 
 
@@ -699,6 +717,8 @@ class TaskClient(_Base):
         ``TaskNotFound`` if no task has that key. All waits through one MongoClient on one
         collection share one change stream (``mtask.waiters``), whichever client makes them."""
         _check_key(key)
+        if timeout is not None:
+            _check_number(timeout, "timeout", 0, MAX_AGE_SECONDS)
         doc = self._run(store.get(key))  # fails fast: no such key, finished, MongoDB away
         if doc is None:
             raise TaskNotFound(key)
@@ -789,6 +809,8 @@ class AsyncTaskClient(_Base):
     async def wait(self, key: str, timeout: float | None = None) -> Task:  # noqa: ASYNC109
         """Wait until the task is finished and return it (see ``TaskClient.wait``)."""
         _check_key(key)
+        if timeout is not None:
+            _check_number(timeout, "timeout", 0, MAX_AGE_SECONDS)
         doc = await self._run(store.get(key))  # fails fast: no such key, finished, MongoDB away
         if doc is None:
             raise TaskNotFound(key)

@@ -22,7 +22,7 @@ from mtask import (
 )
 from mtask.clock import KEEP_BEST, ServerClock
 from mtask.models import MAX_PARAMS_DEPTH
-from mtask.store import Outcome, RunState, claim, finish
+from mtask.store import Outcome, RunState, bulk, claim, finish
 
 
 def test_publish_creates_a_pending_document(client: TaskClient) -> None:
@@ -306,3 +306,33 @@ def test_a_list_argument_of_the_wrong_type_is_invalid_task(
     client.publish("n", "k1")
     with pytest.raises(InvalidTask, match=f"^{field}:"):
         call(client)
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda c: c.workers("x"), "within_s"),
+        (lambda c: c.workers(1e30), "within_s"),  # an OverflowError from its timedelta
+        (lambda c: c.workers(float("nan")), "within_s"),
+        (lambda c: c.throughput("x"), "minutes"),
+        (lambda c: c.throughput(10**12), "minutes"),
+        (lambda c: c.runs_by_worker(1.5), "minutes"),
+        (lambda c: c.groups(top="x"), "top"),
+        (lambda c: c.bulk_count("retry", bulk.Filter(), -5), "limit"),
+        (lambda c: c.wait("k1", timeout="x"), "timeout"),
+        (lambda c: c.wait("k1", timeout=-1), "timeout"),
+    ],
+)
+def test_a_numeric_argument_of_the_wrong_type_or_range_is_invalid_task(
+    client: TaskClient, call: Any, field: str
+) -> None:
+    """They were a TypeError, an OverflowError, or a count of -5 sent to the server."""
+    client.publish("n", "k1")
+    with pytest.raises(InvalidTask, match=f"^{field}:"):
+        call(client)
+
+
+async def test_the_async_clients_wait_checks_its_timeout(aclient: AsyncTaskClient) -> None:
+    await aclient.publish("n", "k1")
+    with pytest.raises(InvalidTask, match="^timeout:"):
+        await aclient.wait("k1", timeout="soon")  # type: ignore[arg-type]
