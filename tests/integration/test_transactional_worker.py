@@ -99,6 +99,28 @@ async def test_an_unstorable_result_aborts_the_writes(
     assert task is not None and task.status == "failed" and "limit is 1000" in (task.error or "")
 
 
+async def left_open_then_rescued(
+    ac: AsyncTaskClient, run_id: str, mongo_uri: str, db_name: str
+) -> None:
+    """Task ``c``'s run ``run_id`` writes in its transaction and its fenced SUCCESS, and is
+    frozen before its commit; a worker then takes the task over, and the zombie's commit is
+    refused (its transaction was killed)."""
+    zombie = ac.mongo.start_session()
+    lsid = zombie.session_id["id"]
+    assert await ac._run(begin_run_transaction("c", run_id, "zombie", await ac.now(), lsid))
+    await zombie.start_transaction()
+    await ac.db["ledger"].insert_one({"task": "c", "attempt": 1}, session=zombie)
+    await ac.db["counters"].update_one({"_id": "charges"}, {"$inc": {"n": 1}}, session=zombie)
+    success = Outcome("c", run_id, RunState.SUCCESS, result="zombie", worker_id="zombie")
+    fenced = complete_in_transaction(success, await ac.now())
+    assert await ac._driver.run(fenced, zombie) is not None  # then frozen: no commit
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await events.wait("recorded", key="c", state="SUCCESS", timeout=40)
+    with pytest.raises(OperationFailure):
+        await zombie.commit_transaction()  # killed
+    await zombie.end_session()
+
+
 async def test_a_handler_longer_than_the_ping_interval_runs_once(
     mongo_uri: str, db_name: str, prepared: TaskClient
 ) -> None:
@@ -129,20 +151,7 @@ async def test_a_claim_kills_a_transaction_left_open_on_the_task_document(
     async with AsyncTaskClient(mongo_uri, database=db_name) as ac:
         docs = await ac._run(claim(["c"], ["charge"], "zombie", await ac.now()))
         run_id = docs[0]["claim_run_id"]
-        zombie = ac.mongo.start_session()
-        lsid = zombie.session_id["id"]
-        assert await ac._run(begin_run_transaction("c", run_id, "zombie", await ac.now(), lsid))
-        await zombie.start_transaction()
-        await ac.db["ledger"].insert_one({"task": "c", "attempt": 1}, session=zombie)
-        await ac.db["counters"].update_one({"_id": "charges"}, {"$inc": {"n": 1}}, session=zombie)
-        success = Outcome("c", run_id, RunState.SUCCESS, result="zombie", worker_id="zombie")
-        fenced = complete_in_transaction(success, await ac.now())
-        assert await ac._driver.run(fenced, zombie) is not None  # then frozen: no commit
-        async with running_worker(registry, mongo_uri, db_name) as (_, events):
-            await events.wait("recorded", key="c", state="SUCCESS", timeout=40)
-        with pytest.raises(OperationFailure):
-            await zombie.commit_transaction()  # killed
-        await zombie.end_session()
+        await left_open_then_rescued(ac, run_id, mongo_uri, db_name)
     assert business(prepared) == (1, [("c", 2)])
     task = prepared.get("c")
     assert task is not None and task.status == "succeeded" and task.result != "zombie"
@@ -180,20 +189,7 @@ async def test_a_sequence_claim_kills_a_transaction_left_open_on_its_head(
         now = await ac.now()
         docs, _, _ = await ac._run(claim_locked({"c": ("charge", "g")}, ["charge"], "zombie", now))
         run_id = docs[0]["claim_run_id"]
-        zombie = ac.mongo.start_session()
-        lsid = zombie.session_id["id"]
-        assert await ac._run(begin_run_transaction("c", run_id, "zombie", await ac.now(), lsid))
-        await zombie.start_transaction()
-        await ac.db["ledger"].insert_one({"task": "c", "attempt": 1}, session=zombie)
-        await ac.db["counters"].update_one({"_id": "charges"}, {"$inc": {"n": 1}}, session=zombie)
-        success = Outcome("c", run_id, RunState.SUCCESS, result="zombie", worker_id="zombie")
-        fenced = complete_in_transaction(success, await ac.now())
-        assert await ac._driver.run(fenced, zombie) is not None  # then frozen: no commit
-        async with running_worker(registry, mongo_uri, db_name) as (_, events):
-            await events.wait("recorded", key="c", state="SUCCESS", timeout=40)
-        with pytest.raises(OperationFailure):
-            await zombie.commit_transaction()  # killed
-        await zombie.end_session()
+        await left_open_then_rescued(ac, run_id, mongo_uri, db_name)
     assert business(prepared) == (1, [("c", 2)])
     task = prepared.get("c")
     assert task is not None and task.status == "succeeded" and task.result != "zombie"
