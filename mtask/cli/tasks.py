@@ -49,6 +49,12 @@ def _options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def _count(value: int | None) -> str:
+    """A count as shown: ``-`` where the document holds none (a hand-written one marked
+    invalid), never ``None``."""
+    return "-" if value is None else str(value)
+
+
 @commands.command("publish")
 def cmd_publish(args: argparse.Namespace) -> int:
     if args.from_file is not None:
@@ -108,7 +114,11 @@ def print_task(task: Task) -> None:
         ("name", task.name),
         ("status", task.status or "-"),
         ("params", json.dumps(task.params, default=json_default)),
-        ("attempts", f"{task.attempts} (successes {task.successes}, failures {task.failures})"),
+        (
+            "attempts",
+            f"{_count(task.attempts)} (successes {_count(task.successes)}, "
+            f"failures {_count(task.failures)})",
+        ),
         ("next claim", when(task.next_claim_at)),
         ("created", when(task.created_at)),
         ("finished", when(task.finished_at)),
@@ -250,7 +260,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             t.name,
             # issue 14: an invalid task shows why
             f"invalid: {t.invalid_reason}" if t.invalid_reason else (t.status or "-"),
-            str(t.attempts),
+            _count(t.attempts),
             when(t.next_claim_at),
             when(t.created_at),
         )

@@ -354,8 +354,12 @@ def test_collection_command(
     assert cli_main(["list", *common, "--status", "invalid"]) == 0
     table = capsys.readouterr().out  # rich wraps the reason within its column
     assert "invalid:" in table and "'options.max_retry'" in table
+    assert "None" not in table  # y holds no attempts: shown as "-"
     assert cli_main(["get", *common, "x"]) == 0
     assert "is not an option" in capsys.readouterr().out
+    assert cli_main(["get", *common, "y"]) == 0
+    shown = capsys.readouterr().out
+    assert "(successes -, failures -)" in shown and "None" not in shown
 
 
 # -- random partial documents -------------------------------------------------------------------
