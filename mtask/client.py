@@ -61,6 +61,7 @@ from mtask.models import (
     Task,
     TaskOptions,
     TaskStatus,
+    in_range,
     read_worker,
     validate_name,
 )
@@ -179,8 +180,11 @@ def _check_number(
     """``value`` is a number from ``low`` to ``high`` (an int if ``integer``; never a bool or
     NaN): ``InvalidTask`` naming ``field`` otherwise, not a ``TypeError`` or an
     ``OverflowError`` from the date arithmetic it goes into."""
-    kinds = int if integer else (int, float)
-    if not isinstance(value, kinds) or isinstance(value, bool) or not low <= value <= high:
+    if integer:
+        ok = in_range(value, (int(low), int(high)))
+    else:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high
+    if not ok:
         kind = "an integer" if integer else "a number"
         raise InvalidTask(f"must be {kind} from {low:g} to {high:g}, not {value!r}", field=field)
 

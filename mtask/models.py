@@ -46,6 +46,27 @@ task is always written (``publish_many`` never fails half-way on one document)."
 MAX_PARAMS_DEPTH = 64
 """Nesting levels allowed in params (MongoDB refuses documents nested past 100 levels, and a
 task document holds params a level down, plus room for the stored result)."""
+MAX_STORED_DEPTH = 97
+"""Nesting levels allowed in a value stored three levels down in a task document (a run's
+result in ``runs.<i>.result``, a step's in ``steps.<i>.result``): MongoDB holds no document
+nested past 100 levels, and refuses the update that would make one."""
+NESTED_BYTES = 7
+"""The fewest BSON bytes one level of nesting takes (an object under an empty name): a value
+of fewer than ``NESTED_BYTES * MAX_STORED_DEPTH`` bytes cannot nest too deep."""
+
+
+def storable_depth(value: object, size: int) -> bool:
+    """Whether ``value`` (``size`` BSON bytes) nests at most ``MAX_STORED_DEPTH`` levels;
+    walked only if it is large enough not to."""
+    if size <= NESTED_BYTES * MAX_STORED_DEPTH:
+        return True
+    try:
+        check_depth(value, MAX_STORED_DEPTH)
+    except InvalidTask:
+        return False
+    return True
+
+
 MAX_RUNS_KEPT = 20
 """Finished runs beyond this many are folded into ``runs_folded``; RUNNING runs are always kept."""
 MAX_CONCURRENCY = 1000

@@ -31,8 +31,8 @@ from typing import Any, Protocol, TypeVar
 
 import bson
 
-from mtask.errors import InvalidTask, MtaskError
-from mtask.models import MAX_PARAMS_DEPTH, check_depth
+from mtask.errors import MtaskError
+from mtask.models import storable_depth
 
 Doc = dict[str, Any]
 T = TypeVar("T")
@@ -161,17 +161,6 @@ def encode(result: Any) -> bytes:
         return bson.encode({"v": result})
     except Exception as exc:  # noqa: BLE001 - any encoding problem is the handler's
         raise StepError(f"a step's result must be BSON: {exc}") from None
-
-
-def _shallow(result: Any) -> bool:
-    """Whether ``result`` fits the task document's nesting (MongoDB refuses a document nested
-    past 100 levels, and the entry holds it three down); a deeper one is stored aside, as
-    bytes."""
-    try:
-        check_depth(result, MAX_PARAMS_DEPTH, "result")
-    except InvalidTask:
-        return False
-    return True
 
 
 def decode(data: bytes) -> Any:
@@ -399,7 +388,7 @@ class RunSteps:
         if (
             len(data) <= INLINE_BYTES
             and self.inline + len(data) <= INLINE_TOTAL_BYTES
-            and _shallow(result)
+            and storable_depth(result, len(data))  # MongoDB refuses a deeper one's record
         ):
             entry["result"] = result
             self.inline += len(data)

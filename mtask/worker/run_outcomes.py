@@ -25,7 +25,7 @@ import bson
 
 from mtask import flows, metrics
 from mtask.errors import ConfigError, InvalidParams, InvalidTask, LeaseLost
-from mtask.models import DEFAULT_KEEP_MS, RunState, check_depth
+from mtask.models import DEFAULT_KEEP_MS, MAX_STORED_DEPTH, RunState, storable_depth
 from mtask.output import RunOutput
 from mtask.registry import Fail, Handler, Retry, TaskContext, retry_delay_ms
 from mtask.statemachine import keep_ms
@@ -176,13 +176,6 @@ class NoLeases:
 
 NO_RESULT_BYTES = len(bson.encode({"result": None}))
 """A handler that returns nothing stores this much."""
-MAX_RESULT_DEPTH = 97
-"""Nesting levels allowed in a result: it is stored in ``runs.<i>.result``, three levels down
-in the task document, and MongoDB holds no document nested past 100 levels (it refuses the
-outcome's update: the run would be left RUNNING until its lease ran out, then run again)."""
-NESTED_BYTES = 7
-"""The fewest BSON bytes one level of nesting takes (an object under an empty name): a result
-of fewer than ``NESTED_BYTES * MAX_RESULT_DEPTH`` bytes is not walked."""
 
 
 class RunOutcomes:
@@ -395,11 +388,13 @@ class RunOutcomes:
                 f"the result is {size} bytes as BSON; the limit is {self.max_result_bytes}",
                 permanent=True,
             )
-        if size > NESTED_BYTES * MAX_RESULT_DEPTH:  # fewer bytes cannot nest that deep
-            try:
-                check_depth(result, MAX_RESULT_DEPTH, "result")
-            except InvalidTask as exc:
-                return self.failure(run, f"the result cannot be stored: {exc}", permanent=True)
+        if not storable_depth(result, size):  # MongoDB would refuse the outcome's update
+            return self.failure(
+                run,
+                f"the result cannot be stored: it is nested more than {MAX_STORED_DEPTH} levels "
+                "deep",
+                permanent=True,
+            )
         if count:
             self.succeeded(run)
         return Outcome(

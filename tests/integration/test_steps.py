@@ -282,11 +282,16 @@ async def test_a_small_result_too_deep_for_the_task_document_is_stored_aside(
 ) -> None:
     # a few hundred bytes as BSON, but nested past what MongoDB stores in a document
     async with running_worker(registry, mongo_uri, db_name):
-        await aclient.publish("deep", "d1", {"levels": 250})
-        task = await _finished(aclient, "d1")
+        for key, levels in (("d1", 250), ("d2", 97), ("d3", 98)):
+            await aclient.publish("deep", key, {"levels": levels})
+        task, at_most, past = [await _finished(aclient, k) for k in ("d1", "d2", "d3")]
     assert task.status.value == "succeeded", task.error
     assert task.result == 250 and CALLS["d1:deep"] == 1
     assert task.steps[0].spill is not None
+    # the most a value stored three levels down may nest (models.MAX_STORED_DEPTH): inline
+    assert at_most.status.value == "succeeded", at_most.error
+    assert at_most.result == 97 and at_most.steps[0].spill is None
+    assert past.result == 98 and past.steps[0].spill is not None
 
 
 async def test_replay_rules_fail_the_task_for_good(
