@@ -36,6 +36,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 settings.register_profile("mtask", deadline=None)
 settings.load_profile("mtask")
 
+# The CLI prints rich's tables, which wrap at the terminal's width and cut a word longer than
+# its column short: the tests that read them run at one known width, whatever terminal they are
+# started from (CI's is 80 columns), and so do the CLI processes they start.
+os.environ["COLUMNS"] = "160"
+
 
 @pytest.fixture(scope="session")
 def mongo_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:

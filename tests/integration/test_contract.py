@@ -17,7 +17,6 @@ from pymongo import MongoClient
 from pymongo.errors import WriteError
 
 from mtask import AsyncTaskClient, Next, TaskClient, jsonschema, store
-from mtask.cli import common as cli_common
 from mtask.cli import main as cli_main
 from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver, SyncDriver, collections
@@ -319,13 +318,7 @@ def test_collection_command(
     mongo_uri: str,
     db_name: str,
     capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # a terminal of a known width, wide enough for the longest word of what is asserted: rich
-    # wraps lines at the terminal's width, and cuts a word longer than its column short
-    # ("'options.max_retr…"); the table's columns narrow as more of them hold values
-    monkeypatch.setenv("COLUMNS", "160")
-    monkeypatch.setattr(cli_common.out, "_console", None)  # made again, at that width
     common = ["--uri", mongo_uri, "--database", db_name]
     assert cli_main(["collection", "init", *common, "--validator", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
