@@ -27,6 +27,9 @@ class Event(enum.StrEnum):
     """A run ended sleeping or waiting for a signal (docs/steps.md)."""
     STOPPING_RUN = "stopping_run"
     RECORDED = "recorded"
+    NOT_RECORDED = "not_recorded"
+    """An outcome the worker dropped, unwritten (MongoDB refused it): its task is run again
+    when its run's lease ends."""
     PAUSED_CHANGED = "paused_changed"
 
 
@@ -39,6 +42,7 @@ LOGGED = frozenset(
         Event.CANCELLED,
         Event.WAITING,
         Event.STOPPING_RUN,
+        Event.NOT_RECORDED,
         Event.STARTED,
         Event.STOPPING,
         Event.STOPPED,

@@ -60,6 +60,9 @@ class OutcomeRecorder:
         self.writing = 0  # outcomes in a write on its way
         self.all_written = asyncio.Event()
         self.all_written.set()
+        self.instead: dict[str, Outcome | None] = {}
+        """The outcomes of the write on its way that were dropped, by run id (None: nothing of
+        theirs written)."""
 
     @property
     def unwritten(self) -> int:
@@ -87,24 +90,33 @@ class OutcomeRecorder:
             if released:  # after the outcomes: a sequence's lock is given up by its outcome
                 await self.gate.flush(released)
             if batch:
-                await self.follow_up(batch)
+                written = self.written(batch)
+                await self.follow_up(written)
                 self.writing -= len(batch)
                 if not self.pending and not self.writing:
                     self.all_written.set()
-                self.recorded(batch, recorded)
+                self.recorded(batch, written, recorded)
 
-    def recorded(self, outcomes: list[Outcome], recorded: int) -> None:
+    def written(self, batch: list[Outcome]) -> list[Outcome]:
+        """The outcomes a write wrote (or tried to: some may be fenced out), the
+        dropped ones left out."""
+        if not self.instead:  # the normal case: all of them
+            return batch
+        instead = self.instead
+        return [o for o in (instead.get(o.run_id, o) for o in batch) if o is not None]
+
+    def recorded(self, outcomes: list[Outcome], written: list[Outcome], recorded: int) -> None:
         """After a write: tell the sink which successes its stream will skip, report each
-        outcome, and wake the claimer."""
-        if recorded < len(outcomes):
+        outcome written and each refused one, and wake the claimer."""
+        if recorded < len(written):
             log.info(
                 "%d of %d outcome(s) were fenced out (their runs lost the task)",
-                len(outcomes) - recorded,
-                len(outcomes),
-                extra={"fenced": len(outcomes) - recorded},
+                len(written) - recorded,
+                len(written),
+                extra={"fenced": len(written) - recorded},
             )
-        all_landed = recorded == len(outcomes)  # else some may have been requeued
-        for outcome in outcomes:
+        all_landed = recorded == len(written)  # else some may have been requeued
+        for outcome in written:
             if (
                 all_landed
                 and outcome.state is RunState.SUCCESS
@@ -114,6 +126,16 @@ class OutcomeRecorder:
             self.emit(
                 Event.RECORDED, key=outcome.key, run_id=outcome.run_id, state=outcome.state.value
             )
+        if self.instead:
+            for outcome in outcomes:
+                if outcome.run_id in self.instead and self.instead[outcome.run_id] is None:
+                    self.emit(
+                        Event.NOT_RECORDED,
+                        key=outcome.key,
+                        run_id=outcome.run_id,
+                        state=outcome.state.value,
+                    )
+            self.instead = {}
         self.wake.set()  # their slots are free now
         self.inflight.on_free()  # and the backpressure may have eased
 
@@ -157,9 +179,11 @@ class OutcomeRecorder:
                     recorded += await self._write([outcome])
                 else:
                     await self._drop_refused(outcome, str(exc))
+                    self.instead[outcome.run_id] = None
             except Exception as exc:  # one outcome never stops the writer (logged, traceback too)
                 log.exception("cannot build the update that records %s", outcome.key)
                 await self._drop_refused(outcome, repr(exc))
+                self.instead[outcome.run_id] = None
         return recorded
 
     async def _drop_refused(self, outcome: Outcome, reason: str) -> None:
