@@ -86,7 +86,7 @@ async def block_loop(params: dict[str, float]) -> str:
 
 @registry.task("huge_result")
 def huge_result(params: dict[str, object]) -> str:
-    return "x" * (2 * 1024 * 1024)
+    return "x" * int(params.get("bytes", 2 * 1024 * 1024))  # type: ignore[call-overload]
 
 
 @registry.task("follow_up")

@@ -167,6 +167,31 @@ def finish(outcome: Outcome, now: dt.datetime) -> Op[Doc | None]:
     return doc
 
 
+def mark_invalid(outcome: Outcome, now: dt.datetime, reason: str) -> Op[int]:
+    """The last resort for a run whose document refuses its outcome and the FAIL in its place:
+    its task marked ``invalid`` with ``reason`` (as ``store.quarantine`` does: out of the claim
+    index), fenced by run id and RUNNING like any outcome. Returns 1 if marked, 0 if the run
+    no longer owns the task."""
+    result = yield Call(
+        "update_many",
+        (
+            run_filter(outcome.key, outcome.run_id),
+            [
+                {
+                    "$set": {
+                        "invalid_reason": literal(reason),
+                        "invalid_status": "$status",
+                        "status": TaskStatus.INVALID.value,
+                        "updated_at": now,
+                        "next_claim_at": None,
+                    }
+                }
+            ],
+        ),
+    )
+    return int(result.modified_count)
+
+
 def success_fast_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
     """The common case as a plain update: SUCCESS of a concurrency-1 task that is running.
 

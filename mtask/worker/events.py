@@ -28,8 +28,8 @@ class Event(enum.StrEnum):
     STOPPING_RUN = "stopping_run"
     RECORDED = "recorded"
     NOT_RECORDED = "not_recorded"
-    """An outcome the worker dropped, unwritten (MongoDB refused it): its task is run again
-    when its run's lease ends."""
+    """An outcome MongoDB refused and the worker dropped: no FAIL could be written in its
+    place (the task was marked invalid, or is run again when its lease ends)."""
     PAUSED_CHANGED = "paused_changed"
 
 

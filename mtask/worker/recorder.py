@@ -12,6 +12,8 @@ import asyncio
 import logging
 from typing import ClassVar
 
+from pymongo.errors import DocumentTooLarge
+
 from mtask import flows, store
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
@@ -61,8 +63,8 @@ class OutcomeRecorder:
         self.all_written = asyncio.Event()
         self.all_written.set()
         self.instead: dict[str, Outcome | None] = {}
-        """The outcomes of the write on its way that were dropped, by run id (None: nothing of
-        theirs written)."""
+        """The outcomes of the write on its way that the server refused for their documents,
+        by run id: the FAIL recorded in their place, or None (nothing of theirs written)."""
 
     @property
     def unwritten(self) -> int:
@@ -98,8 +100,8 @@ class OutcomeRecorder:
                 self.recorded(batch, written, recorded)
 
     def written(self, batch: list[Outcome]) -> list[Outcome]:
-        """The outcomes a write wrote (or tried to: some may be fenced out), the
-        dropped ones left out."""
+        """The outcomes a write wrote (or tried to: some may be fenced out), the refused ones
+        replaced by the FAIL written in their place or left out."""
         if not self.instead:  # the normal case: all of them
             return batch
         instead = self.instead
@@ -150,9 +152,10 @@ class OutcomeRecorder:
         """Write outcomes, retrying transient errors until they land (the fence makes a repeat
         harmless). A batch refused for another reason, or whose update cannot even be built
         (a value no date can hold: a bug, since outcomes are checked when made), is written one
-        by one; an outcome the server refuses, or that cannot be built, is logged and dropped:
-        its run's lease then runs out and the task is retried, so nothing is lost and the
-        writer goes on."""
+        by one. An outcome its document cannot take (too large for it, or for a command)
+        becomes its run's permanent FAIL (``_refused``); one refused otherwise, or that cannot
+        be built, is logged and dropped: its run's lease then runs out and the task is
+        retried, so nothing is lost and the writer goes on."""
         backoff = 0.2
         while True:
             try:
@@ -177,14 +180,78 @@ class OutcomeRecorder:
             except StorageError as exc:
                 if exc.transient:
                     recorded += await self._write([outcome])
+                elif exc.document:
+                    recorded += await self._refused(outcome, str(exc))
                 else:
                     await self._drop_refused(outcome, str(exc))
                     self.instead[outcome.run_id] = None
+            except DocumentTooLarge as exc:  # its update is past what a command may carry
+                recorded += await self._refused(outcome, str(exc))
             except Exception as exc:  # one outcome never stops the writer (logged, traceback too)
                 log.exception("cannot build the update that records %s", outcome.key)
                 await self._drop_refused(outcome, repr(exc))
                 self.instead[outcome.run_id] = None
         return recorded
+
+    async def _refused(self, outcome: Outcome, reason: str) -> int:
+        """The server will never store this outcome on its document: record the run's
+        permanent FAIL, naming why, in its place (fenced like every outcome), so the task is
+        not run again at each lease's end. If even that is refused, mark the task invalid,
+        else log it and drop it. Returns how many outcomes were recorded (0 or 1)."""
+        what = "result" if outcome.state is RunState.SUCCESS else f"{outcome.state.value} outcome"
+        failed = Outcome(
+            outcome.key,
+            outcome.run_id,
+            RunState.FAIL,
+            error=f"the {what} could not be stored: {reason}",
+            permanent=True,
+            has_dependents=outcome.has_dependents,
+            has_output=outcome.has_output,
+            has_spills=outcome.has_spills,
+        )
+        log.error(
+            "cannot record the %s of %s run %s; recording its FAIL instead: %s",
+            what,
+            outcome.key,
+            outcome.run_id[:8],
+            reason,
+            extra={"key": outcome.key},
+        )
+        try:
+            recorded = await self.driver.run(store.finish_many([failed], self.clock.now()))
+        except StorageError as exc:
+            if exc.transient:  # a FAIL lands once the server is back (or is refused in turn)
+                recorded = await self._write([failed])
+                self.instead.setdefault(outcome.run_id, failed)
+                return recorded
+            elif exc.document:
+                return await self._mark_invalid(outcome, failed, str(exc))
+            else:
+                self.instead[outcome.run_id] = None
+                await self._drop_refused(failed, str(exc))
+                return 0
+        self.instead[outcome.run_id] = failed
+        return recorded
+
+    async def _mark_invalid(self, outcome: Outcome, failed: Outcome, refused: str) -> int:
+        """Neither the outcome nor its FAIL fit the document: mark the task invalid (fenced by
+        the run), so it is not run again; if even that is refused, log it and drop it."""
+        reason = failed.error or ""
+        self.instead[outcome.run_id] = None
+        try:
+            marked = await self.driver.run(store.mark_invalid(outcome, self.clock.now(), reason))
+        except StorageError as exc:
+            await self._drop_refused(outcome, f"{reason}; its FAIL too: {refused}; {exc}")
+            return 0
+        if marked:
+            log.error(
+                "marked task %r invalid: %s (its FAIL could not be stored either: %s)",
+                outcome.key,
+                reason,
+                refused,
+                extra={"key": outcome.key},
+            )
+        return 0
 
     async def _drop_refused(self, outcome: Outcome, reason: str) -> None:
         """MongoDB will not store this outcome. Its run keeps its lease until that runs out and

@@ -552,23 +552,93 @@ async def test_malformed_documents_do_not_stop_the_worker(
 
 
 async def test_refused_outcome_does_not_block_the_others(
-    mongo_uri: str, db_name: str, client: TaskClient, caplog: pytest.LogCaptureFixture
+    mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="mtask.worker")
     # a document a service padded (unknown fields are kept) to within 1 MB of 16 MiB: the
     # SUCCESS of a 1 MB result would pass it, and the server refuses that update
-    client.publish("too_big", "deep", options={"worker_timeout_ms": 500, "max_retries": 0})
-    client.collection.update_one({"_id": "deep"}, {"$set": {"padding": "p" * 15_800_000}})
-    async with running_worker(registry, mongo_uri, db_name):
+    client.publish("too_big", "deep", options={"worker_timeout_ms": 500, "max_retries": 3})
+    for half in ("padding", "more_padding"):  # in two writes: a smaller server's cache
+        client.collection.update_one({"_id": "deep"}, {"$set": {half: "p" * 7_900_000}})
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
         client.publish_many(
             [{"name": "add", "key": f"n{i}", "params": {"a": i, "b": 0}} for i in range(10)]
         )
         await wait_for(lambda: client.stats().get("add", {}).get("succeeded") == 10)
-        # the refused outcome was dropped; the lease runs out and the retry budget decides
-        await wait_for(lambda: client.get("deep").status == "failed")  # type: ignore[union-attr]
-    assert any("cannot record the outcome of deep" in r.message for r in caplog.records)
+        # recorded once, as the run's permanent FAIL naming why: not run again at each
+        # lease's end (each a failure) until the retries ran out
+        recorded = await events.wait("recorded", key="deep")
+    assert recorded["state"] == "FAIL"
+    assert not events.matching("recorded", key="deep", state="SUCCESS")
     task = client.get("deep")
-    assert task is not None and task.runs[0].state == "TIMEOUT"
+    assert task is not None and task.status == "failed" and task.attempts == 1
+    assert [r.state for r in task.runs] == ["FAIL"]
+    assert task.error is not None and task.error.startswith("the result could not be stored: ")
+    assert "MongoDB: WriteError: " in task.error  # the server's reason
+
+
+async def test_a_result_within_a_raised_limit_that_no_document_can_hold_fails_once(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """``max_result_bytes`` raised past what a task document holds (the result is stored
+    twice: on its run and on the task): its SUCCESS was dropped and the task run again at
+    each lease's end. It is recorded once, as a permanent FAIL naming why."""
+    size = 8_500_000  # twice that is past 16 MiB
+    client.publish(
+        "huge_result",
+        "huge",
+        {"bytes": size},
+        options={"worker_timeout_ms": 500, "max_retries": 3},
+    )
+    limit = size + 100
+    async with running_worker(registry, mongo_uri, db_name, max_result_bytes=limit) as (
+        _,
+        events,
+    ):
+        client.publish("add", "after", {"a": 1, "b": 1})
+        recorded = await events.wait("recorded", key="huge")
+        await events.wait("recorded", key="after")
+    assert recorded["state"] == "FAIL"
+    task = client.get("huge")
+    assert task is not None and task.status == "failed" and task.attempts == 1
+    assert [r.state for r in task.runs] == ["FAIL"]
+    assert task.error is not None and task.error.startswith("the result could not be stored: ")
+
+
+async def test_a_document_that_refuses_even_the_fail_is_marked_invalid(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """A document with no room for its run's SUCCESS, nor for the FAIL naming why, is marked
+    invalid (fenced by the run) and reported ``not_recorded``: not ``recorded``, and not run
+    again at each lease's end."""
+    go = asyncio.Event()
+    tight = Registry()
+
+    @tight.task("tight")
+    async def handler(params: dict[str, Any]) -> str:
+        await go.wait()
+        return "x" * 2000  # more than the room left
+
+    client.publish("tight", "full", options={"worker_timeout_ms": 2000, "max_retries": 3})
+    tasks = client.collection
+    async with running_worker(tight, mongo_uri, db_name) as (_, events):
+        await events.wait("claimed", key="full")
+        # pad the claimed document to 300 bytes short of 16 MiB: less than
+        # the FAIL's two copies of its error (about 200 bytes each), more than one copy
+        tasks.update_one({"_id": "full"}, {"$set": {"padding": "", "more_padding": ""}})
+        [size] = tasks.aggregate(
+            [{"$match": {"_id": "full"}}, {"$project": {"s": {"$bsonSize": "$$ROOT"}}}]
+        )
+        pad = 16 * 1024 * 1024 - 300 - size["s"]
+        for half, length in (("padding", pad // 2), ("more_padding", pad - pad // 2)):
+            tasks.update_one({"_id": "full"}, {"$set": {half: "p" * length}})
+        go.set()
+        dropped = await events.wait("not_recorded", key="full")
+    assert dropped["state"] == "SUCCESS"
+    assert not events.matching("recorded", key="full")
+    doc = tasks.find_one({"_id": "full"}, {"padding": 0, "more_padding": 0})
+    assert doc is not None and doc["status"] == "invalid" and doc["invalid_status"] == "running"
+    assert doc["invalid_reason"].startswith("the result could not be stored: MongoDB: ")
+    assert doc["next_claim_at"] is None and doc["attempts"] == 1
 
 
 async def test_pause_reaches_workers_without_waiting_for_a_heartbeat(
