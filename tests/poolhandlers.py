@@ -358,3 +358,60 @@ class Unsaid(Fail):
 @registry.task("unsaid_fail_in_child", isolation="process")
 def unsaid_fail_in_child(params: dict[str, Any]) -> None:
     raise Unsaid()
+
+
+# -- what a child sends back: its size and its unpickling (tests/integration/test_pool_replies.py)
+
+
+def _landed(marker: str, value: dict[str, Any]) -> dict[str, Any]:
+    """Called where a ``Landing`` is unpickled: marks that its bytes reached that process."""
+    Path(marker).write_text(str(os.getpid()))
+    return value
+
+
+class Landing(dict):  # type: ignore[type-arg]
+    """A result BSON stores as a document; unpickling it writes ``marker``."""
+
+    def __init__(self, marker: str, size: int) -> None:
+        super().__init__(blob="x" * size)
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (_landed, (self.marker, dict(self)))
+
+
+def _big_result(params: dict[str, Any]) -> Any:
+    return Landing(params["marker"], params["size"])
+
+
+registry.task("big_result", isolation="process")(_big_result)
+registry.task("big_result_in_thread", isolation="thread")(_big_result)
+
+
+class Padded(dict):  # type: ignore[type-arg]
+    """A mapping BSON stores as its items, whose pickle also carries a large attribute."""
+
+    def __init__(self, items: dict[str, Any], pad: int) -> None:
+        super().__init__(items)
+        self.pad = "p" * pad
+
+
+@registry.task("padded_result", isolation="process")
+def padded_result(params: dict[str, Any]) -> Any:
+    return Padded({"a": 1}, params["pad"])
+
+
+@registry.task("long_fail", isolation="process")
+def long_fail(params: dict[str, Any]) -> None:
+    raise Fail("x" * params["size"])
+
+
+@registry.task("big_chunk", isolation="process")
+def big_chunk(params: dict[str, Any], ctx: TaskContext) -> str:
+    ctx.emit(b"x" * params["size"])
+    return "said"
+
+
+@registry.task("big_and_no_bson", isolation="process")
+def big_and_no_bson(params: dict[str, Any]) -> Any:
+    return {"blob": "x" * params["size"], "odd": {1, 2}}  # pickle takes a set, BSON does not

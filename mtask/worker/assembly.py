@@ -38,6 +38,7 @@ from mtask.worker.limit_gate import REFRESH_SECONDS, LimitGate
 from mtask.worker.limited_claims import LimitedClaims
 from mtask.worker.output_writer import OutputWriter
 from mtask.worker.pool import ProcessPool
+from mtask.worker.pool_child import Bounds
 from mtask.worker.presence import Assignment, Lifecycle, Presence
 from mtask.worker.recorder import OutcomeRecorder
 from mtask.worker.run_outcomes import RunOutcomes
@@ -161,6 +162,7 @@ def build(
             max_memory_per_child=config.max_memory_per_child,
             memory_limit=config.memory_limit_per_child,
             preload=tuple(sorted(modules - {"__main__"})),
+            bounds=Bounds.of(config.max_result_bytes),
         )
     presence = Presence(
         adriver,

@@ -49,6 +49,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, cast
 
 from mtask import metrics
@@ -56,7 +57,8 @@ from mtask.errors import InvalidParams, MtaskError
 from mtask.output import Batch
 from mtask.registry import Fail, Handler, Retry
 from mtask.steps import StepError, Suspended
-from mtask.worker.pool_child import RunInfo, child_main, rss_of
+from mtask.worker.config import DEFAULT_MAX_RESULT_BYTES
+from mtask.worker.pool_child import Bounds, RunInfo, child_main, rss_of
 from mtask.worker.pool_steps import sendable
 
 log = logging.getLogger("mtask.pool")  # the name operators filter on, kept
@@ -84,6 +86,12 @@ class TimeLimitExceeded(MtaskError):
 
 class MemoryLimitExceeded(MtaskError):
     """The child's resident memory passed the pool's hard ``memory_limit``; it was killed."""
+
+
+class ReplyRefused(MtaskError):
+    """What the child sent is over its bound (``Bounds``): a result too large to store, refused
+    in the child, or a message the worker would not read (its child was killed). The run fails
+    for good, as a thread's with that result does."""
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -206,6 +214,7 @@ class ProcessPool:
         term_grace: float = 1.0,
         start_method: str = "forkserver",
         preload: tuple[str, ...] = (),
+        bounds: Bounds | None = None,
     ) -> None:
         if start_method not in ("forkserver", "spawn"):
             raise MtaskError("the process pool starts children with forkserver or spawn")
@@ -215,6 +224,8 @@ class ProcessPool:
         """Resident bytes past which a busy child is killed (its run fails)."""
         self.memory_poll = memory_poll
         self.term_grace = term_grace
+        self.bounds = bounds or Bounds.of(DEFAULT_MAX_RESULT_BYTES)
+        """The most a child sends at once: a longer message is refused, never read."""
         self._mp: Any = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             # children start warm: the forkserver imports the handlers' modules once, and
@@ -364,7 +375,7 @@ class ProcessPool:
         deadline = self._mp.RawValue("d", math.inf)
         process = self._mp.Process(
             target=child_main,
-            args=(child_conn, alive_r, cancelled, deadline, os.getpid()),
+            args=(child_conn, alive_r, cancelled, deadline, os.getpid(), self.bounds),
             name="mtask-child",
             daemon=True,
         )
@@ -501,16 +512,24 @@ class ProcessPool:
             for pending in list(answering):  # the run ended (a limit, a death): nobody asks now
                 pending.cancel()
 
-    @staticmethod
-    def _received(child: Child) -> tuple[Any, ...] | None:
+    def _received(self, child: Child) -> tuple[Any, ...] | None:
         """The next message from a child whose pipe or sentinel is ready; ``None`` if it died
-        with nothing more to say."""
-        if child.conn.poll():
-            try:
-                return cast(tuple[Any, ...], child.conn.recv())
-            except (EOFError, OSError):
-                return None
-        return None
+        with nothing more to say. A message longer than ``bounds.message`` is not read
+        (``ReplyRefused``; the run kills the child)."""
+        if not child.conn.poll():
+            return None
+        try:
+            frame = child.conn.recv_bytes(self.bounds.message)
+        except EOFError:
+            return None
+        except OSError:
+            if child.conn.readable:
+                return None  # a read error: it died mid-message
+            raise ReplyRefused(  # too long: its length was read, not the rest
+                f"the handler's process sent a message of more than {self.bounds.message} "
+                "bytes; it was killed"
+            ) from None
+        return cast(tuple[Any, ...], ForkingPickler.loads(frame))
 
     def _settle(self, child: Child, reply: tuple[Any, ...] | None) -> Any:
         if reply is None or reply[0] == "lease":
@@ -539,6 +558,8 @@ class ProcessPool:
             raise Fail(rest[0])
         if kind == "invalid":
             raise InvalidParams(rest[0])
+        if kind == "refused":
+            raise ReplyRefused(rest[0])
         if kind == "suspended":
             raise Suspended(rest[0])
         if kind == "raise":

@@ -24,12 +24,16 @@ import time
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, cast
 
+import bson
+
 from mtask.errors import InvalidParams
+from mtask.flows import is_steps
 from mtask.output import RunOutput
 from mtask.registry import Fail, Handler, Retry, TaskContext
-from mtask.steps import SignalTimeout, StepError, Suspended
+from mtask.steps import MAX_SPILL_BYTES, SignalTimeout, StepError, Suspended
 from mtask.worker.pool_steps import ChildSteps, plain
 
 TRACEBACK_LIMIT = 4000
@@ -39,6 +43,40 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 LEASE_POLL = 0.1
 """The longest a child's lease watch sleeps between two looks at its run's deadline."""
+
+
+MESSAGE_SLACK = 64 * 1024
+"""Room in a message beyond the value it carries (its kind, the resident bytes, pickle's
+framing)."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The most a child sends the worker at once, pickled (the worker reads it whole before it
+    can refuse it: its memory is its other runs'). ``result``: the worker's
+    ``max_result_bytes``, the BSON size past which a result is not stored; ``message``: what
+    the worker reads of any one message (a reply, an output batch, a step's request: a spilled
+    result is ``MAX_SPILL_BYTES``); a longer one ends the run, and its child."""
+
+    result: int
+    message: int
+
+    @classmethod
+    def of(cls, max_result_bytes: int) -> Bounds:
+        """The bounds for a worker that stores results of up to ``max_result_bytes``."""
+        return cls(max_result_bytes, max(MAX_SPILL_BYTES, 2 * max_result_bytes) + MESSAGE_SLACK)
+
+    @property
+    def reply(self) -> int:
+        """A result's reply: twice the result's BSON limit (pickle takes less room than BSON
+        for most values); past it the child checks the result as the worker would and sends
+        why it is not stored instead (or, if it is, what BSON gives back of it)."""
+        return min(2 * self.result + MESSAGE_SLACK, self.message)
+
+
+def result_too_large(size: int, limit: int) -> str:
+    """Why a result of ``size`` bytes as BSON is not stored: a thread's run and a child's."""
+    return f"the result is {size} bytes as BSON; the limit is {limit}"
 
 
 @dataclass(frozen=True)
@@ -287,6 +325,41 @@ def _unpickled(reply: tuple[Any, ...], exc: Exception) -> tuple[Any, ...]:
     return ("error", _rss_bytes(), f"the result cannot be sent back: {exc!r}")
 
 
+def _frame(reply: tuple[Any, ...], bounds: Bounds) -> memoryview:
+    """The message that says ``reply``, pickled once (as ``Connection.send`` would), within its
+    bounds: a result's reply past ``bounds.reply`` says what the worker would make of it, and
+    no reply past ``bounds.message`` is sent (the worker would not read it)."""
+    try:
+        frame = ForkingPickler.dumps((*reply[:1], _rss_bytes(), *reply[1:]))
+    except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
+        frame = ForkingPickler.dumps(_unpickled(reply, exc))
+    if len(frame) > bounds.reply and reply[0] == "ok" and not is_steps(reply[1]):
+        frame = _stored(reply[1], bounds)
+    if len(frame) <= bounds.message:
+        return frame
+    return _refused(
+        f"the handler's reply is {len(frame)} bytes pickled, more than the {bounds.message} "
+        "a process-isolated run may send the worker"
+    )
+
+
+def _stored(result: Any, bounds: Bounds) -> memoryview:
+    """The reply for a result too large to cross as it is: why it is not stored (for good, as
+    on a thread), or, if it is (pickle takes more room than BSON for it), what BSON gives back
+    of it, which the worker stores the same."""
+    try:
+        size = len(bson.encode({"result": result}))
+    except Exception as bad:  # noqa: BLE001 - any encoding problem is the handler's
+        return _refused(f"the result cannot be stored: {bad}")
+    if size > bounds.result:
+        return _refused(result_too_large(size, bounds.result))
+    return ForkingPickler.dumps(("ok", _rss_bytes(), plain(result)))
+
+
+def _refused(why: str) -> memoryview:
+    return ForkingPickler.dumps(("refused", _rss_bytes(), why))
+
+
 def _say(conn: multiprocessing.connection.Connection, message: tuple[Any, ...]) -> None:
     with contextlib.suppress(Exception):
         conn.send(message)
@@ -325,6 +398,7 @@ def child_main(
     cancelled: Any,
     deadline: Any,
     worker_pid: int,
+    bounds: Bounds,
 ) -> None:
     _contain()
     _die_with_parent(alive, worker_pid)
@@ -350,9 +424,6 @@ def child_main(
                 return  # the lease watch stopped the run (and is killing us)
             run.active = False
             _sweep()  # what the handler left running ends with its run
-            try:
-                conn.send((*reply[:1], _rss_bytes(), *reply[1:]))
-            except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
-                conn.send(_unpickled(reply, exc))
+            conn.send_bytes(_frame(reply, bounds))
         if reply[0] == "memory":
             return  # a child that ran out of memory is not trusted with another run

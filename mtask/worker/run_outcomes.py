@@ -43,9 +43,10 @@ from mtask.worker.pool import (
     LeaseWatch,
     MemoryLimitExceeded,
     ProcessPool,
+    ReplyRefused,
     TimeLimitExceeded,
 )
-from mtask.worker.pool_child import said, short_traceback
+from mtask.worker.pool_child import result_too_large, said, short_traceback
 from mtask.worker.stats import WorkerStats
 from mtask.worker.transactional import RunFence, TransactionEnded, TransactionTooLong
 
@@ -262,7 +263,7 @@ class RunOutcomes:
                 run,
                 "the run lost the task before its transaction committed; nothing it wrote landed",
             )
-        except (InvalidParams, TransactionEnded) as exc:  # the same on every run
+        except (InvalidParams, TransactionEnded, ReplyRefused) as exc:  # the same on every run
             return self.failure(run, str(exc), permanent=True)
         except (
             TransactionTooLong,
@@ -383,11 +384,7 @@ class RunOutcomes:
         except Exception as exc:  # noqa: BLE001 - any encoding problem is the handler's
             return self.failure(run, f"the result cannot be stored: {exc}", permanent=True)
         if size > self.max_result_bytes:
-            return self.failure(
-                run,
-                f"the result is {size} bytes as BSON; the limit is {self.max_result_bytes}",
-                permanent=True,
-            )
+            return self.failure(run, result_too_large(size, self.max_result_bytes), permanent=True)
         if not storable_depth(result, size):  # MongoDB would refuse the outcome's update
             return self.failure(
                 run,

@@ -1,0 +1,85 @@
+"""What a process-isolated run's child sends back to the worker, with real child processes:
+a result too large to store is refused in the child, before the worker reads it (the worker
+runs the other runs: its memory is theirs), with the outcome a thread gives; no message longer
+than the pool's bound is read."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import poolhandlers
+import pytest
+from harness import running_worker
+from test_pool import INFO, gone, until
+
+from mtask import Fail, TaskClient
+from mtask.worker.pool import ProcessPool, ReplyRefused
+from mtask.worker.pool_child import Bounds
+
+NO_RETRY = {"max_retries": 0}
+
+
+async def test_a_result_too_large_to_store_never_reaches_the_worker(
+    mongo_uri: str, db_name: str, client: TaskClient, tmp_path: Path
+) -> None:
+    async with running_worker(poolhandlers.registry, mongo_uri, db_name, max_result_bytes=1000) as (
+        worker,
+        events,
+    ):
+        for name in ("big_result", "big_result_in_thread"):
+            marker = tmp_path / name
+            client.publish(name, name, {"marker": str(marker), "size": 300_000})
+            await events.wait("recorded", key=name)
+        pool = worker.parts.process_pool
+        assert pool is not None and pool.state()["died"] == 0 and pool.state()["killed"] == 0
+    child, thread = client.get("big_result"), client.get("big_result_in_thread")
+    assert child is not None and thread is not None
+    assert thread.status == "failed" and thread.attempts == 1  # for good
+    assert thread.error == "the result is 300029 bytes as BSON; the limit is 1000"
+    assert (child.status, child.attempts, child.error) == ("failed", 1, thread.error)
+    assert not (tmp_path / "big_result").exists()  # the worker never unpickled it
+
+
+@pytest.fixture
+async def small() -> AsyncIterator[ProcessPool]:
+    """A pool whose children send at most 100 kB at once, results of 1000 bytes stored."""
+    p = ProcessPool(term_grace=0.5, bounds=Bounds(1000, 100_000))
+    yield p
+    seen = p.pids
+    await p.close()
+    await until(lambda: all(gone(pid) for pid in seen))
+
+
+async def run(pool: ProcessPool, name: str, params: Any = None, **kw: Any) -> Any:
+    return await pool.run(poolhandlers.registry[name], params or {}, INFO, **kw)
+
+
+async def test_a_message_past_the_bound_is_not_read_and_its_child_is_replaced(
+    small: ProcessPool,
+) -> None:
+    said: list[Any] = []
+    child = await run(small, "pid")
+    assert await run(small, "big_chunk", {"size": 50_000}, on_output=said.append) == "said"
+    with pytest.raises(ReplyRefused, match=r"a message of more than 100000 bytes; it was killed"):
+        await run(small, "big_chunk", {"size": 150_000}, on_output=said.append)
+    assert len(said) == 1  # the first chunk only
+    await until(lambda: gone(child))
+    assert await run(small, "pid") != child
+    assert small.state()["killed"] == 1
+
+
+async def test_replies_past_their_bounds_are_refused_in_the_child(small: ProcessPool) -> None:
+    child = await run(small, "pid")
+    # stored as a thread's run stores it: as BSON gives it back, without its pickled padding
+    assert await run(small, "padded_result", {"pad": 200_000}) == {"a": 1}
+    with pytest.raises(
+        ReplyRefused, match=r"^the result cannot be stored: .*cannot encode object: {1, 2}"
+    ):
+        await run(small, "big_and_no_bson", {"size": 200_000})
+    with pytest.raises(Fail, match="^x{50000}$"):  # not a result: up to the message bound
+        await run(small, "long_fail", {"size": 50_000})
+    with pytest.raises(ReplyRefused, match=r"^the handler's reply is \d+ bytes pickled"):
+        await run(small, "long_fail", {"size": 150_000})
+    assert await run(small, "pid") == child  # one child all along
