@@ -388,6 +388,32 @@ registry.task("big_result", isolation="process")(_big_result)
 registry.task("big_result_in_thread", isolation="thread")(_big_result)
 
 
+class ExitsWhenLoaded:
+    """A result whose unpickling raises ``SystemExit`` (``__reduce__`` names ``sys.exit``)."""
+
+    def __reduce__(self) -> Any:
+        return (sys.exit, ("unpickled",))
+
+
+@registry.task("exits_when_loaded", isolation="process")
+def exits_when_loaded(params: dict[str, Any]) -> Any:
+    return ExitsWhenLoaded()
+
+
+def _cancelled() -> None:
+    raise asyncio.CancelledError
+
+
+class CancelsWhenLoaded:
+    def __reduce__(self) -> Any:
+        return (_cancelled, ())
+
+
+@registry.task("cancels_when_loaded", isolation="process")
+def cancels_when_loaded(params: dict[str, Any]) -> Any:
+    return CancelsWhenLoaded()
+
+
 class Padded(dict):  # type: ignore[type-arg]
     """A mapping BSON stores as its items, whose pickle also carries a large attribute."""
 

@@ -58,7 +58,7 @@ from mtask.output import Batch
 from mtask.registry import Fail, Handler, Retry
 from mtask.steps import StepError, Suspended
 from mtask.worker.config import DEFAULT_MAX_RESULT_BYTES
-from mtask.worker.pool_child import Bounds, RunInfo, child_main, rss_of
+from mtask.worker.pool_child import Bounds, RunInfo, child_main, rss_of, short_traceback
 from mtask.worker.pool_steps import sendable
 
 log = logging.getLogger("mtask.pool")  # the name operators filter on, kept
@@ -515,7 +515,8 @@ class ProcessPool:
     def _received(self, child: Child) -> tuple[Any, ...] | None:
         """The next message from a child whose pipe or sentinel is ready; ``None`` if it died
         with nothing more to say. A message longer than ``bounds.message`` is not read
-        (``ReplyRefused``; the run kills the child)."""
+        (``ReplyRefused``; the run kills the child); one that cannot be unpickled here, whatever
+        it raises (a ``SystemExit``, a ``CancelledError``), is the run's ``HandlerError``."""
         if not child.conn.poll():
             return None
         try:
@@ -529,7 +530,10 @@ class ProcessPool:
                 f"the handler's process sent a message of more than {self.bounds.message} "
                 "bytes; it was killed"
             ) from None
-        return cast(tuple[Any, ...], ForkingPickler.loads(frame))
+        try:
+            return cast(tuple[Any, ...], ForkingPickler.loads(frame))
+        except BaseException as exc:  # noqa: BLE001 - raised by what the child sent, not here
+            raise HandlerError(short_traceback(exc)) from None
 
     def _settle(self, child: Child, reply: tuple[Any, ...] | None) -> Any:
         if reply is None or reply[0] == "lease":

@@ -1,7 +1,8 @@
 """What a process-isolated run's child sends back to the worker, with real child processes:
 a result too large to store is refused in the child, before the worker reads it (the worker
 runs the other runs: its memory is theirs), with the outcome a thread gives; no message longer
-than the pool's bound is read."""
+than the pool's bound is read; a reply that cannot be unpickled in the worker, whatever it
+raises there, is its run's failure."""
 
 from __future__ import annotations
 
@@ -40,6 +41,28 @@ async def test_a_result_too_large_to_store_never_reaches_the_worker(
     assert thread.error == "the result is 300029 bytes as BSON; the limit is 1000"
     assert (child.status, child.attempts, child.error) == ("failed", 1, thread.error)
     assert not (tmp_path / "big_result").exists()  # the worker never unpickled it
+
+
+async def test_a_reply_whose_unpickling_raises_is_its_runs_failure(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """A ``CancelledError`` raised by unpickling a result in the worker ended the run's task as
+    if the run had been stopped, with no outcome: the task stayed RUNNING (its lease no longer
+    pinged) until another worker took it over."""
+    async with running_worker(poolhandlers.registry, mongo_uri, db_name) as (worker, events):
+        for name in ("exits_when_loaded", "cancels_when_loaded"):
+            client.publish(name, name, options=NO_RETRY)
+            await events.wait("recorded", key=name)
+        client.publish("double", "after", {"n": 4})
+        await events.wait("recorded", key="after")
+        assert worker.state == "running"
+    exits, cancels = client.get("exits_when_loaded"), client.get("cancels_when_loaded")
+    assert exits is not None and exits.status == "failed"
+    assert exits.error is not None and exits.error.endswith("SystemExit: unpickled\n")
+    assert cancels is not None and cancels.status == "failed"
+    assert cancels.error is not None and "CancelledError" in cancels.error
+    after = client.get("after")
+    assert after is not None and after.result["value"] == 8
 
 
 @pytest.fixture
