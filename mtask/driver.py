@@ -129,6 +129,11 @@ def for_transaction(exc: PyMongoError, session: Any) -> bool:
     return in_transaction and any(exc.has_error_label(label) for label in TRANSACTION_LABELS)
 
 
+TOO_LARGE_CODES = frozenset({10334, 17419})
+"""The server's codes for a document past 16 MiB: ``BSONObjectTooLarge``, and "Resulting
+document after update is larger than 16777216"."""
+
+
 def storage_error(exc: PyMongoError) -> StorageError:
     """A short, plain message for a driver error (no topology dumps)."""
     transient = is_transient(exc)
@@ -139,10 +144,15 @@ def storage_error(exc: PyMongoError) -> StorageError:
         reason = f"{details.get('errmsg', exc)} ({details.get('codeName', exc.code)})"
         text = f"MongoDB refused the credentials or the operation: {reason}"
     else:
-        text = f"MongoDB: {type(exc).__name__}: {str(exc)[:500]}"
+        # the server's message, without pymongo's dump of its whole reply
+        text = f"MongoDB: {type(exc).__name__}: {str(exc).split(', full error: ')[0][:500]}"
     # A write error names one document; one that is transient (the server shutting down or
-    # stepping down mid-write) says nothing about the document.
-    document = isinstance(exc, WriteError) and not transient
+    # stepping down mid-write) says nothing about the document. A command's own failure names
+    # it too when the document would outgrow 16 MiB (a findAndModify's, e.g. a claim's).
+    document = not transient and (
+        isinstance(exc, WriteError)
+        or (isinstance(exc, OperationFailure) and exc.code in TOO_LARGE_CODES)
+    )
     # it ran out of its time limit (Call.timeout: pymongo.timeout), on the server (maxTimeMS)
     # or waiting for the reply: e.g. a write waiting for a transaction; not finding a server
     timed_out = exc.timeout and not isinstance(exc, ServerSelectionTimeoutError)

@@ -19,7 +19,7 @@ from mtask.statemachine import (
 )
 from mtask.steps import Wait
 from mtask.store.claims import run_filter
-from mtask.store.schema import LAST_WRITE, literal, success_tag
+from mtask.store.schema import LAST_WRITE, literal, marked_invalid, success_tag
 
 
 @dataclass(frozen=True)
@@ -176,17 +176,7 @@ def mark_invalid(outcome: Outcome, now: dt.datetime, reason: str) -> Op[int]:
         "update_many",
         (
             run_filter(outcome.key, outcome.run_id),
-            [
-                {
-                    "$set": {
-                        "invalid_reason": literal(reason),
-                        "invalid_status": "$status",
-                        "status": TaskStatus.INVALID.value,
-                        "updated_at": now,
-                        "next_claim_at": None,
-                    }
-                }
-            ],
+            [marked_invalid(literal(reason), now)],
         ),
     )
     return int(result.modified_count)

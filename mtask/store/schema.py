@@ -292,6 +292,21 @@ def _wanted(spec: Doc) -> str:
     return f"{'an' if types[0] in 'aeiou' else 'a'} {types}"
 
 
+def marked_invalid(reason: Any, now: dt.datetime) -> Doc:
+    """The ``$set`` stage that marks an open task ``invalid``: ``reason`` (a value or an
+    expression), the status it had, and out of the claim index (``next_claim_at`` kept, as
+    ``None``: the validator asks for it)."""
+    return {
+        "$set": {
+            "invalid_reason": reason,
+            "invalid_status": "$status",
+            "status": TaskStatus.INVALID.value,
+            "updated_at": now,
+            "next_claim_at": None,
+        }
+    }
+
+
 def invalid_reason_expr() -> Doc:
     """Names the first field that makes a document malformed, and what it holds instead."""
     checks: list[tuple[Doc, str, str]] = [

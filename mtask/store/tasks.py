@@ -30,6 +30,7 @@ from mtask.store.schema import (
     invalid_reason_expr,
     keys_in,
     literal,
+    marked_invalid,
     new_document,
     well_formed_expr,
 )
@@ -218,19 +219,7 @@ def quarantine(keys: Sequence[Any], now: dt.datetime, reason: str | None = None)
         "update_many",
         (
             filt,
-            [
-                {
-                    "$set": {
-                        "invalid_reason": invalid_reason_expr()
-                        if reason is None
-                        else literal(reason),
-                        "invalid_status": "$status",
-                        "status": TaskStatus.INVALID.value,
-                        "updated_at": now,
-                        "next_claim_at": None,  # out of the claim index; kept (the validator)
-                    }
-                },
-            ],
+            [marked_invalid(invalid_reason_expr() if reason is None else literal(reason), now)],
         ),
     )
     count: int = result.modified_count

@@ -641,6 +641,36 @@ async def test_a_document_that_refuses_even_the_fail_is_marked_invalid(
     assert doc["next_claim_at"] is None and doc["attempts"] == 1
 
 
+async def test_a_document_with_no_room_for_a_run_is_marked_invalid(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """A pending document a service padded to within a few bytes of 16 MiB: a claim's run does
+    not fit, and the server refuses the claim for the document itself (a ``findAndModify``
+    fails with code 17419, not a write error). The claim was retried each second for ever;
+    the task is now marked invalid, naming why, and the worker goes on. (With no room even for
+    that mark, the worker ignores the task from then on, logged once.)"""
+    client.publish("add", "full", {"a": 1, "b": 1})
+    tasks = client.collection
+    tasks.update_one({"_id": "full"}, {"$set": {"padding": "", "more_padding": ""}})
+    [size] = tasks.aggregate(
+        [{"$match": {"_id": "full"}}, {"$project": {"s": {"$bsonSize": "$$ROOT"}}}]
+    )
+    # 180 bytes short: a claim's run takes about 190-250 (with the worker's id twice), the
+    # marking about 150 (its reason without pymongo's dump of the server's reply)
+    pad = 16 * 1024 * 1024 - 180 - size["s"]
+    for half, length in (("padding", pad // 2), ("more_padding", pad - pad // 2)):
+        tasks.update_one({"_id": "full"}, {"$set": {half: "p" * length}})
+    invalid = {"_id": "full", "status": "invalid"}
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await wait_for(lambda: tasks.find_one({"_id": "full"}, {"status": 1}) == invalid)
+        client.publish("add", "after", {"a": 1, "b": 1})
+        await events.wait("recorded", key="after")
+    doc = tasks.find_one({"_id": "full"}, {"padding": 0, "more_padding": 0})
+    assert doc is not None and doc["invalid_status"] == "pending" and doc["attempts"] == 0
+    assert doc["invalid_reason"].startswith("a claim cannot update the document: ")
+    assert "16777216" in doc["invalid_reason"]
+
+
 async def test_pause_reaches_workers_without_waiting_for_a_heartbeat(
     mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
