@@ -148,6 +148,8 @@ async def run_in_thread(fn: Callable[..., Any], *args: Any, name: str) -> Any:
         work.clear()
         try:
             result, error = call(*arguments), None
+        except asyncio.CancelledError as exc:  # the handler's own: the awaiting task would
+            result, error = None, HandlerError(short_traceback(exc))  # take it for its stop
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
             result, error = None, exc
         del call, arguments

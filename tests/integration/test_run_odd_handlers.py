@@ -50,6 +50,11 @@ def interrupt_thread(params: dict[str, Any]) -> None:
     raise KeyboardInterrupt  # on a handler's thread: its own, never a Ctrl-C
 
 
+@registry.task("cancelled_thread")
+def cancelled_thread(params: dict[str, Any]) -> None:
+    raise asyncio.CancelledError  # on a handler's thread: its own, never the run's stop
+
+
 @registry.task("abort")
 async def abort(params: dict[str, Any]) -> None:
     raise Abort("given up")
@@ -89,6 +94,7 @@ async def add(params: dict[str, int]) -> int:
         ("exit_limited_thread", "SystemExit: 3"),
         ("exit_transactional", "SystemExit: 3"),
         ("interrupt_thread", "KeyboardInterrupt"),
+        ("cancelled_thread", "CancelledError"),
         ("abort", "Abort: given up"),
     ],
 )
@@ -98,7 +104,8 @@ async def test_an_exception_that_is_not_an_exception_fails_its_run_alone(
     """``SystemExit`` (``sys.exit()``, argparse's error) raised by a handler went up through
     its run's task to the event loop (asyncio hands it on) and ended the worker, stranding
     every run in flight; any other ``BaseException`` ended the run's task with no outcome, its
-    task RUNNING until its lease ran out. Either is now the run's FAIL, with its traceback."""
+    task RUNNING until its lease ran out (a ``CancelledError`` from a thread's handler was taken
+    for the run's stop). Each is now the run's FAIL, with its traceback."""
     client.publish(name, "odd", options={"max_retries": 0})
     async with running_worker(registry, mongo_uri, db_name, concurrency=2) as (worker, events):
         await events.wait("recorded", key="odd")
