@@ -96,6 +96,12 @@ class Status:
     data_dir: Path
 
 
+CACHE_SIZE_GB = 1.0
+"""WiredTiger's cache (a bound, not an allocation). At 0.25 GB an update that brought a task
+document near 16 MiB waited 20–75 s on the cache (268 yields, 4 GB read for one write); at
+1 GB it took 0.03–0.06 s (docs/reliability.md, finding 15)."""
+
+
 class EmbeddedMongo:
     """One mongod per data directory, shared by every process that asks for it."""
 
@@ -104,7 +110,7 @@ class EmbeddedMongo:
         data_dir: str | os.PathLike[str] | None = None,
         *,
         port: int | None = None,
-        cache_size_gb: float = 0.25,
+        cache_size_gb: float = CACHE_SIZE_GB,
         extra_args: tuple[str, ...] = (),
     ) -> None:
         self.data_dir = Path(data_dir or os.environ.get("MTASK_DATA_DIR") or DEFAULT_DATA_DIR)
