@@ -15,7 +15,7 @@ import importlib
 import logging
 import signal
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from importlib import metadata
 from types import FrameType
 from typing import Any
@@ -247,6 +247,32 @@ async def _serve(worker: Worker) -> None:
         await worker.run()
 
 
+LEFT_BEHIND_WAIT = 1.0
+"""How long the process, its worker stopped, waits for what is left on its event loop."""
+
+
+def _run(
+    main: Coroutine[Any, Any, None], new_loop: Callable[[], asyncio.AbstractEventLoop] | None
+) -> None:
+    """``asyncio.Runner.run``, whose close does not wait for ever: the worker has stopped
+    without a run whose handler would not end (it swallows ``CancelledError``), and the
+    Runner's close would wait for that task until it does."""
+    loop = (new_loop or asyncio.new_event_loop)()
+    try:
+        loop.run_until_complete(main)
+    finally:
+        try:
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            if left:
+                loop.run_until_complete(asyncio.wait(left, timeout=LEFT_BEHIND_WAIT))
+            if all(task.done() for task in left):  # else their generators are still running
+                loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+
 def _log_handler() -> logging.Handler:
     """rich's handler on a terminal when the ``cli`` extra is there; one plain line per event
     otherwise (a file, a collector, a container's log)."""
@@ -299,8 +325,7 @@ def run_worker(args: argparse.Namespace) -> int:
         # process: the collector need not go through it again at every full collection
         gc.freeze()
         logging.getLogger("mtask.worker").info("event loop: %s", loop_name)
-        with asyncio.Runner(loop_factory=new_loop) as runner:
-            runner.run(_serve(worker))
+        _run(_serve(worker), new_loop)
     except WorkerCrashed as exc:
         err.print(f"mtask-worker: {exc}", markup=False)
         return 1

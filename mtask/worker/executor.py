@@ -27,6 +27,7 @@ from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.deadlines import Deadlines
 from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import ActiveRun, InFlight
+from mtask.worker.invoke import ASYNC_CANCEL_GRACE
 from mtask.worker.lease import LeasePinger
 from mtask.worker.recorder import OutcomeRecorder
 from mtask.worker.run_outcomes import RunOutcomes
@@ -278,7 +279,8 @@ class Executor:
 
     async def drain(self, grace: float, stop_now: asyncio.Event) -> None:
         """Wait up to ``grace`` seconds (or until ``stop_now``) for the runs in flight, then
-        stop the rest for "shutdown" (they record RELEASED) and wait until they have ended."""
+        stop the rest for "shutdown" (they record RELEASED) and wait until they have ended, at
+        most ``ASYNC_CANCEL_GRACE`` seconds: a run still going then is abandoned."""
         for run in self.inflight.active():
             if run.waiting:  # claimed ahead and not started: give it back now (RELEASED)
                 self.stop(run, "shutdown")
@@ -306,5 +308,24 @@ class Executor:
             self.stop(run, "shutdown")
         stopping = [r.task for r in self.inflight.runs.values() if r.task is not None]
         if stopping:
-            await asyncio.gather(*stopping, return_exceptions=True)
-        self.deadlines.close()  # every run has ended: no timer is left behind
+            _, stuck = await asyncio.wait(stopping, timeout=ASYNC_CANCEL_GRACE)
+            for run in [r for r in self.inflight.runs.values() if r.task in stuck]:
+                self.abandon(run)
+        self.deadlines.close()  # every run has ended or is abandoned: no timer is left behind
+
+    def abandon(self, run: ActiveRun) -> None:
+        """A run whose handler did not end when cancelled at shutdown (an ``async def`` that
+        swallows ``CancelledError``): the worker stops without it. Nothing is recorded for it,
+        ever: it is no longer pinged, so its lease runs out and another worker takes its task
+        then; a RELEASED now would let another worker start it while it still runs here."""
+        run.stop_reason = "lost"  # should it end after all, it records nothing
+        run.ctx.lease_lost = True
+        self.pinger.remove(run.run_id)
+        log.warning(
+            "stopping: %s run %s did not end within %gs of its cancel (does its handler "
+            "swallow CancelledError?); left behind: its lease runs out",
+            run.key,
+            run.run_id[:8],
+            ASYNC_CANCEL_GRACE,
+            extra={"key": run.key, "run_id": run.run_id},
+        )

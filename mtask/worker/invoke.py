@@ -30,7 +30,8 @@ from mtask.worker.pool_child import RunInfo, short_traceback
 from mtask.worker.pool_steps import ParentSteps
 
 ASYNC_CANCEL_GRACE = 5.0
-"""How long a cancelled async handler may take to unwind before its run is recorded anyway."""
+"""How long a cancelled async handler may take to unwind: past its time limit, before its run
+is recorded anyway; at shutdown, before the worker stops without it (``Executor.drain``)."""
 
 
 async def invoke(

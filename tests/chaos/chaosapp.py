@@ -9,6 +9,7 @@ invariants can be checked across processes from one clock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from typing import Any
@@ -88,6 +89,15 @@ async def hang(params: dict[str, Any], ctx: TaskContext) -> None:
     except asyncio.CancelledError:
         await stopped(ctx, start)
         raise
+
+
+@registry.task("stubborn")
+async def stubborn(params: dict[str, Any], ctx: TaskContext) -> None:
+    """Never returns, and swallows every cancel."""
+    await log(ctx, "start")
+    while True:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(1)
 
 
 @registry.task("hang_thread")

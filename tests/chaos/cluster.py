@@ -16,11 +16,13 @@ from typing import Any
 from pymongo import MongoClient
 from pymongo.errors import PyMongoError
 
+import mtask
 from mtask import TaskClient
 from mtask.embedded import find_mongod, free_port
 from mtask.testing import worker_argv
 
 HERE = Path(__file__).parent
+MTASK_ROOT = Path(mtask.__file__).parent.parent
 
 
 @dataclass
@@ -68,7 +70,9 @@ class Cluster:
             start_new_session=True,
             env={
                 **os.environ,
-                "PYTHONPATH": str(HERE),
+                # the mtask under test, also when another is installed (an editable install
+                # of another tree)
+                "PYTHONPATH": os.pathsep.join([str(HERE), str(MTASK_ROOT)]),
                 "CHAOS_URI": self.uri,
                 "CHAOS_DB": self.database,
                 **(env or {}),

@@ -117,21 +117,12 @@ def test_the_worker_command_freezes_what_lives_before_its_loop(
     frozen: list[int] = []
     factories: list[Any] = []
 
-    class Runner:  # asyncio.Runner's part the command uses: the loop is never made
-        def __init__(self, loop_factory: Any = None) -> None:
-            factories.append(loop_factory)
+    def run(coro: Any, loop_factory: Any) -> None:  # the loop is never made
+        factories.append(loop_factory)
+        frozen.append(gc.get_freeze_count())
+        coro.close()
 
-        def __enter__(self) -> Runner:
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            return None
-
-        def run(self, coro: Any) -> None:
-            frozen.append(gc.get_freeze_count())
-            coro.close()
-
-    monkeypatch.setattr("mtask.cli.worker.asyncio.Runner", Runner)
+    monkeypatch.setattr("mtask.cli.worker._run", run)
     gc.unfreeze()
     try:
         uri = "mongodb://127.0.0.1:9/?directConnection=true"

@@ -1,0 +1,59 @@
+"""A worker told to stop (SIGTERM) exits within its bounds: a handler that will not end does
+not hold it."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from typing import Any
+
+import pytest
+from cluster import Cluster
+from harness import wait_for
+from pymongo import MongoClient
+
+from mtask import TaskClient
+from mtask.worker.invoke import ASYNC_CANCEL_GRACE
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
+
+SLACK = 30.0
+"""What a bound below allows beyond the worker's own settings (start-up, a loaded host)."""
+
+
+async def exits_within(cluster: Cluster, proc: subprocess.Popen[bytes], seconds: float) -> int:
+    try:
+        return await asyncio.to_thread(proc.wait, seconds)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(
+            f"the worker still runs {seconds:g}s after its stop; its log:\n{cluster.log_of('w')}"
+        ) from None
+
+
+async def started(log: Any, worker_id: str) -> None:
+    await wait_for(lambda: log.count_documents({"worker_id": worker_id, "event": "start"}), 60)
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+async def test_a_handler_that_swallows_its_cancel_does_not_hold_the_stop(
+    cluster: Cluster, client: TaskClient, mongo: MongoClient[dict[str, Any]], db_name: str,
+    signals: int,
+) -> None:  # fmt: skip
+    """Its run is left behind (nothing recorded: its lease runs out); the process exits, after
+    the drain (one signal) or at once (two: the grace is far longer than the bound)."""
+    grace = 2.0 if signals == 1 else 600.0
+    client.publish("stubborn", "s", {}, options={"max_retries": 0})
+    proc = cluster.spawn("w", "--grace", str(grace))
+    await started(mongo[db_name]["execlog"], "w")
+    cluster.signal("w", signal.SIGTERM)
+    if signals == 2:  # once the first is handled (two at once may arrive as one)
+        await wait_for(lambda: "stopping immediate=False" in cluster.log_of("w"), SLACK)
+        cluster.signal("w", signal.SIGTERM)
+    bound = (grace if signals == 1 else 0) + ASYNC_CANCEL_GRACE + SLACK
+    assert await exits_within(cluster, proc, bound) == 0
+    said = cluster.log_of("w")
+    task = client.get("s")
+    assert task is not None
+    assert "did not end within" in said and task.runs[-1].run_id[:8] in said, said
+    assert task.status == "running" and task.runs[-1].state == "RUNNING"  # nothing recorded
