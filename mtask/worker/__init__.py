@@ -28,8 +28,9 @@ spending a retry.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import time
+from collections.abc import Awaitable
 from typing import Any
 
 from pymongo.errors import PyMongoError
@@ -41,6 +42,7 @@ from mtask.registry import Registry
 from mtask.worker import assembly
 from mtask.worker.config import WorkerConfig, default_worker_id
 from mtask.worker.events import Event
+from mtask.worker.invoke import run_in_thread
 from mtask.worker.presence import WorkerState
 from mtask.worker.stats import WorkerStats
 
@@ -49,7 +51,13 @@ __all__ = ["Worker", "WorkerConfig", "WorkerCrashed", "WorkerState", "WorkerStat
 log = logging.getLogger(__name__)
 
 DRAIN_WRITE_TIMEOUT = 30.0
-"""How long a stopping worker waits for its last outcomes to be written."""
+"""How long, after its drain, a stopping worker waits in all on MongoDB and on its parts: its
+last outcomes written, its side services ended, its slots given back, its document removed,
+its clients closed. A wait still going then is given up (MongoDB out of reach: the outcomes
+not written run out with their leases)."""
+IMMEDIATE_STOP_TIMEOUT = 5.0
+"""The same once the stop is immediate (a second signal): those waits end at most this long
+after it, or after the drain if that ends later."""
 
 
 class Worker:
@@ -71,6 +79,9 @@ class Worker:
         # A ServerClock (ours or an injected one) is calibrated here; other clocks are trusted.
         self._server_clock = self.clock if isinstance(self.clock, ServerClock) else None
         self._stop_now = asyncio.Event()
+        self._stop_by: float | None = None
+        """When (``time.monotonic``) the waits of stopping after the drain end, once it ended."""
+        self._stop_now_at: float | None = None
         self._side: list[asyncio.Task[None]] = []
         self._crash: BaseException | None = None
         self._registered = False
@@ -97,7 +108,8 @@ class Worker:
         if self.state in ("ready", "running"):
             self.state = "stopping"
             self.parts.emit(Event.STOPPING, immediate=immediate)
-        if immediate:
+        if immediate and not self._stop_now.is_set():
+            self._stop_now_at = time.monotonic()
             self._stop_now.set()
         self.parts.wake.set()
 
@@ -184,25 +196,67 @@ class Worker:
         """Step one of stopping: let the runs in flight finish within ``grace`` (or until an
         immediate stop); step two: cancel and release the rest; then let their outcomes land."""
         await self.parts.executor.drain(self.grace, self._stop_now)
+        self._stop_by = time.monotonic() + DRAIN_WRITE_TIMEOUT
         if self._crash is None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.parts.recorder.all_written.wait(), DRAIN_WRITE_TIMEOUT)
+            await self._bounded(self.parts.recorder.all_written.wait(), "the last outcomes")
+
+    async def _bounded(self, call: Awaitable[Any], what: str) -> None:
+        """Await ``call``, a step of stopping, until the waits of stopping end (``_stop_by``,
+        sooner once the stop is immediate); then cancel it, log it and go on."""
+        if self._stop_by is None:  # stopped before the drain (startup failed): from now
+            self._stop_by = time.monotonic() + DRAIN_WRITE_TIMEOUT
+        task = asyncio.ensure_future(call)
+        now_waiter = asyncio.ensure_future(self._stop_now.wait())
+        try:
+            while not task.done():
+                end = self._stop_by
+                if self._stop_now_at is not None:
+                    after = max(self._stop_now_at, self._stop_by - DRAIN_WRITE_TIMEOUT)
+                    end = min(end, after + IMMEDIATE_STOP_TIMEOUT)
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    break
+                waiting = [task] if now_waiter.done() else [task, now_waiter]
+                await asyncio.wait(waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            now_waiter.cancel()
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # none to see it
+            log.warning(
+                "stopping: gave up waiting for %s (MongoDB out of reach?)",
+                what,
+                extra={"worker_id": self.worker_id},
+            )
+        elif not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("stopping: %s failed: %s", what, exc, extra={"worker_id": self.worker_id})
 
     async def _shutdown(self) -> None:
         for task in self._side:
             task.cancel()
-        await asyncio.gather(*self._side, return_exceptions=True)
-        with contextlib.suppress(TimeoutError):  # slots kept for a handover no run will take
-            await asyncio.wait_for(self.parts.gate.flush(keep=False), timeout=5)
-        await asyncio.to_thread(self.parts.pinger.stop)
+        if self._side:
+            ended = asyncio.gather(*self._side, return_exceptions=True)
+            await self._bounded(ended, "the side services to end")
+        # slots kept for a handover no run will take
+        await self._bounded(self.parts.gate.flush(keep=False), "the limit slots to be given back")
+        # a ping on its way to a MongoDB out of reach holds the pinger's thread until its
+        # socket times out: its stop waits on a thread of its own, left to end on its own
+        stopping = run_in_thread(self.parts.pinger.stop, name="mtask-stop-pinger")
+        await self._bounded(stopping, "the lease pinger to stop")
         if self.parts.process_pool is not None:
             await self.parts.process_pool.close()
         if self._registered:
-            with contextlib.suppress(StorageError, TimeoutError):
-                await asyncio.wait_for(
-                    self.parts.driver.run(control.deregister(self.worker_id)), timeout=5
-                )
-        await self.parts.aclient.close()
-        self.parts.sclient.close()
+            deregister = self.parts.driver.run(control.deregister(self.worker_id))
+            await self._bounded(deregister, "the worker's document to be removed")
+        # a client's close may wait on MongoDB (its cursors killed, its sessions ended); the
+        # sync one's blocks its caller: on a thread of its own, left to run on if it must
+        closing = asyncio.gather(
+            self.parts.aclient.close(),
+            run_in_thread(self.parts.sclient.close, name="mtask-close"),
+        )
+        await self._bounded(closing, "the MongoDB clients to close")
         self.state = "stopped"
         self.parts.emit(Event.STOPPED, stats=self.stats)
