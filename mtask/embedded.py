@@ -98,8 +98,8 @@ class Status:
 
 CACHE_SIZE_GB = 1.0
 """WiredTiger's cache (a bound, not an allocation). At 0.25 GB an update that brought a task
-document near 16 MiB waited 20–75 s on the cache (268 yields, 4 GB read for one write); at
-1 GB it took 0.03–0.06 s (docs/reliability.md, finding 15)."""
+document near 16 MiB waited 20 to 75 s on the cache (268 yields, 4 GB read for one write); at
+1 GB it took 0.03 to 0.06 s (docs/reliability.md, finding 15)."""
 
 
 class EmbeddedMongo:
