@@ -147,6 +147,7 @@ async def run_in_thread(fn: Callable[..., Any], *args: Any, name: str) -> Any:
     def target() -> None:
         call, arguments = work
         work.clear()
+        error: BaseException | None
         try:
             result, error = call(*arguments), None
         except asyncio.CancelledError as exc:  # the handler's own: the awaiting task would
