@@ -622,13 +622,14 @@ async def test_a_document_that_refuses_even_the_fail_is_marked_invalid(
     tasks = client.collection
     async with running_worker(tight, mongo_uri, db_name) as (_, events):
         await events.wait("claimed", key="full")
-        # pad the claimed document to 300 bytes short of 16 MiB: less than
-        # the FAIL's two copies of its error (about 200 bytes each), more than one copy
+        # pad the claimed document to 180 bytes short of 16 MiB: less than the FAIL takes
+        # (two copies of its error, about 110 bytes each, and its dates: about 250), more
+        # than the mark invalid (one copy, and the status it had: about 150)
         tasks.update_one({"_id": "full"}, {"$set": {"padding": "", "more_padding": ""}})
         [size] = tasks.aggregate(
             [{"$match": {"_id": "full"}}, {"$project": {"s": {"$bsonSize": "$$ROOT"}}}]
         )
-        pad = 16 * 1024 * 1024 - 300 - size["s"]
+        pad = 16 * 1024 * 1024 - 180 - size["s"]
         for half, length in (("padding", pad // 2), ("more_padding", pad - pad // 2)):
             tasks.update_one({"_id": "full"}, {"$set": {half: "p" * length}})
         go.set()
