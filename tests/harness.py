@@ -111,6 +111,18 @@ def worker_process(uri: str, db: str, *extra: str) -> Iterator[subprocess.Popen[
             proc.wait()
 
 
+def pad_to_the_limit(collection: Any, key: str, short: int) -> None:
+    """Pad task ``key``'s document (unknown fields are kept) to ``short`` bytes short of
+    16 MiB, in two writes of half each (one write near 16 MiB strains a small cache)."""
+    collection.update_one({"_id": key}, {"$set": {"padding": "", "more_padding": ""}})
+    [size] = collection.aggregate(
+        [{"$match": {"_id": key}}, {"$project": {"s": {"$bsonSize": "$$ROOT"}}}]
+    )
+    pad = 16 * 1024 * 1024 - short - size["s"]
+    for half, length in (("padding", pad // 2), ("more_padding", pad - pad // 2)):
+        collection.update_one({"_id": key}, {"$set": {half: "p" * length}})
+
+
 def hand_written(now: dt.datetime, **fields: Any) -> dict[str, Any]:
     """A well-formed pending ``add`` task document as a service writes it by hand (no ``_id``
     unless given in ``fields``, which override what they name)."""

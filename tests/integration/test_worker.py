@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import pytest
-from harness import hand_written, running_worker, wait_for
+from harness import hand_written, pad_to_the_limit, running_worker, wait_for
 from workerapp import registry
 
 from mtask import TaskClient, store
@@ -622,16 +622,10 @@ async def test_a_document_that_refuses_even_the_fail_is_marked_invalid(
     tasks = client.collection
     async with running_worker(tight, mongo_uri, db_name) as (_, events):
         await events.wait("claimed", key="full")
-        # pad the claimed document to 180 bytes short of 16 MiB: less than the FAIL takes
-        # (two copies of its error, about 110 bytes each, and its dates: about 250), more
-        # than the mark invalid (one copy, and the status it had: about 150)
-        tasks.update_one({"_id": "full"}, {"$set": {"padding": "", "more_padding": ""}})
-        [size] = tasks.aggregate(
-            [{"$match": {"_id": "full"}}, {"$project": {"s": {"$bsonSize": "$$ROOT"}}}]
-        )
-        pad = 16 * 1024 * 1024 - 180 - size["s"]
-        for half, length in (("padding", pad // 2), ("more_padding", pad - pad // 2)):
-            tasks.update_one({"_id": "full"}, {"$set": {half: "p" * length}})
+        # 180 bytes short of 16 MiB: less than the FAIL takes (two copies of its error,
+        # about 110 bytes each, and its dates: about 250), more than the mark invalid (one
+        # copy, and the status it had: about 150)
+        pad_to_the_limit(tasks, "full", 180)
         go.set()
         dropped = await events.wait("not_recorded", key="full")
     assert dropped["state"] == "SUCCESS"
@@ -652,15 +646,9 @@ async def test_a_document_with_no_room_for_a_run_is_marked_invalid(
     that mark, the worker ignores the task from then on, logged once.)"""
     client.publish("add", "full", {"a": 1, "b": 1})
     tasks = client.collection
-    tasks.update_one({"_id": "full"}, {"$set": {"padding": "", "more_padding": ""}})
-    [size] = tasks.aggregate(
-        [{"$match": {"_id": "full"}}, {"$project": {"s": {"$bsonSize": "$$ROOT"}}}]
-    )
     # 180 bytes short: a claim's run takes about 190-250 (with the worker's id twice), the
     # marking about 150 (its reason without pymongo's dump of the server's reply)
-    pad = 16 * 1024 * 1024 - 180 - size["s"]
-    for half, length in (("padding", pad // 2), ("more_padding", pad - pad // 2)):
-        tasks.update_one({"_id": "full"}, {"$set": {half: "p" * length}})
+    pad_to_the_limit(tasks, "full", 180)
     invalid = {"_id": "full", "status": "invalid"}
     async with running_worker(registry, mongo_uri, db_name) as (_, events):
         await wait_for(lambda: tasks.find_one({"_id": "full"}, {"status": 1}) == invalid)
