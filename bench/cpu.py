@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 from bench.support import QUICK, ROOT, Result, stop_process, wait_until
 from mtask.client import TaskClient
 from mtask.registry import Registry
-from mtask.worker.invoke import run_in_thread
-from mtask.worker.pool import ProcessPool
-from mtask.worker.pool_child import RunInfo
+from mtask.worker.running.invoke import run_in_thread
+from mtask.worker.running.pool.child import RunInfo
+from mtask.worker.running.pool.pool import ProcessPool
 
 if TYPE_CHECKING:
     from bench.workloads import Bench

@@ -50,7 +50,7 @@ def _lease_timer() -> None:
     """The local deadline of each run: the look at its lease's end that keeps the one timer
     (``Deadlines``) set for the earliest, which stops a run whose lease ran out by the
     process's own clock."""
-    from mtask.worker.deadlines import Deadlines
+    from mtask.worker.running.deadlines import Deadlines
 
     Deadlines.watch = lambda self, run: None  # type: ignore[method-assign]
 

@@ -2,7 +2,7 @@
 
 ``ctx.progress(0.42, "step 3 of 7")``, ``ctx.log.info("resized", width=640)`` and
 ``ctx.emit(chunk)`` put what the handler says into the run's ``RunOutput``: a buffer, safe to
-call from any thread, that does no I/O. The worker's writer (``mtask.worker.output_writer``)
+call from any thread, that does no I/O. The worker's writer (``mtask.worker.running.output_writer``)
 takes what it holds a few times a second and writes it under the run's fence; readers follow it
 with ``mtask.streams``. docs/output.md has the whole story.
 

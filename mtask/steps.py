@@ -7,8 +7,9 @@ replay rules, and what to record next. Its logic is written once, as generators 
 they need done (``_Io``: a write or read through the ``StepStore``; ``_Call``: the user's step
 function), and run by ``step``/``sleep``/``wait_for`` (``async def`` handlers, on the worker's
 loop) or ``step_sync``/``sleep_sync``/``wait_for_sync`` (plain ``def`` handlers, on a thread or
-in a child process). No I/O here: the ``StepStore`` is the worker's (``worker/steps.py``), a
-child process's pipe to it (``worker/pool_child.py``), or memory (``MemorySteps``, for tests).
+in a child process). No I/O here: the ``StepStore`` is the worker's
+(``worker/running/step_stores.py``), a child process's pipe to it
+(``worker/running/pool/child_steps.py``), or memory (``MemorySteps``, for tests).
 
 Replay rules: step names are unique in a task; a run asks for its steps in the recorded order
 (the n-th step asked is the n-th recorded, same name and kind), else ``StepMismatch`` and the
@@ -109,7 +110,8 @@ class Suspended(BaseException):
 
 
 class StepStore(Protocol):
-    """Where a run's steps are written and read, fenced by the run (``worker/steps.py``)."""
+    """Where a run's steps are written and read, fenced by the run
+    (``worker/running/step_stores.py``)."""
 
     def now(self) -> dt.datetime:
         """The server's time, as this process estimates it."""

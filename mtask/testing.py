@@ -45,15 +45,15 @@ from mtask.store import Outcome
 from mtask.worker.config import DEFAULT_MAX_RESULT_BYTES
 from mtask.worker.events import Emitter
 from mtask.worker.inflight import ActiveRun
-from mtask.worker.run_outcomes import (
+from mtask.worker.running.outcomes import (
     NoJournals,
     NoLeases,
     NoOutputs,
     NoTransactions,
     RunOutcomes,
 )
+from mtask.worker.running.transactional import RunFence, TransactionEnded
 from mtask.worker.stats import WorkerStats
-from mtask.worker.transactional import RunFence, TransactionEnded
 
 __all__ = ["MemorySteps", "Outcome", "arun_handler", "run_handler", "worker_argv"]
 

@@ -183,7 +183,7 @@ def lease_watch_with_a_full_pipe(conn: Any) -> None:
     (a frozen worker that stopped reading): its own group first, for the watch kills it."""
     from types import SimpleNamespace
 
-    from mtask.worker.pool_child import _Run, _watch_lease
+    from mtask.worker.running.pool.child import _Run, _watch_lease
 
     os.setpgid(0, 0)
     os.set_blocking(conn.fileno(), False)

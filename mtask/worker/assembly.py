@@ -24,30 +24,31 @@ from mtask.client import AsyncTaskClient
 from mtask.clock import Clock, ServerClock
 from mtask.connection import WORKER_CLIENT_OPTIONS, async_client, sync_client
 from mtask.registry import Registry
-from mtask.worker import claim_ahead, finding
-from mtask.worker.claim_calls import ClaimCalls
-from mtask.worker.claim_queue import ClaimQueue
-from mtask.worker.claimer import Claimer
+from mtask.worker import finding
+from mtask.worker.claiming import ahead as claim_ahead
+from mtask.worker.claiming.calls import ClaimCalls
+from mtask.worker.claiming.claimer import Claimer
+from mtask.worker.claiming.gate import REFRESH_SECONDS, LimitGate
+from mtask.worker.claiming.limited_claims import LimitedClaims
+from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.config import WorkerConfig
 from mtask.worker.events import Emitter
-from mtask.worker.executor import Executor
 from mtask.worker.flow_sweep import FlowSweep
 from mtask.worker.inflight import InFlight
-from mtask.worker.lease import LeasePinger, LoopTicker
-from mtask.worker.limit_gate import REFRESH_SECONDS, LimitGate
-from mtask.worker.limited_claims import LimitedClaims
-from mtask.worker.output_writer import OutputWriter
-from mtask.worker.pool import ProcessPool
-from mtask.worker.pool_child import Bounds
 from mtask.worker.presence import Assignment, Lifecycle, Presence
-from mtask.worker.recorder import OutcomeRecorder
-from mtask.worker.run_outcomes import RunOutcomes
+from mtask.worker.running.executor import Executor
+from mtask.worker.running.lease import LeasePinger, LoopTicker
+from mtask.worker.running.outcomes import RunOutcomes
+from mtask.worker.running.output_writer import OutputWriter
+from mtask.worker.running.pool.child import Bounds
+from mtask.worker.running.pool.pool import ProcessPool
+from mtask.worker.running.recorder import OutcomeRecorder
+from mtask.worker.running.step_stores import RunStepStores
+from mtask.worker.running.transactional import Transactions
 from mtask.worker.scheduler import POLL_SECONDS as SCHEDULES_POLL
 from mtask.worker.scheduler import Scheduler
 from mtask.worker.service import Service
 from mtask.worker.stats import WorkerStats
-from mtask.worker.steps import RunStepStores
-from mtask.worker.transactional import Transactions
 from mtask.worker.wiring import Gauge, Signal
 
 SHARED_READ_EVERY = 5

@@ -35,7 +35,7 @@ class WorkerConfig:
     claim round trip. They hold leases (pinged) while they wait. ``"auto"``: up to
     ``concurrency`` ahead while runs are shorter than a claim's round trip, and a run that
     waited a second for its slot is given back (RELEASED); ``N``: always up to N ahead, each
-    waiting as long as it takes; ``0``: never (``mtask.worker.claim_ahead``)."""
+    waiting as long as it takes; ``0``: never (``mtask.worker.claiming.ahead``)."""
     names: Sequence[str] | None = None
     """The names to run (all the registry's when not given)."""
     grace: float = 30.0

@@ -34,7 +34,7 @@ from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import InFlight
-from mtask.worker.pool import ProcessPool
+from mtask.worker.running.pool.pool import ProcessPool
 from mtask.worker.service import PeriodicService, event_or_timeout
 
 log = logging.getLogger(__name__)

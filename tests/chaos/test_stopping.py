@@ -19,7 +19,7 @@ from pymongo import MongoClient
 
 from mtask import TaskClient
 from mtask.worker import DRAIN_WRITE_TIMEOUT, IMMEDIATE_STOP_TIMEOUT
-from mtask.worker.invoke import ASYNC_CANCEL_GRACE
+from mtask.worker.running.invoke import ASYNC_CANCEL_GRACE
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 

@@ -34,7 +34,7 @@ from mtask.limits import (
 )
 from mtask.registry import Registry
 from mtask.slots import Request, Taken, extend, take
-from mtask.worker.limit_gate import LimitGate
+from mtask.worker.claiming.gate import LimitGate
 
 
 def acquire(

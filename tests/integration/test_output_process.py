@@ -19,8 +19,8 @@ from test_pool import INFO, dead, gone, until
 
 from mtask import Fail, TaskClient
 from mtask.output import Batch
-from mtask.worker.pool import ChildDied, ProcessPool, TimeLimitExceeded
-from mtask.worker.pool_child import _ChildOutput, _Run
+from mtask.worker.running.pool.child import _ChildOutput, _Run
+from mtask.worker.running.pool.pool import ChildDied, ProcessPool, TimeLimitExceeded
 
 # -- through a worker, into MongoDB --------------------------------------------------------------
 

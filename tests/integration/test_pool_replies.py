@@ -16,8 +16,8 @@ from harness import running_worker
 from test_pool import INFO, gone, until
 
 from mtask import Fail, TaskClient
-from mtask.worker.pool import ProcessPool, ReplyRefused
-from mtask.worker.pool_child import Bounds
+from mtask.worker.running.pool.child import Bounds
+from mtask.worker.running.pool.pool import ProcessPool, ReplyRefused
 
 NO_RETRY = {"max_retries": 0}
 

@@ -12,7 +12,7 @@ from harness import running_worker, wait_for
 from mtask import TaskClient
 from mtask.errors import ConfigError
 from mtask.worker import Worker
-from mtask.worker.claim_ahead import AdaptiveAhead
+from mtask.worker.claiming.ahead import AdaptiveAhead
 
 
 async def test_a_prefetched_run_waits_for_the_slot(

@@ -1,5 +1,6 @@
 """Durable steps in a process-isolated plain-def handler (docs/steps.md): its child asks the
-worker over its pipe for each write and read of its journal (``worker/pool_steps.py``), so
+worker over its pipe for each write and read of its journal
+(``worker/running/pool/child_steps.py``), so
 ``ctx.step_sync``/``sleep_sync``/``wait_for_sync`` work as on a thread: steps recorded once and
 replayed across a retry, a sleep and a signal wait that end the run WAITING and resume it, a
 large result spilled and loaded back, a mismatch that fails the task for good. The step
@@ -20,8 +21,8 @@ from test_pool import INFO, gone, until
 
 from mtask import AsyncTaskClient, TaskContext
 from mtask.steps import StepError, Suspended
-from mtask.worker.pool import ProcessPool, TimeLimitExceeded
-from mtask.worker.pool_steps import ParentSteps
+from mtask.worker.running.pool.child_steps import ParentSteps
+from mtask.worker.running.pool.pool import ProcessPool, TimeLimitExceeded
 
 
 async def _finished(aclient: AsyncTaskClient, key: str, timeout: float = 30) -> Any:

@@ -21,7 +21,11 @@ from mtask.store.transactional import (
     complete_filter_and_pipeline,
     stale_sessions,
 )
-from mtask.worker.transactional import RunFence, TransactionTooLong, complete_transactionally
+from mtask.worker.running.transactional import (
+    RunFence,
+    TransactionTooLong,
+    complete_transactionally,
+)
 
 Doc = dict[str, Any]
 

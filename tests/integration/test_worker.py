@@ -19,9 +19,9 @@ from mtask.errors import ConfigError, WorkerCrashed
 from mtask.models import DEFAULT_KEEP_MS
 from mtask.registry import Registry
 from mtask.worker import Worker
-from mtask.worker.executor import Executor
-from mtask.worker.lease import LeasePinger, LoopTicker
-from mtask.worker.recorder import OutcomeRecorder
+from mtask.worker.running.executor import Executor
+from mtask.worker.running.lease import LeasePinger, LoopTicker
+from mtask.worker.running.recorder import OutcomeRecorder
 
 
 async def test_runs_tasks_and_stores_results(

@@ -67,7 +67,7 @@ CHECK_OFF = """
 import datetime as dt
 from bench import features_off
 from mtask import metrics, store
-from mtask.worker.deadlines import Deadlines
+from mtask.worker.running.deadlines import Deadlines
 
 print(sorted(features_off.apply()))
 print(next(store.claim(["k"], ["n"], "w", dt.datetime(2026, 1, 1), {"k": 1000})).timeout)
@@ -102,7 +102,7 @@ def test_the_bench_turns_off_only_what_it_is_told_in_its_own_process() -> None:
         "[]",
         str(CLAIM_TIMEOUT_S),
         "Counter Gauge",
-        "mtask.worker.deadlines",
+        "mtask.worker.running.deadlines",
     ], shipped.stderr
     typo = _off("metric")
     assert typo.returncode != 0

@@ -1,4 +1,4 @@
-"""Claiming ahead (``mtask.worker.claim_ahead``): when the adaptive policy claims ahead, and how
+"""Claiming ahead (``mtask.worker.claiming.ahead``): when the adaptive policy claims ahead, and how
 a run claimed ahead waits for its slot or is given back."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mtask.worker import claim_ahead
-from mtask.worker.claim_ahead import AdaptiveAhead, FixedAhead, GiveBack, RunSlots
+from mtask.worker.claiming import ahead as claim_ahead
+from mtask.worker.claiming.ahead import AdaptiveAhead, FixedAhead, GiveBack, RunSlots
 
 
 def test_runs_are_taken_to_be_short_until_a_run_and_a_claim_were_measured() -> None:

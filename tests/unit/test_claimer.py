@@ -19,18 +19,18 @@ from scripted import AsyncScriptedDriver, Step
 from mtask import store
 from mtask.clock import Clock, FixedClock
 from mtask.driver import MODIFY_ONCE, AsyncDriver, Call
-from mtask.worker.claim_ahead import FixedAhead
-from mtask.worker.claim_calls import ClaimCalls
-from mtask.worker.claim_queue import ClaimQueue
-from mtask.worker.claimer import Claimer
+from mtask.worker.claiming.ahead import FixedAhead
+from mtask.worker.claiming.calls import ClaimCalls
+from mtask.worker.claiming.claimer import Claimer
+from mtask.worker.claiming.gate import LimitGate
+from mtask.worker.claiming.limited_claims import LimitedClaims
+from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.events import Emitter
-from mtask.worker.executor import Executor
 from mtask.worker.finding.finder import Finder
 from mtask.worker.inflight import InFlight
-from mtask.worker.limit_gate import LimitGate
-from mtask.worker.limited_claims import LimitedClaims
 from mtask.worker.presence import Assignment
-from mtask.worker.recorder import OutcomeRecorder
+from mtask.worker.running.executor import Executor
+from mtask.worker.running.recorder import OutcomeRecorder
 from mtask.worker.stats import WorkerStats
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)

@@ -1,13 +1,13 @@
-"""The runs' local deadlines (``mtask.worker.deadlines``): one timer for every run, set for the
-earliest lease end, stopping the runs whose lease ran out and set again for the rest."""
+"""The runs' local deadlines (``mtask.worker.running.deadlines``): one timer for every run,
+set for the earliest lease end, stopping the runs whose lease ran out and set again for the rest."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any, cast
 
-from mtask.worker.deadlines import Deadlines
 from mtask.worker.inflight import ActiveRun
+from mtask.worker.running.deadlines import Deadlines
 
 
 class Leases:

@@ -1,5 +1,5 @@
 """Property tests of the pure part that chooses what a batch of limited keys asks for
-(``mtask.worker.limited``) and of the group limits' pure rules, without MongoDB."""
+(``mtask.worker.claiming.limited``) and of the group limits' pure rules, without MongoDB."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from mtask import limits
 from mtask.errors import InvalidTask
 from mtask.slots import Request, Taken, decide
+from mtask.worker.claiming.limited import plan, sequences
 from mtask.worker.finding.placement import TaskMeta
-from mtask.worker.limited import plan, sequences
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 NAMES = ["a", "b"]

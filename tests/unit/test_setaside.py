@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from mtask import metrics
 from mtask.clock import FixedClock
 from mtask.worker.finding.finder import Finder
-from mtask.worker.setaside import SetAside
+from mtask.worker.finding.setaside import SetAside
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 

@@ -16,7 +16,7 @@ from typing import Any
 from mtask.limits import claim_lock
 from mtask.worker.finding.placement import TaskMeta
 from mtask.worker.finding.scan import Scanner
-from mtask.worker.setaside import count, task_key
+from mtask.worker.finding.setaside import count, task_key
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from mtask import driver, store
 from mtask.clock import Clock
 from mtask.errors import StorageError
 from mtask.worker.finding.placement import Placement
+from mtask.worker.finding.setaside import SetAside, count, task_key
 from mtask.worker.service import PeriodicService, event_or_timeout
-from mtask.worker.setaside import SetAside, count, task_key
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from mtask import driver
 from mtask.clock import Clock
 from mtask.limits import group_slot
 from mtask.store.schema import LAST_WRITE
-from mtask.worker.claim_queue import ClaimQueue
+from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.finding.changes import event_key, updated_fields
 from mtask.worker.finding.shared.credit import Account, Accounts, Channel, Refusals
 from mtask.worker.finding.shared.host_queue import HostQueue

@@ -10,7 +10,7 @@ from typing import Any
 
 from mtask import driver
 from mtask.clock import Clock
-from mtask.worker.claim_queue import ClaimQueue
+from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.finding.shared.dispatch import Dispatcher
 from mtask.worker.finding.shared.relay import Relay
 

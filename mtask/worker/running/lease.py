@@ -12,10 +12,10 @@ added later counts it, and does not stop it. A changed ping interval applies fro
 ping. A frozen process (SIGSTOP) freezes this thread too, so its leases run out and the runs
 are preempted, as they must be. A lease past its local deadline is never pinged again: a ping
 sent after it (the thawed thread's first) would extend on the server a lease whose run has
-already stopped by its own clock (``mtask.worker.deadlines``), and let that run's outcome be
+already stopped by its own clock (``mtask.worker.running.deadlines``), and let that run's outcome be
 recorded. ``watch`` passes each renewal on as it happens: a process-isolated run's child
 follows its lease that way, and stops itself when it runs out unrenewed
-(``mtask.worker.pool_child``).
+(``mtask.worker.running.pool.child``).
 
 Ownership: ``_leases`` is shared between the event loop's thread (``add``, ``remove``,
 ``expiry``) and the pinger thread; every write holds ``_cond``. ``expiry`` reads one entry
@@ -194,7 +194,7 @@ class LeasePinger:
     def watch(self, run_id: str, on_expiry: Callable[[float], None]) -> Callable[[], None]:
         """Call ``on_expiry`` with the run's lease expiry (monotonic) now and after every
         renewal, on the pinger's thread, until the returned function is called: how a
-        process-isolated run's child learns its deadline (``mtask.worker.pool_child``).
+        process-isolated run's child learns its deadline (``mtask.worker.running.pool.child``).
         ``on_expiry`` runs under the pinger's lock: it must only note the value. Nothing if
         the run is not pinged."""
         with self._cond:

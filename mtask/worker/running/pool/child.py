@@ -1,12 +1,12 @@
-"""What runs in a child process of the pool (``mtask.worker.pool``): its containment, one
-handler call at a time, the run's live output and steps over the pipe, and the watch that stops
-the run when its lease passes unrenewed.
+"""What runs in a child process of the pool (``mtask.worker.running.pool.pool``): its
+containment, one handler call at a time, the run's live output and steps over the pipe, and
+the watch that stops the run when its lease passes unrenewed.
 
 A child leads a process group of its own and is a subreaper (``_contain``), asks for SIGKILL
 when the worker dies (``_die_with_parent``), receives ``(handler, params, RunInfo)`` on its pipe,
 calls the handler and replies ``(kind, resident bytes, *value)``. What the run left running is
 killed before the reply (``_sweep``). The parent side (starting, killing, recycling children;
-the memory watch and the guard) is ``mtask.worker.pool``.
+the memory watch and the guard) is ``mtask.worker.running.pool.pool``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from mtask.flows import is_steps
 from mtask.output import RunOutput
 from mtask.registry import Fail, Handler, Retry, TaskContext
 from mtask.steps import MAX_SPILL_BYTES, SignalTimeout, StepError, Suspended
-from mtask.worker.pool_steps import ChildSteps, plain
+from mtask.worker.running.pool.child_steps import ChildSteps, plain
 
 TRACEBACK_LIMIT = 4000
 """The most characters of a failed run's traceback that are stored (the end is kept): one

@@ -29,7 +29,7 @@ a thread in it exits when the worker's end of an "alive" pipe closes. A child st
 and its group, when the lease of its run runs out with no renewal from the parent (the
 ``LeasePinger`` passes each renewal, as a ``time.monotonic()`` deadline in shared memory): a
 frozen worker's children stop by the deadline. What runs in the child is
-``mtask.worker.pool_child``; this module is the parent's side.
+``mtask.worker.running.pool.child``; this module is the parent's side.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ from mtask.output import Batch
 from mtask.registry import Fail, Handler, Retry
 from mtask.steps import StepError, Suspended
 from mtask.worker.config import DEFAULT_MAX_RESULT_BYTES
-from mtask.worker.pool_child import Bounds, RunInfo, child_main, rss_of, short_traceback
-from mtask.worker.pool_steps import sendable
+from mtask.worker.running.pool.child import Bounds, RunInfo, child_main, rss_of, short_traceback
+from mtask.worker.running.pool.child_steps import sendable
 
 log = logging.getLogger("mtask.pool")  # the name operators filter on, kept
 

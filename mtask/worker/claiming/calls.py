@@ -23,7 +23,7 @@ from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.store.transactional import expired_transactions, kill_sessions
 
-log = logging.getLogger("mtask.worker.claimer")  # the name operators filter on, kept
+log = logging.getLogger("mtask.worker.claiming.claimer")  # the name operators filter on, kept
 
 RETRY_SOON = dt.timedelta(seconds=1)
 """How long a key waits after a claim or a slot could not be had because of MongoDB."""

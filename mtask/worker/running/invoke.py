@@ -25,9 +25,9 @@ from typing import Any, Literal
 from mtask import metrics
 from mtask.registry import Handler, TaskContext
 from mtask.steps import Suspended
-from mtask.worker.pool import HandlerError, LeaseWatch, ProcessPool, TimeLimitExceeded
-from mtask.worker.pool_child import RunInfo, short_traceback
-from mtask.worker.pool_steps import ParentSteps
+from mtask.worker.running.pool.child import RunInfo, short_traceback
+from mtask.worker.running.pool.child_steps import ParentSteps
+from mtask.worker.running.pool.pool import HandlerError, LeaseWatch, ProcessPool, TimeLimitExceeded
 
 ASYNC_CANCEL_GRACE = 5.0
 """How long a cancelled async handler may take to unwind: past its time limit, before its run

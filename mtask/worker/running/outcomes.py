@@ -6,8 +6,8 @@ form that does nothing (``NoTransactions``, ``NoLeases``, ``NoOutputs``, ``NoJou
 SUCCESS (with next steps, if the handler returned ``Next``), FAIL (retried, or permanent for
 ``Fail``, invalid params, an unstorable result or an invalid step), RELEASED or CANCELLED for a
 run the worker stopped, nothing for a run that lost its lease. How a handler is called (loop,
-thread, child process; time limits) is ``mtask.worker.invoke``'s; the run's lifecycle around
-the call is ``mtask.worker.executor``'s.
+thread, child process; time limits) is ``mtask.worker.running.invoke``'s; the run's lifecycle around
+the call is ``mtask.worker.running.executor``'s.
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ from mtask.steps import MemorySteps, RunSteps, SignalTimeout, StepError, Suspend
 from mtask.store import Outcome
 from mtask.store.transactional import stale_sessions
 from mtask.tracing import run_span
-from mtask.worker.claim_ahead import GiveBack
+from mtask.worker.claiming.ahead import GiveBack
 from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import ActiveRun
-from mtask.worker.invoke import invoke
-from mtask.worker.pool import (
+from mtask.worker.running.invoke import invoke
+from mtask.worker.running.pool.child import result_too_large, said, short_traceback
+from mtask.worker.running.pool.pool import (
     ChildDied,
     HandlerError,
     LeaseWatch,
@@ -46,9 +47,8 @@ from mtask.worker.pool import (
     ReplyRefused,
     TimeLimitExceeded,
 )
-from mtask.worker.pool_child import result_too_large, said, short_traceback
+from mtask.worker.running.transactional import RunFence, TransactionEnded, TransactionTooLong
 from mtask.worker.stats import WorkerStats
-from mtask.worker.transactional import RunFence, TransactionEnded, TransactionTooLong
 
 
 class TransactionRunner(Protocol):

@@ -23,16 +23,16 @@ from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.models import WORKER_TIMEOUT_MS, in_range
-from mtask.worker import limited
-from mtask.worker.claim_calls import RETRY_SOON, ClaimCalls
-from mtask.worker.executor import Executor
+from mtask.worker.claiming import limited
+from mtask.worker.claiming.calls import RETRY_SOON, ClaimCalls
+from mtask.worker.claiming.gate import DEFAULT_SLOT_LEASE_MS, LimitGate
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight
-from mtask.worker.limit_gate import DEFAULT_SLOT_LEASE_MS, LimitGate
-from mtask.worker.recorder import OutcomeRecorder
+from mtask.worker.running.executor import Executor
+from mtask.worker.running.recorder import OutcomeRecorder
 from mtask.worker.stats import WorkerStats
 
-log = logging.getLogger("mtask.worker.claimer")  # the name operators filter on, kept
+log = logging.getLogger("mtask.worker.claiming.claimer")  # the name operators filter on, kept
 
 LIMITED_IN_FLIGHT = 2
 """Batches of limited keys being claimed at once (``LimitedClaims.claim_soon``)."""

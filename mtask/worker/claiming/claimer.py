@@ -25,16 +25,16 @@ from typing import ClassVar
 from mtask import metrics
 from mtask.clock import Clock
 from mtask.tracing import span
-from mtask.worker.claim_ahead import ClaimAhead
-from mtask.worker.claim_calls import RETRY_SOON, ClaimCalls
-from mtask.worker.claim_queue import ClaimQueue
-from mtask.worker.executor import Executor
+from mtask.worker.claiming.ahead import ClaimAhead
+from mtask.worker.claiming.calls import RETRY_SOON, ClaimCalls
+from mtask.worker.claiming.gate import LimitGate
+from mtask.worker.claiming.limited_claims import LimitedClaims
+from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight
-from mtask.worker.limit_gate import LimitGate
-from mtask.worker.limited_claims import LimitedClaims
 from mtask.worker.presence import Assignment, Lifecycle
-from mtask.worker.recorder import OutcomeRecorder
+from mtask.worker.running.executor import Executor
+from mtask.worker.running.recorder import OutcomeRecorder
 from mtask.worker.stats import WorkerStats
 
 

@@ -2,7 +2,7 @@
 
 ``Executor.start`` turns a claimed document into a run in flight: a ``TaskContext``, a lease the
 pinger extends, a local deadline, and the handler's asyncio task. When the handler ends, the
-run leaves the in-flight ledger and its outcome (``mtask.worker.run_outcomes``) goes to the
+run leaves the in-flight ledger and its outcome (``mtask.worker.running.outcomes``) goes to the
 outcome writer. A run whose lease was lost (the pinger found another run owns the task, or its
 local deadline passed first) is stopped and records nothing; a cancelled task's run records
 CANCELLED; a run stopped by the worker's shutdown records RELEASED.
@@ -22,15 +22,15 @@ from mtask import limits, metrics
 from mtask.registry import Registry, TaskContext
 from mtask.steps import RunSteps, StepError
 from mtask.store import Outcome
-from mtask.worker.claim_ahead import ClaimAhead
-from mtask.worker.claim_queue import ClaimQueue
-from mtask.worker.deadlines import Deadlines
+from mtask.worker.claiming.ahead import ClaimAhead
+from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import ActiveRun, InFlight
-from mtask.worker.invoke import ASYNC_CANCEL_GRACE
-from mtask.worker.lease import LeasePinger
-from mtask.worker.recorder import OutcomeRecorder
-from mtask.worker.run_outcomes import RunOutcomes
+from mtask.worker.running.deadlines import Deadlines
+from mtask.worker.running.invoke import ASYNC_CANCEL_GRACE
+from mtask.worker.running.lease import LeasePinger
+from mtask.worker.running.outcomes import RunOutcomes
+from mtask.worker.running.recorder import OutcomeRecorder
 from mtask.worker.wiring import Signal
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from mtask.registry import TaskContext
 from mtask.steps import RunSteps, StepError
 from mtask.store import steps as store_steps
 from mtask.store.output import keep_until
-from mtask.worker.transactional import RunFence, Transactions
+from mtask.worker.running.transactional import RunFence, Transactions
 
 
 class TaskSteps:
