@@ -115,6 +115,7 @@ def build(
     wake = asyncio.Event()
     freed: Signal[[]] = Signal()
     limit_changed: Signal[[str]] = Signal()
+    group_freed: Signal[[str, str]] = Signal()
     lost: Signal[[str, dict[str, Any] | None]] = Signal()
     slot_lost: Signal[[str, str]] = Signal()
     capacity = Gauge()
@@ -139,7 +140,10 @@ def build(
         in_flight=inflight.busy,
         wake=wake.set,
         others=finding.Others(
-            control=controls_changed.set, limit=limit_changed, schedule=scheduler.wake.set
+            control=controls_changed.set,
+            limit=limit_changed,
+            group_freed=group_freed,
+            schedule=scheduler.wake.set,
         ),
         capacity=capacity,
         freed=freed,
@@ -154,6 +158,7 @@ def build(
         found.sink,
         interval=SHARED_LIMITS_REFRESH if shared else REFRESH_SECONDS,
         changes=limit_changed,
+        freed=group_freed,
     )
     process_pool: ProcessPool | None = None  # handler isolation (issue 18)
     if config.pool == "process" or any(registry[n].isolation == "process" for n in names):
@@ -242,8 +247,7 @@ def build(
         gate=gate,
         sink=found.sink,
         inflight=inflight,
-        recorder=recorder,
-        executor=executor,
+        runs=executor,
         stats=stats,
         wake=wake,
     )
@@ -258,8 +262,7 @@ def build(
         assignment=assignment,
         sink=found.sink,
         gate=gate,
-        recorder=recorder,
-        executor=executor,
+        runs=executor,
         stats=stats,
         lifecycle=lifecycle,
         wake=wake,

@@ -34,7 +34,7 @@ from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import InFlight
-from mtask.worker.running.pool.pool import ProcessPool
+from mtask.worker.running.protocols import PoolView
 from mtask.worker.service import PeriodicService, event_or_timeout
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class Presence(PeriodicService):
         stream_state: Callable[[], dict[str, Any] | None] = lambda: None,
         quiet_every: int = 1,
         ranks: Callable[[], bool] = lambda: True,
-        pool: ProcessPool | None = None,
+        pool: PoolView | None = None,
     ) -> None:
         self.driver = driver
         self.clock = clock
@@ -230,7 +230,7 @@ class Presence(PeriodicService):
         return doc
 
 
-def pool_document(pool: ProcessPool, now: dt.datetime) -> dict[str, Any]:
+def pool_document(pool: PoolView, now: dt.datetime) -> dict[str, Any]:
     """The process pool in the heartbeat: its counts (children started, recycled, killed,
     died; runs ended by their hard time limit or memory limit) and each live child (pid,
     ``busy``/``idle``, runs done, resident bytes after its last run, since when its current

@@ -29,7 +29,6 @@ from mtask.worker.events import Emitter
 from mtask.worker.finding.finder import Finder
 from mtask.worker.inflight import InFlight
 from mtask.worker.presence import Assignment
-from mtask.worker.running.executor import Executor
 from mtask.worker.running.recorder import OutcomeRecorder
 from mtask.worker.stats import WorkerStats
 
@@ -46,9 +45,11 @@ def too_large() -> WriteError:
 
 
 class Started:
-    """Stands in for the ``Executor``: records the runs the claimer starts."""
+    """Stands in for the ``Executor`` (the claimer's ``RunStarter``): records the runs the
+    claimer starts; outcomes and slots go to a real ``OutcomeRecorder``."""
 
-    def __init__(self, inflight: InFlight) -> None:
+    def __init__(self, inflight: InFlight, recorder: OutcomeRecorder) -> None:
+        self.recorder = recorder
         self.docs: list[dict[str, Any]] = []
         self.busy_when_started: list[bool] = []
         self.sent: list[float] = []
@@ -59,6 +60,13 @@ class Started:
         self.busy_when_started.append(self.inflight.busy(doc["_id"]))
         self.docs.append(doc)
         self.sent.append(sent)
+
+    @property
+    def unwritten(self) -> int:
+        return self.recorder.unwritten
+
+    def give_back(self, slot: str, run_id: str) -> None:
+        self.recorder.release_slot(slot, run_id)
 
 
 class TickingClock:
@@ -101,9 +109,8 @@ def build(
     recorder = OutcomeRecorder(
         adriver, clock, gate=gate, sink=watcher, inflight=inflight, emit=Emitter(), wake=wake
     )
-    started = Started(inflight)
+    started = Started(inflight, recorder)
     calls = ClaimCalls(adriver, clock, worker_id="w1", ignore=watcher.ignore)
-    executor = cast(Executor, started)
     stats = WorkerStats()
     limited_claims = LimitedClaims(
         adriver,
@@ -112,8 +119,7 @@ def build(
         gate=gate,
         sink=watcher,
         inflight=inflight,
-        recorder=recorder,
-        executor=executor,
+        runs=started,
         stats=stats,
         wake=wake,
     )
@@ -128,8 +134,7 @@ def build(
         assignment=assignment,
         sink=watcher,
         gate=gate,
-        recorder=recorder,
-        executor=executor,
+        runs=started,
         stats=stats,
         lifecycle=Running(),
         wake=wake,
@@ -364,14 +369,14 @@ async def test_the_claimer_claims_ahead_as_many_as_it_is_allowed() -> None:
 async def test_outcomes_on_their_way_hold_the_claims_past_the_slots_and_the_runs_ahead() -> None:
     """Backpressure counts the runs claimed ahead: a batch of slots + ahead runs that ended
     does not stop the next claim while its outcomes are written."""
-    claimer, watcher, _ = build(AsyncScriptedDriver())
+    claimer, watcher, started = build(AsyncScriptedDriver())
     claimer.ahead = FixedAhead(10)
     for i in range(30):
         watcher.scanner.place_safely(placement(f"k{i:03}", NOW))
     claimed = claims_made(claimer)
-    claimer.recorder.writing = 20  # slots + ahead: not more
+    started.recorder.writing = 20  # slots + ahead: not more
     assert await claimer.run_once() == (True, None) and len(claimed[0]) == 20
-    claimer.recorder.writing = 21
+    started.recorder.writing = 21
     assert await claimer.run_once() == (False, None) and len(claimed) == 1
 
 

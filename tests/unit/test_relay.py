@@ -407,9 +407,9 @@ async def test_the_end_of_a_sequences_run_reaches_only_who_waits_for_its_group()
 def test_a_worker_alone_hears_the_end_of_another_workers_run_of_a_sequence() -> None:
     """With its own stream (or alone with the relay), a worker applies the task's event and
     tells its limit gate that the group's lock may be free."""
-    heard: list[str] = []
+    heard: list[tuple[str, str]] = []
     finder = finder_for(None, FixedClock(WHEN), ["n"])
-    finder.others = Others(limit=heard.append)
+    finder.others = Others(group_freed=lambda name, group: heard.append((name, group)))
     finder.placement.place(
         {
             "_id": "k1",
@@ -422,7 +422,7 @@ def test_a_worker_alone_hears_the_end_of_another_workers_run_of_a_sequence() -> 
     update = {"operationType": "update", "ns": {"coll": "tasks"}, "documentKey": {"_id": "k1"}}
     finder.on_change({**update, "updateDescription": {"updatedFields": {"attempts": 2}}})
     finder.on_change({**update, "updateDescription": {"updatedFields": {"next_claim_at": None}}})
-    assert heard == [limits.claim_lock("n", "g")] and "k1" not in finder.placement.meta
+    assert heard == [("n", "g")] and "k1" not in finder.placement.meta
 
 
 async def test_the_relay_reads_on_once_its_own_workers_claim_is_back(

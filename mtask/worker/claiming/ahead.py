@@ -23,9 +23,10 @@ slot takes (``0``: never ahead, and no run waits). docs/isolation.md says when t
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Literal, Protocol
+
+from mtask.worker.running.slots import RunSlots
 
 GIVE_BACK_AFTER = 1.0
 """Seconds a run claimed ahead (``prefetch="auto"``) waits for its slot before it is given back."""
@@ -121,41 +122,6 @@ class AdaptiveAhead:
             return
         # on below half a round trip, off above one: a workload near the line does not flap
         self.on = run < rtt if self.on else run < rtt / 2
-
-
-class GiveBack(Exception):
-    """A run claimed ahead waited longer than the bound for its slot: record it RELEASED."""
-
-
-class RunSlots:
-    """The worker's ``concurrency`` handler slots, which only a run claimed ahead waits for.
-
-    ``give_back_after``: a run that would wait longer raises ``GiveBack`` (``None``: it waits
-    as long as it takes). A run that finds a slot free takes it at once, with no timer."""
-
-    def __init__(
-        self,
-        concurrency: int,
-        give_back_after: float | None = None,
-        on_give_back: Callable[[], None] = lambda: None,
-    ) -> None:
-        self._free = asyncio.Semaphore(concurrency)
-        self.give_back_after = give_back_after
-        self.on_give_back = on_give_back
-
-    async def __aenter__(self) -> None:
-        if self.give_back_after is None or not self._free.locked():
-            await self._free.acquire()
-            return
-        try:
-            async with asyncio.timeout(self.give_back_after):
-                await self._free.acquire()
-        except TimeoutError:
-            self.on_give_back()
-            raise GiveBack from None
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._free.release()
 
 
 def build(

@@ -33,8 +33,7 @@ from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight
 from mtask.worker.presence import Assignment, Lifecycle
-from mtask.worker.running.executor import Executor
-from mtask.worker.running.recorder import OutcomeRecorder
+from mtask.worker.running.protocols import RunStarter
 from mtask.worker.stats import WorkerStats
 
 
@@ -54,8 +53,7 @@ class Claimer:
         assignment: Assignment,
         sink: QueueSink,
         gate: LimitGate,
-        recorder: OutcomeRecorder,
-        executor: Executor,
+        runs: RunStarter,
         stats: WorkerStats,
         lifecycle: Lifecycle,
         wake: asyncio.Event,
@@ -71,8 +69,8 @@ class Claimer:
         self.assignment = assignment
         self.sink = sink
         self.gate = gate
-        self.recorder = recorder
-        self.executor = executor
+        self.runs = runs
+        """The run side: claimed documents start there (``RunStarter``)."""
         self.stats = stats
         self.lifecycle = lifecycle
         self.wake = wake
@@ -109,7 +107,7 @@ class Claimer:
         ``finding.shared.credit``.)"""
         if self.lifecycle.state != "running":
             return 0
-        busy = self.inflight.load + self.recorder.unwritten + self.queue.due(self.clock.now())
+        busy = self.inflight.load + self.runs.unwritten + self.queue.due(self.clock.now())
         return self.concurrency + self.ahead.allowed() - busy
 
     async def run_once(self) -> tuple[bool, float | None]:
@@ -123,7 +121,7 @@ class Claimer:
             kept = self.gate.unused(started if not self.limited.batches else float("-inf"))
             for slot, run_ids in kept.items():
                 for run_id in run_ids:
-                    self.recorder.release_slot(slot, run_id)
+                    self.runs.give_back(slot, run_id)
 
     async def _pass(self) -> tuple[bool, float | None]:
         if self.limited.failure is not None:
@@ -136,7 +134,7 @@ class Claimer:
         # finished runs whose outcome is on its way). Counting the runs claimed ahead here
         # lets the next claim go while a batch's outcomes are written: with `concurrency`,
         # a batch of `slots` runs that ended would hold the claimer until they were written.
-        if free <= 0 or not names or self.recorder.unwritten > slots:
+        if free <= 0 or not names or self.runs.unwritten > slots:
             return False, None
         now = self.clock.now()
         keys = self.queue.pop_due(now, free)
@@ -192,7 +190,7 @@ class Claimer:
                     order = {key: i for i, key in enumerate(keys)}
                     docs.sort(key=lambda d: order.get(d["_id"], len(order)))
                 for doc in docs:
-                    self.executor.start(doc, sent)
+                    self.runs.start(doc, sent)
                     self.sink.claimed(doc)
                 self.stats.claimed += len(docs)
         if docs is None:

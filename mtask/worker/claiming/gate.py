@@ -56,6 +56,7 @@ class LimitGate(PeriodicService):
         sink: QueueSink,
         interval: float = REFRESH_SECONDS,
         changes: Signal[[str]] | None = None,
+        freed: Signal[[str, str]] | None = None,
     ) -> None:
         self.interval = interval
         """Seconds between two reads of the limits whatever happens (their change events come
@@ -66,6 +67,8 @@ class LimitGate(PeriodicService):
         self.sink = sink
         if changes is not None:
             changes.connect(self.on_change)  # a limit's change event, from the finding parts
+        if freed is not None:
+            freed.connect(self.group_freed)  # a group's run ended for good, from the same
         self.limited: dict[str, dict[str, Any]] = {}
         self.blocked: dict[str, dict[str, None]] = {}
         """The keys that wait for each slot, first blocked first."""
@@ -149,6 +152,11 @@ class LimitGate(PeriodicService):
         now = self.clock.now()
         for key in keys:
             self.sink.requeue_at(key, now)
+
+    def group_freed(self, name: str, group: str) -> None:
+        """A run of the group ``(name, group)`` ended for good (``finding.Others``): the keys
+        that wait for its sequence's lock are tried again."""
+        self.on_change(limits.claim_lock(name, group))
 
     def unblock(self, keys: Iterable[str]) -> None:
         """``keys`` wait for no slot any more (claimed, or tried again)."""

@@ -28,8 +28,7 @@ from mtask.worker.claiming.calls import RETRY_SOON, ClaimCalls
 from mtask.worker.claiming.gate import DEFAULT_SLOT_LEASE_MS, LimitGate
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight
-from mtask.worker.running.executor import Executor
-from mtask.worker.running.recorder import OutcomeRecorder
+from mtask.worker.running.protocols import RunStarter
 from mtask.worker.stats import WorkerStats
 
 log = logging.getLogger("mtask.worker.claiming.claimer")  # the name operators filter on, kept
@@ -50,8 +49,7 @@ class LimitedClaims:
         gate: LimitGate,
         sink: QueueSink,
         inflight: InFlight,
-        recorder: OutcomeRecorder,
-        executor: Executor,
+        runs: RunStarter,
         stats: WorkerStats,
         wake: asyncio.Event,
     ) -> None:
@@ -61,8 +59,7 @@ class LimitedClaims:
         self.gate = gate
         self.sink = sink
         self.inflight = inflight
-        self.recorder = recorder
-        self.executor = executor
+        self.runs = runs
         self.stats = stats
         self.wake = wake
         """Set when a batch ends: its keys no longer count as taken."""
@@ -141,7 +138,7 @@ class LimitedClaims:
                 requeue = candidates
                 for r in requests:  # taken or not: given back (a release of nothing is none)
                     for run_id in filter(None, (r.run_id, r.replaces)):
-                        self.recorder.release_slot(r.slot, run_id)
+                        self.runs.give_back(r.slot, run_id)
             else:
                 go, held, tokens = self._granted(claims, taken, waits)
                 hints = {
@@ -179,7 +176,7 @@ class LimitedClaims:
             got = [(r, next(results)) for r in requests]
             for request, t in got:
                 if request.replaces is not None and not t.taken:  # still the ended run's
-                    self.recorder.release_slot(request.slot, request.replaces)
+                    self.runs.give_back(request.slot, request.replaces)
             if all(t.taken for _, t in got):
                 go.append(key)
                 held[key] = tuple(r.slot for r, t in got if t.limited)
@@ -187,7 +184,7 @@ class LimitedClaims:
                 continue
             for request, t in got:
                 if t.taken and t.limited:
-                    self.recorder.release_slot(request.slot, request.run_id)
+                    self.runs.give_back(request.slot, request.run_id)
             request, refusal = next((r, t) for r, t in got if not t.taken)
             waits.append(limited.Wait(key, request.slot, refusal.retry_at))
         return go, held, tokens
@@ -238,14 +235,14 @@ class LimitedClaims:
             self.gate.unblock([key])
             lock = plan.locked.get(key)
             runs_in = held.get(key, ()) + ((lock,) if lock else ())
-            self.executor.start(doc, sent, runs_in, tokens.get(key, frozenset()))
+            self.runs.start(doc, sent, runs_in, tokens.get(key, frozenset()))
             self.sink.claimed(doc)
             self.stats.claimed += 1
         claimed = {d["_id"] for d in docs}
         for key in keys:
             if key not in claimed:
                 for slot in held.get(key, ()):
-                    self.recorder.release_slot(slot, store.run_id_for(batch, key))
+                    self.runs.give_back(slot, store.run_id_for(batch, key))
         waits += [limited.Wait(k, plan.locked[k]) for k in busy]  # another task holds it
         requeue += failed
         gone = claimed | busy | set(failed)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtask.errors import StorageError
-from mtask.worker.finding.changes import apply_task_change, event_key, lock_freed, lock_notice
+from mtask.worker.finding.changes import apply_task_change, event_key, lock_freed
 from mtask.worker.finding.placement import TaskMeta
 from mtask.worker.finding.protocols import ClaimReports
 from mtask.worker.finding.scan import Scanner, due_by
@@ -34,7 +34,10 @@ class Others:
     heartbeat beats at once and reads the paused names (and, when the worker ranks by them,
     its peers)."""
     limit: Callable[[str], None] = lambda name: None
-    """A name's limit changed, or a slot may have freed."""
+    """A limit document changed: a name's limit, or a slot that may have freed."""
+    group_freed: Callable[[str, str], None] = lambda name, group: None
+    """A run of the group ``(name, group)`` ended for good: its sequence's lock may be free
+    (the claim side decides what that means: ``LimitGate.group_freed``)."""
     schedule: Callable[[], None] = lambda: None
     """A schedule was added, changed, resumed, or advanced by a peer."""
 
@@ -82,7 +85,7 @@ class Finder:
             freed = lock_freed(change, meta)
             apply_task_change(self.scanner, change)
             if freed is not None:  # another worker's run of a sequence ended
-                self.on_change(lock_notice(freed))
+                self.others.group_freed(*freed)
 
     async def settle(self) -> None:
         await self.scanner.settle()

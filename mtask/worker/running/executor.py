@@ -148,6 +148,15 @@ class Executor:
         metrics.IN_FLIGHT.inc()
         self.emit(Event.CLAIMED, key=run.key, run_id=run_id, attempt=ctx.attempt)
 
+    @property
+    def unwritten(self) -> int:
+        """``RunStarter``: the outcomes waiting to be written."""
+        return self.recorder.unwritten
+
+    def give_back(self, slot: str, run_id: str) -> None:
+        """``RunStarter``: a limit slot given back after the outcomes now pending."""
+        self.recorder.release_slot(slot, run_id)
+
     def _steps_for(
         self, made: TaskContext, *, doc: dict[str, Any], loop: asyncio.AbstractEventLoop
     ) -> RunSteps:

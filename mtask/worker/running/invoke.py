@@ -25,7 +25,8 @@ from typing import Any, Literal
 from mtask import metrics
 from mtask.registry import Handler, TaskContext
 from mtask.steps import Suspended
-from mtask.worker.running.pool.child import RunInfo, short_traceback
+from mtask.worker.running.failures import short_traceback
+from mtask.worker.running.pool.child import RunInfo
 from mtask.worker.running.pool.child_steps import ParentSteps
 from mtask.worker.running.pool.pool import HandlerError, LeaseWatch, ProcessPool, TimeLimitExceeded
 

@@ -33,11 +33,10 @@ from mtask.steps import MemorySteps, RunSteps, SignalTimeout, StepError, Suspend
 from mtask.store import Outcome
 from mtask.store.transactional import stale_sessions
 from mtask.tracing import run_span
-from mtask.worker.claiming.ahead import GiveBack
 from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import ActiveRun
+from mtask.worker.running.failures import result_too_large, said, short_traceback
 from mtask.worker.running.invoke import invoke
-from mtask.worker.running.pool.child import result_too_large, said, short_traceback
 from mtask.worker.running.pool.pool import (
     ChildDied,
     HandlerError,
@@ -47,6 +46,7 @@ from mtask.worker.running.pool.pool import (
     ReplyRefused,
     TimeLimitExceeded,
 )
+from mtask.worker.running.slots import GiveBack
 from mtask.worker.running.transactional import RunFence, TransactionEnded, TransactionTooLong
 from mtask.worker.stats import WorkerStats
 

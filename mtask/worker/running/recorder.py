@@ -21,10 +21,10 @@ from mtask.errors import StorageError
 from mtask.store import Outcome, RunState
 from mtask.store import output as store_output
 from mtask.store import steps as store_steps
-from mtask.worker.claiming.gate import LimitGate
 from mtask.worker.events import Emitter, Event
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight
+from mtask.worker.running.protocols import SlotReturns
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class OutcomeRecorder:
         driver: AsyncDriver,
         clock: Clock,
         *,
-        gate: LimitGate,
+        gate: SlotReturns,
         sink: QueueSink,
         inflight: InFlight,
         emit: Emitter,

@@ -21,7 +21,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -34,11 +33,9 @@ from mtask.flows import is_steps
 from mtask.output import RunOutput
 from mtask.registry import Fail, Handler, Retry, TaskContext
 from mtask.steps import MAX_SPILL_BYTES, SignalTimeout, StepError, Suspended
+from mtask.worker.running.failures import result_too_large, said, short_traceback
 from mtask.worker.running.pool.child_steps import ChildSteps, plain
 
-TRACEBACK_LIMIT = 4000
-"""The most characters of a failed run's traceback that are stored (the end is kept): one
-limit for a run in a thread and one in a child."""
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 LEASE_POLL = 0.1
@@ -72,11 +69,6 @@ class Bounds:
         for most values); past it the child checks the result as the worker would and sends
         why it is not stored instead (or, if it is, what BSON gives back of it)."""
         return min(2 * self.result + MESSAGE_SLACK, self.message)
-
-
-def result_too_large(size: int, limit: int) -> str:
-    """Why a result of ``size`` bytes as BSON is not stored: a thread's run and a child's."""
-    return f"the result is {size} bytes as BSON; the limit is {limit}"
 
 
 @dataclass(frozen=True)
@@ -185,21 +177,6 @@ def _sweep() -> int:
         if not strays:
             time.sleep(0.01)  # a child between fork and /proc: look again
     return killed
-
-
-def short_traceback(exc: BaseException) -> str:
-    text = "".join(traceback.format_exception(exc))
-    return text if len(text) <= TRACEBACK_LIMIT else "…" + text[-TRACEBACK_LIMIT:]
-
-
-def said(exc: BaseException) -> str:
-    """What a handler's ``Fail`` or ``Retry`` says: ``str(exc)``, or what ``traceback`` says of
-    an exception whose ``__str__`` raises (a subclass's: it left its run with no outcome, its
-    task RUNNING until its lease ran out; in a child, it ended the child)."""
-    try:
-        return str(exc)
-    except Exception:  # noqa: BLE001 - the handler's exception, not the worker's
-        return "<exception str() failed>"
 
 
 def _call(

@@ -58,7 +58,8 @@ from mtask.output import Batch
 from mtask.registry import Fail, Handler, Retry
 from mtask.steps import StepError, Suspended
 from mtask.worker.config import DEFAULT_MAX_RESULT_BYTES
-from mtask.worker.running.pool.child import Bounds, RunInfo, child_main, rss_of, short_traceback
+from mtask.worker.running.failures import short_traceback
+from mtask.worker.running.pool.child import Bounds, RunInfo, child_main, rss_of
 from mtask.worker.running.pool.child_steps import sendable
 
 log = logging.getLogger("mtask.pool")  # the name operators filter on, kept

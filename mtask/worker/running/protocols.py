@@ -1,0 +1,64 @@
+"""The run side's seams: what the claim side sees of it (``RunStarter``), and what it needs of
+the parts around it, each a narrow protocol (River's producer and executor meet at a struct
+and a few callbacks).
+
+- ``RunStarter`` (the ``Executor``): the claim side starts a claimed document's run, reads how
+  many outcomes wait to be written (its backpressure), and gives back a limit slot a run of
+  this worker held but no longer needs;
+- ``SlotReturns`` (the claim side's ``LimitGate``): the recorder gives back the limit slots of
+  ended runs once their outcomes are written;
+- ``PoolView`` (the ``ProcessPool``): what the heartbeat shows of the pool's children.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+
+class RunStarter(Protocol):
+    """What the claim side sees of the run side."""
+
+    def start(
+        self,
+        doc: dict[str, Any],
+        sent: float,
+        slots: tuple[str, ...] = (),
+        tokens: frozenset[str] = frozenset(),
+    ) -> None:
+        """Run a claimed task: ``sent`` is when (monotonic) its claim was sent, ``slots`` the
+        limit slots the run holds, ``tokens`` those it holds only a token of."""
+        ...
+
+    @property
+    def unwritten(self) -> int:
+        """Outcomes waiting to be written (the claimer's backpressure)."""
+        ...
+
+    def give_back(self, slot: str, run_id: str) -> None:
+        """Give a limit slot back once the outcomes now pending are written (or at once)."""
+        ...
+
+
+class SlotReturns(Protocol):
+    """Where the limit slots of ended runs go back (the ``LimitGate``)."""
+
+    def release_later(self, slot: str, run_ids: Iterable[str]) -> None: ...
+
+    def take_releases(self) -> dict[str, list[str]]: ...
+
+    async def flush(
+        self, releases: dict[str, list[str]] | None = None, keep: bool = True
+    ) -> None: ...
+
+
+class PoolView(Protocol):
+    """The process pool as the heartbeat shows it."""
+
+    max_tasks_per_child: int | None
+    max_memory_per_child: int | None
+    memory_limit: int | None
+
+    def state(self) -> dict[str, int]: ...
+
+    def children(self, limit: int = 64) -> list[dict[str, Any]]: ...
