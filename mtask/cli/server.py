@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mtask.cli.common import Commands, add_connection, err, require
+from mtask.cli.common import Commands, add_connection, err, mongodb_uri, require
 
 commands = Commands()
 run = commands.run
@@ -27,7 +27,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except AuthConfigError as exc:
         raise UsageError(str(exc)) from None
     app = create_app(
-        args.uri,
+        mongodb_uri(args.uri, "mtask serve"),
         database=args.database,
         collection=args.collection,
         token=token,

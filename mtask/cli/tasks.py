@@ -9,18 +9,20 @@ import json
 import re
 import sys
 from collections import Counter
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from mtask.cli import bulk
 from mtask.cli.common import (
     Commands,
     add_common,
     add_row,
+    fitting_table,
     json_default,
     out,
     parse_json,
     parse_json_object,
     print_json,
+    status_columns,
     task_client,
     when,
 )
@@ -28,6 +30,9 @@ from mtask.client import build_many
 from mtask.errors import InvalidTask, TaskNotFound, UsageError
 from mtask.models import ON_CONFLICT_CHOICES, OutputCounts, Task, TaskStatus
 from mtask.steps import NEVER
+
+if TYPE_CHECKING:
+    from mtask.store.counts import Counts
 
 BATCH = 1000
 commands = Commands()
@@ -278,28 +283,45 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print_json(counts)
         return 0
-    from rich.table import Table
+    if not counts:
+        out.print(
+            f"no tasks yet in {args.database}.{args.collection} (mtask publish NAME KEY "
+            "publishes one)",
+            markup=False,
+        )
+        return 0
+    out.print(stats_table(counts))
+    if groups:
+        largest = fitting_table(
+            "name", "group", "open", "running", fold=("group",), title="largest groups (open tasks)"
+        )
+        for g in groups:
+            add_row(largest, g["name"], g["group"], f"{g['open']:,}", f"{g['running']:,}")
+        out.print(largest)
+    return 0
 
-    statuses = [s.value for s in TaskStatus]
-    caption = None
+
+def stats_table(counts: Counts) -> Any:
+    """Counts per name and status, readable at 80 columns: a status no task is in takes no
+    column, and a name is never cut short."""
+    statuses = status_columns(counts, [s.value for s in TaskStatus])
+    notes = []
     if counts.at_least:
-        caption = (
+        notes.append(
             f"{counts.exact_up_to:,}+: more than that many finished tasks (--exact counts "
             "them all, at a cost that grows with the collection)"
         )
-    table = Table("name", *statuses, "total", caption=caption)
+    if len(statuses) < len(TaskStatus):
+        empty = [s.value for s in TaskStatus if s.value not in statuses]
+        listed = f"{', '.join(empty[:-1])} or {empty[-1]}" if len(empty) > 1 else empty[0]
+        notes.append(f"none {listed}")
+    table = fitting_table("name", *statuses, "total", caption="; ".join(notes) or None)
     for name in sorted(counts):
         row = counts[name]
         more = "+" if any(counts.is_lower_bound(name, s) for s in row) else ""
         cells = [counts.show(name, s) for s in statuses]
         add_row(table, name, *cells, f"{sum(row.values()):,}{more}")
-    out.print(table)
-    if groups:
-        largest = Table("name", "group", "open", "running", title="largest groups (open tasks)")
-        for g in groups:
-            add_row(largest, g["name"], g["group"], f"{g['open']:,}", f"{g['running']:,}")
-        out.print(largest)
-    return 0
+    return table
 
 
 def _one_key(args: argparse.Namespace) -> str:

@@ -21,8 +21,22 @@ from types import FrameType
 from typing import Any
 
 from mtask._version import __version__
-from mtask.cli.common import Commands, add_common, add_connection, err, out, task_client
-from mtask.errors import MtaskError, RegistryNotFound, UsageError, WorkerCrashed
+from mtask.cli.common import (
+    Commands,
+    add_common,
+    add_connection,
+    err,
+    mongodb_uri,
+    out,
+    task_client,
+)
+from mtask.errors import (
+    MtaskError,
+    RegistryNotFound,
+    UsageError,
+    WorkerCrashed,
+    WorkerNotFound,
+)
 from mtask.registry import Registry
 from mtask.worker import Worker
 
@@ -199,7 +213,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     with task_client(args) as client:
         found = client.stop_worker(args.worker_id)
     if not found:
-        raise UsageError(f"no worker {args.worker_id!r} is registered (see `mtask workers`)")
+        raise WorkerNotFound(args.worker_id)
     said = f"stop requested: {args.worker_id} drains and exits at its next heartbeat"
     out.print(said, markup=False)
     return 0
@@ -299,7 +313,7 @@ def run_worker(args: argparse.Namespace) -> int:
         registry = load_registry(args.registry)
         worker = Worker(
             registry,
-            uri=args.uri,
+            uri=mongodb_uri(args.uri, "mtask-worker"),
             database=args.database,
             collection=args.collection,
             worker_id=args.worker_id,
