@@ -4,14 +4,28 @@ is and how it ended, a signal's "not found" said once."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
+from harness import running_worker
 
 from mtask import TaskClient
 from mtask.cli import main
+from mtask.registry import Registry, TaskContext
+
+registry = Registry()
+
+
+@registry.task("approve_then_finish")
+async def approve_then_finish(params: dict[str, Any], ctx: TaskContext) -> str:
+    ctx.log.info("asking")
+    approval = await ctx.wait_for("go")
+    ctx.log.info("approved", by=approval["by"])
+    return str(approval["by"])
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -98,3 +112,40 @@ def test_stats_and_top_read_whole_at_80_columns(
     assert stats.stdout.splitlines()[0].split() == ["name", "pending", "cancelled", "total"]
     row = next(line for line in stats.stdout.splitlines() if line.startswith(long_names[0]))
     assert row.split()[1:] == ["1", "1", "2"]
+
+
+async def test_logs_follow_says_where_the_task_is_and_how_it_ended(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """``mtask logs KEY --follow`` on a task that waits for a signal printed nothing until it
+    finished (maybe hours later), and nothing at its end. Now stderr says it waits, for what,
+    and how it ended; stdout holds only the entries."""
+    client.publish("approve_then_finish", "order-1")
+    follower = subprocess.Popen(  # noqa: ASYNC220 - started once; its pipes are read in a thread
+        [sys.executable, "-m", "mtask.cli", "logs", "order-1", "--follow",
+         "--uri", mongo_uri, "--database", db_name],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "COLUMNS": "80"},
+    )  # fmt: skip
+    try:
+        async with running_worker(registry, mongo_uri, db_name):
+            assert follower.stderr is not None
+            said = []
+            while "waiting for the signal" not in (line := await asyncio.to_thread(
+                follower.stderr.readline
+            )):  # fmt: skip
+                assert line, f"the follower ended first: {said}"
+                said.append(line)
+            assert line.startswith("mtask: order-1 is waiting for the signal 'go' (step 1")
+            assert line.rstrip().endswith("no deadline"), line
+            client.signal("order-1", "go", {"by": "ann"})
+            out, rest = await asyncio.to_thread(follower.communicate, timeout=60)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.communicate()
+    assert follower.returncode == 0, rest
+    assert rest.splitlines()[-1] == "mtask: order-1 succeeded after 2 runs", rest
+    assert "Traceback" not in rest
+    lines = out.splitlines()  # the second run replays the handler from the top: asks again
+    assert [line.split(None, 4)[-1] for line in lines] == ["asking", "asking", "approved by=ann"]
