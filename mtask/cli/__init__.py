@@ -80,7 +80,7 @@ def cmd_completion(args: argparse.Namespace) -> int:
 
 def _register_builtin(sub: Any) -> None:
     p = sub.add_parser("completion", help="print a shell completion script")
-    p.add_argument("shell", choices=["bash", "zsh", "tcsh"])
+    p.add_argument("shell", choices=["bash", "zsh", "tcsh"], help="the shell to complete for")
 
 
 # The command modules, in the order of ``mtask --help``: (register, run) each.

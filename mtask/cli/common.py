@@ -204,9 +204,9 @@ def add_uri(p: argparse.ArgumentParser) -> None:
 def add_connection(p: argparse.ArgumentParser, *, collection: bool = True) -> None:
     """``--uri``, ``--database`` and ``--collection``."""
     add_uri(p)
-    p.add_argument("--database", default="mtask")
+    p.add_argument("--database", default="mtask", help="the database (default mtask)")
     if collection:
-        p.add_argument("--collection", default="tasks")
+        p.add_argument("--collection", default="tasks", help="the tasks collection (default tasks)")
 
 
 def add_json(p: argparse.ArgumentParser) -> None:

@@ -74,7 +74,12 @@ def register(sub: Any) -> None:
     p.add_argument("--seconds", type=float, default=120.0, help="give up after this long")
 
     p = sub.add_parser("mongod", help="the embedded MongoDB: start, stop, status")
-    p.add_argument("action", choices=["start", "stop", "status"])
+    p.add_argument(
+        "action",
+        choices=["start", "stop", "status"],
+        help="start (or attach to) it and print its URI; stop it; say whether it runs (exit 3 "
+        "if not)",
+    )
     p.add_argument(
         "--data-dir",
         help="where its data lives (default: $MTASK_DATA_DIR, else the directory a `start "

@@ -182,7 +182,7 @@ def register(sub: object) -> None:
         "logs", help="a task's log lines and output chunks (--follow: until it is finished)"
     )
     add_common(p)
-    p.add_argument("key")
+    p.add_argument("key", help="the task's key")
     p.add_argument("-f", "--follow", action="store_true", help="follow until the task finishes")
     p.add_argument("--after", type=_seq, default=0, metavar="SEQ", help="start after this entry")
     p.add_argument("--kind", choices=["log", "chunk"], help="only log lines, or only chunks")

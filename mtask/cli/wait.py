@@ -19,11 +19,13 @@ def register(subparsers: Any) -> None:
         help="wait until a task is finished and show it (exit 0 succeeded, 1 failed, 124 timeout)",
     )
     p.add_argument("--uri", help="MongoDB URI (default: $MTASK_MONGODB_URI, else embedded)")
-    p.add_argument("--database", default="mtask")
-    p.add_argument("--collection", default="tasks")
+    p.add_argument("--database", default="mtask", help="the database (default mtask)")
+    p.add_argument("--collection", default="tasks", help="the tasks collection (default tasks)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("key")
-    p.add_argument("--timeout", type=_seconds, help="give up after S seconds (default: never)")
+    p.add_argument("key", help="the task's key")
+    p.add_argument(
+        "--timeout", type=_seconds, metavar="S", help="give up after S seconds (default: never)"
+    )
 
 
 def _seconds(text: str) -> float:

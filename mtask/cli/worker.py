@@ -100,7 +100,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     """The options of ``mtask-worker``, shared with ``mtask worker run``."""
     p.add_argument("registry", help="module:attribute of an mtask.Registry")
     add_connection(p)
-    p.add_argument("--concurrency", type=int, default=10)
+    p.add_argument(
+        "--concurrency", type=int, default=10, metavar="N", help="runs at once (default 10)"
+    )
     p.add_argument(
         "--prefetch",
         type=_prefetch,
@@ -112,9 +114,15 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         "slot given back; N: always up to N (e.g. CPU-bound tasks in --pool process); 0: never",
     )
     p.add_argument("--names", help="comma-separated task names (default: all registered)")
-    p.add_argument("--worker-id")
+    p.add_argument("--worker-id", metavar="ID", help="its id (default: host:pid:random)")
     p.add_argument("--grace", type=float, default=30.0, help="seconds to drain on stop")
-    p.add_argument("--sweep-interval", type=float, default=30.0)
+    p.add_argument(
+        "--sweep-interval",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how often it looks for work its change stream may have missed (default 30)",
+    )
     p.add_argument(
         "--priority-aging",
         type=float,
@@ -187,7 +195,12 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         help="the event loop: auto (default) is uvloop where it is installed (a dependency on "
         "Linux and macOS), else asyncio's own",
     )
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="the lowest level logged, on stderr",
+    )
     p.add_argument("--version", action="version", version=f"mtask-worker {__version__}")
 
 
@@ -203,7 +216,7 @@ def register(sub: Any) -> None:
     add_worker_options(actions.add_parser("run", help="run a worker (same as mtask-worker)"))
     stop = actions.add_parser("stop", help="ask a running worker to drain and exit")
     add_common(stop)
-    stop.add_argument("worker_id")
+    stop.add_argument("worker_id", help="the worker's id, as mtask workers lists it")
 
 
 @commands.command("worker")
