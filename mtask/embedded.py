@@ -213,11 +213,17 @@ class EmbeddedMongo:
 
     def start(self, timeout: float = 60.0) -> str:
         """Start mongod (or attach to the running one) and return its URI once it is primary."""
+        return self.launch(timeout)[0]
+
+    def launch(self, timeout: float = 60.0) -> tuple[str, bool]:
+        """``start``, and whether this call started mongod (False: it attached to the one
+        running), decided under the data directory's lock: of two processes starting it at
+        once, one says it started it."""
         with self._locked():
             current = self.status()
             if current.running and current.port is not None:
                 self._wait_primary(current.port, timeout)
-                return self.uri_for(current.port)
+                return self.uri_for(current.port), False
             mongod = find_mongod()
             port = self._choose_port()
             db_path = self.data_dir / "db"
@@ -265,7 +271,7 @@ class EmbeddedMongo:
                     os.kill(pid, signal.SIGKILL)
                 raise
             self._write_state(pid=pid, port=port, running=True)
-            return self.uri_for(port)
+            return self.uri_for(port), True
 
     def stop(self, timeout: float = 30.0) -> bool:
         """Shut mongod down cleanly; returns False when it was not running."""

@@ -237,9 +237,8 @@ def mongodb_uri(given: str | None, who: str = "mtask") -> str | None:
         return given
 
     server = EmbeddedMongo()
-    was_running = server.status().running
-    uri = server.start()
-    if not was_running:
+    uri, started = server.launch()
+    if started:
         err.print(
             f"{who}: started the embedded MongoDB in {server.data_dir} ({uri}); "
             "`mtask mongod stop` stops it",

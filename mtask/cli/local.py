@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mtask.cli.common import Commands, add_json, add_uri, err, out, print_json
+from mtask.cli.common import Commands, add_json, add_uri, err, mongodb_uri, out, print_json
 from mtask.errors import ConfigError, UsageError
 
 commands = Commands()
@@ -16,7 +16,7 @@ run = commands.run
 def cmd_demo(args: argparse.Namespace) -> int:
     from mtask.demo import run_demo
 
-    return run_demo(args.uri, seconds=args.seconds)
+    return run_demo(mongodb_uri(args.uri), seconds=args.seconds)
 
 
 @commands.command("mongod")

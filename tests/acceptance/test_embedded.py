@@ -179,3 +179,20 @@ def test_the_server_a_data_dir_started_is_the_one_later_commands_use(
         assert not (project / ".mtask" / "mongodb").exists()  # no second server
     finally:
         EmbeddedMongo(data).stop()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("mongod_available")
+def test_of_two_starting_at_once_one_started_it(tmp_path: Path) -> None:
+    """A worker and a command started together (the quickstart's ``mtask-worker &`` and
+    ``mtask publish``) both said "started the embedded MongoDB": each had seen it not running
+    before taking the lock. ``launch`` decides under the lock."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: EmbeddedMongo(tmp_path).launch(), range(2)))
+    try:
+        assert sorted(started for _, started in results) == [False, True]
+        assert results[0][0] == results[1][0]
+    finally:
+        EmbeddedMongo(tmp_path).stop()
