@@ -219,7 +219,7 @@ def signal(key: str, name: str, payload: Any = None) -> Op[bool]:
         )
     doc: Doc | None = yield Call("find_one", ({"_id": key}, {"status": 1}))
     if doc is None:
-        raise TaskNotFound(f"no task with key {key!r}")
+        raise TaskNotFound(key)
     if doc.get("status") in OPEN_STATUSES:
         raise InvalidTransition(f"task {key!r} holds {MAX_SIGNALS} signals already")
     raise InvalidTransition(f"task {key!r} is {doc.get('status')}: it waits for no signal")
