@@ -239,7 +239,8 @@ class RunContexts:
     ) -> Outcome | None:
         """The handler ended with ``outcome``: its output done (``output_done``), and an
         outcome of a task holding step results stored aside seals them once recorded."""
-        outcome = await self.output_done(run, outcome)
+        if run.ctx.output_made is not None:  # else it said nothing: not even a coroutine
+            outcome = await self.output_done(run, outcome)
         if outcome is not None and spilled(run, doc):
             return dataclasses.replace(outcome, has_spills=True)
         return outcome
