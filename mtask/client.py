@@ -487,8 +487,9 @@ class _Base:
     def reset_step(self, key: str, step: str) -> Op[store_steps.Reset]:
         """Reset task ``key``'s durable steps to before step ``step``: it and every step after
         it are removed, and the next run calls them again (a removed wait takes the next
-        signal of its name: the one it had taken is removed too). One update, fenced so that no
-        run of the task is RUNNING (docs/steps.md). ``InvalidTask`` for no such step,
+        signal of its name: the one it had taken is removed too); a pending task may run now,
+        a failed or cancelled one runs again once retried. One update, fenced so that no run
+        of the task is RUNNING (docs/web.md). ``InvalidTask`` for no such step,
         ``TaskNotFound``, ``InvalidTransition`` while the task runs or once it succeeded."""
         _check_key(key)
         return (yield from store_steps.reset(key, step))

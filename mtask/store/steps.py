@@ -232,8 +232,8 @@ def reset_pipeline(step: str) -> list[Doc]:
     """Step ``step`` and every step after it removed from the journal (the next run calls them
     again: the replay rules need the recorded order, so a step in the middle cannot go alone).
     A signal a removed wait took is removed with it, so that the wait, asked for again, takes
-    the next one of its name; the signals nothing took stay. A task waiting in a removed step
-    stops waiting and may run now."""
+    the next one of its name; the signals nothing took stay. A pending task (waiting in a
+    removed step, or for its retry) may run now: the step was reset to be run again."""
     cut = {"$indexOfArray": ["$steps.name", step]}
     taken = {
         "$map": {
@@ -276,7 +276,7 @@ def reset_pipeline(step: str) -> list[Doc]:
         }
     }
     stops = {"$gte": [{"$ifNull": ["$waiting.index", -1]}, cut]}
-    wake = {"$and": [stops, {"$eq": ["$status", TaskStatus.PENDING.value]}]}
+    wake = {"$eq": ["$status", TaskStatus.PENDING.value]}
     return [
         {
             "$set": {
@@ -300,7 +300,7 @@ def reset_pipeline(step: str) -> list[Doc]:
 @dataclass(frozen=True)
 class Reset:
     """What a reset removed: the steps from ``step`` on (their names), the signals their waits
-    had taken, and whether the task was waiting in one of them (it may run now)."""
+    had taken, and whether the task was pending (it may run now; a finished one is retried)."""
 
     key: str
     step: str
@@ -333,17 +333,13 @@ def reset(key: str, step: str) -> Op[Reset]:
     spills = [s["spill"].get("id") for s in removed if isinstance(s.get("spill"), dict)]
     if spills:
         yield Call("delete_many", ({"task": key, "spill": {"$in": spills}},), collection=COLLECTION)
-    waiting = before.get("waiting")
     return Reset(
         key,
         step,
         index,
         [str(s.get("name")) for s in removed],
         sum(1 for s in removed if s.get("kind") == "signal" and s.get("state") == "done"),
-        before.get("status") == TaskStatus.PENDING.value
-        and isinstance(waiting, dict)
-        and isinstance(waiting.get("index"), int)
-        and waiting["index"] >= index,
+        before.get("status") == TaskStatus.PENDING.value,
     )
 
 

@@ -317,6 +317,9 @@ async def task_page(key: str, request: Request) -> HTMLResponse:
     entries = await client.output(key, after=newest, limit=OUTPUT_SHOWN) if task.output_seq else []
     live = task.status is not None and not task.status.finished
     q = request.query_params
+    # without JavaScript the page reloads itself while the task is open, but not while a
+    # person may be typing a signal's payload (it would be lost)
+    typing = q.get("at") == "signal" or (task.waiting is not None and task.waiting.signal)
     return render(
         request,
         "task.html",
@@ -331,6 +334,7 @@ async def task_page(key: str, request: Request) -> HTMLResponse:
         timeline=timeline(task, now),
         entries=entries,
         live=live,
+        reloads=live and not typing,
         shown_from=newest,
         sig=q.get("sig"),
         payload=q.get("payload"),

@@ -55,7 +55,7 @@ def test_a_reset_is_one_fenced_update_then_the_spills_go() -> None:
     )
 
 
-def test_a_waiting_task_reset_before_its_wait_runs_again_now() -> None:
+def test_a_pending_task_reset_runs_again_now() -> None:
     waiting = {"index": 2, "signal": "approved", "until": NOW}
     journal = [*JOURNAL[:2], {**JOURNAL[2], "state": "waiting"}]
     driver = ScriptedDriver(

@@ -11,7 +11,13 @@ function swap(html, url) {
   const fresh = page.getElementById("content");
   if (!fresh) return;
   document.getElementById("content").replaceWith(fresh);
-  if (url && url !== location.href) history.replaceState(null, "", url);
+  if (url) {
+    // the page shows the action's answer; its address does not keep it (a reload would
+    // show it again): only where the answer is shown (at) stays
+    const settled = new URL(url);
+    for (const key of MESSAGE_KEYS) if (key !== "at") settled.searchParams.delete(key);
+    history.replaceState(null, "", settled.pathname + settled.search);
+  }
   // a form's answer shown beside the form (the signal form's): bring it into view
   const note = document.querySelector("form #note .flash");
   if (note) note.scrollIntoView({ block: "nearest" });
@@ -24,11 +30,16 @@ async function refresh() {
   const typed = document.querySelector("form.signal textarea");
   if (typed && typed.value) return;
   const url = new URL(location.href);
-  for (const key of MESSAGE_KEYS) url.searchParams.delete(key);
+  for (const key of MESSAGE_KEYS) if (key !== "at") url.searchParams.delete(key);
+  const note = document.getElementById("note");
+  const said = note ? note.innerHTML : "";
   const response = await fetch(url, { credentials: "same-origin" });
   if (!response.ok) return;
   swap(await response.text());
-  // the message was the answer to an action: a reload must not show it again
+  // the answer to an action stays on the page until the person leaves it, but a reload (the
+  // address without it) does not show it again
+  const fresh = document.getElementById("note");
+  if (fresh && said && !fresh.innerHTML.trim()) fresh.innerHTML = said;
   history.replaceState(null, "", url.pathname + url.search);
 }
 
