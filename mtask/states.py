@@ -212,7 +212,7 @@ def _later(task: Task, due: dt.datetime, now: dt.datetime) -> Explained:
     """A pending task not due yet: waiting (a sleep, a signal), retrying, or scheduled."""
     w = task.waiting
     if w is not None:
-        step = f"step {w.index + 1}" + (f", {w.step}" if w.step else "")
+        step = f"step {w.index + 1}" + (f": {w.step}" if w.step else "")
         if w.signal is not None:
             return Explained(
                 State.WAITING,

@@ -24,7 +24,7 @@ EXPECTED: dict[str, tuple[str, str | None, str]] = {
         "backoff",
         "attempt 1 failed: RuntimeError: flaky failure on attempt 1",
     ),
-    "order-1": ("waiting", "signal", "waiting for the signal `approved` (step 2, wait:approved)"),
+    "order-1": ("waiting", "signal", "waiting for the signal `approved` (step 2: wait:approved)"),
     "nap-1": ("waiting", "sleep", "sleeping until "),
     "dep-1": ("waiting", "dependencies", "waiting for 1 task it depends on: `later-1`"),
     "acme-3": (

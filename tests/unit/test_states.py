@@ -117,7 +117,7 @@ def test_waiting_for_a_signal_a_sleep_or_dependencies() -> None:
     assert said(doc(waiting=signal, next_claim_at=LATER)) == (
         "waiting",
         "signal",
-        "waiting for the signal `approved` (step 3, wait:approved), times out at "
+        "waiting for the signal `approved` (step 3: wait:approved), times out at "
         "2026-11-28 03:24:17 (in 12 min)",
     )
     forever = signal | {"until": NEVER}
@@ -126,7 +126,7 @@ def test_waiting_for_a_signal_a_sleep_or_dependencies() -> None:
     assert said(doc(waiting=sleep, next_claim_at=LATER)) == (
         "waiting",
         "sleep",
-        "sleeping until 2026-11-28 03:24:17 (in 12 min; step 2, sleep#1)",
+        "sleeping until 2026-11-28 03:24:17 (in 12 min; step 2: sleep#1)",
     )
     deps = doc(depends_on=["a", "b"], waiting_on=["a", "b"], next_claim_at=None)
     assert said(deps) == ("waiting", "dependencies", "waiting for 2 tasks it depends on: `a`, `b`")
