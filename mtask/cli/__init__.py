@@ -37,6 +37,7 @@ from mtask.cli import (
     scheduling,
     server,
     signal,
+    step,
     tasks,
     wait,
     worker,
@@ -89,6 +90,7 @@ COMMAND_MODULES: list[CommandModule] = [
     (wait.register, wait.run),  # issue 14: mtask wait
     (logs.register, logs.run),  # issue 31: mtask logs
     (signal.register, signal.run),  # issue 30: mtask signal
+    (step.register, step.run),  # issue 65: mtask step reset
     (worker.register, worker.run),
     (scheduling.register, scheduling.run),
     (retention.register, retention.run),

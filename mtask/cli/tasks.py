@@ -29,7 +29,19 @@ from mtask.cli.common import (
 from mtask.client import build_many
 from mtask.errors import InvalidTask, TaskNotFound, UsageError
 from mtask.models import ON_CONFLICT_CHOICES, OutputCounts, Task, TaskStatus
+from mtask.states import (
+    STATES,
+    Cluster,
+    Explained,
+    State,
+    attempt_text,
+    explain,
+    last_line,
+    timing,
+)
 from mtask.steps import NEVER
+from mtask.tracebacks import fold, folded_text
+from mtask.wording import relative, span
 
 if TYPE_CHECKING:
     from mtask.store.counts import Counts
@@ -100,57 +112,133 @@ def cmd_publish(args: argparse.Namespace) -> int:
 def cmd_get(args: argparse.Namespace) -> int:
     with task_client(args) as client:
         task = client.get(args.key)
-    if task is None:
-        raise TaskNotFound(args.key)
+        if task is None:
+            raise TaskNotFound(args.key)
+        said = client.explain(task)
+        now = client.now()
     if args.json:
-        print_json(task.model_dump(by_alias=True))
+        print_json({**task.model_dump(by_alias=True), **_state_json(said)})
     else:
-        print_task(task)
+        print_task(task, said, now)
+        if args.traceback:
+            print_tracebacks(task)
     return 0
 
 
-def print_task(task: Task) -> None:
+def _state_json(said: Explained) -> dict[str, Any]:
+    return {"state": said.state.value, "why": said.why, "reason": said.reason}
+
+
+def _state_cell(said: Explained) -> str:
+    """``blocked · group``: a derived state and its reason's kind."""
+    why = f" · {said.why.replace('_', ' ')}" if said.why and said.why != "backoff" else ""
+    return f"{said.state.value}{why}"
+
+
+SHOWN_ERROR = (State.FAILED, State.RETRYING)
+"""``get`` prints the task's error in its header for these (else its runs say it)."""
+
+
+def _error_row(task: Task, said: Explained) -> list[tuple[str, str]]:
+    """A failed or retrying task's error: its last line, and where in the user's code it was
+    raised (``--traceback`` prints it all, mtask's own frames folded)."""
+    if said.state not in SHOWN_ERROR or not task.error:
+        return []
+    folded = fold(task.error)
+    origin = f" (in {folded.origin.where})" if folded.origin else ""
+    return [("error", f"{folded.exception}{origin}")]
+
+
+def _header_rows(task: Task, said: Explained, now: dt.datetime) -> list[tuple[str, str]]:
+    created = f"{when(task.created_at)} ({relative(task.created_at, now)})"
+    rows = [("state", _state_cell(said)), ("why", said.reason), ("name", task.name or "-")]
+    if task.options.group is not None:
+        rows.append(("group", task.options.group))
+    if task.options.priority:
+        rows.append(("priority", str(task.options.priority)))
+    runs = f"{task.attempts} run{'s' if task.attempts != 1 else ''}" if task.attempts else "none"
+    rows += [("attempt", f"{attempt_text(task)} (runs: {runs})"), ("created", created)]
+    next_time = timing(task, said)
+    if next_time is not None:
+        label, at = next_time
+        rows.append((label, "no deadline" if at is None else f"{when(at)} ({relative(at, now)})"))
+    if task.finished_at is not None:
+        rows.append(("finished", f"{when(task.finished_at)} ({relative(task.finished_at, now)})"))
+    rows += _error_row(task, said)
+    if said.state is State.SUCCEEDED:
+        rows.append(("result", json.dumps(task.result, default=json_default)))
+    rows.append(("params", json.dumps(task.params, default=json_default)))
+    changed = task.options.changed()
+    rows.append(("options", json.dumps(changed, default=json_default) if changed else "defaults"))
+    return rows
+
+
+def print_task(task: Task, said: Explained | None = None, now: dt.datetime | None = None) -> None:
+    """A task as ``mtask get`` prints it, readable at 80 columns: its key, derived state and
+    why, the facts, then its runs (each error's last line), steps and what it waits for.
+    Without ``said`` (``mtask wait``'s finished task), the state is told from the document
+    alone, as of its last change."""
     from rich.table import Table
     from rich.text import Text
 
+    if now is None:
+        now = task.finished_at or task.updated_at or task.created_at or dt.datetime.now(dt.UTC)
+    if said is None:
+        said = explain(task, Cluster(now))
+
+    out.print(Text(task.key, style="bold"))
     grid = Table.grid(padding=(0, 2))
-    for label, value in [
-        ("key", task.key),
-        ("name", task.name),
-        ("status", task.status or "-"),
-        ("params", json.dumps(task.params, default=json_default)),
-        (
-            "attempts",
-            f"{_count(task.attempts)} (successes {_count(task.successes)}, "
-            f"failures {_count(task.failures)})",
-        ),
-        ("next claim", when(task.next_claim_at)),
-        ("created", when(task.created_at)),
-        ("finished", when(task.finished_at)),
-        ("error", task.error or "-"),
-        ("result", json.dumps(task.result, default=json_default)),
-        *_progress_rows(task),
-        *_flow_rows(task),
-        *_waiting_rows(task),
-    ]:
+    grid.add_column(no_wrap=True)
+    grid.add_column(overflow="fold")
+    rows = [*_header_rows(task, said, now), *_progress_rows(task)]
+    rows += [*_flow_rows(task), *_waiting_rows(task)]
+    for label, value in rows:
         add_row(grid, Text(label, style="bold"), value)
     out.print(grid)
     if task.runs:
-        runs = Table("run", "worker", "state", "claimed", "lease / finished", "output", "error")
-        for run in task.runs:
-            add_row(
-                runs,
-                run.run_id[:8],
-                run.worker_id,
-                run.state.value,
-                when(run.claimed_at),
-                when(run.finished_at or run.lease_expires_at),
-                _output_cell(run.output),
-                run.error or "",
-            )
-        out.print(runs)
+        out.print(runs_table(task, now))
     if task.steps:
         out.print(steps_table(task))
+
+
+def runs_table(task: Task, now: dt.datetime) -> Any:
+    """The runs, oldest first: each error's last line (``--traceback`` prints them whole)."""
+    from rich.table import Table
+
+    talked = any(run.output for run in task.runs)
+    headers = ["run", "worker", "state", "claimed (UTC)", "took", "output", "error"]
+    runs = Table(*(h for h in headers if talked or h != "output"))
+    runs.columns[1].overflow = "fold"
+    runs.columns[3].no_wrap = True
+    runs.columns[-1].overflow = "fold"
+    runs.columns[-1].ratio = 1
+    for run in task.runs:
+        took = span(((run.finished_at or now) - run.claimed_at).total_seconds())
+        cells = [run.run_id[:8], run.worker_id, run.state.value, _short(run.claimed_at)]
+        cells.append(took if run.finished_at else f"{took}…")
+        cells += [_output_cell(run.output)] if talked else []
+        add_row(runs, *cells, last_line(run.error))
+    return runs
+
+
+def print_tracebacks(task: Task) -> None:
+    """``get --traceback``: the task's error, then each run's that differs, mtask's own frames
+    folded to one line each (``--json`` has them as stored)."""
+    seen = set()
+    for label, text in [
+        ("error", task.error),
+        *((f"run {r.run_id[:8]}", r.error) for r in task.runs),
+    ]:
+        if not text or text in seen:
+            continue
+        seen.add(text)
+        out.print(f"\n{label}:", markup=False)
+        out.print(folded_text(text), markup=False)
+
+
+def _short(at: dt.datetime | None) -> str:
+    """A time in a table at 80 columns: ``11-28 04:22:04`` (the year is in the header)."""
+    return at.strftime("%m-%d %H:%M:%S") if at is not None else "-"
 
 
 def _deadline(at: dt.datetime | None) -> str:
@@ -173,37 +261,56 @@ def _waiting_rows(task: Task) -> list[tuple[str, str]]:
 
 def steps_table(task: Task) -> Any:
     """Issue 30: one row per durable step, in the handler's order; a step's earlier tries
-    as a count of failures with the newest error."""
+    as a count of failures with the newest error. A sleep's or a wait's time is how long it
+    slept or waited, not its call's (issue 65)."""
     from rich.table import Table
 
-    table = Table("#", "step", "kind", "state", "attempts", "ms", "started", "detail")
+    table = Table("#", "step", "kind", "state", "tries", "took", "started", "detail")
+    table.columns[1].overflow = "fold"
+    table.columns[6].no_wrap = True
+    table.columns[7].overflow = "fold"
+    table.columns[7].ratio = 1
     for i, step in enumerate(task.steps, 1):
-        detail = []
-        if step.kind == "sleep":
-            detail.append(_deadline(step.until))
-        elif step.kind == "signal":
-            detail.append(f"{step.signal!r} #{(step.nth or 0) + 1}, {_deadline(step.until)}")
-        if step.spill:
-            detail.append(f"result aside: {step.spill.get('bytes', '?')} bytes")
-        if step.transactional:
-            detail.append("transactional")
-        failed = [t for t in step.tries if t.error]
-        if step.error:
-            detail.append(f"error: {step.error}")
-        elif failed:
-            detail.append(f"{len(failed)} failed tries, last: {failed[-1].error}")
         add_row(
             table,
             str(i),
             step.name,
             step.kind,
             step.state,
-            str(step.attempts),
-            "" if step.ms is None else str(step.ms),
-            when(step.started_at),
-            "; ".join(detail),
+            str(step.attempts) if step.kind == "call" else "",
+            _took(step),
+            _short(step.started_at),
+            _step_detail(step),
         )
     return table
+
+
+def _took(step: Any) -> str:
+    if step.kind == "call":
+        return "" if step.ms is None else span(step.ms / 1000)
+    return (
+        ""
+        if step.finished_at is None
+        else span((step.finished_at - step.started_at).total_seconds())
+    )
+
+
+def _step_detail(step: Any) -> str:
+    detail = []
+    if step.kind == "sleep":
+        detail.append(_deadline(step.until))
+    elif step.kind == "signal":
+        detail.append(f"{step.signal!r} #{(step.nth or 0) + 1}, {_deadline(step.until)}")
+    if step.spill:
+        detail.append(f"result aside: {step.spill.get('bytes', '?')} bytes")
+    if step.transactional:
+        detail.append("transactional")
+    failed = [t for t in step.tries if t.error]
+    if step.error:
+        detail.append(f"error: {last_line(step.error)}")
+    elif failed:
+        detail.append(f"{len(failed)} failed tries, last: {failed[-1].error}")
+    return "; ".join(detail)
 
 
 def _progress_rows(task: Task) -> list[tuple[str, str]]:
@@ -243,34 +350,79 @@ def _flow_rows(task: Task) -> list[tuple[str, str]]:
 
 @commands.command("list")
 def cmd_list(args: argparse.Namespace) -> int:
+    if args.state is not None and (args.status is not None or args.order != "newest"):
+        raise UsageError("--state lists newest first, without --status or --order")
     with task_client(args) as client:
-        tasks = client.list(
-            name=args.name,
-            status=args.status,
-            limit=args.limit,
-            after=args.after,
-            order=args.order,
-            group=args.group,
-        )
+        if args.state is not None:
+            page = client.search_state(
+                args.state, name=args.name, group=args.group, after=args.after, limit=args.limit
+            )
+            rows, more = page.tasks, page.after
+            now = client.now()
+        else:
+            tasks = client.list(
+                name=args.name,
+                status=args.status,
+                limit=args.limit,
+                after=args.after,
+                order=args.order,
+                group=args.group,
+            )
+            rows = list(zip(tasks, client.explain_all(tasks), strict=True))
+            more = tasks[-1].key if len(tasks) == args.limit else None
+        now = client.now()
     if args.json:
-        print_json([t.model_dump(by_alias=True) for t in tasks])
+        print_json([{**t.model_dump(by_alias=True), **_state_json(e)} for t, e in rows])
         return 0
-    from rich.table import Table
-
-    table = Table("key", "name", "status", "attempts", "next claim", "created")
-    for t in tasks:
-        add_row(
-            table,
-            t.key,
-            t.name,
-            # issue 14: an invalid task shows why
-            f"invalid: {t.invalid_reason}" if t.invalid_reason else (t.status or "-"),
-            _count(t.attempts),
-            when(t.next_claim_at),
-            when(t.created_at),
-        )
-    out.print(table)
+    print_list(rows, now)
+    if more is not None and args.state is not None:
+        out.print(f"more may match: --after {more}", markup=False)
     return 0
+
+
+def _why_cell(task: Task, said: Explained) -> str:
+    """What a list says of a task beside its state: the error's last line of a failed,
+    retrying or invalid one; why a waiting or blocked one does not run."""
+    if said.state in (State.FAILED, State.RETRYING):
+        return last_line(task.error)
+    if said.state is State.INVALID:
+        return last_line(task.invalid_reason)
+    if said.state in (State.WAITING, State.BLOCKED):
+        return said.reason
+    return ""
+
+
+def print_list(rows: list[tuple[Task, Explained]], now: dt.datetime) -> None:
+    """One line a task (key, name, state, tries, created), and under it, indented, why a
+    waiting or blocked one does not run or a failed one's error: readable at 80 columns, keys
+    never cut."""
+    import textwrap
+
+    if not rows:
+        out.print("no tasks match", markup=False)
+        return
+    cells = [
+        (t.key, t.name or "-", _state_cell(e), _count(t.attempts), relative(t.created_at, now))
+        for t, e in rows
+    ]
+    header = ("key", "name", "state", "tries", "created")
+    widths = [min(max(len(c[i]) for c in [header, *cells]), cap) for i, cap in enumerate(CAPS)]
+    width = max(40, out.console.width if out.rich_available else 80)
+    lines = [_columns(header, widths)]
+    for (t, said), row in zip(rows, cells, strict=True):
+        lines.append(_columns(row, widths))
+        why = _why_cell(t, said)
+        if why:
+            lines += textwrap.wrap(why, width - 4, initial_indent="    ", subsequent_indent="    ")
+    out.print("\n".join(lines), markup=False)
+
+
+CAPS = (28, 16, 22, 5, 12)
+"""The widest each column of ``mtask list`` pads to (a longer key is printed whole)."""
+
+
+def _columns(cells: tuple[str, ...], widths: list[int]) -> str:
+    return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
 
 @commands.command("stats")
@@ -501,14 +653,24 @@ def register(sub: Any) -> None:
         "--depends-on", action="append", metavar="KEY", help="run only after this task succeeded"
     )
 
-    p = sub.add_parser("get", help="show one task")
+    p = sub.add_parser("get", help="show one task: its state and why, runs, steps")
     add_common(p)
     p.add_argument("key", help="the task's key")
+    p.add_argument(
+        "--traceback",
+        action="store_true",
+        help="print the error's traceback, mtask's own frames folded (--json: as stored)",
+    )
 
     p = sub.add_parser("list", help="list tasks")
     add_common(p)
     p.add_argument("--name", help="only tasks of this name")
     p.add_argument("--status", choices=[s.value for s in TaskStatus], help="only this status")
+    p.add_argument(
+        "--state",
+        choices=STATES,
+        help="only tasks in this derived state (blocked, waiting, retrying, …), newest first",
+    )
     p.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
     p.add_argument("--after", help="last key of the previous page")
     p.add_argument(
