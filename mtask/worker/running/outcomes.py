@@ -37,15 +37,14 @@ from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import ActiveRun
 from mtask.worker.running.failures import result_too_large, said, short_traceback
 from mtask.worker.running.invoke import invoke
-from mtask.worker.running.pool.pool import (
+from mtask.worker.running.pool.errors import (
     ChildDied,
     HandlerError,
-    LeaseWatch,
     MemoryLimitExceeded,
-    ProcessPool,
     ReplyRefused,
     TimeLimitExceeded,
 )
+from mtask.worker.running.pool.pool import LeaseWatch, ProcessPool
 from mtask.worker.running.slots import GiveBack
 from mtask.worker.running.transactional import RunFence, TransactionEnded, TransactionTooLong
 from mtask.worker.stats import WorkerStats
