@@ -22,7 +22,7 @@ each whole, under its run's lock (``child._Run``). Nothing else crosses the pipe
 seen on an "alive" pipe that carries nothing.
 
 On the wire (``Connection.send``, pickled by ``ForkingPickler``) each message is a bare tuple,
-its kind first::
+its kind first (a ``Call`` is known by where it comes, a ``Retire`` is ``None``)::
 
     Call        (handler, params, info)       Retire    None
     Output      ("out", batch)                StepAsk   ("step", op, args)
@@ -31,9 +31,11 @@ its kind first::
     Stopped     ("lease", rss)
 
 Tuples, and not the named messages themselves: a NamedTuple pickles as a reference to its class
-beside its fields (this module's path and the class's name: 50 bytes more per message, and a
-lookup of the class to unpickle it), for nothing the kind does not say already. The names cost
-one tuple built on each side.
+beside its fields (this module's path and the class's name, and the enum's for a kind): a
+no-op's ``Reply`` would be 92 bytes against 25 as a tuple, an ``Output`` 40 bytes more, and
+each would unpickle through a lookup of its classes (2.6 µs against 0.2 µs for that reply), for
+nothing the kind does not say already. The names cost a tuple built on each side
+(``decode``: 0.25 µs).
 
 What a child sends is bounded (``Bounds``): the worker reads a message whole before it can
 refuse it, into the memory its other runs use.
