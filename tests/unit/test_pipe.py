@@ -86,6 +86,14 @@ def test_a_messages_kind_is_spelled_in_pipe_py_only() -> None:
 # -- the wire -------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def conns() -> Iterator[tuple[Any, Any]]:
+    worker, child = multiprocessing.Pipe()
+    yield worker, child
+    worker.close()
+    child.close()
+
+
 @given(value=values, rss=rss, delay=st.none() | st.floats(0, 1e6))
 def test_replies_cross_as_the_tuples_the_pipe_carried_and_come_back_as_themselves(
     value: Any, rss: int, delay: float | None
@@ -180,14 +188,6 @@ def test_every_kind_but_ok_raises_and_ok_returns() -> None:
 
 
 # -- what the worker does not read ----------------------------------------------------------------
-
-
-@pytest.fixture
-def conns() -> Iterator[tuple[Any, Any]]:
-    worker, child = multiprocessing.Pipe()
-    yield worker, child
-    worker.close()
-    child.close()
 
 
 def _exit_when_loaded() -> None:
