@@ -184,7 +184,7 @@ def _label(node: dict[str, Any]) -> str:
 def register(sub: Any) -> None:
     p = sub.add_parser("limit", help="limit a task name across all workers")
     add_common(p)
-    p.add_argument("name")
+    p.add_argument("name", help="the task name")
     p.add_argument("--concurrency", type=int, help="at most this many runs at once")
     p.add_argument("--rate", help="at most this many claims, e.g. 10/s, 600/m, 3600/h")
     p.add_argument("--burst", type=int, help="tokens the rate may save up (default: 1 s worth)")
@@ -203,16 +203,25 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("schedule", help="repeatable tasks: add, list, pause, resume, remove")
     add_common(p)
-    p.add_argument("action", choices=["add", "list", "pause", "resume", "remove"])
-    p.add_argument("id", nargs="?")
+    p.add_argument(
+        "action",
+        choices=["add", "list", "pause", "resume", "remove"],
+        help="add ID TASK (--cron or --every); list; pause, resume or remove ID",
+    )
+    p.add_argument("id", nargs="?", help="the schedule's id (all but list)")
     p.add_argument("task", nargs="?", help="the task name to publish (add)")
     p.add_argument("--cron", help="a cron expression, e.g. '0 * * * *'")
     p.add_argument("--every", type=float, help="an interval in seconds")
     p.add_argument("--timezone", default="UTC", help="e.g. Europe/Paris (default UTC)")
     p.add_argument("--params", help="JSON object")
     p.add_argument("--options", help="JSON object of task options")
-    p.add_argument("--catch-up", default="latest", choices=CATCH_UP_CHOICES)
+    p.add_argument(
+        "--catch-up",
+        default="latest",
+        choices=CATCH_UP_CHOICES,
+        help="the ticks missed while nothing ran: run none, the latest, or all",
+    )
 
     p = sub.add_parser("flow", help="a task and the steps below it, as a tree")
     add_common(p)
-    p.add_argument("key")
+    p.add_argument("key", help="the task's key")

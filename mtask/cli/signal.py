@@ -45,6 +45,6 @@ def cmd_signal(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p = sub.add_parser("signal", help="send a signal to a task (its ctx.wait_for returns it)")
     add_common(p)
-    p.add_argument("key")
+    p.add_argument("key", help="the task's key")
     p.add_argument("name", help="the signal's name")
-    p.add_argument("--payload", help="a JSON value, handed to the waiting handler")
+    p.add_argument("--payload", metavar="JSON", help="a JSON value, handed to the waiting handler")

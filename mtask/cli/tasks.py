@@ -9,18 +9,20 @@ import json
 import re
 import sys
 from collections import Counter
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from mtask.cli import bulk
 from mtask.cli.common import (
     Commands,
     add_common,
     add_row,
+    fitting_table,
     json_default,
     out,
     parse_json,
     parse_json_object,
     print_json,
+    status_columns,
     task_client,
     when,
 )
@@ -28,6 +30,9 @@ from mtask.client import build_many
 from mtask.errors import InvalidTask, TaskNotFound, UsageError
 from mtask.models import ON_CONFLICT_CHOICES, OutputCounts, Task, TaskStatus
 from mtask.steps import NEVER
+
+if TYPE_CHECKING:
+    from mtask.store.counts import Counts
 
 BATCH = 1000
 commands = Commands()
@@ -278,28 +283,45 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print_json(counts)
         return 0
-    from rich.table import Table
+    if not counts:
+        out.print(
+            f"no tasks yet in {args.database}.{args.collection} (mtask publish NAME KEY "
+            "publishes one)",
+            markup=False,
+        )
+        return 0
+    out.print(stats_table(counts))
+    if groups:
+        largest = fitting_table(
+            "name", "group", "open", "running", fold=("group",), title="largest groups (open tasks)"
+        )
+        for g in groups:
+            add_row(largest, g["name"], g["group"], f"{g['open']:,}", f"{g['running']:,}")
+        out.print(largest)
+    return 0
 
-    statuses = [s.value for s in TaskStatus]
-    caption = None
+
+def stats_table(counts: Counts) -> Any:
+    """Counts per name and status, readable at 80 columns: a status no task is in takes no
+    column, and a name is never cut short."""
+    statuses = status_columns(counts, [s.value for s in TaskStatus])
+    notes = []
     if counts.at_least:
-        caption = (
+        notes.append(
             f"{counts.exact_up_to:,}+: more than that many finished tasks (--exact counts "
             "them all, at a cost that grows with the collection)"
         )
-    table = Table("name", *statuses, "total", caption=caption)
+    if len(statuses) < len(TaskStatus):
+        empty = [s.value for s in TaskStatus if s.value not in statuses]
+        listed = f"{', '.join(empty[:-1])} or {empty[-1]}" if len(empty) > 1 else empty[0]
+        notes.append(f"none {listed}")
+    table = fitting_table("name", *statuses, "total", caption="; ".join(notes) or None)
     for name in sorted(counts):
         row = counts[name]
         more = "+" if any(counts.is_lower_bound(name, s) for s in row) else ""
         cells = [counts.show(name, s) for s in statuses]
         add_row(table, name, *cells, f"{sum(row.values()):,}{more}")
-    out.print(table)
-    if groups:
-        largest = Table("name", "group", "open", "running", title="largest groups (open tasks)")
-        for g in groups:
-            add_row(largest, g["name"], g["group"], f"{g['open']:,}", f"{g['running']:,}")
-        out.print(largest)
-    return 0
+    return table
 
 
 def _one_key(args: argparse.Namespace) -> str:
@@ -425,38 +447,76 @@ def publish_from_file(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p = sub.add_parser("publish", help="publish a task (idempotent by key)")
     add_common(p)
-    p.add_argument("name", nargs="?")
-    p.add_argument("key", nargs="?")
+    p.add_argument("name", nargs="?", help="the task's name: which handler runs it")
+    p.add_argument("key", nargs="?", help="the task's key: publishing it again changes nothing")
     p.add_argument(
         "--from-file",
         metavar="FILE",
         help="publish JSON lines ({name, key, params, options, delay, depends_on}); - for stdin",
     )
-    p.add_argument("--params", help="JSON object")
-    p.add_argument("--options", help="JSON object of task options")
-    p.add_argument("--priority", type=int)
-    p.add_argument("--concurrency", type=int)
-    p.add_argument("--max-retries", type=int)
-    p.add_argument("--worker-timeout-ms", type=int)
-    p.add_argument("--ping-interval-ms", type=int)
-    p.add_argument("--worker", action="append", help="only this worker id may run it (repeat)")
-    p.add_argument("--delay", type=float, help="seconds before it may run")
-    p.add_argument("--on-conflict", default="ignore", choices=ON_CONFLICT_CHOICES)
+    p.add_argument("--params", metavar="JSON", help="the handler's input: a JSON object")
     p.add_argument(
-        "--depends-on", action="append", help="run only after this task succeeded (repeat)"
+        "--options", metavar="JSON", help="task options as a JSON object (docs/design.md)"
+    )
+    p.add_argument("--priority", type=int, metavar="N", help="higher is claimed first (default 0)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        metavar="N",
+        help="how many distinct workers must run it successfully (default 1)",
+    )
+    p.add_argument(
+        "--max-retries",
+        type=int,
+        metavar="N",
+        help="failures allowed before it fails for good (default 3)",
+    )
+    p.add_argument(
+        "--worker-timeout-ms",
+        type=int,
+        metavar="MS",
+        help="the lease: a run not pinged for this long is taken over (default 30000)",
+    )
+    p.add_argument(
+        "--ping-interval-ms",
+        type=int,
+        metavar="MS",
+        help="how often a running worker extends its lease (default 5000)",
+    )
+    p.add_argument("--worker", action="append", metavar="ID", help="only this worker id may run it")
+    p.add_argument(
+        "--delay",
+        type=float,
+        metavar="SECONDS",
+        help="seconds before it may run (the server's clock)",
+    )
+    p.add_argument(
+        "--on-conflict",
+        default="ignore",
+        choices=ON_CONFLICT_CHOICES,
+        help="when the key exists: change nothing, replace the params and options of a task "
+        "not running, or make a finished task new again",
+    )
+    p.add_argument(
+        "--depends-on", action="append", metavar="KEY", help="run only after this task succeeded"
     )
 
     p = sub.add_parser("get", help="show one task")
     add_common(p)
-    p.add_argument("key")
+    p.add_argument("key", help="the task's key")
 
     p = sub.add_parser("list", help="list tasks")
     add_common(p)
-    p.add_argument("--name")
-    p.add_argument("--status", choices=[s.value for s in TaskStatus])
-    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--name", help="only tasks of this name")
+    p.add_argument("--status", choices=[s.value for s in TaskStatus], help="only this status")
+    p.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
     p.add_argument("--after", help="last key of the previous page")
-    p.add_argument("--order", choices=["newest", "next_claim_at"], default="newest")
+    p.add_argument(
+        "--order",
+        choices=["newest", "next_claim_at"],
+        default="newest",
+        help="newest first, or soonest claimable first",
+    )
     p.add_argument("--group", help="only the tasks of this group (options.group)")
 
     p = sub.add_parser("stats", help="counts per name and status")
@@ -481,7 +541,7 @@ def register(sub: Any) -> None:
     ):
         p = sub.add_parser(name, help=text)
         add_common(p)
-        p.add_argument("key", nargs="?")
+        p.add_argument("key", nargs="?", help="the task's key (or a filter below)")
         bulk.add_filters(p)
 
     p = sub.add_parser("workers", help="list live workers")
@@ -493,4 +553,4 @@ def register(sub: Any) -> None:
     ):
         p = sub.add_parser(name, help=text)
         add_common(p)
-        p.add_argument("name")
+        p.add_argument("name", help="the task name")

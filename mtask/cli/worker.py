@@ -21,8 +21,22 @@ from types import FrameType
 from typing import Any
 
 from mtask._version import __version__
-from mtask.cli.common import Commands, add_common, add_connection, err, out, task_client
-from mtask.errors import MtaskError, RegistryNotFound, UsageError, WorkerCrashed
+from mtask.cli.common import (
+    Commands,
+    add_common,
+    add_connection,
+    err,
+    mongodb_uri,
+    out,
+    task_client,
+)
+from mtask.errors import (
+    MtaskError,
+    RegistryNotFound,
+    UsageError,
+    WorkerCrashed,
+    WorkerNotFound,
+)
 from mtask.registry import Registry
 from mtask.worker import Worker
 
@@ -86,7 +100,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     """The options of ``mtask-worker``, shared with ``mtask worker run``."""
     p.add_argument("registry", help="module:attribute of an mtask.Registry")
     add_connection(p)
-    p.add_argument("--concurrency", type=int, default=10)
+    p.add_argument(
+        "--concurrency", type=int, default=10, metavar="N", help="runs at once (default 10)"
+    )
     p.add_argument(
         "--prefetch",
         type=_prefetch,
@@ -98,9 +114,15 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         "slot given back; N: always up to N (e.g. CPU-bound tasks in --pool process); 0: never",
     )
     p.add_argument("--names", help="comma-separated task names (default: all registered)")
-    p.add_argument("--worker-id")
+    p.add_argument("--worker-id", metavar="ID", help="its id (default: host:pid:random)")
     p.add_argument("--grace", type=float, default=30.0, help="seconds to drain on stop")
-    p.add_argument("--sweep-interval", type=float, default=30.0)
+    p.add_argument(
+        "--sweep-interval",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how often it looks for work its change stream may have missed (default 30)",
+    )
     p.add_argument(
         "--priority-aging",
         type=float,
@@ -173,7 +195,12 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         help="the event loop: auto (default) is uvloop where it is installed (a dependency on "
         "Linux and macOS), else asyncio's own",
     )
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="the lowest level logged, on stderr",
+    )
     p.add_argument("--version", action="version", version=f"mtask-worker {__version__}")
 
 
@@ -189,7 +216,7 @@ def register(sub: Any) -> None:
     add_worker_options(actions.add_parser("run", help="run a worker (same as mtask-worker)"))
     stop = actions.add_parser("stop", help="ask a running worker to drain and exit")
     add_common(stop)
-    stop.add_argument("worker_id")
+    stop.add_argument("worker_id", help="the worker's id, as mtask workers lists it")
 
 
 @commands.command("worker")
@@ -199,7 +226,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     with task_client(args) as client:
         found = client.stop_worker(args.worker_id)
     if not found:
-        raise UsageError(f"no worker {args.worker_id!r} is registered (see `mtask workers`)")
+        raise WorkerNotFound(args.worker_id)
     said = f"stop requested: {args.worker_id} drains and exits at its next heartbeat"
     out.print(said, markup=False)
     return 0
@@ -299,7 +326,7 @@ def run_worker(args: argparse.Namespace) -> int:
         registry = load_registry(args.registry)
         worker = Worker(
             registry,
-            uri=args.uri,
+            uri=mongodb_uri(args.uri, "mtask-worker"),
             database=args.database,
             collection=args.collection,
             worker_id=args.worker_id,

@@ -158,6 +158,28 @@ def signal_pipeline(name: str, payload: Any) -> list[Doc]:
     ]
 
 
+def signal_filter(key: Any, name: str) -> Doc:
+    """Which task a signal may be appended to: an open one holding fewer than ``MAX_SIGNALS``,
+    or, past that cap, one waiting for this very signal (``waiting.signal`` and its ``nth``)
+    and not yet holding it, so a full list never strands a wait: one more per wait, at most."""
+    mine = {
+        "$filter": {"input": {"$ifNull": ["$signals", []]}, "cond": {"$eq": ["$$this.name", name]}}
+    }
+    count = {"$size": mine}
+    awaited = {
+        "$and": [
+            {"$eq": ["$status", TaskStatus.PENDING.value]},
+            {"$eq": ["$waiting.signal", name]},
+            {"$lte": [count, "$waiting.nth"]},
+        ]
+    }
+    return {
+        "_id": key,
+        "status": {"$in": list(OPEN_STATUSES)},
+        "$or": [{f"signals.{MAX_SIGNALS - 1}": {"$exists": False}}, {"$expr": awaited}],
+    }
+
+
 def check_signal(name: Any, payload: Any) -> None:
     try:
         check_signal_name(name)
@@ -181,16 +203,11 @@ def check_signal(name: Any, payload: Any) -> None:
 def signal(key: str, name: str, payload: Any = None) -> Op[bool]:
     """Send signal ``name`` to an open task; ``True`` if it woke the task (it was waiting for
     this name). ``TaskNotFound``, or ``InvalidTransition`` for a finished task or one holding
-    ``MAX_SIGNALS`` already."""
+    ``MAX_SIGNALS`` already that waits for no more of this name (``signal_filter``)."""
     check_signal(name, payload)
-    filt = {
-        "_id": key,
-        "status": {"$in": list(OPEN_STATUSES)},
-        f"signals.{MAX_SIGNALS - 1}": {"$exists": False},
-    }
     before: Doc | None = yield Call(
         "find_one_and_update",
-        (filt, signal_pipeline(name, payload)),
+        (signal_filter(key, name), signal_pipeline(name, payload)),
         {"projection": {"status": 1, "waiting": 1}},
     )
     if before is not None:
@@ -202,7 +219,7 @@ def signal(key: str, name: str, payload: Any = None) -> Op[bool]:
         )
     doc: Doc | None = yield Call("find_one", ({"_id": key}, {"status": 1}))
     if doc is None:
-        raise TaskNotFound(f"no task with key {key!r}")
+        raise TaskNotFound(key)
     if doc.get("status") in OPEN_STATUSES:
         raise InvalidTransition(f"task {key!r} holds {MAX_SIGNALS} signals already")
     raise InvalidTransition(f"task {key!r} is {doc.get('status')}: it waits for no signal")
