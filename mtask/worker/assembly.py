@@ -43,7 +43,7 @@ from mtask.worker.running.executor import Executor
 from mtask.worker.running.lease import LeasePinger, LoopTicker
 from mtask.worker.running.outcomes import RunOutcomes
 from mtask.worker.running.output_writer import OutputWriter
-from mtask.worker.running.pool.child import Bounds
+from mtask.worker.running.pool.pipe import Bounds
 from mtask.worker.running.pool.pool import ProcessPool
 from mtask.worker.running.recorder import OutcomeRecorder
 from mtask.worker.running.step_stores import RunStepStores

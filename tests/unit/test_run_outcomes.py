@@ -20,7 +20,7 @@ from mtask.worker.inflight import ActiveRun
 from mtask.worker.running.call import HandlerCalls, NoTransactions
 from mtask.worker.running.context import NoLeases, NoOutputs
 from mtask.worker.running.outcomes import RunOutcomes
-from mtask.worker.running.pool.pool import (
+from mtask.worker.running.pool.errors import (
     ChildDied,
     HandlerError,
     MemoryLimitExceeded,

@@ -30,15 +30,14 @@ from mtask.worker.inflight import ActiveRun
 from mtask.worker.running.context import RunLeases, fence
 from mtask.worker.running.invoke import invoke
 from mtask.worker.running.outcomes import RunOutcomes
-from mtask.worker.running.pool.pool import (
+from mtask.worker.running.pool.errors import (
     ChildDied,
     HandlerError,
-    LeaseWatch,
     MemoryLimitExceeded,
-    ProcessPool,
     ReplyRefused,
     TimeLimitExceeded,
 )
+from mtask.worker.running.pool.pool import LeaseWatch, ProcessPool
 from mtask.worker.running.slots import GiveBack
 from mtask.worker.running.transactional import RunFence, TransactionEnded, TransactionTooLong
 
