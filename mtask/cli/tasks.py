@@ -157,7 +157,10 @@ def _header_rows(task: Task, said: Explained, now: dt.datetime) -> list[tuple[st
     if task.options.priority:
         rows.append(("priority", str(task.options.priority)))
     runs = f"{task.attempts} run{'s' if task.attempts != 1 else ''}" if task.attempts else "none"
-    rows += [("attempt", f"{attempt_text(task)} (runs: {runs})"), ("created", created)]
+    attempt = f"{attempt_text(task)} (runs: {runs})"
+    if task.attempts is None:  # a hand-written document without its counts: say so
+        attempt = f"- (successes {_count(task.successes)}, failures {_count(task.failures)})"
+    rows += [("attempt", attempt), ("created", created)]
     next_time = timing(task, said)
     if next_time is not None:
         label, at = next_time
@@ -386,7 +389,7 @@ def _why_cell(task: Task, said: Explained) -> str:
     if said.state in (State.FAILED, State.RETRYING):
         return last_line(task.error)
     if said.state is State.INVALID:
-        return last_line(task.invalid_reason)
+        return f"invalid: {last_line(task.invalid_reason)}"
     if said.state in (State.WAITING, State.BLOCKED):
         return said.reason
     return ""
