@@ -18,7 +18,7 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from mtask import limits, slots
 from mtask.clock import Clock
@@ -37,6 +37,17 @@ BLOCKED_KEPT = 100_000
 BLOCKED_AT_MOST = dt.timedelta(seconds=REFRESH_SECONDS)
 """How long a key held back by a limit waits at most before it is tried again, if no change
 event of its slot came (events are hints)."""
+
+
+class Partition(NamedTuple):
+    """Keys popped for a claim, split between the claimer's two strategies."""
+
+    plain: list[str]
+    """Claimed by one plain claim (``PlainClaims``)."""
+    limited: list[str]
+    """Of names under a cluster-wide limit: claimed after their slots (``LimitedClaims``)."""
+    names: list[str]
+    """The names a plain claim may take a task of: those under no limit."""
 
 
 class LimitGate(PeriodicService):
@@ -90,6 +101,17 @@ class LimitGate(PeriodicService):
 
     def is_limited(self, name: str | None) -> bool:
         return name in self.limited
+
+    def partition(self, keys: list[str], names: list[str]) -> Partition:
+        """Which of ``keys`` are claimed after their slots (their names are limited, as far as
+        this worker knows) and which plainly, for the names under no limit (so a plain claim
+        never takes a limited task, even one whose name this worker no longer knows)."""
+        if not self.limited:
+            return Partition(keys, [], names)
+        limited = [k for k in keys if (m := self.sink.known(k)) and m.name in self.limited]
+        held = set(limited)
+        plain = [k for k in keys if k not in held]
+        return Partition(plain, limited, [n for n in names if n not in self.limited])
 
     async def refresh(self) -> None:
         docs = await self.driver.run(limits.all_limits())

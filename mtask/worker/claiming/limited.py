@@ -145,6 +145,74 @@ def _unlimited(key: str, meta: TaskMeta | None, chosen: set[str], out: Plan) -> 
         out.claims.append((key, []))
 
 
+@dataclass
+class _Planner:
+    """One batch's plan, key by key (``plan``)."""
+
+    known: Mapping[str, TaskMeta]
+    limited: Mapping[str, Any]
+    heads: Mapping[tuple[str, str], Mapping[str, Any]]
+    now: dt.datetime
+    run_id: Callable[[str], str]
+    default_lease_ms: int
+    out: Plan = field(default_factory=Plan)
+    asked: dict[str, int] = field(default_factory=dict)
+    """Requests per slot in this batch."""
+    turns: set[tuple[str, str]] = field(default_factory=set)
+    """Sequences that have had their turn in this batch."""
+    chosen: set[str] = field(default_factory=set)
+
+    def key(self, key: str) -> None:
+        """Plan ``key``: what to claim for it (itself, or its sequence's head), with which
+        requests, or what it waits for."""
+        meta = self.known.get(key)
+        doc = self.limited.get(meta.name) if meta is not None else None
+        if meta is None or not isinstance(doc, Mapping):
+            _unlimited(key, meta, self.chosen, self.out)
+            return
+        own, each = limits.own_limit(doc), limits.group_limit(doc)
+        group = group_of(meta)
+        gslot, lock = _group_slots(meta.name, group, each)
+        candidate: str | None = key
+        if gslot is not None and group is not None and each.concurrency == 1:
+            pair = (meta.name, group)
+            candidate = _in_turn(
+                key, pair, lock or gslot, self.turns, self.heads, self.now, self.out
+            )
+        if candidate is None or candidate in self.chosen:
+            return
+        lease = (meta.worker_timeout_ms if candidate == key else None) or self.default_lease_ms
+        requests = []
+        if own.set:
+            requests.append(Request(meta.name, self.run_id(candidate), candidate, lease))
+        if gslot is not None and lock is None:
+            requests.append(Request(gslot, self.run_id(candidate), candidate, lease, limit=each))
+        caps = {meta.name: own.concurrency, gslot: each.concurrency}
+        self.choose(key, candidate, requests, caps, lock)
+
+    def choose(
+        self,
+        key: str,
+        candidate: str,
+        requests: list[Request],
+        caps: Mapping[str | None, int | None],
+        lock: str | None,
+    ) -> None:
+        """Claim ``candidate`` (for ``key``) with ``requests``, unless the batch has asked one
+        of their slots for as many runs as it allows at once: then ``key`` waits for it."""
+        full = _full(caps, requests, self.asked)
+        if full is not None:
+            if candidate == key:
+                self.out.waits.append(Wait(key, full))
+            return
+        for r in requests:
+            self.asked[r.slot] = self.asked.get(r.slot, 0) + 1
+        self.chosen.add(candidate)
+        self.out.claims.append((candidate, requests))
+        if lock is not None:
+            self.out.locked[candidate] = lock
+
+
 def plan(
     keys: Sequence[str],
     known: Mapping[str, TaskMeta],
@@ -155,39 +223,7 @@ def plan(
     default_lease_ms: int,
 ) -> Plan:
     """What to ask for ``keys`` (popped in the claim queue's order, best first)."""
-    out = Plan()
-    asked: dict[str, int] = {}  # requests per slot in this batch
-    turns: set[tuple[str, str]] = set()  # sequences that have had their turn in this batch
-    chosen: set[str] = set()
+    planner = _Planner(known, limited, heads, now, run_id, default_lease_ms)
     for key in keys:
-        meta = known.get(key)
-        doc = limited.get(meta.name) if meta is not None else None
-        if meta is None or not isinstance(doc, Mapping):
-            _unlimited(key, meta, chosen, out)
-            continue
-        own, each = limits.own_limit(doc), limits.group_limit(doc)
-        group = group_of(meta)
-        gslot, lock = _group_slots(meta.name, group, each)
-        candidate: str | None = key
-        if gslot is not None and group is not None and each.concurrency == 1:
-            candidate = _in_turn(key, (meta.name, group), lock or gslot, turns, heads, now, out)
-        if candidate is None or candidate in chosen:
-            continue
-        lease = (meta.worker_timeout_ms if candidate == key else None) or default_lease_ms
-        requests = []
-        if own.set:
-            requests.append(Request(meta.name, run_id(candidate), candidate, lease))
-        if gslot is not None and lock is None:
-            requests.append(Request(gslot, run_id(candidate), candidate, lease, limit=each))
-        full = _full({meta.name: own.concurrency, gslot: each.concurrency}, requests, asked)
-        if full is not None:  # the batch asks no slot for more runs than it allows at once
-            if candidate == key:
-                out.waits.append(Wait(key, full))
-            continue
-        for r in requests:
-            asked[r.slot] = asked.get(r.slot, 0) + 1
-        chosen.add(candidate)
-        out.claims.append((candidate, requests))
-        if lock is not None:
-            out.locked[candidate] = lock
-    return out
+        planner.key(key)
+    return planner.out
