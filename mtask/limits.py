@@ -18,15 +18,17 @@ a task of that name, and claims the task with the run id the slot was taken for;
 misses gives the slot back. A slot is a lease like the run's: it carries ``expires`` (server
 time), the lease pinger extends it with the run's lease, and a slot whose worker died simply
 runs out. The token bucket is refilled from the server clock inside the same update. No limit is
-ever kept in a single worker's memory: workers only cache *which* names are limited (refreshed
-on a change event for a name not known as limited, and every 5 s), to know when to take a slot.
+ever kept in a single worker's memory: workers cache the names' documents, to know when to take
+a slot and which limit a group's slot has (read again at once when a change event says a
+name's limit was set, changed or cleared, ``LIMIT_FIELDS``; and every few seconds whatever
+happens, which bounds a lost event).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -266,13 +268,32 @@ def clear_limit(name: str) -> Op[bool]:
     return bool(result.deleted_count)
 
 
+LIMIT_FIELDS = tuple(CONFIG_FIELDS)
+"""The fields of a name's document that say its limit: only ``set_limit`` (or a hand) writes
+them, so a change event that names one of them is a change of the limit (a slot taken, given
+back or pinged writes none of them)."""
+READ_FIELDS = {**CONFIG_FIELDS, "holders": 1, "tokens": 1, "refilled_at": 1}
+
+
 def all_limits() -> Op[list[Doc]]:
+    docs: list[Doc] = yield Call("find", (NAME_LIMITS, READ_FIELDS), collection="limits")
+    return docs
+
+
+def limits_of(names: Sequence[str]) -> Op[list[Doc]]:
+    """The documents of ``names``' limits (those that have one): a worker's read after a change
+    event, by ``_id``."""
     docs: list[Doc] = yield Call(
-        "find",
-        (NAME_LIMITS, {**CONFIG_FIELDS, "holders": 1, "tokens": 1, "refilled_at": 1}),
-        collection="limits",
+        "find", ({"_id": {"$in": sorted(names)}, **NAME_LIMITS}, READ_FIELDS), collection="limits"
     )
     return docs
+
+
+def same_limit(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
+    """Whether two of a name's documents (``None``: no limit) say the same limit."""
+    if a is None or b is None:
+        return a is b
+    return all(a.get(f) == b.get(f) for f in LIMIT_FIELDS)
 
 
 def own_limit(doc: Mapping[str, Any]) -> Limit:

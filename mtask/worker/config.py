@@ -41,6 +41,10 @@ class WorkerConfig:
     grace: float = 30.0
     """Seconds a stopping worker waits for its runs before it cancels and releases them."""
     sweep_interval: float = 30.0
+    limits_refresh: float | None = None
+    """Seconds between two reads of every limit whatever happens: the safety net for a lost
+    change event (a change applies on its event, within a second). ``None``: 5 s with an own
+    stream, 30 s with the shared one."""
     flow_sweep_interval: float = 5.0
     run_schedules: bool = True
     startup_timeout: float = 60.0
@@ -81,6 +85,8 @@ class WorkerConfig:
             raise ConfigError('must be "auto" or a number not below 0', field="prefetch")
         if self.grace < 0:
             raise ConfigError("must not be negative", field="grace")
+        if self.limits_refresh is not None and not 0.1 <= self.limits_refresh <= 86_400:
+            raise ConfigError("must be from 0.1 to 86400 seconds", field="limits_refresh")
         if self.stream not in ("own", "shared"):
             raise ConfigError("must be own or shared", field="stream")
         if self.pool not in ("thread", "process"):

@@ -173,11 +173,11 @@ class Claimer:
         the others by one plain claim for the names under no limit (which never matches a
         limited key)."""
         split = self.gate.partition(keys, names)
+        # the plain claim first, with no wait between the split and its claim: a limit that
+        # changes meanwhile finds it on its way (``InFlight.claims_before``), never after
+        if split.plain and split.names:
+            await self.plain.claim(split.plain, split.names, now)
+        elif split.plain:  # keys whose name we no longer know: look them up again
+            await self.sink.requeue(split.plain)
         if split.limited:
             await self.limited.claim_soon(split.limited, names, now)
-        if not split.plain:
-            return
-        if not split.names:  # keys whose name we no longer know: look them up again
-            await self.sink.requeue(split.plain)
-            return
-        await self.plain.claim(split.plain, split.names, now)

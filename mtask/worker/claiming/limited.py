@@ -69,18 +69,48 @@ def sequences(
     return sorted(pairs)
 
 
+def counted(
+    name: str, group: str | None, held: Sequence[str], doc: Mapping[str, Any]
+) -> list[tuple[str, limits.Limit | None]]:
+    """The slots a run in flight of ``name`` (in ``group``, holding ``held``) must hold a place
+    in to count towards the limit ``doc`` (a name's document), each with the limit a group's
+    slot takes: the name's slot if it limits runs at once; its group's slot if its groups are
+    limited by runs at once, or are sequences and the run holds no lock of its own (a sequence
+    waits for the runs its group's slot holds: ``store.heads_and_slots``). A slot it holds a
+    place in already is asked again: the join does nothing for a holder (``slots.join``)."""
+    out: list[tuple[str, limits.Limit | None]] = []
+    if limits.own_limit(doc).concurrency is not None:
+        out.append((name, None))
+    each = limits.group_limit(doc)
+    if group is None or each.concurrency is None:
+        return out
+    if limits.is_sequence(each) and limits.claim_lock(name, group) in held:
+        return out
+    out.append((limits.group_slot(name, group), each))
+    return out
+
+
 def due(head: Mapping[str, Any], now: dt.datetime) -> bool:
     at = head.get("next_claim_at")
     return isinstance(at, dt.datetime) and at <= now
 
 
 def _turn(
-    key: str, gslot: str, head: Mapping[str, Any] | None, now: dt.datetime, out: Plan
+    key: str,
+    pair: tuple[str, str],
+    gslot: str,
+    head: Mapping[str, Any] | None,
+    now: dt.datetime,
+    out: Plan,
 ) -> str | None:
     """In a sequence: the key to claim for ``key``'s group (its head, if due), or ``None``;
-    ``key`` waits if it is not its turn."""
+    ``key`` waits if it is not its turn, or while its group's slot holds a run of it that
+    holds no lock (``store.heads_and_slots``: its release wakes the key)."""
     if head is None:  # no open task in its group: it finished
         out.gone.append(key)
+        return None
+    if head.get("slot_held"):
+        out.waits.append(Wait(key, limits.group_slot(*pair)))
         return None
     first = head.get("_id")
     if first != key:
@@ -118,7 +148,7 @@ def _in_turn(
         out.waits.append(Wait(key, slot))
         return None
     turns.add(pair)
-    return _turn(key, slot, heads.get(pair), now, out)
+    return _turn(key, pair, slot, heads.get(pair), now, out)
 
 
 def _full(

@@ -2,12 +2,13 @@
 claimer's second strategy.
 
 A batch of them is claimed after its slots and tokens: the heads of their sequences read
-(``store.heads``), every slot they need taken in one bulk write (``slots.take``, through the
-``LimitGate``), then the keys whose slots were all granted claimed together, a sequence's head
-with its group's lock; their runs start through the claimer's one ``Starter``. A key a limit
-holds back waits for its slot (``LimitGate.block``). Such a batch costs more round trips than a
-plain one, so it runs beside the claimer's main loop, at most ``LIMITED_IN_FLIGHT`` at once
-(``claim_soon``); its keys count as taken meanwhile (``pending``).
+(``store.heads_and_slots``), every slot they need taken in one bulk write (``slots.take``,
+through the ``LimitGate``), then the keys whose slots were all granted claimed together, a
+sequence's head with its group's lock; their runs start through the claimer's one
+``Starter``. A key a limit holds back waits for its slot (``LimitGate.block``). Such a batch
+costs more round trips than a plain one, so it runs beside the claimer's main loop, at most
+``LIMITED_IN_FLIGHT`` at once (``claim_soon``); its keys count as taken meanwhile
+(``pending``).
 """
 
 from __future__ import annotations
@@ -150,7 +151,9 @@ class LimitedClaims:
         if not pairs:
             return {}
         try:
-            heads: dict[tuple[str, str], dict[str, Any]] = await self.driver.run(store.heads(pairs))
+            heads: dict[tuple[str, str], dict[str, Any]] = await self.driver.run(
+                store.heads_and_slots(pairs, now)
+            )
             return heads
         except StorageError as exc:
             log.warning("cannot read the sequences' next tasks, retrying shortly: %s", exc)

@@ -61,9 +61,9 @@ class PlainClaims:
         # From here the keys count as in flight: the claim's own change events may arrive
         # before its reply, and must not put the keys back in the queue.
         with self.inflight.claiming(keys):
-            # The claim's leases end at `now` + their timeout: `now` is read after `sent` (and
-            # after any wait for the limited batches before), so none ends before `sent` + its
-            # timeout by this process's clock, when the run's local deadline falls.
+            # The claim's leases end at `now` + their timeout: `now` is read after `sent`, so
+            # none ends before `sent` + its timeout by this process's clock, when the run's
+            # local deadline falls.
             sent = time.monotonic()
             now = self.clock.now()
             with span("mtask.claim", keys=len(keys)):

@@ -123,12 +123,15 @@ class Executor:
             # context, so a closure would make a cycle that only the garbage collector frees
             steps_for=functools.partial(self._steps_for, doc=doc, loop=loop),
         )
+        group = options.get("group")
         run = ActiveRun(
             key=doc["_id"],
             name=doc["name"],
             run_id=run_id,
             ctx=ctx,
             slots=slots,
+            group=group if isinstance(group, str) else None,
+            lease_ms=options["worker_timeout_ms"],
             has_dependents=doc.get("has_dependents") is True,
         )
         self.inflight.started(run)
@@ -156,6 +159,17 @@ class Executor:
     def give_back(self, slot: str, run_id: str) -> None:
         """``RunStarter``: a limit slot given back after the outcomes now pending."""
         self.recorder.release_slot(slot, run_id)
+
+    def hold(self, run_id: str, slot: str) -> bool:
+        """``RunStarter``: the run holds a place in ``slot`` from now on (pinged with its
+        lease, given back when it ends); ``False`` if it has ended."""
+        run = self.inflight.get(run_id)
+        if run is None:
+            return False
+        if slot not in run.slots:
+            run.slots = (*run.slots, slot)
+        self.pinger.hold(run_id, slot)
+        return True
 
     def _steps_for(
         self, made: TaskContext, *, doc: dict[str, Any], loop: asyncio.AbstractEventLoop
