@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -104,6 +105,13 @@ def respects(runs: list[Span], after: dt.datetime, limit: int) -> list[str]:
     ]
 
 
+def over_in_groups(runs: dict[str, Span], after: dt.datetime, limit: int) -> dict[str, list[str]]:
+    """Per group, its runs started after ``after`` beside more runs of it than ``limit``."""
+    return {
+        g: over for g, spans in by_group(runs).items() if (over := respects(spans, after, limit))
+    }
+
+
 def by_group(runs: dict[str, Span]) -> dict[str, list[Span]]:
     groups: dict[str, list[Span]] = {}
     for span in runs.values():
@@ -125,22 +133,45 @@ def publish(client: TaskClient, tasks: int, ms: int, groups: int | None = None) 
     )
 
 
-async def change(
+@dataclass
+class Scenario:
+    """Runs of ``work`` in flight, then a limit changed: what a test judges."""
+
+    tasks: int
+    ms: int
+    groups: int | None
+    """Spread over this many groups (``g0``, ``g1``, …), or none."""
+    before: dict[str, Any] | None
+    """The limit before (``None``: none)."""
+    change: Callable[[TaskClient], object]
+    ready: Callable[[dict[str, Span]], bool]
+    """When the runs so far make the change worth judging."""
+
+
+async def changed(
     cluster: Cluster,
     client: TaskClient,
     mongo: Any,
     db_name: str,
-    set_it: Callable[[], object],
-    ready: Callable[[dict[str, Span]], bool],
-) -> tuple[dt.datetime, dt.datetime]:
-    """Once ``ready`` holds of the runs so far, change the limit (``set_it``); returns the
-    server's time just before the change and the cut after which runs are judged."""
-    await wait_for(lambda: ready(spans(mongo, db_name)), timeout=60)
+    stream: str,
+    scenario: Scenario,
+) -> tuple[dt.datetime, dt.datetime, dict[str, Span]]:
+    """Run ``scenario`` to its end on three workers: the server's time just before the change,
+    the cut after which runs are judged, and every run."""
+    if scenario.before is not None:
+        client.set_limit("work", **scenario.before)
+    spawn(cluster, stream)
+    if scenario.before is not None:
+        await until_applied(cluster, dict.fromkeys(WORKERS, 0))  # the first read
+    publish(client, scenario.tasks, scenario.ms, scenario.groups)
+    await wait_for(lambda: scenario.ready(spans(mongo, db_name)), timeout=60)
     before = applied(cluster)
     changed_at = client.now()
-    set_it()
+    scenario.change(client)
     await until_applied(cluster, before)
-    return changed_at, await cut(client, mongo, db_name)
+    after = await cut(client, mongo, db_name)
+    await until_finished(client, scenario.tasks, timeout=120)
+    return changed_at, after, spans(mongo, db_name)
 
 
 STREAMS = pytest.mark.parametrize("stream", ["own", "shared"])
@@ -155,20 +186,12 @@ def running(runs: dict[str, Span] | list[Span]) -> int:
 async def test_a_lowered_concurrency_starts_no_run_while_the_runs_in_flight_exceed_it(
     cluster: Cluster, client: TaskClient, mongo: Any, db_name: str, stream: str
 ) -> None:
-    client.set_limit("work", concurrency=4)
-    spawn(cluster, stream)
-    await until_applied(cluster, dict.fromkeys(WORKERS, 0))  # the first read
-    publish(client, 24, 300)
-    changed_at, after = await change(
-        cluster,
-        client,
-        mongo,
-        db_name,
-        lambda: client.set_limit("work", concurrency=1),
+    scenario = Scenario(
+        24, 300, None, {"concurrency": 4}, lambda c: c.set_limit("work", concurrency=1),
         lambda runs: running(runs) >= 3,
-    )
-    await until_finished(client, 24, timeout=120)
-    runs = list(spans(mongo, db_name).values())
+    )  # fmt: skip
+    changed_at, after, by_run = await changed(cluster, client, mongo, db_name, stream, scenario)
+    runs = list(by_run.values())
     assert crowd(runs, changed_at) >= 3, "runs in flight exceeded the new limit at the change"
     assert not respects(runs, after, 1), respects(runs, after, 1)
     assert sum(1 for s, _, _ in runs if s > after) >= 5, "runs started under the new limit"
@@ -178,18 +201,12 @@ async def test_a_lowered_concurrency_starts_no_run_while_the_runs_in_flight_exce
 async def test_a_limit_set_where_there_was_none_counts_the_runs_in_flight(
     cluster: Cluster, client: TaskClient, mongo: Any, db_name: str, stream: str
 ) -> None:
-    spawn(cluster, stream)
-    publish(client, 36, 400)
-    changed_at, after = await change(
-        cluster,
-        client,
-        mongo,
-        db_name,
-        lambda: client.set_limit("work", concurrency=2),
+    scenario = Scenario(
+        36, 400, None, None, lambda c: c.set_limit("work", concurrency=2),
         lambda runs: running(runs) >= 6,
-    )
-    await until_finished(client, 36, timeout=120)
-    runs = list(spans(mongo, db_name).values())
+    )  # fmt: skip
+    changed_at, after, by_run = await changed(cluster, client, mongo, db_name, stream, scenario)
+    runs = list(by_run.values())
     assert crowd(runs, changed_at) >= 6
     assert not respects(runs, after, 2), respects(runs, after, 2)
     assert sum(1 for s, _, _ in runs if s > after) >= 5
@@ -200,70 +217,42 @@ async def test_a_group_concurrency_lowered_to_a_sequence_applies_to_every_group(
     cluster: Cluster, client: TaskClient, mongo: Any, db_name: str, stream: str
 ) -> None:
     """The issue's case: lowered from 3 to 1, each group ran 3 at once for another 18-24 s."""
-    client.set_limit("work", group_concurrency=3)
-    spawn(cluster, stream)
-    await until_applied(cluster, dict.fromkeys(WORKERS, 0))
-    publish(client, 36, 300, groups=3)
-    changed_at, after = await change(
-        cluster,
-        client,
-        mongo,
-        db_name,
-        lambda: client.set_limit("work", group_concurrency=1),
+    scenario = Scenario(
+        36, 300, 3, {"group_concurrency": 3}, lambda c: c.set_limit("work", group_concurrency=1),
         lambda runs: any(running(g) >= 2 for g in by_group(runs).values()),
-    )
-    await until_finished(client, 36, timeout=120)
-    groups = by_group(spans(mongo, db_name))
-    assert max(crowd(g, changed_at) for g in groups.values()) >= 2
-    for group, runs in groups.items():
-        assert not respects(runs, after, 1), (group, respects(runs, after, 1))
-    assert sum(1 for g in groups.values() for s, _, _ in g if s > after) >= 6
+    )  # fmt: skip
+    changed_at, after, by_run = await changed(cluster, client, mongo, db_name, stream, scenario)
+    assert max(crowd(g, changed_at) for g in by_group(by_run).values()) >= 2
+    assert not over_in_groups(by_run, after, 1), over_in_groups(by_run, after, 1)
+    assert sum(1 for s, _, _ in by_run.values() if s > after) >= 6
 
 
 @STREAMS
-async def test_a_raised_group_concurrency_is_used(
-    cluster: Cluster, client: TaskClient, mongo: Any, db_name: str, stream: str
+@pytest.mark.parametrize(
+    ("change", "limit"),
+    [
+        (lambda c: c.set_limit("work", group_concurrency=3), 3),
+        (lambda c: c.clear_limit("work"), None),
+    ],
+    ids=["raised", "cleared"],
+)
+async def test_a_raised_or_cleared_group_limit_is_used(
+    cluster: Cluster,
+    client: TaskClient,
+    mongo: Any,
+    db_name: str,
+    stream: str,
+    change: Callable[[TaskClient], object],
+    limit: int | None,
 ) -> None:
-    """From a sequence to 3 at once: the sequence's running task counts towards the 3."""
-    client.set_limit("work", group_concurrency=1)
-    spawn(cluster, stream)
-    await until_applied(cluster, dict.fromkeys(WORKERS, 0))
-    publish(client, 36, 300, groups=3)
-    _, after = await change(
-        cluster,
-        client,
-        mongo,
-        db_name,
-        lambda: client.set_limit("work", group_concurrency=3),
-        lambda runs: len(runs) >= 3,
-    )
-    await until_finished(client, 36, timeout=120)
-    groups = by_group(spans(mongo, db_name))
-    for group, runs in groups.items():
-        assert not respects(runs, after, 3), (group, respects(runs, after, 3))
-    later = [[s for s in g if s[0] > after] for g in groups.values()]
-    assert max(peak(g) for g in later) > 1, "the raised limit was used"
-
-
-@STREAMS
-async def test_a_cleared_group_limit_is_used(
-    cluster: Cluster, client: TaskClient, mongo: Any, db_name: str, stream: str
-) -> None:
-    client.set_limit("work", group_concurrency=1)
-    spawn(cluster, stream)
-    await until_applied(cluster, dict.fromkeys(WORKERS, 0))
-    publish(client, 36, 300, groups=3)
-    _, after = await change(
-        cluster,
-        client,
-        mongo,
-        db_name,
-        lambda: client.clear_limit("work"),
-        lambda runs: len(runs) >= 3,
-    )
-    await until_finished(client, 36, timeout=120)
-    later = [[s for s in g if s[0] > after] for g in by_group(spans(mongo, db_name)).values()]
-    assert max(peak(g) for g in later) > 1, "the cleared limit no longer held the groups"
+    """From a sequence to 3 at once (the task that holds a group's lock counts towards the
+    3), or to no limit: more runs of a group at once than one, never more than the limit."""
+    scenario = Scenario(36, 300, 3, {"group_concurrency": 1}, change, lambda runs: len(runs) >= 3)
+    _, after, by_run = await changed(cluster, client, mongo, db_name, stream, scenario)
+    if limit is not None:
+        assert not over_in_groups(by_run, after, limit), over_in_groups(by_run, after, limit)
+    later = [[s for s in g if s[0] > after] for g in by_group(by_run).values()]
+    assert max(peak(g) for g in later) > 1, "the new limit was used"
 
 
 @STREAMS
@@ -273,20 +262,13 @@ async def test_a_lowered_group_rate_applies(
     """20 claims a second per group, lowered to 2 (a bucket of one): the starts after the
     change keep to 2 a second in each group."""
     rate, burst = 2.0, 1
-    client.set_limit("work", group_rate=20.0, group_burst=1)
-    spawn(cluster, stream)
-    await until_applied(cluster, dict.fromkeys(WORKERS, 0))
-    publish(client, 28, 20, groups=2)
-    _, after = await change(
-        cluster,
-        client,
-        mongo,
-        db_name,
-        lambda: client.set_limit("work", group_rate=rate, group_burst=burst),
+    scenario = Scenario(
+        28, 20, 2, {"group_rate": 20.0, "group_burst": 1},
+        lambda c: c.set_limit("work", group_rate=rate, group_burst=burst),
         lambda runs: all(len(g) >= 4 for g in by_group(runs).values()),
-    )
-    await until_finished(client, 28, timeout=120)
-    for group, runs in by_group(spans(mongo, db_name)).items():
+    )  # fmt: skip
+    _, after, by_run = await changed(cluster, client, mongo, db_name, stream, scenario)
+    for group, runs in by_group(by_run).items():
         starts = sorted(s for s, _, _ in runs if s > after)
         assert len(starts) >= 4, (group, starts)
         # a token bucket: in any t seconds at most burst + rate * t starts. The starts are the

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pymongo import UpdateOne
 from scripted import AsyncScriptedDriver, ScriptedDriver, Step
+from test_limited import limit_docs
 
 from mtask import limits, slots, store
 from mtask.clock import FixedClock
@@ -73,15 +74,6 @@ def test_the_streams_carry_a_names_limit_fields_and_nothing_more_of_a_task() -> 
 
 
 names = st.sampled_from(["n", "m"])
-limit_docs = st.fixed_dictionaries(
-    {},
-    optional={
-        "concurrency": st.integers(1, 3),
-        "rate": st.sampled_from([1.0, 5.0]),
-        "group_concurrency": st.integers(1, 3),
-        "group_rate": st.sampled_from([1.0, 5.0]),
-    },
-)
 
 
 @given(

@@ -27,6 +27,7 @@ from mtask import limits, slots
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
+from mtask.worker.claiming.handover import Handovers
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.service import PeriodicService, event_or_timeout, first_set
 from mtask.worker.wiring import Signal
@@ -107,13 +108,8 @@ class LimitGate(PeriodicService):
         self.waits_for: dict[str, str] = {}
         """The slot each blocked key waits for."""
         self.releases: dict[str, list[str]] = {}
-        self.handovers: dict[str, list[tuple[str, float]]] = {}
-        """Per lock slot, this worker's ended runs that still hold it, kept (with the monotonic
-        time they were kept) for a key of this worker that waited for the slot: its take
-        hands the place over in one write (``slots.Request.replaces``) instead of a release
-        and a take. Those the claimer did not use in its next pass are given back."""
-        self.offered: set[str] = set()
-        """Run ids kept for a handover once: given back without being kept again."""
+        self.handovers = Handovers()
+        """Lock slots of ended runs kept for a key of this worker that waits for them."""
         self.refreshed = asyncio.Event()
         """Set after each read of all the limits."""
         self.stale: set[str] = set()
@@ -293,45 +289,25 @@ class LimitGate(PeriodicService):
         now, kept_at = self.clock.now(), time.monotonic()
         rest: dict[str, list[str]] = {}
         for slot, ids in releases.items():
-            run_ids = [r for r in ids if r not in self.offered]
-            again = [r for r in ids if r in self.offered]  # unused once: given back now
-            self.offered.difference_update(again)
-            waiting = list(self.blocked.get(slot, ()))[: len(run_ids)]
-            if waiting and self.is_lock(slot):
-                kept = self.handovers.setdefault(slot, [])
-                kept += [(run_id, kept_at) for run_id in run_ids[: len(waiting)]]
-                self.offered.update(run_ids[: len(waiting)])
-                run_ids = run_ids[len(waiting) :]
-                self.unblock(waiting)
-                for key in waiting:
-                    self.sink.requeue_at(key, now)
-            if run_ids or again:
-                rest[slot] = run_ids + again
+            fresh = [r for r in ids if r not in self.handovers.offered]
+            waiting = list(self.blocked.get(slot, ()))[: len(fresh)] if self.is_lock(slot) else []
+            if given := self.handovers.keep(slot, ids, len(waiting), kept_at):
+                rest[slot] = given
+            self.unblock(waiting)
+            for key in waiting:
+                self.sink.requeue_at(key, now)
         return rest
 
     def hand_over(self, request: slots.Request) -> slots.Request:
         """``request`` taking the place of an ended run of this worker, if one holds its slot."""
-        kept = self.handovers.get(request.slot)
-        if not kept or request.replaces is not None or not slots.is_lock(request):
+        if request.replaces is not None or not slots.is_lock(request):
             return request
-        run_id, _ = kept.pop(0)
-        self.offered.discard(run_id)
-        if not kept:
-            del self.handovers[request.slot]
-        return dataclasses.replace(request, replaces=run_id)
+        run_id = self.handovers.take(request.slot)
+        return request if run_id is None else dataclasses.replace(request, replaces=run_id)
 
     def unused(self, before: float) -> dict[str, list[str]]:
         """Remove and return the kept slots kept before ``before`` (monotonic)."""
-        out: dict[str, list[str]] = {}
-        for slot in list(self.handovers):
-            kept = self.handovers[slot]
-            out_ids = [r for r, at in kept if at < before]
-            if out_ids:
-                out[slot] = out_ids
-                kept[:] = [(r, at) for r, at in kept if at >= before]
-                if not kept:
-                    del self.handovers[slot]
-        return out
+        return self.handovers.unused(before)
 
     def take_releases(self) -> dict[str, list[str]]:
         """The slots given back so far (by runs whose outcomes are pending now): the recorder
@@ -352,9 +328,8 @@ class LimitGate(PeriodicService):
         if keep:
             releases = self.keep_for_handover(releases)
         else:
-            for slot, run_ids in self.unused(float("inf")).items():
+            for slot, run_ids in self.handovers.forget().items():
                 releases.setdefault(slot, []).extend(run_ids)
-            self.offered.clear()
         if not releases:
             return
         try:

@@ -123,14 +123,13 @@ class Executor:
             # context, so a closure would make a cycle that only the garbage collector frees
             steps_for=functools.partial(self._steps_for, doc=doc, loop=loop),
         )
-        group = options.get("group")
         run = ActiveRun(
             key=doc["_id"],
             name=doc["name"],
             run_id=run_id,
             ctx=ctx,
             slots=slots,
-            group=group if isinstance(group, str) else None,
+            group=g if isinstance(g := options.get("group"), str) else None,
             lease_ms=options["worker_timeout_ms"],
             has_dependents=doc.get("has_dependents") is True,
         )
@@ -161,15 +160,11 @@ class Executor:
         self.recorder.release_slot(slot, run_id)
 
     def hold(self, run_id: str, slot: str) -> bool:
-        """``RunStarter``: the run holds a place in ``slot`` from now on (pinged with its
-        lease, given back when it ends); ``False`` if it has ended."""
-        run = self.inflight.get(run_id)
-        if run is None:
-            return False
-        if slot not in run.slots:
-            run.slots = (*run.slots, slot)
-        self.pinger.hold(run_id, slot)
-        return True
+        """``RunStarter``: the run holds ``slot`` from now on (pinged, given back at its end)."""
+        if (run := self.inflight.get(run_id)) is not None:
+            run.slots = run.slots if slot in run.slots else (*run.slots, slot)
+            self.pinger.hold(run_id, slot)
+        return run is not None
 
     def _steps_for(
         self, made: TaskContext, *, doc: dict[str, Any], loop: asyncio.AbstractEventLoop
