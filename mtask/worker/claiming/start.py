@@ -18,7 +18,6 @@ from mtask.worker.stats import WorkerStats
 
 Held = tuple[tuple[str, ...], frozenset[str]]
 """The limit slots a run holds, and those of them it holds only a token of."""
-NOTHING_HELD: Held = ((), frozenset())
 
 
 class Starter:
@@ -36,7 +35,9 @@ class Starter:
         the handler slots): ``sent`` is when (monotonic) their claim was sent, ``held`` what
         each key's run holds of the cluster-wide limits (none if absent)."""
         for doc in docs:
-            slots, tokens = held.get(doc["_id"], NOTHING_HELD) if held else NOTHING_HELD
-            self.runs.start(doc, sent, slots, tokens)
+            if held and (slots := held.get(doc["_id"])) is not None:
+                self.runs.start(doc, sent, *slots)
+            else:  # a run that holds no limit's slot (a plain claim's)
+                self.runs.start(doc, sent)
             self.sink.claimed(doc)
         self.stats.claimed += len(docs)
