@@ -9,6 +9,7 @@ import asyncio
 import datetime as dt
 from typing import Any, cast
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pymongo import UpdateOne
@@ -344,3 +345,28 @@ async def test_the_runs_in_flight_count_towards_a_changed_limit_then_the_worker_
     assert runs.given_back == [("n", "r5")]  # taken for a run that had ended: given back
     assert "n" in inflight.get("r4").slots  # type: ignore[union-attr]
     assert events[-1] == ("limits_applied", {"name": "n"})
+
+
+def test_a_worker_refuses_a_periodic_read_of_the_limits_out_of_range(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from mtask.cli.worker import main
+    from mtask.errors import ConfigError
+    from mtask.registry import Registry
+    from mtask.worker.config import WorkerConfig
+
+    registry = Registry()
+
+    @registry.task("t")
+    async def t(params: dict[str, object]) -> None:
+        return None
+
+    for bad in (0.0, -5.0, 100_000.0):
+        with pytest.raises(ConfigError) as caught:
+            WorkerConfig(limits_refresh=bad).chosen_names(registry)
+        assert caught.value.field == "limits_refresh"
+    assert WorkerConfig(limits_refresh=3600).chosen_names(registry) == ["t"]
+    # on the command line: exit 2, the option named, no traceback
+    assert main(["workerapp:registry", "--limits-refresh", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "limits_refresh" in err and "Traceback" not in err
