@@ -54,18 +54,18 @@ def heads(pairs: Sequence[tuple[str, str]]) -> Op[dict[tuple[str, str], Doc]]:
 
 
 def heads_and_slots(
-    pairs: Sequence[tuple[str, str]], now: dt.datetime
+    pairs: Sequence[tuple[str, str]], slotted: Sequence[tuple[str, str]], now: dt.datetime
 ) -> Op[dict[tuple[str, str], Doc]]:
-    """``heads``, each marked ``slot_held`` if its group's slot document has a holder whose
-    lease has not ended at ``now``: a run that holds no lock of the sequence, claimed while its
-    group's limit was not one (``group_concurrency`` above 1, a rate) or counted in since its
-    limit changed (``slots.join``). The sequence's next task waits for it. Three reads sent at
-    once; the third by ``_id`` in ``limits`` (a sequence with no rate has no slot document:
-    usually it finds none)."""
+    """``heads``, those of ``slotted`` marked ``slot_held`` if their group's slot document has
+    a holder whose lease has not ended at ``now``: a run that holds no lock of the sequence,
+    claimed while its group's limit was not one (``group_concurrency`` above 1, a rate) or
+    counted in since its limit changed (``slots.join``); the sequence's next task waits for
+    it. Only while its name's ``limits.SLOT_RUNS`` says such runs may be there: three reads
+    sent at once, the third by ``_id`` in ``limits``."""
     if not pairs:
         return {}
     match = _heads_match(pairs)
-    slots = sorted(group_slot(*pair) for pair in pairs)
+    slots = sorted(group_slot(*pair) for pair in slotted)
     held: Doc = {"_id": {"$in": slots}, "holders": {"$elemMatch": {"expires": {"$gt": now}}}}
     firsts, holders, live = yield gather(
         _firsts(match),

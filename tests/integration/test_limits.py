@@ -469,7 +469,8 @@ def test_a_sequences_head_is_told_of_a_run_its_groups_slot_holds(
     live = Request(group_slot("n", "g"), "r1", "k1", 60_000, Limit(3))
     ended = Request(group_slot("n", "h"), "r2", "k2", 1, Limit(3))
     driver.run(slots.join([live, ended], "w", now - dt.timedelta(seconds=1), set()))
-    heads = driver.run(store.heads_and_slots([("n", "g"), ("n", "h")], now))
+    pairs = [("n", "g"), ("n", "h")]
+    heads = driver.run(store.heads_and_slots(pairs, pairs, now))
     assert heads[("n", "g")]["_id"] == "g-1" and heads[("n", "g")].get("slot_held") is True
     assert heads[("n", "h")]["_id"] == "h-1" and "slot_held" not in heads[("n", "h")]
     assert driver.run(store.heads([("n", "g")])) == {
@@ -503,3 +504,28 @@ async def test_a_limit_is_read_on_its_change_and_never_on_a_slots(
         client.set_limit("limited", concurrency=2)
         await events.wait("limits_applied", count=2, name="limited")
         assert reads == [["limited"]]
+
+
+def test_a_limit_that_makes_sequences_notes_it_until_no_groups_slot_holds_a_run(
+    client: TaskClient, mongo: MongoClient[dict[str, Any]], db_name: str
+) -> None:
+    """``limits.SLOT_RUNS``: set by a ``set_limit`` that makes the groups sequences (their
+    heads are read with the groups' slots), settled once no group's slot holds a live run, and
+    only as the value read (a ``set_limit`` since keeps its own)."""
+    driver = SyncDriver(mongo[db_name])
+    limits = mongo[db_name].limits
+    client.set_limit("n", group_concurrency=3)
+    assert limits.find_one({"_id": "n"})[mtask_limits.SLOT_RUNS] is None
+    client.set_limit("n", group_concurrency=1)
+    since = mtask_limits.slot_runs(limits.find_one({"_id": "n"}))
+    assert since is not None
+    now = since + mtask_limits.SETTLE_AFTER
+    live = Request(group_slot("n", "g"), "r1", "k1", 60_000, Limit(3))
+    driver.run(slots.join([live], "w", now, set()))
+    driver.run(slots.join([Request(group_slot("nn", "g"), "r2", "k2", 60_000)], "w", now, set()))
+    assert not driver.run(mtask_limits.settle_slot_runs("n", since, now))  # r1 runs on
+    driver.run(slots.release({group_slot("n", "g"): ["r1"]}))
+    later = dt.datetime(2099, 1, 1, tzinfo=dt.UTC)
+    assert not driver.run(mtask_limits.settle_slot_runs("n", later, now))  # not the value read
+    assert driver.run(mtask_limits.settle_slot_runs("n", since, now))  # another name's: not n's
+    assert mtask_limits.slot_runs(limits.find_one({"_id": "n"})) is None

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pymongo import UpdateOne
+from pymongo.results import UpdateResult
 from scripted import AsyncScriptedDriver, ScriptedDriver, Step
 from test_limited import limit_docs
 
@@ -133,7 +134,7 @@ def test_heads_and_slots_reads_the_groups_slots_with_the_heads_in_one_round_trip
     driver = ScriptedDriver(
         Step("gather", reply=[[first, other], [], [{"_id": limits.group_slot("a", "h")}]])
     )
-    heads = driver.run(store.heads_and_slots(pairs, NOW))
+    heads = driver.run(store.heads_and_slots(pairs, pairs, NOW))
     assert driver.done and heads[("a", "g")]["_id"] == "k" and "slot_held" not in heads[("a", "g")]
     assert heads[("a", "h")]["slot_held"] is True
     _, _, live = driver.calls[0].args
@@ -370,3 +371,28 @@ def test_a_worker_refuses_a_periodic_read_of_the_limits_out_of_range(
     assert main(["workerapp:registry", "--limits-refresh", "0"]) == 2
     err = capsys.readouterr().err
     assert "limits_refresh" in err and "Traceback" not in err
+
+
+async def test_the_periodic_read_settles_a_sequence_made_a_while_ago() -> None:
+    """A name whose groups became sequences more than ``SETTLE_AFTER`` ago: its groups' slots
+    are looked at, and the note cleared if none holds a run. A recent one is left alone."""
+    old = NOW - limits.SETTLE_AFTER
+    recent = NOW - dt.timedelta(seconds=5)
+    docs = [
+        {"_id": "a", "group_concurrency": 1, limits.SLOT_RUNS: old},
+        {"_id": "b", "group_concurrency": 1, limits.SLOT_RUNS: recent},
+        {"_id": "c", "group_concurrency": 1, limits.SLOT_RUNS: None},
+    ]
+    driver = AsyncScriptedDriver(
+        Step("find", reply=docs, collection="limits"),
+        Step("find_one", reply=None, collection="limits"),  # no slot of a's groups holds a run
+        Step(
+            "update_one",
+            reply=UpdateResult({"n": 1, "nModified": 1}, acknowledged=True),
+            collection="limits",
+            check=lambda c: c.args[0] == {"_id": "a", limits.SLOT_RUNS: old},
+        ),
+    )
+    gate, _ = gate_with(driver, [])
+    await gate.run_once()
+    assert driver.done

@@ -145,6 +145,21 @@ class LimitGate(PeriodicService):
         for name in set(self.limited) | set(found):
             self._apply(name, found.get(name))
         self.refreshed.set()
+        await self._settle(found)
+
+    async def _settle(self, docs: dict[str, dict[str, Any]]) -> None:
+        """Settle the names whose groups became sequences a while ago (``limits.SLOT_RUNS``),
+        if their slots hold no run any more: their heads are read without the slots then."""
+        now = self.clock.now()
+        for name, doc in docs.items():
+            since = limits.slot_runs(doc)
+            if since is None or now - since < limits.SETTLE_AFTER:
+                continue
+            try:
+                await self.driver.run(limits.settle_slot_runs(name, since, now))
+            except StorageError as exc:
+                log.warning("cannot settle the groups' slots of %r: %s", name, exc)
+                return
 
     async def read_stale(self) -> None:
         """Read the limits of the names whose change event came, and apply them."""

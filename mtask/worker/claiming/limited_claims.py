@@ -2,7 +2,8 @@
 claimer's second strategy.
 
 A batch of them is claimed after its slots and tokens: the heads of their sequences read
-(``store.heads_and_slots``), every slot they need taken in one bulk write (``slots.take``,
+(``store.heads``; with their groups' slots for a while after a change made them sequences,
+``store.heads_and_slots``), every slot they need taken in one bulk write (``slots.take``,
 through the ``LimitGate``), then the keys whose slots were all granted claimed together, a
 sequence's head with its group's lock; their runs start through the claimer's one
 ``Starter``. A key a limit holds back waits for its slot (``LimitGate.block``). Such a batch
@@ -150,10 +151,11 @@ class LimitedClaims:
         pairs = limited.sequences(keys, known, self.gate.limited)
         if not pairs:
             return {}
+        # a sequence made of a limit with slots, while their runs may go on (limits.SLOT_RUNS)
+        slotted = [p for p in pairs if limits.slot_runs(self.gate.limited.get(p[0]) or {})]
+        read = store.heads_and_slots(pairs, slotted, now) if slotted else store.heads(pairs)
         try:
-            heads: dict[tuple[str, str], dict[str, Any]] = await self.driver.run(
-                store.heads_and_slots(pairs, now)
-            )
+            heads: dict[tuple[str, str], dict[str, Any]] = await self.driver.run(read)
             return heads
         except StorageError as exc:
             log.warning("cannot read the sequences' next tasks, retrying shortly: %s", exc)
