@@ -85,14 +85,12 @@ class WorkerConfig:
             raise ConfigError('must be "auto" or a number not below 0', field="prefetch")
         if self.grace < 0:
             raise ConfigError("must not be negative", field="grace")
-        if self.limits_refresh is not None and not 0.1 <= self.limits_refresh <= 86_400:
-            raise ConfigError("must be from 0.1 to 86400 seconds", field="limits_refresh")
         if self.stream not in ("own", "shared"):
             raise ConfigError("must be own or shared", field="stream")
         if self.pool not in ("thread", "process"):
             raise ConfigError("must be thread or process", field="pool")
-        if self.priority_aging is not None and not 1 <= self.priority_aging <= 86_400:
-            raise ConfigError("must be from 1 to 86400 seconds", field="priority_aging")
+        _within(self.priority_aging, 1, "priority_aging")
+        _within(self.limits_refresh, 0.1, "limits_refresh")
         if self.memory_limit_per_child is not None and self.memory_limit_per_child < 1:
             raise ConfigError("must be at least 1", field="memory_limit_per_child")
         chosen = list(self.names) if self.names else registry.names
@@ -102,3 +100,9 @@ class WorkerConfig:
         if not chosen:
             raise ConfigError("the registry has no handlers", field="registry")
         return chosen
+
+
+def _within(seconds: float | None, least: float, field: str) -> None:
+    """An interval, if given, is from ``least`` to a day."""
+    if seconds is not None and not least <= seconds <= 86_400:
+        raise ConfigError(f"must be from {least:g} to 86400 seconds", field=field)
