@@ -13,6 +13,7 @@ from bench import scale
 from bench.budget import cost_budget
 from bench.cpu import w10_cpu
 from bench.groups import groups_cost
+from bench.limits import limit_changes
 from bench.output import live_output
 from bench.peers import peers
 from bench.steps import durable_steps
@@ -46,6 +47,7 @@ WORKLOADS = {
     "WB": cost_budget,  # issue 26: the cost budget per task, beside bench/budget.json
     "WQ": peers,  # issue 26: W1 and W2 beside arq on Redis, same run (bench/peers.py)
     "WG": groups_cost,  # issue 29: fairness, group limits and sequences in a drain
+    "WL": limit_changes,  # issue 66: a lowered limit applies on its event (bench/limits.py)
 }
 
 

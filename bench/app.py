@@ -31,6 +31,14 @@ async def stamp(params: dict[str, Any], ctx: TaskContext) -> float:
     return time.time()  # handler start, on the same host as the publisher
 
 
+@registry.task("span")
+async def span(params: dict[str, Any]) -> list[float]:
+    """Sleeps ``ms``; returns its handler's own start and end (this host's clock: bench WL)."""
+    start = time.time()
+    await asyncio.sleep(params.get("ms", 200) / 1000)
+    return [start, time.time()]
+
+
 @registry.task("hold")
 async def hold(params: dict[str, Any]) -> None:
     await asyncio.sleep(3600)

@@ -124,6 +124,14 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         help="how often it looks for work its change stream may have missed (default 30)",
     )
     p.add_argument(
+        "--limits-refresh",
+        type=float,
+        metavar="SECONDS",
+        help="read every cluster-wide limit this often whatever happens, the safety net for a "
+        "lost change event (a change applies on its event; default 5 with --stream own, 30 "
+        "with shared)",
+    )
+    p.add_argument(
         "--priority-aging",
         type=float,
         metavar="SECONDS",
@@ -335,6 +343,7 @@ def run_worker(args: argparse.Namespace) -> int:
             names=args.names.split(",") if args.names else None,
             grace=args.grace,
             sweep_interval=args.sweep_interval,
+            limits_refresh=args.limits_refresh,
             priority_aging=args.priority_aging,
             startup_timeout=args.startup_timeout,
             run_schedules=not args.no_schedules,

@@ -1,13 +1,16 @@
 """Groups of a name (``options.group``): the next task of each sequence, and the largest
 groups, each read from the ``group_open`` index (open grouped tasks only, in publish order;
-a sequence's lock holder from the ``group_lock`` index)."""
+a sequence's lock holder from the ``group_lock`` index; a run its group's slot still holds
+from the ``limits`` collection)."""
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
 from mtask.driver import Call, Doc, Op, gather
+from mtask.limits import group_slot
 from mtask.store.schema import GROUP_LOCK, OPEN_LIST
 
 MAX_TOP = 100
@@ -45,34 +48,74 @@ def heads(pairs: Sequence[tuple[str, str]]) -> Op[dict[tuple[str, str], Doc]]:
     holders through the ``group_lock`` index (one key per group at most)."""
     if not pairs:
         return {}
+    match = _heads_match(pairs)
+    firsts, holders = yield gather(_firsts(match), _lock_holders(match))
+    return _heads_of(pairs, firsts, holders)
+
+
+def heads_and_slots(
+    pairs: Sequence[tuple[str, str]], slotted: Sequence[tuple[str, str]], now: dt.datetime
+) -> Op[dict[tuple[str, str], Doc]]:
+    """``heads``, those of ``slotted`` marked ``slot_held`` if their group's slot document has
+    a holder whose lease has not ended at ``now``: a run that holds no lock of the sequence,
+    claimed while its group's limit was not one (``group_concurrency`` above 1, a rate) or
+    counted in since its limit changed (``slots.join``); the sequence's next task waits for
+    it. Only while its name's ``limits.SLOT_RUNS`` says such runs may be there: three reads
+    sent at once, the third by ``_id`` in ``limits``."""
+    if not pairs:
+        return {}
+    match = _heads_match(pairs)
+    slots = sorted(group_slot(*pair) for pair in slotted)
+    held: Doc = {"_id": {"$in": slots}, "holders": {"$elemMatch": {"expires": {"$gt": now}}}}
+    firsts, holders, live = yield gather(
+        _firsts(match),
+        _lock_holders(match),
+        Call("find", (held, {"_id": 1}), collection="limits"),
+    )
+    out = _heads_of(pairs, firsts, holders)
+    taken = {d["_id"] for d in live}
+    for pair, head in out.items():
+        if group_slot(*pair) in taken:
+            head["slot_held"] = True
+    return out
+
+
+def _heads_match(pairs: Sequence[tuple[str, str]]) -> Doc:
     names = sorted({n for n, _ in pairs})
     groups = sorted({g for _, g in pairs})
-    match = {**_open(names, groups), "_id": {"$type": "string"}}
-    firsts, holders = yield gather(
-        Call(
-            "aggregate",
-            (
-                [
-                    {"$match": match},
-                    {"$sort": {"name": 1, "options.group": 1, "publish_seq": 1, "_id": 1}},
-                    {
-                        "$group": {
-                            "_id": {"name": "$name", "group": "$options.group"},
-                            "key": {"$first": "$_id"},
-                            "status": {"$first": "$status"},
-                            "next_claim_at": {"$first": "$next_claim_at"},
-                            "timeout": {"$first": "$options.worker_timeout_ms"},
-                        }
-                    },
-                ],
-            ),
-        ),
-        Call(
-            "find",
-            ({**match, GROUP_LOCK: True}, HEAD_FIELDS),
-            {"hint": GROUP_LOCK},
+    return {**_open(names, groups), "_id": {"$type": "string"}}
+
+
+def _firsts(match: Doc) -> Call:
+    """The first open task of each group in publish order."""
+    return Call(
+        "aggregate",
+        (
+            [
+                {"$match": match},
+                {"$sort": {"name": 1, "options.group": 1, "publish_seq": 1, "_id": 1}},
+                {
+                    "$group": {
+                        "_id": {"name": "$name", "group": "$options.group"},
+                        "key": {"$first": "$_id"},
+                        "status": {"$first": "$status"},
+                        "next_claim_at": {"$first": "$next_claim_at"},
+                        "timeout": {"$first": "$options.worker_timeout_ms"},
+                    }
+                },
+            ],
         ),
     )
+
+
+def _lock_holders(match: Doc) -> Call:
+    """The open tasks that hold their group's lock (one a group at most)."""
+    return Call("find", ({**match, GROUP_LOCK: True}, HEAD_FIELDS), {"hint": GROUP_LOCK})
+
+
+def _heads_of(
+    pairs: Sequence[tuple[str, str]], firsts: list[Doc], holders: list[Doc]
+) -> dict[tuple[str, str], Doc]:
     wanted = set(pairs)
     out: dict[tuple[str, str], Doc] = {}
     for doc in firsts:

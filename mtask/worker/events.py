@@ -31,6 +31,9 @@ class Event(enum.StrEnum):
     """An outcome MongoDB refused and the worker dropped: no FAIL could be written in its
     place (the task was marked invalid, or is run again when its lease ends)."""
     PAUSED_CHANGED = "paused_changed"
+    LIMITS_APPLIED = "limits_applied"
+    """A name's limit changed and this worker applies it: its claims from now on go by the
+    new limit, and its runs in flight count towards it (``claiming.recount``)."""
 
 
 LOGGED = frozenset(
@@ -46,6 +49,7 @@ LOGGED = frozenset(
         Event.STARTED,
         Event.STOPPING,
         Event.STOPPED,
+        Event.LIMITS_APPLIED,
     }
 )
 """Events worth a log line at INFO; the others only reach ``on_event``."""

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from mtask.limits import claim_lock
+from mtask.limits import GROUP_SEPARATOR, LIMIT_FIELDS, claim_lock
 from mtask.worker.finding.placement import TaskMeta
 from mtask.worker.finding.scan import Scanner
 from mtask.worker.finding.setaside import count, task_key
@@ -46,6 +46,20 @@ def lock_freed(change: Mapping[str, Any], meta: TaskMeta | None) -> tuple[str, s
     if change.get("operationType") != "update" or fields.get("next_claim_at", 0) is not None:
         return None
     return (name, of) if isinstance(name, str) and isinstance(of, str) else None
+
+
+def limit_set(change: Mapping[str, Any]) -> str | None:
+    """The name whose limit this event of the ``limits`` collection set, changed or cleared:
+    an insert, a replace or a delete of a name's document, or an update that names one of its
+    limit's fields (``limits.LIMIT_FIELDS``). ``None`` for a slot taken, given back or pinged,
+    and for a group's document."""
+    key = event_key(change)
+    if not isinstance(key, str) or GROUP_SEPARATOR in key:
+        return None
+    if change.get("operationType") in ("insert", "replace", "delete"):
+        return key
+    fields = updated_fields(change)
+    return key if any(f in fields for f in LIMIT_FIELDS) else None
 
 
 def lock_notice(pair: tuple[str, str]) -> dict[str, Any]:

@@ -99,7 +99,7 @@ class _Lease:
     joins: set[str] = field(default_factory=set)
     """Those of ``slots`` where the run holds no place (its take only granted it a token, or the
     slot stopped limiting runs at once): it takes one if the slot limits runs at once now
-    (``slots.extend``). Written by the pinger's thread only (and by ``add``)."""
+    (``slots.extend``). Written by the pinger's thread only (and by ``add`` and ``hold``)."""
     paused: bool = False
     """Not pinged: the run's transaction is open (``pause``)."""
     watchers: list[Callable[[float], None]] = field(default_factory=list)
@@ -238,6 +238,16 @@ class LeasePinger:
                 lease.paused = False
                 lease.next_at = time.monotonic()
                 self._cond.notify()
+
+    def hold(self, run_id: str, slot: str) -> None:
+        """The run holds a place in ``slot`` from now on (taken for it: ``slots.join``): each
+        ping extends it."""
+        with self._cond:
+            lease = self._leases.get(run_id)
+            if lease is not None:
+                if slot not in lease.slots:
+                    lease.slots = (*lease.slots, slot)
+                lease.joins.discard(slot)
 
     def remove(self, run_id: str) -> None:
         with self._cond:
