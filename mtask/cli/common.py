@@ -14,8 +14,8 @@ import importlib.util
 import json
 import re
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 from mtask.errors import MissingExtra, UsageError
 
@@ -120,6 +120,48 @@ class Commands:
 
     def run(self, args: argparse.Namespace) -> int:
         return self.handlers[args.command](args)
+
+
+class Choices(Sequence[str]):
+    """An option's ``choices=``, read from their one definition on first use: building the
+    parser (``mtask --help``) then imports no model, driver or worker, and only the command
+    that runs loads what it needs (``tests/unit/test_lazy_imports.py``)."""
+
+    def __init__(self, read: Callable[[], Iterable[str]]) -> None:
+        self._read = read
+        self._values: tuple[str, ...] | None = None
+
+    @property
+    def values(self) -> tuple[str, ...]:
+        if self._values is None:
+            self._values = tuple(self._read())
+        return self._values
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[str]: ...
+    def __getitem__(self, index: int | slice) -> str | Sequence[str]:
+        return self.values[index]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.values)
+
+    def __contains__(self, value: object) -> bool:
+        return value in self.values
+
+
+def statuses() -> list[str]:
+    """The task statuses, in their order (``models.TaskStatus``)."""
+    from mtask.models import TaskStatus
+
+    return [s.value for s in TaskStatus]
+
+
+STATUSES = Choices(statuses)
 
 
 # -- shared options (declared once) -----------------------------------------------------------

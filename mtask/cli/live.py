@@ -9,8 +9,16 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from mtask.cli.common import Commands, add_common, add_row, out, require, task_client, when
-from mtask.models import TaskStatus
+from mtask.cli.common import (
+    STATUSES,
+    Commands,
+    add_common,
+    add_row,
+    out,
+    require,
+    task_client,
+    when,
+)
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -24,7 +32,7 @@ def _frames(client: Any, interval: float) -> Iterator[Group]:
     from rich.table import Table
 
     previous: tuple[float, dt.datetime] | None = None
-    statuses = [s.value for s in TaskStatus]
+    statuses = list(STATUSES)
     while True:
         counts = client.stats()
         workers = client.workers()

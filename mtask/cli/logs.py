@@ -15,10 +15,13 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from mtask.cli.common import Commands, add_common, json_default, out, task_client, when
 from mtask.errors import TaskNotFound, UsageError
-from mtask.streams import Entry
+
+if TYPE_CHECKING:
+    from mtask.streams import Entry
 
 commands = Commands()
 run = commands.run

@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from mtask.cli.common import (
+    Choices,
     Commands,
     add_common,
     out,
@@ -22,8 +23,19 @@ from mtask.cli.common import (
     task_client,
 )
 from mtask.errors import UsageError
-from mtask.models import FOREVER
-from mtask.store.retention import PURGEABLE
+
+
+def _purgeable() -> tuple[str, ...]:
+    from mtask.store.retention import PURGEABLE
+
+    return tuple(PURGEABLE)
+
+
+def _forever() -> int:
+    from mtask.models import FOREVER
+
+    return FOREVER
+
 
 commands = Commands()
 run = commands.run
@@ -34,7 +46,7 @@ def parse_keep(text: str | None, what: str) -> int | None:
     if text is None:
         return None
     if text.strip().lower() == "forever":
-        return FOREVER
+        return _forever()
     return round(parse_duration(text, what).total_seconds() * 1000)
 
 
@@ -47,8 +59,10 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--status",
         action="append",
-        choices=list(PURGEABLE),
-        help="only this status (repeat; default succeeded, failed and cancelled)",
+        choices=Choices(_purgeable),
+        metavar="STATUS",
+        help="only this status, one of %(choices)s (repeat; default succeeded, failed and "
+        "cancelled)",
     )
     p.add_argument("--older-than", help="finished at least this long ago (e.g. 7d, 12h)")
     p.add_argument("--key", action="append", dest="keys", help="only this task (repeat)")
@@ -133,6 +147,6 @@ def cmd_retention(args: argparse.Namespace) -> int:
 def _shown(ms: Any) -> str:
     if ms is None:
         return "-"
-    if ms == FOREVER:
+    if ms == _forever():
         return "forever"
     return str(dt.timedelta(milliseconds=ms))

@@ -9,10 +9,12 @@ import json
 import re
 import sys
 from collections import Counter
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from mtask.cli import bulk
 from mtask.cli.common import (
+    STATUSES,
+    Choices,
     Commands,
     add_common,
     add_row,
@@ -24,12 +26,21 @@ from mtask.cli.common import (
     task_client,
     when,
 )
-from mtask.client import build_many
 from mtask.errors import InvalidTask, TaskNotFound, UsageError
-from mtask.models import ON_CONFLICT_CHOICES, OutputCounts, Task, TaskStatus
-from mtask.steps import NEVER
+
+if TYPE_CHECKING:
+    from mtask.models import OutputCounts, Task
 
 BATCH = 1000
+
+
+def _on_conflict() -> tuple[str, ...]:
+    from mtask.models import ON_CONFLICT_CHOICES
+
+    return ON_CONFLICT_CHOICES
+
+
+ON_CONFLICT = Choices(_on_conflict)
 commands = Commands()
 run = commands.run
 
@@ -149,11 +160,15 @@ def print_task(task: Task) -> None:
 
 
 def _deadline(at: dt.datetime | None) -> str:
+    from mtask.steps import NEVER
+
     return "no deadline" if at is None or at.year >= NEVER.year else f"until {when(at)}"
 
 
 def _waiting_rows(task: Task) -> list[tuple[str, str]]:
     """Issue 30: what a waiting task waits for, and the signals it was sent."""
+    from mtask.models import TaskStatus
+
     rows = []
     w = task.waiting
     if w is not None and task.status == TaskStatus.PENDING:
@@ -280,7 +295,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return 0
     from rich.table import Table
 
-    statuses = [s.value for s in TaskStatus]
+    statuses = list(STATUSES)
     caption = None
     if counts.at_least:
         caption = (
@@ -396,6 +411,8 @@ def publish_from_file(args: argparse.Namespace) -> int:
         TimeElapsedColumn,
     )
 
+    from mtask.client import build_many
+
     with task_client(args) as client:
         now = client.now()
         try:
@@ -441,7 +458,13 @@ def register(sub: Any) -> None:
     p.add_argument("--ping-interval-ms", type=int)
     p.add_argument("--worker", action="append", help="only this worker id may run it (repeat)")
     p.add_argument("--delay", type=float, help="seconds before it may run")
-    p.add_argument("--on-conflict", default="ignore", choices=ON_CONFLICT_CHOICES)
+    p.add_argument(
+        "--on-conflict",
+        default="ignore",
+        choices=ON_CONFLICT,
+        metavar="WHAT",
+        help="when the key exists: %(choices)s (default %(default)s)",
+    )
     p.add_argument(
         "--depends-on", action="append", help="run only after this task succeeded (repeat)"
     )
@@ -453,7 +476,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser("list", help="list tasks")
     add_common(p)
     p.add_argument("--name")
-    p.add_argument("--status", choices=[s.value for s in TaskStatus])
+    p.add_argument("--status", choices=STATUSES, metavar="STATUS", help="one of %(choices)s")
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--after", help="last key of the previous page")
     p.add_argument("--order", choices=["newest", "next_claim_at"], default="newest")
