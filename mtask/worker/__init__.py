@@ -60,6 +60,21 @@ IMMEDIATE_STOP_TIMEOUT = 5.0
 after it, or after the drain if that ends later."""
 
 
+async def together(*steps: Awaitable[Any]) -> None:
+    """Await ``steps`` at once; the first to fail cancels the others (awaited), and its error
+    is raised as it is (not in an ``ExceptionGroup``: the start-up's retry reads it)."""
+    tasks = [asyncio.ensure_future(step) for step in steps]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+    for task in tasks:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            raise exc
+
+
 class Worker:
     """Run the handlers of ``registry``; the keyword arguments are ``WorkerConfig``'s."""
 
@@ -145,14 +160,7 @@ class Worker:
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             try:
-                if self._server_clock is not None:
-                    await self._server_clock.calibrate_async(self.parts.adb)
-                await self.parts.driver.run(store.ensure_indexes())
-                # the pinger's client connects now, not on the first ping of a claimed run
-                await asyncio.to_thread(self.parts.sclient.admin.command, "ping")
-                await self.parts.presence.beat()
-                self._registered = True
-                await self.parts.gate.refresh()
+                await self._reach()
                 return
             except (StorageError, PyMongoError) as exc:
                 error = exc if isinstance(exc, StorageError) else driver.storage_error(exc)
@@ -170,6 +178,25 @@ class Worker:
                 )
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 10)
+
+    async def _reach(self) -> None:
+        """What the first claim needs, at once where nothing orders it (issue 66): the clock
+        calibrated and then the first heartbeat, which takes the clock's time and reads the
+        paused names; beside them the indexes made (none is a time decision, and the claim
+        waits for all of them: a group's lock is a unique index), the pinger's own client
+        connected (so a claimed run's first ping does not connect) and the limits read."""
+        await together(
+            self._calibrated_beat(),
+            self.parts.driver.run(store.ensure_indexes()),
+            asyncio.to_thread(self.parts.sclient.admin.command, "ping"),
+            self.parts.gate.refresh(),
+        )
+
+    async def _calibrated_beat(self) -> None:
+        if self._server_clock is not None:
+            await self._server_clock.calibrate_async(self.parts.adb)
+        await self.parts.presence.beat()
+        self._registered = True
 
     def _supervise(self) -> None:
         for service in self.parts.services:
