@@ -15,6 +15,7 @@ from bench.cpu import w10_cpu
 from bench.groups import groups_cost
 from bench.output import live_output
 from bench.peers import peers
+from bench.startup import startup
 from bench.steps import durable_steps
 from bench.support import FULL, QUICK, floor_helper
 from bench.validator import validator_ab, validator_interleaved
@@ -46,6 +47,7 @@ WORKLOADS = {
     "WB": cost_budget,  # issue 26: the cost budget per task, beside bench/budget.json
     "WQ": peers,  # issue 26: W1 and W2 beside arq on Redis, same run (bench/peers.py)
     "WG": groups_cost,  # issue 29: fairness, group limits and sequences in a drain
+    "WST": startup,  # issue 66: a worker's first claim, the CLI's answer, beside arq's start-up
 }
 
 
