@@ -4,7 +4,8 @@ file, and reads neither queue's broker (``bench/peers.py``).
 
 The same code in mtask's worker (``bench.peer_app``) and arq's (``bench.arq_app``): the handler
 calls ``started()`` and ``finished()``; ``MTASK_BENCH_FINISH`` names the file and
-``MTASK_BENCH_N`` the count (unset: nothing is counted)."""
+``MTASK_BENCH_N`` the count (unset: nothing is counted). The line holds the first job's start
+and the n-th one's end (``time.time()``) and the CPU the process used between them."""
 
 from __future__ import annotations
 
@@ -22,15 +23,22 @@ class FinishLine:
         self.n = int(os.environ.get(COUNT, "0"))
         self.count = 0
         self.first: float | None = None
+        self.cpu_first = 0.0
 
     def started(self) -> None:
         if self.first is None:
             self.first = time.time()
+            self.cpu_first = time.process_time()
 
     def finished(self) -> None:
         self.count += 1
         if self.count == self.n and self.path:
-            line = {"first": self.first, "last": time.time(), "n": self.n, "pid": os.getpid()}
+            line = {
+                "first": self.first,
+                "last": time.time(),
+                "cpu": time.process_time() - self.cpu_first,  # the process's, every thread's
+                "n": self.n,
+            }
             with open(f"{self.path}.tmp", "w") as out:
                 json.dump(line, out)
             os.replace(f"{self.path}.tmp", self.path)  # the harness sees all of it or nothing

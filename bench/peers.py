@@ -140,6 +140,11 @@ class Drain:
     """The n-th handler's end, in the worker."""
     span: float
     """The broker's own record, read after the worker stopped: first start → last finish."""
+    worker_cpu: float
+    """The worker process's CPU seconds from its first job to its n-th (every thread's)."""
+    broker_cpu: float
+    """The broker's (mongod's, redis-server's) CPU seconds from the worker's start to the
+    finish line (0 where its process is not on this host)."""
 
     @property
     def from_start(self) -> float:
@@ -168,7 +173,17 @@ def _finish(path: Path, proc: subprocess.Popen[bytes], poll: Callable[[], None] 
     return json.loads(path.read_text())
 
 
+def _cpu_s(pid: int | None) -> float:
+    """A process's user + system CPU seconds so far (``/proc``; 0 where it is not here)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _mtask_drain(bench: Bench, n: int, poll: bool, *extra: str) -> Drain:
+    mongod = int(bench.mongo.admin.command("serverStatus")["pid"])
     name = bench.db()
     with TaskClient(bench.uri, database=name) as client:
         client.init_collection()  # the worker's own start would make them: not in a drain
@@ -184,10 +199,11 @@ def _mtask_drain(bench: Bench, n: int, poll: bool, *extra: str) -> Drain:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "finish.json"
         env = child_env(**{FILE: str(path), COUNT: str(n)})
-        began = time.time()
+        broker, began = _cpu_s(mongod), time.time()
         proc = mtask_worker(bench.uri, name, "--concurrency", str(MAX_JOBS), *extra, env=env)
         try:
             line = _finish(path, proc, count if poll else None)
+            broker = _cpu_s(mongod) - broker
         finally:
             stop_process(proc)
     done = tasks.count_documents({"name": "noop", "status": "succeeded"})
@@ -208,7 +224,8 @@ def _mtask_drain(bench: Bench, n: int, poll: bool, *extra: str) -> Drain:
     bench.drop(name)
     if done != n:
         raise RuntimeError(f"mtask recorded {done} of {n} outcomes")
-    return Drain(n, began, line["first"], line["last"], (span["b"] - span["a"]).total_seconds())
+    spanned = (span["b"] - span["a"]).total_seconds()
+    return Drain(n, began, line["first"], line["last"], spanned, line["cpu"], broker)
 
 
 async def _pool(port: int) -> ArqRedis:
@@ -220,6 +237,7 @@ async def _pool(port: int) -> ArqRedis:
 
 async def _arq_drain(port: int, n: int, poll: bool) -> Drain:
     redis = await _pool(port)
+    server = int((await redis.info("server"))["process_id"])
     try:
         await redis.flushall()
         for start in range(0, n, 1000):
@@ -229,12 +247,13 @@ async def _arq_drain(port: int, n: int, poll: bool) -> Drain:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "finish.json"
             env = child_env(**{FILE: str(path), COUNT: str(n)})
-            began = time.time()
+            broker, began = _cpu_s(server), time.time()
             proc = arq_worker(port, env)
             try:
                 line = await asyncio.to_thread(
                     _finish, path, proc, _keys_poll(port) if poll else None
                 )
+                broker = _cpu_s(server) - broker
             finally:
                 stop_process(proc)
         results = await redis.all_job_results()
@@ -242,7 +261,8 @@ async def _arq_drain(port: int, n: int, poll: bool) -> Drain:
             raise RuntimeError(f"arq recorded {len(results)} of {n} results")
         began_at = min(r.start_time for r in results)
         ended_at = max(r.finish_time for r in results)
-        return Drain(n, began, line["first"], line["last"], (ended_at - began_at).total_seconds())
+        spanned = (ended_at - began_at).total_seconds()
+        return Drain(n, began, line["first"], line["last"], spanned, line["cpu"], broker)
     finally:
         await redis.aclose()
 
@@ -312,17 +332,35 @@ def ratios(
     )
 
 
+RATES: list[tuple[str, str, Callable[[Drain], float]]] = [
+    ("first", "from the first job", lambda d: d.from_first),
+    ("start", "from the start", lambda d: d.from_start),
+    ("recorded", "brokers' records", lambda d: d.recorded),
+]
+
+
 def _describe(n: int, seen: dict[str, list[Drain]]) -> tuple[str, dict[str, float]]:
     values: dict[str, float] = {}
     parts = []
-    for key, label, rate in (
-        ("first", "from the first job", lambda d: d.from_first),
-        ("start", "from the start", lambda d: d.from_start),
-        ("recorded", "brokers' records", lambda d: d.recorded),
-    ):
+    for key, label, rate in RATES:
         m, a, ratio = ratios(seen, rate)
-        parts.append(f"{label} {m:,.0f}/{a:,.0f}/s = {ratio:.2f}x")
+        pairs = zip(seen["mtask"], seen["arq"], strict=True)
+        each = ", ".join(f"{rate(x) / rate(y):.2f}" for x, y in pairs)
+        parts.append(f"{label} {m:,.0f}/{a:,.0f}/s = {ratio:.2f}x ({each})")
         values |= {f"mtask_{key}_{n}": m, f"arq_{key}_{n}": a, f"ratio_{key}_{n}": ratio}
+    cpu = {
+        who: [
+            statistics.median(d.worker_cpu / d.n * 1e6 for d in seen[who]),
+            statistics.median(d.broker_cpu / d.n * 1e6 for d in seen[who]),
+        ]
+        for who in ("mtask", "arq")
+    }
+    parts.append(
+        f"CPU a job, worker + broker: mtask {cpu['mtask'][0]:.0f} + {cpu['mtask'][1]:.0f} µs, "
+        f"arq {cpu['arq'][0]:.0f} + {cpu['arq'][1]:.0f} µs"
+    )
+    for who, (worker, broker) in cpu.items():
+        values |= {f"{who}_worker_us_{n}": worker, f"{who}_broker_us_{n}": broker}
     for lever in seen.keys() - {"mtask", "arq"}:
         m, _, ratio = ratios(seen, lambda d: d.from_first, lever)
         parts.append(f"with {lever}: {m:,.0f}/s = {ratio:.2f}x from the first job")
@@ -337,7 +375,8 @@ def peers(bench: Bench) -> None:
             raise RuntimeError("bench WQ needs redis-server (Debian) and arq (PyPI)")
         bench.record(Result("WQ beside arq", "skipped", "-", None, "no redis-server or arq here"))
         return
-    sizes, rounds, m = ((2_000,), 1, 40) if quick else ((20_000, 2_000), 3, 300)
+    sizes: tuple[int, ...] = (2_000,) if quick else (20_000, 2_000)
+    rounds, m = (1, 40) if quick else (3, 300)
     if os.environ.get("MTASK_WQ_SIZES"):  # e.g. 20000: one size only (a lever's A/B)
         sizes = tuple(int(size) for size in os.environ["MTASK_WQ_SIZES"].split(","))
     poll = os.environ.get("MTASK_WQ_POLL") == "1"
