@@ -363,7 +363,14 @@ def _describe(n: int, seen: dict[str, list[Drain]]) -> tuple[str, dict[str, floa
         values |= {f"{who}_worker_us_{n}": worker, f"{who}_broker_us_{n}": broker}
     for lever in seen.keys() - {"mtask", "arq"}:
         m, _, ratio = ratios(seen, lambda d: d.from_first, lever)
-        parts.append(f"with {lever}: {m:,.0f}/s = {ratio:.2f}x from the first job")
+        pairs = zip(seen[lever], seen["arq"], strict=True)
+        each = ", ".join(f"{x.from_first / y.from_first:.2f}" for x, y in pairs)
+        worker = statistics.median(d.worker_cpu / d.n * 1e6 for d in seen[lever])
+        broker = statistics.median(d.broker_cpu / d.n * 1e6 for d in seen[lever])
+        parts.append(
+            f"with {lever}: {m:,.0f}/s = {ratio:.2f}x from the first job ({each}), CPU a job "
+            f"{worker:.0f} + {broker:.0f} µs"
+        )
         values |= {f"mtask_first_{n}_{lever}": m, f"ratio_first_{n}_{lever}": ratio}
     return f"{n:,}: " + ", ".join(parts), values
 
