@@ -75,6 +75,11 @@ async def together(*steps: Awaitable[Any]) -> None:
             raise exc
 
 
+def _connected(ping: asyncio.Future[Any]) -> None:
+    if not ping.cancelled() and (exc := ping.exception()) is not None:
+        log.debug("the lease pinger's client could not connect yet: %s", exc)
+
+
 class Worker:
     """Run the handlers of ``registry``; the keyword arguments are ``WorkerConfig``'s."""
 
@@ -101,6 +106,8 @@ class Worker:
         self._crash: BaseException | None = None
         self._registered = False
         """The worker's document was written (startup reached MongoDB): deregister on exit."""
+        self._pinger_ready: asyncio.Future[Any] | None = None
+        """The pinger's client's first ping, under way from the start-up on."""
         self.parts = assembly.build(
             self.config,
             registry,
@@ -135,6 +142,7 @@ class Worker:
         self.state = "running"
         try:
             await self._startup()
+            self._connect_pinger()
             if self.parts.process_pool is not None and self.config.pool == "process":
                 await self.parts.process_pool.start(
                     self.concurrency
@@ -182,15 +190,24 @@ class Worker:
     async def _reach(self) -> None:
         """What the first claim needs, at once where nothing orders it (issue 66): the clock
         calibrated and then the first heartbeat, which takes the clock's time and reads the
-        paused names; beside them the indexes made (none is a time decision, and the claim
-        waits for all of them: a group's lock is a unique index), the pinger's own client
-        connected (so a claimed run's first ping does not connect) and the limits read."""
+        paused names; beside them the indexes made (not a time decision; the claim waits for
+        them: a group's lock is a unique index) and the limits read. The lease pinger's own
+        client connects after, on a daemon thread (``_connect_pinger``)."""
         await together(
             self._calibrated_beat(),
             self.parts.driver.run(store.ensure_indexes()),
-            asyncio.to_thread(self.parts.sclient.admin.command, "ping"),
             self.parts.gate.refresh(),
         )
+
+    def _connect_pinger(self) -> None:
+        """The pinger's client connects now, on a thread, so that a claimed run's first ping
+        (a ping interval after its claim) does not wait for a connection; the first claim does
+        not wait for it either (its threads, measured, held the start-up's event loop back by
+        tens of ms on a busy machine). Its failure is the pinger's to meet, at its pings."""
+        command = self.parts.sclient.admin.command
+        ping = asyncio.ensure_future(run_in_thread(command, "ping", name="mtask-pinger-connect"))
+        ping.add_done_callback(_connected)
+        self._pinger_ready = ping
 
     async def _calibrated_beat(self) -> None:
         if self._server_clock is not None:
