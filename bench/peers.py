@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.finish import COUNT, FILE
-from bench.support import LOOP, ROOT, Result, pct, stop_process, wait_until
+from bench.support import LOOP, ROOT, Result, pct, runs_span, stop_process, wait_until
 from mtask.client import TaskClient
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ def _finish(path: Path, proc: subprocess.Popen[bytes], poll: Callable[[], None] 
     return json.loads(path.read_text())
 
 
-def _cpu_s(pid: int | None) -> float:
+def cpu_seconds(pid: int | None) -> float:
     """A process's user + system CPU seconds so far (``/proc``; 0 where it is not here)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
@@ -199,32 +199,18 @@ def _mtask_drain(bench: Bench, n: int, poll: bool, *extra: str) -> Drain:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "finish.json"
         env = child_env(**{FILE: str(path), COUNT: str(n)})
-        broker, began = _cpu_s(mongod), time.time()
+        broker, began = cpu_seconds(mongod), time.time()
         proc = mtask_worker(bench.uri, name, "--concurrency", str(MAX_JOBS), *extra, env=env)
         try:
             line = _finish(path, proc, count if poll else None)
-            broker = _cpu_s(mongod) - broker
+            broker = cpu_seconds(mongod) - broker
         finally:
             stop_process(proc)
     done = tasks.count_documents({"name": "noop", "status": "succeeded"})
-    span = next(
-        tasks.aggregate(
-            [
-                {"$unwind": "$runs"},
-                {
-                    "$group": {
-                        "_id": None,
-                        "a": {"$min": "$runs.claimed_at"},
-                        "b": {"$max": "$runs.finished_at"},
-                    }
-                },
-            ]
-        )
-    )
+    spanned = runs_span(tasks)
     bench.drop(name)
     if done != n:
         raise RuntimeError(f"mtask recorded {done} of {n} outcomes")
-    spanned = (span["b"] - span["a"]).total_seconds()
     return Drain(n, began, line["first"], line["last"], spanned, line["cpu"], broker)
 
 
@@ -247,13 +233,13 @@ async def _arq_drain(port: int, n: int, poll: bool) -> Drain:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "finish.json"
             env = child_env(**{FILE: str(path), COUNT: str(n)})
-            broker, began = _cpu_s(server), time.time()
+            broker, began = cpu_seconds(server), time.time()
             proc = arq_worker(port, env)
             try:
                 line = await asyncio.to_thread(
                     _finish, path, proc, _keys_poll(port) if poll else None
                 )
-                broker = _cpu_s(server) - broker
+                broker = cpu_seconds(server) - broker
             finally:
                 stop_process(proc)
         results = await redis.all_job_results()

@@ -38,10 +38,9 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.peers import arq_worker, child_env, redis_server, script
+from bench.peers import arq_worker, child_env, cpu_seconds, redis_server, script
 from bench.support import ROOT, Result, stop_process, wait_until
 from mtask.client import TaskClient
 
@@ -63,15 +62,6 @@ def _timed(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
     return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
-def _cpu(pid: int) -> float:
-    """The CPU seconds a live process has used so far (``/proc``; 0 where there is none)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _first_claim(uri: str, database: str, env: dict[str, str]) -> tuple[float, float, float]:
     """A due ``stamp`` task, then a worker process: seconds from its start to the claim (the
     server's ``claimed_at``) and to the handler's start, and the CPU seconds the worker had
@@ -85,7 +75,7 @@ def _first_claim(uri: str, database: str, env: dict[str, str]) -> tuple[float, f
         proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
         try:
             wait_until(lambda: _done(client, key, proc), timeout=60)
-            cpu = _cpu(proc.pid)
+            cpu = cpu_seconds(proc.pid)
         finally:
             stop_process(proc)
         task = client.get(key)
@@ -113,7 +103,7 @@ async def _arq_first_job(port: int) -> tuple[float, float]:
         proc = arq_worker(port, child_env())
         try:
             started = float(await job.result(timeout=60, poll_delay=0.005))
-            cpu = _cpu(proc.pid)
+            cpu = cpu_seconds(proc.pid)
         finally:
             stop_process(proc)
         return started - began, cpu

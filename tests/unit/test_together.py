@@ -25,38 +25,32 @@ async def test_every_step_runs_at_once() -> None:
     assert sorted(began) == ["a", "b"]
 
 
+async def slow(cancelled: asyncio.Event) -> None:
+    """A step that never ends; ``cancelled`` is set when it is cancelled."""
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+
+
 async def test_the_first_failure_cancels_the_rest_and_is_raised_as_it_is() -> None:
     cancelled = asyncio.Event()
     failed = StorageError("down", transient=True)
-
-    async def slow() -> None:
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
 
     async def fails() -> None:
         await asyncio.sleep(0)
         raise failed
 
     with pytest.raises(StorageError) as caught:
-        await asyncio.wait_for(together(slow(), fails()), timeout=10)
+        await asyncio.wait_for(together(slow(cancelled), fails()), timeout=10)
     assert caught.value is failed
     assert cancelled.is_set()  # awaited: nothing of the attempt runs on into the next
 
 
 async def test_cancelling_it_cancels_its_steps() -> None:
     cancelled = asyncio.Event()
-
-    async def slow() -> None:
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
-    task = asyncio.ensure_future(together(slow(), slow()))
+    task = asyncio.ensure_future(together(slow(cancelled), slow(cancelled)))
     await asyncio.sleep(0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
