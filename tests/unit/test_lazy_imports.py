@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import mtask
 
 ROOT = Path(mtask.__file__).parent
@@ -78,3 +80,21 @@ def test_no_client_command_loads_the_worker() -> None:
     code = "\n".join(f"import {m}" for m in sorted(modules))
     assert under(loaded(code), "mtask.worker") == []
     assert len(modules) > 10  # the handlers' own imports were found
+
+
+def test_choices_read_on_first_use_are_still_checked_and_shown(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from mtask.cli import build_parser
+    from mtask.models import ON_CONFLICT_CHOICES, TaskStatus
+
+    parser = build_parser()
+    assert parser.parse_args(["list", "--status", "failed"]).status == "failed"
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["list", "--status", "done"])
+    assert exited.value.code == 2
+    said = capsys.readouterr().err
+    assert "invalid choice: 'done'" in said and all(s.value in said for s in TaskStatus)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["publish", "--help"])
+    assert ", ".join(ON_CONFLICT_CHOICES) in " ".join(capsys.readouterr().out.split())
