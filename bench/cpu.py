@@ -29,7 +29,7 @@ from bench.support import QUICK, ROOT, Result, runs_span, stop_process, wait_unt
 from mtask.client import TaskClient
 from mtask.registry import Registry
 from mtask.worker.running.invoke import run_in_thread
-from mtask.worker.running.pool.child import RunInfo
+from mtask.worker.running.pool.pipe import RunInfo
 from mtask.worker.running.pool.pool import ProcessPool
 
 if TYPE_CHECKING:

@@ -54,7 +54,8 @@ from mtask.models import (
     read_worker,
     validate_name,
 )
-from mtask.store import bulk, counts, queries, retention, throughput
+from mtask.states import Explained, State, explain
+from mtask.store import bulk, cluster, counts, occupancy, queries, retention, throughput
 from mtask.store import output as store_output
 from mtask.store import steps as store_steps
 from mtask.waiters import AsyncWaiter, SyncWaiter, async_waiter_for, finished, waiter_for
@@ -477,6 +478,52 @@ class _Base:
         _check_key(key)
         return (yield from store_steps.signal(key, name, payload))
 
+    @operation
+    def reset_step(self, key: str, step: str) -> Op[store_steps.Reset]:
+        """Reset task ``key``'s durable steps to before step ``step``: it and every step after
+        it are removed, and the next run calls them again (a removed wait takes the next
+        signal of its name: the one it had taken is removed too); a pending task may run now,
+        a failed or cancelled one runs again once retried. One update, fenced so that no run
+        of the task is RUNNING (docs/web.md). ``InvalidTask`` for no such step,
+        ``TaskNotFound``, ``InvalidTransition`` while the task runs or once it succeeded."""
+        _check_key(key)
+        return (yield from store_steps.reset(key, step))
+
+    # -- derived states (mtask.states) ----------------------------------------------------------
+
+    @operation
+    def explain(self, task: Task) -> Op[Explained]:
+        """``task``'s derived state and why it is not running, with the cluster's state read
+        now (for a task of a sequence, also how many of its group are ahead of it)."""
+        now = self.clock.now()
+        facts = yield from cluster.read([task], now, ahead=True)
+        return explain(task, facts)
+
+    @operation
+    def explain_all(self, tasks: Sequence[Task]) -> Op[builtins.list[Explained]]:
+        """The derived state of each of ``tasks``, the cluster read once for all."""
+        return (yield from cluster.explain_all(tasks, self.clock.now()))
+
+    @operation
+    def search_state(self, state: str, /, **filters: Any) -> Op[cluster.StatePage]:
+        """A page of tasks in derived ``state`` (``mtask.states.STATES``), newest first, with
+        the filters of ``search`` (``name``, ``group``, ``prefix``, ``text``, ``after``,
+        ``limit``); its ``after`` continues it."""
+        try:
+            wanted = State(state)
+        except ValueError:
+            raise InvalidTask(
+                f"{state!r} is not a state ({', '.join(s.value for s in State)})", field="state"
+            ) from None
+        if filters.get("after") is not None:
+            _check_key(filters["after"], "after")
+        return (yield from cluster.search(wanted, self.clock.now(), **filters))
+
+    @operation
+    def state_counts(self) -> Op[cluster.StateCounts]:
+        """Tasks per name and derived state (``store.cluster.state_counts``)."""
+        return (yield from cluster.state_counts(self.clock.now()))
+
     # -- workers and names ----------------------------------------------------------------------
 
     @operation
@@ -538,6 +585,13 @@ class _Base:
     @operation
     def limits(self) -> Op[builtins.list[dict[str, Any]]]:
         return (yield from limits.all_limits())
+
+    @operation
+    def limit_use(self) -> Op[builtins.list[occupancy.NameUse]]:
+        """How full each limit is: runs at once in use, sequences' locks held, and per group
+        its tasks open, running, due and blocked and the one that runs next
+        (``store.occupancy``)."""
+        return (yield from occupancy.use(self.clock.now()))
 
     @operation
     def set_retention(

@@ -16,6 +16,7 @@ from bson.codec_options import CodecOptions
 from pymongo import AsyncMongoClient, MongoClient
 from pymongo.errors import ConfigurationError, InvalidURI
 
+from mtask import sockets
 from mtask.errors import StorageError
 
 ENV_URI = "MTASK_MONGODB_URI"
@@ -92,6 +93,7 @@ def async_client(
     ``options`` say otherwise."""
     resolved = resolve_uri(uri)
     _check(resolved)
+    sockets.install()  # a cancelled connect closes its socket (pymongo leaks it)
     try:
         return AsyncMongoClient(resolved, **_options(resolved, options, defaults))
     except (ConfigurationError, InvalidURI, ValueError) as exc:

@@ -4,6 +4,11 @@
 ``EmbeddedMongo(data_dir).start()`` starts it (or attaches to the one already running for that
 directory, found through its state file), waits until it is primary, and returns the URI.
 The server outlives the process that started it; ``stop()`` shuts it down cleanly.
+
+Without a ``data_dir``: ``$MTASK_DATA_DIR``, else the directory ``mtask mongod start --data-dir
+DIR`` remembered for the current directory (``./.mtask/data-dir``, ``remember``), else
+``./.mtask/mongodb``. So ``mtask mongod start --data-dir DIR`` and then ``mtask stats`` from the
+same directory use one server (the second started another, empty one in ``./.mtask``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ from pymongo.errors import OperationFailure, PyMongoError
 from mtask.errors import ConfigError, EmbeddedUnavailable, StorageError
 
 DEFAULT_DATA_DIR = Path(".mtask") / "mongodb"
+REMEMBERED = Path(".mtask") / "data-dir"
+"""The file naming the data directory ``mtask mongod start --data-dir`` chose for the commands
+run from this directory (one line: an absolute path)."""
 REPLICA_SET = "mtask"
 STATE_FILE = "mtask-mongod.json"
 LOCK_FILE = "mtask-mongod.lock"
@@ -87,6 +95,32 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def default_data_dir() -> Path:
+    """``$MTASK_DATA_DIR``, else the data directory remembered here (``REMEMBERED``), else
+    ``./.mtask/mongodb``."""
+    env = os.environ.get("MTASK_DATA_DIR")
+    if env:
+        return Path(env)
+    try:
+        remembered = REMEMBERED.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        remembered = ""
+    return Path(remembered) if remembered else DEFAULT_DATA_DIR
+
+
+def remember(data_dir: Path) -> Path | None:
+    """Make ``data_dir`` the default of the commands run from this directory; returns the file
+    that says so, or None when ``data_dir`` is the default itself (any such file removed)."""
+    if data_dir.absolute() == DEFAULT_DATA_DIR.absolute():
+        REMEMBERED.unlink(missing_ok=True)
+        return None
+    REMEMBERED.parent.mkdir(parents=True, exist_ok=True)
+    tmp = REMEMBERED.with_suffix(".tmp")
+    tmp.write_text(f"{data_dir.absolute()}\n", encoding="utf-8")
+    tmp.replace(REMEMBERED)
+    return REMEMBERED
+
+
 @dataclass(frozen=True)
 class Status:
     running: bool
@@ -113,8 +147,7 @@ class EmbeddedMongo:
         cache_size_gb: float = CACHE_SIZE_GB,
         extra_args: tuple[str, ...] = (),
     ) -> None:
-        self.data_dir = Path(data_dir or os.environ.get("MTASK_DATA_DIR") or DEFAULT_DATA_DIR)
-        self.data_dir = self.data_dir.absolute()
+        self.data_dir = Path(data_dir or default_data_dir()).absolute()
         self.port = port
         self.cache_size_gb = cache_size_gb
         self.extra_args = extra_args
@@ -180,11 +213,17 @@ class EmbeddedMongo:
 
     def start(self, timeout: float = 60.0) -> str:
         """Start mongod (or attach to the running one) and return its URI once it is primary."""
+        return self.launch(timeout)[0]
+
+    def launch(self, timeout: float = 60.0) -> tuple[str, bool]:
+        """``start``, and whether this call started mongod (False: it attached to the one
+        running), decided under the data directory's lock: of two processes starting it at
+        once, one says it started it."""
         with self._locked():
             current = self.status()
             if current.running and current.port is not None:
                 self._wait_primary(current.port, timeout)
-                return self.uri_for(current.port)
+                return self.uri_for(current.port), False
             mongod = find_mongod()
             port = self._choose_port()
             db_path = self.data_dir / "db"
@@ -232,7 +271,7 @@ class EmbeddedMongo:
                     os.kill(pid, signal.SIGKILL)
                 raise
             self._write_state(pid=pid, port=port, running=True)
-            return self.uri_for(port)
+            return self.uri_for(port), True
 
     def stop(self, timeout: float = 30.0) -> bool:
         """Shut mongod down cleanly; returns False when it was not running."""

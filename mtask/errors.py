@@ -140,6 +140,15 @@ class ScheduleNotFound(MtaskError):
         super().__init__(f"no schedule {schedule_id!r}")
 
 
+class WorkerNotFound(MtaskError):
+    """No live worker has that id (``mtask worker stop``)."""
+
+    default_message = "no worker with that id"
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(f"no worker {worker_id!r} is registered (see `mtask workers`)")
+
+
 class UsageError(MtaskError):
     """The command line itself is wrong (bad JSON, bad option value); exit status 2."""
 

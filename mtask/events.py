@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
+import sys
 import threading
 import time
 from collections.abc import (
@@ -399,6 +400,16 @@ def _buffered(stream: Any) -> bool:
     return True if data is None else len(data) > 0
 
 
+def _close(stream: Any) -> None:
+    """Close a change stream, but not while the interpreter shuts down: a generator abandoned
+    by its caller (``client.stream``'s iterator left unfinished) is closed then, when pymongo
+    can no longer import what killing a cursor needs; the server drops the cursor with the
+    connection."""
+    if sys.is_finalizing():
+        return
+    stream.close()
+
+
 @overload
 def sync_follow(
     collection: Collection[Doc] | Database[Doc],
@@ -441,12 +452,13 @@ def sync_follow(
     while not stop.is_set():
         delay = 0.05
         try:
-            with collection.watch(
+            stream = collection.watch(
                 pipeline,
                 full_document=full_document,
                 resume_after=at.token,
                 max_await_time_ms=AWAIT_MS,
-            ) as stream:
+            )
+            try:
                 at.opened(stream.resume_token)
                 if on_open is not None:
                     on_open()
@@ -458,6 +470,8 @@ def sync_follow(
                     if change is not None or quiet:
                         yield change
                     at.moved(stream.resume_token)
+            finally:
+                _close(stream)
         except PyMongoError as exc:
             delay = at.failed(exc, time.monotonic())
         stop.wait(delay)

@@ -470,6 +470,19 @@ class StoredOptions(BaseModel):
     keep_failed_ms: int | None = None
     keep_cancelled_ms: int | None = None
 
+    def changed(self) -> dict[str, Any]:
+        """The options that differ from their defaults (``OPTION_DEFAULTS``; a retention from
+        the built-in ``DEFAULT_KEEP_MS``, which ``publish`` writes when nothing else sets one),
+        as stored: what a page shows instead of every option."""
+        defaults = {**OPTION_DEFAULTS, **{KEEP_FIELDS[s]: ms for s, ms in DEFAULT_KEEP_MS.items()}}
+        found = {}
+        for name in OPTION_NAMES:
+            value = getattr(self, name)
+            shown = list(value) if isinstance(value, tuple) else value
+            if value is not None and shown != defaults.get(name):
+                found[name] = shown
+        return found
+
 
 class Task(BaseModel):
     """A typed view of one task document, as it is: a field the document lacks is ``None``
@@ -513,6 +526,10 @@ class Task(BaseModel):
     depends_on: list[str] = Field(default_factory=list)
     waiting_on: list[str] = Field(default_factory=list)
     """The dependencies that have not succeeded yet; the task is not claimable while any are."""
+    publish_seq: int | None = None
+    """A grouped task's place in its group's publish order (``None`` without a group)."""
+    group_lock: bool | None = None
+    """``True`` on a sequence's task that took its group's lock (it holds it while open)."""
     progress: Progress | None = None
     """The newest progress a run reported (``ctx.progress``), or ``None``."""
     output_seq: int | None = None

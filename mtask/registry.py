@@ -8,7 +8,7 @@ import datetime as dt
 import inspect
 import threading
 import typing
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -387,3 +387,8 @@ class Registry:
 
     def __contains__(self, name: object) -> bool:
         return name in self.handlers
+
+    def __iter__(self) -> Iterator[str]:
+        """The registered names, sorted (as ``names``): ``list(registry)`` lists them. Without
+        it, Python iterated through ``__getitem__`` with 0, 1, … and raised ``KeyError: 0``."""
+        return iter(self.names)

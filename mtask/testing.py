@@ -3,8 +3,8 @@
 ``run_handler(registry, name, params)`` does what a worker does with a claimed task, minus the
 claim and the write: it parses the params against the handler's model, calls the handler (a
 plain ``def`` on a thread of its own, as in the worker), and turns its return value or
-exception into the ``Outcome`` the worker would record, through the very ``RunOutcomes`` the
-worker uses (Oban's ``perform_job``, River's ``rivertest``)::
+exception into the ``Outcome`` the worker would record, through the very ``HandlerCalls`` and
+``RunOutcomes`` the worker uses (Oban's ``perform_job``, River's ``rivertest``)::
 
     outcome = run_handler(registry, "resize_image", {"url": "u", "width": 0})
     assert outcome.state is RunState.FAIL and outcome.permanent
@@ -45,13 +45,9 @@ from mtask.store import Outcome
 from mtask.worker.config import DEFAULT_MAX_RESULT_BYTES
 from mtask.worker.events import Emitter
 from mtask.worker.inflight import ActiveRun
-from mtask.worker.running.outcomes import (
-    NoJournals,
-    NoLeases,
-    NoOutputs,
-    NoTransactions,
-    RunOutcomes,
-)
+from mtask.worker.running.call import HandlerCalls, NoTransactions
+from mtask.worker.running.context import NoLeases, NoOutputs
+from mtask.worker.running.outcomes import RunOutcomes
 from mtask.worker.running.transactional import RunFence, TransactionEnded
 from mtask.worker.stats import WorkerStats
 
@@ -104,17 +100,11 @@ async def arun_handler(
     )
     run = ActiveRun(key=key, name=name, run_id=run_id, ctx=ctx)
     transactions = NoTransactions() if mongo_client is None else _Transactions(mongo_client)
-    outcomes = RunOutcomes(
-        WorkerStats(),
-        Emitter(),
-        max_result_bytes,
-        DEFAULT_MAX_PARAMS_BYTES,
-        transactions=transactions,
-        leases=NoLeases(),
-        outputs=NoOutputs(),
-        journals=NoJournals(),
+    outcomes = RunOutcomes(WorkerStats(), Emitter(), max_result_bytes, DEFAULT_MAX_PARAMS_BYTES)
+    calls = HandlerCalls(
+        outcomes, transactions=transactions, leases=NoLeases(), outputs=NoOutputs()
     )
-    outcome = await outcomes.call(run, handler, {"params": dict(params or {})})
+    outcome = await calls.call(run, handler, {"params": dict(params or {})})
     if outcome.wait is not None and outcome.wait.entry is not None:  # as the worker records it
         await journal.record(outcome.wait.index, dict(outcome.wait.entry), None)
     return outcome

@@ -278,3 +278,33 @@ async def step_showcase(params: dict[str, Any], ctx: TaskContext) -> Any:
     with contextlib.suppress(SignalTimeout):
         await ctx.wait_for("nudge", timeout=0.05)
     return await ctx.wait_for("approved")
+
+
+# -- a task explains itself (issue 65: tests/acceptance/test_states_dashboard.py) -------------
+
+
+@registry.task("await_approval")
+async def await_approval(params: dict[str, Any], ctx: TaskContext) -> Any:
+    """Charges, then waits for the signal ``approved`` and reads its payload's ``by`` (a
+    signal without a payload makes it fail: the review's order-200)."""
+    await ctx.step("charge", dict, order=params.get("order"))
+    approval = await ctx.wait_for("approved", timeout=params.get("timeout"))
+    return {"approved_by": approval["by"]}
+
+
+@registry.task("nap")
+async def nap(params: dict[str, Any], ctx: TaskContext) -> str:
+    await ctx.sleep(float(params.get("seconds", 3600)))
+    return "rested"
+
+
+@registry.task("upstream_step", options={"retry_delay_ms": 0})
+async def upstream_step(params: dict[str, Any], ctx: TaskContext) -> str:
+    """A step that fails on the first ``fail_times`` attempts (its traceback mostly mtask's)."""
+
+    def call_upstream() -> str:
+        if ctx.attempt <= int(params.get("fail_times", 1)):
+            raise RuntimeError("upstream 503")
+        return "ok"
+
+    return str(await ctx.step("call_upstream", call_upstream))

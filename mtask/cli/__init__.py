@@ -38,12 +38,30 @@ from mtask.cli import (
     scheduling,
     server,
     signal,
+    step,
     tasks,
     wait,
     worker,
 )
-from mtask.cli.common import EXIT_USAGE, EXTRAS, Commands, Handler, err, missing_extra
-from mtask.errors import InvalidTask, InvalidTransition, MtaskError, TaskNotFound, UsageError
+from mtask.cli.common import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_FOUND,
+    EXIT_USAGE,
+    EXTRAS,
+    Commands,
+    Handler,
+    err,
+    missing_extra,
+)
+from mtask.errors import (
+    InvalidTask,
+    MtaskError,
+    ScheduleNotFound,
+    TaskNotFound,
+    UsageError,
+    WorkerNotFound,
+)
 
 Register = Callable[[Any], None]
 CommandModule = tuple[Register, Handler]
@@ -64,7 +82,7 @@ def cmd_completion(args: argparse.Namespace) -> int:
 
 def _register_builtin(sub: Any) -> None:
     p = sub.add_parser("completion", help="print a shell completion script")
-    p.add_argument("shell", choices=["bash", "zsh", "tcsh"])
+    p.add_argument("shell", choices=["bash", "zsh", "tcsh"], help="the shell to complete for")
 
 
 # The command modules, in the order of ``mtask --help``: (register, run) each.
@@ -73,6 +91,7 @@ COMMAND_MODULES: list[CommandModule] = [
     (wait.register, wait.run),  # issue 14: mtask wait
     (logs.register, logs.run),  # issue 31: mtask logs
     (signal.register, signal.run),  # issue 30: mtask signal
+    (step.register, step.run),  # issue 65: mtask step reset
     (worker.register, worker.run),
     (scheduling.register, scheduling.run),
     (retention.register, retention.run),
@@ -109,14 +128,14 @@ def run_command(handler: Handler, args: argparse.Namespace) -> int:
     except (UsageError, InvalidTask) as exc:
         err.print(f"mtask: error: {exc}", markup=False)
         return EXIT_USAGE
-    except (TaskNotFound, InvalidTransition) as exc:
+    except (TaskNotFound, ScheduleNotFound, WorkerNotFound) as exc:
         err.print(f"mtask: {exc}", markup=False)
-        return 1
-    except MtaskError as exc:
+        return EXIT_NOT_FOUND
+    except MtaskError as exc:  # InvalidTransition, StorageError, …
         err.print(f"mtask: {exc}", markup=False)
-        return 1
+        return EXIT_FAILED
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def main(argv: Sequence[str] | None = None) -> int:

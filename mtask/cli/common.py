@@ -12,9 +12,10 @@ import argparse
 import datetime as dt
 import importlib.util
 import json
+import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
 from mtask.errors import MissingExtra, UsageError
@@ -25,7 +26,35 @@ if TYPE_CHECKING:
 
     from mtask.client import TaskClient
 
+EXIT_FAILED = 1
+EXIT_NOT_FOUND = EXIT_FAILED
+"""No task, schedule or worker has that key or id: 1, as ``kubectl get`` and ``gh`` exit, for
+every command (``mtask wait`` exited 2); the one line on stderr names what is missing."""
 EXIT_USAGE = 2
+EXIT_STORAGE_WAIT = 3
+EXIT_TIMEOUT = 124
+EXIT_INTERRUPTED = 130
+EXIT_STATUSES = (
+    (0, "done; `mtask wait`: the task succeeded"),
+    (
+        EXIT_FAILED,
+        "not done: no task, schedule or worker has that key or id; the task's state does not "
+        "allow it (`retry` of a pending task); MongoDB could not be reached or refused; "
+        "`mtask wait`: the task failed, was cancelled or is invalid",
+    ),
+    (
+        EXIT_USAGE,
+        "the command line is wrong (bad JSON, a value out of range, a missing extra): "
+        "nothing was written",
+    ),
+    (EXIT_STORAGE_WAIT, "`mtask wait` only: MongoDB could not be reached"),
+    (
+        EXIT_TIMEOUT,
+        "`mtask wait --timeout`: the task did not finish in time (as coreutils' `timeout`)",
+    ),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C)"),
+)
+"""Every exit status of ``mtask``, in one place: ``docs/cli-reference.md`` shows them."""
 Handler = Callable[[argparse.Namespace], int]
 
 # The optional dependencies, by the extra that brings them (pyproject's optional-dependencies).
@@ -80,8 +109,12 @@ class Output:
         return self.console.is_terminal if self.rich_available else False
 
     def print(self, *objects: Any, markup: bool | None = None) -> None:
+        """Tables and other renderables fit the terminal's width; a line of text is never cut
+        or wrapped into the next line (a path, a URI or a log line reads, and copies, whole
+        at 80 columns and in a pipe)."""
         if self._console is not None or self.rich_available:
-            self.console.print(*objects, markup=markup)
+            line = all(isinstance(o, str) for o in objects)
+            self.console.print(*objects, markup=markup, soft_wrap=line)
             return
         text = " ".join(str(o) for o in objects)
         if markup is not False:
@@ -104,6 +137,45 @@ def add_row(table: Table, *cells: object) -> None:
     table.add_row(*(c if isinstance(c, Text) else Text(str(c)) for c in cells))
 
 
+def fitting_table(
+    *headers: str,
+    fold: Collection[str] = (),
+    left: Collection[str] = (),
+    title: str | None = None,
+    caption: str | None = None,
+) -> Table:
+    """A table that reads at 80 columns (a pipe's and CI's width): no vertical rules, two
+    spaces between columns. The first column (a name, a key) and those in ``fold`` are never
+    cut short: a value too long for the width folds onto the next line. The others are kept
+    whole, right-aligned (counts) unless in ``left``."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+        title=title,
+        caption=caption,
+        title_justify="left",
+        caption_justify="left",
+    )
+    for i, header in enumerate(headers):
+        if i == 0 or header in fold:
+            table.add_column(header, overflow="fold")
+        else:
+            table.add_column(header, justify="left" if header in left else "right", no_wrap=True)
+    return table
+
+
+def status_columns(counts: Mapping[str, Mapping[str, int]], statuses: Sequence[str]) -> list[str]:
+    """The statuses some name has a task in, in ``statuses``' order: a status no task is in
+    takes no column (so the names keep theirs at 80 columns)."""
+    held = {status for row in counts.values() for status, n in row.items() if n}
+    return [s for s in statuses if s in held]
+
+
 class Commands:
     """A command module's table of handlers: ``@commands.command("get")`` registers one, and
     ``commands.run`` is the module's ``run`` for ``mtask.cli.COMMAND_MODULES``."""
@@ -123,9 +195,9 @@ class Commands:
 
 
 class Choices(Sequence[str]):
-    """An option's ``choices=``, read from their one definition on first use: building the
-    parser (``mtask --help``) then imports no model, driver or worker, and only the command
-    that runs loads what it needs (``tests/unit/test_lazy_imports.py``)."""
+    """An option's choices, read from their one definition on first use: building the parser
+    (``mtask --help``) then imports no model, driver or worker, and only the command that runs
+    loads what it needs (``tests/unit/test_lazy_imports.py``). Given with ``choose``."""
 
     def __init__(self, read: Callable[[], Iterable[str]]) -> None:
         self._read = read
@@ -164,6 +236,13 @@ def statuses() -> list[str]:
 STATUSES = Choices(statuses)
 
 
+def choose(action: argparse.Action, choices: Choices) -> None:
+    """Give an option its choices once it is added: argparse formats an option's choices as
+    it adds it (to check its metavar), which would read them with the parser. They are checked
+    and shown (``{a,b,c}``) as any option's."""
+    action.choices = choices
+
+
 # -- shared options (declared once) -----------------------------------------------------------
 
 
@@ -174,9 +253,9 @@ def add_uri(p: argparse.ArgumentParser) -> None:
 def add_connection(p: argparse.ArgumentParser, *, collection: bool = True) -> None:
     """``--uri``, ``--database`` and ``--collection``."""
     add_uri(p)
-    p.add_argument("--database", default="mtask")
+    p.add_argument("--database", default="mtask", help="the database (default mtask)")
     if collection:
-        p.add_argument("--collection", default="tasks")
+        p.add_argument("--collection", default="tasks", help="the tasks collection (default tasks)")
 
 
 def add_json(p: argparse.ArgumentParser) -> None:
@@ -192,7 +271,29 @@ def add_common(p: argparse.ArgumentParser) -> None:
 def task_client(args: argparse.Namespace) -> TaskClient:
     from mtask.client import TaskClient
 
-    return TaskClient(args.uri, database=args.database, collection=args.collection)
+    uri = mongodb_uri(args.uri)
+    return TaskClient(uri, database=args.database, collection=args.collection)
+
+
+def mongodb_uri(given: str | None, who: str = "mtask") -> str | None:
+    """``--uri``, else ``$MTASK_MONGODB_URI`` (None: the client reads it), else the embedded
+    server's (``embedded.default_data_dir``): a command that has to start it says so on stderr,
+    with where its data is, so a second server never starts unnoticed."""
+    from mtask.connection import ENV_URI
+
+    if given or os.environ.get(ENV_URI):
+        return given
+    from mtask.embedded import EmbeddedMongo  # only for a command that may have to start it
+
+    server = EmbeddedMongo()
+    uri, started = server.launch()
+    if started:
+        err.print(
+            f"{who}: started the embedded MongoDB in {server.data_dir} ({uri}); "
+            "`mtask mongod stop` stops it",
+            markup=False,
+        )
+    return uri
 
 
 # -- JSON and times ---------------------------------------------------------------------------

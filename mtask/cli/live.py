@@ -14,8 +14,10 @@ from mtask.cli.common import (
     Commands,
     add_common,
     add_row,
+    fitting_table,
     out,
     require,
+    status_columns,
     task_client,
     when,
 )
@@ -29,10 +31,8 @@ run = commands.run
 
 def _frames(client: Any, interval: float) -> Iterator[Group]:
     from rich.console import Group
-    from rich.table import Table
 
     previous: tuple[float, dt.datetime] | None = None
-    statuses = list(STATUSES)
     while True:
         counts = client.stats()
         workers = client.workers()
@@ -40,29 +40,36 @@ def _frames(client: Any, interval: float) -> Iterator[Group]:
         # rates from the finished index (what finished since the last frame), not from the
         # counts: those are estimates on a large collection
         finished = client.finished_since(previous[1]) if previous is not None else {}
-        table = Table("name", *statuses, "finished/s", title=f"mtask top · {when(server_now)}")
-        if counts.at_least:
-            table.caption = f"{counts.exact_up_to:,}+: more than that many"
-        for name in sorted(counts):
-            rate = ""
-            if previous is not None:
-                took = max(1e-3, now - previous[0])
-                rate = f"{finished.get(name, 0) / took:.1f}"
-            cells = [counts.show(name, s) for s in statuses]
-            add_row(table, name, *cells, rate)
-        crew = Table("worker", "state", "in flight", "running", title=f"{len(workers)} worker(s)")
-        for w in workers:  # models.read_worker: every field in its shape, or its default
-            running = ", ".join(r["key"] for r in w["running"][:5])
-            add_row(
-                crew,
-                w["_id"],
-                str(w["state"]),
-                f"{w['in_flight']}/{w['concurrency']}",
-                running,
-            )
+        took = None if previous is None else max(1e-3, now - previous[0])
         previous = (now, server_now)
-        yield Group(table, crew)
+        yield Group(_counts(counts, finished, took, when(server_now)), _crew(workers))
         time.sleep(interval)
+
+
+def _counts(counts: Any, finished: dict[str, int], took: float | None, at: str) -> Any:
+    """Counts per name and status, and finished per second: readable at 80 columns (a status
+    no task is in takes no column; a name is never cut short)."""
+    statuses = status_columns(counts, STATUSES)
+    caption = f"{counts.exact_up_to:,}+: more than that many" if counts.at_least else None
+    if not counts:
+        caption = "no tasks yet"
+    table = fitting_table("name", *statuses, "finished/s", title=f"mtask top · {at}",
+                          caption=caption)  # fmt: skip
+    for name in sorted(counts):
+        rate = "" if took is None else f"{finished.get(name, 0) / took:.1f}"
+        add_row(table, name, *(counts.show(name, s) for s in statuses), rate)
+    return table
+
+
+def _crew(workers: list[dict[str, Any]]) -> Any:
+    crew = fitting_table(
+        "worker", "state", "in flight", "running", fold=("running",), left=("state",),
+        title=f"{len(workers)} worker(s)",
+    )  # fmt: skip
+    for w in workers:  # models.read_worker: every field in its shape, or its default
+        running = ", ".join(r["key"] for r in w["running"][:5])
+        add_row(crew, w["_id"], str(w["state"]), f"{w['in_flight']}/{w['concurrency']}", running)
+    return crew
 
 
 @commands.command("top")

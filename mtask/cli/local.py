@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mtask.cli.common import Commands, add_json, add_uri, out, print_json
+from mtask.cli.common import Commands, add_json, add_uri, err, mongodb_uri, out, print_json
 from mtask.errors import ConfigError, UsageError
 
 commands = Commands()
@@ -16,7 +16,7 @@ run = commands.run
 def cmd_demo(args: argparse.Namespace) -> int:
     from mtask.demo import run_demo
 
-    return run_demo(args.uri, seconds=args.seconds)
+    return run_demo(mongodb_uri(args.uri), seconds=args.seconds)
 
 
 @commands.command("mongod")
@@ -25,12 +25,7 @@ def cmd_mongod(args: argparse.Namespace) -> int:
 
     server = EmbeddedMongo(args.data_dir, port=args.port)
     if args.action == "start":
-        try:
-            uri = server.start()
-        except ConfigError as exc:  # the --port given is taken: the command line's mistake
-            raise UsageError(str(exc)) from None
-        print(uri)
-        return 0
+        return _start(server, remembering=args.data_dir is not None)
     if args.action == "stop":
         out.print("stopped" if server.stop() else "not running")
         return 0
@@ -52,13 +47,46 @@ def cmd_mongod(args: argparse.Namespace) -> int:
     return 0 if status.running else 3
 
 
+def _start(server: Any, *, remembering: bool) -> int:
+    """Start (or attach to) the server and print its URI; a ``--data-dir`` given is
+    remembered for the commands run from this directory, and stderr says where the server is
+    and who uses it."""
+    from mtask.embedded import remember
+
+    try:
+        uri = server.start()
+    except ConfigError as exc:  # the --port given is taken: the command line's mistake
+        raise UsageError(str(exc)) from None
+    print(uri)
+    said = f"mtask: the embedded MongoDB runs in {server.data_dir}"
+    if remembering and (pointer := remember(server.data_dir)) is not None:
+        said += (
+            f"; remembered in {pointer}: mtask commands run from this directory use it (from "
+            f"elsewhere: export MTASK_DATA_DIR={server.data_dir})"
+        )
+    err.print(said, markup=False)
+    return 0
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="sample tasks, three workers, one killed mid-run")
     add_uri(p)
     p.add_argument("--seconds", type=float, default=120.0, help="give up after this long")
 
     p = sub.add_parser("mongod", help="the embedded MongoDB: start, stop, status")
-    p.add_argument("action", choices=["start", "stop", "status"])
-    p.add_argument("--data-dir", help="default ./.mtask/mongodb or $MTASK_DATA_DIR")
-    p.add_argument("--port", type=int)
+    p.add_argument(
+        "action",
+        choices=["start", "stop", "status"],
+        help="start (or attach to) it and print its URI; stop it; say whether it runs (exit 3 "
+        "if not)",
+    )
+    p.add_argument(
+        "--data-dir",
+        help="where its data lives (default: $MTASK_DATA_DIR, else the directory a `start "
+        "--data-dir` run from here remembered in ./.mtask/data-dir, else ./.mtask/mongodb); "
+        "start remembers it for the commands run from this directory",
+    )
+    p.add_argument(
+        "--port", type=int, help="the port to listen on (default: the last one, else a free one)"
+    )
     add_json(p)

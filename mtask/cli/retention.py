@@ -17,6 +17,7 @@ from mtask.cli.common import (
     Choices,
     Commands,
     add_common,
+    choose,
     out,
     parse_duration,
     print_json,
@@ -56,14 +57,12 @@ def register(subparsers: Any) -> None:
     )
     add_common(p)
     p.add_argument("--name", help="only tasks of this name")
-    p.add_argument(
+    status = p.add_argument(
         "--status",
         action="append",
-        choices=Choices(_purgeable),
-        metavar="STATUS",
-        help="only this status, one of %(choices)s (repeat; default succeeded, failed and "
-        "cancelled)",
+        help="only this status (repeat; default succeeded, failed and cancelled)",
     )
+    choose(status, Choices(_purgeable))
     p.add_argument("--older-than", help="finished at least this long ago (e.g. 7d, 12h)")
     p.add_argument("--key", action="append", dest="keys", help="only this task (repeat)")
     p.add_argument("--dry-run", action="store_true", help="count, remove nothing")

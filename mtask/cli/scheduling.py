@@ -4,6 +4,7 @@ features of the command line."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from typing import Any
 
 from mtask.cli.common import (
@@ -11,6 +12,7 @@ from mtask.cli.common import (
     Commands,
     add_common,
     add_row,
+    choose,
     out,
     parse_json_object,
     print_json,
@@ -62,7 +64,7 @@ def cmd_limit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe_limit(doc: dict[str, Any]) -> str:
+def _describe_limit(doc: Mapping[str, Any]) -> str:
     parts = []
     if doc.get("concurrency") is not None:
         parts.append(f"at most {doc['concurrency']} at once")
@@ -81,17 +83,75 @@ def _describe_limit(doc: dict[str, Any]) -> str:
 @commands.command("limits")
 def cmd_limits(args: argparse.Namespace) -> int:
     with task_client(args) as client:
-        docs = client.limits()
+        uses = client.limit_use()
     if args.json:
-        print_json(docs)
+        print_json([{**u.limit, "use": _use_json(u)} for u in uses])
+        return 0
+    if not uses:
+        out.print("no limits (mtask limit NAME --concurrency N | --rate 10/s | …)", markup=False)
         return 0
     from rich.table import Table
 
-    table = Table("name", "limit", "slots held")
-    for doc in docs:
-        add_row(table, doc["_id"], _describe_limit(doc), len(doc.get("holders") or []))
+    table = Table("name", "limit", "in use", "due", "blocked")
+    table.columns[1].ratio = 1
+    for u in uses:
+        add_row(
+            table, u.name, _describe_limit(u.limit) + _state_of(u), _in_use(u), u.due, u.blocked
+        )
     out.print(table)
+    for u in uses:
+        _print_groups(u)
     return 0
+
+
+def _use_json(u: Any) -> dict[str, Any]:
+    import dataclasses
+
+    found = dataclasses.asdict(u)
+    found.pop("limit")
+    return found
+
+
+def _state_of(u: Any) -> str:
+    if u.paused:
+        return " (paused)"
+    return "" if u.handled else " (no live worker)"
+
+
+def _in_use(u: Any) -> str:
+    """The name's runs at once in use out of its limit, and its sequences' locks held."""
+    parts = []
+    if u.own.concurrency is not None:
+        parts.append(f"{u.in_use} of {u.own.concurrency}")
+    if u.per_group.concurrency == 1 and u.per_group.rate is None:
+        parts.append(f"{u.locks} lock{'s' if u.locks != 1 else ''}")
+    elif u.per_group.set:
+        parts.append(f"{sum(g.in_use for g in u.groups)} in groups")
+    return ", ".join(parts) or "-"
+
+
+def _print_groups(u: Any) -> None:
+    """The groups of a name whose groups are limited: in use, open, running, blocked, head."""
+    groups = [g for g in u.groups if g.group is not None]
+    if not groups or not u.per_group.set:
+        return
+    from rich.table import Table
+
+    kind = "a sequence each" if u.per_group.concurrency == 1 else "limited each"
+    table = Table(
+        "group", "in use", "open", "running", "blocked", "head (runs next)",
+        title=f"groups of {u.name} ({kind})", title_justify="left",
+    )  # fmt: skip
+    table.columns[0].overflow = "fold"
+    table.columns[5].overflow = "fold"
+    for g in groups:
+        status = f" ({g.head_status}{', holds the lock' if g.holds_lock else ''})"
+        head = f"{g.head}{status}" if g.head else "-"
+        in_use = "-" if g.limit is None else f"{g.in_use} of {g.limit}"
+        add_row(table, g.group, in_use, g.open, g.running, g.blocked, head)
+    out.print(table)
+    if u.more_groups:
+        out.print(f"and {u.more_groups} smaller groups", markup=False)
 
 
 @commands.command("schedule")
@@ -192,7 +252,7 @@ def _label(node: dict[str, Any]) -> str:
 def register(sub: Any) -> None:
     p = sub.add_parser("limit", help="limit a task name across all workers")
     add_common(p)
-    p.add_argument("name")
+    p.add_argument("name", help="the task name")
     p.add_argument("--concurrency", type=int, help="at most this many runs at once")
     p.add_argument("--rate", help="at most this many claims, e.g. 10/s, 600/m, 3600/h")
     p.add_argument("--burst", type=int, help="tokens the rate may save up (default: 1 s worth)")
@@ -211,22 +271,25 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("schedule", help="repeatable tasks: add, list, pause, resume, remove")
     add_common(p)
-    p.add_argument("action", choices=["add", "list", "pause", "resume", "remove"])
-    p.add_argument("id", nargs="?")
+    p.add_argument(
+        "action",
+        choices=["add", "list", "pause", "resume", "remove"],
+        help="add ID TASK (--cron or --every); list; pause, resume or remove ID",
+    )
+    p.add_argument("id", nargs="?", help="the schedule's id (all but list)")
     p.add_argument("task", nargs="?", help="the task name to publish (add)")
     p.add_argument("--cron", help="a cron expression, e.g. '0 * * * *'")
     p.add_argument("--every", type=float, help="an interval in seconds")
     p.add_argument("--timezone", default="UTC", help="e.g. Europe/Paris (default UTC)")
     p.add_argument("--params", help="JSON object")
     p.add_argument("--options", help="JSON object of task options")
-    p.add_argument(
+    catch_up = p.add_argument(
         "--catch-up",
         default="latest",
-        choices=Choices(_catch_up),
-        metavar="WHICH",
-        help="ticks missed while no worker ran: %(choices)s (default %(default)s)",
+        help="the ticks missed while nothing ran: run none, the latest, or all",
     )
+    choose(catch_up, Choices(_catch_up))
 
     p = sub.add_parser("flow", help="a task and the steps below it, as a tree")
     add_common(p)
-    p.add_argument("key")
+    p.add_argument("key", help="the task's key")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mtask.cli.common import Commands, add_connection, err, require
+from mtask.cli.common import Commands, add_connection, err, mongodb_uri, require
 
 commands = Commands()
 run = commands.run
@@ -27,7 +27,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except AuthConfigError as exc:
         raise UsageError(str(exc)) from None
     app = create_app(
-        args.uri,
+        mongodb_uri(args.uri, "mtask serve"),
         database=args.database,
         collection=args.collection,
         token=token,
@@ -53,10 +53,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p = sub.add_parser("serve", help="the REST API, dashboard and metrics over HTTP")
     add_connection(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (any other than loopback needs a token)",
+    )
+    p.add_argument("--port", type=int, default=8080, help="the port to listen on")
     p.add_argument("--token-file", help="a file holding the API token (else $MTASK_API_TOKEN)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="uvicorn's log level",
+    )
     p.add_argument(
         "--max-body",
         type=int,

@@ -18,11 +18,14 @@ from mtask.cli.common import (
     Commands,
     add_common,
     add_row,
+    choose,
+    fitting_table,
     json_default,
     out,
     parse_json,
     parse_json_object,
     print_json,
+    status_columns,
     task_client,
     when,
 )
@@ -30,6 +33,11 @@ from mtask.errors import InvalidTask, TaskNotFound, UsageError
 
 if TYPE_CHECKING:
     from mtask.models import OutputCounts, Task
+    from mtask.states import Explained
+    from mtask.store.counts import Counts
+
+# What the commands show (models, states, wording, tracebacks) is imported by the handler that
+# shows it: building the parser (`mtask --help`) imports none of it (issue 66).
 
 BATCH = 1000
 
@@ -38,6 +46,12 @@ def _on_conflict() -> tuple[str, ...]:
     from mtask.models import ON_CONFLICT_CHOICES
 
     return ON_CONFLICT_CHOICES
+
+
+def _states() -> tuple[str, ...]:
+    from mtask.states import STATES
+
+    return tuple(STATES)
 
 
 ON_CONFLICT = Choices(_on_conflict)
@@ -106,57 +120,146 @@ def cmd_publish(args: argparse.Namespace) -> int:
 def cmd_get(args: argparse.Namespace) -> int:
     with task_client(args) as client:
         task = client.get(args.key)
-    if task is None:
-        raise TaskNotFound(args.key)
+        if task is None:
+            raise TaskNotFound(args.key)
+        said = client.explain(task)
+        now = client.now()
     if args.json:
-        print_json(task.model_dump(by_alias=True))
+        print_json({**task.model_dump(by_alias=True), **_state_json(said)})
     else:
-        print_task(task)
+        print_task(task, said, now)
+        if args.traceback:
+            print_tracebacks(task)
     return 0
 
 
-def print_task(task: Task) -> None:
+def _state_json(said: Explained) -> dict[str, Any]:
+    return {"state": said.state.value, "why": said.why, "reason": said.reason}
+
+
+def _state_cell(said: Explained) -> str:
+    """``blocked · group``: a derived state and its reason's kind."""
+    why = f" · {said.why.replace('_', ' ')}" if said.why and said.why != "backoff" else ""
+    return f"{said.state.value}{why}"
+
+
+def _error_row(task: Task, said: Explained) -> list[tuple[str, str]]:
+    """A failed or retrying task's error: its last line, and where in the user's code it was
+    raised (``--traceback`` prints it all, mtask's own frames folded). ``get`` prints it in
+    its header for these two states only (else its runs say it)."""
+    from mtask.states import State
+    from mtask.tracebacks import fold
+
+    if said.state not in (State.FAILED, State.RETRYING) or not task.error:
+        return []
+    folded = fold(task.error)
+    origin = f" (in {folded.origin.where})" if folded.origin else ""
+    return [("error", f"{folded.exception}{origin}")]
+
+
+def _header_rows(task: Task, said: Explained, now: dt.datetime) -> list[tuple[str, str]]:
+    from mtask.states import State, attempt_text, timing
+    from mtask.wording import relative
+
+    created = f"{when(task.created_at)} ({relative(task.created_at, now)})"
+    rows = [("state", _state_cell(said)), ("why", said.reason), ("name", task.name or "-")]
+    if task.options.group is not None:
+        rows.append(("group", task.options.group))
+    if task.options.priority:
+        rows.append(("priority", str(task.options.priority)))
+    runs = f"{task.attempts} run{'s' if task.attempts != 1 else ''}" if task.attempts else "none"
+    attempt = f"{attempt_text(task)} (runs: {runs})"
+    if task.attempts is None:  # a hand-written document without its counts: say so
+        attempt = f"- (successes {_count(task.successes)}, failures {_count(task.failures)})"
+    rows += [("attempt", attempt), ("created", created)]
+    next_time = timing(task, said)
+    if next_time is not None:
+        label, at = next_time
+        rows.append((label, "no deadline" if at is None else f"{when(at)} ({relative(at, now)})"))
+    if task.finished_at is not None:
+        rows.append(("finished", f"{when(task.finished_at)} ({relative(task.finished_at, now)})"))
+    rows += _error_row(task, said)
+    if said.state is State.SUCCEEDED:
+        rows.append(("result", json.dumps(task.result, default=json_default)))
+    rows.append(("params", json.dumps(task.params, default=json_default)))
+    changed = task.options.changed()
+    rows.append(("options", json.dumps(changed, default=json_default) if changed else "defaults"))
+    return rows
+
+
+def print_task(task: Task, said: Explained | None = None, now: dt.datetime | None = None) -> None:
+    """A task as ``mtask get`` prints it, readable at 80 columns: its key, derived state and
+    why, the facts, then its runs (each error's last line), steps and what it waits for.
+    Without ``said`` (``mtask wait``'s finished task), the state is told from the document
+    alone, as of its last change."""
     from rich.table import Table
     from rich.text import Text
 
+    from mtask.states import Cluster, explain
+
+    if now is None:
+        now = task.finished_at or task.updated_at or task.created_at or dt.datetime.now(dt.UTC)
+    if said is None:
+        said = explain(task, Cluster(now))
+
+    out.print(Text(task.key, style="bold"))
     grid = Table.grid(padding=(0, 2))
-    for label, value in [
-        ("key", task.key),
-        ("name", task.name),
-        ("status", task.status or "-"),
-        ("params", json.dumps(task.params, default=json_default)),
-        (
-            "attempts",
-            f"{_count(task.attempts)} (successes {_count(task.successes)}, "
-            f"failures {_count(task.failures)})",
-        ),
-        ("next claim", when(task.next_claim_at)),
-        ("created", when(task.created_at)),
-        ("finished", when(task.finished_at)),
-        ("error", task.error or "-"),
-        ("result", json.dumps(task.result, default=json_default)),
-        *_progress_rows(task),
-        *_flow_rows(task),
-        *_waiting_rows(task),
-    ]:
+    grid.add_column(no_wrap=True)
+    grid.add_column(overflow="fold")
+    rows = [*_header_rows(task, said, now), *_progress_rows(task)]
+    rows += [*_flow_rows(task), *_waiting_rows(task)]
+    for label, value in rows:
         add_row(grid, Text(label, style="bold"), value)
     out.print(grid)
     if task.runs:
-        runs = Table("run", "worker", "state", "claimed", "lease / finished", "output", "error")
-        for run in task.runs:
-            add_row(
-                runs,
-                run.run_id[:8],
-                run.worker_id,
-                run.state.value,
-                when(run.claimed_at),
-                when(run.finished_at or run.lease_expires_at),
-                _output_cell(run.output),
-                run.error or "",
-            )
-        out.print(runs)
+        out.print(runs_table(task, now))
     if task.steps:
         out.print(steps_table(task))
+
+
+def runs_table(task: Task, now: dt.datetime) -> Any:
+    """The runs, oldest first: each error's last line (``--traceback`` prints them whole)."""
+    from rich.table import Table
+
+    from mtask.states import last_line
+    from mtask.wording import span
+
+    talked = any(run.output for run in task.runs)
+    headers = ["run", "worker", "state", "claimed (UTC)", "took", "output", "error"]
+    runs = Table(*(h for h in headers if talked or h != "output"))
+    runs.columns[1].overflow = "fold"
+    runs.columns[3].no_wrap = True
+    runs.columns[-1].overflow = "fold"
+    runs.columns[-1].ratio = 1
+    for run in task.runs:
+        took = span(((run.finished_at or now) - run.claimed_at).total_seconds())
+        cells = [run.run_id[:8], run.worker_id, run.state.value, _short(run.claimed_at)]
+        cells.append(took if run.finished_at else f"{took}…")
+        cells += [_output_cell(run.output)] if talked else []
+        add_row(runs, *cells, last_line(run.error))
+    return runs
+
+
+def print_tracebacks(task: Task) -> None:
+    """``get --traceback``: the task's error, then each run's that differs, mtask's own frames
+    folded to one line each (``--json`` has them as stored)."""
+    from mtask.tracebacks import folded_text
+
+    seen = set()
+    for label, text in [
+        ("error", task.error),
+        *((f"run {r.run_id[:8]}", r.error) for r in task.runs),
+    ]:
+        if not text or text in seen:
+            continue
+        seen.add(text)
+        out.print(f"\n{label}:", markup=False)
+        out.print(folded_text(text), markup=False)
+
+
+def _short(at: dt.datetime | None) -> str:
+    """A time in a table at 80 columns: ``11-28 04:22:04`` (the year is in the header)."""
+    return at.strftime("%m-%d %H:%M:%S") if at is not None else "-"
 
 
 def _deadline(at: dt.datetime | None) -> str:
@@ -183,37 +286,60 @@ def _waiting_rows(task: Task) -> list[tuple[str, str]]:
 
 def steps_table(task: Task) -> Any:
     """Issue 30: one row per durable step, in the handler's order; a step's earlier tries
-    as a count of failures with the newest error."""
+    as a count of failures with the newest error. A sleep's or a wait's time is how long it
+    slept or waited, not its call's (issue 65)."""
     from rich.table import Table
 
-    table = Table("#", "step", "kind", "state", "attempts", "ms", "started", "detail")
+    table = Table("#", "step", "kind", "state", "tries", "took", "started", "detail")
+    table.columns[1].overflow = "fold"
+    table.columns[6].no_wrap = True
+    table.columns[7].overflow = "fold"
+    table.columns[7].ratio = 1
     for i, step in enumerate(task.steps, 1):
-        detail = []
-        if step.kind == "sleep":
-            detail.append(_deadline(step.until))
-        elif step.kind == "signal":
-            detail.append(f"{step.signal!r} #{(step.nth or 0) + 1}, {_deadline(step.until)}")
-        if step.spill:
-            detail.append(f"result aside: {step.spill.get('bytes', '?')} bytes")
-        if step.transactional:
-            detail.append("transactional")
-        failed = [t for t in step.tries if t.error]
-        if step.error:
-            detail.append(f"error: {step.error}")
-        elif failed:
-            detail.append(f"{len(failed)} failed tries, last: {failed[-1].error}")
         add_row(
             table,
             str(i),
             step.name,
             step.kind,
             step.state,
-            str(step.attempts),
-            "" if step.ms is None else str(step.ms),
-            when(step.started_at),
-            "; ".join(detail),
+            str(step.attempts) if step.kind == "call" else "",
+            _took(step),
+            _short(step.started_at),
+            _step_detail(step),
         )
     return table
+
+
+def _took(step: Any) -> str:
+    from mtask.wording import span
+
+    if step.kind == "call":
+        return "" if step.ms is None else span(step.ms / 1000)
+    return (
+        ""
+        if step.finished_at is None
+        else span((step.finished_at - step.started_at).total_seconds())
+    )
+
+
+def _step_detail(step: Any) -> str:
+    from mtask.states import last_line
+
+    detail = []
+    if step.kind == "sleep":
+        detail.append(_deadline(step.until))
+    elif step.kind == "signal":
+        detail.append(f"{step.signal!r} #{(step.nth or 0) + 1}, {_deadline(step.until)}")
+    if step.spill:
+        detail.append(f"result aside: {step.spill.get('bytes', '?')} bytes")
+    if step.transactional:
+        detail.append("transactional")
+    failed = [t for t in step.tries if t.error]
+    if step.error:
+        detail.append(f"error: {last_line(step.error)}")
+    elif failed:
+        detail.append(f"{len(failed)} failed tries, last: {failed[-1].error}")
+    return "; ".join(detail)
 
 
 def _progress_rows(task: Task) -> list[tuple[str, str]]:
@@ -253,34 +379,83 @@ def _flow_rows(task: Task) -> list[tuple[str, str]]:
 
 @commands.command("list")
 def cmd_list(args: argparse.Namespace) -> int:
+    if args.state is not None and (args.status is not None or args.order != "newest"):
+        raise UsageError("--state lists newest first, without --status or --order")
     with task_client(args) as client:
-        tasks = client.list(
-            name=args.name,
-            status=args.status,
-            limit=args.limit,
-            after=args.after,
-            order=args.order,
-            group=args.group,
-        )
+        if args.state is not None:
+            page = client.search_state(
+                args.state, name=args.name, group=args.group, after=args.after, limit=args.limit
+            )
+            rows, more = page.tasks, page.after
+            now = client.now()
+        else:
+            tasks = client.list(
+                name=args.name,
+                status=args.status,
+                limit=args.limit,
+                after=args.after,
+                order=args.order,
+                group=args.group,
+            )
+            rows = list(zip(tasks, client.explain_all(tasks), strict=True))
+            more = tasks[-1].key if len(tasks) == args.limit else None
+        now = client.now()
     if args.json:
-        print_json([t.model_dump(by_alias=True) for t in tasks])
+        print_json([{**t.model_dump(by_alias=True), **_state_json(e)} for t, e in rows])
         return 0
-    from rich.table import Table
-
-    table = Table("key", "name", "status", "attempts", "next claim", "created")
-    for t in tasks:
-        add_row(
-            table,
-            t.key,
-            t.name,
-            # issue 14: an invalid task shows why
-            f"invalid: {t.invalid_reason}" if t.invalid_reason else (t.status or "-"),
-            _count(t.attempts),
-            when(t.next_claim_at),
-            when(t.created_at),
-        )
-    out.print(table)
+    print_list(rows, now)
+    if more is not None and args.state is not None:
+        out.print(f"more may match: --after {more}", markup=False)
     return 0
+
+
+def _why_cell(task: Task, said: Explained) -> str:
+    """What a list says of a task beside its state: the error's last line of a failed,
+    retrying or invalid one; why a waiting or blocked one does not run."""
+    from mtask.states import State, last_line
+
+    if said.state in (State.FAILED, State.RETRYING):
+        return last_line(task.error)
+    if said.state is State.INVALID:
+        return f"invalid: {last_line(task.invalid_reason)}"
+    if said.state in (State.WAITING, State.BLOCKED):
+        return said.reason
+    return ""
+
+
+def print_list(rows: list[tuple[Task, Explained]], now: dt.datetime) -> None:
+    """One line a task (key, name, state, tries, created), and under it, indented, why a
+    waiting or blocked one does not run or a failed one's error: readable at 80 columns, keys
+    never cut."""
+    import textwrap
+
+    from mtask.wording import relative
+
+    if not rows:
+        out.print("no tasks match", markup=False)
+        return
+    cells = [
+        (t.key, t.name or "-", _state_cell(e), _count(t.attempts), relative(t.created_at, now))
+        for t, e in rows
+    ]
+    header = ("key", "name", "state", "tries", "created")
+    widths = [min(max(len(c[i]) for c in [header, *cells]), cap) for i, cap in enumerate(CAPS)]
+    width = max(40, out.console.width if out.rich_available else 80)
+    lines = [_columns(header, widths)]
+    for (t, said), row in zip(rows, cells, strict=True):
+        lines.append(_columns(row, widths))
+        why = _why_cell(t, said)
+        if why:
+            lines += textwrap.wrap(why, width - 4, initial_indent="    ", subsequent_indent="    ")
+    out.print("\n".join(lines), markup=False)
+
+
+CAPS = (28, 16, 22, 5, 12)
+"""The widest each column of ``mtask list`` pads to (a longer key is printed whole)."""
+
+
+def _columns(cells: tuple[str, ...], widths: list[int]) -> str:
+    return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
 
 @commands.command("stats")
@@ -293,28 +468,47 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print_json(counts)
         return 0
-    from rich.table import Table
+    if not counts:
+        out.print(
+            f"no tasks yet in {args.database}.{args.collection} (mtask publish NAME KEY "
+            "publishes one)",
+            markup=False,
+        )
+        return 0
+    out.print(stats_table(counts))
+    if groups:
+        largest = fitting_table(
+            "name", "group", "open", "running", fold=("group",), title="largest groups (open tasks)"
+        )
+        for g in groups:
+            add_row(largest, g["name"], g["group"], f"{g['open']:,}", f"{g['running']:,}")
+        out.print(largest)
+    return 0
 
-    statuses = list(STATUSES)
-    caption = None
+
+def stats_table(counts: Counts) -> Any:
+    """Counts per name and status, readable at 80 columns: a status no task is in takes no
+    column, and a name is never cut short."""
+    from mtask.models import TaskStatus
+
+    statuses = status_columns(counts, [s.value for s in TaskStatus])
+    notes = []
     if counts.at_least:
-        caption = (
+        notes.append(
             f"{counts.exact_up_to:,}+: more than that many finished tasks (--exact counts "
             "them all, at a cost that grows with the collection)"
         )
-    table = Table("name", *statuses, "total", caption=caption)
+    if len(statuses) < len(TaskStatus):
+        empty = [s.value for s in TaskStatus if s.value not in statuses]
+        listed = f"{', '.join(empty[:-1])} or {empty[-1]}" if len(empty) > 1 else empty[0]
+        notes.append(f"none {listed}")
+    table = fitting_table("name", *statuses, "total", caption="; ".join(notes) or None)
     for name in sorted(counts):
         row = counts[name]
         more = "+" if any(counts.is_lower_bound(name, s) for s in row) else ""
         cells = [counts.show(name, s) for s in statuses]
         add_row(table, name, *cells, f"{sum(row.values()):,}{more}")
-    out.print(table)
-    if groups:
-        largest = Table("name", "group", "open", "running", title="largest groups (open tasks)")
-        for g in groups:
-            add_row(largest, g["name"], g["group"], f"{g['open']:,}", f"{g['running']:,}")
-        out.print(largest)
-    return 0
+    return table
 
 
 def _one_key(args: argparse.Namespace) -> str:
@@ -394,6 +588,8 @@ def read_lines(stream: IO[str], source: str) -> tuple[list[dict[str, Any]], list
 def publish_from_file(args: argparse.Namespace) -> int:
     """Validate every line first (nothing is written if one is bad), then publish in batches
     with a progress bar."""
+    from mtask.client import build_many
+
     source = "stdin" if args.from_file == "-" else args.from_file
     try:
         if args.from_file == "-":
@@ -410,8 +606,6 @@ def publish_from_file(args: argparse.Namespace) -> int:
         TextColumn,
         TimeElapsedColumn,
     )
-
-    from mtask.client import build_many
 
     with task_client(args) as client:
         now = client.now()
@@ -442,44 +636,86 @@ def publish_from_file(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p = sub.add_parser("publish", help="publish a task (idempotent by key)")
     add_common(p)
-    p.add_argument("name", nargs="?")
-    p.add_argument("key", nargs="?")
+    p.add_argument("name", nargs="?", help="the task's name: which handler runs it")
+    p.add_argument("key", nargs="?", help="the task's key: publishing it again changes nothing")
     p.add_argument(
         "--from-file",
         metavar="FILE",
         help="publish JSON lines ({name, key, params, options, delay, depends_on}); - for stdin",
     )
-    p.add_argument("--params", help="JSON object")
-    p.add_argument("--options", help="JSON object of task options")
-    p.add_argument("--priority", type=int)
-    p.add_argument("--concurrency", type=int)
-    p.add_argument("--max-retries", type=int)
-    p.add_argument("--worker-timeout-ms", type=int)
-    p.add_argument("--ping-interval-ms", type=int)
-    p.add_argument("--worker", action="append", help="only this worker id may run it (repeat)")
-    p.add_argument("--delay", type=float, help="seconds before it may run")
+    p.add_argument("--params", metavar="JSON", help="the handler's input: a JSON object")
     p.add_argument(
+        "--options", metavar="JSON", help="task options as a JSON object (docs/design.md)"
+    )
+    p.add_argument("--priority", type=int, metavar="N", help="higher is claimed first (default 0)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        metavar="N",
+        help="how many distinct workers must run it successfully (default 1)",
+    )
+    p.add_argument(
+        "--max-retries",
+        type=int,
+        metavar="N",
+        help="failures allowed before it fails for good (default 3)",
+    )
+    p.add_argument(
+        "--worker-timeout-ms",
+        type=int,
+        metavar="MS",
+        help="the lease: a run not pinged for this long is taken over (default 30000)",
+    )
+    p.add_argument(
+        "--ping-interval-ms",
+        type=int,
+        metavar="MS",
+        help="how often a running worker extends its lease (default 5000)",
+    )
+    p.add_argument("--worker", action="append", metavar="ID", help="only this worker id may run it")
+    p.add_argument(
+        "--delay",
+        type=float,
+        metavar="SECONDS",
+        help="seconds before it may run (the server's clock)",
+    )
+    conflict = p.add_argument(
         "--on-conflict",
         default="ignore",
-        choices=ON_CONFLICT,
-        metavar="WHAT",
-        help="when the key exists: %(choices)s (default %(default)s)",
+        help="when the key exists: change nothing, replace the params and options of a task "
+        "not running, or make a finished task new again",
     )
+    choose(conflict, ON_CONFLICT)
     p.add_argument(
-        "--depends-on", action="append", help="run only after this task succeeded (repeat)"
+        "--depends-on", action="append", metavar="KEY", help="run only after this task succeeded"
     )
 
-    p = sub.add_parser("get", help="show one task")
+    p = sub.add_parser("get", help="show one task: its state and why, runs, steps")
     add_common(p)
-    p.add_argument("key")
+    p.add_argument("key", help="the task's key")
+    p.add_argument(
+        "--traceback",
+        action="store_true",
+        help="print the error's traceback, mtask's own frames folded (--json: as stored)",
+    )
 
     p = sub.add_parser("list", help="list tasks")
     add_common(p)
-    p.add_argument("--name")
-    p.add_argument("--status", choices=STATUSES, metavar="STATUS", help="one of %(choices)s")
-    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--name", help="only tasks of this name")
+    choose(p.add_argument("--status", help="only this status"), STATUSES)
+    state = p.add_argument(
+        "--state",
+        help="only tasks in this derived state (blocked, waiting, retrying, …), newest first",
+    )
+    choose(state, Choices(_states))
+    p.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
     p.add_argument("--after", help="last key of the previous page")
-    p.add_argument("--order", choices=["newest", "next_claim_at"], default="newest")
+    p.add_argument(
+        "--order",
+        choices=["newest", "next_claim_at"],
+        default="newest",
+        help="newest first, or soonest claimable first",
+    )
     p.add_argument("--group", help="only the tasks of this group (options.group)")
 
     p = sub.add_parser("stats", help="counts per name and status")
@@ -504,7 +740,7 @@ def register(sub: Any) -> None:
     ):
         p = sub.add_parser(name, help=text)
         add_common(p)
-        p.add_argument("key", nargs="?")
+        p.add_argument("key", nargs="?", help="the task's key (or a filter below)")
         bulk.add_filters(p)
 
     p = sub.add_parser("workers", help="list live workers")
@@ -516,4 +752,4 @@ def register(sub: Any) -> None:
     ):
         p = sub.add_parser(name, help=text)
         add_common(p)
-        p.add_argument("name")
+        p.add_argument("name", help="the task name")

@@ -1,8 +1,9 @@
 """``mtask wait KEY [--timeout S]``: block until a task is finished, print it like ``mtask get``.
 
-Exit status: 0 succeeded; 1 failed, cancelled or invalid; 124 the timeout passed first (as
-coreutils' ``timeout``); 2 no task has that key, or the command line is wrong; 3 MongoDB could
-not be reached. All of it rides on ``TaskClient.wait`` (one change stream, see mtask.events).
+Exit status: 0 succeeded; 1 failed, cancelled or invalid, or no task has that key (as every
+command, ``common.EXIT_NOT_FOUND``); 124 the timeout passed first (as coreutils' ``timeout``);
+2 the command line is wrong; 3 MongoDB could not be reached. All of it rides on
+``TaskClient.wait`` (one change stream, see mtask.events).
 """
 
 from __future__ import annotations
@@ -11,12 +12,6 @@ import argparse
 import math
 from typing import Any
 
-EXIT_SUCCEEDED = 0
-EXIT_UNSUCCESSFUL = 1
-EXIT_NOT_FOUND = 2
-EXIT_STORAGE = 3
-EXIT_TIMEOUT = 124
-
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -24,11 +19,13 @@ def register(subparsers: Any) -> None:
         help="wait until a task is finished and show it (exit 0 succeeded, 1 failed, 124 timeout)",
     )
     p.add_argument("--uri", help="MongoDB URI (default: $MTASK_MONGODB_URI, else embedded)")
-    p.add_argument("--database", default="mtask")
-    p.add_argument("--collection", default="tasks")
+    p.add_argument("--database", default="mtask", help="the database (default mtask)")
+    p.add_argument("--collection", default="tasks", help="the tasks collection (default tasks)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("key")
-    p.add_argument("--timeout", type=_seconds, help="give up after S seconds (default: never)")
+    p.add_argument("key", help="the task's key")
+    p.add_argument(
+        "--timeout", type=_seconds, metavar="S", help="give up after S seconds (default: never)"
+    )
 
 
 def _seconds(text: str) -> float:
@@ -42,25 +39,28 @@ def _seconds(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mtask.cli.common import err, print_json
+    from mtask.cli.common import (
+        EXIT_FAILED,
+        EXIT_STORAGE_WAIT,
+        EXIT_TIMEOUT,
+        err,
+        print_json,
+        task_client,
+    )
     from mtask.cli.tasks import print_task
-    from mtask.client import TaskClient
-    from mtask.errors import StorageError, TaskNotFound, WaitTimeout
+    from mtask.errors import StorageError, WaitTimeout
 
-    try:
-        with TaskClient(args.uri, database=args.database, collection=args.collection) as client:
+    try:  # TaskNotFound: run_command's one line and EXIT_NOT_FOUND, as for every command
+        with task_client(args) as client:
             task = client.wait(args.key, timeout=args.timeout)
-    except TaskNotFound as exc:
-        err.print(f"mtask: {exc}", markup=False)
-        return EXIT_NOT_FOUND
     except WaitTimeout as exc:
         err.print(f"mtask: {exc}", markup=False)
         return EXIT_TIMEOUT
     except StorageError as exc:
         err.print(f"mtask: {exc}", markup=False)
-        return EXIT_STORAGE
+        return EXIT_STORAGE_WAIT
     if args.json:
         print_json(task.model_dump(by_alias=True))
     else:
         print_task(task)
-    return EXIT_SUCCEEDED if task.status == "succeeded" else EXIT_UNSUCCESSFUL
+    return 0 if task.status == "succeeded" else EXIT_FAILED

@@ -19,8 +19,22 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from mtask._version import __version__
-from mtask.cli.common import Commands, add_common, add_connection, err, out, task_client
-from mtask.errors import MtaskError, RegistryNotFound, UsageError, WorkerCrashed
+from mtask.cli.common import (
+    Commands,
+    add_common,
+    add_connection,
+    err,
+    mongodb_uri,
+    out,
+    task_client,
+)
+from mtask.errors import (
+    MtaskError,
+    RegistryNotFound,
+    UsageError,
+    WorkerCrashed,
+    WorkerNotFound,
+)
 
 if TYPE_CHECKING:
     import asyncio
@@ -90,7 +104,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     """The options of ``mtask-worker``, shared with ``mtask worker run``."""
     p.add_argument("registry", help="module:attribute of an mtask.Registry")
     add_connection(p)
-    p.add_argument("--concurrency", type=int, default=10)
+    p.add_argument(
+        "--concurrency", type=int, default=10, metavar="N", help="runs at once (default 10)"
+    )
     p.add_argument(
         "--prefetch",
         type=_prefetch,
@@ -102,9 +118,15 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         "slot given back; N: always up to N (e.g. CPU-bound tasks in --pool process); 0: never",
     )
     p.add_argument("--names", help="comma-separated task names (default: all registered)")
-    p.add_argument("--worker-id")
+    p.add_argument("--worker-id", metavar="ID", help="its id (default: host:pid:random)")
     p.add_argument("--grace", type=float, default=30.0, help="seconds to drain on stop")
-    p.add_argument("--sweep-interval", type=float, default=30.0)
+    p.add_argument(
+        "--sweep-interval",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how often it looks for work its change stream may have missed (default 30)",
+    )
     p.add_argument(
         "--priority-aging",
         type=float,
@@ -177,7 +199,12 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         help="the event loop: auto (default) is uvloop where it is installed (a dependency on "
         "Linux and macOS), else asyncio's own",
     )
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="the lowest level logged, on stderr",
+    )
     p.add_argument("--version", action="version", version=f"mtask-worker {__version__}")
 
 
@@ -193,7 +220,7 @@ def register(sub: Any) -> None:
     add_worker_options(actions.add_parser("run", help="run a worker (same as mtask-worker)"))
     stop = actions.add_parser("stop", help="ask a running worker to drain and exit")
     add_common(stop)
-    stop.add_argument("worker_id")
+    stop.add_argument("worker_id", help="the worker's id, as mtask workers lists it")
 
 
 @commands.command("worker")
@@ -203,7 +230,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     with task_client(args) as client:
         found = client.stop_worker(args.worker_id)
     if not found:
-        raise UsageError(f"no worker {args.worker_id!r} is registered (see `mtask workers`)")
+        raise WorkerNotFound(args.worker_id)
     said = f"stop requested: {args.worker_id} drains and exits at its next heartbeat"
     out.print(said, markup=False)
     return 0
@@ -306,7 +333,7 @@ def build_worker(args: argparse.Namespace) -> Worker:
 
     return Worker(
         registry,
-        uri=args.uri,
+        uri=mongodb_uri(args.uri, "mtask-worker"),
         database=args.database,
         collection=args.collection,
         worker_id=args.worker_id,

@@ -177,8 +177,10 @@ def search_query(
     prefix: str | None,
     text: str | None,
     group: str | None = None,
+    where: Doc | None = None,
 ) -> tuple[Doc, list[tuple[str, int]]]:
-    """A search's filter and order (read name by name if ``search_across_names``)."""
+    """A search's filter and order (read name by name if ``search_across_names``); ``where``:
+    a filter the tasks must also match (``store.cluster.candidates``)."""
     for field, value in (("prefix", prefix), ("q", text)):
         if value and "\x00" in value:  # the server refuses it in a pattern (a 500 otherwise)
             raise InvalidTask("must not contain a NUL character", field=field)
@@ -191,6 +193,8 @@ def search_query(
     if text:  # the partial error_text index: the query carries its predicate
         filt["$text"] = {"$search": text}
         filt["error"] = {"$type": "string"}
+    if where:
+        filt["$and"] = [where]
     return filt, sort
 
 
@@ -210,13 +214,14 @@ def search(
     after: str | None = None,
     limit: int = 50,
     group: str | None = None,
+    where: Doc | None = None,
 ) -> Op[list[Doc]]:
     """A page of tasks, newest first (in key order with a key ``prefix``), matching all the
-    filters given; ``after`` is the last key of the previous page (keyset pagination: every
-    page costs the same)."""
+    filters given (``where``: a filter of its own too); ``after`` is the last key of the
+    previous page (keyset pagination: every page costs the same)."""
     if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
         raise InvalidTask(f"is {limit}; 1 to 1000", field="limit")
-    filt, sort = search_query(name, status, prefix, text, group)
+    filt, sort = search_query(name, status, prefix, text, group, where)
     if after is not None and sort[0][0] == "_id":
         filt = {"$and": [filt, {"_id": {"$gt": after}}]}
     elif after is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import bson
@@ -32,7 +33,7 @@ from mtask.models import (
     encodable,
 )
 from mtask.statemachine import RUNNING
-from mtask.steps import SPILL_CHUNK_BYTES, StepError, check_signal_name
+from mtask.steps import MAX_STEPS, SPILL_CHUNK_BYTES, StepError, check_name, check_signal_name
 from mtask.store.output import seal_in
 from mtask.store.transactional import TXN_FIELD, lease_alive_expr
 
@@ -158,6 +159,28 @@ def signal_pipeline(name: str, payload: Any) -> list[Doc]:
     ]
 
 
+def signal_filter(key: Any, name: str) -> Doc:
+    """Which task a signal may be appended to: an open one holding fewer than ``MAX_SIGNALS``,
+    or, past that cap, one waiting for this very signal (``waiting.signal`` and its ``nth``)
+    and not yet holding it, so a full list never strands a wait: one more per wait, at most."""
+    mine = {
+        "$filter": {"input": {"$ifNull": ["$signals", []]}, "cond": {"$eq": ["$$this.name", name]}}
+    }
+    count = {"$size": mine}
+    awaited = {
+        "$and": [
+            {"$eq": ["$status", TaskStatus.PENDING.value]},
+            {"$eq": ["$waiting.signal", name]},
+            {"$lte": [count, "$waiting.nth"]},
+        ]
+    }
+    return {
+        "_id": key,
+        "status": {"$in": list(OPEN_STATUSES)},
+        "$or": [{f"signals.{MAX_SIGNALS - 1}": {"$exists": False}}, {"$expr": awaited}],
+    }
+
+
 def check_signal(name: Any, payload: Any) -> None:
     try:
         check_signal_name(name)
@@ -181,16 +204,11 @@ def check_signal(name: Any, payload: Any) -> None:
 def signal(key: str, name: str, payload: Any = None) -> Op[bool]:
     """Send signal ``name`` to an open task; ``True`` if it woke the task (it was waiting for
     this name). ``TaskNotFound``, or ``InvalidTransition`` for a finished task or one holding
-    ``MAX_SIGNALS`` already."""
+    ``MAX_SIGNALS`` already that waits for no more of this name (``signal_filter``)."""
     check_signal(name, payload)
-    filt = {
-        "_id": key,
-        "status": {"$in": list(OPEN_STATUSES)},
-        f"signals.{MAX_SIGNALS - 1}": {"$exists": False},
-    }
     before: Doc | None = yield Call(
         "find_one_and_update",
-        (filt, signal_pipeline(name, payload)),
+        (signal_filter(key, name), signal_pipeline(name, payload)),
         {"projection": {"status": 1, "waiting": 1}},
     )
     if before is not None:
@@ -202,10 +220,166 @@ def signal(key: str, name: str, payload: Any = None) -> Op[bool]:
         )
     doc: Doc | None = yield Call("find_one", ({"_id": key}, {"status": 1}))
     if doc is None:
-        raise TaskNotFound(f"no task with key {key!r}")
+        raise TaskNotFound(key)
     if doc.get("status") in OPEN_STATUSES:
         raise InvalidTransition(f"task {key!r} holds {MAX_SIGNALS} signals already")
     raise InvalidTransition(f"task {key!r} is {doc.get('status')}: it waits for no signal")
+
+
+RESETTABLE = (TaskStatus.PENDING.value, TaskStatus.FAILED.value, TaskStatus.CANCELLED.value)
+"""A task's journal may be reset while it is one of these and no run of it is RUNNING."""
+
+
+def reset_filter(key: str, step: str) -> Doc:
+    """The fence of a reset: the task holds step ``step``, is not running, and no run of it is
+    RUNNING (a cancelled task's run stops at its next ping). A run's step writes require the
+    opposite (``fence``: the task running, the run RUNNING), and a claim makes the task running
+    in its own atomic update, so the reset and any run's journal are ordered by MongoDB: a run
+    claimed after the reset reads the shortened journal, and while one runs nothing is reset."""
+    return {
+        "_id": key,
+        "status": {"$in": list(RESETTABLE)},
+        "runs": {"$not": {"$elemMatch": {"state": RUNNING}}},
+        "steps": {"$type": "array"},
+        "steps.name": step,
+    }
+
+
+def reset_pipeline(step: str) -> list[Doc]:
+    """Step ``step`` and every step after it removed from the journal (the next run calls them
+    again: the replay rules need the recorded order, so a step in the middle cannot go alone).
+    A signal a removed wait took is removed with it, so that the wait, asked for again, takes
+    the next one of its name; the signals nothing took stay. A pending task (waiting in a
+    removed step, or for its retry) may run now: the step was reset to be run again."""
+    cut = {"$indexOfArray": ["$steps.name", step]}
+    taken = {
+        "$map": {
+            "input": {
+                "$filter": {
+                    "input": {"$slice": ["$steps", cut, MAX_STEPS]},
+                    "cond": {
+                        "$and": [
+                            {"$eq": ["$$this.kind", "signal"]},
+                            {"$eq": ["$$this.state", "done"]},
+                        ]
+                    },
+                }
+            },
+            "in": {"n": "$$this.signal", "i": "$$this.nth"},
+        }
+    }
+    sent = {"$ifNull": ["$signals", []]}
+    name_of = {"$let": {"vars": {"s": {"$arrayElemAt": [sent, "$$i"]}}, "in": "$$s.name"}}
+    nth = {  # the i-th signal's place among the signals of its name
+        "$size": {
+            "$filter": {
+                "input": {"$slice": [sent, "$$i"]},
+                "as": "s",
+                "cond": {"$eq": ["$$s.name", name_of]},
+            }
+        }
+    }
+    kept = {
+        "$map": {
+            "input": {
+                "$filter": {
+                    "input": {"$range": [0, {"$size": sent}]},
+                    "as": "i",
+                    "cond": {"$not": [{"$in": [{"n": name_of, "i": nth}, "$$taken"]}]},
+                }
+            },
+            "as": "i",
+            "in": {"$arrayElemAt": [sent, "$$i"]},
+        }
+    }
+    stops = {"$gte": [{"$ifNull": ["$waiting.index", -1]}, cut]}
+    wake = {"$eq": ["$status", TaskStatus.PENDING.value]}
+    return [
+        {
+            "$set": {
+                "signals": {
+                    "$cond": [
+                        {"$isArray": "$signals"},
+                        {"$let": {"vars": {"taken": taken}, "in": kept}},
+                        "$signals",
+                    ]
+                },
+                "waiting": {"$cond": [stops, "$$REMOVE", "$waiting"]},
+                "available_at": {"$cond": [wake, "$$NOW", "$available_at"]},
+                "next_claim_at": {"$cond": [wake, "$$NOW", "$next_claim_at"]},
+                "updated_at": "$$NOW",
+            }
+        },
+        {"$set": {"steps": {"$slice": ["$steps", cut]}}},
+    ]
+
+
+@dataclass(frozen=True)
+class Reset:
+    """What a reset removed: the steps from ``step`` on (their names), the signals their waits
+    had taken, and whether the task was pending (it may run now; a finished one is retried)."""
+
+    key: str
+    step: str
+    index: int
+    removed: list[str]
+    signals: int
+    woke: bool
+
+
+def reset(key: str, step: str) -> Op[Reset]:
+    """Reset task ``key``'s journal to before step ``step`` (``reset_pipeline``), in one update
+    fenced by ``reset_filter``; then remove the results the removed steps kept aside.
+    ``TaskNotFound``; ``InvalidTransition`` while it runs or once it succeeded; ``InvalidTask``
+    (field ``step``) if it has no such step."""
+    try:
+        check_name(step)
+    except StepError as exc:
+        raise InvalidTask(str(exc), field="step") from None
+    before: Doc | None = yield Call(
+        "find_one_and_update",
+        (reset_filter(key, step), reset_pipeline(step)),
+        {"projection": {"status": 1, "steps": 1, "waiting": 1, "signals.name": 1}},
+    )
+    if before is None:
+        yield from _not_reset(key, step)
+    assert before is not None
+    steps = [s for s in before.get("steps") or [] if isinstance(s, dict)]
+    index = next(i for i, s in enumerate(steps) if s.get("name") == step)
+    removed = steps[index:]
+    spills = [s["spill"].get("id") for s in removed if isinstance(s.get("spill"), dict)]
+    if spills:
+        yield Call("delete_many", ({"task": key, "spill": {"$in": spills}},), collection=COLLECTION)
+    return Reset(
+        key,
+        step,
+        index,
+        [str(s.get("name")) for s in removed],
+        sum(1 for s in removed if s.get("kind") == "signal" and s.get("state") == "done"),
+        before.get("status") == TaskStatus.PENDING.value,
+    )
+
+
+def _not_reset(key: str, step: str) -> Op[None]:
+    """Why a reset matched nothing."""
+    doc: Doc | None = yield Call(
+        "find_one", ({"_id": key}, {"status": 1, "runs.state": 1, "steps.name": 1})
+    )
+    if doc is None:
+        raise TaskNotFound(f"no task with key {key!r}")
+    names = [str(s.get("name")) for s in doc.get("steps") or [] if isinstance(s, dict)]
+    if step not in names:
+        listed = ", ".join(repr(n) for n in names) if names else "none"
+        raise InvalidTask(f"task {key!r} has no step {step!r} (its steps: {listed})", field="step")
+    status = doc.get("status")
+    if status == TaskStatus.RUNNING.value or any(
+        isinstance(r, dict) and r.get("state") == RUNNING for r in doc.get("runs") or []
+    ):
+        hint = "its cancelled run stops at its next ping" if status != "running" else "cancel it"
+        raise InvalidTransition(
+            f"task {key!r} is running: its steps can be reset once its run ended ({hint})"
+        )
+    raise InvalidTransition(f"task {key!r} is {status}: its steps are kept as they ran")
 
 
 def spill(key: str, data: bytes, expire_at: dt.datetime | None) -> Op[Doc]:

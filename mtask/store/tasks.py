@@ -76,7 +76,12 @@ def publish(
         sets: Doc = {"params": literal(task.params), "options": literal(task.options.to_document())}
         if task.options.run_at is not None:
             sets["available_at"] = task.options.run_at
-        pipeline = [{"$set": sets}, *recompute_stages(now)]
+        # a task moved to another group leaves its old group's lock (a sequence's: a retried
+        # holder keeps it), so that group's next task may go and the unique group_lock index
+        # never refuses the move; a task that stays in its group keeps its lock
+        stays = {"$eq": ["$options.group", task.options.group]}
+        moved = {"$set": {GROUP_LOCK: {"$cond": [stays, f"${GROUP_LOCK}", "$$REMOVE"]}}}
+        pipeline = [moved, {"$set": sets}, *recompute_stages(now)]
     else:  # reset
         filt = {
             "_id": task.key,

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from mtask.client import MAX_DELAY_SECONDS, AsyncTaskClient
-from mtask.errors import TaskNotFound, WaitTimeout
+from mtask.errors import InvalidTask, TaskNotFound, WaitTimeout
 from mtask.models import (
     MAX_AGE_SECONDS,
     TaskKey,
@@ -34,11 +34,13 @@ from mtask.web.auth import bearer_scheme, require_token
 from mtask.web.schemas import (
     BatchView,
     BulkView,
+    DerivedState,
     GroupView,
     LimitView,
     NameView,
     PausedView,
     PublishView,
+    ResetView,
     ScheduleView,
     SignalView,
     StopView,
@@ -75,6 +77,14 @@ class SignalBody(BaseModel):
 
     name: str = Field(description="the signal's name", max_length=200)
     payload: Any = Field(None, description="any JSON value (at most 64 KiB as BSON)")
+
+
+class ResetBody(BaseModel):
+    """Which recorded step to reset the task's journal to (it and every later step go)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: str = Field(description="the step's name, as recorded (`wait:approved`, `charge`)")
 
 
 class BatchBody(BaseModel):
@@ -143,6 +153,11 @@ def view(task: Any) -> TaskView:
     return TaskView.of(task)
 
 
+async def explained(client: AsyncTaskClient, task: Any) -> TaskView:
+    """A task with its derived state and reason (the cluster read once)."""
+    return TaskView.of(task, await client.explain(task))
+
+
 @router.post(
     "/tasks", status_code=201, responses={200: {"description": "it existed", "model": PublishView}}
 )
@@ -205,13 +220,30 @@ async def list_tasks(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     after: str | None = Query(None, description="the last key of the previous page"),
+    state: Annotated[
+        DerivedState | None,
+        Query(description="only tasks in this derived state (docs/web.md); not with `status`"),
+    ] = None,
 ) -> TaskPage:
-    """A page of tasks, newest first (keyset pagination: pass ``next_after`` as ``after``)."""
+    """A page of tasks, newest first (keyset pagination: pass ``next_after`` as ``after``),
+    each with its derived state. With ``state``, the tasks are read a page at a time and
+    explained until ``limit`` match or ten pages were read: a page may hold fewer, and
+    ``next_after`` goes on."""
+    if state is not None:
+        if status is not None:
+            raise InvalidTask("give status or state, not both", field="state")
+        found = await client.search_state(
+            state, name=name, prefix=prefix, text=q, limit=limit, after=after, group=group
+        )
+        return TaskPage(
+            tasks=[TaskView.of(t, said) for t, said in found.tasks], next_after=found.after
+        )
     tasks = await client.search(
         name=name, status=status, prefix=prefix, text=q, limit=limit, after=after, group=group
     )
+    states = await client.explain_all(tasks)
     return TaskPage(
-        tasks=[view(t) for t in tasks],
+        tasks=[TaskView.of(t, said) for t, said in zip(tasks, states, strict=True)],
         next_after=tasks[-1].key if len(tasks) == limit else None,
     )
 
@@ -235,13 +267,28 @@ def _flow_node(node: dict[str, Any]) -> FlowNode:
 @router.post("/tasks/{key:path}:cancel", responses={**NOT_FOUND, **CONFLICT})
 async def cancel(key: str, client: Client) -> TaskView:
     """Cancel one task (``key`` percent-encoded; the action is always the last ``:verb``)."""
-    return view(await client.cancel(key))
+    return await explained(client, await client.cancel(key))
 
 
 @router.post("/tasks/{key:path}:retry", responses={**NOT_FOUND, **CONFLICT})
 async def retry(key: str, client: Client) -> TaskView:
     """Retry one failed or cancelled task."""
-    return view(await client.retry(key))
+    return await explained(client, await client.retry(key))
+
+
+@router.post(
+    "/tasks/{key:path}:reset",
+    responses={**NOT_FOUND, **CONFLICT, 422: {"description": "no such step"}},
+)
+async def reset_step(key: str, body: ResetBody, client: Client) -> ResetView:
+    """Reset a task's durable steps to before step ``step``: it and every later step are
+    removed, and the next run calls them again; a removed wait's signal is removed with it, so
+    the wait takes the next one (docs/steps.md). One update, fenced: 409 while a run of the
+    task is RUNNING (or once it succeeded), 404 no such task, 422 no such step."""
+    done = await client.reset_step(key, body.step)
+    return ResetView(
+        key=done.key, step=done.step, removed=done.removed, signals=done.signals, woke=done.woke
+    )
 
 
 @router.post("/tasks/{key:path}:signal", responses={**NOT_FOUND, **CONFLICT})
@@ -276,7 +323,7 @@ async def get_task(
     (one change stream per server process, shared by every waiting request)."""
     if wait is not None and view_ == "task":
         try:
-            return view(await client.wait(key, timeout=wait))
+            return await explained(client, await client.wait(key, timeout=wait))
         except WaitTimeout:
             pass  # answer with the task as it is now
     if view_ == "flow":
@@ -287,10 +334,11 @@ async def get_task(
     task = await client.get(key)
     if task is None:
         raise TaskNotFound(key)
-    return view(task)
+    return await explained(client, task)
 
 
 AT_LEAST_HEADER = "Mtask-Counts-At-Least"
+NOT_SPLIT_HEADER = "Mtask-Pending-Not-Split"
 
 
 @router.get(
@@ -303,7 +351,13 @@ AT_LEAST_HEADER = "Mtask-Counts-At-Least"
                     "finished tasks), as URL-encoded `name/status` pairs separated by commas "
                     "(absent: every count is exact)",
                     "schema": {"type": "string"},
-                }
+                },
+                NOT_SPLIT_HEADER: {
+                    "description": "with `by=state`: pending tasks whose state was not derived "
+                    "(beyond the newest 1,000 of their name), as URL-encoded `name=count` "
+                    "pairs separated by commas",
+                    "schema": {"type": "string"},
+                },
             }
         }
     },
@@ -314,15 +368,32 @@ async def stats(
     exact: Annotated[
         bool, Query(description="count every task (cost grows with the collection)")
     ] = False,
+    by: Annotated[
+        Literal["status", "state"],
+        Query(
+            description="`state`: per derived state (docs/web.md); the newest 1,000 pending "
+            "tasks of each name are split, the rest named in the `Mtask-Pending-Not-Split` "
+            "header"
+        ),
+    ] = "status",
 ) -> dict[str, dict[str, int]]:
     """Task counts per name and status. Open tasks are counted exactly; finished ones exactly up
     to 1,000 per name and status, and above that as 1,001, a lower bound (named in the
-    ``Mtask-Counts-At-Least`` header), unless ``exact``."""
-    counts = await client.stats(exact=exact)
-    if counts.at_least:
+    ``Mtask-Counts-At-Least`` header), unless ``exact``. ``by=state``: per derived state."""
+    if by == "state":
+        split = await client.state_counts()
+        counts, at_least = split.counts, split.stored.at_least
+        if split.unsplit:
+            response.headers[NOT_SPLIT_HEADER] = ",".join(
+                f"{urllib.parse.quote(name, safe='')}={n}"
+                for name, n in sorted(split.unsplit.items())
+            )
+    else:
+        found = await client.stats(exact=exact)
+        counts, at_least = found, found.at_least
+    if at_least:
         response.headers[AT_LEAST_HEADER] = ",".join(
-            f"{urllib.parse.quote(name, safe='')}/{status}"
-            for name, status in sorted(counts.at_least)
+            f"{urllib.parse.quote(name, safe='')}/{status}" for name, status in sorted(at_least)
         )
     return counts
 
@@ -394,8 +465,29 @@ async def groups(
 
 
 @router.get("/limits")
-async def limits(client: Client) -> list[LimitView]:
-    return await client.limits()  # type: ignore[return-value] # checked by the response model
+async def limits(
+    client: Client,
+    use: Annotated[
+        bool,
+        Query(
+            description="add each limit's `use`: runs at once in use, sequences' locks held, "
+            "and per group its tasks open, running, due and blocked and its head"
+        ),
+    ] = False,
+) -> list[LimitView]:
+    if not use:
+        return await client.limits()  # type: ignore[return-value] # checked by the model
+    return [
+        {**u.limit, "use": limit_use(u)}  # type: ignore[misc]
+        for u in await client.limit_use()
+    ]
+
+
+def limit_use(u: Any) -> dict[str, Any]:
+    """A ``store.occupancy.NameUse`` as JSON (without its limit document)."""
+    found = dataclasses.asdict(u)
+    found.pop("limit")
+    return found
 
 
 @router.put("/limits/{name}")

@@ -1,20 +1,22 @@
 """The dashboard: server-rendered pages (Jinja2), no CDN, every action a plain form.
 
-Pages: ``/`` (counts per name and status, each a link to the task list; finished and failed
-per minute per name as SVG charts with axes; recent failures), ``/ui/tasks`` (the task list:
-filter by name and status, search by key prefix or error words, keyset pagination, bulk retry /
-cancel / purge of the filtered set with a dry-run count first), ``/ui/tasks/{key}`` (one task:
-``invalid_reason``, params / result / error as stored, flow links, runs with durations and a
-timeline, its durable steps as a step timeline) and ``/ui/workers``. Actions are forms posting
-to ``/ui/act`` and ``/ui/bulk`` with the session's CSRF token, answered POST-redirect-GET with
-a flash message, so everything works without JavaScript; ``static/dashboard.js`` submits them
-in place and refreshes pages.
+Pages: ``/`` (counts per name and derived state, each a link to the task list; finished and
+failed per minute per name as SVG charts with axes; recent failures), ``/ui/tasks`` (the task
+list: filter by name, derived state and group, search by key prefix or error words, keyset
+pagination, bulk retry / cancel / purge of the filtered set with a dry-run count first),
+``/ui/tasks/{key}`` (one task: a header card with its state and why it is not running, then its
+steps, log and runs; params and the options that differ from the defaults folded),
+``/ui/limits`` (each limit, how full it is, and its groups) and ``/ui/workers``. Actions are
+forms posting to ``/ui/act``, ``/ui/signal`` and ``/ui/bulk`` with the session's CSRF token,
+answered POST-redirect-GET with a flash message, so everything works without JavaScript;
+``static/dashboard.js`` submits them in place and refreshes pages.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import secrets
 import urllib.parse
 from typing import Any
@@ -22,14 +24,17 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
+from markupsafe import Markup, escape
 
+from mtask import signal_fate, states, tracebacks
 from mtask.client import AsyncTaskClient
 from mtask.errors import MtaskError
-from mtask.models import TaskStatus
+from mtask.models import Task, TaskStatus
 from mtask.steps import NEVER
 from mtask.store import bulk
 from mtask.web.auth import COOKIE, LOGIN_COOKIE, SESSION_SECONDS, Keys, csrf_of, signed_in
 from mtask.web.charts import charts, timeline
+from mtask.wording import plural, relative, span
 
 router = APIRouter(include_in_schema=False)
 templates = Environment(
@@ -52,6 +57,11 @@ def _deadline(value: dt.datetime | None) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%S")
 
 
+def _ticks(text: str | None) -> Markup:
+    """A reason as HTML: escaped, its `backticked` keys and names as ``<code>``."""
+    return Markup(re.sub(r"`([^`]+)`", r"<code>\1</code>", str(escape(text or ""))))
+
+
 def _preview(value: Any) -> str:
     text = json.dumps(value, default=str, separators=(",", ":"))
     return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 1] + "…"
@@ -59,10 +69,22 @@ def _preview(value: Any) -> str:
 
 templates.filters["deadline"] = _deadline
 templates.filters["preview"] = _preview
+templates.filters["ticks"] = _ticks
+templates.globals.update(
+    rel=relative,
+    span=span,
+    plural=plural,
+    fold=tracebacks.fold,
+    wait_deadline=states.deadline,
+    attempt_text=states.attempt_text,
+    STATES=states.STATES,
+)
 templates.globals["qs"] = lambda **kw: urllib.parse.urlencode(
     {k: v for k, v in kw.items() if v not in (None, "")}
 )
 STATUSES = [s.value for s in TaskStatus]
+STATES = list(states.STATES)
+FINAL_STATES = [s.value for s in states.State if not s.open]
 PAGE_SIZE = 50
 BULK_COUNT_LIMIT = 10_000
 """The task list says how many tasks a bulk action would change up to this many ("10,000+")."""
@@ -84,6 +106,17 @@ def duration(start: dt.datetime | None, end: dt.datetime | None) -> str:
 templates.globals["duration"] = duration
 
 
+MESSAGE_KEYS = ("flash", "problem", "confirm", "at", "sig", "payload")
+"""What an action's answer adds to the page's query (``back``): the message, where it belongs
+(``at=signal``: beside the signal form) and the form's input to give back."""
+
+
+def settled(request: Request) -> str:
+    """This page's address without an action's message: what a refresh shows."""
+    kept = [(k, v) for k, v in request.query_params.multi_items() if k not in MESSAGE_KEYS]
+    return request.url.path + (f"?{urllib.parse.urlencode(kept)}" if kept else "")
+
+
 def render(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
     query = request.query_params
     page = templates.get_template(name).render(
@@ -92,7 +125,9 @@ def render(request: Request, name: str, status_code: int = 200, **context: Any) 
         signed_in=signed_in(request) and request.app.state.keys.token is not None,
         flash=query.get("flash", "")[:300],
         problem=query.get("problem", "")[:300],
+        note_at=query.get("at", ""),
         here=request.url.path + (f"?{request.url.query}" if request.url.query else ""),
+        settled=settled(request),
         **context,
     )
     return HTMLResponse(page, status_code=status_code)
@@ -166,22 +201,54 @@ async def overview(request: Request) -> HTMLResponse:
     if not signed_in(request):
         return login_page(request)
     client = client_of(request)
-    counts = await client.stats()
+    counts = await client.state_counts()
     paused = await client.paused()
     now = await client.now()
+    failures = await client.search(status="failed", limit=10)
+    totals = {s: sum(row.get(s, 0) for row in counts.counts.values()) for s in STATES}
     return render(
         request,
         "overview.html",
-        names=sorted(set(counts) | paused),
+        names=sorted(set(counts.counts) | paused),
         counts=counts,
-        statuses=STATUSES,
+        totals=totals,
+        at_least={s for _, s in counts.stored.at_least},
+        states=STATES,
         paused=paused,
         charts=charts(await client.throughput(60), now),
-        failures=await client.search(status="failed", limit=10),
+        failures=failures,
         groups=await client.groups(top=10),
         workers=await client.workers(),
         now=now,
     )
+
+
+def _list_filters(q: Any) -> dict[str, Any]:
+    state = q.get("state") if q.get("state") in STATES else None
+    status = q.get("status") if q.get("status") in STATUSES and state is None else None
+    return {
+        "name": q.get("name") or None,
+        "state": state,
+        "status": status,
+        "prefix": q.get("prefix") or None,
+        "text": q.get("q") or None,
+        "group": (q.get("group") or None) if len(q.get("group") or "") <= 200 else None,
+    }
+
+
+async def _listed(
+    client: AsyncTaskClient, filters: dict[str, Any], after: str | None
+) -> tuple[list[tuple[Task, states.Explained]], str | None, int | None]:
+    """A page of the list: the tasks with their derived state, the next page's ``after``, and
+    how many tasks were read to find them (a page by state only)."""
+    common = {k: filters[k] for k in ("name", "prefix", "text", "group")}
+    if filters["state"] is not None:
+        page = await client.search_state(filters["state"], **common, after=after, limit=PAGE_SIZE)
+        return page.tasks, page.after, page.examined
+    tasks = await client.search(**common, status=filters["status"], after=after, limit=PAGE_SIZE)
+    said = await client.explain_all(tasks)
+    more = tasks[-1].key if len(tasks) == PAGE_SIZE else None
+    return list(zip(tasks, said, strict=True)), more, None
 
 
 @router.get("/ui/tasks", response_class=HTMLResponse)
@@ -190,24 +257,18 @@ async def task_list(request: Request) -> HTMLResponse:
         return login_page(request)
     client = client_of(request)
     q = request.query_params
-    filters = {
-        "name": q.get("name") or None,
-        "status": q.get("status") if q.get("status") in STATUSES else None,
-        "prefix": q.get("prefix") or None,
-        "text": q.get("q") or None,
-        "group": (q.get("group") or None) if len(q.get("group") or "") <= 200 else None,
-    }
+    filters = _list_filters(q)
     problem = ""
     try:
-        tasks = await client.search(**filters, after=q.get("after") or None, limit=PAGE_SIZE)
+        rows, next_after, examined = await _listed(client, filters, q.get("after") or None)
     except MtaskError as exc:
-        tasks, problem = [], str(exc)
+        rows, next_after, examined, problem = [], None, None, str(exc)
     # bulk actions act on name + status, and on a search's listed tasks by their keys
-    keys = (
-        [t.key for t in tasks] if filters["prefix"] or filters["text"] or filters["group"] else None
-    )
-    status = [filters["status"]] if filters["status"] else None
-    where = bulk.Filter(filters["name"], status, keys=keys)
+    final = filters["state"] if filters["state"] in FINAL_STATES else filters["status"]
+    narrowed = filters["prefix"] or filters["text"] or filters["group"]
+    by_keys = narrowed or (filters["state"] is not None and final is None)
+    keys = [t.key for t, _ in rows] if by_keys else None
+    where = bulk.Filter(filters["name"], [final] if final else None, keys=keys)
     counts: dict[str, tuple[str, int]] = {}
     actions: tuple[bulk.Action, ...] = ("retry", "cancel", "purge")
     for action in actions:
@@ -217,12 +278,14 @@ async def task_list(request: Request) -> HTMLResponse:
     return render(
         request,
         "tasks.html",
-        tasks=tasks,
+        rows=rows,
         filters=filters,
-        statuses=STATUSES,
+        states=STATES,
         names=await client.names(),
-        next_after=tasks[-1].key if len(tasks) == PAGE_SIZE else None,
+        next_after=next_after,
+        examined=examined,
         bulk_counts=counts,
+        bulk_status=final or "",
         bulk_keys=json.dumps(keys) if keys is not None else None,
         confirm=q.get("confirm", ""),
         list_problem=problem,
@@ -234,6 +297,12 @@ OUTPUT_SHOWN = 200
 """The newest log lines and chunks a task page shows (``mtask logs KEY`` has them all)."""
 
 
+SHOWN_ERROR = frozenset({states.State.FAILED, states.State.RETRYING})
+"""The derived states whose page shows the task's error at the top (else in its runs)."""
+PAYLOAD_KEPT = 4000
+"""The longest payload a refused signal form gets back in its page's address."""
+
+
 @router.get("/ui/tasks/{key:path}", response_class=HTMLResponse)
 async def task_page(key: str, request: Request) -> HTMLResponse:
     if not signed_in(request):
@@ -242,19 +311,56 @@ async def task_page(key: str, request: Request) -> HTMLResponse:
     task = await client.get(key)
     if task is None:
         return render(request, "missing.html", status_code=404, key=key)
+    said = await client.explain(task)
     now = await client.now()
     newest = max(0, (task.output_seq or 0) - OUTPUT_SHOWN)  # issue 31: the newest lines
     entries = await client.output(key, after=newest, limit=OUTPUT_SHOWN) if task.output_seq else []
     live = task.status is not None and not task.status.finished
+    q = request.query_params
+    # without JavaScript the page reloads itself while the task is open, but not while a
+    # person may be typing a signal's payload (it would be lost)
+    typing = q.get("at") == "signal" or (task.waiting is not None and task.waiting.signal)
     return render(
         request,
         "task.html",
         task=task,
+        said=said,
+        shown_error=task.error if said.state in SHOWN_ERROR else None,
+        changed=task.options.changed(),
+        resettable=task.status is not None
+        and task.status.value in ("pending", "failed", "cancelled"),
+        current=_current_step(task),
         now=now,
         timeline=timeline(task, now),
         entries=entries,
         live=live,
+        reloads=live and not typing,
         shown_from=newest,
+        sig=q.get("sig"),
+        payload=q.get("payload"),
+    )
+
+
+def _current_step(task: Task) -> Any:
+    """The step a task is in: the one it waits in, or its last recorded one while it runs."""
+    if task.waiting is not None and task.waiting.index < len(task.steps):
+        return task.steps[task.waiting.index]
+    if task.status is TaskStatus.RUNNING and task.steps:
+        return task.steps[-1]
+    return None
+
+
+@router.get("/ui/limits", response_class=HTMLResponse)
+async def limits_page(request: Request) -> HTMLResponse:
+    if not signed_in(request):
+        return login_page(request)
+    client = client_of(request)
+    return render(
+        request,
+        "limits.html",
+        uses=await client.limit_use(),
+        groups=await client.groups(top=20),
+        now=await client.now(),
     )
 
 
@@ -302,16 +408,14 @@ def local_url(next_url: str) -> str:
     return "/" if parts.scheme or parts.netloc else next_url
 
 
-def back(next_url: str, **message: str) -> RedirectResponse:
-    """Redirect to a local page (never elsewhere) with a flash message."""
+def back(next_url: str, anchor: str = "", **message: str) -> RedirectResponse:
+    """Redirect to a local page (never elsewhere) with a flash message (and the ``anchor``
+    where it is shown)."""
     parts = urllib.parse.urlsplit(local_url(next_url))
-    query = {
-        k: v
-        for k, v in urllib.parse.parse_qsl(parts.query)
-        if k not in ("flash", "problem", "confirm")
-    }
+    query = {k: v for k, v in urllib.parse.parse_qsl(parts.query) if k not in MESSAGE_KEYS}
     query.update(message)
-    return RedirectResponse(f"{parts.path}?{urllib.parse.urlencode(query)}", status_code=303)
+    place = f"#{anchor}" if anchor else ""
+    return RedirectResponse(f"{parts.path}?{urllib.parse.urlencode(query)}{place}", 303)
 
 
 async def form_of(request: Request) -> dict[str, str]:
@@ -321,11 +425,15 @@ async def form_of(request: Request) -> dict[str, str]:
 
 @router.post("/ui/act")
 async def act(request: Request) -> Response:
-    """One action: retry or cancel a task, pause or resume a name, stop a worker."""
+    """One action: retry or cancel a task, reset its steps, pause or resume a name, stop a
+    worker."""
     form = await form_of(request)
     client = client_of(request)
     action, target, next_url = form.get("action", ""), form.get("target", ""), form.get("next", "/")
     try:
+        if action == "reset":
+            done = await client.reset_step(target, form.get("step", ""))
+            return back(next_url, flash=_reset_said(done))
         if action in ("retry", "cancel"):
             task = await (client.retry(target) if action == "retry" else client.cancel(target))
             return back(next_url, flash=f"{action}: {target} is {task.status or 'unknown'} now")
@@ -344,12 +452,24 @@ async def act(request: Request) -> Response:
 @router.post("/ui/signal")
 async def send_signal(request: Request) -> Response:
     """Send a signal to a task from its page (``client.signal``): a name, and a payload given
-    as JSON (empty: none). A payload that is not JSON, a bad name, a finished task: a
-    problem shown on the page, nothing sent."""
+    as JSON. An empty payload is sent only when the form says so (``empty``): the wait would
+    return ``None`` to its handler, on every retry too. A payload that is not JSON, a bad name,
+    a finished task: the problem shown beside the form, its input kept, nothing sent. The
+    answer says what becomes of the signal (``signal_fate``)."""
     form = await form_of(request)
     key, name = form.get("target", ""), form.get("name", "").strip()
     next_url = form.get("next", "/")
     text = form.get("payload", "").strip()
+    kept = {"sig": name, "payload": text if len(text) <= PAYLOAD_KEPT else ""}
+
+    def refused(why: str) -> Response:
+        return back(next_url, "send-signal", problem=f"signal not sent: {why}", at="signal", **kept)
+
+    if not text and form.get("empty") != "1":
+        return refused(
+            "the payload is empty: the wait would return null to the handler, on every retry "
+            "too. Give a payload, or tick 'send it without a payload'"
+        )
     try:
         payload = json.loads(text) if text else None
     except (ValueError, RecursionError) as exc:  # deep nesting: the C decoder recurses
@@ -360,13 +480,24 @@ async def send_signal(request: Request) -> Response:
             if isinstance(exc, RecursionError)
             else str(exc).split(":")[0]  # "Exceeds the limit (4300 digits) for integer …"
         )
-        return back(next_url, problem=f"signal not sent: the payload is not JSON ({reason})")
+        return refused(f"the payload is not JSON ({reason})")
+    client = client_of(request)
     try:
-        woke = await client_of(request).signal(key, name, payload)
+        woke = await client.signal(key, name, payload)
     except MtaskError as exc:
-        return back(next_url, problem=f"signal not sent: {exc}")
-    outcome = "it woke the task" if woke else "kept for the task's next wait for it"
-    return back(next_url, flash=f"signal {name!r} sent to {key}: {outcome}")
+        return refused(str(exc))
+    task = await client.get(key)
+    outcome = signal_fate.fate(task, name, woke) if task is not None else "sent"
+    return back(
+        next_url, "send-signal", flash=f"signal {name!r} sent to {key}: {outcome}", at="signal"
+    )
+
+
+def _reset_said(done: Any) -> str:
+    removed = ", ".join(done.removed)
+    taken = f"; {plural(done.signals, 'signal')} they had taken removed" if done.signals else ""
+    woke = "; it runs again now" if done.woke else ""
+    return f"reset {done.key}: {plural(len(done.removed), 'step')} removed ({removed}){taken}{woke}"
 
 
 def _keys(text: str) -> list[str]:

@@ -12,18 +12,48 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mtask.models import Stored, Task
+from mtask.states import Explained
+
+DerivedState = Literal[
+    "scheduled",
+    "available",
+    "running",
+    "retrying",
+    "waiting",
+    "blocked",
+    "succeeded",
+    "failed",
+    "cancelled",
+    "invalid",
+]
+"""``mtask.states.STATES``, spelled out for the OpenAPI spec (a test keeps them in step)."""
 
 
 class TaskView(Task):
-    """A task as the API returns it (``key``, not MongoDB's ``_id``)."""
+    """A task as the API returns it (``key``, not MongoDB's ``_id``), with its derived state
+    (``mtask.states``) where the route reads it."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     key: str = Field(description="the task's key")
+    state: DerivedState | None = Field(
+        None,
+        description="the derived state: scheduled, available, running, retrying, waiting, "
+        "blocked, or the final status (docs/web.md)",
+    )
+    why: str | None = Field(
+        None,
+        description="what a waiting task waits for (signal, sleep, dependencies) or what blocks "
+        "a blocked one (group, limit, paused, no_worker); backoff, lease_ended, …",
+    )
+    reason: str | None = Field(None, description="why it is not running, in one sentence")
 
     @classmethod
-    def of(cls, task: Task) -> TaskView:
-        return cls.model_validate(task.model_dump())
+    def of(cls, task: Task, said: Explained | None = None) -> TaskView:
+        view = cls.model_validate(task.model_dump())
+        if said is not None:
+            view.state, view.why, view.reason = said.state.value, said.why, said.reason
+        return view
 
 
 class PublishView(BaseModel):
@@ -36,6 +66,14 @@ class SignalView(BaseModel):
     key: str
     signal: str
     woke: bool = Field(description="it was waiting for this signal, and may run again now")
+
+
+class ResetView(BaseModel):
+    key: str
+    step: str
+    removed: list[str] = Field(description="the steps removed, from the one named on")
+    signals: int = Field(description="signals removed with the waits that had taken them")
+    woke: bool = Field(description="it waited in a removed step, and may run again now")
 
 
 class BatchView(BaseModel):

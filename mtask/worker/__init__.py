@@ -7,8 +7,9 @@ to stop, drains, and shuts down. The parts (see docs/worker.md, "The worker pack
 
 - ``Claimer`` (claimer.py): the main loop and the claim path (River's producer), with
   ``ClaimCalls`` (claim_calls.py) and ``LimitedClaims`` (limited_claims.py);
-- ``Executor`` (executor.py): one run from claim to outcome; ``RunOutcomes``
-  (run_outcomes.py): what the run ends with;
+- ``Executor`` (running/executor.py): one run from claim to outcome; ``RunContexts``
+  (running/context.py): its context; ``HandlerCalls`` (running/call.py): its handler called;
+  ``RunOutcomes`` (running/outcomes.py): what the run ends with;
 - ``InFlight`` (inflight.py): the runs in flight and the keys being claimed, the only state
   the claimer, executor and finding parts share;
 - ``Presence`` (presence.py): heartbeat, pause/resume, remote stop, peers (``Assignment``);

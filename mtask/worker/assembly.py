@@ -5,7 +5,8 @@ builds, and runs, supervises and stops them. Every part is created here, once, b
 (the clients connect on first use, inside it), each receiving its collaborators by its
 constructor, in the order they depend on each other: the claim queue, the in-flight ledger,
 the finding parts (whose sink is the ``QueueSink`` of the claimer, gate and recorder), the
-lease pinger, the outcome writer, the executor and the side services. Where two parts would
+lease pinger, the outcome writer, the run's parts (its contexts, the handler's call, its
+outcomes), the executor and the side services. Where two parts would
 need each other, they meet at a ``wiring.Signal`` or ``Gauge`` made first.
 """
 
@@ -36,11 +37,13 @@ from mtask.worker.events import Emitter
 from mtask.worker.flow_sweep import FlowSweep
 from mtask.worker.inflight import InFlight
 from mtask.worker.presence import Assignment, Lifecycle, Presence
+from mtask.worker.running.call import HandlerCalls
+from mtask.worker.running.context import RunContexts
 from mtask.worker.running.executor import Executor
 from mtask.worker.running.lease import LeasePinger, LoopTicker
 from mtask.worker.running.outcomes import RunOutcomes
 from mtask.worker.running.output_writer import OutputWriter
-from mtask.worker.running.pool.child import Bounds
+from mtask.worker.running.pool.pipe import Bounds
 from mtask.worker.running.pool.pool import ProcessPool
 from mtask.worker.running.recorder import OutcomeRecorder
 from mtask.worker.running.step_stores import RunStepStores
@@ -211,29 +214,36 @@ def build(
     ahead, slots = claim_ahead.build(
         config.concurrency, config.prefetch, limited=lambda: bool(gate.limited)
     )
-    outcomes = RunOutcomes(
-        stats,
-        emit,
-        config.max_result_bytes,
-        publisher.max_params_bytes,
+    outcomes = RunOutcomes(stats, emit, config.max_result_bytes, publisher.max_params_bytes)
+    contexts = RunContexts(
+        registry=registry,
+        worker_id=worker_id,
+        publisher=publisher.publish,
+        inflight=inflight,
+        outputs=outputs,
+        journals=RunStepStores(adriver, clock, transactions),
+        leases=pinger,
+    )
+    handler_calls = HandlerCalls(
+        outcomes,
         transactions=transactions,
         leases=pinger,
         outputs=outputs,
-        journals=RunStepStores(adriver, clock, transactions),
         pool=process_pool,
         isolation=config.pool,
         slots=slots,
     )
     executor = Executor(
         registry=registry,
-        worker_id=worker_id,
-        publisher=publisher.publish,
         inflight=inflight,
         queue=queue,
         pinger=pinger,
         recorder=recorder,
+        contexts=contexts,
+        calls=handler_calls,
         outcomes=outcomes,
         ahead=ahead,
+        stats=stats,
         wake=wake,
         emit=emit,
         lost=lost,

@@ -2,7 +2,8 @@
 sign in, filter failed tasks, search by error text, bulk-retry them, open a task's timeline,
 stop a worker, sign out — with JavaScript on and off; a 390 px phone viewport without
 horizontal scroll; dark mode. ``MTASK_SCREENSHOTS=dir`` keeps screenshots of the overview, the
-task list, a task page and the workers page at desktop and phone sizes (docs/ holds them)."""
+task list, a task page and the workers page at desktop and phone sizes (docs/screens/ holds
+them)."""
 
 from __future__ import annotations
 

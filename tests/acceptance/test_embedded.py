@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from pymongo import MongoClient
 
+from mtask import TaskClient
 from mtask.cli import main as cli_main
-from mtask.embedded import EmbeddedMongo, find_mongod, free_port
+from mtask.embedded import EmbeddedMongo, find_mongod, free_port, remember
 from mtask.errors import ConfigError, EmbeddedUnavailable, MtaskError
 
 
@@ -121,3 +122,77 @@ def test_a_busy_port_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert cli_main(args) == 2
         assert f"port {port} is in use" in capsys.readouterr().err
     assert not EmbeddedMongo(tmp_path).status().running
+
+
+def test_a_remembered_data_dir_is_the_default_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``$MTASK_DATA_DIR``, else what ``remember`` left in ``./.mtask/data-dir``, else
+    ``./.mtask/mongodb``; remembering the default itself removes the file."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MTASK_DATA_DIR", raising=False)
+    assert EmbeddedMongo().data_dir == tmp_path / ".mtask" / "mongodb"
+    assert remember(tmp_path / "x") == Path(".mtask") / "data-dir"
+    assert EmbeddedMongo().data_dir == tmp_path / "x"
+    monkeypatch.setenv("MTASK_DATA_DIR", str(tmp_path / "y"))
+    assert EmbeddedMongo().data_dir == tmp_path / "y"
+    monkeypatch.delenv("MTASK_DATA_DIR")
+    assert remember(Path(".mtask/mongodb")) is None
+    assert not (tmp_path / ".mtask" / "data-dir").exists()
+    assert EmbeddedMongo().data_dir == tmp_path / ".mtask" / "mongodb"
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("mongod_available")
+def test_the_server_a_data_dir_started_is_the_one_later_commands_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``mtask mongod start --data-dir X`` then ``mtask stats`` started a second, empty server
+    in ``./.mtask`` without a word, and ``mtask mongod status`` said "not running" while X's
+    ran (issue 65). Now ``start`` remembers X for the commands run from this directory, and a
+    command that has to start the server says so on stderr."""
+    monkeypatch.delenv("MTASK_MONGODB_URI", raising=False)
+    monkeypatch.delenv("MTASK_DATA_DIR", raising=False)
+    project, data = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    assert cli_main(["mongod", "start", "--data-dir", str(data)]) == 0
+    started = capsys.readouterr()
+    try:
+        assert f"runs in {data}; remembered in .mtask/data-dir" in started.err
+        with TaskClient(started.out.strip()) as tasks:
+            tasks.publish("n", "k")
+        assert cli_main(["stats", "--json"]) == 0
+        shown = capsys.readouterr()
+        assert (json.loads(shown.out), shown.err) == ({"n": {"pending": 1}}, "")
+        assert cli_main(["mongod", "status"]) == 0
+        assert f"running: pid {EmbeddedMongo(data).status().pid}" in capsys.readouterr().out
+        assert cli_main(["mongod", "stop"]) == 0
+        assert capsys.readouterr().out == "stopped\n"
+        assert cli_main(["mongod", "status"]) == 3
+        assert capsys.readouterr().out == f"not running (data in {data})\n"
+        assert cli_main(["get", "k", "--json"]) == 0  # starts it again, and says so
+        again = capsys.readouterr()
+        assert json.loads(again.out)["status"] == "pending"
+        assert again.err.startswith(f"mtask: started the embedded MongoDB in {data} (mongodb://")
+        assert again.err.rstrip().endswith("`mtask mongod stop` stops it")
+        assert not (project / ".mtask" / "mongodb").exists()  # no second server
+    finally:
+        EmbeddedMongo(data).stop()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("mongod_available")
+def test_of_two_starting_at_once_one_started_it(tmp_path: Path) -> None:
+    """A worker and a command started together (the quickstart's ``mtask-worker &`` and
+    ``mtask publish``) both said "started the embedded MongoDB": each had seen it not running
+    before taking the lock. ``launch`` decides under the lock."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: EmbeddedMongo(tmp_path).launch(), range(2)))
+    try:
+        assert sorted(started for _, started in results) == [False, True]
+        assert results[0][0] == results[1][0]
+    finally:
+        EmbeddedMongo(tmp_path).stop()

@@ -133,3 +133,47 @@ async def charge(params: dict[str, Any], ctx: TaskContext) -> str:
     hold = params.get("hold_ms_by_worker", {}).get(ctx.worker_id, params.get("hold_ms", 0))
     await asyncio.sleep(hold / 1000)
     return "charged"
+
+
+async def armed(what: str = "armed") -> None:
+    """Wait until the test writes the document ``what`` into ``armed`` (``armed``: the server
+    holds this worker's writes; ``released``: the held writes have run)."""
+    side = _collection().database["armed"]
+    for _ in range(1200):
+        if await side.find_one({"_id": what}) is not None:
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"never {what}")
+
+
+async def effect(ctx: TaskContext, what: str) -> str:
+    """A step's side effect, counted in ``effects`` (one entry per call, by run)."""
+    effects = _collection().database["effects"]
+    await effects.insert_one({"key": ctx.key, "what": what, "run_id": ctx.run_id})
+    return f"{what} by {ctx.worker_id}"
+
+
+@registry.task("zombie_steps")
+async def zombie_steps(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    """A step, then (once ``armed``) a log line and a second step; returns who ran it. The
+    rescuer goes on only once the zombie's held writes have run (while its own run is
+    RUNNING: the fence, not the task's end, must refuse them)."""
+    first = await ctx.step("first", effect, ctx, "first")
+    await log(ctx, "start")
+    await armed()
+    if ctx.worker_id == "rescuer":
+        await armed("released")
+    ctx.log.info("line", worker=ctx.worker_id)
+    second = await ctx.step("second", effect, ctx, "second")
+    return {"first": first, "second": second, "by": ctx.worker_id}
+
+
+@registry.task("zombie_outcome")
+async def zombie_outcome(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    """Returns (once ``armed``) who ran it: its outcome is the write the server holds. The
+    rescuer returns only once the zombie's held writes have run."""
+    await log(ctx, "start")
+    await armed()
+    if ctx.worker_id == "rescuer":
+        await armed("released")
+    return {"by": ctx.worker_id}

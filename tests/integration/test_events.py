@@ -349,7 +349,7 @@ async def test_mtask_wait_exit_codes(
         return code, captured.out, captured.err
 
     code, _, err = cli("wait", "missing", "--timeout", "5")
-    assert code == 2 and "missing" in err
+    assert code == 1 and "missing" in err  # not found: 1, as every command (issue 65; was 2)
     client.publish("add", "w1", {"a": 1, "b": 2})
     code, _, err = cli("wait", "w1", "--timeout", "0.3")
     assert code == 124 and "did not finish" in err

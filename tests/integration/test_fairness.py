@@ -3,6 +3,7 @@ replica set, asserted from the task documents' run arrays."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from typing import Any
 
@@ -36,12 +37,29 @@ def publish(client: TaskClient, prefix: str, n: int, group: str | None) -> None:
 
 
 async def b_behind_a(
-    mongo_uri: str, db: Any, client: TaskClient, a: int, grouped: bool
+    mongo_uri: str,
+    db: Any,
+    client: TaskClient,
+    a: int,
+    grouped: bool,
+    stream: str = "shared",
+    workers: int = 1,
 ) -> tuple[int, int]:
-    """``a`` tasks of A, then 40 of B once A is under way: how many of A finished between
-    B's publish and B's last success, and how many of A were left unfinished at B's publish."""
+    """``a`` tasks of A, then 40 of B once A is under way (``workers`` at concurrency 4 in
+    all, finding work with ``stream``): how many of A finished between B's publish and B's
+    last success, and how many of A were left unfinished at B's publish."""
     publish(client, "a/", a, "A" if grouped else None)
-    async with running_worker(workerapp.registry, mongo_uri, db.name, concurrency=4):
+    async with contextlib.AsyncExitStack() as stack:
+        for _ in range(workers):
+            await stack.enter_async_context(
+                running_worker(
+                    workerapp.registry,
+                    mongo_uri,
+                    db.name,
+                    concurrency=4 // workers,
+                    stream=stream,
+                )
+            )
         await wait_for(lambda: len(finished(db, "a/")) >= 40)
         before = len(finished(db, "a/"))
         publish(client, "b/", 40, "B" if grouped else None)
@@ -52,12 +70,22 @@ async def b_behind_a(
     return len(a_meanwhile), a - before
 
 
+@pytest.mark.parametrize(("stream", "workers"), [("shared", 1), ("own", 1), ("own", 2)])
 async def test_a_groups_backlog_does_not_starve_another_group(
-    mongo_uri: str, mongo: MongoClient[Any], db_name: str, client: TaskClient
+    mongo_uri: str,
+    mongo: MongoClient[Any],
+    db_name: str,
+    client: TaskClient,
+    stream: str,
+    workers: int,
 ) -> None:
-    """2,000 tasks of group A, then 40 of group B, one worker at concurrency 4, handlers of
-    10 ms: all of B's tasks finish before A has finished 120 more."""
-    meanwhile, _ = await b_behind_a(mongo_uri, mongo[db_name], client, 2000, grouped=True)
+    """2,000 tasks of group A, then 40 of group B, concurrency 4 in all, handlers of 10 ms:
+    all of B's tasks finish before A has finished 120 more — with the relay's queue, with a
+    worker's own stream, and with two workers each finding its own work (issue 66)."""
+    db = mongo[db_name]
+    meanwhile, _ = await b_behind_a(
+        mongo_uri, db, client, 2000, grouped=True, stream=stream, workers=workers
+    )
     assert meanwhile < 120
 
 

@@ -321,3 +321,38 @@ async def test_an_odd_document_in_a_sequence_never_stops_the_worker(
     async with running_worker(workerapp.registry, mongo_uri, db_name, concurrency=2):
         await wait_for(lambda: db.tasks.find_one({"_id": "k1"})["status"] == "succeeded")
         await wait_for(lambda: db.tasks.find_one({"_id": doc["_id"]})["status"] == "invalid")
+
+
+def test_a_task_moved_to_another_group_leaves_its_old_groups_lock(
+    client: TaskClient, mongo: MongoClient[Any], db_name: str
+) -> None:
+    """``publish(on_conflict="update_params")`` moving a sequence's lock holder (retrying, so
+    still pending) into a group whose lock is held works: the task waits in its new group
+    behind that holder, and its old group's next task may take the lock (it was a
+    ``StorageError`` the callers took for transient)."""
+    driver = SyncDriver(collections(mongo[db_name]))
+    client.publish_many(
+        [{"name": "n", "key": f"g{i}", "options": {"group": "g"}} for i in range(2)]
+        + [{"name": "n", "key": "h0", "options": {"group": "h"}}]
+    )
+
+    def claim(key: str, group: str) -> tuple[list[dict[str, Any]], set[str]]:
+        docs, busy, broken = driver.run(
+            store.claim_locked({key: ("n", group)}, ["n"], "w", client.now())
+        )
+        assert broken == {}
+        return docs, busy
+
+    [g0], _ = claim("g0", "g")
+    assert claim("h0", "h")[0]  # h0 holds h's lock, running
+    failed = Outcome(key="g0", run_id=g0["claim_run_id"], state=RunState.FAIL, retry_delay_ms=0)
+    assert driver.run(store.finish_many([failed], client.now())) == 1  # retrying: still holds g
+    assert claim("g1", "g") == ([], {"g1"})
+    moved = client.publish("n", "g0", {"v": 2}, options={"group": "h"}, on_conflict="update_params")
+    assert moved.updated and moved.task.options.group == "h"
+    doc = mongo[db_name].tasks.find_one({"_id": "g0"})
+    assert doc["status"] == "pending" and "group_lock" not in doc
+    assert claim("g0", "h") == ([], {"g0"})  # behind h0 in its new group
+    assert [d["_id"] for d in claim("g1", "g")[0]] == ["g1"]  # g's lock was given up
+    kept = client.publish("n", "g1", {"v": 3}, options={"group": "g"}, on_conflict="update_params")
+    assert not kept.updated  # running: update_params leaves a running task as it is

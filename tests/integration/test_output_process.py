@@ -20,7 +20,8 @@ from test_pool import INFO, dead, gone, until
 from mtask import Fail, TaskClient
 from mtask.output import Batch
 from mtask.worker.running.pool.child import _ChildOutput, _Run
-from mtask.worker.running.pool.pool import ChildDied, ProcessPool, TimeLimitExceeded
+from mtask.worker.running.pool.errors import ChildDied, TimeLimitExceeded
+from mtask.worker.running.pool.pool import ProcessPool
 
 # -- through a worker, into MongoDB --------------------------------------------------------------
 

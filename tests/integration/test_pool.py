@@ -19,14 +19,14 @@ import pytest
 
 from mtask import Fail, Retry, Worker
 from mtask.errors import ConfigError
-from mtask.worker.running.pool.child import RunInfo
-from mtask.worker.running.pool.pool import (
+from mtask.worker.running.pool.errors import (
     ChildDied,
     HandlerError,
     MemoryLimitExceeded,
-    ProcessPool,
     TimeLimitExceeded,
 )
+from mtask.worker.running.pool.pipe import RunInfo
+from mtask.worker.running.pool.pool import ProcessPool
 
 INFO = RunInfo("k", "n", 1, "run-1", "w-1")
 
@@ -278,7 +278,7 @@ def test_no_child_outlives_a_killed_parent(tmp_path: Path) -> None:
             sys.path.insert(0, sys.argv[1])
             import poolhandlers
             from mtask.worker.running.pool.pool import ProcessPool
-            from mtask.worker.running.pool.child import RunInfo
+            from mtask.worker.running.pool.pipe import RunInfo
 
             async def main():
                 pool = ProcessPool()

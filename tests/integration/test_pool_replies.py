@@ -16,8 +16,9 @@ from harness import running_worker
 from test_pool import INFO, gone, until
 
 from mtask import Fail, TaskClient
-from mtask.worker.running.pool.child import Bounds
-from mtask.worker.running.pool.pool import ProcessPool, ReplyRefused
+from mtask.worker.running.pool.errors import ReplyRefused
+from mtask.worker.running.pool.pipe import Bounds
+from mtask.worker.running.pool.pool import ProcessPool
 
 NO_RETRY = {"max_retries": 0}
 

@@ -23,6 +23,7 @@ from mtask.events import TaskEvent
 from mtask.events import events as events_of
 from mtask.registry import Registry, TaskContext
 from mtask.steps import SignalTimeout
+from mtask.store import steps as store_steps
 
 registry = Registry()
 CALLS: Counter[str] = Counter()
@@ -237,6 +238,27 @@ async def test_a_failed_run_after_a_wake_is_not_woken_again_by_a_signal(
         again = await aclient.get("g1")
     assert again is not None and again.next_claim_at == failed.next_claim_at
     assert [r.state.value for r in again.runs] == ["WAITING", "FAIL"]
+
+
+async def test_a_full_list_of_signals_never_strands_a_wait(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    """1,000 signals no wait takes fill a task's list; the signal its wait needs still lands
+    (one more, never two) and wakes it; a task that waits for no more of a name is refused."""
+    cap = store_steps.MAX_SIGNALS
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("approval", "full", {})
+        await events.wait("recorded", key="full", state="WAITING")
+        for i in range(cap):
+            assert await aclient.signal("full", f"noise-{i % 7}", i) is False
+        with pytest.raises(InvalidTransition, match="signals already"):
+            await aclient.signal("full", "noise-0", "one too many")
+        assert await aclient.signal("full", "approved", {"by": "ann"}) is True
+        with pytest.raises(InvalidTransition, match="signals already"):
+            await aclient.signal("full", "approved", "a second is not waited for")
+        task = await _finished(aclient, "full")
+    assert task.result == {"decision": {"by": "ann"}}
+    assert len(task.signals) == cap + 1
 
 
 async def test_signal_refuses_bad_input_and_finished_tasks(aclient: AsyncTaskClient) -> None:

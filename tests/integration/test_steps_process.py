@@ -22,7 +22,8 @@ from test_pool import INFO, gone, until
 from mtask import AsyncTaskClient, TaskContext
 from mtask.steps import StepError, Suspended
 from mtask.worker.running.pool.child_steps import ParentSteps
-from mtask.worker.running.pool.pool import ProcessPool, TimeLimitExceeded
+from mtask.worker.running.pool.errors import TimeLimitExceeded
+from mtask.worker.running.pool.pool import ProcessPool
 
 
 async def _finished(aclient: AsyncTaskClient, key: str, timeout: float = 30) -> Any:

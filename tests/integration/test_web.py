@@ -44,6 +44,8 @@ def test_every_route_but_healthz_needs_the_token(api: TestClient) -> None:
         ("get", "/metrics"),
         ("post", "/names/n/pause"),
         ("get", "/schedules"),
+        ("post", "/tasks/x:reset"),
+        ("get", "/limits"),
     ]:
         response = api.request(method, path)
         assert response.status_code == 401, path

@@ -151,7 +151,12 @@ def test_cookie_requests_need_our_origin_and_the_csrf_token(
         {"Origin": server.origin, "X_CSRF_Token": "0" * 64},
         {},  # neither Origin nor Referer
     ]:
-        for path in ["/tasks/victim:cancel", "/names/n/pause", "/tasks:cancel"]:
+        for path in [
+            "/tasks/victim:cancel",
+            "/names/n/pause",
+            "/tasks:cancel",
+            "/tasks/victim:reset",
+        ]:
             status, _, _ = server.request(
                 "POST", path, b"{}", Cookie=cookie, Content_Type="application/json", **headers
             )

@@ -151,7 +151,7 @@ def test_a_run_whose_output_cannot_be_finished_still_records_its_outcome(
 
     async def main() -> None:
         worker = parts(registry)
-        monkeypatch.setattr(worker.executor.outcomes.outputs, "finish", broken)
+        monkeypatch.setattr(worker.outputs, "finish", broken)
         worker.executor.start(claimed("k", "talk"), time.monotonic())
         await asyncio.wait([run.task for run in worker.inflight.runs.values() if run.task])
         [outcome] = worker.recorder.pending

@@ -97,4 +97,4 @@ def test_choices_read_on_first_use_are_still_checked_and_shown(
     assert "invalid choice: 'done'" in said and all(s.value in said for s in TaskStatus)
     with pytest.raises(SystemExit):
         parser.parse_args(["publish", "--help"])
-    assert ", ".join(ON_CONFLICT_CHOICES) in " ".join(capsys.readouterr().out.split())
+    assert "{" + ",".join(ON_CONFLICT_CHOICES) + "}" in capsys.readouterr().out

@@ -15,7 +15,7 @@ from scripted import ScriptedDriver, Step
 
 from mtask import flows, store
 from mtask.driver import Call
-from mtask.errors import InvalidTask, StorageError
+from mtask.errors import InvalidTask, StorageError, TaskNotFound
 from mtask.models import NewTask
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
@@ -241,3 +241,14 @@ def test_resolve_of_unfinished_keys_changes_nothing() -> None:
     assert driver.run(flows.resolve(["open"], NOW)) == 0
     assert driver.done
     assert ScriptedDriver().run(flows.resolve([], NOW)) == 0  # no call at all
+
+
+def test_a_signal_to_no_task_names_the_key_once() -> None:
+    """The signal's ``TaskNotFound`` carries the key, so its message is "no task with key
+    'nope'": it was built from the message, and the CLI said ``no task with key "no task with
+    key 'nope'"`` (issue 65)."""
+    driver = ScriptedDriver(Step("find_one_and_update", None), Step("find_one", None))
+    with pytest.raises(TaskNotFound) as info:
+        driver.run(store.steps.signal("nope", "approved", {"by": "ann"}))
+    assert info.value.key == "nope" and str(info.value) == "no task with key 'nope'"
+    assert driver.done

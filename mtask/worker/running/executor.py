@@ -1,52 +1,40 @@
 """Running a claimed task: the run's lifecycle (``Executor``).
 
-``Executor.start`` turns a claimed document into a run in flight: a ``TaskContext``, a lease the
-pinger extends, a local deadline, and the handler's asyncio task. When the handler ends, the
-run leaves the in-flight ledger and its outcome (``mtask.worker.running.outcomes``) goes to the
-outcome writer. A run whose lease was lost (the pinger found another run owns the task, or its
-local deadline passed first) is stopped and records nothing; a cancelled task's run records
+``Executor.start`` turns a claimed document into a run in flight: its ``TaskContext``
+(``context.RunContexts``), a lease the pinger extends, a local deadline, and the handler's
+asyncio task. That task calls the handler (``call.HandlerCalls``: its outcome, by
+``outcomes.RunOutcomes``), ends the run's context (its last output written), and hands the
+outcome to the outcome writer (``recorder.OutcomeRecorder``) once the run has left the in-flight
+ledger. A run whose lease was lost (the pinger found another run owns the task, or its local
+deadline passed first) is stopped and records nothing; a cancelled task's run records
 CANCELLED; a run stopped by the worker's shutdown records RELEASED.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from mtask import limits, metrics
-from mtask.registry import Registry, TaskContext
-from mtask.steps import RunSteps, StepError
+from mtask.registry import Registry
 from mtask.store import Outcome
 from mtask.worker.claiming.ahead import ClaimAhead
 from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import ActiveRun, InFlight
+from mtask.worker.running.call import HandlerCalls
+from mtask.worker.running.context import RunContexts
 from mtask.worker.running.deadlines import Deadlines
 from mtask.worker.running.invoke import ASYNC_CANCEL_GRACE
 from mtask.worker.running.lease import LeasePinger
 from mtask.worker.running.outcomes import RunOutcomes
 from mtask.worker.running.recorder import OutcomeRecorder
+from mtask.worker.stats import WorkerStats
 from mtask.worker.wiring import Signal
 
 log = logging.getLogger(__name__)
-
-
-def _spilled(run: ActiveRun, doc: Mapping[str, Any]) -> bool:
-    """Whether the task holds step results stored aside (its outcome seals them)."""
-    journal = run.ctx.steps_made
-    if journal is not None:
-        return journal.spilled or any("spill" in e for e in journal.recorded)
-    steps = doc.get("steps")  # absent for a task that never used a step: nothing more to do
-    return (
-        bool(steps)
-        and isinstance(steps, list)
-        and any(isinstance(e, dict) and "spill" in e for e in steps)
-    )
 
 
 class Executor:
@@ -60,32 +48,36 @@ class Executor:
         self,
         *,
         registry: Registry,
-        worker_id: str,
-        publisher: Callable[..., Awaitable[Any]],
         inflight: InFlight,
         queue: ClaimQueue,
         pinger: LeasePinger,
         recorder: OutcomeRecorder,
+        contexts: RunContexts,
+        calls: HandlerCalls,
         outcomes: RunOutcomes,
         ahead: ClaimAhead,
+        stats: WorkerStats,
         wake: asyncio.Event,
         emit: Emitter,
         lost: Signal[[str, dict[str, Any] | None]],
         slot_lost: Signal[[str, str]],
     ) -> None:
         self.registry = registry
-        self.worker_id = worker_id
-        self.publisher = publisher
         self.inflight = inflight
         self.queue = queue
         self.pinger = pinger
         self.recorder = recorder
+        self.contexts = contexts
+        """Each run's ``TaskContext``, its output, journal and fence."""
+        self.calls = calls
+        """Each run's handler called, and the outcome of its return or exception."""
         self.outcomes = outcomes
+        """The outcome of a run stopped (``stopped``)."""
         self.ahead = ahead
         """Learns how long the handlers run (whether to claim ahead)."""
         lost.connect(self.lost)  # the pinger found a run's task another's
         slot_lost.connect(self.slot_lost)  # ... or its limit's slot another run's
-        self.stats = outcomes.stats
+        self.stats = stats
         self.wake = wake
         """The claimer's wake-up: set when a run ends (a slot is free)."""
         self.emit = emit
@@ -103,39 +95,21 @@ class Executor:
         before it read the time its leases end from; ``slots`` the limit slots the run holds
         (a name's, a group's, a sequence's lock), ``tokens`` those of them it was only granted
         a token of (``slots.Taken.holder``)."""
-        run_id = doc["claim_run_id"]
-        options = doc["options"]
-        loop = asyncio.get_running_loop()
-        ctx = TaskContext(
-            key=doc["_id"],
-            name=doc["name"],
-            attempt=doc["attempts"],
-            run_id=run_id,
-            worker_id=self.worker_id,
-            publisher=self.publisher,
-            output_for=functools.partial(
-                self.outcomes.outputs.output_for,
-                options=options,
-                held=self.registry[doc["name"]].transactional,
-                loop=loop,
-            ),
-            # a method and its arguments, not a closure over the run: the run holds this
-            # context, so a closure would make a cycle that only the garbage collector frees
-            steps_for=functools.partial(self._steps_for, doc=doc, loop=loop),
-        )
+        ctx = self.contexts.context(doc)
         run = ActiveRun(
-            key=doc["_id"],
-            name=doc["name"],
-            run_id=run_id,
+            key=ctx.key,
+            name=ctx.name,
+            run_id=ctx.run_id,
             ctx=ctx,
             slots=slots,
             has_dependents=doc.get("has_dependents") is True,
         )
         self.inflight.started(run)
         self.queue.discard(run.key)
+        options = doc["options"]
         self.pinger.add(
             run.key,
-            run_id,
+            run.run_id,
             options["ping_interval_ms"],
             options["worker_timeout_ms"],
             sent,
@@ -146,7 +120,7 @@ class Executor:
         self.deadlines.watch(run)
         metrics.by_name(metrics.CLAIMED, run.name).inc()
         metrics.IN_FLIGHT.inc()
-        self.emit(Event.CLAIMED, key=run.key, run_id=run_id, attempt=ctx.attempt)
+        self.emit(Event.CLAIMED, key=run.key, run_id=run.run_id, attempt=ctx.attempt)
 
     @property
     def unwritten(self) -> int:
@@ -157,40 +131,22 @@ class Executor:
         """``RunStarter``: a limit slot given back after the outcomes now pending."""
         self.recorder.release_slot(slot, run_id)
 
-    def _steps_for(
-        self, made: TaskContext, *, doc: dict[str, Any], loop: asyncio.AbstractEventLoop
-    ) -> RunSteps:
-        """``TaskContext.steps_for``: the run's journal, made when its handler first asks for a
-        step, a sleep or a wait (while it runs: the run is in flight)."""
-        run = self.inflight.get(made.run_id)
-        if run is None:
-            raise StepError(f"the run {made.run_id[:8]} of {made.key!r} has ended: no more steps")
-        return self.outcomes.journals.steps_for(
-            made,
-            doc=doc,
-            transactional=self.registry[run.name].transactional,
-            fence=lambda: self.outcomes.fence(run, doc),
-            loop=loop,
-        )
-
     async def execute(self, run: ActiveRun, doc: dict[str, Any]) -> None:
         run.begun = True
         outcome: Outcome | None
         try:
             if run.stop_reason is not None:  # stopped before its task took a step
                 raise asyncio.CancelledError
-            outcome = await self.outcomes.call(run, self.registry[run.name], doc)
+            outcome = await self.calls.call(run, self.registry[run.name], doc)
             if run.stop_reason == "lost" and not (outcome is not None and outcome.committed):
                 outcome = None  # its handler ignored its stop: its lease is gone (a SUCCESS
                 # its transaction committed, fenced by the lease, still has what follows it)
-            outcome = await self.output_done(run, outcome)
-            if outcome is not None and _spilled(run, doc):
-                outcome = dataclasses.replace(outcome, has_spills=True)
+            outcome = await self.contexts.ended(run, doc, outcome)
         except asyncio.CancelledError:
             outcome = self.outcomes.stopped(run)
             if outcome is None and run.stop_reason is None:
                 raise
-            outcome = await self.output_done(run, outcome)
+            outcome = await self.contexts.output_done(run, outcome)
         finally:
             metrics.IN_FLIGHT.dec()
             ended = time.monotonic()
@@ -204,21 +160,6 @@ class Executor:
             self.wake.set()
         if outcome is not None:
             self.recorder.add(outcome)
-
-    async def output_done(self, run: ActiveRun, outcome: Outcome | None) -> Outcome | None:
-        """Before the outcome is recorded: write what the run said last (nothing if it lost
-        its task); an outcome of a run that stored lines or chunks seals them once recorded."""
-        output = run.ctx.output_made
-        if output is None:
-            return outcome  # it said nothing: no cost
-        try:
-            stored = await self.outcomes.outputs.finish(output, write=outcome is not None)
-        except Exception:  # the output is lost, never the run's outcome
-            log.exception("the output of %s run %s could not be finished", run.key, run.run_id[:8])
-            stored = True  # some may be stored: the outcome seals them (sealing none is cheap)
-        if outcome is not None and stored:
-            return dataclasses.replace(outcome, has_output=True)
-        return outcome
 
     def _lease_ran_out(self, run: ActiveRun) -> None:
         """``Deadlines``: the run's lease ran out by this process's clock before a ping could

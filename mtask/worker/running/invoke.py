@@ -26,9 +26,10 @@ from mtask import metrics
 from mtask.registry import Handler, TaskContext
 from mtask.steps import Suspended
 from mtask.worker.running.failures import short_traceback
-from mtask.worker.running.pool.child import RunInfo
 from mtask.worker.running.pool.child_steps import ParentSteps
-from mtask.worker.running.pool.pool import HandlerError, LeaseWatch, ProcessPool, TimeLimitExceeded
+from mtask.worker.running.pool.errors import HandlerError, TimeLimitExceeded
+from mtask.worker.running.pool.pipe import RunInfo
+from mtask.worker.running.pool.pool import LeaseWatch, ProcessPool
 
 ASYNC_CANCEL_GRACE = 5.0
 """How long a cancelled async handler may take to unwind: past its time limit, before its run

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from pymongo.errors import DocumentTooLarge
@@ -27,6 +28,21 @@ from mtask.worker.inflight import InFlight
 from mtask.worker.running.protocols import SlotReturns
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Written:
+    """What a write of outcomes did: how many it recorded, and the outcomes the server refused
+    for their documents (``instead``), by run id: the FAIL recorded in their place, or None
+    (nothing of theirs written)."""
+
+    recorded: int = 0
+    instead: dict[str, Outcome | None] = field(default_factory=dict)
+
+    def add(self, other: Written) -> None:
+        """``other`` (a write after this one) counted in this one."""
+        self.recorded += other.recorded
+        self.instead.update(other.instead)
 
 
 class OutcomeRecorder:
@@ -62,9 +78,6 @@ class OutcomeRecorder:
         self.writing = 0  # outcomes in a write on its way
         self.all_written = asyncio.Event()
         self.all_written.set()
-        self.instead: dict[str, Outcome | None] = {}
-        """The outcomes of the write on its way that the server refused for their documents,
-        by run id: the FAIL recorded in their place, or None (nothing of theirs written)."""
 
     @property
     def unwritten(self) -> int:
@@ -88,28 +101,30 @@ class OutcomeRecorder:
             released = self.gate.take_releases()  # given back with these outcomes or before
             self.ready.clear()
             self.writing += len(batch)
-            recorded = await self.record(batch) if batch else 0
+            done = await self.record(batch) if batch else Written()
             if released:  # after the outcomes: a sequence's lock is given up by its outcome
                 await self.gate.flush(released)
             if batch:
-                written = self.written(batch)
+                written = self.written(batch, done)
                 await self.follow_up(written)
                 self.writing -= len(batch)
                 if not self.pending and not self.writing:
                     self.all_written.set()
-                self.recorded(batch, written, recorded)
+                self.recorded(batch, written, done)
 
-    def written(self, batch: list[Outcome]) -> list[Outcome]:
+    @staticmethod
+    def written(batch: list[Outcome], done: Written) -> list[Outcome]:
         """The outcomes a write wrote (or tried to: some may be fenced out), the refused ones
         replaced by the FAIL written in their place or left out."""
-        if not self.instead:  # the normal case: all of them
+        if not done.instead:  # the normal case: all of them
             return batch
-        instead = self.instead
+        instead = done.instead
         return [o for o in (instead.get(o.run_id, o) for o in batch) if o is not None]
 
-    def recorded(self, outcomes: list[Outcome], written: list[Outcome], recorded: int) -> None:
+    def recorded(self, outcomes: list[Outcome], written: list[Outcome], done: Written) -> None:
         """After a write: tell the sink which successes its stream will skip, report each
         outcome written and each refused one, and wake the claimer."""
+        recorded = done.recorded
         if recorded < len(written):
             log.info(
                 "%d of %d outcome(s) were fenced out (their runs lost the task)",
@@ -128,41 +143,50 @@ class OutcomeRecorder:
             self.emit(
                 Event.RECORDED, key=outcome.key, run_id=outcome.run_id, state=outcome.state.value
             )
-        if self.instead:
+        if done.instead:
             for outcome in outcomes:
-                if outcome.run_id in self.instead and self.instead[outcome.run_id] is None:
+                if outcome.run_id in done.instead and done.instead[outcome.run_id] is None:
                     self.emit(
                         Event.NOT_RECORDED,
                         key=outcome.key,
                         run_id=outcome.run_id,
                         state=outcome.state.value,
                     )
-            self.instead = {}
         self.wake.set()  # their slots are free now
         self.inflight.on_free()  # and the backpressure may have eased
 
-    async def record(self, batch: list[Outcome]) -> int:
+    async def record(self, batch: list[Outcome]) -> Written:
         """Write the outcomes not yet written (a transactional SUCCESS is committed already and
-        counts as recorded); returns how many are recorded."""
+        counts as recorded); returns how many are recorded, and those refused."""
         committed = sum(1 for o in batch if o.committed)
         rest = [o for o in batch if not o.committed]
-        return committed + (await self._write(rest) if rest else 0)
+        written = await self._write(rest) if rest else Written()
+        written.recorded += committed
+        return written
 
-    async def _write(self, batch: list[Outcome]) -> int:
+    async def _write(self, batch: list[Outcome]) -> Written:
         """Write outcomes, retrying transient errors until they land (the fence makes a repeat
         harmless). A batch refused for another reason, or whose update cannot even be built
         (a value no date can hold: a bug, since outcomes are checked when made), is written one
-        by one. An outcome its document cannot take (too large for it, or for a command)
-        becomes its run's permanent FAIL (``_refused``); one refused otherwise, or that cannot
-        be built, is logged and dropped: its run's lease then runs out and the task is
-        retried, so nothing is lost and the writer goes on."""
+        by one (``_write_one``)."""
+        recorded = await self._write_all(batch)
+        if recorded is not None:
+            return Written(recorded)
+        written = Written()
+        for outcome in batch:
+            written.add(await self._write_one(outcome))
+        return written
+
+    async def _write_all(self, batch: list[Outcome]) -> int | None:
+        """Write the batch in one go, retrying transient errors until it lands; returns how
+        many are recorded, or None if it is refused for another reason."""
         backoff = 0.2
         while True:
             try:
                 return await self.driver.run(store.finish_many(batch, self.clock.now()))
             except StorageError as exc:
                 if not exc.transient:
-                    break
+                    return None
                 log.warning(
                     "cannot record %d outcome(s) yet, retrying: %s",
                     len(batch),
@@ -172,32 +196,34 @@ class OutcomeRecorder:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5)
             except Exception:  # noqa: BLE001 - an update that cannot be built: found one by one
-                break
-        recorded = 0
-        for outcome in batch:
-            try:
-                recorded += await self.driver.run(store.finish_many([outcome], self.clock.now()))
-            except StorageError as exc:
-                if exc.transient:
-                    recorded += await self._write([outcome])
-                elif exc.document:
-                    recorded += await self._refused(outcome, str(exc))
-                else:
-                    await self._drop_refused(outcome, str(exc))
-                    self.instead[outcome.run_id] = None
-            except DocumentTooLarge as exc:  # its update is past what a command may carry
-                recorded += await self._refused(outcome, str(exc))
-            except Exception as exc:  # one outcome never stops the writer (logged, traceback too)
-                log.exception("cannot build the update that records %s", outcome.key)
-                await self._drop_refused(outcome, repr(exc))
-                self.instead[outcome.run_id] = None
-        return recorded
+                return None
 
-    async def _refused(self, outcome: Outcome, reason: str) -> int:
+    async def _write_one(self, outcome: Outcome) -> Written:
+        """One outcome of a refused batch. One its document cannot take (too large for it, or
+        for a command) becomes its run's permanent FAIL (``_refused``); one refused otherwise,
+        or that cannot be built, is logged and dropped: its run's lease then runs out and the
+        task is retried, so nothing is lost and the writer goes on."""
+        try:
+            return Written(await self.driver.run(store.finish_many([outcome], self.clock.now())))
+        except StorageError as exc:
+            if exc.transient:
+                return await self._write([outcome])
+            if exc.document:
+                return await self._refused(outcome, str(exc))
+            await self._drop_refused(outcome, str(exc))
+        except DocumentTooLarge as exc:  # its update is past what a command may carry
+            return await self._refused(outcome, str(exc))
+        except Exception as exc:  # one outcome never stops the writer (logged, traceback too)
+            log.exception("cannot build the update that records %s", outcome.key)
+            await self._drop_refused(outcome, repr(exc))
+        return Written(0, {outcome.run_id: None})
+
+    async def _refused(self, outcome: Outcome, reason: str) -> Written:
         """The server will never store this outcome on its document: record the run's
         permanent FAIL, naming why, in its place (fenced like every outcome), so the task is
         not run again at each lease's end. If even that is refused, mark the task invalid,
-        else log it and drop it. Returns how many outcomes were recorded (0 or 1)."""
+        else log it and drop it. Returns how many outcomes were recorded (0 or 1), and what
+        stands in the outcome's place."""
         what = "result" if outcome.state is RunState.SUCCESS else f"{outcome.state.value} outcome"
         failed = Outcome(
             outcome.key,
@@ -221,28 +247,25 @@ class OutcomeRecorder:
             recorded = await self.driver.run(store.finish_many([failed], self.clock.now()))
         except StorageError as exc:
             if exc.transient:  # a FAIL lands once the server is back (or is refused in turn)
-                recorded = await self._write([failed])
-                self.instead.setdefault(outcome.run_id, failed)
-                return recorded
+                written = await self._write([failed])
+                written.instead.setdefault(outcome.run_id, failed)
+                return written
             elif exc.document:
                 return await self._mark_invalid(outcome, failed, str(exc))
             else:
-                self.instead[outcome.run_id] = None
                 await self._drop_refused(failed, str(exc))
-                return 0
-        self.instead[outcome.run_id] = failed
-        return recorded
+                return Written(0, {outcome.run_id: None})
+        return Written(recorded, {outcome.run_id: failed})
 
-    async def _mark_invalid(self, outcome: Outcome, failed: Outcome, refused: str) -> int:
+    async def _mark_invalid(self, outcome: Outcome, failed: Outcome, refused: str) -> Written:
         """Neither the outcome nor its FAIL fit the document: mark the task invalid (fenced by
         the run), so it is not run again; if even that is refused, log it and drop it."""
         reason = failed.error or ""
-        self.instead[outcome.run_id] = None
         try:
             marked = await self.driver.run(store.mark_invalid(outcome, self.clock.now(), reason))
         except StorageError as exc:
             await self._drop_refused(outcome, f"{reason}; its FAIL too: {refused}; {exc}")
-            return 0
+            marked = False
         if marked:
             log.error(
                 "marked task %r invalid: %s (its FAIL could not be stored either: %s)",
@@ -251,7 +274,7 @@ class OutcomeRecorder:
                 refused,
                 extra={"key": outcome.key},
             )
-        return 0
+        return Written(0, {outcome.run_id: None})
 
     async def _drop_refused(self, outcome: Outcome, reason: str) -> None:
         """MongoDB will not store this outcome. Its run keeps its lease until that runs out and

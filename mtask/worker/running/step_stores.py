@@ -1,10 +1,11 @@
 """The worker's side of durable steps (docs/steps.md): each run's ``StepStore`` on MongoDB.
 
-``RunStepStores`` is the collaborator the executor is built with; ``steps_for`` makes a run's
-``RunSteps`` (``mtask.steps``) the first time its handler asks for a step, sleeps or waits, so
-a handler that does none of these costs nothing. Every write goes through ``store.steps``,
-fenced by the run; a transactional step's function and its record commit in one transaction
-(``worker.transactional.transact``, with the run's ``RunFence``).
+``RunStepStores`` is the ``RunJournals`` the runs' contexts are built with
+(``context.RunContexts``); ``steps_for`` makes a run's ``RunSteps`` (``mtask.steps``) the first
+time its handler asks for a step, sleeps or waits, so a handler that does none of these costs
+nothing. Every write goes through ``store.steps``, fenced by the run; a transactional step's
+function and its record commit in one transaction (``running.transactional.transact``, with
+the run's ``RunFence``).
 """
 
 from __future__ import annotations

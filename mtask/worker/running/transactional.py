@@ -158,18 +158,7 @@ async def transact(
         committed = False
         try:
             if fence is not None:
-                await _kill(driver, fence.stale_sessions)
-                fence.pause()
-                sent = loop.time()  # the monotonic clock, as the pinger's
-                lsid = session.session_id["id"]
-                begun = begin_run_transaction(fence.key, fence.run_id, fence.worker_id, now(), lsid)
-                if await driver.run(begun) is None:
-                    raise LeaseLost()
-                expires = fence.held(sent)
-                if expires is not None:
-                    end = expires - min(LEASE_MARGIN_S, (expires - sent) / 10)
-                    if end < deadline:
-                        deadline, limit = end, f"{end - sent:.3g} s (its lease, worker_timeout_ms)"
+                deadline, limit = await _begin(driver, fence, session, now, (deadline, limit))
             async with asyncio.timeout_at(deadline):
                 done = await session.with_transaction(
                     body,
@@ -193,6 +182,33 @@ async def transact(
 
 
 log = logging.getLogger(__name__)
+
+
+async def _begin(
+    driver: AsyncDriver,
+    fence: RunFence,
+    session: AsyncClientSession,
+    now: Callable[[], dt.datetime],
+    bound: tuple[float, str],
+) -> tuple[float, str]:
+    """Before a fenced run's transaction: kill the earlier runs' sessions, pause the run's
+    pings, and extend its lease with this session's id on its run entry. Returns ``bound``
+    (when the transaction must end, by the loop's clock, and how that is said), brought
+    before the lease's end if that comes first."""
+    await _kill(driver, fence.stale_sessions)
+    fence.pause()
+    sent = asyncio.get_running_loop().time()  # the monotonic clock, as the pinger's
+    lsid = session.session_id["id"]
+    begun = begin_run_transaction(fence.key, fence.run_id, fence.worker_id, now(), lsid)
+    if await driver.run(begun) is None:
+        raise LeaseLost()
+    expires = fence.held(sent)
+    if expires is None:
+        return bound
+    end = expires - min(LEASE_MARGIN_S, (expires - sent) / 10)
+    if end < bound[0]:
+        return end, f"{end - sent:.3g} s (its lease, worker_timeout_ms)"
+    return bound
 
 
 async def _kill(driver: AsyncDriver, sessions: tuple[Any, ...]) -> None:

@@ -11,7 +11,22 @@
 import { MongoClient } from "mongodb";
 
 export function signalUpdate(key, name, payload) {
-  const filter = { _id: key, status: { $in: ["pending", "running"] }, "signals.999": { $exists: false } };
+  // past 1,000 signals, only the one signal a waiting task still needs (docs/steps.md)
+  const count = {
+    $size: { $filter: { input: { $ifNull: ["$signals", []] }, cond: { $eq: ["$$this.name", name] } } },
+  };
+  const awaited = {
+    $and: [
+      { $eq: ["$status", "pending"] },
+      { $eq: ["$waiting.signal", name] },
+      { $lte: [count, "$waiting.nth"] },
+    ],
+  };
+  const filter = {
+    _id: key,
+    status: { $in: ["pending", "running"] },
+    $or: [{ "signals.999": { $exists: false } }, { $expr: awaited }],
+  };
   const pipeline = [
     {
       $set: {

@@ -3,10 +3,11 @@ containment, one handler call at a time, the run's live output and steps over th
 the watch that stops the run when its lease passes unrenewed.
 
 A child leads a process group of its own and is a subreaper (``_contain``), asks for SIGKILL
-when the worker dies (``_die_with_parent``), receives ``(handler, params, RunInfo)`` on its pipe,
-calls the handler and replies ``(kind, resident bytes, *value)``. What the run left running is
-killed before the reply (``_sweep``). The parent side (starting, killing, recycling children;
-the memory watch and the guard) is ``mtask.worker.running.pool.pool``.
+when the worker dies (``_die_with_parent``), receives a ``pipe.Call`` on its pipe, calls the
+handler and sends a ``pipe.Reply`` (how it ended, and the child's resident bytes), within the
+pipe's ``Bounds``. What the run left running is killed before the reply (``_sweep``). The parent
+side (starting, killing, recycling children; the memory watch and the guard) is
+``mtask.worker.running.pool.pool``; every message between them is ``pipe``'s.
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, cast
 
 import bson
@@ -32,54 +30,16 @@ from mtask.errors import InvalidParams
 from mtask.flows import is_steps
 from mtask.output import RunOutput
 from mtask.registry import Fail, Handler, Retry, TaskContext
-from mtask.steps import MAX_SPILL_BYTES, SignalTimeout, StepError, Suspended
+from mtask.steps import SignalTimeout, StepError, Suspended
 from mtask.worker.running.failures import result_too_large, said, short_traceback
+from mtask.worker.running.pool import pipe
 from mtask.worker.running.pool.child_steps import ChildSteps, plain
+from mtask.worker.running.pool.pipe import Bounds, Call, Output, Reply, ReplyKind, Stopped
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 LEASE_POLL = 0.1
 """The longest a child's lease watch sleeps between two looks at its run's deadline."""
-
-
-MESSAGE_SLACK = 64 * 1024
-"""Room in a message beyond the value it carries (its kind, the resident bytes, pickle's
-framing)."""
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """The most a child sends the worker at once, pickled (the worker reads it whole before it
-    can refuse it: its memory is its other runs'). ``result``: the worker's
-    ``max_result_bytes``, the BSON size past which a result is not stored; ``message``: what
-    the worker reads of any one message (a reply, an output batch, a step's request: a spilled
-    result is ``MAX_SPILL_BYTES``); a longer one ends the run, and its child."""
-
-    result: int
-    message: int
-
-    @classmethod
-    def of(cls, max_result_bytes: int) -> Bounds:
-        """The bounds for a worker that stores results of up to ``max_result_bytes``."""
-        return cls(max_result_bytes, max(MAX_SPILL_BYTES, 2 * max_result_bytes) + MESSAGE_SLACK)
-
-    @property
-    def reply(self) -> int:
-        """A result's reply: twice the result's BSON limit (pickle takes less room than BSON
-        for most values); past it the child checks the result as the worker would and sends
-        why it is not stored instead (or, if it is, what BSON gives back of it)."""
-        return min(2 * self.result + MESSAGE_SLACK, self.message)
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """What a child needs to build the handler's ``TaskContext``."""
-
-    key: str
-    name: str
-    attempt: int
-    run_id: str
-    worker_id: str
 
 
 def _prctl(option: int, value: int) -> None:
@@ -179,14 +139,8 @@ def _sweep() -> int:
     return killed
 
 
-def _call(
-    handler: Handler,
-    params: Mapping[str, Any],
-    info: RunInfo,
-    cancelled: Any,
-    output: _ChildOutput,
-    steps: ChildSteps,
-) -> tuple:  # type: ignore[type-arg]
+def _call(call: Call, cancelled: Any, output: _ChildOutput, steps: ChildSteps) -> Reply:
+    info = call.info
     ctx = TaskContext(
         key=info.key,
         name=info.name,
@@ -198,30 +152,31 @@ def _call(
         steps_for=steps.steps_for,
     )
     try:
-        return _reply(handler, params, ctx)
+        return _reply(call.handler, call.params, ctx)
     finally:
         steps.close()  # a request a thread it left behind makes now is refused
         output.close()  # what the handler said reaches the worker before its reply
 
 
-def _reply(handler: Handler, params: Mapping[str, Any], ctx: TaskContext) -> tuple:  # type: ignore[type-arg]
+def _reply(handler: Handler, params: dict[str, Any], ctx: TaskContext) -> Reply:
+    """How the handler's call ended (its ``rss`` is set as the reply is framed)."""
     try:
-        return ("ok", handler.fn(*handler.args(handler.parse(params), ctx)))
+        return Reply(ReplyKind.OK, handler.fn(*handler.args(handler.parse(params), ctx)))
     except Retry as exc:
-        return ("retry", said(exc), exc.delay)
+        return Reply(ReplyKind.RETRY, said(exc), exc.delay)
     except Fail as exc:
-        return ("fail", said(exc))
+        return Reply(ReplyKind.FAIL, said(exc))
     except Suspended as exc:  # the run ends WAITING (a BaseException: not a handler error)
-        return ("suspended", exc.wait)
+        return Reply(ReplyKind.SUSPENDED, exc.wait)
     except (StepError, SignalTimeout) as exc:  # fail the task for good, as on a thread
-        return ("raise", exc)
+        return Reply(ReplyKind.RAISE, exc)
     except InvalidParams as exc:
-        return ("invalid", str(exc))
+        return Reply(ReplyKind.INVALID, str(exc))
     except MemoryError as exc:
-        return ("memory", short_traceback(exc))
+        return Reply(ReplyKind.MEMORY, short_traceback(exc))
     except BaseException as exc:  # noqa: BLE001 - any handler error is the task's failure:
         # sys.exit() (argparse's error) too, as on a thread; it ended the child
-        return ("error", short_traceback(exc))
+        return Reply(ReplyKind.ERROR, short_traceback(exc))
 
 
 class _Run:
@@ -240,7 +195,7 @@ OUTPUT_EVERY_S = 0.1
 
 class _ChildOutput:
     """A process-isolated run's live output (docs/output.md): its handler's ``RunOutput``,
-    sent to the worker as ``("out", batch)`` every ``OUTPUT_EVERY_S`` by a thread started on
+    sent to the worker as ``pipe.Output`` every ``OUTPUT_EVERY_S`` by a thread started on
     the first thing said, and once more before the reply. The worker merges it into the run's
     own ``RunOutput`` and writes it under the run's fence. A run that says nothing starts no
     thread and sends nothing."""
@@ -273,7 +228,7 @@ class _ChildOutput:
                 if not self.run.active:
                     return  # the lease watch ended the run
                 try:
-                    self.conn.send(("out", batch))
+                    pipe.send(self.conn, Output(batch))
                 except Exception:  # noqa: BLE001 - the worker is gone: its run ends anyway
                     self.output.close()  # and the reply must not fail with it
                     return
@@ -290,56 +245,58 @@ class _ChildOutput:
         self.send()
 
 
-def _unpickled(reply: tuple[Any, ...], exc: Exception) -> tuple[Any, ...]:
-    """What to reply instead of ``reply``, which pickle refused: a result as BSON gives it back
-    (what the worker stores of it anyway), or why it cannot be stored (for good, as on a
-    thread); anything else as an error."""
-    if reply[0] == "ok":
-        try:
-            return ("ok", _rss_bytes(), plain(reply[1]))
-        except Exception as bad:  # noqa: BLE001 - any encoding problem is the handler's
-            return ("fail", _rss_bytes(), f"the result cannot be stored: {bad}")
-    return ("error", _rss_bytes(), f"the result cannot be sent back: {exc!r}")
-
-
-def _frame(reply: tuple[Any, ...], bounds: Bounds) -> memoryview:
-    """The message that says ``reply``, pickled once (as ``Connection.send`` would), within its
+def _frame(reply: Reply, bounds: Bounds) -> memoryview:
+    """The message that says ``reply``, pickled once (as ``pipe.send`` would), within its
     bounds: a result's reply past ``bounds.reply`` says what the worker would make of it, and
     no reply past ``bounds.message`` is sent (the worker would not read it)."""
+    reply = reply._replace(rss=_rss_bytes())
     try:
-        frame = ForkingPickler.dumps((*reply[:1], _rss_bytes(), *reply[1:]))
+        frame = pipe.frame(reply)
     except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
-        frame = ForkingPickler.dumps(_unpickled(reply, exc))
-    if len(frame) > bounds.reply and reply[0] == "ok" and not is_steps(reply[1]):
-        frame = _stored(reply[1], bounds)
+        frame = pipe.frame(_unpickled(reply, exc))
+    if len(frame) > bounds.reply and reply.kind is ReplyKind.OK and not is_steps(reply.value):
+        frame = _stored(reply, bounds)
     if len(frame) <= bounds.message:
         return frame
     return _refused(
+        reply,
         f"the handler's reply is {len(frame)} bytes pickled, more than the {bounds.message} "
-        "a process-isolated run may send the worker"
+        "a process-isolated run may send the worker",
     )
 
 
-def _stored(result: Any, bounds: Bounds) -> memoryview:
+def _unpickled(reply: Reply, exc: Exception) -> Reply:
+    """What to reply instead of ``reply``, which pickle refused: a result as BSON gives it back
+    (what the worker stores of it anyway), or why it cannot be stored (for good, as on a
+    thread); anything else as an error."""
+    if reply.kind is ReplyKind.OK:
+        try:
+            return reply._replace(value=plain(reply.value))
+        except Exception as bad:  # noqa: BLE001 - any encoding problem is the handler's
+            return reply._replace(kind=ReplyKind.FAIL, value=f"the result cannot be stored: {bad}")
+    return Reply(ReplyKind.ERROR, f"the result cannot be sent back: {exc!r}", rss=reply.rss)
+
+
+def _stored(reply: Reply, bounds: Bounds) -> memoryview:
     """The reply for a result too large to cross as it is: why it is not stored (for good, as
     on a thread), or, if it is (pickle takes more room than BSON for it), what BSON gives back
     of it, which the worker stores the same."""
     try:
-        size = len(bson.encode({"result": result}))
+        size = len(bson.encode({"result": reply.value}))
     except Exception as bad:  # noqa: BLE001 - any encoding problem is the handler's
-        return _refused(f"the result cannot be stored: {bad}")
+        return _refused(reply, f"the result cannot be stored: {bad}")
     if size > bounds.result:
-        return _refused(result_too_large(size, bounds.result))
-    return ForkingPickler.dumps(("ok", _rss_bytes(), plain(result)))
+        return _refused(reply, result_too_large(size, bounds.result))
+    return pipe.frame(reply._replace(value=plain(reply.value)))
 
 
-def _refused(why: str) -> memoryview:
-    return ForkingPickler.dumps(("refused", _rss_bytes(), why))
+def _refused(reply: Reply, why: str) -> memoryview:
+    return pipe.frame(Reply(ReplyKind.REFUSED, why, rss=reply.rss))
 
 
-def _say(conn: multiprocessing.connection.Connection, message: tuple[Any, ...]) -> None:
+def _say(conn: multiprocessing.connection.Connection, message: pipe.Message) -> None:
     with contextlib.suppress(Exception):
-        conn.send(message)
+        pipe.send(conn, message)
 
 
 def _watch_lease(deadline: Any, run: _Run, conn: multiprocessing.connection.Connection) -> None:
@@ -359,9 +316,7 @@ def _watch_lease(deadline: Any, run: _Run, conn: multiprocessing.connection.Conn
                 run.lock.release()  # the run ended, or a renewal arrived meanwhile
                 continue
             run.active = False
-            saying = threading.Thread(
-                target=_say, args=(conn, ("lease", _rss_bytes())), daemon=True
-            )
+            saying = threading.Thread(target=_say, args=(conn, Stopped(_rss_bytes())), daemon=True)
             saying.start()
             saying.join(0.2)
         with contextlib.suppress(OSError):
@@ -384,23 +339,14 @@ def child_main(
     threading.Thread(
         target=_watch_lease, args=(deadline, run, conn), name="mtask-child-lease", daemon=True
     ).start()
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return  # retired
-        handler, params, info = message
+    while (call := pipe.next_call(conn)) is not None:  # None: retired, or the worker is gone
         run.active = True
-        reply = _call(
-            handler, params, info, cancelled, _ChildOutput(conn, run), ChildSteps(conn, run)
-        )
+        reply = _call(call, cancelled, _ChildOutput(conn, run), ChildSteps(conn, run))
         with run.lock:
             if not run.active:
                 return  # the lease watch stopped the run (and is killing us)
             run.active = False
             _sweep()  # what the handler left running ends with its run
             conn.send_bytes(_frame(reply, bounds))
-        if reply[0] == "memory":
+        if reply.kind is ReplyKind.MEMORY:
             return  # a child that ran out of memory is not trusted with another run

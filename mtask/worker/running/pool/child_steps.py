@@ -2,17 +2,17 @@
 ``sleep_sync`` and ``wait_for_sync`` in a process-isolated handler work as on a thread.
 
 The child's journal is a ``RunSteps`` like any run's; its ``StepStore`` is ``PipeSteps``, which
-asks the worker for each write and read over the child's pipe (``("step", op, args)``, sent
-under the run's lock like the child's output) and blocks for its answer (``("ok", value)`` or
-``("error", exception)``, raised in the child as itself: ``LeaseLost``, ``StepError``, a
-``StorageError``). The worker answers with the run's own ``StepStore`` (``ParentSteps``: the
-parent's ``ctx.journal``, made on the first request, so a run of a task that cannot have
-steps fails there, as on a thread). The first request, ``journal``, brings the steps the
-claimed document recorded; ``now`` is the worker's estimate of the server's clock. Nothing is
-asked of the worker by a run that takes no step.
+asks the worker for each write and read over the child's pipe (a ``pipe.StepAsk``, sent under
+the run's lock like the child's output) and blocks for its ``pipe.StepAnswer``: a value, or an
+exception raised in the child as itself (``LeaseLost``, ``StepError``, a ``StorageError``). The
+worker answers with the run's own ``StepStore`` (``ParentSteps``: the parent's ``ctx.journal``,
+made on the first request, so a run of a task that cannot have steps fails there, as on a
+thread). The first request, ``JOURNAL``, brings the steps the claimed document recorded;
+``NOW`` is the worker's estimate of the server's clock. Nothing is asked of the worker by a run
+that takes no step.
 
 How the run ends travels back as itself too: ``Suspended`` (with its ``Wait``) ends the run
-WAITING; ``StepError``, ``StepMismatch`` and ``SignalTimeout`` fail it for good (``pool.py``).
+WAITING; ``StepError``, ``StepMismatch`` and ``SignalTimeout`` fail it for good (``pipe.Reply``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from bson.codec_options import CodecOptions
 from mtask.errors import LeaseLost, MtaskError
 from mtask.registry import TaskContext
 from mtask.steps import Doc, RunSteps, StepError
+from mtask.worker.running.pool import pipe
+from mtask.worker.running.pool.pipe import StepAsk, StepOp
 
 # -- the child side -------------------------------------------------------------------------------
 
@@ -68,27 +70,25 @@ class ChildSteps:
         self._lock = threading.Lock()
         self._closed = False
 
-    def ask(self, op: str, *args: Any) -> Any:
+    def ask(self, op: StepOp, *args: Any) -> Any:
         with self._lock:
             with self.run.lock:  # never between the bytes of another send (the output's)
                 if self._closed or not self.run.active:
                     raise LeaseLost("the run has ended: its steps cannot be recorded")
                 try:
-                    self.conn.send(("step", op, args))  # pickled whole before it is written
+                    pipe.send(self.conn, StepAsk(op, args))  # pickled whole before it is written
                 except OSError:
                     raise
                 except Exception:  # noqa: BLE001 - a step's result pickle refuses, BSON takes
-                    self.conn.send(("step", op, plain(list(args))))
+                    pipe.send(self.conn, StepAsk(op, plain(list(args))))
             try:
-                kind, value = self.conn.recv()
+                answer = pipe.answer(self.conn)
             except (EOFError, OSError):
                 raise LeaseLost("the worker is gone: the run's steps cannot be recorded") from None
-        if kind == "error":
-            raise value
-        return value
+        return answer.result()
 
     def steps_for(self, ctx: TaskContext) -> RunSteps:
-        recorded = self.ask("journal")
+        recorded = self.ask(StepOp.JOURNAL)
         return RunSteps(
             PipeSteps(self), recorded, run_id=ctx.run_id, attempt=ctx.attempt, blocking_io=complete
         )
@@ -107,21 +107,21 @@ class PipeSteps:
         self.steps = steps
 
     def now(self) -> Any:
-        return self.steps.ask("now")
+        return self.steps.ask(StepOp.NOW)
 
     async def record(self, index: int, entry: Doc, prior: Doc | None) -> None:
-        self.steps.ask("record", index, entry, prior)
+        self.steps.ask(StepOp.RECORD, index, entry, prior)
 
     async def spill(self, data: bytes) -> Doc:
-        ref: Doc = self.steps.ask("spill", data)
+        ref: Doc = self.steps.ask(StepOp.SPILL, data)
         return ref
 
     async def load(self, spill: Mapping[str, Any]) -> bytes:
-        data: bytes = self.steps.ask("load", dict(spill))
+        data: bytes = self.steps.ask(StepOp.LOAD, dict(spill))
         return data
 
     async def signals(self, name: str) -> list[Doc]:
-        came: list[Doc] = self.steps.ask("signals", name)
+        came: list[Doc] = self.steps.ask(StepOp.SIGNALS, name)
         return came
 
     async def transact(self, *args: Any, **kw: Any) -> Any:
@@ -139,14 +139,14 @@ class ParentSteps:
     def __init__(self, ctx: TaskContext) -> None:
         self.ctx = ctx
 
-    async def answer(self, op: str, args: tuple[Any, ...]) -> Any:
+    async def answer(self, op: StepOp, args: tuple[Any, ...]) -> Any:
         journal = self.ctx.journal  # made on the first request; may refuse (StepError)
         store = journal.store
-        if op == "journal":
+        if op == StepOp.JOURNAL:
             return [dict(e) for e in journal.recorded]
-        if op == "now":
+        if op == StepOp.NOW:
             return store.now()
-        if op == "record":
+        if op == StepOp.RECORD:
             index, entry, prior = args
             await store.record(index, entry, prior)
             if index < len(journal.recorded):
@@ -154,13 +154,13 @@ class ParentSteps:
             else:
                 journal.recorded.append(entry)
             return None
-        if op == "spill":
+        if op == StepOp.SPILL:
             ref = await store.spill(args[0])
             journal.spilled = True
             return ref
-        if op == "load":
+        if op == StepOp.LOAD:
             return await store.load(args[0])
-        if op == "signals":
+        if op == StepOp.SIGNALS:
             return await store.signals(args[0])
         raise StepError(f"no such step request: {op!r}")
 

@@ -1,0 +1,435 @@
+"""A task's derived state, and why it is not running (issue 65): one pure function, ``explain``.
+
+The stored ``status`` says where a task is in the state machine (docs/design.md); it does not
+say why a ``pending`` task does not run. ``explain`` reads that from the document and from the
+cluster's state (``Cluster``: paused names, the live workers' names, the limits, the groups'
+locks and heads, read by ``mtask.store.cluster``; nothing is written, nothing is kept), and
+gives one ``State`` with the ``why`` behind it and a sentence with its facts:
+
+=============  =================================================================================
+``scheduled``  not due yet: a delayed start (``run_at``, ``delay``)
+``available``  due, nothing in its way: the next free worker of its name claims it
+``running``    a run holds it (``why`` ``lease_ended``: its lease ran out, a worker takes it over)
+``retrying``   a run failed; the next try waits for its backoff
+``waiting``    for a ``signal``, a ``sleep``'s end, or the tasks it depends on (``dependencies``)
+``blocked``    due, but its ``group`` (a sequence's lock, a group limit), a ``limit`` of its
+               name, its name ``paused``, or ``no_worker`` (no live worker handles its name)
+               keeps it from being claimed
+``succeeded``, ``failed``, ``cancelled``, ``invalid``: the final statuses, as stored
+=============  =================================================================================
+
+The state is derived where it is read (the dashboard, ``mtask get``/``list``, the API): the
+claim and the outcome write nothing more for it. A blocked task is claimed as soon as what
+blocks it goes (a slot freed, a lock given up, a name resumed): the claim decides, as always.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from mtask.limits import Limit, is_sequence, refill, runs_at_once, wait_for_token
+from mtask.models import RunState, Task, TaskStatus
+from mtask.steps import NEVER
+from mtask.wording import plural, relative, span, when
+
+
+class State(StrEnum):
+    SCHEDULED = "scheduled"
+    AVAILABLE = "available"
+    RUNNING = "running"
+    RETRYING = "retrying"
+    WAITING = "waiting"
+    BLOCKED = "blocked"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    INVALID = "invalid"
+
+    @property
+    def open(self) -> bool:
+        return self in OPEN_STATES
+
+
+STATES: tuple[str, ...] = tuple(s.value for s in State)
+OPEN_STATES = frozenset(
+    {State.SCHEDULED, State.AVAILABLE, State.RUNNING, State.RETRYING, State.WAITING, State.BLOCKED}
+)
+PENDING_STATES = frozenset(OPEN_STATES - {State.RUNNING})
+"""The states of a stored ``pending`` task."""
+WHY: dict[State, tuple[str, ...]] = {
+    State.WAITING: ("signal", "sleep", "dependencies"),
+    State.BLOCKED: ("group", "limit", "paused", "no_worker"),
+}
+"""The reasons of a waiting and of a blocked task, in the order ``explain`` tries them."""
+_FINAL = {
+    TaskStatus.SUCCEEDED: State.SUCCEEDED,
+    TaskStatus.FAILED: State.FAILED,
+    TaskStatus.CANCELLED: State.CANCELLED,
+    TaskStatus.INVALID: State.INVALID,
+}
+
+
+# -- the cluster's state, as read (mtask.store.cluster) ----------------------------------------
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A live worker: its id, host and the names it handles."""
+
+    id: str
+    host: str | None = None
+    names: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Group:
+    """A group of a name that limits its groups (``set_limit(group_concurrency=…)``)."""
+
+    limit: Limit
+    holder: Task | None = None
+    """A sequence's lock holder: the open task that holds the group's lock (it runs, waits for
+    its retry, or sleeps), if one does."""
+    first: str | None = None
+    """A sequence's first open task in publish order (its head when no task holds the lock)."""
+    slot: Mapping[str, Any] | None = None
+    """Another group limit's slot document (``<name>\\x00<group>`` in ``limits``), if made."""
+    ahead: Mapping[str, int] = field(default_factory=dict)
+    """Open tasks of the group published before each key (read for one task's page only)."""
+
+    @property
+    def sequence(self) -> bool:
+        return is_sequence(self.limit)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the cluster held at ``now`` (the server's time) that decides whether an open task
+    may run. ``workers`` ``None``: not read (no task is then said to have no worker)."""
+
+    now: dt.datetime
+    paused: frozenset[str] = frozenset()
+    workers: tuple[Worker, ...] | None = None
+    limits: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Each limited name's limit document (``limits``), by name."""
+    groups: Mapping[tuple[str, str], Group] = field(default_factory=dict)
+    """The limited groups of the tasks asked about, by ``(name, group)``."""
+
+    def host_of(self, worker_id: str) -> str | None:
+        return next((w.host for w in self.workers or () if w.id == worker_id), None)
+
+
+@dataclass(frozen=True)
+class Explained:
+    """A task's derived state, the reason behind it (``WHY``; ``None`` when the state says it
+    all) and one sentence with the facts (keys and names in backticks)."""
+
+    state: State
+    why: str | None
+    reason: str
+
+
+# -- the function ------------------------------------------------------------------------------
+
+
+def explain(task: Task, cluster: Cluster) -> Explained:
+    """The derived state of ``task`` and its reason, given what ``cluster`` held (pure: the
+    same answer for the same document and cluster, whatever the document holds)."""
+    status = task.status
+    if status is not None and status in _FINAL:
+        return _final(task, _FINAL[status], cluster.now)
+    if status is TaskStatus.RUNNING:
+        return _running(task, cluster)
+    if task.waiting_on:
+        keys = ", ".join(f"`{k}`" for k in task.waiting_on[:5])
+        more = f" and {len(task.waiting_on) - 5} more" if len(task.waiting_on) > 5 else ""
+        count = len(task.waiting_on)
+        noun = "task" if count == 1 else "tasks"
+        return Explained(
+            State.WAITING, "dependencies", f"waiting for {count} {noun} it depends on: {keys}{more}"
+        )
+    due = _due(task, cluster.now)
+    if due is None:
+        return Explained(
+            State.BLOCKED,
+            "malformed",
+            "it has no time to be claimed at (a malformed document): a worker's sweep marks it "
+            "invalid",
+        )
+    if due > cluster.now:
+        return _later(task, due, cluster.now)
+    return _blocked(task, cluster) or _available(task, due, cluster)
+
+
+def _due(task: Task, now: dt.datetime) -> dt.datetime | None:
+    """When the task may be claimed: ``next_claim_at``; a publisher's minimal document (no
+    status yet) is due at its ``run_at`` or now (the first worker that meets it completes it)."""
+    if task.status is None:
+        return task.options.run_at or task.created_at or now
+    return task.next_claim_at
+
+
+def _final(task: Task, state: State, now: dt.datetime) -> Explained:
+    at = f" {relative(task.finished_at, now)}" if task.finished_at else ""
+    if state is State.INVALID:
+        return Explained(state, None, f"invalid: {task.invalid_reason or 'a malformed document'}")
+    if state is State.SUCCEEDED:
+        return Explained(state, None, f"succeeded{at}, on {attempt_text(task)}")
+    if state is State.CANCELLED:
+        return Explained(state, None, f"cancelled{at}")
+    error = last_line(task.error) or "no error was recorded"
+    how = " for good" if task.failed_permanently else ""
+    return Explained(state, None, f"failed{how}{at}, on {attempt_text(task)}: {error}")
+
+
+def _running(task: Task, cluster: Cluster) -> Explained:
+    now = cluster.now
+    runs = [r for r in task.runs if r.state is RunState.RUNNING]
+    if not runs:
+        return Explained(State.RUNNING, None, "running (no run is recorded)")
+    run = runs[-1]
+    host = cluster.host_of(run.worker_id)
+    where = f"`{run.worker_id}`" + (f" ({host})" if host else "")
+    more = f" (and {len(runs) - 1} more runs)" if len(runs) > 1 else ""
+    lease = run.lease_expires_at
+    if lease is not None and lease <= now:
+        return Explained(
+            State.RUNNING,
+            "lease_ended",
+            f"its run on {where} stopped extending its lease {span((now - lease).total_seconds())}"
+            " ago: another worker takes it over",
+        )
+    took = span((now - run.claimed_at).total_seconds())
+    return Explained(
+        State.RUNNING, None, f"running for {took} on {where}, {attempt_text(task)}{more}"
+    )
+
+
+def _later(task: Task, due: dt.datetime, now: dt.datetime) -> Explained:
+    """A pending task not due yet: waiting (a sleep, a signal), retrying, or scheduled."""
+    w = task.waiting
+    if w is not None:
+        step = f"step {w.index + 1}" + (f": {w.step}" if w.step else "")
+        if w.signal is not None:
+            return Explained(
+                State.WAITING,
+                "signal",
+                f"waiting for the signal `{w.signal}` ({step}), {deadline(w.until, now)}",
+            )
+        return Explained(
+            State.WAITING,
+            "sleep",
+            f"sleeping until {when(w.until)} ({relative(w.until, now)}; {step})",
+        )
+    if retried(task):
+        error = last_line(task.error) or last_line(_last_error(task))
+        failed = f"attempt {max(1, attempt_of(task)[0] - 1)} failed" + (
+            f": {error}" if error else ""
+        )
+        return Explained(
+            State.RETRYING,
+            "backoff",
+            f"{failed}; {attempt_text(task)} at {when(due)} ({relative(due, now)})",
+        )
+    return Explained(State.SCHEDULED, None, f"scheduled for {when(due)} ({relative(due, now)})")
+
+
+def _available(task: Task, due: dt.datetime, cluster: Cluster) -> Explained:
+    since = f"due since {when(due)} ({relative(due, cluster.now)})"
+    if task.status is None:
+        return Explained(
+            State.AVAILABLE,
+            "incomplete",
+            f"{since}: published without a status, so the first worker that meets it completes "
+            "it, then claims it",
+        )
+    handlers = [w for w in cluster.workers or () if task.name in w.names]
+    if not handlers:
+        return Explained(State.AVAILABLE, None, f"{since}: the next free worker claims it")
+    return Explained(
+        State.AVAILABLE,
+        None,
+        f"{since}: the next free worker of `{task.name}` claims it "
+        f"({plural(len(handlers), 'live worker')} handle{'s' if len(handlers) == 1 else ''} it)",
+    )
+
+
+# -- blocked ------------------------------------------------------------------------------------
+
+
+def _blocked(task: Task, cluster: Cluster) -> Explained | None:
+    """Why a due task is not claimed, if something keeps it: its name paused, no live worker
+    for it, its group, its name's limit — the first that applies."""
+    name = task.name
+    if name is None:
+        return None
+    if name in cluster.paused:
+        return Explained(
+            State.BLOCKED,
+            "paused",
+            f"`{name}` is paused: no worker claims it until it is resumed (mtask resume {name})",
+        )
+    missing = _no_worker(task, name, cluster)
+    if missing is not None:
+        return Explained(State.BLOCKED, "no_worker", missing)
+    group = task.options.group
+    facts = cluster.groups.get((name, group)) if group is not None else None
+    if group is not None and facts is not None:
+        held = _group(task, name, group, facts, cluster)
+        if held is not None:
+            return Explained(State.BLOCKED, "group", held)
+    doc = cluster.limits.get(name)
+    full = _full(doc, cluster.now) if doc is not None else None
+    if full is not None:
+        return Explained(State.BLOCKED, "limit", f"limit of `{name}`: {full}")
+    return None
+
+
+def _no_worker(task: Task, name: str, cluster: Cluster) -> str | None:
+    if cluster.workers is None:
+        return None
+    handlers = [w for w in cluster.workers if name in w.names]
+    if not handlers:
+        return f"no live worker handles `{name}`"
+    only = task.options.specific_worker_ids
+    if only and not any(w.id in only for w in handlers):
+        named = ", ".join(f"`{w}`" for w in only[:3]) + (" …" if len(only) > 3 else "")
+        return f"it may run only on {named}: none of them is a live worker of `{name}`"
+    return None
+
+
+def _group(task: Task, name: str, group: str, facts: Group, cluster: Cluster) -> str | None:
+    if facts.sequence:
+        return _sequence(task, group, facts, cluster)
+    if facts.slot is None:
+        return None
+    # the slot holds the group's limit as of its last take; the name's current one decides
+    slot = {**facts.slot, "concurrency": facts.limit.concurrency, "rate": facts.limit.rate}
+    full = _full(slot, cluster.now)
+    return None if full is None else f"waiting for group `{group}` of `{name}`: {full}"
+
+
+def _sequence(task: Task, group: str, facts: Group, cluster: Cluster) -> str | None:
+    ahead = facts.ahead.get(task.key)
+    behind = "" if ahead is None else f"; {ahead} ahead of this one" if ahead else "; next in line"
+    holder = facts.holder
+    if holder is not None and holder.key != task.key:
+        doing = _doing(holder, cluster)
+        return f"waiting for group `{group}` (sequence): `{holder.key}` holds it, {doing}{behind}"
+    if holder is None and facts.first is not None and facts.first != task.key:
+        return (
+            f"waiting for group `{group}` (sequence): `{facts.first}` goes first (published "
+            f"earlier){behind}"
+        )
+    return None
+
+
+def _doing(holder: Task, cluster: Cluster) -> str:
+    """What a sequence's lock holder does, said short: ``running 21 s on host-3``."""
+    said = explain(holder, Cluster(cluster.now, cluster.paused, cluster.workers, cluster.limits))
+    if said.state is State.RUNNING and said.why is None:
+        run = [r for r in holder.runs if r.state is RunState.RUNNING][-1]
+        host = cluster.host_of(run.worker_id) or f"`{run.worker_id}`"
+        return f"running {span((cluster.now - run.claimed_at).total_seconds())} on {host}"
+    return f"{said.state.value}: {said.reason}"
+
+
+def _full(doc: Mapping[str, Any], now: dt.datetime) -> str | None:
+    """What a limit's document keeps from a run now (its runs at once in use, or no token for
+    its rate), or ``None`` if it has room (``mtask.limits``' rules, read as the take reads
+    them)."""
+    concurrency = runs_at_once(doc.get("concurrency"))
+    live = [
+        h
+        for h in doc.get("holders") or ()
+        if isinstance(h, dict) and isinstance(h.get("expires"), dt.datetime) and h["expires"] > now
+    ]
+    if concurrency is not None and len(live) >= concurrency:
+        return f"{len(live)} of {concurrency} runs at once in use"
+    rate = doc.get("rate")
+    if not isinstance(rate, int | float) or isinstance(rate, bool) or rate <= 0:
+        return None
+    refilled, tokens = doc.get("refilled_at"), doc.get("tokens")
+    if not isinstance(refilled, dt.datetime) or not isinstance(tokens, int | float):
+        return None
+    burst = doc.get("burst")
+    size = float(burst) if isinstance(burst, int | float) and not isinstance(burst, bool) else 1.0
+    have = refill(float(tokens), refilled, now, float(rate), size)
+    if have >= 1:
+        return None
+    return f"{rate:g} per second, the next in {span(wait_for_token(have, float(rate)))}"
+
+
+# -- the words the pages share -----------------------------------------------------------------
+
+
+def timing(task: Task, said: Explained) -> tuple[str, dt.datetime | None] | None:
+    """The time that matters next for a task in its state, and what it is called: ``runs`` (a
+    scheduled task), ``next try`` (retrying), ``times out`` (a signal wait; ``None``: no
+    deadline), ``wakes`` (a sleep), ``due`` (available or blocked), ``lease until`` (running)."""
+    state, w = said.state, task.waiting
+    if state is State.WAITING and w is not None:
+        until = None if w.until.year >= NEVER.year else w.until
+        return ("times out", until) if w.signal is not None else ("wakes", until)
+    labels = {
+        State.SCHEDULED: "runs",
+        State.RETRYING: "next try",
+        State.AVAILABLE: "due",
+        State.BLOCKED: "due",
+    }
+    if state in labels and task.next_claim_at is not None:
+        return labels[state], task.next_claim_at
+    runs = [r for r in task.runs if r.state is RunState.RUNNING]
+    if state is State.RUNNING and runs:
+        return "lease until", runs[-1].lease_expires_at
+    return None
+
+
+def attempt_of(task: Task) -> tuple[int, int | None]:
+    """``(n, max)``: which try of its retry budget the task is on (or ended on), and how many
+    it has (``max_retries + 1``; ``None`` if unknown). ``n`` counts failed tries, not runs: a
+    run that ended waiting (a sleep, a signal) or was released takes no try."""
+    failures = task.failures or 0
+    retries = task.options.max_retries
+    total = None if retries is None else retries + 1
+    n = (
+        failures
+        if task.status is TaskStatus.FAILED and not task.failed_permanently
+        else failures + 1
+    )
+    if total is not None:
+        n = min(n, total)
+    return max(n, 1), total
+
+
+def attempt_text(task: Task) -> str:
+    n, total = attempt_of(task)
+    return f"attempt {n}" + (f" of {total}" if total is not None else "")
+
+
+def retried(task: Task) -> bool:
+    """Whether a run of the task failed and it waits for its retry."""
+    ended = [r for r in task.runs if r.state is not RunState.RUNNING]
+    last = ended[-1].state if ended else None
+    return (task.failures or 0) > 0 or last in (RunState.FAIL, RunState.TIMEOUT)
+
+
+def _last_error(task: Task) -> str | None:
+    return next((r.error for r in reversed(task.runs) if r.error), None)
+
+
+def last_line(text: str | None) -> str:
+    """An error's last line: ``RuntimeError: upstream 503`` of a whole traceback."""
+    lines = (text or "").strip().splitlines()
+    return lines[-1].strip() if lines else ""
+
+
+def deadline(until: dt.datetime | None, now: dt.datetime) -> str:
+    """A wait's deadline as a sentence says it: ``times out at … (in 59 min)``, or ``no
+    deadline`` for a wait without a timeout."""
+    if until is None or until.year >= NEVER.year:
+        return "no deadline"
+    return f"times out at {when(until)} ({relative(until, now)})"

@@ -1,0 +1,214 @@
+"""How full each limit is (issue 65): for every limited name, its runs at once in use out of its
+maximum, the groups' locks its sequences hold, and per group its tasks open, running, due and
+blocked, and its head (the task that runs next). ``mtask limits``, ``GET /limits?use=true`` and
+the dashboard's limits page show it.
+
+A task is **blocked** here by the rules ``mtask.states.explain`` applies to one task, counted
+for many: due but its name paused or without a live worker; in a sequence, every due task but
+the one that may take the lock (its holder if due, else the first in publish order if due and
+no task holds it); in a group limited to N runs at once, the due tasks beyond the free places;
+then the name's own limit, beyond its free places.
+
+Reads only: the limits, one aggregation over each limited name's open tasks (their group,
+status, claim time and place in line, sorted by place in line per group), the groups' slot
+documents, the paused names and the live workers. It costs what the limited names' backlog
+costs; the ``TOP_GROUPS`` largest groups of a name are returned (``more_groups`` says how many
+more there are).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mtask import control, limits
+from mtask.driver import Call, Doc, Op, gather
+from mtask.limits import Limit, group_limit, group_slot, is_sequence, own_limit
+from mtask.store.cluster import LIVE
+from mtask.store.schema import GROUP_LOCK, OPEN_LIST
+
+TOP_GROUPS = 100
+
+
+@dataclass(frozen=True)
+class GroupUse:
+    """One group of a limited name (``group`` ``None``: its tasks without a group)."""
+
+    group: str | None
+    open: int
+    running: int
+    due: int
+    blocked: int
+    in_use: int
+    """Runs at once held: a sequence's lock (0 or 1), a group limit's live slot holders."""
+    limit: int | None
+    """Runs at once a group may have (``None``: no group limit)."""
+    head: str | None
+    """The task that runs next: a sequence's lock holder, else the first in publish order."""
+    head_status: str | None
+    holds_lock: bool = False
+
+
+@dataclass(frozen=True)
+class NameUse:
+    name: str
+    limit: Mapping[str, Any]
+    """The name's limit document."""
+    paused: bool
+    handled: bool
+    """Whether a live worker handles the name."""
+    in_use: int
+    """The name's own runs at once in use (live holders of its slot)."""
+    locks: int
+    """Groups whose sequence lock a task holds."""
+    open: int
+    running: int
+    due: int
+    blocked: int
+    groups: list[GroupUse] = field(default_factory=list)
+    more_groups: int = 0
+
+    @property
+    def own(self) -> Limit:
+        return own_limit(self.limit)
+
+    @property
+    def per_group(self) -> Limit:
+        return group_limit(self.limit)
+
+
+def _pipeline(name: str, now: dt.datetime) -> list[Doc]:
+    due = {
+        "$and": [
+            {"$eq": ["$status", "pending"]},
+            {"$eq": [{"$type": "$next_claim_at"}, "date"]},
+            {"$lte": ["$next_claim_at", now]},
+        ]
+    }
+    group = {"$cond": [{"$eq": [{"$type": "$options.group"}, "string"]}, "$options.group", None]}
+    held = {"$cond": ["$lock", {"k": "$_id", "s": "$status", "d": "$due"}, None]}
+    return [
+        {"$match": {"name": {"$eq": name}, "status": {"$in": OPEN_LIST}}},
+        {
+            "$project": {
+                "g": group,
+                "status": 1,
+                "publish_seq": 1,
+                "due": due,
+                "lock": {"$eq": [f"${GROUP_LOCK}", True]},
+            }
+        },
+        {"$sort": {"g": 1, "publish_seq": 1, "_id": 1}},
+        {
+            "$group": {
+                "_id": "$g",
+                "open": {"$sum": 1},
+                "running": {"$sum": {"$cond": [{"$eq": ["$status", "running"]}, 1, 0]}},
+                "due": {"$sum": {"$cond": ["$due", 1, 0]}},
+                "head": {"$first": "$_id"},
+                "head_status": {"$first": "$status"},
+                "head_due": {"$first": "$due"},
+                "holder": {"$max": held},
+            }
+        },
+        {"$sort": {"open": -1, "_id": 1}},
+    ]
+
+
+def _live(doc: Mapping[str, Any] | None, now: dt.datetime) -> int:
+    """A slot document's holders whose lease has not ended."""
+    holders = (doc or {}).get("holders") or []
+    return sum(
+        1
+        for h in holders
+        if isinstance(h, dict) and isinstance(h.get("expires"), dt.datetime) and h["expires"] > now
+    )
+
+
+def _group_use(
+    row: Doc, limit: Limit, slot: Mapping[str, Any] | None, now: dt.datetime
+) -> GroupUse:
+    """One group's use and blocked count (``row``: the aggregation's row of the group)."""
+    group = row["_id"] if isinstance(row["_id"], str) else None
+    holder = row.get("holder") if isinstance(row.get("holder"), dict) else None
+    due = int(row.get("due") or 0)
+    head, head_status = row.get("head"), row.get("head_status")
+    if group is None or not limit.set:
+        return GroupUse(
+            group, row["open"], row["running"], due, 0, 0, None, _key(head), head_status
+        )
+    if is_sequence(limit):
+        runnable = bool(holder["d"]) if holder else bool(row.get("head_due"))
+        if holder is not None:
+            head, head_status = holder.get("k"), holder.get("s")
+        return GroupUse(
+            group, row["open"], row["running"], due, due - int(runnable), int(holder is not None),
+            1, _key(head), head_status, holds_lock=holder is not None,
+        )  # fmt: skip
+    in_use = _live(slot, now)
+    room = due if limit.concurrency is None else max(0, limit.concurrency - in_use)
+    return GroupUse(
+        group, row["open"], row["running"], due, max(0, due - room), in_use, limit.concurrency,
+        _key(head), head_status,
+    )  # fmt: skip
+
+
+def _key(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _name_use(
+    doc: Doc, rows: list[Doc], slots: Mapping[str, Doc], now: dt.datetime, facts: tuple[Any, Any]
+) -> NameUse:
+    paused, handled = facts
+    name = str(doc["_id"])
+    per_group = group_limit(doc)
+    groups = [
+        _group_use(r, per_group, slots.get(group_slot(name, str(r["_id"]))), now) for r in rows
+    ]
+    due = sum(g.due for g in groups)
+    blocked = sum(g.blocked for g in groups)
+    own = own_limit(doc)
+    in_use = _live(doc, now)
+    if paused or not handled:
+        blocked = due
+    elif own.concurrency is not None:
+        blocked += max(0, (due - blocked) - max(0, own.concurrency - in_use))
+    return NameUse(
+        name, doc, paused, handled, in_use, sum(1 for g in groups if g.holds_lock),
+        sum(g.open for g in groups), sum(g.running for g in groups), due, blocked,
+        groups[:TOP_GROUPS], max(0, len(groups) - TOP_GROUPS),
+    )  # fmt: skip
+
+
+def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse]]:
+    """Each limited name's use (of ``names`` only, if given), in name order."""
+    docs = yield from limits.all_limits()
+    docs = sorted(
+        (d for d in docs if names is None or d["_id"] in names), key=lambda d: str(d["_id"])
+    )
+    if not docs:
+        return []
+    paused = yield from control.paused_names()
+    workers = yield from control.live_workers(now, LIVE, {"names": 1})
+    handled = {n for w in workers if isinstance(w.get("names"), list) for n in w["names"]}
+    rows: list[list[Doc]] = list(
+        (yield gather(*(Call("aggregate", (_pipeline(str(d["_id"]), now),)) for d in docs)))
+    )
+    slot_ids = [
+        group_slot(str(d["_id"]), str(r["_id"]))
+        for d, found in zip(docs, rows, strict=True)
+        if group_limit(d).set and not is_sequence(group_limit(d))
+        for r in found[:TOP_GROUPS]
+        if isinstance(r["_id"], str)
+    ]
+    slots: dict[str, Doc] = {}
+    if slot_ids:
+        found_slots = yield Call("find", ({"_id": {"$in": slot_ids}},), collection="limits")
+        slots = {str(s["_id"]): s for s in found_slots}
+    return [
+        _name_use(d, found, slots, now, (str(d["_id"]) in paused, str(d["_id"]) in handled))
+        for d, found in zip(docs, rows, strict=True)
+    ]

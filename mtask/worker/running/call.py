@@ -1,0 +1,225 @@
+"""A run's handler called (``HandlerCalls``): under its slot, in its trace span, by ``invoke``
+(the event loop, a thread, or a child process of the pool) or in its transaction; what it
+returned or raised is made the run's ``Outcome`` by ``RunOutcomes``.
+
+What only the call can fail with is told here, each by its own words: a child that died or was
+killed at its time or memory limit, a reply the worker refused, a transaction that took too
+long, was ended by the handler, or lost its task before it committed. A transactional
+handler's body runs in ``TransactionRunner.complete`` with the run's fence
+(``context.fence``): its writes through ``ctx.session``, what it said (``HeldOutputs``) and the
+run's SUCCESS commit together. ``NoTransactions`` is the form that does nothing
+(``mtask.testing.run_handler`` passes it when it has no MongoDB).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, Protocol
+
+from mtask.errors import ConfigError, LeaseLost
+from mtask.registry import Handler
+from mtask.statemachine import keep_ms
+from mtask.store import Outcome, RunState
+from mtask.tracing import run_span
+from mtask.worker.inflight import ActiveRun
+from mtask.worker.running.context import RunLeases, fence
+from mtask.worker.running.invoke import invoke
+from mtask.worker.running.outcomes import RunOutcomes
+from mtask.worker.running.pool.errors import (
+    ChildDied,
+    HandlerError,
+    MemoryLimitExceeded,
+    ReplyRefused,
+    TimeLimitExceeded,
+)
+from mtask.worker.running.pool.pool import LeaseWatch, ProcessPool
+from mtask.worker.running.slots import GiveBack
+from mtask.worker.running.transactional import RunFence, TransactionEnded, TransactionTooLong
+
+CALL_FAILED: tuple[type[Exception], ...] = (
+    TransactionTooLong,
+    HandlerError,  # issue 18: what the handler raised in its child, or a BaseException here
+    ChildDied,
+    TimeLimitExceeded,
+    MemoryLimitExceeded,  # issue 27
+)
+"""The call failed, told by its own words: the run is retried (it uses a retry)."""
+CALL_REFUSED: tuple[type[Exception], ...] = (TransactionEnded, ReplyRefused)
+"""The call cannot succeed, told by its own words: the same on every run, a permanent FAIL."""
+LOST_IN_TRANSACTION = (
+    "the run lost the task before its transaction committed; nothing it wrote landed"
+)
+
+
+class TransactionRunner(Protocol):
+    """How a transactional handler's writes and its run's SUCCESS commit together
+    (``transactional.Transactions`` in a worker)."""
+
+    async def complete(
+        self,
+        handler: Callable[[Any], Awaitable[Any]],
+        outcome_for: Callable[[Any], Outcome],
+        fence: RunFence | None = None,
+    ) -> tuple[Any, dict[str, Any]]: ...
+
+
+class NoTransactions:
+    """Without MongoDB: a transactional handler cannot run there."""
+
+    async def complete(
+        self,
+        handler: Callable[[Any], Awaitable[Any]],
+        outcome_for: Callable[[Any], Outcome],
+        fence: RunFence | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        raise ConfigError("a transactional handler needs MongoDB to run its transaction in")
+
+
+class HeldOutputs(Protocol):
+    """A transactional run's output, held until its body returns (``context.RunOutputs``)."""
+
+    async def write_in(self, output: Any, session: Any) -> None: ...
+
+    def restart(self, output: Any) -> None: ...
+
+
+class HandlerCalls:
+    """Calls each run's handler and says how the run ended (``call``)."""
+
+    def __init__(
+        self,
+        outcomes: RunOutcomes,
+        *,
+        transactions: TransactionRunner,
+        leases: RunLeases,
+        outputs: HeldOutputs,
+        pool: ProcessPool | None = None,
+        isolation: Literal["thread", "process"] = "thread",
+        slots: contextlib.AbstractAsyncContextManager[Any] | None = None,
+    ) -> None:
+        self.outcomes = outcomes
+        """What the handler's return or exception makes of the run."""
+        self.transactions = transactions
+        """How transactional handlers open their transactions."""
+        self.leases = leases
+        """A transactional run pauses its pings while its transaction is open (its fence); a
+        process-isolated run's child follows its lease's renewals."""
+        self.outputs = outputs
+        """A transactional run's output, written in its transaction."""
+        self.pool = pool
+        """Child processes for process-isolated plain-def handlers (issue 18)."""
+        self.isolation = isolation
+        """The worker-wide default for plain-def handlers that do not declare one."""
+        self.slots = slots or contextlib.nullcontext()
+        """A run waits here for a slot, which only a run claimed ahead (``WorkerConfig.prefetch``,
+        ``claim_ahead.RunSlots``) has to do; ``GiveBack`` from it records the run RELEASED
+        (``None``: this worker never claims ahead, so no run waits)."""
+
+    async def call(self, run: ActiveRun, handler: Handler, doc: dict[str, Any]) -> Outcome:
+        """Take a slot (only a run claimed ahead may wait for one), run the handler in it, and
+        say how the run ended."""
+        try:
+            async with self.slots:
+                run.waiting = False
+                run.running_since = time.monotonic()
+                return await self._run(run, handler, doc)
+        except GiveBack:  # claimed ahead, it waited too long for its slot (claim_ahead.py)
+            return self.outcomes.given_back(run)
+
+    async def _run(self, run: ActiveRun, handler: Handler, doc: dict[str, Any]) -> Outcome:
+        """Run the handler and say how the run ended (an exception is the task's failure)."""
+        try:
+            # the CONSUMER run span, child of the publisher's stored trace context (issue 14)
+            with run_span(doc, run.name, run.key, run.ctx.attempt):
+                if handler.transactional:
+                    return await self._transactional(run, handler, doc)
+                result = await invoke(
+                    handler,
+                    doc.get("params") or {},
+                    run.ctx,
+                    pool=self.pool,
+                    isolation=self.isolation,
+                    thread_name=f"mtask-run-{run.key}",
+                    lease=self._lease_watch(run),
+                )
+            # issue 17: the retention the plain SUCCESS updates write
+            return self.outcomes.success(
+                run, result, keep_ms(doc.get("options") or {}, "succeeded")
+            )
+        except asyncio.CancelledError:
+            raise  # the run is stopped: its outcome follows from why (``RunOutcomes.stopped``)
+        except CALL_FAILED as exc:
+            return self.outcomes.failure(run, str(exc))
+        except CALL_REFUSED as exc:
+            return self.outcomes.failure(run, str(exc), permanent=True)
+        except BaseException as exc:  # noqa: BLE001 - any handler error is the task's failure:
+            # sys.exit() (argparse's error) or a class of its own too; up in its task, asyncio
+            # hands a SystemExit or KeyboardInterrupt to the event loop (the worker's end), any
+            # other would end the task with no outcome (its task RUNNING until its lease ran out)
+            return self.outcomes.raised(run, exc)
+
+    def _lease_watch(self, run: ActiveRun) -> LeaseWatch | None:
+        """How a process-isolated run's child follows the run's lease (renewals from the
+        pinger), so it can stop itself if the worker stops renewing (a frozen worker)."""
+        return functools.partial(self.leases.watch, run.run_id)
+
+    async def _transactional(
+        self, run: ActiveRun, handler: Handler, doc: dict[str, Any]
+    ) -> Outcome:
+        """The handler and the run's SUCCESS in one transaction; the SUCCESS outcome returned is
+        ``committed`` (the recorder does not write it again). A result that cannot be stored
+        aborts the transaction and is the run's FAIL. The transactions of earlier runs of the
+        task whose lease expired are killed first (``RunFence``)."""
+        built: list[Outcome] = []  # the last is the one committed (a body may run again)
+
+        def outcome_for(result: Any) -> Outcome:
+            keep = keep_ms(doc.get("options") or {}, "succeeded")
+            # counted once committed (``succeeded`` below)
+            outcome = self.outcomes.success(run, result, keep, count=False)
+            if outcome.state is not RunState.SUCCESS:
+                raise _NotStored(outcome)
+            built.append(outcome)
+            return outcome
+
+        try:
+            params = handler.parse(doc.get("params") or {})
+            body = functools.partial(self._body, run, handler.fn, params)
+            await self.transactions.complete(body, outcome_for, fence(run, doc, self.leases))
+        except _NotStored as refused:
+            return refused.outcome
+        except LeaseLost:
+            return self.outcomes.failure(run, LOST_IN_TRANSACTION)
+        self.outcomes.succeeded(run)
+        return dataclasses.replace(built[-1], committed=True)
+
+    async def _body(
+        self, run: ActiveRun, fn: Callable[..., Awaitable[Any]], params: Any, session: Any
+    ) -> Any:
+        """A transactional handler's body, in its transaction (run again if that is retried):
+        ``ctx.session`` is the transaction's while it runs, and what the handler said is held
+        and written in it."""
+        run.ctx.session = session
+        held = run.ctx.output_made
+        if held is not None:  # a body run again: the aborted one's output is gone
+            self.outputs.restart(held)
+        try:
+            result = await fn(params, run.ctx)
+            said = run.ctx.output_made
+            if said is not None:  # commits with the SUCCESS, or not at all
+                await self.outputs.write_in(said, session)
+            return result
+        finally:
+            run.ctx.session = None
+
+
+class _NotStored(Exception):
+    """A transactional handler's result cannot be stored: abort, and fail the run."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__(outcome.error)
+        self.outcome = outcome

@@ -1,0 +1,201 @@
+"""The curated mutation check (issue 66): each core promise, broken by one line in a copy of the
+tree, must fail the test that claims it.
+
+For each mutation below this script copies the repository (its tracked files, as they are in the
+working tree) into a temporary directory, replaces one exact line of one module (the line must
+be there exactly once: a mutation that no longer applies fails the check, so that it is kept up
+to date with the code), and runs the named tests of the copy with pytest, the copy first on
+``PYTHONPATH`` (worker subprocesses the tests start run the copy too). The check passes when
+every mutation is *killed*: its tests fail. A mutation that survives means a promise whose test
+passes when the promise breaks. Run it with ``python tests/mutations/check.py`` (``--only NAME``
+for one); ``.ci/run`` runs it before the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    promise: str
+    path: str
+    line: str
+    """One whole line of ``path``, stripped of its indentation, found there exactly once."""
+    replacement: str
+    """What takes its place (the line's indentation is kept)."""
+    tests: tuple[str, ...]
+    after: str = ""
+    """Look for ``line`` only below the first line that contains this (a function's ``def``)."""
+
+
+MUTATIONS = [
+    Mutation(
+        "outcome-fence",
+        "an outcome is written only while its run is RUNNING",
+        "mtask/store/claims.py",
+        'return {"_id": key, "runs": {"$elemMatch": {"run_id": run_id, "state": RUNNING}}}',
+        'return {"_id": key, "runs": {"$elemMatch": {"run_id": run_id}}}',
+        (
+            "tests/chaos/test_zombie_writes.py::test_a_zombies_outcome_reaches_mongodb_and_is_refused",
+        ),
+    ),
+    Mutation(
+        "step-fence",
+        "a step is recorded only while its run owns the task, on a live lease",
+        "mtask/store/steps.py",
+        "filt = fence(key, run_id)",
+        'filt = {"_id": key}',
+        (
+            "tests/chaos/test_zombie_writes.py::"
+            "test_a_zombies_step_record_and_output_reach_mongodb_and_are_refused",
+        ),
+        after="def record_update(",
+    ),
+    Mutation(
+        "output-fence",
+        "a run's output is written only while it owns the task",
+        "mtask/store/output.py",
+        "filt: Doc = {",
+        'filt: Doc = {"_id": key} or {',
+        (
+            "tests/chaos/test_zombie_writes.py::"
+            "test_a_zombies_step_record_and_output_reach_mongodb_and_are_refused",
+        ),
+        after="def write(",
+    ),
+    Mutation(
+        "output-once",
+        "a batch of output sent again is written once",
+        "mtask/store/output.py",
+        '"runs": {"$elemMatch": {**run, "output_batch": {"$not": {"$gte": batch}}}},',
+        '"runs": {"$elemMatch": {**run}},',
+        (
+            "tests/integration/test_output.py::"
+            "test_a_batch_sent_again_is_written_once_and_a_stale_lease_writes_nothing",
+        ),
+    ),
+    Mutation(
+        "step-replay",
+        "a step recorded done is replayed, not called again",
+        "mtask/steps.py",
+        'if prior is not None and prior.get("state") == "done":',
+        "if False:",
+        ("tests/integration/test_steps.py::test_steps_run_once_and_replay_across_a_retry",),
+        after="def _step(self, name: str",
+    ),
+    Mutation(
+        "group-lock",
+        "one open task of a sequence holds its group's lock",
+        "mtask/store/schema.py",
+        "unique=True,",
+        "unique=False,",
+        (
+            "tests/integration/test_groups.py::"
+            "test_a_sequence_is_held_by_the_claim_of_its_running_task",
+        ),
+    ),
+    Mutation(
+        "hostile-id",
+        "a task document of any shape, _id included, never stops a worker",
+        "mtask/worker/finding/setaside.py",
+        "return value if isinstance(value, str) else None",
+        "return value",
+        ("tests/chaos/test_any_document.py",),
+    ),
+]
+
+
+def copy_tree(into: Path) -> None:
+    """The repository's tracked files as they are now, and the Node test modules."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    for raw in filter(None, listed):
+        path = Path(raw.decode())
+        source = ROOT / path
+        if source.is_file():
+            (into / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, into / path)
+    modules = ROOT / "tests/acceptance/interop/node_modules"
+    if modules.is_dir():
+        (into / "tests/acceptance/interop/node_modules").symlink_to(modules)
+
+
+def apply(mutation: Mutation, tree: Path) -> None:
+    path = tree / mutation.path
+    lines = path.read_text().splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if mutation.after in line), len(lines))
+    found = [i for i, line in enumerate(lines) if i >= start and line.strip() == mutation.line]
+    found = found[:1] if mutation.after else found
+    if len(found) != 1:
+        raise SystemExit(
+            f"mutation {mutation.name}: the line {mutation.line!r} is in {mutation.path} "
+            f"{len(found)} times, not once; update tests/mutations/check.py"
+        )
+    line = lines[found[0]]
+    indent = line[: len(line) - len(line.lstrip())]
+    lines[found[0]] = f"{indent}{mutation.replacement}\n"
+    path.write_text("".join(lines))
+
+
+def run(mutation: Mutation) -> tuple[bool, float, str]:
+    """Whether the mutation was killed, how long its tests took, and the end of their output."""
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutation.name}-") as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        apply(mutation, tree)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests")])}
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+             *mutation.tests],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )  # fmt: skip
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-3:])
+        # 1: tests failed (killed); 0: they passed (survived); anything else: they did not run
+        if done.returncode not in (0, 1):
+            raise SystemExit(f"mutation {mutation.name}: pytest exited {done.returncode}\n{tail}")
+        return done.returncode == 1, time.monotonic() - started, tail
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", help="a mutation's name (repeatable)")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    survived = []
+    for mutation in chosen:
+        killed, seconds, tail = run(mutation)
+        verdict = "killed" if killed else "SURVIVED"
+        print(f"{verdict:8} {mutation.name:14} {seconds:5.1f}s  {mutation.promise}", flush=True)
+        if not killed:
+            survived.append(mutation.name)
+            print(f"         {tail}", flush=True)
+    if survived:
+        print(f"{len(survived)} mutation(s) survived: {', '.join(survived)}")
+        return 1
+    print(f"all {len(chosen)} mutations were killed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

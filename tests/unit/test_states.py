@@ -1,0 +1,437 @@
+"""``mtask.states.explain``: one derived state per task and the sentence that says why, from the
+document and the cluster's state. Hypothesis runs it over documents of any shape (an ``_id`` of
+any type, fields missing or mistyped) and clusters of any shape: it never raises, and its state
+agrees with the stored status; the examples pin each state and each reason."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import hypothesis.strategies as st
+from hypothesis import given
+from hypothesis import settings as hsettings
+
+from mtask.limits import Limit
+from mtask.models import Task
+from mtask.states import (
+    OPEN_STATES,
+    PENDING_STATES,
+    STATES,
+    WHY,
+    Cluster,
+    Group,
+    State,
+    Worker,
+    attempt_of,
+    deadline,
+    explain,
+    timing,
+)
+from mtask.steps import NEVER
+
+NOW = dt.datetime(2026, 11, 28, 3, 12, 17, tzinfo=dt.UTC)
+LATER = NOW + dt.timedelta(minutes=12)
+EARLIER = NOW - dt.timedelta(seconds=21)
+W1 = Worker("w1", "host-3", frozenset({"sync", "report", "add"}))
+
+
+def doc(key: Any = "k", **fields: Any) -> dict[str, Any]:
+    """A well-formed pending task document, due now, with ``fields`` over it."""
+    base: dict[str, Any] = {
+        "_id": key,
+        "name": "add",
+        "params": {},
+        "options": {"priority": 0, "concurrency": 1, "max_retries": 3},
+        "status": "pending",
+        "next_claim_at": NOW,
+        "available_at": NOW,
+        "attempts": 0,
+        "successes": 0,
+        "failures": 0,
+        "runs": [],
+        "created_at": EARLIER,
+        "updated_at": EARLIER,
+    }
+    return base | fields
+
+
+def said(document: dict[str, Any], cluster: Cluster | None = None) -> tuple[str, Any, str]:
+    e = explain(Task.from_document(document), cluster or Cluster(NOW, workers=(W1,)))
+    return e.state.value, e.why, e.reason
+
+
+def run(state: str = "RUNNING", **fields: Any) -> dict[str, Any]:
+    return {
+        "run_id": "r1",
+        "worker_id": "w1",
+        "state": state,
+        "claimed_at": EARLIER,
+        "lease_expires_at": NOW + dt.timedelta(seconds=9),
+        **fields,
+    }
+
+
+# -- every state -------------------------------------------------------------------------------
+
+
+def test_a_task_not_due_yet_is_scheduled() -> None:
+    state, why, reason = said(doc(next_claim_at=LATER, available_at=LATER))
+    assert (state, why) == ("scheduled", None)
+    assert reason == "scheduled for 2026-11-28 03:24:17 (in 12 min)"
+
+
+def test_a_due_task_with_a_worker_for_its_name_is_available() -> None:
+    state, why, reason = said(doc())
+    assert (state, why) == ("available", None)
+    assert reason.endswith("the next free worker of `add` claims it (1 live worker handles it)")
+
+
+def test_a_running_task_says_where_and_for_how_long() -> None:
+    state, why, reason = said(doc(status="running", attempts=1, runs=[run()]))
+    assert (state, why) == ("running", None)
+    assert reason == "running for 21 s on `w1` (host-3), attempt 1 of 4"
+
+
+def test_a_running_task_whose_lease_ended_is_taken_over() -> None:
+    ended = run(lease_expires_at=NOW - dt.timedelta(seconds=5))
+    state, why, reason = said(doc(status="running", runs=[ended]))
+    assert (state, why) == ("running", "lease_ended")
+    assert "stopped extending its lease 5.0 s ago: another worker takes it over" in reason
+
+
+def test_a_failed_run_waiting_for_its_backoff_is_retrying() -> None:
+    failed = run("FAIL", finished_at=EARLIER, error="Traceback …\nRuntimeError: upstream 503")
+    state, why, reason = said(
+        doc(failures=1, attempts=1, runs=[failed], next_claim_at=LATER, error=failed["error"])
+    )
+    assert (state, why) == ("retrying", "backoff")
+    assert reason == (
+        "attempt 1 failed: RuntimeError: upstream 503; attempt 2 of 4 at 2026-11-28 03:24:17 "
+        "(in 12 min)"
+    )
+
+
+def test_waiting_for_a_signal_a_sleep_or_dependencies() -> None:
+    signal = {"until": LATER, "index": 2, "step": "wait:approved", "signal": "approved", "nth": 0}
+    assert said(doc(waiting=signal, next_claim_at=LATER)) == (
+        "waiting",
+        "signal",
+        "waiting for the signal `approved` (step 3: wait:approved), times out at "
+        "2026-11-28 03:24:17 (in 12 min)",
+    )
+    forever = signal | {"until": NEVER}
+    assert said(doc(waiting=forever, next_claim_at=NEVER))[2].endswith("no deadline")
+    sleep = {"until": LATER, "index": 1, "step": "sleep#1"}
+    assert said(doc(waiting=sleep, next_claim_at=LATER)) == (
+        "waiting",
+        "sleep",
+        "sleeping until 2026-11-28 03:24:17 (in 12 min; step 2: sleep#1)",
+    )
+    deps = doc(depends_on=["a", "b"], waiting_on=["a", "b"], next_claim_at=None)
+    assert said(deps) == ("waiting", "dependencies", "waiting for 2 tasks it depends on: `a`, `b`")
+
+
+def test_a_woken_task_is_available_though_its_wait_is_still_recorded() -> None:
+    woken = {"until": NEVER, "index": 2, "signal": "approved", "nth": 0}
+    assert said(doc(waiting=woken, next_claim_at=NOW))[0] == "available"
+
+
+def test_the_final_states_are_the_stored_statuses() -> None:
+    ok = doc(status="succeeded", successes=1, attempts=2, failures=1, finished_at=EARLIER)
+    assert said(ok) == ("succeeded", None, "succeeded 21 s ago, on attempt 2 of 4")
+    failed = doc(status="failed", failures=4, finished_at=EARLIER, error="x\nValueError: no")
+    assert said(failed) == ("failed", None, "failed 21 s ago, on attempt 4 of 4: ValueError: no")
+    fail = doc(status="failed", failed_permanently=True, failures=0, error="Fail: bad input")
+    assert said(fail) == ("failed", None, "failed for good, on attempt 1 of 4: Fail: bad input")
+    assert said(doc(status="cancelled", finished_at=EARLIER))[:2] == ("cancelled", None)
+    bad = doc(status="invalid", invalid_reason="'runs' must be an array")
+    assert said(bad) == ("invalid", None, "invalid: 'runs' must be an array")
+
+
+# -- every blocked reason ---------------------------------------------------------------------
+
+
+def test_a_paused_name_blocks_its_due_tasks_first() -> None:
+    cluster = Cluster(NOW, paused=frozenset({"add"}), workers=())
+    assert said(doc(), cluster)[:2] == ("blocked", "paused")
+    assert "`add` is paused" in said(doc(), cluster)[2]
+    assert said(doc(next_claim_at=LATER), cluster)[0] == "scheduled"  # not due: not blocked
+
+
+def test_no_live_worker_for_the_name() -> None:
+    cluster = Cluster(NOW, workers=(W1,))
+    resize = doc(name="resize_image")
+    assert said(resize, cluster) == (
+        "blocked",
+        "no_worker",
+        "no live worker handles `resize_image`",
+    )
+    only = doc(options={"specific_worker_ids": ["w9"], "max_retries": 3})
+    state, why, reason = said(only, cluster)
+    assert (state, why) == ("blocked", "no_worker")
+    assert reason == "it may run only on `w9`: none of them is a live worker of `add`"
+    assert said(resize, Cluster(NOW))[0] == "available"  # workers not read: none assumed
+
+
+def test_a_sequence_behind_its_lock_holder() -> None:
+    holder = Task.from_document(
+        doc("sync2-acme-1", name="sync", status="running", runs=[run()], group_lock=True)
+    )
+    facts = Group(Limit(1), holder=holder, first="sync2-acme-1", ahead={"sync2-acme-3": 1})
+    cluster = Cluster(NOW, workers=(W1,), groups={("sync", "acme"): facts})
+    task = doc("sync2-acme-3", name="sync", options={"group": "acme", "max_retries": 3})
+    assert said(task, cluster) == (
+        "blocked",
+        "group",
+        "waiting for group `acme` (sequence): `sync2-acme-1` holds it, running 21 s on host-3; "
+        "1 ahead of this one",
+    )
+    second = doc("sync2-acme-2", name="sync", options={"group": "acme"})
+    assert said(second, cluster)[2].endswith("running 21 s on host-3")  # ahead not read
+    mine = doc("sync2-acme-1", name="sync", options={"group": "acme"}, group_lock=True)
+    assert said(mine, cluster)[0] == "available"  # the holder, due again (woken, retried)
+
+
+def test_a_sequence_without_a_holder_runs_its_first_task() -> None:
+    facts = Group(Limit(1), holder=None, first="a-1", ahead={"a-2": 0})
+    cluster = Cluster(NOW, workers=(W1,), groups={("sync", "acme"): facts})
+    first = doc("a-1", name="sync", options={"group": "acme"})
+    assert said(first, cluster)[0] == "available"
+    second = doc("a-2", name="sync", options={"group": "acme"})
+    assert said(second, cluster) == (
+        "blocked",
+        "group",
+        "waiting for group `acme` (sequence): `a-1` goes first (published earlier); next in line",
+    )
+
+
+def test_a_sleeping_holder_is_said_so() -> None:
+    sleeping = doc(
+        "h",
+        name="sync",
+        waiting={"until": LATER, "index": 0, "step": "sleep#1"},
+        next_claim_at=LATER,
+        group_lock=True,
+    )
+    facts = Group(Limit(1), holder=Task.from_document(sleeping), first="h")
+    cluster = Cluster(NOW, workers=(W1,), groups={("sync", "g"): facts})
+    reason = said(doc("t", name="sync", options={"group": "g"}), cluster)[2]
+    assert reason.startswith("waiting for group `g` (sequence): `h` holds it, waiting: sleeping")
+
+
+def test_a_group_limit_and_a_name_limit_full() -> None:
+    live = {"expires": NOW + dt.timedelta(seconds=30)}
+    slot = {"concurrency": 2, "holders": [live, live, {"expires": EARLIER}]}
+    facts = Group(Limit(2), slot=slot)
+    cluster = Cluster(NOW, workers=(W1,), groups={("report", "acme"): facts})
+    task = doc(name="report", options={"group": "acme"})
+    assert said(task, cluster) == (
+        "blocked",
+        "group",
+        "waiting for group `acme` of `report`: 2 of 2 runs at once in use",
+    )
+    roomy = Cluster(NOW, workers=(W1,), groups={("report", "acme"): Group(Limit(3), slot=slot)})
+    assert said(task, roomy)[0] == "available"  # the name's current limit, not the slot's copy
+    name = Cluster(NOW, workers=(W1,), limits={"report": {"concurrency": 1, "holders": [live]}})
+    assert said(doc(name="report"), name) == (
+        "blocked",
+        "limit",
+        "limit of `report`: 1 of 1 runs at once in use",
+    )
+
+
+def test_a_rate_without_a_token_blocks() -> None:
+    bucket = {"rate": 5.0, "burst": 1, "tokens": 0.0, "refilled_at": NOW}
+    cluster = Cluster(NOW, workers=(W1,), limits={"add": bucket})
+    assert said(doc(), cluster) == (
+        "blocked",
+        "limit",
+        "limit of `add`: 5 per second, the next in 200 ms",
+    )
+    full = bucket | {"refilled_at": NOW - dt.timedelta(seconds=1)}
+    assert said(doc(), Cluster(NOW, workers=(W1,), limits={"add": full}))[0] == "available"
+
+
+def test_a_publishers_minimal_document() -> None:
+    state, why, reason = said({"_id": "p", "name": "add"})
+    assert (state, why) == ("available", "incomplete")
+    assert "the first worker that meets it completes it" in reason
+
+
+def test_timing_names_the_time_that_matters_next() -> None:
+    def when(document: dict[str, Any]) -> Any:
+        task = Task.from_document(document)
+        return timing(task, explain(task, Cluster(NOW, workers=(W1,))))
+
+    assert when(doc(next_claim_at=LATER)) == ("runs", LATER)
+    signal = {"until": NEVER, "index": 0, "signal": "s", "nth": 0}
+    assert when(doc(waiting=signal, next_claim_at=NEVER)) == ("times out", None)
+    assert when(doc(status="running", runs=[run()]))[0] == "lease until"
+    assert when(doc(status="succeeded")) is None
+
+
+def test_attempts_count_tries_of_the_budget_not_runs() -> None:
+    def of(**fields: Any) -> tuple[int, int | None]:
+        return attempt_of(Task.from_document(doc(**fields)))
+
+    assert of() == (1, 4)
+    assert of(failures=1, attempts=5) == (2, 4)  # three runs ended waiting: no tries
+    assert of(status="failed", failures=4) == (4, 4)
+    assert of(status="failed", failures=1, failed_permanently=True) == (2, 4)
+    assert of(options={}) == (1, None)
+    assert deadline(NEVER, NOW) == "no deadline"
+
+
+# -- any document, any cluster -----------------------------------------------------------------
+
+KEYS = st.one_of(
+    st.text(max_size=8),
+    st.integers(),
+    st.none(),
+    st.binary(max_size=4),
+    st.datetimes(timezones=st.just(dt.UTC)),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    st.lists(st.integers(), max_size=2),
+)
+ANY = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 5),
+    st.floats(allow_nan=True),
+    st.text(max_size=6),
+    st.datetimes(timezones=st.just(dt.UTC)),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+DATES = st.one_of(st.none(), st.sampled_from([EARLIER, NOW, LATER, NEVER]), ANY)
+RUNS = st.lists(
+    st.one_of(
+        st.builds(
+            run,
+            st.sampled_from(["RUNNING", "FAIL", "SUCCESS", "WAITING", "TIMEOUT", "RELEASED"]),
+            lease_expires_at=st.sampled_from([EARLIER, LATER]),
+        ),
+        ANY,
+    ),
+    max_size=3,
+)
+WAITING = st.one_of(
+    st.none(),
+    ANY,
+    st.fixed_dictionaries(
+        {"until": st.sampled_from([LATER, NEVER]), "index": st.integers(0, 3)},
+        optional={"signal": st.text(min_size=1, max_size=3), "step": st.text(max_size=3)},
+    ),
+)
+DOCUMENTS = st.fixed_dictionaries(
+    {"_id": KEYS},
+    optional={
+        "name": st.one_of(st.sampled_from(["add", "sync", "report"]), ANY),
+        "status": st.one_of(
+            st.sampled_from(["pending", "running", "succeeded", "failed", "cancelled", "invalid"]),
+            ANY,
+        ),
+        "next_claim_at": DATES,
+        "options": st.one_of(
+            ANY,
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "group": st.one_of(st.sampled_from(["g", "h"]), ANY),
+                    "max_retries": st.one_of(st.integers(0, 5), ANY),
+                    "specific_worker_ids": st.one_of(st.lists(st.sampled_from(["w1", "w9"])), ANY),
+                    "run_at": DATES,
+                },
+            ),
+        ),
+        "runs": st.one_of(RUNS, ANY),
+        "failures": st.one_of(st.integers(0, 5), ANY),
+        "attempts": ANY,
+        "waiting": WAITING,
+        "waiting_on": st.one_of(st.lists(st.text(max_size=3), max_size=2), ANY),
+        "error": ANY,
+        "finished_at": DATES,
+        "created_at": DATES,
+        "failed_permanently": ANY,
+        "group_lock": ANY,
+        "publish_seq": ANY,
+    },
+)
+SLOTS = st.one_of(
+    st.none(),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "concurrency": ANY,
+            "rate": ANY,
+            "burst": ANY,
+            "tokens": ANY,
+            "refilled_at": DATES,
+            "holders": st.one_of(
+                ANY, st.lists(st.one_of(ANY, st.fixed_dictionaries({"expires": DATES})))
+            ),
+        },
+    ),
+)
+
+
+@st.composite
+def clusters(draw: st.DrawFn) -> Cluster:
+    holder = draw(st.one_of(st.none(), DOCUMENTS.map(Task.from_document)))
+    limit = Limit(draw(st.one_of(st.none(), st.integers(1, 3))), draw(st.sampled_from([None, 2.0])))
+    groups = {
+        (name, group): Group(
+            limit,
+            holder=holder,
+            first=draw(st.one_of(st.none(), st.text(max_size=3))),
+            slot=draw(SLOTS),
+            ahead=draw(st.dictionaries(st.text(max_size=3), st.integers(0, 9), max_size=2)),
+        )
+        for name in draw(st.lists(st.sampled_from(["add", "sync"]), max_size=2))
+        for group in ("g", "h")
+    }
+    limits = {
+        name: slot
+        for name in draw(st.lists(st.sampled_from(["add", "sync", "report"]), max_size=3))
+        if (slot := draw(SLOTS)) is not None
+    }
+    workers = draw(
+        st.one_of(
+            st.none(),
+            st.lists(
+                st.builds(
+                    Worker,
+                    st.sampled_from(["w1", "w2"]),
+                    st.one_of(st.none(), st.text(max_size=3)),
+                    st.frozensets(st.sampled_from(["add", "sync", "report"])),
+                ),
+                max_size=2,
+            ).map(tuple),
+        )
+    )
+    paused = draw(st.frozensets(st.sampled_from(["add", "sync"])))
+    return Cluster(NOW, paused, workers, limits, groups)
+
+
+@hsettings(max_examples=400)
+@given(DOCUMENTS, clusters())
+def test_any_document_in_any_cluster_has_one_state_and_a_reason(
+    document: dict[str, Any], cluster: Cluster
+) -> None:
+    task = Task.from_document(document)
+    e = explain(task, cluster)
+    assert e.state.value in STATES
+    assert isinstance(e.reason, str) and e.reason
+    if e.state in WHY:
+        assert e.why in (*WHY[e.state], "malformed")
+    status = task.status.value if task.status is not None else None
+    if status in ("succeeded", "failed", "cancelled", "invalid"):
+        assert e.state.value == status
+    elif status == "running":
+        assert e.state is State.RUNNING
+    elif status == "pending":
+        assert e.state in PENDING_STATES
+    else:
+        assert e.state in OPEN_STATES
+    assert timing(task, e) is None or timing(task, e)[0]  # type: ignore[index]
