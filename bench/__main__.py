@@ -16,6 +16,7 @@ from bench.groups import groups_cost
 from bench.limits import limit_changes
 from bench.output import live_output
 from bench.peers import peers
+from bench.startup import startup
 from bench.steps import durable_steps
 from bench.support import FULL, QUICK, floor_helper
 from bench.validator import validator_ab, validator_interleaved
@@ -48,6 +49,7 @@ WORKLOADS = {
     "WQ": peers,  # issue 26: W1 and W2 beside arq on Redis, same run (bench/peers.py)
     "WG": groups_cost,  # issue 29: fairness, group limits and sequences in a drain
     "WL": limit_changes,  # issue 66: a lowered limit applies on its event (bench/limits.py)
+    "WST": startup,  # issue 66: a worker's first claim, the CLI's answer, beside arq's start-up
 }
 
 
