@@ -191,14 +191,20 @@ class Worker:
     async def _reach(self) -> None:
         """What the first claim needs, at once where nothing orders it (issue 66): the clock
         calibrated and then the first heartbeat, which takes the clock's time and reads the
-        paused names; beside them the indexes made (not a time decision; the claim waits for
-        them: a group's lock is a unique index) and the limits read. The lease pinger's own
-        client connects after, on a daemon thread (``_connect_pinger``)."""
-        await together(
-            self._calibrated_beat(),
-            self.parts.driver.run(store.ensure_indexes()),
-            self.parts.gate.refresh(),
-        )
+        paused names, and the limits read (which settles what a changed limit left, by the
+        clock); beside them the indexes made (not a time decision; the claim waits for them: a
+        group's lock is a unique index). The lease pinger's own client connects after, on a
+        daemon thread (``_connect_pinger``)."""
+        await together(self._calibrated_beat(), self.parts.driver.run(store.ensure_indexes()))
+
+    async def _calibrated_beat(self) -> None:
+        if self._server_clock is not None:
+            await self._server_clock.calibrate_async(self.parts.adb)
+        await together(self._beat(), self.parts.gate.refresh())
+
+    async def _beat(self) -> None:
+        await self.parts.presence.beat()
+        self._registered = True
 
     def _connect_pinger(self) -> None:
         """The pinger's client connects now, on a thread, so that a claimed run's first ping
@@ -209,12 +215,6 @@ class Worker:
         ping = asyncio.ensure_future(run_in_thread(command, "ping", name="mtask-pinger-connect"))
         ping.add_done_callback(_connected)
         self._pinger_ready = ping
-
-    async def _calibrated_beat(self) -> None:
-        if self._server_clock is not None:
-            await self._server_clock.calibrate_async(self.parts.adb)
-        await self.parts.presence.beat()
-        self._registered = True
 
     def _supervise(self) -> None:
         for service in self.parts.services:
