@@ -448,6 +448,8 @@ def run_filter(key: str, run_id: str) -> Doc:
 
 
 LEASE_FIELDS = {"options": 1, "status": 1}
+STOPPABLE = TaskStatus.CANCELLED.value
+"""A cancelled task's run still stopping keeps its lease (``lease_update``'s ``stopping``)."""
 """What a lease's extension returns of the task document."""
 
 
@@ -457,15 +459,18 @@ def lease_update(
     worker_id: str,
     now: dt.datetime,
     run_fields: Mapping[str, Any] | None = None,
+    stopping: bool = False,
 ) -> tuple[Doc, list[Doc]]:
     """The fenced update that pushes the run's lease to ``now + worker_timeout_ms``, while the
     run is RUNNING and this worker is still allowed; ``run_fields``: more fields of the run
-    entry to set in the same update."""
-    filt = {
-        **run_filter(key, run_id),
-        "status": {"$in": list(OPEN)},
-        "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],
-    }
+    entry to set in the same update. ``stopping``: the lease of a run being stopped whose
+    handler has not stopped yet (its task cancelled, or this worker no longer allowed), kept
+    while the run is RUNNING so that its sequence's lock and its limit slots stay held until
+    it has really stopped (docs/fairness.md); its outcome ends it."""
+    filt: Doc = {**run_filter(key, run_id), "status": {"$in": [*OPEN, STOPPABLE]}}
+    if not stopping:
+        filt["status"] = {"$in": list(OPEN)}
+        filt["$or"] = [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}]
     lease = {
         "lease_expires_at": {"$add": [now, "$options.worker_timeout_ms"]},
         **(run_fields or {}),
@@ -474,7 +479,12 @@ def lease_update(
 
 
 def extend_lease(
-    key: str, run_id: str, worker_id: str, now: dt.datetime, max_time_ms: int | None = None
+    key: str,
+    run_id: str,
+    worker_id: str,
+    now: dt.datetime,
+    max_time_ms: int | None = None,
+    stopping: bool = False,
 ) -> Op[Doc | None]:
     """A ping: push the run's lease to ``now + worker_timeout_ms``. ``None`` means the run lost
     the task (taken over, released, cancelled, or this worker is no longer allowed): stop it.
@@ -487,7 +497,7 @@ def extend_lease(
     limit = {} if max_time_ms is None else {"maxTimeMS": max_time_ms}
     doc: Doc | None = yield Call(
         MODIFY_ONCE,
-        lease_update(key, run_id, worker_id, now),
+        lease_update(key, run_id, worker_id, now, stopping=stopping),
         {"new": True, "fields": LEASE_FIELDS, **limit},
     )
     return doc

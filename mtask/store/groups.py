@@ -11,7 +11,8 @@ from typing import Any
 
 from mtask.driver import Call, Doc, Op, gather
 from mtask.limits import group_slot
-from mtask.store.schema import GROUP_LOCK, OPEN_LIST
+from mtask.statemachine import live_run_expr
+from mtask.store.schema import GROUP_LOCK, OPEN_LIST, SEQUENCE_LOCK
 
 MAX_TOP = 100
 HEAD_FIELDS = {
@@ -20,8 +21,10 @@ HEAD_FIELDS = {
     "options.worker_timeout_ms": 1,
     "status": 1,
     "next_claim_at": 1,
+    "live": live_run_expr("$$NOW"),
 }
-"""What ``heads`` reads of a group's lock holder."""
+"""What ``heads`` reads of a group's lock holder (``live``: a run of it still runs on a live
+lease, by the server's clock)."""
 
 
 def _open(names: Sequence[str] | None, groups: Sequence[str] | None = None) -> Doc:
@@ -50,6 +53,7 @@ def heads(pairs: Sequence[tuple[str, str]]) -> Op[dict[tuple[str, str], Doc]]:
         return {}
     match = _heads_match(pairs)
     firsts, holders = yield gather(_firsts(match), _lock_holders(match))
+    holders = yield from _without_stale(holders)
     return _heads_of(pairs, firsts, holders)
 
 
@@ -72,6 +76,7 @@ def heads_and_slots(
         _lock_holders(match),
         Call("find", (held, {"_id": 1}), collection="limits"),
     )
+    holders = yield from _without_stale(holders)
     out = _heads_of(pairs, firsts, holders)
     taken = {d["_id"] for d in live}
     for pair, head in out.items():
@@ -109,8 +114,33 @@ def _firsts(match: Doc) -> Call:
 
 
 def _lock_holders(match: Doc) -> Call:
-    """The open tasks that hold their group's lock (one a group at most)."""
-    return Call("find", ({**match, GROUP_LOCK: True}, HEAD_FIELDS), {"hint": GROUP_LOCK})
+    """The tasks that hold their group's lock (one a group at most): open ones, and finished
+    ones that still do (a cancelled task whose run has not stopped yet), or that a worker of
+    an earlier version left it on."""
+    holders = {k: v for k, v in match.items() if k != "status"}
+    return Call("find", ({**holders, GROUP_LOCK: True}, HEAD_FIELDS), {"hint": SEQUENCE_LOCK})
+
+
+def _without_stale(holders: list[Doc]) -> Op[list[Doc]]:
+    """``holders`` less the finished ones whose runs have all stopped: their lock is removed
+    (one fenced update each: finished, and still no run on a live lease by the server's
+    clock), and the group's first open task is its head. A finished holder whose run still
+    runs stays the head, due never: the group waits for that run to stop."""
+    kept: list[Doc] = []
+    for doc in holders:
+        if doc.get("status") in OPEN_LIST or doc.get("live") is True:
+            kept.append(doc)
+            continue
+        stale = {
+            "_id": doc["_id"],
+            GROUP_LOCK: True,
+            "status": {"$nin": OPEN_LIST},
+            "$expr": {"$not": [live_run_expr("$$NOW")]},
+        }
+        result = yield Call("update_one", (stale, {"$unset": {GROUP_LOCK: ""}}))
+        if not result.matched_count:  # reopened or run again meanwhile: it holds the lock
+            kept.append({**doc, "status": "running", "next_claim_at": None})
+    return kept
 
 
 def _heads_of(

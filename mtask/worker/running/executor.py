@@ -117,6 +117,7 @@ class Executor:
             sent,
             slots=tuple(s for s in slots if not limits.is_claim_lock(s)) if slots else (),
             tokens=tokens,
+            holds=bool(slots),
         )
         run.task = asyncio.create_task(self.execute(run, doc), name=f"mtask-run-{run.key}")
         self.deadlines.watch(run)
