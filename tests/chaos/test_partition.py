@@ -27,7 +27,7 @@ from pymongo import MongoClient
 from mtask import TaskClient
 from mtask.driver import SyncDriver, collections
 from mtask.store import relays
-from mtask.worker.finding.shared.relay import LEASE_TTL
+from mtask.worker.finding.shared.lease import LEASE_TTL
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 

@@ -5,6 +5,7 @@ stream shows of their claims and successes (their ``last_write`` tags)."""
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import Any, cast
 
 from mtask.clock import FixedClock
@@ -354,3 +355,27 @@ def test_a_worker_handed_a_key_it_runs_says_it_missed() -> None:
     assert not placement.hand("running", "n", 0, None, NOW)  # a second slot of a task it runs
     assert placement.hand("new", "n", 0, None, NOW)
     assert list(placement.queue.entries) == ["new"]
+
+
+def test_a_key_whose_hand_over_lapses_goes_to_another_and_its_subscriber_gets_no_more() -> None:
+    """A subscriber that stops acknowledging (dead, frozen, cut off: no claim, no word): the key
+    handed to it waits less than a second, then goes to another subscriber, and nothing more is
+    handed to it until it is heard from again (issue 66: it waited 5 s, and took new keys)."""
+    d, _ = build()
+    a, b = Channel(), Channel()
+    d.add(a, "a", ["n"], 2)
+    d.add(b, "b", ["n"], 2)
+    d.host.place(task("k0"))
+    before = time.monotonic()
+    assert d.hand_out(NOW) == 1 and a.got() == ["k0"]
+    handed_to, until = d.awaiting["k0"]
+    assert handed_to is account(d, a) and until - before < 1.0  # it lapses within a second
+    d.awaiting["k0"] = (handed_to, 0.0)  # ... and it has: a said nothing, claimed nothing
+    d.run_once()
+    assert b.got() == ["k0"] and d.awaiting["k0"][0] is account(d, b) and d.returned == 1
+    d.host.place(task("k1"))  # a's turn, and credit left: but it is unheard
+    assert d.hand_out(NOW) == 1 and b.got() == ["k0", "k1"] and a.got() == ["k0"]
+    assert d.stats()["unheard"] == 1
+    d.report(a, free=2, got=1, done=0)  # a speaks (its claim of k0 missed, say): heard again
+    d.host.place(task("k2"))
+    assert d.hand_out(NOW) == 1 and a.got() == ["k0", "k2"]

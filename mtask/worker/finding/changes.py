@@ -13,7 +13,6 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from mtask.limits import claim_lock
 from mtask.worker.finding.placement import TaskMeta
 from mtask.worker.finding.scan import Scanner
 from mtask.worker.finding.setaside import count, task_key
@@ -46,13 +45,6 @@ def lock_freed(change: Mapping[str, Any], meta: TaskMeta | None) -> tuple[str, s
     if change.get("operationType") != "update" or fields.get("next_claim_at", 0) is not None:
         return None
     return (name, of) if isinstance(name, str) and isinstance(of, str) else None
-
-
-def lock_notice(pair: tuple[str, str]) -> dict[str, Any]:
-    """A limit document's change event for a sequence's lock: the keys that wait for it try
-    again (``LimitGate.on_change``)."""
-    lock = claim_lock(*pair)
-    return {"operationType": "update", "ns": {"coll": "limits"}, "documentKey": {"_id": lock}}
 
 
 def apply_task_change(scanner: Scanner, change: Mapping[str, Any]) -> None:
