@@ -63,6 +63,7 @@ from mtask.worker.finding.shared.mode import RelayMode, mode_for
 from mtask.worker.finding.shared.standby import Appointments
 from mtask.worker.finding.shared.waiters import GroupWaiters
 from mtask.worker.finding.stream import OTHER_COLLECTIONS, follow, stream_pipeline
+from mtask.worker.service import event_or_timeout
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,9 @@ class Relay:
         own worker while it is alone with it, else none."""
         self.appointments = Appointments()
         """Whom to ask to stand by, when nobody does."""
+        self._renew_now = asyncio.Event()
+        """Set by the first subscriber in another process: a standby is asked at once, after a
+        renewal (the lease renewed often from then on: the standby finds it fresh)."""
         self.dropped = 0
         self.restarts = 0
 
@@ -167,7 +171,8 @@ class Relay:
     async def _keep_lease(self) -> None:
         swept = time.monotonic()
         while True:
-            await asyncio.sleep(self.lease.every(bool(self.inboxes)))
+            await event_or_timeout(self._renew_now, self.lease.every(bool(self.inboxes)))
+            self._renew_now.clear()
             renewal = await self.lease.renew(bool(self.inboxes))
             if renewal is None:
                 continue  # not answered in time: tried again
@@ -315,6 +320,8 @@ class Relay:
             self.lease.until_fresh,
         )
         self.inboxes[subscription] = channel
+        if len(self.inboxes) == 1 and not self.lease.watched:
+            self._renew_now.set()  # somebody could stand by now: ask one without waiting
         self._add(channel, parsed.worker_id, parsed.names, parsed.free)
 
     # -- the stream (the relay is its Inbox) ------------------------------------------------
