@@ -21,7 +21,7 @@
   stream, or a report; one that has neither claimed nor finished anything for a look says
   ``got``. One that leaves keys unacknowledged for ``SILENT_SUBSCRIBER`` seconds is dead,
   frozen or cut off, and the relay lets it go. An idle subscriber is asked nothing and costs
-  nothing. One that lets a hand-over lapse (``dispatch.HAND_OVER_TIMEOUT``) is *unheard*: it is
+  nothing. One that lets a hand-over lapse (``HandOvers``) is *unheard*: it is
   handed nothing until it is heard from again.
 - **Refusals.** A subscriber that cannot claim a key now (its claim missed, or it runs the key
   already: ``concurrency`` > 1) is not handed that key again for a sweep interval, or until an
@@ -39,6 +39,12 @@ from mtask.worker.finding.placement import TaskMeta
 
 SILENT_SUBSCRIBER = 10.0
 """Seconds a subscriber may leave handed keys unacknowledged before the relay lets it go."""
+HAND_OVER_TIMEOUT = 0.5
+"""Seconds a handed-over key waits for its claim (its event in the relay's stream, or a word of
+its subscriber) before it goes back in the host queue, for another subscriber: a live one claims
+in milliseconds (``HandOvers.timeout``: longer while claims take longer to be heard of)."""
+HAND_OVER_MOST = 5.0
+"""The longest a hand-over waits, however slow the cluster (what it always waited before)."""
 
 
 class Channel(Protocol):
@@ -105,7 +111,75 @@ class Account:
 
 
 class HandOvers(dict[str, tuple[Account, float]]):
-    """Keys handed over and not yet claimed: to whom, and until when (monotonic)."""
+    """Keys handed over and not yet claimed: to whom, and until when (monotonic).
+
+    A hand-over lapses ``HAND_OVER_TIMEOUT`` after it (a live subscriber claims in
+    milliseconds), or later while the cluster is slower than that, as TCP's retransmission
+    timeout (RFC 6298): the time a claim has recently taken to be heard of (its event in the
+    relay's stream), four deviations added; doubled at each round that saw lapses, until a claim
+    is heard in time again; a key handed again after a lapse teaches nothing (Karn: whose claim
+    it is, is not known). Up to ``HAND_OVER_MOST``. Under a load that delays every claim past the
+    floor, lapses at the floor would hand every key twice, and the load grow with them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.since: dict[str, float] = {}
+        """When (monotonic) each key was handed over, but after a lapse."""
+        self.retried: set[str] = set()
+        """Keys handed again after a lapse, until their event comes."""
+        self.heard_in: float | None = None
+        """How long a claim has taken to be heard of, smoothed (seconds)."""
+        self.deviation = 0.0
+        self.backoff = 1
+
+    def timeout(self) -> float:
+        base = HAND_OVER_TIMEOUT
+        if self.heard_in is not None:
+            base = max(base, self.heard_in + 4 * self.deviation)
+        return min(HAND_OVER_MOST, base * self.backoff)
+
+    def hand(self, key: str, account: Account, now_mono: float) -> None:
+        self[key] = (account, now_mono + self.timeout())
+        if key not in self.retried:
+            self.since[key] = now_mono
+
+    def heard(self, key: str, now_mono: float) -> None:
+        """An event for ``key``: any wait is over, and how long it took is learnt."""
+        self.pop(key, None)
+        self.retried.discard(key)
+        if (since := self.since.pop(key, None)) is None:
+            return
+        took, self.backoff = now_mono - since, 1
+        if self.heard_in is None:
+            self.heard_in, self.deviation = took, took / 2
+        else:
+            self.deviation += (abs(took - self.heard_in) - self.deviation) / 4
+            self.heard_in += (took - self.heard_in) / 8
+
+    def lapsed(self, now_mono: float) -> list[str]:
+        """The keys whose hand-over has run out (the next ones wait twice as long)."""
+        keys = [key for key, (_, until) in self.items() if until <= now_mono]
+        if keys:
+            self.backoff = min(2 * self.backoff, 64)
+        for key in keys:
+            self.since.pop(key, None)
+            self.retried.add(key)
+        old = [k for k, at in self.since.items() if now_mono - at > 2 * HAND_OVER_MOST]
+        for key in old:  # (their event never came: a key forgotten, a task gone)
+            del self.since[key]
+        if len(self.retried) > 100_000:
+            self.retried.clear()  # bounded: such a key teaches something again
+        return keys
+
+    def forget(self, key: str) -> None:
+        self.pop(key, None)
+        self.since.pop(key, None)
+        self.retried.discard(key)
+
+    def clear(self) -> None:
+        self.since.clear()
+        self.retried.clear()
+        super().clear()
 
     def end(self, key: str, by: Channel | None) -> None:
         """``by`` said what became of ``key``: if it was handed to ``by``, the wait is over."""
@@ -117,10 +191,6 @@ class HandOvers(dict[str, tuple[Account, float]]):
 
     def waits_for(self, account: Account) -> bool:
         return any(to is account for to, _ in self.values())
-
-    def lapsed(self, now_mono: float) -> list[str]:
-        """The keys whose hand-over has run out."""
-        return [key for key, (_, until) in self.items() if until <= now_mono]
 
     def next_end(self) -> float | None:
         return min((until for _, until in self.values()), default=None)

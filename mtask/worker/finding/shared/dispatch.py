@@ -13,11 +13,13 @@ writes to a task. So a task costs one claim attempt however many workers and hos
   for a key a cluster-wide limit keeps back, ``missed``, ``gone`` and its credit after
   anything but a success (``finding.protocols.ClaimReports``).
 - **Events are hints; the claim decides; the sweep bounds a loss.** A key handed over waits for
-  its claim (``awaiting``) until ``HAND_OVER_TIMEOUT``: then it goes back in the host queue, and
-  its subscriber is *unheard* (``credit.Account.unheard``): it is handed nothing more until it is
-  heard from (a claim or success in the stream, a report), so the keys a dead, frozen or cut-off
-  subscriber was handed reach another within a second, and no more are lost to it. A subscriber
-  that goes gives its awaited keys back at once. Any event for an awaited key ends the wait.
+  its claim (``awaiting``) until ``credit.HAND_OVER_TIMEOUT`` (0.5 s; longer only while every
+  claim takes longer to be heard of: ``credit.HandOvers``): then it goes back in the host
+  queue, and its subscriber is *unheard* (``credit.Account.unheard``): it is handed nothing
+  more until it is heard from (a claim or success in the stream, a report), so the keys a dead,
+  frozen or cut-off subscriber was handed reach another within a second, and no more are lost
+  to it. A subscriber that goes gives its awaited keys back at once. Any event for an awaited
+  key ends the wait.
 - **A claim that misses is said.** The key goes back in the host queue for another subscriber,
   and is refused to that one for a while (``credit.Refusals``). A task of ``concurrency`` > 1
   that one subscriber claimed or succeeded at stays in the host queue, as its event places it,
@@ -43,10 +45,6 @@ from mtask.worker.finding.shared.credit import Account, Accounts, Channel, HandO
 from mtask.worker.finding.shared.host_queue import HostQueue
 from mtask.worker.finding.shared.waiters import GroupWaiters
 
-HAND_OVER_TIMEOUT = 0.5
-"""Seconds a handed-over key waits for its claim (its event in the relay's stream, or a word of
-its subscriber) before it goes back in the host queue, for another subscriber: a live one claims
-in milliseconds."""
 PRUNE_EVERY = 2.0
 """Seconds between two prunings of expired refusals."""
 
@@ -168,7 +166,7 @@ class Dispatcher:
         meta = self.host.known(key)
         group = meta.group if meta is not None and isinstance(meta.group, tuple) else None
         self.waiters.held(key, group, by)
-        self.awaiting.pop(key, None)
+        self.awaiting.forget(key)
         self.forget(key)
 
     def missed(self, key: str, by: Channel | None = None) -> None:
@@ -181,7 +179,7 @@ class Dispatcher:
     def gone(self, key: str) -> None:
         """A subscriber found ``key`` finished or deleted."""
         self.said["gone"] += 1
-        self.awaiting.pop(key, None)
+        self.awaiting.forget(key)
         self.waiters.known_again(key)
         self.forget(key)
 
@@ -205,7 +203,7 @@ class Dispatcher:
         key = event_key(change)
         if not isinstance(key, str):
             return
-        self.awaiting.pop(key, None)
+        self.awaiting.heard(key, time.monotonic())
         fields = updated_fields(change)
         kind, account = _writer(fields, self.accounts)
         if account is None:
@@ -318,7 +316,7 @@ class Dispatcher:
             else:
                 handed += 1
                 chosen.handed(1, now_mono)  # its credit counts it from now on
-                self.awaiting[key] = (chosen, now_mono + HAND_OVER_TIMEOUT)
+                self.awaiting.hand(key, chosen, now_mono)
                 group = meta.group[1] if isinstance(meta.group, tuple) else None
                 entry = [key, meta.name, meta.priority, meta.worker_timeout_ms, group]
                 batches.setdefault(chosen, []).append(entry)
