@@ -66,9 +66,10 @@ def on_relays(reply: Any, check: Any = None) -> Step:
 async def test_a_standby_takes_the_lease_over_once_the_relay_stops_renewing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """It holds its post, then tries to take the lease over every ``WATCH_EVERY``: an update
-    that matches only once the relay has not renewed for ``TAKE_OVER_AFTER`` by the server's
-    clock, and only for the worker that holds the post."""
+    """It holds its post, then reads how long ago the relay renewed every ``WATCH_EVERY``, and
+    once that is ``TAKE_OVER_AFTER`` or more takes the lease over: an update that matches only
+    while the relay has not renewed for that long by the server's clock, and only for the
+    worker that holds the post."""
     monkeypatch.setattr(standby_module, "WATCH_EVERY", 0.0)
 
     def take_over(call: Call) -> None:
@@ -85,9 +86,11 @@ async def test_a_standby_takes_the_lease_over_once_the_relay_stops_renewing(
 
     driver = relays_driver(
         on_relays({"_id": "tasks"}, post),
-        on_relays(None, take_over),  # the relay renews: nothing matches
-        on_relays(None, take_over),
-        on_relays({"_id": "tasks"}, take_over),  # it stopped: taken over
+        Step("find", [{"ago": 200}], collection="relays"),  # the relay renews: a read
+        Step("find", [{"ago": 700}], collection="relays"),  # it stopped renewing
+        on_relays(None, take_over),  # (it renewed since, after all: nothing matches)
+        Step("find", [], collection="relays"),  # run out, or another's: try
+        on_relays({"_id": "tasks"}, take_over),  # taken over
     )
     lease = await Standby(cast(AsyncDriver, driver), "tasks", "w2", "r/1").watch()
     assert lease is not None and lease.id.startswith("w2/") and driver.done

@@ -4,14 +4,16 @@ it over as soon as the relay stops renewing it (dead, frozen, cut off), long bef
 The relay appoints it (``wire.STANDBY``, to one subscriber in another process) whenever nobody
 holds the post; the standby holds the post while it renews it (``store.relays.stand_by``, every
 ``POST_RENEW``: it lapses ``POST_TTL`` after the last one, and the relay appoints another). It
-tries to take the lease over every ``WATCH_EVERY`` (``store.relays.take_over``: an update that
-matches only once the lease has gone ``lease.TAKE_OVER_AFTER`` without a renewal, by the
-server's clock; while the relay renews it is a read). It stops watching when its post is
-another's or the lease another relay's. It watches across its own subscriptions (one that
-fails when MongoDB fails over ends; the standby goes on): the post is the worker's.
+reads how long ago the relay renewed the lease every ``WATCH_EVERY`` (``store.relays.renewed_ago``,
+on the server's clock), and once that is ``lease.TAKE_OVER_AFTER`` or more, takes it over
+(``store.relays.take_over``: an update that matches only for the standby, and only while the
+lease has gone that long without a renewal, by the server's clock again). It stops watching
+when its post is another's or the lease another relay's. It watches across its own
+subscriptions (one that fails when MongoDB fails over ends; the standby goes on): the post is
+the worker's.
 
 What it costs the server is constant, whatever the number of workers and hosts: the relay's
-renewals every ``lease.WATCHED_RENEW_EVERY``, the standby's tries every ``WATCH_EVERY`` and its
+renewals every ``lease.WATCHED_RENEW_EVERY``, the standby's reads every ``WATCH_EVERY`` and its
 post every ``POST_RENEW`` (docs/finding-work.md has the figures).
 """
 
@@ -26,7 +28,7 @@ from typing import Protocol, TypeVar
 from mtask import driver
 from mtask.errors import StorageError
 from mtask.store import relays
-from mtask.worker.finding.shared.lease import RelayLease
+from mtask.worker.finding.shared.lease import LEASE_TTL, TAKE_OVER_AFTER, RelayLease
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +98,7 @@ class Standby:
                         if not await self._post():
                             return None
                         posted = time.monotonic()
-                    lease = await RelayLease.take_over(
-                        self.driver, self.tasks, self.worker_id, self.relay_id
-                    )
+                    lease = await self._try()
             except (StorageError, TimeoutError) as exc:
                 log.debug("standing by for relay %s: %s", self.relay_id, exc)
                 lease = None
@@ -106,6 +106,16 @@ class Standby:
                 log.warning("relay %s went silent: its standby took its lease", self.relay_id)
                 return lease
             await asyncio.sleep(WATCH_EVERY)
+
+    async def _try(self) -> RelayLease | None:
+        """The lease, if the relay has gone silent: a read while it renews (how long ago it
+        did, by the server's clock), the takeover's update only once that is long enough (the
+        update decides, on the server's clock again)."""
+        ttl_ms = int(LEASE_TTL * 1000)
+        ago = await self.driver.run(relays.renewed_ago(self.tasks, self.relay_id, ttl_ms))
+        if ago is not None and ago < TAKE_OVER_AFTER * 1000:
+            return None
+        return await RelayLease.take_over(self.driver, self.tasks, self.worker_id, self.relay_id)
 
     async def _post(self) -> bool:
         ttl_ms = int(POST_TTL * 1000)
