@@ -340,13 +340,13 @@ class Relay:
         ns = change.get("ns")
         collection = ns.get("coll") if isinstance(ns, Mapping) else None
         slot = event_key(change) if collection == "limits" else None
-        alone_with = self._alone_with
-        if alone_with is None and isinstance(slot, str) and is_group_slot(slot):
-            self._tell_waiters(slot, change)  # a group's slot changes twice a run
-        elif collection in OTHER_COLLECTIONS:
-            self.broadcast(change)
-        elif alone_with is not None:
-            alone_with.hand(change)
+        if collection in OTHER_COLLECTIONS:
+            if self._alone_with is None and isinstance(slot, str) and is_group_slot(slot):
+                self._tell_waiters(slot, change)  # a group's slot changes twice a run
+            else:
+                self.broadcast(change)
+        elif self._alone_with is not None:  # ALONE: its worker finds its work from them
+            self._alone_with.hand(change)
         else:
             key = event_key(change)
             meta = self.host.known(key) if isinstance(key, str) else None
@@ -358,9 +358,9 @@ class Relay:
         if self._alone_with is None:
             await self.host.settle()
         elif not self.position.buffered:
-            # Its own worker alone: the next read waits for the claim the last change led to
-            # (at most CLAIM_WAIT), so that the claim is sent first; not between changes it
-            # has read already, which its worker claims together.
+            # ALONE: the next read waits for the claim the last change led to (at most
+            # CLAIM_WAIT), so that the claim is sent first; not between changes it has read
+            # already, which its worker claims together.
             await self._alone_with.settled()
 
     def restarted(self) -> None:

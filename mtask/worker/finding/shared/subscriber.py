@@ -352,13 +352,7 @@ class SharedStream:
         if keys is not None or says == "open":
             self._enter(SubscriberState.DISPATCHED)
         if keys is not None:
-            now = self.clock.now()
-            self.reports.received(len(keys))
-            for k in keys:
-                if not self.finder.placement.hand(
-                    k.key, k.name, k.priority, k.worker_timeout_ms, now, k.group
-                ):
-                    self.reports.missed(k.key)  # it runs it already, for another worker
+            self._handed(keys)
         elif says == "own":  # alone with the relay: its events follow, find work yourself
             self._enter(SubscriberState.RELAY_EVENTS)
             await self.finder.opened()
@@ -371,6 +365,15 @@ class SharedStream:
             if not self.dispatched:
                 await asyncio.sleep(0)  # let a woken claimer send its claim first
                 await self.finder.settle()
+
+    def _handed(self, keys: list[wire.Handed]) -> None:
+        now = self.clock.now()
+        self.reports.received(len(keys))
+        for k in keys:
+            if not self.finder.placement.hand(
+                k.key, k.name, k.priority, k.worker_timeout_ms, now, k.group
+            ):
+                self.reports.missed(k.key)  # it runs it already, for another worker
 
     async def _fall_back(self, why: str) -> None:
         log.warning("cannot share the change stream (%s); using an own one", why)
