@@ -17,6 +17,7 @@ from bench.limits import limit_changes
 from bench.output import live_output
 from bench.peers import peers
 from bench.startup import startup
+from bench.relay import relay_faults
 from bench.steps import durable_steps
 from bench.support import FULL, QUICK, floor_helper
 from bench.validator import validator_ab, validator_interleaved
@@ -40,6 +41,7 @@ WORKLOADS = {
     "W9": scale.many_workers,
     "W9H": scale.many_hosts,  # issue 25: one worker per host (network namespaces)
     "W7X": scale.backlog_memory,
+    "WR": relay_faults,  # issue 66: the relay's holder or a subscriber killed, frozen, cut off
     "W10": w10_cpu,  # CPU-bound: thread vs process pool (issue 18, bench/cpu.py)
     "WV": validator_ab,  # the $jsonSchema validator's cost on W1 and W6, A/B (bench/validator.py)
     "WVI": validator_interleaved,  # the same, interleaved batch by batch / side by side

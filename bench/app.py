@@ -39,6 +39,14 @@ async def span(params: dict[str, Any]) -> list[float]:
     return [start, time.time()]
 
 
+@registry.task("linger")
+async def linger(params: dict[str, Any]) -> float:
+    """Runs ``ms`` milliseconds; returns when it started (bench WR: a run taken over)."""
+    started = time.time()
+    await asyncio.sleep(params["ms"] / 1000)
+    return started
+
+
 @registry.task("hold")
 async def hold(params: dict[str, Any]) -> None:
     await asyncio.sleep(3600)

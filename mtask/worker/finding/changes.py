@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from mtask.limits import GROUP_SEPARATOR, LIMIT_FIELDS, claim_lock
+from mtask.limits import GROUP_SEPARATOR, LIMIT_FIELDS
 from mtask.worker.finding.placement import TaskMeta
 from mtask.worker.finding.scan import Scanner
 from mtask.worker.finding.setaside import count, task_key
@@ -60,13 +60,6 @@ def limit_set(change: Mapping[str, Any]) -> str | None:
         return key
     fields = updated_fields(change)
     return key if any(f in fields for f in LIMIT_FIELDS) else None
-
-
-def lock_notice(pair: tuple[str, str]) -> dict[str, Any]:
-    """A limit document's change event for a sequence's lock: the keys that wait for it try
-    again (``LimitGate.on_change``)."""
-    lock = claim_lock(*pair)
-    return {"operationType": "update", "ns": {"coll": "limits"}, "documentKey": {"_id": lock}}
 
 
 def apply_task_change(scanner: Scanner, change: Mapping[str, Any]) -> None:
