@@ -16,8 +16,8 @@ from bench.groups import groups_cost
 from bench.limits import limit_changes
 from bench.output import live_output
 from bench.peers import peers
-from bench.startup import startup
 from bench.relay import relay_faults
+from bench.startup import startup
 from bench.steps import durable_steps
 from bench.support import FULL, QUICK, floor_helper
 from bench.validator import validator_ab, validator_interleaved
