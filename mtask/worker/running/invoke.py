@@ -210,6 +210,12 @@ async def run_in_thread(
     threading.Thread(target=target, name=name, daemon=True).start()
     if held is None:
         return await future
+    return await _held_thread(future, held)
+
+
+async def _held_thread(future: asyncio.Future[Any], held: Held) -> Any:
+    """The thread's result; cancelled, wait for the thread to return first (a second cancel
+    ends that wait), saying so, then raise the cancel."""
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:

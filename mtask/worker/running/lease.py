@@ -336,14 +336,7 @@ class LeasePinger:
         self.pings += 1
         now = time.monotonic()
         if doc is None:
-            if self._keeps(lease, status):  # stopped, but its handler still runs: held
-                lease.stopping = True
-                lease.next_at = now + lease.interval
-                self._report_lost(lease.run_id, status)
-                return
-            with self._cond:
-                self._leases.pop(lease.run_id, None)
-            self._report_lost(lease.run_id, status)
+            self._missed(lease, status, now)
             return
         if slot_lost is not None:  # the task is still the run's: it is given back (RELEASED)
             with self._cond:
@@ -367,6 +360,17 @@ class LeasePinger:
                 lease.key,
                 lease.timeout,
             )
+
+    def _missed(self, lease: _Lease, status: dict[str, Any] | None, now: float) -> None:
+        """A ping matched nothing: the run is stopped. Its lease is forgotten, or, for a run
+        that holds a lock or slots and whose handler still runs, pinged as stopping."""
+        if self._keeps(lease, status):
+            lease.stopping = True
+            lease.next_at = now + lease.interval
+        else:
+            with self._cond:
+                self._leases.pop(lease.run_id, None)
+        self._report_lost(lease.run_id, status)
 
     @staticmethod
     def _keeps(lease: _Lease, status: dict[str, Any] | None) -> bool:
