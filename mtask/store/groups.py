@@ -12,7 +12,7 @@ from typing import Any
 from mtask.driver import Call, Doc, Op, gather
 from mtask.limits import group_slot
 from mtask.statemachine import live_run_expr
-from mtask.store.schema import GROUP_LOCK, OPEN_LIST, SEQUENCE_LOCK
+from mtask.store.schema import GROUP_LOCK, LOCK_STATUSES, OPEN_LIST, SEQUENCE_LOCK
 
 MAX_TOP = 100
 HEAD_FIELDS = {
@@ -114,17 +114,16 @@ def _firsts(match: Doc) -> Call:
 
 
 def _lock_holders(match: Doc) -> Call:
-    """The tasks that hold their group's lock (one a group at most): open ones, and finished
-    ones that still do (a cancelled task whose run has not stopped yet), or that a worker of
-    an earlier version left it on."""
-    holders = {k: v for k, v in match.items() if k != "status"}
+    """The tasks that hold their group's lock (one a group at most): open ones, and cancelled
+    ones that still do (whose run has not stopped yet, or whose worker died meanwhile)."""
+    holders = {**match, "status": {"$in": LOCK_STATUSES}}
     return Call("find", ({**holders, GROUP_LOCK: True}, HEAD_FIELDS), {"hint": SEQUENCE_LOCK})
 
 
 def _without_stale(holders: list[Doc]) -> Op[list[Doc]]:
-    """``holders`` less the finished ones whose runs have all stopped: their lock is removed
-    (one fenced update each: finished, and still no run on a live lease by the server's
-    clock), and the group's first open task is its head. A finished holder whose run still
+    """``holders`` less the cancelled ones whose runs have all stopped: their lock is removed
+    (one fenced update each: not open, and still no run on a live lease by the server's
+    clock), and the group's first open task is its head. A cancelled holder whose run still
     runs stays the head, due never: the group waits for that run to stop."""
     kept: list[Doc] = []
     for doc in holders:

@@ -26,6 +26,10 @@ same update); the ``sequence_lock`` index admits one per group. The task keeps i
 open, or while a run of it still runs on a live lease (a cancelled task whose handler has not
 stopped yet), and gives it up with the write that ends the last of them
 (``statemachine.lock_kept_expr``); a reopened task loses it."""
+LOCK_STATUSES = [TaskStatus.PENDING.value, TaskStatus.RUNNING.value, TaskStatus.CANCELLED.value]
+"""The statuses of a task whose ``group_lock`` counts: open, or cancelled while its run still
+stops (a cancelled task gives its mark up with the write that records that its run stopped;
+a succeeded, failed or invalid one holds nothing whatever it kept)."""
 SEQUENCE_LOCK = "sequence_lock"
 """The unique index of the sequences' locks (it replaces ``group_lock``, which admitted one
 *open* holder per group, so a cancel gave the lock up while the run still ran)."""
@@ -113,7 +117,11 @@ INDEXES: dict[str, list[IndexModel]] = {
             [("name", ASCENDING), ("options.group", ASCENDING)],
             name=SEQUENCE_LOCK,
             unique=True,
-            partialFilterExpression={GROUP_LOCK: True, "options.group": {"$type": "string"}},
+            partialFilterExpression={
+                GROUP_LOCK: True,
+                "options.group": {"$type": "string"},
+                "status": {"$in": LOCK_STATUSES},
+            },
         ),
     ],
     "workers": [IndexModel([("last_seen", ASCENDING)], name="last_seen")],
@@ -469,9 +477,9 @@ LOCK_MIGRATION_TRIES = 5
 
 def migrate_locks() -> Op[None]:
     """Before the ``sequence_lock`` index is first made: earlier versions left ``group_lock`` on
-    finished tasks (their index held open ones only), which the new index would count as held
-    (and refuse to build on, two of a group). Those marks are removed first; a build that
-    still meets two (a worker of an earlier version finishing tasks meanwhile) is tried
+    cancelled tasks (their index held open ones only), which the new index would count as
+    held (and refuse to build on, two of a group). Those marks are removed first; a build
+    that still meets two (a worker of an earlier version cancelling meanwhile) is tried
     again. Once the index is there, this reads its list of indexes only."""
     present = yield Call("index_information")
     if SEQUENCE_LOCK in present:
