@@ -351,12 +351,15 @@ async def follow_waits(
     full_document: str | None = None,
     batch_size: int | None = None,
     on_open: Callable[[], Awaitable[None]] | None = None,
+    await_ms: int = AWAIT_MS,
 ) -> AsyncGenerator[Doc | None, None]:
     """The reopen loop itself: each change, and ``None`` after a wait that brought none (a
     consumer settles what it owes then); ``on_open`` after each (re)open but one asked for by
     ``at.switch()``: a failure there (``StorageError`` included) reopens as a failed stream
     does. ``source`` is a collection or a whole database (the worker follows its tasks and
-    their controls, limits and schedules on one stream); ``pipeline`` is read at each open."""
+    their controls, limits and schedules on one stream); ``pipeline`` is read at each open.
+    ``await_ms``: how long a ``getMore`` waits for changes (a trigger's idle stream waits
+    longer than the worker's own)."""
     while True:
         delay = 0.05
         try:
@@ -364,7 +367,7 @@ async def follow_waits(
                 pipeline(),
                 full_document=full_document,
                 resume_after=at.token,
-                max_await_time_ms=AWAIT_MS,
+                max_await_time_ms=await_ms,
                 batch_size=batch_size,
             ) as stream:
                 at.opened(stream.resume_token)

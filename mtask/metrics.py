@@ -88,6 +88,35 @@ TIME_LIMIT_KILLS = Counter(
 )
 
 
+# -- triggers and waits on data (docs/triggers.md) --
+FOLLOWER_CHANGES = Counter(
+    "mtask_follower_changes",
+    "Changes a follower held by this process handled, per follower (trigger:<name> or "
+    "wait:<collection>)",
+    ["follower"],
+)
+FOLLOWER_HISTORY_LOST = Counter(
+    "mtask_follower_history_lost",
+    "Times a follower held by this process found its stream's history gone (the oplog rolled "
+    "past its position, the collection dropped or renamed) and scanned instead",
+    ["follower"],
+)
+FOLLOWERS_TAKEN = Counter(
+    "mtask_followers_taken", "Follower leases this process took", ["follower"]
+)
+TRIGGER_TASKS = Counter(
+    "mtask_trigger_tasks",
+    "Tasks a trigger followed by this process published, by how (created, joined, reset, "
+    "follow-up, own; scan)",
+    ["trigger", "how"],
+)
+DATA_WAITS_WOKEN = Counter(
+    "mtask_data_waits_woken",
+    "Data waits (ctx.wait_until) this process woke, per collection, by what (change, sweep)",
+    ["collection", "by"],
+)
+
+
 @functools.lru_cache(maxsize=4096)
 def by_name(metric: Counter | Histogram, name: str) -> Any:
     """``metric.labels(name)``, cached: ``labels`` validates and takes a lock on every call,

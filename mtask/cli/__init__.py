@@ -38,6 +38,7 @@ from mtask.cli import (
     server,
     signal,
     tasks,
+    triggers,
     wait,
     worker,
 )
@@ -57,6 +58,7 @@ from mtask.errors import (
     MtaskError,
     ScheduleNotFound,
     TaskNotFound,
+    TriggerNotFound,
     UsageError,
     WorkerNotFound,
 )
@@ -91,6 +93,7 @@ COMMAND_MODULES: list[CommandModule] = [
     (signal.register, signal.run),  # issue 30: mtask signal
     (worker.register, worker.run),
     (scheduling.register, scheduling.run),
+    (triggers.register, triggers.run),  # issue 63: mtask triggers
     (retention.register, retention.run),
     (live.register, live.run),
     (server.register, server.run),
@@ -125,7 +128,7 @@ def run_command(handler: Handler, args: argparse.Namespace) -> int:
     except (UsageError, InvalidTask) as exc:
         err.print(f"mtask: error: {exc}", markup=False)
         return EXIT_USAGE
-    except (TaskNotFound, ScheduleNotFound, WorkerNotFound) as exc:
+    except (TaskNotFound, ScheduleNotFound, TriggerNotFound, WorkerNotFound) as exc:
         err.print(f"mtask: {exc}", markup=False)
         return EXIT_NOT_FOUND
     except MtaskError as exc:  # InvalidTransition, StorageError, …

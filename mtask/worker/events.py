@@ -31,6 +31,18 @@ class Event(enum.StrEnum):
     """An outcome MongoDB refused and the worker dropped: no FAIL could be written in its
     place (the task was marked invalid, or is run again when its lease ends)."""
     PAUSED_CHANGED = "paused_changed"
+    # -- triggers and waits on data (docs/triggers.md) --
+    FOLLOWING = "following"
+    """This process took a follower's lease (a trigger, or a collection tasks wait on)."""
+    UNFOLLOWED = "unfollowed"
+    """A follower this process held was paused, reset or taken."""
+    REACTED = "reacted"
+    """A follower handled a batch of changes (``changes``; ``published``: tasks created, or
+    data waits woken)."""
+    SCANNED = "scanned"
+    """A follower's scan of the matching documents ended (``published``)."""
+    HISTORY_LOST = "history_lost"
+    """A follower's stream could not resume (its history is gone): it scans instead."""
 
 
 LOGGED = frozenset(
@@ -46,6 +58,9 @@ LOGGED = frozenset(
         Event.STARTED,
         Event.STOPPING,
         Event.STOPPED,
+        Event.FOLLOWING,
+        Event.UNFOLLOWED,
+        Event.SCANNED,
     }
 )
 """Events worth a log line at INFO; the others only reach ``on_event``."""
