@@ -142,8 +142,8 @@ class Holdings:
             follower, task = self.held.pop(id)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            if mine:
-                await self.driver.run(followers.save(self.holder, follower.take()))
+            if mine:  # paused: its position written, its lease ended
+                await self.driver.run(followers.release(self.holder, follower.take()))
             why = "paused" if mine else "taken or reset"
             log.info("%s: no longer followed here (%s)", follower.reaction.label, why)
             self.emit(Event.UNFOLLOWED, follower=follower.reaction.label, why=why)

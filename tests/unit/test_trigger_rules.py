@@ -107,7 +107,9 @@ def test_the_pipeline_matches_the_changed_document_and_keeps_what_a_task_needs()
     }
 
 
-@given(st.dictionaries(st.from_regex(r"[a-z][a-z.]{0,8}", fullmatch=True), st.integers(), max_size=5))
+@given(
+    st.dictionaries(st.from_regex(r"[a-z][a-z.]{0,8}", fullmatch=True), st.integers(), max_size=5)
+)
 def test_a_match_is_the_same_query_one_level_down(match: dict[str, int]) -> None:
     assert prefixed(match, "fullDocument.") == {f"fullDocument.{k}": v for k, v in match.items()}
 
@@ -127,7 +129,7 @@ def _one_id(a: Any, b: Any) -> bool:
     """Whether MongoDB holds ``a`` and ``b`` as one ``_id`` (numbers compare by value)."""
     numbers = (int, float)
     if isinstance(a, numbers) and isinstance(b, numbers):
-        return not isinstance(a, bool) and not isinstance(b, bool) and a == b or (
+        return (not isinstance(a, bool) and not isinstance(b, bool) and a == b) or (
             isinstance(a, bool) and isinstance(b, bool) and a == b
         )
     return type(a) is type(b) and a == b
@@ -186,7 +188,9 @@ def test_a_lease_is_taken_on_the_servers_clock_only_if_free_or_ones_own_and_not_
         assert pipeline[0]["$set"]["expires_at"] == {"$add": ["$$NOW", 10_000]}
 
     driver = ScriptedDriver(
-        Step("find_one_and_update", {"_id": "tasks/trigger/ship"}, collection="triggers", check=check)
+        Step(
+            "find_one_and_update", {"_id": "tasks/trigger/ship"}, collection="triggers", check=check
+        )
     )
     assert driver.run(followers.acquire("tasks/trigger/ship", "w1", 10_000)) is not None
     assert driver.done
@@ -255,5 +259,7 @@ def test_a_document_keyed_change_joins_a_task_that_has_not_started() -> None:
 
 def test_a_change_during_a_run_gets_a_follow_up_keyed_by_that_run() -> None:
     key = store_triggers.follow_up_key("ship:1", "run-7")
-    assert key.startswith("ship:1:after-") and key == store_triggers.follow_up_key("ship:1", "run-7")
+    assert key.startswith("ship:1:after-") and key == store_triggers.follow_up_key(
+        "ship:1", "run-7"
+    )
     assert key != store_triggers.follow_up_key("ship:1", "run-8")

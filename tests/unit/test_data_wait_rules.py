@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from scripted import ScriptedDriver, Step
 
-from mtask.models import RunState, Step as StepModel, Waiting
+from mtask.models import RunState, Waiting
+from mtask.models import Step as StepModel
 from mtask.steps import (
     NEVER,
     ConditionTimeout,
@@ -204,7 +205,7 @@ def test_the_waiting_outcome_of_a_woken_data_wait_is_claimable_now() -> None:
     with pytest.raises(Suspended) as suspended:
         run(store, 1, settle)
     wait = suspended.value.wait
-    filt, pipeline = finish_update(Outcome("k", "run-1", RunState.WAITING, wait=wait), T0)
+    _, pipeline = finish_update(Outcome("k", "run-1", RunState.WAITING, wait=wait), T0)
     sets = pipeline[0]["$set"]
     woke, now, until = sets["available_at"]["$cond"]
     assert now == T0 and until == wait.until
