@@ -89,7 +89,8 @@ def _print(docs: list[dict[str, Any]]) -> None:
         "changes", "history lost", "holder",
     )  # fmt: skip
     for doc in docs:
-        spec = doc.get("spec") if isinstance(doc.get("spec"), dict) else {}
+        spec = doc.get("spec")
+        spec = spec if isinstance(spec, dict) else {}
         lost = doc.get("lost") or 0
         add_row(
             table,
