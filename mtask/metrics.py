@@ -31,6 +31,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from mtask.models import OPEN_STATUSES
+from mtask.triggers import follower_label
 
 DEPTH_TTL = 5.0
 
@@ -273,8 +274,7 @@ class TriggerLag(Collector):
         except Exception:  # noqa: BLE001 - MongoDB out of reach: report the last known figures
             docs = self._docs
         for doc in docs:
-            name = label(doc.get("name"))
-            trigger = f"wait:{name}" if doc.get("kind") == "wait" else name
+            trigger = label(follower_label(doc.get("kind"), label(doc.get("name"))))
             lag_ms = doc.get("lag_ms")
             if isinstance(lag_ms, int | float) and not isinstance(lag_ms, bool):
                 lag.add_metric([trigger], max(0.0, lag_ms / 1000))

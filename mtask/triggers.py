@@ -374,6 +374,25 @@ def bson_json(value: Any) -> str:
     return json_util.dumps(value, json_options=json_util.RELAXED_JSON_OPTIONS)
 
 
+def follower_label(kind: Any, name: Any) -> str:
+    """A follower's name for people: a trigger's name, or ``wait:COLLECTION``."""
+    return f"wait:{name}" if kind == "wait" else str(name)
+
+
+def describe_lag(ms: Any) -> str:
+    """A lag for people: ``0.4 s``, ``12 s``, ``3 min``, ``2.5 h``; ``-`` when unknown."""
+    if not isinstance(ms, int | float) or isinstance(ms, bool):
+        return "-"
+    seconds = max(0.0, ms / 1000)
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def follower_of(name: str) -> tuple[Literal["trigger", "wait"], str]:
     """An operator's name for a follower: a trigger's name (or ``trigger:NAME``), or
     ``wait:COLLECTION`` for a collection that tasks wait on."""

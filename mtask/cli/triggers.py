@@ -4,27 +4,15 @@ with who follows it, its lag and its counts; ``pause``, ``resume`` and ``reset``
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 from typing import Any
 
 from mtask.cli.common import Commands, add_common, add_row, out, print_json, task_client, when
 from mtask.errors import UsageError
+from mtask.triggers import describe_lag, follower_label
 
 commands = Commands()
 run = commands.run
-
-
-def lag_text(ms: Any) -> str:
-    """A lag for people: ``0.4 s``, ``12 s``, ``3 min``, ``2.5 h``; ``-`` when unknown."""
-    if not isinstance(ms, int | float) or isinstance(ms, bool):
-        return "-"
-    seconds = max(0.0, ms / 1000)
-    if seconds < 10:
-        return f"{seconds:.1f} s"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def state_text(doc: dict[str, Any]) -> str:
@@ -37,11 +25,7 @@ def state_text(doc: dict[str, Any]) -> str:
 
 
 def label_of(doc: dict[str, Any]) -> str:
-    return (
-        f"{doc.get('kind')}:{doc.get('name')}"
-        if doc.get("kind") == "wait"
-        else str(doc.get("name"))
-    )
+    return follower_label(doc.get("kind"), doc.get("name"))
 
 
 @commands.command("triggers")
@@ -78,6 +62,11 @@ def cmd_triggers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _date(value: Any) -> dt.datetime | None:
+    """A date as stored, or ``None`` for a field in another shape (a hand edit)."""
+    return value if isinstance(value, dt.datetime) else None
+
+
 def _print(docs: list[dict[str, Any]]) -> None:
     if not docs:
         out.print("no triggers (a registry declares them: docs/triggers.md)", markup=False)
@@ -98,11 +87,11 @@ def _print(docs: list[dict[str, Any]]) -> None:
             str(doc.get("collection")),
             str(spec.get("task", "-")),
             state_text(doc),
-            lag_text(doc.get("lag_ms")),
-            when(doc.get("at")),
+            describe_lag(doc.get("lag_ms")),
+            when(_date(doc.get("at"))),
             str(doc.get("published") or 0),
             str(doc.get("changes") or 0),
-            f"{lost} (last {when(doc.get('lost_at'))})" if lost else "0",
+            f"{lost} (last {when(_date(doc.get('lost_at')))})" if lost else "0",
             str(doc.get("holder") or "-") if doc.get("held") else "-",
         )
     out.print(table)
