@@ -254,8 +254,12 @@ class Position:
         *,
         fresh_when_lost: bool = False,
         give_up_after: float | None = None,
+        lost_codes: Mapping[int, str] = HISTORY_LOST,
     ) -> None:
         self.token = token
+        self.lost_codes = lost_codes
+        """The server's errors after which the stream cannot go on after ``token``
+        (``HISTORY_LOST``; a trigger that requires post-images adds the missing image's)."""
         self.fresh_when_lost = fresh_when_lost
         self.give_up_after = give_up_after
         self.from_caller = token is not None
@@ -296,7 +300,7 @@ class Position:
     def failed(self, exc: PyMongoError | StorageError, now: float) -> float:
         """Decide after ``exc``: returns how long to wait before reopening, or raises."""
         if isinstance(exc, OperationFailure):
-            if exc.code in HISTORY_LOST:
+            if exc.code in self.lost_codes:
                 self.lost(f"the change stream's history is lost: {exc}")
             elif (
                 self.from_caller

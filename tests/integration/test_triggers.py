@@ -279,3 +279,29 @@ async def test_a_trigger_runs_from_a_worker_process_registry_and_its_task_runs(
     assert seen == ["ann@example.com"]
     task = await aclient.get(done["key"])
     assert task is not None and task.result == "sent to ann@example.com"
+
+
+async def test_with_images_a_trigger_matches_the_document_as_its_change_left_it(
+    mongo_uri: str, db_name: str, mongo: Db
+) -> None:
+    """``images=True``: each update is matched against its own post-image, so an order paid
+    then shipped at once gets its task (the lookup could read it shipped already). A change
+    whose image is missing (images turned on after it) is a lost history: said, and scanned."""
+    db = mongo[db_name]
+    db.create_collection("orders")
+    db.orders.insert_one({"_id": "early", "status": "new"})
+    registry = orders_registry(images=True, on=["update"])
+    async with running_worker(registry, mongo_uri, db_name, names=["idle"]) as (_, events):
+        await events.wait("following", follower="trigger:ship")
+        db.orders.update_one({"_id": "early", "status": "new"}, {"$set": {"status": "paid"}})
+        await events.wait("history_lost", follower="trigger:ship", timeout=30)
+        await events.wait("scanned", follower="trigger:ship", timeout=30)
+        db.command("collMod", "orders", changeStreamPreAndPostImages={"enabled": True})
+        db.orders.insert_many([{"_id": i, "status": "new"} for i in range(20)])
+        for i in range(20):
+            db.orders.update_one({"_id": i}, {"$set": {"status": "paid"}})
+            db.orders.update_one({"_id": i}, {"$set": {"status": "shipped"}})
+        await wait_for(lambda: handled(events) >= 20, timeout=30)
+    updates = ship_tasks(db, **{"params.change.op": "update"})
+    assert sorted(t["params"]["_id"] for t in updates) == list(range(20))
+    assert [t["params"]["_id"] for t in ship_tasks(db, **{"params.change.op": "scan"})] == ["early"]

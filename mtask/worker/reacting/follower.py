@@ -26,7 +26,7 @@ from mtask import metrics
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver, Doc, storage_error
 from mtask.errors import EventsLost, LeaseLost, StorageError
-from mtask.events import Position, follow_waits
+from mtask.events import HISTORY_LOST, Position, follow_waits
 from mtask.store import followers
 from mtask.triggers import cluster_time
 from mtask.worker.events import Emitter, Event
@@ -41,6 +41,9 @@ AWAIT_MS = 2000
 """How long an idle follower's ``getMore`` waits for a change (the worker's own waits 500 ms):
 an idle trigger costs the server one ``getMore`` every two seconds."""
 RETRY_MAX_S = 5.0
+LOST_CODES = {**HISTORY_LOST, 47: "NoMatchingDocument"}
+"""After these the stream cannot go on after its position: the history is gone, or (a trigger
+with ``images=True``) a change's post-image is (images enabled after it, or expired)."""
 
 
 class Follower:
@@ -132,7 +135,7 @@ class Follower:
         self.emit(Event.SCANNED, follower=self.reaction.label, published=published)
 
     async def _follow(self, token: Doc) -> None:
-        at = Position(token)
+        at = Position(token, lost_codes=LOST_CODES)
         sweeper = None
         if self.reaction.sweep_every is not None:
             sweeper = asyncio.create_task(self._sweeps(self.reaction.sweep_every))
