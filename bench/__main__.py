@@ -17,6 +17,7 @@ from bench.output import live_output
 from bench.peers import peers
 from bench.steps import durable_steps
 from bench.support import FULL, QUICK, floor_helper
+from bench.triggers import reacting
 from bench.validator import validator_ab, validator_interleaved
 from bench.workloads import Bench
 from mtask.connection import resolve_uri
@@ -46,6 +47,7 @@ WORKLOADS = {
     "WB": cost_budget,  # issue 26: the cost budget per task, beside bench/budget.json
     "WQ": peers,  # issue 26: W1 and W2 beside arq on Redis, same run (bench/peers.py)
     "WG": groups_cost,  # issue 29: fairness, group limits and sequences in a drain
+    "WT": reacting,  # issue 63: triggers and waits on data (bench/triggers.py)
 }
 
 

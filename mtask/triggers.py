@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from mtask.errors import InvalidTask
 from mtask.models import (
     MAX_KEY_LENGTH,
     TaskOptions,
+    bson_json,
     describe_validation_error,
     encodable,
     validate_name,
@@ -276,7 +278,7 @@ class Trigger:
         return {
             "collection": self.collection,
             "task": self.task,
-            "match": bson_json(self.match),
+            "match": json.dumps(bson_json(self.match)),
             "on": list(self.on),
             "fields": list(self.fields),
             "params": list(self.params),
@@ -367,11 +369,6 @@ def _fit(name: str, text: str, tail: str | None) -> str:
         return key
     short = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
     return f"{name}:#{short}" + (f":{tail}" if tail else "")
-
-
-def bson_json(value: Any) -> str:
-    """A value as relaxed extended JSON, for people to read."""
-    return json_util.dumps(value, json_options=json_util.RELAXED_JSON_OPTIONS)
 
 
 def follower_label(kind: Any, name: Any) -> str:

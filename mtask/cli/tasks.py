@@ -28,7 +28,7 @@ from mtask.cli.common import (
 )
 from mtask.client import build_many
 from mtask.errors import InvalidTask, TaskNotFound, UsageError
-from mtask.models import ON_CONFLICT_CHOICES, OutputCounts, Task, TaskStatus
+from mtask.models import ON_CONFLICT_CHOICES, OutputCounts, Task, TaskStatus, bson_json
 from mtask.steps import NEVER
 
 if TYPE_CHECKING:
@@ -163,6 +163,9 @@ def _waiting_rows(task: Task) -> list[tuple[str, str]]:
     w = task.waiting
     if w is not None and task.status == TaskStatus.PENDING:
         what = f"signal {w.signal!r}, {_deadline(w.until)}" if w.signal else f"{_deadline(w.until)}"
+        if w.data is not None:  # issue 63: a wait on data (ctx.wait_until)
+            shown = json.dumps(bson_json(w.data.filter))
+            what = f"{w.data.collection} {shown}, {_deadline(w.until)}"
         rows.append(("waiting", f"{what} (step {w.index + 1}: {w.step or '-'})"))
     if task.signals:
         names = Counter(s.name for s in task.signals)

@@ -7,6 +7,9 @@ for a thousand waiting tasks."""
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
 from typing import Any
 
 import datawaithandlers
@@ -39,6 +42,12 @@ async def test_a_wait_is_woken_by_the_update_that_settles_it_and_by_no_other(
             "ids": ["inv-1"],
             "filter": {"_id": "inv-1", "status": "settled"},
         }
+        argv = [sys.executable, "-m", "mtask", "get", "s1", "--uri", mongo_uri]
+        got = await asyncio.to_thread(
+            subprocess.run, [*argv, "--database", db_name], capture_output=True, text=True
+        )
+        shown = got.stdout
+        assert 'invoices {"_id": "inv-1", "status": "settled"}' in shown, shown
         db.invoices.update_one({"_id": "inv-1"}, {"$set": {"status": "sent"}})  # not settled
         await wait_for(lambda: events.matching("reacted", follower="wait:invoices"))
         assert woken(events) == 0 and db.tasks.find_one({"_id": "s1"})["attempts"] == 1

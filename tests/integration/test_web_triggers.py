@@ -126,3 +126,32 @@ def test_a_follower_document_of_any_shape_is_shown(
     assert named == ["at", "lost", "lost_at", "scan", "spec", "through"]
     assert listed["tasks/trigger/odd"]["name"] is None and listed["tasks/trigger/odd"]["problems"]
     assert main(["triggers", "--uri", mongo_uri, "--database", db_name]) == 0  # the CLI too
+
+
+def test_a_tasks_page_says_which_document_it_waits_for(
+    api: TestClient, mongo: MongoClient[dict[str, Any]], db_name: str
+) -> None:
+    until = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
+    step = {
+        "name": "until:invoices",
+        "kind": "data",
+        "state": "waiting",
+        "attempts": 0,
+        "run_id": "r-1",
+        "started_at": NOW,
+        "until": until,
+        "collection": "invoices",
+    }
+    waiting = {
+        "until": until,
+        "index": 0,
+        "step": "until:invoices",
+        "data": {"collection": "invoices", "ids": ["inv-1"], "filter": {"_id": "inv-1", "x": 1}},
+    }
+    mongo[db_name].tasks.insert_one(
+        {"_id": "w1", "name": "settle", "status": "pending", "steps": [step], "waiting": waiting}
+    )
+    sign_in(api)
+    page = api.get("/ui/tasks/w1").text
+    assert "until <strong>invoices</strong> holds" in page and "inv-1" in page
+    assert "invoices, 2026-12-01" in page
