@@ -600,6 +600,16 @@ class RunSteps:
         entry.update(state="waiting", until=until)
         raise Suspended(Wait(index, None if prior is not None else entry, until))
 
+    def _recorded(self, prior: Doc | None, timed_out: SignalTimeout) -> Plan[tuple[bool, Any]]:
+        """A wait an earlier run recorded as over: ``(True, its result)`` if done; ``timed_out``
+        raised again if it timed out (a replay takes the same path); else ``(False, None)``."""
+        if prior is not None and prior.get("state") == "done":
+            value = yield from self._read(prior)
+            return True, value
+        if prior is not None and prior.get("state") == "timed_out":
+            raise timed_out
+        return False, None
+
     def _wait_for(
         self, signal: str, timeout: float | dt.timedelta | None, name: str | None
     ) -> Plan[Any]:
@@ -608,11 +618,10 @@ class RunSteps:
         self.waits[signal] = nth + 1
         step = name if name is not None else (f"wait:{signal}" + (f"#{nth + 1}" if nth else ""))
         index, prior = self._begin(step, "signal")
-        if prior is not None and prior.get("state") == "done":
-            value = yield from self._read(prior)
+        timed_out = SignalTimeout(f"no signal {signal!r} came before the timeout (recorded)")
+        over, value = yield from self._recorded(prior, timed_out)
+        if over:
             return value
-        if prior is not None and prior.get("state") == "timed_out":
-            raise SignalTimeout(f"no signal {signal!r} came before the timeout (recorded)")
         now = self.store.now()
         entry = self._entry(step, "signal", prior, now)
         entry.update(signal=signal, nth=nth)
@@ -627,10 +636,7 @@ class RunSteps:
                 self.spilled = True
             yield from self._write(index, entry, prior)
             return payload
-        if prior is not None and isinstance(prior.get("until"), dt.datetime):
-            until = _aware(prior["until"])
-        else:
-            until = NEVER if timeout is None else _until(timeout, now)
+        until = _deadline(prior, timeout, now)
         if now >= until:
             entry.update(state="timed_out", until=until)
             self._tried(entry, now, 0, "timed out")
@@ -656,18 +662,14 @@ class RunSteps:
         self.untils[collection] = nth + 1
         step = name if name is not None else f"until:{collection}" + (f"#{nth + 1}" if nth else "")
         index, prior = self._begin(step, "data")
-        if prior is not None and prior.get("state") == "done":
-            value = yield from self._read(prior)
+        timed_out = ConditionTimeout(f"{collection} did not reach the state in time (recorded)")
+        over, value = yield from self._recorded(prior, timed_out)
+        if over:
             return value
-        if prior is not None and prior.get("state") == "timed_out":
-            raise ConditionTimeout(f"{collection} did not reach the state in time (recorded)")
         now = self.store.now()
         entry = self._entry(step, "data", prior, now)
         entry["collection"] = collection
-        if prior is not None and isinstance(prior.get("until"), dt.datetime):
-            until = _aware(prior["until"])
-        else:
-            until = NEVER if timeout is None else _until(timeout, now)
+        until = _deadline(prior, timeout, now)
         wait = Wait(index, None if prior is not None else entry, until, data=data)
         found = yield _Io(lambda: self.store.holds(collection, filt, None))
         if found is None and now < until:  # announced, then looked at again: no change is lost
@@ -699,6 +701,16 @@ class RunSteps:
             )
         entry.update(state="waiting", until=wait.until)
         raise Suspended(wait)
+
+
+def _deadline(
+    prior: Doc | None, timeout: float | dt.timedelta | None, now: dt.datetime
+) -> dt.datetime:
+    """A wait's deadline: the one an earlier run recorded, else ``timeout`` from ``now`` (the
+    server's clock), else ``NEVER``."""
+    if prior is not None and isinstance(prior.get("until"), dt.datetime):
+        return _aware(prior["until"])
+    return NEVER if timeout is None else _until(timeout, now)
 
 
 def _aware(when: dt.datetime) -> dt.datetime:
