@@ -29,7 +29,7 @@ from mtask.driver import Call, Doc, Op
 from mtask.models import NewTask, TaskStatus
 from mtask.statemachine import recompute_stages
 from mtask.store.schema import literal
-from mtask.store.tasks import Published, publish
+from mtask.store.tasks import FINISHED, Published, publish
 
 Outcome = Literal["created", "joined", "reset", "follow-up", "own"]
 
@@ -78,12 +78,14 @@ def publish_document(
     """Publish the change ``task`` (keyed by its document) by the rules above; ``own`` is the
     same task keyed by the change, for a change that neither the document's task nor its
     follow-up can take."""
-    published: Published = yield from publish(task, now, "reset", retention=retention)
+    published: Published = yield from publish(task, now, "ignore", retention=retention)
     if published.created:
         return "created"
-    if published.updated:
-        return "reset"
-    if not _started(published.document) and (yield from join(task, now, run_at)):
+    if published.document.get("status") in FINISHED:
+        published = yield from publish(task, now, "reset", retention=retention)
+        if published.updated or published.created:
+            return "reset"
+    elif not _started(published.document) and (yield from join(task, now, run_at)):
         return "joined"
     key = follow_up_key(task.key, _last_run(published.document))
     follow = task.model_copy(update={"key": key})

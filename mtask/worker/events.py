@@ -33,7 +33,8 @@ class Event(enum.StrEnum):
     PAUSED_CHANGED = "paused_changed"
     # -- triggers and waits on data (docs/triggers.md) --
     FOLLOWING = "following"
-    """This process took a follower's lease (a trigger, or a collection tasks wait on)."""
+    """This process took a follower's lease (a trigger, or a collection tasks wait on) and
+    knows its position: every change from now on is handed out."""
     UNFOLLOWED = "unfollowed"
     """A follower this process held was paused, reset or taken."""
     REACTED = "reacted"

@@ -90,8 +90,12 @@ class Follower:
 
     async def run(self) -> None:
         state = self.state
+        told = False
         while True:
             token = state.token if state.token is not None else await self._retrying(self._fresh)
+            if not told:  # from here on, every change is handed out
+                self.emit(Event.FOLLOWING, follower=self.reaction.label)
+                told = True
             if state.scan is not None:
                 await self._scan(state.scan)
             try:

@@ -175,7 +175,6 @@ class Holdings:
         self.held[id] = (follower, task)
         metrics.by_name(metrics.FOLLOWERS_TAKEN, reaction.label).inc()
         log.info("this worker follows %s for the cluster", reaction.label)
-        self.emit(Event.FOLLOWING, follower=reaction.label)
 
     async def _stop_all(self) -> None:
         """A stopping worker: its followers ended, their positions written and their leases
