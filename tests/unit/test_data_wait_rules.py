@@ -252,3 +252,28 @@ def test_the_tasks_a_change_wakes_are_found_through_the_index_and_checked_by_mon
     tasks = driver.run(datawaits.waiting_on("invoices", [1]))
     assert tasks == [well]  # a wait of any other shape is skipped
     assert driver.run(datawaits.holding("invoices", [*tasks, odd])) == [well]
+
+
+def test_a_users_test_runs_a_waiting_handler_with_run_handler() -> None:
+    """``mtask.testing.run_handler`` with ``MemorySteps(find=...)``: the run waits, the test
+    settles the document, the next run returns (docs/triggers.md, "Waits on data")."""
+    from mtask.registry import Registry, TaskContext
+    from mtask.testing import run_handler
+
+    registry = Registry()
+    registry.waits_on("invoices")
+
+    @registry.task("checkout")
+    async def checkout(params: dict[str, Any], ctx: TaskContext) -> str:
+        invoice = await ctx.wait_until("invoices", {"_id": "inv-1", "status": "settled"})
+        return str(invoice["by"])
+
+    world = World()
+    world.docs["inv-1"] = {"_id": "inv-1", "status": "open"}
+    steps = MemorySteps(clock=lambda: world.now, find=world.find)
+    first = run_handler(registry, "checkout", steps=steps)
+    assert first.state is RunState.WAITING and first.wait is not None
+    assert first.wait.data is not None and first.wait.data["collection"] == "invoices"
+    world.docs["inv-1"] = {"_id": "inv-1", "status": "settled", "by": "ann"}
+    second = run_handler(registry, "checkout", steps=steps)
+    assert second.state is RunState.SUCCESS and second.result == "ann"
