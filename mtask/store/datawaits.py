@@ -84,9 +84,9 @@ def waiting_on(collection: str, ids: Sequence[Any]) -> Op[list[Doc]]:
 
 
 def open_waits(collection: str, after: str | None, limit: int) -> Op[list[Doc]]:
-    """A page of the pending tasks waiting on ``collection``, by key (the sweep's re-check;
-    ``holding`` skips a wait of any other shape)."""
-    filt: Doc = {COLLECTION: collection, "status": TaskStatus.PENDING.value}
+    """A page of the pending tasks waiting on ``collection`` and not claimable already, by key
+    (the sweep's re-check; ``holding`` skips a wait of any other shape)."""
+    filt: Doc = {COLLECTION: collection, **NOT_WOKEN["$or"][0]}
     if after is not None:
         filt["_id"] = {"$gt": after}
     docs: list[Doc] = yield Call(
@@ -173,12 +173,23 @@ def wake_pipeline() -> list[Doc]:
     ]
 
 
+NOT_WOKEN: Doc = {
+    "$or": [
+        {"status": TaskStatus.PENDING.value, "$expr": {"$gt": ["$next_claim_at", "$$NOW"]}},
+        {"status": TaskStatus.RUNNING.value, "waiting.data.woke": {"$exists": False}},
+    ]
+}
+"""A wait not woken yet: a pending task not claimable already, a running one not marked. A
+task woken and not yet claimed (no worker free for its name) is not written again by every
+change and sweep: its place in the claim queue stays."""
+
+
 def wake(tasks: Sequence[Doc]) -> Op[int]:
     """Wake ``tasks`` (each ``{_id, waiting}`` as read) if each still waits on that very wait
-    (its step's index) and is open; returns how many were woken."""
+    (its step's index) and is not woken yet; returns how many were woken."""
     if not tasks:
         return 0
     same = [{"_id": t["_id"], "waiting.index": t["waiting"]["index"]} for t in tasks]
-    filt = {"$or": same, COLLECTION: {"$exists": True}, "status": {"$in": list(OPEN_STATUSES)}}
+    filt = {"$and": [{"$or": same}, NOT_WOKEN], COLLECTION: {"$exists": True}}
     result = yield Call("update_many", (filt, wake_pipeline()))
     return int(result.modified_count)

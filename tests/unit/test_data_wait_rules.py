@@ -218,7 +218,7 @@ def test_a_wake_up_is_one_update_as_a_signals_and_marks_a_run_still_deciding() -
 
     def check(call: Any) -> None:
         filt, pipeline = call.args
-        assert filt["$or"] == [{"_id": "t1", "waiting.index": 2}]
+        assert filt["$and"] == [{"$or": [{"_id": "t1", "waiting.index": 2}]}, datawaits.NOT_WOKEN]
         sets = pipeline[0]["$set"]
         assert sets["next_claim_at"]["$cond"][1] == "$$NOW"
         assert sets["waiting"]["$mergeObjects"][1]["data"]["$mergeObjects"][1] == {"woke": "$$NOW"}
