@@ -20,6 +20,7 @@ from bench.relay import relay_faults
 from bench.startup import startup
 from bench.steps import durable_steps
 from bench.support import FULL, QUICK, floor_helper
+from bench.triggers import reacting
 from bench.validator import validator_ab, validator_interleaved
 from bench.workloads import Bench
 from mtask.connection import resolve_uri
@@ -52,6 +53,7 @@ WORKLOADS = {
     "WG": groups_cost,  # issue 29: fairness, group limits and sequences in a drain
     "WL": limit_changes,  # issue 66: a lowered limit applies on its event (bench/limits.py)
     "WST": startup,  # issue 66: a worker's first claim, the CLI's answer, beside arq's start-up
+    "WT": reacting,  # issue 63: triggers and waits on data (bench/triggers.py)
 }
 
 

@@ -157,14 +157,16 @@ def _getmores(client: MongoClient[Doc]) -> int:
     return int(status["metrics"]["commands"]["getMore"]["total"])
 
 
-def _streams(client: MongoClient[Doc], database: str) -> int:
-    """The change-stream cursors open on ``database`` (idle or in a getMore)."""
+def _streams(client: MongoClient[Doc], database: str, collection: str | None = None) -> int:
+    """The change-stream cursors open on ``database`` (idle or in a getMore), or on one of its
+    collections."""
+    ns: Any = {"$regex": f"^{database}\\."} if collection is None else f"{database}.{collection}"
     ops = client.admin.aggregate(
         [
             {"$currentOp": {"idleCursors": True, "allUsers": True}},
             {
                 "$match": {
-                    "ns": {"$regex": f"^{database}\\."},
+                    "ns": ns,
                     "$or": [
                         {"cursor.originatingCommand.pipeline.0.$changeStream": {"$exists": True}},
                         {"command.pipeline.0.$changeStream": {"$exists": True}},

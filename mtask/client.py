@@ -39,7 +39,7 @@ from mtask.aftercommit import after_commit
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
 from mtask.driver import Op
-from mtask.errors import InvalidTask, TaskNotFound
+from mtask.errors import InvalidTask, TaskNotFound, TriggerNotFound
 from mtask.models import (
     DEFAULT_MAX_PARAMS_BYTES,
     MAX_AGE_SECONDS,
@@ -55,9 +55,10 @@ from mtask.models import (
     validate_name,
 )
 from mtask.states import Explained, State, explain
-from mtask.store import bulk, cluster, counts, occupancy, queries, retention, throughput
+from mtask.store import bulk, cluster, counts, followers, occupancy, queries, retention, throughput
 from mtask.store import output as store_output
 from mtask.store import steps as store_steps
+from mtask.triggers import follower_of
 from mtask.waiters import AsyncWaiter, SyncWaiter, async_waiter_for, finished, waiter_for
 
 if TYPE_CHECKING:
@@ -661,6 +662,43 @@ class _Base:
     @operation
     def remove_schedule(self, id: str) -> Op[bool]:
         return (yield from schedules.remove(id))
+
+    # -- triggers and waits on data (docs/triggers.md) -----------------------------------------
+
+    @operation
+    def triggers(self) -> Op[builtins.list[dict[str, Any]]]:
+        """Every follower of this tasks collection, as ``store.followers`` reads it: the
+        registry's triggers (``kind`` ``trigger``) and the collections tasks wait on (``wait``),
+        each with its holder, position (``at``, ``through``), lag (``lag_ms``, on the server's
+        clock), counts, scan and declaration (``spec``)."""
+        return (yield from followers.list_followers(self.collection_name))
+
+    @operation
+    def pause_trigger(self, name: str) -> Op[dict[str, Any]]:
+        """Stop following a trigger (``NAME``, or ``wait:COLLECTION``) until resumed: its
+        holder stops within a renewal, and its position is kept."""
+        return (yield from self._follower_set(name, followers.set_paused, True))
+
+    @operation
+    def resume_trigger(self, name: str) -> Op[dict[str, Any]]:
+        """Follow a paused trigger again, from its position (history lost: a scan)."""
+        return (yield from self._follower_set(name, followers.set_paused, False))
+
+    @operation
+    def reset_trigger(self, name: str, *, scan: bool = False) -> Op[dict[str, Any]]:
+        """Forget a trigger's position: it follows from now, after a scan of the matching
+        documents if ``scan``."""
+        return (yield from self._follower_set(name, followers.reset, scan))
+
+    def _follower_set(
+        self, name: str, change: Callable[..., Op[Any]], value: bool
+    ) -> Op[dict[str, Any]]:
+        kind, bare = follower_of(name)
+        done = yield from change(self.collection_name, kind, bare, value)
+        if done is None:
+            raise TriggerNotFound(name)
+        found = yield from followers.get(self.collection_name, kind, bare)
+        return found or {}
 
     # -- many tasks at once (mtask.store.bulk): the dashboard's list, search and bulk actions --
 

@@ -140,6 +140,15 @@ class ScheduleNotFound(MtaskError):
         super().__init__(f"no schedule {schedule_id!r}")
 
 
+class TriggerNotFound(MtaskError):
+    """No trigger (or collection that tasks wait on) has that name (``mtask triggers``)."""
+
+    default_message = "no trigger with that name"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no trigger {name!r} (see `mtask triggers`)")
+
+
 class WorkerNotFound(MtaskError):
     """No live worker has that id (``mtask worker stop``)."""
 

@@ -254,8 +254,12 @@ class Position:
         *,
         fresh_when_lost: bool = False,
         give_up_after: float | None = None,
+        lost_codes: Mapping[int, str] = HISTORY_LOST,
     ) -> None:
         self.token = token
+        self.lost_codes = lost_codes
+        """The server's errors after which the stream cannot go on after ``token``
+        (``HISTORY_LOST``; a trigger that requires post-images adds the missing image's)."""
         self.fresh_when_lost = fresh_when_lost
         self.give_up_after = give_up_after
         self.from_caller = token is not None
@@ -296,7 +300,7 @@ class Position:
     def failed(self, exc: PyMongoError | StorageError, now: float) -> float:
         """Decide after ``exc``: returns how long to wait before reopening, or raises."""
         if isinstance(exc, OperationFailure):
-            if exc.code in HISTORY_LOST:
+            if exc.code in self.lost_codes:
                 self.lost(f"the change stream's history is lost: {exc}")
             elif (
                 self.from_caller
@@ -351,12 +355,15 @@ async def follow_waits(
     full_document: str | None = None,
     batch_size: int | None = None,
     on_open: Callable[[], Awaitable[None]] | None = None,
+    await_ms: int = AWAIT_MS,
 ) -> AsyncGenerator[Doc | None, None]:
     """The reopen loop itself: each change, and ``None`` after a wait that brought none (a
     consumer settles what it owes then); ``on_open`` after each (re)open but one asked for by
     ``at.switch()``: a failure there (``StorageError`` included) reopens as a failed stream
     does. ``source`` is a collection or a whole database (the worker follows its tasks and
-    their controls, limits and schedules on one stream); ``pipeline`` is read at each open."""
+    their controls, limits and schedules on one stream); ``pipeline`` is read at each open.
+    ``await_ms``: how long a ``getMore`` waits for changes (a trigger's idle stream waits
+    longer than the worker's own)."""
     while True:
         delay = 0.05
         try:
@@ -364,7 +371,7 @@ async def follow_waits(
                 pipeline(),
                 full_document=full_document,
                 resume_after=at.token,
-                max_await_time_ms=AWAIT_MS,
+                max_await_time_ms=await_ms,
                 batch_size=batch_size,
             ) as stream:
                 at.opened(stream.resume_token)

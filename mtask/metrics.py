@@ -31,6 +31,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from mtask.models import OPEN_STATUSES
+from mtask.triggers import follower_label
 
 DEPTH_TTL = 5.0
 
@@ -90,6 +91,35 @@ TIME_LIMIT_KILLS = Counter(
     "Runs ended by their hard time limit, by how (process: killed, async: cancelled, "
     "thread: abandoned)",
     ["how"],
+)
+
+
+# -- triggers and waits on data (docs/triggers.md) --
+FOLLOWER_CHANGES = Counter(
+    "mtask_follower_changes",
+    "Changes a follower held by this process handled, per follower (trigger:<name> or "
+    "wait:<collection>)",
+    ["follower"],
+)
+FOLLOWER_HISTORY_LOST = Counter(
+    "mtask_follower_history_lost",
+    "Times a follower held by this process found its stream's history gone (the oplog rolled "
+    "past its position, the collection dropped or renamed) and scanned instead",
+    ["follower"],
+)
+FOLLOWERS_TAKEN = Counter(
+    "mtask_followers_taken", "Follower leases this process took", ["follower"]
+)
+TRIGGER_TASKS = Counter(
+    "mtask_trigger_tasks",
+    "Tasks a trigger followed by this process published, by how (created, joined, reset, "
+    "follow-up, own; scan)",
+    ["trigger", "how"],
+)
+DATA_WAITS_WOKEN = Counter(
+    "mtask_data_waits_woken",
+    "Data waits (ctx.wait_until) this process woke, per collection, by what (change, sweep)",
+    ["collection", "by"],
 )
 
 
@@ -201,8 +231,68 @@ class DueTasks(Collector):
         yield age
 
 
+class TriggerLag(Collector):
+    """``mtask_trigger_lag_seconds{trigger}`` (the server's time less the time up to which
+    every change is handled), ``mtask_trigger_held{trigger}`` (1 while a worker follows it) and
+    ``mtask_trigger_paused{trigger}``, for every trigger and waited-on collection
+    (``wait:<collection>``), from ``fetch`` (``TaskClient.triggers``: one read of the
+    ``triggers`` collection), cached like ``QueueDepth``; docs/triggers.md."""
+
+    def __init__(self, fetch: Callable[[], list[dict[str, Any]]]) -> None:
+        self.fetch = fetch
+        self._lock = threading.Lock()
+        self._docs: list[dict[str, Any]] = []
+        self._at = float("-inf")
+
+    def docs(self) -> list[dict[str, Any]]:
+        with self._lock:
+            if time.monotonic() - self._at >= DEPTH_TTL:
+                try:
+                    self._docs = self.fetch()
+                finally:
+                    self._at = time.monotonic()
+            return self._docs
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                "mtask_trigger_lag_seconds",
+                "Seconds between the server's time and the time up to which a trigger (or a "
+                "waited-on collection, wait:<collection>) has handled every change",
+                labels=["trigger"],
+            ),
+            GaugeMetricFamily(
+                "mtask_trigger_held", "1 while a worker follows the trigger", labels=["trigger"]
+            ),
+            GaugeMetricFamily(
+                "mtask_trigger_paused", "1 while the trigger is paused", labels=["trigger"]
+            ),
+        )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        lag, held, paused = self._families()
+        try:
+            docs = self.docs()
+        except Exception:  # noqa: BLE001 - MongoDB out of reach: report the last known figures
+            docs = self._docs
+        for doc in docs:
+            trigger = label(follower_label(doc.get("kind"), label(doc.get("name"))))
+            lag_ms = doc.get("lag_ms")
+            if isinstance(lag_ms, int | float) and not isinstance(lag_ms, bool):
+                lag.add_metric([trigger], max(0.0, lag_ms / 1000))
+            held.add_metric([trigger], 1.0 if doc.get("held") else 0.0)
+            paused.add_metric([trigger], 1.0 if doc.get("paused") else 0.0)
+        yield lag
+        yield held
+        yield paused
+
+
 _depth: QueueDepth | None = None
 _due: DueTasks | None = None
+_lag: TriggerLag | None = None
 
 
 def register_queue_depth(fetch: Callable[[], Mapping[str, Mapping[str, int]]]) -> QueueDepth:
@@ -216,15 +306,19 @@ def register_queue_depth(fetch: Callable[[], Mapping[str, Mapping[str, int]]]) -
 
 
 def register_cluster_metrics(client: Any) -> None:
-    """Export the cluster-wide gauges (queue depth; due tasks and the oldest due age) from
-    ``client`` (``stats()`` and ``due()``). Call it in ONE process per cluster: ``mtask serve``,
-    or a worker started with ``--cluster-metrics``."""
-    global _due
+    """Export the cluster-wide gauges (queue depth; due tasks and the oldest due age; the
+    triggers' lag) from ``client`` (``stats()``, ``due()`` and ``triggers()``). Call it in ONE
+    process per cluster: ``mtask serve``, or a worker started with ``--cluster-metrics``."""
+    global _due, _lag
     register_queue_depth(functools.partial(client.stats, statuses=OPEN_STATUSES))
     if _due is not None:
         REGISTRY.unregister(_due)
     _due = DueTasks(client.due)
     REGISTRY.register(_due)
+    if _lag is not None:
+        REGISTRY.unregister(_lag)
+    _lag = TriggerLag(client.triggers)
+    REGISTRY.register(_lag)
 
 
 class _Quiet(WSGIRequestHandler):

@@ -305,7 +305,7 @@ class Step(Stored):
     result back instead of calling it again."""
 
     name: str = Field(min_length=1, max_length=200)
-    kind: Literal["call", "sleep", "signal"]
+    kind: Literal["call", "sleep", "signal", "data"]
     state: Literal["done", "failed", "waiting", "timed_out"]
     attempts: int = Field(0, ge=0)
     run_id: str
@@ -318,9 +318,11 @@ class Step(Stored):
     """A result too large for the document: where it is (``<tasks>.steps``)."""
     error: str | None = None
     until: BsonDate | None = None
-    """A sleep's end, or a signal wait's deadline."""
+    """A sleep's end, or a signal wait's or a data wait's deadline."""
     signal: str | None = None
     nth: int | None = Field(None, ge=0)
+    collection: str | None = None
+    """A data wait's collection (``ctx.wait_until``; docs/triggers.md)."""
     transactional: bool | None = None
     tries: list[StepTry] = Field(default_factory=list)
 
@@ -333,14 +335,25 @@ class SignalSent(Stored):
     at: BsonDate
 
 
+class WaitingData(Stored):
+    """A data wait (``ctx.wait_until``; docs/triggers.md): the documents it watches and the
+    find filter that settles it; ``woke``: when a change woke it while its run was deciding."""
+
+    collection: str
+    ids: list[BsonAny]
+    filter: BsonObject
+    woke: BsonDate | None = None
+
+
 class Waiting(Stored):
-    """What the task's last run waits for: until when, and for which signal."""
+    """What the task's last run waits for: until when, and for which signal or document."""
 
     until: BsonDate
     index: int = Field(ge=0)
     step: str | None = None
     signal: str | None = None
     nth: int | None = Field(None, ge=0)
+    data: WaitingData | None = None
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(TaskOptions.model_fields)

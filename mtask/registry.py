@@ -19,6 +19,7 @@ from mtask.models import MAX_RETRY_DELAY_MS, TaskOptions, describe_validation_er
 from mtask.output import RunLog, RunOutput
 from mtask.schedules import Schedule
 from mtask.steps import MemorySteps, RunSteps
+from mtask.triggers import Trigger, check_collection
 
 F = TypeVar("F", bound=Callable[..., Any])
 Isolation = Literal["thread", "process"]
@@ -198,6 +199,33 @@ class TaskContext:
         self.check_lease()
         return self.journal.wait_for_sync(signal, timeout, name)
 
+    async def wait_until(
+        self,
+        collection: str,
+        predicate: Mapping[str, Any],
+        timeout: float | dt.timedelta | None = None,  # noqa: ASYNC109 - durable, server clock
+        name: str | None = None,
+    ) -> Any:
+        """The document of ``collection`` that ``predicate`` (a find filter naming the
+        document's ``_id``) matches: at once if it does now; else the run ends as WAITING (no
+        slot held) and the task is claimed again when a change to that document makes it match
+        (docs/triggers.md; the registry ``waits_on`` the collection). After ``timeout``
+        seconds without it (the server's clock): ``ConditionTimeout``, which the handler may
+        catch."""
+        self.check_lease()
+        return await self.journal.wait_until(collection, predicate, timeout, name)
+
+    def wait_until_sync(
+        self,
+        collection: str,
+        predicate: Mapping[str, Any],
+        timeout: float | dt.timedelta | None = None,
+        name: str | None = None,
+    ) -> Any:
+        """``wait_until`` for a plain-def handler."""
+        self.check_lease()
+        return self.journal.wait_until_sync(collection, predicate, timeout, name)
+
     def check_lease(self) -> None:
         """Raise ``LeaseLost`` if this run no longer owns its task: a plain-def handler (which
         the worker cannot interrupt) calls it between steps to stop doing a zombie's work."""
@@ -302,6 +330,32 @@ class Registry:
     def __init__(self) -> None:
         self.handlers: dict[str, Handler] = {}
         self.schedules: dict[str, Schedule] = {}
+        self.triggers: dict[str, Trigger] = {}
+        self.watched: tuple[str, ...] = ()
+        """The collections whose documents this registry's handlers wait on
+        (``ctx.wait_until``; ``waits_on``)."""
+
+    def trigger(self, collection: str, *, task: str, **declaration: Any) -> Trigger:
+        """Publish a ``task`` task for each matching change of ``collection`` (docs/triggers.md):
+        ``match`` (field conditions on the changed document), ``on`` (insert, update, replace,
+        delete), ``fields`` (updates that touched one of them), ``params`` (fields copied into
+        the task's params), ``key`` (``"change"``: a task per change; ``"document"``: one per
+        document), ``debounce`` (seconds after a document's latest change), ``start``
+        (``"now"``, or ``"scan"`` the matching documents once first), ``images`` (match the
+        document as the change left it), ``options``, and ``name`` (the task's name unless
+        given). Workers running this registry follow it: one of them for the whole cluster."""
+        trigger = Trigger.build(collection, task=task, **declaration)
+        if trigger.name in self.triggers:
+            raise InvalidTask(f"a trigger {trigger.name!r} is already declared", field="name")
+        self.triggers[trigger.name] = trigger
+        return trigger
+
+    def waits_on(self, *collections: str) -> None:
+        """Handlers of this registry wait on documents of these collections
+        (``ctx.wait_until``): workers running it follow each of them, one of them for the whole
+        cluster, and wake the tasks a change may settle (docs/triggers.md)."""
+        names = [check_collection(c) for c in collections]
+        self.watched = tuple(dict.fromkeys((*self.watched, *names)))
 
     def schedule(self, task: str, *, id: str | None = None, **definition: Any) -> Schedule:
         """Publish a ``task`` task on each tick of ``cron=`` or ``every=`` (and ``timezone``,

@@ -17,7 +17,9 @@ run fails for good with nothing written. A step recorded ``done`` returns its re
 recorded ``failed`` is called again (its attempts and errors kept); a ``sleep`` recorded with
 its ``until`` is over once the server's clock passes it; a ``wait_for`` is over once its signal
 is there (the k-th wait for a signal name takes the k-th signal of that name) or its timeout
-passed (``SignalTimeout``, recorded, so a replay raises it again).
+passed (``SignalTimeout``, recorded, so a replay raises it again); a ``wait_until`` is over
+once a ``find`` with its predicate returns the document (MongoDB decides, at the wait and at
+each wake-up) or its timeout passed (``ConditionTimeout``, recorded likewise).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import bson
 
 from mtask.errors import MtaskError
 from mtask.models import storable_depth
+from mtask.triggers import check_collection
 
 Doc = dict[str, Any]
 T = TypeVar("T")
@@ -52,7 +55,7 @@ MAX_TRIES_KEPT = 10
 """A step keeps its newest tries (run, attempt, when, how long, error)."""
 NEVER = dt.datetime(9999, 1, 1, tzinfo=dt.UTC)
 """``available_at`` of a task waiting for a signal without a timeout."""
-KINDS = ("call", "sleep", "signal")
+KINDS = ("call", "sleep", "signal", "data")
 STATES = ("done", "failed", "waiting", "timed_out")
 
 
@@ -76,17 +79,70 @@ class SignalTimeout(MtaskError):
     default_message = "no signal before the timeout"
 
 
+class ConditionTimeout(SignalTimeout):
+    """``wait_until`` timed out before its document was in the state it waits for (a durable
+    wait's timeout, as ``SignalTimeout``: the handler may catch either)."""
+
+    default_message = "the document did not reach the state before the timeout"
+
+
+MAX_WAIT_IDS = 1000
+"""The most documents one ``wait_until`` may name (``_id``, or ``_id: {$in: [...]}``)."""
+REFUSED_OPERATORS = ("$where", "$text", "$near", "$nearSphere")
+"""Top-level operators a predicate may not use: aggregation's ``$match`` (the wake-up's check)
+refuses them."""
+
+
+def wait_ids(predicate: Any) -> list[Any]:
+    """The ``_id`` values a ``wait_until`` predicate names: its ``_id`` is a value, or
+    ``{"$eq": value}``, or ``{"$in": [values]}`` (at most ``MAX_WAIT_IDS``). A change to one of
+    these documents is what may settle the wait; the tasks are found by them (an index)."""
+    if not isinstance(predicate, Mapping):
+        raise StepError("a wait's predicate is a find filter (a mapping)")
+    for op in REFUSED_OPERATORS:
+        if op in predicate:
+            raise StepError(f"a wait's predicate cannot use {op}")
+    try:
+        bson.encode(dict(predicate))
+    except Exception as exc:  # noqa: BLE001 - any encoding problem is the handler's
+        raise StepError(f"a wait's predicate must be BSON: {exc}") from None
+    if "_id" not in predicate:
+        raise StepError(
+            "a wait's predicate names the document's _id (a value, $eq or $in): a change to "
+            "that document is what wakes the task"
+        )
+    return _id_values(predicate["_id"])
+
+
+def _id_values(value: Any) -> list[Any]:
+    """The ``_id``s a predicate's ``_id`` condition names (a value, ``$eq`` or ``$in``)."""
+    if not (isinstance(value, Mapping) and value and all(str(k).startswith("$") for k in value)):
+        if isinstance(value, list):
+            raise StepError("an _id is never an array")
+        return [value]
+    if set(value) == {"$eq"}:
+        return [value["$eq"]]
+    if set(value) == {"$in"} and isinstance(value["$in"], list | tuple):
+        ids = list(value["$in"])
+        if not ids or len(ids) > MAX_WAIT_IDS:
+            raise StepError(f"_id: {{$in: [...]}} names 1 to {MAX_WAIT_IDS} documents")
+        return ids
+    raise StepError("a wait's predicate names its _id with a value, $eq or $in")
+
+
 @dataclass(frozen=True)
 class Wait:
     """Why a run ends waiting: its step's place, the entry to record there (``None``: recorded
     by an earlier run), and until when (a sleep), or for which signal (its ``nth`` of that name)
-    with a deadline (``NEVER`` without a timeout)."""
+    with a deadline (``NEVER`` without a timeout), or for which document's state (``data``:
+    ``collection``, ``ids``, ``filter``)."""
 
     index: int
     entry: Doc | None
     until: dt.datetime
     signal: str | None = None
     nth: int = 0
+    data: Doc | None = None
 
     def to_document(self) -> Doc:
         step = self.entry["name"] if self.entry else None
@@ -96,6 +152,8 @@ class Wait:
         if self.signal is not None:
             doc["signal"] = self.signal
             doc["nth"] = self.nth
+        if self.data is not None:
+            doc["data"] = dict(self.data)
         return doc
 
 
@@ -131,6 +189,13 @@ class StepStore(Protocol):
 
     async def signals(self, name: str) -> list[Doc]:
         """The task's signals named ``name``, oldest first (``payload``, ``at``)."""
+        ...
+
+    async def holds(self, collection: str, predicate: Doc, waiting: Doc | None) -> Doc | None:
+        """The document of ``collection`` that ``predicate`` (a find filter) matches now, or
+        ``None``. With ``waiting`` (the wait's ``waiting`` document), the wait is announced
+        first, fenced by the run: a change from then on wakes the task even before the run
+        ends WAITING (``store.datawaits``)."""
         ...
 
     async def transact(
@@ -217,6 +282,7 @@ class RunSteps:
         self.inside: str | None = None
         """The step whose function is running (another is refused meanwhile)."""
         self.waits: dict[str, int] = {}
+        self.untils: dict[str, int] = {}
         self.sleeps = 0
         self.spilled = False
         """Whether this run stored a result aside (its task's retention seals it)."""
@@ -257,6 +323,26 @@ class RunSteps:
         self, signal: str, timeout: float | dt.timedelta | None = None, name: str | None = None
     ) -> Any:
         return self._run_sync(self._one(self._wait_for(signal, timeout, name)))
+
+    async def wait_until(
+        self,
+        collection: str,
+        predicate: Mapping[str, Any],
+        timeout: float | dt.timedelta | None = None,  # noqa: ASYNC109 - durable, server clock
+        name: str | None = None,
+    ) -> Any:
+        return await self._run_async(
+            self._one(self._wait_until(collection, predicate, timeout, name))
+        )
+
+    def wait_until_sync(
+        self,
+        collection: str,
+        predicate: Mapping[str, Any],
+        timeout: float | dt.timedelta | None = None,
+        name: str | None = None,
+    ) -> Any:
+        return self._run_sync(self._one(self._wait_until(collection, predicate, timeout, name)))
 
     # -- runners ------------------------------------------------------------------------------
 
@@ -366,7 +452,7 @@ class RunSteps:
             "attempt": self.attempt,
             "started_at": (prior or {}).get("started_at") or now,
         }
-        for kept in ("until", "signal", "nth", "tries"):
+        for kept in ("until", "signal", "nth", "collection", "tries"):
             if prior is not None and kept in prior:
                 entry[kept] = prior[kept]
         return entry
@@ -514,6 +600,16 @@ class RunSteps:
         entry.update(state="waiting", until=until)
         raise Suspended(Wait(index, None if prior is not None else entry, until))
 
+    def _recorded(self, prior: Doc | None, timed_out: SignalTimeout) -> Plan[tuple[bool, Any]]:
+        """A wait an earlier run recorded as over: ``(True, its result)`` if done; ``timed_out``
+        raised again if it timed out (a replay takes the same path); else ``(False, None)``."""
+        if prior is not None and prior.get("state") == "done":
+            value = yield from self._read(prior)
+            return True, value
+        if prior is not None and prior.get("state") == "timed_out":
+            raise timed_out
+        return False, None
+
     def _wait_for(
         self, signal: str, timeout: float | dt.timedelta | None, name: str | None
     ) -> Plan[Any]:
@@ -522,11 +618,10 @@ class RunSteps:
         self.waits[signal] = nth + 1
         step = name if name is not None else (f"wait:{signal}" + (f"#{nth + 1}" if nth else ""))
         index, prior = self._begin(step, "signal")
-        if prior is not None and prior.get("state") == "done":
-            value = yield from self._read(prior)
+        timed_out = SignalTimeout(f"no signal {signal!r} came before the timeout (recorded)")
+        over, value = yield from self._recorded(prior, timed_out)
+        if over:
             return value
-        if prior is not None and prior.get("state") == "timed_out":
-            raise SignalTimeout(f"no signal {signal!r} came before the timeout (recorded)")
         now = self.store.now()
         entry = self._entry(step, "signal", prior, now)
         entry.update(signal=signal, nth=nth)
@@ -541,10 +636,7 @@ class RunSteps:
                 self.spilled = True
             yield from self._write(index, entry, prior)
             return payload
-        if prior is not None and isinstance(prior.get("until"), dt.datetime):
-            until = _aware(prior["until"])
-        else:
-            until = NEVER if timeout is None else _until(timeout, now)
+        until = _deadline(prior, timeout, now)
         if now >= until:
             entry.update(state="timed_out", until=until)
             self._tried(entry, now, 0, "timed out")
@@ -552,6 +644,73 @@ class RunSteps:
             raise SignalTimeout(f"no signal {signal!r} came before {until.isoformat()}")
         entry.update(state="waiting", until=until)
         raise Suspended(Wait(index, None if prior is not None else entry, until, signal, nth))
+
+    def _wait_until(
+        self,
+        collection: str,
+        predicate: Mapping[str, Any],
+        timeout: float | dt.timedelta | None,
+        name: str | None,
+    ) -> Plan[Any]:
+        try:
+            check_collection(collection)
+        except MtaskError as exc:
+            raise StepError(f"wait_until: {exc}") from None
+        filt: Doc = dict(predicate)
+        data: Doc = {"collection": collection, "ids": wait_ids(predicate), "filter": filt}
+        nth = self.untils.get(collection, 0)
+        self.untils[collection] = nth + 1
+        step = name if name is not None else f"until:{collection}" + (f"#{nth + 1}" if nth else "")
+        index, prior = self._begin(step, "data")
+        timed_out = ConditionTimeout(f"{collection} did not reach the state in time (recorded)")
+        over, value = yield from self._recorded(prior, timed_out)
+        if over:
+            return value
+        now = self.store.now()
+        entry = self._entry(step, "data", prior, now)
+        entry["collection"] = collection
+        until = _deadline(prior, timeout, now)
+        wait = Wait(index, None if prior is not None else entry, until, data=data)
+        found = yield _Io(lambda: self.store.holds(collection, filt, None))
+        if found is None and now < until:  # announced, then looked at again: no change is lost
+            announce = wait.to_document()
+            found = yield _Io(lambda: self.store.holds(collection, filt, announce))
+        value = yield from self._settled(wait, entry, prior, now, found)
+        return value
+
+    def _settled(
+        self, wait: Wait, entry: Doc, prior: Doc | None, now: dt.datetime, found: Doc | None
+    ) -> Plan[Any]:
+        """A data wait after its look: done with the document found, timed out, or waiting."""
+        collection = entry["collection"]
+        if found is not None:
+            entry["state"] = "done"
+            self._tried(entry, now, 0)
+            stored = self._store_result(entry, found)
+            if stored is not None:
+                entry["spill"] = yield _Io(lambda: self.store.spill(stored))
+                self.spilled = True
+            yield from self._write(wait.index, entry, prior)
+            return found
+        if now >= wait.until:
+            entry.update(state="timed_out", until=wait.until)
+            self._tried(entry, now, 0, "timed out")
+            yield from self._write(wait.index, entry, prior)
+            raise ConditionTimeout(
+                f"{collection} did not reach the state by {wait.until.isoformat()}"
+            )
+        entry.update(state="waiting", until=wait.until)
+        raise Suspended(wait)
+
+
+def _deadline(
+    prior: Doc | None, timeout: float | dt.timedelta | None, now: dt.datetime
+) -> dt.datetime:
+    """A wait's deadline: the one an earlier run recorded, else ``timeout`` from ``now`` (the
+    server's clock), else ``NEVER``."""
+    if prior is not None and isinstance(prior.get("until"), dt.datetime):
+        return _aware(prior["until"])
+    return NEVER if timeout is None else _until(timeout, now)
 
 
 def _aware(when: dt.datetime) -> dt.datetime:
@@ -580,11 +739,17 @@ class MemorySteps:
         recorded: list[Doc] | None = None,
         signals: list[Doc] | None = None,
         clock: Callable[[], dt.datetime] | None = None,
+        find: Callable[[str, Doc], Doc | None] | None = None,
     ) -> None:
         self.recorded: list[Doc] = recorded if recorded is not None else []
         self.sent: list[Doc] = signals if signals is not None else []
         self.spilled: dict[str, bytes] = {}
         self.clock = clock or (lambda: dt.datetime.now(dt.UTC))
+        self.find = find
+        """What ``wait_until`` finds: ``find(collection, predicate)``, the test's answer (a
+        document or ``None``); without it a ``wait_until`` is a ``StepError``."""
+        self.announced: list[Doc] = []
+        """The waits announced (``holds`` with ``waiting``), oldest first."""
 
     def now(self) -> dt.datetime:
         return self.clock()
@@ -610,6 +775,13 @@ class MemorySteps:
 
     async def signals(self, name: str) -> list[Doc]:
         return [s for s in self.sent if s.get("name") == name]
+
+    async def holds(self, collection: str, predicate: Doc, waiting: Doc | None) -> Doc | None:
+        if self.find is None:
+            raise StepError("MemorySteps(find=...) answers wait_until: say what it finds")
+        if waiting is not None:
+            self.announced.append(dict(waiting))
+        return self.find(collection, dict(predicate))
 
     async def transact(
         self,

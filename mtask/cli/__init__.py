@@ -40,6 +40,7 @@ from mtask.cli import (
     signal,
     step,
     tasks,
+    triggers,
     wait,
     worker,
 )
@@ -59,6 +60,7 @@ from mtask.errors import (
     MtaskError,
     ScheduleNotFound,
     TaskNotFound,
+    TriggerNotFound,
     UsageError,
     WorkerNotFound,
 )
@@ -94,6 +96,7 @@ COMMAND_MODULES: list[CommandModule] = [
     (step.register, step.run),  # issue 65: mtask step reset
     (worker.register, worker.run),
     (scheduling.register, scheduling.run),
+    (triggers.register, triggers.run),  # issue 63: mtask triggers
     (retention.register, retention.run),
     (live.register, live.run),
     (server.register, server.run),
@@ -128,7 +131,7 @@ def run_command(handler: Handler, args: argparse.Namespace) -> int:
     except (UsageError, InvalidTask) as exc:
         err.print(f"mtask: error: {exc}", markup=False)
         return EXIT_USAGE
-    except (TaskNotFound, ScheduleNotFound, WorkerNotFound) as exc:
+    except (TaskNotFound, ScheduleNotFound, TriggerNotFound, WorkerNotFound) as exc:
         err.print(f"mtask: {exc}", markup=False)
         return EXIT_NOT_FOUND
     except MtaskError as exc:  # InvalidTransition, StorageError, …

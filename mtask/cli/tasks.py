@@ -270,12 +270,15 @@ def _deadline(at: dt.datetime | None) -> str:
 
 def _waiting_rows(task: Task) -> list[tuple[str, str]]:
     """Issue 30: what a waiting task waits for, and the signals it was sent."""
-    from mtask.models import TaskStatus
+    from mtask.models import TaskStatus, bson_json
 
     rows = []
     w = task.waiting
     if w is not None and task.status == TaskStatus.PENDING:
         what = f"signal {w.signal!r}, {_deadline(w.until)}" if w.signal else f"{_deadline(w.until)}"
+        if w.data is not None:  # issue 63: a wait on data (ctx.wait_until)
+            shown = json.dumps(bson_json(w.data.filter))
+            what = f"{w.data.collection} {shown}, {_deadline(w.until)}"
         rows.append(("waiting", f"{what} (step {w.index + 1}: {w.step or '-'})"))
     if task.signals:
         names = Counter(s.name for s in task.signals)

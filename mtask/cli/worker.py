@@ -155,6 +155,12 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         help="do not publish the ticks of schedules (another worker does)",
     )
     p.add_argument(
+        "--no-triggers",
+        action="store_true",
+        help="do not follow the registry's triggers and waited-on collections (other workers "
+        "do: docs/triggers.md)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         help="serve Prometheus metrics on /metrics, and /healthz and /readyz, on this port",
@@ -354,6 +360,7 @@ def build_worker(args: argparse.Namespace) -> Worker:
         priority_aging=args.priority_aging,
         startup_timeout=args.startup_timeout,
         run_schedules=not args.no_schedules,
+        run_triggers=not args.no_triggers,
         stream=args.stream,
         pool=args.pool,
         max_tasks_per_child=args.max_tasks_per_child,

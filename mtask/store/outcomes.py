@@ -138,12 +138,23 @@ def finish_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, list[Doc]]:
 def _waiting_fields(wait: Wait, now: dt.datetime) -> Doc:
     """A run that ends waiting (docs/steps.md): its step's entry (if new), ``waiting``, and
     ``available_at``: the sleep's end, or the wait's deadline, or now if the signal is there
-    already (sent while the run was deciding to wait: it is not lost)."""
+    already (sent while the run was deciding to wait: it is not lost), or if a change woke the
+    data wait its run announced."""
     fields: Doc = {"waiting": literal(wait.to_document())}
     if wait.entry is not None:
         entry = literal([dict(wait.entry)])
         fields["steps"] = {"$concatArrays": [{"$ifNull": ["$steps", []]}, entry]}
-    if wait.signal is None:
+    if wait.data is not None:
+        # a data wait announced by its run (store.datawaits.announce) and woken by a change
+        # before this write: claimable now, its next run looks again (docs/triggers.md)
+        woke = {
+            "$and": [
+                {"$eq": ["$waiting.index", wait.index]},
+                {"$eq": [{"$type": "$waiting.data.woke"}, "date"]},
+            ]
+        }
+        fields["available_at"] = {"$cond": [woke, now, wait.until]}
+    elif wait.signal is None:
         fields["available_at"] = wait.until
     else:
         came = {

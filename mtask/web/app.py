@@ -18,9 +18,15 @@ from fastapi_offline import FastAPIOffline
 import mtask
 from mtask import metrics
 from mtask.client import AsyncTaskClient, TaskClient
-from mtask.errors import InvalidTask, InvalidTransition, StorageError, TaskNotFound
+from mtask.errors import (
+    InvalidTask,
+    InvalidTransition,
+    StorageError,
+    TaskNotFound,
+    TriggerNotFound,
+)
 from mtask.schedules import ScheduleNotFound
-from mtask.web import api, dashboard, events, output
+from mtask.web import api, dashboard, events, output, triggers
 from mtask.web.auth import Keys
 from mtask.web.guard import DEFAULT_MAX_BODY, Guard
 
@@ -90,7 +96,9 @@ def create_app(
     app.include_router(events.router)  # issue 14: SSE and long-poll wait (before /tasks/{key})
     app.include_router(output.router)  # issue 31: /tasks/{key}:output and :stream (before too)
     app.include_router(api.router)
+    app.include_router(triggers.router)  # issue 63: /triggers and /ui/triggers
     app.include_router(dashboard.router)
+    app.include_router(triggers.pages)
     app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")
     _errors(app)
     app.add_middleware(Guard, keys=app.state.keys, max_body=max_body, trust_proxy=trust_proxy)
@@ -109,6 +117,7 @@ def _errors(app: FastAPI) -> None:
 
     @app.exception_handler(TaskNotFound)
     @app.exception_handler(ScheduleNotFound)
+    @app.exception_handler(TriggerNotFound)
     async def not_found(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=404)
 

@@ -25,7 +25,7 @@ from mtask.client import AsyncTaskClient
 from mtask.clock import Clock, ServerClock
 from mtask.connection import WORKER_CLIENT_OPTIONS, async_client, sync_client
 from mtask.registry import Registry
-from mtask.worker import finding
+from mtask.worker import finding, reacting
 from mtask.worker.claiming import ahead as claim_ahead
 from mtask.worker.claiming.calls import ClaimCalls
 from mtask.worker.claiming.claimer import Claimer
@@ -233,7 +233,7 @@ def build(
         publisher=publisher.publish,
         inflight=inflight,
         outputs=outputs,
-        journals=RunStepStores(adriver, clock, transactions),
+        journals=RunStepStores(adriver, clock, transactions, watched=registry.watched),
         leases=pinger,
     )
     handler_calls = HandlerCalls(
@@ -309,7 +309,16 @@ def build(
         recount,
         FlowSweep(adriver, clock, config.flow_sweep_interval, found.leads),
         *([scheduler] if config.run_schedules else []),
-    )
+        *(reacting.build(
+            adriver,
+            clock,
+            registry,
+            holder=worker_id,
+            emit=emit,
+            sweep_interval=config.sweep_interval,
+            max_params_bytes=publisher.max_params_bytes,
+        ) if config.run_triggers else ()),
+    )  # fmt: skip
     return Parts(
         aclient, sclient, adb, adriver, emit, wake, inflight, queue, assignment, scheduler,
         found, gate, presence, recorder, ticker, pinger, publisher, process_pool, outputs,

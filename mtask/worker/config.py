@@ -47,6 +47,9 @@ class WorkerConfig:
     stream, 30 s with the shared one."""
     flow_sweep_interval: float = 5.0
     run_schedules: bool = True
+    run_triggers: bool = True
+    """Follow the registry's triggers and the collections its tasks wait on (one worker of the
+    cluster holds each: docs/triggers.md)."""
     startup_timeout: float = 60.0
     heartbeat_interval: float = 2.0
     stream: Literal["own", "shared"] = "shared"

@@ -38,6 +38,19 @@ class Event(enum.StrEnum):
     LIMITS_APPLIED = "limits_applied"
     """A name's limit changed and this worker applies it: its claims from now on go by the
     new limit, and its runs in flight count towards it (``claiming.recount``)."""
+    # -- triggers and waits on data (docs/triggers.md) --
+    FOLLOWING = "following"
+    """This process took a follower's lease (a trigger, or a collection tasks wait on) and
+    knows its position: every change from now on is handed out."""
+    UNFOLLOWED = "unfollowed"
+    """A follower this process held was paused, reset or taken."""
+    REACTED = "reacted"
+    """A follower handled a batch of changes (``changes``; ``published``: tasks created, or
+    data waits woken)."""
+    SCANNED = "scanned"
+    """A follower's scan of the matching documents ended (``published``)."""
+    HISTORY_LOST = "history_lost"
+    """A follower's stream could not resume (its history is gone): it scans instead."""
 
 
 LOGGED = frozenset(
@@ -55,6 +68,9 @@ LOGGED = frozenset(
         Event.STOPPED,
         Event.LIMITS_APPLIED,
         Event.HELD,
+        Event.FOLLOWING,
+        Event.UNFOLLOWED,
+        Event.SCANNED,
     }
 )
 """Events worth a log line at INFO; the others only reach ``on_event``."""

@@ -57,11 +57,12 @@ class Cluster:
         *args: str,
         env: dict[str, str] | None = None,
         prefix: list[str] | None = None,
+        app: str = "chaosapp:registry",
     ) -> subprocess.Popen[bytes]:
         log = open(self.logs / f"{worker_id}.log", "ab")  # noqa: SIM115 - closed with the process
         options = ("--worker-id", worker_id, "--log-level", "INFO", *args)
         proc = subprocess.Popen(
-            [*(prefix or []), *worker_argv("chaosapp:registry", self.uri, self.database, *options)],
+            [*(prefix or []), *worker_argv(app, self.uri, self.database, *options)],
             cwd=HERE,
             stdout=log,
             stderr=subprocess.STDOUT,

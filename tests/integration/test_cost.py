@@ -66,4 +66,5 @@ async def test_a_plain_task_costs_one_claim_and_one_outcome(
     # no collection of a feature this worker does not use is touched while it runs tasks
     touched = {e["ns"].split(".", 1)[1] for e in entries}
     unused = {"limits", "schedules", "flows", "throughput", "tasks.output", "tasks.steps"}
+    unused |= {"triggers", "orders"}  # issue 63: no trigger, no wait on data: nothing read
     assert not touched & unused, touched

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from typing import Any
 
 from mtask.clock import Clock
@@ -20,6 +20,7 @@ from mtask.driver import AsyncDriver, Doc, Op
 from mtask.errors import ConfigError
 from mtask.registry import TaskContext
 from mtask.steps import RunSteps, StepError
+from mtask.store import datawaits
 from mtask.store import steps as store_steps
 from mtask.store.output import keep_until
 from mtask.worker.running.transactional import RunFence, Transactions
@@ -38,7 +39,10 @@ class TaskSteps:
         transactions: Transactions | None,
         fence: Callable[[], RunFence],
         indexes: Callable[[], Coroutine[Any, Any, None]],
+        watched: Collection[str] = (),
     ) -> None:
+        self.watched = watched
+        """The collections the registry waits on (``ctx.wait_until``)."""
         self.driver = driver
         self.clock = clock
         self.key = key
@@ -69,6 +73,16 @@ class TaskSteps:
     async def signals(self, name: str) -> list[Doc]:
         return await self.driver.run(store_steps.signals(self.key, name))
 
+    async def holds(self, collection: str, predicate: Doc, waiting: Doc | None) -> Doc | None:
+        if collection not in self.watched:
+            raise StepError(
+                f"ctx.wait_until({collection!r}, …): the registry does not wait on it; declare "
+                f"registry.waits_on({collection!r}) so that its workers follow it"
+            )
+        if waiting is not None:
+            await self.driver.run(datawaits.announce(self.key, self.run_id, waiting))
+        return await self.driver.run(datawaits.find(collection, predicate))
+
     async def transact(
         self,
         fn: Callable[[Any], Coroutine[Any, Any, Any]],
@@ -97,11 +111,17 @@ class RunStepStores:
     """Makes each run's ``RunSteps`` on first use (``TaskContext.steps_for``)."""
 
     def __init__(
-        self, driver: AsyncDriver, clock: Clock, transactions: Transactions | None
+        self,
+        driver: AsyncDriver,
+        clock: Clock,
+        transactions: Transactions | None,
+        watched: Collection[str] = (),
     ) -> None:
         self.driver = driver
         self.clock = clock
         self.transactions = transactions
+        self.watched = frozenset(watched)
+        """The collections the registry waits on (``Registry.waits_on``)."""
         self._indexed: asyncio.Future[None] | None = None
 
     async def ensure_indexes(self) -> None:
@@ -143,5 +163,6 @@ class RunStepStores:
             self.transactions,
             fence,
             self.ensure_indexes,
+            self.watched,
         )
         return RunSteps(store, doc.get("steps"), run_id=ctx.run_id, attempt=ctx.attempt, loop=loop)

@@ -1,5 +1,6 @@
 """Durable steps in a child process of the pool (docs/steps.md): ``ctx.step_sync``,
-``sleep_sync`` and ``wait_for_sync`` in a process-isolated handler work as on a thread.
+``sleep_sync``, ``wait_for_sync`` and ``wait_until_sync`` in a process-isolated handler work as
+on a thread.
 
 The child's journal is a ``RunSteps`` like any run's; its ``StepStore`` is ``PipeSteps``, which
 asks the worker for each write and read over the child's pipe (a ``pipe.StepAsk``, sent under
@@ -124,6 +125,10 @@ class PipeSteps:
         came: list[Doc] = self.steps.ask(StepOp.SIGNALS, name)
         return came
 
+    async def holds(self, collection: str, predicate: Doc, waiting: Doc | None) -> Doc | None:
+        found: Doc | None = self.steps.ask(StepOp.HOLDS, collection, predicate, waiting)
+        return found
+
     async def transact(self, *args: Any, **kw: Any) -> Any:
         raise StepError("transactional steps need an async def handler")
 
@@ -162,6 +167,8 @@ class ParentSteps:
             return await store.load(args[0])
         if op == StepOp.SIGNALS:
             return await store.signals(args[0])
+        if op == StepOp.HOLDS:
+            return await store.holds(*args)
         raise StepError(f"no such step request: {op!r}")
 
 

@@ -135,6 +135,7 @@ class StepOp(StrEnum):
     SPILL = "spill"
     LOAD = "load"
     SIGNALS = "signals"
+    HOLDS = "holds"  # whether a wait on data holds already (ctx.wait_until)
 
 
 # -- the messages ---------------------------------------------------------------------------------
