@@ -9,7 +9,6 @@ from typing import Any
 
 from mtask.cli.common import Commands, add_common, add_row, out, print_json, task_client, when
 from mtask.errors import UsageError
-from mtask.triggers import describe_lag, follower_label
 
 commands = Commands()
 run = commands.run
@@ -25,6 +24,8 @@ def state_text(doc: dict[str, Any]) -> str:
 
 
 def label_of(doc: dict[str, Any]) -> str:
+    from mtask.triggers import follower_label  # the parser loads no model (issue 66)
+
     return follower_label(doc.get("kind"), doc.get("name"))
 
 
@@ -72,6 +73,8 @@ def _print(docs: list[dict[str, Any]]) -> None:
         out.print("no triggers (a registry declares them: docs/triggers.md)", markup=False)
         return
     from rich.table import Table
+
+    from mtask.triggers import describe_lag
 
     table = Table(
         "trigger", "collection", "task", "state", "lag", "last change (UTC)", "published",
