@@ -25,7 +25,8 @@ that size only. ``MTASK_WQ_POLL=1`` measures as
 WQ did before issue 66, to show what that cost: during each
 drain the harness polls arq's Redis with ``KEYS arq:result:*`` every 0.2 s, and mtask's server
 with a count by name every second. Nothing is judged here but the target's line: the figures
-and their ratios are printed, and docs/performance.md carries a full-size run.
+and their ratios are printed; a full run's are in bench/results.md, what bounds them in
+docs/performance.md (WQ) and the dated runs in docs/journal/2026-11.md.
 """
 
 from __future__ import annotations

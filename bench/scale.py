@@ -131,7 +131,7 @@ def stats_at_scale(bench: Bench) -> None:
             "≤ 2x and < 20 ms at the large size",
             b["default"] <= 2 * a["default"] and b["default"] < 20,
             "1,000 pending, the rest finished, 5 names; open tasks exact, finished ones exact "
-            "up to 1,000 per name and status and '1,000+' above (docs/performance.md, Stats)",
+            "up to 1,000 per name and status and '1,000+' above (docs/scale.md, Counts)",
             {
                 **{f"small_{k}_ms": v for k, v in a.items()},
                 **{f"large_{k}_ms": v for k, v in b.items()},

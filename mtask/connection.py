@@ -40,7 +40,8 @@ WORKER_CLIENT_OPTIONS: dict[str, Any] = {**CLIENT_OPTIONS, "heartbeatFrequencyMS
 """A worker's two clients (claims and streams; lease pings): ours, with each server checked
 every 60 s instead of the driver's 10 s. A check is two ``hello`` commands (the monitor's and
 the round-trip time's): 64 idle hosts asked the server 83 operations a second at 10 s and 56
-at 60 s, 4.2-4.7 % and 3.2-3.4 % of a core (docs/performance.md, W9H). Nothing waits on it:
+at 60 s, 4.2-4.7 % and 3.2-3.4 % of a core (docs/journal/2026-11.md, "A worker's server
+monitoring every 60 s"). Nothing waits on it:
 the monitor hears of an election or a step-down at once (it streams ``hello``), and an
 operation that fails, or waits for a server, makes the driver check at once (at most every
 0.5 s). A URI that sets ``heartbeatFrequencyMS`` wins."""

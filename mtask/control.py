@@ -14,7 +14,8 @@ from mtask.driver import MODIFY_ONCE, Call, Doc, Op
 BEAT_CONCERN = {"w": 1}
 """A heartbeat's write concern: the primary's acknowledgement. A heartbeat is a hint of who is
 alive that the next one writes again within seconds, and no state of a task depends on it; a
-majority write made the server flush its journal for each (performance.md, "Heartbeats")."""
+majority write made the server flush its journal for each (docs/journal/2026-11.md,
+"Heartbeats")."""
 
 
 def heartbeat(info: Mapping[str, Any], now: dt.datetime) -> Op[Doc]:

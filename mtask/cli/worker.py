@@ -273,7 +273,7 @@ def loop_factory(choice: str) -> tuple[str, Callable[[], asyncio.AbstractEventLo
 
     uvloop runs the loop's own work (waking on a socket, handing a reply to the coroutine that
     awaits it) in C: each round trip of the driver's costs the worker less, and a task's wait
-    with it (performance.md, "The worker on uvloop")."""
+    with it (docs/journal/2026-11.md, "The worker on uvloop")."""
     if choice == "asyncio":
         return "asyncio", None
     try:

@@ -266,7 +266,7 @@ def success_group_update(
 ) -> tuple[Doc, Doc | list[Doc]]:
     """``success_fast_update`` for many ``_groupable`` outcomes of one worker, as the filter and
     update of one ``update_many``: one write of many documents costs the server about half of
-    as many single-document writes in a bulk (docs/performance.md, finding 13).
+    as many single-document writes in a bulk (docs/journal/2026-11.md, finding 13).
 
     The fence is the same: each task matches only while one of its runs is RUNNING with an id
     from the list, and a run id belongs to one task (``run_id_for``: a uuid4 batch id and the
@@ -393,7 +393,7 @@ def finish_many(outcomes: Sequence[Outcome], now: dt.datetime) -> Op[int]:
         # One outcome (a trickle's): its fenced update as `update_many`, which matches one
         # document by its key and is not a retryable write, so the server keeps no session
         # record for it. The recorder sends a failed write again itself, and the fence makes a
-        # repeat harmless (docs/performance.md, "A claim, a ping and an outcome alone are not
+        # repeat harmless (docs/journal/2026-11.md, "A claim, a ping and an outcome alone are not
         # retryable writes").
         result = yield Call("update_many", outcome_update(rest[0], now))
         recorded += int(result.modified_count)

@@ -60,7 +60,7 @@ async def test_a_plain_task_costs_one_claim_and_one_outcome(
         if e["ns"] == f"{db_name}.tasks"
     )
     # claim + outcome, with every index a worker makes (store/schema.py; docs/performance.md,
-    # "Cost budget"): the claim 4 (name_status_newest 2, claim 2), the outcome 5
+    # "What a task costs"): the claim 4 (name_status_newest 2, claim 2), the outcome 5
     # (name_status_newest 2, claim 1, finished 1, expire 1)
     assert keys == 9 * TASKS, keys / TASKS
     # no collection of a feature this worker does not use is touched while it runs tasks

@@ -370,7 +370,7 @@ async def test_follow_says_whether_the_stream_holds_more_changes_read(
     """``Position.buffered`` reads PyMongo's cursor (nothing public says it): of three changes
     read in one ``getMore`` the first two are ``buffered``, the last not. A PyMongo whose cursor
     cannot be read fails here (its relay would never wait for its own worker's claim: W2,
-    docs/performance.md)."""
+    docs/performance.md, Latency)."""
     from mtask import events as events_module
 
     mongo = async_client(mongo_uri)

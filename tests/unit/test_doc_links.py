@@ -21,7 +21,7 @@ def anchors(page: Path) -> set[str]:
 
 
 def test_links_between_the_docs_resolve() -> None:
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # the journal too
     broken = []
     for page in pages:
         for target, anchor in LINK.findall(page.read_text()):

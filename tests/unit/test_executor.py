@@ -73,7 +73,7 @@ def no_collector() -> Iterator[None]:
 def test_an_ended_run_leaves_no_reference_cycle(kind: str) -> None:
     """A cycle through a run (its context holding a closure over it) kept every run's objects
     until the collector's next pass: about 20 objects a run, and a fifth of a draining
-    worker's CPU spent collecting them (docs/performance.md)."""
+    worker's CPU spent collecting them (docs/journal/2026-11.md, "A drain's garbage")."""
     registry = Registry()
     seen: list[weakref.ref[Any]] = []
 

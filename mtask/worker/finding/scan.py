@@ -218,7 +218,8 @@ class Scanner:
         """Read on from where a full queue left tasks out (``ClaimQueue.resume``), into what
         half a queue's claims have made room for, without clearing it: a backlog larger than
         the queue is read once, and the claims never wait for a whole queue's read (a rescan
-        when the queue ran dry stopped them for about 0.2 s a queue, docs/performance.md).
+        when the queue ran dry stopped them for about 0.2 s a queue: docs/journal/2026-11.md,
+        "A backlog larger than the queue").
         Returns how many documents it read."""
         async with self._scanning:
             scope, queue = self.placement.scope, self.placement.queue

@@ -126,7 +126,7 @@ class ClaimsFirst:
     The stream's reader and the worker share one event loop, and PyMongo's async client takes
     about nine turns of it for one command: a ``getMore`` sent first runs its client work
     before the claim's, and between its turns (about 0.25 ms of W2's latency,
-    ``docs/performance.md``). So the reader notes ``handed`` when it passes a change on, and
+    ``docs/journal/2026-11.md``). So the reader notes ``handed`` when it passes a change on, and
     before its next read awaits ``settled``: two turns (the change placed, the claimer woken;
     the claim on its way), then the claims begun since the first change handed are back, or
     ``CLAIM_WAIT`` has passed. Its reader calls ``settled`` only once it has passed on the
