@@ -41,6 +41,7 @@ from mtask import (
     flows,
     limits,
     metrics,
+    roles,
     schedules,
     store,
     streams,
@@ -300,6 +301,7 @@ class _Base:
         self.registry = registry
         """Handlers whose declared option defaults complete this client's publishes."""
         self.collection_name = collection
+        self.database_name = database
         self.max_params_bytes = max_params_bytes
         self.clock: Clock = clock or ServerClock()
         self._server_clock = self.clock if isinstance(self.clock, ServerClock) else None
@@ -396,6 +398,12 @@ class _Base:
         ``operator_indexes`` likewise makes or drops ``store.schema.OPERATOR_INDEXES``. Returns
         the collection's options as the server reports them."""
         return (yield from store.collection_init(self.collection_name, validator, operator_indexes))
+
+    @operation
+    def create_roles(self) -> Op[list[str]]:
+        """Create or update the MongoDB roles of every part (``mtask.roles``) in this
+        database, for this tasks collection; returns their names."""
+        return (yield from roles.create_roles(self.database_name, self.collection_name))
 
     # -- reading and acting on tasks ------------------------------------------------------------
 

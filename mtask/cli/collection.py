@@ -38,6 +38,17 @@ def register(sub: Any) -> None:
         "operators' own queries that no command reads (runs_worker: all runs by a worker); "
         "each index costs every task's writes; default: leave them as they are",
     )
+    roles = actions.add_parser(
+        "roles",
+        help="print (or with --create make) the MongoDB roles with the fewest privileges each "
+        "part of mtask needs",
+    )
+    add_common(roles)
+    roles.add_argument(
+        "--create",
+        action="store_true",
+        help="create the roles in --database, or bring them up to date (needs userAdmin there)",
+    )
     schema = actions.add_parser("schema", help="print a JSON Schema of the task document")
     schema.add_argument(
         "kind",
@@ -57,6 +68,8 @@ def cmd_collection(args: argparse.Namespace) -> int:
         name = f"{SCHEMA_KINDS[args.kind]}.v{jsonschema.VERSION}.json"
         sys.stdout.write(jsonschema.dump(jsonschema.generated()[name]))
         return 0
+    if args.collection_action == "roles":
+        return _roles(args)
     from mtask.store.schema import OPERATOR_INDEXES
 
     with task_client(args) as client:
@@ -74,4 +87,29 @@ def cmd_collection(args: argparse.Namespace) -> int:
     state = f"validator installed (level {level}, action {action})" if installed else "no validator"
     extra = f"operator indexes: {', '.join(operator)}" if operator else "no operator indexes"
     out.print(f"{args.database}.{args.collection}: indexes ready, {state}, {extra}", markup=False)
+    return 0
+
+
+def _roles(args: argparse.Namespace) -> int:
+    """The roles (``mtask.roles``) as ``createRole`` commands, or a table; ``--create`` makes
+    them."""
+    from mtask import roles
+
+    commands = roles.role_commands(args.database, args.collection)
+    if args.create:
+        with task_client(args) as client:
+            made = client.create_roles()
+        if not args.json:
+            out.print(f"{args.database}: roles ready: {', '.join(made)}", markup=False)
+    if args.json:
+        sys.stdout.write(json.dumps(commands, indent=2) + "\n")
+        return 0
+    if args.create:
+        return 0
+    for part, role in roles.ROLES.items():
+        out.print(f"{role.name}  ({part}: {role.summary})", markup=False)
+        for collection, actions in sorted(roles.grants(part, args.collection).items()):
+            where = collection or "(every collection)"
+            out.print(f"    {args.database}.{where}: {', '.join(sorted(actions))}", markup=False)
+        out.print(f"    Atlas: {role.atlas}", markup=False)
     return 0

@@ -458,11 +458,26 @@ DROP_REFUSALS = (27, 13, 50, 24)
 """IndexNotFound (dropped meanwhile), Unauthorized, MaxTimeMSExpired, LockTimeout."""
 
 
+UNAUTHORIZED = 13
+
+
 def ensure_indexes() -> Op[None]:
+    """Make the indexes and drop the retired ones. A user whose role may not (a publisher's, a
+    viewer's: ``mtask.roles``) leaves them to ``mtask collection init``, run by an admin."""
     for collection, models in INDEXES.items():
-        yield Call("create_indexes", (models,), collection=collection)
+        try:
+            yield Call("create_indexes", (models,), collection=collection)
+        except OperationFailure as exc:
+            if exc.code != UNAUTHORIZED:
+                raise
+            return
     for collection, names in RETIRED_INDEXES.items():
-        present = yield Call("index_information", collection=collection)
+        try:
+            present = yield Call("index_information", collection=collection)
+        except OperationFailure as exc:
+            if exc.code != UNAUTHORIZED:
+                raise
+            return
         for name in names:
             if name not in present:  # the common case: no exclusive lock asked for
                 continue
