@@ -41,6 +41,7 @@ from mtask import (
     flows,
     limits,
     metrics,
+    read_tokens,
     roles,
     schedules,
     store,
@@ -67,6 +68,7 @@ from mtask.models import (
     validate_name,
 )
 from mtask.states import Explained, State, explain
+from mtask.store import audit as store_audit
 from mtask.store import bulk, cluster, counts, occupancy, queries, retention, throughput
 from mtask.store import output as store_output
 from mtask.store import steps as store_steps
@@ -400,6 +402,32 @@ class _Base:
         return (yield from store.collection_init(self.collection_name, validator, operator_indexes))
 
     @operation
+    def read_token(
+        self,
+        key: str | None = None,
+        ttl: float = 600,
+        *,
+        name: str | None = None,
+        group: str | None = None,
+        children: bool = False,
+        secret: bytes | str | None = None,
+    ) -> Op[str]:
+        """A signed token that lets its holder read one task (``key``; with ``children`` its
+        children too), or every task of ``name`` and ``group``, its progress and its output
+        stream over ``mtask serve``, and nothing else, for ``ttl`` seconds by the server's
+        clock (``mtask.read_tokens``). Signed with ``secret``, else
+        ``MTASK_READ_TOKEN_SECRET``: the one serve checks with; rotating it revokes them."""
+        scope = read_tokens.scope_of(key, name, group, children)
+        seconds = read_tokens.check_ttl(ttl)
+        given = secret.encode() if isinstance(secret, str) else secret
+        signing = given or read_tokens.secret_from_env()
+        if not signing:
+            raise InvalidTask(f"no secret: pass secret= or set {read_tokens.ENV}", field="secret")
+        expires = self.clock.now() + dt.timedelta(seconds=seconds)
+        return read_tokens.sign(signing, scope, expires)
+        yield  # an operation without a call: the clock is calibrated by the client first
+
+    @operation
     def create_roles(self) -> Op[list[str]]:
         """Create or update the MongoDB roles of every part (``mtask.roles``) in this
         database, for this tasks collection; returns their names."""
@@ -715,6 +743,24 @@ class _Base:
         yield from bulk.ensure_indexes()
         yield from throughput.ensure_indexes()
         self._bulk_ready = True
+
+    @operation
+    def ensure_audit(self) -> Op[None]:
+        """The audit's capped collection (``store.audit``; ``mtask serve`` makes it)."""
+        yield from store_audit.ensure()
+
+    @operation
+    def record_audit(self, entry: Mapping[str, Any]) -> Op[None]:
+        """One record of an action, at the server's time."""
+        yield from store_audit.record({**entry, "at": self.clock.now()})
+
+    @operation
+    def audit(
+        self, limit: int = 100, before: str | None = None
+    ) -> Op[builtins.list[dict[str, Any]]]:
+        """The newest audit records first (``before``: the last ``id`` of the previous page)."""
+        _check_number(limit, "limit", 1, 1000, integer=True)
+        return (yield from store_audit.recent(limit, before))
 
     @operation
     def record_throughput(self) -> Op[int]:

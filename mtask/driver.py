@@ -90,10 +90,12 @@ def _gather_pool() -> ThreadPoolExecutor:
 def collections(db: Any, tasks: str = "tasks") -> dict[str, Any]:
     """The collections the operations use, from a (sync or async) database: the tasks
     collection as named, and the database's ``workers``, ``controls``, ``limits``,
-    ``schedules``, ``retention``, ``throughput`` and ``relays``; ``output`` and ``steps`` are the
-    tasks' side collections ``<tasks>.output`` (``store.output``) and ``<tasks>.steps``
-    (``store.steps``: results too large for the task document)."""
-    names = ("workers", "controls", "limits", "schedules", "retention", "throughput", "relays")
+    ``schedules``, ``retention``, ``throughput``, ``relays`` and ``audit``; ``output`` and
+    ``steps`` are the tasks' side collections ``<tasks>.output`` (``store.output``) and
+    ``<tasks>.steps`` (``store.steps``: results too large for the task document)."""
+    names = (
+        "workers", "controls", "limits", "schedules", "retention", "throughput", "relays", "audit",
+    )  # fmt: skip
     return {
         "tasks": db[tasks],
         "output": db[f"{tasks}.output"],

@@ -147,3 +147,19 @@ class BulkView(BaseModel):
     truncated: bool = Field(
         False, description="more tasks matched than one call handles; call again"
     )
+
+
+class AuditView(Open):
+    """One action of ``mtask serve``'s audit (``store.audit``)."""
+
+    id: str
+    at: dt.datetime | None = None
+    who: str | None = None
+    role: str | None = None
+    action: str | None = None
+    target: str | None = None
+    method: str | None = None
+    path: str | None = None
+    status: int | None = None
+    from_: str | None = Field(None, alias="from")
+    via: str | None = None
