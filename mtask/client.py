@@ -52,6 +52,7 @@ from mtask.aftercommit import after_commit
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
 from mtask.driver import Op
+from mtask.encryption import Encryption
 from mtask.errors import InvalidTask, TaskNotFound
 from mtask.models import (
     DEFAULT_MAX_PARAMS_BYTES,
@@ -299,8 +300,12 @@ class _Base:
         clock: Clock | None,
         max_params_bytes: int,
         registry: Registry | None = None,
+        encryption: Encryption | None = None,
     ) -> None:
         self.registry = registry
+        self.encryption = encryption
+        """Encrypts the params of the publishes that ask (``mtask.encryption``) and decrypts
+        what ``get`` reads (None: encrypted tasks read as they are stored)."""
         """Handlers whose declared option defaults complete this client's publishes."""
         self.collection_name = collection
         self.database_name = database
@@ -328,9 +333,11 @@ class _Base:
         on_conflict: OnConflict = "ignore",
         depends_on: Sequence[str] | None = None,
         session: Any = None,
+        encrypt: bool = False,
     ) -> Op[PublishResult]:
         """Publish one task (idempotent by key). With ``session``, every write joins it (and
-        its transaction): its dependency bookkeeping too."""
+        its transaction): its dependency bookkeeping too. ``encrypt``: its params encrypted
+        client-side (the client's ``encryption``; a name it lists is encrypted anyway)."""
         _check_on_conflict(on_conflict)
         _check_session(session, self.mongo)
         now = self.clock.now()
@@ -346,6 +353,7 @@ class _Base:
             max_params_bytes=self.max_params_bytes,
             depends_on=depends_on,
         )
+        task = self._sealed(task, encrypt)
         known = yield from self._retention_defaults()
         with tracing.publish_span(task.name, task.key) as trace:
             published = yield from store.publish(  # in a session: one that cannot abort it
@@ -366,7 +374,7 @@ class _Base:
         ``publish``."""
         _check_session(session, self.mongo)
         now = self.clock.now()
-        tasks = build_many(items, now, self.max_params_bytes)
+        tasks = [self._sealed(t, False) for t in build_many(items, now, self.max_params_bytes)]
         by_name: dict[str, int] = {}
         known = yield from self._retention_defaults()
         with tracing.publish_span(None, None, count=len(tasks)) as trace:
@@ -376,6 +384,29 @@ class _Base:
         _count_created(by_name, session)
         yield from flows.after_publish(tasks, now)
         return created
+
+    def _sealed(self, task: NewTask, asked: bool) -> NewTask:
+        """``task`` with its params encrypted if it asks (or its name does)."""
+        if self.encryption is None:
+            if asked:
+                raise InvalidTask(
+                    "the client has no encryption: TaskClient(..., encryption=Encryption(...))",
+                    field="encrypt",
+                )
+            return task
+        if not self.encryption.wants(task.name, asked):
+            return task
+        return task.model_copy(update={"params": self.encryption.seal_params(task.params)})
+
+    def _opened(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """A task document with its encrypted params and result decrypted, if this client has
+        the key."""
+        if self.encryption is None:
+            return doc
+        opened = {**doc, "params": self.encryption.open(doc.get("params"))}
+        if "result" in doc:
+            opened["result"] = self.encryption.open(doc["result"])
+        return opened
 
     def _retention_defaults(self) -> Op[dict[str, Any]]:
         now = time.monotonic()
@@ -439,7 +470,7 @@ class _Base:
     def get(self, key: str) -> Op[Task | None]:
         _check_key(key)
         doc = yield from store.get(key)
-        return Task.from_document(doc) if doc is not None else None
+        return Task.from_document(self._opened(doc)) if doc is not None else None
 
     @operation
     def output(
@@ -795,8 +826,9 @@ class TaskClient(_Base):
         max_params_bytes: int = DEFAULT_MAX_PARAMS_BYTES,
         mongo_client: MongoClient[dict[str, Any]] | None = None,
         registry: Registry | None = None,
+        encryption: Encryption | None = None,
     ) -> None:
-        super().__init__(database, collection, clock, max_params_bytes, registry)
+        super().__init__(database, collection, clock, max_params_bytes, registry, encryption)
         self._owns_client = mongo_client is None
         self.mongo: MongoClient[dict[str, Any]] = mongo_client or sync_client(uri)
         self.db = self.mongo[database]
@@ -867,6 +899,8 @@ class TaskClient(_Base):
     def close(self) -> None:
         if self._owns_client:
             self.mongo.close()
+        if self.encryption is not None and self.encryption.owns_client:
+            self.encryption.close()  # made by Encryption.local: its key vault's client
 
     def __enter__(self) -> Self:
         return self
@@ -889,8 +923,9 @@ class AsyncTaskClient(_Base):
         max_params_bytes: int = DEFAULT_MAX_PARAMS_BYTES,
         mongo_client: AsyncMongoClient[dict[str, Any]] | None = None,
         registry: Registry | None = None,
+        encryption: Encryption | None = None,
     ) -> None:
-        super().__init__(database, collection, clock, max_params_bytes, registry)
+        super().__init__(database, collection, clock, max_params_bytes, registry, encryption)
         self._owns_client = mongo_client is None
         self.mongo: AsyncMongoClient[dict[str, Any]] = mongo_client or async_client(uri)
         self.db = self.mongo[database]

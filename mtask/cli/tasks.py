@@ -27,6 +27,7 @@ from mtask.cli.common import (
     when,
 )
 from mtask.client import build_many
+from mtask.encryption import shown
 from mtask.errors import InvalidTask, TaskNotFound, UsageError
 from mtask.models import ON_CONFLICT_CHOICES, OutputCounts, Task, TaskStatus
 from mtask.states import (
@@ -117,7 +118,9 @@ def cmd_get(args: argparse.Namespace) -> int:
         said = client.explain(task)
         now = client.now()
     if args.json:
-        print_json({**task.model_dump(by_alias=True), **_state_json(said)})
+        dumped = task.model_dump(by_alias=True)
+        dumped["params"], dumped["result"] = shown(task.params), shown(task.result)
+        print_json({**dumped, **_state_json(said)})
     else:
         print_task(task, said, now)
         if args.traceback:
@@ -166,8 +169,8 @@ def _header_rows(task: Task, said: Explained, now: dt.datetime) -> list[tuple[st
         rows.append(("finished", f"{when(task.finished_at)} ({relative(task.finished_at, now)})"))
     rows += _error_row(task, said)
     if said.state is State.SUCCEEDED:
-        rows.append(("result", json.dumps(task.result, default=json_default)))
-    rows.append(("params", json.dumps(task.params, default=json_default)))
+        rows.append(("result", json.dumps(shown(task.result), default=json_default)))
+    rows.append(("params", json.dumps(shown(task.params), default=json_default)))
     changed = task.options.changed()
     rows.append(("options", json.dumps(changed, default=json_default) if changed else "defaults"))
     return rows

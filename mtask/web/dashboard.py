@@ -26,7 +26,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup, escape
 
-from mtask import signal_fate, states, tracebacks
+from mtask import encryption, signal_fate, states, tracebacks
 from mtask.client import AsyncTaskClient
 from mtask.errors import MtaskError
 from mtask.models import Task, TaskStatus
@@ -77,6 +77,7 @@ def _preview(value: Any) -> str:
 
 
 templates.filters["deadline"] = _deadline
+templates.filters["shown"] = encryption.shown
 templates.filters["preview"] = _preview
 templates.filters["ticks"] = _ticks
 templates.globals.update(

@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mtask.models import Stored, Task
+from mtask.encryption import shown
+from mtask.models import BsonAny, BsonObject, Stored, Task
 from mtask.states import Explained
 
 DerivedState = Literal[
@@ -47,10 +48,16 @@ class TaskView(Task):
         "a blocked one (group, limit, paused, no_worker); backoff, lease_ended, …",
     )
     reason: str | None = Field(None, description="why it is not running, in one sentence")
+    params: BsonObject | Literal["encrypted"] | None = Field(  # type: ignore[assignment]
+        None, description='the handler\'s input; "encrypted" when serve cannot decrypt it'
+    )
+    result: BsonAny = Field(None, description='the result; "encrypted" likewise')
 
     @classmethod
     def of(cls, task: Task, said: Explained | None = None) -> TaskView:
-        view = cls.model_validate(task.model_dump())
+        fields = task.model_dump()
+        fields["params"], fields["result"] = shown(task.params), shown(task.result)
+        view = cls.model_validate(fields)
         if said is not None:
             view.state, view.why, view.reason = said.state.value, said.why, said.reason
         return view
