@@ -22,12 +22,14 @@ from mtask.client import AsyncTaskClient, TaskClient
 from mtask.errors import InvalidTask, InvalidTransition, StorageError, TaskNotFound
 from mtask.schedules import ScheduleNotFound
 from mtask.web import api, dashboard, events, output
+from mtask.web.access import RedactTokens
 from mtask.web.audit import Audit
 from mtask.web.auth import Keys, Principal
 from mtask.web.guard import DEFAULT_MAX_BODY, Guard
 from mtask.web.rates import Buckets, Rates
 
 log = logging.getLogger("mtask.serve")
+REDACT = RedactTokens()
 SAMPLE_SECONDS = 5.0
 
 
@@ -66,6 +68,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        logging.getLogger("uvicorn.access").addFilter(REDACT)  # after uvicorn set its logging
         client = AsyncTaskClient(uri, database=database, collection=collection)
         try:
             await client.ensure_bulk_indexes()

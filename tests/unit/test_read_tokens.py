@@ -93,3 +93,20 @@ def test_buckets_refill_at_their_rate() -> None:
     now[0] += 100
     assert [buckets.take("a") for _ in range(3)] == [0, 0, 0]  # never above the burst
     assert buckets.take("a") > 0
+
+
+def test_the_access_log_never_holds_a_read_token() -> None:
+    import logging
+
+    from mtask.web.access import RedactTokens
+
+    record = logging.LogRecord("uvicorn.access", 20, "", 0, '%s - "%s %s HTTP/%s" %d', None, None)
+    record.args = (
+        "127.0.0.1:5",
+        "GET",
+        "/tasks/k:stream?kind=chunk&token=mrt1.abc.def",
+        "1.1",
+        200,
+    )
+    RedactTokens().filter(record)
+    assert "mrt1" not in record.getMessage() and "token=***" in record.getMessage()
