@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 from typing import Any
 
 from mtask.cli.common import Commands, add_connection, err, mongodb_uri, require
@@ -21,14 +20,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from mtask.errors import UsageError
     from mtask.web import create_app
-    from mtask.web.auth import TOKENS_ENV, AuthConfigError, check_bind, load_token, load_tokens
+    from mtask.web.auth import (
+        TOKENS_ENV,
+        AuthConfigError,
+        check_bind,
+        load_read_secret,
+        load_token,
+        load_tokens,
+    )
 
     try:
         token = load_token(args.token_file)
         tokens_file = args.tokens_file or os.environ.get(TOKENS_ENV)
         tokens = load_tokens(tokens_file) if tokens_file else {}
         check_bind(args.host, token or next(iter(tokens), None))
-        read_secret = _read_secret(args.read_token_secret_file)
+        read_secret = load_read_secret(args.read_token_secret_file)
     except AuthConfigError as exc:
         raise UsageError(str(exc)) from None
     if args.rate_limit is not None and not 0 < args.rate_limit <= 1_000_000:
@@ -59,25 +65,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop="asyncio",
     )
     return 0
-
-
-def _read_secret(path: str | None) -> bytes | None:
-    """``--read-token-secret-file``, else ``MTASK_READ_TOKEN_SECRET``, else None (read tokens
-    refused)."""
-    from mtask import read_tokens
-    from mtask.web.auth import AuthConfigError
-
-    if path is None:
-        return read_tokens.secret_from_env()
-    try:
-        secret = Path(path).read_bytes().strip()
-    except OSError as exc:
-        raise AuthConfigError(
-            f"cannot read --read-token-secret-file {path}: {exc.strerror}"
-        ) from None
-    if len(secret) < 16:
-        raise AuthConfigError(f"--read-token-secret-file {path}: at least 16 bytes, please")
-    return secret
 
 
 def register(sub: Any) -> None:

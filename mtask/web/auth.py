@@ -53,19 +53,35 @@ class AuthConfigError(MtaskError):
     """The server cannot start with this token configuration."""
 
 
+def read_config(path: str, option: str) -> bytes:
+    """A file an option names, stripped, or ``AuthConfigError`` saying why not."""
+    try:
+        return Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise AuthConfigError(f"cannot read {option} {path}: {exc.strerror}") from None
+
+
 def load_token(token_file: str | None) -> str | None:
     if token_file:
-        try:
-            token = Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise AuthConfigError(
-                f"cannot read --token-file {token_file}: {exc.strerror}"
-            ) from None
+        token = read_config(token_file, "--token-file").decode(errors="replace")
         if not token:
             raise AuthConfigError(f"--token-file {token_file} is empty")
         return token
     token = os.environ.get(ENV, "").strip()
     return token or None
+
+
+def load_read_secret(path: str | None) -> bytes | None:
+    """``--read-token-secret-file``, else ``MTASK_READ_TOKEN_SECRET``, else None (read tokens
+    refused)."""
+    from mtask import read_tokens
+
+    if path is None:
+        return read_tokens.secret_from_env()
+    secret = read_config(path, "--read-token-secret-file")
+    if len(secret) < 16:
+        raise AuthConfigError(f"--read-token-secret-file {path}: at least 16 bytes, please")
+    return secret
 
 
 def is_loopback(host: str) -> bool:
@@ -116,10 +132,7 @@ LOOPBACK = Principal("admin", "loopback")
 
 def load_tokens(path: str) -> dict[str, Principal]:
     """A tokens file: one ``ROLE NAME TOKEN`` a line (``#`` comments, blank lines skipped)."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise AuthConfigError(f"cannot read --tokens-file {path}: {exc.strerror}") from None
+    lines = read_config(path, "--tokens-file").decode(errors="replace").splitlines()
     found: dict[str, Principal] = {}
     for number, line in enumerate(lines, 1):
         parts = line.split("#")[0].split()
