@@ -95,7 +95,9 @@ def create_app(
         title="mtask",
         version=mtask.__version__,
         description="Publish, read and steer mtask tasks. Every route but /healthz needs "
-        "`Authorization: Bearer <MTASK_API_TOKEN>` (Swagger UI: the Authorize button). "
+        "`Authorization: Bearer <token>` (Swagger UI: the Authorize button): a viewer's token "
+        "reads, an operator's acts on tasks, an admin's also purges and sets limits (docs/web.md"
+        "); a read token reads one task, its output and its stream. "
         "Actions on one task are `POST /tasks/{key}:cancel` and `:retry` (the key "
         "percent-encoded; the action is the last `:verb`).",
         lifespan=lifespan,
