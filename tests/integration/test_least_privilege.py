@@ -10,6 +10,7 @@ line, error and page of these tests is scanned for the passwords.
 
 from __future__ import annotations
 
+import base64
 import os
 import secrets
 import subprocess
@@ -30,8 +31,10 @@ from webserver import serving
 from mtask import TaskClient, roles
 from mtask.driver import Call, SyncDriver, collections
 from mtask.embedded import EmbeddedMongo, Tls
+from mtask.encryption import KEY_FILE_ENV, Encryption
 from mtask.errors import MtaskError, StorageError
 from mtask.testing import worker_argv
+from mtask.web.auth import Principal
 
 DB = "secured"
 USERS = {
@@ -158,9 +161,11 @@ def _scan_file(secured: Secured, path: Path) -> str:
     return text
 
 
-def _worker(uri: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+def _worker(
+    uri: str, log: Path, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     argv = worker_argv("workerapp:registry", uri, DB, *extra)
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    env = {**os.environ, "PYTHONPATH": str(TESTS), **(env or {})}
     with open(log, "wb") as sink:
         return subprocess.Popen(argv, cwd=TESTS, env=env, stderr=sink, stdout=sink)
 
@@ -229,6 +234,50 @@ def test_serve_reads_with_the_viewers_role_and_names_what_an_action_lacks(
             page = http.get("/", headers={})
             pages = [got.text, refused.text, page.text, http.get("/metrics").text]
     secured.clean(*pages, caplog.text)
+
+
+def test_serve_acts_and_audits_with_the_operators_role(
+    secured: Secured, caplog: pytest.LogCaptureFixture
+) -> None:
+    with TaskClient(secured.uri("publisher"), database=DB) as client:
+        client.publish("add", "srv-2", {"a": 1, "b": 1})
+    tokens = {"op-token": Principal("operator", "otto")}
+    with (
+        serving(secured.uri("operator"), DB, tokens=tokens) as url,
+        httpx.Client(base_url=url, headers={"Authorization": "Bearer op-token"}) as http,
+    ):
+        assert http.post("/tasks/srv-2:cancel").json()["status"] == "cancelled"
+        records = http.get("/audit").json()
+        assert [(r["who"], r["action"], r["target"]) for r in records][:1] == [
+            ("otto", "cancel", "srv-2")
+        ]
+        secured.clean(http.get("/ui/audit").text)
+    secured.clean(caplog.text)
+
+
+def test_encrypted_tasks_run_under_the_roles(secured: Secured, tmp_path: Path) -> None:
+    """The admin makes the data key; the publisher encrypts with it (``find`` on the vault);
+    the worker decrypts with it."""
+    master = tmp_path / "master.key"
+    master.write_bytes(base64.b64encode(os.urandom(96)))
+    keys = Encryption.local(master, secured.uri("admin"), DB)
+    try:
+        keys.ensure_key()
+    finally:
+        keys.close()
+    sealing = Encryption.local(master, secured.uri("publisher"), DB)
+    log = tmp_path / "worker.log"
+    with TaskClient(secured.uri("publisher"), database=DB, encryption=sealing) as client:
+        client.publish("echo", "enc-1", {"card": "4242"}, encrypt=True)
+        proc = _worker(secured.uri("worker"), log, env={KEY_FILE_ENV: str(master)})
+        try:
+            assert client.wait("enc-1", timeout=60).status == "succeeded"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        task = client.get("enc-1")
+        assert task is not None and task.result["params"] == {"card": "4242"}
+    assert "Traceback" not in _scan_file(secured, log)
 
 
 def test_no_password_in_any_log_line(secured: Secured, caplog: pytest.LogCaptureFixture) -> None:
