@@ -993,6 +993,8 @@ class AsyncTaskClient(_Base):
     async def close(self) -> None:
         if self._owns_client:
             await self.mongo.close()
+        if self.encryption is not None and self.encryption.owns_client:
+            self.encryption.close()  # made by Encryption.local: its key vault's client
 
     async def __aenter__(self) -> Self:
         return self
