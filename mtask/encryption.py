@@ -139,8 +139,10 @@ class Encryption:
         return cls.local(path, uri, database) if path else None
 
     def close(self) -> None:
+        """Its ``ClientEncryption``, and ``mongo`` if it was made for it (``local``)."""
         self._ce.close()
-        self.mongo.close()
+        if self.owns_client:
+            self.mongo.close()
 
     def ensure_key(self) -> Any:
         """The data key named ``key_alt_name``, made if missing (with the vault's unique index on
@@ -186,3 +188,21 @@ class Encryption:
         done = self._ce.rewrap_many_data_key({}, provider=provider, master_key=master_key)
         result = done.bulk_write_result
         return 0 if result is None else int(result.modified_count)
+
+
+def rotate_local(mongo: Any, old: bytes, new: bytes, key_vault: str) -> int:
+    """Re-wrap every data key of ``key_vault`` from the local master key ``old`` to ``new``,
+    keeping the provider's name ``local`` (so ``Encryption.local`` and the workers'
+    ``MTASK_ENCRYPTION_KEY_FILE`` read it with the new key file): through a named provider
+    (``local:rotating``) and back, two ``rewrapManyDataKey``. Returns how many keys."""
+    rotating = {"local": {"key": old}, "local:rotating": {"key": new}}
+    back = {"local:rotating": {"key": new}, "local": {"key": new}}
+    done = 0
+    for providers, to in ((rotating, "local:rotating"), (back, "local")):
+        step = Encryption(mongo, providers, key_vault=key_vault)
+        try:
+            count = step.rotate(to)
+        finally:
+            step.close()
+        done = done or count
+    return done
