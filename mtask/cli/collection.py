@@ -49,6 +49,20 @@ def register(sub: Any) -> None:
         action="store_true",
         help="create the roles in --database, or bring them up to date (needs userAdmin there)",
     )
+    key = actions.add_parser(
+        "key",
+        help="make the data key of encrypted params (if missing), or re-wrap it under a new "
+        "local master key (docs/security.md)",
+    )
+    add_common(key)
+    key.add_argument(
+        "--key-file", required=True, help="the local master key: 96 bytes, raw or base64"
+    )
+    key.add_argument(
+        "--rotate-to",
+        metavar="NEW_KEY_FILE",
+        help="re-wrap the data keys under this master key (old tasks stay readable with it)",
+    )
     schema = actions.add_parser("schema", help="print a JSON Schema of the task document")
     schema.add_argument(
         "kind",
@@ -70,6 +84,8 @@ def cmd_collection(args: argparse.Namespace) -> int:
         return 0
     if args.collection_action == "roles":
         return _roles(args)
+    if args.collection_action == "key":
+        return _key(args)
     from mtask.store.schema import OPERATOR_INDEXES
 
     with task_client(args) as client:
@@ -112,4 +128,32 @@ def _roles(args: argparse.Namespace) -> int:
             where = collection or "(every collection)"
             out.print(f"    {args.database}.{where}: {', '.join(sorted(actions))}", markup=False)
         out.print(f"    Atlas: {role.atlas}", markup=False)
+    return 0
+
+
+def _key(args: argparse.Namespace) -> int:
+    """The data key ``mtask`` in ``<database>.mtask_keys``, made if missing; with
+    ``--rotate-to``, every data key re-wrapped under the new master key."""
+    from bson.binary import Binary
+
+    from mtask.cli.common import mongodb_uri
+    from mtask.encryption import Encryption, read_key_file, rotate_local
+
+    encryption = Encryption.local(args.key_file, mongodb_uri(args.uri), args.database)
+    try:
+        key_id = encryption.ensure_key()
+        rotated = None
+        if args.rotate_to:
+            new = read_key_file(args.rotate_to)
+            old = read_key_file(args.key_file)
+            rotated = rotate_local(encryption.mongo, old, new, encryption.key_vault)
+    finally:
+        encryption.close()
+    name = str(key_id.as_uuid()) if isinstance(key_id, Binary) else str(key_id)
+    report = {"key_vault": encryption.key_vault, "key": name, "rotated": rotated}
+    if args.json:
+        sys.stdout.write(json.dumps(report) + "\n")
+    else:
+        done = f"; {rotated} re-wrapped under {args.rotate_to}" if rotated is not None else ""
+        out.print(f"{encryption.key_vault}: data key {report['key']} ready{done}", markup=False)
     return 0

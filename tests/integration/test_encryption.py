@@ -7,6 +7,7 @@ key keeps old tasks readable."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -117,3 +118,29 @@ def test_a_named_task_is_encrypted_and_rotation_keeps_old_tasks_readable(
         pytest.raises(Exception, match="(?i)decrypt|hmac|kms|key"),
     ):
         client.get("old-1")  # the old master key no longer opens the data key
+
+
+def test_the_command_line_makes_the_data_key_and_rotates_it(
+    mongo_uri: str, db_name: str, tmp_path: Path
+) -> None:
+    old, new = key_file(tmp_path / "old.key"), key_file(tmp_path / "new.key")
+    common = ["--uri", mongo_uri, "--database", db_name, "--json"]
+    made = [run_cli("collection", "key", "--key-file", str(old), *common) for _ in range(2)]
+    assert [code for code, _, _ in made] == [0, 0], made
+    ids = {json.loads(out)["key"] for _, out, _ in made}
+    assert len(ids) == 1  # made once, found the second time
+    with TaskClient(
+        mongo_uri, database=db_name, encryption=Encryption.local(old, mongo_uri, db_name)
+    ) as c:
+        c.publish("echo", "kept", {"card": SECRET}, encrypt=True)
+    code, out, err = run_cli(
+        "collection", "key", "--key-file", str(old), "--rotate-to", str(new), *common
+    )
+    assert code == 0 and json.loads(out)["rotated"] == 1, err
+    with TaskClient(
+        mongo_uri, database=db_name, encryption=Encryption.local(new, mongo_uri, db_name)
+    ) as c:
+        task = c.get("kept")
+        assert task is not None and task.params == {"card": SECRET}
+    code, out, err = run_cli("collection", "key", "--key-file", str(tmp_path / "none"), *common)
+    assert code != 0 and "cannot read the encryption key file" in err and "Traceback" not in err
