@@ -10,7 +10,7 @@ from typing import Any
 from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.errors import OperationFailure
 
-from mtask.driver import Call, Doc, Op
+from mtask.driver import UNAUTHORIZED, Call, Doc, Op
 from mtask.models import (
     OPEN_STATUSES,
     OPTION_NAMES,
@@ -456,9 +456,6 @@ open transaction on the collection holds off (for up to a minute): past it the i
 until the next start, and the start goes on."""
 DROP_REFUSALS = (27, 13, 50, 24)
 """IndexNotFound (dropped meanwhile), Unauthorized, MaxTimeMSExpired, LockTimeout."""
-
-
-UNAUTHORIZED = 13
 
 
 def ensure_indexes() -> Op[None]:

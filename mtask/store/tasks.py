@@ -11,7 +11,7 @@ from typing import Any
 from pymongo import ASCENDING, DESCENDING, ReturnDocument, UpdateOne
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
-from mtask.driver import Call, Doc, Op
+from mtask.driver import DUPLICATE_KEY, UNAUTHORIZED, Call, Doc, Op
 from mtask.errors import InvalidTransition, TaskNotFound
 from mtask.models import NewTask, OnConflict, TaskStatus
 from mtask.statemachine import (
@@ -139,10 +139,6 @@ def insert_if_absent(doc: Doc, upsert: bool = False) -> Op[Doc | None]:
             raise
         return (yield from _read_or_insert(doc))
     return found
-
-
-UNAUTHORIZED = 13
-DUPLICATE_KEY = 11000
 
 
 def _read_or_insert(doc: Doc) -> Op[Doc | None]:
