@@ -28,13 +28,11 @@ from typing import Any
 from pymongo.errors import OperationFailure
 
 from mtask.driver import MODIFY_ONCE, Call, Op
+from mtask.encryption import KEY_VAULT  # in mtask's database: a role of it can read the keys
 
 READ = ("find",)
 WRITE = ("find", "insert", "update", "remove")
 FOLLOW = ("find", "changeStream")
-KEY_VAULT = "mtask_keys"
-"""The data keys of encrypted params (``mtask.encryption``), in mtask's own database, so that a
-role of that database can read them."""
 
 
 @dataclass(frozen=True)
@@ -266,13 +264,6 @@ def call_collection(call: Call, tasks: str = "tasks") -> str:
     if call.collection in ("output", "steps"):
         return f"{tasks}.{call.collection}"
     return call.collection
-
-
-def refused(command: str, collection: str) -> str:
-    """What a refused command needs, in words: ``update on mtask.tasks``."""
-    actions = WRITES.get(command) or READS.get(command)
-    wanted = " and ".join(actions) if actions else command
-    return f"the role needs {wanted} on {collection} (docs/deploy.md, MongoDB roles)"
 
 
 ROLE_EXISTS = 51002
