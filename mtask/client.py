@@ -34,25 +34,11 @@ from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.errors import PyMongoError
 from pymongo.synchronous.client_session import ClientSession
 
-from mtask import (
-    control,
-    driver,
-    events,
-    flows,
-    limits,
-    metrics,
-    read_tokens,
-    roles,
-    schedules,
-    store,
-    streams,
-    tracing,
-)
+from mtask import control, driver, events, flows, limits, schedules, store, streams
 from mtask.aftercommit import after_commit
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
 from mtask.driver import Op
-from mtask.encryption import Encryption
 from mtask.errors import InvalidTask, TaskNotFound
 from mtask.models import (
     DEFAULT_MAX_PARAMS_BYTES,
@@ -76,6 +62,7 @@ from mtask.store import steps as store_steps
 from mtask.waiters import AsyncWaiter, SyncWaiter, async_waiter_for, finished, waiter_for
 
 if TYPE_CHECKING:
+    from mtask.encryption import Encryption
     from mtask.registry import Registry
 
 MAX_DELAY_SECONDS = 10 * 366 * 86400
@@ -213,6 +200,8 @@ def _count_created(by_name: Mapping[str, int], session: Any = None) -> None:
     committed (an aborted one created nothing)."""
 
     def count() -> None:
+        from mtask import metrics  # prometheus_client: not for a command that only reads
+
         for name, created in by_name.items():
             metrics.by_name(metrics.PUBLISHED, name).inc(created)
 
@@ -354,6 +343,8 @@ class _Base:
             depends_on=depends_on,
         )
         task = self._sealed(task, encrypt)
+        from mtask import tracing  # OpenTelemetry's API if installed: a publisher's only
+
         known = yield from self._retention_defaults()
         with tracing.publish_span(task.name, task.key) as trace:
             published = yield from store.publish(  # in a session: one that cannot abort it
@@ -376,6 +367,8 @@ class _Base:
         now = self.clock.now()
         tasks = [self._sealed(t, False) for t in build_many(items, now, self.max_params_bytes)]
         by_name: dict[str, int] = {}
+        from mtask import tracing
+
         known = yield from self._retention_defaults()
         with tracing.publish_span(None, None, count=len(tasks)) as trace:
             created = yield from store.publish_many(
@@ -448,6 +441,8 @@ class _Base:
         stream over ``mtask serve``, and nothing else, for ``ttl`` seconds by the server's
         clock (``mtask.read_tokens``). Signed with ``secret``, else
         ``MTASK_READ_TOKEN_SECRET``: the one serve checks with; rotating it revokes them."""
+        from mtask import read_tokens
+
         scope = read_tokens.scope_of(key, name, group, children)
         seconds = read_tokens.check_ttl(ttl)
         given = secret.encode() if isinstance(secret, str) else secret
@@ -462,6 +457,8 @@ class _Base:
     def create_roles(self) -> Op[list[str]]:
         """Create or update the MongoDB roles of every part (``mtask.roles``) in this
         database, for this tasks collection; returns their names."""
+        from mtask import roles
+
         return (yield from roles.create_roles(self.database_name, self.collection_name))
 
     # -- reading and acting on tasks ------------------------------------------------------------
