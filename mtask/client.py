@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Self, Ty
 
 from pymongo import AsyncMongoClient, MongoClient
 from pymongo.asynchronous.client_session import AsyncClientSession
-from pymongo.errors import PyMongoError
+from pymongo.errors import OperationFailure, PyMongoError
 from pymongo.synchronous.client_session import ClientSession
 
 from mtask import control, driver, events, flows, limits, schedules, store, streams
@@ -768,8 +768,13 @@ class _Base:
         yield from self._bulk_indexes()
 
     def _bulk_indexes(self) -> Op[None]:
-        yield from bulk.ensure_indexes()
-        yield from throughput.ensure_indexes()
+        """A role that may not create indexes (a viewer's) leaves them to an admin's."""
+        try:
+            yield from bulk.ensure_indexes()
+            yield from throughput.ensure_indexes()
+        except OperationFailure as exc:
+            if exc.code != driver.UNAUTHORIZED:
+                raise
         self._bulk_ready = True
 
     @operation

@@ -38,6 +38,12 @@ def register(sub: Any) -> None:
         "operators' own queries that no command reads (runs_worker: all runs by a worker); "
         "each index costs every task's writes; default: leave them as they are",
     )
+    init.add_argument(
+        "--serve-indexes",
+        action="store_true",
+        help="make the indexes mtask serve's task list, search and charts read (serve makes "
+        "them at start if its role may; one with a viewer's role may not)",
+    )
     roles = actions.add_parser(
         "roles",
         help="print (or with --create make) the MongoDB roles with the fewest privileges each "
@@ -90,6 +96,8 @@ def cmd_collection(args: argparse.Namespace) -> int:
 
     with task_client(args) as client:
         options = client.init_collection(args.validator, args.operator_indexes)
+        if args.serve_indexes:
+            client.ensure_bulk_indexes()
         indexes = client.collection.index_information()
     operator = [m.document["name"] for m in OPERATOR_INDEXES if m.document["name"] in indexes]
     installed = bool(options.get("validator"))
