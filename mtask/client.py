@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Self, Ty
 
 from pymongo import AsyncMongoClient, MongoClient
 from pymongo.asynchronous.client_session import AsyncClientSession
-from pymongo.errors import PyMongoError
+from pymongo.errors import OperationFailure, PyMongoError
 from pymongo.synchronous.client_session import ClientSession
 
 from mtask import control, driver, events, flows, limits, schedules, store, streams
@@ -55,6 +55,7 @@ from mtask.models import (
     validate_name,
 )
 from mtask.states import Explained, State, explain
+from mtask.store import audit as store_audit
 from mtask.store import bulk, cluster, counts, followers, occupancy, queries, retention, throughput
 from mtask.store import output as store_output
 from mtask.store import steps as store_steps
@@ -62,6 +63,7 @@ from mtask.triggers import follower_of
 from mtask.waiters import AsyncWaiter, SyncWaiter, async_waiter_for, finished, waiter_for
 
 if TYPE_CHECKING:
+    from mtask.encryption import Encryption
     from mtask.registry import Registry
 
 MAX_DELAY_SECONDS = 10 * 366 * 86400
@@ -288,10 +290,15 @@ class _Base:
         clock: Clock | None,
         max_params_bytes: int,
         registry: Registry | None = None,
+        encryption: Encryption | None = None,
     ) -> None:
         self.registry = registry
+        self.encryption = encryption
+        """Encrypts the params of the publishes that ask (``mtask.encryption``) and decrypts
+        what ``get`` reads (None: encrypted tasks read as they are stored)."""
         """Handlers whose declared option defaults complete this client's publishes."""
         self.collection_name = collection
+        self.database_name = database
         self.max_params_bytes = max_params_bytes
         self.clock: Clock = clock or ServerClock()
         self._server_clock = self.clock if isinstance(self.clock, ServerClock) else None
@@ -316,9 +323,11 @@ class _Base:
         on_conflict: OnConflict = "ignore",
         depends_on: Sequence[str] | None = None,
         session: Any = None,
+        encrypt: bool = False,
     ) -> Op[PublishResult]:
         """Publish one task (idempotent by key). With ``session``, every write joins it (and
-        its transaction): its dependency bookkeeping too."""
+        its transaction): its dependency bookkeeping too. ``encrypt``: its params encrypted
+        client-side (the client's ``encryption``; a name it lists is encrypted anyway)."""
         _check_on_conflict(on_conflict)
         _check_session(session, self.mongo)
         now = self.clock.now()
@@ -334,6 +343,7 @@ class _Base:
             max_params_bytes=self.max_params_bytes,
             depends_on=depends_on,
         )
+        task = self._sealed(task, encrypt)
         from mtask import tracing  # OpenTelemetry's API if installed: a publisher's only
 
         known = yield from self._retention_defaults()
@@ -356,7 +366,7 @@ class _Base:
         ``publish``."""
         _check_session(session, self.mongo)
         now = self.clock.now()
-        tasks = build_many(items, now, self.max_params_bytes)
+        tasks = [self._sealed(t, False) for t in build_many(items, now, self.max_params_bytes)]
         by_name: dict[str, int] = {}
         from mtask import tracing
 
@@ -368,6 +378,29 @@ class _Base:
         _count_created(by_name, session)
         yield from flows.after_publish(tasks, now)
         return created
+
+    def _sealed(self, task: NewTask, asked: bool) -> NewTask:
+        """``task`` with its params encrypted if it asks (or its name does)."""
+        if self.encryption is None:
+            if asked:
+                raise InvalidTask(
+                    "the client has no encryption: TaskClient(..., encryption=Encryption(...))",
+                    field="encrypt",
+                )
+            return task
+        if not self.encryption.wants(task.name, asked):
+            return task
+        return task.model_copy(update={"params": self.encryption.seal_params(task.params)})
+
+    def _opened(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """A task document with its encrypted params and result decrypted, if this client has
+        the key."""
+        if self.encryption is None:
+            return doc
+        opened = {**doc, "params": self.encryption.open(doc.get("params"))}
+        if "result" in doc:
+            opened["result"] = self.encryption.open(doc["result"])
+        return opened
 
     def _retention_defaults(self) -> Op[dict[str, Any]]:
         now = time.monotonic()
@@ -393,13 +426,49 @@ class _Base:
         the collection's options as the server reports them."""
         return (yield from store.collection_init(self.collection_name, validator, operator_indexes))
 
+    @operation
+    def read_token(
+        self,
+        key: str | None = None,
+        ttl: float = 600,
+        *,
+        name: str | None = None,
+        group: str | None = None,
+        children: bool = False,
+        secret: bytes | str | None = None,
+    ) -> Op[str]:
+        """A signed token that lets its holder read one task (``key``; with ``children`` its
+        children too), or every task of ``name`` and ``group``, its progress and its output
+        stream over ``mtask serve``, and nothing else, for ``ttl`` seconds by the server's
+        clock (``mtask.read_tokens``). Signed with ``secret``, else
+        ``MTASK_READ_TOKEN_SECRET``: the one serve checks with; rotating it revokes them."""
+        from mtask import read_tokens
+
+        scope = read_tokens.scope_of(key, name, group, children)
+        seconds = read_tokens.check_ttl(ttl)
+        given = secret.encode() if isinstance(secret, str) else secret
+        signing = given or read_tokens.secret_from_env()
+        if not signing:
+            raise InvalidTask(f"no secret: pass secret= or set {read_tokens.ENV}", field="secret")
+        expires = self.clock.now() + dt.timedelta(seconds=seconds)
+        return read_tokens.sign(signing, scope, expires)
+        yield  # an operation without a call: the clock is calibrated by the client first
+
+    @operation
+    def create_roles(self) -> Op[list[str]]:
+        """Create or update the MongoDB roles of every part (``mtask.roles``) in this
+        database, for this tasks collection; returns their names."""
+        from mtask import roles
+
+        return (yield from roles.create_roles(self.database_name, self.collection_name))
+
     # -- reading and acting on tasks ------------------------------------------------------------
 
     @operation
     def get(self, key: str) -> Op[Task | None]:
         _check_key(key)
         doc = yield from store.get(key)
-        return Task.from_document(doc) if doc is not None else None
+        return Task.from_document(self._opened(doc)) if doc is not None else None
 
     @operation
     def output(
@@ -737,9 +806,32 @@ class _Base:
         yield from self._bulk_indexes()
 
     def _bulk_indexes(self) -> Op[None]:
-        yield from bulk.ensure_indexes()
-        yield from throughput.ensure_indexes()
+        """A role that may not create indexes (a viewer's) leaves them to an admin's."""
+        try:
+            yield from bulk.ensure_indexes()
+            yield from throughput.ensure_indexes()
+        except OperationFailure as exc:
+            if exc.code != driver.UNAUTHORIZED:
+                raise
         self._bulk_ready = True
+
+    @operation
+    def ensure_audit(self) -> Op[None]:
+        """The audit's capped collection (``store.audit``; ``mtask serve`` makes it)."""
+        yield from store_audit.ensure()
+
+    @operation
+    def record_audit(self, entry: Mapping[str, Any]) -> Op[None]:
+        """One record of an action, at the server's time."""
+        yield from store_audit.record({**entry, "at": self.clock.now()})
+
+    @operation
+    def audit(
+        self, limit: int = 100, before: str | None = None
+    ) -> Op[builtins.list[dict[str, Any]]]:
+        """The newest audit records first (``before``: the last ``id`` of the previous page)."""
+        _check_number(limit, "limit", 1, 1000, integer=True)
+        return (yield from store_audit.recent(limit, before))
 
     @operation
     def record_throughput(self) -> Op[int]:
@@ -774,8 +866,9 @@ class TaskClient(_Base):
         max_params_bytes: int = DEFAULT_MAX_PARAMS_BYTES,
         mongo_client: MongoClient[dict[str, Any]] | None = None,
         registry: Registry | None = None,
+        encryption: Encryption | None = None,
     ) -> None:
-        super().__init__(database, collection, clock, max_params_bytes, registry)
+        super().__init__(database, collection, clock, max_params_bytes, registry, encryption)
         self._owns_client = mongo_client is None
         self.mongo: MongoClient[dict[str, Any]] = mongo_client or sync_client(uri)
         self.db = self.mongo[database]
@@ -846,6 +939,8 @@ class TaskClient(_Base):
     def close(self) -> None:
         if self._owns_client:
             self.mongo.close()
+        if self.encryption is not None and self.encryption.owns_client:
+            self.encryption.close()  # made by Encryption.local: its key vault's client
 
     def __enter__(self) -> Self:
         return self
@@ -868,8 +963,9 @@ class AsyncTaskClient(_Base):
         max_params_bytes: int = DEFAULT_MAX_PARAMS_BYTES,
         mongo_client: AsyncMongoClient[dict[str, Any]] | None = None,
         registry: Registry | None = None,
+        encryption: Encryption | None = None,
     ) -> None:
-        super().__init__(database, collection, clock, max_params_bytes, registry)
+        super().__init__(database, collection, clock, max_params_bytes, registry, encryption)
         self._owns_client = mongo_client is None
         self.mongo: AsyncMongoClient[dict[str, Any]] = mongo_client or async_client(uri)
         self.db = self.mongo[database]
@@ -937,6 +1033,8 @@ class AsyncTaskClient(_Base):
     async def close(self) -> None:
         if self._owns_client:
             await self.mongo.close()
+        if self.encryption is not None and self.encryption.owns_client:
+            self.encryption.close()  # made by Encryption.local: its key vault's client
 
     async def __aenter__(self) -> Self:
         return self

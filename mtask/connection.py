@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,10 +59,24 @@ def resolve_uri(uri: str | None = None) -> str:
     return EmbeddedMongo().start()
 
 
+def redact(uri: str) -> str:
+    """The URI with its password (and any ``…Password=`` option, such as a TLS key's) replaced
+    by ``***``: what a log line, an error or a page may say about it."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        return "***" if "@" in uri or ":" in uri else uri
+    hosts, slash, tail = rest.partition("/")
+    if "@" in hosts and ":" in hosts.rpartition("@")[0]:
+        user = hosts.rpartition("@")[0].partition(":")[0]
+        hosts = f"{user}:***@{hosts.rpartition('@')[2]}"
+    tail = re.sub(r"(?i)([?&][A-Za-z]*(?:password|secret|token)[A-Za-z]*=)[^&]*", r"\1***", tail)
+    return f"{scheme}{sep}{hosts}{slash}{tail}"
+
+
 def _check(uri: str) -> None:
     if not uri.startswith(("mongodb://", "mongodb+srv://")):
         raise StorageError(
-            f"invalid MongoDB URI {uri!r}: it must start with mongodb:// or mongodb+srv://"
+            f"invalid MongoDB URI {redact(uri)!r}: it must start with mongodb:// or mongodb+srv://"
         )
 
 
@@ -74,6 +89,20 @@ def _options(
     return {**merged, **options}
 
 
+def _said(exc: Exception, uri: str) -> str:
+    """The driver's complaint about a URI, without the URI's password (pymongo may quote it)."""
+    text = str(exc)
+    password = _password(uri)
+    return text.replace(password, "***") if password else text
+
+
+def _password(uri: str) -> str:
+    hosts = uri.partition("://")[2].partition("/")[0]
+    if "@" not in hosts:
+        return ""
+    return hosts.rpartition("@")[0].partition(":")[2]
+
+
 def sync_client(
     uri: str | None = None, *, defaults: Mapping[str, Any] = CLIENT_OPTIONS, **options: Any
 ) -> MongoClient[dict[str, Any]]:
@@ -84,7 +113,7 @@ def sync_client(
     try:
         return MongoClient(resolved, **_options(resolved, options, defaults))
     except (ConfigurationError, InvalidURI, ValueError) as exc:
-        raise StorageError(f"invalid MongoDB URI: {exc}") from None
+        raise StorageError(f"invalid MongoDB URI: {_said(exc, resolved)}") from None
 
 
 def async_client(
@@ -98,4 +127,4 @@ def async_client(
     try:
         return AsyncMongoClient(resolved, **_options(resolved, options, defaults))
     except (ConfigurationError, InvalidURI, ValueError) as exc:
-        raise StorageError(f"invalid MongoDB URI: {exc}") from None
+        raise StorageError(f"invalid MongoDB URI: {_said(exc, resolved)}") from None

@@ -90,19 +90,14 @@ def _gather_pool() -> ThreadPoolExecutor:
 def collections(db: Any, tasks: str = "tasks") -> dict[str, Any]:
     """The collections the operations use, from a (sync or async) database: the tasks
     collection as named, and the database's ``workers``, ``controls``, ``limits``,
-    ``schedules``, ``retention``, ``throughput``, ``relays`` and ``triggers``; ``output`` and
-    ``steps`` are the tasks' side collections ``<tasks>.output`` (``store.output``) and
-    ``<tasks>.steps`` (``store.steps``: results too large for the task document)."""
+    ``schedules``, ``retention``, ``throughput``, ``relays``, ``triggers`` and ``audit``;
+    ``output`` and ``steps`` are the tasks' side collections ``<tasks>.output``
+    (``store.output``) and ``<tasks>.steps`` (``store.steps``: results too large for the task
+    document)."""
     names = (
-        "workers",
-        "controls",
-        "limits",
-        "schedules",
-        "retention",
-        "throughput",
-        "relays",
-        "triggers",
-    )
+        "workers", "controls", "limits", "schedules", "retention", "throughput", "relays",
+        "triggers", "audit",
+    )  # fmt: skip
     return {
         "tasks": db[tasks],
         "output": db[f"{tasks}.output"],
@@ -143,15 +138,40 @@ TOO_LARGE_CODES = frozenset({10334, 17419})
 document after update is larger than 16777216"."""
 
 
-def storage_error(exc: PyMongoError) -> StorageError:
-    """A short, plain message for a driver error (no topology dumps)."""
+UNAUTHORIZED = 13
+"""The server's code for an operation the user's roles do not allow."""
+
+
+def unauthorized(exc: OperationFailure, call: Call | None, where: str | None) -> str:
+    """A refused operation in words: which privileges it needs, on which collection. The
+    server's message is cut before the command it quotes (which may hold a task's params)."""
+    said = str((exc.details or {}).get("errmsg", exc)).split(" to execute command")[0][:200]
+    if call is None:
+        return f"MongoDB refused the operation (Unauthorized: {said})"
+    from mtask import roles  # the actions a call needs: the roles' one definition
+
+    actions = " and ".join(roles.actions_of(call)) or call.method
+    return (
+        f"MongoDB refused {call.method} on {where or roles.call_collection(call)} "
+        f"(Unauthorized: {said}): the user's role lacks the privilege {actions} there "
+        "(mtask collection roles; docs/deploy.md)"
+    )
+
+
+def storage_error(
+    exc: PyMongoError, call: Call | None = None, where: str | None = None
+) -> StorageError:
+    """A short, plain message for a driver error (no topology dumps); ``call`` the call that
+    failed and ``where`` its collection's full name, to name what a refused one lacked."""
     transient = is_transient(exc)
     if isinstance(exc, ServerSelectionTimeoutError):
         text = f"cannot reach MongoDB: {str(exc).split(' (configured timeouts')[0]}"
-    elif isinstance(exc, OperationFailure) and exc.code in (13, 18):
+    elif isinstance(exc, OperationFailure) and exc.code == UNAUTHORIZED:
+        text = unauthorized(exc, call, where)
+    elif isinstance(exc, OperationFailure) and exc.code == 18:
         details = exc.details or {}
         reason = f"{details.get('errmsg', exc)} ({details.get('codeName', exc.code)})"
-        text = f"MongoDB refused the credentials or the operation: {reason}"
+        text = f"MongoDB refused the credentials: {reason}"
     else:
         # the server's message, without pymongo's dump of its whole reply
         text = f"MongoDB: {type(exc).__name__}: {str(exc).split(', full error: ')[0][:500]}"
@@ -222,6 +242,11 @@ def _method(collection: Any, name: str) -> Any:
     return collection.database.command if name == "command" else getattr(collection, name)
 
 
+def _where(collections: Mapping[str, Any], call: Call) -> str | None:
+    target = collections.get(call.collection)
+    return getattr(target, "full_name", None)
+
+
 class SyncDriver:
     """Runs operations on pymongo's synchronous ``Collection``\\ s."""
 
@@ -247,6 +272,7 @@ class SyncDriver:
 
     def run(self, op: Op[T], session: Any = None) -> T:
         """Run ``op``; every call in ``session`` (a ``ClientSession``) if given."""
+        call: Call | None = None
         try:
             call = next(op)
             while True:
@@ -261,7 +287,8 @@ class SyncDriver:
         except PyMongoError as exc:
             if for_transaction(exc, session):
                 raise
-            raise storage_error(exc) from exc
+            where = None if call is None else _where(self.collections, call)
+            raise storage_error(exc, call, where) from exc
 
 
 class AsyncDriver:
@@ -291,6 +318,7 @@ class AsyncDriver:
 
     async def run(self, op: Op[T], session: Any = None) -> T:
         """Run ``op``; every call in ``session`` (an ``AsyncClientSession``) if given."""
+        call: Call | None = None
         try:
             call = next(op)
             while True:
@@ -307,4 +335,5 @@ class AsyncDriver:
         except PyMongoError as exc:
             if for_transaction(exc, session):
                 raise
-            raise storage_error(exc) from exc
+            where = None if call is None else _where(self.collections, call)
+            raise storage_error(exc, call, where) from exc

@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,6 +131,27 @@ class Status:
     data_dir: Path
 
 
+@dataclass(frozen=True)
+class Tls:
+    """TLS for the embedded server (``requireTLS``): the CA that signed its certificate, and
+    its certificate with the key, in one PEM file. Clients need no certificate of their own."""
+
+    ca: Path
+    certificate: Path
+
+    def args(self) -> tuple[str, ...]:
+        return (
+            "--tlsMode", "requireTLS",
+            "--tlsCertificateKeyFile", str(self.certificate),
+            "--tlsCAFile", str(self.ca),
+            "--tlsAllowConnectionsWithoutCertificates",
+        )  # fmt: skip
+
+    def query(self) -> str:
+        """The URI options a client needs: ``tls=true&tlsCAFile=…``."""
+        return f"tls=true&tlsCAFile={urllib.parse.quote(str(self.ca), safe='/')}"
+
+
 CACHE_SIZE_GB = 1.0
 """WiredTiger's cache (a bound, not an allocation). At 0.25 GB an update that brought a task
 document near 16 MiB waited 20 to 75 s on the cache (268 yields, 4 GB read for one write); at
@@ -146,11 +168,16 @@ class EmbeddedMongo:
         port: int | None = None,
         cache_size_gb: float = CACHE_SIZE_GB,
         extra_args: tuple[str, ...] = (),
+        tls: Tls | None = None,
     ) -> None:
+        """``extra_args`` go to mongod as they are (``--auth --keyFile FILE``: the localhost
+        exception lets this class initiate the replica set, and create the first user);
+        ``tls`` makes it require TLS, and every URI it returns says so."""
         self.data_dir = Path(data_dir or default_data_dir()).absolute()
         self.port = port
         self.cache_size_gb = cache_size_gb
         self.extra_args = extra_args
+        self.tls = tls
 
     # -- state file ---------------------------------------------------------------------------
 
@@ -180,9 +207,9 @@ class EmbeddedMongo:
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
-    @staticmethod
-    def uri_for(port: int) -> str:
-        return f"mongodb://127.0.0.1:{port}/?replicaSet={REPLICA_SET}"
+    def uri_for(self, port: int) -> str:
+        tls = f"&{self.tls.query()}" if self.tls is not None else ""
+        return f"mongodb://127.0.0.1:{port}/?replicaSet={REPLICA_SET}{tls}"
 
     def _db_locked(self) -> bool:
         """Whether a mongod runs on this data directory: one holds its dbpath's lock file. The
@@ -240,6 +267,7 @@ class EmbeddedMongo:
                 "--logpath", str(log_path),
                 "--logappend",
                 *self.extra_args,
+                *(self.tls.args() if self.tls is not None else ()),
             ]  # fmt: skip
             pid_path = self.data_dir / "mongod.pid"
             pid_path.unlink(missing_ok=True)
@@ -308,8 +336,9 @@ class EmbeddedMongo:
 
     def _wait_primary(self, port: int, timeout: float, pid: int | None = None) -> None:
         deadline = time.monotonic() + timeout
+        tls = f"&{self.tls.query()}" if self.tls is not None else ""
         client: MongoClient[dict[str, Any]] = MongoClient(
-            f"mongodb://127.0.0.1:{port}/?directConnection=true",
+            f"mongodb://127.0.0.1:{port}/?directConnection=true{tls}",
             serverSelectionTimeoutMS=500,
             connectTimeoutMS=500,
         )

@@ -8,6 +8,7 @@ under CI (``CI=true``) and are skipped with the reason elsewhere.
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -40,6 +41,18 @@ settings.load_profile("mtask")
 # its column short: the tests that read them run at one known width, whatever terminal they are
 # started from (CI's is 80 columns), and so do the CLI processes they start.
 os.environ["COLUMNS"] = "160"
+
+
+CREDENTIAL = re.compile(r"mongodb(?:\+srv)?://[^/\s:@]+:(?!\*\*\*@)[^@\s/]+@|mrt1\.[\w-]{8,}\.")
+"""A MongoDB URI with its password, or a read token: never in a log line (issue 64)."""
+
+
+@pytest.fixture(autouse=True)
+def no_credential_logged(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Every test's captured log lines are scanned for credentials."""
+    yield
+    found = CREDENTIAL.search(caplog.text)
+    assert found is None, f"a credential in a log line: {found.group(0)[:24]}…"
 
 
 @pytest.fixture(scope="session")

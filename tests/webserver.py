@@ -6,6 +6,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 
@@ -15,10 +16,11 @@ from mtask.web import create_app
 
 @contextlib.contextmanager
 def serving(
-    uri: str, database: str, token: str | None = None, sample_seconds: float = 5.0
+    uri: str, database: str, token: str | None = None, sample_seconds: float = 5.0, **more: Any
 ) -> Iterator[str]:
+    """``more``: other options of ``create_app`` (``tokens``, ``read_secret``, …)."""
     port = free_port()
-    app = create_app(uri, database=database, token=token, sample_seconds=sample_seconds)
+    app = create_app(uri, database=database, token=token, sample_seconds=sample_seconds, **more)
     config = uvicorn.Config(app, port=port, log_level="warning", lifespan="on", loop="asyncio")
     server = uvicorn.Server(config)  # the loop mtask serve runs on
     thread = threading.Thread(target=server.run, name="mtask-serve-test", daemon=True)

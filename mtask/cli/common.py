@@ -269,10 +269,16 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 
 def task_client(args: argparse.Namespace) -> TaskClient:
+    """The command's client; with ``MTASK_ENCRYPTION_KEY_FILE`` set it decrypts encrypted
+    params and results (``mtask.encryption``), else they read as ``encrypted``."""
     from mtask.client import TaskClient
+    from mtask.encryption import Encryption
 
     uri = mongodb_uri(args.uri)
-    return TaskClient(uri, database=args.database, collection=args.collection)
+    encryption = Encryption.from_env(uri, args.database)
+    return TaskClient(
+        uri, database=args.database, collection=args.collection, encryption=encryption
+    )
 
 
 def mongodb_uri(given: str | None, who: str = "mtask") -> str | None:

@@ -4,6 +4,7 @@ extra: FastAPI, uvicorn, Jinja2)."""
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from mtask.cli.common import Commands, add_connection, err, mongodb_uri, require
@@ -19,13 +20,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from mtask.errors import UsageError
     from mtask.web import create_app
-    from mtask.web.auth import AuthConfigError, check_bind, load_token
+    from mtask.web.auth import (
+        TOKENS_ENV,
+        AuthConfigError,
+        check_bind,
+        load_read_secret,
+        load_token,
+        load_tokens,
+    )
 
     try:
         token = load_token(args.token_file)
-        check_bind(args.host, token)
+        tokens_file = args.tokens_file or os.environ.get(TOKENS_ENV)
+        tokens = load_tokens(tokens_file) if tokens_file else {}
+        check_bind(args.host, token or next(iter(tokens), None))
+        read_secret = load_read_secret(args.read_token_secret_file)
     except AuthConfigError as exc:
         raise UsageError(str(exc)) from None
+    if args.rate_limit is not None and not 0 < args.rate_limit <= 1_000_000:
+        raise UsageError("--rate-limit must be a number of requests a second above 0")
     app = create_app(
         mongodb_uri(args.uri, "mtask serve"),
         database=args.database,
@@ -33,8 +46,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         token=token,
         max_body=args.max_body,
         trust_proxy=args.trust_proxy,
+        tokens=tokens,
+        read_secret=read_secret,
+        cors_origins=args.cors_origin or (),
+        rate=None if args.rate_limit is None else (args.rate_limit, args.rate_burst),
     )
-    auth = "bearer token required" if token else "no token (loopback only)"
+    auth = "bearer token required" if token or tokens else "no token (loopback only)"
     err.print(f"mtask serve: http://{args.host}:{args.port}/ ({auth})", markup=False)
     # The proxy headers are read by the app only with --trust-proxy (not by uvicorn's default).
     # asyncio's own loop: uvicorn's "auto" would take uvloop (a dependency, for the worker),
@@ -75,5 +92,32 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--trust-proxy",
         action="store_true",
-        help="believe X-Forwarded-Proto/-Host (only behind a proxy that sets them)",
+        help="believe X-Forwarded-Proto/-Host/-For (only behind a proxy that sets them)",
+    )
+    p.add_argument(
+        "--tokens-file",
+        help="tokens with roles: one 'ROLE NAME TOKEN' a line, ROLE viewer, operator or admin "
+        "(else $MTASK_API_TOKENS_FILE); $MTASK_API_TOKEN is an admin's",
+    )
+    p.add_argument(
+        "--read-token-secret-file",
+        help="the secret read tokens are checked with (else $MTASK_READ_TOKEN_SECRET; neither: "
+        "read tokens are refused); rotate it to revoke them all",
+    )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        metavar="ORIGIN",
+        help="a browser app's origin (https://app.example.com) that may read with tokens; "
+        "repeat for more",
+    )
+    p.add_argument(
+        "--rate-limit",
+        type=float,
+        metavar="PER_SECOND",
+        help="requests a second per caller (token, read token or address); more get 429 with "
+        "Retry-After (default: no limit)",
+    )
+    p.add_argument(
+        "--rate-burst", type=int, default=20, help="requests at once past the rate (default 20)"
     )

@@ -125,7 +125,11 @@ def cmd_get(args: argparse.Namespace) -> int:
         said = client.explain(task)
         now = client.now()
     if args.json:
-        print_json({**task.model_dump(by_alias=True), **_state_json(said)})
+        from mtask.encryption import shown
+
+        dumped = task.model_dump(by_alias=True)
+        dumped["params"], dumped["result"] = shown(task.params), shown(task.result)
+        print_json({**dumped, **_state_json(said)})
     else:
         print_task(task, said, now)
         if args.traceback:
@@ -158,6 +162,7 @@ def _error_row(task: Task, said: Explained) -> list[tuple[str, str]]:
 
 
 def _header_rows(task: Task, said: Explained, now: dt.datetime) -> list[tuple[str, str]]:
+    from mtask.encryption import shown
     from mtask.states import State, attempt_text, timing
     from mtask.wording import relative
 
@@ -180,8 +185,8 @@ def _header_rows(task: Task, said: Explained, now: dt.datetime) -> list[tuple[st
         rows.append(("finished", f"{when(task.finished_at)} ({relative(task.finished_at, now)})"))
     rows += _error_row(task, said)
     if said.state is State.SUCCEEDED:
-        rows.append(("result", json.dumps(task.result, default=json_default)))
-    rows.append(("params", json.dumps(task.params, default=json_default)))
+        rows.append(("result", json.dumps(shown(task.result), default=json_default)))
+    rows.append(("params", json.dumps(shown(task.params), default=json_default)))
     changed = task.options.changed()
     rows.append(("options", json.dumps(changed, default=json_default) if changed else "defaults"))
     return rows

@@ -10,7 +10,7 @@ from typing import Any
 from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.errors import OperationFailure
 
-from mtask.driver import Call, Doc, Op
+from mtask.driver import UNAUTHORIZED, Call, Doc, Op
 from mtask.models import (
     OPEN_STATUSES,
     OPTION_NAMES,
@@ -502,9 +502,19 @@ DUPLICATE_KEY = 11000
 
 
 def ensure_indexes() -> Op[None]:
-    yield from migrate_locks()
-    for collection, models in INDEXES.items():
-        yield Call("create_indexes", (models,), collection=collection)
+    """Make the indexes and drop the retired ones. A user whose role may not (a publisher's, a
+    viewer's: ``mtask.roles``) leaves them to ``mtask collection init``, run by an admin."""
+    try:
+        yield from migrate_locks()
+        for collection, models in INDEXES.items():
+            yield Call("create_indexes", (models,), collection=collection)
+        yield from _drop_retired()
+    except OperationFailure as exc:
+        if exc.code != UNAUTHORIZED:
+            raise
+
+
+def _drop_retired() -> Op[None]:
     for collection, names in RETIRED_INDEXES.items():
         present = yield Call("index_information", collection=collection)
         for name in names:

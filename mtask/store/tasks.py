@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pymongo import ASCENDING, DESCENDING, ReturnDocument, UpdateOne
-from pymongo.errors import DuplicateKeyError
+from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
-from mtask.driver import Call, Doc, Op
+from mtask.driver import DUPLICATE_KEY, UNAUTHORIZED, Call, Doc, Op
 from mtask.errors import InvalidTransition, TaskNotFound
 from mtask.models import NewTask, OnConflict, TaskStatus
 from mtask.statemachine import (
@@ -112,7 +112,11 @@ def insert_if_absent(doc: Doc, upsert: bool = False) -> Op[Doc | None]:
     returns the document before it. A key that exists costs the refused insert and then that
     upsert, which reads the document on the primary (or inserts ``doc``, if it was removed in
     between). ``upsert``: the upsert alone, for a caller's session — in a transaction a refused
-    insert would abort the caller's transaction, an upsert does not."""
+    insert would abort the caller's transaction, an upsert does not.
+
+    A publisher whose role may not update (``mtask.roles``: ``update`` on the tasks would let
+    it change any task) has that upsert refused; it reads the document instead, and inserts
+    again if it was removed in between."""
     if not upsert:
         try:
             yield Call("insert_one", (doc,))
@@ -126,10 +130,28 @@ def insert_if_absent(doc: Doc, upsert: bool = False) -> Op[Doc | None]:
         {"upsert": True, "return_document": ReturnDocument.BEFORE},
     )
     try:
-        found: Doc | None = yield call
-    except DuplicateKeyError:  # two upserts raced on a new key; the other one inserted
-        found = yield call
+        try:
+            found: Doc | None = yield call
+        except DuplicateKeyError:  # two upserts raced on a new key; the other one inserted
+            found = yield call
+    except OperationFailure as exc:
+        if exc.code != UNAUTHORIZED or upsert:
+            raise
+        return (yield from _read_or_insert(doc))
     return found
+
+
+def _read_or_insert(doc: Doc) -> Op[Doc | None]:
+    """The document with ``doc``'s key, read; inserted if none is there (None)."""
+    while True:
+        found: Doc | None = yield Call("find_one", ({"_id": doc["_id"]},))
+        if found is not None:
+            return found
+        try:
+            yield Call("insert_one", (doc,))
+            return None
+        except DuplicateKeyError:
+            continue
 
 
 def publish_many(
@@ -149,7 +171,7 @@ def publish_many(
     awaited = {d for task in tasks for d in task.depends_on}
     # every request is made before the first write: what fails, fails with nothing written
     # (a validated task is always encodable: models.NewTask)
-    requests = []
+    requests, docs = [], []
     for index, task in enumerate(tasks):
         doc = new_document(task, now, index)
         del doc["_id"]
@@ -158,15 +180,47 @@ def publish_many(
         if task.key in awaited:
             doc["has_dependents"] = True
         requests.append(UpdateOne({"_id": task.key}, {"$setOnInsert": doc}, upsert=True))
+        docs.append({"_id": task.key, **doc})
     for start in range(0, len(requests), batch_size):
         batch = requests[start : start + batch_size]
-        result = yield Call("bulk_write", (batch,), {"ordered": False})
+        try:
+            result = yield Call("bulk_write", (batch,), {"ordered": False})
+        except OperationFailure as exc:
+            if exc.code != UNAUTHORIZED:
+                raise
+            result = yield from _insert_new(docs[start : start + batch_size])
         created += result.upserted_count
         if created_by_name is not None:
             for index in result.upserted_ids:
                 name = tasks[start + index].name
                 created_by_name[name] = created_by_name.get(name, 0) + 1
     return created
+
+
+@dataclass(frozen=True)
+class _Inserted:
+    """What ``_insert_new`` did, as a bulk write's result says it."""
+
+    upserted_ids: list[int]
+
+    @property
+    def upserted_count(self) -> int:
+        return len(self.upserted_ids)
+
+
+def _insert_new(docs: Sequence[Doc]) -> Op[_Inserted]:
+    """A batch inserted instead of upserted, those whose key exists left alone: for a
+    publisher whose role may not update (``insert_if_absent``). Returns the indexes of those
+    inserted."""
+    try:
+        yield Call("insert_many", (docs,), {"ordered": False})
+    except BulkWriteError as exc:
+        errors = exc.details.get("writeErrors", [])
+        if any(e.get("code") != DUPLICATE_KEY for e in errors):
+            raise
+        refused = {e["index"] for e in errors}
+        return _Inserted([i for i in range(len(docs)) if i not in refused])
+    return _Inserted(list(range(len(docs))))
 
 
 # ---------------------------------------------------------------------------------------------

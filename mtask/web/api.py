@@ -30,8 +30,10 @@ from mtask.models import (
     validate_name,
 )
 from mtask.store import bulk
-from mtask.web.auth import bearer_scheme, require_token
+from mtask.web.access import authorize
+from mtask.web.auth import bearer_scheme
 from mtask.web.schemas import (
+    AuditView,
     BatchView,
     BulkView,
     DerivedState,
@@ -145,7 +147,7 @@ def client_of(request: Request) -> AsyncTaskClient:
 
 
 Client = Annotated[AsyncTaskClient, Depends(client_of)]
-router = APIRouter(dependencies=[Depends(require_token), Depends(bearer_scheme)])
+router = APIRouter(dependencies=[Depends(authorize), Depends(bearer_scheme)])
 public = APIRouter()
 
 
@@ -508,6 +510,18 @@ async def clear_limit(name: str, client: Client) -> Response:
     validate_name(name)
     await client.clear_limit(name)
     return Response(status_code=204)
+
+
+@router.get("/audit")
+async def audit(
+    client: Client,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    before: Annotated[str | None, Query(max_length=24, description="the last `id` seen")] = None,
+) -> list[AuditView]:
+    """The audit of actions, newest first: who (a token's name and role), what (`action`,
+    `target`, `method`, `path`), when (`at`, the server's time), from where (`from`) and the
+    answer's `status` (refused attempts too). Operators and admins only."""
+    return await client.audit(limit, before)  # type: ignore[return-value] # the response model
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

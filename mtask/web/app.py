@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
@@ -27,10 +28,14 @@ from mtask.errors import (
 )
 from mtask.schedules import ScheduleNotFound
 from mtask.web import api, dashboard, events, output, triggers
-from mtask.web.auth import Keys
+from mtask.web.access import RedactTokens
+from mtask.web.audit import Audit
+from mtask.web.auth import Keys, Principal
 from mtask.web.guard import DEFAULT_MAX_BODY, Guard
+from mtask.web.rates import Buckets, Rates
 
 log = logging.getLogger("mtask.serve")
+REDACT = RedactTokens()
 SAMPLE_SECONDS = 5.0
 
 
@@ -54,13 +59,22 @@ def create_app(
     sample_seconds: float = SAMPLE_SECONDS,
     max_body: int = DEFAULT_MAX_BODY,
     trust_proxy: bool = False,
+    tokens: Mapping[str, Principal] | None = None,
+    read_secret: bytes | None = None,
+    cors_origins: Sequence[str] = (),
+    rate: tuple[float, int] | None = None,
 ) -> FastAPI:
     """The app. ``max_body`` caps request bodies (bytes); ``trust_proxy`` believes a proxy's
-    ``X-Forwarded-Proto`` / ``X-Forwarded-Host`` (for ``Secure`` cookies and the origin check) —
-    set it only when serve is reachable through that proxy alone."""
+    ``X-Forwarded-Proto`` / ``X-Forwarded-Host`` / ``X-Forwarded-For`` (for ``Secure``
+    cookies, the origin check and the audit's address) — set it only when serve is reachable
+    through that proxy alone. ``token`` is an admin's; ``tokens`` more, each a ``Principal``
+    (role and name: docs/web.md, "Roles"). ``read_secret`` checks read tokens
+    (``mtask.read_tokens``; None: refused); ``cors_origins`` may read with them from a browser;
+    ``rate`` is (requests a second, burst) per caller (None: no limit)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        logging.getLogger("uvicorn.access").addFilter(REDACT)  # after uvicorn set its logging
         client = AsyncTaskClient(uri, database=database, collection=collection)
         try:
             await client.ensure_bulk_indexes()
@@ -69,6 +83,10 @@ def create_app(
         depth = TaskClient(uri, database=database, collection=collection)
         metrics.register_cluster_metrics(depth)
         app.state.client = client
+        try:
+            await client.ensure_audit()
+        except StorageError as exc:  # the actions then fail to be recorded, each said
+            log.warning("cannot make the audit collection: %s", exc)
         sampler = asyncio.create_task(_sample(client, sample_seconds))
         try:
             yield
@@ -83,7 +101,9 @@ def create_app(
         title="mtask",
         version=mtask.__version__,
         description="Publish, read and steer mtask tasks. Every route but /healthz needs "
-        "`Authorization: Bearer <MTASK_API_TOKEN>` (Swagger UI: the Authorize button). "
+        "`Authorization: Bearer <token>` (Swagger UI: the Authorize button): a viewer's token "
+        "reads, an operator's acts on tasks, an admin's also purges and sets limits (docs/web.md"
+        "); a read token reads one task, its output and its stream. "
         "Actions on one task are `POST /tasks/{key}:cancel` and `:retry` (the key "
         "percent-encoded; the action is the last `:verb`).",
         lifespan=lifespan,
@@ -91,7 +111,8 @@ def create_app(
         swagger_ui_parameters={"persistAuthorization": True},
     )
     app.state.token = token
-    app.state.keys = Keys.of(token)
+    app.state.keys = Keys.of(token, tokens)
+    app.state.read_secret = read_secret
     app.include_router(api.public)
     app.include_router(events.router)  # issue 14: SSE and long-poll wait (before /tasks/{key})
     app.include_router(output.router)  # issue 31: /tasks/{key}:output and :stream (before too)
@@ -101,7 +122,19 @@ def create_app(
     app.include_router(triggers.pages)
     app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")
     _errors(app)
+    # the last added runs first: CORS (a preflight needs no token), the guard, rates, audit
+    app.add_middleware(Audit, trust_proxy=trust_proxy)
+    if rate is not None:
+        app.add_middleware(Rates, buckets=Buckets(*rate))
     app.add_middleware(Guard, keys=app.state.keys, max_body=max_body, trust_proxy=trust_proxy)
+    if cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET"],
+            allow_headers=["Authorization", "Last-Event-ID"],
+            expose_headers=["Retry-After"],
+        )
     return app
 
 

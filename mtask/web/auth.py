@@ -18,6 +18,7 @@ only binds to loopback.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import ipaddress
@@ -25,10 +26,11 @@ import os
 import re
 import secrets
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastapi import HTTPException, Request
+from fastapi import Request
 from fastapi.security import HTTPBearer
 
 from mtask.errors import MtaskError
@@ -51,19 +53,35 @@ class AuthConfigError(MtaskError):
     """The server cannot start with this token configuration."""
 
 
+def read_config(path: str, option: str) -> bytes:
+    """A file an option names, stripped, or ``AuthConfigError`` saying why not."""
+    try:
+        return Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise AuthConfigError(f"cannot read {option} {path}: {exc.strerror}") from None
+
+
 def load_token(token_file: str | None) -> str | None:
     if token_file:
-        try:
-            token = Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise AuthConfigError(
-                f"cannot read --token-file {token_file}: {exc.strerror}"
-            ) from None
+        token = read_config(token_file, "--token-file").decode(errors="replace")
         if not token:
             raise AuthConfigError(f"--token-file {token_file} is empty")
         return token
     token = os.environ.get(ENV, "").strip()
     return token or None
+
+
+def load_read_secret(path: str | None) -> bytes | None:
+    """``--read-token-secret-file``, else ``MTASK_READ_TOKEN_SECRET``, else None (read tokens
+    refused)."""
+    from mtask import read_tokens
+
+    if path is None:
+        return read_tokens.secret_from_env()
+    secret = read_config(path, "--read-token-secret-file")
+    if len(secret) < 16:
+        raise AuthConfigError(f"--read-token-secret-file {path}: at least 16 bytes, please")
+    return secret
 
 
 def is_loopback(host: str) -> bool:
@@ -91,44 +109,131 @@ def bearer_of(header: str | None) -> str | None:
     return match.group(1) if match else None
 
 
+ROLES = ("viewer", "operator", "admin")
+"""The web roles, each allowed what the one before it is (``web/access.py`` says who may do
+what)."""
+TOKENS_ENV = "MTASK_API_TOKENS_FILE"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who calls: a token's (or its session's) role and name (the audit's *who*)."""
+
+    role: str
+    who: str
+
+    def may(self, role: str) -> bool:
+        return ROLES.index(self.role) >= ROLES.index(role)
+
+
+LOOPBACK = Principal("admin", "loopback")
+"""Who calls a serve without tokens (it listens on loopback only)."""
+
+
+def load_tokens(path: str) -> dict[str, Principal]:
+    """A tokens file: one ``ROLE NAME TOKEN`` a line (``#`` comments, blank lines skipped)."""
+    lines = read_config(path, "--tokens-file").decode(errors="replace").splitlines()
+    found: dict[str, Principal] = {}
+    for number, line in enumerate(lines, 1):
+        parts = line.split("#")[0].split()
+        if not parts:
+            continue
+        if len(parts) != 3 or parts[0] not in ROLES or not BEARER.fullmatch(f"Bearer {parts[2]}"):
+            raise AuthConfigError(
+                f"--tokens-file {path}, line {number}: expected ROLE NAME TOKEN, ROLE one of "
+                f"{', '.join(ROLES)} and TOKEN visible ASCII"
+            )
+        if parts[2] in found:
+            raise AuthConfigError(f"--tokens-file {path}, line {number}: a token given twice")
+        found[parts[2]] = Principal(parts[0], parts[1])
+    if not found:
+        raise AuthConfigError(f"--tokens-file {path} holds no token")
+    return found
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def _b64(text: str) -> str:
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def _unb64(text: str) -> str | None:
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
 @dataclass(frozen=True)
 class Keys:
-    """The server's token and the HMAC key derived from it (a random key without a token)."""
+    """The server's tokens (each a ``Principal``) and the HMAC key derived from them (a random
+    key without a token). Tokens are looked up by their SHA-256 (no comparison that stops at
+    the first differing byte)."""
 
     token: str | None
+    """``MTASK_API_TOKEN``, the admin's (kept for the callers that name one token)."""
     key: bytes
+    principals: Mapping[bytes, Principal] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, token: str | None) -> Keys:
-        if token is None:
+    def of(cls, token: str | None, tokens: Mapping[str, Principal] | None = None) -> Keys:
+        """``token`` is an admin's; ``tokens`` more, each with its role and name. Changing any
+        token ends every session (the key is derived from all of them)."""
+        every = dict(tokens or {})
+        if token is not None:
+            every.setdefault(token, Principal("admin", "admin"))
+        if not every:
             return cls(None, secrets.token_bytes(32))
-        return cls(token, hmac.new(token.encode(), b"mtask session key v1", "sha256").digest())
+        secret = token if len(every) == 1 and token is not None else "\n".join(sorted(every))
+        key = hmac.new(secret.encode(), b"mtask session key v1", "sha256").digest()
+        return cls(token, key, {_digest(t): p for t, p in every.items()})
+
+    @property
+    def open(self) -> bool:
+        """No token at all: loopback only, everyone an admin."""
+        return not self.principals
 
     def _mac(self, purpose: str, value: str) -> str:
         return hmac.new(self.key, f"{purpose}:{value}".encode(), hashlib.sha256).hexdigest()
 
-    def token_ok(self, given: str | None) -> bool:
-        if self.token is None:
-            return True
-        return given is not None and hmac.compare_digest(given.encode(), self.token.encode())
+    def principal(self, given: str | None) -> Principal | None:
+        """Whose token ``given`` is (``LOOPBACK`` without tokens), else None."""
+        if self.open:
+            return LOOPBACK
+        return None if given is None else self.principals.get(_digest(given))
 
-    def new_session(self, now: float | None = None) -> str:
+    def token_ok(self, given: str | None) -> bool:
+        return self.principal(given) is not None
+
+    def new_session(self, principal: Principal | None = None, now: float | None = None) -> str:
+        """A session cookie for ``principal`` (the admin's by default)."""
+        who = principal or Principal("admin", "admin")
         sid = secrets.token_urlsafe(18)
         expires = int((time.time() if now is None else now) + SESSION_SECONDS)
-        body = f"{sid}.{expires}"
+        body = f"{sid}.{expires}.{who.role}.{_b64(who.who)}"
         return f"{body}.{self._mac('session', body)}"
 
-    def session_id(self, cookie: str | None, now: float | None = None) -> str | None:
-        """The session id of a well-signed, unexpired session cookie, else None."""
-        if not cookie or cookie.count(".") != 2:
+    def session(self, cookie: str | None, now: float | None = None) -> tuple[str, Principal] | None:
+        """The session id and principal of a well-signed, unexpired session cookie."""
+        if not cookie or cookie.count(".") != 4:
             return None
-        sid, expires, signature = cookie.split(".")
-        expected = self._mac("session", f"{sid}.{expires}")
+        sid, expires, role, who, signature = cookie.split(".")
+        expected = self._mac("session", f"{sid}.{expires}.{role}.{who}")
         if not hmac.compare_digest(signature.encode(), expected.encode()):
             return None
         if not expires.isdigit() or int(expires) < (time.time() if now is None else now):
             return None
-        return sid
+        name = _unb64(who)
+        if role not in ROLES or name is None:
+            return None
+        return sid, Principal(role, name)
+
+    def session_id(self, cookie: str | None, now: float | None = None) -> str | None:
+        """The session id of a well-signed, unexpired session cookie, else None."""
+        found = self.session(cookie, now)
+        return None if found is None else found[0]
 
     def csrf(self, sid: str) -> str:
         return self._mac("csrf", sid)
@@ -141,19 +246,14 @@ class Keys:
         return given is not None and hmac.compare_digest(given.encode(), expected.encode())
 
 
-async def require_token(request: Request) -> None:
-    """The route dependency: the guard already decided; this refuses what it left undecided
-    (a safe request with no credentials) and puts the bearer scheme into the OpenAPI spec."""
-    if request.scope.get("mtask_auth") is None:
-        raise HTTPException(
-            status_code=401,
-            detail="missing or wrong bearer token",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-
-
 def signed_in(request: Request) -> bool:
-    return request.scope.get("mtask_auth") is not None
+    """A person or program with a role (a read token's holder is not signed in)."""
+    return request.scope.get("mtask_principal") is not None
+
+
+def principal_of(request: Request) -> Principal | None:
+    found = request.scope.get("mtask_principal")
+    return found if isinstance(found, Principal) else None
 
 
 def csrf_of(request: Request) -> str:

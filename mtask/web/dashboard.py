@@ -26,13 +26,22 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup, escape
 
-from mtask import signal_fate, states, tracebacks
+from mtask import encryption, signal_fate, states, tracebacks
 from mtask.client import AsyncTaskClient
 from mtask.errors import MtaskError
 from mtask.models import Task, TaskStatus
 from mtask.steps import NEVER
 from mtask.store import bulk
-from mtask.web.auth import COOKIE, LOGIN_COOKIE, SESSION_SECONDS, Keys, csrf_of, signed_in
+from mtask.web import access
+from mtask.web.auth import (
+    COOKIE,
+    LOGIN_COOKIE,
+    SESSION_SECONDS,
+    Keys,
+    csrf_of,
+    principal_of,
+    signed_in,
+)
 from mtask.web.charts import charts, timeline
 from mtask.wording import plural, relative, span
 
@@ -68,6 +77,7 @@ def _preview(value: Any) -> str:
 
 
 templates.filters["deadline"] = _deadline
+templates.filters["shown"] = encryption.shown
 templates.filters["preview"] = _preview
 templates.filters["ticks"] = _ticks
 templates.globals.update(
@@ -122,7 +132,9 @@ def render(request: Request, name: str, status_code: int = 200, **context: Any) 
     page = templates.get_template(name).render(
         csrf=csrf_of(request),
         nav=signed_in(request),
-        signed_in=signed_in(request) and request.app.state.keys.token is not None,
+        signed_in=signed_in(request) and not request.app.state.keys.open,
+        may=lambda action: access.may(principal_of(request), action),
+        principal=principal_of(request),
         flash=query.get("flash", "")[:300],
         problem=query.get("problem", "")[:300],
         note_at=query.get("at", ""),
@@ -170,12 +182,13 @@ async def login(request: Request) -> Response:
     form = urllib.parse.parse_qs((await request.body()).decode(errors="replace"))
     given = (form.get("token") or [""])[0]
     keys: Keys = request.app.state.keys
-    if not keys.token_ok(given):
+    principal = keys.principal(given)
+    if principal is None:
         return login_page(request, "That is not the token.")
     response = RedirectResponse("/", status_code=303)
     response.set_cookie(
         COOKIE,
-        keys.new_session(),
+        keys.new_session(principal),
         max_age=SESSION_SECONDS,
         httponly=True,
         samesite="strict",
@@ -272,6 +285,8 @@ async def task_list(request: Request) -> HTMLResponse:
     counts: dict[str, tuple[str, int]] = {}
     actions: tuple[bulk.Action, ...] = ("retry", "cancel", "purge")
     for action in actions:
+        if not access.may(principal_of(request), action):
+            continue  # its form is not shown
         # counted up to a bound: the page must not walk every finished task to say "purge all"
         n = await client.bulk_count(action, where, BULK_COUNT_LIMIT)
         counts[action] = (f"{BULK_COUNT_LIMIT:,}+" if n > BULK_COUNT_LIMIT else f"{n:,}", n)
@@ -389,6 +404,19 @@ async def workers_page(request: Request) -> HTMLResponse:
     return render(request, "workers.html", workers=workers, now=now)
 
 
+@router.get("/ui/audit", response_class=HTMLResponse)
+async def audit_page(request: Request) -> HTMLResponse:
+    """Who did what, when, from where: the newest 200 actions (operators and admins)."""
+    if not signed_in(request):
+        return login_page(request)
+    if not access.may(principal_of(request), "audit"):
+        return render(request, "audit.html", status_code=403, records=None, more=None)
+    before = request.query_params.get("before") or None
+    records = await client_of(request).audit(200, before)
+    more = records[-1]["id"] if len(records) == 200 else None
+    return render(request, "audit.html", records=records, more=more)
+
+
 # -- actions (plain forms; POST-redirect-GET with a flash message) ------------------------------
 
 
@@ -430,6 +458,9 @@ async def act(request: Request) -> Response:
     form = await form_of(request)
     client = client_of(request)
     action, target, next_url = form.get("action", ""), form.get("target", ""), form.get("next", "/")
+    refused = _refused(request, action)
+    if refused:
+        return back(next_url, problem=refused)
     try:
         if action == "reset":
             done = await client.reset_step(target, form.get("step", ""))
@@ -459,6 +490,9 @@ async def send_signal(request: Request) -> Response:
     form = await form_of(request)
     key, name = form.get("target", ""), form.get("name", "").strip()
     next_url = form.get("next", "/")
+    not_yours = _refused(request, "signal")
+    if not_yours:
+        return back(next_url, "send-signal", problem=not_yours, at="signal")
     text = form.get("payload", "").strip()
     kept = {"sig": name, "payload": text if len(text) <= PAYLOAD_KEPT else ""}
 
@@ -493,6 +527,15 @@ async def send_signal(request: Request) -> Response:
     )
 
 
+def _refused(request: Request, action: str) -> str:
+    """Why the caller may not take ``action`` ('' if it may): the API's rule (``access``)."""
+    principal = principal_of(request)
+    if action not in access.ACTION_ROLES or access.may(principal, action):
+        return ""
+    role = principal.role if principal else "nobody"
+    return f"a {role} may not {action}: it needs the {access.role_for(action)} role"
+
+
 def _reset_said(done: Any) -> str:
     removed = ", ".join(done.removed)
     taken = f"; {plural(done.signals, 'signal')} they had taken removed" if done.signals else ""
@@ -521,6 +564,9 @@ async def bulk_action(request: Request) -> Response:
     next_url = form.get("next", "/ui/tasks")
     if action not in ("retry", "cancel", "purge"):
         return back(next_url, problem=f"unknown action {action!r}")
+    refused = _refused(request, action)
+    if refused:
+        return back(next_url, problem=refused)
     status = form.get("status")
     keys = _keys(form["keys"]) if "keys" in form else None
     where = bulk.Filter(

@@ -31,13 +31,13 @@ from mtask import events
 from mtask.client import AsyncTaskClient
 from mtask.errors import InvalidTask, MtaskError
 from mtask.models import TaskStatus, validate_name
+from mtask.web.access import authorize
 from mtask.web.api import Client, Status
-from mtask.web.auth import require_token
 
 log = logging.getLogger("mtask.serve")
 KEEPALIVE_SECONDS = 15.0
 TOKEN = re.compile(r"[0-9A-Fa-f]{2,4096}")
-router = APIRouter(dependencies=[Depends(require_token)])
+router = APIRouter(dependencies=[Depends(authorize)])
 
 
 def _check(names: list[str] | None, statuses: list[str] | None, token: str | None) -> None:

@@ -41,7 +41,16 @@ from itertools import accumulate
 from operator import add
 from typing import Any
 
-from mtask.web.auth import COOKIE, CSRF_FIELD, CSRF_HEADER, LOGIN_COOKIE, Keys, bearer_of
+from mtask.read_tokens import is_read_token
+from mtask.web.auth import (
+    COOKIE,
+    CSRF_FIELD,
+    CSRF_HEADER,
+    LOGIN_COOKIE,
+    LOOPBACK,
+    Keys,
+    bearer_of,
+)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -199,6 +208,16 @@ def header_map(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     return headers
 
 
+def read_token_of(scope: Scope) -> str | None:
+    """A read token in a ``GET``'s query (``?token=…``: an ``EventSource`` cannot send a
+    header), else None."""
+    if scope["method"] != "GET" or b"token=" not in scope.get("query_string", b""):
+        return None
+    query = urllib.parse.parse_qs(scope["query_string"].decode("latin-1"))
+    found = (query.get("token") or [""])[0]
+    return found if is_read_token(found) else None
+
+
 def cookies(headers: dict[str, str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for part in headers.get("cookie", "").split(";"):
@@ -253,16 +272,30 @@ class Guard:
             raise Refused(403, f"cross-site request refused: Origin {origin[:100]} is not ours")
 
     def _who(self, scope: Scope, headers: dict[str, str], jar: dict[str, str]) -> str | None:
+        """``bearer``, ``session``, ``read`` (a read token: ``mtask.read_tokens``), ``open``
+        (no token configured) or None; the caller's ``Principal`` in ``mtask_principal``."""
         if "authorization" in headers:
             given = bearer_of(headers["authorization"])
-            if not self.keys.token_ok(given) or given is None:
+            if given is not None and is_read_token(given):
+                scope["mtask_read_token"] = given
+                return "read"
+            principal = None if given is None else self.keys.principal(given)
+            if principal is None:
                 raise Refused(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+            scope["mtask_principal"] = principal
             return "bearer"
-        sid = self.keys.session_id(jar.get(COOKIE))
-        if sid is not None:
-            scope["mtask_sid"] = sid
+        session = self.keys.session(jar.get(COOKIE))
+        if session is not None:
+            scope["mtask_sid"], scope["mtask_principal"] = session
             return "session"
-        return "open" if self.keys.token is None else None
+        query = read_token_of(scope)
+        if query is not None:
+            scope["mtask_read_token"] = query
+            return "read"
+        if self.keys.open:
+            scope["mtask_principal"] = LOOPBACK
+            return "open"
+        return None
 
     async def _check(self, scope: Scope, receive: Receive) -> Receive:
         headers = header_map(scope["headers"])
@@ -279,6 +312,8 @@ class Guard:
             raise Refused(303, "sign in again", {"Location": "/login?problem=sign+in+again"})
         if who is None and not login and (unsafe or not readable):
             raise Refused(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+        if who == "read" and unsafe:
+            raise Refused(403, "a read token only reads")
         length = headers.get("content-length", "")
         if length.isascii() and length.isdigit() and (len(length) > 18 or int(length) > limit):
             raise Refused(413, f"the request body is {length} bytes; the limit is {limit}")

@@ -28,22 +28,23 @@ from pydantic import BaseModel
 from mtask.client import AsyncTaskClient
 from mtask.errors import TaskNotFound
 from mtask.streams import Entry
+from mtask.web.access import authorize
 from mtask.web.api import NOT_FOUND, Client
-from mtask.web.auth import bearer_scheme, require_token
+from mtask.web.auth import bearer_scheme
 from mtask.web.events import Send, relay, sse_response
 
 KEEPALIVE_SECONDS = 15.0
 MAX_LIMIT = 1000
 SEQ = re.compile(r"[0-9]{1,18}")
 Kind = Literal["log", "chunk"]
-router = APIRouter(dependencies=[Depends(require_token), Depends(bearer_scheme)])
+router = APIRouter(dependencies=[Depends(authorize), Depends(bearer_scheme)])
 
 
 def _only(*names: str) -> Any:
     """A dependency refusing query parameters other than ``names`` (422 naming them)."""
 
     async def check(request: Request) -> None:
-        unknown = sorted(set(request.query_params) - set(names))
+        unknown = sorted(set(request.query_params) - set(names) - {"token"})  # a read token
         if unknown:
             hint = " (kind=log or kind=chunk; repeat it for both)" if "kinds" in unknown else ""
             raise RequestValidationError(

@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mtask.models import Stored, Task
+from mtask.encryption import shown
+from mtask.models import BsonAny, BsonObject, Stored, Task
 from mtask.states import Explained
 
 DerivedState = Literal[
@@ -47,10 +48,16 @@ class TaskView(Task):
         "a blocked one (group, limit, paused, no_worker); backoff, lease_ended, …",
     )
     reason: str | None = Field(None, description="why it is not running, in one sentence")
+    params: BsonObject | Literal["encrypted"] | None = Field(  # type: ignore[assignment]
+        None, description='the handler\'s input; "encrypted" when serve cannot decrypt it'
+    )
+    result: BsonAny = Field(None, description='the result; "encrypted" likewise')
 
     @classmethod
     def of(cls, task: Task, said: Explained | None = None) -> TaskView:
-        view = cls.model_validate(task.model_dump())
+        fields = task.model_dump()
+        fields["params"], fields["result"] = shown(task.params), shown(task.result)
+        view = cls.model_validate(fields)
         if said is not None:
             view.state, view.why, view.reason = said.state.value, said.why, said.reason
         return view
@@ -147,3 +154,19 @@ class BulkView(BaseModel):
     truncated: bool = Field(
         False, description="more tasks matched than one call handles; call again"
     )
+
+
+class AuditView(Open):
+    """One action of ``mtask serve``'s audit (``store.audit``)."""
+
+    id: str
+    at: dt.datetime | None = None
+    who: str | None = None
+    role: str | None = None
+    action: str | None = None
+    target: str | None = None
+    method: str | None = None
+    path: str | None = None
+    status: int | None = None
+    from_: str | None = Field(None, alias="from")
+    via: str | None = None

@@ -16,12 +16,14 @@ from mtask.client import AsyncTaskClient
 from mtask.errors import MtaskError, TriggerNotFound
 from mtask.models import BsonDate
 from mtask.triggers import describe_lag, follower_label, follower_of
+from mtask.web import access
+from mtask.web.access import authorize
 from mtask.web.api import NOT_FOUND, client_of
-from mtask.web.auth import bearer_scheme, require_token, signed_in
+from mtask.web.auth import bearer_scheme, principal_of, signed_in
 from mtask.web.dashboard import back, form_of, login_page, render, templates
 
 Client = Annotated[AsyncTaskClient, Depends(client_of)]
-router = APIRouter(dependencies=[Depends(require_token), Depends(bearer_scheme)])
+router = APIRouter(dependencies=[Depends(authorize), Depends(bearer_scheme)])
 pages = APIRouter(include_in_schema=False)
 templates.filters["lag"] = describe_lag
 
@@ -131,6 +133,12 @@ async def trigger_action(request: Request) -> Response:
     action, target = form.get("action", ""), form.get("target", "")
     if action not in ACTIONS:
         return back("/ui/triggers", problem=f"unknown action {action!r}")
+    principal = principal_of(request)
+    if not access.may(principal, "trigger"):
+        role = principal.role if principal else "nobody"
+        return back(
+            "/ui/triggers", problem=f"a {role} may not steer a trigger: it needs the operator role"
+        )
     try:
         if action == "pause":
             await client.pause_trigger(target)

@@ -71,9 +71,11 @@ async def together(*steps: Awaitable[Any]) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.wait(tasks)
-    for task in tasks:
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            raise exc
+    # every error read (a second one left unread is logged with its traceback when collected:
+    # a worker whose role lacks two privileges at start-up printed one), the first raised
+    errors = [e for t in tasks if not t.cancelled() and (e := t.exception()) is not None]
+    if errors:
+        raise errors[0]
 
 
 def _connected(ping: asyncio.Future[Any]) -> None:

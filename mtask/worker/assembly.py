@@ -47,6 +47,7 @@ from mtask.worker.running.output_writer import OutputWriter
 from mtask.worker.running.pool.pipe import Bounds
 from mtask.worker.running.pool.pool import ProcessPool
 from mtask.worker.running.recorder import OutcomeRecorder
+from mtask.worker.running.sealing import from_env as sealing_from_env
 from mtask.worker.running.step_stores import RunStepStores
 from mtask.worker.running.transactional import Transactions
 from mtask.worker.scheduler import POLL_SECONDS as SCHEDULES_POLL
@@ -244,6 +245,7 @@ def build(
         pool=process_pool,
         isolation=config.pool,
         slots=slots,
+        sealing=sealing_from_env(sclient, config.database),
     )
     executor = Executor(
         registry=registry,

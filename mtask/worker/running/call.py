@@ -41,6 +41,7 @@ from mtask.worker.running.pool.errors import (
     TimeLimitExceeded,
 )
 from mtask.worker.running.pool.pool import LeaseWatch, ProcessPool
+from mtask.worker.running.sealing import Plain, Sealing
 from mtask.worker.running.slots import GiveBack
 from mtask.worker.running.transactional import RunFence, TransactionEnded, TransactionTooLong
 
@@ -132,7 +133,10 @@ class HandlerCalls:
         pool: ProcessPool | None = None,
         isolation: Literal["thread", "process"] = "thread",
         slots: contextlib.AbstractAsyncContextManager[Any] | None = None,
+        sealing: Sealing | None = None,
     ) -> None:
+        self.sealing = sealing or Plain()
+        """Encrypted tasks' params opened for the handler, their results sealed (issue 64)."""
         self.outcomes = outcomes
         """What the handler's return or exception makes of the run."""
         self.transactions = transactions
@@ -171,7 +175,7 @@ class HandlerCalls:
                     return await self._transactional(run, handler, doc)
                 result = await invoke(
                     handler,
-                    doc.get("params") or {},
+                    await self.sealing.params(doc),
                     run.ctx,
                     pool=self.pool,
                     isolation=self.isolation,
@@ -180,8 +184,9 @@ class HandlerCalls:
                     held=RunHeld(run, self.outcomes.emit) if run.slots else None,
                 )
             # issue 17: the retention the plain SUCCESS updates write
+            stored = self.sealing.result(doc, result)
             return self.outcomes.success(
-                run, result, keep_ms(doc.get("options") or {}, "succeeded")
+                run, stored, keep_ms(doc.get("options") or {}, "succeeded")
             )
         except asyncio.CancelledError:
             raise  # the run is stopped: its outcome follows from why (``RunOutcomes.stopped``)
@@ -212,14 +217,15 @@ class HandlerCalls:
         def outcome_for(result: Any) -> Outcome:
             keep = keep_ms(doc.get("options") or {}, "succeeded")
             # counted once committed (``succeeded`` below)
-            outcome = self.outcomes.success(run, result, keep, count=False)
+            stored = self.sealing.result(doc, result)
+            outcome = self.outcomes.success(run, stored, keep, count=False)
             if outcome.state is not RunState.SUCCESS:
                 raise _NotStored(outcome)
             built.append(outcome)
             return outcome
 
         try:
-            params = handler.parse(doc.get("params") or {})
+            params = handler.parse(await self.sealing.params(doc))
             body = functools.partial(self._body, run, handler.fn, params)
             await self.transactions.complete(body, outcome_for, fence(run, doc, self.leases))
         except _NotStored as refused:

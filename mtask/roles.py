@@ -1,0 +1,287 @@
+"""MongoDB roles with the fewest privileges each part of mtask needs (pure: no I/O).
+
+A *part* (``publisher``, ``worker``, ``relay``, ``viewer``, ``operator``, ``admin``) is granted
+actions on the collections it uses, named relative to the tasks collection (``{tasks}``,
+``{tasks}.output``) or by the database's own names (``workers``, ``limits``); ``""`` is the
+whole database (MongoDB's privileges name exact collections or all of them: never a prefix).
+``ROLES`` is the one definition; ``role_commands`` writes it as ``createRole`` commands for
+one database and tasks collection (``mtask collection roles``), ``actions_of`` says which
+actions one store ``Call`` needs (the tests check every call a part makes against its role,
+and ``driver.storage_error`` names them when the server refuses one).
+
+What privileges cannot say: they are per collection, not per document or field. A role with
+``update`` on the tasks collection may change any task, in any field, so the publisher's role
+has none: it inserts (a new key), reads (a key that exists: the idempotent publish reads it
+back), follows events and output, and nothing else. What needs ``update`` on tasks (signals,
+``on_conflict`` ``update_params``/``reset``, ``depends_on``, a publish in a caller's
+transaction) is an operator's, or goes through ``mtask serve`` with an operator token. "Its
+own tasks" cannot be enforced for reading either: ``find`` reads every task of the collection
+(a view per team, with ``find`` on the view only, is the way to narrow it: docs/deploy.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pymongo.errors import OperationFailure
+
+from mtask.driver import MODIFY_ONCE, Call, Op
+from mtask.encryption import KEY_VAULT  # in mtask's database: a role of it can read the keys
+
+READ = ("find",)
+WRITE = ("find", "insert", "update", "remove")
+FOLLOW = ("find", "changeStream")
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    """The MongoDB role's name (``mtaskPublisher``)."""
+    summary: str
+    grants: Mapping[str, tuple[str, ...]]
+    """Actions per collection (``{tasks}`` stands for the tasks collection's name)."""
+    inherits: tuple[str, ...] = ()
+    """Parts whose grants this one has as well (MongoDB's inherited ``roles``)."""
+    atlas: str = ""
+    """The closest built-in Atlas role, for those who do not make custom roles."""
+
+
+SIDE = ("{tasks}.output", "{tasks}.steps")
+CLUSTER = ("workers", "controls", "limits", "schedules", "retention", "relays")
+
+ROLES: dict[str, Role] = {
+    "publisher": Role(
+        "mtaskPublisher",
+        "publish (insert; a key that exists is read back), read tasks, their events and output",
+        {
+            "{tasks}": ("find", "insert", "changeStream"),
+            "{tasks}.output": FOLLOW,
+            "retention": READ,
+            KEY_VAULT: READ,
+        },
+        atlas="none (custom role); read@mtask plus insert is the nearest",
+    ),
+    "worker": Role(
+        "mtaskWorker",
+        "claim, ping, record outcomes, steps and output, heartbeats, limits, schedules",
+        {
+            "{tasks}": (*WRITE, "changeStream", "createIndex", "listIndexes"),
+            **{name: (*WRITE, "createIndex", "listIndexes") for name in SIDE},
+            **{name: (*WRITE, "createIndex", "listIndexes") for name in CLUSTER},
+            "throughput": WRITE,
+            KEY_VAULT: READ,
+        },
+        atlas="readWrite@mtask",
+    ),
+    "relay": Role(
+        "mtaskRelay",
+        "--stream shared: the relay's and subscribers' capped inboxes, made and dropped",
+        {
+            "": (
+                "listCollections",
+                "createCollection",
+                "convertToCapped",
+                "dropCollection",
+                *WRITE,
+            ),
+        },
+        inherits=("worker",),
+        atlas="readWrite@mtask",
+    ),
+    "viewer": Role(
+        "mtaskViewer",
+        "mtask serve read-only (viewer tokens), mtask get/list/stats/logs: read everything",
+        {
+            "{tasks}": (*FOLLOW, "listIndexes"),
+            "{tasks}.output": FOLLOW,
+            "{tasks}.steps": READ,
+            **{name: READ for name in CLUSTER},
+            "throughput": ("find", "insert", "update"),
+            "audit": READ,
+        },
+        atlas="read@mtask (the charts' sampler then warns: it cannot write throughput)",
+    ),
+    "operator": Role(
+        "mtaskOperator",
+        "mtask serve with operator tokens, the CLI's actions: retry, cancel, purge, signal, "
+        "pause, limits, schedules, step reset; the audit",
+        {
+            "{tasks}": (*WRITE, "changeStream", "listIndexes", "createIndex"),
+            **{name: WRITE for name in SIDE},
+            **{name: WRITE for name in CLUSTER},
+            "throughput": WRITE,
+            "audit": ("find", "insert", "createCollection", "convertToCapped"),
+            KEY_VAULT: READ,
+        },
+        inherits=("viewer",),
+        atlas="readWrite@mtask",
+    ),
+    "admin": Role(
+        "mtaskAdmin",
+        "mtask collection init: the collections, indexes and validator; data keys",
+        {
+            "": (
+                "listCollections",
+                "createCollection",
+                "createIndex",
+                "dropIndex",
+                "listIndexes",
+                "collMod",
+            ),
+            KEY_VAULT: (*WRITE, "createIndex"),
+        },
+        inherits=("operator",),
+        atlas="dbAdmin@mtask + readWrite@mtask",
+    ),
+}
+PARTS = tuple(ROLES)
+
+
+def _name(collection: str, tasks: str) -> str:
+    return collection.replace("{tasks}", tasks)
+
+
+def grants(part: str, tasks: str = "tasks") -> dict[str, set[str]]:
+    """Every action the part may take, per collection name (``""``: any), inherited ones
+    included."""
+    role = ROLES[part]
+    found: dict[str, set[str]] = {}
+    for parent in role.inherits:
+        for name, actions in grants(parent, tasks).items():
+            found.setdefault(name, set()).update(actions)
+    for name, own in role.grants.items():
+        found.setdefault(_name(name, tasks), set()).update(own)
+    return found
+
+
+def role_commands(database: str, tasks: str = "tasks") -> list[dict[str, Any]]:
+    """``createRole`` commands for every part, in an order that creates a role before one that
+    inherits it (run in ``database``; ``updateRole`` takes the same fields)."""
+    ordered: list[str] = []
+
+    def visit(part: str) -> None:
+        for parent in ROLES[part].inherits:
+            visit(parent)
+        if part not in ordered:
+            ordered.append(part)
+
+    for part in PARTS:
+        visit(part)
+    commands = []
+    for part in ordered:
+        role = ROLES[part]
+        privileges = [
+            {"resource": {"db": database, "collection": _name(name, tasks)}, "actions": [*acts]}
+            for name, acts in role.grants.items()
+        ]
+        inherited = [{"role": ROLES[p].name, "db": database} for p in role.inherits]
+        commands.append({"createRole": role.name, "privileges": privileges, "roles": inherited})
+    return commands
+
+
+READS = {
+    "find": ("find",),
+    "find_one": ("find",),
+    "count": ("find",),
+    "count_documents": ("find",),
+    "distinct": ("find",),
+    "aggregate": ("find",),
+    "index_information": ("listIndexes",),
+    "watch": ("find", "changeStream"),
+}
+WRITES = {
+    "insert_one": ("insert",),
+    "insert_many": ("insert",),
+    "update_one": ("update",),
+    "update_many": ("update",),
+    "replace_one": ("update",),
+    "find_one_and_update": ("find", "update"),
+    MODIFY_ONCE: ("find", "update"),
+    "delete_one": ("remove",),
+    "delete_many": ("remove",),
+    "create_index": ("createIndex",),
+    "create_indexes": ("createIndex",),
+    "drop_index": ("dropIndex",),
+}
+COMMANDS = {
+    "create": "createCollection",
+    "collMod": "collMod",
+    "listCollections": "listCollections",
+    "convertToCapped": "convertToCapped",
+    "drop": "dropCollection",
+    "createIndexes": "createIndex",
+    "createRole": "createRole",
+    "updateRole": "createRole",
+}
+NO_PRIVILEGE = frozenset({"hello", "ping", "killSessions", "endSessions", "buildInfo"})
+BULK = {"InsertOne": "insert", "DeleteOne": "remove", "DeleteMany": "remove"}
+
+
+def _command_actions(call: Call) -> tuple[str, ...]:
+    first = call.args[0] if call.args else ""
+    name = first if isinstance(first, str) else next(iter(first), "")
+    if name in NO_PRIVILEGE:
+        return ()
+    return (COMMANDS.get(name, name),)
+
+
+def _bulk_actions(call: Call) -> tuple[str, ...]:
+    requests: Iterable[Any] = call.args[0] if call.args else ()
+    found = {BULK.get(type(r).__name__, "update") for r in requests}
+    if any(getattr(r, "_upsert", False) for r in requests):
+        found.add("insert")
+    return tuple(sorted(found))
+
+
+def actions_of(call: Call) -> tuple[str, ...]:
+    """The privilege actions a call needs on its collection. An upsert needs ``insert`` too;
+    an aggregation with ``$out``/``$merge`` is not one mtask runs."""
+    if call.method == "command":
+        return _command_actions(call)
+    if call.method == "bulk_write":
+        return _bulk_actions(call)
+    actions = READS.get(call.method) or WRITES.get(call.method) or (call.method,)
+    if call.kwargs.get("upsert"):
+        actions = (*actions, "insert")
+    return actions
+
+
+def missing(part: str, call: Call, tasks: str = "tasks") -> list[str]:
+    """The actions ``call`` needs that ``part``'s role does not grant (``[]``: allowed).
+    ``collection`` is the call's key in ``driver.collections`` (``output``: ``<tasks>.output``)."""
+    have = grants(part, tasks)
+    name = call_collection(call, tasks)
+    allowed = have.get(name, set()) | have.get("", set())
+    return [a for a in actions_of(call) if a not in allowed]
+
+
+def call_collection(call: Call, tasks: str = "tasks") -> str:
+    """The collection name a ``Call`` reaches (``driver.collections``' keys resolved)."""
+    if call.collection == "tasks":
+        return tasks
+    if call.collection in ("output", "steps"):
+        return f"{tasks}.{call.collection}"
+    return call.collection
+
+
+ROLE_EXISTS = 51002
+"""The server's code for ``createRole`` of a role that exists (``updateRole`` then)."""
+
+
+def create_roles(database: str, tasks: str = "tasks") -> Op[list[str]]:
+    """Create (or bring up to date) every part's role in ``database``; returns their names. The
+    caller needs ``createRole``/``grantRole`` on it (``userAdmin``)."""
+    made = []
+    for command in role_commands(database, tasks):
+        name = command["createRole"]
+        fields = {"privileges": command["privileges"], "roles": command["roles"]}
+        try:
+            yield Call("command", ("createRole", name), fields)
+        except OperationFailure as exc:
+            if exc.code != ROLE_EXISTS:
+                raise
+            yield Call("command", ("updateRole", name), fields)
+        made.append(name)
+    return made

@@ -1,0 +1,77 @@
+"""The roles (``mtask.roles``) against the calls the store's operations make: a publisher's
+publish is allowed, a claim and an outcome are not; a refused call names what it lacked."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from pymongo.errors import DuplicateKeyError, OperationFailure
+from scripted import ScriptedDriver, Step
+
+from mtask import roles, store
+from mtask.driver import MODIFY_ONCE, Call, storage_error
+from mtask.models import NewTask
+
+NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+REFUSED = OperationFailure("not authorized on mtask to execute command { update: ... }", 13)
+
+
+def test_a_publish_needs_only_the_publishers_privileges() -> None:
+    """A new key: the retention defaults read, one insert. A key that exists: the upsert is
+    refused (no ``update``), and the document is read instead."""
+    driver = ScriptedDriver(
+        Step("find", reply=[], collection="retention"),
+        Step("insert_one", raises=DuplicateKeyError("E11000 duplicate key")),
+        Step("find_one_and_update", raises=REFUSED),
+        Step("find_one", reply={"_id": "k", "name": "add"}),
+    )
+    published = driver.run(store.publish(NewTask.build("add", "k"), NOW))
+    assert driver.done and not published.created
+    refused, *allowed = driver.calls[2], *driver.calls[:2], driver.calls[3]
+    assert roles.missing("publisher", refused) == ["update"]
+    assert all(roles.missing("publisher", call) == [] for call in allowed)
+
+
+def test_a_publish_many_without_update_inserts_what_is_new() -> None:
+    tasks = [NewTask.build("add", k) for k in ("a", "b")]
+    dup = {"writeErrors": [{"index": 1, "code": 11000}], "nInserted": 1}
+    from pymongo.errors import BulkWriteError
+
+    driver = ScriptedDriver(
+        Step("find", reply=[], collection="retention"),
+        Step("bulk_write", raises=REFUSED),
+        Step("insert_many", raises=BulkWriteError(dup)),
+    )
+    by_name: dict[str, int] = {}
+    assert driver.run(store.publish_many(tasks, NOW, created_by_name=by_name)) == 1
+    assert by_name == {"add": 1}
+    assert roles.missing("publisher", driver.calls[2]) == []
+
+
+def test_a_claim_and_an_outcome_are_the_workers_not_the_publishers() -> None:
+    claim = Call(MODIFY_ONCE, ({"_id": "k"}, [{"$set": {"status": "running"}}]))
+    outcome = Call("update_many", ({"_id": "k"}, {"$set": {"status": "succeeded"}}))
+    drop = Call("command", ("drop", "tasks"))
+    for call in (claim, outcome, drop):
+        assert roles.missing("publisher", call), call
+        assert roles.missing("viewer", call), call
+    assert roles.missing("worker", claim) == roles.missing("worker", outcome) == []
+    assert roles.missing("worker", drop) == ["dropCollection"]
+    assert roles.missing("relay", drop) == []  # its inboxes: the whole database
+
+
+def test_inherited_roles_are_created_first_and_hold_their_parents_grants() -> None:
+    commands = roles.role_commands("mtask", "jobs")
+    order = [c["createRole"] for c in commands]
+    for command in commands:
+        for parent in command["roles"]:
+            assert order.index(parent["role"]) < order.index(command["createRole"])
+    assert "jobs.output" in roles.grants("publisher", "jobs")
+    assert roles.grants("admin")["tasks"] >= roles.grants("operator")["tasks"]
+
+
+def test_a_refused_call_names_the_privilege_and_never_the_command() -> None:
+    call = Call("update_many", ({"_id": "k"}, {"$set": {"params": {"card": "4242"}}}))
+    said = str(storage_error(REFUSED, call, "mtask.tasks"))
+    assert "update_many on mtask.tasks" in said and "lacks the privilege update" in said
+    assert "4242" not in said and "{ update" not in said
