@@ -342,9 +342,10 @@ def _full(doc: Mapping[str, Any], now: dt.datetime) -> str | None:
     its rate), or ``None`` if it has room (``mtask.limits``' rules, read as the take reads
     them)."""
     concurrency = runs_at_once(doc.get("concurrency"))
+    holders = doc.get("holders")
     live = [
         h
-        for h in doc.get("holders") or ()
+        for h in (holders if isinstance(holders, list) else ())
         if isinstance(h, dict) and isinstance(h.get("expires"), dt.datetime) and h["expires"] > now
     ]
     if concurrency is not None and len(live) >= concurrency:
