@@ -117,6 +117,9 @@ def finish_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, list[Doc]]:
         sets["failures"] = {"$add": ["$failures", 1]}
         if outcome.permanent:
             sets["failed_permanently"] = True
+        # its retries spent too: its last word, as a permanent FAIL's
+        final = outcome.permanent or {"$gt": [{"$add": ["$failures", 1]}, "$options.max_retries"]}
+        sets["steps"] = settled_waits_expr(now, final)
     elif state is RunState.RELEASED:
         sets["available_at"] = now
     elif state is RunState.CANCELLED:
@@ -133,6 +136,72 @@ def finish_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, list[Doc]]:
     if state is RunState.FAIL and not outcome.permanent:
         stages.append({"$set": {"available_at": _backoff_expr(outcome, now)}})
     return run_filter(outcome.key, outcome.run_id), [*stages, *recompute_stages(now)]
+
+
+def settled_waits_expr(now: dt.datetime, final: Any = True) -> Doc:
+    """The journal of a task that fails for good, each wait its runs never came back to said as
+    it ended (a run woken from it failed before its replay reached it: a changed handler's
+    ``StepMismatch``, say): a sleep whose end has passed ``done``; a signal wait whose signal
+    came ``done``, with that signal's payload as its result (what a replay would have taken);
+    one whose deadline passed without it ``timed_out``; any other left as it was. A FAIL's write
+    carries this (no other outcome's does), and only one that ends the task (``final``: an
+    expression, or ``True``) changes the journal."""
+    came = {
+        "$filter": {
+            "input": {"$ifNull": ["$signals", []]},
+            "as": "g",
+            "cond": {"$eq": ["$$g.name", "$$s.signal"]},
+        }
+    }
+    over = {"$lte": ["$$s.until", now]}
+    settled = {
+        "$switch": {
+            "branches": [
+                {
+                    "case": {"$and": [{"$eq": ["$$s.kind", "sleep"]}, over]},
+                    "then": {"$mergeObjects": ["$$s", {"state": "done"}]},
+                },
+                {
+                    "case": {
+                        "$and": [
+                            {"$eq": ["$$s.kind", "signal"]},
+                            {"$gt": [{"$size": came}, {"$ifNull": ["$$s.nth", 0]}]},
+                        ]
+                    },
+                    "then": {
+                        "$mergeObjects": [
+                            "$$s",
+                            {
+                                "state": "done",
+                                "result": {
+                                    "$getField": {
+                                        "field": "payload",
+                                        "input": {
+                                            "$arrayElemAt": [came, {"$ifNull": ["$$s.nth", 0]}]
+                                        },
+                                    }
+                                },
+                            },
+                        ]
+                    },
+                },
+                {
+                    "case": {"$and": [{"$eq": ["$$s.kind", "signal"]}, over]},
+                    "then": {"$mergeObjects": ["$$s", {"state": "timed_out"}]},
+                },
+            ],
+            "default": "$$s",
+        }
+    }
+    waiting = {"$eq": ["$$s.state", "waiting"]}
+    journal = {"$ifNull": ["$steps", "$$REMOVE"]}
+    return {
+        "$cond": [
+            {"$and": [final, {"$isArray": "$steps"}]},
+            {"$map": {"input": "$steps", "as": "s", "in": {"$cond": [waiting, settled, "$$s"]}}},
+            journal,
+        ]
+    }
 
 
 def _waiting_fields(wait: Wait, now: dt.datetime) -> Doc:

@@ -85,6 +85,14 @@ async def fickle(params: dict[str, Any], ctx: TaskContext) -> str:
     return "never"
 
 
+@registry.task("fickle_wait", options={"retry_delay_ms": 0})
+async def fickle_wait(params: dict[str, Any], ctx: TaskContext) -> str:
+    first = "a" if ctx.attempt == 1 else "b"  # a changed handler: its replay mismatches
+    await ctx.step(first, _call, f"{ctx.key}:{first}", 1)
+    await ctx.wait_for("go")
+    return "never"
+
+
 @registry.task("twice_named")
 async def twice_named(params: dict[str, Any], ctx: TaskContext) -> str:
     await ctx.step("same", _call, f"{ctx.key}:1", 1)
@@ -328,9 +336,28 @@ async def test_replay_rules_fail_the_task_for_good(
     assert "StepMismatch" in (fickle_task.error or "")
     assert "recorded as 'a' (call); this run asked for 'b'" in (fickle_task.error or "")
     assert [s.name for s in fickle_task.steps] == ["a", "sleep#1"]  # nothing half-written
+    # the sleep it was woken from is over: its journal says so, not "waiting" (issue 66)
+    assert [s.state for s in fickle_task.steps] == ["done", "done"]
     assert CALLS["f1:b"] == 0
     assert twice.status.value == "failed" and "asked for twice" in (twice.error or "")
     assert [s.name for s in twice.steps] == ["same"] and CALLS["t1:2"] == 0
+
+
+async def test_a_task_failed_by_its_replay_says_how_its_wait_ended(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    """A signal wait the task was woken from, whose resumed run mismatched before it reached
+    it: the failed task's journal shows the wait done with the signal it took (issue 66)."""
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("fickle_wait", "fw1", {})
+        await events.wait("recorded", key="fw1", state="WAITING")
+        assert await aclient.signal("fw1", "go", {"v": 1}) is True
+        task = await _finished(aclient, "fw1")
+    assert task.status.value == "failed" and "StepMismatch" in (task.error or "")
+    assert [(s.name, s.state, s.result) for s in task.steps] == [
+        ("a", "done", 1),
+        ("wait:go", "done", {"v": 1}),
+    ]
 
 
 async def test_plain_def_handlers_on_threads(
