@@ -30,3 +30,14 @@ def test_the_map_is_short_and_described() -> None:
     for line in block.splitlines():
         if line.strip():
             assert re.match(r"^\S+\.py\s{2,}\S", line), f"no description: {line!r}"
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    """pytest imports test modules by their basename (the tiers are not packages): two of one
+    name cannot be collected in one run."""
+    names: dict[str, str] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if "node_modules" in path.parts:
+            continue
+        other = names.setdefault(path.name, str(path.relative_to(ROOT)))
+        assert other == str(path.relative_to(ROOT)), f"{path.name}: {other} and {path}"
