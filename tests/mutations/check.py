@@ -107,6 +107,17 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "group-lock-race",
+        "a sequence never overlaps when late publishes, retries and a zombie race it",
+        "mtask/store/schema.py",
+        "unique=True,",
+        "unique=False,",
+        (
+            "tests/chaos/test_sequence_races.py::"
+            "test_late_publishes_retries_a_reopened_task_and_a_zombie_never_overlap",
+        ),
+    ),
+    Mutation(
         "relay-takeover",
         "a relay that dies, freezes or is cut off is taken over by its standby within a second",
         "mtask/store/relays.py",
