@@ -90,7 +90,12 @@ class ChildSteps:
     def steps_for(self, ctx: TaskContext) -> RunSteps:
         recorded = self.ask(StepOp.JOURNAL)
         return RunSteps(
-            PipeSteps(self), recorded, run_id=ctx.run_id, attempt=ctx.attempt, blocking_io=complete
+            PipeSteps(self),
+            recorded,
+            run_id=ctx.run_id,
+            attempt=ctx.attempt,
+            blocking_io=complete,
+            release=ctx.release,
         )
 
     def close(self) -> None:
@@ -127,6 +132,19 @@ class PipeSteps:
     async def transact(self, *args: Any, **kw: Any) -> Any:
         raise StepError("transactional steps need an async def handler")
 
+    async def record_named(self, entry: Doc, prior: Doc | None) -> None:
+        self.steps.ask(StepOp.RECORD_NAMED, entry, prior)
+
+    async def spawn(self, index: int, entry: Doc, children: list[Doc]) -> None:
+        self.steps.ask(StepOp.SPAWN, index, entry, children)
+
+    async def publish(self, step: str, children: list[Doc]) -> None:
+        self.steps.ask(StepOp.PUBLISH, step, children)
+
+    async def children(self, step: str) -> list[Doc]:
+        found: list[Doc] = self.steps.ask(StepOp.CHILDREN, step)
+        return found
+
 
 # -- the worker side ------------------------------------------------------------------------------
 
@@ -162,6 +180,25 @@ class ParentSteps:
             return await store.load(args[0])
         if op == StepOp.SIGNALS:
             return await store.signals(args[0])
+        return await self._more(journal, op, args)
+
+    async def _more(self, journal: RunSteps, op: StepOp, args: tuple[Any, ...]) -> Any:
+        """Issue 61's requests: a parallel step's record, a spawn, its children."""
+        store = journal.store
+        if op == StepOp.RECORD_NAMED:
+            entry, prior = args
+            await store.record_named(entry, prior)
+            journal._keep_named(entry)
+            return None
+        if op == StepOp.SPAWN:
+            index, entry, children = args
+            await store.spawn(index, entry, children)
+            journal._keep(index, entry)
+            return None
+        if op == StepOp.PUBLISH:
+            return await store.publish(*args)
+        if op == StepOp.CHILDREN:
+            return await store.children(args[0])
         raise StepError(f"no such step request: {op!r}")
 
 

@@ -135,6 +135,11 @@ class StepOp(StrEnum):
     SPILL = "spill"
     LOAD = "load"
     SIGNALS = "signals"
+    # issue 61: parallel steps and children
+    RECORD_NAMED = "record_named"
+    SPAWN = "spawn_children"
+    PUBLISH = "publish"
+    CHILDREN = "children"
 
 
 # -- the messages ---------------------------------------------------------------------------------
