@@ -47,6 +47,7 @@ from mtask.worker.running.pool.pipe import Bounds
 from mtask.worker.running.pool.pool import ProcessPool
 from mtask.worker.running.recorder import OutcomeRecorder
 from mtask.worker.running.step_stores import RunStepStores
+from mtask.worker.running.task_deadlines import TaskDeadlines
 from mtask.worker.running.transactional import Transactions
 from mtask.worker.scheduler import POLL_SECONDS as SCHEDULES_POLL
 from mtask.worker.scheduler import Scheduler
@@ -221,7 +222,7 @@ def build(
         publisher=publisher.publish,
         inflight=inflight,
         outputs=outputs,
-        journals=RunStepStores(adriver, clock, transactions),
+        journals=RunStepStores(adriver, clock, transactions, registry.options_for),
         leases=pinger,
     )
     handler_calls = HandlerCalls(
@@ -248,6 +249,7 @@ def build(
         emit=emit,
         lost=lost,
         slot_lost=slot_lost,
+        task_deadlines=TaskDeadlines(clock, Signal()),
     )
     calls = ClaimCalls(adriver, clock, worker_id=worker_id, ignore=found.sink.ignore)
     limited_claims = LimitedClaims(

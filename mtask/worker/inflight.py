@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -30,6 +31,10 @@ class ActiveRun:
     slots: tuple[str, ...] = ()
     """The limit slots this run holds (a name's, a group's): given back when it ends."""
     has_dependents: bool = False
+    child_of: dict[str, object] | None = None
+    """A spawned child's ``spawn`` (issue 61): its final outcome is counted on its parent."""
+    deadline: dt.datetime | None = None
+    """Its task's deadline (issue 61): the run is stopped there, and the task fails."""
     task: asyncio.Task[None] | None = None
     stop_reason: str | None = None
     started: float = field(default_factory=time.monotonic)

@@ -20,6 +20,7 @@ from mtask.driver import AsyncDriver, Doc, Op
 from mtask.errors import ConfigError
 from mtask.registry import TaskContext
 from mtask.steps import RunSteps, StepError
+from mtask.store import children as store_children
 from mtask.store import steps as store_steps
 from mtask.store.output import keep_until
 from mtask.worker.running.transactional import RunFence, Transactions
@@ -38,6 +39,7 @@ class TaskSteps:
         transactions: Transactions | None,
         fence: Callable[[], RunFence],
         indexes: Callable[[], Coroutine[Any, Any, None]],
+        options_for: store_children.OptionsFor | None = None,
     ) -> None:
         self.driver = driver
         self.clock = clock
@@ -47,6 +49,8 @@ class TaskSteps:
         self.transactions = transactions
         self.fence = fence
         self.indexes = indexes
+        self.options_for = options_for
+        """The declared defaults of a child's name (``Registry.options_for``)."""
 
     def now(self) -> dt.datetime:
         return self.clock.now()
@@ -68,6 +72,27 @@ class TaskSteps:
 
     async def signals(self, name: str) -> list[Doc]:
         return await self.driver.run(store_steps.signals(self.key, name))
+
+    # -- issue 61 ----------------------------------------------------------------------------
+
+    async def record_named(self, entry: Doc, prior: Doc | None) -> None:
+        await self.driver.run(store_steps.record_named(self.key, self.run_id, entry, prior))
+
+    async def spawn(self, index: int, entry: Doc, children: list[Doc]) -> None:
+        await self.driver.run(
+            store_children.spawn(
+                self.key, self.run_id, index, entry, children, self.clock.now(), self.options_for
+            )
+        )
+
+    async def publish(self, step: str, children: list[Doc]) -> None:
+        now = self.clock.now()
+        await self.driver.run(
+            store_children.publish(self.key, step, children, now, self.options_for)
+        )
+
+    async def children(self, step: str) -> list[Doc]:
+        return await self.driver.run(store_children.children(self.key, step))
 
     async def transact(
         self,
@@ -97,11 +122,17 @@ class RunStepStores:
     """Makes each run's ``RunSteps`` on first use (``TaskContext.steps_for``)."""
 
     def __init__(
-        self, driver: AsyncDriver, clock: Clock, transactions: Transactions | None
+        self,
+        driver: AsyncDriver,
+        clock: Clock,
+        transactions: Transactions | None,
+        options_for: store_children.OptionsFor | None = None,
     ) -> None:
         self.driver = driver
         self.clock = clock
         self.transactions = transactions
+        self.options_for = options_for
+        """The declared defaults of a spawned child's name (issue 61)."""
         self._indexed: asyncio.Future[None] | None = None
 
     async def ensure_indexes(self) -> None:
@@ -143,5 +174,13 @@ class RunStepStores:
             self.transactions,
             fence,
             self.ensure_indexes,
+            self.options_for,
         )
-        return RunSteps(store, doc.get("steps"), run_id=ctx.run_id, attempt=ctx.attempt, loop=loop)
+        return RunSteps(
+            store,
+            doc.get("steps"),
+            run_id=ctx.run_id,
+            attempt=ctx.attempt,
+            loop=loop,
+            release=ctx.release,
+        )
