@@ -69,6 +69,7 @@ from mtask.states import Explained, State, explain
 from mtask.store import bulk, cluster, counts, journal, occupancy, queries, retention, throughput
 from mtask.store import children as store_children
 from mtask.store import output as store_output
+from mtask.store import parked as store_parked
 from mtask.store import steps as store_steps
 from mtask.waiters import AsyncWaiter, SyncWaiter, async_waiter_for, finished, waiter_for
 
@@ -522,6 +523,15 @@ class _Base:
         ``reset_step``; a pending task that waited in it runs now."""
         _check_key(key)
         return (yield from journal.remark(key, step, None))
+
+    @operation
+    def parked(
+        self, name: str, after: tuple[Any, Any] | None = None
+    ) -> Op[builtins.list[dict[str, Any]]]:
+        """A page of ``name``'s parked tasks (pending, with durable steps), newest first, after
+        the ``(created_at, _id)`` of the previous page's last, with the fields a preflight's dry
+        replay reads (``mtask.preflight``). Reads only."""
+        return (yield from store_parked.parked(name, after))
 
     # -- derived states (mtask.states) ----------------------------------------------------------
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import importlib
 import inspect
+import sys
 import threading
 import typing
 import uuid
@@ -15,7 +17,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from mtask.errors import InvalidParams, InvalidTask, LeaseLost, MtaskError
+from mtask.errors import InvalidParams, InvalidTask, LeaseLost, MtaskError, RegistryNotFound
 from mtask.models import MAX_RETRY_DELAY_MS, TaskOptions, describe_validation_error
 from mtask.output import RunLog, RunOutput
 from mtask.schedules import Schedule
@@ -485,3 +487,26 @@ class Registry:
         """The registered names, sorted (as ``names``): ``list(registry)`` lists them. Without
         it, Python iterated through ``__getitem__`` with 0, 1, … and raised ``KeyError: 0``."""
         return iter(self.names)
+
+
+def load_registry(spec: str) -> Registry:
+    """The ``Registry`` that ``module:attribute`` names (``module`` alone: its one registry),
+    imported as ``python -m`` would, from the current directory too (``mtask-worker``,
+    ``mtask step check``). ``RegistryNotFound`` says why not."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name:
+        raise RegistryNotFound(f"expected module:registry, got {spec!r}")
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")  # like python -m: modules in the current directory
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RegistryNotFound(f"cannot import {module_name!r}: {exc}") from None
+    if attr:
+        registry = getattr(module, attr, None)
+    else:
+        found = [v for v in vars(module).values() if isinstance(v, Registry)]
+        registry = found[0] if len(found) == 1 else None
+    if not isinstance(registry, Registry):
+        raise RegistryNotFound(f"{spec!r} is not an mtask.Registry")
+    return registry

@@ -242,6 +242,17 @@ def check_signal_name(name: Any) -> str:
     return name
 
 
+def complete_now(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine that never suspends (a ``StepStore`` whose methods do no I/O on a loop:
+    a child process's pipe, a dry replay's record) to its end, here."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise StepError("a step's I/O here cannot await")
+
+
 def caller(depth: int = 2) -> Any:
     """Where in the handler a step is asked for: the code and instruction of the frame
     ``depth`` levels up (the caller of the function that calls this)."""

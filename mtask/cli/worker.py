@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import importlib
 import logging
 import signal
 import sys
@@ -32,12 +31,11 @@ from mtask.cli.common import (
 )
 from mtask.errors import (
     MtaskError,
-    RegistryNotFound,
     UsageError,
     WorkerCrashed,
     WorkerNotFound,
 )
-from mtask.registry import Registry
+from mtask.registry import load_registry
 from mtask.worker import Worker
 
 commands = Commands()
@@ -54,26 +52,6 @@ def _prefetch(value: str) -> int | str:
     if number < 0:
         raise argparse.ArgumentTypeError(f"expected auto or a number not below 0, got {value!r}")
     return number
-
-
-def load_registry(spec: str) -> Registry:
-    module_name, _, attr = spec.partition(":")
-    if not module_name:
-        raise RegistryNotFound(f"expected module:registry, got {spec!r}")
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")  # like python -m: modules in the current directory
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RegistryNotFound(f"cannot import {module_name!r}: {exc}") from None
-    if attr:
-        registry = getattr(module, attr, None)
-    else:
-        found = [v for v in vars(module).values() if isinstance(v, Registry)]
-        registry = found[0] if len(found) == 1 else None
-    if not isinstance(registry, Registry):
-        raise RegistryNotFound(f"{spec!r} is not an mtask.Registry")
-    return registry
 
 
 @contextlib.contextmanager

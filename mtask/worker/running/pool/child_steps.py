@@ -20,7 +20,7 @@ from __future__ import annotations
 import multiprocessing.connection
 import pickle
 import threading
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import bson
@@ -29,6 +29,7 @@ from bson.codec_options import CodecOptions
 from mtask.errors import LeaseLost, MtaskError
 from mtask.registry import TaskContext
 from mtask.steps import Doc, RunSteps, StepError
+from mtask.steps import complete_now as complete
 from mtask.worker.running.pool import pipe
 from mtask.worker.running.pool.pipe import StepAsk, StepOp
 
@@ -48,16 +49,6 @@ def plain(value: Any) -> Any:
 class _RunLock(Protocol):
     lock: threading.Lock
     active: bool
-
-
-def complete(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run a coroutine that never suspends (``PipeSteps``' methods) to its end, here."""
-    try:
-        coro.send(None)
-    except StopIteration as stop:
-        return stop.value
-    coro.close()
-    raise StepError("a step's I/O in a child process cannot await")
 
 
 class ChildSteps:
