@@ -502,7 +502,16 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 @commands.command("retry")
 def cmd_retry(args: argparse.Namespace) -> int:
-    return _act(args, "retry", "pending again")
+    if getattr(args, "from_step", None) is None:
+        return _act(args, "retry", "pending again")
+    if args.key is None:  # issue 61: run one task again from a step
+        raise UsageError("--from-step applies to one task: give its KEY, not a filter")
+    with task_client(args) as client:
+        task = client.retry(_one_key(args), from_step=args.from_step)
+    kept = ", ".join(s.name for s in task.steps) or "none"
+    out.print(f"pending again from step {args.from_step}: {task.key}", markup=False)
+    out.print(f"  the steps before it are kept and replayed: {kept}", markup=False)
+    return 0
 
 
 @commands.command("workers")
@@ -705,6 +714,12 @@ def register(sub: Any) -> None:
         add_common(p)
         p.add_argument("key", nargs="?", help="the task's key (or a filter below)")
         bulk.add_filters(p)
+        if name == "retry":  # issue 61
+            p.add_argument(
+                "--from-step",
+                metavar="NAME",
+                help="keep the durable steps before NAME and run it and the rest again",
+            )
 
     p = sub.add_parser("workers", help="list live workers")
     add_common(p)
