@@ -79,10 +79,14 @@ def _reset(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    from mtask.errors import RegistryNotFound, UsageError
     from mtask.preflight import check
 
     with task_client(args) as client:
-        report = check(client, args.registry, args.name or None, timeout=args.timeout)
+        try:
+            report = check(client, args.registry, args.name or None, timeout=args.timeout)
+        except RegistryNotFound as exc:  # a bad REGISTRY argument: the command line's mistake
+            raise UsageError(str(exc)) from None
     if args.json:
         print_json(report.to_document())
         return EXIT_FAILED if report.mismatches else 0

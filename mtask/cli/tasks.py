@@ -251,6 +251,8 @@ def _waiting_rows(task: Task) -> list[tuple[str, str]]:
     w = task.waiting
     if w is not None and task.status == TaskStatus.PENDING:
         what = f"signal {w.signal!r}, {_deadline(w.until)}" if w.signal else f"{_deadline(w.until)}"
+        if w.children is not None:  # issue 61: its children, holding no slot
+            what = "its children (they hold the slot, not it)"
         rows.append(("waiting", f"{what} (step {w.index + 1}: {w.step or '-'})"))
     if task.signals:
         names = Counter(s.name for s in task.signals)
@@ -301,6 +303,7 @@ def _step_detail(step: Any) -> str:
         detail.append(_deadline(step.until))
     elif step.kind == "signal":
         detail.append(f"{step.signal!r} #{(step.nth or 0) + 1}, {_deadline(step.until)}")
+    detail += _workflow_detail(step)
     if step.spill:
         detail.append(f"result aside: {step.spill.get('bytes', '?')} bytes")
     if step.transactional:
@@ -311,6 +314,21 @@ def _step_detail(step: Any) -> str:
     elif failed:
         detail.append(f"{len(failed)} failed tries, last: {failed[-1].error}")
     return "; ".join(detail)
+
+
+def _workflow_detail(step: Any) -> list[str]:
+    """Issue 61: a parallel step's gather, a spawn's children, a patch marker's branch, a
+    value decided once."""
+    detail = [f"parallel ({step.group})"] if step.group else []
+    if step.kind == "children":
+        failed = f", {step.failed} failed" if step.failed else ""
+        detail.append(f"{step.total} children{failed}")
+        detail += [f"{f.get('key')} {f.get('status')}" for f in step.failures[:3]]
+    elif step.kind == "patch":
+        detail.append("new branch" if step.result else "old branch")
+    elif step.kind == "value" and step.result is not None:
+        detail.append(str(step.result)[:40])
+    return detail
 
 
 def _progress_rows(task: Task) -> list[tuple[str, str]]:
@@ -337,9 +355,18 @@ def _flow_rows(task: Task) -> list[tuple[str, str]]:
     rows = [("invalid", task.invalid_reason)] if task.invalid_reason else []
     rows += [("problem", p) for p in task.problems]  # issue 14: what is wrong where
     if task.parent:
-        rows.append(("parent", task.parent))
+        spawn = task.spawn  # issue 61: a spawned child says by which step, and its place
+        by = f" (spawned by step {spawn.step}, child {spawn.index + 1})" if spawn else ""
+        rows.append(("parent", task.parent + by))
     if task.children:
         rows.append(("children", ", ".join(task.children)))
+    if task.spawned is not None:
+        s = task.spawned
+        failed = f", {s.failed} failed" if s.failed else ""
+        rows.append(("spawned", f"{s.done} of {s.total} finished{failed} (step {s.step}; "
+                     f"mtask flow {task.key})"))  # fmt: skip
+    if task.options.deadline is not None:
+        rows.append(("deadline", f"{when(task.options.deadline)} (the whole task)"))
     # outbox entries no step could be built from (flows.read_outbox): kept, not published
     rows += [("step not published", str(r.get("reason"))) for r in task.outbox_rejected]
     if task.depends_on:
