@@ -11,10 +11,12 @@ from rich.console import Console
 
 from bench import scale
 from bench.budget import cost_budget
+from bench.children import children_cost
 from bench.cpu import w10_cpu
 from bench.groups import groups_cost
 from bench.output import live_output
 from bench.peers import peers
+from bench.preflight import preflight_at_scale
 from bench.steps import durable_steps
 from bench.support import FULL, QUICK, floor_helper
 from bench.validator import validator_ab, validator_interleaved
@@ -46,6 +48,8 @@ WORKLOADS = {
     "WB": cost_budget,  # issue 26: the cost budget per task, beside bench/budget.json
     "WQ": peers,  # issue 26: W1 and W2 beside arq on Redis, same run (bench/peers.py)
     "WG": groups_cost,  # issue 29: fairness, group limits and sequences in a drain
+    "WC": children_cost,  # issue 61: a spawned-and-awaited child's cost (bench/children.py)
+    "WF": preflight_at_scale,  # issue 61: 100,000 parked tasks preflighted (bench/preflight.py)
 }
 
 
