@@ -19,8 +19,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from pymongo import MongoClient
-
+from bench.steps import _ops
 from bench.support import QUICK, Result, spawn_worker, stop_process, wait_for_worker, wait_until
 from mtask.client import TaskClient
 from mtask.registry import Registry, TaskContext
@@ -43,11 +42,6 @@ async def fan_noop(params: dict[str, Any]) -> int:
 def register(registry: Registry) -> None:
     registry.task("fan_parent")(fan_parent)
     registry.task("fan_noop")(fan_noop)
-
-
-def _ops(mongo: MongoClient[dict[str, Any]]) -> int:
-    counters = mongo.admin.command("serverStatus")["opcounters"]
-    return sum(int(counters[k]) for k in ("insert", "query", "update", "command"))
 
 
 def _one(uri: str, mongod_pid: int, mode: str, n: int) -> dict[str, float]:

@@ -11,70 +11,26 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import ReplicaSet
+from cluster import Cluster, ReplicaSet
 from harness import wait_for
 from pymongo import MongoClient
 from workflowchaos import LEASE
 
 from mtask import TaskClient
-from mtask.testing import worker_argv
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
-HERE = Path(__file__).parent
-MTASK_ROOT = HERE.parents[1]
 CHILDREN = 1000
 
 
-class Workers:
-    """``mtask-worker`` processes of ``workflowchaos:registry`` (logs in ``logs``)."""
-
-    def __init__(self, uri: str, database: str, logs: Path) -> None:
-        self.uri, self.database, self.logs = uri, database, logs
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def spawn(self, worker_id: str, *args: str) -> None:
-        with open(self.logs / f"{worker_id}.log", "ab") as log:
-            self.procs[worker_id] = subprocess.Popen(
-                worker_argv("workflowchaos:registry", self.uri, self.database,
-                            "--worker-id", worker_id, "--log-level", "INFO", *args),
-                cwd=HERE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={
-                    **os.environ,
-                    "PYTHONPATH": os.pathsep.join([str(HERE), str(MTASK_ROOT)]),
-                    "CHAOS_URI": self.uri,
-                    "CHAOS_DB": self.database,
-                },
-            )  # fmt: skip
-
-    def kill(self, worker_id: str) -> None:
-        proc = self.procs.pop(worker_id)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-
-
 @contextlib.contextmanager
-def workers(uri: str, database: str, logs: Path) -> Iterator[Workers]:
-    found = Workers(uri, database, logs)
+def workers(uri: str, database: str, logs: Path) -> Iterator[Cluster]:
+    """``mtask-worker`` processes of ``workflowchaos:registry``."""
+    found = Cluster(uri, database, logs, app="workflowchaos:registry")
     try:
         yield found
     finally:
@@ -108,7 +64,7 @@ async def test_a_thousand_children_awaited_across_a_kill_and_a_failover(
                 return _count(mongo, db_name, "effects")
 
             await wait_for(lambda: effects() >= CHILDREN // 3, timeout=300, every=0.2)
-            await asyncio.to_thread(cluster.kill, "w1")  # kill -9, mid-way
+            await asyncio.to_thread(cluster.signal, "w1", signal.SIGKILL)  # kill -9, mid-way
             cluster.spawn("w3", *sweep)
             await wait_for(lambda: effects() >= 2 * CHILDREN // 3, timeout=300, every=0.2)
             primary = await asyncio.to_thread(replica_set.wait_primary)
@@ -164,7 +120,7 @@ async def test_parallel_steps_after_a_kill_run_only_the_one_not_recorded(
             return sorted(done) == ["a", "b"] and _count(mongo, db_name, "calls", step="c") == 1
 
         await wait_for(two_ended, timeout=60)
-        await asyncio.to_thread(cluster.kill, "w1")
+        await asyncio.to_thread(cluster.signal, "w1", signal.SIGKILL)
         mongo[db_name]["release"].insert_one({"_id": "t3"})
         cluster.spawn("w2", "--sweep-interval", "1")
         await wait_for(
