@@ -170,3 +170,37 @@ async def test_the_cli_and_the_api_change_a_parked_journal(
     assert code == 0 and json.loads(out)["names"]["ship_order"]["clean"] == 1
     code, _, err = await asyncio.to_thread(run_cli, "step", "check", "nowhere:app", *common)
     assert code == 2 and "cannot import" in err
+
+
+@registry.task("small_parent")
+async def small_parent(params: dict[str, Any], ctx: TaskContext) -> Any:
+    await ctx.gather(ctx.step("x", lambda: 1), ctx.step("y", lambda: 2))
+    return await ctx.spawn_and_wait([("child", {"n": 5})], name="one")
+
+
+async def test_the_events_api_carries_the_wait_for_children_and_the_parallel_steps(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    from mtask.events import events as events_of
+
+    seen: list[Any] = []
+    opened = asyncio.Event()
+
+    async def follow() -> None:
+        async for event in events_of(
+            aclient.collection, ["small_parent"], opened=opened, steps=True
+        ):
+            seen.append(event)
+            if event.waiting is not None and event.waiting.get("children") == "one":
+                return
+
+    follower = asyncio.create_task(follow())
+    await opened.wait()
+    async with running_worker(registry, mongo_uri, db_name):
+        await aclient.publish("small_parent", "e1", {})
+        await asyncio.wait_for(follower, 30)
+    written = [s for e in seen for s in e.steps]
+    assert {s["name"] for s in written} >= {"x", "y", "one"}
+    assert {s.get("group") for s in written if s["name"] in ("x", "y")} == {"gather#1"}
+    spawn = next(s for s in written if s["name"] == "one")
+    assert (spawn["kind"], spawn["total"]) == ("children", 1)
