@@ -394,3 +394,26 @@ def test_a_failed_child_raises_in_the_parent_and_again_on_replay() -> None:
             asyncio.run(
                 journal(MemorySteps(), 1).run_plan(spawn_plan(journal(store, 9), "p", bad, None))
             )
+
+
+def test_run_handler_spawns_children_a_test_ends_them() -> None:
+    from mtask.models import RunState
+    from mtask.registry import Registry, TaskContext
+    from mtask.testing import run_handler
+
+    registry = Registry()
+
+    @registry.task("parent")
+    async def parent(params: dict[str, Any], ctx: TaskContext) -> list[Any]:
+        return await ctx.spawn_and_wait([("child", {"n": n}) for n in range(2)])
+
+    steps = MemorySteps()
+    waiting = run_handler(registry, "parent", {}, key="p", steps=steps)
+    assert waiting.state is RunState.WAITING and sorted(steps.tasks) == [
+        "p/spawn#1/0",
+        "p/spawn#1/1",
+    ]
+    steps.finish("p/spawn#1/0", "zero")
+    steps.finish("p/spawn#1/1", "one")
+    done = run_handler(registry, "parent", {}, key="p", steps=steps, attempt=2)
+    assert done.state is RunState.SUCCESS and done.result == ["zero", "one"]
