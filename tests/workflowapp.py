@@ -85,3 +85,22 @@ async def leaky_v1(params: dict[str, Any], ctx: TaskContext) -> str:
     await ctx.step("first", lambda: 1)
     await ctx.wait_for("go")
     return "leaky"
+
+
+in_child = Registry()
+"""Issue 61's features in a process-isolated plain-def handler (its child asks the worker over
+its pipe): parallel steps on threads, a value decided once, a loop, children awaited."""
+
+
+@in_child.task("child_workflow", isolation="process")
+def child_workflow(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    a, b = ctx.gather_sync(lambda: ctx.step_sync("a", int, 1), lambda: ctx.step_sync("b", int, 2))
+    when = ctx.now()
+    looped = [ctx.step_sync("loop", int, n) for n in range(2)]
+    kids = ctx.spawn_and_wait_sync([("double", {"n": 3}), ("double", {"n": 4})])
+    return {"a": a, "b": b, "looped": looped, "kids": kids, "pid": os.getpid(), "now": str(when)}
+
+
+@in_child.task("double")
+async def double(params: dict[str, Any]) -> int:
+    return int(params["n"]) * 2

@@ -330,3 +330,23 @@ async def test_a_parent_that_waits_frees_its_slot_for_others(
         parent = await aclient.get("f5")
     assert parent is not None and parent.waiting is not None
     assert parent.waiting.children == "squares"
+
+
+async def test_a_process_isolated_handler_gathers_loops_and_spawns(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    import os
+
+    import workflowapp
+
+    async with running_worker(workflowapp.in_child, mongo_uri, db_name, concurrency=1):
+        await aclient.publish("child_workflow", "c1", {})
+        async with asyncio.timeout(60):
+            task = await aclient.wait("c1")
+    assert task.status.value == "succeeded", task.error
+    result = task.result
+    assert (result["a"], result["b"], result["looped"], result["kids"]) == (1, 2, [0, 1], [6, 8])
+    assert result["pid"] != os.getpid()  # it ran in a child process
+    names = [s.name for s in task.steps]
+    assert sorted(names[:2]) == ["a", "b"] and names[2:] == ["now#1", "loop", "loop#2", "spawn#1"]
+    assert [r.state.value for r in task.runs] == ["WAITING", "SUCCESS"]
