@@ -15,10 +15,13 @@ from mtask.errors import (
 from mtask.flows import Next
 from mtask.models import PublishResult, Run, RunState, Task, TaskOptions, TaskStatus
 from mtask.registry import Fail, Registry, Retry, TaskContext
+from mtask.spawn import ChildFailed, Spawn
+from mtask.step_policy import StepPolicy, StepTimeout
 from mtask.worker import Worker
 
 __all__ = [
     "AsyncTaskClient",
+    "ChildFailed",
     "EmbeddedUnavailable",
     "Fail",
     "InvalidTask",
@@ -31,6 +34,9 @@ __all__ = [
     "Retry",
     "Run",
     "RunState",
+    "Spawn",
+    "StepPolicy",
+    "StepTimeout",
     "StorageError",
     "Task",
     "TaskClient",
