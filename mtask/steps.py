@@ -11,13 +11,23 @@ in a child process). No I/O here: the ``StepStore`` is the worker's
 (``worker/running/step_stores.py``), a child process's pipe to it
 (``worker/running/pool/child_steps.py``), or memory (``MemorySteps``, for tests).
 
-Replay rules: step names are unique in a task; a run asks for its steps in the recorded order
-(the n-th step asked is the n-th recorded, same name and kind), else ``StepMismatch`` and the
-run fails for good with nothing written. A step recorded ``done`` returns its result; one
+Replay rules: step names are unique in a task (a name asked again from the same place in the
+handler, a loop, is numbered: ``fetch#2``); a run asks for its steps in the recorded order
+(the n-th step asked is the n-th recorded, same name and kind; a ``ctx.gather``'s steps are one
+place, matched among themselves by name: ``Group``), else ``StepMismatch`` and the run fails
+for good with nothing written. A step recorded ``done`` returns its result; one
 recorded ``failed`` is called again (its attempts and errors kept); a ``sleep`` recorded with
 its ``until`` is over once the server's clock passes it; a ``wait_for`` is over once its signal
 is there (the k-th wait for a signal name takes the k-th signal of that name) or its timeout
 passed (``SignalTimeout``, recorded, so a replay raises it again).
+
+Issue 61 adds, each through the same ``StepStore``: parallel steps (``Group``, recorded by
+name: ``StepStore.record_named``; ``mtask.parallel`` runs the branches); a step's own policy
+(``mtask.step_policy``: ``_Pause`` between tries, ``StepTimeout``); values decided once and
+patch markers (``value``, ``patched``: entries decided without I/O, ``pending`` until the next
+step); what a step's function says held until its record (``mtask.output.holding``); children
+(``mtask.spawn``'s plan, run here with ``run_plan``); and a ``frontier`` where a dry replay
+stops (``mtask.preflight``).
 """
 
 from __future__ import annotations
