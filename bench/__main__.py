@@ -14,9 +14,12 @@ from bench.budget import cost_budget
 from bench.children import children_cost
 from bench.cpu import w10_cpu
 from bench.groups import groups_cost
+from bench.limits import limit_changes
 from bench.output import live_output
 from bench.peers import peers
 from bench.preflight import preflight_at_scale
+from bench.relay import relay_faults
+from bench.startup import startup
 from bench.steps import durable_steps
 from bench.support import FULL, QUICK, floor_helper
 from bench.validator import validator_ab, validator_interleaved
@@ -40,6 +43,7 @@ WORKLOADS = {
     "W9": scale.many_workers,
     "W9H": scale.many_hosts,  # issue 25: one worker per host (network namespaces)
     "W7X": scale.backlog_memory,
+    "WR": relay_faults,  # issue 66: the relay's holder or a subscriber killed, frozen, cut off
     "W10": w10_cpu,  # CPU-bound: thread vs process pool (issue 18, bench/cpu.py)
     "WV": validator_ab,  # the $jsonSchema validator's cost on W1 and W6, A/B (bench/validator.py)
     "WVI": validator_interleaved,  # the same, interleaved batch by batch / side by side
@@ -48,6 +52,8 @@ WORKLOADS = {
     "WB": cost_budget,  # issue 26: the cost budget per task, beside bench/budget.json
     "WQ": peers,  # issue 26: W1 and W2 beside arq on Redis, same run (bench/peers.py)
     "WG": groups_cost,  # issue 29: fairness, group limits and sequences in a drain
+    "WL": limit_changes,  # issue 66: a lowered limit applies on its event (bench/limits.py)
+    "WST": startup,  # issue 66: a worker's first claim, the CLI's answer, beside arq's start-up
     "WC": children_cost,  # issue 61: a spawned-and-awaited child's cost (bench/children.py)
     "WF": preflight_at_scale,  # issue 61: 100,000 parked tasks preflighted (bench/preflight.py)
 }

@@ -33,6 +33,22 @@ async def stamp(params: dict[str, Any], ctx: TaskContext) -> float:
     return time.time()  # handler start, on the same host as the publisher
 
 
+@registry.task("span")
+async def span(params: dict[str, Any]) -> list[float]:
+    """Sleeps ``ms``; returns its handler's own start and end (this host's clock: bench WL)."""
+    start = time.time()
+    await asyncio.sleep(params.get("ms", 200) / 1000)
+    return [start, time.time()]
+
+
+@registry.task("linger")
+async def linger(params: dict[str, Any]) -> float:
+    """Runs ``ms`` milliseconds; returns when it started (bench WR: a run taken over)."""
+    started = time.time()
+    await asyncio.sleep(params["ms"] / 1000)
+    return started
+
+
 @registry.task("hold")
 async def hold(params: dict[str, Any]) -> None:
     await asyncio.sleep(3600)

@@ -1,5 +1,6 @@
-"""The arq worker of bench WQ (``python -m arq bench.arq_app.WorkerSettings``): the same no-op
-and time-stamp jobs as ``bench.app``, on the Redis whose port ``MTASK_ARQ_PORT`` names."""
+"""The arq worker of bench WQ and WST (``arq bench.arq_app.WorkerSettings``): the same counted
+no-op and time-stamp jobs as ``bench.peer_app``, on the Redis whose port ``MTASK_ARQ_PORT``
+names."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from typing import Any
 
 from arq.connections import RedisSettings
 
+from bench.finish import LINE
+
 
 async def noop(ctx: dict[str, Any]) -> None:
-    return None
+    LINE.started()
+    LINE.finished()
 
 
 async def stamp(ctx: dict[str, Any]) -> float:

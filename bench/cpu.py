@@ -25,7 +25,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from bench.support import QUICK, ROOT, Result, stop_process, wait_until
+from bench.support import QUICK, ROOT, Result, runs_span, stop_process, wait_until
 from mtask.client import TaskClient
 from mtask.registry import Registry
 from mtask.worker.running.invoke import run_in_thread
@@ -95,22 +95,9 @@ def drain(
         cpu_s = tree_cpu_seconds(proc.pid)
     finally:
         stop_process(proc)
-    span = next(
-        bench.mongo[name]["tasks"].aggregate(
-            [
-                {"$unwind": "$runs"},
-                {
-                    "$group": {
-                        "_id": None,
-                        "a": {"$min": "$runs.claimed_at"},
-                        "b": {"$max": "$runs.finished_at"},
-                    }
-                },
-            ]
-        )
-    )
+    seconds = runs_span(bench.mongo[name]["tasks"])
     bench.drop(name)
-    return float(n / (span["b"] - span["a"]).total_seconds()), cpu_s * 1000 / n
+    return n / seconds, cpu_s * 1000 / n
 
 
 def tree_cpu_seconds(pid: int) -> float:

@@ -382,6 +382,7 @@ def _one_size(
         "rescans_per_worker": sum(c.get("rescans", 0) for c in counters) / workers,
         "dropped": sum(c.get("dropped", 0) for c in counters),
         "left_relay": sum(c.get("left", 0) for c in counters),
+        "took_over": sum(c.get("took_over", 0) for c in counters),
         "subscriptions": sum(c.get("connections", 0) for c in counters),
         "returned": sum(c.get("returned", 0) for c in counters),
         **{
@@ -511,7 +512,8 @@ def many_hosts(bench: Bench) -> None:
                 + f"; {row['idle_checkpoints']:.0f} checkpoints; by command: "
                 + _idle_commands(row)
                 + "); "
-                f"relay left {row['left_relay']:.0f}x, keys given back {row['returned']:.0f}, "
+                f"relay left {row['left_relay']:.0f}x, taken over by its standby "
+                f"{row['took_over']:.0f}x, keys given back {row['returned']:.0f}, "
                 f"missed {row['said_missed']:.0f}, gone {row['said_gone']:.0f}, "
                 f"held {row['said_held']:.0f}; runs on {row['workers_used']:.0f} workers, the "
                 f"busiest {row['busiest_share']:.0%}; {row['subscriptions']:.0f} subscriptions, "
@@ -578,9 +580,10 @@ def _shared_counters(worker: Any) -> dict[str, int]:
     shared = worker.parts.finding.shared
     if shared is None:
         return {}
-    relay = shared.relay if shared.leads() else None
+    relay = shared.relay  # (the one this process held last: read after the worker stopped)
     return {
         "left": shared.left_silent,
+        "took_over": shared.holder.took_over,
         "connections": shared.connections,
         "dropped": 0 if relay is None else relay.dropped,
         "returned": 0 if relay is None else relay.dispatcher.returned,

@@ -49,6 +49,26 @@ class Result:
     values: dict[str, float] = field(default_factory=dict)
 
 
+def runs_span(tasks: Any) -> float:
+    """Seconds from the first run's claim to the last one's finish in a tasks collection (the
+    server's own times: the runs' ``claimed_at`` and ``finished_at``)."""
+    span = next(
+        tasks.aggregate(
+            [
+                {"$unwind": "$runs"},
+                {
+                    "$group": {
+                        "_id": None,
+                        "a": {"$min": "$runs.claimed_at"},
+                        "b": {"$max": "$runs.finished_at"},
+                    }
+                },
+            ]
+        )
+    )
+    return float((span["b"] - span["a"]).total_seconds())
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]

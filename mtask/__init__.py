@@ -1,23 +1,70 @@
-"""mtask: a MongoDB-backed, multi-worker task service."""
+"""mtask: a MongoDB-backed, multi-worker task service.
+
+The public names are imported on first use (PEP 562): ``import mtask`` costs nothing, ``from
+mtask import Registry`` loads the registry's modules only, and ``mtask`` (the command line) or a
+client never loads the worker's code (``tests/unit/test_lazy_imports.py`` keeps it so).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from mtask._version import __version__
-from mtask.client import AsyncTaskClient, TaskClient
-from mtask.errors import (
-    EmbeddedUnavailable,
-    InvalidTask,
-    InvalidTransition,
-    LeaseLost,
-    MtaskError,
-    StorageError,
-    TaskNotFound,
-    WorkerCrashed,
-)
-from mtask.flows import Next
-from mtask.models import PublishResult, Run, RunState, Task, TaskOptions, TaskStatus
-from mtask.registry import Fail, Registry, Retry, TaskContext
-from mtask.spawn import ChildFailed, Spawn
-from mtask.step_policy import StepPolicy, StepTimeout
-from mtask.worker import Worker
+
+if TYPE_CHECKING:
+    from mtask.client import AsyncTaskClient, TaskClient
+    from mtask.errors import (
+        EmbeddedUnavailable,
+        InvalidTask,
+        InvalidTransition,
+        LeaseLost,
+        MtaskError,
+        StorageError,
+        TaskNotFound,
+        WorkerCrashed,
+    )
+    from mtask.flows import Next
+    from mtask.models import PublishResult, Run, RunState, Task, TaskOptions, TaskStatus
+    from mtask.registry import Fail, Registry, Retry, TaskContext
+    from mtask.spawn import ChildFailed, Spawn
+    from mtask.step_policy import StepPolicy, StepTimeout
+    from mtask.worker import Worker
+
+_WHERE = {
+    "mtask.client": ("AsyncTaskClient", "TaskClient"),
+    "mtask.errors": (
+        "EmbeddedUnavailable",
+        "InvalidTask",
+        "InvalidTransition",
+        "LeaseLost",
+        "MtaskError",
+        "StorageError",
+        "TaskNotFound",
+        "WorkerCrashed",
+    ),
+    "mtask.flows": ("Next",),
+    "mtask.models": ("PublishResult", "Run", "RunState", "Task", "TaskOptions", "TaskStatus"),
+    "mtask.registry": ("Fail", "Registry", "Retry", "TaskContext"),
+    "mtask.spawn": ("ChildFailed", "Spawn"),  # issue 61
+    "mtask.step_policy": ("StepPolicy", "StepTimeout"),  # issue 61
+    "mtask.worker": ("Worker",),
+}
+_MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mtask' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain one
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULE_OF})
+
 
 __all__ = [
     "AsyncTaskClient",

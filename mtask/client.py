@@ -34,18 +34,7 @@ from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.errors import PyMongoError
 from pymongo.synchronous.client_session import ClientSession
 
-from mtask import (
-    control,
-    driver,
-    events,
-    flows,
-    limits,
-    metrics,
-    schedules,
-    store,
-    streams,
-    tracing,
-)
+from mtask import control, driver, events, flows, limits, schedules, store, streams
 from mtask.aftercommit import after_commit
 from mtask.clock import Clock, ServerClock
 from mtask.connection import async_client, sync_client
@@ -211,6 +200,8 @@ def _count_created(by_name: Mapping[str, int], session: Any = None) -> None:
     committed (an aborted one created nothing)."""
 
     def count() -> None:
+        from mtask import metrics  # prometheus_client: not for a command that only reads
+
         for name, created in by_name.items():
             metrics.by_name(metrics.PUBLISHED, name).inc(created)
 
@@ -344,6 +335,8 @@ class _Base:
             max_params_bytes=self.max_params_bytes,
             depends_on=depends_on,
         )
+        from mtask import tracing  # OpenTelemetry's API if installed: a publisher's only
+
         known = yield from self._retention_defaults()
         with tracing.publish_span(task.name, task.key) as trace:
             published = yield from store.publish(  # in a session: one that cannot abort it
@@ -366,6 +359,8 @@ class _Base:
         now = self.clock.now()
         tasks = build_many(items, now, self.max_params_bytes)
         by_name: dict[str, int] = {}
+        from mtask import tracing
+
         known = yield from self._retention_defaults()
         with tracing.publish_span(None, None, count=len(tasks)) as trace:
             created = yield from store.publish_many(

@@ -7,7 +7,8 @@ of its own, made by the first claim that needs it (``mtask.slots``)::
 
     {_id: name, concurrency: N | null, rate: per second | null, burst: tokens | null,
      group_concurrency: N | null, group_rate: per second | null, group_burst: tokens | null,
-     holders: [{run_id, key, worker_id, expires}], tokens: float, refilled_at: date}
+     holders: [{run_id, key, worker_id, expires}], tokens: float, refilled_at: date,
+     slot_runs_since: date | null}
     {_id: "<name>\\x00<group>", name, group, concurrency, rate, burst, holders, tokens, ...}
 
 ``group_concurrency: 1`` makes each group a **sequence**: its tasks run one at a time, in
@@ -18,15 +19,17 @@ a task of that name, and claims the task with the run id the slot was taken for;
 misses gives the slot back. A slot is a lease like the run's: it carries ``expires`` (server
 time), the lease pinger extends it with the run's lease, and a slot whose worker died simply
 runs out. The token bucket is refilled from the server clock inside the same update. No limit is
-ever kept in a single worker's memory: workers only cache *which* names are limited (refreshed
-on a change event for a name not known as limited, and every 5 s), to know when to take a slot.
+ever kept in a single worker's memory: workers cache the names' documents, to know when to take
+a slot and which limit a group's slot has (read again at once when a change event says a
+name's limit was set, changed or cleared, ``LIMIT_FIELDS``; and every few seconds whatever
+happens, which bounds a lost event).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -225,12 +228,26 @@ def is_sequence(limit: Limit) -> bool:
     return limit.concurrency == 1 and limit.rate is None
 
 
+SLOT_RUNS = "slot_runs_since"
+"""When ``set_limit`` made the name's groups sequences (``None``: it did not, or that is
+settled): runs of a limit before it (of more runs at once, or a rate) or runs that started
+under no limit, counted in since (``slots.join``), may still hold places in the groups' slot
+documents, which a sequence has none of. While it is set, a sequence's heads are read with its
+groups' slot documents (``store.heads_and_slots``), and the head waits for the runs they hold.
+A worker's periodic read settles it (``settle_slot_runs``) once ``SETTLE_AFTER`` has passed and
+no group's slot holds a live run: from then on the heads cost their two reads alone."""
+SETTLE_AFTER = dt.timedelta(minutes=1)
+"""How long after ``set_limit`` the groups' slots are looked at at the earliest to settle
+``SLOT_RUNS``: every worker has counted its runs in flight in by then (a change applies within
+a second; a lost event within the periodic read's interval, 30 s at most by default)."""
+
+
 def set_limit(name: str, own: Limit, group: Limit, now: dt.datetime) -> Op[Doc]:
     """Create or change the limit of ``name`` (and of each of its groups). Slots held and
     tokens left are kept; a new bucket starts full. The groups' documents take the new
-    group limit at their next claim. No run in flight is stopped: one granted only a token
-    under a rate alone takes a place at its next ping if a concurrency is added
-    (``slots.extend``), and counts towards it."""
+    group limit at their next claim. No run in flight is stopped: each worker counts its runs
+    in towards the new limit when it hears of it (``slots.join``). A limit that makes the groups
+    sequences notes when (``SLOT_RUNS``)."""
     name, own, group = validate_limit(name, own, group)
     full = own.full()
     doc: Doc = yield Call(
@@ -250,6 +267,7 @@ def set_limit(name: str, own: Limit, group: Limit, now: dt.datetime) -> Op[Doc]:
                         "tokens": {"$min": [full, {"$ifNull": ["$tokens", full]}]},
                         "refilled_at": {"$ifNull": ["$refilled_at", now]},
                         "updated_at": now,
+                        SLOT_RUNS: now if is_sequence(group) else None,
                     }
                 }
             ],
@@ -260,19 +278,71 @@ def set_limit(name: str, own: Limit, group: Limit, now: dt.datetime) -> Op[Doc]:
     return doc
 
 
+def slot_runs(doc: Mapping[str, Any]) -> dt.datetime | None:
+    """A name's document's ``SLOT_RUNS``, if it holds a time."""
+    since = doc.get(SLOT_RUNS)
+    return since if isinstance(since, dt.datetime) else None
+
+
+def settle_slot_runs(name: str, since: dt.datetime, now: dt.datetime) -> Op[bool]:
+    """Clear ``name``'s ``SLOT_RUNS`` (as ``since``) if no slot of its groups holds a live run at
+    ``now``: one read of their documents' range of ``_id``s, then one update whose filter
+    matches only that same value (a ``set_limit`` since leaves it alone). Returns whether it
+    was cleared."""
+    prefix = name + GROUP_SEPARATOR
+    held = yield Call(
+        "find_one",
+        (
+            {
+                "_id": {"$gt": prefix, "$lt": name + chr(ord(GROUP_SEPARATOR) + 1)},
+                "holders": {"$elemMatch": {"expires": {"$gt": now}}},
+            },
+            {"_id": 1},
+        ),
+        collection="limits",
+    )
+    if held is not None:
+        return False
+    result = yield Call(
+        "update_one",
+        ({"_id": name, SLOT_RUNS: since}, {"$set": {SLOT_RUNS: None}}),
+        collection="limits",
+    )
+    return bool(result.modified_count)
+
+
 def clear_limit(name: str) -> Op[bool]:
     """Remove the limit of ``name`` (its groups' documents run out: ``slots.GROUP_TTL``)."""
     result = yield Call("delete_one", ({"_id": name},), collection="limits")
     return bool(result.deleted_count)
 
 
+LIMIT_FIELDS = tuple(CONFIG_FIELDS)
+"""The fields of a name's document that say its limit: only ``set_limit`` (or a hand) writes
+them, so a change event that names one of them is a change of the limit (a slot taken, given
+back or pinged writes none of them)."""
+READ_FIELDS = {**CONFIG_FIELDS, "holders": 1, "tokens": 1, "refilled_at": 1, SLOT_RUNS: 1}
+
+
 def all_limits() -> Op[list[Doc]]:
+    docs: list[Doc] = yield Call("find", (NAME_LIMITS, READ_FIELDS), collection="limits")
+    return docs
+
+
+def limits_of(names: Sequence[str]) -> Op[list[Doc]]:
+    """The documents of ``names``' limits (those that have one): a worker's read after a change
+    event, by ``_id``."""
     docs: list[Doc] = yield Call(
-        "find",
-        (NAME_LIMITS, {**CONFIG_FIELDS, "holders": 1, "tokens": 1, "refilled_at": 1}),
-        collection="limits",
+        "find", ({"_id": {"$in": sorted(names)}, **NAME_LIMITS}, READ_FIELDS), collection="limits"
     )
     return docs
+
+
+def same_limit(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
+    """Whether two of a name's documents (``None``: no limit) say the same limit."""
+    if a is None or b is None:
+        return a is b
+    return all(a.get(f) == b.get(f) for f in LIMIT_FIELDS)
 
 
 def own_limit(doc: Mapping[str, Any]) -> Limit:

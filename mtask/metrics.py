@@ -80,6 +80,11 @@ POOL_CHILDREN_ENDED = Counter(
     "memory_limit",
     ["reason"],
 )
+RUNS_HELD = Gauge(
+    "mtask_runs_held",
+    "Runs told to stop whose handler has not stopped yet, holding their sequence's lock and "
+    "limit slots until it has",
+)
 TIME_LIMIT_KILLS = Counter(
     "mtask_time_limit_kills",
     "Runs ended by their hard time limit, by how (process: killed, async: cancelled, "

@@ -27,12 +27,9 @@ import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from apscheduler.triggers.base import BaseTrigger
-from apscheduler.triggers.cron import CronTrigger
-from apscheduler.triggers.interval import IntervalTrigger
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pymongo import ASCENDING, ReturnDocument
 from pymongo.errors import DuplicateKeyError
@@ -50,6 +47,9 @@ from mtask.models import (
     validate_options,
     validate_params,
 )
+
+if TYPE_CHECKING:
+    from apscheduler.triggers.base import BaseTrigger
 
 log = logging.getLogger("mtask.schedules")
 
@@ -190,6 +190,11 @@ class Schedule(BaseModel):
             raise InvalidTask(describe_validation_error(exc)) from None
 
     def trigger(self, start: dt.datetime) -> BaseTrigger:
+        # APScheduler's triggers (and tzlocal) are imported by the first schedule, not by every
+        # process that imports the registry (a worker's start-up, issue 66)
+        from apscheduler.triggers.cron import CronTrigger
+        from apscheduler.triggers.interval import IntervalTrigger
+
         try:
             zone = ZoneInfo(self.timezone)
         except (ZoneInfoNotFoundError, ValueError):

@@ -29,9 +29,15 @@ A run granted only a token holds no place; if its slot comes to limit runs at on
 runs (a concurrency added), its next ping gives it one (``extend``): a change of limit stops
 no run, and the runs in flight count towards the new one.
 
-A take sets ``taken_at``: the workers' change streams leave out those events (a slot taken
-frees none: nobody waiting for the slot needs to hear of it); a release, a new limit or a
-change of one reach them. A group's document is removed by MongoDB's TTL monitor
+When a limit changes, each worker counts its runs in flight in at once (``join``, one bulk
+write): every run of the name takes a place in each slot the new limit counts that it holds
+none in (a name's concurrency set where there was none, a group's limit of runs at once where
+its groups had none, or a lock; a sequence's lock given up for a slot), so from then on the
+slots hold every run in flight, and new runs wait until fewer than the limit run.
+
+A take (or a join) sets ``taken_at``: the workers' change streams leave out those events (a
+slot taken frees none: nobody waiting for the slot needs to hear of it); a release, a new
+limit or a change of one reach them. A group's document is removed by MongoDB's TTL monitor
 ``GROUP_TTL`` after its last take or ping (a day more at most: ``expire_at`` moves once a day).
 """
 
@@ -445,6 +451,38 @@ def extend(
     if there is None or runs_at_once(there.get("concurrency")) is None:
         return None
     return False
+
+
+def join(
+    requests: Sequence[Request], worker_id: str, now: dt.datetime, known: MutableSet[str]
+) -> Op[None]:
+    """Give each run of ``requests`` a place among its slot's holders if it holds none, however
+    full the slot is (``extend``'s ``joins``, at once): runs in flight count towards a changed
+    limit and are not stopped by it. One ordered bulk write: a group's document made first if
+    this worker has not seen it (``known``), then one update per request that matches only
+    if the run is not a holder yet (a name's document must exist: a cleared limit is not made
+    again). The holders stay sorted by lease end, as a lock's take keeps them."""
+    made = sorted({r.slot for r in requests if is_group_slot(r.slot) and r.slot not in known})
+    ops = [
+        UpdateOne({"_id": slot}, {"$setOnInsert": _new_group(slot, now)}, upsert=True)
+        for slot in made
+    ]
+    ops += [
+        UpdateOne(
+            {"_id": r.slot, "holders": {"$type": "array"}, "holders.run_id": {"$ne": r.run_id}},
+            {
+                "$push": {
+                    "holders": {"$each": [_holder(r, worker_id, now)], "$sort": {"expires": 1}}
+                },
+                "$set": {TAKEN_AT: now},
+            },
+        )
+        for r in requests
+    ]
+    if ops:
+        yield Call("bulk_write", (ops,), {"ordered": True}, collection="limits")
+    for slot in made:
+        known.add(slot)
 
 
 def release(by_slot: Mapping[str, Sequence[str]]) -> Op[None]:

@@ -265,10 +265,46 @@ def expire_fields(now: dt.datetime | str) -> dict[str, Any]:
     }
 
 
+def live_run_expr(now: dt.datetime | str) -> dict[str, Any]:
+    """Whether the task has a RUNNING run whose lease has not ended at ``now``."""
+    return {
+        "$anyElementTrue": [
+            {
+                "$map": {
+                    "input": {"$ifNull": ["$runs", []]},
+                    "as": "r",
+                    "in": {
+                        "$and": [
+                            {"$eq": ["$$r.state", RUNNING]},
+                            {"$gt": ["$$r.lease_expires_at", now]},
+                        ]
+                    },
+                }
+            }
+        ]
+    }
+
+
+def lock_kept_expr(now: dt.datetime | str) -> dict[str, Any]:
+    """A sequence's lock (``group_lock``) stays with its task while the task is open, or while
+    a run of it still runs on a live lease (a cancelled task's handler that has not stopped
+    yet: docs/fairness.md); it goes with the write that ends the last of them. A task that
+    holds none is left as it is (one comparison)."""
+    keep = {"$or": [{"$in": ["$status", list(OPEN)]}, live_run_expr(now)]}
+    return {
+        "$cond": [
+            {"$eq": ["$group_lock", True]},
+            {"$cond": [keep, True, "$$REMOVE"]},
+            "$$REMOVE",
+        ]
+    }
+
+
 def recompute_stages(now: dt.datetime | str) -> list[dict[str, Any]]:
     """Pipeline stages that end every transition: fold old runs, then derive ``status``,
-    ``next_claim_at``, ``finished_at`` and ``expire_at`` from the fields the earlier stages
-    set. ``now`` is the server's time as a value, or ``"$$NOW"``."""
+    ``next_claim_at``, ``finished_at``, ``expire_at`` and whether a sequence's lock stays
+    (``lock_kept_expr``) from the fields the earlier stages set. ``now`` is the server's time
+    as a value, or ``"$$NOW"``."""
     folded = fold_runs_expr()
     return [
         {"$set": {"_fold": folded}},
@@ -292,6 +328,7 @@ def recompute_stages(now: dt.datetime | str) -> list[dict[str, Any]]:
                     ]
                 },
                 **expire_fields(now),
+                "group_lock": lock_kept_expr(now),
             }
         },
     ]

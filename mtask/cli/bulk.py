@@ -13,11 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mtask.cli.common import err, out, parse_duration, task_client
+from mtask.cli.common import STATUSES, choose, err, out, parse_duration, task_client
 from mtask.errors import UsageError
-from mtask.models import TaskStatus
-
-STATUSES = [s.value for s in TaskStatus]
 
 
 def duration(text: str) -> float:
@@ -30,9 +27,10 @@ def duration(text: str) -> float:
 
 def add_filters(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", help="only tasks of this name")
-    parser.add_argument(
-        "--status", action="append", choices=STATUSES, help="only these statuses (repeatable)"
+    status = parser.add_argument(
+        "--status", action="append", help="only these statuses (repeatable)"
     )
+    choose(status, STATUSES)
     parser.add_argument(
         "--older-than", type=duration, help="only tasks unchanged for this long (15m, 2h, 7d)"
     )

@@ -15,8 +15,8 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 from mtask.errors import MissingExtra, UsageError
 
@@ -194,6 +194,55 @@ class Commands:
         return self.handlers[args.command](args)
 
 
+class Choices(Sequence[str]):
+    """An option's choices, read from their one definition on first use: building the parser
+    (``mtask --help``) then imports no model, driver or worker, and only the command that runs
+    loads what it needs (``tests/unit/test_lazy_imports.py``). Given with ``choose``."""
+
+    def __init__(self, read: Callable[[], Iterable[str]]) -> None:
+        self._read = read
+        self._values: tuple[str, ...] | None = None
+
+    @property
+    def values(self) -> tuple[str, ...]:
+        if self._values is None:
+            self._values = tuple(self._read())
+        return self._values
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[str]: ...
+    def __getitem__(self, index: int | slice) -> str | Sequence[str]:
+        return self.values[index]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.values)
+
+    def __contains__(self, value: object) -> bool:
+        return value in self.values
+
+
+def statuses() -> list[str]:
+    """The task statuses, in their order (``models.TaskStatus``)."""
+    from mtask.models import TaskStatus
+
+    return [s.value for s in TaskStatus]
+
+
+STATUSES = Choices(statuses)
+
+
+def choose(action: argparse.Action, choices: Choices) -> None:
+    """Give an option its choices once it is added: argparse formats an option's choices as
+    it adds it (to check its metavar), which would read them with the parser. They are checked
+    and shown (``{a,b,c}``) as any option's."""
+    action.choices = choices
+
+
 # -- shared options (declared once) -----------------------------------------------------------
 
 
@@ -231,10 +280,10 @@ def mongodb_uri(given: str | None, who: str = "mtask") -> str | None:
     server's (``embedded.default_data_dir``): a command that has to start it says so on stderr,
     with where its data is, so a second server never starts unnoticed."""
     from mtask.connection import ENV_URI
-    from mtask.embedded import EmbeddedMongo
 
     if given or os.environ.get(ENV_URI):
         return given
+    from mtask.embedded import EmbeddedMongo  # only for a command that may have to start it
 
     server = EmbeddedMongo()
     uri, started = server.launch()

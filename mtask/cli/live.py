@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from mtask.cli.common import (
+    STATUSES,
     Commands,
     add_common,
     add_row,
@@ -20,7 +21,6 @@ from mtask.cli.common import (
     task_client,
     when,
 )
-from mtask.models import TaskStatus
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -49,7 +49,7 @@ def _frames(client: Any, interval: float) -> Iterator[Group]:
 def _counts(counts: Any, finished: dict[str, int], took: float | None, at: str) -> Any:
     """Counts per name and status, and finished per second: readable at 80 columns (a status
     no task is in takes no column; a name is never cut short)."""
-    statuses = status_columns(counts, [s.value for s in TaskStatus])
+    statuses = status_columns(counts, STATUSES)
     caption = f"{counts.exact_up_to:,}+: more than that many" if counts.at_least else None
     if not counts:
         caption = "no tasks yet"

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 from mtask.cli.common import Commands, add_common, err, json_default, out, task_client, when
 from mtask.errors import TaskNotFound, UsageError
-from mtask.streams import Entry
 
 if TYPE_CHECKING:
     from mtask.client import TaskClient
     from mtask.models import Task
+    from mtask.streams import Entry
 
 commands = Commands()
 run = commands.run

@@ -14,16 +14,29 @@ import sys
 from typing import Any
 
 from mtask.cli.common import (
+    Choices,
     Commands,
     add_common,
+    choose,
     out,
     parse_duration,
     print_json,
     task_client,
 )
 from mtask.errors import UsageError
-from mtask.models import FOREVER
-from mtask.store.retention import PURGEABLE
+
+
+def _purgeable() -> tuple[str, ...]:
+    from mtask.store.retention import PURGEABLE
+
+    return tuple(PURGEABLE)
+
+
+def _forever() -> int:
+    from mtask.models import FOREVER
+
+    return FOREVER
+
 
 commands = Commands()
 run = commands.run
@@ -34,7 +47,7 @@ def parse_keep(text: str | None, what: str) -> int | None:
     if text is None:
         return None
     if text.strip().lower() == "forever":
-        return FOREVER
+        return _forever()
     return round(parse_duration(text, what).total_seconds() * 1000)
 
 
@@ -44,12 +57,12 @@ def register(subparsers: Any) -> None:
     )
     add_common(p)
     p.add_argument("--name", help="only tasks of this name")
-    p.add_argument(
+    status = p.add_argument(
         "--status",
         action="append",
-        choices=list(PURGEABLE),
         help="only this status (repeat; default succeeded, failed and cancelled)",
     )
+    choose(status, Choices(_purgeable))
     p.add_argument("--older-than", help="finished at least this long ago (e.g. 7d, 12h)")
     p.add_argument("--key", action="append", dest="keys", help="only this task (repeat)")
     p.add_argument("--dry-run", action="store_true", help="count, remove nothing")
@@ -133,6 +146,6 @@ def cmd_retention(args: argparse.Namespace) -> int:
 def _shown(ms: Any) -> str:
     if ms is None:
         return "-"
-    if ms == FOREVER:
+    if ms == _forever():
         return "forever"
     return str(dt.timedelta(milliseconds=ms))

@@ -8,18 +8,25 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtask.cli.common import (
+    Choices,
     Commands,
     add_common,
     add_row,
+    choose,
     out,
     parse_json_object,
     print_json,
     task_client,
     when,
 )
-from mtask.errors import TaskNotFound, UsageError
-from mtask.limits import parse_rate
-from mtask.schedules import CATCH_UP_CHOICES, ScheduleNotFound
+from mtask.errors import ScheduleNotFound, TaskNotFound, UsageError
+
+
+def _catch_up() -> tuple[str, ...]:
+    from mtask.schedules import CATCH_UP_CHOICES
+
+    return CATCH_UP_CHOICES
+
 
 commands = Commands()
 run = commands.run
@@ -36,6 +43,8 @@ def cmd_limit(args: argparse.Namespace) -> int:
             said = f"limit of {args.name} removed" if found else f"{args.name} had no limit"
             out.print(said, markup=False)
             return 0
+        from mtask.limits import parse_rate
+
         rate = parse_rate(args.rate) if args.rate is not None else None
         group_rate = parse_rate(args.group_rate) if args.group_rate is not None else None
         doc = client.set_limit(
@@ -274,12 +283,12 @@ def register(sub: Any) -> None:
     p.add_argument("--timezone", default="UTC", help="e.g. Europe/Paris (default UTC)")
     p.add_argument("--params", help="JSON object")
     p.add_argument("--options", help="JSON object of task options")
-    p.add_argument(
+    catch_up = p.add_argument(
         "--catch-up",
         default="latest",
-        choices=CATCH_UP_CHOICES,
         help="the ticks missed while nothing ran: run none, the latest, or all",
     )
+    choose(catch_up, Choices(_catch_up))
 
     p = sub.add_parser("flow", help="a task and the steps below it, as a tree")
     add_common(p)

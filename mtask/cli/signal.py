@@ -28,15 +28,15 @@ def cmd_signal(args: argparse.Namespace) -> int:
     from mtask.signal_fate import NEXT_WAIT, fate
 
     payload = parse_payload(args.payload)
-    if args.payload is None and not args.json:
-        err.print(
+    with task_client(args) as client:
+        woke = client.signal(args.key, args.name, payload)
+        task = None if woke or args.json else client.get(args.key)
+    if args.payload is None and not args.json:  # said once the signal is sent: a task's
+        err.print(  # absence is its own error, alone
             "mtask: warning: no --payload: the wait returns None to its handler (on every retry "
             "too); a handler that reads fields of it fails",
             markup=False,
         )
-    with task_client(args) as client:
-        woke = client.signal(args.key, args.name, payload)
-        task = None if woke or args.json else client.get(args.key)
     if args.json:
         print_json({"key": args.key, "signal": args.name, "woke": woke})
     elif woke:

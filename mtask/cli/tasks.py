@@ -13,9 +13,12 @@ from typing import IO, TYPE_CHECKING, Any
 
 from mtask.cli import bulk
 from mtask.cli.common import (
+    STATUSES,
+    Choices,
     Commands,
     add_common,
     add_row,
+    choose,
     fitting_table,
     json_default,
     out,
@@ -26,27 +29,32 @@ from mtask.cli.common import (
     task_client,
     when,
 )
-from mtask.client import build_many
 from mtask.errors import InvalidTask, TaskNotFound, UsageError
-from mtask.models import ON_CONFLICT_CHOICES, OutputCounts, Task, TaskStatus
-from mtask.states import (
-    STATES,
-    Cluster,
-    Explained,
-    State,
-    attempt_text,
-    explain,
-    last_line,
-    timing,
-)
-from mtask.steps import NEVER
-from mtask.tracebacks import fold, folded_text
-from mtask.wording import relative, span
 
 if TYPE_CHECKING:
+    from mtask.models import OutputCounts, Task
+    from mtask.states import Explained
     from mtask.store.counts import Counts
 
+# What the commands show (models, states, wording, tracebacks) is imported by the handler that
+# shows it: building the parser (`mtask --help`) imports none of it (issue 66).
+
 BATCH = 1000
+
+
+def _on_conflict() -> tuple[str, ...]:
+    from mtask.models import ON_CONFLICT_CHOICES
+
+    return ON_CONFLICT_CHOICES
+
+
+def _states() -> tuple[str, ...]:
+    from mtask.states import STATES
+
+    return tuple(STATES)
+
+
+ON_CONFLICT = Choices(_on_conflict)
 commands = Commands()
 run = commands.run
 
@@ -135,14 +143,14 @@ def _state_cell(said: Explained) -> str:
     return f"{said.state.value}{why}"
 
 
-SHOWN_ERROR = (State.FAILED, State.RETRYING)
-"""``get`` prints the task's error in its header for these (else its runs say it)."""
-
-
 def _error_row(task: Task, said: Explained) -> list[tuple[str, str]]:
     """A failed or retrying task's error: its last line, and where in the user's code it was
-    raised (``--traceback`` prints it all, mtask's own frames folded)."""
-    if said.state not in SHOWN_ERROR or not task.error:
+    raised (``--traceback`` prints it all, mtask's own frames folded). ``get`` prints it in
+    its header for these two states only (else its runs say it)."""
+    from mtask.states import State
+    from mtask.tracebacks import fold
+
+    if said.state not in (State.FAILED, State.RETRYING) or not task.error:
         return []
     folded = fold(task.error)
     origin = f" (in {folded.origin.where})" if folded.origin else ""
@@ -150,6 +158,9 @@ def _error_row(task: Task, said: Explained) -> list[tuple[str, str]]:
 
 
 def _header_rows(task: Task, said: Explained, now: dt.datetime) -> list[tuple[str, str]]:
+    from mtask.states import State, attempt_text, timing
+    from mtask.wording import relative
+
     created = f"{when(task.created_at)} ({relative(task.created_at, now)})"
     rows = [("state", _state_cell(said)), ("why", said.reason), ("name", task.name or "-")]
     if task.options.group is not None:
@@ -157,7 +168,10 @@ def _header_rows(task: Task, said: Explained, now: dt.datetime) -> list[tuple[st
     if task.options.priority:
         rows.append(("priority", str(task.options.priority)))
     runs = f"{task.attempts} run{'s' if task.attempts != 1 else ''}" if task.attempts else "none"
-    rows += [("attempt", f"{attempt_text(task)} (runs: {runs})"), ("created", created)]
+    attempt = f"{attempt_text(task)} (runs: {runs})"
+    if task.attempts is None:  # a hand-written document without its counts: say so
+        attempt = f"- (successes {_count(task.successes)}, failures {_count(task.failures)})"
+    rows += [("attempt", attempt), ("created", created)]
     next_time = timing(task, said)
     if next_time is not None:
         label, at = next_time
@@ -180,6 +194,8 @@ def print_task(task: Task, said: Explained | None = None, now: dt.datetime | Non
     alone, as of its last change."""
     from rich.table import Table
     from rich.text import Text
+
+    from mtask.states import Cluster, explain
 
     if now is None:
         now = task.finished_at or task.updated_at or task.created_at or dt.datetime.now(dt.UTC)
@@ -205,6 +221,9 @@ def runs_table(task: Task, now: dt.datetime) -> Any:
     """The runs, oldest first: each error's last line (``--traceback`` prints them whole)."""
     from rich.table import Table
 
+    from mtask.states import last_line
+    from mtask.wording import span
+
     talked = any(run.output for run in task.runs)
     headers = ["run", "worker", "state", "claimed (UTC)", "took", "output", "error"]
     runs = Table(*(h for h in headers if talked or h != "output"))
@@ -224,6 +243,8 @@ def runs_table(task: Task, now: dt.datetime) -> Any:
 def print_tracebacks(task: Task) -> None:
     """``get --traceback``: the task's error, then each run's that differs, mtask's own frames
     folded to one line each (``--json`` has them as stored)."""
+    from mtask.tracebacks import folded_text
+
     seen = set()
     for label, text in [
         ("error", task.error),
@@ -242,11 +263,15 @@ def _short(at: dt.datetime | None) -> str:
 
 
 def _deadline(at: dt.datetime | None) -> str:
+    from mtask.steps import NEVER
+
     return "no deadline" if at is None or at.year >= NEVER.year else f"until {when(at)}"
 
 
 def _waiting_rows(task: Task) -> list[tuple[str, str]]:
     """Issue 30: what a waiting task waits for, and the signals it was sent."""
+    from mtask.models import TaskStatus
+
     rows = []
     w = task.waiting
     if w is not None and task.status == TaskStatus.PENDING:
@@ -288,6 +313,8 @@ def steps_table(task: Task) -> Any:
 
 
 def _took(step: Any) -> str:
+    from mtask.wording import span
+
     if step.kind == "call":
         return "" if step.ms is None else span(step.ms / 1000)
     return (
@@ -298,6 +325,8 @@ def _took(step: Any) -> str:
 
 
 def _step_detail(step: Any) -> str:
+    from mtask.states import last_line
+
     detail = []
     if step.kind == "sleep":
         detail.append(_deadline(step.until))
@@ -410,10 +439,12 @@ def cmd_list(args: argparse.Namespace) -> int:
 def _why_cell(task: Task, said: Explained) -> str:
     """What a list says of a task beside its state: the error's last line of a failed,
     retrying or invalid one; why a waiting or blocked one does not run."""
+    from mtask.states import State, last_line
+
     if said.state in (State.FAILED, State.RETRYING):
         return last_line(task.error)
     if said.state is State.INVALID:
-        return last_line(task.invalid_reason)
+        return f"invalid: {last_line(task.invalid_reason)}"
     if said.state in (State.WAITING, State.BLOCKED):
         return said.reason
     return ""
@@ -424,6 +455,8 @@ def print_list(rows: list[tuple[Task, Explained]], now: dt.datetime) -> None:
     waiting or blocked one does not run or a failed one's error: readable at 80 columns, keys
     never cut."""
     import textwrap
+
+    from mtask.wording import relative
 
     if not rows:
         out.print("no tasks match", markup=False)
@@ -483,6 +516,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def stats_table(counts: Counts) -> Any:
     """Counts per name and status, readable at 80 columns: a status no task is in takes no
     column, and a name is never cut short."""
+    from mtask.models import TaskStatus
+
     statuses = status_columns(counts, [s.value for s in TaskStatus])
     notes = []
     if counts.at_least:
@@ -589,6 +624,8 @@ def read_lines(stream: IO[str], source: str) -> tuple[list[dict[str, Any]], list
 def publish_from_file(args: argparse.Namespace) -> int:
     """Validate every line first (nothing is written if one is bad), then publish in batches
     with a progress bar."""
+    from mtask.client import build_many
+
     source = "stdin" if args.from_file == "-" else args.from_file
     try:
         if args.from_file == "-":
@@ -678,13 +715,13 @@ def register(sub: Any) -> None:
         metavar="SECONDS",
         help="seconds before it may run (the server's clock)",
     )
-    p.add_argument(
+    conflict = p.add_argument(
         "--on-conflict",
         default="ignore",
-        choices=ON_CONFLICT_CHOICES,
         help="when the key exists: change nothing, replace the params and options of a task "
         "not running, or make a finished task new again",
     )
+    choose(conflict, ON_CONFLICT)
     p.add_argument(
         "--depends-on", action="append", metavar="KEY", help="run only after this task succeeded"
     )
@@ -701,12 +738,12 @@ def register(sub: Any) -> None:
     p = sub.add_parser("list", help="list tasks")
     add_common(p)
     p.add_argument("--name", help="only tasks of this name")
-    p.add_argument("--status", choices=[s.value for s in TaskStatus], help="only this status")
-    p.add_argument(
+    choose(p.add_argument("--status", help="only this status"), STATUSES)
+    state = p.add_argument(
         "--state",
-        choices=STATES,
         help="only tasks in this derived state (blocked, waiting, retrying, …), newest first",
     )
+    choose(state, Choices(_states))
     p.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
     p.add_argument("--after", help="last key of the previous page")
     p.add_argument(

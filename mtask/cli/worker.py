@@ -8,16 +8,14 @@ previous handlers on exit: the first signal drains (``grace``), a second one sto
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import gc
 import logging
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from importlib import metadata
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mtask._version import __version__
 from mtask.cli.common import (
@@ -35,8 +33,11 @@ from mtask.errors import (
     WorkerCrashed,
     WorkerNotFound,
 )
-from mtask.registry import load_registry
-from mtask.worker import Worker
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from mtask.worker import Worker
 
 commands = Commands()
 run = commands.run
@@ -100,6 +101,14 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         default=30.0,
         metavar="SECONDS",
         help="how often it looks for work its change stream may have missed (default 30)",
+    )
+    p.add_argument(
+        "--limits-refresh",
+        type=float,
+        metavar="SECONDS",
+        help="read every cluster-wide limit this often whatever happens, the safety net for a "
+        "lost change event (a change applies on its event; default 5 with --stream own, 30 "
+        "with shared)",
     )
     p.add_argument(
         "--priority-aging",
@@ -244,10 +253,12 @@ def loop_factory(choice: str) -> tuple[str, Callable[[], asyncio.AbstractEventLo
                 "--loop uvloop: uvloop is not installed (pip install uvloop)"
             ) from None
         return "asyncio", None
-    return f"uvloop {metadata.version('uvloop')}", uvloop.new_event_loop
+    return f"uvloop {getattr(uvloop, '__version__', '')}".strip(), uvloop.new_event_loop
 
 
 async def _serve(worker: Worker) -> None:
+    import asyncio
+
     with stop_on_signals(worker, asyncio.get_running_loop()):
         await worker.run()
 
@@ -262,6 +273,8 @@ def _run(
     """``asyncio.Runner.run``, whose close does not wait for ever: the worker has stopped
     without a run whose handler would not end (it swallows ``CancelledError``), and the
     Runner's close would wait for that task until it does."""
+    import asyncio
+
     loop = (new_loop or asyncio.new_event_loop)()
     try:
         loop.run_until_complete(main)
@@ -296,39 +309,64 @@ def _kib(value: int | None) -> int | None:
     return None if value is None else value * 1024
 
 
+def build_worker(args: argparse.Namespace) -> Worker:
+    """The worker ``args`` describe: the registry's module imported, then the worker's own."""
+    from mtask.registry import load_registry
+
+    registry = load_registry(args.registry)
+    from mtask.worker import Worker
+
+    return Worker(
+        registry,
+        uri=mongodb_uri(args.uri, "mtask-worker"),
+        database=args.database,
+        collection=args.collection,
+        worker_id=args.worker_id,
+        concurrency=args.concurrency,
+        prefetch=args.prefetch,
+        names=args.names.split(",") if args.names else None,
+        grace=args.grace,
+        sweep_interval=args.sweep_interval,
+        limits_refresh=args.limits_refresh,
+        priority_aging=args.priority_aging,
+        startup_timeout=args.startup_timeout,
+        run_schedules=not args.no_schedules,
+        stream=args.stream,
+        pool=args.pool,
+        max_tasks_per_child=args.max_tasks_per_child,
+        max_memory_per_child=_kib(args.max_memory_per_child),
+        memory_limit_per_child=_kib(args.memory_limit_per_child),
+    )
+
+
+@contextlib.contextmanager
+def lasting() -> Iterator[None]:
+    """What is made inside (the modules imported, the registry, the worker's parts) lives as
+    long as the process: the collector does not walk it while it grows (its passes were a
+    tenth of a start-up's imports, issue 66), and it is frozen once made (``gc.freeze``), so no
+    later full collection walks it either. The collector is on again after, whatever
+    happened."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+        gc.freeze()
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def run_worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, handlers=[_log_handler()])
     logging.getLogger("pymongo").setLevel(logging.WARNING)
     try:
-        loop_name, new_loop = loop_factory(args.loop)
-        registry = load_registry(args.registry)
-        worker = Worker(
-            registry,
-            uri=mongodb_uri(args.uri, "mtask-worker"),
-            database=args.database,
-            collection=args.collection,
-            worker_id=args.worker_id,
-            concurrency=args.concurrency,
-            prefetch=args.prefetch,
-            names=args.names.split(",") if args.names else None,
-            grace=args.grace,
-            sweep_interval=args.sweep_interval,
-            priority_aging=args.priority_aging,
-            startup_timeout=args.startup_timeout,
-            run_schedules=not args.no_schedules,
-            stream=args.stream,
-            pool=args.pool,
-            max_tasks_per_child=args.max_tasks_per_child,
-            max_memory_per_child=_kib(args.max_memory_per_child),
-            memory_limit_per_child=_kib(args.memory_limit_per_child),
-        )
         if args.cluster_metrics and args.metrics_port is None:
             raise UsageError("--cluster-metrics needs --metrics-port")
-        if args.metrics_port is not None:
-            serve_metrics(args, worker)
-        # What is alive now (modules, the registry, the worker's parts) lives as long as the
-        # process: the collector need not go through it again at every full collection
-        gc.freeze()
+        with lasting():
+            loop_name, new_loop = loop_factory(args.loop)
+            worker = build_worker(args)
+            if args.metrics_port is not None:
+                serve_metrics(args, worker)
         logging.getLogger("mtask.worker").info("event loop: %s", loop_name)
         _run(_serve(worker), new_loop)
     except WorkerCrashed as exc:

@@ -24,7 +24,7 @@ from mtask.store.claims import (
 )
 from mtask.store.complete import complete, stranded
 from mtask.store.counts import Counts, stats
-from mtask.store.groups import heads, largest
+from mtask.store.groups import heads, heads_and_slots, largest
 from mtask.store.outcomes import (
     Outcome,
     finish,
@@ -98,6 +98,7 @@ __all__ = [
     "get",
     "get_status",
     "heads",
+    "heads_and_slots",
     "largest",
     "list_query",
     "list_tasks",

@@ -326,52 +326,96 @@ def claim_locked(
     whose group another open task holds fails on it (a duplicate key, naming the group), and
     that key is **busy**. One ``update_many`` of the lean stage claims the batch; as a
     multi-document update stops at its first error, it is sent again without a busy key (at
-    most ``LOCKED_TRIES`` times in all). One read of what was claimed; what is left (a
-    takeover, more busy groups, a document the lean stage does not fit) gets one update per
-    key of the full pipeline in one unordered bulk, and a read. Returns the claimed
-    documents, the busy keys, and the keys the server could not update with why."""
+    most ``LOCKED_TRIES`` times in all: ``_claim_locked_lean``). One read of what was claimed;
+    what is left (a takeover, more busy groups, a document the lean stage does not fit) gets
+    one update per key of the full pipeline in one unordered bulk, and a read
+    (``_claim_locked_full``). Returns the claimed documents, the busy keys, and the keys the
+    server could not update with why."""
     keys = list(groups)
     if not keys:
         return [], set(), {}
     batch = batch or uuid.uuid4().hex
-    busy: set[str] = set()
+    busy: set[str] = yield from _claim_locked_lean(groups, names, worker_id, now, batch)
+    claimed: list[Doc] = yield from read_claimed(keys, batch, fields)
+    got = {d["_id"] for d in claimed}
+    rest = [k for k in keys if k not in got and k not in busy]
     broken: dict[str, str] = {}
-    group = {"options.group": {"$type": "string"}}
+    if rest:
+        claimed += yield from _claim_locked_full(
+            rest, names, worker_id, now, batch, fields, busy, broken
+        )
+    return claimed, busy, broken
+
+
+GROUPED = {"options.group": {"$type": "string"}}
+"""What a sequence's claim adds to its filter: the task has a group."""
+
+
+def _claim_locked_lean(
+    groups: Mapping[str, tuple[str, str]],
+    names: Sequence[str],
+    worker_id: str,
+    now: dt.datetime,
+    batch: str,
+) -> Op[set[str]]:
+    """The lean stage with the lock, sent again without the keys of each busy group its
+    duplicate key names (``LOCKED_TRIES`` sends at most); returns the busy keys."""
     (stage,) = claim_lean_pipeline(batch, worker_id, now)  # one stage, the lock in it
     lean = [{"$set": {**stage["$set"], GROUP_LOCK: True}}]
-    left = keys
+    busy: set[str] = set()
+    left = list(groups)
     for _ in range(LOCKED_TRIES):
         try:
             yield Call(
                 "update_many",
-                ({**claim_lean_filter(left, names, worker_id, now), **group}, lean),
+                ({**claim_lean_filter(left, names, worker_id, now), **GROUPED}, lean),
                 timeout=CLAIM_TIMEOUT_S,
             )
             break
         except WriteError as exc:
-            if exc.code != DUPLICATE_KEY:
-                break  # the bulk below names the document
-            value = (exc.details or {}).get("keyValue") or {}
-            pair = (value.get("name"), value.get("options.group"))
-            culprits = {k for k in left if tuple(groups[k]) == pair}
+            culprits = _busy_keys(exc, groups, left)
             busy |= culprits
             left = [k for k in left if k not in culprits]
             if not culprits or not left:
                 break
+    return busy
+
+
+def _busy_keys(
+    exc: WriteError, groups: Mapping[str, tuple[str, str]], left: Sequence[str]
+) -> set[str]:
+    """The keys of ``left`` in the group a duplicate key on ``group_lock`` names (none for
+    another error: the full pipeline's bulk names the document)."""
+    if exc.code != DUPLICATE_KEY:
+        return set()
+    value = (exc.details or {}).get("keyValue") or {}
+    pair = (value.get("name"), value.get("options.group"))
+    return {k for k in left if tuple(groups[k]) == pair}
+
+
+def _claim_locked_full(
+    keys: list[str],
+    names: Sequence[str],
+    worker_id: str,
+    now: dt.datetime,
+    batch: str,
+    fields: Mapping[str, int] | None,
+    busy: set[str],
+    broken: dict[str, str],
+) -> Op[list[Doc]]:
+    """The full pipeline with the lock, one update per key in one unordered bulk; returns what
+    it claimed (read back), noting the busy and broken keys."""
+    full = [
+        UpdateOne(
+            {**claim_filter([k], names, worker_id, now), **GROUPED},
+            [*claim_pipeline(batch, worker_id, now), lock_stage(batch)],
+        )
+        for k in keys
+    ]
+    if not (yield from _bulk(keys, full, busy, broken)):
+        return []
     claimed: list[Doc] = yield from read_claimed(keys, batch, fields)
-    got = {d["_id"] for d in claimed}
-    rest = [k for k in keys if k not in got and k not in busy]
-    if rest:
-        full = [
-            UpdateOne(
-                {**claim_filter([k], names, worker_id, now), **group},
-                [*claim_pipeline(batch, worker_id, now), lock_stage(batch)],
-            )
-            for k in rest
-        ]
-        if (yield from _bulk(rest, full, busy, broken)):
-            claimed += yield from read_claimed(rest, batch, fields)
-    return claimed, busy, broken
+    return claimed
 
 
 def _bulk(
@@ -404,6 +448,8 @@ def run_filter(key: str, run_id: str) -> Doc:
 
 
 LEASE_FIELDS = {"options": 1, "status": 1}
+STOPPABLE = TaskStatus.CANCELLED.value
+"""A cancelled task's run still stopping keeps its lease (``lease_update``'s ``stopping``)."""
 """What a lease's extension returns of the task document."""
 
 
@@ -413,15 +459,18 @@ def lease_update(
     worker_id: str,
     now: dt.datetime,
     run_fields: Mapping[str, Any] | None = None,
+    stopping: bool = False,
 ) -> tuple[Doc, list[Doc]]:
     """The fenced update that pushes the run's lease to ``now + worker_timeout_ms``, while the
     run is RUNNING and this worker is still allowed; ``run_fields``: more fields of the run
-    entry to set in the same update."""
-    filt = {
-        **run_filter(key, run_id),
-        "status": {"$in": list(OPEN)},
-        "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],
-    }
+    entry to set in the same update. ``stopping``: the lease of a run being stopped whose
+    handler has not stopped yet (its task cancelled, or this worker no longer allowed), kept
+    while the run is RUNNING so that its sequence's lock and its limit slots stay held until
+    it has really stopped (docs/fairness.md); its outcome ends it."""
+    filt: Doc = {**run_filter(key, run_id), "status": {"$in": [*OPEN, STOPPABLE]}}
+    if not stopping:
+        filt["status"] = {"$in": list(OPEN)}
+        filt["$or"] = [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}]
     lease = {
         "lease_expires_at": {"$add": [now, "$options.worker_timeout_ms"]},
         **(run_fields or {}),
@@ -430,7 +479,12 @@ def lease_update(
 
 
 def extend_lease(
-    key: str, run_id: str, worker_id: str, now: dt.datetime, max_time_ms: int | None = None
+    key: str,
+    run_id: str,
+    worker_id: str,
+    now: dt.datetime,
+    max_time_ms: int | None = None,
+    stopping: bool = False,
 ) -> Op[Doc | None]:
     """A ping: push the run's lease to ``now + worker_timeout_ms``. ``None`` means the run lost
     the task (taken over, released, cancelled, or this worker is no longer allowed): stop it.
@@ -443,7 +497,7 @@ def extend_lease(
     limit = {} if max_time_ms is None else {"maxTimeMS": max_time_ms}
     doc: Doc | None = yield Call(
         MODIFY_ONCE,
-        lease_update(key, run_id, worker_id, now),
+        lease_update(key, run_id, worker_id, now, stopping=stopping),
         {"new": True, "fields": LEASE_FIELDS, **limit},
     )
     return doc

@@ -24,7 +24,7 @@ from mtask.models import OPEN_STATUSES, RunState, Task, TaskStatus
 from mtask.states import Cluster, Explained, Group, State, Worker, explain
 from mtask.store import bulk
 from mtask.store.counts import Counts, stats
-from mtask.store.schema import GROUP_LOCK, OPEN_LIST
+from mtask.store.schema import GROUP_LOCK, OPEN_LIST, SEQUENCE_LOCK
 
 LIVE = dt.timedelta(seconds=10)
 """A worker is live if its heartbeat is this recent (as ``client.workers``)."""
@@ -132,7 +132,7 @@ def _groups(
         ]
         calls.append(Call("aggregate", (first,)))
         held = ({**match, GROUP_LOCK: True}, STATE_FIELDS)
-        calls.append(Call("find", held, {"hint": GROUP_LOCK}))
+        calls.append(Call("find", held, {"hint": SEQUENCE_LOCK}))
     if others:
         slots = [group_slot(n, g) for n, g in others]
         calls.append(Call("find", ({"_id": {"$in": slots}},), collection="limits"))

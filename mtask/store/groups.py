@@ -1,14 +1,18 @@
 """Groups of a name (``options.group``): the next task of each sequence, and the largest
 groups, each read from the ``group_open`` index (open grouped tasks only, in publish order;
-a sequence's lock holder from the ``group_lock`` index)."""
+a sequence's lock holder from the ``group_lock`` index; a run its group's slot still holds
+from the ``limits`` collection)."""
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
 from mtask.driver import Call, Doc, Op, gather
-from mtask.store.schema import GROUP_LOCK, OPEN_LIST
+from mtask.limits import group_slot
+from mtask.statemachine import live_run_expr
+from mtask.store.schema import GROUP_LOCK, OPEN_LIST, SEQUENCE_LOCK
 
 MAX_TOP = 100
 HEAD_FIELDS = {
@@ -17,8 +21,10 @@ HEAD_FIELDS = {
     "options.worker_timeout_ms": 1,
     "status": 1,
     "next_claim_at": 1,
+    "live": live_run_expr("$$NOW"),
 }
-"""What ``heads`` reads of a group's lock holder."""
+"""What ``heads`` reads of a group's lock holder (``live``: a run of it still runs on a live
+lease, by the server's clock)."""
 
 
 def _open(names: Sequence[str] | None, groups: Sequence[str] | None = None) -> Doc:
@@ -45,34 +51,101 @@ def heads(pairs: Sequence[tuple[str, str]]) -> Op[dict[tuple[str, str], Doc]]:
     holders through the ``group_lock`` index (one key per group at most)."""
     if not pairs:
         return {}
+    match = _heads_match(pairs)
+    firsts, holders = yield gather(_firsts(match), _lock_holders(match))
+    holders = yield from _without_stale(holders)
+    return _heads_of(pairs, firsts, holders)
+
+
+def heads_and_slots(
+    pairs: Sequence[tuple[str, str]], slotted: Sequence[tuple[str, str]], now: dt.datetime
+) -> Op[dict[tuple[str, str], Doc]]:
+    """``heads``, those of ``slotted`` marked ``slot_held`` if their group's slot document has
+    a holder whose lease has not ended at ``now``: a run that holds no lock of the sequence,
+    claimed while its group's limit was not one (``group_concurrency`` above 1, a rate) or
+    counted in since its limit changed (``slots.join``); the sequence's next task waits for
+    it. Only while its name's ``limits.SLOT_RUNS`` says such runs may be there: three reads
+    sent at once, the third by ``_id`` in ``limits``."""
+    if not pairs:
+        return {}
+    match = _heads_match(pairs)
+    slots = sorted(group_slot(*pair) for pair in slotted)
+    held: Doc = {"_id": {"$in": slots}, "holders": {"$elemMatch": {"expires": {"$gt": now}}}}
+    firsts, holders, live = yield gather(
+        _firsts(match),
+        _lock_holders(match),
+        Call("find", (held, {"_id": 1}), collection="limits"),
+    )
+    holders = yield from _without_stale(holders)
+    out = _heads_of(pairs, firsts, holders)
+    taken = {d["_id"] for d in live}
+    for pair, head in out.items():
+        if group_slot(*pair) in taken:
+            head["slot_held"] = True
+    return out
+
+
+def _heads_match(pairs: Sequence[tuple[str, str]]) -> Doc:
     names = sorted({n for n, _ in pairs})
     groups = sorted({g for _, g in pairs})
-    match = {**_open(names, groups), "_id": {"$type": "string"}}
-    firsts, holders = yield gather(
-        Call(
-            "aggregate",
-            (
-                [
-                    {"$match": match},
-                    {"$sort": {"name": 1, "options.group": 1, "publish_seq": 1, "_id": 1}},
-                    {
-                        "$group": {
-                            "_id": {"name": "$name", "group": "$options.group"},
-                            "key": {"$first": "$_id"},
-                            "status": {"$first": "$status"},
-                            "next_claim_at": {"$first": "$next_claim_at"},
-                            "timeout": {"$first": "$options.worker_timeout_ms"},
-                        }
-                    },
-                ],
-            ),
-        ),
-        Call(
-            "find",
-            ({**match, GROUP_LOCK: True}, HEAD_FIELDS),
-            {"hint": GROUP_LOCK},
+    return {**_open(names, groups), "_id": {"$type": "string"}}
+
+
+def _firsts(match: Doc) -> Call:
+    """The first open task of each group in publish order."""
+    return Call(
+        "aggregate",
+        (
+            [
+                {"$match": match},
+                {"$sort": {"name": 1, "options.group": 1, "publish_seq": 1, "_id": 1}},
+                {
+                    "$group": {
+                        "_id": {"name": "$name", "group": "$options.group"},
+                        "key": {"$first": "$_id"},
+                        "status": {"$first": "$status"},
+                        "next_claim_at": {"$first": "$next_claim_at"},
+                        "timeout": {"$first": "$options.worker_timeout_ms"},
+                    }
+                },
+            ],
         ),
     )
+
+
+def _lock_holders(match: Doc) -> Call:
+    """The tasks that hold their group's lock (one a group at most): open ones, and finished
+    ones that still do (a cancelled task whose run has not stopped yet), or that a worker of
+    an earlier version left it on."""
+    holders = {k: v for k, v in match.items() if k != "status"}
+    return Call("find", ({**holders, GROUP_LOCK: True}, HEAD_FIELDS), {"hint": SEQUENCE_LOCK})
+
+
+def _without_stale(holders: list[Doc]) -> Op[list[Doc]]:
+    """``holders`` less the finished ones whose runs have all stopped: their lock is removed
+    (one fenced update each: finished, and still no run on a live lease by the server's
+    clock), and the group's first open task is its head. A finished holder whose run still
+    runs stays the head, due never: the group waits for that run to stop."""
+    kept: list[Doc] = []
+    for doc in holders:
+        if doc.get("status") in OPEN_LIST or doc.get("live") is True:
+            kept.append(doc)
+            continue
+        stale = {
+            "_id": doc["_id"],
+            GROUP_LOCK: True,
+            "status": {"$nin": OPEN_LIST},
+            "$expr": {"$not": [live_run_expr("$$NOW")]},
+        }
+        result = yield Call("update_one", (stale, {"$unset": {GROUP_LOCK: ""}}))
+        if not result.matched_count:  # reopened or run again meanwhile: it holds the lock
+            kept.append({**doc, "status": "running", "next_claim_at": None})
+    return kept
+
+
+def _heads_of(
+    pairs: Sequence[tuple[str, str]], firsts: list[Doc], holders: list[Doc]
+) -> dict[tuple[str, str], Doc]:
     wanted = set(pairs)
     out: dict[tuple[str, str], Doc] = {}
     for doc in firsts:

@@ -19,7 +19,7 @@ from mtask.statemachine import (
 )
 from mtask.steps import Wait
 from mtask.store.claims import run_filter
-from mtask.store.schema import LAST_WRITE, literal, marked_invalid, success_tag
+from mtask.store.schema import GROUP_LOCK, LAST_WRITE, literal, marked_invalid, success_tag
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,10 @@ class Outcome:
     has_spills: bool = False
     """The run stored step results aside: seal them once the outcome is recorded
     (``store.steps.seal``)."""
+    holds_lock: bool = False
+    """The run holds its sequence's lock (``group_lock``, taken by its claim): a SUCCESS's
+    plain-update shortcut removes it, as the pipeline's ``recompute_stages`` does for every
+    outcome that ends the task (``statemachine.lock_kept_expr``)."""
     child_of: Doc | None = None
     """A spawned child's ``spawn`` (issue 61): once its outcome is recorded, a final one is
     counted on its parent (``store.children.count_finished``)."""
@@ -211,7 +215,7 @@ def success_fast_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
         "options.concurrency": 1,
     }
     fields = {**_succeeded(outcome, now), **_step_fields(outcome)}
-    return filt, _positional_success(outcome.result, now, fields)
+    return filt, _positional_success(outcome.result, now, fields, outcome.holds_lock)
 
 
 def _succeeded(outcome: Outcome, now: dt.datetime) -> Doc:
@@ -232,9 +236,10 @@ def _succeeded(outcome: Outcome, now: dt.datetime) -> Doc:
     return fields
 
 
-def _positional_success(result: Any, now: dt.datetime, fields: Doc) -> Doc:
-    """A plain update that ends the run ``$`` (the one the filter's ``$elemMatch`` matched)."""
-    return {
+def _positional_success(result: Any, now: dt.datetime, fields: Doc, lock: bool = False) -> Doc:
+    """A plain update that ends the run ``$`` (the one the filter's ``$elemMatch`` matched);
+    ``lock``: and gives its sequence's lock up (the task ends: ``Outcome.holds_lock``)."""
+    update: Doc = {
         "$set": {
             "runs.$.state": RunState.SUCCESS.value,
             "runs.$.finished_at": now,
@@ -244,6 +249,9 @@ def _positional_success(result: Any, now: dt.datetime, fields: Doc) -> Doc:
         },
         "$inc": {"successes": 1},
     }
+    if lock:
+        update["$unset"] = {GROUP_LOCK: ""}
+    return update
 
 
 GROUP_RESULT_BYTES = 4 * 1024 * 1024
@@ -288,8 +296,9 @@ def success_group_update(
         "options.concurrency": 1,
     }
     done = _succeeded(outcomes[0], now)  # one worker, one retention: the same for all
+    lock = any(o.holds_lock for o in outcomes)  # every task of the group ends: none keeps one
     if all(o.result is None for o in outcomes):
-        return filt, _positional_success(None, now, done)
+        return filt, _positional_success(None, now, done, lock)
     result = {
         "$arrayElemAt": [
             literal([o.result for o in outcomes]),
@@ -307,7 +316,7 @@ def success_group_update(
                 **done,
             }
         },
-        {"$unset": "_result"},
+        {"$unset": ["_result", GROUP_LOCK] if lock else "_result"},
     ]
     return filt, pipeline
 

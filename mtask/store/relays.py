@@ -2,11 +2,18 @@
 tasks collection for every worker, on any host (``worker/finding/shared/relay``). MongoDB
 alone decides, on its own clock: a lease document per tasks collection in ``relays``, taken or
 renewed by one atomic update that matches only while the lease is the caller's or has run out.
+
+The same document names the relay's *standby* (``worker/finding/shared/standby``): one worker
+of another process that watches the lease, its post held while it renews it
+(``standby_until``). The standby alone may take the lease over as soon as it has not been
+renewed for a while (``take_over``: a relay that died, froze or was cut off), long before it runs
+out; anyone else waits until it has run out (``acquire``). A new relay starts without one.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from typing import NamedTuple
 
 from mtask.driver import Call, Doc, Op
 
@@ -29,6 +36,22 @@ def ensure(tasks: str) -> Op[None]:
 def acquire(tasks: str, relay: str, ttl_ms: int) -> Op[bool]:
     """Take the lease of ``tasks`` for ``relay`` (one relay's unique id), or renew it, until
     ``ttl_ms`` from now by the server's clock. True if ``relay`` holds it now."""
+    return (yield from renew(tasks, relay, ttl_ms)) is not None
+
+
+class Renewal(NamedTuple):
+    """A renewed lease, and its standby's post."""
+
+    standby: str | None
+    """The worker id that holds the post, or last held it."""
+    watched: bool
+    """Whether that worker still holds the post (renewed it within its time, by the server's
+    clock): it may take the lease over once the relay stops renewing."""
+
+
+def renew(tasks: str, relay: str, ttl_ms: int) -> Op[Renewal | None]:
+    """``acquire``, saying who stands by (``None``: ``relay`` does not hold the lease). A relay
+    that takes the lease from another starts without a standby."""
     held: Doc | None = yield Call(
         "find_one_and_update",
         (
@@ -36,9 +59,85 @@ def acquire(tasks: str, relay: str, ttl_ms: int) -> Op[bool]:
                 "_id": tasks,
                 "$or": [{"relay": relay}, {"$expr": {"$lte": ["$expires_at", "$$NOW"]}}],
             },
-            [{"$set": {"relay": relay, "expires_at": {"$add": ["$$NOW", ttl_ms]}}}],
+            [
+                {
+                    "$set": {
+                        "standby": {"$cond": [{"$eq": ["$relay", relay]}, "$standby", None]},
+                        "standby_until": {
+                            "$cond": [{"$eq": ["$relay", relay]}, "$standby_until", NOBODY]
+                        },
+                        "relay": relay,
+                        "expires_at": {"$add": ["$$NOW", ttl_ms]},
+                    }
+                }
+            ],
         ),
-        {"projection": {"relay": 1}},
+        {
+            "projection": {"standby": 1, "watched": {"$gt": ["$standby_until", "$$NOW"]}},
+            "return_document": True,
+        },
+        collection=COLLECTION,
+    )
+    if held is None:
+        return None
+    standby = held.get("standby")
+    return Renewal(standby if isinstance(standby, str) else None, held.get("watched") is True)
+
+
+def stand_by(tasks: str, relay: str, standby: str, ttl_ms: int) -> Op[bool]:
+    """Take or renew the post of ``relay``'s standby for the worker ``standby``, until ``ttl_ms``
+    from now: only while ``relay`` holds the lease and the post is free, run out, or already
+    ``standby``'s. True if ``standby`` holds it now."""
+    held: Doc | None = yield Call(
+        "find_one_and_update",
+        (
+            {
+                "_id": tasks,
+                "relay": relay,
+                "$or": [
+                    {"standby": standby},
+                    {"$expr": {"$not": [{"$gt": ["$standby_until", "$$NOW"]}]}},
+                ],
+            },
+            [{"$set": {"standby": standby, "standby_until": {"$add": ["$$NOW", ttl_ms]}}}],
+        ),
+        {"projection": {"_id": 1}},
+        collection=COLLECTION,
+    )
+    return held is not None
+
+
+def take_over(
+    tasks: str, relay: str, standby: str, new_relay: str, stale_ms: int, ttl_ms: int
+) -> Op[bool]:
+    """The standby ``standby`` takes ``relay``'s lease for ``new_relay`` if ``relay`` has not
+    renewed it for ``stale_ms`` (its renewals set its end ``ttl_ms`` ahead), by the server's
+    clock: one atomic update, which matches nothing while the relay renews (a read's cost).
+    True if ``new_relay`` holds the lease now."""
+    renewed_at = {"$subtract": ["$expires_at", ttl_ms]}
+    silent = {"$lte": [renewed_at, {"$subtract": ["$$NOW", stale_ms]}]}
+    held: Doc | None = yield Call(
+        "find_one_and_update",
+        (
+            {
+                "_id": tasks,
+                "relay": relay,
+                "standby": standby,
+                # (an end of any other shape is never taken over: ``$cond`` reads it first)
+                "$expr": {"$cond": [{"$eq": [{"$type": "$expires_at"}, "date"]}, silent, False]},
+            },
+            [
+                {
+                    "$set": {
+                        "relay": new_relay,
+                        "expires_at": {"$add": ["$$NOW", ttl_ms]},
+                        "standby": None,
+                        "standby_until": NOBODY,
+                    }
+                }
+            ],
+        ),
+        {"projection": {"_id": 1}},
         collection=COLLECTION,
     )
     return held is not None

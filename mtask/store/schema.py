@@ -21,8 +21,14 @@ from mtask.models import (
 )
 
 GROUP_LOCK = "group_lock"
-"""``true`` on the open task that holds its group's lock (a sequence's: set by its claim, in
-the same update); the ``group_lock`` index admits one per group. A reopened task loses it."""
+"""``true`` on the task that holds its group's lock (a sequence's: set by its claim, in the
+same update); the ``sequence_lock`` index admits one per group. The task keeps it while it is
+open, or while a run of it still runs on a live lease (a cancelled task whose handler has not
+stopped yet), and gives it up with the write that ends the last of them
+(``statemachine.lock_kept_expr``); a reopened task loses it."""
+SEQUENCE_LOCK = "sequence_lock"
+"""The unique index of the sequences' locks (it replaces ``group_lock``, which admitted one
+*open* holder per group, so a cancel gave the lock up while the run still ran)."""
 OPEN_LIST = [TaskStatus.PENDING.value, TaskStatus.RUNNING.value]
 """The open statuses as the ``group_open`` index and its queries spell them (the same list:
 the server uses a partial index only for a query that names its filter)."""
@@ -107,17 +113,14 @@ INDEXES: dict[str, list[IndexModel]] = {
                 "status": {"$in": OPEN_LIST},
             },
         ),
-        # Sequences (docs/fairness.md): one open task of a group holds its lock, taken by the
-        # claim. A task gives it up by finishing (it leaves the index); others have no key.
+        # Sequences (docs/fairness.md): one task of a group holds its lock, taken by the
+        # claim, and gives it up with the write that ends it (``group_lock`` removed: its
+        # outcome, or a cancel once its run has really stopped); others have no key.
         IndexModel(
             [("name", ASCENDING), ("options.group", ASCENDING)],
-            name=GROUP_LOCK,
+            name=SEQUENCE_LOCK,
             unique=True,
-            partialFilterExpression={
-                GROUP_LOCK: True,
-                "options.group": {"$type": "string"},
-                "status": {"$in": OPEN_LIST},
-            },
+            partialFilterExpression={GROUP_LOCK: True, "options.group": {"$type": "string"}},
         ),
     ],
     "workers": [IndexModel([("last_seen", ASCENDING)], name="last_seen")],
@@ -454,7 +457,9 @@ def _flow_fields(task: NewTask) -> Doc:
 # ---------------------------------------------------------------------------------------------
 
 
-RETIRED_INDEXES: dict[str, tuple[str, ...]] = {"tasks": ("worker_runs", "status_newest")}
+RETIRED_INDEXES: dict[str, tuple[str, ...]] = {
+    "tasks": ("worker_runs", "status_newest", GROUP_LOCK)
+}
 """Indexes earlier versions made that nothing reads any more, or that one of ``INDEXES``
 replaces under another name (an index cannot change its options in place): ``ensure_indexes``
 drops them. (A worker of an earlier version started later makes its index again; the next
@@ -468,7 +473,38 @@ DROP_REFUSALS = (27, 13, 50, 24)
 """IndexNotFound (dropped meanwhile), Unauthorized, MaxTimeMSExpired, LockTimeout."""
 
 
+LOCK_MIGRATION_TRIES = 5
+"""How many times the ``sequence_lock`` index's first build is tried (``migrate_locks``)."""
+
+
+def migrate_locks() -> Op[None]:
+    """Before the ``sequence_lock`` index is first made: earlier versions left ``group_lock`` on
+    finished tasks (their index held open ones only), which the new index would count as held
+    (and refuse to build on, two of a group). Those marks are removed first; a build that
+    still meets two (a worker of an earlier version finishing tasks meanwhile) is tried
+    again. Once the index is there, this reads its list of indexes only."""
+    present = yield Call("index_information")
+    if SEQUENCE_LOCK in present:
+        return
+    model = next(m for m in INDEXES["tasks"] if m.document["name"] == SEQUENCE_LOCK)
+    for attempt in range(LOCK_MIGRATION_TRIES):
+        yield Call(
+            "update_many",
+            ({GROUP_LOCK: True, "status": {"$nin": OPEN_LIST}}, {"$unset": {GROUP_LOCK: ""}}),
+        )
+        try:
+            yield Call("create_indexes", ([model],))
+            return
+        except OperationFailure as exc:
+            if exc.code != DUPLICATE_KEY or attempt == LOCK_MIGRATION_TRIES - 1:
+                raise
+
+
+DUPLICATE_KEY = 11000
+
+
 def ensure_indexes() -> Op[None]:
+    yield from migrate_locks()
     for collection, models in INDEXES.items():
         yield Call("create_indexes", (models,), collection=collection)
     for collection, names in RETIRED_INDEXES.items():

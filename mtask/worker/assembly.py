@@ -32,6 +32,7 @@ from mtask.worker.claiming.claimer import Claimer
 from mtask.worker.claiming.gate import REFRESH_SECONDS, LimitGate
 from mtask.worker.claiming.limited_claims import LimitedClaims
 from mtask.worker.claiming.queue import ClaimQueue
+from mtask.worker.claiming.recount import Recount
 from mtask.worker.config import WorkerConfig
 from mtask.worker.events import Emitter
 from mtask.worker.flow_sweep import FlowSweep
@@ -61,7 +62,8 @@ own work, the peers: ``Finding.ranks``) every this many beats, and at once on a 
 which the relay passes on, or when the worker begins to find its own work."""
 SHARED_LIMITS_REFRESH = 30.0
 """With the shared stream, the limit gate's bounding read (the relay passes the limits' change
-events on as they come), as the sweep bounds a lost task event."""
+events on as they come, and a change applies on its event), as the sweep bounds a lost task
+event."""
 SHARED_SCHEDULES_POLL = 60.0
 """With the shared stream, the scheduler's bounding read (the relay passes the schedules' change
 events on as they come; it wakes at each schedule's next tick in any case)."""
@@ -119,6 +121,9 @@ def build(
     wake = asyncio.Event()
     freed: Signal[[]] = Signal()
     limit_changed: Signal[[str]] = Signal()
+    limit_set: Signal[[str]] = Signal()
+    limit_applied: Signal[[str]] = Signal()
+    stream_opened: Signal[[]] = Signal()
     group_freed: Signal[[str, str]] = Signal()
     lost: Signal[[str, dict[str, Any] | None]] = Signal()
     slot_lost: Signal[[str, str]] = Signal()
@@ -146,6 +151,8 @@ def build(
         others=finding.Others(
             control=controls_changed.set,
             limit=limit_changed,
+            limit_set=limit_set,
+            opened=stream_opened,
             group_freed=group_freed,
             schedule=scheduler.wake.set,
         ),
@@ -155,14 +162,19 @@ def build(
         sweep_interval=config.sweep_interval,
         stagger_ms=config.stagger_ms,
     )
+    refresh = config.limits_refresh or (SHARED_LIMITS_REFRESH if shared else REFRESH_SECONDS)
     gate = LimitGate(
         adriver,
         worker_id,
         clock,
         found.sink,
-        interval=SHARED_LIMITS_REFRESH if shared else REFRESH_SECONDS,
+        interval=refresh,
         changes=limit_changed,
         freed=group_freed,
+        limit_set=limit_set,
+        applied=limit_applied,
+        reopened=stream_opened,
+        ready=found.finder.ready,
     )
     process_pool: ProcessPool | None = None  # handler isolation (issue 18)
     if config.pool == "process" or any(registry[n].isolation == "process" for n in names):
@@ -280,12 +292,23 @@ def build(
         wake=wake,
     )
     capacity.measure_with(claimer.capacity)
+    recount = Recount(
+        adriver,
+        clock,
+        worker_id,
+        gate=gate,
+        inflight=inflight,
+        runs=executor,
+        emit=emit,
+        changed=limit_applied,
+    )
     services: tuple[Service, ...] = (
         *found.services,
         presence,
         recorder,
         ticker,
         gate,
+        recount,
         FlowSweep(adriver, clock, config.flow_sweep_interval, found.leads),
         *([scheduler] if config.run_schedules else []),
     )

@@ -41,6 +41,10 @@ class WorkerConfig:
     grace: float = 30.0
     """Seconds a stopping worker waits for its runs before it cancels and releases them."""
     sweep_interval: float = 30.0
+    limits_refresh: float | None = None
+    """Seconds between two reads of every limit whatever happens: the safety net for a lost
+    change event (a change applies on its event, within a second). ``None``: 5 s with an own
+    stream, 30 s with the shared one."""
     flow_sweep_interval: float = 5.0
     run_schedules: bool = True
     startup_timeout: float = 60.0
@@ -85,8 +89,8 @@ class WorkerConfig:
             raise ConfigError("must be own or shared", field="stream")
         if self.pool not in ("thread", "process"):
             raise ConfigError("must be thread or process", field="pool")
-        if self.priority_aging is not None and not 1 <= self.priority_aging <= 86_400:
-            raise ConfigError("must be from 1 to 86400 seconds", field="priority_aging")
+        _within(self.priority_aging, 1, "priority_aging")
+        _within(self.limits_refresh, 0.1, "limits_refresh")
         if self.memory_limit_per_child is not None and self.memory_limit_per_child < 1:
             raise ConfigError("must be at least 1", field="memory_limit_per_child")
         chosen = list(self.names) if self.names else registry.names
@@ -96,3 +100,9 @@ class WorkerConfig:
         if not chosen:
             raise ConfigError("the registry has no handlers", field="registry")
         return chosen
+
+
+def _within(seconds: float | None, least: float, field: str) -> None:
+    """An interval, if given, is from ``least`` to a day."""
+    if seconds is not None and not least <= seconds <= 86_400:
+        raise ConfigError(f"must be from {least:g} to 86400 seconds", field=field)

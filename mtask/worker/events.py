@@ -31,6 +31,13 @@ class Event(enum.StrEnum):
     """An outcome MongoDB refused and the worker dropped: no FAIL could be written in its
     place (the task was marked invalid, or is run again when its lease ends)."""
     PAUSED_CHANGED = "paused_changed"
+    HELD = "held"
+    """A run told to stop (cancelled, its time limit, the worker's stop) whose handler has not
+    stopped: it keeps its sequence's lock and limit slots until it has (docs/fairness.md);
+    ``released=True`` once it has."""
+    LIMITS_APPLIED = "limits_applied"
+    """A name's limit changed and this worker applies it: its claims from now on go by the
+    new limit, and its runs in flight count towards it (``claiming.recount``)."""
 
 
 LOGGED = frozenset(
@@ -46,6 +53,8 @@ LOGGED = frozenset(
         Event.STARTED,
         Event.STOPPING,
         Event.STOPPED,
+        Event.LIMITS_APPLIED,
+        Event.HELD,
     }
 )
 """Events worth a log line at INFO; the others only reach ``on_event``."""

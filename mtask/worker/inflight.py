@@ -30,6 +30,10 @@ class ActiveRun:
     ctx: TaskContext
     slots: tuple[str, ...] = ()
     """The limit slots this run holds (a name's, a group's): given back when it ends."""
+    group: str | None = None
+    """Its task's group (``options.group``), if any: a changed group limit counts it."""
+    lease_ms: int = 30_000
+    """Its lease's length (``worker_timeout_ms``): a place it takes in a slot lasts as long."""
     has_dependents: bool = False
     child_of: dict[str, object] | None = None
     """A spawned child's ``spawn`` (issue 61): its final outcome is counted on its parent."""
@@ -105,6 +109,15 @@ class InFlight:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(within):
                 while any(number > mark for number in self._open):
+                    self._ended.clear()
+                    await self._ended.wait()
+
+    async def claims_before(self, mark: int, within: float) -> None:
+        """Return once no claim begun at or before ``mark`` is on its way (its runs have
+        started, or it took nothing), or after ``within`` seconds."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within):
+                while any(number <= mark for number in self._open):
                     self._ended.clear()
                     await self._ended.wait()
 

@@ -64,3 +64,13 @@ async def event_or_timeout(event: asyncio.Event, seconds: float | None) -> bool:
         async with asyncio.timeout(seconds):
             await event.wait()
     return event.is_set()
+
+
+async def first_set(events: tuple[asyncio.Event, ...], seconds: float | None) -> None:
+    """Wait until one of ``events`` is set or ``seconds`` pass."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()

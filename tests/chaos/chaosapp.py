@@ -177,3 +177,15 @@ async def zombie_outcome(params: dict[str, Any], ctx: TaskContext) -> dict[str, 
     if ctx.worker_id == "rescuer":
         await armed("released")
     return {"by": ctx.worker_id}
+
+
+@registry.task("seq_thread", time_limit=1.5)
+def seq_thread(params: dict[str, Any], ctx: TaskContext) -> str:
+    """A plain-def handler that ignores its stop (``ctx.cancelled``): logs ``start``, sleeps
+    ``ms`` (or ``ms_by_attempt[attempt]``), logs ``end`` as its thread returns. Its hard time
+    limit is 1.5 s."""
+    ms = params.get("ms_by_attempt", {}).get(str(ctx.attempt), params.get("ms", 50))
+    log_sync(ctx, "start")
+    time.sleep(ms / 1000)
+    log_sync(ctx, "end")
+    return "done"

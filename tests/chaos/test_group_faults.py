@@ -135,3 +135,113 @@ async def test_group_concurrency_holds_across_three_workers(
     groups = list(mongo[db_name]["limits"].find({"group": {"$exists": True}}))
     assert sorted(d["group"] for d in groups) == [f"e{g}" for g in range(5)]
     assert all(d["holders"] == [] for d in groups)
+
+
+def effective_spans(
+    mongo: Any, db_name: str, cuts: dict[str, dt.datetime], frozen: tuple[str, Any, Any]
+) -> dict[str, list[tuple[dt.datetime, dt.datetime]]]:
+    """Per group, when each run's handler was running, from the execution log (the server's
+    clock), zombies and runs taken over included: a run of a killed worker ends at the kill
+    (``cuts``: worker id to its kill's time, read once the process was gone); a run of the
+    frozen worker (``frozen``: its id, and the times read just before the SIGSTOP and just
+    before the SIGCONT) ran nothing while frozen."""
+    worker, stopped, resumed = frozen
+    runs: dict[str, dict[str, Any]] = {}
+    for entry in mongo[db_name]["execlog"].find():
+        run = runs.setdefault(entry["run_id"], {"key": entry["key"], "w": entry["worker_id"]})
+        run["start" if entry["event"] == "start" else "end"] = entry["at"]
+    out: dict[str, list[tuple[dt.datetime, dt.datetime]]] = defaultdict(list)
+    for run in runs.values():
+        group = run["key"].partition("/")[0]
+        end = run.get("end") or cuts[run["w"]]  # no end: its worker was killed
+        if run["w"] == worker and run["start"] < stopped < end:
+            out[group].append((run["start"], stopped))
+            if end > resumed:
+                out[group].append((resumed, end))
+        else:
+            out[group].append((run["start"], end))
+    return out
+
+
+async def test_group_concurrency_above_one_and_a_group_rate_hold_through_kills_and_freezes(
+    cluster: Cluster, client: TaskClient, mongo: Any, db_name: str
+) -> None:
+    """``group_concurrency=2`` and ``group_rate=5/s`` over 4 groups x 30 tasks on three
+    workers; one is killed with SIGKILL (another takes its place), one frozen with SIGSTOP past
+    its leases, then killed too. From the handlers' own start and end times, zombies included:
+    never more than two runs at once in a group (and two reached), never more starts than the
+    group's bucket allows; a frozen run is stopped at its first step after the freeze (it logs
+    ``cancelled``: nothing of its work runs beside the runs that took its place)."""
+    rate, burst = 5.0, 2
+    client.set_limit("work", group_concurrency=2, group_rate=rate, group_burst=burst)
+    for worker in ("a", "b", "c"):
+        cluster.spawn(worker, "--concurrency", "8")
+    # the frozen worker's runs last long: on waking, its run is past its lease and not done
+    client.publish_many(
+        [
+            {
+                "name": "work",
+                "key": f"r{g}/{i:02d}",
+                "params": {"ms": 150, "ms_by_worker": {"b": 20_000}},
+                "options": {**FAST, "group": f"r{g}"},
+            }
+            for i in range(30)
+            for g in range(4)
+        ]
+    )
+    tasks, log = mongo[db_name]["tasks"], mongo[db_name]["execlog"]
+    await wait_for(lambda: tasks.count_documents({"status": "succeeded"}) >= 20, timeout=120)
+    cluster.signal("a", signal.SIGKILL)
+    cuts = {"a": client.now()}
+    cluster.spawn("d", "--concurrency", "8")
+
+    def b_running() -> bool:
+        started = {e["run_id"] for e in log.find({"worker_id": "b", "event": "start"})}
+        ended = {e["run_id"] for e in log.find({"worker_id": "b", "event": {"$ne": "start"}})}
+        return bool(started - ended)
+
+    await wait_for(b_running, timeout=120)
+    stopped = client.now()
+    cluster.signal("b", signal.SIGSTOP)
+    await asyncio.sleep(FAST["worker_timeout_ms"] / 1000 + 1.5)  # the fault: past its leases
+    resumed = client.now()
+    cluster.signal("b", signal.SIGCONT)
+
+    def ends_of_frozen() -> dict[str, str]:
+        """How each run frozen mid-run ended (``""``: not yet)."""
+        runs: dict[str, dict[str, Any]] = defaultdict(dict)
+        for entry in log.find({"worker_id": "b"}):
+            runs[entry["run_id"]][entry["event"]] = entry["at"]
+        return {
+            rid: next((e for e in r if e != "start"), "")
+            for rid, r in runs.items()
+            if r["start"] < stopped and all(at > stopped for e, at in r.items() if e != "start")
+        }
+
+    await wait_for(lambda: all(ends_of_frozen().values()), timeout=60)
+    cluster.signal("b", signal.SIGKILL)
+    cuts["b"] = client.now()
+    await until_finished(client, 120, timeout=300)
+    assert client.stats()["work"] == {"succeeded": 120}
+    # the runs frozen mid-run were stopped at their first step after the freeze
+    frozen = ends_of_frozen()
+    assert frozen and set(frozen.values()) == {"cancelled"}, frozen
+    spans = effective_spans(mongo, db_name, cuts, ("b", stopped, resumed))
+    starts: dict[str, list[dt.datetime]] = defaultdict(list)
+    for entry in log.find({"event": "start"}):
+        starts[entry["key"].partition("/")[0]].append(entry["at"])
+    for g in range(4):
+        group = f"r{g}"
+        assert peak(spans[group]) == 2, (f"{group}: two at once at most", crowd(mongo, db_name))
+        # a token bucket: at most burst + rate * t starts in t seconds (the handlers' starts,
+        # some ms after their claims: a quarter of a second of slack, test_cluster_limits.py)
+        ordered, slack = sorted(starts[group]), 0.25
+        for i in range(len(ordered)):
+            for j in range(i, len(ordered)):
+                window = (ordered[j] - ordered[i]).total_seconds() + slack
+                assert j - i + 1 <= burst + rate * window, (group, ordered[i], ordered[j])
+    took_over = tasks.count_documents({"runs.state": "TIMEOUT"})
+    assert took_over >= 1, "the kill and the freeze left runs to take over"
+    now = client.now()
+    for doc in mongo[db_name]["limits"].find({"group": {"$exists": True}}):
+        assert all(h["expires"] <= now for h in doc["holders"]), doc  # no run holds a slot

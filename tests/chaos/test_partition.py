@@ -1,13 +1,15 @@
 """Every worker a host of its own (a network namespace), each reaching mongod through a proxy
 of its own (``socat`` on mongod's Unix socket): the holder of the relay cut off, frozen and
-killed while tasks flow. Nothing is lost or run twice, nothing stays stranded, and the other
-hosts' claims go on within one relay lease (issue 25)."""
+killed while tasks flow, with the sweep switched off, so that what finds the work is the relay
+and its standby alone (issues 25 and 66). Its standby takes the lease over, long before it runs
+out; the tasks published meanwhile are claimed by live workers while the fault lasts; nothing is
+lost or run twice, nothing stays stranded. How long each takes is measured by the bench (WR),
+not asserted here."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import os
 import shutil
 import signal
@@ -27,14 +29,11 @@ from pymongo import MongoClient
 from mtask import TaskClient
 from mtask.driver import SyncDriver, collections
 from mtask.store import relays
-from mtask.worker.finding.shared.relay import LEASE_TTL
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
 LEASE = {"worker_timeout_ms": 1500, "ping_interval_ms": 300, "max_retries": 20}
 HOSTS = 3
-SLACK = 5.0
-"""Seconds on top of one relay lease that a claim may wait for (a loaded 2-core machine)."""
 
 
 def required(*commands: list[str]) -> None:
@@ -112,14 +111,26 @@ def relay_host(mongo: MongoClient[dict[str, Any]], db: str) -> str | None:
     return None if relay is None else relay.split("/")[0]
 
 
-def longest_wait(client: TaskClient, keys: list[str]) -> float:
-    """The longest time, by the server's clock, from a task's creation to its first claim."""
-    waits = [
-        (doc["runs"][0]["claimed_at"] - doc["created_at"]).total_seconds()
-        for doc in client.collection.find({"_id": {"$in": keys}}, {"runs": 1, "created_at": 1})
-        if doc.get("runs")
-    ]
-    return max(waits, default=0.0)
+def standby_host(mongo: MongoClient[dict[str, Any]], db: str) -> str | None:
+    """The worker that holds the post of the relay's standby (``store.relays.stand_by``)."""
+    lease = mongo[db]["relays"].find_one({"_id": "tasks"}) or {}
+    standby = lease.get("standby")
+    return standby if isinstance(standby, str) else None
+
+
+async def relay_and_standby(
+    mongo: MongoClient[dict[str, Any]], db: str
+) -> tuple[str | None, str | None]:
+    """The relay's host, and its standby's once one holds the post (``None`` after 30 s)."""
+    with contextlib.suppress(TimeoutError):
+        await wait_for(lambda: relay_host(mongo, db) and standby_host(mongo, db), timeout=30)
+    return relay_host(mongo, db), standby_host(mongo, db)
+
+
+def first_claimers(client: TaskClient, keys: list[str]) -> dict[str, str]:
+    """Who claimed each of ``keys`` first (those claimed so far)."""
+    docs = client.collection.find({"_id": {"$in": keys}}, {"runs.worker_id": 1})
+    return {d["_id"]: d["runs"][0]["worker_id"] for d in docs if d.get("runs")}
 
 
 @pytest.fixture
@@ -134,7 +145,8 @@ def hosts(mongo_uri: str, db_name: str, tmp_path: Path) -> Iterator[tuple[Cluste
         for i in range(HOSTS):
             uri = proxies.start(f"h{i}")
             cluster.spawn(
-                f"h{i}", "--uri", uri, "--concurrency", "4", "--sweep-interval", "2",
+                f"h{i}", "--uri", uri, "--concurrency", "4",
+                "--sweep-interval", "3600",  # off: the relay and its standby alone find work
                 prefix=["unshare", "--net"],
             )  # fmt: skip
         yield cluster, proxies
@@ -155,43 +167,44 @@ async def test_the_relays_holder_cut_off_frozen_and_killed(
     await wait_for(lambda: relay_host(mongo, db_name), timeout=30)
     publisher = Publisher(mongo_uri, db_name)
     publisher.start()
-    waits: dict[str, float] = {}
     try:
         for fault in ("cut off", "frozen", "killed"):
-            await asyncio.sleep(2)
-            holder = relay_host(mongo, db_name)
-            assert holder is not None
-            began = len(publisher.keys)
+            holder, standby = await relay_and_standby(mongo, db_name)
+            assert holder is not None and standby not in (None, holder), (fault, standby)
             if fault == "cut off":
                 proxies.signal(holder, signal.SIGSTOP)
             else:
                 cluster.signal(holder, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
-            await asyncio.sleep(LEASE_TTL + 2)  # past the lease: another host holds the relay
+            began = len(publisher.keys)  # published from now on: the holder cannot claim them
+            successor = await wait_for(
+                lambda h=holder: (r := relay_host(mongo, db_name)) not in (None, h) and r,
+                timeout=60,
+            )
+            assert successor == standby, (fault, holder, standby, successor)  # it took over
+            await asyncio.sleep(1.0)  # more tasks published with the holder still away
             during = publisher.keys[began:]
-            await wait_for(lambda h=holder: relay_host(mongo, db_name) not in (None, h), timeout=60)
+            # claimed by the live hosts while the holder is still away, without the sweep
+            await wait_for(
+                lambda keys=during: len(first_claimers(client, keys)) == len(keys), timeout=60
+            )
+            assert holder not in first_claimers(client, during).values(), fault
             if fault == "cut off":
                 proxies.signal(holder, signal.SIGCONT)
             elif fault == "frozen":
                 cluster.signal(holder, signal.SIGCONT)
             await until_some_finished(client, during)
-            waits[fault] = longest_wait(client, during)
     finally:
         keys = publisher.stop()
     await until_finished(client, len(keys), timeout=120)
     report = check(mongo[db_name], set(keys))
     assert not report.problems, "\n".join(report.problems)
     assert report.by_status["succeeded"] == len(keys)
-    for fault, wait in waits.items():  # the others went on within one relay lease
-        assert wait <= LEASE_TTL + SLACK, (fault, wait)
-    # latency back to normal: a task published now is claimed at once (no fault, no sweep)
-    after = client.now()
+    # finding work goes on, the sweep still off: a task published now is run
     client.publish("work", "after", {"ms": 1}, options=LEASE)
     await until_some_finished(client, ["after"])
-    doc = client.collection.find_one({"_id": "after"})
-    assert doc is not None and doc["runs"][0]["claimed_at"] - after < dt.timedelta(seconds=2)
     for worker_id, proc in cluster.procs.items():
         assert proc.poll() is None, (worker_id, cluster.log_of(worker_id)[-2000:])
-    print(f"tasks={len(keys)} runs={report.runs} waits={waits}")
+    print(f"tasks={len(keys)} runs={report.runs}")
 
 
 async def until_some_finished(client: TaskClient, keys: list[str], timeout: float = 90) -> None:

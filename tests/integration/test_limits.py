@@ -17,9 +17,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pymongo import MongoClient
 
-from mtask import TaskClient, slots
+from mtask import TaskClient, TaskOptions, slots, store
+from mtask import limits as mtask_limits
 from mtask.clock import FixedClock
-from mtask.driver import Call, Op
+from mtask.driver import Call, Op, SyncDriver
 from mtask.errors import InvalidTask
 from mtask.limits import (
     MAX_LIMIT_CONCURRENCY,
@@ -423,3 +424,108 @@ async def test_keys_held_back_by_a_rate_come_back_on_time(
     assert len(claims) == 10
     gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(claims)]
     assert min(gaps) >= 0.05 - 0.002  # one token every 50 ms (server-clock milliseconds)
+
+
+def test_runs_counted_in_after_a_change_are_holders_a_take_counts(
+    client: TaskClient, mongo: MongoClient[dict[str, Any]], db_name: str
+) -> None:
+    """``slots.join`` on the server: runs started before a limit take places beyond it (a run
+    already a holder is not added twice), a group's document is made by its first join, and a
+    take counts them all: no new run until fewer than the limit run."""
+    driver = SyncDriver(mongo[db_name])
+    client.set_limit("n", concurrency=1)
+    gslot = group_slot("n", "g")
+    known: set[str] = set()
+    joins = [
+        Request("n", "r1", "k1", 5000),
+        Request("n", "r2", "k2", 5000),
+        Request(gslot, "r1", "k1", 5000, Limit(2)),
+    ]
+    driver.run(slots.join(joins, "w", T0, known))
+    driver.run(slots.join(joins[:1], "w", T0, known))  # a holder already: nothing
+    limits = mongo[db_name].limits
+    assert [h["run_id"] for h in limits.find_one({"_id": "n"})["holders"]] == ["r1", "r2"]
+    group = limits.find_one({"_id": gslot})
+    assert [h["run_id"] for h in group["holders"]] == ["r1"] and group["group"] == "g"
+    assert known == {gslot}
+    assert not driver.run(take([Request("n", "r3", "k3", 5000)], "w", T0))[0].taken
+    taken = driver.run(
+        take([Request(gslot, r, f"k-{r}", 5000, Limit(2)) for r in ("r4", "r5")], "w", T0)
+    )
+    assert [t.taken for t in taken] == [True, False]  # r1 counted: one place left of two
+    # a cleared limit is not made again by a join
+    client.clear_limit("n")
+    driver.run(slots.join(joins[:1], "w", T0, known))
+    assert limits.find_one({"_id": "n"}) is None
+
+
+def test_a_sequences_head_is_told_of_a_run_its_groups_slot_holds(
+    client: TaskClient, mongo: MongoClient[dict[str, Any]], db_name: str
+) -> None:
+    driver = SyncDriver(mongo[db_name])
+    for group in ("g", "h"):
+        client.publish("n", f"{group}-1", options=TaskOptions(group=group))
+    now = client.now()
+    live = Request(group_slot("n", "g"), "r1", "k1", 60_000, Limit(3))
+    ended = Request(group_slot("n", "h"), "r2", "k2", 1, Limit(3))
+    driver.run(slots.join([live, ended], "w", now - dt.timedelta(seconds=1), set()))
+    pairs = [("n", "g"), ("n", "h")]
+    heads = driver.run(store.heads_and_slots(pairs, pairs, now))
+    assert heads[("n", "g")]["_id"] == "g-1" and heads[("n", "g")].get("slot_held") is True
+    assert heads[("n", "h")]["_id"] == "h-1" and "slot_held" not in heads[("n", "h")]
+    assert driver.run(store.heads([("n", "g")])) == {
+        ("n", "g"): {k: v for k, v in heads[("n", "g")].items() if k != "slot_held"}
+    }
+
+
+async def test_a_limit_is_read_on_its_change_and_never_on_a_slots(
+    mongo_uri: str, db_name: str, client: TaskClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each run of a limited name gives its slot back (an event on the name's document): no
+    read of the limits. A change of the limit: one read by the worker, and it says so."""
+    reads: list[list[str]] = []
+    limits_of = mtask_limits.limits_of
+
+    def counted(names: Any) -> Any:
+        reads.append(sorted(names))
+        return limits_of(names)
+
+    monkeypatch.setattr(mtask_limits, "limits_of", counted)
+    registry, _, done = spans_registry(12, 0.01)
+    client.set_limit("limited", concurrency=1)
+    async with running_worker(
+        registry, mongo_uri, db_name, concurrency=4, stream="own", limits_refresh=3600
+    ) as (_, events):
+        await events.wait("limits_applied", name="limited")  # its first read
+        client.publish_many([{"name": "limited", "key": f"k{i}"} for i in range(12)])
+        await asyncio.wait_for(done.wait(), 30)
+        await events.wait("recorded", count=12)
+        assert reads == []  # twelve slots given back, twelve events: no read
+        client.set_limit("limited", concurrency=2)
+        await events.wait("limits_applied", count=2, name="limited")
+        assert reads == [["limited"]]
+
+
+def test_a_limit_that_makes_sequences_notes_it_until_no_groups_slot_holds_a_run(
+    client: TaskClient, mongo: MongoClient[dict[str, Any]], db_name: str
+) -> None:
+    """``limits.SLOT_RUNS``: set by a ``set_limit`` that makes the groups sequences (their
+    heads are read with the groups' slots), settled once no group's slot holds a live run, and
+    only as the value read (a ``set_limit`` since keeps its own)."""
+    driver = SyncDriver(mongo[db_name])
+    limits = mongo[db_name].limits
+    client.set_limit("n", group_concurrency=3)
+    assert limits.find_one({"_id": "n"})[mtask_limits.SLOT_RUNS] is None
+    client.set_limit("n", group_concurrency=1)
+    since = mtask_limits.slot_runs(limits.find_one({"_id": "n"}))
+    assert since is not None
+    now = since + mtask_limits.SETTLE_AFTER
+    live = Request(group_slot("n", "g"), "r1", "k1", 60_000, Limit(3))
+    driver.run(slots.join([live], "w", now, set()))
+    driver.run(slots.join([Request(group_slot("nn", "g"), "r2", "k2", 60_000)], "w", now, set()))
+    assert not driver.run(mtask_limits.settle_slot_runs("n", since, now))  # r1 runs on
+    driver.run(slots.release({group_slot("n", "g"): ["r1"]}))
+    later = dt.datetime(2099, 1, 1, tzinfo=dt.UTC)
+    assert not driver.run(mtask_limits.settle_slot_runs("n", later, now))  # not the value read
+    assert driver.run(mtask_limits.settle_slot_runs("n", since, now))  # another name's: not n's
+    assert mtask_limits.slot_runs(limits.find_one({"_id": "n"})) is None

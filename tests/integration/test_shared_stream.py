@@ -19,6 +19,7 @@ from mtask.driver import SyncDriver, collections
 from mtask.store import relays
 from mtask.worker import Worker
 from mtask.worker.finding.shared import mailbox
+from mtask.worker.finding.shared.lease import LEASE_TTL, TAKE_OVER_AFTER
 from mtask.worker.finding.shared.subscriber import SharedStream
 from mtask.worker.finding.shared.wire import LET_GO
 
@@ -301,3 +302,39 @@ async def test_a_dispatched_workers_queue_keeps_no_more_than_it_holds(
             assert shared(worker).dispatched
             queue = worker.parts.queue
             assert len(queue._latest) <= 2 * len(queue) + 64
+
+
+async def test_only_the_standby_takes_a_silent_relays_lease_over_before_it_runs_out(
+    mongo: Any, db_name: str, client: TaskClient
+) -> None:
+    """The standby's post and the takeover, decided by the server on its own clock (issue 66):
+    one worker holds the post at a time; it may take the lease over once the relay has not
+    renewed it for ``TAKE_OVER_AFTER`` (long before the lease runs out), and no sooner; no one
+    else may; the new relay starts without a standby; the old one finds the lease another's."""
+    run = SyncDriver(collections(mongo[db_name])).run
+    leases = mongo[db_name].relays
+    ttl, stale = int(LEASE_TTL * 1000), int(TAKE_OVER_AFTER * 1000)
+    run(relays.ensure("tasks"))
+    assert run(relays.acquire("tasks", "a/1", ttl))
+    assert run(relays.renew("tasks", "a/1", ttl)) == relays.Renewal(None, False)
+    assert run(relays.stand_by("tasks", "a/1", "w2", 3_000))
+    assert not run(relays.stand_by("tasks", "a/1", "w3", 3_000))  # w2's, and not run out
+    assert not run(relays.stand_by("tasks", "b/1", "w3", 3_000))  # not b/1's lease
+    assert run(relays.renew("tasks", "a/1", ttl)) == relays.Renewal("w2", True)
+    assert not run(relays.take_over("tasks", "a/1", "w2", "w2/1", stale, ttl))  # renewed now
+    # a/1 last renewed 1 s ago by the server's clock (frozen, dead, cut off): 9 s of lease left
+    leases.update_one({"_id": "tasks"}, [{"$set": {"expires_at": {"$add": ["$$NOW", 9_000]}}}])
+    assert run(relays.holder("tasks")) == "a/1"  # its lease has not run out
+    assert not run(relays.take_over("tasks", "a/1", "w3", "w3/1", stale, ttl))  # not the standby
+    assert not run(relays.acquire("tasks", "c/1", ttl))  # nor anyone else
+    assert run(relays.take_over("tasks", "a/1", "w2", "w2/1", stale, ttl))
+    assert run(relays.holder("tasks")) == "w2/1"
+    assert run(relays.renew("tasks", "w2/1", ttl)) == relays.Renewal(None, False)
+    assert run(relays.renew("tasks", "a/1", ttl)) is None  # a thawed relay: another's
+    # a post nobody renews runs out: another worker may take it
+    assert run(relays.stand_by("tasks", "w2/1", "w4", 3_000))
+    leases.update_one({"_id": "tasks"}, {"$set": {"standby_until": client.now()}})
+    assert run(relays.renew("tasks", "w2/1", ttl)) == relays.Renewal("w4", False)
+    assert run(relays.stand_by("tasks", "w2/1", "w5", 3_000))
+    leases.update_one({"_id": "tasks"}, {"$set": {"expires_at": "tomorrow"}})  # any shape
+    assert not run(relays.take_over("tasks", "w2/1", "w5", "w5/1", stale, ttl))

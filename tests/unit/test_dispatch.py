@@ -5,7 +5,11 @@ stream shows of their claims and successes (their ``last_write`` tags)."""
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import Any, cast
+
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver
@@ -354,3 +358,78 @@ def test_a_worker_handed_a_key_it_runs_says_it_missed() -> None:
     assert not placement.hand("running", "n", 0, None, NOW)  # a second slot of a task it runs
     assert placement.hand("new", "n", 0, None, NOW)
     assert list(placement.queue.entries) == ["new"]
+
+
+def test_a_key_whose_hand_over_lapses_goes_to_another_and_its_subscriber_gets_no_more() -> None:
+    """A subscriber that stops acknowledging (dead, frozen, cut off: no claim, no word): the key
+    handed to it waits less than a second, then goes to another subscriber, and nothing more is
+    handed to it until it is heard from again (issue 66: it waited 5 s, and took new keys)."""
+    d, _ = build()
+    a, b = Channel(), Channel()
+    d.add(a, "a", ["n"], 2)
+    d.add(b, "b", ["n"], 2)
+    d.host.place(task("k0"))
+    before = time.monotonic()
+    assert d.hand_out(NOW) == 1 and a.got() == ["k0"]
+    handed_to, until = d.awaiting["k0"]
+    assert handed_to is account(d, a) and until - before < 1.0  # it lapses within a second
+    d.awaiting["k0"] = (handed_to, 0.0)  # ... and it has: a said nothing, claimed nothing
+    d.run_once()
+    assert b.got() == ["k0"] and d.awaiting["k0"][0] is account(d, b) and d.returned == 1
+    d.host.place(task("k1"))  # a's turn, and credit left: but it is unheard
+    assert d.hand_out(NOW) == 1 and b.got() == ["k0", "k1"] and a.got() == ["k0"]
+    assert d.stats()["unheard"] == 1
+    d.report(a, free=2, got=1, done=0)  # a speaks (its claim of k0 missed, say): heard again
+    d.host.place(task("k2"))
+    assert d.hand_out(NOW) == 1 and a.got() == ["k0", "k2"]
+
+
+@given(st.lists(st.floats(min_value=0.0, max_value=60.0), max_size=40))
+def test_a_hand_over_lapses_after_half_a_second_unless_every_claim_takes_longer(
+    took: list[float],
+) -> None:
+    """While claims are heard of within milliseconds, a hand-over lapses after
+    ``HAND_OVER_TIMEOUT``; while every claim takes longer (an overloaded cluster), it waits
+    longer, or each key would be handed twice; never longer than ``HAND_OVER_MOST``."""
+    waits = credit.HandOvers()
+    a = credit.Account(Channel(), "a", frozenset({"n"}), 1)
+    for i, seconds in enumerate(took):
+        waits.hand(f"k{i}", a, 100.0)
+        waits.heard(f"k{i}", 100.0 + seconds)
+        assert credit.HAND_OVER_TIMEOUT <= waits.timeout() <= credit.HAND_OVER_MOST
+    assert not waits and not waits.since  # every wait over, nothing kept
+    if took and max(took) < 0.05:
+        assert waits.timeout() == credit.HAND_OVER_TIMEOUT
+    if len(took) >= 20 and min(took) > 1.0:
+        assert waits.timeout() > 1.0  # (a key still lapses, only later)
+
+
+def test_what_a_hand_over_waits_is_learnt_from_the_events_that_end_it() -> None:
+    d, _ = build()
+    a = Channel()
+    d.add(a, "a", ["n"], 10)
+    d.host.place(task("k"))
+    d.hand_out(NOW)
+    handed_at = d.awaiting.since["k"]
+    d.awaiting.since["k"] = handed_at - 2.0  # its claim's event comes 2 s after the hand-over
+    d.on_change(claimed("k", "a", NOW + dt.timedelta(seconds=30)))
+    assert "k" not in d.awaiting and d.awaiting.heard_in is not None
+    assert d.awaiting.timeout() > credit.HAND_OVER_TIMEOUT  # the next one waits longer
+
+
+def test_hand_overs_that_lapse_wait_longer_until_a_claim_is_heard_in_time() -> None:
+    """A round that saw lapses doubles the next wait (an overloaded cluster: every claim late);
+    a key handed again after a lapse teaches nothing (whose claim is it?); a claim heard in
+    time brings the wait back down."""
+    waits = credit.HandOvers()
+    a = credit.Account(Channel(), "a", frozenset({"n"}), 1)
+    waits.hand("k", a, 100.0)
+    assert waits.lapsed(100.0 + credit.HAND_OVER_TIMEOUT) == ["k"]
+    assert waits.timeout() == 2 * credit.HAND_OVER_TIMEOUT
+    waits.pop("k")  # (given back: the dispatcher's)
+    waits.hand("k", a, 101.0)  # handed again
+    waits.heard("k", 101.9)  # a claim: its first subscriber's, or its second's?
+    assert waits.heard_in is None and waits.timeout() == 2 * credit.HAND_OVER_TIMEOUT
+    waits.hand("j", a, 102.0)
+    waits.heard("j", 102.01)  # heard in time
+    assert waits.timeout() == credit.HAND_OVER_TIMEOUT and not waits.since and not waits.retried

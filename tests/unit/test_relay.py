@@ -12,20 +12,23 @@ import pytest
 from finders import finder_for
 from pymongo.errors import AutoReconnect
 
-from mtask import Registry, TaskContext, events, limits, store
+from mtask import Registry, TaskContext, events, store
 from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver
 from mtask.worker import Worker
 from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.finding import stream
 from mtask.worker.finding.finder import Others
-from mtask.worker.finding.shared import credit, mailbox
+from mtask.worker.finding.shared import credit, mailbox, wire
 from mtask.worker.finding.shared.channels import FRAME_BYTES
 from mtask.worker.finding.shared.dispatch import Dispatcher
+from mtask.worker.finding.shared.lease import RelayLease, new_id
+from mtask.worker.finding.shared.mode import RelayMode
 from mtask.worker.finding.shared.relay import Relay
 from mtask.worker.finding.shared.reporter import Reporter
-from mtask.worker.finding.shared.subscriber import SharedStream
+from mtask.worker.finding.shared.subscriber import SharedStream, SubscriberState
 from mtask.worker.finding.shared.subscription import InboxSubscription
+from mtask.worker.finding.shared.waiters import GroupWaiters
 from mtask.worker.finding.shared.wire import LET_GO, PROTOCOL, apply_report
 from mtask.worker.finding.stream import ClaimsFirst, ClaimsFirstInbox, OwnStream, stream_pipeline
 from mtask.worker.inflight import InFlight
@@ -87,13 +90,16 @@ class FakeDatabase:
 
 
 def relay_with(buffer: int = 100_000) -> Relay:
+    waiters = GroupWaiters()
     dispatcher = Dispatcher.build(
         cast(AsyncDriver, None),
         FixedClock(WHEN),
         new_queue=lambda: ClaimQueue(100),
         sweep_interval=30.0,
+        waiters=waiters,
     )
-    return Relay(FakeDatabase(), "tasks", "me", buffer, dispatcher)
+    lease = RelayLease(cast(AsyncDriver, None), "tasks", new_id("me"))
+    return Relay(FakeDatabase(), "tasks", "me", buffer, dispatcher, dispatcher.host, lease, waiters)
 
 
 def hello(relay: Relay, worker_id: str, subscription: str, **more: Any) -> None:
@@ -321,11 +327,11 @@ async def test_finding_work_alone_that_breaks_stops_the_shared_stream() -> None:
     async def broken(own_stream: bool) -> None:
         raise ValueError("a bug in the own stream")
 
-    async def left_alone() -> None:
-        stream._find_alone(own_stream=True)
+    async def left_alone(relay_id: str | None) -> None:
+        stream.alone.start(own_stream=True)
         await asyncio.Event().wait()
 
-    stream._run_alone = broken  # type: ignore[method-assign]
+    stream.alone._run = broken  # type: ignore[method-assign]
     stream._follow_relay = left_alone  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="finding work alone failed") as caught:
         await asyncio.wait_for(stream.run(), 5)
@@ -348,26 +354,27 @@ async def test_finding_alone_reads_the_peers_at_once_and_a_worker_without_inboxe
     async def alone(own_stream: bool) -> None:
         await asyncio.Event().wait()
 
-    stream._run_alone = alone  # type: ignore[method-assign]
-    stream.dispatched = True  # the relay hands it its tasks: nothing to rank
+    stream.alone._run = alone  # type: ignore[method-assign]
+    stream.state = SubscriberState.DISPATCHED  # the relay hands it its tasks: nothing to rank
     assert not stream.ranks() and not stream.leads()
-    stream.dispatched = False  # as a subscription's end leaves it, before it finds work alone
-    stream._find_alone(own_stream=True)
+    stream.state = SubscriberState.BETWEEN  # as a subscription's end leaves it, then alone
+    stream.alone.start(own_stream=True)
     assert stream.ranks() and asked == ["read"]
-    stream._find_alone(own_stream=True)  # already so: no second read
+    stream.alone.start(own_stream=True)  # already so: no second read
     assert asked == ["read"] and not stream.leads()
     falling = asyncio.create_task(stream._fall_back("no right to make a capped collection"))
     await asyncio.sleep(0)
     assert stream.leads() and stream.ranks()
     falling.cancel()
-    stream._stop_alone()
+    stream.alone.stop()
     await asyncio.gather(falling, return_exceptions=True)
 
 
 async def test_the_end_of_a_sequences_run_reaches_only_who_waits_for_its_group() -> None:
     """A sequence's lock is a task's, not a document's: when another worker's run of a grouped
     task ends, the relay tells the subscribers holding keys of that group (its lock may be
-    free), and no one else."""
+    free), and no one else: in a frame of its own (``wire.group_freed``), not a made-up limit
+    event."""
     relay = relay_with()
     first = relay.attach("a", ["n"], 4)
     second = relay.attach("b", ["n"], 4)
@@ -393,12 +400,8 @@ async def test_the_end_of_a_sequences_run_reaches_only_who_waits_for_its_group()
 
     relay.on_change(ended("k1", WHEN + dt.timedelta(seconds=5)))  # a retry: still holds it
     relay.on_change(ended("k1", None))  # finished: the lock may be free
-    notice = {
-        "operationType": "update",
-        "ns": {"coll": "limits"},
-        "documentKey": {"_id": limits.claim_lock("n", "g")},
-    }
-    assert await second.next() == notice
+    notice = wire.group_freed("n", "g")
+    assert await second.next() == notice == {"freed": ["n", "g"]}
     assert not first.items and not second.items  # once, to b alone
     relay.on_change(ended("k1", None))  # no one waits any more
     assert not second.items
@@ -585,3 +588,100 @@ async def test_a_subscription_ends_at_its_relays_last_frame() -> None:
     sub._frames = frames()
     assert await sub.next_frame() == {"relay": "open"}
     assert await sub.next_frame() is None
+
+
+async def test_the_relays_mode_is_one_state_its_transitions_in_one_place() -> None:
+    """``RelayMode``: starting until its stream opens; alone with its own worker (the task
+    events passed on, the host queue idle); handing out once another subscriber comes (the
+    host queue scans at once, ``OPEN`` to everyone); alone again when that one goes."""
+    relay = relay_with()
+    relay.loop = asyncio.get_running_loop()
+    scans: list[bool] = []
+
+    async def rescan(requested: bool = False) -> int:
+        scans.append(requested)  # (what a scan reads is the scanner's tests' business)
+        return 0
+
+    relay.host.scanner.rescan = rescan  # type: ignore[method-assign]
+    own = relay.attach("me", ["n"], 1)
+    assert relay.mode is RelayMode.STARTING and not own.items  # nothing before its stream
+    await relay.opened()
+    assert relay.mode is RelayMode.ALONE and relay.direct is own and scans == []
+    assert await own.next() == wire.OWN  # its worker scans for itself
+    hello(relay, "a", "a/1")
+    assert relay.mode is RelayMode.HANDING and relay.direct is None
+    await asyncio.sleep(0)
+    assert scans == [True]  # the host queue scans at once, not after the sweep's gap
+    assert await own.next() == wire.OPEN
+    await asyncio.sleep(0.01)
+    inbox = relay.database[mailbox.inbox_name("tasks", "a/1")]
+    assert inbox.batches == [[{"f": wire.OPEN}]]  # once, though it came as the mode changed
+    hello(relay, "b", "b/1", names=["m"])  # new names, handing out already: scanned at once
+    await asyncio.sleep(0)
+    assert scans == [True, True]
+    for subscription in ("a/1", "b/1"):
+        relay._on_report({"to": relay.id, "from": subscription, "f": {"bye": True}})
+    assert relay.mode is RelayMode.ALONE and await own.next() == wire.OWN
+    assert await relay.host.rescan() == 0 and scans == [True, True]  # idle: scans nothing
+
+
+async def test_a_subscriber_hears_a_groups_end_and_its_relays_successor_in_frames() -> None:
+    """The end of a run of a group it waits for reaches the worker's limit gate as
+    ``Others.group_freed`` (a frame of its own: no made-up limit event); the last frame of a
+    relay that took over names it, and ends the subscription to the one before."""
+    heard: list[tuple[str, str]] = []
+    tasks = FakeInbox("tasks")
+    tasks.database = FakeDatabase()  # type: ignore[attr-defined]
+    fake_driver = cast(AsyncDriver, type("D", (), {"collections": {"tasks": tasks}})())
+    others = Others(group_freed=lambda name, group: heard.append((name, group)))
+    finder = finder_for(None, FixedClock(WHEN), ["n"], others=others)
+    stream = SharedStream(fake_driver, FixedClock(WHEN), "w1", finder, lambda: 1)
+    await stream._on_frame(wire.group_freed("n", "g"), "r/1")
+    assert heard == [("n", "g")]
+
+    database = FakeDatabase()
+    driver = SimpleNamespace(
+        collections={"tasks": SimpleNamespace(database=database, name="tasks")}
+    )
+    sub = InboxSubscription(cast(AsyncDriver, driver), "relay-1", "w1", lambda: None)
+
+    async def frames() -> AsyncIterator[dict[str, Any]]:
+        yield {"f": wire.taken("w2/new")}
+        raise AssertionError("read past the last frame")
+
+    sub._frames = frames()
+    assert await sub.next_frame() is None and sub.taken_by == "w2/new"
+
+
+async def test_a_subscription_follows_the_relay_that_took_over_from_the_same_inbox() -> None:
+    """A relay that took the lease over writes its name into the inbox (``wire.taken``): the
+    subscription says hello to it from the same inbox and reads on (no collection made or
+    dropped); one this process holds ends it (the worker follows it in memory)."""
+    database = FakeDatabase()
+    driver = SimpleNamespace(
+        collections={"tasks": SimpleNamespace(database=database, name="tasks")}
+    )
+    follows = {"w2/new": True, "w1/mine": False}
+    sub = InboxSubscription(
+        cast(AsyncDriver, driver),
+        "relay-1",
+        "w1",
+        lambda: None,
+        hello=lambda: {"worker_id": "w1", "names": ["n"], "free": 3},
+        on_moved=follows.__getitem__,
+    )
+
+    async def frames() -> AsyncIterator[dict[str, Any]]:
+        yield {"f": wire.taken("w2/new")}
+        yield {"f": wire.taken("w2/new")}  # (said again: followed already)
+        yield {"f": wire.OPEN}
+        yield {"f": wire.taken("w1/mine")}
+        raise AssertionError("read past the end")
+
+    sub._frames = frames()
+    assert await sub.next_frame() == wire.OPEN and sub.relay_id == "w2/new"
+    await asyncio.sleep(0.01)
+    [[hello]] = database[mailbox.reports_name("tasks")].batches
+    assert hello["to"] == "w2/new" and hello["f"]["hello"] == wire.PROTOCOL
+    assert hello["f"]["inbox"] == sub.inbox and hello["f"]["free"] == 3  # the same inbox
+    assert await sub.next_frame() is None and sub.taken_by == "w1/mine"

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from scripted import AsyncScriptedDriver, Step
 
 from mtask.driver import AsyncDriver
-from mtask.worker.finding.shared.relay import RENEW_EVERY
+from mtask.worker.finding.shared.lease import RENEW_EVERY
 from mtask.worker.finding.shared.subscription import (
     LATE_AFTER,
     LOOK_EVERY,

@@ -9,14 +9,16 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pymongo.errors import DuplicateKeyError
-from pymongo.results import UpdateResult
+from pymongo import UpdateOne
+from pymongo.errors import BulkWriteError, DuplicateKeyError, WriteError
+from pymongo.results import BulkWriteResult, UpdateResult
 from scripted import ScriptedDriver, Step
 
 from mtask import flows, store
 from mtask.driver import Call
 from mtask.errors import InvalidTask, StorageError, TaskNotFound
 from mtask.models import NewTask
+from mtask.store import claims
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -252,3 +254,111 @@ def test_a_signal_to_no_task_names_the_key_once() -> None:
         driver.run(store.steps.signal("nope", "approved", {"by": "ann"}))
     assert info.value.key == "nope" and str(info.value) == "no task with key 'nope'"
     assert driver.done
+
+
+# -- a sequence's claim (store.claim_locked): its exact calls, pinned -------------------------
+
+LOCKED = {"a": ("n", "g1"), "b": ("n", "g2"), "c": ("n", "g3"), "d": ("n", "g4")}
+GROUPED = {"options.group": {"$type": "string"}}
+
+
+def lean_locked(keys: list[str]) -> Call:
+    (stage,) = claims.claim_lean_pipeline("b1", "w1", NOW)
+    lean = [{"$set": {**stage["$set"], "group_lock": True}}]
+    return Call(
+        "update_many",
+        ({**claims.claim_lean_filter(keys, ["n"], "w1", NOW), **GROUPED}, lean),
+        timeout=claims.CLAIM_TIMEOUT_S,
+    )
+
+
+def read_locked(keys: list[str]) -> Call:
+    run_ids = [store.run_id_for("b1", k) for k in keys]
+    return Call("find", ({"_id": {"$in": keys}, "runs.run_id": {"$in": run_ids}}, None))
+
+
+def full_locked(keys: list[str]) -> Call:
+    requests = [
+        UpdateOne(
+            {**claims.claim_filter([k], ["n"], "w1", NOW), **GROUPED},
+            [*claims.claim_pipeline("b1", "w1", NOW), claims.lock_stage("b1")],
+        )
+        for k in keys
+    ]
+    return Call("bulk_write", (requests,), {"ordered": False}, timeout=claims.CLAIM_TIMEOUT_S)
+
+
+def busy_group(group: str) -> WriteError:
+    return WriteError("E11000", 11000, {"keyValue": {"name": "n", "options.group": group}})
+
+
+def test_a_sequences_claim_retries_without_busy_groups_then_claims_the_rest_one_by_one() -> None:
+    """The exact calls of ``claim_locked`` (a refactor must send the same): the lean batch sent
+    again without the group its duplicate key names; one read; the full pipeline for what is
+    left, in one unordered bulk, whose refusals name busy and broken keys."""
+    refused = BulkWriteError(
+        {
+            "writeErrors": [{"index": 0, "code": 11000}, {"index": 1, "code": 2, "errmsg": "bad"}],
+            "nModified": 0,
+        }
+    )
+    driver = ScriptedDriver(
+        Step("update_many", raises=busy_group("g2")),
+        Step("update_many", reply=updated(1)),
+        Step("find", reply=[{"_id": "a"}]),
+        Step("bulk_write", raises=refused),
+    )
+    docs, busy, broken = driver.run(store.claim_locked(LOCKED, ["n"], "w1", NOW, batch="b1"))
+    assert driver.done and [d["_id"] for d in docs] == ["a"]
+    assert busy == {"b", "c"} and broken == {"d": "bad"}
+    assert driver.calls == [
+        lean_locked(["a", "b", "c", "d"]),
+        lean_locked(["a", "c", "d"]),
+        read_locked(["a", "b", "c", "d"]),
+        full_locked(["c", "d"]),
+    ]
+
+
+def test_a_sequences_claim_reads_what_its_full_pipeline_took() -> None:
+    """A write error that is no busy group goes straight to the bulk; what it took is read."""
+    took = BulkWriteResult({"nModified": 1, "writeErrors": []}, acknowledged=True)
+    driver = ScriptedDriver(
+        Step("update_many", raises=WriteError("cannot apply $set", 2, {})),
+        Step("find", reply=[]),
+        Step("bulk_write", reply=took),
+        Step("find", reply=[{"_id": "b"}]),
+    )
+    pairs = {k: LOCKED[k] for k in ("a", "b")}
+    docs, busy, broken = driver.run(store.claim_locked(pairs, ["n"], "w1", NOW, batch="b1"))
+    assert driver.done and [d["_id"] for d in docs] == ["b"] and not busy and not broken
+    assert driver.calls == [
+        lean_locked(["a", "b"]),
+        read_locked(["a", "b"]),
+        full_locked(["a", "b"]),
+        read_locked(["a", "b"]),
+    ]
+
+
+def test_a_sequences_claim_gives_up_its_retries_after_four_busy_groups() -> None:
+    took = BulkWriteResult({"nModified": 0, "writeErrors": []}, acknowledged=True)
+    driver = ScriptedDriver(
+        *(Step("update_many", raises=busy_group(g)) for g in ("g1", "g2", "g3", "g4")),
+        Step("find", reply=[]),
+        Step("bulk_write", reply=took),
+    )
+    many = {**LOCKED, "e": ("n", "g5")}
+    docs, busy, broken = driver.run(store.claim_locked(many, ["n"], "w1", NOW, batch="b1"))
+    assert driver.done and docs == [] and busy == {"a", "b", "c", "d"} and not broken
+    assert driver.calls == [
+        lean_locked(["a", "b", "c", "d", "e"]),
+        lean_locked(["b", "c", "d", "e"]),
+        lean_locked(["c", "d", "e"]),
+        lean_locked(["d", "e"]),
+        read_locked(["a", "b", "c", "d", "e"]),
+        full_locked(["e"]),
+    ]
+
+
+def test_a_sequences_claim_of_nothing_sends_nothing() -> None:
+    driver = ScriptedDriver()
+    assert driver.run(store.claim_locked({}, ["n"], "w1", NOW)) == ([], set(), {})

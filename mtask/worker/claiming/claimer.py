@@ -2,13 +2,19 @@
 that failed or missed leaves to do.
 
 ``run`` is the worker's main loop. It waits on ``wake | timer``, and claims only for free
-slots and the runs its ``ClaimAhead`` allows beyond them (claim_ahead.py), in one round trip
-per batch (``store.claim``), only while at most as many outcomes wait to be written (so a
-worker holds at most twice that in leases: runs running or claimed ahead, and finished runs
-whose outcome is on its way). Its two collaborators: ``ClaimCalls`` (claim_calls.py: one
-claim call, and what a failed one leaves to do) and ``LimitedClaims`` (limited_claims.py: keys
-of names under a cluster-wide limit, claimed in batches of their own after their slots and
-tokens).
+slots and the runs its ``ClaimAhead`` allows beyond them (ahead.py), only while at most as
+many outcomes wait to be written (so a worker holds at most twice that in leases: runs running
+or claimed ahead, and finished runs whose outcome is on its way).
+
+Groups and limits are decided here, in one place: the ``LimitGate`` splits the keys popped
+(``partition``) between the claimer's two strategies, each with ``claim(keys, names, now)``:
+
+- ``PlainClaims`` (plain.py): the keys of names under no cluster-wide limit, in one round trip
+  per batch (``store.claim`` through ``ClaimCalls``), inline;
+- ``LimitedClaims`` (limited_claims.py): the keys of limited names, in batches of their own
+  beside the loop, after their slots and tokens (and a sequence's head in a key's place).
+
+Both hand what they claimed to one ``Starter`` (start.py), the one place runs start.
 
 Ownership: every field is the event loop's. Keys are ``InFlight.claiming`` from the moment a
 claim is sent until its runs have started, so the claim's own change events cannot queue them.
@@ -22,14 +28,14 @@ import datetime as dt
 import time
 from typing import ClassVar
 
-from mtask import metrics
 from mtask.clock import Clock
-from mtask.tracing import span
 from mtask.worker.claiming.ahead import ClaimAhead
-from mtask.worker.claiming.calls import RETRY_SOON, ClaimCalls
+from mtask.worker.claiming.calls import ClaimCalls
 from mtask.worker.claiming.gate import LimitGate
 from mtask.worker.claiming.limited_claims import LimitedClaims
+from mtask.worker.claiming.plain import PlainClaims
 from mtask.worker.claiming.queue import ClaimQueue
+from mtask.worker.claiming.start import Starter
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight
 from mtask.worker.presence import Assignment, Lifecycle
@@ -59,8 +65,19 @@ class Claimer:
         wake: asyncio.Event,
     ) -> None:
         self.clock = clock
-        self.calls = calls
         self.limited = limited
+        """The second strategy: keys of limited names, in batches beside the loop."""
+        self.plain = PlainClaims(
+            calls,
+            clock,
+            queue=queue,
+            inflight=inflight,
+            sink=sink,
+            ahead=ahead,
+            starter=Starter(runs, sink, stats),
+            stats=stats,
+        )
+        """The first strategy: keys of names under no limit, in one claim inline."""
         self.concurrency = concurrency
         self.ahead = ahead
         """How many runs may be claimed beyond ``concurrency`` (claim_ahead.py)."""
@@ -151,55 +168,16 @@ class Claimer:
         return False, None if wake_at is None else max(0.0, (wake_at - now).total_seconds())
 
     async def claim(self, keys: list[str], names: list[str], now: dt.datetime) -> None:
-        """Claim ``keys`` (found due at ``now``) for ``names``, and start the runs claimed."""
-        if self.gate.limited:
-            # Names with a cluster-wide limit are claimed after their slots were taken; the
-            # batch claim below never matches them.
-            held = [k for k in keys if (m := self.sink.known(k)) and self.gate.is_limited(m.name)]
-            if held:
-                await self.limited.claim_soon(held, names, now)
-                done = set(held)
-                keys = [k for k in keys if k not in done]
-            names = [n for n in names if not self.gate.is_limited(n)]
-            if not keys:
-                return
-            if not names:  # keys whose name we no longer know: look them up again
-                await self.sink.requeue(keys)
-                return
-        self.stats.claim_calls += 1
-        self.stats.claim_attempts += len(keys)
-        hints = self.sink.timeouts(keys)
-        # From here the keys count as in flight: the claim's own change events may arrive
-        # before its reply, and must not put the keys back in the queue.
-        with self.inflight.claiming(keys):
-            # The claim's leases end at `now` + their timeout: `now` is read after `sent` (and
-            # after any wait for the limited batches above), so none ends before `sent` + its
-            # timeout by this process's clock, when the run's local deadline falls.
-            sent = time.monotonic()
-            now = self.clock.now()
-            with span("mtask.claim", keys=len(keys)):
-                docs = await self.calls.send(keys, names, now, hints, isolate_on_error=True)
-            if docs is None:  # MongoDB failed and nothing was taken: try again shortly
-                for key in keys:
-                    self.queue.push(key, now + RETRY_SOON)
-            else:
-                round_trip = time.monotonic() - sent
-                metrics.CLAIM_LATENCY.observe(round_trip)
-                self.ahead.claimed(round_trip)
-                if len(docs) > 1:  # started in the queue's order: the first take the slots
-                    order = {key: i for i, key in enumerate(keys)}
-                    docs.sort(key=lambda d: order.get(d["_id"], len(order)))
-                for doc in docs:
-                    self.runs.start(doc, sent)
-                    self.sink.claimed(doc)
-                self.stats.claimed += len(docs)
-        if docs is None:
-            await asyncio.sleep(0.5)
-            return
-        claimed = {d["_id"] for d in docs}
-        missed = [k for k in keys if k not in claimed]
-        if missed:
-            # A key we did not get goes back only if it was not yet due when we tried (our
-            # clock may be a millisecond early); otherwise another worker has it, or we may not
-            # run it, and an event or the sweep brings it back when that changes.
-            await self.sink.requeue(missed, later_than=now)
+        """Claim ``keys`` (found due at ``now``) for ``names``, and start the runs claimed:
+        the keys of limited names by the limited strategy (``claim_soon``: beside the loop),
+        the others by one plain claim for the names under no limit (which never matches a
+        limited key)."""
+        split = self.gate.partition(keys, names)
+        # the plain claim first, with no wait between the split and its claim: a limit that
+        # changes meanwhile finds it on its way (``InFlight.claims_before``), never after
+        if split.plain and split.names:
+            await self.plain.claim(split.plain, split.names, now)
+        elif split.plain:  # keys whose name we no longer know: look them up again
+            await self.sink.requeue(split.plain)
+        if split.limited:
+            await self.limited.claim_soon(split.limited, names, now)

@@ -1,13 +1,16 @@
 """The worker's side of the cluster-wide limits (``mtask.limits``, ``mtask.slots``).
 
-The gate knows which names are limited (read again at once when a limit document of a name it
-does not know as limited changes — a new limit applies as soon as its event comes — and every
-``REFRESH_SECONDS`` whatever happens, which bounds a lost event and a removed limit), takes the
-slots and tokens of a batch of runs before they are claimed (``slots.take``), remembers the
-keys a limit held back and puts them back in the claim queue when a slot may have freed (a
-change event on its slot's document: a name's or a group's) or when the next token is due (at
-the latest after ``REFRESH_SECONDS``), and gives slots back in batches after the runs end. It
-never decides a limit itself: the slot documents' atomic updates do, on the server.
+The gate holds the names' limit documents: a name's is read again at once when its change
+event says its limit was set, changed or cleared (``limit_set``), and all of them every
+``interval`` whatever happens, which bounds a lost event. A limit that changed wakes the keys
+that wait for its slots and is passed on (``applied``: the runs in flight count towards it,
+``recount.Recount``). The gate splits the keys popped between the claimer's two strategies
+(``partition``), takes the slots and tokens of a batch of runs before they are claimed
+(``slots.take``), remembers the keys a limit held back and puts them back in the claim queue
+when a slot may have freed (a change event on its slot's document: a name's or a group's) or
+when the next token is due (at the latest after ``BLOCKED_AT_MOST``), and gives slots back in
+batches after the runs end. It never decides a limit itself: the slot documents' atomic
+updates do, on the server.
 """
 
 from __future__ import annotations
@@ -17,15 +20,16 @@ import dataclasses
 import datetime as dt
 import logging
 import time
-from collections.abc import Iterable
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, NamedTuple
 
 from mtask import limits, slots
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
+from mtask.worker.claiming.handover import Handovers
 from mtask.worker.finding.protocols import QueueSink
-from mtask.worker.service import PeriodicService, event_or_timeout
+from mtask.worker.service import PeriodicService, event_or_timeout, first_set
 from mtask.worker.wiring import Signal
 
 log = logging.getLogger(__name__)
@@ -39,9 +43,20 @@ BLOCKED_AT_MOST = dt.timedelta(seconds=REFRESH_SECONDS)
 event of its slot came (events are hints)."""
 
 
+class Partition(NamedTuple):
+    """Keys popped for a claim, split between the claimer's two strategies."""
+
+    plain: list[str]
+    """Claimed by one plain claim (``PlainClaims``)."""
+    limited: list[str]
+    """Of names under a cluster-wide limit: claimed after their slots (``LimitedClaims``)."""
+    names: list[str]
+    """The names a plain claim may take a task of: those under no limit."""
+
+
 class LimitGate(PeriodicService):
-    """Also the side service that re-reads the limits (every ``REFRESH_SECONDS``, and on an
-    event for a name not known as limited)."""
+    """Also the side service that reads the limits: a name's at once on its change event, all
+    of them every ``interval``."""
 
     name: ClassVar[str] = "limits"
     failure: ClassVar[str] = "cannot read the limits, retrying"
@@ -57,19 +72,35 @@ class LimitGate(PeriodicService):
         interval: float = REFRESH_SECONDS,
         changes: Signal[[str]] | None = None,
         freed: Signal[[str, str]] | None = None,
+        limit_set: Signal[[str]] | None = None,
+        applied: Callable[[str], None] = lambda name: None,
+        reopened: Signal[[]] | None = None,
+        ready: asyncio.Event | None = None,
     ) -> None:
         self.interval = interval
-        """Seconds between two reads of the limits whatever happens (their change events come
-        at once; this bounds a lost one and a removed limit)."""
+        """Seconds between two reads of all the limits whatever happens (a change's event
+        has the name's read at once: this bounds a lost one)."""
         self.driver = driver
         self.worker_id = worker_id
         self.clock = clock
         self.sink = sink
         if changes is not None:
-            changes.connect(self.on_change)  # a limit's change event, from the finding parts
+            changes.connect(self.on_change)  # a slot's change event, from the finding parts
         if freed is not None:
             freed.connect(self.group_freed)  # a group's run ended for good, from the same
+        if limit_set is not None:
+            limit_set.connect(self.limit_set)  # a name's limit set, changed or cleared
+        if reopened is not None:
+            reopened.connect(self.read_all)  # the worker's stream opened afresh
+        self.ready = ready
+        """Set once the worker's events begin (its first scan, or its relay's first frame): a
+        change between the gate's first read and then reached no stream of this worker, so
+        all the limits are read once more then."""
+        self.before_ready = ready is not None
+        self.applied = applied
+        """Told the name of each limit that changed, once this worker uses the new one."""
         self.limited: dict[str, dict[str, Any]] = {}
+        """The documents of the limited names, as last read."""
         self.blocked: dict[str, dict[str, None]] = {}
         """The keys that wait for each slot, first blocked first."""
         self.made: set[str] = set()
@@ -77,35 +108,111 @@ class LimitGate(PeriodicService):
         self.waits_for: dict[str, str] = {}
         """The slot each blocked key waits for."""
         self.releases: dict[str, list[str]] = {}
-        self.handovers: dict[str, list[tuple[str, float]]] = {}
-        """Per lock slot, this worker's ended runs that still hold it, kept (with the monotonic
-        time they were kept) for a key of this worker that waited for the slot: its take
-        hands the place over in one write (``slots.Request.replaces``) instead of a release
-        and a take. Those the claimer did not use in its next pass are given back."""
-        self.offered: set[str] = set()
-        """Run ids kept for a handover once: given back without being kept again."""
+        self.handovers = Handovers()
+        """Lock slots of ended runs kept for a key of this worker that waits for them."""
         self.refreshed = asyncio.Event()
-        self.unknown_changed = asyncio.Event()
-        """A limit document of a name not known as limited changed: read the limits now."""
+        """Set after each read of all the limits."""
+        self.stale: set[str] = set()
+        """Names whose limit's change event came: read at once (``read_stale``)."""
+        self.stale_now = asyncio.Event()
+        self.read_all_at = 0.0
+        """When (monotonic) all the limits are read next."""
 
     def is_limited(self, name: str | None) -> bool:
         return name in self.limited
 
+    def partition(self, keys: list[str], names: list[str]) -> Partition:
+        """Which of ``keys`` are claimed after their slots (their names are limited, as far as
+        this worker knows) and which plainly, for the names under no limit (so a plain claim
+        never takes a limited task, even one whose name this worker no longer knows)."""
+        if not self.limited:
+            return Partition(keys, [], names)
+        limited = [k for k in keys if (m := self.sink.known(k)) and m.name in self.limited]
+        held = set(limited)
+        plain = [k for k in keys if k not in held]
+        return Partition(plain, limited, [n for n in names if n not in self.limited])
+
     async def refresh(self) -> None:
-        docs = await self.driver.run(limits.all_limits())
-        limited = {str(d["_id"]): d for d in docs}
-        names = {s for s in self.blocked if not slots.is_group_slot(s)}
-        self.limited = limited
-        for name in names - set(limited):  # a limit was removed: free all its keys
-            self.on_change(name)
+        """Read every name's limit; apply those that changed (a lost event, a first read)."""
+        self.read_all_at = time.monotonic() + self.interval
+        stale, self.stale = self.stale, set()
+        try:
+            docs = await self.driver.run(limits.all_limits())
+        except StorageError:
+            self.stale |= stale
+            raise
+        found = {str(d["_id"]): d for d in docs}
+        for name in set(self.limited) | set(found):
+            self._apply(name, found.get(name))
         self.refreshed.set()
+        await self._settle(found)
+
+    async def _settle(self, docs: dict[str, dict[str, Any]]) -> None:
+        """Settle the names whose groups became sequences a while ago (``limits.SLOT_RUNS``),
+        if their slots hold no run any more: their heads are read without the slots then."""
+        now = self.clock.now()
+        for name, doc in docs.items():
+            since = limits.slot_runs(doc)
+            if since is None or now - since < limits.SETTLE_AFTER:
+                continue
+            try:
+                await self.driver.run(limits.settle_slot_runs(name, since, now))
+            except StorageError as exc:
+                log.warning("cannot settle the groups' slots of %r: %s", name, exc)
+                return
+
+    async def read_stale(self) -> None:
+        """Read the limits of the names whose change event came, and apply them."""
+        names, self.stale = self.stale, set()
+        try:
+            docs = await self.driver.run(limits.limits_of(sorted(names)))
+        except StorageError:
+            self.stale |= names  # read with the next event, or all of them at the latest
+            raise
+        found = {str(d["_id"]): d for d in docs}
+        for name in names:
+            self._apply(name, found.get(name))
+
+    def _apply(self, name: str, doc: dict[str, Any] | None) -> None:
+        """``doc`` (``None``: no limit) is ``name``'s limit from now on. If it changed, the keys
+        that wait for the name's slots are tried again (as many as each allows now), and
+        ``applied`` is told."""
+        old = self.limited.pop(name, None)
+        if doc is not None:
+            self.limited[name] = doc
+        if limits.same_limit(old, doc):
+            return
+        prefix = name + limits.GROUP_SEPARATOR
+        for slot in [s for s in self.blocked if s == name or s.startswith(prefix)]:
+            self._wake(slot)
+        self.applied(name)
+
+    def limit_set(self, name: str) -> None:
+        """``name``'s limit was set, changed or cleared (its change event): read it now."""
+        self.stale.add(name)
+        self.stale_now.set()
+
+    def read_all(self) -> None:
+        """Read every limit now (events before now may not have been heard)."""
+        self.read_all_at = 0.0
+        self.stale_now.set()
 
     async def wait(self) -> None:
-        await event_or_timeout(self.unknown_changed, self.interval)
-        self.unknown_changed.clear()
+        timeout = max(0.0, self.read_all_at - time.monotonic())
+        if self.before_ready and self.ready is not None:
+            await first_set((self.stale_now, self.ready), timeout)
+            if self.ready.is_set():
+                self.before_ready = False
+                self.read_all_at = 0.0
+        else:
+            await event_or_timeout(self.stale_now, timeout)
+        self.stale_now.clear()
 
     async def run_once(self) -> None:
-        await self.refresh()
+        if time.monotonic() >= self.read_all_at:
+            await self.refresh()
+        elif self.stale:
+            await self.read_stale()
 
     async def take(
         self, requests: list[slots.Request], now: dt.datetime
@@ -138,12 +245,16 @@ class LimitGate(PeriodicService):
         self.sink.requeue_at(key, latest if until is None else min(until, latest))
 
     def on_change(self, slot: str) -> None:
-        """The limit document ``slot`` changed (a slot freed, a limit was edited or set): the
-        keys that wait for it are tried again — as many as it allows at once, first blocked
-        first (the others wait for the next change: a group's backlog is not woken whole
-        for every slot it frees), or all of them if it limits only a rate."""
+        """The limit document ``slot`` changed (a slot freed): the keys that wait for it are
+        tried again — as many as it allows at once, first blocked first (the others wait for
+        the next change: a group's backlog is not woken whole for every slot it frees), or all
+        of them if it limits only a rate. A name's document of a name not known as limited is
+        read (a limit whose event did not say so)."""
         if slot not in self.limited and not slots.is_group_slot(slot):
-            self.unknown_changed.set()
+            self.limit_set(slot)
+        self._wake(slot)
+
+    def _wake(self, slot: str) -> None:
         keys = list(self.blocked.get(slot, ()))
         room = self._room(slot)
         if room is not None:
@@ -193,45 +304,25 @@ class LimitGate(PeriodicService):
         now, kept_at = self.clock.now(), time.monotonic()
         rest: dict[str, list[str]] = {}
         for slot, ids in releases.items():
-            run_ids = [r for r in ids if r not in self.offered]
-            again = [r for r in ids if r in self.offered]  # unused once: given back now
-            self.offered.difference_update(again)
-            waiting = list(self.blocked.get(slot, ()))[: len(run_ids)]
-            if waiting and self.is_lock(slot):
-                kept = self.handovers.setdefault(slot, [])
-                kept += [(run_id, kept_at) for run_id in run_ids[: len(waiting)]]
-                self.offered.update(run_ids[: len(waiting)])
-                run_ids = run_ids[len(waiting) :]
-                self.unblock(waiting)
-                for key in waiting:
-                    self.sink.requeue_at(key, now)
-            if run_ids or again:
-                rest[slot] = run_ids + again
+            fresh = [r for r in ids if r not in self.handovers.offered]
+            waiting = list(self.blocked.get(slot, ()))[: len(fresh)] if self.is_lock(slot) else []
+            if given := self.handovers.keep(slot, ids, len(waiting), kept_at):
+                rest[slot] = given
+            self.unblock(waiting)
+            for key in waiting:
+                self.sink.requeue_at(key, now)
         return rest
 
     def hand_over(self, request: slots.Request) -> slots.Request:
         """``request`` taking the place of an ended run of this worker, if one holds its slot."""
-        kept = self.handovers.get(request.slot)
-        if not kept or request.replaces is not None or not slots.is_lock(request):
+        if request.replaces is not None or not slots.is_lock(request):
             return request
-        run_id, _ = kept.pop(0)
-        self.offered.discard(run_id)
-        if not kept:
-            del self.handovers[request.slot]
-        return dataclasses.replace(request, replaces=run_id)
+        run_id = self.handovers.take(request.slot)
+        return request if run_id is None else dataclasses.replace(request, replaces=run_id)
 
     def unused(self, before: float) -> dict[str, list[str]]:
         """Remove and return the kept slots kept before ``before`` (monotonic)."""
-        out: dict[str, list[str]] = {}
-        for slot in list(self.handovers):
-            kept = self.handovers[slot]
-            out_ids = [r for r, at in kept if at < before]
-            if out_ids:
-                out[slot] = out_ids
-                kept[:] = [(r, at) for r, at in kept if at >= before]
-                if not kept:
-                    del self.handovers[slot]
-        return out
+        return self.handovers.unused(before)
 
     def take_releases(self) -> dict[str, list[str]]:
         """The slots given back so far (by runs whose outcomes are pending now): the recorder
@@ -252,9 +343,8 @@ class LimitGate(PeriodicService):
         if keep:
             releases = self.keep_for_handover(releases)
         else:
-            for slot, run_ids in self.unused(float("inf")).items():
+            for slot, run_ids in self.handovers.forget().items():
                 releases.setdefault(slot, []).extend(run_ids)
-            self.offered.clear()
         if not releases:
             return
         try:

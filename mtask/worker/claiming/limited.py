@@ -69,18 +69,48 @@ def sequences(
     return sorted(pairs)
 
 
+def counted(
+    name: str, group: str | None, held: Sequence[str], doc: Mapping[str, Any]
+) -> list[tuple[str, limits.Limit | None]]:
+    """The slots a run in flight of ``name`` (in ``group``, holding ``held``) must hold a place
+    in to count towards the limit ``doc`` (a name's document), each with the limit a group's
+    slot takes: the name's slot if it limits runs at once; its group's slot if its groups are
+    limited by runs at once, or are sequences and the run holds no lock of its own (a sequence
+    waits for the runs its group's slot holds: ``store.heads_and_slots``). A slot it holds a
+    place in already is asked again: the join does nothing for a holder (``slots.join``)."""
+    out: list[tuple[str, limits.Limit | None]] = []
+    if limits.own_limit(doc).concurrency is not None:
+        out.append((name, None))
+    each = limits.group_limit(doc)
+    if group is None or each.concurrency is None:
+        return out
+    if limits.is_sequence(each) and limits.claim_lock(name, group) in held:
+        return out
+    out.append((limits.group_slot(name, group), each))
+    return out
+
+
 def due(head: Mapping[str, Any], now: dt.datetime) -> bool:
     at = head.get("next_claim_at")
     return isinstance(at, dt.datetime) and at <= now
 
 
 def _turn(
-    key: str, gslot: str, head: Mapping[str, Any] | None, now: dt.datetime, out: Plan
+    key: str,
+    pair: tuple[str, str],
+    gslot: str,
+    head: Mapping[str, Any] | None,
+    now: dt.datetime,
+    out: Plan,
 ) -> str | None:
     """In a sequence: the key to claim for ``key``'s group (its head, if due), or ``None``;
-    ``key`` waits if it is not its turn."""
+    ``key`` waits if it is not its turn, or while its group's slot holds a run of it that
+    holds no lock (``store.heads_and_slots``: its release wakes the key)."""
     if head is None:  # no open task in its group: it finished
         out.gone.append(key)
+        return None
+    if head.get("slot_held"):
+        out.waits.append(Wait(key, limits.group_slot(*pair)))
         return None
     first = head.get("_id")
     if first != key:
@@ -118,7 +148,7 @@ def _in_turn(
         out.waits.append(Wait(key, slot))
         return None
     turns.add(pair)
-    return _turn(key, slot, heads.get(pair), now, out)
+    return _turn(key, pair, slot, heads.get(pair), now, out)
 
 
 def _full(
@@ -145,6 +175,74 @@ def _unlimited(key: str, meta: TaskMeta | None, chosen: set[str], out: Plan) -> 
         out.claims.append((key, []))
 
 
+@dataclass
+class _Planner:
+    """One batch's plan, key by key (``plan``)."""
+
+    known: Mapping[str, TaskMeta]
+    limited: Mapping[str, Any]
+    heads: Mapping[tuple[str, str], Mapping[str, Any]]
+    now: dt.datetime
+    run_id: Callable[[str], str]
+    default_lease_ms: int
+    out: Plan = field(default_factory=Plan)
+    asked: dict[str, int] = field(default_factory=dict)
+    """Requests per slot in this batch."""
+    turns: set[tuple[str, str]] = field(default_factory=set)
+    """Sequences that have had their turn in this batch."""
+    chosen: set[str] = field(default_factory=set)
+
+    def key(self, key: str) -> None:
+        """Plan ``key``: what to claim for it (itself, or its sequence's head), with which
+        requests, or what it waits for."""
+        meta = self.known.get(key)
+        doc = self.limited.get(meta.name) if meta is not None else None
+        if meta is None or not isinstance(doc, Mapping):
+            _unlimited(key, meta, self.chosen, self.out)
+            return
+        own, each = limits.own_limit(doc), limits.group_limit(doc)
+        group = group_of(meta)
+        gslot, lock = _group_slots(meta.name, group, each)
+        candidate: str | None = key
+        if gslot is not None and group is not None and each.concurrency == 1:
+            pair = (meta.name, group)
+            candidate = _in_turn(
+                key, pair, lock or gslot, self.turns, self.heads, self.now, self.out
+            )
+        if candidate is None or candidate in self.chosen:
+            return
+        lease = (meta.worker_timeout_ms if candidate == key else None) or self.default_lease_ms
+        requests = []
+        if own.set:
+            requests.append(Request(meta.name, self.run_id(candidate), candidate, lease))
+        if gslot is not None and lock is None:
+            requests.append(Request(gslot, self.run_id(candidate), candidate, lease, limit=each))
+        caps = {meta.name: own.concurrency, gslot: each.concurrency}
+        self.choose(key, candidate, requests, caps, lock)
+
+    def choose(
+        self,
+        key: str,
+        candidate: str,
+        requests: list[Request],
+        caps: Mapping[str | None, int | None],
+        lock: str | None,
+    ) -> None:
+        """Claim ``candidate`` (for ``key``) with ``requests``, unless the batch has asked one
+        of their slots for as many runs as it allows at once: then ``key`` waits for it."""
+        full = _full(caps, requests, self.asked)
+        if full is not None:
+            if candidate == key:
+                self.out.waits.append(Wait(key, full))
+            return
+        for r in requests:
+            self.asked[r.slot] = self.asked.get(r.slot, 0) + 1
+        self.chosen.add(candidate)
+        self.out.claims.append((candidate, requests))
+        if lock is not None:
+            self.out.locked[candidate] = lock
+
+
 def plan(
     keys: Sequence[str],
     known: Mapping[str, TaskMeta],
@@ -155,39 +253,7 @@ def plan(
     default_lease_ms: int,
 ) -> Plan:
     """What to ask for ``keys`` (popped in the claim queue's order, best first)."""
-    out = Plan()
-    asked: dict[str, int] = {}  # requests per slot in this batch
-    turns: set[tuple[str, str]] = set()  # sequences that have had their turn in this batch
-    chosen: set[str] = set()
+    planner = _Planner(known, limited, heads, now, run_id, default_lease_ms)
     for key in keys:
-        meta = known.get(key)
-        doc = limited.get(meta.name) if meta is not None else None
-        if meta is None or not isinstance(doc, Mapping):
-            _unlimited(key, meta, chosen, out)
-            continue
-        own, each = limits.own_limit(doc), limits.group_limit(doc)
-        group = group_of(meta)
-        gslot, lock = _group_slots(meta.name, group, each)
-        candidate: str | None = key
-        if gslot is not None and group is not None and each.concurrency == 1:
-            candidate = _in_turn(key, (meta.name, group), lock or gslot, turns, heads, now, out)
-        if candidate is None or candidate in chosen:
-            continue
-        lease = (meta.worker_timeout_ms if candidate == key else None) or default_lease_ms
-        requests = []
-        if own.set:
-            requests.append(Request(meta.name, run_id(candidate), candidate, lease))
-        if gslot is not None and lock is None:
-            requests.append(Request(gslot, run_id(candidate), candidate, lease, limit=each))
-        full = _full({meta.name: own.concurrency, gslot: each.concurrency}, requests, asked)
-        if full is not None:  # the batch asks no slot for more runs than it allows at once
-            if candidate == key:
-                out.waits.append(Wait(key, full))
-            continue
-        for r in requests:
-            asked[r.slot] = asked.get(r.slot, 0) + 1
-        chosen.add(candidate)
-        out.claims.append((candidate, requests))
-        if lock is not None:
-            out.locked[candidate] = lock
-    return out
+        planner.key(key)
+    return planner.out

@@ -1,11 +1,14 @@
-"""Claims of keys whose names are under a cluster-wide limit (``LimitedClaims``).
+"""Claims of keys whose names are under a cluster-wide limit (``LimitedClaims``): the
+claimer's second strategy.
 
 A batch of them is claimed after its slots and tokens: the heads of their sequences read
-(``store.heads``), every slot they need taken in one bulk write (``slots.take``, through the
-``LimitGate``), then the keys whose slots were all granted claimed together, a sequence's head
-with its group's lock. A key a limit holds back waits for its slot (``LimitGate.block``). Such a
-batch costs more round trips than a plain one, so it runs beside the claimer's main loop, at
-most ``LIMITED_IN_FLIGHT`` at once (``claim_soon``); its keys count as taken meanwhile
+(``store.heads``; with their groups' slots for a while after a change made them sequences,
+``store.heads_and_slots``), every slot they need taken in one bulk write (``slots.take``,
+through the ``LimitGate``), then the keys whose slots were all granted claimed together, a
+sequence's head with its group's lock; their runs start through the claimer's one
+``Starter``. A key a limit holds back waits for its slot (``LimitGate.block``). Such a batch
+costs more round trips than a plain one, so it runs beside the claimer's main loop, at most
+``LIMITED_IN_FLIGHT`` at once (``claim_soon``); its keys count as taken meanwhile
 (``pending``).
 """
 
@@ -16,6 +19,7 @@ import datetime as dt
 import logging
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 from mtask import limits, slots, store
@@ -26,6 +30,7 @@ from mtask.models import WORKER_TIMEOUT_MS, in_range
 from mtask.worker.claiming import limited
 from mtask.worker.claiming.calls import RETRY_SOON, ClaimCalls
 from mtask.worker.claiming.gate import DEFAULT_SLOT_LEASE_MS, LimitGate
+from mtask.worker.claiming.start import Held, Starter
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight
 from mtask.worker.running.protocols import RunStarter
@@ -35,6 +40,32 @@ log = logging.getLogger("mtask.worker.claiming.claimer")  # the name operators f
 
 LIMITED_IN_FLIGHT = 2
 """Batches of limited keys being claimed at once (``LimitedClaims.claim_soon``)."""
+
+Claims = list[tuple[str, list[slots.Request]]]
+"""Keys to claim, each with the slot requests that must all be granted first."""
+
+
+@dataclass
+class _Batch:
+    """One batch of limited keys on its way, and what became of each key."""
+
+    id: str
+    sent: float
+    """When (monotonic) it began, before its time was read: its runs' deadlines count from
+    here."""
+    now: dt.datetime
+    plan: limited.Plan
+    hints: dict[str, int]
+    """The leases' lengths of the sequences' heads, as read with them."""
+    waits: list[limited.Wait] = field(default_factory=list)
+    requeue: list[str] = field(default_factory=list)
+    """Keys MongoDB failed to claim or take slots for: tried again shortly."""
+    missed: list[str] = field(default_factory=list)
+    held: dict[str, Held] = field(default_factory=dict)
+    """What each granted key's run holds: its slots, and those only a token of."""
+
+    def run_id(self, key: str) -> str:
+        return store.run_id_for(self.id, key)
 
 
 class LimitedClaims:
@@ -60,6 +91,9 @@ class LimitedClaims:
         self.sink = sink
         self.inflight = inflight
         self.runs = runs
+        """Where a slot of a run not claimed is given back (``RunStarter.give_back``)."""
+        self.starter = Starter(runs, sink, stats)
+        """Where the runs claimed start: the claimer's one place (``Starter``)."""
         self.stats = stats
         self.wake = wake
         """Set when a batch ends: its keys no longer count as taken."""
@@ -96,24 +130,47 @@ class LimitedClaims:
     async def claim(self, keys: list[str], names: list[str], now: dt.datetime) -> None:
         """Claim ``keys`` of limited names (found due at ``now``) as one batch: the heads of
         their sequences read, then every slot they need taken in one bulk write
-        (``slots.take``), then the keys whose slots were all granted claimed together. A key a
-        limit holds back waits for its slot (``LimitGate.block``)."""
+        (``slots.take``), then the keys whose slots were all granted claimed together and
+        started. A key a limit holds back waits for its slot (``LimitGate.block``)."""
         known = {k: m for k in keys if (m := self.sink.known(k)) is not None}
+        heads = await self._heads(keys, known, now)
+        if heads is None:
+            return
+        batch = self._plan(keys, known, heads)
+        # a lock slot of this worker's ended run goes straight to the run that waited for it
+        claims = [(key, [self.gate.hand_over(r) for r in rs]) for key, rs in batch.plan.claims]
+        with self.inflight.claiming([key for key, _ in claims]):
+            await self._take_and_claim(claims, names, batch)
+        await self._settle(batch)
+
+    async def _heads(
+        self, keys: list[str], known: dict[str, Any], now: dt.datetime
+    ) -> dict[tuple[str, str], dict[str, Any]] | None:
+        """The heads of the batch's sequences (``None``: MongoDB failed; the keys are tried
+        again shortly)."""
         pairs = limited.sequences(keys, known, self.gate.limited)
-        heads: dict[tuple[str, str], dict[str, Any]] = {}
-        if pairs:
-            try:
-                heads = await self.driver.run(store.heads(pairs))
-            except StorageError as exc:
-                log.warning("cannot read the sequences' next tasks, retrying shortly: %s", exc)
-                for key in keys:
-                    self.sink.requeue_at(key, now + RETRY_SOON)
-                return
-        batch = uuid.uuid4().hex
-        # The leases and slots of this batch end at `now` + their timeouts: `now` is read
-        # after `sent` (and after the waits above: for a batch's turn, for the heads), so none
-        # ends before `sent` + its timeout by this process's clock, when a run's local
-        # deadline falls.
+        if not pairs:
+            return {}
+        # a sequence made of a limit with slots, while their runs may go on (limits.SLOT_RUNS)
+        slotted = [p for p in pairs if limits.slot_runs(self.gate.limited.get(p[0]) or {})]
+        read = store.heads_and_slots(pairs, slotted, now) if slotted else store.heads(pairs)
+        try:
+            heads: dict[tuple[str, str], dict[str, Any]] = await self.driver.run(read)
+            return heads
+        except StorageError as exc:
+            log.warning("cannot read the sequences' next tasks, retrying shortly: %s", exc)
+            for key in keys:
+                self.sink.requeue_at(key, now + RETRY_SOON)
+            return None
+
+    def _plan(
+        self, keys: list[str], known: dict[str, Any], heads: dict[tuple[str, str], dict[str, Any]]
+    ) -> _Batch:
+        """The batch: its id, its time and its plan. Its leases and slots end at its time +
+        their timeouts: the time is read after ``sent`` (and after the waits before: for a
+        batch's turn, for the heads), so none ends before ``sent`` + its timeout by this
+        process's clock, when a run's local deadline falls."""
+        batch_id = uuid.uuid4().hex
         sent = time.monotonic()
         now = self.clock.now()
         plan = limited.plan(
@@ -122,56 +179,49 @@ class LimitedClaims:
             self.gate.limited,
             heads,
             now,
-            lambda key: store.run_id_for(batch, key),
+            lambda key: store.run_id_for(batch_id, key),
             DEFAULT_SLOT_LEASE_MS,
         )
-        waits = list(plan.waits)
-        # a lock slot of this worker's ended run goes straight to the run that waited for it
-        claims = [(key, [self.gate.hand_over(r) for r in rs]) for key, rs in plan.claims]
-        candidates = [key for key, _ in claims]
-        requeue: list[str] = []
-        missed: list[str] = []
-        with self.inflight.claiming(candidates):
-            requests = [r for _, rs in claims for r in rs]
-            taken = await self.gate.take(requests, now) if requests else []
-            if taken is None:
-                requeue = candidates
-                for r in requests:  # taken or not: given back (a release of nothing is none)
-                    for run_id in filter(None, (r.run_id, r.replaces)):
-                        self.runs.give_back(r.slot, run_id)
-            else:
-                go, held, tokens = self._granted(claims, taken, waits)
-                hints = {
-                    first: t
-                    for h in heads.values()
-                    if isinstance(first := h.get("_id"), str)
-                    and in_range(t := h.get("worker_timeout_ms"), WORKER_TIMEOUT_MS)
-                }
-                missed = await self._claim_granted(
-                    go, held, tokens, plan, names, now, sent, batch, hints, waits, requeue
-                )
-        for wait in waits:  # no longer claiming: they may be queued again
-            self.gate.block(wait.slot, wait.key, wait.until, now)
-        for key in requeue:
-            self.sink.requeue_at(key, now + RETRY_SOON)
-        if plan.gone or missed:
-            await self.sink.requeue([*plan.gone, *missed], later_than=now)
-        if plan.unknown:  # forgotten on the way (a switch to the relay's hand-outs clears them)
-            await self.sink.requeue(plan.unknown)
+        hints = {
+            first: t
+            for h in heads.values()
+            if isinstance(first := h.get("_id"), str)
+            and in_range(t := h.get("worker_timeout_ms"), WORKER_TIMEOUT_MS)
+        }
+        return _Batch(batch_id, sent, now, plan, hints, waits=list(plan.waits))
 
-    def _granted(
-        self,
-        claims: list[tuple[str, list[slots.Request]]],
-        taken: list[slots.Taken],
-        waits: list[limited.Wait],
-    ) -> tuple[list[str], dict[str, tuple[str, ...]], dict[str, frozenset[str]]]:
-        """The keys whose slots were all granted, the slots each holds, and those of them it
-        was only granted a token of (``slots.Taken.holder``); the others give back what they
-        got and wait for the slot that refused them."""
+    async def _take_and_claim(self, claims: Claims, names: list[str], batch: _Batch) -> None:
+        """Take the batch's slots, then claim and start the keys granted all of theirs."""
+        requests = [r for _, rs in claims for r in rs]
+        taken = await self.gate.take(requests, batch.now) if requests else []
+        if taken is None:
+            batch.requeue += [key for key, _ in claims]
+            for r in requests:  # taken or not: given back (a release of nothing is none)
+                for run_id in filter(None, (r.run_id, r.replaces)):
+                    self.runs.give_back(r.slot, run_id)
+            return
+        granted = self._granted(claims, taken, batch)
+        if granted:
+            docs = await self._claim_granted(granted, names, batch)
+            self.starter.start(docs, batch.sent, batch.held)
+
+    async def _settle(self, batch: _Batch) -> None:
+        """Once its keys are no longer being claimed: those held back wait for their slots,
+        those MongoDB failed are tried again shortly, those missed or gone are read again."""
+        for wait in batch.waits:
+            self.gate.block(wait.slot, wait.key, wait.until, batch.now)
+        for key in batch.requeue:
+            self.sink.requeue_at(key, batch.now + RETRY_SOON)
+        if batch.plan.gone or batch.missed:
+            await self.sink.requeue([*batch.plan.gone, *batch.missed], later_than=batch.now)
+        if batch.plan.unknown:  # forgotten on the way (a switch to the relay's hand-outs)
+            await self.sink.requeue(batch.plan.unknown)
+
+    def _granted(self, claims: Claims, taken: list[slots.Taken], batch: _Batch) -> list[str]:
+        """The keys whose slots were all granted (what each holds noted in ``batch.held``);
+        the others give back what they got and wait for the slot that refused them."""
         results = iter(taken)
         go: list[str] = []
-        held: dict[str, tuple[str, ...]] = {}
-        tokens: dict[str, frozenset[str]] = {}
         for key, requests in claims:
             got = [(r, next(results)) for r in requests]
             for request, t in got:
@@ -179,71 +229,80 @@ class LimitedClaims:
                     self.runs.give_back(request.slot, request.replaces)
             if all(t.taken for _, t in got):
                 go.append(key)
-                held[key] = tuple(r.slot for r, t in got if t.limited)
-                tokens[key] = frozenset(r.slot for r, t in got if t.limited and not t.holder)
-                continue
-            for request, t in got:
-                if t.taken and t.limited:
-                    self.runs.give_back(request.slot, request.run_id)
-            request, refusal = next((r, t) for r, t in got if not t.taken)
-            waits.append(limited.Wait(key, request.slot, refusal.retry_at))
-        return go, held, tokens
+                slots_held = tuple(r.slot for r, t in got if t.limited)
+                tokens = frozenset(r.slot for r, t in got if t.limited and not t.holder)
+                batch.held[key] = (slots_held, tokens)
+            else:
+                self._refused(key, got, batch)
+        return go
+
+    def _refused(
+        self, key: str, got: list[tuple[slots.Request, slots.Taken]], batch: _Batch
+    ) -> None:
+        """``key`` was refused a slot: it gives back those it got, and waits for the first
+        that refused it."""
+        for request, t in got:
+            if t.taken and t.limited:
+                self.runs.give_back(request.slot, request.run_id)
+        request, refusal = next((r, t) for r, t in got if not t.taken)
+        batch.waits.append(limited.Wait(key, request.slot, refusal.retry_at))
 
     async def _claim_granted(
-        self,
-        keys: list[str],
-        held: dict[str, tuple[str, ...]],
-        tokens: dict[str, frozenset[str]],
-        plan: limited.Plan,
-        names: list[str],
-        now: dt.datetime,
-        sent: float,
-        batch: str,
-        hints: dict[str, int],
-        waits: list[limited.Wait],
-        requeue: list[str],
-    ) -> list[str]:
-        """Claim ``keys`` (their slots taken for this batch's run ids) and start the runs —
-        a sequence's head with its group's lock (``plan.locked``); one whose group's lock is
-        held waits for it (``waits``), one MongoDB failed to claim is tried again shortly
-        (``requeue``; both once no longer claiming). The slots of keys not claimed are given
-        back. Returns the keys missed."""
-        if not keys:
-            return []
+        self, keys: list[str], names: list[str], batch: _Batch
+    ) -> list[dict[str, Any]]:
+        """Claim ``keys`` (their slots taken for this batch's run ids): a sequence's head with
+        its group's lock (``plan.locked``); one whose group's lock is held waits for it, one
+        MongoDB failed to claim is tried again shortly. The slots of keys not claimed are given
+        back. Returns the documents claimed, in the batch's order."""
         self.stats.claim_calls += 1
         self.stats.claim_attempts += len(keys)
-        hints = {**hints, **self.sink.timeouts(keys)}  # a sequence's head may be unknown here
-        plain = [k for k in keys if k not in plan.locked]
-        heads = [k for k in keys if k in plan.locked]
-        docs: list[dict[str, Any]] = []
-        failed: list[str] = []
-        if plain:
-            got = await self.calls.send(
-                plain, names, now, hints, isolate_on_error=False, batch=batch
-            )
-            docs += got or []
-            failed += plain if got is None else []
-        busy: set[str] = set()
-        if heads:
-            pairs = {k: limits.lock_group(plan.locked[k]) for k in heads}
-            locked = await self.calls.send_locked(pairs, names, now, batch)
-            docs += locked[0] if locked else []
-            busy = locked[1] if locked else set()
-            failed += heads if locked is None else []
-        for doc in docs:
-            key = doc["_id"]
-            self.gate.unblock([key])
-            lock = plan.locked.get(key)
-            runs_in = held.get(key, ()) + ((lock,) if lock else ())
-            self.runs.start(doc, sent, runs_in, tokens.get(key, frozenset()))
-            self.sink.claimed(doc)
-            self.stats.claimed += 1
+        hints = {**batch.hints, **self.sink.timeouts(keys)}  # a head may be unknown here
+        locked = batch.plan.locked
+        plain = [k for k in keys if k not in locked]
+        heads = [k for k in keys if k in locked]
+        docs = await self._claim_plain(plain, names, batch, hints)
+        got, busy = await self._claim_heads(heads, names, batch)
+        docs += got
         claimed = {d["_id"] for d in docs}
         for key in keys:
             if key not in claimed:
-                for slot in held.get(key, ()):
-                    self.runs.give_back(slot, store.run_id_for(batch, key))
-        waits += [limited.Wait(k, plan.locked[k]) for k in busy]  # another task holds it
-        requeue += failed
-        gone = claimed | busy | set(failed)
-        return [k for k in keys if k not in gone]
+                for slot in batch.held.get(key, ((), frozenset()))[0]:
+                    self.runs.give_back(slot, batch.run_id(key))
+        for doc in docs:
+            key = doc["_id"]
+            self.gate.unblock([key])
+            if (lock := locked.get(key)) is not None:
+                slots_held, tokens = batch.held.get(key, ((), frozenset()))
+                batch.held[key] = ((*slots_held, lock), tokens)
+        gone = claimed | busy | set(batch.requeue)
+        batch.missed += [k for k in keys if k not in gone]
+        return docs
+
+    async def _claim_plain(
+        self, keys: list[str], names: list[str], batch: _Batch, hints: dict[str, int]
+    ) -> list[dict[str, Any]]:
+        """The granted keys claimed without a group's lock, in one call."""
+        if not keys:
+            return []
+        got = await self.calls.send(
+            keys, names, batch.now, hints, isolate_on_error=False, batch=batch.id
+        )
+        if got is None:
+            batch.requeue += keys
+        return got or []
+
+    async def _claim_heads(
+        self, keys: list[str], names: list[str], batch: _Batch
+    ) -> tuple[list[dict[str, Any]], set[str]]:
+        """Sequences' heads claimed with their groups' locks: the documents claimed, and the
+        keys whose group's lock another task holds (busy: each waits for that lock)."""
+        if not keys:
+            return [], set()
+        pairs = {k: limits.lock_group(batch.plan.locked[k]) for k in keys}
+        locked = await self.calls.send_locked(pairs, names, batch.now, batch.id)
+        if locked is None:
+            batch.requeue += keys
+            return [], set()
+        docs, busy = locked
+        batch.waits += [limited.Wait(k, batch.plan.locked[k]) for k in busy]
+        return docs, busy

@@ -62,7 +62,7 @@ class Finding:
         return self.shared is None or self.shared.ranks()
 
     def state(self) -> dict[str, Any] | None:
-        return None if self.shared is None else self.shared.state()
+        return None if self.shared is None else self.shared.heartbeat()
 
     @property
     def restarts(self) -> int:

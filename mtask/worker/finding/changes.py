@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from mtask.limits import claim_lock
+from mtask.limits import GROUP_SEPARATOR, LIMIT_FIELDS
 from mtask.worker.finding.placement import TaskMeta
 from mtask.worker.finding.scan import Scanner
 from mtask.worker.finding.setaside import count, task_key
@@ -48,11 +48,18 @@ def lock_freed(change: Mapping[str, Any], meta: TaskMeta | None) -> tuple[str, s
     return (name, of) if isinstance(name, str) and isinstance(of, str) else None
 
 
-def lock_notice(pair: tuple[str, str]) -> dict[str, Any]:
-    """A limit document's change event for a sequence's lock: the keys that wait for it try
-    again (``LimitGate.on_change``)."""
-    lock = claim_lock(*pair)
-    return {"operationType": "update", "ns": {"coll": "limits"}, "documentKey": {"_id": lock}}
+def limit_set(change: Mapping[str, Any]) -> str | None:
+    """The name whose limit this event of the ``limits`` collection set, changed or cleared:
+    an insert, a replace or a delete of a name's document, or an update that names one of its
+    limit's fields (``limits.LIMIT_FIELDS``). ``None`` for a slot taken, given back or pinged,
+    and for a group's document."""
+    key = event_key(change)
+    if not isinstance(key, str) or GROUP_SEPARATOR in key:
+        return None
+    if change.get("operationType") in ("insert", "replace", "delete"):
+        return key
+    fields = updated_fields(change)
+    return key if any(f in fields for f in LIMIT_FIELDS) else None
 
 
 def apply_task_change(scanner: Scanner, change: Mapping[str, Any]) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtask.errors import StorageError
-from mtask.worker.finding.changes import apply_task_change, event_key, lock_freed
+from mtask.worker.finding.changes import apply_task_change, event_key, limit_set, lock_freed
 from mtask.worker.finding.placement import TaskMeta
 from mtask.worker.finding.protocols import ClaimReports
 from mtask.worker.finding.scan import Scanner, due_by
@@ -34,12 +34,18 @@ class Others:
     heartbeat beats at once and reads the paused names (and, when the worker ranks by them,
     its peers)."""
     limit: Callable[[str], None] = lambda name: None
-    """A limit document changed: a name's limit, or a slot that may have freed."""
+    """A limit document changed: a slot (a name's, a group's) may have freed."""
+    limit_set: Callable[[str], None] = lambda name: None
+    """A name's limit was set, changed or cleared (``changes.limit_set``): the claim side reads
+    it again (``LimitGate.limit_set``)."""
     group_freed: Callable[[str, str], None] = lambda name, group: None
     """A run of the group ``(name, group)`` ended for good: its sequence's lock may be free
     (the claim side decides what that means: ``LimitGate.group_freed``)."""
     schedule: Callable[[], None] = lambda: None
     """A schedule was added, changed, resumed, or advanced by a peer."""
+    opened: Callable[[], None] = lambda: None
+    """This worker's own stream opened afresh (first, or its history lost): what changed
+    before was not heard, so the limits are read again (``LimitGate.read_all``)."""
 
 
 @dataclass
@@ -66,6 +72,7 @@ class Finder:
     # -- Inbox ---------------------------------------------------------------------------------
 
     async def opened(self) -> None:
+        self.others.opened()
         await self.scanner.rescan()
         self.ready.set()
 
@@ -77,7 +84,9 @@ class Finder:
         elif collection == "schedules":
             self.others.schedule()
         elif collection == "limits":
-            if isinstance(key := event_key(change), str):
+            if (name := limit_set(change)) is not None:
+                self.others.limit_set(name)
+            elif isinstance(key := event_key(change), str):
                 self.others.limit(key)
         else:
             key = event_key(change)

@@ -16,6 +16,7 @@ from pymongo.errors import PyMongoError
 
 from mtask import events, store
 from mtask.errors import StorageError
+from mtask.limits import LIMIT_FIELDS
 from mtask.slots import TAKEN_AT
 from mtask.worker.finding.protocols import ClaimsBack, Inbox, NoClaims
 
@@ -62,6 +63,8 @@ def stream_pipeline(tasks: str, excluded: str | Sequence[str]) -> list[dict[str,
         "updateDescription.updatedFields.next_claim_at": 1,
         "updateDescription.updatedFields.available_at": 1,  # a retry's new place in line
         f"updateDescription.updatedFields.{store.LAST_WRITE}": 1,  # whose claim or success
+        # a change of a name's limit (a task has no such field: no byte more in its events)
+        **{f"updateDescription.updatedFields.{f}": 1 for f in LIMIT_FIELDS},
         **{f"fullDocument.{f}": 1 for f in ("_id", *store.PLACEMENT_FIELDS)},
     }
     others = {

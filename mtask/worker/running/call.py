@@ -17,15 +17,18 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, Protocol
 
+from mtask import metrics
 from mtask.errors import ConfigError, LeaseLost
 from mtask.registry import Handler
 from mtask.statemachine import keep_ms
 from mtask.store import Outcome, RunState
 from mtask.tracing import run_span
+from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import ActiveRun
 from mtask.worker.running.context import RunLeases, fence
 from mtask.worker.running.invoke import invoke
@@ -51,9 +54,37 @@ CALL_FAILED: tuple[type[Exception], ...] = (
 """The call failed, told by its own words: the run is retried (it uses a retry)."""
 CALL_REFUSED: tuple[type[Exception], ...] = (TransactionEnded, ReplyRefused)
 """The call cannot succeed, told by its own words: the same on every run, a permanent FAIL."""
+log = logging.getLogger(__name__)
+
 LOST_IN_TRANSACTION = (
     "the run lost the task before its transaction committed; nothing it wrote landed"
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunHeld:
+    """``invoke.Held`` of a run that holds a sequence's lock or limit slots: told to stop, its
+    handler went on, and the run keeps them until it has stopped; said by an event and the
+    ``mtask_runs_held`` gauge."""
+
+    run: ActiveRun
+    emit: Emitter
+
+    def began(self) -> None:
+        metrics.RUNS_HELD.inc()
+        log.warning(
+            "%s run %s was told to stop, but its handler goes on: it keeps its lock and slots "
+            "(%s) until it has stopped",
+            self.run.key,
+            self.run.run_id[:8],
+            ", ".join(self.run.slots),
+            extra={"key": self.run.key, "run_id": self.run.run_id},
+        )
+        self.emit(Event.HELD, key=self.run.key, run_id=self.run.run_id, released=False)
+
+    def ended(self) -> None:
+        metrics.RUNS_HELD.dec()
+        self.emit(Event.HELD, key=self.run.key, run_id=self.run.run_id, released=True)
 
 
 class TransactionRunner(Protocol):
@@ -146,6 +177,7 @@ class HandlerCalls:
                     isolation=self.isolation,
                     thread_name=f"mtask-run-{run.key}",
                     lease=self._lease_watch(run),
+                    held=RunHeld(run, self.outcomes.emit) if run.slots else None,
                 )
             # issue 17: the retention the plain SUCCESS updates write
             return self.outcomes.success(

@@ -102,19 +102,21 @@ class Executor:
         (a name's, a group's, a sequence's lock), ``tokens`` those of them it was only granted
         a token of (``slots.Taken.holder``)."""
         ctx = self.contexts.context(doc)
+        options = doc["options"]
         run = ActiveRun(
             key=ctx.key,
             name=ctx.name,
             run_id=ctx.run_id,
             ctx=ctx,
             slots=slots,
+            group=g if isinstance(g := options.get("group"), str) else None,
+            lease_ms=options["worker_timeout_ms"],
             has_dependents=doc.get("has_dependents") is True,
             child_of=doc.get("spawn") if isinstance(doc.get("spawn"), dict) else None,
             deadline=deadline_of(doc["options"]),
         )
         self.inflight.started(run)
         self.queue.discard(run.key)
-        options = doc["options"]
         self.pinger.add(
             run.key,
             run.run_id,
@@ -123,6 +125,7 @@ class Executor:
             sent,
             slots=tuple(s for s in slots if not limits.is_claim_lock(s)) if slots else (),
             tokens=tokens,
+            holds=bool(slots),
         )
         run.task = asyncio.create_task(self.execute(run, doc), name=f"mtask-run-{run.key}")
         self.deadlines.watch(run)
@@ -139,6 +142,13 @@ class Executor:
     def give_back(self, slot: str, run_id: str) -> None:
         """``RunStarter``: a limit slot given back after the outcomes now pending."""
         self.recorder.release_slot(slot, run_id)
+
+    def hold(self, run_id: str, slot: str) -> bool:
+        """``RunStarter``: the run holds ``slot`` from now on (pinged, given back at its end)."""
+        if (run := self.inflight.get(run_id)) is not None:
+            run.slots = run.slots if slot in run.slots else (*run.slots, slot)
+            self.pinger.hold(run_id, slot)
+        return run is not None
 
     async def execute(self, run: ActiveRun, doc: dict[str, Any]) -> None:
         run.begun = True

@@ -12,6 +12,13 @@ stops and its return or exception is the run's outcome. At the hard limit the ru
 - plain ``def`` on a thread: Python cannot stop a thread. The run is recorded and the thread
   is abandoned; it runs on until the handler returns (``mtask_time_limit_kills{how="thread"}``
   counts them). Use ``isolation="process"`` for handlers that must be stoppable.
+
+A run that holds a sequence's lock or limit slots (``held``) is never abandoned while it runs:
+told to stop (its time limit, a cancel, the worker's stop), it waits for its handler to have
+really stopped — its thread returned, its coroutine ended — before its outcome is recorded, so
+its lock and slots stay held until then (docs/fairness.md). ``Held`` says so (an event and
+the ``mtask_runs_held`` gauge). A second cancel (the worker stopping for good) ends the wait:
+the run is then left behind with its lease, which runs out.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from mtask import metrics
 from mtask.registry import Handler, TaskContext
@@ -36,6 +43,15 @@ ASYNC_CANCEL_GRACE = 5.0
 is recorded anyway; at shutdown, before the worker stops without it (``Executor.drain``)."""
 
 
+class Held(Protocol):
+    """Told when a run's handler, told to stop, goes on (``began``) and when it has stopped
+    (``ended``): the run holds its lock and slots meanwhile."""
+
+    def began(self) -> None: ...
+
+    def ended(self) -> None: ...
+
+
 async def invoke(
     handler: Handler,
     params: Mapping[str, Any],
@@ -45,9 +61,11 @@ async def invoke(
     isolation: Literal["thread", "process"] = "thread",
     thread_name: str = "mtask-run",
     lease: LeaseWatch | None = None,
+    held: Held | None = None,
 ) -> Any:
     """Call ``handler`` for one run and return its result (or raise what it raised);
-    ``lease`` lets a child process follow the run's lease (``ProcessPool.run``)."""
+    ``lease`` lets a child process follow the run's lease (``ProcessPool.run``); ``held``: the
+    run holds a lock or slots, and its handler is waited for when told to stop."""
     soft, hard = handler.soft_time_limit, handler.time_limit
     if not handler.is_async and pool is not None and (handler.isolation or isolation) == "process":
         info = RunInfo(ctx.key, ctx.name, ctx.attempt, ctx.run_id, ctx.worker_id)
@@ -68,10 +86,9 @@ async def invoke(
             raise
     args = handler.args(handler.parse(params), ctx)
     if handler.is_async:
-        return await limited(handler.fn(*args), ctx, soft, hard, "async")
-    return await limited(
-        run_in_thread(handler.fn, *args, name=thread_name), ctx, soft, hard, "thread"
-    )
+        return await limited(handler.fn(*args), ctx, soft, hard, "async", held)
+    thread = run_in_thread(handler.fn, *args, name=thread_name, held=held)
+    return await limited(thread, ctx, soft, hard, "thread", held)
 
 
 async def limited(
@@ -80,9 +97,10 @@ async def limited(
     soft: float | None,
     hard: float | None,
     how: Literal["async", "thread"],
+    held: Held | None = None,
 ) -> Any:
     """Await ``call`` under a soft limit (set ``ctx.cancelled``) and a hard one (cancel it:
-    for a thread that abandons the thread; raise ``TimeLimitExceeded``)."""
+    for a thread that abandons the thread, unless ``held``; raise ``TimeLimitExceeded``)."""
     if soft is None and hard is None:
         return await call
     task = asyncio.ensure_future(_contained(call))
@@ -99,17 +117,42 @@ async def limited(
         done, _ = await asyncio.wait({task}, timeout=max(0.0, hard - waited))
         if done:
             return task.result()
-    except asyncio.CancelledError:
+    except asyncio.CancelledError:  # the run is stopped (a cancel, the worker's stop)
         task.cancel()
+        if held is not None:  # it keeps its lock and slots until its handler has stopped
+            await _stopped(task, held, announce=how == "async")
         raise
     ctx.cancelled.set()
     task.cancel()
-    if how == "async":
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.wait_for(task, ASYNC_CANCEL_GRACE)
+    if how == "async" or held is not None:
+        # a thread's run says it is held itself (``run_in_thread``), an async one here
+        await _stopped(task, held, announce=how == "async")
     metrics.TIME_LIMIT_KILLS.labels(how=how).inc()
-    detail = "" if how == "async" else "; the handler's thread could not be stopped and runs on"
+    detail = ""
+    if how == "thread":
+        detail = (
+            "; the handler's thread could not be stopped: the run held its lock and slots "
+            "until it returned"
+            if held is not None
+            else "; the handler's thread could not be stopped and runs on"
+        )
     raise TimeLimitExceeded(f"time limit exceeded ({hard:g} s){detail}")
+
+
+async def _stopped(task: asyncio.Future[Any], held: Held | None, announce: bool) -> None:
+    """After a cancel at the time limit: wait ``ASYNC_CANCEL_GRACE`` for ``task`` to end; a run
+    that holds a lock or slots waits on, as long as it takes, and says so if ``announce``."""
+    done, _ = await asyncio.wait({task}, timeout=ASYNC_CANCEL_GRACE)
+    if not done and held is not None:
+        if announce:
+            held.began()
+        try:
+            await asyncio.wait({task})
+        finally:
+            if announce:
+                held.ended()
+    if task.done() and not task.cancelled():
+        task.exception()  # seen: what it ended with is not the run's outcome any more
 
 
 async def _contained(call: Awaitable[Any]) -> Any:
@@ -126,10 +169,14 @@ async def _contained(call: Awaitable[Any]) -> Any:
         raise HandlerError(short_traceback(exc)) from exc
 
 
-async def run_in_thread(fn: Callable[..., Any], *args: Any, name: str) -> Any:
+async def run_in_thread(
+    fn: Callable[..., Any], *args: Any, name: str, held: Held | None = None
+) -> Any:
     """Run a plain-def handler on a thread of its own. Cancelling the await abandons the
     thread (Python cannot stop one): a handler that hangs forever then costs a thread, never a
-    slot of the worker, as it would in a fixed-size pool."""
+    slot of the worker, as it would in a fixed-size pool. With ``held`` (the run holds a lock
+    or slots) a cancel waits for the thread to return first, then is raised; a second cancel
+    ends that wait."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[Any] = loop.create_future()
 
@@ -161,4 +208,23 @@ async def run_in_thread(fn: Callable[..., Any], *args: Any, name: str) -> Any:
             loop.call_soon_threadsafe(settle, result, error)
 
     threading.Thread(target=target, name=name, daemon=True).start()
-    return await future
+    if held is None:
+        return await future
+    return await _held_thread(future, held)
+
+
+async def _held_thread(future: asyncio.Future[Any], held: Held) -> Any:
+    """The thread's result; cancelled, wait for the thread to return first (a second cancel
+    ends that wait), saying so, then raise the cancel."""
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        if not future.done():
+            held.began()
+            try:
+                await asyncio.wait({future})  # the thread's return; a second cancel ends this
+            finally:
+                held.ended()
+        if not future.cancelled():
+            future.exception()  # seen
+        raise

@@ -99,9 +99,15 @@ class _Lease:
     joins: set[str] = field(default_factory=set)
     """Those of ``slots`` where the run holds no place (its take only granted it a token, or the
     slot stopped limiting runs at once): it takes one if the slot limits runs at once now
-    (``slots.extend``). Written by the pinger's thread only (and by ``add``)."""
+    (``slots.extend``). Written by the pinger's thread only (and by ``add`` and ``hold``)."""
     paused: bool = False
     """Not pinged: the run's transaction is open (``pause``)."""
+    holds: bool = False
+    """The run holds a sequence's lock or limit slots: if it is stopped while it still runs
+    (its task cancelled, this worker no longer allowed), its lease is kept (``stopping``)
+    until it has really stopped, so that they stay held (docs/fairness.md)."""
+    stopping: bool = False
+    """Pinged as a run being stopped (``store.extend_lease``'s ``stopping``)."""
     watchers: list[Callable[[float], None]] = field(default_factory=list)
     """Told each new ``expires`` (``watch``), under the pinger's lock."""
 
@@ -161,11 +167,13 @@ class LeasePinger:
         claim_sent: float,
         slots: tuple[str, ...] = (),
         tokens: frozenset[str] = frozenset(),
+        holds: bool = False,
     ) -> None:
         """Ping a run's lease from now on; ``claim_sent`` is when (monotonic) the claim that
         took it began, before it read the time its lease ends from, so the lease cannot end
         before ``claim_sent + timeout``. ``slots``: its limit slots, extended with it;
-        ``tokens``: those it was only granted a token of (``slots.Taken.holder``)."""
+        ``tokens``: those it was only granted a token of (``slots.Taken.holder``); ``holds``:
+        it holds a sequence's lock or limit slots (``_Lease.holds``)."""
         now = time.monotonic()
         interval = ping_every(ping_interval_ms, worker_timeout_ms)
         timeout = worker_timeout_ms / 1000
@@ -180,6 +188,7 @@ class LeasePinger:
                 claim_sent + timeout,
                 slots=slots,
                 joins=set(tokens),
+                holds=holds,
             )
             # wake the thread only if this ping is due before it wakes anyway: a woken thread
             # takes the GIL from the event loop, on every claim
@@ -239,6 +248,16 @@ class LeasePinger:
                 lease.next_at = time.monotonic()
                 self._cond.notify()
 
+    def hold(self, run_id: str, slot: str) -> None:
+        """The run holds a place in ``slot`` from now on (taken for it: ``slots.join``): each
+        ping extends it."""
+        with self._cond:
+            lease = self._leases.get(run_id)
+            if lease is not None:
+                if slot not in lease.slots:
+                    lease.slots = (*lease.slots, slot)
+                lease.joins.discard(slot)
+
     def remove(self, run_id: str) -> None:
         with self._cond:
             self._leases.pop(run_id, None)
@@ -295,7 +314,9 @@ class LeasePinger:
             server_now = self._clock.now()
             limit = max(PING_MAX_TIME_MS, round(lease.interval * 1000))
             doc = self._driver.run(
-                store.extend_lease(lease.key, lease.run_id, self._worker_id, server_now, limit)
+                store.extend_lease(
+                    lease.key, lease.run_id, self._worker_id, server_now, limit, lease.stopping
+                )
             )
             status, slot_lost = None, None
             if doc is None:
@@ -315,9 +336,7 @@ class LeasePinger:
         self.pings += 1
         now = time.monotonic()
         if doc is None:
-            with self._cond:
-                self._leases.pop(lease.run_id, None)
-            self._report_lost(lease.run_id, status)
+            self._missed(lease, status, now)
             return
         if slot_lost is not None:  # the task is still the run's: it is given back (RELEASED)
             with self._cond:
@@ -341,6 +360,31 @@ class LeasePinger:
                 lease.key,
                 lease.timeout,
             )
+
+    def _missed(self, lease: _Lease, status: dict[str, Any] | None, now: float) -> None:
+        """A ping matched nothing: the run is stopped. Its lease is forgotten, or, for a run
+        that holds a lock or slots and whose handler still runs, pinged as stopping."""
+        if self._keeps(lease, status):
+            lease.stopping = True
+            lease.next_at = now + lease.interval
+        else:
+            with self._cond:
+                self._leases.pop(lease.run_id, None)
+        self._report_lost(lease.run_id, status)
+
+    @staticmethod
+    def _keeps(lease: _Lease, status: dict[str, Any] | None) -> bool:
+        """Whether a run whose ping missed keeps its lease while it stops: it holds a lock or
+        slots, and its task was cancelled or only stopped allowing this worker (its run is
+        still RUNNING); not once taken over, released, or pinged as stopping already."""
+        if not lease.holds or lease.stopping or status is None:
+            return False
+        runs = status.get("runs")
+        mine = isinstance(runs, list) and any(
+            isinstance(r, dict) and r.get("run_id") == lease.run_id and r.get("state") == "RUNNING"
+            for r in runs
+        )
+        return mine and status.get("status") in ("cancelled", "pending", "running")
 
     def _report_lost(self, run_id: str, status: dict[str, Any] | None) -> None:
         self._call_on_loop(self._on_lost, run_id, status)

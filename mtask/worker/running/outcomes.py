@@ -18,7 +18,7 @@ from typing import Any
 
 import bson
 
-from mtask import flows, metrics
+from mtask import flows, limits, metrics
 from mtask.errors import InvalidParams, InvalidTask
 from mtask.models import DEFAULT_KEEP_MS, MAX_STORED_DEPTH, RunState, storable_depth
 from mtask.registry import Fail, Retry, retry_delay_ms
@@ -129,6 +129,7 @@ class RunOutcomes:
             worker_id=run.ctx.worker_id,
             result_bytes=size,
             keep_ms=keep,
+            holds_lock=any(limits.is_claim_lock(s) for s in run.slots),
         )
 
     def succeeded(self, run: ActiveRun) -> None:

@@ -3,8 +3,9 @@ the parts around it, each a narrow protocol (River's producer and executor meet 
 and a few callbacks).
 
 - ``RunStarter`` (the ``Executor``): the claim side starts a claimed document's run, reads how
-  many outcomes wait to be written (its backpressure), and gives back a limit slot a run of
-  this worker held but no longer needs;
+  many outcomes wait to be written (its backpressure), gives back a limit slot a run of this
+  worker held but no longer needs, and has a run in flight hold a slot a changed limit counts
+  it in;
 - ``SlotReturns`` (the claim side's ``LimitGate``): the recorder gives back the limit slots of
   ended runs once their outcomes are written;
 - ``PoolView`` (the ``ProcessPool``): what the heartbeat shows of the pool's children.
@@ -37,6 +38,12 @@ class RunStarter(Protocol):
 
     def give_back(self, slot: str, run_id: str) -> None:
         """Give a limit slot back once the outcomes now pending are written (or at once)."""
+        ...
+
+    def hold(self, run_id: str, slot: str) -> bool:
+        """The run in flight ``run_id`` holds a place in ``slot`` from now on (a changed limit
+        counted it in): its pings keep it, its end gives it back. ``False`` if the run has
+        ended (the caller gives the place back)."""
         ...
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from mtask.worker.finding.protocols import ClaimsBack, NoClaims
-from mtask.worker.finding.shared import mailbox
+from mtask.worker.finding.shared import mailbox, wire
 from mtask.worker.finding.stream import ClaimsFirst
 
 FRAME_BYTES = 256
@@ -20,7 +20,8 @@ FRAME_BYTES = 256
 
 
 class InboxChannel:
-    """A subscriber in another process: frames inserted into its inbox."""
+    """A subscriber in another process: frames inserted into its inbox, each once ``gate`` lets
+    them (the relay's lease is fresh)."""
 
     def __init__(
         self,
@@ -29,11 +30,12 @@ class InboxChannel:
         buffer: int,
         on_full: Callable[[InboxChannel], None],
         on_failed: Callable[[InboxChannel, Exception], None],
+        gate: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.subscription = subscription
         self.buffer = buffer
         self.on_full = on_full
-        self.writer = mailbox.Writer(collection, lambda exc: on_failed(self, exc))
+        self.writer = mailbox.Writer(collection, lambda exc: on_failed(self, exc), gate)
 
     @property
     def inbox(self) -> str:
@@ -49,7 +51,7 @@ class InboxChannel:
         self.writer.put({"f": doc})
 
     def dispatch(self, entries: list[list[Any]]) -> None:
-        self.send({"d": entries})
+        self.send(wire.hand_out(entries))
 
     def close(self) -> None:
         self.writer.close()
@@ -90,7 +92,7 @@ class LocalChannel:
         self.send(change)
 
     def dispatch(self, entries: list[list[Any]]) -> None:
-        self.send({"d": entries})
+        self.send(wire.hand_out(entries))
 
     def close(self) -> None:
         self.closed = True

@@ -13,9 +13,13 @@ writes to a task. So a task costs one claim attempt however many workers and hos
   for a key a cluster-wide limit keeps back, ``missed``, ``gone`` and its credit after
   anything but a success (``finding.protocols.ClaimReports``).
 - **Events are hints; the claim decides; the sweep bounds a loss.** A key handed over waits for
-  its claim (``awaiting``) until ``HAND_OVER_TIMEOUT``: then it goes back in the host queue. A
-  subscriber that goes gives its awaited keys back at once. Any event for an awaited key ends
-  the wait.
+  its claim (``awaiting``) until ``credit.HAND_OVER_TIMEOUT`` (0.5 s; longer only while every
+  claim takes longer to be heard of: ``credit.HandOvers``): then it goes back in the host
+  queue, and its subscriber is *unheard* (``credit.Account.unheard``): it is handed nothing
+  more until it is heard from (a claim or success in the stream, a report), so the keys a dead,
+  frozen or cut-off subscriber was handed reach another within a second, and no more are lost
+  to it. A subscriber that goes gives its awaited keys back at once. Any event for an awaited
+  key ends the wait.
 - **A claim that misses is said.** The key goes back in the host queue for another subscriber,
   and is refused to that one for a while (``credit.Refusals``). A task of ``concurrency`` > 1
   that one subscriber claimed or succeeded at stays in the host queue, as its event places it,
@@ -34,15 +38,13 @@ from typing import Any
 
 from mtask import driver
 from mtask.clock import Clock
-from mtask.limits import group_slot
 from mtask.store.schema import LAST_WRITE
 from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.finding.changes import event_key, updated_fields
-from mtask.worker.finding.shared.credit import Account, Accounts, Channel, Refusals
+from mtask.worker.finding.shared.credit import Account, Accounts, Channel, HandOvers, Refusals
 from mtask.worker.finding.shared.host_queue import HostQueue
+from mtask.worker.finding.shared.waiters import GroupWaiters
 
-HAND_OVER_TIMEOUT = 5.0
-"""Seconds a handed-over key waits for its claim before it goes back in the host queue."""
 PRUNE_EVERY = 2.0
 """Seconds between two prunings of expired refusals."""
 
@@ -55,14 +57,15 @@ class Dispatcher:
         host: HostQueue,
         now: Callable[[], dt.datetime],
         *,
-        awaiting: dict[str, tuple[Account, float]],
+        awaiting: HandOvers,
         wake: asyncio.Event,
+        waiters: GroupWaiters,
     ) -> None:
         self.host = host
         self.now = now
         self.awaiting = awaiting
-        """Keys handed over and not yet claimed: to whom, and until when (monotonic). The
-        host queue counts them as in flight (``build``)."""
+        """Keys handed over and not yet claimed (the host queue counts them as in flight:
+        ``build``)."""
         self.wake = wake
         self.accounts = Accounts()
         self.refused = Refusals(host.scanner.sweep_interval)
@@ -74,12 +77,9 @@ class Dispatcher:
         """Keys that went back in the host queue (no claim in time, or their worker went)."""
         self.said = {"held": 0, "missed": 0, "gone": 0}
         """What the subscribers said of handed keys, by kind."""
-        self.slot_waiters: dict[str, set[Channel]] = {}
-        """Subscribers holding a key of a group (``held``), by the group's slot document: the
-        relay passes that document's next change event to them alone."""
-        self.held_slots: dict[str, str] = {}
-        """The group slot of each key a subscriber holds, until the key's next event (the
-        relay forgot the task itself, so that it is not handed out again)."""
+        self.waiters = waiters
+        """Who keeps a key of a group back (``held``): the relay tells them alone when the
+        group's slot changes or a run of it ends."""
         self.heard = {"claim": 0, "success": 0}
         """The subscribers' claims and successes the stream showed."""
         self.reports = 0
@@ -93,9 +93,11 @@ class Dispatcher:
         *,
         new_queue: Callable[[], ClaimQueue],
         sweep_interval: float,
+        waiters: GroupWaiters | None = None,
     ) -> Dispatcher:
-        """A dispatcher and its host queue (which counts the awaited keys as busy)."""
-        awaiting: dict[str, tuple[Account, float]] = {}
+        """A dispatcher and its host queue (which counts the awaited keys as busy); ``waiters``:
+        shared with the relay, which tells them."""
+        awaiting = HandOvers()
         wake = asyncio.Event()
         host = HostQueue(
             driver,
@@ -105,7 +107,8 @@ class Dispatcher:
             queue=new_queue(),
             sweep_interval=sweep_interval,
         )
-        return cls(host, clock.now, awaiting=awaiting, wake=wake)  # no cycle: awaiting came first
+        waiters = GroupWaiters() if waiters is None else waiters
+        return cls(host, clock.now, awaiting=awaiting, wake=wake, waiters=waiters)
 
     # -- subscribers --------------------------------------------------------------------------
 
@@ -120,14 +123,10 @@ class Dispatcher:
         gone = self.accounts.remove(channel)
         if gone is None:
             return
-        for key, (to, _) in list(self.awaiting.items()):
-            if to is gone:
-                self._give_back(key)
+        for key in self.awaiting.to(gone):
+            self._give_back(key)
         self.refused.drop_account(gone)
-        for slot, waiters in list(self.slot_waiters.items()):
-            waiters.discard(channel)
-            if not waiters:
-                del self.slot_waiters[slot]
+        self.waiters.drop(channel)
         self._refresh()
 
     def report(
@@ -145,7 +144,7 @@ class Dispatcher:
         if account is None:
             return
         self.reports += 1
-        account.said(free, got, done, time.monotonic(), sync)
+        account.said(free, got, done, time.monotonic(), sync)  # (heard from: not unheard)
         if names is not None and frozenset(names) != account.names:
             account.names = frozenset(names)
             self._refresh()
@@ -154,38 +153,34 @@ class Dispatcher:
 
     def _refresh(self) -> None:
         """The subscribers changed: the host queue's names and worker ids follow."""
-        accounts = list(self.accounts)
-        names = sorted(set().union(*(a.names for a in accounts)))
-        self.host.serve(names, tuple(sorted(a.worker_id for a in accounts)))
+        self.host.serve(*self.accounts.scope())
         self.wake.set()
 
     # -- what the subscribers (ClaimReports) and the stream say about keys --------------------
 
     def held(self, key: str, by: Channel | None = None) -> None:
         """A subscriber keeps ``key`` (a limit holds it back): not the host queue's any more.
-        If the task has a group, ``by`` is told when its group's slot document changes
-        (``slot_waiters``): those events go only to who waits for them."""
+        If the task has a group, ``by`` is told when its group's slot document changes or a run
+        of the group ends (``waiters``): those go only to who waits for them."""
         self.said["held"] += 1
         meta = self.host.known(key)
-        if meta is not None and isinstance(meta.group, tuple):
-            self.held_slots[key] = group_slot(*meta.group)
-        if by is not None and (slot := self.held_slots.get(key)) is not None:
-            self.slot_waiters.setdefault(slot, set()).add(by)
-        self.awaiting.pop(key, None)
+        group = meta.group if meta is not None and isinstance(meta.group, tuple) else None
+        self.waiters.held(key, group, by)
+        self.awaiting.forget(key)
         self.forget(key)
 
     def missed(self, key: str, by: Channel | None = None) -> None:
         """A subscriber's claim of ``key`` missed although it was due: hand it to another."""
         self.said["missed"] += 1
-        self._end_wait(key, by)
+        self.awaiting.end(key, by)
         self.refused.add(key, self.accounts.get(by))
         self.host.requeue_at(key, self.now())
 
     def gone(self, key: str) -> None:
         """A subscriber found ``key`` finished or deleted."""
         self.said["gone"] += 1
-        self.awaiting.pop(key, None)
-        self.held_slots.pop(key, None)
+        self.awaiting.forget(key)
+        self.waiters.known_again(key)
         self.forget(key)
 
     def forget(self, key: str) -> None:
@@ -197,7 +192,7 @@ class Dispatcher:
         place in the host queue (a claim's at its lease's end, a success's nowhere)."""
         self._on_event(change)
         if isinstance(key := event_key(change), str):
-            self.held_slots.pop(key, None)  # the host queue learns the task again
+            self.waiters.known_again(key)  # the host queue learns the task again
         self.host.on_change(change)
 
     def _on_event(self, change: Mapping[str, Any]) -> None:
@@ -208,9 +203,9 @@ class Dispatcher:
         key = event_key(change)
         if not isinstance(key, str):
             return
-        self.awaiting.pop(key, None)
+        self.awaiting.heard(key, time.monotonic())
         fields = updated_fields(change)
-        kind, account = self._writer(fields)
+        kind, account = _writer(fields, self.accounts)
         if account is None:
             self.refused.drop_key(key)
             return
@@ -219,9 +214,10 @@ class Dispatcher:
             account.seen += 1
             if account.credit > 0:
                 self.wake.set()
-        if account.unacked_since is not None:  # alive: the clock starts again, if keys wait
-            waiting = any(to is account for to, _ in self.awaiting.values())
-            account.heard(waiting, time.monotonic())
+        if account.unacked_since is not None or account.unheard:  # alive: the clock starts
+            if account.unheard:  # again, if keys wait; handed keys again
+                self.wake.set()
+            account.heard(self.awaiting.waits_for(account), time.monotonic())
         meta = self.host.known(key)
         if meta is not None and meta.multi:
             self.refused.add(key, account)
@@ -230,31 +226,19 @@ class Dispatcher:
         else:
             self.refused.drop_key(key)
 
-    def _writer(self, fields: Mapping[str, Any]) -> tuple[str, Account | None]:
-        """Whose claim or success an update that set ``fields`` is, by its ``last_write``."""
-        tag = fields.get(LAST_WRITE)
-        if not isinstance(tag, str):
-            return "", None
-        kind, _, worker_id = tag.partition(":")
-        if kind not in self.heard:
-            return "", None
-        return kind, self.accounts.by_worker.get(worker_id)
-
     def clear(self) -> None:
-        """Forget the tasks (the relay's one worker finds its own work again)."""
+        """Forget what was handed out and refused (the relay's worker finds its own work)."""
         self.awaiting.clear()
         self.refused.clear()
-        self.host.clear()
-
-    def _end_wait(self, key: str, by: Channel | None) -> None:
-        """``by`` said what became of ``key``: if it was handed to ``by``, the wait is over."""
-        if (waiting := self.awaiting.get(key)) and (by is None or waiting[0].channel is by):
-            del self.awaiting[key]
 
     def _give_back(self, key: str) -> None:
         self.awaiting.pop(key, None)
         self.returned += 1
         self.host.requeue_at(key, self.now())
+
+    def silent(self, now_mono: float) -> list[Channel]:
+        """Subscribers that left handed keys unacknowledged too long (``credit.silent``)."""
+        return self.accounts.silent(now_mono)
 
     # -- handing out ---------------------------------------------------------------------------
 
@@ -273,9 +257,9 @@ class Dispatcher:
     def run_once(self) -> float | None:
         """One round; returns how long to sleep at most (``None``: until woken)."""
         now_mono = time.monotonic()
-        for key, (_, until) in list(self.awaiting.items()):
-            if until <= now_mono:
-                self._give_back(key)
+        for key in self.awaiting.lapsed(now_mono):  # another subscriber gets it, and its own
+            self.awaiting[key][0].unheard = True  # is handed nothing until heard from
+            self._give_back(key)
         if self.refused and now_mono - self._pruned >= PRUNE_EVERY:
             self._pruned = now_mono
             self.refused.prune(now_mono)
@@ -285,11 +269,11 @@ class Dispatcher:
             self.host.request_rescan()
         waits: list[float] = []
         next_due = self.host.queue.next_due(now)
-        can_take = any(a.credit > 0 for a in self.accounts)
+        can_take = any(a.room > 0 for a in self.accounts)
         if next_due is not None and can_take and not (self._stuck and next_due <= now):
             waits.append(max(0.0, (next_due - now).total_seconds()))
-        if self.awaiting:
-            waits.append(max(0.0, min(u for _, u in self.awaiting.values()) - now_mono))
+        if (ends := self.awaiting.next_end()) is not None:
+            waits.append(max(0.0, ends - now_mono))
         if self.refused:
             waits.append(PRUNE_EVERY)
         return min(waits) if waits else None
@@ -301,12 +285,10 @@ class Dispatcher:
         self._stuck = False
         if credit <= 0:
             return 0
-        batches: dict[Account, list[list[Any]]] = {}
+        batches: dict[Account, list[Any]] = {}
         kept: list[str] = []
-        now_mono = time.monotonic()
-        deadline = now_mono + HAND_OVER_TIMEOUT
         while credit > 0 and (due := self.host.queue.pop_due(now, credit)):
-            credit -= self._hand(due, now, now_mono, deadline, batches, kept)
+            credit -= self._hand(due, now, batches, kept)
         for key in kept:  # due, but nobody with credit may run it now
             self.host.placement.requeue(key, now)
         self._stuck = bool(kept)
@@ -316,46 +298,45 @@ class Dispatcher:
         return sum(len(e) for e in batches.values())
 
     def _hand(
-        self,
-        keys: list[str],
-        now: dt.datetime,
-        now_mono: float,
-        deadline: float,
-        batches: dict[Account, list[list[Any]]],
-        kept: list[str],
+        self, keys: list[str], now: dt.datetime, batches: dict[Account, list[Any]], kept: list[str]
     ) -> int:
         """Choose a subscriber for each of ``keys`` (popped, due); returns how many got one.
         The others go to ``kept``, or back in the queue for later if every subscriber that
-        may run them refuses them now."""
-        handed = 0
+        may run them refuses them now (until that changes: an event, a lease's end)."""
+        handed, now_mono = 0, time.monotonic()
         for key in keys:
             meta = self.host.known(key)
-            refusers = self.refused.of(key, now_mono)
-            account = None if meta is None else self.accounts.choose(meta, refusers)
-            if meta is not None and account is None and refusers:
-                retry = self.accounts.all_refuse(meta, refusers)
-                if retry is not None:
-                    # every subscriber that may take it cannot claim it now: until that
-                    # changes (an event, a lease's end), it waits out of the way
-                    after = dt.timedelta(seconds=retry - now_mono)
-                    self.host.placement.requeue(key, now + after)
-                    continue
-            if meta is None or account is None:
-                kept.append(key)
-                continue
-            handed += 1
-            account.handed(1, now_mono)  # its credit counts it from now on
-            self.awaiting[key] = (account, deadline)
-            group = meta.group[1] if isinstance(meta.group, tuple) else None
-            batches.setdefault(account, []).append(
-                [key, meta.name, meta.priority, meta.worker_timeout_ms, group]
+            chosen = (
+                None if meta is None else self.accounts.choose(key, meta, self.refused, now_mono)
             )
+            if isinstance(chosen, float):
+                self.host.placement.requeue(key, now + dt.timedelta(seconds=chosen - now_mono))
+            elif meta is None or chosen is None:
+                kept.append(key)
+            else:
+                handed += 1
+                chosen.handed(1, now_mono)  # its credit counts it from now on
+                self.awaiting.hand(key, chosen, now_mono)
+                group = meta.group[1] if isinstance(meta.group, tuple) else None
+                entry = [key, meta.name, meta.priority, meta.worker_timeout_ms, group]
+                batches.setdefault(chosen, []).append(entry)
         return handed
 
     def stats(self) -> Mapping[str, int]:
-        queued, refused, waits = len(self.host.queue), len(self.refused), len(self.awaiting)
-        counts = {"handed": self.handed, "returned": self.returned, "awaiting": waits}
+        counts = {"subscribers": len(self.accounts), "handed": self.handed}
+        counts |= {"returned": self.returned, "awaiting": len(self.awaiting)}
         counts |= {f"said_{kind}": n for kind, n in self.said.items()}
         counts |= {f"heard_{kind}": n for kind, n in self.heard.items()}
-        counts["reports"] = self.reports
-        return {"subscribers": len(self.accounts), **counts, "refused": refused, "queued": queued}
+        counts |= {"reports": self.reports, "refused": len(self.refused)}
+        return counts | {"queued": len(self.host.queue), "unheard": self.accounts.unheard()}
+
+
+def _writer(fields: Mapping[str, Any], accounts: Accounts) -> tuple[str, Account | None]:
+    """Whose claim or success an update that set ``fields`` is, by its ``last_write``."""
+    tag = fields.get(LAST_WRITE)
+    if not isinstance(tag, str):
+        return "", None
+    kind, _, worker_id = tag.partition(":")
+    if kind not in ("claim", "success"):
+        return "", None
+    return kind, accounts.by_worker.get(worker_id)

@@ -25,7 +25,7 @@ import contextlib
 import hashlib
 import logging
 import re
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any
 
 from pymongo import CursorType, WriteConcern
@@ -62,14 +62,20 @@ def is_inbox(tasks: str, name: str) -> bool:
     return name.startswith(f"{tasks}.inbox.")
 
 
+async def inboxes(database: Any, tasks: str) -> list[dict[str, Any]]:
+    """Every inbox of ``tasks`` (its ``listCollections`` entry)."""
+    found = await database.list_collections(
+        filter={"name": {"$regex": f"^{re.escape(tasks)}\\.inbox\\."}}
+    )
+    return [info async for info in found]
+
+
 async def stale_inboxes(database: Any, tasks: str, keep: set[str], before: Any) -> list[str]:
     """Inboxes of ``tasks`` not in ``keep`` that nobody will read: not capped (made again by
     a late write into a dropped one), or made before ``before`` (their subscriber is gone:
     one that lives subscribes again, with a new inbox, within ``SILENT`` seconds)."""
     stale = []
-    async for info in await database.list_collections(
-        filter={"name": {"$regex": f"^{re.escape(tasks)}\\.inbox\\."}}
-    ):
+    for info in await inboxes(database, tasks):
         name = info["name"]
         if name in keep:
             continue
@@ -94,6 +100,25 @@ async def drop_stale(
             await drop(database, name, last)
     except PyMongoError as exc:
         log.debug("cannot sweep stale inboxes: %s", exc)
+
+
+async def tell_others(
+    database: Any, tasks: str, served: Callable[[], set[str]], frame: Mapping[str, Any]
+) -> None:
+    """Insert ``frame`` into every inbox of ``tasks`` not ``served()`` (asked as each is
+    written: one that said hello meanwhile is left alone), all at once."""
+    try:
+        names = [info["name"] for info in await inboxes(database, tasks)]
+    except PyMongoError as exc:
+        log.info("cannot list the inboxes (%s): their subscribers look at the lease", exc)
+        return
+
+    async def tell(name: str) -> None:
+        if name not in served():
+            with contextlib.suppress(PyMongoError):  # gone meanwhile
+                await database[name].with_options(write_concern=HINT).insert_one(dict(frame))
+
+    await asyncio.gather(*(tell(name) for name in names))
 
 
 async def drop(database: Any, name: str, last: Mapping[str, Any] | None = None) -> None:
@@ -150,15 +175,39 @@ async def tail(
         await cursor.close()
 
 
+async def read_reports(
+    database: Any, tasks: str, relay: str, read: Callable[[Mapping[str, Any]], None]
+) -> None:
+    """Until cancelled: each frame addressed to ``relay`` in the relay's inbox (made if
+    missing), as it comes, to ``read``. MongoDB away is weather: read again."""
+    query = {"$or": [{"to": relay}, dict(MARKER)]}
+    name = reports_name(tasks)
+    while True:
+        try:
+            reports = await ensure_capped(database, name, REPORTS_BYTES)
+            async for doc in tail(reports, query):
+                read(doc)
+        except PyMongoError as exc:
+            log.warning("reading the subscribers' reports failed, again: %s", exc)
+            await asyncio.sleep(0.5)
+
+
 class Writer:
     """Inserts frames into one collection in the order given, batched per turn of the event
-    loop, without blocking whoever sends them. ``failed`` is called (once) if a write fails."""
+    loop, without blocking whoever sends them. ``failed`` is called (once) if a write fails;
+    ``gate``, if given, is awaited before each write (the relay's: while its lease is fresh)."""
 
-    def __init__(self, collection: Any, failed: Callable[[Exception], None]) -> None:
+    def __init__(
+        self,
+        collection: Any,
+        failed: Callable[[Exception], None],
+        gate: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         # a frame is a hint (the claim decides, the sweep bounds a loss): acknowledged by the
         # primary, not waited on for a majority
         self.collection = collection.with_options(write_concern=HINT)
         self.failed = failed
+        self.gate = gate
         self.pending: collections.deque[Mapping[str, Any]] = collections.deque()
         self.in_flight = 0
         self._ready = asyncio.Event()
@@ -182,6 +231,8 @@ class Writer:
             await self._ready.wait()
             self._ready.clear()
             while self.pending and not self.closed:
+                if self.gate is not None:
+                    await self.gate()
                 batch = list(self.pending)
                 self.pending.clear()
                 self.in_flight = len(batch)

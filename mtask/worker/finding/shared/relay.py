@@ -4,31 +4,38 @@
 With a stream and a queue per worker, mongod scanned every write once per stream and every
 worker queued every task, so several raced for each: the server's CPU and the claim attempts
 per task grew with the number of workers and hosts (bench W9, W9H). Here one worker process
-holds the *relay*, chosen by a lease in MongoDB (``store.relays``: taken and renewed on the
-server's clock): the one change stream, the claim queue of every subscriber's names and its
-``Dispatcher``, which hands each due task to one subscriber with credit, its own worker
-included. Relay and subscribers talk through MongoDB alone (``mailbox``, ``wire``).
+holds the *relay*, chosen by a lease in MongoDB (``lease``, ``store.relays``: taken and renewed
+on the server's clock): the one change stream, the claim queue of every subscriber's names
+(``HostQueue``) and its ``Dispatcher``, which hands each due task to one subscriber with
+credit, its own worker included. Relay and subscribers talk through MongoDB alone (``mailbox``,
+``wire``). What it does with its stream is its mode (``mode.RelayMode``: starting, alone with
+its own worker, handing out).
 
 - Events are hints, the claim decides, the sweep bounds a lost wake-up. The relay's queue
   rescans each time its stream (re)opens and every sweep; a subscriber that says hello gets
-  ``{"relay": "open"}`` and from then on its tasks from the relay.
+  ``OPEN`` and from then on its tasks from the relay.
 - The relay's stream carries its subscribers' claims and successes (their ``last_write``
-  tags name them): the dispatcher reads them, and the subscribers do not report them. While the
-  relay's own worker is alone, its stream leaves that worker's out, as an own stream does; the
+  tags): the dispatcher reads them, and the subscribers do not report them. While the relay
+  is alone with its own worker, its stream leaves that worker's out, as an own stream does; the
   stream is reopened with the other filter when that changes, resuming after its last event
   (``Position.switch``: no rescan). Until the reopen (one getMore at most) the old filter still
   leaves out the own worker's claims and successes: a key handed to it meanwhile waits out its
   hand-over, and a short count of its successes is synced (``credit``).
-- The change events of ``controls``, ``limits`` and ``schedules`` go to every subscriber.
-- While the relay's own worker is its only subscriber (one worker: a small deployment's common
-  case), nothing is handed out: the relay passes that worker its task events as an own stream
-  would (``{"relay": "own"}``). When another subscriber comes, the relay's queue scans and
-  hands out again.
+- The change events of ``controls``, ``limits`` and ``schedules`` go to every subscriber; those
+  of a group's slot document, and the end of a run of a group (``wire.group_freed``), only to
+  the subscribers that keep a key of the group back (``waiters``).
 - A slow subscriber never blocks the relay (``channels``: bounded, then dropped). A subscriber
   that leaves handed keys unacknowledged is let go (``credit.SILENT_SUBSCRIBER``); its keys
   come back.
-- A relay that cannot renew its lease for ``LEASE_TTL`` seconds stops. Its subscribers see the
-  lease go stale (``subscriber``) and find their own work until one of them holds the lease.
+- *Standby.* While it has subscribers in other processes, the relay has one of them watch its
+  lease (``standby``): it asks one (``wire.STANDBY``) whenever nobody holds the post, and
+  renews its lease often enough for the standby to take it over within a second of its death,
+  freeze or cut (``lease``).
+- A relay that starts (its lease taken, or taken over) writes into every inbox it does not
+  serve a frame naming it (``wire.taken``): their subscribers, followers of a relay that is
+  gone, say hello to it at once, from the same inbox (no collection made or dropped: a
+  takeover costs a frame and a hello a subscriber). A relay that cannot renew its lease for
+  ``LEASE_TTL - RENEW_EVERY`` seconds stops, and so does one that finds it another's.
 """
 
 from __future__ import annotations
@@ -38,42 +45,36 @@ import contextlib
 import datetime as dt
 import logging
 import time
-import uuid
 from collections.abc import Mapping
 from typing import Any
-
-from pymongo.errors import PyMongoError
 
 from mtask import events
 from mtask.errors import StorageError
 from mtask.limits import group_slot
 from mtask.slots import is_group_slot
-from mtask.store import relays
-from mtask.worker.finding.changes import event_key, lock_freed, lock_notice
+from mtask.worker.finding.changes import event_key, lock_freed
 from mtask.worker.finding.protocols import ClaimsBack
-from mtask.worker.finding.shared import mailbox
+from mtask.worker.finding.shared import mailbox, wire
 from mtask.worker.finding.shared.channels import InboxChannel, LocalChannel, SubscriberChannel
 from mtask.worker.finding.shared.dispatch import Dispatcher
-from mtask.worker.finding.shared.wire import LET_GO, OPEN, OWN, apply_report, parse_hello
+from mtask.worker.finding.shared.host_queue import HostQueue
+from mtask.worker.finding.shared.lease import LeaseLost, RelayLease
+from mtask.worker.finding.shared.mode import RelayMode, mode_for
+from mtask.worker.finding.shared.standby import Appointments
+from mtask.worker.finding.shared.waiters import GroupWaiters
 from mtask.worker.finding.stream import OTHER_COLLECTIONS, follow, stream_pipeline
+from mtask.worker.service import event_or_timeout
 
 log = logging.getLogger(__name__)
 
-LAST_FRAME = {"f": LET_GO}
+LAST_FRAME = {"f": wire.LET_GO}
 """Written into an inbox before the relay drops it: it wakes a tail's waiting ``getMore``, and
 the subscription ends with it (a drop alone does not wake it)."""
 
 SUBSCRIBER_BUFFER = 4 * 1024 * 1024
 """Bytes the relay buffers for one subscriber before it drops it."""
-LEASE_TTL = 10.0
-"""Seconds a relay's lease lasts from its last renewal."""
-RENEW_EVERY = 2.0
 INBOX_SWEEP = 600.0
 """Seconds between two sweeps of inboxes nobody reads (made longer ago than this)."""
-
-
-class LeaseLost(Exception):
-    """The relay's lease is another's now, or could not be renewed in time."""
 
 
 class Relay:
@@ -84,57 +85,80 @@ class Relay:
     its relay directly (``LocalChannel``)."""
 
     def __init__(
-        self, database: Any, tasks: str, owner: str, buffer: int, dispatcher: Dispatcher
+        self,
+        database: Any,
+        tasks: str,
+        owner: str,
+        buffer: int,
+        dispatcher: Dispatcher,
+        host: HostQueue,
+        lease: RelayLease,
+        waiters: GroupWaiters,
     ) -> None:
         self.database = database
         self.tasks = tasks
         self.owner = owner
         """The worker id of the worker whose process holds the relay."""
-        self.id = f"{owner}/{uuid.uuid4().hex[:12]}"
+        self.lease = lease
+        self.id = lease.id
         """This relay's id: the lease names it, subscribers address their reports to it."""
         self.buffer = buffer
         self.dispatcher = dispatcher
+        self.host = host
+        """The dispatcher's host queue: the relay stream's ``Inbox`` while it hands out."""
+        self.waiters = waiters
+        """Who keeps a key of a group back (the dispatcher's, from their reports)."""
+        self.mode = RelayMode.STARTING
+        self._alone_with: LocalChannel | None = None
+        """The relay's own worker while ``mode`` is ``ALONE``."""
         self.subscribers: dict[SubscriberChannel, str] = {}
         """Every subscriber's channel and worker id."""
         self.inboxes: dict[str, InboxChannel] = {}
         """The subscribers in other processes, by subscription (reports name it)."""
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.open = False
         self.position = events.Position(fresh_when_lost=True)
         self.excluded: tuple[str, ...] = ()
         """The workers whose claims and successes the stream in use leaves out: the relay's
-        own worker while it is the only subscriber, else none."""
-        self.direct: LocalChannel | None = None
-        """The relay's own worker, while it is the only subscriber: it gets the task events."""
+        own worker while it is alone with it, else none."""
+        self.appointments = Appointments()
+        """Whom to ask to stand by, when nobody does."""
+        self._renew_now = asyncio.Event()
+        """Set by the first subscriber in another process: a standby is asked at once, after a
+        renewal (the lease renewed often from then on: the standby finds it fresh)."""
         self.dropped = 0
         self.restarts = 0
 
-    @classmethod
-    async def acquire(
-        cls, driver: Any, database: Any, tasks: str, owner: str, buffer: int, dispatcher: Dispatcher
-    ) -> Relay | None:
-        """The relay, if this process took the lease; ``None`` if another holds it."""
-        relay = cls(database, tasks, owner, buffer, dispatcher)
-        await driver.run(relays.ensure(tasks))
-        if not await driver.run(relays.acquire(tasks, relay.id, int(LEASE_TTL * 1000))):
-            return None
-        relay.loop = asyncio.get_running_loop()
-        cls.local[relay.id] = relay
-        return relay
+    @property
+    def direct(self) -> LocalChannel | None:
+        """The relay's own worker, while the relay is alone with it (it gets the task events)."""
+        return self._alone_with
 
-    async def run(self, driver: Any) -> None:
-        """Follow the stream, hand out tasks, sweep and keep the lease until cancelled or the
-        lease is lost; then let the lease go and every subscriber with it."""
+    def start(self) -> asyncio.Task[None]:
+        """Run the relay in a task of its own, this loop's local relay meanwhile."""
+        self.loop = asyncio.get_running_loop()
+        Relay.local[self.id] = self
+        return self.loop.create_task(self.run(), name="mtask-relay")
+
+    async def run(self) -> None:
+        """Move the subscribers of the relay before it, follow the stream, hand out tasks,
+        sweep, read the subscribers' reports and keep the lease until cancelled or the lease is
+        lost; then let the lease go and every subscriber with it."""
+        database, tasks = self.database, self.tasks
+        served = lambda: {c.inbox for c in self.inboxes.values()}  # noqa: E731
         try:
             async with asyncio.TaskGroup() as group:
+                taken = {"f": wire.taken(self.id)}
+                group.create_task(mailbox.tell_others(database, tasks, served, taken))
                 group.create_task(self.dispatcher.run(), name="mtask-dispatch")
-                group.create_task(self.dispatcher.host.sweep.run(), name="mtask-host-sweep")
-                group.create_task(self._keep_lease(driver), name="mtask-relay-lease")
-                group.create_task(self._read_reports(), name="mtask-relay-reports")
-                await follow(self.database, self._pipeline, self, self.position)
+                group.create_task(self.host.sweep.run(), name="mtask-host-sweep")
+                group.create_task(self._keep_lease(), name="mtask-relay-lease")
+                reports = mailbox.read_reports(database, tasks, self.id, self._on_report)
+                group.create_task(reports, name="mtask-relay-reports")
+                await follow(database, self._pipeline, self, self.position)
         except* LeaseLost as lost:
             log.warning("the relay stops: %s", lost.exceptions[0])
         finally:
+            self.mode, self._alone_with = RelayMode.STOPPED, None
             if Relay.local.get(self.id) is self:
                 del Relay.local[self.id]
             for subscriber in list(self.subscribers):
@@ -142,22 +166,20 @@ class Relay:
             self.subscribers.clear()
             self.inboxes.clear()
             with contextlib.suppress(StorageError, asyncio.CancelledError):  # else it runs out
-                await asyncio.shield(driver.run(relays.release(self.tasks, self.id)))
+                await asyncio.shield(self.lease.release())
 
-    async def _keep_lease(self, driver: Any) -> None:
-        renewed = swept = time.monotonic()
+    async def _keep_lease(self) -> None:
+        swept = time.monotonic()
         while True:
-            await asyncio.sleep(RENEW_EVERY)
-            try:
-                held = await driver.run(relays.acquire(self.tasks, self.id, int(LEASE_TTL * 1000)))
-            except StorageError as exc:
-                if time.monotonic() - renewed >= LEASE_TTL - RENEW_EVERY:
-                    raise LeaseLost(f"cannot renew the lease: {exc}") from exc
-                continue
-            if not held:
-                raise LeaseLost("another relay holds the lease")
+            await event_or_timeout(self._renew_now, self.lease.every(bool(self.inboxes)))
+            self._renew_now.clear()
+            renewal = await self.lease.renew(bool(self.inboxes))
+            if renewal is None:
+                continue  # not answered in time: tried again
             renewed = time.monotonic()
             self.let_go_of_the_silent(renewed)
+            if (asked := self.appointments.ask(renewal, list(self.inboxes.values()))) is not None:
+                asked.send(wire.STANDBY)
             if renewed - swept >= INBOX_SWEEP:
                 swept = renewed
                 keep = {inbox.inbox for inbox in self.inboxes.values()}
@@ -166,7 +188,7 @@ class Relay:
 
     def let_go_of_the_silent(self, now_mono: float) -> None:
         """Subscribers in other processes that left handed keys unacknowledged go."""
-        for channel in self.dispatcher.accounts.silent(now_mono):
+        for channel in self.dispatcher.silent(now_mono):
             if isinstance(channel, InboxChannel):
                 log.info("subscription %s leaves keys unacknowledged", channel.subscription)
                 self.remove(channel)
@@ -182,12 +204,14 @@ class Relay:
         return local
 
     def _add(self, channel: SubscriberChannel, worker_id: str, names: list[str], free: int) -> None:
+        handing = self.mode is RelayMode.HANDING
         self.subscribers[channel] = worker_id
         near = isinstance(channel, LocalChannel)
         self.dispatcher.add(channel, worker_id, names, free, near=near)
         self._note_change()
-        if self.open and self.direct is None:
-            channel.send(OPEN)
+        if handing and self.mode is RelayMode.HANDING:
+            channel.send(wire.OPEN)  # (a relay that began to hand out told everyone)
+            self.host.catch_up()  # new names: their tasks are read at once
 
     def remove(self, channel: SubscriberChannel) -> None:
         if self.subscribers.pop(channel, None) is not None:
@@ -214,37 +238,34 @@ class Relay:
         self.remove(channel)
 
     def _note_change(self) -> None:
+        """The subscribers changed: the stream's filter, and the mode, follow."""
         if self.excluded != self._excluded():
             self.position.switch()  # the other filter, from the next event on
-        self._set_direct()
+        if self.mode in (RelayMode.STARTING, RelayMode.STOPPED):
+            return  # its stream's opening decides; or it is no more
+        mode = mode_for(self.subscribers, self.owner)
+        alone_with = next(iter(self.subscribers)) if mode is RelayMode.ALONE else None
+        if mode is not self.mode or alone_with is not self._alone_with:
+            self._enter(mode)
 
     def _excluded(self) -> tuple[str, ...]:
-        return (self.owner,) if self._alone() is not None else ()
+        alone = mode_for(self.subscribers, self.owner) is RelayMode.ALONE
+        return (self.owner,) if alone else ()
 
-    def _alone(self) -> LocalChannel | None:
-        """The relay's own worker, if it is the only subscriber."""
-        if len(self.subscribers) != 1:
-            return None
-        [(channel, worker_id)] = self.subscribers.items()
-        return channel if isinstance(channel, LocalChannel) and worker_id == self.owner else None
-
-    def _set_direct(self) -> None:
-        """Hand out or pass events on, as the subscribers are now."""
-        alone = self._alone()
-        if alone is self.direct:
-            return
-        was, self.direct = self.direct, alone
-        if was is not None:
-            was.first.forget()  # what it was handed is no longer waited for
-        if not self.open:
-            return
-        if alone is not None:  # alone again: the relay's work is its own worker's
+    def _enter(self, mode: RelayMode) -> None:
+        """Enter ``mode`` (or enter it again, its stream reopened): ``mode``'s transitions."""
+        alone_with = next(iter(self.subscribers)) if mode is RelayMode.ALONE else None
+        if self._alone_with is not None and alone_with is not self._alone_with:
+            self._alone_with.first.forget()  # what it was handed is no longer waited for
+        self.mode = mode
+        self._alone_with = alone_with if isinstance(alone_with, LocalChannel) else None
+        if self._alone_with is not None:  # the relay's work is its own worker's
             self.dispatcher.clear()
-            alone.send(OWN)
-        elif was is not None:  # no longer alone: the relay's queue scans and hands out
-            self.dispatcher.host.active = True
-            self.dispatcher.host.request_rescan()
-            self.broadcast(OPEN)
+            self.host.idle()
+            self._alone_with.send(wire.OWN)  # it scans, as after an own stream's (re)open
+        elif mode is RelayMode.HANDING:  # the host queue scans and hands out
+            self.host.activate()
+            self.broadcast(wire.OPEN)
 
     def broadcast(self, doc: Mapping[str, Any]) -> None:
         """Queue ``doc`` for every subscriber."""
@@ -254,21 +275,13 @@ class Relay:
             else:
                 channel.send(doc)
 
-    # -- what subscribers say ---------------------------------------------------------------
+    def _tell_waiters(self, slot: str, doc: Mapping[str, Any]) -> None:
+        """``doc`` to the subscribers that keep a key of the group ``slot`` back, once."""
+        waiters = self.waiters.pop(slot)
+        for channel in [c for c in self.subscribers if c in waiters]:
+            channel.send(doc)
 
-    async def _read_reports(self) -> None:
-        """The subscribers' hellos, reports and goodbyes, from the relay's inbox (made if
-        missing); MongoDB away is weather: read again."""
-        query = {"$or": [{"to": self.id}, dict(mailbox.MARKER)]}
-        name = mailbox.reports_name(self.tasks)
-        while True:
-            try:
-                reports = await mailbox.ensure_capped(self.database, name, mailbox.REPORTS_BYTES)
-                async for doc in mailbox.tail(reports, query):
-                    self._on_report(doc)
-            except PyMongoError as exc:
-                log.warning("reading the subscribers' reports failed, again: %s", exc)
-                await asyncio.sleep(0.5)
+    # -- what subscribers say ---------------------------------------------------------------
 
     def _on_report(self, doc: Mapping[str, Any]) -> None:
         subscription, message = doc.get("from"), doc.get("f")
@@ -283,13 +296,13 @@ class Relay:
             self.remove(inbox)
         else:
             try:
-                apply_report(self.dispatcher, inbox, message)
+                wire.apply_report(self.dispatcher, inbox, message)
             except (TypeError, ValueError) as exc:
                 log.warning("a subscriber's report makes no sense (%s); letting it go", exc)
                 self.remove(inbox)
 
     def _hello(self, subscription: str, hello: Mapping[str, Any], was: InboxChannel | None) -> None:
-        parsed = parse_hello(self.tasks, hello)
+        parsed = wire.parse_hello(self.tasks, hello)
         if parsed is None:
             return
         for old in [
@@ -299,9 +312,16 @@ class Relay:
         if was is not None:
             self.remove(was)
         channel = InboxChannel(
-            self.database[parsed.inbox], subscription, self.buffer, self.drop, self.lost
+            self.database[parsed.inbox],
+            subscription,
+            self.buffer,
+            self.drop,
+            self.lost,
+            self.lease.until_fresh,
         )
         self.inboxes[subscription] = channel
+        if len(self.inboxes) == 1 and not self.lease.watched:
+            self._renew_now.set()  # somebody could stand by now: ask one without waiting
         self._add(channel, parsed.worker_id, parsed.names, parsed.free)
 
     # -- the stream (the relay is its Inbox) ------------------------------------------------
@@ -311,47 +331,44 @@ class Relay:
         return stream_pipeline(self.tasks, self.excluded)
 
     async def opened(self) -> None:
-        self.direct = self._alone()
-        if self.direct is not None:
-            self.dispatcher.clear()
-            self.open = True
-            self.direct.send(OWN)  # its worker scans, as after an own stream's (re)open
-            return
-        await self.dispatcher.host.opened()  # the relay's queue scans: nothing slips between
-        self.open = True
-        self.broadcast(OPEN)
+        mode = mode_for(self.subscribers, self.owner)
+        if mode is RelayMode.HANDING:
+            await self.host.opened()  # the relay's queue scans: nothing slips between
+        self._enter(mode)
 
     def on_change(self, change: Mapping[str, Any]) -> None:
         ns = change.get("ns")
         collection = ns.get("coll") if isinstance(ns, Mapping) else None
         slot = event_key(change) if collection == "limits" else None
-        if self.direct is None and isinstance(slot, str) and is_group_slot(slot):
-            # a group's slot changes twice a run: only who waits for it hears of it
-            waiters = self.dispatcher.slot_waiters.pop(slot, set())
-            for channel in [c for c in self.subscribers if c in waiters]:
-                channel.send(change)
-        elif collection in OTHER_COLLECTIONS:
-            self.broadcast(change)
-        elif self.direct is not None:
-            self.direct.hand(change)
+        if collection in OTHER_COLLECTIONS:
+            if self._alone_with is None and isinstance(slot, str) and is_group_slot(slot):
+                self._tell_waiters(slot, change)  # a group's slot changes twice a run
+            else:
+                self.broadcast(change)
+        elif self._alone_with is not None:  # ALONE: its worker finds its work from them
+            self._alone_with.hand(change)
         else:
             key = event_key(change)
-            meta = self.dispatcher.host.known(key) if isinstance(key, str) else None
-            if (freed := lock_freed(change, meta)) is not None:
-                # a run of a sequence ended: who waits for its group hears of it
-                waiters = self.dispatcher.slot_waiters.pop(group_slot(*freed), set())
-                for channel in [c for c in self.subscribers if c in waiters]:
-                    channel.send(lock_notice(freed))
+            meta = self.host.known(key) if isinstance(key, str) else None
+            if (freed := lock_freed(change, meta)) is not None:  # a run of a sequence ended
+                self._tell_waiters(group_slot(*freed), wire.group_freed(*freed))
             self.dispatcher.on_change(change)
 
     async def settle(self) -> None:
-        if self.direct is None:
-            await self.dispatcher.host.settle()
+        if self._alone_with is None:
+            await self.host.settle()
         elif not self.position.buffered:
-            # Its own worker alone: the next read waits for the claim the last change led to
-            # (at most CLAIM_WAIT), so that the claim is sent first; not between changes it
-            # has read already, which its worker claims together.
-            await self.direct.settled()
+            # ALONE: the next read waits for the claim the last change led to (at most
+            # CLAIM_WAIT), so that the claim is sent first; not between changes it has read
+            # already, which its worker claims together.
+            await self._alone_with.settled()
 
     def restarted(self) -> None:
         self.restarts += 1
+
+    def state(self) -> dict[str, Any]:
+        """The relay's counters, for its worker's heartbeat."""
+        mode = {"mode": self.mode.value, "direct": self.mode is RelayMode.ALONE}
+        counts = {"dropped": self.dropped, "restarts": self.restarts}
+        standby = {"appointed": self.appointments.asked, **self.lease.state()}
+        return {**self.dispatcher.stats(), **mode, **counts, **standby}

@@ -3,24 +3,44 @@
 Each worker reads the relay's lease of its tasks collection (``store.relays``); if nobody holds
 it, it tries to take it, and the winner holds the relay (``relay.Relay``) and subscribes to it
 in memory. The others subscribe through MongoDB (``mailbox``): each makes an inbox, says hello
-to the relay, and tails its inbox. While the relay hands it its tasks (*dispatched*), a
-worker finds no work itself: it queues what it is handed (``Placement.hand``) and tells the
-relay what became of a key and its credit when the relay's stream does not show them (it is
-the ``ClaimReports``: ``reporter``). The claim, the run and the outcome are as with an own
-stream.
+to the relay, and tails its inbox. While the relay hands it its tasks, a worker finds no work
+itself: it queues what it is handed (``Placement.hand``) and tells the relay what became of a
+key and its credit when the relay's stream does not show them (it is the ``ClaimReports``:
+``reporter``). The claim, the run and the outcome are as with an own stream. One subscriber in
+another process stands by for the relay when asked (``standby``): it takes the lease over as
+soon as the relay goes silent.
 
-A worker finds its own work (its ``Finder``, with an own stream and its sweep) while it has no
-relay to follow: before its relay's first frame (``FIRST_FRAME``), when the relay's lease goes
-stale (dead, frozen, cut off: read every ``LOOK_EVERY`` seconds without a recent frame, sooner
-once the relay is late, renewed within ``STALE_AFTER``) until another relay holds the lease or
-it takes the lease itself, and for good where it cannot make an inbox (no right to make a
-capped collection).
+What the worker finds its work by is one named state (``SubscriberState``)::
+
+                            OPEN, or keys handed
+       BETWEEN ───────────────────────────────────────────▶ DISPATCHED
+        │  ▲  ▲ ◀─────────── the subscription ends ─────────  │  ▲
+        │  │  │                                              OWN │  │ OPEN, keys
+        │  │  └───────────── the subscription ends ────────┐   ▼  │
+        │  │                                               RELAY_EVENTS
+        │  │ (OWN, OPEN: as from BETWEEN)
+        │  └──────────────────────────────────┐
+        └─ no first frame within FIRST_FRAME, ─▶ OWN_STREAM
+           or the relay went silent (a look)
+
+- ``BETWEEN``: between two relays (starting, or its relay went): it claims what it was handed
+  and finds nothing new, until the relay's first frame (or ``FIRST_FRAME`` without one).
+- ``OWN_STREAM``: it finds its own work, with an own stream and its sweep: no relay answers, or
+  the relay's lease went stale (dead, frozen, cut off: read every ``LOOK_EVERY`` seconds without
+  a recent frame) and no standby took it over, until another relay holds the lease or it takes
+  the lease itself. A subscription that ends leaves it so.
+- ``RELAY_EVENTS``: the relay's own worker, its only subscriber: the relay passes it the task
+  events (``wire.OWN``) and it finds its own work from them, with its sweep.
+- ``DISPATCHED``: the relay hands it its tasks; it says what no event shows (``Reporter``).
+- ``FOR_GOOD``: it may not make an inbox (no right to make a capped collection): an own stream
+  for good, and the cluster's own duties, as a worker of ``--stream own``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -35,7 +55,8 @@ from mtask.store import relays
 from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.finding.finder import Finder
 from mtask.worker.finding.protocols import ClaimsBack
-from mtask.worker.finding.scan import Sweep, TopUp
+from mtask.worker.finding.shared import wire
+from mtask.worker.finding.shared.alone import FindingAlone
 from mtask.worker.finding.shared.holder import RelayHolder
 from mtask.worker.finding.shared.relay import SUBSCRIBER_BUFFER, Relay
 from mtask.worker.finding.shared.reporter import Reporter
@@ -44,15 +65,26 @@ from mtask.worker.finding.shared.subscription import (
     InboxSubscription,
     NoInbox,
     RelaySilent,
-    relay_alive,
+    next_relay,
 )
-from mtask.worker.finding.shared.wire import apply_report
-from mtask.worker.finding.stream import OwnStream
 
 log = logging.getLogger(__name__)
 
 FIRST_FRAME = 1.0
 """Seconds a subscriber waits for its relay's first frame before it finds work itself."""
+
+
+class SubscriberState(enum.Enum):
+    BETWEEN = "between"
+    OWN_STREAM = "own stream"
+    RELAY_EVENTS = "relay events"
+    DISPATCHED = "dispatched"
+    FOR_GOOD = "for good"
+
+    @property
+    def mode(self) -> str:
+        """What the heartbeat says: ``dispatched``, ``own`` (for good) or ``alone``."""
+        return {"dispatched": "dispatched", "for good": "own"}.get(self.value, "alone")
 
 
 class SharedStream:
@@ -81,7 +113,6 @@ class SharedStream:
         self.claims = claims
         """This worker's claims (a relay of this process, or this worker's own stream while
         it finds its work alone, waits for the one a change led to before its next read)."""
-        self.buffer = buffer
         tasks = driver.collections["tasks"]
         self.database, self.tasks = tasks.database, tasks.name
         self.holder = RelayHolder(
@@ -92,35 +123,31 @@ class SharedStream:
             new_queue=new_queue,
             sweep_interval=finder.scanner.sweep_interval,
         )
-        self.dispatched = False
-        """The relay hands this worker its tasks: it finds none itself, and says what it
-        claims, holds and finishes."""
+        self.state = SubscriberState.BETWEEN
+        """What this worker finds its work by now (``SubscriberState``)."""
         self.connections = 0
-        self.fallback = False
         self.left_silent = 0
+        """Relays this worker left because they went silent (or whose successor moved it)."""
         self.reports = Reporter(capacity, self._scope_names)
         """This worker's ``ClaimReports``: said only while the relay hands it its tasks."""
-        self._send: Callable[[dict[str, Any]], None] | None = None
-        """How to reach the relay followed now."""
-        self._heard = False
-        self._alone: asyncio.Task[None] | None = None
-        self._own = False
+        self.alone = FindingAlone(finder, self.database, self.tasks, worker_id, claims, self._broke)
+        """Finding work alone (``OWN_STREAM``, ``RELAY_EVENTS``, ``FOR_GOOD``)."""
         self._runner: asyncio.Task[Any] | None = None
         self._broken: BaseException | None = None
         """What broke finding work alone: ``run`` raises it (the worker stops, supervised)."""
 
-    def state(self) -> dict[str, Any]:
+    def heartbeat(self) -> dict[str, Any]:
         """For the heartbeat: what this side of the shared stream does, and the relay's
         counters if this worker holds it."""
-        mode = "own" if self.fallback else "dispatched" if self.dispatched else "alone"
-        state: dict[str, Any] = {
-            "mode": mode,
+        doc: dict[str, Any] = {
+            "mode": self.state.mode,
             "connections": self.connections,
             "left_silent": self.left_silent,
+            "took_over": self.holder.took_over,
         }
         if (relay := self.holder.state()) is not None:
-            state["relay"] = relay
-        return state
+            doc["relay"] = relay
+        return doc
 
     @property
     def relay(self) -> Relay | None:
@@ -131,103 +158,90 @@ class SharedStream:
         """Whether this worker runs the cluster's own duties (the flow sweep): it holds the
         relay now, or it follows its own stream for good (it may not make an inbox, so it
         never subscribes, nor takes the lease again), as a worker of ``--stream own`` does."""
-        return self.fallback or self.holder.holds()
+        return self.state is SubscriberState.FOR_GOOD or self.holder.holds()
+
+    @property
+    def dispatched(self) -> bool:
+        return self.state is SubscriberState.DISPATCHED
 
     def ranks(self) -> bool:
         """Whether this worker finds its own work now (the relay hands it none), so that its
         claims are staggered by its peers: only then does its heartbeat read them."""
         return not self.dispatched
 
-    # -- finding work alone ----------------------------------------------------------------------
-
     def slot_freed(self) -> None:
         """A slot may have freed: say the credit if the relay cannot count it (while
         dispatched; a success's event gives the relay the slot back)."""
         self.reports.check()
 
-    def _dispatch(self) -> None:
-        """From now on the relay hands this worker its tasks: what it found alone goes."""
-        if not self.dispatched and self._send is not None:
-            self._stop_alone()
-            self.dispatched = True
-            self.finder.placement.clear()
-            self.finder.ready.set()
-            self.reports.resume()
+    # -- the state and its transitions -----------------------------------------------------------
 
-    def _find_alone(self, own_stream: bool) -> None:
-        """Find work with the sweep, and an own stream unless the relay passes the events."""
-        self.dispatched = False
-        self.reports.pause()
-        if self._alone is not None and not self._alone.done() and self._own == own_stream:
-            return  # already so
-        self.finder.others.control()  # the heartbeat reads the peers (the stagger), pauses now
-        self._stop_alone()
-        self._own = own_stream
-        self._alone = asyncio.create_task(self._run_alone(own_stream), name="mtask-alone")
-        self._alone.add_done_callback(self._alone_done)
-
-    def _alone_done(self, task: asyncio.Task[None]) -> None:
-        """Finding work alone ends only when stopped: anything else stops ``run`` with it."""
-        if task.cancelled() or task.exception() is None or self._runner is None:
+    def _enter(self, state: SubscriberState) -> None:
+        """Enter ``state`` (the transitions of ``SubscriberState``)."""
+        was, self.state = self.state, state
+        if state is SubscriberState.DISPATCHED:
+            if was is not state:  # what it found alone goes
+                self.alone.stop()
+                self.finder.placement.clear()
+                self.finder.ready.set()
+                self.reports.resume()
             return
-        self._broken = task.exception()
-        self._runner.cancel()
+        self.reports.pause()
+        if state is SubscriberState.BETWEEN:
+            self.alone.stop()
+        else:
+            self.alone.start(own_stream=state is not SubscriberState.RELAY_EVENTS)
 
-    async def _run_alone(self, own_stream: bool) -> None:
-        async with asyncio.TaskGroup() as group:
-            group.create_task(Sweep.of(self.finder.scanner).run())
-            group.create_task(TopUp(self.finder.scanner).run())
-            if own_stream:
-                own = OwnStream(self.database, self.tasks, self.worker_id, self.finder, self.claims)
-                group.create_task(own.run())
-
-    def _stop_alone(self) -> None:
-        if self._alone is not None:
-            self._alone.cancel()
-            self._alone = None
+    def _broke(self, exc: BaseException) -> None:
+        """Finding work alone ended by itself (a bug): ``run`` stops with it."""
+        self._broken = exc
+        if self._runner is not None:
+            self._runner.cancel()
 
     # -- following the relay ---------------------------------------------------------------------
 
     async def run(self) -> None:
         self._runner = asyncio.current_task()
+        relay_id: str | None = None
         try:
             while True:
                 try:
-                    await self._follow_relay()
+                    relay_id = await self._follow_relay(relay_id)
                 except RelaySilent as silent:
-                    await self._left(silent.relay_id, str(silent))
+                    relay_id = await self._left(silent.relay_id, str(silent))
                 except (StorageError, PyMongoError) as exc:
                     log.warning("shared change stream: %s; trying again", exc)
                     await asyncio.sleep(random.uniform(0.5, 1.0))
-                await asyncio.sleep(random.uniform(0.01, 0.1))
+                if relay_id is None:
+                    await asyncio.sleep(random.uniform(0.01, 0.1))
         except asyncio.CancelledError:
             if self._broken is not None:
                 raise RuntimeError("finding work alone failed") from self._broken
             raise
         finally:
-            self._stop_alone()
+            self.alone.stop()
             await self.holder.stop()
 
-    async def _follow_relay(self) -> None:
-        """Subscribe to the relay that holds the lease (taking it first if nobody holds it)
-        until it goes."""
-        relay_id = await self._relay_id()
+    async def _follow_relay(self, relay_id: str | None) -> str | None:
+        """Subscribe to ``relay_id``, or to the relay that holds the lease (taking it first if
+        nobody holds it), until it goes; returns the relay that took its place, if it said."""
+        relay_id = relay_id or await self._relay_id()
         if relay_id is None:
             await asyncio.sleep(random.uniform(0.1, 0.3))  # the lease is changing hands
-            return
+            return None
         relay = Relay.local.get(relay_id)
         if relay is not None and relay.loop is asyncio.get_running_loop():
             local = relay.attach(self.worker_id, self._scope_names(), self.capacity(), self.claims)
             self.connections += 1
             looks = asyncio.create_task(self._looks(), name="mtask-relay-looks")
             try:
-                report = lambda m: apply_report(relay.dispatcher, local, m)  # noqa: E731
-                await self._consume(local.next, report)
+                report = lambda m: wire.apply_report(relay.dispatcher, local, m)  # noqa: E731
+                await self._consume(local.next, report, lambda: relay_id)
             finally:
                 looks.cancel()
                 relay.remove(local)
-            return
-        await self._subscribe(relay_id)
+            return None
+        return await self._subscribe(relay_id)
 
     def _scope_names(self) -> list[str]:
         return list(self.finder.placement.scope.names)
@@ -238,23 +252,24 @@ class SharedStream:
             return relay.id
         return await self.driver.run(relays.holder(self.tasks))
 
-    async def _subscribe(self, relay_id: str) -> None:
-        """Say hello to the relay ``relay_id`` and take its frames from an inbox of our own."""
-        sub = InboxSubscription(self.driver, relay_id, self.worker_id, self._look)
+    async def _subscribe(self, relay_id: str) -> str | None:
+        """Say hello to the relay ``relay_id`` and take its frames from an inbox of our own;
+        returns the relay that took its place, if it said (``wire.taken``)."""
+        sub = InboxSubscription(
+            self.driver,
+            relay_id,
+            self.worker_id,
+            self.reports.look,
+            hello=self._hello,
+            on_moved=lambda by: self._moved(by, sub.send),
+        )
         try:
-            await sub.open(
-                self.clock,
-                {
-                    "worker_id": self.worker_id,
-                    "names": self._scope_names(),
-                    "free": self.capacity(),
-                },
-            )
+            await sub.open(self.clock)
             self.connections += 1
-            self._heard = False
             first = asyncio.get_running_loop().call_later(FIRST_FRAME, self._no_first_frame)
             try:
-                await self._consume(sub.next_frame, sub.send, sub.watch)
+                following = lambda: sub.relay_id  # noqa: E731 (another, once one took over)
+                await self._consume(sub.next_frame, sub.send, following, sub.watch, first)
             finally:
                 first.cancel()
         except NoInbox as exc:
@@ -263,84 +278,106 @@ class SharedStream:
             log.info("shared change stream subscription lost (%s); subscribing again", exc)
         finally:
             await sub.close()
+        if sub.taken_by is not None:
+            self.left_silent += 1  # its relay went: another took the lease, and said so
+        return sub.taken_by
 
-    def _look(self) -> None:
-        self.reports.look()  # credit is never stuck, handed keys never unacknowledged
+    def _hello(self) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "names": self._scope_names(), "free": self.capacity()}
+
+    def _moved(self, relay_id: str, send: Callable[[dict[str, Any]], None]) -> bool:
+        """The relay ``relay_id`` took the lease from the one followed (``wire.taken``): follow
+        it from the same inbox (its ``OPEN`` dispatches this worker anew), unless this process
+        holds it (then the subscription ends, and the worker follows it in memory)."""
+        relay = Relay.local.get(relay_id)
+        if relay is not None and relay.loop is asyncio.get_running_loop():
+            return False
+        self.left_silent += 1  # its relay went: another took the lease, and said so
+        if self.state in (SubscriberState.DISPATCHED, SubscriberState.RELAY_EVENTS):
+            self._enter(SubscriberState.BETWEEN)
+        self.reports.connect(send, self._scope_names())  # counts afresh, as the relay's
+        return True
 
     async def _looks(self) -> None:
         """The relay's own worker looks as a subscriber in another process does at each look
         at the lease (it has no lease to watch)."""
         while True:
             await asyncio.sleep(LOOK_EVERY)
-            self._look()
+            self.reports.look()  # credit is never stuck, handed keys never unacknowledged
 
     def _no_first_frame(self) -> None:
         """A relay that does not answer a hello within ``FIRST_FRAME`` seconds may be dead (its
         lease runs on for a while): find work alone until it answers."""
-        if not self._heard and not self.dispatched and self._alone is None:
-            self._find_alone(own_stream=True)
+        if self.state is SubscriberState.BETWEEN:
+            self._enter(SubscriberState.OWN_STREAM)
 
-    async def _left(self, relay_id: str, why: str) -> None:
-        """The relay ``relay_id`` went: find work alone until another relay holds the lease
-        (this worker takes it once it has run out), or that one renews it again."""
+    async def _left(self, relay_id: str, why: str) -> str:
+        """The relay ``relay_id`` went silent: follow the relay that holds the lease now, if
+        another does; else find work alone until another relay holds it (this worker takes it
+        once it has run out, or took it over as the standby), or that one renews it again."""
         self.left_silent += 1
+        self.holder.taken_over.clear()
+        with contextlib.suppress(StorageError):
+            holder = await self.driver.run(relays.holder(self.tasks))
+            if holder is not None and holder != relay_id:
+                return holder  # taken over already
         log.warning("left the relay (%s); finding work with an own stream meanwhile", why)
-        self._find_alone(own_stream=True)
-        while True:
-            await asyncio.sleep(LOOK_EVERY)
-            try:
-                await self.holder.take_if_free()
-                holder = await self.driver.run(relays.holder(self.tasks))
-                if holder is not None and holder != relay_id:
-                    return  # another relay (perhaps this worker's): subscribe to it
-                if holder == relay_id and await relay_alive(self.driver, self.tasks, relay_id):
-                    return  # it came back (it was frozen, or cut off, for a while)
-            except StorageError:
-                continue
+        self._enter(SubscriberState.OWN_STREAM)
+        return await next_relay(self.driver, self.holder, relay_id)
 
     async def _consume(
         self,
         next_frame: Callable[[], Awaitable[Mapping[str, Any] | None]],
         send: Callable[[dict[str, Any]], None],
+        following: Callable[[], str],
         watch: asyncio.Task[None] | None = None,
+        first: asyncio.TimerHandle | None = None,
     ) -> None:
-        self._send = send
         self.reports.connect(send, self._scope_names())
         try:
             async for frame in _frames(next_frame, watch):
-                self._heard = True
-                await self._on_frame(frame)
+                if first is not None:
+                    first.cancel()  # heard from it: no longer left alone after FIRST_FRAME
+                await self._on_frame(frame, following())
         finally:
-            self._send = None
-            self.dispatched = False  # said of this relay's keys: the next one scans anew
+            if self.state in (SubscriberState.DISPATCHED, SubscriberState.RELAY_EVENTS):
+                self._enter(SubscriberState.BETWEEN)  # said of this relay: the next one anew
             self.reports.disconnect()
 
-    async def _on_frame(self, frame: Mapping[str, Any]) -> None:
+    async def _on_frame(self, frame: Mapping[str, Any], relay_id: str) -> None:
         """One frame from the relay (``wire``)."""
-        relay = frame.get("relay")
-        if relay == "open" and self.dispatched:
+        says, keys = wire.says(frame), wire.handed(frame)
+        if says == "open" and self.dispatched:
             self.reports.sync()  # its stream (re)opened, perhaps past events: counts agree
-        if "d" in frame or relay == "open":
-            self._dispatch()
-        if "d" in frame:
-            now = self.clock.now()
-            self.reports.received(len(frame["d"]))
-            for key, name, priority, timeout, group in frame["d"]:
-                if not self.finder.placement.hand(key, name, priority, timeout, now, group):
-                    self.reports.missed(key)  # it runs it already, for another worker
-        elif relay == "own":  # alone with the relay: its events follow, find work yourself
-            self._find_alone(own_stream=False)
+        if keys is not None or says == "open":
+            self._enter(SubscriberState.DISPATCHED)
+        if keys is not None:
+            self._handed(keys)
+        elif says == "own":  # alone with the relay: its events follow, find work yourself
+            self._enter(SubscriberState.RELAY_EVENTS)
             await self.finder.opened()
-        elif relay is None:  # a task's event (alone), or a control, limit or schedule's
+        elif says == "standby":
+            self.holder.stand_by(relay_id)
+        elif (group := wire.freed(frame)) is not None:
+            self.finder.others.group_freed(*group)  # a run of a group it waits for ended
+        elif says is None:  # a task's event (alone), or a control, limit or schedule's
             self.finder.on_change(frame)
             if not self.dispatched:
                 await asyncio.sleep(0)  # let a woken claimer send its claim first
                 await self.finder.settle()
 
+    def _handed(self, keys: list[wire.Handed]) -> None:
+        now = self.clock.now()
+        self.reports.received(len(keys))
+        for k in keys:
+            if not self.finder.placement.hand(
+                k.key, k.name, k.priority, k.worker_timeout_ms, now, k.group
+            ):
+                self.reports.missed(k.key)  # it runs it already, for another worker
+
     async def _fall_back(self, why: str) -> None:
         log.warning("cannot share the change stream (%s); using an own one", why)
-        self.fallback = True
-        self._find_alone(own_stream=True)
+        self._enter(SubscriberState.FOR_GOOD)
         await asyncio.Event().wait()  # alone for good (until cancelled)
 
 
@@ -369,4 +406,4 @@ async def _frames(
         yield frame
 
 
-__all__ = ["SharedStream"]
+__all__ = ["SharedStream", "SubscriberState"]

@@ -2,7 +2,9 @@
 it tails, its reports inserted into the relay's, and the relay's lease read while the relay is
 quiet (``LOOK_EVERY``, and sooner once the relay is late: ``look_after``): a relay that stopped
 renewing it (dead, frozen, cut off) for ``STALE_AFTER`` seconds, or lost it, is left
-(``RelaySilent``)."""
+(``RelaySilent``). That look is the last resort: a relay that goes silent is taken over by its
+standby within a second (``standby``), whose relay ends this subscription at once
+(``wire.taken``: ``taken_by``)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from pymongo.errors import OperationFailure
 
@@ -19,9 +21,9 @@ from mtask import driver
 from mtask.clock import Clock
 from mtask.errors import StorageError
 from mtask.store import relays
-from mtask.worker.finding.shared import mailbox
-from mtask.worker.finding.shared.relay import LEASE_TTL, RENEW_EVERY
-from mtask.worker.finding.shared.wire import BYE, LET_GO, PROTOCOL
+from mtask.worker.finding.shared import mailbox, wire
+from mtask.worker.finding.shared.lease import LEASE_TTL, RENEW_EVERY
+from mtask.worker.service import event_or_timeout
 
 LOOK_EVERY = 4.5
 """Seconds without a frame between two reads of the relay's lease."""
@@ -72,18 +74,59 @@ async def relay_alive(driver: driver.AsyncDriver, tasks: str, relay_id: str) -> 
     return ago is not None and ago < STALE_AFTER
 
 
+class Holder(Protocol):
+    """This worker's side of holding the relay (``holder.RelayHolder``)."""
+
+    taken_over: asyncio.Event
+
+    async def take_if_free(self) -> object: ...
+
+
+async def next_relay(driver: driver.AsyncDriver, holder: Holder, left: str) -> str:
+    """After the relay ``left`` went silent: at each look (or at once when this worker takes a
+    lease over as a standby), the relay that holds the lease once another does (``holder``
+    takes it once it has run out), or ``left`` again once it renews it again (it was frozen,
+    or cut off, for a while)."""
+    tasks = driver.collections["tasks"].name
+    while True:
+        if await event_or_timeout(holder.taken_over, LOOK_EVERY):
+            holder.taken_over.clear()  # (once: MongoDB away, the next try is a look later)
+        try:
+            await holder.take_if_free()
+            relay = await driver.run(relays.holder(tasks))
+            if relay is not None and relay != left:
+                return relay  # another relay (perhaps this worker's): subscribe to it
+            if relay == left and await relay_alive(driver, tasks, left):
+                return relay
+        except StorageError:
+            continue
+
+
 class InboxSubscription:
     def __init__(
-        self, driver: driver.AsyncDriver, relay_id: str, worker_id: str, on_look: Callable[[], None]
+        self,
+        driver: driver.AsyncDriver,
+        relay_id: str,
+        worker_id: str,
+        on_look: Callable[[], None],
+        *,
+        hello: Callable[[], Mapping[str, Any]] = dict,
+        on_moved: Callable[[str], bool] = lambda relay_id: False,
     ) -> None:
         self.driver = driver
         self.relay_id = relay_id
+        """The relay followed (another, once one took the lease over: ``on_moved``)."""
         tasks = driver.collections["tasks"]
         self.database, self.tasks = tasks.database, tasks.name
         self.subscription = f"{worker_id}/{uuid.uuid4().hex[:12]}"
         self.inbox = mailbox.inbox_name(self.tasks, self.subscription)
         self.on_look = on_look
         """Called at each look at the lease (the worker says a changed credit then)."""
+        self.hello = hello
+        """What the worker says in a hello: its id, names and credit."""
+        self.on_moved = on_moved
+        """Another relay took the lease (``wire.taken``): whether the worker follows it here,
+        from this inbox (else the subscription ends: ``taken_by``)."""
         self.heard_at = float("-inf")
         """When (monotonic) the last frame came: a relay heard from within ``LATE_AFTER`` is
         alive, and its lease is not read."""
@@ -93,9 +136,11 @@ class InboxSubscription:
         )
         self._frames: Any = None
         self.watch: asyncio.Task[None] | None = None
+        self.taken_by: str | None = None
+        """The relay that took the lease and ended this subscription (``wire.taken``)."""
 
-    async def open(self, clock: Clock, hello: Mapping[str, Any]) -> None:
-        """Make the inbox, say hello (``hello``: the worker's names and credit), tail."""
+    async def open(self, clock: Clock) -> None:
+        """Make the inbox, say hello, tail."""
         try:
             inbox = await mailbox.ensure_capped(
                 self.database, self.inbox, mailbox.INBOX_BYTES, at=clock.now()
@@ -107,26 +152,41 @@ class InboxSubscription:
         # capped before the first report: an insert would make it a plain collection
         reports = mailbox.reports_name(self.tasks)
         await mailbox.ensure_capped(self.database, reports, mailbox.REPORTS_BYTES)
-        self.send({"hello": PROTOCOL, "inbox": self.inbox, **hello})
+        self._say_hello()
         self._frames = mailbox.tail(inbox)
         self.watch = asyncio.create_task(self._watch_lease(), name="mtask-relay-lease-watch")
 
     def send(self, message: dict[str, Any]) -> None:
         self._out.put({"to": self.relay_id, "from": self.subscription, "f": message})
 
+    def _say_hello(self) -> None:
+        self.send({"hello": wire.PROTOCOL, "inbox": self.inbox, **self.hello()})
+
     async def next_frame(self) -> Mapping[str, Any] | None:
-        """The next frame, or ``None`` once the relay let go (it dropped the inbox)."""
-        if self._failed:
-            raise self._failed[0]
-        try:
-            doc = await anext(self._frames)
-        except StopAsyncIteration:
-            return None
-        self.heard_at = time.monotonic()
-        frame = doc.get("f")
-        if frame == LET_GO:
-            return None  # the relay dropped the inbox after this frame
-        return frame if isinstance(frame, Mapping) else {}
+        """The next frame, or ``None`` once the relay let go (it dropped the inbox), or
+        another took the lease and the worker follows it otherwise (``taken_by``). A relay that
+        took the lease over is followed from this inbox (a hello), its frames read on."""
+        while True:
+            if self._failed:
+                raise self._failed[0]
+            try:
+                doc = await anext(self._frames)
+            except StopAsyncIteration:
+                return None
+            self.heard_at = time.monotonic()
+            frame = doc.get("f")
+            if not isinstance(frame, Mapping):
+                return {}
+            by = wire.taken_by(frame)
+            if by is None:
+                return None if frame == wire.LET_GO else frame  # (then dropped, let go)
+            if by == self.relay_id:
+                continue  # (said again: followed already)
+            if not self.on_moved(by):
+                self.taken_by = by
+                return None
+            self.relay_id = by
+            self._say_hello()
 
     async def close(self) -> None:
         """Stop watching and tailing, say goodbye, and write what is left."""
@@ -136,7 +196,7 @@ class InboxSubscription:
         if self._frames is not None:
             with contextlib.suppress(RuntimeError):  # a read cancelled mid-way: it is closed
                 await self._frames.aclose()
-        self.send(dict(BYE))
+        self.send(dict(wire.BYE))
         await self._out.drain()
         self._out.close()
 

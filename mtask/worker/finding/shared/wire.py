@@ -1,11 +1,26 @@
-"""What the relay and its subscribers say to each other (carried by ``mailbox``).
+"""What the relay and its subscribers say to each other (carried by ``mailbox``): every frame is
+spelled here, and read here.
 
-Relay to subscriber: ``{"relay": "open"}`` (the relay's stream is open: from now on the relay
-hands this worker its tasks), ``{"relay": "own"}`` (to the relay's own worker while it is the
-only subscriber: the task events follow, find work yourself), ``{"d": [[key, name, priority,
-worker_timeout_ms, group], …]}`` (tasks handed over, due now; ``group``: ``options.group`` or
-null), the change events of ``controls``, ``limits`` and ``schedules`` as they come, and
-``{"relay": "gone"}`` as the last frame of an inbox it drops (the subscriber says hello again).
+Relay to subscriber:
+
+- ``{"relay": "open"}`` (``OPEN``): the relay's stream is open: from now on it hands this
+  worker its tasks;
+- ``{"relay": "own"}`` (``OWN``): to the relay's own worker while it is the only subscriber:
+  the task events follow, find work yourself;
+- ``{"d": [[key, name, priority, worker_timeout_ms, group], …]}`` (``hand_out``): tasks handed
+  over, due now (``group``: ``options.group`` or null);
+- ``{"freed": [name, group]}`` (``group_freed``): a run of that group ended for good, so its
+  sequence's lock may be free: to the subscribers that hold a key of the group (the worker's
+  ``finding.Others.group_freed``);
+- ``{"relay": "standby"}`` (``STANDBY``): watch this relay's lease as its standby
+  (``standby``);
+- ``{"relay": "gone"}`` (``LET_GO``): the last frame of an inbox the relay drops (a subscriber
+  it let go): say hello again;
+- ``{"relay": "taken", "by": relay}`` (``taken``): written by a relay that starts into every
+  inbox it does not serve (the relay that inbox's subscriber follows is gone): say hello to
+  ``relay``, from the same inbox (or, if this process holds ``relay``, follow it in memory);
+- the change events of ``controls``, ``limits`` and ``schedules`` as they come (and, to the
+  relay's own worker alone with it, the task events).
 
 Subscriber to relay: its hello (``{"hello": PROTOCOL, "worker_id", "names", "free",
 "inbox"}``: the capped collection it tails), then a report only when something happened that
@@ -17,9 +32,10 @@ and ``{"bye": True}`` when it leaves. Its claims and successes are not said: the
 them from its stream (``dispatch``), so a task costs the wire one insert, its hand-out.
 
 Nothing is said to keep a line alive: an idle subscriber and its relay cost the server nothing
-but a tailing getMore now and then. A subscriber learns that its relay is gone from the lease
-(``store.relays.renewed_ago``); the relay learns that a subscriber is gone when it leaves
-handed keys unacknowledged (``credit.SILENT_SUBSCRIBER``).
+but a tailing getMore now and then. A subscriber learns that its relay is gone from the relay
+that takes its place (``taken``), or from the lease (``store.relays.renewed_ago``); the relay
+learns that a subscriber is gone when it leaves handed keys unacknowledged
+(``credit.SILENT_SUBSCRIBER``).
 """
 
 from __future__ import annotations
@@ -34,12 +50,63 @@ from mtask.worker.finding.shared.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = 6
+PROTOCOL = 7
 OPEN = {"relay": "open"}
 OWN = {"relay": "own"}
+STANDBY = {"relay": "standby"}
 BYE = {"bye": True}
 LET_GO = {"relay": "gone"}
 """The last frame of an inbox the relay drops (a subscriber it let go): its tail ends at once."""
+
+
+def hand_out(entries: list[list[Any]]) -> dict[str, Any]:
+    return {"d": entries}
+
+
+def group_freed(name: str, group: str) -> dict[str, Any]:
+    return {"freed": [name, group]}
+
+
+def taken(relay: str) -> dict[str, Any]:
+    return {"relay": "taken", "by": relay}
+
+
+class Handed(NamedTuple):
+    key: str
+    name: str
+    priority: int
+    worker_timeout_ms: int | None
+    group: str | None
+
+
+def says(frame: Mapping[str, Any]) -> str | None:
+    """What the relay says of itself in ``frame`` (``open``, ``own``, ``standby``, ``gone``,
+    ``taken``), or ``None``: a frame about tasks, or an event."""
+    said = frame.get("relay")
+    return said if isinstance(said, str) else None
+
+
+def handed(frame: Mapping[str, Any]) -> list[Handed] | None:
+    """The tasks handed over in ``frame``, or ``None`` if it hands none over (entries of
+    another shape are left out)."""
+    entries = frame.get("d")
+    if not isinstance(entries, list):
+        return None
+    return [Handed(*e) for e in entries if isinstance(e, list) and len(e) == 5]
+
+
+def freed(frame: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The ``(name, group)`` whose run ended for good, if ``frame`` says so."""
+    pair = frame.get("freed")
+    if isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair):
+        return pair[0], pair[1]
+    return None
+
+
+def taken_by(frame: Mapping[str, Any]) -> str | None:
+    """The relay that took the lease, if ``frame`` is its ``taken``."""
+    by = frame.get("by")
+    return by if says(frame) == "taken" and isinstance(by, str) else None
 
 
 class Hello(NamedTuple):

@@ -1,0 +1,100 @@
+"""What each entry point imports (issue 66): ``import mtask`` loads nothing, the command line's
+parser (``mtask --help``) loads no model, driver or worker, and no client command loads the
+worker's code. Import checks in a fresh interpreter, not timings (bench WST measures those)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mtask
+
+ROOT = Path(mtask.__file__).parent
+HEAVY = ("pymongo", "bson", "pydantic", "rich", "mtask.client", "mtask.models", "mtask.worker")
+
+
+def loaded(code: str) -> list[str]:
+    """The modules a fresh interpreter holds after ``code``."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT.parent
+    ).stdout
+    names: list[str] = json.loads(out.splitlines()[-1])
+    return names
+
+
+def under(names: list[str], *packages: str) -> list[str]:
+    return [n for n in names if any(n == p or n.startswith(f"{p}.") for p in packages)]
+
+
+def test_import_mtask_loads_only_its_version() -> None:
+    assert under(loaded("import mtask"), "mtask") == ["mtask", "mtask._version"]
+
+
+def test_the_public_names_resolve_to_their_definitions() -> None:
+    names = loaded(
+        "import mtask\n"
+        "from mtask.registry import Registry\n"
+        "assert mtask.Registry is Registry and 'Registry' in dir(mtask)\n"
+        "from mtask import *\n"
+        "assert TaskClient.__module__ == 'mtask.client' and Worker.__module__ == 'mtask.worker'\n"
+        "try:\n    mtask.Nothing\nexcept AttributeError as exc:\n    assert 'Nothing' in str(exc)\n"
+        "else:\n    raise AssertionError('mtask.Nothing resolved')"
+    )
+    assert "mtask.worker" in names  # `import *` took every name, the worker's too
+
+
+def test_the_parser_loads_no_model_driver_or_worker() -> None:
+    code = "from mtask.cli import build_parser\nparser = build_parser()\nparser.format_help()"
+    assert under(loaded(code), *HEAVY) == []
+
+
+def function_imports(path: Path) -> set[str]:
+    """The mtask modules a command module imports inside its functions (when a command runs)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.ImportFrom) and (inner.module or "").startswith("mtask"):
+                    found.add(str(inner.module))
+                elif isinstance(inner, ast.Import):
+                    found.update(a.name for a in inner.names if a.name.startswith("mtask"))
+    return found
+
+
+def test_no_client_command_loads_the_worker() -> None:
+    """Every mtask module a client command may import, at the top or in a handler: none
+    loads ``mtask.worker`` (``mtask worker run`` and ``mtask demo`` do, and only they)."""
+    commands = sorted(
+        p for p in (ROOT / "cli").glob("*.py") if p.stem not in ("worker", "local", "__main__")
+    )
+    modules = {"mtask.cli", "mtask.client"}
+    for path in commands:
+        modules.add(f"mtask.cli.{path.stem}")
+        modules |= function_imports(path)
+    code = "\n".join(f"import {m}" for m in sorted(modules))
+    assert under(loaded(code), "mtask.worker") == []
+    assert len(modules) > 10  # the handlers' own imports were found
+
+
+def test_choices_read_on_first_use_are_still_checked_and_shown(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from mtask.cli import build_parser
+    from mtask.models import ON_CONFLICT_CHOICES, TaskStatus
+
+    parser = build_parser()
+    assert parser.parse_args(["list", "--status", "failed"]).status == "failed"
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["list", "--status", "done"])
+    assert exited.value.code == 2
+    said = capsys.readouterr().err
+    assert "invalid choice: 'done'" in said and all(s.value in said for s in TaskStatus)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["publish", "--help"])
+    assert "{" + ",".join(ON_CONFLICT_CHOICES) + "}" in capsys.readouterr().out
