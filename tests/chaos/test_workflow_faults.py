@@ -93,7 +93,12 @@ async def test_a_thousand_children_awaited_across_a_kill_and_a_failover(
             parent_worker = task.runs[0].worker_id
             ran = mongo[db_name]["effects"].count_documents({"worker": parent_worker})
             assert ran > 0, parent_worker
-            assert task.spawned is not None and task.spawned.done == CHILDREN
+            # each child counted once on its parent; a count lost to the kill or the failover
+            # (its worker died after the child's outcome, or the primary refused the count) is
+            # the sweep's to find: it counted the children itself and woke the parent
+            spawned = task.spawned
+            assert spawned is not None and spawned.done <= CHILDREN
+            assert spawned.done == CHILDREN or spawned.checked_at is not None, spawned.done
             assert (
                 mongo[db_name]["tasks"].count_documents({"parent": "fan", "status": "succeeded"})
                 == CHILDREN
