@@ -58,11 +58,12 @@ async def _first_error(tasks: Sequence[asyncio.Future[Any]]) -> list[Any]:
     except asyncio.CancelledError:
         await _cancel(tasks)
         raise
-    failed = next((t for t in tasks if t in done and not t.cancelled() and t.exception()), None)
+    errors = [t.exception() for t in tasks if t in done and not t.cancelled()]  # all seen
+    failed = next((e for e in errors if e is not None), None)
     if failed is None:
         return [t.result() for t in tasks]
     await _cancel(list(pending))
-    raise failed.exception()  # type: ignore[misc]
+    raise failed
 
 
 async def _cancel(tasks: Sequence[asyncio.Future[Any]]) -> None:
