@@ -11,11 +11,13 @@ from rich.console import Console
 
 from bench import scale
 from bench.budget import cost_budget
+from bench.children import children_cost
 from bench.cpu import w10_cpu
 from bench.groups import groups_cost
 from bench.limits import limit_changes
 from bench.output import live_output
 from bench.peers import peers
+from bench.preflight import preflight_at_scale
 from bench.relay import relay_faults
 from bench.startup import startup
 from bench.steps import durable_steps
@@ -54,6 +56,8 @@ WORKLOADS = {
     "WL": limit_changes,  # issue 66: a lowered limit applies on its event (bench/limits.py)
     "WST": startup,  # issue 66: a worker's first claim, the CLI's answer, beside arq's start-up
     "WT": reacting,  # issue 63: triggers and waits on data (bench/triggers.py)
+    "WC": children_cost,  # issue 61: a spawned-and-awaited child's cost (bench/children.py)
+    "WF": preflight_at_scale,  # issue 61: 100,000 parked tasks preflighted (bench/preflight.py)
 }
 
 

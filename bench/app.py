@@ -6,7 +6,7 @@ import asyncio
 import time
 from typing import Any
 
-from bench import features_off, output, steps, txn
+from bench import children, features_off, output, preflight, steps, txn
 from mtask.registry import Registry, TaskContext
 
 features_off.apply()  # bench WB's worker-side variants (MTASK_BENCH_OFF); none by default
@@ -14,6 +14,8 @@ registry = Registry()
 txn.register(registry)
 output.register(registry)
 steps.register(registry)
+children.register(registry)  # issue 61: bench WC
+preflight.register(registry)  # issue 61: bench WF
 
 
 @registry.task("noop")

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from mtask.flows import Next
     from mtask.models import PublishResult, Run, RunState, Task, TaskOptions, TaskStatus
     from mtask.registry import Fail, Registry, Retry, TaskContext
+    from mtask.spawn import ChildFailed, Spawn
+    from mtask.step_policy import StepPolicy, StepTimeout
     from mtask.worker import Worker
 
 _WHERE = {
@@ -44,6 +46,8 @@ _WHERE = {
     "mtask.flows": ("Next",),
     "mtask.models": ("PublishResult", "Run", "RunState", "Task", "TaskOptions", "TaskStatus"),
     "mtask.registry": ("Fail", "Registry", "Retry", "TaskContext"),
+    "mtask.spawn": ("ChildFailed", "Spawn"),  # issue 61
+    "mtask.step_policy": ("StepPolicy", "StepTimeout"),  # issue 61
     "mtask.worker": ("Worker",),
 }
 _MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
@@ -64,6 +68,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AsyncTaskClient",
+    "ChildFailed",
     "EmbeddedUnavailable",
     "Fail",
     "InvalidTask",
@@ -76,6 +81,9 @@ __all__ = [
     "Retry",
     "Run",
     "RunState",
+    "Spawn",
+    "StepPolicy",
+    "StepTimeout",
     "StorageError",
     "Task",
     "TaskClient",

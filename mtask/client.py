@@ -56,8 +56,20 @@ from mtask.models import (
 )
 from mtask.states import Explained, State, explain
 from mtask.store import audit as store_audit
-from mtask.store import bulk, cluster, counts, followers, occupancy, queries, retention, throughput
+from mtask.store import (
+    bulk,
+    cluster,
+    counts,
+    followers,
+    journal,
+    occupancy,
+    queries,
+    retention,
+    throughput,
+)
+from mtask.store import children as store_children
 from mtask.store import output as store_output
+from mtask.store import parked as store_parked
 from mtask.store import steps as store_steps
 from mtask.triggers import follower_of
 from mtask.waiters import AsyncWaiter, SyncWaiter, async_waiter_for, finished, waiter_for
@@ -530,12 +542,25 @@ class _Base:
 
     @operation
     def cancel(self, key: str) -> Op[Task]:
+        """Cancel an open task; a task that spawned children (``ctx.spawn_and_wait``) cancels
+        its open children too, and theirs."""
         _check_key(key)
-        return Task.from_document((yield from store.cancel(key, self.clock.now())))
+        now = self.clock.now()
+        doc = yield from store.cancel(key, now)
+        if doc.get("spawned") is not None:  # issue 61: its children are not awaited any more
+            yield from store_children.cancel_children(key, now)
+        return Task.from_document(doc)
 
     @operation
-    def retry(self, key: str) -> Op[Task]:
+    def retry(self, key: str, from_step: str | None = None) -> Op[Task]:
+        """Run a failed or cancelled task again. ``from_step``: its durable steps before that
+        one are kept and replayed, that one and the later ones run again (one update, fenced
+        like ``reset_step``; ``InvalidTask`` for no such step)."""
         _check_key(key)
+        if from_step is not None:
+            return Task.from_document(
+                (yield from journal.retry_from(key, from_step, self.clock.now()))
+            )
         return Task.from_document((yield from store.retry(key, self.clock.now())))
 
     @operation
@@ -558,6 +583,30 @@ class _Base:
         ``TaskNotFound``, ``InvalidTransition`` while the task runs or once it succeeded."""
         _check_key(key)
         return (yield from store_steps.reset(key, step))
+
+    @operation
+    def rename_step(self, key: str, step: str, to: str) -> Op[journal.Remarked]:
+        """Rename durable step ``step`` of a parked task ``to``, so that a changed handler
+        replays it under its new name. One update, fenced like ``reset_step``."""
+        _check_key(key)
+        return (yield from journal.remark(key, step, to))
+
+    @operation
+    def drop_step(self, key: str, step: str) -> Op[journal.Remarked]:
+        """Drop durable step ``step`` from a parked task's journal (a changed handler no longer
+        asks for it): the later steps move up one place. One update, fenced like
+        ``reset_step``; a pending task that waited in it runs now."""
+        _check_key(key)
+        return (yield from journal.remark(key, step, None))
+
+    @operation
+    def parked(
+        self, name: str, after: tuple[Any, Any] | None = None
+    ) -> Op[builtins.list[dict[str, Any]]]:
+        """A page of ``name``'s parked tasks (pending, with durable steps), newest first, after
+        the ``(created_at, _id)`` of the previous page's last, with the fields a preflight's dry
+        replay reads (``mtask.preflight``). Reads only."""
+        return (yield from store_parked.parked(name, after))
 
     # -- derived states (mtask.states) ----------------------------------------------------------
 

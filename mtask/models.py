@@ -189,8 +189,13 @@ class TaskOptions(BaseModel):
     )
     keep_failed_ms: int | None = Field(None, ge=FOREVER, le=MAX_KEEP_MS)
     keep_cancelled_ms: int | None = Field(None, ge=FOREVER, le=MAX_KEEP_MS)
+    deadline: dt.datetime | None = Field(
+        None,
+        description="The whole task's deadline, across its runs, retries, sleeps and waits: "
+        "past it the task fails for good, saying so (issue 61).",
+    )
 
-    @field_validator("run_at")
+    @field_validator("run_at", "deadline")
     @classmethod
     def _aware(cls, value: dt.datetime | None) -> dt.datetime | None:
         if value is None:
@@ -217,6 +222,8 @@ class TaskOptions(BaseModel):
         doc["specific_worker_ids"] = list(self.specific_worker_ids)
         if doc["group"] is None:
             del doc["group"]  # an option nobody set costs no bytes
+        if doc["deadline"] is None:
+            del doc["deadline"]
         return doc
 
 
@@ -305,7 +312,7 @@ class Step(Stored):
     result back instead of calling it again."""
 
     name: str = Field(min_length=1, max_length=200)
-    kind: Literal["call", "sleep", "signal", "data"]
+    kind: Literal["call", "sleep", "signal", "data", "children", "value", "patch"]
     state: Literal["done", "failed", "waiting", "timed_out"]
     attempts: int = Field(0, ge=0)
     run_id: str
@@ -325,6 +332,16 @@ class Step(Stored):
     """A data wait's collection (``ctx.wait_until``; docs/triggers.md)."""
     transactional: bool | None = None
     tries: list[StepTry] = Field(default_factory=list)
+    # -- issue 61 --
+    group: str | None = None
+    """The ``ctx.gather`` it ran in (``gather#1``): its steps ran concurrently."""
+    total: int | None = Field(None, ge=0)
+    """A ``children`` step's count of children."""
+    failed: int | None = Field(None, ge=0)
+    """A ``children`` step's count of children that failed for good."""
+    failures: list[BsonObject] = Field(default_factory=list)
+    """A ``children`` step's failed children (the first 20): ``index``, ``key``, ``name``,
+    ``status``, ``error``."""
 
 
 class SignalSent(Stored):
@@ -354,6 +371,30 @@ class Waiting(Stored):
     signal: str | None = None
     nth: int | None = Field(None, ge=0)
     data: WaitingData | None = None
+    children: str | None = None
+    """The step whose spawned children it waits for (issue 61)."""
+
+
+class Spawned(Stored):
+    """A parent's counter of the children its step spawned (issue 61, ``mtask.spawn``): how
+    many, how many finished (``failed``: of them, how many for good), each one's bit."""
+
+    step: str
+    index: int = Field(ge=0)
+    total: int = Field(ge=0)
+    done: int = Field(0, ge=0)
+    failed: int = Field(0, ge=0)
+    bits: list[int] = Field(default_factory=list)
+    checked_at: BsonDate | None = None
+    """When the flow sweep last counted its children (a wake-up it may have lost)."""
+
+
+class SpawnedBy(Stored):
+    """A spawned child's parent, the step that spawned it and its place among its siblings."""
+
+    parent: str
+    step: str
+    index: int = Field(ge=0)
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(TaskOptions.model_fields)
@@ -436,6 +477,10 @@ class TaskDocument(BaseModel):
     """Signals sent to the task, oldest first (``client.signal``)."""
     waiting: Waiting | None = None
     """Set while the task waits (a sleep, a signal), cleared by its next run's step write."""
+    spawned: Spawned | None = None
+    """Its newest ``spawn_and_wait``'s counter of children (issue 61)."""
+    spawn: SpawnedBy | None = None
+    """A spawned child's parent and place (issue 61); its ``parent`` field names it too."""
 
 
 class PublishedDocument(BaseModel):
@@ -482,6 +527,7 @@ class StoredOptions(BaseModel):
     keep_succeeded_ms: int | None = None
     keep_failed_ms: int | None = None
     keep_cancelled_ms: int | None = None
+    deadline: dt.datetime | None = None
 
     def changed(self) -> dict[str, Any]:
         """The options that differ from their defaults (``OPTION_DEFAULTS``; a retention from
@@ -553,6 +599,10 @@ class Task(BaseModel):
     """Signals sent to the task, oldest first."""
     waiting: Waiting | None = None
     """What the task waits for (a sleep's end, a signal), if it waits."""
+    spawned: Spawned | None = None
+    """Its newest ``spawn_and_wait``'s children: how many, how many finished (issue 61)."""
+    spawn: SpawnedBy | None = None
+    """A spawned child's parent, step and place (issue 61)."""
     missing: list[str] = Field(default_factory=list)
     """Fields every stored task document holds that this one lacks (a publisher's minimal
     document that no worker has completed yet lacks most of them)."""
@@ -902,6 +952,8 @@ class NewTask(BaseModel):
     """The task whose handler returned this one as a ``Next`` step."""
     depends_on: tuple[str, ...] = ()
     """Claimable only once every one of these tasks succeeded; failed if one fails for good."""
+    spawn: dict[str, Any] | None = None
+    """A spawned child's ``{parent, step, index}`` (issue 61, ``mtask.spawn``)."""
 
     @classmethod
     def build(
@@ -914,6 +966,7 @@ class NewTask(BaseModel):
         max_params_bytes: int = DEFAULT_MAX_PARAMS_BYTES,
         depends_on: object = None,
         parent: str | None = None,
+        spawn: dict[str, Any] | None = None,
     ) -> NewTask:
         key = validate_key(key)
         return cls(
@@ -923,6 +976,7 @@ class NewTask(BaseModel):
             options=validate_options(options),
             parent=parent,
             depends_on=validate_depends_on(depends_on, key),
+            spawn=spawn,
         )
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -230,13 +231,52 @@ class RunOutput:
     def _add(self, entry: dict[str, Any], count: str) -> None:
         if self._now is not None:
             entry["at"] = self._now()
+        held = _HELD.get()
+        if held is not None:  # said inside a durable step: kept until its record is written
+            held.append((entry, count))
+            return
+        self._keep(entry, count)
+
+    def _keep(self, entry: dict[str, Any], count: str) -> None:
         self._entries.append(entry)
         self._counts[count] += 1
         self._counts_changed = True
 
+    def release(self, held: list[Any]) -> None:
+        """What a durable step's function said (``holding``), now that the step's record is
+        written: a step replayed from its record says nothing again, and one called again
+        after a crash says what its new call said (issue 61)."""
+
+        def put() -> None:
+            for entry, count in held:
+                self._keep(entry, count)
+
+        if held:
+            self._put(put)
+
     def _drop(self, count: str) -> None:
         self._counts[count] += 1
         self._counts_changed = True
+
+
+_HELD: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "mtask_output_held", default=None
+)
+
+
+@contextlib.contextmanager
+def holding(held: list[Any] | None) -> Iterator[None]:
+    """What the code in this block says (log lines, chunks) goes into ``held`` instead of the
+    run's buffer (``RunOutput.release`` adds it later); ``None``: nothing is held. The block's
+    own context (its thread, its task) only: a durable step's function (``mtask.steps``)."""
+    if held is None:
+        yield
+        return
+    token = _HELD.set(held)
+    try:
+        yield
+    finally:
+        _HELD.reset(token)
 
 
 _SNAPSHOT: bson.CodecOptions[dict[str, Any]] = bson.CodecOptions(tz_aware=True)

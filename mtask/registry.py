@@ -5,20 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import importlib
 import inspect
+import sys
 import threading
 import typing
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from mtask.errors import InvalidParams, InvalidTask, LeaseLost, MtaskError
+from mtask.errors import InvalidParams, InvalidTask, LeaseLost, MtaskError, RegistryNotFound
 from mtask.models import MAX_RETRY_DELAY_MS, TaskOptions, describe_validation_error
 from mtask.output import RunLog, RunOutput
 from mtask.schedules import Schedule
-from mtask.steps import MemorySteps, RunSteps
+from mtask.step_policy import StepPolicy
+from mtask.steps import MemorySteps, RunSteps, caller
 from mtask.triggers import Trigger, check_collection
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -89,7 +93,9 @@ class TaskContext:
     follows it from then on); a run that reports nothing makes none."""
     _output: RunOutput | None = field(default=None, repr=False)
     steps_for: Callable[[TaskContext], RunSteps] = field(
-        default=lambda ctx: RunSteps(MemorySteps(), [], run_id=ctx.run_id, attempt=ctx.attempt)
+        default=lambda ctx: RunSteps(
+            MemorySteps(), [], run_id=ctx.run_id, attempt=ctx.attempt, release=ctx.release
+        )
     )
     """Makes the run's journal of durable steps the first time the handler asks for a step,
     sleeps or waits (docs/steps.md); a run that does none of these makes none."""
@@ -140,27 +146,115 @@ class TaskContext:
                     self._steps = self.steps_for(self)
         return self._steps
 
-    async def step(
+    def step(
         self,
         name: str,
         fn: Callable[..., Any],
         *args: Any,
         transactional: bool = False,
+        policy: StepPolicy | None = None,
         **kwargs: Any,
-    ) -> Any:
+    ) -> Coroutine[Any, Any, Any]:
         """Call ``fn(*args, **kwargs)`` once per task and record its result (BSON) in the task
         document under ``name``: a later run of the task (a retry, a takeover, a resume after
         a sleep) gets the recorded result back instead of calling it again. ``fn`` may be an
         ``async def``. ``transactional=True``: ``fn`` is an ``async def`` taking ``session=``,
         and its MongoDB writes commit with the step's record. A step that raises is recorded
-        failed, and the task's retry policy decides (docs/steps.md)."""
-        self.check_lease()
-        return await self.journal.step(name, fn, *args, transactional=transactional, **kwargs)
+        failed, and the task's retry policy decides (docs/steps.md). ``policy``: the step's
+        own retries, backoff and time limit, spent in place (``StepPolicy``). A name asked for
+        again from the same line (a loop) is numbered: ``fetch``, ``fetch#2``, …"""
+        return self._step(caller(), name, fn, args, kwargs, transactional, policy)
 
-    def step_sync(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def _step(
+        self,
+        site: Any,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        transactional: bool,
+        policy: StepPolicy | None,
+    ) -> Any:
+        self.check_lease()
+        return await self.journal.step_at(
+            site, name, fn, args, kwargs, transactional=transactional, policy=policy
+        )
+
+    def step_sync(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        policy: StepPolicy | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """``step`` for a plain-def handler (on its thread or in its child process)."""
         self.check_lease()
-        return self.journal.step_sync(name, fn, *args, **kwargs)
+        return self.journal.step_sync_at(caller(), name, fn, args, kwargs, policy=policy)
+
+    # -- issue 61: parallel steps, children, values decided once, patches ----------------------
+
+    async def gather(self, *branches: Awaitable[Any], name: str | None = None) -> list[Any]:
+        """Run steps concurrently (``ctx.gather(ctx.step("a", …), ctx.step("b", …))``): each is
+        recorded under its own name as it ends, and a later run replays them by name in any
+        order, calling only those not recorded (``mtask.parallel``). Their results in order."""
+        from mtask.parallel import gather
+
+        self.check_lease()
+        return await gather(self.journal, branches, name)
+
+    def gather_sync(self, *branches: Callable[[], Any], name: str | None = None) -> list[Any]:
+        """``gather`` for a plain-def handler: ``ctx.gather_sync(lambda: ctx.step_sync("a",
+        …), …)``, each branch on a thread of its own."""
+        from mtask.parallel import gather_sync
+
+        self.check_lease()
+        return gather_sync(self.journal, branches, name)
+
+    async def spawn_and_wait(
+        self, children: Iterable[Any], *, name: str | None = None
+    ) -> list[Any]:
+        """Publish ``children`` (``Spawn(name, params)``, or ``(name, params)`` / ``(name, key,
+        params)`` tuples) as one recorded step, end the run WAITING without holding a slot,
+        and, once the last child finished, return their results in order (``mtask.spawn``).
+        A child that failed for good raises ``ChildFailed`` (which the handler may catch)."""
+        from mtask.spawn import spawn_plan
+
+        self.check_lease()
+        return await self.journal.run_plan(spawn_plan(self.journal, self.key, children, name))
+
+    def spawn_and_wait_sync(self, children: Iterable[Any], *, name: str | None = None) -> list[Any]:
+        """``spawn_and_wait`` for a plain-def handler."""
+        from mtask.spawn import spawn_plan
+
+        self.check_lease()
+        return self.journal.run_plan_sync(spawn_plan(self.journal, self.key, children, name))
+
+    def now(self) -> dt.datetime:
+        """The server's time, decided once (on first use) and recorded: a replay gets the same
+        time back, so a check made with it takes the same path."""
+        return self.journal.now()
+
+    def uuid(self) -> uuid.UUID:
+        """A random UUID, decided once and recorded, as ``now``."""
+        return self.journal.uuid()
+
+    def patched(self, patch: str) -> bool:
+        """``if ctx.patched("v2-ship-first"): new else: old``. ``True`` for a run that has not
+        gone past this place before (a new task, or one parked before it); ``False`` for one
+        whose journal shows it ran the old code here. The answer is recorded: every later run
+        of the task takes the same branch (docs/steps.md)."""
+        return self.journal.patched(patch)
+
+    def deprecate_patch(self, patch: str) -> None:
+        """What replaces ``patched(patch)`` once no parked task took the old branch: a marker
+        recorded here is passed over, none is recorded."""
+        self.journal.deprecate_patch(patch)
+
+    def release(self, held: list[Any]) -> None:
+        """What a durable step's function said, once the step is recorded (``mtask.steps``)."""
+        if held:
+            self.output.release(held)
 
     async def sleep(
         self, duration: float | dt.timedelta | dt.datetime, name: str | None = None
@@ -314,8 +408,9 @@ def _declarations(
         except ValidationError as exc:
             raise InvalidTask(describe_validation_error(exc, prefix="options")) from None
         defaults = given.model_dump(include=set(dict(options or {})))
-    if "run_at" in defaults:
-        raise InvalidTask("a handler default cannot be a fixed time", field="options.run_at")
+    for fixed in ("run_at", "deadline"):
+        if fixed in defaults:
+            raise InvalidTask("a handler default cannot be a fixed time", field=f"options.{fixed}")
     return {
         "options": defaults,
         "isolation": isolation,
@@ -446,3 +541,26 @@ class Registry:
         """The registered names, sorted (as ``names``): ``list(registry)`` lists them. Without
         it, Python iterated through ``__getitem__`` with 0, 1, … and raised ``KeyError: 0``."""
         return iter(self.names)
+
+
+def load_registry(spec: str) -> Registry:
+    """The ``Registry`` that ``module:attribute`` names (``module`` alone: its one registry),
+    imported as ``python -m`` would, from the current directory too (``mtask-worker``,
+    ``mtask step check``). ``RegistryNotFound`` says why not."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name:
+        raise RegistryNotFound(f"expected module:registry, got {spec!r}")
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")  # like python -m: modules in the current directory
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RegistryNotFound(f"cannot import {module_name!r}: {exc}") from None
+    if attr:
+        registry = getattr(module, attr, None)
+    else:
+        found = [v for v in vars(module).values() if isinstance(v, Registry)]
+        registry = found[0] if len(found) == 1 else None
+    if not isinstance(registry, Registry):
+        raise RegistryNotFound(f"{spec!r} is not an mtask.Registry")
+    return registry

@@ -11,7 +11,8 @@ gives one ``State`` with the ``why`` behind it and a sentence with its facts:
 ``available``  due, nothing in its way: the next free worker of its name claims it
 ``running``    a run holds it (``why`` ``lease_ended``: its lease ran out, a worker takes it over)
 ``retrying``   a run failed; the next try waits for its backoff
-``waiting``    for a ``signal``, a ``sleep``'s end, or the tasks it depends on (``dependencies``)
+``waiting``    for a ``signal``, a ``sleep``'s end, the tasks it depends on (``dependencies``), or
+               the ``children`` it spawned (issue 61)
 ``blocked``    due, but its ``group`` (a sequence's lock, a group limit), a ``limit`` of its
                name, its name ``paused``, or ``no_worker`` (no live worker handles its name)
                keeps it from being claimed
@@ -61,7 +62,7 @@ OPEN_STATES = frozenset(
 PENDING_STATES = frozenset(OPEN_STATES - {State.RUNNING})
 """The states of a stored ``pending`` task."""
 WHY: dict[State, tuple[str, ...]] = {
-    State.WAITING: ("signal", "sleep", "dependencies"),
+    State.WAITING: ("signal", "sleep", "dependencies", "children"),
     State.BLOCKED: ("group", "limit", "paused", "no_worker"),
 }
 """The reasons of a waiting and of a blocked task, in the order ``explain`` tries them."""
@@ -213,6 +214,8 @@ def _later(task: Task, due: dt.datetime, now: dt.datetime) -> Explained:
     w = task.waiting
     if w is not None:
         step = f"step {w.index + 1}" + (f": {w.step}" if w.step else "")
+        if w.children is not None:
+            return Explained(State.WAITING, "children", _children(task, step))
         if w.signal is not None:
             return Explained(
                 State.WAITING,
@@ -235,6 +238,18 @@ def _later(task: Task, due: dt.datetime, now: dt.datetime) -> Explained:
             f"{failed}; {attempt_text(task)} at {when(due)} ({relative(due, now)})",
         )
     return Explained(State.SCHEDULED, None, f"scheduled for {when(due)} ({relative(due, now)})")
+
+
+def _children(task: Task, step: str) -> str:
+    """What a parent waiting for its children (issue 61) says: how many finished."""
+    spawned = task.spawned
+    if spawned is None:
+        return f"waiting for its children ({step}), holding no slot"
+    failed = f", {spawned.failed} failed" if spawned.failed else ""
+    return (
+        f"waiting for its children: {spawned.done} of {plural(spawned.total, 'child', 'children')} "
+        f"finished{failed} ({step}), holding no slot"
+    )
 
 
 def _available(task: Task, due: dt.datetime, cluster: Cluster) -> Explained:
@@ -374,7 +389,8 @@ def timing(task: Task, said: Explained) -> tuple[str, dt.datetime | None] | None
     state, w = said.state, task.waiting
     if state is State.WAITING and w is not None:
         until = None if w.until.year >= NEVER.year else w.until
-        return ("times out", until) if w.signal is not None else ("wakes", until)
+        waits = w.signal is not None or w.children is not None
+        return ("times out", until) if waits else ("wakes", until)
     labels = {
         State.SCHEDULED: "runs",
         State.RETRYING: "next try",

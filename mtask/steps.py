@@ -11,31 +11,48 @@ in a child process). No I/O here: the ``StepStore`` is the worker's
 (``worker/running/step_stores.py``), a child process's pipe to it
 (``worker/running/pool/child_steps.py``), or memory (``MemorySteps``, for tests).
 
-Replay rules: step names are unique in a task; a run asks for its steps in the recorded order
-(the n-th step asked is the n-th recorded, same name and kind), else ``StepMismatch`` and the
-run fails for good with nothing written. A step recorded ``done`` returns its result; one
+Replay rules: step names are unique in a task (a name asked again from the same place in the
+handler, a loop, is numbered: ``fetch#2``); a run asks for its steps in the recorded order
+(the n-th step asked is the n-th recorded, same name and kind; a ``ctx.gather``'s steps are one
+place, matched among themselves by name: ``Group``), else ``StepMismatch`` and the run fails
+for good with nothing written. A step recorded ``done`` returns its result; one
 recorded ``failed`` is called again (its attempts and errors kept); a ``sleep`` recorded with
 its ``until`` is over once the server's clock passes it; a ``wait_for`` is over once its signal
 is there (the k-th wait for a signal name takes the k-th signal of that name) or its timeout
 passed (``SignalTimeout``, recorded, so a replay raises it again); a ``wait_until`` is over
 once a ``find`` with its predicate returns the document (MongoDB decides, at the wait and at
 each wake-up) or its timeout passed (``ConditionTimeout``, recorded likewise).
+
+Issue 61 adds, each through the same ``StepStore``: parallel steps (``Group``, recorded by
+name: ``StepStore.record_named``; ``mtask.parallel`` runs the branches); a step's own policy
+(``mtask.step_policy``: ``_Pause`` between tries, ``StepTimeout``); values decided once and
+patch markers (``value``, ``patched``: entries decided without I/O, ``pending`` until the next
+step); what a step's function says held until its record (``mtask.output.holding``); children
+(``mtask.spawn``'s plan, run here with ``run_plan``); and a ``frontier`` where a dry replay
+stops (``mtask.preflight``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import datetime as dt
 import inspect
+import sys
+import threading
 import time
+import uuid
 from collections.abc import Callable, Coroutine, Generator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import bson
 
 from mtask.errors import MtaskError
 from mtask.models import storable_depth
+from mtask.output import holding
+from mtask.step_policy import NO_POLICY, StepPolicy, StepTimeout
 from mtask.triggers import check_collection
 
 Doc = dict[str, Any]
@@ -55,7 +72,9 @@ MAX_TRIES_KEPT = 10
 """A step keeps its newest tries (run, attempt, when, how long, error)."""
 NEVER = dt.datetime(9999, 1, 1, tzinfo=dt.UTC)
 """``available_at`` of a task waiting for a signal without a timeout."""
-KINDS = ("call", "sleep", "signal", "data")
+KINDS: tuple[str, ...] = ("call", "sleep", "signal", "data")
+# issue 61: children spawned and awaited, a recorded value (ctx.now, ctx.uuid), a patch marker
+KINDS += ("children", "value", "patch")
 STATES = ("done", "failed", "waiting", "timed_out")
 
 
@@ -143,6 +162,8 @@ class Wait:
     signal: str | None = None
     nth: int = 0
     data: Doc | None = None
+    children: str | None = None
+    """Issue 61: the step whose spawned children it waits for (``mtask.spawn``)."""
 
     def to_document(self) -> Doc:
         step = self.entry["name"] if self.entry else None
@@ -154,6 +175,9 @@ class Wait:
             doc["nth"] = self.nth
         if self.data is not None:
             doc["data"] = dict(self.data)
+        if self.children is not None:
+            doc["step"] = self.children
+            doc["children"] = self.children
         return doc
 
 
@@ -209,6 +233,28 @@ class StepStore(Protocol):
         transaction; returns the result."""
         ...
 
+    # -- issue 61 -------------------------------------------------------------------------------
+
+    async def record_named(self, entry: Doc, prior: Doc | None) -> None:
+        """Write a parallel step's ``entry`` by its name (``ctx.gather``): a new last entry if
+        the journal holds no step of that name (``prior`` ``None``), else in place of
+        ``prior`` (still the one the run read). ``LeaseLost`` as ``record``."""
+        ...
+
+    async def spawn(self, index: int, entry: Doc, children: list[Doc]) -> None:
+        """Record the children's step ``entry`` (new, at ``index``) with the task's counter of
+        them, then publish the ``children`` (``mtask.spawn.Child.to_document``), idempotently."""
+        ...
+
+    async def publish(self, step: str, children: list[Doc]) -> None:
+        """Publish the children of step ``step`` again (those that exist stay as they are)."""
+        ...
+
+    async def children(self, step: str) -> list[Doc]:
+        """The children spawned by step ``step``, in spawn order: ``index``, ``key``,
+        ``name``, ``status``, ``result``, ``error`` (read once, when the task resumes)."""
+        ...
+
 
 @dataclass(frozen=True)
 class _Io:
@@ -218,9 +264,25 @@ class _Io:
 @dataclass(frozen=True)
 class _Call:
     fn: Callable[[], Any]
+    step: str | None = None
+    """The step whose function this is (``_IN_STEP`` while it runs: nothing nests in it)."""
+    timeout: float | None = None
+    """Its policy's time limit, in seconds (``StepTimeout`` past it)."""
+    said: list[Doc] | None = None
+    """Where what it says (``ctx.log``, ``ctx.emit``) is held until its record is written."""
 
 
-Plan = Generator[_Io | _Call, Any, T]
+@dataclass(frozen=True)
+class _Pause:
+    """Wait ``seconds`` in place (a step policy's backoff between two tries)."""
+
+    seconds: float
+
+
+Plan = Generator[_Io | _Call | _Pause, Any, T]
+
+_IN_STEP: contextvars.ContextVar[str | None] = contextvars.ContextVar("mtask_in_step", default=None)
+"""The step whose function runs in this context (a thread, a task of ``ctx.gather``)."""
 
 
 def encode(result: Any) -> bytes:
@@ -255,6 +317,165 @@ def check_signal_name(name: Any) -> str:
     return name
 
 
+def complete_now(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine that never suspends (a ``StepStore`` whose methods do no I/O on a loop:
+    a child process's pipe, a dry replay's record) to its end, here."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise StepError("a step's I/O here cannot await")
+
+
+def caller(depth: int = 2) -> Any:
+    """Where in the handler a step is asked for: the code and instruction of the frame
+    ``depth`` levels up (the caller of the function that calls this)."""
+    frame = sys._getframe(depth)
+    return (frame.f_code, frame.f_lasti)
+
+
+def check_patch(patch: Any) -> str:
+    if not isinstance(patch, str) or not patch or len(patch) > MAX_STEP_NAME - 6:
+        raise StepError(f"a patch's id is a string of 1 to {MAX_STEP_NAME - 6} characters")
+    return check_name(patch)
+
+
+def _replays(prior: Doc | None) -> bool:
+    """Whether a recorded entry is given back as it is (a result, a timeout, children that
+    failed), rather than called, checked or awaited again."""
+    if prior is None:
+        return False
+    state = prior.get("state")
+    return state in ("done", "timed_out") or (state == "failed" and prior.get("kind") == "children")
+
+
+def _to_ms(when: dt.datetime) -> dt.datetime:
+    return _aware(when).replace(microsecond=when.microsecond // 1000 * 1000)
+
+
+@dataclass
+class Group:
+    """The steps begun in one ``ctx.gather`` (``mtask.parallel``): its ``label`` (``gather#n``),
+    where it begins in the journal (``start``), the entries earlier runs recorded for it (the
+    ``span`` entries from ``start`` whose ``group`` is its label), by name."""
+
+    journal: RunSteps
+    label: str
+    start: int
+    recorded: dict[str, Doc]
+    span: int
+    asked: list[str] = field(default_factory=list)
+
+    def begin(self, name: str, kind: str) -> tuple[int, Doc | None]:
+        """Where step ``name`` of this group is (recorded or new) and what was recorded."""
+        journal = self.journal
+        inside = _IN_STEP.get()
+        if inside is not None:
+            raise StepError(
+                f"step {name!r} was asked for while step {inside!r} runs: one step at a time "
+                "in each branch of a gather (steps do not nest)"
+            )
+        journal._check_new(name)
+        prior = self.recorded.get(name)
+        if prior is not None and prior.get("kind") != kind:
+            raise StepMismatch(
+                f"step {name!r} of {self.label!r} is recorded as {prior.get('kind')}; this run "
+                f"asked for it as {kind}"
+            )
+        later = [
+            e for e in journal.recorded[self.start + self.span :] if e.get("group") != self.label
+        ]
+        if prior is None and later:
+            raise StepMismatch(
+                f"{self.label!r} is recorded without step {name!r} (the next recorded step is "
+                f"{later[0].get('name')!r}): the steps must be asked for as recorded"
+            )
+        index = next(
+            (i for i, e in enumerate(journal.recorded) if e.get("name") == name),
+            len(journal.recorded),
+        )
+        journal.asked.append(name)
+        self.asked.append(name)
+        return index, prior
+
+
+_GROUP: contextvars.ContextVar[Group | None] = contextvars.ContextVar("mtask_group", default=None)
+"""The gather whose branch runs in this context (its tasks and threads copy it)."""
+
+
+async def _call_async(call: _Call) -> Any:
+    """A step's function called on the loop (in a thread when it has a time limit), with what
+    it says held (``_Call.said``)."""
+    token = _IN_STEP.set(call.step)
+    try:
+        with holding(call.said):
+            if call.timeout is not None:
+                return await _timed_async(call, call.timeout)
+            value = call.fn()
+            if inspect.isawaitable(value):
+                value = await value
+            return value
+    finally:
+        _IN_STEP.reset(token)
+
+
+async def _timed_async(call: _Call, seconds: float) -> Any:
+    """The function in a thread (an ``async def``'s coroutine on the loop), given up after
+    ``seconds``: ``StepTimeout`` (a plain function's thread cannot be stopped: it is left to
+    end on its own, and its result is dropped)."""
+    limit = asyncio.timeout(seconds)
+    try:
+        async with limit:
+            value = await asyncio.to_thread(call.fn)
+            if inspect.isawaitable(value):
+                value = await value
+            return value
+    except TimeoutError:
+        if limit.expired():
+            raise StepTimeout(f"step {call.step!r} took more than {seconds:g} s") from None
+        raise
+
+
+def _call_sync(call: _Call) -> Any:
+    token = _IN_STEP.set(call.step)
+    try:
+        with holding(call.said):
+            value = call.fn() if call.timeout is None else _timed_sync(call, call.timeout)
+        if inspect.isawaitable(value):
+            close = getattr(value, "close", None)
+            if callable(close):
+                close()
+            raise StepError(
+                "step_sync calls plain functions; await ctx.step(...) in an async def handler "
+                "for a coroutine function"
+            )
+        return value
+    finally:
+        _IN_STEP.reset(token)
+
+
+def _timed_sync(call: _Call, seconds: float) -> Any:
+    """``_timed_async`` for a plain-def handler: the function on a thread of its own (a daemon:
+    one that never ends does not hold the process)."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    context = contextvars.copy_context()
+
+    def body() -> None:
+        try:
+            future.set_result(context.run(call.fn))
+        except BaseException as exc:  # noqa: BLE001 - given to the waiting step
+            future.set_exception(exc)
+
+    threading.Thread(target=body, name=f"mtask-step-{call.step}", daemon=True).start()
+    try:
+        return future.result(seconds)
+    except TimeoutError:
+        if future.done():
+            raise
+        raise StepTimeout(f"step {call.step!r} took more than {seconds:g} s") from None
+
+
 class RunSteps:
     """One run's journal (see the module's docstring). ``recorded`` is the claimed document's
     ``steps``; ``loop`` is the worker's event loop, where a thread handler's I/O runs."""
@@ -268,6 +489,8 @@ class RunSteps:
         attempt: int,
         loop: asyncio.AbstractEventLoop | None = None,
         blocking_io: Callable[[Coroutine[Any, Any, Any]], Any] | None = None,
+        release: Callable[[list[Any]], None] | None = None,
+        frontier: Callable[[int, str, str, Doc | None], None] | None = None,
     ) -> None:
         self.store = store
         self.recorded: list[Doc] = [
@@ -288,18 +511,91 @@ class RunSteps:
         """Whether this run stored a result aside (its task's retention seals it)."""
         self.inline = sum(len(encode(e["result"])) for e in self.recorded if "result" in e)
         """The bytes of the inline results recorded so far."""
+        # -- issue 61 --
+        self.release = release
+        """Where what a step's function said goes once its record is written (the run's
+        ``RunOutput.release``); ``None``: it is not held."""
+        self.frontier = frontier
+        """Called with each step asked for that the journal does not replay (``mtask.preflight``
+        stops its dry replay there); ``None``: nothing."""
+        self.sites: dict[str, Any] = {}
+        """Where in the handler each name was first asked for: asked again from there (a
+        loop), it is numbered (``fetch#2``)."""
+        self.repeats: dict[str, int] = {}
+        self.values: dict[str, int] = {}
+        self.groups = 0
+        self.spawns = 0
+        self.pending: list[tuple[int, Doc]] = []
+        """Entries decided without I/O (``patched``, ``now``, ``uuid``), written before the
+        next step begins."""
+        self.lock = threading.RLock()
+        """``ctx.gather_sync`` begins steps from several threads."""
 
     # -- the public calls ---------------------------------------------------------------------
 
-    async def step(
-        self, name: str, fn: Callable[..., Any], *args: Any, transactional: bool = False, **kw: Any
-    ) -> Any:
-        if transactional:
-            return await self._transactional(name, fn, args, kw)
-        return await self._run_async(self._one(self._step(name, lambda: fn(*args, **kw))))
+    def step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        transactional: bool = False,
+        policy: StepPolicy | None = None,
+        **kw: Any,
+    ) -> Coroutine[Any, Any, Any]:
+        return self.step_at(
+            caller(), name, fn, args, kw, transactional=transactional, policy=policy
+        )
 
-    def step_sync(self, name: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        return self._run_sync(self._one(self._step(name, lambda: fn(*args, **kw))))
+    async def step_at(
+        self,
+        site: Any,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kw: Mapping[str, Any],
+        *,
+        transactional: bool = False,
+        policy: StepPolicy | None = None,
+    ) -> Any:
+        """``step``, asked for from ``site`` (``caller()``: a loop's site numbers its name)."""
+        name = self.numbered(name, site)
+        if transactional:
+            if policy is not None:
+                raise StepError("a transactional step has no policy: its transaction retries")
+            return await self._transactional(name, fn, args, dict(kw))
+        plan = self._step(name, lambda: fn(*args, **kw), policy or NO_POLICY)
+        return await self._run_async(self._one(plan))
+
+    def step_sync(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        policy: StepPolicy | None = None,
+        **kw: Any,
+    ) -> Any:
+        return self.step_sync_at(caller(), name, fn, args, kw, policy=policy)
+
+    def step_sync_at(
+        self,
+        site: Any,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kw: Mapping[str, Any],
+        *,
+        policy: StepPolicy | None = None,
+    ) -> Any:
+        name = self.numbered(name, site)
+        plan = self._step(name, lambda: fn(*args, **kw), policy or NO_POLICY)
+        return self._run_sync(self._one(plan))
+
+    def run_plan(self, plan: Plan[T]) -> Coroutine[Any, Any, T]:
+        """Run a plan of another module (``mtask.spawn``) as one step, on the loop."""
+        return self._run_async(self._one(plan))
+
+    def run_plan_sync(self, plan: Plan[T]) -> T:
+        return self._run_sync(self._one(plan))
 
     async def sleep(
         self, duration: float | dt.timedelta | dt.datetime, name: str | None = None
@@ -347,12 +643,16 @@ class RunSteps:
     # -- runners ------------------------------------------------------------------------------
 
     def _one(self, plan: Plan[T]) -> Plan[T]:
-        """``plan``, after which another step may begin (one at a time: ``_begin``)."""
+        """``plan``, after which another step may begin (one at a time: ``_begin``); the entries
+        decided without I/O before it are written first (``pending``)."""
+        yield from self._flush()
         asked = len(self.asked)
         try:
             value = yield from plan
         finally:
-            if len(self.asked) > asked:  # it began (a refused one leaves the running one be)
+            # it began (a refused one leaves the running one be); a group's steps leave the
+            # group's hold to the group
+            if len(self.asked) > asked and self.group() is None:
                 self.inside = None
         return value
 
@@ -368,10 +668,10 @@ class RunSteps:
             try:
                 if isinstance(need, _Io):
                     value = await need.make()
+                elif isinstance(need, _Pause):
+                    await asyncio.sleep(need.seconds)
                 else:
-                    value = need.fn()
-                    if inspect.isawaitable(value):
-                        value = await value
+                    value = await _call_async(need)
             except BaseException as exc:
                 if isinstance(exc, asyncio.CancelledError):
                     plan.close()
@@ -390,16 +690,10 @@ class RunSteps:
             try:
                 if isinstance(need, _Io):
                     value = self._blocking(need.make())
+                elif isinstance(need, _Pause):
+                    time.sleep(need.seconds)
                 else:
-                    value = need.fn()
-                    if inspect.isawaitable(value):
-                        close = getattr(value, "close", None)
-                        if callable(close):
-                            close()
-                        raise StepError(
-                            "step_sync calls plain functions; await ctx.step(...) in an "
-                            "async def handler for a coroutine function"
-                        )
+                    value = _call_sync(need)
             except BaseException as exc:  # noqa: BLE001 - given back to the plan
                 error = exc
 
@@ -419,19 +713,29 @@ class RunSteps:
 
     # -- the journal --------------------------------------------------------------------------
 
-    def _begin(self, name: str, kind: str) -> tuple[int, Doc | None]:
-        """The place of the next step asked for and what is recorded there (``None``: nothing)."""
+    def _begin(self, name: str, kind: str, *, hold: bool = True) -> tuple[int, Doc | None]:
+        """The place of the next step asked for and what is recorded there (``None``: nothing).
+        ``hold``: the step runs until its plan ends (``_one``), and no other may begin
+        meanwhile; a step decided at once (``patched``, ``now``) holds nothing."""
         check_name(name)
+        with self.lock:
+            group = self.group()
+            if group is not None:
+                index, prior = group.begin(name, kind)
+            else:
+                index, prior = self._begin_alone(name, kind, hold)
+        if self.frontier is not None and not _replays(prior):
+            self.frontier(index, name, kind, prior)
+        return index, prior
+
+    def _begin_alone(self, name: str, kind: str, hold: bool) -> tuple[int, Doc | None]:
         if self.inside is not None:
             raise StepError(
                 f"step {name!r} was asked for while step {self.inside!r} runs: one step at a "
                 "time (steps do not nest or run concurrently; their order is the record's)"
             )
-        if name in self.asked:
-            raise StepError(f"step {name!r} was asked for twice: step names are unique in a task")
+        self._check_new(name)
         index = len(self.asked)
-        if index >= MAX_STEPS:
-            raise StepError(f"a task records at most {MAX_STEPS} steps")
         prior = self.recorded[index] if index < len(self.recorded) else None
         if prior is not None and (prior.get("name") != name or prior.get("kind") != kind):
             raise StepMismatch(
@@ -440,8 +744,15 @@ class RunSteps:
                 "the recorded order"
             )
         self.asked.append(name)
-        self.inside = name  # until its plan ends (``_one``)
+        if hold:
+            self.inside = name  # until its plan ends (``_one``)
         return index, prior
+
+    def _check_new(self, name: str) -> None:
+        if name in self.asked:
+            raise StepError(f"step {name!r} was asked for twice: step names are unique in a task")
+        if len(self.asked) >= MAX_STEPS:
+            raise StepError(f"a task records at most {MAX_STEPS} steps")
 
     def _entry(self, name: str, kind: str, prior: Doc | None, now: dt.datetime) -> Doc:
         entry: Doc = {
@@ -455,7 +766,137 @@ class RunSteps:
         for kept in ("until", "signal", "nth", "collection", "tries"):
             if prior is not None and kept in prior:
                 entry[kept] = prior[kept]
+        group = self.group()
+        if group is not None:
+            entry["group"] = group.label
         return entry
+
+    # -- issue 61: loops, parallel groups, values decided once ---------------------------------
+
+    def numbered(self, name: str, site: Any) -> str:
+        """``name``, or ``name#2``, ``name#3``, … when it is asked for again from the same place
+        in the handler (a loop, or a helper called in one). Asked for again from another place,
+        it stays ``name``, which ``_begin`` refuses: two different steps that share a name."""
+        if site is None or not isinstance(name, str):
+            return name
+        with self.lock:
+            first = self.sites.get(name)
+            if first is None:
+                self.sites[name], self.repeats[name] = site, 1
+                return name
+            if first != site:
+                return name
+            n = self.repeats[name] = self.repeats[name] + 1
+        return f"{name}#{n}"
+
+    def group(self) -> Group | None:
+        """The ``ctx.gather`` this context's steps belong to, if any."""
+        group = _GROUP.get()
+        return group if group is not None and group.journal is self else None
+
+    def open_group(self, name: str | None) -> Group:
+        """A ``ctx.gather`` begins: its steps are matched by name, recorded as they end."""
+        with self.lock:
+            if self.inside is not None:
+                raise StepError(
+                    f"a gather was begun while step {self.inside!r} runs: one step (or one "
+                    "gather) at a time"
+                )
+            self.groups += 1
+            label = check_name(name) if name is not None else f"gather#{self.groups}"
+            start = len(self.asked)
+            span = 0
+            while (
+                start + span < len(self.recorded)
+                and self.recorded[start + span].get("group") == label
+            ):
+                span += 1
+            mine = {str(e.get("name")): e for e in self.recorded[start : start + span]}
+            group = Group(self, label, start, mine, span)
+            self.inside = label  # no step outside the group meanwhile
+            return group
+
+    def close_group(self, group: Group, completed: bool) -> None:
+        """The gather ended (``completed``: every step of it returned)."""
+        with self.lock:
+            self.inside = None
+        missing = [n for n in group.recorded if n not in group.asked]
+        if completed and missing:
+            raise StepMismatch(
+                f"gather {group.label!r} recorded step(s) {', '.join(map(repr, missing))} that "
+                "this run did not ask for: the steps must be asked for as recorded"
+            )
+
+    def _flush(self) -> Plan[None]:
+        """Write the entries decided without I/O, in order (``pending``)."""
+        while self.pending:
+            index, entry = self.pending.pop(0)
+            yield from self._write(index, entry, None)
+
+    def value(self, prefix: str, make: Callable[[], Any]) -> Any:
+        """A value decided once (``make()`` on first use), recorded as step ``prefix#n`` with
+        the next write, and given back as recorded on replay."""
+        with self.lock:
+            n = self.values[prefix] = self.values.get(prefix, 0) + 1
+        index, prior = self._begin(f"{prefix}#{n}", "value", hold=False)
+        if prior is not None and prior.get("state") == "done":
+            return prior.get("result")
+        made = make()
+        entry = self._entry(f"{prefix}#{n}", "value", prior, self.store.now())
+        entry.update(state="done", result=made)
+        self._tried(entry, entry["started_at"], 0)
+        self.pending.append((index, entry))
+        return made
+
+    def now(self) -> dt.datetime:
+        """The server's time on first use (to the millisecond, as BSON keeps it), replayed."""
+        made = self.value("now", lambda: _to_ms(self.store.now()))
+        return _aware(made) if isinstance(made, dt.datetime) else made
+
+    def uuid(self) -> uuid.UUID:
+        """A random UUID on first use, replayed."""
+        return uuid.UUID(str(self.value("uuid", lambda: str(uuid.uuid4()))))
+
+    def patched(self, patch: str) -> bool:
+        """``True`` where the journal has not yet gone past this place (a new run, or a resumed
+        one that never ran the code here): the marker ``patch:<id>`` is recorded with the next
+        write; ``False`` where an earlier run recorded another step here (it ran the old code);
+        the recorded answer where the marker is."""
+        name = f"patch:{check_patch(patch)}"
+        with self.lock:
+            here = self._here(name)
+            if here is not None and (here.get("name"), here.get("kind")) != (name, "patch"):
+                return False
+            index, prior = self._begin(name, "patch", hold=False)
+        if prior is not None:
+            return bool(prior.get("result"))
+        entry = self._entry(name, "patch", None, self.store.now())
+        entry.update(state="done", result=True)
+        self._tried(entry, entry["started_at"], 0)
+        self.pending.append((index, entry))
+        return True
+
+    def deprecate_patch(self, patch: str) -> None:
+        """The new code only: a marker recorded here by an earlier run is passed over (taken as
+        its place); none is recorded. Once no parked task took the old branch (``mtask step
+        check``), the ``patched`` call is replaced by this one, and later removed."""
+        name = f"patch:{check_patch(patch)}"
+        with self.lock:
+            here = self._here(name)
+            if here is not None and (here.get("name"), here.get("kind")) == (name, "patch"):
+                self._begin(name, "patch", hold=False)
+
+    def _here(self, name: str) -> Doc | None:
+        """What the journal recorded where the next step goes: in a group, the entry of this
+        name, or any of the group's (it ran the old code) if none has it."""
+        group = self.group()
+        if group is not None:
+            found = group.recorded.get(name)
+            if found is None and group.span:
+                return next(iter(group.recorded.values()))
+            return found
+        index = len(self.asked)
+        return self.recorded[index] if index < len(self.recorded) else None
 
     def _tried(self, entry: Doc, now: dt.datetime, ms: int, error: str | None = None) -> None:
         tried: Doc = {"run_id": self.run_id, "attempt": self.attempt, "at": now, "ms": ms}
@@ -497,34 +938,74 @@ class RunSteps:
             self.recorded.append(entry)
 
     def _write(self, index: int, entry: Doc, prior: Doc | None) -> Plan[None]:
+        if "group" in entry:  # a parallel step: by its name, wherever it ends (``Group``)
+            yield _Io(lambda: self.store.record_named(entry, prior))
+            with self.lock:
+                self._keep_named(entry)
+            return
         yield _Io(lambda: self.store.record(index, entry, prior))
         self._keep(index, entry)
 
-    def _step(self, name: str, call: Callable[[], Any]) -> Plan[Any]:
+    def _keep_named(self, entry: Doc) -> None:
+        for i, kept in enumerate(self.recorded):
+            if kept.get("name") == entry["name"]:
+                self.recorded[i] = entry
+                return
+        self.recorded.append(entry)
+
+    def _step(
+        self, name: str, call: Callable[[], Any], policy: StepPolicy = NO_POLICY
+    ) -> Plan[Any]:
         index, prior = self._begin(name, "call")
         if prior is not None and prior.get("state") == "done":
             value = yield from self._read(prior)
             return value
-        started, now = time.monotonic(), self.store.now()
-        entry = self._entry(name, "call", prior, now)
+        entry = self._entry(name, "call", prior, self.store.now())
+        said: list[Any] | None = [] if self.release is not None else None
         try:
-            result = yield _Call(call)
-        except Exception as exc:
-            ms = round((time.monotonic() - started) * 1000)
-            entry.update(state="failed", error=_error(exc))
-            self._tried(entry, self.store.now(), ms, _error(exc))
+            result = yield from self._tries(entry, call, policy, said)
+        except Exception:
             yield from self._write(index, entry, prior)
+            self._said(said)
             raise
-        ms = round((time.monotonic() - started) * 1000)
-        entry["state"] = "done"
-        self._tried(entry, self.store.now(), ms)
         entry.pop("error", None)
         data = self._store_result(entry, result)
         if data is not None:
             entry["spill"] = yield _Io(lambda: self.store.spill(data))
             self.spilled = True
         yield from self._write(index, entry, prior)
+        self._said(said)
         return result
+
+    def _tries(
+        self, entry: Doc, call: Callable[[], Any], policy: StepPolicy, said: list[Any] | None
+    ) -> Plan[Any]:
+        """Call the step's function until it returns, at most ``policy.retries`` more times
+        after a failure, waiting its backoff in place; each try is noted in ``entry``. The
+        last failure is raised with ``entry`` marked ``failed``; a success marks it ``done``."""
+        failed = 0
+        while True:
+            started = time.monotonic()
+            try:
+                result = yield _Call(call, entry["name"], policy.timeout, said)
+            except Exception as exc:
+                ms = round((time.monotonic() - started) * 1000)
+                self._tried(entry, self.store.now(), ms, _error(exc))
+                failed += 1
+                if failed > policy.retries:
+                    entry.update(state="failed", error=_error(exc))
+                    raise
+                yield _Pause(policy.delay(failed))
+                continue
+            ms = round((time.monotonic() - started) * 1000)
+            entry["state"] = "done"
+            self._tried(entry, self.store.now(), ms)
+            return result
+
+    def _said(self, said: list[Any] | None) -> None:
+        """What the step's function said, now that its record is written."""
+        if said and self.release is not None:
+            self.release(said)
 
     async def _transactional(
         self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]
@@ -534,6 +1015,7 @@ class RunSteps:
                 "a transactional step's function is an async def taking session=: its writes "
                 "use the worker's AsyncClientSession (docs/transactions.md)"
             )
+        await self._run_async(self._flush())
         index, prior = self._begin(name, "call")
         try:
             return await self._transact(name, fn, args, kw, index, prior)
@@ -750,6 +1232,8 @@ class MemorySteps:
         document or ``None``); without it a ``wait_until`` is a ``StepError``."""
         self.announced: list[Doc] = []
         """The waits announced (``holds`` with ``waiting``), oldest first."""
+        self.tasks: dict[str, Doc] = {}
+        """The children spawned (issue 61), by key: ``finish`` ends one, as its worker would."""
 
     def now(self) -> dt.datetime:
         return self.clock()
@@ -782,6 +1266,35 @@ class MemorySteps:
         if waiting is not None:
             self.announced.append(dict(waiting))
         return self.find(collection, dict(predicate))
+
+    async def record_named(self, entry: Doc, prior: Doc | None) -> None:
+        for i, kept in enumerate(self.recorded):
+            if kept.get("name") == entry["name"]:
+                if prior is None:
+                    raise StepError(f"step {entry['name']!r} was recorded meanwhile")
+                self.recorded[i] = dict(entry)
+                return
+        self.recorded.append(dict(entry))
+
+    async def spawn(self, index: int, entry: Doc, children: list[Doc]) -> None:
+        await self.record(index, entry, None)
+        await self.publish(str(entry["name"]), children)
+
+    async def publish(self, step: str, children: list[Doc]) -> None:
+        for child in children:
+            self.tasks.setdefault(
+                child["key"], {**child, "step": step, "status": "pending", "result": None}
+            )
+
+    async def children(self, step: str) -> list[Doc]:
+        found = [dict(c) for c in self.tasks.values() if c.get("step") == step]
+        return sorted(found, key=lambda c: int(c["index"]))
+
+    def finish(
+        self, key: str, result: Any = None, *, status: str = "succeeded", error: str = ""
+    ) -> None:
+        """End child ``key`` with ``result`` (or ``status`` ``failed`` and its ``error``)."""
+        self.tasks[key].update(status=status, result=result, error=error or None)
 
     async def transact(
         self,

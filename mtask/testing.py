@@ -95,7 +95,12 @@ async def arun_handler(
         publisher=publisher,
         output_for=(lambda _ctx: RunOutput()) if output is None else (lambda _ctx: output),
         steps_for=lambda made: RunSteps(
-            journal, journal.recorded, run_id=run_id, attempt=attempt, loop=loop
+            journal,
+            journal.recorded,
+            run_id=run_id,
+            attempt=attempt,
+            loop=loop,
+            release=made.release,  # what a step says is written once it is recorded
         ),
     )
     run = ActiveRun(key=key, name=name, run_id=run_id, ctx=ctx)

@@ -64,7 +64,11 @@ def commands(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str, argpar
         if not isinstance(action, argparse._SubParsersAction):
             continue
         helps = {a.dest: a.help or "" for a in action._choices_actions}
+        seen: set[int] = set()
         for name, sub in action.choices.items():
+            if id(sub) in seen:  # an alias (mtask steps is mtask step): one section
+                continue
+            seen.add(id(sub))
             yield sub.prog, helps.get(name, ""), sub
             yield from commands(sub)
 

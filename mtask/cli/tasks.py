@@ -284,6 +284,8 @@ def _waiting_rows(task: Task) -> list[tuple[str, str]]:
         if w.data is not None:  # issue 63: a wait on data (ctx.wait_until)
             shown = json.dumps(bson_json(w.data.filter))
             what = f"{w.data.collection} {shown}, {_deadline(w.until)}"
+        if w.children is not None:  # issue 61: its children, holding no slot
+            what = "its children (they hold the slot, not it)"
         rows.append(("waiting", f"{what} (step {w.index + 1}: {w.step or '-'})"))
     if task.signals:
         names = Counter(s.name for s in task.signals)
@@ -338,6 +340,7 @@ def _step_detail(step: Any) -> str:
         detail.append(_deadline(step.until))
     elif step.kind == "signal":
         detail.append(f"{step.signal!r} #{(step.nth or 0) + 1}, {_deadline(step.until)}")
+    detail += _workflow_detail(step)
     if step.spill:
         detail.append(f"result aside: {step.spill.get('bytes', '?')} bytes")
     if step.transactional:
@@ -348,6 +351,21 @@ def _step_detail(step: Any) -> str:
     elif failed:
         detail.append(f"{len(failed)} failed tries, last: {failed[-1].error}")
     return "; ".join(detail)
+
+
+def _workflow_detail(step: Any) -> list[str]:
+    """Issue 61: a parallel step's gather, a spawn's children, a patch marker's branch, a
+    value decided once."""
+    detail = [f"parallel ({step.group})"] if step.group else []
+    if step.kind == "children":
+        failed = f", {step.failed} failed" if step.failed else ""
+        detail.append(f"{step.total} children{failed}")
+        detail += [f"{f.get('key')} {f.get('status')}" for f in step.failures[:3]]
+    elif step.kind == "patch":
+        detail.append("new branch" if step.result else "old branch")
+    elif step.kind == "value" and step.result is not None:
+        detail.append(str(step.result)[:40])
+    return detail
 
 
 def _progress_rows(task: Task) -> list[tuple[str, str]]:
@@ -374,9 +392,18 @@ def _flow_rows(task: Task) -> list[tuple[str, str]]:
     rows = [("invalid", task.invalid_reason)] if task.invalid_reason else []
     rows += [("problem", p) for p in task.problems]  # issue 14: what is wrong where
     if task.parent:
-        rows.append(("parent", task.parent))
+        spawn = task.spawn  # issue 61: a spawned child says by which step, and its place
+        by = f" (spawned by step {spawn.step}, child {spawn.index + 1})" if spawn else ""
+        rows.append(("parent", task.parent + by))
     if task.children:
         rows.append(("children", ", ".join(task.children)))
+    if task.spawned is not None:
+        s = task.spawned
+        failed = f", {s.failed} failed" if s.failed else ""
+        rows.append(("spawned", f"{s.done} of {s.total} finished{failed} (step {s.step}; "
+                     f"mtask flow {task.key})"))  # fmt: skip
+    if task.options.deadline is not None:
+        rows.append(("deadline", f"{when(task.options.deadline)} (the whole task)"))
     # outbox entries no step could be built from (flows.read_outbox): kept, not published
     rows += [("step not published", str(r.get("reason"))) for r in task.outbox_rejected]
     if task.depends_on:
@@ -545,7 +572,16 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 @commands.command("retry")
 def cmd_retry(args: argparse.Namespace) -> int:
-    return _act(args, "retry", "pending again")
+    if getattr(args, "from_step", None) is None:
+        return _act(args, "retry", "pending again")
+    if args.key is None:  # issue 61: run one task again from a step
+        raise UsageError("--from-step applies to one task: give its KEY, not a filter")
+    with task_client(args) as client:
+        task = client.retry(_one_key(args), from_step=args.from_step)
+    kept = ", ".join(s.name for s in task.steps) or "none"
+    out.print(f"pending again from step {args.from_step}: {task.key}", markup=False)
+    out.print(f"  the steps before it are kept and replayed: {kept}", markup=False)
+    return 0
 
 
 @commands.command("workers")
@@ -750,6 +786,12 @@ def register(sub: Any) -> None:
         add_common(p)
         p.add_argument("key", nargs="?", help="the task's key (or a filter below)")
         bulk.add_filters(p)
+        if name == "retry":  # issue 61
+            p.add_argument(
+                "--from-step",
+                metavar="NAME",
+                help="keep the durable steps before NAME and run it and the rest again",
+            )
 
     p = sub.add_parser("workers", help="list live workers")
     add_common(p)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import importlib
 import logging
 import signal
 import sys
@@ -30,7 +29,6 @@ from mtask.cli.common import (
 )
 from mtask.errors import (
     MtaskError,
-    RegistryNotFound,
     UsageError,
     WorkerCrashed,
     WorkerNotFound,
@@ -39,7 +37,6 @@ from mtask.errors import (
 if TYPE_CHECKING:
     import asyncio
 
-    from mtask.registry import Registry
     from mtask.worker import Worker
 
 commands = Commands()
@@ -56,28 +53,6 @@ def _prefetch(value: str) -> int | str:
     if number < 0:
         raise argparse.ArgumentTypeError(f"expected auto or a number not below 0, got {value!r}")
     return number
-
-
-def load_registry(spec: str) -> Registry:
-    from mtask.registry import Registry
-
-    module_name, _, attr = spec.partition(":")
-    if not module_name:
-        raise RegistryNotFound(f"expected module:registry, got {spec!r}")
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")  # like python -m: modules in the current directory
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RegistryNotFound(f"cannot import {module_name!r}: {exc}") from None
-    if attr:
-        registry = getattr(module, attr, None)
-    else:
-        found = [v for v in vars(module).values() if isinstance(v, Registry)]
-        registry = found[0] if len(found) == 1 else None
-    if not isinstance(registry, Registry):
-        raise RegistryNotFound(f"{spec!r} is not an mtask.Registry")
-    return registry
 
 
 @contextlib.contextmanager
@@ -342,6 +317,8 @@ def _kib(value: int | None) -> int | None:
 
 def build_worker(args: argparse.Namespace) -> Worker:
     """The worker ``args`` describe: the registry's module imported, then the worker's own."""
+    from mtask.registry import load_registry
+
     registry = load_registry(args.registry)
     from mtask.worker import Worker
 

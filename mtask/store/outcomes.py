@@ -59,6 +59,9 @@ class Outcome:
     has_spills: bool = False
     """The run stored step results aside: seal them once the outcome is recorded
     (``store.steps.seal``)."""
+    child_of: Doc | None = None
+    """A spawned child's ``spawn`` (issue 61): once its outcome is recorded, a final one is
+    counted on its parent (``store.children.count_finished``)."""
 
 
 def _success_tag(outcome: Outcome) -> Doc:
@@ -135,6 +138,8 @@ def finish_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, list[Doc]]:
     stages: list[Doc] = [{"$set": {"runs": set_run_fields(outcome.run_id, run_fields), **sets}}]
     if state is RunState.FAIL and not outcome.permanent:
         stages.append({"$set": {"available_at": _backoff_expr(outcome, now)}})
+    if state is RunState.WAITING or (state is RunState.FAIL and not outcome.permanent):
+        stages.append({"$set": {"available_at": by_deadline("$available_at")}})
     return run_filter(outcome.key, outcome.run_id), [*stages, *recompute_stages(now)]
 
 
@@ -204,6 +209,15 @@ def settled_waits_expr(now: dt.datetime, final: Any = True) -> Doc:
     }
 
 
+def by_deadline(when: Any) -> Doc:
+    """``when``, or the task's deadline if that comes first (issue 61: a retry's backoff or a
+    wait that would pass it; ``$min`` passes over a missing deadline). Claimed then, the run
+    fails for good at once, saying why (``worker.running.task_deadlines``). A deadline that is
+    not a date (a hand edit) is passed over too."""
+    deadline = "$options.deadline"
+    return {"$min": [when, {"$cond": [{"$eq": [{"$type": deadline}, "date"]}, deadline, when]}]}
+
+
 def _waiting_fields(wait: Wait, now: dt.datetime) -> Doc:
     """A run that ends waiting (docs/steps.md): its step's entry (if new), ``waiting``, and
     ``available_at``: the sleep's end, or the wait's deadline, or now if the signal is there
@@ -223,6 +237,9 @@ def _waiting_fields(wait: Wait, now: dt.datetime) -> Doc:
             ]
         }
         fields["available_at"] = {"$cond": [woke, now, wait.until]}
+    elif wait.children is not None:  # issue 61: now, if the last child finished meanwhile
+        counted = {"$gte": ["$spawned.done", "$spawned.total"]}
+        fields["available_at"] = {"$cond": [counted, now, wait.until]}
     elif wait.signal is None:
         fields["available_at"] = wait.until
     else:

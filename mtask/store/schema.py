@@ -75,6 +75,13 @@ INDEXES: dict[str, list[IndexModel]] = {
             name="outbox",
             partialFilterExpression={"outbox": {"$exists": True}},
         ),
+        # Children awaited (issue 61, store/children.py): the parents waiting for theirs, for
+        # the sweep that makes a lost wake-up impossible. No other task has a key in it.
+        IndexModel(
+            [("waiting.children", ASCENDING)],
+            name="children_wait",
+            partialFilterExpression={"waiting.children": {"$exists": True}},
+        ),
         # Retention (store/retention.py): MongoDB's TTL monitor removes a finished task once
         # its expire_at has passed; flow parents held for their open steps.
         IndexModel(
@@ -373,6 +380,7 @@ CLAIMED_FIELDS.update({"runs.state": 1, "runs.txn": 1})
 # when it may be claimed next (its lease's end): a dispatched worker tells the host's relay
 CLAIMED_FIELDS["next_claim_at"] = 1
 CLAIMED_FIELDS["steps"] = 1  # durable steps to replay (docs/steps.md); absent: no bytes
+CLAIMED_FIELDS["spawn"] = 1  # a spawned child's parent, counted at its end; absent: no bytes
 """What a worker needs of a task it claimed."""
 PLACEMENT_FIELDS = {
     "next_claim_at": 1,
@@ -443,6 +451,8 @@ def _flow_fields(task: NewTask) -> Doc:
     fields: Doc = {}
     if task.parent is not None:
         fields["parent"] = task.parent
+    if task.spawn is not None:  # issue 61: a spawned child's parent, step and place
+        fields["spawn"] = dict(task.spawn)
     if task.depends_on:
         fields["depends_on"] = list(task.depends_on)
         fields["waiting_on"] = list(task.depends_on)

@@ -102,24 +102,66 @@ def record(
     prior: Mapping[str, Any] | None,
     *,
     in_transaction: bool = False,
+    also: Mapping[str, Any] | None = None,
 ) -> Op[None]:
     """Write a step's entry if the run still owns its task (``LeaseLost`` if not; nothing is
     written); ``StepError`` if another run of the task recorded that step meanwhile.
     ``in_transaction``: the record of a transactional step, which also clears the run's ``txn``
     (its session's id, written when the transaction began): once the step commits, its session
-    goes back to the driver's pool, and a run taking the task over must not kill it there."""
+    goes back to the driver's pool, and a run taking the task over must not kill it there.
+    ``also``: fields set in the same update (a spawn's counter of its children, issue 61)."""
     filt, update = record_update(key, run_id, index, entry, prior)
     options: Doc = {}
     if in_transaction:
         update["$unset"][f"runs.$[mine].{TXN_FIELD}"] = ""
         options["array_filters"] = [{"mine.run_id": run_id}]
+    if also:
+        update["$set"] = {**update.get("$set", {}), **also}
     result = yield Call("update_one", (filt, update), options)
-    if result.matched_count:
-        return
+    if not result.matched_count:
+        yield from _not_recorded(key, run_id, f"step {index + 1}")
+
+
+def _not_recorded(key: str, run_id: str, step: str) -> Op[None]:
+    """Why a step's fenced write matched nothing: the run lost its task, or another run of it
+    recorded that step meanwhile."""
     owned: Doc | None = yield Call("find_one", (fence(key, run_id), {"_id": 1}))
     if owned is None:
         raise LeaseLost(f"run {run_id} of {key!r} no longer owns the task: step not recorded")
-    raise StepError(f"step {index + 1} of {key!r} was recorded meanwhile by another run")
+    raise StepError(f"{step} of {key!r} was recorded meanwhile by another run")
+
+
+def record_named_update(
+    key: str, run_id: str, entry: Mapping[str, Any], prior: Mapping[str, Any] | None
+) -> tuple[Doc, Doc, Doc]:
+    """Filter, update and options writing a parallel step's ``entry`` by its name (issue 61,
+    ``mtask.parallel``): a new last entry if no step of the task has its name (the names are
+    unique), else in place of ``prior``, which the filter proves is still the one the run read.
+    Either clears ``waiting``, as ``record_update``."""
+    name = entry["name"]
+    filt = fence(key, run_id)
+    options: Doc = {}
+    if prior is None:
+        filt["steps.name"] = {"$ne": name}
+        filt[f"steps.{MAX_STEPS - 1}"] = {"$exists": False}
+        update: Doc = {"$push": {"steps": dict(entry)}}
+    else:
+        read = {"name": name, "attempts": prior.get("attempts"), "state": prior.get("state")}
+        filt["steps"] = {"$elemMatch": read}
+        update = {"$set": {"steps.$[s]": dict(entry)}}
+        options["array_filters"] = [{"s.name": name}]
+    update["$unset"] = {"waiting": ""}
+    return filt, update, options
+
+
+def record_named(
+    key: str, run_id: str, entry: Mapping[str, Any], prior: Mapping[str, Any] | None
+) -> Op[None]:
+    """``record`` for a parallel step (``record_named_update``)."""
+    filt, update, options = record_named_update(key, run_id, entry, prior)
+    result = yield Call("update_one", (filt, update), options)
+    if not result.matched_count:
+        yield from _not_recorded(key, run_id, f"step {entry['name']!r}")
 
 
 def signals(key: str, name: str) -> Op[list[Doc]]:
@@ -336,20 +378,11 @@ def reset(key: str, step: str) -> Op[Reset]:
         check_name(step)
     except StepError as exc:
         raise InvalidTask(str(exc), field="step") from None
-    before: Doc | None = yield Call(
-        "find_one_and_update",
-        (reset_filter(key, step), reset_pipeline(step)),
-        {"projection": {"status": 1, "steps": 1, "waiting": 1, "signals.name": 1}},
-    )
-    if before is None:
-        yield from _not_reset(key, step)
-    assert before is not None
+    before: Doc = yield from edit(key, step, reset_filter(key, step), reset_pipeline(step))
     steps = [s for s in before.get("steps") or [] if isinstance(s, dict)]
     index = next(i for i, s in enumerate(steps) if s.get("name") == step)
     removed = steps[index:]
-    spills = [s["spill"].get("id") for s in removed if isinstance(s.get("spill"), dict)]
-    if spills:
-        yield Call("delete_many", ({"task": key, "spill": {"$in": spills}},), collection=COLLECTION)
+    yield from drop_spills(key, removed)
     return Reset(
         key,
         step,
@@ -360,7 +393,35 @@ def reset(key: str, step: str) -> Op[Reset]:
     )
 
 
-def _not_reset(key: str, step: str) -> Op[None]:
+def edit(
+    key: str,
+    step: str,
+    filt: Doc,
+    pipeline: list[Doc],
+    allowed: tuple[str, ...] = RESETTABLE,
+) -> Op[Doc]:
+    """One fenced edit of task ``key``'s journal at step ``step`` (a reset, a rename, a drop,
+    a retry from a step: ``filt`` holds ``reset_filter``'s fence): the document as it was
+    before (its status, steps, wait and signals' names); else why it matched nothing."""
+    before: Doc | None = yield Call(
+        "find_one_and_update",
+        (filt, pipeline),
+        {"projection": {"status": 1, "steps": 1, "waiting": 1, "signals.name": 1}},
+    )
+    if before is None:
+        yield from _not_reset(key, step, allowed)
+    assert before is not None
+    return before
+
+
+def drop_spills(key: str, removed: Sequence[Mapping[str, Any]]) -> Op[None]:
+    """Remove the results the ``removed`` steps kept aside."""
+    spills = [s["spill"].get("id") for s in removed if isinstance(s.get("spill"), dict)]
+    if spills:
+        yield Call("delete_many", ({"task": key, "spill": {"$in": spills}},), collection=COLLECTION)
+
+
+def _not_reset(key: str, step: str, allowed: tuple[str, ...] = RESETTABLE) -> Op[None]:
     """Why a reset matched nothing."""
     doc: Doc | None = yield Call(
         "find_one", ({"_id": key}, {"status": 1, "runs.state": 1, "steps.name": 1})
@@ -378,6 +439,15 @@ def _not_reset(key: str, step: str) -> Op[None]:
         hint = "its cancelled run stops at its next ping" if status != "running" else "cancel it"
         raise InvalidTransition(
             f"task {key!r} is running: its steps can be reset once its run ended ({hint})"
+        )
+    if status in allowed:  # issue 61: a rename onto a taken name, or children awaited
+        raise InvalidTransition(
+            f"task {key!r}: step {step!r} cannot be changed so (another step has the new "
+            "name, or its children are still awaited)"
+        )
+    if status in RESETTABLE:
+        raise InvalidTransition(
+            f"task {key!r} is {status}: this applies to {' or '.join(allowed)} tasks"
         )
     raise InvalidTransition(f"task {key!r} is {status}: its steps are kept as they ran")
 

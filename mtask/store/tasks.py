@@ -371,6 +371,11 @@ def _require(key: str, doc: Doc | None, action: str, allowed: Iterable[str]) -> 
     )
 
 
+def cancel_pipeline(now: dt.datetime) -> list[Doc]:
+    """The update that cancels an open task (its filter: ``OPEN`` and ``WELL_FORMED``)."""
+    return [{"$set": {"status": TaskStatus.CANCELLED.value}}, *recompute_stages(now)]
+
+
 def cancel(key: str, now: dt.datetime) -> Op[Doc]:
     """pending or running -> cancelled at once. A running handler is stopped by its worker at
     the next ping (the ping matches only open tasks), and its run is then marked CANCELLED."""
@@ -379,7 +384,7 @@ def cancel(key: str, now: dt.datetime) -> Op[Doc]:
         (
             # well formed: the server refuses the recompute over a document without its fields
             {"_id": key, "status": {"$in": list(OPEN)}, **WELL_FORMED},
-            [{"$set": {"status": TaskStatus.CANCELLED.value}}, *recompute_stages(now)],
+            cancel_pipeline(now),
         ),
         {"return_document": ReturnDocument.AFTER},
     )
@@ -387,20 +392,50 @@ def cancel(key: str, now: dt.datetime) -> Op[Doc]:
     return result
 
 
-def retry(key: str, now: dt.datetime) -> Op[Doc]:
-    """failed or cancelled -> pending, with a fresh retry budget. Refused while a cancelled
-    run's handler may still be stopping (a RUNNING run with a live lease)."""
-    allowed = (TaskStatus.FAILED.value, TaskStatus.CANCELLED.value)
-    filt = {
+RETRIABLE = (TaskStatus.FAILED.value, TaskStatus.CANCELLED.value)
+
+
+def retry_filter(key: str, now: dt.datetime) -> Doc:
+    """Which task a retry may reopen: failed or cancelled, well formed, and no run of it
+    RUNNING with a live lease (a cancelled run's handler may still be stopping)."""
+    return {
         "_id": key,
-        "status": {"$in": list(allowed)},
+        "status": {"$in": list(RETRIABLE)},
         **WELL_FORMED,  # the server refuses the recompute over a document without its fields
         "runs": {
             "$type": "array",
             "$not": {"$elemMatch": {"state": RUNNING, "lease_expires_at": {"$gt": now}}},
         },
     }
-    pipeline = [
+
+
+def retry(key: str, now: dt.datetime) -> Op[Doc]:
+    """failed or cancelled -> pending, with a fresh retry budget. Refused while a cancelled
+    run's handler may still be stopping (a RUNNING run with a live lease)."""
+    doc = yield Call(
+        "find_one_and_update",
+        (retry_filter(key, now), retry_pipeline(now)),
+        {"return_document": ReturnDocument.AFTER},
+    )
+    if doc is None:
+        yield from _not_retried(key)
+    result: Doc = yield from _require(key, doc, "retry", RETRIABLE)
+    return result
+
+
+def _not_retried(key: str) -> Op[None]:
+    """Why a retry matched nothing, when it is a run still stopping."""
+    current = yield Call("find_one", ({"_id": key}, {"status": 1, "problem": _problem()}))
+    if current is not None and current.get("status") in RETRIABLE and not current.get("problem"):
+        raise InvalidTransition(
+            f"cannot retry task {key!r} yet: a cancelled run is still stopping; "
+            "try again after its lease ends"
+        )
+
+
+def retry_pipeline(now: dt.datetime) -> list[Doc]:
+    """The update that reopens a failed or cancelled task with a fresh retry budget."""
+    return [
         {
             "$set": {
                 "status": TaskStatus.PENDING.value,
@@ -432,18 +467,6 @@ def retry(key: str, now: dt.datetime) -> Op[Doc]:
         {"$unset": GROUP_LOCK},  # a sequence's task reopened takes its group's lock anew
         *recompute_stages(now),
     ]
-    doc = yield Call(
-        "find_one_and_update", (filt, pipeline), {"return_document": ReturnDocument.AFTER}
-    )
-    if doc is None:
-        current = yield Call("find_one", ({"_id": key}, {"status": 1, "problem": _problem()}))
-        if current is not None and current.get("status") in allowed and not current.get("problem"):
-            raise InvalidTransition(
-                f"cannot retry task {key!r} yet: a cancelled run is still stopping; "
-                "try again after its lease ends"
-            )
-    result: Doc = yield from _require(key, doc, "retry", allowed)
-    return result
 
 
 def scan(

@@ -42,6 +42,7 @@ from mtask.web.schemas import (
     NameView,
     PausedView,
     PublishView,
+    RemarkView,
     ResetView,
     ScheduleView,
     SignalView,
@@ -87,6 +88,23 @@ class ResetBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     step: str = Field(description="the step's name, as recorded (`wait:approved`, `charge`)")
+
+
+class RetryBody(BaseModel):
+    """Issue 61: run the task again from a recorded step (the steps before it are kept)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    from_step: str | None = Field(None, description="the recorded step to run again from")
+
+
+class RemarkBody(BaseModel):
+    """Issue 61: a parked task's recorded step renamed ``to`` (or dropped, without ``to``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: str = Field(description="the step's name, as recorded")
+    to: str | None = Field(None, description="its new name; absent: the step is dropped")
 
 
 class BatchBody(BaseModel):
@@ -273,9 +291,27 @@ async def cancel(key: str, client: Client) -> TaskView:
 
 
 @router.post("/tasks/{key:path}:retry", responses={**NOT_FOUND, **CONFLICT})
-async def retry(key: str, client: Client) -> TaskView:
-    """Retry one failed or cancelled task."""
-    return await explained(client, await client.retry(key))
+async def retry(key: str, client: Client, body: RetryBody | None = None) -> TaskView:
+    """Retry one failed or cancelled task; with ``{"from_step": NAME}``, its durable steps
+    before NAME are kept and replayed, NAME and the later ones run again (422 no such step)."""
+    from_step = body.from_step if body is not None else None
+    return await explained(client, await client.retry(key, from_step=from_step))
+
+
+@router.post(
+    "/tasks/{key:path}:remark",
+    responses={**NOT_FOUND, **CONFLICT, 422: {"description": "no such step, or a bad name"}},
+)
+async def remark_step(key: str, body: RemarkBody, client: Client) -> RemarkView:
+    """Rename a parked task's recorded step ``step`` ``to`` a new name, or drop it (no
+    ``to``), so that changed handlers replay its journal (docs/steps.md). One update, fenced
+    like a reset: 409 while a run of the task is RUNNING, once it succeeded, for a name
+    another step has, or a spawn whose children are awaited; 404 no such task."""
+    if body.to is None:
+        done = await client.drop_step(key, body.step)
+    else:
+        done = await client.rename_step(key, body.step, body.to)
+    return RemarkView(key=done.key, step=done.step, to=done.to, index=done.index, woke=done.woke)
 
 
 @router.post(

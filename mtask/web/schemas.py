@@ -83,6 +83,16 @@ class ResetView(BaseModel):
     woke: bool = Field(description="it waited in a removed step, and may run again now")
 
 
+class RemarkView(BaseModel):
+    """Issue 61: what a rename or a drop of a recorded step did."""
+
+    key: str
+    step: str
+    to: str | None = Field(description="its new name; null: it was dropped")
+    index: int = Field(description="its place in the journal (0 is the first)")
+    woke: bool = Field(description="it waited in the dropped step, and may run again now")
+
+
 class BatchView(BaseModel):
     created: int
     given: int

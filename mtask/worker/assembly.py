@@ -49,6 +49,7 @@ from mtask.worker.running.pool.pool import ProcessPool
 from mtask.worker.running.recorder import OutcomeRecorder
 from mtask.worker.running.sealing import from_env as sealing_from_env
 from mtask.worker.running.step_stores import RunStepStores
+from mtask.worker.running.task_deadlines import TaskDeadlines
 from mtask.worker.running.transactional import Transactions
 from mtask.worker.scheduler import POLL_SECONDS as SCHEDULES_POLL
 from mtask.worker.scheduler import Scheduler
@@ -234,7 +235,9 @@ def build(
         publisher=publisher.publish,
         inflight=inflight,
         outputs=outputs,
-        journals=RunStepStores(adriver, clock, transactions, watched=registry.watched),
+        journals=RunStepStores(
+            adriver, clock, transactions, watched=registry.watched, options_for=registry.options_for
+        ),
         leases=pinger,
     )
     handler_calls = HandlerCalls(
@@ -262,6 +265,7 @@ def build(
         emit=emit,
         lost=lost,
         slot_lost=slot_lost,
+        task_deadlines=TaskDeadlines(clock, Signal()),
     )
     calls = ClaimCalls(adriver, clock, worker_id=worker_id, ignore=found.sink.ignore)
     limited_claims = LimitedClaims(

@@ -4,6 +4,9 @@ Each round publishes the outboxes (next steps) older than one interval that no w
 (it died between recording a success and publishing its steps), and resolves the dependencies
 whose dependency's worker did not (it claimed before the dependent was published), and gives
 finished flow parents whose steps all ended their ``expire_at`` (``retention.release_parents``).
+It also counts the children of parents that waited a round without a wake-up, and wakes those
+whose children all finished (issue 61, ``store.children.sweep``): each such parent is counted
+at most once a minute.
 The
 outcome writer does both at once in the normal case; this sweep only makes them certain.
 """
@@ -17,8 +20,12 @@ from typing import ClassVar
 from mtask import flows
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
+from mtask.store import children as store_children
 from mtask.store.retention import release_parents
 from mtask.worker.service import PeriodicService
+
+CHILDREN_RECHECK_S = 60.0
+"""A waiting parent's children are counted by the sweep at most this often."""
 
 
 class FlowSweep(PeriodicService):
@@ -48,3 +55,6 @@ class FlowSweep(PeriodicService):
         await self.driver.run(flows.after_publish(steps, now))
         await self.driver.run(flows.resolve(await self.driver.run(flows.awaited()), now))
         await self.driver.run(release_parents(now))  # issue 17: flow parents held for steps
+        # issue 61: a parent whose children's last count was lost is woken here
+        recheck = now - dt.timedelta(seconds=max(CHILDREN_RECHECK_S, self.interval))
+        await self.driver.run(store_children.sweep(stale, recheck))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +35,10 @@ class ActiveRun:
     lease_ms: int = 30_000
     """Its lease's length (``worker_timeout_ms``): a place it takes in a slot lasts as long."""
     has_dependents: bool = False
+    child_of: dict[str, object] | None = None
+    """A spawned child's ``spawn`` (issue 61): its final outcome is counted on its parent."""
+    deadline: dt.datetime | None = None
+    """Its task's deadline (issue 61): the run is stopped there, and the task fails."""
     task: asyncio.Task[None] | None = None
     stop_reason: str | None = None
     started: float = field(default_factory=time.monotonic)

@@ -42,12 +42,15 @@ LONG = Size(tasks=3000, kill_rounds=25, restarts=3, failovers=3, stream_kills=15
 
 
 class Cluster:
-    """``mtask-worker`` processes running ``chaosapp:registry``; logs go to files."""
+    """``mtask-worker`` processes running ``chaosapp:registry`` (or ``app``); logs go to
+    files."""
 
-    def __init__(self, uri: str, database: str, logs: Path) -> None:
+    def __init__(self, uri: str, database: str, logs: Path, app: str = "chaosapp:registry") -> None:
         self.uri = uri
         self.database = database
         self.logs = logs
+        self.app = app
+        """The registry the workers run (``module:attribute`` in tests/chaos)."""
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.kills = 0
 
@@ -57,12 +60,12 @@ class Cluster:
         *args: str,
         env: dict[str, str] | None = None,
         prefix: list[str] | None = None,
-        app: str = "chaosapp:registry",
+        app: str | None = None,
     ) -> subprocess.Popen[bytes]:
         log = open(self.logs / f"{worker_id}.log", "ab")  # noqa: SIM115 - closed with the process
         options = ("--worker-id", worker_id, "--log-level", "INFO", *args)
         proc = subprocess.Popen(
-            [*(prefix or []), *worker_argv(app, self.uri, self.database, *options)],
+            [*(prefix or []), *worker_argv(app or self.app, self.uri, self.database, *options)],
             cwd=HERE,
             stdout=log,
             stderr=subprocess.STDOUT,

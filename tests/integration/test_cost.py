@@ -68,3 +68,23 @@ async def test_a_plain_task_costs_one_claim_and_one_outcome(
     unused = {"limits", "schedules", "flows", "throughput", "tasks.output", "tasks.steps"}
     unused |= {"triggers", "orders"}  # issue 63: no trigger, no wait on data: nothing read
     assert not touched & unused, touched
+
+
+async def test_a_plain_task_carries_nothing_of_durable_workflows(
+    mongo_uri: str, db_name: str, aclient: AsyncTaskClient, mongo: MongoClient[dict[str, Any]]
+) -> None:
+    """Issue 61: a handler that spawns nothing, gathers nothing and has no deadline writes no
+    field of theirs and has no key in their index (``children_wait``); its claim's projection
+    of ``spawn`` reads nothing (absent: no bytes)."""
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await aclient.publish("plain", "lean")
+        await events.wait("recorded", key="lean")
+    doc = mongo[db_name]["tasks"].find_one({"_id": "lean"})
+    assert doc is not None
+    for field in ("spawned", "spawn", "steps", "waiting"):
+        assert field not in doc, field
+    assert "deadline" not in doc["options"]
+    stats = mongo[db_name].command("collStats", "tasks", indexDetails=False)
+    assert "children_wait" in stats["indexSizes"]
+    keys = mongo[db_name]["tasks"].find({}, hint="children_wait").explain()
+    assert keys["executionStats"]["totalKeysExamined"] == 0  # no task has a key in it

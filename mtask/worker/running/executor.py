@@ -13,6 +13,7 @@ CANCELLED; a run stopped by the worker's shutdown records RELEASED.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -31,6 +32,7 @@ from mtask.worker.running.invoke import ASYNC_CANCEL_GRACE
 from mtask.worker.running.lease import LeasePinger
 from mtask.worker.running.outcomes import RunOutcomes
 from mtask.worker.running.recorder import OutcomeRecorder
+from mtask.worker.running.task_deadlines import TaskDeadlines, deadline_of
 from mtask.worker.stats import WorkerStats
 from mtask.worker.wiring import Signal
 
@@ -61,6 +63,7 @@ class Executor:
         emit: Emitter,
         lost: Signal[[str, dict[str, Any] | None]],
         slot_lost: Signal[[str, str]],
+        task_deadlines: TaskDeadlines,
     ) -> None:
         self.registry = registry
         self.inflight = inflight
@@ -83,6 +86,9 @@ class Executor:
         self.emit = emit
         self.deadlines = Deadlines(pinger, inflight.active, self._lease_ran_out)
         """One timer for every run's local deadline (its lease's end by this clock)."""
+        self.task_deadlines = task_deadlines
+        """Each run of a task with a deadline stopped there (issue 61): its task fails."""
+        task_deadlines.passed.connect(lambda run: self.stop(run, "deadline"))
 
     def start(
         self,
@@ -106,6 +112,8 @@ class Executor:
             group=g if isinstance(g := options.get("group"), str) else None,
             lease_ms=options["worker_timeout_ms"],
             has_dependents=doc.get("has_dependents") is True,
+            child_of=doc.get("spawn") if isinstance(doc.get("spawn"), dict) else None,
+            deadline=deadline_of(doc["options"]),
         )
         self.inflight.started(run)
         self.queue.discard(run.key)
@@ -121,6 +129,7 @@ class Executor:
         )
         run.task = asyncio.create_task(self.execute(run, doc), name=f"mtask-run-{run.key}")
         self.deadlines.watch(run)
+        self.task_deadlines.watch(run)
         metrics.by_name(metrics.CLAIMED, run.name).inc()
         metrics.IN_FLIGHT.inc()
         self.emit(Event.CLAIMED, key=run.key, run_id=run.run_id, attempt=ctx.attempt)
@@ -164,11 +173,14 @@ class Executor:
             if not run.waiting:
                 self.ahead.ran(ended - run.running_since)
             self.inflight.ended(run)
+            self.task_deadlines.forget(run)
             self.pinger.remove(run.run_id)
             for slot in run.slots:  # given back by the outcome writer, after the outcome
                 self.recorder.release_slot(slot, run.run_id)
             self.wake.set()
         if outcome is not None:
+            if run.child_of is not None:  # issue 61: counted on its parent once recorded
+                outcome = dataclasses.replace(outcome, child_of=run.child_of)
             self.recorder.add(outcome)
 
     def _lease_ran_out(self, run: ActiveRun) -> None:

@@ -22,6 +22,7 @@ from mtask import flows, metrics
 from mtask.errors import InvalidParams, InvalidTask
 from mtask.models import DEFAULT_KEEP_MS, MAX_STORED_DEPTH, RunState, storable_depth
 from mtask.registry import Fail, Retry, retry_delay_ms
+from mtask.spawn import ChildFailed
 from mtask.steps import SignalTimeout, StepError, Suspended, Wait
 from mtask.store import Outcome
 from mtask.worker.events import Emitter, Event
@@ -51,7 +52,7 @@ class RunOutcomes:
         run's outcome follows from why it was stopped, ``stopped``)."""
         if isinstance(exc, Suspended):
             return self.waiting(run, exc.wait)
-        if isinstance(exc, StepError | SignalTimeout):  # the same on every replay: no retry
+        if isinstance(exc, StepError | SignalTimeout | ChildFailed):  # the same on every replay
             return self.failure(run, f"{type(exc).__name__}: {exc}", permanent=True)
         if isinstance(exc, Retry):
             return self._retried(run, exc)
@@ -185,4 +186,7 @@ class RunOutcomes:
             self.stats.cancelled += 1
             self.emit(Event.CANCELLED, key=run.key, run_id=run.run_id)
             return Outcome(run.key, run.run_id, RunState.CANCELLED, error="cancelled")
+        if reason == "deadline" and run.deadline is not None:  # issue 61
+            when = run.deadline.isoformat(timespec="milliseconds")
+            return self.failure(run, f"deadline passed: the task had until {when}", permanent=True)
         return None  # lost: another run owns the task; nothing may be written

@@ -20,6 +20,7 @@ from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.store import Outcome, RunState
+from mtask.store import children as store_children
 from mtask.store import output as store_output
 from mtask.store import steps as store_steps
 from mtask.worker.events import Emitter, Event
@@ -234,6 +235,7 @@ class OutcomeRecorder:
             has_dependents=outcome.has_dependents,
             has_output=outcome.has_output,
             has_spills=outcome.has_spills,
+            child_of=outcome.child_of,
         )
         log.error(
             "cannot record the %s of %s run %s; recording its FAIL instead: %s",
@@ -289,6 +291,21 @@ class OutcomeRecorder:
         )
         await self.sink.requeue([outcome.key])
 
+    async def _count_children(self, batch: list[Outcome]) -> None:
+        """Spawned children that may have finished for good: counted on their parents, which
+        wake once their count is full (issue 61). If this fails, the flow sweep recounts."""
+        ended = [
+            o.key
+            for o in batch
+            if o.child_of is not None and o.state not in (RunState.WAITING, RunState.RELEASED)
+        ]
+        if not ended:
+            return
+        try:
+            await self.driver.run(store_children.count_finished(ended))
+        except StorageError as exc:
+            log.warning("children not counted on their parents; the flow sweep will: %s", exc)
+
     async def follow_up(self, batch: list[Outcome]) -> None:
         """After outcomes are recorded: publish the next steps of the successes that returned
         some, and release or fail the tasks that depend on these. If this fails, the flow
@@ -307,6 +324,7 @@ class OutcomeRecorder:
                 await self.driver.run(store_steps.seal(with_spills))
             except StorageError as exc:
                 log.warning("step results kept until their own expiry, not sealed: %s", exc)
+        await self._count_children(batch)
         if not parents and not watched:
             return
         now = self.clock.now()

@@ -20,6 +20,7 @@ from mtask.driver import AsyncDriver, Doc, Op
 from mtask.errors import ConfigError
 from mtask.registry import TaskContext
 from mtask.steps import RunSteps, StepError
+from mtask.store import children as store_children
 from mtask.store import datawaits
 from mtask.store import steps as store_steps
 from mtask.store.output import keep_until
@@ -40,6 +41,7 @@ class TaskSteps:
         fence: Callable[[], RunFence],
         indexes: Callable[[], Coroutine[Any, Any, None]],
         watched: Collection[str] = (),
+        options_for: store_children.OptionsFor | None = None,
     ) -> None:
         self.watched = watched
         """The collections the registry waits on (``ctx.wait_until``)."""
@@ -51,6 +53,8 @@ class TaskSteps:
         self.transactions = transactions
         self.fence = fence
         self.indexes = indexes
+        self.options_for = options_for
+        """The declared defaults of a child's name (``Registry.options_for``)."""
 
     def now(self) -> dt.datetime:
         return self.clock.now()
@@ -82,6 +86,27 @@ class TaskSteps:
         if waiting is not None:
             await self.driver.run(datawaits.announce(self.key, self.run_id, waiting))
         return await self.driver.run(datawaits.find(collection, predicate))
+
+    # -- issue 61 ----------------------------------------------------------------------------
+
+    async def record_named(self, entry: Doc, prior: Doc | None) -> None:
+        await self.driver.run(store_steps.record_named(self.key, self.run_id, entry, prior))
+
+    async def spawn(self, index: int, entry: Doc, children: list[Doc]) -> None:
+        await self.driver.run(
+            store_children.spawn(
+                self.key, self.run_id, index, entry, children, self.clock.now(), self.options_for
+            )
+        )
+
+    async def publish(self, step: str, children: list[Doc]) -> None:
+        now = self.clock.now()
+        await self.driver.run(
+            store_children.publish(self.key, step, children, now, self.options_for)
+        )
+
+    async def children(self, step: str) -> list[Doc]:
+        return await self.driver.run(store_children.children(self.key, step))
 
     async def transact(
         self,
@@ -116,12 +141,15 @@ class RunStepStores:
         clock: Clock,
         transactions: Transactions | None,
         watched: Collection[str] = (),
+        options_for: store_children.OptionsFor | None = None,
     ) -> None:
         self.driver = driver
         self.clock = clock
         self.transactions = transactions
         self.watched = frozenset(watched)
         """The collections the registry waits on (``Registry.waits_on``)."""
+        self.options_for = options_for
+        """The declared defaults of a spawned child's name (issue 61)."""
         self._indexed: asyncio.Future[None] | None = None
 
     async def ensure_indexes(self) -> None:
@@ -164,5 +192,13 @@ class RunStepStores:
             fence,
             self.ensure_indexes,
             self.watched,
+            self.options_for,
         )
-        return RunSteps(store, doc.get("steps"), run_id=ctx.run_id, attempt=ctx.attempt, loop=loop)
+        return RunSteps(
+            store,
+            doc.get("steps"),
+            run_id=ctx.run_id,
+            attempt=ctx.attempt,
+            loop=loop,
+            release=ctx.release,
+        )

@@ -21,7 +21,7 @@ from __future__ import annotations
 import multiprocessing.connection
 import pickle
 import threading
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import bson
@@ -30,6 +30,7 @@ from bson.codec_options import CodecOptions
 from mtask.errors import LeaseLost, MtaskError
 from mtask.registry import TaskContext
 from mtask.steps import Doc, RunSteps, StepError
+from mtask.steps import complete_now as complete
 from mtask.worker.running.pool import pipe
 from mtask.worker.running.pool.pipe import StepAsk, StepOp
 
@@ -49,16 +50,6 @@ def plain(value: Any) -> Any:
 class _RunLock(Protocol):
     lock: threading.Lock
     active: bool
-
-
-def complete(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run a coroutine that never suspends (``PipeSteps``' methods) to its end, here."""
-    try:
-        coro.send(None)
-    except StopIteration as stop:
-        return stop.value
-    coro.close()
-    raise StepError("a step's I/O in a child process cannot await")
 
 
 class ChildSteps:
@@ -91,7 +82,12 @@ class ChildSteps:
     def steps_for(self, ctx: TaskContext) -> RunSteps:
         recorded = self.ask(StepOp.JOURNAL)
         return RunSteps(
-            PipeSteps(self), recorded, run_id=ctx.run_id, attempt=ctx.attempt, blocking_io=complete
+            PipeSteps(self),
+            recorded,
+            run_id=ctx.run_id,
+            attempt=ctx.attempt,
+            blocking_io=complete,
+            release=ctx.release,
         )
 
     def close(self) -> None:
@@ -132,6 +128,19 @@ class PipeSteps:
     async def transact(self, *args: Any, **kw: Any) -> Any:
         raise StepError("transactional steps need an async def handler")
 
+    async def record_named(self, entry: Doc, prior: Doc | None) -> None:
+        self.steps.ask(StepOp.RECORD_NAMED, entry, prior)
+
+    async def spawn(self, index: int, entry: Doc, children: list[Doc]) -> None:
+        self.steps.ask(StepOp.SPAWN, index, entry, children)
+
+    async def publish(self, step: str, children: list[Doc]) -> None:
+        self.steps.ask(StepOp.PUBLISH, step, children)
+
+    async def children(self, step: str) -> list[Doc]:
+        found: list[Doc] = self.steps.ask(StepOp.CHILDREN, step)
+        return found
+
 
 # -- the worker side ------------------------------------------------------------------------------
 
@@ -169,6 +178,25 @@ class ParentSteps:
             return await store.signals(args[0])
         if op == StepOp.HOLDS:
             return await store.holds(*args)
+        return await self._more(journal, op, args)
+
+    async def _more(self, journal: RunSteps, op: StepOp, args: tuple[Any, ...]) -> Any:
+        """Issue 61's requests: a parallel step's record, a spawn, its children."""
+        store = journal.store
+        if op == StepOp.RECORD_NAMED:
+            entry, prior = args
+            await store.record_named(entry, prior)
+            journal._keep_named(entry)
+            return None
+        if op == StepOp.SPAWN:
+            index, entry, children = args
+            await store.spawn(index, entry, children)
+            journal._keep(index, entry)
+            return None
+        if op == StepOp.PUBLISH:
+            return await store.publish(*args)
+        if op == StepOp.CHILDREN:
+            return await store.children(args[0])
         raise StepError(f"no such step request: {op!r}")
 
 
