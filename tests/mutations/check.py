@@ -93,7 +93,7 @@ MUTATIONS = [
         'if prior is not None and prior.get("state") == "done":',
         "if False:",
         ("tests/integration/test_steps.py::test_steps_run_once_and_replay_across_a_retry",),
-        after="def _step(self, name: str",
+        after="    def _step(\n",
     ),
     Mutation(
         "group-lock",
@@ -155,9 +155,9 @@ def copy_tree(into: Path) -> None:
         (into / "tests/acceptance/interop/node_modules").symlink_to(modules)
 
 
-def apply(mutation: Mutation, tree: Path) -> None:
-    path = tree / mutation.path
-    lines = path.read_text().splitlines(keepends=True)
+def locate(mutation: Mutation, lines: list[str]) -> int:
+    """The index of the one line of ``lines`` the mutation replaces; ``SystemExit`` when it is
+    not there exactly once (the check is out of date with the code)."""
     start = next((i for i, line in enumerate(lines) if mutation.after in line), len(lines))
     found = [i for i, line in enumerate(lines) if i >= start and line.strip() == mutation.line]
     found = found[:1] if mutation.after else found
@@ -166,9 +166,16 @@ def apply(mutation: Mutation, tree: Path) -> None:
             f"mutation {mutation.name}: the line {mutation.line!r} is in {mutation.path} "
             f"{len(found)} times, not once; update tests/mutations/check.py"
         )
-    line = lines[found[0]]
+    return found[0]
+
+
+def apply(mutation: Mutation, tree: Path) -> None:
+    path = tree / mutation.path
+    lines = path.read_text().splitlines(keepends=True)
+    at = locate(mutation, lines)
+    line = lines[at]
     indent = line[: len(line) - len(line.lstrip())]
-    lines[found[0]] = f"{indent}{mutation.replacement}\n"
+    lines[at] = f"{indent}{mutation.replacement}\n"
     path.write_text("".join(lines))
 
 
