@@ -120,7 +120,7 @@ def kill_change_streams(mongo: MongoClient[dict[str, Any]], db: str) -> int:
 
 
 @pytest.mark.parametrize("stream", ["own", "shared"])
-async def test_change_stream_cursors_killed(
+async def test_change_stream_cursors_killed(  # noqa: C901 - one scenario, its waits in order
     cluster: Cluster, client: TaskClient, mongo: Any, db_name: str, size: Size, stream: str
 ) -> None:
     rng = random.Random(5)

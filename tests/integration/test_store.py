@@ -305,7 +305,7 @@ def test_success_shortcut_matches_the_pipeline(tc: TaskClient, clock: FixedClock
 
 
 @pytest.mark.parametrize("with_results", [False, True])
-def test_grouped_successes_match_the_pipeline(
+def test_grouped_successes_match_the_pipeline(  # noqa: C901 - a reference model beside the pipeline
     tc: TaskClient, clock: FixedClock, with_results: bool
 ) -> None:
     """A worker's SUCCESSes are written in one update_many (``success_group_update``: a plain
