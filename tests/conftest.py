@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from harness import T0
 from hypothesis import settings
+from needs import missing
 from pymongo import MongoClient
 
 from mtask import AsyncTaskClient, TaskClient
@@ -67,9 +68,7 @@ def mongo_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         uri = server.start()
     except MtaskError as exc:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"MongoDB is required in CI and could not be started: {exc}")
-        pytest.skip(f"no MongoDB for the tests: {exc}")
+        missing(f"no MongoDB for the tests: {exc}")
     try:
         yield uri
     finally:

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
+from needs import missing
 
 from mtask import TaskClient
 from mtask.cli.healthcheck import SERVE_LIVENESS_PATH
@@ -29,15 +30,12 @@ from mtask.metrics import DueTasks
 ROOT = Path(__file__).parents[2]
 TESTS = Path(__file__).parents[1]
 K8S = ROOT / "deploy" / "kubernetes"
-CI = bool(os.environ.get("CI"))
 
 
 def need(tool: str, package: str) -> str:
     path = shutil.which(tool)
     if path is None:
-        if CI:
-            pytest.fail(f"{tool} is missing in CI (apt-get install {package})")
-        pytest.skip(f"{tool} is not installed (apt-get install {package})")
+        missing(f"{tool} is not installed (apt-get install {package})")
     return path
 
 
@@ -97,9 +95,7 @@ def test_worker_as_pid_1_drains_and_releases_on_sigterm(
     `docker stop` and a Kubernetes scale-down send) drains, releases the run (RELEASED, its
     retry budget untouched) and exits 0 within the grace period."""
     if os.geteuid() != 0:
-        if CI:
-            pytest.fail("CI runs as root: unshare --pid needs it")
-        pytest.skip("unshare --pid needs root")
+        missing("unshare --pid needs root")
     unshare = need("unshare", "util-linux")
     cmd = dockerfile_cmd()
     program = str(Path(sys.executable).parent / cmd[0])

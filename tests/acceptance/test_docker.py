@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from needs import missing
 
 from mtask import TaskClient
 from mtask.cli.healthcheck import SERVE_LIVENESS_PATH
 
 ROOT = Path(__file__).parents[2]
 HOSTNET = Path(__file__).parent / "docker" / "compose.hostnet.yml"
-CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 BASES = ("python:3.11-slim", "mongo:7")
 LEASE = {"worker_timeout_ms": 3000, "ping_interval_ms": 500}
 """A short lease for the tasks a test kills a worker under (taken over after 3 s, not 30 s)."""
@@ -44,9 +44,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 def unavailable(reason: str) -> None:
-    if CI:
-        pytest.fail(f"{reason} (CI runs ../shared/docker/standin-images.sh first)")
-    pytest.skip(reason)
+    missing(reason)
 
 
 def run(args: list[str], timeout: float = 120, **kwargs: Any) -> subprocess.CompletedProcess[str]:
