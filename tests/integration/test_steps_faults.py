@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from chaos.cluster import ReplicaSet
-from harness import TESTS, wait_for, worker_process
+from harness import TESTS, tree_env, wait_for, worker_process
 from pymongo import MongoClient
 from pymongo.errors import PyMongoError
 
@@ -51,7 +51,7 @@ async def test_a_killed_workers_recorded_steps_are_replayed_by_the_takeover(
     the task over after the lease: it runs steps 4 and 5 only and gets 1-3 from the record."""
     params = {"uri": mongo_uri, "db": db_name, "hold_after": {"victim": 3}}
     client.publish("step_chain", "k", params, options=OPTIONS)
-    with worker_process(mongo_uri, db_name, "--worker-id", "victim") as victim:
+    with worker_process(mongo_uri, db_name, "--worker-id", "victim", crash_expected=True) as victim:
         await wait_for(lambda: len(_task(client, "k").get("steps", [])) == 3, timeout=30)
         victim.send_signal(signal.SIGKILL)
         await asyncio.to_thread(victim.wait, 10)
@@ -119,7 +119,7 @@ def _pool_worker(uri: str, db: str, *extra: str) -> Iterator[subprocess.Popen[by
     proc = subprocess.Popen(
         worker_argv("poolhandlers:registry", uri, db, *extra),
         cwd=TESTS,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
+        env=tree_env(),
         stdin=subprocess.DEVNULL,
     )
     try:

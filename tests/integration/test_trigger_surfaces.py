@@ -5,7 +5,6 @@ reset; bad input exits 2, an unknown trigger 1), and the REST API."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 
 import httpx2 as httpx
 import pytest
-from harness import wait_for
+from harness import tree_env, wait_for
 from promtool import check_metrics
 from pymongo import MongoClient
 
@@ -51,7 +50,7 @@ def worker(mongo_uri: str, db_name: str) -> Any:
             "--cluster-metrics",
         ),
         cwd=TESTS,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
+        env=tree_env(),
     )  # fmt: skip
     try:
         yield port, proc

@@ -1,4 +1,5 @@
-"""One reading of ``CI`` (``tests/needs.py``), and no skip anywhere else in the suite."""
+"""The suite's own rules: one reading of ``CI`` (``tests/needs.py``) and no skip anywhere else;
+worker subprocesses run the tree under test."""
 
 from __future__ import annotations
 
@@ -31,3 +32,18 @@ def test_a_missing_tool_fails_under_ci_and_skips_elsewhere(monkeypatch: pytest.M
     monkeypatch.setattr(needs, "IN_CI", False)
     with pytest.raises(pytest.skip.Exception, match="no frobnicator"):
         needs.missing("no frobnicator")
+
+
+def test_worker_subprocesses_run_the_tree_under_test() -> None:
+    """A subprocess given ``PYTHONPATH`` gets this checkout's root on it (``harness.tree_env``,
+    or the chaos cluster's), not the tests' folder alone (which runs whatever ``mtask`` is
+    installed); only the install test runs the installed wheel, on purpose."""
+    allowed = {"harness.py", "cluster.py", "check.py", "test_install.py"}
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        if "node_modules" in path.parts or path.name in allowed:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if '"PYTHONPATH":' in line and "MTASK_ROOT" not in line:
+                found.append(f"{path.relative_to(TESTS)}:{n}: {line.strip()}")
+    assert not found, found

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import tree_env
 from needs import missing
 
 from mtask import TaskClient
@@ -43,7 +44,7 @@ def spawn_worker(uri: str, db: str) -> subprocess.Popen[str]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
+        env=tree_env(),
     )
 
 
