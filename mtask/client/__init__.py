@@ -12,17 +12,22 @@ a transaction open; then the task exists if and only if that transaction commits
 
 How the package is laid out. Every operation is written once (``core.operation``), as a
 generator of the store's ``Call``s, in the part of the client its concern belongs to:
-``publishing`` (publish, publish_many), ``reading`` (get, list, output, stats, search, derived
-states, read tokens), ``acting`` (cancel, retry, signal, durable steps changed, bulk actions,
-purge), ``control`` (collection and roles, workers, pauses, limits, retention defaults,
-schedules, triggers) and ``history`` (audit, throughput). Each part is a plain class built with
-the client's ``core.Core`` (names, clock, registry, encryption, MongoClient, retention cache):
-composed, not inherited. ``api.Operations`` names every operation once, one line each, and the
-two clients below derive from it alone: they add only how an operation runs (``_run``,
-``_bind``: run, or awaited) and what is sync or async by nature (``now``, ``wait``, ``events``,
-``stream``, ``close``). One base class rather than a delegating method per operation on each
-client: thin delegates would write every signature and docstring twice more, and ``help()``
-would have to be kept in step by hand; a mixin per part would be subclassing for wiring.
+
+- ``publishing``: publish, publish_many, ensure_indexes (and ``build_task``, ``build_many``);
+- ``reading``: get, list, output, stats, search, derived states, read tokens;
+- ``acting``: cancel, retry, signal, durable steps changed, bulk actions, purge;
+- ``control``: collection and roles, workers, pauses, limits, retention defaults, schedules,
+  triggers;
+- ``history``: the audit and the throughput.
+
+Each part is a plain class built with the client's ``core.Core`` (names, clock, registry,
+encryption, MongoClient, retention cache): composed, not inherited. ``api.Operations`` names
+every operation once, one line each, and the two clients below derive from it alone: they add
+only how an operation runs (``_run``; ``_bind``: run now, or awaited) and what is sync or async
+by nature (``now``, ``wait``, ``events``, ``stream``, ``close``). One plain base class rather
+than a delegating method per operation on each client: delegates would write every signature
+and docstring twice more, and ``help()`` would be kept in step by hand; nor a mixin per part,
+which would be subclassing for wiring (each part would see every other's attributes).
 """
 
 from __future__ import annotations

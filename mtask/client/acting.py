@@ -18,7 +18,7 @@ from mtask.store import steps as store_steps
 
 
 class Acting:
-    """The operations that change published tasks, each one fenced update (or one per task)."""
+    """The operations that change tasks already published."""
 
     def __init__(self, core: Core) -> None:
         self.core = core

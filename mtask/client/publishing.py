@@ -1,11 +1,6 @@
 """A client's publishing: a publish request validated and built (``build_task``,
-``build_many``), then written with its handler's defaults, its retention and its encryption.
-
-``publish`` and ``publish_many`` take ``session=``: a pymongo session of this client's
-``MongoClient`` (``client.mongo``, or the caller's own passed as ``mongo_client=``), usually with
-a transaction open; then the task exists if and only if that transaction commits
-(docs/transactions.md).
-"""
+``build_many``), then written with its handler's defaults, its retention and its encryption,
+in the caller's session if it passes one (see ``mtask.client``)."""
 
 from __future__ import annotations
 
@@ -132,7 +127,8 @@ def _result(published: store.Published) -> PublishResult:
 
 
 class Publishing:
-    """The operations that put tasks in: ``publish`` and ``publish_many``."""
+    """The operations that put tasks in (``publish``, ``publish_many``), and the indexes they need
+    made ahead of a transaction (``ensure_indexes``)."""
 
     def __init__(self, core: Core) -> None:
         self.core = core
