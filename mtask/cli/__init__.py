@@ -17,7 +17,7 @@ server), ``--database`` and ``--collection``. Bad input prints one clear line on
         p = sub.add_parser("wait", help="…")
         add_common(p)                       # --uri, --database, --collection, --json
 
-then add ``(group.register, group.run)`` to ``COMMAND_MODULES`` below: one file, one line.
+then add ``(group.register, group.run)`` to ``command_modules`` below: one file, one line.
 """
 
 from __future__ import annotations
@@ -29,21 +29,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mtask._version import __version__
-from mtask.cli import (
-    collection,
-    live,
-    local,
-    logs,
-    retention,
-    scheduling,
-    server,
-    signal,
-    step,
-    tasks,
-    triggers,
-    wait,
-    worker,
-)
 from mtask.cli.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -87,30 +72,49 @@ def _register_builtin(sub: Any) -> None:
     p.add_argument("shell", choices=["bash", "zsh", "tcsh"], help="the shell to complete for")
 
 
-# The command modules, in the order of ``mtask --help``: (register, run) each.
-COMMAND_MODULES: list[CommandModule] = [
-    (tasks.register, tasks.run),
-    (wait.register, wait.run),  # issue 14: mtask wait
-    (logs.register, logs.run),  # issue 31: mtask logs
-    (signal.register, signal.run),  # issue 30: mtask signal
-    (step.register, step.run),  # issue 65: mtask step reset
-    (worker.register, worker.run),
-    (scheduling.register, scheduling.run),
-    (triggers.register, triggers.run),  # issue 63: mtask triggers
-    (retention.register, retention.run),
-    (live.register, live.run),
-    (server.register, server.run),
-    (_register_builtin, _builtin.run),
-    (local.register, local.run),
-    (collection.register, collection.run),
-]
+def command_modules() -> list[CommandModule]:
+    """The command modules, in the order of ``mtask --help``: (register, run) each. Imported
+    when the parser is built, not with this package: ``mtask-worker`` loads ``mtask.cli.worker``
+    alone (issue 66: a worker's start-up)."""
+    from mtask.cli import (
+        collection,
+        live,
+        local,
+        logs,
+        retention,
+        scheduling,
+        server,
+        signal,
+        step,
+        tasks,
+        triggers,
+        wait,
+        worker,
+    )
+
+    return [
+        (tasks.register, tasks.run),
+        (wait.register, wait.run),  # issue 14: mtask wait
+        (logs.register, logs.run),  # issue 31: mtask logs
+        (signal.register, signal.run),  # issue 30: mtask signal
+        (step.register, step.run),  # issue 65: mtask step reset
+        (worker.register, worker.run),
+        (scheduling.register, scheduling.run),
+        (triggers.register, triggers.run),  # issue 63: mtask triggers
+        (retention.register, retention.run),
+        (live.register, live.run),
+        (server.register, server.run),
+        (_register_builtin, _builtin.run),
+        (local.register, local.run),
+        (collection.register, collection.run),
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mtask", description="MongoDB-backed task service.")
     parser.add_argument("--version", action="version", version=f"mtask {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for register, run in COMMAND_MODULES:
+    for register, run in command_modules():
         before = set(sub.choices)
         register(sub)
         for name in set(sub.choices) - before:
@@ -153,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
     """``mtask-worker`` (the same as ``mtask worker run``)."""
+    from mtask.cli import worker
+
     status = worker.main(argv)
     if argv is None:
         exit_unhindered()
@@ -172,8 +178,8 @@ def exit_unhindered() -> None:
 
 
 __all__ = [
-    "COMMAND_MODULES",
     "build_parser",
+    "command_modules",
     "exit_unhindered",
     "main",
     "run_command",

@@ -178,7 +178,7 @@ def status_columns(counts: Mapping[str, Mapping[str, int]], statuses: Sequence[s
 
 class Commands:
     """A command module's table of handlers: ``@commands.command("get")`` registers one, and
-    ``commands.run`` is the module's ``run`` for ``mtask.cli.COMMAND_MODULES``."""
+    ``commands.run`` is the module's ``run`` for ``mtask.cli.command_modules``."""
 
     def __init__(self) -> None:
         self.handlers: dict[str, Handler] = {}
