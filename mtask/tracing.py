@@ -4,29 +4,50 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterator
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-try:
+if TYPE_CHECKING:
     from opentelemetry import trace
-except ImportError:  # pragma: no cover - the optional dependency is absent
-    trace = None  # type: ignore[assignment]
 
-# A proxy until the application sets a tracer provider; it then delegates to that provider.
-_tracer = trace.get_tracer("mtask") if trace is not None else None
+_tracer: trace.Tracer | None = None
+"""mtask's tracer, made when OpenTelemetry's API is first seen loaded: a proxy until the
+application sets a tracer provider; it then delegates to that provider."""
+
+
+def _api() -> ModuleType | None:
+    """OpenTelemetry's trace API once a tracer provider can be set: the application loaded it
+    (``set_tracer_provider`` is in it), or ``OTEL_PYTHON_TRACER_PROVIDER`` names a provider (the
+    API loads it on first use); else None, and nothing is imported (issue 66: ~5 ms of every
+    worker's start-up)."""
+    loaded = sys.modules.get("opentelemetry.trace")
+    if loaded is not None or "OTEL_PYTHON_TRACER_PROVIDER" not in os.environ:
+        return loaded
+    try:
+        from opentelemetry import trace as api
+    except ImportError:  # pragma: no cover - the optional dependency is absent
+        return None
+    return api
 
 
 def _configured() -> bool:
     """Whether the application has set a tracer provider. Until then every span would be a
     no-op that still costs ~12 µs (attributes, context attach and detach) per task."""
-    return trace is not None and not isinstance(
-        trace.get_tracer_provider(), trace.ProxyTracerProvider
-    )
+    global _tracer
+    api = _api()
+    if api is None:
+        return False
+    if _tracer is None:
+        _tracer = api.get_tracer("mtask")
+    return not isinstance(api.get_tracer_provider(), api.ProxyTracerProvider)
 
 
 @contextlib.contextmanager
 def span(span_name: str, /, **attributes: Any) -> Iterator[None]:
-    if _tracer is None or not _configured():
+    if not _configured() or _tracer is None:
         yield
         return
     clean = {f"mtask.{k}": v for k, v in attributes.items() if v is not None}
@@ -61,10 +82,10 @@ def publish_span(
     """A PRODUCER span around a publish; yields the W3C trace context to store in the task
     (``{"traceparent": …, "tracestate": …}``), or None — and costs nothing — without a
     configured tracer provider."""
-    if _tracer is None or not _configured():
+    if not _configured() or _tracer is None:
         yield None
         return
-    from opentelemetry import propagate
+    from opentelemetry import propagate, trace
 
     attributes = _messaging("send", "publish", name, key)
     attributes.update({f"mtask.{k}": v for k, v in (("name", name), ("key", key)) if v})
@@ -89,7 +110,7 @@ def run_span(
     """The CONSUMER span of one run: a child of the publisher's span when the task holds its
     trace context (one message, one process: the conventions' parent case). Without a tracer
     provider, a context that does nothing (no generator made for each run)."""
-    if _tracer is None or not _configured():
+    if not _configured() or _tracer is None:
         return _NO_SPAN
     return _run_span(_tracer, doc, name, key, attempt)
 
@@ -98,7 +119,7 @@ def run_span(
 def _run_span(
     tracer: trace.Tracer, doc: dict[str, Any], name: str, key: str, attempt: int
 ) -> Iterator[None]:
-    from opentelemetry import propagate
+    from opentelemetry import propagate, trace
 
     stored = doc.get("trace")
     carrier = (
