@@ -28,22 +28,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mtask.errors import InvalidTask, MtaskError
 from mtask.models import MAX_KEY_LENGTH, NewTask, TaskStatus
-from mtask.steps import (
-    NEVER,
-    Doc,
-    Journal,
-    Plan,
-    RunSteps,
-    StepError,
-    StepMismatch,
-    Suspended,
-    Wait,
-    _Io,
-)
+from mtask.steps import NEVER, Doc, StepError, StepMismatch
+
+if TYPE_CHECKING:  # the step engine: loaded by a run's steps, not by the client's store
+    from mtask.steps import Journal, Plan, RunSteps
 
 MAX_CHILDREN = 100_000
 """The most children one step spawns (their counter's bits fit the parent's document)."""
@@ -159,6 +151,8 @@ def spawn_plan(
 ) -> Plan[list[Any]]:
     """The step (see the module's docstring), recorded in the run's journal: spawn, wait, then
     the results."""
+    from mtask.steps import Suspended, Wait, _Io
+
     journal = steps.journal
     if journal.group() is not None:
         raise StepError("spawn_and_wait is not a branch of a gather: spawn every child at once")

@@ -41,10 +41,9 @@ stops (``mtask.preflight``).
 
 from __future__ import annotations
 
-from mtask.steps.calls import Calls
-from mtask.steps.groups import _GROUP, Group, close_group, open_group
-from mtask.steps.journal import Journal, caller
-from mtask.steps.plan import _IN_STEP, Plan, _Call, _Io, _Pause
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from mtask.steps.rules import (
     INLINE_BYTES,
     INLINE_TOTAL_BYTES,
@@ -67,11 +66,53 @@ from mtask.steps.rules import (
     decode,
     encode,
 )
-from mtask.steps.run import RunSteps
-from mtask.steps.runner import Runner, complete_now
-from mtask.steps.stores import MemorySteps, StepStore
-from mtask.steps.values import Values
-from mtask.steps.waits import MAX_WAIT_IDS, REFUSED_OPERATORS, Suspended, Wait, Waits, wait_ids
+
+if TYPE_CHECKING:
+    from mtask.steps.calls import Calls
+    from mtask.steps.groups import _GROUP, Group, close_group, open_group
+    from mtask.steps.journal import Journal, caller
+    from mtask.steps.plan import _IN_STEP, Plan, _Call, _Io, _Pause
+    from mtask.steps.run import RunSteps
+    from mtask.steps.runner import Runner, complete_now
+    from mtask.steps.stores import MemorySteps, StepStore
+    from mtask.steps.values import Values
+    from mtask.steps.waits import MAX_WAIT_IDS, REFUSED_OPERATORS, Suspended, Wait, Waits, wait_ids
+
+# The engine's parts, imported on first use of one of their names (``rules`` above is what a
+# reader of stored steps needs: ``mtask get`` loads no engine; issue 66, its start-up).
+_WHERE = {
+    "mtask.steps.calls": ("Calls",),
+    "mtask.steps.groups": ("_GROUP", "Group", "close_group", "open_group"),
+    "mtask.steps.journal": ("Journal", "caller"),
+    "mtask.steps.plan": ("_IN_STEP", "Plan", "_Call", "_Io", "_Pause"),
+    "mtask.steps.run": ("RunSteps",),
+    "mtask.steps.runner": ("Runner", "complete_now"),
+    "mtask.steps.stores": ("MemorySteps", "StepStore"),
+    "mtask.steps.values": ("Values",),
+    "mtask.steps.waits": (
+        "MAX_WAIT_IDS",
+        "REFUSED_OPERATORS",
+        "Suspended",
+        "Wait",
+        "Waits",
+        "wait_ids",
+    ),
+}
+_MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mtask.steps' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain one
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULE_OF})
+
 
 __all__ = [
     "INLINE_BYTES",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import bson
 from pymongo import ReturnDocument, UpdateOne
@@ -17,9 +17,11 @@ from mtask.statemachine import (
     recompute_stages,
     set_run_fields,
 )
-from mtask.steps import Wait
 from mtask.store.claims import run_filter
 from mtask.store.schema import LAST_WRITE, literal, marked_invalid, success_tag
+
+if TYPE_CHECKING:
+    from mtask.steps import Wait  # the step engine: not for a command that only reads
 
 
 @dataclass(frozen=True)
