@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pymongo import AsyncMongoClient, MongoClient
 from pymongo.asynchronous.database import AsyncDatabase
@@ -44,8 +44,6 @@ from mtask.worker.running.executor import Executor
 from mtask.worker.running.lease import LeasePinger, LoopTicker
 from mtask.worker.running.outcomes import RunOutcomes
 from mtask.worker.running.output_writer import OutputWriter
-from mtask.worker.running.pool.pipe import Bounds
-from mtask.worker.running.pool.pool import ProcessPool
 from mtask.worker.running.recorder import OutcomeRecorder
 from mtask.worker.running.sealing import from_env as sealing_from_env
 from mtask.worker.running.step_stores import RunStepStores
@@ -56,6 +54,9 @@ from mtask.worker.scheduler import Scheduler
 from mtask.worker.service import Service
 from mtask.worker.stats import WorkerStats
 from mtask.worker.wiring import Gauge, Signal
+
+if TYPE_CHECKING:
+    from mtask.worker.running.pool.pool import ProcessPool
 
 SHARED_READ_EVERY = 5
 """With the shared stream, the heartbeat reads the paused names (and, while the worker finds its
@@ -179,6 +180,9 @@ def build(
     )
     process_pool: ProcessPool | None = None  # handler isolation (issue 18)
     if config.pool == "process" or any(registry[n].isolation == "process" for n in names):
+        from mtask.worker.running.pool.pipe import Bounds  # multiprocessing: this worker's only
+        from mtask.worker.running.pool.pool import ProcessPool
+
         modules = {registry[n].fn.__module__ for n in names}
         process_pool = ProcessPool(
             max_tasks_per_child=config.max_tasks_per_child,

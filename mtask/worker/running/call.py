@@ -20,7 +20,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from mtask import metrics
 from mtask.errors import ConfigError, LeaseLost
@@ -40,10 +40,12 @@ from mtask.worker.running.pool.errors import (
     ReplyRefused,
     TimeLimitExceeded,
 )
-from mtask.worker.running.pool.pool import LeaseWatch, ProcessPool
 from mtask.worker.running.sealing import Plain, Sealing
 from mtask.worker.running.slots import GiveBack
 from mtask.worker.running.transactional import RunFence, TransactionEnded, TransactionTooLong
+
+if TYPE_CHECKING:  # the process pool: imported by a worker that has one (assembly)
+    from mtask.worker.running.pool.pool import LeaseWatch, ProcessPool
 
 CALL_FAILED: tuple[type[Exception], ...] = (
     TransactionTooLong,

@@ -27,16 +27,16 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from mtask import metrics
 from mtask.registry import Handler, TaskContext
 from mtask.steps import Suspended
 from mtask.worker.running.failures import short_traceback
-from mtask.worker.running.pool.child_steps import ParentSteps
 from mtask.worker.running.pool.errors import HandlerError, TimeLimitExceeded
-from mtask.worker.running.pool.pipe import RunInfo
-from mtask.worker.running.pool.pool import LeaseWatch, ProcessPool
+
+if TYPE_CHECKING:  # the process pool: imported by a worker that has one (assembly)
+    from mtask.worker.running.pool.pool import LeaseWatch, ProcessPool
 
 ASYNC_CANCEL_GRACE = 5.0
 """How long a cancelled async handler may take to unwind: past its time limit, before its run
@@ -68,6 +68,9 @@ async def invoke(
     run holds a lock or slots, and its handler is waited for when told to stop."""
     soft, hard = handler.soft_time_limit, handler.time_limit
     if not handler.is_async and pool is not None and (handler.isolation or isolation) == "process":
+        from mtask.worker.running.pool.child_steps import ParentSteps  # with the pool alone
+        from mtask.worker.running.pool.pipe import RunInfo
+
         info = RunInfo(ctx.key, ctx.name, ctx.attempt, ctx.run_id, ctx.worker_id)
         try:
             return await pool.run(
