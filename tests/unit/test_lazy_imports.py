@@ -1,11 +1,14 @@
 """What each entry point imports (issue 66): ``import mtask`` loads nothing, the command line's
-parser (``mtask --help``) loads no model, driver or worker, and no client command loads the
-worker's code. Import checks in a fresh interpreter, not timings (bench WST measures those)."""
+parser (``mtask --help``) loads no model, driver or worker, no client command loads the
+worker's code, ``mtask get`` no step engine, and ``mtask-worker`` no other command, no process
+pool (unless a handler is isolated) and no OpenTelemetry. Import checks in a fresh interpreter,
+not timings (bench WST measures those)."""
 
 from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +83,54 @@ def test_no_client_command_loads_the_worker() -> None:
     code = "\n".join(f"import {m}" for m in sorted(modules))
     assert under(loaded(code), "mtask.worker") == []
     assert len(modules) > 10  # the handlers' own imports were found
+
+
+def test_mtask_get_loads_no_step_engine_worker_pool_or_tracing() -> None:
+    """``mtask get`` (issue 66: its start-up): the step engine's ``rules`` only (what a reader
+    of stored steps needs), no worker, no process pool, no OpenTelemetry (not loaded by the
+    application, so no tracer provider can be set)."""
+    names = loaded(
+        "from mtask.cli import build_parser\nbuild_parser()\n"
+        + "\n".join(f"import {m}" for m in sorted(function_imports(ROOT / "cli" / "tasks.py")))
+    )
+    assert under(names, "mtask.steps") == ["mtask.steps", "mtask.steps.rules"]
+    assert under(names, "mtask.worker", "multiprocessing", "opentelemetry") == []
+    assert "mtask.client" in names and "mtask.cli.tasks" in names
+
+
+def test_a_plain_worker_loads_no_other_command_pool_or_tracing() -> None:
+    """``mtask-worker`` (``mtask.cli:worker_main``) and a worker without process isolation
+    (issue 66: its start-up): no other command module, no process pool (``multiprocessing``,
+    ``ctypes``, the child's side: the assembly imports it for an isolated handler), no
+    OpenTelemetry."""
+    modules = sorted(function_imports(ROOT / "cli" / "worker.py"))
+    names = loaded(
+        "from mtask.cli import worker_main\nfrom mtask.cli import worker\n"
+        + "\n".join(f"import {m}" for m in modules)
+    )
+    assert "mtask.worker.assembly" in names and "mtask.registry" in names
+    assert under(names, "mtask.cli") == ["mtask.cli", "mtask.cli.common", "mtask.cli.worker"]
+    pool = "mtask.worker.running.pool"
+    assert under(names, pool) == [pool, f"{pool}.errors"]
+    assert under(names, "multiprocessing", "ctypes", "opentelemetry") == []
+
+
+def test_spans_follow_a_tracer_provider_set_after_mtask_loaded() -> None:
+    """``mtask.tracing`` imports no OpenTelemetry of its own, and still sees a provider the
+    application sets later, or one ``OTEL_PYTHON_TRACER_PROVIDER`` names."""
+    code = (
+        "import sys\nfrom mtask import tracing\n"
+        "assert not tracing._configured() and 'opentelemetry' not in sys.modules\n"
+        "from opentelemetry import trace\nfrom opentelemetry.sdk.trace import TracerProvider\n"
+        "assert not tracing._configured()\n"
+        "trace.set_tracer_provider(TracerProvider())\nassert tracing._configured()\n"
+        "with tracing.span('mtask.claim', name='x'):\n"
+        "    assert trace.get_current_span().is_recording()"
+    )
+    assert "opentelemetry.sdk.trace" in loaded(code)
+    named = "from mtask import tracing\nassert tracing._configured()"
+    env = {**os.environ, "OTEL_PYTHON_TRACER_PROVIDER": "sdk_tracer_provider"}
+    subprocess.run([sys.executable, "-c", named], check=True, env=env, cwd=ROOT.parent)
 
 
 def test_choices_read_on_first_use_are_still_checked_and_shown(
