@@ -10,6 +10,7 @@ the store's filters and the JSON Schema (``mtask.jsonschema``) are derived from 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
@@ -659,7 +660,7 @@ def _first_error(exc: ValidationError) -> str:
 def _read_field(name: str, value: Any) -> tuple[Any, str | None]:
     """One top-level field, validated as ``TaskDocument`` declares it."""
     try:
-        return _ADAPTERS[name].validate_python(value), None
+        return _field_adapter(name).validate_python(value), None
     except ValidationError as exc:
         return None, f"'{name}': {_first_error(exc)}"
 
@@ -671,7 +672,11 @@ def _adapter(field: FieldInfo) -> TypeAdapter[Any]:
     return TypeAdapter(kind)
 
 
-_ADAPTERS = {name: _adapter(field) for name, field in TaskDocument.model_fields.items()}
+@functools.cache
+def _field_adapter(name: str) -> TypeAdapter[Any]:
+    """A top-level field's validator, made on its first read (a process that reads no task
+    makes none: issue 66, a worker's start-up)."""
+    return _adapter(TaskDocument.model_fields[name])
 
 
 def _read_options(value: Any, problems: list[str]) -> StoredOptions:
@@ -785,11 +790,17 @@ class WorkerView(Stored):
     each; they read as their default."""
 
 
-_WORKER_ADAPTERS = {
-    (field.alias or name): _adapter(field)
+_WORKER_FIELDS = {
+    (field.alias or name): field
     for name, field in WorkerView.model_fields.items()
     if name != "problems"
 }
+
+
+@functools.cache
+def _worker_adapter(name: str) -> TypeAdapter[Any]:
+    """A heartbeat field's validator, made on its first read (as ``_field_adapter``)."""
+    return _adapter(_WORKER_FIELDS[name])
 
 
 def read_worker(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -799,12 +810,12 @@ def read_worker(doc: Mapping[str, Any]) -> dict[str, Any]:
     ``_id`` that is not a string reads as its ``str``; other fields are kept as stored. Never
     raises."""
     problems: list[str] = []
-    values: dict[str, Any] = {k: v for k, v in doc.items() if k not in _WORKER_ADAPTERS}
-    for name, adapter in _WORKER_ADAPTERS.items():
+    values: dict[str, Any] = {k: v for k, v in doc.items() if k not in _WORKER_FIELDS}
+    for name in _WORKER_FIELDS:
         if name not in doc:
             continue
         try:
-            values[name] = adapter.validate_python(doc[name])
+            values[name] = _worker_adapter(name).validate_python(doc[name])
         except ValidationError as exc:
             problems.append(f"'{name}': {_first_error(exc)}")
     if not isinstance(doc.get("_id"), str):
