@@ -412,7 +412,9 @@ class TaskDocument(BaseModel):
     (``mtask/schema/task.v1.json``) and the MongoDB validator are generated from it, and
     ``Task`` reads it. Other top-level fields are allowed (and kept)."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True, title="mtask task document")
+    model_config = ConfigDict(
+        extra="allow", populate_by_name=True, title="mtask task document", defer_build=True
+    )
 
     key: str = Field(
         alias="_id",
@@ -490,7 +492,10 @@ class PublishedDocument(BaseModel):
     the rest the first time a worker or the sweep meets it (``store.complete``)."""
 
     model_config = ConfigDict(
-        extra="allow", populate_by_name=True, title="mtask task document, as published"
+        extra="allow",
+        populate_by_name=True,
+        title="mtask task document, as published",
+        defer_build=True,
     )
 
     key: str = Field(alias="_id", min_length=1, max_length=MAX_KEY_LENGTH, pattern=NO_NUL)
@@ -732,11 +737,15 @@ def _read_runs(value: Any, problems: list[str]) -> list[Run]:
 
 
 class RunningRun(Stored):
+    model_config = ConfigDict(defer_build=True)
+
     key: str
     run_id: str
 
 
 class PoolChildView(Stored):
+    model_config = ConfigDict(defer_build=True)
+
     pid: int
     state: str
     """``busy`` or ``idle``."""
@@ -751,6 +760,8 @@ class PoolView(Stored):
     """A worker's process pool (issue 18): children started, recycled (max tasks or memory),
     killed (time limit, cancel, lost lease, stop), died on their own, runs ended by their hard
     time limit or memory limit, and the live children."""
+
+    model_config = ConfigDict(defer_build=True)
 
     started: int = 0
     recycled: int = 0
@@ -767,6 +778,8 @@ class PoolView(Stored):
 
 class WorkerView(Stored):
     """A worker's heartbeat document (``control.heartbeat``), as ``read_worker`` reads it."""
+
+    model_config = ConfigDict(defer_build=True)
 
     id: str = Field(alias="_id")
     host: str | None = None
@@ -827,6 +840,8 @@ def read_worker(doc: Mapping[str, Any]) -> dict[str, Any]:
 class PublishResult(BaseModel):
     """What ``publish`` did: ``created`` is True for exactly one of any number of concurrent
     publishers of one key; ``updated`` is True when ``on_conflict`` changed an existing task."""
+
+    model_config = ConfigDict(defer_build=True)
 
     created: bool
     updated: bool = False
@@ -953,7 +968,7 @@ def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
 class NewTask(BaseModel):
     """A validated publish request."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, defer_build=True)
 
     name: str
     key: str
