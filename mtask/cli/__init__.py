@@ -17,13 +17,15 @@ server), ``--database`` and ``--collection``. Bad input prints one clear line on
         p = sub.add_parser("wait", help="…")
         add_common(p)                       # --uri, --database, --collection, --json
 
-then add ``(group.register, group.run)`` to ``command_modules`` below: one file, one line.
+then add ``(group.register, group.run)`` to ``command_modules`` below and its commands to
+``MODULE_COMMANDS`` (a test says so if not).
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,10 +74,36 @@ def _register_builtin(sub: Any) -> None:
     p.add_argument("shell", choices=["bash", "zsh", "tcsh"], help="the shell to complete for")
 
 
-def command_modules() -> list[CommandModule]:
-    """The command modules, in the order of ``mtask --help``: (register, run) each. Imported
-    when the parser is built, not with this package: ``mtask-worker`` loads ``mtask.cli.worker``
-    alone (issue 66: a worker's start-up)."""
+MODULE_COMMANDS = {
+    "tasks": ("publish", "get", "list", "stats", "cancel", "retry", "workers", "pause", "resume"),
+    "wait": ("wait",),
+    "logs": ("logs",),
+    "signal": ("signal",),
+    "step": ("step", "steps"),
+    "worker": ("worker",),
+    "scheduling": ("limit", "limits", "schedule", "flow"),
+    "triggers": ("triggers",),
+    "retention": ("purge", "retention"),
+    "live": ("top",),
+    "server": ("serve",),
+    "local": ("demo", "mongod"),
+    "collection": ("collection",),
+}
+"""The commands each module registers: ``main`` imports and builds the module of the command
+it is given alone (``mtask get``: ``tasks``; issue 66, the command line's start-up). Written
+from the parsers and kept true by ``tests/unit/test_lazy_imports.py``; a command missing here
+still runs, with every module's parser."""
+_MODULE_OF = {command: module for module, names in MODULE_COMMANDS.items() for command in names}
+
+
+def command_modules(command: str | None = None) -> list[CommandModule]:
+    """The command modules, in the order of ``mtask --help``: (register, run) each; with a
+    ``command`` that ``MODULE_COMMANDS`` places, its module alone. Imported when the parser is
+    built, not with this package: ``mtask-worker`` loads ``mtask.cli.worker`` alone (issue 66:
+    a worker's start-up)."""
+    if command in _MODULE_OF:
+        module = importlib.import_module(f"mtask.cli.{_MODULE_OF[command]}")
+        return [(module.register, module.run)]
     from mtask.cli import (
         collection,
         live,
@@ -110,11 +138,13 @@ def command_modules() -> list[CommandModule]:
     ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or, given the ``command`` a line starts with, of its
+    module's commands (``command_modules``: what ``main`` parses a command line with)."""
     parser = argparse.ArgumentParser(prog="mtask", description="MongoDB-backed task service.")
     parser.add_argument("--version", action="version", version=f"mtask {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for register, run in command_modules():
+    for register, run in command_modules(command):
         before = set(sub.choices)
         register(sub)
         for name in set(sub.choices) - before:
@@ -148,7 +178,8 @@ def run_command(handler: Handler, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """``mtask``: with ``argv`` None, the process's own command line (then the process ends
     without waiting for the driver's threads: ``exit_unhindered``)."""
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    line = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(line[0] if line else None).parse_args(line)
     status = run_command(args.run, args)
     if argv is None:
         exit_unhindered()
@@ -178,6 +209,7 @@ def exit_unhindered() -> None:
 
 
 __all__ = [
+    "MODULE_COMMANDS",
     "build_parser",
     "command_modules",
     "exit_unhindered",

@@ -6,6 +6,7 @@ not timings (bench WST measures those)."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import os
@@ -90,9 +91,11 @@ def test_mtask_get_loads_no_step_engine_worker_pool_or_tracing() -> None:
     of stored steps needs), no worker, no process pool, no OpenTelemetry (not loaded by the
     application, so no tracer provider can be set)."""
     names = loaded(
-        "from mtask.cli import build_parser\nbuild_parser()\n"
+        "from mtask.cli import build_parser\nbuild_parser('get').parse_args(['get', 'k'])\n"
         + "\n".join(f"import {m}" for m in sorted(function_imports(ROOT / "cli" / "tasks.py")))
     )
+    cli = ["mtask.cli", "mtask.cli.bulk", "mtask.cli.common", "mtask.cli.tasks"]
+    assert under(names, "mtask.cli") == cli  # main builds the parser of get's module alone
     assert under(names, "mtask.steps") == ["mtask.steps", "mtask.steps.rules"]
     assert under(names, "mtask.worker", "multiprocessing", "opentelemetry") == []
     assert "mtask.client" in names and "mtask.cli.tasks" in names
@@ -131,6 +134,39 @@ def test_spans_follow_a_tracer_provider_set_after_mtask_loaded() -> None:
     named = "from mtask import tracing\nassert tracing._configured()"
     env = {**os.environ, "OTEL_PYTHON_TRACER_PROVIDER": "sdk_tracer_provider"}
     subprocess.run([sys.executable, "-c", named], check=True, env=env, cwd=ROOT.parent)
+
+
+def test_each_command_is_placed_in_the_module_that_registers_it() -> None:
+    """``MODULE_COMMANDS`` (``main`` builds the parser of a command's module alone) names every
+    command of every module, and no other."""
+    from mtask.cli import MODULE_COMMANDS, command_modules
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    placed: dict[str, tuple[str, ...]] = {}
+    for register, _ in command_modules():
+        before = set(sub.choices)
+        register(sub)
+        module = register.__module__.rpartition(".")[2]
+        placed[module] = tuple(n for n in sub.choices if n not in before)
+    assert placed.pop("cli") == ("completion",)  # built in: every module's parser
+    assert placed == MODULE_COMMANDS
+
+
+def test_a_command_parses_alone_as_among_all(capsys: pytest.CaptureFixture[str]) -> None:
+    """The parser of one command's module reads a command line and shows its help as the
+    parser of every command does."""
+    from mtask.cli import MODULE_COMMANDS, build_parser
+
+    full = build_parser()
+    for command in [c for names in MODULE_COMMANDS.values() for c in names]:
+        helps = []
+        for parser in (full, build_parser(command)):
+            with pytest.raises(SystemExit):
+                parser.parse_args([command, "--help"])
+            helps.append(capsys.readouterr().out)
+        assert helps[0] == helps[1] and helps[0].startswith("usage: mtask ")
+    line = ["list", "--status", "failed", "--limit", "3"]
+    assert vars(build_parser("list").parse_args(line)) == vars(full.parse_args(line))
 
 
 def test_choices_read_on_first_use_are_still_checked_and_shown(
