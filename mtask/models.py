@@ -254,7 +254,9 @@ class Stored(BaseModel):
     """A (sub-)document as stored: the fields named are typed, any others are kept as they are,
     and written as JSON with ``bson_json``."""
 
-    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": True})
+    model_config = ConfigDict(
+        extra="allow", json_schema_extra={"additionalProperties": True}, defer_build=True
+    )
     __pydantic_extra__: dict[str, BsonAny] = Field(init=False)
 
 
@@ -517,7 +519,7 @@ class StoredOptions(BaseModel):
     """The options a document holds: each one as stored, ``None`` where absent (or unreadable,
     see ``Task.problems``). A test keeps its fields equal to ``TaskOptions``'s."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, defer_build=True)
 
     priority: int | None = None
     group: str | None = None
@@ -555,7 +557,7 @@ class Task(BaseModel):
     ``None`` too and named in ``problems``, fields ``TaskDocument`` does not know are kept
     in ``extra``. Readers (client, CLI, REST, dashboard) never see invented values."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, defer_build=True)
 
     key: str = Field(alias="_id")
     name: str | None = None
