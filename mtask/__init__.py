@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from mtask.flows import Next
     from mtask.models import PublishResult, Run, RunState, Task, TaskOptions, TaskStatus
     from mtask.registry import Fail, Registry, Retry, TaskContext
+    from mtask.snooze import Snooze
     from mtask.spawn import ChildFailed, Spawn
     from mtask.step_policy import StepPolicy, StepTimeout
     from mtask.worker import Worker
@@ -46,6 +47,7 @@ _WHERE = {
     "mtask.flows": ("Next",),
     "mtask.models": ("PublishResult", "Run", "RunState", "Task", "TaskOptions", "TaskStatus"),
     "mtask.registry": ("Fail", "Registry", "Retry", "TaskContext"),
+    "mtask.snooze": ("Snooze",),  # issue 62
     "mtask.spawn": ("ChildFailed", "Spawn"),  # issue 61
     "mtask.step_policy": ("StepPolicy", "StepTimeout"),  # issue 61
     "mtask.worker": ("Worker",),
@@ -81,6 +83,7 @@ __all__ = [
     "Retry",
     "Run",
     "RunState",
+    "Snooze",
     "Spawn",
     "StepPolicy",
     "StepTimeout",

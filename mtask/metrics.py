@@ -45,6 +45,9 @@ FAILED = Counter("mtask_runs_failed", "Runs that ended in FAIL", ["name"])
 RETRIED = Counter(
     "mtask_runs_retried", "FAIL runs that left their task pending (retry budget)", ["name"]
 )
+SNOOZED = Counter(
+    "mtask_runs_snoozed", "Runs whose handler raised Snooze: no retry spent (issue 62)", ["name"]
+)
 LEASE_LOST = Counter("mtask_runs_lease_lost", "Runs stopped because another took over", ["name"])
 IN_FLIGHT = Gauge("mtask_runs_in_flight", "Runs in flight in this process")
 RUNS_IN_PROGRESS = Gauge(

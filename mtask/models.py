@@ -147,6 +147,9 @@ class RunState(StrEnum):
     WAITING = "WAITING"
     """The handler slept or waits for a signal (``ctx.sleep``, ``ctx.wait_for``): the run
     ended, the task is claimed again when the wait is over (docs/steps.md)."""
+    SNOOZED = "SNOOZED"
+    """The handler raised ``Snooze(seconds)``: the run ended without spending a retry, the
+    task is claimed again after those seconds (issue 62, ``mtask.snooze``)."""
 
 
 class TaskOptions(BaseModel):
@@ -481,6 +484,9 @@ class TaskDocument(BaseModel):
     """Its newest ``spawn_and_wait``'s counter of children (issue 61)."""
     spawn: SpawnedBy | None = None
     """A spawned child's parent and place (issue 61); its ``parent`` field names it too."""
+    snoozes: int | None = Field(None, ge=0)
+    """How many runs ended ``SNOOZED`` (``raise mtask.Snooze``, issue 62); absent until one
+    does. Never reset: a snooze spends no retry, and the count says how often it was put off."""
 
 
 class PublishedDocument(BaseModel):
@@ -603,6 +609,8 @@ class Task(BaseModel):
     """Its newest ``spawn_and_wait``'s children: how many, how many finished (issue 61)."""
     spawn: SpawnedBy | None = None
     """A spawned child's parent, step and place (issue 61)."""
+    snoozes: int | None = None
+    """How many of its runs ended ``SNOOZED`` (``raise mtask.Snooze``; ``None``: none)."""
     missing: list[str] = Field(default_factory=list)
     """Fields every stored task document holds that this one lacks (a publisher's minimal
     document that no worker has completed yet lacks most of them)."""

@@ -11,8 +11,9 @@ gives one ``State`` with the ``why`` behind it and a sentence with its facts:
 ``available``  due, nothing in its way: the next free worker of its name claims it
 ``running``    a run holds it (``why`` ``lease_ended``: its lease ran out, a worker takes it over)
 ``retrying``   a run failed; the next try waits for its backoff
-``waiting``    for a ``signal``, a ``sleep``'s end, the tasks it depends on (``dependencies``), or
-               the ``children`` it spawned (issue 61)
+``waiting``    for a ``signal``, a ``sleep``'s end, the tasks it depends on (``dependencies``),
+               the ``children`` it spawned (issue 61), or the end of a ``snoozed`` run's
+               ``Snooze`` (issue 62)
 ``blocked``    due, but its ``group`` (a sequence's lock, a group limit), a ``limit`` of its
                name, its name ``paused``, or ``no_worker`` (no live worker handles its name)
                keeps it from being claimed
@@ -62,7 +63,7 @@ OPEN_STATES = frozenset(
 PENDING_STATES = frozenset(OPEN_STATES - {State.RUNNING})
 """The states of a stored ``pending`` task."""
 WHY: dict[State, tuple[str, ...]] = {
-    State.WAITING: ("signal", "sleep", "dependencies", "children"),
+    State.WAITING: ("signal", "sleep", "dependencies", "children", "snoozed"),
     State.BLOCKED: ("group", "limit", "paused", "no_worker"),
 }
 """The reasons of a waiting and of a blocked task, in the order ``explain`` tries them."""
@@ -227,6 +228,8 @@ def _later(task: Task, due: dt.datetime, now: dt.datetime) -> Explained:
             "sleep",
             f"sleeping until {when(w.until)} ({relative(w.until, now)}; {step})",
         )
+    if snoozed(task):
+        return Explained(State.WAITING, "snoozed", _snoozed(task, due, now))
     if retried(task):
         error = last_line(task.error) or last_line(_last_error(task))
         failed = f"attempt {max(1, attempt_of(task)[0] - 1)} failed" + (
@@ -238,6 +241,23 @@ def _later(task: Task, due: dt.datetime, now: dt.datetime) -> Explained:
             f"{failed}; {attempt_text(task)} at {when(due)} ({relative(due, now)})",
         )
     return Explained(State.SCHEDULED, None, f"scheduled for {when(due)} ({relative(due, now)})")
+
+
+def snoozed(task: Task) -> bool:
+    """Whether the task's newest ended run was snoozed (``raise mtask.Snooze``, issue 62)."""
+    ended = [r for r in task.runs if r.state is not RunState.RUNNING]
+    return bool(ended) and ended[-1].state is RunState.SNOOZED
+
+
+def _snoozed(task: Task, due: dt.datetime, now: dt.datetime) -> str:
+    """What a snoozed task says: until when, why, how often (no retry was spent)."""
+    ended = [r for r in task.runs if r.state is not RunState.RUNNING]
+    why = last_line(ended[-1].error) if ended else ""
+    times = plural(task.snoozes or 1, "time")
+    said = f" ({why})" if why else ""
+    return (
+        f"snoozed until {when(due)} ({relative(due, now)}){said}; snoozed {times}, no retry spent"
+    )
 
 
 def _children(task: Task, step: str) -> str:
@@ -387,6 +407,8 @@ def timing(task: Task, said: Explained) -> tuple[str, dt.datetime | None] | None
     scheduled task), ``next try`` (retrying), ``times out`` (a signal wait; ``None``: no
     deadline), ``wakes`` (a sleep), ``due`` (available or blocked), ``lease until`` (running)."""
     state, w = said.state, task.waiting
+    if state is State.WAITING and said.why == "snoozed":
+        return "wakes", task.next_claim_at
     if state is State.WAITING and w is not None:
         until = None if w.until.year >= NEVER.year else w.until
         waits = w.signal is not None or w.children is not None

@@ -176,7 +176,10 @@ def _header_rows(task: Task, said: Explained, now: dt.datetime) -> list[tuple[st
     attempt = f"{attempt_text(task)} (runs: {runs})"
     if task.attempts is None:  # a hand-written document without its counts: say so
         attempt = f"- (successes {_count(task.successes)}, failures {_count(task.failures)})"
-    rows += [("attempt", attempt), ("created", created)]
+    rows.append(("attempt", attempt))
+    if task.snoozes:  # issue 62: runs put off by Snooze, no retry spent
+        rows.append(("snoozed", f"{task.snoozes} time{'s' if task.snoozes != 1 else ''}"))
+    rows.append(("created", created))
     next_time = timing(task, said)
     if next_time is not None:
         label, at = next_time

@@ -33,7 +33,8 @@ class Outcome:
     error: str | None = None
     permanent: bool = False
     retry_delay_ms: int | None = None
-    """Explicit delay before the task may be claimed again (FAIL); None: the task's backoff."""
+    """Explicit delay before the task may be claimed again (FAIL: ``Retry(delay=…)``, None:
+    the task's backoff; SNOOZED: the snooze's, ``mtask.snooze``)."""
     jitter: float = 1.0
     """Backoff multiplier drawn by the caller, e.g. uniform(0.8, 1.2)."""
     steps: tuple[Doc, ...] = ()
@@ -125,6 +126,10 @@ def finish_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, list[Doc]]:
         sets["steps"] = settled_waits_expr(now, final)
     elif state is RunState.RELEASED:
         sets["available_at"] = now
+    elif state is RunState.SNOOZED:  # issue 62: no failure counted, the snooze counted
+        run_fields["error"] = literal(outcome.error)
+        sets["snoozes"] = {"$add": [{"$ifNull": ["$snoozes", 0]}, 1]}
+        sets["available_at"] = now + dt.timedelta(milliseconds=outcome.retry_delay_ms or 0)
     elif state is RunState.CANCELLED:
         run_fields["error"] = literal(outcome.error)
     elif state is RunState.WAITING and outcome.wait is not None:
@@ -138,7 +143,9 @@ def finish_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, list[Doc]]:
     stages: list[Doc] = [{"$set": {"runs": set_run_fields(outcome.run_id, run_fields), **sets}}]
     if state is RunState.FAIL and not outcome.permanent:
         stages.append({"$set": {"available_at": _backoff_expr(outcome, now)}})
-    if state is RunState.WAITING or (state is RunState.FAIL and not outcome.permanent):
+    if state in (RunState.WAITING, RunState.SNOOZED) or (
+        state is RunState.FAIL and not outcome.permanent
+    ):
         stages.append({"$set": {"available_at": by_deadline("$available_at")}})
     return run_filter(outcome.key, outcome.run_id), [*stages, *recompute_stages(now)]
 

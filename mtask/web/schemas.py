@@ -44,7 +44,8 @@ class TaskView(Task):
     )
     why: str | None = Field(
         None,
-        description="what a waiting task waits for (signal, sleep, dependencies) or what blocks "
+        description="what a waiting task waits for (signal, sleep, dependencies, children, "
+        "snoozed: a Snooze's end) or what blocks "
         "a blocked one (group, limit, paused, no_worker); backoff, lease_ended, …",
     )
     reason: str | None = Field(None, description="why it is not running, in one sentence")

@@ -1,0 +1,34 @@
+"""Handlers for issue 62's publish/run side (snooze, supersede, batches): run by worker
+processes (``mtask-worker flowpubapp:registry``) and importable by pool children."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mtask import Registry, Snooze, TaskContext
+
+registry = Registry()
+
+
+def _snooze(params: dict[str, Any], ctx: TaskContext) -> int:
+    """Snoozes its first ``times`` runs for ``seconds`` each, then returns its attempt."""
+    if ctx.attempt <= params["times"]:
+        raise Snooze(params["seconds"], "upstream busy")
+    return ctx.attempt
+
+
+@registry.task("snoozer")
+def snoozer(params: dict[str, Any], ctx: TaskContext) -> int:
+    return _snooze(params, ctx)
+
+
+@registry.task("snoozer_in_child", isolation="process")
+def snoozer_in_child(params: dict[str, Any], ctx: TaskContext) -> int:
+    return _snooze(params, ctx)
+
+
+@registry.task("bad_snooze")
+def bad_snooze(params: dict[str, Any]) -> None:
+    exc = Snooze(1)
+    exc.delay_ms = -5  # a changed delay skips the constructor's check: the run fails
+    raise exc
