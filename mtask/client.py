@@ -71,6 +71,7 @@ from mtask.store import children as store_children
 from mtask.store import output as store_output
 from mtask.store import parked as store_parked
 from mtask.store import steps as store_steps
+from mtask.store import supersede as supersede_store
 from mtask.triggers import follower_of
 from mtask.waiters import AsyncWaiter, SyncWaiter, async_waiter_for, finished, waiter_for
 
@@ -232,6 +233,21 @@ def _check_session(session: Any, mongo: Any) -> None:
         )
 
 
+def _check_supersede(
+    policy: str, on_conflict: str, session: Any, depends_on: Sequence[str] | None
+) -> supersede_store.Policy:
+    """A supersede policy, alone: not in a caller's session (a refused insert would abort its
+    transaction), nor with an ``on_conflict`` other than ``ignore`` or dependencies."""
+    checked = supersede_store.check_policy(policy)
+    if depends_on:
+        raise InvalidTask("cannot be used with depends_on", field="supersede")
+    if session is not None:
+        raise InvalidTask("cannot be used in a session", field="supersede")
+    if on_conflict != "ignore":
+        raise InvalidTask("cannot be used with on_conflict", field="supersede")
+    return checked
+
+
 def _result(published: store.Published) -> PublishResult:
     return PublishResult(
         created=published.created,
@@ -336,12 +352,18 @@ class _Base:
         depends_on: Sequence[str] | None = None,
         session: Any = None,
         encrypt: bool = False,
+        supersede: str | None = None,
     ) -> Op[PublishResult]:
         """Publish one task (idempotent by key). With ``session``, every write joins it (and
         its transaction): its dependency bookkeeping too. ``encrypt``: its params encrypted
-        client-side (the client's ``encryption``; a name it lists is encrypted anyway)."""
+        client-side (the client's ``encryption``; a name it lists is encrypted anyway).
+        ``supersede``: ``drop_newer``, ``cancel_queued`` or ``cancel_running``, one open task
+        of its name and group among those published with one (``mtask.store.supersede``)."""
         _check_on_conflict(on_conflict)
         _check_session(session, self.mongo)
+        policy = None
+        if supersede is not None:
+            policy = _check_supersede(supersede, on_conflict, session, depends_on)
         now = self.clock.now()
         if self.registry is not None:  # handler defaults (issue 18)
             options = self.registry.options_for(name, options)
@@ -360,6 +382,13 @@ class _Base:
 
         known = yield from self._retention_defaults()
         with tracing.publish_span(task.name, task.key) as trace:
+            if policy is not None:  # issue 62
+                kept = yield from supersede_store.publish_task(task, policy, now, trace, known)
+                _count_created({task.name: 1} if kept.created else {}, session)
+                published = store.Published(kept.created, False, kept.document)
+                return _result(published).model_copy(
+                    update={"superseded": kept.superseded, "dropped": kept.dropped}
+                )
             published = yield from store.publish(  # in a session: one that cannot abort it
                 task, now, on_conflict, trace=trace, retention=known, upsert=session is not None
             )

@@ -487,6 +487,11 @@ class TaskDocument(BaseModel):
     snoozes: int | None = Field(None, ge=0)
     """How many runs ended ``SNOOZED`` (``raise mtask.Snooze``, issue 62); absent until one
     does. Never reset: a snooze spends no retry, and the count says how often it was put off."""
+    supersede: Literal["drop_newer", "cancel_queued", "cancel_running"] | None = None
+    """Published with a supersede policy (issue 62, ``store.supersede``): one open task of its
+    name and group among those that were (the unique ``supersede`` index)."""
+    superseded_by: str | None = None
+    """The newer task whose publish cancelled this one (issue 62)."""
 
 
 class PublishedDocument(BaseModel):
@@ -611,6 +616,10 @@ class Task(BaseModel):
     """A spawned child's parent, step and place (issue 61)."""
     snoozes: int | None = None
     """How many of its runs ended ``SNOOZED`` (``raise mtask.Snooze``; ``None``: none)."""
+    supersede: str | None = None
+    """The supersede policy it was published with (issue 62), if any."""
+    superseded_by: str | None = None
+    """The newer task whose publish cancelled it (issue 62), if one did."""
     missing: list[str] = Field(default_factory=list)
     """Fields every stored task document holds that this one lacks (a publisher's minimal
     document that no worker has completed yet lacks most of them)."""
@@ -828,6 +837,11 @@ class PublishResult(BaseModel):
     created: bool
     updated: bool = False
     task: Task
+    superseded: list[str] = Field(default_factory=list)
+    """Issue 62: the older tasks this publish cancelled (``supersede``)."""
+    dropped: bool = False
+    """Issue 62: not stored, an older task kept its place (``supersede="drop_newer"``);
+    ``task`` is that older task."""
 
 
 OnConflict = Literal["ignore", "update_params", "reset"]

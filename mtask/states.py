@@ -181,7 +181,8 @@ def _final(task: Task, state: State, now: dt.datetime) -> Explained:
     if state is State.SUCCEEDED:
         return Explained(state, None, f"succeeded{at}, on {attempt_text(task)}")
     if state is State.CANCELLED:
-        return Explained(state, None, f"cancelled{at}")
+        by = f", superseded by `{task.superseded_by}`" if task.superseded_by else ""
+        return Explained(state, None, f"cancelled{at}{by}")
     error = last_line(task.error) or "no error was recorded"
     how = " for good" if task.failed_permanently else ""
     return Explained(state, None, f"failed{how}{at}, on {attempt_text(task)}: {error}")

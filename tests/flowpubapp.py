@@ -3,6 +3,7 @@ processes (``mtask-worker flowpubapp:registry``) and importable by pool children
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from mtask import Registry, Snooze, TaskContext
@@ -32,3 +33,12 @@ def bad_snooze(params: dict[str, Any]) -> None:
     exc = Snooze(1)
     exc.delay_ms = -5  # a changed delay skips the constructor's check: the run fails
     raise exc
+
+
+@registry.task("hold")
+def hold(params: dict[str, Any], ctx: TaskContext) -> str:
+    """Runs until its run is told to stop (cancelled), then tries to succeed: a fenced run's
+    SUCCESS must not land."""
+    while not ctx.cancelled.is_set():
+        time.sleep(0.02)
+    return "finished after its stop"

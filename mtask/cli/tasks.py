@@ -54,6 +54,12 @@ def _states() -> tuple[str, ...]:
     return tuple(STATES)
 
 
+def _policies() -> tuple[str, ...]:
+    from mtask.store.supersede import POLICIES
+
+    return POLICIES
+
+
 ON_CONFLICT = Choices(_on_conflict)
 commands = Commands()
 run = commands.run
@@ -99,6 +105,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
             delay=args.delay,
             on_conflict=args.on_conflict,
             depends_on=args.depends_on,
+            supersede=args.supersede,
         )
     if args.json:
         print_json(
@@ -106,13 +113,19 @@ def cmd_publish(args: argparse.Namespace) -> int:
                 "created": result.created,
                 "updated": result.updated,
                 "task": result.task.model_dump(by_alias=True),
+                "superseded": result.superseded,
+                "dropped": result.dropped,
             }
         )
     else:
         what = "created" if result.created else ("updated" if result.updated else "exists")
+        if result.dropped:  # issue 62: an older task kept its place
+            what = f"dropped: {args.key}; kept"
         out.print(
             f"{what}: {result.task.key} ({result.task.name}, {result.task.status})", markup=False
         )
+        if result.superseded:
+            out.print(f"superseded: {', '.join(result.superseded)}", markup=False)
     return 0
 
 
@@ -736,6 +749,12 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--depends-on", action="append", metavar="KEY", help="run only after this task succeeded"
     )
+    supersede = p.add_argument(
+        "--supersede",
+        help="one open task of its name and group among those published with a policy: drop "
+        "this newer one, cancel the queued older one, or cancel the older one even running",
+    )
+    choose(supersede, Choices(_policies))
 
     p = sub.add_parser("get", help="show one task: its state and why, runs, steps")
     add_common(p)

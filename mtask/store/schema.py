@@ -130,6 +130,17 @@ INDEXES: dict[str, list[IndexModel]] = {
                 "status": {"$in": LOCK_STATUSES},
             },
         ),
+        # Supersede (issue 62, store/supersede.py): one open task of a name and group among
+        # those published with a policy; others have no key.
+        IndexModel(
+            [("name", ASCENDING), ("options.group", ASCENDING)],
+            name="supersede",
+            unique=True,  # of racing publishers, one holds it
+            partialFilterExpression={
+                "supersede": {"$type": "string"},
+                "status": {"$in": OPEN_LIST},
+            },
+        ),
     ],
     "workers": [IndexModel([("last_seen", ASCENDING)], name="last_seen")],
     # A group's limit document (mtask.slots) is removed once unused for slots.GROUP_TTL.

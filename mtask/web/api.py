@@ -71,6 +71,11 @@ class NewTaskBody(BaseModel):
 
 class PublishBody(NewTaskBody):
     on_conflict: Literal["ignore", "update_params", "reset"] = "ignore"
+    supersede: Literal["drop_newer", "cancel_queued", "cancel_running"] | None = Field(
+        None,
+        description="issue 62: one open task of its name and group among those published "
+        "with a policy (docs/publishing.md)",
+    )
 
 
 class SignalBody(BaseModel):
@@ -191,10 +196,17 @@ async def publish(body: PublishBody, client: Client, response: Response) -> Publ
         delay=body.delay,
         on_conflict=body.on_conflict,
         depends_on=body.depends_on,
+        supersede=body.supersede,
     )
     if not result.created:
         response.status_code = 200
-    return PublishView(created=result.created, updated=result.updated, task=view(result.task))
+    return PublishView(
+        created=result.created,
+        updated=result.updated,
+        task=view(result.task),
+        superseded=result.superseded,
+        dropped=result.dropped,
+    )
 
 
 @router.post("/tasks:batch")

@@ -68,6 +68,8 @@ class PublishView(BaseModel):
     created: bool
     updated: bool
     task: TaskView
+    superseded: list[str] = Field(default_factory=list, description="older tasks it cancelled")
+    dropped: bool = Field(False, description="not stored: an older task kept its place")
 
 
 class SignalView(BaseModel):

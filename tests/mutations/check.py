@@ -107,6 +107,14 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "supersede-race",
+        "of publishers racing with a supersede policy, exactly one task stays open",
+        "mtask/store/schema.py",
+        "unique=True,  # of racing publishers, one holds it",
+        "unique=False,  # of racing publishers, one holds it",
+        ("tests/integration/test_supersede.py::test_racing_publishers_leave_exactly_one_newest",),
+    ),
+    Mutation(
         "group-lock-race",
         "a sequence never overlaps when late publishes, retries and a zombie race it",
         "mtask/store/schema.py",
