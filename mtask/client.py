@@ -68,6 +68,7 @@ from mtask.store import (
     throughput,
 )
 from mtask.store import children as store_children
+from mtask.store import debounce as debounce_store
 from mtask.store import output as store_output
 from mtask.store import parked as store_parked
 from mtask.store import steps as store_steps
@@ -233,6 +234,24 @@ def _check_session(session: Any, mongo: Any) -> None:
         )
 
 
+def _check_debounce(
+    debounce: object,
+    debounce_max: object,
+    on_conflict: str,
+    session: Any,
+    depends_on: Sequence[str] | None,
+) -> debounce_store.Quiet:
+    """A debounce, alone: as ``_check_supersede``."""
+    if debounce is None:
+        raise InvalidTask("debounce_max needs debounce", field="debounce")
+    quiet = debounce_store.Quiet.build(debounce, debounce_max)
+    if session is not None or on_conflict != "ignore" or depends_on:
+        raise InvalidTask(
+            "cannot be used in a session, with on_conflict or depends_on", field="debounce"
+        )
+    return quiet
+
+
 def _check_supersede(
     policy: str, on_conflict: str, session: Any, depends_on: Sequence[str] | None
 ) -> supersede_store.Policy:
@@ -353,17 +372,27 @@ class _Base:
         session: Any = None,
         encrypt: bool = False,
         supersede: str | None = None,
+        debounce: float | dt.timedelta | None = None,
+        debounce_max: float | dt.timedelta | None = None,
     ) -> Op[PublishResult]:
         """Publish one task (idempotent by key). With ``session``, every write joins it (and
         its transaction): its dependency bookkeeping too. ``encrypt``: its params encrypted
         client-side (the client's ``encryption``; a name it lists is encrypted anyway).
         ``supersede``: ``drop_newer``, ``cancel_queued`` or ``cancel_running``, one open task
-        of its name and group among those published with one (``mtask.store.supersede``)."""
+        of its name and group among those published with one (``mtask.store.supersede``).
+        ``debounce`` (seconds): publishes of ``key`` within that long collapse into one run,
+        that long after the last, at most ``debounce_max`` after the first; the last params
+        win, and the task's key is ``<key>~<first publish>`` (``mtask.store.debounce``)."""
         _check_on_conflict(on_conflict)
         _check_session(session, self.mongo)
         policy = None
         if supersede is not None:
             policy = _check_supersede(supersede, on_conflict, session, depends_on)
+        quiet = None
+        if debounce is not None or debounce_max is not None:
+            quiet = _check_debounce(debounce, debounce_max, on_conflict, session, depends_on)
+            if delay is not None or policy is not None:
+                raise InvalidTask("cannot be used with delay or supersede", field="debounce")
         now = self.clock.now()
         if self.registry is not None:  # handler defaults (issue 18)
             options = self.registry.options_for(name, options)
@@ -382,6 +411,10 @@ class _Base:
 
         known = yield from self._retention_defaults()
         with tracing.publish_span(task.name, task.key) as trace:
+            if quiet is not None:  # issue 62
+                window = yield from debounce_store.publish(task, quiet, now, trace, known)
+                _count_created({task.name: 1} if window.created else {}, session)
+                return _result(store.Published(window.created, not window.created, window.document))
             if policy is not None:  # issue 62
                 kept = yield from supersede_store.publish_task(task, policy, now, trace, known)
                 _count_created({task.name: 1} if kept.created else {}, session)

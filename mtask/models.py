@@ -406,6 +406,18 @@ OPTION_DEFAULTS: dict[str, Any] = TaskOptions().to_document()
 document with (``mtask.store.complete``), from the one definition, ``TaskOptions``."""
 
 
+class Debounce(Stored):
+    """A debounced publish's window (issue 62, ``mtask.store.debounce``): publishes of ``key``
+    collapse into this task while it is pending and never claimed."""
+
+    key: str = Field(min_length=1, max_length=MAX_KEY_LENGTH)
+    first_at: BsonDate
+    last_at: BsonDate
+    count: int = Field(ge=1)
+    max_at: BsonDate | None = None
+    """Never due later than this (``debounce_max`` after the first publish)."""
+
+
 class TaskDocument(BaseModel):
     """The task document as mtask stores it: the one definition of its shape.
 
@@ -492,6 +504,8 @@ class TaskDocument(BaseModel):
     name and group among those that were (the unique ``supersede`` index)."""
     superseded_by: str | None = None
     """The newer task whose publish cancelled this one (issue 62)."""
+    debounce: Debounce | None = None
+    """A debounced publish's window (issue 62, ``store.debounce``)."""
 
 
 class PublishedDocument(BaseModel):
@@ -620,6 +634,9 @@ class Task(BaseModel):
     """The supersede policy it was published with (issue 62), if any."""
     superseded_by: str | None = None
     """The newer task whose publish cancelled it (issue 62), if one did."""
+    debounce: Debounce | None = None
+    """Its debounce window (issue 62): the key, first and last publish, how many, the latest
+    start."""
     missing: list[str] = Field(default_factory=list)
     """Fields every stored task document holds that this one lacks (a publisher's minimal
     document that no worker has completed yet lacks most of them)."""

@@ -7,7 +7,8 @@ locks and heads, read by ``mtask.store.cluster``; nothing is written, nothing is
 gives one ``State`` with the ``why`` behind it and a sentence with its facts:
 
 =============  =================================================================================
-``scheduled``  not due yet: a delayed start (``run_at``, ``delay``)
+``scheduled``  not due yet: a delayed start (``run_at``, ``delay``), or an open ``debounce``
+               window (issue 62)
 ``available``  due, nothing in its way: the next free worker of its name claims it
 ``running``    a run holds it (``why`` ``lease_ended``: its lease ran out, a worker takes it over)
 ``retrying``   a run failed; the next try waits for its backoff
@@ -240,6 +241,16 @@ def _later(task: Task, due: dt.datetime, now: dt.datetime) -> Explained:
             State.RETRYING,
             "backoff",
             f"{failed}; {attempt_text(task)} at {when(due)} ({relative(due, now)})",
+        )
+    window = task.debounce
+    if window is not None and task.attempts == 0:  # issue 62: a debounce window still open
+        most = f"; at the latest {when(window.max_at)}" if window.max_at is not None else ""
+        return Explained(
+            State.SCHEDULED,
+            "debounce",
+            f"debounced: runs at {when(due)} ({relative(due, now)}) unless `{window.key}` is "
+            f"published again; {plural(window.count, 'publish', 'publishes')} since "
+            f"{when(window.first_at)}{most}",
         )
     return Explained(State.SCHEDULED, None, f"scheduled for {when(due)} ({relative(due, now)})")
 

@@ -42,3 +42,8 @@ def hold(params: dict[str, Any], ctx: TaskContext) -> str:
     while not ctx.cancelled.is_set():
         time.sleep(0.02)
     return "finished after its stop"
+
+
+@registry.task("collect")
+def collect(params: dict[str, Any]) -> dict[str, Any]:
+    return params

@@ -106,6 +106,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
             on_conflict=args.on_conflict,
             depends_on=args.depends_on,
             supersede=args.supersede,
+            debounce=args.debounce,
+            debounce_max=args.debounce_max,
         )
     if args.json:
         print_json(
@@ -755,6 +757,19 @@ def register(sub: Any) -> None:
         "this newer one, cancel the queued older one, or cancel the older one even running",
     )
     choose(supersede, Choices(_policies))
+    p.add_argument(
+        "--debounce",
+        type=float,
+        metavar="SECONDS",
+        help="publishes of KEY this close together collapse into one run, this long after the "
+        "last (the last params win; the task's key is KEY~<first publish>)",
+    )
+    p.add_argument(
+        "--debounce-max",
+        type=float,
+        metavar="SECONDS",
+        help="with --debounce: the run starts at most this long after the first publish",
+    )
 
     p = sub.add_parser("get", help="show one task: its state and why, runs, steps")
     add_common(p)

@@ -76,6 +76,12 @@ class PublishBody(NewTaskBody):
         description="issue 62: one open task of its name and group among those published "
         "with a policy (docs/publishing.md)",
     )
+    debounce: float | None = Field(
+        None, description="issue 62: seconds of quiet before the key's one run (docs/publishing.md)"
+    )
+    debounce_max: float | None = Field(
+        None, description="issue 62: the run starts at most this long after the first publish"
+    )
 
 
 class SignalBody(BaseModel):
@@ -197,6 +203,8 @@ async def publish(body: PublishBody, client: Client, response: Response) -> Publ
         on_conflict=body.on_conflict,
         depends_on=body.depends_on,
         supersede=body.supersede,
+        debounce=body.debounce,
+        debounce_max=body.debounce_max,
     )
     if not result.created:
         response.status_code = 200
