@@ -142,6 +142,10 @@ class ScheduleView(Open):
     last_tick_at: dt.datetime | None = None
     last_key: str | None = None
     error: str | None = None
+    overlap: str | None = None
+    """Issue 62: all, skip or buffer (a tick while the previous task is open)."""
+    skipped: int | None = None
+    buffered_tick: dt.datetime | None = None
 
 
 class StopView(BaseModel):
