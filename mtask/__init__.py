@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from mtask._version import __version__
 
 if TYPE_CHECKING:
+    from mtask.batches import BatchItem
     from mtask.client import AsyncTaskClient, TaskClient
     from mtask.errors import (
         EmbeddedUnavailable,
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from mtask.worker import Worker
 
 _WHERE = {
+    "mtask.batches": ("BatchItem",),  # issue 62
     "mtask.client": ("AsyncTaskClient", "TaskClient"),
     "mtask.errors": (
         "EmbeddedUnavailable",
@@ -70,6 +72,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AsyncTaskClient",
+    "BatchItem",
     "ChildFailed",
     "EmbeddedUnavailable",
     "Fail",

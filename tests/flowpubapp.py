@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from mtask import Registry, Snooze, TaskContext
+from mtask import BatchItem, Registry, Snooze, TaskContext
 
 registry = Registry()
 
@@ -47,3 +47,12 @@ def hold(params: dict[str, Any], ctx: TaskContext) -> str:
 @registry.task("collect")
 def collect(params: dict[str, Any]) -> dict[str, Any]:
     return params
+
+
+@registry.task("index", batch=50, batch_timeout=0.2)
+def index(items: list[BatchItem]) -> list[Any]:
+    """A batch handler: one entry per item; an item asking to fail fails alone."""
+    return [
+        RuntimeError(f"bad {item.key}") if item.params.get("fail") else {"size": len(items)}
+        for item in items
+    ]

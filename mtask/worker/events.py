@@ -27,6 +27,8 @@ class Event(enum.StrEnum):
     """A run ended sleeping or waiting for a signal (docs/steps.md)."""
     SNOOZED = "snoozed"
     """A handler raised ``Snooze``: its run ended, no retry spent (issue 62)."""
+    BATCH = "batch"
+    """A batch handler was called with ``size`` tasks of ``name`` (issue 62)."""
     STOPPING_RUN = "stopping_run"
     RECORDED = "recorded"
     NOT_RECORDED = "not_recorded"
