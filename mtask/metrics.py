@@ -66,6 +66,12 @@ CLAIM_LATENCY = Histogram(
     "One claim call (one key or a batch), from sending to the claimed documents",
     buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
+BATCH_SIZE = Histogram(
+    "mtask_batch_size",
+    "Tasks a batch handler was called with (issue 62)",
+    ["name"],
+    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+)
 RUN_DURATION = Histogram(
     "mtask_run_duration_seconds",
     "A handler's run, from claim to outcome",

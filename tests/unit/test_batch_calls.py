@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from mtask import BatchItem, Registry, Retry
+from mtask import BatchItem, Registry, Retry, metrics
 from mtask.batches import BatchAnswerError
 from mtask.registry import TaskContext
 from mtask.worker.running.batches import Batches
@@ -98,3 +98,13 @@ async def test_a_call_that_fails_or_answers_wrongly_fails_each_task() -> None:
     assert all(isinstance(g, RuntimeError) and str(g) == "down" for g in got)
     with pytest.raises(RuntimeError, match="answered SystemExit"):  # never a stop
         await one(batches, "exits", "a")
+
+
+async def test_each_calls_size_is_a_metric() -> None:
+    sized = metrics.by_name(metrics.BATCH_SIZE, "full")
+    before = sized._sum.get()
+    batches = Batches()
+    await asyncio.gather(
+        one(batches, "full", "a"), one(batches, "full", "b"), one(batches, "full", "c")
+    )
+    assert sized._sum.get() - before == 3  # one call of three

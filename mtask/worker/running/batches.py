@@ -17,6 +17,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+from mtask import metrics
 from mtask.batches import BatchItem, answers
 from mtask.registry import Handler, TaskContext
 from mtask.worker.events import Emitter, Event
@@ -75,6 +76,7 @@ class Batches:
     ) -> None:
         items = [item for item, _ in live]
         self.emit(Event.BATCH, name=handler.name, size=len(items))
+        metrics.by_name(metrics.BATCH_SIZE, handler.name).observe(len(items))
         try:
             if handler.is_async:
                 returned = await handler.fn(items)
