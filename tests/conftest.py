@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import T0
+from harness import T0, unavailable
 from hypothesis import settings
 from pymongo import MongoClient
+from tiers import tier_lines, tier_times
 
 from mtask import AsyncTaskClient, TaskClient
 from mtask.clock import FixedClock
@@ -30,6 +31,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="run the chaos suite (tests/chaos) at its long size instead of the moderate one",
     )
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """One line a tier: its tests and their setup, call and teardown time (``tests/tiers.py``)."""
+    phases = [
+        (report.nodeid, report.duration)
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if isinstance(report, pytest.TestReport)
+    ]
+    lines = tier_lines(tier_times(phases))
+    if lines:
+        terminalreporter.section("time per tier")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 # Tests never assert wall-clock figures, and hypothesis's per-example deadline is one: on a
@@ -67,9 +83,7 @@ def mongo_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         uri = server.start()
     except MtaskError as exc:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"MongoDB is required in CI and could not be started: {exc}")
-        pytest.skip(f"no MongoDB for the tests: {exc}")
+        unavailable(f"no MongoDB for the tests: {exc}")
     try:
         yield uri
     finally:

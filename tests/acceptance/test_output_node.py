@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-import pytest
-from harness import worker_process
+from harness import unavailable, worker_process
 from test_events_http import node
 from webserver import serving
 
@@ -24,9 +22,7 @@ SCRIPT = INTEROP / "eventsource.mjs"
 
 def needs_eventsource() -> None:
     if not (INTEROP / "node_modules" / "eventsource").is_dir():
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail("npm ci --prefix tests/acceptance/interop has not run (.ci/run runs it)")
-        pytest.skip("run `npm ci --prefix tests/acceptance/interop` for the eventsource package")
+        unavailable("run `npm ci --prefix tests/acceptance/interop` for the eventsource package")
 
 
 async def read(binary: str, base: str, count: int, *last: str) -> list[dict[str, Any]]:

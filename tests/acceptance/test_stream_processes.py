@@ -5,7 +5,6 @@ and taken over by another process."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -13,8 +12,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import pytest
-from harness import wait_for
+from harness import spawn_worker, stop_process, unavailable, wait_for
 from pymongo import MongoClient
 
 from mtask import TaskClient, driver
@@ -30,15 +28,10 @@ Mongo = MongoClient[dict[str, Any]]
 def spawn(uri: str, db: str, *extra: str, host: bool = False) -> subprocess.Popen[str]:
     """A worker process; with ``host``, a host of its own: its own network namespace, reaching
     mongod through its Unix socket (``uri`` must say so)."""
-    return subprocess.Popen(
-        [*(["unshare", "--net"] if host else []),
-         sys.executable, "-m", "mtask", "worker", "run", "workerapp:registry", "--uri", uri,
-         "--database", db, "--log-level", "WARNING", "--concurrency", "4", *extra],
-        cwd=TESTS,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
+    return spawn_worker(
+        uri, db, "--log-level", "WARNING", "--concurrency", "4", *extra,
+        prefix=["unshare", "--net"] if host else None, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
 
@@ -46,11 +39,7 @@ def stop(procs: list[subprocess.Popen[str]]) -> None:
     for proc in procs:
         proc.terminate()
     for proc in procs:
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+        stop_process(proc)
 
 
 def relay_worker(mongo: Mongo, db: str) -> str | None:
@@ -244,9 +233,7 @@ def own_hosts_available() -> None:
     probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, check=False)
     if probe.returncode != 0:
         why = f"cannot make a network namespace: {probe.stderr.decode().strip()}"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(why)
-        pytest.skip(why)
+        unavailable(why)
 
 
 async def test_workers_on_different_hosts_share_one_stream_and_one_relay(

@@ -6,7 +6,6 @@ horizontal scroll at 390 px."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -15,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import worker_process
 from pymongo import MongoClient
 from test_dashboard import DESKTOP, PHONE, shots_dir, wait_until
 from test_output_browser import BACKGROUND
 from webserver import serving
 
 from mtask import TaskClient
-from mtask.testing import worker_argv
 
 TOKEN = "triggers-token"
 TESTS = Path(__file__).parents[1]
@@ -36,16 +35,8 @@ def sign_in(page: Any, url: str) -> None:
 
 @pytest.fixture
 def worker(mongo_uri: str, db_name: str) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(
-        worker_argv("triggerapp:registry", mongo_uri, db_name),
-        cwd=TESTS,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
-    )
-    try:
+    with worker_process(mongo_uri, db_name, app="triggerapp:registry") as proc:
         yield proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def _followed(client: TaskClient) -> bool:

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 from bson import Binary, Decimal128, Int64, MaxKey, MinKey, ObjectId, Timestamp
-from cluster import Cluster
 from fastapi.testclient import TestClient
+from harness import Cluster
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from pymongo import MongoClient

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import HERE, Cluster, until_finished
 from finders import finder_for
+from harness import CHAOS, Cluster, until_finished
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from pymongo import MongoClient
@@ -32,8 +32,8 @@ def run_cli(*args: str, worker: bool = False) -> subprocess.CompletedProcess[str
         text=True,
         timeout=120,
         check=False,
-        cwd=HERE,
-        env={"PYTHONPATH": str(HERE), "PATH": "/usr/bin:/bin"},
+        cwd=CHAOS,
+        env={"PYTHONPATH": str(CHAOS), "PATH": "/usr/bin:/bin"},
     )
 
 

@@ -7,53 +7,22 @@ the lease's deadline."""
 from __future__ import annotations
 
 import datetime as dt
-import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import dead, need_proc, parent_of, poll, process_state, worker_process
 
 from mtask import TaskClient
-from mtask.testing import worker_argv
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
-TESTS = Path(__file__).resolve().parents[1]
 NO_RETRY = {"max_retries": 0}
-
-
-def state(pid: int) -> str | None:
-    """The process's state letter, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
-
-
-def dead(pid: int) -> bool:
-    """Gone, or a zombie waiting for whoever adopted it to reap it."""
-    return state(pid) in (None, "Z")
-
-
-def parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
-def wait(check: Callable[[], Any], limit: float, what: str, every: float = 0.02) -> float:
-    """Poll ``check`` until it holds; returns when (monotonic) it first did."""
-    deadline = time.monotonic() + limit
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(every)
-    return time.monotonic()
 
 
 def read_pid(pidfile: Path) -> int | None:
@@ -64,39 +33,13 @@ def read_pid(pidfile: Path) -> int | None:
     return int(text) if text else None
 
 
-def need_proc() -> None:
-    """These tests read /proc and send POSIX signals (Linux): fail without them in CI, skip
-    with the reason elsewhere."""
-    if sys.platform.startswith("linux") and os.path.isdir("/proc/self"):
-        return
-    reason = "needs Linux's /proc and POSIX signals"
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(reason)
-    pytest.skip(reason)
-
-
 @contextmanager
 def worker(uri: str, database: str, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
     """A real ``mtask worker run`` process for tests/poolhandlers.py; stopped (or killed)
     after."""
     need_proc()
-    process = subprocess.Popen(
-        worker_argv("poolhandlers:registry", uri, database, *extra),
-        cwd=TESTS,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
-        stdin=subprocess.DEVNULL,
-    )
-    try:
+    with worker_process(uri, database, *extra, app="poolhandlers:registry") as process:
         yield process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGCONT)
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def test_a_child_past_the_memory_limit_is_killed_and_its_run_fails(
@@ -107,7 +50,7 @@ def test_a_child_past_the_memory_limit_is_killed_and_its_run_fails(
         worker(mongo_uri, db_name, "--memory-limit-per-child", str(200 * 1024)) as process,
     ):
         client.publish("hog", "hog", options=NO_RETRY)
-        wait(
+        poll(
             lambda: client.get("hog").status == "failed",  # type: ignore[union-attr]
             60,
             "the hog's run did not fail",
@@ -118,7 +61,7 @@ def test_a_child_past_the_memory_limit_is_killed_and_its_run_fails(
         assert task.error.endswith("over its limit of 200 MiB; it was killed")
         assert process.poll() is None  # the worker lives on, and runs the next task
         client.publish("double", "after", {"n": 4})
-        wait(
+        poll(
             lambda: client.get("after").status == "succeeded",  # type: ignore[union-attr]
             60,
             "the worker did not run a task after the kill",
@@ -126,7 +69,7 @@ def test_a_child_past_the_memory_limit_is_killed_and_its_run_fails(
         (heartbeat,) = client.workers()
         pool = heartbeat.get("pool") or {}
         assert pool.get("memory_limit_per_child") == 200 * 1024 * 1024
-        wait(
+        poll(
             lambda: (client.workers()[0].get("pool") or {}).get("memory_kills") == 1,
             10,
             "the heartbeat does not count the kill",
@@ -142,7 +85,7 @@ def test_what_a_handler_started_dies_after_the_workers_kill_9(
         worker(mongo_uri, db_name) as process,
     ):
         client.publish("spawn_and_sleep", "spawner", {"pidfile": str(pidfile)}, options=NO_RETRY)
-        wait(lambda: read_pid(pidfile), 60, "the handler did not start its grandchild")
+        poll(lambda: read_pid(pidfile), 60, "the handler did not start its grandchild")
         grandchild = read_pid(pidfile)
         assert grandchild is not None and not dead(grandchild)
         child = parent_of(grandchild)
@@ -151,8 +94,8 @@ def test_what_a_handler_started_dies_after_the_workers_kill_9(
         process.wait()
         # the guard process kills the groups at once; a loaded machine may take seconds (no
         # wall-clock figure is asserted: the bound is that it dies, well before its sleep ends)
-        wait(lambda: dead(grandchild), 10, f"the grandchild {grandchild} outlived the worker")
-        wait(lambda: dead(child), 10, f"the child {child} outlived the worker")
+        poll(lambda: dead(grandchild), 10, f"the grandchild {grandchild} outlived the worker")
+        poll(lambda: dead(child), 10, f"the child {child} outlived the worker")
 
 
 def test_a_frozen_workers_child_stops_itself_by_its_leases_deadline(
@@ -165,7 +108,7 @@ def test_a_frozen_workers_child_stops_itself_by_its_leases_deadline(
         worker(mongo_uri, db_name) as process,
     ):
         client.publish("spawn_and_sleep", "frozen", {"pidfile": str(pidfile)}, options=lease)
-        wait(lambda: read_pid(pidfile), 60, "the handler did not start its grandchild")
+        poll(lambda: read_pid(pidfile), 60, "the handler did not start its grandchild")
         grandchild = read_pid(pidfile)
         assert grandchild is not None
         child = parent_of(grandchild)
@@ -173,20 +116,20 @@ def test_a_frozen_workers_child_stops_itself_by_its_leases_deadline(
         assert not dead(child)
         process.send_signal(signal.SIGSTOP)
         frozen = time.monotonic()
-        wait(lambda: state(process.pid) == "T", 5, "the worker did not stop")
+        poll(lambda: process_state(process.pid) == "T", 5, "the worker did not stop")
         time.sleep(0.5)  # a ping in flight when the worker froze has landed by now
         task = client.get("frozen")
         assert task is not None and task.runs[-1].lease_expires_at is not None
         expires = task.runs[-1].lease_expires_at
         assert not dead(child), "the child stopped long before its lease ran out"
-        stopped = wait(lambda: dead(child), 10, "the child ran on past its lease")
+        stopped = poll(lambda: dead(child), 10, "the child ran on past its lease")
         # by the deadline: the lease on the server's clock (mongod on this host, one clock)
         now = dt.datetime.now(dt.UTC)
         late = (now - expires).total_seconds() - (time.monotonic() - stopped)
         assert late < 0.1, f"the child stopped {late:.2f} s after its lease ran out"
         assert stopped - frozen < 3.0 + 0.5
-        wait(lambda: dead(grandchild), 2, "the grandchild ran on past the lease")
-        assert state(process.pid) == "T"  # the worker was frozen all along
+        poll(lambda: dead(grandchild), 2, "the grandchild ran on past the lease")
+        assert process_state(process.pid) == "T"  # the worker was frozen all along
         process.send_signal(signal.SIGCONT)
         time.sleep(1.0)
         after = client.get("frozen")

@@ -12,8 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
-from cluster import Cluster, until_finished
-from harness import wait_for
+from harness import Cluster, until_finished, wait_for
 from test_cluster_limits import crowd, peak
 
 from mtask import TaskClient

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import Cluster, ReplicaSet, Size, until_finished
-from harness import wait_for
+from harness import Cluster, ReplicaSet, until_finished, wait_for
 from pymongo import MongoClient
+from sizes import Size
 from test_kills import assert_invariants, work_items
 
 from mtask import TaskClient

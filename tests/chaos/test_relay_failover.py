@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import Cluster, ReplicaSet, until_finished
-from harness import wait_for
+from harness import Cluster, ReplicaSet, until_finished, wait_for
 from pymongo import MongoClient
 from test_kills import assert_invariants
 from test_partition import (

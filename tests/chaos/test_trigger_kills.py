@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import Cluster, ReplicaSet
+from harness import Cluster, ReplicaSet
 from pymongo import MongoClient
 from pymongo.errors import DuplicateKeyError, PyMongoError
 

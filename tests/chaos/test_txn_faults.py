@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import Cluster, ReplicaSet, until_finished
-from harness import wait_for
+from harness import Cluster, ReplicaSet, until_finished, wait_for
 from pymongo import MongoClient
 from pymongo.errors import PyMongoError
 

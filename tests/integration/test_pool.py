@@ -16,6 +16,7 @@ from typing import Any
 
 import poolhandlers
 import pytest
+from harness import dead, gone
 
 from mtask import Fail, Retry, Worker
 from mtask.errors import ConfigError
@@ -29,24 +30,6 @@ from mtask.worker.running.pool.pipe import RunInfo
 from mtask.worker.running.pool.pool import ProcessPool
 
 INFO = RunInfo("k", "n", 1, "run-1", "w-1")
-
-
-def process_state(pid: int) -> str | None:
-    """The process's state letter (``Z`` for a zombie), or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-
-
-def gone(pid: int) -> bool:
-    return process_state(pid) is None
-
-
-def dead(pid: int) -> bool:
-    """Gone, or a zombie waiting for whoever adopted it to reap it."""
-    return process_state(pid) in (None, "Z")
 
 
 async def until(condition: Any, limit: float = 10.0) -> None:

@@ -10,22 +10,20 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from chaos.cluster import ReplicaSet
-from harness import TESTS, wait_for, worker_process
+from harness import ReplicaSet, dead, wait_for, worker_process
 from pymongo import MongoClient
 from pymongo.errors import PyMongoError
 
 from mtask import TaskClient
-from mtask.testing import worker_argv
 
+POOL = "poolhandlers:registry"
+"""tests/poolhandlers.py: handlers in child processes."""
 OPTIONS = {
     "worker_timeout_ms": 2000,
     "ping_interval_ms": 200,
@@ -85,15 +83,15 @@ async def test_a_killed_workers_process_isolated_steps_are_replayed_by_the_takeo
     the child dies with it (issue 27), and the rescuer's child runs steps 4 and 5 only."""
     params = {"uri": mongo_uri, "db": db_name, "hold_after": {"victim": 3}}
     client.publish("step_chain_in_child", "p", params, options=OPTIONS)
-    with _pool_worker(mongo_uri, db_name, "--worker-id", "victim") as victim:
+    with worker_process(mongo_uri, db_name, "--worker-id", "victim", app=POOL) as victim:
         await wait_for(lambda: len(_task(client, "p").get("steps", [])) == 3, timeout=60)
         victim.send_signal(signal.SIGKILL)
         await asyncio.to_thread(victim.wait, 10)
     child = client.db["step_rows"].find_one({"task": "p", "step": 3})["pid"]
     assert child != victim.pid
-    await wait_for(lambda: not _alive(child), timeout=10)  # it can record nothing more
+    await wait_for(lambda: dead(child), timeout=10)  # it can record nothing more
     assert _rows(client, "p") == {1: 1, 2: 1, 3: 1}
-    with _pool_worker(mongo_uri, db_name, "--worker-id", "rescuer"):
+    with worker_process(mongo_uri, db_name, "--worker-id", "rescuer", app=POOL):
         await wait_for(lambda: _task(client, "p")["status"] == "succeeded", timeout=60)
     doc = _task(client, "p")
     assert [(r["worker_id"], r["state"]) for r in doc["runs"]] == [
@@ -111,36 +109,6 @@ async def test_a_killed_workers_process_isolated_steps_are_replayed_by_the_takeo
     ]
     steps = doc["steps"]
     assert doc["result"] == [{"step": i, "run_id": s["run_id"]} for i, s in enumerate(steps, 1)]
-
-
-@contextlib.contextmanager
-def _pool_worker(uri: str, db: str, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
-    """A real worker process for tests/poolhandlers.py (its process-isolated handlers)."""
-    proc = subprocess.Popen(
-        worker_argv("poolhandlers:registry", uri, db, *extra),
-        cwd=TESTS,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
-        stdin=subprocess.DEVNULL,
-    )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _alive(pid: int) -> bool:
-    """Running (not gone, not a zombie waiting to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 async def test_a_frozen_worker_cannot_record_the_step_it_was_in(

@@ -5,7 +5,6 @@ reset; bad input exits 2, an unknown trigger 1), and the REST API."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,13 +12,12 @@ from typing import Any
 
 import httpx2 as httpx
 import pytest
-from harness import wait_for
+from harness import wait_for, worker_process
 from promtool import check_metrics
 from pymongo import MongoClient
 
 from mtask import TaskClient
 from mtask.embedded import free_port
-from mtask.testing import worker_argv
 
 TESTS = Path(__file__).parents[1]
 Db = MongoClient[dict[str, Any]]
@@ -45,19 +43,11 @@ def cli(mongo_uri: str, db_name: str, *args: str) -> subprocess.CompletedProcess
 @pytest.fixture
 def worker(mongo_uri: str, db_name: str) -> Any:
     port = free_port()
-    proc = subprocess.Popen(
-        worker_argv(
-            "triggerapp:registry", mongo_uri, db_name, "--metrics-port", str(port),
-            "--cluster-metrics",
-        ),
-        cwd=TESTS,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
-    )  # fmt: skip
-    try:
+    with worker_process(
+        mongo_uri, db_name, "--metrics-port", str(port), "--cluster-metrics",
+        app="triggerapp:registry",
+    ) as proc:  # fmt: skip
         yield port, proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 async def test_a_worker_process_exports_its_triggers_metrics_and_the_cluster_lag(

@@ -1,0 +1,56 @@
+"""The one test harness: workers in the test's event loop or as processes, replica sets,
+faults (signals, proxies), waits on events and on MongoDB's state, hand-written documents, the
+CLI in-process, and what a test needs from the machine. One module per concern; import from
+``harness``."""
+
+from .cli import run_cli
+from .documents import T0, hand_written, pad_to_the_limit
+from .events import Events, poll, until_finished, wait_for
+from .inloop import running_worker
+from .needs import in_ci, need_proc, required, unavailable
+from .processes import (
+    CHAOS,
+    MTASK_ROOT,
+    TESTS,
+    Cluster,
+    dead,
+    gone,
+    parent_of,
+    process_state,
+    spawn_worker,
+    stop_process,
+    worker_env,
+    worker_process,
+)
+from .proxies import Proxies
+from .replicaset import ReplicaSet
+
+__all__ = [
+    "CHAOS",
+    "MTASK_ROOT",
+    "T0",
+    "TESTS",
+    "Cluster",
+    "Events",
+    "Proxies",
+    "ReplicaSet",
+    "dead",
+    "gone",
+    "hand_written",
+    "in_ci",
+    "need_proc",
+    "pad_to_the_limit",
+    "parent_of",
+    "poll",
+    "process_state",
+    "required",
+    "run_cli",
+    "running_worker",
+    "spawn_worker",
+    "stop_process",
+    "unavailable",
+    "until_finished",
+    "wait_for",
+    "worker_env",
+    "worker_process",
+]

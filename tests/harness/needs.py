@@ -1,0 +1,40 @@
+"""What a test needs from the machine: missing, it fails under CI and is skipped elsewhere."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from typing import NoReturn
+
+import pytest
+
+
+def in_ci() -> bool:
+    """``CI`` says so (``.ci/run`` sets it): a missing tool fails the test there."""
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def unavailable(reason: str) -> NoReturn:
+    """The test cannot run here: fail under CI, skip with ``reason`` elsewhere."""
+    if in_ci():
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+def required(*commands: list[str], hint: str = "") -> None:
+    """Each command runs and exits 0, or the test is ``unavailable`` (``hint``: where to get
+    them)."""
+    for command in commands:
+        ok = shutil.which(command[0]) is not None
+        if ok:
+            ok = subprocess.run(command, capture_output=True, check=False).returncode == 0
+        if not ok:
+            unavailable(f"needs {' '.join(command)}" + (f" ({hint})" if hint else ""))
+
+
+def need_proc() -> None:
+    """The test reads /proc and sends POSIX signals (Linux)."""
+    if not (sys.platform.startswith("linux") and os.path.isdir("/proc/self")):
+        unavailable("needs Linux's /proc and POSIX signals")
