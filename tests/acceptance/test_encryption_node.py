@@ -14,9 +14,8 @@ from typing import Any
 
 import bson
 import pytest
-from harness import unavailable, worker_process
+from harness import node, unavailable, worker_process
 from pymongo import MongoClient
-from test_events_http import node
 
 from mtask import TaskClient
 from mtask.encryption import KEY_FILE_ENV, Encryption, is_ciphertext, sealed

@@ -9,8 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from harness import unavailable, worker_process
-from test_events_http import node
+from harness import node, unavailable, worker_process
 from webserver import serving
 
 from mtask import TaskClient

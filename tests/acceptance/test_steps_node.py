@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import running_worker, unavailable
+from harness import node as find_node
+from harness import running_worker
 from pymongo import MongoClient
 
 from mtask import AsyncTaskClient, Task
@@ -58,21 +58,6 @@ async def approval(params: dict[str, Any], ctx: TaskContext) -> Any:
         ENTERED[ctx.key].set()
         await GATES[ctx.key].wait()
     return await ctx.wait_for("approved", timeout=params.get("timeout"))
-
-
-def node_or_skip() -> str:
-    """``node`` with the driver installed (``npm ci --prefix tests/acceptance/interop``):
-    missing, the test fails under CI=true (``.ci/run`` installs both) and skips otherwise."""
-    node = shutil.which("node")
-    problem = None
-    if node is None:
-        problem = "Node.js is not installed (Debian: apt-get install nodejs npm)"
-    elif not (INTEROP / "node_modules" / "mongodb").is_dir():
-        problem = "the mongodb npm driver is missing: run npm ci --prefix tests/acceptance/interop"
-    if problem:
-        unavailable(problem)
-    assert node is not None
-    return node
 
 
 async def run_script(node: str, *args: str) -> Any:
@@ -123,7 +108,7 @@ async def finished(jobs: AsyncTaskClient, key: str) -> Task:
 async def test_a_node_signal_resumes_a_waiting_task_with_its_payload(
     mongo_uri: str, db_name: str, jobs: AsyncTaskClient
 ) -> None:
-    node = node_or_skip()
+    node = find_node(INTEROP)
     async with running_worker(registry, mongo_uri, db_name, collection=COLLECTION) as (_, events):
         await jobs.publish("approval", "wait-1", {})  # no timeout: only the signal can wake it
         await events.wait("recorded", key="wait-1", state="WAITING", timeout=60)
@@ -148,7 +133,7 @@ async def test_a_node_signal_resumes_a_waiting_task_with_its_payload(
 async def test_a_node_signal_sent_before_the_wait_is_not_lost(
     mongo_uri: str, db_name: str, jobs: AsyncTaskClient, mongo: MongoClient[dict[str, Any]]
 ) -> None:
-    node = node_or_skip()
+    node = find_node(INTEROP)
     raw = mongo[db_name][COLLECTION]
     # before any worker claimed the task: the signal is kept, and does not move the task's times
     await jobs.publish("approval", "queued", {})
@@ -195,7 +180,7 @@ async def test_a_node_signal_sent_before_the_wait_is_not_lost(
 async def test_a_node_signal_to_a_finished_task_matches_nothing(
     mongo_uri: str, db_name: str, jobs: AsyncTaskClient, mongo: MongoClient[dict[str, Any]]
 ) -> None:
-    node = node_or_skip()
+    node = find_node(INTEROP)
     raw = mongo[db_name][COLLECTION]
     await jobs.publish("approval", "done", {})
     assert await jobs.signal("done", "approved", {"first": 1}) is False
@@ -373,7 +358,7 @@ def test_the_documented_update_is_the_codes() -> None:
 
 
 async def test_signal_mjs_sends_the_documented_update() -> None:
-    node = node_or_skip()
+    node = find_node(INTEROP)
     filt, pipeline = documented()
     name, payload = example_signal(pipeline)
     # with the page's example values: the page's update, exactly

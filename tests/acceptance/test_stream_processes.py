@@ -7,20 +7,14 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
-from harness import spawn_worker, stop_process, unavailable, wait_for
+from harness import change_streams, spawn_worker, stop_process, unavailable, wait_for
 from pymongo import MongoClient
 
 from mtask import TaskClient, driver
 from mtask.store import relays
-
-TESTS = Path(__file__).parents[1]
-sys.path.insert(0, str(TESTS / "chaos"))
-from test_servers import change_streams  # noqa: E402
 
 Mongo = MongoClient[dict[str, Any]]
 

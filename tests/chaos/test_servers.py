@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Cluster, ReplicaSet, until_finished, wait_for
+from harness import (
+    Cluster,
+    ReplicaSet,
+    change_streams,
+    kill_change_streams,
+    until_finished,
+    wait_for,
+)
 from pymongo import MongoClient
 from sizes import Size
 from test_kills import assert_invariants, work_items
@@ -83,40 +90,6 @@ async def test_primary_stepped_down_mid_run(tmp_path: Path, db_name: str, size: 
     finally:
         cluster.close()
         replica_set.stop()
-
-
-def change_streams(mongo: MongoClient[dict[str, Any]], db: str) -> list[dict[str, Any]]:
-    """The change-stream cursors open on ``db`` (idle) and the getMores waiting on them."""
-    ops = mongo.admin.aggregate(
-        [
-            {"$currentOp": {"idleCursors": True, "allUsers": True}},
-            {
-                "$match": {
-                    "ns": {"$regex": f"^{db}\\."},
-                    "$or": [
-                        {"cursor.originatingCommand.pipeline.0.$changeStream": {"$exists": True}},
-                        {"command.pipeline.0.$changeStream": {"$exists": True}},
-                    ],
-                }
-            },
-        ]
-    )
-    return list(ops)
-
-
-def kill_change_streams(mongo: MongoClient[dict[str, Any]], db: str) -> int:
-    """Kill every change stream cursor on ``db`` (and the getMore waiting on it)."""
-    killed = 0
-    for op in change_streams(mongo, db):
-        if op.get("type") == "op" and "opid" in op:
-            mongo.admin.command("killOp", op=op["opid"])
-            killed += 1
-        cursor_id = op.get("cursor", {}).get("cursorId")
-        if cursor_id:
-            collection = op["ns"].split(".", 1)[1]
-            reply = mongo[db].command("killCursors", collection, cursors=[cursor_id])
-            killed += len(reply["cursorsKilled"])
-    return killed
 
 
 @pytest.mark.parametrize("stream", ["own", "shared"])

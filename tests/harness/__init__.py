@@ -6,8 +6,10 @@ CLI in-process, and what a test needs from the machine. One module per concern; 
 from .cli import run_cli
 from .documents import T0, hand_written, pad_to_the_limit
 from .events import Events, poll, until_finished, wait_for
+from .examples import on_a_server
 from .inloop import running_worker
-from .needs import in_ci, need_proc, required, unavailable
+from .needs import in_ci, need_proc, node, required, unavailable
+from .pages import BACKGROUND, DESKTOP, EVERY_LOOK, PHONE, kept, looks, sign_in
 from .processes import (
     CHAOS,
     MTASK_ROOT,
@@ -24,21 +26,34 @@ from .processes import (
 )
 from .proxies import Proxies
 from .replicaset import ReplicaSet
+from .sse import server_sent
+from .streams import change_streams, count_streams, kill_change_streams
 
 __all__ = [
+    "BACKGROUND",
     "CHAOS",
+    "DESKTOP",
+    "EVERY_LOOK",
     "MTASK_ROOT",
+    "PHONE",
     "T0",
     "TESTS",
     "Cluster",
     "Events",
     "Proxies",
     "ReplicaSet",
+    "change_streams",
+    "count_streams",
     "dead",
     "gone",
     "hand_written",
     "in_ci",
+    "kept",
+    "kill_change_streams",
+    "looks",
     "need_proc",
+    "node",
+    "on_a_server",
     "pad_to_the_limit",
     "parent_of",
     "poll",
@@ -46,6 +61,8 @@ __all__ = [
     "required",
     "run_cli",
     "running_worker",
+    "server_sent",
+    "sign_in",
     "spawn_worker",
     "stop_process",
     "unavailable",

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 import pytest
@@ -38,3 +39,14 @@ def need_proc() -> None:
     """The test reads /proc and sends POSIX signals (Linux)."""
     if not (sys.platform.startswith("linux") and os.path.isdir("/proc/self")):
         unavailable("needs Linux's /proc and POSIX signals")
+
+
+def node(driver_in: Path | None = None) -> str:
+    """The ``node`` binary (Debian's nodejs; ``.ci/run`` installs it); with ``driver_in``, the
+    official ``mongodb`` driver installed there too (``npm ci --prefix driver_in``)."""
+    found = shutil.which("node")
+    if found is None:
+        unavailable("Node.js is not installed (Debian: apt-get install nodejs npm)")
+    if driver_in is not None and not (driver_in / "node_modules" / "mongodb").is_dir():
+        unavailable(f"the mongodb npm driver is missing: run npm ci --prefix {driver_in}")
+    return found

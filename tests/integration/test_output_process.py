@@ -9,13 +9,13 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import poolhandlers
 import pytest
-from harness import running_worker
-from test_pool import INFO, dead, gone, until
+from harness import dead, running_worker
+from test_pool import INFO
 
 from mtask import Fail, TaskClient
 from mtask.output import Batch
@@ -89,15 +89,6 @@ async def test_what_a_failing_child_said_lands_before_its_failure(
 
 
 # -- the pool: output, then the outcome, under the limits ----------------------------------------
-
-
-@pytest.fixture
-async def pool() -> AsyncIterator[ProcessPool]:
-    p = ProcessPool(term_grace=0.5)
-    yield p
-    seen = p.pids
-    await p.close()
-    await until(lambda: all(gone(pid) for pid in seen))
 
 
 async def test_the_output_comes_before_the_outcome(pool: ProcessPool) -> None:

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +36,6 @@ async def until(condition: Any, limit: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         await asyncio.sleep(0.02)
-
-
-@pytest.fixture
-async def pool() -> AsyncIterator[ProcessPool]:
-    p = ProcessPool(term_grace=0.5)
-    seen: list[int] = []
-    yield p
-    seen.extend(p.pids)
-    await p.close()
-    await until(lambda: all(gone(pid) for pid in seen))
 
 
 async def run(pool: ProcessPool, name: str, params: Any = None, **kw: Any) -> Any:

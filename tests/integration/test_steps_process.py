@@ -11,13 +11,12 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import os
-from collections.abc import AsyncIterator
 from typing import Any
 
 import poolhandlers
 import pytest
 from harness import running_worker
-from test_pool import INFO, gone, until
+from test_pool import INFO
 
 from mtask import AsyncTaskClient, TaskContext
 from mtask.steps import StepError, Suspended
@@ -164,15 +163,6 @@ async def test_the_workers_refusal_is_raised_in_the_child_as_itself(
 
 
 # -- the pool: what the run ends with arrives as itself --------------------------------------------
-
-
-@pytest.fixture
-async def pool() -> AsyncIterator[ProcessPool]:
-    p = ProcessPool(term_grace=0.5)
-    yield p
-    seen = p.pids
-    await p.close()
-    await until(lambda: all(gone(pid) for pid in seen))
 
 
 async def test_a_sleep_in_a_child_raises_suspended_with_its_wait(pool: ProcessPool) -> None:

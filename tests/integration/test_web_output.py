@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx2 as httpx
 import pytest
-from harness import running_worker
+from harness import running_worker, server_sent
 from webserver import serving
 
 from mtask import AsyncTaskClient, TaskClient
@@ -70,23 +70,17 @@ def read_stream(
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
         assert response.headers["cache-control"] == "no-store"
-        block: dict[str, str] = {}
-        for line in response.iter_lines():
-            if line == "":
-                if "event" in block:
-                    frames.append({**block, "data": json.loads(block["data"])})
-                    if block["event"] in ("end", "error"):
-                        return frames
-                    chunks = [f for f in frames if f["event"] == "chunk"]
-                    if stop_after is not None and len(chunks) == stop_after:
-                        return frames  # the client goes away mid-stream
-                block = {}
-            elif line.startswith(":"):
+        for block in server_sent(response.iter_lines()):
+            if isinstance(block, str):
                 if on_comment is not None:
-                    on_comment(line)
-            else:
-                field, _, value = line.partition(":")
-                block[field] = value.removeprefix(" ")
+                    on_comment(block)
+            elif "event" in block:
+                frames.append({**block, "data": json.loads(block["data"])})
+                if block["event"] in ("end", "error"):
+                    return frames
+                chunks = [f for f in frames if f["event"] == "chunk"]
+                if stop_after is not None and len(chunks) == stop_after:
+                    return frames  # the client goes away mid-stream
     raise AssertionError(f"the stream ended without 'end' after {len(frames)} frames")
 
 
