@@ -7,6 +7,8 @@ under CI (``CI=true``) and are skipped with the reason elsewhere.
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
 import os
 import re
 import uuid
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import T0, unavailable
+from harness import T0, drained, unavailable, until_recorded
 from hypothesis import settings
 from pymongo import MongoClient
 from tiers import tier_lines, tier_times
@@ -114,6 +116,29 @@ def client(mongo_uri: str, db_name: str) -> Iterator[TaskClient]:
 async def aclient(mongo_uri: str, db_name: str) -> AsyncIterator[AsyncTaskClient]:
     async with AsyncTaskClient(mongo_uri, database=db_name) as c:
         yield c
+
+
+@pytest.fixture
+def drain(mongo_uri: str, db_name: str) -> Any:
+    """``drain(registry, publish, key, state=None, **worker_options)``: ``harness.drained``
+    on the test's database."""
+    return functools.partial(drained, uri=mongo_uri, database=db_name)
+
+
+@pytest.fixture
+def worker_after(mongo_uri: str, db_name: str) -> Any:
+    """``async with worker_after(registry, publish, key, state=None, **worker_options) as
+    (worker, events)``: ``harness.until_recorded`` on the test's database."""
+    return functools.partial(until_recorded, uri=mongo_uri, database=db_name)
+
+
+@pytest.fixture
+def pipe() -> Iterator[tuple[Any, Any]]:
+    """The two ends of a ``multiprocessing.Pipe`` (a worker's and its child's), closed after."""
+    ours, theirs = multiprocessing.Pipe()
+    yield ours, theirs
+    ours.close()
+    theirs.close()
 
 
 @pytest.fixture

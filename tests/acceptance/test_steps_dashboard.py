@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from harness import PHONE, kept, looks, sign_in, worker_process
+from harness import kept, looks, signed_in, worker_process
 from test_dashboard import shots_dir, wait_until
 from webserver import serving
 
@@ -76,30 +76,24 @@ def test_the_task_page_shows_the_step_timeline(
             expect(page.locator("#runs")).to_contain_text("SUCCESS")
             assert page.locator("#steps").count() == 0  # no steps: no section
         # the page's form sends the signal the task waits for (no JavaScript)
-        context = browser.new_context(
-            viewport=PHONE, color_scheme="dark", java_script_enabled=False
-        )
-        page = context.new_page()
-        page.set_default_timeout(30_000)
-        sign_in(page, url, TOKEN)
-        page.goto(url + "/ui/tasks/order/9")
-        form = page.locator("#send-signal")
-        expect(form.locator("input[name=name]")).to_have_value("approved")  # what it waits for
-        form.locator("textarea[name=payload]").fill("{oops")
-        form.locator("button[type=submit]").click()
-        expect(page.locator("#note .flash.error")).to_contain_text(
-            "signal not sent: the payload is not JSON"
-        )
-        assert _waiting_for_approval(client, "order/9")  # nothing sent
-        assert [g.name for g in client.get("order/9").signals] == ["note"]  # type: ignore[union-attr]
-        form.locator("textarea[name=payload]").fill('{"ok": true}')
-        form.locator("button[type=submit]").click()
-        expect(page.locator("#note .flash.ok")).to_have_text(
-            "signal 'approved' sent to order/9: it woke the task"
-        )
-        wait_until(lambda: client.get("order/9").status.value == "succeeded")  # type: ignore[union-attr]
-        page.goto(url + "/ui/tasks/order/9")
-        assert page.locator("#send-signal").count() == 0  # a finished task takes no signal
-        context.close()
+        with signed_in(browser, url, TOKEN, "dark", "phone") as page:
+            page.goto(url + "/ui/tasks/order/9")
+            form = page.locator("#send-signal")
+            expect(form.locator("input[name=name]")).to_have_value("approved")  # what it waits for
+            form.locator("textarea[name=payload]").fill("{oops")
+            form.locator("button[type=submit]").click()
+            expect(page.locator("#note .flash.error")).to_contain_text(
+                "signal not sent: the payload is not JSON"
+            )
+            assert _waiting_for_approval(client, "order/9")  # nothing sent
+            assert [g.name for g in client.get("order/9").signals] == ["note"]  # type: ignore[union-attr]
+            form.locator("textarea[name=payload]").fill('{"ok": true}')
+            form.locator("button[type=submit]").click()
+            expect(page.locator("#note .flash.ok")).to_have_text(
+                "signal 'approved' sent to order/9: it woke the task"
+            )
+            wait_until(lambda: client.get("order/9").status.value == "succeeded")  # type: ignore[union-attr]
+            page.goto(url + "/ui/tasks/order/9")
+            assert page.locator("#send-signal").count() == 0  # a finished task takes no signal
     task = client.get("order/9")
     assert task is not None and task.result == {"ok": True}

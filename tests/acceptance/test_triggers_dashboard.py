@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import EVERY_LOOK, PHONE, kept, looks, sign_in, worker_process
+from harness import EVERY_LOOK, kept, looks, signed_in, worker_process
 from pymongo import MongoClient
 from test_dashboard import shots_dir, wait_until
 from webserver import serving
@@ -64,21 +64,15 @@ def test_the_triggers_page_shows_each_trigger_and_steers_it(
             published = ship.locator("td.num").nth(1).inner_text()
             assert int(published) >= 3, published
             kept(page, out, "dashboard-triggers", scheme, size, viewport)
-        context = browser.new_context(
-            viewport=PHONE, color_scheme="dark", java_script_enabled=False
-        )
-        page = context.new_page()
-        page.set_default_timeout(30_000)
-        sign_in(page, url, TOKEN)
-        page.goto(url + "/ui/triggers")
-        ship = page.locator("tr[data-trigger='ship']")
-        ship.locator("button", has_text="pause").click()
-        expect(page.locator("#note .flash.ok")).to_contain_text("ship: paused")
-        expect(ship.locator("td.state")).to_have_text("paused")
-        wait_until(lambda: not client.triggers()[0]["held"])
-        ship.locator("button", has_text="resume").click()
-        expect(page.locator("#note .flash.ok")).to_contain_text("ship: resumed")
-        wait_until(lambda: _followed(client))
-        page.goto(url + "/ui/triggers")
-        expect(ship.locator("td.state")).to_have_text("following")
-        context.close()
+        with signed_in(browser, url, TOKEN, "dark", "phone") as page:
+            page.goto(url + "/ui/triggers")
+            ship = page.locator("tr[data-trigger='ship']")
+            ship.locator("button", has_text="pause").click()
+            expect(page.locator("#note .flash.ok")).to_contain_text("ship: paused")
+            expect(ship.locator("td.state")).to_have_text("paused")
+            wait_until(lambda: not client.triggers()[0]["held"])
+            ship.locator("button", has_text="resume").click()
+            expect(page.locator("#note .flash.ok")).to_contain_text("ship: resumed")
+            wait_until(lambda: _followed(client))
+            page.goto(url + "/ui/triggers")
+            expect(ship.locator("td.state")).to_have_text("following")

@@ -76,6 +76,18 @@ def test_a_child_past_the_memory_limit_is_killed_and_its_run_fails(
         )
 
 
+def grandchild_of(
+    client: TaskClient, key: str, pidfile: Path, options: dict[str, Any]
+) -> tuple[int, int]:
+    """Publish ``spawn_and_sleep`` as ``key``: its handler's child process starts a grandchild
+    and writes its pid to ``pidfile``; returns (child, grandchild) once it did."""
+    client.publish("spawn_and_sleep", key, {"pidfile": str(pidfile)}, options=options)
+    poll(lambda: read_pid(pidfile), 60, "the handler did not start its grandchild")
+    grandchild = read_pid(pidfile)
+    assert grandchild is not None
+    return parent_of(grandchild), grandchild
+
+
 def test_what_a_handler_started_dies_after_the_workers_kill_9(
     mongo_uri: str, db_name: str, tmp_path: Path
 ) -> None:
@@ -84,11 +96,8 @@ def test_what_a_handler_started_dies_after_the_workers_kill_9(
         TaskClient(mongo_uri, database=db_name) as client,
         worker(mongo_uri, db_name) as process,
     ):
-        client.publish("spawn_and_sleep", "spawner", {"pidfile": str(pidfile)}, options=NO_RETRY)
-        poll(lambda: read_pid(pidfile), 60, "the handler did not start its grandchild")
-        grandchild = read_pid(pidfile)
-        assert grandchild is not None and not dead(grandchild)
-        child = parent_of(grandchild)
+        child, grandchild = grandchild_of(client, "spawner", pidfile, NO_RETRY)
+        assert not dead(grandchild)
         assert child != process.pid and parent_of(child) != 1
         process.send_signal(signal.SIGKILL)
         process.wait()
@@ -107,11 +116,7 @@ def test_a_frozen_workers_child_stops_itself_by_its_leases_deadline(
         TaskClient(mongo_uri, database=db_name) as client,
         worker(mongo_uri, db_name) as process,
     ):
-        client.publish("spawn_and_sleep", "frozen", {"pidfile": str(pidfile)}, options=lease)
-        poll(lambda: read_pid(pidfile), 60, "the handler did not start its grandchild")
-        grandchild = read_pid(pidfile)
-        assert grandchild is not None
-        child = parent_of(grandchild)
+        child, grandchild = grandchild_of(client, "frozen", pidfile, lease)
         time.sleep(1.0)  # a few renewals have reached the child: it does not stop on them
         assert not dead(child)
         process.send_signal(signal.SIGSTOP)

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from harness import (
     Cluster,
-    ReplicaSet,
     change_streams,
     kill_change_streams,
+    replica_set_with_workers,
     until_finished,
     wait_for,
 )
@@ -29,6 +29,11 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800)]
 LEASE = {"worker_timeout_ms": 5000, "ping_interval_ms": 500}
 
 
+def two_workers(cluster: Cluster) -> None:
+    for name in ("a", "b"):
+        cluster.spawn(name, "--concurrency", "8", "--sweep-interval", "2")
+
+
 async def test_mongodb_restarted_under_load(tmp_path: Path, db_name: str, size: Size) -> None:
     server = EmbeddedMongo(tmp_path / "mongodb")
     uri = server.start()
@@ -36,8 +41,7 @@ async def test_mongodb_restarted_under_load(tmp_path: Path, db_name: str, size: 
     try:
         with TaskClient(uri, database=db_name) as client:
             items = work_items(size.tasks, seed=2, **LEASE)
-            for name in ("a", "b"):
-                cluster.spawn(name, "--concurrency", "8", "--sweep-interval", "2")
+            two_workers(cluster)
             client.publish_many(items)
             for _ in range(size.restarts):
                 await asyncio.sleep(1.5)
@@ -63,14 +67,12 @@ async def test_mongodb_restarted_under_load(tmp_path: Path, db_name: str, size: 
 
 
 async def test_primary_stepped_down_mid_run(tmp_path: Path, db_name: str, size: Size) -> None:
-    replica_set = ReplicaSet(tmp_path / "rs")
-    uri = await asyncio.to_thread(replica_set.start)
-    cluster = Cluster(uri, db_name, tmp_path)
+    replica_set, cluster = await replica_set_with_workers(tmp_path, db_name)
+    uri = cluster.uri
     try:
         with TaskClient(uri, database=db_name) as client:
             items = work_items(size.tasks, seed=3, **LEASE)
-            for name in ("a", "b"):
-                cluster.spawn(name, "--concurrency", "8", "--sweep-interval", "2")
+            two_workers(cluster)
             half = len(items) // 2
             client.publish_many(items[:half])
             failovers = []

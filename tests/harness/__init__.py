@@ -4,12 +4,12 @@ CLI in-process, and what a test needs from the machine. One module per concern; 
 ``harness``."""
 
 from .cli import run_cli
-from .documents import T0, hand_written, pad_to_the_limit
+from .documents import T0, hand_written, in_groups, pad_to_the_limit
 from .events import Events, poll, until_finished, wait_for
 from .examples import on_a_server
-from .inloop import running_worker
+from .inloop import drained, running_worker, until_recorded
 from .needs import in_ci, need_proc, node, required, unavailable
-from .pages import BACKGROUND, DESKTOP, EVERY_LOOK, PHONE, kept, looks, sign_in
+from .pages import BACKGROUND, DESKTOP, EVERY_LOOK, PHONE, kept, looks, sign_in, signed_in
 from .processes import (
     CHAOS,
     MTASK_ROOT,
@@ -25,7 +25,7 @@ from .processes import (
     worker_process,
 )
 from .proxies import Proxies
-from .replicaset import ReplicaSet
+from .replicaset import ReplicaSet, replica_set_with_workers
 from .sse import server_sent
 from .streams import change_streams, count_streams, kill_change_streams
 
@@ -45,9 +45,11 @@ __all__ = [
     "change_streams",
     "count_streams",
     "dead",
+    "drained",
     "gone",
     "hand_written",
     "in_ci",
+    "in_groups",
     "kept",
     "kill_change_streams",
     "looks",
@@ -58,15 +60,18 @@ __all__ = [
     "parent_of",
     "poll",
     "process_state",
+    "replica_set_with_workers",
     "required",
     "run_cli",
     "running_worker",
     "server_sent",
     "sign_in",
+    "signed_in",
     "spawn_worker",
     "stop_process",
     "unavailable",
     "until_finished",
+    "until_recorded",
     "wait_for",
     "worker_env",
     "worker_process",

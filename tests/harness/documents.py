@@ -45,3 +45,16 @@ def hand_written(now: dt.datetime, **fields: Any) -> dict[str, Any]:
         },
         **fields,
     }
+
+
+def in_groups(
+    name: str, prefix: str, groups: int, each: int, params: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """``each`` tasks ``name`` in each of ``groups`` groups (``{prefix}{g}``), keyed
+    ``{prefix}{g}/{i:02d}``, for ``publish_many``: the groups' tasks interleaved."""
+    return [
+        {"name": name, "key": f"{prefix}{g}/{i:02d}", "params": params,
+         "options": {"group": f"{prefix}{g}"}}
+        for i in range(each)
+        for g in range(groups)
+    ]  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -35,3 +36,34 @@ async def _ready(worker: Worker, task: asyncio.Task[None]) -> None:
         if task.done():
             task.result()
         await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def until_recorded(
+    registry: Registry,
+    publish: Any,
+    key: str,
+    *,
+    uri: str,
+    database: str,
+    state: str | None = None,
+    **kwargs: Any,
+) -> AsyncIterator[tuple[Worker, Events]]:
+    """``running_worker`` (``kwargs``: its options) once ``publish`` (an awaitable, or a
+    callable, called and its result awaited if it is one) published ``key`` and the worker
+    recorded a run of it (in ``state``, if given): publish, then drain. The ``worker_after``
+    fixture binds ``uri`` and ``database`` to the test's."""
+    async with running_worker(registry, uri, database, **kwargs) as (worker, events):
+        published = publish() if callable(publish) else publish
+        if inspect.isawaitable(published):
+            await published
+        match = {} if state is None else {"state": state}
+        await events.wait("recorded", key=key, **match)
+        yield worker, events
+
+
+async def drained(*args: Any, **kwargs: Any) -> Events:
+    """``until_recorded`` (its arguments), and the worker stopped: what it reported. The
+    ``drain`` fixture binds ``uri`` and ``database`` to the test's."""
+    async with until_recorded(*args, **kwargs) as (_, events):
+        return events

@@ -3,6 +3,7 @@ look (colour scheme and size), and a page's look checked and kept as a screensho
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,23 +27,30 @@ def sign_in(page: Any, url: str, token: str) -> None:
     page.wait_for_selector("#counts")
 
 
+@contextlib.contextmanager
+def signed_in(browser: Any, url: str, token: str, scheme: str, size: str) -> Iterator[Any]:
+    """A page of its own in ``scheme`` at ``size``, without JavaScript, signed in, its waits
+    30 s at most; closed after."""
+    context = browser.new_context(
+        viewport=SIZES[size], color_scheme=scheme, java_script_enabled=False
+    )
+    try:
+        page = context.new_page()
+        page.set_default_timeout(30_000)
+        sign_in(page, url, token)
+        yield page
+    finally:
+        context.close()
+
+
 def looks(
     browser: Any, url: str, token: str, *which: tuple[str, str]
 ) -> Iterator[tuple[str, str, dict[str, int], Any]]:
-    """For each ``(scheme, size)`` of ``which``: a page of its own, without JavaScript, signed
-    in, its waits 30 s at most, as ``(scheme, size, viewport, page)``; closed after."""
+    """For each ``(scheme, size)`` of ``which``, a page ``signed_in`` as
+    ``(scheme, size, viewport, page)``."""
     for scheme, size in which:
-        viewport = SIZES[size]
-        context = browser.new_context(
-            viewport=viewport, color_scheme=scheme, java_script_enabled=False
-        )
-        try:
-            page = context.new_page()
-            page.set_default_timeout(30_000)
-            sign_in(page, url, token)
-            yield scheme, size, viewport, page
-        finally:
-            context.close()
+        with signed_in(browser, url, token, scheme, size) as page:
+            yield scheme, size, SIZES[size], page
 
 
 def kept(page: Any, out: Path, name: str, scheme: str, size: str, viewport: dict[str, int]) -> None:

@@ -3,6 +3,7 @@ embedded mongod binary) to kill, restart, step down, fail-point or cut off."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -16,6 +17,8 @@ from pymongo import MongoClient
 from pymongo.errors import PyMongoError
 
 from mtask.embedded import find_mongod, free_port
+
+from .processes import Cluster
 
 
 class ReplicaSet:
@@ -165,3 +168,13 @@ def _gone(pid: int) -> bool:
             return stat.read().rpartition(")")[2].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+async def replica_set_with_workers(
+    root: Path, database: str, **replica: Any
+) -> tuple[ReplicaSet, Cluster]:
+    """A replica set of the test's own started in ``root``/rs (``replica``: ``ReplicaSet``'s
+    options) and a ``Cluster`` of workers on it logging to ``root``; the test stops both."""
+    replica_set = ReplicaSet(root / "rs", **replica)
+    uri = await asyncio.to_thread(replica_set.start)
+    return replica_set, Cluster(uri, database, root)

@@ -190,14 +190,6 @@ def test_a_lease_watch_whose_pipe_is_full_still_kills() -> None:
 # -- the child's sender, in this process ---------------------------------------------------------
 
 
-@pytest.fixture
-def pipe() -> Iterator[tuple[Any, Any]]:
-    ours, theirs = multiprocessing.Pipe()
-    yield ours, theirs
-    ours.close()
-    theirs.close()
-
-
 def received(ours: Any) -> Iterator[Any]:
     while ours.poll():
         yield ours.recv()

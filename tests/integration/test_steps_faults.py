@@ -38,6 +38,21 @@ def _task(client: TaskClient, key: str) -> dict[str, Any]:
     return doc
 
 
+async def _rescued(
+    uri: str, db: str, client: TaskClient, key: str, timeout: float, **spawn: Any
+) -> dict[str, Any]:
+    """A worker process ``rescuer`` (``spawn``: ``worker_process``'s options) runs ``key`` to
+    its success after the victim's run timed out; the task's document."""
+    with worker_process(uri, db, "--worker-id", "rescuer", **spawn):
+        await wait_for(lambda: _task(client, key)["status"] == "succeeded", timeout=timeout)
+    doc = _task(client, key)
+    assert [(r["worker_id"], r["state"]) for r in doc["runs"]] == [
+        ("victim", "TIMEOUT"),
+        ("rescuer", "SUCCESS"),
+    ]
+    return doc
+
+
 def _rows(client: TaskClient, key: str, collection: str = "step_rows") -> Counter[int]:
     return Counter(d["step"] for d in client.db[collection].find({"task": key}))
 
@@ -55,13 +70,7 @@ async def test_a_killed_workers_recorded_steps_are_replayed_by_the_takeover(
         await asyncio.to_thread(victim.wait, 10)
     before = _rows(client, "k")
     assert before == {1: 1, 2: 1, 3: 1}
-    with worker_process(mongo_uri, db_name, "--worker-id", "rescuer"):
-        await wait_for(lambda: _task(client, "k")["status"] == "succeeded", timeout=30)
-    doc = _task(client, "k")
-    assert [(r["worker_id"], r["state"]) for r in doc["runs"]] == [
-        ("victim", "TIMEOUT"),
-        ("rescuer", "SUCCESS"),
-    ]
+    doc = await _rescued(mongo_uri, db_name, client, "k", 30)
     first, second = (r["run_id"] for r in doc["runs"])
     assert _rows(client, "k") == {1: 1, 2: 1, 3: 1, 4: 1, 5: 1}
     by_step = {d["step"]: d["run_id"] for d in client.db["step_rows"].find({"task": "k"})}
@@ -91,13 +100,7 @@ async def test_a_killed_workers_process_isolated_steps_are_replayed_by_the_takeo
     assert child != victim.pid
     await wait_for(lambda: dead(child), timeout=10)  # it can record nothing more
     assert _rows(client, "p") == {1: 1, 2: 1, 3: 1}
-    with worker_process(mongo_uri, db_name, "--worker-id", "rescuer", app=POOL):
-        await wait_for(lambda: _task(client, "p")["status"] == "succeeded", timeout=60)
-    doc = _task(client, "p")
-    assert [(r["worker_id"], r["state"]) for r in doc["runs"]] == [
-        ("victim", "TIMEOUT"),
-        ("rescuer", "SUCCESS"),
-    ]
+    doc = await _rescued(mongo_uri, db_name, client, "p", 60, app=POOL)
     first, second = (r["run_id"] for r in doc["runs"])
     rows = list(client.db["step_rows"].find({"task": "p"}))
     assert sorted((d["step"], d["run_id"]) for d in rows) == [

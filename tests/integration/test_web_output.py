@@ -160,15 +160,8 @@ def test_the_stream_closes_when_its_client_goes(
     assert closed.wait(30), "the server kept following after its client went"
 
 
-def test_output_pages_auth_and_bad_input(
-    base: str, mongo_uri: str, db_name: str, client: TaskClient
-) -> None:
-    async def work() -> None:
-        async with running_worker(registry, mongo_uri, db_name) as (_, events):
-            client.publish("chunks", "img/1", {"n": 30})
-            await events.wait("recorded", key="img/1")
-
-    asyncio.run(work())
+def test_output_pages_auth_and_bad_input(base: str, client: TaskClient, drain: Any) -> None:
+    asyncio.run(drain(registry, lambda: client.publish("chunks", "img/1", {"n": 30}), "img/1"))
     url = f"{base}/tasks/img/1:output"
     page = httpx.get(url, params={"after": 5, "limit": 10}, headers=AUTH)
     assert page.status_code == 200

@@ -10,7 +10,13 @@ import time
 from typing import Any
 
 import pytest
-from harness import hand_written, kill_change_streams, pad_to_the_limit, running_worker, wait_for
+from harness import (
+    hand_written,
+    kill_change_streams,
+    pad_to_the_limit,
+    running_worker,
+    wait_for,
+)
 from workerapp import registry
 
 from mtask import TaskClient, store
@@ -142,12 +148,8 @@ async def test_result_too_large(mongo_uri: str, db_name: str, client: TaskClient
     assert task is not None and task.status == "failed" and "the limit is" in (task.error or "")
 
 
-async def test_handler_publishes_follow_up(
-    mongo_uri: str, db_name: str, client: TaskClient
-) -> None:
-    async with running_worker(registry, mongo_uri, db_name) as (_, events):
-        client.publish("follow_up", "p")
-        await events.wait("recorded", key="p/next")
+async def test_handler_publishes_follow_up(client: TaskClient, drain: Any) -> None:
+    await drain(registry, lambda: client.publish("follow_up", "p"), "p/next")
     assert client.get("p/next").result == 3  # type: ignore[union-attr]
 
 
