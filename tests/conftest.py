@@ -133,7 +133,7 @@ def worker_after(mongo_uri: str, db_name: str) -> Any:
 
 
 @pytest.fixture
-def pipe() -> Iterator[tuple[Any, Any]]:
+def pipe_ends() -> Iterator[tuple[Any, Any]]:
     """The two ends of a ``multiprocessing.Pipe`` (a worker's and its child's), closed after."""
     ours, theirs = multiprocessing.Pipe()
     yield ours, theirs

@@ -196,9 +196,9 @@ def received(ours: Any) -> Iterator[Any]:
 
 
 def test_a_run_that_says_nothing_starts_no_thread_and_sends_nothing(
-    pipe: tuple[Any, Any],
+    pipe_ends: tuple[Any, Any],
 ) -> None:
-    ours, theirs = pipe
+    ours, theirs = pipe_ends
     run = _Run()
     run.active = True
     output = _ChildOutput(theirs, run)
@@ -206,8 +206,8 @@ def test_a_run_that_says_nothing_starts_no_thread_and_sends_nothing(
     assert output._thread is None and not ours.poll()
 
 
-def test_everything_said_is_sent_in_order_before_close_returns(pipe: tuple[Any, Any]) -> None:
-    ours, theirs = pipe
+def test_everything_said_is_sent_in_order_before_close_returns(pipe_ends: tuple[Any, Any]) -> None:
+    ours, theirs = pipe_ends
     run = _Run()
     run.active = True
     output = _ChildOutput(theirs, run)
@@ -236,8 +236,8 @@ def _until_eof(conn: Any) -> Iterator[Any]:
             return
 
 
-def test_nothing_is_sent_once_the_lease_watch_ended_the_run(pipe: tuple[Any, Any]) -> None:
-    ours, theirs = pipe
+def test_nothing_is_sent_once_the_lease_watch_ended_the_run(pipe_ends: tuple[Any, Any]) -> None:
+    ours, theirs = pipe_ends
     run = _Run()
     run.active = True
     output = _ChildOutput(theirs, run)
@@ -247,8 +247,8 @@ def test_nothing_is_sent_once_the_lease_watch_ended_the_run(pipe: tuple[Any, Any
     assert list(received(ours)) == []
 
 
-def test_a_pipe_that_is_gone_does_not_fail_the_run(pipe: tuple[Any, Any]) -> None:
-    ours, theirs = pipe
+def test_a_pipe_that_is_gone_does_not_fail_the_run(pipe_ends: tuple[Any, Any]) -> None:
+    ours, theirs = pipe_ends
     run = _Run()
     run.active = True
     output = _ChildOutput(theirs, run)

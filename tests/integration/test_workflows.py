@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from harness import running_worker, wait_for
 from pymongo import MongoClient
+from workflowapp import EFFECTS, effect
 
 from mtask import AsyncTaskClient
 from mtask.errors import InvalidTask, InvalidTransition
@@ -25,21 +26,13 @@ from mtask.store import children as store_children
 
 registry = Registry()
 URI: dict[str, str] = {}
-"""The test's database, for the handlers' side effects (``effects``)."""
-
-
-def effect(key: str, what: str) -> None:
-    """One side effect, counted where the test reads it."""
-    client: MongoClient[dict[str, Any]] = MongoClient(URI["uri"])
-    try:
-        client[URI["db"]]["effects"].insert_one({"key": key, "what": what})
-    finally:
-        client.close()
+"""What a handler counts across its runs (``tries:key``)."""
 
 
 @pytest.fixture(autouse=True)
 def _effects(mongo_uri: str, db_name: str) -> None:
-    URI.update(uri=mongo_uri, db=db_name)
+    """The handlers count their side effects (``workflowapp.effect``) in the test's database."""
+    EFFECTS.update(uri=mongo_uri, db=db_name)
 
 
 def effects(mongo: MongoClient[dict[str, Any]], db_name: str, **match: Any) -> int:

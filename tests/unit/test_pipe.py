@@ -122,9 +122,9 @@ def test_a_step_answer_is_a_value_or_an_exception_raised_as_itself(value: Any) -
 
 
 def test_calls_and_retirement_reach_the_child_through_a_real_pipe(
-    pipe: tuple[Any, Any],
+    pipe_ends: tuple[Any, Any],
 ) -> None:
-    worker, child = pipe
+    worker, child = pipe_ends
     info = pipe.RunInfo("k", "n", 1, "run-1", "w-1")
     call = pipe.Call(_handler, {"a": 1}, info)  # type: ignore[arg-type]
     pipe.send(worker, call)
@@ -187,8 +187,8 @@ class _ExitsWhenLoaded:
         return (_exit_when_loaded, ())
 
 
-def test_a_message_past_the_bound_is_refused_unread(pipe: tuple[Any, Any]) -> None:
-    worker, child = pipe
+def test_a_message_past_the_bound_is_refused_unread(pipe_ends: tuple[Any, Any]) -> None:
+    worker, child = pipe_ends
     child.send(Output(Batch(None, None, [{"data": "x" * 1000}])).encode())
     with pytest.raises(
         ReplyRefused, match="^the handler's process sent a message of more than 100 "
@@ -197,9 +197,9 @@ def test_a_message_past_the_bound_is_refused_unread(pipe: tuple[Any, Any]) -> No
 
 
 def test_what_cannot_be_unpickled_or_is_unknown_is_the_runs_handler_error(
-    pipe: tuple[Any, Any],
+    pipe_ends: tuple[Any, Any],
 ) -> None:
-    worker, child = pipe
+    worker, child = pipe_ends
     assert pipe.receive(worker, 1000) is None  # nothing to read
     child.send(("ok", 1, _ExitsWhenLoaded()))
     with pytest.raises(HandlerError, match="SystemExit: unpickled"):
