@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import bson
-import pytest
 from harness import node, unavailable, worker_process
 from pymongo import MongoClient
 
@@ -38,7 +37,6 @@ def test_a_node_publishers_encrypted_params_run(
     db_name: str,
     mongo: MongoClient[dict[str, Any]],
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     binary = node()
     needs_the_driver()
@@ -55,10 +53,9 @@ def test_a_node_publishers_encrypted_params_run(
     assert json.loads(published.stdout) == {"published": "from-node", "subtype": 6}
     stored = mongo[db_name].tasks.find_one({"_id": "from-node"})
     assert stored is not None and sealed(stored["params"])
-    monkeypatch.setenv(KEY_FILE_ENV, str(master))
     with (
         TaskClient(mongo_uri, database=db_name, encryption=encryption) as client,
-        worker_process(mongo_uri, db_name),
+        worker_process(mongo_uri, db_name, env={KEY_FILE_ENV: str(master)}),
     ):
         assert client.wait("from-node", timeout=60).status == "succeeded"
         task = client.get("from-node")

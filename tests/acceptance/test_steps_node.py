@@ -19,6 +19,7 @@ import pytest
 from harness import node as find_node
 from harness import running_worker
 from pymongo import MongoClient
+from pymongo.collection import Collection
 
 from mtask import AsyncTaskClient, Task
 from mtask.driver import Call
@@ -97,6 +98,12 @@ async def jobs(mongo_uri: str, db_name: str) -> AsyncIterator[AsyncTaskClient]:
         yield c
 
 
+@pytest.fixture
+def raw(mongo: MongoClient[dict[str, Any]], db_name: str) -> Collection[dict[str, Any]]:
+    """The jobs' collection as Node's driver sees it: plain documents."""
+    return mongo[db_name][COLLECTION]
+
+
 async def finished(jobs: AsyncTaskClient, key: str) -> Task:
     async with asyncio.timeout(60):
         return await jobs.wait(key)
@@ -131,10 +138,9 @@ async def test_a_node_signal_resumes_a_waiting_task_with_its_payload(
 
 
 async def test_a_node_signal_sent_before_the_wait_is_not_lost(
-    mongo_uri: str, db_name: str, jobs: AsyncTaskClient, mongo: MongoClient[dict[str, Any]]
+    mongo_uri: str, db_name: str, jobs: AsyncTaskClient, raw: Collection[dict[str, Any]]
 ) -> None:
     node = find_node(INTEROP)
-    raw = mongo[db_name][COLLECTION]
     # before any worker claimed the task: the signal is kept, and does not move the task's times
     await jobs.publish("approval", "queued", {})
     before = raw.find_one({"_id": "queued"})
@@ -178,10 +184,9 @@ async def test_a_node_signal_sent_before_the_wait_is_not_lost(
 
 
 async def test_a_node_signal_to_a_finished_task_matches_nothing(
-    mongo_uri: str, db_name: str, jobs: AsyncTaskClient, mongo: MongoClient[dict[str, Any]]
+    mongo_uri: str, db_name: str, jobs: AsyncTaskClient, raw: Collection[dict[str, Any]]
 ) -> None:
     node = find_node(INTEROP)
-    raw = mongo[db_name][COLLECTION]
     await jobs.publish("approval", "done", {})
     assert await jobs.signal("done", "approved", {"first": 1}) is False
     async with running_worker(registry, mongo_uri, db_name, collection=COLLECTION):
