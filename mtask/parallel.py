@@ -34,7 +34,7 @@ async def gather(
     """Run ``branches`` (awaitables, usually ``ctx.step`` coroutines) as one group of the
     journal; their results in the order given."""
     _check(branches)
-    await journal.run_plan(journal._flush())  # what was decided before comes before it
+    await journal.run_plan(journal.flush())  # what was decided before comes before it
     group = journal.open_group(name)
     completed = False
     try:
@@ -83,7 +83,7 @@ def gather_sync(
         raise StepError(
             "gather_sync takes functions of no arguments: lambda: ctx.step_sync(name, fn, ...)"
         )
-    journal.run_plan_sync(journal._flush())
+    journal.run_plan_sync(journal.flush())
     group = journal.open_group(name)
     completed = False
     try:

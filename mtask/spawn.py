@@ -32,7 +32,18 @@ from typing import Any
 
 from mtask.errors import InvalidTask, MtaskError
 from mtask.models import MAX_KEY_LENGTH, NewTask, TaskStatus
-from mtask.steps import NEVER, Doc, Plan, RunSteps, StepError, StepMismatch, Suspended, Wait, _Io
+from mtask.steps import (
+    NEVER,
+    Doc,
+    Journal,
+    Plan,
+    RunSteps,
+    StepError,
+    StepMismatch,
+    Suspended,
+    Wait,
+    _Io,
+)
 
 MAX_CHILDREN = 100_000
 """The most children one step spawns (their counter's bits fit the parent's document)."""
@@ -144,24 +155,26 @@ def words(total: int) -> int:
 
 
 def spawn_plan(
-    journal: RunSteps, parent: str, children: Iterable[Any], name: str | None
+    steps: RunSteps, parent: str, children: Iterable[Any], name: str | None
 ) -> Plan[list[Any]]:
-    """The step (see the module's docstring): spawn, wait, then the results."""
+    """The step (see the module's docstring), recorded in the run's journal: spawn, wait, then
+    the results."""
+    journal = steps.journal
     if journal.group() is not None:
         raise StepError("spawn_and_wait is not a branch of a gather: spawn every child at once")
-    journal.spawns += 1
-    step = name if name is not None else f"spawn#{journal.spawns}"
+    n = journal.count("spawn")
+    step = name if name is not None else f"spawn#{n}"
     specs = build(parent, step, children)
-    index, prior = journal._begin(step, "children")
+    index, prior = journal.begin(step, "children")
     if prior is not None and prior.get("state") in ("done", "failed"):
         return (yield from _replayed(journal, step, prior))
-    entry = journal._entry(step, "children", prior, journal.store.now())
+    entry = journal.entry(step, "children", prior, journal.store.now())
     entry["total"] = len(specs)
     waiting = Suspended(Wait(index, None, NEVER, children=step))
     if prior is None:
         entry["state"] = "waiting"
         yield _Io(lambda: journal.store.spawn(index, entry, specs))
-        journal._keep(index, entry)
+        journal.keep(index, entry)
         raise waiting
     if prior.get("total") != len(specs):
         raise StepMismatch(
@@ -177,7 +190,7 @@ def spawn_plan(
 
 
 def _finished(
-    journal: RunSteps, index: int, entry: Doc, prior: Doc, found: list[Doc]
+    journal: Journal, index: int, entry: Doc, prior: Doc, found: list[Doc]
 ) -> Plan[list[Any]]:
     """Every child finished: record their results (or the failures) once."""
     results = [c.get("result") if c.get("status") == TaskStatus.SUCCEEDED.value else None
@@ -192,20 +205,17 @@ def _finished(
         )
     else:
         entry["state"] = "done"
-    journal._tried(entry, now, 0, error)
-    data = journal._store_result(entry, results)
-    if data is not None:
-        entry["spill"] = yield _Io(lambda: journal.store.spill(data))
-        journal.spilled = True
-    yield from journal._write(index, entry, prior)
+    journal.tried(entry, now, 0, error)
+    yield from journal.put_result(entry, results)
+    yield from journal.write(index, entry, prior)
     if failures:
         raise ChildFailed(entry["name"], failures[:MAX_NAMED], len(failures), len(found), results)
     return results
 
 
-def _replayed(journal: RunSteps, step: str, prior: Doc) -> Plan[list[Any]]:
+def _replayed(journal: Journal, step: str, prior: Doc) -> Plan[list[Any]]:
     """A recorded outcome of the children: their results, or ``ChildFailed`` again."""
-    results = yield from journal._read(prior)
+    results = yield from journal.read(prior)
     if prior.get("state") == "done":
         return list(results or [])
     failures = [f for f in prior.get("failures") or [] if isinstance(f, dict)]

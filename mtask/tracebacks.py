@@ -10,7 +10,8 @@ innermost frame that is not mtask's: where the error came from in the user's cod
 A frame is mtask's when its file is a module of the installed ``mtask`` package, found by its
 path below a ``mtask/`` directory (a worker on another host has its own prefix:
 ``/usr/lib/python3/site-packages/mtask/steps.py`` and ``/src/mtask/steps.py`` are both
-``steps.py`` of mtask), a file in one of its sub-packages (another version's module), or
+``steps.py`` of mtask), a file in one of its sub-packages (another version's module), a
+module that became a sub-package (another version's ``steps.py``, now ``steps/``), or
 anything in an installed ``site-packages/mtask/``. A user's file in a directory named
 ``mtask`` is not folded unless it has the path of one of mtask's modules.
 """
@@ -50,7 +51,8 @@ def is_mtask_file(path: str) -> bool:
     if seen[:marker].endswith(("site-packages", "dist-packages")):
         return True
     inside = seen[marker + len("/mtask/") :]
-    return inside in mtask_modules() or inside.split("/")[0] in mtask_packages()
+    top = inside.split("/")[0]
+    return inside in mtask_modules() or top.removesuffix(".py") in mtask_packages()
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import T0, drained, unavailable, until_recorded
+from harness import T0, drained, until_recorded
 from hypothesis import settings
+from needs import missing
 from pymongo import MongoClient
 from tiers import tier_lines, tier_times
 
@@ -85,7 +86,7 @@ def mongo_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         uri = server.start()
     except MtaskError as exc:
-        unavailable(f"no MongoDB for the tests: {exc}")
+        missing(f"no MongoDB for the tests: {exc}")
     try:
         yield uri
     finally:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import unavailable
+from needs import missing
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = [
@@ -31,11 +31,11 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture
 def browser() -> Iterator[Any]:
     if not Path(CHROMIUM).exists():
-        unavailable("no chromium here (apt-get install chromium)")
+        missing("no chromium here (apt-get install chromium)")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        unavailable("playwright is not installed (pip install -e '.[dev]')")
+        missing("playwright is not installed (pip install -e '.[dev]')")
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)  # a fresh profile
         try:

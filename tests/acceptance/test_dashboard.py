@@ -95,7 +95,7 @@ def test_the_operator_round(
 ) -> None:
     failing_tasks(client, "f")
     worker_id = f"dash-worker-{'js' if js else 'nojs'}"
-    with worker_process(mongo_uri, db_name, "--worker-id", worker_id):
+    with worker_process(mongo_uri, db_name, "--worker-id", worker_id) as process:
         wait_until(lambda: client.stats().get("flaky", {}).get("failed") == 3)
         with serving(mongo_uri, db_name, token=TOKEN, sample_seconds=0.25) as url:
             context = browser.new_context(viewport=DESKTOP, java_script_enabled=js)
@@ -104,6 +104,7 @@ def test_the_operator_round(
             operator_session(page, url, client, worker_id, js)
             context.close()
         wait_until(lambda: not any(w["_id"] == worker_id for w in client.workers()))
+        wait_until(lambda: process.poll() is not None)  # the stop ends the process, with 0
 
 
 def test_phone_width_dark_mode_and_screenshots(

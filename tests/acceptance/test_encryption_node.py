@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import bson
-from harness import node, unavailable, worker_process
+from harness import node, worker_process
+from needs import missing
 from pymongo import MongoClient
 
 from mtask import TaskClient
@@ -25,7 +26,7 @@ SECRET = "node 4242 4242"
 
 def needs_the_driver() -> None:
     if not (HERE / "node_modules" / "mongodb-client-encryption" / "build").is_dir():
-        unavailable(
+        missing(
             "install the Node publisher: apt-get install libmongocrypt-dev; cd "
             "tests/acceptance/encryption; BUILD_TYPE=dynamic CXXFLAGS=-fpermissive npm ci "
             "--build-from-source"

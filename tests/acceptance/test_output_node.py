@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from harness import node, unavailable, worker_process
+from harness import node, worker_process
+from needs import missing
 from webserver import serving
 
 from mtask import TaskClient
@@ -21,7 +22,7 @@ SCRIPT = INTEROP / "eventsource.mjs"
 
 def needs_eventsource() -> None:
     if not (INTEROP / "node_modules" / "eventsource").is_dir():
-        unavailable("run `npm ci --prefix tests/acceptance/interop` for the eventsource package")
+        missing("run `npm ci --prefix tests/acceptance/interop` for the eventsource package")
 
 
 async def read(binary: str, base: str, count: int, *last: str) -> list[dict[str, Any]]:

@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from harness import change_streams, spawn_worker, stop_process, unavailable, wait_for
+from harness import change_streams, spawn_worker, stop_process, wait_for
+from needs import missing
 from pymongo import MongoClient
 
 from mtask import TaskClient, driver
@@ -226,7 +227,7 @@ def own_hosts_available() -> None:
     probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, check=False)
     if probe.returncode != 0:
         why = f"cannot make a network namespace: {probe.stderr.decode().strip()}"
-        unavailable(why)
+        missing(why)
 
 
 async def test_workers_on_different_hosts_share_one_stream_and_one_relay(

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from finders import finder_for
-from harness import CHAOS, Cluster, on_a_server, until_finished
+from harness import CHAOS, MTASK_ROOT, Cluster, on_a_server, until_finished
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pymongo import MongoClient
@@ -33,7 +33,7 @@ def run_cli(*args: str, worker: bool = False) -> subprocess.CompletedProcess[str
         timeout=120,
         check=False,
         cwd=CHAOS,
-        env={"PYTHONPATH": str(CHAOS), "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": f"{CHAOS}:{MTASK_ROOT}", "PATH": "/usr/bin:/bin"},
     )
 
 

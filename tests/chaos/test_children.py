@@ -34,11 +34,15 @@ def read_pid(pidfile: Path) -> int | None:
 
 
 @contextmanager
-def worker(uri: str, database: str, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
-    """A real ``mtask worker run`` process for tests/poolhandlers.py; stopped (or killed)
-    after."""
+def worker(
+    uri: str, database: str, *extra: str, crash_expected: bool = False
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A real ``mtask worker run`` process for tests/poolhandlers.py; stopped after (it exits
+    with 0 unless ``crash_expected``: ``worker_process``)."""
     need_proc()
-    with worker_process(uri, database, *extra, app="poolhandlers:registry") as process:
+    with worker_process(
+        uri, database, *extra, app="poolhandlers:registry", crash_expected=crash_expected
+    ) as process:
         yield process
 
 
@@ -94,7 +98,7 @@ def test_what_a_handler_started_dies_after_the_workers_kill_9(
     pidfile = tmp_path / "grandchild"
     with (
         TaskClient(mongo_uri, database=db_name) as client,
-        worker(mongo_uri, db_name) as process,
+        worker(mongo_uri, db_name, crash_expected=True) as process,
     ):
         child, grandchild = grandchild_of(client, "spawner", pidfile, NO_RETRY)
         assert not dead(grandchild)
@@ -120,19 +124,17 @@ def test_a_frozen_workers_child_stops_itself_by_its_leases_deadline(
         time.sleep(1.0)  # a few renewals have reached the child: it does not stop on them
         assert not dead(child)
         process.send_signal(signal.SIGSTOP)
-        frozen = time.monotonic()
         poll(lambda: process_state(process.pid) == "T", 5, "the worker did not stop")
         time.sleep(0.5)  # a ping in flight when the worker froze has landed by now
         task = client.get("frozen")
         assert task is not None and task.runs[-1].lease_expires_at is not None
         expires = task.runs[-1].lease_expires_at
-        assert not dead(child), "the child stopped long before its lease ran out"
-        stopped = poll(lambda: dead(child), 10, "the child ran on past its lease")
-        # by the deadline: the lease on the server's clock (mongod on this host, one clock)
-        now = dt.datetime.now(dt.UTC)
-        late = (now - expires).total_seconds() - (time.monotonic() - stopped)
-        assert late < 0.1, f"the child stopped {late:.2f} s after its lease ran out"
-        assert stopped - frozen < 3.0 + 0.5
+        # alive until just before its lease runs out (the server's clock: mongod on this host),
+        # and stopped by the lease alone (how soon after it is the bench's to measure)
+        left = (expires - dt.datetime.now(dt.UTC)).total_seconds()
+        time.sleep(max(0.0, left - 0.3))
+        assert not dead(child), "the child stopped before its lease ran out"
+        poll(lambda: dead(child), 10, "the child ran on past its lease")
         poll(lambda: dead(grandchild), 2, "the grandchild ran on past the lease")
         assert process_state(process.pid) == "T"  # the worker was frozen all along
         process.send_signal(signal.SIGCONT)

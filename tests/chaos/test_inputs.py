@@ -10,7 +10,8 @@ import sys
 from typing import Any
 
 import pytest
-from harness import CHAOS, Cluster, unavailable, until_finished, wait_for
+from harness import CHAOS, Cluster, until_finished, wait_for
+from needs import missing
 from sizes import Size
 from test_kills import assert_invariants, work_items
 
@@ -94,7 +95,7 @@ async def test_workers_with_skewed_clocks(
     """Host clocks 10 minutes ahead and behind (libfaketime) change nothing: every time
     decision is taken on MongoDB's clock."""
     if shutil.which("faketime") is None:
-        unavailable("needs faketime (Debian: apt-get install faketime)")
+        missing("needs faketime (Debian: apt-get install faketime)")
     quiet = {"FAKETIME_DONT_FAKE_MONOTONIC": "1"}
     cluster.spawn("ahead", "--concurrency", "8", prefix=["faketime", "-f", "+600s"], env=quiet)
     cluster.spawn("behind", "--concurrency", "8", prefix=["faketime", "-f", "-600s"], env=quiet)

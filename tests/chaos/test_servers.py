@@ -95,7 +95,7 @@ async def test_primary_stepped_down_mid_run(tmp_path: Path, db_name: str, size: 
 
 
 @pytest.mark.parametrize("stream", ["own", "shared"])
-async def test_change_stream_cursors_killed(
+async def test_change_stream_cursors_killed(  # noqa: C901 - one scenario, its waits in order
     cluster: Cluster, client: TaskClient, mongo: Any, db_name: str, size: Size, stream: str
 ) -> None:
     rng = random.Random(5)

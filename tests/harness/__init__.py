@@ -8,11 +8,12 @@ from .documents import T0, hand_written, in_groups, pad_to_the_limit
 from .events import Events, poll, until_finished, wait_for
 from .examples import on_a_server
 from .inloop import drained, running_worker, until_recorded
-from .needs import in_ci, need_proc, node, required, unavailable
+from .machine import need_proc, node, required
 from .pages import BACKGROUND, DESKTOP, EVERY_LOOK, PHONE, kept, looks, sign_in, signed_in
 from .processes import (
     CHAOS,
     MTASK_ROOT,
+    STOP_WITHIN,
     TESTS,
     Cluster,
     dead,
@@ -21,7 +22,7 @@ from .processes import (
     process_state,
     spawn_worker,
     stop_process,
-    worker_env,
+    tree_env,
     worker_process,
 )
 from .proxies import Proxies
@@ -36,6 +37,7 @@ __all__ = [
     "EVERY_LOOK",
     "MTASK_ROOT",
     "PHONE",
+    "STOP_WITHIN",
     "T0",
     "TESTS",
     "Cluster",
@@ -48,7 +50,6 @@ __all__ = [
     "drained",
     "gone",
     "hand_written",
-    "in_ci",
     "in_groups",
     "kept",
     "kill_change_streams",
@@ -69,10 +70,9 @@ __all__ = [
     "signed_in",
     "spawn_worker",
     "stop_process",
-    "unavailable",
+    "tree_env",
     "until_finished",
     "until_recorded",
     "wait_for",
-    "worker_env",
     "worker_process",
 ]

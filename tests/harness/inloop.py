@@ -12,12 +12,16 @@ from mtask.registry import Registry
 from mtask.worker import Worker
 
 from .events import Events
+from .processes import STOP_WITHIN
 
 
 @contextlib.asynccontextmanager
 async def running_worker(
-    registry: Registry, uri: str, database: str, **kwargs: Any
+    registry: Registry, uri: str, database: str, *, crash_expected: bool = False, **kwargs: Any
 ) -> AsyncIterator[tuple[Worker, Events]]:
+    """A worker in the test's loop, stopped at the end. A worker that crashed (its ``run``
+    raised) or did not stop within ``STOP_WITHIN`` fails the test that passed otherwise, unless
+    the test says it expects a crash (``crash_expected``)."""
     events = Events()
     kwargs.setdefault("heartbeat_interval", 0.2)
     worker = Worker(registry, uri=uri, database=database, on_event=events, **kwargs)
@@ -25,10 +29,26 @@ async def running_worker(
     try:
         await asyncio.wait_for(_ready(worker, task), 30)
         yield worker, events
-    finally:
+    except BaseException:
         worker.stop(immediate=True)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 30)
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(task, STOP_WITHIN)
+        raise
+    worker.stop(immediate=True)
+    await _verdict(task, crash_expected)
+
+
+async def _verdict(task: asyncio.Task[None], crash_expected: bool) -> None:
+    try:
+        await asyncio.wait_for(task, STOP_WITHIN)
+    except TimeoutError:
+        raise AssertionError(f"the worker did not stop within {STOP_WITHIN} s (a hang)") from None
+    except Exception as exc:
+        if not crash_expected:
+            raise AssertionError(f"the worker crashed: {exc!r}") from exc
+        return
+    if crash_expected:
+        raise AssertionError("the test expected the worker to crash, and it stopped cleanly")
 
 
 async def _ready(worker: Worker, task: asyncio.Task[None]) -> None:

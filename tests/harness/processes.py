@@ -21,10 +21,14 @@ CHAOS = TESTS / "chaos"
 MTASK_ROOT = Path(mtask.__file__).resolve().parent.parent
 
 
-def worker_env(home: Path = TESTS, **extra: str) -> dict[str, str]:
-    """The environment of a worker process: its registry's folder, then the mtask under test
-    (also when another is installed: an editable install of another tree)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(home), str(MTASK_ROOT)]), **extra}
+STOP_WITHIN = 30.0
+"""How long a worker may take to stop once told; past it the harness fails the test (a hang)."""
+
+
+def tree_env(home: Path = TESTS, **more: str) -> dict[str, str]:
+    """The environment of a subprocess that runs the tree under test (this checkout's
+    ``mtask`` first, whatever is installed) and the tests' apps in ``home`` (``workerapp`` …)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(home), str(MTASK_ROOT)]), **more}
 
 
 def spawn_worker(
@@ -43,14 +47,14 @@ def spawn_worker(
     return subprocess.Popen(
         [*(prefix or []), *worker_argv(app, uri, db, *extra)],
         cwd=home,
-        env=worker_env(home, **(env or {})),
+        env=tree_env(home, **(env or {})),
         **popen,
     )
 
 
-def stop_process(proc: subprocess.Popen[Any], timeout: float = 30) -> None:
+def stop_process(proc: subprocess.Popen[Any], timeout: float = STOP_WITHIN) -> bool:
     """End ``proc`` whatever state it is in: resumed if frozen, SIGTERM, SIGKILL after
-    ``timeout`` seconds; its pipes read to the end."""
+    ``timeout`` seconds; its pipes read to the end. Whether it stopped in time."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGCONT)
@@ -60,16 +64,27 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 30) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
+        return False
+    return True
 
 
 @contextlib.contextmanager
-def worker_process(uri: str, db: str, *extra: str, **spawn: Any) -> Iterator[subprocess.Popen[Any]]:
-    """``spawn_worker`` for the block, stopped after it (``stop_process``)."""
+def worker_process(
+    uri: str, db: str, *extra: str, crash_expected: bool = False, **spawn: Any
+) -> Iterator[subprocess.Popen[Any]]:
+    """``spawn_worker`` for the block, stopped after it (``stop_process``). One that exits
+    with anything but 0 (a crash, a kill) or does not stop within ``STOP_WITHIN`` fails the
+    test that passed otherwise, unless the test expects it (``crash_expected``)."""
     proc = spawn_worker(uri, db, *extra, **spawn)
     try:
         yield proc
-    finally:
+    except BaseException:
         stop_process(proc)
+        raise
+    if not stop_process(proc):
+        raise AssertionError(f"the worker process did not stop within {STOP_WITHIN} s of SIGTERM")
+    if proc.returncode != 0 and not crash_expected:
+        raise AssertionError(f"the worker process exited with {proc.returncode} (a crash?)")
 
 
 def process_state(pid: int) -> str | None:

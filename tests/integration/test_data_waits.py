@@ -35,9 +35,9 @@ async def test_a_wait_is_woken_by_the_update_that_settles_it_and_by_no_other(
     async with running_worker(registry, mongo_uri, db_name) as (_, events):
         await events.wait("following", follower="wait:invoices")
         await aclient.publish("settle", "s1", {"invoice": "inv-1"})
-        await events.wait("waiting", key="s1")
-        task = db.tasks.find_one({"_id": "s1"})
-        assert task["status"] == "pending" and task["waiting"]["data"] == {
+        await events.wait("waiting", key="s1")  # told before its outcome is written: await it
+        task = await wait_for(lambda: db.tasks.find_one({"_id": "s1", "status": "pending"}))
+        assert task["waiting"]["data"] == {
             "collection": "invoices",
             "ids": ["inv-1"],
             "filter": {"_id": "inv-1", "status": "settled"},

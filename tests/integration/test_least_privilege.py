@@ -23,7 +23,8 @@ from typing import Any
 import certs
 import httpx
 import pytest
-from harness import run_cli, spawn_worker, unavailable
+from harness import run_cli, spawn_worker
+from needs import missing
 from pymongo import MongoClient
 from pymongo.errors import OperationFailure
 from webserver import serving
@@ -79,7 +80,7 @@ def _start(base: Path) -> tuple[EmbeddedMongo, str]:
     try:
         return server, server.start()
     except MtaskError as exc:
-        unavailable(f"the auth+TLS mongod did not start: {exc}")
+        missing(f"the auth+TLS mongod did not start: {exc}")
 
 
 @pytest.fixture(scope="module")

@@ -156,7 +156,8 @@ async def test_a_child_stops_itself_when_its_lease_runs_out(
     grandchild = int(pidfile.read_text())
     with pytest.raises(ChildDied, match="lease ran out with no renewal"):
         await running
-    assert time.monotonic() < expiry + 1.0 and dead(grandchild)
+    assert time.monotonic() >= expiry and dead(grandchild)  # not before its deadline (how soon
+    # after it is the bench's to measure: no wall-clock bound in a test)
     assert len(renewals) == 1
 
 

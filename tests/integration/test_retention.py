@@ -118,7 +118,7 @@ def test_defaults_are_read_once_per_window_and_at_once_after_a_change(
     tc.publish("n", "d")  # ... not seen within the window
     assert tc.collection.find_one({"_id": "d"})["options"]["keep_succeeded_ms"] == 60_000  # type: ignore[index]
     monkeypatch.setattr(retention, "CACHE_SECONDS", 0.0)
-    tc._retention.clear()  # the window ended
+    tc._core.retention_cache.clear()  # the window ended
     tc.publish("n", "e")
     assert tc.collection.find_one({"_id": "e"})["options"]["keep_succeeded_ms"] == 120_000  # type: ignore[index]
 

@@ -64,7 +64,7 @@ async def test_a_killed_workers_recorded_steps_are_replayed_by_the_takeover(
     the task over after the lease: it runs steps 4 and 5 only and gets 1-3 from the record."""
     params = {"uri": mongo_uri, "db": db_name, "hold_after": {"victim": 3}}
     client.publish("step_chain", "k", params, options=OPTIONS)
-    with worker_process(mongo_uri, db_name, "--worker-id", "victim") as victim:
+    with worker_process(mongo_uri, db_name, "--worker-id", "victim", crash_expected=True) as victim:
         await wait_for(lambda: len(_task(client, "k").get("steps", [])) == 3, timeout=30)
         victim.send_signal(signal.SIGKILL)
         await asyncio.to_thread(victim.wait, 10)
@@ -92,7 +92,9 @@ async def test_a_killed_workers_process_isolated_steps_are_replayed_by_the_takeo
     the child dies with it (issue 27), and the rescuer's child runs steps 4 and 5 only."""
     params = {"uri": mongo_uri, "db": db_name, "hold_after": {"victim": 3}}
     client.publish("step_chain_in_child", "p", params, options=OPTIONS)
-    with worker_process(mongo_uri, db_name, "--worker-id", "victim", app=POOL) as victim:
+    with worker_process(
+        mongo_uri, db_name, "--worker-id", "victim", app=POOL, crash_expected=True
+    ) as victim:
         await wait_for(lambda: len(_task(client, "p").get("steps", [])) == 3, timeout=60)
         victim.send_signal(signal.SIGKILL)
         await asyncio.to_thread(victim.wait, 10)

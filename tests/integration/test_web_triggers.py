@@ -150,4 +150,4 @@ def test_a_tasks_page_says_which_document_it_waits_for(
     sign_in(api)
     page = api.get("/ui/tasks/w1").text
     assert "until <strong>invoices</strong> holds" in page and "inv-1" in page
-    assert "invoices, 2026-12-01" in page
+    assert "invoices, deadline 2026-12-01" in page

@@ -89,11 +89,11 @@ MUTATIONS = [
     Mutation(
         "step-replay",
         "a step recorded done is replayed, not called again",
-        "mtask/steps.py",
+        "mtask/steps/calls.py",
         'if prior is not None and prior.get("state") == "done":',
         "if False:",
         ("tests/integration/test_steps.py::test_steps_run_once_and_replay_across_a_retry",),
-        after="    def _step(\n",
+        after="    def step(",
     ),
     Mutation(
         "group-lock",

@@ -24,8 +24,10 @@ def test_the_module_map_names_every_module() -> None:
 
 
 def test_the_map_is_short_and_described() -> None:
+    """The prose is short: at most the 118 lines it had room for beside a map of 182 modules
+    (300 in all). The map grows a line a module, so splitting one (issue 60) costs no prose."""
     text = (ROOT / "docs" / "architecture.md").read_text()
-    assert len(text.splitlines()) <= 300
+    assert len(text.splitlines()) - len(mapped()) <= 300 - 182
     block = text.split("## Module map", 1)[1].split("```", 2)[1]
     for line in block.splitlines():
         if line.strip():

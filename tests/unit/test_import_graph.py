@@ -35,7 +35,7 @@ def imports(path: Path, known: dict[str, Path]) -> set[str]:
     return {n for n in names if n in known}
 
 
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:  # noqa: C901 - Tarjan's algorithm, as written
     """Strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}

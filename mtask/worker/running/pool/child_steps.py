@@ -29,7 +29,7 @@ from bson.codec_options import CodecOptions
 
 from mtask.errors import LeaseLost, MtaskError
 from mtask.registry import TaskContext
-from mtask.steps import Doc, RunSteps, StepError
+from mtask.steps import Doc, Journal, RunSteps, StepError
 from mtask.steps import complete_now as complete
 from mtask.worker.running.pool import pipe
 from mtask.worker.running.pool.pipe import StepAsk, StepOp
@@ -154,7 +154,7 @@ class ParentSteps:
         self.ctx = ctx
 
     async def answer(self, op: StepOp, args: tuple[Any, ...]) -> Any:
-        journal = self.ctx.journal  # made on the first request; may refuse (StepError)
+        journal = self.ctx.journal.journal  # made on the first request; may refuse (StepError)
         store = journal.store
         if op == StepOp.JOURNAL:
             return [dict(e) for e in journal.recorded]
@@ -163,10 +163,7 @@ class ParentSteps:
         if op == StepOp.RECORD:
             index, entry, prior = args
             await store.record(index, entry, prior)
-            if index < len(journal.recorded):
-                journal.recorded[index] = entry
-            else:
-                journal.recorded.append(entry)
+            journal.keep(index, entry)
             return None
         if op == StepOp.SPILL:
             ref = await store.spill(args[0])
@@ -180,18 +177,18 @@ class ParentSteps:
             return await store.holds(*args)
         return await self._more(journal, op, args)
 
-    async def _more(self, journal: RunSteps, op: StepOp, args: tuple[Any, ...]) -> Any:
+    async def _more(self, journal: Journal, op: StepOp, args: tuple[Any, ...]) -> Any:
         """Issue 61's requests: a parallel step's record, a spawn, its children."""
         store = journal.store
         if op == StepOp.RECORD_NAMED:
             entry, prior = args
             await store.record_named(entry, prior)
-            journal._keep_named(entry)
+            journal.keep_named(entry)
             return None
         if op == StepOp.SPAWN:
             index, entry, children = args
             await store.spawn(index, entry, children)
-            journal._keep(index, entry)
+            journal.keep(index, entry)
             return None
         if op == StepOp.PUBLISH:
             return await store.publish(*args)

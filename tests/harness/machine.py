@@ -1,4 +1,5 @@
-"""What a test needs from the machine: missing, it fails under CI and is skipped elsewhere."""
+"""What a test needs from the machine beyond Python: each missing thing is ``needs.missing``
+(it fails under CI and skips with its reason elsewhere: tests/needs.py reads CI, alone)."""
 
 from __future__ import annotations
 
@@ -7,38 +8,25 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import NoReturn
 
-import pytest
-
-
-def in_ci() -> bool:
-    """``CI`` says so (``.ci/run`` sets it): a missing tool fails the test there."""
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def unavailable(reason: str) -> NoReturn:
-    """The test cannot run here: fail under CI, skip with ``reason`` elsewhere."""
-    if in_ci():
-        pytest.fail(reason)
-    pytest.skip(reason)
+from needs import missing
 
 
 def required(*commands: list[str], hint: str = "") -> None:
-    """Each command runs and exits 0, or the test is ``unavailable`` (``hint``: where to get
+    """Each command runs and exits 0, or the test is ``missing`` it (``hint``: where to get
     them)."""
     for command in commands:
         ok = shutil.which(command[0]) is not None
         if ok:
             ok = subprocess.run(command, capture_output=True, check=False).returncode == 0
         if not ok:
-            unavailable(f"needs {' '.join(command)}" + (f" ({hint})" if hint else ""))
+            missing(f"needs {' '.join(command)}" + (f" ({hint})" if hint else ""))
 
 
 def need_proc() -> None:
     """The test reads /proc and sends POSIX signals (Linux)."""
     if not (sys.platform.startswith("linux") and os.path.isdir("/proc/self")):
-        unavailable("needs Linux's /proc and POSIX signals")
+        missing("needs Linux's /proc and POSIX signals")
 
 
 def node(driver_in: Path | None = None) -> str:
@@ -46,7 +34,7 @@ def node(driver_in: Path | None = None) -> str:
     official ``mongodb`` driver installed there too (``npm ci --prefix driver_in``)."""
     found = shutil.which("node")
     if found is None:
-        unavailable("Node.js is not installed (Debian: apt-get install nodejs npm)")
+        missing("Node.js is not installed (Debian: apt-get install nodejs npm)")
     if driver_in is not None and not (driver_in / "node_modules" / "mongodb").is_dir():
-        unavailable(f"the mongodb npm driver is missing: run npm ci --prefix {driver_in}")
+        missing(f"the mongodb npm driver is missing: run npm ci --prefix {driver_in}")
     return found
