@@ -204,7 +204,7 @@ def run(mutation: Mutation) -> tuple[bool, float, str]:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests")])}
         started = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+            [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
              *mutation.tests],
             cwd=tree,
             env=env,
