@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from bench import scale
+from bench.batches import batch_handlers
 from bench.budget import cost_budget
 from bench.children import children_cost
 from bench.cpu import w10_cpu
@@ -52,6 +53,7 @@ WORKLOADS = {
     "WS": durable_steps,  # issue 30: what a step, a sleep and a signal wait cost (bench/steps.py)
     "WB": cost_budget,  # issue 26: the cost budget per task, beside bench/budget.json
     "WQ": peers,  # issue 26: W1 and W2 beside arq on Redis, same run (bench/peers.py)
+    "WBH": batch_handlers,  # issue 62: batch handlers against single-task ones, one run
     "WG": groups_cost,  # issue 29: fairness, group limits and sequences in a drain
     "WL": limit_changes,  # issue 66: a lowered limit applies on its event (bench/limits.py)
     "WST": startup,  # issue 66: a worker's first claim, the CLI's answer, beside arq's start-up

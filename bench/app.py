@@ -6,7 +6,7 @@ import asyncio
 import time
 from typing import Any
 
-from bench import children, features_off, output, preflight, steps, txn
+from bench import batches, children, features_off, output, preflight, steps, txn
 from mtask.registry import Registry, TaskContext
 
 features_off.apply()  # bench WB's worker-side variants (MTASK_BENCH_OFF); none by default
@@ -16,6 +16,7 @@ output.register(registry)
 steps.register(registry)
 children.register(registry)  # issue 61: bench WC
 preflight.register(registry)  # issue 61: bench WF
+batches.register(registry)  # issue 62: bench WBH
 
 
 @registry.task("noop")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from mtask._version import __version__
 
 if TYPE_CHECKING:
+    from mtask.batches import BatchItem
     from mtask.client import AsyncTaskClient, TaskClient
     from mtask.errors import (
         EmbeddedUnavailable,
@@ -27,11 +28,13 @@ if TYPE_CHECKING:
     from mtask.flows import Next
     from mtask.models import PublishResult, Run, RunState, Task, TaskOptions, TaskStatus
     from mtask.registry import Fail, Registry, Retry, TaskContext
+    from mtask.snooze import Snooze
     from mtask.spawn import ChildFailed, Spawn
     from mtask.step_policy import StepPolicy, StepTimeout
     from mtask.worker import Worker
 
 _WHERE = {
+    "mtask.batches": ("BatchItem",),  # issue 62
     "mtask.client": ("AsyncTaskClient", "TaskClient"),
     "mtask.errors": (
         "EmbeddedUnavailable",
@@ -46,6 +49,7 @@ _WHERE = {
     "mtask.flows": ("Next",),
     "mtask.models": ("PublishResult", "Run", "RunState", "Task", "TaskOptions", "TaskStatus"),
     "mtask.registry": ("Fail", "Registry", "Retry", "TaskContext"),
+    "mtask.snooze": ("Snooze",),  # issue 62
     "mtask.spawn": ("ChildFailed", "Spawn"),  # issue 61
     "mtask.step_policy": ("StepPolicy", "StepTimeout"),  # issue 61
     "mtask.worker": ("Worker",),
@@ -68,6 +72,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AsyncTaskClient",
+    "BatchItem",
     "ChildFailed",
     "EmbeddedUnavailable",
     "Fail",
@@ -81,6 +86,7 @@ __all__ = [
     "Retry",
     "Run",
     "RunState",
+    "Snooze",
     "Spawn",
     "StepPolicy",
     "StepTimeout",

@@ -45,6 +45,9 @@ FAILED = Counter("mtask_runs_failed", "Runs that ended in FAIL", ["name"])
 RETRIED = Counter(
     "mtask_runs_retried", "FAIL runs that left their task pending (retry budget)", ["name"]
 )
+SNOOZED = Counter(
+    "mtask_runs_snoozed", "Runs whose handler raised Snooze: no retry spent (issue 62)", ["name"]
+)
 LEASE_LOST = Counter("mtask_runs_lease_lost", "Runs stopped because another took over", ["name"])
 IN_FLIGHT = Gauge("mtask_runs_in_flight", "Runs in flight in this process")
 RUNS_IN_PROGRESS = Gauge(
@@ -62,6 +65,12 @@ CLAIM_LATENCY = Histogram(
     "mtask_claim_latency_seconds",
     "One claim call (one key or a batch), from sending to the claimed documents",
     buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+BATCH_SIZE = Histogram(
+    "mtask_batch_size",
+    "Tasks a batch handler was called with (issue 62)",
+    ["name"],
+    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
 )
 RUN_DURATION = Histogram(
     "mtask_run_duration_seconds",

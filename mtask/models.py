@@ -148,6 +148,9 @@ class RunState(StrEnum):
     WAITING = "WAITING"
     """The handler slept or waits for a signal (``ctx.sleep``, ``ctx.wait_for``): the run
     ended, the task is claimed again when the wait is over (docs/steps.md)."""
+    SNOOZED = "SNOOZED"
+    """The handler raised ``Snooze(seconds)``: the run ended without spending a retry, the
+    task is claimed again after those seconds (issue 62, ``mtask.snooze``)."""
 
 
 class TaskOptions(BaseModel):
@@ -406,6 +409,18 @@ OPTION_DEFAULTS: dict[str, Any] = TaskOptions().to_document()
 document with (``mtask.store.complete``), from the one definition, ``TaskOptions``."""
 
 
+class Debounce(Stored):
+    """A debounced publish's window (issue 62, ``mtask.store.debounce``): publishes of ``key``
+    collapse into this task while it is pending and never claimed."""
+
+    key: str = Field(min_length=1, max_length=MAX_KEY_LENGTH)
+    first_at: BsonDate
+    last_at: BsonDate
+    count: int = Field(ge=1)
+    max_at: BsonDate | None = None
+    """Never due later than this (``debounce_max`` after the first publish)."""
+
+
 class TaskDocument(BaseModel):
     """The task document as mtask stores it: the one definition of its shape.
 
@@ -486,6 +501,16 @@ class TaskDocument(BaseModel):
     """Its newest ``spawn_and_wait``'s counter of children (issue 61)."""
     spawn: SpawnedBy | None = None
     """A spawned child's parent and place (issue 61); its ``parent`` field names it too."""
+    snoozes: int | None = Field(None, ge=0)
+    """How many runs ended ``SNOOZED`` (``raise mtask.Snooze``, issue 62); absent until one
+    does. Never reset: a snooze spends no retry, and the count says how often it was put off."""
+    supersede: Literal["drop_newer", "cancel_queued", "cancel_running"] | None = None
+    """Published with a supersede policy (issue 62, ``store.supersede``): one open task of its
+    name and group among those that were (the unique ``supersede`` index)."""
+    superseded_by: str | None = None
+    """The newer task whose publish cancelled this one (issue 62)."""
+    debounce: Debounce | None = None
+    """A debounced publish's window (issue 62, ``store.debounce``)."""
 
 
 class PublishedDocument(BaseModel):
@@ -611,6 +636,15 @@ class Task(BaseModel):
     """Its newest ``spawn_and_wait``'s children: how many, how many finished (issue 61)."""
     spawn: SpawnedBy | None = None
     """A spawned child's parent, step and place (issue 61)."""
+    snoozes: int | None = None
+    """How many of its runs ended ``SNOOZED`` (``raise mtask.Snooze``; ``None``: none)."""
+    supersede: str | None = None
+    """The supersede policy it was published with (issue 62), if any."""
+    superseded_by: str | None = None
+    """The newer task whose publish cancelled it (issue 62), if one did."""
+    debounce: Debounce | None = None
+    """Its debounce window (issue 62): the key, first and last publish, how many, the latest
+    start."""
     missing: list[str] = Field(default_factory=list)
     """Fields every stored task document holds that this one lacks (a publisher's minimal
     document that no worker has completed yet lacks most of them)."""
@@ -848,6 +882,11 @@ class PublishResult(BaseModel):
     created: bool
     updated: bool = False
     task: Task
+    superseded: list[str] = Field(default_factory=list)
+    """Issue 62: the older tasks this publish cancelled (``supersede``)."""
+    dropped: bool = False
+    """Issue 62: not stored, an older task kept its place (``supersede="drop_newer"``);
+    ``task`` is that older task."""
 
 
 OnConflict = Literal["ignore", "update_params", "reset"]

@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from mtask.batches import check as check_batch
 from mtask.errors import InvalidParams, InvalidTask, LeaseLost, MtaskError, RegistryNotFound
 from mtask.models import MAX_RETRY_DELAY_MS, TaskOptions, describe_validation_error
 from mtask.output import RunLog, RunOutput
@@ -354,6 +355,10 @@ class Handler:
     and recorded FAIL ``time limit exceeded``."""
     soft_time_limit: float | None = None
     """Soft limit in seconds: ``ctx.cancelled`` is set, the handler may still end on its own."""
+    batch: int | None = None
+    """Issue 62: a batch handler's most tasks per call (``mtask.batches``); ``None``: one."""
+    batch_timeout: float = 1.0
+    """Issue 62: the longest the first task of a batch waits for the batch to fill."""
 
     def parse(self, params: Mapping[str, Any]) -> Any:
         if self.params_model is None:
@@ -473,6 +478,8 @@ class Registry:
         isolation: Isolation | None = None,
         time_limit: float | None = None,
         soft_time_limit: float | None = None,
+        batch: int | None = None,
+        batch_timeout: float = 1.0,
     ) -> Callable[[F], F]:
         """Register a handler. ``transactional``: an ``async def`` handler taking ``ctx``
         writes with ``ctx.session``, and those writes commit with the run's SUCCESS
@@ -480,14 +487,31 @@ class Registry:
         options it does not give (publish options > handler defaults > global defaults; applied
         by a ``TaskClient`` given this registry). ``isolation="process"`` runs a plain-def
         handler in a child process. ``soft_time_limit``/``time_limit`` (seconds, Celery's
-        names): the run's cooperative and hard limits."""
+        names): the run's cooperative and hard limits. ``batch``: the handler takes a list of
+        up to that many ``BatchItem`` and answers one entry each (issue 62, ``mtask.batches``),
+        called once the batch is full or ``batch_timeout`` seconds after its first task."""
         declared = _declarations(options, isolation, time_limit, soft_time_limit)
+        if batch is not None:
+            declared["batch"], declared["batch_timeout"] = check_batch(batch, batch_timeout)
+            if transactional or isolation is not None or time_limit or soft_time_limit:
+                raise InvalidTask(
+                    "a batch handler cannot be transactional, isolated or time-limited",
+                    field="batch",
+                )
 
         def register(fn: F) -> F:
             task_name = name or fn.__name__
             if task_name in self.handlers:
                 raise InvalidTask(f"a handler for {task_name!r} is already registered")
-            params_model, wants_context = _inspect(fn)
+            if batch is not None:  # one argument: the items
+                if len(inspect.signature(fn).parameters) != 1:
+                    raise InvalidTask(
+                        f"batch handler {fn.__qualname__} must take one argument, its items",
+                        field="batch",
+                    )
+                params_model, wants_context = None, False
+            else:
+                params_model, wants_context = _inspect(fn)
             if transactional and not (inspect.iscoroutinefunction(fn) and wants_context):
                 raise InvalidTask(
                     f"transactional handler {fn.__qualname__} must be an async def taking "

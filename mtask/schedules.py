@@ -16,6 +16,15 @@ between the two steps publishes the same keys again, which creates nothing.
 Ticks missed while no worker ran are handled by ``catch_up``: ``"all"`` publishes each of them
 (up to ``MAX_TICKS_PER_PASS`` at a time), ``"latest"`` (the default) only the most recent one,
 ``"none"`` none of them — a tick is published only if it is at most ``misfire_grace_s`` old.
+
+A tick whose previous task is still open (pending or running) follows ``overlap`` (issue 62):
+``"all"`` (the default) publishes it anyway; ``"skip"`` publishes nothing and counts it in
+``skipped``; ``"buffer"`` keeps the newest such tick in ``buffered_tick`` (one at most: the
+ticks it replaces count as skipped) and publishes it once the previous task has finished,
+looked at every ``BUFFER_RECHECK_S`` while it waits (``next_tick_at`` is then the recheck,
+``after_buffer`` the trigger's own next tick). Under ``skip`` and ``buffer`` a pass publishes one
+tick at most. The previous task is the one ``last_key`` names, read by its key; the advance is
+the same compare-and-set on ``next_tick_at``, so two workers never both publish.
 """
 
 from __future__ import annotations
@@ -55,6 +64,10 @@ log = logging.getLogger("mtask.schedules")
 
 CatchUp = Literal["none", "latest", "all"]
 CATCH_UP_CHOICES = ("none", "latest", "all")
+Overlap = Literal["all", "skip", "buffer"]
+OVERLAP_CHOICES = ("all", "skip", "buffer")
+BUFFER_RECHECK_S = 1.0
+"""How often a schedule holding a buffered tick looks whether its previous task finished."""
 MAX_TICKS_PER_PASS = 1000
 VALIDATION_ANCHOR = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
 """Any instant: building a trigger checks its definition; no time is decided by it."""
@@ -84,6 +97,7 @@ class Schedule(BaseModel):
     options: dict[str, Any] = Field(default_factory=dict)
     catch_up: CatchUp = "latest"
     misfire_grace_s: float = 60.0
+    overlap: Overlap = "all"
 
     @field_validator("id", mode="before")
     @classmethod
@@ -137,6 +151,13 @@ class Schedule(BaseModel):
             raise InvalidTask(f"must be one of {', '.join(CATCH_UP_CHOICES)}", field="catch_up")
         return value
 
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _check_overlap(cls, value: object) -> object:
+        if value not in OVERLAP_CHOICES:
+            raise InvalidTask(f"must be one of {', '.join(OVERLAP_CHOICES)}", field="overlap")
+        return value
+
     @field_validator("misfire_grace_s")
     @classmethod
     def _check_grace(cls, value: float) -> float:
@@ -163,6 +184,7 @@ class Schedule(BaseModel):
         options: object = None,
         catch_up: str = "latest",
         misfire_grace_s: float = 60.0,
+        overlap: str = "all",
     ) -> Schedule:
         """Check everything before anything is written; the error names the bad field."""
         schedule = cls.read(
@@ -176,6 +198,7 @@ class Schedule(BaseModel):
                 "options": options,
                 "catch_up": catch_up,
                 "misfire_grace_s": misfire_grace_s,
+                "overlap": overlap,
             }
         )
         schedule.trigger(VALIDATION_ANCHOR)  # refuses a bad cron expression or zone
@@ -211,7 +234,12 @@ class Schedule(BaseModel):
 
     def definition(self) -> str:
         """A hash of everything that decides the ticks and the tasks."""
-        text = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        # the default overlap leaves the hash as it was before overlap existed (issue 62), so
+        # an upgrade does not count as every schedule's change
+        text = json.dumps(
+            self.model_dump(mode="json", exclude={"overlap"} if self.overlap == "all" else None),
+            sort_keys=True,
+        )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -326,7 +354,11 @@ def put(schedule: Schedule, now: dt.datetime) -> Op[Doc]:
             "update_one",
             (
                 {"_id": schedule.id, "definition": {"$ne": definition}},
-                {"$set": fields, "$setOnInsert": {"paused": False, "created_at": now}},
+                {
+                    "$set": fields,
+                    "$setOnInsert": {"paused": False, "created_at": now},
+                    "$unset": {"buffered_tick": "", "after_buffer": ""},
+                },
             ),
             {"upsert": True},
             collection="schedules",
@@ -386,12 +418,16 @@ def advance(
     following: dt.datetime | None,
     now: dt.datetime,
     error: str | None = None,
+    more: Doc | None = None,
 ) -> Op[bool]:
-    """Move the schedule on, if no other worker did (compare-and-set on ``next_tick_at``)."""
+    """Move the schedule on, if no other worker did (compare-and-set on ``next_tick_at``);
+    ``more``: further update operators (an overlap's buffer and counts)."""
     sets: Doc = {"next_tick_at": following, "updated_at": now, "error": error}
     if ticks:
         sets["last_tick_at"] = ticks[-1]
         sets["last_key"] = tick_key(doc["_id"], ticks[-1])
+    update: Doc = {**(more or {})}
+    update["$set"] = {**update.get("$set", {}), **sets}
     result = yield Call(
         "update_one",
         (
@@ -400,7 +436,7 @@ def advance(
                 "next_tick_at": doc["next_tick_at"],
                 "definition": doc.get("definition"),
             },
-            {"$set": sets},
+            update,
         ),
         collection="schedules",
     )
@@ -417,6 +453,8 @@ def fire(doc: Mapping[str, Any], now: dt.datetime) -> Op[int]:
         )
         start = doc["start"]
         trigger = schedule.trigger(start)
+        if schedule.overlap != "all":  # issue 62
+            return (yield from _fire_overlapping(doc, schedule, trigger, now))
         ticks, following = plan(schedule, trigger, doc["next_tick_at"], now)
         tasks = [
             NewTask.build(
@@ -430,4 +468,71 @@ def fire(doc: Mapping[str, Any], now: dt.datetime) -> Op[int]:
         return 0
     created: int = (yield from store.publish_many(tasks, now)) if tasks else 0
     yield from advance(doc, ticks, following, now)
+    return created
+
+
+# ---------------------------------------------------------------------------------------------
+# Overlap (issue 62): skip or buffer a tick while the previous task is open
+# ---------------------------------------------------------------------------------------------
+
+
+def overlap_step(
+    overlap: Overlap,
+    newest: dt.datetime | None,
+    buffered: dt.datetime | None,
+    previous_open: bool,
+) -> tuple[dt.datetime | None, dt.datetime | None, int]:
+    """What a pass does under ``overlap`` (pure): the tick to publish now, the tick buffered
+    after it, and how many ticks it skips; ``newest`` is this pass's newest due tick (its older
+    ones are skipped by the caller), ``buffered`` the tick held from before."""
+    if not previous_open:
+        if buffered is None:
+            return newest, None, 0
+        # the buffered one goes first; a newer one would overlap it: held (buffer)
+        return buffered, newest, 0
+    if overlap == "skip" or buffered is not None:
+        return None, buffered, int(newest is not None)
+    return None, newest, 0
+
+
+def _is_open(key: object) -> Op[bool]:
+    if not isinstance(key, str):
+        return False
+    found: Doc | None = yield Call("find_one", ({"_id": key}, {"status": 1}))
+    return found is not None and found.get("status") in ("pending", "running")
+
+
+def _fire_overlapping(
+    doc: Mapping[str, Any], schedule: Schedule, trigger: BaseTrigger, now: dt.datetime
+) -> Op[int]:
+    buffered = (
+        doc.get("buffered_tick") if isinstance(doc.get("buffered_tick"), dt.datetime) else None
+    )
+    start = doc.get("after_buffer") if buffered is not None else doc["next_tick_at"]
+    if isinstance(start, dt.datetime):
+        ticks, following = plan(schedule, trigger, start, now)
+    else:
+        ticks, following = [], None
+    newest = ticks[-1] if ticks else None
+    previous_open = (yield from _is_open(doc.get("last_key"))) if (newest or buffered) else False
+    publish, held, skipped = overlap_step(schedule.overlap, newest, buffered, previous_open)
+    skipped += max(0, len(ticks) - 1)  # one tick per pass: the older ones of this pass
+    created = 0
+    if publish is not None:
+        task = NewTask.build(
+            schedule.task, tick_key(schedule.id, publish), schedule.params, schedule.options
+        )
+        created = yield from store.publish_many([task], now)
+    more: Doc = {}
+    if skipped:
+        more["$inc"] = {"skipped": skipped}
+        more["$set"] = {"last_skipped_at": now}
+    next_at: dt.datetime | None = following
+    if held is not None:
+        recheck = now + dt.timedelta(seconds=BUFFER_RECHECK_S)
+        next_at = recheck if following is None else min(recheck, following)
+        more["$set"] = {**more.get("$set", {}), "buffered_tick": held, "after_buffer": following}
+    else:
+        more["$unset"] = {"buffered_tick": "", "after_buffer": ""}
+    yield from advance(doc, [publish] if publish else [], next_at, now, more=more)
     return created

@@ -7,12 +7,14 @@ locks and heads, read by ``mtask.store.cluster``; nothing is written, nothing is
 gives one ``State`` with the ``why`` behind it and a sentence with its facts:
 
 =============  =================================================================================
-``scheduled``  not due yet: a delayed start (``run_at``, ``delay``)
+``scheduled``  not due yet: a delayed start (``run_at``, ``delay``), or an open ``debounce``
+               window (issue 62)
 ``available``  due, nothing in its way: the next free worker of its name claims it
 ``running``    a run holds it (``why`` ``lease_ended``: its lease ran out, a worker takes it over)
 ``retrying``   a run failed; the next try waits for its backoff
-``waiting``    for a ``signal``, a ``sleep``'s end, the tasks it depends on (``dependencies``), or
-               the ``children`` it spawned (issue 61)
+``waiting``    for a ``signal``, a ``sleep``'s end, the tasks it depends on (``dependencies``),
+               the ``children`` it spawned (issue 61), or the end of a ``snoozed`` run's
+               ``Snooze`` (issue 62)
 ``blocked``    due, but its ``group`` (a sequence's lock, a group limit), a ``limit`` of its
                name, its name ``paused``, or ``no_worker`` (no live worker handles its name)
                keeps it from being claimed
@@ -62,7 +64,7 @@ OPEN_STATES = frozenset(
 PENDING_STATES = frozenset(OPEN_STATES - {State.RUNNING})
 """The states of a stored ``pending`` task."""
 WHY: dict[State, tuple[str, ...]] = {
-    State.WAITING: ("signal", "sleep", "dependencies", "children"),
+    State.WAITING: ("signal", "sleep", "dependencies", "children", "snoozed"),
     State.BLOCKED: ("group", "limit", "paused", "no_worker"),
 }
 """The reasons of a waiting and of a blocked task, in the order ``explain`` tries them."""
@@ -180,7 +182,8 @@ def _final(task: Task, state: State, now: dt.datetime) -> Explained:
     if state is State.SUCCEEDED:
         return Explained(state, None, f"succeeded{at}, on {attempt_text(task)}")
     if state is State.CANCELLED:
-        return Explained(state, None, f"cancelled{at}")
+        by = f", superseded by `{task.superseded_by}`" if task.superseded_by else ""
+        return Explained(state, None, f"cancelled{at}{by}")
     error = last_line(task.error) or "no error was recorded"
     how = " for good" if task.failed_permanently else ""
     return Explained(state, None, f"failed{how}{at}, on {attempt_text(task)}: {error}")
@@ -227,6 +230,8 @@ def _later(task: Task, due: dt.datetime, now: dt.datetime) -> Explained:
             "sleep",
             f"sleeping until {when(w.until)} ({relative(w.until, now)}; {step})",
         )
+    if snoozed(task):
+        return Explained(State.WAITING, "snoozed", _snoozed(task, due, now))
     if retried(task):
         error = last_line(task.error) or last_line(_last_error(task))
         failed = f"attempt {max(1, attempt_of(task)[0] - 1)} failed" + (
@@ -237,7 +242,34 @@ def _later(task: Task, due: dt.datetime, now: dt.datetime) -> Explained:
             "backoff",
             f"{failed}; {attempt_text(task)} at {when(due)} ({relative(due, now)})",
         )
+    window = task.debounce
+    if window is not None and task.attempts == 0:  # issue 62: a debounce window still open
+        most = f"; at the latest {when(window.max_at)}" if window.max_at is not None else ""
+        return Explained(
+            State.SCHEDULED,
+            "debounce",
+            f"debounced: runs at {when(due)} ({relative(due, now)}) unless `{window.key}` is "
+            f"published again; {plural(window.count, 'publish', 'publishes')} since "
+            f"{when(window.first_at)}{most}",
+        )
     return Explained(State.SCHEDULED, None, f"scheduled for {when(due)} ({relative(due, now)})")
+
+
+def snoozed(task: Task) -> bool:
+    """Whether the task's newest ended run was snoozed (``raise mtask.Snooze``, issue 62)."""
+    ended = [r for r in task.runs if r.state is not RunState.RUNNING]
+    return bool(ended) and ended[-1].state is RunState.SNOOZED
+
+
+def _snoozed(task: Task, due: dt.datetime, now: dt.datetime) -> str:
+    """What a snoozed task says: until when, why, how often (no retry was spent)."""
+    ended = [r for r in task.runs if r.state is not RunState.RUNNING]
+    why = last_line(ended[-1].error) if ended else ""
+    times = plural(task.snoozes or 1, "time")
+    said = f" ({why})" if why else ""
+    return (
+        f"snoozed until {when(due)} ({relative(due, now)}){said}; snoozed {times}, no retry spent"
+    )
 
 
 def _children(task: Task, step: str) -> str:
@@ -387,6 +419,8 @@ def timing(task: Task, said: Explained) -> tuple[str, dt.datetime | None] | None
     scheduled task), ``next try`` (retrying), ``times out`` (a signal wait; ``None``: no
     deadline), ``wakes`` (a sleep), ``due`` (available or blocked), ``lease until`` (running)."""
     state, w = said.state, task.waiting
+    if state is State.WAITING and said.why == "snoozed":
+        return "wakes", task.next_claim_at
     if state is State.WAITING and w is not None:
         until = None if w.until.year >= NEVER.year else w.until
         waits = w.signal is not None or w.children is not None

@@ -7,6 +7,8 @@ under CI (``CI=true``) and are skipped with the reason elsewhere.
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
 import os
 import re
 import uuid
@@ -15,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import T0
+from harness import T0, drained, until_recorded
 from hypothesis import settings
 from needs import missing
 from pymongo import MongoClient
+from tiers import tier_lines, tier_times
 
 from mtask import AsyncTaskClient, TaskClient
 from mtask.clock import FixedClock
@@ -31,6 +34,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="run the chaos suite (tests/chaos) at its long size instead of the moderate one",
     )
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """One line a tier: its tests and their setup, call and teardown time (``tests/tiers.py``)."""
+    phases = [
+        (report.nodeid, report.duration)
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if isinstance(report, pytest.TestReport)
+    ]
+    lines = tier_lines(tier_times(phases))
+    if lines:
+        terminalreporter.section("time per tier")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 # Tests never assert wall-clock figures, and hypothesis's per-example deadline is one: on a
@@ -99,6 +117,29 @@ def client(mongo_uri: str, db_name: str) -> Iterator[TaskClient]:
 async def aclient(mongo_uri: str, db_name: str) -> AsyncIterator[AsyncTaskClient]:
     async with AsyncTaskClient(mongo_uri, database=db_name) as c:
         yield c
+
+
+@pytest.fixture
+def drain(mongo_uri: str, db_name: str) -> Any:
+    """``drain(registry, publish, key, state=None, **worker_options)``: ``harness.drained``
+    on the test's database."""
+    return functools.partial(drained, uri=mongo_uri, database=db_name)
+
+
+@pytest.fixture
+def worker_after(mongo_uri: str, db_name: str) -> Any:
+    """``async with worker_after(registry, publish, key, state=None, **worker_options) as
+    (worker, events)``: ``harness.until_recorded`` on the test's database."""
+    return functools.partial(until_recorded, uri=mongo_uri, database=db_name)
+
+
+@pytest.fixture
+def pipe_ends() -> Iterator[tuple[Any, Any]]:
+    """The two ends of a ``multiprocessing.Pipe`` (a worker's and its child's), closed after."""
+    ours, theirs = multiprocessing.Pipe()
+    yield ours, theirs
+    ours.close()
+    theirs.close()
 
 
 @pytest.fixture

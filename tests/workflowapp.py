@@ -25,6 +25,14 @@ def effect(key: str, what: str) -> str:
     return what
 
 
+async def charge(ctx: TaskContext) -> None:
+    await ctx.step("charge", effect, ctx.key, "charge")
+
+
+async def ship(ctx: TaskContext) -> None:
+    await ctx.step("ship", effect, ctx.key, "ship")
+
+
 v1 = Registry()
 v2 = Registry()
 v3 = Registry()
@@ -33,37 +41,37 @@ v3_deprecated = Registry()
 
 @v1.task("ship_order")
 async def ship_v1(params: dict[str, Any], ctx: TaskContext) -> str:
-    await ctx.step("charge", effect, ctx.key, "charge")
+    await charge(ctx)
     await ctx.wait_for("go")
-    await ctx.step("ship", effect, ctx.key, "ship")
+    await ship(ctx)
     return "v1"
 
 
 @v2.task("ship_order")
 async def ship_v2(params: dict[str, Any], ctx: TaskContext) -> str:
-    await ctx.step("charge", effect, ctx.key, "charge")
+    await charge(ctx)
     if ctx.patched("ship-first"):
-        await ctx.step("ship", effect, ctx.key, "ship")
+        await ship(ctx)
         await ctx.wait_for("go")
         return "v2-new"
     await ctx.wait_for("go")
-    await ctx.step("ship", effect, ctx.key, "ship")
+    await ship(ctx)
     return "v2-old"
 
 
 @v3.task("ship_order")
 async def ship_v3(params: dict[str, Any], ctx: TaskContext) -> str:
-    await ctx.step("charge", effect, ctx.key, "charge")
-    await ctx.step("ship", effect, ctx.key, "ship")
+    await charge(ctx)
+    await ship(ctx)
     await ctx.wait_for("go")
     return "v3"
 
 
 @v3_deprecated.task("ship_order")
 async def ship_v3_deprecated(params: dict[str, Any], ctx: TaskContext) -> str:
-    await ctx.step("charge", effect, ctx.key, "charge")
+    await charge(ctx)
     ctx.deprecate_patch("ship-first")
-    await ctx.step("ship", effect, ctx.key, "ship")
+    await ship(ctx)
     await ctx.wait_for("go")
     return "v3"
 

@@ -22,6 +22,12 @@ from mtask.cli.common import (
 from mtask.errors import ScheduleNotFound, TaskNotFound, UsageError
 
 
+def _overlaps() -> tuple[str, ...]:
+    from mtask.schedules import OVERLAP_CHOICES
+
+    return OVERLAP_CHOICES
+
+
 def _catch_up() -> tuple[str, ...]:
     from mtask.schedules import CATCH_UP_CHOICES
 
@@ -190,6 +196,7 @@ def _schedule_add(client: Any, args: argparse.Namespace) -> int:
         params=parse_json_object(args.params, "--params") if args.params else None,
         options=parse_json_object(args.options, "--options") if args.options else None,
         catch_up=args.catch_up,
+        overlap=args.overlap,
     )
     if args.json:
         print_json(doc)
@@ -199,10 +206,22 @@ def _schedule_add(client: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+def _overlap(doc: dict[str, Any]) -> str:
+    """A schedule's overlap policy, and what it skipped or holds (issue 62)."""
+    said = str(doc.get("overlap") or "all")
+    if doc.get("skipped"):
+        said += f", {doc['skipped']} skipped"
+    if doc.get("buffered_tick"):
+        said += ", 1 buffered"
+    return said
+
+
 def _print_schedules(docs: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
-    table = Table("id", "task", "when", "catch up", "state", "next tick (UTC)", "last task")
+    table = Table(
+        "id", "task", "when", "catch up", "overlap", "state", "next tick (UTC)", "last task"
+    )
     for doc in docs:
         spec = doc.get("cron") or f"every {doc.get('every_s'):g}s"
         state = "error" if doc.get("error") else "paused" if doc.get("paused") else "active"
@@ -212,6 +231,7 @@ def _print_schedules(docs: list[dict[str, Any]]) -> None:
             str(doc.get("task")),
             f"{spec} ({doc.get('timezone')})",
             str(doc.get("catch_up")),
+            _overlap(doc),
             state,
             when(doc.get("next_tick_at")),
             str(doc.get("last_key") or "-"),
@@ -289,6 +309,13 @@ def register(sub: Any) -> None:
         help="the ticks missed while nothing ran: run none, the latest, or all",
     )
     choose(catch_up, Choices(_catch_up))
+    overlap = p.add_argument(
+        "--overlap",
+        default="all",
+        help="a tick while the previous task is still open: publish it anyway, skip it, or "
+        "buffer one until the previous one finished",
+    )
+    choose(overlap, Choices(_overlaps))
 
     p = sub.add_parser("flow", help="a task and the steps below it, as a tree")
     add_common(p)

@@ -54,6 +54,12 @@ def _states() -> tuple[str, ...]:
     return tuple(STATES)
 
 
+def _policies() -> tuple[str, ...]:
+    from mtask.store.supersede import POLICIES
+
+    return POLICIES
+
+
 ON_CONFLICT = Choices(_on_conflict)
 commands = Commands()
 run = commands.run
@@ -99,6 +105,9 @@ def cmd_publish(args: argparse.Namespace) -> int:
             delay=args.delay,
             on_conflict=args.on_conflict,
             depends_on=args.depends_on,
+            supersede=args.supersede,
+            debounce=args.debounce,
+            debounce_max=args.debounce_max,
         )
     if args.json:
         print_json(
@@ -106,13 +115,19 @@ def cmd_publish(args: argparse.Namespace) -> int:
                 "created": result.created,
                 "updated": result.updated,
                 "task": result.task.model_dump(by_alias=True),
+                "superseded": result.superseded,
+                "dropped": result.dropped,
             }
         )
     else:
         what = "created" if result.created else ("updated" if result.updated else "exists")
+        if result.dropped:  # issue 62: an older task kept its place
+            what = f"dropped: {args.key}; kept"
         out.print(
             f"{what}: {result.task.key} ({result.task.name}, {result.task.status})", markup=False
         )
+        if result.superseded:
+            out.print(f"superseded: {', '.join(result.superseded)}", markup=False)
     return 0
 
 
@@ -176,7 +191,10 @@ def _header_rows(task: Task, said: Explained, now: dt.datetime) -> list[tuple[st
     attempt = f"{attempt_text(task)} (runs: {runs})"
     if task.attempts is None:  # a hand-written document without its counts: say so
         attempt = f"- (successes {_count(task.successes)}, failures {_count(task.failures)})"
-    rows += [("attempt", attempt), ("created", created)]
+    rows.append(("attempt", attempt))
+    if task.snoozes:  # issue 62: runs put off by Snooze, no retry spent
+        rows.append(("snoozed", f"{task.snoozes} time{'s' if task.snoozes != 1 else ''}"))
+    rows.append(("created", created))
     next_time = timing(task, said)
     if next_time is not None:
         label, at = next_time
@@ -732,6 +750,25 @@ def register(sub: Any) -> None:
     choose(conflict, ON_CONFLICT)
     p.add_argument(
         "--depends-on", action="append", metavar="KEY", help="run only after this task succeeded"
+    )
+    supersede = p.add_argument(
+        "--supersede",
+        help="one open task of its name and group among those published with a policy: drop "
+        "this newer one, cancel the queued older one, or cancel the older one even running",
+    )
+    choose(supersede, Choices(_policies))
+    p.add_argument(
+        "--debounce",
+        type=float,
+        metavar="SECONDS",
+        help="publishes of KEY this close together collapse into one run, this long after the "
+        "last (the last params win; the task's key is KEY~<first publish>)",
+    )
+    p.add_argument(
+        "--debounce-max",
+        type=float,
+        metavar="SECONDS",
+        help="with --debounce: the run starts at most this long after the first publish",
     )
 
     p = sub.add_parser("get", help="show one task: its state and why, runs, steps")

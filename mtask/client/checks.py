@@ -9,7 +9,9 @@ from typing import Any
 from mtask import store
 from mtask.errors import InvalidTask
 from mtask.models import ON_CONFLICT_CHOICES, TaskStatus, in_range
+from mtask.store import debounce as debounce_store
 from mtask.store import output as store_output
+from mtask.store import supersede as supersede_store
 
 
 def check_on_conflict(on_conflict: str) -> None:
@@ -72,3 +74,36 @@ def check_session(session: Any, mongo: Any) -> None:
             "build the client with mongo_client= (the MongoClient that starts your sessions)",
             field="session",
         )
+
+
+def check_debounce(
+    debounce: object,
+    debounce_max: object,
+    on_conflict: str,
+    session: Any,
+    depends_on: Sequence[str] | None,
+) -> debounce_store.Quiet:
+    """A debounce, alone: as ``check_supersede``."""
+    if debounce is None:
+        raise InvalidTask("debounce_max needs debounce", field="debounce")
+    quiet = debounce_store.Quiet.build(debounce, debounce_max)
+    if session is not None or on_conflict != "ignore" or depends_on:
+        raise InvalidTask(
+            "cannot be used in a session, with on_conflict or depends_on", field="debounce"
+        )
+    return quiet
+
+
+def check_supersede(
+    policy: str, on_conflict: str, session: Any, depends_on: Sequence[str] | None
+) -> supersede_store.Policy:
+    """A supersede policy, alone: not in a caller's session (a refused insert would abort its
+    transaction), nor with an ``on_conflict`` other than ``ignore`` or dependencies."""
+    checked = supersede_store.check_policy(policy)
+    if depends_on:
+        raise InvalidTask("cannot be used with depends_on", field="supersede")
+    if session is not None:
+        raise InvalidTask("cannot be used in a session", field="supersede")
+    if on_conflict != "ignore":
+        raise InvalidTask("cannot be used with on_conflict", field="supersede")
+    return checked

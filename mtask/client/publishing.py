@@ -12,7 +12,12 @@ from typing import Any
 
 from mtask import flows, store
 from mtask.aftercommit import after_commit
-from mtask.client.checks import check_on_conflict, check_session
+from mtask.client.checks import (
+    check_debounce,
+    check_on_conflict,
+    check_session,
+    check_supersede,
+)
 from mtask.client.core import Core, operation
 from mtask.driver import Op
 from mtask.errors import InvalidTask
@@ -24,7 +29,9 @@ from mtask.models import (
     Task,
     TaskOptions,
 )
+from mtask.store import debounce as debounce_store
 from mtask.store import retention
+from mtask.store import supersede as supersede_store
 
 MAX_DELAY_SECONDS = 10 * 366 * 86400
 
@@ -146,12 +153,28 @@ class Publishing:
         depends_on: Sequence[str] | None = None,
         session: Any = None,
         encrypt: bool = False,
+        supersede: str | None = None,
+        debounce: float | dt.timedelta | None = None,
+        debounce_max: float | dt.timedelta | None = None,
     ) -> Op[PublishResult]:
         """Publish one task (idempotent by key). With ``session``, every write joins it (and
         its transaction): its dependency bookkeeping too. ``encrypt``: its params encrypted
-        client-side (the client's ``encryption``; a name it lists is encrypted anyway)."""
+        client-side (the client's ``encryption``; a name it lists is encrypted anyway).
+        ``supersede``: ``drop_newer``, ``cancel_queued`` or ``cancel_running``, one open task
+        of its name and group among those published with one (``mtask.store.supersede``).
+        ``debounce`` (seconds): publishes of ``key`` within that long collapse into one run,
+        that long after the last, at most ``debounce_max`` after the first; the last params
+        win, and the task's key is ``<key>~<first publish>`` (``mtask.store.debounce``)."""
         check_on_conflict(on_conflict)
         check_session(session, self.core.mongo)
+        policy = None
+        if supersede is not None:
+            policy = check_supersede(supersede, on_conflict, session, depends_on)
+        quiet = None
+        if debounce is not None or debounce_max is not None:
+            quiet = check_debounce(debounce, debounce_max, on_conflict, session, depends_on)
+            if delay is not None or policy is not None:
+                raise InvalidTask("cannot be used with delay or supersede", field="debounce")
         now = self.core.clock.now()
         if self.core.registry is not None:  # handler defaults (issue 18)
             options = self.core.registry.options_for(name, options)
@@ -170,6 +193,17 @@ class Publishing:
 
         known = yield from self._retention_defaults()
         with tracing.publish_span(task.name, task.key) as trace:
+            if quiet is not None:  # issue 62
+                window = yield from debounce_store.publish(task, quiet, now, trace, known)
+                _count_created({task.name: 1} if window.created else {}, session)
+                return _result(store.Published(window.created, not window.created, window.document))
+            if policy is not None:  # issue 62
+                kept = yield from supersede_store.publish_task(task, policy, now, trace, known)
+                _count_created({task.name: 1} if kept.created else {}, session)
+                published = store.Published(kept.created, False, kept.document)
+                return _result(published).model_copy(
+                    update={"superseded": kept.superseded, "dropped": kept.dropped}
+                )
             published = yield from store.publish(  # in a session: one that cannot abort it
                 task, now, on_conflict, trace=trace, retention=known, upsert=session is not None
             )

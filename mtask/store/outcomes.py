@@ -35,7 +35,8 @@ class Outcome:
     error: str | None = None
     permanent: bool = False
     retry_delay_ms: int | None = None
-    """Explicit delay before the task may be claimed again (FAIL); None: the task's backoff."""
+    """Explicit delay before the task may be claimed again (FAIL: ``Retry(delay=…)``, None:
+    the task's backoff; SNOOZED: the snooze's, ``mtask.snooze``)."""
     jitter: float = 1.0
     """Backoff multiplier drawn by the caller, e.g. uniform(0.8, 1.2)."""
     steps: tuple[Doc, ...] = ()
@@ -108,6 +109,24 @@ def _backoff_expr(outcome: Outcome, now: dt.datetime) -> Any:
 def finish_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, list[Doc]]:
     """Filter and pipeline that record ``outcome`` on its run, fenced by run id and RUNNING."""
     state = outcome.state
+    run_fields, sets = _state_fields(outcome, now)
+    if state is not RunState.WAITING:
+        # the wait it was woken from is over (a run that fails before it asks for its wait
+        # again records no step, which would clear it): a signal must not wake it from a backoff
+        sets["waiting"] = "$$REMOVE"
+    stages: list[Doc] = [{"$set": {"runs": set_run_fields(outcome.run_id, run_fields), **sets}}]
+    if state is RunState.FAIL and not outcome.permanent:
+        stages.append({"$set": {"available_at": _backoff_expr(outcome, now)}})
+    if state in (RunState.WAITING, RunState.SNOOZED) or (
+        state is RunState.FAIL and not outcome.permanent
+    ):
+        stages.append({"$set": {"available_at": by_deadline("$available_at")}})
+    return run_filter(outcome.key, outcome.run_id), [*stages, *recompute_stages(now)]
+
+
+def _state_fields(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
+    """What ``outcome``'s state writes: on its run, and on the task."""
+    state = outcome.state
     run_fields: Doc = {"state": state.value, "finished_at": now}
     sets: Doc = {}
     if state is RunState.SUCCESS:
@@ -127,22 +146,17 @@ def finish_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, list[Doc]]:
         sets["steps"] = settled_waits_expr(now, final)
     elif state is RunState.RELEASED:
         sets["available_at"] = now
+    elif state is RunState.SNOOZED:  # issue 62: no failure counted, the snooze counted
+        run_fields["error"] = literal(outcome.error)
+        sets["snoozes"] = {"$add": [{"$ifNull": ["$snoozes", 0]}, 1]}
+        sets["available_at"] = now + dt.timedelta(milliseconds=outcome.retry_delay_ms or 0)
     elif state is RunState.CANCELLED:
         run_fields["error"] = literal(outcome.error)
     elif state is RunState.WAITING and outcome.wait is not None:
         sets.update(_waiting_fields(outcome.wait, now))
     else:
         raise ValueError(f"a run cannot be finished as {state}")
-    if state is not RunState.WAITING:
-        # the wait it was woken from is over (a run that fails before it asks for its wait
-        # again records no step, which would clear it): a signal must not wake it from a backoff
-        sets["waiting"] = "$$REMOVE"
-    stages: list[Doc] = [{"$set": {"runs": set_run_fields(outcome.run_id, run_fields), **sets}}]
-    if state is RunState.FAIL and not outcome.permanent:
-        stages.append({"$set": {"available_at": _backoff_expr(outcome, now)}})
-    if state is RunState.WAITING or (state is RunState.FAIL and not outcome.permanent):
-        stages.append({"$set": {"available_at": by_deadline("$available_at")}})
-    return run_filter(outcome.key, outcome.run_id), [*stages, *recompute_stages(now)]
+    return run_fields, sets
 
 
 def settled_waits_expr(now: dt.datetime, final: Any = True) -> Doc:

@@ -130,6 +130,29 @@ INDEXES: dict[str, list[IndexModel]] = {
                 "status": {"$in": LOCK_STATUSES},
             },
         ),
+        # Supersede (issue 62, store/supersede.py): one open task of a name and group among
+        # those published with a policy; others have no key.
+        IndexModel(
+            [("name", ASCENDING), ("options.group", ASCENDING)],
+            name="supersede",
+            unique=True,  # of racing publishers, one holds it
+            partialFilterExpression={
+                "supersede": {"$type": "string"},
+                "status": {"$in": OPEN_LIST},
+            },
+        ),
+        # Debounce (issue 62, store/debounce.py): a key's open window, pending and never
+        # claimed; a claim takes it out (attempts 1), nothing puts it back. Others have no key.
+        IndexModel(
+            [("name", ASCENDING), ("debounce.key", ASCENDING)],
+            name="debounce",
+            unique=True,  # of racing publishers of a key, one opens its window
+            partialFilterExpression={
+                "debounce.key": {"$type": "string"},
+                "status": TaskStatus.PENDING.value,
+                "attempts": 0,
+            },
+        ),
     ],
     "workers": [IndexModel([("last_seen", ASCENDING)], name="last_seen")],
     # A group's limit document (mtask.slots) is removed once unused for slots.GROUP_TTL.

@@ -80,7 +80,14 @@ def publish(
         # holder keeps it), so that group's next task may go and the unique group_lock index
         # never refuses the move; a task that stays in its group keeps its lock
         stays = {"$eq": ["$options.group", task.options.group]}
-        moved = {"$set": {GROUP_LOCK: {"$cond": [stays, f"${GROUP_LOCK}", "$$REMOVE"]}}}
+        moved = {
+            "$set": {
+                GROUP_LOCK: {"$cond": [stays, f"${GROUP_LOCK}", "$$REMOVE"]},
+                # issue 62: a task moved to another group leaves its supersede rule (the unique
+                # index would refuse the move while that group has its own open holder)
+                "supersede": {"$cond": [stays, "$supersede", "$$REMOVE"]},
+            }
+        }
         pipeline = [moved, {"$set": sets}, *recompute_stages(now)]
     else:  # reset
         filt = {
@@ -464,7 +471,9 @@ def retry_pipeline(now: dt.datetime) -> list[Doc]:
                 },
             }
         },
-        {"$unset": GROUP_LOCK},  # a sequence's task reopened takes its group's lock anew
+        # a sequence's task reopened takes its group's lock anew; a superseded task reopened
+        # runs outside the supersede rule (issue 62: its group may have a newer open holder)
+        {"$unset": [GROUP_LOCK, "supersede"]},
         *recompute_stages(now),
     ]
 

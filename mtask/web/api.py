@@ -71,6 +71,17 @@ class NewTaskBody(BaseModel):
 
 class PublishBody(NewTaskBody):
     on_conflict: Literal["ignore", "update_params", "reset"] = "ignore"
+    supersede: Literal["drop_newer", "cancel_queued", "cancel_running"] | None = Field(
+        None,
+        description="issue 62: one open task of its name and group among those published "
+        "with a policy (docs/publishing.md)",
+    )
+    debounce: float | None = Field(
+        None, description="issue 62: seconds of quiet before the key's one run (docs/publishing.md)"
+    )
+    debounce_max: float | None = Field(
+        None, description="issue 62: the run starts at most this long after the first publish"
+    )
 
 
 class SignalBody(BaseModel):
@@ -191,10 +202,19 @@ async def publish(body: PublishBody, client: Client, response: Response) -> Publ
         delay=body.delay,
         on_conflict=body.on_conflict,
         depends_on=body.depends_on,
+        supersede=body.supersede,
+        debounce=body.debounce,
+        debounce_max=body.debounce_max,
     )
     if not result.created:
         response.status_code = 200
-    return PublishView(created=result.created, updated=result.updated, task=view(result.task))
+    return PublishView(
+        created=result.created,
+        updated=result.updated,
+        task=view(result.task),
+        superseded=result.superseded,
+        dropped=result.dropped,
+    )
 
 
 @router.post("/tasks:batch")

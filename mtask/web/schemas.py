@@ -44,7 +44,8 @@ class TaskView(Task):
     )
     why: str | None = Field(
         None,
-        description="what a waiting task waits for (signal, sleep, dependencies) or what blocks "
+        description="what a waiting task waits for (signal, sleep, dependencies, children, "
+        "snoozed: a Snooze's end) or what blocks "
         "a blocked one (group, limit, paused, no_worker); backoff, lease_ended, …",
     )
     reason: str | None = Field(None, description="why it is not running, in one sentence")
@@ -67,6 +68,8 @@ class PublishView(BaseModel):
     created: bool
     updated: bool
     task: TaskView
+    superseded: list[str] = Field(default_factory=list, description="older tasks it cancelled")
+    dropped: bool = Field(False, description="not stored: an older task kept its place")
 
 
 class SignalView(BaseModel):
@@ -139,6 +142,10 @@ class ScheduleView(Open):
     last_tick_at: dt.datetime | None = None
     last_key: str | None = None
     error: str | None = None
+    overlap: str | None = None
+    """Issue 62: all, skip or buffer (a tick while the previous task is open)."""
+    skipped: int | None = None
+    buffered_tick: dt.datetime | None = None
 
 
 class StopView(BaseModel):

@@ -38,6 +38,7 @@ from mtask.worker.events import Emitter
 from mtask.worker.flow_sweep import FlowSweep
 from mtask.worker.inflight import InFlight
 from mtask.worker.presence import Assignment, Lifecycle, Presence
+from mtask.worker.running.batches import Batches
 from mtask.worker.running.call import HandlerCalls
 from mtask.worker.running.context import RunContexts
 from mtask.worker.running.executor import Executor
@@ -253,6 +254,7 @@ def build(
         isolation=config.pool,
         slots=slots,
         sealing=sealing_from_env(sclient, config.database),
+        batches=Batches(emit),
     )
     executor = Executor(
         registry=registry,

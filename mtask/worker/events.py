@@ -25,6 +25,10 @@ class Event(enum.StrEnum):
     CANCELLED = "cancelled"
     WAITING = "waiting"
     """A run ended sleeping or waiting for a signal (docs/steps.md)."""
+    SNOOZED = "snoozed"
+    """A handler raised ``Snooze``: its run ended, no retry spent (issue 62)."""
+    BATCH = "batch"
+    """A batch handler was called with ``size`` tasks of ``name`` (issue 62)."""
     STOPPING_RUN = "stopping_run"
     RECORDED = "recorded"
     NOT_RECORDED = "not_recorded"
@@ -61,6 +65,7 @@ LOGGED = frozenset(
         Event.RELEASED,
         Event.CANCELLED,
         Event.WAITING,
+        Event.SNOOZED,
         Event.STOPPING_RUN,
         Event.NOT_RECORDED,
         Event.STARTED,

@@ -35,7 +35,7 @@ def browser() -> Iterator[Any]:
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        missing("playwright is not installed")
+        missing("playwright is not installed (pip install -e '.[dev]')")
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)  # a fresh profile
         try:

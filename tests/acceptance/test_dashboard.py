@@ -13,14 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import worker_process
+from harness import DESKTOP, PHONE, worker_process
 from webserver import serving
 
 from mtask import TaskClient
 
 TOKEN = "dash-token"
-DESKTOP = {"width": 1280, "height": 900}
-PHONE = {"width": 390, "height": 844}
 
 
 SHOWN_RIGHT = """selector => Math.max(...[...document.querySelectorAll(selector)]

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 import yaml
-from needs import missing
+from harness import node
 from pymongo import MongoClient
 
 ROOT = Path(__file__).parents[2]
@@ -152,13 +152,6 @@ def test_a_python_fragment_compiles(block: Block) -> None:
     compile(block.code, block.where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
 
 
-def node_or_skip() -> str:
-    node = shutil.which("node")
-    if node is None:
-        missing("no node on PATH: the JavaScript blocks are not checked")
-    return node
-
-
 SCRIPTS = of("js", "js fragment", "js mongosh")
 
 
@@ -168,7 +161,7 @@ def test_a_javascript_block_is_javascript(block: Block, tmp_path: Path) -> None:
     script = tmp_path / "block.mjs"
     script.write_text(block.code)
     checked = subprocess.run(
-        [node_or_skip(), "--check", str(script)], capture_output=True, text=True, timeout=60
+        [node(), "--check", str(script)], capture_output=True, text=True, timeout=60
     )
     assert checked.returncode == 0, f"{block.where}: {checked.stderr}"
 

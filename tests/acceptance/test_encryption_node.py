@@ -13,11 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import bson
-import pytest
-from harness import worker_process
+from harness import node, worker_process
 from needs import missing
 from pymongo import MongoClient
-from test_events_http import node
 
 from mtask import TaskClient
 from mtask.encryption import KEY_FILE_ENV, Encryption, is_ciphertext, sealed
@@ -40,7 +38,6 @@ def test_a_node_publishers_encrypted_params_run(
     db_name: str,
     mongo: MongoClient[dict[str, Any]],
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     binary = node()
     needs_the_driver()
@@ -57,10 +54,9 @@ def test_a_node_publishers_encrypted_params_run(
     assert json.loads(published.stdout) == {"published": "from-node", "subtype": 6}
     stored = mongo[db_name].tasks.find_one({"_id": "from-node"})
     assert stored is not None and sealed(stored["params"])
-    monkeypatch.setenv(KEY_FILE_ENV, str(master))
     with (
         TaskClient(mongo_uri, database=db_name, encryption=encryption) as client,
-        worker_process(mongo_uri, db_name),
+        worker_process(mongo_uri, db_name, env={KEY_FILE_ENV: str(master)}),
     ):
         assert client.wait("from-node", timeout=60).status == "succeeded"
         task = client.get("from-node")

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
 import pytest
-from harness import running_worker
-from needs import missing
+from harness import node, running_worker, server_sent
 from webserver import serving
 from workerapp import registry
 
@@ -40,20 +38,29 @@ def read_events(
     ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
-        block: dict[str, str] = {}
-        for line in response.iter_lines():
-            if line == ": open":
+        for block in server_sent(response.iter_lines()):
+            if block == ": open":
                 ready()
-            elif line == "":
-                if block.get("event") == "task":
-                    found.append({"id": block["id"], **json.loads(block["data"])})
-                    if len(found) == count:
-                        return found
-                block = {}
-            elif not line.startswith(":"):
-                field, _, value = line.partition(":")
-                block[field] = value.removeprefix(" ")
+            elif isinstance(block, dict) and block.get("event") == "task":
+                found.append({"id": block["id"], **json.loads(block["data"])})
+                if len(found) == count:
+                    return found
     raise AssertionError(f"the stream ended after {found}")
+
+
+async def reading(
+    base: str, count: int, params: dict[str, Any]
+) -> asyncio.Task[list[dict[str, Any]]]:
+    """``read_events`` in a thread, once its stream is open (``: open``)."""
+    opened = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    reader = asyncio.create_task(
+        asyncio.to_thread(
+            read_events, base, count, {}, lambda: loop.call_soon_threadsafe(opened.set), params
+        )
+    )
+    await opened.wait()
+    return reader
 
 
 async def test_sse_with_httpx_resumes_with_last_event_id(
@@ -64,15 +71,8 @@ async def test_sse_with_httpx_resumes_with_last_event_id(
     assert bad.status_code == 422
     bad = httpx.get(f"{base}/events", headers={**AUTH, "Last-Event-ID": "not a token"})
     assert bad.status_code == 422 and "Last-Event-ID" in bad.text
-    opened = asyncio.Event()
-    loop = asyncio.get_running_loop()
     params = {"name": "add", "status": "succeeded"}
-    reader = asyncio.create_task(
-        asyncio.to_thread(
-            read_events, base, 2, {}, lambda: loop.call_soon_threadsafe(opened.set), params
-        )
-    )
-    await opened.wait()
+    reader = await reading(base, 2, params)
     async with running_worker(registry, mongo_uri, db_name):
         for i in range(4):
             client.publish("add", f"h{i}", {"a": i, "b": 0})
@@ -89,15 +89,7 @@ async def test_sse_with_httpx_resumes_with_last_event_id(
 async def test_sse_carries_durable_steps_when_asked(
     base: str, mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
-    opened = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    params = {"name": "step_chain", "steps": "true"}
-    reader = asyncio.create_task(
-        asyncio.to_thread(
-            read_events, base, 5, {}, lambda: loop.call_soon_threadsafe(opened.set), params
-        )
-    )
-    await opened.wait()
+    reader = await reading(base, 5, {"name": "step_chain", "steps": "true"})
     async with running_worker(registry, mongo_uri, db_name):
         client.publish("step_chain", "sc1", {"count": 2, "uri": mongo_uri, "db": db_name})
         seen = await reader
@@ -129,13 +121,6 @@ async def test_long_poll_wait(base: str, mongo_uri: str, db_name: str, client: T
         )
     assert done.status_code == 200 and done.json()["status"] == "succeeded"
     assert done.json()["result"] == 2
-
-
-def node() -> str:
-    path = shutil.which("node")
-    if path is None:
-        missing("Node.js is not installed (apt-get install nodejs)")
-    return path
 
 
 async def test_sse_from_node_fetch_with_last_event_id(

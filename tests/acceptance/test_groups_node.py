@@ -9,7 +9,7 @@ from itertools import pairwise
 from typing import Any
 
 import pytest
-from interop.test_node import HERE, node_or_skip, run_node, spawn_worker, wait_for_worker
+from interop.test_node import HERE, node_or_skip, run_node, spawn, wait_for_worker
 
 from mtask import TaskClient
 
@@ -20,7 +20,7 @@ def test_a_node_publishers_groups_are_honoured(
 ) -> None:
     node = node_or_skip()
     client.set_limit("timed_sleep", group_concurrency=1)
-    worker = spawn_worker(mongo_uri, db_name)
+    worker = spawn(mongo_uri, db_name)
     try:
         wait_for_worker(client, worker)
         run_node(node, HERE / "groups.mjs", mongo_uri, db_name)

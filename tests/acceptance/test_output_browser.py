@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
-from harness import worker_process
-from test_dashboard import DESKTOP, PHONE, shots_dir
+from harness import EVERY_LOOK, kept, looks, sign_in, worker_process
+from test_dashboard import shots_dir
 from webserver import serving
 
 from mtask import TaskClient
 
 TOKEN = "out-token"
-BACKGROUND = {"dark": "rgb(11, 17, 32", "light": "rgb(248, 250, 252"}
 READ = """async ([path, stopAfter]) => await new Promise((resolve, reject) => {
   const got = [];
   const source = new EventSource(path);
@@ -38,13 +36,6 @@ READ = """async ([path, stopAfter]) => await new Promise((resolve, reject) => {
 })"""
 
 
-def sign_in(page: Any, url: str) -> None:
-    page.goto(url + "/")
-    page.fill("#token", TOKEN)
-    page.click("form.login button[type=submit]")
-    page.wait_for_selector("#counts")
-
-
 def test_an_event_source_resumes_after_the_last_id_exactly_once(
     browser: Any, mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
@@ -56,7 +47,7 @@ def test_an_event_source_resumes_after_the_last_id_exactly_once(
         context = browser.new_context()
         page = context.new_page()
         page.set_default_timeout(60_000)
-        sign_in(page, url)  # the session cookie is the EventSource's credential
+        sign_in(page, url, TOKEN)  # the session cookie is the EventSource's credential
         first = page.evaluate(READ, ["/tasks/z:stream?kind=chunk", 300])
         assert [i for _, i in first["got"]] == list(range(1, 301)) and first["end"] is None
         last = first["got"][-1][0]
@@ -75,26 +66,13 @@ def test_the_task_page_shows_progress_and_the_live_log(
 
     client.publish("chatter", "report/7", {"count": 3000, "every_ms": 20})
     out = shots_dir(tmp_path)
-    copies = Path("/tmp/shots")  # where a person looks at them
-    copies.mkdir(parents=True, exist_ok=True)
     with (
         worker_process(mongo_uri, db_name, "--concurrency", "1"),
         serving(mongo_uri, db_name, token=TOKEN) as url,
     ):
         with contextlib.closing(client.stream("report/7")) as entries:  # awaits the worker
             next(e for e in entries if e.kind == "log" and e.seq > 60)
-        for scheme, size, viewport in [
-            ("dark", "desktop", DESKTOP),
-            ("dark", "phone", PHONE),
-            ("light", "desktop", DESKTOP),
-            ("light", "phone", PHONE),
-        ]:
-            context = browser.new_context(
-                viewport=viewport, color_scheme=scheme, java_script_enabled=False
-            )
-            page = context.new_page()
-            page.set_default_timeout(30_000)
-            sign_in(page, url)
+        for scheme, size, viewport, page in looks(browser, url, TOKEN, *EVERY_LOOK):
             page.goto(url + "/ui/tasks/report/7")
             expect(page.locator("#progress")).to_contain_text(re.compile(r"chunk \d+ of 3000"))
             expect(page.locator("#progress [role=progressbar]")).to_be_visible()
@@ -106,13 +84,5 @@ def test_the_task_page_shows_progress_and_the_live_log(
             expect(page.locator("#runs")).to_contain_text("lines")
             refresh = page.locator("noscript meta[http-equiv=refresh]")
             assert refresh.count() == 1  # live without JavaScript while the task is open
-            background = page.evaluate("getComputedStyle(document.body).backgroundColor")
-            assert background.startswith(BACKGROUND[scheme]), (scheme, background)
-            width = page.evaluate("document.documentElement.scrollWidth")
-            assert width <= viewport["width"], (size, width)
-            shot = out / f"dashboard-task-output-{size}-{scheme}.png"
-            page.screenshot(path=str(shot), full_page=True)
-            assert shot.stat().st_size > 5_000
-            shutil.copy(shot, copies / shot.name)
-            context.close()
+            kept(page, out, "dashboard-task-output", scheme, size, viewport)
         client.cancel("report/7")

@@ -9,9 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from harness import worker_process
+from harness import node, worker_process
 from needs import missing
-from test_events_http import node
 from webserver import serving
 
 from mtask import TaskClient

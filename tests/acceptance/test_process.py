@@ -11,30 +11,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import running_worker, tree_env, wait_for
+from harness import running_worker, spawn_worker, wait_for
 from workerapp import registry
 
 from mtask import TaskClient
 from mtask.cli.worker import loop_factory, stop_on_signals
 from mtask.errors import UsageError
-from mtask.testing import worker_argv
 
 TESTS = Path(__file__).parents[1]
 
 
-def spawn_worker(uri: str, db: str, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        worker_argv("workerapp:registry", uri, db, *extra),
-        cwd=TESTS,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=tree_env(),
-    )
+def spawn(uri: str, db: str, *extra: str) -> subprocess.Popen[str]:
+    return spawn_worker(uri, db, *extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 async def test_killed_worker_is_preempted(mongo_uri: str, db_name: str, client: TaskClient) -> None:
-    victim = spawn_worker(mongo_uri, db_name, "--worker-id", "victim", "--concurrency", "20")
+    victim = spawn(mongo_uri, db_name, "--worker-id", "victim", "--concurrency", "20")
     try:
         options = {"worker_timeout_ms": 2000, "ping_interval_ms": 300}
         client.publish_many(
@@ -67,7 +59,7 @@ async def test_killed_worker_is_preempted(mongo_uri: str, db_name: str, client: 
 async def test_sigterm_drains_then_releases(
     mongo_uri: str, db_name: str, client: TaskClient, loop: str
 ) -> None:
-    proc = spawn_worker(mongo_uri, db_name, "--grace", "0.5", "--loop", loop, "--log-level", "INFO")
+    proc = spawn(mongo_uri, db_name, "--grace", "0.5", "--loop", loop, "--log-level", "INFO")
     try:
         client.publish("sleep", "long", {"seconds": 3600})
         await wait_for(lambda: client.get("long").status == "running", timeout=60)  # type: ignore[union-attr]

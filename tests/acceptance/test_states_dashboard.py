@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import states_scenario as scenario
-from harness import worker_process
-from test_dashboard import DESKTOP, PHONE, SHOWN_RIGHT, shots_dir, wait_until
-from test_output_browser import BACKGROUND
+from harness import BACKGROUND, DESKTOP, PHONE, sign_in, worker_process
+from test_dashboard import SHOWN_RIGHT, shots_dir, wait_until
 from webserver import serving
 
 from mtask import TaskClient
@@ -44,13 +43,6 @@ SHOTS = {  # the pages kept as screenshots, by the name they are kept under
     "task-succeeded-on-retry": "/ui/tasks/flaky-1",
     "task-no-worker": "/ui/tasks/img-1",
 }
-
-
-def sign_in(page: Any, url: str) -> None:
-    page.goto(url + "/")
-    page.fill("#token", TOKEN)
-    page.click("form.login button[type=submit]")
-    page.wait_for_selector("#counts")
 
 
 def plain(words: str) -> str:
@@ -98,7 +90,7 @@ def test_every_state_and_reason_on_the_dashboard(
             )
             page = context.new_page()
             page.set_default_timeout(30_000)
-            sign_in(page, url)
+            sign_in(page, url, TOKEN)
             background = page.evaluate("getComputedStyle(document.body).backgroundColor")
             assert background.startswith(BACKGROUND[scheme]), (scheme, background)
             for state in STATES:  # the overview's totals, each a link to its list
@@ -178,7 +170,7 @@ def test_the_signal_form_and_the_step_reset_redo_a_payload_less_signal(
             context = browser.new_context(viewport=DESKTOP, java_script_enabled=js)
             page = context.new_page()
             page.set_default_timeout(30_000)
-            sign_in(page, url)
+            sign_in(page, url, TOKEN)
             page.goto(f"{url}/ui/tasks/{key}")
             form = page.locator("#send-signal")
             expect(form.locator("input[name=name]")).to_have_value("approved")

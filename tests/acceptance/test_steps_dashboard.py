@@ -9,25 +9,16 @@ to be looked at; no horizontal scroll at 390 px."""
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
-from harness import worker_process
-from test_dashboard import DESKTOP, PHONE, shots_dir, wait_until
-from test_output_browser import BACKGROUND
+from harness import kept, looks, signed_in, worker_process
+from test_dashboard import shots_dir, wait_until
 from webserver import serving
 
 from mtask import TaskClient
 
 TOKEN = "steps-token"
-
-
-def sign_in(page: Any, url: str) -> None:
-    page.goto(url + "/")
-    page.fill("#token", TOKEN)
-    page.click("form.login button[type=submit]")
-    page.wait_for_selector("#counts")
 
 
 def _waiting_for_approval(client: TaskClient, key: str) -> bool:
@@ -44,8 +35,6 @@ def test_the_task_page_shows_the_step_timeline(
     client.publish("step_showcase", "order/9", {"db": db_name})
     client.publish("add", "plain", {"a": 1, "b": 2})
     out = shots_dir(tmp_path)
-    copies = Path("/tmp/shots")
-    copies.mkdir(parents=True, exist_ok=True)
     with (
         worker_process(mongo_uri, db_name, "--concurrency", "1"),
         serving(mongo_uri, db_name, token=TOKEN) as url,
@@ -53,17 +42,9 @@ def test_the_task_page_shows_the_step_timeline(
         wait_until(lambda: _waiting_for_approval(client, "order/9"))
         wait_until(lambda: client.get("plain").status.value == "succeeded")  # type: ignore[union-attr]
         client.signal("order/9", "note", {"from": "ops", "text": "<b>rush</b>"})
-        for scheme, size, viewport in [
-            ("dark", "desktop", DESKTOP),
-            ("dark", "phone", PHONE),
-            ("light", "phone", PHONE),
-        ]:
-            context = browser.new_context(
-                viewport=viewport, color_scheme=scheme, java_script_enabled=False
-            )
-            page = context.new_page()
-            page.set_default_timeout(30_000)
-            sign_in(page, url)
+        for scheme, size, viewport, page in looks(
+            browser, url, TOKEN, ("dark", "desktop"), ("dark", "phone"), ("light", "phone")
+        ):
             page.goto(url + "/ui/tasks/order/9")
             steps = page.locator("#steps")
             expect(page.locator("#waiting")).to_contain_text(
@@ -90,43 +71,29 @@ def test_the_task_page_shows_the_step_timeline(
                 '{"from":"ops","text":"<b>rush</b>"}'
             )
             assert page.locator("ol.steps li script, ul.signals b").count() == 0
-            background = page.evaluate("getComputedStyle(document.body).backgroundColor")
-            assert background.startswith(BACKGROUND[scheme]), (scheme, background)
-            width = page.evaluate("document.documentElement.scrollWidth")
-            assert width <= viewport["width"], (size, width)
-            shot = out / f"dashboard-task-steps-{size}-{scheme}.png"
-            page.screenshot(path=str(shot), full_page=True)
-            assert shot.stat().st_size > 5_000
-            shutil.copy(shot, copies / shot.name)
+            kept(page, out, "dashboard-task-steps", scheme, size, viewport)
             page.goto(url + "/ui/tasks/plain")
             expect(page.locator("#runs")).to_contain_text("SUCCESS")
             assert page.locator("#steps").count() == 0  # no steps: no section
-            context.close()
         # the page's form sends the signal the task waits for (no JavaScript)
-        context = browser.new_context(
-            viewport=PHONE, color_scheme="dark", java_script_enabled=False
-        )
-        page = context.new_page()
-        page.set_default_timeout(30_000)
-        sign_in(page, url)
-        page.goto(url + "/ui/tasks/order/9")
-        form = page.locator("#send-signal")
-        expect(form.locator("input[name=name]")).to_have_value("approved")  # what it waits for
-        form.locator("textarea[name=payload]").fill("{oops")
-        form.locator("button[type=submit]").click()
-        expect(page.locator("#note .flash.error")).to_contain_text(
-            "signal not sent: the payload is not JSON"
-        )
-        assert _waiting_for_approval(client, "order/9")  # nothing sent
-        assert [g.name for g in client.get("order/9").signals] == ["note"]  # type: ignore[union-attr]
-        form.locator("textarea[name=payload]").fill('{"ok": true}')
-        form.locator("button[type=submit]").click()
-        expect(page.locator("#note .flash.ok")).to_have_text(
-            "signal 'approved' sent to order/9: it woke the task"
-        )
-        wait_until(lambda: client.get("order/9").status.value == "succeeded")  # type: ignore[union-attr]
-        page.goto(url + "/ui/tasks/order/9")
-        assert page.locator("#send-signal").count() == 0  # a finished task takes no signal
-        context.close()
+        with signed_in(browser, url, TOKEN, "dark", "phone") as page:
+            page.goto(url + "/ui/tasks/order/9")
+            form = page.locator("#send-signal")
+            expect(form.locator("input[name=name]")).to_have_value("approved")  # what it waits for
+            form.locator("textarea[name=payload]").fill("{oops")
+            form.locator("button[type=submit]").click()
+            expect(page.locator("#note .flash.error")).to_contain_text(
+                "signal not sent: the payload is not JSON"
+            )
+            assert _waiting_for_approval(client, "order/9")  # nothing sent
+            assert [g.name for g in client.get("order/9").signals] == ["note"]  # type: ignore[union-attr]
+            form.locator("textarea[name=payload]").fill('{"ok": true}')
+            form.locator("button[type=submit]").click()
+            expect(page.locator("#note .flash.ok")).to_have_text(
+                "signal 'approved' sent to order/9: it woke the task"
+            )
+            wait_until(lambda: client.get("order/9").status.value == "succeeded")  # type: ignore[union-attr]
+            page.goto(url + "/ui/tasks/order/9")
+            assert page.locator("#send-signal").count() == 0  # a finished task takes no signal
     task = client.get("order/9")
     assert task is not None and task.result == {"ok": True}

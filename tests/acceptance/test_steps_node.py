@@ -10,16 +10,16 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import node as find_node
 from harness import running_worker
-from needs import missing
 from pymongo import MongoClient
+from pymongo.collection import Collection
 
 from mtask import AsyncTaskClient, Task
 from mtask.driver import Call
@@ -61,21 +61,6 @@ async def approval(params: dict[str, Any], ctx: TaskContext) -> Any:
     return await ctx.wait_for("approved", timeout=params.get("timeout"))
 
 
-def node_or_skip() -> str:
-    """``node`` with the driver installed (``npm ci --prefix tests/acceptance/interop``):
-    missing, the test fails under CI=true (``.ci/run`` installs both) and skips otherwise."""
-    node = shutil.which("node")
-    problem = None
-    if node is None:
-        problem = "Node.js is not installed (Debian: apt-get install nodejs npm)"
-    elif not (INTEROP / "node_modules" / "mongodb").is_dir():
-        problem = "the mongodb npm driver is missing: run npm ci --prefix tests/acceptance/interop"
-    if problem:
-        missing(problem)
-    assert node is not None
-    return node
-
-
 async def run_script(node: str, *args: str) -> Any:
     proc = await asyncio.create_subprocess_exec(
         node,
@@ -113,6 +98,12 @@ async def jobs(mongo_uri: str, db_name: str) -> AsyncIterator[AsyncTaskClient]:
         yield c
 
 
+@pytest.fixture
+def raw(mongo: MongoClient[dict[str, Any]], db_name: str) -> Collection[dict[str, Any]]:
+    """The jobs' collection as Node's driver sees it: plain documents."""
+    return mongo[db_name][COLLECTION]
+
+
 async def finished(jobs: AsyncTaskClient, key: str) -> Task:
     async with asyncio.timeout(60):
         return await jobs.wait(key)
@@ -124,7 +115,7 @@ async def finished(jobs: AsyncTaskClient, key: str) -> Task:
 async def test_a_node_signal_resumes_a_waiting_task_with_its_payload(
     mongo_uri: str, db_name: str, jobs: AsyncTaskClient
 ) -> None:
-    node = node_or_skip()
+    node = find_node(INTEROP)
     async with running_worker(registry, mongo_uri, db_name, collection=COLLECTION) as (_, events):
         await jobs.publish("approval", "wait-1", {})  # no timeout: only the signal can wake it
         await events.wait("recorded", key="wait-1", state="WAITING", timeout=60)
@@ -147,10 +138,9 @@ async def test_a_node_signal_resumes_a_waiting_task_with_its_payload(
 
 
 async def test_a_node_signal_sent_before_the_wait_is_not_lost(
-    mongo_uri: str, db_name: str, jobs: AsyncTaskClient, mongo: MongoClient[dict[str, Any]]
+    mongo_uri: str, db_name: str, jobs: AsyncTaskClient, raw: Collection[dict[str, Any]]
 ) -> None:
-    node = node_or_skip()
-    raw = mongo[db_name][COLLECTION]
+    node = find_node(INTEROP)
     # before any worker claimed the task: the signal is kept, and does not move the task's times
     await jobs.publish("approval", "queued", {})
     before = raw.find_one({"_id": "queued"})
@@ -194,10 +184,9 @@ async def test_a_node_signal_sent_before_the_wait_is_not_lost(
 
 
 async def test_a_node_signal_to_a_finished_task_matches_nothing(
-    mongo_uri: str, db_name: str, jobs: AsyncTaskClient, mongo: MongoClient[dict[str, Any]]
+    mongo_uri: str, db_name: str, jobs: AsyncTaskClient, raw: Collection[dict[str, Any]]
 ) -> None:
-    node = node_or_skip()
-    raw = mongo[db_name][COLLECTION]
+    node = find_node(INTEROP)
     await jobs.publish("approval", "done", {})
     assert await jobs.signal("done", "approved", {"first": 1}) is False
     async with running_worker(registry, mongo_uri, db_name, collection=COLLECTION):
@@ -374,7 +363,7 @@ def test_the_documented_update_is_the_codes() -> None:
 
 
 async def test_signal_mjs_sends_the_documented_update() -> None:
-    node = node_or_skip()
+    node = find_node(INTEROP)
     filt, pipeline = documented()
     name, payload = example_signal(pipeline)
     # with the page's example values: the page's update, exactly

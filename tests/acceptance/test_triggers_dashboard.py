@@ -7,45 +7,27 @@ horizontal scroll at 390 px."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import tree_env
+from harness import EVERY_LOOK, kept, looks, signed_in, worker_process
 from pymongo import MongoClient
-from test_dashboard import DESKTOP, PHONE, shots_dir, wait_until
-from test_output_browser import BACKGROUND
+from test_dashboard import shots_dir, wait_until
 from webserver import serving
 
 from mtask import TaskClient
-from mtask.testing import worker_argv
 
 TOKEN = "triggers-token"
 TESTS = Path(__file__).parents[1]
 
 
-def sign_in(page: Any, url: str) -> None:
-    page.goto(url + "/")
-    page.fill("#token", TOKEN)
-    page.click("form.login button[type=submit]")
-    page.wait_for_selector("#counts")
-
-
 @pytest.fixture
 def worker(mongo_uri: str, db_name: str) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(
-        worker_argv("triggerapp:registry", mongo_uri, db_name),
-        cwd=TESTS,
-        env=tree_env(),
-    )
-    try:
+    with worker_process(mongo_uri, db_name, app="triggerapp:registry") as proc:
         yield proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def _followed(client: TaskClient) -> bool:
@@ -68,21 +50,8 @@ def test_the_triggers_page_shows_each_trigger_and_steers_it(
     mongo[db_name].orders.insert_many([{"_id": i, "status": "paid", "total": i} for i in range(3)])
     wait_until(lambda: (client.triggers()[0].get("published") or 0) >= 3)
     out = shots_dir(tmp_path)
-    copies = Path("/tmp/shots")
-    copies.mkdir(parents=True, exist_ok=True)
     with serving(mongo_uri, db_name, token=TOKEN) as url:
-        for scheme, size, viewport in [
-            ("dark", "desktop", DESKTOP),
-            ("light", "desktop", DESKTOP),
-            ("dark", "phone", PHONE),
-            ("light", "phone", PHONE),
-        ]:
-            context = browser.new_context(
-                viewport=viewport, color_scheme=scheme, java_script_enabled=False
-            )
-            page = context.new_page()
-            page.set_default_timeout(30_000)
-            sign_in(page, url)
+        for scheme, size, viewport, page in looks(browser, url, TOKEN, *EVERY_LOOK):
             page.click("header nav a[href='/ui/triggers']")
             ship = page.locator("tr[data-trigger='ship']")
             expect(ship.locator("td.state")).to_have_text("following")
@@ -94,30 +63,16 @@ def test_the_triggers_page_shows_each_trigger_and_steers_it(
             )
             published = ship.locator("td.num").nth(1).inner_text()
             assert int(published) >= 3, published
-            background = page.evaluate("getComputedStyle(document.body).backgroundColor")
-            assert background.startswith(BACKGROUND[scheme]), (scheme, background)
-            width = page.evaluate("document.documentElement.scrollWidth")
-            assert width <= viewport["width"], (size, width)
-            shot = out / f"dashboard-triggers-{size}-{scheme}.png"
-            page.screenshot(path=str(shot), full_page=True)
-            assert shot.stat().st_size > 5_000
-            shutil.copy(shot, copies / shot.name)
-            context.close()
-        context = browser.new_context(
-            viewport=PHONE, color_scheme="dark", java_script_enabled=False
-        )
-        page = context.new_page()
-        page.set_default_timeout(30_000)
-        sign_in(page, url)
-        page.goto(url + "/ui/triggers")
-        ship = page.locator("tr[data-trigger='ship']")
-        ship.locator("button", has_text="pause").click()
-        expect(page.locator("#note .flash.ok")).to_contain_text("ship: paused")
-        expect(ship.locator("td.state")).to_have_text("paused")
-        wait_until(lambda: not client.triggers()[0]["held"])
-        ship.locator("button", has_text="resume").click()
-        expect(page.locator("#note .flash.ok")).to_contain_text("ship: resumed")
-        wait_until(lambda: _followed(client))
-        page.goto(url + "/ui/triggers")
-        expect(ship.locator("td.state")).to_have_text("following")
-        context.close()
+            kept(page, out, "dashboard-triggers", scheme, size, viewport)
+        with signed_in(browser, url, TOKEN, "dark", "phone") as page:
+            page.goto(url + "/ui/triggers")
+            ship = page.locator("tr[data-trigger='ship']")
+            ship.locator("button", has_text="pause").click()
+            expect(page.locator("#note .flash.ok")).to_contain_text("ship: paused")
+            expect(ship.locator("td.state")).to_have_text("paused")
+            wait_until(lambda: not client.triggers()[0]["held"])
+            ship.locator("button", has_text="resume").click()
+            expect(page.locator("#note .flash.ok")).to_contain_text("ship: resumed")
+            wait_until(lambda: _followed(client))
+            page.goto(url + "/ui/triggers")
+            expect(ship.locator("td.state")).to_have_text("following")

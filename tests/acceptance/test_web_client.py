@@ -23,7 +23,7 @@ def test_a_generated_client_publishes_and_reads(
     mongo_uri: str, db_name: str, client: TaskClient, tmp_path: Path
 ) -> None:
     if not GENERATOR.exists() and not shutil.which("openapi-python-client"):
-        missing("openapi-python-client is not installed")
+        missing("openapi-python-client is not installed (pip install -e '.[dev]')")
     with serving(mongo_uri, db_name, token=TOKEN) as url:
         import httpx
 

@@ -6,7 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster import LONG, MODERATE, Cluster, Size
+from harness import Cluster
+from sizes import LONG, MODERATE, Size
 
 
 @pytest.fixture

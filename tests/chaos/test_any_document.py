@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 from bson import Binary, Decimal128, Int64, MaxKey, MinKey, ObjectId, Timestamp
-from cluster import Cluster
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, Phase, given, settings
+from harness import Cluster, on_a_server
+from hypothesis import given
 from hypothesis import strategies as st
 from pymongo import MongoClient
 from pymongo.errors import DuplicateKeyError, WriteError
@@ -163,12 +163,7 @@ def readers_show(api: TestClient, uri: str, db_name: str, docs: list[dict[str, A
 
 
 @pytest.mark.timeout(900)
-@settings(
-    max_examples=12,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-    deadline=None,
-    phases=[Phase.explicit, Phase.reuse, Phase.generate],  # shrinking on a server is slow
-)
+@on_a_server(max_examples=12)
 @given(batch=st.lists(documents, min_size=1, max_size=8))
 def test_any_document_is_run_or_marked_and_no_worker_stops(
     batch: list[dict[str, Any]],

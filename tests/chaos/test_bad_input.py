@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import HERE, MTASK_ROOT, Cluster, until_finished
 from finders import finder_for
-from hypothesis import HealthCheck, Phase, given, settings
+from harness import CHAOS, MTASK_ROOT, Cluster, on_a_server, until_finished
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pymongo import MongoClient
 from pymongo.errors import WriteError
@@ -32,8 +32,8 @@ def run_cli(*args: str, worker: bool = False) -> subprocess.CompletedProcess[str
         text=True,
         timeout=120,
         check=False,
-        cwd=HERE,
-        env={"PYTHONPATH": f"{HERE}:{MTASK_ROOT}", "PATH": "/usr/bin:/bin"},
+        cwd=CHAOS,
+        env={"PYTHONPATH": f"{CHAOS}:{MTASK_ROOT}", "PATH": "/usr/bin:/bin"},
     )
 
 
@@ -142,12 +142,7 @@ def test_random_documents_never_break_decoding(doc: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(600)
-@settings(
-    max_examples=25,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-    deadline=None,
-    phases=[Phase.explicit, Phase.reuse, Phase.generate],  # shrinking on a server is slow
-)
+@on_a_server(max_examples=25)
 @given(junk=st.lists(documents, min_size=1, max_size=6))
 def test_random_documents_never_break_a_claim(
     junk: list[dict[str, Any]], mongo: MongoClient[dict[str, Any]], db_name: str

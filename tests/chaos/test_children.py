@@ -7,55 +7,22 @@ the lease's deadline."""
 from __future__ import annotations
 
 import datetime as dt
-import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import tree_env
-from needs import missing
+from harness import dead, need_proc, parent_of, poll, process_state, worker_process
 
 from mtask import TaskClient
-from mtask.testing import worker_argv
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
-TESTS = Path(__file__).resolve().parents[1]
 NO_RETRY = {"max_retries": 0}
-
-
-def state(pid: int) -> str | None:
-    """The process's state letter, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
-
-
-def dead(pid: int) -> bool:
-    """Gone, or a zombie waiting for whoever adopted it to reap it."""
-    return state(pid) in (None, "Z")
-
-
-def parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
-def wait(check: Callable[[], Any], limit: float, what: str, every: float = 0.02) -> float:
-    """Poll ``check`` until it holds; returns when (monotonic) it first did."""
-    deadline = time.monotonic() + limit
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(every)
-    return time.monotonic()
 
 
 def read_pid(pidfile: Path) -> int | None:
@@ -66,37 +33,17 @@ def read_pid(pidfile: Path) -> int | None:
     return int(text) if text else None
 
 
-def need_proc() -> None:
-    """These tests read /proc and send POSIX signals (Linux): fail without them in CI, skip
-    with the reason elsewhere."""
-    if sys.platform.startswith("linux") and os.path.isdir("/proc/self"):
-        return
-    reason = "needs Linux's /proc and POSIX signals"
-    missing(reason)
-
-
 @contextmanager
-def worker(uri: str, database: str, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
-    """A real ``mtask worker run`` process for tests/poolhandlers.py; stopped (or killed)
-    after."""
+def worker(
+    uri: str, database: str, *extra: str, crash_expected: bool = False
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A real ``mtask worker run`` process for tests/poolhandlers.py; stopped after (it exits
+    with 0 unless ``crash_expected``: ``worker_process``)."""
     need_proc()
-    process = subprocess.Popen(
-        worker_argv("poolhandlers:registry", uri, database, *extra),
-        cwd=TESTS,
-        env=tree_env(),
-        stdin=subprocess.DEVNULL,
-    )
-    try:
+    with worker_process(
+        uri, database, *extra, app="poolhandlers:registry", crash_expected=crash_expected
+    ) as process:
         yield process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGCONT)
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def test_a_child_past_the_memory_limit_is_killed_and_its_run_fails(
@@ -107,7 +54,7 @@ def test_a_child_past_the_memory_limit_is_killed_and_its_run_fails(
         worker(mongo_uri, db_name, "--memory-limit-per-child", str(200 * 1024)) as process,
     ):
         client.publish("hog", "hog", options=NO_RETRY)
-        wait(
+        poll(
             lambda: client.get("hog").status == "failed",  # type: ignore[union-attr]
             60,
             "the hog's run did not fail",
@@ -118,7 +65,7 @@ def test_a_child_past_the_memory_limit_is_killed_and_its_run_fails(
         assert task.error.endswith("over its limit of 200 MiB; it was killed")
         assert process.poll() is None  # the worker lives on, and runs the next task
         client.publish("double", "after", {"n": 4})
-        wait(
+        poll(
             lambda: client.get("after").status == "succeeded",  # type: ignore[union-attr]
             60,
             "the worker did not run a task after the kill",
@@ -126,11 +73,23 @@ def test_a_child_past_the_memory_limit_is_killed_and_its_run_fails(
         (heartbeat,) = client.workers()
         pool = heartbeat.get("pool") or {}
         assert pool.get("memory_limit_per_child") == 200 * 1024 * 1024
-        wait(
+        poll(
             lambda: (client.workers()[0].get("pool") or {}).get("memory_kills") == 1,
             10,
             "the heartbeat does not count the kill",
         )
+
+
+def grandchild_of(
+    client: TaskClient, key: str, pidfile: Path, options: dict[str, Any]
+) -> tuple[int, int]:
+    """Publish ``spawn_and_sleep`` as ``key``: its handler's child process starts a grandchild
+    and writes its pid to ``pidfile``; returns (child, grandchild) once it did."""
+    client.publish("spawn_and_sleep", key, {"pidfile": str(pidfile)}, options=options)
+    poll(lambda: read_pid(pidfile), 60, "the handler did not start its grandchild")
+    grandchild = read_pid(pidfile)
+    assert grandchild is not None
+    return parent_of(grandchild), grandchild
 
 
 def test_what_a_handler_started_dies_after_the_workers_kill_9(
@@ -139,20 +98,17 @@ def test_what_a_handler_started_dies_after_the_workers_kill_9(
     pidfile = tmp_path / "grandchild"
     with (
         TaskClient(mongo_uri, database=db_name) as client,
-        worker(mongo_uri, db_name) as process,
+        worker(mongo_uri, db_name, crash_expected=True) as process,
     ):
-        client.publish("spawn_and_sleep", "spawner", {"pidfile": str(pidfile)}, options=NO_RETRY)
-        wait(lambda: read_pid(pidfile), 60, "the handler did not start its grandchild")
-        grandchild = read_pid(pidfile)
-        assert grandchild is not None and not dead(grandchild)
-        child = parent_of(grandchild)
+        child, grandchild = grandchild_of(client, "spawner", pidfile, NO_RETRY)
+        assert not dead(grandchild)
         assert child != process.pid and parent_of(child) != 1
         process.send_signal(signal.SIGKILL)
         process.wait()
         # the guard process kills the groups at once; a loaded machine may take seconds (no
         # wall-clock figure is asserted: the bound is that it dies, well before its sleep ends)
-        wait(lambda: dead(grandchild), 10, f"the grandchild {grandchild} outlived the worker")
-        wait(lambda: dead(child), 10, f"the child {child} outlived the worker")
+        poll(lambda: dead(grandchild), 10, f"the grandchild {grandchild} outlived the worker")
+        poll(lambda: dead(child), 10, f"the child {child} outlived the worker")
 
 
 def test_a_frozen_workers_child_stops_itself_by_its_leases_deadline(
@@ -164,15 +120,11 @@ def test_a_frozen_workers_child_stops_itself_by_its_leases_deadline(
         TaskClient(mongo_uri, database=db_name) as client,
         worker(mongo_uri, db_name) as process,
     ):
-        client.publish("spawn_and_sleep", "frozen", {"pidfile": str(pidfile)}, options=lease)
-        wait(lambda: read_pid(pidfile), 60, "the handler did not start its grandchild")
-        grandchild = read_pid(pidfile)
-        assert grandchild is not None
-        child = parent_of(grandchild)
+        child, grandchild = grandchild_of(client, "frozen", pidfile, lease)
         time.sleep(1.0)  # a few renewals have reached the child: it does not stop on them
         assert not dead(child)
         process.send_signal(signal.SIGSTOP)
-        wait(lambda: state(process.pid) == "T", 5, "the worker did not stop")
+        poll(lambda: process_state(process.pid) == "T", 5, "the worker did not stop")
         time.sleep(0.5)  # a ping in flight when the worker froze has landed by now
         task = client.get("frozen")
         assert task is not None and task.runs[-1].lease_expires_at is not None
@@ -182,9 +134,9 @@ def test_a_frozen_workers_child_stops_itself_by_its_leases_deadline(
         left = (expires - dt.datetime.now(dt.UTC)).total_seconds()
         time.sleep(max(0.0, left - 0.3))
         assert not dead(child), "the child stopped before its lease ran out"
-        wait(lambda: dead(child), 10, "the child ran on past its lease")
-        wait(lambda: dead(grandchild), 2, "the grandchild ran on past the lease")
-        assert state(process.pid) == "T"  # the worker was frozen all along
+        poll(lambda: dead(child), 10, "the child ran on past its lease")
+        poll(lambda: dead(grandchild), 2, "the grandchild ran on past the lease")
+        assert process_state(process.pid) == "T"  # the worker was frozen all along
         process.send_signal(signal.SIGCONT)
         time.sleep(1.0)
         after = client.get("frozen")

@@ -12,8 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
-from cluster import Cluster, until_finished
-from harness import wait_for
+from harness import Cluster, in_groups, until_finished, wait_for
 from test_cluster_limits import crowd, peak
 
 from mtask import TaskClient
@@ -103,18 +102,7 @@ async def test_group_concurrency_holds_across_three_workers(
     client.set_limit("work", group_concurrency=2)
     for worker in ("a", "b", "c"):
         cluster.spawn(worker, "--concurrency", "8")
-    client.publish_many(
-        [
-            {
-                "name": "work",
-                "key": f"e{g}/{i:02d}",
-                "params": {"ms": 30},
-                "options": {"group": f"e{g}"},
-            }
-            for i in range(40)
-            for g in range(5)
-        ]
-    )
+    client.publish_many(in_groups("work", "e", groups=5, each=40, params={"ms": 30}))
     await until_finished(client, 200, timeout=300)
     assert client.stats()["work"] == {"succeeded": 200}
     runs = runs_of(mongo, db_name)

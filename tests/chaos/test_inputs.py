@@ -10,9 +10,9 @@ import sys
 from typing import Any
 
 import pytest
-from cluster import HERE, Cluster, Size, until_finished
-from harness import wait_for
+from harness import CHAOS, Cluster, until_finished, wait_for
 from needs import missing
+from sizes import Size
 from test_kills import assert_invariants, work_items
 
 from mtask import TaskClient
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800)]
 def spawn_publisher(uri: str, db: str, first: int, count: int) -> subprocess.Popen[str]:
     args = [uri, db, str(first), str(count), "100"]
     return subprocess.Popen(
-        [sys.executable, str(HERE / "publisher.py"), *args], stdout=subprocess.PIPE, text=True
+        [sys.executable, str(CHAOS / "publisher.py"), *args], stdout=subprocess.PIPE, text=True
     )
 
 

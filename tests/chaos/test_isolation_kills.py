@@ -6,18 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-from harness import tree_env
+from harness import poll, spawn_worker
 
 from mtask import TaskClient
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
-
-TESTS = Path(__file__).resolve().parents[1]
 
 
 def descendants(pid: int) -> set[int]:
@@ -46,36 +41,10 @@ def alive(pids: set[int]) -> set[int]:
 
 
 def spawn(uri: str, database: str, worker_id: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mtask",
-            "worker",
-            "run",
-            "poolhandlers:registry",
-            "--uri",
-            uri,
-            "--database",
-            database,
-            "--worker-id",
-            worker_id,
-            "--concurrency",
-            "3",
-            "--log-level",
-            "WARNING",
-        ],
-        cwd=TESTS,
-        env=tree_env(),
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def wait(check: object, limit: float, what: str) -> None:
-    deadline = time.monotonic() + limit
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+    return spawn_worker(
+        uri, database, "--worker-id", worker_id, "--concurrency", "3",
+        app="poolhandlers:registry",
+    )  # fmt: skip
 
 
 def test_no_child_outlives_a_killed_worker(mongo_uri: str, db_name: str) -> None:
@@ -85,24 +54,24 @@ def test_no_child_outlives_a_killed_worker(mongo_uri: str, db_name: str) -> None
             client.publish("nap", f"nap-{i}", {"seconds": 3}, options=lease)
         first = spawn(mongo_uri, db_name, "doomed")
         try:
-            wait(
+            poll(
                 lambda: sum(t.status == "running" for t in client.list()) == 3,
                 60,
                 "the first worker never ran the three tasks",
             )
             # the forkserver, the resource tracker and a child per run
-            wait(lambda: len(descendants(first.pid)) >= 5, 60, "the children never started")
+            poll(lambda: len(descendants(first.pid)) >= 5, 60, "the children never started")
             children = descendants(first.pid)
             first.send_signal(signal.SIGKILL)
             first.wait()
-            wait(lambda: not alive(children), 15, f"children outlived the worker: {children}")
+            poll(lambda: not alive(children), 15, f"children outlived the worker: {children}")
         finally:
             if first.poll() is None:
                 first.kill()
                 first.wait()
         second = spawn(mongo_uri, db_name, "rescuer")
         try:
-            wait(
+            poll(
                 lambda: all(client.get(f"nap-{i}").status == "succeeded" for i in range(3)),  # type: ignore[union-attr]
                 240,
                 "the runs of the killed worker were not taken over",

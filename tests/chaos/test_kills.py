@@ -8,10 +8,10 @@ import signal
 from typing import Any
 
 import pytest
-from cluster import Cluster, Size, until_finished
-from harness import wait_for
+from harness import Cluster, until_finished, wait_for
 from invariants import check
 from pymongo import MongoClient
+from sizes import Size
 
 from mtask import TaskClient
 

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from cluster import Cluster, until_finished
-from harness import wait_for
+from harness import Cluster, until_finished, wait_for
 
 from mtask import TaskClient
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import Cluster, ReplicaSet, Size, until_finished
-from harness import wait_for
+from harness import replica_set_with_workers, until_finished, wait_for
 from pymongo import MongoClient
+from sizes import Size
 from test_kills import assert_invariants, work_items
 
 from mtask import TaskClient
@@ -121,9 +121,8 @@ async def probe(
 async def test_whole_replica_set_killed_and_restarted_under_load(
     tmp_path: Path, db_name: str, size: Size
 ) -> None:
-    replica_set = ReplicaSet(tmp_path / "rs")
-    uri = await asyncio.to_thread(replica_set.start)
-    cluster = Cluster(uri, db_name, tmp_path)
+    replica_set, cluster = await replica_set_with_workers(tmp_path, db_name)
+    uri = cluster.uri
     workers = ["own", "shared"]
     common = ("--concurrency", "8", "--sweep-interval", "2")
     items = work_items(size.tasks, seed=27, **LEASE)

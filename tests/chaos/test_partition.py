@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -21,10 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import Cluster, until_finished
-from harness import wait_for
+from harness import Cluster, Proxies, required, until_finished, wait_for
 from invariants import check
-from needs import missing
 from pymongo import MongoClient
 
 from mtask import TaskClient
@@ -35,50 +30,6 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
 LEASE = {"worker_timeout_ms": 1500, "ping_interval_ms": 300, "max_retries": 20}
 HOSTS = 3
-
-
-def required(*commands: list[str]) -> None:
-    """The tools this test needs, run once: missing, it fails under CI and is skipped here."""
-    for command in commands:
-        ok = shutil.which(command[0]) is not None
-        if ok:
-            ok = subprocess.run(command, capture_output=True, check=False).returncode == 0
-        if not ok:
-            why = f"needs {' '.join(command)} (util-linux, socat, root)"
-            missing(why)
-
-
-class Proxies:
-    """A ``socat`` per host, from a socket of its own to mongod's, in a process group of its
-    own so that a freeze reaches the connections it forked too."""
-
-    def __init__(self, mongod_socket: str, root: Path) -> None:
-        self.mongod_socket = mongod_socket
-        self.root = root
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, host: str) -> str:
-        path = self.root / f"{host}.sock"
-        self.procs[host] = subprocess.Popen(
-            ["socat", f"UNIX-LISTEN:{path},fork,unlink-early",
-             f"UNIX-CONNECT:{self.mongod_socket}"],
-            stderr=subprocess.DEVNULL,  # "Broken pipe" as connections end
-            start_new_session=True,
-        )  # fmt: skip
-        deadline = time.monotonic() + 10
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return f"mongodb://{str(path).replace('/', '%2F')}/?directConnection=true"
-
-    def signal(self, host: str, sig: signal.Signals) -> None:
-        os.killpg(self.procs[host].pid, sig)
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGCONT)
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
 
 class Publisher(threading.Thread):
@@ -134,7 +85,7 @@ def first_claimers(client: TaskClient, keys: list[str]) -> dict[str, str]:
 
 @pytest.fixture
 def hosts(mongo_uri: str, db_name: str, tmp_path: Path) -> Iterator[tuple[Cluster, Proxies]]:
-    required(["unshare", "--net", "true"], ["socat", "-V"])
+    required(["unshare", "--net", "true"], ["socat", "-V"], hint="util-linux, socat, root")
     port = int(mongo_uri.split(":")[2].split("/")[0])
     mongod_socket = f"/tmp/mongodb-{port}.sock"
     direct = f"mongodb://{mongod_socket.replace('/', '%2F')}/?directConnection=true"

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import Cluster, ReplicaSet, until_finished
-from harness import wait_for
+from harness import replica_set_with_workers, until_finished, wait_for
 from pymongo import MongoClient
 from test_kills import assert_invariants
 from test_partition import (
@@ -39,9 +38,8 @@ WORKERS = ("a", "b", "c")
 async def test_the_relays_holder_lost_while_the_primary_fails_over(
     tmp_path: Path, db_name: str, fault: str
 ) -> None:
-    replica_set = ReplicaSet(tmp_path / "rs")
-    uri = await asyncio.to_thread(replica_set.start)
-    cluster = Cluster(uri, db_name, tmp_path)
+    replica_set, cluster = await replica_set_with_workers(tmp_path, db_name)
+    uri = cluster.uri
     publisher: Publisher | None = None
     frozen: str | None = None
     try:

@@ -10,8 +10,7 @@ import datetime as dt
 from typing import Any
 
 import pytest
-from cluster import Cluster
-from harness import wait_for
+from harness import Cluster, wait_for
 from pymongo import MongoClient
 
 from mtask import TaskClient

@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 from bson import ObjectId
-from cluster import Cluster
-from harness import wait_for
+from harness import Cluster, wait_for
 from invariants import check
 from pymongo import MongoClient
 

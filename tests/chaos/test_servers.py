@@ -9,9 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import Cluster, ReplicaSet, Size, until_finished
-from harness import wait_for
+from harness import (
+    Cluster,
+    change_streams,
+    kill_change_streams,
+    replica_set_with_workers,
+    until_finished,
+    wait_for,
+)
 from pymongo import MongoClient
+from sizes import Size
 from test_kills import assert_invariants, work_items
 
 from mtask import TaskClient
@@ -22,6 +29,11 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800)]
 LEASE = {"worker_timeout_ms": 5000, "ping_interval_ms": 500}
 
 
+def two_workers(cluster: Cluster) -> None:
+    for name in ("a", "b"):
+        cluster.spawn(name, "--concurrency", "8", "--sweep-interval", "2")
+
+
 async def test_mongodb_restarted_under_load(tmp_path: Path, db_name: str, size: Size) -> None:
     server = EmbeddedMongo(tmp_path / "mongodb")
     uri = server.start()
@@ -29,8 +41,7 @@ async def test_mongodb_restarted_under_load(tmp_path: Path, db_name: str, size: 
     try:
         with TaskClient(uri, database=db_name) as client:
             items = work_items(size.tasks, seed=2, **LEASE)
-            for name in ("a", "b"):
-                cluster.spawn(name, "--concurrency", "8", "--sweep-interval", "2")
+            two_workers(cluster)
             client.publish_many(items)
             for _ in range(size.restarts):
                 await asyncio.sleep(1.5)
@@ -56,14 +67,12 @@ async def test_mongodb_restarted_under_load(tmp_path: Path, db_name: str, size: 
 
 
 async def test_primary_stepped_down_mid_run(tmp_path: Path, db_name: str, size: Size) -> None:
-    replica_set = ReplicaSet(tmp_path / "rs")
-    uri = await asyncio.to_thread(replica_set.start)
-    cluster = Cluster(uri, db_name, tmp_path)
+    replica_set, cluster = await replica_set_with_workers(tmp_path, db_name)
+    uri = cluster.uri
     try:
         with TaskClient(uri, database=db_name) as client:
             items = work_items(size.tasks, seed=3, **LEASE)
-            for name in ("a", "b"):
-                cluster.spawn(name, "--concurrency", "8", "--sweep-interval", "2")
+            two_workers(cluster)
             half = len(items) // 2
             client.publish_many(items[:half])
             failovers = []
@@ -83,40 +92,6 @@ async def test_primary_stepped_down_mid_run(tmp_path: Path, db_name: str, size: 
     finally:
         cluster.close()
         replica_set.stop()
-
-
-def change_streams(mongo: MongoClient[dict[str, Any]], db: str) -> list[dict[str, Any]]:
-    """The change-stream cursors open on ``db`` (idle) and the getMores waiting on them."""
-    ops = mongo.admin.aggregate(
-        [
-            {"$currentOp": {"idleCursors": True, "allUsers": True}},
-            {
-                "$match": {
-                    "ns": {"$regex": f"^{db}\\."},
-                    "$or": [
-                        {"cursor.originatingCommand.pipeline.0.$changeStream": {"$exists": True}},
-                        {"command.pipeline.0.$changeStream": {"$exists": True}},
-                    ],
-                }
-            },
-        ]
-    )
-    return list(ops)
-
-
-def kill_change_streams(mongo: MongoClient[dict[str, Any]], db: str) -> int:
-    """Kill every change stream cursor on ``db`` (and the getMore waiting on it)."""
-    killed = 0
-    for op in change_streams(mongo, db):
-        if op.get("type") == "op" and "opid" in op:
-            mongo.admin.command("killOp", op=op["opid"])
-            killed += 1
-        cursor_id = op.get("cursor", {}).get("cursorId")
-        if cursor_id:
-            collection = op["ns"].split(".", 1)[1]
-            reply = mongo[db].command("killCursors", collection, cursors=[cursor_id])
-            killed += len(reply["cursorsKilled"])
-    return killed
 
 
 @pytest.mark.parametrize("stream", ["own", "shared"])

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import Cluster, ReplicaSet
+from harness import replica_set_with_workers
 from pymongo import MongoClient
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
@@ -110,9 +110,8 @@ def _published(mongo: MongoClient[dict[str, Any]], database: str) -> Counter[Any
 async def test_a_trigger_publishes_exactly_one_task_per_matching_change_under_kills(
     tmp_path: Path, db_name: str
 ) -> None:
-    replica_set = ReplicaSet(tmp_path / "rs")
-    uri = await asyncio.to_thread(replica_set.start)
-    cluster = Cluster(uri, db_name, tmp_path)
+    replica_set, cluster = await replica_set_with_workers(tmp_path, db_name)
+    uri = cluster.uri
     mongo: MongoClient[dict[str, Any]] = MongoClient(uri, tz_aware=True)
     writer = Writer(uri, db_name)
     thread = threading.Thread(target=writer.run, name="orders-writer", daemon=True)

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import Cluster, ReplicaSet, until_finished
-from harness import wait_for
+from harness import Cluster, replica_set_with_workers, until_finished, wait_for
 from pymongo import MongoClient
 from pymongo.errors import PyMongoError
 
@@ -122,9 +121,10 @@ async def test_failover_during_commit(tmp_path: Path, db_name: str, rolled_back:
     the run still owning its task (a lease longer than the failover). Business writes: once per
     task, both ways."""
     settings = {"catchUpTimeoutMillis": 0} if rolled_back else {}
-    replica_set = ReplicaSet(tmp_path / "rs", test_commands=True, settings=settings)
-    uri = await asyncio.to_thread(replica_set.start)
-    cluster = Cluster(uri, db_name, tmp_path)
+    replica_set, cluster = await replica_set_with_workers(
+        tmp_path, db_name, test_commands=True, settings=settings
+    )
+    uri = cluster.uri
     try:
         with TaskClient(uri, database=db_name) as client, MongoClient(uri) as mongo:
             options = {"worker_timeout_ms": 30_000, "ping_interval_ms": 500, "max_retries": 5}

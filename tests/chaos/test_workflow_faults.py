@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import Cluster, ReplicaSet
-from harness import wait_for
+from harness import Cluster, ReplicaSet, wait_for
 from pymongo import MongoClient
 from workflowchaos import LEASE
 

@@ -5,22 +5,24 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from typing import Any
+from pathlib import Path
 
 import pytest
 
 from mtask import TaskClient
 from mtask.cli import main
 
+Capsys = pytest.CaptureFixture[str]
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+
+def run(capsys: Capsys, *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
 
 def test_publish_get_list_stats(
-    capsys: pytest.CaptureFixture[str], mongo_uri: str, db_name: str, client: TaskClient
+    capsys: Capsys, mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
     common = ("--uri", mongo_uri, "--database", db_name)
     code, out, _ = run(
@@ -63,7 +65,7 @@ def test_publish_get_list_stats(
     ],
 )
 def test_bad_input_exits_2_and_writes_nothing(
-    capsys: pytest.CaptureFixture[str],
+    capsys: Capsys,
     mongo_uri: str,
     db_name: str,
     client: TaskClient,
@@ -78,7 +80,7 @@ def test_bad_input_exits_2_and_writes_nothing(
 
 
 def test_missing_task_and_bad_transition(
-    capsys: pytest.CaptureFixture[str], mongo_uri: str, db_name: str, client: TaskClient
+    capsys: Capsys, mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
     code, _, err = run(capsys, "get", "nope", "--uri", mongo_uri, "--database", db_name)
     assert code == 1 and "no task with key 'nope'" in err
@@ -115,7 +117,7 @@ def test_unreachable_uri_is_a_clear_error() -> None:
 
 
 def test_limits_schedules_and_flows_from_the_command_line(
-    capsys: pytest.CaptureFixture[str], mongo_uri: str, db_name: str, client: TaskClient
+    capsys: Capsys, mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
     common = ("--uri", mongo_uri, "--database", db_name)
     code, out, _ = run(capsys, "limit", "mail", "--concurrency", "3", "--rate", "600/m", *common)
@@ -160,11 +162,7 @@ def test_limits_schedules_and_flows_from_the_command_line(
 
 
 def test_publish_from_a_file_of_json_lines(
-    capsys: pytest.CaptureFixture[str],
-    mongo_uri: str,
-    db_name: str,
-    client: TaskClient,
-    tmp_path: Any,
+    capsys: Capsys, mongo_uri: str, db_name: str, client: TaskClient, tmp_path: Path
 ) -> None:
     common = ("--uri", mongo_uri, "--database", db_name)
     good = tmp_path / "tasks.jsonl"
@@ -185,7 +183,7 @@ def test_publish_from_a_file_of_json_lines(
 
 
 def test_top_shows_counts_and_workers(
-    capsys: pytest.CaptureFixture[str], mongo_uri: str, db_name: str, client: TaskClient
+    capsys: Capsys, mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
     client.publish_many([{"name": "resize", "key": f"k{i}"} for i in range(3)])
     code, out, _ = run(
@@ -197,7 +195,7 @@ def test_top_shows_counts_and_workers(
 
 
 def test_markup_in_keys_names_and_errors_is_shown_as_text(
-    capsys: pytest.CaptureFixture[str], mongo_uri: str, db_name: str, client: TaskClient
+    capsys: Capsys, mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
     """Keys, names, groups, worker ids and errors are data: ``[/b]`` in one is printed as it
     is, not parsed as rich markup (a MarkupError traceback, after publish/cancel had written)."""
@@ -228,11 +226,7 @@ def test_markup_in_keys_names_and_errors_is_shown_as_text(
 
 
 def test_json_arguments_python_cannot_read_exit_2(
-    capsys: pytest.CaptureFixture[str],
-    mongo_uri: str,
-    db_name: str,
-    client: TaskClient,
-    tmp_path: Any,
+    capsys: Capsys, mongo_uri: str, db_name: str, client: TaskClient, tmp_path: Path
 ) -> None:
     """Valid JSON that json.loads still refuses (an int of 5,000 digits, 100,000 nested
     arrays), a file that is not UTF-8, and a line whose delay is a string: one line, exit 2."""
@@ -268,7 +262,7 @@ def test_json_arguments_python_cannot_read_exit_2(
 
 
 def test_durations_and_sequence_numbers_out_of_range_exit_2(
-    capsys: pytest.CaptureFixture[str], mongo_uri: str, db_name: str, client: TaskClient
+    capsys: Capsys, mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
     common = ("--uri", mongo_uri, "--database", db_name)
     client.publish("n", "k")

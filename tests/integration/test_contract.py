@@ -9,9 +9,10 @@ import json
 from typing import Any
 
 import pytest
+import workerapp
 from finders import finder_for
-from harness import running_worker, wait_for
-from hypothesis import HealthCheck, Phase, given, settings
+from harness import on_a_server, running_worker, wait_for
+from hypothesis import given
 from hypothesis import strategies as st
 from pymongo import MongoClient
 from pymongo.errors import WriteError
@@ -43,11 +44,7 @@ async def add(params: dict[str, int]) -> int:
     return params.get("a", 0) + params.get("b", 0)
 
 
-@registry.task("flaky")
-def flaky(params: dict[str, int], ctx: TaskContext) -> str:
-    if ctx.attempt <= params.get("fail_times", 1):
-        raise RuntimeError(f"flaky failure on attempt {ctx.attempt}")
-    return "ok"
+registry.task("flaky")(workerapp.flaky)  # one definition: tests/workerapp.py
 
 
 @registry.task("fan_out")
@@ -477,12 +474,7 @@ def test_nul_names_and_keys_of_other_types_are_marked_by_one_sweep(
 
 
 @pytest.mark.timeout(600)
-@settings(
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-    phases=[Phase.explicit, Phase.reuse, Phase.generate],
-)
+@on_a_server(max_examples=40)
 @given(docs=st.lists(partial_documents, min_size=1, max_size=5))
 def test_random_partial_documents_are_completed_or_marked_in_one_sweep(
     docs: list[dict[str, Any]], mongo: MongoClient[dict[str, Any]], mongo_uri: str, db_name: str

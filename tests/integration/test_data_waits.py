@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 import datawaithandlers
-from harness import running_worker, wait_for
+from harness import count_streams, running_worker, wait_for
 from pymongo import MongoClient
 
 from mtask import AsyncTaskClient, TaskClient
@@ -152,25 +152,6 @@ async def test_a_wait_on_a_collection_the_registry_does_not_declare_fails_saying
     assert "registry.waits_on('payments')" in (task.error or "")
 
 
-def _streams(mongo: Db, database: str, collection: str) -> int:
-    """The change streams open on ``database.collection`` (idle or in a getMore)."""
-    ops = mongo.admin.aggregate(
-        [
-            {"$currentOp": {"idleCursors": True, "allUsers": True}},
-            {
-                "$match": {
-                    "ns": f"{database}.{collection}",
-                    "$or": [
-                        {"cursor.originatingCommand.pipeline.0.$changeStream": {"$exists": True}},
-                        {"command.pipeline.0.$changeStream": {"$exists": True}},
-                    ],
-                }
-            },
-        ]
-    )
-    return len({op.get("cursor", {}).get("cursorId", op.get("opid")) for op in ops})
-
-
 async def test_a_thousand_waiting_tasks_cost_one_change_stream(
     mongo_uri: str, db_name: str, mongo: Db, aclient: AsyncTaskClient
 ) -> None:
@@ -193,7 +174,7 @@ async def test_a_thousand_waiting_tasks_cost_one_change_stream(
         )
         waiting = {"status": "pending", "waiting.data.collection": "invoices"}
         await wait_for(lambda: db.tasks.count_documents(waiting) == n, timeout=240)
-        assert _streams(mongo, db_name, "invoices") == 1
+        assert count_streams(mongo, db_name, "invoices") == 1
         plan = db.tasks.find(
             {"waiting.data.collection": "invoices", "waiting.data.ids": {"$in": [5]}}
         ).explain()
@@ -204,7 +185,7 @@ async def test_a_thousand_waiting_tasks_cost_one_change_stream(
             )
         done = {"name": "settle", "status": "succeeded"}
         await wait_for(lambda: db.tasks.count_documents(done) == n, timeout=240)
-        assert _streams(mongo, db_name, "invoices") == 1
+        assert count_streams(mongo, db_name, "invoices") == 1
     followers = [e for e in (events, other) if e.matching("following", follower="wait:invoices")]
     assert len(followers) == 1  # one of the two workers follows it for the cluster
     assert woken(events) + woken(other) == n  # each by the change that settled it

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from harness import running_worker, wait_for
+from harness import kill_change_streams, running_worker, wait_for
 from workerapp import registry
 
 from mtask import AsyncTaskClient, TaskClient, waiters
@@ -19,29 +19,6 @@ from mtask.connection import async_client
 from mtask.errors import TaskNotFound, WaitTimeout
 from mtask.events import TaskEvent, events
 from mtask.store import claim
-
-
-def kill_change_streams(client: TaskClient, db_name: str) -> int:
-    """killCursors on every change stream open on the test's database (as the chaos suite)."""
-    ops = client.mongo.admin.aggregate(
-        [
-            {"$currentOp": {"idleCursors": True, "allUsers": True}},
-            {
-                "$match": {
-                    "ns": {"$regex": f"^{db_name}\\."},
-                    "cursor.originatingCommand.pipeline.0.$changeStream": {"$exists": True},
-                }
-            },
-        ]
-    )
-    killed = 0
-    for op in ops:
-        collection = op["ns"].split(".", 1)[1]
-        reply = client.mongo[db_name].command(
-            "killCursors", collection, cursors=[op["cursor"]["cursorId"]]
-        )
-        killed += len(reply["cursorsKilled"])
-    return killed
 
 
 def change_stream_getmores(client: TaskClient, db_name: str) -> list[dict[str, Any]]:
@@ -211,7 +188,8 @@ async def test_wait_and_events_survive_a_killed_cursor(
             client.publish("add", key, {"a": 1, "b": 1})
         waits = [asyncio.create_task(aclient.wait(k, timeout=60)) for k in keys[:3]]
         await wait_for(lambda: aclient._waiter is not None and aclient._waiter.ready.is_set())
-        assert kill_change_streams(client, db_name) >= 2  # the waiter's and the events'
+        # the waiter's and the events'
+        assert kill_change_streams(client.mongo, db_name, in_flight=False) >= 2
         for key in keys[3:]:
             client.publish("add", key, {"a": 1, "b": 1})
             waits.append(asyncio.create_task(aclient.wait(key, timeout=60)))

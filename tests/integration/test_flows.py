@@ -137,12 +137,8 @@ def test_bad_dependencies_are_refused(client: TaskClient, depends_on: Any, messa
     assert client.collection.count_documents({}) == 0
 
 
-async def test_an_invalid_next_step_fails_the_task(
-    mongo_uri: str, db_name: str, client: TaskClient
-) -> None:
-    async with running_worker(registry, mongo_uri, db_name) as (_, events):
-        client.publish("bad_step", "b")
-        await events.wait("recorded", key="b")
+async def test_an_invalid_next_step_fails_the_task(client: TaskClient, drain: Any) -> None:
+    await drain(registry, lambda: client.publish("bad_step", "b"), "b")
     task = client.get("b")
     assert task is not None and task.status == "failed"
     assert task.error is not None and "invalid next step: options.priority" in task.error

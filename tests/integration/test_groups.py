@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import workerapp
 from fastapi.testclient import TestClient
-from harness import running_worker, wait_for
+from harness import in_groups, running_worker, wait_for
 from pymongo import MongoClient
 
 from mtask import TaskClient, slots, store
@@ -41,18 +41,7 @@ async def test_a_sequence_runs_its_group_one_at_a_time_in_publish_order(
 ) -> None:
     db = mongo[db_name]
     client.set_limit("timed_sleep", group_concurrency=1)
-    client.publish_many(
-        [
-            {
-                "name": "timed_sleep",
-                "key": f"s{g}/{i}",
-                "params": {"seconds": 0.02},
-                "options": {"group": f"s{g}"},
-            }
-            for i in range(6)
-            for g in range(3)
-        ]
-    )
+    client.publish_many(in_groups("timed_sleep", "s", groups=3, each=6, params={"seconds": 0.02}))
     async with contextlib.AsyncExitStack() as stack:
         for _ in range(workers):  # in this process: one monotonic clock for their handlers
             await stack.enter_async_context(
@@ -63,7 +52,7 @@ async def test_a_sequence_runs_its_group_one_at_a_time_in_publish_order(
     assert all(len(r) == 1 and r[0][2] == "SUCCESS" for r in runs.values()), runs
     handled = {d["_id"]: d["result"] for d in db.tasks.find({}, {"result": 1})}
     for g in range(3):
-        ordered = [handled[f"s{g}/{i}"] for i in range(6)]  # publish order
+        ordered = [handled[f"s{g}/{i:02d}"] for i in range(6)]  # publish order
         for before, after in itertools.pairwise(ordered):
             assert before[1] <= after[0], f"s{g}: not one at a time, in order: {before}, {after}"
 

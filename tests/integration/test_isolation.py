@@ -9,8 +9,7 @@ import time
 
 import poolhandlers
 import pytest
-from harness import running_worker, wait_for
-from test_pool import gone
+from harness import gone, running_worker, wait_for
 
 from mtask import TaskClient, TaskOptions
 from mtask.errors import InvalidTask

@@ -23,7 +23,7 @@ from typing import Any
 import certs
 import httpx
 import pytest
-from harness import TESTS, run_cli, tree_env
+from harness import run_cli, spawn_worker
 from needs import missing
 from pymongo import MongoClient
 from pymongo.errors import OperationFailure
@@ -34,7 +34,6 @@ from mtask.driver import Call, SyncDriver, collections
 from mtask.embedded import EmbeddedMongo, Tls
 from mtask.encryption import KEY_FILE_ENV, Encryption
 from mtask.errors import MtaskError, StorageError
-from mtask.testing import worker_argv
 from mtask.web.auth import Principal
 
 DB = "secured"
@@ -81,7 +80,7 @@ def _start(base: Path) -> tuple[EmbeddedMongo, str]:
     try:
         return server, server.start()
     except MtaskError as exc:
-        missing(f"no auth+TLS mongod: {exc}")
+        missing(f"the auth+TLS mongod did not start: {exc}")
 
 
 @pytest.fixture(scope="module")
@@ -165,10 +164,8 @@ def _scan_file(secured: Secured, path: Path) -> str:
 def _worker(
     uri: str, log: Path, *extra: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
-    argv = worker_argv("workerapp:registry", uri, DB, *extra)
-    env = tree_env(**(env or {}))
     with open(log, "wb") as sink:
-        return subprocess.Popen(argv, cwd=TESTS, env=env, stderr=sink, stdout=sink)
+        return spawn_worker(uri, DB, *extra, env=env, stderr=sink, stdout=sink)
 
 
 def test_a_worker_runs_the_publishers_tasks_under_its_role(

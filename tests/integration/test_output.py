@@ -154,15 +154,8 @@ async def test_a_stream_resumes_after_the_last_id_exactly_once(
     assert task.runs[-1].output is not None and task.runs[-1].output.chunks == 1000
 
 
-def test_the_sync_stream_reads_a_finished_task_and_ends(
-    mongo_uri: str, db_name: str, client: TaskClient
-) -> None:
-    async def run() -> None:
-        async with running_worker(registry, mongo_uri, db_name) as (_, events):
-            client.publish("chunks", "f", {"n": 25})
-            await events.wait("recorded", key="f")
-
-    asyncio.run(run())
+def test_the_sync_stream_reads_a_finished_task_and_ends(client: TaskClient, drain: Any) -> None:
+    asyncio.run(drain(registry, lambda: client.publish("chunks", "f", {"n": 25}), "f"))
     assert [e.data for e in client.stream("f")] == list(range(1, 26))
     assert [e.seq for e in client.stream("f", after=20)] == [21, 22, 23, 24, 25]
     assert [e.seq for e in client.output("f", after=5, limit=3)] == [6, 7, 8]
@@ -213,11 +206,9 @@ async def test_the_log_is_capped_with_a_marker_and_memory_stays_flat(
 
 
 async def test_a_retry_keeps_the_earlier_runs_output_tagged(
-    mongo_uri: str, db_name: str, aclient: AsyncTaskClient
+    aclient: AsyncTaskClient, drain: Any
 ) -> None:
-    async with running_worker(registry, mongo_uri, db_name) as (_, events):
-        await aclient.publish("twice", "t", {})
-        await events.wait("recorded", key="t", state="SUCCESS")
+    await drain(registry, aclient.publish("twice", "t", {}), "t", state="SUCCESS")
     entries = [e async for e in aclient.stream("t")]
     assert [(e.seq, e.attempt, e.kind) for e in entries] == [
         (1, 1, "log"),

@@ -9,13 +9,13 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import poolhandlers
 import pytest
-from harness import running_worker
-from test_pool import INFO, dead, gone, until
+from harness import dead, running_worker
+from test_pool import INFO
 
 from mtask import Fail, TaskClient
 from mtask.output import Batch
@@ -91,15 +91,6 @@ async def test_what_a_failing_child_said_lands_before_its_failure(
 # -- the pool: output, then the outcome, under the limits ----------------------------------------
 
 
-@pytest.fixture
-async def pool() -> AsyncIterator[ProcessPool]:
-    p = ProcessPool(term_grace=0.5)
-    yield p
-    seen = p.pids
-    await p.close()
-    await until(lambda: all(gone(pid) for pid in seen))
-
-
 async def test_the_output_comes_before_the_outcome(pool: ProcessPool) -> None:
     batches: list[Batch] = []
     with pytest.raises(Fail, match="said it all"):
@@ -134,7 +125,7 @@ async def test_a_child_that_never_stops_talking_still_meets_its_time_limit(
             poolhandlers.registry["flood_in_child"],
             {"size": 1024},
             INFO,
-            hard_timeout=0.5,
+            hard_timeout=3.0,  # room for a child's start on a loaded host: it must talk first
             on_output=batches.append,
         )
     assert batches and isinstance(batches[0].entries[0]["data"], int)  # its pid
@@ -199,23 +190,15 @@ def test_a_lease_watch_whose_pipe_is_full_still_kills() -> None:
 # -- the child's sender, in this process ---------------------------------------------------------
 
 
-@pytest.fixture
-def pipe() -> Iterator[tuple[Any, Any]]:
-    ours, theirs = multiprocessing.Pipe()
-    yield ours, theirs
-    ours.close()
-    theirs.close()
-
-
 def received(ours: Any) -> Iterator[Any]:
     while ours.poll():
         yield ours.recv()
 
 
 def test_a_run_that_says_nothing_starts_no_thread_and_sends_nothing(
-    pipe: tuple[Any, Any],
+    pipe_ends: tuple[Any, Any],
 ) -> None:
-    ours, theirs = pipe
+    ours, theirs = pipe_ends
     run = _Run()
     run.active = True
     output = _ChildOutput(theirs, run)
@@ -223,8 +206,8 @@ def test_a_run_that_says_nothing_starts_no_thread_and_sends_nothing(
     assert output._thread is None and not ours.poll()
 
 
-def test_everything_said_is_sent_in_order_before_close_returns(pipe: tuple[Any, Any]) -> None:
-    ours, theirs = pipe
+def test_everything_said_is_sent_in_order_before_close_returns(pipe_ends: tuple[Any, Any]) -> None:
+    ours, theirs = pipe_ends
     run = _Run()
     run.active = True
     output = _ChildOutput(theirs, run)
@@ -253,8 +236,8 @@ def _until_eof(conn: Any) -> Iterator[Any]:
             return
 
 
-def test_nothing_is_sent_once_the_lease_watch_ended_the_run(pipe: tuple[Any, Any]) -> None:
-    ours, theirs = pipe
+def test_nothing_is_sent_once_the_lease_watch_ended_the_run(pipe_ends: tuple[Any, Any]) -> None:
+    ours, theirs = pipe_ends
     run = _Run()
     run.active = True
     output = _ChildOutput(theirs, run)
@@ -264,8 +247,8 @@ def test_nothing_is_sent_once_the_lease_watch_ended_the_run(pipe: tuple[Any, Any
     assert list(received(ours)) == []
 
 
-def test_a_pipe_that_is_gone_does_not_fail_the_run(pipe: tuple[Any, Any]) -> None:
-    ours, theirs = pipe
+def test_a_pipe_that_is_gone_does_not_fail_the_run(pipe_ends: tuple[Any, Any]) -> None:
+    ours, theirs = pipe_ends
     run = _Run()
     run.active = True
     output = _ChildOutput(theirs, run)

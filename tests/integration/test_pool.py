@@ -10,12 +10,12 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import poolhandlers
 import pytest
+from harness import dead, gone
 
 from mtask import Fail, Retry, Worker
 from mtask.errors import ConfigError
@@ -31,39 +31,11 @@ from mtask.worker.running.pool.pool import ProcessPool
 INFO = RunInfo("k", "n", 1, "run-1", "w-1")
 
 
-def process_state(pid: int) -> str | None:
-    """The process's state letter (``Z`` for a zombie), or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-
-
-def gone(pid: int) -> bool:
-    return process_state(pid) is None
-
-
-def dead(pid: int) -> bool:
-    """Gone, or a zombie waiting for whoever adopted it to reap it."""
-    return process_state(pid) in (None, "Z")
-
-
 async def until(condition: Any, limit: float = 10.0) -> None:
     deadline = time.monotonic() + limit
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         await asyncio.sleep(0.02)
-
-
-@pytest.fixture
-async def pool() -> AsyncIterator[ProcessPool]:
-    p = ProcessPool(term_grace=0.5)
-    seen: list[int] = []
-    yield p
-    seen.extend(p.pids)
-    await p.close()
-    await until(lambda: all(gone(pid) for pid in seen))
 
 
 async def run(pool: ProcessPool, name: str, params: Any = None, **kw: Any) -> Any:

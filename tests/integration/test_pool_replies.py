@@ -12,8 +12,8 @@ from typing import Any
 
 import poolhandlers
 import pytest
-from harness import running_worker
-from test_pool import INFO, gone, until
+from harness import gone, running_worker
+from test_pool import INFO, until
 
 from mtask import Fail, TaskClient
 from mtask.worker.running.pool.errors import ReplyRefused

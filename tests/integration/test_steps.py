@@ -178,6 +178,19 @@ async def test_steps_run_once_and_replay_across_a_retry(
     assert steps["ship"].run_id == task.runs[1].run_id
 
 
+def woke_after_its_sleep(task: Any, seconds: float) -> Any:
+    """``task`` ran up to its sleep (step 2) of at least ``seconds``, and again once it ended,
+    no earlier by the server's clock, to a success; returns the second run."""
+    first, second = task.runs
+    assert first.state.value == "WAITING" and second.state.value == "SUCCESS"
+    nap = task.steps[1]
+    assert nap.kind == "sleep" and nap.state == "done" and nap.until is not None
+    assert nap.until - first.finished_at >= dt.timedelta(seconds=seconds)
+    assert second.claimed_at >= nap.until  # no earlier, by the server's clock
+    assert task.waiting is None
+    return second
+
+
 async def test_sleep_frees_the_slot_and_resumes_on_the_servers_clock(
     aclient: AsyncTaskClient, mongo_uri: str, db_name: str
 ) -> None:
@@ -191,14 +204,8 @@ async def test_sleep_frees_the_slot_and_resumes_on_the_servers_clock(
         assert waiting.waiting is not None and waiting.waiting.step == "sleep#1"
         task = await _finished(aclient, "n1")
     assert task.result == "1+2" and CALLS["n1:before"] == 1 and CALLS["n1:after"] == 1
-    first, second = task.runs
-    assert first.state.value == "WAITING" and second.state.value == "SUCCESS"
-    nap = task.steps[1]
-    assert nap.kind == "sleep" and nap.state == "done" and nap.until is not None
-    assert nap.until - first.finished_at >= dt.timedelta(seconds=1.9)
-    assert second.claimed_at >= nap.until  # no earlier, by the server's clock
+    second = woke_after_its_sleep(task, seconds=1.9)
     assert quick_done.finished_at < second.claimed_at
-    assert task.waiting is None
 
 
 async def test_signals_after_the_wait_and_never(
@@ -232,11 +239,12 @@ async def test_a_signal_sent_before_the_wait_is_not_lost(
 
 
 async def test_a_failed_run_after_a_wake_is_not_woken_again_by_a_signal(
-    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+    aclient: AsyncTaskClient, worker_after: Any
 ) -> None:
-    async with running_worker(registry, mongo_uri, db_name) as (_, events):
-        await aclient.publish("gate", "g1", {})
-        await events.wait("recorded", key="g1", state="WAITING")
+    async with worker_after(registry, aclient.publish("gate", "g1", {}), "g1", state="WAITING") as (
+        _,
+        events,
+    ):
         assert await aclient.signal("g1", "go", 1) is True
         await events.wait("recorded", key="g1", state="FAIL")
         failed = await aclient.get("g1")

@@ -10,22 +10,20 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from chaos.cluster import ReplicaSet
-from harness import TESTS, tree_env, wait_for, worker_process
+from harness import ReplicaSet, dead, wait_for, worker_process
 from pymongo import MongoClient
 from pymongo.errors import PyMongoError
 
 from mtask import TaskClient
-from mtask.testing import worker_argv
 
+POOL = "poolhandlers:registry"
+"""tests/poolhandlers.py: handlers in child processes."""
 OPTIONS = {
     "worker_timeout_ms": 2000,
     "ping_interval_ms": 200,
@@ -37,6 +35,21 @@ OPTIONS = {
 def _task(client: TaskClient, key: str) -> dict[str, Any]:
     doc = client.collection.find_one({"_id": key})
     assert doc is not None
+    return doc
+
+
+async def _rescued(
+    uri: str, db: str, client: TaskClient, key: str, timeout: float, **spawn: Any
+) -> dict[str, Any]:
+    """A worker process ``rescuer`` (``spawn``: ``worker_process``'s options) runs ``key`` to
+    its success after the victim's run timed out; the task's document."""
+    with worker_process(uri, db, "--worker-id", "rescuer", **spawn):
+        await wait_for(lambda: _task(client, key)["status"] == "succeeded", timeout=timeout)
+    doc = _task(client, key)
+    assert [(r["worker_id"], r["state"]) for r in doc["runs"]] == [
+        ("victim", "TIMEOUT"),
+        ("rescuer", "SUCCESS"),
+    ]
     return doc
 
 
@@ -57,13 +70,7 @@ async def test_a_killed_workers_recorded_steps_are_replayed_by_the_takeover(
         await asyncio.to_thread(victim.wait, 10)
     before = _rows(client, "k")
     assert before == {1: 1, 2: 1, 3: 1}
-    with worker_process(mongo_uri, db_name, "--worker-id", "rescuer"):
-        await wait_for(lambda: _task(client, "k")["status"] == "succeeded", timeout=30)
-    doc = _task(client, "k")
-    assert [(r["worker_id"], r["state"]) for r in doc["runs"]] == [
-        ("victim", "TIMEOUT"),
-        ("rescuer", "SUCCESS"),
-    ]
+    doc = await _rescued(mongo_uri, db_name, client, "k", 30)
     first, second = (r["run_id"] for r in doc["runs"])
     assert _rows(client, "k") == {1: 1, 2: 1, 3: 1, 4: 1, 5: 1}
     by_step = {d["step"]: d["run_id"] for d in client.db["step_rows"].find({"task": "k"})}
@@ -85,21 +92,17 @@ async def test_a_killed_workers_process_isolated_steps_are_replayed_by_the_takeo
     the child dies with it (issue 27), and the rescuer's child runs steps 4 and 5 only."""
     params = {"uri": mongo_uri, "db": db_name, "hold_after": {"victim": 3}}
     client.publish("step_chain_in_child", "p", params, options=OPTIONS)
-    with _pool_worker(mongo_uri, db_name, "--worker-id", "victim") as victim:
+    with worker_process(
+        mongo_uri, db_name, "--worker-id", "victim", app=POOL, crash_expected=True
+    ) as victim:
         await wait_for(lambda: len(_task(client, "p").get("steps", [])) == 3, timeout=60)
         victim.send_signal(signal.SIGKILL)
         await asyncio.to_thread(victim.wait, 10)
     child = client.db["step_rows"].find_one({"task": "p", "step": 3})["pid"]
     assert child != victim.pid
-    await wait_for(lambda: not _alive(child), timeout=10)  # it can record nothing more
+    await wait_for(lambda: dead(child), timeout=10)  # it can record nothing more
     assert _rows(client, "p") == {1: 1, 2: 1, 3: 1}
-    with _pool_worker(mongo_uri, db_name, "--worker-id", "rescuer"):
-        await wait_for(lambda: _task(client, "p")["status"] == "succeeded", timeout=60)
-    doc = _task(client, "p")
-    assert [(r["worker_id"], r["state"]) for r in doc["runs"]] == [
-        ("victim", "TIMEOUT"),
-        ("rescuer", "SUCCESS"),
-    ]
+    doc = await _rescued(mongo_uri, db_name, client, "p", 60, app=POOL)
     first, second = (r["run_id"] for r in doc["runs"])
     rows = list(client.db["step_rows"].find({"task": "p"}))
     assert sorted((d["step"], d["run_id"]) for d in rows) == [
@@ -111,36 +114,6 @@ async def test_a_killed_workers_process_isolated_steps_are_replayed_by_the_takeo
     ]
     steps = doc["steps"]
     assert doc["result"] == [{"step": i, "run_id": s["run_id"]} for i, s in enumerate(steps, 1)]
-
-
-@contextlib.contextmanager
-def _pool_worker(uri: str, db: str, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
-    """A real worker process for tests/poolhandlers.py (its process-isolated handlers)."""
-    proc = subprocess.Popen(
-        worker_argv("poolhandlers:registry", uri, db, *extra),
-        cwd=TESTS,
-        env=tree_env(),
-        stdin=subprocess.DEVNULL,
-    )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _alive(pid: int) -> bool:
-    """Running (not gone, not a zombie waiting to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 async def test_a_frozen_worker_cannot_record_the_step_it_was_in(

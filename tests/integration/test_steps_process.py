@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import os
-from collections.abc import AsyncIterator
 from typing import Any
 
 import poolhandlers
 import pytest
 from harness import running_worker
-from test_pool import INFO, gone, until
+from test_pool import INFO
+from test_steps import woke_after_its_sleep
 
 from mtask import AsyncTaskClient, TaskContext
 from mtask.steps import StepError, Suspended
@@ -79,13 +79,7 @@ async def test_sleep_sync_ends_the_run_waiting_and_resumes(
         task = await _finished(aclient, "n1")
     assert task.result == "1+2"
     assert await _calls(aclient, "n1:before") == 1 and await _calls(aclient, "n1:after") == 1
-    first, second = task.runs
-    assert first.state.value == "WAITING" and second.state.value == "SUCCESS"
-    nap = task.steps[1]
-    assert nap.kind == "sleep" and nap.state == "done" and nap.until is not None
-    assert nap.until - first.finished_at >= dt.timedelta(seconds=0.9)
-    assert second.claimed_at >= nap.until  # no earlier, by the server's clock
-    assert task.waiting is None
+    woke_after_its_sleep(task, seconds=0.9)
 
 
 async def test_wait_for_sync_gets_a_signal_sent_after_the_wait(
@@ -164,15 +158,6 @@ async def test_the_workers_refusal_is_raised_in_the_child_as_itself(
 
 
 # -- the pool: what the run ends with arrives as itself --------------------------------------------
-
-
-@pytest.fixture
-async def pool() -> AsyncIterator[ProcessPool]:
-    p = ProcessPool(term_grace=0.5)
-    yield p
-    seen = p.pids
-    await p.close()
-    await until(lambda: all(gone(pid) for pid in seen))
 
 
 async def test_a_sleep_in_a_child_raises_suspended_with_its_wait(pool: ProcessPool) -> None:

@@ -240,6 +240,18 @@ def test_scan_pages_through_everything(tc: TaskClient, clock: FixedClock) -> Non
     assert seen == [f"k{i:03}" for i in range(25)]
 
 
+def same_but_run_ids(tc: TaskClient, one: str, other: str) -> dict[str, Any]:
+    """Tasks ``one`` and ``other`` are the same document but for ``_id`` and their runs'
+    ``run_id``s; returns ``one``'s (without them)."""
+    docs = [tc.collection.find_one({"_id": key}, {"_id": 0}) for key in (one, other)]
+    for doc in docs:
+        assert doc is not None, (one, other)
+        for run in doc["runs"]:
+            run.pop("run_id")
+    assert docs[0] == docs[1], (one, other)
+    return docs[0]  # type: ignore[return-value]
+
+
 def test_transient_errors_are_told_apart() -> None:
     from pymongo.errors import (
         AutoReconnect,
@@ -292,20 +304,14 @@ def test_success_shortcut_matches_the_pipeline(tc: TaskClient, clock: FixedClock
         if o.key.startswith("slow"):
             assert tc._run(finish(o, clock.now())) is not None
     for kind in ("plain", "multi", "cancelled"):
-        fast = tc.collection.find_one({"_id": f"fast-{kind}"}, {"_id": 0})
-        slow = tc.collection.find_one({"_id": f"slow-{kind}"}, {"_id": 0})
-        assert fast is not None and slow is not None
-        for doc in (fast, slow):
-            for run in doc["runs"]:
-                run.pop("run_id")
-        assert fast == slow, kind
+        fast = same_but_run_ids(tc, f"fast-{kind}", f"slow-{kind}")
         assert fast["runs"][0]["result"] == result
     statuses = {k: tc.get(f"fast-{k}").status for k in ("plain", "multi", "cancelled")}  # type: ignore[union-attr]
     assert statuses == {"plain": "succeeded", "multi": "pending", "cancelled": "cancelled"}
 
 
 @pytest.mark.parametrize("with_results", [False, True])
-def test_grouped_successes_match_the_pipeline(  # noqa: C901 - a reference model beside the pipeline
+def test_grouped_successes_match_the_pipeline(
     tc: TaskClient, clock: FixedClock, with_results: bool
 ) -> None:
     """A worker's SUCCESSes are written in one update_many (``success_group_update``: a plain
@@ -343,13 +349,7 @@ def test_grouped_successes_match_the_pipeline(  # noqa: C901 - a reference model
         if outcome.key.startswith("single"):
             tc._run(finish(outcome, clock.now()))
     for kind in kinds:
-        group = tc.collection.find_one({"_id": f"group-{kind}"}, {"_id": 0})
-        single = tc.collection.find_one({"_id": f"single-{kind}"}, {"_id": 0})
-        assert group is not None and single is not None
-        for doc in (group, single):
-            for run in doc["runs"]:
-                run.pop("run_id")
-        assert group == single, kind
+        same_but_run_ids(tc, f"group-{kind}", f"single-{kind}")
     statuses = {k: tc.get(f"group-{k}").status for k in kinds}  # type: ignore[union-attr]
     assert statuses == {
         **{f"plain{i}": "succeeded" for i in (1, 2, 3)},

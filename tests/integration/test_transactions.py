@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -138,24 +139,43 @@ def test_concurrent_transactions_publishing_one_key(client: TaskClient) -> None:
     assert orders.count_documents({}) == 2
 
 
-async def test_async_publish_many_in_a_transaction(mongo_uri: str, db_name: str) -> None:
+@pytest.fixture
+async def one_client(
+    mongo_uri: str, db_name: str
+) -> AsyncIterator[tuple[AsyncMongoClient[dict[str, Any]], AsyncTaskClient]]:
+    """An ``AsyncTaskClient`` on a ``MongoClient`` of the test's (its sessions are the
+    test's), the task collection's indexes made."""
     mongo: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
     client = AsyncTaskClient(mongo_client=mongo, database=db_name)
-    items = [{"name": "echo", "key": f"k{i}"} for i in range(3)]
     try:
         await client.ensure_indexes()
-        with pytest.raises(Abort):
-            async with mongo.start_session() as s, await s.start_transaction():
-                assert await client.publish_many(items, session=s) == 3
-                raise Abort
-        assert await client.list() == []
-        async with mongo.start_session() as s, await s.start_transaction():
-            assert await client.publish_many(items, session=s) == 3
-            assert (await client.publish("echo", "k0", session=s)).created is False
-        assert sorted(t.key for t in await client.list()) == ["k0", "k1", "k2"]
+        yield mongo, client
     finally:
         await client.close()
         await mongo.close()
+
+
+async def publish_then_abort(
+    mongo: AsyncMongoClient[dict[str, Any]], client: AsyncTaskClient, items: list[dict[str, Any]]
+) -> None:
+    """``publish_many(items)`` in a transaction (each of the three new in it), aborted."""
+    with pytest.raises(Abort):
+        async with mongo.start_session() as s, await s.start_transaction():
+            assert await client.publish_many(items, session=s) == 3
+            raise Abort
+
+
+async def test_async_publish_many_in_a_transaction(
+    one_client: tuple[AsyncMongoClient[dict[str, Any]], AsyncTaskClient],
+) -> None:
+    mongo, client = one_client
+    items = [{"name": "echo", "key": f"k{i}"} for i in range(3)]
+    await publish_then_abort(mongo, client, items)
+    assert await client.list() == []
+    async with mongo.start_session() as s, await s.start_transaction():
+        assert await client.publish_many(items, session=s) == 3
+        assert (await client.publish("echo", "k0", session=s)).created is False
+    assert sorted(t.key for t in await client.list()) == ["k0", "k1", "k2"]
 
 
 async def test_worker_never_runs_an_aborted_publish_and_runs_a_committed_one_once(
@@ -208,26 +228,19 @@ def test_published_metric_counts_a_transactional_publish_after_commit(client: Ta
     assert published(name) == 5
 
 
-async def test_published_metric_after_commit_async(mongo_uri: str, db_name: str) -> None:
-    mongo: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
-    client = AsyncTaskClient(mongo_client=mongo, database=db_name)
+async def test_published_metric_after_commit_async(
+    one_client: tuple[AsyncMongoClient[dict[str, Any]], AsyncTaskClient],
+) -> None:
+    mongo, client = one_client
     name = f"m{uuid.uuid4().hex[:8]}"
     items = [{"name": name, "key": f"k{i}"} for i in range(3)]
-    try:
-        await client.ensure_indexes()
-        with pytest.raises(Abort):
-            async with mongo.start_session() as s, await s.start_transaction():
-                assert await client.publish_many(items, session=s) == 3
-                raise Abort
-        assert published(name) == 0
-        async with mongo.start_session() as s:
+    await publish_then_abort(mongo, client, items)
+    assert published(name) == 0
+    async with mongo.start_session() as s:
 
-            async def body(s: Any) -> None:
-                await client.publish_many(items, session=s)
-                assert published(name) == 0
+        async def body(s: Any) -> None:
+            await client.publish_many(items, session=s)
+            assert published(name) == 0
 
-            await s.with_transaction(body)
-        assert published(name) == 3
-    finally:
-        await client.close()
-        await mongo.close()
+        await s.with_transaction(body)
+    assert published(name) == 3

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness import running_worker, wait_for
+from harness import count_streams, running_worker, wait_for
 from pymongo import MongoClient
 
 from mtask import AsyncTaskClient
@@ -16,25 +16,6 @@ from mtask.registry import Registry
 from mtask.store import datawaits
 
 Db = MongoClient[dict[str, Any]]
-
-
-def _streams(mongo: Db, database: str) -> int:
-    """The change streams open on ``database`` (a collection's or the whole database's)."""
-    ops = mongo.admin.aggregate(
-        [
-            {"$currentOp": {"idleCursors": True, "allUsers": True}},
-            {
-                "$match": {
-                    "ns": {"$regex": f"^{database}\\."},
-                    "$or": [
-                        {"cursor.originatingCommand.pipeline.0.$changeStream": {"$exists": True}},
-                        {"command.pipeline.0.$changeStream": {"$exists": True}},
-                    ],
-                }
-            },
-        ]
-    )
-    return len({op.get("cursor", {}).get("cursorId", op.get("opid")) for op in ops})
 
 
 def _registry(triggers: bool) -> Registry:
@@ -56,10 +37,10 @@ async def test_a_worker_without_triggers_or_waits_pays_nothing_for_them(
     async with running_worker(_registry(False), mongo_uri, db_name) as (worker, events):
         await aclient.publish("plain", "p1")
         await events.wait("succeeded", key="p1")
-        own = await wait_for(lambda: _streams(mongo, db_name))
+        own = await wait_for(lambda: count_streams(mongo, db_name))
         db.orders.insert_one({"_id": 1, "status": "paid"})
         assert not [s for s in worker.parts.services if s.name == "followers"]
-        assert _streams(mongo, db_name) == own
+        assert count_streams(mongo, db_name) == own
     assert "triggers" not in db.list_collection_names()
     assert datawaits.INDEX_NAME not in db.tasks.index_information()
     assert not events.matching("following") and db.tasks.count_documents({}) == 1
@@ -69,13 +50,13 @@ async def test_one_trigger_adds_one_change_stream_for_the_whole_cluster(
     mongo_uri: str, db_name: str, mongo: Db
 ) -> None:
     async with running_worker(_registry(False), mongo_uri, db_name) as _:
-        plain = await wait_for(lambda: _streams(mongo, db_name))
+        plain = await wait_for(lambda: count_streams(mongo, db_name))
     async with (
         running_worker(_registry(True), mongo_uri, db_name) as (_, one),
         running_worker(_registry(True), mongo_uri, db_name) as (_, two),
         running_worker(_registry(True), mongo_uri, db_name) as (_, three),
     ):
         await wait_for(lambda: any(e.matching("following") for e in (one, two, three)))
-        streams = await wait_for(lambda: _streams(mongo, db_name) == plain + 1 or None)
+        streams = await wait_for(lambda: count_streams(mongo, db_name) == plain + 1 or None)
         assert streams
         assert sum(len(e.matching("following")) for e in (one, two, three)) == 1

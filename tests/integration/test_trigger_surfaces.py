@@ -12,13 +12,12 @@ from typing import Any
 
 import httpx2 as httpx
 import pytest
-from harness import tree_env, wait_for
+from harness import wait_for, worker_process
 from promtool import check_metrics
 from pymongo import MongoClient
 
 from mtask import TaskClient
 from mtask.embedded import free_port
-from mtask.testing import worker_argv
 
 TESTS = Path(__file__).parents[1]
 Db = MongoClient[dict[str, Any]]
@@ -44,19 +43,11 @@ def cli(mongo_uri: str, db_name: str, *args: str) -> subprocess.CompletedProcess
 @pytest.fixture
 def worker(mongo_uri: str, db_name: str) -> Any:
     port = free_port()
-    proc = subprocess.Popen(
-        worker_argv(
-            "triggerapp:registry", mongo_uri, db_name, "--metrics-port", str(port),
-            "--cluster-metrics",
-        ),
-        cwd=TESTS,
-        env=tree_env(),
-    )  # fmt: skip
-    try:
+    with worker_process(
+        mongo_uri, db_name, "--metrics-port", str(port), "--cluster-metrics",
+        app="triggerapp:registry",
+    ) as proc:  # fmt: skip
         yield port, proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 async def test_a_worker_process_exports_its_triggers_metrics_and_the_cluster_lag(

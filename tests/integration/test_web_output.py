@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx2 as httpx
 import pytest
-from harness import running_worker
+from harness import running_worker, server_sent
 from webserver import serving
 
 from mtask import AsyncTaskClient, TaskClient
@@ -70,23 +70,17 @@ def read_stream(
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
         assert response.headers["cache-control"] == "no-store"
-        block: dict[str, str] = {}
-        for line in response.iter_lines():
-            if line == "":
-                if "event" in block:
-                    frames.append({**block, "data": json.loads(block["data"])})
-                    if block["event"] in ("end", "error"):
-                        return frames
-                    chunks = [f for f in frames if f["event"] == "chunk"]
-                    if stop_after is not None and len(chunks) == stop_after:
-                        return frames  # the client goes away mid-stream
-                block = {}
-            elif line.startswith(":"):
+        for block in server_sent(response.iter_lines()):
+            if isinstance(block, str):
                 if on_comment is not None:
-                    on_comment(line)
-            else:
-                field, _, value = line.partition(":")
-                block[field] = value.removeprefix(" ")
+                    on_comment(block)
+            elif "event" in block:
+                frames.append({**block, "data": json.loads(block["data"])})
+                if block["event"] in ("end", "error"):
+                    return frames
+                chunks = [f for f in frames if f["event"] == "chunk"]
+                if stop_after is not None and len(chunks) == stop_after:
+                    return frames  # the client goes away mid-stream
     raise AssertionError(f"the stream ended without 'end' after {len(frames)} frames")
 
 
@@ -166,15 +160,8 @@ def test_the_stream_closes_when_its_client_goes(
     assert closed.wait(30), "the server kept following after its client went"
 
 
-def test_output_pages_auth_and_bad_input(
-    base: str, mongo_uri: str, db_name: str, client: TaskClient
-) -> None:
-    async def work() -> None:
-        async with running_worker(registry, mongo_uri, db_name) as (_, events):
-            client.publish("chunks", "img/1", {"n": 30})
-            await events.wait("recorded", key="img/1")
-
-    asyncio.run(work())
+def test_output_pages_auth_and_bad_input(base: str, client: TaskClient, drain: Any) -> None:
+    asyncio.run(drain(registry, lambda: client.publish("chunks", "img/1", {"n": 30}), "img/1"))
     url = f"{base}/tasks/img/1:output"
     page = httpx.get(url, params={"after": 5, "limit": 10}, headers=AUTH)
     assert page.status_code == 200

@@ -10,7 +10,13 @@ import time
 from typing import Any
 
 import pytest
-from harness import hand_written, pad_to_the_limit, running_worker, wait_for
+from harness import (
+    hand_written,
+    kill_change_streams,
+    pad_to_the_limit,
+    running_worker,
+    wait_for,
+)
 from workerapp import registry
 
 from mtask import TaskClient, store
@@ -142,12 +148,8 @@ async def test_result_too_large(mongo_uri: str, db_name: str, client: TaskClient
     assert task is not None and task.status == "failed" and "the limit is" in (task.error or "")
 
 
-async def test_handler_publishes_follow_up(
-    mongo_uri: str, db_name: str, client: TaskClient
-) -> None:
-    async with running_worker(registry, mongo_uri, db_name) as (_, events):
-        client.publish("follow_up", "p")
-        await events.wait("recorded", key="p/next")
+async def test_handler_publishes_follow_up(client: TaskClient, drain: Any) -> None:
+    await drain(registry, lambda: client.publish("follow_up", "p"), "p/next")
     assert client.get("p/next").result == 3  # type: ignore[union-attr]
 
 
@@ -319,25 +321,7 @@ async def test_killed_change_stream_resumes(
     mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
     async with running_worker(registry, mongo_uri, db_name) as (_worker, events):
-        admin = client.mongo.admin
-        ops = admin.aggregate(
-            [
-                {"$currentOp": {"idleCursors": True, "allUsers": True}},
-                {
-                    "$match": {
-                        "ns": {"$regex": f"^{db_name}\\."},
-                        "cursor.originatingCommand.pipeline.0.$changeStream": {"$exists": True},
-                    }
-                },
-            ]
-        )
-        killed = 0
-        for op in ops:
-            collection = op["ns"].split(".", 1)[1]  # "$cmd.aggregate" for a database stream
-            reply = client.mongo[db_name].command(
-                "killCursors", collection, cursors=[op["cursor"]["cursorId"]]
-            )
-            killed += len(reply["cursorsKilled"])
+        killed = kill_change_streams(client.mongo, db_name, in_flight=False)
         assert killed >= 1
         client.publish("add", "after-kill", {"a": 1, "b": 1})
         await events.wait("recorded", key="after-kill")

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from harness import running_worker, wait_for
 from pymongo import MongoClient
+from workflowapp import EFFECTS, effect
 
 from mtask import AsyncTaskClient
 from mtask.errors import InvalidTask, InvalidTransition
@@ -25,21 +26,13 @@ from mtask.store import children as store_children
 
 registry = Registry()
 URI: dict[str, str] = {}
-"""The test's database, for the handlers' side effects (``effects``)."""
-
-
-def effect(key: str, what: str) -> None:
-    """One side effect, counted where the test reads it."""
-    client: MongoClient[dict[str, Any]] = MongoClient(URI["uri"])
-    try:
-        client[URI["db"]]["effects"].insert_one({"key": key, "what": what})
-    finally:
-        client.close()
+"""What a handler counts across its runs (``tries:key``)."""
 
 
 @pytest.fixture(autouse=True)
 def _effects(mongo_uri: str, db_name: str) -> None:
-    URI.update(uri=mongo_uri, db=db_name)
+    """The handlers count their side effects (``workflowapp.effect``) in the test's database."""
+    EFFECTS.update(uri=mongo_uri, db=db_name)
 
 
 def effects(mongo: MongoClient[dict[str, Any]], db_name: str, **match: Any) -> int:
@@ -122,11 +115,12 @@ async def test_a_failing_child_raises_in_its_parent(
 
 
 async def test_cancelling_a_parent_cancels_its_open_children(
-    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+    aclient: AsyncTaskClient, worker_after: Any
 ) -> None:
-    async with running_worker(registry, mongo_uri, db_name, concurrency=4) as (_, events):
-        await aclient.publish("fanout", "f3", {"n": 3, "hold": True})
-        await events.wait("recorded", key="f3", state="WAITING")
+    async with worker_after(
+        registry, aclient.publish("fanout", "f3", {"n": 3, "hold": True}), "f3",
+        state="WAITING", concurrency=4,
+    ) as (_, events):  # fmt: skip
         for n in range(3):
             await events.wait("recorded", key=f"f3/squares/{n}", state="WAITING")
         cancelled = await aclient.cancel("f3")
@@ -262,11 +256,11 @@ async def test_run_again_from_a_step_keeps_the_steps_before_it(
 
 
 async def test_a_parked_journal_is_renamed_and_dropped_fenced(
-    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+    aclient: AsyncTaskClient, worker_after: Any
 ) -> None:
-    async with running_worker(registry, mongo_uri, db_name) as (_, events):
-        await aclient.publish("sleeper", "m1", {})
-        await events.wait("recorded", key="m1", state="WAITING")
+    async with worker_after(
+        registry, aclient.publish("sleeper", "m1", {}), "m1", state="WAITING"
+    ) as (_, events):
         renamed = await aclient.rename_step("m1", "before", "prepare")
         assert (renamed.index, renamed.to) == (0, "prepare")
         with pytest.raises(InvalidTransition, match="cannot be changed"):
@@ -318,11 +312,12 @@ async def test_output_inside_a_step_and_values_are_recorded_once(
 
 
 async def test_a_parent_that_waits_frees_its_slot_for_others(
-    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+    aclient: AsyncTaskClient, worker_after: Any
 ) -> None:
-    async with running_worker(registry, mongo_uri, db_name, concurrency=1) as (_, events):
-        await aclient.publish("fanout", "f5", {"n": 1, "hold": True})
-        await events.wait("recorded", key="f5", state="WAITING")
+    async with worker_after(
+        registry, aclient.publish("fanout", "f5", {"n": 1, "hold": True}), "f5",
+        state="WAITING", concurrency=1,
+    ) as (_, events):  # fmt: skip
         await aclient.publish("quick", "q5", {})
         async with asyncio.timeout(30):
             assert (await aclient.wait("q5")).result == "quick"

@@ -48,10 +48,9 @@ async def test_a_patch_marker_keeps_parked_tasks_on_the_old_branch(
     mongo_uri: str,
     db_name: str,
     mongo: MongoClient[dict[str, Any]],
+    drain: Any,
 ) -> None:
-    async with running_worker(workflowapp.v1, mongo_uri, db_name) as (_, events):
-        await aclient.publish("ship_order", "old", {})
-        await events.wait("recorded", key="old", state="WAITING")
+    await drain(workflowapp.v1, aclient.publish("ship_order", "old", {}), "old", state="WAITING")
 
     # before the deploy of version 2: its marker keeps the parked task replaying
     v2 = await asyncio.to_thread(check, client, "workflowapp:v2")

@@ -107,6 +107,22 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "supersede-race",
+        "of publishers racing with a supersede policy, exactly one task stays open",
+        "mtask/store/schema.py",
+        "unique=True,  # of racing publishers, one holds it",
+        "unique=False,  # of racing publishers, one holds it",
+        ("tests/integration/test_supersede.py::test_racing_publishers_leave_exactly_one_newest",),
+    ),
+    Mutation(
+        "debounce-race",
+        "of publishers racing to debounce one key, one opens its window",
+        "mtask/store/schema.py",
+        "unique=True,  # of racing publishers of a key, one opens its window",
+        "unique=False,  # of racing publishers of a key, one opens its window",
+        ("tests/integration/test_debounce_worker.py::test_racing_publishers_open_one_window",),
+    ),
+    Mutation(
         "group-lock-race",
         "a sequence never overlaps when late publishes, retries and a zombie race it",
         "mtask/store/schema.py",
@@ -188,7 +204,7 @@ def run(mutation: Mutation) -> tuple[bool, float, str]:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests")])}
         started = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+            [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
              *mutation.tests],
             cwd=tree,
             env=env,

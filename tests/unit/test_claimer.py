@@ -112,33 +112,15 @@ def build(
     started = Started(inflight, recorder)
     calls = ClaimCalls(adriver, clock, worker_id="w1", ignore=watcher.ignore)
     stats = WorkerStats()
-    limited_claims = LimitedClaims(
-        adriver,
-        calls,
-        clock,
-        gate=gate,
-        sink=watcher,
-        inflight=inflight,
-        runs=started,
-        stats=stats,
-        wake=wake,
-    )
+    shared: dict[str, Any] = {  # the collaborators both the claimer and its claims use
+        "gate": gate, "sink": watcher, "inflight": inflight, "runs": started, "stats": stats,
+        "wake": wake,
+    }  # fmt: skip
+    limited_claims = LimitedClaims(adriver, calls, clock, **shared)
     claimer = Claimer(
-        clock,
-        calls,
-        limited_claims,
-        concurrency=10,
-        ahead=FixedAhead(0),
-        queue=queue,
-        inflight=inflight,
-        assignment=assignment,
-        sink=watcher,
-        gate=gate,
-        runs=started,
-        stats=stats,
-        lifecycle=Running(),
-        wake=wake,
-    )
+        clock, calls, limited_claims, concurrency=10, ahead=FixedAhead(0), queue=queue,
+        assignment=assignment, lifecycle=Running(), **shared,
+    )  # fmt: skip
     return claimer, watcher, started
 
 

@@ -35,10 +35,10 @@ def test_a_missing_tool_fails_under_ci_and_skips_elsewhere(monkeypatch: pytest.M
 
 
 def test_worker_subprocesses_run_the_tree_under_test() -> None:
-    """A subprocess given ``PYTHONPATH`` gets this checkout's root on it (``harness.tree_env``,
-    or the chaos cluster's), not the tests' folder alone (which runs whatever ``mtask`` is
+    """A subprocess given ``PYTHONPATH`` gets this checkout's root on it (``harness.tree_env``),
+    not the tests' folder alone (which runs whatever ``mtask`` is
     installed); only the install test runs the installed wheel, on purpose."""
-    allowed = {"harness.py", "cluster.py", "check.py", "test_install.py"}
+    allowed = {"check.py", "test_install.py"}
     found = []
     for path in sorted(TESTS.rglob("*.py")):
         if "node_modules" in path.parts or path.name in allowed:

@@ -4,6 +4,7 @@ every write's filter, and the numbering of a batch."""
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 import pytest
 from pymongo.results import UpdateResult
@@ -64,31 +65,28 @@ def test_a_batch_is_numbered_by_the_fenced_update_then_inserted() -> None:
     assert written and driver.done
 
 
-def test_a_run_that_lost_its_task_inserts_nothing() -> None:
+@pytest.mark.parametrize(
+    ("recorded", "written"),
+    [
+        (None, False),  # the run lost its task: it inserts nothing
+        ({"_id": "k"}, True),  # the run has recorded batch 3 (sent again after its commit)
+    ],
+)
+def test_a_batch_the_fence_refuses_is_not_written_and_says_whether_it_was(
+    recorded: dict[str, Any] | None, written: bool
+) -> None:
     def asks_for_the_batch(call: Call) -> None:
         assert call.args[0]["runs"]["$elemMatch"]["output_batch"] == {"$gte": 3}
 
     driver = ScriptedDriver(
         Step("find_one_and_update", reply=None, check=fenced),
-        Step("find_one", reply=None, check=asks_for_the_batch),
+        Step("find_one", reply=recorded, check=asks_for_the_batch),
     )
     op = output.write(
         "k", "r", 1, 3, progress=None, counts=None, entries=[{"kind": "chunk", "data": 1}],
         expire_at=None, now=NOW,
     )  # fmt: skip
-    assert driver.run(op) is False and driver.done
-
-
-def test_a_batch_sent_again_after_its_commit_is_not_written_twice() -> None:
-    driver = ScriptedDriver(
-        Step("find_one_and_update", reply=None, check=fenced),
-        Step("find_one", reply={"_id": "k"}),  # the run has recorded batch 3: nothing to do
-    )
-    op = output.write(
-        "k", "r", 1, 3, progress=None, counts=None, entries=[{"kind": "chunk", "data": 1}],
-        expire_at=None, now=NOW,
-    )  # fmt: skip
-    assert driver.run(op) is True and driver.done
+    assert driver.run(op) is written and driver.done
 
 
 def test_seal_gives_the_entries_their_finished_tasks_expiry() -> None:

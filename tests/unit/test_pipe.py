@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import ast
 import datetime as dt
-import multiprocessing
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,14 +82,6 @@ def test_a_messages_kind_is_spelled_in_pipe_py_only() -> None:
 # -- the wire -------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def conns() -> Iterator[tuple[Any, Any]]:
-    worker, child = multiprocessing.Pipe()
-    yield worker, child
-    worker.close()
-    child.close()
-
-
 @given(value=values, rss=rss, delay=st.none() | st.floats(0, 1e6))
 def test_replies_cross_as_the_tuples_the_pipe_carried_and_come_back_as_themselves(
     value: Any, rss: int, delay: float | None
@@ -132,9 +122,9 @@ def test_a_step_answer_is_a_value_or_an_exception_raised_as_itself(value: Any) -
 
 
 def test_calls_and_retirement_reach_the_child_through_a_real_pipe(
-    conns: tuple[Any, Any],
+    pipe_ends: tuple[Any, Any],
 ) -> None:
-    worker, child = conns
+    worker, child = pipe_ends
     info = pipe.RunInfo("k", "n", 1, "run-1", "w-1")
     call = pipe.Call(_handler, {"a": 1}, info)  # type: ignore[arg-type]
     pipe.send(worker, call)
@@ -197,8 +187,8 @@ class _ExitsWhenLoaded:
         return (_exit_when_loaded, ())
 
 
-def test_a_message_past_the_bound_is_refused_unread(conns: tuple[Any, Any]) -> None:
-    worker, child = conns
+def test_a_message_past_the_bound_is_refused_unread(pipe_ends: tuple[Any, Any]) -> None:
+    worker, child = pipe_ends
     child.send(Output(Batch(None, None, [{"data": "x" * 1000}])).encode())
     with pytest.raises(
         ReplyRefused, match="^the handler's process sent a message of more than 100 "
@@ -207,9 +197,9 @@ def test_a_message_past_the_bound_is_refused_unread(conns: tuple[Any, Any]) -> N
 
 
 def test_what_cannot_be_unpickled_or_is_unknown_is_the_runs_handler_error(
-    conns: tuple[Any, Any],
+    pipe_ends: tuple[Any, Any],
 ) -> None:
-    worker, child = conns
+    worker, child = pipe_ends
     assert pipe.receive(worker, 1000) is None  # nothing to read
     child.send(("ok", 1, _ExitsWhenLoaded()))
     with pytest.raises(HandlerError, match="SystemExit: unpickled"):

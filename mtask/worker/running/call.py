@@ -30,6 +30,7 @@ from mtask.store import Outcome, RunState
 from mtask.tracing import run_span
 from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import ActiveRun
+from mtask.worker.running.batches import Batches
 from mtask.worker.running.context import RunLeases, fence
 from mtask.worker.running.invoke import invoke
 from mtask.worker.running.outcomes import RunOutcomes
@@ -136,7 +137,10 @@ class HandlerCalls:
         isolation: Literal["thread", "process"] = "thread",
         slots: contextlib.AbstractAsyncContextManager[Any] | None = None,
         sealing: Sealing | None = None,
+        batches: Batches | None = None,
     ) -> None:
+        self.batches = batches or Batches()
+        """Issue 62: the open batches of batch handlers, each called once for its tasks."""
         self.sealing = sealing or Plain()
         """Encrypted tasks' params opened for the handler, their results sealed (issue 64)."""
         self.outcomes = outcomes
@@ -175,6 +179,13 @@ class HandlerCalls:
             with run_span(doc, run.name, run.key, run.ctx.attempt):
                 if handler.transactional:
                     return await self._transactional(run, handler, doc)
+                if handler.batch is not None:  # issue 62: this task's entry of its batch
+                    params = await self.sealing.params(doc)
+                    result = await self.batches.call(run.key, handler, params, run.ctx)
+                    stored = self.sealing.result(doc, result)
+                    return self.outcomes.success(
+                        run, stored, keep_ms(doc.get("options") or {}, "succeeded")
+                    )
                 result = await invoke(
                     handler,
                     await self.sealing.params(doc),

@@ -124,6 +124,8 @@ async def limited(
         task.cancel()
         if held is not None:  # it keeps its lock and slots until its handler has stopped
             await _stopped(task, held, announce=how == "async")
+        else:  # it ends when its handler does, as an await of the handler itself would: a
+            await _ended(task)  # drain sees one that swallows its cancel, and abandons it
         raise
     ctx.cancelled.set()
     task.cancel()
@@ -155,6 +157,18 @@ async def _stopped(task: asyncio.Future[Any], held: Held | None, announce: bool)
             if announce:
                 held.ended()
     if task.done() and not task.cancelled():
+        task.exception()  # seen: what it ended with is not the run's outcome any more
+
+
+async def _ended(task: asyncio.Future[Any]) -> None:
+    """Wait for a cancelled handler's ``task`` to end, passing on any further cancel of the
+    run to it: the run records nothing (RELEASED at a stop) while its handler still runs."""
+    while not task.done():
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            task.cancel()
+    if not task.cancelled():
         task.exception()  # seen: what it ended with is not the run's outcome any more
 
 

@@ -3,11 +3,11 @@
 
 SUCCESS (with next steps, if the handler returned ``Next``), FAIL (retried, or permanent for
 ``Fail``, invalid params, an unstorable result or an invalid step), WAITING for a run that
-sleeps or waits for a signal, RELEASED or CANCELLED for a run the worker stopped, nothing for a
-run that lost its lease. Each is counted (``WorkerStats``, metrics) and told (``Emitter``) here,
-once. How the handler is called (its slot, its transaction, a thread or a child process) and
-what the call itself may fail with (a child that died, a time limit) is
-``mtask.worker.running.call``'s; the run's lifecycle around it is
+sleeps or waits for a signal, SNOOZED for a ``Snooze`` (issue 62), RELEASED or CANCELLED for
+a run the worker stopped, nothing for a run that lost its lease. Each is counted
+(``WorkerStats``, metrics) and told (``Emitter``) here, once. How the handler is called (its
+slot, its transaction, a thread or a child process) and what the call itself may fail with (a
+child that died, a time limit) is ``mtask.worker.running.call``'s; the run's lifecycle around it is
 ``mtask.worker.running.executor``'s.
 """
 
@@ -22,6 +22,7 @@ from mtask import flows, metrics
 from mtask.errors import InvalidParams, InvalidTask
 from mtask.models import DEFAULT_KEEP_MS, MAX_STORED_DEPTH, RunState, storable_depth
 from mtask.registry import Fail, Retry, retry_delay_ms
+from mtask.snooze import Snooze, snooze_delay_ms
 from mtask.spawn import ChildFailed
 from mtask.steps import SignalTimeout, StepError, Suspended, Wait
 from mtask.store import Outcome
@@ -56,6 +57,8 @@ class RunOutcomes:
             return self.failure(run, f"{type(exc).__name__}: {exc}", permanent=True)
         if isinstance(exc, Retry):
             return self._retried(run, exc)
+        if isinstance(exc, Snooze):
+            return self.snoozed(run, exc)
         if isinstance(exc, Fail):
             return self.failure(run, f"failed: {said(exc)}", permanent=True)
         if isinstance(exc, InvalidParams):  # the same on every run
@@ -72,6 +75,19 @@ class RunOutcomes:
         except ValueError as bad:
             return self.failure(run, f"retry requested: {said(exc)} ({bad})")
         return self.failure(run, f"retry requested: {said(exc)}", retry_delay_ms=delay)
+
+    def snoozed(self, run: ActiveRun, exc: Snooze) -> Outcome:
+        """A ``Snooze``: SNOOZED, claimable again after its seconds, no retry spent (issue 62);
+        its delay checked again (a subclass or a changed ``delay_ms`` skips the constructor's
+        check): one out of range is the task's failure, as a bad ``Retry`` delay is."""
+        try:
+            delay = snooze_delay_ms(exc.seconds)
+        except (AttributeError, TypeError, ValueError) as bad:
+            return self.failure(run, f"snooze requested: {said(exc)} ({bad})")
+        self.stats.snoozed += 1
+        metrics.by_name(metrics.SNOOZED, run.name).inc()
+        self.emit(Event.SNOOZED, key=run.key, run_id=run.run_id, seconds=delay / 1000)
+        return Outcome(run.key, run.run_id, RunState.SNOOZED, error=said(exc), retry_delay_ms=delay)
 
     def waiting(self, run: ActiveRun, wait: Wait) -> Outcome:
         """A run that ends sleeping or waiting for a signal (docs/steps.md)."""

@@ -297,7 +297,8 @@ class OutcomeRecorder:
         ended = [
             o.key
             for o in batch
-            if o.child_of is not None and o.state not in (RunState.WAITING, RunState.RELEASED)
+            if o.child_of is not None
+            and o.state not in (RunState.WAITING, RunState.RELEASED, RunState.SNOOZED)
         ]
         if not ended:
             return

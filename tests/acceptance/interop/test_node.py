@@ -5,47 +5,29 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import tree_env
-from needs import missing
+from harness import node, spawn_worker
 
 from mtask import TaskClient
-from mtask.testing import worker_argv
 
 HERE = Path(__file__).parent
-TESTS = HERE.parents[1]
 
 
 def node_or_skip() -> str:
-    """The ``node`` binary with the driver installed (``npm ci --prefix tests/acceptance/interop``):
-    missing, the test fails under CI=true (``.ci/run`` installs both) and skips otherwise."""
-    node = shutil.which("node")
-    problem = None
-    if node is None:
-        problem = "Node.js is not installed (Debian: apt-get install nodejs npm)"
-    elif not (HERE / "node_modules" / "mongodb").is_dir():
-        problem = "the mongodb npm driver is missing: run npm ci --prefix tests/acceptance/interop"
-    if problem:
-        missing(problem)
-    assert node is not None
-    return node
+    """``node`` with the driver installed (``npm ci --prefix tests/acceptance/interop``)."""
+    return node(HERE)
 
 
-def spawn_worker(uri: str, db: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        worker_argv("workerapp:registry", uri, db, "--sweep-interval", "0.5"),
-        cwd=TESTS,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+def spawn(uri: str, db: str) -> subprocess.Popen[str]:
+    return spawn_worker(
+        uri, db, "--sweep-interval", "0.5", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         text=True,
-        env=tree_env(),
-    )
+    )  # fmt: skip
 
 
 def run_node(node: str, script: Path, uri: str, db: str, timeout: float = 120) -> str:
@@ -76,7 +58,7 @@ def wait_for_worker(
 @pytest.mark.timeout(400)
 def test_node_publishes_and_waits(mongo_uri: str, db_name: str, client: TaskClient) -> None:
     node = node_or_skip()
-    worker = spawn_worker(mongo_uri, db_name)
+    worker = spawn(mongo_uri, db_name)
     try:
         wait_for_worker(client, worker)
         out = run_node(node, HERE / "interop.mjs", mongo_uri, db_name, timeout=240)

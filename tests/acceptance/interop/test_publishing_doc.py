@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from test_node import HERE, node_or_skip, spawn_worker, wait_for_worker
+from test_node import HERE, node_or_skip, spawn, wait_for_worker
 
 from mtask import TaskClient
 
@@ -44,7 +44,7 @@ def test_the_node_and_pymongo_examples_run(
     mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
     node = node_or_skip()
-    worker = spawn_worker(mongo_uri, db_name)
+    worker = spawn(mongo_uri, db_name)
     try:
         wait_for_worker(client, worker)
         js = example("Node.js (official `mongodb` driver)", "js")

@@ -30,6 +30,7 @@ from mtask.errors import InvalidParams
 from mtask.flows import is_steps
 from mtask.output import RunOutput
 from mtask.registry import Fail, Handler, Retry, TaskContext
+from mtask.snooze import Snooze
 from mtask.steps import SignalTimeout, StepError, Suspended
 from mtask.worker.running.failures import result_too_large, said, short_traceback
 from mtask.worker.running.pool import pipe
@@ -169,6 +170,8 @@ def _reply(handler: Handler, params: dict[str, Any], ctx: TaskContext) -> Reply:
     except Suspended as exc:  # the run ends WAITING (a BaseException: not a handler error)
         return Reply(ReplyKind.SUSPENDED, exc.wait)
     except (StepError, SignalTimeout) as exc:  # fail the task for good, as on a thread
+        return Reply(ReplyKind.RAISE, exc)
+    except Snooze as exc:  # issue 62: SNOOZED, as on a thread
         return Reply(ReplyKind.RAISE, exc)
     except InvalidParams as exc:
         return Reply(ReplyKind.INVALID, str(exc))

@@ -121,7 +121,7 @@ class ReplyKind(StrEnum):
     INVALID = "invalid"  # (why the params do not validate)
     REFUSED = "refused"  # (why the reply is past its bounds): ReplyRefused
     SUSPENDED = "suspended"  # (the Wait): the run ends WAITING
-    RAISE = "raise"  # (a StepError or SignalTimeout): raised as itself
+    RAISE = "raise"  # (a StepError, SignalTimeout or Snooze): raised as itself
     ERROR = "error"  # (the traceback of what the handler raised, sys.exit() too)
     MEMORY = "memory"  # (a MemoryError's traceback); the child exits after it
 

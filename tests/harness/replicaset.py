@@ -1,4 +1,5 @@
-"""Real worker processes and MongoDB servers for the chaos suite."""
+"""MongoDB servers of a test's own: a replica set of real mongod processes (started from the
+embedded mongod binary) to kill, restart, step down, fail-point or cut off."""
 
 from __future__ import annotations
 
@@ -9,126 +10,15 @@ import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pymongo import MongoClient
 from pymongo.errors import PyMongoError
 
-import mtask
-from mtask import TaskClient
 from mtask.embedded import find_mongod, free_port
-from mtask.testing import worker_argv
 
-HERE = Path(__file__).parent
-MTASK_ROOT = Path(mtask.__file__).parent.parent
-
-
-@dataclass
-class Size:
-    """How big each scenario is: moderate in CI, big with ``--chaos-long``."""
-
-    tasks: int
-    kill_rounds: int
-    restarts: int
-    failovers: int
-    stream_kills: int
-    publishers: int
-
-
-MODERATE = Size(tasks=300, kill_rounds=5, restarts=1, failovers=1, stream_kills=3, publishers=4)
-LONG = Size(tasks=3000, kill_rounds=25, restarts=3, failovers=3, stream_kills=15, publishers=8)
-
-
-class Cluster:
-    """``mtask-worker`` processes running ``chaosapp:registry`` (or ``app``); logs go to
-    files."""
-
-    def __init__(self, uri: str, database: str, logs: Path, app: str = "chaosapp:registry") -> None:
-        self.uri = uri
-        self.database = database
-        self.logs = logs
-        self.app = app
-        """The registry the workers run (``module:attribute`` in tests/chaos)."""
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.kills = 0
-
-    def spawn(
-        self,
-        worker_id: str,
-        *args: str,
-        env: dict[str, str] | None = None,
-        prefix: list[str] | None = None,
-        app: str | None = None,
-    ) -> subprocess.Popen[bytes]:
-        log = open(self.logs / f"{worker_id}.log", "ab")  # noqa: SIM115 - closed with the process
-        options = ("--worker-id", worker_id, "--log-level", "INFO", *args)
-        proc = subprocess.Popen(
-            [*(prefix or []), *worker_argv(app or self.app, self.uri, self.database, *options)],
-            cwd=HERE,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            # a group of its own: signals reach the worker also through a wrapper (faketime
-            # forks it, and would leave it running)
-            start_new_session=True,
-            env={
-                **os.environ,
-                # the mtask under test, also when another is installed (an editable install
-                # of another tree)
-                "PYTHONPATH": os.pathsep.join([str(HERE), str(MTASK_ROOT)]),
-                "CHAOS_URI": self.uri,
-                "CHAOS_DB": self.database,
-                **(env or {}),
-            },
-        )
-        log.close()
-        self.procs[worker_id] = proc
-        return proc
-
-    def signal(self, worker_id: str, sig: signal.Signals) -> None:
-        proc = self.procs[worker_id]
-        os.killpg(proc.pid, sig)
-        if sig == signal.SIGKILL:
-            proc.wait(timeout=10)
-            self.kills += 1
-            del self.procs[worker_id]
-
-    def log_of(self, worker_id: str) -> str:
-        return (self.logs / f"{worker_id}.log").read_text(errors="replace")
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGCONT)
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=20)
-            with contextlib.suppress(ProcessLookupError):  # whatever is left of the group
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        self.procs.clear()
-
-
-async def until_finished(client: TaskClient, total: int, timeout: float) -> None:
-    """Wait until ``total`` tasks exist and none is pending or running."""
-    deadline = time.monotonic() + timeout
-    counts: dict[str, int] = {}
-    while time.monotonic() < deadline:
-        try:
-            counts = {}
-            for by_status in client.stats(exact=True).values():
-                for status, n in by_status.items():
-                    counts[status] = counts.get(status, 0) + n
-        except Exception:  # noqa: BLE001 - MongoDB may be failing over; ask again
-            await asyncio.sleep(0.5)
-            continue
-        open_ = counts.get("pending", 0) + counts.get("running", 0)
-        if sum(counts.values()) >= total and open_ == 0:
-            return
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"tasks still open after {timeout}s: {counts}")
+from .processes import Cluster
 
 
 class ReplicaSet:
@@ -278,3 +168,13 @@ def _gone(pid: int) -> bool:
             return stat.read().rpartition(")")[2].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+async def replica_set_with_workers(
+    root: Path, database: str, **replica: Any
+) -> tuple[ReplicaSet, Cluster]:
+    """A replica set of the test's own started in ``root``/rs (``replica``: ``ReplicaSet``'s
+    options) and a ``Cluster`` of workers on it logging to ``root``; the test stops both."""
+    replica_set = ReplicaSet(root / "rs", **replica)
+    uri = await asyncio.to_thread(replica_set.start)
+    return replica_set, Cluster(uri, database, root)

@@ -1,0 +1,88 @@
+"""Batch handlers (issue 62, 8), run by a real worker process: 200 tasks of a batch name are
+handled in calls of many tasks each, every task keeps its own outcome (one failing entry fails
+its task alone), its own attempt and run; bad declarations are refused at registration."""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Any
+
+import pytest
+from harness import tree_env
+from pymongo import MongoClient
+from test_snooze_worker import TESTS, polled
+
+from mtask import Registry, TaskClient
+from mtask.errors import InvalidTask
+from mtask.testing import worker_argv
+
+COUNT = 200
+
+
+def test_a_batch_handler_handles_many_tasks_per_call_each_with_its_own_outcome(
+    mongo_uri: str, db_name: str, client: TaskClient, mongo: MongoClient[dict[str, Any]]
+) -> None:
+    client.publish_many(
+        [
+            {"name": "index", "key": f"i{n}", "params": {"fail": n == 7},
+             "options": {"max_retries": 0}}
+            for n in range(COUNT)
+        ]
+    )  # fmt: skip
+    proc = subprocess.Popen(
+        worker_argv("flowpubapp:registry", mongo_uri, db_name, "--concurrency", "64"),
+        cwd=TESTS,
+        env=tree_env(),
+    )
+    try:
+        tasks = mongo[db_name]["tasks"]
+        polled(
+            lambda: tasks.count_documents(
+                {"name": "index", "status": {"$in": ["pending", "running"]}}
+            ),
+            lambda left: left == 0,
+            timeout=60,
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    docs = list(mongo[db_name]["tasks"].find({"name": "index"}))
+    failed = [d for d in docs if d["status"] == "failed"]
+    assert [d["_id"] for d in failed] == ["i7"] and "bad i7" in failed[0]["error"]
+    succeeded = [d for d in docs if d["status"] == "succeeded"]
+    assert len(succeeded) == COUNT - 1
+    assert all(d["attempts"] == 1 and len(d["runs"]) == 1 for d in docs)
+    sizes = [d["result"]["size"] for d in succeeded]
+    assert max(sizes) > 1 and sum(sizes) / len(sizes) > 2  # handled many at a time
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"batch": 0}, "batch"),
+        ({"batch": True}, "batch"),
+        ({"batch": 10, "batch_timeout": 0}, "batch_timeout"),
+        ({"batch": 10, "batch_timeout": float("nan")}, "batch_timeout"),
+        ({"batch": 10, "isolation": "process"}, "batch"),
+        ({"batch": 10, "time_limit": 5}, "batch"),
+    ],
+)
+def test_bad_declarations_are_refused(kwargs: dict[str, Any], field: str) -> None:
+    registry = Registry()
+    with pytest.raises(InvalidTask) as caught:
+
+        @registry.task("b", **kwargs)
+        def b(items: list[Any]) -> list[Any]:
+            return items
+
+    assert caught.value.field == field
+
+
+def test_a_batch_handler_takes_one_argument() -> None:
+    with pytest.raises(InvalidTask) as caught:
+
+        @Registry().task("b", batch=5)
+        def b(items: list[Any], ctx: Any) -> list[Any]:
+            return items
+
+    assert caught.value.field == "batch"
