@@ -702,6 +702,29 @@ class _Base:
         return (yield from limits.clear_limit(validate_name(name)))
 
     @operation
+    def set_group_limit(
+        self,
+        name: str,
+        group: str,
+        *,
+        concurrency: int | None = None,
+        rate: float | None = None,
+        burst: int | None = None,
+        weight: float | None = None,
+    ) -> Op[dict[str, Any]]:
+        """Override the group limit of one group of ``name`` (a tier, a tenant): its own
+        ``concurrency``, ``rate`` and ``burst`` (``None``: the name's ``group_…`` value), and its
+        ``weight``, its share of turns among the name's groups (3: three turns for every one of a
+        group of weight 1). Replaces the group's override; applies within a second."""
+        override = limits.GroupOverride(concurrency, rate, burst, weight)
+        return (yield from limits.set_group_limit(name, group, override, self.clock.now()))
+
+    @operation
+    def clear_group_limit(self, name: str, group: str) -> Op[bool]:
+        """Remove the override of ``group`` of ``name``: the name's group limit and weight 1."""
+        return (yield from limits.clear_group_limit(name, group))
+
+    @operation
     def limits(self) -> Op[builtins.list[dict[str, Any]]]:
         return (yield from limits.all_limits())
 

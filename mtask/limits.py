@@ -39,7 +39,7 @@ from pymongo import ReturnDocument
 
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask
-from mtask.models import validate_name
+from mtask.models import MAX_NAME_LENGTH, UNENCODABLE, encodable, validate_name
 
 MAX_LIMIT_CONCURRENCY = 1_000_000
 MAX_RATE = 1_000_000.0
@@ -317,11 +317,27 @@ def clear_limit(name: str) -> Op[bool]:
     return bool(result.deleted_count)
 
 
-LIMIT_FIELDS = tuple(CONFIG_FIELDS)
+OVERRIDES = "group_overrides"
+"""A name's per-group overrides (``set_group_limit``): ``[{group, concurrency, rate, burst,
+weight}]``, one entry per group, written only by ``set_group_limit`` and
+``clear_group_limit``."""
+OVERRIDES_AT = "overrides_at"
+"""When the overrides last changed: a top-level field every override write sets, so that the
+workers' change streams (which look for ``LIMIT_FIELDS`` among an update's fields) hear of
+it whatever the server says of the array's change, and carry no copy of the array."""
+
+LIMIT_FIELDS = (*CONFIG_FIELDS, OVERRIDES_AT)
 """The fields of a name's document that say its limit: only ``set_limit`` (or a hand) writes
 them, so a change event that names one of them is a change of the limit (a slot taken, given
 back or pinged writes none of them)."""
-READ_FIELDS = {**CONFIG_FIELDS, "holders": 1, "tokens": 1, "refilled_at": 1, SLOT_RUNS: 1}
+READ_FIELDS = {
+    **CONFIG_FIELDS,
+    OVERRIDES: 1,
+    "holders": 1,
+    "tokens": 1,
+    "refilled_at": 1,
+    SLOT_RUNS: 1,
+}
 
 
 def all_limits() -> Op[list[Doc]]:
@@ -342,7 +358,7 @@ def same_limit(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool
     """Whether two of a name's documents (``None``: no limit) say the same limit."""
     if a is None or b is None:
         return a is b
-    return all(a.get(f) == b.get(f) for f in LIMIT_FIELDS)
+    return all(a.get(f) == b.get(f) for f in (*LIMIT_FIELDS, OVERRIDES))
 
 
 def own_limit(doc: Mapping[str, Any]) -> Limit:
@@ -392,3 +408,215 @@ def retry_at(doc: Doc, now: dt.datetime) -> dt.datetime:
     elif concurrency is not None and len(live) >= concurrency:
         waits.append((live[len(live) - concurrency] - now).total_seconds())
     return now + dt.timedelta(seconds=max(waits) + 0.001)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-group overrides and weights (issue 62)
+# ---------------------------------------------------------------------------------------------
+
+MAX_OVERRIDES = 10_000
+"""Groups of one name that may have an override: they live in the name's document, which every
+worker reads (a tier per tenant of a large SaaS fits; a group without one takes the default)."""
+MAX_WEIGHT = 1000.0
+
+
+@dataclass(frozen=True)
+class GroupOverride:
+    """What one group of a name has instead of the name's group limit (``None``: the name's
+    ``group_…`` value), and its share of turns among the name's groups (``weight``: 3 takes three
+    turns for every one of a group of weight 1; ``None``: 1)."""
+
+    concurrency: int | None = None
+    rate: float | None = None
+    burst: int | None = None
+    weight: float | None = None
+
+    @property
+    def limits(self) -> bool:
+        return self.concurrency is not None or self.rate is not None
+
+
+def validate_group(group: object) -> str:
+    """A group's name as ``options.group`` admits it (1 to 200 characters, no NUL)."""
+    if not isinstance(group, str) or not group:
+        raise InvalidTask("must be a non-empty string", field="group")
+    if len(group) > MAX_NAME_LENGTH:
+        raise InvalidTask(f"is {len(group)} characters; at most {MAX_NAME_LENGTH}", field="group")
+    if GROUP_SEPARATOR in group:
+        raise InvalidTask("must not contain NUL characters", field="group")
+    if not encodable(group):
+        raise InvalidTask(UNENCODABLE, field="group")
+    return group
+
+
+def validate_override(name: object, group: object, override: GroupOverride) -> tuple[str, str]:
+    """Check an override before anything is written; the error names the bad field."""
+    name = validate_name(name)
+    group = validate_group(group)
+    _validate_one(Limit(override.concurrency, override.rate, override.burst), "")
+    if not override.limits and override.weight is None:
+        raise InvalidTask("give concurrency, rate or weight", field="group")
+    if override.concurrency == 1 and override.rate is None:
+        raise InvalidTask(
+            "1 run at a time per group is a sequence, which the name's group_concurrency=1 "
+            "makes; an override of 1 needs a rate",
+            field="concurrency",
+        )
+    weight = override.weight
+    if weight is not None and (
+        isinstance(weight, bool)
+        or not isinstance(weight, int | float)
+        or not math.isfinite(weight)
+        or not 0 < weight <= MAX_WEIGHT
+    ):
+        raise InvalidTask(f"must be a number above 0 and at most {MAX_WEIGHT:g}", field="weight")
+    return name, group
+
+
+def _entry(group: str, override: GroupOverride) -> Doc:
+    rate = None if override.rate is None else float(override.rate)
+    burst = override.burst
+    if rate is not None and burst is None:
+        burst = int(Limit(rate=rate).full())
+    return {
+        "group": group,
+        "concurrency": override.concurrency,
+        "rate": rate,
+        "burst": burst,
+        "weight": None if override.weight is None else float(override.weight),
+    }
+
+
+def set_group_limit(name: str, group: str, override: GroupOverride, now: dt.datetime) -> Op[Doc]:
+    """Give ``group`` of ``name`` its own limit and/or weight (replacing its override, if it had
+    one), in one update of the name's document (made if the name has no limit yet: its other
+    groups and the name stay unlimited). Applies within a second, as ``set_limit`` does: each
+    worker reads the name's document again on its change event, the group's slot takes the new
+    limit at its next claim, and runs in flight count towards it."""
+    name, group = validate_override(name, group, override)
+    if override.limits:
+        doc = yield Call("find_one", ({"_id": name}, CONFIG_FIELDS), collection="limits")
+        if doc is not None and group_limit(doc).concurrency == 1:
+            raise InvalidTask(
+                "the name's groups are sequences (group_concurrency 1): an override may give "
+                "them a weight only",
+                field="group",
+            )
+    others = {
+        "$filter": {
+            "input": {"$ifNull": [f"${OVERRIDES}", []]},
+            "as": "o",
+            "cond": {"$ne": ["$$o.group", {"$literal": group}]},
+        }
+    }
+    kept = {"$lt": [{"$size": others}, MAX_OVERRIDES]}
+    entry = {"$literal": _entry(group, override)}
+    doc = yield Call(
+        "find_one_and_update",
+        (
+            {"_id": name},
+            [
+                {
+                    "$set": {
+                        OVERRIDES: {
+                            "$cond": [
+                                kept,
+                                {"$concatArrays": [others, [entry]]},
+                                f"${OVERRIDES}",
+                            ]
+                        },
+                        "holders": {"$ifNull": ["$holders", []]},
+                        OVERRIDES_AT: now,
+                        "updated_at": now,
+                    }
+                }
+            ],
+        ),
+        {"upsert": True, "return_document": ReturnDocument.AFTER},
+        collection="limits",
+    )
+    if group_override(doc, group) is None:
+        raise InvalidTask(f"{name!r} has {MAX_OVERRIDES} overrides already", field="group")
+    return dict(doc)
+
+
+def clear_group_limit(name: str, group: str) -> Op[bool]:
+    """Remove ``group``'s override: it takes the name's group limit and weight 1 again."""
+    name, group = validate_name(name), validate_group(group)
+    result = yield Call(
+        "update_one",
+        (
+            {"_id": name, f"{OVERRIDES}.group": group},
+            [
+                {
+                    "$set": {
+                        OVERRIDES: {
+                            "$filter": {
+                                "input": f"${OVERRIDES}",
+                                "as": "o",
+                                "cond": {"$ne": ["$$o.group", {"$literal": group}]},
+                            }
+                        },
+                        OVERRIDES_AT: "$$NOW",
+                    }
+                }
+            ],
+        ),
+        collection="limits",
+    )
+    return bool(result.modified_count)
+
+
+def overrides(doc: Mapping[str, Any]) -> dict[str, GroupOverride]:
+    """A name's document's overrides by group (any shape: an entry that is not one is none)."""
+    found = doc.get(OVERRIDES)
+    out: dict[str, GroupOverride] = {}
+    if not isinstance(found, list):
+        return out
+    for entry in found:
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("group"), str):
+            continue
+        own = _limit(entry, "")
+        weight = entry.get("weight")
+        good: float | None = None
+        if isinstance(weight, int | float) and not isinstance(weight, bool):
+            good = float(weight) if 0 < weight <= MAX_WEIGHT else None  # NaN is none
+        out[entry["group"]] = GroupOverride(own.concurrency, own.rate, own.burst, good)
+    return out
+
+
+def group_override(doc: Mapping[str, Any] | None, group: str | None) -> GroupOverride | None:
+    if doc is None or group is None or OVERRIDES not in doc:
+        return None
+    return overrides(doc).get(group)
+
+
+def group_limit_for(doc: Mapping[str, Any], group: str | None) -> Limit:
+    """The limit of ``group`` of the name ``doc`` is of: its override's fields over the name's
+    group limit. The groups of a name whose groups are sequences (``group_concurrency`` 1)
+    keep the name's: an override gives them a weight only; nor does an override make a group a
+    sequence (1 run at a time with no rate, say after the name's group rate was cleared)."""
+    base = group_limit(doc)
+    found = group_override(doc, group)
+    if found is None or not found.limits or base.concurrency == 1:
+        return base
+    concurrency = base.concurrency if found.concurrency is None else found.concurrency
+    if found.rate is not None:
+        limit = Limit(concurrency, found.rate, found.burst)
+    else:
+        limit = Limit(concurrency, base.rate, base.burst)
+    # one run at a time and no rate is a sequence, which only the name's limit makes
+    return base if is_sequence(limit) else limit
+
+
+def restricts(doc: Mapping[str, Any]) -> bool:
+    """Whether a name's document limits anything (one holding weights alone does not: its
+    tasks are claimed plainly)."""
+    return (
+        own_limit(doc).set or group_limit(doc).set or any(o.limits for o in overrides(doc).values())
+    )
+
+
+def weights(doc: Mapping[str, Any]) -> dict[str, float]:
+    """The groups of a name's document given a weight other than 1."""
+    return {g: o.weight for g, o in overrides(doc).items() if o.weight not in (None, 1.0)}

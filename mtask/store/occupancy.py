@@ -18,6 +18,7 @@ more there are).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from typing import Any
 
 from mtask import control, limits
 from mtask.driver import Call, Doc, Op, gather
-from mtask.limits import Limit, group_limit, group_slot, is_sequence, own_limit
+from mtask.limits import Limit, group_limit, group_limit_for, group_slot, is_sequence, own_limit
 from mtask.store.cluster import LIVE
 from mtask.store.schema import GROUP_LOCK, OPEN_LIST
 
@@ -49,6 +50,11 @@ class GroupUse:
     """The task that runs next: a sequence's lock holder, else the first in publish order."""
     head_status: str | None
     holds_lock: bool = False
+    weight: float = 1.0
+    """Its share of turns (``set_group_limit(…, weight=…)``)."""
+    overridden: bool = False
+    """Whether it has an override of its own (``set_group_limit``): ``limit`` is the
+    override's."""
 
 
 @dataclass(frozen=True)
@@ -164,10 +170,18 @@ def _name_use(
 ) -> NameUse:
     paused, handled = facts
     name = str(doc["_id"])
-    per_group = group_limit(doc)
-    groups = [
-        _group_use(r, per_group, slots.get(group_slot(name, str(r["_id"]))), now) for r in rows
-    ]
+    found = limits.overrides(doc)
+    groups = []
+    for r in rows:
+        group = r["_id"] if isinstance(r["_id"], str) else None
+        slot = slots.get(group_slot(name, str(group)))
+        use = _group_use(r, group_limit_for(doc, group), slot, now)
+        if group in found:
+            weight = found[group].weight
+            use = dataclasses.replace(
+                use, weight=1.0 if weight is None else weight, overridden=found[group].limits
+            )
+        groups.append(use)
     due = sum(g.due for g in groups)
     blocked = sum(g.blocked for g in groups)
     own = own_limit(doc)
@@ -200,9 +214,10 @@ def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse
     slot_ids = [
         group_slot(str(d["_id"]), str(r["_id"]))
         for d, found in zip(docs, rows, strict=True)
-        if group_limit(d).set and not is_sequence(group_limit(d))
         for r in found[:TOP_GROUPS]
         if isinstance(r["_id"], str)
+        and (each := group_limit_for(d, r["_id"])).set
+        and not is_sequence(each)
     ]
     slots: dict[str, Doc] = {}
     if slot_ids:

@@ -58,6 +58,8 @@ ROUTE_ACTIONS = {
     ("DELETE", "/schedules/{schedule_id}"): "unschedule",
     ("PUT", "/limits/{name}"): "limit",
     ("DELETE", "/limits/{name}"): "limit",
+    ("PUT", "/limits/{name}/groups/{group}"): "limit",
+    ("DELETE", "/limits/{name}/groups/{group}"): "limit",
     ("GET", "/audit"): "audit",
     ("POST", "/triggers/{name}:pause"): "trigger",
     ("POST", "/triggers/{name}:resume"): "trigger",

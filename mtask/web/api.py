@@ -128,6 +128,17 @@ class LimitBody(BaseModel):
     group_burst: int | None = Field(None, ge=1, le=1_000_000)
 
 
+class GroupLimitBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    concurrency: int | None = Field(None, ge=1, le=1_000_000)
+    rate: float | None = Field(None, gt=0, le=1_000_000, description="claims per second")
+    burst: int | None = Field(None, ge=1, le=1_000_000)
+    weight: float | None = Field(
+        None, gt=0, le=1000, description="share of turns among the name's groups (default 1)"
+    )
+
+
 class BulkBody(BaseModel):
     """Which tasks a bulk action applies to: every field given must match (none: all tasks the
     action applies to). The action narrows ``status`` itself: retry to failed/cancelled, cancel
@@ -539,6 +550,25 @@ async def set_limit(name: str, body: LimitBody, client: Client) -> LimitView:
         group_rate=body.group_rate,
         group_burst=body.group_burst,
     )
+
+
+@router.put("/limits/{name}/groups/{group}")
+async def set_group_limit(name: str, group: str, body: GroupLimitBody, client: Client) -> LimitView:
+    """One group's own limit and weight (a tier, a tenant), over the name's group limit."""
+    return await client.set_group_limit(  # type: ignore[return-value]
+        name,
+        group,
+        concurrency=body.concurrency,
+        rate=body.rate,
+        burst=body.burst,
+        weight=body.weight,
+    )
+
+
+@router.delete("/limits/{name}/groups/{group}", status_code=204)
+async def clear_group_limit(name: str, group: str, client: Client) -> Response:
+    await client.clear_group_limit(name, group)
+    return Response(status_code=204)
 
 
 @router.delete("/limits/{name}", status_code=204)

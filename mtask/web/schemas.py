@@ -119,6 +119,11 @@ class LimitView(Open):
     tokens: float | None = None
     refilled_at: dt.datetime | None = None
     holders: list[dict[str, Any]] = Field(default_factory=list)
+    group_overrides: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="groups with a limit or weight of their own: "
+        "{group, concurrency, rate, burst, weight}",
+    )
 
 
 class GroupView(BaseModel):

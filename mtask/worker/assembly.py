@@ -31,7 +31,7 @@ from mtask.worker.claiming.calls import ClaimCalls
 from mtask.worker.claiming.claimer import Claimer
 from mtask.worker.claiming.gate import REFRESH_SECONDS, LimitGate
 from mtask.worker.claiming.limited_claims import LimitedClaims
-from mtask.worker.claiming.queue import ClaimQueue
+from mtask.worker.claiming.queue import ClaimQueue, GroupWeights
 from mtask.worker.claiming.recount import Recount
 from mtask.worker.config import WorkerConfig
 from mtask.worker.events import Emitter
@@ -131,7 +131,10 @@ def build(
     capacity = Gauge()
     inflight = InFlight(on_free=freed)
     aging = config.priority_aging
-    queue = ClaimQueue(config.queue_size, None if aging is None else dt.timedelta(seconds=aging))
+    weights = GroupWeights()
+    queue = ClaimQueue(
+        config.queue_size, None if aging is None else dt.timedelta(seconds=aging), weights
+    )
     assignment = Assignment(tuple(names))
     scheduler = Scheduler(
         adriver,
@@ -176,6 +179,7 @@ def build(
         applied=limit_applied,
         reopened=stream_opened,
         ready=found.finder.ready,
+        weights=weights,
     )
     process_pool: ProcessPool | None = None  # handler isolation (issue 18)
     if config.pool == "process" or any(registry[n].isolation == "process" for n in names):
@@ -226,7 +230,7 @@ def build(
     outputs = OutputWriter(aclient, adriver, clock)
     transactions = Transactions(aclient, adriver, clock)
     ahead, slots = claim_ahead.build(
-        config.concurrency, config.prefetch, limited=lambda: bool(gate.limited)
+        config.concurrency, config.prefetch, limited=lambda: bool(gate.restricting)
     )
     outcomes = RunOutcomes(stats, emit, config.max_result_bytes, publisher.max_params_bytes)
     contexts = RunContexts(

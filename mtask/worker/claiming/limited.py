@@ -81,10 +81,10 @@ def counted(
     out: list[tuple[str, limits.Limit | None]] = []
     if limits.own_limit(doc).concurrency is not None:
         out.append((name, None))
-    each = limits.group_limit(doc)
+    each = limits.group_limit_for(doc, group)
     if group is None or each.concurrency is None:
         return out
-    if limits.is_sequence(each) and limits.claim_lock(name, group) in held:
+    if limits.is_sequence(limits.group_limit(doc)) and limits.claim_lock(name, group) in held:
         return out
     out.append((limits.group_slot(name, group), each))
     return out
@@ -125,12 +125,15 @@ def _turn(
     return None
 
 
-def _group_slots(name: str, group: str | None, each: limits.Limit) -> tuple[str | None, str | None]:
-    """The group's slot (if its name limits groups), and its lock instead (a sequence with no
-    rate: taken by the claim, ``store.claim_locked``)."""
+def _group_slots(
+    name: str, group: str | None, each: limits.Limit, base: limits.Limit
+) -> tuple[str | None, str | None]:
+    """The group's slot (if its name limits groups, or it has an override that limits it:
+    ``each``), and its lock instead (a sequence with no rate: taken by the claim,
+    ``store.claim_locked``; whether the groups are sequences is the name's ``base``)."""
     if group is None or not each.set:
         return None, None
-    lock = limits.claim_lock(name, group) if limits.is_sequence(each) else None
+    lock = limits.claim_lock(name, group) if limits.is_sequence(base) else None
     return limits.group_slot(name, group), lock
 
 
@@ -200,11 +203,12 @@ class _Planner:
         if meta is None or not isinstance(doc, Mapping):
             _unlimited(key, meta, self.chosen, self.out)
             return
-        own, each = limits.own_limit(doc), limits.group_limit(doc)
+        own, base = limits.own_limit(doc), limits.group_limit(doc)
         group = group_of(meta)
-        gslot, lock = _group_slots(meta.name, group, each)
+        each = limits.group_limit_for(doc, group)  # an override's, else the name's
+        gslot, lock = _group_slots(meta.name, group, each, base)
         candidate: str | None = key
-        if gslot is not None and group is not None and each.concurrency == 1:
+        if gslot is not None and group is not None and base.concurrency == 1:
             pair = (meta.name, group)
             candidate = _in_turn(
                 key, pair, lock or gslot, self.turns, self.heads, self.now, self.out
