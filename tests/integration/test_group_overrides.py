@@ -115,7 +115,9 @@ def test_the_cli_and_http_set_show_and_clear_overrides(
         assert http.put("/limits/n/groups/x", json={"concurrency": 2}).status_code == 401
         assert http.delete("/limits/n/groups/api", headers=AUTH).status_code == 204
         page = http.get("/ui/limits", headers=AUTH)
-        assert page.status_code == 200 and "pro" in page.text
+        assert page.status_code == 200 and 'data-group="pro"' in page.text
+        row = page.text.split('data-group="pro"')[1].split("</tr>")[0]
+        assert "6 of 6" not in row and "0 of 6" in row and ">own<" in row and "weight 3" in row
     code, _, _ = run_cli("limit", "n", "--group", "pro", "--clear", *where)
     assert code == 0 and "group_overrides" in client.limits()[0]
     assert client.limits()[0]["group_overrides"] == []
