@@ -679,8 +679,9 @@ class _Base:
     @operation
     def set_limit(
         self,
-        name: str,
+        name: str | None = None,
         *,
+        resource: str | None = None,
         concurrency: int | None = None,
         rate: float | None = None,
         burst: int | None = None,
@@ -692,13 +693,28 @@ class _Base:
         ``rate`` claims per second (bursts of ``burst``); and each of its groups
         (``options.group``) likewise with ``group_concurrency``, ``group_rate`` and
         ``group_burst`` (``group_concurrency=1``: each group is a sequence, run one at a time
-        in publish order). Applies within a second."""
+        in publish order). Applies within a second.
+
+        ``resource=`` instead of a name: the limit of a shared resource (an API quota), taken by
+        every run of the names whose handler ``uses`` it (``@registry.task(uses=[...])``),
+        exactly across the cluster; a resource has no groups."""
         own = limits.Limit(concurrency, rate, burst)
         group = limits.Limit(group_concurrency, group_rate, group_burst)
-        return (yield from limits.set_limit(name, own, group, self.clock.now()))
+        if resource is not None:
+            if name is not None or group.set or group_burst is not None:
+                raise InvalidTask(
+                    "a resource's limit takes no name and no group_…", field="resource"
+                )
+            return (yield from limits.set_resource_limit(resource, own, self.clock.now()))
+        return (yield from limits.set_limit(validate_name(name), own, group, self.clock.now()))
 
     @operation
-    def clear_limit(self, name: str) -> Op[bool]:
+    def clear_limit(self, name: str | None = None, *, resource: str | None = None) -> Op[bool]:
+        """Remove the limit of ``name`` (or of the shared resource ``resource``)."""
+        if resource is not None:
+            if name is not None:
+                raise InvalidTask("give a name or a resource, not both", field="resource")
+            return (yield from limits.clear_resource_limit(resource))
         return (yield from limits.clear_limit(validate_name(name)))
 
     @operation

@@ -190,6 +190,29 @@ NAME_LIMITS = {"group": {"$exists": False}}
 """The documents of the names' limits (not the groups' state)."""
 
 
+RESOURCE_PREFIX = GROUP_SEPARATOR
+"""Before a shared resource's name in its document's ``_id`` (``resource_slot``): a task name
+is never empty, so no name's or group's document begins with it."""
+
+
+def resource_slot(resource: str) -> str:
+    """The ``_id`` of the limit document of the shared resource ``resource`` (issue 62)."""
+    return RESOURCE_PREFIX + resource
+
+
+def is_resource(slot: str) -> bool:
+    return slot.startswith(RESOURCE_PREFIX)
+
+
+def resource_of(slot: str) -> str:
+    return slot.removeprefix(RESOURCE_PREFIX)
+
+
+def is_group_slot(slot: str) -> bool:
+    """A group's slot document (``<name>\x00<group>``), not a name's nor a resource's."""
+    return GROUP_SEPARATOR in slot and not is_resource(slot)
+
+
 def group_slot(name: str, group: str) -> str:
     """The ``_id`` of the limit document of ``group`` of ``name``."""
     return f"{name}{GROUP_SEPARATOR}{group}"
@@ -242,13 +265,44 @@ SETTLE_AFTER = dt.timedelta(minutes=1)
 a second; a lost event within the periodic read's interval, 30 s at most by default)."""
 
 
-def set_limit(name: str, own: Limit, group: Limit, now: dt.datetime) -> Op[Doc]:
+def validate_resource(resource: object) -> str:
+    """A shared resource's name: as a task name (1 to 200 characters, no NUL)."""
+    if not isinstance(resource, str) or not resource.strip():
+        raise InvalidTask("must be a non-empty string", field="resource")
+    if len(resource) > MAX_NAME_LENGTH or GROUP_SEPARATOR in resource or not encodable(resource):
+        raise InvalidTask(
+            f"must be at most {MAX_NAME_LENGTH} characters of valid Unicode, with no NUL",
+            field="resource",
+        )
+    return resource
+
+
+def set_resource_limit(resource: str, own: Limit, now: dt.datetime) -> Op[Doc]:
+    """Create or change the limit of the shared resource ``resource`` (issue 62): every task
+    whose name uses it (``@registry.task(uses=[...])``) takes a slot of it too, exactly as of a
+    name's own limit, in the same bulk write. A resource has no groups."""
+    resource = validate_resource(resource)
+    if not own.set:
+        raise InvalidTask("give concurrency or rate", field="limit")
+    slot = resource_slot(resource)
+    doc: Doc = yield from set_limit(slot, own, Limit(), now, resource=resource)
+    return doc
+
+
+def set_limit(
+    name: str, own: Limit, group: Limit, now: dt.datetime, resource: str | None = None
+) -> Op[Doc]:
     """Create or change the limit of ``name`` (and of each of its groups). Slots held and
     tokens left are kept; a new bucket starts full. The groups' documents take the new
     group limit at their next claim. No run in flight is stopped: each worker counts its runs
     in towards the new limit when it hears of it (``slots.join``). A limit that makes the groups
-    sequences notes when (``SLOT_RUNS``)."""
-    name, own, group = validate_limit(name, own, group)
+    sequences notes when (``SLOT_RUNS``). ``resource``: ``name`` is the ``_id`` of that shared
+    resource's document (``set_resource_limit`` checked it), which says its name."""
+    extra: Doc = {}
+    if resource is not None:
+        own, extra = _validate_one(own, ""), {"resource": {"$literal": resource}}
+    else:
+        name, own, group = validate_limit(name, own, group)
     full = own.full()
     doc: Doc = yield Call(
         "find_one_and_update",
@@ -268,6 +322,7 @@ def set_limit(name: str, own: Limit, group: Limit, now: dt.datetime) -> Op[Doc]:
                         "refilled_at": {"$ifNull": ["$refilled_at", now]},
                         "updated_at": now,
                         SLOT_RUNS: now if is_sequence(group) else None,
+                        **extra,
                     }
                 }
             ],
@@ -309,6 +364,12 @@ def settle_slot_runs(name: str, since: dt.datetime, now: dt.datetime) -> Op[bool
         collection="limits",
     )
     return bool(result.modified_count)
+
+
+def clear_resource_limit(resource: str) -> Op[bool]:
+    """Remove the limit of the shared resource ``resource``: its users run unlimited by it."""
+    found: bool = yield from clear_limit(resource_slot(validate_resource(resource)))
+    return found
 
 
 def clear_limit(name: str) -> Op[bool]:

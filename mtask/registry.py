@@ -11,7 +11,7 @@ import sys
 import threading
 import typing
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -354,6 +354,8 @@ class Handler:
     and recorded FAIL ``time limit exceeded``."""
     soft_time_limit: float | None = None
     """Soft limit in seconds: ``ctx.cancelled`` is set, the handler may still end on its own."""
+    uses: tuple[str, ...] = ()
+    """The shared resources its runs take a slot of (``set_limit(resource=…)``, issue 62)."""
 
     def parse(self, params: Mapping[str, Any]) -> Any:
         if self.params_model is None:
@@ -473,6 +475,7 @@ class Registry:
         isolation: Isolation | None = None,
         time_limit: float | None = None,
         soft_time_limit: float | None = None,
+        uses: Sequence[str] = (),
     ) -> Callable[[F], F]:
         """Register a handler. ``transactional``: an ``async def`` handler taking ``ctx``
         writes with ``ctx.session``, and those writes commit with the run's SUCCESS
@@ -480,8 +483,15 @@ class Registry:
         options it does not give (publish options > handler defaults > global defaults; applied
         by a ``TaskClient`` given this registry). ``isolation="process"`` runs a plain-def
         handler in a child process. ``soft_time_limit``/``time_limit`` (seconds, Celery's
-        names): the run's cooperative and hard limits."""
+        names): the run's cooperative and hard limits. ``uses``: the shared resources its runs
+        count against (an API quota shared by several names: ``set_limit(resource=…)``); a
+        resource with no limit set limits nothing."""
         declared = _declarations(options, isolation, time_limit, soft_time_limit)
+        if isinstance(uses, str):
+            raise InvalidTask("must be a list of resource names, not a string", field="uses")
+        from mtask.limits import validate_resource
+
+        resources = tuple(dict.fromkeys(validate_resource(r) for r in uses))
 
         def register(fn: F) -> F:
             task_name = name or fn.__name__
@@ -508,6 +518,7 @@ class Registry:
                 params_model=params_model,
                 wants_context=wants_context,
                 transactional=transactional,
+                uses=resources,
                 **declared,
             )
             return fn
@@ -517,6 +528,11 @@ class Registry:
     @property
     def names(self) -> list[str]:
         return sorted(self.handlers)
+
+    @property
+    def uses(self) -> dict[str, tuple[str, ...]]:
+        """The shared resources each name's runs take a slot of (names that use one)."""
+        return {n: h.uses for n, h in self.handlers.items() if h.uses}
 
     def options_for(
         self, name: str, options: TaskOptions | Mapping[str, Any] | None

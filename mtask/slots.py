@@ -52,7 +52,14 @@ from pymongo import UpdateOne
 from pymongo.errors import BulkWriteError
 
 from mtask.driver import DUPLICATE_KEY, Call, Doc, Op
-from mtask.limits import BUCKET_CLOCK_SLACK, GROUP_SEPARATOR, Limit, retry_at, runs_at_once
+from mtask.limits import (
+    BUCKET_CLOCK_SLACK,
+    GROUP_SEPARATOR,
+    Limit,
+    is_group_slot,
+    retry_at,
+    runs_at_once,
+)
 from mtask.limits import is_lock as is_lock_limit
 from mtask.store.schema import literal
 
@@ -70,10 +77,6 @@ def expire_at(now: dt.datetime) -> dt.datetime:
     """When a group's document used at ``now`` is removed: ``GROUP_TTL`` after that day ends.
     The same value all day, so a take or ping on the same day rewrites no index key."""
     return now.replace(hour=0, minute=0, second=0, microsecond=0) + GROUP_TTL + dt.timedelta(1)
-
-
-def is_group_slot(slot: str) -> bool:
-    return GROUP_SEPARATOR in slot
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,10 @@ run = commands.run
 
 @commands.command("limit")
 def cmd_limit(args: argparse.Namespace) -> int:
+    if (args.name is None) == (args.resource is None):
+        raise UsageError("give a task name, or --resource NAME (a shared resource), not both")
+    if args.resource is not None:
+        return _resource_limit(args)
     if args.group is not None:
         return _group_limit(args)
     if args.weight is not None:
@@ -65,6 +69,35 @@ def cmd_limit(args: argparse.Namespace) -> int:
     else:
         described = _describe_limit(doc)
         out.print(f"limit of {args.name}: {described} (applies within a second)", markup=False)
+    return 0
+
+
+def _resource_limit(args: argparse.Namespace) -> int:
+    """``mtask limit --resource R …``: a shared resource's limit (or ``--clear``)."""
+    given = (args.group, args.group_concurrency, args.group_rate, args.group_burst, args.weight)
+    if any(v is not None for v in given):
+        raise UsageError("a resource has no groups: --concurrency, --rate and --burst only")
+    with task_client(args) as client:
+        if args.clear:
+            if any(v is not None for v in (args.concurrency, args.rate, args.burst)):
+                raise UsageError("--clear takes no --concurrency, --rate or --burst")
+            found = client.clear_limit(resource=args.resource)
+            said = "limit removed" if found else "had no limit"
+            out.print(f"resource {args.resource}: {said}", markup=False)
+            return 0
+        from mtask.limits import parse_rate
+
+        doc = client.set_limit(
+            resource=args.resource,
+            concurrency=args.concurrency,
+            rate=parse_rate(args.rate) if args.rate is not None else None,
+            burst=args.burst,
+        )
+    if args.json:
+        print_json(doc)
+    else:
+        said = f"resource {args.resource}: {_describe_limit(doc)} (applies within a second)"
+        out.print(said, markup=False)
     return 0
 
 
@@ -150,6 +183,9 @@ def cmd_limits(args: argparse.Namespace) -> int:
     table = Table("name", "limit", "in use", "due", "blocked")
     table.columns[1].ratio = 1
     for u in uses:
+        if u.resource:  # a shared resource: its tasks are counted under the names using it
+            add_row(table, f"resource {u.name}", _describe_limit(u.limit), _in_use(u), "-", "-")
+            continue
         add_row(
             table, u.name, _describe_limit(u.limit) + _state_of(u), _in_use(u), u.due, u.blocked
         )
@@ -315,7 +351,12 @@ def _label(node: dict[str, Any]) -> str:
 def register(sub: Any) -> None:
     p = sub.add_parser("limit", help="limit a task name across all workers")
     add_common(p)
-    p.add_argument("name", help="the task name")
+    p.add_argument("name", nargs="?", help="the task name (or give --resource)")
+    p.add_argument(
+        "--resource",
+        help="a shared resource's limit instead (an API quota): every task whose handler "
+        "uses it (@registry.task(uses=[...])) takes a slot of it",
+    )
     p.add_argument("--concurrency", type=int, help="at most this many runs at once")
     p.add_argument("--rate", help="at most this many claims, e.g. 10/s, 600/m, 3600/h")
     p.add_argument("--burst", type=int, help="tokens the rate may save up (default: 1 s worth)")

@@ -75,6 +75,9 @@ class NameUse:
     blocked: int
     groups: list[GroupUse] = field(default_factory=list)
     more_groups: int = 0
+    resource: bool = False
+    """A shared resource's limit (issue 62), ``name`` its name: its runs at once in use are
+    those of every name whose handler uses it (its tasks are counted under those names)."""
 
     @property
     def own(self) -> Limit:
@@ -199,12 +202,34 @@ def _name_use(
 
 def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse]]:
     """Each limited name's use (of ``names`` only, if given), in name order."""
-    docs = yield from limits.all_limits()
+    found = yield from limits.all_limits()
+    resources = [
+        NameUse(
+            limits.resource_of(str(d["_id"])),
+            d,
+            False,
+            True,
+            _live(d, now),
+            0,
+            0,
+            0,
+            0,
+            0,
+            resource=True,
+        )
+        for d in sorted(found, key=lambda d: str(d["_id"]))
+        if limits.is_resource(str(d["_id"])) and names is None
+    ]
     docs = sorted(
-        (d for d in docs if names is None or d["_id"] in names), key=lambda d: str(d["_id"])
+        (
+            d
+            for d in found
+            if not limits.is_resource(str(d["_id"])) and (names is None or d["_id"] in names)
+        ),
+        key=lambda d: str(d["_id"]),
     )
     if not docs:
-        return []
+        return resources
     paused = yield from control.paused_names()
     workers = yield from control.live_workers(now, LIVE, {"names": 1})
     handled = {n for w in workers if isinstance(w.get("names"), list) for n in w["names"]}
@@ -226,4 +251,4 @@ def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse
     return [
         _name_use(d, found, slots, now, (str(d["_id"]) in paused, str(d["_id"]) in handled))
         for d, found in zip(docs, rows, strict=True)
-    ]
+    ] + resources

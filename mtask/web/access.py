@@ -60,6 +60,8 @@ ROUTE_ACTIONS = {
     ("DELETE", "/limits/{name}"): "limit",
     ("PUT", "/limits/{name}/groups/{group}"): "limit",
     ("DELETE", "/limits/{name}/groups/{group}"): "limit",
+    ("PUT", "/resources/{resource}"): "limit",
+    ("DELETE", "/resources/{resource}"): "limit",
     ("GET", "/audit"): "audit",
     ("POST", "/triggers/{name}:pause"): "trigger",
     ("POST", "/triggers/{name}:resume"): "trigger",

@@ -128,6 +128,14 @@ class LimitBody(BaseModel):
     group_burst: int | None = Field(None, ge=1, le=1_000_000)
 
 
+class ResourceLimitBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    concurrency: int | None = Field(None, ge=1, le=1_000_000)
+    rate: float | None = Field(None, gt=0, le=1_000_000, description="claims per second")
+    burst: int | None = Field(None, ge=1, le=1_000_000)
+
+
 class GroupLimitBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -568,6 +576,21 @@ async def set_group_limit(name: str, group: str, body: GroupLimitBody, client: C
 @router.delete("/limits/{name}/groups/{group}", status_code=204)
 async def clear_group_limit(name: str, group: str, client: Client) -> Response:
     await client.clear_group_limit(name, group)
+    return Response(status_code=204)
+
+
+@router.put("/resources/{resource}")
+async def set_resource_limit(resource: str, body: ResourceLimitBody, client: Client) -> LimitView:
+    """A shared resource's limit (an API quota): every run of a name whose handler uses it
+    takes a slot of it, exactly across the cluster."""
+    return await client.set_limit(  # type: ignore[return-value]
+        resource=resource, concurrency=body.concurrency, rate=body.rate, burst=body.burst
+    )
+
+
+@router.delete("/resources/{resource}", status_code=204)
+async def clear_resource_limit(resource: str, client: Client) -> Response:
+    await client.clear_limit(resource=resource)
     return Response(status_code=204)
 
 

@@ -180,6 +180,7 @@ def build(
         reopened=stream_opened,
         ready=found.finder.ready,
         weights=weights,
+        uses={n: registry[n].uses for n in names if registry[n].uses},
     )
     process_pool: ProcessPool | None = None  # handler isolation (issue 18)
     if config.pool == "process" or any(registry[n].isolation == "process" for n in names):

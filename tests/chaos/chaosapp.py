@@ -79,6 +79,22 @@ async def work(params: dict[str, Any], ctx: TaskContext) -> str:
     return "ok"
 
 
+@registry.task("api_a", uses=["api"])
+async def api_a(params: dict[str, Any], ctx: TaskContext) -> str:
+    """``work`` under a name that shares the resource ``api`` (issue 62)."""
+    return await work(params, ctx)
+
+
+@registry.task("api_b", uses=["api"])
+async def api_b(params: dict[str, Any], ctx: TaskContext) -> str:
+    return await work(params, ctx)
+
+
+@registry.task("api_c", uses=["api", "unset"])  # a resource with no limit limits nothing
+async def api_c(params: dict[str, Any], ctx: TaskContext) -> str:
+    return await work(params, ctx)
+
+
 @registry.task("hang")
 async def hang(params: dict[str, Any], ctx: TaskContext) -> None:
     """Never returns; only cancellation stops it."""

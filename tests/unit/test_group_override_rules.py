@@ -182,3 +182,36 @@ def test_a_three_to_one_weight_gives_three_turns_for_one() -> None:
     popped = queue.pop_due(NOW, 20)
     assert abs(sum(k.startswith("pro") for k in popped) - 10) <= 1
     assert queue.like().weights is shares  # the relay's queue takes the worker's weights
+
+
+def test_a_batch_asks_each_shared_resource_its_names_use_for_no_more_than_it_allows() -> None:
+    """Three names use the resource ``api`` (3 at once); one also uses ``unset`` (no limit):
+    the batch asks ``api`` for three runs in all, whatever their names, and ``unset`` for
+    none. A name with its own limit asks both slots."""
+    api, unset = limits.resource_slot("api"), limits.resource_slot("unset")
+    docs: dict[str, Any] = {api: {"concurrency": 3, "holders": []}, "c": {"concurrency": 5}}
+    uses = {"a": (api,), "b": (api,), "c": (api, unset)}
+    known = {f"{n}{i}": TaskMeta(n, 0, frozenset(), 1000) for n in "abc" for i in range(4)}
+    out = plan(list(known), known, docs, {}, NOW, lambda k: f"run-{k}", 30_000, uses)
+    asked = Counter(r.slot for _, requests in out.claims for r in requests)
+    assert asked[api] == 3 and unset not in asked
+    assert all(r.limit is None for _, rs in out.claims for r in rs)  # its document's limit
+    for key, requests in out.claims:
+        slots = {r.slot for r in requests}
+        assert slots == ({api, "c"} if key.startswith("c") else {api})
+    assert {w.key for w in out.waits} == set(known) - {k for k, _ in out.claims}
+    # without the resource's document (no limit set), a name that uses it is a plain claim
+    out = plan(["a0"], known, {}, {}, NOW, str, 30_000, uses)
+    assert out.claims == [("a0", [])]
+
+
+def test_a_resources_slot_is_neither_a_names_nor_a_groups() -> None:
+    slot = limits.resource_slot("api")
+    assert limits.is_resource(slot) and not limits.is_group_slot(slot)
+    assert limits.resource_of(slot) == "api"
+    assert limits.is_group_slot(limits.group_slot("n", "g"))
+    assert not limits.is_resource("n") and not limits.is_resource(limits.group_slot("n", "g"))
+    for bad in ("", " ", "a\x00b", "x" * 201, 3):
+        with pytest.raises(InvalidTask) as raised:
+            limits.validate_resource(bad)
+        assert raised.value.field == "resource"

@@ -20,7 +20,7 @@ import dataclasses
 import datetime as dt
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 from mtask import limits, slots
@@ -78,6 +78,7 @@ class LimitGate(PeriodicService):
         reopened: Signal[[]] | None = None,
         ready: asyncio.Event | None = None,
         weights: GroupWeights | None = None,
+        uses: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self.interval = interval
         """Seconds between two reads of all the limits whatever happens (a change's event
@@ -108,6 +109,12 @@ class LimitGate(PeriodicService):
         one that holds only its groups' weights has its tasks claimed plainly."""
         self.weights = weights
         """Where the groups' weights go (the claim queue's turns), if anywhere."""
+        self.uses: dict[str, tuple[str, ...]] = {
+            name: tuple(limits.resource_slot(r) for r in resources)
+            for name, resources in (uses or {}).items()
+            if resources
+        }
+        """The slots of the shared resources each name's runs take (its handler's ``uses``)."""
         self.blocked: dict[str, dict[str, None]] = {}
         """The keys that wait for each slot, first blocked first."""
         self.made: set[str] = set()
@@ -189,8 +196,10 @@ class LimitGate(PeriodicService):
         self.restricting.discard(name)
         if doc is not None:
             self.limited[name] = doc
-            if limits.restricts(doc):
+            if limits.restricts(doc) and not limits.is_resource(name):
                 self.restricting.add(name)
+        if limits.is_resource(name) or self.uses.get(name):
+            self._restrict_users()
         if self.weights is not None:
             self.weights.set(name, limits.weights(doc) if doc is not None else {})
         if limits.same_limit(old, doc):
@@ -199,6 +208,18 @@ class LimitGate(PeriodicService):
         for slot in [s for s in self.blocked if s == name or s.startswith(prefix)]:
             self._wake(slot)
         self.applied(name)
+
+    def _restrict_users(self) -> None:
+        """The names whose handler uses a shared resource that has a limit are claimed after
+        their slots (a resource's change, or a name's, decides it again)."""
+        for name, resources in self.uses.items():
+            doc = self.limited.get(name)
+            if any(limits.own_limit(self.limited.get(r) or {}).set for r in resources) or (
+                doc is not None and limits.restricts(doc)
+            ):
+                self.restricting.add(name)
+            else:
+                self.restricting.discard(name)
 
     def limit_set(self, name: str) -> None:
         """``name``'s limit was set, changed or cleared (its change event): read it now."""
@@ -263,7 +284,7 @@ class LimitGate(PeriodicService):
         the next change: a group's backlog is not woken whole for every slot it frees), or all
         of them if it limits only a rate. A name's document of a name not known as limited is
         read (a limit whose event did not say so)."""
-        if slot not in self.limited and not slots.is_group_slot(slot):
+        if slot not in self.limited and not limits.is_group_slot(slot):
             self.limit_set(slot)
         self._wake(slot)
 
@@ -293,6 +314,9 @@ class LimitGate(PeriodicService):
 
     def _room(self, slot: str) -> int | None:
         """How many runs ``slot`` allows at once (``None``: no such bound known)."""
+        if limits.is_resource(slot):
+            found = self.limited.get(slot)
+            return None if found is None else limits.own_limit(found).concurrency
         name, _, group = slot.partition(limits.GROUP_SEPARATOR)
         doc = self.limited.get(name)
         if doc is None:

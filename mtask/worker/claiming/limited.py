@@ -188,6 +188,8 @@ class _Planner:
     now: dt.datetime
     run_id: Callable[[str], str]
     default_lease_ms: int
+    uses: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    """The slots of the shared resources each name's runs take (``LimitGate.uses``)."""
     out: Plan = field(default_factory=Plan)
     asked: dict[str, int] = field(default_factory=dict)
     """Requests per slot in this batch."""
@@ -199,10 +201,12 @@ class _Planner:
         """Plan ``key``: what to claim for it (itself, or its sequence's head), with which
         requests, or what it waits for."""
         meta = self.known.get(key)
-        doc = self.limited.get(meta.name) if meta is not None else None
-        if meta is None or not isinstance(doc, Mapping):
+        found = self.limited.get(meta.name) if meta is not None else None
+        shared = [] if meta is None else self.shared(meta.name)
+        if meta is None or (not isinstance(found, Mapping) and not shared):
             _unlimited(key, meta, self.chosen, self.out)
             return
+        doc: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
         own, base = limits.own_limit(doc), limits.group_limit(doc)
         group = group_of(meta)
         each = limits.group_limit_for(doc, group)  # an override's, else the name's
@@ -222,7 +226,19 @@ class _Planner:
         if gslot is not None and lock is None:
             requests.append(Request(gslot, self.run_id(candidate), candidate, lease, limit=each))
         caps = {meta.name: own.concurrency, gslot: each.concurrency}
+        for slot, limit in shared:  # a resource's slot: its document holds its limit
+            requests.append(Request(slot, self.run_id(candidate), candidate, lease))
+            caps[slot] = limit.concurrency
         self.choose(key, candidate, requests, caps, lock)
+
+    def shared(self, name: str) -> list[tuple[str, limits.Limit]]:
+        """The slots of the shared resources ``name`` uses that have a limit, with it."""
+        out = []
+        for slot in self.uses.get(name, ()):
+            doc = self.limited.get(slot)
+            if isinstance(doc, Mapping) and (limit := limits.own_limit(doc)).set:
+                out.append((slot, limit))
+        return out
 
     def choose(
         self,
@@ -255,9 +271,12 @@ def plan(
     now: dt.datetime,
     run_id: Callable[[str], str],
     default_lease_ms: int,
+    uses: Mapping[str, Sequence[str]] | None = None,
 ) -> Plan:
-    """What to ask for ``keys`` (popped in the claim queue's order, best first)."""
-    planner = _Planner(known, limited, heads, now, run_id, default_lease_ms)
+    """What to ask for ``keys`` (popped in the claim queue's order, best first); ``uses``: the
+    slots of the shared resources each name's runs take (a resource's document in ``limited``
+    under its slot's id)."""
+    planner = _Planner(known, limited, heads, now, run_id, default_lease_ms, uses or {})
     for key in keys:
         planner.key(key)
     return planner.out

@@ -181,6 +181,7 @@ class LimitedClaims:
             now,
             lambda key: store.run_id_for(batch_id, key),
             DEFAULT_SLOT_LEASE_MS,
+            self.gate.uses,
         )
         hints = {
             first: t
