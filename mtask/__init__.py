@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from mtask._version import __version__
 
 if TYPE_CHECKING:
+    from mtask.backoff import BackOff
     from mtask.client import AsyncTaskClient, TaskClient
     from mtask.errors import (
         EmbeddedUnavailable,
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from mtask.worker import Worker
 
 _WHERE = {
+    "mtask.backoff": ("BackOff",),  # issue 62
     "mtask.client": ("AsyncTaskClient", "TaskClient"),
     "mtask.errors": (
         "EmbeddedUnavailable",
@@ -68,6 +70,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AsyncTaskClient",
+    "BackOff",
     "ChildFailed",
     "EmbeddedUnavailable",
     "Fail",

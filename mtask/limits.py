@@ -387,6 +387,11 @@ OVERRIDES_AT = "overrides_at"
 workers' change streams (which look for ``LIMIT_FIELDS`` among an update's fields) hear of
 it whatever the server says of the array's change, and carry no copy of the array."""
 
+HELD_UNTIL = "held_until"
+"""Until when a name's (or a resource's) document holds back its tasks (``mtask.backoff``)."""
+GROUP_HOLDS = "group_holds"
+"""A name's groups held back, each ``{group, until}`` (``mtask.backoff``)."""
+
 LIMIT_FIELDS = (*CONFIG_FIELDS, OVERRIDES_AT)
 """The fields of a name's document that say its limit: only ``set_limit`` (or a hand) writes
 them, so a change event that names one of them is a change of the limit (a slot taken, given
@@ -394,6 +399,9 @@ back or pinged writes none of them)."""
 READ_FIELDS = {
     **CONFIG_FIELDS,
     OVERRIDES: 1,
+    HELD_UNTIL: 1,
+    GROUP_HOLDS: 1,
+    "resource": 1,
     "holders": 1,
     "tokens": 1,
     "refilled_at": 1,
@@ -419,7 +427,7 @@ def same_limit(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool
     """Whether two of a name's documents (``None``: no limit) say the same limit."""
     if a is None or b is None:
         return a is b
-    return all(a.get(f) == b.get(f) for f in (*LIMIT_FIELDS, OVERRIDES))
+    return all(a.get(f) == b.get(f) for f in (*LIMIT_FIELDS, OVERRIDES, HELD_UNTIL, GROUP_HOLDS))
 
 
 def own_limit(doc: Mapping[str, Any]) -> Limit:
@@ -442,10 +450,15 @@ def _limit(doc: Mapping[str, Any], prefix: str) -> Limit:
     )
 
 
-def retry_at(doc: Doc, now: dt.datetime) -> dt.datetime:
-    """When a run of a blocked name may get a slot and a token at the earliest (a slot may
-    free sooner, when a run ends: the worker hears of that from the change stream)."""
+def retry_at(doc: Doc, now: dt.datetime, group: str | None = None) -> dt.datetime:
+    """When a run of a blocked name (of ``group``) may get a slot and a token at the earliest
+    (a slot may free sooner, when a run ends: the worker hears of that from the change
+    stream), and the back-off holding it back has ended."""
     waits = [0.0]
+    holds = [doc.get(HELD_UNTIL)]
+    if group is not None and isinstance(found := doc.get(GROUP_HOLDS), list):
+        holds += [h.get("until") for h in found if isinstance(h, dict) and h.get("group") == group]
+    waits += [(at - now).total_seconds() for at in holds if isinstance(at, dt.datetime)]
     rate, burst = doc.get("rate"), doc.get("burst")
     if isinstance(rate, int | float) and rate > 0:
         refilled = doc.get("refilled_at")
@@ -674,8 +687,18 @@ def restricts(doc: Mapping[str, Any]) -> bool:
     """Whether a name's document limits anything (one holding weights alone does not: its
     tasks are claimed plainly)."""
     return (
-        own_limit(doc).set or group_limit(doc).set or any(o.limits for o in overrides(doc).values())
+        own_limit(doc).set
+        or group_limit(doc).set
+        or any(o.limits for o in overrides(doc).values())
+        or has_holds(doc)
     )
+
+
+def has_holds(doc: Mapping[str, Any]) -> bool:
+    """Whether a back-off (``mtask.backoff``) ever held this document or a group of it: its
+    tasks take its slot from then on, and the take decides whether the hold still holds."""
+    holds = doc.get(GROUP_HOLDS)
+    return isinstance(doc.get(HELD_UNTIL), dt.datetime) or (isinstance(holds, list) and bool(holds))
 
 
 def weights(doc: Mapping[str, Any]) -> dict[str, float]:

@@ -54,7 +54,9 @@ from pymongo.errors import BulkWriteError
 from mtask.driver import DUPLICATE_KEY, Call, Doc, Op
 from mtask.limits import (
     BUCKET_CLOCK_SLACK,
+    GROUP_HOLDS,
     GROUP_SEPARATOR,
+    HELD_UNTIL,
     Limit,
     is_group_slot,
     retry_at,
@@ -93,6 +95,9 @@ class Request:
     replaces: str | None = None
     """A lock's request only: the run id of this worker's ended run that holds the slot, handed
     over to this run in the same write that gives it back (``_lock``)."""
+    group: str | None = None
+    """A name's request only: the run's group, which a back-off may hold in the name's document
+    (``mtask.backoff``)."""
 
 
 @dataclass(frozen=True)
@@ -164,10 +169,35 @@ def _filter(request: Request, now: dt.datetime) -> Doc:
         "$and": [
             {"$or": [{"$not": [{"$isNumber": conc}]}, {"$lt": [{"$size": live}, conc]}]},
             {"$or": [{"$not": [{"$isNumber": rate}]}, {"$gte": [tokens, 1]}]},
+            *_not_held(request, now),
         ]
     }
     # a name's document must exist: a cleared limit is not made again
     return {"_id": request.slot, "holders": {"$type": "array"}, "$expr": ok}
+
+
+def _not_held(request: Request, now: dt.datetime) -> list[Doc]:
+    """What a back-off adds to a name's (or a resource's) take: its hold has ended, and its
+    group's hold if it has one (``mtask.backoff``); a missing hold is none (null sorts before
+    every date)."""
+    if request.limit is not None:
+        return []  # a group's slot: its holds are its name's
+    out: list[Doc] = [{"$not": [{"$gt": [f"${HELD_UNTIL}", now]}]}]
+    if request.group is not None:
+        held = {
+            "$filter": {
+                "input": {"$cond": [{"$isArray": f"${GROUP_HOLDS}"}, f"${GROUP_HOLDS}", []]},
+                "as": "h",
+                "cond": {
+                    "$and": [
+                        {"$eq": ["$$h.group", literal(request.group)]},
+                        {"$gt": ["$$h.until", now]},
+                    ]
+                },
+            }
+        }
+        out.append({"$eq": [{"$size": held}, 0]})
+    return out
 
 
 def _holder(request: Request, worker_id: str, now: dt.datetime) -> Doc:
@@ -345,6 +375,8 @@ def _take_exact(
                 "burst": 1,
                 "tokens": 1,
                 "refilled_at": 1,
+                HELD_UNTIL: 1,
+                GROUP_HOLDS: 1,
             },
         ),
         collection="limits",
@@ -384,7 +416,7 @@ def decide(requests: Sequence[Request], docs: Mapping[str, Doc], now: dt.datetim
         if held:
             out.append(Taken(taken=True, holder=holder))
         else:
-            out.append(Taken(taken=False, retry_at=retry_at(doc, now)))
+            out.append(Taken(taken=False, retry_at=retry_at(doc, now, request.group)))
     return out
 
 

@@ -63,7 +63,7 @@ PENDING_STATES = frozenset(OPEN_STATES - {State.RUNNING})
 """The states of a stored ``pending`` task."""
 WHY: dict[State, tuple[str, ...]] = {
     State.WAITING: ("signal", "sleep", "dependencies", "children"),
-    State.BLOCKED: ("group", "limit", "paused", "no_worker"),
+    State.BLOCKED: ("group", "backoff", "limit", "paused", "no_worker"),
 }
 """The reasons of a waiting and of a blocked task, in the order ``explain`` tries them."""
 _FINAL = {
@@ -297,10 +297,24 @@ def _blocked(task: Task, cluster: Cluster) -> Explained | None:
         if held is not None:
             return Explained(State.BLOCKED, "group", held)
     doc = cluster.limits.get(name)
+    held = _held(doc, name, group, cluster.now) if doc is not None else None
+    if held is not None:
+        return Explained(State.BLOCKED, "backoff", held)
     full = _full(doc, cluster.now) if doc is not None else None
     if full is not None:
         return Explained(State.BLOCKED, "limit", f"limit of `{name}`: {full}")
     return None
+
+
+def _held(doc: Mapping[str, Any], name: str, group: str | None, now: dt.datetime) -> str | None:
+    """A back-off holding the task back (``mtask.backoff``), said with when it ends."""
+    from mtask.backoff import held_until
+
+    until = held_until(doc, group, now)
+    if until is None:
+        return None
+    whose = f"`{name}`" if held_until(doc, None, now) == until else f"group `{group}` of `{name}`"
+    return f"{whose} backs off (a handler's BackOff) for {span((until - now).total_seconds())} more"
 
 
 def _no_worker(task: Task, name: str, cluster: Cluster) -> str | None:

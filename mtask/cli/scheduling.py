@@ -184,11 +184,11 @@ def cmd_limits(args: argparse.Namespace) -> int:
     table.columns[1].ratio = 1
     for u in uses:
         if u.resource:  # a shared resource: its tasks are counted under the names using it
-            add_row(table, f"resource {u.name}", _describe_limit(u.limit), _in_use(u), "-", "-")
+            said = _describe_limit(u.limit) + _holds_of(u)
+            add_row(table, f"resource {u.name}", said, _in_use(u), "-", "-")
             continue
-        add_row(
-            table, u.name, _describe_limit(u.limit) + _state_of(u), _in_use(u), u.due, u.blocked
-        )
+        said = _describe_limit(u.limit) + _holds_of(u) + _state_of(u)
+        add_row(table, u.name, said, _in_use(u), u.due, u.blocked)
     out.print(table)
     for u in uses:
         _print_groups(u)
@@ -201,6 +201,17 @@ def _use_json(u: Any) -> dict[str, Any]:
     found = dataclasses.asdict(u)
     found.pop("limit")
     return found
+
+
+def _holds_of(u: Any) -> str:
+    """A handler's back-off holding the name (or resource), or some of its groups, back."""
+    parts = []
+    if u.held_until is not None:
+        parts.append(f"backing off until {u.held_until:%H:%M:%S} UTC")
+    if u.held_groups:
+        groups = ", ".join(sorted(u.held_groups)[:3]) + (" …" if len(u.held_groups) > 3 else "")
+        parts.append(f"backing off: group {groups}")
+    return "".join(f" ({p})" for p in parts)
 
 
 def _state_of(u: Any) -> str:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtask import control, limits
+from mtask.backoff import held_until
 from mtask.driver import Call, Doc, Op, gather
 from mtask.limits import Limit, group_limit, group_limit_for, group_slot, is_sequence, own_limit
 from mtask.store.cluster import LIVE
@@ -78,6 +79,10 @@ class NameUse:
     resource: bool = False
     """A shared resource's limit (issue 62), ``name`` its name: its runs at once in use are
     those of every name whose handler uses it (its tasks are counted under those names)."""
+    held_until: dt.datetime | None = None
+    """Until when a handler's ``BackOff`` holds the name (or the resource) back, if it does."""
+    held_groups: dict[str, dt.datetime] = field(default_factory=dict)
+    """The groups a ``BackOff`` holds back, each until when."""
 
     @property
     def own(self) -> Limit:
@@ -197,7 +202,20 @@ def _name_use(
         name, doc, paused, handled, in_use, sum(1 for g in groups if g.holds_lock),
         sum(g.open for g in groups), sum(g.running for g in groups), due, blocked,
         groups[:TOP_GROUPS], max(0, len(groups) - TOP_GROUPS),
+        held_until=held_until(doc, None, now), held_groups=_held_groups(doc, now),
     )  # fmt: skip
+
+
+def _held_groups(doc: Mapping[str, Any], now: dt.datetime) -> dict[str, dt.datetime]:
+    holds = doc.get(limits.GROUP_HOLDS)
+    return {
+        h["group"]: h["until"]
+        for h in (holds if isinstance(holds, list) else ())
+        if isinstance(h, dict)
+        and isinstance(h.get("group"), str)
+        and isinstance(h.get("until"), dt.datetime)
+        and h["until"] > now
+    }
 
 
 def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse]]:
@@ -216,6 +234,7 @@ def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse
             0,
             0,
             resource=True,
+            held_until=held_until(d, None, now),
         )
         for d in sorted(found, key=lambda d: str(d["_id"]))
         if limits.is_resource(str(d["_id"])) and names is None

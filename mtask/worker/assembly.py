@@ -21,6 +21,7 @@ from pymongo import AsyncMongoClient, MongoClient
 from pymongo.asynchronous.database import AsyncDatabase
 
 from mtask import driver
+from mtask.backoff import Holds
 from mtask.client import AsyncTaskClient
 from mtask.clock import Clock, ServerClock
 from mtask.connection import WORKER_CLIENT_OPTIONS, async_client, sync_client
@@ -254,6 +255,7 @@ def build(
         isolation=config.pool,
         slots=slots,
         sealing=sealing_from_env(sclient, config.database),
+        holds=Holds(adriver, clock, gate.apply),
     )
     executor = Executor(
         registry=registry,

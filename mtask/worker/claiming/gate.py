@@ -214,12 +214,17 @@ class LimitGate(PeriodicService):
         their slots (a resource's change, or a name's, decides it again)."""
         for name, resources in self.uses.items():
             doc = self.limited.get(name)
-            if any(limits.own_limit(self.limited.get(r) or {}).set for r in resources) or (
+            if any(limits.restricts(self.limited.get(r) or {}) for r in resources) or (
                 doc is not None and limits.restricts(doc)
             ):
                 self.restricting.add(name)
             else:
                 self.restricting.discard(name)
+
+    def apply(self, name: str, doc: dict[str, Any]) -> None:
+        """``doc`` is ``name``'s limit document as this worker just wrote it (a back-off's
+        hold): used at once, before its event comes."""
+        self._apply(name, doc)
 
     def limit_set(self, name: str) -> None:
         """``name``'s limit was set, changed or cleared (its change event): read it now."""

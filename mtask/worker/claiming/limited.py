@@ -221,8 +221,11 @@ class _Planner:
             return
         lease = (meta.worker_timeout_ms if candidate == key else None) or self.default_lease_ms
         requests = []
-        if own.set:
-            requests.append(Request(meta.name, self.run_id(candidate), candidate, lease))
+        if own.set or limits.has_holds(doc):  # a back-off's hold: the take decides it
+            held = group if limits.GROUP_HOLDS in doc else None
+            requests.append(
+                Request(meta.name, self.run_id(candidate), candidate, lease, group=held)
+            )
         if gslot is not None and lock is None:
             requests.append(Request(gslot, self.run_id(candidate), candidate, lease, limit=each))
         caps = {meta.name: own.concurrency, gslot: each.concurrency}
@@ -236,7 +239,9 @@ class _Planner:
         out = []
         for slot in self.uses.get(name, ()):
             doc = self.limited.get(slot)
-            if isinstance(doc, Mapping) and (limit := limits.own_limit(doc)).set:
+            if isinstance(doc, Mapping) and (
+                (limit := limits.own_limit(doc)).set or limits.has_holds(doc)
+            ):
                 out.append((slot, limit))
         return out
 
