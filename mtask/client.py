@@ -688,6 +688,7 @@ class _Base:
         group_concurrency: int | None = None,
         group_rate: float | None = None,
         group_burst: int | None = None,
+        overflow: str | None = None,
     ) -> Op[dict[str, Any]]:
         """Limit ``name`` across all workers: at most ``concurrency`` runs at once, at most
         ``rate`` claims per second (bursts of ``burst``); and each of its groups
@@ -697,7 +698,11 @@ class _Base:
 
         ``resource=`` instead of a name: the limit of a shared resource (an API quota), taken by
         every run of the names whose handler ``uses`` it (``@registry.task(uses=[...])``),
-        exactly across the cluster; a resource has no groups."""
+        exactly across the cluster; a resource has no groups.
+
+        ``overflow``: what the limit does with a task it refuses: ``"queue"`` (the default: it
+        waits for a slot), ``"drop"`` (cancelled at once) or ``"fail"`` (failed for good at
+        once), its ``error`` saying why (a lossy limit)."""
         own = limits.Limit(concurrency, rate, burst)
         group = limits.Limit(group_concurrency, group_rate, group_burst)
         if resource is not None:
@@ -705,8 +710,12 @@ class _Base:
                 raise InvalidTask(
                     "a resource's limit takes no name and no group_…", field="resource"
                 )
-            return (yield from limits.set_resource_limit(resource, own, self.clock.now()))
-        return (yield from limits.set_limit(validate_name(name), own, group, self.clock.now()))
+            return (yield from limits.set_resource_limit(resource, own, self.clock.now(), overflow))
+        return (
+            yield from limits.set_limit(
+                validate_name(name), own, group, self.clock.now(), overflow=overflow
+            )
+        )
 
     @operation
     def clear_limit(self, name: str | None = None, *, resource: str | None = None) -> Op[bool]:

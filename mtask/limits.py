@@ -182,6 +182,7 @@ CONFIG_FIELDS = {
     "group_concurrency": 1,
     "group_rate": 1,
     "group_burst": 1,
+    "overflow": 1,
 }
 
 GROUP_SEPARATOR = "\x00"
@@ -277,7 +278,9 @@ def validate_resource(resource: object) -> str:
     return resource
 
 
-def set_resource_limit(resource: str, own: Limit, now: dt.datetime) -> Op[Doc]:
+def set_resource_limit(
+    resource: str, own: Limit, now: dt.datetime, overflow: str | None = None
+) -> Op[Doc]:
     """Create or change the limit of the shared resource ``resource`` (issue 62): every task
     whose name uses it (``@registry.task(uses=[...])``) takes a slot of it too, exactly as of a
     name's own limit, in the same bulk write. A resource has no groups."""
@@ -285,12 +288,30 @@ def set_resource_limit(resource: str, own: Limit, now: dt.datetime) -> Op[Doc]:
     if not own.set:
         raise InvalidTask("give concurrency or rate", field="limit")
     slot = resource_slot(resource)
-    doc: Doc = yield from set_limit(slot, own, Limit(), now, resource=resource)
+    doc: Doc = yield from set_limit(slot, own, Limit(), now, resource=resource, overflow=overflow)
     return doc
 
 
+def overflow_of(doc: Mapping[str, Any] | None) -> str:
+    """What a limit does with a task it refuses (``store.overflow``): ``drop``, ``fail``, or
+    ``queue`` (it waits for a slot: the default, and what any other value reads as)."""
+    found = None if doc is None else doc.get("overflow")
+    return found if found in ("drop", "fail") else "queue"
+
+
+def validate_overflow(overflow: object) -> str | None:
+    if overflow is not None and overflow not in ("queue", "drop", "fail"):
+        raise InvalidTask("must be queue, drop or fail", field="overflow")
+    return None if overflow == "queue" else overflow
+
+
 def set_limit(
-    name: str, own: Limit, group: Limit, now: dt.datetime, resource: str | None = None
+    name: str,
+    own: Limit,
+    group: Limit,
+    now: dt.datetime,
+    resource: str | None = None,
+    overflow: str | None = None,
 ) -> Op[Doc]:
     """Create or change the limit of ``name`` (and of each of its groups). Slots held and
     tokens left are kept; a new bucket starts full. The groups' documents take the new
@@ -298,9 +319,10 @@ def set_limit(
     in towards the new limit when it hears of it (``slots.join``). A limit that makes the groups
     sequences notes when (``SLOT_RUNS``). ``resource``: ``name`` is the ``_id`` of that shared
     resource's document (``set_resource_limit`` checked it), which says its name."""
-    extra: Doc = {}
+    extra: Doc = {"overflow": validate_overflow(overflow)}
     if resource is not None:
-        own, extra = _validate_one(own, ""), {"resource": {"$literal": resource}}
+        own = _validate_one(own, "")
+        extra["resource"] = {"$literal": resource}
     else:
         name, own, group = validate_limit(name, own, group)
     full = own.full()

@@ -43,7 +43,9 @@ def cmd_limit(args: argparse.Namespace) -> int:
     if args.weight is not None:
         raise UsageError("--weight is a group's share of turns: give its --group")
     with task_client(args) as client:
-        given = (args.concurrency, args.rate, args.group_concurrency, args.group_rate)
+        given = (
+            args.concurrency, args.rate, args.group_concurrency, args.group_rate, args.overflow
+        )  # fmt: skip
         if args.clear:
             if any(v is not None for v in given):
                 raise UsageError("--clear takes no --concurrency, --rate or --group-…")
@@ -63,6 +65,7 @@ def cmd_limit(args: argparse.Namespace) -> int:
             group_concurrency=args.group_concurrency,
             group_rate=group_rate,
             group_burst=args.group_burst,
+            overflow=args.overflow,
         )
     if args.json:
         print_json(doc)
@@ -79,8 +82,8 @@ def _resource_limit(args: argparse.Namespace) -> int:
         raise UsageError("a resource has no groups: --concurrency, --rate and --burst only")
     with task_client(args) as client:
         if args.clear:
-            if any(v is not None for v in (args.concurrency, args.rate, args.burst)):
-                raise UsageError("--clear takes no --concurrency, --rate or --burst")
+            if any(v is not None for v in (args.concurrency, args.rate, args.burst, args.overflow)):
+                raise UsageError("--clear takes no --concurrency, --rate, --burst or --overflow")
             found = client.clear_limit(resource=args.resource)
             said = "limit removed" if found else "had no limit"
             out.print(f"resource {args.resource}: {said}", markup=False)
@@ -92,6 +95,7 @@ def _resource_limit(args: argparse.Namespace) -> int:
             concurrency=args.concurrency,
             rate=parse_rate(args.rate) if args.rate is not None else None,
             burst=args.burst,
+            overflow=args.overflow,
         )
     if args.json:
         print_json(doc)
@@ -103,8 +107,14 @@ def _resource_limit(args: argparse.Namespace) -> int:
 
 def _group_limit(args: argparse.Namespace) -> int:
     """``mtask limit NAME --group G …``: one group's own limit and weight (or ``--clear``)."""
-    if any(v is not None for v in (args.group_concurrency, args.group_rate, args.group_burst)):
-        raise UsageError("--group takes --concurrency, --rate, --burst and --weight, not --group-…")
+    if any(
+        v is not None
+        for v in (args.group_concurrency, args.group_rate, args.group_burst, args.overflow)
+    ):
+        raise UsageError(
+            "--group takes --concurrency, --rate, --burst and --weight (not --group-…, and "
+            "--overflow is the name's)"
+        )
     with task_client(args) as client:
         if args.clear:
             if any(v is not None for v in (args.concurrency, args.rate, args.burst, args.weight)):
@@ -163,6 +173,8 @@ def _describe_limit(doc: Mapping[str, Any]) -> str:
     if doc.get("group_rate") is not None:
         burst = doc.get("group_burst") or 1
         parts.append(f"{doc['group_rate']:g}/s per group (bursts of {burst:g})")
+    if doc.get("overflow") in ("drop", "fail"):
+        parts.append(f"the excess {'dropped' if doc['overflow'] == 'drop' else 'failed'} at once")
     if isinstance(found := doc.get("group_overrides"), list) and found:
         parts.append(f"{len(found)} group{'s' if len(found) != 1 else ''} with an override")
     return ", ".join(parts) or "none"
@@ -389,6 +401,12 @@ def register(sub: Any) -> None:
         type=float,
         help="with --group: its share of turns among the name's groups (default 1; 3 takes "
         "three turns for every one of a group of weight 1)",
+    )
+    p.add_argument(
+        "--overflow",
+        choices=("queue", "drop", "fail"),
+        help="what the limit does with a task it refuses: queue (the default: it waits for a "
+        "slot), drop (cancelled at once) or fail (failed for good at once)",
     )
     p.add_argument("--clear", action="store_true", help="remove the limit")
 

@@ -126,6 +126,9 @@ class LimitBody(BaseModel):
         None, gt=0, le=1_000_000, description="claims per second per group"
     )
     group_burst: int | None = Field(None, ge=1, le=1_000_000)
+    overflow: Literal["queue", "drop", "fail"] | None = Field(
+        None, description="what a full limit does with a task it refuses (default: queue)"
+    )
 
 
 class ResourceLimitBody(BaseModel):
@@ -134,6 +137,9 @@ class ResourceLimitBody(BaseModel):
     concurrency: int | None = Field(None, ge=1, le=1_000_000)
     rate: float | None = Field(None, gt=0, le=1_000_000, description="claims per second")
     burst: int | None = Field(None, ge=1, le=1_000_000)
+    overflow: Literal["queue", "drop", "fail"] | None = Field(
+        None, description="what a full limit does with a task it refuses (default: queue)"
+    )
 
 
 class GroupLimitBody(BaseModel):
@@ -557,6 +563,7 @@ async def set_limit(name: str, body: LimitBody, client: Client) -> LimitView:
         group_concurrency=body.group_concurrency,
         group_rate=body.group_rate,
         group_burst=body.group_burst,
+        overflow=body.overflow,
     )
 
 
@@ -584,7 +591,11 @@ async def set_resource_limit(resource: str, body: ResourceLimitBody, client: Cli
     """A shared resource's limit (an API quota): every run of a name whose handler uses it
     takes a slot of it, exactly across the cluster."""
     return await client.set_limit(  # type: ignore[return-value]
-        resource=resource, concurrency=body.concurrency, rate=body.rate, burst=body.burst
+        resource=resource,
+        concurrency=body.concurrency,
+        rate=body.rate,
+        burst=body.burst,
+        overflow=body.overflow,
     )
 
 

@@ -228,10 +228,16 @@ class _Planner:
             )
         if gslot is not None and lock is None:
             requests.append(Request(gslot, self.run_id(candidate), candidate, lease, limit=each))
-        caps = {meta.name: own.concurrency, gslot: each.concurrency}
+        # a lossy limit is asked for every key: the server's refusal is what drops the excess
+        queued = limits.overflow_of(doc) == "queue"
+        caps = {
+            meta.name: own.concurrency if queued else None,
+            gslot: each.concurrency if queued else None,
+        }
         for slot, limit in shared:  # a resource's slot: its document holds its limit
             requests.append(Request(slot, self.run_id(candidate), candidate, lease))
-            caps[slot] = limit.concurrency
+            lossy = limits.overflow_of(self.limited.get(slot)) != "queue"
+            caps[slot] = None if lossy else limit.concurrency
         self.choose(key, candidate, requests, caps, lock)
 
     def shared(self, name: str) -> list[tuple[str, limits.Limit]]:
