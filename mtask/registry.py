@@ -335,6 +335,10 @@ class TaskContext:
         return await self.publisher(name, key, params, **kwargs)
 
 
+MAX_UNITS = 1000
+"""The most units of a limit one run may take (``@registry.task(units=…)``)."""
+
+
 @dataclass(frozen=True)
 class Handler:
     name: str
@@ -356,6 +360,8 @@ class Handler:
     """Soft limit in seconds: ``ctx.cancelled`` is set, the handler may still end on its own."""
     uses: tuple[str, ...] = ()
     """The shared resources its runs take a slot of (``set_limit(resource=…)``, issue 62)."""
+    units: int = 1
+    """How many units of each limit its runs take (their concurrency and their rate's tokens)."""
 
     def parse(self, params: Mapping[str, Any]) -> Any:
         if self.params_model is None:
@@ -476,6 +482,7 @@ class Registry:
         time_limit: float | None = None,
         soft_time_limit: float | None = None,
         uses: Sequence[str] = (),
+        units: int = 1,
     ) -> Callable[[F], F]:
         """Register a handler. ``transactional``: an ``async def`` handler taking ``ctx``
         writes with ``ctx.session``, and those writes commit with the run's SUCCESS
@@ -485,13 +492,16 @@ class Registry:
         handler in a child process. ``soft_time_limit``/``time_limit`` (seconds, Celery's
         names): the run's cooperative and hard limits. ``uses``: the shared resources its runs
         count against (an API quota shared by several names: ``set_limit(resource=…)``); a
-        resource with no limit set limits nothing."""
+        resource with no limit set limits nothing. ``units``: how many units of each limit a
+        run takes (a costly call: 5 of a resource's 10 at once, 5 of its tokens)."""
         declared = _declarations(options, isolation, time_limit, soft_time_limit)
         if isinstance(uses, str):
             raise InvalidTask("must be a list of resource names, not a string", field="uses")
         from mtask.limits import validate_resource
 
         resources = tuple(dict.fromkeys(validate_resource(r) for r in uses))
+        if isinstance(units, bool) or not isinstance(units, int) or not 1 <= units <= MAX_UNITS:
+            raise InvalidTask(f"must be an integer from 1 to {MAX_UNITS}", field="units")
 
         def register(fn: F) -> F:
             task_name = name or fn.__name__
@@ -519,6 +529,7 @@ class Registry:
                 wants_context=wants_context,
                 transactional=transactional,
                 uses=resources,
+                units=units,
                 **declared,
             )
             return fn
@@ -528,6 +539,11 @@ class Registry:
     @property
     def names(self) -> list[str]:
         return sorted(self.handlers)
+
+    @property
+    def units(self) -> dict[str, int]:
+        """How many units of each limit each name's runs take (names that take more than one)."""
+        return {n: h.units for n, h in self.handlers.items() if h.units != 1}
 
     @property
     def uses(self) -> dict[str, tuple[str, ...]]:

@@ -59,6 +59,7 @@ from mtask.limits import (
     HELD_UNTIL,
     Limit,
     is_group_slot,
+    is_resource,
     retry_at,
     runs_at_once,
 )
@@ -98,6 +99,9 @@ class Request:
     group: str | None = None
     """A name's request only: the run's group, which a back-off may hold in the name's document
     (``mtask.backoff``)."""
+    units: int = 1
+    """How many units of the limit the run takes (``@registry.task(units=…)``, issue 62): of its
+    runs at once and of its tokens."""
 
 
 @dataclass(frozen=True)
@@ -165,15 +169,25 @@ def _filter(request: Request, now: dt.datetime) -> Doc:
     """The slot's document, only if a slot is free and a token there: a full slot is not
     written at all (no change event wakes the keys that wait for it)."""
     conc, rate, _, live, tokens = _terms(request, now)
+    units = request.units
+    if units == 1 and not is_resource(request.slot):
+        room: Doc = {"$lt": [{"$size": live}, conc]}  # a name's or group's: one unit each
+    else:  # a resource's holders may be runs of several names, each of its own units
+        room = {"$lte": [{"$add": [_units(live), units]}, conc]}
     ok = {
         "$and": [
-            {"$or": [{"$not": [{"$isNumber": conc}]}, {"$lt": [{"$size": live}, conc]}]},
-            {"$or": [{"$not": [{"$isNumber": rate}]}, {"$gte": [tokens, 1]}]},
+            {"$or": [{"$not": [{"$isNumber": conc}]}, room]},
+            {"$or": [{"$not": [{"$isNumber": rate}]}, {"$gte": [tokens, units]}]},
             *_not_held(request, now),
         ]
     }
     # a name's document must exist: a cleared limit is not made again
     return {"_id": request.slot, "holders": {"$type": "array"}, "$expr": ok}
+
+
+def _units(live: Doc) -> Doc:
+    """The units the live holders take (a holder without ``units`` takes one)."""
+    return {"$sum": {"$map": {"input": live, "as": "u", "in": {"$ifNull": ["$$u.units", 1]}}}}
 
 
 def _not_held(request: Request, now: dt.datetime) -> list[Doc]:
@@ -201,17 +215,21 @@ def _not_held(request: Request, now: dt.datetime) -> list[Doc]:
 
 
 def _holder(request: Request, worker_id: str, now: dt.datetime) -> Doc:
-    return {
+    holder: Doc = {
         "run_id": request.run_id,
         "key": request.key,
         "worker_id": worker_id,
         "expires": now + dt.timedelta(milliseconds=request.lease_ms),
     }
+    if request.units != 1:
+        holder["units"] = request.units
+    return holder
 
 
 def is_lock(request: Request) -> bool:
-    """A group's slot limiting only runs at once: taken by ``_lock``."""
-    return request.limit is not None and is_lock_limit(request.limit)
+    """A group's slot limiting only runs at once, one unit a run: taken by ``_lock`` (which
+    counts its holders by their places in the array)."""
+    return request.limit is not None and request.units == 1 and is_lock_limit(request.limit)
 
 
 def _lock(request: Request, worker_id: str, now: dt.datetime) -> UpdateOne:
@@ -273,7 +291,7 @@ def _take_pipeline(request: Request, worker_id: str, now: dt.datetime) -> list[D
         "holders": {
             "$cond": [{"$isNumber": conc}, {"$concatArrays": [live, [literal(holder)]]}, []]
         },
-        "tokens": {"$cond": [{"$isNumber": rate}, {"$subtract": [tokens, 1]}, None]},
+        "tokens": {"$cond": [{"$isNumber": rate}, {"$subtract": [tokens, request.units]}, None]},
         # limits.bucket_clock: a take whose time is behind the bucket's clock (another
         # worker's estimate of the server's clock, some milliseconds behind) added no tokens
         # and leaves it, else the next take would count that stretch again

@@ -377,8 +377,9 @@ def _full(doc: Mapping[str, Any], now: dt.datetime) -> str | None:
         for h in (holders if isinstance(holders, list) else ())
         if isinstance(h, dict) and isinstance(h.get("expires"), dt.datetime) and h["expires"] > now
     ]
-    if concurrency is not None and len(live) >= concurrency:
-        return f"{len(live)} of {concurrency} runs at once in use"
+    used = sum(u if isinstance(u := h.get("units"), int) and u > 0 else 1 for h in live)
+    if concurrency is not None and used >= concurrency:
+        return f"{used} of {concurrency} runs at once in use"
     rate = doc.get("rate")
     if not isinstance(rate, int | float) or isinstance(rate, bool) or rate <= 0:
         return None

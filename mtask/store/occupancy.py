@@ -132,13 +132,19 @@ def _pipeline(name: str, now: dt.datetime) -> list[Doc]:
 
 
 def _live(doc: Mapping[str, Any] | None, now: dt.datetime) -> int:
-    """A slot document's holders whose lease has not ended."""
+    """The units a slot document's holders whose lease has not ended take (one each unless a
+    holder says ``units``: issue 62)."""
     holders = (doc or {}).get("holders") or []
     return sum(
-        1
+        _units_of(h)
         for h in holders
         if isinstance(h, dict) and isinstance(h.get("expires"), dt.datetime) and h["expires"] > now
     )
+
+
+def _units_of(holder: Mapping[str, Any]) -> int:
+    units = holder.get("units")
+    return units if isinstance(units, int) and not isinstance(units, bool) and units > 0 else 1
 
 
 def _group_use(

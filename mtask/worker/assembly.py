@@ -182,6 +182,7 @@ def build(
         ready=found.finder.ready,
         weights=weights,
         uses={n: registry[n].uses for n in names if registry[n].uses},
+        units={n: registry[n].units for n in names if registry[n].units != 1},
     )
     process_pool: ProcessPool | None = None  # handler isolation (issue 18)
     if config.pool == "process" or any(registry[n].isolation == "process" for n in names):

@@ -215,3 +215,18 @@ def test_a_resources_slot_is_neither_a_names_nor_a_groups() -> None:
         with pytest.raises(InvalidTask) as raised:
             limits.validate_resource(bad)
         assert raised.value.field == "resource"
+
+
+def test_a_batch_counts_each_runs_units_against_a_limit() -> None:
+    """A name whose runs take 4 units of a resource of 10 at once: two of its runs fit in one
+    batch (8), a third does not; a name of one unit each fills the rest."""
+    api = limits.resource_slot("api")
+    docs: dict[str, Any] = {api: {"concurrency": 10, "holders": []}}
+    uses = {"big": (api,), "small": (api,)}
+    known = {f"big{i}": TaskMeta("big", 0, frozenset(), 1000) for i in range(3)}
+    known |= {f"small{i}": TaskMeta("small", 0, frozenset(), 1000) for i in range(3)}
+    out = plan(list(known), known, docs, {}, NOW, str, 30_000, uses, {"big": 4})
+    claimed = [k for k, _ in out.claims]
+    assert claimed == ["big0", "big1", "small0", "small1"]
+    assert {r.units for k, rs in out.claims for r in rs if k.startswith("big")} == {4}
+    assert {w.key for w in out.waits} == {"big2", "small2"}

@@ -79,6 +79,7 @@ class LimitGate(PeriodicService):
         ready: asyncio.Event | None = None,
         weights: GroupWeights | None = None,
         uses: Mapping[str, Sequence[str]] | None = None,
+        units: Mapping[str, int] | None = None,
     ) -> None:
         self.interval = interval
         """Seconds between two reads of all the limits whatever happens (a change's event
@@ -115,6 +116,9 @@ class LimitGate(PeriodicService):
             if resources
         }
         """The slots of the shared resources each name's runs take (its handler's ``uses``)."""
+        self.units: dict[str, int] = dict(units or {})
+        """The units of each limit each name's runs take (its handler's ``units``; 1 if not
+        here)."""
         self.blocked: dict[str, dict[str, None]] = {}
         """The keys that wait for each slot, first blocked first."""
         self.made: set[str] = set()

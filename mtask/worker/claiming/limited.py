@@ -162,7 +162,7 @@ def _full(
         (
             r.slot
             for r in requests
-            if (cap := caps[r.slot]) is not None and asked.get(r.slot, 0) >= cap
+            if (cap := caps[r.slot]) is not None and asked.get(r.slot, 0) + r.units > cap
         ),
         None,
     )
@@ -190,6 +190,8 @@ class _Planner:
     default_lease_ms: int
     uses: Mapping[str, Sequence[str]] = field(default_factory=dict)
     """The slots of the shared resources each name's runs take (``LimitGate.uses``)."""
+    units: Mapping[str, int] = field(default_factory=dict)
+    """The units of each limit each name's runs take (``LimitGate.units``; 1 if not there)."""
     out: Plan = field(default_factory=Plan)
     asked: dict[str, int] = field(default_factory=dict)
     """Requests per slot in this batch."""
@@ -221,13 +223,13 @@ class _Planner:
             return
         lease = (meta.worker_timeout_ms if candidate == key else None) or self.default_lease_ms
         requests = []
+        units = self.units.get(meta.name, 1)
+        run_id = self.run_id(candidate)
         if own.set or limits.has_holds(doc):  # a back-off's hold: the take decides it
             held = group if limits.GROUP_HOLDS in doc else None
-            requests.append(
-                Request(meta.name, self.run_id(candidate), candidate, lease, group=held)
-            )
+            requests.append(Request(meta.name, run_id, candidate, lease, group=held, units=units))
         if gslot is not None and lock is None:
-            requests.append(Request(gslot, self.run_id(candidate), candidate, lease, limit=each))
+            requests.append(Request(gslot, run_id, candidate, lease, limit=each, units=units))
         # a lossy limit is asked for every key: the server's refusal is what drops the excess
         queued = limits.overflow_of(doc) == "queue"
         caps = {
@@ -235,7 +237,7 @@ class _Planner:
             gslot: each.concurrency if queued else None,
         }
         for slot, limit in shared:  # a resource's slot: its document holds its limit
-            requests.append(Request(slot, self.run_id(candidate), candidate, lease))
+            requests.append(Request(slot, run_id, candidate, lease, units=units))
             lossy = limits.overflow_of(self.limited.get(slot)) != "queue"
             caps[slot] = None if lossy else limit.concurrency
         self.choose(key, candidate, requests, caps, lock)
@@ -267,7 +269,7 @@ class _Planner:
                 self.out.waits.append(Wait(key, full))
             return
         for r in requests:
-            self.asked[r.slot] = self.asked.get(r.slot, 0) + 1
+            self.asked[r.slot] = self.asked.get(r.slot, 0) + r.units
         self.chosen.add(candidate)
         self.out.claims.append((candidate, requests))
         if lock is not None:
@@ -283,11 +285,14 @@ def plan(
     run_id: Callable[[str], str],
     default_lease_ms: int,
     uses: Mapping[str, Sequence[str]] | None = None,
+    units: Mapping[str, int] | None = None,
 ) -> Plan:
     """What to ask for ``keys`` (popped in the claim queue's order, best first); ``uses``: the
     slots of the shared resources each name's runs take (a resource's document in ``limited``
     under its slot's id)."""
-    planner = _Planner(known, limited, heads, now, run_id, default_lease_ms, uses or {})
+    planner = _Planner(
+        known, limited, heads, now, run_id, default_lease_ms, uses or {}, units or {}
+    )
     for key in keys:
         planner.key(key)
     return planner.out

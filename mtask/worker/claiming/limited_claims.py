@@ -187,6 +187,7 @@ class LimitedClaims:
             lambda key: store.run_id_for(batch_id, key),
             DEFAULT_SLOT_LEASE_MS,
             self.gate.uses,
+            self.gate.units,
         )
         hints = {
             first: t
