@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 from harness import run_cli, running_worker, wait_for
+from prometheus_client import REGISTRY
 from pymongo import MongoClient
 
 from mtask import BackOff, TaskClient, limits, slots
@@ -104,6 +105,8 @@ async def test_a_handler_backs_off_its_group_without_spending_a_retry(
         await wait_for(lambda: client.get("acme-1").status.value == "succeeded", 20)
         task = client.get("acme-1")
         assert [r.state.value for r in task.runs] == ["RELEASED", "SUCCESS"]
+        labels = {"name": "polite", "held": "group"}
+        assert (REGISTRY.get_sample_value("mtask_backoffs_total", labels) or 0) >= 1
         assert task.failures == 0 and task.result == 2
         hold_doc = mongo[db_name].limits.find_one({"_id": "polite"})
         (until,) = [h["until"] for h in hold_doc["group_holds"]]

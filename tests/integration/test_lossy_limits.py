@@ -10,6 +10,7 @@ import pytest
 import workerapp
 from fastapi.testclient import TestClient
 from harness import run_cli, running_worker, wait_for
+from prometheus_client import REGISTRY
 from pymongo import MongoClient
 
 from mtask import TaskClient
@@ -51,6 +52,8 @@ async def test_a_full_lossy_limit_drops_or_fails_the_excess_at_once(
             [{"name": "sleep", "key": f"f{i}", "params": {"seconds": 0.01}} for i in range(4)]
         )
         await wait_for(lambda: finished(client, 10), 30)
+    shed = REGISTRY.get_sample_value("mtask_limit_shed_total", {"limit": "sleep", "how": "drop"})
+    assert shed is not None and shed >= 5  # the worker ran in this process
     failed = client.list(name="sleep", status="failed", limit=10)
     assert len(failed) >= 2  # one token: the rest of the burst failed at once
     assert all(t.error == "failed: the limit of `sleep` was full (overflow=fail)" for t in failed)

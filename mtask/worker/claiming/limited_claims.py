@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtask import limits, slots, store
+from mtask import limits, metrics, slots, store
 from mtask.backoff import held_until
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
@@ -246,6 +246,9 @@ class LimitedClaims:
                 self.sink.requeue_at(key, now + RETRY_SOON)
             return
         log.info("%s %d task(s): the limit of %s was full", verb, shed, what)
+        owner = slot.partition(limits.GROUP_SEPARATOR)[0]  # a group's limit is its name's
+        limit = f"resource:{limits.resource_of(slot)}" if limits.is_resource(slot) else owner
+        metrics.LIMIT_SHED.labels(limit=limit, how=how).inc(shed)
         await self.sink.requeue(keys, later_than=now)
 
     def _granted(self, claims: Claims, taken: list[slots.Taken], batch: _Batch) -> list[str]:

@@ -219,6 +219,8 @@ class HandlerCalls:
             return self.outcomes.failure(run, f"back-off not recorded: {bad}")
         self.outcomes.stats.released += 1
         what = f"resource {exc.resource}" if exc.resource else "group" if exc.group else "name"
+        held = "resource" if exc.resource else "group" if exc.group else "name"
+        metrics.BACKOFFS.labels(name=run.name, held=held).inc()
         self.outcomes.emit(
             Event.RELEASED, key=run.key, run_id=run.run_id, reason="backoff", held=what,
             until=until.isoformat(timespec="milliseconds"),
