@@ -103,8 +103,8 @@ LIMIT_SHED = Counter(
 )
 BACKOFFS = Counter(
     "mtask_backoffs",
-    "Handlers' BackOff holds written by this worker, per task name and what they held "
-    "(group, name, resource)",
+    "Handlers' BackOff holds written by this worker, per task name and what they held: "
+    "tenant (the task's own tenant), name, resource",
     ["name", "held"],
 )
 

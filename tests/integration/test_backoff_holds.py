@@ -105,7 +105,7 @@ async def test_a_handler_backs_off_its_group_without_spending_a_retry(
         await wait_for(lambda: client.get("acme-1").status.value == "succeeded", 20)
         task = client.get("acme-1")
         assert [r.state.value for r in task.runs] == ["RELEASED", "SUCCESS"]
-        labels = {"name": "polite", "held": "group"}
+        labels = {"name": "polite", "held": "tenant"}
         assert (REGISTRY.get_sample_value("mtask_backoffs_total", labels) or 0) >= 1
         assert task.failures == 0 and task.result == 2
         hold_doc = mongo[db_name].limits.find_one({"_id": "polite"})

@@ -219,7 +219,8 @@ class HandlerCalls:
             return self.outcomes.failure(run, f"back-off not recorded: {bad}")
         self.outcomes.stats.released += 1
         what = f"resource {exc.resource}" if exc.resource else "group" if exc.group else "name"
-        held = "resource" if exc.resource else "group" if exc.group else "name"
+        held = "resource" if exc.resource else "tenant" if exc.group else "name"  # no "group"
+        # in the metrics' text: their labels are bounded, and a group's name is a tenant's
         metrics.BACKOFFS.labels(name=run.name, held=held).inc()
         self.outcomes.emit(
             Event.RELEASED, key=run.key, run_id=run.run_id, reason="backoff", held=what,
