@@ -26,7 +26,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bench.support import LOOP, QUICK, ROOT, Result, stop_process, wait_until
 from mtask.client import TaskClient
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 WORKERS = 3
 TASK_MS = 200
-KINDS: dict[str, tuple[dict[str, int], dict[str, int], int | None]] = {
+KINDS: dict[str, tuple[dict[str, Any], dict[str, Any], int | None]] = {
     # old limit, new limit, groups
     "group": ({"group_concurrency": 3}, {"group_concurrency": 1}, 3),
     "name": ({"concurrency": 4}, {"concurrency": 1}, None),

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from mtask._version import __version__
 
 if TYPE_CHECKING:
+    from mtask.backoff import BackOff
     from mtask.batches import BatchItem
     from mtask.client import AsyncTaskClient, TaskClient
     from mtask.errors import (
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "mtask.batches": ("BatchItem",),  # issue 62
+    "mtask.backoff": ("BackOff",),  # issue 62
     "mtask.client": ("AsyncTaskClient", "TaskClient"),
     "mtask.errors": (
         "EmbeddedUnavailable",
@@ -72,6 +74,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AsyncTaskClient",
+    "BackOff",
     "BatchItem",
     "ChildFailed",
     "EmbeddedUnavailable",

@@ -39,7 +39,7 @@ from pymongo import ReturnDocument
 
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask
-from mtask.models import validate_name
+from mtask.models import MAX_NAME_LENGTH, UNENCODABLE, encodable, validate_name
 
 MAX_LIMIT_CONCURRENCY = 1_000_000
 MAX_RATE = 1_000_000.0
@@ -182,12 +182,36 @@ CONFIG_FIELDS = {
     "group_concurrency": 1,
     "group_rate": 1,
     "group_burst": 1,
+    "overflow": 1,
 }
 
 GROUP_SEPARATOR = "\x00"
 """Between a name and a group in a group's slot id (neither may hold a NUL)."""
 NAME_LIMITS = {"group": {"$exists": False}}
 """The documents of the names' limits (not the groups' state)."""
+
+
+RESOURCE_PREFIX = GROUP_SEPARATOR
+"""Before a shared resource's name in its document's ``_id`` (``resource_slot``): a task name
+is never empty, so no name's or group's document begins with it."""
+
+
+def resource_slot(resource: str) -> str:
+    """The ``_id`` of the limit document of the shared resource ``resource`` (issue 62)."""
+    return RESOURCE_PREFIX + resource
+
+
+def is_resource(slot: str) -> bool:
+    return slot.startswith(RESOURCE_PREFIX)
+
+
+def resource_of(slot: str) -> str:
+    return slot.removeprefix(RESOURCE_PREFIX)
+
+
+def is_group_slot(slot: str) -> bool:
+    """A group's slot document (``<name>\x00<group>``), not a name's nor a resource's."""
+    return GROUP_SEPARATOR in slot and not is_resource(slot)
 
 
 def group_slot(name: str, group: str) -> str:
@@ -242,13 +266,65 @@ SETTLE_AFTER = dt.timedelta(minutes=1)
 a second; a lost event within the periodic read's interval, 30 s at most by default)."""
 
 
-def set_limit(name: str, own: Limit, group: Limit, now: dt.datetime) -> Op[Doc]:
+def validate_resource(resource: object) -> str:
+    """A shared resource's name: as a task name (1 to 200 characters, no NUL)."""
+    if not isinstance(resource, str) or not resource.strip():
+        raise InvalidTask("must be a non-empty string", field="resource")
+    if len(resource) > MAX_NAME_LENGTH or GROUP_SEPARATOR in resource or not encodable(resource):
+        raise InvalidTask(
+            f"must be at most {MAX_NAME_LENGTH} characters of valid Unicode, with no NUL",
+            field="resource",
+        )
+    return resource
+
+
+def set_resource_limit(
+    resource: str, own: Limit, now: dt.datetime, overflow: str | None = None
+) -> Op[Doc]:
+    """Create or change the limit of the shared resource ``resource`` (issue 62): every task
+    whose name uses it (``@registry.task(uses=[...])``) takes a slot of it too, exactly as of a
+    name's own limit, in the same bulk write. A resource has no groups."""
+    resource = validate_resource(resource)
+    if not own.set:
+        raise InvalidTask("give concurrency or rate", field="limit")
+    slot = resource_slot(resource)
+    doc: Doc = yield from set_limit(slot, own, Limit(), now, resource=resource, overflow=overflow)
+    return doc
+
+
+def overflow_of(doc: Mapping[str, Any] | None) -> str:
+    """What a limit does with a task it refuses (``store.overflow``): ``drop``, ``fail``, or
+    ``queue`` (it waits for a slot: the default, and what any other value reads as)."""
+    found = None if doc is None else doc.get("overflow")
+    return found if found in ("drop", "fail") else "queue"
+
+
+def validate_overflow(overflow: object) -> str | None:
+    if overflow is not None and overflow not in ("queue", "drop", "fail"):
+        raise InvalidTask("must be queue, drop or fail", field="overflow")
+    return None if overflow == "queue" else overflow
+
+
+def set_limit(
+    name: str,
+    own: Limit,
+    group: Limit,
+    now: dt.datetime,
+    resource: str | None = None,
+    overflow: str | None = None,
+) -> Op[Doc]:
     """Create or change the limit of ``name`` (and of each of its groups). Slots held and
     tokens left are kept; a new bucket starts full. The groups' documents take the new
     group limit at their next claim. No run in flight is stopped: each worker counts its runs
     in towards the new limit when it hears of it (``slots.join``). A limit that makes the groups
-    sequences notes when (``SLOT_RUNS``)."""
-    name, own, group = validate_limit(name, own, group)
+    sequences notes when (``SLOT_RUNS``). ``resource``: ``name`` is the ``_id`` of that shared
+    resource's document (``set_resource_limit`` checked it), which says its name."""
+    extra: Doc = {"overflow": validate_overflow(overflow)}
+    if resource is not None:
+        own = _validate_one(own, "")
+        extra["resource"] = {"$literal": resource}
+    else:
+        name, own, group = validate_limit(name, own, group)
     full = own.full()
     doc: Doc = yield Call(
         "find_one_and_update",
@@ -268,6 +344,7 @@ def set_limit(name: str, own: Limit, group: Limit, now: dt.datetime) -> Op[Doc]:
                         "refilled_at": {"$ifNull": ["$refilled_at", now]},
                         "updated_at": now,
                         SLOT_RUNS: now if is_sequence(group) else None,
+                        **extra,
                     }
                 }
             ],
@@ -311,17 +388,47 @@ def settle_slot_runs(name: str, since: dt.datetime, now: dt.datetime) -> Op[bool
     return bool(result.modified_count)
 
 
+def clear_resource_limit(resource: str) -> Op[bool]:
+    """Remove the limit of the shared resource ``resource``: its users run unlimited by it."""
+    found: bool = yield from clear_limit(resource_slot(validate_resource(resource)))
+    return found
+
+
 def clear_limit(name: str) -> Op[bool]:
     """Remove the limit of ``name`` (its groups' documents run out: ``slots.GROUP_TTL``)."""
     result = yield Call("delete_one", ({"_id": name},), collection="limits")
     return bool(result.deleted_count)
 
 
-LIMIT_FIELDS = tuple(CONFIG_FIELDS)
+OVERRIDES = "group_overrides"
+"""A name's per-group overrides (``set_group_limit``): ``[{group, concurrency, rate, burst,
+weight}]``, one entry per group, written only by ``set_group_limit`` and
+``clear_group_limit``."""
+OVERRIDES_AT = "overrides_at"
+"""When the overrides last changed: a top-level field every override write sets, so that the
+workers' change streams (which look for ``LIMIT_FIELDS`` among an update's fields) hear of
+it whatever the server says of the array's change, and carry no copy of the array."""
+
+HELD_UNTIL = "held_until"
+"""Until when a name's (or a resource's) document holds back its tasks (``mtask.backoff``)."""
+GROUP_HOLDS = "group_holds"
+"""A name's groups held back, each ``{group, until}`` (``mtask.backoff``)."""
+
+LIMIT_FIELDS = (*CONFIG_FIELDS, OVERRIDES_AT)
 """The fields of a name's document that say its limit: only ``set_limit`` (or a hand) writes
 them, so a change event that names one of them is a change of the limit (a slot taken, given
 back or pinged writes none of them)."""
-READ_FIELDS = {**CONFIG_FIELDS, "holders": 1, "tokens": 1, "refilled_at": 1, SLOT_RUNS: 1}
+READ_FIELDS = {
+    **CONFIG_FIELDS,
+    OVERRIDES: 1,
+    HELD_UNTIL: 1,
+    GROUP_HOLDS: 1,
+    "resource": 1,
+    "holders": 1,
+    "tokens": 1,
+    "refilled_at": 1,
+    SLOT_RUNS: 1,
+}
 
 
 def all_limits() -> Op[list[Doc]]:
@@ -342,7 +449,7 @@ def same_limit(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool
     """Whether two of a name's documents (``None``: no limit) say the same limit."""
     if a is None or b is None:
         return a is b
-    return all(a.get(f) == b.get(f) for f in LIMIT_FIELDS)
+    return all(a.get(f) == b.get(f) for f in (*LIMIT_FIELDS, OVERRIDES, HELD_UNTIL, GROUP_HOLDS))
 
 
 def own_limit(doc: Mapping[str, Any]) -> Limit:
@@ -365,10 +472,15 @@ def _limit(doc: Mapping[str, Any], prefix: str) -> Limit:
     )
 
 
-def retry_at(doc: Doc, now: dt.datetime) -> dt.datetime:
-    """When a run of a blocked name may get a slot and a token at the earliest (a slot may
-    free sooner, when a run ends: the worker hears of that from the change stream)."""
+def retry_at(doc: Doc, now: dt.datetime, group: str | None = None) -> dt.datetime:
+    """When a run of a blocked name (of ``group``) may get a slot and a token at the earliest
+    (a slot may free sooner, when a run ends: the worker hears of that from the change
+    stream), and the back-off holding it back has ended."""
     waits = [0.0]
+    holds = [doc.get(HELD_UNTIL)]
+    if group is not None and isinstance(found := doc.get(GROUP_HOLDS), list):
+        holds += [h.get("until") for h in found if isinstance(h, dict) and h.get("group") == group]
+    waits += [(at - now).total_seconds() for at in holds if isinstance(at, dt.datetime)]
     rate, burst = doc.get("rate"), doc.get("burst")
     if isinstance(rate, int | float) and rate > 0:
         refilled = doc.get("refilled_at")
@@ -392,3 +504,225 @@ def retry_at(doc: Doc, now: dt.datetime) -> dt.datetime:
     elif concurrency is not None and len(live) >= concurrency:
         waits.append((live[len(live) - concurrency] - now).total_seconds())
     return now + dt.timedelta(seconds=max(waits) + 0.001)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-group overrides and weights (issue 62)
+# ---------------------------------------------------------------------------------------------
+
+MAX_OVERRIDES = 10_000
+"""Groups of one name that may have an override: they live in the name's document, which every
+worker reads (a tier per tenant of a large SaaS fits; a group without one takes the default)."""
+MAX_WEIGHT = 1000.0
+
+
+@dataclass(frozen=True)
+class GroupOverride:
+    """What one group of a name has instead of the name's group limit (``None``: the name's
+    ``group_…`` value), and its share of turns among the name's groups (``weight``: 3 takes three
+    turns for every one of a group of weight 1; ``None``: 1)."""
+
+    concurrency: int | None = None
+    rate: float | None = None
+    burst: int | None = None
+    weight: float | None = None
+
+    @property
+    def limits(self) -> bool:
+        return self.concurrency is not None or self.rate is not None
+
+
+def validate_group(group: object) -> str:
+    """A group's name as ``options.group`` admits it (1 to 200 characters, no NUL)."""
+    if not isinstance(group, str) or not group:
+        raise InvalidTask("must be a non-empty string", field="group")
+    if len(group) > MAX_NAME_LENGTH:
+        raise InvalidTask(f"is {len(group)} characters; at most {MAX_NAME_LENGTH}", field="group")
+    if GROUP_SEPARATOR in group:
+        raise InvalidTask("must not contain NUL characters", field="group")
+    if not encodable(group):
+        raise InvalidTask(UNENCODABLE, field="group")
+    return group
+
+
+def validate_override(name: object, group: object, override: GroupOverride) -> tuple[str, str]:
+    """Check an override before anything is written; the error names the bad field."""
+    name = validate_name(name)
+    group = validate_group(group)
+    _validate_one(Limit(override.concurrency, override.rate, override.burst), "")
+    if not override.limits and override.weight is None:
+        raise InvalidTask("give concurrency, rate or weight", field="group")
+    if override.concurrency == 1 and override.rate is None:
+        raise InvalidTask(
+            "1 run at a time per group is a sequence, which the name's group_concurrency=1 "
+            "makes; an override of 1 needs a rate",
+            field="concurrency",
+        )
+    weight = override.weight
+    if weight is not None and (
+        isinstance(weight, bool)
+        or not isinstance(weight, int | float)
+        or not math.isfinite(weight)
+        or not 0 < weight <= MAX_WEIGHT
+    ):
+        raise InvalidTask(f"must be a number above 0 and at most {MAX_WEIGHT:g}", field="weight")
+    return name, group
+
+
+def _entry(group: str, override: GroupOverride) -> Doc:
+    rate = None if override.rate is None else float(override.rate)
+    burst = override.burst
+    if rate is not None and burst is None:
+        burst = int(Limit(rate=rate).full())
+    return {
+        "group": group,
+        "concurrency": override.concurrency,
+        "rate": rate,
+        "burst": burst,
+        "weight": None if override.weight is None else float(override.weight),
+    }
+
+
+def set_group_limit(name: str, group: str, override: GroupOverride, now: dt.datetime) -> Op[Doc]:
+    """Give ``group`` of ``name`` its own limit and/or weight (replacing its override, if it had
+    one), in one update of the name's document (made if the name has no limit yet: its other
+    groups and the name stay unlimited). Applies within a second, as ``set_limit`` does: each
+    worker reads the name's document again on its change event, the group's slot takes the new
+    limit at its next claim, and runs in flight count towards it."""
+    name, group = validate_override(name, group, override)
+    if override.limits:
+        doc = yield Call("find_one", ({"_id": name}, CONFIG_FIELDS), collection="limits")
+        if doc is not None and group_limit(doc).concurrency == 1:
+            raise InvalidTask(
+                "the name's groups are sequences (group_concurrency 1): an override may give "
+                "them a weight only",
+                field="group",
+            )
+    others = {
+        "$filter": {
+            "input": {"$ifNull": [f"${OVERRIDES}", []]},
+            "as": "o",
+            "cond": {"$ne": ["$$o.group", {"$literal": group}]},
+        }
+    }
+    kept = {"$lt": [{"$size": others}, MAX_OVERRIDES]}
+    entry = {"$literal": _entry(group, override)}
+    doc = yield Call(
+        "find_one_and_update",
+        (
+            {"_id": name},
+            [
+                {
+                    "$set": {
+                        OVERRIDES: {
+                            "$cond": [
+                                kept,
+                                {"$concatArrays": [others, [entry]]},
+                                f"${OVERRIDES}",
+                            ]
+                        },
+                        "holders": {"$ifNull": ["$holders", []]},
+                        OVERRIDES_AT: now,
+                        "updated_at": now,
+                    }
+                }
+            ],
+        ),
+        {"upsert": True, "return_document": ReturnDocument.AFTER},
+        collection="limits",
+    )
+    if group_override(doc, group) is None:
+        raise InvalidTask(f"{name!r} has {MAX_OVERRIDES} overrides already", field="group")
+    return dict(doc)
+
+
+def clear_group_limit(name: str, group: str) -> Op[bool]:
+    """Remove ``group``'s override: it takes the name's group limit and weight 1 again."""
+    name, group = validate_name(name), validate_group(group)
+    result = yield Call(
+        "update_one",
+        (
+            {"_id": name, f"{OVERRIDES}.group": group},
+            [
+                {
+                    "$set": {
+                        OVERRIDES: {
+                            "$filter": {
+                                "input": f"${OVERRIDES}",
+                                "as": "o",
+                                "cond": {"$ne": ["$$o.group", {"$literal": group}]},
+                            }
+                        },
+                        OVERRIDES_AT: "$$NOW",
+                    }
+                }
+            ],
+        ),
+        collection="limits",
+    )
+    return bool(result.modified_count)
+
+
+def overrides(doc: Mapping[str, Any]) -> dict[str, GroupOverride]:
+    """A name's document's overrides by group (any shape: an entry that is not one is none)."""
+    found = doc.get(OVERRIDES)
+    out: dict[str, GroupOverride] = {}
+    if not isinstance(found, list):
+        return out
+    for entry in found:
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("group"), str):
+            continue
+        own = _limit(entry, "")
+        weight = entry.get("weight")
+        good: float | None = None
+        if isinstance(weight, int | float) and not isinstance(weight, bool):
+            good = float(weight) if 0 < weight <= MAX_WEIGHT else None  # NaN is none
+        out[entry["group"]] = GroupOverride(own.concurrency, own.rate, own.burst, good)
+    return out
+
+
+def group_override(doc: Mapping[str, Any] | None, group: str | None) -> GroupOverride | None:
+    if doc is None or group is None or OVERRIDES not in doc:
+        return None
+    return overrides(doc).get(group)
+
+
+def group_limit_for(doc: Mapping[str, Any], group: str | None) -> Limit:
+    """The limit of ``group`` of the name ``doc`` is of: its override's fields over the name's
+    group limit. The groups of a name whose groups are sequences (``group_concurrency`` 1)
+    keep the name's: an override gives them a weight only; nor does an override make a group a
+    sequence (1 run at a time with no rate, say after the name's group rate was cleared)."""
+    base = group_limit(doc)
+    found = group_override(doc, group)
+    if found is None or not found.limits or base.concurrency == 1:
+        return base
+    concurrency = base.concurrency if found.concurrency is None else found.concurrency
+    if found.rate is not None:
+        limit = Limit(concurrency, found.rate, found.burst)
+    else:
+        limit = Limit(concurrency, base.rate, base.burst)
+    # one run at a time and no rate is a sequence, which only the name's limit makes
+    return base if is_sequence(limit) else limit
+
+
+def restricts(doc: Mapping[str, Any]) -> bool:
+    """Whether a name's document limits anything (one holding weights alone does not: its
+    tasks are claimed plainly)."""
+    return (
+        own_limit(doc).set
+        or group_limit(doc).set
+        or any(o.limits for o in overrides(doc).values())
+        or has_holds(doc)
+    )
+
+
+def has_holds(doc: Mapping[str, Any]) -> bool:
+    """Whether a back-off (``mtask.backoff``) ever held this document or a group of it: its
+    tasks take its slot from then on, and the take decides whether the hold still holds."""
+    holds = doc.get(GROUP_HOLDS)
+    return isinstance(doc.get(HELD_UNTIL), dt.datetime) or (isinstance(holds, list) and bool(holds))
+
+
+def weights(doc: Mapping[str, Any]) -> dict[str, float]:
+    """The groups of a name's document given a weight other than 1."""
+    return {g: o.weight for g, o in overrides(doc).items() if o.weight not in (None, 1.0)}

@@ -103,6 +103,20 @@ TIME_LIMIT_KILLS = Counter(
 )
 
 
+# -- flow control (issue 62) --
+LIMIT_SHED = Counter(
+    "mtask_limit_shed",
+    "Tasks a full lossy limit refused and this worker dropped or failed at once, per limit (a "
+    "task name, or resource:<name>) and how (drop, fail)",
+    ["limit", "how"],
+)
+BACKOFFS = Counter(
+    "mtask_backoffs",
+    "Handlers' BackOff holds written by this worker, per task name and what they held: "
+    "tenant (the task's own tenant), name, resource",
+    ["name", "held"],
+)
+
 # -- triggers and waits on data (docs/triggers.md) --
 FOLLOWER_CHANGES = Counter(
     "mtask_follower_changes",

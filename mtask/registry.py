@@ -11,7 +11,7 @@ import sys
 import threading
 import typing
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -336,6 +336,10 @@ class TaskContext:
         return await self.publisher(name, key, params, **kwargs)
 
 
+MAX_UNITS = 1000
+"""The most units of a limit one run may take (``@registry.task(units=…)``)."""
+
+
 @dataclass(frozen=True)
 class Handler:
     name: str
@@ -359,6 +363,10 @@ class Handler:
     """Issue 62: a batch handler's most tasks per call (``mtask.batches``); ``None``: one."""
     batch_timeout: float = 1.0
     """Issue 62: the longest the first task of a batch waits for the batch to fill."""
+    uses: tuple[str, ...] = ()
+    """The shared resources its runs take a slot of (``set_limit(resource=…)``, issue 62)."""
+    units: int = 1
+    """How many units of each limit its runs take (their concurrency and their rate's tokens)."""
 
     def parse(self, params: Mapping[str, Any]) -> Any:
         if self.params_model is None:
@@ -480,6 +488,8 @@ class Registry:
         soft_time_limit: float | None = None,
         batch: int | None = None,
         batch_timeout: float = 1.0,
+        uses: Sequence[str] = (),
+        units: int = 1,
     ) -> Callable[[F], F]:
         """Register a handler. ``transactional``: an ``async def`` handler taking ``ctx``
         writes with ``ctx.session``, and those writes commit with the run's SUCCESS
@@ -487,10 +497,15 @@ class Registry:
         options it does not give (publish options > handler defaults > global defaults; applied
         by a ``TaskClient`` given this registry). ``isolation="process"`` runs a plain-def
         handler in a child process. ``soft_time_limit``/``time_limit`` (seconds, Celery's
-        names): the run's cooperative and hard limits. ``batch``: the handler takes a list of
-        up to that many ``BatchItem`` and answers one entry each (issue 62, ``mtask.batches``),
-        called once the batch is full or ``batch_timeout`` seconds after its first task."""
+        names): the run's cooperative and hard limits. ``uses``: the shared resources its runs
+        count against (an API quota shared by several names: ``set_limit(resource=…)``); a
+        resource with no limit set limits nothing. ``units``: how many units of each limit a
+        run takes (a costly call: 5 of a resource's 10 at once, 5 of its tokens). ``batch``:
+        the handler takes a list of up to that many ``BatchItem`` and answers one entry each
+        (issue 62, ``mtask.batches``), called once the batch is full or ``batch_timeout``
+        seconds after its first task."""
         declared = _declarations(options, isolation, time_limit, soft_time_limit)
+        resources = _resources(uses, units)
         if batch is not None:
             declared["batch"], declared["batch_timeout"] = check_batch(batch, batch_timeout)
             if transactional or isolation is not None or time_limit or soft_time_limit:
@@ -532,6 +547,8 @@ class Registry:
                 params_model=params_model,
                 wants_context=wants_context,
                 transactional=transactional,
+                uses=resources,
+                units=units,
                 **declared,
             )
             return fn
@@ -541,6 +558,16 @@ class Registry:
     @property
     def names(self) -> list[str]:
         return sorted(self.handlers)
+
+    @property
+    def units(self) -> dict[str, int]:
+        """How many units of each limit each name's runs take (names that take more than one)."""
+        return {n: h.units for n, h in self.handlers.items() if h.units != 1}
+
+    @property
+    def uses(self) -> dict[str, tuple[str, ...]]:
+        """The shared resources each name's runs take a slot of (names that use one)."""
+        return {n: h.uses for n, h in self.handlers.items() if h.uses}
 
     def options_for(
         self, name: str, options: TaskOptions | Mapping[str, Any] | None
@@ -588,3 +615,15 @@ def load_registry(spec: str) -> Registry:
     if not isinstance(registry, Registry):
         raise RegistryNotFound(f"{spec!r} is not an mtask.Registry")
     return registry
+
+
+def _resources(uses: Sequence[str], units: object) -> tuple[str, ...]:
+    """A handler's ``uses`` checked, each resource once, and its ``units`` checked."""
+    if isinstance(uses, str):
+        raise InvalidTask("must be a list of resource names, not a string", field="uses")
+    from mtask.limits import validate_resource
+
+    resources = tuple(dict.fromkeys(validate_resource(r) for r in uses))
+    if isinstance(units, bool) or not isinstance(units, int) or not 1 <= units <= MAX_UNITS:
+        raise InvalidTask(f"must be an integer from 1 to {MAX_UNITS}", field="units")
+    return resources

@@ -52,7 +52,17 @@ from pymongo import UpdateOne
 from pymongo.errors import BulkWriteError
 
 from mtask.driver import DUPLICATE_KEY, Call, Doc, Op
-from mtask.limits import BUCKET_CLOCK_SLACK, GROUP_SEPARATOR, Limit, retry_at, runs_at_once
+from mtask.limits import (
+    BUCKET_CLOCK_SLACK,
+    GROUP_HOLDS,
+    GROUP_SEPARATOR,
+    HELD_UNTIL,
+    Limit,
+    is_group_slot,
+    is_resource,
+    retry_at,
+    runs_at_once,
+)
 from mtask.limits import is_lock as is_lock_limit
 from mtask.store.schema import literal
 
@@ -72,10 +82,6 @@ def expire_at(now: dt.datetime) -> dt.datetime:
     return now.replace(hour=0, minute=0, second=0, microsecond=0) + GROUP_TTL + dt.timedelta(1)
 
 
-def is_group_slot(slot: str) -> bool:
-    return GROUP_SEPARATOR in slot
-
-
 @dataclass(frozen=True)
 class Request:
     """One run's request for one slot. ``limit``: a group's limit (its document is made with
@@ -90,6 +96,12 @@ class Request:
     replaces: str | None = None
     """A lock's request only: the run id of this worker's ended run that holds the slot, handed
     over to this run in the same write that gives it back (``_lock``)."""
+    group: str | None = None
+    """A name's request only: the run's group, which a back-off may hold in the name's document
+    (``mtask.backoff``)."""
+    units: int = 1
+    """How many units of the limit the run takes (``@registry.task(units=…)``, issue 62): of its
+    runs at once and of its tokens."""
 
 
 @dataclass(frozen=True)
@@ -157,28 +169,67 @@ def _filter(request: Request, now: dt.datetime) -> Doc:
     """The slot's document, only if a slot is free and a token there: a full slot is not
     written at all (no change event wakes the keys that wait for it)."""
     conc, rate, _, live, tokens = _terms(request, now)
+    units = request.units
+    if units == 1 and not is_resource(request.slot):
+        room: Doc = {"$lt": [{"$size": live}, conc]}  # a name's or group's: one unit each
+    else:  # a resource's holders may be runs of several names, each of its own units
+        room = {"$lte": [{"$add": [_units(live), units]}, conc]}
     ok = {
         "$and": [
-            {"$or": [{"$not": [{"$isNumber": conc}]}, {"$lt": [{"$size": live}, conc]}]},
-            {"$or": [{"$not": [{"$isNumber": rate}]}, {"$gte": [tokens, 1]}]},
+            {"$or": [{"$not": [{"$isNumber": conc}]}, room]},
+            {"$or": [{"$not": [{"$isNumber": rate}]}, {"$gte": [tokens, units]}]},
+            *_not_held(request, now),
         ]
     }
     # a name's document must exist: a cleared limit is not made again
     return {"_id": request.slot, "holders": {"$type": "array"}, "$expr": ok}
 
 
+def _units(live: Doc) -> Doc:
+    """The units the live holders take (a holder without ``units`` takes one)."""
+    return {"$sum": {"$map": {"input": live, "as": "u", "in": {"$ifNull": ["$$u.units", 1]}}}}
+
+
+def _not_held(request: Request, now: dt.datetime) -> list[Doc]:
+    """What a back-off adds to a name's (or a resource's) take: its hold has ended, and its
+    group's hold if it has one (``mtask.backoff``); a missing hold is none (null sorts before
+    every date)."""
+    if request.limit is not None:
+        return []  # a group's slot: its holds are its name's
+    out: list[Doc] = [{"$not": [{"$gt": [f"${HELD_UNTIL}", now]}]}]
+    if request.group is not None:
+        held = {
+            "$filter": {
+                "input": {"$cond": [{"$isArray": f"${GROUP_HOLDS}"}, f"${GROUP_HOLDS}", []]},
+                "as": "h",
+                "cond": {
+                    "$and": [
+                        {"$eq": ["$$h.group", literal(request.group)]},
+                        {"$gt": ["$$h.until", now]},
+                    ]
+                },
+            }
+        }
+        out.append({"$eq": [{"$size": held}, 0]})
+    return out
+
+
 def _holder(request: Request, worker_id: str, now: dt.datetime) -> Doc:
-    return {
+    holder: Doc = {
         "run_id": request.run_id,
         "key": request.key,
         "worker_id": worker_id,
         "expires": now + dt.timedelta(milliseconds=request.lease_ms),
     }
+    if request.units != 1:
+        holder["units"] = request.units
+    return holder
 
 
 def is_lock(request: Request) -> bool:
-    """A group's slot limiting only runs at once: taken by ``_lock``."""
-    return request.limit is not None and is_lock_limit(request.limit)
+    """A group's slot limiting only runs at once, one unit a run: taken by ``_lock`` (which
+    counts its holders by their places in the array)."""
+    return request.limit is not None and request.units == 1 and is_lock_limit(request.limit)
 
 
 def _lock(request: Request, worker_id: str, now: dt.datetime) -> UpdateOne:
@@ -240,7 +291,7 @@ def _take_pipeline(request: Request, worker_id: str, now: dt.datetime) -> list[D
         "holders": {
             "$cond": [{"$isNumber": conc}, {"$concatArrays": [live, [literal(holder)]]}, []]
         },
-        "tokens": {"$cond": [{"$isNumber": rate}, {"$subtract": [tokens, 1]}, None]},
+        "tokens": {"$cond": [{"$isNumber": rate}, {"$subtract": [tokens, request.units]}, None]},
         # limits.bucket_clock: a take whose time is behind the bucket's clock (another
         # worker's estimate of the server's clock, some milliseconds behind) added no tokens
         # and leaves it, else the next take would count that stretch again
@@ -342,6 +393,8 @@ def _take_exact(
                 "burst": 1,
                 "tokens": 1,
                 "refilled_at": 1,
+                HELD_UNTIL: 1,
+                GROUP_HOLDS: 1,
             },
         ),
         collection="limits",
@@ -381,7 +434,7 @@ def decide(requests: Sequence[Request], docs: Mapping[str, Doc], now: dt.datetim
         if held:
             out.append(Taken(taken=True, holder=holder))
         else:
-            out.append(Taken(taken=False, retry_at=retry_at(doc, now)))
+            out.append(Taken(taken=False, retry_at=retry_at(doc, now, request.group)))
     return out
 
 

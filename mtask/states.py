@@ -65,7 +65,7 @@ PENDING_STATES = frozenset(OPEN_STATES - {State.RUNNING})
 """The states of a stored ``pending`` task."""
 WHY: dict[State, tuple[str, ...]] = {
     State.WAITING: ("signal", "sleep", "dependencies", "children", "snoozed"),
-    State.BLOCKED: ("group", "limit", "paused", "no_worker"),
+    State.BLOCKED: ("group", "backoff", "limit", "paused", "no_worker"),
 }
 """The reasons of a waiting and of a blocked task, in the order ``explain`` tries them."""
 _FINAL = {
@@ -329,10 +329,24 @@ def _blocked(task: Task, cluster: Cluster) -> Explained | None:
         if held is not None:
             return Explained(State.BLOCKED, "group", held)
     doc = cluster.limits.get(name)
+    held = _held(doc, name, group, cluster.now) if doc is not None else None
+    if held is not None:
+        return Explained(State.BLOCKED, "backoff", held)
     full = _full(doc, cluster.now) if doc is not None else None
     if full is not None:
         return Explained(State.BLOCKED, "limit", f"limit of `{name}`: {full}")
     return None
+
+
+def _held(doc: Mapping[str, Any], name: str, group: str | None, now: dt.datetime) -> str | None:
+    """A back-off holding the task back (``mtask.backoff``), said with when it ends."""
+    from mtask.backoff import held_until
+
+    until = held_until(doc, group, now)
+    if until is None:
+        return None
+    whose = f"`{name}`" if held_until(doc, None, now) == until else f"group `{group}` of `{name}`"
+    return f"{whose} backs off (a handler's BackOff) for {span((until - now).total_seconds())} more"
 
 
 def _no_worker(task: Task, name: str, cluster: Cluster) -> str | None:
@@ -395,8 +409,9 @@ def _full(doc: Mapping[str, Any], now: dt.datetime) -> str | None:
         for h in (holders if isinstance(holders, list) else ())
         if isinstance(h, dict) and isinstance(h.get("expires"), dt.datetime) and h["expires"] > now
     ]
-    if concurrency is not None and len(live) >= concurrency:
-        return f"{len(live)} of {concurrency} runs at once in use"
+    used = sum(u if isinstance(u := h.get("units"), int) and u > 0 else 1 for h in live)
+    if concurrency is not None and used >= concurrency:
+        return f"{used} of {concurrency} runs at once in use"
     rate = doc.get("rate")
     if not isinstance(rate, int | float) or isinstance(rate, bool) or rate <= 0:
         return None

@@ -40,8 +40,18 @@ run = commands.run
 
 @commands.command("limit")
 def cmd_limit(args: argparse.Namespace) -> int:
+    if (args.name is None) == (args.resource is None):
+        raise UsageError("give a task name, or --resource NAME (a shared resource), not both")
+    if args.resource is not None:
+        return _resource_limit(args)
+    if args.group is not None:
+        return _group_limit(args)
+    if args.weight is not None:
+        raise UsageError("--weight is a group's share of turns: give its --group")
     with task_client(args) as client:
-        given = (args.concurrency, args.rate, args.group_concurrency, args.group_rate)
+        given = (
+            args.concurrency, args.rate, args.group_concurrency, args.group_rate, args.overflow
+        )  # fmt: skip
         if args.clear:
             if any(v is not None for v in given):
                 raise UsageError("--clear takes no --concurrency, --rate or --group-…")
@@ -61,6 +71,7 @@ def cmd_limit(args: argparse.Namespace) -> int:
             group_concurrency=args.group_concurrency,
             group_rate=group_rate,
             group_burst=args.group_burst,
+            overflow=args.overflow,
         )
     if args.json:
         print_json(doc)
@@ -68,6 +79,91 @@ def cmd_limit(args: argparse.Namespace) -> int:
         described = _describe_limit(doc)
         out.print(f"limit of {args.name}: {described} (applies within a second)", markup=False)
     return 0
+
+
+def _resource_limit(args: argparse.Namespace) -> int:
+    """``mtask limit --resource R …``: a shared resource's limit (or ``--clear``)."""
+    given = (args.group, args.group_concurrency, args.group_rate, args.group_burst, args.weight)
+    if any(v is not None for v in given):
+        raise UsageError("a resource has no groups: --concurrency, --rate and --burst only")
+    with task_client(args) as client:
+        if args.clear:
+            if any(v is not None for v in (args.concurrency, args.rate, args.burst, args.overflow)):
+                raise UsageError("--clear takes no --concurrency, --rate, --burst or --overflow")
+            found = client.clear_limit(resource=args.resource)
+            said = "limit removed" if found else "had no limit"
+            out.print(f"resource {args.resource}: {said}", markup=False)
+            return 0
+        from mtask.limits import parse_rate
+
+        doc = client.set_limit(
+            resource=args.resource,
+            concurrency=args.concurrency,
+            rate=parse_rate(args.rate) if args.rate is not None else None,
+            burst=args.burst,
+            overflow=args.overflow,
+        )
+    if args.json:
+        print_json(doc)
+    else:
+        said = f"resource {args.resource}: {_describe_limit(doc)} (applies within a second)"
+        out.print(said, markup=False)
+    return 0
+
+
+def _group_limit(args: argparse.Namespace) -> int:
+    """``mtask limit NAME --group G …``: one group's own limit and weight (or ``--clear``)."""
+    if any(
+        v is not None
+        for v in (args.group_concurrency, args.group_rate, args.group_burst, args.overflow)
+    ):
+        raise UsageError(
+            "--group takes --concurrency, --rate, --burst and --weight (not --group-…, and "
+            "--overflow is the name's)"
+        )
+    with task_client(args) as client:
+        if args.clear:
+            if any(v is not None for v in (args.concurrency, args.rate, args.burst, args.weight)):
+                raise UsageError("--clear takes no --concurrency, --rate, --burst or --weight")
+            found = client.clear_group_limit(args.name, args.group)
+            said = "override removed" if found else "had no override"
+            out.print(f"group {args.group} of {args.name}: {said}", markup=False)
+            return 0
+        from mtask.limits import parse_rate
+
+        doc = client.set_group_limit(
+            args.name,
+            args.group,
+            concurrency=args.concurrency,
+            rate=parse_rate(args.rate) if args.rate is not None else None,
+            burst=args.burst,
+            weight=args.weight,
+        )
+    if args.json:
+        print_json(doc)
+    else:
+        described = _describe_override(args.group, doc)
+        said = f"group {args.group} of {args.name}: {described} (applies within a second)"
+        out.print(said, markup=False)
+    return 0
+
+
+def _describe_override(group: str, doc: Mapping[str, Any]) -> str:
+    from mtask.limits import group_limit_for, group_override
+
+    found = group_override(doc, group)
+    if found is None:
+        return "no override"
+    parts = []
+    limit = group_limit_for(doc, group)
+    if found.limits:
+        if limit.concurrency is not None:
+            parts.append(f"at most {limit.concurrency} at once")
+        if limit.rate is not None:
+            parts.append(f"{limit.rate:g}/s (bursts of {limit.burst or 1:g})")
+    if found.weight is not None:
+        parts.append(f"weight {found.weight:g}")
+    return ", ".join(parts) or "the name's group limit"
 
 
 def _describe_limit(doc: Mapping[str, Any]) -> str:
@@ -83,6 +179,10 @@ def _describe_limit(doc: Mapping[str, Any]) -> str:
     if doc.get("group_rate") is not None:
         burst = doc.get("group_burst") or 1
         parts.append(f"{doc['group_rate']:g}/s per group (bursts of {burst:g})")
+    if doc.get("overflow") in ("drop", "fail"):
+        parts.append(f"the excess {'dropped' if doc['overflow'] == 'drop' else 'failed'} at once")
+    if isinstance(found := doc.get("group_overrides"), list) and found:
+        parts.append(f"{len(found)} group{'s' if len(found) != 1 else ''} with an override")
     return ", ".join(parts) or "none"
 
 
@@ -101,9 +201,12 @@ def cmd_limits(args: argparse.Namespace) -> int:
     table = Table("name", "limit", "in use", "due", "blocked")
     table.columns[1].ratio = 1
     for u in uses:
-        add_row(
-            table, u.name, _describe_limit(u.limit) + _state_of(u), _in_use(u), u.due, u.blocked
-        )
+        if u.resource:  # a shared resource: its tasks are counted under the names using it
+            said = _describe_limit(u.limit) + _holds_of(u)
+            add_row(table, f"resource {u.name}", said, _in_use(u), "-", "-")
+            continue
+        said = _describe_limit(u.limit) + _holds_of(u) + _state_of(u)
+        add_row(table, u.name, said, _in_use(u), u.due, u.blocked)
     out.print(table)
     for u in uses:
         _print_groups(u)
@@ -116,6 +219,17 @@ def _use_json(u: Any) -> dict[str, Any]:
     found = dataclasses.asdict(u)
     found.pop("limit")
     return found
+
+
+def _holds_of(u: Any) -> str:
+    """A handler's back-off holding the name (or resource), or some of its groups, back."""
+    parts = []
+    if u.held_until is not None:
+        parts.append(f"backing off until {u.held_until:%H:%M:%S} UTC")
+    if u.held_groups:
+        groups = ", ".join(sorted(u.held_groups)[:3]) + (" …" if len(u.held_groups) > 3 else "")
+        parts.append(f"backing off: group {groups}")
+    return "".join(f" ({p})" for p in parts)
 
 
 def _state_of(u: Any) -> str:
@@ -139,22 +253,30 @@ def _in_use(u: Any) -> str:
 def _print_groups(u: Any) -> None:
     """The groups of a name whose groups are limited: in use, open, running, blocked, head."""
     groups = [g for g in u.groups if g.group is not None]
-    if not groups or not u.per_group.set:
+    weighted = any(g.weight != 1.0 for g in groups)
+    if not groups or not (u.per_group.set or weighted or any(g.overridden for g in groups)):
         return
     from rich.table import Table
 
     kind = "a sequence each" if u.per_group.concurrency == 1 else "limited each"
-    table = Table(
-        "group", "in use", "open", "running", "blocked", "head (runs next)",
-        title=f"groups of {u.name} ({kind})", title_justify="left",
-    )  # fmt: skip
+    if not u.per_group.set:
+        kind = "limited where overridden"
+    columns = ["group", "in use", "open", "running", "blocked", "head (runs next)"]
+    if weighted:  # a share of turns other than the even one: said only then
+        columns.insert(5, "weight")
+    table = Table(*columns, title=f"groups of {u.name} ({kind})", title_justify="left")
     table.columns[0].overflow = "fold"
-    table.columns[5].overflow = "fold"
+    table.columns[-1].overflow = "fold"
     for g in groups:
         status = f" ({g.head_status}{', holds the lock' if g.holds_lock else ''})"
         head = f"{g.head}{status}" if g.head else "-"
         in_use = "-" if g.limit is None else f"{g.in_use} of {g.limit}"
-        add_row(table, g.group, in_use, g.open, g.running, g.blocked, head)
+        if g.overridden:
+            in_use += " (own)"
+        row = [g.group, in_use, g.open, g.running, g.blocked, head]
+        if weighted:
+            row.insert(5, f"{g.weight:g}")
+        add_row(table, *row)
     out.print(table)
     if u.more_groups:
         out.print(f"and {u.more_groups} smaller groups", markup=False)
@@ -272,7 +394,12 @@ def _label(node: dict[str, Any]) -> str:
 def register(sub: Any) -> None:
     p = sub.add_parser("limit", help="limit a task name across all workers")
     add_common(p)
-    p.add_argument("name", help="the task name")
+    p.add_argument("name", nargs="?", help="the task name (or give --resource)")
+    p.add_argument(
+        "--resource",
+        help="a shared resource's limit instead (an API quota): every task whose handler "
+        "uses it (@registry.task(uses=[...])) takes a slot of it",
+    )
     p.add_argument("--concurrency", type=int, help="at most this many runs at once")
     p.add_argument("--rate", help="at most this many claims, e.g. 10/s, 600/m, 3600/h")
     p.add_argument("--burst", type=int, help="tokens the rate may save up (default: 1 s worth)")
@@ -284,6 +411,23 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--group-rate", help="at most this many claims per group, e.g. 5/s")
     p.add_argument("--group-burst", type=int, help="tokens each group's rate may save up")
+    p.add_argument(
+        "--group",
+        help="one group's own limit instead (a tier, a tenant): --concurrency, --rate and "
+        "--burst override the name's --group-… values for it; --clear removes it",
+    )
+    p.add_argument(
+        "--weight",
+        type=float,
+        help="with --group: its share of turns among the name's groups (default 1; 3 takes "
+        "three turns for every one of a group of weight 1)",
+    )
+    p.add_argument(
+        "--overflow",
+        choices=("queue", "drop", "fail"),
+        help="what the limit does with a task it refuses: queue (the default: it waits for a "
+        "slot), drop (cancelled at once) or fail (failed for good at once)",
+    )
     p.add_argument("--clear", action="store_true", help="remove the limit")
 
     p = sub.add_parser("limits", help="list the limits")

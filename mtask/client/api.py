@@ -129,6 +129,8 @@ class Operations:
     paused = Control.paused
     set_limit = Control.set_limit
     clear_limit = Control.clear_limit
+    set_group_limit = Control.set_group_limit
+    clear_group_limit = Control.clear_group_limit
     limits = Control.limits
     limit_use = Control.limit_use
     set_retention = Control.set_retention

@@ -12,7 +12,7 @@ from mtask import control, limits, schedules, store
 from mtask.client.checks import check_number
 from mtask.client.core import Core, operation
 from mtask.driver import Op
-from mtask.errors import TriggerNotFound
+from mtask.errors import InvalidTask, TriggerNotFound
 from mtask.models import MAX_AGE_SECONDS, read_worker, validate_name
 from mtask.store import followers, occupancy, retention
 from mtask.triggers import follower_of
@@ -80,27 +80,74 @@ class Control:
     @operation
     def set_limit(
         self,
-        name: str,
+        name: str | None = None,
         *,
+        resource: str | None = None,
         concurrency: int | None = None,
         rate: float | None = None,
         burst: int | None = None,
         group_concurrency: int | None = None,
         group_rate: float | None = None,
         group_burst: int | None = None,
+        overflow: str | None = None,
     ) -> Op[dict[str, Any]]:
         """Limit ``name`` across all workers: at most ``concurrency`` runs at once, at most
         ``rate`` claims per second (bursts of ``burst``); and each of its groups
         (``options.group``) likewise with ``group_concurrency``, ``group_rate`` and
         ``group_burst`` (``group_concurrency=1``: each group is a sequence, run one at a time
-        in publish order). Applies within a second."""
+        in publish order). Applies within a second.
+
+        ``resource=`` instead of a name: the limit of a shared resource (an API quota), taken by
+        every run of the names whose handler ``uses`` it (``@registry.task(uses=[...])``),
+        exactly across the cluster; a resource has no groups.
+
+        ``overflow``: what the limit does with a task it refuses: ``"queue"`` (the default: it
+        waits for a slot), ``"drop"`` (cancelled at once) or ``"fail"`` (failed for good at
+        once), its ``error`` saying why (a lossy limit)."""
         own = limits.Limit(concurrency, rate, burst)
         group = limits.Limit(group_concurrency, group_rate, group_burst)
-        return (yield from limits.set_limit(name, own, group, self.core.clock.now()))
+        now = self.core.clock.now()
+        if resource is not None:
+            if name is not None or group.set or group_burst is not None:
+                raise InvalidTask(
+                    "a resource's limit takes no name and no group_…", field="resource"
+                )
+            return (yield from limits.set_resource_limit(resource, own, now, overflow))
+        return (
+            yield from limits.set_limit(validate_name(name), own, group, now, overflow=overflow)
+        )
 
     @operation
-    def clear_limit(self, name: str) -> Op[bool]:
+    def clear_limit(self, name: str | None = None, *, resource: str | None = None) -> Op[bool]:
+        """Remove the limit of ``name`` (or of the shared resource ``resource``)."""
+        if resource is not None:
+            if name is not None:
+                raise InvalidTask("give a name or a resource, not both", field="resource")
+            return (yield from limits.clear_resource_limit(resource))
         return (yield from limits.clear_limit(validate_name(name)))
+
+    @operation
+    def set_group_limit(
+        self,
+        name: str,
+        group: str,
+        *,
+        concurrency: int | None = None,
+        rate: float | None = None,
+        burst: int | None = None,
+        weight: float | None = None,
+    ) -> Op[dict[str, Any]]:
+        """Override the group limit of one group of ``name`` (a tier, a tenant): its own
+        ``concurrency``, ``rate`` and ``burst`` (``None``: the name's ``group_…`` value), and its
+        ``weight``, its share of turns among the name's groups (3: three turns for every one of a
+        group of weight 1). Replaces the group's override; applies within a second."""
+        override = limits.GroupOverride(concurrency, rate, burst, weight)
+        return (yield from limits.set_group_limit(name, group, override, self.core.clock.now()))
+
+    @operation
+    def clear_group_limit(self, name: str, group: str) -> Op[bool]:
+        """Remove the override of ``group`` of ``name``: the name's group limit and weight 1."""
+        return (yield from limits.clear_group_limit(name, group))
 
     @operation
     def limits(self) -> Op[builtins.list[dict[str, Any]]]:

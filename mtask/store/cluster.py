@@ -19,7 +19,7 @@ from typing import Any
 
 from mtask import control
 from mtask.driver import Call, Doc, Op, gather
-from mtask.limits import Limit, group_limit, group_slot, is_sequence
+from mtask.limits import Limit, group_limit_for, group_slot, is_sequence
 from mtask.models import OPEN_STATUSES, RunState, Task, TaskStatus
 from mtask.states import Cluster, Explained, Group, State, Worker, explain
 from mtask.store import bulk
@@ -97,7 +97,7 @@ def _pairs(tasks: Sequence[Task], limits: Mapping[str, Doc]) -> dict[tuple[str, 
         group, name = task.options.group, task.name
         if group is None or name is None or name not in limits or not _open(task):
             continue
-        limit = group_limit(limits[name])
+        limit = group_limit_for(limits[name], group)
         if limit.set:
             pairs[(name, group)] = limit
     return pairs

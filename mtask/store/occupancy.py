@@ -18,14 +18,16 @@ more there are).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from mtask import control, limits
+from mtask.backoff import held_until
 from mtask.driver import Call, Doc, Op, gather
-from mtask.limits import Limit, group_limit, group_slot, is_sequence, own_limit
+from mtask.limits import Limit, group_limit, group_limit_for, group_slot, is_sequence, own_limit
 from mtask.store.cluster import LIVE
 from mtask.store.schema import GROUP_LOCK, OPEN_LIST
 
@@ -49,6 +51,11 @@ class GroupUse:
     """The task that runs next: a sequence's lock holder, else the first in publish order."""
     head_status: str | None
     holds_lock: bool = False
+    weight: float = 1.0
+    """Its share of turns (``set_group_limit(…, weight=…)``)."""
+    overridden: bool = False
+    """Whether it has an override of its own (``set_group_limit``): ``limit`` is the
+    override's."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,13 @@ class NameUse:
     blocked: int
     groups: list[GroupUse] = field(default_factory=list)
     more_groups: int = 0
+    resource: bool = False
+    """A shared resource's limit (issue 62), ``name`` its name: its runs at once in use are
+    those of every name whose handler uses it (its tasks are counted under those names)."""
+    held_until: dt.datetime | None = None
+    """Until when a handler's ``BackOff`` holds the name (or the resource) back, if it does."""
+    held_groups: dict[str, dt.datetime] = field(default_factory=dict)
+    """The groups a ``BackOff`` holds back, each until when."""
 
     @property
     def own(self) -> Limit:
@@ -118,13 +132,19 @@ def _pipeline(name: str, now: dt.datetime) -> list[Doc]:
 
 
 def _live(doc: Mapping[str, Any] | None, now: dt.datetime) -> int:
-    """A slot document's holders whose lease has not ended."""
+    """The units a slot document's holders whose lease has not ended take (one each unless a
+    holder says ``units``: issue 62)."""
     holders = (doc or {}).get("holders") or []
     return sum(
-        1
+        _units_of(h)
         for h in holders
         if isinstance(h, dict) and isinstance(h.get("expires"), dt.datetime) and h["expires"] > now
     )
+
+
+def _units_of(holder: Mapping[str, Any]) -> int:
+    units = holder.get("units")
+    return units if isinstance(units, int) and not isinstance(units, bool) and units > 0 else 1
 
 
 def _group_use(
@@ -164,10 +184,18 @@ def _name_use(
 ) -> NameUse:
     paused, handled = facts
     name = str(doc["_id"])
-    per_group = group_limit(doc)
-    groups = [
-        _group_use(r, per_group, slots.get(group_slot(name, str(r["_id"]))), now) for r in rows
-    ]
+    found = limits.overrides(doc)
+    groups = []
+    for r in rows:
+        group = r["_id"] if isinstance(r["_id"], str) else None
+        slot = slots.get(group_slot(name, str(group)))
+        use = _group_use(r, group_limit_for(doc, group), slot, now)
+        if group in found:
+            weight = found[group].weight
+            use = dataclasses.replace(
+                use, weight=1.0 if weight is None else weight, overridden=found[group].limits
+            )
+        groups.append(use)
     due = sum(g.due for g in groups)
     blocked = sum(g.blocked for g in groups)
     own = own_limit(doc)
@@ -180,17 +208,53 @@ def _name_use(
         name, doc, paused, handled, in_use, sum(1 for g in groups if g.holds_lock),
         sum(g.open for g in groups), sum(g.running for g in groups), due, blocked,
         groups[:TOP_GROUPS], max(0, len(groups) - TOP_GROUPS),
+        held_until=held_until(doc, None, now), held_groups=_held_groups(doc, now),
     )  # fmt: skip
+
+
+def _held_groups(doc: Mapping[str, Any], now: dt.datetime) -> dict[str, dt.datetime]:
+    holds = doc.get(limits.GROUP_HOLDS)
+    return {
+        h["group"]: h["until"]
+        for h in (holds if isinstance(holds, list) else ())
+        if isinstance(h, dict)
+        and isinstance(h.get("group"), str)
+        and isinstance(h.get("until"), dt.datetime)
+        and h["until"] > now
+    }
 
 
 def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse]]:
     """Each limited name's use (of ``names`` only, if given), in name order."""
-    docs = yield from limits.all_limits()
+    found = yield from limits.all_limits()
+    resources = [
+        NameUse(
+            limits.resource_of(str(d["_id"])),
+            d,
+            False,
+            True,
+            _live(d, now),
+            0,
+            0,
+            0,
+            0,
+            0,
+            resource=True,
+            held_until=held_until(d, None, now),
+        )
+        for d in sorted(found, key=lambda d: str(d["_id"]))
+        if limits.is_resource(str(d["_id"])) and names is None
+    ]
     docs = sorted(
-        (d for d in docs if names is None or d["_id"] in names), key=lambda d: str(d["_id"])
+        (
+            d
+            for d in found
+            if not limits.is_resource(str(d["_id"])) and (names is None or d["_id"] in names)
+        ),
+        key=lambda d: str(d["_id"]),
     )
     if not docs:
-        return []
+        return resources
     paused = yield from control.paused_names()
     workers = yield from control.live_workers(now, LIVE, {"names": 1})
     handled = {n for w in workers if isinstance(w.get("names"), list) for n in w["names"]}
@@ -200,9 +264,10 @@ def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse
     slot_ids = [
         group_slot(str(d["_id"]), str(r["_id"]))
         for d, found in zip(docs, rows, strict=True)
-        if group_limit(d).set and not is_sequence(group_limit(d))
         for r in found[:TOP_GROUPS]
         if isinstance(r["_id"], str)
+        and (each := group_limit_for(d, r["_id"])).set
+        and not is_sequence(each)
     ]
     slots: dict[str, Doc] = {}
     if slot_ids:
@@ -211,4 +276,4 @@ def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse
     return [
         _name_use(d, found, slots, now, (str(d["_id"]) in paused, str(d["_id"]) in handled))
         for d, found in zip(docs, rows, strict=True)
-    ]
+    ] + resources

@@ -137,6 +137,31 @@ class LimitBody(BaseModel):
         None, gt=0, le=1_000_000, description="claims per second per group"
     )
     group_burst: int | None = Field(None, ge=1, le=1_000_000)
+    overflow: Literal["queue", "drop", "fail"] | None = Field(
+        None, description="what a full limit does with a task it refuses (default: queue)"
+    )
+
+
+class ResourceLimitBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    concurrency: int | None = Field(None, ge=1, le=1_000_000)
+    rate: float | None = Field(None, gt=0, le=1_000_000, description="claims per second")
+    burst: int | None = Field(None, ge=1, le=1_000_000)
+    overflow: Literal["queue", "drop", "fail"] | None = Field(
+        None, description="what a full limit does with a task it refuses (default: queue)"
+    )
+
+
+class GroupLimitBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    concurrency: int | None = Field(None, ge=1, le=1_000_000)
+    rate: float | None = Field(None, gt=0, le=1_000_000, description="claims per second")
+    burst: int | None = Field(None, ge=1, le=1_000_000)
+    weight: float | None = Field(
+        None, gt=0, le=1000, description="share of turns among the name's groups (default 1)"
+    )
 
 
 class BulkBody(BaseModel):
@@ -558,7 +583,46 @@ async def set_limit(name: str, body: LimitBody, client: Client) -> LimitView:
         group_concurrency=body.group_concurrency,
         group_rate=body.group_rate,
         group_burst=body.group_burst,
+        overflow=body.overflow,
     )
+
+
+@router.put("/limits/{name}/groups/{group}")
+async def set_group_limit(name: str, group: str, body: GroupLimitBody, client: Client) -> LimitView:
+    """One group's own limit and weight (a tier, a tenant), over the name's group limit."""
+    return await client.set_group_limit(  # type: ignore[return-value]
+        name,
+        group,
+        concurrency=body.concurrency,
+        rate=body.rate,
+        burst=body.burst,
+        weight=body.weight,
+    )
+
+
+@router.delete("/limits/{name}/groups/{group}", status_code=204)
+async def clear_group_limit(name: str, group: str, client: Client) -> Response:
+    await client.clear_group_limit(name, group)
+    return Response(status_code=204)
+
+
+@router.put("/resources/{resource}")
+async def set_resource_limit(resource: str, body: ResourceLimitBody, client: Client) -> LimitView:
+    """A shared resource's limit (an API quota): every run of a name whose handler uses it
+    takes a slot of it, exactly across the cluster."""
+    return await client.set_limit(  # type: ignore[return-value]
+        resource=resource,
+        concurrency=body.concurrency,
+        rate=body.rate,
+        burst=body.burst,
+        overflow=body.overflow,
+    )
+
+
+@router.delete("/resources/{resource}", status_code=204)
+async def clear_resource_limit(resource: str, client: Client) -> Response:
+    await client.clear_limit(resource=resource)
+    return Response(status_code=204)
 
 
 @router.delete("/limits/{name}", status_code=204)

@@ -122,6 +122,12 @@ class LimitView(Open):
     tokens: float | None = None
     refilled_at: dt.datetime | None = None
     holders: list[dict[str, Any]] = Field(default_factory=list)
+    resource: str | None = Field(None, description="a shared resource's name (its limit's)")
+    group_overrides: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="groups with a limit or weight of their own: "
+        "{group, concurrency, rate, burst, weight}",
+    )
 
 
 class GroupView(BaseModel):

@@ -21,6 +21,7 @@ from pymongo import AsyncMongoClient, MongoClient
 from pymongo.asynchronous.database import AsyncDatabase
 
 from mtask import driver
+from mtask.backoff import Holds
 from mtask.client import AsyncTaskClient
 from mtask.clock import Clock, ServerClock
 from mtask.connection import WORKER_CLIENT_OPTIONS, async_client, sync_client
@@ -31,7 +32,7 @@ from mtask.worker.claiming.calls import ClaimCalls
 from mtask.worker.claiming.claimer import Claimer
 from mtask.worker.claiming.gate import REFRESH_SECONDS, LimitGate
 from mtask.worker.claiming.limited_claims import LimitedClaims
-from mtask.worker.claiming.queue import ClaimQueue
+from mtask.worker.claiming.queue import ClaimQueue, GroupWeights
 from mtask.worker.claiming.recount import Recount
 from mtask.worker.config import WorkerConfig
 from mtask.worker.events import Emitter
@@ -133,7 +134,10 @@ def build(
     capacity = Gauge()
     inflight = InFlight(on_free=freed)
     aging = config.priority_aging
-    queue = ClaimQueue(config.queue_size, None if aging is None else dt.timedelta(seconds=aging))
+    weights = GroupWeights()
+    queue = ClaimQueue(
+        config.queue_size, None if aging is None else dt.timedelta(seconds=aging), weights
+    )
     assignment = Assignment(tuple(names))
     scheduler = Scheduler(
         adriver,
@@ -178,6 +182,9 @@ def build(
         applied=limit_applied,
         reopened=stream_opened,
         ready=found.finder.ready,
+        weights=weights,
+        uses={n: registry[n].uses for n in names if registry[n].uses},
+        units={n: registry[n].units for n in names if registry[n].units != 1},
     )
     process_pool: ProcessPool | None = None  # handler isolation (issue 18)
     if config.pool == "process" or any(registry[n].isolation == "process" for n in names):
@@ -231,7 +238,7 @@ def build(
     outputs = OutputWriter(aclient, adriver, clock)
     transactions = Transactions(aclient, adriver, clock)
     ahead, slots = claim_ahead.build(
-        config.concurrency, config.prefetch, limited=lambda: bool(gate.limited)
+        config.concurrency, config.prefetch, limited=lambda: bool(gate.restricting)
     )
     outcomes = RunOutcomes(stats, emit, config.max_result_bytes, publisher.max_params_bytes)
     contexts = RunContexts(
@@ -255,6 +262,7 @@ def build(
         slots=slots,
         sealing=sealing_from_env(sclient, config.database),
         batches=Batches(emit),
+        holds=Holds(adriver, clock, gate.apply),
     )
     executor = Executor(
         registry=registry,

@@ -17,6 +17,7 @@ from typing import Any
 from bson import ObjectId
 from pymongo import AsyncMongoClient, MongoClient
 
+from mtask.backoff import BackOff
 from mtask.registry import Registry, TaskContext
 
 registry = Registry()
@@ -77,6 +78,32 @@ async def work(params: dict[str, Any], ctx: TaskContext) -> str:
         raise RuntimeError(f"planned failure on attempt {ctx.attempt}")
     await log(ctx, "finish")
     return "ok"
+
+
+@registry.task("api_a", uses=["api"])
+async def api_a(params: dict[str, Any], ctx: TaskContext) -> str:
+    """``work`` under a name that shares the resource ``api`` (issue 62)."""
+    return await work(params, ctx)
+
+
+@registry.task("api_b", uses=["api"])
+async def api_b(params: dict[str, Any], ctx: TaskContext) -> str:
+    return await work(params, ctx)
+
+
+@registry.task("api_c", uses=["api", "unset"])  # a resource with no limit limits nothing
+async def api_c(params: dict[str, Any], ctx: TaskContext) -> str:
+    return await work(params, ctx)
+
+
+@registry.task("call_api")
+async def call_api(params: dict[str, Any], ctx: TaskContext) -> str:
+    """``work``, but a task whose params say ``back_off`` (seconds) holds its group that long on
+    its first attempt, as after an HTTP 429 (issue 62)."""
+    if params.get("back_off") and ctx.attempt == 1:
+        await log(ctx, "back_off")
+        raise BackOff(params["back_off"], group=True)
+    return await work(params, ctx)
 
 
 @registry.task("hang")

@@ -25,7 +25,14 @@ TOKENS = {
 }
 SECRET = b"a read token secret of some length"
 ORIGIN = "http://app.example.test"
-PARAMS = {"key": "k1", "name": "add", "worker_id": "w1", "schedule_id": "s1"}
+PARAMS = {
+    "key": "k1",
+    "name": "add",
+    "worker_id": "w1",
+    "schedule_id": "s1",
+    "group": "g1",
+    "resource": "r1",
+}
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import dataclasses
 import datetime as dt
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 from mtask import limits, slots
@@ -28,6 +28,7 @@ from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.worker.claiming.handover import Handovers
+from mtask.worker.claiming.queue import GroupWeights
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.service import PeriodicService, event_or_timeout, first_set
 from mtask.worker.wiring import Signal
@@ -76,6 +77,9 @@ class LimitGate(PeriodicService):
         applied: Callable[[str], None] = lambda name: None,
         reopened: Signal[[]] | None = None,
         ready: asyncio.Event | None = None,
+        weights: GroupWeights | None = None,
+        uses: Mapping[str, Sequence[str]] | None = None,
+        units: Mapping[str, int] | None = None,
     ) -> None:
         self.interval = interval
         """Seconds between two reads of all the limits whatever happens (a change's event
@@ -101,6 +105,20 @@ class LimitGate(PeriodicService):
         """Told the name of each limit that changed, once this worker uses the new one."""
         self.limited: dict[str, dict[str, Any]] = {}
         """The documents of the limited names, as last read."""
+        self.restricting: set[str] = set()
+        """The names of ``limited`` whose document limits something (``limits.restricts``):
+        one that holds only its groups' weights has its tasks claimed plainly."""
+        self.weights = weights
+        """Where the groups' weights go (the claim queue's turns), if anywhere."""
+        self.uses: dict[str, tuple[str, ...]] = {
+            name: tuple(limits.resource_slot(r) for r in resources)
+            for name, resources in (uses or {}).items()
+            if resources
+        }
+        """The slots of the shared resources each name's runs take (its handler's ``uses``)."""
+        self.units: dict[str, int] = dict(units or {})
+        """The units of each limit each name's runs take (its handler's ``units``; 1 if not
+        here)."""
         self.blocked: dict[str, dict[str, None]] = {}
         """The keys that wait for each slot, first blocked first."""
         self.made: set[str] = set()
@@ -119,18 +137,19 @@ class LimitGate(PeriodicService):
         """When (monotonic) all the limits are read next."""
 
     def is_limited(self, name: str | None) -> bool:
-        return name in self.limited
+        return name in self.restricting
 
     def partition(self, keys: list[str], names: list[str]) -> Partition:
         """Which of ``keys`` are claimed after their slots (their names are limited, as far as
         this worker knows) and which plainly, for the names under no limit (so a plain claim
         never takes a limited task, even one whose name this worker no longer knows)."""
-        if not self.limited:
+        restricting = self.restricting
+        if not restricting:
             return Partition(keys, [], names)
-        limited = [k for k in keys if (m := self.sink.known(k)) and m.name in self.limited]
+        limited = [k for k in keys if (m := self.sink.known(k)) and m.name in restricting]
         held = set(limited)
         plain = [k for k in keys if k not in held]
-        return Partition(plain, limited, [n for n in names if n not in self.limited])
+        return Partition(plain, limited, [n for n in names if n not in restricting])
 
     async def refresh(self) -> None:
         """Read every name's limit; apply those that changed (a lost event, a first read)."""
@@ -178,14 +197,38 @@ class LimitGate(PeriodicService):
         that wait for the name's slots are tried again (as many as each allows now), and
         ``applied`` is told."""
         old = self.limited.pop(name, None)
+        self.restricting.discard(name)
         if doc is not None:
             self.limited[name] = doc
+            if limits.restricts(doc) and not limits.is_resource(name):
+                self.restricting.add(name)
+        if limits.is_resource(name) or self.uses.get(name):
+            self._restrict_users()
+        if self.weights is not None:
+            self.weights.set(name, limits.weights(doc) if doc is not None else {})
         if limits.same_limit(old, doc):
             return
         prefix = name + limits.GROUP_SEPARATOR
         for slot in [s for s in self.blocked if s == name or s.startswith(prefix)]:
             self._wake(slot)
         self.applied(name)
+
+    def _restrict_users(self) -> None:
+        """The names whose handler uses a shared resource that has a limit are claimed after
+        their slots (a resource's change, or a name's, decides it again)."""
+        for name, resources in self.uses.items():
+            doc = self.limited.get(name)
+            if any(limits.restricts(self.limited.get(r) or {}) for r in resources) or (
+                doc is not None and limits.restricts(doc)
+            ):
+                self.restricting.add(name)
+            else:
+                self.restricting.discard(name)
+
+    def apply(self, name: str, doc: dict[str, Any]) -> None:
+        """``doc`` is ``name``'s limit document as this worker just wrote it (a back-off's
+        hold): used at once, before its event comes."""
+        self._apply(name, doc)
 
     def limit_set(self, name: str) -> None:
         """``name``'s limit was set, changed or cleared (its change event): read it now."""
@@ -250,7 +293,7 @@ class LimitGate(PeriodicService):
         the next change: a group's backlog is not woken whole for every slot it frees), or all
         of them if it limits only a rate. A name's document of a name not known as limited is
         read (a limit whose event did not say so)."""
-        if slot not in self.limited and not slots.is_group_slot(slot):
+        if slot not in self.limited and not limits.is_group_slot(slot):
             self.limit_set(slot)
         self._wake(slot)
 
@@ -280,11 +323,14 @@ class LimitGate(PeriodicService):
 
     def _room(self, slot: str) -> int | None:
         """How many runs ``slot`` allows at once (``None``: no such bound known)."""
+        if limits.is_resource(slot):
+            found = self.limited.get(slot)
+            return None if found is None else limits.own_limit(found).concurrency
         name, _, group = slot.partition(limits.GROUP_SEPARATOR)
         doc = self.limited.get(name)
         if doc is None:
             return None
-        return (limits.group_limit(doc) if group else limits.own_limit(doc)).concurrency
+        return (limits.group_limit_for(doc, group) if group else limits.own_limit(doc)).concurrency
 
     def release_later(self, slot: str, run_ids: Iterable[str]) -> None:
         self.releases.setdefault(slot, []).extend(run_ids)
@@ -295,7 +341,7 @@ class LimitGate(PeriodicService):
         doc = self.limited.get(name)
         if not group or doc is None or limits.is_claim_lock(slot):
             return False
-        return limits.is_lock(limits.group_limit(doc))
+        return limits.is_lock(limits.group_limit_for(doc, group))
 
     def keep_for_handover(self, releases: dict[str, list[str]]) -> dict[str, list[str]]:
         """Of the ended runs' slots to give back, keep a lock's for the keys of this worker

@@ -81,10 +81,10 @@ def counted(
     out: list[tuple[str, limits.Limit | None]] = []
     if limits.own_limit(doc).concurrency is not None:
         out.append((name, None))
-    each = limits.group_limit(doc)
+    each = limits.group_limit_for(doc, group)
     if group is None or each.concurrency is None:
         return out
-    if limits.is_sequence(each) and limits.claim_lock(name, group) in held:
+    if limits.is_sequence(limits.group_limit(doc)) and limits.claim_lock(name, group) in held:
         return out
     out.append((limits.group_slot(name, group), each))
     return out
@@ -125,12 +125,15 @@ def _turn(
     return None
 
 
-def _group_slots(name: str, group: str | None, each: limits.Limit) -> tuple[str | None, str | None]:
-    """The group's slot (if its name limits groups), and its lock instead (a sequence with no
-    rate: taken by the claim, ``store.claim_locked``)."""
+def _group_slots(
+    name: str, group: str | None, each: limits.Limit, base: limits.Limit
+) -> tuple[str | None, str | None]:
+    """The group's slot (if its name limits groups, or it has an override that limits it:
+    ``each``), and its lock instead (a sequence with no rate: taken by the claim,
+    ``store.claim_locked``; whether the groups are sequences is the name's ``base``)."""
     if group is None or not each.set:
         return None, None
-    lock = limits.claim_lock(name, group) if limits.is_sequence(each) else None
+    lock = limits.claim_lock(name, group) if limits.is_sequence(base) else None
     return limits.group_slot(name, group), lock
 
 
@@ -159,7 +162,7 @@ def _full(
         (
             r.slot
             for r in requests
-            if (cap := caps[r.slot]) is not None and asked.get(r.slot, 0) >= cap
+            if (cap := caps[r.slot]) is not None and asked.get(r.slot, 0) + r.units > cap
         ),
         None,
     )
@@ -185,6 +188,10 @@ class _Planner:
     now: dt.datetime
     run_id: Callable[[str], str]
     default_lease_ms: int
+    uses: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    """The slots of the shared resources each name's runs take (``LimitGate.uses``)."""
+    units: Mapping[str, int] = field(default_factory=dict)
+    """The units of each limit each name's runs take (``LimitGate.units``; 1 if not there)."""
     out: Plan = field(default_factory=Plan)
     asked: dict[str, int] = field(default_factory=dict)
     """Requests per slot in this batch."""
@@ -196,15 +203,18 @@ class _Planner:
         """Plan ``key``: what to claim for it (itself, or its sequence's head), with which
         requests, or what it waits for."""
         meta = self.known.get(key)
-        doc = self.limited.get(meta.name) if meta is not None else None
-        if meta is None or not isinstance(doc, Mapping):
+        found = self.limited.get(meta.name) if meta is not None else None
+        shared = [] if meta is None else self.shared(meta.name)
+        if meta is None or (not isinstance(found, Mapping) and not shared):
             _unlimited(key, meta, self.chosen, self.out)
             return
-        own, each = limits.own_limit(doc), limits.group_limit(doc)
+        doc: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+        own, base = limits.own_limit(doc), limits.group_limit(doc)
         group = group_of(meta)
-        gslot, lock = _group_slots(meta.name, group, each)
+        each = limits.group_limit_for(doc, group)  # an override's, else the name's
+        gslot, lock = _group_slots(meta.name, group, each, base)
         candidate: str | None = key
-        if gslot is not None and group is not None and each.concurrency == 1:
+        if gslot is not None and group is not None and base.concurrency == 1:
             pair = (meta.name, group)
             candidate = _in_turn(
                 key, pair, lock or gslot, self.turns, self.heads, self.now, self.out
@@ -213,12 +223,35 @@ class _Planner:
             return
         lease = (meta.worker_timeout_ms if candidate == key else None) or self.default_lease_ms
         requests = []
-        if own.set:
-            requests.append(Request(meta.name, self.run_id(candidate), candidate, lease))
+        units = self.units.get(meta.name, 1)
+        run_id = self.run_id(candidate)
+        if own.set or limits.has_holds(doc):  # a back-off's hold: the take decides it
+            held = group if limits.GROUP_HOLDS in doc else None
+            requests.append(Request(meta.name, run_id, candidate, lease, group=held, units=units))
         if gslot is not None and lock is None:
-            requests.append(Request(gslot, self.run_id(candidate), candidate, lease, limit=each))
-        caps = {meta.name: own.concurrency, gslot: each.concurrency}
+            requests.append(Request(gslot, run_id, candidate, lease, limit=each, units=units))
+        # a lossy limit is asked for every key: the server's refusal is what drops the excess
+        queued = limits.overflow_of(doc) == "queue"
+        caps = {
+            meta.name: own.concurrency if queued else None,
+            gslot: each.concurrency if queued else None,
+        }
+        for slot, limit in shared:  # a resource's slot: its document holds its limit
+            requests.append(Request(slot, run_id, candidate, lease, units=units))
+            lossy = limits.overflow_of(self.limited.get(slot)) != "queue"
+            caps[slot] = None if lossy else limit.concurrency
         self.choose(key, candidate, requests, caps, lock)
+
+    def shared(self, name: str) -> list[tuple[str, limits.Limit]]:
+        """The slots of the shared resources ``name`` uses that have a limit, with it."""
+        out = []
+        for slot in self.uses.get(name, ()):
+            doc = self.limited.get(slot)
+            if isinstance(doc, Mapping) and (
+                (limit := limits.own_limit(doc)).set or limits.has_holds(doc)
+            ):
+                out.append((slot, limit))
+        return out
 
     def choose(
         self,
@@ -236,7 +269,7 @@ class _Planner:
                 self.out.waits.append(Wait(key, full))
             return
         for r in requests:
-            self.asked[r.slot] = self.asked.get(r.slot, 0) + 1
+            self.asked[r.slot] = self.asked.get(r.slot, 0) + r.units
         self.chosen.add(candidate)
         self.out.claims.append((candidate, requests))
         if lock is not None:
@@ -251,9 +284,15 @@ def plan(
     now: dt.datetime,
     run_id: Callable[[str], str],
     default_lease_ms: int,
+    uses: Mapping[str, Sequence[str]] | None = None,
+    units: Mapping[str, int] | None = None,
 ) -> Plan:
-    """What to ask for ``keys`` (popped in the claim queue's order, best first)."""
-    planner = _Planner(known, limited, heads, now, run_id, default_lease_ms)
+    """What to ask for ``keys`` (popped in the claim queue's order, best first); ``uses``: the
+    slots of the shared resources each name's runs take (a resource's document in ``limited``
+    under its slot's id)."""
+    planner = _Planner(
+        known, limited, heads, now, run_id, default_lease_ms, uses or {}, units or {}
+    )
     for key in keys:
         planner.key(key)
     return planner.out

@@ -22,11 +22,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtask import limits, slots, store
+from mtask import limits, metrics, slots, store
+from mtask.backoff import held_until
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.models import WORKER_TIMEOUT_MS, in_range
+from mtask.store import overflow
 from mtask.worker.claiming import limited
 from mtask.worker.claiming.calls import RETRY_SOON, ClaimCalls
 from mtask.worker.claiming.gate import DEFAULT_SLOT_LEASE_MS, LimitGate
@@ -63,6 +65,9 @@ class _Batch:
     missed: list[str] = field(default_factory=list)
     held: dict[str, Held] = field(default_factory=dict)
     """What each granted key's run holds: its slots, and those only a token of."""
+    shed: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    """Keys a lossy limit refused, by what becomes of them and the slot that refused them
+    (``store.overflow``)."""
 
     def run_id(self, key: str) -> str:
         return store.run_id_for(self.id, key)
@@ -181,6 +186,8 @@ class LimitedClaims:
             now,
             lambda key: store.run_id_for(batch_id, key),
             DEFAULT_SLOT_LEASE_MS,
+            self.gate.uses,
+            self.gate.units,
         )
         hints = {
             first: t
@@ -212,10 +219,37 @@ class LimitedClaims:
             self.gate.block(wait.slot, wait.key, wait.until, batch.now)
         for key in batch.requeue:
             self.sink.requeue_at(key, batch.now + RETRY_SOON)
+        for (how, slot), keys in batch.shed.items():
+            await self._shed(keys, how, slot, batch.now)
         if batch.plan.gone or batch.missed:
             await self.sink.requeue([*batch.plan.gone, *batch.missed], later_than=batch.now)
         if batch.plan.unknown:  # forgotten on the way (a switch to the relay's hand-outs)
             await self.sink.requeue(batch.plan.unknown)
+
+    async def _shed(self, keys: list[str], how: str, slot: str, now: dt.datetime) -> None:
+        """Drop or fail ``keys``, which the lossy limit of ``slot`` refused (a key claimed or
+        moved meanwhile is left alone); read again, so the finished ones are forgotten."""
+        if limits.is_resource(slot):
+            what = f"resource `{limits.resource_of(slot)}`"
+        elif limits.is_group_slot(slot):
+            name, _, group = slot.partition(limits.GROUP_SEPARATOR)
+            what = f"group `{group}` of `{name}`"
+        else:
+            what = f"`{slot}`"
+        verb = "dropped" if how == "drop" else "failed"
+        why = f"{verb}: the limit of {what} was full (overflow={how})"
+        try:
+            shed = await self.driver.run(overflow.shed(keys, how, why, now))
+        except StorageError as exc:
+            log.warning("cannot shed %d task(s) a full limit refused: %s", len(keys), exc)
+            for key in keys:
+                self.sink.requeue_at(key, now + RETRY_SOON)
+            return
+        log.info("%s %d task(s): the limit of %s was full", verb, shed, what)
+        owner = slot.partition(limits.GROUP_SEPARATOR)[0]  # a group's limit is its name's
+        limit = f"resource:{limits.resource_of(slot)}" if limits.is_resource(slot) else owner
+        metrics.LIMIT_SHED.labels(limit=limit, how=how).inc(shed)
+        await self.sink.requeue(keys, later_than=now)
 
     def _granted(self, claims: Claims, taken: list[slots.Taken], batch: _Batch) -> list[str]:
         """The keys whose slots were all granted (what each holds noted in ``batch.held``);
@@ -245,7 +279,21 @@ class LimitedClaims:
             if t.taken and t.limited:
                 self.runs.give_back(request.slot, request.run_id)
         request, refusal = next((r, t) for r, t in got if not t.taken)
+        how = self._overflow(request, batch.now)
+        if how != "queue":  # a lossy limit: the excess does not wait
+            batch.shed.setdefault((how, request.slot), []).append(key)
+            return
         batch.waits.append(limited.Wait(key, request.slot, refusal.retry_at))
+
+    def _overflow(self, request: slots.Request, now: dt.datetime) -> str:
+        """What the limit of ``request``'s slot does with a task it refused: a lossy limit's
+        ``drop`` or ``fail``, unless a back-off's hold refused it (that is no excess)."""
+        slot = request.slot
+        owner = slot if limits.is_resource(slot) else slot.partition(limits.GROUP_SEPARATOR)[0]
+        doc = self.gate.limited.get(owner)
+        if doc is None or held_until(doc, request.group, now) is not None:
+            return "queue"
+        return limits.overflow_of(doc)
 
     async def _claim_granted(
         self, keys: list[str], names: list[str], batch: _Batch

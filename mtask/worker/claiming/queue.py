@@ -12,7 +12,8 @@ stage (``Ready``), which chooses which due task goes first:
    without a group is in one group together) that has been served least since it had due
    work, so a group with a backlog takes turns with a group that has a few tasks instead
    of going first with all of them (round robin); a group that comes back starts level
-   with the group served last, not with the credit of its idle time;
+   with the group served last, not with the credit of its idle time; a group given a
+   weight (``GroupWeights``) takes that many turns for one of a group of weight 1;
 4. the earlier place in line, so a task whose lease ran out (its worker killed, its run
    timed out) goes ahead of tasks published after it.
 
@@ -28,7 +29,7 @@ import datetime as dt
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import NamedTuple
 
 Group = Hashable
@@ -55,6 +56,27 @@ def effective_priority(
     return priority + math.floor((now - place) / aging)
 
 
+class GroupWeights:
+    """The groups' shares of turns (``set_group_limit(…, weight=…)``, ``limits.weights``) as
+    this worker last read them, per name: a group of weight 3 takes three turns for every one
+    of a group of weight 1 while both have due tasks. Every group has weight 1 unless given
+    another (no name given weights: nothing is looked up)."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, dict[str, float]] = {}
+
+    def set(self, name: str, weights: Mapping[str, float]) -> None:
+        if weights:
+            self._by_name[name] = dict(weights)
+        else:
+            self._by_name.pop(name, None)
+
+    def of(self, group: Group) -> float:
+        if not self._by_name or not isinstance(group, tuple) or len(group) != 2:
+            return 1.0
+        return self._by_name.get(group[0], {}).get(group[1], 1.0)
+
+
 # (-effective priority, not specific, place, seq, key)
 _Item = tuple[int, int, dt.datetime, int, str]
 
@@ -65,14 +87,18 @@ class Ready:
     While one group alone has due entries (all work without groups, the common case) the turn
     heap is not kept: a pop is one heap pop, as before groups existed."""
 
-    def __init__(self, live: Callable[[str, int], bool]) -> None:
+    def __init__(
+        self, live: Callable[[str, int], bool], weights: GroupWeights | None = None
+    ) -> None:
         self._live = live
+        self._weights = weights or GroupWeights()
         self._groups: dict[Group, list[_Item]] = {}
-        self._served: dict[Group, int] = {}
+        self._served: dict[Group, float] = {}
+        """Turns each group has had, each counted ``1 / weight`` (``GroupWeights``)."""
         self._tick: dict[Group, int] = {}
-        self._top: list[tuple[int, int, int, dt.datetime, int, Group]] = []
+        self._top: list[tuple[int, int, float, dt.datetime, int, Group]] = []
         self._ticks = itertools.count()
-        self._level = 0
+        self._level = 0.0
         """How many turns the group served last had had: a group that comes back starts
         there."""
 
@@ -96,7 +122,7 @@ class Ready:
         self._tick[group] = tick
         heapq.heappush(self._top, (head[0], head[1], self._served[group], head[2], tick, group))
 
-    def _settled(self) -> tuple[int, Group] | None:
+    def _settled(self) -> tuple[float, Group] | None:
         """The turn heap's top made current (stale items and dead heads cleaned on the way):
         its group and how many turns that group has had, or ``None`` when nothing is ready."""
         while self._top:
@@ -136,7 +162,7 @@ class Ready:
             group, heap = alone
             key = heapq.heappop(heap)[4]
             self._level = served = self._served[group]
-            self._served[group] = served + 1
+            self._served[group] = served + 1 / self._weights.of(group)
             if not heap:
                 self._drop(group)
             return key
@@ -148,7 +174,7 @@ class Ready:
         heap = self._groups[group]
         key = heapq.heappop(heap)[4]
         self._level = served
-        self._served[group] = served + 1
+        self._served[group] = served + 1 / self._weights.of(group)
         if heap:
             self._announce(group)
         else:
@@ -190,20 +216,26 @@ class Ready:
         self._served.clear()
         self._tick.clear()
         self._top.clear()
-        self._level = 0
+        self._level = 0.0
 
 
 class ClaimQueue:
-    def __init__(self, max_size: int = 10_000, aging: dt.timedelta | None = None) -> None:
+    def __init__(
+        self,
+        max_size: int = 10_000,
+        aging: dt.timedelta | None = None,
+        weights: GroupWeights | None = None,
+    ) -> None:
         if max_size < 1:
             raise ValueError("max_size must be at least 1")
         if aging is not None and aging <= dt.timedelta(0):
             raise ValueError("aging must be positive")
         self.max_size = max_size
         self.aging = aging
+        self.weights = weights or GroupWeights()
         self.entries: dict[str, Entry] = {}
         self._timers: list[tuple[dt.datetime, int, str]] = []
-        self._ready = Ready(self._live)
+        self._ready = Ready(self._live, self.weights)
         self._aged_at: dt.datetime | None = None
         self._latest: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
@@ -215,7 +247,7 @@ class ClaimQueue:
 
     def like(self) -> ClaimQueue:
         """An empty queue of the same size and aging (the relay's, for every subscriber)."""
-        return ClaimQueue(self.max_size, self.aging)
+        return ClaimQueue(self.max_size, self.aging, self.weights)
 
     def __len__(self) -> int:
         return len(self.entries)

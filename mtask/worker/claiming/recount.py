@@ -18,7 +18,7 @@ import asyncio
 import logging
 from typing import ClassVar
 
-from mtask import slots
+from mtask import limits, slots
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
@@ -99,10 +99,27 @@ class Recount:
         """Every run in flight of ``names`` takes a place in each slot its name's limit counts
         that it holds none in (one write); the runs that ended meanwhile give it back."""
         requests = [
-            slots.Request(slot, run.run_id, run.key, run.lease_ms, limit)
+            slots.Request(
+                slot,
+                run.run_id,
+                run.key,
+                run.lease_ms,
+                limit,
+                units=self.gate.units.get(run.name, 1),
+            )
             for run in list(self.inflight.runs.values())
             if run.name in names and (doc := self.gate.limited.get(run.name)) is not None
             for slot, limit in counted(run.name, run.group, run.slots, doc)
+        ]
+        requests += [  # and in the shared resources its name uses whose limit changed
+            slots.Request(
+                resource, run.run_id, run.key, run.lease_ms, units=self.gate.units.get(run.name, 1)
+            )
+            for run in list(self.inflight.runs.values())
+            for resource in self.gate.uses.get(run.name, ())
+            if resource in names
+            and (doc := self.gate.limited.get(resource)) is not None
+            and limits.own_limit(doc).concurrency is not None
         ]
         if not requests:
             return

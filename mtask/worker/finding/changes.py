@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from mtask.limits import GROUP_SEPARATOR, LIMIT_FIELDS
+from mtask.limits import LIMIT_FIELDS, is_group_slot
 from mtask.worker.finding.placement import TaskMeta
 from mtask.worker.finding.scan import Scanner
 from mtask.worker.finding.setaside import count, task_key
@@ -54,7 +54,7 @@ def limit_set(change: Mapping[str, Any]) -> str | None:
     limit's fields (``limits.LIMIT_FIELDS``). ``None`` for a slot taken, given back or pinged,
     and for a group's document."""
     key = event_key(change)
-    if not isinstance(key, str) or GROUP_SEPARATOR in key:
+    if not isinstance(key, str) or is_group_slot(key):  # a resource's is as a name's
         return None
     if change.get("operationType") in ("insert", "replace", "delete"):
         return key

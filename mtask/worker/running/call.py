@@ -23,7 +23,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from mtask import metrics
-from mtask.errors import ConfigError, LeaseLost
+from mtask.backoff import BackOff, Holds
+from mtask.errors import ConfigError, InvalidTask, LeaseLost, StorageError
 from mtask.registry import Handler
 from mtask.statemachine import keep_ms
 from mtask.store import Outcome, RunState
@@ -138,9 +139,12 @@ class HandlerCalls:
         slots: contextlib.AbstractAsyncContextManager[Any] | None = None,
         sealing: Sealing | None = None,
         batches: Batches | None = None,
+        holds: Holds | None = None,
     ) -> None:
         self.batches = batches or Batches()
         """Issue 62: the open batches of batch handlers, each called once for its tasks."""
+        self.holds = holds
+        """Where a ``BackOff`` writes its hold (``None``: without MongoDB it cannot)."""
         self.sealing = sealing or Plain()
         """Encrypted tasks' params opened for the handler, their results sealed (issue 64)."""
         self.outcomes = outcomes
@@ -207,11 +211,35 @@ class HandlerCalls:
             return self.outcomes.failure(run, str(exc))
         except CALL_REFUSED as exc:
             return self.outcomes.failure(run, str(exc), permanent=True)
+        except BackOff as exc:  # issue 62: its group, name or resource held, the run released
+            return await self._backed_off(run, exc)
         except BaseException as exc:  # noqa: BLE001 - any handler error is the task's failure:
             # sys.exit() (argparse's error) or a class of its own too; up in its task, asyncio
             # hands a SystemExit or KeyboardInterrupt to the event loop (the worker's end), any
             # other would end the task with no outcome (its task RUNNING until its lease ran out)
             return self.outcomes.raised(run, exc)
+
+    async def _backed_off(self, run: ActiveRun, exc: BackOff) -> Outcome:
+        """A ``BackOff``: the hold written first, then the run RELEASED (no retry spent); a hold
+        that cannot be written is the run's failure (retried as any)."""
+        if self.holds is None:
+            return self.outcomes.failure(run, "BackOff needs MongoDB to hold what it names")
+        try:
+            until = await self.holds.hold(exc, run.name, run.group)
+        except InvalidTask as bad:
+            return self.outcomes.failure(run, f"back-off refused: {bad}", permanent=True)
+        except StorageError as bad:
+            return self.outcomes.failure(run, f"back-off not recorded: {bad}")
+        self.outcomes.stats.released += 1
+        what = f"resource {exc.resource}" if exc.resource else "group" if exc.group else "name"
+        held = "resource" if exc.resource else "tenant" if exc.group else "name"  # no "group"
+        # in the metrics' text: their labels are bounded, and a group's name is a tenant's
+        metrics.BACKOFFS.labels(name=run.name, held=held).inc()
+        self.outcomes.emit(
+            Event.RELEASED, key=run.key, run_id=run.run_id, reason="backoff", held=what,
+            until=until.isoformat(timespec="milliseconds"),
+        )  # fmt: skip
+        return Outcome(run.key, run.run_id, RunState.RELEASED)
 
     def _lease_watch(self, run: ActiveRun) -> LeaseWatch | None:
         """How a process-isolated run's child follows the run's lease (renewals from the

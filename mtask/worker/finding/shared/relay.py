@@ -50,8 +50,7 @@ from typing import Any
 
 from mtask import events
 from mtask.errors import StorageError
-from mtask.limits import group_slot
-from mtask.slots import is_group_slot
+from mtask.limits import group_slot, is_group_slot
 from mtask.worker.finding.changes import event_key, lock_freed
 from mtask.worker.finding.protocols import ClaimsBack
 from mtask.worker.finding.shared import mailbox, wire

@@ -1,0 +1,154 @@
+"""Back-off from inside a handler (issue 62): ``raise mtask.BackOff(group=True, seconds=30)``
+after an HTTP 429 holds the run's group (or its name, or a shared resource) for that long.
+
+The run is released without spending a retry (RELEASED, as a run given back), and no task of
+what it holds back is claimed until the hold ends: a **hold** is a date in a limit document,
+which the slot's take reads on the server's clock, inside the same atomic update that decides
+the limit (``slots._filter``):
+
+- ``name=True``: ``held_until`` in the name's limit document;
+- ``group=True``: an entry ``{group, until}`` of ``group_holds`` in the name's document (the
+  take of the name's slot for a task of that group refuses it);
+- ``resource="openai"``: ``held_until`` in the resource's document (``limits.resource_slot``).
+
+The document is made if there is none (a name with no limit gets one holding only the hold). A
+hold is written with one update, before the run is released, and only ever moves later (a
+second back-off during one ends at the later of the two). Workers hear of it as of a changed
+limit (``HELD_UNTIL`` and ``GROUP_HOLDS`` are limit fields), and take the name's slot for its
+tasks from then on: a worker that has not heard of it yet (within a second) may claim one more.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pymongo import ReturnDocument
+
+from mtask.clock import Clock
+from mtask.driver import AsyncDriver, Call, Doc, Op
+from mtask.errors import InvalidTask
+from mtask.limits import (
+    GROUP_HOLDS,
+    HELD_UNTIL,
+    OVERRIDES_AT,
+    resource_slot,
+    validate_group,
+    validate_resource,
+)
+from mtask.models import validate_name
+
+MAX_BACKOFF_S = 86_400.0
+"""A back-off holds for at most a day."""
+
+
+class BackOff(Exception):
+    """Raise from a handler to hold back what it calls for ``seconds``: its task's ``group``,
+    its ``name``, or the shared ``resource`` named. The run is released without spending a
+    retry; no task of the group, name or resource is claimed until the hold ends (its own task
+    runs again after it)."""
+
+    def __init__(
+        self,
+        seconds: float,
+        *,
+        group: bool = False,
+        name: bool = False,
+        resource: str | None = None,
+        reason: str = "backing off",
+    ) -> None:
+        super().__init__(reason)
+        if sum((bool(group), bool(name), resource is not None)) != 1:
+            raise ValueError("BackOff holds one thing: group=True, name=True or resource=...")
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, int | float)
+            or not math.isfinite(seconds)
+            or not 0 < seconds <= MAX_BACKOFF_S
+        ):
+            raise ValueError(f"BackOff seconds must be above 0 and at most {MAX_BACKOFF_S:g}")
+        self.seconds = float(seconds)
+        self.group = bool(group)
+        self.name = bool(name)
+        self.resource = None if resource is None else validate_resource(resource)
+
+
+def target(exc: BackOff, name: str, group: str | None) -> tuple[str, str | None]:
+    """The document a back-off of a run of ``name`` (in ``group``) holds, and the group it holds
+    in it (``None``: the whole document). ``InvalidTask`` for a group back-off of a task with no
+    group."""
+    if exc.resource is not None:
+        return resource_slot(exc.resource), None
+    if exc.group:
+        if group is None:
+            raise InvalidTask("BackOff(group=True) from a task with no group", field="group")
+        return validate_name(name), validate_group(group)
+    return validate_name(name), None
+
+
+def hold(slot: str, group: str | None, until: dt.datetime, now: dt.datetime) -> Op[Doc]:
+    """Hold ``slot``'s document (one group of it, if ``group``) until ``until``, in one update
+    (made if there is none): the hold only ever moves later; a group's ended holds are dropped
+    on the way."""
+    sets: Doc = {"holders": {"$ifNull": ["$holders", []]}, OVERRIDES_AT: now, "updated_at": now}
+    if group is None:
+        sets[HELD_UNTIL] = {"$max": [{"$ifNull": [f"${HELD_UNTIL}", until]}, until]}
+    else:
+        holds = {"$ifNull": [f"${GROUP_HOLDS}", []]}
+        same = {"$eq": ["$$h.group", {"$literal": group}]}
+        kept = {"$filter": {"input": holds, "as": "h", "cond": {"$gt": ["$$h.until", now]}}}
+        before = {"$filter": {"input": kept, "as": "h", "cond": same}}
+        until_expr = {"$max": [until, {"$max": {"$map": {"input": before, "in": "$$this.until"}}}]}
+        others = {"$filter": {"input": kept, "as": "h", "cond": {"$not": [same]}}}
+        entry = {"group": {"$literal": group}, "until": until_expr}
+        sets[GROUP_HOLDS] = {"$concatArrays": [others, [entry]]}
+    if slot.startswith("\x00"):
+        sets["resource"] = {"$literal": slot[1:]}
+    doc: Doc = yield Call(
+        "find_one_and_update",
+        ({"_id": slot}, [{"$set": sets}]),
+        {"upsert": True, "return_document": ReturnDocument.AFTER},
+        collection="limits",
+    )
+    return doc
+
+
+def held_until(doc: Mapping[str, Any], group: str | None, now: dt.datetime) -> dt.datetime | None:
+    """Until when ``doc`` (a name's or a resource's limit document, any shape) holds back a task
+    (of ``group``) at ``now``, or ``None`` if it does not."""
+    found = [doc.get(HELD_UNTIL)]
+    holds = doc.get(GROUP_HOLDS)
+    if group is not None and isinstance(holds, list):
+        found += [
+            h.get("until") for h in holds if isinstance(h, Mapping) and h.get("group") == group
+        ]
+    later = [at for at in found if isinstance(at, dt.datetime) and at > now]
+    return max(later) if later else None
+
+
+class Holds:
+    """The worker's side of a back-off: the hold written (``hold``) before the run that raised
+    ``BackOff`` is released, and this worker's view of the limits told at once (``applied``:
+    its next claims of what is held take its slot; other workers hear of it by its event)."""
+
+    def __init__(
+        self,
+        driver: AsyncDriver,
+        clock: Clock,
+        applied: Callable[[str, Doc], None] = lambda slot, doc: None,
+    ) -> None:
+        self.driver = driver
+        self.clock = clock
+        self.applied = applied
+
+    async def hold(self, exc: BackOff, name: str, group: str | None) -> dt.datetime:
+        """Hold what ``exc`` names for a run of ``name`` (in ``group``); returns until when.
+        Raises ``InvalidTask`` (a group back-off of a task with no group) or ``StorageError``."""
+        slot, held = target(exc, name, group)
+        now = self.clock.now()
+        until = now + dt.timedelta(seconds=exc.seconds)
+        doc = await self.driver.run(hold(slot, held, until, now))
+        self.applied(slot, doc)
+        return until

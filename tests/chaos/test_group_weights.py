@@ -1,0 +1,76 @@
+"""Per-group weights and overrides (issue 62) held by real worker processes: a 3:1 weight gives
+three claims to one while both groups have a backlog, and each group keeps to its own limit,
+across workers, and a change applies while they run."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from cluster import Cluster, until_finished
+from test_cluster_limits import crowd, peak, spans
+
+from mtask import TaskClient
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
+
+
+def publish(client: TaskClient, prefix: str, group: str, count: int, ms: int) -> set[str]:
+    keys = [f"{prefix}{i}" for i in range(count)]
+    for at in range(0, count, 500):
+        client.publish_many(
+            [
+                {"name": "work", "key": k, "params": {"ms": ms}, "options": {"group": group}}
+                for k in keys[at : at + 500]
+            ]
+        )
+    return set(keys)
+
+
+async def test_a_three_to_one_weight_holds_over_two_thousand_tasks_and_four_workers(
+    cluster: Cluster, client: TaskClient
+) -> None:
+    """1,500 tasks of "pro" (weight 3) and 500 of "free" (weight 1), all due at once: while both
+    have a backlog (the first 1,200 claims), pro takes 3 for every 1 of free, within 10 %."""
+    client.set_group_limit("work", "pro", weight=3)
+    publish(client, "pro-", "pro", 1500, 0)
+    publish(client, "free-", "free", 500, 0)
+    for worker in ("a", "b", "c", "d"):
+        cluster.spawn(worker, "--concurrency", "4")
+    await until_finished(client, 2000, timeout=300)
+    claims = sorted(
+        (run["claimed_at"], doc["_id"])
+        for doc in client.collection.find({}, {"runs.claimed_at": 1})
+        for run in doc["runs"]
+    )
+    assert len(claims) == 2000  # each ran once
+    first = claims[:1200]
+    pro = sum(1 for _, key in first if key.startswith("pro-"))
+    share = pro / (len(first) - pro)
+    assert 2.7 <= share <= 3.3, (pro, len(first) - pro)
+
+
+async def test_each_group_keeps_its_own_limit_across_three_workers_and_a_change_applies(
+    cluster: Cluster, client: TaskClient, mongo: Any, db_name: str
+) -> None:
+    """``group_concurrency=2`` for the name, 5 for "pro": from the handlers' own start and end
+    times (the server's clock), never more than each group's own limit, and pro above the
+    name's. Then pro's override is lowered to 3 while the workers run: the next runs keep to
+    it. (Kills and freezes: the slots are the group limits' own, test_group_faults.py.)"""
+    client.set_limit("work", group_concurrency=2)
+    client.set_group_limit("work", "pro", concurrency=5)
+    for worker in ("a", "b", "c"):
+        cluster.spawn(worker, "--concurrency", "8")
+    pro = publish(client, "pro-", "pro", 60, 80)
+    free = publish(client, "free-", "free", 30, 80)
+    await until_finished(client, 90, timeout=240)
+    assert 2 < peak(spans(mongo, db_name, pro)) <= 5, crowd(mongo, db_name)
+    assert peak(spans(mongo, db_name, free)) <= 2, crowd(mongo, db_name)
+
+    client.set_group_limit("work", "pro", concurrency=3)
+    await asyncio.sleep(1.5)  # "applies within a second" (no run in flight: nothing to await)
+    again = publish(client, "again-", "pro", 45, 80)
+    await until_finished(client, 135, timeout=240)
+    assert peak(spans(mongo, db_name, again)) <= 3, crowd(mongo, db_name)
+    assert client.stats()["work"] == {"succeeded": 135}

@@ -1,0 +1,96 @@
+"""A shared resource (issue 62): one limit of runs at once taken by the runs of three task
+names, held by three real worker processes through a SIGKILL and a SIGSTOP past the leases,
+from the handlers' own start and end times (the execution log, the server's clock)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Any
+
+import pytest
+from cluster import Cluster, until_finished
+from harness import wait_for
+from test_cluster_limits import crowd, peak
+from test_group_faults import effective_spans
+
+from mtask import TaskClient
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
+
+FAST = {"worker_timeout_ms": 2000, "ping_interval_ms": 300, "retry_delay_ms": 50}
+NAMES = ("api_a", "api_b", "api_c")
+
+
+def ends_of_frozen(log: Any, stopped: Any) -> dict[str, str]:
+    """How each run of worker ``b`` running when it was frozen ended (``""``: not yet)."""
+    runs: dict[str, dict[str, Any]] = {}
+    for entry in log.find({"worker_id": "b"}):
+        runs.setdefault(entry["run_id"], {})[entry["event"]] = entry["at"]
+    return {
+        rid: next((e for e in r if e != "start"), "")
+        for rid, r in runs.items()
+        if r["start"] < stopped and all(at > stopped for e, at in r.items() if e != "start")
+    }
+
+
+async def test_a_concurrency_shared_by_three_names_holds_through_a_kill_and_a_freeze(
+    cluster: Cluster, client: TaskClient, mongo: Any, db_name: str
+) -> None:
+    """``set_limit(resource="api", concurrency=3)``, used by three names (one of them also
+    uses a resource with no limit): 3 x 30 tasks on three workers of concurrency 8; one worker
+    is killed with SIGKILL, one frozen past its leases. Never more than three runs of the three
+    names at once (three reached), every task done once, and no slot left held."""
+    client.set_limit(resource="api", concurrency=3)
+    for worker in ("a", "b", "c"):
+        cluster.spawn(worker, "--concurrency", "8")
+    client.publish_many(
+        [
+            {
+                "name": name,
+                "key": f"{name}/{i:02d}",
+                "params": {"ms": 120, "ms_by_worker": {"b": 20_000}},
+                "options": FAST,
+            }
+            for i in range(30)
+            for name in NAMES
+        ]
+    )
+    tasks, log = mongo[db_name]["tasks"], mongo[db_name]["execlog"]
+    await wait_for(lambda: tasks.count_documents({"status": "succeeded"}) >= 10, timeout=120)
+    cluster.signal("a", signal.SIGKILL)
+    cuts = {"a": client.now()}
+    cluster.spawn("d", "--concurrency", "8")
+
+    def b_running() -> bool:
+        started = {e["run_id"] for e in log.find({"worker_id": "b", "event": "start"})}
+        ended = {e["run_id"] for e in log.find({"worker_id": "b", "event": {"$ne": "start"}})}
+        return bool(started - ended)
+
+    await wait_for(b_running, timeout=120)
+    stopped = client.now()
+    cluster.signal("b", signal.SIGSTOP)
+    await asyncio.sleep(FAST["worker_timeout_ms"] / 1000 + 1.5)  # the fault: past its leases
+    resumed = client.now()
+    cluster.signal("b", signal.SIGCONT)
+    await wait_for(lambda: all(ends_of_frozen(log, stopped).values()), timeout=60)
+    cluster.signal("b", signal.SIGKILL)
+    cuts["b"] = client.now()
+    await until_finished(client, 90, timeout=300)
+    assert client.stats() == {name: {"succeeded": 30} for name in NAMES}
+    frozen = ends_of_frozen(log, stopped)
+    assert frozen and set(frozen.values()) == {"cancelled"}, frozen  # none went on working
+    # a run frozen mid-run ran nothing from the freeze on: its handler's first step after it was
+    # its cancellation (its log entry is written a moment later, while the runs that took its
+    # place run); the other runs from their start to their end, or to their worker's kill
+    spans = effective_spans(mongo, db_name, cuts, ("b", stopped, resumed))
+    every = [
+        (start, end)
+        for name in NAMES
+        for start, end in spans[name]
+        if not (start == resumed and end > resumed)  # the frozen runs' stretch after it
+    ]
+    assert peak(every) == 3, ("three at once at most, and three reached", crowd(mongo, db_name))
+    now = client.now()
+    (resource,) = list(mongo[db_name]["limits"].find({"resource": "api"}))
+    assert all(h["expires"] <= now for h in resource["holders"]), resource  # none held

@@ -1,0 +1,118 @@
+"""``BackOff`` (issue 62) on the real replica set: a hold refuses the slot's take on the server
+(its name, one group of it, or a resource) until it ends; a worker's handler that raises it is
+released without spending a retry and its task held; shown by ``mtask limits``, the dashboard
+and the task's "why"."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from fastapi.testclient import TestClient
+from harness import run_cli, running_worker, wait_for
+from prometheus_client import REGISTRY
+from pymongo import MongoClient
+
+from mtask import BackOff, TaskClient, limits, slots
+from mtask.backoff import hold
+from mtask.driver import SyncDriver
+from mtask.registry import Registry, TaskContext
+from mtask.states import State
+from mtask.web import create_app
+
+TOKEN = "test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+T0 = dt.datetime(2099, 1, 1, 9, tzinfo=dt.UTC)
+
+registry = Registry()
+
+
+@registry.task("polite")
+async def polite(params: dict[str, Any], ctx: TaskContext) -> int:
+    if params.get("back_off") and ctx.attempt == 1:
+        raise BackOff(
+            params["back_off"],
+            name=params.get("whole", False),
+            group=not params.get("whole", False),
+        )
+    return ctx.attempt
+
+
+def take(driver: SyncDriver, slot: str, group: str | None, at: dt.datetime, run: str) -> bool:
+    request = slots.Request(slot, run, f"k-{run}", 60_000, group=group)
+    (taken,) = driver.run(slots.take([request], "w", at))
+    return taken.taken
+
+
+def test_a_hold_refuses_the_take_on_the_server_until_it_ends(
+    mongo: MongoClient[Any], db_name: str
+) -> None:
+    driver = SyncDriver(mongo[db_name])
+    driver.run(hold("n", "acme", T0 + dt.timedelta(seconds=30), T0))  # one group of n
+    assert not take(driver, "n", "acme", T0 + dt.timedelta(seconds=29), "r1")
+    assert take(driver, "n", "beta", T0 + dt.timedelta(seconds=1), "r2")  # another group
+    assert take(driver, "n", "acme", T0 + dt.timedelta(seconds=30), "r3")  # it ended
+    # a second back-off during one ends at the later of the two; ended holds are dropped
+    driver.run(hold("n", "acme", T0 + dt.timedelta(seconds=40), T0 + dt.timedelta(seconds=31)))
+    driver.run(hold("n", "acme", T0 + dt.timedelta(seconds=35), T0 + dt.timedelta(seconds=32)))
+    driver.run(hold("n", "beta", T0 + dt.timedelta(seconds=50), T0 + dt.timedelta(seconds=33)))
+    doc = mongo[db_name].limits.find_one({"_id": "n"})
+    assert {h["group"]: h["until"] for h in doc["group_holds"]} == {
+        "acme": T0 + dt.timedelta(seconds=40),
+        "beta": T0 + dt.timedelta(seconds=50),
+    }
+    driver.run(hold("n", None, T0 + dt.timedelta(seconds=60), T0 + dt.timedelta(seconds=34)))
+    assert not take(driver, "n", None, T0 + dt.timedelta(seconds=59), "r4")  # the whole name
+    api = limits.resource_slot("api")
+    driver.run(hold(api, None, T0 + dt.timedelta(seconds=10), T0))
+    assert mongo[db_name].limits.find_one({"_id": api})["resource"] == "api"
+    assert not take(driver, api, None, T0 + dt.timedelta(seconds=9), "r5")
+    assert take(driver, api, None, T0 + dt.timedelta(seconds=10), "r6")
+    # a group's name is data, never an expression
+    driver.run(hold("m", "$acme", T0 + dt.timedelta(seconds=30), T0))
+    assert not take(driver, "m", "$acme", T0 + dt.timedelta(seconds=1), "r7")
+    assert take(driver, "m", "acme", T0 + dt.timedelta(seconds=1), "r8")
+
+
+async def test_a_handler_backs_off_its_group_without_spending_a_retry(
+    mongo_uri: str, mongo: MongoClient[Any], db_name: str, client: TaskClient
+) -> None:
+    """An unlimited name: the handler's BackOff(group=True, 1.5 s) holds its group; its task is
+    RELEASED (no failure counted) and runs again once the hold ended; a task of another group
+    runs meanwhile; ``mtask limits``, the dashboard and the task's "why" say so. A group
+    back-off from a task with no group fails it (it holds nothing)."""
+    async with running_worker(registry, mongo_uri, db_name, concurrency=2) as _:
+        client.publish("polite", "acme-1", {"back_off": 1.5}, options={"group": "acme"})
+        await wait_for(
+            lambda: (
+                client.get("acme-1").runs[:1]
+                and client.get("acme-1").runs[0].state.value == "RELEASED"
+            ),
+            20,
+        )
+        client.publish("polite", "acme-2", options={"group": "acme"})
+        client.publish("polite", "beta-1", options={"group": "beta"})
+        await wait_for(lambda: client.get("beta-1").status.value == "succeeded", 20)
+        explained = client.explain(client.get("acme-2"))
+        assert explained.state is State.BLOCKED and explained.why == "backoff", explained
+        assert "group `acme` of `polite` backs off" in explained.reason
+        where = ("--uri", mongo_uri, "--database", db_name)
+        code, out, _ = run_cli("limits", *where, width=200)
+        assert code == 0 and "backing off: group acme" in out, out
+        with TestClient(create_app(mongo_uri, database=db_name, token=TOKEN)) as http:
+            assert "groups backing off" in http.get("/ui/limits", headers=AUTH).text
+        await wait_for(lambda: client.get("acme-2").status.value == "succeeded", 20)
+        await wait_for(lambda: client.get("acme-1").status.value == "succeeded", 20)
+        task = client.get("acme-1")
+        assert [r.state.value for r in task.runs] == ["RELEASED", "SUCCESS"]
+        labels = {"name": "polite", "held": "tenant"}
+        assert (REGISTRY.get_sample_value("mtask_backoffs_total", labels) or 0) >= 1
+        assert task.failures == 0 and task.result == 2
+        hold_doc = mongo[db_name].limits.find_one({"_id": "polite"})
+        (until,) = [h["until"] for h in hold_doc["group_holds"]]
+        later = [r.claimed_at for t in ("acme-1", "acme-2") for r in client.get(t).runs[-1:]]
+        assert all(at >= until for at in later)  # the take compared its own time with it
+
+        client.publish("polite", "lonely", {"back_off": 1.0})
+        await wait_for(lambda: client.get("lonely").status.value == "failed", 20)
+        assert "back-off refused" in (client.get("lonely").error or "")

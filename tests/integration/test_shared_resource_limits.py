@@ -1,0 +1,170 @@
+"""Shared resources (issue 62) on the real replica set: a resource's limit set and cleared from
+Python, the CLI and HTTP (bad input refused, nothing written), declared by handlers
+(``uses=``), shown by ``mtask limits`` and the dashboard, and held by in-process workers for
+two names at once, a change heard while they run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from harness import run_cli, running_worker, wait_for
+from pymongo import MongoClient
+
+from mtask import TaskClient, limits
+from mtask.errors import InvalidTask
+from mtask.registry import Registry
+from mtask.web import create_app
+
+TOKEN = "test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+registry = Registry()
+
+
+@registry.task("summarize", uses=["openai"])
+async def summarize(params: dict[str, float]) -> list[float]:
+    start = time.monotonic()
+    await asyncio.sleep(params["seconds"])
+    return [start, time.monotonic()]
+
+
+@registry.task("embed", uses=["openai"])
+async def embed(params: dict[str, float]) -> list[float]:
+    start = time.monotonic()
+    await asyncio.sleep(params["seconds"])
+    return [start, time.monotonic()]
+
+
+@registry.task("plain")
+async def plain(params: dict[str, float]) -> list[float]:
+    start = time.monotonic()
+    await asyncio.sleep(params["seconds"])
+    return [start, time.monotonic()]
+
+
+def test_a_resources_limit_is_set_and_cleared_and_bad_input_writes_nothing(
+    client: TaskClient, mongo: MongoClient[Any], db_name: str
+) -> None:
+    doc = client.set_limit(resource="$openai", concurrency=3, rate=10.0)
+    assert doc["_id"] == limits.resource_slot("$openai") and doc["resource"] == "$openai"
+    assert (doc["concurrency"], doc["rate"], doc["group_concurrency"]) == (3, 10.0, None)
+    assert client.set_limit(resource="$openai", concurrency=2)["concurrency"] == 2
+    assert client.clear_limit(resource="$openai") is True
+    assert client.clear_limit(resource="$openai") is False
+    for bad in (
+        {"resource": "", "concurrency": 1},
+        {"resource": "a\x00b", "concurrency": 1},
+        {"resource": "r"},
+        {"resource": "r", "concurrency": 0},
+        {"resource": "r", "group_concurrency": 2},
+        {"resource": "r", "name": "n", "concurrency": 1},
+    ):
+        with pytest.raises(InvalidTask):
+            client.set_limit(**bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTask):
+        client.set_limit(concurrency=1)  # neither a name nor a resource
+    assert mongo[db_name].limits.count_documents({}) == 0
+    for uses in ("openai", [""], ["a\x00b"]):
+        with pytest.raises(InvalidTask):
+            Registry().task("x", uses=uses)(plain)  # type: ignore[arg-type]
+    assert registry.uses == {"summarize": ("openai",), "embed": ("openai",)}
+
+
+def test_the_cli_and_http_set_show_and_clear_a_resources_limit(
+    client: TaskClient, mongo_uri: str, db_name: str
+) -> None:
+    where = ("--uri", mongo_uri, "--database", db_name)
+    code, out, _ = run_cli("limit", "--resource", "openai", "--concurrency", "3", *where, width=200)
+    assert code == 0 and "resource openai: at most 3 at once" in out
+    for bad in (
+        ("--resource", "openai", "--group-concurrency", "2"),
+        ("--resource", "openai", "--group", "g", "--concurrency", "2"),
+        ("summarize", "--resource", "openai", "--concurrency", "2"),
+        ("--concurrency", "2"),
+        ("--resource", "", "--concurrency", "2"),
+        ("--resource", "openai", "--clear", "--concurrency", "2"),
+    ):
+        code, _, err = run_cli("limit", *bad, *where)
+        assert code == 2, (bad, err)
+    code, out, _ = run_cli("limits", *where, width=200)
+    assert code == 0 and "resource openai" in out and "0 of 3" in out
+    with TestClient(create_app(mongo_uri, database=db_name, token=TOKEN)) as http:
+        put = http.put("/resources/stripe", json={"rate": 25, "burst": 5}, headers=AUTH)
+        assert put.status_code == 200, put.text
+        assert put.json()["resource"] == "stripe" and put.json()["rate"] == 25
+        for body in ({"concurrency": 0}, {"group_concurrency": 2}, {}):
+            answer = http.put("/resources/stripe", json=body, headers=AUTH)
+            assert answer.status_code == 422, (body, answer.text)
+        assert http.put("/resources/x", json={"concurrency": 2}).status_code == 401
+        page = http.get("/ui/limits", headers=AUTH).text
+        assert 'data-resource="openai"' in page and 'data-resource="stripe"' in page
+        used = http.get("/limits", params={"use": "true"}, headers=AUTH).json()
+        assert {u["use"]["name"] for u in used if u["use"]["resource"]} == {"openai", "stripe"}
+        assert http.delete("/resources/stripe", headers=AUTH).status_code == 204
+    code, _, _ = run_cli("limit", "--resource", "openai", "--clear", *where)
+    assert code == 0 and client.limits() == []
+
+
+def peak(runs: list[list[float]]) -> int:
+    points = sorted([(s, 1) for s, _ in runs] + [(e, -1) for _, e in runs])
+    running = most = 0
+    for _, step in points:
+        running += step
+        most = max(most, running)
+    return most
+
+
+async def test_workers_share_a_resource_between_two_names_and_hear_a_change(
+    mongo_uri: str, mongo: MongoClient[Any], db_name: str, client: TaskClient
+) -> None:
+    """Two names share ``openai`` (2 at once), a third name is unlimited: from the handlers'
+    own times (one process, one monotonic clock) never more than 2 of the two names at once;
+    raised to 4 while the workers run, the next runs use it."""
+    db = mongo[db_name]
+    client.set_limit(resource="openai", concurrency=2)
+
+    def publish(prefix: str, count: int) -> None:
+        client.publish_many(
+            [
+                {"name": name, "key": f"{prefix}{name}/{i}", "params": {"seconds": 0.1}}
+                for i in range(count)
+                for name in ("summarize", "embed", "plain")
+            ]
+        )
+
+    def results(prefix: str, names: tuple[str, ...]) -> list[list[float]]:
+        found = db.tasks.find({"_id": {"$regex": f"^{prefix}"}, "name": {"$in": list(names)}})
+        return [d["result"] for d in found]
+
+    publish("one-", 10)
+    async with contextlib.AsyncExitStack() as stack:
+        workers = [
+            (
+                await stack.enter_async_context(
+                    running_worker(registry, mongo_uri, db_name, concurrency=8)
+                )
+            )[0]
+            for _ in range(2)
+        ]
+        await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 30, 60)
+        assert peak(results("one-", ("summarize", "embed"))) == 2
+        assert peak(results("one-", ("plain",))) > 2  # a name that uses none: unlimited
+        client.set_limit(resource="openai", concurrency=4)
+        slot = limits.resource_slot("openai")
+
+        def heard() -> bool:
+            return all(
+                limits.own_limit(w.parts.gate.limited.get(slot, {})).concurrency == 4
+                for w in workers
+            )
+
+        await wait_for(heard, 10)
+        publish("two-", 10)
+        await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 60, 60)
+    assert 2 < peak(results("two-", ("summarize", "embed"))) <= 4
+    assert db.limits.find_one({"_id": slot})["holders"] == []
