@@ -21,7 +21,7 @@ from harness import T0, drained, until_recorded
 from hypothesis import settings
 from needs import missing
 from pymongo import MongoClient
-from tiers import tier_lines, tier_times
+from tiers import group_of, tier_lines, tier_times
 
 from mtask import AsyncTaskClient, TaskClient
 from mtask.clock import FixedClock
@@ -34,6 +34,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="run the chaos suite (tests/chaos) at its long size instead of the moderate one",
     )
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """How the suite is spread over its processes (``-n``): by ``tests/tiers.group_of``, a
+    file's tests in one process, the chaos tier's one after another in one. xdist's own
+    ``loadscope`` scheduler, given that scope (its documented hook)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return ByGroup(config, log)
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

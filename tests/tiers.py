@@ -47,3 +47,15 @@ def tier_times(phases: Iterable[tuple[str, float]]) -> dict[str, Tier]:
 
 def tier_lines(tiers: dict[str, Tier]) -> list[str]:
     return [f"tier {name}: {t.tests} tests, {t.seconds:.1f} s" for name, t in tiers.items()]
+
+
+SERIAL = ("chaos",)
+"""Tiers whose tests run one at a time, in one test process: each loads the machine on its own
+(replica sets, killed and frozen workers) and measures how the system holds under it."""
+
+
+def group_of(nodeid: str) -> str:
+    """The ``xdist_group`` of a test (``--dist loadgroup``): a serial tier's name, else its
+    file, so that a file's tests share one process and its module fixtures."""
+    tier = tier_of(nodeid)
+    return tier if tier in SERIAL else nodeid.split("::", 1)[0]

@@ -66,3 +66,12 @@ def test_the_tiers_add_up_to_the_whole_run(rows: list[tuple[str, int, float]]) -
     tiers = tier_times(phases)
     assert sum(t.tests for t in tiers.values()) == len({nodeid for nodeid, _ in phases})
     assert sum(t.seconds for t in tiers.values()) == pytest.approx(sum(s for _, s in phases))
+
+
+def test_a_file_is_a_group_and_the_chaos_tier_is_one() -> None:
+    from tiers import group_of
+
+    assert group_of("tests/integration/test_x.py::test_a[1]") == "tests/integration/test_x.py"
+    assert group_of("tests/integration/test_x.py::test_b") == "tests/integration/test_x.py"
+    assert group_of("tests/chaos/test_kills.py::test_a") == "chaos"
+    assert group_of("tests/chaos/test_outage.py::test_b[x]") == "chaos"
