@@ -505,11 +505,11 @@ def _token_wait(doc: Doc, now: dt.datetime) -> float | None:
 
 
 def _slot_wait(doc: Doc, now: dt.datetime) -> float | None:
-    """Seconds until a slot of the name frees at the latest (its holders' leases ending;
-    ``None``: one is free, or no bound)."""
+    """Seconds until a slot of the name frees, if none is free now (by its holders' leases
+    ending; ``None``: one is free, or the name has no bound on its runs at once)."""
     concurrency = runs_at_once(doc.get("concurrency"))
     holders = [h for h in doc.get("holders") or () if isinstance(h, dict)]
-    live = sorted(
+    live: list[dt.datetime] = sorted(
         h["expires"]
         for h in holders
         if isinstance(h.get("expires"), dt.datetime) and h["expires"] > now
