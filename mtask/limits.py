@@ -476,34 +476,49 @@ def retry_at(doc: Doc, now: dt.datetime, group: str | None = None) -> dt.datetim
     """When a run of a blocked name (of ``group``) may get a slot and a token at the earliest
     (a slot may free sooner, when a run ends: the worker hears of that from the change
     stream), and the back-off holding it back has ended."""
-    waits = [0.0]
+    waits = [0.0, *_hold_waits(doc, now, group)]
+    waits += [w for w in (_token_wait(doc, now), _slot_wait(doc, now)) if w is not None]
+    return now + dt.timedelta(seconds=max(waits) + 0.001)
+
+
+def _hold_waits(doc: Doc, now: dt.datetime, group: str | None) -> list[float]:
+    """Seconds until each back-off's hold on the name (and on ``group``) ends."""
     holds = [doc.get(HELD_UNTIL)]
     if group is not None and isinstance(found := doc.get(GROUP_HOLDS), list):
         holds += [h.get("until") for h in found if isinstance(h, dict) and h.get("group") == group]
-    waits += [(at - now).total_seconds() for at in holds if isinstance(at, dt.datetime)]
+    return [(at - now).total_seconds() for at in holds if isinstance(at, dt.datetime)]
+
+
+def _token_wait(doc: Doc, now: dt.datetime) -> float | None:
+    """Seconds until the name's next token (``None``: no rate, or no bucket yet)."""
     rate, burst = doc.get("rate"), doc.get("burst")
-    if isinstance(rate, int | float) and rate > 0:
-        refilled = doc.get("refilled_at")
-        tokens = doc.get("tokens")
-        if isinstance(refilled, dt.datetime) and isinstance(tokens, int | float):
-            # tokens come at the bucket's clock, which may be ahead of ``now`` (another
-            # worker's estimate of the server's clock): from whichever is later
-            start = bucket_clock(refilled, now)
-            have = refill(float(tokens), refilled, start, float(rate), float(burst or 1))
-            ahead = (start - now).total_seconds()
-            waits.append(ahead + wait_for_token(have, float(rate)))
+    refilled, tokens = doc.get("refilled_at"), doc.get("tokens")
+    if not (isinstance(rate, int | float) and rate > 0):
+        return None
+    if not (isinstance(refilled, dt.datetime) and isinstance(tokens, int | float)):
+        return None
+    # tokens come at the bucket's clock, which may be ahead of ``now`` (another worker's
+    # estimate of the server's clock): from whichever is later
+    start = bucket_clock(refilled, now)
+    have = refill(float(tokens), refilled, start, float(rate), float(burst or 1))
+    return (start - now).total_seconds() + wait_for_token(have, float(rate))
+
+
+def _slot_wait(doc: Doc, now: dt.datetime) -> float | None:
+    """Seconds until a slot of the name frees, if none is free now (by its holders' leases
+    ending; ``None``: one is free, or the name has no bound on its runs at once)."""
     concurrency = runs_at_once(doc.get("concurrency"))
     holders = [h for h in doc.get("holders") or () if isinstance(h, dict)]
-    live = sorted(
+    live: list[dt.datetime] = sorted(
         h["expires"]
         for h in holders
         if isinstance(h.get("expires"), dt.datetime) and h["expires"] > now
     )
     if concurrency == 0:  # no slot frees: only a change of the limit (its event) lets one in
-        waits.append(NO_ROOM_WAIT.total_seconds())
-    elif concurrency is not None and len(live) >= concurrency:
-        waits.append((live[len(live) - concurrency] - now).total_seconds())
-    return now + dt.timedelta(seconds=max(waits) + 0.001)
+        return NO_ROOM_WAIT.total_seconds()
+    if concurrency is not None and len(live) >= concurrency:
+        return (live[len(live) - concurrency] - now).total_seconds()
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

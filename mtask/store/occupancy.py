@@ -227,7 +227,27 @@ def _held_groups(doc: Mapping[str, Any], now: dt.datetime) -> dict[str, dt.datet
 def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse]]:
     """Each limited name's use (of ``names`` only, if given), in name order."""
     found = yield from limits.all_limits()
-    resources = [
+    resources = _resource_uses(found, now) if names is None else []
+    docs = _name_docs(found, names)
+    if not docs:
+        return resources
+    paused = yield from control.paused_names()
+    workers = yield from control.live_workers(now, LIVE, {"names": 1})
+    handled = {n for w in workers if isinstance(w.get("names"), list) for n in w["names"]}
+    rows: list[list[Doc]] = list(
+        (yield gather(*(Call("aggregate", (_pipeline(str(d["_id"]), now),)) for d in docs)))
+    )
+    slots = yield from _slots_of(_group_slot_ids(docs, rows))
+    return [
+        _name_use(d, found, slots, now, (str(d["_id"]) in paused, str(d["_id"]) in handled))
+        for d, found in zip(docs, rows, strict=True)
+    ] + resources
+
+
+def _resource_uses(found: Sequence[Doc], now: dt.datetime) -> list[NameUse]:
+    """Each shared resource's use, in name order: its runs at once in use (every name's whose
+    handler uses it)."""
+    return [
         NameUse(
             limits.resource_of(str(d["_id"])),
             d,
@@ -243,9 +263,13 @@ def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse
             held_until=held_until(d, None, now),
         )
         for d in sorted(found, key=lambda d: str(d["_id"]))
-        if limits.is_resource(str(d["_id"])) and names is None
+        if limits.is_resource(str(d["_id"]))
     ]
-    docs = sorted(
+
+
+def _name_docs(found: Sequence[Doc], names: Sequence[str] | None) -> list[Doc]:
+    """The limit documents of the names (of ``names`` only, if given), in name order."""
+    return sorted(
         (
             d
             for d in found
@@ -253,15 +277,12 @@ def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse
         ),
         key=lambda d: str(d["_id"]),
     )
-    if not docs:
-        return resources
-    paused = yield from control.paused_names()
-    workers = yield from control.live_workers(now, LIVE, {"names": 1})
-    handled = {n for w in workers if isinstance(w.get("names"), list) for n in w["names"]}
-    rows: list[list[Doc]] = list(
-        (yield gather(*(Call("aggregate", (_pipeline(str(d["_id"]), now),)) for d in docs)))
-    )
-    slot_ids = [
+
+
+def _group_slot_ids(docs: Sequence[Doc], rows: Sequence[list[Doc]]) -> list[str]:
+    """The slot documents of the groups shown (the ``TOP_GROUPS`` largest of each name) that
+    a group limit other than a sequence's counts runs in."""
+    return [
         group_slot(str(d["_id"]), str(r["_id"]))
         for d, found in zip(docs, rows, strict=True)
         for r in found[:TOP_GROUPS]
@@ -269,11 +290,11 @@ def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse
         and (each := group_limit_for(d, r["_id"])).set
         and not is_sequence(each)
     ]
-    slots: dict[str, Doc] = {}
-    if slot_ids:
-        found_slots = yield Call("find", ({"_id": {"$in": slot_ids}},), collection="limits")
-        slots = {str(s["_id"]): s for s in found_slots}
-    return [
-        _name_use(d, found, slots, now, (str(d["_id"]) in paused, str(d["_id"]) in handled))
-        for d, found in zip(docs, rows, strict=True)
-    ] + resources
+
+
+def _slots_of(slot_ids: list[str]) -> Op[dict[str, Doc]]:
+    """The slot documents ``slot_ids``, by id (no read if there are none)."""
+    if not slot_ids:
+        return {}
+    found: list[Doc] = yield Call("find", ({"_id": {"$in": slot_ids}},), collection="limits")
+    return {str(s["_id"]): s for s in found}

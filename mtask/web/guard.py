@@ -307,16 +307,8 @@ class Guard:
         scope["mtask_secure"] = self.secure(scope, headers)
         login = path == "/login" and unsafe
         limit = LOGIN_MAX_BODY if login else self.max_body
-        readable = path.startswith(PUBLIC) or path == "/" or path.startswith("/ui/")
-        if who is None and unsafe and path.startswith("/ui/"):  # a form after the session ended
-            raise Refused(303, "sign in again", {"Location": "/login?problem=sign+in+again"})
-        if who is None and not login and (unsafe or not readable):
-            raise Refused(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
-        if who == "read" and unsafe:
-            raise Refused(403, "a read token only reads")
-        length = headers.get("content-length", "")
-        if length.isascii() and length.isdigit() and (len(length) > 18 or int(length) > limit):
-            raise Refused(413, f"the request body is {length} bytes; the limit is {limit}")
+        _admit(path, who, unsafe, login)
+        _within(headers.get("content-length", ""), limit)
         if not unsafe:
             return receive
         if who in ("session", None) or login:
@@ -352,6 +344,24 @@ class Guard:
                 raise Refused(403, "sign-in refused: the form's CSRF token is missing or stale")
         elif not self.keys.csrf_ok(str(scope.get("mtask_sid")), given):
             raise Refused(403, "CSRF token missing or wrong (send X-CSRF-Token or csrf)")
+
+
+def _admit(path: str, who: str | None, unsafe: bool, login: bool) -> None:
+    """Refuse a request that ``who`` (``Guard._who``: ``None``, no credentials) may not make
+    to ``path``, before its body is read."""
+    readable = path.startswith(PUBLIC) or path == "/" or path.startswith("/ui/")
+    if who is None and unsafe and path.startswith("/ui/"):  # a form after the session ended
+        raise Refused(303, "sign in again", {"Location": "/login?problem=sign+in+again"})
+    if who is None and not login and (unsafe or not readable):
+        raise Refused(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+    if who == "read" and unsafe:
+        raise Refused(403, "a read token only reads")
+
+
+def _within(length: str, limit: int) -> None:
+    """Refuse a body whose ``Content-Length`` says it is over ``limit`` bytes, unread."""
+    if length.isascii() and length.isdigit() and (len(length) > 18 or int(length) > limit):
+        raise Refused(413, f"the request body is {length} bytes; the limit is {limit}")
 
 
 async def _read(receive: Receive, limit: int, scan: DepthScan | None) -> bytes:

@@ -288,7 +288,8 @@ class Worker:
             ended = asyncio.gather(*self._side, return_exceptions=True)
             await self._bounded(ended, "the side services to end")
         # slots kept for a handover no run will take
-        await self._bounded(self.parts.gate.flush(keep=False), "the limit slots to be given back")
+        given_back = self.parts.releases.flush(keep=False)
+        await self._bounded(given_back, "the limit slots to be given back")
         # a ping on its way to a MongoDB out of reach holds the pinger's thread until its
         # socket times out: its stop waits on a thread of its own, left to end on its own
         stopping = run_in_thread(self.parts.pinger.stop, name="mtask-stop-pinger")

@@ -34,6 +34,7 @@ from mtask.worker.claiming.gate import REFRESH_SECONDS, LimitGate
 from mtask.worker.claiming.limited_claims import LimitedClaims
 from mtask.worker.claiming.queue import ClaimQueue, GroupWeights
 from mtask.worker.claiming.recount import Recount
+from mtask.worker.claiming.releases import SlotReleases
 from mtask.worker.config import WorkerConfig
 from mtask.worker.events import Emitter
 from mtask.worker.flow_sweep import FlowSweep
@@ -92,6 +93,7 @@ class Parts:
     scheduler: Scheduler
     finding: finding.Finding
     gate: LimitGate
+    releases: SlotReleases
     presence: Presence
     recorder: OutcomeRecorder
     ticker: LoopTicker
@@ -186,6 +188,7 @@ def build(
         uses={n: registry[n].uses for n in names if registry[n].uses},
         units={n: registry[n].units for n in names if registry[n].units != 1},
     )
+    releases = SlotReleases(adriver, clock, gate)
     process_pool: ProcessPool | None = None  # handler isolation (issue 18)
     if config.pool == "process" or any(registry[n].isolation == "process" for n in names):
         from mtask.worker.running.pool.pipe import Bounds  # multiprocessing: this worker's only
@@ -220,7 +223,7 @@ def build(
         pool=process_pool,
     )
     recorder = OutcomeRecorder(
-        adriver, clock, gate=gate, sink=found.sink, inflight=inflight, emit=emit, wake=wake
+        adriver, clock, releases=releases, sink=found.sink, inflight=inflight, emit=emit, wake=wake
     )
     ticker = LoopTicker()
     sdb = sclient[config.database]
@@ -287,6 +290,7 @@ def build(
         calls,
         clock,
         gate=gate,
+        releases=releases,
         sink=found.sink,
         inflight=inflight,
         runs=executor,
@@ -341,6 +345,6 @@ def build(
     )  # fmt: skip
     return Parts(
         aclient, sclient, adb, adriver, emit, wake, inflight, queue, assignment, scheduler,
-        found, gate, presence, recorder, ticker, pinger, publisher, process_pool, outputs,
+        found, gate, releases, presence, recorder, ticker, pinger, publisher, process_pool, outputs,
         executor, claimer, services,
     )  # fmt: skip

@@ -1,5 +1,5 @@
 """The claim path without MongoDB: a ``Claimer`` with a scripted driver, a real ``ClaimQueue``,
-``InFlight``, a ``Finder`` (as its queue sink) and ``LimitGate``."""
+``InFlight``, a ``Finder`` (as its queue sink), ``LimitGate`` and ``SlotReleases``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from mtask.worker.claiming.claimer import Claimer
 from mtask.worker.claiming.gate import LimitGate
 from mtask.worker.claiming.limited_claims import LimitedClaims
 from mtask.worker.claiming.queue import ClaimQueue
+from mtask.worker.claiming.releases import SlotReleases
 from mtask.worker.events import Emitter
 from mtask.worker.finding.finder import Finder
 from mtask.worker.inflight import InFlight
@@ -106,8 +107,15 @@ def build(
         assignment=assignment,
     )
     gate = LimitGate(adriver, "w1", clock, watcher)
+    releases = SlotReleases(adriver, clock, gate)
     recorder = OutcomeRecorder(
-        adriver, clock, gate=gate, sink=watcher, inflight=inflight, emit=Emitter(), wake=wake
+        adriver,
+        clock,
+        releases=releases,
+        sink=watcher,
+        inflight=inflight,
+        emit=Emitter(),
+        wake=wake,
     )
     started = Started(inflight, recorder)
     calls = ClaimCalls(adriver, clock, worker_id="w1", ignore=watcher.ignore)
@@ -116,7 +124,7 @@ def build(
         "gate": gate, "sink": watcher, "inflight": inflight, "runs": started, "stats": stats,
         "wake": wake,
     }  # fmt: skip
-    limited_claims = LimitedClaims(adriver, calls, clock, **shared)
+    limited_claims = LimitedClaims(adriver, calls, clock, releases=releases, **shared)
     claimer = Claimer(
         clock, calls, limited_claims, concurrency=10, ahead=FixedAhead(0), queue=queue,
         assignment=assignment, lifecycle=Running(), **shared,

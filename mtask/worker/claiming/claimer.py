@@ -135,7 +135,8 @@ class Claimer:
         try:
             return await self._pass()
         finally:
-            kept = self.gate.unused(started if not self.limited.batches else float("-inf"))
+            before = started if not self.limited.batches else float("-inf")
+            kept = self.limited.releases.unused(before)
             for slot, run_ids in kept.items():
                 for run_id in run_ids:
                     self.runs.give_back(slot, run_id)

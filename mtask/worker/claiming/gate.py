@@ -8,15 +8,14 @@ that wait for its slots and is passed on (``applied``: the runs in flight count 
 (``partition``), takes the slots and tokens of a batch of runs before they are claimed
 (``slots.take``), remembers the keys a limit held back and puts them back in the claim queue
 when a slot may have freed (a change event on its slot's document: a name's or a group's) or
-when the next token is due (at the latest after ``BLOCKED_AT_MOST``), and gives slots back in
-batches after the runs end. It never decides a limit itself: the slot documents' atomic
-updates do, on the server.
+when the next token is due (at the latest after ``BLOCKED_AT_MOST``). The slots of ended runs
+go back through ``releases.SlotReleases``, which asks the gate for the keys that wait for a
+lock. It never decides a limit itself: the slot documents' atomic updates do, on the server.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import datetime as dt
 import logging
 import time
@@ -27,7 +26,6 @@ from mtask import limits, slots
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
-from mtask.worker.claiming.handover import Handovers
 from mtask.worker.claiming.queue import GroupWeights
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.service import PeriodicService, event_or_timeout, first_set
@@ -125,9 +123,6 @@ class LimitGate(PeriodicService):
         """Groups' slot documents seen to exist (``slots.take`` does not make them again)."""
         self.waits_for: dict[str, str] = {}
         """The slot each blocked key waits for."""
-        self.releases: dict[str, list[str]] = {}
-        self.handovers = Handovers()
-        """Lock slots of ended runs kept for a key of this worker that waits for them."""
         self.refreshed = asyncio.Event()
         """Set after each read of all the limits."""
         self.stale: set[str] = set()
@@ -302,10 +297,19 @@ class LimitGate(PeriodicService):
         room = self._room(slot)
         if room is not None:
             keys = keys[:room]
+        self.retry_now(keys)
+
+    def retry_now(self, keys: list[str]) -> None:
+        """``keys`` wait for no slot any more: back in the claim queue now."""
         self.unblock(keys)
         now = self.clock.now()
         for key in keys:
             self.sink.requeue_at(key, now)
+
+    def waiting_for_lock(self, slot: str, most: int) -> list[str]:
+        """The first ``most`` keys (first blocked first) that wait for ``slot``, if it is a
+        lock (``is_lock``: a release of it may be kept for them, ``releases.SlotReleases``)."""
+        return list(self.blocked.get(slot, ()))[:most] if self.is_lock(slot) else []
 
     def group_freed(self, name: str, group: str) -> None:
         """A run of the group ``(name, group)`` ended for good (``finding.Others``): the keys
@@ -332,9 +336,6 @@ class LimitGate(PeriodicService):
             return None
         return (limits.group_limit_for(doc, group) if group else limits.own_limit(doc)).concurrency
 
-    def release_later(self, slot: str, run_ids: Iterable[str]) -> None:
-        self.releases.setdefault(slot, []).extend(run_ids)
-
     def is_lock(self, slot: str) -> bool:
         """A group's slot limiting only runs at once (``slots.is_lock``)."""
         name, _, group = slot.partition(limits.GROUP_SEPARATOR)
@@ -342,62 +343,3 @@ class LimitGate(PeriodicService):
         if not group or doc is None or limits.is_claim_lock(slot):
             return False
         return limits.is_lock(limits.group_limit_for(doc, group))
-
-    def keep_for_handover(self, releases: dict[str, list[str]]) -> dict[str, list[str]]:
-        """Of the ended runs' slots to give back, keep a lock's for the keys of this worker
-        that wait for it (as many as there are such keys, which go back in the queue now);
-        returns the rest, to give back."""
-        now, kept_at = self.clock.now(), time.monotonic()
-        rest: dict[str, list[str]] = {}
-        for slot, ids in releases.items():
-            fresh = [r for r in ids if r not in self.handovers.offered]
-            waiting = list(self.blocked.get(slot, ()))[: len(fresh)] if self.is_lock(slot) else []
-            if given := self.handovers.keep(slot, ids, len(waiting), kept_at):
-                rest[slot] = given
-            self.unblock(waiting)
-            for key in waiting:
-                self.sink.requeue_at(key, now)
-        return rest
-
-    def hand_over(self, request: slots.Request) -> slots.Request:
-        """``request`` taking the place of an ended run of this worker, if one holds its slot."""
-        if request.replaces is not None or not slots.is_lock(request):
-            return request
-        run_id = self.handovers.take(request.slot)
-        return request if run_id is None else dataclasses.replace(request, replaces=run_id)
-
-    def unused(self, before: float) -> dict[str, list[str]]:
-        """Remove and return the kept slots kept before ``before`` (monotonic)."""
-        return self.handovers.unused(before)
-
-    def take_releases(self) -> dict[str, list[str]]:
-        """The slots given back so far (by runs whose outcomes are pending now): the recorder
-        flushes them once those outcomes are written."""
-        releases, self.releases = self.releases, {}
-        return releases
-
-    async def flush(self, releases: dict[str, list[str]] | None = None, keep: bool = True) -> None:
-        """Give back the slots of runs that ended (``releases``, or all given back so far), in
-        one write (but those kept for a handover, if ``keep``). A release that fails is not
-        retried: the slots run out with their leases, as if the worker had died."""
-        releases = self.take_releases() if releases is None else dict(releases)
-        for slot in [s for s in releases if limits.is_claim_lock(s)]:
-            # a sequence's lock is its task's: given up by the outcome just written, with no
-            # write of its own; the keys of this worker that wait for it are tried again
-            del releases[slot]
-            self.on_change(slot)
-        if keep:
-            releases = self.keep_for_handover(releases)
-        else:
-            for slot, run_ids in self.handovers.forget().items():
-                releases.setdefault(slot, []).extend(run_ids)
-        if not releases:
-            return
-        try:
-            await self.driver.run(slots.release(releases))
-        except StorageError as exc:
-            log.warning(
-                "cannot give back %d slot(s) (they run out): %s",
-                sum(len(r) for r in releases.values()),
-                exc,
-            )

@@ -1,5 +1,5 @@
 """A lock's slot handed from an ended run of this worker to a key of it that waits for the slot
-(``Handovers``), the gate's book of them (pure: no I/O).
+(``Handovers``), ``releases.SlotReleases``' book of them (pure: no I/O).
 
 When a run ends, its slot in a group limited only by runs at once (a lock) is given back once
 its outcome is written. If a key of this worker waits for that slot, the slot is kept instead:

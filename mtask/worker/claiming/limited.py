@@ -13,6 +13,7 @@ rest wait for it. The server decides: the slots' atomic updates, then the claim.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -209,38 +210,65 @@ class _Planner:
             _unlimited(key, meta, self.chosen, self.out)
             return
         doc: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
-        own, base = limits.own_limit(doc), limits.group_limit(doc)
         group = group_of(meta)
         each = limits.group_limit_for(doc, group)  # an override's, else the name's
-        gslot, lock = _group_slots(meta.name, group, each, base)
-        candidate: str | None = key
-        if gslot is not None and group is not None and base.concurrency == 1:
-            pair = (meta.name, group)
-            candidate = _in_turn(
-                key, pair, lock or gslot, self.turns, self.heads, self.now, self.out
-            )
+        gslot, lock = _group_slots(meta.name, group, each, limits.group_limit(doc))
+        candidate = self.candidate(key, meta.name, group, doc, gslot, lock)
         if candidate is None or candidate in self.chosen:
             return
         lease = (meta.worker_timeout_ms if candidate == key else None) or self.default_lease_ms
-        requests = []
         units = self.units.get(meta.name, 1)
-        run_id = self.run_id(candidate)
+        base = Request(meta.name, self.run_id(candidate), candidate, lease, units=units)
+        requests, caps = self.requests(base, doc, group, each, gslot, lock, shared)
+        self.choose(key, candidate, requests, caps, lock)
+
+    def candidate(
+        self,
+        key: str,
+        name: str,
+        group: str | None,
+        doc: Mapping[str, Any],
+        gslot: str | None,
+        lock: str | None,
+    ) -> str | None:
+        """The key to claim for ``key``: itself, or in a sequence (a group of one run at once)
+        its head, once per batch (``None``: nothing now)."""
+        if gslot is None or group is None or limits.group_limit(doc).concurrency != 1:
+            return key
+        return _in_turn(
+            key, (name, group), lock or gslot, self.turns, self.heads, self.now, self.out
+        )
+
+    def requests(
+        self,
+        base: Request,
+        doc: Mapping[str, Any],
+        group: str | None,
+        each: limits.Limit,
+        gslot: str | None,
+        lock: str | None,
+        shared: Sequence[tuple[str, limits.Limit]],
+    ) -> tuple[list[Request], dict[str | None, int | None]]:
+        """The requests of ``base``'s run (the name's slot, its group's, its shared resources'),
+        and how many runs at once the batch may ask of each slot (``None``: no bound)."""
+        own = limits.own_limit(doc)
+        requests = []
         if own.set or limits.has_holds(doc):  # a back-off's hold: the take decides it
             held = group if limits.GROUP_HOLDS in doc else None
-            requests.append(Request(meta.name, run_id, candidate, lease, group=held, units=units))
+            requests.append(dataclasses.replace(base, group=held))
         if gslot is not None and lock is None:
-            requests.append(Request(gslot, run_id, candidate, lease, limit=each, units=units))
+            requests.append(dataclasses.replace(base, slot=gslot, limit=each))
         # a lossy limit is asked for every key: the server's refusal is what drops the excess
         queued = limits.overflow_of(doc) == "queue"
         caps = {
-            meta.name: own.concurrency if queued else None,
+            base.slot: own.concurrency if queued else None,
             gslot: each.concurrency if queued else None,
         }
         for slot, limit in shared:  # a resource's slot: its document holds its limit
-            requests.append(Request(slot, run_id, candidate, lease, units=units))
+            requests.append(dataclasses.replace(base, slot=slot))
             lossy = limits.overflow_of(self.limited.get(slot)) != "queue"
             caps[slot] = None if lossy else limit.concurrency
-        self.choose(key, candidate, requests, caps, lock)
+        return requests, caps
 
     def shared(self, name: str) -> list[tuple[str, limits.Limit]]:
         """The slots of the shared resources ``name`` uses that have a limit, with it."""

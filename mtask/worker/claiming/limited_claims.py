@@ -32,6 +32,7 @@ from mtask.store import overflow
 from mtask.worker.claiming import limited
 from mtask.worker.claiming.calls import RETRY_SOON, ClaimCalls
 from mtask.worker.claiming.gate import DEFAULT_SLOT_LEASE_MS, LimitGate
+from mtask.worker.claiming.releases import SlotReleases
 from mtask.worker.claiming.start import Held, Starter
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight
@@ -83,6 +84,7 @@ class LimitedClaims:
         clock: Clock,
         *,
         gate: LimitGate,
+        releases: SlotReleases,
         sink: QueueSink,
         inflight: InFlight,
         runs: RunStarter,
@@ -93,6 +95,8 @@ class LimitedClaims:
         self.calls = calls
         self.clock = clock
         self.gate = gate
+        self.releases = releases
+        """Where the slots of ended runs go back, a lock's kept for a key of this worker."""
         self.sink = sink
         self.inflight = inflight
         self.runs = runs
@@ -143,7 +147,7 @@ class LimitedClaims:
             return
         batch = self._plan(keys, known, heads)
         # a lock slot of this worker's ended run goes straight to the run that waited for it
-        claims = [(key, [self.gate.hand_over(r) for r in rs]) for key, rs in batch.plan.claims]
+        claims = [(key, [self.releases.hand_over(r) for r in rs]) for key, rs in batch.plan.claims]
         with self.inflight.claiming([key for key, _ in claims]):
             await self._take_and_claim(claims, names, batch)
         await self._settle(batch)

@@ -6,7 +6,7 @@ and a few callbacks).
   many outcomes wait to be written (its backpressure), gives back a limit slot a run of this
   worker held but no longer needs, and has a run in flight hold a slot a changed limit counts
   it in;
-- ``SlotReturns`` (the claim side's ``LimitGate``): the recorder gives back the limit slots of
+- ``SlotReturns`` (the claim side's ``SlotReleases``): the recorder gives back the limit slots of
   ended runs once their outcomes are written;
 - ``PoolView`` (the ``ProcessPool``): what the heartbeat shows of the pool's children.
 """
@@ -48,7 +48,7 @@ class RunStarter(Protocol):
 
 
 class SlotReturns(Protocol):
-    """Where the limit slots of ended runs go back (the ``LimitGate``)."""
+    """Where the limit slots of ended runs go back (``claiming.releases.SlotReleases``)."""
 
     def release_later(self, slot: str, run_ids: Iterable[str]) -> None: ...
 

@@ -60,7 +60,7 @@ class OutcomeRecorder:
         driver: AsyncDriver,
         clock: Clock,
         *,
-        gate: SlotReturns,
+        releases: SlotReturns,
         sink: QueueSink,
         inflight: InFlight,
         emit: Emitter,
@@ -68,7 +68,8 @@ class OutcomeRecorder:
     ) -> None:
         self.driver = driver
         self.clock = clock
-        self.gate = gate
+        self.releases = releases
+        """Where the limit slots of ended runs go back, with their outcomes."""
         self.sink = sink
         self.inflight = inflight
         self.emit = emit
@@ -91,7 +92,7 @@ class OutcomeRecorder:
 
     def release_slot(self, slot: str, run_id: str) -> None:
         """Give a limit slot back after the outcomes now pending (or at once, if none)."""
-        self.gate.release_later(slot, [run_id])
+        self.releases.release_later(slot, [run_id])
         self.ready.set()
 
     async def run(self) -> None:
@@ -99,12 +100,12 @@ class OutcomeRecorder:
         while True:
             await self.ready.wait()
             batch, self.pending = self.pending, []
-            released = self.gate.take_releases()  # given back with these outcomes or before
+            released = self.releases.take_releases()  # given back with these outcomes or before
             self.ready.clear()
             self.writing += len(batch)
             done = await self.record(batch) if batch else Written()
             if released:  # after the outcomes: a sequence's lock is given up by its outcome
-                await self.gate.flush(released)
+                await self.releases.flush(released)
             if batch:
                 written = self.written(batch, done)
                 await self.follow_up(written)
