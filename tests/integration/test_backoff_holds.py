@@ -77,12 +77,14 @@ def test_a_hold_refuses_the_take_on_the_server_until_it_ends(
 async def test_a_handler_backs_off_its_group_without_spending_a_retry(
     mongo_uri: str, mongo: MongoClient[Any], db_name: str, client: TaskClient
 ) -> None:
-    """An unlimited name: the handler's BackOff(group=True, 1.5 s) holds its group; its task is
+    """An unlimited name: the handler's BackOff(group=True, 6 s) holds its group; its task is
     RELEASED (no failure counted) and runs again once the hold ended; a task of another group
     runs meanwhile; ``mtask limits``, the dashboard and the task's "why" say so. A group
     back-off from a task with no group fails it (it holds nothing)."""
     async with running_worker(registry, mongo_uri, db_name, concurrency=2) as _:
-        client.publish("polite", "acme-1", {"back_off": 1.5}, options={"group": "acme"})
+        client.publish(
+            "polite", "acme-1", {"back_off": 6}, options={"group": "acme"}
+        )  # room: a loaded host
         await wait_for(
             lambda: (
                 client.get("acme-1").runs[:1]
