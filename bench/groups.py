@@ -23,7 +23,17 @@ from typing import TYPE_CHECKING, Any
 
 from pymongo import MongoClient
 
-from bench.support import QUICK, Result, spawn_worker, stop_process, wait_for_worker, wait_until
+from bench.support import (
+    QUICK,
+    Result,
+    alternated,
+    medians,
+    runs_span,
+    spawn_worker,
+    stop_process,
+    wait_for_worker,
+    wait_until,
+)
 from mtask.client import TaskClient
 
 if TYPE_CHECKING:
@@ -70,10 +80,7 @@ def _one(uri: str, mongod_pid: int, mode: str, n: int, round_: int) -> dict[str,
             done = {"name": "noop", "status": "succeeded"}
             wait_until(lambda: client.collection.count_documents(done) == n, timeout=600)
             w1, m1, c1 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid), _commands(mongo)
-            runs = list(client.collection.find({}, {"runs.claimed_at": 1, "runs.finished_at": 1}))
-            first = min(d["runs"][0]["claimed_at"] for d in runs)
-            last = max(d["runs"][-1]["finished_at"] for d in runs)
-            seconds = max((last - first).total_seconds(), 1e-3)
+            seconds = max(runs_span(client.collection), 1e-3)
             return {
                 "rate": n / seconds,
                 "worker_us": (w1 - w0) * 1e6 / n,
@@ -99,15 +106,9 @@ def groups_cost(bench: Bench) -> None:
 
     quick = bench.sizes is QUICK
     n, rounds = (1000, 1) if quick else (5000, ROUNDS)
-    figures: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     with _own_mongod() as (uri, pid, _port):
-        for r in range(rounds):
-            order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
-            for mode in order:
-                figures[mode].append(_one(uri, pid, mode, n, r))
-
-    def median(mode: str, key: str) -> float:
-        return statistics.median(f[key] for f in figures[mode])
+        figures = alternated(list(MODES), rounds, lambda mode, r: _one(uri, pid, mode, n, r))
+    median = medians(figures)
 
     ratios = {
         mode: statistics.median(
