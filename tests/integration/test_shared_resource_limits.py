@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from harness import run_cli, running_worker, wait_for
+from harness import peak, run_cli, running_worker, wait_for
 from pymongo import MongoClient
 
 from mtask import TaskClient, limits
@@ -108,15 +108,6 @@ def test_the_cli_and_http_set_show_and_clear_a_resources_limit(
         assert http.delete("/resources/stripe", headers=AUTH).status_code == 204
     code, _, _ = run_cli("limit", "--resource", "openai", "--clear", *where)
     assert code == 0 and client.limits() == []
-
-
-def peak(runs: list[list[float]]) -> int:
-    points = sorted([(s, 1) for s, _ in runs] + [(e, -1) for _, e in runs])
-    running = most = 0
-    for _, step in points:
-        running += step
-        most = max(most, running)
-    return most
 
 
 async def test_workers_share_a_resource_between_two_names_and_hear_a_change(
