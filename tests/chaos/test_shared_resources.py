@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from cluster import Cluster, until_finished
-from harness import wait_for
+from harness import Cluster, until_finished, wait_for
 from test_cluster_limits import crowd, peak
 from test_group_faults import FAST, effective_spans, ends_of_frozen, kill_a_and_freeze_b
 
