@@ -19,13 +19,10 @@ from bench.support import (
     alternated,
     medians,
     runs_span,
-    spawn_worker,
-    stop_process,
-    wait_for_worker,
     wait_until,
+    worker_and_client,
 )
 from mtask.batches import BatchItem
-from mtask.client import TaskClient
 from mtask.registry import Registry
 
 if TYPE_CHECKING:
@@ -61,23 +58,18 @@ def _one(uri: str, mongod_pid: int, mode: str, n: int, round_: int) -> dict[str,
 
     name = MODES[mode]
     database = f"wbh_{name}_{round_}"
-    proc = spawn_worker(uri, database, "--concurrency", "64")
-    try:
-        with TaskClient(uri, database=database) as client:
-            wait_for_worker(client, proc)
-            w0, m0 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid)
-            client.publish_many({"name": name, "key": f"t{i:06d}"} for i in range(n))
-            done = {"name": name, "status": "succeeded"}
-            wait_until(lambda: client.collection.count_documents(done) == n, timeout=600)
-            w1, m1 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid)
-            seconds = max(runs_span(client.collection), 1e-3)
-            return {
-                "rate": n / seconds,
-                "worker_us": (w1 - w0) * 1e6 / n,
-                "mongod_us": (m1 - m0) * 1e6 / n,
-            }
-    finally:
-        stop_process(proc)
+    with worker_and_client(uri, database, "--concurrency", "64") as (proc, client):
+        w0, m0 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid)
+        client.publish_many({"name": name, "key": f"t{i:06d}"} for i in range(n))
+        done = {"name": name, "status": "succeeded"}
+        wait_until(lambda: client.collection.count_documents(done) == n, timeout=600)
+        w1, m1 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid)
+        seconds = max(runs_span(client.collection), 1e-3)
+        return {
+            "rate": n / seconds,
+            "worker_us": (w1 - w0) * 1e6 / n,
+            "mongod_us": (m1 - m0) * 1e6 / n,
+        }
 
 
 def batch_handlers(bench: Bench) -> None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,21 @@ def spawn_worker(
         cwd=ROOT,
         env=None if env is None else {**os.environ, **env},
     )
+
+
+@contextlib.contextmanager
+def worker_and_client(
+    uri: str, database: str, *extra: str, env: Mapping[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], TaskClient]]:
+    """A worker process on ``database`` (``extra``, ``env``: as ``spawn_worker``) and a client
+    of it, once the worker is up; the worker stopped after."""
+    proc = spawn_worker(uri, database, *extra, env=env)
+    try:
+        with TaskClient(uri, database=database) as client:
+            wait_for_worker(client, proc)
+            yield proc, client
+    finally:
+        stop_process(proc)
 
 
 def stop_process(proc: subprocess.Popen[bytes]) -> None:
