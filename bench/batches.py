@@ -13,9 +13,16 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from bench.support import QUICK, Result, spawn_worker, stop_process, wait_for_worker, wait_until
+from bench.support import (
+    QUICK,
+    Result,
+    alternated,
+    medians,
+    runs_span,
+    wait_until,
+    worker_and_client,
+)
 from mtask.batches import BatchItem
-from mtask.client import TaskClient
 from mtask.registry import Registry
 
 if TYPE_CHECKING:
@@ -51,26 +58,18 @@ def _one(uri: str, mongod_pid: int, mode: str, n: int, round_: int) -> dict[str,
 
     name = MODES[mode]
     database = f"wbh_{name}_{round_}"
-    proc = spawn_worker(uri, database, "--concurrency", "64")
-    try:
-        with TaskClient(uri, database=database) as client:
-            wait_for_worker(client, proc)
-            w0, m0 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid)
-            client.publish_many({"name": name, "key": f"t{i:06d}"} for i in range(n))
-            done = {"name": name, "status": "succeeded"}
-            wait_until(lambda: client.collection.count_documents(done) == n, timeout=600)
-            w1, m1 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid)
-            runs = list(client.collection.find({}, {"runs.claimed_at": 1, "runs.finished_at": 1}))
-            first = min(d["runs"][0]["claimed_at"] for d in runs)
-            last = max(d["runs"][-1]["finished_at"] for d in runs)
-            seconds = max((last - first).total_seconds(), 1e-3)
-            return {
-                "rate": n / seconds,
-                "worker_us": (w1 - w0) * 1e6 / n,
-                "mongod_us": (m1 - m0) * 1e6 / n,
-            }
-    finally:
-        stop_process(proc)
+    with worker_and_client(uri, database, "--concurrency", "64") as (proc, client):
+        w0, m0 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid)
+        client.publish_many({"name": name, "key": f"t{i:06d}"} for i in range(n))
+        done = {"name": name, "status": "succeeded"}
+        wait_until(lambda: client.collection.count_documents(done) == n, timeout=600)
+        w1, m1 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid)
+        seconds = max(runs_span(client.collection), 1e-3)
+        return {
+            "rate": n / seconds,
+            "worker_us": (w1 - w0) * 1e6 / n,
+            "mongod_us": (m1 - m0) * 1e6 / n,
+        }
 
 
 def batch_handlers(bench: Bench) -> None:
@@ -78,15 +77,9 @@ def batch_handlers(bench: Bench) -> None:
 
     quick = bench.sizes is QUICK
     n, rounds = (2000, 2) if quick else (10000, ROUNDS)
-    figures: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     with _own_mongod() as (uri, pid, _port):
-        for r in range(rounds):
-            order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
-            for mode in order:
-                figures[mode].append(_one(uri, pid, mode, n, r))
-
-    def median(mode: str, key: str) -> float:
-        return statistics.median(f[key] for f in figures[mode])
+        figures = alternated(list(MODES), rounds, lambda mode, r: _one(uri, pid, mode, n, r))
+    median = medians(figures)
 
     ratios = {
         mode: statistics.median(

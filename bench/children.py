@@ -19,9 +19,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from bench.steps import _ops
-from bench.support import QUICK, Result, spawn_worker, stop_process, wait_for_worker, wait_until
-from mtask.client import TaskClient
+from bench.support import (
+    QUICK,
+    Result,
+    cost_reading,
+    per_task,
+    wait_until,
+    worker_and_client,
+)
 from mtask.registry import Registry, TaskContext
 from mtask.spawn import Spawn
 
@@ -45,50 +50,37 @@ def register(registry: Registry) -> None:
 
 
 def _one(uri: str, mongod_pid: int, mode: str, n: int) -> dict[str, float]:
-    from bench.cpu import tree_cpu_seconds
-    from bench.scale import _cpu_s
-
     database = f"wc_{mode}"
-    proc = spawn_worker(uri, database, "--concurrency", "8")
-    try:
-        with TaskClient(uri, database=database) as client:
-            wait_for_worker(client, proc)
-            mongo = client.mongo
-            w0, m0, o0 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid), _ops(mongo)
-            began = time.monotonic()
-            polls = 0
-            if mode == "plain":
-                client.publish_many(
-                    {"name": "fan_noop", "key": f"t{i}", "params": {"i": i}} for i in range(n)
-                )
-                done = {"name": "fan_noop", "status": "succeeded"}
+    with worker_and_client(uri, database, "--concurrency", "8") as (proc, client):
+        mongo = client.mongo
+        before = cost_reading(proc.pid, mongod_pid, mongo)
+        began = time.monotonic()
+        polls = 0
+        if mode == "plain":
+            client.publish_many(
+                {"name": "fan_noop", "key": f"t{i}", "params": {"i": i}} for i in range(n)
+            )
+            done = {"name": "fan_noop", "status": "succeeded"}
 
-                def finished() -> bool:
-                    nonlocal polls
-                    polls += 1
-                    return client.collection.count_documents(done) == n
+            def finished() -> bool:
+                nonlocal polls
+                polls += 1
+                return client.collection.count_documents(done) == n
 
-            else:
-                client.publish("fan_parent", "parent", {"n": n})
+        else:
+            client.publish("fan_parent", "parent", {"n": n})
 
-                def finished() -> bool:
-                    nonlocal polls
-                    polls += 1
-                    doc = client.collection.find_one({"_id": "parent"}, {"status": 1})
-                    return (doc or {}).get("status") == "succeeded"
+            def finished() -> bool:
+                nonlocal polls
+                polls += 1
+                doc = client.collection.find_one({"_id": "parent"}, {"status": 1})
+                return (doc or {}).get("status") == "succeeded"
 
-            wait_until(finished, timeout=900)
-            wall = time.monotonic() - began
-            w1, m1, o1 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid), _ops(mongo)
-            own = polls + 1  # the bench's polls and its publish
-            return {
-                "worker_us": (w1 - w0) * 1e6 / n,
-                "mongod_us": (m1 - m0) * 1e6 / n,
-                "ops": (o1 - o0 - own) / n,
-                "wall": wall,
-            }
-    finally:
-        stop_process(proc)
+        wait_until(finished, timeout=900)
+        wall = time.monotonic() - began
+        after = cost_reading(proc.pid, mongod_pid, mongo)
+        own = polls + 1  # the bench's polls and its publish
+        return per_task(before, after, n, own, wall)
 
 
 def children_cost(bench: Bench) -> None:

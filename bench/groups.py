@@ -23,8 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 from pymongo import MongoClient
 
-from bench.support import QUICK, Result, spawn_worker, stop_process, wait_for_worker, wait_until
-from mtask.client import TaskClient
+from bench.support import (
+    QUICK,
+    Result,
+    alternated,
+    medians,
+    runs_span,
+    wait_until,
+    worker_and_client,
+)
 
 if TYPE_CHECKING:
     from bench.workloads import Bench
@@ -49,39 +56,31 @@ def _one(uri: str, mongod_pid: int, mode: str, n: int, round_: int) -> dict[str,
 
     groups, limit = MODES[mode]
     database = f"wg_{mode}_{round_}"
-    proc = spawn_worker(uri, database, "--concurrency", "64")
-    try:
-        with TaskClient(uri, database=database) as client:
-            wait_for_worker(client, proc)
-            if limit is not None:
-                client.set_limit("noop", group_concurrency=limit)
-                time.sleep(0.3)  # the worker's gate hears of the limit (its event)
-            items = [
-                {
-                    "name": "noop",
-                    "key": f"t{i:06d}",
-                    **({} if groups is None else {"options": {"group": f"g{i % groups:04d}"}}),
-                }
-                for i in range(n)
-            ]
-            mongo = client.mongo
-            w0, m0, c0 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid), _commands(mongo)
-            client.publish_many(items)
-            done = {"name": "noop", "status": "succeeded"}
-            wait_until(lambda: client.collection.count_documents(done) == n, timeout=600)
-            w1, m1, c1 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid), _commands(mongo)
-            runs = list(client.collection.find({}, {"runs.claimed_at": 1, "runs.finished_at": 1}))
-            first = min(d["runs"][0]["claimed_at"] for d in runs)
-            last = max(d["runs"][-1]["finished_at"] for d in runs)
-            seconds = max((last - first).total_seconds(), 1e-3)
-            return {
-                "rate": n / seconds,
-                "worker_us": (w1 - w0) * 1e6 / n,
-                "mongod_us": (m1 - m0) * 1e6 / n,
-                **{f"rt_{c}": (c1[c] - c0[c]) / n for c in COMMANDS},
+    with worker_and_client(uri, database, "--concurrency", "64") as (proc, client):
+        if limit is not None:
+            client.set_limit("noop", group_concurrency=limit)
+            time.sleep(0.3)  # the worker's gate hears of the limit (its event)
+        items = [
+            {
+                "name": "noop",
+                "key": f"t{i:06d}",
+                **({} if groups is None else {"options": {"group": f"g{i % groups:04d}"}}),
             }
-    finally:
-        stop_process(proc)
+            for i in range(n)
+        ]
+        mongo = client.mongo
+        w0, m0, c0 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid), _commands(mongo)
+        client.publish_many(items)
+        done = {"name": "noop", "status": "succeeded"}
+        wait_until(lambda: client.collection.count_documents(done) == n, timeout=600)
+        w1, m1, c1 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid), _commands(mongo)
+        seconds = max(runs_span(client.collection), 1e-3)
+        return {
+            "rate": n / seconds,
+            "worker_us": (w1 - w0) * 1e6 / n,
+            "mongod_us": (m1 - m0) * 1e6 / n,
+            **{f"rt_{c}": (c1[c] - c0[c]) / n for c in COMMANDS},
+        }
 
 
 ROUNDS = 3
@@ -99,15 +98,9 @@ def groups_cost(bench: Bench) -> None:
 
     quick = bench.sizes is QUICK
     n, rounds = (1000, 1) if quick else (5000, ROUNDS)
-    figures: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     with _own_mongod() as (uri, pid, _port):
-        for r in range(rounds):
-            order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
-            for mode in order:
-                figures[mode].append(_one(uri, pid, mode, n, r))
-
-    def median(mode: str, key: str) -> float:
-        return statistics.median(f[key] for f in figures[mode])
+        figures = alternated(list(MODES), rounds, lambda mode, r: _one(uri, pid, mode, n, r))
+    median = medians(figures)
 
     ratios = {
         mode: statistics.median(

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from pymongo import MongoClient
 
-from bench.support import QUICK, Result, spawn_worker, stop_process, wait_for_worker, wait_until
-from mtask.client import TaskClient
+from bench.support import QUICK, Result, wait_until, worker_and_client
 from mtask.registry import Registry, TaskContext
 
 if TYPE_CHECKING:
@@ -74,31 +73,26 @@ def _one(uri: str, mongod_pid: int, mode: str, seconds: float) -> dict[str, floa
     from bench.scale import _cpu_s
 
     database = f"wo_{mode}"
-    proc = spawn_worker(uri, database, "--concurrency", str(RUNS))
-    try:
-        with TaskClient(uri, database=database) as client:
-            wait_for_worker(client, proc)
-            mongo = client.mongo
-            w0, m0, o0 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid), _writes(mongo)
-            began = time.monotonic()
-            for i in range(RUNS):
-                params = {"mode": mode, "rate": RATES[mode], "seconds": seconds}
-                client.publish("talk", f"{mode}-{i}", params)
-            wait_until(lambda: client.stats().get("talk", {}).get("succeeded", 0) == RUNS)
-            wall = time.monotonic() - began
-            w1, m1, o1 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid), _writes(mongo)
-            stored = client.db.command("collStats", "tasks.output") if mode != "quiet" else {}
-            handler_s = RUNS * seconds
-            return {
-                "worker_ms": (w1 - w0) * 1000 / handler_s,
-                "mongod_ms": (m1 - m0) * 1000 / handler_s,
-                "writes": (o1[0] - o0[0]) / handler_s,
-                "commits": (o1[1] - o0[1]) / handler_s,
-                "bytes": float(stored.get("size", 0)) / handler_s,
-                "wall": wall,
-            }
-    finally:
-        stop_process(proc)
+    with worker_and_client(uri, database, "--concurrency", str(RUNS)) as (proc, client):
+        mongo = client.mongo
+        w0, m0, o0 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid), _writes(mongo)
+        began = time.monotonic()
+        for i in range(RUNS):
+            params = {"mode": mode, "rate": RATES[mode], "seconds": seconds}
+            client.publish("talk", f"{mode}-{i}", params)
+        wait_until(lambda: client.stats().get("talk", {}).get("succeeded", 0) == RUNS)
+        wall = time.monotonic() - began
+        w1, m1, o1 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid), _writes(mongo)
+        stored = client.db.command("collStats", "tasks.output") if mode != "quiet" else {}
+        handler_s = RUNS * seconds
+        return {
+            "worker_ms": (w1 - w0) * 1000 / handler_s,
+            "mongod_ms": (m1 - m0) * 1000 / handler_s,
+            "writes": (o1[0] - o0[0]) / handler_s,
+            "commits": (o1[1] - o0[1]) / handler_s,
+            "bytes": float(stored.get("size", 0)) / handler_s,
+            "wall": wall,
+        }
 
 
 def live_output(bench: Bench) -> None:

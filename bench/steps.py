@@ -17,10 +17,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from pymongo import MongoClient
-
-from bench.support import QUICK, Result, spawn_worker, stop_process, wait_for_worker, wait_until
-from mtask.client import TaskClient
+from bench.support import (
+    QUICK,
+    Result,
+    cost_reading,
+    per_task,
+    wait_until,
+    worker_and_client,
+)
 from mtask.registry import Registry, TaskContext
 
 if TYPE_CHECKING:
@@ -50,52 +54,33 @@ def register(registry: Registry) -> None:
     registry.task("stepper")(stepper)
 
 
-def _ops(mongo: MongoClient[dict[str, Any]]) -> int:
-    counters = mongo.admin.command("serverStatus")["opcounters"]
-    return sum(int(counters[k]) for k in ("insert", "query", "update", "command"))
-
-
 def _one(uri: str, mongod_pid: int, mode: str, n: int) -> dict[str, float]:
-    from bench.cpu import tree_cpu_seconds
-    from bench.scale import _cpu_s
-
     database = f"ws_{mode}"
-    proc = spawn_worker(uri, database, "--concurrency", "8")
-    try:
-        with TaskClient(uri, database=database) as client:
-            wait_for_worker(client, proc)
-            mongo = client.mongo
-            w0, m0, o0 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid), _ops(mongo)
-            began = time.monotonic()
-            client.publish_many(
-                {"name": "stepper", "key": f"{mode}-{i}", "params": {"mode": mode}}
-                for i in range(n)
-            )
-            if mode == "signal":
-                tasks = client.collection
-                signalled: set[str] = set()
+    with worker_and_client(uri, database, "--concurrency", "8") as (proc, client):
+        mongo = client.mongo
+        before = cost_reading(proc.pid, mongod_pid, mongo)
+        began = time.monotonic()
+        client.publish_many(
+            {"name": "stepper", "key": f"{mode}-{i}", "params": {"mode": mode}} for i in range(n)
+        )
+        if mode == "signal":
+            tasks = client.collection
+            signalled: set[str] = set()
 
-                def all_signalled() -> bool:
-                    for doc in tasks.find({"waiting.signal": "go"}, {"_id": 1}):
-                        if doc["_id"] not in signalled:
-                            client.signal(doc["_id"], "go")
-                            signalled.add(doc["_id"])
-                    return len(signalled) == n
+            def all_signalled() -> bool:
+                for doc in tasks.find({"waiting.signal": "go"}, {"_id": 1}):
+                    if doc["_id"] not in signalled:
+                        client.signal(doc["_id"], "go")
+                        signalled.add(doc["_id"])
+                return len(signalled) == n
 
-                wait_until(all_signalled, timeout=300)
-            done = {"name": "stepper", "status": "succeeded"}  # stats() stops counting at 1,000
-            wait_until(lambda: client.collection.count_documents(done) == n, timeout=300)
-            wall = time.monotonic() - began
-            w1, m1, o1 = tree_cpu_seconds(proc.pid), _cpu_s(mongod_pid), _ops(mongo)
-            signal_ops = n * 1.0 if mode == "signal" else 0.0  # the bench's own signals
-            return {
-                "worker_us": (w1 - w0) * 1e6 / n,
-                "mongod_us": (m1 - m0) * 1e6 / n,
-                "ops": (o1 - o0 - signal_ops) / n,
-                "wall": wall,
-            }
-    finally:
-        stop_process(proc)
+            wait_until(all_signalled, timeout=300)
+        done = {"name": "stepper", "status": "succeeded"}  # stats() stops counting at 1,000
+        wait_until(lambda: client.collection.count_documents(done) == n, timeout=300)
+        wall = time.monotonic() - began
+        after = cost_reading(proc.pid, mongod_pid, mongo)
+        signal_ops = n * 1.0 if mode == "signal" else 0.0  # the bench's own signals
+        return per_task(before, after, n, signal_ops, wall)
 
 
 def durable_steps(bench: Bench) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +71,61 @@ def runs_span(tasks: Any) -> float:
     return float((span["b"] - span["a"]).total_seconds())
 
 
+def alternated(
+    modes: Sequence[str], rounds: int, one: Callable[[str, int], dict[str, float]]
+) -> dict[str, list[dict[str, float]]]:
+    """Each mode's figures over ``rounds`` rounds (``one(mode, round)``), the modes' order
+    reversed every other round so that none is always first."""
+    figures: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    for r in range(rounds):
+        for mode in modes if r % 2 == 0 else list(reversed(modes)):
+            figures[mode].append(one(mode, r))
+    return figures
+
+
+def medians(figures: Mapping[str, list[dict[str, float]]]) -> Callable[[str, str], float]:
+    """``median(mode, key)``: the median over the rounds of one figure of a mode."""
+
+    def median(mode: str, key: str) -> float:
+        return statistics.median(f[key] for f in figures[mode])
+
+    return median
+
+
+def server_ops(mongo: MongoClient[dict[str, Any]]) -> int:
+    """The server's operations so far (inserts, queries, updates and commands)."""
+    counters = mongo.admin.command("serverStatus")["opcounters"]
+    return sum(int(counters[k]) for k in ("insert", "query", "update", "command"))
+
+
+def cost_reading(
+    worker_pid: int, mongod_pid: int, mongo: MongoClient[dict[str, Any]]
+) -> tuple[float, float, int]:
+    """The worker's CPU seconds (its process tree), mongod's, and the server's operations."""
+    from bench.cpu import tree_cpu_seconds
+    from bench.scale import _cpu_s
+
+    return tree_cpu_seconds(worker_pid), _cpu_s(mongod_pid), server_ops(mongo)
+
+
+def per_task(
+    before: tuple[float, float, int],
+    after: tuple[float, float, int],
+    n: int,
+    own_ops: float,
+    wall: float,
+) -> dict[str, float]:
+    """Between two ``cost_reading``s: the worker's and mongod's CPU µs and the server's
+    operations per task of ``n`` (less ``own_ops``, the bench's own), and the ``wall`` time."""
+    (w0, m0, o0), (w1, m1, o1) = before, after
+    return {
+        "worker_us": (w1 - w0) * 1e6 / n,
+        "mongod_us": (m1 - m0) * 1e6 / n,
+        "ops": (o1 - o0 - own_ops) / n,
+        "wall": wall,
+    }
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -86,6 +143,21 @@ def spawn_worker(
         cwd=ROOT,
         env=None if env is None else {**os.environ, **env},
     )
+
+
+@contextlib.contextmanager
+def worker_and_client(
+    uri: str, database: str, *extra: str, env: Mapping[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], TaskClient]]:
+    """A worker process on ``database`` (``extra``, ``env``: as ``spawn_worker``) and a client
+    of it, once the worker is up; the worker stopped after."""
+    proc = spawn_worker(uri, database, *extra, env=env)
+    try:
+        with TaskClient(uri, database=database) as client:
+            wait_for_worker(client, proc)
+            yield proc, client
+    finally:
+        stop_process(proc)
 
 
 def stop_process(proc: subprocess.Popen[bytes]) -> None:

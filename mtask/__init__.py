@@ -8,6 +8,7 @@ client never loads the worker's code (``tests/unit/test_lazy_imports.py`` keeps 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from mtask._version import __version__
@@ -34,6 +35,29 @@ if TYPE_CHECKING:
     from mtask.step_policy import StepPolicy, StepTimeout
     from mtask.worker import Worker
 
+
+def lazy_exports(
+    package: str, where: Mapping[str, tuple[str, ...]], namespace: dict[str, Any]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """``package``'s ``__getattr__`` and ``__dir__``: each name of ``where`` (module: names)
+    imported from its module on first use and kept in ``namespace`` (the package's
+    ``globals()``), so that the next lookup is a plain one."""
+    module_of = {name: module for module, names in where.items() for name in names}
+
+    def __getattr__(name: str) -> Any:
+        module = module_of.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        namespace[name] = value  # the next lookup is a plain one
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*namespace, *module_of})
+
+    return __getattr__, __dir__
+
+
 _WHERE = {
     "mtask.batches": ("BatchItem",),  # issue 62
     "mtask.backoff": ("BackOff",),  # issue 62
@@ -56,20 +80,7 @@ _WHERE = {
     "mtask.step_policy": ("StepPolicy", "StepTimeout"),  # issue 61
     "mtask.worker": ("Worker",),
 }
-_MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mtask' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next lookup is a plain one
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_MODULE_OF})
+__getattr__, __dir__ = lazy_exports("mtask", _WHERE, globals())
 
 
 __all__ = [

@@ -106,6 +106,22 @@ def in_range(value: object, bounds: tuple[int, int]) -> TypeGuard[int]:
 
 MAX_RETRY_DELAY_MS = 30 * DAY_MS
 """The longest wait before a retry: ``max_retry_delay_ms``'s ceiling, and ``Retry``'s."""
+
+
+def delay_ms(value: object) -> int | None:
+    """``value`` seconds (a number or a timedelta) from 0 to ``MAX_RETRY_DELAY_MS`` (30 days)
+    in milliseconds, or ``None`` if it is not such a delay (the caller's error names it): a
+    ``Retry``'s delay, a snooze's, a debounce's."""
+    seconds = value.total_seconds() if isinstance(value, dt.timedelta) else value
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, int | float)
+        or not 0 <= seconds <= MAX_RETRY_DELAY_MS / 1000
+    ):
+        return None
+    return round(seconds * 1000)
+
+
 DEFAULT_KEEP_MS: dict[str, int] = {
     "succeeded": 7 * DAY_MS,
     "failed": 30 * DAY_MS,

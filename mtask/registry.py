@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from mtask.batches import check as check_batch
 from mtask.errors import InvalidParams, InvalidTask, LeaseLost, MtaskError, RegistryNotFound
-from mtask.models import MAX_RETRY_DELAY_MS, TaskOptions, describe_validation_error
+from mtask.models import MAX_RETRY_DELAY_MS, TaskOptions, delay_ms, describe_validation_error
 from mtask.output import RunLog, RunOutput
 from mtask.schedules import Schedule
 from mtask.step_policy import StepPolicy
@@ -50,17 +50,13 @@ def retry_delay_ms(delay: object) -> int | None:
     would not even be one the server's time plus the delay can name."""
     if delay is None:
         return None
-    seconds = delay.total_seconds() if isinstance(delay, dt.timedelta) else delay
-    if (
-        isinstance(seconds, bool)
-        or not isinstance(seconds, int | float)
-        or not 0 <= seconds <= MAX_RETRY_DELAY_MS / 1000
-    ):
+    ms = delay_ms(delay)
+    if ms is None:
         raise ValueError(
             f"Retry delay must be a number of seconds from 0 to {MAX_RETRY_DELAY_MS // 1000} "
             f"(30 days), not {delay!r}"
         )
-    return round(seconds * 1000)
+    return ms
 
 
 class Fail(Exception):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from mtask.models import MAX_RETRY_DELAY_MS
+from mtask.models import MAX_RETRY_DELAY_MS, delay_ms
 
 
 class Snooze(Exception):
@@ -35,14 +35,10 @@ class Snooze(Exception):
 def snooze_delay_ms(seconds: object) -> int:
     """A snooze's delay in milliseconds, or ``ValueError`` naming what was given: a number of
     seconds (or a timedelta) from 0 to ``MAX_RETRY_DELAY_MS`` (30 days)."""
-    value = seconds.total_seconds() if isinstance(seconds, dt.timedelta) else seconds
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not 0 <= value <= MAX_RETRY_DELAY_MS / 1000
-    ):
+    ms = delay_ms(seconds)
+    if ms is None:
         raise ValueError(
             f"Snooze needs a number of seconds from 0 to {MAX_RETRY_DELAY_MS // 1000} "
             f"(30 days), not {seconds!r}"
         )
-    return round(value * 1000)
+    return ms

@@ -44,14 +44,14 @@ from pymongo.synchronous.client_session import ClientSession
 
 from mtask import driver, events, store, streams
 from mtask.client.api import Operations
-from mtask.client.checks import check_key, check_kinds, check_number
+from mtask.client.checks import check_kinds, check_wait
 from mtask.client.core import operation
 from mtask.client.publishing import MAX_DELAY_SECONDS, build_many, build_task, delay_seconds
 from mtask.clock import Clock
 from mtask.connection import async_client, sync_client
 from mtask.driver import Op
 from mtask.errors import TaskNotFound
-from mtask.models import DEFAULT_MAX_PARAMS_BYTES, MAX_AGE_SECONDS, Task
+from mtask.models import DEFAULT_MAX_PARAMS_BYTES, Task
 from mtask.waiters import AsyncWaiter, SyncWaiter, async_waiter_for, finished, waiter_for
 
 if TYPE_CHECKING:
@@ -111,16 +111,17 @@ class TaskClient(Operations):
             self.now()
             self._driver.run(store.ensure_indexes())
             self._ready = True
-        elif self._server_clock is not None and self._server_clock.due():
+        elif self._calibration_due() is not None:
             self.now()  # calibrated again: a long-lived client follows the server's clock
         return self._driver.run(op) if session is None else self._driver.run(op, session)
 
     def now(self) -> dt.datetime:
         """The server's current time (the clock calibrated first, and again every
         ``clock.KEEP_BEST`` seconds: a long-lived client follows the server's clock)."""
-        if self._server_clock is not None and self._server_clock.due():
+        server_clock = self._calibration_due()
+        if server_clock is not None:
             try:
-                self._server_clock.calibrate(self.db)
+                server_clock.calibrate(self.db)
             except PyMongoError as exc:
                 raise driver.storage_error(exc) from exc
         return self.clock.now()
@@ -130,9 +131,7 @@ class TaskClient(Operations):
         return it. Raises ``WaitTimeout`` after ``timeout`` seconds (None: no limit) and
         ``TaskNotFound`` if no task has that key. All waits through one MongoClient on one
         collection share one change stream (``mtask.waiters``), whichever client makes them."""
-        check_key(key)
-        if timeout is not None:
-            check_number(timeout, "timeout", 0, MAX_AGE_SECONDS)
+        check_wait(key, timeout)
         doc = self._run(store.get(key))  # fails fast: no such key, finished, MongoDB away
         if doc is None:
             raise TaskNotFound(key)
@@ -223,7 +222,7 @@ class AsyncTaskClient(Operations):
             await self.now()
             await self._driver.run(store.ensure_indexes())
             self._ready = True
-        elif self._server_clock is not None and self._server_clock.due():
+        elif self._calibration_due() is not None:
             await self.now()  # calibrated again: a long-lived client follows the server's clock
         if session is None:
             return await self._driver.run(op)
@@ -231,18 +230,17 @@ class AsyncTaskClient(Operations):
 
     async def now(self) -> dt.datetime:
         """The server's current time (see ``TaskClient.now``)."""
-        if self._server_clock is not None and self._server_clock.due():
+        server_clock = self._calibration_due()
+        if server_clock is not None:
             try:
-                await self._server_clock.calibrate_async(self.db)
+                await server_clock.calibrate_async(self.db)
             except PyMongoError as exc:
                 raise driver.storage_error(exc) from exc
         return self.clock.now()
 
     async def wait(self, key: str, timeout: float | None = None) -> Task:  # noqa: ASYNC109
         """Wait until the task is finished and return it (see ``TaskClient.wait``)."""
-        check_key(key)
-        if timeout is not None:
-            check_number(timeout, "timeout", 0, MAX_AGE_SECONDS)
+        check_wait(key, timeout)
         doc = await self._run(store.get(key))  # fails fast: no such key, finished, MongoDB away
         if doc is None:
             raise TaskNotFound(key)

@@ -54,6 +54,13 @@ class Operations:
         self._ready = False
         """The collection's indexes exist and the clock is calibrated (the first ``_run``)."""
 
+    def _calibration_due(self) -> ServerClock | None:
+        """The server's clock if it is to be calibrated (again) before its next reading: never
+        yet, or not for ``clock.KEEP_BEST`` seconds (``None``: not due, or a client's own
+        ``Clock``)."""
+        due = self._server_clock is not None and self._server_clock.due()
+        return self._server_clock if due else None
+
     @property
     def clock(self) -> Clock:
         return self._core.clock

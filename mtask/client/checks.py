@@ -8,7 +8,7 @@ from typing import Any
 
 from mtask import store
 from mtask.errors import InvalidTask
-from mtask.models import ON_CONFLICT_CHOICES, TaskStatus, in_range
+from mtask.models import MAX_AGE_SECONDS, ON_CONFLICT_CHOICES, TaskStatus, in_range
 from mtask.store import debounce as debounce_store
 from mtask.store import output as store_output
 from mtask.store import supersede as supersede_store
@@ -50,6 +50,14 @@ def check_number(
     if not ok:
         kind = "an integer" if integer else "a number"
         raise InvalidTask(f"must be {kind} from {low:g} to {high:g}, not {value!r}", field=field)
+
+
+def check_wait(key: object, timeout: object) -> None:
+    """A ``wait``'s key and its ``timeout`` (``None``: no limit; else seconds from 0 to
+    ``MAX_AGE_SECONDS``)."""
+    check_key(key)
+    if timeout is not None:
+        check_number(timeout, "timeout", 0, MAX_AGE_SECONDS)
 
 
 def check_list_args(status: str | None, limit: int, order: str) -> None:

@@ -41,9 +41,9 @@ stops (``mtask.preflight``).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from mtask import lazy_exports
 from mtask.steps.rules import (
     INLINE_BYTES,
     INLINE_TOTAL_BYTES,
@@ -98,20 +98,7 @@ _WHERE = {
         "wait_ids",
     ),
 }
-_MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mtask.steps' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next lookup is a plain one
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_MODULE_OF})
+__getattr__, __dir__ = lazy_exports("mtask.steps", _WHERE, globals())
 
 
 __all__ = [

@@ -37,10 +37,9 @@ class Runner:
         value: Any = None
         error: BaseException | None = None
         while True:
-            try:
-                need = plan.throw(error) if error is not None else plan.send(value)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
+            need, done = _advance(plan, value, error)
+            if done:
+                return need  # type: ignore[no-any-return]
             value, error = None, None
             try:
                 if isinstance(need, _Io):
@@ -59,10 +58,9 @@ class Runner:
         value: Any = None
         error: BaseException | None = None
         while True:
-            try:
-                need = plan.throw(error) if error is not None else plan.send(value)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
+            need, done = _advance(plan, value, error)
+            if done:
+                return need  # type: ignore[no-any-return]
             value, error = None, None
             try:
                 if isinstance(need, _Io):
@@ -87,6 +85,15 @@ class Runner:
             coro.close()
             raise StepError("in an async def handler, await ctx.step/sleep/wait_for")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+
+def _advance(plan: Plan[Any], value: Any, error: BaseException | None) -> tuple[Any, bool]:
+    """The plan resumed with ``value`` (or ``error`` thrown in): ``(its next need, False)``,
+    or ``(its result, True)`` once it returned. One step of both runners' loops."""
+    try:
+        return (plan.throw(error) if error is not None else plan.send(value)), False
+    except StopIteration as stop:
+        return stop.value, True
 
 
 async def call_async(call: _Call) -> Any:

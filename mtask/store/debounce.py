@@ -30,7 +30,7 @@ from pymongo.errors import DuplicateKeyError
 
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask, StorageError
-from mtask.models import MAX_KEY_LENGTH, MAX_RETRY_DELAY_MS, NewTask, TaskStatus
+from mtask.models import MAX_KEY_LENGTH, NewTask, TaskStatus, delay_ms
 from mtask.statemachine import recompute_stages
 from mtask.store.retention import resolve
 from mtask.store.schema import literal, new_document
@@ -64,16 +64,12 @@ class Quiet:
 
 
 def _ms(value: object, field: str) -> int:
-    seconds = value.total_seconds() if isinstance(value, dt.timedelta) else value
-    if (
-        isinstance(seconds, bool)
-        or not isinstance(seconds, int | float)
-        or not 0 <= seconds <= MAX_RETRY_DELAY_MS / 1000
-    ):
+    ms = delay_ms(value)
+    if ms is None:
         raise InvalidTask(
             f"must be a number of seconds from 0 to 30 days, not {value!r}", field=field
         )
-    return round(seconds * 1000)
+    return ms
 
 
 def window_key(key: str, first_at: dt.datetime) -> str:

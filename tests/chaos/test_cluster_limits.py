@@ -7,7 +7,7 @@ import datetime as dt
 from typing import Any
 
 import pytest
-from harness import Cluster, until_finished
+from harness import Cluster, peak, until_finished
 
 from mtask import TaskClient
 
@@ -52,17 +52,6 @@ def crowd(mongo: Any, db_name: str, run_ids: set[str] | None = None) -> list[str
         f"{runs[rid]['start']:%H:%M:%S.%f}-{runs[rid]['end']:%H:%M:%S.%f} ({runs[rid]['how']})"
         for rid in sorted(busiest, key=lambda rid: runs[rid]["start"])
     ]
-
-
-def peak(runs: list[tuple[dt.datetime, dt.datetime]]) -> int:
-    """The most runs at once; a run ending at the instant another starts is not counted with it
-    (``$$NOW`` has millisecond precision)."""
-    points = sorted([(s, 1) for s, _ in runs] + [(e, -1) for _, e in runs])
-    running = most = 0
-    for _, step in points:
-        running += step
-        most = max(most, running)
-    return most
 
 
 def publish(client: TaskClient, prefix: str, count: int, ms: int) -> set[str]:

@@ -45,6 +45,49 @@ def runs_of(mongo: Any, db_name: str) -> dict[str, list[Span]]:
     return out
 
 
+def ends_of_frozen(log: Any, stopped: dt.datetime) -> dict[str, str]:
+    """How each run of worker ``b`` running when it was frozen (at ``stopped``) ended (``""``:
+    not yet)."""
+    runs: dict[str, dict[str, Any]] = defaultdict(dict)
+    for entry in log.find({"worker_id": "b"}):
+        runs[entry["run_id"]][entry["event"]] = entry["at"]
+    return {
+        rid: next((e for e in r if e != "start"), "")
+        for rid, r in runs.items()
+        if r["start"] < stopped and all(at > stopped for e, at in r.items() if e != "start")
+    }
+
+
+async def kill_a_and_freeze_b(
+    cluster: Cluster, client: TaskClient, log: Any
+) -> tuple[dict[str, dt.datetime], dt.datetime, dt.datetime]:
+    """The faults of this file's and test_shared_resources.py's runs: worker ``a`` killed
+    with SIGKILL (``d`` takes its place); ``b``, once it runs something, frozen with SIGSTOP
+    past its leases (its runs last long: on waking, they are past their leases and not done),
+    woken, and killed once each run frozen mid-run ended. Returns when each killed worker was
+    killed (``cuts``, the server's clock) and the times read just before the freeze and just
+    after it."""
+    cluster.signal("a", signal.SIGKILL)
+    cuts = {"a": client.now()}
+    cluster.spawn("d", "--concurrency", "8")
+
+    def b_running() -> bool:
+        started = {e["run_id"] for e in log.find({"worker_id": "b", "event": "start"})}
+        ended = {e["run_id"] for e in log.find({"worker_id": "b", "event": {"$ne": "start"}})}
+        return bool(started - ended)
+
+    await wait_for(b_running, timeout=120)
+    stopped = client.now()
+    cluster.signal("b", signal.SIGSTOP)
+    await asyncio.sleep(FAST["worker_timeout_ms"] / 1000 + 1.5)  # the fault: past its leases
+    resumed = client.now()
+    cluster.signal("b", signal.SIGCONT)
+    await wait_for(lambda: all(ends_of_frozen(log, stopped).values()), timeout=60)
+    cluster.signal("b", signal.SIGKILL)
+    cuts["b"] = client.now()
+    return cuts, stopped, resumed
+
+
 def publish_groups(client: TaskClient, groups: int, each: int, **params: Any) -> None:
     """``each`` tasks in each of ``groups`` groups, published interleaved (g0/0, g1/0, …,
     g0/1, …) in one call; a task of every seventh index fails once."""
@@ -179,40 +222,11 @@ async def test_group_concurrency_above_one_and_a_group_rate_hold_through_kills_a
     )
     tasks, log = mongo[db_name]["tasks"], mongo[db_name]["execlog"]
     await wait_for(lambda: tasks.count_documents({"status": "succeeded"}) >= 20, timeout=120)
-    cluster.signal("a", signal.SIGKILL)
-    cuts = {"a": client.now()}
-    cluster.spawn("d", "--concurrency", "8")
-
-    def b_running() -> bool:
-        started = {e["run_id"] for e in log.find({"worker_id": "b", "event": "start"})}
-        ended = {e["run_id"] for e in log.find({"worker_id": "b", "event": {"$ne": "start"}})}
-        return bool(started - ended)
-
-    await wait_for(b_running, timeout=120)
-    stopped = client.now()
-    cluster.signal("b", signal.SIGSTOP)
-    await asyncio.sleep(FAST["worker_timeout_ms"] / 1000 + 1.5)  # the fault: past its leases
-    resumed = client.now()
-    cluster.signal("b", signal.SIGCONT)
-
-    def ends_of_frozen() -> dict[str, str]:
-        """How each run frozen mid-run ended (``""``: not yet)."""
-        runs: dict[str, dict[str, Any]] = defaultdict(dict)
-        for entry in log.find({"worker_id": "b"}):
-            runs[entry["run_id"]][entry["event"]] = entry["at"]
-        return {
-            rid: next((e for e in r if e != "start"), "")
-            for rid, r in runs.items()
-            if r["start"] < stopped and all(at > stopped for e, at in r.items() if e != "start")
-        }
-
-    await wait_for(lambda: all(ends_of_frozen().values()), timeout=60)
-    cluster.signal("b", signal.SIGKILL)
-    cuts["b"] = client.now()
+    cuts, stopped, resumed = await kill_a_and_freeze_b(cluster, client, log)
     await until_finished(client, 120, timeout=300)
     assert client.stats()["work"] == {"succeeded": 120}
     # the runs frozen mid-run were stopped at their first step after the freeze
-    frozen = ends_of_frozen()
+    frozen = ends_of_frozen(log, stopped)
     assert frozen and set(frozen.values()) == {"cancelled"}, frozen
     spans = effective_spans(mongo, db_name, cuts, ("b", stopped, resumed))
     starts: dict[str, list[dt.datetime]] = defaultdict(list)

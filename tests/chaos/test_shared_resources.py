@@ -4,34 +4,18 @@ from the handlers' own start and end times (the execution log, the server's cloc
 
 from __future__ import annotations
 
-import asyncio
-import signal
 from typing import Any
 
 import pytest
-from cluster import Cluster, until_finished
-from harness import wait_for
+from harness import Cluster, until_finished, wait_for
 from test_cluster_limits import crowd, peak
-from test_group_faults import effective_spans
+from test_group_faults import FAST, effective_spans, ends_of_frozen, kill_a_and_freeze_b
 
 from mtask import TaskClient
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
-FAST = {"worker_timeout_ms": 2000, "ping_interval_ms": 300, "retry_delay_ms": 50}
 NAMES = ("api_a", "api_b", "api_c")
-
-
-def ends_of_frozen(log: Any, stopped: Any) -> dict[str, str]:
-    """How each run of worker ``b`` running when it was frozen ended (``""``: not yet)."""
-    runs: dict[str, dict[str, Any]] = {}
-    for entry in log.find({"worker_id": "b"}):
-        runs.setdefault(entry["run_id"], {})[entry["event"]] = entry["at"]
-    return {
-        rid: next((e for e in r if e != "start"), "")
-        for rid, r in runs.items()
-        if r["start"] < stopped and all(at > stopped for e, at in r.items() if e != "start")
-    }
 
 
 async def test_a_concurrency_shared_by_three_names_holds_through_a_kill_and_a_freeze(
@@ -58,24 +42,7 @@ async def test_a_concurrency_shared_by_three_names_holds_through_a_kill_and_a_fr
     )
     tasks, log = mongo[db_name]["tasks"], mongo[db_name]["execlog"]
     await wait_for(lambda: tasks.count_documents({"status": "succeeded"}) >= 10, timeout=120)
-    cluster.signal("a", signal.SIGKILL)
-    cuts = {"a": client.now()}
-    cluster.spawn("d", "--concurrency", "8")
-
-    def b_running() -> bool:
-        started = {e["run_id"] for e in log.find({"worker_id": "b", "event": "start"})}
-        ended = {e["run_id"] for e in log.find({"worker_id": "b", "event": {"$ne": "start"}})}
-        return bool(started - ended)
-
-    await wait_for(b_running, timeout=120)
-    stopped = client.now()
-    cluster.signal("b", signal.SIGSTOP)
-    await asyncio.sleep(FAST["worker_timeout_ms"] / 1000 + 1.5)  # the fault: past its leases
-    resumed = client.now()
-    cluster.signal("b", signal.SIGCONT)
-    await wait_for(lambda: all(ends_of_frozen(log, stopped).values()), timeout=60)
-    cluster.signal("b", signal.SIGKILL)
-    cuts["b"] = client.now()
+    cuts, stopped, resumed = await kill_a_and_freeze_b(cluster, client, log)
     await until_finished(client, 90, timeout=300)
     assert client.stats() == {name: {"succeeded": 30} for name in NAMES}
     frozen = ends_of_frozen(log, stopped)

@@ -9,6 +9,7 @@ from .events import Events, poll, until_finished, wait_for
 from .examples import on_a_server
 from .inloop import drained, running_worker, until_recorded
 from .machine import need_proc, node, required
+from .overlap import peak
 from .pages import BACKGROUND, DESKTOP, EVERY_LOOK, PHONE, kept, looks, sign_in, signed_in
 from .processes import (
     CHAOS,
@@ -59,6 +60,7 @@ __all__ = [
     "on_a_server",
     "pad_to_the_limit",
     "parent_of",
+    "peak",
     "poll",
     "process_state",
     "replica_set_with_workers",

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import workerapp
 from fastapi.testclient import TestClient
-from harness import run_cli, running_worker, wait_for
+from harness import peak, run_cli, running_worker, wait_for
 from pymongo import MongoClient
 
 from mtask import TaskClient, slots
@@ -147,15 +147,6 @@ def spans(db: Any, prefix: str) -> list[tuple[float, float]]:
         (d["result"][0], d["result"][1])
         for d in db.tasks.find({"_id": {"$regex": f"^{prefix}"}}, {"result": 1})
     ]
-
-
-def peak(runs: list[tuple[float, float]]) -> int:
-    points = sorted([(s, 1) for s, _ in runs] + [(e, -1) for _, e in runs])
-    running = most = 0
-    for _, step in points:
-        running += step
-        most = max(most, running)
-    return most
 
 
 async def test_workers_hold_each_group_to_its_own_limit_and_hear_a_change(

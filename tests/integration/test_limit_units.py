@@ -4,15 +4,14 @@ unit in a shared resource; held by in-process workers."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime as dt
-import time
 from typing import Any
 
 import pytest
 from harness import running_worker, wait_for
 from pymongo import MongoClient
+from workerapp import timed_sleep
 
 from mtask import TaskClient, limits, slots
 from mtask.driver import SyncDriver
@@ -23,18 +22,9 @@ T0 = dt.datetime(2099, 1, 1, 9, tzinfo=dt.UTC)
 registry = Registry()
 
 
-@registry.task("big", uses=["gpu"], units=3)
-async def big(params: dict[str, float]) -> list[float]:
-    start = time.monotonic()
-    await asyncio.sleep(params["seconds"])
-    return [start, time.monotonic()]
-
-
-@registry.task("small", uses=["gpu"])
-async def small(params: dict[str, float]) -> list[float]:
-    start = time.monotonic()
-    await asyncio.sleep(params["seconds"])
-    return [start, time.monotonic()]
+# each sleeps, and returns its start and end on this process's clock (workerapp)
+registry.task("big", uses=["gpu"], units=3)(timed_sleep)
+registry.task("small", uses=["gpu"])(timed_sleep)
 
 
 def test_the_servers_take_counts_units_of_runs_at_once_and_tokens(
@@ -62,7 +52,7 @@ def test_the_servers_take_counts_units_of_runs_at_once_and_tokens(
     assert take("n", "t3", 2, T0 + dt.timedelta(seconds=1))  # 1 + 2 refilled
     for bad in (0, 1001, True, 2.5):
         with pytest.raises(InvalidTask):
-            Registry().task("x", units=bad)(small)  # type: ignore[arg-type]
+            Registry().task("x", units=bad)(timed_sleep)  # type: ignore[arg-type]
     assert registry.units == {"big": 3}
 
 

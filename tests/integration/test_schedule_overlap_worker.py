@@ -27,6 +27,23 @@ def schedule(mongo: MongoClient[dict[str, Any]], db: str, sid: str) -> dict[str,
     return mongo[db]["schedules"].find_one({"_id": sid}) or {}
 
 
+def listed(mongo_uri: str, db: str) -> tuple[int, str]:
+    """``mtask schedule list``'s exit code and output."""
+    code, out, _ = run_cli("schedule", "list", "--uri", mongo_uri, "--database", db, width=160)
+    return code, out
+
+
+def remove_and_cancel(
+    client: TaskClient, mongo: MongoClient[dict[str, Any]], db: str, sid: str
+) -> None:
+    """The schedule removed and its ticks still pending or running cancelled (the worker
+    stops with nothing left running)."""
+    client.remove_schedule(sid)
+    for task in ticks_of(mongo, db, sid):
+        if task["status"] in ("pending", "running"):
+            client.cancel(task["_id"])
+
+
 def test_skip_publishes_nothing_while_the_previous_runs(
     mongo_uri: str, db_name: str, client: TaskClient, mongo: MongoClient[dict[str, Any]]
 ) -> None:
@@ -35,17 +52,12 @@ def test_skip_publishes_nothing_while_the_previous_runs(
         polled(lambda: schedule(mongo, db_name, "sk"), lambda d: d.get("skipped", 0) >= 5)
         running = ticks_of(mongo, db_name, "sk")
         assert len(running) == 1  # five ticks came, the first still runs
-        code, out, _ = run_cli(
-            "schedule", "list", "--uri", mongo_uri, "--database", db_name, width=160
-        )
+        code, out = listed(mongo_uri, db_name)
         assert code == 0 and "skip, " in out and " skipped" in out
         client.cancel(running[0]["_id"])
         after = polled(lambda: ticks_of(mongo, db_name, "sk"), lambda t: len(t) >= 2)
         assert len(after) >= 2  # once it ended, the next tick is published
-        client.remove_schedule("sk")
-        for task in ticks_of(mongo, db_name, "sk"):
-            if task["status"] in ("pending", "running"):
-                client.cancel(task["_id"])
+        remove_and_cancel(client, mongo, db_name, "sk")
 
 
 def test_buffer_holds_one_tick_and_publishes_it_after_the_previous(
@@ -59,9 +71,7 @@ def test_buffer_holds_one_tick_and_publishes_it_after_the_previous(
         )
         assert held.get("buffered_tick") is not None
         (first,) = ticks_of(mongo, db_name, "bf")
-        code, out, _ = run_cli(
-            "schedule", "list", "--uri", mongo_uri, "--database", db_name, width=160
-        )
+        code, out = listed(mongo_uri, db_name)
         assert code == 0 and "buffer" in out and "1 buffered" in out
         client.pause_schedule("bf")  # no newer tick: the held one is the next task
         buffered = schedule(mongo, db_name, "bf")["buffered_tick"]
@@ -70,10 +80,7 @@ def test_buffer_holds_one_tick_and_publishes_it_after_the_previous(
         after = polled(lambda: ticks_of(mongo, db_name, "bf"), lambda t: len(t) >= 2)
         keys = [t["_id"] for t in after]
         assert len(after) >= 2 and tick_key("bf", buffered) in keys[:3]
-        client.remove_schedule("bf")
-        for task in ticks_of(mongo, db_name, "bf"):
-            if task["status"] in ("pending", "running"):
-                client.cancel(task["_id"])
+        remove_and_cancel(client, mongo, db_name, "bf")
 
 
 def test_all_lets_ticks_overlap(
@@ -86,10 +93,7 @@ def test_all_lets_ticks_overlap(
             lambda running: len(running) >= 2,
         )
         assert len(piled) >= 2
-        client.remove_schedule("al")
-        for task in ticks_of(mongo, db_name, "al"):
-            if task["status"] in ("pending", "running"):
-                client.cancel(task["_id"])
+        remove_and_cancel(client, mongo, db_name, "al")
 
 
 def test_a_bad_overlap_is_refused(mongo_uri: str, db_name: str, client: TaskClient) -> None:

@@ -5,15 +5,14 @@ two names at once, a change heard while they run."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import time
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from harness import run_cli, running_worker, wait_for
+from harness import peak, run_cli, running_worker, wait_for
 from pymongo import MongoClient
+from workerapp import timed_sleep
 
 from mtask import TaskClient, limits
 from mtask.errors import InvalidTask
@@ -26,25 +25,10 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 registry = Registry()
 
 
-@registry.task("summarize", uses=["openai"])
-async def summarize(params: dict[str, float]) -> list[float]:
-    start = time.monotonic()
-    await asyncio.sleep(params["seconds"])
-    return [start, time.monotonic()]
-
-
-@registry.task("embed", uses=["openai"])
-async def embed(params: dict[str, float]) -> list[float]:
-    start = time.monotonic()
-    await asyncio.sleep(params["seconds"])
-    return [start, time.monotonic()]
-
-
-@registry.task("plain")
-async def plain(params: dict[str, float]) -> list[float]:
-    start = time.monotonic()
-    await asyncio.sleep(params["seconds"])
-    return [start, time.monotonic()]
+# each sleeps, and returns its start and end on this process's clock (workerapp)
+registry.task("summarize", uses=["openai"])(timed_sleep)
+registry.task("embed", uses=["openai"])(timed_sleep)
+registry.task("plain")(timed_sleep)
 
 
 def test_a_resources_limit_is_set_and_cleared_and_bad_input_writes_nothing(
@@ -71,7 +55,7 @@ def test_a_resources_limit_is_set_and_cleared_and_bad_input_writes_nothing(
     assert mongo[db_name].limits.count_documents({}) == 0
     for uses in ("openai", [""], ["a\x00b"]):
         with pytest.raises(InvalidTask):
-            Registry().task("x", uses=uses)(plain)  # type: ignore[arg-type]
+            Registry().task("x", uses=uses)(timed_sleep)  # type: ignore[arg-type]
     assert registry.uses == {"summarize": ("openai",), "embed": ("openai",)}
 
 
@@ -108,15 +92,6 @@ def test_the_cli_and_http_set_show_and_clear_a_resources_limit(
         assert http.delete("/resources/stripe", headers=AUTH).status_code == 204
     code, _, _ = run_cli("limit", "--resource", "openai", "--clear", *where)
     assert code == 0 and client.limits() == []
-
-
-def peak(runs: list[list[float]]) -> int:
-    points = sorted([(s, 1) for s, _ in runs] + [(e, -1) for _, e in runs])
-    running = most = 0
-    for _, step in points:
-        running += step
-        most = max(most, running)
-    return most
 
 
 async def test_workers_share_a_resource_between_two_names_and_hear_a_change(
