@@ -175,19 +175,24 @@ def effective_spans(
     clock), zombies and runs taken over included: a run of a killed worker ends at the kill
     (``cuts``: worker id to its kill's time, read once the process was gone); a run of the
     frozen worker (``frozen``: its id, and the times read just before the SIGSTOP and just
-    before the SIGCONT) ran nothing while frozen."""
+    before the SIGCONT) ran nothing while frozen, and nothing after it either when it ended
+    ``cancelled``: its handler was asleep until the cancel (its only work is that sleep), and
+    the entry lands as late as a woken, loaded process writes it."""
     worker, stopped, resumed = frozen
     runs: dict[str, dict[str, Any]] = {}
     for entry in mongo[db_name]["execlog"].find():
         run = runs.setdefault(entry["run_id"], {"key": entry["key"], "w": entry["worker_id"]})
-        run["start" if entry["event"] == "start" else "end"] = entry["at"]
+        if entry["event"] == "start":
+            run["start"] = entry["at"]
+        else:
+            run["end"], run["how"] = entry["at"], entry["event"]
     out: dict[str, list[tuple[dt.datetime, dt.datetime]]] = defaultdict(list)
     for run in runs.values():
         group = run["key"].partition("/")[0]
         end = run.get("end") or cuts[run["w"]]  # no end: its worker was killed
         if run["w"] == worker and run["start"] < stopped < end:
             out[group].append((run["start"], stopped))
-            if end > resumed:
+            if end > resumed and run.get("how") != "cancelled":
                 out[group].append((resumed, end))
         else:
             out[group].append((run["start"], end))
