@@ -9,7 +9,7 @@ import datetime as dt
 from typing import Any
 
 import pytest
-from cluster import Cluster, until_finished
+from harness import Cluster, until_finished
 
 from mtask import TaskClient
 

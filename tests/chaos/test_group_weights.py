@@ -8,7 +8,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from cluster import Cluster, until_finished
+from harness import Cluster, until_finished
 from test_cluster_limits import crowd, peak, spans
 
 from mtask import TaskClient

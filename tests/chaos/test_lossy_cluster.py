@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from cluster import Cluster, until_finished
+from harness import Cluster, until_finished
 from test_cluster_limits import crowd, peak, spans
 
 from mtask import TaskClient
