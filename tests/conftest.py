@@ -38,8 +38,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """How the suite is spread over its processes (``-n``): by ``tests/tiers.group_of``, a
-    file's tests in one process, the chaos tier's one after another in one. xdist's own
-    ``loadscope`` scheduler, given that scope (its documented hook)."""
+    file's tests in one process, the chaos tier's in two lanes, one test at a time in each.
+    xdist's own ``loadscope`` scheduler, given that scope (its documented hook)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByGroup(LoadScopeScheduling):

@@ -5,6 +5,7 @@ it pytest's reports and prints its lines."""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -50,12 +51,21 @@ def tier_lines(tiers: dict[str, Tier]) -> list[str]:
 
 
 SERIAL = ("chaos",)
-"""Tiers whose tests run one at a time, in one test process: each loads the machine on its own
-(replica sets, killed and frozen workers) and measures how the system holds under it."""
+"""Tiers whose tests run in few lanes, one test at a time in each: each loads the machine on
+its own (replica sets, killed and frozen workers) and measures how the system holds under it."""
+
+LANES = 2
+"""How many lanes a serial tier takes: two of its tests at once at most (three at once failed
+four of them on load alone, on this 2-core machine)."""
 
 
 def group_of(nodeid: str) -> str:
-    """The ``xdist_group`` of a test (``--dist loadgroup``): a serial tier's name, else its
-    file, so that a file's tests share one process and its module fixtures."""
+    """The scope of a test for the suite's scheduler (``tests/conftest.py``): a serial tier's
+    lane (by its file, so a file's tests share one process and its module fixtures), else its
+    file."""
     tier = tier_of(nodeid)
-    return tier if tier in SERIAL else nodeid.split("::", 1)[0]
+    path = nodeid.split("::", 1)[0]
+    if tier not in SERIAL:
+        return path
+    lane = zlib.crc32(PurePosixPath(path).name.encode()) % LANES
+    return f"{tier}-{lane}"

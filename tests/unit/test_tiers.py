@@ -68,10 +68,12 @@ def test_the_tiers_add_up_to_the_whole_run(rows: list[tuple[str, int, float]]) -
     assert sum(t.seconds for t in tiers.values()) == pytest.approx(sum(s for _, s in phases))
 
 
-def test_a_file_is_a_group_and_the_chaos_tier_is_one() -> None:
-    from tiers import group_of
+def test_a_file_is_a_group_and_the_chaos_tier_takes_two_lanes() -> None:
+    from tiers import LANES, group_of
 
     assert group_of("tests/integration/test_x.py::test_a[1]") == "tests/integration/test_x.py"
     assert group_of("tests/integration/test_x.py::test_b") == "tests/integration/test_x.py"
-    assert group_of("tests/chaos/test_kills.py::test_a") == "chaos"
-    assert group_of("tests/chaos/test_outage.py::test_b[x]") == "chaos"
+    a, b = group_of("tests/chaos/test_kills.py::test_a"), group_of("tests/chaos/test_kills.py::b")
+    assert a == b and a in {f"chaos-{n}" for n in range(LANES)}  # a file's tests in one lane
+    lanes = {group_of(f"tests/chaos/test_{n}.py::test_a") for n in range(40)}
+    assert lanes == {f"chaos-{n}" for n in range(LANES)}
