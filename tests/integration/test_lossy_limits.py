@@ -84,3 +84,5 @@ def test_an_overflow_is_set_shown_and_checked(
         assert bad.status_code == 422
         put = http.put("/resources/api", json={"rate": 5, "overflow": "drop"}, headers=AUTH)
         assert put.status_code == 200 and put.json()["overflow"] == "drop"
+        page = http.get("/ui/limits", headers=AUTH).text  # the dashboard says it too
+        assert "failed for good at once" in page and "cancelled at once" in page
