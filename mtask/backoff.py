@@ -15,7 +15,9 @@ The document is made if there is none (a name with no limit gets one holding onl
 hold is written with one update, before the run is released, and only ever moves later (a
 second back-off during one ends at the later of the two). Workers hear of it as of a changed
 limit (``HELD_UNTIL`` and ``GROUP_HOLDS`` are limit fields), and take the name's slot for its
-tasks from then on: a worker that has not heard of it yet (within a second) may claim one more.
+tasks from then on. A limited name's take carries its task's group whatever the worker has
+heard, so its hold is exact at once; a worker that has not heard of a hold on a name with no
+limit before (within a second) may claim one more of its tasks.
 """
 
 from __future__ import annotations

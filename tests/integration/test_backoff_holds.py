@@ -19,6 +19,8 @@ from mtask.driver import SyncDriver
 from mtask.registry import Registry, TaskContext
 from mtask.states import State
 from mtask.web import create_app
+from mtask.worker.claiming.limited import plan
+from mtask.worker.finding.placement import TaskMeta
 
 TOKEN = "test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -72,6 +74,25 @@ def test_a_hold_refuses_the_take_on_the_server_until_it_ends(
     driver.run(hold("m", "$acme", T0 + dt.timedelta(seconds=30), T0))
     assert not take(driver, "m", "$acme", T0 + dt.timedelta(seconds=1), "r7")
     assert take(driver, "m", "acme", T0 + dt.timedelta(seconds=1), "r8")
+
+
+def test_a_group_held_since_the_worker_read_its_limit_is_refused_by_the_take(
+    mongo: MongoClient[Any], db_name: str, client: TaskClient
+) -> None:
+    """A limited name: the worker's view of its limit (read before the back-off) holds no
+    hold, and its batch's take of the name's slot for a task of the held group is refused all
+    the same: the take carries the task's group whatever the view says (the hold is exact at
+    once, not once the worker hears of it); another group's is taken."""
+    driver = SyncDriver(mongo[db_name])
+    client.set_limit("n", concurrency=100)
+    view = {"n": mongo[db_name].limits.find_one({"_id": "n"})}  # read before the hold
+    driver.run(hold("n", "acme", T0 + dt.timedelta(seconds=30), T0))
+    known = {g: TaskMeta("n", 0, frozenset(), 1000, group=("n", g)) for g in ("acme", "beta")}
+    out = plan(list(known), known, view, {}, T0, lambda k: f"run-{k}", 30_000)
+    requests = [r for _, rs in out.claims for r in rs]
+    assert [(r.slot, r.group) for r in requests] == [("n", "acme"), ("n", "beta")]
+    taken = driver.run(slots.take(requests, "w", T0 + dt.timedelta(seconds=1)))
+    assert [t.taken for t in taken] == [False, True]
 
 
 async def test_a_handler_backs_off_its_group_without_spending_a_retry(

@@ -254,8 +254,9 @@ class _Planner:
         own = limits.own_limit(doc)
         requests = []
         if own.set or limits.has_holds(doc):  # a back-off's hold: the take decides it
-            held = group if limits.GROUP_HOLDS in doc else None
-            requests.append(dataclasses.replace(base, group=held))
+            # the group always: a hold of it written since this worker's view was read is
+            # refused by the take itself, not once the worker hears of it
+            requests.append(dataclasses.replace(base, group=group))
         if gslot is not None and lock is None:
             requests.append(dataclasses.replace(base, slot=gslot, limit=each))
         # a lossy limit is asked for every key: the server's refusal is what drops the excess
