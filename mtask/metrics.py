@@ -110,6 +110,18 @@ LIMIT_SHED = Counter(
     "task name, or resource:<name>) and how (drop, fail)",
     ["limit", "how"],
 )
+SUPERSEDED = Counter(
+    "mtask_tasks_superseded",
+    "Tasks a publish with a supersede policy (this process's) ended, per task name and how: "
+    "cancelled (an older task the newer one replaced), dropped (the newer one not stored)",
+    ["name", "how"],
+)
+DEBOUNCED = Counter(
+    "mtask_publishes_debounced",
+    "Publishes by this process that joined a debounce window already open (its task's params "
+    "replaced, its start put back) instead of creating a task",
+    ["name"],
+)
 BACKOFFS = Counter(
     "mtask_backoffs",
     "Handlers' BackOff holds written by this worker, per task name and what they held: "

@@ -125,6 +125,26 @@ def _count_created(by_name: Mapping[str, int], session: Any = None) -> None:
         after_commit(session, count)
 
 
+def _count_flow(name: str, superseded: int, dropped: bool, debounced: bool, session: Any) -> None:
+    """Count what a publish's flow control did (issue 62): the older tasks it superseded, the
+    newer one dropped, a publish that joined an open debounce window; inside a transaction,
+    once it has committed."""
+    if not (superseded or dropped or debounced):
+        return
+
+    def count() -> None:
+        from mtask import metrics
+
+        if superseded:
+            metrics.SUPERSEDED.labels(metrics.label(name), "cancelled").inc(superseded)
+        if dropped:
+            metrics.SUPERSEDED.labels(metrics.label(name), "dropped").inc()
+        if debounced:
+            metrics.by_name(metrics.DEBOUNCED, name).inc()
+
+    after_commit(session, count)
+
+
 def _result(published: store.Published) -> PublishResult:
     return PublishResult(
         created=published.created,
@@ -196,10 +216,12 @@ class Publishing:
             if quiet is not None:  # issue 62
                 window = yield from debounce_store.publish(task, quiet, now, trace, known)
                 _count_created({task.name: 1} if window.created else {}, session)
+                _count_flow(task.name, 0, False, not window.created, session)
                 return _result(store.Published(window.created, not window.created, window.document))
             if policy is not None:  # issue 62
                 kept = yield from supersede_store.publish_task(task, policy, now, trace, known)
                 _count_created({task.name: 1} if kept.created else {}, session)
+                _count_flow(task.name, len(kept.superseded), kept.dropped, False, session)
                 published = store.Published(kept.created, False, kept.document)
                 return _result(published).model_copy(
                     update={"superseded": kept.superseded, "dropped": kept.dropped}

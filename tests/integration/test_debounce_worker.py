@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from harness import run_cli
+from prometheus_client import REGISTRY
 from pymongo import MongoClient
 from test_snooze_worker import flow_worker
 
@@ -35,6 +36,11 @@ def windows(
 def test_a_burst_of_publishes_is_one_run_after_the_quiet_period(
     mongo_uri: str, db_name: str, client: TaskClient, mongo: MongoClient[dict[str, Any]]
 ) -> None:
+    def debounced() -> float:
+        labels = {"name": "collect"}
+        return REGISTRY.get_sample_value("mtask_publishes_debounced_total", labels) or 0.0
+
+    before = debounced()
     with flow_worker(mongo_uri, db_name):
         results = []
         for n in range(100):  # about 3 s of publishes, 30 ms apart
@@ -42,6 +48,7 @@ def test_a_burst_of_publishes_is_one_run_after_the_quiet_period(
             time.sleep(0.03)
         key = results[0].task.key
         assert results[0].created and not any(r.created for r in results[1:])
+        assert debounced() - before == 99  # counted by this publisher's process
         assert {r.task.key for r in results} == {key} and key.startswith("burst~")
         done = client.wait(key, timeout=60)
     (only,) = windows(client, mongo, db_name, "burst")

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from harness import run_cli
+from prometheus_client import REGISTRY
 from pymongo import MongoClient
 from test_snooze_worker import flow_worker, polled
 
@@ -34,7 +35,14 @@ def race(client: TaskClient, policy: str, group: str) -> list[PublishResult]:
         return list(pool.map(one, range(RACERS)))
 
 
+def superseded(how: str) -> float:
+    """``mtask_tasks_superseded_total`` of the name ``hold``, ``how``, in this process."""
+    labels = {"name": "hold", "how": how}
+    return REGISTRY.get_sample_value("mtask_tasks_superseded_total", labels) or 0.0
+
+
 def test_racing_publishers_leave_exactly_one_newest(client: TaskClient) -> None:
+    before = superseded("cancelled")
     results = race(client, "cancel_running", "acme")
     keys = {f"acme-{n}" for n in range(RACERS)}
     tasks = {k: client.get(k) for k in keys}
@@ -48,6 +56,7 @@ def test_racing_publishers_leave_exactly_one_newest(client: TaskClient) -> None:
     # each older one was cancelled by exactly one newer publish, which it names
     named = [k for r in results for k in r.superseded]
     assert sorted(named) == sorted(cancelled)
+    assert superseded("cancelled") - before == len(cancelled)  # the publishers' own counts
     for r in results:
         for k in r.superseded:
             assert tasks[k].superseded_by == r.task.key  # type: ignore[union-attr]
@@ -57,6 +66,7 @@ def test_racing_publishers_leave_exactly_one_newest(client: TaskClient) -> None:
 
 
 def test_racing_publishers_drop_the_newer_ones(client: TaskClient) -> None:
+    before = superseded("dropped")
     results = race(client, "drop_newer", "beta")
     created = [r for r in results if r.created]
     assert len(created) == 1 and not created[0].dropped
@@ -64,6 +74,7 @@ def test_racing_publishers_drop_the_newer_ones(client: TaskClient) -> None:
     dropped = [r for r in results if not r.created]
     assert len(dropped) == RACERS - 1
     assert all(r.dropped and r.task.key == winner for r in dropped)
+    assert superseded("dropped") - before == RACERS - 1
     stored = [client.get(f"beta-{n}") for n in range(RACERS)]
     assert [t.key for t in stored if t is not None] == [winner]
 
