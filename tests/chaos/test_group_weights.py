@@ -5,10 +5,15 @@ across workers, and a change applies while they run."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Cluster, until_finished
+from harness import Cluster, required, until_finished
 from test_cluster_limits import crowd, peak, spans
 
 from mtask import TaskClient
@@ -28,25 +33,54 @@ def publish(client: TaskClient, prefix: str, group: str, count: int, ms: int) ->
     return set(keys)
 
 
+def net_of(pid: int | str) -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+@contextlib.contextmanager
+def two_hosts(mongo_uri: str, db_name: str, logs: Path) -> Iterator[Cluster]:
+    """Four workers on two hosts: each host a network namespace of its own (its first worker
+    started by ``unshare --net``, its second joining it by ``nsenter``), reaching mongod
+    through its Unix socket, as pods do through a service: only MongoDB is shared."""
+    required(["unshare", "--net", "true"], ["nsenter", "--version"], hint="util-linux, root")
+    port = int(mongo_uri.split(":")[2].split("/")[0])
+    socket = f"/tmp/mongodb-{port}.sock".replace("/", "%2F")
+    cluster = Cluster(f"mongodb://{socket}/?directConnection=true", db_name, logs)
+    try:
+        for host in ("h1", "h2"):
+            first = cluster.spawn(f"{host}a", "--concurrency", "4", prefix=["unshare", "--net"])
+            deadline = time.monotonic() + 30  # until unshare has made the namespace
+            while net_of(first.pid) == net_of("self") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            joined = ["nsenter", f"--net=/proc/{first.pid}/ns/net"]
+            cluster.spawn(f"{host}b", "--concurrency", "4", prefix=joined)
+        yield cluster
+    finally:
+        cluster.close()
+
+
 async def test_a_three_to_one_weight_holds_over_two_thousand_tasks_and_four_workers(
-    cluster: Cluster, client: TaskClient
+    client: TaskClient, mongo_uri: str, db_name: str, tmp_path: Path
 ) -> None:
-    """1,500 tasks of "pro" (weight 3) and 500 of "free" (weight 1), all due at once: while both
-    have a backlog (the first 1,200 claims), pro takes 3 for every 1 of free, within 10 %."""
+    """1,500 tasks of "pro" (weight 3) and 500 of "free" (weight 1), all due at once, drained
+    by four workers on two hosts: while both have a backlog (the first 1,200 claims), pro
+    takes 3 for every 1 of free, within 10 %."""
     client.set_group_limit("work", "pro", weight=3)
     publish(client, "pro-", "pro", 1500, 0)
     publish(client, "free-", "free", 500, 0)
-    for worker in ("a", "b", "c", "d"):
-        cluster.spawn(worker, "--concurrency", "4")
-    await until_finished(client, 2000, timeout=300)
+    with two_hosts(mongo_uri, db_name, tmp_path) as hosts:
+        nets = {w: net_of(p.pid) for w, p in hosts.procs.items()}
+        assert nets["h1a"] == nets["h1b"] != nets["h2a"] == nets["h2b"] != net_of("self")
+        await until_finished(client, 2000, timeout=300)
     claims = sorted(
-        (run["claimed_at"], doc["_id"])
-        for doc in client.collection.find({}, {"runs.claimed_at": 1})
+        (run["claimed_at"], doc["_id"], run["worker_id"])
+        for doc in client.collection.find({}, {"runs.claimed_at": 1, "runs.worker_id": 1})
         for run in doc["runs"]
     )
     assert len(claims) == 2000  # each ran once
+    assert {w[:2] for _, _, w in claims} == {"h1", "h2"}  # both hosts claimed
     first = claims[:1200]
-    pro = sum(1 for _, key in first if key.startswith("pro-"))
+    pro = sum(1 for _, key, _ in first if key.startswith("pro-"))
     share = pro / (len(first) - pro)
     assert 2.7 <= share <= 3.3, (pro, len(first) - pro)
 
