@@ -137,6 +137,12 @@ def test_a_frozen_workers_child_stops_itself_by_its_leases_deadline(
         poll(lambda: dead(child), 10, "the child ran on past its lease")
         poll(lambda: dead(grandchild), 2, "the grandchild ran on past the lease")
         assert process_state(process.pid) == "T"  # the worker was frozen all along
+        # thawed only once the lease has ended on the server's clock, whatever a ping sent
+        # just before the freeze made of it (read again: such a ping has landed by now)
+        task = client.get("frozen")
+        assert task is not None and task.runs[-1].lease_expires_at is not None
+        ended = task.runs[-1].lease_expires_at + dt.timedelta(seconds=0.5)
+        time.sleep(max(0.0, (ended - dt.datetime.now(dt.UTC)).total_seconds()))
         process.send_signal(signal.SIGCONT)
         time.sleep(1.0)
         after = client.get("frozen")
@@ -146,17 +152,11 @@ def test_a_frozen_workers_child_stops_itself_by_its_leases_deadline(
 
 
 def assert_nothing_recorded_past_the_lease(run: Any) -> None:
-    """Thawed, the worker finds the run's lease gone by its own deadline and records nothing:
-    the run is still RUNNING, or a claim has since found its lease expired. One race is
-    allowed, the one a freeze can make: a ping sent just before the freeze reached the server
-    and pushed the lease on, but its reply was read only after the thaw, so the child (which
-    never heard of that renewal) stopped at the lease before it. The run was then still the
-    worker's, and the child's stop is its FAIL, written before the lease it holds ran out
-    (give or take the write's own trip)."""
-    if run.state.value == "RUNNING" or run.error == "lease expired: the worker stopped pinging":
+    """Thawed after its lease ended, the worker finds the run's lease gone by its own deadline
+    and records nothing (its child's report that it stopped at the lease included): the run
+    is still RUNNING, or a claim has since found its lease expired (and failed it, with no
+    retry left). No time is compared: the thaw comes after the lease's end, so any outcome of
+    the run would be one recorded past it."""
+    if run.state.value == "RUNNING":
         return
-    assert run.state.value == "FAIL", run
-    assert run.error is not None and "lease ran out with no renewal" in run.error, run
-    assert run.finished_at is not None and run.lease_expires_at is not None
-    past = (run.finished_at - run.lease_expires_at).total_seconds()
-    assert past < 0.1, f"the worker recorded its run {past:.2f} s after its lease ran out"
+    assert run.error == "lease expired: the worker stopped pinging", run
