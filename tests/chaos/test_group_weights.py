@@ -46,14 +46,19 @@ def two_hosts(mongo_uri: str, db_name: str, logs: Path) -> Iterator[Cluster]:
     port = int(mongo_uri.split(":")[2].split("/")[0])
     socket = f"/tmp/mongodb-{port}.sock".replace("/", "%2F")
     cluster = Cluster(f"mongodb://{socket}/?directConnection=true", db_name, logs)
+
+    def moved(pid: int) -> None:
+        """Until the process has left this namespace (``unshare`` or ``nsenter`` has run)."""
+        deadline = time.monotonic() + 30
+        while net_of(pid) == net_of("self") and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     try:
         for host in ("h1", "h2"):
             first = cluster.spawn(f"{host}a", "--concurrency", "4", prefix=["unshare", "--net"])
-            deadline = time.monotonic() + 30  # until unshare has made the namespace
-            while net_of(first.pid) == net_of("self") and time.monotonic() < deadline:
-                time.sleep(0.01)
+            moved(first.pid)
             joined = ["nsenter", f"--net=/proc/{first.pid}/ns/net"]
-            cluster.spawn(f"{host}b", "--concurrency", "4", prefix=joined)
+            moved(cluster.spawn(f"{host}b", "--concurrency", "4", prefix=joined).pid)
         yield cluster
     finally:
         cluster.close()
