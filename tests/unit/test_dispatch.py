@@ -4,10 +4,12 @@ stream shows of their claims and successes (their ``last_write`` tags)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import time
 from typing import Any, cast
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -433,3 +435,30 @@ def test_hand_overs_that_lapse_wait_longer_until_a_claim_is_heard_in_time() -> N
     waits.hand("j", a, 102.0)
     waits.heard("j", 102.01)  # heard in time
     assert waits.timeout() == credit.HAND_OVER_TIMEOUT and not waits.since and not waits.retried
+
+
+async def test_a_stopped_relays_queue_cancels_the_scan_on_its_way(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A relay that stops leaves no scan running on a client its worker then closes (it
+    logged "the relay's queue could not scan … AsyncMongoClient after close" at every stop)."""
+    d, _ = build()
+    host = d.host
+    started, never = asyncio.Event(), asyncio.Event()
+
+    async def scanning(requested: bool = False) -> int:
+        started.set()
+        await never.wait()
+        return 0
+
+    host.scanner.rescan = scanning  # type: ignore[method-assign]
+    host.idle()
+    host.activate()  # a scan at once, in a task of its own
+    await started.wait()
+    scan = host._scan
+    assert scan is not None and not scan.done()
+    host.stop()
+    await asyncio.gather(scan, return_exceptions=True)
+    assert scan.cancelled()
+    assert await host.rescan() == 0  # a stopped queue scans nothing more
+    assert "could not scan" not in caplog.text

@@ -101,6 +101,12 @@ class HostQueue:
         if self._active and not set(self.scope.names) <= self._scanned:
             self._scan_soon()
 
+    def stop(self) -> None:
+        """Cancel a scan on its way (the relay stops: its client may close under it)."""
+        if self._scan is not None:
+            self._scan.cancel()
+        self._active = False
+
     def _scan_soon(self) -> None:
         self._scanned = frozenset(self.scope.names)  # (many hellos at once: one scan)
         self._scan = asyncio.get_running_loop().create_task(self._scan_now())

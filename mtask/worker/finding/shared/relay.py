@@ -158,6 +158,7 @@ class Relay:
             log.warning("the relay stops: %s", lost.exceptions[0])
         finally:
             self.mode, self._alone_with = RelayMode.STOPPED, None
+            self.host.stop()
             if Relay.local.get(self.id) is self:
                 del Relay.local[self.id]
             for subscriber in list(self.subscribers):
