@@ -28,10 +28,7 @@ class Acting:
         """Cancel an open task; a task that spawned children (``ctx.spawn_and_wait``) cancels
         its open children too, and theirs."""
         check_key(key)
-        now = self.core.clock.now()
-        doc = yield from store.cancel(key, now)
-        if doc.get("spawned") is not None:  # issue 61: its children are not awaited any more
-            yield from store_children.cancel_children(key, now)
+        doc = yield from store_children.cancel_tree(key, self.core.clock.now())
         return Task.from_document(doc)
 
     @operation

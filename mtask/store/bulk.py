@@ -5,7 +5,8 @@ A filter is ``{name, status, older_than, keys}`` (any may be absent). Each actio
 statuses to those it applies to *in the filter itself*: retry to failed/cancelled, cancel to
 pending/running, purge to finished statuses — so a purge can never delete an open task, whatever
 the caller asks. Retry and cancel run the single-task operations (``store.tasks.retry`` /
-``cancel``) on each matching key, with their own fences; a key whose state changed in between is
+``store.children.cancel_tree``: a task's open children are cancelled with it) on each matching
+key, with their own fences; a key whose state changed in between is
 skipped. ``older_than`` compares ``updated_at`` (for a finished task, when it finished) with
 the server's ``now``.
 
@@ -34,7 +35,7 @@ from mtask.models import (
     TaskStatus,
     encodable,
 )
-from mtask.store import across, counts, tasks
+from mtask.store import across, children, counts, tasks
 
 Action = Literal["retry", "cancel", "purge"]
 MAX_PER_CALL = 1000
@@ -160,7 +161,7 @@ def apply(action: Action, where: Filter, now: dt.datetime, dry_run: bool) -> Op[
     docs = yield Call(
         "find", (filt, {"_id": 1}), {"sort": [("_id", ASCENDING)], "limit": MAX_PER_CALL}
     )
-    one = tasks.retry if action == "retry" else tasks.cancel
+    one = tasks.retry if action == "retry" else children.cancel_tree  # children: issue 61
     changed = 0
     for doc in docs:
         try:

@@ -26,7 +26,7 @@ from mtask.models import NewTask, TaskStatus
 from mtask.spawn import FINISHED, MAX_CHILDREN, word_bit, words
 from mtask.store import steps as store_steps
 from mtask.store.schema import OPEN_LIST, WELL_FORMED
-from mtask.store.tasks import cancel_pipeline, publish_many
+from mtask.store.tasks import cancel, cancel_pipeline, publish_many
 
 PAGE = 1000
 """Children read per page when their parent resumes."""
@@ -244,6 +244,15 @@ def _recount(doc: Mapping[str, Any]) -> Op[int]:
         ({"_id": doc["_id"], "spawned.step": step}, {"$currentDate": {"spawned.checked_at": True}}),
     )
     return 0
+
+
+def cancel_tree(key: str, now: dt.datetime) -> Op[Doc]:
+    """Cancel an open task (``store.tasks.cancel``) and, if it spawned children, its open
+    children and theirs: one client's cancel, or each of a bulk cancel's tasks."""
+    doc: Doc = yield from cancel(key, now)
+    if doc.get("spawned") is not None:  # issue 61: its children are not awaited any more
+        yield from cancel_children(key, now)
+    return doc
 
 
 def cancel_children(key: str, now: dt.datetime) -> Op[int]:

@@ -22,6 +22,7 @@ from mtask.errors import InvalidTask, InvalidTransition
 from mtask.registry import Registry, TaskContext
 from mtask.spawn import ChildFailed, Spawn
 from mtask.step_policy import StepPolicy
+from mtask.store import bulk
 from mtask.store import children as store_children
 
 registry = Registry()
@@ -127,6 +128,23 @@ async def test_cancelling_a_parent_cancels_its_open_children(
         assert cancelled.status.value == "cancelled"
         kids = [await aclient.get(f"f3/squares/{n}") for n in range(3)]
     assert [k.status.value for k in kids if k is not None] == ["cancelled"] * 3
+
+
+async def test_a_bulk_cancel_cancels_each_parents_open_children_too(
+    aclient: AsyncTaskClient, worker_after: Any
+) -> None:
+    """The dashboard's and the CLI's cancel by filter (``POST /tasks:cancel``, ``mtask cancel
+    --name``) cascades as one task's cancel does: no child is left running for nobody."""
+    async with worker_after(
+        registry, aclient.publish("fanout", "f6", {"n": 2, "hold": True}), "f6",
+        state="WAITING", concurrency=4,
+    ) as (_, events):  # fmt: skip
+        for n in range(2):
+            await events.wait("recorded", key=f"f6/squares/{n}", state="WAITING")
+        done = await aclient.bulk("cancel", bulk.Filter(name="fanout"))
+        assert (done.matched, done.changed) == (1, 1)
+        kids = [await aclient.get(f"f6/squares/{n}") for n in range(2)]
+    assert [k.status.value for k in kids if k is not None] == ["cancelled"] * 2
 
 
 async def test_a_lost_count_is_found_by_the_sweep(
