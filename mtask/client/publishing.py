@@ -125,24 +125,26 @@ def _count_created(by_name: Mapping[str, int], session: Any = None) -> None:
         after_commit(session, count)
 
 
-def _count_flow(name: str, superseded: int, dropped: bool, debounced: bool, session: Any) -> None:
-    """Count what a publish's flow control did (issue 62): the older tasks it superseded, the
-    newer one dropped, a publish that joined an open debounce window; inside a transaction,
+def _count_debounced(name: str, session: Any) -> None:
+    """Count a publish that joined an open debounce window (issue 62); inside a transaction,
     once it has committed."""
-    if not (superseded or dropped or debounced):
+    from mtask import metrics
+
+    after_commit(session, metrics.by_name(metrics.DEBOUNCED, name).inc)
+
+
+def _count_superseded(name: str, kept: supersede_store.Superseding, session: Any) -> None:
+    """Count what a publish's supersede policy did (issue 62): the older tasks it cancelled, or
+    the newer one dropped; inside a transaction, once it has committed."""
+    if not (kept.superseded or kept.dropped):
         return
+    from mtask import metrics
 
-    def count() -> None:
-        from mtask import metrics
-
-        if superseded:
-            metrics.SUPERSEDED.labels(metrics.label(name), "cancelled").inc(superseded)
-        if dropped:
-            metrics.SUPERSEDED.labels(metrics.label(name), "dropped").inc()
-        if debounced:
-            metrics.by_name(metrics.DEBOUNCED, name).inc()
-
-    after_commit(session, count)
+    if kept.superseded:
+        cancelled = metrics.SUPERSEDED.labels(metrics.label(name), "cancelled")
+        after_commit(session, lambda: cancelled.inc(len(kept.superseded)))
+    if kept.dropped:
+        after_commit(session, metrics.SUPERSEDED.labels(metrics.label(name), "dropped").inc)
 
 
 def _result(published: store.Published) -> PublishResult:
@@ -216,12 +218,13 @@ class Publishing:
             if quiet is not None:  # issue 62
                 window = yield from debounce_store.publish(task, quiet, now, trace, known)
                 _count_created({task.name: 1} if window.created else {}, session)
-                _count_flow(task.name, 0, False, not window.created, session)
+                if not window.created:
+                    _count_debounced(task.name, session)
                 return _result(store.Published(window.created, not window.created, window.document))
             if policy is not None:  # issue 62
                 kept = yield from supersede_store.publish_task(task, policy, now, trace, known)
                 _count_created({task.name: 1} if kept.created else {}, session)
-                _count_flow(task.name, len(kept.superseded), kept.dropped, False, session)
+                _count_superseded(task.name, kept, session)
                 published = store.Published(kept.created, False, kept.document)
                 return _result(published).model_copy(
                     update={"superseded": kept.superseded, "dropped": kept.dropped}
