@@ -49,6 +49,12 @@ def collect(params: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+@registry.task("wide", batch=100, batch_timeout=3600)
+def wide(items: list[BatchItem]) -> list[Any]:
+    """A batch larger than the worker's slots, with a timeout no test waits for."""
+    return [{"size": len(items)} for _ in items]
+
+
 @registry.task("index", batch=50, batch_timeout=0.2)
 def index(items: list[BatchItem]) -> list[Any]:
     """A batch handler: one entry per item; an item asking to fail fails alone."""

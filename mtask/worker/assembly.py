@@ -264,7 +264,7 @@ def build(
         isolation=config.pool,
         slots=slots,
         sealing=sealing_from_env(sclient, config.database),
-        batches=Batches(emit),
+        batches=Batches(emit, slots=config.concurrency),
         holds=Holds(adriver, clock, gate.apply),
     )
     executor = Executor(

@@ -56,6 +56,32 @@ def test_a_batch_handler_handles_many_tasks_per_call_each_with_its_own_outcome(
     assert max(sizes) > 1 and sum(sizes) / len(sizes) > 2  # handled many at a time
 
 
+def test_a_batch_larger_than_the_workers_slots_is_called_once_they_all_wait(
+    mongo_uri: str, db_name: str, client: TaskClient, mongo: MongoClient[dict[str, Any]]
+) -> None:
+    """``batch=100`` on a worker of concurrency 4: each call takes the 4 runs the worker can
+    hold, at once, not after the hour of ``batch_timeout``."""
+    client.publish_many([{"name": "wide", "key": f"w{n}"} for n in range(12)])
+    proc = subprocess.Popen(
+        worker_argv("flowpubapp:registry", mongo_uri, db_name, "--concurrency", "4"),
+        cwd=TESTS,
+        env=tree_env(),
+    )
+    try:
+        tasks = mongo[db_name]["tasks"]
+        succeeded = polled(
+            lambda: tasks.count_documents({"name": "wide", "status": "succeeded"}),
+            lambda done: done == 12,
+            timeout=60,
+        )
+        assert succeeded == 12
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    sizes = [d["result"]["size"] for d in tasks.find({"name": "wide"})]
+    assert max(sizes) <= 4 and sum(sizes) / len(sizes) > 1
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

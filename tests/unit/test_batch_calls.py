@@ -108,3 +108,45 @@ async def test_each_calls_size_is_a_metric() -> None:
         one(batches, "full", "a"), one(batches, "full", "b"), one(batches, "full", "c")
     )
     assert sized._sum.get() - before == 3  # one call of three
+
+
+@registry.task("wide", batch=100, batch_timeout=3600)
+async def wide(items: list[BatchItem]) -> list[Any]:
+    calls.append([i.key for i in items])
+    return [i.key for i in items]
+
+
+@registry.task("other", batch=100, batch_timeout=3600)
+async def other(items: list[BatchItem]) -> list[Any]:
+    calls.append([i.key for i in items])
+    return [i.key for i in items]
+
+
+async def test_batches_holding_every_slot_are_called_at_once_not_at_their_timeout() -> None:
+    """A worker of concurrency 3 cannot start a fourth run to join a batch of 100: once its
+    three slots wait in batches, each open batch is called (an hour's timeout never ends)."""
+    calls.clear()
+    batches = Batches(slots=3)
+    first = asyncio.create_task(one(batches, "wide", "a"))
+    second = asyncio.create_task(one(batches, "other", "x"))
+    await asyncio.sleep(0)
+    assert not first.done() and not second.done() and calls == []  # 2 of 3 slots: it may grow
+    async with asyncio.timeout(30):
+        got = await asyncio.gather(first, second, one(batches, "wide", "b"))
+    assert got == ["a", "x", "b"]
+    assert sorted(calls) == [["a", "b"], ["x"]]
+
+
+async def test_a_run_that_left_its_batch_gave_its_slot_back() -> None:
+    calls.clear()
+    batches = Batches(slots=2)
+    gone = asyncio.create_task(one(batches, "wide", "gone"))
+    await asyncio.sleep(0)
+    gone.cancel()
+    await asyncio.gather(gone, return_exceptions=True)
+    kept = asyncio.create_task(one(batches, "wide", "kept"))
+    await asyncio.sleep(0)
+    assert not kept.done()  # one of two slots waits: the batch may still grow
+    async with asyncio.timeout(30):
+        assert await asyncio.gather(kept, one(batches, "wide", "more")) == ["kept", "more"]
+    assert calls == [["kept", "more"]]

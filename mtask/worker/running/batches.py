@@ -5,9 +5,13 @@ name waits here for its batch; a batch is called once ``batch`` runs have joined
 A run stopped while it waits (cancelled, lease lost, the worker stopping) leaves its batch: its
 entry is dropped and its outcome is the stopped run's, as for any run. A run stopped while its
 batch is being called gets nothing back either, and anything its entry said is never written:
-its outcome's write is fenced by its run, as always. The batch's size is bounded by the runs the
-worker holds at once (``--concurrency`` and runs claimed ahead): give the worker at least
-``batch`` slots for full batches.
+its outcome's write is fenced by its run, as always.
+
+A batch's size is bounded by the worker's slots (``--concurrency``): once every slot holds a
+run waiting in a batch, no other run can start to join one, so every open batch is called at
+once rather than at its timeout (a worker of concurrency 10 calls a ``batch=100`` handler with
+10 tasks, not once a ``batch_timeout``). Give the worker at least ``batch`` slots for full
+batches.
 """
 
 from __future__ import annotations
@@ -34,8 +38,11 @@ class _Batch:
 class Batches:
     """The open batch of each batch name, and their calls."""
 
-    def __init__(self, emit: Emitter | None = None) -> None:
+    def __init__(self, emit: Emitter | None = None, slots: int | None = None) -> None:
         self.emit = emit or Emitter()
+        self.slots = slots
+        """The worker's handler slots (its concurrency): runs waiting in batches that hold
+        them all are called at once (``None``: only when full or at the timeout)."""
         self._open: dict[str, _Batch] = {}
         self._calls: set[asyncio.Task[None]] = set()
 
@@ -52,7 +59,14 @@ class Batches:
         batch.items.append((BatchItem(key, dict(params), ctx), future))
         if len(batch.items) >= (handler.batch or 1):
             self._flush(batch)
+        elif self.slots is not None and self._waiting() >= self.slots:
+            for waiting in list(self._open.values()):  # none of them can grow any more
+                self._flush(waiting)
         return await future  # a stopped run's wait is cancelled: its entry is dropped
+
+    def _waiting(self) -> int:
+        """The runs waiting in open batches (a stopped one has left its slot)."""
+        return sum(not fut.done() for b in self._open.values() for _, fut in b.items)
 
     def _flush(self, batch: _Batch) -> None:
         if batch.called:
