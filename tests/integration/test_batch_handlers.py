@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from harness import tree_env
 from pymongo import MongoClient
+from pymongo.collection import Collection
 from test_snooze_worker import TESTS, polled
 
 from mtask import Registry, TaskClient
@@ -19,8 +20,32 @@ from mtask.testing import worker_argv
 COUNT = 200
 
 
+def drained(mongo_uri: str, db_name: str, name: str, concurrency: int) -> list[dict[str, Any]]:
+    """The tasks of ``name``, once a worker process of ``concurrency`` has left none open."""
+    proc = subprocess.Popen(
+        worker_argv("flowpubapp:registry", mongo_uri, db_name, "--concurrency", str(concurrency)),
+        cwd=TESTS,
+        env=tree_env(),
+    )
+    tasks: Collection[dict[str, Any]] = MongoClient(mongo_uri)[db_name]["tasks"]
+    still_open = {"name": name, "status": {"$in": ["pending", "running"]}}
+    try:
+        left = polled(
+            lambda: tasks.count_documents(still_open),
+            lambda left: left == 0,
+            timeout=60,
+        )
+        assert left == 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        docs = list(tasks.find({"name": name}))
+        tasks.database.client.close()
+    return docs
+
+
 def test_a_batch_handler_handles_many_tasks_per_call_each_with_its_own_outcome(
-    mongo_uri: str, db_name: str, client: TaskClient, mongo: MongoClient[dict[str, Any]]
+    mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
     client.publish_many(
         [
@@ -29,24 +54,7 @@ def test_a_batch_handler_handles_many_tasks_per_call_each_with_its_own_outcome(
             for n in range(COUNT)
         ]
     )  # fmt: skip
-    proc = subprocess.Popen(
-        worker_argv("flowpubapp:registry", mongo_uri, db_name, "--concurrency", "64"),
-        cwd=TESTS,
-        env=tree_env(),
-    )
-    try:
-        tasks = mongo[db_name]["tasks"]
-        polled(
-            lambda: tasks.count_documents(
-                {"name": "index", "status": {"$in": ["pending", "running"]}}
-            ),
-            lambda left: left == 0,
-            timeout=60,
-        )
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    docs = list(mongo[db_name]["tasks"].find({"name": "index"}))
+    docs = drained(mongo_uri, db_name, "index", 64)
     failed = [d for d in docs if d["status"] == "failed"]
     assert [d["_id"] for d in failed] == ["i7"] and "bad i7" in failed[0]["error"]
     succeeded = [d for d in docs if d["status"] == "succeeded"]
@@ -57,28 +65,14 @@ def test_a_batch_handler_handles_many_tasks_per_call_each_with_its_own_outcome(
 
 
 def test_a_batch_larger_than_the_workers_slots_is_called_once_they_all_wait(
-    mongo_uri: str, db_name: str, client: TaskClient, mongo: MongoClient[dict[str, Any]]
+    mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
     """``batch=100`` on a worker of concurrency 4: each call takes the 4 runs the worker can
     hold, at once, not after the hour of ``batch_timeout``."""
     client.publish_many([{"name": "wide", "key": f"w{n}"} for n in range(12)])
-    proc = subprocess.Popen(
-        worker_argv("flowpubapp:registry", mongo_uri, db_name, "--concurrency", "4"),
-        cwd=TESTS,
-        env=tree_env(),
-    )
-    try:
-        tasks = mongo[db_name]["tasks"]
-        succeeded = polled(
-            lambda: tasks.count_documents({"name": "wide", "status": "succeeded"}),
-            lambda done: done == 12,
-            timeout=60,
-        )
-        assert succeeded == 12
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    sizes = [d["result"]["size"] for d in tasks.find({"name": "wide"})]
+    docs = drained(mongo_uri, db_name, "wide", 4)
+    assert [d["status"] for d in docs] == ["succeeded"] * 12
+    sizes = [d["result"]["size"] for d in docs]
     assert max(sizes) <= 4 and sum(sizes) / len(sizes) > 1
 
 

@@ -115,36 +115,26 @@ async def test_a_failing_child_raises_in_its_parent(
     assert spawn.failures[0]["key"] == "f2/squares/2"
 
 
+@pytest.mark.parametrize("how", ["one", "by filter"])
 async def test_cancelling_a_parent_cancels_its_open_children(
-    aclient: AsyncTaskClient, worker_after: Any
+    aclient: AsyncTaskClient, worker_after: Any, how: str
 ) -> None:
+    """One task's cancel, or a cancel by filter (the dashboard's bulk action, ``POST
+    /tasks:cancel``, ``mtask cancel --name``): no child is left open for nobody."""
     async with worker_after(
         registry, aclient.publish("fanout", "f3", {"n": 3, "hold": True}), "f3",
         state="WAITING", concurrency=4,
     ) as (_, events):  # fmt: skip
         for n in range(3):
             await events.wait("recorded", key=f"f3/squares/{n}", state="WAITING")
-        cancelled = await aclient.cancel("f3")
-        assert cancelled.status.value == "cancelled"
+        if how == "one":
+            cancelled = await aclient.cancel("f3")
+            assert cancelled.status.value == "cancelled"
+        else:
+            done = await aclient.bulk("cancel", bulk.Filter(name="fanout"))
+            assert (done.matched, done.changed) == (1, 1)
         kids = [await aclient.get(f"f3/squares/{n}") for n in range(3)]
     assert [k.status.value for k in kids if k is not None] == ["cancelled"] * 3
-
-
-async def test_a_bulk_cancel_cancels_each_parents_open_children_too(
-    aclient: AsyncTaskClient, worker_after: Any
-) -> None:
-    """The dashboard's and the CLI's cancel by filter (``POST /tasks:cancel``, ``mtask cancel
-    --name``) cascades as one task's cancel does: no child is left running for nobody."""
-    async with worker_after(
-        registry, aclient.publish("fanout", "f6", {"n": 2, "hold": True}), "f6",
-        state="WAITING", concurrency=4,
-    ) as (_, events):  # fmt: skip
-        for n in range(2):
-            await events.wait("recorded", key=f"f6/squares/{n}", state="WAITING")
-        done = await aclient.bulk("cancel", bulk.Filter(name="fanout"))
-        assert (done.matched, done.changed) == (1, 1)
-        kids = [await aclient.get(f"f6/squares/{n}") for n in range(2)]
-    assert [k.status.value for k in kids if k is not None] == ["cancelled"] * 2
 
 
 async def test_a_lost_count_is_found_by_the_sweep(
