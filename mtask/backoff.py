@@ -1,8 +1,8 @@
 """Back-off from inside a handler (issue 62): ``raise mtask.BackOff(group=True, seconds=30)``
 after an HTTP 429 holds the run's group (or its name, or a shared resource) for that long.
 
-The run is released without spending a retry (RELEASED, as a run given back), and no task of
-what it holds back is claimed until the hold ends: a **hold** is a date in a limit document,
+The run is released without spending a retry (RELEASED, as a run given back; its task due once
+the hold ends), and no task of what it holds back is claimed until the hold ends: a **hold** is a date in a limit document,
 which the slot's take reads on the server's clock, inside the same atomic update that decides
 the limit (``slots._filter``):
 

@@ -36,7 +36,8 @@ class Outcome:
     permanent: bool = False
     retry_delay_ms: int | None = None
     """Explicit delay before the task may be claimed again (FAIL: ``Retry(delay=…)``, None:
-    the task's backoff; SNOOZED: the snooze's, ``mtask.snooze``)."""
+    the task's backoff; SNOOZED: the snooze's, ``mtask.snooze``; RELEASED: a ``BackOff``'s
+    hold, None: at once)."""
     jitter: float = 1.0
     """Backoff multiplier drawn by the caller, e.g. uniform(0.8, 1.2)."""
     steps: tuple[Doc, ...] = ()
@@ -117,8 +118,10 @@ def finish_update(outcome: Outcome, now: dt.datetime) -> tuple[Doc, list[Doc]]:
     stages: list[Doc] = [{"$set": {"runs": set_run_fields(outcome.run_id, run_fields), **sets}}]
     if state is RunState.FAIL and not outcome.permanent:
         stages.append({"$set": {"available_at": _backoff_expr(outcome, now)}})
-    if state in (RunState.WAITING, RunState.SNOOZED) or (
-        state is RunState.FAIL and not outcome.permanent
+    if (
+        state in (RunState.WAITING, RunState.SNOOZED)
+        or (state is RunState.FAIL and not outcome.permanent)
+        or (state is RunState.RELEASED and outcome.retry_delay_ms)
     ):
         stages.append({"$set": {"available_at": by_deadline("$available_at")}})
     return run_filter(outcome.key, outcome.run_id), [*stages, *recompute_stages(now)]
@@ -144,8 +147,8 @@ def _state_fields(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
         # its retries spent too: its last word, as a permanent FAIL's
         final = outcome.permanent or {"$gt": [{"$add": ["$failures", 1]}, "$options.max_retries"]}
         sets["steps"] = settled_waits_expr(now, final)
-    elif state is RunState.RELEASED:
-        sets["available_at"] = now
+    elif state is RunState.RELEASED:  # due at once, or after a back-off's hold (issue 62)
+        sets["available_at"] = now + dt.timedelta(milliseconds=outcome.retry_delay_ms or 0)
     elif state is RunState.SNOOZED:  # issue 62: no failure counted, the snooze counted
         run_fields["error"] = literal(outcome.error)
         sets["snoozes"] = {"$add": [{"$ifNull": ["$snoozes", 0]}, 1]}

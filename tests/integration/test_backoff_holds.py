@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 from harness import run_cli, running_worker, wait_for
 from prometheus_client import REGISTRY
@@ -37,6 +38,20 @@ async def polite(params: dict[str, Any], ctx: TaskContext) -> int:
             name=params.get("whole", False),
             group=not params.get("whole", False),
         )
+    return ctx.attempt
+
+
+@registry.task("holder")
+async def holder(params: dict[str, Any], ctx: TaskContext) -> int:
+    """Backs off its whole name, or the resource ``crm`` its name does not take, once."""
+    if params.get("hold") and ctx.attempt == 1:
+        by_name = params["hold"] == "name"
+        raise BackOff(params["seconds"], name=by_name, resource=None if by_name else "crm")
+    return ctx.attempt
+
+
+@registry.task("crm_user", uses=["crm"])
+async def crm_user(params: dict[str, Any], ctx: TaskContext) -> int:
     return ctx.attempt
 
 
@@ -139,3 +154,31 @@ async def test_a_handler_backs_off_its_group_without_spending_a_retry(
         client.publish("polite", "lonely", {"back_off": 1.0})
         await wait_for(lambda: client.get("lonely").status.value == "failed", 20)
         assert "back-off refused" in (client.get("lonely").error or "")
+
+
+@pytest.mark.parametrize("held", ["name", "resource"])
+async def test_a_handler_backs_off_its_name_or_a_resource_and_its_own_task_waits_for_it(
+    mongo_uri: str, mongo: MongoClient[Any], db_name: str, client: TaskClient, held: str
+) -> None:
+    """``BackOff(name=True)`` on a name with no limit, or ``BackOff(resource="crm")`` from a
+    handler whose name does not take ``crm``: what is held (the name's next task, a task of a
+    name that uses ``crm``) is claimed only once the hold ended, on the server's clock, and so
+    is the task that backed off (its own name took no slot of what it held), with no failure
+    counted."""
+    async with running_worker(registry, mongo_uri, db_name, concurrency=2) as (_, events):
+        client.publish("holder", "h1", {"hold": held, "seconds": 3})
+        await events.wait("released", key="h1")
+        other = ("holder", "h2") if held == "name" else ("crm_user", "c1")
+        client.publish(*other)
+        for key in ("h1", other[1]):
+            await wait_for(lambda key=key: client.get(key).status.value == "succeeded", 30)
+    slot = "holder" if held == "name" else limits.resource_slot("crm")
+    until = mongo[db_name].limits.find_one({"_id": slot})[limits.HELD_UNTIL]
+    first = client.get("h1")
+    assert [r.state.value for r in first.runs] == ["RELEASED", "SUCCESS"]
+    assert first.failures == 0 and first.result == 2
+    assert first.runs[-1].claimed_at >= until
+    assert client.get(other[1]).runs[0].claimed_at >= until
+    kind = "name" if held == "name" else "resource"
+    labels = {"name": "holder", "held": kind}
+    assert (REGISTRY.get_sample_value("mtask_backoffs_total", labels) or 0) >= 1

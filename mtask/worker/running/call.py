@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -239,7 +240,9 @@ class HandlerCalls:
             Event.RELEASED, key=run.key, run_id=run.run_id, reason="backoff", held=what,
             until=until.isoformat(timespec="milliseconds"),
         )  # fmt: skip
-        return Outcome(run.key, run.run_id, RunState.RELEASED)
+        # its own task is due once the hold ends, whether or not its name takes what is held
+        delay_ms = math.ceil(exc.seconds * 1000)
+        return Outcome(run.key, run.run_id, RunState.RELEASED, retry_delay_ms=delay_ms)
 
     def _lease_watch(self, run: ActiveRun) -> LeaseWatch | None:
         """How a process-isolated run's child follows the run's lease (renewals from the
