@@ -2,9 +2,9 @@
 after an HTTP 429 holds the run's group (or its name, or a shared resource) for that long.
 
 The run is released without spending a retry (RELEASED, as a run given back; its task due once
-the hold ends), and no task of what it holds back is claimed until the hold ends: a **hold** is a date in a limit document,
-which the slot's take reads on the server's clock, inside the same atomic update that decides
-the limit (``slots._filter``):
+the hold ends), and no task of what it holds back is claimed until the hold ends: a **hold** is
+a date in a limit document, which the slot's take reads on the server's clock, inside the same
+atomic update that decides the limit (``slots._filter``):
 
 - ``name=True``: ``held_until`` in the name's limit document;
 - ``group=True``: an entry ``{group, until}`` of ``group_holds`` in the name's document (the
