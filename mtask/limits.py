@@ -278,17 +278,57 @@ def validate_resource(resource: object) -> str:
     return resource
 
 
+RESOURCE_USERS = "names"
+"""In a shared resource's document: task names whose every run takes a slot of it, as if their
+handler declared ``uses`` it. Set with the limit (``set_limit(resource=…, names=[…])``, ``mtask
+limit --resource R --names a,b``, ``PUT /resources/{r}``) or by any service's own update of the
+document (docs/scheduling.md), so a name published and run from anywhere can share a quota."""
+MAX_RESOURCE_USERS = 1000
+
+
+def validate_users(names: object) -> list[str]:
+    """A resource's declared users: a list of at most ``MAX_RESOURCE_USERS`` task names (sorted,
+    each once)."""
+    if isinstance(names, str) or not isinstance(names, list | tuple):
+        raise InvalidTask("must be a list of task names", field="names")
+    if len(names) > MAX_RESOURCE_USERS:
+        raise InvalidTask(f"at most {MAX_RESOURCE_USERS} names", field="names")
+    for index, name in enumerate(names):
+        try:
+            validate_name(name)
+        except InvalidTask as bad:
+            said = str(bad).removeprefix("name: ")
+            raise InvalidTask(f"{said} (the name at {index})", field="names") from None
+    return sorted(set(names))
+
+
+def users(doc: Mapping[str, Any]) -> tuple[str, ...]:
+    """The task names a resource's document (any shape) declares as its users."""
+    found = doc.get(RESOURCE_USERS)
+    if not isinstance(found, list):
+        return ()
+    return tuple(n for n in found if isinstance(n, str) and n and GROUP_SEPARATOR not in n)
+
+
 def set_resource_limit(
-    resource: str, own: Limit, now: dt.datetime, overflow: str | None = None
+    resource: str,
+    own: Limit,
+    now: dt.datetime,
+    overflow: str | None = None,
+    names: Sequence[str] | None = None,
 ) -> Op[Doc]:
     """Create or change the limit of the shared resource ``resource`` (issue 62): every task
-    whose name uses it (``@registry.task(uses=[...])``) takes a slot of it too, exactly as of a
-    name's own limit, in the same bulk write. A resource has no groups."""
+    whose name uses it (``@registry.task(uses=[...])``, or ``names`` here) takes a slot of it
+    too, exactly as of a name's own limit, in the same bulk write. A resource has no groups.
+    ``names``: its declared users from now on (``None``: as they were)."""
     resource = validate_resource(resource)
+    users_now = None if names is None else validate_users(names)
     if not own.set:
         raise InvalidTask("give concurrency or rate", field="limit")
     slot = resource_slot(resource)
-    doc: Doc = yield from set_limit(slot, own, Limit(), now, resource=resource, overflow=overflow)
+    doc: Doc = yield from set_limit(
+        slot, own, Limit(), now, resource=resource, overflow=overflow, users=users_now
+    )
     return doc
 
 
@@ -312,17 +352,21 @@ def set_limit(
     now: dt.datetime,
     resource: str | None = None,
     overflow: str | None = None,
+    users: list[str] | None = None,
 ) -> Op[Doc]:
     """Create or change the limit of ``name`` (and of each of its groups). Slots held and
     tokens left are kept; a new bucket starts full. The groups' documents take the new
     group limit at their next claim. No run in flight is stopped: each worker counts its runs
     in towards the new limit when it hears of it (``slots.join``). A limit that makes the groups
     sequences notes when (``SLOT_RUNS``). ``resource``: ``name`` is the ``_id`` of that shared
-    resource's document (``set_resource_limit`` checked it), which says its name."""
+    resource's document (``set_resource_limit`` checked it), which says its name; ``users``:
+    its declared users (``RESOURCE_USERS``), if given."""
     extra: Doc = {"overflow": validate_overflow(overflow)}
     if resource is not None:
         own = _validate_one(own, "")
         extra["resource"] = {"$literal": resource}
+        if users is not None:
+            extra[RESOURCE_USERS] = {"$literal": users}
     else:
         name, own, group = validate_limit(name, own, group)
     full = own.full()
@@ -414,7 +458,7 @@ HELD_UNTIL = "held_until"
 GROUP_HOLDS = "group_holds"
 """A name's groups held back, each ``{group, until}`` (``mtask.backoff``)."""
 
-LIMIT_FIELDS = (*CONFIG_FIELDS, OVERRIDES_AT)
+LIMIT_FIELDS = (*CONFIG_FIELDS, OVERRIDES_AT, RESOURCE_USERS)
 """The fields of a name's document that say its limit: only ``set_limit`` (or a hand) writes
 them, so a change event that names one of them is a change of the limit (a slot taken, given
 back or pinged writes none of them)."""
@@ -424,6 +468,7 @@ READ_FIELDS = {
     HELD_UNTIL: 1,
     GROUP_HOLDS: 1,
     "resource": 1,
+    RESOURCE_USERS: 1,
     "holders": 1,
     "tokens": 1,
     "refilled_at": 1,

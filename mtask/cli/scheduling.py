@@ -44,6 +44,8 @@ def cmd_limit(args: argparse.Namespace) -> int:
         raise UsageError("give a task name, or --resource NAME (a shared resource), not both")
     if args.resource is not None:
         return _resource_limit(args)
+    if args.names is not None:
+        raise UsageError("--names belongs to a shared resource's limit: give --resource")
     if args.group is not None:
         return _group_limit(args)
     if args.weight is not None:
@@ -88,8 +90,11 @@ def _resource_limit(args: argparse.Namespace) -> int:
         raise UsageError("a resource has no groups: --concurrency, --rate and --burst only")
     with task_client(args) as client:
         if args.clear:
-            if any(v is not None for v in (args.concurrency, args.rate, args.burst, args.overflow)):
-                raise UsageError("--clear takes no --concurrency, --rate, --burst or --overflow")
+            given = (args.concurrency, args.rate, args.burst, args.overflow, args.names)
+            if any(v is not None for v in given):
+                raise UsageError(
+                    "--clear takes no --concurrency, --rate, --burst, --overflow or --names"
+                )
             found = client.clear_limit(resource=args.resource)
             said = "limit removed" if found else "had no limit"
             out.print(f"resource {args.resource}: {said}", markup=False)
@@ -102,6 +107,7 @@ def _resource_limit(args: argparse.Namespace) -> int:
             rate=parse_rate(args.rate) if args.rate is not None else None,
             burst=args.burst,
             overflow=args.overflow,
+            names=None if args.names is None else [n for n in args.names.split(",") if n],
         )
     if args.json:
         print_json(doc)
@@ -399,6 +405,11 @@ def register(sub: Any) -> None:
         "--resource",
         help="a shared resource's limit instead (an API quota): every task whose handler "
         "uses it (@registry.task(uses=[...])) takes a slot of it",
+    )
+    p.add_argument(
+        "--names",
+        help="with --resource: the task names that take a slot of it besides those whose "
+        "handler declares uses=, comma-separated (replaces the list; '' empties it)",
     )
     p.add_argument("--concurrency", type=int, help="at most this many runs at once")
     p.add_argument("--rate", help="at most this many claims, e.g. 10/s, 600/m, 3600/h")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import builtins
 import datetime as dt
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mtask import control, limits, schedules, store
@@ -90,6 +90,7 @@ class Control:
         group_rate: float | None = None,
         group_burst: int | None = None,
         overflow: str | None = None,
+        names: Sequence[str] | None = None,
     ) -> Op[dict[str, Any]]:
         """Limit ``name`` across all workers: at most ``concurrency`` runs at once, at most
         ``rate`` claims per second (bursts of ``burst``); and each of its groups
@@ -98,7 +99,8 @@ class Control:
         in publish order). Applies within a second.
 
         ``resource=`` instead of a name: the limit of a shared resource (an API quota), taken by
-        every run of the names whose handler ``uses`` it (``@registry.task(uses=[...])``),
+        every run of the names whose handler ``uses`` it (``@registry.task(uses=[...])``), and
+        of the ``names`` given here (its declared users from now on; ``None``: as they were),
         exactly across the cluster; a resource has no groups.
 
         ``overflow``: what the limit does with a task it refuses: ``"queue"`` (the default: it
@@ -112,7 +114,9 @@ class Control:
                 raise InvalidTask(
                     "a resource's limit takes no name and no group_…", field="resource"
                 )
-            return (yield from limits.set_resource_limit(resource, own, now, overflow))
+            return (yield from limits.set_resource_limit(resource, own, now, overflow, names))
+        if names is not None:
+            raise InvalidTask("only a resource's limit takes names", field="names")
         return (
             yield from limits.set_limit(validate_name(name), own, group, now, overflow=overflow)
         )

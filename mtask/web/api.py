@@ -151,6 +151,12 @@ class ResourceLimitBody(BaseModel):
     overflow: Literal["queue", "drop", "fail"] | None = Field(
         None, description="what a full limit does with a task it refuses (default: queue)"
     )
+    names: list[str] | None = Field(
+        None,
+        max_length=1000,
+        description="task names whose every run takes a slot of it, besides those whose "
+        "handler declares uses= (replaces the list; absent: as it was)",
+    )
 
 
 class GroupLimitBody(BaseModel):
@@ -608,14 +614,15 @@ async def clear_group_limit(name: str, group: str, client: Client) -> Response:
 
 @router.put("/resources/{resource}")
 async def set_resource_limit(resource: str, body: ResourceLimitBody, client: Client) -> LimitView:
-    """A shared resource's limit (an API quota): every run of a name whose handler uses it
-    takes a slot of it, exactly across the cluster."""
+    """A shared resource's limit (an API quota): every run of a name whose handler uses it, or
+    that ``names`` lists, takes a slot of it, exactly across the cluster."""
     return await client.set_limit(  # type: ignore[return-value]
         resource=resource,
         concurrency=body.concurrency,
         rate=body.rate,
         burst=body.burst,
         overflow=body.overflow,
+        names=body.names,
     )
 
 

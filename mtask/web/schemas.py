@@ -123,6 +123,10 @@ class LimitView(Open):
     refilled_at: dt.datetime | None = None
     holders: list[dict[str, Any]] = Field(default_factory=list)
     resource: str | None = Field(None, description="a shared resource's name (its limit's)")
+    names: list[str] = Field(
+        default_factory=list,
+        description="a resource's declared users: names whose runs take a slot of it",
+    )
     group_overrides: list[dict[str, Any]] = Field(
         default_factory=list,
         description="groups with a limit or weight of their own: "

@@ -143,3 +143,76 @@ async def test_workers_share_a_resource_between_two_names_and_hear_a_change(
         await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 60, 60)
     assert 2 < peak(results("two-", ("summarize", "embed"))) <= 4
     assert db.limits.find_one({"_id": slot})["holders"] == []
+
+
+def test_a_resources_declared_names_are_set_from_python_the_cli_and_http(
+    client: TaskClient, mongo_uri: str, db_name: str, mongo: MongoClient[Any]
+) -> None:
+    doc = client.set_limit(resource="crm", concurrency=2, names=["sync", "push", "sync"])
+    assert doc["names"] == ["push", "sync"]
+    assert client.set_limit(resource="crm", concurrency=3)["names"] == ["push", "sync"]  # kept
+    for bad in ("sync", [""], ["a\x00b"], [3], ["x" * 201]):
+        with pytest.raises(InvalidTask) as caught:
+            client.set_limit(resource="crm", concurrency=1, names=bad)  # type: ignore[arg-type]
+        assert caught.value.field == "names"
+    with pytest.raises(InvalidTask):
+        client.set_limit("sync", concurrency=1, names=["push"])  # a name's limit takes none
+    assert mongo[db_name].limits.find_one({"_id": limits.resource_slot("crm")})["names"] == [
+        "push",
+        "sync",
+    ]
+    where = ("--uri", mongo_uri, "--database", db_name)
+    args = ("limit", "--resource", "crm", "--concurrency", "2", "--names", "a,b", "--json")
+    code, out, _ = run_cli(*args, *where, width=200)
+    assert code == 0 and '"names"' in out and client.limits()[0]["names"] == ["a", "b"]
+    code, _, err = run_cli("limit", "sync", "--concurrency", "2", "--names", "a", *where)
+    assert code == 2 and "--resource" in err and "Traceback" not in err
+    with TestClient(create_app(mongo_uri, database=db_name, token=TOKEN)) as http:
+        put = http.put("/resources/crm", json={"concurrency": 2, "names": ["c"]}, headers=AUTH)
+        assert put.status_code == 200 and put.json()["names"] == ["c"], put.text
+        for body in ({"concurrency": 2, "names": "c"}, {"concurrency": 2, "names": ["a\x00"]}):
+            answer = http.put("/resources/crm", json=body, headers=AUTH)
+            assert 400 <= answer.status_code < 500, (body, answer.text)
+    assert client.limits()[0]["names"] == ["c"]
+
+
+async def test_names_a_resource_lists_share_it_as_their_handlers_uses_do(
+    mongo_uri: str, mongo: MongoClient[Any], db_name: str, client: TaskClient
+) -> None:
+    """``plain``'s handler declares no resource: listed in ``crm``'s document (set from
+    Python), its runs take ``crm``'s slots (never more than 2 at once, from the handlers' own
+    times); taken off the list by a service's own update of the document (a foreign one's,
+    docs/scheduling.md), its next runs are not limited."""
+    db = mongo[db_name]
+    client.set_limit(resource="crm", concurrency=2, names=["plain"])
+    slot = limits.resource_slot("crm")
+
+    def publish(prefix: str) -> None:
+        client.publish_many(
+            [
+                {"name": "plain", "key": f"{prefix}{i}", "params": {"seconds": 0.1}}
+                for i in range(10)
+            ]
+        )
+
+    def results(prefix: str) -> list[list[float]]:
+        return [d["result"] for d in db.tasks.find({"_id": {"$regex": f"^{prefix}"}})]
+
+    publish("one-")
+    async with contextlib.AsyncExitStack() as stack:
+        workers = [
+            (
+                await stack.enter_async_context(
+                    running_worker(registry, mongo_uri, db_name, concurrency=8)
+                )
+            )[0]
+            for _ in range(2)
+        ]
+        await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 10, 60)
+        assert peak(results("one-")) == 2
+        db.limits.update_one({"_id": slot}, {"$pull": {"names": "plain"}})
+        await wait_for(lambda: all("plain" not in w.parts.gate.uses for w in workers), 10)
+        publish("two-")
+        await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 20, 60)
+    assert peak(results("two-")) > 2
+    assert db.limits.find_one({"_id": slot})["holders"] == []

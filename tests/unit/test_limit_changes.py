@@ -396,3 +396,50 @@ async def test_the_periodic_read_settles_a_sequence_made_a_while_ago() -> None:
     gate, _ = gate_with(driver, [])
     await gate.run_once()
     assert driver.done
+
+
+async def test_a_resources_document_declares_names_that_take_its_slot() -> None:
+    """``limits.RESOURCE_USERS``: the names a resource's document lists take its slot as if
+    their handler declared it (beside the handlers' own ``uses``), from the read that shows
+    them; a name it no longer lists is claimed plainly again, unless limited itself."""
+    crm, api = limits.resource_slot("crm"), limits.resource_slot("api")
+    crm_doc = {"_id": crm, "resource": "crm", "concurrency": 3, "names": ["sync", "push"]}
+    own = {"_id": "push", "concurrency": 9}
+    driver = AsyncScriptedDriver(
+        Step("find", reply=[crm_doc, own], collection="limits"),
+        Step("find", reply=[{**crm_doc, "names": ["sync", 7]}], collection="limits"),
+    )
+    sink = Sink()
+    changes: Signal[[str]] = Signal()
+    gate = LimitGate(
+        cast(AsyncDriver, driver),
+        "w1",
+        FixedClock(NOW),
+        cast(Any, sink),
+        interval=3600,
+        limit_set=changes,
+        uses={"mail": ["api"]},
+    )
+    await gate.run_once()
+    assert gate.uses == {"mail": (api,), "sync": (crm,), "push": (crm,)}
+    assert {"sync", "push"} <= gate.restricting and "mail" not in gate.restricting  # api: none
+
+    gate.limit_set(crm)  # push left its list (and 7 is no name): push keeps its own limit
+    await gate.run_once()
+    assert gate.uses == {"mail": (api,), "sync": (crm,)}
+    assert {"sync", "push"} <= gate.restricting and driver.done
+
+
+async def test_a_name_a_resource_no_longer_lists_is_claimed_plainly_again() -> None:
+    crm = limits.resource_slot("crm")
+    crm_doc = {"_id": crm, "resource": "crm", "concurrency": 3, "names": ["sync"]}
+    driver = AsyncScriptedDriver(
+        Step("find", reply=[crm_doc], collection="limits"),
+        Step("find", reply=[{**crm_doc, "names": []}], collection="limits"),
+    )
+    gate, _ = gate_with(driver, [])
+    await gate.run_once()
+    assert gate.is_limited("sync")
+    gate.limit_set(crm)
+    await gate.run_once()
+    assert not gate.is_limited("sync") and gate.uses == {} and driver.done

@@ -108,12 +108,15 @@ class LimitGate(PeriodicService):
         one that holds only its groups' weights has its tasks claimed plainly."""
         self.weights = weights
         """Where the groups' weights go (the claim queue's turns), if anywhere."""
-        self.uses: dict[str, tuple[str, ...]] = {
+        self.declared: dict[str, tuple[str, ...]] = {
             name: tuple(limits.resource_slot(r) for r in resources)
             for name, resources in (uses or {}).items()
             if resources
         }
-        """The slots of the shared resources each name's runs take (its handler's ``uses``)."""
+        """The slots of the shared resources each name's handler declares it ``uses``."""
+        self.uses: dict[str, tuple[str, ...]] = dict(self.declared)
+        """The slots of the shared resources each name's runs take: those its handler declares,
+        and those whose document lists it (``limits.RESOURCE_USERS``), as last read."""
         self.units: dict[str, int] = dict(units or {})
         """The units of each limit each name's runs take (its handler's ``units``; 1 if not
         here)."""
@@ -197,6 +200,8 @@ class LimitGate(PeriodicService):
             self.limited[name] = doc
             if limits.restricts(doc) and not limits.is_resource(name):
                 self.restricting.add(name)
+        if limits.is_resource(name):
+            self._read_users()
         if limits.is_resource(name) or self.uses.get(name):
             self._restrict_users()
         if self.weights is not None:
@@ -207,6 +212,23 @@ class LimitGate(PeriodicService):
         for slot in [s for s in self.blocked if s == name or s.startswith(prefix)]:
             self._wake(slot)
         self.applied(name)
+
+    def _read_users(self) -> None:
+        """``uses`` again, from the handlers' declarations and the resources' documents (one
+        changed); in place: the claim's plan and the recount read it when they run."""
+        uses = {name: list(slots) for name, slots in self.declared.items()}
+        for slot, doc in self.limited.items():
+            if limits.is_resource(slot):
+                for user in limits.users(doc):
+                    taken = uses.setdefault(user, [])
+                    if slot not in taken:
+                        taken.append(slot)
+        for left in set(self.uses) - set(uses):  # claimed plainly again, unless limited itself
+            own = self.limited.get(left)
+            if own is None or not limits.restricts(own):
+                self.restricting.discard(left)
+        self.uses.clear()
+        self.uses.update((name, tuple(slots)) for name, slots in uses.items())
 
     def _restrict_users(self) -> None:
         """The names whose handler uses a shared resource that has a limit are claimed after
