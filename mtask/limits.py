@@ -310,6 +310,22 @@ def users(doc: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(n for n in found if isinstance(n, str) and n and GROUP_SEPARATOR not in n)
 
 
+def resource_users(
+    declared: Mapping[str, Sequence[str]], docs: Mapping[str, Mapping[str, Any]]
+) -> dict[str, tuple[str, ...]]:
+    """The slots of the shared resources each name takes: ``declared`` (its handlers' uses, as
+    slots), and each resource of ``docs`` (limit documents by ``_id``) whose document lists it
+    (``RESOURCE_USERS``): one definition for the worker's claims and the readers' "why"."""
+    taken = {name: list(dict.fromkeys(slots)) for name, slots in declared.items() if slots}
+    for slot, doc in docs.items():
+        if is_resource(slot):
+            for user in users(doc):
+                found = taken.setdefault(user, [])
+                if slot not in found:
+                    found.append(slot)
+    return {name: tuple(slots) for name, slots in taken.items()}
+
+
 def set_resource_limit(
     resource: str,
     own: Limit,

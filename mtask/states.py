@@ -34,7 +34,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from mtask.limits import Limit, is_sequence, refill, runs_at_once, wait_for_token
+from mtask.limits import (
+    Limit,
+    is_sequence,
+    refill,
+    resource_of,
+    runs_at_once,
+    wait_for_token,
+)
 from mtask.models import RunState, Task, TaskStatus
 from mtask.steps import NEVER
 from mtask.wording import plural, relative, span, when
@@ -120,6 +127,9 @@ class Cluster:
     """Each limited name's limit document (``limits``), by name."""
     groups: Mapping[tuple[str, str], Group] = field(default_factory=dict)
     """The limited groups of the tasks asked about, by ``(name, group)``."""
+    resources: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """The slots of the shared resources with a limit each name takes (its handlers' ``uses``,
+    and the resources that list it), by name: their documents are in ``limits``."""
 
     def host_of(self, worker_id: str) -> str | None:
         return next((w.host for w in self.workers or () if w.id == worker_id), None)
@@ -335,6 +345,26 @@ def _blocked(task: Task, cluster: Cluster) -> Explained | None:
     full = _full(doc, cluster.now) if doc is not None else None
     if full is not None:
         return Explained(State.BLOCKED, "limit", f"limit of `{name}`: {full}")
+    return _resource(name, cluster)
+
+
+def _resource(name: str, cluster: Cluster) -> Explained | None:
+    """A shared resource the task's name takes, holding it back: a back-off, or its limit."""
+    from mtask.backoff import held_until
+
+    for slot in cluster.resources.get(name, ()):
+        doc = cluster.limits.get(slot)
+        if doc is None:
+            continue
+        resource = f"resource `{resource_of(slot)}`, which `{name}` uses,"
+        until = held_until(doc, None, cluster.now)
+        if until is not None:
+            left = span((until - cluster.now).total_seconds())
+            said = f"{resource} backs off (a handler's BackOff) for {left} more"
+            return Explained(State.BLOCKED, "backoff", said)
+        full = _full(doc, cluster.now)
+        if full is not None:
+            return Explained(State.BLOCKED, "limit", f"{resource} is full: {full}")
     return None
 
 

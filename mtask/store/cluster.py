@@ -19,7 +19,15 @@ from typing import Any
 
 from mtask import control
 from mtask.driver import Call, Doc, Op, gather
-from mtask.limits import Limit, group_limit_for, group_slot, is_sequence
+from mtask.limits import (
+    RESOURCE_USERS,
+    Limit,
+    group_limit_for,
+    group_slot,
+    is_sequence,
+    resource_slot,
+    resource_users,
+)
 from mtask.models import OPEN_STATUSES, RunState, Task, TaskStatus
 from mtask.states import Cluster, Explained, Group, State, Worker, explain
 from mtask.store import bulk
@@ -76,14 +84,49 @@ def read(tasks: Sequence[Task], now: dt.datetime, *, ahead: bool = False) -> Op[
     """What ``explain`` needs to know about ``tasks`` (``ahead``: also how many open tasks of
     each one's sequence are ahead of it, a count per task)."""
     paused = yield from control.paused_names()
-    workers = yield from control.live_workers(now, LIVE, {"names": 1, "host": 1})
+    workers = yield from control.live_workers(now, LIVE, {"names": 1, "host": 1, "uses": 1})
     names = sorted({t.name for t in tasks if t.name is not None and _open(t)})
     limits: dict[str, Doc] = {}
+    resources: dict[str, tuple[str, ...]] = {}
     if names:
-        docs = yield Call("find", ({"_id": {"$in": names}},), collection="limits")
+        declared = _declared(workers, names)
+        slots = sorted({s for found in declared.values() for s in found})
+        listed = {"resource": {"$exists": True}, RESOURCE_USERS: {"$in": names}}
+        query = {"$or": [{"_id": {"$in": names + slots}}, listed]}
+        docs = yield Call("find", (query,), collection="limits")
         limits = {str(d["_id"]): d for d in docs}
+        resources = _resources(names, declared, limits)
     groups = yield from _groups(tasks, limits, ahead)
-    return Cluster(now, frozenset(paused), _workers(workers), limits, groups)
+    return Cluster(now, frozenset(paused), _workers(workers), limits, groups, resources)
+
+
+def _declared(workers: Iterable[Doc], names: Sequence[str]) -> dict[str, set[str]]:
+    """The slots of the resources the live workers' handlers of ``names`` declare they use
+    (their heartbeats' ``uses``, any shape)."""
+    wanted: set[str] = set(names)
+    found: dict[str, set[str]] = {}
+    for worker in workers:
+        uses = worker.get("uses")
+        for entry in uses if isinstance(uses, list) else ():
+            name = entry.get("name") if isinstance(entry, Mapping) else None
+            listed = entry.get("resources") if isinstance(entry, Mapping) else None
+            if isinstance(name, str) and name in wanted and isinstance(listed, list):
+                found.setdefault(name, set()).update(
+                    resource_slot(r) for r in listed if isinstance(r, str) and r
+                )
+    return found
+
+
+def _resources(
+    names: Sequence[str], declared: Mapping[str, set[str]], limits: Mapping[str, Doc]
+) -> dict[str, tuple[str, ...]]:
+    """The slots of the shared resources with a limit document each of ``names`` takes."""
+    taken = resource_users({n: sorted(s) for n, s in declared.items()}, limits)
+    return {
+        name: found
+        for name in names
+        if (found := tuple(s for s in taken.get(name, ()) if s in limits))
+    }
 
 
 def _open(task: Task) -> bool:

@@ -221,6 +221,7 @@ def build(
         quiet_every=SHARED_QUIET_EVERY if shared else 1,
         ranks=found.ranks,
         pool=process_pool,
+        uses={n: registry[n].uses for n in names if registry[n].uses},
     )
     recorder = OutcomeRecorder(
         adriver, clock, releases=releases, sink=found.sink, inflight=inflight, emit=emit, wake=wake

@@ -21,7 +21,7 @@ import datetime as dt
 import logging
 import os
 import socket
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -106,6 +106,7 @@ class Presence(PeriodicService):
         quiet_every: int = 1,
         ranks: Callable[[], bool] = lambda: True,
         pool: PoolView | None = None,
+        uses: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self.driver = driver
         self.clock = clock
@@ -139,6 +140,13 @@ class Presence(PeriodicService):
         """The beat of the last write, and the document it wrote."""
         self.pool = pool
         """The worker's process pool, whose children the heartbeat shows (issue 18)."""
+        self.uses = [
+            {"name": name, "resources": list(resources)}
+            for name, resources in sorted((uses or {}).items())
+            if resources
+        ]
+        """The shared resources each name's handler declares (issue 62), in the heartbeat for
+        the readers' "why" (a list: a task name may hold a dot); none, no field."""
         self.stream_state = stream_state
         """What the heartbeat shows of the shared stream (``None``: an own stream)."""
         self.ranks = ranks
@@ -223,6 +231,8 @@ class Presence(PeriodicService):
             "running": [{"key": r.key, "run_id": r.run_id} for r in runs[:50]],
             "waiting": sum(1 for r in runs if r.waiting),
         }
+        if self.uses:
+            doc["uses"] = self.uses
         if self.pool is not None:
             doc["pool"] = pool_document(self.pool, now or self.clock.now())
         if (stream := self.stream_state()) is not None:

@@ -6,6 +6,7 @@ two names at once, a change heard while they run."""
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 from typing import Any
 
 import pytest
@@ -15,8 +16,11 @@ from pymongo import MongoClient
 from workerapp import timed_sleep
 
 from mtask import TaskClient, limits
+from mtask.backoff import hold
+from mtask.driver import SyncDriver
 from mtask.errors import InvalidTask
 from mtask.registry import Registry
+from mtask.states import State
 from mtask.web import create_app
 
 TOKEN = "test-token"
@@ -216,3 +220,31 @@ async def test_names_a_resource_lists_share_it_as_their_handlers_uses_do(
         await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 20, 60)
     assert peak(results("two-")) > 2
     assert db.limits.find_one({"_id": slot})["holders"] == []
+
+
+async def test_a_task_a_resource_holds_back_says_so(
+    mongo_uri: str, mongo: MongoClient[Any], db_name: str, client: TaskClient
+) -> None:
+    """The "why" of a due task that a shared resource keeps: full (a name whose handler
+    declares it, read from the workers' heartbeats; a name the resource lists), or backing
+    off; ``mtask get`` says it too."""
+    client.set_limit(resource="openai", concurrency=1, names=["plain"])
+    async with running_worker(registry, mongo_uri, db_name, concurrency=4) as (_, events):
+        client.publish("summarize", "s1", {"seconds": 30})
+        await events.wait("claimed", key="s1")
+        client.publish("summarize", "s2", {"seconds": 0})
+        client.publish("plain", "p1", {"seconds": 0})
+        for key, name in (("s2", "summarize"), ("p1", "plain")):
+            explained = client.explain(client.get(key))
+            assert explained.state is State.BLOCKED and explained.why == "limit", explained
+            said = f"resource `openai`, which `{name}` uses, is full: 1 of 1 runs at once in use"
+            assert explained.reason == said
+        code, out, _ = run_cli("get", "s2", "--uri", mongo_uri, "--database", db_name, width=200)
+        assert code == 0 and "resource `openai`, which `summarize` uses, is full" in out, out
+        now = client.now()
+        until = now + dt.timedelta(seconds=60)
+        SyncDriver(mongo[db_name]).run(hold(limits.resource_slot("openai"), None, until, now))
+        explained = client.explain(client.get("p1"))
+        assert explained.state is State.BLOCKED and explained.why == "backoff", explained
+        assert "resource `openai`, which `plain` uses, backs off" in explained.reason
+        client.cancel("s1")

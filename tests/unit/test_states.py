@@ -435,3 +435,37 @@ def test_any_document_in_any_cluster_has_one_state_and_a_reason(
     else:
         assert e.state in OPEN_STATES
     assert timing(task, e) is None or timing(task, e)[0]  # type: ignore[index]
+
+
+_ANY = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@given(
+    heartbeats=st.lists(
+        st.fixed_dictionaries(
+            {"uses": _ANY | st.lists(st.fixed_dictionaries({"name": _ANY, "resources": _ANY}))}
+        ),
+        max_size=3,
+    ),
+    listed=_ANY,
+)
+def test_a_resource_the_workers_or_its_document_name_is_read_from_any_shape(
+    heartbeats: list[dict[str, Any]], listed: Any
+) -> None:
+    """The readers' side of shared resources (issue 62): heartbeats' ``uses`` and a resource
+    document's ``names`` of any shape never raise, and give names and slots only."""
+    from mtask import limits
+    from mtask.store.cluster import _declared, _resources
+
+    crm = limits.resource_slot("crm")
+    heartbeats.append({"uses": [{"name": "n", "resources": ["crm", 7]}]})
+    declared = _declared(heartbeats, ["n", "m"])
+    found = _resources(["n", "m"], declared, {crm: {"_id": crm, "names": listed}, "n": {}})
+    assert found["n"] == (crm,)
+    assert set(found) <= {"n", "m"} and all(s == (crm,) for s in found.values())

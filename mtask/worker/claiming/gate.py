@@ -200,10 +200,8 @@ class LimitGate(PeriodicService):
             self.limited[name] = doc
             if limits.restricts(doc) and not limits.is_resource(name):
                 self.restricting.add(name)
-        if limits.is_resource(name):
-            self._read_users()
         if limits.is_resource(name) or self.uses.get(name):
-            self._restrict_users()
+            self._restrict_users(reread=limits.is_resource(name))
         if self.weights is not None:
             self.weights.set(name, limits.weights(doc) if doc is not None else {})
         if limits.same_limit(old, doc):
@@ -213,31 +211,19 @@ class LimitGate(PeriodicService):
             self._wake(slot)
         self.applied(name)
 
-    def _read_users(self) -> None:
-        """``uses`` again, from the handlers' declarations and the resources' documents (one
-        changed); in place: the claim's plan and the recount read it when they run."""
-        uses = {name: list(slots) for name, slots in self.declared.items()}
-        for slot, doc in self.limited.items():
-            if limits.is_resource(slot):
-                for user in limits.users(doc):
-                    taken = uses.setdefault(user, [])
-                    if slot not in taken:
-                        taken.append(slot)
-        for left in set(self.uses) - set(uses):  # claimed plainly again, unless limited itself
-            own = self.limited.get(left)
-            if own is None or not limits.restricts(own):
-                self.restricting.discard(left)
-        self.uses.clear()
-        self.uses.update((name, tuple(slots)) for name, slots in uses.items())
-
-    def _restrict_users(self) -> None:
-        """The names whose handler uses a shared resource that has a limit are claimed after
-        their slots (a resource's change, or a name's, decides it again)."""
-        for name, resources in self.uses.items():
-            doc = self.limited.get(name)
-            if any(limits.restricts(self.limited.get(r) or {}) for r in resources) or (
-                doc is not None and limits.restricts(doc)
-            ):
+    def _restrict_users(self, reread: bool) -> None:
+        """The names that take a shared resource's slot with a limit are claimed after their
+        slots (a resource's change, or a name's, decides it again; ``reread``: a resource's
+        document changed, so ``uses`` is read again, in place: the plans read it)."""
+        before = set(self.uses)
+        if reread:
+            self.uses.clear()
+            self.uses.update(limits.resource_users(self.declared, self.limited))
+        for name in before | set(self.uses):
+            own = self.limited.get(name)
+            if any(
+                limits.restricts(self.limited.get(r) or {}) for r in self.uses.get(name, ())
+            ) or (own is not None and limits.restricts(own)):
                 self.restricting.add(name)
             else:
                 self.restricting.discard(name)
