@@ -768,8 +768,13 @@ def group_limit_for(doc: Mapping[str, Any], group: str | None) -> Limit:
     group limit. The groups of a name whose groups are sequences (``group_concurrency`` 1)
     keep the name's: an override gives them a weight only; nor does an override make a group a
     sequence (1 run at a time with no rate, say after the name's group rate was cleared)."""
-    base = group_limit(doc)
-    found = group_override(doc, group)
+    return limit_under(group_limit(doc), group_override(doc, group))
+
+
+def limit_under(base: Limit, found: GroupOverride | None) -> Limit:
+    """The limit of a group whose name's group limit is ``base`` and whose override is
+    ``found`` (``None``: it has none), as ``group_limit_for`` reads it (for a caller that has
+    the name's overrides already)."""
     if found is None or not found.limits or base.concurrency == 1:
         return base
     concurrency = base.concurrency if found.concurrency is None else found.concurrency

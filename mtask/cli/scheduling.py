@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mtask.cli.common import (
     Choices,
@@ -20,6 +20,9 @@ from mtask.cli.common import (
     when,
 )
 from mtask.errors import ScheduleNotFound, TaskNotFound, UsageError
+
+if TYPE_CHECKING:
+    from mtask.limits import GroupOverride, Limit
 
 
 def _overlaps() -> tuple[str, ...]:
@@ -148,20 +151,21 @@ def _group_limit(args: argparse.Namespace) -> int:
     if args.json:
         print_json(doc)
     else:
-        described = _describe_override(args.group, doc)
+        from mtask.limits import group_limit_for, group_override
+
+        override = group_override(doc, args.group)
+        described = _describe_override(override, group_limit_for(doc, args.group))
         said = f"group {args.group} of {args.name}: {described} (applies within a second)"
         out.print(said, markup=False)
     return 0
 
 
-def _describe_override(group: str, doc: Mapping[str, Any]) -> str:
-    from mtask.limits import group_limit_for, group_override
-
-    found = group_override(doc, group)
+def _describe_override(found: GroupOverride | None, limit: Limit) -> str:
+    """A group's override: the limit its group runs under (``limit``: the override's fields
+    over the name's group limit, ``limits.group_limit_for``) if it sets one, and its weight."""
     if found is None:
         return "no override"
     parts = []
-    limit = group_limit_for(doc, group)
     if found.limits:
         if limit.concurrency is not None:
             parts.append(f"at most {limit.concurrency} at once")
@@ -216,6 +220,7 @@ def cmd_limits(args: argparse.Namespace) -> int:
     out.print(table)
     for u in uses:
         _print_groups(u)
+        _print_overrides(u)
     return 0
 
 
@@ -286,6 +291,24 @@ def _print_groups(u: Any) -> None:
     out.print(table)
     if u.more_groups:
         out.print(f"and {u.more_groups} smaller groups", markup=False)
+
+
+def _print_overrides(u: Any) -> None:
+    """Every group override of a name, whether or not its group has open tasks: a line each,
+    the first ``SHOWN_OVERRIDES`` in group order, then how many more."""
+    if not u.overrides:
+        return
+    from mtask.store.occupancy import SHOWN_OVERRIDES
+
+    out.print(f"group overrides of {u.name}:", markup=False)
+    for group, found, limit in u.shown_overrides:
+        out.print(f"  {group}: {_describe_override(found, limit)}", markup=False)
+    if u.more_overrides:
+        out.print(
+            f"  and {u.more_overrides} more (the first {SHOWN_OVERRIDES} shown; all of them: "
+            "mtask limits --json)",
+            markup=False,
+        )
 
 
 @commands.command("schedule")

@@ -13,13 +13,15 @@ Reads only: the limits, one aggregation over each limited name's open tasks (the
 status, claim time and place in line, sorted by place in line per group), the groups' slot
 documents, the paused names and the live workers. It costs what the limited names' backlog
 costs; the ``TOP_GROUPS`` largest groups of a name are returned (``more_groups`` says how many
-more there are).
+more there are). A name's groups' overrides (``set_group_limit``) are read from its limit
+document, every one whether or not its group has open tasks (``NameUse.overrides``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,11 +29,24 @@ from typing import Any
 from mtask import control, limits
 from mtask.backoff import held_until
 from mtask.driver import Call, Doc, Op, gather
-from mtask.limits import Limit, group_limit, group_limit_for, group_slot, is_sequence, own_limit
+from mtask.limits import (
+    GroupOverride,
+    Limit,
+    group_limit,
+    group_limit_for,
+    group_slot,
+    is_sequence,
+    limit_under,
+    own_limit,
+)
 from mtask.store.cluster import LIVE
 from mtask.store.schema import GROUP_LOCK, OPEN_LIST
 
 TOP_GROUPS = 100
+SHOWN_OVERRIDES = 50
+"""The groups' overrides of a name that ``mtask limits`` and the limits page list (the first in
+group order, ``NameUse.shown_overrides``; they say how many more): a name may have
+``limits.MAX_OVERRIDES``."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,25 @@ class NameUse:
     @property
     def per_group(self) -> Limit:
         return group_limit(self.limit)
+
+    @functools.cached_property
+    def overrides(self) -> dict[str, GroupOverride]:
+        """Every group's override (``set_group_limit``), in group order, whether or not the
+        group has open tasks (``groups`` holds only those that have)."""
+        return dict(sorted(limits.overrides(self.limit).items()))
+
+    @property
+    def shown_overrides(self) -> list[tuple[str, GroupOverride, Limit]]:
+        """The first ``SHOWN_OVERRIDES`` of ``overrides``, each with the limit its group runs
+        under (``limits.group_limit_for``: the override's fields over the name's group
+        limit)."""
+        shown = list(self.overrides.items())[:SHOWN_OVERRIDES]
+        return [(g, o, limit_under(self.per_group, o)) for g, o in shown]
+
+    @property
+    def more_overrides(self) -> int:
+        """The overrides beyond ``shown_overrides``."""
+        return max(0, len(self.overrides) - SHOWN_OVERRIDES)
 
 
 def _pipeline(name: str, now: dt.datetime) -> list[Doc]:
@@ -185,11 +219,13 @@ def _name_use(
     paused, handled = facts
     name = str(doc["_id"])
     found = limits.overrides(doc)
+    base = group_limit(doc)
     groups = []
     for r in rows:
         group = r["_id"] if isinstance(r["_id"], str) else None
         slot = slots.get(group_slot(name, str(group)))
-        use = _group_use(r, group_limit_for(doc, group), slot, now)
+        each = limit_under(base, None if group is None else found.get(group))
+        use = _group_use(r, each, slot, now)
         if group in found:
             weight = found[group].weight
             use = dataclasses.replace(

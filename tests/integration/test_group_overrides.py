@@ -17,6 +17,7 @@ from mtask import TaskClient, slots
 from mtask.driver import SyncDriver
 from mtask.errors import InvalidTask
 from mtask.limits import Limit, group_limit_for, group_slot
+from mtask.store import occupancy
 from mtask.web import create_app
 
 TOKEN = "test-token"
@@ -121,6 +122,51 @@ def test_the_cli_and_http_set_show_and_clear_overrides(
     code, _, _ = run_cli("limit", "n", "--group", "pro", "--clear", *where)
     assert code == 0 and "group_overrides" in client.limits()[0]
     assert client.limits()[0]["group_overrides"] == []
+
+
+def overrides_without_open_tasks(client: TaskClient) -> None:
+    """The audit's case: acme at most 5 at once with weight 3, beta 2/s, neither with an open
+    task; gamma with one, and no override."""
+    client.set_limit("n", group_concurrency=2)
+    client.set_group_limit("n", "acme", concurrency=5, weight=3)
+    client.set_group_limit("n", "beta", rate=2.0)
+    client.publish("n", "g1", options={"group": "gamma"})
+
+
+def test_mtask_limits_shows_every_override_whether_or_not_its_group_has_open_tasks(
+    client: TaskClient, mongo_uri: str, db_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    where = ("--uri", mongo_uri, "--database", db_name)
+    overrides_without_open_tasks(client)
+    code, out, _ = run_cli("limits", *where)
+    assert code == 0, out
+    assert "  acme: at most 5 at once, weight 3\n" in out, out
+    assert "  beta: at most 2 at once, 2/s (bursts of 2)\n" in out, out
+    assert "gamma:" not in out and "more" not in out
+    monkeypatch.setattr(occupancy, "SHOWN_OVERRIDES", 1)  # a name with thousands of them
+    code, out, _ = run_cli("limits", *where)
+    assert code == 0 and "  acme: " in out and "beta" not in out, out
+    assert "  and 1 more " in out, out
+
+
+def test_the_limits_page_shows_every_override_whether_or_not_its_group_has_open_tasks(
+    client: TaskClient, mongo_uri: str, db_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    overrides_without_open_tasks(client)
+    with TestClient(create_app(mongo_uri, database=db_name, token=TOKEN)) as http:
+        page = http.get("/ui/limits", headers=AUTH)
+        assert page.status_code == 200
+        said = {
+            g: page.text.split(f'data-override="{g}">')[1].split("</li>")[0]
+            for g in ("acme", "beta")
+        }
+        assert said["acme"].endswith(">acme</a>: at most 5 at once, weight 3"), said
+        assert said["beta"].endswith(">beta</a>: at most 2 at once, 2 per second (bursts of 2)")
+        assert 'data-override="gamma"' not in page.text and 'data-group="gamma"' in page.text
+        monkeypatch.setattr(occupancy, "SHOWN_OVERRIDES", 1)
+        page = http.get("/ui/limits", headers=AUTH)
+        assert 'data-override="acme"' in page.text and 'data-override="beta"' not in page.text
+        assert "and 1 more" in page.text
 
 
 def test_why_a_task_is_not_running_names_its_groups_own_limit(
