@@ -91,6 +91,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     if args.from_file is not None:
         if args.name is not None or args.key is not None:
             raise UsageError("give NAME KEY or --from-file, not both")
+        refuse_per_task_options(args)
         return publish_from_file(args)
     if args.name is None or args.key is None:
         raise UsageError("publish needs NAME and KEY (or --from-file FILE of JSON lines)")
@@ -647,6 +648,40 @@ def read_lines(stream: IO[str], source: str) -> tuple[list[dict[str, Any]], list
     return items, lines
 
 
+# The single publish's per-task options, as given on the command line: ``--from-file`` takes
+# none of them (each line holds its own params, options, delay and depends_on; its tasks are
+# inserted if absent, with no supersede policy and no debounce window).
+PER_TASK_OPTIONS = {
+    "params": "--params",
+    "options": "--options",
+    "priority": "--priority",
+    "concurrency": "--concurrency",
+    "max_retries": "--max-retries",
+    "worker_timeout_ms": "--worker-timeout-ms",
+    "ping_interval_ms": "--ping-interval-ms",
+    "worker": "--worker",
+    "delay": "--delay",
+    "depends_on": "--depends-on",
+    "supersede": "--supersede",
+    "debounce": "--debounce",
+    "debounce_max": "--debounce-max",
+}
+
+
+def refuse_per_task_options(args: argparse.Namespace) -> None:
+    """A per-task option given with ``--from-file`` is refused, not silently ignored (it would
+    apply to no line). ``--on-conflict ignore``, the default, is what the file's insert does."""
+    given = [flag for attr, flag in PER_TASK_OPTIONS.items() if getattr(args, attr) is not None]
+    if args.on_conflict != "ignore":
+        given.append(f"--on-conflict {args.on_conflict}")
+    if given:
+        raise UsageError(
+            f"{', '.join(given)} cannot be used with --from-file (each line holds its own "
+            "params, options, delay and depends_on; a file's tasks are inserted if absent, "
+            "with no supersede policy or debounce)"
+        )
+
+
 def publish_from_file(args: argparse.Namespace) -> int:
     """Validate every line first (nothing is written if one is bad), then publish in batches
     with a progress bar."""
@@ -703,7 +738,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--from-file",
         metavar="FILE",
-        help="publish JSON lines ({name, key, params, options, delay, depends_on}); - for stdin",
+        help="publish JSON lines ({name, key, params, options, delay, depends_on}); - for "
+        "stdin; the per-task options below are refused with it",
     )
     p.add_argument("--params", metavar="JSON", help="the handler's input: a JSON object")
     p.add_argument(

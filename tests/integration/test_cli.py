@@ -182,6 +182,46 @@ def test_publish_from_a_file_of_json_lines(
     assert client.collection.count_documents({}) == 2500  # nothing from the bad files
 
 
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        (["--supersede", "cancel_queued"], "--supersede"),
+        (["--supersede", "drop_newer"], "--supersede"),
+        (["--debounce", "5"], "--debounce"),
+        (["--debounce", "5", "--debounce-max", "30"], "--debounce, --debounce-max"),
+        (["--delay", "5"], "--delay"),
+        (["--priority", "3"], "--priority"),
+        (["--params", '{"a": 1}'], "--params"),
+        (["--options", '{"group": "g"}'], "--options"),
+        (["--depends-on", "p1"], "--depends-on"),
+        (["--worker", "w1"], "--worker"),
+        (["--on-conflict", "reset"], "--on-conflict reset"),
+    ],
+)
+def test_publish_from_a_file_refuses_the_single_publishs_options(
+    capsys: Capsys,
+    mongo_uri: str,
+    db_name: str,
+    client: TaskClient,
+    tmp_path: Path,
+    given: list[str],
+    named: str,
+) -> None:
+    """A per-task option the file's lines cannot take exits 2 naming it, nothing written (it
+    was silently ignored, exit 0)."""
+    common = ("--uri", mongo_uri, "--database", db_name)
+    lines = tmp_path / "tasks.jsonl"
+    lines.write_text(json.dumps({"name": "n", "key": "k1"}) + "\n")
+    code, _, err = run(capsys, "publish", "--from-file", str(lines), *given, *common)
+    assert code == 2 and "Traceback" not in err, err
+    assert f"{named} cannot be used with --from-file" in err
+    assert client.collection.count_documents({}) == 0
+    code, _, _ = run(
+        capsys, "publish", "--from-file", str(lines), "--on-conflict", "ignore", *common
+    )
+    assert code == 0 and client.get("k1") is not None  # the default, what the file does
+
+
 def test_top_shows_counts_and_workers(
     capsys: Capsys, mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
