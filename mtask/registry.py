@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from mtask.batches import DEFAULT_BATCH_TIMEOUT
 from mtask.batches import check as check_batch
 from mtask.errors import InvalidParams, InvalidTask, LeaseLost, MtaskError, RegistryNotFound
 from mtask.models import MAX_RETRY_DELAY_MS, TaskOptions, delay_ms, describe_validation_error
@@ -357,7 +358,7 @@ class Handler:
     """Soft limit in seconds: ``ctx.cancelled`` is set, the handler may still end on its own."""
     batch: int | None = None
     """Issue 62: a batch handler's most tasks per call (``mtask.batches``); ``None``: one."""
-    batch_timeout: float = 1.0
+    batch_timeout: float = DEFAULT_BATCH_TIMEOUT
     """Issue 62: the longest the first task of a batch waits for the batch to fill."""
     uses: tuple[str, ...] = ()
     """The shared resources its runs take a slot of (``set_limit(resource=…)``, issue 62)."""
@@ -483,7 +484,7 @@ class Registry:
         time_limit: float | None = None,
         soft_time_limit: float | None = None,
         batch: int | None = None,
-        batch_timeout: float = 1.0,
+        batch_timeout: float | None = None,
         uses: Sequence[str] = (),
         units: int = 1,
     ) -> Callable[[F], F]:
@@ -499,11 +500,17 @@ class Registry:
         run takes (a costly call: 5 of a resource's 10 at once, 5 of its tokens). ``batch``:
         the handler takes a list of up to that many ``BatchItem`` and answers one entry each
         (issue 62, ``mtask.batches``), called once the batch is full or ``batch_timeout``
-        seconds after its first task."""
+        seconds after its first task (default 1; only with ``batch``)."""
         declared = _declarations(options, isolation, time_limit, soft_time_limit)
         resources = _resources(uses, units)
+        if batch is None and batch_timeout is not None:
+            raise InvalidTask(
+                "only with batch=…: a handler without one is called for each task",
+                field="batch_timeout",
+            )
         if batch is not None:
-            declared["batch"], declared["batch_timeout"] = check_batch(batch, batch_timeout)
+            timeout = DEFAULT_BATCH_TIMEOUT if batch_timeout is None else batch_timeout
+            declared["batch"], declared["batch_timeout"] = check_batch(batch, timeout)
             if transactional or isolation is not None or time_limit or soft_time_limit:
                 raise InvalidTask(
                     "a batch handler cannot be transactional, isolated or time-limited",
@@ -613,10 +620,16 @@ def load_registry(spec: str) -> Registry:
     return registry
 
 
-def _resources(uses: Sequence[str], units: object) -> tuple[str, ...]:
-    """A handler's ``uses`` checked, each resource once, and its ``units`` checked."""
-    if isinstance(uses, str):
-        raise InvalidTask("must be a list of resource names, not a string", field="uses")
+def _resources(uses: object, units: object) -> tuple[str, ...]:
+    """A handler's ``uses`` checked, each resource once, and its ``units`` checked. ``None`` is
+    refused as ``units=None`` is: no resources is ``[]``, the default."""
+    if isinstance(uses, str) or not isinstance(uses, Iterable):
+        given = (
+            "a string" if isinstance(uses, str) else "None" if uses is None else type(uses).__name__
+        )
+        raise InvalidTask(
+            f"must be a list of resource names ([] for none), not {given}", field="uses"
+        )
     from mtask.limits import validate_resource
 
     resources = tuple(dict.fromkeys(validate_resource(r) for r in uses))

@@ -77,17 +77,23 @@ def test_a_batch_larger_than_the_workers_slots_is_called_once_they_all_wait(
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "field"),
+    ("kwargs", "field", "says"),
     [
-        ({"batch": 0}, "batch"),
-        ({"batch": True}, "batch"),
-        ({"batch": 10, "batch_timeout": 0}, "batch_timeout"),
-        ({"batch": 10, "batch_timeout": float("nan")}, "batch_timeout"),
-        ({"batch": 10, "isolation": "process"}, "batch"),
-        ({"batch": 10, "time_limit": 5}, "batch"),
+        ({"batch": 0}, "batch", "must be an integer from 1"),
+        ({"batch": True}, "batch", "must be an integer from 1"),
+        ({"batch": 10, "batch_timeout": 0}, "batch_timeout", "above 0"),
+        ({"batch": 10, "batch_timeout": float("nan")}, "batch_timeout", "above 0"),
+        ({"batch": 10, "isolation": "process"}, "batch", "cannot be transactional, isolated"),
+        ({"batch": 10, "time_limit": 5}, "batch", "cannot be transactional, isolated"),
+        # without batch=, a batch_timeout was accepted and ignored (1.0: the default's value)
+        ({"batch_timeout": 2.0}, "batch_timeout", "only with batch="),
+        ({"batch_timeout": 1.0}, "batch_timeout", "only with batch="),
+        ({"uses": None}, "uses", "list of resource names ([] for none), not None"),  # TypeError
+        ({"uses": 5}, "uses", "not int"),
+        ({"uses": "api"}, "uses", "not a string"),
     ],
 )
-def test_bad_declarations_are_refused(kwargs: dict[str, Any], field: str) -> None:
+def test_bad_declarations_are_refused(kwargs: dict[str, Any], field: str, says: str) -> None:
     registry = Registry()
     with pytest.raises(InvalidTask) as caught:
 
@@ -95,7 +101,14 @@ def test_bad_declarations_are_refused(kwargs: dict[str, Any], field: str) -> Non
         def b(items: list[Any]) -> list[Any]:
             return items
 
-    assert caught.value.field == field
+    assert caught.value.field == field and says in str(caught.value)
+
+
+def test_a_batch_timeout_defaults_to_a_second_and_is_kept() -> None:
+    registry = Registry()
+    registry.task("b", batch=5)(lambda items: items)
+    registry.task("c", batch=5, batch_timeout=0.5)(lambda items: items)
+    assert (registry["b"].batch_timeout, registry["c"].batch_timeout) == (1.0, 0.5)
 
 
 def test_a_batch_handler_takes_one_argument() -> None:

@@ -57,7 +57,7 @@ def test_a_resources_limit_is_set_and_cleared_and_bad_input_writes_nothing(
     with pytest.raises(InvalidTask):
         client.set_limit(concurrency=1)  # neither a name nor a resource
     assert mongo[db_name].limits.count_documents({}) == 0
-    for uses in ("openai", [""], ["a\x00b"]):
+    for uses in ("openai", [""], ["a\x00b"], None, 5):  # None, 5: a raw TypeError before
         with pytest.raises(InvalidTask):
             Registry().task("x", uses=uses)(timed_sleep)  # type: ignore[arg-type]
     assert registry.uses == {"summarize": ("openai",), "embed": ("openai",)}
