@@ -49,6 +49,11 @@ def collect(params: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+@registry.task("reindex")  # the name of docs/publishing.md's foreign debounce update
+def reindex(params: dict[str, Any]) -> dict[str, Any]:
+    return params
+
+
 @registry.task("wide", batch=100, batch_timeout=3600)
 def wide(items: list[BatchItem]) -> list[Any]:
     """A batch larger than the worker's slots, with a timeout no test waits for."""

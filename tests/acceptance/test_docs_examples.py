@@ -60,6 +60,9 @@ RUN_ELSEWHERE = {
         "tests/acceptance/interop/test_publishing_doc.py"
     ),
     ("docs/steps.md", "Signals from any language"): "tests/acceptance/test_steps_node.py",
+    ("docs/publishing.md", "Debounce: one run after a quiet period"): (
+        "tests/integration/test_debounce_worker.py"
+    ),
 }
 """Blocks another test runs as written, by (page, the heading above them): each names the page
 and the heading, and its test reads the block from there."""

@@ -2,21 +2,25 @@
 become one run with the last params, started the quiet period after the last publish (both
 times the server's); under a steady stream the maximum wait holds (a window runs while the
 stream goes on, and no publish is lost); racing publishers open one window; bad input is
-refused by Python, the CLI and REST; the task says it is debounced."""
+refused by Python, the CLI and REST; the task says it is debounced; docs/publishing.md's update
+for a publisher in another language, read from the page, joins a window as a publish does."""
 
 from __future__ import annotations
 
 import datetime as dt
+import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from harness import run_cli
 from prometheus_client import REGISTRY
-from pymongo import MongoClient
+from pymongo import MongoClient, ReturnDocument
 from test_snooze_worker import flow_worker
 
 from mtask import TaskClient
@@ -24,6 +28,86 @@ from mtask.errors import InvalidTask
 from mtask.models import Task
 from mtask.states import State
 from mtask.web import create_app
+
+DOC = Path(__file__).parents[2] / "docs" / "publishing.md"
+DOC_HEADING = "Debounce: one run after a quiet period"
+
+
+def foreign_update() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The filter and pipeline of docs/publishing.md's mongosh ``findOneAndUpdate`` under
+    "## Debounce: one run after a quiet period", read from the page (so it cannot drift): its
+    unquoted keys quoted and trailing commas dropped, it is JSON."""
+    section = DOC.read_text().split(f"## {DOC_HEADING}\n", 1)[1]
+    found = re.search(r"```js mongosh\n(.*?)```", section, re.S)
+    assert found, f"no mongosh block under {DOC_HEADING}"
+    call = re.search(r"db\.tasks\.findOneAndUpdate\((.*)\);", found[1], re.S)
+    assert call, found[1]
+    quoted = re.sub(r"([{,]\s*)([A-Za-z_$][\w$]*)\s*:", r'\1"\2":', call[1])
+    filter_, pipeline = json.loads(re.sub(r",(\s*[\]}])", r"\1", f"[{quoted}]"))
+    return filter_, pipeline
+
+
+TIMES = {"created_at", "updated_at", "available_at", "next_claim_at"}
+
+
+def shape(doc: dict[str, Any]) -> dict[str, Any]:
+    """A window document without what differs between two windows: its key, params, times."""
+    kept = {k: v for k, v in doc.items() if k not in {"_id", "params", *TIMES}}
+    return {**kept, "debounce": sorted(doc["debounce"])}
+
+
+def test_the_documented_foreign_update_joins_a_window_as_a_publish_does(
+    mongo_uri: str, db_name: str, client: TaskClient, mongo: MongoClient[dict[str, Any]]
+) -> None:
+    """docs/publishing.md, "## Debounce: one run after a quiet period": the mongosh update a
+    publisher in another language runs, run as written through pymongo: it joins the window
+    mtask opened as a second publish (last params, count, due ``min(now + 5 s, max_at)``), the
+    window then has the fields a Python publisher's collapsed window has, and it runs once."""
+    filter_, pipeline = foreign_update()
+    assert (filter_["name"], filter_["debounce.key"]) == ("reindex", "user-42")
+    tasks = mongo[db_name]["tasks"]
+
+    def join() -> dict[str, Any] | None:
+        return tasks.find_one_and_update(filter_, pipeline, return_document=ReturnDocument.AFTER)
+
+    assert join() is None  # no open window: the foreign publisher inserts one
+    # a window with no maximum: due 5 s after the foreign publish, by the server's clock
+    opened = client.publish("reindex", "user-42", {"user": 1}, debounce=3600)
+    joined = join()
+    assert joined is not None and joined["_id"] == opened.task.key
+    window = joined["debounce"]
+    assert joined["params"] == {"user": 42} and window["count"] == 2
+    assert "max_at" not in window and window["first_at"] < window["last_at"]
+    assert joined["updated_at"] == window["last_at"]
+    assert joined["available_at"] == window["last_at"] + dt.timedelta(seconds=5)
+    assert joined["next_claim_at"] == joined["available_at"]
+    # the same two publishes by mtask: the same document but for the key, params and times
+    client.publish("reindex", "user-43", {"user": 1}, debounce=3600)
+    ours = client.publish("reindex", "user-43", {"user": 42}, debounce=3600)
+    python = tasks.find_one({"_id": ours.task.key})
+    assert python is not None and shape(joined) == {
+        **shape(python),
+        "debounce": sorted(python["debounce"]),
+    }
+    assert {k: python["debounce"][k] for k in ("key", "count")} == {"key": "user-43", "count": 2}
+    said = client.explain(Task.from_document(joined))
+    assert (said.state, said.why) == (State.SCHEDULED, "debounce")
+    assert "2 publishes since" in said.reason
+    client.cancel(opened.task.key)
+    client.cancel(ours.task.key)
+
+    # with a maximum: due at it, sooner than 5 s; a worker runs the window once, last params
+    opened = client.publish("reindex", "user-42", {"user": 1}, debounce=1, debounce_max=1)
+    joined = join()
+    assert joined is not None and joined["_id"] == opened.task.key
+    assert joined["available_at"] == joined["debounce"]["max_at"] == joined["next_claim_at"]
+    with flow_worker(mongo_uri, db_name):
+        done = client.wait(opened.task.key, timeout=60)
+    assert done.status == "succeeded" and done.result == {"user": 42} and done.attempts == 1
+    assert done.runs[0].claimed_at >= joined["debounce"]["max_at"]
+    assert join() is None  # a window whose run started takes no more publishes
+    ran = [d["_id"] for d in tasks.find({"debounce.key": "user-42", "status": "succeeded"})]
+    assert ran == [opened.task.key]
 
 
 def windows(
