@@ -1,7 +1,8 @@
 """Supersede (issue 62, 5): of the tasks of a name and group published with a policy, one open
 task at a time, decided by the unique ``supersede`` index. 20 publishers racing on one group end
-with exactly one open task by the stated rule; a running older one is cancelled, told, and its
-fenced SUCCESS never lands (a real worker process); ``cancel_queued`` leaves it running."""
+with exactly one open task by the stated rule, for each policy (``cancel_queued`` also while an
+older task runs: it runs on); a running older one is cancelled, told, and its fenced SUCCESS
+never lands (a real worker process); ``cancel_queued`` leaves it running."""
 
 from __future__ import annotations
 
@@ -22,13 +23,25 @@ from mtask.models import PublishResult, RunState
 RACERS = 20
 
 
-def race(client: TaskClient, policy: str, group: str) -> list[PublishResult]:
+def race(
+    client: TaskClient,
+    policy: str,
+    group: str,
+    options: dict[str, Any] | None = None,
+    delay: float | None = None,
+) -> list[PublishResult]:
+    """``RACERS`` publishers of ``group-0`` … at once; ``options`` beyond the group."""
     start = threading.Barrier(RACERS)
 
     def one(n: int) -> PublishResult:
         start.wait()
         return client.publish(
-            "hold", f"{group}-{n}", {"n": n}, options={"group": group}, supersede=policy
+            "hold",
+            f"{group}-{n}",
+            {"n": n},
+            options={**(options or {}), "group": group},
+            delay=delay,
+            supersede=policy,
         )
 
     with ThreadPoolExecutor(RACERS) as pool:
@@ -41,10 +54,11 @@ def superseded(how: str) -> float:
     return REGISTRY.get_sample_value("mtask_tasks_superseded_total", labels) or 0.0
 
 
-def test_racing_publishers_leave_exactly_one_newest(client: TaskClient) -> None:
-    before = superseded("cancelled")
-    results = race(client, "cancel_running", "acme")
-    keys = {f"acme-{n}" for n in range(RACERS)}
+def one_newest(client: TaskClient, results: list[PublishResult], group: str) -> str:
+    """The racers of ``group`` left exactly one open task, the newest: every other was created
+    and then cancelled by exactly one newer publish, which it names, and following those names
+    from any of them ends at the survivor. Returns the survivor's key."""
+    keys = {f"{group}-{n}" for n in range(RACERS)}
     tasks = {k: client.get(k) for k in keys}
     assert all(t is not None for t in tasks.values())
     open_ = [k for k, t in tasks.items() if t is not None and t.status in ("pending", "running")]
@@ -56,13 +70,51 @@ def test_racing_publishers_leave_exactly_one_newest(client: TaskClient) -> None:
     # each older one was cancelled by exactly one newer publish, which it names
     named = [k for r in results for k in r.superseded]
     assert sorted(named) == sorted(cancelled)
-    assert superseded("cancelled") - before == len(cancelled)  # the publishers' own counts
     for r in results:
         for k in r.superseded:
             assert tasks[k].superseded_by == r.task.key  # type: ignore[union-attr]
     assert tasks[survivor].superseded_by is None  # type: ignore[union-attr]
+    for key in cancelled:  # the names lead from any of them to the survivor, no cycle
+        seen = {key}
+        while key != survivor:
+            key = tasks[key].superseded_by  # type: ignore[union-attr,assignment]
+            assert key not in seen
+            seen.add(key)
     said = client.explain(tasks[next(iter(cancelled))])  # type: ignore[arg-type]
     assert "superseded by `" in said.reason
+    return survivor
+
+
+@pytest.mark.parametrize("policy", ["cancel_running", "cancel_queued"])
+def test_racing_publishers_leave_exactly_one_newest(client: TaskClient, policy: str) -> None:
+    before = superseded("cancelled")
+    results = race(client, policy, f"acme-{policy}")
+    one_newest(client, results, f"acme-{policy}")
+    assert superseded("cancelled") - before == RACERS - 1  # the publishers' own counts
+
+
+def test_racing_cancel_queued_publishers_leave_the_running_one_and_one_queued(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """20 ``cancel_queued`` publishers racing while an older task of the group runs: it runs
+    on, out of the index, no racer names it; of the racers exactly one stays queued."""
+    fast = {"ping_interval_ms": 100}
+    with flow_worker(mongo_uri, db_name):
+        options = {**fast, "group": "busy"}
+        client.publish("hold", "busy-run", options=options, supersede="cancel_queued")
+        polled(lambda: client.get("busy-run"), lambda t: t is not None and t.status == "running")
+        before = superseded("cancelled")
+        results = race(client, "cancel_queued", "busy", fast, delay=3600)  # left queued
+        survivor = one_newest(client, results, "busy")
+        assert superseded("cancelled") - before == RACERS - 1
+        still = client.get("busy-run")
+        assert still is not None and still.status == "running"
+        assert still.supersede is None and still.superseded_by is None
+        assert all("busy-run" not in r.superseded for r in results)
+        queued = client.get(survivor)
+        assert queued is not None and queued.status == "pending" and queued.supersede
+        for key in ("busy-run", survivor):
+            client.cancel(key)
 
 
 def test_racing_publishers_drop_the_newer_ones(client: TaskClient) -> None:
