@@ -469,3 +469,48 @@ def test_a_resource_the_workers_or_its_document_name_is_read_from_any_shape(
     found = _resources(["n", "m"], declared, {crm: {"_id": crm, "names": listed}, "n": {}})
     assert found["n"] == (crm,)
     assert set(found) <= {"n", "m"} and all(s == (crm,) for s in found.values())
+
+
+def _explained_in_source() -> set[tuple[str, str | None]]:
+    """Every ``(state, why)`` that ``mtask.states`` can return, read from its source: each
+    ``Explained(State.X, why, …)`` with a literal ``why``, and the final states (``why`` None)."""
+    import ast
+    import inspect
+
+    import mtask.states
+
+    found: set[tuple[str, str | None]] = {(s, None) for s in STATES if not State(s).open}
+    for node in ast.walk(ast.parse(inspect.getsource(mtask.states))):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Explained"):
+            continue
+        state, why = node.args[0], node.args[1]
+        if isinstance(state, ast.Attribute) and isinstance(why, ast.Constant):
+            found.add((State[state.attr].value, why.value))
+    return found
+
+
+def _in_the_table() -> set[tuple[str, str | None]]:
+    """Every ``(state, why)`` docs/web.md's state table documents: the states in its first
+    column, each with no ``why`` and with each lower-case name in backticks of its third."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).parents[2] / "docs" / "web.md").read_text()
+    section = page.split("## A task explains itself", 1)[1]
+    rows = re.findall(r"^\| (`.+?) \|(.*?)\|(.*?)\|$", section, flags=re.M)
+    documented: set[tuple[str, str | None]] = set()
+    for states, _when, whys in rows:
+        for state in re.findall(r"`([a-z_]+)`", states):
+            documented.add((state, None))
+            documented |= {(state, w) for w in re.findall(r"`([a-z_]+)`", whys)}
+    return documented
+
+
+def test_the_web_pages_state_table_names_every_state_and_why_explain_returns() -> None:
+    """docs/web.md's table of states: each ``(state, why)`` ``explain`` can return is in it,
+    and it names none that ``explain`` cannot (a state always without a why aside)."""
+    returned, documented = _explained_in_source(), _in_the_table()
+    assert {s for s, _ in documented} == set(STATES)
+    assert returned - documented == set()
+    assert {(s, w) for s, w in documented if w is not None} - returned == set()
+    assert ("scheduled", "debounce") in returned and ("waiting", "snoozed") in returned
