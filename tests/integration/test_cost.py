@@ -185,9 +185,8 @@ async def _run_flow_control(
     await aclient.publish("latest", "l1", supersede="cancel_queued")
     await aclient.publish("latest", "l2", supersede="cancel_queued")
     await aclient.publish("latest", "d", debounce=600)  # its window stays open, not due
-    for key in ("m1", "g1", "s1", "x1", "b0", "b1", "b2", "l2"):
-        await events.wait("recorded", key=key, state="SUCCESS")
-    for key in ("bo", "sn"):  # released by its BackOff, snoozed, then run
+    # bo: released by its BackOff first; sn: snoozed first
+    for key in ("m1", "g1", "s1", "x1", "b0", "b1", "b2", "l2", "bo", "sn"):
         await events.wait("recorded", key=key, state="SUCCESS")
     db = mongo[db_name]
     # nothing left running, no slot held, no release on its way: the debounce window alone open
