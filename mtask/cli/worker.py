@@ -89,8 +89,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         metavar="auto|N",
         help="runs claimed ahead of a free slot, waiting for one; hides the claim round trip "
         "between short tasks. auto (default): up to --concurrency while runs are shorter than "
-        "a claim's round trip and no cluster-wide limit is set, a run that waited 1 s for its "
-        "slot given back; N: always up to N (e.g. CPU-bound tasks in --pool process); 0: never",
+        "a claim's round trip and no name it runs is under a cluster-wide limit, a run that "
+        "waited 1 s for its slot given back; N: always up to N (e.g. CPU-bound tasks in --pool "
+        "process); 0: never",
     )
     p.add_argument("--names", help="comma-separated task names (default: all registered)")
     p.add_argument("--worker-id", metavar="ID", help="its id (default: host:pid:random)")

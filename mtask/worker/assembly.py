@@ -241,8 +241,11 @@ def build(
     )
     outputs = OutputWriter(aclient, adriver, clock)
     transactions = Transactions(aclient, adriver, clock)
+    handled = frozenset(names)  # another name's limit anywhere in the cluster stops nothing here
     ahead, slots = claim_ahead.build(
-        config.concurrency, config.prefetch, limited=lambda: bool(gate.restricting)
+        config.concurrency,
+        config.prefetch,
+        limited=lambda: not handled.isdisjoint(gate.restricting),
     )
     outcomes = RunOutcomes(stats, emit, config.max_result_bytes, publisher.max_params_bytes)
     contexts = RunContexts(

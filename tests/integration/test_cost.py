@@ -240,3 +240,23 @@ async def test_a_plain_task_carries_nothing_of_durable_workflows(
     assert "children_wait" in stats["indexSizes"]
     keys = mongo[db_name]["tasks"].find({}, hint="children_wait").explain()
     assert keys["executionStats"]["totalKeysExamined"] == 0  # no task has a key in it
+
+
+async def test_a_limit_on_a_name_this_worker_does_not_run_leaves_its_claim_ahead_on(
+    mongo_uri: str, db_name: str, aclient: AsyncTaskClient
+) -> None:
+    """``--prefetch auto`` stops claiming ahead while a name the worker runs is limited (a run
+    claimed ahead would hold the limit's slot while it waits); a limit on a name it does not
+    run, or a resource none of its names uses, stops nothing here (it stopped every worker of
+    the cluster)."""
+    async with running_worker(registry, mongo_uri, db_name) as (worker, _):
+        ahead = worker.parts.claimer.ahead
+        gate = worker.parts.gate
+        assert isinstance(ahead, AdaptiveAhead)
+        await aclient.set_limit("elsewhere", concurrency=1)
+        await aclient.set_limit(resource="api", concurrency=1, names=["elsewhere"])
+        await wait_for(lambda: "elsewhere" in gate.restricting, 10)
+        assert not ahead.limited()
+        await aclient.set_limit("plain", concurrency=100)
+        await wait_for(lambda: "plain" in gate.restricting, 10)
+        assert ahead.limited() and not ahead.allowed()

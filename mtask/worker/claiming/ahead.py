@@ -14,8 +14,9 @@ while that wait is short, and gives back a run that waited too long:
   waited longer raises ``GiveBack``: the run is recorded RELEASED (no retry spent; another
   worker may claim it at once), and ``AdaptiveAhead`` stops claiming ahead until its runs are
   short again. So a workload that turns from short runs to long ones costs at most one round
-  of ``concurrency`` runs given back. While any cluster-wide limit is set, ``AdaptiveAhead``
-  claims nothing ahead: a run claimed ahead would hold its slot of the limit while it waits.
+  of ``concurrency`` runs given back. While a name the worker runs is under a cluster-wide
+  limit, ``AdaptiveAhead`` claims nothing ahead: a run claimed ahead would hold its slot of the
+  limit while it waits.
 
 ``FixedAhead(n)`` is ``--prefetch N``: always up to ``n`` runs ahead, each waiting as long as its
 slot takes (``0``: never ahead, and no run waits). docs/isolation.md says when to choose it.
@@ -82,8 +83,9 @@ class AdaptiveAhead:
         self.concurrency = concurrency
         self.give_back_after = give_back_after
         self.limited = limited
-        """Whether a cluster-wide limit is set (``LimitGate``): then nothing is claimed ahead,
-        since a run claimed ahead would hold its slot of the limit while it waits."""
+        """Whether a name the worker runs is under a cluster-wide limit (``LimitGate``): then
+        nothing is claimed ahead, since a run claimed ahead would hold its slot of the limit
+        while it waits."""
         self.run_s: float | None = None
         """The runs' average duration (seconds)."""
         self.round_trip_s: float | None = None
