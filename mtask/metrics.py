@@ -20,8 +20,8 @@ import functools
 import json
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 from wsgiref.types import StartResponse, WSGIEnvironment
 
@@ -34,6 +34,7 @@ from mtask.models import OPEN_STATUSES
 from mtask.triggers import follower_label
 
 DEPTH_TTL = 5.0
+T = TypeVar("T")
 
 UNKNOWN = "unknown"  # the label of a document without a usable name or status (never "None")
 
@@ -171,26 +172,36 @@ def label(value: object) -> str:
     return value if isinstance(value, str) and value and value != "None" else UNKNOWN
 
 
-class QueueDepth(Collector):
-    """``mtask_queue_depth{name, status}`` from ``fetch`` (a stats call of the open statuses,
-    pending and running: exact, at the cost of the backlog), at most once every ``DEPTH_TTL``
-    seconds; a failed fetch reports the last counts. Finished work is the runs' counters
-    (``mtask_runs_succeeded_total`` …), not a count of the finished tasks kept."""
+class Fetched(Generic[T]):
+    """What ``fetch`` read of the cluster, read again at most once every ``DEPTH_TTL`` seconds
+    (one scrape after another, or several scrapers, cost MongoDB one read); a failed read
+    reports the last figures (MongoDB out of reach)."""
 
-    def __init__(self, fetch: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+    def __init__(self, fetch: Callable[[], T], empty: T) -> None:
         self.fetch = fetch
         self._lock = threading.Lock()
-        self._counts: Mapping[str, Mapping[str, int]] = {}
+        self._value = empty
         self._at = float("-inf")
 
-    def counts(self) -> Mapping[str, Mapping[str, int]]:
+    def __call__(self) -> T:
         with self._lock:
             if time.monotonic() - self._at >= DEPTH_TTL:
                 try:
-                    self._counts = self.fetch()
+                    self._value = self.fetch()
+                except Exception:  # noqa: BLE001 - MongoDB out of reach: the last figures
+                    pass
                 finally:
                     self._at = time.monotonic()
-            return self._counts
+            return self._value
+
+
+class QueueDepth(Collector):
+    """``mtask_queue_depth{name, status}`` from ``fetch`` (a stats call of the open statuses,
+    pending and running: exact, at the cost of the backlog), ``Fetched``. Finished work is the
+    runs' counters (``mtask_runs_succeeded_total`` …), not a count of the finished tasks kept."""
+
+    def __init__(self, fetch: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+        self.counts: Fetched[Mapping[str, Mapping[str, int]]] = Fetched(fetch, {})
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         """What it reports, without reading MongoDB (asked at registration)."""
@@ -203,12 +214,8 @@ class QueueDepth(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = self._family()
-        try:
-            counts = self.counts()
-        except Exception:  # noqa: BLE001 - MongoDB out of reach: report the last known counts
-            counts = self._counts
         merged: dict[tuple[str, str], int] = {}
-        for name, by_status in counts.items():
+        for name, by_status in self.counts().items():
             for status, count in by_status.items():
                 labels = (label(name), label(status))
                 merged[labels] = merged.get(labels, 0) + count
@@ -219,24 +226,12 @@ class QueueDepth(Collector):
 
 class DueTasks(Collector):
     """``mtask_due_tasks{name}`` and ``mtask_oldest_due_age_seconds{name}`` from ``fetch`` (a
-    ``TaskClient.due`` call: pending tasks due now on the server's clock), cached like
-    ``QueueDepth``. A name with nothing due is absent (a Prometheus query treats it as 0 with
-    ``or vector(0)``); the scalers in deploy/kubernetes sum over names."""
+    ``TaskClient.due`` call: pending tasks due now on the server's clock), ``Fetched``. A name
+    with nothing due is absent (a Prometheus query treats it as 0 with ``or vector(0)``); the
+    scalers in deploy/kubernetes sum over names."""
 
     def __init__(self, fetch: Callable[[], Mapping[str, tuple[int, float]]]) -> None:
-        self.fetch = fetch
-        self._lock = threading.Lock()
-        self._due: Mapping[str, tuple[int, float]] = {}
-        self._at = float("-inf")
-
-    def due(self) -> Mapping[str, tuple[int, float]]:
-        with self._lock:
-            if time.monotonic() - self._at >= DEPTH_TTL:
-                try:
-                    self._due = self.fetch()
-                finally:
-                    self._at = time.monotonic()
-            return self._due
+        self.due: Fetched[Mapping[str, tuple[int, float]]] = Fetched(fetch, {})
 
     def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
         return (
@@ -255,11 +250,7 @@ class DueTasks(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         count, age = self._families()
-        try:
-            due = self.due()
-        except Exception:  # noqa: BLE001 - MongoDB out of reach: report the last known figures
-            due = self._due
-        for name, (n, oldest) in sorted(due.items()):
+        for name, (n, oldest) in sorted(self.due().items()):
             count.add_metric([label(name)], n)
             age.add_metric([label(name)], oldest)
         yield count
@@ -271,22 +262,10 @@ class TriggerLag(Collector):
     every change is handled), ``mtask_trigger_held{trigger}`` (1 while a worker follows it) and
     ``mtask_trigger_paused{trigger}``, for every trigger and waited-on collection
     (``wait:<collection>``), from ``fetch`` (``TaskClient.triggers``: one read of the
-    ``triggers`` collection), cached like ``QueueDepth``; docs/triggers.md."""
+    ``triggers`` collection), ``Fetched``; docs/triggers.md."""
 
     def __init__(self, fetch: Callable[[], list[dict[str, Any]]]) -> None:
-        self.fetch = fetch
-        self._lock = threading.Lock()
-        self._docs: list[dict[str, Any]] = []
-        self._at = float("-inf")
-
-    def docs(self) -> list[dict[str, Any]]:
-        with self._lock:
-            if time.monotonic() - self._at >= DEPTH_TTL:
-                try:
-                    self._docs = self.fetch()
-                finally:
-                    self._at = time.monotonic()
-            return self._docs
+        self.docs: Fetched[list[dict[str, Any]]] = Fetched(fetch, [])
 
     def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
         return (
@@ -309,11 +288,7 @@ class TriggerLag(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         lag, held, paused = self._families()
-        try:
-            docs = self.docs()
-        except Exception:  # noqa: BLE001 - MongoDB out of reach: report the last known figures
-            docs = self._docs
-        for doc in docs:
+        for doc in self.docs():
             trigger = label(follower_label(doc.get("kind"), label(doc.get("name"))))
             lag_ms = doc.get("lag_ms")
             if isinstance(lag_ms, int | float) and not isinstance(lag_ms, bool):
@@ -325,9 +300,55 @@ class TriggerLag(Collector):
         yield paused
 
 
+class LimitUse(Collector):
+    """``mtask_limit_runs_in_use{limit}`` (runs at once holding the limit's slot: units, issue
+    62), ``mtask_limit_concurrency{limit}`` (its runs at once, if it sets some) and
+    ``mtask_limit_backing_off{limit}`` (1 while a handler's BackOff holds it whole), for each
+    task name with a limit and each shared resource (``resource:<name>``), from ``fetch``
+    (``TaskClient.limit_gauges``: one read of the ``limits`` collection's names' and
+    resources' documents), ``Fetched``."""
+
+    def __init__(self, fetch: Callable[[], Sequence[Any]]) -> None:
+        self.gauges: Fetched[Sequence[Any]] = Fetched(fetch, ())
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                "mtask_limit_runs_in_use",
+                "Runs at once holding a limit's slot (their units), per limit: a task name, or "
+                "resource:<name>",
+                labels=["limit"],
+            ),
+            GaugeMetricFamily(
+                "mtask_limit_concurrency", "Runs at once a limit allows", labels=["limit"]
+            ),
+            GaugeMetricFamily(
+                "mtask_limit_backing_off",
+                "1 while a handler's BackOff holds the whole limit back",
+                labels=["limit"],
+            ),
+        )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        in_use, concurrency, held = self._families()
+        for gauge in self.gauges():
+            limit = label(gauge.limit)
+            in_use.add_metric([limit], gauge.in_use)
+            if gauge.concurrency is not None:
+                concurrency.add_metric([limit], gauge.concurrency)
+            held.add_metric([limit], 1.0 if gauge.held else 0.0)
+        yield in_use
+        yield concurrency
+        yield held
+
+
 _depth: QueueDepth | None = None
 _due: DueTasks | None = None
 _lag: TriggerLag | None = None
+_limits: LimitUse | None = None
 
 
 def register_queue_depth(fetch: Callable[[], Mapping[str, Mapping[str, int]]]) -> QueueDepth:
@@ -342,9 +363,10 @@ def register_queue_depth(fetch: Callable[[], Mapping[str, Mapping[str, int]]]) -
 
 def register_cluster_metrics(client: Any) -> None:
     """Export the cluster-wide gauges (queue depth; due tasks and the oldest due age; the
-    triggers' lag) from ``client`` (``stats()``, ``due()`` and ``triggers()``). Call it in ONE
-    process per cluster: ``mtask serve``, or a worker started with ``--cluster-metrics``."""
-    global _due, _lag
+    triggers' lag; the limits' runs in use) from ``client`` (``stats()``, ``due()``,
+    ``triggers()`` and ``limit_gauges()``). Call it in ONE process per cluster: ``mtask
+    serve``, or a worker started with ``--cluster-metrics``."""
+    global _due, _lag, _limits
     register_queue_depth(functools.partial(client.stats, statuses=OPEN_STATUSES))
     if _due is not None:
         REGISTRY.unregister(_due)
@@ -354,6 +376,10 @@ def register_cluster_metrics(client: Any) -> None:
         REGISTRY.unregister(_lag)
     _lag = TriggerLag(client.triggers)
     REGISTRY.register(_lag)
+    if _limits is not None:
+        REGISTRY.unregister(_limits)
+    _limits = LimitUse(client.limit_gauges)
+    REGISTRY.register(_limits)
 
 
 class _Quiet(WSGIRequestHandler):

@@ -139,6 +139,7 @@ class Operations:
     set_group_limit = Control.set_group_limit
     clear_group_limit = Control.clear_group_limit
     limits = Control.limits
+    limit_gauges = Control.limit_gauges
     limit_use = Control.limit_use
     set_retention = Control.set_retention
     clear_retention = Control.clear_retention

@@ -158,6 +158,13 @@ class Control:
         return (yield from limits.all_limits())
 
     @operation
+    def limit_gauges(self) -> Op[builtins.list[occupancy.LimitGauge]]:
+        """Each limit's runs at once in use, its concurrency and whether a back-off holds it,
+        from one read of the limits' documents (``metrics.LimitUse``)."""
+        docs = yield from limits.all_limits()
+        return occupancy.gauges(docs, self.core.clock.now())
+
+    @operation
     def limit_use(self) -> Op[builtins.list[occupancy.NameUse]]:
         """How full each limit is: runs at once in use, sequences' locks held, and per group
         its tasks open, running, due and blocked and the one that runs next

@@ -260,6 +260,33 @@ def _held_groups(doc: Mapping[str, Any], now: dt.datetime) -> dict[str, dt.datet
     }
 
 
+@dataclass(frozen=True)
+class LimitGauge:
+    """A limit's figures for the metrics (``metrics.LimitUse``): read from its document only."""
+
+    limit: str
+    """A task name, or ``resource:<name>`` for a shared resource."""
+    in_use: int
+    concurrency: int | None
+    held: bool
+    """A handler's BackOff holds the whole limit back now."""
+
+
+def gauges(docs: Sequence[Doc], now: dt.datetime) -> list[LimitGauge]:
+    """Each limit document's (``limits.all_limits``) figures at ``now``, any shape."""
+    found = []
+    for doc in docs:
+        slot = doc.get("_id")
+        if not isinstance(slot, str) or not slot:
+            continue
+        name = f"resource:{limits.resource_of(slot)}" if limits.is_resource(slot) else slot
+        concurrency = own_limit(doc).concurrency
+        found.append(
+            LimitGauge(name, _live(doc, now), concurrency, held_until(doc, None, now) is not None)
+        )
+    return found
+
+
 def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse]]:
     """Each limited name's use (of ``names`` only, if given), in name order."""
     found = yield from limits.all_limits()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from promtool import check_metrics
 from workerapp import registry
 
 from mtask import TaskClient
+from mtask.backoff import hold
+from mtask.driver import SyncDriver
 from mtask.embedded import free_port
 
 TESTS = Path(__file__).parents[1]
@@ -28,6 +31,10 @@ def test_a_worker_serves_its_metrics(mongo_uri: str, db_name: str, client: TaskC
     client.publish("add", "ok", {"a": 1, "b": 2})
     client.publish("always_fails", "bad", options={"max_retries": 0})
     client.publish("nobody_runs_this", "due-1")  # a name this worker does not handle: stays due
+    client.set_limit(resource="crm", concurrency=3)  # the limits' gauges (issue 62)
+    client.set_limit("add", concurrency=2)
+    now = client.now()
+    SyncDriver(client.db).run(hold("slow", None, now + dt.timedelta(hours=1), now))
     with worker_process(
         mongo_uri, db_name, "--metrics-port", str(port), "--cluster-metrics"
     ) as proc:
@@ -59,6 +66,12 @@ def test_a_worker_serves_its_metrics(mongo_uri: str, db_name: str, client: TaskC
     assert 'mtask_oldest_due_age_seconds{name="nobody_runs_this"}' in text
     assert 'mtask_due_tasks{name="add"}' not in text  # nothing of it is due any more
     assert "mtask_tasks_claimed" not in text and "None" not in text  # runs are not tasks
+    assert 'mtask_limit_concurrency{limit="resource:crm"} 3.0' in text
+    assert 'mtask_limit_runs_in_use{limit="add"} 0.0' in text  # its run ended
+    assert 'mtask_limit_concurrency{limit="add"} 2.0' in text
+    assert 'mtask_limit_backing_off{limit="slow"} 1.0' in text
+    assert 'mtask_limit_backing_off{limit="add"} 0.0' in text
+    assert 'mtask_limit_concurrency{limit="slow"}' not in text  # a hold alone sets none
     check_metrics(text)
 
 
@@ -75,6 +88,7 @@ def test_only_a_worker_asked_to_exports_the_cluster_gauges(
             time.sleep(0.2)
             text = scrape(port) or ""
     assert "mtask_queue_depth" not in text and "mtask_due_tasks" not in text
+    assert "mtask_limit_runs_in_use" not in text
     check_metrics(text)
 
 
