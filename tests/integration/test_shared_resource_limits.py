@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from mtask.errors import InvalidTask
 from mtask.registry import Registry
 from mtask.states import State
 from mtask.web import create_app
+from mtask.worker import Worker
 
 TOKEN = "test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -33,6 +35,20 @@ registry = Registry()
 registry.task("summarize", uses=["openai"])(timed_sleep)
 registry.task("embed", uses=["openai"])(timed_sleep)
 registry.task("plain")(timed_sleep)
+
+
+@contextlib.asynccontextmanager
+async def two_workers(mongo_uri: str, db_name: str) -> AsyncIterator[list[Worker]]:
+    """Two in-process workers of ``registry``, concurrency 8 each."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield [
+            (
+                await stack.enter_async_context(
+                    running_worker(registry, mongo_uri, db_name, concurrency=8)
+                )
+            )[0]
+            for _ in range(2)
+        ]
 
 
 def test_a_resources_limit_is_set_and_cleared_and_bad_input_writes_nothing(
@@ -121,15 +137,7 @@ async def test_workers_share_a_resource_between_two_names_and_hear_a_change(
         return [d["result"] for d in found]
 
     publish("one-", 10)
-    async with contextlib.AsyncExitStack() as stack:
-        workers = [
-            (
-                await stack.enter_async_context(
-                    running_worker(registry, mongo_uri, db_name, concurrency=8)
-                )
-            )[0]
-            for _ in range(2)
-        ]
+    async with two_workers(mongo_uri, db_name) as workers:
         await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 30, 60)
         assert peak(results("one-", ("summarize", "embed"))) == 2
         assert peak(results("one-", ("plain",))) > 2  # a name that uses none: unlimited
@@ -203,15 +211,7 @@ async def test_names_a_resource_lists_share_it_as_their_handlers_uses_do(
         return [d["result"] for d in db.tasks.find({"_id": {"$regex": f"^{prefix}"}})]
 
     publish("one-")
-    async with contextlib.AsyncExitStack() as stack:
-        workers = [
-            (
-                await stack.enter_async_context(
-                    running_worker(registry, mongo_uri, db_name, concurrency=8)
-                )
-            )[0]
-            for _ in range(2)
-        ]
+    async with two_workers(mongo_uri, db_name) as workers:
         await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 10, 60)
         assert peak(results("one-")) == 2
         db.limits.update_one({"_id": slot}, {"$pull": {"names": "plain"}})

@@ -191,7 +191,9 @@ class Sink:
         return None
 
 
-def gate_with(driver: AsyncScriptedDriver, applied: list[str]) -> tuple[LimitGate, Sink]:
+def gate_with(
+    driver: AsyncScriptedDriver, applied: list[str], uses: dict[str, list[str]] | None = None
+) -> tuple[LimitGate, Sink]:
     sink = Sink()
     changes: Signal[[str]] = Signal()
     gate = LimitGate(
@@ -202,6 +204,7 @@ def gate_with(driver: AsyncScriptedDriver, applied: list[str]) -> tuple[LimitGat
         interval=3600,
         limit_set=changes,
         applied=applied.append,
+        uses=uses,
     )
     return gate, sink
 
@@ -409,17 +412,7 @@ async def test_a_resources_document_declares_names_that_take_its_slot() -> None:
         Step("find", reply=[crm_doc, own], collection="limits"),
         Step("find", reply=[{**crm_doc, "names": ["sync", 7]}], collection="limits"),
     )
-    sink = Sink()
-    changes: Signal[[str]] = Signal()
-    gate = LimitGate(
-        cast(AsyncDriver, driver),
-        "w1",
-        FixedClock(NOW),
-        cast(Any, sink),
-        interval=3600,
-        limit_set=changes,
-        uses={"mail": ["api"]},
-    )
+    gate, _ = gate_with(driver, [], uses={"mail": ["api"]})
     await gate.run_once()
     assert gate.uses == {"mail": (api,), "sync": (crm,), "push": (crm,)}
     assert {"sync", "push"} <= gate.restricting and "mail" not in gate.restricting  # api: none
