@@ -196,6 +196,11 @@ RESOURCE_PREFIX = GROUP_SEPARATOR
 is never empty, so no name's or group's document begins with it."""
 
 
+RESOURCE_IDS = {"_id": {"$gte": RESOURCE_PREFIX, "$lt": chr(ord(RESOURCE_PREFIX) + 1)}}
+"""The shared resources' documents, by a range of ``_id`` (its index, not a scan of every
+name's and group's document)."""
+
+
 def resource_slot(resource: str) -> str:
     """The ``_id`` of the limit document of the shared resource ``resource`` (issue 62)."""
     return RESOURCE_PREFIX + resource

@@ -20,6 +20,7 @@ from typing import Any
 from mtask import control
 from mtask.driver import Call, Doc, Op, gather
 from mtask.limits import (
+    RESOURCE_IDS,
     RESOURCE_USERS,
     Limit,
     group_limit_for,
@@ -91,7 +92,7 @@ def read(tasks: Sequence[Task], now: dt.datetime, *, ahead: bool = False) -> Op[
     if names:
         declared = _declared(workers, names)
         slots = sorted({s for found in declared.values() for s in found})
-        listed = {"resource": {"$exists": True}, RESOURCE_USERS: {"$in": names}}
+        listed = {**RESOURCE_IDS, RESOURCE_USERS: {"$in": names}}
         query = {"$or": [{"_id": {"$in": names + slots}}, listed]}
         docs = yield Call("find", (query,), collection="limits")
         limits = {str(d["_id"]): d for d in docs}
