@@ -212,7 +212,7 @@ def cmd_limits(args: argparse.Namespace) -> int:
     table.columns[1].ratio = 1
     for u in uses:
         if u.resource:  # a shared resource: its tasks are counted under the names using it
-            said = _describe_limit(u.limit) + _holds_of(u)
+            said = _describe_limit(u.limit) + _holds_of(u) + _users_of(u)
             add_row(table, f"resource {u.name}", said, _in_use(u), "-", "-")
             continue
         said = _describe_limit(u.limit) + _holds_of(u) + _state_of(u)
@@ -230,6 +230,19 @@ def _use_json(u: Any) -> dict[str, Any]:
     found = dataclasses.asdict(u)
     found.pop("limit")
     return found
+
+
+SHOWN_USERS = 5
+"""The names a shared resource's row says take its slot (``--json``: all of them)."""
+
+
+def _users_of(u: Any) -> str:
+    """The task names that take a shared resource's slot, or that none is known."""
+    if not u.users:
+        return " (no live worker's name takes it)"
+    more = len(u.users) - SHOWN_USERS
+    rest = f" and {more} more" if more > 0 else ""
+    return f" (taken by {', '.join(u.users[:SHOWN_USERS])}{rest})"
 
 
 def _holds_of(u: Any) -> str:

@@ -90,7 +90,7 @@ def read(tasks: Sequence[Task], now: dt.datetime, *, ahead: bool = False) -> Op[
     limits: dict[str, Doc] = {}
     resources: dict[str, tuple[str, ...]] = {}
     if names:
-        declared = _declared(workers, names)
+        declared = declared_uses(workers, names)
         slots = sorted({s for found in declared.values() for s in found})
         listed = {**RESOURCE_IDS, RESOURCE_USERS: {"$in": names}}
         query = {"$or": [{"_id": {"$in": names + slots}}, listed]}
@@ -101,17 +101,19 @@ def read(tasks: Sequence[Task], now: dt.datetime, *, ahead: bool = False) -> Op[
     return Cluster(now, frozenset(paused), _workers(workers), limits, groups, resources)
 
 
-def _declared(workers: Iterable[Doc], names: Sequence[str]) -> dict[str, set[str]]:
-    """The slots of the resources the live workers' handlers of ``names`` declare they use
-    (their heartbeats' ``uses``, any shape)."""
-    wanted: set[str] = set(names)
+def declared_uses(workers: Iterable[Doc], names: Sequence[str] | None) -> dict[str, set[str]]:
+    """The slots of the resources the live workers' handlers (of ``names`` only, if given)
+    declare they use: their heartbeats' ``uses``, any shape."""
+    wanted: set[str] | None = None if names is None else set(names)
     found: dict[str, set[str]] = {}
     for worker in workers:
         uses = worker.get("uses")
         for entry in uses if isinstance(uses, list) else ():
             name = entry.get("name") if isinstance(entry, Mapping) else None
             listed = entry.get("resources") if isinstance(entry, Mapping) else None
-            if isinstance(name, str) and name in wanted and isinstance(listed, list):
+            if not isinstance(name, str) or (wanted is not None and name not in wanted):
+                continue
+            if isinstance(listed, list):
                 found.setdefault(name, set()).update(
                     resource_slot(r) for r in listed if isinstance(r, str) and r
                 )

@@ -39,7 +39,7 @@ from mtask.limits import (
     limit_under,
     own_limit,
 )
-from mtask.store.cluster import LIVE
+from mtask.store.cluster import LIVE, declared_uses
 from mtask.store.schema import GROUP_LOCK, OPEN_LIST
 
 TOP_GROUPS = 100
@@ -91,6 +91,9 @@ class NameUse:
     blocked: int
     groups: list[GroupUse] = field(default_factory=list)
     more_groups: int = 0
+    users: tuple[str, ...] = ()
+    """A shared resource's: the task names that take its slot (the live workers' handlers that
+    declare it, and the names its document lists), in name order."""
     resource: bool = False
     """A shared resource's limit (issue 62), ``name`` its name: its runs at once in use are
     those of every name whose handler uses it (its tasks are counted under those names)."""
@@ -290,12 +293,15 @@ def gauges(docs: Sequence[Doc], now: dt.datetime) -> list[LimitGauge]:
 def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse]]:
     """Each limited name's use (of ``names`` only, if given), in name order."""
     found = yield from limits.all_limits()
-    resources = _resource_uses(found, now) if names is None else []
     docs = _name_docs(found, names)
+    shared = [d for d in found if limits.is_resource(str(d["_id"]))] if names is None else []
+    if not docs and not shared:
+        return []
+    workers = yield from control.live_workers(now, LIVE, {"names": 1, "uses": 1})
+    resources = _resource_uses(shared, now, workers)
     if not docs:
         return resources
     paused = yield from control.paused_names()
-    workers = yield from control.live_workers(now, LIVE, {"names": 1})
     handled = {n for w in workers if isinstance(w.get("names"), list) for n in w["names"]}
     rows: list[list[Doc]] = list(
         (yield gather(*(Call("aggregate", (_pipeline(str(d["_id"]), now),)) for d in docs)))
@@ -307,9 +313,15 @@ def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse
     ] + resources
 
 
-def _resource_uses(found: Sequence[Doc], now: dt.datetime) -> list[NameUse]:
-    """Each shared resource's use, in name order: its runs at once in use (every name's whose
-    handler uses it)."""
+def _resource_uses(
+    shared: Sequence[Doc], now: dt.datetime, workers: Sequence[Doc]
+) -> list[NameUse]:
+    """Each shared resource's use, in name order: its runs at once in use (every name's that
+    takes its slot), and those names."""
+    taken = limits.resource_users(
+        {n: sorted(s) for n, s in declared_uses(workers, None).items()},
+        {str(d["_id"]): d for d in shared},
+    )
     return [
         NameUse(
             limits.resource_of(str(d["_id"])),
@@ -324,9 +336,9 @@ def _resource_uses(found: Sequence[Doc], now: dt.datetime) -> list[NameUse]:
             0,
             resource=True,
             held_until=held_until(d, None, now),
+            users=tuple(sorted(n for n, slots in taken.items() if d["_id"] in slots)),
         )
-        for d in sorted(found, key=lambda d: str(d["_id"]))
-        if limits.is_resource(str(d["_id"]))
+        for d in sorted(shared, key=lambda d: str(d["_id"]))
     ]
 
 

@@ -241,6 +241,15 @@ async def test_a_task_a_resource_holds_back_says_so(
             assert explained.reason == said
         code, out, _ = run_cli("get", "s2", "--uri", mongo_uri, "--database", db_name, width=200)
         assert code == 0 and "resource `openai`, which `summarize` uses, is full" in out, out
+        # who takes it: the live workers' handlers that declare it, and the names it lists
+        taken = "taken by embed, plain, summarize"
+        code, out, _ = run_cli("limits", "--uri", mongo_uri, "--database", db_name, width=250)
+        assert code == 0 and taken in out, out
+        (use,) = [u for u in client.limit_use() if u.resource]
+        assert use.users == ("embed", "plain", "summarize")
+        with TestClient(create_app(mongo_uri, database=db_name, token=TOKEN)) as http:
+            page = http.get("/ui/limits", headers=AUTH).text
+            assert 'class="users"><a href="/ui/tasks?name=embed">embed</a>' in page, page
         now = client.now()
         until = now + dt.timedelta(seconds=60)
         SyncDriver(mongo[db_name]).run(hold(limits.resource_slot("openai"), None, until, now))

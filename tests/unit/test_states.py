@@ -461,11 +461,11 @@ def test_a_resource_the_workers_or_its_document_name_is_read_from_any_shape(
     """The readers' side of shared resources (issue 62): heartbeats' ``uses`` and a resource
     document's ``names`` of any shape never raise, and give names and slots only."""
     from mtask import limits
-    from mtask.store.cluster import _declared, _resources
+    from mtask.store.cluster import _resources, declared_uses
 
     crm = limits.resource_slot("crm")
     heartbeats.append({"uses": [{"name": "n", "resources": ["crm", 7]}]})
-    declared = _declared(heartbeats, ["n", "m"])
+    declared = declared_uses(heartbeats, ["n", "m"])
     found = _resources(["n", "m"], declared, {crm: {"_id": crm, "names": listed}, "n": {}})
     assert found["n"] == (crm,)
     assert set(found) <= {"n", "m"} and all(s == (crm,) for s in found.values())
