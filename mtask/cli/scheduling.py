@@ -213,7 +213,7 @@ def cmd_limits(args: argparse.Namespace) -> int:
     for u in uses:
         if u.resource:  # a shared resource: its tasks are counted under the names using it
             said = _describe_limit(u.limit) + _holds_of(u) + _users_of(u)
-            add_row(table, f"resource {u.name}", said, _in_use(u), "-", "-")
+            add_row(table, f"resource {u.name}", said, _in_use(u), u.due, u.blocked)
             continue
         said = _describe_limit(u.limit) + _holds_of(u) + _state_of(u)
         add_row(table, u.name, said, _in_use(u), u.due, u.blocked)

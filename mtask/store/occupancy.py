@@ -130,14 +130,19 @@ class NameUse:
         return max(0, len(self.overrides) - SHOWN_OVERRIDES)
 
 
-def _pipeline(name: str, now: dt.datetime) -> list[Doc]:
-    due = {
+def _due(now: dt.datetime) -> Doc:
+    """Whether an open task is due at ``now`` (an expression)."""
+    return {
         "$and": [
             {"$eq": ["$status", "pending"]},
             {"$eq": [{"$type": "$next_claim_at"}, "date"]},
             {"$lte": ["$next_claim_at", now]},
         ]
     }
+
+
+def _pipeline(name: str, now: dt.datetime) -> list[Doc]:
+    due = _due(now)
     group = {"$cond": [{"$eq": [{"$type": "$options.group"}, "string"]}, "$options.group", None]}
     held = {"$cond": ["$lock", {"k": "$_id", "s": "$status", "d": "$due"}, None]}
     return [
@@ -298,7 +303,7 @@ def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse
     if not docs and not shared:
         return []
     workers = yield from control.live_workers(now, LIVE, {"names": 1, "uses": 1})
-    resources = _resource_uses(shared, now, workers)
+    resources = yield from _resource_uses(shared, now, workers)
     if not docs:
         return resources
     paused = yield from control.paused_names()
@@ -315,31 +320,56 @@ def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse
 
 def _resource_uses(
     shared: Sequence[Doc], now: dt.datetime, workers: Sequence[Doc]
-) -> list[NameUse]:
+) -> Op[list[NameUse]]:
     """Each shared resource's use, in name order: its runs at once in use (every name's that
-    takes its slot), and those names."""
+    takes its slot), those names, and their open, running, due and blocked tasks (blocked: due
+    beyond its room, or all while a back-off holds it)."""
     taken = limits.resource_users(
         {n: sorted(s) for n, s in declared_uses(workers, None).items()},
         {str(d["_id"]): d for d in shared},
     )
-    return [
-        NameUse(
-            limits.resource_of(str(d["_id"])),
-            d,
-            False,
-            True,
-            _live(d, now),
-            0,
-            0,
-            0,
-            0,
-            0,
-            resource=True,
-            held_until=held_until(d, None, now),
-            users=tuple(sorted(n for n, slots in taken.items() if d["_id"] in slots)),
+    shared = sorted(shared, key=lambda d: str(d["_id"]))
+    users = [tuple(sorted(n for n, slots in taken.items() if d["_id"] in slots)) for d in shared]
+    asked = [u for u in users if u]  # a resource nobody takes has no tasks to count
+    rows: list[list[Doc]] = list(
+        (yield gather(*(Call("aggregate", (_users_pipeline(u, now),)) for u in asked)))
+    )
+    counted = dict(zip(asked, rows, strict=True))
+    found = []
+    for doc, names in zip(shared, users, strict=True):
+        row = (counted.get(names) or [{}])[0]
+        in_use, held = _live(doc, now), held_until(doc, None, now)
+        due = int(row.get("due", 0))
+        room = own_limit(doc).concurrency
+        blocked = due if held else 0 if room is None else max(0, due - max(0, room - in_use))
+        found.append(
+            NameUse(
+                limits.resource_of(str(doc["_id"])),
+                doc,
+                False,
+                True,
+                in_use,
+                0,
+                int(row.get("open", 0)),
+                int(row.get("running", 0)),
+                due,
+                blocked,
+                resource=True,
+                held_until=held,
+                users=names,
+            )
         )
-        for d in sorted(shared, key=lambda d: str(d["_id"]))
-    ]
+    return found
+
+
+def _users_pipeline(names: Sequence[str], now: dt.datetime) -> list[Doc]:
+    """The open, running and due tasks of ``names`` (a shared resource's users), one row."""
+    running = {"$cond": [{"$eq": ["$status", "running"]}, 1, 0]}
+    return [
+        {"$match": {"name": {"$in": list(names)}, "status": {"$in": OPEN_LIST}}},
+        {"$group": {"_id": None, "open": {"$sum": 1}, "running": {"$sum": running},
+                    "due": {"$sum": {"$cond": [_due(now), 1, 0]}}}},
+    ]  # fmt: skip
 
 
 def _name_docs(found: Sequence[Doc], names: Sequence[str] | None) -> list[Doc]:

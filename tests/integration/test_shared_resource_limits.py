@@ -247,6 +247,8 @@ async def test_a_task_a_resource_holds_back_says_so(
         assert code == 0 and taken in out, out
         (use,) = [u for u in client.limit_use() if u.resource]
         assert use.users == ("embed", "plain", "summarize")
+        # its users' tasks: s1 runs, s2 and p1 are due and wait for its one slot
+        assert (use.open, use.running, use.due, use.blocked, use.in_use) == (3, 1, 2, 2, 1)
         with TestClient(create_app(mongo_uri, database=db_name, token=TOKEN)) as http:
             page = http.get("/ui/limits", headers=AUTH).text
             assert 'class="users"><a href="/ui/tasks?name=embed">embed</a>' in page, page
