@@ -153,4 +153,4 @@ class Holds:
         until = now + dt.timedelta(seconds=exc.seconds)
         doc = await self.driver.run(hold(slot, held, until, now))
         self.applied(slot, doc)
-        return until
+        return max(until, held_until(doc, held, now) or until)  # a hold only moves later

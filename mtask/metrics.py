@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -33,6 +34,7 @@ from prometheus_client.registry import Collector
 from mtask.models import OPEN_STATUSES
 from mtask.triggers import follower_label
 
+log = logging.getLogger(__name__)
 DEPTH_TTL = 5.0
 T = TypeVar("T")
 
@@ -188,8 +190,9 @@ class Fetched(Generic[T]):
             if time.monotonic() - self._at >= DEPTH_TTL:
                 try:
                     self._value = self.fetch()
-                except Exception:  # noqa: BLE001 - MongoDB out of reach: the last figures
-                    pass
+                except Exception as exc:  # noqa: BLE001 - MongoDB out of reach: the last figures
+                    log.warning("cluster metrics: %s failed, its last figures kept: %r",
+                                getattr(self.fetch, "__name__", "a read"), exc)  # fmt: skip
                 finally:
                     self._at = time.monotonic()
             return self._value

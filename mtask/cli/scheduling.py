@@ -110,7 +110,9 @@ def _resource_limit(args: argparse.Namespace) -> int:
             rate=parse_rate(args.rate) if args.rate is not None else None,
             burst=args.burst,
             overflow=args.overflow,
-            names=None if args.names is None else [n for n in args.names.split(",") if n],
+            names=None
+            if args.names is None
+            else [n.strip() for n in args.names.split(",") if n.strip()],
         )
     if args.json:
         print_json(doc)

@@ -176,10 +176,10 @@ def _pipeline(name: str, now: dt.datetime) -> list[Doc]:
 def _live(doc: Mapping[str, Any] | None, now: dt.datetime) -> int:
     """The units a slot document's holders whose lease has not ended take (one each unless a
     holder says ``units``: issue 62)."""
-    holders = (doc or {}).get("holders") or []
+    holders = (doc or {}).get("holders")
     return sum(
         _units_of(h)
-        for h in holders
+        for h in (holders if isinstance(holders, list) else ())
         if isinstance(h, dict) and isinstance(h.get("expires"), dt.datetime) and h["expires"] > now
     )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mtask.encryption import shown
 from mtask.models import BsonAny, BsonObject, Stored, Task
@@ -127,6 +127,16 @@ class LimitView(Open):
         default_factory=list,
         description="a resource's declared users: names whose runs take a slot of it",
     )
+
+    @field_validator("names", mode="before")
+    @classmethod
+    def _users(cls, value: object) -> list[str]:
+        """As the workers read it (``limits.users``): a hand's ``names`` of any shape shows
+        only the names a worker takes."""
+        from mtask.limits import users
+
+        return list(users({"names": value}))
+
     group_overrides: list[dict[str, Any]] = Field(
         default_factory=list,
         description="groups with a limit or weight of their own: "

@@ -182,3 +182,19 @@ async def test_a_handler_backs_off_its_name_or_a_resource_and_its_own_task_waits
     kind = "name" if held == "name" else "resource"
     labels = {"name": "holder", "held": kind}
     assert (REGISTRY.get_sample_value("mtask_backoffs_total", labels) or 0) >= 1
+
+
+async def test_a_back_off_within_a_longer_hold_releases_its_task_until_the_longer_one_ends(
+    mongo_uri: str, mongo: MongoClient[Any], db_name: str, client: TaskClient
+) -> None:
+    """A hold only moves later: a 3 s back-off of ``crm`` while a handler's earlier one holds
+    it for an hour releases its task (whose name does not take ``crm``) due in an hour."""
+    slot = limits.resource_slot("crm")
+    now = client.now()
+    SyncDriver(mongo[db_name]).run(hold(slot, None, now + dt.timedelta(hours=1), now))
+    async with running_worker(registry, mongo_uri, db_name, concurrency=2) as (_, events):
+        client.publish("holder", "h9", {"hold": "resource", "seconds": 3})
+        await events.wait("recorded", key="h9", state="RELEASED")
+    until = mongo[db_name].limits.find_one({"_id": slot})[limits.HELD_UNTIL]
+    task = mongo[db_name].tasks.find_one({"_id": "h9"})
+    assert task["status"] == "pending" and task["available_at"] >= until

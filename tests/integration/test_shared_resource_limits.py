@@ -38,13 +38,13 @@ registry.task("plain")(timed_sleep)
 
 
 @contextlib.asynccontextmanager
-async def two_workers(mongo_uri: str, db_name: str) -> AsyncIterator[list[Worker]]:
+async def two_workers(mongo_uri: str, db_name: str, **kwargs: Any) -> AsyncIterator[list[Worker]]:
     """Two in-process workers of ``registry``, concurrency 8 each."""
     async with contextlib.AsyncExitStack() as stack:
         yield [
             (
                 await stack.enter_async_context(
-                    running_worker(registry, mongo_uri, db_name, concurrency=8)
+                    running_worker(registry, mongo_uri, db_name, concurrency=8, **kwargs)
                 )
             )[0]
             for _ in range(2)
@@ -186,6 +186,18 @@ def test_a_resources_declared_names_are_set_from_python_the_cli_and_http(
             answer = http.put("/resources/crm", json=body, headers=AUTH)
             assert 400 <= answer.status_code < 500, (body, answer.text)
     assert client.limits()[0]["names"] == ["c"]
+    # a hand's names of any shape: read as the workers read them, never a 500
+    odd = limits.resource_slot("odd")
+    for names in ("translate", [1, None, "ok", ["x"]], {"a": 1}):
+        mongo[db_name].limits.replace_one(
+            {"_id": odd}, {"_id": odd, "resource": "odd", "names": names}, upsert=True
+        )
+        with TestClient(create_app(mongo_uri, database=db_name, token=TOKEN)) as http:
+            for path in ("/limits", "/limits?use=true"):
+                answer = http.get(path, headers=AUTH)
+                assert answer.status_code == 200, (names, answer.text)
+                found = [d for d in answer.json() if d["_id"] == odd]
+                assert found[0]["names"] == (["ok"] if isinstance(names, list) else [])
 
 
 async def test_names_a_resource_lists_share_it_as_their_handlers_uses_do(
@@ -210,12 +222,19 @@ async def test_names_a_resource_lists_share_it_as_their_handlers_uses_do(
     def results(prefix: str) -> list[list[float]]:
         return [d["result"] for d in db.tasks.find({"_id": {"$regex": f"^{prefix}"}})]
 
+    def heard(using: bool) -> bool:
+        return all(("plain" in w.parts.gate.uses) is using for w in workers)
+
     publish("one-")
-    async with two_workers(mongo_uri, db_name) as workers:
+    # the documented updates are heard by the limit's event (the periodic read is an hour off)
+    async with two_workers(mongo_uri, db_name, limits_refresh=3600) as workers:
         await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 10, 60)
         assert peak(results("one-")) == 2
-        db.limits.update_one({"_id": slot}, {"$pull": {"names": "plain"}})
-        await wait_for(lambda: all("plain" not in w.parts.gate.uses for w in workers), 10)
+        for update in ({"$pull": {"names": "plain"}}, {"$addToSet": {"names": "plain"}}):
+            db.limits.update_one({"_id": slot}, update)
+            await wait_for(lambda update=update: heard("$addToSet" in update), 10)
+        db.limits.update_one({"_id": slot}, {"$set": {"names": ["other"]}})
+        await wait_for(lambda: heard(False), 10)
         publish("two-")
         await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 20, 60)
     assert peak(results("two-")) > 2

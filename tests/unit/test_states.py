@@ -514,3 +514,22 @@ def test_the_web_pages_state_table_names_every_state_and_why_explain_returns() -
     assert returned - documented == set()
     assert {(s, w) for s, w in documented if w is not None} - returned == set()
     assert ("scheduled", "debounce") in returned and ("waiting", "snoozed") in returned
+
+
+@given(
+    docs=st.lists(
+        st.dictionaries(
+            st.sampled_from(["_id", "holders", "concurrency", "held_until", "names"]), _ANY
+        ),
+        max_size=4,
+    )
+)
+def test_the_limits_gauges_read_documents_of_any_shape(docs: list[dict[str, Any]]) -> None:
+    """``mtask_limit_*`` (``occupancy.gauges``): a hand-written limit document of any shape
+    never blanks the gauges of every limit."""
+    from mtask.store.occupancy import gauges
+
+    docs += [{"_id": "n", "holders": 5}, {"_id": "m", "holders": True, "concurrency": "2"}]
+    found = gauges(docs, dt.datetime(2046, 1, 1, tzinfo=dt.UTC))
+    assert len(found) == sum(1 for d in docs if isinstance(d.get("_id"), str) and d["_id"])
+    assert all(g.in_use >= 0 for g in found)

@@ -240,8 +240,11 @@ class HandlerCalls:
             Event.RELEASED, key=run.key, run_id=run.run_id, reason="backoff", held=what,
             until=until.isoformat(timespec="milliseconds"),
         )  # fmt: skip
-        # its own task is due once the hold ends, whether or not its name takes what is held
-        delay_ms = math.ceil(exc.seconds * 1000)
+        # its own task is due once the hold ends (a hold an earlier back-off made later: then),
+        # whether or not its name takes what is held
+        delay_ms = math.ceil(
+            max(exc.seconds, (until - self.holds.clock.now()).total_seconds()) * 1000
+        )
         return Outcome(run.key, run.run_id, RunState.RELEASED, retry_delay_ms=delay_ms)
 
     def _lease_watch(self, run: ActiveRun) -> LeaseWatch | None:
