@@ -26,7 +26,7 @@ from bench.support import FULL, QUICK, floor_helper
 from bench.triggers import reacting
 from bench.validator import validator_ab, validator_interleaved
 from bench.workloads import Bench
-from mtask.connection import resolve_uri
+from mtask.connection.clients import resolve_uri
 
 DESCRIPTION = "mtask's benchmark suite: throughput and latency on a real server."
 

@@ -32,7 +32,7 @@ from bench.support import (
     wait_until,
     worker_and_client,
 )
-from mtask.batches import BatchItem
+from mtask.limits.batches import BatchItem
 from mtask.registry import Registry, TaskContext
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from bench.support import (
     worker_and_client,
 )
 from mtask.registry import Registry, TaskContext
-from mtask.spawn import Spawn
+from mtask.steps.children import Spawn
 
 if TYPE_CHECKING:
     from bench.workloads import Bench

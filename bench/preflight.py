@@ -1,5 +1,5 @@
 """Bench WF, the preflight of changed handlers (issue 61): ``n`` parked tasks (100,000; 5,000
-with ``--quick``) checked against the handlers of ``bench.app`` (``mtask.preflight.check``:
+with ``--quick``) checked against the handlers of ``bench.app`` (``mtask.steps.preflight.check``:
 read page by page, replayed dry in the sandbox process), timed, with the server's write
 operations counted across the check (``opcounters`` insert, update, delete: none expected).
 
@@ -18,9 +18,9 @@ from pymongo import MongoClient
 from bench.support import QUICK, Result
 from mtask.client import TaskClient
 from mtask.models import NewTask
-from mtask.preflight import check
 from mtask.registry import Registry, TaskContext
 from mtask.steps import NEVER
+from mtask.steps.preflight import check
 from mtask.store.schema import new_document
 
 if TYPE_CHECKING:

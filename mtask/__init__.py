@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING, Any
 from mtask._version import __version__
 
 if TYPE_CHECKING:
-    from mtask.backoff import BackOff
-    from mtask.batches import BatchItem
     from mtask.client import AsyncTaskClient, TaskClient
     from mtask.errors import (
         EmbeddedUnavailable,
@@ -28,11 +26,13 @@ if TYPE_CHECKING:
         WorkerCrashed,
     )
     from mtask.flows import Next
+    from mtask.limits.batches import BatchItem
+    from mtask.limits.holds import BackOff
+    from mtask.limits.snooze import Snooze
     from mtask.models import PublishResult, Run, RunState, Task, TaskOptions, TaskStatus
     from mtask.registry import Fail, Registry, Retry, TaskContext
-    from mtask.snooze import Snooze
-    from mtask.spawn import ChildFailed, Spawn
-    from mtask.step_policy import StepPolicy, StepTimeout
+    from mtask.steps.children import ChildFailed, Spawn
+    from mtask.steps.policy import StepPolicy, StepTimeout
     from mtask.worker import Worker
 
 
@@ -59,8 +59,8 @@ def lazy_exports(
 
 
 _WHERE = {
-    "mtask.batches": ("BatchItem",),  # issue 62
-    "mtask.backoff": ("BackOff",),  # issue 62
+    "mtask.limits.batches": ("BatchItem",),  # issue 62
+    "mtask.limits.holds": ("BackOff",),  # issue 62
     "mtask.client": ("AsyncTaskClient", "TaskClient"),
     "mtask.errors": (
         "EmbeddedUnavailable",
@@ -75,9 +75,9 @@ _WHERE = {
     "mtask.flows": ("Next",),
     "mtask.models": ("PublishResult", "Run", "RunState", "Task", "TaskOptions", "TaskStatus"),
     "mtask.registry": ("Fail", "Registry", "Retry", "TaskContext"),
-    "mtask.snooze": ("Snooze",),  # issue 62
-    "mtask.spawn": ("ChildFailed", "Spawn"),  # issue 61
-    "mtask.step_policy": ("StepPolicy", "StepTimeout"),  # issue 61
+    "mtask.limits.snooze": ("Snooze",),  # issue 62
+    "mtask.steps.children": ("ChildFailed", "Spawn"),  # issue 61
+    "mtask.steps.policy": ("StepPolicy", "StepTimeout"),  # issue 61
     "mtask.worker": ("Worker",),
 }
 __getattr__, __dir__ = lazy_exports("mtask", _WHERE, globals())

@@ -185,6 +185,6 @@ def run_demo(uri: str | None = None, seconds: float = 120.0) -> int:
 
 
 def _client_uri(client: TaskClient, uri: str | None) -> str:
-    from mtask.connection import resolve_uri
+    from mtask.connection.clients import resolve_uri
 
     return resolve_uri(uri)

@@ -1,6 +1,6 @@
 """Running store operations on MongoDB.
 
-An operation (see ``mtask.store`` and ``mtask.control``) is written once, as a generator that
+An operation (see ``mtask.store`` and ``mtask.store.controls``) is written once, as a generator that
 yields ``Call``\\ s — one collection method call each — and returns its result. ``SyncDriver``
 runs it on pymongo's ``MongoClient``, ``AsyncDriver`` on its native ``AsyncMongoClient``, so the
 sync and async clients share one definition and the filters and pipelines stay free of I/O.
@@ -148,7 +148,7 @@ def unauthorized(exc: OperationFailure, call: Call | None, where: str | None) ->
     said = str((exc.details or {}).get("errmsg", exc)).split(" to execute command")[0][:200]
     if call is None:
         return f"MongoDB refused the operation (Unauthorized: {said})"
-    from mtask import roles  # the actions a call needs: the roles' one definition
+    from mtask.security import roles  # the actions a call needs: the roles' one definition
 
     actions = " and ".join(roles.actions_of(call)) or call.method
     return (

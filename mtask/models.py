@@ -166,7 +166,7 @@ class RunState(StrEnum):
     ended, the task is claimed again when the wait is over (docs/steps.md)."""
     SNOOZED = "SNOOZED"
     """The handler raised ``Snooze(seconds)``: the run ended without spending a retry, the
-    task is claimed again after those seconds (issue 62, ``mtask.snooze``)."""
+    task is claimed again after those seconds (issue 62, ``mtask.limits.snooze``)."""
 
 
 class TaskOptions(BaseModel):
@@ -398,7 +398,7 @@ class Waiting(Stored):
 
 
 class Spawned(Stored):
-    """A parent's counter of the children its step spawned (issue 61, ``mtask.spawn``): how
+    """A parent's counter of the children its step spawned (issue 61, ``mtask.steps.children``): how
     many, how many finished (``failed``: of them, how many for good), each one's bit."""
 
     step: str
@@ -1036,7 +1036,7 @@ class NewTask(BaseModel):
     depends_on: tuple[str, ...] = ()
     """Claimable only once every one of these tasks succeeded; failed if one fails for good."""
     spawn: dict[str, Any] | None = None
-    """A spawned child's ``{parent, step, index}`` (issue 61, ``mtask.spawn``)."""
+    """A spawned child's ``{parent, step, index}`` (issue 61, ``mtask.steps.children``)."""
 
     @classmethod
     def build(

@@ -17,14 +17,14 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from mtask.batches import DEFAULT_BATCH_TIMEOUT
-from mtask.batches import check as check_batch
 from mtask.errors import InvalidParams, InvalidTask, LeaseLost, MtaskError, RegistryNotFound
+from mtask.follow.output import RunLog, RunOutput
+from mtask.limits.batches import DEFAULT_BATCH_TIMEOUT
+from mtask.limits.batches import check as check_batch
 from mtask.models import MAX_RETRY_DELAY_MS, TaskOptions, delay_ms, describe_validation_error
-from mtask.output import RunLog, RunOutput
 from mtask.schedules import Schedule
-from mtask.step_policy import StepPolicy
 from mtask.steps import MemorySteps, RunSteps, caller
+from mtask.steps.policy import StepPolicy
 from mtask.triggers import Trigger, check_collection
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -195,8 +195,9 @@ class TaskContext:
     async def gather(self, *branches: Awaitable[Any], name: str | None = None) -> list[Any]:
         """Run steps concurrently (``ctx.gather(ctx.step("a", …), ctx.step("b", …))``): each is
         recorded under its own name as it ends, and a later run replays them by name in any
-        order, calling only those not recorded (``mtask.parallel``). Their results in order."""
-        from mtask.parallel import gather
+        order, calling only those not recorded (``mtask.steps.parallel``). Their results in
+        order."""
+        from mtask.steps.parallel import gather
 
         self.check_lease()
         return await gather(self.journal, branches, name)
@@ -204,7 +205,7 @@ class TaskContext:
     def gather_sync(self, *branches: Callable[[], Any], name: str | None = None) -> list[Any]:
         """``gather`` for a plain-def handler: ``ctx.gather_sync(lambda: ctx.step_sync("a",
         …), …)``, each branch on a thread of its own."""
-        from mtask.parallel import gather_sync
+        from mtask.steps.parallel import gather_sync
 
         self.check_lease()
         return gather_sync(self.journal, branches, name)
@@ -214,16 +215,16 @@ class TaskContext:
     ) -> list[Any]:
         """Publish ``children`` (``Spawn(name, params)``, or ``(name, params)`` / ``(name, key,
         params)`` tuples) as one recorded step, end the run WAITING without holding a slot,
-        and, once the last child finished, return their results in order (``mtask.spawn``).
+        and, once the last child finished, return their results in order (``mtask.steps.children``).
         A child that failed for good raises ``ChildFailed`` (which the handler may catch)."""
-        from mtask.spawn import spawn_plan
+        from mtask.steps.children import spawn_plan
 
         self.check_lease()
         return await self.journal.run_plan(spawn_plan(self.journal, self.key, children, name))
 
     def spawn_and_wait_sync(self, children: Iterable[Any], *, name: str | None = None) -> list[Any]:
         """``spawn_and_wait`` for a plain-def handler."""
-        from mtask.spawn import spawn_plan
+        from mtask.steps.children import spawn_plan
 
         self.check_lease()
         return self.journal.run_plan_sync(spawn_plan(self.journal, self.key, children, name))
@@ -357,7 +358,7 @@ class Handler:
     soft_time_limit: float | None = None
     """Soft limit in seconds: ``ctx.cancelled`` is set, the handler may still end on its own."""
     batch: int | None = None
-    """Issue 62: a batch handler's most tasks per call (``mtask.batches``); ``None``: one."""
+    """Issue 62: a batch handler's most tasks per call (``mtask.limits.batches``); ``None``: one."""
     batch_timeout: float = DEFAULT_BATCH_TIMEOUT
     """Issue 62: the longest the first task of a batch waits for the batch to fill."""
     uses: tuple[str, ...] = ()
@@ -499,7 +500,7 @@ class Registry:
         resource with no limit set limits nothing. ``units``: how many units of each limit a
         run takes (a costly call: 5 of a resource's 10 at once, 5 of its tokens). ``batch``:
         the handler takes a list of up to that many ``BatchItem`` and answers one entry each
-        (issue 62, ``mtask.batches``), called once the batch is full or ``batch_timeout``
+        (issue 62, ``mtask.limits.batches``), called once the batch is full or ``batch_timeout``
         seconds after its first task (default 1; only with ``batch``)."""
         declared = _declarations(options, isolation, time_limit, soft_time_limit)
         resources = _resources(uses, units)
@@ -630,7 +631,7 @@ def _resources(uses: object, units: object) -> tuple[str, ...]:
         raise InvalidTask(
             f"must be a list of resource names ([] for none), not {given}", field="uses"
         )
-    from mtask.limits import validate_resource
+    from mtask.limits.rules import validate_resource
 
     resources = tuple(dict.fromkeys(validate_resource(r) for r in uses))
     if isinstance(units, bool) or not isinstance(units, int) or not 1 <= units <= MAX_UNITS:

@@ -35,10 +35,10 @@ from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
-from mtask.connection import WORKER_CLIENT_OPTIONS, async_client
+from mtask.connection.clients import WORKER_CLIENT_OPTIONS, async_client
 from mtask.errors import ConfigError
+from mtask.follow.output import RunOutput
 from mtask.models import DEFAULT_MAX_PARAMS_BYTES
-from mtask.output import RunOutput
 from mtask.registry import Registry, TaskContext
 from mtask.steps import MemorySteps, RunSteps
 from mtask.store import Outcome
@@ -72,7 +72,7 @@ async def arun_handler(
     ``key``, and return its outcome. ``publisher`` receives ``ctx.publish`` calls (without
     one, ``ctx.publish`` raises); ``mongo_client`` runs a transactional handler's transaction;
     ``output`` receives what the handler reports (``ctx.progress``/``log``/``emit``: read it with
-    ``mtask.output.RecordedOutput.of(output)``); ``steps`` holds the task's durable steps and
+    ``mtask.follow.output.RecordedOutput.of(output)``); ``steps`` holds the task's durable steps and
     signals between calls (docs/steps.md): a run that sleeps or waits returns a WAITING outcome
     and its step is recorded there, so calling again (after ``steps.signal(...)``, or with a
     ``clock`` past the sleep) resumes it and replays what is recorded. Raises ``KeyError`` for

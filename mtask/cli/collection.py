@@ -115,9 +115,9 @@ def cmd_collection(args: argparse.Namespace) -> int:
 
 
 def _roles(args: argparse.Namespace) -> int:
-    """The roles (``mtask.roles``) as ``createRole`` commands, or a table; ``--create`` makes
-    them."""
-    from mtask import roles
+    """The roles (``mtask.security.roles``) as ``createRole`` commands, or a table; ``--create``
+    makes them."""
+    from mtask.security import roles
 
     commands = roles.role_commands(args.database, args.collection)
     if args.create:
@@ -145,7 +145,7 @@ def _key(args: argparse.Namespace) -> int:
     from bson.binary import Binary
 
     from mtask.cli.common import mongodb_uri
-    from mtask.encryption import Encryption, read_key_file, rotate_local
+    from mtask.security.encryption import Encryption, read_key_file, rotate_local
 
     encryption = Encryption.local(args.key_file, mongodb_uri(args.uri), args.database)
     try:

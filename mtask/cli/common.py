@@ -270,9 +270,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 def task_client(args: argparse.Namespace) -> TaskClient:
     """The command's client; with ``MTASK_ENCRYPTION_KEY_FILE`` set it decrypts encrypted
-    params and results (``mtask.encryption``), else they read as ``encrypted``."""
+    params and results (``mtask.security.encryption``), else they read as ``encrypted``."""
     from mtask.client import TaskClient
-    from mtask.encryption import Encryption
+    from mtask.security.encryption import Encryption
 
     uri = mongodb_uri(args.uri)
     encryption = Encryption.from_env(uri, args.database)
@@ -285,7 +285,7 @@ def mongodb_uri(given: str | None, who: str = "mtask") -> str | None:
     """``--uri``, else ``$MTASK_MONGODB_URI`` (None: the client reads it), else the embedded
     server's (``embedded.default_data_dir``): a command that has to start it says so on stderr,
     with where its data is, so a second server never starts unnoticed."""
-    from mtask.connection import ENV_URI
+    from mtask.connection.clients import ENV_URI
 
     if given or os.environ.get(ENV_URI):
         return given

@@ -27,8 +27,8 @@ from mtask.errors import TaskNotFound, UsageError
 
 if TYPE_CHECKING:
     from mtask.client import TaskClient
+    from mtask.follow.streams import Entry
     from mtask.models import Task
-    from mtask.streams import Entry
 
 commands = Commands()
 run = commands.run

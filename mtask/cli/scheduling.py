@@ -22,7 +22,7 @@ from mtask.cli.common import (
 from mtask.errors import ScheduleNotFound, TaskNotFound, UsageError
 
 if TYPE_CHECKING:
-    from mtask.limits import GroupOverride, Limit
+    from mtask.limits.rules import GroupOverride, Limit
 
 
 def _overlaps() -> tuple[str, ...]:
@@ -64,7 +64,7 @@ def cmd_limit(args: argparse.Namespace) -> int:
             said = f"limit of {args.name} removed" if found else f"{args.name} had no limit"
             out.print(said, markup=False)
             return 0
-        from mtask.limits import parse_rate
+        from mtask.limits.rules import parse_rate
 
         rate = parse_rate(args.rate) if args.rate is not None else None
         group_rate = parse_rate(args.group_rate) if args.group_rate is not None else None
@@ -102,7 +102,7 @@ def _resource_limit(args: argparse.Namespace) -> int:
             said = "limit removed" if found else "had no limit"
             out.print(f"resource {args.resource}: {said}", markup=False)
             return 0
-        from mtask.limits import parse_rate
+        from mtask.limits.rules import parse_rate
 
         doc = client.set_limit(
             resource=args.resource,
@@ -140,7 +140,7 @@ def _group_limit(args: argparse.Namespace) -> int:
             said = "override removed" if found else "had no override"
             out.print(f"group {args.group} of {args.name}: {said}", markup=False)
             return 0
-        from mtask.limits import parse_rate
+        from mtask.limits.rules import parse_rate
 
         doc = client.set_group_limit(
             args.name,
@@ -153,7 +153,7 @@ def _group_limit(args: argparse.Namespace) -> int:
     if args.json:
         print_json(doc)
     else:
-        from mtask.limits import group_limit_for, group_override
+        from mtask.limits.rules import group_limit_for, group_override
 
         override = group_override(doc, args.group)
         described = _describe_override(override, group_limit_for(doc, args.group))

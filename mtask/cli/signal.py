@@ -25,7 +25,7 @@ def parse_payload(text: str | None) -> Any:
 
 @commands.command("signal")
 def cmd_signal(args: argparse.Namespace) -> int:
-    from mtask.signal_fate import NEXT_WAIT, fate
+    from mtask.steps.signal_fate import NEXT_WAIT, fate
 
     payload = parse_payload(args.payload)
     with task_client(args) as client:

@@ -80,7 +80,7 @@ def _reset(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from mtask.errors import RegistryNotFound, UsageError
-    from mtask.preflight import check
+    from mtask.steps.preflight import check
 
     with task_client(args) as client:
         try:

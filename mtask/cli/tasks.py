@@ -32,8 +32,8 @@ from mtask.cli.common import (
 from mtask.errors import InvalidTask, TaskNotFound, UsageError
 
 if TYPE_CHECKING:
+    from mtask.explain.states import Explained
     from mtask.models import OutputCounts, Task
-    from mtask.states import Explained
     from mtask.store.counts import Counts
 
 # What the commands show (models, states, wording, tracebacks) is imported by the handler that
@@ -49,7 +49,7 @@ def _on_conflict() -> tuple[str, ...]:
 
 
 def _states() -> tuple[str, ...]:
-    from mtask.states import STATES
+    from mtask.explain.states import STATES
 
     return tuple(STATES)
 
@@ -141,7 +141,7 @@ def cmd_get(args: argparse.Namespace) -> int:
         said = client.explain(task)
         now = client.now()
     if args.json:
-        from mtask.encryption import shown
+        from mtask.security.encryption import shown
 
         dumped = task.model_dump(by_alias=True)
         dumped["params"], dumped["result"] = shown(task.params), shown(task.result)
@@ -167,8 +167,8 @@ def _error_row(task: Task, said: Explained) -> list[tuple[str, str]]:
     """A failed or retrying task's error: its last line, and where in the user's code it was
     raised (``--traceback`` prints it all, mtask's own frames folded). ``get`` prints it in
     its header for these two states only (else its runs say it)."""
-    from mtask.states import State
-    from mtask.tracebacks import fold
+    from mtask.explain.states import State
+    from mtask.explain.tracebacks import fold
 
     if said.state not in (State.FAILED, State.RETRYING) or not task.error:
         return []
@@ -178,9 +178,9 @@ def _error_row(task: Task, said: Explained) -> list[tuple[str, str]]:
 
 
 def _header_rows(task: Task, said: Explained, now: dt.datetime) -> list[tuple[str, str]]:
-    from mtask.encryption import shown
-    from mtask.states import State, attempt_text, timing
-    from mtask.wording import relative
+    from mtask.explain.states import State, attempt_text, timing
+    from mtask.explain.wording import relative
+    from mtask.security.encryption import shown
 
     created = f"{when(task.created_at)} ({relative(task.created_at, now)})"
     rows = [("state", _state_cell(said)), ("why", said.reason), ("name", task.name or "-")]
@@ -219,7 +219,7 @@ def print_task(task: Task, said: Explained | None = None, now: dt.datetime | Non
     from rich.table import Table
     from rich.text import Text
 
-    from mtask.states import Cluster, explain
+    from mtask.explain.states import Cluster, explain
 
     if now is None:
         now = task.finished_at or task.updated_at or task.created_at or dt.datetime.now(dt.UTC)
@@ -245,8 +245,8 @@ def runs_table(task: Task, now: dt.datetime) -> Any:
     """The runs, oldest first: each error's last line (``--traceback`` prints them whole)."""
     from rich.table import Table
 
-    from mtask.states import last_line
-    from mtask.wording import span
+    from mtask.explain.states import last_line
+    from mtask.explain.wording import span
 
     talked = any(run.output for run in task.runs)
     headers = ["run", "worker", "state", "claimed (UTC)", "took", "output", "error"]
@@ -267,7 +267,7 @@ def runs_table(task: Task, now: dt.datetime) -> Any:
 def print_tracebacks(task: Task) -> None:
     """``get --traceback``: the task's error, then each run's that differs, mtask's own frames
     folded to one line each (``--json`` has them as stored)."""
-    from mtask.tracebacks import folded_text
+    from mtask.explain.tracebacks import folded_text
 
     seen = set()
     for label, text in [
@@ -340,7 +340,7 @@ def steps_table(task: Task) -> Any:
 
 
 def _took(step: Any) -> str:
-    from mtask.wording import span
+    from mtask.explain.wording import span
 
     if step.kind == "call":
         return "" if step.ms is None else span(step.ms / 1000)
@@ -352,7 +352,7 @@ def _took(step: Any) -> str:
 
 
 def _step_detail(step: Any) -> str:
-    from mtask.states import last_line
+    from mtask.explain.states import last_line
 
     detail = []
     if step.kind == "sleep":
@@ -466,7 +466,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 def _why_cell(task: Task, said: Explained) -> str:
     """What a list says of a task beside its state: the error's last line of a failed,
     retrying or invalid one; why a waiting or blocked one does not run."""
-    from mtask.states import State, last_line
+    from mtask.explain.states import State, last_line
 
     if said.state in (State.FAILED, State.RETRYING):
         return last_line(task.error)
@@ -483,7 +483,7 @@ def print_list(rows: list[tuple[Task, Explained]], now: dt.datetime) -> None:
     never cut."""
     import textwrap
 
-    from mtask.wording import relative
+    from mtask.explain.wording import relative
 
     if not rows:
         out.print("no tasks match", markup=False)

@@ -3,7 +3,7 @@
 Exit status: 0 succeeded; 1 failed, cancelled or invalid, or no task has that key (as every
 command, ``common.EXIT_NOT_FOUND``); 124 the timeout passed first (as coreutils' ``timeout``);
 2 the command line is wrong; 3 MongoDB could not be reached. All of it rides on
-``TaskClient.wait`` (one change stream, see mtask.events).
+``TaskClient.wait`` (one change stream, see mtask.follow.events).
 """
 
 from __future__ import annotations

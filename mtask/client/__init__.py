@@ -42,21 +42,22 @@ from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.errors import PyMongoError
 from pymongo.synchronous.client_session import ClientSession
 
-from mtask import driver, events, store, streams
+from mtask import driver, store
 from mtask.client.api import Operations
 from mtask.client.checks import check_kinds, check_wait
 from mtask.client.core import operation
 from mtask.client.publishing import MAX_DELAY_SECONDS, build_many, build_task, delay_seconds
 from mtask.clock import Clock
-from mtask.connection import async_client, sync_client
+from mtask.connection.clients import async_client, sync_client
 from mtask.driver import Op
 from mtask.errors import TaskNotFound
+from mtask.follow import events, streams
+from mtask.follow.waiters import AsyncWaiter, SyncWaiter, async_waiter_for, finished, waiter_for
 from mtask.models import DEFAULT_MAX_PARAMS_BYTES, Task
-from mtask.waiters import AsyncWaiter, SyncWaiter, async_waiter_for, finished, waiter_for
 
 if TYPE_CHECKING:
-    from mtask.encryption import Encryption
     from mtask.registry import Registry
+    from mtask.security.encryption import Encryption
 
 __all__ = [
     "MAX_DELAY_SECONDS",
@@ -130,7 +131,8 @@ class TaskClient(Operations):
         """Block until the task is finished (succeeded, failed, cancelled or invalid) and
         return it. Raises ``WaitTimeout`` after ``timeout`` seconds (None: no limit) and
         ``TaskNotFound`` if no task has that key. All waits through one MongoClient on one
-        collection share one change stream (``mtask.waiters``), whichever client makes them."""
+        collection share one change stream (``mtask.follow.waiters``), whichever client makes
+        them."""
         check_wait(key, timeout)
         doc = self._run(store.get(key))  # fails fast: no such key, finished, MongoDB away
         if doc is None:
@@ -149,7 +151,7 @@ class TaskClient(Operations):
         progress: bool = False,
         steps: bool = False,
     ) -> Iterator[events.TaskEvent]:
-        """Task state changes across the cluster (see ``mtask.events``); ``progress``: the
+        """Task state changes across the cluster (see ``mtask.follow.events``); ``progress``: the
         progress its runs report too (``TaskEvent.progress``); ``steps``: the durable steps they
         record and the waits they begin (``TaskEvent.steps``, ``TaskEvent.waiting``)."""
         return events.sync_events(
@@ -161,7 +163,7 @@ class TaskClient(Operations):
     ) -> Iterator[streams.Entry]:
         """Task ``key``'s log lines and chunks after ``after``, then new ones as its runs
         write them, until it is finished; resume with the last ``entry.seq`` seen as ``after``
-        (none lost, none repeated; see ``mtask.streams``). Raises ``TaskNotFound``."""
+        (none lost, none repeated; see ``mtask.follow.streams``). Raises ``TaskNotFound``."""
         check_kinds(kinds)
         return streams.sync_stream(self.db, self.collection.name, key, after, kinds)
 
@@ -260,7 +262,7 @@ class AsyncTaskClient(Operations):
     ) -> AsyncIterator[events.TaskEvent]:
         """Task state changes across the cluster, for ever, resuming after a lost connection;
         pass an event's ``token`` as ``resume_after`` to continue after it (see
-        ``mtask.events``); ``progress`` and ``steps`` as ``TaskClient.events``."""
+        ``mtask.follow.events``); ``progress`` and ``steps`` as ``TaskClient.events``."""
         return events.events(
             self.collection, names, statuses, resume_after, progress=progress, steps=steps
         )

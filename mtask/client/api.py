@@ -19,8 +19,8 @@ from mtask.client.reading import Reading
 from mtask.clock import Clock, ServerClock
 
 if TYPE_CHECKING:
-    from mtask.encryption import Encryption
     from mtask.registry import Registry
+    from mtask.security.encryption import Encryption
 
 PARTS = (Publishing, Reading, Acting, Control, History)
 """The parts of a client, each built once per client with its ``Core``."""
@@ -72,8 +72,8 @@ class Operations:
 
     @property
     def encryption(self) -> Encryption | None:
-        """Encrypts the params of the publishes that ask (``mtask.encryption``) and decrypts
-        what ``get`` reads (None: encrypted tasks read as they are stored)."""
+        """Encrypts the params of the publishes that ask (``mtask.security.encryption``) and
+        decrypts what ``get`` reads (None: encrypted tasks read as they are stored)."""
         return self._core.encryption
 
     @property

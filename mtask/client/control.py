@@ -8,12 +8,14 @@ import datetime as dt
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mtask import control, limits, schedules, store
+from mtask import schedules, store
 from mtask.client.checks import check_number
 from mtask.client.core import Core, operation
 from mtask.driver import Op
 from mtask.errors import InvalidTask, TriggerNotFound
+from mtask.limits import rules as limits
 from mtask.models import MAX_AGE_SECONDS, read_worker, validate_name
+from mtask.store import controls as control
 from mtask.store import followers, occupancy, retention
 from mtask.triggers import follower_of
 
@@ -38,9 +40,9 @@ class Control:
 
     @operation
     def create_roles(self) -> Op[list[str]]:
-        """Create or update the MongoDB roles of every part (``mtask.roles``) in this
+        """Create or update the MongoDB roles of every part (``mtask.security.roles``) in this
         database, for this tasks collection; returns their names."""
-        from mtask import roles
+        from mtask.security import roles
 
         return (yield from roles.create_roles(self.core.database_name, self.core.collection_name))
 

@@ -13,8 +13,8 @@ from mtask.store.retention import DefaultsCache
 
 if TYPE_CHECKING:
     from mtask.client import AsyncTaskClient, TaskClient
-    from mtask.encryption import Encryption
     from mtask.registry import Registry
+    from mtask.security.encryption import Encryption
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -33,8 +33,8 @@ class Core:
     registry: Registry | None
     """Handlers whose declared option defaults complete this client's publishes."""
     encryption: Encryption | None
-    """Encrypts the params of the publishes that ask (``mtask.encryption``) and decrypts what
-    ``get`` reads (None: encrypted tasks read as they are stored)."""
+    """Encrypts the params of the publishes that ask (``mtask.security.encryption``) and decrypts
+    what ``get`` reads (None: encrypted tasks read as they are stored)."""
     mongo: Any
     """The client's ``MongoClient``: a ``session=`` must be one it started."""
     retention_cache: DefaultsCache = dataclasses.field(default_factory=DefaultsCache)

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from mtask import flows, store
-from mtask.aftercommit import after_commit
+from mtask.client.aftercommit import after_commit
 from mtask.client.checks import (
     check_debounce,
     check_on_conflict,

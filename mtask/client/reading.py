@@ -1,5 +1,5 @@
 """A client's reads: a task, its output, pages and counts of tasks, their derived states
-(``mtask.states``), search; and the read tokens that let others read one."""
+(``mtask.explain.states``), search; and the read tokens that let others read one."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ from typing import Any
 
 from pymongo.errors import OperationFailure
 
-from mtask import driver, flows, store, streams
+from mtask import driver, flows, store
 from mtask.client.checks import check_key, check_kinds, check_list_args, check_number
 from mtask.client.core import Core, operation
 from mtask.driver import Op
 from mtask.errors import InvalidTask
+from mtask.explain.states import Explained, State, explain
+from mtask.follow import streams
 from mtask.models import Task, validate_name
-from mtask.states import Explained, State, explain
 from mtask.store import bulk, cluster, counts, throughput
 from mtask.store import output as store_output
 from mtask.store import parked as store_parked
@@ -110,7 +111,7 @@ class Reading:
     ) -> Op[builtins.list[dict[str, Any]]]:
         """A page of ``name``'s parked tasks (pending, with durable steps), newest first, after
         the ``(created_at, _id)`` of the previous page's last, with the fields a preflight's dry
-        replay reads (``mtask.preflight``). Reads only."""
+        replay reads (``mtask.steps.preflight``). Reads only."""
         return (yield from store_parked.parked(name, after))
 
     @operation
@@ -158,9 +159,9 @@ class Reading:
         """A signed token that lets its holder read one task (``key``; with ``children`` its
         children too), or every task of ``name`` and ``group``, its progress and its output
         stream over ``mtask serve``, and nothing else, for ``ttl`` seconds by the server's
-        clock (``mtask.read_tokens``). Signed with ``secret``, else
+        clock (``mtask.security.read_tokens``). Signed with ``secret``, else
         ``MTASK_READ_TOKEN_SECRET``: the one serve checks with; rotating it revokes them."""
-        from mtask import read_tokens
+        from mtask.security import read_tokens
 
         scope = read_tokens.scope_of(key, name, group, children)
         seconds = read_tokens.check_ttl(ttl)
@@ -172,7 +173,7 @@ class Reading:
         return read_tokens.sign(signing, scope, expires)
         yield  # an operation without a call: the clock is calibrated by the client first
 
-    # -- derived states (mtask.states) ----------------------------------------------------------
+    # -- derived states (mtask.explain.states) -----------------------------------------------------
 
     @operation
     def explain(self, task: Task) -> Op[Explained]:
@@ -189,8 +190,8 @@ class Reading:
 
     @operation
     def search_state(self, state: str, /, **filters: Any) -> Op[cluster.StatePage]:
-        """A page of tasks in derived ``state`` (``mtask.states.STATES``), newest first, with
-        the filters of ``search`` (``name``, ``group``, ``prefix``, ``text``, ``after``,
+        """A page of tasks in derived ``state`` (``mtask.explain.states.STATES``), newest first,
+        with the filters of ``search`` (``name``, ``group``, ``prefix``, ``text``, ``after``,
         ``limit``); its ``after`` continues it."""
         try:
             wanted = State(state)

@@ -9,7 +9,8 @@ and resume it on the server's clock.
 - ``groups``: a ``ctx.gather``'s steps, one place in the order, matched by name (``Group``);
 - the kinds of step, each a plan recording in the journal: ``calls`` (``ctx.step``, with its
   own policy: ``tries``), ``waits`` (``sleep``, ``wait_for``, ``wait_until``: ``Suspended``),
-  ``values`` (``ctx.now``, ``ctx.uuid``, patch markers); children are ``mtask.spawn``'s plan;
+  ``values`` (``ctx.now``, ``ctx.uuid``, patch markers); children are ``mtask.steps.children``'s
+  plan;
 - ``runner``: how a plan is run (``plan``: it yields what it needs done, ``_Io`` through the
   ``StepStore``, ``_Call`` of the user's function), on the worker's loop or on a thread;
 - ``rules`` (limits, names, errors, BSON results) and ``stores`` (the ``StepStore`` protocol,
@@ -31,12 +32,12 @@ once a ``find`` with its predicate returns the document (MongoDB decides, at the
 each wake-up) or its timeout passed (``ConditionTimeout``, recorded likewise).
 
 Issue 61 adds, each through the same ``StepStore``: parallel steps (``Group``, recorded by
-name: ``StepStore.record_named``; ``mtask.parallel`` runs the branches); a step's own policy
-(``mtask.step_policy``: ``_Pause`` between tries, ``StepTimeout``); values decided once and
+name: ``StepStore.record_named``; ``mtask.steps.parallel`` runs the branches); a step's own policy
+(``mtask.steps.policy``: ``_Pause`` between tries, ``StepTimeout``); values decided once and
 patch markers (``value``, ``patched``: entries decided without I/O, ``pending`` until the next
-step); what a step's function says held until its record (``mtask.output.holding``); children
-(``mtask.spawn``'s plan, run here with ``run_plan``); and a ``frontier`` where a dry replay
-stops (``mtask.preflight``).
+step); what a step's function says held until its record (``mtask.follow.output.holding``); children
+(``mtask.steps.children``'s plan, run here with ``run_plan``); and a ``frontier`` where a dry replay
+stops (``mtask.steps.preflight``).
 """
 
 from __future__ import annotations

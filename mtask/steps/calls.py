@@ -1,7 +1,7 @@
 """The call kind of step (``ctx.step``): a function called once, its result recorded and
 given back on replay. A step recorded ``done`` returns its result; one recorded ``failed`` is
 called again (its attempts and errors kept), under its own policy (``mtask.steps.tries``); what
-its function says is held until its record is written (``mtask.output.holding``). A
+its function says is held until its record is written (``mtask.follow.output.holding``). A
 transactional step's function and its record commit in one transaction
 (``StepStore.transact``)."""
 
@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from mtask.errors import MtaskError
-from mtask.step_policy import NO_POLICY, StepPolicy
 from mtask.steps.journal import Journal
 from mtask.steps.plan import Plan
+from mtask.steps.policy import NO_POLICY, StepPolicy
 from mtask.steps.rules import Doc, StepError, error_text
 from mtask.steps.runner import Runner
 from mtask.steps.tries import tries

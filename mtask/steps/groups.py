@@ -1,4 +1,4 @@
-"""Parallel steps' place in the journal (issue 61; ``mtask.parallel`` runs the branches): the
+"""Parallel steps' place in the journal (issue 61; ``mtask.steps.parallel`` runs the branches): the
 steps begun in one ``ctx.gather`` are one place in the task's order, matched among themselves by
 name, in any order, and recorded by name as each ends (``StepStore.record_named``)."""
 
@@ -17,9 +17,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class Group:
-    """The steps begun in one ``ctx.gather`` (``mtask.parallel``): its ``label`` (``gather#n``),
-    where it begins in the journal (``start``), the entries earlier runs recorded for it (the
-    ``span`` entries from ``start`` whose ``group`` is its label), by name."""
+    """The steps begun in one ``ctx.gather`` (``mtask.steps.parallel``): its ``label``
+    (``gather#n``), where it begins in the journal (``start``), the entries earlier runs recorded
+    for it (the ``span`` entries from ``start`` whose ``group`` is its label), by name."""
 
     journal: Journal
     label: str

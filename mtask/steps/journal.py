@@ -52,7 +52,7 @@ def caller(depth: int = 2) -> Any:
 class Journal:
     """One run's entries: ``recorded`` is the claimed document's ``steps``, written through
     ``store`` by run ``run_id`` (the task's attempt ``attempt``); ``frontier`` is called with
-    each step asked for that the journal does not replay (``mtask.preflight`` stops its dry
+    each step asked for that the journal does not replay (``mtask.steps.preflight`` stops its dry
     replay there; ``None``: nothing)."""
 
     def __init__(

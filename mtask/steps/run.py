@@ -12,11 +12,11 @@ import uuid
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
-from mtask.step_policy import NO_POLICY, StepPolicy
 from mtask.steps.calls import Calls
 from mtask.steps.groups import Group, close_group, open_group
 from mtask.steps.journal import Journal, caller
 from mtask.steps.plan import Plan
+from mtask.steps.policy import NO_POLICY, StepPolicy
 from mtask.steps.rules import Doc, StepError
 from mtask.steps.runner import Runner
 from mtask.steps.stores import StepStore
@@ -30,13 +30,13 @@ class RunSteps:
     """One run's steps, composed of its ``journal`` (the entries, where each step goes, their
     names), its ``runner`` (how a plan's I/O and calls are done) and the kinds of step, each
     recording in the journal: ``calls``, ``waits`` (sleeps, signal and data waits), ``values``
-    (values decided once, patch markers); children (``mtask.spawn``) and gathers
-    (``mtask.parallel``) are plans of other modules (``run_plan``).
+    (values decided once, patch markers); children (``mtask.steps.children``) and gathers
+    (``mtask.steps.parallel``) are plans of other modules (``run_plan``).
 
     ``recorded`` is the claimed document's ``steps``; ``loop`` the worker's event loop, where a
     thread handler's I/O runs (``blocking_io``: how it runs instead); ``release`` where what a
     step's function said goes once its record is written; ``frontier`` what is called with each
-    step the journal does not replay (``mtask.preflight``)."""
+    step the journal does not replay (``mtask.steps.preflight``)."""
 
     def __init__(
         self,
@@ -138,8 +138,8 @@ class RunSteps:
         return self.run_plan_sync(plan)
 
     def run_plan(self, plan: Plan[T]) -> Coroutine[Any, Any, T]:
-        """Run a plan (of a part, or of another module: ``mtask.spawn``) as one step, on the
-        loop."""
+        """Run a plan (of a part, or of another module: ``mtask.steps.children``) as one step, on
+        the loop."""
         return self.runner.run_async(self.journal.one(plan))
 
     def run_plan_sync(self, plan: Plan[T]) -> T:

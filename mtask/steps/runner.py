@@ -1,8 +1,8 @@
 """How a plan (``mtask.steps.plan``) is run: ``Runner.run_async`` on the worker's loop (an
 ``async def`` handler), ``Runner.run_sync`` on a thread or in a child process (a plain ``def``
 handler), its I/O then done on the loop, or by ``blocking_io`` (``complete_now``: a store whose
-methods never await). A step's function runs with what it says held (``mtask.output.holding``)
-and, under a time limit, as ``mtask.steps.tries`` gives it up."""
+methods never await). A step's function runs with what it says held
+(``mtask.follow.output.holding``) and, under a time limit, as ``mtask.steps.tries`` gives it up."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from mtask.output import holding
+from mtask.follow.output import holding
 from mtask.steps.plan import _IN_STEP, Plan, _Call, _Io, _Pause
 from mtask.steps.rules import StepError
 from mtask.steps.tries import timed_async, timed_sync

@@ -1,6 +1,6 @@
 """``StepStore``: where a run's steps are written and read. The worker's
 (``worker/running/step_stores.py``), a child process's pipe to it
-(``worker/running/pool/child_steps.py``), a dry replay's (``mtask.preflight``), or memory
+(``worker/running/pool/child_steps.py``), a dry replay's (``mtask.steps.preflight``), or memory
 (``MemorySteps``, for ``mtask.testing`` and the unit tier)."""
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class StepStore(Protocol):
 
     async def spawn(self, index: int, entry: Doc, children: list[Doc]) -> None:
         """Record the children's step ``entry`` (new, at ``index``) with the task's counter of
-        them, then publish the ``children`` (``mtask.spawn.Child.to_document``), idempotently."""
+        them, then publish the ``children`` (``mtask.steps.children.Child.to_document``),
+        idempotently."""
         ...
 
     async def publish(self, step: str, children: list[Doc]) -> None:

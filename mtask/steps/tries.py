@@ -1,4 +1,4 @@
-"""A call step's own policy (``mtask.step_policy``), spent in place: its function tried again
+"""A call step's own policy (``mtask.steps.policy``), spent in place: its function tried again
 after a backoff (``_Pause``), each try noted in its entry; and each try given up past its time
 limit (``StepTimeout``), on the loop or on a thread."""
 
@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mtask.step_policy import StepPolicy, StepTimeout
 from mtask.steps.journal import Journal
 from mtask.steps.plan import Plan, _Call, _Pause
+from mtask.steps.policy import StepPolicy, StepTimeout
 from mtask.steps.rules import Doc, error_text
 
 

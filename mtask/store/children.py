@@ -1,5 +1,5 @@
-"""Children spawned and awaited without a slot, in MongoDB (issue 61; ``mtask.spawn`` has the
-story): the spawn (the parent's step and counter in one fenced update, then the children
+"""Children spawned and awaited without a slot, in MongoDB (issue 61; ``mtask.steps.children`` has
+the story): the spawn (the parent's step and counter in one fenced update, then the children
 published), each child counted on its parent once, the wake-up, the results read once, the
 sweep that makes a lost wake-up impossible, and the cancel that reaches the open children.
 
@@ -23,7 +23,7 @@ from pymongo import UpdateOne
 from mtask.driver import Call, Doc, Op
 from mtask.flows import MAX_TREE_NODES
 from mtask.models import NewTask, TaskStatus
-from mtask.spawn import FINISHED, MAX_CHILDREN, word_bit, words
+from mtask.steps.children import FINISHED, MAX_CHILDREN, word_bit, words
 from mtask.store import steps as store_steps
 from mtask.store.schema import OPEN_LIST, WELL_FORMED
 from mtask.store.tasks import cancel, cancel_pipeline, publish_many
@@ -72,7 +72,7 @@ def publish(
     now: dt.datetime,
     options_for: OptionsFor | None = None,
 ) -> Op[int]:
-    """Publish the children of ``parent``'s step ``step`` (``mtask.spawn.build``'s), each
+    """Publish the children of ``parent``'s step ``step`` (``mtask.steps.children.build``'s), each
     idempotently: one that exists stays as it is. ``options_for``: a name's declared defaults
     (``Registry.options_for``), when the worker knows the name."""
     tasks = [

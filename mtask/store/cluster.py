@@ -1,7 +1,7 @@
-"""The cluster's state that decides whether open tasks may run, read for ``mtask.states``: paused
-names, the live workers and the names they handle, the names' limits, and for the tasks' limited
-groups a sequence's lock holder and first open task, another group limit's slot document, and
-(for one task's page) how many open tasks of its sequence were published before it. Then the
+"""The cluster's state that decides whether open tasks may run, read for ``mtask.explain.states``:
+paused names, the live workers and the names they handle, the names' limits, and for the tasks'
+limited groups a sequence's lock holder and first open task, another group limit's slot document,
+and (for one task's page) how many open tasks of its sequence were published before it. Then the
 derived states of many tasks: a page of one state (``search``), and the counts per name and
 state (``counts``).
 
@@ -17,9 +17,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtask import control
 from mtask.driver import Call, Doc, Op, gather
-from mtask.limits import (
+from mtask.explain.states import Cluster, Explained, Group, State, Worker, explain
+from mtask.limits.rules import (
     RESOURCE_IDS,
     RESOURCE_USERS,
     Limit,
@@ -30,8 +30,8 @@ from mtask.limits import (
     resource_users,
 )
 from mtask.models import OPEN_STATUSES, RunState, Task, TaskStatus
-from mtask.states import Cluster, Explained, Group, State, Worker, explain
 from mtask.store import bulk
+from mtask.store import controls as control
 from mtask.store.counts import Counts, stats
 from mtask.store.schema import GROUP_LOCK, OPEN_LIST, SEQUENCE_LOCK
 

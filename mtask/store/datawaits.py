@@ -20,7 +20,7 @@ from typing import Any
 from pymongo import ASCENDING, IndexModel
 from pymongo.errors import OperationFailure
 
-from mtask.connection import CODEC_OPTIONS
+from mtask.connection.clients import CODEC_OPTIONS
 from mtask.driver import Call, Doc, Op
 from mtask.errors import LeaseLost
 from mtask.models import OPEN_STATUSES, TaskStatus

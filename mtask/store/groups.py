@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mtask.driver import Call, Doc, Op, gather
-from mtask.limits import group_slot
+from mtask.limits.rules import group_slot
 from mtask.statemachine import live_run_expr
 from mtask.store.schema import GROUP_LOCK, LOCK_STATUSES, OPEN_LIST, SEQUENCE_LOCK
 

@@ -3,9 +3,9 @@ maximum, the groups' locks its sequences hold, and per group its tasks open, run
 blocked, and its head (the task that runs next). ``mtask limits``, ``GET /limits?use=true`` and
 the dashboard's limits page show it.
 
-A task is **blocked** here by the rules ``mtask.states.explain`` applies to one task, counted
-for many: due but its name paused or without a live worker; in a sequence, every due task but
-the one that may take the lock (its holder if due, else the first in publish order if due and
+A task is **blocked** here by the rules ``mtask.explain.states.explain`` applies to one task,
+counted for many: due but its name paused or without a live worker; in a sequence, every due task
+but the one that may take the lock (its holder if due, else the first in publish order if due and
 no task holds it); in a group limited to N runs at once, the due tasks beyond the free places;
 then the name's own limit, beyond its free places.
 
@@ -26,10 +26,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtask import control, limits
-from mtask.backoff import held_until
 from mtask.driver import Call, Doc, Op, gather
-from mtask.limits import (
+from mtask.limits import rules as limits
+from mtask.limits.holds import held_until
+from mtask.limits.rules import (
     GroupOverride,
     Limit,
     group_limit,
@@ -39,6 +39,7 @@ from mtask.limits import (
     limit_under,
     own_limit,
 )
+from mtask.store import controls as control
 from mtask.store.cluster import LIVE, declared_uses
 from mtask.store.schema import GROUP_LOCK, OPEN_LIST
 

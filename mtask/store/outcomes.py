@@ -36,7 +36,7 @@ class Outcome:
     permanent: bool = False
     retry_delay_ms: int | None = None
     """Explicit delay before the task may be claimed again (FAIL: ``Retry(delay=…)``, None:
-    the task's backoff; SNOOZED: the snooze's, ``mtask.snooze``; RELEASED: a ``BackOff``'s
+    the task's backoff; SNOOZED: the snooze's, ``mtask.limits.snooze``; RELEASED: a ``BackOff``'s
     hold, None: at once)."""
     jitter: float = 1.0
     """Backoff multiplier drawn by the caller, e.g. uniform(0.8, 1.2)."""

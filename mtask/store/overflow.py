@@ -1,8 +1,8 @@
 """Lossy limits (issue 62): a task a full limit refused, dropped or failed at once instead of
 waiting for a slot (``set_limit(..., overflow="drop" | "fail")``).
 
-The refusal is the server's (the slot's take, ``mtask.slots``); the drop is then one update of
-the task, fenced: it is still pending and due at the take's time, with no run RUNNING, so a task
+The refusal is the server's (the slot's take, ``mtask.limits.slots``); the drop is then one update
+of the task, fenced: it is still pending and due at the take's time, with no run RUNNING, so a task
 another worker claimed meanwhile, or one moved later, is left alone. ``drop`` cancels it,
 ``fail`` fails it for good (``failed_permanently``: no retry); both say why in ``error``.
 """

@@ -155,7 +155,7 @@ INDEXES: dict[str, list[IndexModel]] = {
         ),
     ],
     "workers": [IndexModel([("last_seen", ASCENDING)], name="last_seen")],
-    # A group's limit document (mtask.slots) is removed once unused for slots.GROUP_TTL.
+    # A group's limit document (mtask.limits.slots) is removed once unused for slots.GROUP_TTL.
     "limits": [
         IndexModel(
             [("expire_at", ASCENDING)],
@@ -536,7 +536,8 @@ DUPLICATE_KEY = 11000
 
 def ensure_indexes() -> Op[None]:
     """Make the indexes and drop the retired ones. A user whose role may not (a publisher's, a
-    viewer's: ``mtask.roles``) leaves them to ``mtask collection init``, run by an admin."""
+    viewer's: ``mtask.security.roles``) leaves them to ``mtask collection init``, run by an
+    admin."""
     try:
         yield from migrate_locks()
         for collection, models in INDEXES.items():

@@ -135,7 +135,7 @@ def record_named_update(
     key: str, run_id: str, entry: Mapping[str, Any], prior: Mapping[str, Any] | None
 ) -> tuple[Doc, Doc, Doc]:
     """Filter, update and options writing a parallel step's ``entry`` by its name (issue 61,
-    ``mtask.parallel``): a new last entry if no step of the task has its name (the names are
+    ``mtask.steps.parallel``): a new last entry if no step of the task has its name (the names are
     unique), else in place of ``prior``, which the filter proves is still the one the run read.
     Either clears ``waiting``, as ``record_update``."""
     name = entry["name"]

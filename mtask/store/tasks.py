@@ -121,8 +121,8 @@ def insert_if_absent(doc: Doc, upsert: bool = False) -> Op[Doc | None]:
     between). ``upsert``: the upsert alone, for a caller's session — in a transaction a refused
     insert would abort the caller's transaction, an upsert does not.
 
-    A publisher whose role may not update (``mtask.roles``: ``update`` on the tasks would let
-    it change any task) has that upsert refused; it reads the document instead, and inserts
+    A publisher whose role may not update (``mtask.security.roles``: ``update`` on the tasks would
+    let it change any task) has that upsert refused; it reads the document instead, and inserts
     again if it was removed in between."""
     if not upsert:
         try:

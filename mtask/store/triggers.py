@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pymongo import ASCENDING, ReturnDocument
 
-from mtask.connection import CODEC_OPTIONS
+from mtask.connection.clients import CODEC_OPTIONS
 from mtask.driver import Call, Doc, Op
 from mtask.models import NewTask, TaskStatus
 from mtask.statemachine import recompute_stages

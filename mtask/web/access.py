@@ -9,7 +9,7 @@ API route runs (``authorize``).
 
 A route is found by its method and declared path (``ROUTE_ACTIONS``); a state-changing route
 the table does not name needs an admin, so a route added without a line here is closed, not
-open. A read token's holder (``mtask.read_tokens``) may read one task, its output and its
+open. A read token's holder (``mtask.security.read_tokens``) may read one task, its output and its
 stream (``READ_ROUTES``) and nothing else; the task must be in the token's scope.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import HTTPException, Request
 
-from mtask import read_tokens
+from mtask.security import read_tokens
 from mtask.web.auth import Principal, principal_of
 
 ACTION_ROLES = {

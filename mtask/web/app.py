@@ -69,8 +69,8 @@ def create_app(
     cookies, the origin check and the audit's address) — set it only when serve is reachable
     through that proxy alone. ``token`` is an admin's; ``tokens`` more, each a ``Principal``
     (role and name: docs/web.md, "Roles"). ``read_secret`` checks read tokens
-    (``mtask.read_tokens``; None: refused); ``cors_origins`` may read with them from a browser;
-    ``rate`` is (requests a second, burst) per caller (None: no limit)."""
+    (``mtask.security.read_tokens``; None: refused); ``cors_origins`` may read with them from a
+    browser; ``rate`` is (requests a second, burst) per caller (None: no limit)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -74,7 +74,7 @@ def load_token(token_file: str | None) -> str | None:
 def load_read_secret(path: str | None) -> bytes | None:
     """``--read-token-secret-file``, else ``MTASK_READ_TOKEN_SECRET``, else None (read tokens
     refused)."""
-    from mtask import read_tokens
+    from mtask.security import read_tokens
 
     if path is None:
         return read_tokens.secret_from_env()

@@ -26,11 +26,13 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup, escape
 
-from mtask import encryption, signal_fate, states, tracebacks
 from mtask.client import AsyncTaskClient
 from mtask.errors import MtaskError
+from mtask.explain import states, tracebacks
+from mtask.explain.wording import plural, relative, span
 from mtask.models import Task, TaskStatus
-from mtask.steps import NEVER
+from mtask.security import encryption
+from mtask.steps import NEVER, signal_fate
 from mtask.store import bulk
 from mtask.web import access
 from mtask.web.auth import (
@@ -43,7 +45,6 @@ from mtask.web.auth import (
     signed_in,
 )
 from mtask.web.charts import charts, timeline
-from mtask.wording import plural, relative, span
 
 router = APIRouter(include_in_schema=False)
 templates = Environment(

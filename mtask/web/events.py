@@ -27,9 +27,9 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Query
 from fastapi.responses import StreamingResponse
 
-from mtask import events
 from mtask.client import AsyncTaskClient
 from mtask.errors import InvalidTask, MtaskError
+from mtask.follow import events
 from mtask.models import TaskStatus, validate_name
 from mtask.web.access import authorize
 from mtask.web.api import Client, Status

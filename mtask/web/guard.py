@@ -41,7 +41,7 @@ from itertools import accumulate
 from operator import add
 from typing import Any
 
-from mtask.read_tokens import is_read_token
+from mtask.security.read_tokens import is_read_token
 from mtask.web.auth import (
     COOKIE,
     CSRF_FIELD,
@@ -272,8 +272,9 @@ class Guard:
             raise Refused(403, f"cross-site request refused: Origin {origin[:100]} is not ours")
 
     def _who(self, scope: Scope, headers: dict[str, str], jar: dict[str, str]) -> str | None:
-        """``bearer``, ``session``, ``read`` (a read token: ``mtask.read_tokens``), ``open``
-        (no token configured) or None; the caller's ``Principal`` in ``mtask_principal``."""
+        """``bearer``, ``session``, ``read`` (a read token: ``mtask.security.read_tokens``),
+        ``open`` (no token configured) or None; the caller's ``Principal`` in
+        ``mtask_principal``."""
         if "authorization" in headers:
             given = bearer_of(headers["authorization"])
             if given is not None and is_read_token(given):

@@ -27,7 +27,7 @@ from pydantic import BaseModel
 
 from mtask.client import AsyncTaskClient
 from mtask.errors import TaskNotFound
-from mtask.streams import Entry
+from mtask.follow.streams import Entry
 from mtask.web.access import authorize
 from mtask.web.api import NOT_FOUND, Client
 from mtask.web.auth import bearer_scheme

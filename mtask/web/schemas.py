@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mtask.encryption import shown
+from mtask.explain.states import Explained
 from mtask.models import BsonAny, BsonObject, Stored, Task
-from mtask.states import Explained
+from mtask.security.encryption import shown
 
 DerivedState = Literal[
     "scheduled",
@@ -27,12 +27,12 @@ DerivedState = Literal[
     "cancelled",
     "invalid",
 ]
-"""``mtask.states.STATES``, spelled out for the OpenAPI spec (a test keeps them in step)."""
+"""``mtask.explain.states.STATES``, spelled out for the OpenAPI spec (a test keeps them in step)."""
 
 
 class TaskView(Task):
     """A task as the API returns it (``key``, not MongoDB's ``_id``), with its derived state
-    (``mtask.states``) where the route reads it."""
+    (``mtask.explain.states``) where the route reads it."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -133,7 +133,7 @@ class LimitView(Open):
     def _users(cls, value: object) -> list[str]:
         """As the workers read it (``limits.users``): a hand's ``names`` of any shape shows
         only the names a worker takes."""
-        from mtask.limits import users
+        from mtask.limits.rules import users
 
         return list(users({"names": value}))
 

@@ -36,10 +36,11 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
-from mtask import control, driver, store
+from mtask import driver, store
 from mtask.clock import Clock, ServerClock
 from mtask.errors import MtaskError, StorageError, WorkerCrashed
 from mtask.registry import Registry
+from mtask.store import controls as control
 from mtask.worker import assembly
 from mtask.worker.config import WorkerConfig, default_worker_id
 from mtask.worker.events import Event

@@ -21,10 +21,10 @@ from pymongo import AsyncMongoClient, MongoClient
 from pymongo.asynchronous.database import AsyncDatabase
 
 from mtask import driver
-from mtask.backoff import Holds
 from mtask.client import AsyncTaskClient
 from mtask.clock import Clock, ServerClock
-from mtask.connection import WORKER_CLIENT_OPTIONS, async_client, sync_client
+from mtask.connection.clients import WORKER_CLIENT_OPTIONS, async_client, sync_client
+from mtask.limits.holds import Holds
 from mtask.registry import Registry
 from mtask.worker import finding, reacting
 from mtask.worker.claiming import ahead as claim_ahead

@@ -27,11 +27,11 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from pymongo.errors import PyMongoError
 
-from mtask import control
 from mtask._version import __version__
 from mtask.clock import Clock, ServerClock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
+from mtask.store import controls as control
 from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import InFlight
 from mtask.worker.running.protocols import PoolView

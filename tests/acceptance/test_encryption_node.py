@@ -18,7 +18,7 @@ from needs import missing
 from pymongo import MongoClient
 
 from mtask import TaskClient
-from mtask.encryption import KEY_FILE_ENV, Encryption, is_ciphertext, sealed
+from mtask.security.encryption import KEY_FILE_ENV, Encryption, is_ciphertext, sealed
 
 HERE = Path(__file__).parent / "encryption"
 SECRET = "node 4242 4242"

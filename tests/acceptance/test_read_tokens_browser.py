@@ -17,8 +17,9 @@ from typing import Any
 from harness import worker_process
 from webserver import serving
 
-from mtask import TaskClient, read_tokens
+from mtask import TaskClient
 from mtask.embedded import free_port
+from mtask.security import read_tokens
 
 SECRET = b"the browser test's read token secret"
 FOLLOW = """async (url) => await new Promise((resolve) => {

@@ -22,7 +22,7 @@ from test_dashboard import SHOWN_RIGHT, shots_dir, wait_until
 from webserver import serving
 
 from mtask import TaskClient
-from mtask.states import STATES
+from mtask.explain.states import STATES
 
 TOKEN = "states-token"
 CONTEXTS = [  # size, viewport, scheme, JavaScript

@@ -17,7 +17,7 @@ from typing import Any
 from bson import ObjectId
 from pymongo import AsyncMongoClient, MongoClient
 
-from mtask.backoff import BackOff
+from mtask.limits.holds import BackOff
 from mtask.registry import Registry, TaskContext
 
 registry = Registry()

@@ -13,7 +13,7 @@ from workerapp import registry
 
 from mtask import AsyncTaskClient, TaskClient
 from mtask.embedded import EmbeddedMongo
-from mtask.events import TaskEvent, events
+from mtask.follow.events import TaskEvent, events
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 

@@ -12,7 +12,7 @@ from typing import Any
 from pymongo import AsyncMongoClient
 
 from mtask.registry import Registry, TaskContext
-from mtask.spawn import Spawn
+from mtask.steps.children import Spawn
 
 registry = Registry()
 LEASE = {"worker_timeout_ms": 3000, "ping_interval_ms": 500}

@@ -14,11 +14,13 @@ from harness import run_cli, running_worker, wait_for
 from prometheus_client import REGISTRY
 from pymongo import MongoClient
 
-from mtask import BackOff, TaskClient, limits, slots
-from mtask.backoff import hold
+from mtask import BackOff, TaskClient
 from mtask.driver import SyncDriver
+from mtask.explain.states import State
+from mtask.limits import rules as limits
+from mtask.limits import slots
+from mtask.limits.holds import hold
 from mtask.registry import Registry, TaskContext
-from mtask.states import State
 from mtask.web import create_app
 from mtask.worker.claiming.limited import plan
 from mtask.worker.finding.placement import TaskMeta

@@ -25,8 +25,8 @@ from test_snooze_worker import flow_worker
 
 from mtask import TaskClient
 from mtask.errors import InvalidTask
+from mtask.explain.states import State
 from mtask.models import Task
-from mtask.states import State
 from mtask.web import create_app
 
 DOC = Path(__file__).parents[2] / "docs" / "publishing.md"

@@ -20,7 +20,8 @@ from pymongo import MongoClient
 from webserver import serving
 
 from mtask import TaskClient
-from mtask.encryption import (
+from mtask.errors import InvalidTask
+from mtask.security.encryption import (
     KEY_FILE_ENV,
     KEY_VAULT,
     Encryption,
@@ -28,7 +29,6 @@ from mtask.encryption import (
     rotate_local,
     sealed,
 )
-from mtask.errors import InvalidTask
 
 SECRET = "4242 4242 4242 4242"
 

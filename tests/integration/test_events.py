@@ -13,11 +13,12 @@ import pytest
 from harness import kill_change_streams, running_worker, wait_for
 from workerapp import registry
 
-from mtask import AsyncTaskClient, TaskClient, waiters
+from mtask import AsyncTaskClient, TaskClient
 from mtask.clock import FixedClock
-from mtask.connection import async_client
+from mtask.connection.clients import async_client
 from mtask.errors import TaskNotFound, WaitTimeout
-from mtask.events import TaskEvent, events
+from mtask.follow import waiters
+from mtask.follow.events import TaskEvent, events
 from mtask.store import claim
 
 
@@ -349,7 +350,7 @@ async def test_follow_says_whether_the_stream_holds_more_changes_read(
     read in one ``getMore`` the first two are ``buffered``, the last not. A PyMongo whose cursor
     cannot be read fails here (its relay would never wait for its own worker's claim: W2,
     docs/performance.md, Latency)."""
-    from mtask import events as events_module
+    from mtask.follow import events as events_module
 
     mongo = async_client(mongo_uri)
     collection = mongo[db_name]["buffered"]

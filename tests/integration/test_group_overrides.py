@@ -13,10 +13,11 @@ from fastapi.testclient import TestClient
 from harness import peak, run_cli, running_worker, wait_for
 from pymongo import MongoClient
 
-from mtask import TaskClient, slots
+from mtask import TaskClient
 from mtask.driver import SyncDriver
 from mtask.errors import InvalidTask
-from mtask.limits import Limit, group_limit_for, group_slot
+from mtask.limits import slots
+from mtask.limits.rules import Limit, group_limit_for, group_slot
 from mtask.store import occupancy
 from mtask.web import create_app
 

@@ -14,10 +14,11 @@ from fastapi.testclient import TestClient
 from harness import in_groups, running_worker, wait_for
 from pymongo import MongoClient
 
-from mtask import TaskClient, slots, store
+from mtask import TaskClient, store
 from mtask.cli import main
 from mtask.driver import SyncDriver, collections
-from mtask.limits import Limit, group_slot
+from mtask.limits import slots
+from mtask.limits.rules import Limit, group_slot
 from mtask.store import Outcome, RunState
 from mtask.web import create_app
 

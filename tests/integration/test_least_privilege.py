@@ -29,11 +29,12 @@ from pymongo import MongoClient
 from pymongo.errors import OperationFailure
 from webserver import serving
 
-from mtask import TaskClient, roles
+from mtask import TaskClient
 from mtask.driver import Call, SyncDriver, collections
 from mtask.embedded import EmbeddedMongo, Tls
-from mtask.encryption import KEY_FILE_ENV, Encryption
 from mtask.errors import MtaskError, StorageError
+from mtask.security import roles
+from mtask.security.encryption import KEY_FILE_ENV, Encryption
 from mtask.web.auth import Principal
 
 DB = "secured"

@@ -13,9 +13,11 @@ from harness import running_worker, wait_for
 from pymongo import MongoClient
 from workerapp import timed_sleep
 
-from mtask import TaskClient, limits, slots
+from mtask import TaskClient
 from mtask.driver import SyncDriver
 from mtask.errors import InvalidTask
+from mtask.limits import rules as limits
+from mtask.limits import slots
 from mtask.registry import Registry
 
 T0 = dt.datetime(2099, 1, 1, 9, tzinfo=dt.UTC)

@@ -17,12 +17,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pymongo import MongoClient
 
-from mtask import TaskClient, TaskOptions, slots, store
-from mtask import limits as mtask_limits
+from mtask import TaskClient, TaskOptions, store
 from mtask.clock import FixedClock
 from mtask.driver import Call, Op, SyncDriver
 from mtask.errors import InvalidTask
-from mtask.limits import (
+from mtask.limits import rules as mtask_limits
+from mtask.limits import slots
+from mtask.limits.rules import (
     MAX_LIMIT_CONCURRENCY,
     NO_ROOM_WAIT,
     Limit,
@@ -33,8 +34,8 @@ from mtask.limits import (
     runs_at_once,
     wait_for_token,
 )
+from mtask.limits.slots import Request, Taken, extend, take
 from mtask.registry import Registry
-from mtask.slots import Request, Taken, extend, take
 from mtask.worker.claiming.gate import LimitGate
 
 

@@ -12,9 +12,9 @@ from promtool import check_metrics
 from workerapp import registry
 
 from mtask import TaskClient
-from mtask.backoff import hold
 from mtask.driver import SyncDriver
 from mtask.embedded import free_port
+from mtask.limits.holds import hold
 
 TESTS = Path(__file__).parents[1]
 

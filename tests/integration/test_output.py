@@ -17,7 +17,7 @@ from harness import running_worker, wait_for, worker_process
 
 from mtask import AsyncTaskClient, TaskClient, driver, metrics
 from mtask.errors import InvalidTask, TaskNotFound
-from mtask.events import events as events_of
+from mtask.follow.events import events as events_of
 from mtask.registry import Registry, Retry, TaskContext
 from mtask.store import output as store_output
 

@@ -18,7 +18,7 @@ from harness import dead, running_worker
 from test_pool import INFO
 
 from mtask import Fail, TaskClient
-from mtask.output import Batch
+from mtask.follow.output import Batch
 from mtask.worker.running.pool.child import _ChildOutput, _Run
 from mtask.worker.running.pool.errors import ChildDied, TimeLimitExceeded
 from mtask.worker.running.pool.pool import ProcessPool

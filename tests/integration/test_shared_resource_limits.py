@@ -16,12 +16,13 @@ from harness import peak, run_cli, running_worker, wait_for
 from pymongo import MongoClient
 from workerapp import timed_sleep
 
-from mtask import TaskClient, limits
-from mtask.backoff import hold
+from mtask import TaskClient
 from mtask.driver import SyncDriver
 from mtask.errors import InvalidTask
+from mtask.explain.states import State
+from mtask.limits import rules as limits
+from mtask.limits.holds import hold
 from mtask.registry import Registry
-from mtask.states import State
 from mtask.web import create_app
 from mtask.worker import Worker
 

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from harness import run_cli, tree_env
 
 from mtask import RunState, TaskClient
-from mtask.states import State
+from mtask.explain.states import State
 from mtask.testing import worker_argv
 from mtask.web import create_app
 

@@ -19,7 +19,7 @@ from harness import run_cli, worker_process
 from pymongo import MongoClient
 
 from mtask import TaskClient
-from mtask.states import STATES
+from mtask.explain.states import STATES
 from mtask.web import create_app
 from mtask.web.schemas import DerivedState
 

@@ -19,8 +19,8 @@ from pymongo import AsyncMongoClient
 
 from mtask import AsyncTaskClient
 from mtask.errors import InvalidTask, InvalidTransition, TaskNotFound
-from mtask.events import TaskEvent
-from mtask.events import events as events_of
+from mtask.follow.events import TaskEvent
+from mtask.follow.events import events as events_of
 from mtask.registry import Registry, TaskContext
 from mtask.steps import SignalTimeout
 from mtask.store import steps as store_steps

@@ -20,7 +20,7 @@ from pymongo import MongoClient
 from pymongo.errors import OperationFailure, PyMongoError
 
 from mtask.embedded import find_mongod, free_port
-from mtask.events import HISTORY_LOST
+from mtask.follow.events import HISTORY_LOST
 from mtask.registry import Registry
 
 registry = Registry()

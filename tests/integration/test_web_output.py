@@ -20,8 +20,8 @@ from harness import running_worker, server_sent
 from webserver import serving
 
 from mtask import AsyncTaskClient, TaskClient
+from mtask.follow.streams import Entry
 from mtask.registry import Registry, TaskContext
-from mtask.streams import Entry
 from mtask.web import output
 
 TOKEN = "test-token"

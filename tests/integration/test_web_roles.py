@@ -14,7 +14,8 @@ import httpx
 import pytest
 from webserver import serving
 
-from mtask import TaskClient, read_tokens
+from mtask import TaskClient
+from mtask.security import read_tokens
 from mtask.web.access import ACTION_ROLES, ROUTE_ACTIONS
 from mtask.web.auth import Principal
 

@@ -20,8 +20,8 @@ from workflowapp import EFFECTS, effect
 from mtask import AsyncTaskClient
 from mtask.errors import InvalidTask, InvalidTransition
 from mtask.registry import Registry, TaskContext
-from mtask.spawn import ChildFailed, Spawn
-from mtask.step_policy import StepPolicy
+from mtask.steps.children import ChildFailed, Spawn
+from mtask.steps.policy import StepPolicy
 from mtask.store import bulk
 from mtask.store import children as store_children
 

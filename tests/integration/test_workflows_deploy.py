@@ -20,7 +20,7 @@ from pymongo import MongoClient
 
 from mtask import AsyncTaskClient, TaskClient
 from mtask.errors import RegistryNotFound
-from mtask.preflight import check
+from mtask.steps.preflight import check
 
 TESTS = Path(__file__).resolve().parents[1]
 

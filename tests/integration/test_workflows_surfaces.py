@@ -21,7 +21,7 @@ from harness import run_cli, running_worker
 
 from mtask import AsyncTaskClient
 from mtask.registry import Registry, TaskContext
-from mtask.spawn import Spawn
+from mtask.steps.children import Spawn
 from mtask.web import create_app
 
 TOKEN = "test-token"
@@ -181,7 +181,7 @@ async def small_parent(params: dict[str, Any], ctx: TaskContext) -> Any:
 async def test_the_events_api_carries_the_wait_for_children_and_the_parallel_steps(
     aclient: AsyncTaskClient, mongo_uri: str, db_name: str
 ) -> None:
-    from mtask.events import events as events_of
+    from mtask.follow.events import events as events_of
 
     seen: list[Any] = []
     opened = asyncio.Event()

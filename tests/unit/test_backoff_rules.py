@@ -10,10 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mtask import BackOff, limits
-from mtask.backoff import held_until, target
+from mtask import BackOff
 from mtask.errors import InvalidTask
-from mtask.slots import Request, decide
+from mtask.limits import rules as limits
+from mtask.limits.holds import held_until, target
+from mtask.limits.slots import Request, decide
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from mtask import BatchItem, Registry, Retry, metrics
-from mtask.batches import BatchAnswerError
+from mtask.limits.batches import BatchAnswerError
 from mtask.registry import TaskContext
 from mtask.worker.running.batches import Batches
 

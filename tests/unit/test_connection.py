@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mtask.connection import WORKER_CLIENT_OPTIONS, async_client, sync_client
+from mtask.connection.clients import WORKER_CLIENT_OPTIONS, async_client, sync_client
 from mtask.errors import StorageError
 
 URI = "mongodb://127.0.0.1:1/?directConnection=true"

@@ -1,5 +1,5 @@
-"""Where a change stream reopens and when it gives up (``mtask.events.Position``): the pure half
-of the reopen loop shared by ``events`` and the waiters."""
+"""Where a change stream reopens and when it gives up (``mtask.follow.events.Position``): the pure
+half of the reopen loop shared by ``events`` and the waiters."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from pymongo.errors import AutoReconnect, OperationFailure
 
 from mtask.errors import EventsLost, StorageError
-from mtask.events import Position
+from mtask.follow.events import Position
 
 OPENED = {"_data": "82AA"}
 LATER = {"_data": "82BB"}

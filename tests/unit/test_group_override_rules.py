@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mtask import limits
 from mtask.errors import InvalidTask
-from mtask.limits import GroupOverride, Limit, group_limit_for, validate_override
+from mtask.limits import rules as limits
+from mtask.limits.rules import GroupOverride, Limit, group_limit_for, validate_override
 from mtask.worker.claiming.limited import counted, plan
 from mtask.worker.claiming.queue import ClaimQueue, GroupWeights
 from mtask.worker.finding.placement import TaskMeta

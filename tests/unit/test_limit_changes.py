@@ -17,10 +17,12 @@ from pymongo.results import UpdateResult
 from scripted import AsyncScriptedDriver, ScriptedDriver, Step
 from test_limited import limit_docs
 
-from mtask import limits, slots, store
+from mtask import store
 from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver
-from mtask.limits import Limit
+from mtask.limits import rules as limits
+from mtask.limits import slots
+from mtask.limits.rules import Limit
 from mtask.worker.claiming.gate import LimitGate
 from mtask.worker.claiming.limited import counted, plan
 from mtask.worker.claiming.recount import Recount

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mtask import limits
 from mtask.errors import InvalidTask
-from mtask.slots import Request, Taken, decide
+from mtask.limits import rules as limits
+from mtask.limits.slots import Request, Taken, decide
 from mtask.worker.claiming.limited import plan, sequences
 from mtask.worker.finding.placement import TaskMeta
 

@@ -1,4 +1,4 @@
-"""A run's output buffer (``mtask.output``), without MongoDB: coalescing, caps, order, and
+"""A run's output buffer (``mtask.follow.output``), without MongoDB: coalescing, caps, order, and
 what a handler's mistakes raise."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtask.output import OutputLimits, RecordedOutput, RunOutput
+from mtask.follow.output import OutputLimits, RecordedOutput, RunOutput
 
 calls = st.lists(
     st.one_of(

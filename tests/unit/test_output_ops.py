@@ -12,8 +12,8 @@ from scripted import ScriptedDriver, Step
 
 from mtask.driver import Call
 from mtask.errors import TaskNotFound
+from mtask.follow.streams import Follower, catch_up
 from mtask.store import output
-from mtask.streams import Follower, catch_up
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 

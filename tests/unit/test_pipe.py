@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import mtask
 from mtask import Fail, Retry
 from mtask.errors import InvalidParams, LeaseLost
-from mtask.output import Batch
+from mtask.follow.output import Batch
 from mtask.steps import StepError, Suspended, Wait
 from mtask.worker.running.pool import pipe
 from mtask.worker.running.pool.errors import HandlerError, ReplyRefused

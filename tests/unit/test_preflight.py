@@ -1,7 +1,7 @@
-"""The preflight's dry replay without MongoDB (``mtask.preflight``): a journal the new handler
+"""The preflight's dry replay without MongoDB (``mtask.steps.preflight``): a journal the new handler
 asks for as recorded replays cleanly up to where it ends (no step function is called), a
 changed one mismatches at the step it names, params the new handler refuses are an error; the
-sandbox's audit hook refuses I/O (``mtask.preflight_sandbox.Guard``); hypothesis: whatever a
+sandbox's audit hook refuses I/O (``mtask.steps.sandbox.Guard``); hypothesis: whatever a
 journal holds, a dry replay ends in a verdict, never an exception."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from mtask.preflight import ForbiddenIo, Report, Verdict, judge, replay, replay_now
-from mtask.preflight_sandbox import Guard
 from mtask.registry import Registry, TaskContext
 from mtask.steps import StepMismatch
+from mtask.steps.preflight import ForbiddenIo, Report, Verdict, judge, replay, replay_now
+from mtask.steps.sandbox import Guard
 
 NOW = dt.datetime(2026, 11, 28, 3, 0, tzinfo=dt.UTC)
 called: list[str] = []

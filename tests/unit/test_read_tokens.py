@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mtask import read_tokens
 from mtask.errors import InvalidTask
-from mtask.read_tokens import BadToken, Scope
+from mtask.security import read_tokens
+from mtask.security.read_tokens import BadToken, Scope
 from mtask.web.access import ROUTE_ACTIONS, action_of, role_for
 from mtask.web.rates import Buckets
 

@@ -12,9 +12,10 @@ import pytest
 from finders import finder_for
 from pymongo.errors import AutoReconnect
 
-from mtask import Registry, TaskContext, events, store
+from mtask import Registry, TaskContext, store
 from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver
+from mtask.follow import events
 from mtask.worker import Worker
 from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.finding import stream

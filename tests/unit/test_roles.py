@@ -1,4 +1,4 @@
-"""The roles (``mtask.roles``) against the calls the store's operations make: a publisher's
+"""The roles (``mtask.security.roles``) against the calls the store's operations make: a publisher's
 publish is allowed, a claim and an outcome are not; a refused call names what it lacked."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import datetime as dt
 from pymongo.errors import DuplicateKeyError, OperationFailure
 from scripted import ScriptedDriver, Step
 
-from mtask import roles, store
+from mtask import store
 from mtask.driver import MODIFY_ONCE, Call, storage_error
 from mtask.models import NewTask
+from mtask.security import roles
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 REFUSED = OperationFailure("not authorized on mtask to execute command { update: ... }", 13)

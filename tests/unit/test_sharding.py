@@ -13,8 +13,9 @@ import pytest
 from harness import T0
 from pymongo import UpdateOne
 
-from mtask import flows, limits, schedules, store
+from mtask import flows, schedules, store
 from mtask.driver import MODIFY_ONCE, Call, Op
+from mtask.limits import rules as limits
 from mtask.models import NewTask, RunState
 from mtask.store import Outcome
 from mtask.store.retention import purge, purge_filter

@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mtask import Registry, RunState, Snooze
+from mtask.explain.states import Cluster, State, explain, timing
+from mtask.limits.snooze import snooze_delay_ms
 from mtask.models import MAX_RETRY_DELAY_MS, Task
-from mtask.snooze import snooze_delay_ms
-from mtask.states import Cluster, State, explain, timing
 from mtask.store import Outcome
 from mtask.store.outcomes import finish_update
 from mtask.testing import run_handler

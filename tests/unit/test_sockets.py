@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 from pymongo import pool_shared
 
-from mtask import sockets
-from mtask.connection import async_client
+from mtask.connection.clients import async_client, sockets
 
 sockets.install()
 ORIGINAL = sockets.replaced or pool_shared._async_create_connection

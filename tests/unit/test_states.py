@@ -1,7 +1,7 @@
-"""``mtask.states.explain``: one derived state per task and the sentence that says why, from the
-document and the cluster's state. Hypothesis runs it over documents of any shape (an ``_id`` of
-any type, fields missing or mistyped) and clusters of any shape: it never raises, and its state
-agrees with the stored status; the examples pin each state and each reason."""
+"""``mtask.explain.states.explain``: one derived state per task and the sentence that says why,
+from the document and the cluster's state. Hypothesis runs it over documents of any shape (an
+``_id`` of any type, fields missing or mistyped) and clusters of any shape: it never raises, and
+its state agrees with the stored status; the examples pin each state and each reason."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ import hypothesis.strategies as st
 from hypothesis import given
 from hypothesis import settings as hsettings
 
-from mtask.limits import Limit
-from mtask.models import Task
-from mtask.states import (
+from mtask.explain.states import (
     OPEN_STATES,
     PENDING_STATES,
     STATES,
@@ -28,6 +26,8 @@ from mtask.states import (
     explain,
     timing,
 )
+from mtask.limits.rules import Limit
+from mtask.models import Task
 from mtask.steps import NEVER
 
 NOW = dt.datetime(2026, 11, 28, 3, 12, 17, tzinfo=dt.UTC)
@@ -460,7 +460,7 @@ def test_a_resource_the_workers_or_its_document_name_is_read_from_any_shape(
 ) -> None:
     """The readers' side of shared resources (issue 62): heartbeats' ``uses`` and a resource
     document's ``names`` of any shape never raise, and give names and slots only."""
-    from mtask import limits
+    from mtask.limits import rules as limits
     from mtask.store.cluster import _resources, declared_uses
 
     crm = limits.resource_slot("crm")
@@ -472,15 +472,15 @@ def test_a_resource_the_workers_or_its_document_name_is_read_from_any_shape(
 
 
 def _explained_in_source() -> set[tuple[str, str | None]]:
-    """Every ``(state, why)`` that ``mtask.states`` can return, read from its source: each
+    """Every ``(state, why)`` that ``mtask.explain.states`` can return, read from its source: each
     ``Explained(State.X, why, …)`` with a literal ``why``, and the final states (``why`` None)."""
     import ast
     import inspect
 
-    import mtask.states
+    import mtask.explain.states
 
     found: set[tuple[str, str | None]] = {(s, None) for s in STATES if not State(s).open}
-    for node in ast.walk(ast.parse(inspect.getsource(mtask.states))):
+    for node in ast.walk(ast.parse(inspect.getsource(mtask.explain.states))):
         if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Explained"):
             continue
         state, why = node.args[0], node.args[1]

@@ -14,7 +14,7 @@ from scripted import ScriptedDriver, Step
 from mtask.driver import Call
 from mtask.errors import InvalidTask, InvalidTransition, TaskNotFound
 from mtask.models import Task
-from mtask.signal_fate import NEXT_WAIT, fate
+from mtask.steps.signal_fate import NEXT_WAIT, fate
 from mtask.store import steps
 
 NOW = dt.datetime(2026, 11, 28, 3, 0, tzinfo=dt.UTC)

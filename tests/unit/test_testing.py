@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from mtask import Fail, LeaseLost, Next, Registry, Retry, RunState, TaskContext
+from mtask.follow.output import RecordedOutput, RunOutput
 from mtask.models import MAX_RETRY_DELAY_MS
-from mtask.output import RecordedOutput, RunOutput
 from mtask.registry import retry_delay_ms
 from mtask.testing import MemorySteps, arun_handler, run_handler
 

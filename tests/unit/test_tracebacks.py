@@ -1,13 +1,13 @@
-"""``mtask.tracebacks``: a stored traceback with mtask's own frames folded, the user's frames as
-they are, and where in the user's code the error came from; any text folds without raising and
-loses none of the user's lines."""
+"""``mtask.explain.tracebacks``: a stored traceback with mtask's own frames folded, the user's
+frames as they are, and where in the user's code the error came from; any text folds without
+raising and loses none of the user's lines."""
 
 from __future__ import annotations
 
 import hypothesis.strategies as st
 from hypothesis import given
 
-from mtask.tracebacks import fold, folded_text, is_mtask_file
+from mtask.explain.tracebacks import fold, folded_text, is_mtask_file
 
 # the review's flaky step on main cd15378: 11 of 12 frames are mtask's (an older layout too)
 STEP_FAILURE = """Traceback (most recent call last):

@@ -20,11 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mtask.errors import InvalidTask
-from mtask.output import RunOutput
-from mtask.parallel import gather, gather_sync
-from mtask.spawn import ChildFailed, Spawn, child_key, spawn_plan
-from mtask.step_policy import StepPolicy, StepTimeout
+from mtask.follow.output import RunOutput
 from mtask.steps import MemorySteps, RunSteps, StepError, StepMismatch, Suspended
+from mtask.steps.children import ChildFailed, Spawn, child_key, spawn_plan
+from mtask.steps.parallel import gather, gather_sync
+from mtask.steps.policy import StepPolicy, StepTimeout
 
 T0 = dt.datetime(2026, 11, 28, 12, 0, 0, 123456, tzinfo=dt.UTC)
 

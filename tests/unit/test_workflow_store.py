@@ -15,8 +15,8 @@ from scripted import ScriptedDriver, Step
 
 from mtask.driver import Call
 from mtask.models import RunState
-from mtask.spawn import BITS
 from mtask.steps import NEVER, Wait
+from mtask.steps.children import BITS
 from mtask.store import children, journal
 from mtask.store import steps as store_steps
 from mtask.store.outcomes import Outcome, finish_update

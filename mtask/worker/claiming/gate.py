@@ -1,4 +1,4 @@
-"""The worker's side of the cluster-wide limits (``mtask.limits``, ``mtask.slots``).
+"""The worker's side of the cluster-wide limits (``mtask.limits.rules``, ``mtask.limits.slots``).
 
 The gate holds the names' limit documents: a name's is read again at once when its change
 event says its limit was set, changed or cleared (``limit_set``), and all of them every
@@ -22,10 +22,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
-from mtask import limits, slots
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
+from mtask.limits import rules as limits
+from mtask.limits import slots
 from mtask.worker.claiming.queue import GroupWeights
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.service import PeriodicService, event_or_timeout, first_set

@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtask import limits
-from mtask.slots import Request
+from mtask.limits import rules as limits
+from mtask.limits.slots import Request
 from mtask.worker.finding.placement import TaskMeta
 
 

@@ -22,11 +22,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtask import limits, metrics, slots, store
-from mtask.backoff import held_until
+from mtask import metrics, store
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
+from mtask.limits import rules as limits
+from mtask.limits import slots
+from mtask.limits.holds import held_until
 from mtask.models import WORKER_TIMEOUT_MS, in_range
 from mtask.store import overflow
 from mtask.worker.claiming import limited

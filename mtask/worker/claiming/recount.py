@@ -18,10 +18,11 @@ import asyncio
 import logging
 from typing import ClassVar
 
-from mtask import limits, slots
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
+from mtask.limits import rules as limits
+from mtask.limits import slots
 from mtask.worker.claiming.gate import LimitGate
 from mtask.worker.claiming.limited import counted
 from mtask.worker.events import Emitter, Event

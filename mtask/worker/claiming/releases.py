@@ -16,10 +16,11 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
-from mtask import limits, slots
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
+from mtask.limits import rules as limits
+from mtask.limits import slots
 from mtask.worker.claiming.handover import Handovers
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ Parts, each behind a narrow protocol (``protocols``):
 - ``finder`` — a worker's own finding: the ``Inbox`` of its source, the ``QueueSink`` of its
   claimer, gate and recorder;
 - ``stream`` — the change stream's pipeline, ``follow`` on the one reopen loop of
-  ``mtask.events``, and ``OwnStream``;
+  ``mtask.follow.events``, and ``OwnStream``;
 - ``shared/`` — one relay for the cluster (``--stream shared``): ``relay``, ``dispatch``,
   ``host_queue``, ``credit``, ``channels``, ``mailbox``, ``wire`` on the relay's side, and
   ``subscriber`` on every worker's.

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from mtask.limits import LIMIT_FIELDS, is_group_slot
+from mtask.limits.rules import LIMIT_FIELDS, is_group_slot
 from mtask.worker.finding.placement import TaskMeta
 from mtask.worker.finding.scan import Scanner
 from mtask.worker.finding.setaside import count, task_key

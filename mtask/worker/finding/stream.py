@@ -1,5 +1,5 @@
 """The change stream of finding work: what it asks the server for (``stream_pipeline``), how
-an ``Inbox`` follows it (``follow``, on the one reopen loop of ``mtask.events``), the claim
+an ``Inbox`` follows it (``follow``, on the one reopen loop of ``mtask.follow.events``), the claim
 a change led to sent before the stream's next read (``ClaimsFirst``), and ``OwnStream``, a
 worker's own stream (``--stream own``).
 """
@@ -14,10 +14,11 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
-from mtask import events, store
+from mtask import store
 from mtask.errors import StorageError
-from mtask.limits import LIMIT_FIELDS
-from mtask.slots import TAKEN_AT
+from mtask.follow import events
+from mtask.limits.rules import LIMIT_FIELDS
+from mtask.limits.slots import TAKEN_AT
 from mtask.worker.finding.protocols import ClaimsBack, Inbox, NoClaims
 
 log = logging.getLogger(__name__)

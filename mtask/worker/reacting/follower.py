@@ -26,7 +26,7 @@ from mtask import metrics
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver, Doc, storage_error
 from mtask.errors import EventsLost, LeaseLost, StorageError
-from mtask.events import HISTORY_LOST, Position, follow_waits
+from mtask.follow.events import HISTORY_LOST, Position, follow_waits
 from mtask.store import followers
 from mtask.triggers import cluster_time
 from mtask.worker.events import Emitter, Event

@@ -1,4 +1,4 @@
-"""The worker's side of batch handlers (issue 62, ``mtask.batches``): each run of a batch
+"""The worker's side of batch handlers (issue 62, ``mtask.limits.batches``): each run of a batch
 name waits here for its batch; a batch is called once ``batch`` runs have joined it, or
 ``batch_timeout`` after the first did, and each run gets its own entry of the answer back.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtask import metrics
-from mtask.batches import BatchItem, answers
+from mtask.limits.batches import BatchItem, answers
 from mtask.registry import Handler, TaskContext
 from mtask.worker.events import Emitter, Event
 

@@ -24,8 +24,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from mtask import metrics
-from mtask.backoff import BackOff, Holds
 from mtask.errors import ConfigError, InvalidTask, LeaseLost, StorageError
+from mtask.limits.holds import BackOff, Holds
 from mtask.registry import Handler
 from mtask.statemachine import keep_ms
 from mtask.store import Outcome, RunState

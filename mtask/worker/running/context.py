@@ -26,7 +26,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
-from mtask.output import RunOutput
+from mtask.follow.output import RunOutput
 from mtask.registry import Registry, TaskContext
 from mtask.steps import RunSteps, StepError
 from mtask.store import Outcome
@@ -58,7 +58,7 @@ class RunOutputs(Protocol):
 
 class NoOutputs:
     """Outside a worker: a run's output stays in its buffer, where a test reads it
-    (``mtask.output.RecordedOutput``)."""
+    (``mtask.follow.output.RecordedOutput``)."""
 
     def output_for(
         self,

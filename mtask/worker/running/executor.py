@@ -18,7 +18,8 @@ import logging
 import time
 from typing import Any
 
-from mtask import limits, metrics
+from mtask import metrics
+from mtask.limits import rules as limits
 from mtask.registry import Registry
 from mtask.store import Outcome
 from mtask.worker.claiming.ahead import ClaimAhead

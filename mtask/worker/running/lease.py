@@ -39,8 +39,8 @@ from typing import Any, ClassVar
 from mtask import driver, store
 from mtask.clock import Clock
 from mtask.errors import StorageError
-from mtask.slots import Request
-from mtask.slots import extend as extend_slot
+from mtask.limits.slots import Request
+from mtask.limits.slots import extend as extend_slot
 
 log = logging.getLogger(__name__)
 

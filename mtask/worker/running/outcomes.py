@@ -20,11 +20,11 @@ import bson
 
 from mtask import flows, metrics
 from mtask.errors import InvalidParams, InvalidTask
+from mtask.limits.snooze import Snooze, snooze_delay_ms
 from mtask.models import DEFAULT_KEEP_MS, MAX_STORED_DEPTH, RunState, storable_depth
 from mtask.registry import Fail, Retry, retry_delay_ms
-from mtask.snooze import Snooze, snooze_delay_ms
-from mtask.spawn import ChildFailed
 from mtask.steps import SignalTimeout, StepError, Suspended, Wait
+from mtask.steps.children import ChildFailed
 from mtask.store import Outcome
 from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import ActiveRun

@@ -32,7 +32,7 @@ from mtask import metrics
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver, Doc, storage_error
 from mtask.errors import StorageError
-from mtask.output import DEFAULT_LIMITS, Batch, OutputLimits, RunOutput
+from mtask.follow.output import DEFAULT_LIMITS, Batch, OutputLimits, RunOutput
 from mtask.registry import TaskContext
 from mtask.store import output as store_output
 

@@ -1,8 +1,8 @@
-"""What a handler is given and what its run stores, for encrypted tasks (``mtask.encryption``):
-``Plain`` passes params and results through (a worker without a key: it costs nothing);
-``Sealed`` decrypts a task's encrypted params for its handler only, and encrypts the result of
-a task whose params were encrypted. Decryption runs in a thread (libmongocrypt may read the key
-vault), never on the event loop."""
+"""What a handler is given and what its run stores, for encrypted tasks
+(``mtask.security.encryption``): ``Plain`` passes params and results through (a worker without a
+key: it costs nothing); ``Sealed`` decrypts a task's encrypted params for its handler only, and
+encrypts the result of a task whose params were encrypted. Decryption runs in a thread
+(libmongocrypt may read the key vault), never on the event loop."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from mtask.encryption import KEY_FILE_ENV, KEY_VAULT, Encryption, read_key_file, sealed
+from mtask.security.encryption import KEY_FILE_ENV, KEY_VAULT, Encryption, read_key_file, sealed
 
 
 class Sealing(Protocol):

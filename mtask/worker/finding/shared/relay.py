@@ -48,9 +48,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from mtask import events
 from mtask.errors import StorageError
-from mtask.limits import group_slot, is_group_slot
+from mtask.follow import events
+from mtask.limits.rules import group_slot, is_group_slot
 from mtask.worker.finding.changes import event_key, lock_freed
 from mtask.worker.finding.protocols import ClaimsBack
 from mtask.worker.finding.shared import mailbox, wire

@@ -6,7 +6,7 @@ of every group would cost the wire a frame a run per host)."""
 
 from __future__ import annotations
 
-from mtask.limits import group_slot
+from mtask.limits.rules import group_slot
 from mtask.worker.finding.shared.credit import Channel
 
 

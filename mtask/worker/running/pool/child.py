@@ -28,9 +28,9 @@ import bson
 
 from mtask.errors import InvalidParams
 from mtask.flows import is_steps
-from mtask.output import RunOutput
+from mtask.follow.output import RunOutput
+from mtask.limits.snooze import Snooze
 from mtask.registry import Fail, Handler, Retry, TaskContext
-from mtask.snooze import Snooze
 from mtask.steps import SignalTimeout, StepError, Suspended
 from mtask.worker.running.failures import result_too_large, said, short_traceback
 from mtask.worker.running.pool import pipe

@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from mtask.output import Batch
+from mtask.follow.output import Batch
 from mtask.steps import StepError
 from mtask.worker.running.pool import pipe
 from mtask.worker.running.pool.child_steps import sendable

@@ -51,7 +51,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple, Protocol
 
 from mtask.errors import InvalidParams
-from mtask.output import Batch
+from mtask.follow.output import Batch
 from mtask.registry import Fail, Handler, Retry
 from mtask.steps import MAX_SPILL_BYTES, Suspended
 from mtask.worker.running.failures import short_traceback

@@ -58,7 +58,7 @@ from prometheus_client import Gauge
 
 from mtask import metrics
 from mtask.errors import MtaskError
-from mtask.output import Batch
+from mtask.follow.output import Batch
 from mtask.registry import Handler
 from mtask.worker.config import DEFAULT_MAX_RESULT_BYTES
 from mtask.worker.running.pool import exchange, pipe

@@ -31,7 +31,7 @@ from pymongo.synchronous.database import Database
 
 from mtask.driver import AsyncDriver, Call, Doc, Op, SyncDriver
 from mtask.errors import TaskNotFound
-from mtask.events import Position, follow_waits, sync_follow
+from mtask.follow.events import Position, follow_waits, sync_follow
 from mtask.models import FINISHED_STATUSES
 from mtask.store import output as store_output
 

@@ -32,7 +32,7 @@ from pymongo import ReturnDocument
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver, Call, Doc, Op
 from mtask.errors import InvalidTask
-from mtask.limits import (
+from mtask.limits.rules import (
     GROUP_HOLDS,
     HELD_UNTIL,
     OVERRIDES_AT,

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from mtask.limits import (
+from mtask.explain.wording import plural, relative, span, when
+from mtask.limits.rules import (
     Limit,
     is_sequence,
     refill,
@@ -44,7 +45,6 @@ from mtask.limits import (
 )
 from mtask.models import RunState, Task, TaskStatus
 from mtask.steps import NEVER
-from mtask.wording import plural, relative, span, when
 
 
 class State(StrEnum):
@@ -350,7 +350,7 @@ def _blocked(task: Task, cluster: Cluster) -> Explained | None:
 
 def _resource(name: str, cluster: Cluster) -> Explained | None:
     """A shared resource the task's name takes, holding it back: a back-off, or its limit."""
-    from mtask.backoff import held_until
+    from mtask.limits.holds import held_until
 
     for slot in cluster.resources.get(name, ()):
         doc = cluster.limits.get(slot)
@@ -369,8 +369,8 @@ def _resource(name: str, cluster: Cluster) -> Explained | None:
 
 
 def _held(doc: Mapping[str, Any], name: str, group: str | None, now: dt.datetime) -> str | None:
-    """A back-off holding the task back (``mtask.backoff``), said with when it ends."""
-    from mtask.backoff import held_until
+    """A back-off holding the task back (``mtask.limits.holds``), said with when it ends."""
+    from mtask.limits.holds import held_until
 
     until = held_until(doc, group, now)
     if until is None:
@@ -430,7 +430,7 @@ def _doing(holder: Task, cluster: Cluster) -> str:
 
 def _full(doc: Mapping[str, Any], now: dt.datetime) -> str | None:
     """What a limit's document keeps from a run now (its runs at once in use, or no token for
-    its rate), or ``None`` if it has room (``mtask.limits``' rules, read as the take reads
+    its rate), or ``None`` if it has room (``mtask.limits.rules``' rules, read as the take reads
     them)."""
     concurrency = runs_at_once(doc.get("concurrency"))
     holders = doc.get("holders")

@@ -1,6 +1,6 @@
 """Following task events, on MongoDB change streams, and the reopen loop that every change
 stream of the client side shares (``follow``: the task events here, the waiters of
-``mtask.waiters``).
+``mtask.follow.waiters``).
 
 ``events`` / ``sync_events`` follow task state changes across the cluster: one ``TaskEvent``
 per insert or status change (name and status filtered on the server), each carrying the
@@ -51,7 +51,7 @@ from mtask.driver import Doc, cancel_requests, raise_if_cancelled
 from mtask.errors import EventsLost, StorageError
 from mtask.models import FINISHED_STATUSES
 
-log = logging.getLogger("mtask.events")
+log = logging.getLogger("mtask.follow.events")
 FINISHED = sorted(s.value for s in FINISHED_STATUSES)
 HISTORY_LOST = {
     136: "CappedPositionLost",  # the oplog rolled past the token

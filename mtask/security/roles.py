@@ -28,7 +28,9 @@ from typing import Any
 from pymongo.errors import OperationFailure
 
 from mtask.driver import MODIFY_ONCE, Call, Op
-from mtask.encryption import KEY_VAULT  # in mtask's database: a role of it can read the keys
+from mtask.security.encryption import (
+    KEY_VAULT,
+)  # in mtask's database: a role of it can read the keys
 
 READ = ("find",)
 WRITE = ("find", "insert", "update", "remove")

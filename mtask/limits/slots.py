@@ -1,4 +1,4 @@
-"""Taking and giving back the slots of cluster-wide limits (``mtask.limits``): a name's, and a
+"""Taking and giving back the slots of cluster-wide limits (``mtask.limits.rules``): a name's, and a
 group's of a name.
 
 A worker takes a slot (and a token) for a run *before* it claims the task, and claims it with
@@ -52,7 +52,7 @@ from pymongo import UpdateOne
 from pymongo.errors import BulkWriteError
 
 from mtask.driver import DUPLICATE_KEY, Call, Doc, Op
-from mtask.limits import (
+from mtask.limits.rules import (
     BUCKET_CLOCK_SLACK,
     GROUP_HOLDS,
     GROUP_SEPARATOR,
@@ -63,7 +63,7 @@ from mtask.limits import (
     retry_at,
     runs_at_once,
 )
-from mtask.limits import is_lock as is_lock_limit
+from mtask.limits.rules import is_lock as is_lock_limit
 from mtask.store.schema import literal
 
 GRANTED_KEPT = 64
@@ -98,7 +98,7 @@ class Request:
     over to this run in the same write that gives it back (``_lock``)."""
     group: str | None = None
     """A name's request only: the run's group, which a back-off may hold in the name's document
-    (``mtask.backoff``)."""
+    (``mtask.limits.holds``)."""
     units: int = 1
     """How many units of the limit the run takes (``@registry.task(units=…)``, issue 62): of its
     runs at once and of its tokens."""
@@ -197,7 +197,7 @@ def _units(live: Doc) -> Doc:
 
 def _not_held(request: Request, now: dt.datetime) -> list[Doc]:
     """What a back-off adds to a name's (or a resource's) take: its hold has ended
-    (``mtask.backoff``); a missing hold is none (null sorts before every date)."""
+    (``mtask.limits.holds``); a missing hold is none (null sorts before every date)."""
     if request.limit is not None:
         return []  # a group's slot: its holds are its name's
     return [{"$not": [{"$gt": [f"${HELD_UNTIL}", now]}]}]

@@ -1,6 +1,6 @@
 """How mtask says times and counts to a person (pure): a span of time (``21 s``, ``3 min``), a
 moment relative to now (``in 3 min``, ``2 h ago``), a date (UTC) and a counted noun
-(``1 line``, ``2 lines``). The task page, ``mtask get`` and the reasons of ``mtask.states``
+(``1 line``, ``2 lines``). The task page, ``mtask get`` and the reasons of ``mtask.explain.states``
 say them the same way."""
 
 from __future__ import annotations

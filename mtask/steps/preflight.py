@@ -10,7 +10,7 @@ so the task replays cleanly. A ``StepMismatch`` before that (or a gather whose r
 are not asked for) is the mismatch the deploy would cause, with the step it names.
 
 What a dry replay cannot stub: the handler's own code between steps runs. It runs in a
-sandbox process (``mtask.preflight_sandbox``) that has no MongoDB client, no publisher and no
+sandbox process (``mtask.steps.sandbox``) that has no MongoDB client, no publisher and no
 output but memory, and whose audit hook refuses I/O: opening a network connection, a DNS
 lookup, writing or removing a file, starting a process, sending a signal. A task whose handler
 tried one is reported ``unchecked`` (with what it tried), as is one that did not reach its
@@ -45,8 +45,8 @@ from bson.codec_options import CodecOptions
 from mtask.driver import Doc
 from mtask.errors import InvalidParams, MtaskError, RegistryNotFound
 from mtask.registry import Handler, Registry, TaskContext
-from mtask.spawn import ChildFailed
 from mtask.steps import RunSteps, SignalTimeout, StepError, StepMismatch, complete_now
+from mtask.steps.children import ChildFailed
 from mtask.store.parked import PAGE
 
 OUTCOMES = ("clean", "mismatch", "error", "unchecked")
@@ -381,7 +381,7 @@ def _sandbox(
 ) -> Iterator[tuple[subprocess.Popen[bytes], Iterator[Doc]]]:
     log = tempfile.TemporaryFile()  # noqa: SIM115 - closed below, once the sandbox ended
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mtask.preflight_sandbox", registry, str(timeout)],
+        [sys.executable, "-m", "mtask.steps.sandbox", registry, str(timeout)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=log,

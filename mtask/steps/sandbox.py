@@ -1,8 +1,8 @@
-"""The preflight's sandbox (issue 61): ``python -m mtask.preflight_sandbox REGISTRY TIMEOUT``.
+"""The preflight's sandbox (issue 61): ``python -m mtask.steps.sandbox REGISTRY TIMEOUT``.
 
 It imports the registry, says which names it has, then reads task documents (BSON) on its
 standard input and writes one verdict (BSON) per task on its standard output
-(``mtask.preflight``'s dry replay). It has no MongoDB client and needs none; once the registry
+(``mtask.steps.preflight``'s dry replay). It has no MongoDB client and needs none; once the registry
 is imported, an audit hook refuses the I/O a handler could do between its steps (``FORBIDDEN``,
 and opening a file to write), and a timer stops a replay that does not end within ``TIMEOUT``
 seconds. What a handler prints goes to standard error, never among the verdicts.
@@ -20,8 +20,8 @@ import bson
 from bson.codec_options import CodecOptions
 
 from mtask.errors import MtaskError
-from mtask.preflight import ForbiddenIo, Stuck, Verdict, alarm, replay, replay_now
 from mtask.registry import Registry, load_registry
+from mtask.steps.preflight import ForbiddenIo, Stuck, Verdict, alarm, replay, replay_now
 
 FORBIDDEN = frozenset(
     {

@@ -4,7 +4,7 @@
 ``ctx.emit(chunk)`` put what the handler says into the run's ``RunOutput``: a buffer, safe to
 call from any thread, that does no I/O. The worker's writer (``mtask.worker.running.output_writer``)
 takes what it holds a few times a second and writes it under the run's fence; readers follow it
-with ``mtask.streams``. docs/output.md has the whole story.
+with ``mtask.follow.streams``. docs/output.md has the whole story.
 
 Coalescing and caps are decided here:
 

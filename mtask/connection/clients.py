@@ -17,7 +17,7 @@ from bson.codec_options import CodecOptions
 from pymongo import AsyncMongoClient, MongoClient
 from pymongo.errors import ConfigurationError, InvalidURI
 
-from mtask import sockets
+from mtask.connection import sockets
 from mtask.errors import StorageError
 
 ENV_URI = "MTASK_MONGODB_URI"

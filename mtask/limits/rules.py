@@ -3,7 +3,7 @@ R claims per second.
 
 One document per limited name in the ``limits`` collection holds the limit and the name's
 state; a name may also limit each of its groups (``options.group``), whose state is a document
-of its own, made by the first claim that needs it (``mtask.slots``)::
+of its own, made by the first claim that needs it (``mtask.limits.slots``)::
 
     {_id: name, concurrency: N | null, rate: per second | null, burst: tokens | null,
      group_concurrency: N | null, group_rate: per second | null, group_burst: tokens | null,
@@ -475,9 +475,9 @@ workers' change streams (which look for ``LIMIT_FIELDS`` among an update's field
 it whatever the server says of the array's change, and carry no copy of the array."""
 
 HELD_UNTIL = "held_until"
-"""Until when a name's (or a resource's) document holds back its tasks (``mtask.backoff``)."""
+"""Until when a name's (or a resource's) document holds back its tasks (``mtask.limits.holds``)."""
 GROUP_HOLDS = "group_holds"
-"""A name's groups held back, each ``{group, until}`` (``mtask.backoff``)."""
+"""A name's groups held back, each ``{group, until}`` (``mtask.limits.holds``)."""
 
 LIMIT_FIELDS = (*CONFIG_FIELDS, OVERRIDES_AT, RESOURCE_USERS)
 """The fields of a name's document that say its limit: only ``set_limit`` (or a hand) writes
@@ -803,7 +803,7 @@ def restricts(doc: Mapping[str, Any]) -> bool:
 
 
 def has_holds(doc: Mapping[str, Any]) -> bool:
-    """Whether a back-off (``mtask.backoff``) ever held this document or a group of it: its
+    """Whether a back-off (``mtask.limits.holds``) ever held this document or a group of it: its
     tasks take its slot from then on, and the take decides whether the hold still holds."""
     holds = doc.get(GROUP_HOLDS)
     return isinstance(doc.get(HELD_UNTIL), dt.datetime) or (isinstance(holds, list) and bool(holds))

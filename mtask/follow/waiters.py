@@ -9,8 +9,8 @@ events that set a finished status (filtered on the server, projected to the docu
 event for a waited key makes the waiter re-read that document. Races: a wait registers itself,
 then makes sure the stream is open, THEN reads the document, so an outcome written before the
 read is seen by the read and one written after it arrives on the stream. The stream is reopened
-by ``mtask.events.follow`` at its resume token; whenever it is (re)opened -- resumed, or opened
-afresh after its history was lost or it was invalidated -- the waiter re-reads every waited
+by ``mtask.follow.events.follow`` at its resume token; whenever it is (re)opened -- resumed, or
+opened afresh after its history was lost or it was invalidated -- the waiter re-reads every waited
 document, so nothing is missed.
 """
 
@@ -30,7 +30,7 @@ from pymongo.synchronous.collection import Collection
 
 from mtask.driver import Doc
 from mtask.errors import TaskNotFound, WaitTimeout
-from mtask.events import FINISHED, Position, finish_pipeline, follow, sync_follow
+from mtask.follow.events import FINISHED, Position, finish_pipeline, follow, sync_follow
 
 _shared: weakref.WeakValueDictionary[tuple[str, int, str, str], Any] = weakref.WeakValueDictionary()
 _shared_lock = threading.Lock()

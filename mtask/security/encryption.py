@@ -6,7 +6,7 @@ A task asks for it by its publish (``publish(..., encrypt=True)``) or its name
 (``Encryption(..., names={"charge"})``). Its params are then stored as ``{MARK: <BinData
 subtype 6>}``: the whole params document encrypted with ``AEAD_AES_256_CBC_HMAC_SHA_512-Random``
 under the data key named ``ALT_NAME`` in the key vault (``<database>.mtask_keys``, beside the
-tasks, so a role of that database can read it: ``mtask.roles``). The data key is itself
+tasks, so a role of that database can read it: ``mtask.security.roles``). The data key is itself
 encrypted by the master key: a local 96-byte key file (``MTASK_ENCRYPTION_KEY_FILE``), or any
 KMS provider MongoDB's drivers support (``kms_providers``, ``master_key``: AWS, Azure, GCP,
 KMIP). A worker holding the key decrypts the params for the handler only, and encrypts the
@@ -125,7 +125,7 @@ class Encryption:
         names: Collection[str] = (),
     ) -> Encryption:
         """With a local master key file, the key vault ``<database>.mtask_keys``."""
-        from mtask.connection import sync_client
+        from mtask.connection.clients import sync_client
 
         key = read_key_file(key_file)
         mongo = sync_client(uri)
