@@ -59,8 +59,8 @@ def lazy_exports(
 
 
 _WHERE = {
-    "mtask.limits.batches": ("BatchItem",),  # issue 62
-    "mtask.limits.holds": ("BackOff",),  # issue 62
+    "mtask.limits.batches": ("BatchItem",),
+    "mtask.limits.holds": ("BackOff",),
     "mtask.client": ("AsyncTaskClient", "TaskClient"),
     "mtask.errors": (
         "EmbeddedUnavailable",
@@ -75,9 +75,9 @@ _WHERE = {
     "mtask.flows": ("Next",),
     "mtask.models": ("PublishResult", "Run", "RunState", "Task", "TaskOptions", "TaskStatus"),
     "mtask.registry": ("Fail", "Registry", "Retry", "TaskContext"),
-    "mtask.limits.snooze": ("Snooze",),  # issue 62
-    "mtask.steps.children": ("ChildFailed", "Spawn"),  # issue 61
-    "mtask.steps.policy": ("StepPolicy", "StepTimeout"),  # issue 61
+    "mtask.limits.snooze": ("Snooze",),
+    "mtask.steps.children": ("ChildFailed", "Spawn"),
+    "mtask.steps.policy": ("StepPolicy", "StepTimeout"),
     "mtask.worker": ("Worker",),
 }
 __getattr__, __dir__ = lazy_exports("mtask", _WHERE, globals())

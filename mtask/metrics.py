@@ -49,7 +49,7 @@ RETRIED = Counter(
     "mtask_runs_retried", "FAIL runs that left their task pending (retry budget)", ["name"]
 )
 SNOOZED = Counter(
-    "mtask_runs_snoozed", "Runs whose handler raised Snooze: no retry spent (issue 62)", ["name"]
+    "mtask_runs_snoozed", "Runs whose handler raised Snooze: no retry spent", ["name"]
 )
 LEASE_LOST = Counter("mtask_runs_lease_lost", "Runs stopped because another took over", ["name"])
 IN_FLIGHT = Gauge("mtask_runs_in_flight", "Runs in flight in this process")
@@ -71,7 +71,7 @@ CLAIM_LATENCY = Histogram(
 )
 BATCH_SIZE = Histogram(
     "mtask_batch_size",
-    "Tasks a batch handler was called with (issue 62)",
+    "Tasks a batch handler was called with",
     ["name"],
     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
 )
@@ -82,7 +82,7 @@ RUN_DURATION = Histogram(
     buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800),
 )
 
-# -- handler isolation and time limits (issue 18) --
+# -- handler isolation and time limits --
 POOL_CHILDREN = Gauge(
     "mtask_pool_children", "Child processes of the process pool by state", ["state"]
 )
@@ -106,7 +106,7 @@ TIME_LIMIT_KILLS = Counter(
 )
 
 
-# -- flow control (issue 62) --
+# -- flow control --
 LIMIT_SHED = Counter(
     "mtask_limit_shed",
     "Tasks a full lossy limit refused and this worker dropped or failed at once, per limit (a "

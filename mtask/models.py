@@ -166,7 +166,7 @@ class RunState(StrEnum):
     ended, the task is claimed again when the wait is over (docs/steps.md)."""
     SNOOZED = "SNOOZED"
     """The handler raised ``Snooze(seconds)``: the run ended without spending a retry, the
-    task is claimed again after those seconds (issue 62, ``mtask.limits.snooze``)."""
+    task is claimed again after those seconds (``mtask.limits.snooze``)."""
 
 
 class TaskOptions(BaseModel):
@@ -212,7 +212,7 @@ class TaskOptions(BaseModel):
     deadline: dt.datetime | None = Field(
         None,
         description="The whole task's deadline, across its runs, retries, sleeps and waits: "
-        "past it the task fails for good, saying so (issue 61).",
+        "past it the task fails for good, saying so.",
     )
 
     @field_validator("run_at", "deadline")
@@ -354,7 +354,7 @@ class Step(Stored):
     """A data wait's collection (``ctx.wait_until``; docs/triggers.md)."""
     transactional: bool | None = None
     tries: list[StepTry] = Field(default_factory=list)
-    # -- issue 61 --
+    # -- workflows --
     group: str | None = None
     """The ``ctx.gather`` it ran in (``gather#1``): its steps ran concurrently."""
     total: int | None = Field(None, ge=0)
@@ -394,11 +394,11 @@ class Waiting(Stored):
     nth: int | None = Field(None, ge=0)
     data: WaitingData | None = None
     children: str | None = None
-    """The step whose spawned children it waits for (issue 61)."""
+    """The step whose spawned children it waits for."""
 
 
 class Spawned(Stored):
-    """A parent's counter of the children its step spawned (issue 61, ``mtask.steps.children``): how
+    """A parent's counter of the children its step spawned (``mtask.steps.children``): how
     many, how many finished (``failed``: of them, how many for good), each one's bit."""
 
     step: str
@@ -426,7 +426,7 @@ document with (``mtask.store.complete``), from the one definition, ``TaskOptions
 
 
 class Debounce(Stored):
-    """A debounced publish's window (issue 62, ``mtask.store.debounce``): publishes of ``key``
+    """A debounced publish's window (``mtask.store.debounce``): publishes of ``key``
     collapse into this task while it is pending and never claimed."""
 
     key: str = Field(min_length=1, max_length=MAX_KEY_LENGTH)
@@ -481,7 +481,7 @@ class TaskDocument(BaseModel):
     updated_at: BsonDate
     finished_at: BsonDate | None = None
     expire_at: BsonDate | None = None
-    """When MongoDB's TTL monitor removes the finished task (issue 17: retention)."""
+    """When MongoDB's TTL monitor removes the finished task (retention)."""
     expire_held: bool | None = None
     """A finished flow parent whose removal waits for its open steps."""
     invalid_reason: str | None = None
@@ -514,19 +514,19 @@ class TaskDocument(BaseModel):
     waiting: Waiting | None = None
     """Set while the task waits (a sleep, a signal), cleared by its next run's step write."""
     spawned: Spawned | None = None
-    """Its newest ``spawn_and_wait``'s counter of children (issue 61)."""
+    """Its newest ``spawn_and_wait``'s counter of children."""
     spawn: SpawnedBy | None = None
-    """A spawned child's parent and place (issue 61); its ``parent`` field names it too."""
+    """A spawned child's parent and place; its ``parent`` field names it too."""
     snoozes: int | None = Field(None, ge=0)
-    """How many runs ended ``SNOOZED`` (``raise mtask.Snooze``, issue 62); absent until one
+    """How many runs ended ``SNOOZED`` (``raise mtask.Snooze``); absent until one
     does. Never reset: a snooze spends no retry, and the count says how often it was put off."""
     supersede: Literal["drop_newer", "cancel_queued", "cancel_running"] | None = None
-    """Published with a supersede policy (issue 62, ``store.supersede``): one open task of its
+    """Published with a supersede policy (``store.supersede``): one open task of its
     name and group among those that were (the unique ``supersede`` index)."""
     superseded_by: str | None = None
-    """The newer task whose publish cancelled this one (issue 62)."""
+    """The newer task whose publish cancelled this one."""
     debounce: Debounce | None = None
-    """A debounced publish's window (issue 62, ``store.debounce``)."""
+    """A debounced publish's window (``store.debounce``)."""
 
 
 class PublishedDocument(BaseModel):
@@ -649,17 +649,17 @@ class Task(BaseModel):
     waiting: Waiting | None = None
     """What the task waits for (a sleep's end, a signal), if it waits."""
     spawned: Spawned | None = None
-    """Its newest ``spawn_and_wait``'s children: how many, how many finished (issue 61)."""
+    """Its newest ``spawn_and_wait``'s children: how many, how many finished."""
     spawn: SpawnedBy | None = None
-    """A spawned child's parent, step and place (issue 61)."""
+    """A spawned child's parent, step and place."""
     snoozes: int | None = None
     """How many of its runs ended ``SNOOZED`` (``raise mtask.Snooze``; ``None``: none)."""
     supersede: str | None = None
-    """The supersede policy it was published with (issue 62), if any."""
+    """The supersede policy it was published with, if any."""
     superseded_by: str | None = None
-    """The newer task whose publish cancelled it (issue 62), if one did."""
+    """The newer task whose publish cancelled it, if one did."""
     debounce: Debounce | None = None
-    """Its debounce window (issue 62): the key, first and last publish, how many, the latest
+    """Its debounce window: the key, first and last publish, how many, the latest
     start."""
     missing: list[str] = Field(default_factory=list)
     """Fields every stored task document holds that this one lacks (a publisher's minimal
@@ -732,7 +732,7 @@ def _adapter(field: FieldInfo) -> TypeAdapter[Any]:
 @functools.cache
 def _field_adapter(name: str) -> TypeAdapter[Any]:
     """A top-level field's validator, made on its first read (a process that reads no task
-    makes none: issue 66, a worker's start-up)."""
+    makes none: a worker's start-up)."""
     return _adapter(TaskDocument.model_fields[name])
 
 
@@ -809,7 +809,7 @@ class PoolChildView(Stored):
 
 
 class PoolView(Stored):
-    """A worker's process pool (issue 18): children started, recycled (max tasks or memory),
+    """A worker's process pool: children started, recycled (max tasks or memory),
     killed (time limit, cancel, lost lease, stop), died on their own, runs ended by their hard
     time limit or memory limit, and the live children."""
 
@@ -821,7 +821,7 @@ class PoolView(Stored):
     died: int = 0
     time_limit_kills: int = 0
     memory_kills: int = 0
-    """Children killed for passing ``memory_limit_per_child`` (issue 27)."""
+    """Children killed for passing ``memory_limit_per_child``."""
     max_tasks_per_child: int | None = None
     max_memory_per_child: int | None = None
     memory_limit_per_child: int | None = None
@@ -899,9 +899,9 @@ class PublishResult(BaseModel):
     updated: bool = False
     task: Task
     superseded: list[str] = Field(default_factory=list)
-    """Issue 62: the older tasks this publish cancelled (``supersede``)."""
+    """The older tasks this publish cancelled (``supersede``)."""
     dropped: bool = False
-    """Issue 62: not stored, an older task kept its place (``supersede="drop_newer"``);
+    """Not stored, an older task kept its place (``supersede="drop_newer"``);
     ``task`` is that older task."""
 
 
@@ -1036,7 +1036,7 @@ class NewTask(BaseModel):
     depends_on: tuple[str, ...] = ()
     """Claimable only once every one of these tasks succeeded; failed if one fails for good."""
     spawn: dict[str, Any] | None = None
-    """A spawned child's ``{parent, step, index}`` (issue 61, ``mtask.steps.children``)."""
+    """A spawned child's ``{parent, step, index}`` (``mtask.steps.children``)."""
 
     @classmethod
     def build(

@@ -190,7 +190,7 @@ class TaskContext:
         self.check_lease()
         return self.journal.step_sync_at(caller(), name, fn, args, kwargs, policy=policy)
 
-    # -- issue 61: parallel steps, children, values decided once, patches ----------------------
+    # -- parallel steps, children, values decided once, patches ----------------------
 
     async def gather(self, *branches: Awaitable[Any], name: str | None = None) -> list[Any]:
         """Run steps concurrently (``ctx.gather(ctx.step("a", …), ctx.step("b", …))``): each is
@@ -346,7 +346,7 @@ class Handler:
     params_model: type[BaseModel] | None
     wants_context: bool
     transactional: bool = False
-    # -- handler declarations (issue 18) --
+    # -- handler declarations --
     options: Mapping[str, Any] = field(default_factory=dict)
     """Options a publish of this name gets when it does not give them (explicitly set fields
     of the declared ``TaskOptions`` only)."""
@@ -358,11 +358,11 @@ class Handler:
     soft_time_limit: float | None = None
     """Soft limit in seconds: ``ctx.cancelled`` is set, the handler may still end on its own."""
     batch: int | None = None
-    """Issue 62: a batch handler's most tasks per call (``mtask.limits.batches``); ``None``: one."""
+    """A batch handler's most tasks per call (``mtask.limits.batches``); ``None``: one."""
     batch_timeout: float = DEFAULT_BATCH_TIMEOUT
-    """Issue 62: the longest the first task of a batch waits for the batch to fill."""
+    """The longest the first task of a batch waits for the batch to fill."""
     uses: tuple[str, ...] = ()
-    """The shared resources its runs take a slot of (``set_limit(resource=…)``, issue 62)."""
+    """The shared resources its runs take a slot of (``set_limit(resource=…)``)."""
     units: int = 1
     """How many units of each limit its runs take (their concurrency and their rate's tokens)."""
 
@@ -479,7 +479,7 @@ class Registry:
         name: str | None = None,
         *,
         transactional: bool = False,
-        # -- handler declarations (issue 18) --
+        # -- handler declarations --
         options: TaskOptions | Mapping[str, Any] | None = None,
         isolation: Isolation | None = None,
         time_limit: float | None = None,
@@ -500,7 +500,7 @@ class Registry:
         resource with no limit set limits nothing. ``units``: how many units of each limit a
         run takes (a costly call: 5 of a resource's 10 at once, 5 of its tokens). ``batch``:
         the handler takes a list of up to that many ``BatchItem`` and answers one entry each
-        (issue 62, ``mtask.limits.batches``), called once the batch is full or ``batch_timeout``
+        (``mtask.limits.batches``), called once the batch is full or ``batch_timeout``
         seconds after its first task (default 1; only with ``batch``)."""
         declared = _declarations(options, isolation, time_limit, soft_time_limit)
         resources = _resources(uses, units)

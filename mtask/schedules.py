@@ -17,7 +17,7 @@ Ticks missed while no worker ran are handled by ``catch_up``: ``"all"`` publishe
 (up to ``MAX_TICKS_PER_PASS`` at a time), ``"latest"`` (the default) only the most recent one,
 ``"none"`` none of them — a tick is published only if it is at most ``misfire_grace_s`` old.
 
-A tick whose previous task is still open (pending or running) follows ``overlap`` (issue 62):
+A tick whose previous task is still open (pending or running) follows ``overlap``:
 ``"all"`` (the default) publishes it anyway; ``"skip"`` publishes nothing and counts it in
 ``skipped``; ``"buffer"`` keeps the newest such tick in ``buffered_tick`` (one at most: the
 ticks it replaces count as skipped) and publishes it once the previous task has finished,
@@ -214,7 +214,7 @@ class Schedule(BaseModel):
 
     def trigger(self, start: dt.datetime) -> BaseTrigger:
         # APScheduler's triggers (and tzlocal) are imported by the first schedule, not by every
-        # process that imports the registry (a worker's start-up, issue 66)
+        # process that imports the registry (a worker's start-up)
         from apscheduler.triggers.cron import CronTrigger
         from apscheduler.triggers.interval import IntervalTrigger
 
@@ -234,7 +234,7 @@ class Schedule(BaseModel):
 
     def definition(self) -> str:
         """A hash of everything that decides the ticks and the tasks."""
-        # the default overlap leaves the hash as it was before overlap existed (issue 62), so
+        # the default overlap leaves the hash as it was before overlap existed, so
         # an upgrade does not count as every schedule's change
         text = json.dumps(
             self.model_dump(mode="json", exclude={"overlap"} if self.overlap == "all" else None),
@@ -453,7 +453,7 @@ def fire(doc: Mapping[str, Any], now: dt.datetime) -> Op[int]:
         )
         start = doc["start"]
         trigger = schedule.trigger(start)
-        if schedule.overlap != "all":  # issue 62
+        if schedule.overlap != "all":
             return (yield from _fire_overlapping(doc, schedule, trigger, now))
         ticks, following = plan(schedule, trigger, doc["next_tick_at"], now)
         tasks = [
@@ -472,7 +472,7 @@ def fire(doc: Mapping[str, Any], now: dt.datetime) -> Op[int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Overlap (issue 62): skip or buffer a tick while the previous task is open
+# Overlap: skip or buffer a tick while the previous task is open
 # ---------------------------------------------------------------------------------------------
 
 

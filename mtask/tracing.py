@@ -21,7 +21,7 @@ application sets a tracer provider; it then delegates to that provider."""
 def _api() -> ModuleType | None:
     """OpenTelemetry's trace API once a tracer provider can be set: the application loaded it
     (``set_tracer_provider`` is in it), or ``OTEL_PYTHON_TRACER_PROVIDER`` names a provider (the
-    API loads it on first use); else None, and nothing is imported (issue 66: ~5 ms of every
+    API loads it on first use); else None, and nothing is imported (~5 ms of every
     worker's start-up)."""
     loaded = sys.modules.get("opentelemetry.trace")
     if loaded is not None or "OTEL_PYTHON_TRACER_PROVIDER" not in os.environ:
@@ -55,7 +55,7 @@ def span(span_name: str, /, **attributes: Any) -> Iterator[None]:
         yield
 
 
-# -- messaging spans and the trace context stored in the task (issue 14) ---------------------
+# -- messaging spans and the trace context stored in the task ---------------------
 
 MESSAGING_SYSTEM = "mtask"
 """``messaging.system``: no registered value fits (the broker is MongoDB, but the protocol is

@@ -91,7 +91,7 @@ MODULE_COMMANDS = {
     "collection": ("collection",),
 }
 """The commands each module registers: ``main`` imports and builds the module of the command
-it is given alone (``mtask get``: ``tasks``; issue 66, the command line's start-up). Written
+it is given alone (``mtask get``: ``tasks``; the command line's start-up). Written
 from the parsers and kept true by ``tests/unit/test_lazy_imports.py``; a command missing here
 still runs, with every module's parser."""
 _MODULE_OF = {command: module for module, names in MODULE_COMMANDS.items() for command in names}
@@ -100,8 +100,8 @@ _MODULE_OF = {command: module for module, names in MODULE_COMMANDS.items() for c
 def command_modules(command: str | None = None) -> list[CommandModule]:
     """The command modules, in the order of ``mtask --help``: (register, run) each; with a
     ``command`` that ``MODULE_COMMANDS`` places, its module alone. Imported when the parser is
-    built, not with this package: ``mtask-worker`` loads ``mtask.cli.worker`` alone (issue 66:
-    a worker's start-up)."""
+    built, not with this package: ``mtask-worker`` loads ``mtask.cli.worker`` alone (a
+    worker's start-up)."""
     if command in _MODULE_OF:
         module = importlib.import_module(f"mtask.cli.{_MODULE_OF[command]}")
         return [(module.register, module.run)]
@@ -123,13 +123,13 @@ def command_modules(command: str | None = None) -> list[CommandModule]:
 
     return [
         (tasks.register, tasks.run),
-        (wait.register, wait.run),  # issue 14: mtask wait
-        (logs.register, logs.run),  # issue 31: mtask logs
-        (signal.register, signal.run),  # issue 30: mtask signal
-        (step.register, step.run),  # issue 65: mtask step reset
+        (wait.register, wait.run),  # mtask wait
+        (logs.register, logs.run),  # mtask logs
+        (signal.register, signal.run),  # mtask signal
+        (step.register, step.run),  # mtask step reset
         (worker.register, worker.run),
         (scheduling.register, scheduling.run),
-        (triggers.register, triggers.run),  # issue 63: mtask triggers
+        (triggers.register, triggers.run),  # mtask triggers
         (retention.register, retention.run),
         (live.register, live.run),
         (server.register, server.run),
@@ -201,7 +201,7 @@ def exit_unhindered() -> None:
     """Once a command has ended (its clients closed), its process exits without PyMongo's
     exit hook, which joins each of the driver's monitor threads: daemon threads that sleep
     half a second at a time and notice the close only when they wake, so the hook added up
-    to 0.5 s to every command (issue 66; measured with ``bench/startup.py``). Every other
+    to 0.5 s to every command (measured with ``bench/startup.py``). Every other
     exit hook runs (logging, an OpenTelemetry SDK's export). Nor do the collector's last passes
     walk everything the process loaded (its modules, pydantic's validators): it is frozen
     (``gc.freeze``), and the interpreter's final collections skip it (they were about a sixth

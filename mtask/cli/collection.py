@@ -1,5 +1,5 @@
 """``mtask collection``: set up the tasks collection (indexes, the optional ``$jsonSchema``
-validator) and print the task document's JSON Schemas (``mtask.jsonschema``, issue 14)."""
+validator) and print the task document's JSON Schemas (``mtask.jsonschema``)."""
 
 from __future__ import annotations
 

@@ -373,7 +373,7 @@ def _schedule_add(client: Any, args: argparse.Namespace) -> int:
 
 
 def _overlap(doc: dict[str, Any]) -> str:
-    """A schedule's overlap policy, and what it skipped or holds (issue 62)."""
+    """A schedule's overlap policy, and what it skipped or holds."""
     said = str(doc.get("overlap") or "all")
     if doc.get("skipped"):
         said += f", {doc['skipped']} skipped"

@@ -1,5 +1,5 @@
 """``mtask step`` (also ``mtask steps``): a task's durable steps changed from outside
-(docs/steps.md), and the preflight of changed handlers (issue 61).
+(docs/steps.md), and the preflight of changed handlers.
 
 - ``mtask step reset KEY STEP``: STEP and every step after it are removed from the task's
   journal, so the next run calls them again; a wait removed this way takes the next signal of

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from mtask.store.counts import Counts
 
 # What the commands show (models, states, wording, tracebacks) is imported by the handler that
-# shows it: building the parser (`mtask --help`) imports none of it (issue 66).
+# shows it: building the parser (`mtask --help`) imports none of it.
 
 BATCH = 1000
 
@@ -122,7 +122,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
         )
     else:
         what = "created" if result.created else ("updated" if result.updated else "exists")
-        if result.dropped:  # issue 62: an older task kept its place
+        if result.dropped:  # an older task kept its place
             what = f"dropped: {args.key}; kept"
         out.print(
             f"{what}: {result.task.key} ({result.task.name}, {result.task.status})", markup=False
@@ -193,7 +193,7 @@ def _header_rows(task: Task, said: Explained, now: dt.datetime) -> list[tuple[st
     if task.attempts is None:  # a hand-written document without its counts: say so
         attempt = f"- (successes {_count(task.successes)}, failures {_count(task.failures)})"
     rows.append(("attempt", attempt))
-    if task.snoozes:  # issue 62: runs put off by Snooze, no retry spent
+    if task.snoozes:  # runs put off by Snooze, no retry spent
         rows.append(("snoozed", f"{task.snoozes} time{'s' if task.snoozes != 1 else ''}"))
     rows.append(("created", created))
     next_time = timing(task, said)
@@ -293,17 +293,17 @@ def _deadline(at: dt.datetime | None) -> str:
 
 
 def _waiting_rows(task: Task) -> list[tuple[str, str]]:
-    """Issue 30: what a waiting task waits for, and the signals it was sent."""
+    """What a waiting task waits for, and the signals it was sent."""
     from mtask.models import TaskStatus, bson_json
 
     rows = []
     w = task.waiting
     if w is not None and task.status == TaskStatus.PENDING:
         what = f"signal {w.signal!r}, {_deadline(w.until)}" if w.signal else f"{_deadline(w.until)}"
-        if w.data is not None:  # issue 63: a wait on data (ctx.wait_until)
+        if w.data is not None:  # a wait on data (ctx.wait_until)
             shown = json.dumps(bson_json(w.data.filter))
             what = f"{w.data.collection} {shown}, {_deadline(w.until)}"
-        if w.children is not None:  # issue 61: its children, holding no slot
+        if w.children is not None:  # its children, holding no slot
             what = "its children (they hold the slot, not it)"
         rows.append(("waiting", f"{what} (step {w.index + 1}: {w.step or '-'})"))
     if task.signals:
@@ -314,9 +314,9 @@ def _waiting_rows(task: Task) -> list[tuple[str, str]]:
 
 
 def steps_table(task: Task) -> Any:
-    """Issue 30: one row per durable step, in the handler's order; a step's earlier tries
+    """One row per durable step, in the handler's order; a step's earlier tries
     as a count of failures with the newest error. A sleep's or a wait's time is how long it
-    slept or waited, not its call's (issue 65)."""
+    slept or waited, not its call's."""
     from rich.table import Table
 
     table = Table("#", "step", "kind", "state", "tries", "took", "started", "detail")
@@ -373,7 +373,7 @@ def _step_detail(step: Any) -> str:
 
 
 def _workflow_detail(step: Any) -> list[str]:
-    """Issue 61: a parallel step's gather, a spawn's children, a patch marker's branch, a
+    """A parallel step's gather, a spawn's children, a patch marker's branch, a
     value decided once."""
     detail = [f"parallel ({step.group})"] if step.group else []
     if step.kind == "children":
@@ -388,7 +388,7 @@ def _workflow_detail(step: Any) -> list[str]:
 
 
 def _progress_rows(task: Task) -> list[tuple[str, str]]:
-    """Issue 31: the newest progress, and where the output is."""
+    """The newest progress, and where the output is."""
     rows = []
     if task.progress is not None:
         p = task.progress
@@ -409,9 +409,9 @@ def _output_cell(counts: OutputCounts | None) -> str:
 
 def _flow_rows(task: Task) -> list[tuple[str, str]]:
     rows = [("invalid", task.invalid_reason)] if task.invalid_reason else []
-    rows += [("problem", p) for p in task.problems]  # issue 14: what is wrong where
+    rows += [("problem", p) for p in task.problems]  # what is wrong where
     if task.parent:
-        spawn = task.spawn  # issue 61: a spawned child says by which step, and its place
+        spawn = task.spawn  # a spawned child says by which step, and its place
         by = f" (spawned by step {spawn.step}, child {spawn.index + 1})" if spawn else ""
         rows.append(("parent", task.parent + by))
     if task.children:
@@ -593,7 +593,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_retry(args: argparse.Namespace) -> int:
     if getattr(args, "from_step", None) is None:
         return _act(args, "retry", "pending again")
-    if args.key is None:  # issue 61: run one task again from a step
+    if args.key is None:  # run one task again from a step
         raise UsageError("--from-step applies to one task: give its KEY, not a filter")
     with task_client(args) as client:
         task = client.retry(_one_key(args), from_step=args.from_step)
@@ -859,7 +859,7 @@ def register(sub: Any) -> None:
         add_common(p)
         p.add_argument("key", nargs="?", help="the task's key (or a filter below)")
         bulk.add_filters(p)
-        if name == "retry":  # issue 61
+        if name == "retry":
             p.add_argument(
                 "--from-step",
                 metavar="NAME",

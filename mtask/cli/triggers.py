@@ -24,7 +24,7 @@ def state_text(doc: dict[str, Any]) -> str:
 
 
 def label_of(doc: dict[str, Any]) -> str:
-    from mtask.triggers import follower_label  # the parser loads no model (issue 66)
+    from mtask.triggers import follower_label  # the parser loads no model
 
     return follower_label(doc.get("kind"), doc.get("name"))
 

@@ -160,7 +160,7 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         "claim queue (held by one of them, chosen through MongoDB), and each task goes to one "
         "worker; own: each its own",
     )
-    # -- handler isolation (issue 18) --
+    # -- handler isolation --
     p.add_argument(
         "--pool",
         choices=["thread", "process"],
@@ -351,7 +351,7 @@ def build_worker(args: argparse.Namespace) -> Worker:
 def lasting() -> Iterator[None]:
     """What is made inside (the modules imported, the registry, the worker's parts) lives as
     long as the process: the collector does not walk it while it grows (its passes were a
-    tenth of a start-up's imports, issue 66), and it is frozen once made (``gc.freeze``), so no
+    tenth of a start-up's imports), and it is frozen once made (``gc.freeze``), so no
     later full collection walks it either. The collector is on again after, whatever
     happened."""
     enabled = gc.isenabled()

@@ -126,7 +126,7 @@ def _count_created(by_name: Mapping[str, int], session: Any = None) -> None:
 
 
 def _count_debounced(name: str, session: Any) -> None:
-    """Count a publish that joined an open debounce window (issue 62); inside a transaction,
+    """Count a publish that joined an open debounce window; inside a transaction,
     once it has committed."""
     from mtask import metrics
 
@@ -134,7 +134,7 @@ def _count_debounced(name: str, session: Any) -> None:
 
 
 def _count_superseded(name: str, kept: supersede_store.Superseding, session: Any) -> None:
-    """Count what a publish's supersede policy did (issue 62): the older tasks it cancelled, or
+    """Count what a publish's supersede policy did: the older tasks it cancelled, or
     the newer one dropped; inside a transaction, once it has committed."""
     if not (kept.superseded or kept.dropped):
         return
@@ -198,7 +198,7 @@ class Publishing:
             if delay is not None or policy is not None:
                 raise InvalidTask("cannot be used with delay or supersede", field="debounce")
         now = self.core.clock.now()
-        if self.core.registry is not None:  # handler defaults (issue 18)
+        if self.core.registry is not None:  # handler defaults
             options = self.core.registry.options_for(name, options)
         task = build_task(
             name,
@@ -215,13 +215,13 @@ class Publishing:
 
         known = yield from self._retention_defaults()
         with tracing.publish_span(task.name, task.key) as trace:
-            if quiet is not None:  # issue 62
+            if quiet is not None:
                 window = yield from debounce_store.publish(task, quiet, now, trace, known)
                 _count_created({task.name: 1} if window.created else {}, session)
                 if not window.created:
                     _count_debounced(task.name, session)
                 return _result(store.Published(window.created, not window.created, window.document))
-            if policy is not None:  # issue 62
+            if policy is not None:
                 kept = yield from supersede_store.publish_task(task, policy, now, trace, known)
                 _count_created({task.name: 1} if kept.created else {}, session)
                 _count_superseded(task.name, kept, session)

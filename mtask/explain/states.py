@@ -1,4 +1,4 @@
-"""A task's derived state, and why it is not running (issue 65): one pure function, ``explain``.
+"""A task's derived state, and why it is not running: one pure function, ``explain``.
 
 The stored ``status`` says where a task is in the state machine (docs/design.md); it does not
 say why a ``pending`` task does not run. ``explain`` reads that from the document and from the
@@ -8,13 +8,13 @@ gives one ``State`` with the ``why`` behind it and a sentence with its facts:
 
 =============  =================================================================================
 ``scheduled``  not due yet: a delayed start (``run_at``, ``delay``), or an open ``debounce``
-               window (issue 62)
+               window
 ``available``  due, nothing in its way: the next free worker of its name claims it
 ``running``    a run holds it (``why`` ``lease_ended``: its lease ran out, a worker takes it over)
 ``retrying``   a run failed; the next try waits for its backoff
 ``waiting``    for a ``signal``, a ``sleep``'s end, the tasks it depends on (``dependencies``),
-               the ``children`` it spawned (issue 61), or the end of a ``snoozed`` run's
-               ``Snooze`` (issue 62)
+               the ``children`` it spawned, or the end of a ``snoozed`` run's
+               ``Snooze``
 ``blocked``    due, but its ``group`` (a sequence's lock, a group limit), a ``limit`` of its
                name, its name ``paused``, or ``no_worker`` (no live worker handles its name)
                keeps it from being claimed
@@ -253,7 +253,7 @@ def _later(task: Task, due: dt.datetime, now: dt.datetime) -> Explained:
             f"{failed}; {attempt_text(task)} at {when(due)} ({relative(due, now)})",
         )
     window = task.debounce
-    if window is not None and task.attempts == 0:  # issue 62: a debounce window still open
+    if window is not None and task.attempts == 0:  # a debounce window still open
         most = f"; at the latest {when(window.max_at)}" if window.max_at is not None else ""
         return Explained(
             State.SCHEDULED,
@@ -266,7 +266,7 @@ def _later(task: Task, due: dt.datetime, now: dt.datetime) -> Explained:
 
 
 def snoozed(task: Task) -> bool:
-    """Whether the task's newest ended run was snoozed (``raise mtask.Snooze``, issue 62)."""
+    """Whether the task's newest ended run was snoozed (``raise mtask.Snooze``)."""
     ended = [r for r in task.runs if r.state is not RunState.RUNNING]
     return bool(ended) and ended[-1].state is RunState.SNOOZED
 
@@ -283,7 +283,7 @@ def _snoozed(task: Task, due: dt.datetime, now: dt.datetime) -> str:
 
 
 def _children(task: Task, step: str) -> str:
-    """What a parent waiting for its children (issue 61) says: how many finished."""
+    """What a parent waiting for its children says: how many finished."""
     spawned = task.spawned
     if spawned is None:
         return f"waiting for its children ({step}), holding no slot"

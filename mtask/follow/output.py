@@ -245,7 +245,7 @@ class RunOutput:
     def release(self, held: list[Any]) -> None:
         """What a durable step's function said (``holding``), now that the step's record is
         written: a step replayed from its record says nothing again, and one called again
-        after a crash says what its new call said (issue 61)."""
+        after a crash says what its new call said."""
 
         def put() -> None:
             for entry, count in held:

@@ -1,4 +1,4 @@
-"""Batch handlers (issue 62): ``@registry.task("index", batch=100, batch_timeout=1.0)`` receives
+"""Batch handlers: ``@registry.task("index", batch=100, batch_timeout=1.0)`` receives
 up to ``batch`` claimed tasks of its name in one call (pure: the item, the declaration's checks,
 and how a call's answer is read back item by item).
 

@@ -1,4 +1,4 @@
-"""Back-off from inside a handler (issue 62): ``raise mtask.BackOff(group=True, seconds=30)``
+"""Back-off from inside a handler: ``raise mtask.BackOff(group=True, seconds=30)``
 after an HTTP 429 holds the run's group (or its name, or a shared resource) for that long.
 
 The run is released without spending a retry (RELEASED, as a run given back; its task due once

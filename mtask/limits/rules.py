@@ -202,7 +202,7 @@ name's and group's document)."""
 
 
 def resource_slot(resource: str) -> str:
-    """The ``_id`` of the limit document of the shared resource ``resource`` (issue 62)."""
+    """The ``_id`` of the limit document of the shared resource ``resource``."""
     return RESOURCE_PREFIX + resource
 
 
@@ -338,7 +338,7 @@ def set_resource_limit(
     overflow: str | None = None,
     names: Sequence[str] | None = None,
 ) -> Op[Doc]:
-    """Create or change the limit of the shared resource ``resource`` (issue 62): every task
+    """Create or change the limit of the shared resource ``resource``: every task
     whose name uses it (``@registry.task(uses=[...])``, or ``names`` here) takes a slot of it
     too, exactly as of a name's own limit, in the same bulk write. A resource has no groups.
     ``names``: its declared users from now on (``None``: as they were)."""
@@ -588,7 +588,7 @@ def _slot_wait(doc: Doc, now: dt.datetime) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-group overrides and weights (issue 62)
+# Per-group overrides and weights
 # ---------------------------------------------------------------------------------------------
 
 MAX_OVERRIDES = 10_000

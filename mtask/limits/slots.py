@@ -100,7 +100,7 @@ class Request:
     """A name's request only: the run's group, which a back-off may hold in the name's document
     (``mtask.limits.holds``)."""
     units: int = 1
-    """How many units of the limit the run takes (``@registry.task(units=…)``, issue 62): of its
+    """How many units of the limit the run takes (``@registry.task(units=…)``): of its
     runs at once and of its tokens."""
 
 

@@ -1,5 +1,5 @@
 """``raise mtask.Snooze(seconds)``: a handler's request to run its task again later without
-spending a try of its retry budget (issue 62, pure).
+spending a try of its retry budget (pure).
 
 A snoozed run ends ``SNOOZED``: its task is pending again, claimable ``seconds`` after the
 outcome's write on the server's clock (``store.outcomes``), its ``failures`` untouched and its

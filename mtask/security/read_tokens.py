@@ -11,7 +11,7 @@ every token at once; a single token cannot be revoked before it expires (keep tt
 Scopes (``Scope.covers``): ``task`` one key; ``group`` every task of one name and group
 (``options.group``); ``tree`` a task and its children — today those whose ``parent`` is it
 (its flow's next steps) or which depend on it (``depends_on``). A child spawned by its parent
-(issue 61) that records its ``parent`` is covered as it is; another relation is one more line
+ that records its ``parent`` is covered as it is; another relation is one more line
 in ``covers``. A token that names a kind this version does not know is refused.
 """
 

@@ -31,7 +31,7 @@ passed (``SignalTimeout``, recorded, so a replay raises it again); a ``wait_unti
 once a ``find`` with its predicate returns the document (MongoDB decides, at the wait and at
 each wake-up) or its timeout passed (``ConditionTimeout``, recorded likewise).
 
-Issue 61 adds, each through the same ``StepStore``: parallel steps (``Group``, recorded by
+Workflows add, each through the same ``StepStore``: parallel steps (``Group``, recorded by
 name: ``StepStore.record_named``; ``mtask.steps.parallel`` runs the branches); a step's own policy
 (``mtask.steps.policy``: ``_Pause`` between tries, ``StepTimeout``); values decided once and
 patch markers (``value``, ``patched``: entries decided without I/O, ``pending`` until the next
@@ -80,7 +80,7 @@ if TYPE_CHECKING:
     from mtask.steps.waits import MAX_WAIT_IDS, REFUSED_OPERATORS, Suspended, Wait, Waits, wait_ids
 
 # The engine's parts, imported on first use of one of their names (``rules`` above is what a
-# reader of stored steps needs: ``mtask get`` loads no engine; issue 66, its start-up).
+# reader of stored steps needs: ``mtask get`` loads no engine; its start-up).
 _WHERE = {
     "mtask.steps.calls": ("Calls",),
     "mtask.steps.groups": ("_GROUP", "Group", "close_group", "open_group"),

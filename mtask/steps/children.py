@@ -1,4 +1,4 @@
-"""Children spawned and awaited without a slot (issue 61):
+"""Children spawned and awaited without a slot:
 ``results = await ctx.spawn_and_wait([Spawn("resize", {"image": i}) for i in images])``.
 
 The spawn is a durable step of kind ``children``. Its first run records the step (``waiting``,

@@ -1,4 +1,4 @@
-"""Parallel steps' place in the journal (issue 61; ``mtask.steps.parallel`` runs the branches): the
+"""Parallel steps' place in the journal (``mtask.steps.parallel`` runs the branches): the
 steps begun in one ``ctx.gather`` are one place in the task's order, matched among themselves by
 name, in any order, and recorded by name as each ends (``StepStore.record_named``)."""
 

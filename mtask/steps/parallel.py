@@ -1,4 +1,4 @@
-"""Parallel durable steps (issue 61): ``await ctx.gather(ctx.step("a", …), ctx.step("b", …))``.
+"""Parallel durable steps: ``await ctx.gather(ctx.step("a", …), ctx.step("b", …))``.
 
 The steps of one gather run concurrently: each is recorded under its own name as it ends (in
 whatever order they end), and a later run of the task matches them by name, in any order

@@ -1,4 +1,4 @@
-"""A durable step's own policy (issue 61): its retries with a backoff, and its time limit, spent
+"""A durable step's own policy: its retries with a backoff, and its time limit, spent
 in place by the run that calls it, without the task's retry budget.
 
 ``await ctx.step("fetch", fetch, url, policy=StepPolicy(retries=3, backoff=0.5, timeout=10))``

@@ -1,4 +1,4 @@
-"""Preflight (issue 61): before a deploy, which parked tasks the new handlers would replay
+"""Preflight: before a deploy, which parked tasks the new handlers would replay
 cleanly and which would mismatch, and at which step: ``mtask step check app:registry``.
 
 A parked task is a pending one with a journal (sleeping, waiting for a signal or children, or

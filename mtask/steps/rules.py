@@ -27,7 +27,7 @@ MAX_TRIES_KEPT = 10
 NEVER = dt.datetime(9999, 1, 1, tzinfo=dt.UTC)
 """``available_at`` of a task waiting for a signal without a timeout."""
 KINDS: tuple[str, ...] = ("call", "sleep", "signal", "data")
-# issue 61: children spawned and awaited, a recorded value (ctx.now, ctx.uuid), a patch marker
+# children spawned and awaited, a recorded value (ctx.now, ctx.uuid), a patch marker
 KINDS += ("children", "value", "patch")
 STATES = ("done", "failed", "waiting", "timed_out")
 

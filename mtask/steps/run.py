@@ -188,7 +188,7 @@ class RunSteps:
     ) -> Any:
         return self.run_plan_sync(self.waits.wait_until(collection, predicate, timeout, name))
 
-    # -- gathers, values decided once, patches (issue 61) --------------------------------------
+    # -- gathers, values decided once, patches --------------------------------------
 
     def numbered(self, name: str, site: Any) -> str:
         return self.journal.numbered(name, site)

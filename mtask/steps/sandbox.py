@@ -1,4 +1,4 @@
-"""The preflight's sandbox (issue 61): ``python -m mtask.steps.sandbox REGISTRY TIMEOUT``.
+"""The preflight's sandbox: ``python -m mtask.steps.sandbox REGISTRY TIMEOUT``.
 
 It imports the registry, says which names it has, then reads task documents (BSON) on its
 standard input and writes one verdict (BSON) per task on its standard output

@@ -54,7 +54,7 @@ class StepStore(Protocol):
         transaction; returns the result."""
         ...
 
-    # -- issue 61 -------------------------------------------------------------------------------
+    # -- workflows ------------------------------------------------------------------------------
 
     async def record_named(self, entry: Doc, prior: Doc | None) -> None:
         """Write a parallel step's ``entry`` by its name (``ctx.gather``): a new last entry if
@@ -99,7 +99,7 @@ class MemorySteps:
         self.announced: list[Doc] = []
         """The waits announced (``holds`` with ``waiting``), oldest first."""
         self.tasks: dict[str, Doc] = {}
-        """The children spawned (issue 61), by key: ``finish`` ends one, as its worker would."""
+        """The children spawned, by key: ``finish`` ends one, as its worker would."""
 
     def now(self) -> dt.datetime:
         return self.clock()

@@ -1,4 +1,4 @@
-"""Steps decided without I/O (issue 61): a value decided once (``ctx.now``, ``ctx.uuid``) and a
+"""Steps decided without I/O: a value decided once (``ctx.now``, ``ctx.uuid``) and a
 patch marker (``ctx.patched``, ``ctx.deprecate_patch``). Each is given back as recorded on
 replay; a new one is ``pending`` in the journal, written before the next step begins."""
 

@@ -88,7 +88,7 @@ class Wait:
     nth: int = 0
     data: Doc | None = None
     children: str | None = None
-    """Issue 61: the step whose spawned children it waits for (``mtask.steps.children``)."""
+    """The step whose spawned children it waits for (``mtask.steps.children``)."""
 
     def to_document(self) -> Doc:
         step = self.entry["name"] if self.entry else None

@@ -161,7 +161,7 @@ def apply(action: Action, where: Filter, now: dt.datetime, dry_run: bool) -> Op[
     docs = yield Call(
         "find", (filt, {"_id": 1}), {"sort": [("_id", ASCENDING)], "limit": MAX_PER_CALL}
     )
-    one = tasks.retry if action == "retry" else children.cancel_tree  # children: issue 61
+    one = tasks.retry if action == "retry" else children.cancel_tree  # and its children
     changed = 0
     for doc in docs:
         try:

@@ -1,4 +1,4 @@
-"""Children spawned and awaited without a slot, in MongoDB (issue 61; ``mtask.steps.children`` has
+"""Children spawned and awaited without a slot, in MongoDB (``mtask.steps.children`` has
 the story): the spawn (the parent's step and counter in one fenced update, then the children
 published), each child counted on its parent once, the wake-up, the results read once, the
 sweep that makes a lost wake-up impossible, and the cancel that reaches the open children.
@@ -250,7 +250,7 @@ def cancel_tree(key: str, now: dt.datetime) -> Op[Doc]:
     """Cancel an open task (``store.tasks.cancel``) and, if it spawned children, its open
     children and theirs: one client's cancel, or each of a bulk cancel's tasks."""
     doc: Doc = yield from cancel(key, now)
-    if doc.get("spawned") is not None:  # issue 61: its children are not awaited any more
+    if doc.get("spawned") is not None:  # its children are not awaited any more
         yield from cancel_children(key, now)
     return doc
 

@@ -195,7 +195,7 @@ def completion_stages() -> list[Doc]:
                 "error": {"$ifNull": ["$error", None]},
                 "created_at": {"$ifNull": ["$created_at", NOW]},
                 "finished_at": None,
-                # issue 62: only mtask's publish takes a supersede place (store.supersede) or
+                # only mtask's publish takes a supersede place (store.supersede) or
                 # opens a debounce window (store.debounce); a
                 # minimal document completed into an open one never does (the unique index
                 # would refuse the whole completion)

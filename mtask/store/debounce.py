@@ -1,4 +1,4 @@
-"""Debounce (issue 62): publishes of one key within a quiet period collapse into one run that
+"""Debounce: publishes of one key within a quiet period collapse into one run that
 starts that long after the last of them, and never later than a maximum after the first.
 
 A debounced publish (``publish(name, key, params, debounce=5, debounce_max=60)``) looks for

@@ -1,4 +1,4 @@
-"""A parked task's journal changed by an operator (issue 61), beside ``store.steps.reset``:
+"""A parked task's journal changed by an operator, beside ``store.steps.reset``:
 a step renamed or dropped so that a changed handler replays it (``remark``), and a failed or
 cancelled task run again from a step (``retry_from``). Each is one update with the reset's
 fence (``store.steps.reset_filter``: the task not running, and no run of it RUNNING), so it

@@ -1,4 +1,4 @@
-"""How full each limit is (issue 65): for every limited name, its runs at once in use out of its
+"""How full each limit is: for every limited name, its runs at once in use out of its
 maximum, the groups' locks its sequences hold, and per group its tasks open, running, due and
 blocked, and its head (the task that runs next). ``mtask limits``, ``GET /limits?use=true`` and
 the dashboard's limits page show it.
@@ -96,7 +96,7 @@ class NameUse:
     """A shared resource's: the task names that take its slot (the live workers' handlers that
     declare it, and the names its document lists), in name order."""
     resource: bool = False
-    """A shared resource's limit (issue 62), ``name`` its name: its runs at once in use are
+    """A shared resource's limit, ``name`` its name: its runs at once in use are
     those of every name whose handler uses it (its tasks are counted under those names)."""
     held_until: dt.datetime | None = None
     """Until when a handler's ``BackOff`` holds the name (or the resource) back, if it does."""
@@ -176,7 +176,7 @@ def _pipeline(name: str, now: dt.datetime) -> list[Doc]:
 
 def _live(doc: Mapping[str, Any] | None, now: dt.datetime) -> int:
     """The units a slot document's holders whose lease has not ended take (one each unless a
-    holder says ``units``: issue 62)."""
+    holder says ``units``)."""
     holders = (doc or {}).get("holders")
     return sum(
         _units_of(h)

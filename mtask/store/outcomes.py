@@ -64,7 +64,7 @@ class Outcome:
     """The run stored step results aside: seal them once the outcome is recorded
     (``store.steps.seal``)."""
     child_of: Doc | None = None
-    """A spawned child's ``spawn`` (issue 61): once its outcome is recorded, a final one is
+    """A spawned child's ``spawn``: once its outcome is recorded, a final one is
     counted on its parent (``store.children.count_finished``)."""
 
 
@@ -147,9 +147,9 @@ def _state_fields(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
         # its retries spent too: its last word, as a permanent FAIL's
         final = outcome.permanent or {"$gt": [{"$add": ["$failures", 1]}, "$options.max_retries"]}
         sets["steps"] = settled_waits_expr(now, final)
-    elif state is RunState.RELEASED:  # due at once, or after a back-off's hold (issue 62)
+    elif state is RunState.RELEASED:  # due at once, or after a back-off's hold
         sets["available_at"] = now + dt.timedelta(milliseconds=outcome.retry_delay_ms or 0)
-    elif state is RunState.SNOOZED:  # issue 62: no failure counted, the snooze counted
+    elif state is RunState.SNOOZED:  # no failure counted, the snooze counted
         run_fields["error"] = literal(outcome.error)
         sets["snoozes"] = {"$add": [{"$ifNull": ["$snoozes", 0]}, 1]}
         sets["available_at"] = now + dt.timedelta(milliseconds=outcome.retry_delay_ms or 0)
@@ -229,7 +229,7 @@ def settled_waits_expr(now: dt.datetime, final: Any = True) -> Doc:
 
 
 def by_deadline(when: Any) -> Doc:
-    """``when``, or the task's deadline if that comes first (issue 61: a retry's backoff or a
+    """``when``, or the task's deadline if that comes first (a retry's backoff or a
     wait that would pass it; ``$min`` passes over a missing deadline). Claimed then, the run
     fails for good at once, saying why (``worker.running.task_deadlines``). A deadline that is
     not a date (a hand edit) is passed over too."""
@@ -256,7 +256,7 @@ def _waiting_fields(wait: Wait, now: dt.datetime) -> Doc:
             ]
         }
         fields["available_at"] = {"$cond": [woke, now, wait.until]}
-    elif wait.children is not None:  # issue 61: now, if the last child finished meanwhile
+    elif wait.children is not None:  # now, if the last child finished meanwhile
         counted = {"$gte": ["$spawned.done", "$spawned.total"]}
         fields["available_at"] = {"$cond": [counted, now, wait.until]}
     elif wait.signal is None:

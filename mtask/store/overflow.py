@@ -1,4 +1,4 @@
-"""Lossy limits (issue 62): a task a full limit refused, dropped or failed at once instead of
+"""Lossy limits: a task a full limit refused, dropped or failed at once instead of
 waiting for a slot (``set_limit(..., overflow="drop" | "fail")``).
 
 The refusal is the server's (the slot's take, ``mtask.limits.slots``); the drop is then one update

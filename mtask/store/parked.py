@@ -1,4 +1,4 @@
-"""The parked tasks a preflight reads (issue 61, ``mtask.steps.preflight``): pending tasks with a
+"""The parked tasks a preflight reads (``mtask.steps.preflight``): pending tasks with a
 journal, page by page from the ``name_status_newest`` index, only the fields a dry replay
 needs, and the results they keep aside. Reads only: a preflight writes nothing."""
 

@@ -75,7 +75,7 @@ INDEXES: dict[str, list[IndexModel]] = {
             name="outbox",
             partialFilterExpression={"outbox": {"$exists": True}},
         ),
-        # Children awaited (issue 61, store/children.py): the parents waiting for theirs, for
+        # Children awaited (store/children.py): the parents waiting for theirs, for
         # the sweep that makes a lost wake-up impossible. No other task has a key in it.
         IndexModel(
             [("waiting.children", ASCENDING)],
@@ -130,7 +130,7 @@ INDEXES: dict[str, list[IndexModel]] = {
                 "status": {"$in": LOCK_STATUSES},
             },
         ),
-        # Supersede (issue 62, store/supersede.py): one open task of a name and group among
+        # Supersede (store/supersede.py): one open task of a name and group among
         # those published with a policy; others have no key.
         IndexModel(
             [("name", ASCENDING), ("options.group", ASCENDING)],
@@ -141,7 +141,7 @@ INDEXES: dict[str, list[IndexModel]] = {
                 "status": {"$in": OPEN_LIST},
             },
         ),
-        # Debounce (issue 62, store/debounce.py): a key's open window, pending and never
+        # Debounce (store/debounce.py): a key's open window, pending and never
         # claimed; a claim takes it out (attempts 1), nothing puts it back. Others have no key.
         IndexModel(
             [("name", ASCENDING), ("debounce.key", ASCENDING)],
@@ -396,7 +396,7 @@ def invalid_reason_expr() -> Doc:
 
 
 CLAIMED_FIELDS = {"name": 1, "params": 1, "options": 1, "attempts": 1, "has_dependents": 1}
-CLAIMED_FIELDS["trace"] = 1  # the publisher's trace context, parent of the run span (issue 14)
+CLAIMED_FIELDS["trace"] = 1  # the publisher's trace context, parent of the run span
 # earlier runs' states and transaction sessions: a transactional run kills the sessions of
 # runs whose lease expired (store.transactional.stale_sessions)
 CLAIMED_FIELDS.update({"runs.state": 1, "runs.txn": 1})
@@ -474,7 +474,7 @@ def _flow_fields(task: NewTask) -> Doc:
     fields: Doc = {}
     if task.parent is not None:
         fields["parent"] = task.parent
-    if task.spawn is not None:  # issue 61: a spawned child's parent, step and place
+    if task.spawn is not None:  # a spawned child's parent, step and place
         fields["spawn"] = dict(task.spawn)
     if task.depends_on:
         fields["depends_on"] = list(task.depends_on)

@@ -109,7 +109,7 @@ def record(
     ``in_transaction``: the record of a transactional step, which also clears the run's ``txn``
     (its session's id, written when the transaction began): once the step commits, its session
     goes back to the driver's pool, and a run taking the task over must not kill it there.
-    ``also``: fields set in the same update (a spawn's counter of its children, issue 61)."""
+    ``also``: fields set in the same update (a spawn's counter of its children)."""
     filt, update = record_update(key, run_id, index, entry, prior)
     options: Doc = {}
     if in_transaction:
@@ -134,7 +134,7 @@ def _not_recorded(key: str, run_id: str, step: str) -> Op[None]:
 def record_named_update(
     key: str, run_id: str, entry: Mapping[str, Any], prior: Mapping[str, Any] | None
 ) -> tuple[Doc, Doc, Doc]:
-    """Filter, update and options writing a parallel step's ``entry`` by its name (issue 61,
+    """Filter, update and options writing a parallel step's ``entry`` by its name (
     ``mtask.steps.parallel``): a new last entry if no step of the task has its name (the names are
     unique), else in place of ``prior``, which the filter proves is still the one the run read.
     Either clears ``waiting``, as ``record_update``."""
@@ -440,7 +440,7 @@ def _not_reset(key: str, step: str, allowed: tuple[str, ...] = RESETTABLE) -> Op
         raise InvalidTransition(
             f"task {key!r} is running: its steps can be reset once its run ended ({hint})"
         )
-    if status in allowed:  # issue 61: a rename onto a taken name, or children awaited
+    if status in allowed:  # a rename onto a taken name, or children awaited
         raise InvalidTransition(
             f"task {key!r}: step {step!r} cannot be changed so (another step has the new "
             "name, or its children are still awaited)"

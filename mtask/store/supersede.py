@@ -1,4 +1,4 @@
-"""Supersede (issue 62): of the tasks of one name and group published with a policy, one open
+"""Supersede: of the tasks of one name and group published with a policy, one open
 task at a time, decided by a unique index, so racing publishers cannot both win.
 
 A task published with ``supersede=<policy>`` stores the policy in ``supersede``; the unique

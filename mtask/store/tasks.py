@@ -83,7 +83,7 @@ def publish(
         moved = {
             "$set": {
                 GROUP_LOCK: {"$cond": [stays, f"${GROUP_LOCK}", "$$REMOVE"]},
-                # issue 62: a task moved to another group leaves its supersede rule (the unique
+                # a task moved to another group leaves its supersede rule (the unique
                 # index would refuse the move while that group has its own open holder)
                 "supersede": {"$cond": [stays, "$supersede", "$$REMOVE"]},
             }
@@ -472,7 +472,7 @@ def retry_pipeline(now: dt.datetime) -> list[Doc]:
             }
         },
         # a sequence's task reopened takes its group's lock anew; a superseded task reopened
-        # runs outside the supersede rule (issue 62: its group may have a newer open holder)
+        # runs outside the supersede rule (its group may have a newer open holder)
         {"$unset": [GROUP_LOCK, "supersede"]},
         *recompute_stages(now),
     ]

@@ -73,14 +73,14 @@ class PublishBody(NewTaskBody):
     on_conflict: Literal["ignore", "update_params", "reset"] = "ignore"
     supersede: Literal["drop_newer", "cancel_queued", "cancel_running"] | None = Field(
         None,
-        description="issue 62: one open task of its name and group among those published "
+        description="one open task of its name and group among those published "
         "with a policy (docs/publishing.md)",
     )
     debounce: float | None = Field(
-        None, description="issue 62: seconds of quiet before the key's one run (docs/publishing.md)"
+        None, description="seconds of quiet before the key's one run (docs/publishing.md)"
     )
     debounce_max: float | None = Field(
-        None, description="issue 62: the run starts at most this long after the first publish"
+        None, description="the run starts at most this long after the first publish"
     )
 
 
@@ -102,7 +102,7 @@ class ResetBody(BaseModel):
 
 
 class RetryBody(BaseModel):
-    """Issue 61: run the task again from a recorded step (the steps before it are kept)."""
+    """Run the task again from a recorded step (the steps before it are kept)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -110,7 +110,7 @@ class RetryBody(BaseModel):
 
 
 class RemarkBody(BaseModel):
-    """Issue 61: a parked task's recorded step renamed ``to`` (or dropped, without ``to``)."""
+    """A parked task's recorded step renamed ``to`` (or dropped, without ``to``)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -114,10 +114,10 @@ def create_app(
     app.state.keys = Keys.of(token, tokens)
     app.state.read_secret = read_secret
     app.include_router(api.public)
-    app.include_router(events.router)  # issue 14: SSE and long-poll wait (before /tasks/{key})
-    app.include_router(output.router)  # issue 31: /tasks/{key}:output and :stream (before too)
+    app.include_router(events.router)  # SSE and long-poll wait (before /tasks/{key})
+    app.include_router(output.router)  # /tasks/{key}:output and :stream (before too)
     app.include_router(api.router)
-    app.include_router(triggers.router)  # issue 63: /triggers and /ui/triggers
+    app.include_router(triggers.router)  # /triggers and /ui/triggers
     app.include_router(dashboard.router)
     app.include_router(triggers.pages)
     app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")

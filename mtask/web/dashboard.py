@@ -329,7 +329,7 @@ async def task_page(key: str, request: Request) -> HTMLResponse:
         return render(request, "missing.html", status_code=404, key=key)
     said = await client.explain(task)
     now = await client.now()
-    newest = max(0, (task.output_seq or 0) - OUTPUT_SHOWN)  # issue 31: the newest lines
+    newest = max(0, (task.output_seq or 0) - OUTPUT_SHOWN)  # the newest lines
     entries = await client.output(key, after=newest, limit=OUTPUT_SHOWN) if task.output_seq else []
     live = task.status is not None and not task.status.finished
     q = request.query_params

@@ -1,4 +1,4 @@
-"""Waiting and events over HTTP (issue 14), for services in any language.
+"""Waiting and events over HTTP, for services in any language.
 
 ``GET /events?name=…&status=…`` streams task events as Server-Sent Events: each ``id:`` is the
 change stream's resume token, so a client that reconnects with ``Last-Event-ID`` (what an

@@ -87,7 +87,7 @@ class ResetView(BaseModel):
 
 
 class RemarkView(BaseModel):
-    """Issue 61: what a rename or a drop of a recorded step did."""
+    """What a rename or a drop of a recorded step did."""
 
     key: str
     step: str
@@ -163,7 +163,7 @@ class ScheduleView(Open):
     last_key: str | None = None
     error: str | None = None
     overlap: str | None = None
-    """Issue 62: all, skip or buffer (a tick while the previous task is open)."""
+    """All, skip or buffer (a tick while the previous task is open)."""
     skipped: int | None = None
     buffered_tick: dt.datetime | None = None
 

@@ -192,7 +192,7 @@ class Worker:
             backoff = min(backoff * 2, 10)
 
     async def _reach(self) -> None:
-        """What the first claim needs, at once where nothing orders it (issue 66): the clock
+        """What the first claim needs, at once where nothing orders it: the clock
         calibrated and then the first heartbeat, which takes the clock's time and reads the
         paused names, and the limits read (which settles what a changed limit left, by the
         clock); beside them the indexes made (not a time decision; the claim waits for them: a

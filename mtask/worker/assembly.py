@@ -189,7 +189,7 @@ def build(
         units={n: registry[n].units for n in names if registry[n].units != 1},
     )
     releases = SlotReleases(adriver, clock, gate)
-    process_pool: ProcessPool | None = None  # handler isolation (issue 18)
+    process_pool: ProcessPool | None = None  # handler isolation
     if config.pool == "process" or any(registry[n].isolation == "process" for n in names):
         from mtask.worker.running.pool.pipe import Bounds  # multiprocessing: this worker's only
         from mtask.worker.running.pool.pool import ProcessPool

@@ -67,7 +67,7 @@ class WorkerConfig:
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
     clock: Clock | None = None
     on_event: Callable[..., None] | None = None
-    # -- handler isolation (issue 18) --
+    # -- handler isolation --
     pool: Literal["thread", "process"] = "thread"
     """Where plain-def handlers that declare no ``isolation`` run."""
     max_tasks_per_child: int | None = None

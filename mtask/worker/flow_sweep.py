@@ -5,7 +5,7 @@ Each round publishes the outboxes (next steps) older than one interval that no w
 whose dependency's worker did not (it claimed before the dependent was published), and gives
 finished flow parents whose steps all ended their ``expire_at`` (``retention.release_parents``).
 It also counts the children of parents that waited a round without a wake-up, and wakes those
-whose children all finished (issue 61, ``store.children.sweep``): each such parent is counted
+whose children all finished (``store.children.sweep``): each such parent is counted
 at most once a minute.
 The
 outcome writer does both at once in the normal case; this sweep only makes them certain.
@@ -54,7 +54,7 @@ class FlowSweep(PeriodicService):
         steps = await self.driver.run(flows.flush_outboxes(None, now, older_than=stale))
         await self.driver.run(flows.after_publish(steps, now))
         await self.driver.run(flows.resolve(await self.driver.run(flows.awaited()), now))
-        await self.driver.run(release_parents(now))  # issue 17: flow parents held for steps
-        # issue 61: a parent whose children's last count was lost is woken here
+        await self.driver.run(release_parents(now))  # flow parents held for steps
+        # a parent whose children's last count was lost is woken here
         recheck = now - dt.timedelta(seconds=max(CHILDREN_RECHECK_S, self.interval))
         await self.driver.run(store_children.sweep(stale, recheck))

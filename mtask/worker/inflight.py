@@ -36,9 +36,9 @@ class ActiveRun:
     """Its lease's length (``worker_timeout_ms``): a place it takes in a slot lasts as long."""
     has_dependents: bool = False
     child_of: dict[str, object] | None = None
-    """A spawned child's ``spawn`` (issue 61): its final outcome is counted on its parent."""
+    """A spawned child's ``spawn``: its final outcome is counted on its parent."""
     deadline: dt.datetime | None = None
-    """Its task's deadline (issue 61): the run is stopped there, and the task fails."""
+    """Its task's deadline: the run is stopped there, and the task fails."""
     task: asyncio.Task[None] | None = None
     stop_reason: str | None = None
     started: float = field(default_factory=time.monotonic)

@@ -139,13 +139,13 @@ class Presence(PeriodicService):
         self._written: tuple[int, dict[str, Any]] | None = None
         """The beat of the last write, and the document it wrote."""
         self.pool = pool
-        """The worker's process pool, whose children the heartbeat shows (issue 18)."""
+        """The worker's process pool, whose children the heartbeat shows."""
         self.uses = [
             {"name": name, "resources": list(resources)}
             for name, resources in sorted((uses or {}).items())
             if resources
         ]
-        """The shared resources each name's handler declares (issue 62), in the heartbeat for
+        """The shared resources each name's handler declares, in the heartbeat for
         the readers' "why" (a list: a task name may hold a dot); none, no field."""
         self.stream_state = stream_state
         """What the heartbeat shows of the shared stream (``None``: an own stream)."""

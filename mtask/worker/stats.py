@@ -22,4 +22,4 @@ class WorkerStats:
     cancelled: int = 0
     waiting: int = 0
     snoozed: int = 0
-    """Runs whose handler raised ``Snooze`` (issue 62)."""
+    """Runs whose handler raised ``Snooze``."""

@@ -88,15 +88,19 @@ def test_no_client_command_loads_the_worker() -> None:
 
 def test_mtask_get_loads_no_step_engine_worker_pool_or_tracing() -> None:
     """``mtask get`` (issue 66: its start-up): the step engine's ``rules`` and the children's
-    counters only (what a reader of stored steps needs), no worker, no process pool, no OpenTelemetry (not loaded by the
-    application, so no tracer provider can be set)."""
+    counters only (what a reader of stored steps needs), no worker, no process pool, no
+    OpenTelemetry (not loaded by the application, so no tracer provider can be set)."""
     names = loaded(
         "from mtask.cli import build_parser\nbuild_parser('get').parse_args(['get', 'k'])\n"
         + "\n".join(f"import {m}" for m in sorted(function_imports(ROOT / "cli" / "tasks.py")))
     )
     cli = ["mtask.cli", "mtask.cli.bulk", "mtask.cli.common", "mtask.cli.tasks"]
     assert under(names, "mtask.cli") == cli  # main builds the parser of get's module alone
-    assert under(names, "mtask.steps") == ["mtask.steps", "mtask.steps.children", "mtask.steps.rules"]
+    assert under(names, "mtask.steps") == [
+        "mtask.steps",
+        "mtask.steps.children",
+        "mtask.steps.rules",
+    ]
     assert under(names, "mtask.worker", "multiprocessing", "opentelemetry") == []
     assert "mtask.client" in names and "mtask.cli.tasks" in names
 

@@ -94,7 +94,7 @@ class Scanner:
 
     def place_safely(self, doc: Mapping[str, Any]) -> None:
         """``place``, or for a malformed document, note it for ``quarantine`` and go on."""
-        # a claim cannot match it (store.placements), or (hook, issue 14) a publisher's
+        # a claim cannot match it (store.placements), or (hook) a publisher's
         # status-less document to complete, or one with an unknown option: quarantine settles it
         key = doc.get("_id")
         if task_key(key) is None or doc.get("well_formed") is False or not store.placeable(doc):
@@ -271,7 +271,7 @@ class Scanner:
         return last is None or self.clock.now() - last >= dt.timedelta(seconds=self.sweep_interval)
 
     async def _stranded(self) -> None:
-        # hook (issue 14): documents no claim can reach and no event may bring back (no status,
+        # hook: documents no claim can reach and no event may bring back (no status,
         # an unknown one, open without a claim time): quarantine completes or marks them
         self._stranded_at = self.clock.now()
         self.stranded_searches += 1

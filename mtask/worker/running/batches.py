@@ -1,4 +1,4 @@
-"""The worker's side of batch handlers (issue 62, ``mtask.limits.batches``): each run of a batch
+"""The worker's side of batch handlers (``mtask.limits.batches``): each run of a batch
 name waits here for its batch; a batch is called once ``batch`` runs have joined it, or
 ``batch_timeout`` after the first did, and each run gets its own entry of the answer back.
 

@@ -52,10 +52,10 @@ if TYPE_CHECKING:  # the process pool: imported by a worker that has one (assemb
 
 CALL_FAILED: tuple[type[Exception], ...] = (
     TransactionTooLong,
-    HandlerError,  # issue 18: what the handler raised in its child, or a BaseException here
+    HandlerError,  # what the handler raised in its child, or a BaseException here
     ChildDied,
     TimeLimitExceeded,
-    MemoryLimitExceeded,  # issue 27
+    MemoryLimitExceeded,
 )
 """The call failed, told by its own words: the run is retried (it uses a retry)."""
 CALL_REFUSED: tuple[type[Exception], ...] = (TransactionEnded, ReplyRefused)
@@ -143,11 +143,11 @@ class HandlerCalls:
         holds: Holds | None = None,
     ) -> None:
         self.batches = batches or Batches()
-        """Issue 62: the open batches of batch handlers, each called once for its tasks."""
+        """The open batches of batch handlers, each called once for its tasks."""
         self.holds = holds
         """Where a ``BackOff`` writes its hold (``None``: without MongoDB it cannot)."""
         self.sealing = sealing or Plain()
-        """Encrypted tasks' params opened for the handler, their results sealed (issue 64)."""
+        """Encrypted tasks' params opened for the handler, their results sealed."""
         self.outcomes = outcomes
         """What the handler's return or exception makes of the run."""
         self.transactions = transactions
@@ -158,7 +158,7 @@ class HandlerCalls:
         self.outputs = outputs
         """A transactional run's output, written in its transaction."""
         self.pool = pool
-        """Child processes for process-isolated plain-def handlers (issue 18)."""
+        """Child processes for process-isolated plain-def handlers."""
         self.isolation = isolation
         """The worker-wide default for plain-def handlers that do not declare one."""
         self.slots = slots or contextlib.nullcontext()
@@ -180,11 +180,11 @@ class HandlerCalls:
     async def _run(self, run: ActiveRun, handler: Handler, doc: dict[str, Any]) -> Outcome:
         """Run the handler and say how the run ended (an exception is the task's failure)."""
         try:
-            # the CONSUMER run span, child of the publisher's stored trace context (issue 14)
+            # the CONSUMER run span, child of the publisher's stored trace context
             with run_span(doc, run.name, run.key, run.ctx.attempt):
                 if handler.transactional:
                     return await self._transactional(run, handler, doc)
-                if handler.batch is not None:  # issue 62: this task's entry of its batch
+                if handler.batch is not None:  # this task's entry of its batch
                     params = await self.sealing.params(doc)
                     result = await self.batches.call(run.key, handler, params, run.ctx)
                     stored = self.sealing.result(doc, result)
@@ -201,7 +201,7 @@ class HandlerCalls:
                     lease=self._lease_watch(run),
                     held=RunHeld(run, self.outcomes.emit) if run.slots else None,
                 )
-            # issue 17: the retention the plain SUCCESS updates write
+            # the retention the plain SUCCESS updates write
             stored = self.sealing.result(doc, result)
             return self.outcomes.success(
                 run, stored, keep_ms(doc.get("options") or {}, "succeeded")
@@ -212,7 +212,7 @@ class HandlerCalls:
             return self.outcomes.failure(run, str(exc))
         except CALL_REFUSED as exc:
             return self.outcomes.failure(run, str(exc), permanent=True)
-        except BackOff as exc:  # issue 62: its group, name or resource held, the run released
+        except BackOff as exc:  # its group, name or resource held, the run released
             return await self._backed_off(run, exc)
         except BaseException as exc:  # noqa: BLE001 - any handler error is the task's failure:
             # sys.exit() (argparse's error) or a class of its own too; up in its task, asyncio

@@ -88,7 +88,7 @@ class Executor:
         self.deadlines = Deadlines(pinger, inflight.active, self._lease_ran_out)
         """One timer for every run's local deadline (its lease's end by this clock)."""
         self.task_deadlines = task_deadlines
-        """Each run of a task with a deadline stopped there (issue 61): its task fails."""
+        """Each run of a task with a deadline stopped there: its task fails."""
         task_deadlines.passed.connect(lambda run: self.stop(run, "deadline"))
 
     def start(
@@ -180,7 +180,7 @@ class Executor:
                 self.recorder.release_slot(slot, run.run_id)
             self.wake.set()
         if outcome is not None:
-            if run.child_of is not None:  # issue 61: counted on its parent once recorded
+            if run.child_of is not None:  # counted on its parent once recorded
                 outcome = dataclasses.replace(outcome, child_of=run.child_of)
             self.recorder.add(outcome)
 

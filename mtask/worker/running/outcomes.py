@@ -3,7 +3,7 @@
 
 SUCCESS (with next steps, if the handler returned ``Next``), FAIL (retried, or permanent for
 ``Fail``, invalid params, an unstorable result or an invalid step), WAITING for a run that
-sleeps or waits for a signal, SNOOZED for a ``Snooze`` (issue 62), RELEASED or CANCELLED for
+sleeps or waits for a signal, SNOOZED for a ``Snooze``, RELEASED or CANCELLED for
 a run the worker stopped, nothing for a run that lost its lease. Each is counted
 (``WorkerStats``, metrics) and told (``Emitter``) here, once. How the handler is called (its
 slot, its transaction, a thread or a child process) and what the call itself may fail with (a
@@ -77,7 +77,7 @@ class RunOutcomes:
         return self.failure(run, f"retry requested: {said(exc)}", retry_delay_ms=delay)
 
     def snoozed(self, run: ActiveRun, exc: Snooze) -> Outcome:
-        """A ``Snooze``: SNOOZED, claimable again after its seconds, no retry spent (issue 62);
+        """A ``Snooze``: SNOOZED, claimable again after its seconds, no retry spent;
         its delay checked again (a subclass or a changed ``delay_ms`` skips the constructor's
         check): one out of range is the task's failure, as a bad ``Retry`` delay is."""
         try:
@@ -202,7 +202,7 @@ class RunOutcomes:
             self.stats.cancelled += 1
             self.emit(Event.CANCELLED, key=run.key, run_id=run.run_id)
             return Outcome(run.key, run.run_id, RunState.CANCELLED, error="cancelled")
-        if reason == "deadline" and run.deadline is not None:  # issue 61
+        if reason == "deadline" and run.deadline is not None:
             when = run.deadline.isoformat(timespec="milliseconds")
             return self.failure(run, f"deadline passed: the task had until {when}", permanent=True)
         return None  # lost: another run owns the task; nothing may be written

@@ -294,7 +294,7 @@ class OutcomeRecorder:
 
     async def _count_children(self, batch: list[Outcome]) -> None:
         """Spawned children that may have finished for good: counted on their parents, which
-        wake once their count is full (issue 61). If this fails, the flow sweep recounts."""
+        wake once their count is full. If this fails, the flow sweep recounts."""
         ended = [
             o.key
             for o in batch

@@ -87,7 +87,7 @@ class TaskSteps:
             await self.driver.run(datawaits.announce(self.key, self.run_id, waiting))
         return await self.driver.run(datawaits.find(collection, predicate))
 
-    # -- issue 61 ----------------------------------------------------------------------------
+    # -- workflows ---------------------------------------------------------------------------
 
     async def record_named(self, entry: Doc, prior: Doc | None) -> None:
         await self.driver.run(store_steps.record_named(self.key, self.run_id, entry, prior))
@@ -149,7 +149,7 @@ class RunStepStores:
         self.watched = frozenset(watched)
         """The collections the registry waits on (``Registry.waits_on``)."""
         self.options_for = options_for
-        """The declared defaults of a spawned child's name (issue 61)."""
+        """The declared defaults of a spawned child's name."""
         self._indexed: asyncio.Future[None] | None = None
 
     async def ensure_indexes(self) -> None:

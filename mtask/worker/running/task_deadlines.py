@@ -1,4 +1,4 @@
-"""A whole task's deadline (issue 61, ``options.deadline``): its run is stopped there.
+"""A whole task's deadline (``options.deadline``): its run is stopped there.
 
 A task published with a deadline fails for good once it passes, whatever it is doing: a run
 is stopped at the deadline (``passed``: the executor stops it, and its outcome is a permanent

@@ -171,7 +171,7 @@ def _reply(handler: Handler, params: dict[str, Any], ctx: TaskContext) -> Reply:
         return Reply(ReplyKind.SUSPENDED, exc.wait)
     except (StepError, SignalTimeout) as exc:  # fail the task for good, as on a thread
         return Reply(ReplyKind.RAISE, exc)
-    except Snooze as exc:  # issue 62: SNOOZED, as on a thread
+    except Snooze as exc:  # SNOOZED, as on a thread
         return Reply(ReplyKind.RAISE, exc)
     except InvalidParams as exc:
         return Reply(ReplyKind.INVALID, str(exc))

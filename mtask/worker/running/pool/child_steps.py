@@ -178,7 +178,7 @@ class ParentSteps:
         return await self._more(journal, op, args)
 
     async def _more(self, journal: Journal, op: StepOp, args: tuple[Any, ...]) -> Any:
-        """Issue 61's requests: a parallel step's record, a spawn, its children."""
+        """The workflow's requests: a parallel step's record, a spawn, its children."""
         store = journal.store
         if op == StepOp.RECORD_NAMED:
             entry, prior = args

@@ -136,7 +136,7 @@ class StepOp(StrEnum):
     LOAD = "load"
     SIGNALS = "signals"
     HOLDS = "holds"  # whether a wait on data holds already (ctx.wait_until)
-    # issue 61: parallel steps and children
+    # parallel steps and children
     RECORD_NAMED = "record_named"
     SPAWN = "spawn_children"
     PUBLISH = "publish"
