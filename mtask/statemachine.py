@@ -288,7 +288,7 @@ def live_run_expr(now: dt.datetime | str) -> dict[str, Any]:
 def lock_kept_expr(now: dt.datetime | str) -> dict[str, Any]:
     """A sequence's lock (``group_lock``) stays with its task while the task is open, or while
     a run of it still runs on a live lease (a cancelled task's handler that has not stopped
-    yet: docs/fairness.md); it goes with the write that ends the last of them. A task that
+    yet: docs/flow-control.md); it goes with the write that ends the last of them. A task that
     holds none is left as it is (one comparison)."""
     keep = {"$or": [{"$in": ["$status", list(OPEN)]}, live_run_expr(now)]}
     return {

@@ -49,7 +49,7 @@ def collect(params: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-@registry.task("reindex")  # the name of docs/publishing.md's foreign debounce update
+@registry.task("reindex")  # the name of docs/flow-control.md's foreign debounce update
 def reindex(params: dict[str, Any]) -> dict[str, Any]:
     return params
 

@@ -12,7 +12,7 @@ of its own, made by the first claim that needs it (``mtask.limits.slots``)::
     {_id: "<name>\\x00<group>", name, group, concurrency, rate, burst, holders, tokens, ...}
 
 ``group_concurrency: 1`` makes each group a **sequence**: its tasks run one at a time, in
-publish order (docs/fairness.md).
+publish order (docs/flow-control.md).
 
 A worker takes a slot (and a token) with one atomic update of that document *before* it claims
 a task of that name, and claims the task with the run id the slot was taken for; a claim that

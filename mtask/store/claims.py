@@ -320,7 +320,7 @@ def claim_locked(
     batch: str | None = None,
 ) -> Op[tuple[list[Doc], set[str], dict[str, str]]]:
     """Claim the keys of ``groups``, each the next task of the sequence ``(name, group)``, each
-    taking its group's lock in the same update (``group_lock``, docs/fairness.md).
+    taking its group's lock in the same update (``group_lock``, docs/flow-control.md).
 
     The ``group_lock`` index lets one open task of a group hold the lock: the update of a key
     whose group another open task holds fails on it (a duplicate key, naming the group), and
@@ -466,7 +466,7 @@ def lease_update(
     entry to set in the same update. ``stopping``: the lease of a run being stopped whose
     handler has not stopped yet (its task cancelled, or this worker no longer allowed), kept
     while the run is RUNNING so that its sequence's lock and its limit slots stay held until
-    it has really stopped (docs/fairness.md); its outcome ends it."""
+    it has really stopped (docs/flow-control.md); its outcome ends it."""
     filt: Doc = {**run_filter(key, run_id), "status": {"$in": [*OPEN, STOPPABLE]}}
     if not stopping:
         filt["status"] = {"$in": list(OPEN)}

@@ -102,7 +102,7 @@ INDEXES: dict[str, list[IndexModel]] = {
             name="finished",
             partialFilterExpression={"finished_at": {"$type": "date"}},
         ),
-        # Groups (docs/fairness.md): the open tasks of each group in publish order, for a
+        # Groups (docs/flow-control.md): the open tasks of each group in publish order, for a
         # sequence's next task and the largest groups. Tasks without a group have no key.
         IndexModel(
             [
@@ -117,7 +117,7 @@ INDEXES: dict[str, list[IndexModel]] = {
                 "status": {"$in": OPEN_LIST},
             },
         ),
-        # Sequences (docs/fairness.md): one task of a group holds its lock, taken by the
+        # Sequences (docs/flow-control.md): one task of a group holds its lock, taken by the
         # claim, and gives it up with the write that ends it (``group_lock`` removed: its
         # outcome, or a cancel once its run has really stopped); others have no key.
         IndexModel(

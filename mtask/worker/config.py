@@ -63,7 +63,7 @@ class WorkerConfig:
     """Seconds of waiting that raise a due task's priority by one when choosing what to claim
     (and, for the relay's holder, what to hand out), so low-priority work is not starved for
     ever; ``None``: strict priorities. Give every worker the same value
-    (docs/fairness.md)."""
+    (docs/flow-control.md)."""
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
     clock: Clock | None = None
     on_event: Callable[..., None] | None = None

@@ -37,7 +37,7 @@ class Event(enum.StrEnum):
     PAUSED_CHANGED = "paused_changed"
     HELD = "held"
     """A run told to stop (cancelled, its time limit, the worker's stop) whose handler has not
-    stopped: it keeps its sequence's lock and limit slots until it has (docs/fairness.md);
+    stopped: it keeps its sequence's lock and limit slots until it has (docs/flow-control.md);
     ``released=True`` once it has."""
     LIMITS_APPLIED = "limits_applied"
     """A name's limit changed and this worker applies it: its claims from now on go by the

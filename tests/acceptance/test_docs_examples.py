@@ -60,7 +60,7 @@ RUN_ELSEWHERE = {
         "tests/acceptance/interop/test_publishing_doc.py"
     ),
     ("docs/steps.md", "Signals from any language"): "tests/acceptance/test_steps_node.py",
-    ("docs/publishing.md", "Debounce: one run after a quiet period"): (
+    ("docs/flow-control.md", "Debounce: one run after a quiet period"): (
         "tests/integration/test_debounce_worker.py"
     ),
 }

@@ -2,7 +2,7 @@
 become one run with the last params, started the quiet period after the last publish (both
 times the server's); under a steady stream the maximum wait holds (a window runs while the
 stream goes on, and no publish is lost); racing publishers open one window; bad input is
-refused by Python, the CLI and REST; the task says it is debounced; docs/publishing.md's update
+refused by Python, the CLI and REST; the task says it is debounced; docs/flow-control.md's update
 for a publisher in another language, read from the page, joins a window as a publish does."""
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from mtask.explain.states import State
 from mtask.models import Task
 from mtask.web import create_app
 
-DOC = Path(__file__).parents[2] / "docs" / "publishing.md"
+DOC = Path(__file__).parents[2] / "docs" / "flow-control.md"
 DOC_HEADING = "Debounce: one run after a quiet period"
 RACES = 5
 
 
 def foreign_update() -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The filter and pipeline of docs/publishing.md's mongosh ``findOneAndUpdate`` under
+    """The filter and pipeline of docs/flow-control.md's mongosh ``findOneAndUpdate`` under
     "## Debounce: one run after a quiet period", read from the page (so it cannot drift): its
     unquoted keys quoted and trailing commas dropped, it is JSON."""
     section = DOC.read_text().split(f"## {DOC_HEADING}\n", 1)[1]
@@ -60,7 +60,7 @@ def shape(doc: dict[str, Any]) -> dict[str, Any]:
 def test_the_documented_foreign_update_joins_a_window_as_a_publish_does(
     mongo_uri: str, db_name: str, client: TaskClient, mongo: MongoClient[dict[str, Any]]
 ) -> None:
-    """docs/publishing.md, "## Debounce: one run after a quiet period": the mongosh update a
+    """docs/flow-control.md, "## Debounce: one run after a quiet period": the mongosh update a
     publisher in another language runs, run as written through pymongo: it joins the window
     mtask opened as a second publish (last params, count, due ``min(now + 5 s, max_at)``), the
     window then has the fields a Python publisher's collapsed window has, and it runs once."""

@@ -16,7 +16,7 @@ stops and its return or exception is the run's outcome. At the hard limit the ru
 A run that holds a sequence's lock or limit slots (``held``) is never abandoned while it runs:
 told to stop (its time limit, a cancel, the worker's stop), it waits for its handler to have
 really stopped — its thread returned, its coroutine ended — before its outcome is recorded, so
-its lock and slots stay held until then (docs/fairness.md). ``Held`` says so (an event and
+its lock and slots stay held until then (docs/flow-control.md). ``Held`` says so (an event and
 the ``mtask_runs_held`` gauge). A second cancel (the worker stopping for good) ends the wait:
 the run is then left behind with its lease, which runs out.
 """

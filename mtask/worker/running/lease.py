@@ -105,7 +105,7 @@ class _Lease:
     holds: bool = False
     """The run holds a sequence's lock or limit slots: if it is stopped while it still runs
     (its task cancelled, this worker no longer allowed), its lease is kept (``stopping``)
-    until it has really stopped, so that they stay held (docs/fairness.md)."""
+    until it has really stopped, so that they stay held (docs/flow-control.md)."""
     stopping: bool = False
     """Pinged as a run being stopped (``store.extend_lease``'s ``stopping``)."""
     watchers: list[Callable[[float], None]] = field(default_factory=list)
