@@ -1,4 +1,4 @@
-"""The curated mutation check (issue 66): each core promise, broken by one line in a copy of the
+"""The curated mutation check: each core promise, broken by one line in a copy of the
 tree, must fail the test that claims it.
 
 For each mutation below this script copies the repository (its tracked files, as they are in the
@@ -6,9 +6,12 @@ working tree) into a temporary directory, replaces one exact line of one module 
 be there exactly once: a mutation that no longer applies fails the check, so that it is kept up
 to date with the code), and runs the named tests of the copy with pytest, the copy first on
 ``PYTHONPATH`` (worker subprocesses the tests start run the copy too). The check passes when
-every mutation is *killed*: its tests fail. A mutation that survives means a promise whose test
-passes when the promise breaks. Run it with ``python tests/mutations/check.py`` (``--only NAME``
-for one); ``.ci/run`` runs it before the suite.
+every mutation is *killed*: a named test fails on an assertion. First, every named test is run
+once on an unmutated copy and must pass there, so that a test that fails anyway (a setup error,
+a missing tool) can never count as a kill; and a mutated run whose tests end in a setup error,
+a timeout or a crash instead of a failed assertion fails the check as inconclusive. A mutation
+that survives means a promise whose test passes when the promise breaks. Run it with ``python
+tests/mutations/check.py`` (``--only NAME`` for one); ``.ci/run`` runs it before the suite.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from xml.etree import ElementTree
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -195,35 +199,93 @@ def apply(mutation: Mutation, tree: Path) -> None:
     path.write_text("".join(lines))
 
 
+@dataclass(frozen=True)
+class Verdicts:
+    """What one pytest run of named tests ended in, read from its JUnit XML report."""
+
+    failed: tuple[str, ...]
+    """Tests that failed on an assertion or an exception of the test's own (a kill)."""
+    broken: tuple[str, ...]
+    """Tests that ended in a setup or teardown error, a timeout or a crash: inconclusive."""
+    passed: int
+    tail: str
+
+
+def pytest_run(tree: Path, tests: tuple[str, ...], stop_at_first: bool) -> Verdicts:
+    report = tree / f"report-{time.monotonic_ns()}.xml"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", *(["-x"] if stop_at_first else []), "-n", "0",
+         "-p", "no:cacheprovider", f"--junitxml={report}", *tests],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )  # fmt: skip
+    tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-3:])
+    if done.returncode not in (0, 1) or not report.exists():
+        return Verdicts((), (f"pytest exited {done.returncode}",), 0, tail)
+    failed, broken, passed = [], [], 0
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        failure, error = case.find("failure"), case.find("error")
+        if error is not None:
+            broken.append(name)
+        elif failure is not None:
+            message = f"{failure.get('message', '')} {failure.text or ''}"
+            (broken if "Timeout" in message or "Failed: Timeout" in message else failed).append(
+                name
+            )
+        elif case.find("skipped") is None:
+            passed += 1
+    return Verdicts(tuple(failed), tuple(broken), passed, tail)
+
+
+def baseline(mutations: list[Mutation]) -> None:
+    """Every named test passes on an unmutated copy; ``SystemExit`` naming those that do not."""
+    tests = tuple(dict.fromkeys(t for m in mutations for t in m.tests))
+    with tempfile.TemporaryDirectory(prefix="mutant-none-") as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        started = time.monotonic()
+        verdicts = pytest_run(tree, tests, stop_at_first=False)
+    bad = verdicts.failed + verdicts.broken
+    if bad or not verdicts.passed:
+        raise SystemExit(
+            "the named tests must pass on the unmutated tree first; these did not: "
+            f"{', '.join(bad) or 'none ran'}\n{verdicts.tail}"
+        )
+    print(f"unmutated: {verdicts.passed} named tests passed in {time.monotonic() - started:.1f}s")
+
+
 def run(mutation: Mutation) -> tuple[bool, float, str]:
-    """Whether the mutation was killed, how long its tests took, and the end of their output."""
+    """Whether the mutation was killed (a named test failed on an assertion), how long its tests
+    took, and the end of their output; ``SystemExit`` when the run was inconclusive."""
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutation.name}-") as tmp:
         tree = Path(tmp)
         copy_tree(tree)
         apply(mutation, tree)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests")])}
         started = time.monotonic()
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
-             *mutation.tests],
-            cwd=tree,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )  # fmt: skip
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-3:])
-        # 1: tests failed (killed); 0: they passed (survived); anything else: they did not run
-        if done.returncode not in (0, 1):
-            raise SystemExit(f"mutation {mutation.name}: pytest exited {done.returncode}\n{tail}")
-        return done.returncode == 1, time.monotonic() - started, tail
+        verdicts = pytest_run(tree, mutation.tests, stop_at_first=True)
+        if verdicts.broken and not verdicts.failed:
+            raise SystemExit(
+                f"mutation {mutation.name}: inconclusive, its tests did not run to an assertion "
+                f"({', '.join(verdicts.broken)})\n{verdicts.tail}"
+            )
+        return bool(verdicts.failed), time.monotonic() - started, verdicts.tail
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", action="append", help="a mutation's name (repeatable)")
+    parser.add_argument(
+        "--skip-baseline", action="store_true", help="do not run the named tests unmutated first"
+    )
     args = parser.parse_args()
     chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    if not args.skip_baseline:
+        baseline(chosen)
     survived = []
     for mutation in chosen:
         killed, seconds, tail = run(mutation)
