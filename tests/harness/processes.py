@@ -110,6 +110,11 @@ def parent_of(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
+STOPPED = (None, 0, -signal.SIGTERM, -signal.SIGKILL)
+"""How a worker that did not crash ends: still running, exit 0, or stopped by a signal a test
+sends (SIGTERM before its handlers are installed, SIGKILL)."""
+
+
 class Cluster:
     """Worker processes by id, each in a process group of its own, logging to a file in
     ``logs``; ``app`` is the registry they run, in ``home`` (tests/chaos by default)."""
@@ -130,6 +135,7 @@ class Cluster:
         self.home = home
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.kills = 0
+        self.expected_exits: set[str] = set()
 
     def spawn(
         self,
@@ -164,15 +170,37 @@ class Cluster:
     def log_of(self, worker_id: str) -> str:
         return (self.logs / f"{worker_id}.log").read_text(errors="replace")
 
+    def expect_exit(self, worker_id: str) -> None:
+        """The test makes ``worker_id`` exit with an error on purpose: ``close`` accepts it."""
+        self.expected_exits.add(worker_id)
+
     def close(self) -> None:
+        """Stop every worker (SIGCONT, then SIGTERM; SIGKILL to what is left after 20 s). A
+        worker that exited on its own with anything but 0 (or death by SIGTERM or SIGKILL, which
+        a test sends), or exited with an error when told to stop, crashed: that fails the test (an
+        ``AssertionError`` naming it and the end of its log), unless the test said it would
+        (``expect_exit``). One killed with SIGKILL by the test (``signal``) is no longer here."""
+        crashed = {w: p.returncode for w, p in self.procs.items() if p.poll() not in STOPPED}
         for proc in self.procs.values():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGCONT)
                 os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
+        for worker_id, proc in self.procs.items():
+            stopped = True
+            try:
                 proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                stopped = False
             with contextlib.suppress(ProcessLookupError):  # whatever is left of the group
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+            if stopped and proc.returncode not in STOPPED:
+                crashed.setdefault(worker_id, proc.returncode)
         self.procs.clear()
+        unexpected = {w: code for w, code in crashed.items() if w not in self.expected_exits}
+        if unexpected:
+            tails = "\n".join(
+                f"--- {w} (exit {code}):\n" + "\n".join(self.log_of(w).splitlines()[-15:])
+                for w, code in unexpected.items()
+            )
+            raise AssertionError(f"worker(s) crashed: {sorted(unexpected)}\n{tails}")
