@@ -114,5 +114,3 @@ async def test_rate_limit_holds_across_three_workers(
         for j in range(i, len(claims)):
             window = (claims[j] - claims[i]).total_seconds() + slack
             assert j - i + 1 <= burst + rate * window, (i, j, claims[i], claims[j])
-    took = (claims[-1] - claims[0]).total_seconds()
-    assert took >= (25 - burst) / rate - slack  # the limit did slow the claims down
