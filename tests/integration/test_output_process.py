@@ -139,15 +139,18 @@ async def test_a_frozen_worker_with_a_full_pipe_does_not_keep_the_child_from_its
     child sends more than the pipe holds: the sender blocks holding the run's lock, and the
     lease watch still kills the child and its group at the deadline."""
     first: list[int] = []
-    expiry = time.monotonic() + 1.0
+    renew: list[Any] = []
 
     def lease(on_expiry: Any) -> Any:
-        on_expiry(expiry)  # and no renewal ever comes
+        renew.append(on_expiry)
         return lambda: None
 
     def frozen(batch: Batch) -> None:
         if not first:
             first.append(batch.entries[0]["data"])
+            # the lease runs out a second after the child first spoke (its start on a loaded
+            # host takes what it takes), and no renewal ever comes
+            renew[0](time.monotonic() + 1.0)
             until_dead(first[0])
 
     with pytest.raises(ChildDied):
