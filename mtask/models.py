@@ -311,6 +311,9 @@ class Run(Stored):
     lease_expires_at: BsonDate | None = None
     finished_at: BsonDate | None = None
     error: str | None = None
+    error_class: str | None = None
+    """A FAIL's exception class, importable (``builtins.ValueError``); None: the run raised
+    none (a time limit, a lost lease, a result that cannot be stored) or it was not a FAIL."""
     result: BsonAny = None
     output: OutputCounts | None = None
     """Set by the run's first output write (``ctx.log``, ``ctx.emit``)."""

@@ -79,6 +79,14 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     """The options of ``mtask-worker``, shared with ``mtask worker run``."""
     p.add_argument("registry", help="module:attribute of an mtask.Registry")
     add_connection(p)
+    add_run_options(p)
+    p.add_argument("--version", action="version", version=f"mtask-worker {__version__}")
+
+
+def add_run_options(p: argparse.ArgumentParser, *, names: bool = True) -> None:
+    """How a worker runs, whatever its registry and its MongoDB: the options of
+    ``mtask-worker`` but the registry, the connection and ``--version`` (shared with
+    ``manage.py mtask_worker``, whose queues replace ``--names``: ``names=False``)."""
     p.add_argument(
         "--concurrency", type=int, default=10, metavar="N", help="runs at once (default 10)"
     )
@@ -93,7 +101,8 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         "waited 1 s for its slot given back; N: always up to N (e.g. CPU-bound tasks in --pool "
         "process); 0: never",
     )
-    p.add_argument("--names", help="comma-separated task names (default: all registered)")
+    if names:
+        p.add_argument("--names", help="comma-separated task names (default: all registered)")
     p.add_argument("--worker-id", metavar="ID", help="its id (default: host:pid:random)")
     p.add_argument("--grace", type=float, default=30.0, help="seconds to drain on stop")
     p.add_argument(
@@ -195,7 +204,6 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="the lowest level logged, on stderr",
     )
-    p.add_argument("--version", action="version", version=f"mtask-worker {__version__}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -328,10 +336,17 @@ def build_worker(args: argparse.Namespace) -> Worker:
         uri=mongodb_uri(args.uri, "mtask-worker"),
         database=args.database,
         collection=args.collection,
+        names=args.names.split(",") if args.names else None,
+        **run_settings(args),
+    )
+
+
+def run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``Worker`` keywords of ``add_run_options``'s options."""
+    return dict(
         worker_id=args.worker_id,
         concurrency=args.concurrency,
         prefetch=args.prefetch,
-        names=args.names.split(",") if args.names else None,
         grace=args.grace,
         sweep_interval=args.sweep_interval,
         limits_refresh=args.limits_refresh,
@@ -364,7 +379,13 @@ def lasting() -> Iterator[None]:
             gc.enable()
 
 
-def run_worker(args: argparse.Namespace) -> int:
+def run_worker(
+    args: argparse.Namespace,
+    build: Callable[[argparse.Namespace], Worker] = build_worker,
+    prog: str = "mtask-worker",
+) -> int:
+    """Run the worker ``build`` makes of ``args`` until it is stopped (``stop_on_signals``);
+    its exit status: 0, 1 (a part of it died) or 2 (a usage or configuration error)."""
     logging.basicConfig(level=args.log_level, handlers=[_log_handler()])
     logging.getLogger("pymongo").setLevel(logging.WARNING)
     try:
@@ -372,16 +393,16 @@ def run_worker(args: argparse.Namespace) -> int:
             raise UsageError("--cluster-metrics needs --metrics-port")
         with lasting():
             loop_name, new_loop = loop_factory(args.loop)
-            worker = build_worker(args)
+            worker = build(args)
             if args.metrics_port is not None:
                 serve_metrics(args, worker)
         logging.getLogger("mtask.worker").info("event loop: %s", loop_name)
         _run(_serve(worker), new_loop)
     except WorkerCrashed as exc:
-        err.print(f"mtask-worker: {exc}", markup=False)
+        err.print(f"{prog}: {exc}", markup=False)
         return 1
     except MtaskError as exc:
-        err.print(f"mtask-worker: error: {exc}", markup=False)
+        err.print(f"{prog}: error: {exc}", markup=False)
         return 2
     return 0
 

@@ -48,7 +48,7 @@ from mtask.client.checks import check_kinds, check_wait
 from mtask.client.core import operation
 from mtask.client.publishing import MAX_DELAY_SECONDS, build_many, build_task, delay_seconds
 from mtask.clock import Clock
-from mtask.connection.clients import async_client, sync_client
+from mtask.connection.clients import CODEC_OPTIONS, async_client, sync_client
 from mtask.driver import Op
 from mtask.errors import TaskNotFound
 from mtask.follow import events, streams
@@ -92,8 +92,8 @@ class TaskClient(Operations):
         super().__init__(
             database, collection, clock, max_params_bytes, registry, encryption, self.mongo
         )
-        self.db = self.mongo[database]
-        self.collection = self.db[collection]
+        self.db = self.mongo.get_database(database, codec_options=CODEC_OPTIONS)  # a caller's
+        self.collection = self.db[collection]  # client too: timezone-aware UTC dates
         self._driver = driver.SyncDriver(driver.collections(self.db, collection))
         self._waiter: SyncWaiter | None = None
 
@@ -201,7 +201,7 @@ class AsyncTaskClient(Operations):
         super().__init__(
             database, collection, clock, max_params_bytes, registry, encryption, self.mongo
         )
-        self.db = self.mongo[database]
+        self.db = self.mongo.get_database(database, codec_options=CODEC_OPTIONS)
         self.collection = self.db[collection]
         self._driver = driver.AsyncDriver(driver.collections(self.db, collection))
         self._waiter: AsyncWaiter | None = None

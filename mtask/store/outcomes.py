@@ -33,6 +33,9 @@ class Outcome:
     state: RunState
     result: Any = None
     error: str | None = None
+    error_class: str | None = None
+    """FAIL: the importable path of the exception the handler raised (``builtins.ValueError``),
+    kept on the run beside its traceback (``runs.error_class``); None: it raised none."""
     permanent: bool = False
     retry_delay_ms: int | None = None
     """Explicit delay before the task may be claimed again (FAIL: ``Retry(delay=…)``, None:
@@ -140,6 +143,8 @@ def _state_fields(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
         sets.update({k: literal(v) for k, v in _success_tag(outcome).items()})
     elif state is RunState.FAIL:
         run_fields["error"] = literal(outcome.error)
+        if outcome.error_class is not None:
+            run_fields["error_class"] = literal(outcome.error_class)
         sets["error"] = literal(outcome.error)
         sets["failures"] = {"$add": ["$failures", 1]}
         if outcome.permanent:

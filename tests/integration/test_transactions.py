@@ -50,6 +50,29 @@ def test_task_exists_iff_transaction_commits(mongo: MongoClient[Any], db_name: s
     assert orders.count_documents({}) == 1
 
 
+def test_a_callers_plain_client_reads_timezone_aware_dates(mongo_uri: str, db_name: str) -> None:
+    # a caller's MongoClient as frameworks make it (Django's, MongoEngine's): tz_aware=False
+    with MongoClient(mongo_uri) as plain, TaskClient(mongo_client=plain, database=db_name) as c:
+        c.publish("echo", "aware", {})
+        task = c.get("aware")
+        assert task is not None and task.created_at is not None
+        assert task.created_at.utcoffset() is not None  # was naive: a wrong time in any zone
+
+
+async def test_a_callers_plain_async_client_reads_timezone_aware_dates(
+    mongo_uri: str, db_name: str
+) -> None:
+    plain: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri)
+    try:
+        c = AsyncTaskClient(mongo_client=plain, database=db_name)
+        await c.publish("echo", "aware", {})
+        task = await c.get("aware")
+        assert task is not None and task.created_at is not None
+        assert task.created_at.utcoffset() is not None
+    finally:
+        await plain.close()
+
+
 @pytest.fixture
 def client(client: TaskClient) -> TaskClient:
     client.ensure_indexes()

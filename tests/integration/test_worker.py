@@ -138,6 +138,10 @@ async def test_retries_backoff_and_final_failure(
     assert gave_up.error == "failed: the input can never work"
     later = client.get("r")
     assert later is not None and later.status == "succeeded" and later.attempts == 2
+    # each FAIL run keeps the importable class of what its handler raised
+    assert [r.error_class for r in fails.runs] == ["builtins.ValueError"] * 3
+    assert [r.error_class for r in gave_up.runs] == ["mtask.registry.Fail"]
+    assert [r.error_class for r in later.runs] == ["mtask.registry.Retry", None]  # then SUCCESS
 
 
 async def test_result_too_large(mongo_uri: str, db_name: str, client: TaskClient) -> None:

@@ -16,6 +16,13 @@ def short_traceback(exc: BaseException) -> str:
     return text if len(text) <= TRACEBACK_LIMIT else "…" + text[-TRACEBACK_LIMIT:]
 
 
+def class_path(exc: BaseException) -> str:
+    """The importable path of ``exc``'s class (``builtins.ValueError``, ``shop.errors.OutOfStock``),
+    recorded on a FAIL run beside its traceback (``error_class``)."""
+    kind = type(exc)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
 def said(exc: BaseException) -> str:
     """What a handler's ``Fail`` or ``Retry`` says: ``str(exc)``, or what ``traceback`` says of
     an exception whose ``__str__`` raises (a subclass's: it left its run with no outcome, its

@@ -28,7 +28,7 @@ from mtask.steps.children import ChildFailed
 from mtask.store import Outcome
 from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import ActiveRun
-from mtask.worker.running.failures import result_too_large, said, short_traceback
+from mtask.worker.running.failures import class_path, result_too_large, said, short_traceback
 from mtask.worker.stats import WorkerStats
 
 NO_RESULT_BYTES = len(bson.encode({"result": None}))
@@ -53,28 +53,31 @@ class RunOutcomes:
         run's outcome follows from why it was stopped, ``stopped``)."""
         if isinstance(exc, Suspended):
             return self.waiting(run, exc.wait)
+        kind = class_path(exc)  # recorded with a FAIL (``Run.error_class``)
         if isinstance(exc, StepError | SignalTimeout | ChildFailed):  # the same on every replay
-            return self.failure(run, f"{type(exc).__name__}: {exc}", permanent=True)
+            text = f"{type(exc).__name__}: {exc}"
+            return self.failure(run, text, permanent=True, error_class=kind)
         if isinstance(exc, Retry):
-            return self._retried(run, exc)
+            return self._retried(run, exc, kind)
         if isinstance(exc, Snooze):
             return self.snoozed(run, exc)
         if isinstance(exc, Fail):
-            return self.failure(run, f"failed: {said(exc)}", permanent=True)
+            return self.failure(run, f"failed: {said(exc)}", permanent=True, error_class=kind)
         if isinstance(exc, InvalidParams):  # the same on every run
-            return self.failure(run, str(exc), permanent=True)
+            return self.failure(run, str(exc), permanent=True, error_class=kind)
         # any other error is the task's failure: sys.exit() (argparse's error), LeaseLost, or
         # a class of its own too
-        return self.failure(run, short_traceback(exc))
+        return self.failure(run, short_traceback(exc), error_class=kind)
 
-    def _retried(self, run: ActiveRun, exc: Retry) -> Outcome:
+    def _retried(self, run: ActiveRun, exc: Retry, kind: str) -> Outcome:
         """A ``Retry``: a failure with its delay, checked again (a subclass or a changed
         ``delay`` skips the constructor's check); a delay out of range gets the backoff."""
         try:
             delay = retry_delay_ms(getattr(exc, "delay", None))
         except ValueError as bad:
-            return self.failure(run, f"retry requested: {said(exc)} ({bad})")
-        return self.failure(run, f"retry requested: {said(exc)}", retry_delay_ms=delay)
+            return self.failure(run, f"retry requested: {said(exc)} ({bad})", error_class=kind)
+        text = f"retry requested: {said(exc)}"
+        return self.failure(run, text, retry_delay_ms=delay, error_class=kind)
 
     def snoozed(self, run: ActiveRun, exc: Snooze) -> Outcome:
         """A ``Snooze``: SNOOZED, claimable again after its seconds, no retry spent;
@@ -159,7 +162,10 @@ class RunOutcomes:
         *,
         permanent: bool = False,
         retry_delay_ms: int | None = None,
+        error_class: str | None = None,
     ) -> Outcome:
+        """A FAIL; ``error_class``: the importable path of the exception the handler raised,
+        if it raised one."""
         metrics.by_name(metrics.FAILED, run.name).inc()
         if permanent:
             self.stats.failed += 1
@@ -178,6 +184,7 @@ class RunOutcomes:
             run.run_id,
             RunState.FAIL,
             error=error,
+            error_class=error_class,
             permanent=permanent,
             retry_delay_ms=retry_delay_ms,
             jitter=random.uniform(0.8, 1.2),
