@@ -12,7 +12,7 @@ from typing import Any
 from mtask.errors import MtaskError
 from mtask.web.access import SAFE, action_of
 from mtask.web.auth import Principal
-from mtask.web.guard import App, Message, Receive, Scope, Send, form_field
+from mtask.web.guard import App, Message, Receive, Scope, Send, form_field, route_path
 
 log = logging.getLogger("mtask.serve")
 NOT_ACTIONS = frozenset({"/login", "/logout"})
@@ -32,7 +32,7 @@ def client_address(scope: Scope, trust_proxy: bool) -> str:
 
 def describe(scope: Scope, body: bytes) -> dict[str, Any]:
     """What the request did: its action and target, from its route or its form."""
-    path: str = scope["path"]
+    path = route_path(scope)
     if path in FORMS:
         action = FORMS[path] or form_field(body, "action") or "unknown"
         target = form_field(body, "target") or form_field(body, "name") or ""
@@ -53,7 +53,7 @@ class Audit:
         if (
             scope["type"] != "http"
             or scope["method"] in SAFE
-            or scope["path"] in NOT_ACTIONS
+            or route_path(scope) in NOT_ACTIONS
             or not isinstance(scope.get("mtask_principal"), Principal)
         ):
             await self.app(scope, receive, send)
@@ -64,7 +64,7 @@ class Audit:
         async def receiving() -> Message:
             nonlocal body
             message = await receive()
-            if scope["path"] in FORMS and len(body) < 16384:
+            if route_path(scope) in FORMS and len(body) < 16384:
                 body += message.get("body", b"")
             return message
 

@@ -128,9 +128,16 @@ def settled(request: Request) -> str:
     return request.url.path + (f"?{urllib.parse.urlencode(kept)}" if kept else "")
 
 
+def root_of(request: Request) -> str:
+    """Where the app is mounted (the ASGI ``root_path``, ``""`` at a server's root): every
+    link, form and redirect of the dashboard starts with it."""
+    return str(request.scope.get("root_path", "")).rstrip("/")
+
+
 def render(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
     query = request.query_params
     page = templates.get_template(name).render(
+        root=root_of(request),
         csrf=csrf_of(request),
         nav=signed_in(request),
         signed_in=signed_in(request) and not request.app.state.keys.open,
@@ -186,7 +193,7 @@ async def login(request: Request) -> Response:
     principal = keys.principal(given)
     if principal is None:
         return login_page(request, "That is not the token.")
-    response = RedirectResponse("/", status_code=303)
+    response = RedirectResponse(f"{root_of(request)}/", status_code=303)
     response.set_cookie(
         COOKIE,
         keys.new_session(principal),
@@ -202,7 +209,8 @@ async def login(request: Request) -> Response:
 @router.post("/logout")
 async def logout(request: Request) -> Response:
     """Ends the browser's session (the guard checked its origin and CSRF token)."""
-    response = RedirectResponse("/login?" + urllib.parse.urlencode({"flash": "signed out"}), 303)
+    signed_out = urllib.parse.urlencode({"flash": "signed out"})
+    response = RedirectResponse(f"{root_of(request)}/login?{signed_out}", 303)
     response.delete_cookie(COOKIE, httponly=True, samesite="strict")
     return response
 

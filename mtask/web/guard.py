@@ -293,22 +293,22 @@ class Guard:
         if query is not None:
             scope["mtask_read_token"] = query
             return "read"
-        if self.keys.open:
-            scope["mtask_principal"] = LOOPBACK
+        if self.keys.open:  # an app that embeds this one (mtask.contrib) may name its caller
+            scope.setdefault("mtask_principal", LOOPBACK)
             return "open"
         return None
 
     async def _check(self, scope: Scope, receive: Receive) -> Receive:
         headers = header_map(scope["headers"])
         jar = cookies(headers)
-        path: str = scope["path"]
+        path = route_path(scope)
         unsafe = scope["method"] not in SAFE
         who = self._who(scope, headers, jar)
         scope["mtask_auth"] = who
         scope["mtask_secure"] = self.secure(scope, headers)
         login = path == "/login" and unsafe
         limit = LOGIN_MAX_BODY if login else self.max_body
-        _admit(path, who, unsafe, login)
+        _admit(path, who, unsafe, login, str(scope.get("root_path", "")).rstrip("/"))
         _within(headers.get("content-length", ""), limit)
         if not unsafe:
             return receive
@@ -347,12 +347,22 @@ class Guard:
             raise Refused(403, "CSRF token missing or wrong (send X-CSRF-Token or csrf)")
 
 
-def _admit(path: str, who: str | None, unsafe: bool, login: bool) -> None:
+def route_path(scope: Scope) -> str:
+    """The request's path within the app: ``path`` less the ``root_path`` the app is mounted
+    at (a Starlette ``Mount`` keeps both, as ASGI says), as its routes match it."""
+    path: str = scope["path"]
+    root = str(scope.get("root_path", "")).rstrip("/")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root) :] or "/"
+    return path
+
+
+def _admit(path: str, who: str | None, unsafe: bool, login: bool, root: str = "") -> None:
     """Refuse a request that ``who`` (``Guard._who``: ``None``, no credentials) may not make
-    to ``path``, before its body is read."""
+    to ``path``, before its body is read (``root``: where the app is mounted)."""
     readable = path.startswith(PUBLIC) or path == "/" or path.startswith("/ui/")
     if who is None and unsafe and path.startswith("/ui/"):  # a form after the session ended
-        raise Refused(303, "sign in again", {"Location": "/login?problem=sign+in+again"})
+        raise Refused(303, "sign in again", {"Location": f"{root}/login?problem=sign+in+again"})
     if who is None and not login and (unsafe or not readable):
         raise Refused(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
     if who == "read" and unsafe:

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from mtask.web.auth import Principal
-from mtask.web.guard import App, Receive, Scope, Send
+from mtask.web.guard import App, Receive, Scope, Send, route_path
 
 EXEMPT = ("/healthz", "/static/", "/favicon.ico")
 MAX_CALLERS = 10_000
@@ -57,7 +57,7 @@ class Rates:
         self.app, self.buckets = app, buckets
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"].startswith(EXEMPT):
+        if scope["type"] != "http" or route_path(scope).startswith(EXEMPT):
             await self.app(scope, receive, send)
             return
         wait = self.buckets.take(caller(scope))

@@ -9,12 +9,14 @@ import time
 import traceback
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "djproject.settings")
-import django  # noqa: E402
+import django
 
 django.setup()
 
 from asgiref.sync import async_to_sync  # noqa: E402
 from django_mongodb_backend import transaction  # noqa: E402
+from shop import tasks  # noqa: E402
+from shop.models import Order, Ran  # noqa: E402
 
 from mtask.contrib.django.compat import (  # noqa: E402
     InvalidTask,
@@ -22,8 +24,6 @@ from mtask.contrib.django.compat import (  # noqa: E402
     default_task_backend,
     task_enqueued,
 )
-from shop import tasks  # noqa: E402
-from shop.models import Order, Ran  # noqa: E402
 
 ENQUEUED = []
 task_enqueued.connect(lambda sender, task_result, **kw: ENQUEUED.append(task_result.id), weak=False)

@@ -148,7 +148,10 @@ class MtaskBackend(BaseTaskBackend):  # type: ignore[misc]
             self._request(task, args, kwargs),
         )
         result = self._result(published, task)
-        send = lambda: task_enqueued.send(sender=type(self), task_result=result)  # noqa: E731
+
+        def send() -> None:
+            task_enqueued.send(sender=type(self), task_result=result)
+
         if session is not None:
             self.connection().on_commit(send)
         else:
@@ -289,4 +292,3 @@ def _reading(get: Callable[[], Any], result_id: str) -> Any:
     if doc is None:
         raise TaskResultDoesNotExist(result_id)
     return doc
-

@@ -29,7 +29,6 @@ except ImportError:  # Django 5.2: the backport
     from django_tasks import (  # type: ignore[no-redef]
         DEFAULT_TASK_BACKEND_ALIAS,
         DEFAULT_TASK_QUEUE_NAME,
-        Task,
         TaskContext,
         TaskResult,
         TaskResultStatus,
@@ -38,7 +37,11 @@ except ImportError:  # Django 5.2: the backport
     )
     from django_tasks import signals as task_signals  # type: ignore[no-redef]
     from django_tasks.backends.base import BaseTaskBackend  # type: ignore[no-redef]
-    from django_tasks.base import TASK_REFRESH_ATTRS, TaskError  # type: ignore[no-redef]
+    from django_tasks.base import (  # type: ignore[no-redef]
+        TASK_REFRESH_ATTRS,
+        Task,
+        TaskError,
+    )
     from django_tasks.exceptions import (  # type: ignore[no-redef]
         InvalidTaskError as InvalidTask,
     )
@@ -65,9 +68,9 @@ __all__ = [
     "TaskResultDoesNotExist",
     "TaskResultStatus",
     "default_task_backend",
+    "normalize_json",
     "task_backends",
     "task_enqueued",
     "task_finished",
-    "normalize_json",
     "task_started",
 ]

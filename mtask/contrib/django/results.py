@@ -28,7 +28,8 @@ from mtask.contrib.django.compat import (
     TaskResultStatus,
 )
 from mtask.contrib.django.tasks import parse_name
-from mtask.models import Run, RunState, Task as MtaskDocument, TaskStatus
+from mtask.models import Run, RunState, TaskStatus
+from mtask.models import Task as MtaskDocument
 
 STATUSES = {
     TaskStatus.PENDING: TaskResultStatus.READY,
@@ -136,11 +137,11 @@ def finished(
     records it): SUCCESSFUL with ``value``, or FAILED with ``error`` added (``retried``: the
     task has retries left, its ``mtask_status`` is ``pending`` again)."""
     if error is None:
-        done = dataclasses.replace(
+        done: MtaskTaskResult = _replace(
             started, status=TaskResultStatus.SUCCESSFUL, finished_at=now, mtask_status="succeeded"
         )
         object.__setattr__(done, "_return_value", value)
-        return done  # type: ignore[no-any-return]
+        return done
     import traceback
 
     kind = type(error)
@@ -148,10 +149,16 @@ def finished(
         exception_class_path=f"{kind.__module__}.{kind.__qualname__}",
         traceback="".join(traceback.format_exception(error)),
     )
-    return dataclasses.replace(  # type: ignore[no-any-return]
+    return _replace(
         started,
         status=TaskResultStatus.FAILED,
         finished_at=now,
         errors=[*started.errors, raised],
         mtask_status="pending" if retried else "failed",
     )
+
+
+def _replace(result: MtaskTaskResult, **changes: Any) -> MtaskTaskResult:
+    """``dataclasses.replace`` of a result (its fields are Django's: mypy sees them as Any)."""
+    replaced: MtaskTaskResult = dataclasses.replace(result, **changes)
+    return replaced

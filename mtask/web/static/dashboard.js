@@ -58,9 +58,12 @@ document.addEventListener("submit", async (event) => {
   swap(await response.text(), response.url);
 });
 
+// where the dashboard is mounted ("" at a server's root): <body data-root>
+const ROOT = document.body.dataset.root || "";
+const PAGE = location.pathname.slice(ROOT.length) || "/";
 const REFRESHED = ["/", "/ui/workers", "/ui/limits"];
-if (REFRESHED.includes(location.pathname)) setInterval(refresh, 5000);
+if (REFRESHED.includes(PAGE)) setInterval(refresh, 5000);
 // a task page while the task is open: its progress and newest log lines, every 2 seconds
-if (location.pathname.startsWith("/ui/tasks/")) {
+if (PAGE.startsWith("/ui/tasks/")) {
   setInterval(() => { if (document.querySelector("[data-live]")) refresh(); }, 2000);
 }

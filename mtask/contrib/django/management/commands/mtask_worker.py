@@ -39,9 +39,7 @@ class Command(BaseCommand):
         except Exception as exc:  # noqa: BLE001 - Django's InvalidTaskBackend, said plainly
             raise CommandError(f"--backend: {exc}", returncode=2) from None
         if not isinstance(backend, MtaskBackend):
-            raise CommandError(
-                f"--backend {options['backend']}: not an MtaskBackend", returncode=2
-            )
+            raise CommandError(f"--backend {options['backend']}: not an MtaskBackend", returncode=2)
         served = sorted(backend.queues or {DEFAULT_TASK_QUEUE_NAME})
         queues = options["queues"] or served
         unknown = sorted(set(queues) - set(served))
