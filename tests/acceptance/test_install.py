@@ -33,7 +33,7 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     house = tmp_path_factory.mktemp("wheels")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(house),
-         f"{ROOT}[server,cli]"],
+         f"{ROOT}[server,cli,django,fastapi]"],
         check=True, timeout=600,
     )  # fmt: skip
     return house
@@ -145,3 +145,37 @@ def test_the_built_wheel_serves_the_dashboard(
         assert response.status_code == 200, (path, response.status_code)
     serve.send_signal(signal.SIGTERM)
     serve.wait(timeout=30)
+
+
+INTEGRATIONS = """
+import django
+from django.conf import settings
+
+settings.configure(
+    INSTALLED_APPS=["mtask.contrib.django"] + ([] if django.VERSION >= (6,) else ["django_tasks"]),
+    TASKS={"default": {"BACKEND": "mtask.contrib.django.MtaskBackend",
+                       "OPTIONS": {"uri": "mongodb://127.0.0.1:1/?replicaSet=none"}}},
+    USE_TZ=True,
+)
+django.setup()
+from mtask.contrib.django.compat import task_backends
+from mtask.contrib.fastapi import Mtask
+
+backend = task_backends["default"]
+print(type(backend).__name__, backend.supports_defer and backend.supports_priority)
+print(type(Mtask().router()).__name__)
+"""
+
+
+def test_the_django_and_fastapi_extras_install_from_the_wheel(
+    wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``mtask[django,fastapi]`` from the built wheel: on this Python (3.11) Django 5.2 with the
+    django-tasks backport; the backend and the router load (the Django project's own tests,
+    tests/integration/test_django.py, run them for real on both legs)."""
+    bin_dir = make_venv(
+        tmp_path_factory.mktemp("integrations"), wheelhouse, "mtask[django,fastapi]"
+    )
+    loaded = run(bin_dir, "python", "-c", INTEGRATIONS)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split() == ["MtaskBackend", "True", "APIRouter"], loaded.stdout

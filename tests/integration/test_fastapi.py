@@ -2,11 +2,9 @@
 publishes through the client dependency, an in-process worker runs the task, and mtask's
 dashboard and REST API under the router's prefix answer only the application's own auth."""
 
-from __future__ import annotations
-
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import httpx2 as httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -36,7 +34,9 @@ def make_app(uri: str, database: str) -> tuple[FastAPI, Mtask]:
     app.include_router(tasks.router(dependencies=[Depends(staff_only)]), prefix="/mtask")
 
     @app.post("/orders/{order}")
-    async def place(order: str, client: AsyncTaskClient = Depends(tasks.client)) -> dict[str, Any]:
+    async def place(
+        order: str, client: Annotated[AsyncTaskClient, Depends(tasks.client)]
+    ) -> dict[str, Any]:
         published = await client.publish("ship", f"ship-{order}", {"order": order})
         return {"key": published.task.key, "created": published.created}
 
