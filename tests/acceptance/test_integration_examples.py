@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness.processes import MTASK_ROOT
 from needs import missing
 from pymongo import MongoClient
 
@@ -25,7 +26,7 @@ def test_the_example_runs(example: Path, mongo_uri: str, mongo: MongoClient[dict
         missing(f"{package} is not installed (the dev extra has it)")
     ran = subprocess.run(
         [sys.executable, str(example)], capture_output=True, text=True, timeout=120,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "MTASK_MONGODB_URI": mongo_uri,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(MTASK_ROOT), "MTASK_MONGODB_URI": mongo_uri,
              "EXAMPLE_DATABASE": db_name},
     )  # fmt: skip
     assert ran.returncode == 0, ran.stderr
