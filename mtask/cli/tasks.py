@@ -628,6 +628,26 @@ def cmd_workers(args: argparse.Namespace) -> int:
     return 0
 
 
+@commands.command("pause")
+def cmd_pause(args: argparse.Namespace) -> int:
+    with task_client(args) as client:
+        client.pause(args.name)
+    out.print(
+        f"paused: {args.name} (no worker claims it until `mtask resume {args.name}`; runs in "
+        "flight finish)",
+        markup=False,
+    )
+    return 0
+
+
+@commands.command("resume")
+def cmd_resume(args: argparse.Namespace) -> int:
+    with task_client(args) as client:
+        client.resume(args.name)
+    out.print(f"resumed: {args.name} (workers claim it again)", markup=False)
+    return 0
+
+
 def read_lines(stream: IO[str], source: str) -> tuple[list[dict[str, Any]], list[int]]:
     """Every line a JSON object (blank lines skipped), and the line number of each; an error
     names the line."""
