@@ -79,9 +79,71 @@ def require(what: str, *modules: str) -> None:
 def missing_extra(what: str, module: str) -> MissingExtra:
     extra = EXTRAS.get(module, "cli")
     return MissingExtra(
-        f"{what} needs the {extra!r} extra ({module} is not installed): "
-        f"pip install 'mtask[{extra}]'"
+        f"{what} needs the {extra!r} extra ({module} is not installed): {install_command(extra)}"
     )
+
+
+def install_command(extra: str) -> str:
+    """The command that installs ``extra`` where this mtask came from: its source tree
+    (``pip install -e '.[server]'`` in a clone: no index has a distribution of it), the wheel
+    or directory it was installed from, else the package index (``pip install
+    'mtask[server]'``); with the pip of the interpreter that runs it."""
+    return f"{_pip()} install {installed_from(extra)}"
+
+
+def installed_from(extra: str) -> str:
+    """The requirement that adds ``extra`` to the mtask that runs: pip's record of a direct
+    install (``direct_url.json``: an editable or local directory, a wheel, a VCS URL), the
+    source tree it is imported from (a checkout on ``PYTHONPATH``), else its name."""
+    import importlib.metadata
+    import shlex
+    from pathlib import Path
+    from urllib.parse import unquote, urlparse
+
+    import mtask
+
+    tree = Path(mtask.__file__).resolve().parent.parent
+    source = tree if (tree / "pyproject.toml").is_file() else None
+    try:
+        record = importlib.metadata.distribution("mtask").read_text("direct_url.json")
+    except importlib.metadata.PackageNotFoundError:
+        record = None
+    direct = json.loads(record) if record else {}
+    url = str(direct.get("url", ""))
+    local = Path(unquote(urlparse(url).path)) if url.startswith("file://") else None
+    if source is not None and (local is None or local.resolve() != source):
+        return f"-e {shlex.quote(f'{_shown(source)}[{extra}]')}"  # a checkout, imported as is
+    if local is not None:
+        editable = "-e " if direct.get("dir_info", {}).get("editable") else ""
+        return f"{editable}{shlex.quote(f'{_shown(local)}[{extra}]')}"
+    vcs = direct.get("vcs_info")
+    if url and vcs:
+        return shlex.quote(f"mtask[{extra}] @ {vcs.get('vcs', 'git')}+{url}")
+    if url:
+        return shlex.quote(f"mtask[{extra}] @ {url}")
+    return f"'mtask[{extra}]'"
+
+
+def _shown(path: Any) -> str:
+    """A path as a user types it: relative to the working directory when under it."""
+    here = os.getcwd()
+    text = os.path.abspath(str(path))
+    if text == here:
+        return "."
+    if text.startswith(here + os.sep):
+        return os.path.relpath(text, here)
+    return text
+
+
+def _pip() -> str:
+    """``pip`` when the one on ``PATH`` is this interpreter's, else ``<python> -m pip``."""
+    import shlex
+    import shutil
+
+    found = shutil.which("pip")
+    if found is not None and os.path.dirname(found) == os.path.dirname(sys.executable):
+        return "pip"
+    return f"{shlex.quote(_shown(sys.executable))} -m pip"
 
 
 class Output:
