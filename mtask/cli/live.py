@@ -10,14 +10,12 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from mtask.cli.common import (
-    STATUSES,
     Commands,
     add_common,
     add_row,
     fitting_table,
     out,
     require,
-    status_columns,
     task_client,
     when,
 )
@@ -34,7 +32,7 @@ def _frames(client: Any, interval: float) -> Iterator[Group]:
 
     previous: tuple[float, dt.datetime] | None = None
     while True:
-        counts = client.stats()
+        counts = client.state_counts()
         workers = client.workers()
         now, server_now = time.monotonic(), client.now()
         # rates from the finished index (what finished since the last frame), not from the
@@ -47,24 +45,23 @@ def _frames(client: Any, interval: float) -> Iterator[Group]:
 
 
 def _counts(counts: Any, finished: dict[str, int], took: float | None, at: str) -> Any:
-    """Counts per name and status, and finished per second: readable at 80 columns (a status
-    no task is in takes no column; a name is never cut short)."""
-    statuses = status_columns(counts, STATUSES)
-    caption = f"{counts.exact_up_to:,}+: more than that many" if counts.at_least else None
-    if not counts:
-        caption = "no tasks yet"
-    table = fitting_table("name", *statuses, "finished/s", title=f"mtask top · {at}",
-                          caption=caption)  # fmt: skip
-    for name in sorted(counts):
-        rate = "" if took is None else f"{finished.get(name, 0) / took:.1f}"
-        add_row(table, name, *(counts.show(name, s) for s in statuses), rate)
+    """Counts per name and derived state (``render.state_table``, as ``mtask stats``), and
+    finished per second: readable at 80 columns."""
+    from mtask.cli.render import state_table
+
+    rates = {n: "" if took is None else f"{finished.get(n, 0) / took:.1f}" for n in counts.counts}
+    table = state_table(counts, title=f"mtask top · {at}", rates=rates)
+    if not counts.counts:
+        table.caption = "no tasks yet"
     return table
 
 
 def _crew(workers: list[dict[str, Any]]) -> Any:
+    from mtask.explain.wording import plural
+
     crew = fitting_table(
         "worker", "state", "in flight", "running", fold=("running",), left=("state",),
-        title=f"{len(workers)} worker(s)",
+        title=plural(len(workers), "worker"),
     )  # fmt: skip
     for w in workers:  # models.read_worker: every field in its shape, or its default
         running = ", ".join(r["key"] for r in w["running"][:5])

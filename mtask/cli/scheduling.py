@@ -414,25 +414,10 @@ def cmd_flow(args: argparse.Namespace) -> int:
     if args.json:
         print_json(tree)
         return 0
-    from rich.tree import Tree
+    from mtask.cli.render import flow_tree
 
-    root = Tree(_label(tree))
-    stack = [(root, tree)]
-    while stack:
-        branch, node = stack.pop()
-        for child in node["children"]:
-            stack.append((branch.add(_label(child)), child))
-    out.print(root)
+    out.print(flow_tree(tree))
     return 0
-
-
-def _label(node: dict[str, Any]) -> str:
-    waiting = node.get("waiting_on")
-    extra = f" (waiting on {', '.join(waiting)})" if waiting else ""
-    from rich.markup import escape
-
-    key, name, status = (escape(str(node.get(f))) for f in ("key", "name", "status"))
-    return f"{key}  {name}  [bold]{status}[/]{escape(extra)}"
 
 
 def register(sub: Any) -> None:

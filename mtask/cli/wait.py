@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         print_json,
         task_client,
     )
-    from mtask.cli.tasks import print_task
+    from mtask.cli.render import print_task
     from mtask.errors import StorageError, WaitTimeout
 
     try:  # TaskNotFound: run_command's one line and EXIT_NOT_FOUND, as for every command

@@ -10,7 +10,7 @@ from typing import Any
 
 from pymongo.errors import OperationFailure
 
-from mtask import driver, flows, store
+from mtask import driver, store
 from mtask.client.checks import check_key, check_kinds, check_list_args, check_number
 from mtask.client.core import Core, operation
 from mtask.driver import Op
@@ -102,8 +102,9 @@ class Reading:
 
     @operation
     def flow(self, key: str) -> Op[dict[str, Any] | None]:
-        """The tree of steps below ``key``: each node's key, name, status and children."""
-        return (yield from flows.tree(key))
+        """The tree of steps below ``key``: each node's key, name, status, derived state (with
+        ``why`` and ``reason``) and children."""
+        return (yield from cluster.explained_flow(key, self.core.clock.now()))
 
     @operation
     def parked(
@@ -204,6 +205,7 @@ class Reading:
         return (yield from cluster.search(wanted, self.core.clock.now(), **filters))
 
     @operation
-    def state_counts(self) -> Op[cluster.StateCounts]:
-        """Tasks per name and derived state (``store.cluster.state_counts``)."""
-        return (yield from cluster.state_counts(self.core.clock.now()))
+    def state_counts(self, *, exact: bool = False) -> Op[cluster.StateCounts]:
+        """Tasks per name and derived state (``store.cluster.state_counts``); ``exact``: the
+        finished ones counted exactly, at a cost that grows with the collection."""
+        return (yield from cluster.state_counts(self.core.clock.now(), exact=exact))

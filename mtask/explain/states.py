@@ -459,6 +459,16 @@ def _full(doc: Mapping[str, Any], now: dt.datetime) -> str | None:
 # -- the words the pages share -----------------------------------------------------------------
 
 
+def label(state: str, why: str | None) -> str:
+    """A derived state with its reason's kind, as every reader shows it (``mtask get``,
+    ``list``, ``flow``, the dashboard): ``blocked · backoff``, ``waiting · children``,
+    ``running · lease ended``. A retrying task's ``backoff`` (the wait before its next try) is
+    what retrying means: plain ``retrying``."""
+    if not why or (state == State.RETRYING and why == "backoff"):
+        return str(state)
+    return f"{state} · {why.replace('_', ' ')}"
+
+
 def timing(task: Task, said: Explained) -> tuple[str, dt.datetime | None] | None:
     """The time that matters next for a task in its state, and what it is called: ``runs`` (a
     scheduled task), ``next try`` (retrying), ``times out`` (a signal wait; ``None``: no

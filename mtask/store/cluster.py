@@ -242,6 +242,30 @@ def explain_all(tasks: Sequence[Task], now: dt.datetime) -> Op[list[Explained]]:
     return [explain(t, cluster) for t in tasks]
 
 
+# -- a flow's tree ------------------------------------------------------------------------------
+
+
+def explained_flow(key: str, now: dt.datetime) -> Op[Doc | None]:
+    """The flow below ``key`` (``flows.tree``), each node with its derived ``state``, ``why``
+    and ``reason``, as ``mtask get`` and the dashboard say them (one read of the cluster)."""
+    from mtask.flows import tree as flow_tree
+
+    root = yield from flow_tree(key)
+    if root is None:
+        return None
+    nodes, stack = {}, [root]
+    while stack:
+        node = stack.pop()
+        nodes[node["key"]] = node
+        stack.extend(node["children"])
+    docs: list[Doc] = yield Call("find", ({"_id": {"$in": list(nodes)}}, STATE_FIELDS))
+    tasks = [Task.from_document(d) for d in docs]
+    said = yield from explain_all(tasks, now)
+    for task, e in zip(tasks, said, strict=True):
+        nodes[task.key].update(state=e.state.value, why=e.why, reason=e.reason)
+    return root
+
+
 # -- a page of one state ------------------------------------------------------------------------
 
 
@@ -333,12 +357,14 @@ class StateCounts:
         return f"{self.counts.get(name, {}).get(state, 0):,}"
 
 
-def state_counts(now: dt.datetime, split_up_to: int = SPLIT_UP_TO) -> Op[StateCounts]:
+def state_counts(
+    now: dt.datetime, split_up_to: int = SPLIT_UP_TO, *, exact: bool = False
+) -> Op[StateCounts]:
     """Tasks per name and derived state: the stored counts (``counts.stats``: open ones
     exactly, finished ones up to a bound), the newest ``split_up_to`` pending tasks of each name
     read and explained. Costs what the backlog costs, at most ``split_up_to`` documents a
-    name."""
-    stored = yield from stats()
+    name. ``exact``: the finished ones counted exactly (``counts.stats``)."""
+    stored = yield from stats(exact=exact)
     pending = [n for n, row in stored.items() if row.get(TaskStatus.PENDING.value)]
     calls = [
         Call(

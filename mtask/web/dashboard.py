@@ -78,6 +78,7 @@ def _preview(value: Any) -> str:
 
 
 templates.filters["deadline"] = _deadline
+templates.filters["state_label"] = states.label
 templates.filters["shown"] = encryption.shown
 templates.filters["preview"] = _preview
 templates.filters["ticks"] = _ticks

@@ -165,7 +165,7 @@ def test_the_server_a_data_dir_started_is_the_one_later_commands_use(
             tasks.publish("n", "k")
         assert cli_main(["stats", "--json"]) == 0
         shown = capsys.readouterr()
-        assert (json.loads(shown.out), shown.err) == ({"n": {"pending": 1}}, "")
+        assert (json.loads(shown.out), shown.err) == ({"n": {"blocked": 1}}, "")  # no worker
         assert cli_main(["mongod", "status"]) == 0
         assert f"running: pid {EmbeddedMongo(data).status().pid}" in capsys.readouterr().out
         assert cli_main(["mongod", "stop"]) == 0

@@ -47,6 +47,8 @@ def test_publish_get_list_stats(
     code, out, _ = run(capsys, "list", "--json", *common)
     assert [t["_id"] for t in json.loads(out)] == ["img-1"]
     code, out, _ = run(capsys, "stats", "--json", *common)
+    assert json.loads(out) == {"resize": {"scheduled": 1}}  # the derived state, as list says
+    code, out, _ = run(capsys, "stats", "--json", "--by", "status", *common)
     assert json.loads(out) == {"resize": {"pending": 1}}
     code, out, _ = run(capsys, "cancel", "img-1", *common)
     assert code == 0 and client.get("img-1").status == "cancelled"  # type: ignore[union-attr]
@@ -231,7 +233,8 @@ def test_top_shows_counts_and_workers(
         "--uri", mongo_uri, "--database", db_name,
     )  # fmt: skip
     assert code == 0 and out.count("mtask top") == 2
-    assert "resize" in out and "0 worker(s)" in out
+    assert "resize" in out and "0 workers" in out
+    assert "blocked" in out.split("0 workers")[0]  # the derived state: no worker handles it
 
 
 def test_markup_in_keys_names_and_errors_is_shown_as_text(

@@ -107,9 +107,11 @@ def test_stats_and_top_read_whole_at_80_columns(
         for name in long_names:
             assert any(line.startswith(name + " ") for line in lines), (name, shown.stdout)
         header = next(line for line in lines if line.startswith("name "))
-        assert header.split()[1:3] == ["pending", "cancelled"], header
-    assert "none running, succeeded, failed or invalid" in stats.stdout
-    assert stats.stdout.splitlines()[0].split() == ["name", "pending", "cancelled", "total"]
+        assert header.split()[1:3] == ["blocked", "cancelled"], header  # no worker handles them
+    assert "none scheduled, available, running, retrying, waiting," in stats.stdout
+    assert stats.stdout.splitlines()[0].split() == ["name", "blocked", "cancelled", "total"]
+    by_status = cli_at_80("stats", "--by", "status", *common)
+    assert by_status.stdout.splitlines()[0].split() == ["name", "pending", "cancelled", "total"]
     row = next(line for line in stats.stdout.splitlines() if line.startswith(long_names[0]))
     assert row.split()[1:] == ["1", "1", "2"]
 

@@ -11,7 +11,7 @@ import pytest
 from harness import T0, running_worker, wait_for
 
 from mtask import Next, TaskClient, store
-from mtask.cli.tasks import _flow_rows
+from mtask.cli.render import _flow_rows
 from mtask.clock import FixedClock
 from mtask.errors import InvalidTask
 from mtask.flows import awaited, child_key, flush_outboxes, resolve

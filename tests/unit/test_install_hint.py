@@ -51,7 +51,9 @@ def test_a_wheel_from_the_index_a_file_or_a_repository(
     archive = {"url": wheel.as_uri(), "archive_info": {}}
     assert installed(monkeypatch, site, archive) == f"'{wheel}[server]'"
     git = {"url": "https://example.com/mtask.git", "vcs_info": {"vcs": "git", "commit_id": "a"}}
-    assert installed(monkeypatch, site, git) == "'mtask[server] @ git+https://example.com/mtask.git'"
+    assert (
+        installed(monkeypatch, site, git) == "'mtask[server] @ git+https://example.com/mtask.git'"
+    )
 
 
 def test_the_hint_uses_this_interpreters_pip(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -92,9 +92,19 @@ def test_mtask_get_loads_no_step_engine_worker_pool_or_tracing() -> None:
     OpenTelemetry (not loaded by the application, so no tracer provider can be set)."""
     names = loaded(
         "from mtask.cli import build_parser\nbuild_parser('get').parse_args(['get', 'k'])\n"
-        + "\n".join(f"import {m}" for m in sorted(function_imports(ROOT / "cli" / "tasks.py")))
+        + "\n".join(
+            f"import {m}"
+            for page in ("tasks.py", "render.py", "from_file.py")
+            for m in sorted(function_imports(ROOT / "cli" / page))
+        )
     )
-    cli = ["mtask.cli", "mtask.cli.bulk", "mtask.cli.common", "mtask.cli.tasks"]
+    cli = [
+        "mtask.cli",
+        "mtask.cli.bulk",
+        "mtask.cli.common",
+        "mtask.cli.render",
+        "mtask.cli.tasks",
+    ]
     assert under(names, "mtask.cli") == cli  # main builds the parser of get's module alone
     assert under(names, "mtask.steps") == [
         "mtask.steps",
