@@ -8,6 +8,7 @@ The handlers here are also a registry you can run yourself:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import signal
 import subprocess
@@ -120,22 +121,28 @@ def _where(client: TaskClient) -> Table:
     for row in rows:
         table_data.setdefault(row["_id"]["w"], {})[row["_id"]["s"]] = row["n"]
     states = ["SUCCESS", "FAIL", "TIMEOUT", "RELEASED"]
-    table = Table("worker", *states, title="What ran where (one row per worker, runs by outcome)")
+    table = Table("worker", *states, title="What ran where: runs by worker and outcome")
+    table.title_justify = "left"
     for worker in sorted(table_data):
         table.add_row(worker, *(str(table_data[worker].get(s, 0)) for s in states))
     return table
 
 
 def run_demo(uri: str | None = None, seconds: float = 120.0) -> int:
+    """Publish the sample tasks to ``DATABASE``, run them on ``WORKERS`` worker processes
+    (one killed mid-run), and print what ran where: 0 once every task finished. A terminal
+    sees a live progress bar; a pipe one line when they finished."""
     console = Console()
     client = TaskClient(uri, database=DATABASE)
     client.mongo.drop_database(DATABASE)
     uri = _client_uri(client, uri)
     items = sample_tasks(random.Random(7))
     client.publish_many(items)
-    console.print(f"published {len(items)} tasks to {DATABASE}; starting {WORKERS} workers")
+    console.print(
+        f"published {len(items)} sample tasks to database {DATABASE}; starting {WORKERS} workers",
+        markup=False,
+    )
     workers = [_spawn(uri, i) for i in range(1, WORKERS + 1)]
-    killed = False
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -144,44 +151,69 @@ def run_demo(uri: str | None = None, seconds: float = 120.0) -> int:
         console=console,
     )
     bar = progress.add_task("finished", total=len(items))
-    deadline = time.monotonic() + seconds
+    started = time.monotonic()
     try:
-        with Live(progress, console=console, refresh_per_second=8):
-            while time.monotonic() < deadline:
-                counts = client.stats()
-                done = sum(c.get("succeeded", 0) + c.get("failed", 0) for c in counts.values())
-                progress.update(bar, completed=done)
-                victim = _busiest(client) if not killed and done > 60 else None
-                if victim is not None:
-                    workers[victim - 1].send_signal(signal.SIGKILL)
-                    killed = True
-                    progress.console.print(
-                        f"killed worker-{victim} with SIGKILL mid-run; its tasks are taken "
-                        "over when their leases run out (3 s)"
-                    )
-                if done == len(items):
-                    break
-                time.sleep(0.25)
+        live = Live(progress, console=console, refresh_per_second=8)
+        with live if console.is_terminal else contextlib.nullcontext():
+            done = _watch(client, workers, len(items), started + seconds, progress, bar)
     finally:
-        for proc in workers:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in workers:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        _stop(workers)
+    if not console.is_terminal:  # a pipe: one line, not the bar's last frame
+        took = time.monotonic() - started
+        console.print(f"finished {done} of {len(items)} tasks in {took:.1f} s", markup=False)
+    console.print()
     console.print(_where(client))
     doomed = client.get("doomed")
-    console.print(f"stats: {client.stats()}")
     if doomed is not None:
         console.print(
             f"'doomed' ended {doomed.status} after {doomed.attempts} attempts: "
-            f"{(doomed.error or '').strip().splitlines()[-1]}"
+            f"{(doomed.error or '').strip().splitlines()[-1]}",
+            markup=False,
         )
-    finished = sum(c.get("succeeded", 0) + c.get("failed", 0) for c in client.stats().values())
     client.close()
-    return 0 if finished == len(items) else 1
+    return 0 if done == len(items) else 1
+
+
+def _watch(
+    client: TaskClient,
+    workers: list[subprocess.Popen[bytes]],
+    total: int,
+    deadline: float,
+    progress: Progress,
+    bar: Any,
+) -> int:
+    """Follow the tasks until all finished or ``deadline`` passed, killing the busiest worker
+    once with SIGKILL; how many finished."""
+    killed = False
+    done = 0
+    while time.monotonic() < deadline:
+        counts = client.stats()
+        done = sum(c.get("succeeded", 0) + c.get("failed", 0) for c in counts.values())
+        progress.update(bar, completed=done)
+        victim = _busiest(client) if not killed and done > 60 else None
+        if victim is not None:
+            workers[victim - 1].send_signal(signal.SIGKILL)
+            killed = True
+            progress.console.print(
+                f"killed worker-{victim} with SIGKILL mid-run; its tasks are taken "
+                "over when their leases run out (3 s)",
+                markup=False,
+            )
+        if done == total:
+            break
+        time.sleep(0.25)
+    return done
+
+
+def _stop(workers: list[subprocess.Popen[bytes]]) -> None:
+    for proc in workers:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in workers:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _client_uri(client: TaskClient, uri: str | None) -> str:

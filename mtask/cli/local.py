@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from typing import Any
 
 from mtask.cli.common import Commands, add_json, add_uri, err, mongodb_uri, out, print_json
@@ -14,9 +15,29 @@ run = commands.run
 
 @commands.command("demo")
 def cmd_demo(args: argparse.Namespace) -> int:
-    from mtask.demo import run_demo
+    from mtask.client import TaskClient
+    from mtask.demo import DATABASE, run_demo
 
-    return run_demo(mongodb_uri(args.uri), seconds=args.seconds)
+    uri = mongodb_uri(args.uri)
+    status = run_demo(uri, seconds=args.seconds)
+    from mtask.cli.render import state_table
+
+    with TaskClient(uri, database=DATABASE) as client:
+        out.print()
+        out.print(state_table(client.state_counts(), title=f"tasks in {DATABASE}, by state"))
+    given = f" --uri {shlex.quote(args.uri)}" if args.uri else ""
+    out.print(
+        f"\nThe demo's tasks are in database {DATABASE} (the commands read mtask unless told):",
+        markup=False,
+    )
+    for line in (
+        f"mtask stats --database {DATABASE}{given}",
+        f"mtask list --database {DATABASE} --state failed{given}",
+        f"mtask get doomed --database {DATABASE}{given}",
+        f"mtask serve --database {DATABASE}{given}   # the dashboard: http://127.0.0.1:8080/",
+    ):
+        out.print(f"  {line}", markup=False)
+    return status
 
 
 @commands.command("mongod")

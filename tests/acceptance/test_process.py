@@ -144,10 +144,26 @@ async def test_worker_survives_a_mongodb_restart(tmp_path: Path, db_name: str) -
 
 
 def test_demo_runs_and_preempts(mongo_uri: str, mongo: Any) -> None:
-    from mtask.demo import DATABASE, run_demo
+    """``mtask demo`` in a pipe: its lines apart (no progress bar run into the table's title),
+    no Python repr, and where its tasks are (database ``mtask_demo``) with the commands that
+    read them."""
+    from mtask.demo import DATABASE
 
     try:
-        assert run_demo(mongo_uri, seconds=90) == 0
+        shown = subprocess.run(
+            [sys.executable, "-m", "mtask.cli", "demo", "--uri", mongo_uri, "--seconds", "90"],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        lines = shown.stdout.splitlines()
+        assert "finished 300 of 300 tasks in " in shown.stdout
+        assert any(line.startswith("What ran where") for line in lines), shown.stdout
+        assert "{" not in shown.stdout and "300/300" not in shown.stdout  # no repr, no bar
+        assert f"published 300 sample tasks to database {DATABASE}" in shown.stdout
+        given = f"--uri '{mongo_uri}'"  # quoted: a URI's ? and & are the shell's
+        assert f"  mtask stats --database {DATABASE} {given}" in lines, shown.stdout
+        header = next(line for line in lines if line.startswith("name "))
+        assert header.split()[1:3] == ["succeeded", "failed"], header  # derived states
         tasks = mongo[DATABASE]["tasks"]
         assert tasks.count_documents({"status": {"$in": ["pending", "running"]}}) == 0
         assert tasks.count_documents({"runs.state": "TIMEOUT"}) > 0  # worker-1 was preempted
