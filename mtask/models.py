@@ -906,6 +906,9 @@ class PublishResult(BaseModel):
     dropped: bool = False
     """Not stored, an older task kept its place (``supersede="drop_newer"``);
     ``task`` is that older task."""
+    missing_dependencies: list[str] = Field(default_factory=list)
+    """The keys of ``depends_on`` no task has when it was published: it waits until one with
+    each key is published and succeeds (a typo waits forever; ``mtask publish`` warns)."""
 
 
 OnConflict = Literal["ignore", "update_params", "reset"]

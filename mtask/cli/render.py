@@ -18,7 +18,7 @@ from mtask.cli.common import add_row, fitting_table, json_default, out, status_c
 
 if TYPE_CHECKING:
     from mtask.explain.states import Explained
-    from mtask.models import OutputCounts, Task
+    from mtask.models import OutputCounts, PublishResult, Task
     from mtask.store.cluster import StateCounts
     from mtask.store.counts import Counts
 
@@ -489,3 +489,20 @@ def workers_table(workers: list[dict[str, Any]]) -> Any:
             when(w["last_seen"]),
         )
     return table
+
+
+def print_published(result: PublishResult, said: Explained | None) -> None:
+    """What ``mtask publish`` did, and the task's derived state: why it will not run yet (no
+    live worker handles its name, a dependency no task has, its name paused, …), as ``get``
+    says it."""
+    from mtask.explain.states import State
+
+    what = "created" if result.created else ("updated" if result.updated else "exists")
+    if result.dropped:  # an older task kept its place
+        what = f"dropped: {result.task.key}'s publish; kept"
+    state = str(result.task.status) if said is None else _state_cell(said)
+    out.print(f"{what}: {result.task.key} ({result.task.name}, {state})", markup=False)
+    if said is not None and said.state in (State.WAITING, State.BLOCKED):
+        out.print(f"  why: {said.reason}", markup=False)
+    if result.superseded:
+        out.print(f"superseded: {', '.join(result.superseded)}", markup=False)

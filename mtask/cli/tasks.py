@@ -13,6 +13,7 @@ from mtask.cli.common import (
     Commands,
     add_common,
     choose,
+    err,
     out,
     parse_json_object,
     print_json,
@@ -21,6 +22,7 @@ from mtask.cli.common import (
 from mtask.cli.render import (
     groups_table,
     print_list,
+    print_published,
     print_task,
     print_tracebacks,
     state_counts_json,
@@ -90,6 +92,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
     params = parse_json_object(args.params, "--params") if args.params else {}
     options = _options_from_args(args)
     with task_client(args) as client:
+        if args.require_dependencies and args.depends_on:
+            refuse_missing(client.missing(args.depends_on))
         result = client.publish(
             args.name,
             args.key,
@@ -102,6 +106,13 @@ def cmd_publish(args: argparse.Namespace) -> int:
             debounce=args.debounce,
             debounce_max=args.debounce_max,
         )
+        said = None if args.json or result.dropped else client.explain(result.task)
+    for key in result.missing_dependencies:
+        err.print(
+            f"mtask: warning: --depends-on {key}: no task has that key, so {args.key} waits "
+            "until one is published and succeeds (--require-dependencies refuses such a publish)",
+            markup=False,
+        )
     if args.json:
         print_json(
             {
@@ -110,18 +121,22 @@ def cmd_publish(args: argparse.Namespace) -> int:
                 "task": result.task.model_dump(by_alias=True),
                 "superseded": result.superseded,
                 "dropped": result.dropped,
+                "missing_dependencies": result.missing_dependencies,
             }
         )
-    else:
-        what = "created" if result.created else ("updated" if result.updated else "exists")
-        if result.dropped:  # an older task kept its place
-            what = f"dropped: {args.key}; kept"
-        out.print(
-            f"{what}: {result.task.key} ({result.task.name}, {result.task.status})", markup=False
-        )
-        if result.superseded:
-            out.print(f"superseded: {', '.join(result.superseded)}", markup=False)
+        return 0
+    print_published(result, said)
     return 0
+
+
+def refuse_missing(missing: list[str]) -> None:
+    if missing:
+        listed = ", ".join(missing)
+        which = "that key" if len(missing) == 1 else "those keys"
+        raise UsageError(
+            f"--depends-on {listed}: no task has {which}"
+            " (nothing was published: publish it first, or leave out --require-dependencies)"
+        )
 
 
 @commands.command("get")
@@ -326,6 +341,12 @@ def register(sub: Any) -> None:
     choose(conflict, ON_CONFLICT)
     p.add_argument(
         "--depends-on", action="append", metavar="KEY", help="run only after this task succeeded"
+    )
+    p.add_argument(
+        "--require-dependencies",
+        action="store_true",
+        help="refuse the publish (exit 2, nothing written) if a --depends-on KEY names no task; "
+        "without it such a publish warns",
     )
     supersede = p.add_argument(
         "--supersede",

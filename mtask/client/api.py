@@ -105,6 +105,7 @@ class Operations:
     flow = Reading.flow
     parked = Reading.parked
     names = Reading.names
+    missing = Reading.missing
     search = Reading.search
     ensure_bulk_indexes = Reading.ensure_bulk_indexes
     read_token = Reading.read_token

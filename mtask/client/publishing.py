@@ -239,6 +239,8 @@ class Publishing:
             doc = yield from store.get(task.key)
             if doc is not None:
                 published = store.Published(published.created, published.updated, doc)
+            missing = yield from store.missing_keys(task.depends_on)
+            return _result(published).model_copy(update={"missing_dependencies": missing})
         return _result(published)
 
     @operation

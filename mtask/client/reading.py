@@ -116,6 +116,14 @@ class Reading:
         return (yield from store_parked.parked(name, after))
 
     @operation
+    def missing(self, keys: Sequence[str]) -> Op[builtins.list[str]]:
+        """Which of ``keys`` no task has, in their order (a dependency to check before a
+        publish that ``depends_on`` it)."""
+        for key in keys:
+            check_key(key, "keys")
+        return (yield from store.missing_keys(keys))
+
+    @operation
     def names(self) -> Op[builtins.list[str]]:
         """The names of the tasks in the collection (an index's distinct scan)."""
         found = yield counts.names()

@@ -75,6 +75,8 @@ WHY: dict[State, tuple[str, ...]] = {
     State.BLOCKED: ("group", "backoff", "limit", "paused", "no_worker"),
 }
 """The reasons of a waiting and of a blocked task, in the order ``explain`` tries them."""
+SHOWN_DEPENDENCIES = 5
+"""How many of the keys a task waits for its reason names."""
 _FINAL = {
     TaskStatus.SUCCEEDED: State.SUCCEEDED,
     TaskStatus.FAILED: State.FAILED,
@@ -130,6 +132,8 @@ class Cluster:
     resources: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """The slots of the shared resources with a limit each name takes (its handlers' ``uses``,
     and the resources that list it), by name: their documents are in ``limits``."""
+    missing: frozenset[str] = frozenset()
+    """The keys the tasks asked about wait for that no task has (never published, or purged)."""
 
     def host_of(self, worker_id: str) -> str | None:
         return next((w.host for w in self.workers or () if w.id == worker_id), None)
@@ -157,13 +161,7 @@ def explain(task: Task, cluster: Cluster) -> Explained:
     if status is TaskStatus.RUNNING:
         return _running(task, cluster)
     if task.waiting_on:
-        keys = ", ".join(f"`{k}`" for k in task.waiting_on[:5])
-        more = f" and {len(task.waiting_on) - 5} more" if len(task.waiting_on) > 5 else ""
-        count = len(task.waiting_on)
-        noun = "task" if count == 1 else "tasks"
-        return Explained(
-            State.WAITING, "dependencies", f"waiting for {count} {noun} it depends on: {keys}{more}"
-        )
+        return Explained(State.WAITING, "dependencies", _dependencies(task, cluster))
     due = _due(task, cluster.now)
     if due is None:
         return Explained(
@@ -175,6 +173,24 @@ def explain(task: Task, cluster: Cluster) -> Explained:
     if due > cluster.now:
         return _later(task, due, cluster.now)
     return _blocked(task, cluster) or _available(task, due, cluster)
+
+
+def _dependencies(task: Task, cluster: Cluster) -> str:
+    """What a task waiting for the tasks it depends on says: which, and those no task has."""
+    shown = task.waiting_on[:SHOWN_DEPENDENCIES]
+    keys = ", ".join(f"`{k}`" for k in shown)
+    extra = len(task.waiting_on) - len(shown)
+    more = f" and {extra} more" if extra > 0 else ""
+    said = f"waiting for {plural(len(task.waiting_on), 'task')} it depends on: {keys}{more}"
+    missing = [k for k in shown if k in cluster.missing]
+    if missing:
+        which = ", ".join(f"`{k}`" for k in missing)
+        verb = "does" if len(missing) == 1 else "do"
+        said += (
+            f"; {which} {verb} not exist: no task has that key, so it waits until one is "
+            "published and succeeds (mtask cancel it, or publish the missing task)"
+        )
+    return said
 
 
 def _due(task: Task, now: dt.datetime) -> dt.datetime | None:

@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtask.driver import Call, Doc, Op, gather
-from mtask.explain.states import Cluster, Explained, Group, State, Worker, explain
+from mtask.explain.states import (
+    SHOWN_DEPENDENCIES,
+    Cluster,
+    Explained,
+    Group,
+    State,
+    Worker,
+    explain,
+)
 from mtask.limits.rules import (
     RESOURCE_IDS,
     RESOURCE_USERS,
@@ -98,7 +106,26 @@ def read(tasks: Sequence[Task], now: dt.datetime, *, ahead: bool = False) -> Op[
         limits = {str(d["_id"]): d for d in docs}
         resources = _resources(names, declared, limits)
     groups = yield from _groups(tasks, limits, ahead)
-    return Cluster(now, frozenset(paused), _workers(workers), limits, groups, resources)
+    missing = yield from _missing(tasks)
+    return Cluster(
+        now, frozenset(paused), _workers(workers), limits, groups, resources, frozenset(missing)
+    )
+
+
+def _missing(tasks: Sequence[Task]) -> Op[set[str]]:
+    """The keys the pending ``tasks`` wait for (the first ``SHOWN_DEPENDENCIES`` of each, those
+    a reason names) that no task has: a dependency never published, or purged."""
+    awaited = {
+        k
+        for t in tasks
+        if t.status is TaskStatus.PENDING
+        for k in t.waiting_on[:SHOWN_DEPENDENCIES]
+        if isinstance(k, str)
+    }
+    if not awaited:
+        return set()
+    found: list[Doc] = yield Call("find", ({"_id": {"$in": sorted(awaited)}}, {"_id": 1}))
+    return awaited - {d["_id"] for d in found}
 
 
 def declared_uses(workers: Iterable[Doc], names: Sequence[str] | None) -> dict[str, set[str]]:

@@ -240,6 +240,15 @@ def get(key: str) -> Op[Doc | None]:
     return doc
 
 
+def missing_keys(keys: Sequence[str]) -> Op[list[str]]:
+    """The ``keys`` no task has, in their order (a dependency never published, or purged)."""
+    if not keys:
+        return []
+    found: list[Doc] = yield Call("find", ({"_id": {"$in": list(keys)}}, {"_id": 1}))
+    have = {d["_id"] for d in found}
+    return [k for k in dict.fromkeys(keys) if k not in have]
+
+
 def get_status(key: str) -> Op[Doc | None]:
     """The fields that say why a run lost its task."""
     doc: Doc | None = yield Call(

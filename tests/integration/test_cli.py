@@ -245,7 +245,7 @@ def test_markup_in_keys_names_and_errors_is_shown_as_text(
     common = ("--uri", mongo_uri, "--database", db_name)
     options = json.dumps({"group": "g[/g]"})
     code, out, err = run(capsys, "publish", "m[/y]", "pk[/z]", "--options", options, *common)
-    assert (code, err) == (0, "") and "created: pk[/z] (m[/y], pending)" in out
+    assert (code, err) == (0, "") and "created: pk[/z] (m[/y], blocked · no worker)" in out
     now = client.now()
     run_doc = {"run_id": "r1", "worker_id": "w[/w]", "state": "FAIL", "claimed_at": now}
     client.collection.update_one(

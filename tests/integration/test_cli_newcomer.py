@@ -1,0 +1,69 @@
+"""A newcomer's dead ends, each closed where it starts: ``mtask pause``/``resume`` run, a
+dependency no task has is named at publish and in the why (or refused), a publish says why its
+task will not run yet (no live worker handles its name), one vocabulary of derived states."""
+
+from __future__ import annotations
+
+import json
+
+from harness import run_cli
+
+from mtask import TaskClient
+
+
+def test_pause_and_resume_a_name(mongo_uri: str, db_name: str, client: TaskClient) -> None:
+    common = ("--uri", mongo_uri, "--database", db_name)
+    code, out, err = run_cli("pause", "newsletter", *common)
+    assert (code, err) == (0, "") and out.startswith("paused: newsletter"), out + err
+    assert client.paused() == {"newsletter"}
+    client.publish("newsletter", "nl-1")
+    code, out, _ = run_cli("get", "nl-1", *common)
+    assert "blocked · paused" in out and "mtask resume newsletter" in " ".join(out.split())
+    code, out, err = run_cli("resume", "newsletter", *common)
+    assert (code, err) == (0, "") and out.startswith("resumed: newsletter")
+    assert client.paused() == set()
+
+
+def test_a_dependency_no_task_has_is_named(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    common = ("--uri", mongo_uri, "--database", db_name)
+    code, out, err = run_cli("publish", "invoice", "inv-1", "--depends-on", "no-such-key", *common)
+    assert code == 0, err
+    assert "warning: --depends-on no-such-key: no task has that key" in " ".join(err.split())
+    flat = " ".join(out.split())
+    assert "created: inv-1 (invoice, waiting · dependencies)" in flat, out
+    assert "`no-such-key` does not exist" in flat, out
+    code, out, _ = run_cli("get", "inv-1", *common)
+    assert "`no-such-key` does not exist" in " ".join(out.split()), out
+    said = client.explain(client.get("inv-1"))  # type: ignore[arg-type]
+    assert said.why == "dependencies" and "does not exist" in said.reason
+    assert client.publish("x", "x-1", depends_on=["no-such-key", "inv-1"]).missing_dependencies == [
+        "no-such-key"
+    ]
+    code, out, err = run_cli(
+        "publish", "invoice", "inv-2", "--depends-on", "no-such-key", "--require-dependencies",
+        *common,
+    )  # fmt: skip
+    assert code == 2 and "no task has that key (nothing was published" in err, err
+    assert client.get("inv-2") is None
+    code, out, err = run_cli(
+        "publish", "invoice", "inv-3", "--depends-on", "inv-1", "--require-dependencies", *common
+    )
+    assert (code, err) == (0, ""), err  # inv-1 exists
+    client.publish("invoice", "no-such-key")  # published late: the why no longer says so
+    said = client.explain(client.get("inv-1"))  # type: ignore[arg-type]
+    assert said.why == "dependencies" and "does not exist" not in said.reason
+
+
+def test_a_publish_says_no_live_worker_handles_its_name(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    common = ("--uri", mongo_uri, "--database", db_name)
+    code, out, err = run_cli("publish", "resize_image", "img-1", *common)
+    assert (code, err) == (0, "")
+    flat = " ".join(out.split())
+    assert "created: img-1 (resize_image, blocked · no worker)" in flat, out
+    assert "why: no live worker handles `resize_image`" in flat, out
+    code, out, _ = run_cli("publish", "resize_image", "img-1", "--json", *common)
+    assert json.loads(out)["missing_dependencies"] == []
