@@ -503,6 +503,7 @@ def print_published(result: PublishResult, said: Explained | None) -> None:
     state = str(result.task.status) if said is None else _state_cell(said)
     out.print(f"{what}: {result.task.key} ({result.task.name}, {state})", markup=False)
     if said is not None and said.state in (State.WAITING, State.BLOCKED):
-        out.print(f"  why: {said.reason}", markup=False)
+        later = " (yet: a worker that handles it claims it once it runs)"
+        out.print(f"  why: {said.reason}{later if said.why == 'no_worker' else ''}", markup=False)
     if result.superseded:
         out.print(f"superseded: {', '.join(result.superseded)}", markup=False)

@@ -25,6 +25,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,10 +257,40 @@ def quickstart() -> tuple[str, str, str]:
 def test_the_quickstart_installs_as_the_set_up_does() -> None:
     install, app, _ = quickstart()
     assert install.strip() == (
-        "python3 -m venv .venv && .venv/bin/pip install -e '.[embedded]' && . .venv/bin/activate"
-    )
+        "python3 -m venv .venv && .venv/bin/pip install -e '.[embedded,server]' "
+        "&& . .venv/bin/activate"
+    )  # the server extra: the quickstart ends with mtask serve
     assert app.startswith("# app.py\n")
-    assert len(app.strip().splitlines()) + 4 <= 15  # about ten lines of code, and four commands
+    assert len(app.strip().splitlines()) + 5 <= 16  # about ten lines of code, and five commands
+
+
+def served_at(where: Path, env: dict[str, str]) -> None:
+    """``mtask serve`` as the quickstart's last line runs it (on a free port here: 8080 may be
+    taken), says its address, and the dashboard answers there."""
+    import httpx2 as httpx
+
+    from mtask.embedded import free_port
+
+    port = free_port()
+    serve = subprocess.Popen(
+        ["mtask", "serve", "--port", str(port)], cwd=where, env=env,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert serve.stderr is not None
+        first = serve.stderr.readline()
+        assert f"mtask serve: http://127.0.0.1:{port}/ (no token (loopback only))" in first, first
+        for _ in range(600):
+            try:
+                page = httpx.get(f"http://127.0.0.1:{port}/", timeout=5)
+                break
+            except httpx.TransportError:
+                assert serve.poll() is None, serve.stderr.read()
+                time.sleep(0.1)
+        assert page.status_code == 200 and "mtask" in page.text
+    finally:
+        serve.terminate()
+        serve.communicate(timeout=30)  # its pipe read to the end and closed
 
 
 @pytest.mark.slow
@@ -269,17 +300,16 @@ def test_the_quickstart_runs(tmp_path: Path) -> None:
     background (stopped with SIGTERM at the end, as ``kill %1`` does)."""
     _, app, session = quickstart()
     (tmp_path / "app.py").write_text(app)
-    script = "set -euo pipefail\ntrap 'kill %1 2>/dev/null; wait' EXIT\n" + session
+    *lines, serve = session.strip().splitlines()
+    assert serve.startswith("mtask serve ") and "open http://127.0.0.1:8080/" in serve, serve
+    script = "set -euo pipefail\ntrap 'kill %1 2>/dev/null; wait' EXIT\n" + "\n".join(lines)
     bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "COLUMNS": "100"}
     done = subprocess.run(
-        ["bash", "-c", script],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "COLUMNS": "100"},
+        ["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("created: greet-1 (greet, pending)\n"), done.stdout
+    assert done.stdout.startswith("created: greet-1 (greet, "), done.stdout
+    served_at(tmp_path, env)  # the last line: the dashboard, where it says
     assert done.stdout.count("succeeded") >= 2, done.stdout  # wait's and get's
     assert done.stdout.count('"hello, Ada"') == 2, done.stdout
