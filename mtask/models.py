@@ -199,6 +199,14 @@ class TaskOptions(BaseModel):
     retry_delay_ms: int = Field(1_000, ge=0, le=86_400_000)
     retry_backoff: float = Field(2.0, ge=1.0, le=100.0)
     max_retry_delay_ms: int = Field(3_600_000, ge=0, le=MAX_RETRY_DELAY_MS)
+    max_backoffs: int = Field(
+        100,
+        ge=0,
+        le=1_000_000,
+        description="How many times its handler may raise BackOff (each releases the run, no "
+        "retry spent) before the task fails for good, saying so: a handler that always answers "
+        "a 429 does not back off forever.",
+    )
     run_at: dt.datetime | None = Field(None, description="Not claimed before this time.")
     keep_succeeded_ms: int | None = Field(
         None,
@@ -523,6 +531,9 @@ class TaskDocument(BaseModel):
     snoozes: int | None = Field(None, ge=0)
     """How many runs ended ``SNOOZED`` (``raise mtask.Snooze``); absent until one
     does. Never reset: a snooze spends no retry, and the count says how often it was put off."""
+    backoffs: int | None = Field(None, ge=0)
+    """How many runs its handler ended with ``raise mtask.BackOff`` (released, no retry spent);
+    absent until one does. Past ``options.max_backoffs`` the task fails for good."""
     supersede: Literal["drop_newer", "cancel_queued", "cancel_running"] | None = None
     """Published with a supersede policy (``store.supersede``): one open task of its
     name and group among those that were (the unique ``supersede`` index)."""
@@ -575,6 +586,7 @@ class StoredOptions(BaseModel):
     retry_delay_ms: int | None = None
     retry_backoff: float | None = None
     max_retry_delay_ms: int | None = None
+    max_backoffs: int | None = None
     run_at: dt.datetime | None = None
     keep_succeeded_ms: int | None = None
     keep_failed_ms: int | None = None
@@ -657,6 +669,8 @@ class Task(BaseModel):
     """A spawned child's parent, step and place."""
     snoozes: int | None = None
     """How many of its runs ended ``SNOOZED`` (``raise mtask.Snooze``; ``None``: none)."""
+    backoffs: int | None = None
+    """How many of its runs its handler ended with ``raise mtask.BackOff`` (``None``: none)."""
     supersede: str | None = None
     """The supersede policy it was published with, if any."""
     superseded_by: str | None = None

@@ -258,6 +258,9 @@ def _later(task: Task, due: dt.datetime, now: dt.datetime) -> Explained:
         )
     if snoozed(task):
         return Explained(State.WAITING, "snoozed", _snoozed(task, due, now))
+    backed = backed_off(task)
+    if backed is not None:
+        return Explained(State.SCHEDULED, "backoff", _released(task, backed, due, now))
     if retried(task):
         error = last_line(task.error) or last_line(_last_error(task))
         failed = f"attempt {max(1, attempt_of(task)[0] - 1)} failed" + (
@@ -285,6 +288,27 @@ def snoozed(task: Task) -> bool:
     """Whether the task's newest ended run was snoozed (``raise mtask.Snooze``)."""
     ended = [r for r in task.runs if r.state is not RunState.RUNNING]
     return bool(ended) and ended[-1].state is RunState.SNOOZED
+
+
+def backed_off(task: Task) -> str | None:
+    """What the task's newest ended run said, if its handler's ``BackOff`` released it
+    (``backed off group `globex` of `send_email` until …, by its handler``)."""
+    ended = [r for r in task.runs if r.state is not RunState.RUNNING]
+    if not ended or ended[-1].state is not RunState.RELEASED:
+        return None
+    said = last_line(ended[-1].error)
+    return said if said.startswith("backed off ") else None
+
+
+def _released(task: Task, backed: str, due: dt.datetime, now: dt.datetime) -> str:
+    """What a task its handler's ``BackOff`` released says: what it held, until when, how
+    often it did of how often it may."""
+    cap = task.options.max_backoffs
+    of = f" of at most {cap} (max_backoffs)" if cap is not None else ""
+    return (
+        f"released: {backed}; due again at {when(due)} ({relative(due, now)}); "
+        f"{plural(task.backoffs or 1, 'back-off')}{of}, no retry spent"
+    )
 
 
 def _snoozed(task: Task, due: dt.datetime, now: dt.datetime) -> str:

@@ -61,6 +61,7 @@ STATE_FIELDS: Doc = {
     "created_at": 1,
     "finished_at": 1,
     "invalid_reason": 1,
+    "backoffs": 1,
     "runs": {"$slice": -3},
 }
 """What ``explain`` reads of a task it counts or a sequence's lock holder (not its params,

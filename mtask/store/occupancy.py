@@ -4,7 +4,8 @@ blocked, and its head (the task that runs next). ``mtask limits``, ``GET /limits
 the dashboard's limits page show it.
 
 A task is **blocked** here by the rules ``mtask.explain.states.explain`` applies to one task,
-counted for many: due but its name paused or without a live worker; in a sequence, every due task
+counted for many: due but its name paused or without a live worker, or held by a handler's
+``BackOff`` (the name, or its group); in a sequence, every due task
 but the one that may take the lock (its holder if due, else the first in publish order if due and
 no task holds it); in a group limited to N runs at once, the due tasks beyond the free places;
 then the name's own limit, beyond its free places.
@@ -229,12 +230,15 @@ def _name_use(
     name = str(doc["_id"])
     found = limits.overrides(doc)
     base = group_limit(doc)
+    held_groups = _held_groups(doc, now)
     groups = []
     for r in rows:
         group = r["_id"] if isinstance(r["_id"], str) else None
         slot = slots.get(group_slot(name, str(group)))
         each = limit_under(base, None if group is None else found.get(group))
         use = _group_use(r, each, slot, now)
+        if group in held_groups:  # a handler's BackOff holds the group: every due task waits
+            use = dataclasses.replace(use, blocked=use.due)
         if group in found:
             weight = found[group].weight
             use = dataclasses.replace(
@@ -245,7 +249,8 @@ def _name_use(
     blocked = sum(g.blocked for g in groups)
     own = own_limit(doc)
     in_use = _live(doc, now)
-    if paused or not handled:
+    held = held_until(doc, None, now)
+    if paused or not handled or held is not None:  # a BackOff of the name holds every task
         blocked = due
     elif own.concurrency is not None:
         blocked += max(0, (due - blocked) - max(0, own.concurrency - in_use))
@@ -253,7 +258,7 @@ def _name_use(
         name, doc, paused, handled, in_use, sum(1 for g in groups if g.holds_lock),
         sum(g.open for g in groups), sum(g.running for g in groups), due, blocked,
         groups[:TOP_GROUPS], max(0, len(groups) - TOP_GROUPS),
-        held_until=held_until(doc, None, now), held_groups=_held_groups(doc, now),
+        held_until=held, held_groups=held_groups,
     )  # fmt: skip
 
 

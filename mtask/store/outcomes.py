@@ -69,6 +69,9 @@ class Outcome:
     child_of: Doc | None = None
     """A spawned child's ``spawn``: once its outcome is recorded, a final one is
     counted on its parent (``store.children.count_finished``)."""
+    backed_off: bool = False
+    """RELEASED by its handler's ``BackOff``: ``error`` says what it held until when (kept on
+    the run), and the task's ``backoffs`` counts it."""
 
 
 def _success_tag(outcome: Outcome) -> Doc:
@@ -154,6 +157,9 @@ def _state_fields(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
         sets["steps"] = settled_waits_expr(now, final)
     elif state is RunState.RELEASED:  # due at once, or after a back-off's hold
         sets["available_at"] = now + dt.timedelta(milliseconds=outcome.retry_delay_ms or 0)
+        if outcome.backed_off:  # its handler's BackOff: what it held, counted
+            run_fields["error"] = literal(outcome.error)
+            sets["backoffs"] = {"$add": [{"$ifNull": ["$backoffs", 0]}, 1]}
     elif state is RunState.SNOOZED:  # no failure counted, the snooze counted
         run_fields["error"] = literal(outcome.error)
         sets["snoozes"] = {"$add": [{"$ifNull": ["$snoozes", 0]}, 1]}

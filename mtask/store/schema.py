@@ -404,6 +404,7 @@ CLAIMED_FIELDS.update({"runs.state": 1, "runs.txn": 1})
 CLAIMED_FIELDS["next_claim_at"] = 1
 CLAIMED_FIELDS["steps"] = 1  # durable steps to replay (docs/steps.md); absent: no bytes
 CLAIMED_FIELDS["spawn"] = 1  # a spawned child's parent, counted at its end; absent: no bytes
+CLAIMED_FIELDS["backoffs"] = 1  # its handler's BackOffs so far, against max_backoffs
 """What a worker needs of a task it claimed."""
 PLACEMENT_FIELDS = {
     "next_claim_at": 1,

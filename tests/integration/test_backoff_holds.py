@@ -200,3 +200,53 @@ async def test_a_back_off_within_a_longer_hold_releases_its_task_until_the_longe
     until = mongo[db_name].limits.find_one({"_id": slot})[limits.HELD_UNTIL]
     task = mongo[db_name].tasks.find_one({"_id": "h9"})
     assert task["status"] == "pending" and task["available_at"] >= until
+
+
+@registry.task("always_429")
+async def always_429(params: dict[str, Any], ctx: TaskContext) -> None:
+    raise BackOff(params["seconds"], group=True, reason="429 from the provider")
+
+
+async def test_the_task_that_backed_off_says_why_and_fails_past_max_backoffs(
+    mongo_uri: str, mongo: MongoClient[Any], db_name: str, client: TaskClient
+) -> None:
+    """A handler that always answers 429: each run RELEASED says what it held until when, the
+    task's own why says it was released by its handler's back-off (not a bare ``scheduled``),
+    the held group's other task is ``blocked · backoff`` and counted blocked on the limits page
+    as on its own; past ``max_backoffs`` the task fails for good, saying so."""
+    async with running_worker(registry, mongo_uri, db_name, concurrency=2) as (_, events):
+        client.publish(
+            "always_429", "mail-429", {"seconds": 30},
+            options={"group": "globex", "max_backoffs": 1},
+        )  # fmt: skip
+        await events.wait("recorded", key="mail-429", state="RELEASED")
+        client.publish("always_429", "mail-2", {"seconds": 30}, options={"group": "globex"})
+        task = client.get("mail-429")
+        assert task is not None and task.backoffs == 1 and task.failures == 0
+        assert task.runs[0].error is not None
+        assert task.runs[0].error.startswith("backed off group `globex` of `always_429` until ")
+        assert task.runs[0].error.endswith(", by its handler: 429 from the provider")
+        said = client.explain(task)
+        assert (said.state, said.why) == (State.SCHEDULED, "backoff"), said
+        assert said.reason.startswith("released: backed off group `globex` of `always_429`")
+        assert "1 back-off of at most 1 (max_backoffs), no retry spent" in said.reason
+        other = client.explain(client.get("mail-2"))  # type: ignore[arg-type]
+        assert (other.state, other.why) == (State.BLOCKED, "backoff"), other
+        [use] = [u for u in client.limit_use() if u.name == "always_429"]
+        blocked = client.search_state("blocked", name="always_429").tasks
+        assert use.blocked == len(blocked) == 1, (use, blocked)
+        [group] = [g for g in use.groups if g.group == "globex"]
+        assert group.blocked == 1
+        code, out, _ = run_cli("get", "mail-2", "--uri", mongo_uri, "--database", db_name)
+        assert code == 0 and "blocked · backoff" in out, out
+        code, out, _ = run_cli("get", "mail-429", "--uri", mongo_uri, "--database", db_name)
+        assert "scheduled · backoff" in out and "released: backed off" in " ".join(out.split())
+        client.collection.update_one({"_id": "mail-429"}, {"$set": {"next_claim_at": client.now()}})
+        client.collection.update_one({"_id": "mail-429"}, {"$set": {"available_at": client.now()}})
+        mongo[db_name].limits.update_one({"_id": "always_429"}, {"$set": {"group_holds": []}})
+        await wait_for(lambda: client.get("mail-429").status.value == "failed", 30)
+    task = client.get("mail-429")
+    assert task is not None and task.failed_permanently
+    assert task.error is not None and task.error.startswith(
+        "BackOffExceeded: more back-offs than max_backoffs (1); the last: backed off group `globex`"
+    )

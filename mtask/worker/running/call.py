@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from mtask import metrics
 from mtask.errors import ConfigError, InvalidTask, LeaseLost, StorageError
 from mtask.limits.holds import BackOff, Holds
+from mtask.models import OPTION_DEFAULTS
 from mtask.registry import Handler
 from mtask.statemachine import keep_ms
 from mtask.store import Outcome, RunState
@@ -125,6 +126,34 @@ class HeldOutputs(Protocol):
     def restart(self, output: Any) -> None: ...
 
 
+def backed_off(exc: BackOff, name: str, group: str | None, until: Any) -> str:
+    """What a run ended by ``BackOff`` says (kept on the run, read by ``explain``): ``backed
+    off group `globex` of `send_email` until 2026-…, by its handler: 429 from the provider``."""
+    if exc.resource is not None:
+        whose = f"resource `{exc.resource}`"
+    elif exc.group:
+        whose = f"group `{group}` of `{name}`"
+    else:
+        whose = f"`{name}`"
+    reason = str(exc) if str(exc) and str(exc) != "backing off" else ""
+    said = f"backed off {whose} until {until.isoformat(timespec='seconds')}, by its handler"
+    return f"{said}: {reason}" if reason else said
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _max_backoffs(doc: dict[str, Any]) -> int:
+    """The task's ``options.max_backoffs`` (its default where the document lacks it)."""
+    options = doc.get("options")
+    value = options.get("max_backoffs") if isinstance(options, dict) else None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    default: int = OPTION_DEFAULTS["max_backoffs"]
+    return default
+
+
 class HandlerCalls:
     """Calls each run's handler and says how the run ended (``call``)."""
 
@@ -213,16 +242,18 @@ class HandlerCalls:
         except CALL_REFUSED as exc:
             return self.outcomes.failure(run, str(exc), permanent=True)
         except BackOff as exc:  # its group, name or resource held, the run released
-            return await self._backed_off(run, exc)
+            return await self._backed_off(run, exc, doc)
         except BaseException as exc:  # noqa: BLE001 - any handler error is the task's failure:
             # sys.exit() (argparse's error) or a class of its own too; up in its task, asyncio
             # hands a SystemExit or KeyboardInterrupt to the event loop (the worker's end), any
             # other would end the task with no outcome (its task RUNNING until its lease ran out)
             return self.outcomes.raised(run, exc)
 
-    async def _backed_off(self, run: ActiveRun, exc: BackOff) -> Outcome:
-        """A ``BackOff``: the hold written first, then the run RELEASED (no retry spent); a hold
-        that cannot be written is the run's failure (retried as any)."""
+    async def _backed_off(self, run: ActiveRun, exc: BackOff, doc: dict[str, Any]) -> Outcome:
+        """A ``BackOff``: the hold written first, then the run RELEASED (no retry spent) saying
+        what it held until when; a hold that cannot be written is the run's failure (retried
+        as any). Past the task's ``max_backoffs`` the hold is kept and the task fails for good,
+        saying so."""
         if self.holds is None:
             return self.outcomes.failure(run, "BackOff needs MongoDB to hold what it names")
         try:
@@ -231,11 +262,18 @@ class HandlerCalls:
             return self.outcomes.failure(run, f"back-off refused: {bad}", permanent=True)
         except StorageError as bad:
             return self.outcomes.failure(run, f"back-off not recorded: {bad}")
-        self.outcomes.stats.released += 1
         what = f"resource {exc.resource}" if exc.resource else "group" if exc.group else "name"
         held = "resource" if exc.resource else "tenant" if exc.group else "name"  # no "group"
         # in the metrics' text: their labels are bounded, and a group's name is a tenant's
         metrics.BACKOFFS.labels(name=run.name, held=held).inc()
+        said = backed_off(exc, run.name, run.group, until)
+        cap = _max_backoffs(doc)
+        if _count(doc.get("backoffs")) + 1 > cap:
+            return self.outcomes.failure(
+                run, f"BackOffExceeded: more back-offs than max_backoffs ({cap}); the last: {said}",
+                permanent=True,
+            )  # fmt: skip
+        self.outcomes.stats.released += 1
         self.outcomes.emit(
             Event.RELEASED, key=run.key, run_id=run.run_id, reason="backoff", held=what,
             until=until.isoformat(timespec="milliseconds"),
@@ -245,7 +283,10 @@ class HandlerCalls:
         delay_ms = math.ceil(
             max(exc.seconds, (until - self.holds.clock.now()).total_seconds()) * 1000
         )
-        return Outcome(run.key, run.run_id, RunState.RELEASED, retry_delay_ms=delay_ms)
+        return Outcome(
+            run.key, run.run_id, RunState.RELEASED, error=said, retry_delay_ms=delay_ms,
+            backed_off=True,
+        )  # fmt: skip
 
     def _lease_watch(self, run: ActiveRun) -> LeaseWatch | None:
         """How a process-isolated run's child follows the run's lease (renewals from the
