@@ -33,6 +33,12 @@ def state_json(said: Explained) -> dict[str, Any]:
     return {"state": said.state.value, "why": said.why, "reason": said.reason}
 
 
+def _plural(count: int, noun: str, many: str | None = None) -> str:
+    from mtask.explain.wording import plural
+
+    return plural(count, noun, many)
+
+
 def _state_cell(said: Explained) -> str:
     """``blocked · group``: a derived state and its reason's kind (``states.label``)."""
     from mtask.explain.states import label
@@ -245,7 +251,9 @@ def _step_detail(step: Any) -> str:
     if step.error:
         detail.append(f"error: {last_line(step.error)}")
     elif failed:
-        detail.append(f"{len(failed)} failed tries, last: {failed[-1].error}")
+        detail.append(
+            f"{_plural(len(failed), 'failed try', 'failed tries')}, last: {failed[-1].error}"
+        )
     return "; ".join(detail)
 
 
@@ -255,7 +263,7 @@ def _workflow_detail(step: Any) -> list[str]:
     detail = [f"parallel ({step.group})"] if step.group else []
     if step.kind == "children":
         failed = f", {step.failed} failed" if step.failed else ""
-        detail.append(f"{step.total} children{failed}")
+        detail.append(f"{_plural(step.total or 0, 'child', 'children')}{failed}")
         detail += [f"{f.get('key')} {f.get('status')}" for f in step.failures[:3]]
     elif step.kind == "patch":
         detail.append("new branch" if step.result else "old branch")
@@ -272,14 +280,16 @@ def _progress_rows(task: Task) -> list[tuple[str, str]]:
         share = "" if p.fraction is None else f"{p.fraction:.0%} "
         rows.append(("progress", f"{share}{p.label or ''} (run {p.run_id[:8]}, {when(p.at)})"))
     if task.output_seq:
-        rows.append(("output", f"{task.output_seq} entries: mtask logs {task.key}"))
+        rows.append(
+            ("output", f"{_plural(task.output_seq, 'entry', 'entries')}: mtask logs {task.key}")
+        )
     return rows
 
 
 def _output_cell(counts: OutputCounts | None) -> str:
     if counts is None:
         return ""
-    text = f"{counts.logs} lines, {counts.chunks} chunks"
+    text = f"{_plural(counts.logs, 'line')}, {_plural(counts.chunks, 'chunk')}"
     dropped = counts.logs_dropped + counts.chunks_dropped
     return f"{text} ({dropped} dropped: truncated)" if dropped else text
 
@@ -303,7 +313,11 @@ def _flow_rows(task: Task) -> list[tuple[str, str]]:
     # outbox entries no step could be built from (flows.read_outbox): kept, not published
     rows += [("step not published", str(r.get("reason"))) for r in task.outbox_rejected]
     if task.depends_on:
-        waiting = f" (waiting on {', '.join(task.waiting_on)})" if task.waiting_on else ""
+        pending = task.status is not None and not task.status.finished
+        waiting = ""
+        if task.waiting_on:  # a finished task waits on nothing: those never succeeded
+            listed = ", ".join(task.waiting_on)
+            waiting = f" (waiting on {listed})" if pending else f" ({listed} did not succeed)"
         rows.append(("depends on", ", ".join(task.depends_on) + waiting))
     return rows
 

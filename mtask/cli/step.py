@@ -66,16 +66,28 @@ def _reset(args: argparse.Namespace) -> int:
     if args.json:
         print_json(dataclasses.asdict(done))
         return 0
-    steps = ", ".join(done.removed)
-    out.print(f"reset: {done.key}: removed {steps}", markup=False)
-    if done.signals:
-        out.print(
-            f"  and the {done.signals} signal(s) their waits had taken: the waits take the next",
-            markup=False,
-        )
-    after = "it runs again now" if done.woke else "its next run calls them again"
-    out.print(f"  {after} (mtask retry {done.key} if it failed)", markup=False)
+    out.print(reset_said(done), markup=False)
     return 0
+
+
+def reset_said(done: Any) -> str:
+    """What ``mtask step reset`` did, in whole sentences, and what to do next: a failed or
+    cancelled task runs again only once retried (and a signal is taken only then)."""
+    from mtask.explain.wording import plural
+
+    removed = plural(len(done.removed), "step")
+    said = f"reset: {done.key}: removed {removed} ({', '.join(done.removed)})"
+    if done.signals:
+        taken = plural(done.signals, "signal")
+        said += f" and the {taken} its waits had taken: each wait takes the next one sent"
+    if done.woke:
+        return f"{said}. It runs again now, from {done.step}."
+    if done.status in ("failed", "cancelled"):
+        return (
+            f"{said}. It is {done.status}: `mtask retry {done.key}` runs it again from "
+            f"{done.step}; a signal sent before that is refused."
+        )
+    return f"{said}. Its next run calls {done.step} again."
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -265,7 +265,14 @@ def signal(key: str, name: str, payload: Any = None) -> Op[bool]:
         raise TaskNotFound(key)
     if doc.get("status") in OPEN_STATUSES:
         raise InvalidTransition(f"task {key!r} holds {MAX_SIGNALS} signals already")
-    raise InvalidTransition(f"task {key!r} is {doc.get('status')}: it waits for no signal")
+    status = doc.get("status")
+    again = (
+        f" (retry it first, `mtask retry {key}`: its run waits for the signal again, and this one "
+        "reaches it)"
+        if status in (TaskStatus.FAILED.value, TaskStatus.CANCELLED.value)
+        else ""
+    )
+    raise InvalidTransition(f"task {key!r} is {status}: it waits for no signal{again}")
 
 
 RESETTABLE = (TaskStatus.PENDING.value, TaskStatus.FAILED.value, TaskStatus.CANCELLED.value)
@@ -367,6 +374,8 @@ class Reset:
     removed: list[str]
     signals: int
     woke: bool
+    status: str | None = None
+    """Its status before the reset: a failed or cancelled one runs again once retried."""
 
 
 def reset(key: str, step: str) -> Op[Reset]:
@@ -390,6 +399,7 @@ def reset(key: str, step: str) -> Op[Reset]:
         [str(s.get("name")) for s in removed],
         sum(1 for s in removed if s.get("kind") == "signal" and s.get("state") == "done"),
         before.get("status") == TaskStatus.PENDING.value,
+        None if before.get("status") is None else str(before.get("status")),
     )
 
 
@@ -427,7 +437,7 @@ def _not_reset(key: str, step: str, allowed: tuple[str, ...] = RESETTABLE) -> Op
         "find_one", ({"_id": key}, {"status": 1, "runs.state": 1, "steps.name": 1})
     )
     if doc is None:
-        raise TaskNotFound(f"no task with key {key!r}")
+        raise TaskNotFound(key)
     names = [str(s.get("name")) for s in doc.get("steps") or [] if isinstance(s, dict)]
     if step not in names:
         listed = ", ".join(repr(n) for n in names) if names else "none"

@@ -550,6 +550,8 @@ def _reset_said(done: Any) -> str:
     removed = ", ".join(done.removed)
     taken = f"; {plural(done.signals, 'signal')} they had taken removed" if done.signals else ""
     woke = "; it runs again now" if done.woke else ""
+    if done.status in ("failed", "cancelled"):
+        woke = f"; it is {done.status}: retry it to run it again (a signal is refused until then)"
     return f"reset {done.key}: {plural(len(done.removed), 'step')} removed ({removed}){taken}{woke}"
 
 

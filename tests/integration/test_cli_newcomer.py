@@ -67,3 +67,39 @@ def test_a_publish_says_no_live_worker_handles_its_name(
     assert "why: no live worker handles `resize_image`" in flat, out
     code, out, _ = run_cli("publish", "resize_image", "img-1", "--json", *common)
     assert json.loads(out)["missing_dependencies"] == []
+
+
+def test_recovering_a_wait_reads_in_order(client: TaskClient) -> None:
+    """A signal to a failed task is refused with the order that works (retry first); a reset
+    says what it removed in whole sentences and what comes next; a failed dependent says its
+    dependency did not succeed, not that it still waits on it."""
+    import pytest
+
+    from mtask.cli.render import _flow_rows
+    from mtask.cli.step import reset_said
+    from mtask.errors import InvalidTransition
+    from mtask.models import Task
+    from mtask.store.steps import Reset
+
+    client.publish("approve", "approve-42", delay=3600)
+    client.cancel("approve-42")
+    with pytest.raises(InvalidTransition) as refused:
+        client.signal("approve-42", "approved", {"by": "ann"})
+    assert "retry it first, `mtask retry approve-42`" in str(refused.value)
+    failed = Reset("approve-42", "wait:approved", 0, ["wait:approved"], 1, False, "failed")
+    assert reset_said(failed) == (
+        "reset: approve-42: removed 1 step (wait:approved) and the 1 signal its waits had "
+        "taken: each wait takes the next one sent. It is failed: `mtask retry approve-42` runs "
+        "it again from wait:approved; a signal sent before that is refused."
+    )
+    dependent = Task.from_document(
+        {"_id": "invoice-42", "status": "failed", "depends_on": ["approve-42"],
+         "waiting_on": ["approve-42"]}
+    )  # fmt: skip
+    assert ("depends on", "approve-42 (approve-42 did not succeed)") in _flow_rows(dependent)
+
+
+def test_a_reset_of_no_task_says_so_once(mongo_uri: str, db_name: str) -> None:
+    code, _, err = run_cli("step", "reset", "no-such-key", "charge", "--uri", mongo_uri,
+                           "--database", db_name)  # fmt: skip
+    assert (code, err.strip()) == (1, "mtask: no task with key 'no-such-key'"), err

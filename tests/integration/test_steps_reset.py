@@ -61,7 +61,9 @@ def test_a_payload_less_signal_is_redone_by_a_step_reset(
 
         code, out, _ = cli("step", "reset", "order-200", "wait:approved", *common)
         assert code == 0, out
-        assert "reset: order-200: removed wait:approved" in out and "it runs again now" in out
+        flat = " ".join(out.split())
+        assert "reset: order-200: removed 1 step (wait:approved)" in flat, out
+        assert "It runs again now, from wait:approved." in flat, out
         wait_until(lambda: client.get("order-200").status.value == "succeeded")  # type: ignore[union-attr]
     task = client.get("order-200")
     assert task is not None and task.result == {"approved_by": "ann"}

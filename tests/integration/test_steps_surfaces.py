@@ -71,7 +71,7 @@ async def test_get_shows_the_steps_and_the_wait_and_signal_wakes_it(
         assert "signal 'approved', no deadline (step 2: wait:approved)" in out
         for cell in ("check", "call", "done", "wait:approved", "waiting", "#1, no deadline"):
             assert cell in out, cell
-        assert "1 failed tries, last: RuntimeError: the first check <fails>" in out
+        assert "1 failed try, last: RuntimeError: the first check <fails>" in out
         code, out, _ = await in_thread(cli, "get", "a1", "--json", *common)
         doc = json.loads(out)
         assert [s["state"] for s in doc["steps"]] == ["done", "waiting"]
