@@ -179,12 +179,33 @@ def run_command(handler: Handler, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """``mtask``: with ``argv`` None, the process's own command line (then the process ends
     without waiting for the driver's threads: ``exit_unhindered``)."""
-    line = list(sys.argv[1:] if argv is None else argv)
+    line = hoisted(list(sys.argv[1:] if argv is None else argv))
     args = build_parser(line[0] if line else None).parse_args(line)
     status = run_command(args.run, args)
     if argv is None:
         exit_unhindered()
     return status
+
+
+SHARED_OPTIONS = {"--uri": True, "--database": True, "--collection": True, "--json": False}
+"""The options every command that reads or writes tasks takes (``common.add_common``), each
+with whether it takes a value: given before the command (``mtask --uri X stats``, as
+``kubectl -n x get`` reads), they are read as the command's."""
+
+
+def hoisted(line: list[str]) -> list[str]:
+    """``--uri X stats`` read as ``stats --uri X``: the shared options given before the
+    command moved after it (a command that does not take one says so, as for any option)."""
+    leading: list[str] = []
+    rest = list(line)
+    while rest and rest[0].split("=", 1)[0] in SHARED_OPTIONS:
+        option = rest.pop(0)
+        leading.append(option)
+        if SHARED_OPTIONS[option.split("=", 1)[0]] and "=" not in option and rest:
+            leading.append(rest.pop(0))
+    if not leading or not rest:
+        return line
+    return [rest[0], *leading, *rest[1:]]
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:

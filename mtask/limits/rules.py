@@ -214,6 +214,15 @@ def resource_of(slot: str) -> str:
     return slot.removeprefix(RESOURCE_PREFIX)
 
 
+def slot_label(slot: str) -> str:
+    """A limit document's ``_id`` as a log line or a metric shows it, without its NUL
+    separator: ``send_email``, ``resource:smtp``, ``send_email group acme``."""
+    if is_resource(slot):
+        return f"resource:{resource_of(slot)}"
+    name, _, group = slot.partition(GROUP_SEPARATOR)
+    return f"{name} group {group}" if group else name
+
+
 def is_group_slot(slot: str) -> bool:
     """A group's slot document (``<name>\x00<group>``), not a name's nor a resource's."""
     return GROUP_SEPARATOR in slot and not is_resource(slot)

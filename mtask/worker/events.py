@@ -81,6 +81,15 @@ LOGGED = frozenset(
 """Events worth a log line at INFO; the others only reach ``on_event``."""
 
 
+CONTROL = {c: f"\\x{c:02x}" for c in range(32) if chr(c) not in "\t"}
+
+
+def _text(value: Any) -> str:
+    """A value as a log line shows it: a control character (a NUL, a newline) escaped, so the
+    log reads as text (``grep`` calls a log with a NUL binary) and one event is one line."""
+    return str(value).translate(CONTROL)
+
+
 class Emitter:
     """Logs an event and calls ``on_event``. The hook is the program's: what it raises is
     logged (at ERROR with its traceback the first time for each event name, then at DEBUG)
@@ -97,7 +106,7 @@ class Emitter:
             log.info(
                 "%s %s",
                 event.value,
-                " ".join(f"{k}={v}" for k, v in data.items()),
+                " ".join(f"{k}={_text(v)}" for k, v in data.items()),
                 extra={"event": event.value, **{f"mtask_{k}": v for k, v in data.items()}},
             )
         if self._on_event is not None:

@@ -34,3 +34,14 @@ def test_the_parser_of_each_command_alone_runs_its_handler() -> None:
         run = action.choices[name]._defaults["run"]
         table = getattr(run, "__self__", None)
         assert not isinstance(table, Commands) or name in table.handlers, name
+
+
+def test_the_shared_options_may_come_before_the_command() -> None:
+    from mtask.cli import hoisted
+
+    assert hoisted(["--uri", "mongodb://h/", "stats"]) == ["stats", "--uri", "mongodb://h/"]
+    assert hoisted(["--database=d", "--json", "get", "k"]) == ["get", "--database=d", "--json", "k"]
+    assert hoisted(["get", "k", "--uri", "u"]) == ["get", "k", "--uri", "u"]  # as it was
+    assert hoisted(["--uri"]) == ["--uri"]  # argparse says what is missing
+    args = build_parser("stats").parse_args(hoisted(["--uri", "mongodb://h/", "stats"]))
+    assert (args.command, args.uri) == ("stats", "mongodb://h/")

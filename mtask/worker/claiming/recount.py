@@ -93,8 +93,8 @@ class Recount:
                 self.names.setdefault(name, mark)
             asyncio.get_running_loop().call_later(RETRY_AFTER, self.wake.set)
             return
-        for name in sorted(names):
-            self.emit(Event.LIMITS_APPLIED, name=name)
+        for name in sorted(names):  # a slot's _id holds a NUL: a log line must not
+            self.emit(Event.LIMITS_APPLIED, name=limits.slot_label(name))
 
     async def count_in(self, names: set[str]) -> None:
         """Every run in flight of ``names`` takes a place in each slot its name's limit counts
