@@ -389,6 +389,20 @@ async def signal(key: str, body: SignalBody, client: Client) -> SignalView:
     return SignalView(key=key, signal=body.name, woke=woke)
 
 
+ACTIONS = ("cancel", "retry", "signal", "reset", "remark")
+"""The actions ``POST /tasks/{key}:<action>`` takes."""
+
+
+@router.post("/tasks/{key:path}", include_in_schema=False)
+async def unknown_action(key: str) -> JSONResponse:
+    """A POST to a task that names no action it takes: 404 naming them (not a bare 405)."""
+    _, colon, action = key.rpartition(":")
+    said = f"unknown action :{action}" if colon else "no action given"
+    listed = ", ".join(f":{a}" for a in ACTIONS)
+    detail = f"{said}: POST /tasks/KEY:ACTION takes {listed}"
+    return JSONResponse({"detail": detail}, status_code=404)
+
+
 @router.get("/tasks/{key:path}", responses=NOT_FOUND)
 async def get_task(
     key: str,

@@ -8,6 +8,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -169,9 +170,33 @@ def _errors(app: FastAPI) -> None:
         errors = [
             {
                 "loc": list(e.get("loc", ())),
-                "msg": "unknown option" if e.get("type") == "extra_forbidden" else e.get("msg", ""),
+                "msg": _extra(request, tuple(e.get("loc", ())))
+                if e.get("type") == "extra_forbidden"
+                else e.get("msg", ""),
                 "type": e.get("type", ""),
             }
             for e in exc.errors()
         ]
         return JSONResponse({"detail": errors}, status_code=422)
+
+
+def _extra(request: Request, loc: tuple[Any, ...]) -> str:
+    """What an unknown field of a request's body is called: an unknown option under
+    ``options``, else an unknown field, with the nearest known one (``parms``: did you mean
+    ``params``?)."""
+    import difflib
+
+    if len(loc) > 2 and loc[-2] == "options":
+        from mtask.models import OPTION_NAMES
+
+        known: list[str] = list(OPTION_NAMES)
+        what = "unknown option"  # the loc names it
+    else:
+        route = request.scope.get("route")
+        info = getattr(getattr(route, "body_field", None), "field_info", None)
+        model = getattr(info, "annotation", None)
+        fields = getattr(model, "model_fields", {})
+        known = [str(getattr(f, "alias", None) or n) for n, f in fields.items()]
+        what = f"unknown field {str(loc[-1])!r}"
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    return what + (f": did you mean {close[0]!r}?" if close else "")

@@ -103,3 +103,21 @@ def test_a_reset_of_no_task_says_so_once(mongo_uri: str, db_name: str) -> None:
     code, _, err = run_cli("step", "reset", "no-such-key", "charge", "--uri", mongo_uri,
                            "--database", db_name)  # fmt: skip
     assert (code, err.strip()) == (1, "mtask: no task with key 'no-such-key'"), err
+
+
+def test_rest_names_an_unknown_field_and_an_unknown_action(mongo_uri: str, db_name: str) -> None:
+    from fastapi.testclient import TestClient
+
+    from mtask.web import create_app
+
+    auth = {"Authorization": "Bearer t"}
+    with TestClient(create_app(mongo_uri, database=db_name, token="t")) as api:
+        bad = api.post("/tasks", json={"name": "n", "key": "k", "parms": {}}, headers=auth)
+        assert bad.status_code == 422
+        [error] = bad.json()["detail"]
+        assert error["msg"] == "unknown field 'parms': did you mean 'params'?", error
+        api.post("/tasks", json={"name": "n", "key": "k"}, headers=auth)
+        frob = api.post("/tasks/k:frob", json={}, headers=auth)
+        assert frob.status_code == 404, frob.text
+        assert frob.json()["detail"].startswith("unknown action :frob: POST /tasks/KEY:ACTION")
+        assert api.post("/tasks/k:cancel", headers=auth).status_code == 200
