@@ -408,9 +408,8 @@ def state_table(
     notes += _none_note(states, list(STATES))
     more = ["not split"] if split.unsplit else []
     rate = ["finished/s"] if rates is not None else []
-    table = fitting_table(
-        "name", *states, *more, "total", *rate, title=title, caption="; ".join(notes) or None
-    )
+    headers = ["name", *states, *more, "total", *rate]
+    rows = []
     for name in sorted(split.counts):
         row = split.counts[name]
         bound = "+" if any(split.stored.is_lower_bound(name, s) for s in row) else ""
@@ -418,8 +417,46 @@ def state_table(
         cells = [split.show(name, s) for s in states]
         cells += [f"{split.unsplit.get(name, 0):,}"] if more else []
         cells += [f"{total:,}{bound}"] + ([rates.get(name, "")] if rates is not None else [])
-        add_row(table, name, *cells)
+        rows.append([name, *cells])
+    caption = "; ".join(notes) or None
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    if sum(widths) + 2 * (len(widths) - 1) > _width():
+        return _state_lines(headers, rows, title, caption)
+    table = fitting_table(*headers, title=title, caption=caption)
+    for cells in rows:
+        add_row(table, *cells)
     return table
+
+
+def _width() -> int:
+    return out.console.width if out.rich_available else 80
+
+
+def _state_lines(
+    headers: list[str], rows: list[list[str]], title: str | None, caption: str | None
+) -> Any:
+    """The counts too wide for a table at this width (as many states as a pipe's 80 columns
+    cannot hold): a name a line, then its states with a count, each whole (``kubectl``'s
+    narrow form rather than headers cut to ``sched…``)."""
+    import textwrap
+
+    from rich.text import Text
+
+    lines = [title] if title else []
+    for name, *cells in rows:
+        said = [f"{c} {h}" for h, c in zip(headers[1:], cells, strict=True) if c not in ("0", "")]
+        lines.append(name)
+        line = ""
+        for item in said:  # greedy, never breaking inside "3 blocked"
+            joined = f"{line} · {item}" if line else item
+            if line and len(joined) + 4 > _width():
+                lines.append(f"    {line}")
+                joined = item
+            line = joined
+        lines.append(f"    {line}")
+    if caption:
+        lines += textwrap.wrap(caption, _width())
+    return Text("\n".join(lines))
 
 
 def _bound_note(counts: Counts) -> list[str]:

@@ -156,3 +156,36 @@ def test_the_cli_at_80_columns(mongo_uri: str, states_db: str) -> None:
     assert "1 lock" in flat and "slots held" not in flat
     assert "acme-1 (running, holds the lock)" in flat
     assert "1 of 1" in flat  # slow_cleanup's one run at once, in use
+
+
+def test_every_reader_says_the_same_states(mongo_uri: str, states_db: str) -> None:
+    """One vocabulary over the scenario that holds every state: ``list``, ``get``, ``flow``
+    (each task's node), ``stats`` and ``top`` say the derived states the client explains,
+    and ``stats`` counts them as the REST API does."""
+    common = ("--uri", mongo_uri, "--database", states_db)
+    with TaskClient(mongo_uri, database=states_db) as client:
+        tasks = client.list(limit=1000)
+        said = dict(zip([t.key for t in tasks], client.explain_all(tasks), strict=True))
+        split = client.state_counts()
+    code, out, _ = cli("list", "--json", "--limit", "1000", *common)
+    assert code == 0
+    assert {t["_id"]: (t["state"], t["why"]) for t in json.loads(out)} == {
+        k: (e.state.value, e.why) for k, e in said.items()
+    }
+    for key in scenario.EXPECTED:
+        code, out, _ = cli("get", key, "--json", *common)
+        assert json.loads(out)["state"] == said[key].state.value, key
+        code, out, _ = cli("flow", key, "--json", *common)
+        node = json.loads(out)
+        assert (node["state"], node["why"]) == (said[key].state.value, said[key].why), key
+    code, out, _ = cli("stats", "--json", *common)
+    counted: Counter[str] = Counter()
+    for row in json.loads(out).values():
+        counted.update(row)
+    assert counted == Counter(e.state.value for e in said.values())
+    assert {n: dict(r) for n, r in split.counts.items()} == json.loads(out)
+    for argv in (("top", "--iterations", "1"), ("stats",)):  # ten states: a name a line at 80
+        code, out, _ = cli(*argv, *common)
+        assert code == 0 and "pending" not in out and "…" not in out, out
+        assert "sleep\n    1 running · 2 blocked · 3 total" in out, out
+        assert all(len(line) <= 80 for line in out.splitlines()), out
