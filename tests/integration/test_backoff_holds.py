@@ -241,12 +241,15 @@ async def test_the_task_that_backed_off_says_why_and_fails_past_max_backoffs(
         assert code == 0 and "blocked · backoff" in out, out
         code, out, _ = run_cli("get", "mail-429", "--uri", mongo_uri, "--database", db_name)
         assert "scheduled · backoff" in out and "released: backed off" in " ".join(out.split())
-        client.collection.update_one({"_id": "mail-429"}, {"$set": {"next_claim_at": client.now()}})
-        client.collection.update_one({"_id": "mail-429"}, {"$set": {"available_at": client.now()}})
-        mongo[db_name].limits.update_one({"_id": "always_429"}, {"$set": {"group_holds": []}})
-        await wait_for(lambda: client.get("mail-429").status.value == "failed", 30)
-    task = client.get("mail-429")
-    assert task is not None and task.failed_permanently
+        client.publish(
+            "always_429", "mail-cap", {"seconds": 1},
+            options={"group": "initech", "max_backoffs": 1},
+        )  # fmt: skip
+        await wait_for(lambda: client.get("mail-cap").status.value == "failed", 60)
+    task = client.get("mail-cap")
+    assert task is not None and task.failed_permanently and task.backoffs == 1
+    assert [r.state.value for r in task.runs] == ["RELEASED", "FAIL"]
     assert task.error is not None and task.error.startswith(
-        "BackOffExceeded: more back-offs than max_backoffs (1); the last: backed off group `globex`"
+        "BackOffExceeded: more back-offs than max_backoffs (1); the last: backed off group "
+        "`initech`"
     )
