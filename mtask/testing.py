@@ -43,13 +43,13 @@ from mtask.registry import Registry, TaskContext
 from mtask.steps import MemorySteps, RunSteps
 from mtask.store import Outcome
 from mtask.worker.config import DEFAULT_MAX_RESULT_BYTES
-from mtask.worker.events import Emitter
 from mtask.worker.inflight import ActiveRun
 from mtask.worker.running.call import HandlerCalls, NoTransactions
 from mtask.worker.running.context import NoLeases, NoOutputs
 from mtask.worker.running.outcomes import RunOutcomes
 from mtask.worker.running.transactional import RunFence, TransactionEnded
 from mtask.worker.stats import WorkerStats
+from mtask.worker.worker_events import Emitter
 
 __all__ = ["MemorySteps", "Outcome", "arun_handler", "run_handler", "worker_argv"]
 

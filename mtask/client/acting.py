@@ -12,7 +12,7 @@ from mtask.client.checks import check_key, check_number
 from mtask.client.core import Core, operation
 from mtask.driver import Op
 from mtask.models import Task
-from mtask.store import bulk, journal, retention
+from mtask.store import bulk, journal_edits, retention
 from mtask.store import children as store_children
 from mtask.store import steps as store_steps
 
@@ -39,7 +39,7 @@ class Acting:
         check_key(key)
         if from_step is not None:
             return Task.from_document(
-                (yield from journal.retry_from(key, from_step, self.core.clock.now()))
+                (yield from journal_edits.retry_from(key, from_step, self.core.clock.now()))
             )
         return Task.from_document((yield from store.retry(key, self.core.clock.now())))
 
@@ -65,19 +65,19 @@ class Acting:
         return (yield from store_steps.reset(key, step))
 
     @operation
-    def rename_step(self, key: str, step: str, to: str) -> Op[journal.Remarked]:
+    def rename_step(self, key: str, step: str, to: str) -> Op[journal_edits.Remarked]:
         """Rename durable step ``step`` of a parked task ``to``, so that a changed handler
         replays it under its new name. One update, fenced like ``reset_step``."""
         check_key(key)
-        return (yield from journal.remark(key, step, to))
+        return (yield from journal_edits.remark(key, step, to))
 
     @operation
-    def drop_step(self, key: str, step: str) -> Op[journal.Remarked]:
+    def drop_step(self, key: str, step: str) -> Op[journal_edits.Remarked]:
         """Drop durable step ``step`` from a parked task's journal (a changed handler no longer
         asks for it): the later steps move up one place. One update, fenced like
         ``reset_step``; a pending task that waited in it runs now."""
         check_key(key)
-        return (yield from journal.remark(key, step, None))
+        return (yield from journal_edits.remark(key, step, None))
 
     # -- many tasks at once (mtask.store.bulk): the dashboard's bulk actions -----------------
 

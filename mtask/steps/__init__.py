@@ -70,7 +70,7 @@ from mtask.steps.rules import (
 
 if TYPE_CHECKING:
     from mtask.steps.calls import Calls
-    from mtask.steps.groups import _GROUP, Group, close_group, open_group
+    from mtask.steps.gather import _GROUP, Group, close_group, open_group
     from mtask.steps.journal import Journal, caller
     from mtask.steps.plan import _IN_STEP, Plan, _Call, _Io, _Pause
     from mtask.steps.run import RunSteps
@@ -83,7 +83,7 @@ if TYPE_CHECKING:
 # reader of stored steps needs: ``mtask get`` loads no engine; its start-up).
 _WHERE = {
     "mtask.steps.calls": ("Calls",),
-    "mtask.steps.groups": ("_GROUP", "Group", "close_group", "open_group"),
+    "mtask.steps.gather": ("_GROUP", "Group", "close_group", "open_group"),
     "mtask.steps.journal": ("Journal", "caller"),
     "mtask.steps.plan": ("_IN_STEP", "Plan", "_Call", "_Io", "_Pause"),
     "mtask.steps.run": ("RunSteps",),

@@ -5,7 +5,7 @@ written (plans of ``_Io``: no I/O here).
 
 A run asks for its steps in the recorded order: the n-th step asked is the n-th recorded, same
 name and kind (a ``ctx.gather``'s steps are one place, matched among themselves by name:
-``mtask.steps.groups``), else ``StepMismatch``. One step runs at a time (``one``); the entries
+``mtask.steps.gather``), else ``StepMismatch``. One step runs at a time (``one``); the entries
 decided without I/O (``pending``) are written before the next step begins (``flush``).
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mtask.models import storable_depth
-from mtask.steps.groups import _GROUP
+from mtask.steps.gather import _GROUP
 from mtask.steps.plan import Plan, _Io
 from mtask.steps.rules import (
     INLINE_BYTES,
@@ -36,7 +36,7 @@ from mtask.steps.rules import (
 )
 
 if TYPE_CHECKING:
-    from mtask.steps.groups import Group
+    from mtask.steps.gather import Group
     from mtask.steps.stores import StepStore
 
 T = TypeVar("T")

@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from mtask.steps.calls import Calls
-from mtask.steps.groups import Group, close_group, open_group
+from mtask.steps.gather import Group, close_group, open_group
 from mtask.steps.journal import Journal, caller
 from mtask.steps.plan import Plan
 from mtask.steps.policy import NO_POLICY, StepPolicy

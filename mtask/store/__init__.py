@@ -24,7 +24,7 @@ from mtask.store.claims import (
 )
 from mtask.store.complete import complete, stranded
 from mtask.store.counts import Counts, stats
-from mtask.store.groups import heads, heads_and_slots, largest
+from mtask.store.open_groups import heads, heads_and_slots, largest
 from mtask.store.outcomes import (
     Outcome,
     finish,

@@ -43,10 +43,10 @@ from mtask.registry import Registry
 from mtask.store import controls as control
 from mtask.worker import assembly
 from mtask.worker.config import WorkerConfig, default_worker_id
-from mtask.worker.events import Event
 from mtask.worker.presence import WorkerState
 from mtask.worker.running.invoke import run_in_thread
 from mtask.worker.stats import WorkerStats
+from mtask.worker.worker_events import Event
 
 __all__ = ["Worker", "WorkerConfig", "WorkerCrashed", "WorkerState", "WorkerStats"]
 

@@ -28,7 +28,7 @@ from mtask.limits.holds import Holds
 from mtask.registry import Registry
 from mtask.worker import finding, reacting
 from mtask.worker.claiming import ahead as claim_ahead
-from mtask.worker.claiming.calls import ClaimCalls
+from mtask.worker.claiming.claim_calls import ClaimCalls
 from mtask.worker.claiming.claimer import Claimer
 from mtask.worker.claiming.gate import REFRESH_SECONDS, LimitGate
 from mtask.worker.claiming.limited_claims import LimitedClaims
@@ -36,7 +36,6 @@ from mtask.worker.claiming.queue import ClaimQueue, GroupWeights
 from mtask.worker.claiming.recount import Recount
 from mtask.worker.claiming.releases import SlotReleases
 from mtask.worker.config import WorkerConfig
-from mtask.worker.events import Emitter
 from mtask.worker.flow_sweep import FlowSweep
 from mtask.worker.inflight import InFlight
 from mtask.worker.presence import Assignment, Lifecycle, Presence
@@ -57,6 +56,7 @@ from mtask.worker.scheduler import Scheduler
 from mtask.worker.service import Service
 from mtask.worker.stats import WorkerStats
 from mtask.worker.wiring import Gauge, Signal
+from mtask.worker.worker_events import Emitter
 
 if TYPE_CHECKING:
     from mtask.worker.running.pool.pool import ProcessPool

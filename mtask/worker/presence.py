@@ -32,10 +32,10 @@ from mtask.clock import Clock, ServerClock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.store import controls as control
-from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import InFlight
 from mtask.worker.running.protocols import PoolView
 from mtask.worker.service import PeriodicService, event_or_timeout
+from mtask.worker.worker_events import Emitter, Event
 
 log = logging.getLogger(__name__)
 

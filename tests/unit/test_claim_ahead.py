@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from mtask.worker.claiming import ahead as claim_ahead
 from mtask.worker.claiming.ahead import AdaptiveAhead, FixedAhead
-from mtask.worker.running.slots import GiveBack, RunSlots
+from mtask.worker.running.handler_slots import GiveBack, RunSlots
 
 
 def test_runs_are_taken_to_be_short_until_a_run_and_a_claim_were_measured() -> None:

@@ -20,18 +20,18 @@ from mtask import store
 from mtask.clock import Clock, FixedClock
 from mtask.driver import MODIFY_ONCE, AsyncDriver, Call
 from mtask.worker.claiming.ahead import FixedAhead
-from mtask.worker.claiming.calls import ClaimCalls
+from mtask.worker.claiming.claim_calls import ClaimCalls
 from mtask.worker.claiming.claimer import Claimer
 from mtask.worker.claiming.gate import LimitGate
 from mtask.worker.claiming.limited_claims import LimitedClaims
 from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.claiming.releases import SlotReleases
-from mtask.worker.events import Emitter
 from mtask.worker.finding.finder import Finder
 from mtask.worker.inflight import InFlight
 from mtask.worker.presence import Assignment
 from mtask.worker.running.recorder import OutcomeRecorder
 from mtask.worker.stats import WorkerStats
+from mtask.worker.worker_events import Emitter
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 TOO_LARGE = 17419  # "Resulting document after update is larger than 16777216"

@@ -26,12 +26,12 @@ from mtask.limits.rules import Limit
 from mtask.worker.claiming.gate import LimitGate
 from mtask.worker.claiming.limited import counted, plan
 from mtask.worker.claiming.recount import Recount
-from mtask.worker.events import Emitter
 from mtask.worker.finding.changes import limit_set
 from mtask.worker.finding.placement import TaskMeta
 from mtask.worker.finding.stream import stream_pipeline
 from mtask.worker.inflight import ActiveRun, InFlight
 from mtask.worker.wiring import Signal
+from mtask.worker.worker_events import Emitter
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 

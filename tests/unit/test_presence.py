@@ -10,9 +10,9 @@ from scripted import AsyncScriptedDriver, Step
 
 from mtask.clock import FixedClock
 from mtask.driver import MODIFY_ONCE
-from mtask.worker.events import Emitter
 from mtask.worker.inflight import InFlight
 from mtask.worker.presence import Assignment, Presence, WorkerState
+from mtask.worker.worker_events import Emitter
 
 NOW = dt.datetime(2026, 11, 27, 9, 0, tzinfo=dt.UTC)
 

@@ -23,13 +23,13 @@ from mtask.worker.finding.finder import Others
 from mtask.worker.finding.shared import credit, mailbox, wire
 from mtask.worker.finding.shared.channels import FRAME_BYTES
 from mtask.worker.finding.shared.dispatch import Dispatcher
+from mtask.worker.finding.shared.group_waiters import GroupWaiters
 from mtask.worker.finding.shared.lease import RelayLease, new_id
 from mtask.worker.finding.shared.mode import RelayMode
 from mtask.worker.finding.shared.relay import Relay
 from mtask.worker.finding.shared.reporter import Reporter
 from mtask.worker.finding.shared.subscriber import SharedStream, SubscriberState
 from mtask.worker.finding.shared.subscription import InboxSubscription
-from mtask.worker.finding.shared.waiters import GroupWaiters
 from mtask.worker.finding.shared.wire import LET_GO, PROTOCOL, apply_report
 from mtask.worker.finding.stream import ClaimsFirst, ClaimsFirstInbox, OwnStream, stream_pipeline
 from mtask.worker.inflight import InFlight

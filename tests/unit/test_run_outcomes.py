@@ -15,7 +15,6 @@ from mtask import Fail, LeaseLost, Registry, Retry, RunState, TaskContext
 from mtask.errors import InvalidParams
 from mtask.steps import SignalTimeout, StepError
 from mtask.store import Outcome
-from mtask.worker.events import Emitter
 from mtask.worker.inflight import ActiveRun
 from mtask.worker.running.call import HandlerCalls, NoTransactions
 from mtask.worker.running.context import NoLeases, NoOutputs
@@ -29,6 +28,7 @@ from mtask.worker.running.pool.errors import (
 )
 from mtask.worker.running.transactional import TransactionEnded, TransactionTooLong
 from mtask.worker.stats import WorkerStats
+from mtask.worker.worker_events import Emitter
 
 RETRIED_IN_ITS_WORDS = [
     TimeLimitExceeded("time limit exceeded (2 s)"),

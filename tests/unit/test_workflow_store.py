@@ -17,7 +17,7 @@ from mtask.driver import Call
 from mtask.models import RunState
 from mtask.steps import NEVER, Wait
 from mtask.steps.children import BITS
-from mtask.store import children, journal
+from mtask.store import children, journal_edits
 from mtask.store import steps as store_steps
 from mtask.store.outcomes import Outcome, finish_update
 
@@ -154,10 +154,10 @@ def test_a_rename_and_a_drop_are_one_fenced_update_each() -> None:
         Step("find_one_and_update", reply=before, check=_fenced("b")),
         Step("delete_many", collection="steps"),
     )
-    done = driver.run(journal.remark("k", "b"))
+    done = driver.run(journal_edits.remark("k", "b"))
     assert driver.done and (done.index, done.to, done.woke) == (1, None, True)
     driver = ScriptedDriver(Step("find_one_and_update", reply=before, check=_fenced("a")))
-    done = driver.run(journal.remark("k", "a", "a2"))
+    done = driver.run(journal_edits.remark("k", "a", "a2"))
     assert driver.done and (done.index, done.to, done.woke) == (0, "a2", False)
     filt = driver.calls[0].args[0]
     assert {"steps.name": {"$ne": "a2"}} in filt["$and"]
@@ -181,5 +181,5 @@ def test_a_retry_from_a_step_resets_and_reopens_in_one_update() -> None:
         ),
         Step("find_one", reply={"_id": "k", "status": "pending"}),
     )
-    assert driver.run(journal.retry_from("k", "b", NOW))["status"] == "pending"
+    assert driver.run(journal_edits.retry_from("k", "b", NOW))["status"] == "pending"
     assert driver.done

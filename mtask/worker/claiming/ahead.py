@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal, Protocol
 
-from mtask.worker.running.slots import RunSlots
+from mtask.worker.running.handler_slots import RunSlots
 
 GIVE_BACK_AFTER = 1.0
 """Seconds a run claimed ahead (``prefetch="auto"``) waits for its slot before it is given back."""

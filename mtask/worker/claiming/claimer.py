@@ -30,7 +30,7 @@ from typing import ClassVar
 
 from mtask.clock import Clock
 from mtask.worker.claiming.ahead import ClaimAhead
-from mtask.worker.claiming.calls import ClaimCalls
+from mtask.worker.claiming.claim_calls import ClaimCalls
 from mtask.worker.claiming.gate import LimitGate
 from mtask.worker.claiming.limited_claims import LimitedClaims
 from mtask.worker.claiming.plain import PlainClaims

@@ -2,7 +2,7 @@
 
 A key of a limited name asks for the name's slot (if the name itself is limited) and for its
 group's slot (if the name limits its groups and the task has a group). In a **sequence** (a
-name whose ``group_concurrency`` is 1) only the group's head may run (``store.groups.heads``:
+name whose ``group_concurrency`` is 1) only the group's head may run (``store.open_groups.heads``:
 the task that holds its lock, else its first open task in publish order): a key that is not
 its group's head waits for its turn, and the head is claimed in its place if it is due. A
 sequence with no group rate has no slot: its head is claimed with its group's lock

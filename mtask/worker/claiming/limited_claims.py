@@ -32,7 +32,7 @@ from mtask.limits.holds import held_until
 from mtask.models import WORKER_TIMEOUT_MS, in_range
 from mtask.store import overflow
 from mtask.worker.claiming import limited
-from mtask.worker.claiming.calls import RETRY_SOON, ClaimCalls
+from mtask.worker.claiming.claim_calls import RETRY_SOON, ClaimCalls
 from mtask.worker.claiming.gate import DEFAULT_SLOT_LEASE_MS, LimitGate
 from mtask.worker.claiming.releases import SlotReleases
 from mtask.worker.claiming.start import Held, Starter

@@ -17,7 +17,7 @@ from mtask import metrics
 from mtask.clock import Clock
 from mtask.tracing import span
 from mtask.worker.claiming.ahead import ClaimAhead
-from mtask.worker.claiming.calls import RETRY_SOON, ClaimCalls
+from mtask.worker.claiming.claim_calls import RETRY_SOON, ClaimCalls
 from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.claiming.start import Starter
 from mtask.worker.finding.protocols import QueueSink

@@ -25,10 +25,10 @@ from mtask.limits import rules as limits
 from mtask.limits import slots
 from mtask.worker.claiming.gate import LimitGate
 from mtask.worker.claiming.limited import counted
-from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import InFlight
 from mtask.worker.running.protocols import RunStarter
 from mtask.worker.wiring import Signal
+from mtask.worker.worker_events import Emitter, Event
 
 log = logging.getLogger(__name__)
 

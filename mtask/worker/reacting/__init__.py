@@ -14,11 +14,11 @@ from mtask.driver import AsyncDriver
 from mtask.registry import Registry
 from mtask.store import datawaits
 from mtask.store.followers import Declared
-from mtask.worker.events import Emitter
 from mtask.worker.reacting.holdings import Declaration, Holdings
-from mtask.worker.reacting.publishing import Publishing
+from mtask.worker.reacting.trigger_tasks import Publishing
 from mtask.worker.reacting.waking import Waking
 from mtask.worker.service import Service
+from mtask.worker.worker_events import Emitter
 
 __all__ = ["Holdings", "build"]
 

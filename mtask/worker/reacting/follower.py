@@ -29,8 +29,8 @@ from mtask.errors import EventsLost, LeaseLost, StorageError
 from mtask.follow.events import HISTORY_LOST, Position, follow_waits
 from mtask.store import followers
 from mtask.triggers import cluster_time
-from mtask.worker.events import Emitter, Event
 from mtask.worker.reacting.protocols import Reaction
+from mtask.worker.worker_events import Emitter, Event
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

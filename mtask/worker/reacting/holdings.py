@@ -23,9 +23,9 @@ from mtask.clock import Clock
 from mtask.driver import AsyncDriver, Op
 from mtask.errors import LeaseLost, StorageError
 from mtask.store import followers
-from mtask.worker.events import Emitter, Event
 from mtask.worker.reacting.follower import Follower
 from mtask.worker.reacting.protocols import Reaction
+from mtask.worker.worker_events import Emitter, Event
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The one contract between a follower and what it does with its collection's changes
-(``Reaction``): publish tasks (``publishing.Publishing``, a trigger) or wake the tasks that
+(``Reaction``): publish tasks (``trigger_tasks.Publishing``, a trigger) or wake the tasks that
 wait on the changed documents (``waking.Waking``, waits on data)."""
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from typing import Any
 from mtask import metrics
 from mtask.limits.batches import BatchItem, answers
 from mtask.registry import Handler, TaskContext
-from mtask.worker.events import Emitter, Event
+from mtask.worker.worker_events import Emitter, Event
 
 
 @dataclass

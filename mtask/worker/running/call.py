@@ -31,10 +31,10 @@ from mtask.registry import Handler
 from mtask.statemachine import keep_ms
 from mtask.store import Outcome, RunState
 from mtask.tracing import run_span
-from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import ActiveRun
 from mtask.worker.running.batches import Batches
 from mtask.worker.running.context import RunLeases, fence
+from mtask.worker.running.handler_slots import GiveBack
 from mtask.worker.running.invoke import invoke
 from mtask.worker.running.outcomes import RunOutcomes
 from mtask.worker.running.pool.errors import (
@@ -45,8 +45,8 @@ from mtask.worker.running.pool.errors import (
     TimeLimitExceeded,
 )
 from mtask.worker.running.sealing import Plain, Sealing
-from mtask.worker.running.slots import GiveBack
 from mtask.worker.running.transactional import RunFence, TransactionEnded, TransactionTooLong
+from mtask.worker.worker_events import Emitter, Event
 
 if TYPE_CHECKING:  # the process pool: imported by a worker that has one (assembly)
     from mtask.worker.running.pool.pool import LeaseWatch, ProcessPool

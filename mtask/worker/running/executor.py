@@ -24,7 +24,6 @@ from mtask.registry import Registry
 from mtask.store import Outcome
 from mtask.worker.claiming.ahead import ClaimAhead
 from mtask.worker.claiming.queue import ClaimQueue
-from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import ActiveRun, InFlight
 from mtask.worker.running.call import HandlerCalls
 from mtask.worker.running.context import RunContexts
@@ -36,6 +35,7 @@ from mtask.worker.running.recorder import OutcomeRecorder
 from mtask.worker.running.task_deadlines import TaskDeadlines, deadline_of
 from mtask.worker.stats import WorkerStats
 from mtask.worker.wiring import Signal
+from mtask.worker.worker_events import Emitter, Event
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from mtask.registry import Fail, Retry, retry_delay_ms
 from mtask.steps import SignalTimeout, StepError, Suspended, Wait
 from mtask.steps.children import ChildFailed
 from mtask.store import Outcome
-from mtask.worker.events import Emitter, Event
 from mtask.worker.inflight import ActiveRun
 from mtask.worker.running.failures import class_path, result_too_large, said, short_traceback
 from mtask.worker.stats import WorkerStats
+from mtask.worker.worker_events import Emitter, Event
 
 NO_RESULT_BYTES = len(bson.encode({"result": None}))
 """A handler that returns nothing stores this much."""

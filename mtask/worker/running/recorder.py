@@ -23,10 +23,10 @@ from mtask.store import Outcome, RunState
 from mtask.store import children as store_children
 from mtask.store import output as store_output
 from mtask.store import steps as store_steps
-from mtask.worker.events import Emitter, Event
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight
 from mtask.worker.running.protocols import SlotReturns
+from mtask.worker.worker_events import Emitter, Event
 
 log = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ from mtask.store.schema import LAST_WRITE
 from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.finding.changes import event_key, updated_fields
 from mtask.worker.finding.shared.credit import Account, Accounts, Channel, HandOvers, Refusals
+from mtask.worker.finding.shared.group_waiters import GroupWaiters
 from mtask.worker.finding.shared.host_queue import HostQueue
-from mtask.worker.finding.shared.waiters import GroupWaiters
 
 PRUNE_EVERY = 2.0
 """Seconds between two prunings of expired refusals."""

@@ -13,11 +13,11 @@ from mtask import driver
 from mtask.clock import Clock
 from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.finding.shared.dispatch import Dispatcher
+from mtask.worker.finding.shared.group_waiters import GroupWaiters
 from mtask.worker.finding.shared.lease import RelayLease
 from mtask.worker.finding.shared.mode import RelayMode
 from mtask.worker.finding.shared.relay import Relay
 from mtask.worker.finding.shared.standby import Standby
-from mtask.worker.finding.shared.waiters import GroupWaiters
 
 log = logging.getLogger(__name__)
 

@@ -56,11 +56,11 @@ from mtask.worker.finding.protocols import ClaimsBack
 from mtask.worker.finding.shared import mailbox, wire
 from mtask.worker.finding.shared.channels import InboxChannel, LocalChannel, SubscriberChannel
 from mtask.worker.finding.shared.dispatch import Dispatcher
+from mtask.worker.finding.shared.group_waiters import GroupWaiters
 from mtask.worker.finding.shared.host_queue import HostQueue
 from mtask.worker.finding.shared.lease import LeaseLost, RelayLease
 from mtask.worker.finding.shared.mode import RelayMode, mode_for
 from mtask.worker.finding.shared.standby import Appointments
-from mtask.worker.finding.shared.waiters import GroupWaiters
 from mtask.worker.finding.stream import OTHER_COLLECTIONS, follow, stream_pipeline
 from mtask.worker.service import event_or_timeout
 

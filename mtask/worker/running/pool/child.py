@@ -6,7 +6,7 @@ A child leads a process group of its own and is a subreaper (``_contain``), asks
 when the worker dies (``_die_with_parent``), receives a ``pipe.Call`` on its pipe, calls the
 handler and sends a ``pipe.Reply`` (how it ended, and the child's resident bytes), within the
 pipe's ``Bounds``. What the run left running is killed before the reply (``_sweep``). The parent
-side (starting, killing, recycling children; the memory watch and the guard) is
+side (starting, killing, recycling children; the memory watch and the reaper) is
 ``mtask.worker.running.pool.pool``; every message between them is ``pipe``'s.
 """
 

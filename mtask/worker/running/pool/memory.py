@@ -15,7 +15,7 @@ from multiprocessing.process import BaseProcess
 from typing import Protocol
 
 from mtask.worker.running.pool.child import rss_of
-from mtask.worker.running.pool.guard import killpg
+from mtask.worker.running.pool.reaper import killpg
 
 MEMORY_POLL = 0.1
 """Seconds between two reads of a busy child's resident set, with a hard memory limit."""

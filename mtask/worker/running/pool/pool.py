@@ -22,8 +22,8 @@ Containment (docs/isolation.md, "Children bounded and contained"): each child le
 group of its own, which every process its handler starts inherits, and is a subreaper, so
 orphaned descendants are re-parented to it. What a run leaves running is killed before its
 reply is sent; a child that is killed or dies has its whole group SIGKILLed by the parent; and
-if the worker itself dies (even by SIGKILL), a small guard process the pool starts
-(``guard.Guard``: it holds nothing but the pool's list of groups, on its stdin) sees its stdin
+if the worker itself dies (even by SIGKILL), a small reaper process the pool starts
+(``reaper.Reaper``: it holds nothing but the pool's list of groups, on its stdin) sees its stdin
 close and SIGKILLs every group. The child also asks for SIGKILL when its kernel parent dies
 (``PR_SET_PDEATHSIG``) and a thread in it exits when the worker's end of an "alive" pipe
 closes. A child stops itself, and its group, when the lease of its run runs out with no
@@ -32,7 +32,7 @@ deadline in shared memory): a frozen worker's children stop by the deadline.
 
 The parts: ``pipe`` (every message between worker and child, and its bounds), ``exchange`` (one
 run's messages until its reply, and its time limits), ``memory`` (the hard memory limit),
-``guard``, ``errors``; what runs in the child is ``child`` and ``child_steps``. This module is
+``reaper``, ``errors``; what runs in the child is ``child`` and ``child_steps``. This module is
 the pool's children: started, taken for a run, kept or recycled after it, killed.
 """
 
@@ -65,9 +65,9 @@ from mtask.worker.running.pool import exchange, pipe
 from mtask.worker.running.pool.child import child_main
 from mtask.worker.running.pool.errors import ChildDied, MemoryLimitExceeded, TimeLimitExceeded
 from mtask.worker.running.pool.exchange import OnStep, RunLimits
-from mtask.worker.running.pool.guard import Guard, killpg
 from mtask.worker.running.pool.memory import MEMORY_POLL, MemoryWatch
 from mtask.worker.running.pool.pipe import Bounds, RunInfo
+from mtask.worker.running.pool.reaper import Reaper, killpg
 
 log = logging.getLogger("mtask.pool")  # the name operators filter on, kept
 
@@ -204,7 +204,7 @@ class ProcessPool:
             if memory_limit is None
             else MemoryWatch(memory_limit, memory_poll, self._busy.values)
         )
-        self._guard = Guard()
+        self._reaper = Reaper()
         self._children: dict[int, Child] = {}
         self.started = 0
         self.recycled = 0
@@ -321,7 +321,7 @@ class ProcessPool:
         if self._memory is not None:
             self._memory.close()
         await asyncio.gather(*(self._kill(c) for c in list(self._children.values())))
-        await asyncio.to_thread(self._guard.close)
+        await asyncio.to_thread(self._reaper.close)
 
     # -- children -------------------------------------------------------------------------------
 
@@ -340,7 +340,7 @@ class ProcessPool:
         child = Child.start(self._mp, self.bounds)
         pid = child.process.pid
         assert pid is not None
-        self._guard.add(pid)  # the child leads the group of its pid
+        self._reaper.add(pid)  # the child leads the group of its pid
         self._children[pid] = child
         self.started += 1
         metrics.POOL_CHILDREN_STARTED.inc()
@@ -378,7 +378,7 @@ class ProcessPool:
         self._mark_idle(child)
         if child.process.pid is not None:
             self._children.pop(child.process.pid, None)
-            self._guard.remove(child.process.pid)
+            self._reaper.remove(child.process.pid)
         self._gauges()
         child.close()
 

@@ -1,10 +1,10 @@
-"""The children's guard: a small process that kills every child's process group when the worker
+"""The children's reaper: a small process that kills every child's process group when the worker
 dies, even by SIGKILL (docs/isolation.md, "Children bounded and contained"), and ``killpg``.
 
 Each child leads a process group of its own, which every process its handler starts inherits.
-The pool tells the guard each group as its child starts (``+PGID``) and ends (``-PGID``) on the
-guard's stdin; only the worker holds the write end, so when the worker is gone, however it went,
-the guard reads EOF and SIGKILLs every group still listed. It holds nothing else."""
+The pool tells the reaper each group as its child starts (``+PGID``) and ends (``-PGID``) on the
+reaper's stdin; only the worker holds the write end, so when the worker is gone, however it went,
+the reaper reads EOF and SIGKILLs every group still listed. It holds nothing else."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 
-GUARD_CODE = """
+REAPER_CODE = """
 import os, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 groups = set()
@@ -31,12 +31,12 @@ for pid in groups:
     except OSError:
         pass
 """
-"""The guard: reads ``+PGID``/``-PGID`` lines; at EOF (the pool closed, or the worker died,
+"""The reaper: reads ``+PGID``/``-PGID`` lines; at EOF (the pool closed, or the worker died,
 even by SIGKILL: only the worker holds the write end) SIGKILLs every group still listed."""
 
 
-class Guard:
-    """The pool's guard process (``GUARD_CODE``): started with the first child, in a session
+class Reaper:
+    """The pool's reaper process (``REAPER_CODE``): started with the first child, in a session
     of its own (signals for the worker's process group do not reach it), outliving the worker
     by the moment it takes to kill the children's groups."""
 
@@ -48,7 +48,7 @@ class Guard:
         with self._lock:
             if self._process is None:
                 self._process = subprocess.Popen(
-                    [sys.executable, "-I", "-S", "-c", GUARD_CODE],
+                    [sys.executable, "-I", "-S", "-c", REAPER_CODE],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.DEVNULL,
                     start_new_session=True,
