@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mtask.clock import Clock
-from mtask.worker.claiming.queue import ClaimQueue
+from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.finder import Finder, Others
 from mtask.worker.finding.placement import Placement, WorkerScope
 from mtask.worker.finding.scan import Scanner

@@ -27,12 +27,12 @@ from mtask.connection.clients import WORKER_CLIENT_OPTIONS, async_client, sync_c
 from mtask.limits.holds import Holds
 from mtask.registry import Registry
 from mtask.worker import finding, reacting
+from mtask.worker.claim_queue import ClaimQueue, GroupWeights
 from mtask.worker.claiming import ahead as claim_ahead
 from mtask.worker.claiming.claim_calls import ClaimCalls
 from mtask.worker.claiming.claimer import Claimer
 from mtask.worker.claiming.gate import REFRESH_SECONDS, LimitGate
 from mtask.worker.claiming.limited_claims import LimitedClaims
-from mtask.worker.claiming.queue import ClaimQueue, GroupWeights
 from mtask.worker.claiming.recount import Recount
 from mtask.worker.claiming.releases import SlotReleases
 from mtask.worker.config import WorkerConfig
@@ -133,6 +133,8 @@ def build(
     group_freed: Signal[[str, str]] = Signal()
     lost: Signal[[str, dict[str, Any] | None]] = Signal()
     slot_lost: Signal[[str, str]] = Signal()
+    run_started: Signal[[str]] = Signal()
+    run_ended: Signal[[float]] = Signal()
     capacity = Gauge()
     inflight = InFlight(on_free=freed)
     aging = config.priority_aging
@@ -274,19 +276,19 @@ def build(
     executor = Executor(
         registry=registry,
         inflight=inflight,
-        queue=queue,
         pinger=pinger,
         recorder=recorder,
         contexts=contexts,
         calls=handler_calls,
         outcomes=outcomes,
-        ahead=ahead,
         stats=stats,
         wake=wake,
         emit=emit,
         lost=lost,
         slot_lost=slot_lost,
         task_deadlines=TaskDeadlines(clock, Signal()),
+        run_started=run_started,
+        run_ended=run_ended,
     )
     calls = ClaimCalls(adriver, clock, worker_id=worker_id, ignore=found.sink.ignore)
     limited_claims = LimitedClaims(
@@ -318,6 +320,8 @@ def build(
         wake=wake,
     )
     capacity.measure_with(claimer.capacity)
+    run_started.connect(queue.discard)  # a started run's key leaves the claim queue
+    run_ended.connect(ahead.ran)  # how long runs take: whether to claim ahead
     recount = Recount(
         adriver,
         clock,

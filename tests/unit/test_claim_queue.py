@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mtask.worker.claiming.queue import ClaimQueue, effective_priority
+from mtask.worker.claim_queue import ClaimQueue, effective_priority
 
 BASE = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 ops = st.lists(

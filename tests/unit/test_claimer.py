@@ -19,12 +19,12 @@ from scripted import AsyncScriptedDriver, Step
 from mtask import store
 from mtask.clock import Clock, FixedClock
 from mtask.driver import MODIFY_ONCE, AsyncDriver, Call
+from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.claiming.ahead import FixedAhead
 from mtask.worker.claiming.claim_calls import ClaimCalls
 from mtask.worker.claiming.claimer import Claimer
 from mtask.worker.claiming.gate import LimitGate
 from mtask.worker.claiming.limited_claims import LimitedClaims
-from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.claiming.releases import SlotReleases
 from mtask.worker.finding.finder import Finder
 from mtask.worker.inflight import InFlight

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver
-from mtask.worker.claiming.queue import ClaimQueue
+from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.placement import Placement, WorkerScope
 from mtask.worker.finding.shared import credit
 from mtask.worker.finding.shared.credit import Account

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from mtask.errors import InvalidTask
 from mtask.limits import rules as limits
 from mtask.limits.rules import GroupOverride, Limit, group_limit_for, validate_override
+from mtask.worker.claim_queue import ClaimQueue, GroupWeights
 from mtask.worker.claiming.limited import counted, plan
-from mtask.worker.claiming.queue import ClaimQueue, GroupWeights
 from mtask.worker.finding.placement import TaskMeta
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)

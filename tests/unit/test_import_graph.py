@@ -1,5 +1,6 @@
 """The package's modules import each other without cycles (module-level imports; imports under
-``TYPE_CHECKING`` and inside functions do not run at import time and are left out)."""
+``TYPE_CHECKING`` and inside functions do not run at import time and are left out), and the
+worker's wings form no loop at package level (every import counted, wherever it is)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,44 @@ def imports(path: Path, known: dict[str, Path]) -> set[str]:
                 full = f"{node.module}.{alias.name}"
                 names.add(full if full in known else node.module)
     return {n for n in names if n in known}
+
+
+def every_import(path: Path, known: dict[str, Path]) -> set[str]:
+    """The modules ``path`` names anywhere: at module level, under ``TYPE_CHECKING``, inside a
+    function."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                names.add(full if full in known else node.module)
+    return {n for n in names if n in known}
+
+
+WINGS = ("finding", "claiming", "running", "reacting")
+"""The worker's wings (``mtask/worker/<wing>/``); what they share sits below them in ``worker/``."""
+
+
+def wing_of(module: str) -> str | None:
+    parts = module.split(".")
+    return (
+        parts[2]
+        if parts[:2] == ["mtask", "worker"] and parts[2:3] in ([w] for w in WINGS)
+        else None
+    )
+
+
+def wing_graph(known: dict[str, Path]) -> dict[str, set[str]]:
+    """Which wing imports which, every import of any module of a wing counted."""
+    graph: dict[str, set[str]] = {wing: set() for wing in WINGS}
+    for name, path in known.items():
+        if (wing := wing_of(name)) is not None:
+            graph[wing] |= {
+                w for m in every_import(path, known) if (w := wing_of(m)) not in (None, wing)
+            }
+    return graph
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:  # noqa: C901 - Tarjan's algorithm, as written
@@ -76,3 +115,13 @@ def test_no_import_cycles() -> None:
 
 def test_a_cycle_is_found() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_worker_wings_form_no_loop() -> None:
+    """Finding fills the claim queue (``worker/claim_queue.py``, below the wings) and claiming
+    pops it; claiming sees the run side through ``running/protocols.py``; the run side knows
+    neither (it tells what happened through ``wiring.Signal``s and narrow protocols)."""
+    graph = wing_graph(modules())
+    assert graph["claiming"] == {"finding", "running"}  # the intended direction, still seen
+    assert cycles(graph) == [], graph
+    assert not graph["running"] & {"finding", "claiming"}, graph["running"]

@@ -17,7 +17,7 @@ from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver
 from mtask.follow import events
 from mtask.worker import Worker
-from mtask.worker.claiming.queue import ClaimQueue
+from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding import stream
 from mtask.worker.finding.finder import Others
 from mtask.worker.finding.shared import credit, mailbox, wire

@@ -16,7 +16,7 @@ from scripted import AsyncScriptedDriver, Step
 from mtask.clock import FixedClock
 from mtask.driver import Call
 from mtask.errors import StorageError
-from mtask.worker.claiming.queue import ClaimQueue
+from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.scan import STRANDED_OPEN_EVERY
 
 WHEN = dt.datetime(2026, 11, 25, 12, 0, tzinfo=dt.UTC)

@@ -29,12 +29,12 @@ import time
 from typing import ClassVar
 
 from mtask.clock import Clock
+from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.claiming.ahead import ClaimAhead
 from mtask.worker.claiming.claim_calls import ClaimCalls
 from mtask.worker.claiming.gate import LimitGate
 from mtask.worker.claiming.limited_claims import LimitedClaims
 from mtask.worker.claiming.plain import PlainClaims
-from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.claiming.start import Starter
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight

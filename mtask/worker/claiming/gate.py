@@ -27,7 +27,7 @@ from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.limits import rules as limits
 from mtask.limits import slots
-from mtask.worker.claiming.queue import GroupWeights
+from mtask.worker.claim_queue import GroupWeights
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.service import PeriodicService, event_or_timeout, first_set
 from mtask.worker.wiring import Signal

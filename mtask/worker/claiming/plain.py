@@ -16,9 +16,9 @@ import time
 from mtask import metrics
 from mtask.clock import Clock
 from mtask.tracing import span
+from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.claiming.ahead import ClaimAhead
 from mtask.worker.claiming.claim_calls import RETRY_SOON, ClaimCalls
-from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.claiming.start import Starter
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from mtask import driver
 from mtask.clock import Clock
-from mtask.worker.claiming.queue import ClaimQueue
+from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.finder import Finder, Others, ReportingSink
 from mtask.worker.finding.placement import Placement, WorkerScope
 from mtask.worker.finding.protocols import ClaimsBack, QueueSink

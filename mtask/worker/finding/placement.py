@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from mtask.models import WORKER_TIMEOUT_MS, in_range
-from mtask.worker.claiming.queue import ClaimQueue, Group
+from mtask.worker.claim_queue import ClaimQueue, Group
 from mtask.worker.presence import Assignment
 
 

@@ -8,6 +8,10 @@ outcome to the outcome writer (``recorder.OutcomeRecorder``) once the run has le
 ledger. A run whose lease was lost (the pinger found another run owns the task, or its local
 deadline passed first) is stopped and records nothing; a cancelled task's run records
 CANCELLED; a run stopped by the worker's shutdown records RELEASED.
+
+The executor knows nothing of the claim side but two signals (``run_started``, ``run_ended``),
+which the claim side connects to when it is built (River's executor and its producer's
+callbacks).
 """
 
 from __future__ import annotations
@@ -22,8 +26,6 @@ from mtask import metrics
 from mtask.limits import rules as limits
 from mtask.registry import Registry
 from mtask.store import Outcome
-from mtask.worker.claiming.ahead import ClaimAhead
-from mtask.worker.claiming.queue import ClaimQueue
 from mtask.worker.inflight import ActiveRun, InFlight
 from mtask.worker.running.call import HandlerCalls
 from mtask.worker.running.context import RunContexts
@@ -52,23 +54,22 @@ class Executor:
         *,
         registry: Registry,
         inflight: InFlight,
-        queue: ClaimQueue,
         pinger: LeasePinger,
         recorder: OutcomeRecorder,
         contexts: RunContexts,
         calls: HandlerCalls,
         outcomes: RunOutcomes,
-        ahead: ClaimAhead,
         stats: WorkerStats,
         wake: asyncio.Event,
         emit: Emitter,
         lost: Signal[[str, dict[str, Any] | None]],
         slot_lost: Signal[[str, str]],
         task_deadlines: TaskDeadlines,
+        run_started: Signal[[str]],
+        run_ended: Signal[[float]],
     ) -> None:
         self.registry = registry
         self.inflight = inflight
-        self.queue = queue
         self.pinger = pinger
         self.recorder = recorder
         self.contexts = contexts
@@ -77,8 +78,12 @@ class Executor:
         """Each run's handler called, and the outcome of its return or exception."""
         self.outcomes = outcomes
         """The outcome of a run stopped (``stopped``)."""
-        self.ahead = ahead
-        """Learns how long the handlers run (whether to claim ahead)."""
+        self.run_started = run_started
+        """Told each run's key as it starts (the claim side: the key leaves its claim queue)."""
+        self.run_ended = run_ended
+        """Told how long each run's handler ran, from its slot to its end (the claim side
+        learns whether to claim ahead); a run stopped while it waited for its slot says
+        nothing."""
         lost.connect(self.lost)  # the pinger found a run's task another's
         slot_lost.connect(self.slot_lost)  # ... or its limit's slot another run's
         self.stats = stats
@@ -117,7 +122,7 @@ class Executor:
             deadline=deadline_of(doc["options"]),
         )
         self.inflight.started(run)
-        self.queue.discard(run.key)
+        self.run_started(run.key)
         self.pinger.add(
             run.key,
             run.run_id,
@@ -172,7 +177,7 @@ class Executor:
             ended = time.monotonic()
             metrics.by_name(metrics.RUN_DURATION, run.name).observe(ended - run.started)
             if not run.waiting:
-                self.ahead.ran(ended - run.running_since)
+                self.run_ended(ended - run.running_since)
             self.inflight.ended(run)
             self.task_deadlines.forget(run)
             self.pinger.remove(run.run_id)

@@ -8,11 +8,14 @@ and a few callbacks).
   it in;
 - ``SlotReturns`` (the claim side's ``SlotReleases``): the recorder gives back the limit slots of
   ended runs once their outcomes are written;
+- ``Recorded`` (finding's ``QueueSink``): what the recorder tells the finding side of an outcome
+  written (a success its stream skips) or not (the task back in the claim queue);
 - ``PoolView`` (the ``ProcessPool``): what the heartbeat shows of the pool's children.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -57,6 +60,19 @@ class SlotReturns(Protocol):
     async def flush(
         self, releases: dict[str, list[str]] | None = None, keep: bool = True
     ) -> None: ...
+
+
+class Recorded(Protocol):
+    """What the recorder tells the finding side (its ``QueueSink``) once outcomes are written."""
+
+    def succeeded(self, key: str) -> None:
+        """This worker recorded a success of ``key`` (an own stream leaves that event out)."""
+        ...
+
+    async def requeue(self, keys: list[str], later_than: dt.datetime | None = None) -> None:
+        """Put tasks back from their current documents (an outcome that could not be
+        written: no event will)."""
+        ...
 
 
 class PoolView(Protocol):

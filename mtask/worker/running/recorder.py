@@ -23,9 +23,8 @@ from mtask.store import Outcome, RunState
 from mtask.store import children as store_children
 from mtask.store import output as store_output
 from mtask.store import steps as store_steps
-from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.inflight import InFlight
-from mtask.worker.running.protocols import SlotReturns
+from mtask.worker.running.protocols import Recorded, SlotReturns
 from mtask.worker.worker_events import Emitter, Event
 
 log = logging.getLogger(__name__)
@@ -61,7 +60,7 @@ class OutcomeRecorder:
         clock: Clock,
         *,
         releases: SlotReturns,
-        sink: QueueSink,
+        sink: Recorded,
         inflight: InFlight,
         emit: Emitter,
         wake: asyncio.Event,
@@ -71,6 +70,7 @@ class OutcomeRecorder:
         self.releases = releases
         """Where the limit slots of ended runs go back, with their outcomes."""
         self.sink = sink
+        """Told of a success an own stream skips, and of a task whose outcome was not written."""
         self.inflight = inflight
         self.emit = emit
         self.wake = wake

@@ -39,7 +39,7 @@ from typing import Any
 from mtask import driver
 from mtask.clock import Clock
 from mtask.store.schema import LAST_WRITE
-from mtask.worker.claiming.queue import ClaimQueue
+from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.changes import event_key, updated_fields
 from mtask.worker.finding.shared.credit import Account, Accounts, Channel, HandOvers, Refusals
 from mtask.worker.finding.shared.group_waiters import GroupWaiters

@@ -11,7 +11,7 @@ from typing import Any
 
 from mtask import driver
 from mtask.clock import Clock
-from mtask.worker.claiming.queue import ClaimQueue
+from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.shared.dispatch import Dispatcher
 from mtask.worker.finding.shared.group_waiters import GroupWaiters
 from mtask.worker.finding.shared.lease import RelayLease

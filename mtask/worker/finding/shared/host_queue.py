@@ -20,7 +20,7 @@ from typing import Any
 from mtask import driver
 from mtask.clock import Clock
 from mtask.errors import StorageError
-from mtask.worker.claiming.queue import ClaimQueue
+from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.changes import apply_task_change
 from mtask.worker.finding.placement import HostScope, Placement, TaskMeta
 from mtask.worker.finding.scan import Scanner, Sweep

@@ -52,7 +52,7 @@ from mtask import driver
 from mtask.clock import Clock
 from mtask.errors import StorageError
 from mtask.store import relays
-from mtask.worker.claiming.queue import ClaimQueue
+from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding.finder import Finder
 from mtask.worker.finding.protocols import ClaimsBack
 from mtask.worker.finding.shared import wire
