@@ -6,8 +6,8 @@ A schedule is one document in the ``schedules`` collection::
      start: date (the interval's anchor), params, options, catch_up, misfire_grace_s,
      paused: bool, next_tick_at: date, last_tick_at, last_key, error, definition: hash, ...}
 
-Every worker runs the scheduler loop (``mtask.worker.scheduler``): it reads the schedules whose
-``next_tick_at`` has come (by the server's clock), publishes one task per tick with the key
+Every worker runs the scheduler loop (``worker.maintenance.scheduler``): it reads the schedules
+whose ``next_tick_at`` has come (by the server's clock), publishes one task per tick with the key
 ``"<id>@<tick in UTC>"``, and moves ``next_tick_at`` on with a compare-and-set on its old value.
 Any number of workers may do this at once: the publish is idempotent by key, so each tick is
 published once, and only one of them advances the schedule — no leader election. A crash

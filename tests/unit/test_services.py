@@ -16,8 +16,8 @@ from scripted import AsyncScriptedDriver, Step
 from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
-from mtask.worker.flow_sweep import FlowSweep
-from mtask.worker.scheduler import POLL_SECONDS, Scheduler
+from mtask.worker.maintenance.flow_sweep import FlowSweep
+from mtask.worker.maintenance.scheduler import POLL_SECONDS, Scheduler
 from mtask.worker.service import PeriodicService
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
