@@ -36,8 +36,8 @@ from mtask.worker.inflight import InFlight
 from mtask.worker.maintenance.scheduler import Scheduler
 from mtask.worker.presence import Assignment, Lifecycle, Presence
 from mtask.worker.running.executor import Executor
-from mtask.worker.running.lease import LeasePinger, LoopTicker
 from mtask.worker.running.output_writer import OutputWriter
+from mtask.worker.running.pinger import LeasePinger, LoopTicker
 from mtask.worker.running.recorder import OutcomeRecorder
 from mtask.worker.service import Service
 from mtask.worker.stats import WorkerStats

@@ -26,7 +26,7 @@ from mtask.models import DEFAULT_KEEP_MS
 from mtask.registry import Registry
 from mtask.worker import Worker
 from mtask.worker.running.executor import Executor
-from mtask.worker.running.lease import LeasePinger, LoopTicker
+from mtask.worker.running.pinger import LeasePinger, LoopTicker
 from mtask.worker.running.recorder import OutcomeRecorder
 
 

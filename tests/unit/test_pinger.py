@@ -15,7 +15,7 @@ from scripted import ScriptedDriver, Step
 
 from mtask.clock import FixedClock
 from mtask.driver import MODIFY_ONCE, Call, SyncDriver
-from mtask.worker.running.lease import LeasePinger, ping_every
+from mtask.worker.running.pinger import LeasePinger, ping_every
 
 
 def test_a_lease_past_its_local_deadline_is_never_pinged() -> None:

@@ -12,7 +12,7 @@ from scripted import ScriptedDriver, Step
 from mtask.clock import FixedClock
 from mtask.driver import MODIFY_ONCE, SyncDriver
 from mtask.store.transactional import stale_sessions
-from mtask.worker.running.lease import LeasePinger
+from mtask.worker.running.pinger import LeasePinger
 
 
 def test_a_takeover_kills_the_sessions_of_expired_runs_only() -> None:

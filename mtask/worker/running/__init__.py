@@ -30,9 +30,9 @@ from mtask.worker.running.call import HandlerCalls
 from mtask.worker.running.context import RunContexts
 from mtask.worker.running.executor import Executor
 from mtask.worker.running.handler_slots import RunSlots
-from mtask.worker.running.lease import LeasePinger, LoopTicker
 from mtask.worker.running.outcomes import RunOutcomes
 from mtask.worker.running.output_writer import OutputWriter
+from mtask.worker.running.pinger import LeasePinger, LoopTicker
 from mtask.worker.running.protocols import Recorded, SlotReturns
 from mtask.worker.running.recorder import OutcomeRecorder
 from mtask.worker.running.sealing import from_env as sealing_from_env

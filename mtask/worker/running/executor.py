@@ -31,8 +31,8 @@ from mtask.worker.running.call import HandlerCalls
 from mtask.worker.running.context import RunContexts
 from mtask.worker.running.deadlines import Deadlines
 from mtask.worker.running.invoke import ASYNC_CANCEL_GRACE
-from mtask.worker.running.lease import LeasePinger
 from mtask.worker.running.outcomes import RunOutcomes
+from mtask.worker.running.pinger import LeasePinger
 from mtask.worker.running.recorder import OutcomeRecorder
 from mtask.worker.running.task_deadlines import TaskDeadlines, deadline_of
 from mtask.worker.stats import WorkerStats

@@ -41,6 +41,7 @@ from mtask.clock import Clock
 from mtask.errors import StorageError
 from mtask.limits.slots import Request
 from mtask.limits.slots import extend as extend_slot
+from mtask.worker.running.lost_runs import LostCallback, LostRuns, SlotLostCallback
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +60,6 @@ def ping_every(ping_interval_ms: float, worker_timeout_ms: float) -> float:
     return min(ping_interval_ms, worker_timeout_ms / 3) / 1000
 
 
-LostCallback = Callable[[str, dict[str, Any] | None], None]
-"""Called with the run id and the task's current status document (``None`` if the task is
-gone): on the pinger thread, or on the event loop given to ``LeasePinger.start``."""
-SlotLostCallback = Callable[[str, str], None]
-"""Called, as ``LostCallback`` is, with the run id and the slot of a limit it no longer holds,
-while its task is still its own (``slots.extend``)."""
-
-
 class LoopTicker:
     """Side service: notes every ``TICK_SECONDS`` that the event loop runs, so the pinger
     thread can tell when a handler blocks the loop."""
@@ -81,6 +74,31 @@ class LoopTicker:
         while True:
             self.last = time.monotonic()
             await asyncio.sleep(TICK_SECONDS)
+
+
+class LoopWatch:
+    """The pinger thread's look at the loop's ticker (``heartbeat``: when it last ticked):
+    it logs once when the loop has not ticked for a while."""
+
+    def __init__(self, heartbeat: Callable[[], float] | None) -> None:
+        self.heartbeat = heartbeat
+        self.logged = False
+
+    def check(self) -> None:
+        """Log once when the worker's event loop has not ticked for a while: a handler is
+        blocking it (its leases are still pinged from the pinger's thread)."""
+        if self.heartbeat is None:
+            return
+        stalled = time.monotonic() - self.heartbeat()
+        if stalled > 2.0 and not self.logged:
+            self.logged = True
+            log.warning(
+                "the event loop has been blocked for %.1fs: a handler is blocking it; "
+                "use a plain def handler (run in a thread) for blocking work",
+                stalled,
+            )
+        elif stalled < 1.0:
+            self.logged = False
 
 
 @dataclass
@@ -118,7 +136,28 @@ class _Lease:
             watcher(expires)
 
 
+def extend_slots(
+    driver: driver.SyncDriver, worker_id: str, lease: _Lease, server_now: dt.datetime, lease_ms: int
+) -> str | None:
+    """Extend the run's places in its limit slots (``slots.extend``) with its lease; returns
+    the first slot it held a place in and lost, if any (the rest are not pinged: the run
+    stops)."""
+    for slot in lease.slots:
+        request = Request(slot, lease.run_id, lease.key, lease_ms)
+        held = driver.run(extend_slot(request, worker_id, server_now, slot in lease.joins))
+        if held is False:
+            return slot
+        if held:
+            lease.joins.discard(slot)
+        else:  # the slot limits no runs at once: the run holds no place there
+            lease.joins.add(slot)
+    return None
+
+
 class LeasePinger:
+    """The pinging: each run's lease (and its limit slots) extended on time from a thread of
+    its own. What a ping that missed means for its run is ``LostRuns``'s to say."""
+
     def __init__(
         self,
         driver: driver.SyncDriver,
@@ -131,9 +170,9 @@ class LeasePinger:
         self._driver = driver
         self._worker_id = worker_id
         self._clock = clock
-        self._on_lost = on_lost
-        self._on_slot_lost = on_slot_lost
-        self._loop_heartbeat = loop_heartbeat
+        self._lost = LostRuns(on_lost, on_slot_lost)
+        """Told of a run no longer its own: it tells the executor, on its loop."""
+        self._loop_watch = LoopWatch(loop_heartbeat)
         self._leases: dict[str, _Lease] = {}
         self._cond = threading.Condition()
         self._stopping = False
@@ -141,14 +180,12 @@ class LeasePinger:
         """When the thread's current wait ends (monotonic); 0 while it is not waiting."""
         self._thread = threading.Thread(target=self._run, name="mtask-pinger", daemon=True)
         self._failing = False
-        self._loop_block_logged = False
-        self._loop: asyncio.AbstractEventLoop | None = None
         self.pings = 0
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start the thread; with a ``loop``, ``on_lost`` and ``on_slot_lost`` are called on it,
         not on the thread."""
-        self._loop = loop
+        self._lost.deliver_on(loop)
         self._thread.start()
 
     def stop(self) -> None:
@@ -279,7 +316,7 @@ class LeasePinger:
                 self._wake_at = min(wake, now + 1.0)
                 self._cond.wait(timeout=max(self._wake_at - now, 0.0))
                 self._wake_at = 0.0  # awake: a lease added now is seen by the loop above
-                self._check_loop()
+                self._loop_watch.check()
             return []
 
     def _run(self) -> None:
@@ -289,22 +326,6 @@ class LeasePinger:
                 return
             for lease in due:
                 self._ping(lease)
-
-    def _ping_slots(self, lease: _Lease, server_now: dt.datetime, lease_ms: int) -> str | None:
-        """Extend the run's places in its limit slots (``slots.extend``); returns the first slot
-        it held a place in and lost, if any (the rest are not pinged: the run stops)."""
-        for slot in lease.slots:
-            request = Request(slot, lease.run_id, lease.key, lease_ms)
-            held = self._driver.run(
-                extend_slot(request, self._worker_id, server_now, slot in lease.joins)
-            )
-            if held is False:
-                return slot
-            if held:
-                lease.joins.discard(slot)
-            else:  # the slot limits no runs at once: the run holds no place there
-                lease.joins.add(slot)
-        return None
 
     def _ping(self, lease: _Lease) -> None:
         sent = time.monotonic()
@@ -323,7 +344,7 @@ class LeasePinger:
                 status = self._driver.run(store.get_status(lease.key))
             elif lease.slots:
                 ms = int(doc.get("options", {}).get("worker_timeout_ms", lease.timeout * 1000))
-                slot_lost = self._ping_slots(lease, server_now, ms)
+                slot_lost = extend_slots(self._driver, self._worker_id, lease, server_now, ms)
         except StorageError as exc:
             if not self._failing:
                 log.warning("cannot ping leases, retrying: %s", exc, extra={"key": lease.key})
@@ -341,7 +362,7 @@ class LeasePinger:
         if slot_lost is not None:  # the task is still the run's: it is given back (RELEASED)
             with self._cond:
                 self._leases.pop(lease.run_id, None)
-            self._call_on_loop(self._on_slot_lost, lease.run_id, slot_lost)
+            self._lost.slot_lost(lease.run_id, slot_lost)
             return
         options = doc.get("options", {})
         lease.timeout = options.get("worker_timeout_ms", lease.timeout * 1000) / 1000
@@ -364,50 +385,10 @@ class LeasePinger:
     def _missed(self, lease: _Lease, status: dict[str, Any] | None, now: float) -> None:
         """A ping matched nothing: the run is stopped. Its lease is forgotten, or, for a run
         that holds a lock or slots and whose handler still runs, pinged as stopping."""
-        if self._keeps(lease, status):
+        if LostRuns.keeps(lease.holds and not lease.stopping, lease.run_id, status):
             lease.stopping = True
             lease.next_at = now + lease.interval
         else:
             with self._cond:
                 self._leases.pop(lease.run_id, None)
-        self._report_lost(lease.run_id, status)
-
-    @staticmethod
-    def _keeps(lease: _Lease, status: dict[str, Any] | None) -> bool:
-        """Whether a run whose ping missed keeps its lease while it stops: it holds a lock or
-        slots, and its task was cancelled or only stopped allowing this worker (its run is
-        still RUNNING); not once taken over, released, or pinged as stopping already."""
-        if not lease.holds or lease.stopping or status is None:
-            return False
-        runs = status.get("runs")
-        mine = isinstance(runs, list) and any(
-            isinstance(r, dict) and r.get("run_id") == lease.run_id and r.get("state") == "RUNNING"
-            for r in runs
-        )
-        return mine and status.get("status") in ("cancelled", "pending", "running")
-
-    def _report_lost(self, run_id: str, status: dict[str, Any] | None) -> None:
-        self._call_on_loop(self._on_lost, run_id, status)
-
-    def _call_on_loop(self, callback: Callable[..., None], *args: Any) -> None:
-        if self._loop is None:
-            callback(*args)
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed: the worker is gone
-            self._loop.call_soon_threadsafe(callback, *args)
-
-    def _check_loop(self) -> None:
-        """Log once when the worker's event loop has not ticked for a while: a handler is
-        blocking it (its leases are still pinged from here)."""
-        if self._loop_heartbeat is None:
-            return
-        stalled = time.monotonic() - self._loop_heartbeat()
-        if stalled > 2.0 and not self._loop_block_logged:
-            self._loop_block_logged = True
-            log.warning(
-                "the event loop has been blocked for %.1fs: a handler is blocking it; "
-                "use a plain def handler (run in a thread) for blocking work",
-                stalled,
-            )
-        elif stalled < 1.0:
-            self._loop_block_logged = False
+        self._lost.lost(lease.run_id, status)
