@@ -1,5 +1,6 @@
 """The worker's outcome writer: outcomes of finished runs are written in bulk, in parallel with
-the main loop's claims, then their limit slots are given back and their flows followed up.
+the main loop's claims, then their limit slots are given back and their flows followed up
+(``follow_ups.FollowUps``).
 
 ``unwritten`` (outcomes waiting or in a write) is the main loop's backpressure: it claims only
 while at most ``concurrency`` and the runs it may claim ahead (claim_ahead.py) are unwritten,
@@ -15,15 +16,13 @@ from typing import ClassVar
 
 from pymongo.errors import DocumentTooLarge
 
-from mtask import flows, store
+from mtask import store
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.store import Outcome, RunState
-from mtask.store import children as store_children
-from mtask.store import output as store_output
-from mtask.store import steps as store_steps
 from mtask.worker.inflight import InFlight
+from mtask.worker.running.follow_ups import FollowUps
 from mtask.worker.running.protocols import Recorded, SlotReturns
 from mtask.worker.worker_events import Emitter, Event
 
@@ -70,6 +69,8 @@ class OutcomeRecorder:
         self.releases = releases
         """Where the limit slots of ended runs go back, with their outcomes."""
         self.sink = sink
+        self.follow_ups = FollowUps(driver, clock)
+        """What follows the outcomes written: sealing, next steps, dependents, children."""
         """Told of a success an own stream skips, and of a task whose outcome was not written."""
         self.inflight = inflight
         self.emit = emit
@@ -108,7 +109,7 @@ class OutcomeRecorder:
                 await self.releases.flush(released)
             if batch:
                 written = self.written(batch, done)
-                await self.follow_up(written)
+                await self.follow_ups.after(written)
                 self.writing -= len(batch)
                 if not self.pending and not self.writing:
                     self.all_written.set()
@@ -291,50 +292,3 @@ class OutcomeRecorder:
             reason,
         )
         await self.sink.requeue([outcome.key])
-
-    async def _count_children(self, batch: list[Outcome]) -> None:
-        """Spawned children that may have finished for good: counted on their parents, which
-        wake once their count is full. If this fails, the flow sweep recounts."""
-        ended = [
-            o.key
-            for o in batch
-            if o.child_of is not None
-            and o.state not in (RunState.WAITING, RunState.RELEASED, RunState.SNOOZED)
-        ]
-        if not ended:
-            return
-        try:
-            await self.driver.run(store_children.count_finished(ended))
-        except StorageError as exc:
-            log.warning("children not counted on their parents; the flow sweep will: %s", exc)
-
-    async def follow_up(self, batch: list[Outcome]) -> None:
-        """After outcomes are recorded: publish the next steps of the successes that returned
-        some, and release or fail the tasks that depend on these. If this fails, the flow
-        sweep does it later (the outboxes and the awaited dependencies stay in MongoDB)."""
-        parents = [o.key for o in batch if o.steps]
-        watched = [o.key for o in batch if o.has_dependents]
-        with_output = [o.key for o in batch if o.has_output]
-        if with_output:
-            try:  # their output's retention becomes the finished task's (docs/output.md)
-                await self.driver.run(store_output.seal(with_output))
-            except StorageError as exc:
-                log.warning("output kept until its own expiry, not sealed: %s", exc)
-        with_spills = [o.key for o in batch if o.has_spills]
-        if with_spills:
-            try:  # results stored aside go with their finished task (docs/steps.md)
-                await self.driver.run(store_steps.seal(with_spills))
-            except StorageError as exc:
-                log.warning("step results kept until their own expiry, not sealed: %s", exc)
-        await self._count_children(batch)
-        if not parents and not watched:
-            return
-        now = self.clock.now()
-        try:
-            if parents:
-                steps = await self.driver.run(flows.flush_outboxes(parents, now))
-                await self.driver.run(flows.after_publish(steps, now))
-            if watched:
-                await self.driver.run(flows.resolve(watched, now))
-        except StorageError as exc:
-            log.warning("next steps or dependents wait for the flow sweep: %s", exc)
