@@ -32,139 +32,40 @@ deadline in shared memory): a frozen worker's children stop by the deadline.
 
 The parts: ``pipe`` (every message between worker and child, and its bounds), ``exchange`` (one
 run's messages until its reply, and its time limits), ``memory`` (the hard memory limit),
-``reaper``, ``errors``; what runs in the child is ``child`` and ``child_steps``. This module is
-the pool's children: started, taken for a run, kept or recycled after it, killed.
+``reaper``, ``errors``, ``ledger`` (each child's handle, and the account of them all: live,
+idle, busy, ended how); what runs in the child is ``child`` and ``child_steps``. This module is
+the children's life: started, taken for a run, kept or recycled after it, killed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import math
 import multiprocessing
 import multiprocessing.connection
-import os
-import signal
 import threading
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
 from typing import Any
 
-from prometheus_client import Gauge
-
-from mtask import metrics
 from mtask.errors import MtaskError
 from mtask.follow.output import Batch
 from mtask.registry import Handler
 from mtask.worker.config import DEFAULT_MAX_RESULT_BYTES
 from mtask.worker.running.pool import exchange, pipe
-from mtask.worker.running.pool.child import child_main
-from mtask.worker.running.pool.errors import ChildDied, MemoryLimitExceeded, TimeLimitExceeded
+from mtask.worker.running.pool.errors import TimeLimitExceeded
 from mtask.worker.running.pool.exchange import OnStep, RunLimits
-from mtask.worker.running.pool.memory import MEMORY_POLL, MemoryWatch
+from mtask.worker.running.pool.ledger import Child, Ledger
+from mtask.worker.running.pool.memory import MEMORY_POLL
 from mtask.worker.running.pool.pipe import Bounds, RunInfo
-from mtask.worker.running.pool.reaper import Reaper, killpg
+from mtask.worker.running.pool.reaper import killpg
 
 log = logging.getLogger("mtask.pool")  # the name operators filter on, kept
 
 LeaseWatch = Callable[[Callable[[float], None]], Callable[[], None]]
 """Subscribes to a run's lease: called with a function that is given the lease's expiry
 (``time.monotonic()`` seconds) now and at each renewal; returns the unsubscribe."""
-
-
-def describe_exit(exitcode: int | None) -> str:
-    """``signal 11 (SIGSEGV)`` or ``exit code 3``."""
-    if exitcode is None:
-        return "unknown exit"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            return f"signal {-exitcode}"
-        return f"signal {-exitcode} ({name})"
-    return f"exit code {exitcode}"
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1024 * 1024):.0f} MiB"
-
-
-@dataclass
-class Child:
-    """The worker's handle on one child: its pipe, the "alive" pipe's write end, its run's
-    ``ctx.cancelled`` and lease deadline (shared memory), and what the pool knows of it."""
-
-    process: BaseProcess
-    conn: multiprocessing.connection.Connection
-    alive: multiprocessing.connection.Connection
-    cancelled: Any
-    deadline: Any
-    """The current run's lease deadline (``time.monotonic()``), shared with the child."""
-    tasks: int = 0
-    busy_since: float | None = field(default=None)
-    rss: int | None = None
-    """Resident bytes the child reported after its last run."""
-    over_limit: int | None = None
-    """The resident bytes for which the memory watch killed the child."""
-
-    @classmethod
-    def start(cls, mp: Any, bounds: Bounds) -> Child:
-        """Start a child (``child.child_main``) from the multiprocessing context ``mp``."""
-        parent_conn, child_conn = mp.Pipe()
-        alive_r, alive_w = mp.Pipe(duplex=False)
-        cancelled = mp.Event()
-        deadline = mp.RawValue("d", math.inf)
-        process = mp.Process(
-            target=child_main,
-            args=(child_conn, alive_r, cancelled, deadline, os.getpid(), bounds),
-            name="mtask-child",
-            daemon=True,
-        )
-        process.start()
-        child_conn.close()
-        alive_r.close()
-        return cls(process, parent_conn, alive_w, cancelled, deadline)
-
-    async def terminate(self, grace: float) -> None:
-        """SIGTERM to the child and its process group, SIGKILL to the child after ``grace``
-        seconds; returns once it has ended."""
-        self.cancelled.set()
-        with contextlib.suppress(OSError):
-            self.process.terminate()
-        killpg(self.process.pid, signal.SIGTERM)
-        if not await exchange.wait_readable(self.process.sentinel, grace):
-            with contextlib.suppress(OSError):
-                self.process.kill()
-            await exchange.wait_readable(self.process.sentinel, None)
-
-    def death(self, stopped: pipe.Stopped | None, memory_limit: int | None) -> MtaskError:
-        """What the run of a child that has ended raises: it stopped itself at its lease's
-        deadline (``stopped``), the memory watch killed it, or it died."""
-        if stopped is not None:
-            return ChildDied(
-                "handler process stopped itself: the run's lease ran out with no renewal "
-                "from the worker (was the worker frozen?)"
-            )
-        if self.over_limit is not None:
-            assert memory_limit is not None
-            return MemoryLimitExceeded(
-                f"memory limit exceeded: the handler's process reached {_mib(self.over_limit)} "
-                f"resident, over its limit of {_mib(memory_limit)}; it was killed"
-            )
-        return ChildDied(f"handler process died: {describe_exit(self.process.exitcode)}")
-
-    def close(self) -> None:
-        """Close its pipes, and reap it if it has ended."""
-        for conn in (self.conn, self.alive):
-            with contextlib.suppress(OSError):
-                conn.close()
-        with contextlib.suppress(ValueError):
-            self.process.join(0)
-            self.process.close()
 
 
 class ProcessPool:
@@ -197,64 +98,23 @@ class ProcessPool:
             # children start warm: the forkserver imports the handlers' modules once, and
             # each child forked from it has them (a module that fails there is skipped)
             self._mp.set_forkserver_preload(["mtask.registry", *preload])
-        self._idle: list[Child] = []
-        self._busy: dict[int, Child] = {}
-        self._memory = (
-            None
-            if memory_limit is None
-            else MemoryWatch(memory_limit, memory_poll, self._busy.values)
-        )
-        self._reaper = Reaper()
-        self._children: dict[int, Child] = {}
-        self.started = 0
-        self.recycled = 0
-        self.killed = 0
-        self.died = 0
-        self.time_limit_kills = 0
-        self.memory_kills = 0
+        self._ledger = Ledger(memory_limit, memory_poll)
+        """The children: which live, idle or busy, and what ended how."""
         self.closed = False
 
     # -- public ---------------------------------------------------------------------------------
 
     @property
     def pids(self) -> list[int]:
-        return [c.process.pid for c in self._children.values() if c.process.pid is not None]
+        return self._ledger.pids
 
     def state(self) -> dict[str, int]:
-        """Counts for metrics and the heartbeat: busy, idle, started, recycled, killed, died,
-        time-limit kills, memory-limit kills."""
-        return {
-            "busy": len(self._busy),
-            "idle": len(self._idle),
-            "started": self.started,
-            "recycled": self.recycled,
-            "killed": self.killed,
-            "died": self.died,
-            "time_limit_kills": self.time_limit_kills,
-            "memory_kills": self.memory_kills,
-        }
+        """Counts for metrics and the heartbeat (``Ledger.state``)."""
+        return self._ledger.state()
 
     def children(self, limit: int = 64) -> list[dict[str, Any]]:
-        """Each live child for the heartbeat: pid, ``busy``/``idle``, runs done, the resident
-        bytes it reported after its last run, and for how long its current run has run."""
-        now = time.monotonic()
-        out: list[dict[str, Any]] = []
-        for pid, child in sorted(self._children.items())[:limit]:
-            busy = id(child) in self._busy
-            out.append(
-                {
-                    "pid": pid,
-                    "state": "busy" if busy else "idle",
-                    "tasks": child.tasks,
-                    "rss": child.rss,
-                    "busy_for": (
-                        round(now - child.busy_since, 3)
-                        if busy and child.busy_since is not None
-                        else None
-                    ),
-                }
-            )
-        return out
+        """Each live child for the heartbeat (``Ledger.children``)."""
+        return self._ledger.children(limit)
 
     async def run(
         self,
@@ -298,7 +158,7 @@ class ProcessPool:
             )
         except BaseException as exc:
             if isinstance(exc, TimeLimitExceeded):
-                self.time_limit_kills += 1  # its child is killed next
+                self._ledger.time_limit_kills += 1  # its child is killed next
             await self._kill(child)
             raise
         finally:
@@ -310,77 +170,35 @@ class ProcessPool:
     async def start(self, count: int) -> None:
         """Start children until ``count`` are alive (a worker's boot, as Celery's prefork
         pool does): the first runs do not wait for the forkserver and the imports."""
-        while len(self._children) < count and not self.closed:
+        while len(self._ledger.live) < count and not self.closed:
             child = await asyncio.to_thread(self._start_child)
-            self._idle.append(child)
-            self._gauges()
+            self._ledger.idle.append(child)
+            self._ledger.gauges()
 
     async def close(self) -> None:
         """Retire idle children and kill busy ones; wait until every child is reaped."""
         self.closed = True
-        if self._memory is not None:
-            self._memory.close()
-        await asyncio.gather(*(self._kill(c) for c in list(self._children.values())))
-        await asyncio.to_thread(self._reaper.close)
+        await asyncio.gather(*(self._kill(c) for c in self._ledger.close()))
+        await asyncio.to_thread(self._ledger.reaper.close)
 
     # -- children -------------------------------------------------------------------------------
 
     async def _take(self) -> Child:
-        while self._idle:
-            child = self._idle.pop()
+        ledger = self._ledger
+        while ledger.idle:
+            child = ledger.idle.pop()
             if child.process.is_alive():
-                self._mark_busy(child)
+                ledger.mark_busy(child)
                 return child
-            self._forget(child)
+            ledger.forget(child)
         child = await asyncio.to_thread(self._start_child)
-        self._mark_busy(child)
+        ledger.mark_busy(child)
         return child
 
     def _start_child(self) -> Child:
         child = Child.start(self._mp, self.bounds)
-        pid = child.process.pid
-        assert pid is not None
-        self._reaper.add(pid)  # the child leads the group of its pid
-        self._children[pid] = child
-        self.started += 1
-        metrics.POOL_CHILDREN_STARTED.inc()
+        self._ledger.add(child)
         return child
-
-    def _mark_busy(self, child: Child) -> None:
-        child.cancelled.clear()
-        child.busy_since = time.monotonic()
-        self._busy[id(child)] = child
-        self._gauges()
-        if self._memory is not None:
-            self._memory.wake()
-
-    def _mark_idle(self, child: Child) -> None:
-        child.busy_since = None
-        was_busy = self._busy.pop(id(child), None) is not None
-        if was_busy and not self._busy and self._memory is not None:
-            self._memory.rest()
-        self._gauges()
-
-    def _gauges(self) -> None:
-        busy_gauge, idle_gauge = self._gauge
-        busy = len(self._busy)
-        busy_gauge.set(busy)
-        idle_gauge.set(max(0, len(self._children) - busy))
-
-    @functools.cached_property
-    def _gauge(self) -> tuple[Gauge, Gauge]:
-        """The busy and idle series, looked up once (``labels()`` costs a run 6 µs a time)."""
-        return metrics.POOL_CHILDREN.labels(state="busy"), metrics.POOL_CHILDREN.labels(
-            state="idle"
-        )
-
-    def _forget(self, child: Child) -> None:
-        self._mark_idle(child)
-        if child.process.pid is not None:
-            self._children.pop(child.process.pid, None)
-            self._reaper.remove(child.process.pid)
-        self._gauges()
-        child.close()
 
     # -- after a run ----------------------------------------------------------------------------
 
@@ -391,7 +209,7 @@ class ProcessPool:
             raise self._ended(child, reply)
         child.tasks += 1
         child.rss = reply.rss
-        self._mark_idle(child)
+        self._ledger.mark_idle(child)
         self._keep_or_recycle(child, reply)
         return reply.result()
 
@@ -404,12 +222,12 @@ class ProcessPool:
         )
         limits = [n for n in (self.max_memory_per_child, self.memory_limit) if n is not None]
         if child.over_limit is not None:
-            self._count_ended("memory_limit")
-            self._forget(child)
+            self._ledger.ended("memory_limit")
+            self._ledger.forget(child)
         elif recycle or self.closed or any(reply.rss > n for n in limits):
             self._retire(child)
         else:
-            self._idle.append(child)
+            self._ledger.idle.append(child)
 
     def _ended(self, child: Child, stopped: pipe.Stopped | None) -> MtaskError:
         """Forget a child that ended its run by dying (``stopped`` None: killed for its
@@ -417,33 +235,22 @@ class ProcessPool:
         child.process.join(5)  # ended, or ending: the lease watch is killing it
         error = child.death(stopped, self.memory_limit)
         killpg(child.process.pid)  # what its handler started dies with it
-        self._count_ended("died" if child.over_limit is None else "memory_limit")
-        self._forget(child)
+        self._ledger.ended("died" if child.over_limit is None else "memory_limit")
+        self._ledger.forget(child)
         return error
-
-    def _count_ended(self, reason: str) -> None:
-        if reason == "memory_limit":
-            self.memory_kills += 1
-        else:
-            self.died += 1
-        metrics.POOL_CHILDREN_ENDED.labels(reason=reason).inc()
 
     def _retire(self, child: Child) -> None:
         """Recycle a healthy child: ask it to exit, reap it in the background."""
-        self.recycled += 1
-        metrics.POOL_CHILDREN_ENDED.labels(reason="recycled").inc()
+        self._ledger.retired(child)
         with contextlib.suppress(OSError):
             pipe.send(child.conn, pipe.Retire())
-        if child.process.pid is not None:
-            self._children.pop(child.process.pid, None)
-        self._gauges()
 
         def reap() -> None:
             child.process.join(self.term_grace + 5)
             if child.process.is_alive():
                 child.process.kill()
                 child.process.join()
-            self._forget(child)
+            self._ledger.forget(child)
 
         threading.Thread(target=reap, name="mtask-child-reap", daemon=True).start()
 
@@ -452,13 +259,12 @@ class ProcessPool:
         reap; forget."""
         pid = child.process.pid
         if pid is not None and child.process.is_alive():
-            self.killed += 1
-            metrics.POOL_CHILDREN_ENDED.labels(reason="killed").inc()
+            self._ledger.ended("killed")
             await child.terminate(self.term_grace)
         killpg(pid)
-        self._forget(child)
-        if child in self._idle:
-            self._idle.remove(child)
+        self._ledger.forget(child)
+        if child in self._ledger.idle:
+            self._ledger.idle.remove(child)
 
 
 def _renewal(deadline: Any) -> Callable[[float], None]:
