@@ -8,7 +8,8 @@ that wait for its slots and is passed on (``applied``: the runs in flight count 
 (``partition``), takes the slots and tokens of a batch of runs before they are claimed
 (``slots.take``), remembers the keys a limit held back and puts them back in the claim queue
 when a slot may have freed (a change event on its slot's document: a name's or a group's) or
-when the next token is due (at the latest after ``BLOCKED_AT_MOST``). The slots of ended runs
+when the next token is due (at the latest after ``BLOCKED_AT_MOST``: ``held_back.HeldBack``).
+The slots of ended runs
 go back through ``releases.SlotReleases``, which asks the gate for the keys that wait for a
 lock. It never decides a limit itself: the slot documents' atomic updates do, on the server.
 """
@@ -19,7 +20,7 @@ import asyncio
 import datetime as dt
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 from mtask.clock import Clock
@@ -28,6 +29,7 @@ from mtask.errors import StorageError
 from mtask.limits import rules as limits
 from mtask.limits import slots
 from mtask.worker.claim_queue import GroupWeights
+from mtask.worker.claiming.held_back import HeldBack
 from mtask.worker.finding.protocols import QueueSink
 from mtask.worker.service import PeriodicService, event_or_timeout, first_set
 from mtask.worker.wiring import Signal
@@ -37,10 +39,6 @@ log = logging.getLogger(__name__)
 REFRESH_SECONDS = 5.0
 DEFAULT_SLOT_LEASE_MS = 30_000
 MADE_KEPT = 100_000
-BLOCKED_KEPT = 100_000
-BLOCKED_AT_MOST = dt.timedelta(seconds=REFRESH_SECONDS)
-"""How long a key held back by a limit waits at most before it is tried again, if no change
-event of its slot came (events are hints)."""
 
 
 class Partition(NamedTuple):
@@ -89,8 +87,6 @@ class LimitGate(PeriodicService):
         self.sink = sink
         if changes is not None:
             changes.connect(self.on_change)  # a slot's change event, from the finding parts
-        if freed is not None:
-            freed.connect(self.group_freed)  # a group's run ended for good, from the same
         if limit_set is not None:
             limit_set.connect(self.limit_set)  # a name's limit set, changed or cleared
         if reopened is not None:
@@ -121,12 +117,13 @@ class LimitGate(PeriodicService):
         self.units: dict[str, int] = dict(units or {})
         """The units of each limit each name's runs take (its handler's ``units``; 1 if not
         here)."""
-        self.blocked: dict[str, dict[str, None]] = {}
-        """The keys that wait for each slot, first blocked first."""
+        self.held = HeldBack(sink, clock, self.limited)
+        """The keys a limit holds back, each back in the claim queue when its slot may have
+        freed."""
+        if freed is not None:
+            freed.connect(self.held.group_freed)  # a group's run ended for good (finding)
         self.made: set[str] = set()
         """Groups' slot documents seen to exist (``slots.take`` does not make them again)."""
-        self.waits_for: dict[str, str] = {}
-        """The slot each blocked key waits for."""
         self.refreshed = asyncio.Event()
         """Set after each read of all the limits."""
         self.stale: set[str] = set()
@@ -207,9 +204,7 @@ class LimitGate(PeriodicService):
             self.weights.set(name, limits.weights(doc) if doc is not None else {})
         if limits.same_limit(old, doc):
             return
-        prefix = name + limits.GROUP_SEPARATOR
-        for slot in [s for s in self.blocked if s == name or s.startswith(prefix)]:
-            self._wake(slot)
+        self.held.limit_changed(name)
         self.applied(name)
 
     def _restrict_users(self, reread: bool) -> None:
@@ -279,17 +274,8 @@ class LimitGate(PeriodicService):
             return None
 
     def block(self, slot: str, key: str, until: dt.datetime | None, now: dt.datetime) -> None:
-        """``key`` waits for ``slot`` (a name's or a group's): back in the queue at ``until``
-        (the next token, the earliest slot lease end, a sequence's next task due), at once when
-        the slot's document changes, and after ``BLOCKED_AT_MOST`` at the latest."""
-        self.unblock([key])
-        if len(self.waits_for) >= BLOCKED_KEPT:  # bounded: keys whose task ended elsewhere
-            self.blocked.clear()  # are never woken; those still queued come back by ``until``
-            self.waits_for.clear()
-        self.blocked.setdefault(slot, {})[key] = None
-        self.waits_for[key] = slot
-        latest = now + BLOCKED_AT_MOST
-        self.sink.requeue_at(key, latest if until is None else min(until, latest))
+        """``key`` waits for ``slot`` (``HeldBack.block``)."""
+        self.held.block(slot, key, until, now)
 
     def on_change(self, slot: str) -> None:
         """The limit document ``slot`` changed (a slot freed): the keys that wait for it are
@@ -299,56 +285,12 @@ class LimitGate(PeriodicService):
         read (a limit whose event did not say so)."""
         if slot not in self.limited and not limits.is_group_slot(slot):
             self.limit_set(slot)
-        self._wake(slot)
-
-    def _wake(self, slot: str) -> None:
-        keys = list(self.blocked.get(slot, ()))
-        room = self._room(slot)
-        if room is not None:
-            keys = keys[:room]
-        self.retry_now(keys)
+        self.held.wake(slot)
 
     def retry_now(self, keys: list[str]) -> None:
-        """``keys`` wait for no slot any more: back in the claim queue now."""
-        self.unblock(keys)
-        now = self.clock.now()
-        for key in keys:
-            self.sink.requeue_at(key, now)
+        """``SlotReleases``' waits: ``HeldBack.retry_now``."""
+        self.held.retry_now(keys)
 
     def waiting_for_lock(self, slot: str, most: int) -> list[str]:
-        """The first ``most`` keys (first blocked first) that wait for ``slot``, if it is a
-        lock (``is_lock``: a release of it may be kept for them, ``releases.SlotReleases``)."""
-        return list(self.blocked.get(slot, ()))[:most] if self.is_lock(slot) else []
-
-    def group_freed(self, name: str, group: str) -> None:
-        """A run of the group ``(name, group)`` ended for good (``finding.Others``): the keys
-        that wait for its sequence's lock are tried again."""
-        self.on_change(limits.claim_lock(name, group))
-
-    def unblock(self, keys: Iterable[str]) -> None:
-        """``keys`` wait for no slot any more (claimed, or tried again)."""
-        for key in keys:
-            slot = self.waits_for.pop(key, None)
-            if slot is not None and (waiting := self.blocked.get(slot)) is not None:
-                waiting.pop(key, None)
-                if not waiting:
-                    del self.blocked[slot]
-
-    def _room(self, slot: str) -> int | None:
-        """How many runs ``slot`` allows at once (``None``: no such bound known)."""
-        if limits.is_resource(slot):
-            found = self.limited.get(slot)
-            return None if found is None else limits.own_limit(found).concurrency
-        name, _, group = slot.partition(limits.GROUP_SEPARATOR)
-        doc = self.limited.get(name)
-        if doc is None:
-            return None
-        return (limits.group_limit_for(doc, group) if group else limits.own_limit(doc)).concurrency
-
-    def is_lock(self, slot: str) -> bool:
-        """A group's slot limiting only runs at once (``slots.is_lock``)."""
-        name, _, group = slot.partition(limits.GROUP_SEPARATOR)
-        doc = self.limited.get(name)
-        if not group or doc is None or limits.is_claim_lock(slot):
-            return False
-        return limits.is_lock(limits.group_limit_for(doc, group))
+        """``SlotReleases``' waits: ``HeldBack.waiting_for_lock``."""
+        return self.held.waiting_for_lock(slot, most)

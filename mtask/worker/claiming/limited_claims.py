@@ -324,7 +324,7 @@ class LimitedClaims:
                     self.runs.give_back(slot, batch.run_id(key))
         for doc in docs:
             key = doc["_id"]
-            self.gate.unblock([key])
+            self.gate.held.unblock([key])
             if (lock := locked.get(key)) is not None:
                 slots_held, tokens = batch.held.get(key, ((), frozenset()))
                 batch.held[key] = ((*slots_held, lock), tokens)
