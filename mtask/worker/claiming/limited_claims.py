@@ -6,7 +6,8 @@ A batch of them is claimed after its slots and tokens: the heads of their sequen
 ``store.heads_and_slots``), every slot they need taken in one bulk write (``slots.take``,
 through the ``LimitGate``), then the keys whose slots were all granted claimed together, a
 sequence's head with its group's lock; their runs start through the claimer's one
-``Starter``. A key a limit holds back waits for its slot (``LimitGate.block``). Such a batch
+``Starter``. A key a limit holds back waits for its slot (``LimitGate.block``), or is shed by a
+lossy limit (``refusals.Refusals``). Such a batch
 costs more round trips than a plain one, so it runs beside the claimer's main loop, at most
 ``LIMITED_IN_FLIGHT`` at once (``claim_soon``); its keys count as taken meanwhile
 (``pending``).
@@ -22,18 +23,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtask import metrics, store
+from mtask import store
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.limits import rules as limits
 from mtask.limits import slots
-from mtask.limits.holds import held_until
 from mtask.models import WORKER_TIMEOUT_MS, in_range
-from mtask.store import overflow
 from mtask.worker.claiming import limited
 from mtask.worker.claiming.claim_calls import RETRY_SOON, ClaimCalls
 from mtask.worker.claiming.gate import DEFAULT_SLOT_LEASE_MS, LimitGate
+from mtask.worker.claiming.refusals import Refusals
 from mtask.worker.claiming.releases import SlotReleases
 from mtask.worker.claiming.start import Held, Starter
 from mtask.worker.finding.protocols import QueueSink
@@ -103,6 +103,8 @@ class LimitedClaims:
         self.inflight = inflight
         self.runs = runs
         """Where a slot of a run not claimed is given back (``RunStarter.give_back``)."""
+        self.refusals = Refusals(driver, gate, sink, runs)
+        """What becomes of a key a limit refused: it waits for its slot, or is shed."""
         self.starter = Starter(runs, sink, stats)
         """Where the runs claimed start: the claimer's one place (``Starter``)."""
         self.stats = stats
@@ -226,36 +228,11 @@ class LimitedClaims:
         for key in batch.requeue:
             self.sink.requeue_at(key, batch.now + RETRY_SOON)
         for (how, slot), keys in batch.shed.items():
-            await self._shed(keys, how, slot, batch.now)
+            await self.refusals.shed(keys, how, slot, batch.now)
         if batch.plan.gone or batch.missed:
             await self.sink.requeue([*batch.plan.gone, *batch.missed], later_than=batch.now)
         if batch.plan.unknown:  # forgotten on the way (a switch to the relay's hand-outs)
             await self.sink.requeue(batch.plan.unknown)
-
-    async def _shed(self, keys: list[str], how: str, slot: str, now: dt.datetime) -> None:
-        """Drop or fail ``keys``, which the lossy limit of ``slot`` refused (a key claimed or
-        moved meanwhile is left alone); read again, so the finished ones are forgotten."""
-        if limits.is_resource(slot):
-            what = f"resource `{limits.resource_of(slot)}`"
-        elif limits.is_group_slot(slot):
-            name, _, group = slot.partition(limits.GROUP_SEPARATOR)
-            what = f"group `{group}` of `{name}`"
-        else:
-            what = f"`{slot}`"
-        verb = "dropped" if how == "drop" else "failed"
-        why = f"{verb}: the limit of {what} was full (overflow={how})"
-        try:
-            shed = await self.driver.run(overflow.shed(keys, how, why, now))
-        except StorageError as exc:
-            log.warning("cannot shed %d task(s) a full limit refused: %s", len(keys), exc)
-            for key in keys:
-                self.sink.requeue_at(key, now + RETRY_SOON)
-            return
-        log.info("%s %d task(s): the limit of %s was full", verb, shed, what)
-        owner = slot.partition(limits.GROUP_SEPARATOR)[0]  # a group's limit is its name's
-        limit = f"resource:{limits.resource_of(slot)}" if limits.is_resource(slot) else owner
-        metrics.LIMIT_SHED.labels(limit=limit, how=how).inc(shed)
-        await self.sink.requeue(keys, later_than=now)
 
     def _granted(self, claims: Claims, taken: list[slots.Taken], batch: _Batch) -> list[str]:
         """The keys whose slots were all granted (what each holds noted in ``batch.held``);
@@ -273,33 +250,8 @@ class LimitedClaims:
                 tokens = frozenset(r.slot for r, t in got if t.limited and not t.holder)
                 batch.held[key] = (slots_held, tokens)
             else:
-                self._refused(key, got, batch)
+                self.refusals.refused(key, got, batch.now, batch.waits, batch.shed)
         return go
-
-    def _refused(
-        self, key: str, got: list[tuple[slots.Request, slots.Taken]], batch: _Batch
-    ) -> None:
-        """``key`` was refused a slot: it gives back those it got, and waits for the first
-        that refused it."""
-        for request, t in got:
-            if t.taken and t.limited:
-                self.runs.give_back(request.slot, request.run_id)
-        request, refusal = next((r, t) for r, t in got if not t.taken)
-        how = self._overflow(request, batch.now)
-        if how != "queue":  # a lossy limit: the excess does not wait
-            batch.shed.setdefault((how, request.slot), []).append(key)
-            return
-        batch.waits.append(limited.Wait(key, request.slot, refusal.retry_at))
-
-    def _overflow(self, request: slots.Request, now: dt.datetime) -> str:
-        """What the limit of ``request``'s slot does with a task it refused: a lossy limit's
-        ``drop`` or ``fail``, unless a back-off's hold refused it (that is no excess)."""
-        slot = request.slot
-        owner = slot if limits.is_resource(slot) else slot.partition(limits.GROUP_SEPARATOR)[0]
-        doc = self.gate.limited.get(owner)
-        if doc is None or held_until(doc, request.group, now) is not None:
-            return "queue"
-        return limits.overflow_of(doc)
 
     async def _claim_granted(
         self, keys: list[str], names: list[str], batch: _Batch
