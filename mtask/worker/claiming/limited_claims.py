@@ -7,7 +7,7 @@ A batch of them is claimed after its slots and tokens: the heads of their sequen
 through the ``LimitGate``), then the keys whose slots were all granted claimed together, a
 sequence's head with its group's lock; their runs start through the claimer's one
 ``Starter``. A key a limit holds back waits for its slot (``LimitGate.block``), or is shed by a
-lossy limit (``refusals.Refusals``). Such a batch
+lossy limit (``limit_refusals.LimitRefusals``). Such a batch
 costs more round trips than a plain one, so it runs beside the claimer's main loop, at most
 ``LIMITED_IN_FLIGHT`` at once (``claim_soon``); its keys count as taken meanwhile
 (``pending``).
@@ -33,7 +33,7 @@ from mtask.models import WORKER_TIMEOUT_MS, in_range
 from mtask.worker.claiming import limited
 from mtask.worker.claiming.claim_calls import RETRY_SOON, ClaimCalls
 from mtask.worker.claiming.gate import DEFAULT_SLOT_LEASE_MS, LimitGate
-from mtask.worker.claiming.refusals import Refusals
+from mtask.worker.claiming.limit_refusals import LimitRefusals
 from mtask.worker.claiming.releases import SlotReleases
 from mtask.worker.claiming.start import Held, Starter
 from mtask.worker.finding.protocols import QueueSink
@@ -103,7 +103,7 @@ class LimitedClaims:
         self.inflight = inflight
         self.runs = runs
         """Where a slot of a run not claimed is given back (``RunStarter.give_back``)."""
-        self.refusals = Refusals(driver, gate, sink, runs)
+        self.refusals = LimitRefusals(driver, gate, sink, runs)
         """What becomes of a key a limit refused: it waits for its slot, or is shed."""
         self.starter = Starter(runs, sink, stats)
         """Where the runs claimed start: the claimer's one place (``Starter``)."""

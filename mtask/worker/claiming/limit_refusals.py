@@ -1,4 +1,4 @@
-"""What becomes of a key of a limited batch that a limit refused (``Refusals``).
+"""What becomes of a key of a limited batch that a limit refused (``LimitRefusals``).
 
 It gives back the slots it got, and waits for the first slot that refused it (the gate's
 ``block``, once its batch settles), unless that slot's limit is lossy (``overflow="drop"`` or
@@ -28,7 +28,7 @@ from mtask.worker.running.protocols import RunStarter
 log = logging.getLogger("mtask.worker.claiming.claimer")  # the name operators filter on, kept
 
 
-class Refusals:
+class LimitRefusals:
     """The keys a limit refused in a batch of limited claims."""
 
     def __init__(self, driver: AsyncDriver, gate: LimitGate, sink: QueueSink, runs: RunStarter):
