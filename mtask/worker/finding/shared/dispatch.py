@@ -38,12 +38,11 @@ from typing import Any
 
 from mtask import driver
 from mtask.clock import Clock
-from mtask.store.schema import LAST_WRITE
 from mtask.worker.claim_queue import ClaimQueue
-from mtask.worker.finding.changes import event_key, updated_fields
 from mtask.worker.finding.shared.credit import Account, Accounts, Channel, HandOvers, Refusals
 from mtask.worker.finding.shared.group_waiters import GroupWaiters
 from mtask.worker.finding.shared.host_queue import HostQueue
+from mtask.worker.finding.shared.key_news import KeyNews
 
 PRUNE_EVERY = 2.0
 """Seconds between two prunings of expired refusals."""
@@ -75,13 +74,12 @@ class Dispatcher:
         self.handed = 0
         self.returned = 0
         """Keys that went back in the host queue (no claim in time, or their worker went)."""
-        self.said = {"held": 0, "missed": 0, "gone": 0}
-        """What the subscribers said of handed keys, by kind."""
         self.waiters = waiters
         """Who keeps a key of a group back (``held``): the relay tells them alone when the
         group's slot changes or a run of it ends."""
-        self.heard = {"claim": 0, "success": 0}
-        """The subscribers' claims and successes the stream showed."""
+        self.news = KeyNews(host, now, awaiting, self.accounts, self.refused, waiters, wake)
+        """What is heard of the keys handed out: the subscribers' words, the stream's tags."""
+        self.said, self.heard = self.news.said, self.news.heard
         self.reports = 0
         """Credit the subscribers said (their hellos not counted)."""
 
@@ -156,75 +154,19 @@ class Dispatcher:
         self.host.serve(*self.accounts.scope())
         self.wake.set()
 
-    # -- what the subscribers (ClaimReports) and the stream say about keys --------------------
+    # -- what the subscribers (ClaimReports) and the stream say about keys (KeyNews) ---------
 
     def held(self, key: str, by: Channel | None = None) -> None:
-        """A subscriber keeps ``key`` (a limit holds it back): not the host queue's any more.
-        If the task has a group, ``by`` is told when its group's slot document changes or a run
-        of the group ends (``waiters``): those go only to who waits for them."""
-        self.said["held"] += 1
-        meta = self.host.known(key)
-        group = meta.group if meta is not None and isinstance(meta.group, tuple) else None
-        self.waiters.held(key, group, by)
-        self.awaiting.forget(key)
-        self.forget(key)
+        self.news.held(key, by)
 
     def missed(self, key: str, by: Channel | None = None) -> None:
-        """A subscriber's claim of ``key`` missed although it was due: hand it to another."""
-        self.said["missed"] += 1
-        self.awaiting.end(key, by)
-        self.refused.add(key, self.accounts.get(by))
-        self.host.requeue_at(key, self.now())
+        self.news.missed(key, by)
 
     def gone(self, key: str) -> None:
-        """A subscriber found ``key`` finished or deleted."""
-        self.said["gone"] += 1
-        self.awaiting.forget(key)
-        self.waiters.known_again(key)
-        self.forget(key)
-
-    def forget(self, key: str) -> None:
-        self.refused.drop_key(key)
-        self.host.forget(key)
+        self.news.gone(key)
 
     def on_change(self, change: Mapping[str, Any]) -> None:
-        """A task's event in the relay's stream: what it says of the subscribers, then its
-        place in the host queue (a claim's at its lease's end, a success's nowhere)."""
-        self._on_event(change)
-        if isinstance(key := event_key(change), str):
-            self.waiters.known_again(key)  # the host queue learns the task again
-        self.host.on_change(change)
-
-    def _on_event(self, change: Mapping[str, Any]) -> None:
-        """A wait for the task's claim is over, and whoever could not claim it may try again
-        (a key that is not a string is never handed out). A subscriber's claim or success (its
-        tag) is heard from it, and a success gives its slot back; a task of ``concurrency`` > 1
-        it claimed or succeeded at is refused to it (the next slot is another's)."""
-        key = event_key(change)
-        if not isinstance(key, str):
-            return
-        self.awaiting.heard(key, time.monotonic())
-        fields = updated_fields(change)
-        kind, account = _writer(fields, self.accounts)
-        if account is None:
-            self.refused.drop_key(key)
-            return
-        self.heard[kind] += 1
-        if kind == "success":
-            account.seen += 1
-            if account.credit > 0:
-                self.wake.set()
-        if account.unacked_since is not None or account.unheard:  # alive: the clock starts
-            if account.unheard:  # again, if keys wait; handed keys again
-                self.wake.set()
-            account.heard(self.awaiting.waits_for(account), time.monotonic())
-        meta = self.host.known(key)
-        if meta is not None and meta.multi:
-            self.refused.add(key, account)
-            if "next_claim_at" not in fields:  # a slot left, or not: read it
-                self.host.read_again(key)
-        else:
-            self.refused.drop_key(key)
+        self.news.on_change(change)
 
     def clear(self) -> None:
         """Forget what was handed out and refused (the relay's worker finds its own work)."""
@@ -329,14 +271,3 @@ class Dispatcher:
         counts |= {f"heard_{kind}": n for kind, n in self.heard.items()}
         counts |= {"reports": self.reports, "refused": len(self.refused)}
         return counts | {"queued": len(self.host.queue), "unheard": self.accounts.unheard()}
-
-
-def _writer(fields: Mapping[str, Any], accounts: Accounts) -> tuple[str, Account | None]:
-    """Whose claim or success an update that set ``fields`` is, by its ``last_write``."""
-    tag = fields.get(LAST_WRITE)
-    if not isinstance(tag, str):
-        return "", None
-    kind, _, worker_id = tag.partition(":")
-    if kind not in ("claim", "success"):
-        return "", None
-    return kind, accounts.by_worker.get(worker_id)
