@@ -42,9 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,24 +54,17 @@ from mtask.worker.finding.protocols import ClaimsBack
 from mtask.worker.finding.shared import mailbox, wire
 from mtask.worker.finding.shared.channels import InboxChannel, LocalChannel, SubscriberChannel
 from mtask.worker.finding.shared.dispatch import Dispatcher
+from mtask.worker.finding.shared.far import LAST_FRAME, FarSubscribers
 from mtask.worker.finding.shared.group_waiters import GroupWaiters
 from mtask.worker.finding.shared.host_queue import HostQueue
 from mtask.worker.finding.shared.lease import LeaseLost, RelayLease
 from mtask.worker.finding.shared.mode import RelayMode, mode_for
-from mtask.worker.finding.shared.standby import Appointments
 from mtask.worker.finding.stream import OTHER_COLLECTIONS, follow, stream_pipeline
-from mtask.worker.service import event_or_timeout
 
 log = logging.getLogger(__name__)
 
-LAST_FRAME = {"f": wire.LET_GO}
-"""Written into an inbox before the relay drops it: it wakes a tail's waiting ``getMore``, and
-the subscription ends with it (a drop alone does not wake it)."""
-
 SUBSCRIBER_BUFFER = 4 * 1024 * 1024
 """Bytes the relay buffers for one subscriber before it drops it."""
-INBOX_SWEEP = 600.0
-"""Seconds between two sweeps of inboxes nobody reads (made longer ago than this)."""
 
 
 class Relay:
@@ -112,18 +103,25 @@ class Relay:
         """The relay's own worker while ``mode`` is ``ALONE``."""
         self.subscribers: dict[SubscriberChannel, str] = {}
         """Every subscriber's channel and worker id."""
-        self.inboxes: dict[str, InboxChannel] = {}
+        self.far = FarSubscribers(
+            database,
+            tasks,
+            buffer,
+            lease,
+            dispatcher,
+            add=self._add,
+            remove=self.remove,
+            drop=self.drop,
+            worker_of=self.subscribers.get,
+        )
+        """The subscribers in other processes, through MongoDB: hellos, reports, the lease."""
+        self.inboxes = self.far.inboxes
         """The subscribers in other processes, by subscription (reports name it)."""
         self.loop: asyncio.AbstractEventLoop | None = None
         self.position = events.Position(fresh_when_lost=True)
         self.excluded: tuple[str, ...] = ()
         """The workers whose claims and successes the stream in use leaves out: the relay's
         own worker while it is alone with it, else none."""
-        self.appointments = Appointments()
-        """Whom to ask to stand by, when nobody does."""
-        self._renew_now = asyncio.Event()
-        """Set by the first subscriber in another process: a standby is asked at once, after a
-        renewal (the lease renewed often from then on: the standby finds it fresh)."""
         self.dropped = 0
         self.restarts = 0
 
@@ -150,7 +148,7 @@ class Relay:
                 group.create_task(mailbox.tell_others(database, tasks, served, taken))
                 group.create_task(self.dispatcher.run(), name="mtask-dispatch")
                 group.create_task(self.host.sweep.run(), name="mtask-host-sweep")
-                group.create_task(self._keep_lease(), name="mtask-relay-lease")
+                group.create_task(self.far.keep_lease(), name="mtask-relay-lease")
                 reports = mailbox.read_reports(database, tasks, self.id, self._on_report)
                 group.create_task(reports, name="mtask-relay-reports")
                 await follow(database, self._pipeline, self, self.position)
@@ -167,31 +165,6 @@ class Relay:
             self.inboxes.clear()
             with contextlib.suppress(StorageError, asyncio.CancelledError):  # else it runs out
                 await asyncio.shield(self.lease.release())
-
-    async def _keep_lease(self) -> None:
-        swept = time.monotonic()
-        while True:
-            await event_or_timeout(self._renew_now, self.lease.every(bool(self.inboxes)))
-            self._renew_now.clear()
-            renewal = await self.lease.renew(bool(self.inboxes))
-            if renewal is None:
-                continue  # not answered in time: tried again
-            renewed = time.monotonic()
-            self.let_go_of_the_silent(renewed)
-            if (asked := self.appointments.ask(renewal, list(self.inboxes.values()))) is not None:
-                asked.send(wire.STANDBY)
-            if renewed - swept >= INBOX_SWEEP:
-                swept = renewed
-                keep = {inbox.inbox for inbox in self.inboxes.values()}
-                before = self.dispatcher.now() - dt.timedelta(seconds=INBOX_SWEEP)
-                await mailbox.drop_stale(self.database, self.tasks, keep, before, LAST_FRAME)
-
-    def let_go_of_the_silent(self, now_mono: float) -> None:
-        """Subscribers in other processes that left handed keys unacknowledged go."""
-        for channel in self.dispatcher.silent(now_mono):
-            if isinstance(channel, InboxChannel):
-                log.info("subscription %s leaves keys unacknowledged", channel.subscription)
-                self.remove(channel)
 
     # -- subscribers ------------------------------------------------------------------------
 
@@ -223,11 +196,6 @@ class Relay:
                 drop = mailbox.drop(self.database, channel.inbox, LAST_FRAME)
                 self.loop.create_task(drop, name="mtask-drop-inbox")
         channel.close()
-
-    def lost(self, channel: InboxChannel, exc: Exception) -> None:
-        """A frame could not be written to the subscriber's inbox."""
-        log.info("cannot write to a subscriber's inbox (%s); letting it go", exc)
-        self.remove(channel)
 
     def drop(self, channel: SubscriberChannel) -> None:
         """A subscriber past its buffer: it goes (it says hello again)."""
@@ -281,48 +249,13 @@ class Relay:
         for channel in [c for c in self.subscribers if c in waiters]:
             channel.send(doc)
 
-    # -- what subscribers say ---------------------------------------------------------------
+    # -- what subscribers in other processes say (FarSubscribers) -----------------------------
 
     def _on_report(self, doc: Mapping[str, Any]) -> None:
-        subscription, message = doc.get("from"), doc.get("f")
-        if not isinstance(subscription, str) or not isinstance(message, Mapping):
-            return
-        inbox = self.inboxes.get(subscription)
-        if message.get("hello") is not None:
-            self._hello(subscription, message, inbox)
-        elif inbox is None:
-            return  # an earlier subscription, let go: its tail ended, it says hello again
-        elif message.get("bye"):
-            self.remove(inbox)
-        else:
-            try:
-                wire.apply_report(self.dispatcher, inbox, message)
-            except (TypeError, ValueError) as exc:
-                log.warning("a subscriber's report makes no sense (%s); letting it go", exc)
-                self.remove(inbox)
+        self.far.on_report(doc)
 
-    def _hello(self, subscription: str, hello: Mapping[str, Any], was: InboxChannel | None) -> None:
-        parsed = wire.parse_hello(self.tasks, hello)
-        if parsed is None:
-            return
-        for old in [
-            c for c in self.inboxes.values() if self.subscribers.get(c) == parsed.worker_id
-        ]:
-            self.remove(old)  # a worker subscribes once: its earlier subscription is gone
-        if was is not None:
-            self.remove(was)
-        channel = InboxChannel(
-            self.database[parsed.inbox],
-            subscription,
-            self.buffer,
-            self.drop,
-            self.lost,
-            self.lease.until_fresh,
-        )
-        self.inboxes[subscription] = channel
-        if len(self.inboxes) == 1 and not self.lease.watched:
-            self._renew_now.set()  # somebody could stand by now: ask one without waiting
-        self._add(channel, parsed.worker_id, parsed.names, parsed.free)
+    def let_go_of_the_silent(self, now_mono: float) -> None:
+        self.far.let_go_of_the_silent(now_mono)
 
     # -- the stream (the relay is its Inbox) ------------------------------------------------
 
@@ -370,5 +303,5 @@ class Relay:
         """The relay's counters, for its worker's heartbeat."""
         mode = {"mode": self.mode.value, "direct": self.mode is RelayMode.ALONE}
         counts = {"dropped": self.dropped, "restarts": self.restarts}
-        standby = {"appointed": self.appointments.asked, **self.lease.state()}
+        standby = {"appointed": self.far.appointments.asked, **self.lease.state()}
         return {**self.dispatcher.stats(), **mode, **counts, **standby}
