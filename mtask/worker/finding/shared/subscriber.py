@@ -40,10 +40,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pymongo.errors import PyMongoError
@@ -57,9 +56,11 @@ from mtask.worker.finding.finder import Finder
 from mtask.worker.finding.protocols import ClaimsBack
 from mtask.worker.finding.shared import wire
 from mtask.worker.finding.shared.alone import FindingAlone
+from mtask.worker.finding.shared.frames import RelayFrames
 from mtask.worker.finding.shared.holder import RelayHolder
 from mtask.worker.finding.shared.relay import SUBSCRIBER_BUFFER, Relay
 from mtask.worker.finding.shared.reporter import Reporter
+from mtask.worker.finding.shared.subscriber_state import SubscriberState
 from mtask.worker.finding.shared.subscription import (
     LOOK_EVERY,
     InboxSubscription,
@@ -72,19 +73,6 @@ log = logging.getLogger(__name__)
 
 FIRST_FRAME = 1.0
 """Seconds a subscriber waits for its relay's first frame before it finds work itself."""
-
-
-class SubscriberState(enum.Enum):
-    BETWEEN = "between"
-    OWN_STREAM = "own stream"
-    RELAY_EVENTS = "relay events"
-    DISPATCHED = "dispatched"
-    FOR_GOOD = "for good"
-
-    @property
-    def mode(self) -> str:
-        """What the heartbeat says: ``dispatched``, ``own`` (for good) or ``alone``."""
-        return {"dispatched": "dispatched", "for good": "own"}.get(self.value, "alone")
 
 
 class SharedStream:
@@ -132,6 +120,10 @@ class SharedStream:
         """This worker's ``ClaimReports``: said only while the relay hands it its tasks."""
         self.alone = FindingAlone(finder, self.database, self.tasks, worker_id, claims, self._broke)
         """Finding work alone (``OWN_STREAM``, ``RELAY_EVENTS``, ``FOR_GOOD``)."""
+        self.frames = RelayFrames(
+            finder, self.holder, self.reports, clock, lambda: self.state, self._enter
+        )
+        """What the relay says, frame by frame."""
         self._runner: asyncio.Task[Any] | None = None
         self._broken: BaseException | None = None
         """What broke finding work alone: ``run`` raises it (the worker stops, supervised)."""
@@ -236,7 +228,7 @@ class SharedStream:
             looks = asyncio.create_task(self._looks(), name="mtask-relay-looks")
             try:
                 report = lambda m: wire.apply_report(relay.dispatcher, local, m)  # noqa: E731
-                await self._consume(local.next, report, lambda: relay_id)
+                await self.frames.consume(local.next, report, lambda: relay_id)
             finally:
                 looks.cancel()
                 relay.remove(local)
@@ -269,7 +261,7 @@ class SharedStream:
             first = asyncio.get_running_loop().call_later(FIRST_FRAME, self._no_first_frame)
             try:
                 following = lambda: sub.relay_id  # noqa: E731 (another, once one took over)
-                await self._consume(sub.next_frame, sub.send, following, sub.watch, first)
+                await self.frames.consume(sub.next_frame, sub.send, following, sub.watch, first)
             finally:
                 first.cancel()
         except NoInbox as exc:
@@ -325,85 +317,13 @@ class SharedStream:
         self._enter(SubscriberState.OWN_STREAM)
         return await next_relay(self.driver, self.holder, relay_id)
 
-    async def _consume(
-        self,
-        next_frame: Callable[[], Awaitable[Mapping[str, Any] | None]],
-        send: Callable[[dict[str, Any]], None],
-        following: Callable[[], str],
-        watch: asyncio.Task[None] | None = None,
-        first: asyncio.TimerHandle | None = None,
-    ) -> None:
-        self.reports.connect(send, self._scope_names())
-        try:
-            async for frame in _frames(next_frame, watch):
-                if first is not None:
-                    first.cancel()  # heard from it: no longer left alone after FIRST_FRAME
-                await self._on_frame(frame, following())
-        finally:
-            if self.state in (SubscriberState.DISPATCHED, SubscriberState.RELAY_EVENTS):
-                self._enter(SubscriberState.BETWEEN)  # said of this relay: the next one anew
-            self.reports.disconnect()
-
     async def _on_frame(self, frame: Mapping[str, Any], relay_id: str) -> None:
-        """One frame from the relay (``wire``)."""
-        says, keys = wire.says(frame), wire.handed(frame)
-        if says == "open" and self.dispatched:
-            self.reports.sync()  # its stream (re)opened, perhaps past events: counts agree
-        if keys is not None or says == "open":
-            self._enter(SubscriberState.DISPATCHED)
-        if keys is not None:
-            self._handed(keys)
-        elif says == "own":  # alone with the relay: its events follow, find work yourself
-            self._enter(SubscriberState.RELAY_EVENTS)
-            await self.finder.opened()
-        elif says == "standby":
-            self.holder.stand_by(relay_id)
-        elif (group := wire.freed(frame)) is not None:
-            self.finder.others.group_freed(*group)  # a run of a group it waits for ended
-        elif says is None:  # a task's event (alone), or a control, limit or schedule's
-            self.finder.on_change(frame)
-            if not self.dispatched:
-                await asyncio.sleep(0)  # let a woken claimer send its claim first
-                await self.finder.settle()
-
-    def _handed(self, keys: list[wire.Handed]) -> None:
-        now = self.clock.now()
-        self.reports.received(len(keys))
-        for k in keys:
-            if not self.finder.placement.hand(
-                k.key, k.name, k.priority, k.worker_timeout_ms, now, k.group
-            ):
-                self.reports.missed(k.key)  # it runs it already, for another worker
+        await self.frames.on_frame(frame, relay_id)
 
     async def _fall_back(self, why: str) -> None:
         log.warning("cannot share the change stream (%s); using an own one", why)
         self._enter(SubscriberState.FOR_GOOD)
         await asyncio.Event().wait()  # alone for good (until cancelled)
-
-
-async def _frames(
-    next_frame: Callable[[], Awaitable[Mapping[str, Any] | None]],
-    watch: asyncio.Task[None] | None,
-) -> AsyncIterator[Mapping[str, Any]]:
-    """The frames until the relay lets go (``None``); a lease watch that ends raises here."""
-    while True:
-        if watch is None:
-            frame = await next_frame()
-        else:
-            reading = asyncio.ensure_future(next_frame())
-            try:
-                await asyncio.wait({reading, watch}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not reading.done():  # the watch ended, or this was cancelled
-                    reading.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                        await reading
-            if watch.done():
-                watch.result()  # RelaySilent (or what broke the watch)
-            frame = reading.result()
-        if frame is None:
-            return
-        yield frame
 
 
 __all__ = ["SharedStream", "SubscriberState"]
