@@ -1,12 +1,14 @@
-"""The package's shape holds the targets of issue 60: a worker of few top-level modules beside
-its wings, no class over 300 lines, no function over ruff's complexity limit without a reason
-beside it, at most two functions graded D or worse by radon."""
+"""The package's shape: a worker of few top-level modules beside its wings, whose parts each wing
+builds (``assembly.build`` stays short), no class over 300 lines, no function over ruff's
+complexity limit without a reason beside it, at most two functions graded D or worse by radon,
+and one file name for one thing."""
 
 from __future__ import annotations
 
 import ast
 import re
 import tomllib
+from collections import Counter
 from pathlib import Path
 
 import radon.complexity as radon
@@ -56,3 +58,44 @@ def test_at_most_two_functions_are_graded_d_or_worse() -> None:
                         f"{path.relative_to(ROOT)}:{item.lineno} {item.name} ({item.complexity})"
                     )
     assert len(set(worse)) <= 2, sorted(set(worse))
+
+
+def test_the_workers_assembly_is_at_most_150_lines() -> None:
+    """Each wing builds its own parts (``finding.build``, ``claiming.gate``/``build``,
+    ``running.build``, ``maintenance.build``, ``reacting.build``): ``assembly.build`` only
+    passes each what it needs of the others."""
+    tree = ast.parse((PACKAGE / "worker" / "assembly.py").read_text())
+    (build,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "build"]
+    assert build.end_lineno is not None
+    assert build.end_lineno - build.lineno + 1 <= 150
+
+
+NAMESAKES = {
+    "__init__.py": "a package's surface",
+    "__main__.py": "python -m: mtask/ and cli/",
+    "api.py": "the API of its layer: client/ (every operation), web/ (REST)",
+    "audit.py": "serve's audit: store/ (the collection), web/ (the middleware)",
+    "batches.py": "batch handlers: limits/ (the declaration), worker/running/ (the runs)",
+    "bulk.py": "operations on many tasks: store/, cli/",
+    "children.py": "spawned child tasks: steps/ (the protocol), store/ (the writes)",
+    "errors.py": "the errors of its layer: mtask/, worker/running/pool/",
+    "events.py": "a task's change events: follow/ (the reopen loop), web/ (SSE)",
+    "outcomes.py": "a run's outcome: worker/running/ (made), store/ (written)",
+    "output.py": "a run's output: follow/, store/, web/",
+    "protocols.py": "a wing's seams: finding/, running/, reacting/",
+    "retention.py": "how long tasks are kept: store/, cli/",
+    "rules.py": "the pure rules of its concept package: limits/, steps/",
+    "tasks.py": "tasks published and read: store/, cli/, contrib/django/",
+    "transactional.py": "a transactional run: worker/running/, store/",
+    "triggers.py": "triggers: mtask/ (pure), store/, cli/, web/",
+    "worker.py": "running a worker: cli/, contrib/django/",
+}
+"""File names the package holds more than once, each for one concept in several layers (a
+namesake per layer). Any other name appears once: ``slots.py`` is a limit's slots and
+``handler_slots.py`` a worker's handler slots, not two ``slots.py``."""
+
+
+def test_one_file_name_means_one_thing() -> None:
+    names = Counter(p.name for p in PACKAGE.rglob("*.py"))
+    twice = sorted(name for name, n in names.items() if n > 1 and name not in NAMESAKES)
+    assert not twice, f"a file name used twice: {twice}; rename one, or add a namesake"
