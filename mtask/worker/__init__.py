@@ -5,18 +5,17 @@ held (``Worker.parts``); it reaches MongoDB, starts the
 lease pinger thread and its side services, runs the ``Claimer``'s main loop until it is told
 to stop, drains, and shuts down. The parts (see docs/worker.md, "The worker package"):
 
-- ``Claimer`` (claimer.py): the main loop and the claim path (River's producer), with
-  ``ClaimCalls`` (claim_calls.py) and ``LimitedClaims`` (limited_claims.py);
-- ``Executor`` (running/executor.py): one run from claim to outcome; ``RunContexts``
-  (running/context.py): its context; ``HandlerCalls`` (running/call.py): its handler called;
-  ``RunOutcomes`` (running/outcomes.py): what the run ends with;
-- ``InFlight`` (inflight.py): the runs in flight and the keys being claimed, the only state
-  the claimer, executor and finding parts share;
+- the four wings, each building its own parts: finding work (``finding/``: the ``Finder`` and
+  its sweep, fed by an ``OwnStream`` or the ``SharedStream``, whose relay is
+  ``finding/shared/relay.py``); claiming (``claiming/``: the ``Claimer``'s main loop and claim
+  path, River's producer, the ``LimitGate``); running (``running/``: the ``Executor``, one run
+  from claim to outcome, the ``LeasePinger`` and the ``OutcomeRecorder``); reacting
+  (``reacting/``: triggers and waits on data);
+- below them: the ``ClaimQueue`` (claim_queue.py), which finding fills and claiming pops;
+  ``InFlight`` (inflight.py), the runs in flight and the keys being claimed; the signals the
+  parts meet at (wiring.py);
 - ``Presence`` (presence.py): heartbeat, pause/resume, remote stop, peers (``Assignment``);
-- finding work (``finding/``: the ``Finder`` and its sweep, fed by an ``OwnStream`` or the
-  ``SharedStream``, whose relay is ``finding/shared/relay.py``), ``ClaimQueue`` (claim_queue.py),
-  ``LeasePinger`` + ``LoopTicker`` (lease.py), ``OutcomeRecorder`` (recorder.py),
-  ``LimitGate`` (limit_gate.py), ``Scheduler`` (scheduler.py), ``FlowSweep`` (flow_sweep.py).
+- the cluster's periodic chores (``maintenance/``: ``FlowSweep``, ``Scheduler``).
 
 Lifecycle ``ready → running → stopping → stopped``. Side services are supervised: if one dies,
 the worker stops at once and ``run()`` raises ``WorkerCrashed``, instead of living on

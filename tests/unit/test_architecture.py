@@ -1,4 +1,5 @@
-"""docs/architecture.md's module map names every module of the package, and only those."""
+"""docs/architecture.md's module map names every module of the package, and only those; its
+table of packages names every package, and only those."""
 
 from __future__ import annotations
 
@@ -14,6 +15,24 @@ def mapped() -> list[str]:
     return [line.split()[0] for line in block.splitlines() if line.strip()]
 
 
+def package_rows() -> list[str]:
+    """The rows of the packages' table (under "## Layers"), one package or a few a row."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    return [line for line in section.splitlines() if line.startswith("| `")]
+
+
+def test_the_packages_table_names_every_package() -> None:
+    package = ROOT / "mtask"
+    packages = {f"{p.parent.relative_to(package)}/" for p in package.rglob("__init__.py")} - {"./"}
+    named = [n for row in package_rows() for n in re.findall(r"`([^`]+/)`", row.split("|")[1])]
+    assert len(named) == len(set(named)), "a package is named twice"
+    missing, stale = packages - set(named), set(named) - packages
+    assert not missing and not stale, f"not in the table: {sorted(missing)}; gone: {sorted(stale)}"
+    for row in package_rows():
+        assert row.split("|")[2].strip(), f"no concept: {row!r}"
+
+
 def test_the_module_map_names_every_module() -> None:
     package = ROOT / "mtask"
     modules = sorted(str(p.relative_to(package)) for p in package.rglob("*.py"))
@@ -25,9 +44,10 @@ def test_the_module_map_names_every_module() -> None:
 
 def test_the_map_is_short_and_described() -> None:
     """The prose is short: at most the 118 lines it had room for beside a map of 182 modules
-    (300 in all). The map grows a line a module, so splitting one (issue 60) costs no prose."""
+    (300 in all). The map grows a line a module, and the packages' table a line a package (or a
+    few), so splitting one costs no prose."""
     text = (ROOT / "docs" / "architecture.md").read_text()
-    assert len(text.splitlines()) - len(mapped()) <= 300 - 182
+    assert len(text.splitlines()) - len(mapped()) - len(package_rows()) <= 300 - 182
     block = text.split("## Module map", 1)[1].split("```", 2)[1]
     for line in block.splitlines():
         if line.strip():
