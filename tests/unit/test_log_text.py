@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from mtask.limits.rules import group_slot, resource_slot, slot_label
-from mtask.worker.events import Emitter, Event
+from mtask.worker.worker_events import Emitter, Event
 
 
 def test_a_slot_is_logged_by_its_label() -> None:
