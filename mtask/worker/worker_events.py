@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("mtask.worker.events")  # the name operators filter on, kept
 
 
 class Event(enum.StrEnum):

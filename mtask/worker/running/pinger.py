@@ -43,7 +43,7 @@ from mtask.limits.slots import Request
 from mtask.limits.slots import extend as extend_slot
 from mtask.worker.running.lost_runs import LostCallback, LostRuns, SlotLostCallback
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("mtask.worker.running.lease")  # the name operators filter on, kept
 
 TICK_SECONDS = 0.2
 
