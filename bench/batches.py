@@ -32,8 +32,7 @@ from bench.support import (
     wait_until,
     worker_and_client,
 )
-from mtask.limits.batches import BatchItem
-from mtask.registry import Registry, TaskContext
+from mtask.registry import BatchItem, Registry, TaskContext
 
 if TYPE_CHECKING:
     from bench.workloads import Bench

@@ -26,11 +26,10 @@ if TYPE_CHECKING:
         WorkerCrashed,
     )
     from mtask.flows import Next
-    from mtask.limits.batches import BatchItem
     from mtask.limits.holds import BackOff
     from mtask.limits.snooze import Snooze
     from mtask.models import PublishResult, Run, RunState, Task, TaskOptions, TaskStatus
-    from mtask.registry import Fail, Registry, Retry, TaskContext
+    from mtask.registry import BatchItem, Fail, Registry, Retry, TaskContext
     from mtask.steps.children import ChildFailed, Spawn
     from mtask.steps.policy import StepPolicy, StepTimeout
     from mtask.worker import Worker
@@ -59,7 +58,6 @@ def lazy_exports(
 
 
 _WHERE = {
-    "mtask.limits.batches": ("BatchItem",),
     "mtask.limits.holds": ("BackOff",),
     "mtask.client": ("AsyncTaskClient", "TaskClient"),
     "mtask.errors": (
@@ -74,7 +72,7 @@ _WHERE = {
     ),
     "mtask.flows": ("Next",),
     "mtask.models": ("PublishResult", "Run", "RunState", "Task", "TaskOptions", "TaskStatus"),
-    "mtask.registry": ("Fail", "Registry", "Retry", "TaskContext"),
+    "mtask.registry": ("BatchItem", "Fail", "Registry", "Retry", "TaskContext"),
     "mtask.limits.snooze": ("Snooze",),
     "mtask.steps.children": ("ChildFailed", "Spawn"),
     "mtask.steps.policy": ("StepPolicy", "StepTimeout"),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -142,17 +142,96 @@ UNAUTHORIZED = 13
 """The server's code for an operation the user's roles do not allow."""
 
 
+# -- the privileges a call needs ---------------------------------------------------------------
+# What a Call needs of the user's role, by method: the roles (``mtask.security.roles``) grant
+# these, and a refused call is worded with them.
+
+
+READS = {
+    "find": ("find",),
+    "find_one": ("find",),
+    "count": ("find",),
+    "count_documents": ("find",),
+    "distinct": ("find",),
+    "aggregate": ("find",),
+    "index_information": ("listIndexes",),
+    "watch": ("find", "changeStream"),
+}
+WRITES = {
+    "insert_one": ("insert",),
+    "insert_many": ("insert",),
+    "update_one": ("update",),
+    "update_many": ("update",),
+    "replace_one": ("update",),
+    "find_one_and_update": ("find", "update"),
+    MODIFY_ONCE: ("find", "update"),
+    "delete_one": ("remove",),
+    "delete_many": ("remove",),
+    "create_index": ("createIndex",),
+    "create_indexes": ("createIndex",),
+    "drop_index": ("dropIndex",),
+}
+COMMANDS = {
+    "create": "createCollection",
+    "collMod": "collMod",
+    "listCollections": "listCollections",
+    "convertToCapped": "convertToCapped",
+    "drop": "dropCollection",
+    "createIndexes": "createIndex",
+    "createRole": "createRole",
+    "updateRole": "createRole",
+}
+NO_PRIVILEGE = frozenset({"hello", "ping", "killSessions", "endSessions", "buildInfo"})
+BULK = {"InsertOne": "insert", "DeleteOne": "remove", "DeleteMany": "remove"}
+
+
+def _command_actions(call: Call) -> tuple[str, ...]:
+    first = call.args[0] if call.args else ""
+    name = first if isinstance(first, str) else next(iter(first), "")
+    if name in NO_PRIVILEGE:
+        return ()
+    return (COMMANDS.get(name, name),)
+
+
+def _bulk_actions(call: Call) -> tuple[str, ...]:
+    requests: Iterable[Any] = call.args[0] if call.args else ()
+    found = {BULK.get(type(r).__name__, "update") for r in requests}
+    if any(getattr(r, "_upsert", False) for r in requests):
+        found.add("insert")
+    return tuple(sorted(found))
+
+
+def actions_of(call: Call) -> tuple[str, ...]:
+    """The privilege actions a call needs on its collection. An upsert needs ``insert`` too;
+    an aggregation with ``$out``/``$merge`` is not one mtask runs."""
+    if call.method == "command":
+        return _command_actions(call)
+    if call.method == "bulk_write":
+        return _bulk_actions(call)
+    actions = READS.get(call.method) or WRITES.get(call.method) or (call.method,)
+    if call.kwargs.get("upsert"):
+        actions = (*actions, "insert")
+    return actions
+
+
+def call_collection(call: Call, tasks: str = "tasks") -> str:
+    """The collection name a ``Call`` reaches (``driver.collections``' keys resolved)."""
+    if call.collection == "tasks":
+        return tasks
+    if call.collection in ("output", "steps"):
+        return f"{tasks}.{call.collection}"
+    return call.collection
+
+
 def unauthorized(exc: OperationFailure, call: Call | None, where: str | None) -> str:
     """A refused operation in words: which privileges it needs, on which collection. The
     server's message is cut before the command it quotes (which may hold a task's params)."""
     said = str((exc.details or {}).get("errmsg", exc)).split(" to execute command")[0][:200]
     if call is None:
         return f"MongoDB refused the operation (Unauthorized: {said})"
-    from mtask.security import roles  # the actions a call needs: the roles' one definition
-
-    actions = " and ".join(roles.actions_of(call)) or call.method
+    actions = " and ".join(actions_of(call)) or call.method
     return (
-        f"MongoDB refused {call.method} on {where or roles.call_collection(call)} "
+        f"MongoDB refused {call.method} on {where or call_collection(call)} "
         f"(Unauthorized: {said}): the user's role lacks the privilege {actions} there "
         "(mtask collection roles; docs/deploy.md)"
     )

@@ -334,6 +334,15 @@ class TaskContext:
         return await self.publisher(name, key, params, **kwargs)
 
 
+@dataclass(frozen=True)
+class BatchItem:
+    """One task of a batch: its key, its params (as stored) and its run's context."""
+
+    key: str
+    params: dict[str, Any]
+    ctx: TaskContext
+
+
 MAX_UNITS = 1000
 """The most units of a limit one run may take (``@registry.task(units=…)``)."""
 

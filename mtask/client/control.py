@@ -17,6 +17,8 @@ from mtask.limits import rules as limits
 from mtask.models import MAX_AGE_SECONDS, read_worker, validate_name
 from mtask.store import controls as control
 from mtask.store import followers, occupancy, retention
+from mtask.store import limits as store_limits
+from mtask.store import schedules as store_schedules
 from mtask.triggers import follower_of
 
 
@@ -42,9 +44,11 @@ class Control:
     def create_roles(self) -> Op[list[str]]:
         """Create or update the MongoDB roles of every part (``mtask.security.roles``) in this
         database, for this tasks collection; returns their names."""
-        from mtask.security import roles
+        from mtask.store import roles as store_roles
 
-        return (yield from roles.create_roles(self.core.database_name, self.core.collection_name))
+        return (
+            yield from store_roles.create_roles(self.core.database_name, self.core.collection_name)
+        )
 
     # -- workers and names ----------------------------------------------------------------------
 
@@ -116,11 +120,13 @@ class Control:
                 raise InvalidTask(
                     "a resource's limit takes no name and no group_…", field="resource"
                 )
-            return (yield from limits.set_resource_limit(resource, own, now, overflow, names))
+            return (yield from store_limits.set_resource_limit(resource, own, now, overflow, names))
         if names is not None:
             raise InvalidTask("only a resource's limit takes names", field="names")
         return (
-            yield from limits.set_limit(validate_name(name), own, group, now, overflow=overflow)
+            yield from store_limits.set_limit(
+                validate_name(name), own, group, now, overflow=overflow
+            )
         )
 
     @operation
@@ -129,8 +135,8 @@ class Control:
         if resource is not None:
             if name is not None:
                 raise InvalidTask("give a name or a resource, not both", field="resource")
-            return (yield from limits.clear_resource_limit(resource))
-        return (yield from limits.clear_limit(validate_name(name)))
+            return (yield from store_limits.clear_resource_limit(resource))
+        return (yield from store_limits.clear_limit(validate_name(name)))
 
     @operation
     def set_group_limit(
@@ -148,22 +154,24 @@ class Control:
         ``weight``, its share of turns among the name's groups (3: three turns for every one of a
         group of weight 1). Replaces the group's override; applies within a second."""
         override = limits.GroupOverride(concurrency, rate, burst, weight)
-        return (yield from limits.set_group_limit(name, group, override, self.core.clock.now()))
+        return (
+            yield from store_limits.set_group_limit(name, group, override, self.core.clock.now())
+        )
 
     @operation
     def clear_group_limit(self, name: str, group: str) -> Op[bool]:
         """Remove the override of ``group`` of ``name``: the name's group limit and weight 1."""
-        return (yield from limits.clear_group_limit(name, group))
+        return (yield from store_limits.clear_group_limit(name, group))
 
     @operation
     def limits(self) -> Op[builtins.list[dict[str, Any]]]:
-        return (yield from limits.all_limits())
+        return (yield from store_limits.all_limits())
 
     @operation
     def limit_gauges(self) -> Op[builtins.list[occupancy.LimitGauge]]:
         """Each limit's runs at once in use, its concurrency and whether a back-off holds it,
         from one read of the limits' documents (``metrics.LimitUse``)."""
-        docs = yield from limits.all_limits()
+        docs = yield from store_limits.all_limits()
         return occupancy.gauges(docs, self.core.clock.now())
 
     @operation
@@ -206,23 +214,23 @@ class Control:
         """Create or change a schedule: ``cron=`` or ``every=``, and ``timezone``, ``params``,
         ``options``, ``catch_up`` (see ``mtask.schedules.Schedule.build``)."""
         schedule = schedules.Schedule.build(id, task, **definition)
-        return (yield from schedules.put(schedule, self.core.clock.now()))
+        return (yield from store_schedules.put(schedule, self.core.clock.now()))
 
     @operation
     def schedules(self) -> Op[builtins.list[dict[str, Any]]]:
-        return (yield from schedules.all_schedules())
+        return (yield from store_schedules.all_schedules())
 
     @operation
     def pause_schedule(self, id: str) -> Op[dict[str, Any]]:
-        return (yield from schedules.set_paused(id, True, self.core.clock.now()))
+        return (yield from store_schedules.set_paused(id, True, self.core.clock.now()))
 
     @operation
     def resume_schedule(self, id: str) -> Op[dict[str, Any]]:
-        return (yield from schedules.set_paused(id, False, self.core.clock.now()))
+        return (yield from store_schedules.set_paused(id, False, self.core.clock.now()))
 
     @operation
     def remove_schedule(self, id: str) -> Op[bool]:
-        return (yield from schedules.remove(id))
+        return (yield from store_schedules.remove(id))
 
     # -- triggers and waits on data (docs/triggers.md) -----------------------------------------
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from mtask import flows, store
+from mtask import store
 from mtask.client.aftercommit import after_commit
 from mtask.client.checks import (
     check_debounce,
@@ -30,6 +30,7 @@ from mtask.models import (
     TaskOptions,
 )
 from mtask.store import debounce as debounce_store
+from mtask.store import flows as store_flows
 from mtask.store import retention
 from mtask.store import supersede as supersede_store
 
@@ -234,7 +235,7 @@ class Publishing:
             )
         _count_created({task.name: 1} if published.created else {}, session)
         if task.depends_on:
-            yield from flows.after_publish([task], now)
+            yield from store_flows.after_publish([task], now)
             # its dependencies may have finished already
             doc = yield from store.get(task.key)
             if doc is not None:
@@ -259,7 +260,7 @@ class Publishing:
                 tasks, now, created_by_name=by_name, trace=trace, retention=known
             )
         _count_created(by_name, session)
-        yield from flows.after_publish(tasks, now)
+        yield from store_flows.after_publish(tasks, now)
         return created
 
     def _sealed(self, task: NewTask, asked: bool) -> NewTask:

@@ -24,16 +24,16 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Se
 from dataclasses import dataclass
 from typing import Any
 
-from pymongo import ASCENDING
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.read_concern import ReadConcern
 from pymongo.synchronous.database import Database
 
-from mtask.driver import AsyncDriver, Call, Doc, Op, SyncDriver
+from mtask.driver import AsyncDriver, Doc, Op, SyncDriver
 from mtask.errors import TaskNotFound
 from mtask.follow.events import Position, follow_waits, sync_follow
 from mtask.models import FINISHED_STATUSES
 from mtask.store import output as store_output
+from mtask.store import streams as store_streams
 
 FINISHED = frozenset(s.value for s in FINISHED_STATUSES)
 
@@ -161,17 +161,12 @@ def catch_up(key: str, at: Follower, kinds: Sequence[str] | None) -> Op[tuple[li
     page is the last. Raises ``TaskNotFound`` if the task is missing at the first read."""
     finished = False
     if at.check_task:
-        doc = yield Call("find_one", ({"_id": key}, {"status": 1}))
+        doc = yield from store_streams.status_of(key)
         if doc is None and at.first:
             raise TaskNotFound(key)
         at.check_task = at.first = False
         finished = doc is None or doc.get("status") in FINISHED
-    page: list[Doc] = yield Call(
-        "find",
-        (store_output.read_filter(key, at.last, kinds), {"_id": 0, "expire_at": 0}),
-        {"sort": [("seq", ASCENDING)], "limit": store_output.MAX_READ},
-        collection="output",
-    )
+    page = yield from store_streams.entries_after(key, at.last, kinds)
     if page:
         at.last = int(page[-1]["seq"])
     if len(page) == store_output.MAX_READ:

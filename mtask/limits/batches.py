@@ -1,6 +1,7 @@
 """Batch handlers: ``@registry.task("index", batch=100, batch_timeout=1.0)`` receives
-up to ``batch`` claimed tasks of its name in one call (pure: the item, the declaration's checks,
-and how a call's answer is read back item by item).
+up to ``batch`` claimed tasks of its name in one call (pure: the declaration's checks, and how a
+call's answer is read back item by item; the item a handler receives, ``BatchItem``, is
+``mtask.registry``'s).
 
 Each task is still claimed, leased, fenced and recorded on its own: the batch changes only how
 its handler is called (``mtask.worker.running.batches``). The handler takes one argument, the
@@ -15,26 +16,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mtask.errors import InvalidTask
-
-if TYPE_CHECKING:
-    from mtask.registry import TaskContext
 
 MAX_BATCH = 10_000
 MAX_BATCH_TIMEOUT = 3600.0
 DEFAULT_BATCH_TIMEOUT = 1.0
-
-
-@dataclass(frozen=True)
-class BatchItem:
-    """One task of a batch: its key, its params (as stored) and its run's context."""
-
-    key: str
-    params: dict[str, Any]
-    ctx: TaskContext
 
 
 def check(batch: object, batch_timeout: object) -> tuple[int, float]:

@@ -24,18 +24,13 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from pymongo import ReturnDocument
-
-from mtask.clock import Clock
-from mtask.driver import AsyncDriver, Call, Doc, Op
 from mtask.errors import InvalidTask
 from mtask.limits.rules import (
     GROUP_HOLDS,
     HELD_UNTIL,
-    OVERRIDES_AT,
     resource_slot,
     validate_group,
     validate_resource,
@@ -90,33 +85,6 @@ def target(exc: BackOff, name: str, group: str | None) -> tuple[str, str | None]
     return validate_name(name), None
 
 
-def hold(slot: str, group: str | None, until: dt.datetime, now: dt.datetime) -> Op[Doc]:
-    """Hold ``slot``'s document (one group of it, if ``group``) until ``until``, in one update
-    (made if there is none): the hold only ever moves later; a group's ended holds are dropped
-    on the way."""
-    sets: Doc = {"holders": {"$ifNull": ["$holders", []]}, OVERRIDES_AT: now, "updated_at": now}
-    if group is None:
-        sets[HELD_UNTIL] = {"$max": [{"$ifNull": [f"${HELD_UNTIL}", until]}, until]}
-    else:
-        holds = {"$ifNull": [f"${GROUP_HOLDS}", []]}
-        same = {"$eq": ["$$h.group", {"$literal": group}]}
-        kept = {"$filter": {"input": holds, "as": "h", "cond": {"$gt": ["$$h.until", now]}}}
-        before = {"$filter": {"input": kept, "as": "h", "cond": same}}
-        until_expr = {"$max": [until, {"$max": {"$map": {"input": before, "in": "$$this.until"}}}]}
-        others = {"$filter": {"input": kept, "as": "h", "cond": {"$not": [same]}}}
-        entry = {"group": {"$literal": group}, "until": until_expr}
-        sets[GROUP_HOLDS] = {"$concatArrays": [others, [entry]]}
-    if slot.startswith("\x00"):
-        sets["resource"] = {"$literal": slot[1:]}
-    doc: Doc = yield Call(
-        "find_one_and_update",
-        ({"_id": slot}, [{"$set": sets}]),
-        {"upsert": True, "return_document": ReturnDocument.AFTER},
-        collection="limits",
-    )
-    return doc
-
-
 def held_until(doc: Mapping[str, Any], group: str | None, now: dt.datetime) -> dt.datetime | None:
     """Until when ``doc`` (a name's or a resource's limit document, any shape) holds back a task
     (of ``group``) at ``now``, or ``None`` if it does not."""
@@ -128,29 +96,3 @@ def held_until(doc: Mapping[str, Any], group: str | None, now: dt.datetime) -> d
         ]
     later = [at for at in found if isinstance(at, dt.datetime) and at > now]
     return max(later) if later else None
-
-
-class Holds:
-    """The worker's side of a back-off: the hold written (``hold``) before the run that raised
-    ``BackOff`` is released, and this worker's view of the limits told at once (``applied``:
-    its next claims of what is held take its slot; other workers hear of it by its event)."""
-
-    def __init__(
-        self,
-        driver: AsyncDriver,
-        clock: Clock,
-        applied: Callable[[str, Doc], None] = lambda slot, doc: None,
-    ) -> None:
-        self.driver = driver
-        self.clock = clock
-        self.applied = applied
-
-    async def hold(self, exc: BackOff, name: str, group: str | None) -> dt.datetime:
-        """Hold what ``exc`` names for a run of ``name`` (in ``group``); returns until when.
-        Raises ``InvalidTask`` (a group back-off of a task with no group) or ``StorageError``."""
-        slot, held = target(exc, name, group)
-        now = self.clock.now()
-        until = now + dt.timedelta(seconds=exc.seconds)
-        doc = await self.driver.run(hold(slot, held, until, now))
-        self.applied(slot, doc)
-        return max(until, held_until(doc, held, now) or until)  # a hold only moves later

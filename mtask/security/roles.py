@@ -21,13 +21,11 @@ own tasks" cannot be enforced for reading either: ``find`` reads every task of t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pymongo.errors import OperationFailure
-
-from mtask.driver import MODIFY_ONCE, Call, Op
+from mtask.driver import Call, actions_of, call_collection
 from mtask.security.encryption import (
     KEY_VAULT,
 )  # in mtask's database: a role of it can read the keys
@@ -183,73 +181,6 @@ def role_commands(database: str, tasks: str = "tasks") -> list[dict[str, Any]]:
     return commands
 
 
-READS = {
-    "find": ("find",),
-    "find_one": ("find",),
-    "count": ("find",),
-    "count_documents": ("find",),
-    "distinct": ("find",),
-    "aggregate": ("find",),
-    "index_information": ("listIndexes",),
-    "watch": ("find", "changeStream"),
-}
-WRITES = {
-    "insert_one": ("insert",),
-    "insert_many": ("insert",),
-    "update_one": ("update",),
-    "update_many": ("update",),
-    "replace_one": ("update",),
-    "find_one_and_update": ("find", "update"),
-    MODIFY_ONCE: ("find", "update"),
-    "delete_one": ("remove",),
-    "delete_many": ("remove",),
-    "create_index": ("createIndex",),
-    "create_indexes": ("createIndex",),
-    "drop_index": ("dropIndex",),
-}
-COMMANDS = {
-    "create": "createCollection",
-    "collMod": "collMod",
-    "listCollections": "listCollections",
-    "convertToCapped": "convertToCapped",
-    "drop": "dropCollection",
-    "createIndexes": "createIndex",
-    "createRole": "createRole",
-    "updateRole": "createRole",
-}
-NO_PRIVILEGE = frozenset({"hello", "ping", "killSessions", "endSessions", "buildInfo"})
-BULK = {"InsertOne": "insert", "DeleteOne": "remove", "DeleteMany": "remove"}
-
-
-def _command_actions(call: Call) -> tuple[str, ...]:
-    first = call.args[0] if call.args else ""
-    name = first if isinstance(first, str) else next(iter(first), "")
-    if name in NO_PRIVILEGE:
-        return ()
-    return (COMMANDS.get(name, name),)
-
-
-def _bulk_actions(call: Call) -> tuple[str, ...]:
-    requests: Iterable[Any] = call.args[0] if call.args else ()
-    found = {BULK.get(type(r).__name__, "update") for r in requests}
-    if any(getattr(r, "_upsert", False) for r in requests):
-        found.add("insert")
-    return tuple(sorted(found))
-
-
-def actions_of(call: Call) -> tuple[str, ...]:
-    """The privilege actions a call needs on its collection. An upsert needs ``insert`` too;
-    an aggregation with ``$out``/``$merge`` is not one mtask runs."""
-    if call.method == "command":
-        return _command_actions(call)
-    if call.method == "bulk_write":
-        return _bulk_actions(call)
-    actions = READS.get(call.method) or WRITES.get(call.method) or (call.method,)
-    if call.kwargs.get("upsert"):
-        actions = (*actions, "insert")
-    return actions
-
-
 def missing(part: str, call: Call, tasks: str = "tasks") -> list[str]:
     """The actions ``call`` needs that ``part``'s role does not grant (``[]``: allowed).
     ``collection`` is the call's key in ``driver.collections`` (``output``: ``<tasks>.output``)."""
@@ -259,31 +190,5 @@ def missing(part: str, call: Call, tasks: str = "tasks") -> list[str]:
     return [a for a in actions_of(call) if a not in allowed]
 
 
-def call_collection(call: Call, tasks: str = "tasks") -> str:
-    """The collection name a ``Call`` reaches (``driver.collections``' keys resolved)."""
-    if call.collection == "tasks":
-        return tasks
-    if call.collection in ("output", "steps"):
-        return f"{tasks}.{call.collection}"
-    return call.collection
-
-
 ROLE_EXISTS = 51002
 """The server's code for ``createRole`` of a role that exists (``updateRole`` then)."""
-
-
-def create_roles(database: str, tasks: str = "tasks") -> Op[list[str]]:
-    """Create (or bring up to date) every part's role in ``database``; returns their names. The
-    caller needs ``createRole``/``grantRole`` on it (``userAdmin``)."""
-    made = []
-    for command in role_commands(database, tasks):
-        name = command["createRole"]
-        fields = {"privileges": command["privileges"], "roles": command["roles"]}
-        try:
-            yield Call("command", ("createRole", name), fields)
-        except OperationFailure as exc:
-            if exc.code != ROLE_EXISTS:
-                raise
-            yield Call("command", ("updateRole", name), fields)
-        made.append(name)
-    return made

@@ -70,7 +70,7 @@ from mtask.steps.rules import (
 
 if TYPE_CHECKING:
     from mtask.steps.calls import Calls
-    from mtask.steps.gather import _GROUP, Group, close_group, open_group
+    from mtask.steps.gather import CURRENT, Group, close_group, open_group
     from mtask.steps.journal import Journal, caller
     from mtask.steps.plan import _IN_STEP, Plan, _Call, _Io, _Pause
     from mtask.steps.run import RunSteps
@@ -83,7 +83,7 @@ if TYPE_CHECKING:
 # reader of stored steps needs: ``mtask get`` loads no engine; its start-up).
 _WHERE = {
     "mtask.steps.calls": ("Calls",),
-    "mtask.steps.gather": ("_GROUP", "Group", "close_group", "open_group"),
+    "mtask.steps.gather": ("CURRENT", "Group", "close_group", "open_group"),
     "mtask.steps.journal": ("Journal", "caller"),
     "mtask.steps.plan": ("_IN_STEP", "Plan", "_Call", "_Io", "_Pause"),
     "mtask.steps.run": ("RunSteps",),
@@ -103,6 +103,7 @@ __getattr__, __dir__ = lazy_exports("mtask.steps", _WHERE, globals())
 
 
 __all__ = [
+    "CURRENT",
     "INLINE_BYTES",
     "INLINE_TOTAL_BYTES",
     "KINDS",
@@ -115,7 +116,6 @@ __all__ = [
     "REFUSED_OPERATORS",
     "SPILL_CHUNK_BYTES",
     "STATES",
-    "_GROUP",
     "_IN_STEP",
     "Calls",
     "ConditionTimeout",

@@ -5,14 +5,25 @@ name, in any order, and recorded by name as each ends (``StepStore.record_named`
 from __future__ import annotations
 
 import contextvars
+import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from mtask.steps.plan import _IN_STEP
 from mtask.steps.rules import Doc, StepError, StepMismatch, check_name
 
-if TYPE_CHECKING:
-    from mtask.steps.journal import Journal
+
+class Journal(Protocol):
+    """What a gather reads and marks of the run's journal (``mtask.steps.journal.Journal``)."""
+
+    lock: threading.RLock
+    recorded: list[Doc]
+    asked: list[str]
+    inside: str | None
+
+    def check_new(self, name: str) -> None: ...
+
+    def count(self, what: str) -> int: ...
 
 
 @dataclass
@@ -61,7 +72,7 @@ class Group:
         return index, prior
 
 
-_GROUP: contextvars.ContextVar[Group | None] = contextvars.ContextVar("mtask_group", default=None)
+CURRENT: contextvars.ContextVar[Group | None] = contextvars.ContextVar("mtask_group", default=None)
 """The gather whose branch runs in this context (its tasks and threads copy it)."""
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mtask.models import storable_depth
-from mtask.steps.gather import _GROUP
+from mtask.steps.gather import CURRENT, Group
 from mtask.steps.plan import Plan, _Io
 from mtask.steps.rules import (
     INLINE_BYTES,
@@ -36,7 +36,6 @@ from mtask.steps.rules import (
 )
 
 if TYPE_CHECKING:
-    from mtask.steps.gather import Group
     from mtask.steps.stores import StepStore
 
 T = TypeVar("T")
@@ -135,7 +134,7 @@ class Journal:
 
     def group(self) -> Group | None:
         """The ``ctx.gather`` this context's steps belong to, if any."""
-        group = _GROUP.get()
+        group = CURRENT.get()
         return group if group is not None and group.journal is self else None
 
     def here(self, name: str) -> Doc | None:

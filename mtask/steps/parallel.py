@@ -22,7 +22,7 @@ import contextvars
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from mtask.steps import _GROUP, Group, RunSteps, StepError
+from mtask.steps import CURRENT, Group, RunSteps, StepError
 
 T = TypeVar("T")
 MAX_BRANCHES = 1000
@@ -38,11 +38,11 @@ async def gather(
     group = journal.open_group(name)
     completed = False
     try:
-        token = _GROUP.set(group)
+        token = CURRENT.set(group)
         try:  # each task copies the context now: its steps are the group's
             tasks = [asyncio.ensure_future(b) for b in branches]
         finally:
-            _GROUP.reset(token)
+            CURRENT.reset(token)
         results = await _first_error(tasks)
         completed = True
         return results
@@ -95,11 +95,11 @@ def gather_sync(
 
 
 def _threads(group: Group, branches: Sequence[Callable[[], Any]]) -> list[Any]:
-    token = _GROUP.set(group)
+    token = CURRENT.set(group)
     try:
         contexts = [contextvars.copy_context() for _ in branches]
     finally:
-        _GROUP.reset(token)
+        CURRENT.reset(token)
     with concurrent.futures.ThreadPoolExecutor(len(branches), "mtask-branch") as pool:
         futures = [pool.submit(c.run, b) for c, b in zip(contexts, branches, strict=True)]
         concurrent.futures.wait(futures)

@@ -276,7 +276,7 @@ def explain_all(tasks: Sequence[Task], now: dt.datetime) -> Op[list[Explained]]:
 def explained_flow(key: str, now: dt.datetime) -> Op[Doc | None]:
     """The flow below ``key`` (``flows.tree``), each node with its derived ``state``, ``why``
     and ``reason``, as ``mtask get`` and the dashboard say them (one read of the cluster)."""
-    from mtask.flows import tree as flow_tree
+    from mtask.store.flows import tree as flow_tree
 
     root = yield from flow_tree(key)
     if root is None:

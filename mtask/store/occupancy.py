@@ -41,6 +41,7 @@ from mtask.limits.rules import (
     own_limit,
 )
 from mtask.store import controls as control
+from mtask.store import limits as store_limits
 from mtask.store.cluster import LIVE, declared_uses
 from mtask.store.schema import GROUP_LOCK, OPEN_LIST
 
@@ -287,7 +288,7 @@ class LimitGauge:
 
 
 def gauges(docs: Sequence[Doc], now: dt.datetime) -> list[LimitGauge]:
-    """Each limit document's (``limits.all_limits``) figures at ``now``, any shape."""
+    """Each limit document's (``store_limits.all_limits``) figures at ``now``, any shape."""
     found = []
     for doc in docs:
         slot = doc.get("_id")
@@ -303,7 +304,7 @@ def gauges(docs: Sequence[Doc], now: dt.datetime) -> list[LimitGauge]:
 
 def use(now: dt.datetime, names: Sequence[str] | None = None) -> Op[list[NameUse]]:
     """Each limited name's use (of ``names`` only, if given), in name order."""
-    found = yield from limits.all_limits()
+    found = yield from store_limits.all_limits()
     docs = _name_docs(found, names)
     shared = [d for d in found if limits.is_resource(str(d["_id"]))] if names is None else []
     if not docs and not shared:

@@ -19,8 +19,9 @@ from mtask.driver import SyncDriver
 from mtask.explain.states import State
 from mtask.limits import rules as limits
 from mtask.limits import slots
-from mtask.limits.holds import hold
 from mtask.registry import Registry, TaskContext
+from mtask.store import slots as store_slots
+from mtask.store.holds import hold
 from mtask.web import create_app
 from mtask.worker.claiming.limited import plan
 from mtask.worker.finding.placement import TaskMeta
@@ -59,7 +60,7 @@ async def crm_user(params: dict[str, Any], ctx: TaskContext) -> int:
 
 def take(driver: SyncDriver, slot: str, group: str | None, at: dt.datetime, run: str) -> bool:
     request = slots.Request(slot, run, f"k-{run}", 60_000, group=group)
-    (taken,) = driver.run(slots.take([request], "w", at))
+    (taken,) = driver.run(store_slots.take([request], "w", at))
     return taken.taken
 
 
@@ -108,7 +109,7 @@ def test_a_group_held_since_the_worker_read_its_limit_is_refused_by_the_take(
     out = plan(list(known), known, view, {}, T0, lambda k: f"run-{k}", 30_000)
     requests = [r for _, rs in out.claims for r in rs]
     assert [(r.slot, r.group) for r in requests] == [("n", "acme"), ("n", "beta")]
-    taken = driver.run(slots.take(requests, "w", T0 + dt.timedelta(seconds=1)))
+    taken = driver.run(store_slots.take(requests, "w", T0 + dt.timedelta(seconds=1)))
     assert [t.taken for t in taken] == [False, True]
 
 

@@ -14,9 +14,10 @@ from mtask import Next, TaskClient, store
 from mtask.cli.render import _flow_rows
 from mtask.clock import FixedClock
 from mtask.errors import InvalidTask
-from mtask.flows import awaited, child_key, flush_outboxes, resolve
+from mtask.flows import child_key
 from mtask.registry import Fail, Registry
 from mtask.store import CLAIMED_FIELDS, Outcome, RunState, claim, finish
+from mtask.store.flows import awaited, flush_outboxes, resolve
 
 registry = Registry()
 

@@ -19,6 +19,7 @@ from mtask.errors import InvalidTask
 from mtask.limits import slots
 from mtask.limits.rules import Limit, group_limit_for, group_slot
 from mtask.store import occupancy
+from mtask.store import slots as store_slots
 from mtask.web import create_app
 
 TOKEN = "test-token"
@@ -181,7 +182,7 @@ def test_why_a_task_is_not_running_names_its_groups_own_limit(
     requests = [
         slots.Request(group_slot("n", "pro"), f"r{i}", f"k{i}", 60_000, Limit(2)) for i in range(2)
     ]
-    assert all(t.taken for t in driver.run(slots.take(requests, "w", now)))
+    assert all(t.taken for t in driver.run(store_slots.take(requests, "w", now)))
     live = {"_id": "w", "last_seen": now, "names": ["n"], "host": "h", "pid": 1}
     mongo[db_name].workers.insert_one(live)  # a live worker of `n` (a heartbeat by hand)
     said = client.explain(client.get("waiting"))

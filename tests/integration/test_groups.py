@@ -20,6 +20,7 @@ from mtask.driver import SyncDriver, collections
 from mtask.limits import slots
 from mtask.limits.rules import Limit, group_slot
 from mtask.store import Outcome, RunState
+from mtask.store import slots as store_slots
 from mtask.web import create_app
 
 TOKEN = "test-token"
@@ -67,7 +68,7 @@ def test_a_groups_slot_document_is_made_by_its_first_request_and_holds_its_limit
     slot = group_slot("n", "$tenant")  # a group's name is data, never an expression
     limit = Limit(concurrency=2)
     requests = [slots.Request(slot, f"r{i}", f"k{i}", 1000, limit) for i in range(3)]
-    taken = driver.run(slots.take(requests, "w", now))
+    taken = driver.run(store_slots.take(requests, "w", now))
     assert [t.taken for t in taken] == [True, True, False]
     assert taken[2].retry_at == now + dt.timedelta(seconds=1.001)  # the first lease's end
     doc = limits.find_one({"_id": slot})
@@ -75,13 +76,13 @@ def test_a_groups_slot_document_is_made_by_its_first_request_and_holds_its_limit
     assert [h["run_id"] for h in doc["holders"]] == ["r0", "r1"]
     assert doc["expire_at"] == dt.datetime(2099, 1, 2, tzinfo=dt.UTC) + slots.GROUP_TTL
     # a full slot is not written (no change event wakes those who wait for it)
-    assert not driver.run(slots.take([slots.Request(slot, "r9", "k9", 1000, limit)], "w", now))[
-        0
-    ].taken
+    assert not driver.run(
+        store_slots.take([slots.Request(slot, "r9", "k9", 1000, limit)], "w", now)
+    )[0].taken
     assert limits.find_one({"_id": slot}) == doc
-    driver.run(slots.release({slot: ["r0"]}))
+    driver.run(store_slots.release({slot: ["r0"]}))
     later = now + dt.timedelta(hours=1)  # a take within a day leaves the removal time alone
-    assert driver.run(slots.take([slots.Request(slot, "r3", "k3", 1000, limit)], "w", later))[
+    assert driver.run(store_slots.take([slots.Request(slot, "r3", "k3", 1000, limit)], "w", later))[
         0
     ].taken
     assert limits.find_one({"_id": slot})["expire_at"] == doc["expire_at"]
@@ -102,7 +103,7 @@ def test_a_groups_slot_is_exact_when_a_lease_ended_or_the_limit_was_lowered(
 
     def take(run: str, at: dt.datetime, concurrency: int, lease_ms: int = 1000) -> bool:
         request = slots.Request(slot, run, f"k-{run}", lease_ms, Limit(concurrency=concurrency))
-        return driver.run(slots.take([request], "w", at))[0].taken
+        return driver.run(store_slots.take([request], "w", at))[0].taken
 
     assert take("a", now, 2, lease_ms=500) and take("b", now, 2)
     assert not take("c", now, 2)
@@ -114,7 +115,7 @@ def test_a_groups_slot_is_exact_when_a_lease_ended_or_the_limit_was_lowered(
     # lowered to 1 with four holders: refused while they are live ...
     assert not take("f", after_a, 1)
     # ... and taken by the exact path once two are given back and two leases ended
-    driver.run(slots.release({slot: ["d", "e"]}))
+    driver.run(store_slots.release({slot: ["d", "e"]}))
     assert take("f", now + dt.timedelta(seconds=2), 1)
     doc = limits.find_one({"_id": slot})
     live = [h["run_id"] for h in doc["holders"] if h["expires"] > now + dt.timedelta(seconds=2)]

@@ -19,6 +19,7 @@ from mtask.errors import InvalidTask
 from mtask.limits import rules as limits
 from mtask.limits import slots
 from mtask.registry import Registry
+from mtask.store import slots as store_slots
 
 T0 = dt.datetime(2099, 1, 1, 9, tzinfo=dt.UTC)
 registry = Registry()
@@ -39,13 +40,13 @@ def test_the_servers_take_counts_units_of_runs_at_once_and_tokens(
 
     def take(slot: str, run: str, units: int, at: dt.datetime = T0) -> bool:
         request = slots.Request(slot, run, f"k-{run}", 60_000, units=units)
-        (taken,) = driver.run(slots.take([request], "w", at))
+        (taken,) = driver.run(store_slots.take([request], "w", at))
         return taken.taken
 
     assert take(gpu, "r1", 3)
     assert not take(gpu, "r2", 2)  # 3 + 2 > 4
     assert take(gpu, "r3", 1)  # 3 + 1 = 4
-    driver.run(slots.release({gpu: ["r1"]}))
+    driver.run(store_slots.release({gpu: ["r1"]}))
     assert take(gpu, "r4", 3)
     holders = mongo[db_name].limits.find_one({"_id": gpu})["holders"]
     assert sorted(h.get("units", 1) for h in holders) == [1, 3]

@@ -22,7 +22,6 @@ from mtask.clock import FixedClock
 from mtask.driver import Call, Op, SyncDriver
 from mtask.errors import InvalidTask
 from mtask.limits import rules as mtask_limits
-from mtask.limits import slots
 from mtask.limits.rules import (
     MAX_LIMIT_CONCURRENCY,
     NO_ROOM_WAIT,
@@ -34,20 +33,23 @@ from mtask.limits.rules import (
     runs_at_once,
     wait_for_token,
 )
-from mtask.limits.slots import Request, Taken, extend, take
+from mtask.limits.slots import Request, Taken
 from mtask.registry import Registry
+from mtask.store import limits as store_limits
+from mtask.store import slots as store_slots
+from mtask.store.slots import extend, take
 from mtask.worker.claiming.gate import LimitGate
 
 
 def acquire(
     slot: str, run_id: str, key: str, worker: str, now: dt.datetime, lease_ms: int
 ) -> Op[Taken]:
-    """One run's slot of a name's limit (``slots.take`` of one request)."""
+    """One run's slot of a name's limit (``store_slots.take`` of one request)."""
     return (yield from take([Request(slot, run_id, key, lease_ms)], worker, now))[0]
 
 
 def release(slot: str, run_ids: list[str]) -> Op[None]:
-    yield from slots.release({slot: run_ids})
+    yield from store_slots.release({slot: run_ids})
 
 
 def slots_doc(slot: str) -> Op[Any]:
@@ -253,7 +255,7 @@ def test_a_group_concurrency_added_to_a_group_rate_counts_the_runs_in_flight(
 )
 def test_runs_at_once_admits_what_the_servers_take_admits(value: float) -> None:
     """The take adds a holder while there are fewer live holders than the stored number
-    (``slots._filter``, ``$lt``); ``runs_at_once`` is the most it admits."""
+    (``store_slots._filter``, ``$lt``); ``runs_at_once`` is the most it admits."""
     n = runs_at_once(value)
     assert n is not None and 0 <= n <= MAX_LIMIT_CONCURRENCY
     for size in {0, 1, n - 1, n, n + 1} - {-1}:
@@ -430,7 +432,7 @@ async def test_keys_held_back_by_a_rate_come_back_on_time(
 def test_runs_counted_in_after_a_change_are_holders_a_take_counts(
     client: TaskClient, mongo: MongoClient[dict[str, Any]], db_name: str
 ) -> None:
-    """``slots.join`` on the server: runs started before a limit take places beyond it (a run
+    """``store_slots.join`` on the server: runs started before a limit take places beyond it (a run
     already a holder is not added twice), a group's document is made by its first join, and a
     take counts them all: no new run until fewer than the limit run."""
     driver = SyncDriver(mongo[db_name])
@@ -442,8 +444,8 @@ def test_runs_counted_in_after_a_change_are_holders_a_take_counts(
         Request("n", "r2", "k2", 5000),
         Request(gslot, "r1", "k1", 5000, Limit(2)),
     ]
-    driver.run(slots.join(joins, "w", T0, known))
-    driver.run(slots.join(joins[:1], "w", T0, known))  # a holder already: nothing
+    driver.run(store_slots.join(joins, "w", T0, known))
+    driver.run(store_slots.join(joins[:1], "w", T0, known))  # a holder already: nothing
     limits = mongo[db_name].limits
     assert [h["run_id"] for h in limits.find_one({"_id": "n"})["holders"]] == ["r1", "r2"]
     group = limits.find_one({"_id": gslot})
@@ -456,7 +458,7 @@ def test_runs_counted_in_after_a_change_are_holders_a_take_counts(
     assert [t.taken for t in taken] == [True, False]  # r1 counted: one place left of two
     # a cleared limit is not made again by a join
     client.clear_limit("n")
-    driver.run(slots.join(joins[:1], "w", T0, known))
+    driver.run(store_slots.join(joins[:1], "w", T0, known))
     assert limits.find_one({"_id": "n"}) is None
 
 
@@ -469,7 +471,7 @@ def test_a_sequences_head_is_told_of_a_run_its_groups_slot_holds(
     now = client.now()
     live = Request(group_slot("n", "g"), "r1", "k1", 60_000, Limit(3))
     ended = Request(group_slot("n", "h"), "r2", "k2", 1, Limit(3))
-    driver.run(slots.join([live, ended], "w", now - dt.timedelta(seconds=1), set()))
+    driver.run(store_slots.join([live, ended], "w", now - dt.timedelta(seconds=1), set()))
     pairs = [("n", "g"), ("n", "h")]
     heads = driver.run(store.heads_and_slots(pairs, pairs, now))
     assert heads[("n", "g")]["_id"] == "g-1" and heads[("n", "g")].get("slot_held") is True
@@ -485,13 +487,13 @@ async def test_a_limit_is_read_on_its_change_and_never_on_a_slots(
     """Each run of a limited name gives its slot back (an event on the name's document): no
     read of the limits. A change of the limit: one read by the worker, and it says so."""
     reads: list[list[str]] = []
-    limits_of = mtask_limits.limits_of
+    limits_of = store_limits.limits_of
 
     def counted(names: Any) -> Any:
         reads.append(sorted(names))
         return limits_of(names)
 
-    monkeypatch.setattr(mtask_limits, "limits_of", counted)
+    monkeypatch.setattr(store_limits, "limits_of", counted)
     registry, _, done = spans_registry(12, 0.01)
     client.set_limit("limited", concurrency=1)
     async with running_worker(
@@ -522,11 +524,13 @@ def test_a_limit_that_makes_sequences_notes_it_until_no_groups_slot_holds_a_run(
     assert since is not None
     now = since + mtask_limits.SETTLE_AFTER
     live = Request(group_slot("n", "g"), "r1", "k1", 60_000, Limit(3))
-    driver.run(slots.join([live], "w", now, set()))
-    driver.run(slots.join([Request(group_slot("nn", "g"), "r2", "k2", 60_000)], "w", now, set()))
-    assert not driver.run(mtask_limits.settle_slot_runs("n", since, now))  # r1 runs on
-    driver.run(slots.release({group_slot("n", "g"): ["r1"]}))
+    driver.run(store_slots.join([live], "w", now, set()))
+    driver.run(
+        store_slots.join([Request(group_slot("nn", "g"), "r2", "k2", 60_000)], "w", now, set())
+    )
+    assert not driver.run(store_limits.settle_slot_runs("n", since, now))  # r1 runs on
+    driver.run(store_slots.release({group_slot("n", "g"): ["r1"]}))
     later = dt.datetime(2099, 1, 1, tzinfo=dt.UTC)
-    assert not driver.run(mtask_limits.settle_slot_runs("n", later, now))  # not the value read
-    assert driver.run(mtask_limits.settle_slot_runs("n", since, now))  # another name's: not n's
+    assert not driver.run(store_limits.settle_slot_runs("n", later, now))  # not the value read
+    assert driver.run(store_limits.settle_slot_runs("n", since, now))  # another name's: not n's
     assert mtask_limits.slot_runs(limits.find_one({"_id": "n"})) is None

@@ -14,7 +14,7 @@ from workerapp import registry
 from mtask import TaskClient
 from mtask.driver import SyncDriver
 from mtask.embedded import free_port
-from mtask.limits.holds import hold
+from mtask.store.holds import hold
 
 TESTS = Path(__file__).parents[1]
 

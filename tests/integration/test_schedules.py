@@ -22,14 +22,13 @@ from mtask.registry import Registry
 from mtask.schedules import (
     Schedule,
     ScheduleNotFound,
-    due,
-    fire,
     first_tick,
     latest_tick,
     next_after,
     plan,
     tick_key,
 )
+from mtask.store.schedules import due, fire
 
 
 def ticks_between(trigger: Any, start: dt.datetime, now: dt.datetime) -> list[dt.datetime]:

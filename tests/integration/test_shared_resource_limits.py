@@ -21,8 +21,8 @@ from mtask.driver import SyncDriver
 from mtask.errors import InvalidTask
 from mtask.explain.states import State
 from mtask.limits import rules as limits
-from mtask.limits.holds import hold
 from mtask.registry import Registry
+from mtask.store.holds import hold
 from mtask.web import create_app
 from mtask.worker import Worker
 

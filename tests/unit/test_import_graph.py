@@ -125,3 +125,31 @@ def test_the_worker_wings_form_no_loop() -> None:
     assert graph["claiming"] == {"finding", "running"}  # the intended direction, still seen
     assert cycles(graph) == [], graph
     assert not graph["running"] & {"finding", "claiming"}, graph["running"]
+
+
+def own_module(importer: str, imported: str, known: dict[str, Path]) -> bool:
+    """``importer`` is a package whose ``__init__`` names one of its own modules (its surface,
+    lazily or not): not an edge of a cycle."""
+    return known[importer].name == "__init__.py" and imported.startswith(importer + ".")
+
+
+def full_graph(known: dict[str, Path]) -> dict[str, set[str]]:
+    """Every import, wherever it is (module level, ``TYPE_CHECKING``, inside a function), less a
+    package's ``__init__`` naming its own modules."""
+    return {
+        name: {m for m in every_import(path, known) if m != name and not own_module(name, m, known)}
+        for name, path in known.items()
+    }
+
+
+def test_no_import_cycles_counting_every_import() -> None:
+    """No cycle even through type-only and function-local imports: a module never reaches back
+    to one that imports it, whenever the import runs."""
+    assert cycles(full_graph(modules())) == []
+
+
+def test_a_function_local_cycle_is_found() -> None:
+    known = {"m.a": Path("a.py"), "m.b": Path("b.py"), "m": Path("__init__.py")}
+    graph = {"m.a": {"m.b"}, "m.b": {"m.a"}, "m": set()}
+    assert cycles(graph) == [["m.a", "m.b"]]
+    assert own_module("m", "m.a", known) and not own_module("m.a", "m.b", known)

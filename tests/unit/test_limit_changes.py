@@ -23,6 +23,7 @@ from mtask.driver import AsyncDriver
 from mtask.limits import rules as limits
 from mtask.limits import slots
 from mtask.limits.rules import Limit
+from mtask.store import slots as store_slots
 from mtask.worker.claiming.gate import LimitGate
 from mtask.worker.claiming.limited import counted, plan
 from mtask.worker.claiming.recount import Recount
@@ -156,12 +157,12 @@ def test_a_join_makes_a_groups_document_once_and_adds_only_a_run_that_is_no_hold
     ]
     known: set[str] = set()
     driver = ScriptedDriver(Step("bulk_write", collection="limits"))
-    driver.run(slots.join(requests, "w1", NOW, known))
+    driver.run(store_slots.join(requests, "w1", NOW, known))
     assert driver.done and known == {gslot}
     (ops,) = driver.calls[0].args
     assert driver.calls[0].kwargs == {"ordered": True}
     assert ops[0] == UpdateOne(
-        {"_id": gslot}, {"$setOnInsert": slots._new_group(gslot, NOW)}, upsert=True
+        {"_id": gslot}, {"$setOnInsert": store_slots._new_group(gslot, NOW)}, upsert=True
     )
     join = ops[2]
     assert join._filter == {
@@ -176,7 +177,7 @@ def test_a_join_makes_a_groups_document_once_and_adds_only_a_run_that_is_no_hold
     assert join._doc["$set"] == {slots.TAKEN_AT: NOW}  # the streams leave it out: it frees nothing
     assert not join._upsert and len(ops) == 4  # a name's document is never made by a join
     again = ScriptedDriver(Step("bulk_write", collection="limits"))
-    again.run(slots.join(requests[1:], "w1", NOW, known))
+    again.run(store_slots.join(requests[1:], "w1", NOW, known))
     assert len(again.calls[0].args[0]) == 2  # its document seen: not made again
 
 

@@ -80,11 +80,17 @@ NAMESAKES = {
     "children.py": "spawned child tasks: steps/ (the protocol), store/ (the writes)",
     "errors.py": "the errors of its layer: mtask/, worker/running/pool/",
     "events.py": "a task's change events: follow/ (the reopen loop), web/ (SSE)",
+    "flows.py": "flows: mtask/ (the rules), store/ (the outboxes and dependents written)",
+    "holds.py": "back-off holds: limits/ (the rule), store/ (the write)",
     "outcomes.py": "a run's outcome: worker/running/ (made), store/ (written)",
     "output.py": "a run's output: follow/, store/, web/",
     "protocols.py": "a wing's seams: finding/, running/, reacting/",
     "retention.py": "how long tasks are kept: store/, cli/",
+    "roles.py": "MongoDB roles: security/ (the definition), store/ (created in MongoDB)",
     "rules.py": "the pure rules of its concept package: limits/, steps/",
+    "schedules.py": "repeatable tasks: mtask/ (the rules), store/ (the schedules written and read)",
+    "slots.py": "limit slots: limits/ (the requests), store/ (the atomic takes)",
+    "streams.py": "following a task's output: follow/ (the stream), store/ (its reads)",
     "tasks.py": "tasks published and read: store/, cli/, contrib/django/",
     "transactional.py": "a transactional run: worker/running/, store/",
     "triggers.py": "triggers: mtask/ (pure), store/, cli/, web/",
@@ -99,3 +105,65 @@ def test_one_file_name_means_one_thing() -> None:
     names = Counter(p.name for p in PACKAGE.rglob("*.py"))
     twice = sorted(name for name, n in names.items() if n > 1 and name not in NAMESAKES)
     assert not twice, f"a file name used twice: {twice}; rename one, or add a namesake"
+
+
+def test_the_top_level_holds_at_most_19_files() -> None:
+    """The ground floor, the handler-facing API and one-module concepts; everything else lives
+    in a package named for its concept."""
+    files = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(files) <= 19, files
+
+
+def driver_calls(tree: ast.AST) -> list[int]:
+    """The lines of ``tree`` that make a ``driver.Call`` (``Call(…)`` or ``driver.Call(…)``)."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (
+            (isinstance(node.func, ast.Name) and node.func.id == "Call")
+            or (isinstance(node.func, ast.Attribute) and ast.unparse(node.func) == "driver.Call")
+        )
+    ]
+
+
+def test_every_mongodb_call_is_made_in_the_store() -> None:
+    """All database interaction in one room (Oban's engine): no ``driver.Call`` is made outside
+    ``mtask/store/`` and ``mtask/driver.py``. The pool's pipe message named ``Call`` is its own
+    (``pipe.Call``), and the step engine's ``_Call`` a plan's request."""
+    outside = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE)
+        if where.parts[0] == "store" or str(where) in ("driver.py", "worker/running/pool/pipe.py"):
+            continue
+        tree = ast.parse(path.read_text())
+        if any(
+            isinstance(n, ast.ImportFrom) and n.module == "mtask.driver" and "Call" in
+            {a.name for a in n.names} for n in ast.walk(tree)
+        ) or "driver.Call" in path.read_text():  # fmt: skip
+            outside += [f"{where}:{line}" for line in driver_calls(tree)]
+    assert outside == []
+
+
+ISSUE = re.compile(r"\bissues? \d+", re.IGNORECASE)
+"""A reference to a numbered issue: history, which belongs in CHANGELOG.md and the journal."""
+
+
+def test_history_stays_out_of_the_code_and_the_headings() -> None:
+    """At most 10 "issue N" in mtask/ (code, comments, docstrings, schemas, templates), and none
+    in a heading of the docs (the journal and CHANGELOG.md are history)."""
+    found = [
+        f"{p.relative_to(ROOT)}: {m.group(0)}"
+        for p in sorted(PACKAGE.rglob("*"))
+        if p.is_file() and p.suffix in {".py", ".json", ".html", ".css", ".js"}
+        for m in ISSUE.finditer(p.read_text())
+    ]
+    assert len(found) <= 10, found
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+    headings = [
+        f"{page.relative_to(ROOT)}: {line}"
+        for page in pages
+        for line in page.read_text().splitlines()
+        if line.startswith("#") and ISSUE.search(line)
+    ]
+    assert headings == []

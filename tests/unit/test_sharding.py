@@ -13,11 +13,14 @@ import pytest
 from harness import T0
 from pymongo import UpdateOne
 
-from mtask import flows, schedules, store
+from mtask import store
 from mtask.driver import MODIFY_ONCE, Call, Op
 from mtask.limits import rules as limits
 from mtask.models import NewTask, RunState
 from mtask.store import Outcome
+from mtask.store import flows as store_flows
+from mtask.store import limits as store_limits
+from mtask.store import schedules as store_schedules
 from mtask.store.retention import purge, purge_filter
 
 Doc = dict[str, Any]
@@ -120,7 +123,7 @@ TARGETED: dict[str, Callable[[], list[Call]]] = {
     ),
     "cancel": lambda: calls_of(store.cancel("k1", T0), found={"_id": "k1"}),
     "retry": lambda: calls_of(store.retry("k1", T0), found={"_id": "k1"}),
-    "flow outbox of known parents": lambda: calls_of(flows.flush_outboxes(["k1"], T0)),
+    "flow outbox of known parents": lambda: calls_of(store_flows.flush_outboxes(["k1"], T0)),
     "purge by keys": lambda: calls_of(purge(purge_filter(T0, keys=KEYS))),
 }
 
@@ -137,8 +140,10 @@ def test_targeted_operations_hold_the_shard_key(operation: str) -> None:
 def test_the_limits_and_schedules_documents_are_addressed_by_id() -> None:
     """Small collections (one document per limited name / schedule): unsharded, or sharded on
     ``_id``; their writes name the ``_id``."""
-    calls = calls_of(limits.set_limit("n", limits.Limit(2), limits.Limit(), T0), found={"_id": "n"})
-    calls += calls_of(schedules.remove("s"))
+    calls = calls_of(
+        store_limits.set_limit("n", limits.Limit(2), limits.Limit(), T0), found={"_id": "n"}
+    )
+    calls += calls_of(store_schedules.remove("s"))
     assert calls and all(holds_id(c.args[0], True) for c in calls if c.method != "find")
 
 
@@ -148,7 +153,7 @@ def test_scatter_gather_operations_say_so() -> None:
         store.scan(["n"], "w", 10),
         store.stats(),
         store.list_tasks(),
-        flows.flush_outboxes(None, T0, older_than=T0),
+        store_flows.flush_outboxes(None, T0, older_than=T0),
         purge(purge_filter(T0)),
     ):
         calls = [c for c in calls_of(op) if c.collection == "tasks" and c.args]

@@ -19,6 +19,7 @@ from mtask.driver import Call
 from mtask.errors import InvalidTask, StorageError, TaskNotFound
 from mtask.models import NewTask
 from mtask.store import claims
+from mtask.store import flows as store_flows
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -188,7 +189,7 @@ def test_a_rejected_outbox_entry_is_moved_aside_with_its_reason() -> None:
         Step("bulk_write", reply=SimpleNamespace(upserted_count=1)),  # the publish
         Step("bulk_write", reply=None),  # the clear
     )
-    [step] = driver.run(flows.flush_outboxes(None, NOW, older_than=NOW))
+    [step] = driver.run(store_flows.flush_outboxes(None, NOW, older_than=NOW))
     assert step.key == "p/m" and step.parent == "p"
     clear_p, clear_q = driver.calls[-1].args[0]
     # $eq: the outbox read is compared as a value (an object of operators is not a filter)
@@ -233,16 +234,16 @@ def test_resolve_releases_dependents_of_successes_and_fails_those_of_failures() 
         Step("update_many", reply=updated(2), check=released),
         Step("update_many", reply=updated(1), check=failed),
     )
-    assert driver.run(flows.resolve(["ok", "bad", "open"], NOW)) == 3
+    assert driver.run(store_flows.resolve(["ok", "bad", "open"], NOW)) == 3
     assert driver.done
     assert driver.calls[0].args[0]["_id"] == {"$in": ["ok", "bad", "open"]}
 
 
 def test_resolve_of_unfinished_keys_changes_nothing() -> None:
     driver = ScriptedDriver(Step("find", reply=[]))
-    assert driver.run(flows.resolve(["open"], NOW)) == 0
+    assert driver.run(store_flows.resolve(["open"], NOW)) == 0
     assert driver.done
-    assert ScriptedDriver().run(flows.resolve([], NOW)) == 0  # no call at all
+    assert ScriptedDriver().run(store_flows.resolve([], NOW)) == 0  # no call at all
 
 
 def test_a_signal_to_no_task_names_the_key_once() -> None:

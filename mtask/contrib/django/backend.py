@@ -30,6 +30,7 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from mtask.client import AsyncTaskClient, TaskClient
+from mtask.contrib.django import checking
 from mtask.contrib.django.compat import (
     BaseTaskBackend,
     InvalidTask,
@@ -233,8 +234,6 @@ class MtaskBackend(BaseTaskBackend):  # type: ignore[misc]
     def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
         """Its configuration always; with ``manage.py check --database …`` (Django's own
         database checks' switch) also MongoDB: a replica set reached, mtask's indexes made."""
-        from mtask.contrib.django import checking
-
         return checking.check(self, kwargs.get("databases"))
 
 

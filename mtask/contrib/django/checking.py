@@ -9,24 +9,33 @@ worker's start makes them).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from django.core import checks
 
-if TYPE_CHECKING:
-    from mtask.contrib.django.backend import MtaskBackend
+from mtask.client import TaskClient
+
+
+class Backend(Protocol):
+    """What the checks read of a backend (``MtaskBackend``)."""
+
+    alias: str
+    database_alias: str | None
+
+    def client(self) -> TaskClient: ...
+
 
 ID = "mtask"
 
 
-def check(backend: MtaskBackend, databases: Any) -> list[checks.CheckMessage]:
+def check(backend: Backend, databases: Any) -> list[checks.CheckMessage]:
     found = _alias(backend)
     if found or not databases:
         return found
     return _server(backend)
 
 
-def _alias(backend: MtaskBackend) -> list[checks.CheckMessage]:
+def _alias(backend: Backend) -> list[checks.CheckMessage]:
     alias = backend.database_alias
     if alias is None:
         return []
@@ -47,7 +56,7 @@ def _alias(backend: MtaskBackend) -> list[checks.CheckMessage]:
     return []
 
 
-def _server(backend: MtaskBackend) -> list[checks.CheckMessage]:
+def _server(backend: Backend) -> list[checks.CheckMessage]:
     try:
         client = backend.client()
         hello = client.mongo.admin.command("hello")

@@ -6,7 +6,7 @@ event says its limit was set, changed or cleared (``limit_set``), and all of the
 that wait for its slots and is passed on (``applied``: the runs in flight count towards it,
 ``recount.Recount``). The gate splits the keys popped between the claimer's two strategies
 (``partition``), takes the slots and tokens of a batch of runs before they are claimed
-(``slots.take``), remembers the keys a limit held back and puts them back in the claim queue
+(``store_slots.take``), remembers the keys a limit held back and puts them back in the claim queue
 when a slot may have freed (a change event on its slot's document: a name's or a group's) or
 when the next token is due (at the latest after ``BLOCKED_AT_MOST``: ``held_back.HeldBack``).
 The slots of ended runs
@@ -28,6 +28,8 @@ from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.limits import rules as limits
 from mtask.limits import slots
+from mtask.store import limits as store_limits
+from mtask.store import slots as store_slots
 from mtask.worker.claim_queue import GroupWeights
 from mtask.worker.claiming.held_back import HeldBack
 from mtask.worker.finding.protocols import QueueSink
@@ -123,7 +125,7 @@ class LimitGate(PeriodicService):
         if freed is not None:
             freed.connect(self.held.group_freed)  # a group's run ended for good (finding)
         self.made: set[str] = set()
-        """Groups' slot documents seen to exist (``slots.take`` does not make them again)."""
+        """Groups' slot documents seen to exist (``store_slots.take`` does not make them again)."""
         self.refreshed = asyncio.Event()
         """Set after each read of all the limits."""
         self.stale: set[str] = set()
@@ -152,7 +154,7 @@ class LimitGate(PeriodicService):
         self.read_all_at = time.monotonic() + self.interval
         stale, self.stale = self.stale, set()
         try:
-            docs = await self.driver.run(limits.all_limits())
+            docs = await self.driver.run(store_limits.all_limits())
         except StorageError:
             self.stale |= stale
             raise
@@ -171,7 +173,7 @@ class LimitGate(PeriodicService):
             if since is None or now - since < limits.SETTLE_AFTER:
                 continue
             try:
-                await self.driver.run(limits.settle_slot_runs(name, since, now))
+                await self.driver.run(store_limits.settle_slot_runs(name, since, now))
             except StorageError as exc:
                 log.warning("cannot settle the groups' slots of %r: %s", name, exc)
                 return
@@ -180,7 +182,7 @@ class LimitGate(PeriodicService):
         """Read the limits of the names whose change event came, and apply them."""
         names, self.stale = self.stale, set()
         try:
-            docs = await self.driver.run(limits.limits_of(sorted(names)))
+            docs = await self.driver.run(store_limits.limits_of(sorted(names)))
         except StorageError:
             self.stale |= names  # read with the next event, or all of them at the latest
             raise
@@ -263,7 +265,7 @@ class LimitGate(PeriodicService):
         try:
             if len(self.made) > MADE_KEPT:
                 self.made.clear()  # bounded: a group's document is upserted again, once
-            return await self.driver.run(slots.take(requests, self.worker_id, now, self.made))
+            return await self.driver.run(store_slots.take(requests, self.worker_id, now, self.made))
         except StorageError as exc:
             log.warning(
                 "cannot take %d limit slot(s), retrying shortly: %s",

@@ -3,7 +3,7 @@ claimer's second strategy.
 
 A batch of them is claimed after its slots and tokens: the heads of their sequences read
 (``store.heads``; with their groups' slots for a while after a change made them sequences,
-``store.heads_and_slots``), every slot they need taken in one bulk write (``slots.take``,
+``store.heads_and_slots``), every slot they need taken in one bulk write (``store_slots.take``,
 through the ``LimitGate``), then the keys whose slots were all granted claimed together, a
 sequence's head with its group's lock; their runs start through the claimer's one
 ``Starter``. A key a limit holds back waits for its slot (``LimitGate.block``), or is shed by a
@@ -143,7 +143,7 @@ class LimitedClaims:
     async def claim(self, keys: list[str], names: list[str], now: dt.datetime) -> None:
         """Claim ``keys`` of limited names (found due at ``now``) as one batch: the heads of
         their sequences read, then every slot they need taken in one bulk write
-        (``slots.take``), then the keys whose slots were all granted claimed together and
+        (``store_slots.take``), then the keys whose slots were all granted claimed together and
         started. A key a limit holds back waits for its slot (``LimitGate.block``)."""
         known = {k: m for k in keys if (m := self.sink.known(k)) is not None}
         heads = await self._heads(keys, known, now)

@@ -5,7 +5,7 @@ The ``LimitGate`` reads a name's limit at once when its change event comes, and 
 part the name (``changed``) once its claims go by the new limit. The part then waits for the
 claims begun before (planned under the old limit: their runs start, or they took nothing),
 has every run of the name in flight take a place in each slot the new limit counts that it
-holds none in (``limited.counted``; ``slots.join``, one bulk write), and says so. From then on
+holds none in (``limited.counted``; ``store_slots.join``, one bulk write), and says so. From then on
 the slots hold every run of this worker in flight: a lowered limit starts no run while the
 runs in flight exceed it (they finish), a limit set where there was none counts the runs that
 started without it, and a group given a limit of runs at once counts its sequence's running
@@ -23,6 +23,7 @@ from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.limits import rules as limits
 from mtask.limits import slots
+from mtask.store import slots as store_slots
 from mtask.worker.claiming.gate import LimitGate
 from mtask.worker.claiming.limited import counted
 from mtask.worker.inflight import InFlight
@@ -125,7 +126,7 @@ class Recount:
         if not requests:
             return
         await self.driver.run(
-            slots.join(requests, self.worker_id, self.clock.now(), self.gate.made)
+            store_slots.join(requests, self.worker_id, self.clock.now(), self.gate.made)
         )
         for request in requests:
             if not self.runs.hold(request.run_id, request.slot):

@@ -21,6 +21,7 @@ from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.limits import rules as limits
 from mtask.limits import slots
+from mtask.store import slots as store_slots
 from mtask.worker.claiming.handover import Handovers
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class SlotReleases:
         if not releases:
             return
         try:
-            await self.driver.run(slots.release(releases))
+            await self.driver.run(store_slots.release(releases))
         except StorageError as exc:
             log.warning(
                 "cannot give back %d slot(s) (they run out): %s",

@@ -17,10 +17,10 @@ import datetime as dt
 from collections.abc import Callable
 from typing import ClassVar
 
-from mtask import flows
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.store import children as store_children
+from mtask.store import flows as store_flows
 from mtask.store.retention import release_parents
 from mtask.worker.service import PeriodicService
 
@@ -51,9 +51,11 @@ class FlowSweep(PeriodicService):
             return
         now = self.clock.now()
         stale = now - dt.timedelta(seconds=self.interval)
-        steps = await self.driver.run(flows.flush_outboxes(None, now, older_than=stale))
-        await self.driver.run(flows.after_publish(steps, now))
-        await self.driver.run(flows.resolve(await self.driver.run(flows.awaited()), now))
+        steps = await self.driver.run(store_flows.flush_outboxes(None, now, older_than=stale))
+        await self.driver.run(store_flows.after_publish(steps, now))
+        await self.driver.run(
+            store_flows.resolve(await self.driver.run(store_flows.awaited()), now)
+        )
         await self.driver.run(release_parents(now))  # flow parents held for steps
         # a parent whose children's last count was lost is woken here
         recheck = now - dt.timedelta(seconds=max(CHILDREN_RECHECK_S, self.interval))

@@ -16,7 +16,8 @@ from typing import ClassVar
 
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
-from mtask.schedules import Schedule, due, ensure_indexes, fire, next_due, put
+from mtask.schedules import Schedule
+from mtask.store.schedules import due, ensure_indexes, fire, next_due, put
 from mtask.worker.service import PeriodicService, event_or_timeout
 
 POLL_SECONDS = 10.0

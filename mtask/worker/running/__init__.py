@@ -21,10 +21,10 @@ from mtask import driver
 from mtask.client import AsyncTaskClient
 from mtask.clock import Clock
 from mtask.driver import Doc
-from mtask.limits.holds import Holds
 from mtask.registry import Registry
 from mtask.worker.config import WorkerConfig
 from mtask.worker.inflight import InFlight
+from mtask.worker.running.backoffs import Holds
 from mtask.worker.running.batches import Batches
 from mtask.worker.running.call import HandlerCalls
 from mtask.worker.running.context import RunContexts

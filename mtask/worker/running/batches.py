@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtask import metrics
-from mtask.limits.batches import BatchItem, answers
-from mtask.registry import Handler, TaskContext
+from mtask.limits.batches import answers
+from mtask.registry import BatchItem, Handler, TaskContext
 from mtask.worker.worker_events import Emitter, Event
 
 

@@ -25,13 +25,14 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from mtask import metrics
 from mtask.errors import ConfigError, InvalidTask, LeaseLost, StorageError
-from mtask.limits.holds import BackOff, Holds
+from mtask.limits.holds import BackOff
 from mtask.models import OPTION_DEFAULTS
 from mtask.registry import Handler
 from mtask.statemachine import keep_ms
 from mtask.store import Outcome, RunState
 from mtask.tracing import run_span
 from mtask.worker.inflight import ActiveRun
+from mtask.worker.running.backoffs import Holds
 from mtask.worker.running.batches import Batches
 from mtask.worker.running.context import RunLeases, fence
 from mtask.worker.running.handler_slots import GiveBack

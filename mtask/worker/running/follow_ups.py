@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 
-from mtask import flows
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.store import Outcome, RunState
 from mtask.store import children as store_children
+from mtask.store import flows as store_flows
 from mtask.store import output as store_output
 from mtask.store import steps as store_steps
 
@@ -72,9 +72,9 @@ class FollowUps:
         now = self.clock.now()
         try:
             if parents:
-                steps = await self.driver.run(flows.flush_outboxes(parents, now))
-                await self.driver.run(flows.after_publish(steps, now))
+                steps = await self.driver.run(store_flows.flush_outboxes(parents, now))
+                await self.driver.run(store_flows.after_publish(steps, now))
             if watched:
-                await self.driver.run(flows.resolve(watched, now))
+                await self.driver.run(store_flows.resolve(watched, now))
         except StorageError as exc:
             log.warning("next steps or dependents wait for the flow sweep: %s", exc)

@@ -40,7 +40,7 @@ from mtask import driver, store
 from mtask.clock import Clock
 from mtask.errors import StorageError
 from mtask.limits.slots import Request
-from mtask.limits.slots import extend as extend_slot
+from mtask.store.slots import extend as extend_slot
 from mtask.worker.running.lost_runs import LostCallback, LostRuns, SlotLostCallback
 
 log = logging.getLogger("mtask.worker.running.lease")  # the name operators filter on, kept

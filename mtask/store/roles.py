@@ -1,0 +1,26 @@
+"""The roles of every part created or updated in MongoDB (``createRole``/``updateRole``), from
+their one definition in ``mtask.security.roles``."""
+
+from __future__ import annotations
+
+from pymongo.errors import OperationFailure
+
+from mtask.driver import Call, Op
+from mtask.security.roles import ROLE_EXISTS, role_commands
+
+
+def create_roles(database: str, tasks: str = "tasks") -> Op[list[str]]:
+    """Create (or bring up to date) every part's role in ``database``; returns their names. The
+    caller needs ``createRole``/``grantRole`` on it (``userAdmin``)."""
+    made = []
+    for command in role_commands(database, tasks):
+        name = command["createRole"]
+        fields = {"privileges": command["privileges"], "roles": command["roles"]}
+        try:
+            yield Call("command", ("createRole", name), fields)
+        except OperationFailure as exc:
+            if exc.code != ROLE_EXISTS:
+                raise
+            yield Call("command", ("updateRole", name), fields)
+        made.append(name)
+    return made
