@@ -138,6 +138,14 @@ class Worker:
             self._stop_now.set()
         self.parts.wake.set()
 
+    def _servers(self) -> str:
+        """Which MongoDB this worker uses, as its first log line says: the servers its client
+        found (``host:port``, or a Unix socket's path), never a password."""
+        found = self.parts.aclient.topology_description.server_descriptions()
+        return ",".join(
+            f"{h}:{p}" if p and not str(h).endswith(".sock") else str(h) for h, p in found
+        )
+
     async def run(self) -> None:
         """Run until stopped. Raises ``WorkerCrashed`` if a part of the worker died."""
         if self.state != "ready":
@@ -152,7 +160,13 @@ class Worker:
                 )  # warm, before the first claim
             self.parts.pinger.start(asyncio.get_running_loop())
             self._supervise()
-            self.parts.emit(Event.STARTED, names=self.names, concurrency=self.concurrency)
+            self.parts.emit(
+                Event.STARTED,
+                names=self.names,
+                concurrency=self.concurrency,
+                mongodb=self._servers(),
+                database=self.config.database,
+            )
             await self.parts.claimer.run()
             await self._drain()
         finally:

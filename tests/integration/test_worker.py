@@ -275,6 +275,19 @@ async def test_graceful_stop_finishes_within_grace(
     assert client.workers() == []  # deregistered
 
 
+async def test_the_started_line_says_which_mongodb_and_database(
+    mongo_uri: str, db_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker's first INFO line names the servers it reached and its database, and no
+    password: an operator sees at once which MongoDB it uses."""
+    caplog.set_level(logging.INFO, logger="mtask.worker.events")
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await events.wait("started")
+    host = mongo_uri.split("//", 1)[1].split("/", 1)[0].split(",")[0]
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("started ")]
+    assert f"database={db_name}" in line and host in line.split("mongodb=", 1)[1], line
+
+
 async def test_stop_after_grace_releases_without_spending_retries(
     mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
