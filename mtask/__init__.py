@@ -7,11 +7,9 @@ client never loads the worker's code (``tests/unit/test_lazy_imports.py`` keeps 
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from mtask._version import __version__
+from mtask._version import __version__, lazy_exports
 
 if TYPE_CHECKING:
     from mtask.client import AsyncTaskClient, TaskClient
@@ -33,28 +31,6 @@ if TYPE_CHECKING:
     from mtask.steps.children import ChildFailed, Spawn
     from mtask.steps.policy import StepPolicy, StepTimeout
     from mtask.worker import Worker
-
-
-def lazy_exports(
-    package: str, where: Mapping[str, tuple[str, ...]], namespace: dict[str, Any]
-) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """``package``'s ``__getattr__`` and ``__dir__``: each name of ``where`` (module: names)
-    imported from its module on first use and kept in ``namespace`` (the package's
-    ``globals()``), so that the next lookup is a plain one."""
-    module_of = {name: module for module, names in where.items() for name in names}
-
-    def __getattr__(name: str) -> Any:
-        module = module_of.get(name)
-        if module is None:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        namespace[name] = value  # the next lookup is a plain one
-        return value
-
-    def __dir__() -> list[str]:
-        return sorted({*namespace, *module_of})
-
-    return __getattr__, __dir__
 
 
 _WHERE = {

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mtask import lazy_exports
+from mtask._version import lazy_exports
 from mtask.steps.rules import (
     INLINE_BYTES,
     INLINE_TOTAL_BYTES,

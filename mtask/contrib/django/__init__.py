@@ -8,7 +8,7 @@ settings are ready."""
 
 from __future__ import annotations
 
-from mtask import lazy_exports
+from mtask._version import lazy_exports
 
 _WHERE = {
     "mtask.contrib.django.backend": ("MtaskBackend",),
