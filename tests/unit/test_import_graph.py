@@ -1,6 +1,7 @@
-"""The package's modules import each other without cycles (module-level imports; imports under
-``TYPE_CHECKING`` and inside functions do not run at import time and are left out), and the
-worker's wings form no loop at package level (every import counted, wherever it is)."""
+"""The package's modules import each other without cycles: none at import time (module-level
+imports), and none with every import counted (under ``TYPE_CHECKING``, inside a function; a
+package's ``__init__`` naming its own modules excepted, the root's counted); and the worker's
+wings form no loop at package level (every import counted, wherever it is)."""
 
 from __future__ import annotations
 
@@ -131,8 +132,8 @@ def own_module(importer: str, imported: str, known: dict[str, Path]) -> bool:
     """``importer`` is a package whose ``__init__`` names one of its own modules (its surface,
     lazily or not): not an edge of a cycle. The root's ``__init__`` (``mtask``, the public face)
     is no such package: it names modules all over the package, so were it excepted every edge
-    out of it would be, and a module importing the root's own code (``mtask.steps`` once took
-    ``lazy_exports`` from it) would close a loop the graph could not see."""
+    out of it would be, and a module importing code defined in it would close a loop the graph
+    could not see (hence ``lazy_exports``, which packages use, lives in ``_version.py``)."""
     return (
         known[importer].name == "__init__.py"
         and "." in importer
