@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from bson.codec_options import CodecOptions
+from bson.codec_options import CodecOptions, DatetimeConversion
 from pymongo import AsyncMongoClient, MongoClient
 from pymongo.errors import ConfigurationError, InvalidURI
 
@@ -21,8 +21,11 @@ from mtask.connection import sockets
 from mtask.errors import StorageError
 
 ENV_URI = "MTASK_MONGODB_URI"
-CODEC_OPTIONS: CodecOptions[dict[str, Any]] = CodecOptions(tz_aware=True, tzinfo=dt.UTC)
-"""How mtask decodes BSON: timezone-aware UTC datetimes (the drivers and the stream relay)."""
+CODEC_OPTIONS: CodecOptions[dict[str, Any]] = CodecOptions(
+    tz_aware=True, tzinfo=dt.UTC, datetime_conversion=DatetimeConversion.DATETIME_CLAMP
+)
+"""How mtask decodes BSON, whoever made the client (a caller's own, too): timezone-aware UTC
+datetimes, a date no Python date can hold clamped as ``CLIENT_OPTIONS`` says."""
 CLIENT_OPTIONS: dict[str, Any] = {
     "tz_aware": True,
     "tzinfo": dt.UTC,
