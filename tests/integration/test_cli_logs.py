@@ -63,7 +63,7 @@ def test_logs_prints_stored_entries_and_resumes_after_a_seq(
     code, out, _ = run(capsys, "logs", "n", "--kind", "log", "--json", *narrated)
     assert [json.loads(line)["kind"] for line in out.splitlines()] == ["log"]
     code, out, _ = run(capsys, "get", "n", *narrated)
-    assert "100% done" in out and "4 entries" in out and "1 lines," in out
+    assert "100% done" in out and "4 entries" in out and "1 line," in out
 
 
 def test_logs_bad_input_exits_2_and_a_missing_task_1(
