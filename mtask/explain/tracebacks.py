@@ -43,6 +43,18 @@ def mtask_packages() -> frozenset[str]:
     return frozenset(m.split("/")[0] for m in mtask_modules() if "/" in m)
 
 
+FORMER_MODULES = frozenset(
+    f"{name}.py"
+    for name in (
+        "aftercommit backoff batches connection control encryption events limits output "
+        "parallel preflight preflight_sandbox read_tokens roles signal_fate slots snooze "
+        "sockets spawn states step_policy streams tracebacks waiters wording"
+    ).split()
+)
+"""Top-level modules of earlier versions that now live in packages: a traceback stored by a
+worker of such a version names them, and they are mtask's frames still."""
+
+
 def is_mtask_file(path: str) -> bool:
     seen = path.replace("\\", "/")
     marker = seen.rfind("/mtask/")
@@ -52,7 +64,11 @@ def is_mtask_file(path: str) -> bool:
         return True
     inside = seen[marker + len("/mtask/") :]
     top = inside.split("/")[0]
-    return inside in mtask_modules() or top.removesuffix(".py") in mtask_packages()
+    return (
+        inside in mtask_modules()
+        or inside in FORMER_MODULES
+        or top.removesuffix(".py") in mtask_packages()
+    )
 
 
 @dataclass(frozen=True)

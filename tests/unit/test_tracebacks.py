@@ -70,6 +70,8 @@ def test_which_files_are_mtasks() -> None:
     assert is_mtask_file(r"C:\venv\Lib\site-packages\mtask\anything.py")
     assert is_mtask_file("/old/mtask/worker/run_outcomes.py")  # another version's module
     assert is_mtask_file("/old/mtask/steps.py")  # another version's module, now a package
+    for moved in ("spawn.py", "parallel.py", "output.py", "step_policy.py", "control.py"):
+        assert is_mtask_file(f"/src/mtask/{moved}")  # a module of an earlier version's top level
     assert not is_mtask_file("/home/ann/mtask/app.py")  # the user's own mtask/ directory
     assert not is_mtask_file("/home/ann/app.py")
 
