@@ -45,7 +45,33 @@ def mtask_packages() -> frozenset[str]:
 
 FORMER_MODULES = frozenset(
     f"{name}.py"
-    for name in ["aftercommit", "backoff", "batches", "connection", "control", "encryption", "events", "limits", "output", "parallel", "preflight", "preflight_sandbox", "read_tokens", "roles", "signal_fate", "slots", "snooze", "sockets", "spawn", "states", "step_policy", "streams", "tracebacks", "waiters", "wording"]
+    for name in (
+        "aftercommit",
+        "backoff",
+        "batches",
+        "connection",
+        "control",
+        "encryption",
+        "events",
+        "limits",
+        "output",
+        "parallel",
+        "preflight",
+        "preflight_sandbox",
+        "read_tokens",
+        "roles",
+        "signal_fate",
+        "slots",
+        "snooze",
+        "sockets",
+        "spawn",
+        "states",
+        "step_policy",
+        "streams",
+        "tracebacks",
+        "waiters",
+        "wording",
+    )
 )
 """Top-level modules of earlier versions that now live in packages: a traceback stored by a
 worker of such a version names them, and they are mtask's frames still."""

@@ -51,7 +51,7 @@ from mtask.driver import Doc, cancel_requests, raise_if_cancelled
 from mtask.errors import EventsLost, StorageError
 from mtask.models import FINISHED_STATUSES
 
-log = logging.getLogger("mtask.follow.events")
+log = logging.getLogger("mtask.events")  # the name operators filter on, kept
 FINISHED = sorted(s.value for s in FINISHED_STATUSES)
 HISTORY_LOST = {
     136: "CappedPositionLost",  # the oplog rolled past the token

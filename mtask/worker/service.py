@@ -37,6 +37,8 @@ class PeriodicService:
     failure: ClassVar[str] = "failed, will retry"
     errors: ClassVar[tuple[type[Exception], ...]] = (StorageError,)
     run_first: ClassVar[bool] = False
+    logger: ClassVar[str | None] = None
+    """The logger's name, where it is not the class's module (a name operators filter on)."""
     interval: float = 1.0
 
     async def run_once(self) -> None:
@@ -46,7 +48,7 @@ class PeriodicService:
         await asyncio.sleep(self.interval)
 
     async def run(self) -> None:
-        log = logging.getLogger(type(self).__module__)
+        log = logging.getLogger(self.logger or type(self).__module__)
         skip_wait = self.run_first
         while True:
             if not skip_wait:

@@ -31,6 +31,7 @@ CHILDREN_RECHECK_S = 60.0
 class FlowSweep(PeriodicService):
     name: ClassVar[str] = "flows"
     failure: ClassVar[str] = "flow sweep failed, will retry"
+    logger: ClassVar[str | None] = "mtask.worker.flow_sweep"  # the name operators filter on, kept
 
     def __init__(
         self,

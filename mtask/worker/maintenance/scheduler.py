@@ -29,6 +29,7 @@ two reads a second per idle worker, a third of what an idle worker cost mongod.)
 class Scheduler(PeriodicService):
     name: ClassVar[str] = "schedules"
     failure: ClassVar[str] = "scheduler cannot reach MongoDB, retrying"
+    logger: ClassVar[str | None] = "mtask.worker.scheduler"  # the name operators filter on, kept
     run_first: ClassVar[bool] = True
     interval = POLL_SECONDS
 
