@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from mtask.limits.snooze import Snooze
     from mtask.models import PublishResult, Run, RunState, Task, TaskOptions, TaskStatus
     from mtask.registry import BatchItem, Fail, Registry, Retry, TaskContext
+    from mtask.security.encryption import Encryption, rotate_local
     from mtask.steps.children import ChildFailed, Spawn
     from mtask.steps.policy import StepPolicy, StepTimeout
     from mtask.worker import Worker
@@ -49,6 +50,7 @@ _WHERE = {
     "mtask.flows": ("Next",),
     "mtask.models": ("PublishResult", "Run", "RunState", "Task", "TaskOptions", "TaskStatus"),
     "mtask.registry": ("BatchItem", "Fail", "Registry", "Retry", "TaskContext"),
+    "mtask.security.encryption": ("Encryption", "rotate_local"),
     "mtask.limits.snooze": ("Snooze",),
     "mtask.steps.children": ("ChildFailed", "Spawn"),
     "mtask.steps.policy": ("StepPolicy", "StepTimeout"),
@@ -63,6 +65,7 @@ __all__ = [
     "BatchItem",
     "ChildFailed",
     "EmbeddedUnavailable",
+    "Encryption",
     "Fail",
     "InvalidTask",
     "InvalidTransition",
@@ -88,4 +91,5 @@ __all__ = [
     "Worker",
     "WorkerCrashed",
     "__version__",
+    "rotate_local",
 ]

@@ -64,7 +64,7 @@ class StepStore(Protocol):
 
     async def spawn(self, index: int, entry: Doc, children: list[Doc]) -> None:
         """Record the children's step ``entry`` (new, at ``index``) with the task's counter of
-        them, then publish the ``children`` (``mtask.steps.children.Child.to_document``),
+        them, then publish the ``children`` (``mtask.steps.children``'s documents),
         idempotently."""
         ...
 

@@ -1,6 +1,6 @@
 """Transactional completion against the real server, without a worker: a handler's writes and
-its run's SUCCESS commit together, fenced by the run (mtask/worker/transactional.py). Business
-writes are counted, not runs."""
+its run's SUCCESS commit together, fenced by the run (mtask/worker/running/transactional.py).
+Business writes are counted, not runs."""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ class Claimer:
         """The first strategy: keys of names under no limit, in one claim inline."""
         self.concurrency = concurrency
         self.ahead = ahead
-        """How many runs may be claimed beyond ``concurrency`` (claim_ahead.py)."""
+        """How many runs may be claimed beyond ``concurrency`` (claiming/ahead.py)."""
         self.queue = queue
         self.inflight = inflight
         self.assignment = assignment

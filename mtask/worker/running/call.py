@@ -204,7 +204,7 @@ class HandlerCalls:
                 run.waiting = False
                 run.running_since = time.monotonic()
                 return await self._run(run, handler, doc)
-        except GiveBack:  # claimed ahead, it waited too long for its slot (claim_ahead.py)
+        except GiveBack:  # claimed ahead, it waited too long for its slot (claiming/ahead.py)
             return self.outcomes.given_back(run)
 
     async def _run(self, run: ActiveRun, handler: Handler, doc: dict[str, Any]) -> Outcome:

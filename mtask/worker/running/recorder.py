@@ -3,7 +3,7 @@ the main loop's claims, then their limit slots are given back and their flows fo
 (``follow_ups.FollowUps``).
 
 ``unwritten`` (outcomes waiting or in a write) is the main loop's backpressure: it claims only
-while at most ``concurrency`` and the runs it may claim ahead (claim_ahead.py) are unwritten,
+while at most ``concurrency`` and the runs it may claim ahead (claiming/ahead.py) are unwritten,
 so a worker holds at most twice that in leases.
 """
 
