@@ -135,7 +135,10 @@ class Presence(PeriodicService):
         with the shared stream an idle worker writes every ``quiet_every`` intervals (live
         within ``client.workers``' window all the same); a remote stop reaches it then."""
         self.beats = 0
-        self._read = False
+        self._read = True
+        """Whether this beat reads the paused names (and the peers) whatever ``read_every``
+        says: a change of the controls, and the start-up's beat, before the first claim (a
+        worker started while a name is paused must never claim it)."""
         self._written: tuple[int, dict[str, Any]] | None = None
         """The beat of the last write, and the document it wrote."""
         self.pool = pool

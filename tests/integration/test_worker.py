@@ -324,6 +324,26 @@ async def test_pause_and_resume(mongo_uri: str, db_name: str, client: TaskClient
         await events.wait("recorded", key="held")
 
 
+@pytest.mark.parametrize("stream", ["shared", "own"])
+async def test_a_worker_started_while_a_name_is_paused_never_claims_it(
+    mongo_uri: str, db_name: str, client: TaskClient, stream: str
+) -> None:
+    """The first heartbeat reads the paused names before the first claim, whatever the stream
+    (with the shared one it read them only at every fifth beat, the start-up's not one of them:
+    a worker started while a name was paused claimed its tasks at once). The heartbeat's
+    interval is an hour: only the start-up's beat can have told it."""
+    client.pause("add")
+    client.publish("add", "held", {"a": 1, "b": 1})
+    client.publish("echo", "free")
+    async with running_worker(
+        registry, mongo_uri, db_name, stream=stream, heartbeat_interval=3600
+    ) as (worker, events):
+        await events.wait("recorded", key="free")
+        assert worker.parts.assignment.paused == {"add"}
+        assert not events.matching("claimed", key="held")
+    assert client.get("held").status == "pending"  # type: ignore[union-attr]
+
+
 async def test_lost_events_are_caught_by_the_sweep(
     mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:
