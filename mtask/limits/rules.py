@@ -32,7 +32,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeGuard
 
 from bson.decimal128 import Decimal128
 
@@ -438,15 +438,48 @@ def _token_wait(doc: Doc, now: dt.datetime) -> float | None:
     """Seconds until the name's next token (``None``: no rate, or no bucket yet)."""
     rate, burst = doc.get("rate"), doc.get("burst")
     refilled, tokens = doc.get("refilled_at"), doc.get("tokens")
-    if not (isinstance(rate, int | float) and rate > 0):
+    if not _is_number(rate):
         return None
-    if not (isinstance(refilled, dt.datetime) and isinstance(tokens, int | float)):
+    if not rate > 0:  # 0, below or NaN, written by hand: no token comes (the take's reading)
+        return NO_ROOM_WAIT.total_seconds()
+    if not (isinstance(refilled, dt.datetime) and _is_number(tokens)):
         return None
     # tokens come at the bucket's clock, which may be ahead of ``now`` (another worker's
     # estimate of the server's clock): from whichever is later
     start = bucket_clock(refilled, now)
-    have = refill(float(tokens), refilled, start, float(rate), float(burst or 1))
+    size = float(burst) if _is_number(burst) else max(1.0, float(rate))  # as the take's
+    have = refill(float(tokens), refilled, start, float(rate), size)
     return (start - now).total_seconds() + wait_for_token(have, float(rate))
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+LIMIT_NUMBERS = ("concurrency", "rate", "burst", "group_concurrency", "group_rate", "group_burst")
+
+
+def problems(doc: Mapping[str, Any]) -> list[str]:
+    """What in a name's (or a resource's) limit document, written by hand, is not what the
+    documents' shape says (the module's docstring), and how the take reads it, for the
+    worker's warning: a field that is no number limits nothing, one that admits no run or
+    no token holds the name's tasks until it changes, ``holders`` that is no array counts no
+    run. Empty for every document ``set_limit`` writes."""
+    found = []
+    for field in LIMIT_NUMBERS:
+        value = doc.get(field)
+        if value is None:
+            continue
+        if isinstance(value, Decimal128):
+            value = float(value.to_decimal())
+        if not _is_number(value):
+            found.append(f"{field} {value!r} is no number: it limits nothing")
+        elif not value > 0 or (field.endswith("burst") and value < 1):
+            found.append(f"{field} {value!r} admits no run: the tasks wait until it changes")
+    holders = doc.get("holders")
+    if holders is not None and not isinstance(holders, list):
+        found.append(f"holders {holders!r} is no array: read as no run holding a slot")
+    return found
 
 
 def _slot_wait(doc: Doc, now: dt.datetime) -> float | None:

@@ -98,7 +98,7 @@ def set_limit(
                         "group_concurrency": group.concurrency,
                         "group_rate": group.rate,
                         "group_burst": None if group.rate is None else group.full(),
-                        "holders": {"$ifNull": ["$holders", []]},
+                        "holders": {"$cond": [{"$isArray": "$holders"}, "$holders", []]},
                         "tokens": {"$min": [full, {"$ifNull": ["$tokens", full]}]},
                         "refilled_at": {"$ifNull": ["$refilled_at", now]},
                         "updated_at": now,
@@ -219,7 +219,7 @@ def set_group_limit(name: str, group: str, override: GroupOverride, now: dt.date
                                 f"${OVERRIDES}",
                             ]
                         },
-                        "holders": {"$ifNull": ["$holders", []]},
+                        "holders": {"$cond": [{"$isArray": "$holders"}, "$holders", []]},
                         OVERRIDES_AT: now,
                         "updated_at": now,
                     }

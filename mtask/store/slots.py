@@ -8,7 +8,7 @@ import datetime as dt
 from collections.abc import Mapping, MutableSet, Sequence
 from typing import Any
 
-from pymongo import UpdateOne
+from pymongo import UpdateMany, UpdateOne
 from pymongo.errors import BulkWriteError
 
 from mtask.driver import DUPLICATE_KEY, Call, Doc, Op
@@ -29,7 +29,7 @@ def _bucket(now: dt.datetime) -> tuple[Doc, Doc]:
     """The bucket's clock (``refilled_at``, ``now`` if it has none) and whether it is more than
     ``BUCKET_CLOCK_SLACK`` ahead of ``now`` (set before the server's clock was stepped back:
     ``limits.refill``, ``limits.bucket_clock``), as expressions over the document."""
-    refilled = {"$ifNull": ["$refilled_at", now]}
+    refilled = {"$cond": [{"$eq": [{"$type": "$refilled_at"}, "date"]}, "$refilled_at", now]}
     return refilled, {"$gt": [refilled, now + BUCKET_CLOCK_SLACK]}
 
 
@@ -38,12 +38,12 @@ def _terms(request: Request, now: dt.datetime) -> tuple[Any, Any, Any, Doc, Doc]
     holders and its tokens now, as expressions over the document."""
     limit = request.limit
     conc: Any = "$concurrency" if limit is None else limit.concurrency
-    rate: Any = "$rate" if limit is None else limit.rate
-    burst: Any = "$burst" if limit is None else (None if limit.rate is None else limit.full())
+    rate: Any = _number("$rate") if limit is None else limit.rate
+    burst: Any = _burst(rate) if limit is None else (None if limit.rate is None else limit.full())
     cond: Doc = {"$gt": ["$$h.expires", now]}
     if request.replaces is not None:  # the ended run handing its place over is not counted
         cond = {"$and": [cond, {"$ne": ["$$h.run_id", literal(request.replaces)]}]}
-    live: Doc = {"$filter": {"input": {"$ifNull": ["$holders", []]}, "as": "h", "cond": cond}}
+    live: Doc = {"$filter": {"input": HOLDERS, "as": "h", "cond": cond}}
     refilled, stepped_back = _bucket(now)
     elapsed = {"$max": [0, {"$subtract": [now, refilled]}]}
     tokens: Doc = {
@@ -55,7 +55,7 @@ def _terms(request: Request, now: dt.datetime) -> tuple[Any, Any, Any, Doc, Doc]
                     burst,
                     {
                         "$add": [
-                            {"$ifNull": ["$tokens", burst]},
+                            {"$ifNull": [_number("$tokens"), burst]},
                             {"$multiply": [elapsed, rate, 0.001]},
                         ]
                     },
@@ -64,6 +64,23 @@ def _terms(request: Request, now: dt.datetime) -> tuple[Any, Any, Any, Doc, Doc]
         ]
     }
     return conc, rate, burst, live, tokens
+
+
+HOLDERS: Doc = {"$cond": [{"$isArray": "$holders"}, "$holders", []]}
+"""A slot's holders, as a take reads them: none where its document has no array of them (a
+limit written by hand holds its limit's fields alone)."""
+
+
+def _number(field: str) -> Doc:
+    """A field's value if it is a number, else null (as ``limits.rules`` reads it)."""
+    return {"$cond": [{"$isNumber": field}, field, None]}
+
+
+def _burst(rate: Doc) -> Doc:
+    """A name's bucket size: its ``burst`` if a number, else as large as its rate and at least
+    one token (``Limit.full``: what ``set_limit`` writes; a limit written by hand may say a
+    rate alone)."""
+    return {"$ifNull": [_number("$burst"), {"$max": [1, rate]}]}
 
 
 def _new_group(slot: str, now: dt.datetime) -> Doc:
@@ -87,13 +104,9 @@ def _filter(request: Request, now: dt.datetime) -> Doc:
             *_not_held(request, now),
         ]
     }
-    # a name's document must exist: a cleared limit is not made again
-    return {
-        "_id": request.slot,
-        "holders": {"$type": "array"},
-        **_group_not_held(request, now),
-        "$expr": ok,
-    }
+    # a name's document must exist: a cleared limit is not made again (one written by hand
+    # with no holders is taken as one with none: ``HOLDERS``)
+    return {"_id": request.slot, **_group_not_held(request, now), "$expr": ok}
 
 
 def _units(live: Doc) -> Doc:
@@ -184,7 +197,7 @@ def _take_pipeline(request: Request, worker_id: str, now: dt.datetime) -> list[D
     """Add the run as a holder and take a token (the filter made sure there is room)."""
     conc, rate, burst, live, tokens = _terms(request, now)
     holder = _holder(request, worker_id, now)
-    granted = {"$ifNull": ["$granted", []]}
+    granted = {"$cond": [{"$isArray": "$granted"}, "$granted", []]}
     refilled, stepped_back = _bucket(now)
     sets: Doc = {
         "holders": {
@@ -386,10 +399,14 @@ def join(
     if the run is not a holder yet (a name's document must exist: a cleared limit is not made
     again). The holders stay sorted by lease end, as a lock's take keeps them."""
     made = sorted({r.slot for r in requests if is_group_slot(r.slot) and r.slot not in known})
-    ops = [
+    ops: list[UpdateOne | UpdateMany] = [
         UpdateOne({"_id": slot}, {"$setOnInsert": _new_group(slot, now)}, upsert=True)
         for slot in made
     ]
+    if requests:  # a limit written by hand with no array of holders: one, empty, to join
+        slots = sorted({r.slot for r in requests})
+        bare = {"_id": {"$in": slots}, "holders": {"$not": {"$type": "array"}}}
+        ops.append(UpdateMany(bare, {"$set": {"holders": []}}))
     ops += [
         UpdateOne(
             {"_id": r.slot, "holders": {"$type": "array"}, "holders.run_id": {"$ne": r.run_id}},
@@ -416,7 +433,8 @@ def release(by_slot: Mapping[str, Sequence[str]]) -> Op[None]:
     yield Call(
         "update_many",
         (
-            {"_id": {"$in": sorted(by_slot)}},
+            # a document with no array of holders (written by hand) holds no run to give back
+            {"_id": {"$in": sorted(by_slot)}, "holders": {"$type": "array"}},
             {"$pull": {"holders": {"run_id": {"$in": run_ids}}}},
         ),
         collection="limits",

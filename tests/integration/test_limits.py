@@ -310,6 +310,73 @@ def test_a_hand_written_concurrency_is_read_as_the_servers_take_reads_it(
     assert alone.concurrency == (None if admitted is None else runs_at_once(value))
 
 
+@pytest.mark.parametrize(
+    ("fields", "admitted"),
+    [
+        ({"concurrency": 2}, 2),  # mongosh's updateOne({_id}, {$set: {concurrency: 2}}, upsert)
+        ({"concurrency": 2, "holders": None}, 2),
+        ({"concurrency": 2.0, "holders": []}, 2),
+        ({"rate": 2.0}, 2),  # a bucket as large as the rate, as set_limit makes it
+        ({"rate": 2.0, "burst": None, "tokens": None}, 2),
+        ({"rate": 0.5}, 1),  # at least one token
+        ({"rate": 2.0, "burst": 3}, 3),
+        ({"concurrency": 1, "rate": 100.0}, 1),
+    ],
+)
+def test_a_hand_written_limit_of_the_documented_fields_alone_works(
+    mongo: MongoClient[dict[str, Any]],
+    db_name: str,
+    client: TaskClient,
+    fields: dict[str, Any],
+    admitted: int,
+) -> None:
+    """A limit written by hand holds its limit fields alone: no ``holders`` (a take refused
+    every run of such a name, for good and silently), no bucket (a rate without ``burst``
+    never had a token). Each works as ``set_limit``'s document of the same limit does."""
+    mongo[db_name].limits.insert_one({"_id": "n", **fields})
+    got = [client._run(acquire("n", f"r{i}", f"k{i}", "w", T0, 60_000)) for i in range(4)]
+    assert [g.taken for g in got] == [i < admitted for i in range(4)]
+    assert all(g.retry_at is not None and g.retry_at > T0 for g in got if not g.taken)
+
+
+@pytest.mark.parametrize("holders", ["absent", None, "junk"])
+def test_runs_in_flight_join_and_leave_a_hand_written_limit_without_holders(
+    mongo: MongoClient[dict[str, Any]], db_name: str, client: TaskClient, holders: Any
+) -> None:
+    """Runs in flight count towards a limit written by hand with no array of holders (the
+    join skipped such a document: they did not count), and their slots go back (a give-back
+    of several slots stopped at one whose ``holders`` was no array)."""
+    limits = mongo[db_name].limits
+    limits.insert_one(
+        {"_id": "n", "concurrency": 1, **({} if holders == "absent" else {"holders": holders})}
+    )
+    client.set_limit("m", concurrency=1)
+    assert client._run(acquire("m", "m0", "k", "w", T0, 60_000)).taken
+    requests = [Request("n", "r0", "k0", 60_000), Request("n", "r1", "k1", 60_000)]
+    client._run(store_slots.join(requests, "w", T0, set()))
+    assert [h["run_id"] for h in limits.find_one({"_id": "n"})["holders"]] == ["r0", "r1"]
+    assert not client._run(acquire("n", "r2", "k2", "w", T0, 60_000)).taken
+    client._run(store_slots.release({"n": ["r0", "r1"], "m": ["m0"]}))
+    assert limits.find_one({"_id": "n"})["holders"] == []
+    assert limits.find_one({"_id": "m"})["holders"] == []
+    assert client._run(acquire("n", "r3", "k3", "w", T0, 60_000)).taken
+
+
+async def test_a_worker_claims_under_a_limit_written_by_hand(
+    mongo_uri: str, db_name: str, client: TaskClient, mongo: MongoClient[dict[str, Any]]
+) -> None:
+    """The operator's hand edit, as mongosh makes it: ``db.limits.updateOne({_id: "limited"},
+    {$set: {concurrency: 2}}, {upsert: true})``. Every claim of the name stopped, silently."""
+    mongo[db_name].limits.update_one(
+        {"_id": "limited"}, {"$set": {"concurrency": 2.0}}, upsert=True
+    )
+    registry, spans, done = spans_registry(6, 0.05)
+    async with running_worker(registry, mongo_uri, db_name, concurrency=8):
+        client.publish_many([{"name": "limited", "key": f"k{i}"} for i in range(6)])
+        await asyncio.wait_for(done.wait(), 20)
+    assert _overlap(spans) <= 2
+
+
 def _overlap(spans: list[tuple[float, float]]) -> int:
     points = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
     running = peak = 0

@@ -12,7 +12,7 @@ from typing import Any, cast
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pymongo import UpdateOne
+from pymongo import UpdateMany, UpdateOne
 from pymongo.results import UpdateResult
 from scripted import AsyncScriptedDriver, ScriptedDriver, Step
 from test_limited import limit_docs
@@ -164,7 +164,12 @@ def test_a_join_makes_a_groups_document_once_and_adds_only_a_run_that_is_no_hold
     assert ops[0] == UpdateOne(
         {"_id": gslot}, {"$setOnInsert": store_slots._new_group(gslot, NOW)}, upsert=True
     )
-    join = ops[2]
+    # a limit written by hand with no array of holders gets an empty one to be joined
+    assert ops[1] == UpdateMany(
+        {"_id": {"$in": sorted({"n", gslot})}, "holders": {"$not": {"$type": "array"}}},
+        {"$set": {"holders": []}},
+    )
+    join = ops[3]
     assert join._filter == {
         "_id": gslot,
         "holders": {"$type": "array"},
@@ -175,10 +180,10 @@ def test_a_join_makes_a_groups_document_once_and_adds_only_a_run_that_is_no_hold
         "expires"
     ] == NOW + dt.timedelta(seconds=2)
     assert join._doc["$set"] == {slots.TAKEN_AT: NOW}  # the streams leave it out: it frees nothing
-    assert not join._upsert and len(ops) == 4  # a name's document is never made by a join
+    assert not join._upsert and len(ops) == 5  # a name's document is never made by a join
     again = ScriptedDriver(Step("bulk_write", collection="limits"))
     again.run(store_slots.join(requests[1:], "w1", NOW, known))
-    assert len(again.calls[0].args[0]) == 2  # its document seen: not made again
+    assert len(again.calls[0].args[0]) == 3  # its document seen: not made again
 
 
 class Sink:
@@ -248,6 +253,62 @@ async def test_the_gate_reads_a_changed_name_at_once_and_only_a_change_is_applie
     await gate.run_once()  # cleared: every key of it tried again, its claims plain
     assert applied == ["n", "n", "n"] and "n" not in gate.limited
     assert sink.requeued == ["k1", "k2", "k3"] and driver.done
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"concurrency": "5"}, ["concurrency '5' is no number: it limits nothing"]),
+        ({"concurrency": 0}, ["concurrency 0 admits no run: the tasks wait until it changes"]),
+        ({"rate": float("nan")}, ["rate nan admits no run: the tasks wait until it changes"]),
+        ({"rate": 2, "burst": 0.5}, ["burst 0.5 admits no run: the tasks wait until it changes"]),
+        ({"group_rate": True}, ["group_rate True is no number: it limits nothing"]),
+        (
+            {"concurrency": 2, "holders": {}},
+            ["holders {} is no array: read as no run holding a slot"],
+        ),
+    ],
+)
+async def test_a_hand_written_limit_the_take_cannot_apply_as_written_is_logged(
+    fields: dict[str, Any], said: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A limit document written by hand whose fields are not of the documented shape is read
+    as the take reads it, and the worker says so, once per change of it (it went unsaid: a
+    claim refused for good, or a limit not applied, silently)."""
+    doc = {"_id": "n", **fields}
+    assert limits.problems(doc) == said
+    driver = AsyncScriptedDriver(
+        Step("find", reply=[doc], collection="limits"),
+        Step("find", reply=[doc], collection="limits"),
+    )
+    gate, _ = gate_with(driver, [])
+    with caplog.at_level("WARNING", logger="mtask.worker.claiming.gate"):
+        await gate.run_once()
+        gate.read_all()
+        await gate.run_once()  # the same document: not said again
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the limit document 'n', written by hand: {said[0]}"
+    ]
+
+
+@given(
+    concurrency=st.none() | st.integers(1, limits.MAX_LIMIT_CONCURRENCY),
+    rate=st.none() | st.floats(0.001, limits.MAX_RATE),
+    group=st.none() | st.integers(1, limits.MAX_LIMIT_CONCURRENCY),
+)
+def test_no_limit_set_limit_writes_is_said_to_be_malformed(
+    concurrency: int | None, rate: float | None, group: int | None
+) -> None:
+    own = Limit(concurrency, rate)
+    written = {
+        "concurrency": concurrency,
+        "rate": rate,
+        "burst": None if rate is None else own.full(),
+        "group_concurrency": group,
+        "holders": [],
+        "tokens": own.full(),
+    }
+    assert limits.problems(written) == []
 
 
 async def test_a_slots_event_reads_nothing() -> None:

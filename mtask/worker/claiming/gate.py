@@ -126,6 +126,9 @@ class LimitGate(PeriodicService):
             freed.connect(self.held.group_freed)  # a group's run ended for good (finding)
         self.made: set[str] = set()
         """Groups' slot documents seen to exist (``store_slots.take`` does not make them again)."""
+        self.malformed: dict[str, str] = {}
+        """What was said of each limit document written by hand otherwise than the take
+        reads it (``_say_problems``)."""
         self.refreshed = asyncio.Event()
         """Set after each read of all the limits."""
         self.stale: set[str] = set()
@@ -206,8 +209,23 @@ class LimitGate(PeriodicService):
             self.weights.set(name, limits.weights(doc) if doc is not None else {})
         if limits.same_limit(old, doc):
             return
+        self._say_problems(name, doc)
         self.held.limit_changed(name)
         self.applied(name)
+
+    def _say_problems(self, name: str, doc: dict[str, Any] | None) -> None:
+        """Warn of what in a limit written by hand the take reads otherwise than it says
+        (``limits.problems``), once for each new reading of it."""
+        said = "; ".join(limits.problems(doc)) if doc is not None else ""
+        if said and self.malformed.get(name) != said:
+            label = limits.slot_label(name)
+            log.warning(
+                "the limit document %r, written by hand: %s", label, said, extra={"limit": label}
+            )
+        if said:
+            self.malformed[name] = said
+        else:
+            self.malformed.pop(name, None)
 
     def _restrict_users(self, reread: bool) -> None:
         """The names that take a shared resource's slot with a limit are claimed after their
