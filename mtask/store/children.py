@@ -21,15 +21,18 @@ from bson.int64 import Int64
 from pymongo import UpdateOne
 
 from mtask.driver import Call, Doc, Op
-from mtask.flows import MAX_TREE_NODES
+from mtask.errors import LeaseLost
 from mtask.models import NewTask, TaskStatus
 from mtask.steps.children import FINISHED, MAX_CHILDREN, word_bit, words
 from mtask.store import steps as store_steps
 from mtask.store.schema import OPEN_LIST, WELL_FORMED
-from mtask.store.tasks import cancel, cancel_pipeline, publish_many
+from mtask.store.tasks import CANCEL_CHILDREN, cancel, cancel_pipeline, publish_many
 
 PAGE = 1000
-"""Children read per page when their parent resumes."""
+"""Children read per page when their parent resumes; parents whose children a cancel reaches
+in one update."""
+PUBLISH_BATCH = 1000
+"""Children published in one bulk write, the parent looked at between two (``publish``)."""
 WAITING_INDEX = "children_wait"
 """The parents waiting for children (``store.schema.INDEXES``): the sweep's question."""
 OptionsFor = Callable[[str, Mapping[str, Any] | None], Any]
@@ -74,7 +77,14 @@ def publish(
 ) -> Op[int]:
     """Publish the children of ``parent``'s step ``step`` (``mtask.steps.children.build``'s), each
     idempotently: one that exists stays as it is. ``options_for``: a name's declared defaults
-    (``Registry.options_for``), when the worker knows the name."""
+    (``Registry.options_for``), when the worker knows the name.
+
+    In batches of ``PUBLISH_BATCH``, the parent looked at before each and after the last: once
+    it is cancelled, no batch more is published, the children published are cancelled and
+    ``LeaseLost`` is raised. A cancel writes the parent, then reads its children; a batch is
+    written, then the parent read: whichever comes second sees the other, so no child stays
+    open (a run that dies between the two leaves its batch to the flow sweep:
+    ``tasks.CANCEL_CHILDREN``)."""
     tasks = [
         NewTask.build(
             c["name"],
@@ -86,8 +96,20 @@ def publish(
         )
         for c in children
     ]
-    created: int = yield from publish_many(tasks, now)
+    created = 0
+    for start in range(0, len(tasks), PUBLISH_BATCH):
+        yield from _not_cancelled(parent, now)
+        created += yield from publish_many(tasks[start : start + PUBLISH_BATCH], now)
+    yield from _not_cancelled(parent, now)
     return created
+
+
+def _not_cancelled(parent: str, now: dt.datetime) -> Op[None]:
+    """``LeaseLost`` if ``parent`` was cancelled, once its open children are cancelled."""
+    doc: Doc | None = yield Call("find_one", ({"_id": parent}, {"status": 1}))
+    if doc is not None and doc.get("status") == TaskStatus.CANCELLED.value:
+        yield from cancel_children(parent, now)
+        raise LeaseLost(f"task {parent!r} was cancelled while it spawned: its children too")
 
 
 def children(parent: str, step: str) -> Op[list[Doc]]:
@@ -256,23 +278,39 @@ def cancel_tree(key: str, now: dt.datetime) -> Op[Doc]:
 
 
 def cancel_children(key: str, now: dt.datetime) -> Op[int]:
-    """Cancel the open children a cancelled task spawned, and theirs, level by level (the
-    ``parent`` index; at most ``MAX_TREE_NODES`` tasks); returns how many were cancelled."""
-    frontier, cancelled, seen = [key], 0, 0
-    while frontier and seen < MAX_TREE_NODES:
-        docs: list[Doc] = yield Call(
-            "find",
-            (
-                {"parent": {"$in": frontier}, "spawn": {"$exists": True}},
-                {"status": 1, "spawned.step": 1},
-            ),
-            {"limit": MAX_TREE_NODES, "hint": "parent"},
+    """Cancel the open children a cancelled task spawned, and theirs, level by level, however
+    many (``PAGE`` parents at a time: one update of their open children by the ``parent``
+    index, then one read of those that spawned in turn); returns how many were cancelled."""
+    frontier, cancelled, seen = [key], 0, {key}
+    while frontier:
+        parents, frontier = frontier[:PAGE], frontier[PAGE:]
+        mine: Doc = {"parent": {"$in": parents}, "spawn": {"$exists": True}}
+        filt = {**mine, "status": {"$in": OPEN_LIST}, **WELL_FORMED}
+        result = yield Call("update_many", (filt, cancel_pipeline(now)), {"hint": "parent"})
+        cancelled += int(result.modified_count)
+        spawning: list[Doc] = yield Call(
+            "find", ({**mine, "spawned": {"$exists": True}}, {"_id": 1}), {"hint": "parent"}
         )
-        seen += len(docs)
-        opened = [d["_id"] for d in docs if d.get("status") in OPEN_LIST]
-        if opened:
-            filt = {"_id": {"$in": opened}, "status": {"$in": OPEN_LIST}, **WELL_FORMED}
-            result = yield Call("update_many", (filt, cancel_pipeline(now)))
-            cancelled += int(result.modified_count)
-        frontier = [d["_id"] for d in docs if d.get("spawned")]
+        for doc in spawning:
+            if doc["_id"] not in seen:  # keys derive from their parent's: no loop but by hand
+                seen.add(doc["_id"])
+                frontier.append(doc["_id"])
+    return cancelled
+
+
+def sweep_cancelled(now: dt.datetime, limit: int = 100) -> Op[int]:
+    """The tasks cancelled while a run of them may still have published children, whose run's
+    lease has ended by ``now`` (``tasks.CANCEL_CHILDREN``): cancel their open children again,
+    then remove the mark (fenced: a mark set again since stays). Returns how many children
+    were cancelled."""
+    docs: list[Doc] = yield Call(
+        "find",
+        ({CANCEL_CHILDREN: {"$lte": now}}, {CANCEL_CHILDREN: 1}),
+        {"limit": limit, "hint": "cancel_children"},
+    )
+    cancelled = 0
+    for doc in docs:
+        cancelled += yield from cancel_children(doc["_id"], now)
+        mark = {"_id": doc["_id"], CANCEL_CHILDREN: doc[CANCEL_CHILDREN]}
+        yield Call("update_one", (mark, {"$unset": {CANCEL_CHILDREN: ""}}))
     return cancelled

@@ -82,6 +82,14 @@ INDEXES: dict[str, list[IndexModel]] = {
             name="children_wait",
             partialFilterExpression={"waiting.children": {"$exists": True}},
         ),
+        # Children of a task cancelled while its run may still publish them: cancelled by
+        # the flow sweep once that run's lease has ended (store/children.py). Only such tasks
+        # have a key, until the sweep has been.
+        IndexModel(
+            [("cancel_children_at", ASCENDING)],
+            name="cancel_children",
+            partialFilterExpression={"cancel_children_at": {"$exists": True}},
+        ),
         # Retention (store/retention.py): MongoDB's TTL monitor removes a finished task once
         # its expire_at has passed; flow parents held for their open steps.
         IndexModel(

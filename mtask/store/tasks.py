@@ -387,9 +387,29 @@ def _require(key: str, doc: Doc | None, action: str, allowed: Iterable[str]) -> 
     )
 
 
+CANCEL_CHILDREN = "cancel_children_at"
+"""On a task cancelled while a run of it ran and it had spawned children: when that run's
+lease ends (it is not pinged any more). That run may still publish children until it stops;
+the flow sweep cancels the children of such a task once the time has passed, then removes the
+field (``store.children.sweep_cancelled``): children published by a run that died between its
+publish and its look at its parent (``store.children.publish``) are cancelled too."""
+
+
 def cancel_pipeline(now: dt.datetime) -> list[Doc]:
     """The update that cancels an open task (its filter: ``OPEN`` and ``WELL_FORMED``)."""
-    return [{"$set": {"status": TaskStatus.CANCELLED.value}}, *recompute_stages(now)]
+    running = {"$filter": {"input": "$runs", "as": "r", "cond": {"$eq": ["$$r.state", RUNNING]}}}
+    until = {"$max": {"$map": {"input": running, "as": "r", "in": "$$r.lease_expires_at"}}}
+    spawning = {
+        "$and": [
+            {"$eq": [{"$type": "$spawned"}, "object"]},
+            {"$eq": [{"$type": until}, "date"]},
+        ]
+    }
+    mark = {"$cond": [spawning, until, {"$ifNull": [f"${CANCEL_CHILDREN}", "$$REMOVE"]}]}
+    return [
+        {"$set": {"status": TaskStatus.CANCELLED.value, CANCEL_CHILDREN: mark}},
+        *recompute_stages(now),
+    ]
 
 
 def cancel(key: str, now: dt.datetime) -> Op[Doc]:

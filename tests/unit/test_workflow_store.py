@@ -20,6 +20,7 @@ from mtask.steps.children import BITS
 from mtask.store import children, journal_edits
 from mtask.store import steps as store_steps
 from mtask.store.outcomes import Outcome, finish_update
+from mtask.store.schema import OPEN_LIST
 
 NOW = dt.datetime(2026, 11, 28, 3, 0, tzinfo=dt.UTC)
 
@@ -98,22 +99,21 @@ def test_the_sweep_recounts_a_stale_parent_and_wakes_it_or_notes_the_count() -> 
 
 
 def test_cancelling_a_parent_cancels_its_open_children_level_by_level() -> None:
+    """Each level: one update of the open children of up to ``PAGE`` parents (no count
+    bound), then one read of those that spawned in turn."""
     driver = ScriptedDriver(
-        Step(
-            "find",
-            reply=[
-                {"_id": "c1", "status": "pending", "spawned": {"step": "x"}},
-                {"_id": "c2", "status": "succeeded"},
-            ],
-        ),
         Step("update_many", reply=_updated(1)),
-        Step("find", reply=[{"_id": "g1", "status": "running"}]),
+        Step("find", reply=[{"_id": "c1"}]),  # c1 spawned: its children next
         Step("update_many", reply=_updated(1)),
+        Step("find", reply=[]),
     )
     assert driver.run(children.cancel_children("p", NOW)) == 2
     assert driver.done
-    assert driver.calls[1].args[0]["_id"] == {"$in": ["c1"]}
-    assert driver.calls[2].args[0]["parent"] == {"$in": ["c1"]}  # c1 spawned: its children next
+    first = driver.calls[0].args[0]
+    assert first["parent"] == {"$in": ["p"]} and first["status"] == {"$in": OPEN_LIST}
+    assert "limit" not in driver.calls[0].kwargs and "limit" not in driver.calls[1].kwargs
+    assert driver.calls[1].args[0]["spawned"] == {"$exists": True}
+    assert driver.calls[2].args[0]["parent"] == {"$in": ["c1"]}
 
 
 def test_a_wait_for_children_wakes_at_once_if_they_finished_and_a_deadline_clamps_it() -> None:

@@ -61,3 +61,5 @@ class FlowSweep(PeriodicService):
         # a parent whose children's last count was lost is woken here
         recheck = now - dt.timedelta(seconds=max(CHILDREN_RECHECK_S, self.interval))
         await self.driver.run(store_children.sweep(stale, recheck))
+        # the children a cancelled parent's run published after its cancel and then died
+        await self.driver.run(store_children.sweep_cancelled(now))
