@@ -3,6 +3,7 @@ per group, the slot documents (issue 29)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 import itertools
@@ -19,9 +20,11 @@ from mtask.cli import main
 from mtask.driver import SyncDriver, collections
 from mtask.limits import slots
 from mtask.limits.rules import Limit, group_slot
+from mtask.registry import Registry, TaskContext
 from mtask.store import Outcome, RunState
 from mtask.store import slots as store_slots
 from mtask.web import create_app
+from mtask.worker.claiming import limited_claims
 
 TOKEN = "test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -347,3 +350,59 @@ def test_a_task_moved_to_another_group_leaves_its_old_groups_lock(
     assert [d["_id"] for d in claim("g1", "g")[0]] == ["g1"]  # g's lock was given up
     kept = client.publish("n", "g1", {"v": 3}, options={"group": "g"}, on_conflict="update_params")
     assert not kept.updated  # running: update_params leaves a running task as it is
+
+
+async def test_a_lowered_group_limit_never_stalls_its_group(
+    mongo_uri: str, db_name: str, client: TaskClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three runs of a group hold its slot when its limit is lowered from 3 to 2, and two keys
+    of the same worker wait for it. Each run's end keeps its place for a waiting key, whose
+    take is refused (the slot holds more runs than it allows now): that place must go back
+    with its run. It was kept again for the key the refusal had just blocked, whatever the
+    interleaving allowed, so the ended runs held the slot until their leases ran out (30 s;
+    an hour here, so that a stall is a hang)."""
+    monkeypatch.setattr(limited_claims, "DEFAULT_SLOT_LEASE_MS", 3_600_000)
+    registry = Registry()
+    go = {f"k{i}": asyncio.Event() for i in range(5)}
+
+    @registry.task("work")
+    async def work(params: dict[str, Any], ctx: TaskContext) -> None:
+        await go[ctx.key].wait()
+
+    client.set_limit("work", group_concurrency=3)
+    async with running_worker(registry, mongo_uri, db_name, concurrency=8) as (worker, events):
+        await asyncio.wait_for(worker.parts.gate.refreshed.wait(), 10)
+        client.publish_many(
+            [{"name": "work", "key": f"k{i}", "options": {"group": "g"}} for i in range(5)]
+        )
+        await events.wait("claimed", count=3)
+        client.set_limit("work", group_concurrency=2)
+        await events.wait("limits_applied", name="work", count=2)  # the start's, the change's
+        first = [e["key"] for e in events.matching("claimed")]
+        for key in set(go) - set(first):
+            go[key].set()  # the waiting ones end at once once they run
+        gate, slot = worker.parts.gate, group_slot("work", "g")
+        refused: list[str] = []  # the ended runs whose place a take was refused
+        take = gate.take
+
+        async def noted(requests: list[Any], now: dt.datetime) -> Any:
+            got = await take(requests, now)
+            for request, t in zip(requests, got or (), strict=False):
+                if request.replaces is not None and not t.taken:
+                    refused.append(request.replaces)
+            return got
+
+        gate.take = noted  # type: ignore[method-assign]
+
+        def waiting() -> bool:  # every key not claimed yet waits for the slot
+            claimed = {e["key"] for e in events.matching("claimed")}
+            return set(gate.waiting_for_lock(slot, 5)) == set(go) - claimed
+
+        for key in first:  # one at a time, each while the others wait for the slot
+            await wait_for(waiting)
+            go[key].set()
+            await events.wait("recorded", key=key)
+        await events.wait("recorded", count=5, timeout=20)
+    holders = client.collection.database.limits.find_one({"_id": group_slot("work", "g")})
+    assert holders is not None and holders["holders"] == []
+    assert refused and max(refused.count(r) for r in refused) == 1  # then given back

@@ -46,6 +46,13 @@ class Handovers:
             del self.kept[slot]
         return run_id
 
+    def refused(self, run_id: str) -> None:
+        """The take that ``run_id``'s place was handed over to was refused (the slot holds more
+        runs than its limit allows: a limit lowered): its place is given back, never kept again
+        (kept again for the key the refusal blocks, it went round for good, the group stalled
+        until the ended run's lease ran out)."""
+        self.offered.add(run_id)
+
     def unused(self, before: float) -> dict[str, list[str]]:
         """Remove and return the places kept before ``before`` (monotonic)."""
         out: dict[str, list[str]] = {}

@@ -212,6 +212,8 @@ class LimitedClaims:
         if taken is None:
             batch.requeue += [key for key, _ in claims]
             for r in requests:  # taken or not: given back (a release of nothing is none)
+                if r.replaces is not None:
+                    self.releases.refused(r.replaces)
                 for run_id in filter(None, (r.run_id, r.replaces)):
                     self.runs.give_back(r.slot, run_id)
             return
@@ -243,6 +245,7 @@ class LimitedClaims:
             got = [(r, next(results)) for r in requests]
             for request, t in got:
                 if request.replaces is not None and not t.taken:  # still the ended run's
+                    self.releases.refused(request.replaces)  # given back, not kept again
                     self.runs.give_back(request.slot, request.replaces)
             if all(t.taken for _, t in got):
                 go.append(key)

@@ -80,6 +80,11 @@ class SlotReleases:
         run_id = self.handovers.take(request.slot)
         return request if run_id is None else dataclasses.replace(request, replaces=run_id)
 
+    def refused(self, run_id: str) -> None:
+        """A take that replaced ``run_id`` was refused, or MongoDB could not say: its place goes
+        back with the next flush (``Handovers.refused``)."""
+        self.handovers.refused(run_id)
+
     def unused(self, before: float) -> dict[str, list[str]]:
         """Remove and return the kept slots kept before ``before`` (monotonic)."""
         return self.handovers.unused(before)
