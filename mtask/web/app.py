@@ -51,6 +51,30 @@ async def _sample(client: AsyncTaskClient, every: float) -> None:
         await asyncio.sleep(every)
 
 
+def _clients(
+    uri: str | None, database: str, collection: str, mongo_options: Mapping[str, Any] | None
+) -> tuple[AsyncTaskClient, TaskClient]:
+    """The app's clients: on ``uri``, or on pymongo clients made of ``mongo_options``."""
+    if mongo_options is None:
+        return (
+            AsyncTaskClient(uri, database=database, collection=collection),
+            TaskClient(uri, database=database, collection=collection),
+        )
+    from pymongo import AsyncMongoClient, MongoClient
+
+    from mtask.connection import sockets
+    from mtask.connection.clients import CLIENT_OPTIONS
+
+    options = {**CLIENT_OPTIONS, **mongo_options}
+    sockets.install()  # as connection.clients.async_client: a cancelled connect's socket closed
+    return (
+        AsyncTaskClient(
+            database=database, collection=collection, mongo_client=AsyncMongoClient(**options)
+        ),
+        TaskClient(database=database, collection=collection, mongo_client=MongoClient(**options)),
+    )
+
+
 def create_app(
     uri: str | None = None,
     *,
@@ -64,6 +88,7 @@ def create_app(
     read_secret: bytes | None = None,
     cors_origins: Sequence[str] = (),
     rate: tuple[float, int] | None = None,
+    mongo_options: Mapping[str, Any] | None = None,
 ) -> FastAPI:
     """The app. ``max_body`` caps request bodies (bytes); ``trust_proxy`` believes a proxy's
     ``X-Forwarded-Proto`` / ``X-Forwarded-Host`` / ``X-Forwarded-For`` (for ``Secure``
@@ -71,17 +96,18 @@ def create_app(
     through that proxy alone. ``token`` is an admin's; ``tokens`` more, each a ``Principal``
     (role and name: docs/web.md, "Roles"). ``read_secret`` checks read tokens
     (``mtask.security.read_tokens``; None: refused); ``cors_origins`` may read with them from a
-    browser; ``rate`` is (requests a second, burst) per caller (None: no limit)."""
+    browser; ``rate`` is (requests a second, burst) per caller (None: no limit).
+    ``mongo_options``: pymongo's keyword arguments for the app's clients instead of ``uri`` (an
+    embedding application's own connection settings, e.g. a Django database's)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         logging.getLogger("uvicorn.access").addFilter(REDACT)  # after uvicorn set its logging
-        client = AsyncTaskClient(uri, database=database, collection=collection)
+        client, depth = _clients(uri, database, collection, mongo_options)
         try:
             await client.ensure_bulk_indexes()
         except StorageError as exc:  # serve starts anyway; /healthz says what is wrong
             log.warning("cannot create the task list's indexes: %s", exc)
-        depth = TaskClient(uri, database=database, collection=collection)
         metrics.register_cluster_metrics(depth)
         app.state.client = client
         try:
@@ -97,6 +123,9 @@ def create_app(
                 await sampler
             await client.close()
             depth.close()
+            if mongo_options is not None:  # the clients of given options are the app's own
+                await client.mongo.close()
+                depth.mongo.close()
 
     app = FastAPIOffline(
         title="mtask",

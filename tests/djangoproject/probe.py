@@ -154,8 +154,23 @@ def check():
     return {"messages": [m.id for m in checks.run_checks(databases=["default"])]}
 
 
+def signed_in():
+    """A staff user's and another user's session cookies, as Django's login sets them."""
+    from django.conf import settings
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    cookies = {"name": settings.SESSION_COOKIE_NAME}
+    for name, staff in (("ada", True), ("bob", False)):
+        user = User.objects.create_user(name, is_staff=staff)  # no password to hash
+        client = Client()
+        client.force_login(user)
+        cookies[name] = client.cookies[settings.SESSION_COOKIE_NAME].value
+    return cookies
+
+
 COMMANDS = {f.__name__: f for f in (
-    enqueue, aenqueue, get, aget, wait, missing, atomic, shipped, invalid, ran, check,
+    enqueue, aenqueue, get, aget, wait, missing, atomic, shipped, invalid, ran, check, signed_in,
 )}  # fmt: skip
 
 for line in sys.stdin:

@@ -12,15 +12,20 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from harness import TESTS, stop_process, tree_env
 from needs import missing
 from pymongo import MongoClient
+
+from mtask.embedded import free_port
 
 pytestmark = pytest.mark.slow
 PROJECT = TESTS / "djangoproject"
@@ -54,6 +59,8 @@ class Project:
         self.env = tree_env(PROJECT, MTASK_DJANGO_URI=uri, MTASK_DJANGO_DB=database)
         self.workers: list[subprocess.Popen[Any]] = []
         self.logs: list[Any] = []
+        self.server: subprocess.Popen[Any] | None = None
+        self.leg = ""
         self.probe = subprocess.Popen(
             [python, "probe.py"], cwd=PROJECT, env=self.env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -85,6 +92,32 @@ class Project:
         self.workers.append(proc)
         return proc
 
+    def serve(self, lifespan: str) -> str:
+        """The project under uvicorn (djproject/asgi.py: mtask's dashboard at /mtask/), with
+        its ASGI lifespan ``on`` or ``off``: its base URL (``up`` waits until it answers)."""
+        port = free_port()
+        log = (self.tmp / "uvicorn.log").open("w")
+        self.logs.append(log)
+        self.server = subprocess.Popen(
+            [self.python, "-m", "uvicorn", "djproject.asgi:application", "--host", "127.0.0.1",
+             "--port", str(port), "--log-level", "warning", "--lifespan", lifespan],
+            cwd=PROJECT, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.workers.append(self.server)
+        return f"http://127.0.0.1:{port}"
+
+    def up(self, base: str) -> None:
+        """The server answers (one that ended fails, with its log)."""
+        assert self.server is not None
+        while True:
+            assert self.server.poll() is None, (self.tmp / "uvicorn.log").read_text()
+            try:
+                httpx.get(f"{base}/hello/", timeout=5)
+                return
+            except httpx.TransportError:
+                time.sleep(0.05)
+
     def close(self) -> None:
         for proc in self.workers:
             stop_process(proc)
@@ -100,6 +133,7 @@ def project(
     python = leg_python(request.param)
     database = f"dj_{uuid.uuid4().hex[:12]}"
     made = Project(python, mongo_uri, database, tmp_path)
+    made.leg = request.param
     try:
         migrated = made.manage("migrate", "--noinput")  # makes mtask's indexes too
         assert migrated.returncode == 0, migrated.stderr
@@ -207,3 +241,49 @@ def test_system_checks_and_the_worker_commands_errors(project: Project) -> None:
     unknown = project.manage("mtask_worker", "--queue", "nowhere")
     assert unknown.returncode == 2 and "nowhere" in unknown.stderr
     assert "Traceback" not in unknown.stderr
+
+
+def test_the_dashboard_behind_djangos_login_for_staff(project: Project) -> None:
+    # mtask's app starts with the server's lifespan, or without one at the first request
+    base = project.serve("on" if project.leg == "6.1" else "off")  # starts while the probe works
+    signed = project.ask("signed_in")
+    staff, other = ({"cookie": f"{signed['name']}={signed[who]}"} for who in ("ada", "bob"))
+    later = project.ask("enqueue", name="record", args=["later"], using={"run_after_s": 3600})
+    key = later["id"]
+    project.up(base)
+    with httpx.Client(base_url=base, timeout=30) as http:
+        assert http.get("/hello/").text == "hello from Django"  # the rest is Django's
+        # anonymous: pages to Django's login (and back), the API 401, a bearer token no key
+        for page in ("/mtask/", "/mtask/ui/tasks?status=pending"):
+            refused = http.get(page)
+            login = urllib.parse.urlsplit(refused.headers["location"])
+            assert refused.status_code == 302 and login.path == "/accounts/login/"
+            assert urllib.parse.parse_qs(login.query) == {"next": [page]}
+        for path in (f"/mtask/tasks/{key}", "/mtask/tasks", "/mtask/events"):
+            assert http.get(path).status_code == 401
+        assert http.get("/mtask/tasks", headers={"authorization": "Bearer x"}).status_code == 401
+        assert http.post(f"/mtask/tasks/{key}:cancel", headers={"origin": base}).status_code == 401
+        # signed in, not staff: 403
+        for path in ("/mtask/", f"/mtask/tasks/{key}"):
+            assert http.get(path, headers=other).status_code == 403
+        assert (
+            http.post(f"/mtask/tasks/{key}:cancel", headers={**other, "origin": base}).status_code
+            == 403
+        )
+        # staff: the dashboard (its links under the prefix) and the REST API
+        assert http.get("/mtask", headers=staff).headers["location"] == "/mtask/"
+        assert http.get("/mtask/", headers=staff).status_code == 200
+        page = http.get("/mtask/ui/tasks", headers=staff)
+        assert page.status_code == 200 and key in page.text
+        assert 'href="/mtask/ui/tasks/' in page.text and 'href="/ui/' not in page.text
+        task = http.get(f"/mtask/tasks/{key}", headers=staff)
+        assert task.status_code == 200 and task.json()["status"] == "pending"
+        # an action needs the page's origin, and the audit names Django's user
+        cancel = f"/mtask/tasks/{key}:cancel"
+        assert http.post(cancel, headers=staff).status_code == 403
+        assert http.post(cancel, headers={**staff, "origin": "http://evil.test"}).status_code == 403
+        done = http.post(cancel, headers={**staff, "origin": base})
+        assert done.status_code == 200, done.text
+        assert project.ask("get", id=key)["mtask_status"] == "cancelled"
+        audit = http.get("/mtask/audit", headers=staff).json()
+        assert [(r["who"], r["action"], r["status"]) for r in audit][:1] == [("ada", "cancel", 200)]

@@ -1,7 +1,7 @@
 """mtask for Django: ``MtaskBackend``, a backend of Django's built-in tasks (``django.tasks``;
 the ``django-tasks`` backport on Django 5.2), ``manage.py mtask_worker`` (add
-``"mtask.contrib.django"`` to ``INSTALLED_APPS``) and the dashboard in the project's URLs
-(``mtask.contrib.django.urls``). docs/integrations.md, "Django".
+``"mtask.contrib.django"`` to ``INSTALLED_APPS``) and the dashboard under a prefix of the
+project's URLs for staff (``mtask.contrib.django.asgi``). docs/integrations.md, "Django".
 
 The names are imported on first use: ``INSTALLED_APPS`` loads this package before the
 settings are ready."""
