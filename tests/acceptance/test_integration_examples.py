@@ -15,7 +15,11 @@ from pymongo import MongoClient
 
 ROOT = Path(__file__).parents[2]
 EXAMPLES = sorted((ROOT / "docs" / "examples").glob("*.py"))
-NEEDS = {"beanie_transaction.py": "beanie", "fastapi_app.py": "fastapi"}
+NEEDS = {
+    "beanie_transaction.py": "beanie",
+    "fastapi_app.py": "fastapi",
+    "mongoengine_transaction.py": "mongoengine",
+}
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
@@ -31,7 +35,7 @@ def test_the_example_runs(example: Path, mongo_uri: str, mongo: MongoClient[dict
     )  # fmt: skip
     assert ran.returncode == 0, ran.stderr
     assert "Traceback" not in ran.stderr
-    if example.name == "beanie_transaction.py":
+    if example.name in ("beanie_transaction.py", "mongoengine_transaction.py"):
         assert ran.stdout.strip() == "aborted: neither; committed: both"
     if example.name == "fastapi_app.py":
         assert ran.stdout.split("\n")[1:4] == ["succeeded shipped o-17", "401", "200"]
