@@ -350,6 +350,11 @@ def sys_exit_in_child(params: dict[str, Any]) -> None:
     sys.exit(3)  # as argparse does on an argument it refuses
 
 
+@registry.task("sys_exit_in_thread", isolation="thread")
+def sys_exit_in_thread(params: dict[str, Any]) -> None:
+    sys.exit(3)
+
+
 class Unsaid(Fail):
     def __str__(self) -> str:
         raise ValueError("cannot say")

@@ -50,8 +50,9 @@ async def test_results_and_handler_outcomes_cross_the_boundary(pool: ProcessPool
     assert str(retry.value) == "later" and retry.value.delay == 2.5
     with pytest.raises(Fail, match="no"):
         await run(pool, "fail")
-    with pytest.raises(HandlerError, match="boom in child"):
+    with pytest.raises(HandlerError, match="boom in child") as boom:
         await run(pool, "boom")
+    assert boom.value.error_class == "builtins.ValueError"  # the handler's, for runs.error_class
     again = await run(pool, "double", {"n": 1})
     assert again["pid"] == first["pid"]  # one child served them all
     assert pool.state()["started"] == 1
@@ -106,8 +107,9 @@ async def test_sys_exit_or_an_unsayable_fail_in_a_child_is_its_runs_failure_as_o
     ``Fail`` whose ``__str__`` raises ended it too; on a thread each is the run's failure. The
     child now replies them as such, and lives on."""
     child = await run(pool, "pid")
-    with pytest.raises(HandlerError, match="SystemExit: 3"):
+    with pytest.raises(HandlerError, match="SystemExit: 3") as exited:
         await run(pool, "sys_exit_in_child")
+    assert exited.value.error_class == "builtins.SystemExit"
     with pytest.raises(Fail, match=r"<exception str\(\) failed>"):
         await run(pool, "unsaid_fail_in_child")
     assert await run(pool, "pid") == child and pool.state()["died"] == 0

@@ -66,6 +66,24 @@ async def test_a_reply_whose_unpickling_raises_is_its_runs_failure(
     assert after is not None and after.result["value"] == 8
 
 
+async def test_a_run_records_the_class_its_handler_raised_in_the_child(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """The run's ``error_class`` is the handler's exception's, as on a thread, not the
+    ``HandlerError`` that carried its traceback across."""
+    async with running_worker(poolhandlers.registry, mongo_uri, db_name) as (_, events):
+        for name in ("boom", "sys_exit_in_child", "sys_exit_in_thread"):
+            client.publish(name, name, options=NO_RETRY)
+            await events.wait("recorded", key=name)
+    boom = client.get("boom")
+    assert boom is not None and boom.status == "failed" and "boom in child" in (boom.error or "")
+    assert [r.error_class for r in boom.runs] == ["builtins.ValueError"]
+    for name in ("sys_exit_in_child", "sys_exit_in_thread"):  # a HandlerError on a thread too
+        exited = client.get(name)
+        assert exited is not None and exited.status == "failed"
+        assert [r.error_class for r in exited.runs] == ["builtins.SystemExit"]
+
+
 @pytest.fixture
 async def small() -> AsyncIterator[ProcessPool]:
     """A pool whose children send at most 100 kB at once, results of 1000 bytes stored."""

@@ -153,8 +153,8 @@ WAIT = Wait(0, {"name": "nap"}, dt.datetime(2026, 11, 28, tzinfo=dt.UTC))
         (Reply(ReplyKind.REFUSED, "too large"), ReplyRefused, "^too large$"),
         (Reply(ReplyKind.SUSPENDED, WAIT), Suspended, "^waiting until 2026-11-28"),
         (Reply(ReplyKind.RAISE, StepError("misused")), StepError, "^misused$"),
-        (Reply(ReplyKind.ERROR, "Traceback: boom"), HandlerError, "^Traceback: boom$"),
-        (Reply(ReplyKind.MEMORY, "MemoryError"), HandlerError, "^MemoryError$"),
+        (Reply(ReplyKind.ERROR, ("Traceback: boom", "a.B")), HandlerError, "^Traceback: boom$"),
+        (Reply(ReplyKind.MEMORY, ("MemoryError", "builtins.MemoryError")), HandlerError, "^Memory"),
     ],
 )
 def test_a_reply_raises_what_its_run_ended_with(
@@ -166,6 +166,8 @@ def test_a_reply_raises_what_its_run_ended_with(
         assert caught.value.delay == 2.5
     if isinstance(caught.value, Suspended):
         assert caught.value.wait == WAIT
+    if isinstance(caught.value, HandlerError):  # the class the handler raised, for its run
+        assert caught.value.error_class == reply.value[1]
 
 
 def test_every_kind_but_ok_raises_and_ok_returns() -> None:

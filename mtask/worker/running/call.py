@@ -238,8 +238,9 @@ class HandlerCalls:
             )
         except asyncio.CancelledError:
             raise  # the run is stopped: its outcome follows from why (``RunOutcomes.stopped``)
-        except CALL_FAILED as exc:
-            return self.outcomes.failure(run, str(exc))
+        except CALL_FAILED as exc:  # a HandlerError names the class its handler raised
+            kind = exc.error_class if isinstance(exc, HandlerError) else None
+            return self.outcomes.failure(run, str(exc), error_class=kind)
         except CALL_REFUSED as exc:
             return self.outcomes.failure(run, str(exc), permanent=True)
         except BackOff as exc:  # its group, name or resource held, the run released

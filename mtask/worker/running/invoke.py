@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from mtask import metrics
 from mtask.registry import Handler, TaskContext
 from mtask.steps import Suspended
-from mtask.worker.running.failures import short_traceback
+from mtask.worker.running.failures import class_path, short_traceback
 from mtask.worker.running.pool.errors import HandlerError, TimeLimitExceeded
 
 if TYPE_CHECKING:  # the process pool: imported by a worker that has one (assembly)
@@ -183,7 +183,7 @@ async def _contained(call: Awaitable[Any]) -> Any:
     except (Exception, asyncio.CancelledError, Suspended):
         raise
     except BaseException as exc:  # the handler's: its run's failure
-        raise HandlerError(short_traceback(exc)) from exc
+        raise HandlerError(short_traceback(exc), class_path(exc)) from exc
 
 
 async def run_in_thread(
@@ -217,7 +217,8 @@ async def run_in_thread(
         try:
             result, error = call(*arguments), None
         except asyncio.CancelledError as exc:  # the handler's own: the awaiting task would
-            result, error = None, HandlerError(short_traceback(exc))  # take it for its stop
+            # take it for its stop
+            result, error = None, HandlerError(short_traceback(exc), class_path(exc))
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
             result, error = None, exc
         del call, arguments

@@ -32,7 +32,7 @@ from mtask.follow.output import RunOutput
 from mtask.limits.snooze import Snooze
 from mtask.registry import Fail, Handler, Retry, TaskContext
 from mtask.steps import SignalTimeout, StepError, Suspended
-from mtask.worker.running.failures import result_too_large, said, short_traceback
+from mtask.worker.running.failures import class_path, result_too_large, said, short_traceback
 from mtask.worker.running.pool import pipe
 from mtask.worker.running.pool.child_steps import ChildSteps, plain
 from mtask.worker.running.pool.pipe import Bounds, Call, Output, Reply, ReplyKind, Stopped
@@ -176,10 +176,10 @@ def _reply(handler: Handler, params: dict[str, Any], ctx: TaskContext) -> Reply:
     except InvalidParams as exc:
         return Reply(ReplyKind.INVALID, str(exc))
     except MemoryError as exc:
-        return Reply(ReplyKind.MEMORY, short_traceback(exc))
+        return Reply(ReplyKind.MEMORY, (short_traceback(exc), class_path(exc)))
     except BaseException as exc:  # noqa: BLE001 - any handler error is the task's failure:
         # sys.exit() (argparse's error) too, as on a thread; it ended the child
-        return Reply(ReplyKind.ERROR, short_traceback(exc))
+        return Reply(ReplyKind.ERROR, (short_traceback(exc), class_path(exc)))
 
 
 class _Run:
@@ -277,7 +277,8 @@ def _unpickled(reply: Reply, exc: Exception) -> Reply:
             return reply._replace(value=plain(reply.value))
         except Exception as bad:  # noqa: BLE001 - any encoding problem is the handler's
             return reply._replace(kind=ReplyKind.FAIL, value=f"the result cannot be stored: {bad}")
-    return Reply(ReplyKind.ERROR, f"the result cannot be sent back: {exc!r}", rss=reply.rss)
+    said_why = f"the result cannot be sent back: {exc!r}"
+    return Reply(ReplyKind.ERROR, (said_why, None), rss=reply.rss)
 
 
 def _stored(reply: Reply, bounds: Bounds) -> memoryview:

@@ -10,7 +10,13 @@ from mtask.errors import MtaskError
 
 
 class HandlerError(MtaskError):
-    """The handler raised in its child process; the message is the child's traceback."""
+    """The handler raised in its child process (or, on a thread, something not an
+    ``Exception``); the message is its traceback, ``error_class`` the importable path of the
+    exception's class (the run's ``error_class``; None: the handler raised nothing)."""
+
+    def __init__(self, message: str, error_class: str | None = None) -> None:
+        super().__init__(message)
+        self.error_class = error_class
 
 
 class ReplyRefused(MtaskError):

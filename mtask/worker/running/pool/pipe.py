@@ -239,8 +239,8 @@ _RAISED: dict[ReplyKind, Callable[[Reply], BaseException]] = {
     ReplyKind.REFUSED: lambda r: ReplyRefused(r.value),
     ReplyKind.SUSPENDED: lambda r: Suspended(r.value),
     ReplyKind.RAISE: lambda r: r.value,
-    ReplyKind.ERROR: lambda r: HandlerError(r.value),
-    ReplyKind.MEMORY: lambda r: HandlerError(r.value),
+    ReplyKind.ERROR: lambda r: HandlerError(*r.value),  # (traceback, class path)
+    ReplyKind.MEMORY: lambda r: HandlerError(*r.value),
 }
 
 
