@@ -22,8 +22,9 @@ from the page's own origin (its ``Origin`` or ``Referer``, which mtask's guard c
 host), as Django's CSRF protection asks of a form. mtask connects as the task backend
 ``backend`` of ``TASKS`` does (its ``database_alias``'s settings, or its ``uri``), and starts
 with the server's ASGI lifespan (or, on a server without one, at the first request under the
-prefix). It is an ASGI entry: the project must run under an ASGI server (uvicorn, daphne,
-hypercorn); ``runserver`` is WSGI and serves only Django's own URLs.
+prefix). It needs the server extra (``pip install "mtask[django,server]"``). It is an ASGI
+entry: the project runs under an ASGI server (uvicorn, daphne, hypercorn); ``runserver`` is
+WSGI and serves only Django's own URLs.
 """
 
 from __future__ import annotations
@@ -35,11 +36,18 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import Any
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+try:
+    from starlette.types import ASGIApp, Receive, Scope, Send
+
+    from mtask.web.auth import ROLES, Principal
+    from mtask.web.guard import Refused, _answer, cookies, header_map
+except ImportError as missing:  # the dashboard is mtask serve's: the server extra
+    raise ImportError(
+        f'mtask.contrib.django.asgi needs mtask\'s web app: pip install "mtask[django,server]" '
+        f"({missing})"
+    ) from missing
 
 from mtask.contrib.django.compat import DEFAULT_TASK_BACKEND_ALIAS
-from mtask.web.auth import ROLES, Principal
-from mtask.web.guard import Refused, _answer, cookies, header_map
 
 SAFE = frozenset({"GET", "HEAD", "OPTIONS"})
 
