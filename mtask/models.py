@@ -422,6 +422,20 @@ class Spawned(Stored):
     """When the flow sweep last counted its children (a wake-up it may have lost)."""
 
 
+class TriggeredBy(Stored):
+    """The trigger that published a task (docs/triggers.md): its name, the collection it
+    follows and the ``_id`` of the document whose change (or scan) made the task."""
+
+    trigger: str
+    collection: str
+    document: BsonAny = None
+    """The changed document's ``_id``, as stored (any BSON value)."""
+
+    def said(self) -> str:
+        """``published by trigger `fulfil` for `orders/o-1002```."""
+        return f"published by trigger `{self.trigger}` for `{self.collection}/{self.document}`"
+
+
 class SpawnedBy(Stored):
     """A spawned child's parent, the step that spawned it and its place among its siblings."""
 
@@ -528,6 +542,8 @@ class TaskDocument(BaseModel):
     """Its newest ``spawn_and_wait``'s counter of children."""
     spawn: SpawnedBy | None = None
     """A spawned child's parent and place; its ``parent`` field names it too."""
+    triggered_by: TriggeredBy | None = None
+    """The trigger that published it, and the document it was published for."""
     snoozes: int | None = Field(None, ge=0)
     """How many runs ended ``SNOOZED`` (``raise mtask.Snooze``); absent until one
     does. Never reset: a snooze spends no retry, and the count says how often it was put off."""
@@ -667,6 +683,9 @@ class Task(BaseModel):
     """Its newest ``spawn_and_wait``'s children: how many, how many finished."""
     spawn: SpawnedBy | None = None
     """A spawned child's parent, step and place."""
+    triggered_by: TriggeredBy | None = None
+    """The trigger that published it (its name, collection and the document's ``_id``), or
+    ``None``."""
     snoozes: int | None = None
     """How many of its runs ended ``SNOOZED`` (``raise mtask.Snooze``; ``None``: none)."""
     backoffs: int | None = None
@@ -1057,6 +1076,8 @@ class NewTask(BaseModel):
     """Claimable only once every one of these tasks succeeded; failed if one fails for good."""
     spawn: dict[str, Any] | None = None
     """A spawned child's ``{parent, step, index}`` (``mtask.steps.children``)."""
+    triggered_by: dict[str, Any] | None = None
+    """A trigger's task: ``{trigger, collection, document}`` (``mtask.triggers``)."""
 
     @classmethod
     def build(
@@ -1070,6 +1091,7 @@ class NewTask(BaseModel):
         depends_on: object = None,
         parent: str | None = None,
         spawn: dict[str, Any] | None = None,
+        triggered_by: dict[str, Any] | None = None,
     ) -> NewTask:
         key = validate_key(key)
         return cls(
@@ -1080,6 +1102,7 @@ class NewTask(BaseModel):
             parent=parent,
             depends_on=validate_depends_on(depends_on, key),
             spawn=spawn,
+            triggered_by=triggered_by,
         )
 
 

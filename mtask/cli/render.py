@@ -301,6 +301,8 @@ def _flow_rows(task: Task) -> list[tuple[str, str]]:
         spawn = task.spawn  # a spawned child says by which step, and its place
         by = f" (spawned by step {spawn.step}, child {spawn.index + 1})" if spawn else ""
         rows.append(("parent", task.parent + by))
+    if task.triggered_by is not None:  # "published by trigger `fulfil` for `orders/o-1`"
+        rows.append(("published", task.triggered_by.said().removeprefix("published ")))
     if task.children:
         rows.append(("children", ", ".join(task.children)))
     if task.spawned is not None:

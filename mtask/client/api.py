@@ -103,6 +103,7 @@ class Operations:
     groups = Reading.groups
     due = Reading.due
     flow = Reading.flow
+    children = Reading.children
     parked = Reading.parked
     names = Reading.names
     missing = Reading.missing

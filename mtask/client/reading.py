@@ -19,6 +19,7 @@ from mtask.explain.states import Explained, State, explain
 from mtask.follow import streams
 from mtask.models import Task, validate_name
 from mtask.store import bulk, cluster, counts, throughput
+from mtask.store import children as store_children
 from mtask.store import output as store_output
 from mtask.store import parked as store_parked
 
@@ -105,6 +106,17 @@ class Reading:
         """The tree of steps below ``key``: each node's key, name, status, derived state (with
         ``why`` and ``reason``) and children."""
         return (yield from cluster.explained_flow(key, self.core.clock.now()))
+
+    @operation
+    def children(self, key: str, limit: int = 20) -> Op[tuple[builtins.list[Task], int]]:
+        """The first ``limit`` tasks ``key`` made (its spawned children and next steps), as
+        they were made (``store.children.first``), and how many it made in all
+        (``search(parent=key)`` pages through them)."""
+        check_key(key)
+        check_number(limit, "limit", 1, 1000, integer=True)
+        total = yield from store_children.count(key)
+        docs = (yield from store_children.first(key, limit, total)) if total else []
+        return [Task.from_document(self._opened(d)) for d in docs], total
 
     @operation
     def parked(

@@ -179,15 +179,21 @@ def search_query(
     text: str | None,
     group: str | None = None,
     where: Doc | None = None,
+    parent: str | None = None,
 ) -> tuple[Doc, list[tuple[str, int]]]:
     """A search's filter and order (read name by name if ``search_across_names``); ``where``:
-    a filter the tasks must also match (``store.cluster.candidates``)."""
+    a filter the tasks must also match (``store.cluster.candidates``); ``parent``: the tasks
+    below that one (its spawned children and next steps), oldest first as they were made (the
+    ``parent`` index)."""
     for field, value in (("prefix", prefix), ("q", text)):
         if value and "\x00" in value:  # the server refuses it in a pattern (a 500 otherwise)
             raise InvalidTask("must not contain a NUL character", field=field)
     filt, sort = tasks.list_query(name, status)
     if group is not None:  # as the partial index spells it, so that the server uses it
         filt["options.group"] = {"$eq": group, "$type": "string"}
+    if parent is not None:
+        filt["parent"] = parent
+        sort = [("created_at", ASCENDING), ("_id", ASCENDING)]
     if prefix:  # key order, so that _id's index serves both the prefix and the order
         filt["_id"] = {"$regex": f"^{re.escape(prefix)}"}
         sort = [("_id", ASCENDING)]
@@ -200,11 +206,15 @@ def search_query(
 
 
 def search_across_names(
-    name: str | None, status: str | None, prefix: str | None, text: str | None
+    name: str | None,
+    status: str | None,
+    prefix: str | None,
+    text: str | None,
+    parent: str | None = None,
 ) -> bool:
     """Whether a search is read name by name (``store.across``): by status without a name,
-    and neither by key prefix nor by error text (which have indexes of their own)."""
-    return tasks.across_names(name, status) and not prefix and not text
+    and neither by key prefix, by error text nor by parent (which have indexes of their own)."""
+    return tasks.across_names(name, status) and not prefix and not text and parent is None
 
 
 def search(
@@ -216,13 +226,15 @@ def search(
     limit: int = 50,
     group: str | None = None,
     where: Doc | None = None,
+    parent: str | None = None,
 ) -> Op[list[Doc]]:
-    """A page of tasks, newest first (in key order with a key ``prefix``), matching all the
-    filters given (``where``: a filter of its own too); ``after`` is the last key of the
-    previous page (keyset pagination: every page costs the same)."""
+    """A page of tasks, newest first (in key order with a key ``prefix``, oldest first below a
+    ``parent``), matching all the filters given (``where``: a filter of its own too);
+    ``after`` is the last key of the previous page (keyset pagination: every page costs the
+    same)."""
     if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
         raise InvalidTask(f"is {limit}; 1 to 1000", field="limit")
-    filt, sort = search_query(name, status, prefix, text, group, where)
+    filt, sort = search_query(name, status, prefix, text, group, where, parent)
     if after is not None and sort[0][0] == "_id":
         filt = {"$and": [filt, {"_id": {"$gt": after}}]}
     elif after is not None:
@@ -230,6 +242,10 @@ def search(
         if anchor is None:
             raise TaskNotFound(after)
         value = anchor.get("created_at")
-        filt["$or"] = [{"created_at": {"$lt": value}}, {"created_at": value, "_id": {"$lt": after}}]
-    by_name = search_across_names(name, status, prefix, text)
+        beyond = "$gt" if sort[0][1] == ASCENDING else "$lt"
+        filt["$or"] = [
+            {"created_at": {beyond: value}},
+            {"created_at": value, "_id": {beyond: after}},
+        ]
+    by_name = search_across_names(name, status, prefix, text, parent)
     return (yield from across.find_page(filt, sort, limit, by_name))

@@ -33,6 +33,11 @@ PAGE = 1000
 in one update."""
 PUBLISH_BATCH = 1000
 """Children published in one bulk write, the parent looked at between two (``publish``)."""
+COUNT_LIMIT = 1_000_000
+"""The most children ``count`` counts (a step spawns at most ``MAX_CHILDREN``)."""
+IN_PLACE_UP_TO = 1000
+"""``first`` orders a parent's children by their place in their spawn up to this many (the
+server sorts them all); beyond, in the ``parent`` index's order (when made, then by key)."""
 WAITING_INDEX = "children_wait"
 """The parents waiting for children (``store.schema.INDEXES``): the sweep's question."""
 OptionsFor = Callable[[str, Mapping[str, Any] | None], Any]
@@ -314,3 +319,25 @@ def sweep_cancelled(now: dt.datetime, limit: int = 100) -> Op[int]:
         mark = {"_id": doc["_id"], CANCEL_CHILDREN: doc[CANCEL_CHILDREN]}
         yield Call("update_one", (mark, {"$unset": {CANCEL_CHILDREN: ""}}))
     return cancelled
+
+
+def count(parent: str, limit: int = COUNT_LIMIT) -> Op[int]:
+    """How many tasks ``parent`` made (its spawned children and its next steps), counted on
+    the ``parent`` index up to ``limit``."""
+    found: int = yield Call(
+        "count_documents", ({"parent": parent},), {"limit": limit, "hint": "parent"}
+    )
+    return found
+
+
+def first(parent: str, limit: int, total: int) -> Op[list[Doc]]:
+    """The first ``limit`` of the ``total`` tasks ``parent`` made, as they were made: by when,
+    then a spawned child by its place (``10`` after ``9``), up to ``IN_PLACE_UP_TO`` of them;
+    beyond, by when, then by key (the ``parent`` index alone, however many there are)."""
+    sort = [("created_at", 1), ("_id", 1)]
+    if total <= IN_PLACE_UP_TO:
+        sort.insert(1, ("spawn.index", 1))
+    docs: list[Doc] = yield Call(
+        "find", ({"parent": parent},), {"sort": sort, "limit": limit, "hint": "parent"}
+    )
+    return docs

@@ -342,6 +342,7 @@ def search(
     text: str | None = None,
     after: str | None = None,
     limit: int = 50,
+    parent: str | None = None,
 ) -> Op[StatePage]:
     """A page of tasks in ``state`` (and the other filters), newest first: the candidates
     (``candidates``) a page at a time, each explained, until ``limit`` are found or
@@ -351,7 +352,9 @@ def search(
     examined = 0
     more = True
     for _ in range(EXAMINED_PAGES):
-        docs = yield from bulk.search(name, status, prefix, text, after, limit, group, where)
+        docs = yield from bulk.search(
+            name, status, prefix, text, after, limit, group, where, parent
+        )
         page = [Task.from_document(d) for d in docs]
         examined += len(page)
         said = yield from explain_all(page, now)

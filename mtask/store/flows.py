@@ -170,10 +170,12 @@ def tree(key: str) -> Op[Doc | None]:
     """The flow below ``key``: each node's key, name, status and children (at most
     ``MAX_TREE_NODES`` nodes)."""
     fields = {"name": 1, "status": 1, "parent": 1, "depends_on": 1, "waiting_on": 1}
+    fields.update({"created_at": 1, "spawn.index": 1})  # the order below a node
     root: Doc | None = yield Call("find_one", ({"_id": key}, fields))
     if root is None:
         return None
     nodes = {key: _node(root)}
+    order: dict[Any, tuple[Any, ...]] = {}
     frontier = [key]
     while frontier and len(nodes) < MAX_TREE_NODES:
         found: list[Doc] = yield Call(
@@ -187,8 +189,24 @@ def tree(key: str) -> Op[Doc | None]:
                 continue
             nodes[doc["_id"]] = node = _node(doc)
             nodes[doc["parent"]]["children"].append(node)
+            order[doc["_id"]] = place(doc)
             frontier.append(doc["_id"])
+    for node in nodes.values():  # children as they were made: a spawn's by their place
+        node["children"].sort(key=lambda child: order[child["key"]])
     return nodes[key]
+
+
+def place(doc: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Where a task stands among its parent's: when it was made, then (a spawned child) its
+    place in its spawn (``10`` after ``9``, as keys would not sort it), then its key."""
+    spawn = doc.get("spawn")
+    index = spawn.get("index") if isinstance(spawn, Mapping) else None
+    made = doc.get("created_at")
+    return (
+        made.timestamp() if isinstance(made, dt.datetime) else 0.0,
+        index if isinstance(index, int) else -1,
+        str(doc["_id"]),
+    )
 
 
 def _node(doc: Mapping[str, Any]) -> Doc:

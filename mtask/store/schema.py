@@ -485,6 +485,8 @@ def _flow_fields(task: NewTask) -> Doc:
         fields["parent"] = task.parent
     if task.spawn is not None:  # a spawned child's parent, step and place
         fields["spawn"] = dict(task.spawn)
+    if task.triggered_by is not None:  # the trigger and the document it published it for
+        fields["triggered_by"] = dict(task.triggered_by)
     if task.depends_on:
         fields["depends_on"] = list(task.depends_on)
         fields["waiting_on"] = list(task.depends_on)

@@ -295,22 +295,44 @@ async def list_tasks(
         DerivedState | None,
         Query(description="only tasks in this derived state (docs/web.md); not with `status`"),
     ] = None,
+    parent: Annotated[
+        str | None,
+        Query(
+            min_length=1,
+            max_length=1024,
+            description="only the tasks this one made (spawned children, next steps), oldest first",
+        ),
+    ] = None,
 ) -> TaskPage:
-    """A page of tasks, newest first (keyset pagination: pass ``next_after`` as ``after``),
-    each with its derived state. With ``state``, the tasks are read a page at a time and
-    explained until ``limit`` match or ten pages were read: a page may hold fewer, and
-    ``next_after`` goes on."""
+    """A page of tasks, newest first (keyset pagination: pass ``next_after`` as ``after``;
+    below a ``parent``, oldest first), each with its derived state. With ``state``, the tasks
+    are read a page at a time and explained until ``limit`` match or ten pages were read: a
+    page may hold fewer, and ``next_after`` goes on."""
     if state is not None:
         if status is not None:
             raise InvalidTask("give status or state, not both", field="state")
         found = await client.search_state(
-            state, name=name, prefix=prefix, text=q, limit=limit, after=after, group=group
+            state,
+            name=name,
+            prefix=prefix,
+            text=q,
+            limit=limit,
+            after=after,
+            group=group,
+            parent=parent,
         )
         return TaskPage(
             tasks=[TaskView.of(t, said) for t, said in found.tasks], next_after=found.after
         )
     tasks = await client.search(
-        name=name, status=status, prefix=prefix, text=q, limit=limit, after=after, group=group
+        name=name,
+        status=status,
+        prefix=prefix,
+        text=q,
+        limit=limit,
+        after=after,
+        group=group,
+        parent=parent,
     )
     states = await client.explain_all(tasks)
     return TaskPage(

@@ -30,6 +30,7 @@ from mtask.client import AsyncTaskClient
 from mtask.errors import MtaskError
 from mtask.explain import states, tracebacks
 from mtask.explain.wording import plural, relative, span
+from mtask.flows import MAX_TREE_NODES
 from mtask.models import Task, TaskStatus
 from mtask.security import encryption
 from mtask.steps import NEVER, signal_fate
@@ -72,6 +73,12 @@ def _ticks(text: str | None) -> Markup:
     return Markup(re.sub(r"`([^`]+)`", r"<code>\1</code>", str(escape(text or ""))))
 
 
+def _breakable(key: Any) -> Markup:
+    """A task key as HTML that a line may break after each ``/``, ``:``, ``#``, ``.`` or
+    ``_`` (``<wbr>``) rather than anywhere: a wide page keeps a key's parts whole."""
+    return Markup(re.sub(r"([/:#._])", r"\1<wbr>", str(escape(str(key)))))
+
+
 def _preview(value: Any) -> str:
     text = json.dumps(value, default=str, separators=(",", ":"))
     return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 1] + "…"
@@ -82,6 +89,7 @@ templates.filters["state_label"] = states.label
 templates.filters["shown"] = encryption.shown
 templates.filters["preview"] = _preview
 templates.filters["ticks"] = _ticks
+templates.filters["breakable"] = _breakable
 templates.globals.update(
     rel=relative,
     span=span,
@@ -256,6 +264,7 @@ def _list_filters(q: Any) -> dict[str, Any]:
         "prefix": q.get("prefix") or None,
         "text": q.get("q") or None,
         "group": (q.get("group") or None) if len(q.get("group") or "") <= 200 else None,
+        "parent": (q.get("parent") or None) if len(q.get("parent") or "") <= 1024 else None,
     }
 
 
@@ -264,7 +273,7 @@ async def _listed(
 ) -> tuple[list[tuple[Task, states.Explained]], str | None, int | None]:
     """A page of the list: the tasks with their derived state, the next page's ``after``, and
     how many tasks were read to find them (a page by state only)."""
-    common = {k: filters[k] for k in ("name", "prefix", "text", "group")}
+    common = {k: filters[k] for k in ("name", "prefix", "text", "group", "parent")}
     if filters["state"] is not None:
         page = await client.search_state(filters["state"], **common, after=after, limit=PAGE_SIZE)
         return page.tasks, page.after, page.examined
@@ -288,7 +297,7 @@ async def task_list(request: Request) -> HTMLResponse:
         rows, next_after, examined, problem = [], None, None, str(exc)
     # bulk actions act on name + status, and on a search's listed tasks by their keys
     final = filters["state"] if filters["state"] in FINAL_STATES else filters["status"]
-    narrowed = filters["prefix"] or filters["text"] or filters["group"]
+    narrowed = filters["prefix"] or filters["text"] or filters["group"] or filters["parent"]
     by_keys = narrowed or (filters["state"] is not None and final is None)
     keys = [t.key for t, _ in rows] if by_keys else None
     where = bulk.Filter(filters["name"], [final] if final else None, keys=keys)
@@ -320,6 +329,12 @@ async def task_list(request: Request) -> HTMLResponse:
 
 OUTPUT_SHOWN = 200
 """The newest log lines and chunks a task page shows (``mtask logs KEY`` has them all)."""
+CHILDREN_SHOWN = 20
+"""The first children a task page lists (the task list, filtered by its parent, has them all)."""
+FLOW_SHOWN = 300
+"""The most tasks a flow page draws (``mtask flow KEY`` and its JSON have up to 10,000)."""
+ANCESTORS = 20
+"""The most tasks above one a flow page names (the flow's root and the way down to it)."""
 
 
 SHOWN_ERROR = frozenset({states.State.FAILED, states.State.RETRYING})
@@ -338,6 +353,11 @@ async def task_page(key: str, request: Request) -> HTMLResponse:
         return render(request, "missing.html", status_code=404, key=key)
     said = await client.explain(task)
     now = await client.now()
+    kids: list[tuple[Task, states.Explained]] = []
+    kids_total = 0
+    if task.spawned is not None or task.children:  # it made tasks: the first ones listed
+        made, kids_total = await client.children(key, CHILDREN_SHOWN)
+        kids = list(zip(made, await client.explain_all(made), strict=True))
     newest = max(0, (task.output_seq or 0) - OUTPUT_SHOWN)  # the newest lines
     entries = await client.output(key, after=newest, limit=OUTPUT_SHOWN) if task.output_seq else []
     live = task.status is not None and not task.status.finished
@@ -363,7 +383,68 @@ async def task_page(key: str, request: Request) -> HTMLResponse:
         shown_from=newest,
         sig=q.get("sig"),
         payload=q.get("payload"),
+        kids=kids,
+        kids_total=kids_total,
     )
+
+
+@router.get("/ui/flow/{key:path}", response_class=HTMLResponse)
+async def flow_page(key: str, request: Request) -> HTMLResponse:
+    """The tree ``mtask flow KEY`` draws: the task, the tasks it made (spawned children, next
+    steps) and theirs, each with its derived state and why, the first ``FLOW_SHOWN`` in order;
+    above it, the way up to the flow's root."""
+    if not signed_in(request):
+        return login_page(request)
+    client = client_of(request)
+    tree = await client.flow(key)
+    if tree is None:
+        return render(request, "missing.html", status_code=404, key=key)
+    ancestors: list[str] = []
+    task = await client.get(key)
+    while task is not None and task.parent and len(ancestors) < ANCESTORS:
+        ancestors.insert(0, task.parent)
+        task = await client.get(task.parent)
+    shown, total = _bounded(tree, FLOW_SHOWN)
+    return render(
+        request,
+        "flow.html",
+        tree=tree,
+        key=key,
+        ancestors=ancestors,
+        shown=shown,
+        total=total,
+        capped=total >= MAX_TREE_NODES,
+        now=await client.now(),
+    )
+
+
+def _bounded(tree: dict[str, Any], most: int) -> tuple[int, int]:
+    """Keeps at most ``most`` nodes of ``tree``, in its order, each node's children before the
+    nodes below them (a node cut goes with the nodes below it; its parent's ``more`` says how
+    many of its own were cut); returns how many are kept and how many there were."""
+    kept, total = 0, 0
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        total += 1
+        kept += 1
+        children = node.get("children") or []
+        room = max(0, most - kept - len(stack))
+        node["more"] = max(0, len(children) - room)
+        node["children"] = children[:room]
+        total += _count(children[room:])
+        stack.extend(reversed(node["children"]))
+    return kept, total
+
+
+def _count(nodes: list[dict[str, Any]]) -> int:
+    """How many nodes ``nodes`` and the nodes below them are."""
+    found, stack = 0, list(nodes)
+    while stack:
+        node = stack.pop()
+        found += 1
+        stack.extend(node.get("children") or [])
+    return found
 
 
 def _current_step(task: Task) -> Any:

@@ -90,9 +90,19 @@ class Publishing:
         run_at = self.trigger.run_at(at)
         if run_at is not None:
             options["run_at"] = run_at
+        by = {
+            "trigger": self.trigger.name,
+            "collection": self.trigger.collection,
+            "document": params.get("_id"),
+        }
         try:
             return NewTask.build(
-                self.trigger.task, key, params, options, max_params_bytes=self.max_params_bytes
+                self.trigger.task,
+                key,
+                params,
+                options,
+                max_params_bytes=self.max_params_bytes,
+                triggered_by=by,
             )
         except InvalidTask as exc:
             kept = {
@@ -101,10 +111,10 @@ class Publishing:
                 "omitted": f"the document's fields were left out: {exc}",
             }
             try:
-                return NewTask.build(self.trigger.task, key, kept, options)
+                return NewTask.build(self.trigger.task, key, kept, options, triggered_by=by)
             except InvalidTask:  # an _id BSON holds but a task's params cannot: its key says it
-                kept["_id"] = None
-                return NewTask.build(self.trigger.task, key, kept, options)
+                kept["_id"] = by["document"] = None
+                return NewTask.build(self.trigger.task, key, kept, options, triggered_by=by)
 
     async def _known(self) -> dict[str, Doc]:
         now = time.monotonic()
