@@ -69,17 +69,24 @@ class Fail(Exception):
 
 @dataclass
 class TaskContext:
-    """What a handler may know about its run."""
+    """What a handler may know about its run (docs/handler-context.md lists it)."""
 
     key: str
+    """The task's key (what it was published under, unique in its collection)."""
     name: str
+    """The task's name: which handler runs it."""
     attempt: int
+    """This run's number among the task's runs, from 1: every claim counts one more (a retry
+    after a failure, and a run after a snooze, a back-off, a sleep or a wait)."""
     run_id: str
+    """This run's id: the task's runs, its log lines and its steps name it."""
     worker_id: str
+    """The worker that runs it (``mtask workers`` lists them)."""
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when the run must stop: cancelled, lease lost, or the worker shutting down. Thread
     handlers can poll ``cancelled.is_set()``."""
     publisher: Callable[..., Awaitable[Any]] | None = None
+    """What ``publish`` publishes with (the worker's)."""
     session: Any = None
     """A transactional handler's ``AsyncClientSession``, in the transaction that also records
     the run's SUCCESS (docs/transactions.md); ``None`` for other handlers."""
