@@ -146,6 +146,11 @@ def _pip() -> str:
     return f"{shlex.quote(_shown(sys.executable))} -m pip"
 
 
+PIPE_WIDTH = 160
+"""The width of the output written to a pipe or a file (``$COLUMNS`` when set): a table's
+cells are not wrapped word by word at 80 columns."""
+
+
 class Output:
     """A console on stdout or stderr: rich's when the ``cli`` extra is installed, else plain."""
 
@@ -163,7 +168,12 @@ class Output:
             require("this command", "rich")
             from rich.console import Console
 
-            self._console = Console(stderr=self._stderr, highlight=False, soft_wrap=self._stderr)
+            console = Console(stderr=self._stderr, highlight=False, soft_wrap=self._stderr)
+            if not console.is_terminal and not os.environ.get("COLUMNS"):
+                # a pipe or a file: rich would take 80 columns and wrap a table's cells word
+                # by word; lines as wide as a wide terminal's read (and grep) whole
+                console.width = PIPE_WIDTH
+            self._console = console
         return self._console
 
     @property

@@ -47,9 +47,11 @@ def test_the_task_page_shows_the_step_timeline(
         ):
             page.goto(url + "/ui/tasks/order/9")
             steps = page.locator("#steps")
-            expect(page.locator("#waiting")).to_contain_text(
-                "Waiting for the signal approved, no deadline (step 7: wait:approved)"
+            expect(page.locator("#reason")).to_contain_text(
+                "waiting for the signal approved (step 7: wait:approved), no deadline"
             )
+            said = page.locator("#content").inner_text()
+            assert said.count("no deadline") == 1, said  # once, in the reason
             names = page.locator("ol.steps > li .name").all_inner_texts()
             assert names == [
                 "reserve", "charge", "label", "book", "sleep#1", "wait:nudge", "wait:approved"

@@ -5,6 +5,9 @@ task will not run yet (no live worker handles its name), one vocabulary of deriv
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 from harness import run_cli
 
@@ -121,3 +124,22 @@ def test_rest_names_an_unknown_field_and_an_unknown_action(mongo_uri: str, db_na
         assert frob.status_code == 404, frob.text
         assert frob.json()["detail"].startswith("unknown action :frob: POST /tasks/KEY:ACTION")
         assert api.post("/tasks/k:cancel", headers=auth).status_code == 200
+
+
+def test_a_piped_get_is_not_wrapped_at_80_columns(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """In a pipe (no terminal, no ``$COLUMNS``) a line is as wide as a wide terminal's: a long
+    key and its why read, and grep, whole."""
+    key = "fulfil:o-1002:2b447c2bb89c9f4129ab/" + "mail-" * 12
+    client.publish("invoice", key, depends_on=["no-such-key"])
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "mtask", "get", key, "--uri", mongo_uri, "--database", db_name],
+        capture_output=True, text=True, timeout=60, check=False, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == key, lines[:3]
+    why = next(line for line in lines if line.startswith("why"))
+    assert "`no-such-key` does not exist: no task has that key, so it" in why, done.stdout
