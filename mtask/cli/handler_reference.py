@@ -40,13 +40,16 @@ WORKER_SIDE = frozenset(
 def field_docs() -> dict[str, str]:
     """Each field's docstring: the string right below its annotation in the class's source."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(TaskContext)))
-    body = tree.body[0].body
+    cls = tree.body[0]
+    assert isinstance(cls, ast.ClassDef)
+    body = cls.body
     docs: dict[str, str] = {}
     for statement, after in zip(body, [*body[1:], None], strict=True):
-        is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+        text = ""
+        if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            text = str(after.value.value)
         if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
-            text = after.value.value if is_doc else ""  # type: ignore[union-attr]
-            docs[statement.target.id] = inspect.cleandoc(str(text))
+            docs[statement.target.id] = inspect.cleandoc(text)
     return docs
 
 
