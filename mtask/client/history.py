@@ -41,8 +41,11 @@ class History:
         return (yield from store_audit.recent(limit, before))
 
     @operation
-    def record_throughput(self) -> Op[int]:
-        return (yield from throughput.record(self.core.clock.now()))
+    def record_throughput(self, minutes: int = throughput.RECOUNT_MINUTES) -> Op[int]:
+        """Count the tasks that finished in each of the last ``minutes`` whole minutes, per
+        name, into the ``throughput`` collection (the dashboard's charts)."""
+        check_number(minutes, "minutes", 1, throughput.KEEP_SECONDS // 60, integer=True)
+        return (yield from throughput.record(self.core.clock.now(), minutes))
 
     @operation
     def throughput(self, minutes: int = 60) -> Op[builtins.list[dict[str, Any]]]:

@@ -1,12 +1,14 @@
 """Finished and failed tasks per minute per name, kept in MongoDB for the dashboard's charts.
 
-``mtask serve`` calls ``record`` every few seconds: it counts, with the ``finished_at`` index,
-the tasks that finished in each of the last ``RECOUNT_MINUTES`` whole minutes of the server's
-clock, grouped by name and status, and upserts one document per (minute, name) into the
-``throughput`` collection. Each upsert sets the counts outright, so recording a minute again —
-by the same serve after a restart, or by two serves at once — gives the same document. A TTL
-index drops minutes older than ``KEEP_SECONDS``, so the collection stays small. (A task retried
-after it finished leaves the minute it finished in; the chart counts tasks, as the counts do.)
+``mtask serve`` calls ``record`` for the chart's whole hour when it starts (the minutes before
+it started are read from the tasks, not lost), then every few seconds: it counts, with the
+``finished_at`` index, the tasks that finished in each of the last ``RECOUNT_MINUTES`` whole
+minutes of the server's clock, grouped by name and status, and upserts one document per
+(minute, name) into the ``throughput`` collection. Each upsert sets the counts outright, so
+recording a minute again — by the same serve after a restart, or by two serves at once — gives
+the same document. A TTL index drops minutes older than ``KEEP_SECONDS``, so the collection
+stays small. (A task retried after it finished leaves the minute it finished in; the chart
+counts tasks, as the counts do.)
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ def ensure_indexes() -> Op[None]:
     yield Call("create_indexes", (INDEXES,), collection=COLLECTION)
 
 
-def record(now: dt.datetime) -> Op[int]:
-    """Count the last few whole minutes again; returns how many (minute, name) rows were set."""
+def record(now: dt.datetime, minutes: int = RECOUNT_MINUTES) -> Op[int]:
+    """Count the last ``minutes`` whole minutes again (a few, every few seconds; the chart's
+    whole hour when ``mtask serve`` starts, so that it shows what finished before); returns how
+    many (minute, name) rows were set."""
     end = minute_of(now)
-    start = end - dt.timedelta(minutes=RECOUNT_MINUTES)
+    start = end - dt.timedelta(minutes=minutes)
     rows: list[dict[str, Any]] = yield Call(
         "aggregate",
         (

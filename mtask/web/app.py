@@ -28,6 +28,7 @@ from mtask.errors import (
     TriggerNotFound,
 )
 from mtask.schedules import ScheduleNotFound
+from mtask.store import throughput
 from mtask.web import api, dashboard, events, output, triggers
 from mtask.web.access import RedactTokens
 from mtask.web.audit import Audit
@@ -42,10 +43,13 @@ SAMPLE_SECONDS = 5.0
 
 async def _sample(client: AsyncTaskClient, every: float) -> None:
     """Side task: the last minutes' finished/failed counts per name into MongoDB (idempotent
-    per minute, so any number of serves agree; a TTL index bounds it) for the charts."""
+    per minute, so any number of serves agree; a TTL index bounds it) for the charts: first
+    the chart's whole hour, which holds what finished before serve started."""
+    minutes = dashboard.CHART_MINUTES
     while True:
         try:
-            await client.record_throughput()
+            await client.record_throughput(minutes)
+            minutes = throughput.RECOUNT_MINUTES
         except StorageError as exc:
             log.warning("cannot record throughput: %s", exc)
         await asyncio.sleep(every)

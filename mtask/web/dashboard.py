@@ -106,6 +106,8 @@ STATUSES = [s.value for s in TaskStatus]
 STATES = list(states.STATES)
 FINAL_STATES = [s.value for s in states.State if not s.open]
 PAGE_SIZE = 50
+CHART_MINUTES = 60
+"""The overview's charts: the last hour (``mtask serve`` counts it whole when it starts)."""
 BULK_COUNT_LIMIT = 10_000
 """The task list says how many tasks a bulk action would change up to this many ("10,000+")."""
 
@@ -246,7 +248,7 @@ async def overview(request: Request) -> HTMLResponse:
         at_least={s for _, s in counts.stored.at_least},
         states=STATES,
         paused=paused,
-        charts=charts(await client.throughput(60), now),
+        charts=charts(await client.throughput(CHART_MINUTES), now),
         failures=failures,
         groups=await client.groups(top=10),
         workers=await client.workers(),

@@ -5,6 +5,7 @@ per-minute throughput is idempotent and survives a new client (a serve restart).
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import Any
 
 import pytest
@@ -116,6 +117,30 @@ def test_throughput_is_idempotent_and_kept(mongo_uri: str, db_name: str) -> None
     with TaskClient(mongo_uri, database=db_name) as c:
         indexes = {i["name"]: i for i in c.db[throughput.COLLECTION].list_indexes()}
     assert indexes["ttl"]["expireAfterSeconds"] == throughput.KEEP_SECONDS
+
+
+def test_serve_charts_the_hour_before_it_started(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """The minutes before ``mtask serve`` started are read from the tasks when it starts: a
+    task that failed 30 minutes earlier is on the chart (the regular recount covers a few
+    minutes only)."""
+    from webserver import serving
+
+    client.publish("csv_import", "csv-bad")
+    finished = client.now() - dt.timedelta(minutes=30)
+    client.collection.update_one(
+        {"_id": "csv-bad"}, {"$set": {"status": "failed", "finished_at": finished}}
+    )
+    assert client.record_throughput() == 0  # the last few minutes: nothing
+    with serving(mongo_uri, db_name, token="t", sample_seconds=0.2):
+        deadline = time.monotonic() + 60
+        while not client.throughput(60):
+            assert time.monotonic() < deadline, "serve did not chart the hour before it"
+            time.sleep(0.1)
+    [row] = client.throughput(60)
+    assert (row["name"], row["finished"], row["failed"]) == ("csv_import", 1, 1)
+    assert row["minute"] == throughput.minute_of(finished)
 
 
 def test_by_status_across_names_every_document_and_a_page_at_a_time(client: TaskClient) -> None:
