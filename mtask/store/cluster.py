@@ -286,7 +286,8 @@ def explained_flow(key: str, now: dt.datetime) -> Op[Doc | None]:
         node = stack.pop()
         nodes[node["key"]] = node
         stack.extend(node["children"])
-    docs: list[Doc] = yield Call("find", ({"_id": {"$in": list(nodes)}}, STATE_FIELDS))
+    fields = {**STATE_FIELDS, "error": 1}  # a failed one says what it raised
+    docs: list[Doc] = yield Call("find", ({"_id": {"$in": list(nodes)}}, fields))
     tasks = [Task.from_document(d) for d in docs]
     said = yield from explain_all(tasks, now)
     for task, e in zip(tasks, said, strict=True):

@@ -118,6 +118,7 @@ def test_a_workflow_parent_lists_its_children_draws_its_flow_and_names_its_trigg
             expect(root.locator(".why").first).to_contain_text("waiting for the signal shipped")
             broken = page.locator("#tree li[data-state=failed]")
             expect(broken).to_have_count(1)
+            expect(broken.locator(".why")).to_contain_text("ValueError: no stock for broken")
             kept(page, out, "workflow-flow", scheme, size, viewport)
             page.goto(f"{url}/ui/flow/{KEY}/mail/0")  # a child's flow names the way up
             expect(page.locator("#ancestors a")).to_have_text([KEY])
