@@ -12,7 +12,8 @@ gives one ``State`` with the ``why`` behind it and a sentence with its facts:
 ``available``  due, nothing in its way: the next free worker of its name claims it
 ``running``    a run holds it (``why`` ``lease_ended``: its lease ran out, a worker takes it over)
 ``retrying``   a run failed; the next try waits for its backoff
-``waiting``    for a ``signal``, a ``sleep``'s end, the tasks it depends on (``dependencies``),
+``waiting``    for a ``signal``, a ``sleep``'s end, a document (``data``), the tasks it depends on
+               (``dependencies``),
                the ``children`` it spawned, or the end of a ``snoozed`` run's
                ``Snooze``
 ``blocked``    due, but its ``group`` (a sequence's lock, a group limit), a ``limit`` of its
@@ -43,7 +44,7 @@ from mtask.limits.rules import (
     runs_at_once,
     wait_for_token,
 )
-from mtask.models import RunState, Task, TaskStatus
+from mtask.models import RunState, Task, TaskStatus, WaitingData, bson_json
 from mtask.steps import NEVER
 
 
@@ -71,7 +72,7 @@ OPEN_STATES = frozenset(
 PENDING_STATES = frozenset(OPEN_STATES - {State.RUNNING})
 """The states of a stored ``pending`` task."""
 WHY: dict[State, tuple[str, ...]] = {
-    State.WAITING: ("signal", "sleep", "dependencies", "children", "snoozed"),
+    State.WAITING: ("signal", "sleep", "data", "dependencies", "children", "snoozed"),
     State.BLOCKED: ("group", "backoff", "limit", "paused", "no_worker"),
 }
 """The reasons of a waiting and of a blocked task, in the order ``explain`` tries them."""
@@ -251,6 +252,8 @@ def _later(task: Task, due: dt.datetime, now: dt.datetime) -> Explained:
                 "signal",
                 f"waiting for the signal `{w.signal}` ({step}), {deadline(w.until, now)}",
             )
+        if w.data is not None:
+            return Explained(State.WAITING, "data", _data_wait(w.data, step, w.until, now))
         return Explained(
             State.WAITING,
             "sleep",
@@ -320,6 +323,21 @@ def _snoozed(task: Task, due: dt.datetime, now: dt.datetime) -> str:
     return (
         f"snoozed until {when(due)} ({relative(due, now)}){said}; snoozed {times}, no retry spent"
     )
+
+
+DATA_FILTER_SHOWN = 120
+"""How many characters of a data wait's filter its reason shows."""
+
+
+def _data_wait(data: WaitingData, step: str, until: dt.datetime, now: dt.datetime) -> str:
+    """What a task waiting on data says: the collection, the filter that settles it (cut to
+    ``DATA_FILTER_SHOWN`` characters), its step, its deadline."""
+    import json
+
+    shown = json.dumps(bson_json(data.filter), default=str)
+    if len(shown) > DATA_FILTER_SHOWN:
+        shown = shown[: DATA_FILTER_SHOWN - 1] + "…"
+    return f"waiting until `{data.collection}` holds `{shown}` ({step}), {deadline(until, now)}"
 
 
 def _children(task: Task, step: str) -> str:

@@ -44,7 +44,7 @@ class TaskView(Task):
     )
     why: str | None = Field(
         None,
-        description="what a waiting task waits for (signal, sleep, dependencies, children, "
+        description="what a waiting task waits for (signal, sleep, data, dependencies, children, "
         "snoozed: a Snooze's end) or what blocks "
         "a blocked one (group, limit, paused, no_worker); backoff, lease_ended, …",
     )

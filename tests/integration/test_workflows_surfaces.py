@@ -73,7 +73,7 @@ async def test_a_parent_and_its_children_in_get_the_dashboard_and_the_api(
 
             http.cookies.set(COOKIE, Keys.of(TOKEN).new_session())
             page = http.get("/ui/tasks/p1").text
-            assert "Waiting for its children: 1 of 3 finished" in page
+            assert "waiting for its children: 1 of 3 children finished (step 3: kids)" in page
             assert "parallel (gather#1)" in page and "3 children" in page
             assert 'id="deadline"' in page
             page = http.get("/ui/tasks/p1%2Fkids%2F1").text

@@ -128,6 +128,20 @@ def test_waiting_for_a_signal_a_sleep_or_dependencies() -> None:
         "sleep",
         "sleeping until 2026-11-28 03:24:17 (in 12 min; step 2: sleep#1)",
     )
+    data = {
+        "until": NEVER,
+        "index": 0,
+        "step": "until:invoices",
+        "data": {"collection": "invoices", "ids": ["i-1"], "filter": {"_id": "i-1", "paid": True}},
+    }
+    assert said(doc(waiting=data, next_claim_at=NEVER)) == (
+        "waiting",
+        "data",
+        'waiting until `invoices` holds `{"_id": "i-1", "paid": true}` (step 1: until:invoices), '
+        "no deadline",
+    )
+    wide = data | {"data": data["data"] | {"filter": {"note": "x" * 500}}}
+    assert len(said(doc(waiting=wide, next_claim_at=NEVER))[2]) < 200
     deps = doc(depends_on=["a", "b"], waiting_on=["a", "b"], next_claim_at=None)
     assert said(deps) == ("waiting", "dependencies", "waiting for 2 tasks it depends on: `a`, `b`")
 
