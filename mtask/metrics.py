@@ -198,12 +198,19 @@ class Fetched(Generic[T]):
             return self._value
 
 
-class QueueDepth(Collector):
-    """``mtask_queue_depth{name, status}`` from ``fetch`` (a stats call of the open statuses,
-    pending and running: exact, at the cost of the backlog), ``Fetched``. Finished work is the
+class PerName(Collector):
+    """A gauge of open tasks per name and one more label (``key``: their stored ``status``, or
+    their derived ``state``) from ``fetch``, read through ``Fetched``. Finished work is the
     runs' counters (``mtask_runs_succeeded_total`` …), not a count of the finished tasks kept."""
 
-    def __init__(self, fetch: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+    def __init__(
+        self,
+        metric: str,
+        documentation: str,
+        key: str,
+        fetch: Callable[[], Mapping[str, Mapping[str, int]]],
+    ) -> None:
+        self.metric, self.documentation, self.key = metric, documentation, key
         self.counts: Fetched[Mapping[str, Mapping[str, int]]] = Fetched(fetch, {})
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
@@ -211,20 +218,33 @@ class QueueDepth(Collector):
         yield self._family()
 
     def _family(self) -> GaugeMetricFamily:
-        return GaugeMetricFamily(
-            "mtask_queue_depth", "Open tasks per name and status", labels=["name", "status"]
-        )
+        return GaugeMetricFamily(self.metric, self.documentation, labels=["name", self.key])
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = self._family()
         merged: dict[tuple[str, str], int] = {}
-        for name, by_status in self.counts().items():
-            for status, count in by_status.items():
-                labels = (label(name), label(status))
+        for name, by_key in self.counts().items():
+            for key, count in by_key.items():
+                labels = (label(name), label(key))
                 merged[labels] = merged.get(labels, 0) + count
         for labels, count in sorted(merged.items()):
             family.add_metric(list(labels), count)
         yield family
+
+
+def queue_depth(fetch: Callable[[], Mapping[str, Mapping[str, int]]]) -> PerName:
+    """``mtask_queue_depth{name, status}``: a stats call of the open statuses, pending and
+    running (exact, at the cost of the backlog)."""
+    return PerName("mtask_queue_depth", "Open tasks per name and stored status", "status", fetch)
+
+
+def open_states(fetch: Callable[[], Mapping[str, Mapping[str, int]]]) -> PerName:
+    """``mtask_open_tasks{name, state}``: the open tasks per derived state, as ``mtask stats``,
+    ``GET /stats`` and the dashboard count them (the newest 1,000 pending tasks of a name
+    explained; the rest ``state="pending_not_split"``)."""
+    return PerName(
+        "mtask_open_tasks", "Open tasks per name and derived state (docs/web.md)", "state", fetch
+    )
 
 
 class DueTasks(Collector):
@@ -348,41 +368,51 @@ class LimitUse(Collector):
         yield held
 
 
-_depth: QueueDepth | None = None
-_due: DueTasks | None = None
-_lag: TriggerLag | None = None
-_limits: LimitUse | None = None
+_cluster: dict[str, Collector] = {}
+"""The cluster-wide collectors registered in this process, by metric: one of each."""
 
 
-def register_queue_depth(fetch: Callable[[], Mapping[str, Mapping[str, int]]]) -> QueueDepth:
+def _register(key: str, collector: Collector) -> Collector:
+    """Register ``collector`` under ``key`` (a second call replaces the first)."""
+    former = _cluster.pop(key, None)
+    if former is not None:
+        REGISTRY.unregister(former)
+    REGISTRY.register(collector)
+    _cluster[key] = collector
+    return collector
+
+
+def register_queue_depth(fetch: Callable[[], Mapping[str, Mapping[str, int]]]) -> PerName:
     """Report queue depth from ``fetch`` (one per process: a second call replaces it)."""
-    global _depth
-    if _depth is not None:
-        REGISTRY.unregister(_depth)
-    _depth = QueueDepth(fetch)
-    REGISTRY.register(_depth)
-    return _depth
+    depth = queue_depth(fetch)
+    _register("queue_depth", depth)
+    return depth
+
+
+NOT_SPLIT = "pending_not_split"
+"""The ``state`` label of pending tasks beyond the newest 1,000 of their name, not explained."""
+
+
+def open_state_counts(client: Any) -> Mapping[str, Mapping[str, int]]:
+    """The open tasks per name and derived state, from ``client.state_counts`` (the stored
+    open statuses counted, the newest pending tasks of each name explained)."""
+    split = client.state_counts(statuses=OPEN_STATUSES)
+    counts = {name: dict(row) for name, row in split.counts.items()}
+    for name, rest in split.unsplit.items():
+        counts.setdefault(name, {})[NOT_SPLIT] = rest
+    return counts
 
 
 def register_cluster_metrics(client: Any) -> None:
-    """Export the cluster-wide gauges (queue depth; due tasks and the oldest due age; the
-    triggers' lag; the limits' runs in use) from ``client`` (``stats()``, ``due()``,
-    ``triggers()`` and ``limit_gauges()``). Call it in ONE process per cluster: ``mtask
-    serve``, or a worker started with ``--cluster-metrics``."""
-    global _due, _lag, _limits
+    """Export the cluster-wide gauges (queue depth by status and by state; due tasks and the
+    oldest due age; the triggers' lag; the limits' runs in use) from ``client`` (``stats()``,
+    ``state_counts()``, ``due()``, ``triggers()`` and ``limit_gauges()``). Call it in ONE
+    process per cluster: ``mtask serve``, or a worker started with ``--cluster-metrics``."""
     register_queue_depth(functools.partial(client.stats, statuses=OPEN_STATUSES))
-    if _due is not None:
-        REGISTRY.unregister(_due)
-    _due = DueTasks(client.due)
-    REGISTRY.register(_due)
-    if _lag is not None:
-        REGISTRY.unregister(_lag)
-    _lag = TriggerLag(client.triggers)
-    REGISTRY.register(_lag)
-    if _limits is not None:
-        REGISTRY.unregister(_limits)
-    _limits = LimitUse(client.limit_gauges)
-    REGISTRY.register(_limits)
+    _register("open_states", open_states(functools.partial(open_state_counts, client)))
+    _register("due", DueTasks(client.due))
+    _register("lag", TriggerLag(client.triggers))
+    _register("limits", LimitUse(client.limit_gauges))
 
 
 class _Quiet(WSGIRequestHandler):

@@ -225,7 +225,11 @@ class Reading:
         return (yield from cluster.search(wanted, self.core.clock.now(), **filters))
 
     @operation
-    def state_counts(self, *, exact: bool = False) -> Op[cluster.StateCounts]:
+    def state_counts(
+        self, *, exact: bool = False, statuses: Sequence[str] | None = None
+    ) -> Op[cluster.StateCounts]:
         """Tasks per name and derived state (``store.cluster.state_counts``); ``exact``: the
-        finished ones counted exactly, at a cost that grows with the collection."""
-        return (yield from cluster.state_counts(self.core.clock.now(), exact=exact))
+        finished ones counted exactly, at a cost that grows with the collection; ``statuses``:
+        only the tasks of those stored statuses."""
+        now = self.core.clock.now()
+        return (yield from cluster.state_counts(now, exact=exact, statuses=statuses))

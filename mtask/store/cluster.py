@@ -390,13 +390,18 @@ class StateCounts:
 
 
 def state_counts(
-    now: dt.datetime, split_up_to: int = SPLIT_UP_TO, *, exact: bool = False
+    now: dt.datetime,
+    split_up_to: int = SPLIT_UP_TO,
+    *,
+    exact: bool = False,
+    statuses: Sequence[str] | None = None,
 ) -> Op[StateCounts]:
     """Tasks per name and derived state: the stored counts (``counts.stats``: open ones
     exactly, finished ones up to a bound), the newest ``split_up_to`` pending tasks of each name
     read and explained. Costs what the backlog costs, at most ``split_up_to`` documents a
-    name. ``exact``: the finished ones counted exactly (``counts.stats``)."""
-    stored = yield from stats(exact=exact)
+    name. ``exact``: the finished ones counted exactly (``counts.stats``); ``statuses``: count
+    only the tasks of those stored statuses (``OPEN_STATUSES``: the open states alone)."""
+    stored = yield from stats(statuses, exact=exact)
     pending = [n for n, row in stored.items() if row.get(TaskStatus.PENDING.value)]
     calls = [
         Call(

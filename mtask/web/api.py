@@ -496,17 +496,17 @@ async def stats(
     by: Annotated[
         Literal["status", "state"],
         Query(
-            description="`state`: per derived state (docs/web.md); the newest 1,000 pending "
-            "tasks of each name are split, the rest named in the `Mtask-Pending-Not-Split` "
-            "header"
+            description="`state` (the default): per derived state, as every reader says it "
+            "(docs/web.md); the newest 1,000 pending tasks of each name are split, the rest "
+            "named in the `Mtask-Pending-Not-Split` header. `status`: per stored status"
         ),
-    ] = "status",
+    ] = "state",
 ) -> dict[str, dict[str, int]]:
-    """Task counts per name and status. Open tasks are counted exactly; finished ones exactly up
-    to 1,000 per name and status, and above that as 1,001, a lower bound (named in the
-    ``Mtask-Counts-At-Least`` header), unless ``exact``. ``by=state``: per derived state."""
+    """Task counts per name and derived state (``by=status``: per stored status). Open tasks are
+    counted exactly; finished ones exactly up to 1,000 per name and status, and above that as
+    1,001, a lower bound (named in the ``Mtask-Counts-At-Least`` header), unless ``exact``."""
     if by == "state":
-        split = await client.state_counts()
+        split = await client.state_counts(exact=exact)
         counts, at_least = split.counts, split.stored.at_least
         if split.unsplit:
             response.headers[NOT_SPLIT_HEADER] = ",".join(

@@ -62,6 +62,8 @@ def test_a_worker_serves_its_metrics(mongo_uri: str, db_name: str, client: TaskC
     assert 'mtask_due_tasks{name="nobody_runs_this"} 1.0' in text
     # the queue depth is the open tasks (finished work is the runs' counters above)
     assert 'mtask_queue_depth{name="nobody_runs_this",status="pending"} 1.0' in text
+    # the same task by derived state, as mtask stats says it: no live worker handles its name
+    assert 'mtask_open_tasks{name="nobody_runs_this",state="blocked"} 1.0' in text
     assert 'status="succeeded"' not in text and 'status="failed"' not in text
     assert 'mtask_oldest_due_age_seconds{name="nobody_runs_this"}' in text
     assert 'mtask_due_tasks{name="add"}' not in text  # nothing of it is due any more
@@ -88,6 +90,7 @@ def test_only_a_worker_asked_to_exports_the_cluster_gauges(
             time.sleep(0.2)
             text = scrape(port) or ""
     assert "mtask_queue_depth" not in text and "mtask_due_tasks" not in text
+    assert "mtask_open_tasks" not in text
     assert "mtask_limit_runs_in_use" not in text
     check_metrics(text)
 

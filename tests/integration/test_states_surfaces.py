@@ -1,4 +1,4 @@
-"""A task explains itself (issue 65), against a real worker process: tasks in every derived state
+"""A task explains itself, against a real worker process: tasks in every derived state
 and every blocked reason (``tests/states_scenario.py``), read through the client,
 the REST API (``state``, ``why``, ``reason``; ``?state=``; ``/stats?by=state``;
 ``/limits?use=true``) and the CLI at 80 columns (``get``, ``list --state``, ``limits``); the
@@ -19,7 +19,7 @@ from harness import run_cli, worker_process
 from pymongo import MongoClient
 
 from mtask import TaskClient
-from mtask.explain.states import STATES
+from mtask.explain.states import OPEN_STATES, STATES
 from mtask.web import create_app
 from mtask.web.schemas import DerivedState
 
@@ -161,7 +161,8 @@ def test_the_cli_at_80_columns(mongo_uri: str, states_db: str) -> None:
 def test_every_reader_says_the_same_states(mongo_uri: str, states_db: str) -> None:
     """One vocabulary over the scenario that holds every state: ``list``, ``get``, ``flow``
     (each task's node), ``stats`` and ``top`` say the derived states the client explains,
-    and ``stats`` counts them as the REST API does."""
+    and ``stats`` counts them as the REST API's ``/stats`` and the ``mtask_open_tasks`` gauge
+    do."""
     common = ("--uri", mongo_uri, "--database", states_db)
     with TaskClient(mongo_uri, database=states_db) as client:
         tasks = client.list(limit=1000)
@@ -184,6 +185,14 @@ def test_every_reader_says_the_same_states(mongo_uri: str, states_db: str) -> No
         counted.update(row)
     assert counted == Counter(e.state.value for e in said.values())
     assert {n: dict(r) for n, r in split.counts.items()} == json.loads(out)
+    with TestClient(create_app(mongo_uri, database=states_db, token=TOKEN)) as api:
+        assert api.get("/stats", headers=AUTH).json() == json.loads(out)  # by state, the default
+        metrics = api.get("/metrics", headers=AUTH).text
+    gauged: Counter[str] = Counter()
+    for line in metrics.splitlines():
+        if line.startswith("mtask_open_tasks{"):
+            gauged[line.split('state="')[1].split('"')[0]] += int(float(line.rsplit(" ", 1)[1]))
+    assert gauged == Counter(e.state.value for e in said.values() if e.state in OPEN_STATES)
     for argv in (("top", "--iterations", "1"), ("stats",)):  # ten states: a name a line at 80
         code, out, _ = cli(*argv, *common)
         assert code == 0 and "pending" not in out and "…" not in out, out
