@@ -9,7 +9,6 @@ open task: the delete's own filter names the finished statuses. Bad input exits 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import sys
 from typing import Any
 
@@ -140,12 +139,27 @@ def cmd_retention(args: argparse.Namespace) -> int:
     for doc in docs:
         shown = (f"{s} {_shown(doc.get(f'{s}_ms'))}" for s in values)
         out.print(f"{doc['_id']}: {', '.join(shown)}", markup=False)
+    out.print(_built_in(bool(docs)), markup=False)
     return 0
 
 
+def _built_in(any_set: bool) -> str:
+    """The line under the table: the built-in defaults, which apply where nothing is set."""
+    from mtask.models import DEFAULT_KEEP_MS
+
+    kept = ", ".join(f"{s} {_shown(ms)}" for s, ms in DEFAULT_KEEP_MS.items())
+    head = "elsewhere" if any_set else "no retention set: every name keeps"
+    return f"{head} the built-in defaults: {kept}; invalid ones until purged"
+
+
 def _shown(ms: Any) -> str:
+    """A retention as it is written: ``7d``, ``12h``, ``90m``, ``45s``, ``forever``, ``-``."""
     if ms is None:
         return "-"
     if ms == _forever():
         return "forever"
-    return str(dt.timedelta(milliseconds=ms))
+    seconds = int(ms) // 1000
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s" if int(ms) % 1000 == 0 else f"{int(ms)}ms"

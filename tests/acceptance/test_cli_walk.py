@@ -1,9 +1,9 @@
 """Every command the README and docs/cli-reference.md show runs: each command of the reference
-answers ``--help`` (exit 0, no traceback), and each ``mtask`` line of the README's shell blocks
-runs, with real arguments, as a process against a real worker process and mongod, exiting 0
-without a traceback (the long-running ones in their bounded forms: ``top --iterations 1``,
-``logs --follow`` of a finished task; ``serve`` and ``mongod start`` have tests of their own,
-named in ``ELSEWHERE``)."""
+answers ``--help`` (exit 0, no traceback) and runs with real arguments, and each ``mtask`` line of
+the README's shell blocks runs, as a process against a real worker process and mongod, exiting
+0 without a traceback (the long-running ones in their bounded forms: ``top --iterations 1``,
+``logs --follow`` of a finished task; ``serve``, ``demo``, ``mongod`` and ``worker stop`` have
+tests of their own, named in ``ELSEWHERE`` and ``REFERENCE_ELSEWHERE``)."""
 
 from __future__ import annotations
 
@@ -67,6 +67,49 @@ ELSEWHERE = {
 }
 
 
+REFERENCE_RUNS: dict[str, list[list[str]]] = {  # each reference command: what runs, in order
+    "mtask cancel": [["cancel", "walk-nap"], ["cancel", "--name", "nap", "--dry-run"]],
+    "mtask retry": [["retry", "walk-nap"]],
+    "mtask step check": [["step", "check", "workerapp:registry"]],
+    "mtask step rename": [
+        ["step", "rename", "walk-steps", "charge", "charged"],
+        ["step", "rename", "walk-steps", "charged", "charge"],
+    ],
+    "mtask step drop": [["step", "drop", "walk-steps", "charge"]],
+    "mtask step reset": [["step", "reset", "walk-steps", "wait:approved"]],
+    "mtask limits": [["limits"]],
+    "mtask schedule": [
+        ["schedule", "list"],
+        ["schedule", "pause", "nightly"],
+        ["schedule", "resume", "nightly"],
+        ["schedule", "remove", "nightly"],
+    ],
+    "mtask flow": [["flow", "walk-steps"]],
+    "mtask triggers": [["triggers"], ["triggers", "list"]],
+    "mtask purge": [["purge", "--dry-run"], ["purge", "--key", "walk-done", "--yes"]],
+    "mtask retention": [["retention"], ["retention", "nap", "--succeeded", "2d"]],
+    "mtask collection init": [["collection", "init", "--operator-indexes"]],
+    "mtask collection roles": [["collection", "roles"]],
+    "mtask collection key": [["collection", "key", "--key-file", "{master_key}"]],
+}
+"""The commands of docs/cli-reference.md that the README does not run, with real arguments;
+each runs against the walk's worker and mongod, in this order (after the README's lines)."""
+LOCAL_RUNS: dict[str, list[list[str]]] = {  # no MongoDB: no --uri
+    "mtask completion": [["completion", "bash"], ["completion", "zsh"]],
+    "mtask collection schema": [["collection", "schema"], ["collection", "schema", "validator"]],
+}
+REFERENCE_ELSEWHERE = {
+    "mtask serve": ELSEWHERE["mtask serve"],
+    "mtask demo": "tests/acceptance/test_process.py::test_demo_runs_and_preempts",
+    "mtask mongod": ELSEWHERE["mtask mongod start --data-dir DIR"],
+    "mtask worker stop": ELSEWHERE["mtask worker stop HOST:PID:ID"],
+    "mtask worker run": "the walk's own worker (harness.spawn_worker runs mtask worker run)",
+    "mtask-worker": "tests/acceptance/test_install.py runs the installed script",
+}
+GROUPS = {"mtask step", "mtask worker", "mtask collection"}
+"""Commands that only name their subcommands (each run above)."""
+
+
 def readme_lines() -> list[str]:
     """Each ``mtask`` line of the README's shell blocks, its comment cut."""
     found = []
@@ -85,6 +128,27 @@ def test_every_readme_command_has_its_run() -> None:
     assert not missing, f"README commands this test does not run: {missing}"
 
 
+def readme_commands() -> set[str]:
+    """The reference commands the README's lines run (``mtask schedule add`` is ``mtask
+    schedule``)."""
+    names = {name for name, _, _ in commands(build_parser())}
+    ran = set()
+    for argv in [*RUN_AS.values(), *THEN.values()]:
+        for n in (2, 1):
+            if len(argv) >= n and "mtask " + " ".join(argv[:n]) in names:
+                ran.add("mtask " + " ".join(argv[:n]))
+                break
+    return ran
+
+
+def test_every_reference_command_has_a_real_run() -> None:
+    names = [name for name, _, _ in commands(build_parser())]
+    covered = readme_commands() | set(REFERENCE_RUNS) | set(LOCAL_RUNS) | set(REFERENCE_ELSEWHERE)
+    missing = [n for n in names if n not in covered and n not in GROUPS]
+    assert not missing, f"reference commands no test runs with real arguments: {missing}"
+    assert not (set(REFERENCE_RUNS) | set(LOCAL_RUNS)) - set(names), "a run of no command"
+
+
 @pytest.mark.parametrize("name", [name for name, _, _ in commands(build_parser())])
 def test_every_reference_command_answers_help(name: str) -> None:
     words = name.split()[1:]
@@ -93,9 +157,11 @@ def test_every_reference_command_answers_help(name: str) -> None:
     assert done.value.code == 0, name
 
 
-def _run(argv: list[str], uri: str, db: str) -> subprocess.CompletedProcess[str]:
+def _run(argv: list[str], uri: str | None, db: str) -> subprocess.CompletedProcess[str]:
+    where = ["--uri", uri, "--database", db] if uri is not None else []
     return subprocess.run(
-        [sys.executable, "-m", "mtask", *argv, "--uri", uri, "--database", db],
+        [sys.executable, "-m", "mtask", *argv, *where],
+        cwd=ROOT / "tests",
         capture_output=True,
         text=True,
         timeout=90,
@@ -120,3 +186,51 @@ def test_every_readme_command_runs_against_a_worker(
         assert not failures, failures
         wait_until(lambda: client.get("order-9").status.value == "succeeded")  # type: ignore[union-attr]
     assert client.get("greet-1").result == 3  # type: ignore[union-attr]
+
+
+def _failed(done: subprocess.CompletedProcess[str]) -> bool:
+    return done.returncode != 0 or "Traceback" in done.stdout + done.stderr
+
+
+def test_every_reference_command_runs_against_a_worker(
+    mongo_uri: str, db_name: str, client: TaskClient, tmp_path: Path
+) -> None:
+    """The reference's commands the README does not show, each with real arguments, against a
+    worker process: a parked workflow (``walk-steps``: its step ``charge`` recorded, waiting for
+    ``approved``) for the step commands and flow, a sleeping task (``walk-nap``) to cancel,
+    retry, a finished one to purge, the README's schedule to list, pause, resume and remove."""
+    master_key = tmp_path / "master.key"
+    master_key.write_bytes(bytes(range(96)))
+    client.publish("await_approval", "walk-steps", {"order": 1})
+    client.publish("nap", "walk-nap", {"seconds": 3600})
+    client.publish("add", "walk-done", {"a": 1, "b": 1})
+    failures: list[Any] = []
+    with worker_process(mongo_uri, db_name, "--concurrency", "2"):
+        wait_until(lambda: client.get("walk-steps").waiting is not None)  # type: ignore[union-attr]
+        wait_until(lambda: client.get("walk-nap").waiting is not None)  # type: ignore[union-attr]
+        wait_until(lambda: client.get("walk-done").status.value == "succeeded")  # type: ignore[union-attr]
+        schedule = ["schedule", "add", "nightly", "cleanup", "--cron", "0 3 * * *"]
+        assert not _failed(_run(schedule, mongo_uri, db_name))
+        for name, runs in REFERENCE_RUNS.items():
+            for argv in runs:
+                filled = [a.format(master_key=master_key) for a in argv]
+                done = _run(filled, mongo_uri, db_name)
+                if _failed(done):
+                    failures.append(
+                        (name, filled, done.returncode, done.stdout[-800:], done.stderr)
+                    )
+        for name, runs in LOCAL_RUNS.items():
+            for argv in runs:
+                done = _run(argv, None, db_name)
+                if _failed(done) or not done.stdout:
+                    failures.append((name, argv, done.returncode, done.stdout[-800:], done.stderr))
+        assert not failures, failures
+        # what the runs did, read back: the step reset reopened the wait (charge kept), the
+        # nap's retry after its cancel, the schedule gone, the retention set
+        walk = client.get("walk-steps")
+        assert walk is not None and walk.status.value == "pending", walk
+        nap = client.get("walk-nap")
+        assert nap is not None and nap.status.value in ("pending", "running"), nap
+    assert client.get("walk-done") is None  # purged
+    assert "nightly" not in {s["_id"] for s in client.schedules()}
+    assert "nap" in {r["_id"] for r in client.retention()}

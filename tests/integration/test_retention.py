@@ -248,7 +248,15 @@ def test_mtask_purge_counts_asks_and_refuses_bad_input(
     assert main(["purge", "--yes", "--json", *common]) == 0
     assert capsys.readouterr().out.strip() == '{"matched": 2, "removed": 2}'
     assert [t.key for t in tc.list()] == ["k2"]
+    assert main(["retention", *common]) == 0
+    assert capsys.readouterr().out.strip() == (
+        "no retention set: every name keeps the built-in defaults: succeeded 7d, failed 30d, "
+        "cancelled 7d; invalid ones until purged"
+    )
     assert main(["retention", "n", "--succeeded", "12h", "--failed", "forever", *common]) == 0
+    assert (
+        capsys.readouterr().out.splitlines()[0] == "n: succeeded 12h, failed forever, cancelled -"
+    )
     assert main(["retention", "n", "--succeeded", "often", *common]) == 2
     [doc] = tc.retention()
     assert (doc["succeeded_ms"], doc["failed_ms"], doc["cancelled_ms"]) == (43_200_000, -1, None)
