@@ -30,6 +30,7 @@ blocks it goes (a slot freed, a lock given up, a name resumed): the claim decide
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -303,11 +304,16 @@ def backed_off(task: Task) -> str | None:
     return said if said.startswith("backed off ") else None
 
 
+HELD_UNTIL = re.compile(r" until \d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(\+00:00| UTC)?")
+"""The end of a hold in a back-off's stored sentence (the time once written as ISO 8601)."""
+
+
 def _released(task: Task, backed: str, due: dt.datetime, now: dt.datetime) -> str:
     """What a task its handler's ``BackOff`` released says: what it held, until when, how
     often it did of how often it may."""
     cap = task.options.max_backoffs
     of = f" of at most {cap} (max_backoffs)" if cap is not None else ""
+    backed = HELD_UNTIL.sub("", backed, count=1)  # said once, as "due again at"
     return (
         f"released: {backed}; due again at {when(due)} ({relative(due, now)}); "
         f"{plural(task.backoffs or 1, 'back-off')}{of}, no retry spent"

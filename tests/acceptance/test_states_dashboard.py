@@ -1,4 +1,4 @@
-"""A task explains itself on the dashboard (issue 65), in headless Chromium with a real worker
+"""A task explains itself on the dashboard, in headless Chromium with a real worker
 process: every derived state and every blocked reason as stated on the overview (its totals),
 in the task list (filtered by each state) and on each task's page (its badge and its reason),
 at 1280 and 390 px, JavaScript on and off, light and dark, never scrolling sideways; the
@@ -36,12 +36,12 @@ SHOTS = {  # the pages kept as screenshots, by the name they are kept under
     "tasks": "/ui/tasks",
     "blocked": "/ui/tasks?state=blocked",
     "limits": "/ui/limits",
-    "task-group": "/ui/tasks/acme-3",
-    "task-signal": "/ui/tasks/order-1",
-    "task-retrying": "/ui/tasks/retry-1",
-    "task-failed": "/ui/tasks/fail-1",
-    "task-succeeded-on-retry": "/ui/tasks/flaky-1",
-    "task-no-worker": "/ui/tasks/img-1",
+    **{  # the task page of each state and reason: task-blocked-group, task-running …
+        f"task-{state}" + (f"-{why}" if why else "") + ("-on-retry" if key == "flaky-1" else ""): (
+            f"/ui/tasks/{key}"
+        )
+        for key, (state, why, _) in scenario.EXPECTED.items()
+    },
 }
 
 

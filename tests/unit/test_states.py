@@ -9,6 +9,7 @@ import datetime as dt
 from typing import Any
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import given
 from hypothesis import settings as hsettings
 
@@ -110,6 +111,19 @@ def test_a_failed_run_waiting_for_its_backoff_is_retrying() -> None:
         "attempt 1 failed: RuntimeError: upstream 503; attempt 2 of 4 at 2026-11-28 03:24:17 "
         "(in 12 min)"
     )
+
+
+@pytest.mark.parametrize("until", ["2026-11-28 03:24:17 UTC", "2026-11-28T03:24:17+00:00"])
+def test_a_task_its_backoff_released_says_when_once(until: str) -> None:
+    backed = f"backed off group `globex` of `add` until {until}, by its handler: 429"
+    released = run("RELEASED", finished_at=EARLIER, error=backed)
+    state, why, reason = said(doc(runs=[released], attempts=1, backoffs=1, next_claim_at=LATER))
+    assert (state, why) == ("scheduled", "backoff")
+    assert reason.startswith(
+        "released: backed off group `globex` of `add`, by its handler: 429; due again at "
+        "2026-11-28 03:24:17 (in 12 min); 1 back-off"
+    )
+    assert reason.count("03:24:17") == 1
 
 
 def test_waiting_for_a_signal_a_sleep_or_dependencies() -> None:

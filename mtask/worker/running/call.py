@@ -129,7 +129,10 @@ class HeldOutputs(Protocol):
 
 def backed_off(exc: BackOff, name: str, group: str | None, until: Any) -> str:
     """What a run ended by ``BackOff`` says (kept on the run, read by ``explain``): ``backed
-    off group `globex` of `send_email` until 2026-…, by its handler: 429 from the provider``."""
+    off group `globex` of `send_email` until 2026-11-28 03:12:17 UTC, by its handler: 429 from the
+    provider``."""
+    from mtask.explain.wording import when
+
     if exc.resource is not None:
         whose = f"resource `{exc.resource}`"
     elif exc.group:
@@ -137,7 +140,7 @@ def backed_off(exc: BackOff, name: str, group: str | None, until: Any) -> str:
     else:
         whose = f"`{name}`"
     reason = str(exc) if str(exc) and str(exc) != "backing off" else ""
-    said = f"backed off {whose} until {until.isoformat(timespec='seconds')}, by its handler"
+    said = f"backed off {whose} until {when(until)} UTC, by its handler"
     return f"{said}: {reason}" if reason else said
 
 
