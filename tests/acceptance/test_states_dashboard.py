@@ -120,6 +120,10 @@ def test_every_state_and_reason_on_the_dashboard(
                     r"acme-1 holds it, running [\d.]+ (ms|s|min) on \S+; 1 ahead of this one"
                 )
             )
+            page.goto(url + "/ui/tasks/bad-1")  # said once, no count the document lacks
+            assert page.locator("#invalid-reason").count() == 0
+            expect(page.locator("#facts")).to_contain_text("holds no count of its attempts")
+            assert "None" not in page.locator("#facts").inner_text()
             page.goto(url + "/ui/tasks/flaky-1")  # succeeded on its second attempt
             assert page.locator("#error").count() == 0  # no error on top
             expect(page.locator("#runs")).to_contain_text("RuntimeError: upstream 503")
