@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -82,9 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     chosen = args.only.split(",") if args.only else list(WORKLOADS)
     if "W1" in chosen and "W0" not in chosen:
         chosen.insert(0, "W0")
+    took: dict[str, float] = {}
     for key in chosen:
+        started = time.monotonic()
         WORKLOADS[key](bench)
+        took[key] = time.monotonic() - started
     bench.report(Path(args.output), args.quick)
+    console.print("took: " + ", ".join(f"{k} {s:.0f} s" for k, s in took.items()))
     return 0
 
 

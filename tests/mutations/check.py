@@ -17,12 +17,14 @@ tests/mutations/check.py`` (``--only NAME`` for one); ``.ci/run`` runs it before
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from xml.etree import ElementTree
@@ -211,11 +213,14 @@ class Verdicts:
     tail: str
 
 
-def pytest_run(tree: Path, tests: tuple[str, ...], stop_at_first: bool) -> Verdicts:
+def pytest_run(
+    tree: Path, tests: tuple[str, ...], stop_at_first: bool, processes: int = 0
+) -> Verdicts:
     report = tree / f"report-{time.monotonic_ns()}.xml"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests")])}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", *(["-x"] if stop_at_first else []), "-n", "0",
+        [sys.executable, "-m", "pytest", "-q", *(["-x"] if stop_at_first else []),
+         "-n", str(processes),
          "-p", "no:cacheprovider", f"--junitxml={report}", *tests],
         cwd=tree,
         env=env,
@@ -249,7 +254,7 @@ def baseline(mutations: list[Mutation]) -> None:
         tree = Path(tmp)
         copy_tree(tree)
         started = time.monotonic()
-        verdicts = pytest_run(tree, tests, stop_at_first=False)
+        verdicts = pytest_run(tree, tests, stop_at_first=False, processes=3)  # as the suite
     bad = verdicts.failed + verdicts.broken
     if bad or not verdicts.passed:
         raise SystemExit(
@@ -284,7 +289,33 @@ def main() -> int:
     )
     args = parser.parse_args()
     chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
-    if not args.skip_baseline:
+    with shared_mongod():
+        return check(chosen, baseline_first=not args.skip_baseline)
+
+
+@contextlib.contextmanager
+def shared_mongod() -> Iterator[None]:
+    """One embedded mongod for every run's tests (``MTASK_TEST_MONGODB_URI``, which the tests'
+    ``mongo_uri`` fixture takes; each test has a database of its own), unless one is given:
+    each run started its own before, a few seconds a run."""
+    if os.environ.get("MTASK_TEST_MONGODB_URI"):
+        yield
+        return
+    from mtask.embedded import EmbeddedMongo
+
+    with tempfile.TemporaryDirectory(prefix="mutants-mongod-") as data:
+        server = EmbeddedMongo(Path(data))
+        os.environ["MTASK_TEST_MONGODB_URI"] = server.start()
+        try:
+            yield
+        finally:
+            del os.environ["MTASK_TEST_MONGODB_URI"]
+            server.stop()
+
+
+def check(chosen: list[Mutation], *, baseline_first: bool) -> int:
+    """Each mutation's verdict printed; 1 if one survived."""
+    if baseline_first:
         baseline(chosen)
     survived = []
     for mutation in chosen:
