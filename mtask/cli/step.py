@@ -101,18 +101,19 @@ def _check(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
     if args.json:
         print_json(report.to_document())
-        return EXIT_FAILED if report.mismatches else 0
+        return EXIT_FAILED if report.bad else 0
     _print_report(report)
-    return EXIT_FAILED if report.mismatches else 0
+    return EXIT_FAILED if report.bad else 0
 
 
 def _print_report(report: Any) -> None:
     from rich.table import Table
 
-    table = Table("name", "parked", "clean", "mismatch", "error", "unchecked")
+    table = Table("name", "parked", "clean", "mismatch", "error", "unchecked", "orphaned")
     for name, named in sorted(report.names.items()):
         c = named.counts
-        cells = (named.parked, c["clean"], c["mismatch"], c["error"], c["unchecked"])
+        kinds = ("clean", "mismatch", "error", "unchecked", "orphaned")
+        cells = (named.parked, *(c[k] for k in kinds))
         add_row(table, name, *(str(n) for n in cells))
     out.print(table)
     for named in report.names.values():

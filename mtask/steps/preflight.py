@@ -49,7 +49,9 @@ from mtask.steps import RunSteps, SignalTimeout, StepError, StepMismatch, comple
 from mtask.steps.children import ChildFailed
 from mtask.store.parked import PAGE
 
-OUTCOMES = ("clean", "mismatch", "error", "unchecked")
+OUTCOMES = ("clean", "mismatch", "error", "unchecked", "orphaned")
+"""``orphaned``: a parked task of a name the new registry no longer has (no worker of it would
+ever run it again)."""
 
 
 class Frontier(BaseException):
@@ -280,6 +282,17 @@ class Report:
     def mismatches(self) -> int:
         return sum(r.counts["mismatch"] for r in self.names.values())
 
+    @property
+    def orphaned(self) -> int:
+        """The parked tasks of names the new registry no longer has."""
+        return sum(r.counts["orphaned"] for r in self.names.values())
+
+    @property
+    def bad(self) -> bool:
+        """Whether the deploy would strand a parked task: one would mismatch, or no handler of
+        its name is left."""
+        return bool(self.mismatches or self.orphaned)
+
     def to_document(self) -> Doc:
         return {
             "seconds": round(self.seconds, 3),
@@ -306,6 +319,8 @@ def alarm(seconds: float, handler: Callable[[int, Any], None]) -> None:
 class Pages(Protocol):
     def parked(self, name: str, after: tuple[Any, Any] | None = None) -> list[Doc]: ...
 
+    def names(self) -> list[str]: ...
+
 
 def check(
     client: Pages,
@@ -316,9 +331,10 @@ def check(
     examples: int = 10,
 ) -> Report:
     """The parked tasks of ``registry``'s names (or of ``names`` among them), each replayed dry
-    by the handlers ``registry`` (``module:attribute``) names, in a sandbox process. Reads
-    page by page (``client.parked``); writes nothing. ``RegistryNotFound`` if the sandbox
-    cannot import it."""
+    by the handlers ``registry`` (``module:attribute``) names, in a sandbox process; and those
+    of the names in the collection the registry no longer has (``orphaned``: none would run
+    again). Reads page by page (``client.parked``); writes nothing. ``RegistryNotFound`` if
+    the sandbox cannot import it."""
     started = time.monotonic()
     report = Report(examples=examples)
     with _sandbox(registry, timeout) as (proc, verdicts):
@@ -332,6 +348,10 @@ def check(
         for doc in verdicts:
             report.add(Verdict.from_document(doc))
         feeder.join()
+        gone = [n for n in client.names() if n not in hello["names"]]
+        for name in gone if names is None else [n for n in gone if n in set(names)]:
+            for verdict in _orphans(client, name):
+                report.add(verdict)
     if failed:  # reading the tasks failed (MongoDB away): the report would be short
         raise failed[0]
     if proc.returncode:
@@ -339,6 +359,19 @@ def check(
         raise MtaskError(f"the preflight's sandbox failed (exit {proc.returncode}): {said}")
     report.seconds = time.monotonic() - started
     return report
+
+
+def _orphans(client: Pages, name: str) -> Iterator[Verdict]:
+    """The parked tasks of ``name``, a name the new registry has no handler of."""
+    detail = "no handler of this name in the new registry: no worker would run it again"
+    after = None
+    while True:
+        page = client.parked(name, after)
+        for doc in page:
+            yield Verdict(str(doc["_id"]), name, "orphaned", None, detail)
+        if len(page) < PAGE:
+            return
+        after = (page[-1].get("created_at"), page[-1]["_id"])
 
 
 def _tail(log: Any) -> str:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import workflowapp
-from harness import running_worker
+from harness import run_cli, running_worker
 from pymongo import MongoClient
 
 from mtask import AsyncTaskClient, TaskClient
@@ -54,7 +55,13 @@ async def test_a_patch_marker_keeps_parked_tasks_on_the_old_branch(
 
     # before the deploy of version 2: its marker keeps the parked task replaying
     v2 = await asyncio.to_thread(check, client, "workflowapp:v2")
-    assert v2.names["ship_order"].counts == {"clean": 1, "mismatch": 0, "error": 0, "unchecked": 0}
+    assert v2.names["ship_order"].counts == {
+        "clean": 1,
+        "mismatch": 0,
+        "error": 0,
+        "unchecked": 0,
+        "orphaned": 0,
+    }
 
     async with running_worker(workflowapp.v2, mongo_uri, db_name) as (_, events):
         await aclient.publish("ship_order", "new", {})
@@ -110,7 +117,7 @@ async def test_the_preflight_writes_nothing_and_refuses_io_between_steps(
     report = await asyncio.to_thread(check, client, "workflowapp:v3", ["leaky"])
     assert _writes(mongo, db_name) == []
     leaky = report.names["leaky"]
-    assert leaky.counts == {"clean": 1, "mismatch": 0, "error": 0, "unchecked": 2}
+    assert leaky.counts == {"clean": 1, "mismatch": 0, "error": 0, "unchecked": 2, "orphaned": 0}
     said = {v.key: v.detail for v in leaky.examples}
     assert "socket" in said["connects"] and "open" in said["writes"]
     with pytest.raises(RegistryNotFound, match="cannot import"):
@@ -141,9 +148,39 @@ async def test_the_preflight_at_a_smaller_scale(
         "mismatch": 0,
         "error": 0,
         "unchecked": 0,
+        "orphaned": 0,
     }
     report = await asyncio.to_thread(check, client, "workflowapp:v3", ["ship_order"])
     assert report.names["ship_order"].counts["mismatch"] == 2000
+
+
+async def test_the_preflight_names_parked_tasks_whose_name_is_gone(
+    client: TaskClient, mongo_uri: str, db_name: str, mongo: MongoClient[dict[str, Any]]
+) -> None:
+    """24 tasks parked under a name the new registry no longer has would never run again:
+    the check counts them as ``orphaned``, names them, and exits 1 (a bad deploy), as for a
+    mismatch; with ``--name`` of another name it leaves them out."""
+    now = client.now()
+    step = _entry("charge", "call", "done", now, result=1)
+    wait = _entry("wait:go", "signal", "waiting", now, signal="go", nth=0)
+    docs = [{**_parked(f"gone{i:02}", [step, wait], now), "name": "retired"} for i in range(24)]
+    docs.append(_parked("kept", [step, wait], now))
+    mongo[db_name]["tasks"].insert_many(docs)
+    report = await asyncio.to_thread(check, client, "workflowapp:v2")
+    assert report.names["retired"].counts["orphaned"] == 24 and report.orphaned == 24
+    assert report.names["ship_order"].counts["clean"] == 1 and report.bad
+    said = report.names["retired"].examples[0]
+    assert said.outcome == "orphaned" and "no handler of this name" in said.detail
+    common = ("--uri", mongo_uri, "--database", db_name)
+    code, out, err = await asyncio.to_thread(
+        run_cli, "step", "check", "workflowapp:v2", *common, width=200
+    )
+    assert code == 1, (out, err)
+    assert "orphaned: gone23: no handler of this name" in out and "25 parked task(s)" in out
+    code, out, _ = await asyncio.to_thread(
+        run_cli, "step", "check", "workflowapp:v2", "--name", "ship_order", "--json", *common
+    )
+    assert code == 0 and "retired" not in json.loads(out)["names"], out
 
 
 def _entry(name: str, kind: str, state: str, at: dt.datetime, **more: Any) -> dict[str, Any]:

@@ -165,7 +165,7 @@ async def test_the_cli_and_the_api_change_a_parked_journal(
     assert code == 1, out  # a task would mismatch
     assert "mismatch: s1 at step 2" in out and "nothing written" in out
     code, out, _ = await asyncio.to_thread(
-        run_cli, "step", "check", "workflowapp:v2", "--json", *common
+        run_cli, "step", "check", "workflowapp:v2", "--name", "ship_order", "--json", *common
     )
     assert code == 0 and json.loads(out)["names"]["ship_order"]["clean"] == 1
     code, _, err = await asyncio.to_thread(run_cli, "step", "check", "nowhere:app", *common)
