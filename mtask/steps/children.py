@@ -164,7 +164,13 @@ def spawn_plan(
         return (yield from _replayed(journal, step, prior))
     entry = journal.entry(step, "children", prior, journal.store.now())
     entry["total"] = len(specs)
-    waiting = Suspended(Wait(index, None, NEVER, children=step))
+    tag = _tag(prior, step)
+    if prior is None:  # a spawn of this step's name before (a retry, a reset): new children
+        earlier: list[Doc] = yield _Io(lambda: journal.store.children(step))
+        if earlier:
+            tag = entry["tag"] = generation(step, journal.run_id)
+            specs = build(parent, tag, children)
+    waiting = Suspended(Wait(index, None, NEVER, children=tag))
     if prior is None:
         entry["state"] = "waiting"
         yield _Io(lambda: journal.store.spawn(index, entry, specs))
@@ -175,12 +181,28 @@ def spawn_plan(
             f"step {step!r} spawned {prior.get('total')} children; this run asks for "
             f"{len(specs)}: the children must be the recorded ones"
         )
-    found: list[Doc] = yield _Io(lambda: journal.store.children(step))
+    if tag != step:
+        specs = build(parent, tag, children)
+    found: list[Doc] = yield _Io(lambda: journal.store.children(tag))
     if len(found) < len(specs):  # the run that spawned them died before it published all
-        yield _Io(lambda: journal.store.publish(step, specs))
+        yield _Io(lambda: journal.store.publish(tag, specs))
     if len(found) < len(specs) or any(c.get("status") not in FINISHED for c in found):
         raise waiting  # woken early (a sweep, a takeover): the count decides again
     return (yield from _finished(journal, index, entry, prior, found))
+
+
+def generation(step: str, run_id: str) -> str:
+    """The tag of a spawn of step ``step`` recorded anew by run ``run_id`` while children of an
+    earlier spawn of that name exist (the task was retried or reset): its children's keys,
+    ``spawn.step`` and its counter's ``step`` carry it, so that none of the earlier children
+    is taken for one of these (``step@<run>``)."""
+    return f"{step}@{run_id.replace('-', '')[:12]}"
+
+
+def _tag(prior: Mapping[str, Any] | None, step: str) -> str:
+    """The tag a recorded spawn's children carry: the step's name, or its generation's."""
+    tag = (prior or {}).get("tag")
+    return tag if isinstance(tag, str) and tag else step
 
 
 def _finished(

@@ -144,7 +144,7 @@ class MemorySteps:
 
     async def spawn(self, index: int, entry: Doc, children: list[Doc]) -> None:
         await self.record(index, entry, None)
-        await self.publish(str(entry["name"]), children)
+        await self.publish(str(entry.get("tag") or entry["name"]), children)
 
     async def publish(self, step: str, children: list[Doc]) -> None:
         for child in children:

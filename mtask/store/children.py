@@ -23,6 +23,7 @@ from pymongo import UpdateOne
 from mtask.driver import Call, Doc, Op
 from mtask.errors import LeaseLost
 from mtask.models import NewTask, TaskStatus
+from mtask.steps import StepError
 from mtask.steps.children import FINISHED, MAX_CHILDREN, word_bit, words
 from mtask.store import steps as store_steps
 from mtask.store.schema import OPEN_LIST, WELL_FORMED
@@ -65,8 +66,10 @@ def spawn(
     options_for: OptionsFor | None = None,
 ) -> Op[int]:
     """Record the step ``entry`` (new, at ``index``) with the counter, fenced by the run
-    (``store.steps.record``), then publish the children; returns how many were created."""
-    step = str(entry["name"])
+    (``store.steps.record``), then publish the children; returns how many were created. The
+    counter and the children carry the spawn's ``tag`` (its generation, when the task spawned
+    under this name before: ``mtask.steps.children.generation``), else its name."""
+    step = str(entry.get("tag") or entry["name"])
     also = {"spawned": counter(step, index, len(children))}
     yield from store_steps.record(key, run_id, index, entry, None, also=also)
     created: int = yield from publish(key, step, children, now, options_for)
@@ -104,9 +107,39 @@ def publish(
     created = 0
     for start in range(0, len(tasks), PUBLISH_BATCH):
         yield from _not_cancelled(parent, now)
-        created += yield from publish_many(tasks[start : start + PUBLISH_BATCH], now)
+        batch = tasks[start : start + PUBLISH_BATCH]
+        made = yield from publish_many(batch, now)
+        if made < len(batch):  # some keys were taken: by these children, or by another task
+            yield from _not_taken(parent, step, [t.key for t in batch])
+        created += made
     yield from _not_cancelled(parent, now)
     return created
+
+
+def _not_taken(parent: str, step: str, keys: Sequence[str]) -> Op[None]:
+    """``StepError`` naming the first of ``keys`` held by a task that is not a child of
+    ``parent``'s spawn ``step``: the parent would wait for it for ever (its outcome is never
+    counted here); the step fails instead, for good (it would on every replay)."""
+    mine = {"spawn.parent": parent, "spawn.step": step}
+    other: Doc | None = yield Call(
+        "find_one",
+        ({"_id": {"$in": list(keys)}, "$nor": [mine]}, {"name": 1, "parent": 1, "spawn": 1}),
+    )
+    if other is None:
+        return
+    owner = other.get("parent")
+    spawn = other.get("spawn")
+    if isinstance(spawn, Mapping) and spawn.get("step") is not None:
+        by = f"spawned by {spawn.get('parent')!r}'s step {spawn.get('step')!r}"
+    elif isinstance(owner, str):
+        by = f"made by {owner!r}"
+    else:
+        by = "published on its own"
+    raise StepError(
+        f"step {step!r} cannot spawn child {other['_id']!r}: a task of that key exists, "
+        f"{other.get('name')!r} {by}, not a child of {parent!r}; give the child another key "
+        "(Spawn(key=...)) or remove that task, then retry"
+    )
 
 
 def _not_cancelled(parent: str, now: dt.datetime) -> Op[None]:

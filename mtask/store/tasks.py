@@ -450,13 +450,45 @@ def retry(key: str, now: dt.datetime) -> Op[Doc]:
     run's handler may still be stopping (a RUNNING run with a live lease)."""
     doc = yield Call(
         "find_one_and_update",
-        (retry_filter(key, now), retry_pipeline(now)),
+        (retry_filter(key, now), [*RESPAWN, *retry_pipeline(now)]),
         {"return_document": ReturnDocument.AFTER},
     )
     if doc is None:
         yield from _not_retried(key)
     result: Doc = yield from _require(key, doc, "retry", RETRIABLE)
     return result
+
+
+_LAST: Doc = {"$arrayElemAt": [{"$cond": [{"$isArray": "$steps"}, "$steps", []]}, -1]}
+_AGAIN: Doc = {
+    "$let": {
+        "vars": {"last": _LAST},
+        "in": {
+            "$and": [
+                {"$eq": ["$$last.kind", "children"]},
+                {"$ne": ["$$last.state", "done"]},
+            ]
+        },
+    }
+}
+RESPAWN: list[Doc] = [
+    {
+        "$set": {
+            "steps": {
+                "$cond": [
+                    _AGAIN,
+                    {"$filter": {"input": "$steps", "cond": {"$ne": ["$$this", _LAST]}}},
+                    "$steps",
+                ]
+            },
+            "waiting": {"$cond": [_AGAIN, "$$REMOVE", "$waiting"]},
+        }
+    }
+]
+"""A retry's first stage: a journal that ends in a spawn whose children failed (or were
+cancelled while it waited) loses that step, so that the next run spawns its children again
+(``mtask.steps.children``: a new generation of them), as a retry calls a failed step again. A
+spawn whose ``ChildFailed`` the handler caught and went on is not the last step: it replays."""
 
 
 def _not_retried(key: str) -> Op[None]:
