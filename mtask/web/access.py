@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import HTTPException, Request
 
 from mtask.security import read_tokens
-from mtask.web.auth import Principal, principal_of
+from mtask.web.auth import Principal, failed, principal_of
 
 ACTION_ROLES = {
     "publish": "operator",
@@ -35,6 +35,7 @@ ACTION_ROLES = {
     "audit": "operator",
     "trigger": "operator",
     "purge": "admin",
+    "remark": "admin",
     "limit": "admin",
     "stop": "admin",
     "unschedule": "admin",
@@ -49,6 +50,7 @@ ROUTE_ACTIONS = {
     ("POST", "/tasks/{key:path}:cancel"): "cancel",
     ("POST", "/tasks/{key:path}:retry"): "retry",
     ("POST", "/tasks/{key:path}:reset"): "reset",
+    ("POST", "/tasks/{key:path}:remark"): "remark",
     ("POST", "/tasks/{key:path}:signal"): "signal",
     ("POST", "/workers/{worker_id}/stop"): "stop",
     ("POST", "/names/{name}/pause"): "pause",
@@ -122,6 +124,7 @@ async def read_allowed(request: Request, path: str) -> None:
         raise refuse(403, "a read token reads one task, its output and its stream only")
     secret: bytes | None = request.app.state.read_secret
     if secret is None:
+        failed(request.scope, "read token")
         raise refuse(401, "read tokens are not enabled on this server")
     client: Any = request.app.state.client
     try:
@@ -129,6 +132,7 @@ async def read_allowed(request: Request, path: str) -> None:
             secret, str(request.scope["mtask_read_token"]), client.clock.now()
         )
     except read_tokens.BadToken as exc:
+        failed(request.scope, "read token")
         raise refuse(401, str(exc)) from None
     key = request.path_params.get("key")
     if scope.kind == "task":

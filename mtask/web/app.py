@@ -34,7 +34,7 @@ from mtask.web.access import RedactTokens
 from mtask.web.audit import Audit
 from mtask.web.auth import Keys, Principal
 from mtask.web.guard import DEFAULT_MAX_BODY, Guard
-from mtask.web.rates import Buckets, Rates
+from mtask.web.rates import Buckets, Failures, Rates
 
 log = logging.getLogger("mtask.serve")
 REDACT = RedactTokens()
@@ -156,11 +156,16 @@ def create_app(
     app.include_router(triggers.pages)
     app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")
     _errors(app)
-    # the last added runs first: CORS (a preflight needs no token), the guard, rates, audit
-    app.add_middleware(Audit, trust_proxy=trust_proxy)
-    if rate is not None:
-        app.add_middleware(Rates, buckets=Buckets(*rate))
+    # the last added runs first: CORS (a preflight needs no token), the failed
+    # authentications' rate (by address), the audit (which records the guard's refusals too),
+    # the guard, the callers' rates
+    buckets = Buckets(*rate) if rate is not None else None
+    if buckets is not None:
+        app.add_middleware(Rates, buckets=buckets)
     app.add_middleware(Guard, keys=app.state.keys, max_body=max_body, trust_proxy=trust_proxy)
+    app.add_middleware(Audit, trust_proxy=trust_proxy)
+    if buckets is not None:
+        app.add_middleware(Failures, buckets=buckets, trust_proxy=trust_proxy)
     if cors_origins:
         app.add_middleware(
             CORSMiddleware,

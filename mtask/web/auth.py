@@ -26,9 +26,10 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fastapi import Request
 from fastapi.security import HTTPBearer
@@ -244,6 +245,17 @@ class Keys:
     def csrf_ok(self, sid: str, given: str | None, purpose: str = "csrf") -> bool:
         expected = self._mac(purpose, sid)
         return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+AUTH_FAILED = "mtask_auth_failed"
+"""The request scope's key naming credentials that were given and refused (``web.rates``
+counts each such request against its address)."""
+
+
+def failed(scope: MutableMapping[str, Any], what: str) -> None:
+    """Say that the request's credentials (``what``: a bearer token, a session, a read token,
+    the sign-in form's token) were given and refused."""
+    scope[AUTH_FAILED] = what
 
 
 def signed_in(request: Request) -> bool:

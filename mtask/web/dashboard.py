@@ -36,12 +36,14 @@ from mtask.security import encryption
 from mtask.steps import NEVER, signal_fate
 from mtask.store import bulk
 from mtask.web import access
+from mtask.web.audit import set_outcome, status_of
 from mtask.web.auth import (
     COOKIE,
     LOGIN_COOKIE,
     SESSION_SECONDS,
     Keys,
     csrf_of,
+    failed,
     principal_of,
     signed_in,
 )
@@ -203,6 +205,7 @@ async def login(request: Request) -> Response:
     keys: Keys = request.app.state.keys
     principal = keys.principal(given)
     if principal is None:
+        failed(request.scope, "sign-in")
         return login_page(request, "That is not the token.")
     response = RedirectResponse(f"{root_of(request)}/", status_code=303)
     response.set_cookie(
@@ -553,24 +556,27 @@ async def act(request: Request) -> Response:
     action, target, next_url = form.get("action", ""), form.get("target", ""), form.get("next", "/")
     refused = _refused(request, action)
     if refused:
-        return back(next_url, problem=refused)
+        return outcome(request, 403, next_url, problem=refused)
     try:
         if action == "reset":
             done = await client.reset_step(target, form.get("step", ""))
-            return back(next_url, flash=_reset_said(done))
+            return outcome(request, 200, next_url, flash=_reset_said(done))
         if action in ("retry", "cancel"):
             task = await (client.retry(target) if action == "retry" else client.cancel(target))
-            return back(next_url, flash=f"{action}: {target} is {task.status or 'unknown'} now")
+            said = f"{action}: {target} is {task.status or 'unknown'} now"
+            return outcome(request, 200, next_url, flash=said)
         if action in ("pause", "resume"):
             await (client.pause(target) if action == "pause" else client.resume(target))
-            return back(next_url, flash=f"{target}: {action}d")
+            return outcome(request, 200, next_url, flash=f"{target}: {action}d")
         if action == "stop":
             if not await client.stop_worker(target):
-                return back(next_url, problem=f"no worker {target!r} is registered")
-            return back(next_url, flash=f"stop requested: {target} drains and exits")
+                problem = f"no worker {target!r} is registered"
+                return outcome(request, 404, next_url, problem=problem)
+            said = f"stop requested: {target} drains and exits"
+            return outcome(request, 200, next_url, flash=said)
     except MtaskError as exc:
-        return back(next_url, problem=str(exc))
-    return back(next_url, problem=f"unknown action {action!r}")
+        return outcome(request, status_of(exc), next_url, problem=str(exc))
+    return outcome(request, 422, next_url, problem=f"unknown action {action!r}")
 
 
 @router.post("/ui/signal")
@@ -585,12 +591,14 @@ async def send_signal(request: Request) -> Response:
     next_url = form.get("next", "/")
     not_yours = _refused(request, "signal")
     if not_yours:
-        return back(next_url, "send-signal", problem=not_yours, at="signal")
+        return outcome(request, 403, next_url, "send-signal", problem=not_yours, at="signal")
     text = form.get("payload", "").strip()
     kept = {"sig": name, "payload": text if len(text) <= PAYLOAD_KEPT else ""}
 
-    def refused(why: str) -> Response:
-        return back(next_url, "send-signal", problem=f"signal not sent: {why}", at="signal", **kept)
+    def refused(why: str, status: int = 422) -> Response:
+        problem = f"signal not sent: {why}"
+        anchor = "send-signal"
+        return outcome(request, status, next_url, anchor, problem=problem, at="signal", **kept)
 
     if not text and form.get("empty") != "1":
         return refused(
@@ -612,12 +620,20 @@ async def send_signal(request: Request) -> Response:
     try:
         woke = await client.signal(key, name, payload)
     except MtaskError as exc:
-        return refused(str(exc))
+        return refused(str(exc), status_of(exc))
     task = await client.get(key)
-    outcome = signal_fate.fate(task, name, woke) if task is not None else "sent"
-    return back(
-        next_url, "send-signal", flash=f"signal {name!r} sent to {key}: {outcome}", at="signal"
-    )
+    fate = signal_fate.fate(task, name, woke) if task is not None else "sent"
+    said = f"signal {name!r} sent to {key}: {fate}"
+    return outcome(request, 200, next_url, "send-signal", flash=said, at="signal")
+
+
+def outcome(
+    request: Request, status: int, next_url: str, anchor: str = "", **message: str
+) -> RedirectResponse:
+    """``back``, and what became of the form (``200`` applied, else the refusal's status, as
+    the API would answer) for the audit: the browser gets the redirect either way."""
+    set_outcome(request.scope, status)
+    return back(next_url, anchor, **message)
 
 
 def _refused(request: Request, action: str) -> str:
@@ -658,10 +674,10 @@ async def bulk_action(request: Request) -> Response:
     action = form.get("action", "")
     next_url = form.get("next", "/ui/tasks")
     if action not in ("retry", "cancel", "purge"):
-        return back(next_url, problem=f"unknown action {action!r}")
+        return outcome(request, 422, next_url, problem=f"unknown action {action!r}")
     refused = _refused(request, action)
     if refused:
-        return back(next_url, problem=refused)
+        return outcome(request, 403, next_url, problem=refused)
     status = form.get("status")
     keys = _keys(form["keys"]) if "keys" in form else None
     where = bulk.Filter(
@@ -670,10 +686,13 @@ async def bulk_action(request: Request) -> Response:
     confirmed = form.get("confirmed") == action
     result = await client.bulk(action, where, dry_run=not confirmed)  # type: ignore[arg-type]
     if not confirmed:
-        return back(
+        return outcome(
+            request,
+            200,
             next_url,
             flash=f"{action} would apply to {result.matched} tasks: confirm below",
             confirm=action,
         )
     more = " (more match: run it again)" if result.truncated else ""
-    return back(next_url, flash=f"{action}: {result.changed} of {result.matched} tasks{more}")
+    said = f"{action}: {result.changed} of {result.matched} tasks{more}"
+    return outcome(request, 200, next_url, flash=said)

@@ -50,6 +50,7 @@ from mtask.web.auth import (
     LOOPBACK,
     Keys,
     bearer_of,
+    failed,
 )
 
 Scope = MutableMapping[str, Any]
@@ -282,6 +283,7 @@ class Guard:
                 return "read"
             principal = None if given is None else self.keys.principal(given)
             if principal is None:
+                failed(scope, "bearer token")
                 raise Refused(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
             scope["mtask_principal"] = principal
             return "bearer"
@@ -289,6 +291,8 @@ class Guard:
         if session is not None:
             scope["mtask_sid"], scope["mtask_principal"] = session
             return "session"
+        if jar.get(COOKIE):  # forged, expired, or signed before a token changed
+            failed(scope, "session")
         query = read_token_of(scope)
         if query is not None:
             scope["mtask_read_token"] = query
@@ -345,6 +349,20 @@ class Guard:
                 raise Refused(403, "sign-in refused: the form's CSRF token is missing or stale")
         elif not self.keys.csrf_ok(str(scope.get("mtask_sid")), given):
             raise Refused(403, "CSRF token missing or wrong (send X-CSRF-Token or csrf)")
+
+
+def client_address(scope: Scope, trust_proxy: bool) -> str:
+    """Who sends the request: the connection's address, or with ``trust_proxy`` the first
+    address of ``X-Forwarded-For`` (the audit's ``from``, the rates' address)."""
+    if trust_proxy:
+        for key, value in scope["headers"]:
+            if key.lower() == b"x-forwarded-for":
+                forwarded = str(value.decode("latin-1")).split(",")[0].strip()
+                if forwarded:
+                    return forwarded
+                break
+    client = scope.get("client")
+    return str(client[0]) if client else "unknown"
 
 
 def route_path(scope: Scope) -> str:

@@ -19,8 +19,9 @@ from mtask.triggers import describe_lag, follower_label, follower_of
 from mtask.web import access
 from mtask.web.access import authorize
 from mtask.web.api import NOT_FOUND, client_of
+from mtask.web.audit import status_of
 from mtask.web.auth import bearer_scheme, principal_of, signed_in
-from mtask.web.dashboard import back, form_of, login_page, render, templates
+from mtask.web.dashboard import form_of, login_page, outcome, render, templates
 
 Client = Annotated[AsyncTaskClient, Depends(client_of)]
 router = APIRouter(dependencies=[Depends(authorize), Depends(bearer_scheme)])
@@ -132,13 +133,12 @@ async def trigger_action(request: Request) -> Response:
     client: AsyncTaskClient = request.app.state.client
     action, target = form.get("action", ""), form.get("target", "")
     if action not in ACTIONS:
-        return back("/ui/triggers", problem=f"unknown action {action!r}")
+        return outcome(request, 422, "/ui/triggers", problem=f"unknown action {action!r}")
     principal = principal_of(request)
     if not access.may(principal, "trigger"):
         role = principal.role if principal else "nobody"
-        return back(
-            "/ui/triggers", problem=f"a {role} may not steer a trigger: it needs the operator role"
-        )
+        problem = f"a {role} may not steer a trigger: it needs the operator role"
+        return outcome(request, 403, "/ui/triggers", problem=problem)
     try:
         if action == "pause":
             await client.pause_trigger(target)
@@ -150,5 +150,5 @@ async def trigger_action(request: Request) -> Response:
             await client.reset_trigger(target, scan=action == "reset-scan")
             said = "reset: followed from now" + (", after a scan" if action == "reset-scan" else "")
     except MtaskError as exc:
-        return back("/ui/triggers", problem=str(exc))
-    return back("/ui/triggers", flash=f"{target}: {said}")
+        return outcome(request, status_of(exc), "/ui/triggers", problem=str(exc))
+    return outcome(request, 200, "/ui/triggers", flash=f"{target}: {said}")
