@@ -266,9 +266,8 @@ def failing(kind: str, url: str, attempt: int) -> httpx.Response:
         if kind == "bearer":
             return anyone.get("/tasks/r1", headers={"Authorization": f"Bearer guess-{attempt}"})
         if kind == "forged read token":
-            good = read_tokens.sign(
-                SECRET, read_tokens.Scope("task", key="r1"), dt.datetime.now(dt.UTC)
-            )
+            later = dt.datetime.now(dt.UTC) + dt.timedelta(minutes=10)
+            good = read_tokens.sign(SECRET, read_tokens.Scope("task", key="r1"), later)
             forged = f"{good.rpartition('.')[0]}.{attempt:043d}"
             return anyone.get("/tasks/r1", headers={"Authorization": f"Bearer {forged}"})
         if kind == "expired read token":

@@ -148,6 +148,53 @@ MUTATIONS = [
         ("tests/chaos/test_partition.py::test_the_relays_holder_cut_off_frozen_and_killed",),
     ),
     Mutation(
+        "dashboard-role-gate",
+        "a dashboard form is refused to a role below its action's, nothing changed, audited",
+        "mtask/web/dashboard.py",
+        "if action not in access.ACTION_ROLES or access.may(principal, action):",
+        "if True:",
+        (
+            "tests/integration/test_web_audit.py::"
+            "test_a_viewer_is_refused_every_dashboard_form_and_each_refusal_is_audited",
+        ),
+    ),
+    Mutation(
+        "read-token-signature",
+        "a read token whose signature does not match is refused (401), and counted as a failure",
+        "mtask/security/read_tokens.py",
+        "if not hmac.compare_digest(parts[2].encode(), _b64(expected).encode()):",
+        "if False:",
+        (
+            "tests/integration/test_web_audit.py::"
+            "test_failed_authentications_are_rate_limited[forged read token]",
+        ),
+    ),
+    Mutation(
+        "claim-due",
+        "a task is claimed no sooner than its next_claim_at, by the server's clock",
+        "mtask/store/claims.py",
+        '"next_claim_at": {"$type": "date", "$lte": now},',
+        '"next_claim_at": {"$type": "date"},',
+        ("tests/integration/test_store.py::test_claim_respects_next_claim_at_and_names",),
+        after="def claim_filter(",
+    ),
+    Mutation(
+        "claim-distinct",
+        "a task of concurrency above 1 is claimed by distinct workers only",
+        "mtask/store/claims.py",
+        '{"$not": [{"$anyElementTrue": [mine]}]},',
+        "True,",
+        ("tests/integration/test_store.py::test_concurrency_needs_distinct_workers",),
+    ),
+    Mutation(
+        "publish-once",
+        "publishing a key that exists changes nothing: the first publish's task stays",
+        "mtask/store/tasks.py",
+        '({"_id": doc["_id"]}, {"$setOnInsert": fields}),',
+        '({"_id": doc["_id"]}, {"$set": fields}),',
+        ("tests/integration/test_client.py::test_fifty_concurrent_async_publishers",),
+    ),
+    Mutation(
         "hostile-id",
         "a task document of any shape, _id included, never stops a worker",
         "mtask/worker/finding/setaside.py",
