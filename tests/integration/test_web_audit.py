@@ -130,6 +130,9 @@ def test_a_viewer_is_refused_every_dashboard_form_and_each_refusal_is_audited(
         "resume",
         "reset-scan",
     ]
+    with signed_in(url, "op-token") as (operator, _):
+        page = operator.get("/ui/audit").text
+    assert 'trigger <span class="muted">reset-scan</span>' in page
 
 
 def test_an_operators_and_an_admins_same_forms_pass_the_role_gate(
