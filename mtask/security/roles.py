@@ -33,6 +33,7 @@ from mtask.security.encryption import (
 READ = ("find",)
 WRITE = ("find", "insert", "update", "remove")
 FOLLOW = ("find", "changeStream")
+INBOXES = ("listCollections", "createCollection", "convertToCapped", "dropCollection", "insert")
 
 
 @dataclass(frozen=True)
@@ -67,25 +68,26 @@ ROLES: dict[str, Role] = {
         "mtaskWorker",
         "claim, ping, record outcomes, steps and output, heartbeats, limits, schedules",
         {
+            # finding work: one change stream on the database (the tasks, controls, limits and
+            # schedules), which MongoDB grants only with find and changeStream on all of it
+            "": FOLLOW,
             "{tasks}": (*WRITE, "changeStream", "createIndex", "listIndexes"),
             **{name: (*WRITE, "createIndex", "listIndexes") for name in SIDE},
             **{name: (*WRITE, "createIndex", "listIndexes") for name in CLUSTER},
             "throughput": WRITE,
+            "triggers": (*WRITE, "createIndex", "listIndexes"),
             KEY_VAULT: READ,
         },
         atlas="readWrite@mtask",
     ),
     "relay": Role(
         "mtaskRelay",
-        "--stream shared: the relay's and subscribers' capped inboxes, made and dropped",
+        "--stream shared: the relay's and subscribers' capped inboxes, made, written and "
+        "dropped (no update nor remove anywhere but mtask's own collections)",
         {
-            "": (
-                "listCollections",
-                "createCollection",
-                "convertToCapped",
-                "dropCollection",
-                *WRITE,
-            ),
+            # the inboxes: capped collections named per subscriber ({tasks}.inbox.<digest>),
+            # which MongoDB's privileges cannot name ahead (no prefix): made, written, dropped
+            "": INBOXES,
         },
         inherits=("worker",),
         atlas="readWrite@mtask",

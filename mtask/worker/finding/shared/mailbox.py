@@ -151,7 +151,7 @@ async def ensure_capped(database: Any, name: str, size: int, at: Any = None) -> 
             log.warning("%s is not a capped collection: converting it", name)
             await database.command("convertToCapped", name, size=size)
     collection = database[name]
-    await collection.insert_one({**MARKER, "at": at}, bypass_document_validation=True)
+    await collection.insert_one({**MARKER, "at": at})
     return collection
 
 
@@ -237,9 +237,7 @@ class Writer:
                 self.pending.clear()
                 self.in_flight = len(batch)
                 try:
-                    await self.collection.insert_many(
-                        batch, ordered=True, bypass_document_validation=True
-                    )
+                    await self.collection.insert_many(batch, ordered=True)
                 except PyMongoError as exc:
                     self.close()
                     self.failed(exc)
