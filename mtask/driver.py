@@ -181,7 +181,9 @@ COMMANDS = {
     "createRole": "createRole",
     "updateRole": "createRole",
 }
-NO_PRIVILEGE = frozenset({"hello", "ping", "killSessions", "endSessions", "buildInfo"})
+NO_PRIVILEGE = frozenset(
+    {"hello", "ping", "killSessions", "endSessions", "buildInfo", "connectionStatus"}
+)
 BULK = {"InsertOne": "insert", "DeleteOne": "remove", "DeleteMany": "remove"}
 
 

@@ -194,3 +194,35 @@ def missing(part: str, call: Call, tasks: str = "tasks") -> list[str]:
 
 ROLE_EXISTS = 51002
 """The server's code for ``createRole`` of a role that exists (``updateRole`` then)."""
+
+
+def _covers(privilege: Mapping[str, Any], database: str, collection: str) -> bool:
+    """Whether a privilege's resource holds ``collection`` of ``database`` (``""``: the whole
+    database, which only a resource of every collection holds)."""
+    resource = privilege.get("resource") or {}
+    if resource.get("anyResource"):
+        return True
+    if resource.get("db") not in (database, ""):
+        return False
+    return resource.get("collection") in ({collection, ""} if collection else {""})
+
+
+def lacking(part: str, auth_info: Mapping[str, Any], database: str, tasks: str) -> list[str]:
+    """What ``part``'s role grants that the connection's privileges (``connectionStatus``'s
+    ``authInfo``) do not, as ``action, action on database.collection``; ``[]`` when they do,
+    or when nobody is authenticated (a server without ``--auth``)."""
+    if not auth_info.get("authenticatedUsers"):
+        return []
+    privileges = auth_info.get("authenticatedUserPrivileges") or []
+    said = []
+    for name, needed in sorted(grants(part, tasks).items()):
+        have: set[str] = set()
+        for privilege in privileges:
+            if _covers(privilege, database, name):
+                have.update(privilege.get("actions") or ())
+        if "anyAction" in have:
+            continue
+        if absent := sorted(set(needed) - have):
+            where = f"{database}.{name}" if name else f"{database} (every collection)"
+            said.append(f"{', '.join(absent)} on {where}")
+    return said

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pymongo.errors import OperationFailure
 
-from mtask.driver import Call, Op
+from mtask.driver import Call, Doc, Op
 from mtask.security.roles import ROLE_EXISTS, role_commands
 
 
@@ -24,3 +24,11 @@ def create_roles(database: str, tasks: str = "tasks") -> Op[list[str]]:
             yield Call("command", ("updateRole", name), fields)
         made.append(name)
     return made
+
+
+def connection_status() -> Op[Doc]:
+    """The connection's ``authInfo``: its users, roles and every privilege they give
+    (``connectionStatus``, which needs no privilege)."""
+    reply: Doc = yield Call("command", ("connectionStatus",), {"showPrivileges": True})
+    info: Doc = reply.get("authInfo") or {}
+    return info

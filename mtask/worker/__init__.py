@@ -39,7 +39,9 @@ from mtask import driver, store
 from mtask.clock import Clock, ServerClock
 from mtask.errors import MtaskError, StorageError, WorkerCrashed
 from mtask.registry import Registry
+from mtask.security import roles
 from mtask.store import controls as control
+from mtask.store import roles as store_roles
 from mtask.worker import assembly
 from mtask.worker.config import WorkerConfig, default_worker_id
 from mtask.worker.presence import WorkerState
@@ -186,6 +188,7 @@ class Worker:
         while True:
             try:
                 await self._reach()
+                await self._say_what_the_role_lacks()
                 return
             except (StorageError, PyMongoError) as exc:
                 error = exc if isinstance(exc, StorageError) else driver.storage_error(exc)
@@ -212,6 +215,24 @@ class Worker:
         group's lock is a unique index). The lease pinger's own client connects after, on a
         daemon thread (``_connect_pinger``)."""
         await together(self._calibrated_beat(), self.parts.driver.run(store.ensure_indexes()))
+
+    async def _say_what_the_role_lacks(self) -> None:
+        """Once: the privileges its part needs (``security.roles``) that its user lacks. It
+        runs without them as far as it can: without its change stream it finds new work only
+        by its sweep."""
+        config = self.config
+        status = await self.parts.driver.run(store_roles.connection_status())
+        part = "worker" if config.stream == "own" else "relay"
+        if lacks := roles.lacking(part, status, config.database, config.collection):
+            log.error(
+                "the user's role lacks what a worker with --stream %s needs: %s; without its "
+                "change stream it finds new work only by its sweep, every %gs (mtask collection "
+                "roles; docs/deploy.md)",
+                config.stream,
+                "; ".join(lacks),
+                config.sweep_interval,
+                extra={"worker_id": self.worker_id},
+            )
 
     async def _calibrated_beat(self) -> None:
         if self._server_clock is not None:

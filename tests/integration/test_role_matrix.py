@@ -28,6 +28,7 @@ from pymongo.errors import OperationFailure
 from mtask import TaskClient
 from mtask.embedded import EmbeddedMongo
 from mtask.errors import MtaskError
+from mtask.security import roles
 from mtask.security.encryption import KEY_VAULT
 
 DB = "matrix"
@@ -85,6 +86,12 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
                 if user != "root":
                     given = [{"role": role, "db": db}]
                     root.admin.command("createUser", user, pwd=passwords[user], roles=given)
+            worker = next(c for c in roles.role_commands(DB) if c["createRole"] == "mtaskWorker")
+            short = [p for p in worker["privileges"] if p["resource"]["collection"]]
+            root[DB].command("createRole", "streamless", privileges=short, roles=[])
+            given = [{"role": "streamless", "db": DB}]
+            root.admin.command("createUser", "streamless", pwd=passwords["root"], roles=given)
+            passwords["streamless"] = passwords["root"]
             root[DB]["orders"].insert_one({"_id": "seed"})
             root[DB]["invoices"].insert_one({"_id": "seed"})
             root[DB]["audit"].insert_one({"_id": "seed", "who": "otto"})
@@ -147,6 +154,8 @@ def test_an_idle_worker_finds_a_new_task_through_its_stream(
         _idle(secured, user, tmp_path / "worker.log", "triggerapp:registry", "started", 1),
         TaskClient(secured.uri("publisher"), database=DB) as client,
     ):
+        client.publish("ship", f"{key}-first", {"total": 1})  # its start-up's scan is over
+        assert client.wait(f"{key}-first", timeout=60).status == "succeeded"
         client.publish("ship", key, {"total": 3})
         done = client.wait(key, timeout=60)  # the sweep is an hour away: only the stream
     assert done.status == "succeeded" and done.result == 3, done
@@ -187,6 +196,23 @@ def _await_status(client: TaskClient, key: str, status: str) -> None:
             return
         time.sleep(0.05)
     pytest.fail(f"{key} never waited: {client.get(key)}")
+
+
+def test_a_worker_says_once_at_start_what_its_role_lacks(secured: Secured, tmp_path: Path) -> None:
+    """Under a role without the database's ``find`` and ``changeStream`` (mtaskWorker's but
+    for them) a worker starts, says so once, and runs on its sweep."""
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as sink:
+        proc = spawn_worker(
+            secured.uri("streamless"), DB, "--stream", "own", stdout=sink, stderr=sink
+        )
+    try:
+        _await_line(log, proc, "{ $changeStream", count=2)  # its stream, refused twice
+    finally:
+        stop_process(proc)
+    said = log.read_text(errors="replace")
+    lacks = f"lacks what a worker with --stream own needs: changeStream, find on {DB} (every"
+    assert said.count(lacks) == 1 and "Traceback" not in said, said[-3000:]
 
 
 Act = Callable[[Any], Any]
