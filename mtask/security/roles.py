@@ -102,6 +102,7 @@ ROLES: dict[str, Role] = {
             **{name: READ for name in CLUSTER},
             "throughput": ("find", "insert", "update"),
             "audit": READ,
+            "triggers": READ,
         },
         atlas="read@mtask (the charts' sampler then warns: it cannot write throughput)",
     ),
@@ -114,6 +115,7 @@ ROLES: dict[str, Role] = {
             **{name: WRITE for name in SIDE},
             **{name: WRITE for name in CLUSTER},
             "throughput": WRITE,
+            "triggers": WRITE,
             "audit": ("find", "insert", "createCollection", "convertToCapped"),
             KEY_VAULT: READ,
         },
@@ -226,3 +228,17 @@ def lacking(part: str, auth_info: Mapping[str, Any], database: str, tasks: str) 
             where = f"{database}.{name}" if name else f"{database} (every collection)"
             said.append(f"{', '.join(absent)} on {where}")
     return said
+
+
+def grants_table(tasks: str = "tasks") -> str:
+    """Every role's own grants as a Markdown table (docs/security.md holds it, a test keeps
+    it so): one row a role and collection, ``(the database)`` for every collection."""
+    rows = ["| role | inherits | collection | actions |", "| --- | --- | --- | --- |"]
+    for role in ROLES.values():
+        inherits = ", ".join(f"`{ROLES[p].name}`" for p in role.inherits) or "-"
+        for name, actions in role.grants.items():
+            where = f"`{_name(name, tasks)}`" if name else "(the database)"
+            acts = ", ".join(f"`{a}`" for a in actions)
+            rows.append(f"| `{role.name}` | {inherits} | {where} | {acts} |")
+            inherits = ""
+    return "\n".join(rows) + "\n"

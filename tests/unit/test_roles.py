@@ -4,6 +4,7 @@ publish is allowed, a claim and an outcome are not; a refused call names what it
 from __future__ import annotations
 
 import datetime as dt
+from pathlib import Path
 
 from pymongo.errors import DuplicateKeyError, OperationFailure
 from scripted import ScriptedDriver, Step
@@ -76,3 +77,26 @@ def test_a_refused_call_names_the_privilege_and_never_the_command() -> None:
     said = str(storage_error(REFUSED, call, "mtask.tasks"))
     assert "update_many on mtask.tasks" in said and "lacks the privilege update" in said
     assert "4242" not in said and "{ update" not in said
+
+
+def test_the_security_docs_table_is_the_roles_grants() -> None:
+    """docs/security.md's table of every role's grants is ``roles.grants_table()``, exactly."""
+    text = (Path(__file__).parents[2] / "docs" / "security.md").read_text()
+    table = text.split("<!-- grants:begin -->\n", 1)[1].split("<!-- grants:end -->", 1)[0]
+    assert table == roles.grants_table(), "regenerate it: roles.grants_table()"
+
+
+def test_a_role_lacking_a_privilege_is_said_which() -> None:
+    """``lacking``: connectionStatus's privileges against a part's grants; nothing without
+    --auth; a resource of every collection covers one; one collection's never the database."""
+    full = {"resource": {"db": "m", "collection": ""}, "actions": ["anyAction"]}
+    assert roles.lacking("relay", {"authenticatedUsers": []}, "m", "tasks") == []
+    users = {"authenticatedUsers": [{"user": "w", "db": "admin"}]}
+    assert roles.lacking("relay", {**users, "authenticatedUserPrivileges": [full]}, "m", "t") == []
+    worker = [
+        {"resource": {"db": "m", "collection": c.get("collection", "")}, "actions": a}
+        for c, a in (({"collection": n}, list(acts)) for n, acts in roles.grants("worker").items())
+        if c["collection"]
+    ]
+    said = roles.lacking("worker", {**users, "authenticatedUserPrivileges": worker}, "m", "tasks")
+    assert said == ["changeStream, find on m (every collection)"]
