@@ -47,12 +47,14 @@ from pymongo.errors import OperationFailure, PyMongoError
 from pymongo.synchronous.collection import Collection
 from pymongo.synchronous.database import Database
 
-from mtask.driver import Doc, cancel_requests, raise_if_cancelled
+from mtask.driver import UNAUTHORIZED, Doc, cancel_requests, raise_if_cancelled
 from mtask.errors import EventsLost, StorageError
 from mtask.models import FINISHED_STATUSES
 
 log = logging.getLogger("mtask.events")  # the name operators filter on, kept
 FINISHED = sorted(s.value for s in FINISHED_STATUSES)
+REFUSED = 10.0
+"""Seconds between tries of a change stream the server refused (Unauthorized)."""
 HISTORY_LOST = {
     136: "CappedPositionLost",  # the oplog rolled past the token
     260: "InvalidResumeToken",  # a token this server cannot resume from
@@ -268,6 +270,8 @@ class Position:
         self.delay = 0.05
         self.restarts = 0
         """Reopens after an error or a lost history (not those asked for by ``switch``)."""
+        self.refused = False
+        """The server refused this stream (Unauthorized) since it last opened: said once."""
         self.streaming = False
         """A stream is open at this position now."""
         self.switching = False
@@ -283,6 +287,7 @@ class Position:
 
     def opened(self, stream_token: Mapping[str, Any] | None) -> None:
         self.ever_opened, self.failing_since, self.delay = True, None, 0.05
+        self.refused = False
         self.moved(stream_token)
 
     def moved(self, stream_token: Mapping[str, Any] | None) -> None:
@@ -314,8 +319,16 @@ class Position:
             raise StorageError(
                 f"change stream failed for {self.give_up_after:g} s: {exc}", transient=True
             )
-        log.warning("change stream interrupted, reopening: %s", exc)
         self.restarts += 1
+        if isinstance(exc, OperationFailure) and exc.code == UNAUTHORIZED:
+            # a role without the stream's privileges: said once a streak (not the command the
+            # server quotes), tried again less often, in case the role is granted them
+            said = str(exc).split(" to execute command")[0]
+            if not self.refused:
+                log.warning("change stream refused, trying again every %gs: %s", REFUSED, said)
+            self.refused = True
+            return REFUSED
+        log.warning("change stream interrupted, reopening: %s", exc)
         delay, self.delay = self.delay, min(self.delay * 2, 2.0)
         return delay
 

@@ -7,7 +7,7 @@ import pytest
 from pymongo.errors import AutoReconnect, OperationFailure
 
 from mtask.errors import EventsLost, StorageError
-from mtask.follow.events import Position
+from mtask.follow.events import REFUSED, Position
 
 OPENED = {"_data": "82AA"}
 LATER = {"_data": "82BB"}
@@ -58,3 +58,18 @@ def test_a_refused_caller_token_is_lost_but_a_resumable_error_is_retried() -> No
     assert at.failed(failure(91, "ResumableChangeStreamError"), 0) == 0.05
     at.opened(LATER)
     assert at.failed(failure(2), 1) == 0.05  # once open, the token was ours: retried
+
+
+def test_a_refused_stream_is_said_once_and_tried_again_less_often(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    at = Position(fresh_when_lost=True)
+    refused = OperationFailure(
+        "not authorized on m to execute command { aggregate: 1, pipeline: [ ... ] }", 13
+    )
+    assert [at.failed(refused, now) for now in (1.0, 2.0, 3.0)] == [REFUSED] * 3
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "refused" in said[0] and "pipeline" not in said[0], said
+    at.opened(OPENED)  # granted: a later refusal is said again
+    at.failed(refused, 4.0)
+    assert len(caplog.records) == 2
