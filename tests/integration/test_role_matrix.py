@@ -230,16 +230,21 @@ ACTS: dict[str, Act] = {
     ),
     "delete from an application collection": lambda db: db["orders"].delete_one({"_id": "x"}),
     "drop an application collection": lambda db: db["orders"].drop(),
+    "read the triggers": lambda db: db["triggers"].find_one(),
+    "pause a trigger": lambda db: db["triggers"].update_one(
+        {"_id": "none"}, {"$set": {"paused": True}}
+    ),
     "make an inbox": lambda db: db.create_collection(
         f"tasks.inbox.{secrets.token_hex(4)}", capped=True, size=4096
     ),
 }
+FOLLOWERS = {"read the triggers", "pause a trigger"}
 MAY = {
     "publisher": {"insert a task"},
-    "worker": {"watch the database", "insert a task"},
-    "relay": {"watch the database", "insert a task", "make an inbox"},
-    "viewer": set(),
-    "operator": {"insert a task"},
+    "worker": {"watch the database", "insert a task", *FOLLOWERS},
+    "relay": {"watch the database", "insert a task", "make an inbox", *FOLLOWERS},
+    "viewer": {"read the triggers"},
+    "operator": {"insert a task", *FOLLOWERS},
 }
 """What each role may do of ``ACTS``; it is refused the rest."""
 
