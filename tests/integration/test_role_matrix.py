@@ -92,6 +92,9 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
             given = [{"role": "streamless", "db": DB}]
             root.admin.command("createUser", "streamless", pwd=passwords["root"], roles=given)
             passwords["streamless"] = passwords["root"]
+            given = [{"role": "readWrite", "db": DB}]  # Atlas's built-in for workers
+            root.admin.command("createUser", "builtin", pwd=passwords["root"], roles=given)
+            passwords["builtin"] = passwords["root"]
             root[DB]["orders"].insert_one({"_id": "seed"})
             root[DB]["invoices"].insert_one({"_id": "seed"})
             root[DB]["audit"].insert_one({"_id": "seed", "who": "otto"})
@@ -214,6 +217,21 @@ def test_a_worker_says_once_at_start_what_its_role_lacks(secured: Secured, tmp_p
     lacks = f"lacks what a worker with --stream own needs: changeStream, find on {DB} (every"
     assert said.count(lacks) == 1 and "Traceback" not in said, said[-3000:]
     assert "$changeStream" not in said, said[-3000:]  # not the refused command, quoted
+
+
+@pytest.mark.parametrize("user", ["root", "builtin", "worker", "relay", "streamless"])
+def test_what_a_user_lacks_is_read_from_its_privileges(secured: Secured, user: str) -> None:
+    """The start-up's check against the server's own account of a user's privileges: root,
+    readWrite (Atlas's built-in) and the roles lack nothing a worker of either stream needs."""
+    with MongoClient(secured.uri(user)) as client:
+        info = client[DB].command("connectionStatus", showPrivileges=True)["authInfo"]
+    lacks = {part: roles.lacking(part, info, DB, "tasks") for part in STREAMS}
+    if user == "streamless":
+        assert lacks["worker"] == [f"changeStream, find on {DB} (every collection)"], lacks
+    elif user == "worker":
+        assert lacks["worker"] == [] and lacks["relay"], lacks
+    else:
+        assert lacks == {"worker": [], "relay": []}, lacks
 
 
 Act = Callable[[Any], Any]
