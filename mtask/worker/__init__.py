@@ -221,7 +221,11 @@ class Worker:
         runs without them as far as it can: without its change stream it finds new work only
         by its sweep."""
         config = self.config
-        status = await self.parts.driver.run(store_roles.connection_status())
+        try:
+            status = await self.parts.driver.run(store_roles.connection_status())
+        except StorageError as exc:  # a server (or proxy) that will not say: nothing to say
+            log.debug("cannot read the user's privileges: %s", exc)
+            return
         part = "worker" if config.stream == "own" else "relay"
         if lacks := roles.lacking(part, status, config.database, config.collection):
             log.error(
