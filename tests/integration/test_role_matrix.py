@@ -283,15 +283,3 @@ def test_each_role_may_do_its_part_and_nothing_else(secured: Secured, user: str)
                 refused.add(name)
     expected = {a for a in MAY[user] if user != "relay" or not a.startswith("drop")}
     assert done == expected, (user, sorted(done ^ expected))
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="the relay drops its subscribers' inboxes, whose names MongoDB's privileges cannot "
-    "name ahead: dropCollection on the whole database (docs/deploy.md)",
-)
-def test_the_relay_cannot_drop_what_is_not_an_inbox(secured: Secured) -> None:
-    with MongoClient(secured.uri("root")) as root:
-        root[DB]["ledger"].insert_one({"_id": 1})  # an application's: the relay's to leave
-    with MongoClient(secured.uri("relay")) as client, pytest.raises(OperationFailure):
-        client[DB]["ledger"].drop()
