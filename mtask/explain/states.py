@@ -17,8 +17,9 @@ gives one ``State`` with the ``why`` behind it and a sentence with its facts:
                the ``children`` it spawned, or the end of a ``snoozed`` run's
                ``Snooze``
 ``blocked``    due, but its ``group`` (a sequence's lock, a group limit), a ``limit`` of its
-               name, its name ``paused``, or ``no_worker`` (no live worker handles its name)
-               keeps it from being claimed
+               name, its name ``paused``, ``no_worker`` (no live worker handles its name), or
+               ``no_key`` (encrypted, and the last worker that claimed it could not decrypt
+               it) keeps it from being claimed
 ``succeeded``, ``failed``, ``cancelled``, ``invalid``: the final statuses, as stored
 =============  =================================================================================
 
@@ -46,6 +47,7 @@ from mtask.limits.rules import (
     wait_for_token,
 )
 from mtask.models import RunState, Task, TaskStatus, WaitingData, bson_json
+from mtask.security.encryption import UNOPENED
 from mtask.steps import NEVER
 
 
@@ -74,7 +76,7 @@ PENDING_STATES = frozenset(OPEN_STATES - {State.RUNNING})
 """The states of a stored ``pending`` task."""
 WHY: dict[State, tuple[str, ...]] = {
     State.WAITING: ("signal", "sleep", "data", "dependencies", "children", "snoozed"),
-    State.BLOCKED: ("group", "backoff", "limit", "paused", "no_worker"),
+    State.BLOCKED: ("group", "backoff", "limit", "paused", "no_worker", "no_key"),
 }
 """The reasons of a waiting and of a blocked task, in the order ``explain`` tries them."""
 SHOWN_DEPENDENCIES = 5
@@ -308,6 +310,17 @@ HELD_UNTIL = re.compile(r" until \d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(\+00:00| UTC)
 """The end of a hold in a back-off's stored sentence (the time once written as ISO 8601)."""
 
 
+def not_decrypted(task: Task) -> str | None:
+    """What the task's newest ended run said, if its worker could not decrypt the task's
+    params and gave it back (``not decrypted by worker `w1`: this worker has no encryption
+    key …``)."""
+    ended = [r for r in task.runs if r.state is not RunState.RUNNING]
+    if not ended or ended[-1].state is not RunState.RELEASED:
+        return None
+    said = last_line(ended[-1].error)
+    return said if said.startswith(UNOPENED) else None
+
+
 def _released(task: Task, backed: str, due: dt.datetime, now: dt.datetime) -> str:
     """What a task its handler's ``BackOff`` released says: what it held, until when, how
     often it did of how often it may."""
@@ -396,6 +409,14 @@ def _blocked(task: Task, cluster: Cluster) -> Explained | None:
     missing = _no_worker(task, name, cluster)
     if missing is not None:
         return Explained(State.BLOCKED, "no_worker", missing)
+    unopened = not_decrypted(task)
+    if unopened is not None:
+        return Explained(
+            State.BLOCKED,
+            "no_key",
+            f"given back, no retry spent: {unopened}; it waits for a worker of `{name}` that "
+            "holds the encryption key (one that cannot decrypt it does not claim it again)",
+        )
     group = task.options.group
     facts = cluster.groups.get((name, group)) if group is not None else None
     if group is not None and facts is not None:

@@ -47,10 +47,20 @@ ALGORITHM = "AEAD_AES_256_CBC_HMAC_SHA_512-Random"
 ENCRYPTED_SUBTYPE = 6
 SHOWN = "encrypted"
 """What a reader without the key shows for encrypted params or results."""
+UNOPENED = "not decrypted by worker"
+"""How the reason kept on a run starts when its worker could not decrypt its task's params and
+gave it back (``mtask.worker.running.sealing``, read by ``mtask.explain.states``)."""
 
 
 def is_ciphertext(value: Any) -> bool:
     return isinstance(value, Binary) and value.subtype == ENCRYPTED_SUBTYPE
+
+
+def key_id_of(ciphertext: Binary) -> Binary | None:
+    """The id of the data key that encrypted ``ciphertext`` (explicit encryption's layout: one
+    byte of blob subtype, then the key's 16-byte UUID), or ``None`` if it is too short."""
+    raw = bytes(ciphertext)
+    return Binary(raw[1:17], 4) if len(raw) > 17 else None
 
 
 def sealed(value: Any) -> bool:
@@ -178,6 +188,22 @@ class Encryption:
         if is_ciphertext(value):
             return self._ce.decrypt(value)
         return value
+
+    def opens_key_of(self, ciphertext: Binary) -> str | None:
+        """Whether this master key opens the data key that encrypted ``ciphertext`` (its id,
+        bytes 1 to 16 of the ciphertext): ``None`` if it does, else why not (a wrong master key,
+        the key before a rotation, a data key missing from the vault). An encryption with that
+        data key is the test: it unwraps the data key and nothing else."""
+        from pymongo.errors import EncryptionError
+
+        key_id = key_id_of(ciphertext)
+        if key_id is None:
+            return None  # not a ciphertext this can tell anything about: its own error stands
+        try:
+            self._ce.encrypt("probe", ALGORITHM, key_id=key_id)
+        except EncryptionError as exc:
+            return f"the master key does not open its data key {key_id.as_uuid()}: {exc}"
+        return None
 
     def rotate(
         self, provider: str | None = None, master_key: Mapping[str, Any] | None = None

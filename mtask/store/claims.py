@@ -4,6 +4,7 @@ what a batch claimed, and extending a lease."""
 from __future__ import annotations
 
 import datetime as dt
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -13,6 +14,7 @@ from pymongo.errors import BulkWriteError, WriteError
 
 from mtask.driver import DUPLICATE_KEY, MODIFY_ONCE, Call, Doc, Op
 from mtask.models import RunState, TaskStatus
+from mtask.security.encryption import MARK, UNOPENED
 from mtask.statemachine import (
     OPEN,
     RUNNING,
@@ -39,10 +41,30 @@ its fenced SUCCESS and its commit) waits for that transaction, which the server 
 transaction (``ClaimCalls.kill_stale_transactions``)."""
 
 
+def unopened_by(worker_id: str) -> Doc:
+    """What the claims of a worker that cannot decrypt every encrypted task add to their filter
+    (``skip_unopened``): not an encrypted task this worker gave back undecrypted (a run of its
+    own RELEASED saying so, ``mtask.worker.running.sealing``). Claims are by key, so this is
+    read of the one document the ``_id`` index found; a worker that never met such a task does
+    not add it."""
+    said = f"^{re.escape(f'{UNOPENED} `{worker_id}`')}"
+    mine = {"worker_id": worker_id, "state": RunState.RELEASED.value, "error": {"$regex": said}}
+    return {"$nor": [{f"params.{MARK}": {"$exists": True}, "runs": {"$elemMatch": mine}}]}
+
+
+def _skipping(worker_id: str, skip_unopened: bool) -> Doc:
+    return unopened_by(worker_id) if skip_unopened else {}
+
+
 def claim_filter(
-    keys: Sequence[str], names: Sequence[str], worker_id: str, now: dt.datetime
+    keys: Sequence[str],
+    names: Sequence[str],
+    worker_id: str,
+    now: dt.datetime,
+    skip_unopened: bool = False,
 ) -> Doc:
-    """The claim filter, all of it decided on the server in one atomic update."""
+    """The claim filter, all of it decided on the server in one atomic update (``skip_unopened``:
+    ``unopened_by`` too)."""
     mine = {
         "$map": {
             "input": "$runs",
@@ -72,6 +94,7 @@ def claim_filter(
         "next_claim_at": {"$type": "date", "$lte": now},
         "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],
         **WELL_FORMED,
+        **_skipping(worker_id, skip_unopened),
         "$expr": {
             "$and": [
                 # types first ($and stops at the first false): the server may evaluate this
@@ -165,7 +188,13 @@ def claim_pipeline(batch: str, worker_id: str, now: dt.datetime) -> list[Doc]:
 
 
 def claim_fast_update(
-    key: str, names: Sequence[str], worker_id: str, now: dt.datetime, run_id: str, timeout_ms: int
+    key: str,
+    names: Sequence[str],
+    worker_id: str,
+    now: dt.datetime,
+    run_id: str,
+    timeout_ms: int,
+    skip_unopened: bool = False,
 ) -> tuple[Doc, Doc]:
     """The common claim as a plain update: a pending, concurrency-1 task whose lease length
     is ``timeout_ms``. Pending means no RUNNING run (so no lease to expire and the slot is
@@ -173,7 +202,7 @@ def claim_fast_update(
     is known in advance; the filter makes sure each of these holds."""
     lease = now + dt.timedelta(milliseconds=timeout_ms)
     filt = {
-        **claim_lean_filter([key], names, worker_id, now),
+        **claim_lean_filter([key], names, worker_id, now, skip_unopened),
         "options.worker_timeout_ms": timeout_ms,
     }
     update = {
@@ -190,7 +219,11 @@ def claim_fast_update(
 
 
 def claim_lean_filter(
-    keys: Sequence[str], names: Sequence[str], worker_id: str, now: dt.datetime
+    keys: Sequence[str],
+    names: Sequence[str],
+    worker_id: str,
+    now: dt.datetime,
+    skip_unopened: bool = False,
 ) -> Doc:
     """The batch form of ``claim_fast_update``'s filter: pending concurrency-1 tasks with
     fewer than 20 runs, for which the claim pipeline's result is known in advance."""
@@ -201,6 +234,7 @@ def claim_lean_filter(
         "next_claim_at": {"$type": "date", "$lte": now},
         "$or": [{SPECIFIC: {"$size": 0}}, {SPECIFIC: worker_id}],
         **WELL_FORMED,
+        **_skipping(worker_id, skip_unopened),
         "options.concurrency": 1,
         "runs.19": {"$exists": False},
     }
@@ -234,6 +268,7 @@ def claim(
     fields: Mapping[str, int] | None = None,
     batch: str | None = None,
     isolate: bool = False,
+    skip_unopened: bool = False,
 ) -> Op[list[Doc]]:
     """Claim as many of ``keys`` as the server allows. Returns the claimed documents (only
     ``fields`` of them, if given); this worker's run is the one whose ``run_id`` is the
@@ -260,14 +295,17 @@ def claim(
         if key in timeouts:
             doc = yield Call(
                 MODIFY_ONCE,
-                claim_fast_update(key, names, worker_id, now, run_id, timeouts[key]),
+                claim_fast_update(key, names, worker_id, now, run_id, timeouts[key], skip_unopened),
                 options,
                 timeout=CLAIM_TIMEOUT_S,
             )
         if doc is None:
             doc = yield Call(
                 MODIFY_ONCE,
-                (claim_filter(keys, names, worker_id, now), claim_pipeline(batch, worker_id, now)),
+                (
+                    claim_filter(keys, names, worker_id, now, skip_unopened),
+                    claim_pipeline(batch, worker_id, now),
+                ),
                 options,
                 timeout=CLAIM_TIMEOUT_S,
             )
@@ -280,7 +318,7 @@ def claim(
     lean = yield Call(
         "update_many",
         (
-            claim_lean_filter(keys, names, worker_id, now),
+            claim_lean_filter(keys, names, worker_id, now, skip_unopened),
             claim_lean_pipeline(batch, worker_id, now),
         ),
         timeout=CLAIM_TIMEOUT_S,
@@ -289,7 +327,10 @@ def claim(
     if modified < len(keys):
         result = yield Call(
             "update_many",
-            (claim_filter(keys, names, worker_id, now), claim_pipeline(batch, worker_id, now)),
+            (
+                claim_filter(keys, names, worker_id, now, skip_unopened),
+                claim_pipeline(batch, worker_id, now),
+            ),
             timeout=CLAIM_TIMEOUT_S,
         )
         modified += result.modified_count
@@ -318,6 +359,7 @@ def claim_locked(
     now: dt.datetime,
     fields: Mapping[str, int] | None = None,
     batch: str | None = None,
+    skip_unopened: bool = False,
 ) -> Op[tuple[list[Doc], set[str], dict[str, str]]]:
     """Claim the keys of ``groups``, each the next task of the sequence ``(name, group)``, each
     taking its group's lock in the same update (``group_lock``, docs/flow-control.md).
@@ -335,14 +377,16 @@ def claim_locked(
     if not keys:
         return [], set(), {}
     batch = batch or uuid.uuid4().hex
-    busy: set[str] = yield from _claim_locked_lean(groups, names, worker_id, now, batch)
+    busy: set[str] = yield from _claim_locked_lean(
+        groups, names, worker_id, now, batch, skip_unopened
+    )
     claimed: list[Doc] = yield from read_claimed(keys, batch, fields)
     got = {d["_id"] for d in claimed}
     rest = [k for k in keys if k not in got and k not in busy]
     broken: dict[str, str] = {}
     if rest:
         claimed += yield from _claim_locked_full(
-            rest, names, worker_id, now, batch, fields, busy, broken
+            rest, names, worker_id, now, batch, fields, busy, broken, skip_unopened
         )
     return claimed, busy, broken
 
@@ -357,6 +401,7 @@ def _claim_locked_lean(
     worker_id: str,
     now: dt.datetime,
     batch: str,
+    skip_unopened: bool = False,
 ) -> Op[set[str]]:
     """The lean stage with the lock, sent again without the keys of each busy group its
     duplicate key names (``LOCKED_TRIES`` sends at most); returns the busy keys."""
@@ -368,7 +413,10 @@ def _claim_locked_lean(
         try:
             yield Call(
                 "update_many",
-                ({**claim_lean_filter(left, names, worker_id, now), **GROUPED}, lean),
+                (
+                    {**claim_lean_filter(left, names, worker_id, now, skip_unopened), **GROUPED},
+                    lean,
+                ),
                 timeout=CLAIM_TIMEOUT_S,
             )
             break
@@ -402,12 +450,13 @@ def _claim_locked_full(
     fields: Mapping[str, int] | None,
     busy: set[str],
     broken: dict[str, str],
+    skip_unopened: bool = False,
 ) -> Op[list[Doc]]:
     """The full pipeline with the lock, one update per key in one unordered bulk; returns what
     it claimed (read back), noting the busy and broken keys."""
     full = [
         UpdateOne(
-            {**claim_filter([k], names, worker_id, now), **GROUPED},
+            {**claim_filter([k], names, worker_id, now, skip_unopened), **GROUPED},
             [*claim_pipeline(batch, worker_id, now), lock_stage(batch)],
         )
         for k in keys

@@ -155,11 +155,8 @@ def _state_fields(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
         # its retries spent too: its last word, as a permanent FAIL's
         final = outcome.permanent or {"$gt": [{"$add": ["$failures", 1]}, "$options.max_retries"]}
         sets["steps"] = settled_waits_expr(now, final)
-    elif state is RunState.RELEASED:  # due at once, or after a back-off's hold
-        sets["available_at"] = now + dt.timedelta(milliseconds=outcome.retry_delay_ms or 0)
-        if outcome.backed_off:  # its handler's BackOff: what it held, counted
-            run_fields["error"] = literal(outcome.error)
-            sets["backoffs"] = {"$add": [{"$ifNull": ["$backoffs", 0]}, 1]}
+    elif state is RunState.RELEASED:
+        _released_fields(outcome, now, run_fields, sets)
     elif state is RunState.SNOOZED:  # no failure counted, the snooze counted
         run_fields["error"] = literal(outcome.error)
         sets["snoozes"] = {"$add": [{"$ifNull": ["$snoozes", 0]}, 1]}
@@ -171,6 +168,16 @@ def _state_fields(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
     else:
         raise ValueError(f"a run cannot be finished as {state}")
     return run_fields, sets
+
+
+def _released_fields(outcome: Outcome, now: dt.datetime, run_fields: Doc, sets: Doc) -> None:
+    """A RELEASED run: its task due at once, or after a back-off's hold or the wait of a task
+    its worker could not decrypt; the run keeps why (``error``), a ``BackOff`` is counted."""
+    sets["available_at"] = now + dt.timedelta(milliseconds=outcome.retry_delay_ms or 0)
+    if outcome.error is not None:
+        run_fields["error"] = literal(outcome.error)
+    if outcome.backed_off:
+        sets["backoffs"] = {"$add": [{"$ifNull": ["$backoffs", 0]}, 1]}
 
 
 def settled_waits_expr(now: dt.datetime, final: Any = True) -> Doc:

@@ -71,5 +71,8 @@ class Wires:
     """The executor started a run of this key: it leaves the claim queue."""
     run_ended: Signal[[float]] = field(default_factory=Signal)
     """A run's handler ran this many seconds: the claim side learns whether to claim ahead."""
+    unopened: Signal[[]] = field(default_factory=Signal)
+    """A run met an encrypted task this worker cannot decrypt: its claims skip those it gave
+    back (``ClaimCalls.met_unopened``)."""
     capacity: Gauge = field(default_factory=Gauge)
     """How many more runs the claimer would take: the shared stream's credit."""

@@ -124,6 +124,7 @@ def build(
 ) -> Claiming:
     """The claim path: its strategies, its main loop, the recount of a changed limit."""
     calls = ClaimCalls(driver, clock, worker_id=worker_id, ignore=sink.ignore)
+    wires.unopened.connect(calls.met_unopened)
     limited_claims = LimitedClaims(
         driver,
         calls,

@@ -42,6 +42,13 @@ class ClaimCalls:
         self.ignore = ignore
         """Ignore a key from now on (``QueueSink.ignore``): its document can be neither claimed
         nor marked invalid."""
+        self.skip_unopened = False
+        """This worker met an encrypted task it cannot decrypt (``met_unopened``): its claims
+        leave the encrypted tasks it gave back undecrypted to the workers that hold the key
+        (``store.unopened_by``). A worker that never met one adds nothing to its claims."""
+
+    def met_unopened(self) -> None:
+        self.skip_unopened = True
 
     async def send(
         self,
@@ -59,7 +66,16 @@ class ClaimCalls:
         batch = batch or uuid.uuid4().hex
         try:
             return await self.driver.run(
-                store.claim(keys, names, self.worker_id, now, hints, store.CLAIMED_FIELDS, batch)
+                store.claim(
+                    keys,
+                    names,
+                    self.worker_id,
+                    now,
+                    hints,
+                    store.CLAIMED_FIELDS,
+                    batch,
+                    skip_unopened=self.skip_unopened,
+                )
             )
         except StorageError as exc:
             log.warning(
@@ -82,7 +98,15 @@ class ClaimCalls:
         invalid."""
         try:
             docs, busy, broken = await self.driver.run(
-                store.claim_locked(groups, names, self.worker_id, now, store.CLAIMED_FIELDS, batch)
+                store.claim_locked(
+                    groups,
+                    names,
+                    self.worker_id,
+                    now,
+                    store.CLAIMED_FIELDS,
+                    batch,
+                    skip_unopened=self.skip_unopened,
+                )
             )
         except StorageError as exc:
             log.warning(
@@ -117,6 +141,7 @@ class ClaimCalls:
                         store.CLAIMED_FIELDS,
                         uuid.uuid4().hex,
                         isolate=True,
+                        skip_unopened=self.skip_unopened,
                     )
                 )
             except StorageError as exc:

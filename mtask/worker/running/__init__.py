@@ -140,7 +140,7 @@ def build(
         pool=pool,
         isolation=config.pool,
         slots=slots,
-        sealing=sealing_from_env(sclient, config.database),
+        sealing=sealing_from_env(sclient, config.database, wires.unopened),
         batches=Batches(emit, slots=config.concurrency),
         holds=Holds(adriver, clock, held),
     )

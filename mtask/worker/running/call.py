@@ -45,7 +45,7 @@ from mtask.worker.running.pool.errors import (
     ReplyRefused,
     TimeLimitExceeded,
 )
-from mtask.worker.running.sealing import Plain, Sealing
+from mtask.worker.running.sealing import Plain, Sealing, Unopened
 from mtask.worker.running.transactional import RunFence, TransactionEnded, TransactionTooLong
 from mtask.worker.worker_events import Emitter, Event
 
@@ -248,6 +248,8 @@ class HandlerCalls:
             return self.outcomes.failure(run, str(exc), permanent=True)
         except BackOff as exc:  # its group, name or resource held, the run released
             return await self._backed_off(run, exc, doc)
+        except Unopened as exc:  # this worker cannot decrypt it: given back, no retry spent
+            return self.outcomes.unopened(run, exc.why)
         except BaseException as exc:  # noqa: BLE001 - any handler error is the task's failure:
             # sys.exit() (argparse's error) or a class of its own too; up in its task, asyncio
             # hands a SystemExit or KeyboardInterrupt to the event loop (the worker's end), any

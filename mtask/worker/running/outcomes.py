@@ -23,6 +23,7 @@ from mtask.errors import InvalidParams, InvalidTask
 from mtask.limits.snooze import Snooze, snooze_delay_ms
 from mtask.models import DEFAULT_KEEP_MS, MAX_STORED_DEPTH, RunState, storable_depth
 from mtask.registry import Fail, Retry, retry_delay_ms
+from mtask.security.encryption import UNOPENED
 from mtask.steps import SignalTimeout, StepError, Suspended, Wait
 from mtask.steps.children import ChildFailed
 from mtask.store import Outcome
@@ -197,6 +198,15 @@ class RunOutcomes:
         self.stats.released += 1
         self.emit(Event.RELEASED, key=run.key, run_id=run.run_id, reason="slot_wait")
         return Outcome(run.key, run.run_id, RunState.RELEASED)
+
+    def unopened(self, run: ActiveRun, why: str) -> Outcome:
+        """A run whose worker cannot decrypt its task (``sealing.Unopened``): RELEASED, no
+        retry spent, due at once for a worker that holds the key; the run keeps why, and this
+        worker's claims skip the task from now on (``store.unopened_by``)."""
+        self.stats.released += 1
+        self.emit(Event.RELEASED, key=run.key, run_id=run.run_id, reason="no_key", why=why)
+        said = f"{UNOPENED} `{run.ctx.worker_id}`: {why}"
+        return Outcome(run.key, run.run_id, RunState.RELEASED, error=said)
 
     def stopped(self, run: ActiveRun) -> Outcome | None:
         """A cancelled run's outcome: RELEASED, CANCELLED, or nothing (the lease was lost)."""
