@@ -65,6 +65,14 @@ def released(doc: dict[str, Any] | None) -> list[dict[str, Any]]:
     ]
 
 
+def met(tasks: Any, key: str) -> bool:
+    """Whether a worker has met the task: given it back, or burnt it (a failure spent, the
+    handler run on ciphertext), so the test fails at once on what happened."""
+    doc = tasks.find_one({"_id": key}) or {}
+    burnt = doc.get("failures") or doc.get("status") in ("succeeded", "failed")
+    return bool(released(doc) or burnt)
+
+
 def assert_not_burnt(doc: dict[str, Any] | None) -> None:
     """No retry spent, no failure, nothing the handler did: the task is still open."""
     assert doc is not None
@@ -94,9 +102,10 @@ def test_a_worker_that_cannot_decrypt_gives_the_task_back_and_one_with_the_key_r
         client.publish("echo", "plain", {"card": "none"})
         with worker(mongo_uri, db_name, log, wrong):
             assert client.wait("plain", timeout=LIMIT).status == "succeeded"  # it works
-            poll(lambda: released(tasks.find_one({"_id": "secret"})), LIMIT, "given back")
+            poll(lambda: met(tasks, "secret"), LIMIT, "met")
+            assert_not_burnt(tasks.find_one({"_id": "secret"}))
             client.publish("echo", "secret-2", {"card": SECRET}, encrypt=True)
-            poll(lambda: released(tasks.find_one({"_id": "secret-2"})), LIMIT, "given back")
+            poll(lambda: met(tasks, "secret-2"), LIMIT, "met")
             client.publish("echo", "plain-2", {"card": "none"})  # claimed after both
             assert client.wait("plain-2", timeout=LIMIT).status == "succeeded"
             for key in ("secret", "secret-2"):  # given back once each, never claimed again
@@ -153,7 +162,8 @@ def test_across_a_rotation_old_and_new_key_workers_finish_every_task(
                 client.publish("echo", f"after-{i}", {"card": SECRET, "i": i}, encrypt=True)
             # the old-key worker meets every task first, and burns none of them
             for key in keys:
-                poll(lambda k=key: released(tasks.find_one({"_id": k})), LIMIT, "given back")
+                poll(lambda k=key: met(tasks, k), LIMIT, "met")
+                assert released(tasks.find_one({"_id": key})), key
             for key in keys:
                 assert_not_burnt(tasks.find_one({"_id": key}))
             with worker(mongo_uri, db_name, tmp_path / "new.log", new_file):
