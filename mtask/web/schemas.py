@@ -46,7 +46,7 @@ class TaskView(Task):
         None,
         description="what a waiting task waits for (signal, sleep, data, dependencies, children, "
         "snoozed: a Snooze's end) or what blocks "
-        "a blocked one (group, limit, paused, no_worker); backoff, lease_ended, …",
+        "a blocked one (group, limit, paused, no_worker, no_key); backoff, lease_ended, …",
     )
     reason: str | None = Field(None, description="why it is not running, in one sentence")
     params: BsonObject | Literal["encrypted"] | None = Field(  # type: ignore[assignment]

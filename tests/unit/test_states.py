@@ -10,6 +10,7 @@ from typing import Any
 
 import hypothesis.strategies as st
 import pytest
+from bson.binary import Binary
 from hypothesis import given
 from hypothesis import settings as hsettings
 
@@ -200,6 +201,24 @@ def test_no_live_worker_for_the_name() -> None:
     assert (state, why) == ("blocked", "no_worker")
     assert reason == "it may run only on `w9`: none of them is a live worker of `add`"
     assert said(resize, Cluster(NOW))[0] == "available"  # workers not read: none assumed
+
+
+def test_an_encrypted_task_given_back_by_a_worker_without_the_key_says_so() -> None:
+    given_back = run(
+        "RELEASED",
+        finished_at=EARLIER,
+        error="not decrypted by worker `w1`: this worker has no encryption key (…)",
+    )
+    sealed = {"__mtask_encrypted__": Binary(b"\x02" + bytes(40), 6)}
+    state, why, reason = said(doc(params=sealed, attempts=1, runs=[given_back]))
+    assert (state, why) == ("blocked", "no_key")
+    assert reason == (
+        "given back, no retry spent: not decrypted by worker `w1`: this worker has no "
+        "encryption key (…); it waits for a worker of `add` that holds the encryption key (one "
+        "that cannot decrypt it does not claim it again)"
+    )
+    shutdown = run("RELEASED", finished_at=EARLIER)  # given back for another reason: available
+    assert said(doc(params=sealed, attempts=1, runs=[shutdown]))[0] == "available"
 
 
 def test_a_sequence_behind_its_lock_holder() -> None:
