@@ -20,6 +20,10 @@ lines (the handler decides what it writes there). Rotation: ``rotate`` re-wraps 
 under a new master key (``rewrapManyDataKey``); the data keys, and so every stored ciphertext,
 stay the same, so old tasks stay readable.
 
+A worker that cannot decrypt a task (no key, a wrong key, the key before a rotation) gives it
+back without spending a retry and says why (``mtask.worker.running.sealing``); its claims then
+skip the tasks it gave back (``mtask.store.claims.unopened_by``).
+
 Cost: nothing for a task that does not ask (one dictionary lookup in the worker, none in a
 publisher without encryption); for one that does, one encryption per publish and one
 decryption per run (the data key is cached by libmongocrypt, read from the vault at most once a

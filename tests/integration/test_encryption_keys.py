@@ -7,6 +7,7 @@ an old-key worker and a new-key worker together finish every task."""
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import os
 import subprocess
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bson.binary import Binary
 from harness import poll, run_cli, worker_process
 from pymongo import MongoClient
 
@@ -27,6 +29,7 @@ from mtask.security.encryption import (
     is_ciphertext,
     rotate_local,
 )
+from mtask.store.claims import claim_filter, claim_lean_filter, unopened_by
 
 SECRET = "4242 4242 4242 4242"
 LIMIT = 60.0
@@ -176,3 +179,40 @@ def test_across_a_rotation_old_and_new_key_workers_finish_every_task(
             assert task.result["params"] == {"card": SECRET, "i": i}, key
             doc = tasks.find_one({"_id": key})
             assert doc is not None and not doc.get("failures"), doc
+
+
+def test_a_claim_skips_only_the_encrypted_tasks_its_worker_gave_back(
+    mongo: MongoClient[dict[str, Any]], db_name: str
+) -> None:
+    """``store.unopened_by`` on the real server: a worker that met a task it cannot decrypt
+    skips the encrypted tasks it gave back, and nothing else (a plain task, an encrypted one it
+    never met, one another worker gave back); a worker that never met one adds nothing."""
+    now = dt.datetime.now(dt.UTC)
+    sealed = {"__mtask_encrypted__": Binary(b"\x02" + os.urandom(40), 6)}
+
+    def given_back(by: str) -> dict[str, Any]:
+        error = f"{UNOPENED} `{by}`: this worker has no encryption key"
+        return {"worker_id": by, "state": "RELEASED", "error": error, "run_id": f"r-{by}"}
+
+    tasks = mongo[db_name].tasks
+    tasks.insert_many(
+        [
+            {"_id": "plain", "params": {"a": 1}, "runs": [given_back("w1")]},
+            {"_id": "met", "params": sealed, "runs": [given_back("w1")]},
+            {"_id": "unmet", "params": sealed, "runs": []},
+            {"_id": "theirs", "params": sealed, "runs": [given_back("w2")]},
+        ]
+    )
+    keys = ["plain", "met", "unmet", "theirs"]
+    skipping = unopened_by("w1")
+    assert {d["_id"] for d in tasks.find({"_id": {"$in": keys}, **skipping})} == {
+        "plain",
+        "unmet",
+        "theirs",
+    }
+    plain = claim_filter(keys, ["echo"], "w1", now)
+    assert "$nor" not in plain and plain == {
+        k: v for k, v in claim_filter(keys, ["echo"], "w1", now, True).items() if k != "$nor"
+    }
+    assert "$nor" not in claim_lean_filter(keys, ["echo"], "w1", now)
+    assert claim_lean_filter(keys, ["echo"], "w1", now, True)["$nor"] == skipping["$nor"]

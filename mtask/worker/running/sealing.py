@@ -78,7 +78,7 @@ class Sealing(Protocol):
 class Plain(_Said):
     async def params(self, doc: Mapping[str, Any]) -> Any:
         params = doc.get("params") or {}
-        if MARK in params and sealed(params):  # one lookup for a plain task
+        if sealed(params):  # a type check and a lookup for a plain task
             raise self.refuse(doc, NO_KEY, "no key")
         return params
 
