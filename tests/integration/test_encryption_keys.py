@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import html
 import os
 import subprocess
 from collections.abc import Iterator
@@ -15,10 +16,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from bson.binary import Binary
 from harness import poll, run_cli, worker_process
 from pymongo import MongoClient
+from webserver import serving
 
 from mtask import TaskClient
 from mtask.security.encryption import (
@@ -30,6 +33,7 @@ from mtask.security.encryption import (
     rotate_local,
 )
 from mtask.store.claims import claim_filter, claim_lean_filter, unopened_by
+from mtask.web.auth import Keys
 
 SECRET = "4242 4242 4242 4242"
 LIMIT = 60.0
@@ -127,6 +131,13 @@ def test_a_worker_that_cannot_decrypt_gives_the_task_back_and_one_with_the_key_r
             code, out, err = run_cli("get", "secret", "--database", db_name, "--uri", mongo_uri)
             assert code == 0 and "no key" in out and UNOPENED in out, (out, err)
             assert SECRET not in out
+            with serving(mongo_uri, db_name, token="t0k") as url, httpx.Client(base_url=url) as web:
+                got = web.get("/tasks/secret", headers={"Authorization": "Bearer t0k"}).json()
+                assert (got["state"], got["why"]) == ("blocked", "no_key"), got
+                assert UNOPENED in got["reason"] and got["params"] == "encrypted", got
+                web.cookies.set("mtask_session", Keys.of("t0k").new_session())
+                page = web.get("/ui/tasks/secret").text
+                assert UNOPENED in html.unescape(page) and SECRET not in page
         said = log.read_text(errors="replace")
         assert said.count("cannot decrypt the params of `echo` tasks") == 1, said  # once
         with worker(mongo_uri, db_name, tmp_path / "keyed.log", master):
