@@ -206,7 +206,9 @@ class Encryption:
         try:
             self._ce.encrypt("probe", ALGORITHM, key_id=key_id)
         except EncryptionError as exc:
-            return f"the master key does not open its data key {key_id.as_uuid()}: {exc}"
+            hint = " (a wrong master key, or the one from before a rotation)"
+            said = f"cannot open its data key {key_id.as_uuid()}: {exc}"
+            return said + hint if "HMAC" in str(exc) else said
         return None
 
     def rotate(

@@ -120,7 +120,7 @@ def test_a_worker_that_cannot_decrypt_gives_the_task_back_and_one_with_the_key_r
                 assert_not_burnt(doc)
                 assert doc is not None and len(doc["runs"]) == 1, doc["runs"]
             why = released(tasks.find_one({"_id": "secret"}))[-1]["error"]
-            expected = "no encryption key" if wrong is None else "does not open its data key"
+            expected = "no encryption key" if wrong is None else "cannot open its data key"
             assert expected in why, why
             task = client.get("secret")  # the reason, while its only worker cannot decrypt it
             assert task is not None
