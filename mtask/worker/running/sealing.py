@@ -42,6 +42,14 @@ class Unopened(Exception):
         self.why = why
 
 
+class _KeyClosed(Exception):
+    """From the decrypting thread: this worker's master key does not open the data key."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
 class _Said:
     """What a worker logged of the tasks it could not decrypt: once per name and reason, not
     once per task; ``met`` tells its claims to skip the tasks it gave back."""
@@ -95,9 +103,12 @@ class Sealed(_Said):
         params = doc.get("params") or {}
         if not sealed(params):
             return params
-        return await asyncio.to_thread(self._open, doc, params)
+        try:
+            return await asyncio.to_thread(self._open, params)
+        except _KeyClosed as closed:  # said and told on the event loop, the parts' owner
+            raise self.refuse(doc, closed.why, "key") from None
 
-    def _open(self, doc: Mapping[str, Any], params: Mapping[str, Any]) -> Any:
+    def _open(self, params: Mapping[str, Any]) -> Any:
         from pymongo.errors import EncryptionError
 
         try:
@@ -106,7 +117,7 @@ class Sealed(_Said):
             why = self.encryption.opens_key_of(params[MARK])
             if why is None:
                 raise  # the key opens: the ciphertext itself is bad, the task's failure
-            raise self.refuse(doc, why, "key") from None
+            raise _KeyClosed(why) from None
 
     def result(self, doc: Mapping[str, Any], result: Any) -> Any:
         from pymongo.errors import EncryptionError
