@@ -203,7 +203,7 @@ async def _run_flow_control(
 async def test_a_plain_name_pays_nothing_for_flow_control_beside_it(
     mongo_uri: str, db_name: str, aclient: AsyncTaskClient, mongo: Mongo
 ) -> None:
-    """Issue 62: the same plain tasks cost the same beside every flow-control feature as alone:
+    """The same plain tasks cost the same beside every flow-control feature as alone:
     the same operations on ``tasks``, the same index keys, and no read or write of ``limits``
     (nor of any other feature's collection) for them."""
     alone = await _plain_tasks_cost(mongo, mongo_uri, db_name, aclient, registry, "mtask-alone")
@@ -219,13 +219,16 @@ async def test_a_plain_name_pays_nothing_for_flow_control_beside_it(
     assert beside.on_tasks == alone.on_tasks, (beside, alone)
     assert beside.keys == alone.keys == 9 * TASKS, (beside.keys / TASKS, alone.keys / TASKS)
     assert not beside.touched & UNUSED, beside.touched
-    assert beside.touched <= alone.touched | {"workers"}, (beside.touched, alone.touched)
+    # beside the tasks: the heartbeats and the relay's lease renewals, each on its own clock
+    # (one may fall in one window and not the other), none of them the plain tasks'
+    periodic = {"workers", "relays"}
+    assert beside.touched <= alone.touched | periodic, (beside.touched, alone.touched)
 
 
 async def test_a_plain_task_carries_nothing_of_durable_workflows(
     mongo_uri: str, db_name: str, aclient: AsyncTaskClient, mongo: Mongo
 ) -> None:
-    """Issue 61: a handler that spawns nothing, gathers nothing and has no deadline writes no
+    """A handler that spawns nothing, gathers nothing and has no deadline writes no
     field of theirs and has no key in their index (``children_wait``); its claim's projection
     of ``spawn`` reads nothing (absent: no bytes)."""
     async with running_worker(registry, mongo_uri, db_name) as (_, events):
