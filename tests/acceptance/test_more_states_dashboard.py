@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness import sign_in, worker_process
+from harness import signed_in, worker_process
 from test_dashboard import shots_dir, wait_until
 from test_states_dashboard import CONTEXTS, fits, plain
 from webserver import serving
@@ -56,32 +56,26 @@ def test_the_other_states_pages_and_the_triggers_page(
         client.publish("polite", "polite-2", {}, options={"group": "globex"})
         wait_until(lambda: _said(client, "polite-2") == EXPECTED["polite-2"][:2])
         for size, viewport, scheme, js in CONTEXTS:
-            context = browser.new_context(
-                viewport=viewport, color_scheme=scheme, java_script_enabled=js
-            )
-            page = context.new_page()
-            page.set_default_timeout(30_000)
-            sign_in(page, url, TOKEN)
-            suffix = "" if scheme == "light" else "-dark"
-            for key, (state, why, words) in EXPECTED.items():
-                page.goto(f"{url}/ui/tasks/{key}")
-                expect(page.locator("#status")).to_have_text(state)
-                expect(page.locator("#reason")).to_contain_text(plain(words))
-                if state != "scheduled":  # a scheduled task's why is in its sentence alone
-                    expect(page.locator(".summary .why-tag")).to_contain_text(why)
-                fits(page, viewport, f"{key} {size}")
-                shot = out / f"states-task-{state}-{why}-{size}{suffix}.png"
+            with signed_in(browser, url, TOKEN, scheme, size, js=js) as page:
+                suffix = "" if scheme == "light" else "-dark"
+                for key, (state, why, words) in EXPECTED.items():
+                    page.goto(f"{url}/ui/tasks/{key}")
+                    expect(page.locator("#status")).to_have_text(state)
+                    expect(page.locator("#reason")).to_contain_text(plain(words))
+                    if state != "scheduled":  # a scheduled task's why is in its sentence alone
+                        expect(page.locator(".summary .why-tag")).to_contain_text(why)
+                    fits(page, viewport, f"{key} {size}")
+                    shot = out / f"states-task-{state}-{why}-{size}{suffix}.png"
+                    page.screenshot(path=str(shot), full_page=True)
+                    assert shot.stat().st_size > 5_000
+                page.goto(f"{url}/ui/triggers")
+                expect(page.locator("tr[data-trigger='wait:invoices'] td.state")).to_have_text(
+                    "following"
+                )
+                fits(page, viewport, f"triggers {size}")
+                shot = out / f"states-triggers-{size}{suffix}.png"
                 page.screenshot(path=str(shot), full_page=True)
                 assert shot.stat().st_size > 5_000
-            page.goto(f"{url}/ui/triggers")
-            expect(page.locator("tr[data-trigger='wait:invoices'] td.state")).to_have_text(
-                "following"
-            )
-            fits(page, viewport, f"triggers {size}")
-            shot = out / f"states-triggers-{size}{suffix}.png"
-            page.screenshot(path=str(shot), full_page=True)
-            assert shot.stat().st_size > 5_000
-            context.close()
         for n in range(3):  # the children finish, and so does their parent
             client.signal(f"fan-1/spawn#1/{n}", "go", {"n": n})
         wait_until(lambda: _said(client, "fan-1")[0] == "succeeded")

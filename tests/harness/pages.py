@@ -28,12 +28,12 @@ def sign_in(page: Any, url: str, token: str) -> None:
 
 
 @contextlib.contextmanager
-def signed_in(browser: Any, url: str, token: str, scheme: str, size: str) -> Iterator[Any]:
-    """A page of its own in ``scheme`` at ``size``, without JavaScript, signed in, its waits
-    30 s at most; closed after."""
-    context = browser.new_context(
-        viewport=SIZES[size], color_scheme=scheme, java_script_enabled=False
-    )
+def signed_in(
+    browser: Any, url: str, token: str, scheme: str, size: str, *, js: bool = False
+) -> Iterator[Any]:
+    """A page of its own in ``scheme`` at ``size``, without JavaScript unless ``js``, signed
+    in, its waits 30 s at most; closed after."""
+    context = browser.new_context(viewport=SIZES[size], color_scheme=scheme, java_script_enabled=js)
     try:
         page = context.new_page()
         page.set_default_timeout(30_000)
