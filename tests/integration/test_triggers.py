@@ -305,3 +305,31 @@ async def test_with_images_a_trigger_matches_the_document_as_its_change_left_it(
     updates = ship_tasks(db, **{"params.change.op": "update"})
     assert sorted(t["params"]["_id"] for t in updates) == list(range(20))
     assert [t["params"]["_id"] for t in ship_tasks(db, **{"params.change.op": "scan"})] == ["early"]
+
+
+async def test_a_change_replayed_by_the_next_holder_publishes_no_second_task(
+    mongo_uri: str, db_name: str, mongo: Db
+) -> None:
+    """A holder that published a change's task but whose position was not saved past it (it
+    died in between) leaves the change to the next holder, which reads it again from the saved
+    resume token: the change still has exactly one task, and the one that ran stays done."""
+    db = mongo[db_name]
+    registry = orders_registry()
+    follower = {"_id": "tasks/trigger/ship"}
+    async with running_worker(registry, mongo_uri, db_name) as (_, first):
+        await first.wait("following", follower="trigger:ship")
+        before = db.triggers.find_one(follower)["token"]  # saved before anything is handled
+        db.orders.insert_one({"_id": "a", "status": "paid", "total": 5})
+        await first.wait("reacted", follower="trigger:ship")
+        await wait_for(lambda: ship_tasks(db, status="succeeded"))
+    # the position goes back to before the change, as if the holder died before saving it
+    assert db.triggers.find_one(follower)["token"] != before
+    db.triggers.update_one(follower, {"$set": {"token": before}})
+    async with running_worker(registry, mongo_uri, db_name, names=["idle"]) as (_, second):
+        await second.wait("reacted", follower="trigger:ship", timeout=30)  # the same change
+        db.orders.insert_one({"_id": "b", "status": "paid", "total": 6})
+        await wait_for(lambda: handled(second) == 2)
+    assert handled(second) == 2  # "a" was read again, then "b"
+    tasks = {str(t["params"]["_id"]): t for t in ship_tasks(db)}
+    assert sorted(tasks) == ["a", "b"]  # one task for "a", not two
+    assert tasks["a"]["status"] == "succeeded" and tasks["a"]["attempts"] == 1
