@@ -167,6 +167,29 @@ def test_concurrent_schedulers_publish_each_tick_once(tc: TaskClient, clock: Fix
     assert tc._run(due(now)) == []
 
 
+def test_a_scheduler_that_fires_a_stale_read_late_never_moves_the_schedule_back(
+    tc: TaskClient, clock: FixedClock
+) -> None:
+    """Two schedulers read the same tick; one fires it, and the next tick too, before the other
+    (stalled since its read) fires what it read: that finds the tick's task there and its
+    advance, compared against the tick it read, changes nothing: no tick is published again."""
+    tc.add_schedule("beat", "t", every=60)
+    clock.advance(seconds=90)  # the tick at +60 s is due
+    stalled_at = clock.now()
+    [stale] = tc._run(due(stalled_at))
+    assert tc._run(fire(stale, stalled_at)) == 1  # the other scheduler fires it...
+    clock.advance(seconds=40)
+    [fresh] = tc._run(due(clock.now()))
+    assert tc._run(fire(fresh, clock.now())) == 1  # ...and the tick at +120 s
+    assert tc._run(fire(stale, stalled_at)) == 0  # the stalled one fires what it read
+    [doc] = tc.schedules()
+    assert doc["next_tick_at"] == T0 + dt.timedelta(seconds=180)  # not back at +120 s
+    assert doc["last_key"] == tick_key("beat", T0 + dt.timedelta(seconds=120))
+    assert sorted(t.key for t in tc.list()) == [
+        tick_key("beat", T0 + dt.timedelta(seconds=s)) for s in (60, 120)
+    ]
+
+
 @pytest.mark.parametrize(("catch_up", "expected"), [("all", 11), ("latest", 1), ("none", 0)])
 def test_missed_ticks_follow_the_policy(
     tc: TaskClient, clock: FixedClock, catch_up: str, expected: int
