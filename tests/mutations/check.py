@@ -195,6 +195,94 @@ MUTATIONS = [
         ("tests/integration/test_client.py::test_fifty_concurrent_async_publishers",),
     ),
     Mutation(
+        "trigger-change-key",
+        "a change read again (a takeover, a resume from an older token) keeps its one task",
+        "mtask/triggers.py",
+        "return _fit(self.name, id_text(doc_id), digest(token))",
+        "return _fit(self.name, id_text(doc_id), str(ObjectId()))",
+        (
+            "tests/integration/test_triggers.py::"
+            "test_a_change_replayed_by_the_next_holder_publishes_no_second_task",
+        ),
+    ),
+    Mutation(
+        "trigger-insert-if-absent",
+        "a change read again leaves its task as it is: one that ran does not run again",
+        "mtask/store/tasks.py",
+        'requests.append(UpdateOne({"_id": task.key}, {"$setOnInsert": doc}, upsert=True))',
+        'requests.append(UpdateOne({"_id": task.key}, {"$set": doc}, upsert=True))',
+        (
+            "tests/integration/test_triggers.py::"
+            "test_a_change_replayed_by_the_next_holder_publishes_no_second_task",
+        ),
+    ),
+    Mutation(
+        "parallel-step-fence",
+        "a parallel step is recorded only while its run owns the task, on a live lease",
+        "mtask/store/steps.py",
+        "filt = fence(key, run_id)",
+        'filt = {"_id": key}',
+        (
+            "tests/integration/test_zombie_fences.py::"
+            "test_a_zombies_parallel_step_is_refused_and_the_takeovers_is_recorded",
+        ),
+        after="def record_named_update(",
+    ),
+    Mutation(
+        "step-lease",
+        "a run whose lease ran out records nothing, even before another run takes its task",
+        "mtask/store/steps.py",
+        '"$expr": lease_alive_expr(run_id),',
+        "# (no lease)",
+        (
+            "tests/integration/test_zombie_fences.py::"
+            "test_a_zombies_parallel_step_is_refused_and_the_takeovers_is_recorded",
+        ),
+        after="def fence(",
+    ),
+    Mutation(
+        "data-wait-fence",
+        "a data wait is announced only while its run owns the task",
+        "mtask/store/datawaits.py",
+        '"update_one", (fence(key, run_id), [{"$set": {"waiting": literal(waiting)}}])',
+        '"update_one", ({"_id": key}, [{"$set": {"waiting": literal(waiting)}}])',
+        (
+            "tests/integration/test_zombie_fences.py::"
+            "test_a_zombies_data_wait_is_refused_and_a_stale_wake_wakes_nothing",
+        ),
+    ),
+    Mutation(
+        "data-wake-fence",
+        "a wake wakes only the wait it read, not a later wait of the task",
+        "mtask/store/datawaits.py",
+        'same = [{"_id": t["_id"], "waiting.index": t["waiting"]["index"]} for t in tasks]',
+        'same = [{"_id": t["_id"]} for t in tasks]',
+        (
+            "tests/integration/test_zombie_fences.py::"
+            "test_a_zombies_data_wait_is_refused_and_a_stale_wake_wakes_nothing",
+        ),
+    ),
+    Mutation(
+        "cron-tick-key",
+        "of schedulers racing for one tick, one publishes its task (the tick is its key)",
+        "mtask/schedules.py",
+        "return f\"{schedule_id}@{_ms(tick).isoformat(timespec='milliseconds')"
+        ".replace('+00:00', 'Z')}\"",
+        'return f"{schedule_id}@{dt.datetime.now(dt.UTC).isoformat()}"',
+        ("tests/integration/test_schedules.py::test_concurrent_schedulers_publish_each_tick_once",),
+    ),
+    Mutation(
+        "cron-advance-cas",
+        "a scheduler that fires a stale read late never moves its schedule back",
+        "mtask/store/schedules.py",
+        '"next_tick_at": doc["next_tick_at"],',
+        "# (any tick)",
+        (
+            "tests/integration/test_schedules.py::"
+            "test_a_scheduler_that_fires_a_stale_read_late_never_moves_the_schedule_back",
+        ),
+    ),
+    Mutation(
         "hostile-id",
         "a task document of any shape, _id included, never stops a worker",
         "mtask/worker/finding/setaside.py",
