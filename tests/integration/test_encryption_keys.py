@@ -16,14 +16,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import bson
 import httpx
 import pytest
 from bson.binary import Binary
-from harness import poll, run_cli, worker_process
+from harness import poll, run_cli, running_worker, wait_for, worker_process
 from pymongo import MongoClient
 from webserver import serving
 
 from mtask import TaskClient
+from mtask.registry import Registry
 from mtask.security.encryption import (
     KEY_FILE_ENV,
     KEY_VAULT,
@@ -227,3 +229,43 @@ def test_a_claim_skips_only_the_encrypted_tasks_its_worker_gave_back(
     }
     assert "$nor" not in claim_lean_filter(keys, ["echo"], "w1", now)
     assert claim_lean_filter(keys, ["echo"], "w1", now, True)["$nor"] == skipping["$nor"]
+
+
+async def test_in_one_process_a_keyless_worker_gives_back_and_a_keyed_one_seals_the_result(
+    mongo_uri: str,
+    db_name: str,
+    mongo: MongoClient[dict[str, Any]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same promises as above, fast (workers in the test's loop, the handler seen): a
+    worker without the key never hands the ciphertext to its handler, and gives the task back;
+    one with the key hands it the plain params and stores the result encrypted."""
+    master = key_file(tmp_path / "master.key")
+    encryption = Encryption.local(master, mongo_uri, db_name)
+    encryption.ensure_key()
+    tasks = mongo[db_name].tasks
+    seen: list[Any] = []
+    registry = Registry()
+
+    @registry.task("echo")
+    async def echo(params: Any) -> Any:
+        seen.append(params)
+        return {"params": params}
+
+    with TaskClient(mongo_uri, database=db_name, encryption=encryption) as client:
+        client.publish("echo", "secret", {"card": SECRET}, encrypt=True)
+        async with running_worker(registry, mongo_uri, db_name):  # no key
+            await wait_for(lambda: met(tasks, "secret"), LIMIT)
+        assert seen == []  # the handler never saw the ciphertext
+        assert_not_burnt(tasks.find_one({"_id": "secret"}))
+        assert len(released(tasks.find_one({"_id": "secret"}))) == 1
+        monkeypatch.setenv(KEY_FILE_ENV, str(master))
+        async with running_worker(registry, mongo_uri, db_name):
+            await wait_for(lambda: tasks.find_one({"_id": "secret", "status": "succeeded"}), LIMIT)
+        assert seen == [{"card": SECRET}]  # plain, for the handler only
+        stored = tasks.find_one({"_id": "secret"})
+        assert stored is not None and is_ciphertext(stored["result"])
+        assert SECRET.encode() not in bson.encode(stored)
+        done = client.get("secret")  # the holder of the key reads it plain
+        assert done is not None and done.result == {"params": {"card": SECRET}}
