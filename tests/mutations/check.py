@@ -283,6 +283,40 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "keyless-ciphertext",
+        "a worker without the key never hands an encrypted task's ciphertext to its handler",
+        "mtask/worker/running/sealing.py",
+        "if sealed(params):  # a type check and a lookup for a plain task",
+        "if False:",
+        (
+            "tests/integration/test_encryption_keys.py::"
+            "test_in_one_process_a_keyless_worker_gives_back_and_a_keyed_one_seals_the_result",
+        ),
+    ),
+    Mutation(
+        "sealed-params",
+        "a worker with the key hands its handler the plain params",
+        "mtask/worker/running/sealing.py",
+        "if not sealed(params):",
+        "if True:",
+        (
+            "tests/integration/test_encryption_keys.py::"
+            "test_in_one_process_a_keyless_worker_gives_back_and_a_keyed_one_seals_the_result",
+        ),
+        after="class Sealed(",
+    ),
+    Mutation(
+        "sealed-result",
+        "the result of an encrypted task is stored encrypted",
+        "mtask/worker/running/sealing.py",
+        'if result is None or not sealed(doc.get("params")):',
+        "if True:",
+        (
+            "tests/integration/test_encryption_keys.py::"
+            "test_in_one_process_a_keyless_worker_gives_back_and_a_keyed_one_seals_the_result",
+        ),
+    ),
+    Mutation(
         "hostile-id",
         "a task document of any shape, _id included, never stops a worker",
         "mtask/worker/finding/setaside.py",
