@@ -17,6 +17,7 @@ tests/mutations/check.py`` (``--only NAME`` for one); ``.ci/run`` runs it before
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -482,18 +483,26 @@ def shared_mongod() -> Iterator[None]:
             server.stop()
 
 
+JOBS = int(os.environ.get("MTASK_MUTATION_JOBS", "3"))
+"""Mutations tried at once, each in a pytest process of its own (their tests mostly wait on
+mongod and worker processes, as the suite's three processes do)."""
+
+
 def check(chosen: list[Mutation], *, baseline_first: bool) -> int:
-    """Each mutation's verdict printed; 1 if one survived."""
+    """Each mutation's verdict printed as it comes, ``JOBS`` at once; 1 if one survived."""
     if baseline_first:
         baseline(chosen)
     survived = []
-    for mutation in chosen:
-        killed, seconds, tail = run(mutation)
-        verdict = "killed" if killed else "SURVIVED"
-        print(f"{verdict:8} {mutation.name:14} {seconds:5.1f}s  {mutation.promise}", flush=True)
-        if not killed:
-            survived.append(mutation.name)
-            print(f"         {tail}", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, JOBS)) as pool:
+        runs = {pool.submit(run, mutation): mutation for mutation in chosen}
+        for done in concurrent.futures.as_completed(runs):
+            mutation = runs[done]
+            killed, seconds, tail = done.result()  # an inconclusive run's SystemExit goes on
+            verdict = "killed" if killed else "SURVIVED"
+            print(f"{verdict:8} {mutation.name:14} {seconds:5.1f}s  {mutation.promise}", flush=True)
+            if not killed:
+                survived.append(mutation.name)
+                print(f"         {tail}", flush=True)
     if survived:
         print(f"{len(survived)} mutation(s) survived: {', '.join(survived)}")
         return 1
