@@ -41,26 +41,26 @@ WORKLOADS = {
     "W5": Bench.w5_stampede,
     "W6": Bench.w6_publish,
     "W8": Bench.w8_delayed,
-    # issue 17 (bench/scale.py): stats at scale, many workers, memory under a backlog
+    # (bench/scale.py): stats at scale, many workers, memory under a backlog
     "ST": scale.stats_at_scale,
     "W9": scale.many_workers,
-    "W9H": scale.many_hosts,  # issue 25: one worker per host (network namespaces)
+    "W9H": scale.many_hosts,  # one worker per host (network namespaces)
     "W7X": scale.backlog_memory,
-    "WR": relay_faults,  # issue 66: the relay's holder or a subscriber killed, frozen, cut off
-    "W10": w10_cpu,  # CPU-bound: thread vs process pool (issue 18, bench/cpu.py)
+    "WR": relay_faults,  # the relay's holder or a subscriber killed, frozen, cut off
+    "W10": w10_cpu,  # CPU-bound: thread vs process pool (bench/cpu.py)
     "WV": validator_ab,  # the $jsonSchema validator's cost on W1 and W6, A/B (bench/validator.py)
     "WVI": validator_interleaved,  # the same, interleaved batch by batch / side by side
-    "WO": live_output,  # issue 31: what progress, log lines and chunks cost (bench/output.py)
-    "WS": durable_steps,  # issue 30: what a step, a sleep and a signal wait cost (bench/steps.py)
-    "WB": cost_budget,  # issue 26: the cost budget per task, beside bench/budget.json
-    "WQ": peers,  # issue 26: W1 and W2 beside arq on Redis, same run (bench/peers.py)
-    "WBH": batch_handlers,  # issue 62: batch handlers against single-task ones, one run
-    "WG": groups_cost,  # issue 29: fairness, group limits and sequences in a drain
-    "WL": limit_changes,  # issue 66: a lowered limit applies on its event (bench/limits.py)
-    "WST": startup,  # issue 66: a worker's first claim, the CLI's answer, beside arq's start-up
-    "WT": reacting,  # issue 63: triggers and waits on data (bench/triggers.py)
-    "WC": children_cost,  # issue 61: a spawned-and-awaited child's cost (bench/children.py)
-    "WF": preflight_at_scale,  # issue 61: 100,000 parked tasks preflighted (bench/preflight.py)
+    "WO": live_output,  # what progress, log lines and chunks cost (bench/output.py)
+    "WS": durable_steps,  # what a step, a sleep and a signal wait cost (bench/steps.py)
+    "WB": cost_budget,  # the cost budget per task, beside bench/budget.json
+    "WQ": peers,  # W1 and W2 beside arq on Redis, same run (bench/peers.py)
+    "WBH": batch_handlers,  # batch handlers against single-task ones, one run
+    "WG": groups_cost,  # fairness, group limits and sequences in a drain
+    "WL": limit_changes,  # a lowered limit applies on its event (bench/limits.py)
+    "WST": startup,  # a worker's first claim, the CLI's answer, beside arq's start-up
+    "WT": reacting,  # triggers and waits on data (bench/triggers.py)
+    "WC": children_cost,  # a spawned-and-awaited child's cost (bench/children.py)
+    "WF": preflight_at_scale,  # 100,000 parked tasks preflighted (bench/preflight.py)
 }
 
 

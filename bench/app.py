@@ -14,9 +14,9 @@ registry = Registry()
 txn.register(registry)
 output.register(registry)
 steps.register(registry)
-children.register(registry)  # issue 61: bench WC
-preflight.register(registry)  # issue 61: bench WF
-batches.register(registry)  # issue 62: bench WBH
+children.register(registry)  # bench WC
+preflight.register(registry)  # bench WF
+batches.register(registry)  # bench WBH
 
 
 @registry.task("noop")

@@ -1,4 +1,4 @@
-"""Bench WBH, batch handlers (issue 62): one worker (concurrency 64) drains ``n`` tasks of a
+"""Bench WBH, batch handlers: one worker (concurrency 64) drains ``n`` tasks of a
 single-task handler and of a batch handler (up to 64 tasks a call, 50 ms to fill), all modes
 alternated over the rounds, on a mongod of the bench's own, ``async def`` and plain ``def``
 (a ``def`` single-task handler runs each call on a thread; a batch one, one thread call a

@@ -1,4 +1,4 @@
-"""Bench WB, the cost budget per task (issue 26): what one task costs the worker and the
+"""Bench WB, the cost budget per task: what one task costs the worker and the
 server, line by line, and each feature's share of it, found by turning it off in the same run.
 
 Two shapes, on a mongod of the bench's own (its CPU, read from ``/proc``, is this workload's):
@@ -347,7 +347,7 @@ def cost_budget(bench: Bench) -> None:
         Result(
             "WB cost budget",
             "; ".join(_shares(figures)),
-            "measured, not judged (issue 26)",
+            "measured, not judged",
             None,
             f"per task; {sizes.drain} drained at c64 and {sizes.trickle} one at a time at c16; "
             f"{len(named)} line(s) grew against bench/budget.json"

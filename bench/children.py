@@ -1,4 +1,4 @@
-"""Bench WC, children awaited without a slot (issue 61): what a spawned-and-awaited child costs
+"""Bench WC, children awaited without a slot: what a spawned-and-awaited child costs
 its parent and the server, beside the same no-op task published on its own, and how long a
 fan-out of ``n`` children takes to come back to its parent.
 
@@ -98,7 +98,7 @@ def children_cost(bench: Bench) -> None:
             f"+{spawned['ops'] - plain['ops']:.2f} server ops above a plain task; "
             f"{n} children back to their parent in {spawned['wall']:.1f} s "
             f"(plain: {plain['wall']:.1f} s)",
-            "measured (issue 61: a handler that spawns nothing pays nothing)",
+            "measured (a handler that spawns nothing pays nothing)",
             None,
             f"per child, the parent's spawn, wait, resume and results' read included; a plain "
             f"task: worker {plain['worker_us']:.0f} µs, mongod {plain['mongod_us']:.0f} µs, "

@@ -1,5 +1,5 @@
 """Bench WB's worker-side variants: features of the worker's run path turned off *in the bench's
-worker process only*, to find each one's share of a task's cost (issue 26). The product has no
+worker process only*, to find each one's share of a task's cost. The product has no
 switch for them (a plain worker needs its metrics, its lease deadline and its claim's time
 limit), so the bench replaces them here, in the process it starts, before the worker runs.
 

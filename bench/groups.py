@@ -1,4 +1,4 @@
-"""Bench WG, groups (issue 29): what fairness, per-group limits and sequences cost a drain.
+"""Bench WG, groups: what fairness, per-group limits and sequences cost a drain.
 
 One worker (concurrency 64, W1's) drains ``n`` no-op tasks on a mongod of the bench's own,
 once per mode, the modes alternated over ``ROUNDS`` rounds:

@@ -1,4 +1,4 @@
-"""Bench WL, a changed limit (issue 66): how long after ``set_limit`` runs still start under
+"""Bench WL, a changed limit: how long after ``set_limit`` runs still start under
 the old limit, and how long until every worker says it applies the new one.
 
 Three worker processes (concurrency 4, no prefetch) run ``span`` tasks of 200 ms (each returns

@@ -1,4 +1,4 @@
-"""Bench WO, live output (issue 31): what progress, log lines and chunks cost per second of
+"""Bench WO, live output: what progress, log lines and chunks cost per second of
 handler time.
 
 Four handlers run at once in one worker (concurrency 4) for ``seconds`` each, on a mongod of
@@ -118,7 +118,7 @@ def live_output(bench: Bench) -> None:
         Result(
             "WO live output",
             "; ".join(rows),
-            "measured (issue 31: a handler that says nothing pays nothing)",
+            "measured (a handler that says nothing pays nothing)",
             None,
             f"per second of handler time above a quiet handler (worker {quiet['worker_ms']:.1f}"
             f" ms/s, mongod {quiet['mongod_ms']:.1f} ms/s, {quiet['writes']:.1f} writes/s); "

@@ -1,4 +1,4 @@
-"""Bench WQ, mtask beside arq on Redis in the same run (issue 26; measured alike since issue 66).
+"""Bench WQ, mtask beside arq on Redis in the same run (measured alike).
 
 - **Drain** (W1's shape): ``n`` no-op jobs enqueued first, then one worker process at
   concurrency 64 (arq: ``max_jobs=64``) drains them. Both queues are measured the same way:
@@ -22,7 +22,7 @@ where each of mtask's waits for its replica set's majority (journaled).
 ``MTASK_WQ_LEVERS="--prefetch 0;--loop asyncio"`` adds, in each round, an mtask drain with
 each set of worker options, beside the same round's arq drain; ``MTASK_WQ_SIZES=20000`` runs
 that size only. ``MTASK_WQ_POLL=1`` measures as
-WQ did before issue 66, to show what that cost: during each
+WQ did before its brokers were measured alike, to show what that cost: during each
 drain the harness polls arq's Redis with ``KEYS arq:result:*`` every 0.2 s, and mtask's server
 with a count by name every second. Nothing is judged here but the target's line: the figures
 and their ratios are printed; a full run's are in bench/results.md, what bounds them in
@@ -394,11 +394,11 @@ def peers(bench: Bench) -> None:
         Result(
             "WQ beside arq",
             figure,
-            "drain ≥ 2.5x arq from the first job, p50 below arq's (issues 26, 66)",
+            "drain ≥ 2.5x arq from the first job, p50 below arq's",
             met,
             f"no-op jobs drained by one worker process at concurrency 64, {rounds} round(s) "
             "alternated, completion counted in each worker process (per-round median ratio)"
-            f"{'; brokers polled as before issue 66' if poll else ''}; {m} jobs 20 ms apart; "
+            f"{'; brokers polled as they once were' if poll else ''}; {m} jobs 20 ms apart; "
             "arq 0.28 with poll_delay 10 ms on its own redis-server (persistence off), mtask "
             "on the bench's replica set (majority writes)",
             values,

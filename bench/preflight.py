@@ -1,4 +1,4 @@
-"""Bench WF, the preflight of changed handlers (issue 61): ``n`` parked tasks (100,000; 5,000
+"""Bench WF, the preflight of changed handlers: ``n`` parked tasks (100,000; 5,000
 with ``--quick``) checked against the handlers of ``bench.app`` (``mtask.steps.preflight.check``:
 read page by page, replayed dry in the sandbox process), timed, with the server's write
 operations counted across the check (``opcounters`` insert, update, delete: none expected).
@@ -83,7 +83,7 @@ def preflight_at_scale(bench: Bench) -> None:
             "WF preflight",
             f"{n} parked tasks checked in {seconds:.1f} s ({seconds / n * 1e6:.0f} µs a task): "
             f"{counts['clean']} clean, {counts['mismatch']} mismatched; {writes} writes",
-            "within seconds, no write (issue 61)",
+            "within seconds, no write",
             writes == 0 and counts["clean"] + counts["mismatch"] == n,
             "read page by page (name_status_newest), replayed dry in the sandbox process; "
             "the server's insert+update+delete counters across the check",

@@ -1,4 +1,4 @@
-"""WR: finding work when the relay's holder, or one subscriber, fails (issue 66), at 16 hosts.
+"""WR: finding work when the relay's holder, or one subscriber, fails, at 16 hosts.
 
 Every worker is a host of its own (a network namespace, ``unshare --net``), reaching mongod's
 Unix socket through a ``socat`` proxy of its own, so that a host can be cut off by freezing its

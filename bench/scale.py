@@ -1,4 +1,4 @@
-"""Benchmarks of a large collection and of many workers (issue 17), run by ``python -m bench``:
+"""Benchmarks of a large collection and of many workers, run by ``python -m bench``:
 
 * ``ST`` stats at scale: ``stats()`` at 10,000 and at 1,000,000 tasks (1,000 open, the rest
   finished), the open-only counts (``stats(OPEN)``), and exact counts for comparison.

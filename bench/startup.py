@@ -1,5 +1,5 @@
 """Bench WST: how soon a worker process claims its first task, and how soon the command line
-answers (issue 66, item 4).
+answers.
 
 Each round runs every measurement once, in the same order, so that the machine's load (shared
 with other work) falls on all of them alike; the first round is not counted (it writes the
@@ -205,7 +205,7 @@ def _record(bench: Bench, got: dict[str, list[float]], rounds: int, load: list[f
         Result(
             "WST start-up",
             figure,
-            "first claim ≤ 0.25 s, --help ≤ 0.2 s, get ≤ 0.3 s (issue 66; medians)",
+            "first claim ≤ 0.25 s, --help ≤ 0.2 s, get ≤ 0.3 s (medians)",
             met,
             f"{rounds} rounds, each measure once a round: median (min-max) of wall-clock from "
             "the process's start, median CPU (user + system; a worker's when its first task "

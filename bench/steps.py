@@ -1,4 +1,4 @@
-"""Bench WS, durable steps (issue 30): what a step, a sleep and a signal cost per task.
+"""Bench WS, durable steps: what a step, a sleep and a signal cost per task.
 
 One worker (concurrency 8) drains ``n`` tasks of one handler on a mongod of the bench's own
 (the CPU read from ``/proc`` is this workload's alone), once per mode:
@@ -108,7 +108,7 @@ def durable_steps(bench: Bench) -> None:
         Result(
             "WS durable steps",
             "; ".join(rows),
-            "measured (issue 30: a handler with no step pays nothing)",
+            "measured (a handler with no step pays nothing)",
             None,
             f"above a handler with no step (worker {base['worker_us']:.0f} µs, mongod "
             f"{base['mongod_us']:.0f} µs, {base['ops']:.2f} server ops per task); {n} tasks a "

@@ -1,4 +1,4 @@
-"""Bench WT, tasks that react to data (issue 63; docs/triggers.md), on a mongod of the bench's
+"""Bench WT, tasks that react to data (docs/triggers.md), on a mongod of the bench's
 own (its CPU, read from ``/proc``, is this workload's alone):
 
 - **change → task**: one worker follows a trigger on ``orders`` (its tasks are not run: the

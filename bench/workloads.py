@@ -54,7 +54,7 @@ class Bench:
 
     def db(self) -> str:
         name = f"mtask_bench_{uuid.uuid4().hex[:8]}"
-        if self.validator:  # --validator: the task document's $jsonSchema (issue 14)
+        if self.validator:  # --validator: the task document's $jsonSchema
             with TaskClient(self.uri, database=name) as client:
                 client.init_collection(validator=True)
         return name

@@ -76,7 +76,7 @@ os.environ["COLUMNS"] = "160"
 
 
 CREDENTIAL = re.compile(r"mongodb(?:\+srv)?://[^/\s:@]+:(?!\*\*\*@)[^@\s/]+@|mrt1\.[\w-]{8,}\.")
-"""A MongoDB URI with its password, or a read token: never in a log line (issue 64)."""
+"""A MongoDB URI with its password, or a read token: never in a log line."""
 
 
 @pytest.fixture(autouse=True)

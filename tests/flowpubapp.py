@@ -1,4 +1,4 @@
-"""Handlers for issue 62's publish/run side (snooze, supersede, batches): run by worker
+"""Handlers for flow control's publish/run side (snooze, supersede, batches): run by worker
 processes (``mtask-worker flowpubapp:registry``) and importable by pool children."""
 
 from __future__ import annotations

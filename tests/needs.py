@@ -1,4 +1,4 @@
-"""One reading of ``CI`` for the whole suite (issue 66): a test that needs a tool the machine
+"""One reading of ``CI`` for the whole suite: a test that needs a tool the machine
 lacks fails under ``CI`` (``.ci/run`` installs every tool, so a missing one is CI's defect) and
 is skipped with the reason elsewhere. No test is skipped under ``CI``."""
 

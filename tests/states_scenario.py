@@ -1,4 +1,4 @@
-"""Tasks in every derived state and every blocked reason (issue 65), made by a real worker
+"""Tasks in every derived state and every blocked reason, made by a real worker
 process (``workerapp``, ``--concurrency 3 --prefetch 0``) and the client: the scenario of
 ``test_states_dashboard.py`` and ``test_states_cli.py``. ``EXPECTED`` is what each task's
 state, reason and sentence must say."""

@@ -1,4 +1,4 @@
-"""Each tier's share of a pytest run (issue 60): the tests of ``tests/unit``, ``integration``,
+"""Each tier's share of a pytest run: the tests of ``tests/unit``, ``integration``,
 ``acceptance`` and ``chaos`` counted and their setup, call and teardown times summed, so that
 the one ``pytest`` of ``.ci/run`` says what each tier costs. Pure: ``tests/conftest.py`` feeds
 it pytest's reports and prints its lines."""

@@ -280,7 +280,7 @@ async def step_showcase(params: dict[str, Any], ctx: TaskContext) -> Any:
     return await ctx.wait_for("approved")
 
 
-# -- a task explains itself (issue 65: tests/acceptance/test_states_dashboard.py) -------------
+# -- a task explains itself (tests/acceptance/test_states_dashboard.py) -------------
 
 
 @registry.task("await_approval")

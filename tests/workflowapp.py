@@ -1,4 +1,4 @@
-"""Handlers of issue 61's tests that cross processes (a preflight's sandbox imports them by
+"""Handlers of the workflow tests that cross processes (a preflight's sandbox imports them by
 name): three versions of one handler for the changed-code test, and one that does I/O between
 its steps. ``EFFECTS`` names the database where the handlers count their side effects."""
 

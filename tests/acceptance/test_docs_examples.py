@@ -1,5 +1,5 @@
 """Every code block of the README, CONTRIBUTING.md and docs/ that claims to run is run, and the
-rest is checked as far as it can be (issue 65). A block's info string says which it is
+rest is checked as far as it can be. A block's info string says which it is
 (CONTRIBUTING.md, "Examples in the docs"):
 
 - ``python``: a program that runs as written, against the test mongod (a fresh ``mtask``

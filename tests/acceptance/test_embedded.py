@@ -150,7 +150,7 @@ def test_the_server_a_data_dir_started_is_the_one_later_commands_use(
 ) -> None:
     """``mtask mongod start --data-dir X`` then ``mtask stats`` started a second, empty server
     in ``./.mtask`` without a word, and ``mtask mongod status`` said "not running" while X's
-    ran (issue 65). Now ``start`` remembers X for the commands run from this directory, and a
+    ran. Now ``start`` remembers X for the commands run from this directory, and a
     command that has to start the server says so on stderr."""
     monkeypatch.delenv("MTASK_MONGODB_URI", raising=False)
     monkeypatch.delenv("MTASK_DATA_DIR", raising=False)

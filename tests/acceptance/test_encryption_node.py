@@ -1,4 +1,4 @@
-"""A Node.js publisher's encrypted params run (issue 64): the official MongoDB driver's explicit
+"""A Node.js publisher's encrypted params run: the official MongoDB driver's explicit
 encryption (``mongodb-client-encryption``, built against Debian's libmongocrypt) encrypts the
 params with the data key mtask made, a real worker holding the master key runs the task, its
 handler gets the plain params, and only a reader with the key sees them."""

@@ -1,4 +1,4 @@
-"""Waiting and events over HTTP (issue 14): the SSE stream read by httpx and by Node.js's own
+"""Waiting and events over HTTP: the SSE stream read by httpx and by Node.js's own
 fetch, resumed with Last-Event-ID; the long-poll wait; auth and bad input."""
 
 from __future__ import annotations

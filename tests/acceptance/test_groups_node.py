@@ -1,6 +1,6 @@
 """A Node.js publisher sets a group with the plain ``mongodb`` driver, and the group is
 honoured: under ``group_concurrency=1`` a real worker process runs each group's tasks one at a
-time, in publish order (issue 29; docs/publishing.md, "Groups")."""
+time, in publish order (docs/publishing.md, "Groups")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The task page's step timeline (issue 30) in headless Chromium without JavaScript: a task a
+"""The task page's step timeline in headless Chromium without JavaScript: a task a
 real worker process took through every kind of step — done, failed then done (an error holding
 markup, shown as text), a result stored aside, a transactional step, a sleep, a timed-out
 wait, and a wait without deadline — with the signals it was sent, and the form that sends the

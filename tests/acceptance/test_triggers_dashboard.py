@@ -1,4 +1,4 @@
-"""The dashboard's triggers page (issue 63) in headless Chromium without JavaScript: a real
+"""The dashboard's triggers page in headless Chromium without JavaScript: a real
 worker process follows a trigger and a waited-on collection; the page (linked from the nav)
 shows each with its state, lag and counts, and its forms pause, resume and reset it. Full-page
 screenshots at 1280 and 390 px, dark and light, copied to /tmp/shots to be looked at; no

@@ -82,7 +82,7 @@ async def work(params: dict[str, Any], ctx: TaskContext) -> str:
 
 @registry.task("api_a", uses=["api"])
 async def api_a(params: dict[str, Any], ctx: TaskContext) -> str:
-    """``work`` under a name that shares the resource ``api`` (issue 62)."""
+    """``work`` under a name that shares the resource ``api``."""
     return await work(params, ctx)
 
 
@@ -99,7 +99,7 @@ async def api_c(params: dict[str, Any], ctx: TaskContext) -> str:
 @registry.task("call_api")
 async def call_api(params: dict[str, Any], ctx: TaskContext) -> str:
     """``work``, but a task whose params say ``back_off`` (seconds) holds its group that long on
-    its first attempt, as after an HTTP 429 (issue 62)."""
+    its first attempt, as after an HTTP 429."""
     if params.get("back_off") and ctx.attempt == 1:
         await log(ctx, "back_off")
         raise BackOff(params["back_off"], group=True)

@@ -1,6 +1,6 @@
 """Documents of any shape, ``_id`` of any BSON type, inserted while workers of both stream
 modes run: no worker stops, each document is run or marked ``invalid`` with its reason, and
-every reader shows it (issue 27)."""
+every reader shows it."""
 
 from __future__ import annotations
 

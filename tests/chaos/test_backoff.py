@@ -1,4 +1,4 @@
-"""A handler's back-off (issue 62), with three real worker processes: after a 429-style
+"""A handler's back-off, with three real worker processes: after a 429-style
 ``BackOff(group=True, seconds=…)`` no task of that group is claimed until the hold ends (the
 claims' times and the hold's own dates: the server's clock as the workers read it), the other
 group goes on, and the task that backed off spends no retry."""

@@ -1,4 +1,4 @@
-"""Children bounded and contained (issue 27), with real worker processes and real MongoDB:
+"""Children bounded and contained, with real worker processes and real MongoDB:
 a handler past the hard memory limit is killed and its run fails with the reason while the
 worker lives on; what a handler starts dies within 2 s of the worker's kill -9; and a child
 whose worker is frozen (SIGSTOP) past its run's lease stops itself, and what it started, by

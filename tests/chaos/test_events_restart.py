@@ -1,4 +1,4 @@
-"""Waiting and events across a MongoDB restart (issue 14): the waiter's and the events' change
+"""Waiting and events across a MongoDB restart: the waiter's and the events' change
 streams resume with their tokens once the server is back; nothing missed, nothing twice."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-group limits and sequences (issue 29), held by three real worker processes through
+"""Per-group limits and sequences, held by three real worker processes through
 kills and freezes, checked from the execution log (server times) and the task documents' run
 arrays."""
 

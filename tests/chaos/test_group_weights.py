@@ -1,4 +1,4 @@
-"""Per-group weights and overrides (issue 62) held by real worker processes: a 3:1 weight gives
+"""Per-group weights and overrides held by real worker processes: a 3:1 weight gives
 three claims to one while both groups have a backlog, and each group keeps to its own limit,
 across workers, and a change applies while they run."""
 

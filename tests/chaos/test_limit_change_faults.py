@@ -1,4 +1,4 @@
-"""A changed limit applies on its event, for every kind (issue 66): three real worker
+"""A changed limit applies on its event, for every kind: three real worker
 processes, their periodic read of the limits set to an hour so that only the change's event
 can apply it, with an own change stream each and with the shared one.
 

@@ -1,4 +1,4 @@
-"""A lossy limit (issue 62) held by three real worker processes: ``overflow="drop"`` runs at
+"""A lossy limit held by three real worker processes: ``overflow="drop"`` runs at
 most its limit at once (the handlers' own start and end times) and cancels the rest at once,
 every task ending once: run, or dropped without a run."""
 

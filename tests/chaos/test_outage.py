@@ -1,4 +1,4 @@
-"""A whole-cluster outage (issue 27): every member of the replica set killed with SIGKILL at
+"""A whole-cluster outage: every member of the replica set killed with SIGKILL at
 once while tasks flow, then started again. Nothing acknowledged is lost, and the workers
 recover by themselves."""
 

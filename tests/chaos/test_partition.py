@@ -1,7 +1,7 @@
 """Every worker a host of its own (a network namespace), each reaching mongod through a proxy
 of its own (``socat`` on mongod's Unix socket): the holder of the relay cut off, frozen and
 killed while tasks flow, with the sweep switched off, so that what finds the work is the relay
-and its standby alone (issues 25 and 66). Its standby takes the lease over, long before it runs
+and its standby alone. Its standby takes the lease over, long before it runs
 out; the tasks published meanwhile are claimed by live workers while the fault lasts; nothing is
 lost or run twice, nothing stays stranded. How long each takes is measured by the bench (WR),
 not asserted here."""

@@ -1,4 +1,4 @@
-"""The relay's holder killed or frozen while MongoDB's primary fails over (issue 66, item 7).
+"""The relay's holder killed or frozen while MongoDB's primary fails over.
 
 A three-member replica set; three workers sharing the stream, the sweep off (what finds the
 work is the relay and its standby alone). The primary mongod and the relay's holder are killed

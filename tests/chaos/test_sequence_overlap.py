@@ -1,4 +1,4 @@
-"""A sequence never overlaps, whatever kind of handler (issue 66): a run told to stop — its
+"""A sequence never overlaps, whatever kind of handler: a run told to stop — its
 task cancelled, its time limit passed — whose plain-def handler cannot be stopped keeps its
 group's lock (and a group's slot, with ``group_concurrency`` above 1) until its thread has
 really returned, says so, and only then may the group's next run start. Times are the

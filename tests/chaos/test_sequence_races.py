@@ -1,5 +1,5 @@
 """A sequence never overlaps when late publishes, retries, a reopened task and a resumed zombie
-race a running task (issue 66: promises with teeth). Two worker processes run one group in
+race a running task (promises with teeth). Two worker processes run one group in
 sequence (``group_concurrency=1``); while it runs, tasks are published late, two fail once and
 are retried, a task that failed for good is reopened (its place is earlier than the running
 one's), and a worker is frozen past its lease mid-run and thawed after another took its task

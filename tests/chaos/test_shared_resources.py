@@ -1,4 +1,4 @@
-"""A shared resource (issue 62): one limit of runs at once taken by the runs of three task
+"""A shared resource: one limit of runs at once taken by the runs of three task
 names, held by three real worker processes through a SIGKILL and a SIGSTOP past the leases,
 from the handlers' own start and end times (the execution log, the server's clock)."""
 

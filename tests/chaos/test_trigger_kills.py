@@ -1,4 +1,4 @@
-"""A trigger exactly once under faults (issue 63; docs/triggers.md): 10,000 business writes to
+"""A trigger exactly once under faults (docs/triggers.md): 10,000 business writes to
 ``orders`` on a three-member replica set, about half of them changes to paid orders, while real
 worker processes follow the trigger and the one that holds it is killed with ``kill -9`` twice,
 and the primary once. Every change to a paid order that MongoDB kept gets exactly one task, and

@@ -3,7 +3,7 @@ commit, and a worker frozen past its lease. The handler's business writes (a led
 and a counter increment per run, ``chaosapp.charge``) land exactly once per task — counted, not
 inferred from the runs.
 
-Both once failed (xfail until issue 19's follow-up): the dead or frozen worker's transaction
+Both once failed (each an expected failure once): the dead or frozen worker's transaction
 stayed open on the server until MongoDB reaped it (60 s ``transactionLifetimeLimitSeconds``,
 ~88 s in the run observed), and the rescuer's transactions met write conflicts on the same
 business documents until then. The rescuer now kills the earlier run's session (its id is on

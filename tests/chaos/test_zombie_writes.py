@@ -1,4 +1,4 @@
-"""A zombie's writes reach MongoDB and are refused there (issue 66: promises with teeth).
+"""A zombie's writes reach MongoDB and are refused there (promises with teeth).
 
 The worker's own clock usually stops a run that lost its lease before it writes anything
 (``test_kills``' frozen worker records nothing), so the server's fence is never reached by it.

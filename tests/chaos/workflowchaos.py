@@ -1,4 +1,4 @@
-"""Handlers of issue 61's chaos tests, run by real ``mtask-worker`` processes: a parent that
+"""Handlers of the workflow chaos tests, run by real ``mtask-worker`` processes: a parent that
 spawns children and awaits them, children whose one effect commits with their step (exactly
 once for MongoDB), and three parallel steps of which the third waits to be let go. Effects and
 calls are counted in the ``effects`` and ``calls`` collections of ``CHAOS_DB``."""

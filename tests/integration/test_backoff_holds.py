@@ -1,4 +1,4 @@
-"""``BackOff`` (issue 62) on the real replica set: a hold refuses the slot's take on the server
+"""``BackOff`` on the real replica set: a hold refuses the slot's take on the server
 (its name, one group of it, or a resource) until it ends; a worker's handler that raises it is
 released without spending a retry and its task held; shown by ``mtask limits``, the dashboard
 and the task's "why"."""

@@ -1,4 +1,4 @@
-"""Batch handlers (issue 62, 8), run by a real worker process: 200 tasks of a batch name are
+"""Batch handlers, run by a real worker process: 200 tasks of a batch name are
 handled in calls of many tasks each, every task keeps its own outcome (one failing entry fails
 its task alone), its own attempt and run; bad declarations are refused at registration."""
 

@@ -1,4 +1,4 @@
-"""The command line's rough edges (issue 65, item 8): one exit status for "not found", tables
+"""The command line's rough edges: one exit status for "not found", tables
 that read at 80 columns, an empty ``stats`` that says so, ``logs --follow`` saying where the task
 is and how it ended, a signal's "not found" said once."""
 

@@ -1,4 +1,4 @@
-"""The task document contract (issue 14): one definition, a tolerant reader, completion of a
+"""The task document contract: one definition, a tolerant reader, completion of a
 publisher's minimal document, stranded documents, the JSON Schemas and the validator."""
 
 from __future__ import annotations
@@ -447,7 +447,7 @@ def test_nul_names_and_keys_of_other_types_are_marked_by_one_sweep(
     mongo: MongoClient[dict[str, Any]], mongo_uri: str, db_name: str
 ) -> None:
     """A name with a NUL, or a key that is not a string, published by hand (minimal or full):
-    no worker can run it, so one sweep marks it invalid, naming the field (issue 27)."""
+    no worker can run it, so one sweep marks it invalid, naming the field."""
     tasks = mongo[db_name].tasks
     tasks.insert_many(
         [

@@ -1,4 +1,4 @@
-"""What one task costs the server with a plain worker (issue 26): no limits, flows, schedules,
+"""What one task costs the server with a plain worker: no limits, flows, schedules,
 transactions, time limits, steps or tracing. mongod's profiler counts every operation the
 worker sends while it runs tasks one at a time; the counts are pinned, so a change that adds
 a round trip or an index key to every task fails here and has to say so. Issue 62: a plain
@@ -26,7 +26,7 @@ QUIET = {"limits_refresh": 600.0, "flow_sweep_interval": 600.0, "sweep_interval"
 """The worker's periodic reads (every limit, the flow sweep, the relay's rescan) kept out of
 the few seconds measured: they cost by the interval, not by the task (docs/performance.md)."""
 UNUSED = {"limits", "schedules", "flows", "throughput", "tasks.output", "tasks.steps"}
-UNUSED |= {"triggers", "orders"}  # issue 63: no trigger, no wait on data: nothing read
+UNUSED |= {"triggers", "orders"}  # no trigger, no wait on data: nothing read
 Mongo = MongoClient[dict[str, Any]]
 
 
@@ -44,7 +44,7 @@ registry = _plain_registry()
 
 
 def _beside_registry() -> Registry:
-    """``plain`` beside a name of each flow-control feature of issue 62."""
+    """``plain`` beside a name of each flow-control feature."""
     beside = _plain_registry()
 
     @beside.task("metered", uses=["api"], units=3)  # a shared resource, cost units

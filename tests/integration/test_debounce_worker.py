@@ -1,4 +1,4 @@
-"""Debounce (issue 62, 6), run by a real worker process: 100 publishes of a key over 3 s
+"""Debounce, run by a real worker process: 100 publishes of a key over 3 s
 become one run with the last params, started the quiet period after the last publish (both
 times the server's); under a steady stream the maximum wait holds (a window runs while the
 stream goes on, and no publish is lost); racing publishers open one window; bad input is

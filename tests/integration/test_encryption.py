@@ -1,4 +1,4 @@
-"""Encrypted params and results (issue 64), on the real server with libmongocrypt: a raw find
+"""Encrypted params and results, on the real server with libmongocrypt: a raw find
 shows ciphertext, a real worker process holding the key gives its handler the plain params and
 stores its result encrypted; readers without the key (the client, ``mtask get``, REST, the
 dashboard) show ``encrypted``; a task that does not ask is stored as before; rotating the master

@@ -1,4 +1,4 @@
-"""Waiting for outcomes and following task events (issue 14): races, a worker killed mid-run,
+"""Waiting for outcomes and following task events: races, a worker killed mid-run,
 a killed change-stream cursor, resume tokens; trace context that follows the task."""
 
 from __future__ import annotations
@@ -328,7 +328,7 @@ async def test_mtask_wait_exit_codes(
         return code, captured.out, captured.err
 
     code, _, err = cli("wait", "missing", "--timeout", "5")
-    assert code == 1 and "missing" in err  # not found: 1, as every command (issue 65; was 2)
+    assert code == 1 and "missing" in err  # not found: 1, as every command (was 2)
     client.publish("add", "w1", {"a": 1, "b": 2})
     code, _, err = cli("wait", "w1", "--timeout", "0.3")
     assert code == 124 and "did not finish" in err

@@ -1,4 +1,4 @@
-"""Fairness between groups and places in line (issue 29), with real workers on the real
+"""Fairness between groups and places in line, with real workers on the real
 replica set, asserted from the task documents' run arrays."""
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ async def test_a_groups_backlog_does_not_starve_another_group(
 ) -> None:
     """2,000 tasks of group A, then 40 of group B, concurrency 4 in all, handlers of 10 ms:
     all of B's tasks finish before A has finished 120 more — with the relay's queue, with a
-    worker's own stream, and with two workers each finding its own work (issue 66)."""
+    worker's own stream, and with two workers each finding its own work."""
     db = mongo[db_name]
     meanwhile, _ = await b_behind_a(
         mongo_uri, db, client, 2000, grouped=True, stream=stream, workers=workers

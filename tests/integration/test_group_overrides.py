@@ -1,4 +1,4 @@
-"""Per-group overrides and weights (issue 62) on the real replica set: set and cleared from
+"""Per-group overrides and weights on the real replica set: set and cleared from
 Python, the CLI and HTTP, bad input refused everywhere with nothing written, shown by
 ``mtask limits`` and the task's "why is this not running", and obeyed by in-process workers."""
 

@@ -1,5 +1,5 @@
 """Groups on the real replica set with in-process workers: sequences in publish order, limits
-per group, the slot documents (issue 29)."""
+per group, the slot documents."""
 
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ def test_list_queries_use_indexes(client: TaskClient) -> None:
             assert "SORT" not in _winning(explain), (name, status, order)
 
 
-# -- issue 17: stats and the operator queries, each from an index --------------------------------
+# -- stats and the operator queries, each from an index --------------------------------
 
 
 def _explain_call(client: TaskClient, call: Call) -> dict[str, Any]:

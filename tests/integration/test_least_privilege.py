@@ -1,4 +1,4 @@
-"""The auth-and-TLS tier (issue 64): one embedded mongod with ``--auth``, a key file and
+"""The auth-and-TLS tier: one embedded mongod with ``--auth``, a key file and
 ``--tlsMode requireTLS`` (certificates made here, ``tests/certs.py``), started once for the
 module, with the roles of ``mtask collection roles --create`` and one SCRAM user per part.
 

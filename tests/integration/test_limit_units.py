@@ -1,4 +1,4 @@
-"""Cost units (issue 62) on the real replica set: a run of a name declared ``units=…`` takes
+"""Cost units on the real replica set: a run of a name declared ``units=…`` takes
 that many of a limit's runs at once and tokens, in the server's take, mixed with runs of one
 unit in a shared resource; held by in-process workers."""
 

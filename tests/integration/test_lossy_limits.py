@@ -1,4 +1,4 @@
-"""Lossy limits (issue 62) on the real replica set with an in-process worker: a full limit with
+"""Lossy limits on the real replica set with an in-process worker: a full limit with
 ``overflow="drop"`` cancels the tasks it refuses at once, one with ``overflow="fail"`` fails
 them for good, each saying why; bad input is refused; ``mtask limits`` says so."""
 

@@ -31,7 +31,7 @@ def test_a_worker_serves_its_metrics(mongo_uri: str, db_name: str, client: TaskC
     client.publish("add", "ok", {"a": 1, "b": 2})
     client.publish("always_fails", "bad", options={"max_retries": 0})
     client.publish("nobody_runs_this", "due-1")  # a name this worker does not handle: stays due
-    client.set_limit(resource="crm", concurrency=3)  # the limits' gauges (issue 62)
+    client.set_limit(resource="crm", concurrency=3)  # the limits' gauges
     client.set_limit("add", concurrency=2)
     now = client.now()
     SyncDriver(client.db).run(hold("slow", None, now + dt.timedelta(hours=1), now))
@@ -130,7 +130,7 @@ async def test_publish_claim_and_run_make_spans(
         await events.wait("recorded", key="traced")
     spans = {s.name: s for s in exporter.get_finished_spans()}
     provider.shutdown()  # record nothing more for the rest of the session
-    # and be unconfigured again: with a provider set, publish stores a trace context (issue 14)
+    # and be unconfigured again: with a provider set, publish stores a trace context
     from opentelemetry.util._once import Once
 
     trace._TRACER_PROVIDER = None  # type: ignore[attr-defined]

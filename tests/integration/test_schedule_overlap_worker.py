@@ -1,4 +1,4 @@
-"""A schedule's overlap policy (issue 62, 7), fired by a real worker process: ``skip`` publishes
+"""A schedule's overlap policy, fired by a real worker process: ``skip`` publishes
 no tick while the previous task runs and counts them; ``buffer`` holds one and publishes it
 once the previous task finished; ``all`` lets them pile up; ``mtask schedule list`` shows it."""
 

@@ -1,4 +1,4 @@
-"""Shared resources (issue 62) on the real replica set: a resource's limit set and cleared from
+"""Shared resources on the real replica set: a resource's limit set and cleared from
 Python, the CLI and HTTP (bad input refused, nothing written), declared by handlers
 (``uses=``), shown by ``mtask limits`` and the dashboard, and held by in-process workers for
 two names at once, a change heard while they run."""

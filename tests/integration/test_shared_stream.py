@@ -307,7 +307,7 @@ async def test_a_dispatched_workers_queue_keeps_no_more_than_it_holds(
 async def test_only_the_standby_takes_a_silent_relays_lease_over_before_it_runs_out(
     mongo: Any, db_name: str, client: TaskClient
 ) -> None:
-    """The standby's post and the takeover, decided by the server on its own clock (issue 66):
+    """The standby's post and the takeover, decided by the server on its own clock:
     one worker holds the post at a time; it may take the lease over once the relay has not
     renewed it for ``TAKE_OVER_AFTER`` (long before the lease runs out), and no sooner; no one
     else may; the new relay starts without a standby; the old one finds the lease another's."""

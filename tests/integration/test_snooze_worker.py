@@ -1,4 +1,4 @@
-"""``raise mtask.Snooze(seconds)`` (issue 62, 4b), run by real worker processes: the task runs
+"""``raise mtask.Snooze(seconds)`` (4b), run by real worker processes: the task runs
 again after the snooze on the server's clock, no retry is spent (``max_retries=0`` still
 succeeds), the snoozes are counted, and the task says it is snoozed (client, CLI, REST)."""
 

@@ -344,7 +344,7 @@ async def test_replay_rules_fail_the_task_for_good(
     assert "StepMismatch" in (fickle_task.error or "")
     assert "recorded as 'a' (call); this run asked for 'b'" in (fickle_task.error or "")
     assert [s.name for s in fickle_task.steps] == ["a", "sleep#1"]  # nothing half-written
-    # the sleep it was woken from is over: its journal says so, not "waiting" (issue 66)
+    # the sleep it was woken from is over: its journal says so, not "waiting"
     assert [s.state for s in fickle_task.steps] == ["done", "done"]
     assert CALLS["f1:b"] == 0
     assert twice.status.value == "failed" and "asked for twice" in (twice.error or "")
@@ -355,7 +355,7 @@ async def test_a_task_failed_by_its_replay_says_how_its_wait_ended(
     aclient: AsyncTaskClient, mongo_uri: str, db_name: str
 ) -> None:
     """A signal wait the task was woken from, whose resumed run mismatched before it reached
-    it: the failed task's journal shows the wait done with the signal it took (issue 66)."""
+    it: the failed task's journal shows the wait done with the signal it took."""
     async with running_worker(registry, mongo_uri, db_name) as (_, events):
         await aclient.publish("fickle_wait", "fw1", {})
         await events.wait("recorded", key="fw1", state="WAITING")

@@ -1,4 +1,4 @@
-"""Durable steps (issue 30) under faults, with real worker processes (``workerapp``): a worker
+"""Durable steps under faults, with real worker processes (``workerapp``): a worker
 killed with SIGKILL between steps (its handler on the event loop, or in a child process:
 ``poolhandlers``), a worker frozen inside a step past its lease and then resumed, and the
 primary of a three-member replica set killed while a transactional step is in flight.
@@ -89,7 +89,7 @@ async def test_a_killed_workers_process_isolated_steps_are_replayed_by_the_takeo
 ) -> None:
     """The same takeover with the handler in a child process (``isolation="process"``): the
     child records steps 1-3 through its worker, which is killed (SIGKILL) while the child holds;
-    the child dies with it (issue 27), and the rescuer's child runs steps 4 and 5 only."""
+    the child dies with it, and the rescuer's child runs steps 4 and 5 only."""
     params = {"uri": mongo_uri, "db": db_name, "hold_after": {"victim": 3}}
     client.publish("step_chain_in_child", "p", params, options=OPTIONS)
     with worker_process(

@@ -1,4 +1,4 @@
-"""A task with 1,000 steps, the most a task records (issue 66: not tested before): every step
+"""A task with 1,000 steps, the most a task records (not tested before): every step
 runs once across a retry and two sleeps, the replays read the journal back in order, the task
 document holds it, and a step past the limit fails the task clearly."""
 

@@ -1,4 +1,4 @@
-"""The review's order-200 (issue 65), with a real worker process: a signal sent without a payload
+"""The review's order-200, with a real worker process: a signal sent without a payload
 is recorded by the wait as ``null``, the handler fails on it and every retry would replay it;
 the CLI warns of the missing payload, says the next signal goes to no wait there is, and ``mtask
 step reset`` (one fenced update) hands it to the wait: the task succeeds with it. Then the

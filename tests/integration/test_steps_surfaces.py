@@ -1,4 +1,4 @@
-"""Durable steps seen and steered from outside (issue 30): ``mtask get`` shows a task's steps and
+"""Durable steps seen and steered from outside: ``mtask get`` shows a task's steps and
 what it waits for, ``mtask signal`` and ``POST /tasks/{key}:signal`` send a signal (bad input:
 exit 2 / 422, nothing written; no such task: exit 1 / 404; a finished one: exit 1 / 409)."""
 

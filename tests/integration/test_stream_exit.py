@@ -1,4 +1,4 @@
-"""An abandoned ``client.stream`` iterator closes quietly at interpreter exit (issue 66): its
+"""An abandoned ``client.stream`` iterator closes quietly at interpreter exit: its
 change stream is left for the server to drop with the connection, instead of pymongo failing
 to import what killing a cursor needs ("Exception ignored … Python is likely shutting down")."""
 

@@ -1,4 +1,4 @@
-"""Supersede (issue 62, 5): of the tasks of a name and group published with a policy, one open
+"""Supersede: of the tasks of a name and group published with a policy, one open
 task at a time, decided by the unique ``supersede`` index. 20 publishers racing on one group end
 with exactly one open task by the stated rule, for each policy (``cancel_queued`` also while an
 older task runs: it runs on); a running older one is cancelled, told, and its fenced SUCCESS

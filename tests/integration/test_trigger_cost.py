@@ -1,4 +1,4 @@
-"""What triggers and waits on data cost a worker that declares none (issue 63): nothing. No
+"""What triggers and waits on data cost a worker that declares none: nothing. No
 follower loop, no read of ``triggers``, no change stream beyond the worker's own, no index key
 (the ``data_waits`` index is not even made). A worker that declares one trigger adds exactly
 one change stream, whatever the number of workers (tests/integration/test_cost.py pins the

@@ -25,7 +25,7 @@ def test_no_server_errors(mongo_uri: str, db_name: str, mongo: MongoClient[dict[
     with serving(mongo_uri, db_name, token=TOKEN) as base_url:
         schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
         operations = [result.ok() for result in schema.get_all_operations()]
-        # issue 14: the SSE stream never ends (tested in tests/test_events_http.py)
+        # the SSE stream never ends (tested in tests/test_events_http.py)
         streaming = {"/events"}
         operations = [op for op in operations if op.path not in streaming]
         assert len(operations) >= 20

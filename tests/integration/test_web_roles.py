@@ -1,4 +1,4 @@
-"""Roles on the web surface (issue 64): a viewer is refused every state-changing route of the
+"""Roles on the web surface: a viewer is refused every state-changing route of the
 OpenAPI document (enumerated, so a new route cannot be forgotten), an operator the admin's;
 every action is in the audit (API and dashboard), refused attempts too; read tokens read their
 task and nothing else; per-caller rates answer 429 with Retry-After; CORS for read tokens."""

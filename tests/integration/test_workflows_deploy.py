@@ -1,4 +1,4 @@
-"""Changing code under parked tasks (issue 61), on a real replica set with real (in-process)
+"""Changing code under parked tasks, on a real replica set with real (in-process)
 workers and the preflight's real sandbox process: a task parked under version 1 of a handler
 resumes on the old branch of version 2's patch marker while new tasks take the new one; the
 preflight reports, before the deploy, which parked tasks version 3 would break (and at which

@@ -1,4 +1,4 @@
-"""``BackOff`` (issue 62), its pure parts: what it accepts, what it holds, and how a hold reads
+"""``BackOff``, its pure parts: what it accepts, what it holds, and how a hold reads
 in a document of any shape."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``worker.running.batches.Batches`` (issue 62) on the event loop, without MongoDB: a batch is
+"""``worker.running.batches.Batches`` on the event loop, without MongoDB: a batch is
 called once when full or at its timeout, each run gets its own entry, a run stopped while it
 waits leaves the batch, and a call that fails or answers wrongly fails each task."""
 

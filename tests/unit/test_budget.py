@@ -1,5 +1,5 @@
 """Bench WB's pure part: the budget's lines, what counts as growth, and the committed
-baseline's shape (issue 26)."""
+baseline's shape."""
 
 from __future__ import annotations
 

@@ -137,7 +137,7 @@ def placement(key: str, claim_at: dt.datetime) -> dict[str, Any]:
         "_id": key,
         "name": "add",
         "next_claim_at": claim_at,
-        "status": "pending",  # read by store.placeable (issue 14)
+        "status": "pending",  # read by store.placeable
         "options": {},
         "well_formed": True,
     }

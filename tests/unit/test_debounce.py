@@ -1,4 +1,4 @@
-"""Debounce's pure parts (issue 62): its bounds, the window's key and first document, and the
+"""Debounce's pure parts: its bounds, the window's key and first document, and the
 update that collapses a publish into a window (the last params win, due by the quiet period
 but never after the window's maximum)."""
 

@@ -365,7 +365,7 @@ def test_a_worker_handed_a_key_it_runs_says_it_missed() -> None:
 def test_a_key_whose_hand_over_lapses_goes_to_another_and_its_subscriber_gets_no_more() -> None:
     """A subscriber that stops acknowledging (dead, frozen, cut off: no claim, no word): the key
     handed to it waits less than a second, then goes to another subscriber, and nothing more is
-    handed to it until it is heard from again (issue 66: it waited 5 s, and took new keys)."""
+    handed to it until it is heard from again (it waited 5 s, and took new keys)."""
     d, _ = build()
     a, b = Channel(), Channel()
     d.add(a, "a", ["n"], 2)

@@ -1,4 +1,4 @@
-"""Per-group overrides and weights (issue 62), their pure parts: a group's limit as an override
+"""Per-group overrides and weights, their pure parts: a group's limit as an override
 makes it, what a batch asks of an overridden group's slot, and the claim queue's weighted
 turns. Property-tested, no MongoDB."""
 

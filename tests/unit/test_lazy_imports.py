@@ -1,4 +1,4 @@
-"""What each entry point imports (issue 66): ``import mtask`` loads nothing, the command line's
+"""What each entry point imports: ``import mtask`` loads nothing, the command line's
 parser (``mtask --help``) loads no model, driver or worker, no client command loads the
 worker's code, ``mtask get`` no step engine, and ``mtask-worker`` no other command, no process
 pool (unless a handler is isolated) and no OpenTelemetry. Import checks in a fresh interpreter,
@@ -87,7 +87,7 @@ def test_no_client_command_loads_the_worker() -> None:
 
 
 def test_mtask_get_loads_no_step_engine_worker_pool_or_tracing() -> None:
-    """``mtask get`` (issue 66: its start-up): the step engine's ``rules`` and the children's
+    """``mtask get`` (its start-up): the step engine's ``rules`` and the children's
     counters only (what a reader of stored steps needs), no worker, no process pool, no
     OpenTelemetry (not loaded by the application, so no tracer provider can be set)."""
     names = loaded(
@@ -117,7 +117,7 @@ def test_mtask_get_loads_no_step_engine_worker_pool_or_tracing() -> None:
 
 def test_a_plain_worker_loads_no_other_command_pool_or_tracing() -> None:
     """``mtask-worker`` (``mtask.cli:worker_main``) and a worker without process isolation
-    (issue 66: its start-up): no other command module, no process pool (``multiprocessing``,
+    (its start-up): no other command module, no process pool (``multiprocessing``,
     ``ctypes``, the child's side: the assembly imports it for an isolated handler), no
     OpenTelemetry."""
     modules = sorted(function_imports(ROOT / "cli" / "worker.py"))

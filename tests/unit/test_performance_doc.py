@@ -1,4 +1,4 @@
-"""docs/performance.md stays a reference, not a diary (issue 60): at most 400 lines, no dates
+"""docs/performance.md stays a reference, not a diary: at most 400 lines, no dates
 (those are the journal's, docs/journal/), one table row for every workload of the bench, in
 ``WORKLOADS``' order, whose figures are quoted from bench/results.md, and a cost table whose
 figures are bench/budget.json's."""

@@ -19,7 +19,7 @@ async def annotate(params: dict[str, str]) -> str:
 
 def test_a_registry_iterates_over_its_names() -> None:
     """``list(registry)`` raised ``KeyError: 0``: with ``__getitem__`` and no ``__iter__``,
-    Python iterated by asking for ``registry[0]`` (issue 65)."""
+    Python iterated by asking for ``registry[0]``."""
     assert list(registry) == ["annotate", "resize"] == registry.names
     assert sorted(name for name in registry) == ["annotate", "resize"]
     assert list(Registry()) == []

@@ -1,4 +1,4 @@
-"""A schedule's overlap policy (issue 62), its pure step: what a pass publishes, holds and
+"""A schedule's overlap policy, its pure step: what a pass publishes, holds and
 skips, for every combination of a new tick, a held tick and an open previous task."""
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ async def test_a_flow_sweep_round_publishes_stale_outboxes_and_resolves_dependen
         Step("find", reply=[{"_id": "a", "status": "succeeded"}]),  # resolve: "a" succeeded
         Step("update_many", reply=UpdateResult({"n": 1, "nModified": 1}, acknowledged=True)),
         Step("find", reply=[]),  # flow parents held for their steps: none
-        Step("find", reply=[]),  # issue 61: parents waiting for their children: none
+        Step("find", reply=[]),  # parents waiting for their children: none
         Step("find", reply=[]),  # parents cancelled while their run spawned: none
     )
     sweep = FlowSweep(cast(AsyncDriver, driver), FixedClock(NOW), interval=5.0)

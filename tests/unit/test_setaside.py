@@ -1,5 +1,5 @@
 """Change events of any shape: a worker's finder applies, notes or sets aside each one, and never
-raises or queues a key that is not a string (issue 27)."""
+raises or queues a key that is not a string."""
 
 from __future__ import annotations
 

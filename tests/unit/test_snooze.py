@@ -1,4 +1,4 @@
-"""``mtask.Snooze`` (issue 62): its delay's bounds, the outcome a handler's snooze becomes (no
+"""``mtask.Snooze``: its delay's bounds, the outcome a handler's snooze becomes (no
 failure counted), the write that records it (fenced by its run, the snooze counted, the task
 due after the delay on the caller's server time), and how a snoozed task explains itself."""
 

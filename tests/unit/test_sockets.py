@@ -1,4 +1,4 @@
-"""pymongo's cancelled connect leaks its socket; mtask's stand-in closes it (issue 66; the
+"""pymongo's cancelled connect leaks its socket; mtask's stand-in closes it (the
 reproduction for pymongo is docs/upstream/pymongo-cancelled-connect.md)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The relay's standby and its lease, without MongoDB (``scripted``): who is asked to stand by,
 the watch that takes a silent relay's lease over, the lease's renewals and freshness, and the
-frames that move a subscriber to the relay that took over (issue 66)."""
+frames that move a subscriber to the relay that took over."""
 
 from __future__ import annotations
 

@@ -505,7 +505,7 @@ _ANY = st.recursive(
 def test_a_resource_the_workers_or_its_document_name_is_read_from_any_shape(
     heartbeats: list[dict[str, Any]], listed: Any
 ) -> None:
-    """The readers' side of shared resources (issue 62): heartbeats' ``uses`` and a resource
+    """The readers' side of shared resources: heartbeats' ``uses`` and a resource
     document's ``names`` of any shape never raise, and give names and slots only."""
     from mtask.limits import rules as limits
     from mtask.store.cluster import _resources, declared_uses

@@ -249,7 +249,7 @@ def test_resolve_of_unfinished_keys_changes_nothing() -> None:
 def test_a_signal_to_no_task_names_the_key_once() -> None:
     """The signal's ``TaskNotFound`` carries the key, so its message is "no task with key
     'nope'": it was built from the message, and the CLI said ``no task with key "no task with
-    key 'nope'"`` (issue 65)."""
+    key 'nope'"``."""
     driver = ScriptedDriver(Step("find_one_and_update", None), Step("find_one", None))
     with pytest.raises(TaskNotFound) as info:
         driver.run(store.steps.signal("nope", "approved", {"by": "ann"}))

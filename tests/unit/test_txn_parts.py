@@ -46,7 +46,7 @@ def test_the_pinger_leaves_a_paused_run_alone_until_resumed() -> None:
 
 
 def test_the_pinger_tells_a_runs_watchers_each_renewal() -> None:
-    """How a process-isolated run's child learns its lease deadline (issue 27): now, after
+    """How a process-isolated run's child learns its lease deadline: now, after
     each ping, and after the run's own lease-extending write; not after ``unwatch``."""
     options = {"options": {"ping_interval_ms": 200, "worker_timeout_ms": 5000}}
     driver = ScriptedDriver(Step(MODIFY_ONCE, options))

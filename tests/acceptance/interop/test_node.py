@@ -1,5 +1,5 @@
 """Node.js publishes with the official ``mongodb`` driver, a real ``mtask-worker`` runs what is
-valid, Node reads the results back and waits for one through a change stream (issue 14)."""
+valid, Node reads the results back and waits for one through a change stream."""
 
 from __future__ import annotations
 
