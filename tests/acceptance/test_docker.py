@@ -384,7 +384,9 @@ def test_compose_a_killed_worker_is_taken_over_and_comes_back(
     wait_for("one worker", lambda: len(sclient.workers()) == 1, timeout=60)
     keys = [f"k{i}" for i in range(12)]
     sclient.publish_many(
-        [{"name": "transcode", "key": k, "params": {"ms": 6000}, "options": LEASE} for k in keys]
+        # runs long enough to outlast a second worker's start on a busy machine (they must
+        # still be running when their holder is killed)
+        [{"name": "transcode", "key": k, "params": {"ms": 20_000}, "options": LEASE} for k in keys]
     )
 
     wait_for(

@@ -532,7 +532,7 @@ def test_rest_and_dashboard_show_what_documents_hold(
         page = http.get("/ui/tasks/typo").text
         assert "&#39;options.max_retry&#39; is not an option" in page
         page = http.get("/ui/tasks/bare").text
-        assert "not in the document" in page and "(successes None" in page
+        assert "not in the document" in page and "holds no count of its attempts" in page
 
 
 @pytest.mark.parametrize("state", [RunState.FAIL, RunState.RELEASED, RunState.SUCCESS])

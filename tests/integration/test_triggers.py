@@ -211,6 +211,8 @@ async def test_pause_resume_and_reset_from_the_client_and_the_lag_they_show(
         await wait_for(lambda: client.triggers()[0].get("through"))  # its fresh position
         db.orders.insert_one({"_id": "after-reset", "status": "paid"})
         await wait_for(lambda: db.tasks.find_one({"params._id": "after-reset"}))
+        # the counts are saved with the position, a moment after the task is published
+        await wait_for(lambda: client.triggers()[0].get("changes", 0) >= 1)
     assert db.tasks.find_one({"params._id": "forgotten"}) is None
     [view] = client.triggers()
     assert view["generation"] == 1 and view["changes"] >= 1
