@@ -107,6 +107,21 @@ def _published(mongo: MongoClient[dict[str, Any]], database: str) -> Counter[Any
     return found
 
 
+def _diagnosis(mongo: MongoClient[dict[str, Any]], database: str, cluster: Any, total: int) -> str:
+    """What a stalled trigger looks like: its document, the count, each worker's complaints."""
+    follower = mongo[database]["triggers"].find_one({"_id": FOLLOWER})
+    lines = [f"published {sum(_published(mongo, database).values())} of {total}", f"{follower}"]
+    for worker in sorted(cluster.procs):
+        said = [
+            line[:300]
+            for line in cluster.log_of(worker).splitlines()
+            if " WARNING " in line or " ERROR " in line or "follow" in line or "Traceback" in line
+        ]
+        alive = cluster.procs[worker].poll() is None
+        lines.append(f"--- {worker} (alive: {alive}): " + "\n".join(said[-25:]))
+    return "\n".join(lines)
+
+
 async def test_a_trigger_publishes_exactly_one_task_per_matching_change_under_kills(
     tmp_path: Path, db_name: str
 ) -> None:
@@ -149,11 +164,14 @@ async def test_a_trigger_publishes_exactly_one_task_per_matching_change_under_ki
         assert writer.done == WRITES
         expected = _expected(mongo, db_name)
         total = sum(expected.values())
-        await _until(
-            lambda: sum(_published(mongo, db_name).values()) >= total,
-            300,
-            f"{total} tasks published",
-        )
+        try:
+            await _until(
+                lambda: sum(_published(mongo, db_name).values()) >= total,
+                300,
+                f"{total} tasks published",
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{_diagnosis(mongo, db_name, cluster, total)}") from None
         # the follower's position is past the last write: nothing more will come
         last = mongo[db_name]["orders"].insert_one({"_id": "last", "kind": "paid"})
         await _until(
