@@ -553,7 +553,8 @@ async def act(request: Request) -> Response:
     worker."""
     form = await form_of(request)
     client = client_of(request)
-    action, target, next_url = form.get("action", ""), form.get("target", ""), form.get("next", "/")
+    action, target = form.get("action", ""), form.get("target", "")
+    next_url = form.get("next") or root_of(request) + "/"
     refused = _refused(request, action)
     if refused:
         return outcome(request, 403, next_url, problem=refused)
@@ -588,7 +589,7 @@ async def send_signal(request: Request) -> Response:
     answer says what becomes of the signal (``signal_fate``)."""
     form = await form_of(request)
     key, name = form.get("target", ""), form.get("name", "").strip()
-    next_url = form.get("next", "/")
+    next_url = form.get("next") or root_of(request) + "/"
     not_yours = _refused(request, "signal")
     if not_yours:
         return outcome(request, 403, next_url, "send-signal", problem=not_yours, at="signal")

@@ -21,7 +21,7 @@ from mtask.web.access import authorize
 from mtask.web.api import NOT_FOUND, client_of
 from mtask.web.audit import status_of
 from mtask.web.auth import bearer_scheme, principal_of, signed_in
-from mtask.web.dashboard import form_of, login_page, outcome, render, templates
+from mtask.web.dashboard import form_of, login_page, outcome, render, root_of, templates
 
 Client = Annotated[AsyncTaskClient, Depends(client_of)]
 router = APIRouter(dependencies=[Depends(authorize), Depends(bearer_scheme)])
@@ -132,13 +132,14 @@ async def trigger_action(request: Request) -> Response:
     form = await form_of(request)
     client: AsyncTaskClient = request.app.state.client
     action, target = form.get("action", ""), form.get("target", "")
+    page = root_of(request) + "/ui/triggers"
     if action not in ACTIONS:
-        return outcome(request, 422, "/ui/triggers", problem=f"unknown action {action!r}")
+        return outcome(request, 422, page, problem=f"unknown action {action!r}")
     principal = principal_of(request)
     if not access.may(principal, "trigger"):
         role = principal.role if principal else "nobody"
         problem = f"a {role} may not steer a trigger: it needs the operator role"
-        return outcome(request, 403, "/ui/triggers", problem=problem)
+        return outcome(request, 403, page, problem=problem)
     try:
         if action == "pause":
             await client.pause_trigger(target)
@@ -150,5 +151,5 @@ async def trigger_action(request: Request) -> Response:
             await client.reset_trigger(target, scan=action == "reset-scan")
             said = "reset: followed from now" + (", after a scan" if action == "reset-scan" else "")
     except MtaskError as exc:
-        return outcome(request, status_of(exc), "/ui/triggers", problem=str(exc))
-    return outcome(request, 200, "/ui/triggers", flash=f"{target}: {said}")
+        return outcome(request, status_of(exc), page, problem=str(exc))
+    return outcome(request, 200, page, flash=f"{target}: {said}")

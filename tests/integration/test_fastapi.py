@@ -83,6 +83,16 @@ async def test_publish_from_a_route_and_the_guarded_dashboard(mongo_uri: str, db
         )
         assert cancelled.status_code == 200, cancelled.text
         assert (await client.get("later")).status == "cancelled"
+        # a form's answer goes back under the prefix: the triggers page's and the default next
+        same_site = {**alice, "origin": "http://shop.test"}
+        for path, form in (
+            ("/mtask/ui/triggers", {"action": "explode", "target": "trigger:none"}),
+            ("/mtask/ui/act", {"action": "cancel", "target": "no-such-task"}),
+        ):
+            answer = await http.post(path, data=form, headers=same_site)
+            assert answer.status_code == 303, (path, answer.text)
+            where = answer.headers["location"]
+            assert where.startswith("/mtask/") and "problem=" in where, (path, where)
         audit = await http.get("/mtask/audit", headers=alice)
         assert audit.status_code == 200
         assert [r["who"] for r in audit.json()][:1] == ["alice"]
