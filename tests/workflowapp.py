@@ -112,3 +112,14 @@ def child_workflow(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
 @in_child.task("double")
 async def double(params: dict[str, Any]) -> int:
     return int(params["n"]) * 2
+
+
+@v1.task("pay")
+@v2.task("pay")
+async def pay(params: dict[str, Any], ctx: TaskContext) -> str:
+    """Reads its (encrypted) params before and after its wait: a replay that handed it
+    ciphertext would fail on ``card``."""
+    card = str(params["card"])
+    await ctx.step("charge", effect, ctx.key, f"charge {card[-4:]}")
+    await ctx.wait_for("go")
+    return card[-4:]

@@ -45,6 +45,7 @@ from bson.codec_options import CodecOptions
 from mtask.driver import Doc
 from mtask.errors import InvalidParams, MtaskError, RegistryNotFound
 from mtask.registry import Handler, Registry, TaskContext
+from mtask.security.encryption import Encryption, sealed
 from mtask.steps import RunSteps, SignalTimeout, StepError, StepMismatch, complete_now
 from mtask.steps.children import ChildFailed
 from mtask.store.parked import PAGE
@@ -177,6 +178,12 @@ def context_for(doc: Mapping[str, Any]) -> TaskContext:
     )
 
 
+SEALED = (
+    "its params are encrypted and this check cannot open them (the key file in "
+    "MTASK_ENCRYPTION_KEY_FILE, as its workers have it)"
+)
+
+
 def judge(key: str, name: str, exc: BaseException | None) -> Verdict:
     """The verdict of a replay that ended with ``exc`` (``None``: the handler returned)."""
     if exc is None or isinstance(exc, Frontier):
@@ -215,6 +222,8 @@ async def replay(registry: Registry, doc: Mapping[str, Any]) -> Verdict:
     handler = registry.handlers.get(name)
     if handler is None:
         return Verdict(key, name, "unchecked", None, "no handler of this name in the registry")
+    if sealed(doc.get("params")):
+        return Verdict(key, name, "unchecked", None, SEALED)
     try:
         started = replay_call(handler, doc)
         if handler.is_async:
@@ -319,6 +328,11 @@ def alarm(seconds: float, handler: Callable[[int, Any], None]) -> None:
 class Pages(Protocol):
     def parked(self, name: str, after: tuple[Any, Any] | None = None) -> list[Doc]: ...
 
+    @property
+    def encryption(self) -> Encryption | None:
+        """Opens encrypted params for the replay (a check without it leaves them unchecked)."""
+        ...
+
     def names(self) -> list[str]: ...
 
 
@@ -394,7 +408,7 @@ def _feed(
             while True:
                 page = client.parked(name, after)
                 for doc in page:
-                    proc.stdin.write(bson.encode(doc))
+                    proc.stdin.write(bson.encode(_opened(doc, client.encryption)))
                 proc.stdin.write(FLUSH)
                 if len(page) < PAGE:
                     break
@@ -403,6 +417,20 @@ def _feed(
         failed.append(exc)
     finally:
         proc.stdin.close()
+
+
+def _opened(doc: Doc, encryption: Encryption | None) -> Doc:
+    """``doc`` with its params decrypted, if they are encrypted and ``encryption`` opens them;
+    else as it is (the sandbox then says it cannot check it: a handler never sees ciphertext)."""
+    params = doc.get("params")
+    if encryption is None or not sealed(params):
+        return doc
+    from pymongo.errors import EncryptionError
+
+    try:
+        return {**doc, "params": encryption.open(params)}
+    except EncryptionError:
+        return doc
 
 
 FLUSH = bson.encode({"_flush": True})

@@ -9,8 +9,10 @@ here; bench WF measures 100,000."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime as dt
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,8 @@ from pymongo import MongoClient
 
 from mtask import AsyncTaskClient, TaskClient
 from mtask.errors import RegistryNotFound
-from mtask.steps.preflight import check
+from mtask.security.encryption import KEY_FILE_ENV, Encryption, sealed
+from mtask.steps.preflight import SEALED, check
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -197,3 +200,37 @@ def _parked(key: str, steps: list[dict[str, Any]], now: dt.datetime) -> dict[str
     return {**doc, "steps": steps, "attempts": 1, "next_claim_at": never, "available_at": never,
             "waiting": {"until": never, "index": len(steps) - 1, "step": "wait:go",
                         "signal": "go", "nth": 0}}  # fmt: skip
+
+
+async def test_the_check_opens_encrypted_params_with_the_key_and_never_replays_ciphertext(
+    client: TaskClient,
+    mongo_uri: str,
+    db_name: str,
+    mongo: MongoClient[dict[str, Any]],
+    drain: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    master = tmp_path / "master.key"
+    master.write_bytes(base64.b64encode(os.urandom(96)))
+    monkeypatch.setenv(KEY_FILE_ENV, str(master))  # the worker's key
+    encryption = Encryption.local(master, mongo_uri, db_name)
+    encryption.ensure_key()
+    async with AsyncTaskClient(mongo_uri, database=db_name, encryption=encryption) as keyed:
+        publish = keyed.publish("pay", "paid", {"card": "4242 4242 4242 4242"}, encrypt=True)
+        await drain(workflowapp.v1, publish, "paid", state="WAITING")
+    stored = mongo[db_name].tasks.find_one({"_id": "paid"})
+    assert stored is not None and sealed(stored["params"]) and stored["steps"]
+
+    # without the key: not replayed (its handler would get ciphertext), said why
+    monkeypatch.delenv(KEY_FILE_ENV)
+    blind = (await asyncio.to_thread(check, client, "workflowapp:v2")).names["pay"]
+    assert blind.counts["unchecked"] == 1 and blind.counts["clean"] == 0, blind.counts
+    assert [v.detail for v in blind.examples] == [SEALED]
+
+    # with it: the params opened, the replay clean (the handler read its card)
+    with TaskClient(
+        mongo_uri, database=db_name, encryption=Encryption.local(master, mongo_uri, db_name)
+    ) as holder:
+        seen = (await asyncio.to_thread(check, holder, "workflowapp:v2")).names["pay"]
+    assert seen.counts["clean"] == 1 and seen.counts["error"] == 0, (seen.counts, seen.examples)
