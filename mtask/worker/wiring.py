@@ -58,7 +58,8 @@ class Wires:
     limit_applied: Signal[[str]] = field(default_factory=Signal)
     """The gate applied a changed limit: the runs in flight are counted towards it."""
     stream_opened: Signal[[]] = field(default_factory=Signal)
-    """An own stream opened afresh: the gate reads every limit again."""
+    """An own stream opened afresh, or the relay said ``OPEN``: the gate reads every limit
+    again."""
     group_freed: Signal[[str, str]] = field(default_factory=Signal)
     """A run of a group ended for good: its sequence's lock may be free (the gate)."""
     schedules_changed: Signal[[]] = field(default_factory=Signal)

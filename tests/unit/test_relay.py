@@ -686,3 +686,22 @@ async def test_a_subscription_follows_the_relay_that_took_over_from_the_same_inb
     assert hello["to"] == "w2/new" and hello["f"]["hello"] == wire.PROTOCOL
     assert hello["f"]["inbox"] == sub.inbox and hello["f"]["free"] == 3  # the same inbox
     assert await sub.next_frame() is None and sub.taken_by == "w1/mine"
+
+
+async def test_a_subscriber_reads_every_limit_again_when_its_relay_says_open() -> None:
+    """``OPEN`` starts (or starts again) a subscription: a change of a limit broadcast before
+    the relay had its channel (a new relay, a hello after being let go, its stream reopened)
+    reached no frame of this worker, so its limit gate reads them all again, as an own stream
+    does when it opens afresh. The periodic read is not the only bound of that gap."""
+    opened: list[bool] = []
+    tasks = FakeInbox("tasks")
+    tasks.database = FakeDatabase()  # type: ignore[attr-defined]
+    fake_driver = cast(AsyncDriver, type("D", (), {"collections": {"tasks": tasks}})())
+    finder = finder_for(
+        None, FixedClock(WHEN), ["n"], others=Others(opened=lambda: opened.append(True))
+    )
+    stream = SharedStream(fake_driver, FixedClock(WHEN), "w1", finder, lambda: 1)
+    await stream._on_frame(wire.OPEN, "r/1")
+    assert opened == [True]
+    await stream._on_frame(wire.OPEN, "r/1")  # its relay's stream reopened: maybe past events
+    assert opened == [True, True]

@@ -44,7 +44,8 @@ class Others:
     schedule: Callable[[], None] = lambda: None
     """A schedule was added, changed, resumed, or advanced by a peer."""
     opened: Callable[[], None] = lambda: None
-    """This worker's own stream opened afresh (first, or its history lost): what changed
+    """This worker's own stream opened afresh (first, or its history lost), or its relay said
+    ``OPEN`` (a subscription begun or begun again, its relay's stream reopened): what changed
     before was not heard, so the limits are read again (``LimitGate.read_all``)."""
 
 

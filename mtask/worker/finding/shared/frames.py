@@ -61,8 +61,13 @@ class RelayFrames:
     async def on_frame(self, frame: Mapping[str, Any], relay_id: str) -> None:
         """One frame from the relay (``wire``)."""
         says, keys = wire.says(frame), wire.handed(frame)
-        if says == "open" and self.state() is SubscriberState.DISPATCHED:
-            self.reports.sync()  # its stream (re)opened, perhaps past events: counts agree
+        if says == "open":
+            if self.state() is SubscriberState.DISPATCHED:
+                self.reports.sync()  # its stream (re)opened, perhaps past events: counts agree
+            # a subscription (re)starts, or its relay's stream reopened: a limit's change sent
+            # before then reached no frame of this worker, so every limit is read again (as
+            # an own stream's opening does); the gate's periodic read is a bound, not the path
+            self.finder.others.opened()
         if keys is not None or says == "open":
             self.enter(SubscriberState.DISPATCHED)
         if keys is not None:
