@@ -260,6 +260,19 @@ async def test_group_concurrency_above_one_and_a_group_rate_hold_through_kills_a
                 assert j - i + 1 <= burst + rate * window, (group, ordered[i], ordered[j])
     took_over = tasks.count_documents({"runs.state": "TIMEOUT"})
     assert took_over >= 1, "the kill and the freeze left runs to take over"
-    now = client.now()
-    for doc in mongo[db_name]["limits"].find({"group": {"$exists": True}}):
-        assert all(h["expires"] <= now for h in doc["holders"]), doc  # no run holds a slot
+
+    # no run keeps a slot: each holder is given back or runs out with its lease (2 s). One
+    # may be seen for a moment after the last success: a worker still trying a key whose
+    # task another worker finished takes its slot before its claim, which misses and gives
+    # it back (seen: a holder 40 ms old, of a run id no task has, gone a moment later); a
+    # holder kept alive (pinged on by a run that ended, or never given back) stays past it
+    def nothing_held() -> bool:
+        now = client.now()
+        groups = mongo[db_name]["limits"].find({"group": {"$exists": True}})
+        return all(h["expires"] <= now for doc in groups for h in doc["holders"])
+
+    try:
+        await wait_for(nothing_held, timeout=FAST["worker_timeout_ms"] / 1000 * 5)
+    except TimeoutError:
+        held = list(mongo[db_name]["limits"].find({"holders.expires": {"$gt": client.now()}}))
+        raise AssertionError(f"a slot still held past its lease: {held}") from None
