@@ -87,13 +87,24 @@ def _gather_pool() -> ThreadPoolExecutor:
         return _GATHER_POOL
 
 
+INBOX_SUFFIX = "_inbox"
+
+
+def inbox_database(database: str) -> str:
+    """The database of the shared stream's inboxes (``<database>_inbox``): capped collections
+    named at run time, made, written and dropped by the workers, kept out of mtask's database
+    so that the privileges that takes are granted on this one only."""
+    return f"{database}{INBOX_SUFFIX}"
+
+
 def collections(db: Any, tasks: str = "tasks") -> dict[str, Any]:
     """The collections the operations use, from a (sync or async) database: the tasks
     collection as named, and the database's ``workers``, ``controls``, ``limits``,
     ``schedules``, ``retention``, ``throughput``, ``relays``, ``triggers`` and ``audit``;
     ``output`` and ``steps`` are the tasks' side collections ``<tasks>.output``
     (``store.output``) and ``<tasks>.steps`` (``store.steps``: results too large for the task
-    document)."""
+    document). ``inboxes`` is the relay's reports collection, in the inbox database
+    (``inbox_database``): a ``command`` there runs in that database."""
     names = (
         "workers", "controls", "limits", "schedules", "retention", "throughput", "relays",
         "triggers", "audit",
@@ -103,6 +114,7 @@ def collections(db: Any, tasks: str = "tasks") -> dict[str, Any]:
         "output": db[f"{tasks}.output"],
         "steps": db[f"{tasks}.steps"],
         **{name: db[name] for name in names},
+        "inboxes": db.client[inbox_database(db.name)][f"{tasks}.reports"],
     }
 
 

@@ -25,6 +25,7 @@ from tiers import group_of, tier_lines, tier_times
 
 from mtask import AsyncTaskClient, TaskClient
 from mtask.clock import FixedClock
+from mtask.driver import inbox_database
 from mtask.errors import MtaskError
 
 
@@ -118,6 +119,7 @@ def db_name(mongo: MongoClient[dict[str, Any]]) -> Iterator[str]:
     name = f"t_{uuid.uuid4().hex[:16]}"
     yield name
     mongo.drop_database(name)
+    mongo.drop_database(inbox_database(name))  # the shared stream's inboxes, if any
 
 
 @pytest.fixture

@@ -53,7 +53,8 @@ def register(sub: Any) -> None:
     roles.add_argument(
         "--create",
         action="store_true",
-        help="create the roles in --database, or bring them up to date (needs userAdmin there)",
+        help="create the roles in --database (and the relay's inbox role in <database>_inbox), "
+        "or bring them up to date (needs userAdmin on both)",
     )
     key = actions.add_parser(
         "key",
@@ -117,6 +118,7 @@ def cmd_collection(args: argparse.Namespace) -> int:
 def _roles(args: argparse.Namespace) -> int:
     """The roles (``mtask.security.roles``) as ``createRole`` commands, or a table; ``--create``
     makes them."""
+    from mtask.driver import inbox_database
     from mtask.security import roles
 
     commands = roles.role_commands(args.database, args.collection)
@@ -130,11 +132,16 @@ def _roles(args: argparse.Namespace) -> int:
         return 0
     if args.create:
         return 0
+    inboxes = inbox_database(args.database)
     for part, role in roles.ROLES.items():
-        out.print(f"{role.name}  ({part}: {role.summary})", markup=False)
+        names = f"{role.name}, and {role.inbox_role} in {inboxes}" if role.inbox else role.name
+        out.print(f"{names}  ({part}: {role.summary})", markup=False)
         for collection, actions in sorted(roles.grants(part, args.collection).items()):
             where = collection or "(every collection)"
             out.print(f"    {args.database}.{where}: {', '.join(sorted(actions))}", markup=False)
+        for collection, actions in sorted(roles.inbox_grants(part).items()):
+            where = collection or "(every collection)"
+            out.print(f"    {inboxes}.{where}: {', '.join(sorted(actions))}", markup=False)
         out.print(f"    Atlas: {role.atlas}", markup=False)
     return 0
 

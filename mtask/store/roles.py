@@ -6,23 +6,26 @@ from __future__ import annotations
 from pymongo.errors import OperationFailure
 
 from mtask.driver import Call, Doc, Op
-from mtask.security.roles import ROLE_EXISTS, role_commands
+from mtask.security.roles import INBOX_CALLS, ROLE_EXISTS, role_commands
 
 
 def create_roles(database: str, tasks: str = "tasks") -> Op[list[str]]:
-    """Create (or bring up to date) every part's role in ``database``; returns their names. The
-    caller needs ``createRole``/``grantRole`` on it (``userAdmin``)."""
+    """Create (or bring up to date) every part's role in ``database``, and the inbox roles in
+    the inbox database (``driver.inbox_database``); returns their names. The caller needs
+    ``createRole``/``grantRole`` on both (``userAdmin``)."""
     made = []
-    for command in role_commands(database, tasks):
-        name = command["createRole"]
-        fields = {"privileges": command["privileges"], "roles": command["roles"]}
-        try:
-            yield Call("command", ("createRole", name), fields)
-        except OperationFailure as exc:
-            if exc.code != ROLE_EXISTS:
-                raise
-            yield Call("command", ("updateRole", name), fields)
-        made.append(name)
+    for db, commands in role_commands(database, tasks).items():
+        where = "tasks" if db == database else INBOX_CALLS  # a command runs in its database
+        for command in commands:
+            name = command["createRole"]
+            fields = {"privileges": command["privileges"], "roles": command["roles"]}
+            try:
+                yield Call("command", ("createRole", name), fields, collection=where)
+            except OperationFailure as exc:
+                if exc.code != ROLE_EXISTS:
+                    raise
+                yield Call("command", ("updateRole", name), fields, collection=where)
+            made.append(name)
     return made
 
 

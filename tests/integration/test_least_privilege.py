@@ -41,7 +41,7 @@ DB = "secured"
 USERS = {
     "root": ["root"],
     "publisher": ["mtaskPublisher"],
-    "worker": ["mtaskRelay"],
+    "worker": ["mtaskRelay", "mtaskRelayInboxes@secured_inbox"],  # the inboxes' own database
     "viewer": ["mtaskViewer"],
     "operator": ["mtaskOperator"],
     "admin": ["mtaskAdmin"],
@@ -101,7 +101,10 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
         with MongoClient(found.uri("root")) as root:
             for user, names in USERS.items():
                 if user != "root":
-                    given = [{"role": name, "db": DB} for name in names]
+                    given = [
+                        {"role": name, "db": db or DB}
+                        for name, _, db in (n.partition("@") for n in names)
+                    ]
                     root.admin.command("createUser", user, pwd=passwords[user], roles=given)
         code, out, err = run_cli(
             "collection", "init", "--serve-indexes", "--uri", found.uri("admin"), "--database", DB

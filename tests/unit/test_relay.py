@@ -100,7 +100,10 @@ def relay_with(buffer: int = 100_000) -> Relay:
         waiters=waiters,
     )
     lease = RelayLease(cast(AsyncDriver, None), "tasks", new_id("me"))
-    return Relay(FakeDatabase(), "tasks", "me", buffer, dispatcher, dispatcher.host, lease, waiters)
+    mail = FakeDatabase()  # the inbox database: the tasks' is only the stream's
+    return Relay(
+        FakeDatabase(), mail, "tasks", "me", buffer, dispatcher, dispatcher.host, lease, waiters
+    )
 
 
 def hello(relay: Relay, worker_id: str, subscription: str, **more: Any) -> None:
@@ -126,7 +129,7 @@ async def test_subscribers_on_other_hosts_say_hello_and_get_frames_in_their_inbo
     relay.broadcast(EVENT)
     relay.broadcast(EVENT)
     await asyncio.sleep(0.01)  # one insert_many for what was sent in one turn
-    database = relay.database
+    database = relay.mail
     assert database[mailbox.inbox_name("tasks", "a/1")].batches == [[{"f": EVENT}] * 2]
     relay._on_report({"to": relay.id, "from": "a/1", "f": {"free": 3, "got": 0, "done": 0}})
     found = relay.dispatcher.accounts.get(inbox)
@@ -160,11 +163,11 @@ async def test_a_slow_or_silent_or_cut_off_subscriber_is_let_go() -> None:
     assert not relay.subscribers and "k" not in relay.dispatcher.awaiting  # it came back
     hello(relay, "cut", "c/1")
     [inbox] = relay.inboxes.values()
-    relay.database[mailbox.inbox_name("tasks", "c/1")].fail = True
+    relay.mail[mailbox.inbox_name("tasks", "c/1")].fail = True
     relay.broadcast(EVENT)
     await asyncio.sleep(0.01)
     assert not relay.subscribers and inbox.closing()
-    database = relay.database
+    database = relay.mail
     inboxes = [mailbox.inbox_name("tasks", s) for s in ("s/1", "q/1", "c/1")]
     assert sorted(database.dropped) == sorted(inboxes)  # each, the one cut off too
     assert database[inboxes[1]].last == [{"f": LET_GO}]  # (the cut-off one's failed)
@@ -313,7 +316,7 @@ async def test_a_workers_new_hello_ends_its_earlier_subscription() -> None:
     hello(relay, "a", "a/2")  # its first subscription died without a goodbye
     assert list(relay.inboxes) == ["a/2"] and list(relay.subscribers.values()) == ["a"]
     await asyncio.sleep(0.01)
-    assert relay.database.dropped == [mailbox.inbox_name("tasks", "a/1")]
+    assert relay.mail.dropped == [mailbox.inbox_name("tasks", "a/1")]
 
 
 async def test_finding_work_alone_that_breaks_stops_the_shared_stream() -> None:
@@ -578,7 +581,7 @@ async def test_a_subscription_ends_at_its_relays_last_frame() -> None:
     as the end of its tail does: the subscriber says hello again."""
     database = FakeDatabase()
     tasks = SimpleNamespace(database=database, name="tasks")
-    driver = SimpleNamespace(collections={"tasks": tasks})
+    driver = SimpleNamespace(collections={"tasks": tasks, "inboxes": tasks})
     sub = InboxSubscription(cast(AsyncDriver, driver), "relay-1", "w1", lambda: None)
 
     async def frames() -> AsyncIterator[dict[str, Any]]:
@@ -615,7 +618,7 @@ async def test_the_relays_mode_is_one_state_its_transitions_in_one_place() -> No
     assert scans == [True]  # the host queue scans at once, not after the sweep's gap
     assert await own.next() == wire.OPEN
     await asyncio.sleep(0.01)
-    inbox = relay.database[mailbox.inbox_name("tasks", "a/1")]
+    inbox = relay.mail[mailbox.inbox_name("tasks", "a/1")]
     assert inbox.batches == [[{"f": wire.OPEN}]]  # once, though it came as the mode changed
     hello(relay, "b", "b/1", names=["m"])  # new names, handing out already: scanned at once
     await asyncio.sleep(0)
@@ -641,9 +644,8 @@ async def test_a_subscriber_hears_a_groups_end_and_its_relays_successor_in_frame
     assert heard == [("n", "g")]
 
     database = FakeDatabase()
-    driver = SimpleNamespace(
-        collections={"tasks": SimpleNamespace(database=database, name="tasks")}
-    )
+    tasks_ = SimpleNamespace(database=database, name="tasks")
+    driver = SimpleNamespace(collections={"tasks": tasks_, "inboxes": tasks_})
     sub = InboxSubscription(cast(AsyncDriver, driver), "relay-1", "w1", lambda: None)
 
     async def frames() -> AsyncIterator[dict[str, Any]]:
@@ -659,9 +661,8 @@ async def test_a_subscription_follows_the_relay_that_took_over_from_the_same_inb
     subscription says hello to it from the same inbox and reads on (no collection made or
     dropped); one this process holds ends it (the worker follows it in memory)."""
     database = FakeDatabase()
-    driver = SimpleNamespace(
-        collections={"tasks": SimpleNamespace(database=database, name="tasks")}
-    )
+    tasks_ = SimpleNamespace(database=database, name="tasks")
+    driver = SimpleNamespace(collections={"tasks": tasks_, "inboxes": tasks_})
     follows = {"w2/new": True, "w1/mine": False}
     sub = InboxSubscription(
         cast(AsyncDriver, driver),

@@ -75,7 +75,8 @@ class _Database(dict[str, Any]):
 
 async def test_a_look_reads_the_lease_unless_a_frame_came_within_late_after() -> None:
     script = AsyncScriptedDriver()
-    script.collections = {"tasks": SimpleNamespace(name="tasks", database=_Database())}
+    tasks = SimpleNamespace(name="tasks", database=_Database())
+    script.collections = {"tasks": tasks, "inboxes": tasks}
     sub = InboxSubscription(cast(AsyncDriver, script), "r/1", "w/1", on_look=lambda: None)
     sub.heard_at = time.monotonic()  # a frame just now: it is alive
     assert await sub._lease_read() is None

@@ -59,11 +59,22 @@ def test_a_claim_and_an_outcome_are_the_workers_not_the_publishers() -> None:
         assert roles.missing("viewer", call), call
     assert roles.missing("worker", claim) == roles.missing("worker", outcome) == []
     assert roles.missing("worker", drop) == ["dropCollection"]
-    assert roles.missing("relay", drop) == []  # its inboxes: the whole database
+    assert roles.missing("relay", drop) == ["dropCollection"]  # nothing of mtask's database
+    inbox = Call("command", ("drop", "tasks.inbox.x"), collection=roles.INBOX_CALLS)
+    assert roles.missing("relay", inbox) == []  # its inboxes: the inbox database's
+    assert roles.missing("worker", inbox) == roles.missing("operator", inbox) != []
 
 
 def test_inherited_roles_are_created_first_and_hold_their_parents_grants() -> None:
-    commands = roles.role_commands("mtask", "jobs")
+    by_database = roles.role_commands("mtask", "jobs")
+    assert list(by_database) == ["mtask", "mtask_inbox"]
+    [inboxes] = by_database["mtask_inbox"]  # the relay's, on the inbox database only
+    assert inboxes["createRole"] == "mtaskRelayInboxes" and inboxes["roles"] == []
+    assert {p["resource"]["db"] for p in inboxes["privileges"]} == {"mtask_inbox"}
+    commands = by_database["mtask"]
+    assert {p["resource"]["db"] for c in commands for p in c["privileges"]} == {"mtask"}
+    relay = next(c for c in commands if c["createRole"] == "mtaskRelay")
+    assert relay["privileges"] == []  # the worker's, and nothing more on mtask's database
     order = [c["createRole"] for c in commands]
     for command in commands:
         for parent in command["roles"]:
@@ -92,7 +103,15 @@ def test_a_role_lacking_a_privilege_is_said_which() -> None:
     full = {"resource": {"db": "m", "collection": ""}, "actions": ["anyAction"]}
     assert roles.lacking("relay", {"authenticatedUsers": []}, "m", "tasks") == []
     users = {"authenticatedUsers": [{"user": "w", "db": "admin"}]}
-    assert roles.lacking("relay", {**users, "authenticatedUserPrivileges": [full]}, "m", "t") == []
+    assert roles.lacking("worker", {**users, "authenticatedUserPrivileges": [full]}, "m", "t") == []
+    said = roles.lacking("relay", {**users, "authenticatedUserPrivileges": [full]}, "m", "t")
+    assert said == [
+        "convertToCapped, createCollection, dropCollection, find, insert, listCollections on "
+        "m_inbox (every collection)"
+    ]
+    inboxes = {"resource": {"db": "m_inbox", "collection": ""}, "actions": ["anyAction"]}
+    both = {**users, "authenticatedUserPrivileges": [full, inboxes]}
+    assert roles.lacking("relay", both, "m", "t") == []
     worker = [
         {"resource": {"db": "m", "collection": c.get("collection", "")}, "actions": a}
         for c, a in (({"collection": n}, list(acts)) for n, acts in roles.grants("worker").items())

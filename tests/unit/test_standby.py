@@ -55,7 +55,8 @@ def test_the_relay_asks_one_subscriber_at_a_time_to_stand_by() -> None:
 
 def relays_driver(*steps: Step) -> AsyncScriptedDriver:
     driver = AsyncScriptedDriver(*steps)
-    driver.collections = {"tasks": SimpleNamespace(name="tasks", database=None)}
+    tasks = SimpleNamespace(name="tasks", database=None)
+    driver.collections = {"tasks": tasks, "inboxes": tasks}
     return driver
 
 
@@ -133,7 +134,7 @@ async def test_a_relay_that_cannot_renew_stops_writing_and_then_stops(
     monkeypatch.setattr(lease_module, "RENEW_TIMEOUT", 0.01)
 
     class Hanging:
-        collections = {"tasks": SimpleNamespace(name="tasks")}
+        collections = {"tasks": SimpleNamespace(name="tasks"), "inboxes": SimpleNamespace()}
 
         async def run(self, op: Any) -> None:
             await asyncio.Event().wait()  # a socket that never answers

@@ -53,6 +53,7 @@ class FarSubscribers:
         worker_of: Callable[[SubscriberChannel], str | None],
     ) -> None:
         self.database = database
+        """The inbox database (``driver.inbox_database``), where the inboxes are."""
         self.tasks = tasks
         self.buffer = buffer
         self.lease = lease

@@ -96,6 +96,7 @@ class RelayHolder:
         )
         relay = Relay(
             self.database,
+            self.driver.collections["inboxes"].database,  # the inbox database
             self.tasks,
             self.worker_id,
             self.buffer,

@@ -12,6 +12,9 @@ host, and nothing but MongoDB is shared.
   and signed by its subscription (``from``).
 - A frame is a document: ``{"f": frame}`` in an inbox, ``{"to", "from", "f"}`` in the relay's.
   What the frames say is in ``wire``.
+- Both live in the inbox database (``driver.inbox_database``: ``<database>_inbox``), never in
+  mtask's: the privileges to make, write and drop collections named at run time are granted
+  there only (``security.roles``), and the ``database`` every function here takes is that one.
 
 Every inbox starts with a marker document: a tailable cursor that finds nothing when it opens
 is closed by the server at once.

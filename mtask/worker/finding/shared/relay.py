@@ -77,6 +77,7 @@ class Relay:
     def __init__(
         self,
         database: Any,
+        mail: Any,
         tasks: str,
         owner: str,
         buffer: int,
@@ -86,6 +87,9 @@ class Relay:
         waiters: GroupWaiters,
     ) -> None:
         self.database = database
+        """mtask's database: the relay's change stream follows it."""
+        self.mail = mail
+        """The inbox database (``driver.inbox_database``): the inboxes and the reports."""
         self.tasks = tasks
         self.owner = owner
         """The worker id of the worker whose process holds the relay."""
@@ -104,7 +108,7 @@ class Relay:
         self.subscribers: dict[SubscriberChannel, str] = {}
         """Every subscriber's channel and worker id."""
         self.far = FarSubscribers(
-            database,
+            mail,
             tasks,
             buffer,
             lease,
@@ -140,16 +144,16 @@ class Relay:
         """Move the subscribers of the relay before it, follow the stream, hand out tasks,
         sweep, read the subscribers' reports and keep the lease until cancelled or the lease is
         lost; then let the lease go and every subscriber with it."""
-        database, tasks = self.database, self.tasks
+        database, mail, tasks = self.database, self.mail, self.tasks
         served = lambda: {c.inbox for c in self.inboxes.values()}  # noqa: E731
         try:
             async with asyncio.TaskGroup() as group:
                 taken = {"f": wire.taken(self.id)}
-                group.create_task(mailbox.tell_others(database, tasks, served, taken))
+                group.create_task(mailbox.tell_others(mail, tasks, served, taken))
                 group.create_task(self.dispatcher.run(), name="mtask-dispatch")
                 group.create_task(self.host.sweep.run(), name="mtask-host-sweep")
                 group.create_task(self.far.keep_lease(), name="mtask-relay-lease")
-                reports = mailbox.read_reports(database, tasks, self.id, self._on_report)
+                reports = mailbox.read_reports(mail, tasks, self.id, self._on_report)
                 group.create_task(reports, name="mtask-relay-reports")
                 await follow(database, self._pipeline, self, self.position)
         except* LeaseLost as lost:
@@ -193,7 +197,7 @@ class Relay:
         if isinstance(channel, InboxChannel) and self.inboxes.get(channel.subscription) is channel:
             del self.inboxes[channel.subscription]  # once (a writer that failed is closed too)
             if self.loop is not None:
-                drop = mailbox.drop(self.database, channel.inbox, LAST_FRAME)
+                drop = mailbox.drop(self.mail, channel.inbox, LAST_FRAME)
                 self.loop.create_task(drop, name="mtask-drop-inbox")
         channel.close()
 

@@ -117,7 +117,9 @@ class InboxSubscription:
         self.relay_id = relay_id
         """The relay followed (another, once one took the lease over: ``on_moved``)."""
         tasks = driver.collections["tasks"]
-        self.database, self.tasks = tasks.database, tasks.name
+        self.tasks = tasks.name
+        self.database = driver.collections["inboxes"].database
+        """The inbox database (``driver.inbox_database``): this inbox and the relay's."""
         self.subscription = f"{worker_id}/{uuid.uuid4().hex[:12]}"
         self.inbox = mailbox.inbox_name(self.tasks, self.subscription)
         self.on_look = on_look

@@ -50,7 +50,8 @@ from mtask.worker.finding.shared.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = 7
+PROTOCOL = 8
+"""The wire's version, said in each hello: a relay answers a subscriber of its own only."""
 OPEN = {"relay": "open"}
 OWN = {"relay": "own"}
 STANDBY = {"relay": "standby"}
