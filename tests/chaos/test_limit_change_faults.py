@@ -1,6 +1,8 @@
 """A changed limit applies on its event, for every kind: three real worker
 processes, their periodic read of the limits set to an hour so that only the change's event
-can apply it, with an own change stream each and with the shared one.
+can apply it (or, with the shared stream, the read of every limit a worker makes when its relay
+says ``OPEN``: a subscription begun again under load, after a relay's takeover or after being
+let go, heard no event meanwhile), with an own change stream each and with the shared one.
 
 Each scenario changes a limit while runs are in flight, waits until every worker says it
 applies the change (``limits_applied`` in its log) and every run claimed so far has started,
