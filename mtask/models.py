@@ -167,6 +167,9 @@ class RunState(StrEnum):
     SNOOZED = "SNOOZED"
     """The handler raised ``Snooze(seconds)``: the run ended without spending a retry, the
     task is claimed again after those seconds (``mtask.limits.snooze``)."""
+    CONTINUED = "CONTINUED"
+    """The handler called ``ctx.continue_as_new(params)``: the run ended, the task starts
+    afresh at once with those params and a new journal (docs/steps.md)."""
 
 
 class TaskOptions(BaseModel):
@@ -436,6 +439,30 @@ class TriggeredBy(Stored):
         return f"published by trigger `{self.trigger}` for `{self.collection}/{self.document}`"
 
 
+class Journaled(Stored):
+    """A journal the task left behind when it continued as new: which (``n``, from 1), the
+    run that ended it and when, how many steps it held and its last one's name."""
+
+    n: int = Field(ge=1)
+    run_id: str
+    at: BsonDate
+    steps: int = Field(0, ge=0)
+    last: str | None = None
+
+
+class Continued(Stored):
+    """How often the task continued as new (``ctx.continue_as_new``), and the newest
+    ``MAX_JOURNALS_KEPT`` of the journals it left behind, oldest first."""
+
+    n: int = Field(ge=0)
+    at: BsonDate
+    journals: list[Journaled] = Field(default_factory=list)
+
+
+MAX_JOURNALS_KEPT = 10
+"""The journals a task that continues as new keeps summarised (``continued.journals``)."""
+
+
 class SpawnedBy(Stored):
     """A spawned child's parent, the step that spawned it and its place among its siblings."""
 
@@ -544,6 +571,8 @@ class TaskDocument(BaseModel):
     """A spawned child's parent and place; its ``parent`` field names it too."""
     triggered_by: TriggeredBy | None = None
     """The trigger that published it, and the document it was published for."""
+    continued: Continued | None = None
+    """Set once the task continued as new: how often, and the journals it left behind."""
     snoozes: int | None = Field(None, ge=0)
     """How many runs ended ``SNOOZED`` (``raise mtask.Snooze``); absent until one
     does. Never reset: a snooze spends no retry, and the count says how often it was put off."""
@@ -686,6 +715,8 @@ class Task(BaseModel):
     triggered_by: TriggeredBy | None = None
     """The trigger that published it (its name, collection and the document's ``_id``), or
     ``None``."""
+    continued: Continued | None = None
+    """How often it continued as new, and the journals it left behind (``None``: never)."""
     snoozes: int | None = None
     """How many of its runs ended ``SNOOZED`` (``raise mtask.Snooze``; ``None``: none)."""
     backoffs: int | None = None

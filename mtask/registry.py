@@ -13,7 +13,7 @@ import typing
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -325,6 +325,13 @@ class TaskContext:
         """``wait_until`` for a plain-def handler."""
         self.check_lease()
         return self.journal.wait_until_sync(collection, predicate, timeout, name)
+
+    def continue_as_new(self, params: Mapping[str, Any]) -> NoReturn:
+        """End this run and start the task afresh with ``params`` and a new journal: same key,
+        same place in its group, its retries unspent; the journal it leaves is summarised in
+        the task's ``continued`` (docs/steps.md, "Loops without end"). Never returns."""
+        self.check_lease()
+        self.journal.continue_as_new(params)
 
     def check_lease(self) -> None:
         """Raise ``LeaseLost`` if this run no longer owns its task: a plain-def handler (which

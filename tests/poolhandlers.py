@@ -238,6 +238,17 @@ def nap_in_child(params: dict[str, Any], ctx: TaskContext) -> str:
     return f"{before}+{after}"
 
 
+@registry.task("rounds_in_child", isolation="process")
+def rounds_in_child(params: dict[str, Any], ctx: TaskContext) -> Any:
+    """Continues as new (``ctx.continue_as_new``) in its child process, each journal spawning
+    a child of its own."""
+    got = ctx.spawn_and_wait_sync([("double", {"n": params["round"]})])
+    done = [*params["done"], got[0]["value"]]
+    if params["round"] < 2:
+        ctx.continue_as_new({"round": params["round"] + 1, "done": done})
+    return {"done": done, "pid": os.getpid()}
+
+
 @registry.task("approval_in_child", isolation="process")
 def approval_in_child(params: dict[str, Any], ctx: TaskContext) -> Any:
     from mtask.steps import SignalTimeout

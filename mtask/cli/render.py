@@ -294,6 +294,17 @@ def _output_cell(counts: OutputCounts | None) -> str:
     return f"{text} ({dropped} dropped: truncated)" if dropped else text
 
 
+def _continued(task: Task) -> str:
+    """How often the task continued as new, and the journals it left (the newest ones)."""
+    c = task.continued
+    assert c is not None
+    left = "; ".join(
+        f"#{j.n}: {_plural(j.steps, 'step')}" + (f", last {j.last}" if j.last else "")
+        for j in c.journals[-3:]
+    )
+    return f"{_plural(c.n, 'time')} as new, last {when(c.at)}" + (f" ({left})" if left else "")
+
+
 def _flow_rows(task: Task) -> list[tuple[str, str]]:
     rows = [("invalid", task.invalid_reason)] if task.invalid_reason else []
     rows += [("problem", p) for p in task.problems]  # what is wrong where
@@ -310,6 +321,8 @@ def _flow_rows(task: Task) -> list[tuple[str, str]]:
         failed = f", {s.failed} failed" if s.failed else ""
         rows.append(("spawned", f"{s.done} of {s.total} finished{failed} (step {s.step}; "
                      f"mtask flow {task.key})"))  # fmt: skip
+    if task.continued is not None:
+        rows.append(("continued", _continued(task)))
     if task.options.deadline is not None:
         rows.append(("deadline", f"{when(task.options.deadline)} (the whole task)"))
     # outbox entries no step could be built from (flows.read_outbox): kept, not published

@@ -10,7 +10,7 @@ import asyncio
 import datetime as dt
 import uuid
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from mtask.steps.calls import Calls
 from mtask.steps.gather import Group, close_group, open_group
@@ -21,7 +21,7 @@ from mtask.steps.rules import Doc, StepError
 from mtask.steps.runner import Runner
 from mtask.steps.stores import StepStore
 from mtask.steps.values import Values
-from mtask.steps.waits import Waits
+from mtask.steps.waits import Suspended, Waits
 
 T = TypeVar("T")
 
@@ -187,6 +187,10 @@ class RunSteps:
         name: str | None = None,
     ) -> Any:
         return self.run_plan_sync(self.waits.wait_until(collection, predicate, timeout, name))
+
+    def continue_as_new(self, params: Any) -> NoReturn:
+        """End the run; the task starts afresh with ``params`` and a new journal."""
+        raise Suspended(self.waits.renewal(params))
 
     # -- gathers, values decided once, patches --------------------------------------
 

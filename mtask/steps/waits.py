@@ -89,6 +89,10 @@ class Wait:
     data: Doc | None = None
     children: str | None = None
     """The step whose spawned children it waits for (``mtask.steps.children``)."""
+    renew: Doc | None = None
+    """Not a wait: the run continues as new (``ctx.continue_as_new``): ``params``, the task's
+    new params, and ``taken``, how many signals of each name its journal's waits took
+    (``[{name, n}]``: those go with the journal, the others stay for the next one)."""
 
     def to_document(self) -> Doc:
         step = self.entry["name"] if self.entry else None
@@ -121,6 +125,26 @@ class Waits:
 
     def __init__(self, journal: Journal) -> None:
         self.journal = journal
+
+    def renewal(self, params: Any) -> Wait:
+        """What ends a run that continues as new with ``params`` (``ctx.continue_as_new``): the
+        task starts afresh, a new journal (docs/steps.md, "Loops without end")."""
+        journal = self.journal
+        if journal.inside is not None or journal.group() is not None:
+            raise StepError("continue_as_new is called by the handler, not in a step or a gather")
+        if not isinstance(params, Mapping):
+            raise StepError(f"continue_as_new takes the new params (a mapping), not {params!r}")
+        try:
+            bson.encode(dict(params))
+        except Exception as exc:  # noqa: BLE001 - any encoding problem is the handler's
+            raise StepError(f"continue_as_new: the params must be BSON: {exc}") from None
+        taken: dict[str, int] = {}
+        for entry in journal.recorded:
+            signal, nth = entry.get("signal"), entry.get("nth")
+            if entry.get("kind") == "signal" and isinstance(signal, str) and isinstance(nth, int):
+                taken[signal] = max(taken.get(signal, 0), nth + 1)
+        renew = {"params": dict(params), "taken": [{"name": k, "n": n} for k, n in taken.items()]}
+        return Wait(len(journal.recorded), None, NEVER, renew=renew)
 
     def sleep(self, duration: float | dt.timedelta | dt.datetime, name: str | None) -> Plan[None]:
         journal = self.journal

@@ -11,7 +11,13 @@ import bson
 from pymongo import ReturnDocument, UpdateOne
 
 from mtask.driver import Call, Doc, Op
-from mtask.models import DEFAULT_KEEP_MS, OPTION_DEFAULTS, RunState, TaskStatus
+from mtask.models import (
+    DEFAULT_KEEP_MS,
+    MAX_JOURNALS_KEPT,
+    OPTION_DEFAULTS,
+    RunState,
+    TaskStatus,
+)
 from mtask.statemachine import (
     RUNNING,
     recompute_stages,
@@ -72,6 +78,9 @@ class Outcome:
     backed_off: bool = False
     """RELEASED by its handler's ``BackOff``: ``error`` says what it held until when (kept on
     the run), and the task's ``backoffs`` counts it."""
+    renew: Doc | None = None
+    """CONTINUED (``ctx.continue_as_new``): the task's new ``params`` and the signals its
+    journal ``taken`` (``mtask.steps.waits.Wait.renew``)."""
 
 
 def _success_tag(outcome: Outcome) -> Doc:
@@ -163,10 +172,8 @@ def _state_fields(outcome: Outcome, now: dt.datetime) -> tuple[Doc, Doc]:
         sets["available_at"] = now + dt.timedelta(milliseconds=outcome.retry_delay_ms or 0)
     elif state is RunState.CANCELLED:
         run_fields["error"] = literal(outcome.error)
-    elif state is RunState.WAITING and outcome.wait is not None:
-        sets.update(_waiting_fields(outcome.wait, now))
     else:
-        raise ValueError(f"a run cannot be finished as {state}")
+        sets.update(_resumed_fields(outcome, now))
     return run_fields, sets
 
 
@@ -178,6 +185,89 @@ def _released_fields(outcome: Outcome, now: dt.datetime, run_fields: Doc, sets: 
         run_fields["error"] = literal(outcome.error)
     if outcome.backed_off:
         sets["backoffs"] = {"$add": [{"$ifNull": ["$backoffs", 0]}, 1]}
+
+
+def _resumed_fields(outcome: Outcome, now: dt.datetime) -> Doc:
+    """What a run that ends WAITING or CONTINUED writes on its task."""
+    if outcome.state is RunState.WAITING and outcome.wait is not None:
+        return _waiting_fields(outcome.wait, now)
+    if outcome.state is RunState.CONTINUED and outcome.renew is not None:
+        return continued_fields(outcome.run_id, outcome.renew, now)
+    raise ValueError(f"a run cannot be finished as {outcome.state}")
+
+
+def continued_fields(run_id: str, renew: Doc, now: dt.datetime) -> Doc:
+    """A run that continued as new (docs/steps.md, "Loops without end"): the task afresh, due
+    now, with its new params and an empty journal (no ``steps``, ``waiting``, ``spawned``), its
+    retries unspent (``failures`` 0, no ``error``), the signals its journal's waits took gone
+    and the others kept, and the journal it leaves summarised in ``continued`` (the newest
+    ``MAX_JOURNALS_KEPT``). Its key, group, priority, options, runs and counters stay."""
+    count = {"$add": [{"$ifNull": ["$continued.n", 0]}, 1]}
+    summary = {
+        "n": count,
+        "run_id": run_id,
+        "at": now,
+        "steps": {"$size": {"$ifNull": ["$steps", []]}},
+        "last": {"$ifNull": [{"$last": {"$ifNull": ["$steps.name", []]}}, None]},
+    }
+    journals = {"$concatArrays": [{"$ifNull": ["$continued.journals", []]}, [summary]]}
+    fields: Doc = {
+        "params": literal(renew["params"]),
+        "steps": "$$REMOVE",
+        "spawned": "$$REMOVE",
+        "failures": 0,
+        "error": "$$REMOVE",
+        "available_at": now,
+        "continued": {
+            "n": count,
+            "at": now,
+            "journals": {"$lastN": {"input": journals, "n": MAX_JOURNALS_KEPT}},
+        },
+    }
+    taken = [t for t in renew.get("taken") or () if t.get("n")]
+    if taken:
+        fields["signals"] = _signals_left(taken)
+    return fields
+
+
+def _signals_left(taken: Sequence[Doc]) -> Doc:
+    """``signals`` without the first ``n`` of each name in ``taken`` (``[{name, n}]``): those
+    the journal's waits took; the order of the others kept."""
+    same = {"$eq": ["$$x.name", "$$this.name"]}
+    find = {"$first": {"$filter": {"input": "$$value.t", "as": "x", "cond": same}}}
+    less = {
+        "$map": {
+            "input": "$$value.t",
+            "as": "x",
+            "in": {
+                "$cond": [
+                    same,
+                    {"name": "$$x.name", "n": {"$subtract": ["$$x.n", 1]}},
+                    "$$x",
+                ]
+            },
+        }
+    }
+    step = {
+        "$let": {
+            "vars": {"left": {"$ifNull": [{"$getField": {"field": "n", "input": find}}, 0]}},
+            "in": {
+                "$cond": [
+                    {"$gt": ["$$left", 0]},
+                    {"t": less, "kept": "$$value.kept"},
+                    {"t": "$$value.t", "kept": {"$concatArrays": ["$$value.kept", ["$$this"]]}},
+                ]
+            },
+        }
+    }
+    folded = {
+        "$reduce": {
+            "input": {"$ifNull": ["$signals", []]},
+            "initialValue": {"t": literal([dict(t) for t in taken]), "kept": []},
+            "in": step,
+        }
+    }
+    return {"$getField": {"field": "kept", "input": folded}}
 
 
 def settled_waits_expr(now: dt.datetime, final: Any = True) -> Doc:

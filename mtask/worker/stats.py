@@ -21,5 +21,6 @@ class WorkerStats:
     released: int = 0
     cancelled: int = 0
     waiting: int = 0
+    continued: int = 0
     snoozed: int = 0
     """Runs whose handler raised ``Snooze``."""

@@ -25,6 +25,8 @@ class Event(enum.StrEnum):
     CANCELLED = "cancelled"
     WAITING = "waiting"
     """A run ended sleeping or waiting for a signal (docs/steps.md)."""
+    CONTINUED = "continued"
+    """A run continued as new (``ctx.continue_as_new``): its task starts afresh."""
     SNOOZED = "snoozed"
     """A handler raised ``Snooze``: its run ended, no retry spent."""
     BATCH = "batch"
@@ -65,6 +67,7 @@ LOGGED = frozenset(
         Event.RELEASED,
         Event.CANCELLED,
         Event.WAITING,
+        Event.CONTINUED,
         Event.SNOOZED,
         Event.STOPPING_RUN,
         Event.NOT_RECORDED,

@@ -64,6 +64,18 @@ async def test_steps_run_once_and_replay_across_a_retry(
     assert task.progress is not None and task.progress.label == "charged"
 
 
+async def test_a_handler_in_a_child_continues_as_new_with_each_journals_children_its_own(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    async with running_worker(poolhandlers.registry, mongo_uri, db_name, pool="process"):
+        await aclient.publish("rounds_in_child", "rc", {"round": 0, "done": []})
+        task = await _finished(aclient, "rc", timeout=60)
+    assert task.status.value == "succeeded", task.error
+    assert task.result["done"] == [0, 2, 4] and task.result["pid"] != os.getpid()
+    assert task.continued is not None and task.continued.n == 2
+    assert [r.state.value for r in task.runs].count("CONTINUED") == 2
+
+
 async def test_sleep_sync_ends_the_run_waiting_and_resumes(
     aclient: AsyncTaskClient, mongo_uri: str, db_name: str, where: dict[str, Any]
 ) -> None:

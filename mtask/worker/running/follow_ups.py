@@ -39,7 +39,8 @@ class FollowUps:
             o.key
             for o in batch
             if o.child_of is not None
-            and o.state not in (RunState.WAITING, RunState.RELEASED, RunState.SNOOZED)
+            and o.state
+            not in (RunState.WAITING, RunState.RELEASED, RunState.SNOOZED, RunState.CONTINUED)
         ]
         if not ended:
             return

@@ -3,8 +3,9 @@
 
 SUCCESS (with next steps, if the handler returned ``Next``), FAIL (retried, or permanent for
 ``Fail``, invalid params, an unstorable result or an invalid step), WAITING for a run that
-sleeps or waits for a signal, SNOOZED for a ``Snooze``, RELEASED or CANCELLED for
-a run the worker stopped, nothing for a run that lost its lease. Each is counted
+sleeps or waits for a signal, CONTINUED for one that continues as new, SNOOZED for a
+``Snooze``, RELEASED or CANCELLED for a run the worker stopped, nothing for a run that lost its
+lease. Each is counted
 (``WorkerStats``, metrics) and told (``Emitter``) here, once. How the handler is called (its
 slot, its transaction, a thread or a child process) and what the call itself may fail with (a
 child that died, a time limit) is ``mtask.worker.running.call``'s; the run's lifecycle around it is
@@ -53,6 +54,8 @@ class RunOutcomes:
         """The outcome of a handler that raised ``exc`` (never ``CancelledError``: a stopped
         run's outcome follows from why it was stopped, ``stopped``)."""
         if isinstance(exc, Suspended):
+            if exc.wait.renew is not None:
+                return self.continued(run, exc.wait.renew)
             return self.waiting(run, exc.wait)
         kind = class_path(exc)  # recorded with a FAIL (``Run.error_class``)
         if isinstance(exc, StepError | SignalTimeout | ChildFailed):  # the same on every replay
@@ -104,6 +107,22 @@ class RunOutcomes:
             signal=wait.signal,
         )
         return Outcome(run.key, run.run_id, RunState.WAITING, wait=wait)
+
+    def continued(self, run: ActiveRun, renew: dict[str, Any]) -> Outcome:
+        """A run that continues as new (``ctx.continue_as_new``): CONTINUED, its task due again
+        at once with the new params (checked as a publish checks them: their size) and a new
+        journal."""
+        size = len(bson.encode(renew["params"]))
+        if size > self.max_params_bytes:
+            return self.failure(
+                run,
+                f"continue_as_new: the params are {size} bytes as BSON, over the "
+                f"{self.max_params_bytes} a task's params may hold",
+                permanent=True,
+            )
+        self.stats.continued += 1
+        self.emit(Event.CONTINUED, key=run.key, run_id=run.run_id)
+        return Outcome(run.key, run.run_id, RunState.CONTINUED, renew=renew)
 
     def success(
         self,
