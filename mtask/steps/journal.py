@@ -200,7 +200,7 @@ class Journal:
             "attempt": self.attempt,
             "started_at": (prior or {}).get("started_at") or now,
         }
-        for kept in ("until", "signal", "nth", "collection", "tries"):
+        for kept in ("until", "signal", "nth", "collection", "tries", "tag"):
             if prior is not None and kept in prior:
                 entry[kept] = prior[kept]
         group = self.group()

@@ -1,12 +1,13 @@
 """Loops without end (``ctx.continue_as_new``) on a real replica set with a real worker: a task
 that continues as new 2,000 times keeps its key, its document stays small and it finishes; the
 signals its journals took go with them and the others stay; each journal's children are its
-own; a plain-def handler in a child process continues as a coroutine does; bad params fail the
-task for good, naming the problem."""
+own; bad params fail the task for good, naming the problem; a zombie's late continue is
+refused by the run's fence."""
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 from typing import Any
 
 import bson
@@ -15,26 +16,30 @@ from fastapi.testclient import TestClient
 from harness import run_cli, running_worker
 from pymongo import MongoClient
 
-from mtask import AsyncTaskClient
+from mtask import AsyncTaskClient, TaskClient
 from mtask.models import MAX_JOURNALS_KEPT, RunState
 from mtask.registry import Registry, TaskContext
 from mtask.steps.children import Spawn
+from mtask.store import Outcome, claim
+from mtask.store import steps as store_steps
+from mtask.store.outcomes import finish
 from mtask.web import create_app
 from mtask.web.auth import COOKIE, Keys
 
 registry = Registry()
+LONG_AGO = dt.datetime(2001, 1, 1, tzinfo=dt.UTC)
 
 LOOPS = 2000
 DOCUMENT_BOUND = 16 * 1024
-"""What the document of a task that continued as new 2,000 times (two steps a journal) may
-weigh: the journals it left are summarised (the newest ten), its runs folded (the newest 20)."""
+"""What the document of a task that continued as new 2,000 times (one step a journal) may
+weigh: the journals it left are summarised (the newest ten), its runs folded (the newest 20)
+(docs/steps.md, "Loops without end")."""
 
 
 @registry.task("poller")
 async def poller(params: dict[str, Any], ctx: TaskContext) -> Any:
     n = params["n"]
-    seen = await ctx.step("poll", lambda: n + 1)
-    await ctx.step("note", lambda: None)  # a second entry in each journal
+    seen = await ctx.step("poll", lambda: n + 1)  # one step a journal: 2,000 in all, over the cap
     if seen < params["until"]:
         ctx.continue_as_new({"n": seen, "until": params["until"]})
     return {"n": seen, "attempt": ctx.attempt}
@@ -53,13 +58,13 @@ async def test_a_task_that_continues_as_new_2000_times_keeps_its_key_and_finishe
     assert task.key == "loop" and task.result["n"] == LOOPS + 1
     assert task.result["attempt"] == LOOPS + 1  # every run was the same task's
     assert task.params == {"n": LOOPS, "until": LOOPS + 1}  # the last journal's params
-    assert [s.name for s in task.steps] == ["poll", "note"]  # its own journal only
+    assert [s.name for s in task.steps] == ["poll"]  # its own journal only
     continued = task.continued
     assert continued is not None and continued.n == LOOPS
     assert [j.n for j in continued.journals] == list(
         range(LOOPS - MAX_JOURNALS_KEPT + 1, LOOPS + 1)
     )
-    assert all(j.steps == 2 and j.last == "note" for j in continued.journals)
+    assert all(j.steps == 1 and j.last == "poll" for j in continued.journals)
     states = [r.state for r in task.runs]
     assert states[-1] is RunState.SUCCESS and set(states[:-1]) == {RunState.CONTINUED}
     assert task.runs_folded == LOOPS + 1 - len(task.runs)
@@ -105,16 +110,18 @@ async def rounds(params: dict[str, Any], ctx: TaskContext) -> Any:
 
 
 async def test_each_journals_children_are_its_own(
-    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str, mongo: MongoClient[dict[str, Any]]
 ) -> None:
     async with running_worker(registry, mongo_uri, db_name, concurrency=1):
         await aclient.publish("rounds", "r", {"round": 0, "done": []})
         async with asyncio.timeout(60):
             task = await aclient.wait("r")
     assert task.result == [0, 10, 20]  # not the first journal's child again
-    keys = [c["key"] for c in (await aclient.flow("r") or {})["children"]]
-    assert sorted(keys) == ["r/spawn#1/0", "r/spawn#1@1/0", "r/spawn#1@2/0"]
-    assert (task.steps[0].model_extra or {}).get("children") == "spawn#1@2"
+    keys = sorted(c["key"] for c in (await aclient.flow("r") or {})["children"])
+    assert len(set(keys)) == 3 and keys[0] == "r/spawn#1/0", keys  # each journal's its own
+    assert all(k.startswith("r/spawn#1@") for k in keys[1:]), keys  # spawn#1@<run>
+    raw = mongo[db_name]["tasks"].find_one({"_id": "r"})
+    assert raw is not None and f"r/{raw['steps'][0]['tag']}/0" in keys[1:]  # the last journal's
     common = ("--uri", mongo_uri, "--database", db_name)
     code, out, _ = await asyncio.to_thread(run_cli, "get", "r", *common, width=200)
     assert code == 0 and "2 times as new" in out and "#2: 1 step, last spawn#1" in out, out
@@ -149,3 +156,39 @@ async def test_misuse_fails_the_task_for_good_naming_the_problem(
                 task = await aclient.wait(how.replace(" ", "-"))
                 assert task.status.value == "failed" and said in (task.error or ""), task.error
                 assert task.continued is None
+
+
+def test_a_zombies_late_continue_is_refused_and_the_takeovers_lands(
+    client: TaskClient, mongo: MongoClient[dict[str, Any]], db_name: str
+) -> None:
+    """The continue is one update fenced by the run: a frozen worker's, written after another
+    took its task over, changes nothing; the rescuer's starts the task afresh."""
+    db = mongo[db_name]
+    client.publish("n", "k", {"gen": 0})
+    [doc] = client._run(claim(["k"], ["n"], "w1", client.now()))
+    zombie = str(doc["claim_run_id"])
+    db.tasks.update_one(  # its lease ran out long ago: another worker takes the task over
+        {"_id": "k"}, {"$set": {"runs.0.lease_expires_at": LONG_AGO, "next_claim_at": LONG_AGO}}
+    )
+    [doc] = client._run(claim(["k"], ["n"], "w2", client.now()))
+    rescuer = str(doc["claim_run_id"])
+    assert rescuer != zombie
+    entry = {"name": "a", "kind": "call", "state": "done", "result": 1}
+    client._run(store_steps.record("k", rescuer, 0, entry, None))
+
+    def continued(run_id: str, gen: int) -> Outcome:
+        return Outcome("k", run_id, RunState.CONTINUED, renew={"params": {"gen": gen}})
+
+    assert client._run(finish(continued(zombie, 9), client.now())) is None  # fenced out
+    before = db.tasks.find_one({"_id": "k"})
+    assert before["params"] == {"gen": 0} and "continued" not in before
+    assert [s["name"] for s in before["steps"]] == ["a"]
+    after = client._run(finish(continued(rescuer, 1), client.now()))
+    assert after is not None and after["params"] == {"gen": 1} and "steps" not in after
+    assert after["status"] == "pending" and after["continued"]["n"] == 1
+    [journal] = after["continued"]["journals"]
+    assert journal["run_id"] == rescuer and journal["steps"] == 1 and journal["last"] == "a"
+    assert [r["state"] for r in after["runs"]][-1] == "CONTINUED"
+    # the zombie's second try, after the continue: still nothing
+    assert client._run(finish(continued(zombie, 9), client.now())) is None
+    assert db.tasks.find_one({"_id": "k"})["params"] == {"gen": 1}

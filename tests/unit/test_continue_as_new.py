@@ -1,6 +1,6 @@
 """``ctx.continue_as_new`` in the engine and under ``mtask.testing.run_handler`` (no MongoDB):
 the run ends CONTINUED with the new params and the signals its journal took; misuse is a
-``StepError``; a spawn's children in a later journal are keyed by its generation."""
+``StepError``; a spawn's children in a later journal carry their own generation."""
 
 from __future__ import annotations
 
@@ -64,11 +64,20 @@ def test_bad_params_are_a_step_error(params: Any, said: str) -> None:
         steps.continue_as_new(params)
 
 
-def test_a_later_journals_children_are_keyed_by_its_generation() -> None:
+def test_a_later_journals_children_are_its_own_generation() -> None:
+    """A journal after a continue spawns under the step's name again: the earlier journal's
+    children exist, so its own carry the run's generation (``spawn#1@<run>``)."""
     store = MemorySteps()
-    steps = RunSteps(store, [], run_id="r1", attempt=1, generation=3)
+    first = RunSteps(store, [], run_id="r1", attempt=1)
+    with pytest.raises(Suspended):
+        first.run_plan_sync(spawn_plan(first, "p", [Spawn("leaf", {})], None))
+    store.finish("p/spawn#1/0", 1)
+    store.recorded.clear()  # the journal continued as new: an empty one
+    later = RunSteps(store, [], run_id="run-2222-3333", attempt=2)
     with pytest.raises(Suspended) as raised:
-        steps.run_plan_sync(spawn_plan(steps, "p", [Spawn("leaf", {})], None))
-    assert raised.value.wait.children == "spawn#1@3"
-    assert list(store.tasks) == ["p/spawn#1@3/0"]
-    assert store.recorded[0]["name"] == "spawn#1" and store.recorded[0]["children"] == "spawn#1@3"
+        later.run_plan_sync(spawn_plan(later, "p", [Spawn("leaf", {})], None))
+    assert raised.value.wait.children == "spawn#1@run22223333"
+    assert sorted(store.tasks) == ["p/spawn#1/0", "p/spawn#1@run22223333/0"]
+    assert (
+        store.recorded[0]["name"] == "spawn#1" and store.recorded[0]["tag"] == "spawn#1@run22223333"
+    )

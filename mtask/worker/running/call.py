@@ -29,6 +29,7 @@ from mtask.limits.holds import BackOff
 from mtask.models import OPTION_DEFAULTS
 from mtask.registry import Handler
 from mtask.statemachine import keep_ms
+from mtask.steps import Suspended
 from mtask.store import Outcome, RunState
 from mtask.tracing import run_span
 from mtask.worker.inflight import ActiveRun
@@ -254,7 +255,20 @@ class HandlerCalls:
             # sys.exit() (argparse's error) or a class of its own too; up in its task, asyncio
             # hands a SystemExit or KeyboardInterrupt to the event loop (the worker's end), any
             # other would end the task with no outcome (its task RUNNING until its lease ran out)
+            return self._raised(run, doc, exc)
+
+    def _raised(self, run: ActiveRun, doc: dict[str, Any], exc: BaseException) -> Outcome:
+        """The outcome of a handler that raised ``exc``; a run that continues as new
+        (``ctx.continue_as_new``) with its new params sealed as its task's are (an encrypted
+        task's stay encrypted)."""
+        renew = exc.wait.renew if isinstance(exc, Suspended) else None
+        if renew is None:
             return self.outcomes.raised(run, exc)
+        try:
+            params = self.sealing.result(doc, renew["params"])
+        except Unopened as closed:  # the key was rotated away while the handler ran
+            return self.outcomes.unopened(run, closed.why)
+        return self.outcomes.continued(run, {**renew, "params": params})
 
     async def _backed_off(self, run: ActiveRun, exc: BackOff, doc: dict[str, Any]) -> Outcome:
         """A ``BackOff``: the hold written first, then the run RELEASED (no retry spent) saying

@@ -74,6 +74,11 @@ class Recorded(Protocol):
         written: no event will)."""
         ...
 
+    def requeue_at(self, key: str, when: dt.datetime) -> None:
+        """Put a known task back at ``when`` (a run that continued as new: due at once, its
+        next run claimed without waiting for the change's event)."""
+        ...
+
 
 class PoolView(Protocol):
     """The process pool as the heartbeat shows it."""
