@@ -130,7 +130,10 @@ class Journal:
         if name in self.asked:
             raise StepError(f"step {name!r} was asked for twice: step names are unique in a task")
         if len(self.asked) >= MAX_STEPS:
-            raise StepError(f"a task records at most {MAX_STEPS} steps")
+            raise StepError(
+                f"a task records at most {MAX_STEPS} steps (a loop without end continues as "
+                "new: ctx.continue_as_new)"
+            )
 
     def group(self) -> Group | None:
         """The ``ctx.gather`` this context's steps belong to, if any."""

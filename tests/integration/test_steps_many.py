@@ -71,5 +71,8 @@ async def test_a_step_past_the_limit_fails_the_task_for_good(
         async with asyncio.timeout(120):
             task = await aclient.wait("t1001")
     assert task.status.value == "failed"
-    assert task.error == f"StepError: a task records at most {MAX_STEPS} steps"
+    assert task.error == (
+        f"StepError: a task records at most {MAX_STEPS} steps (a loop without end continues "
+        "as new: ctx.continue_as_new)"
+    )
     assert len(task.steps) == MAX_STEPS and CALLS[-1] == 0
