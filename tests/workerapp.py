@@ -214,6 +214,28 @@ async def step_chain(params: dict[str, Any], ctx: TaskContext) -> list[dict[str,
     return results
 
 
+@registry.task("continue_chain")
+async def continue_chain(params: dict[str, Any], ctx: TaskContext) -> int:
+    """One durable step ``s`` a journal, inserting ``{task, gen, run_id, worker}`` into
+    ``step_rows``, then ``ctx.continue_as_new`` with ``gen + 1`` until ``until``.
+    ``hold_at`` (worker id to generation): that worker's run waits forever once that
+    generation's step is recorded (the test kills it)."""
+    db = _side(params)
+    gen = int(params["gen"])
+
+    async def fn() -> int:
+        row = {"task": ctx.key, "gen": gen, "run_id": ctx.run_id, "worker": ctx.worker_id}
+        await db["step_rows"].insert_one(row)
+        return gen
+
+    await ctx.step("s", fn)
+    if params.get("hold_at", {}).get(ctx.worker_id) == gen:
+        await asyncio.sleep(3600)
+    if gen < int(params["until"]):
+        ctx.continue_as_new({**params, "gen": gen + 1})
+    return gen
+
+
 @registry.task("txn_step_chain")
 async def txn_step_chain(params: dict[str, Any], ctx: TaskContext) -> list[dict[str, Any]]:
     """``count`` (4) transactional steps ``t1``, ``t2``, …; step i inserts ``{task, step: i,

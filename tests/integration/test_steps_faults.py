@@ -1,8 +1,9 @@
 """Durable steps under faults, with real worker processes (``workerapp``): a worker
 killed with SIGKILL between steps (its handler on the event loop, or in a child process:
-``poolhandlers``), a worker frozen inside a step past its lease and then resumed, and the
-primary of a three-member replica set killed while a transactional step is in flight.
-Side effects are counted in the test's database, never inferred from the task document."""
+``poolhandlers``) or mid-chain of continues as new, a worker frozen inside a step past its
+lease and then resumed, and the primary of a three-member replica set killed while a
+transactional step is in flight. Side effects are counted in the test's database, never
+inferred from the task document."""
 
 from __future__ import annotations
 
@@ -82,6 +83,35 @@ async def test_a_killed_workers_recorded_steps_are_replayed_by_the_takeover(
     assert [s["run_id"] for s in steps] == [first, first, first, second, second]
     # the rescuer's result holds the victim's recorded results for steps 1-3
     assert doc["result"] == [{"step": i, "run_id": s["run_id"]} for i, s in enumerate(steps, 1)]
+
+
+async def test_a_worker_killed_mid_chain_of_continues_is_taken_over_and_the_chain_ends(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """A task that continues as new 20 times: the victim runs it to its 10th journal, records
+    that journal's step and is killed (SIGKILL); the rescuer takes the task over after the
+    lease, replays that journal's step (not run again) and continues to the end: each
+    journal's step ran once, the key kept, ``continued.n`` 20."""
+    params = {"uri": mongo_uri, "db": db_name, "gen": 0, "until": 20, "hold_at": {"victim": 10}}
+    client.publish("continue_chain", "cc", params, options=OPTIONS)
+
+    def held() -> bool:
+        doc = _task(client, "cc")
+        return doc["params"]["gen"] == 10 and len(doc.get("steps", [])) == 1
+
+    with worker_process(mongo_uri, db_name, "--worker-id", "victim", crash_expected=True) as victim:
+        await wait_for(held, timeout=60)
+        victim.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(victim.wait, 10)
+    with worker_process(mongo_uri, db_name, "--worker-id", "rescuer"):
+        await wait_for(lambda: _task(client, "cc")["status"] == "succeeded", timeout=60)
+    doc = _task(client, "cc")
+    assert doc["result"] == 20 and doc["continued"]["n"] == 20
+    rows = Counter(d["gen"] for d in client.db["step_rows"].find({"task": "cc"}))
+    assert rows == {gen: 1 for gen in range(21)}  # the 10th journal's step not run again
+    runs = [(r["worker_id"], r["state"]) for r in doc["runs"]]
+    assert ("victim", "TIMEOUT") in runs and runs[-1] == ("rescuer", "SUCCESS")
+    assert [j["n"] for j in doc["continued"]["journals"]] == list(range(11, 21))
 
 
 async def test_a_killed_workers_process_isolated_steps_are_replayed_by_the_takeover(
