@@ -143,8 +143,8 @@ class OutcomeRecorder:
                 and not self.inflight.busy(outcome.key)
             ):
                 self.sink.succeeded(outcome.key)  # an own stream skips the event
-            if outcome.state is RunState.CONTINUED:  # due at once: a hint, the claim decides
-                self.sink.requeue_at(outcome.key, self.clock.now())
+            if all_landed and outcome.state is RunState.CONTINUED:  # due at once: a hint
+                self.sink.requeue_at(outcome.key, self.clock.now())  # (the claim decides)
             self.emit(
                 Event.RECORDED, key=outcome.key, run_id=outcome.run_id, state=outcome.state.value
             )
