@@ -32,6 +32,15 @@ def echo(params: dict[str, object], ctx: TaskContext) -> dict[str, object]:
     return {"params": params, "worker": ctx.worker_id, "attempt": ctx.attempt}
 
 
+@registry.task("rounds")
+async def rounds(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    """Continues as new (``ctx.continue_as_new``) with ``round`` one more, until ``until``;
+    returns the params its last journal was given."""
+    if params["round"] < params["until"]:
+        ctx.continue_as_new({**params, "round": params["round"] + 1})
+    return params
+
+
 @registry.task("sleep")
 async def sleep(params: dict[str, float]) -> str:
     await asyncio.sleep(params.get("seconds", 3600))

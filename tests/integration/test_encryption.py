@@ -24,6 +24,7 @@ from mtask.errors import InvalidTask
 from mtask.security.encryption import (
     KEY_FILE_ENV,
     KEY_VAULT,
+    MARK,
     Encryption,
     is_ciphertext,
     rotate_local,
@@ -144,3 +145,30 @@ def test_the_command_line_makes_the_data_key_and_rotates_it(
         assert task is not None and task.params == {"card": SECRET}
     code, out, err = run_cli("collection", "key", "--key-file", str(tmp_path / "none"), *common)
     assert code != 0 and "cannot read the encryption key file" in err and "Traceback" not in err
+
+
+def test_an_encrypted_task_that_continues_as_new_keeps_its_params_encrypted(
+    mongo_uri: str,
+    db_name: str,
+    mongo: MongoClient[dict[str, Any]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The new params of an encrypted task's ``ctx.continue_as_new`` are stored encrypted, as a
+    publish stores them; the next journal's handler is given them plain."""
+    master = key_file(tmp_path / "master.key")
+    encryption = Encryption.local(master, mongo_uri, db_name)
+    encryption.ensure_key()
+    with TaskClient(mongo_uri, database=db_name, encryption=encryption) as publisher:
+        publisher.publish("rounds", "r", {"card": SECRET, "round": 0, "until": 2}, encrypt=True)
+        monkeypatch.setenv(KEY_FILE_ENV, str(master))
+        with worker_process(mongo_uri, db_name):
+            assert publisher.wait("r", timeout=60).status == "succeeded"
+        raw = mongo[db_name].tasks.find_one({"_id": "r"})
+        assert raw is not None and raw["continued"]["n"] == 2
+        assert list(raw["params"]) == [MARK] and sealed(raw["params"])  # a publish's shape
+        assert is_ciphertext(raw["result"])
+        assert SECRET.encode() not in bson.encode(raw)
+        opened = publisher.get("r")
+        assert opened is not None and opened.params == {"card": SECRET, "round": 2, "until": 2}
+        assert opened.result == opened.params

@@ -265,7 +265,7 @@ class HandlerCalls:
         if renew is None:
             return self.outcomes.raised(run, exc)
         try:
-            params = self.sealing.result(doc, renew["params"])
+            params = self.sealing.renewed(doc, renew["params"])
         except Unopened as closed:  # the key was rotated away while the handler ran
             return self.outcomes.unopened(run, closed.why)
         return self.outcomes.continued(run, {**renew, "params": params})

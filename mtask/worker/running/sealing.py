@@ -82,6 +82,10 @@ class Sealing(Protocol):
         """The result the run stores."""
         ...
 
+    def renewed(self, doc: Mapping[str, Any], params: Mapping[str, Any]) -> Any:
+        """The params a run that continues as new stores (``ctx.continue_as_new``)."""
+        ...
+
 
 class Plain(_Said):
     async def params(self, doc: Mapping[str, Any]) -> Any:
@@ -92,6 +96,9 @@ class Plain(_Said):
 
     def result(self, doc: Mapping[str, Any], result: Any) -> Any:
         return result
+
+    def renewed(self, doc: Mapping[str, Any], params: Mapping[str, Any]) -> Any:
+        return params  # a plain worker never ran an encrypted task's handler
 
 
 class Sealed(_Said):
@@ -128,6 +135,18 @@ class Sealed(_Said):
             return self.encryption.seal(result)
         except EncryptionError as exc:  # the key was rotated away while the handler ran
             raise self.refuse(doc, f"cannot encrypt its result: {exc}", "seal") from None
+
+    def renewed(self, doc: Mapping[str, Any], params: Mapping[str, Any]) -> Any:
+        """An encrypted task's new params encrypted as a publish encrypts them (``{MARK:
+        ciphertext}``); a plain task's as they are."""
+        from pymongo.errors import EncryptionError
+
+        if not sealed(doc.get("params")):
+            return params
+        try:
+            return self.encryption.seal_params(params)
+        except EncryptionError as exc:  # the key was rotated away while the handler ran
+            raise self.refuse(doc, f"cannot encrypt its new params: {exc}", "seal") from None
 
 
 def from_env(mongo: Any, database: str, met: Callable[[], None] = lambda: None) -> Sealing:
