@@ -51,6 +51,9 @@ RETRIED = Counter(
 SNOOZED = Counter(
     "mtask_runs_snoozed", "Runs whose handler raised Snooze: no retry spent", ["name"]
 )
+CONTINUED = Counter(
+    "mtask_runs_continued", "Runs that continued as new (ctx.continue_as_new)", ["name"]
+)
 LEASE_LOST = Counter("mtask_runs_lease_lost", "Runs stopped because another took over", ["name"])
 IN_FLIGHT = Gauge("mtask_runs_in_flight", "Runs in flight in this process")
 RUNS_IN_PROGRESS = Gauge(

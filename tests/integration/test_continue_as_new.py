@@ -14,6 +14,7 @@ import bson
 import pytest
 from fastapi.testclient import TestClient
 from harness import run_cli, running_worker
+from prometheus_client import REGISTRY
 from pymongo import MongoClient
 
 from mtask import AsyncTaskClient, TaskClient
@@ -88,10 +89,13 @@ async def test_the_signals_a_journal_took_go_with_it_and_the_others_stay(
     for n in range(3):  # all sent before the first run: each journal takes the next one
         await aclient.signal("in", "msg", n)
     await aclient.signal("in", "other", "kept")
+    counted = REGISTRY.get_sample_value("mtask_runs_continued_total", {"name": "inbox"}) or 0
     async with running_worker(registry, mongo_uri, db_name):
         async with asyncio.timeout(60):
             task = await aclient.wait("in")
     assert task.result == [0, 1, 2]
+    after = REGISTRY.get_sample_value("mtask_runs_continued_total", {"name": "inbox"})
+    assert after == counted + 2  # the worker's metric counts the runs that continued
     assert [(s.name, s.payload) for s in task.signals] == [("msg", 2), ("other", "kept")]
 
 

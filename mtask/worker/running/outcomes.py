@@ -121,6 +121,7 @@ class RunOutcomes:
                 permanent=True,
             )
         self.stats.continued += 1
+        metrics.by_name(metrics.CONTINUED, run.name).inc()
         self.emit(Event.CONTINUED, key=run.key, run_id=run.run_id)
         return Outcome(run.key, run.run_id, RunState.CONTINUED, renew=renew)
 
