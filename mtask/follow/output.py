@@ -279,6 +279,19 @@ def holding(held: list[Any] | None) -> Iterator[None]:
         _HELD.reset(token)
 
 
+@contextlib.contextmanager
+def live() -> Iterator[None]:
+    """What the code in this block says goes to the run's buffer at once, even inside a durable
+    step's function (where it is otherwise held until the step's record is written): chunks a
+    reader follows as they come, such as a model's streamed tokens. A step called again after
+    a crash says them again (its earlier call's are not taken back)."""
+    token = _HELD.set(None)
+    try:
+        yield
+    finally:
+        _HELD.reset(token)
+
+
 _SNAPSHOT: bson.CodecOptions[dict[str, Any]] = bson.CodecOptions(tz_aware=True)
 
 

@@ -1,0 +1,149 @@
+"""A Pydantic AI agent as an mtask task (``mtask.contrib.pydantic_ai``), for real worker
+processes: ``bot`` makes 5 model requests (a ``FunctionModel``, streamed, no network) and 3
+tool calls (``a``, ``b``, ``c``); ``gated`` asks a person's approval before its tool ``pay``.
+
+Every model call and every tool call inserts a row into the test's database (``agent_calls``:
+``{task, what, run_id}``) before it answers, so a test counts what was really sent. The model's
+answers are decided by the conversation alone (how many responses it holds), so a takeover in
+another process continues it. ``hold`` (params: a worker id): that worker's tool ``c`` notes
+``holding`` and waits forever before it does anything (the test kills it there: the third
+request is recorded, ``c`` is not)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic_ai import Agent, DeferredToolRequests, ModelRetry, RunContext
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
+from pymongo import AsyncMongoClient
+
+from mtask import Registry, TaskContext
+from mtask.contrib.pydantic_ai import MtaskAgent
+
+registry = Registry()
+
+
+@dataclasses.dataclass
+class Deps:
+    db: Any
+    key: str
+    run_id: str
+    worker: str
+    hold: str | None
+
+
+_DEPS: contextvars.ContextVar[Deps] = contextvars.ContextVar("agentapp_deps")
+
+
+def _deps(params: dict[str, Any], ctx: TaskContext) -> Deps:
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(params["uri"])
+    deps = Deps(client[params["db"]], ctx.key, ctx.run_id, ctx.worker_id, params.get("hold"))
+    _DEPS.set(deps)  # the model function has no deps: it reads them here
+    return deps
+
+
+async def _count(what: str) -> None:
+    deps = _DEPS.get()
+    await deps.db["agent_calls"].insert_one({"task": deps.key, "what": what, "run_id": deps.run_id})
+
+
+def _answered(messages: list[ModelMessage]) -> int:
+    return sum(isinstance(m, ModelResponse) for m in messages)
+
+
+def _plan(messages: list[ModelMessage]) -> ModelResponse:
+    """Requests 1-3 call ``a``, ``b``, ``c``; the 4th answers ``draft`` (which the output
+    validator sends back), the 5th ``final``."""
+    k = _answered(messages)
+    if k < 3:
+        tool = "abc"[k]
+        return ModelResponse(parts=[ToolCallPart(tool, {"n": k + 1}, tool_call_id=f"call-{tool}")])
+    return ModelResponse(parts=[TextPart("draft" if k == 3 else "final")])
+
+
+async def plain(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    await _count("model")
+    return _plan(messages)
+
+
+async def streamed(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[Any]:
+    await _count("model")
+    response = _plan(messages)
+    part = response.parts[0]
+    if isinstance(part, ToolCallPart):
+        args = json.dumps(part.args)
+        yield {0: DeltaToolCall(name=part.tool_name, tool_call_id=part.tool_call_id)}
+        yield {0: DeltaToolCall(json_args=args)}
+        return
+    assert isinstance(part, TextPart)
+    for piece in (part.content[:2], part.content[2:]):  # two deltas a text
+        yield piece
+
+
+bot = Agent(FunctionModel(plain, stream_function=streamed), name="bot", deps_type=Deps)
+
+
+@bot.output_validator
+def _final(output: str) -> str:
+    if output != "final":
+        raise ModelRetry("say final")
+    return output
+
+
+async def _tool(ctx: RunContext[Deps], name: str, n: int) -> str:
+    if name == "c" and ctx.deps.hold == ctx.deps.worker:
+        await ctx.deps.db["agent_notes"].insert_one({"task": ctx.deps.key, "event": "holding"})
+        await asyncio.sleep(3600)
+    await _count(f"tool:{name}")
+    return f"{name}{n}"
+
+
+@bot.tool
+async def a(ctx: RunContext[Deps], n: int) -> str:
+    return await _tool(ctx, "a", n)
+
+
+@bot.tool
+async def b(ctx: RunContext[Deps], n: int) -> str:
+    return await _tool(ctx, "b", n)
+
+
+@bot.tool
+async def c(ctx: RunContext[Deps], n: int) -> str:
+    return await _tool(ctx, "c", n)
+
+
+MtaskAgent(bot).register(registry, deps=_deps)
+MtaskAgent(bot, name="quiet", emit=False).register(registry, "bot_plain", deps=_deps)
+
+
+async def gate_model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    """Asks to pay, then says what came back: ``paid 42`` or the refusal's message."""
+    await _count("model")
+    if _answered(messages) == 0:
+        return ModelResponse(parts=[ToolCallPart("pay", {"amount": 42}, tool_call_id="pay-1")])
+    last = messages[-1].parts[-1]
+    return ModelResponse(parts=[TextPart(f"after pay: {getattr(last, 'content', '')}")])
+
+
+gated = Agent(
+    FunctionModel(gate_model),
+    name="gated",
+    deps_type=Deps,
+    output_type=[str, DeferredToolRequests],
+)
+
+
+@gated.tool(requires_approval=True)
+async def pay(ctx: RunContext[Deps], amount: int) -> str:
+    await _count("tool:pay")
+    return f"paid {amount}"
+
+
+MtaskAgent(gated, emit=False).register(registry, deps=_deps)

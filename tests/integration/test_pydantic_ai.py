@@ -1,0 +1,186 @@
+"""Pydantic AI agents as durable tasks (``mtask.contrib.pydantic_ai``), with real worker
+processes (``tests/agentapp.py``) and the embedded mongod; the model is a ``FunctionModel``
+that counts its calls in the test's database (no network)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections import Counter
+from typing import Any
+
+import pytest
+from harness import wait_for, worker_process
+from needs import missing
+
+from mtask import TaskClient
+
+try:
+    import pydantic_ai
+except ImportError:  # pragma: no cover - CI installs the extra
+    pydantic_ai = None
+
+OPTIONS = {"worker_timeout_ms": 2000, "ping_interval_ms": 200, "retry_delay_ms": 0}
+APP = "agentapp:registry"
+
+
+@pytest.fixture(autouse=True)
+def _needs_pydantic_ai() -> None:
+    if pydantic_ai is None:
+        missing("pydantic-ai-slim is not installed (pip install 'mtask[pydantic-ai]')")
+
+
+def _task(client: TaskClient, key: str) -> dict[str, Any]:
+    doc = client.collection.find_one({"_id": key})
+    assert doc is not None
+    return doc
+
+
+def _calls(client: TaskClient, key: str) -> Counter[str]:
+    return Counter(d["what"] for d in client.db["agent_calls"].find({"task": key}))
+
+
+def _params(uri: str, db: str, **more: Any) -> dict[str, Any]:
+    return {"prompt": "go", "uri": uri, "db": db, **more}
+
+
+BOT_STEPS = [
+    "bot__model.request_stream",
+    "bot__function_toolset__<agent>.call_tool:a",
+    "bot__model.request_stream#2",
+    "bot__function_toolset__<agent>.call_tool:b",
+    "bot__model.request_stream#3",
+    "bot__function_toolset__<agent>.call_tool:c",
+    "bot__model.request_stream#4",
+    "bot__model.request_stream#5",
+]
+
+
+async def test_a_killed_workers_agent_run_is_finished_by_the_takeover_sending_nothing_twice(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """The victim records three streamed model requests and two tool calls, and is killed
+    (SIGKILL) inside tool ``c``, before it ran; the rescuer takes the task over after the
+    lease, replays the five recorded steps and sends the rest: 5 model calls in all, each
+    tool once, and the agent's output."""
+    client.publish("bot", "k", _params(mongo_uri, db_name, hold="victim"), options=OPTIONS)
+    notes = client.db["agent_notes"]
+    with worker_process(
+        mongo_uri, db_name, "--worker-id", "victim", app=APP, crash_expected=True
+    ) as victim:
+        await wait_for(lambda: notes.find_one({"task": "k", "event": "holding"}), timeout=60)
+        victim.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(victim.wait, 10)
+    recorded = [s["name"] for s in _task(client, "k")["steps"]]
+    assert recorded == BOT_STEPS[:5]
+    assert _calls(client, "k") == {"model": 3, "tool:a": 1, "tool:b": 1}
+    with worker_process(mongo_uri, db_name, "--worker-id", "rescuer", app=APP):
+        await wait_for(lambda: _task(client, "k")["status"] == "succeeded", timeout=60)
+    doc = _task(client, "k")
+    assert [(r["worker_id"], r["state"]) for r in doc["runs"]] == [
+        ("victim", "TIMEOUT"),
+        ("rescuer", "SUCCESS"),
+    ]
+    assert _calls(client, "k") == {"model": 5, "tool:a": 1, "tool:b": 1, "tool:c": 1}
+    first, second = (r["run_id"] for r in doc["runs"])
+    assert [(s["name"], s["state"], s["attempts"], s["run_id"]) for s in doc["steps"]] == [
+        (name, "done", 1, first if i < 5 else second) for i, name in enumerate(BOT_STEPS)
+    ]
+    assert doc["result"]["output"] == "final"
+    # the rescuer's new messages hold the victim's recorded answers (the same tool call ids)
+    ids = [
+        p["tool_call_id"]
+        for m in doc["result"]["messages"]
+        for p in m["parts"]
+        if p["part_kind"] == "tool-return"
+    ]
+    assert ids == ["call-a", "call-b", "call-c"]
+
+
+async def test_plain_model_requests_are_steps_too(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """Without the output stream the agent makes plain (not streamed) requests: each is a step
+    named ``<agent>__model.request``."""
+    client.publish("bot_plain", "p", _params(mongo_uri, db_name), options=OPTIONS)
+    with worker_process(mongo_uri, db_name, app=APP):
+        await wait_for(lambda: _task(client, "p")["status"] == "succeeded", timeout=60)
+    doc = _task(client, "p")
+    names = [s["name"] for s in doc["steps"]]
+    assert names == [n.replace("bot__model.request_stream", "quiet__model.request").replace(
+        "bot__", "quiet__") for n in BOT_STEPS]  # fmt: skip
+    assert _calls(client, "p") == {"model": 5, "tool:a": 1, "tool:b": 1, "tool:c": 1}
+    assert doc["result"]["output"] == "final"
+
+
+async def test_the_streamed_events_reach_the_tasks_output_in_order(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """Every model event (the text's deltas among them) and every tool event is a chunk of
+    the task's output, in the order the agent saw them."""
+    client.publish("bot", "s", _params(mongo_uri, db_name), options=OPTIONS)
+    with worker_process(mongo_uri, db_name, app=APP):
+        await wait_for(lambda: _task(client, "s")["status"] == "succeeded", timeout=60)
+    chunks = [e.data for e in client.stream("s") if e.kind == "chunk"]
+    assert all(c["agent"] == "bot" for c in chunks)
+    kinds = [c["event"]["event_kind"] for c in chunks]
+    assert kinds.count("function_tool_call") == 3 and kinds.count("function_tool_result") == 3
+    texts = [
+        c["event"]["delta"]["content_delta"]
+        for c in chunks
+        if c["event"]["event_kind"] == "part_delta" and "content_delta" in c["event"]["delta"]
+    ]
+    starts = [
+        c["event"]["part"]["content"]
+        for c in chunks
+        if c["event"]["event_kind"] == "part_start" and c["event"]["part"]["part_kind"] == "text"
+    ]
+    assert "".join(s + t for s, t in zip(starts, texts, strict=True)) == "draftfinal"
+    called = [c["event"]["part"]["tool_name"] for c in chunks if kinds and
+              c["event"]["event_kind"] == "function_tool_call"]  # fmt: skip
+    assert called == ["a", "b", "c"]
+
+
+async def _approval_asked(client: TaskClient, key: str) -> dict[str, Any]:
+    def waiting() -> dict[str, Any] | None:
+        doc = _task(client, key)
+        return doc if doc.get("waiting", {}).get("signal") == "approval:pay-1" else None
+
+    doc: dict[str, Any] = await wait_for(waiting, timeout=60)
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("payload", "output", "paid"),
+    [
+        ({"approved": True}, "after pay: paid 42", 1),
+        ({"approved": False, "message": "over budget"}, "after pay: over budget", 0),
+    ],
+)
+async def test_an_approval_waits_without_a_slot_and_a_signal_resumes_it(
+    mongo_uri: str,
+    db_name: str,
+    client: TaskClient,
+    payload: dict[str, Any],
+    output: str,
+    paid: int,
+) -> None:
+    """The tool ``pay`` needs approval: the run ends WAITING on signal ``approval:pay-1`` (the
+    task pending, no run holding it), and a worker of concurrency 1 runs another task
+    meanwhile; the signal resumes it: approved, the tool runs once; refused, the model gets
+    the refusal's message (Pydantic AI's ``ToolDenied``) and the tool never runs."""
+    client.publish("gated", "g", _params(mongo_uri, db_name), options=OPTIONS)
+    with worker_process(mongo_uri, db_name, "--concurrency", "1", app=APP):
+        doc = await _approval_asked(client, "g")
+        assert doc["status"] == "pending"
+        assert [r["state"] for r in doc["runs"]] == ["WAITING"]
+        client.publish("bot_plain", "other", _params(mongo_uri, db_name), options=OPTIONS)
+        await wait_for(lambda: _task(client, "other")["status"] == "succeeded", timeout=60)
+        assert _task(client, "g")["status"] == "pending"
+        client.signal("g", "approval:pay-1", payload)
+        await wait_for(lambda: _task(client, "g")["status"] == "succeeded", timeout=60)
+    doc = _task(client, "g")
+    assert doc["result"]["output"] == output
+    assert _calls(client, "g") == {"model": 2, **({"tool:pay": 1} if paid else {})}
+    names = [s["name"] for s in doc["steps"]]
+    assert names[:3] == ["gated__model.request", "gated__ask:pay-1", "wait:approval:pay-1"]
