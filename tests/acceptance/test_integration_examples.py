@@ -19,6 +19,7 @@ NEEDS = {
     "beanie_transaction.py": "beanie",
     "fastapi_app.py": "fastapi",
     "mongoengine_transaction.py": "mongoengine",
+    "pydantic_ai_agent.py": "pydantic_ai",
 }
 
 
@@ -39,6 +40,13 @@ def test_the_example_runs(example: Path, mongo_uri: str, mongo: MongoClient[dict
         assert ran.stdout.strip() == "aborted: neither; committed: both"
     if example.name == "fastapi_app.py":
         assert ran.stdout.split("\n")[1:4] == ["succeeded shipped o-17", "401", "200"]
+    if example.name == "pydantic_ai_agent.py":
+        assert ran.stdout.splitlines() == [
+            "tool: lookup_order",
+            "tool: refund",
+            "asked: refund {'order': 'o-17'}",
+            "answer: Done: refunded o-17. ",
+        ]
 
 
 def test_every_example_is_covered() -> None:
