@@ -7,7 +7,7 @@ Every model call and every tool call inserts a row into the test's database (``a
 answers are decided by the conversation alone (how many responses it holds), so a takeover in
 another process continues it. ``hold`` (params: a worker id): that worker's tool ``c`` notes
 ``holding`` and waits forever before it does anything (the test kills it there: the third
-request is recorded, ``c`` is not)."""
+request is recorded, ``c`` is not). ``pause``: the last answer waits after its first delta."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ class Deps:
     run_id: str
     worker: str
     hold: str | None
+    pause: bool = False
 
 
 _DEPS: contextvars.ContextVar[Deps] = contextvars.ContextVar("agentapp_deps")
@@ -43,7 +44,14 @@ _DEPS: contextvars.ContextVar[Deps] = contextvars.ContextVar("agentapp_deps")
 
 def _deps(params: dict[str, Any], ctx: TaskContext) -> Deps:
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(params["uri"])
-    deps = Deps(client[params["db"]], ctx.key, ctx.run_id, ctx.worker_id, params.get("hold"))
+    deps = Deps(
+        client[params["db"]],
+        ctx.key,
+        ctx.run_id,
+        ctx.worker_id,
+        params.get("hold"),
+        bool(params.get("pause")),
+    )
     _DEPS.set(deps)  # the model function has no deps: it reads them here
     return deps
 
@@ -82,8 +90,18 @@ async def streamed(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterat
         yield {0: DeltaToolCall(json_args=args)}
         return
     assert isinstance(part, TextPart)
-    for piece in (part.content[:2], part.content[2:]):  # two deltas a text
+    for i, piece in enumerate((part.content[:2], part.content[2:])):  # two deltas a text
+        if i == 1 and part.content == "final" and _DEPS.get().pause:
+            await _until_released(_DEPS.get())
         yield piece
+
+
+async def _until_released(deps: Deps) -> None:
+    """``pause``: the last answer stops after its first delta until the test releases it
+    (``agent_control``), the request's step not yet recorded."""
+    await deps.db["agent_notes"].insert_one({"task": deps.key, "event": "paused"})
+    while await deps.db["agent_control"].find_one({"_id": deps.key}) is None:  # noqa: ASYNC110 - another process releases it
+        await asyncio.sleep(0.05)
 
 
 bot = Agent(FunctionModel(plain, stream_function=streamed), name="bot", deps_type=Deps)

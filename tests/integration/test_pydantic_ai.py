@@ -40,6 +40,12 @@ def _calls(client: TaskClient, key: str) -> Counter[str]:
     return Counter(d["what"] for d in client.db["agent_calls"].find({"task": key}))
 
 
+def _written(client: TaskClient, key: str) -> list[Any]:
+    """The chunks of ``key``'s output written so far, in order (read once, not followed)."""
+    docs = client.db["tasks.output"].find({"task": key, "kind": "chunk"}).sort("seq", 1)
+    return [d["data"] for d in docs]
+
+
 def _params(uri: str, db: str, **more: Any) -> dict[str, Any]:
     return {"prompt": "go", "uri": uri, "db": db, **more}
 
@@ -184,3 +190,33 @@ async def test_an_approval_waits_without_a_slot_and_a_signal_resumes_it(
     assert _calls(client, "g") == {"model": 2, **({"tool:pay": 1} if paid else {})}
     names = [s["name"] for s in doc["steps"]]
     assert names[:3] == ["gated__model.request", "gated__ask:pay-1", "wait:approval:pay-1"]
+
+
+async def test_a_reader_sees_the_models_tokens_before_the_request_is_recorded(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """The last answer stops after its first delta (``fi``), its step unrecorded: a reader
+    that joins then already has every event so far, in order, that delta among them; once
+    released, the stream goes on from there (``nal``), each event once."""
+    client.publish("bot", "r", _params(mongo_uri, db_name, pause=True), options=OPTIONS)
+    notes = client.db["agent_notes"]
+    with worker_process(mongo_uri, db_name, app=APP):
+        await wait_for(lambda: notes.find_one({"task": "r", "event": "paused"}), timeout=60)
+
+        def seen() -> list[dict[str, Any]] | None:
+            doc = _task(client, "r")
+            names = [s["name"] for s in doc.get("steps", [])]
+            assert "bot__model.request_stream#5" not in names  # still in the request
+            chunks = _written(client, "r")
+            starts = [c["event"].get("part", {}).get("content") for c in chunks]
+            return chunks if "fi" in starts else None
+
+        early: list[dict[str, Any]] = await wait_for(seen, timeout=30)
+        client.db["agent_control"].insert_one({"_id": "r"})
+        await wait_for(lambda: _task(client, "r")["status"] == "succeeded", timeout=60)
+    every = [e.data for e in client.stream("r") if e.kind == "chunk"]
+    assert every[: len(early)] == early
+    seqs = [e.seq for e in client.stream("r")]
+    assert seqs == sorted(set(seqs))
+    later = [c["event"] for c in every[len(early) :] if c["event"]["event_kind"] == "part_delta"]
+    assert later[0]["delta"]["content_delta"] == "nal"
