@@ -14,8 +14,15 @@ worker):
   worker makes the indexes);
 - **arq, first job**: the same with ``arq bench.arq_app.WorkerSettings`` (arq 0.28, poll 10 ms)
   on a ``redis-server`` of its own, the job enqueued first; the handler's start;
-- ``mtask --help``, and ``mtask get KEY`` of a stored task (to its exit);
+- ``mtask --help``, and ``mtask get KEY`` of a stored task, ``mtask list`` and ``mtask stats``
+  (to their exit);
+- **the driver's floor** (``FIND``): a bare PyMongo script that connects, reads the same task
+  by its key and exits (without the driver's exit hook, as ``mtask`` exits): what any command
+  line reading MongoDB in Python costs;
 - ``python -c pass``: the interpreter's own start, the floor under every figure.
+
+The targets are ratios to a peer measured in the same rounds: the worker's first claim at most
+1.2x arq's first job, and ``mtask get``, ``list`` and ``stats`` at most 1.5x the driver's floor.
 
 Each also reports its CPU time (user + system), which the machine's load stretches far less
 than wall-clock. The processes are the console scripts next to the interpreter (``mtask``,
@@ -49,6 +56,22 @@ if TYPE_CHECKING:
 
 FRESH_EVERY = 5
 """Every this many rounds, the worker also starts against a new database (no indexes yet)."""
+FIND = (
+    "import os, sys\n"
+    "from pymongo import MongoClient\n"
+    "client = MongoClient(sys.argv[1])\n"
+    "print(client[sys.argv[2]]['tasks'].find_one({'_id': sys.argv[3]}))\n"
+    "client.close()\n"
+    "sys.stdout.flush()\n"
+    "os._exit(0)"
+)
+"""The driver's floor: connect, read one task by its key, print it, exit."""
+CLAIM_RATIO = 1.2
+"""The target: a worker's first claim at most this many times arq's first job (medians)."""
+CLI_RATIO = 1.5
+"""The target: ``mtask get``, ``list`` and ``stats`` at most this many times the driver's
+floor (medians)."""
+CLI = ("get", "list", "stats")
 
 
 def _timed(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
@@ -168,11 +191,15 @@ def _round(bench: Bench, database: str, port: int | None, fresh: bool) -> dict[s
     worker against a new database (it makes the indexes)."""
     seen: dict[str, float] = {}
     seen["floor"], seen["floor_cpu"] = _timed([sys.executable, "-c", "pass"], child_env())
+    find = [sys.executable, "-c", FIND, bench.uri, database, "shown"]
+    seen["find"], seen["find_cpu"] = _timed(find, child_env())
     mtask = script("mtask", "mtask")
     where = ["--uri", bench.uri, "--database", database]
     for side, env in _sides():
         seen[f"{side}help"], seen[f"{side}help_cpu"] = _timed([*mtask, "--help"], env)
         seen[f"{side}get"], seen[f"{side}get_cpu"] = _timed([*mtask, "get", "shown", *where], env)
+        seen[f"{side}list"], seen[f"{side}list_cpu"] = _timed([*mtask, "list", *where], env)
+        seen[f"{side}stats"], seen[f"{side}stats_cpu"] = _timed([*mtask, "stats", *where], env)
         claim = _first_claim(bench.uri, database, env)
         seen[f"{side}claim"], seen[f"{side}handler"], seen[f"{side}claim_cpu"] = claim
         if fresh:
@@ -187,25 +214,36 @@ def _round(bench: Bench, database: str, port: int | None, fresh: bool) -> dict[s
 def _record(bench: Bench, got: dict[str, list[float]], rounds: int, load: list[float]) -> None:
     med = {k: statistics.median(v) for k, v in got.items()}
 
-    def both(name: str) -> str:
-        return f"{_spread(got[name])}, CPU {med[f'{name}_cpu'] * 1000:.0f} ms"
+    def both(name: str, peer: str | None = None, says: str = "") -> str:
+        """Wall-clock and CPU; beside a ``peer``, each as a ratio to the peer's too."""
+        if peer is None or peer not in med:
+            return f"{_spread(got[name])}, CPU {med[f'{name}_cpu'] * 1000:.0f} ms"
+        cpu = med[f"{name}_cpu"] / med[f"{peer}_cpu"]
+        return (
+            f"{_spread(got[name])} = {med[name] / med[peer]:.2f}x {says}, "
+            f"CPU {med[f'{name}_cpu'] * 1000:.0f} ms = {cpu:.2f}x"
+        )
 
     def mtask(side: str) -> str:
+        commands = "; ".join(f"mtask {c} {both(side + c, 'find', 'the floor')}" for c in CLI)
         return (
-            f"worker first claim {both(f'{side}claim')} (its handler "
+            f"worker first claim {both(f'{side}claim', 'arq', 'arq')} (its handler "
             f"{_spread(got[f'{side}handler'])}; new database {_spread(got[f'{side}fresh'])}); "
-            f"mtask --help {both(f'{side}help')}; mtask get {both(f'{side}get')}"
+            f"mtask --help {both(f'{side}help')}; {commands}"
         )
 
     arq = f"arq's first job {both('arq')}" if "arq" in got else "arq not measured"
     before = f"; the tree before: {mtask('before_')}" if "before_claim" in got else ""
-    figure = f"{mtask('')}; {arq}; python -c pass {both('floor')}{before}"
-    met = med["claim"] <= 0.25 and med["help"] <= 0.2 and med["get"] <= 0.3
+    floors = f"PyMongo connect and find {both('find')}; python -c pass {both('floor')}"
+    figure = f"{mtask('')}; {arq}; {floors}{before}"
+    met = "arq" in med and med["claim"] <= CLAIM_RATIO * med["arq"]
+    met = met and all(med[c] <= CLI_RATIO * med["find"] for c in CLI)
     bench.record(
         Result(
             "WST start-up",
             figure,
-            "first claim ≤ 0.25 s, --help ≤ 0.2 s, get ≤ 0.3 s (medians)",
+            f"first claim ≤ {CLAIM_RATIO}x arq's first job; get, list, stats ≤ {CLI_RATIO}x "
+            "PyMongo's connect and find (medians, the same rounds)",
             met,
             f"{rounds} rounds, each measure once a round: median (min-max) of wall-clock from "
             "the process's start, median CPU (user + system; a worker's when its first task "
