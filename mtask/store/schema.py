@@ -519,13 +519,12 @@ LOCK_MIGRATION_TRIES = 5
 """How many times the ``sequence_lock`` index's first build is tried (``migrate_locks``)."""
 
 
-def migrate_locks() -> Op[None]:
+def migrate_locks(present: Doc) -> Op[None]:
     """Before the ``sequence_lock`` index is first made: earlier versions left ``group_lock`` on
     cancelled tasks (their index held open ones only), which the new index would count as
     held (and refuse to build on, two of a group). Those marks are removed first; a build
     that still meets two (a worker of an earlier version cancelling meanwhile) is tried
-    again. Once the index is there, this reads its list of indexes only."""
-    present = yield Call("index_information")
+    again. Once the index is there (among the tasks' ``present`` indexes), nothing."""
     if SEQUENCE_LOCK in present:
         return
     model = next(m for m in INDEXES["tasks"] if m.document["name"] == SEQUENCE_LOCK)
@@ -548,20 +547,45 @@ DUPLICATE_KEY = 11000
 def ensure_indexes() -> Op[None]:
     """Make the indexes and drop the retired ones. A user whose role may not (a publisher's, a
     viewer's: ``mtask.security.roles``) leaves them to ``mtask collection init``, run by an
-    admin."""
+    admin. The tasks' indexes are read once (a start's round trips): where every one is there
+    as written here, they are not asked for again; any other difference (one missing, one
+    with other keys or options) asks for them all, as ever (the server's refusal of a
+    conflicting one included)."""
     try:
-        yield from migrate_locks()
+        present: Doc = yield Call("index_information")
+        yield from migrate_locks(present)
         for collection, models in INDEXES.items():
+            if collection == "tasks" and all(made(model, present) for model in models):
+                continue
             yield Call("create_indexes", (models,), collection=collection)
-        yield from _drop_retired()
+        yield from _drop_retired(present)
     except OperationFailure as exc:
         if exc.code != UNAUTHORIZED:
             raise
 
 
-def _drop_retired() -> Op[None]:
+SERVER_FIELDS = ("v", "key", "ns")
+"""What ``index_information`` tells of an index besides its options."""
+
+
+def made(model: IndexModel, present: Doc) -> bool:
+    """``model`` is among the ``present`` indexes (``index_information``) as written: its
+    name, the same keys in the same order, and the same options, no more, no fewer."""
+    spec = dict(model.document)
+    info = present.get(spec.pop("name"))
+    if info is None:
+        return False
+    keys = [(field, direction) for field, direction in spec.pop("key").items()]
+    options = {k: v for k, v in info.items() if k not in SERVER_FIELDS}
+    return [tuple(k) for k in info["key"]] == keys and options == spec
+
+
+def _drop_retired(tasks: Doc) -> Op[None]:
+    """Drop the retired indexes of ``RETIRED_INDEXES``; ``tasks``: the tasks' indexes, read."""
     for collection, names in RETIRED_INDEXES.items():
-        present = yield Call("index_information", collection=collection)
+        present = tasks
+        if collection != "tasks":
+            present = yield Call("index_information", collection=collection)
         for name in names:
             if name not in present:  # the common case: no exclusive lock asked for
                 continue

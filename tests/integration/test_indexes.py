@@ -296,6 +296,42 @@ def test_ensure_indexes_drops_the_retired_indexes(client: TaskClient) -> None:
     client._run(ensure_indexes())
 
 
+def ensure_calls(present: dict[str, Any]) -> list[tuple[str, str]]:
+    """The calls ``ensure_indexes`` makes where the tasks' indexes are ``present``, each
+    (method, collection): the tasks' list answered with ``present``, every write with
+    nothing."""
+    calls: list[tuple[str, str]] = []
+    op = ensure_indexes()
+    reply: Any = None
+    try:
+        while True:
+            call = op.send(reply)
+            assert isinstance(call, Call)
+            calls.append((call.method, call.collection))
+            reply = present if call.method == "index_information" else None
+    except StopIteration:
+        return calls
+
+
+def test_a_start_reads_the_tasks_indexes_once_and_asks_again_only_for_a_difference(
+    client: TaskClient,
+) -> None:
+    """Where the server holds every one of the tasks' indexes as written (``schema.made``, read
+    against this server's own account of them), a start reads their list once and asks for
+    them no more (the workers' and limits' are asked for); one missing, or one with other
+    options, asks for them all again."""
+    client._run(ensure_indexes())
+    present = client.collection.index_information()
+    assert all(schema.made(m, present) for m in schema.INDEXES["tasks"])
+    others = [("create_indexes", c) for c in schema.INDEXES if c != "tasks"]
+    assert ensure_calls(present) == [("index_information", "tasks"), *others]
+    missing = {k: v for k, v in present.items() if k != "newest"}
+    other = {**present, "claim": {**present["claim"], "sparse": True}}
+    for changed in (missing, other):
+        asked = [c for c in ensure_calls(changed) if c[0] == "create_indexes"]
+        assert asked == [("create_indexes", "tasks"), *others]
+
+
 def test_indexes_no_worker_reads_are_made_on_request(client: TaskClient) -> None:
     """A worker makes the indexes its claims, scans, outcomes, flows and retention read, and
     those of the commands every user has (lists, stats, ``top``); not an operator's own
