@@ -132,6 +132,36 @@ def test_a_plain_worker_loads_no_other_command_pool_or_tracing() -> None:
     assert under(names, "multiprocessing", "ctypes", "opentelemetry") == []
 
 
+SERVER_SIDE = ("fastapi", "starlette", "uvicorn", "jinja2", "httpx", "mtask.web")
+"""``mtask serve``'s modules: no worker and no command that reads tasks loads them."""
+
+
+def test_a_worker_and_the_reading_commands_load_no_server_side_or_rich() -> None:
+    """A worker's start (its registry loaded, the worker built, its log handler made on a
+    pipe) loads no server-side module, no rich and no ``mtask.cli.render``; ``mtask get``,
+    ``list`` and ``stats`` (their modules and every module their handlers import) no
+    server-side module. Structural: bench WST measures the time."""
+    worker = loaded(
+        "from mtask.cli import worker_main\nfrom mtask.cli import worker\n"
+        "args = worker.build_parser().parse_args(['bench.peer_app:registry', '--uri', "
+        "'mongodb://127.0.0.1:1/'])\n"
+        "worker._log_handler()\nworker.build_worker(args)"
+    )
+    assert "mtask.worker.assembly" in worker and "bench.peer_app" in worker
+    assert under(worker, *SERVER_SIDE, "rich", "mtask.cli.render", "prompt_toolkit") == []
+    for line in (["get", "k"], ["list"], ["stats"]):
+        names = loaded(
+            f"from mtask.cli import build_parser\nbuild_parser({line[0]!r}).parse_args({line!r})\n"
+            + "\n".join(
+                f"import {m}"
+                for page in ("tasks.py", "render.py", "from_file.py")
+                for m in sorted(function_imports(ROOT / "cli" / page))
+            )
+        )
+        assert "mtask.client" in names
+        assert under(names, *SERVER_SIDE) == [], line
+
+
 def test_spans_follow_a_tracer_provider_set_after_mtask_loaded() -> None:
     """``mtask.tracing`` imports no OpenTelemetry of its own, and still sees a provider the
     application sets later, or one ``OTEL_PYTHON_TRACER_PROVIDER`` names."""
