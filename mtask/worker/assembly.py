@@ -22,7 +22,6 @@ from pymongo import AsyncMongoClient, MongoClient
 from pymongo.asynchronous.database import AsyncDatabase
 
 from mtask import driver
-from mtask.client import AsyncTaskClient
 from mtask.clock import Clock, ServerClock
 from mtask.connection.clients import WORKER_CLIENT_OPTIONS, async_client, sync_client
 from mtask.registry import Registry
@@ -77,7 +76,7 @@ class Parts:
     recorder: OutcomeRecorder
     ticker: LoopTicker
     pinger: LeasePinger
-    publisher: AsyncTaskClient
+    publisher: running.Publisher
     process_pool: ProcessPool | None
     outputs: OutputWriter
     executor: Executor

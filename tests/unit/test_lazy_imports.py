@@ -138,7 +138,8 @@ SERVER_SIDE = ("fastapi", "starlette", "uvicorn", "jinja2", "httpx", "mtask.web"
 
 def test_a_worker_and_the_reading_commands_load_no_server_side_or_rich() -> None:
     """A worker's start (its registry loaded, the worker built, its log handler made on a
-    pipe) loads no server-side module, no rich and no ``mtask.cli.render``; ``mtask get``,
+    pipe) loads no server-side module, no rich, no ``mtask.cli.render`` and no client (its
+    handlers' publisher is made on their first publish); ``mtask get``,
     ``list`` and ``stats`` (their modules and every module their handlers import) no
     server-side module. Structural: bench WST measures the time."""
     worker = loaded(
@@ -148,7 +149,7 @@ def test_a_worker_and_the_reading_commands_load_no_server_side_or_rich() -> None
         "worker._log_handler()\nworker.build_worker(args)"
     )
     assert "mtask.worker.assembly" in worker and "bench.peer_app" in worker
-    assert under(worker, *SERVER_SIDE, "rich", "mtask.cli.render", "prompt_toolkit") == []
+    assert under(worker, *SERVER_SIDE, "rich", "mtask.cli.render", "mtask.client") == []
     for line in (["get", "k"], ["list"], ["stats"]):
         names = loaded(
             f"from mtask.cli import build_parser\nbuild_parser({line[0]!r}).parse_args({line!r})\n"
