@@ -175,7 +175,7 @@ class RunState(StrEnum):
 class TaskOptions(BaseModel):
     """How a task is run. Unknown options are refused, so a typo never passes silently."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
     priority: int = Field(0, ge=-1_000_000, le=1_000_000, description="Higher runs first.")
     group: str | None = Field(
@@ -249,13 +249,17 @@ class TaskOptions(BaseModel):
         return value
 
     def to_document(self) -> dict[str, Any]:
-        doc = self.model_dump()
-        doc["specific_worker_ids"] = list(self.specific_worker_ids)
-        if doc["group"] is None:
-            del doc["group"]  # an option nobody set costs no bytes
-        if doc["deadline"] is None:
-            del doc["deadline"]
-        return doc
+        return _options_document(self.model_dump())
+
+
+def _options_document(doc: dict[str, Any]) -> dict[str, Any]:
+    """The options (``TaskOptions.model_dump``'s) as stored."""
+    doc["specific_worker_ids"] = list(doc["specific_worker_ids"])
+    if doc["group"] is None:
+        del doc["group"]  # an option nobody set costs no bytes
+    if doc["deadline"] is None:
+        del doc["deadline"]
+    return doc
 
 
 BsonDate = Annotated[dt.datetime, Strict()]
@@ -472,9 +476,16 @@ class SpawnedBy(Stored):
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(TaskOptions.model_fields)
-OPTION_DEFAULTS: dict[str, Any] = TaskOptions().to_document()
+OPTION_DEFAULTS: dict[str, Any] = _options_document(
+    {
+        name: field.get_default(call_default_factory=True)
+        for name, field in TaskOptions.model_fields.items()
+    }
+)
 """Every option's default: what ``publish`` writes and what the worker completes a published
-document with (``mtask.store.complete``), from the one definition, ``TaskOptions``."""
+document with (``mtask.store.complete``), from the one definition, ``TaskOptions`` (its fields'
+defaults, read without building its validator: a worker whose handlers declare no options
+builds none before its first claim)."""
 
 
 class Debounce(Stored):

@@ -436,6 +436,8 @@ def _declarations(
         raise InvalidTask("must not exceed time_limit", field="soft_time_limit")
     if isinstance(options, TaskOptions):
         defaults = options.model_dump(include=options.model_fields_set)
+    elif not options:  # nothing declared: nothing to check (nor a validator to build)
+        defaults = {}
     else:
         try:
             given = TaskOptions.model_validate(dict(options or {}))
