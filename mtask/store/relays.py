@@ -143,6 +143,74 @@ def take_over(
     return held is not None
 
 
+class Watch(NamedTuple):
+    """What the standby's look at the lease found (``watch``)."""
+
+    taken: bool
+    """Whether it took the lease over (for its new relay)."""
+    ago_ms: int
+    """Milliseconds since the relay last renewed the lease, by the server's clock (0 if taken)."""
+
+
+def watch(
+    tasks: str, relay: str, standby: str, new_relay: str, stale_ms: int, ttl_ms: int, post_ms: int
+) -> Op[Watch | None]:
+    """The standby ``standby``'s one command at each look at ``relay``'s lease: one atomic update
+    that takes the lease over for ``new_relay`` if ``relay`` has not renewed it for ``stale_ms``
+    (its renewals set its end ``ttl_ms`` ahead), else renews the post for ``post_ms``, and says
+    how long ago the relay renewed, all by the server's clock. ``None`` once the post or the
+    lease is another's (nothing matches)."""
+    renewed_at = {"$subtract": ["$expires_at", ttl_ms]}
+    # (an end of any other shape is never taken over: ``$cond`` reads it first)
+    silent = {
+        "$cond": [
+            {"$eq": [{"$type": "$expires_at"}, "date"]},
+            {"$lte": [renewed_at, {"$subtract": ["$$NOW", stale_ms]}]},
+            False,
+        ]
+    }
+    held: Doc | None = yield Call(
+        "find_one_and_update",
+        (
+            {"_id": tasks, "relay": relay, "standby": standby},
+            [
+                {
+                    "$set": {
+                        "relay": {"$cond": [silent, {"$literal": new_relay}, "$relay"]},
+                        "expires_at": {
+                            "$cond": [silent, {"$add": ["$$NOW", ttl_ms]}, "$expires_at"]
+                        },
+                        "standby": {"$cond": [silent, None, "$standby"]},
+                        "standby_until": {"$cond": [silent, NOBODY, {"$add": ["$$NOW", post_ms]}]},
+                    }
+                }
+            ],
+        ),
+        {
+            "projection": {
+                "_id": 0,
+                "relay": 1,
+                "ago": {
+                    "$cond": [
+                        {"$eq": [{"$type": "$expires_at"}, "date"]},
+                        {"$subtract": [{"$add": ["$$NOW", ttl_ms]}, "$expires_at"]},
+                        None,
+                    ]
+                },
+            },
+            "return_document": True,
+        },
+        collection=COLLECTION,
+    )
+    if held is None:
+        return None
+    if held.get("relay") == new_relay:
+        return Watch(True, 0)
+    ago = held.get("ago")
+    ago_ms = int(ago) if isinstance(ago, int | float) and not isinstance(ago, bool) else 0
+    return Watch(False, ago_ms)
+
+
 def holder(tasks: str) -> Op[str | None]:
     """The relay whose lease of ``tasks`` has not run out, if any."""
     docs: list[Doc] = yield Call(

@@ -8,18 +8,25 @@ import asyncio
 import contextlib
 import datetime as dt
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from harness import running_worker, wait_for
+from pymongo import AsyncMongoClient
 from workerapp import registry
 
 from mtask import AsyncTaskClient, TaskClient
-from mtask.driver import SyncDriver, collections
+from mtask.driver import AsyncDriver, SyncDriver, collections
 from mtask.store import relays
 from mtask.worker import Worker
 from mtask.worker.finding.shared import mailbox
-from mtask.worker.finding.shared.lease import LEASE_TTL, TAKE_OVER_AFTER
+from mtask.worker.finding.shared.lease import (
+    LEASE_TTL,
+    TAKE_OVER_AFTER,
+    WATCHED_RENEW_EVERY,
+    RelayLease,
+)
+from mtask.worker.finding.shared.standby import Standby
 from mtask.worker.finding.shared.subscriber import SharedStream
 from mtask.worker.finding.shared.wire import LET_GO
 
@@ -341,3 +348,92 @@ async def test_only_the_standby_takes_a_silent_relays_lease_over_before_it_runs_
     assert run(relays.stand_by("tasks", "w2/1", "w5", 3_000))
     leases.update_one({"_id": "tasks"}, {"$set": {"expires_at": "tomorrow"}})  # any shape
     assert not run(relays.take_over("tasks", "w2/1", "w5", "w5/1", stale, ttl))
+
+
+def test_a_standbys_look_takes_a_silent_relays_lease_over_or_renews_its_post(
+    mongo: Any, db_name: str, client: TaskClient
+) -> None:
+    """``store.relays.watch``, the standby's one command at each look, decided by the server on
+    its own clock: while the relay renews it renews the post and says how long ago the relay
+    renewed; once the relay has been silent for ``TAKE_OVER_AFTER`` it takes the lease over;
+    nothing for a worker that does not hold the post, or once the lease is another's."""
+    run = SyncDriver(collections(mongo[db_name])).run
+    leases = mongo[db_name].relays
+    ttl, stale = int(LEASE_TTL * 1000), int(TAKE_OVER_AFTER * 1000)
+    run(relays.ensure("tasks"))
+    assert run(relays.acquire("tasks", "a/1", ttl))
+    assert run(relays.stand_by("tasks", "a/1", "w2", 1))  # a post that lapses at once
+    seen = run(relays.watch("tasks", "a/1", "w2", "w2/1", stale, ttl, 3_000))
+    assert seen is not None and not seen.taken and 0 <= seen.ago_ms < stale
+    assert run(relays.renew("tasks", "a/1", ttl)) == relays.Renewal("w2", True)  # renewed
+    assert run(relays.watch("tasks", "a/1", "w3", "w3/1", stale, ttl, 3_000)) is None
+    assert run(relays.watch("tasks", "b/1", "w2", "w2/1", stale, ttl, 3_000)) is None
+    # a/1 last renewed 1 s ago by the server's clock (frozen, dead, cut off)
+    leases.update_one({"_id": "tasks"}, [{"$set": {"expires_at": {"$add": ["$$NOW", 9_000]}}}])
+    assert run(relays.watch("tasks", "a/1", "w2", "w2/1", stale, ttl, 3_000)) == (True, 0)
+    assert run(relays.holder("tasks")) == "w2/1"
+    assert run(relays.renew("tasks", "w2/1", ttl)) == relays.Renewal(None, False)  # no standby
+    assert run(relays.renew("tasks", "a/1", ttl)) is None  # a thawed relay: another's
+    assert run(relays.stand_by("tasks", "w2/1", "w5", 3_000))
+    leases.update_one({"_id": "tasks"}, {"$set": {"expires_at": "tomorrow"}})  # any shape
+    seen = run(relays.watch("tasks", "w2/1", "w5", "w5/1", stale, ttl, 3_000))
+    assert seen is not None and not seen.taken
+
+
+class Counted:
+    """A driver that counts the commands it sends."""
+
+    def __init__(self, driver: AsyncDriver) -> None:
+        self.driver = driver
+        self.collections = driver.collections
+        self.sent = 0
+
+    async def run(self, op: Any, session: Any = None) -> Any:
+        def counted() -> Any:
+            reply = None
+            while True:
+                try:
+                    call = op.send(reply)
+                except StopIteration as stop:
+                    return stop.value
+                self.sent += 1
+                reply = yield call
+
+        return await self.driver.run(counted())
+
+
+@pytest.mark.parametrize("standbys", [1, 4])
+async def test_an_idle_standby_sends_no_more_commands_than_the_relay_renews(
+    mongo_uri: str, db_name: str, standbys: int
+) -> None:
+    """An idle standby does not poll: it looks at the lease only once the relay could have gone
+    silent, so between two of its looks the relay renewed at least once (else the look takes
+    the lease over). Its commands are counted against the relay's renewals (a count, not a
+    time): at most one a renewal, and the same with one worker asked to stand by as with
+    several (the others find the post another's and stop at once)."""
+    amongo: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
+    try:
+        driver = AsyncDriver(collections(amongo[db_name]))
+        lease = await RelayLease.take(driver, "tasks", "w1")
+        assert lease is not None
+        await lease.renew(candidates=True)
+        watchers = [Counted(driver) for _ in range(standbys)]
+        watching = [
+            asyncio.create_task(Standby(cast(Any, c), "tasks", f"w{i + 2}", lease.id).watch())
+            for i, c in enumerate(watchers)
+        ]
+        renewals = 0
+        while renewals < 12:
+            await asyncio.sleep(WATCHED_RENEW_EVERY)
+            assert await lease.renew(candidates=True) is not None
+            renewals += 1
+        assert not any(w.done() and w.result() is not None for w in watching)  # none took it
+        for task in watching:
+            task.cancel()
+        await asyncio.gather(*watching, return_exceptions=True)
+        sent = sorted(c.sent for c in watchers)
+        # the standby: its post, then a look at most once a renewal (and the first, at once)
+        assert 2 <= sent[-1] <= 1 + renewals + 1
+        assert sent[:-1] == [1] * (standbys - 1)  # the others: one try at the post each
+    finally:
+        await amongo.close()

@@ -67,19 +67,30 @@ def on_relays(reply: Any, check: Any = None) -> Step:
 async def test_a_standby_takes_the_lease_over_once_the_relay_stops_renewing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """It holds its post, then reads how long ago the relay renewed every ``WATCH_EVERY``, and
-    once that is ``TAKE_OVER_AFTER`` or more takes the lease over: an update that matches only
-    while the relay has not renewed for that long by the server's clock, and only for the
-    worker that holds the post."""
-    monkeypatch.setattr(standby_module, "WATCH_EVERY", 0.0)
+    """It takes its post, then looks at the lease only when the relay could first be taken over
+    (``TAKE_OVER_AFTER`` less how long ago the relay renewed, by the server's clock): each look
+    one update that takes the lease over only while the relay has not renewed for that long by
+    the server's clock, and only for the worker that holds the post, else renews the post."""
+    monkeypatch.setattr(standby_module, "TAKE_OVER_AFTER", 0.05)
+    waits: list[float] = []
+    sleep = asyncio.sleep
 
-    def take_over(call: Call) -> None:
+    async def recorded(delay: float) -> None:
+        waits.append(delay)
+        await sleep(0)
+
+    monkeypatch.setattr(standby_module.asyncio, "sleep", recorded)
+    taken: dict[str, Any] = {}
+
+    def look(call: Call) -> None:
         filter_, update = call.args
-        assert filter_["relay"] == "r/1" and filter_["standby"] == "w2"
-        stale = filter_["$expr"]["$cond"][1]["$lte"][1]
-        assert stale == {"$subtract": ["$$NOW", int(TAKE_OVER_AFTER * 1000)]}
-        assert update[0]["$set"]["relay"].startswith("w2/")  # a relay of its own
-        assert update[0]["$set"]["standby"] is None  # which starts without a standby
+        assert filter_ == {"_id": "tasks", "relay": "r/1", "standby": "w2"}
+        silent = update[0]["$set"]["relay"]["$cond"][0]["$cond"][1]
+        assert silent["$lte"][1] == {"$subtract": ["$$NOW", 50]}
+        new = update[0]["$set"]["relay"]["$cond"][1]["$literal"]
+        assert new.startswith("w2/")  # a relay of its own
+        assert update[0]["$set"]["standby"]["$cond"][1] is None  # which starts without one
+        taken["relay"] = new
 
     def post(call: Call) -> None:
         filter_, update = call.args
@@ -87,15 +98,14 @@ async def test_a_standby_takes_the_lease_over_once_the_relay_stops_renewing(
 
     driver = relays_driver(
         on_relays({"_id": "tasks"}, post),
-        Step("find", [{"ago": 200}], collection="relays"),  # the relay renews: a read
-        Step("find", [{"ago": 700}], collection="relays"),  # it stopped renewing
-        on_relays(None, take_over),  # (it renewed since, after all: nothing matches)
-        Step("find", [], collection="relays"),  # run out, or another's: try
-        on_relays({"_id": "tasks"}, take_over),  # taken over
+        on_relays({"relay": "r/1", "ago": 20}, look),  # renewed 20 ms ago: look in 30 ms
+        on_relays({"relay": "r/1", "ago": 0}, look),  # renewed just now: look in 50 ms
+        on_relays(taken, look),  # it stopped renewing: taken over
     )
     lease = await Standby(cast(AsyncDriver, driver), "tasks", "w2", "r/1").watch()
-    assert lease is not None and lease.id.startswith("w2/") and driver.done
+    assert lease is not None and lease.id == taken["relay"] and driver.done
     assert lease.fresh()  # just taken: it may hand out at once
+    assert waits == [0.0, pytest.approx(0.03), pytest.approx(0.05)]  # no look in between
 
 
 async def test_a_standby_stops_watching_when_its_post_is_anothers() -> None:

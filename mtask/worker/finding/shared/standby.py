@@ -2,19 +2,27 @@
 it over as soon as the relay stops renewing it (dead, frozen, cut off), long before it runs out.
 
 The relay appoints it (``wire.STANDBY``, to one subscriber in another process) whenever nobody
-holds the post; the standby holds the post while it renews it (``store.relays.stand_by``, every
-``POST_RENEW``: it lapses ``POST_TTL`` after the last one, and the relay appoints another). It
-reads how long ago the relay renewed the lease every ``WATCH_EVERY`` (``store.relays.renewed_ago``,
-on the server's clock), and once that is ``lease.TAKE_OVER_AFTER`` or more, takes it over
-(``store.relays.take_over``: an update that matches only for the standby, and only while the
-lease has gone that long without a renewal, by the server's clock again). It stops watching
-when its post is another's or the lease another relay's. It watches across its own
-subscriptions (one that fails when MongoDB fails over ends; the standby goes on): the post is
-the worker's.
+holds the post; the standby takes the post (``store.relays.stand_by``), which lapses ``POST_TTL``
+after it was last renewed (then the relay appoints another). From then on it does not poll: it
+looks at the lease only when the relay could first be taken over, by the server's clock. Each
+look is one atomic update (``store.relays.watch``) that takes the lease over if the relay has
+not renewed it for ``lease.TAKE_OVER_AFTER`` (the update decides, on the server's clock), and
+otherwise renews the post and says how long ago the relay renewed; the next look comes that much
+less than ``TAKE_OVER_AFTER`` later. A relay that renews on time is looked at about once per
+``TAKE_OVER_AFTER`` minus a renewal period; a dead one is taken over ``TAKE_OVER_AFTER`` after
+its last renewal (the wait counts from the server's clock at the look, and the reply comes
+later: never early). It stops watching when its post is another's or the lease another relay's.
+It watches across its own subscriptions (one that fails when MongoDB fails over ends; the
+standby goes on): the post is the worker's.
+
+*Why not a change stream on the lease:* it would deliver every renewal, a ``getMore`` each (as
+many commands as renewals), to learn what one look per ``TAKE_OVER_AFTER`` learns; a look
+that finds the relay silent takes the lease at once, so nothing waits on an event, and nothing is
+lost with one either.
 
 What it costs the server is constant, whatever the number of workers and hosts: the relay's
-renewals every ``lease.WATCHED_RENEW_EVERY``, the standby's reads every ``WATCH_EVERY`` and its
-post every ``POST_RENEW`` (docs/finding-work.md has the figures).
+renewals every ``lease.WATCHED_RENEW_EVERY`` and the standby's looks, under two a second
+(docs/finding-work.md has the figures).
 """
 
 from __future__ import annotations
@@ -28,14 +36,14 @@ from typing import Protocol, TypeVar
 from mtask import driver
 from mtask.errors import StorageError
 from mtask.store import relays
-from mtask.worker.finding.shared.lease import LEASE_TTL, TAKE_OVER_AFTER, RelayLease
+from mtask.worker.finding.shared.lease import LEASE_TTL, TAKE_OVER_AFTER, RelayLease, new_id
 
 log = logging.getLogger(__name__)
 
-WATCH_EVERY = 0.1
-"""Seconds between two tries to take the lease over."""
-POST_RENEW = 1.0
-"""Seconds between two renewals of the standby's post."""
+RETRY_EVERY = 0.1
+"""Seconds between two looks that failed (MongoDB away, or failing over)."""
+MIN_WAIT = 0.02
+"""The shortest wait between two looks (a relay that renews just then)."""
 POST_TTL = 3.0
 """Seconds the post lasts from its last renewal: then the relay appoints another standby."""
 TRY_TIMEOUT = 1.0
@@ -90,32 +98,47 @@ class Standby:
     async def watch(self) -> RelayLease | None:
         """Hold the post and watch: the lease taken over, or ``None`` once the post or the
         lease is another's."""
-        posted = float("-inf")
+        posted, wait = False, 0.0
         while True:
+            await asyncio.sleep(wait)
             try:
                 async with asyncio.timeout(TRY_TIMEOUT):
-                    if time.monotonic() - posted >= POST_RENEW:
-                        if not await self._post():
-                            return None
-                        posted = time.monotonic()
-                    lease = await self._try()
+                    if not posted and not await self._post():
+                        return None
+                    posted = True
+                    lease, wait = await self._look()
             except (StorageError, TimeoutError) as exc:
                 log.debug("standing by for relay %s: %s", self.relay_id, exc)
-                lease = None
+                lease, wait = None, RETRY_EVERY
             if lease is not None:
                 log.warning("relay %s went silent: its standby took its lease", self.relay_id)
+            if lease is not None or wait < 0:
                 return lease
-            await asyncio.sleep(WATCH_EVERY)
 
-    async def _try(self) -> RelayLease | None:
-        """The lease, if the relay has gone silent: a read while it renews (how long ago it
-        did, by the server's clock), the takeover's update only once that is long enough (the
-        update decides, on the server's clock again)."""
-        ttl_ms = int(LEASE_TTL * 1000)
-        ago = await self.driver.run(relays.renewed_ago(self.tasks, self.relay_id, ttl_ms))
-        if ago is not None and ago < TAKE_OVER_AFTER * 1000:
-            return None
-        return await RelayLease.take_over(self.driver, self.tasks, self.worker_id, self.relay_id)
+    async def _look(self) -> tuple[RelayLease | None, float]:
+        """One look (``store.relays.watch``): the lease if it was taken over, else the seconds
+        until the relay's lease may first be taken over, by the server's clock (``-1``: the post
+        or the lease is another's)."""
+        ttl_ms, stale_ms = int(LEASE_TTL * 1000), int(TAKE_OVER_AFTER * 1000)
+        new, sent = new_id(self.worker_id), time.monotonic()
+        seen = await self.driver.run(
+            relays.watch(
+                self.tasks,
+                self.relay_id,
+                self.worker_id,
+                new,
+                stale_ms,
+                ttl_ms,
+                int(POST_TTL * 1000),
+            )
+        )
+        if seen is None:
+            return None, -1.0
+        if seen.taken:
+            return RelayLease(self.driver, self.tasks, new, sent), 0.0
+        # counted from the server's now at the look: the reply comes later, so the next look
+        # comes no sooner than the relay could first be taken over
+        return None, max(MIN_WAIT, TAKE_OVER_AFTER - seen.ago_ms / 1000)
 
     async def _post(self) -> bool:
         ttl_ms = int(POST_TTL * 1000)
