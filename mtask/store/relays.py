@@ -6,7 +6,7 @@ renewed by one atomic update that matches only while the lease is the caller's o
 The same document names the relay's *standby* (``worker/finding/shared/standby``): one worker
 of another process that watches the lease, its post held while it renews it
 (``standby_until``). The standby alone may take the lease over as soon as it has not been
-renewed for a while (``take_over``: a relay that died, froze or was cut off), long before it runs
+renewed for a while (``watch``: a relay that died, froze or was cut off), long before it runs
 out; anyone else waits until it has run out (``acquire``). A new relay starts without one.
 """
 
@@ -100,42 +100,6 @@ def stand_by(tasks: str, relay: str, standby: str, ttl_ms: int) -> Op[bool]:
                 ],
             },
             [{"$set": {"standby": standby, "standby_until": {"$add": ["$$NOW", ttl_ms]}}}],
-        ),
-        {"projection": {"_id": 1}},
-        collection=COLLECTION,
-    )
-    return held is not None
-
-
-def take_over(
-    tasks: str, relay: str, standby: str, new_relay: str, stale_ms: int, ttl_ms: int
-) -> Op[bool]:
-    """The standby ``standby`` takes ``relay``'s lease for ``new_relay`` if ``relay`` has not
-    renewed it for ``stale_ms`` (its renewals set its end ``ttl_ms`` ahead), by the server's
-    clock: one atomic update, which matches nothing while the relay renews (a read's cost).
-    True if ``new_relay`` holds the lease now."""
-    renewed_at = {"$subtract": ["$expires_at", ttl_ms]}
-    silent = {"$lte": [renewed_at, {"$subtract": ["$$NOW", stale_ms]}]}
-    held: Doc | None = yield Call(
-        "find_one_and_update",
-        (
-            {
-                "_id": tasks,
-                "relay": relay,
-                "standby": standby,
-                # (an end of any other shape is never taken over: ``$cond`` reads it first)
-                "$expr": {"$cond": [{"$eq": [{"$type": "$expires_at"}, "date"]}, silent, False]},
-            },
-            [
-                {
-                    "$set": {
-                        "relay": new_relay,
-                        "expires_at": {"$add": ["$$NOW", ttl_ms]},
-                        "standby": None,
-                        "standby_until": NOBODY,
-                    }
-                }
-            ],
         ),
         {"projection": {"_id": 1}},
         collection=COLLECTION,

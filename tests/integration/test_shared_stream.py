@@ -331,13 +331,14 @@ async def test_only_the_standby_takes_a_silent_relays_lease_over_before_it_runs_
     assert not run(relays.stand_by("tasks", "a/1", "w3", 3_000))  # w2's, and not run out
     assert not run(relays.stand_by("tasks", "b/1", "w3", 3_000))  # not b/1's lease
     assert run(relays.renew("tasks", "a/1", ttl)) == relays.Renewal("w2", True)
-    assert not run(relays.take_over("tasks", "a/1", "w2", "w2/1", stale, ttl))  # renewed now
+    seen = run(relays.watch("tasks", "a/1", "w2", "w2/1", stale, ttl, 3_000))
+    assert seen is not None and not seen.taken  # renewed now
     # a/1 last renewed 1 s ago by the server's clock (frozen, dead, cut off): 9 s of lease left
     leases.update_one({"_id": "tasks"}, [{"$set": {"expires_at": {"$add": ["$$NOW", 9_000]}}}])
     assert run(relays.holder("tasks")) == "a/1"  # its lease has not run out
-    assert not run(relays.take_over("tasks", "a/1", "w3", "w3/1", stale, ttl))  # not the standby
+    assert run(relays.watch("tasks", "a/1", "w3", "w3/1", stale, ttl, 3_000)) is None  # not it
     assert not run(relays.acquire("tasks", "c/1", ttl))  # nor anyone else
-    assert run(relays.take_over("tasks", "a/1", "w2", "w2/1", stale, ttl))
+    assert run(relays.watch("tasks", "a/1", "w2", "w2/1", stale, ttl, 3_000)) == (True, 0)
     assert run(relays.holder("tasks")) == "w2/1"
     assert run(relays.renew("tasks", "w2/1", ttl)) == relays.Renewal(None, False)
     assert run(relays.renew("tasks", "a/1", ttl)) is None  # a thawed relay: another's
@@ -347,7 +348,8 @@ async def test_only_the_standby_takes_a_silent_relays_lease_over_before_it_runs_
     assert run(relays.renew("tasks", "w2/1", ttl)) == relays.Renewal("w4", False)
     assert run(relays.stand_by("tasks", "w2/1", "w5", 3_000))
     leases.update_one({"_id": "tasks"}, {"$set": {"expires_at": "tomorrow"}})  # any shape
-    assert not run(relays.take_over("tasks", "w2/1", "w5", "w5/1", stale, ttl))
+    seen = run(relays.watch("tasks", "w2/1", "w5", "w5/1", stale, ttl, 3_000))
+    assert seen is not None and not seen.taken
 
 
 def test_a_standbys_look_takes_a_silent_relays_lease_over_or_renews_its_post(

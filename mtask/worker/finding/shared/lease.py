@@ -1,5 +1,5 @@
-"""The relay's lease, as the process holding it sees it: taken (``take``: it ran out; or
-``take_over``: its standby's, ``standby``), renewed, fresh or not, let go.
+"""The relay's lease, as the process holding it sees it: taken (``take``: it ran out; or taken
+over by its standby, ``standby``), renewed, fresh or not, let go.
 
 A lease lasts ``LEASE_TTL`` from its last renewal, by the server's clock (``store.relays``):
 anyone may take one that ran out. Its standby may take it over much sooner: once it has not
@@ -79,18 +79,6 @@ class RelayLease:
         if not await driver.run(relays.acquire(tasks, relay, int(LEASE_TTL * 1000))):
             return None
         return cls(driver, tasks, relay, sent)
-
-    @classmethod
-    async def take_over(
-        cls, driver: driver.AsyncDriver, tasks: str, owner: str, relay: str
-    ) -> RelayLease | None:
-        """The lease of ``relay``, for a new relay of its standby ``owner``, if ``relay`` has not
-        renewed it for ``TAKE_OVER_AFTER`` (a read's cost while it renews)."""
-        stale_ms, ttl_ms = int(TAKE_OVER_AFTER * 1000), int(LEASE_TTL * 1000)
-        new, sent = new_id(owner), time.monotonic()
-        if not await driver.run(relays.take_over(tasks, relay, owner, new, stale_ms, ttl_ms)):
-            return None
-        return cls(driver, tasks, new, sent)
 
     def every(self, candidates: bool) -> float:
         """Seconds to the next renewal: often while somebody stands by or could
