@@ -121,9 +121,9 @@ def watch(
 ) -> Op[Watch | None]:
     """The standby ``standby``'s one command at each look at ``relay``'s lease: one atomic update
     that takes the lease over for ``new_relay`` if ``relay`` has not renewed it for ``stale_ms``
-    (its renewals set its end ``ttl_ms`` ahead), else renews the post for ``post_ms``, and says
-    how long ago the relay renewed, all by the server's clock. ``None`` once the post or the
-    lease is another's (nothing matches)."""
+    (its renewals set its end ``ttl_ms`` ahead), else renews the post for ``post_ms`` (once half
+    of it is left) and says how long ago the relay renewed, all by the server's clock. ``None``
+    once the post or the lease is another's (nothing matches)."""
     renewed_at = {"$subtract": ["$expires_at", ttl_ms]}
     # (an end of any other shape is never taken over: ``$cond`` reads it first)
     silent = {
@@ -133,6 +133,10 @@ def watch(
             False,
         ]
     }
+    # the post renewed once half of it is left: the other looks write nothing (a no-op update
+    # leaves no oplog entry to wake every change stream)
+    half_left = {"$lt": ["$standby_until", {"$add": ["$$NOW", post_ms // 2]}]}
+    post = {"$cond": [half_left, {"$add": ["$$NOW", post_ms]}, "$standby_until"]}
     held: Doc | None = yield Call(
         "find_one_and_update",
         (
@@ -145,7 +149,7 @@ def watch(
                             "$cond": [silent, {"$add": ["$$NOW", ttl_ms]}, "$expires_at"]
                         },
                         "standby": {"$cond": [silent, None, "$standby"]},
-                        "standby_until": {"$cond": [silent, NOBODY, {"$add": ["$$NOW", post_ms]}]},
+                        "standby_until": {"$cond": [silent, NOBODY, post]},
                     }
                 }
             ],

@@ -368,6 +368,9 @@ def test_a_standbys_look_takes_a_silent_relays_lease_over_or_renews_its_post(
     seen = run(relays.watch("tasks", "a/1", "w2", "w2/1", stale, ttl, 3_000))
     assert seen is not None and not seen.taken and 0 <= seen.ago_ms < stale
     assert run(relays.renew("tasks", "a/1", ttl)) == relays.Renewal("w2", True)  # renewed
+    posted = leases.find_one({"_id": "tasks"})["standby_until"]
+    assert run(relays.watch("tasks", "a/1", "w2", "w2/1", stale, ttl, 3_000)) is not None
+    assert leases.find_one({"_id": "tasks"})["standby_until"] == posted  # more than half left
     assert run(relays.watch("tasks", "a/1", "w3", "w3/1", stale, ttl, 3_000)) is None
     assert run(relays.watch("tasks", "b/1", "w2", "w2/1", stale, ttl, 3_000)) is None
     # a/1 last renewed 1 s ago by the server's clock (frozen, dead, cut off)
