@@ -263,8 +263,7 @@ class Control:
         self, name: str, change: Callable[..., Op[Any]], value: bool
     ) -> Op[dict[str, Any]]:
         kind, bare = follower_of(name)
-        done = yield from change(self.core.collection_name, kind, bare, value)
-        if done is None:
+        if not (yield from change(self.core.collection_name, kind, bare, value)):
             raise TriggerNotFound(name)
         found = yield from followers.get(self.core.collection_name, kind, bare)
         return found or {}

@@ -280,26 +280,26 @@ def get(tasks: str, kind: Kind, name: str) -> Op[Doc | None]:
     return docs[0] if docs else None
 
 
-def set_paused(tasks: str, kind: Kind, name: str, paused: bool) -> Op[Doc | None]:
+def set_paused(tasks: str, kind: Kind, name: str, paused: bool) -> Op[bool]:
     """Pause or resume a follower: a paused one is not renewed (its holder stops within a
-    renewal, its position kept) and nobody takes it; resumed, it goes on from its position."""
-    doc: Doc | None = yield Call(
-        "find_one_and_update",
+    renewal, its position kept) and nobody takes it; resumed, it goes on from its position.
+    ``False``: there is no such follower."""
+    result = yield Call(
+        "update_one",
         ({"_id": follower_id(tasks, kind, name)}, {"$set": {"paused": paused}}),
-        {"projection": {"_id": 1}, "return_document": ReturnDocument.AFTER},
         collection=COLLECTION,
     )
-    return doc
+    return bool(result.matched_count)
 
 
-def reset(tasks: str, kind: Kind, name: str, scan: bool) -> Op[Doc | None]:
+def reset(tasks: str, kind: Kind, name: str, scan: bool) -> Op[bool]:
     """Forget a follower's position and end its lease: it starts again from now (with a scan of
     the matching documents first if ``scan``, a new epoch of keys). Its holder's next renewal
-    finds the lease gone and stops."""
+    finds the lease gone and stops. ``False``: there is no such follower."""
     epoch = {"$add": [{"$ifNull": ["$scan.epoch", 0]}, 1]}
     new_scan: Any = {"epoch": epoch, "done": False, "published": 0} if scan else None
-    doc: Doc | None = yield Call(
-        "find_one_and_update",
+    result = yield Call(
+        "update_one",
         (
             {"_id": follower_id(tasks, kind, name)},
             [
@@ -316,10 +316,9 @@ def reset(tasks: str, kind: Kind, name: str, scan: bool) -> Op[Doc | None]:
                 }
             ],
         ),
-        {"projection": {"_id": 1}, "return_document": ReturnDocument.AFTER},
         collection=COLLECTION,
     )
-    return doc
+    return bool(result.matched_count)
 
 
 @dataclass(frozen=True)

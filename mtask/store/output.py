@@ -103,11 +103,16 @@ def write(
     update: Doc = {"$set": sets}
     if entries:
         update["$inc"] = {"output_seq": len(entries)}
-    doc: Doc | None = yield Call(
-        "find_one_and_update",
-        (filt, update),
-        {"projection": {"output_seq": 1}, "return_document": ReturnDocument.AFTER},
-    )
+    doc: Doc | None = None
+    if entries:  # their numbers: the counter after the update
+        doc = yield Call(
+            "find_one_and_update",
+            (filt, update),
+            {"projection": {"output_seq": 1}, "return_document": ReturnDocument.AFTER},
+        )
+    else:  # whether it matched is all there is to know: no document to send back
+        result = yield Call("update_one", (filt, update))
+        doc = {} if result.matched_count else None
     if doc is None:
         done = {"_id": key, "runs": {"$elemMatch": {**run, "output_batch": {"$gte": batch}}}}
         written: Doc | None = yield Call("find_one", (done, {"_id": 1}))

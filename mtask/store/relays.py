@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import NamedTuple
 
-from mtask.driver import Call, Doc, Op
+from mtask.driver import MODIFY_ONCE, Call, Doc, Op
 
 COLLECTION = "relays"
 NOBODY = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
@@ -33,10 +33,34 @@ def ensure(tasks: str) -> Op[None]:
     )
 
 
+def _lease(tasks: str, relay: str, ttl_ms: int) -> tuple[Doc, list[Doc]]:
+    """The filter and update of a take or renewal of the lease (``acquire``, ``renew``)."""
+    return (
+        {
+            "_id": tasks,
+            "$or": [{"relay": relay}, {"$expr": {"$lte": ["$expires_at", "$$NOW"]}}],
+        },
+        [
+            {
+                "$set": {
+                    "standby": {"$cond": [{"$eq": ["$relay", relay]}, "$standby", None]},
+                    "standby_until": {
+                        "$cond": [{"$eq": ["$relay", relay]}, "$standby_until", NOBODY]
+                    },
+                    "relay": relay,
+                    "expires_at": {"$add": ["$$NOW", ttl_ms]},
+                }
+            }
+        ],
+    )
+
+
 def acquire(tasks: str, relay: str, ttl_ms: int) -> Op[bool]:
     """Take the lease of ``tasks`` for ``relay`` (one relay's unique id), or renew it, until
-    ``ttl_ms`` from now by the server's clock. True if ``relay`` holds it now."""
-    return (yield from renew(tasks, relay, ttl_ms)) is not None
+    ``ttl_ms`` from now by the server's clock. True if ``relay`` holds it now (an update that
+    returns no document: whether it matched is the answer)."""
+    result = yield Call("update_one", _lease(tasks, relay, ttl_ms), collection=COLLECTION)
+    return bool(result.matched_count)
 
 
 class Renewal(NamedTuple):
@@ -51,31 +75,15 @@ class Renewal(NamedTuple):
 
 def renew(tasks: str, relay: str, ttl_ms: int) -> Op[Renewal | None]:
     """``acquire``, saying who stands by (``None``: ``relay`` does not hold the lease). A relay
-    that takes the lease from another starts without a standby."""
+    that takes the lease from another starts without a standby.
+
+    Not a retryable write (``MODIFY_ONCE``: no image of the document kept on the server): the
+    relay renews every few seconds, a renewal that failed is sent again at the next, and renewing
+    a lease twice is renewing it once."""
     held: Doc | None = yield Call(
-        "find_one_and_update",
-        (
-            {
-                "_id": tasks,
-                "$or": [{"relay": relay}, {"$expr": {"$lte": ["$expires_at", "$$NOW"]}}],
-            },
-            [
-                {
-                    "$set": {
-                        "standby": {"$cond": [{"$eq": ["$relay", relay]}, "$standby", None]},
-                        "standby_until": {
-                            "$cond": [{"$eq": ["$relay", relay]}, "$standby_until", NOBODY]
-                        },
-                        "relay": relay,
-                        "expires_at": {"$add": ["$$NOW", ttl_ms]},
-                    }
-                }
-            ],
-        ),
-        {
-            "projection": {"standby": 1, "watched": {"$gt": ["$standby_until", "$$NOW"]}},
-            "return_document": True,
-        },
+        MODIFY_ONCE,
+        _lease(tasks, relay, ttl_ms),
+        {"new": True, "fields": {"standby": 1, "watched": {"$gt": ["$standby_until", "$$NOW"]}}},
         collection=COLLECTION,
     )
     if held is None:
@@ -88,8 +96,8 @@ def stand_by(tasks: str, relay: str, standby: str, ttl_ms: int) -> Op[bool]:
     """Take or renew the post of ``relay``'s standby for the worker ``standby``, until ``ttl_ms``
     from now: only while ``relay`` holds the lease and the post is free, run out, or already
     ``standby``'s. True if ``standby`` holds it now."""
-    held: Doc | None = yield Call(
-        "find_one_and_update",
+    result = yield Call(
+        "update_one",
         (
             {
                 "_id": tasks,
@@ -101,10 +109,9 @@ def stand_by(tasks: str, relay: str, standby: str, ttl_ms: int) -> Op[bool]:
             },
             [{"$set": {"standby": standby, "standby_until": {"$add": ["$$NOW", ttl_ms]}}}],
         ),
-        {"projection": {"_id": 1}},
         collection=COLLECTION,
     )
-    return held is not None
+    return bool(result.matched_count)
 
 
 class Watch(NamedTuple):

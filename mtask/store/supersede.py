@@ -28,7 +28,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError
 
 from mtask.driver import Call, Doc, Op
@@ -132,8 +131,8 @@ def publish(doc: Doc, policy: Policy, now: dt.datetime) -> Op[Superseding]:
             )
             continue
         allowed = [TaskStatus.PENDING.value] if policy == "cancel_queued" else list(OPEN)
-        ended: Doc | None = yield Call(
-            "find_one_and_update",
+        ended = yield Call(
+            "update_one",
             (
                 {
                     "_id": holder["_id"],
@@ -143,8 +142,7 @@ def publish(doc: Doc, policy: Policy, now: dt.datetime) -> Op[Superseding]:
                 },
                 [{"$set": {BY: doc["_id"]}}, *cancel_pipeline(now)],
             ),
-            {"return_document": ReturnDocument.AFTER, "projection": {"_id": 1}},
         )
-        if ended is not None:
-            superseded.append(ended["_id"])
+        if ended.matched_count:
+            superseded.append(holder["_id"])
     raise StorageError(f"supersede: no place for {doc['_id']!r} after {MAX_ROUNDS} rounds")

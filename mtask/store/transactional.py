@@ -32,7 +32,7 @@ from pymongo import ReturnDocument
 from mtask.driver import Call, Doc, Op
 from mtask.models import RunState, TaskStatus
 from mtask.statemachine import RUNNING
-from mtask.store.claims import LEASE_FIELDS, lease_update
+from mtask.store.claims import lease_update
 from mtask.store.outcomes import Outcome, finish_update
 from mtask.store.schema import literal
 
@@ -92,19 +92,19 @@ TXN_FIELD = "txn"
 
 def begin_run_transaction(
     key: str, run_id: str, worker_id: str, now: dt.datetime, session_uuid: Any
-) -> Op[Doc | None]:
+) -> Op[bool]:
     """Before the run's transaction starts: a ping (``lease_update``: the same fence, the lease
     pushed to ``now + worker_timeout_ms``) that also writes the session id into the run entry.
     The worker does not ping the run while its transaction is open (a ping would make the
-    fenced SUCCESS a write conflict), so the transaction must end within this lease. ``None``:
+    fenced SUCCESS a write conflict), so the transaction must end within this lease. ``False``:
     the run lost the task, do not start the transaction. A retryable write, unlike a ping:
-    nothing sends it again, and a transient error here would fail the run."""
-    doc: Doc | None = yield Call(
-        "find_one_and_update",
+    nothing sends it again, and a transient error here would fail the run (an ``update_one``:
+    whether it matched is all the caller needs)."""
+    result = yield Call(
+        "update_one",
         lease_update(key, run_id, worker_id, now, {TXN_FIELD: literal(session_uuid)}),
-        {"return_document": ReturnDocument.AFTER, "projection": LEASE_FIELDS},
     )
-    return doc
+    return bool(result.matched_count)
 
 
 def stale_sessions(runs: Any, run_id: str) -> list[Any]:

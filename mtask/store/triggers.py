@@ -22,7 +22,7 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pymongo import ASCENDING, ReturnDocument
+from pymongo import ASCENDING
 
 from mtask.connection.clients import CODEC_OPTIONS
 from mtask.driver import Call, Doc, Op
@@ -40,15 +40,14 @@ def join(task: NewTask, now: dt.datetime, run_at: dt.datetime | None) -> Op[bool
     sets: Doc = {"params": literal(task.params), "updated_at": now}
     if run_at is not None:
         sets["available_at"] = {"$max": ["$available_at", run_at]}
-    doc: Doc | None = yield Call(
-        "find_one_and_update",
+    result = yield Call(
+        "update_one",
         (
             {"_id": task.key, "status": TaskStatus.PENDING.value, "attempts": 0},
             [{"$set": sets}, *recompute_stages(now)],
         ),
-        {"projection": {"_id": 1}, "return_document": ReturnDocument.AFTER},
     )
-    return doc is not None
+    return bool(result.matched_count)
 
 
 def _started(doc: Mapping[str, Any]) -> bool:

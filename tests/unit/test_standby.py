@@ -10,9 +10,10 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+from pymongo.results import UpdateResult
 from scripted import AsyncScriptedDriver, Step
 
-from mtask.driver import AsyncDriver, Call
+from mtask.driver import MODIFY_ONCE, AsyncDriver, Call
 from mtask.store import relays
 from mtask.worker.finding.shared import lease as lease_module
 from mtask.worker.finding.shared import standby as standby_module
@@ -61,7 +62,20 @@ def relays_driver(*steps: Step) -> AsyncScriptedDriver:
 
 
 def on_relays(reply: Any, check: Any = None) -> Step:
+    """A renewal of the lease: a ``findAndModify`` that returns the standby's post."""
+    return Step(MODIFY_ONCE, reply, collection="relays", check=check)
+
+
+def looks_at_relays(reply: Any, check: Any = None) -> Step:
+    """A standby's look: the ``findAndModify`` whose document says how long ago the relay
+    renewed, or that it was taken over."""
     return Step("find_one_and_update", reply, collection="relays", check=check)
+
+
+def updates_relays(matched: bool, check: Any = None) -> Step:
+    """A take of the post or of the lease: an update whose match is the answer."""
+    reply = UpdateResult({"n": int(matched), "nModified": int(matched)}, acknowledged=True)
+    return Step("update_one", reply, collection="relays", check=check)
 
 
 async def test_a_standby_takes_the_lease_over_once_the_relay_stops_renewing(
@@ -97,10 +111,10 @@ async def test_a_standby_takes_the_lease_over_once_the_relay_stops_renewing(
         assert filter_["relay"] == "r/1" and update[0]["$set"]["standby"] == "w2"
 
     driver = relays_driver(
-        on_relays({"_id": "tasks"}, post),
-        on_relays({"relay": "r/1", "ago": 20}, look),  # renewed 20 ms ago: look in 30 ms
-        on_relays({"relay": "r/1", "ago": 0}, look),  # renewed just now: look in 50 ms
-        on_relays(taken, look),  # it stopped renewing: taken over
+        updates_relays(True, post),
+        looks_at_relays({"relay": "r/1", "ago": 20}, look),  # renewed 20 ms ago: look in 30 ms
+        looks_at_relays({"relay": "r/1", "ago": 0}, look),  # renewed just now: look in 50 ms
+        looks_at_relays(taken, look),  # it stopped renewing: taken over
     )
     lease = await Standby(cast(AsyncDriver, driver), "tasks", "w2", "r/1").watch()
     assert lease is not None and lease.id == taken["relay"] and driver.done
@@ -109,7 +123,7 @@ async def test_a_standby_takes_the_lease_over_once_the_relay_stops_renewing(
 
 
 async def test_a_standby_stops_watching_when_its_post_is_anothers() -> None:
-    driver = relays_driver(on_relays(None))  # the post is another's, or the relay changed
+    driver = relays_driver(updates_relays(False))  # the post is another's, or the relay changed
     assert await Standby(cast(AsyncDriver, driver), "tasks", "w2", "r/1").watch() is None
     assert driver.done
 

@@ -200,7 +200,7 @@ async def _begin(
     sent = asyncio.get_running_loop().time()  # the monotonic clock, as the pinger's
     lsid = session.session_id["id"]
     begun = begin_run_transaction(fence.key, fence.run_id, fence.worker_id, now(), lsid)
-    if await driver.run(begun) is None:
+    if not await driver.run(begun):
         raise LeaseLost()
     expires = fence.held(sent)
     if expires is None:
