@@ -101,9 +101,10 @@ def collections(db: Any, tasks: str = "tasks") -> dict[str, Any]:
     """The collections the operations use, from a (sync or async) database: the tasks
     collection as named, and the database's ``workers``, ``controls``, ``limits``,
     ``schedules``, ``retention``, ``throughput``, ``relays``, ``triggers`` and ``audit``;
-    ``output`` and ``steps`` are the tasks' side collections ``<tasks>.output``
-    (``store.output``) and ``<tasks>.steps`` (``store.steps``: results too large for the task
-    document). ``inboxes`` is the relay's reports collection, in the inbox database
+    ``output``, ``steps`` and ``usage`` are the tasks' side collections ``<tasks>.output``
+    (``store.output``), ``<tasks>.steps`` (``store.steps``: results too large for the task
+    document) and ``<tasks>.usage`` (``store.usage``: totals and budgets per name and group).
+    ``inboxes`` is the relay's reports collection, in the inbox database
     (``inbox_database``): a ``command`` there runs in that database."""
     names = (
         "workers", "controls", "limits", "schedules", "retention", "throughput", "relays",
@@ -113,6 +114,7 @@ def collections(db: Any, tasks: str = "tasks") -> dict[str, Any]:
         "tasks": db[tasks],
         "output": db[f"{tasks}.output"],
         "steps": db[f"{tasks}.steps"],
+        "usage": db[f"{tasks}.usage"],
         **{name: db[name] for name in names},
         "inboxes": db.client[inbox_database(db.name)][f"{tasks}.reports"],
     }
@@ -232,7 +234,7 @@ def call_collection(call: Call, tasks: str = "tasks") -> str:
     """The collection name a ``Call`` reaches (``driver.collections``' keys resolved)."""
     if call.collection == "tasks":
         return tasks
-    if call.collection in ("output", "steps"):
+    if call.collection in ("output", "steps", "usage"):
         return f"{tasks}.{call.collection}"
     return call.collection
 

@@ -55,6 +55,17 @@ CONTINUED = Counter(
     "mtask_runs_continued", "Runs that continued as new (ctx.continue_as_new)", ["name"]
 )
 LEASE_LOST = Counter("mtask_runs_lease_lost", "Runs stopped because another took over", ["name"])
+TOKENS = Counter(
+    "mtask_tokens",
+    "Tokens the runs in this process recorded (ctx.record_usage), by task name, model and kind "
+    "(input, output, cached: the input tokens read from the provider's cache)",
+    ["name", "model", "kind"],
+)
+COST = Counter(
+    "mtask_cost",
+    "Cost the runs in this process recorded, in the prices' currency, by task name and model",
+    ["name", "model"],
+)
 IN_FLIGHT = Gauge("mtask_runs_in_flight", "Runs in flight in this process")
 RUNS_IN_PROGRESS = Gauge(
     "mtask_runs_reporting_progress",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
+import math
 from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
 from typing import Annotated, Any, Literal, TypeGuard
@@ -172,6 +173,57 @@ class RunState(StrEnum):
     afresh at once with those params and a new journal (docs/steps.md)."""
 
 
+MAX_TOKENS = 10**15
+"""The most tokens one charge or one budget counts."""
+MAX_COST = 1e15
+
+Period = Literal["hour", "day", "week", "month"] | float
+
+
+class Budget(BaseModel):
+    """At most ``tokens`` (input + output) and/or ``cost`` (in the prices' currency); with
+    ``period``, per period of the server's clock (``"hour"``, ``"day"``, ``"week"``,
+    ``"month"``, in UTC, or a number of seconds). Past it, a step does not start: the task
+    fails with ``BudgetExceeded``, or, with a period, waits for the next one holding no slot."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
+    cost: float | None = Field(None, ge=0, le=MAX_COST)
+    period: Period | None = None
+
+    @field_validator("period")
+    @classmethod
+    def _period(cls, value: Period | None) -> Period | None:
+        if (
+            isinstance(value, float | int)
+            and not isinstance(value, bool)
+            and (math.isnan(value) or not 1 <= value <= 366 * 86400)
+        ):
+            raise ValueError("a period in seconds is from 1 to 31,622,400 (366 days)")
+        return value
+
+    def model_post_init(self, context: Any) -> None:
+        if self.tokens is None and self.cost is None:
+            raise ValueError("a budget limits tokens, cost or both: give at least one")
+
+    def to_document(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+    def describe(self) -> str:
+        parts = []
+        if self.tokens is not None:
+            parts.append(f"{self.tokens} tokens")
+        if self.cost is not None:
+            parts.append(f"a cost of {self.cost:g}")
+        text = " and ".join(parts)
+        if self.period is None:
+            return text
+        if isinstance(self.period, str):
+            return f"{text} a {self.period}"
+        return f"{text} per {self.period:g} s"
+
+
 class TaskOptions(BaseModel):
     """How a task is run. Unknown options are refused, so a typo never passes silently."""
 
@@ -225,6 +277,18 @@ class TaskOptions(BaseModel):
         description="The whole task's deadline, across its runs, retries, sleeps and waits: "
         "past it the task fails for good, saying so.",
     )
+    budget: Budget | None = Field(
+        None,
+        description="The most tokens (input + output) and/or cost its runs may spend: a step "
+        "that would start past it does not, and the task fails with BudgetExceeded.",
+    )
+
+    @field_validator("budget")
+    @classmethod
+    def _task_budget(cls, value: Budget | None) -> Budget | None:
+        if value is not None and value.period is not None:
+            raise ValueError("a task's budget has no period (a name's or a group's may)")
+        return value
 
     @field_validator("run_at", "deadline")
     @classmethod
@@ -259,6 +323,10 @@ def _options_document(doc: dict[str, Any]) -> dict[str, Any]:
         del doc["group"]  # an option nobody set costs no bytes
     if doc["deadline"] is None:
         del doc["deadline"]
+    if doc.get("budget") is None:
+        doc.pop("budget", None)
+    else:
+        doc["budget"] = {k: v for k, v in doc["budget"].items() if v is not None}
     return doc
 
 
@@ -316,6 +384,29 @@ class OutputCounts(Stored):
     chunks_dropped: int = Field(0, ge=0)
 
 
+class UsageTotals(Stored):
+    """What a run or a task spent (``ctx.record_usage``; docs/usage.md): tokens, requests and,
+    where a price was known, the cost; a task's also per model."""
+
+    input_tokens: int = Field(0, ge=0)
+    output_tokens: int = Field(0, ge=0)
+    cached_tokens: int = Field(0, ge=0)
+    requests: int = Field(0, ge=0)
+    cost: float | None = None
+    models: list[ModelUsage] | None = None
+
+
+class ModelUsage(Stored):
+    """A task's usage of one model."""
+
+    model: str
+    input_tokens: int = Field(0, ge=0)
+    output_tokens: int = Field(0, ge=0)
+    cached_tokens: int = Field(0, ge=0)
+    requests: int = Field(0, ge=0)
+    cost: float | None = None
+
+
 class Run(Stored):
     """One worker's run of a task."""
 
@@ -334,6 +425,8 @@ class Run(Stored):
     """Set by the run's first output write (``ctx.log``, ``ctx.emit``)."""
     output_batch: int | None = Field(None, ge=0)
     """The number of the run's newest output write: one sent again is not applied twice."""
+    usage: UsageTotals | None = None
+    """What the run spent (``ctx.record_usage``), absent until it records some."""
 
 
 class StepTry(Stored):
@@ -597,6 +690,8 @@ class TaskDocument(BaseModel):
     """The newer task whose publish cancelled this one."""
     debounce: Debounce | None = None
     """A debounced publish's window (``store.debounce``)."""
+    usage: UsageTotals | None = None
+    """What its runs spent (``ctx.record_usage``; docs/usage.md), absent until one records."""
 
 
 class PublishedDocument(BaseModel):
@@ -648,6 +743,7 @@ class StoredOptions(BaseModel):
     keep_failed_ms: int | None = None
     keep_cancelled_ms: int | None = None
     deadline: dt.datetime | None = None
+    budget: Budget | None = None
 
     def changed(self) -> dict[str, Any]:
         """The options that differ from their defaults (``OPTION_DEFAULTS``; a retention from
@@ -658,6 +754,8 @@ class StoredOptions(BaseModel):
         for name in OPTION_NAMES:
             value = getattr(self, name)
             shown = list(value) if isinstance(value, tuple) else value
+            if isinstance(value, Budget):
+                shown = value.to_document()
             if value is not None and shown != defaults.get(name):
                 found[name] = shown
         return found
@@ -739,6 +837,8 @@ class Task(BaseModel):
     debounce: Debounce | None = None
     """Its debounce window: the key, first and last publish, how many, the latest
     start."""
+    usage: UsageTotals | None = None
+    """What its runs spent (tokens, requests, cost), or ``None`` if none recorded any."""
     missing: list[str] = Field(default_factory=list)
     """Fields every stored task document holds that this one lacks (a publisher's minimal
     document that no worker has completed yet lacks most of them)."""

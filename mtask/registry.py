@@ -27,6 +27,10 @@ from mtask.steps import MemorySteps, RunSteps, caller
 from mtask.steps.policy import StepPolicy
 from mtask.triggers import Trigger, check_collection
 
+if typing.TYPE_CHECKING:
+    from mtask.usage.charges import RunUsage
+    from mtask.usage.rules import Price, Usage
+
 F = TypeVar("F", bound=Callable[..., Any])
 Isolation = Literal["thread", "process"]
 ISOLATIONS = ("thread", "process")
@@ -105,6 +109,10 @@ class TaskContext:
     """Makes the run's journal of durable steps the first time the handler asks for a step,
     sleeps or waits (docs/steps.md); a run that does none of these makes none."""
     _steps: RunSteps | None = field(default=None, repr=False)
+    usage_for: Callable[[TaskContext], RunUsage] = field(default=lambda _ctx: _memory_usage())
+    """Makes the run's usage (docs/usage.md) the first time the handler records usage or
+    takes a step; a run that does neither makes none."""
+    _usage: RunUsage | None = field(default=None, repr=False)
 
     @property
     def output_made(self) -> RunOutput | None:
@@ -144,12 +152,52 @@ class TaskContext:
 
     @property
     def journal(self) -> RunSteps:
-        """The run's durable steps (docs/steps.md): made on first use."""
+        """The run's durable steps (docs/steps.md): made on first use, each call step checking
+        the budgets before it starts (``RunUsage.check``)."""
         if self._steps is None:
+            check = self.usage.check  # made first: the lock is not reentrant
             with _OUTPUT_LOCK:
                 if self._steps is None:
-                    self._steps = self.steps_for(self)
+                    steps = self.steps_for(self)
+                    steps.calls.gate = check
+                    self._steps = steps
         return self._steps
+
+    @property
+    def usage(self) -> RunUsage:
+        """The run's usage and budgets (docs/usage.md): made on first use."""
+        if self._usage is None:
+            with _OUTPUT_LOCK:
+                if self._usage is None:
+                    self._usage = self.usage_for(self)
+        return self._usage
+
+    async def record_usage(self, model: str | None = None, **counts: Any) -> Usage:
+        """Charge what the run just spent (``input_tokens``, ``output_tokens``,
+        ``cached_tokens``, ``requests`` (default 1), ``cost``; without a ``cost``, the
+        registry's price for ``model``) to the run, its task, its name and its group, and
+        count it in Prometheus (docs/usage.md). ``LeaseLost`` once the run lost its task."""
+        self.check_lease()
+        usage = _usage(model, counts)
+        if self._replaying():
+            return usage.priced(self.usage.prices)
+        return await self.usage.record(usage)
+
+    def _replaying(self) -> bool:
+        """Whether a charge here was made by an earlier run: outside a step's function, while
+        the run replays steps an earlier run recorded past this point (docs/usage.md)."""
+        from mtask.steps.plan import _IN_STEP
+
+        steps = self._steps
+        return steps is not None and _IN_STEP.get() is None and steps.journal.replaying()
+
+    def record_usage_sync(self, model: str | None = None, **counts: Any) -> Usage:
+        """``record_usage`` for a plain-def handler."""
+        self.check_lease()
+        usage = _usage(model, counts)
+        if self._replaying():
+            return usage.priced(self.usage.prices)
+        return self.usage.record_sync(usage)
 
     def step(
         self,
@@ -348,6 +396,23 @@ class TaskContext:
         return await self.publisher(name, key, params, **kwargs)
 
 
+def _memory_usage() -> RunUsage:
+    from mtask.usage.charges import MemoryUsage, RunUsage
+
+    return RunUsage(MemoryUsage())
+
+
+def _usage(model: str | None, counts: Mapping[str, Any]) -> Usage:
+    from mtask.usage.rules import Usage
+
+    try:
+        return Usage(model, **counts)
+    except TypeError as exc:
+        raise InvalidTask(f"ctx.record_usage: {exc}") from None
+    except ValueError as exc:
+        raise InvalidTask(f"ctx.record_usage: {exc}") from None
+
+
 @dataclass(frozen=True)
 class BatchItem:
     """One task of a batch: its key, its params (as stored) and its run's context."""
@@ -465,6 +530,31 @@ class Registry:
         self.watched: tuple[str, ...] = ()
         """The collections whose documents this registry's handlers wait on
         (``ctx.wait_until``; ``waits_on``)."""
+        self.prices: dict[str, Price] = {}
+        """Each model's price (``price``): a charge without a cost is priced from it."""
+
+    def price(
+        self,
+        model: str,
+        *,
+        input: float,
+        output: float,
+        cached: float | None = None,
+        per: int = 1_000_000,
+    ) -> Price:
+        """Declare ``model``'s price, in the application's currency per ``per`` tokens (input,
+        output, and input read from the cache; docs/usage.md): each charge of it recorded
+        without a cost (``ctx.record_usage``, an agent's model step) is priced with it."""
+        from mtask.usage.rules import Price
+
+        try:
+            made = Price(input, output, cached, per)
+        except ValueError as exc:
+            raise InvalidTask(str(exc), field="price") from None
+        if not isinstance(model, str) or not model:
+            raise InvalidTask("a model's name is a non-empty string", field="model")
+        self.prices[model] = made
+        return made
 
     def trigger(self, collection: str, *, task: str, **declaration: Any) -> Trigger:
         """Publish a ``task`` task for each matching change of ``collection`` (docs/triggers.md):

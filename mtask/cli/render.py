@@ -114,7 +114,7 @@ def print_task(task: Task, said: Explained | None = None, now: dt.datetime | Non
     grid.add_column(no_wrap=True)
     grid.add_column(overflow="fold")
     rows = [*_header_rows(task, said, now), *_progress_rows(task)]
-    rows += [*_flow_rows(task), *_waiting_rows(task)]
+    rows += [*_flow_rows(task), *_usage_rows(task), *_waiting_rows(task)]
     for label, value in rows:
         add_row(grid, Text(label, style="bold"), value)
     out.print(grid)
@@ -132,8 +132,10 @@ def runs_table(task: Task, now: dt.datetime) -> Any:
     from mtask.explain.wording import span
 
     talked = any(run.output for run in task.runs)
-    headers = ["run", "worker", "state", "claimed (UTC)", "took", "output", "error"]
-    runs = Table(*(h for h in headers if talked or h != "output"))
+    spent = any(run.usage for run in task.runs)
+    headers = ["run", "worker", "state", "claimed (UTC)", "took", "output", "usage", "error"]
+    shown = {"output": talked, "usage": spent}
+    runs = Table(*(h for h in headers if shown.get(h, True)))
     runs.columns[1].overflow = "fold"
     runs.columns[3].no_wrap = True
     runs.columns[-1].overflow = "fold"
@@ -143,6 +145,7 @@ def runs_table(task: Task, now: dt.datetime) -> Any:
         cells = [run.run_id[:8], run.worker_id, run.state.value, _short(run.claimed_at)]
         cells.append(took if run.finished_at else f"{took}…")
         cells += [_output_cell(run.output)] if talked else []
+        cells += [_usage_cell(run.usage)] if spent else []
         add_row(runs, *cells, last_line(run.error))
     return runs
 
@@ -334,6 +337,36 @@ def _flow_rows(task: Task) -> list[tuple[str, str]]:
             listed = ", ".join(task.waiting_on)
             waiting = f" (waiting on {listed})" if pending else f" ({listed} did not succeed)"
         rows.append(("depends on", ", ".join(task.depends_on) + waiting))
+    return rows
+
+
+def usage_text(usage: Any) -> str:
+    """A run's or task's usage in a line: its tokens, requests and cost."""
+    tokens = usage.input_tokens + usage.output_tokens
+    cached = f", {usage.cached_tokens:,} cached" if usage.cached_tokens else ""
+    text = (
+        f"{tokens:,} tokens ({usage.input_tokens:,} in{cached}, {usage.output_tokens:,} out), "
+        f"{_plural(usage.requests, 'request')}"
+    )
+    return text if usage.cost is None else f"{text}, cost {usage.cost:.6g}"
+
+
+def _usage_cell(usage: Any) -> str:
+    if usage is None:
+        return "-"
+    tokens = f"{usage.input_tokens + usage.output_tokens:,} tok"
+    return tokens if usage.cost is None else f"{tokens}, {usage.cost:.4g}"
+
+
+def _usage_rows(task: Task) -> list[tuple[str, str]]:
+    """What the task spent (``ctx.record_usage``), per model, and its budget."""
+    rows: list[tuple[str, str]] = []
+    if task.usage is not None:
+        rows.append(("usage", usage_text(task.usage)))
+        for model in task.usage.models or []:
+            rows.append((f"  {model.model}", usage_text(model)))
+    if task.options.budget is not None:
+        rows.append(("budget", f"{task.options.budget.describe()} (the task)"))
     return rows
 
 

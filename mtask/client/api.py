@@ -1,8 +1,8 @@
 """``Operations``: what both clients do, one line per operation naming the part that writes it.
 
-Each part (``Publishing``, ``Reading``, ``Acting``, ``Control``, ``History``) is a plain class
-built with the client's ``Core``; an operation written in it (``@operation``) is offered here
-once, and bound to the client's instance of its part when looked up on a client: the sync client
+Each part (``Publishing``, ``Reading``, ``Acting``, ``Control``, ``History``, ``Spending``) is a
+plain class built with the client's ``Core``; an operation written in it (``@operation``) is
+offered here once, and bound to the client's instance of its part when looked up on a client: the sync client
 runs it, the async client awaits it (``TaskClient._bind``, ``AsyncTaskClient._bind``).
 """
 
@@ -16,13 +16,14 @@ from mtask.client.core import Core
 from mtask.client.history import History
 from mtask.client.publishing import Publishing
 from mtask.client.reading import Reading
+from mtask.client.spending import Spending
 from mtask.clock import Clock, ServerClock
 
 if TYPE_CHECKING:
     from mtask.registry import Registry
     from mtask.security.encryption import Encryption
 
-PARTS = (Publishing, Reading, Acting, Control, History)
+PARTS = (Publishing, Reading, Acting, Control, History, Spending)
 """The parts of a client, each built once per client with its ``Core``."""
 
 
@@ -155,6 +156,12 @@ class Operations:
     pause_trigger = Control.pause_trigger
     resume_trigger = Control.resume_trigger
     reset_trigger = Control.reset_trigger
+
+    # -- spending.py -------------------------------------------------------------------------------
+
+    usage = Spending.usage
+    set_budget = Spending.set_budget
+    clear_budget = Spending.clear_budget
 
     # -- history.py --------------------------------------------------------------------------------
 

@@ -71,7 +71,7 @@ class Role:
         return f"{self.name}Inboxes"
 
 
-SIDE = ("{tasks}.output", "{tasks}.steps")
+SIDE = ("{tasks}.output", "{tasks}.steps", "{tasks}.usage")
 CLUSTER = ("workers", "controls", "limits", "schedules", "retention", "relays")
 
 ROLES: dict[str, Role] = {
@@ -121,6 +121,7 @@ ROLES: dict[str, Role] = {
             "{tasks}": (*FOLLOW, "listIndexes"),
             "{tasks}.output": FOLLOW,
             "{tasks}.steps": READ,
+            "{tasks}.usage": READ,
             **{name: READ for name in CLUSTER},
             "throughput": ("find", "insert", "update"),
             "audit": READ,

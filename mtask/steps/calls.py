@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from mtask.errors import MtaskError
 from mtask.steps.journal import Journal
-from mtask.steps.plan import Plan
+from mtask.steps.plan import Plan, _Io
 from mtask.steps.policy import NO_POLICY, StepPolicy
 from mtask.steps.rules import Doc, StepError, error_text
 from mtask.steps.runner import Runner
@@ -35,6 +35,9 @@ class Calls:
         self.journal = journal
         self.runner = runner
         self.release = release
+        self.gate: Callable[[], Coroutine[Any, Any, None]] | None = None
+        """Awaited before a step's function is called (not before a replay): the run's
+        budgets' check (``mtask.usage.charges.RunUsage.check``), which may stop the step."""
 
     def step(self, name: str, call: Callable[[], Any], policy: StepPolicy = NO_POLICY) -> Plan[Any]:
         journal = self.journal
@@ -42,6 +45,8 @@ class Calls:
         if prior is not None and prior.get("state") == "done":
             value = yield from journal.read(prior)
             return value
+        if self.gate is not None:
+            yield _Io(self.gate)
         entry = journal.entry(name, "call", prior, journal.store.now())
         said: list[Any] | None = [] if self.release is not None else None
         try:
@@ -88,6 +93,8 @@ class Calls:
         journal = self.journal
         if prior is not None and prior.get("state") == "done":
             return await self.runner.run_async(journal.read(prior))
+        if self.gate is not None:
+            await self.gate()
         started, now = time.monotonic(), journal.store.now()
         made: list[Doc] = []
 

@@ -126,6 +126,11 @@ class Journal:
             self.inside = name  # until its plan ends (``one``)
         return index, prior
 
+    def replaying(self) -> bool:
+        """Whether an earlier run recorded steps past the ones this run asked for so far (so
+        it went past this point of the handler)."""
+        return len(self.asked) < len(self.recorded)
+
     def check_new(self, name: str) -> None:
         if name in self.asked:
             raise StepError(f"step {name!r} was asked for twice: step names are unique in a task")

@@ -39,6 +39,7 @@ from mtask.worker.running.sealing import from_env as sealing_from_env
 from mtask.worker.running.step_stores import RunStepStores
 from mtask.worker.running.task_deadlines import TaskDeadlines
 from mtask.worker.running.transactional import Transactions
+from mtask.worker.running.usage_stores import RunUsages
 from mtask.worker.stats import WorkerStats
 from mtask.worker.wiring import Signal, Wires
 from mtask.worker.worker_events import Emitter
@@ -168,6 +169,7 @@ def build(
             adriver, clock, transactions, watched=registry.watched, options_for=registry.options_for
         ),
         leases=pinger,
+        usages=RunUsages(adriver, clock, registry.prices),
     )
     calls = HandlerCalls(
         outcomes,

@@ -33,6 +33,7 @@ from mtask.store import Outcome
 from mtask.store.transactional import stale_sessions
 from mtask.worker.inflight import ActiveRun, InFlight
 from mtask.worker.running.transactional import RunFence
+from mtask.worker.running.usage_stores import RunUsages
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,11 @@ class RunContexts:
         outputs: RunOutputs,
         journals: RunJournals,
         leases: RunLeases,
+        usages: RunUsages | None = None,
     ) -> None:
+        self.usages = usages
+        """Where ``ctx.record_usage`` charges, and the budgets a step checks (docs/usage.md);
+        ``None``: in memory."""
         self.registry = registry
         self.worker_id = worker_id
         self.publisher = publisher
@@ -197,7 +202,15 @@ class RunContexts:
             # a method and its arguments, not a closure over the run: the run holds this
             # context, so a closure would make a cycle that only the garbage collector frees
             steps_for=functools.partial(self._steps_for, doc=doc, loop=loop),
+            **self._usage_for(doc, loop),
         )
+
+    def _usage_for(self, doc: Mapping[str, Any], loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
+        """``TaskContext.usage_for``: the run's usage on MongoDB (made on its first charge or
+        step), where the worker has a ``RunUsages``."""
+        if self.usages is None:
+            return {}
+        return {"usage_for": functools.partial(self.usages.usage_for, doc=doc, loop=loop)}
 
     def _steps_for(
         self, made: TaskContext, *, doc: Mapping[str, Any], loop: asyncio.AbstractEventLoop

@@ -1,0 +1,35 @@
+"""Usage and cost, measured (docs/usage.md): what a run spent (tokens, requests, money), charged
+as it is spent, totalled per run, per task, per name and per group; budgets that stop a step
+from starting once spent.
+
+- ``rules``: pure: ``Usage`` (one charge), ``Price`` (a model's price, per million tokens),
+  ``Budget`` (a limit in tokens or money, optionally per period), the period's arithmetic,
+  ``BudgetExceeded``;
+- ``charges``: one run's ``RunUsage``: ``ctx.record_usage`` charges through a ``UsageStore``,
+  and a step checks the budgets before it starts.
+
+Their writes live in ``mtask.store.usage``; the worker's ``UsageStore`` in
+``mtask.worker.running.usage_stores``.
+"""
+
+from mtask.models import Budget
+from mtask.usage.rules import (
+    KINDS,
+    PERIODS,
+    BudgetExceeded,
+    Price,
+    Usage,
+    next_period,
+    period_start,
+)
+
+__all__ = [
+    "KINDS",
+    "PERIODS",
+    "Budget",
+    "BudgetExceeded",
+    "Price",
+    "Usage",
+    "next_period",
+    "period_start",
+]

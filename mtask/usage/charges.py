@@ -1,0 +1,160 @@
+"""One run's usage (``RunUsage``): ``ctx.record_usage`` charges through a ``UsageStore``
+(the worker's, ``mtask.worker.running.usage_stores``; ``MemoryUsage`` for tests), and a step
+checks the budgets before it starts (``check``: the run's durable steps call it, ``mtask.steps.calls``).
+
+A task's own budget is checked here, against what its task spent: one run at a time owns the
+task, and only the owner's fenced charges change its total, so the run's count is the
+server's. A name's or group's budget is checked on the server (``UsageStore.over``), whose
+totals every worker's charges add to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, Protocol
+
+from mtask.errors import MtaskError
+from mtask.limits.snooze import Snooze
+from mtask.models import MAX_RETRY_DELAY_MS, Budget
+from mtask.usage.rules import BudgetExceeded, Price, Usage, next_period
+
+Doc = dict[str, Any]
+
+
+class UsageStore(Protocol):
+    """Where a run's charges go, and where its name's and group's budgets are read."""
+
+    def now(self) -> dt.datetime:
+        """The server's time, as this process estimates it."""
+        ...
+
+    async def charge(self, usage: Usage) -> None:
+        """Charge ``usage`` to the run's task (fenced: ``LeaseLost`` if the run lost it), then
+        to its name and its group."""
+        ...
+
+    async def budgeted(self) -> bool:
+        """Whether the run's name or group has a budget (cached by the worker a few seconds:
+        a run whose name and group have none reads nothing per step)."""
+        ...
+
+    async def over(self) -> list[Doc]:
+        """The run's name's and group's scopes at or past their budget now (the server
+        decides, on its clock)."""
+        ...
+
+
+class MemoryUsage:
+    """A ``UsageStore`` in memory (``mtask.testing``, a dry replay): charges kept in a list,
+    no budget but the task's."""
+
+    def __init__(self, clock: Callable[[], dt.datetime] | None = None) -> None:
+        self.charged: list[Usage] = []
+        self.clock = clock or (lambda: dt.datetime.now(dt.UTC))
+
+    def now(self) -> dt.datetime:
+        return self.clock()
+
+    async def charge(self, usage: Usage) -> None:
+        self.charged.append(usage)
+
+    async def budgeted(self) -> bool:
+        return False
+
+    async def over(self) -> list[Doc]:
+        return []
+
+
+class RefusedUsage(MemoryUsage):
+    """Where usage cannot be recorded (a handler in a child process, ``isolation="process"``):
+    a charge is refused, saying why; no budget is checked."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__()
+        self.why = why
+
+    async def charge(self, usage: Usage) -> None:
+        raise MtaskError(self.why)
+
+
+class RunUsage:
+    """One run's usage: its ``store``, the application's ``prices``, the task's ``budget``
+    (``options.budget``) and what the task had ``spent`` when claimed; ``counted`` is called
+    with each charge once recorded (the worker's Prometheus counters); ``loop`` is where a
+    plain-def handler's charge is written."""
+
+    def __init__(
+        self,
+        store: UsageStore,
+        *,
+        prices: Mapping[str, Price] | None = None,
+        budget: Mapping[str, Any] | None = None,
+        spent: Mapping[str, Any] | None = None,
+        counted: Callable[[Usage], None] | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self.store = store
+        self.prices = dict(prices or {})
+        self.budget = None if not budget else Budget.model_validate(dict(budget))
+        spent = spent or {}
+        self.tokens = int(spent.get("input_tokens") or 0) + int(spent.get("output_tokens") or 0)
+        self.cost = float(spent.get("cost") or 0.0)
+        self.counted = counted
+        self.loop = loop
+        self.recorded: list[Usage] = []
+        """The charges this run recorded, in order."""
+
+    async def record(self, usage: Usage) -> Usage:
+        """Charge ``usage`` (priced from the application's table when it has no cost)."""
+        usage = usage.priced(self.prices)
+        await self.store.charge(usage)
+        self.tokens += usage.tokens
+        self.cost += usage.cost or 0.0
+        self.recorded.append(usage)
+        if self.counted is not None:
+            self.counted(usage)
+        return usage
+
+    def record_sync(self, usage: Usage) -> Usage:
+        """``record`` from a plain-def handler's thread (its write runs on the loop)."""
+        return self._blocking(self.record(usage))
+
+    def _blocking(self, coro: Coroutine[Any, Any, Usage]) -> Usage:
+        if self.loop is None:
+            return asyncio.run(coro)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def check(self) -> None:
+        """Before a step starts: ``BudgetExceeded`` past the task's budget or a name's or
+        group's budget without a period; ``Snooze`` until the next period past one with."""
+        budget = self.budget
+        if budget is not None and (
+            (budget.tokens is not None and self.tokens >= budget.tokens)
+            or (budget.cost is not None and self.cost >= budget.cost)
+        ):
+            spent = {"input_tokens": self.tokens, "cost": self.cost if budget.cost else None}
+            raise BudgetExceeded("task", budget, spent)
+        if not await self.store.budgeted():
+            return
+        over = await self.store.over()
+        if over:
+            raise self.stopped(over)
+
+    def stopped(self, over: list[Doc]) -> Exception:
+        """Why a step does not start: the first scope past its budget without a period
+        (``BudgetExceeded``); if all have one, a ``Snooze`` until the latest next period."""
+        until: dt.datetime | None = None
+        for doc in over:
+            scope = doc["_id"]
+            limit = Budget.model_validate(doc["budget"])
+            label = f"{scope['scope']} {scope['id']!r}"
+            if limit.period is None:
+                return BudgetExceeded(label, limit, doc)
+            ends = next_period(limit.period, self.store.now())
+            until = ends if until is None or ends > until else until
+        assert until is not None
+        wait = (until - self.store.now()).total_seconds()
+        wait = min(max(wait, 0.001), MAX_RETRY_DELAY_MS / 1000)
+        return Snooze(wait, "budget spent for this period: waiting for the next")

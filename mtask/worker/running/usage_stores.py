@@ -1,0 +1,138 @@
+"""The worker's side of usage (docs/usage.md): each run's ``UsageStore`` on MongoDB
+(``TaskUsage``), made the first time its handler records usage or takes a step
+(``RunUsages.usage_for``), so a handler that does neither costs nothing; the budgets of names
+and groups, cached a few seconds per scope (``Budgets``); the Prometheus counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from mtask import metrics
+from mtask.clock import Clock
+from mtask.driver import AsyncDriver, Doc
+from mtask.store import usage as store_usage
+from mtask.usage.charges import RunUsage
+from mtask.usage.rules import Price, Usage
+
+if TYPE_CHECKING:
+    from mtask.registry import TaskContext
+
+BUDGETS_TTL = 5.0
+"""How long a worker trusts what it read of a scope's budget (a budget set, changed or cleared
+takes effect on the next read, within this many seconds)."""
+
+
+class Budgets:
+    """Which scopes have a budget, read at most once every ``BUDGETS_TTL`` seconds per scope
+    (by the process's monotonic clock: only how stale the cache may be)."""
+
+    def __init__(self, driver: AsyncDriver, ttl: float = BUDGETS_TTL) -> None:
+        self.driver = driver
+        self.ttl = ttl
+        self.known: dict[tuple[str, str], tuple[float, bool]] = {}
+
+    async def any_of(self, scopes: list[Doc]) -> bool:
+        now = time.monotonic()
+        keys = [(s["scope"], s["id"]) for s in scopes]
+        stale = [s for s, k in zip(scopes, keys, strict=True) if not self._fresh(k, now)]
+        if stale:
+            found = await self.driver.run(store_usage.budgets_of(stale))
+            with_budget = {(d["_id"]["scope"], d["_id"]["id"]) for d in found}
+            for scope in stale:
+                key = (scope["scope"], scope["id"])
+                self.known[key] = (now, key in with_budget)
+        return any(self.known[k][1] for k in keys)
+
+    def _fresh(self, key: tuple[str, str], now: float) -> bool:
+        seen = self.known.get(key)
+        return seen is not None and now - seen[0] < self.ttl
+
+
+class TaskUsage:
+    """One run's ``UsageStore``: its task, run, name and group."""
+
+    def __init__(
+        self,
+        driver: AsyncDriver,
+        clock: Clock,
+        budgets: Budgets,
+        key: str,
+        run_id: str,
+        name: str,
+        group: str | None,
+    ) -> None:
+        self.driver = driver
+        self.clock = clock
+        self.budgets = budgets
+        self.key = key
+        self.run_id = run_id
+        self.scopes = [store_usage.scope_id("name", name)]
+        if group:
+            self.scopes.append(store_usage.scope_id("group", group))
+
+    def now(self) -> dt.datetime:
+        return self.clock.now()
+
+    async def charge(self, usage: Usage) -> None:
+        await self.driver.run(store_usage.charge_task(self.key, self.run_id, usage))
+        await self.driver.run(store_usage.charge_scopes(self.scopes, usage))
+
+    async def budgeted(self) -> bool:
+        return await self.budgets.any_of(self.scopes)
+
+    async def over(self) -> list[Doc]:
+        return await self.driver.run(store_usage.over_budget(self.scopes))
+
+
+def counted(name: str) -> Any:
+    """The Prometheus counters a charge of task name ``name`` adds to."""
+
+    def count(usage: Usage) -> None:
+        model = usage.model or metrics.UNKNOWN
+        for kind in ("input", "output", "cached"):
+            amount = getattr(usage, f"{kind}_tokens")
+            if amount:
+                metrics.TOKENS.labels(name=name, model=model, kind=kind).inc(amount)
+        if usage.cost:
+            metrics.COST.labels(name=name, model=model).inc(usage.cost)
+
+    return count
+
+
+class RunUsages:
+    """Makes each run's ``RunUsage`` on first use (``TaskContext.usage_for``)."""
+
+    def __init__(
+        self, driver: AsyncDriver, clock: Clock, prices: Mapping[str, Price] | None = None
+    ) -> None:
+        self.driver = driver
+        self.clock = clock
+        self.prices = dict(prices or {})
+        self.budgets = Budgets(driver)
+
+    def usage_for(
+        self, ctx: TaskContext, *, doc: Mapping[str, Any], loop: asyncio.AbstractEventLoop
+    ) -> RunUsage:
+        options = doc.get("options") or {}
+        store = TaskUsage(
+            self.driver,
+            self.clock,
+            self.budgets,
+            ctx.key,
+            ctx.run_id,
+            ctx.name,
+            options.get("group"),
+        )
+        return RunUsage(
+            store,
+            prices=self.prices,
+            budget=options.get("budget"),
+            spent=doc.get("usage"),
+            counted=counted(ctx.name),
+            loop=loop,
+        )
