@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from mtask.limits.holds import BackOff
     from mtask.limits.snooze import Snooze
     from mtask.models import PublishResult, Run, RunState, Task, TaskOptions, TaskStatus
-    from mtask.registry import BatchItem, Fail, Registry, Retry, TaskContext
+    from mtask.registry import BatchItem, BudgetExceeded, Fail, Registry, Retry, TaskContext
     from mtask.security.encryption import Encryption, rotate_local
     from mtask.steps.children import ChildFailed, Spawn
     from mtask.steps.policy import StepPolicy, StepTimeout
@@ -49,7 +49,7 @@ _WHERE = {
     ),
     "mtask.flows": ("Next",),
     "mtask.models": ("PublishResult", "Run", "RunState", "Task", "TaskOptions", "TaskStatus"),
-    "mtask.registry": ("BatchItem", "Fail", "Registry", "Retry", "TaskContext"),
+    "mtask.registry": ("BatchItem", "BudgetExceeded", "Fail", "Registry", "Retry", "TaskContext"),
     "mtask.security.encryption": ("Encryption", "rotate_local"),
     "mtask.limits.snooze": ("Snooze",),
     "mtask.steps.children": ("ChildFailed", "Spawn"),
@@ -63,6 +63,7 @@ __all__ = [
     "AsyncTaskClient",
     "BackOff",
     "BatchItem",
+    "BudgetExceeded",
     "ChildFailed",
     "EmbeddedUnavailable",
     "Encryption",

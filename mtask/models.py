@@ -14,6 +14,7 @@ import functools
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
+from decimal import ROUND_HALF_EVEN, Decimal
 from enum import StrEnum
 from typing import Annotated, Any, Literal, TypeGuard
 
@@ -175,7 +176,8 @@ class RunState(StrEnum):
 
 MAX_TOKENS = 10**15
 """The most tokens one charge or one budget counts."""
-MAX_COST = 1e15
+MAX_COST = 10**9
+"""The most one charge or one budget costs, in the currency (in nano-units, 10¹⁸: an int64)."""
 
 Period = Literal["hour", "day", "week", "month"] | float
 
@@ -209,6 +211,12 @@ class Budget(BaseModel):
 
     def to_document(self) -> dict[str, Any]:
         return {k: v for k, v in self.model_dump().items() if v is not None}
+
+    def cost_nanos(self) -> int | None:
+        """The budget's cost in nano-units of the currency (what totals count: integers)."""
+        if self.cost is None:
+            return None
+        return int((Decimal(str(self.cost)) * 10**9).to_integral_value(ROUND_HALF_EVEN))
 
     def describe(self) -> str:
         parts = []
@@ -392,7 +400,15 @@ class UsageTotals(Stored):
     output_tokens: int = Field(0, ge=0)
     cached_tokens: int = Field(0, ge=0)
     requests: int = Field(0, ge=0)
-    cost: float | None = None
+    cost_nanos: int | None = Field(None, ge=0)
+    """The cost in nano-units of the currency (an integer: exact), ``None`` if no charge had
+    a price."""
+
+    @property
+    def cost(self) -> Decimal | None:
+        """The cost in the currency, exactly."""
+        return None if self.cost_nanos is None else Decimal(self.cost_nanos).scaleb(-9)
+
     models: list[ModelUsage] | None = None
 
 
@@ -404,7 +420,14 @@ class ModelUsage(Stored):
     output_tokens: int = Field(0, ge=0)
     cached_tokens: int = Field(0, ge=0)
     requests: int = Field(0, ge=0)
-    cost: float | None = None
+    cost_nanos: int | None = Field(None, ge=0)
+    """The cost in nano-units of the currency (an integer: exact), ``None`` if no charge had
+    a price."""
+
+    @property
+    def cost(self) -> Decimal | None:
+        """The cost in the currency, exactly."""
+        return None if self.cost_nanos is None else Decimal(self.cost_nanos).scaleb(-9)
 
 
 class Run(Stored):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import importlib
 import inspect
 import sys
@@ -21,7 +22,13 @@ from mtask.errors import InvalidParams, InvalidTask, LeaseLost, MtaskError, Regi
 from mtask.follow.output import RunLog, RunOutput
 from mtask.limits.batches import DEFAULT_BATCH_TIMEOUT
 from mtask.limits.batches import check as check_batch
-from mtask.models import MAX_RETRY_DELAY_MS, TaskOptions, delay_ms, describe_validation_error
+from mtask.models import (
+    MAX_RETRY_DELAY_MS,
+    Budget,
+    TaskOptions,
+    delay_ms,
+    describe_validation_error,
+)
 from mtask.schedules import Schedule
 from mtask.steps import MemorySteps, RunSteps, caller
 from mtask.steps.policy import StepPolicy
@@ -110,8 +117,7 @@ class TaskContext:
     sleeps or waits (docs/steps.md); a run that does none of these makes none."""
     _steps: RunSteps | None = field(default=None, repr=False)
     usage_for: Callable[[TaskContext], RunUsage] = field(default=lambda _ctx: _memory_usage())
-    """Makes the run's usage (docs/usage.md) the first time the handler records usage or
-    takes a step; a run that does neither makes none."""
+    """Makes the run's usage (docs/usage.md) on its first charge or step, if it has one."""
     _usage: RunUsage | None = field(default=None, repr=False)
 
     @property
@@ -155,7 +161,7 @@ class TaskContext:
         """The run's durable steps (docs/steps.md): made on first use, each call step checking
         the budgets before it starts (``RunUsage.check``)."""
         if self._steps is None:
-            check = self.usage.check  # made first: the lock is not reentrant
+            check = functools.partial(_checked, self.usage)  # first: the lock is not reentrant
             with _OUTPUT_LOCK:
                 if self._steps is None:
                     steps = self.steps_for(self)
@@ -173,31 +179,16 @@ class TaskContext:
         return self._usage
 
     async def record_usage(self, model: str | None = None, **counts: Any) -> Usage:
-        """Charge what the run just spent (``input_tokens``, ``output_tokens``,
-        ``cached_tokens``, ``requests`` (default 1), ``cost``; without a ``cost``, the
-        registry's price for ``model``) to the run, its task, its name and its group, and
-        count it in Prometheus (docs/usage.md). ``LeaseLost`` once the run lost its task."""
+        """Charge what the run just spent (``input_tokens``, ``output_tokens``, ``cached_tokens``,
+        ``requests`` (1), ``cost`` (else priced from ``model``)) to the run, its task, name and
+        group (docs/usage.md). ``LeaseLost`` once the run lost its task."""
         self.check_lease()
-        usage = _usage(model, counts)
-        if self._replaying():
-            return usage.priced(self.usage.prices)
-        return await self.usage.record(usage)
-
-    def _replaying(self) -> bool:
-        """Whether a charge here was made by an earlier run: outside a step's function, while
-        the run replays steps an earlier run recorded past this point (docs/usage.md)."""
-        from mtask.steps.plan import _IN_STEP
-
-        steps = self._steps
-        return steps is not None and _IN_STEP.get() is None and steps.journal.replaying()
+        return await self.usage.record_said(model, counts, _replaying(self._steps))
 
     def record_usage_sync(self, model: str | None = None, **counts: Any) -> Usage:
         """``record_usage`` for a plain-def handler."""
         self.check_lease()
-        usage = _usage(model, counts)
-        if self._replaying():
-            return usage.priced(self.usage.prices)
-        return self.usage.record_sync(usage)
+        return self.usage.record_said_sync(model, counts, _replaying(self._steps))
 
     def step(
         self,
@@ -402,15 +393,40 @@ def _memory_usage() -> RunUsage:
     return RunUsage(MemoryUsage())
 
 
-def _usage(model: str | None, counts: Mapping[str, Any]) -> Usage:
-    from mtask.usage.rules import Usage
+def _replaying(steps: RunSteps | None) -> bool:
+    """Whether a charge said here was made by an earlier run: outside a step's function, while
+    the run replays steps an earlier run recorded past this point (docs/usage.md)."""
+    from mtask.steps.plan import _IN_STEP
+
+    return steps is not None and _IN_STEP.get() is None and steps.journal.replaying()
+
+
+async def _checked(usage: RunUsage) -> None:
+    """Before a step starts: its budgets checked (``RunUsage.check``); past one without a
+    period, ``BudgetExceeded``."""
+    from mtask.usage.charges import BudgetSpent
 
     try:
-        return Usage(model, **counts)
-    except TypeError as exc:
-        raise InvalidTask(f"ctx.record_usage: {exc}") from None
-    except ValueError as exc:
-        raise InvalidTask(f"ctx.record_usage: {exc}") from None
+        await usage.check()
+    except BudgetSpent as spent:
+        raise BudgetExceeded(spent.budget, spent.limit, spent.spent) from None
+
+
+class BudgetExceeded(Fail):
+    """A step would have started past a budget (docs/usage.md): the task fails for good, naming
+    the budget (``budget``: ``"task"``, ``"name '<name>'"`` or ``"group '<group>'"``)."""
+
+    def __init__(self, budget: str, limit: Budget, spent: Mapping[str, Any]) -> None:
+        from mtask.usage.rules import from_nanos
+
+        tokens = int(spent.get("input_tokens") or 0) + int(spent.get("output_tokens") or 0)
+        cost = from_nanos(spent.get("cost_nanos"))
+        shown = f"{tokens} tokens" + ("" if cost is None else f", a cost of {cost.normalize():f}")
+        super().__init__(
+            f"budget exceeded: the {budget} budget of {limit.describe()} ({shown} spent)"
+        )
+        self.budget = budget
+        self.limit = limit
 
 
 @dataclass(frozen=True)

@@ -340,26 +340,17 @@ def _flow_rows(task: Task) -> list[tuple[str, str]]:
     return rows
 
 
-def usage_text(usage: Any) -> str:
-    """A run's or task's usage in a line: its tokens, requests and cost."""
-    tokens = usage.input_tokens + usage.output_tokens
-    cached = f", {usage.cached_tokens:,} cached" if usage.cached_tokens else ""
-    text = (
-        f"{tokens:,} tokens ({usage.input_tokens:,} in{cached}, {usage.output_tokens:,} out), "
-        f"{_plural(usage.requests, 'request')}"
-    )
-    return text if usage.cost is None else f"{text}, cost {usage.cost:.6g}"
-
-
 def _usage_cell(usage: Any) -> str:
     if usage is None:
         return "-"
     tokens = f"{usage.input_tokens + usage.output_tokens:,} tok"
-    return tokens if usage.cost is None else f"{tokens}, {usage.cost:.4g}"
+    return tokens if usage.cost is None else f"{tokens}, {usage.cost.normalize():f}"
 
 
 def _usage_rows(task: Task) -> list[tuple[str, str]]:
     """What the task spent (``ctx.record_usage``), per model, and its budget."""
+    from mtask.usage.rules import usage_text
+
     rows: list[tuple[str, str]] = []
     if task.usage is not None:
         rows.append(("usage", usage_text(task.usage)))

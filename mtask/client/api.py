@@ -2,8 +2,9 @@
 
 Each part (``Publishing``, ``Reading``, ``Acting``, ``Control``, ``History``, ``Spending``) is a
 plain class built with the client's ``Core``; an operation written in it (``@operation``) is
-offered here once, and bound to the client's instance of its part when looked up on a client: the sync client
-runs it, the async client awaits it (``TaskClient._bind``, ``AsyncTaskClient._bind``).
+offered here once, and bound to the client's instance of its part when looked up on a client:
+the sync client runs it, the async client awaits it (``TaskClient._bind``,
+``AsyncTaskClient._bind``).
 """
 
 from __future__ import annotations

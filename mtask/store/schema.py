@@ -414,7 +414,7 @@ CLAIMED_FIELDS["steps"] = 1  # durable steps to replay (docs/steps.md); absent: 
 CLAIMED_FIELDS["spawn"] = 1  # a spawned child's parent, counted at its end; absent: no bytes
 CLAIMED_FIELDS["backoffs"] = 1  # its handler's BackOffs so far, against max_backoffs
 # what its runs spent, against its budget (docs/usage.md); absent: no bytes
-CLAIMED_FIELDS.update({"usage.input_tokens": 1, "usage.output_tokens": 1, "usage.cost": 1})
+CLAIMED_FIELDS.update({"usage.input_tokens": 1, "usage.output_tokens": 1, "usage.cost_nanos": 1})
 """What a worker needs of a task it claimed."""
 PLACEMENT_FIELDS = {
     "next_claim_at": 1,

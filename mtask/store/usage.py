@@ -2,14 +2,15 @@
 the run, and on the totals of its name and its group in ``<tasks>.usage``; the budgets there.
 
 The task document's ``usage`` (and its run's ``runs.N.usage``) holds ``{input_tokens,
-output_tokens, cached_tokens, requests, cost}`` (``cost`` only once a charge had one), the
+output_tokens, cached_tokens, requests, cost_nanos}`` (``cost_nanos``, the cost in integer
+nano-units of the currency, only once a charge had one), the
 task's also ``models: [{model, …}]``; both absent until a run records usage. One document per
 scope in ``<tasks>.usage``::
 
     {_id: {scope: "name" | "group", id: <name or group>},
-     input_tokens, output_tokens, cached_tokens, requests, cost, updated_at,
-     budget: {tokens, cost, period},                  # set_budget; absent: none
-     window: {start, input_tokens, output_tokens, cost}}  # the budget's period, if it has one
+     input_tokens, output_tokens, cached_tokens, requests, cost_nanos, updated_at,
+     budget: {tokens, cost, cost_nanos, period},       # set_budget; absent: none
+     window: {start, input_tokens, output_tokens, cost_nanos}}  # the budget's current period
 
 A charge is one update of each (``$inc``-like pipelines, on the server's clock): charges that
 race add up, none is lost. A budget's check is one read whose filter the server computes
@@ -34,7 +35,7 @@ from mtask.usage.rules import Usage
 COLLECTION = "usage"
 """The key of the side collection in ``driver.collections``: ``<tasks>.usage``."""
 SCOPES = ("name", "group")
-COUNTS = ("input_tokens", "output_tokens", "cached_tokens", "requests", "cost")
+COUNTS = ("input_tokens", "output_tokens", "cached_tokens", "requests", "cost_nanos")
 
 
 def collection_name(tasks: str) -> str:
@@ -52,7 +53,7 @@ def scope_id(scope: str, value: str) -> Doc:
 
 
 def _added(path: str, counts: Mapping[str, Any]) -> Doc:
-    """The totals at ``path`` (``$usage``, ``$$this.usage``) plus ``counts``; a ``cost`` only
+    """The totals at ``path`` (``$usage``, ``$$this.usage``) plus ``counts``; a cost only
     if there was one or this charge has one (``$$REMOVE`` otherwise)."""
     added: Doc = {}
     for field in COUNTS:
@@ -159,8 +160,8 @@ def charge_scope_pipeline(usage: Usage) -> list[Doc]:
     spending: begun again when the period changed)."""
     counts = usage.counts()
     window_counts = {k: v for k, v in counts.items() if k in ("input_tokens", "output_tokens")}
-    if "cost" in counts:
-        window_counts["cost"] = counts["cost"]
+    if "cost_nanos" in counts:
+        window_counts["cost_nanos"] = counts["cost_nanos"]
     same = {"$eq": ["$window.start", "$$start"]}
     window = {
         "$cond": [
@@ -229,8 +230,8 @@ def over_expr() -> Doc:
             },
             {
                 "$and": [
-                    {"$isNumber": "$budget.cost"},
-                    {"$gte": [{"$ifNull": ["$$spent.cost", 0]}, "$budget.cost"]},
+                    {"$isNumber": "$budget.cost_nanos"},
+                    {"$gte": [{"$ifNull": ["$$spent.cost_nanos", 0]}, "$budget.cost_nanos"]},
                 ]
             },
         ]
@@ -270,9 +271,12 @@ def set_budget(scope: Doc, budget: Budget | None) -> Op[Doc | None]:
             collection=COLLECTION,
         )
         return before
+    stored = budget.to_document()
+    if budget.cost is not None:
+        stored["cost_nanos"] = budget.cost_nanos()
     doc: Doc | None = yield Call(
         "find_one_and_update",
-        ({"_id": scope}, [{"$set": {"budget": budget.to_document(), "updated_at": "$$NOW"}}]),
+        ({"_id": scope}, [{"$set": {"budget": {"$literal": stored}, "updated_at": "$$NOW"}}]),
         {"upsert": True, "return_document": ReturnDocument.AFTER},
         collection=COLLECTION,
     )

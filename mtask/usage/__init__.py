@@ -13,10 +13,10 @@ Their writes live in ``mtask.store.usage``; the worker's ``UsageStore`` in
 """
 
 from mtask.models import Budget
+from mtask.registry import BudgetExceeded
 from mtask.usage.rules import (
     KINDS,
     PERIODS,
-    BudgetExceeded,
     Price,
     Usage,
     next_period,

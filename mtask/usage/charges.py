@@ -1,6 +1,7 @@
 """One run's usage (``RunUsage``): ``ctx.record_usage`` charges through a ``UsageStore``
 (the worker's, ``mtask.worker.running.usage_stores``; ``MemoryUsage`` for tests), and a step
-checks the budgets before it starts (``check``: the run's durable steps call it, ``mtask.steps.calls``).
+checks the budgets before it starts (``check``: the run's durable steps call it,
+``mtask.steps.calls``).
 
 A task's own budget is checked here, against what its task spent: one run at a time owns the
 task, and only the owner's fenced charges change its total, so the run's count is the
@@ -15,10 +16,10 @@ import datetime as dt
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Protocol
 
-from mtask.errors import MtaskError
+from mtask.errors import InvalidTask, MtaskError
 from mtask.limits.snooze import Snooze
 from mtask.models import MAX_RETRY_DELAY_MS, Budget
-from mtask.usage.rules import BudgetExceeded, Price, Usage, next_period
+from mtask.usage.rules import Price, Usage, next_period
 
 Doc = dict[str, Any]
 
@@ -79,6 +80,23 @@ class RefusedUsage(MemoryUsage):
         raise MtaskError(self.why)
 
 
+class BudgetSpent(MtaskError):
+    """A step would start past a budget (``budget``: ``"task"``, ``"name 'n'"``, ``"group
+    'g'"``): the run's durable steps raise ``mtask.BudgetExceeded`` for it."""
+
+    def __init__(self, budget: str, limit: Budget, spent: Mapping[str, Any]) -> None:
+        super().__init__(budget)
+        self.budget, self.limit, self.spent = budget, limit, spent
+
+
+def said(model: str | None, counts: Mapping[str, Any]) -> Usage:
+    """A charge as a handler said it; ``InvalidTask`` naming what is wrong with it."""
+    try:
+        return Usage.of(model, **counts)
+    except (TypeError, ValueError) as exc:
+        raise InvalidTask(f"ctx.record_usage: {exc}") from None
+
+
 class RunUsage:
     """One run's usage: its ``store``, the application's ``prices``, the task's ``budget``
     (``options.budget``) and what the task had ``spent`` when claimed; ``counted`` is called
@@ -100,18 +118,32 @@ class RunUsage:
         self.budget = None if not budget else Budget.model_validate(dict(budget))
         spent = spent or {}
         self.tokens = int(spent.get("input_tokens") or 0) + int(spent.get("output_tokens") or 0)
-        self.cost = float(spent.get("cost") or 0.0)
+        self.cost_nanos = int(spent.get("cost_nanos") or 0)
         self.counted = counted
         self.loop = loop
         self.recorded: list[Usage] = []
         """The charges this run recorded, in order."""
+
+    async def record_said(
+        self, model: str | None, counts: Mapping[str, Any], replaying: bool
+    ) -> Usage:
+        """``ctx.record_usage``: a charge from what the handler said, recorded (priced only,
+        ``replaying``: an earlier run recorded it)."""
+        usage = said(model, counts)
+        return usage.priced(self.prices) if replaying else await self.record(usage)
+
+    def record_said_sync(
+        self, model: str | None, counts: Mapping[str, Any], replaying: bool
+    ) -> Usage:
+        usage = said(model, counts)
+        return usage.priced(self.prices) if replaying else self.record_sync(usage)
 
     async def record(self, usage: Usage) -> Usage:
         """Charge ``usage`` (priced from the application's table when it has no cost)."""
         usage = usage.priced(self.prices)
         await self.store.charge(usage)
         self.tokens += usage.tokens
-        self.cost += usage.cost or 0.0
+        self.cost_nanos += usage.cost_nanos or 0
         self.recorded.append(usage)
         if self.counted is not None:
             self.counted(usage)
@@ -127,15 +159,16 @@ class RunUsage:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     async def check(self) -> None:
-        """Before a step starts: ``BudgetExceeded`` past the task's budget or a name's or
+        """Before a step starts: ``BudgetSpent`` past the task's budget or a name's or
         group's budget without a period; ``Snooze`` until the next period past one with."""
         budget = self.budget
         if budget is not None and (
             (budget.tokens is not None and self.tokens >= budget.tokens)
-            or (budget.cost is not None and self.cost >= budget.cost)
+            or (budget.cost is not None and self.cost_nanos >= (budget.cost_nanos() or 0))
         ):
-            spent = {"input_tokens": self.tokens, "cost": self.cost if budget.cost else None}
-            raise BudgetExceeded("task", budget, spent)
+            cost = self.cost_nanos if budget.cost is not None else None
+            spent = {"input_tokens": self.tokens, "cost_nanos": cost}
+            raise BudgetSpent("task", budget, spent)
         if not await self.store.budgeted():
             return
         over = await self.store.over()
@@ -144,14 +177,16 @@ class RunUsage:
 
     def stopped(self, over: list[Doc]) -> Exception:
         """Why a step does not start: the first scope past its budget without a period
-        (``BudgetExceeded``); if all have one, a ``Snooze`` until the latest next period."""
+        (``BudgetSpent``); if all have one, a ``Snooze`` until the latest next period."""
         until: dt.datetime | None = None
         for doc in over:
             scope = doc["_id"]
-            limit = Budget.model_validate(doc["budget"])
+            limit = Budget.model_validate(
+                {k: v for k, v in doc["budget"].items() if k != "cost_nanos"}
+            )
             label = f"{scope['scope']} {scope['id']!r}"
             if limit.period is None:
-                return BudgetExceeded(label, limit, doc)
+                return BudgetSpent(label, limit, doc)
             ends = next_period(limit.period, self.store.now())
             until = ends if until is None or ends > until else until
         assert until is not None

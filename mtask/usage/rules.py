@@ -1,9 +1,13 @@
 """Usage's pure rules: one charge (``Usage``), a model's price (``Price``), a budget
-(``Budget``) and its period, and the error a step past a budget raises (``BudgetExceeded``).
+(``Budget``) and its period, money in nano-units (``to_nanos``), a usage's line of text.
 
 Tokens: ``input_tokens`` counts every token sent (the cached ones among them, as the providers
 count them), ``output_tokens`` every token received, ``cached_tokens`` the input tokens read from
 the provider's cache. A budget in tokens counts ``input_tokens + output_tokens``.
+
+Money is counted in whole nano-units of the application's currency (``cost_nanos``, an integer:
+10⁻⁹ of a unit), never in floating point: totals add up exactly on the server, and a budget's
+comparison is exact. A cost given or priced is rounded to the nearest nano-unit once, per charge.
 """
 
 from __future__ import annotations
@@ -11,11 +15,11 @@ from __future__ import annotations
 import datetime as dt
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from typing import Any
 
-from mtask.models import Budget, Period
-from mtask.registry import Fail
+from mtask.models import Period
 
 KINDS = ("input", "output", "cached")
 """The kinds of token (``mtask_tokens_total{kind}``)."""
@@ -25,6 +29,27 @@ MongoDB's ``$dateTrunc`` has it); a number of seconds is a period too (aligned o
 from mtask.models import MAX_COST, MAX_TOKENS  # noqa: E402
 
 MAX_MODEL = 200
+NANOS = 10**9
+"""Nano-units per unit of the currency: money is counted in integers of these."""
+
+
+def to_nanos(amount: object, field: str = "cost") -> int:
+    """``amount`` of the currency (an int, float, ``Decimal`` or decimal string) in nano-units,
+    rounded half to even; ``ValueError`` if it is not a number from 0 to ``MAX_COST``."""
+    if isinstance(amount, bool) or not isinstance(amount, int | float | Decimal | str):
+        raise ValueError(f"{field} must be a number from 0 to {MAX_COST:g}, not {amount!r}")
+    try:
+        value = Decimal(str(amount))
+    except InvalidOperation:
+        raise ValueError(f"{field} must be a number, not {amount!r}") from None
+    if not value.is_finite() or not 0 <= value <= MAX_COST:
+        raise ValueError(f"{field} must be a number from 0 to {MAX_COST:g}, not {amount!r}")
+    return int((value * NANOS).to_integral_value(ROUND_HALF_EVEN))
+
+
+def from_nanos(nanos: int | None) -> Decimal | None:
+    """Nano-units as an exact ``Decimal`` of the currency (``None`` stays ``None``)."""
+    return None if nanos is None else Decimal(int(nanos)).scaleb(-9)
 
 
 @dataclass(frozen=True)
@@ -48,32 +73,47 @@ class Price:
         if isinstance(self.per, bool) or not isinstance(self.per, int) or self.per < 1:
             raise ValueError(f"Price.per must be a positive integer, not {self.per!r}")
 
-    def cost(self, usage: Usage) -> float:
+    def cost_nanos(self, usage: Usage) -> int:
+        """What ``usage`` costs at this price, in nano-units (computed in decimal, rounded
+        once)."""
         cached = min(usage.cached_tokens, usage.input_tokens)
         fresh = usage.input_tokens - cached
-        cached_price = self.input if self.cached is None else self.cached
-        return (
-            fresh * self.input + cached * cached_price + usage.output_tokens * self.output
-        ) / self.per
+        price = {k: Decimal(str(getattr(self, k))) for k in ("input", "output")}
+        cached_price = price["input"] if self.cached is None else Decimal(str(self.cached))
+        amount = (
+            fresh * price["input"] + cached * cached_price + usage.output_tokens * price["output"]
+        )
+        return int((amount * NANOS / self.per).to_integral_value(ROUND_HALF_EVEN))
 
 
-def _count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKENS:
-        raise ValueError(f"{name} must be an integer from 0 to {MAX_TOKENS}, not {value!r}")
+def _count(name: str, value: object, most: int = MAX_TOKENS) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+        raise ValueError(f"{name} must be an integer from 0 to {most}, not {value!r}")
     return value
 
 
 @dataclass(frozen=True)
 class Usage:
-    """One charge: what one model request (or any step) spent. ``cost`` is given, or computed
-    from the application's price for ``model`` (``None``: no price known)."""
+    """One charge: what one model request (or any step) spent. ``cost_nanos`` is given (``of``:
+    from a ``cost`` in the currency), or computed from the application's price for ``model``
+    (``None``: no price known)."""
 
     model: str | None = None
     input_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
     requests: int = 1
-    cost: float | None = None
+    cost_nanos: int | None = None
+
+    @classmethod
+    def of(cls, model: str | None = None, *, cost: object = None, **counts: Any) -> Usage:
+        """A charge from what a handler says: its counts, and its ``cost`` in the currency."""
+        return cls(model, **counts, cost_nanos=None if cost is None else to_nanos(cost))
+
+    @property
+    def cost(self) -> Decimal | None:
+        """The charge's cost in the currency, exactly (``None``: unknown)."""
+        return from_nanos(self.cost_nanos)
 
     def __post_init__(self) -> None:
         if self.model is not None and (
@@ -86,12 +126,8 @@ class Usage:
             )
         for field in ("input_tokens", "output_tokens", "cached_tokens", "requests"):
             _count(field, getattr(self, field))
-        if self.cost is not None and (
-            isinstance(self.cost, bool)
-            or not isinstance(self.cost, int | float)
-            or not 0 <= self.cost <= MAX_COST
-        ):
-            raise ValueError(f"cost must be a number from 0 to {MAX_COST:g}, not {self.cost!r}")
+        if self.cost_nanos is not None:
+            _count("cost_nanos", self.cost_nanos, MAX_COST * NANOS)
 
     @property
     def tokens(self) -> int:
@@ -100,27 +136,20 @@ class Usage:
 
     def priced(self, prices: Mapping[str, Price]) -> Usage:
         """This charge with its cost from ``prices`` (when it has none and its model a price)."""
-        if self.cost is not None or self.model is None or self.model not in prices:
+        if self.cost_nanos is not None or self.model is None or self.model not in prices:
             return self
-        return Usage(
-            self.model,
-            self.input_tokens,
-            self.output_tokens,
-            self.cached_tokens,
-            self.requests,
-            prices[self.model].cost(self),
-        )
+        return replace(self, cost_nanos=prices[self.model].cost_nanos(self))
 
     def counts(self) -> dict[str, Any]:
-        """The amounts a charge adds (the document's fields); ``cost`` only when known."""
+        """The amounts a charge adds (the document's fields); ``cost_nanos`` only when known."""
         counts: dict[str, Any] = {
             "input_tokens": self.input_tokens,
             "output_tokens": self.output_tokens,
             "cached_tokens": self.cached_tokens,
             "requests": self.requests,
         }
-        if self.cost is not None:
-            counts["cost"] = float(self.cost)
+        if self.cost_nanos is not None:
+            counts["cost_nanos"] = self.cost_nanos
         return counts
 
 
@@ -152,16 +181,12 @@ def next_period(period: Period, now: dt.datetime) -> dt.datetime:
     return start + step.get(period, dt.timedelta(days=7))
 
 
-class BudgetExceeded(Fail):
-    """A step would have started past a budget: the task fails for good, naming the budget
-    (``budget``: ``"task"``, ``"name:<name>"`` or ``"group:<group>"``)."""
-
-    def __init__(self, budget: str, limit: Budget, spent: Mapping[str, Any]) -> None:
-        tokens = int(spent.get("input_tokens") or 0) + int(spent.get("output_tokens") or 0)
-        cost = spent.get("cost")
-        shown = f"{tokens} tokens" + ("" if cost is None else f", a cost of {float(cost):g}")
-        super().__init__(
-            f"budget exceeded: the {budget} budget of {limit.describe()} ({shown} spent)"
-        )
-        self.budget = budget
-        self.limit = limit
+def usage_text(usage: Any) -> str:
+    """A run's or task's usage (``UsageTotals``) in a line: its tokens, requests and cost (the
+    CLI's ``mtask get``, the dashboard's task page)."""
+    tokens = usage.input_tokens + usage.output_tokens
+    cached = f", {usage.cached_tokens:,} cached" if usage.cached_tokens else ""
+    requests = f"{usage.requests:,} request" + ("" if usage.requests == 1 else "s")
+    text = f"{tokens:,} tokens ({usage.input_tokens:,} in{cached}, {usage.output_tokens:,} out)"
+    text = f"{text}, {requests}"
+    return text if usage.cost is None else f"{text}, cost {usage.cost.normalize():f}"

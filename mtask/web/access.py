@@ -64,6 +64,8 @@ ROUTE_ACTIONS = {
     ("DELETE", "/limits/{name}/groups/{group}"): "limit",
     ("PUT", "/resources/{resource}"): "limit",
     ("DELETE", "/resources/{resource}"): "limit",
+    ("PUT", "/budgets/{scope}/{scope_id}"): "limit",
+    ("DELETE", "/budgets/{scope}/{scope_id}"): "limit",
     ("GET", "/audit"): "audit",
     ("POST", "/triggers/{name}:pause"): "trigger",
     ("POST", "/triggers/{name}:resume"): "trigger",

@@ -23,6 +23,8 @@ from mtask.client import MAX_DELAY_SECONDS, AsyncTaskClient
 from mtask.errors import InvalidTask, TaskNotFound, WaitTimeout
 from mtask.models import (
     MAX_AGE_SECONDS,
+    MAX_COST,
+    MAX_TOKENS,
     TaskKey,
     TaskName,
     TaskOptions,
@@ -167,6 +169,16 @@ class GroupLimitBody(BaseModel):
     burst: int | None = Field(None, ge=1, le=1_000_000)
     weight: float | None = Field(
         None, gt=0, le=1000, description="share of turns among the name's groups (default 1)"
+    )
+
+
+class BudgetBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: int | None = Field(None, ge=0, le=MAX_TOKENS, description="input + output tokens")
+    cost: float | None = Field(None, ge=0, le=MAX_COST, description="in the prices' currency")
+    period: Literal["hour", "day", "week", "month"] | float | None = Field(
+        None, description="per period of the server's clock, in UTC, or seconds (none: ever)"
     )
 
 
@@ -672,6 +684,37 @@ async def clear_resource_limit(resource: str, client: Client) -> Response:
 async def clear_limit(name: str, client: Client) -> Response:
     validate_name(name)
     await client.clear_limit(name)
+    return Response(status_code=204)
+
+
+@router.get("/usage")
+async def usage(
+    client: Client,
+    name: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
+    group: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
+) -> list[dict[str, Any]]:
+    """What task names and groups spent (``ctx.record_usage``; all of them without ``name`` or
+    ``group``): tokens, requests, ``cost_nanos`` (the cost in nano-units of the currency),
+    and each one's budget and its current period's spending (``window``)."""
+    return await client.usage(name, group)
+
+
+@router.put("/budgets/{scope}/{scope_id}")
+async def set_budget(
+    scope: Literal["name", "group"], scope_id: str, body: BudgetBody, client: Client
+) -> dict[str, Any]:
+    """A task name's or a group's budget: past it, a step does not start (docs/usage.md)."""
+    name, group = (scope_id, None) if scope == "name" else (None, scope_id)
+    return await client.set_budget(
+        name, group=group, tokens=body.tokens, cost=body.cost, period=body.period
+    )
+
+
+@router.delete("/budgets/{scope}/{scope_id}", status_code=204, responses=NOT_FOUND)
+async def clear_budget(scope: Literal["name", "group"], scope_id: str, client: Client) -> Response:
+    name, group = (scope_id, None) if scope == "name" else (None, scope_id)
+    if not await client.clear_budget(name, group=group):
+        return JSONResponse({"detail": f"no budget for {scope} {scope_id!r}"}, status_code=404)
     return Response(status_code=204)
 
 

@@ -35,6 +35,7 @@ from mtask.models import Task, TaskStatus
 from mtask.security import encryption
 from mtask.steps import NEVER, signal_fate
 from mtask.store import bulk
+from mtask.usage.rules import usage_text
 from mtask.web import access
 from mtask.web.audit import set_outcome, status_of
 from mtask.web.auth import (
@@ -90,6 +91,7 @@ templates.filters["deadline"] = _deadline
 templates.filters["state_label"] = states.label
 templates.filters["shown"] = encryption.shown
 templates.filters["preview"] = _preview
+templates.filters["usage"] = usage_text
 templates.filters["ticks"] = _ticks
 templates.filters["breakable"] = _breakable
 templates.globals.update(

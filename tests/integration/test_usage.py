@@ -9,13 +9,18 @@ import asyncio
 import contextlib
 from typing import Any
 
-from harness import running_worker
+import usageapp
+from fastapi.testclient import TestClient
+from harness import running_worker, wait_for, worker_process
+from harness.cli import run_cli
 from prometheus_client import REGISTRY
 from pymongo import AsyncMongoClient
 
 from mtask import AsyncTaskClient
 from mtask.registry import Registry, TaskContext
+from mtask.web import create_app
 
+APP = "usageapp:registry"
 registry = Registry()
 registry.price("small", input=1.0, output=4.0, cached=0.5)  # per million tokens
 CALLED: list[str] = []
@@ -69,27 +74,29 @@ async def test_usage_is_totalled_per_run_task_name_and_group(
         other = await _finished(aclient, "u2")
         threaded = await _finished(aclient, "u3")
     assert task.status.value == "succeeded", task
-    small = (600 * 1.0 + 400 * 0.5 + 200 * 4.0 + 2000 * 1.0 + 100 * 4.0) / 1e6
+    # nano-units: (600 x 1 + 400 x 0.5 + 200 x 4 + 2000 x 1 + 100 x 4) per million tokens
+    small = 4_000_000
     usage = task.usage
     assert (usage.input_tokens, usage.output_tokens, usage.cached_tokens) == (3050, 305, 400)
-    assert usage.requests == 3 and abs(usage.cost - small) < 1e-12
+    assert usage.requests == 3 and usage.cost_nanos == small and str(usage.cost) == "0.004000000"
     by_model = {m.model: m for m in usage.models}
     assert by_model["small"].input_tokens == 3000 and by_model["small"].requests == 2
-    assert by_model["big"].cost is None and by_model["big"].output_tokens == 5  # no price
+    assert by_model["big"].cost_nanos is None and by_model["big"].output_tokens == 5  # no price
     assert task.runs[-1].usage is not None and task.runs[-1].usage.input_tokens == 3050
-    assert threaded.usage.requests == 3 and abs(threaded.usage.cost - (10 + 4) / 1e6 - 0.25) < 1e-12
+    assert threaded.usage.requests == 3 and threaded.usage.cost_nanos == 14_000 + 250_000_000
     async with AsyncMongoClient[dict[str, Any]](mongo_uri) as mongo:
         found = mongo[db_name]["tasks.usage"].find({})
         scopes = {(d["_id"]["scope"], d["_id"]["id"]): d async for d in found}
     assert scopes[("group", "acme")]["input_tokens"] == 3050 + 1000
     assert scopes[("name", "chat")]["output_tokens"] == 305 + 200
     assert scopes[("name", "chat")]["requests"] == 4 == task.usage.requests + other.usage.requests
-    assert abs(scopes[("group", "acme")]["cost"] - task.usage.cost - other.usage.cost) < 1e-12
+    acme = scopes[("group", "acme")]["cost_nanos"]
+    assert acme == task.usage.cost_nanos + other.usage.cost_nanos  # exact: integers
     assert scopes[("group", "other")]["requests"] == 3
     input_small = _sample("mtask_tokens_total", name="chat", model="small", kind="input")
     assert input_small - before_tokens == 3000 + 1000
     cost_small = _sample("mtask_cost_total", name="chat", model="small")
-    assert abs(cost_small - before_cost - small - other.usage.cost) < 1e-12
+    assert abs(cost_small - before_cost - (small + other.usage.cost_nanos) / 1e9) < 1e-12
 
 
 @registry.task("spender", options={"retry_delay_ms": 0})
@@ -108,8 +115,10 @@ async def test_a_tasks_budget_stops_the_next_step_and_fails_the_task_naming_it(
             "spender", "b1", {"steps": 5}, options={"budget": {"tokens": 250}, "max_retries": 2}
         )
         await aclient.publish("spender", "b2", {"steps": 2}, options={"budget": {"tokens": 250}})
+        await aclient.publish("spender", "b3", {"steps": 5}, options={"budget": {"cost": 0.0002}})
         task = await _finished(aclient, "b1")
         under = await _finished(aclient, "b2")
+        money = await _finished(aclient, "b3")
     assert task.status.value == "failed" and task.failed_permanently, task
     assert task.error is not None and "the task budget of 250 tokens" in task.error
     assert "300 tokens spent" in task.error
@@ -118,6 +127,11 @@ async def test_a_tasks_budget_stops_the_next_step_and_fails_the_task_naming_it(
     assert task.usage.input_tokens + task.usage.output_tokens == 300
     assert len(task.runs) == 1  # a budget spent is for good: no retry
     assert under.status.value == "succeeded" and under.usage.requests == 2
+    # in money: one step costs 60 x 1 + 40 x 4 per million (0.00022): the second never starts
+    assert money.status.value == "failed" and [s.name for s in money.steps] == ["call0"]
+    assert "the task budget of a cost of 0.0002 (100 tokens, a cost of 0.00022 spent)" in (
+        money.error or ""
+    )
 
 
 async def test_a_task_that_records_no_usage_pays_nothing(
@@ -137,32 +151,24 @@ async def test_a_task_that_records_no_usage_pays_nothing(
         assert "tasks.usage" not in await db.list_collection_names()
 
 
-@registry.task("racer", options={"retry_delay_ms": 0})
-async def racer(params: dict[str, Any], ctx: TaskContext) -> int:
-    for n in range(params["steps"]):
-        await ctx.step(f"call{n}", _slow_call, ctx, f"{ctx.key}:call{n}")
-    return params["steps"]
+async def _registered(aclient: AsyncTaskClient, count: int) -> bool:
+    return len(await aclient.workers()) >= count
 
 
-async def _slow_call(ctx: TaskContext, label: str) -> None:
-    STARTED.append(label)
-    await asyncio.sleep(0.02)  # in flight a while: others start meanwhile
-    await ctx.record_usage("small", input_tokens=70, output_tokens=30)
-
-
-STARTED: list[str] = []
-
-
-async def test_a_groups_budget_raced_by_four_workers_stops_new_steps_within_the_bound(
+async def test_a_groups_budget_raced_by_four_worker_processes_stops_new_steps_within_the_bound(
     aclient: AsyncTaskClient, mongo_uri: str, db_name: str
 ) -> None:
+    """4 worker processes of concurrency 2 race on one group's budget of 1000 tokens: steps
+    stop once it is reached, a step that started is never cut off (each one that said it
+    started was charged), and the total is under the documented bound: the budget plus one
+    step's tokens per run in flight (4 x 2)."""
     await aclient.set_budget(group="tenant", tokens=1000)
     keys = [f"r{i}" for i in range(8)]
-    async with contextlib.AsyncExitStack() as stack:
+    argv = ("--concurrency", "2")
+    with contextlib.ExitStack() as stack:
         for _ in range(4):
-            await stack.enter_async_context(
-                running_worker(registry, mongo_uri, db_name, concurrency=2)
-            )
+            stack.enter_context(worker_process(mongo_uri, db_name, *argv, app=APP))
+        await wait_for(lambda: _registered(aclient, 4), timeout=60, every=0.2)  # all four race
         for key in keys:
             await aclient.publish("racer", key, {"steps": 10}, options={"group": "tenant"})
         tasks = [await _finished(aclient, key) for key in keys]
@@ -170,15 +176,17 @@ async def test_a_groups_budget_raced_by_four_workers_stops_new_steps_within_the_
     total = scope["input_tokens"] + scope["output_tokens"]
     assert total == sum(t.usage.input_tokens + t.usage.output_tokens for t in tasks if t.usage)
     in_flight_at_most = 4 * 2  # workers x concurrency: one step per running task
-    assert 1000 <= total < 1000 + in_flight_at_most * 100, total
+    assert 1000 <= total <= 1000 + in_flight_at_most * usageapp.STEP_TOKENS, total
     for task in tasks:  # every step that started finished and was charged: none was cut off
-        started = [s for s in STARTED if s.startswith(f"{task.key}:")]
-        assert len(started) == len(task.steps) == (task.usage.requests if task.usage else 0)
+        started = [e for e in await aclient.output(task.key) if e.message == "started"]
+        charged = task.usage.requests if task.usage else 0
+        assert len(started) == len(task.steps) == charged, task
         assert all(s.state == "done" for s in task.steps)
     failed = [t for t in tasks if t.status.value == "failed"]
     assert failed and all(
         "the group 'tenant' budget of 1000 tokens" in (t.error or "") for t in failed
     )
+    assert sum(len(t.steps) for t in tasks) < 80  # the budget stopped steps
 
 
 @registry.task("periodic", options={"max_retries": 0})
@@ -209,3 +217,47 @@ async def test_a_per_period_budget_waits_for_the_next_period_holding_no_slot(
     assert first.finished_at is not None
     # the run after the snooze began in a later period of 2 s (both times the server's)
     assert int(last.claimed_at.timestamp()) // 2 > int(first.finished_at.timestamp()) // 2
+
+
+async def test_usage_is_shown_by_mtask_get_rest_and_the_dashboard_and_budgets_set_over_rest(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    async with running_worker(registry, mongo_uri, db_name):
+        await aclient.publish(
+            "chat",
+            "s1",
+            {"calls": [["small", 1000, 200, 400], ["big", 50, 5, 0]]},
+            options={"group": "acme", "budget": {"tokens": 90_000}},
+        )
+        await _finished(aclient, "s1")
+    code, out, _ = run_cli("get", "s1", "--uri", mongo_uri, "--database", db_name, width=160)
+    assert code == 0, out
+    assert "1,255 tokens (1,050 in, 400 cached, 205 out), 2 requests, cost 0.0016" in out
+    assert "small" in out and "big" in out and "90000 tokens (the task)" in out
+    assert "1,255 tok, 0.0016 " in out  # the run's usage in the runs table
+
+    def rest() -> None:
+        with TestClient(create_app(mongo_uri, database=db_name, token="t")) as http:
+            auth = {"Authorization": "Bearer t"}
+            task = http.get("/tasks/s1", headers=auth).json()
+            assert (
+                task["usage"]["input_tokens"] == 1050 and task["usage"]["cost_nanos"] == 1_600_000
+            )
+            assert task["runs"][-1]["usage"]["requests"] == 2
+            assert task["options"]["budget"]["tokens"] == 90_000
+            [acme] = http.get("/usage", params={"group": "acme"}, headers=auth).json()
+            assert (acme["scope"], acme["id"], acme["output_tokens"]) == ("group", "acme", 205)
+            assert acme["cost_nanos"] == 1_600_000
+            put = http.put("/budgets/group/acme", json={"cost": 5, "period": "day"}, headers=auth)
+            assert put.status_code == 200 and put.json()["budget"]["cost_nanos"] == 5 * 10**9
+            bad = http.put("/budgets/group/acme", json={"period": "day"}, headers=auth)
+            assert bad.status_code in (400, 422) and "at least one" in bad.text
+            bad = http.put("/budgets/group/acme", json={"tokens": -1}, headers=auth)
+            assert bad.status_code == 422
+            assert http.put("/budgets/team/x", json={"tokens": 1}, headers=auth).status_code == 422
+            assert http.delete("/budgets/group/acme", headers=auth).status_code == 204
+            assert http.delete("/budgets/group/acme", headers=auth).status_code == 404
+            page = http.get("/ui/tasks/s1", headers=auth).text
+            assert 'id="usage"' in page and "1,255 tokens" in page and "90000 tokens" in page
+
+    await asyncio.to_thread(rest)

@@ -98,8 +98,8 @@ def counted(name: str) -> Any:
             amount = getattr(usage, f"{kind}_tokens")
             if amount:
                 metrics.TOKENS.labels(name=name, model=model, kind=kind).inc(amount)
-        if usage.cost:
-            metrics.COST.labels(name=name, model=model).inc(usage.cost)
+        if usage.cost_nanos:  # Prometheus counts in floating point: its sums are approximate
+            metrics.COST.labels(name=name, model=model).inc(usage.cost_nanos / 1e9)
 
     return count
 
