@@ -42,6 +42,7 @@ from mtask.models import DEFAULT_MAX_PARAMS_BYTES
 from mtask.registry import Registry, TaskContext
 from mtask.steps import MemorySteps, RunSteps
 from mtask.store import Outcome
+from mtask.usage.charges import MemoryUsage, RunUsage
 from mtask.worker.config import DEFAULT_MAX_RESULT_BYTES
 from mtask.worker.inflight import ActiveRun
 from mtask.worker.running.call import HandlerCalls, NoTransactions
@@ -102,6 +103,8 @@ async def arun_handler(
             loop=loop,
             release=made.release,  # what a step says is written once it is recorded
         ),
+        # usage priced from the registry's table, kept in memory (``ctx.usage.recorded``)
+        usage_for=lambda _ctx: RunUsage(MemoryUsage(), prices=registry.prices, loop=loop),
     )
     run = ActiveRun(key=key, name=name, run_id=run_id, ctx=ctx)
     transactions = NoTransactions() if mongo_client is None else _Transactions(mongo_client)
