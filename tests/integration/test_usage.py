@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 from pymongo import AsyncMongoClient
 
 from mtask import AsyncTaskClient
-from mtask.registry import Registry, TaskContext
+from mtask.registry import Registry, Retry, TaskContext
 from mtask.web import create_app
 
 APP = "usageapp:registry"
@@ -132,6 +132,34 @@ async def test_a_tasks_budget_stops_the_next_step_and_fails_the_task_naming_it(
     assert "the task budget of a cost of 0.0002 (100 tokens, a cost of 0.00022 spent)" in (
         money.error or ""
     )
+
+
+@registry.task("retried_spender", options={"retry_delay_ms": 0})
+async def retried_spender(params: dict[str, Any], ctx: TaskContext) -> int:
+    for n in range(5):
+        counts = {"input_tokens": 60, "output_tokens": 40}
+        await ctx.step(f"call{n}", _ask, ctx, f"{ctx.key}:call{n}", "small", **counts)
+        if n == 1 and ctx.attempt == 1:
+            raise Retry("again")
+    return 5
+
+
+async def test_a_tasks_budget_counts_what_its_earlier_runs_spent(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    """The second run replays two steps (charging nothing again) and counts the 200 tokens
+    and 0.00044 the first run spent (its claim reads them) against the task's budget."""
+    async with running_worker(registry, mongo_uri, db_name):
+        await aclient.publish("retried_spender", "t1", {}, options={"budget": {"tokens": 250}})
+        await aclient.publish("retried_spender", "t2", {}, options={"budget": {"cost": 0.0006}})
+        tokens = await _finished(aclient, "t1")
+        money = await _finished(aclient, "t2")
+    for task in (tokens, money):
+        assert task.status.value == "failed" and len(task.runs) == 2, task
+        assert [s.name for s in task.steps] == ["call0", "call1", "call2"]
+        assert task.usage.requests == 3 and task.runs[-1].usage.requests == 1
+    assert "(300 tokens spent)" in (tokens.error or "")
+    assert "a cost of 0.00066 spent" in (money.error or "")
 
 
 async def test_a_task_that_records_no_usage_pays_nothing(
