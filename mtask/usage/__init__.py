@@ -4,7 +4,7 @@ from starting once spent.
 
 - ``rules``: pure: ``Usage`` (one charge), ``Price`` (a model's price, per million tokens),
   ``Budget`` (a limit in tokens or money, optionally per period), the period's arithmetic,
-  ``BudgetExceeded``;
+  money in nano-units (``BudgetExceeded``, a ``Fail``, is ``mtask.BudgetExceeded``);
 - ``charges``: one run's ``RunUsage``: ``ctx.record_usage`` charges through a ``UsageStore``,
   and a step checks the budgets before it starts.
 
@@ -13,7 +13,6 @@ Their writes live in ``mtask.store.usage``; the worker's ``UsageStore`` in
 """
 
 from mtask.models import Budget
-from mtask.registry import BudgetExceeded
 from mtask.usage.rules import (
     KINDS,
     PERIODS,
@@ -27,7 +26,6 @@ __all__ = [
     "KINDS",
     "PERIODS",
     "Budget",
-    "BudgetExceeded",
     "Price",
     "Usage",
     "next_period",

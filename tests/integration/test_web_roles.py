@@ -33,6 +33,8 @@ PARAMS = {
     "schedule_id": "s1",
     "group": "g1",
     "resource": "r1",
+    "scope": "group",
+    "scope_id": "g1",
 }
 
 
