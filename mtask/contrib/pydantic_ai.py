@@ -268,7 +268,7 @@ class MtaskAgent(Generic[DepsT, OutputT]):
                 )
                 out = result.output
                 if not isinstance(out, DeferredToolRequests) or not out.approvals or out.calls:
-                    _record_usage(ctx, result)
+                    await _record_usage(ctx, result)
                     return result
                 results = await self._approvals(ctx, out)
                 history, prompt = result.all_messages(), None
@@ -346,11 +346,12 @@ def _say(ctx: TaskContext, data: Any) -> None:
     ctx.emit(data)
 
 
-def _record_usage(ctx: TaskContext, result: AgentRunResult[Any]) -> None:
-    """The run's tokens to the task's usage, where this mtask has ``ctx.record_usage``."""
-    # USAGE HOOK: the one call site; a no-op until TaskContext.record_usage exists.
-    record = getattr(ctx, "record_usage", None)
-    if record is None:
-        return
+async def _record_usage(ctx: TaskContext, result: AgentRunResult[Any]) -> None:
+    """The run's tokens to the task's usage (``ctx.record_usage``, docs/usage.md)."""
     usage = result.usage()
-    record(input_tokens=usage.input_tokens, output_tokens=usage.output_tokens)
+    await ctx.record_usage(
+        None,
+        input_tokens=usage.input_tokens,
+        output_tokens=usage.output_tokens,
+        requests=usage.requests,
+    )
