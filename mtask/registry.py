@@ -158,30 +158,24 @@ class TaskContext:
 
     @property
     def journal(self) -> RunSteps:
-        """The run's durable steps (docs/steps.md): made on first use, each call step checking
-        the budgets before it starts (``RunUsage.check``)."""
+        """The run's durable steps (docs/steps.md): made on first use; each checks the budgets."""
         if self._steps is None:
             check = functools.partial(_checked, self.usage)  # first: the lock is not reentrant
             with _OUTPUT_LOCK:
                 if self._steps is None:
-                    steps = self.steps_for(self)
-                    steps.calls.gate = check
-                    self._steps = steps
+                    self._steps = _gated(self.steps_for(self), check)
         return self._steps
 
     @property
     def usage(self) -> RunUsage:
         """The run's usage and budgets (docs/usage.md): made on first use."""
-        if self._usage is None:
-            with _OUTPUT_LOCK:
-                if self._usage is None:
-                    self._usage = self.usage_for(self)
-        return self._usage
+        with _OUTPUT_LOCK:
+            made = self._usage = self._usage or self.usage_for(self)
+        return made
 
     async def record_usage(self, model: str | None = None, **counts: Any) -> Usage:
         """Charge what the run just spent (``input_tokens``, ``output_tokens``, ``cached_tokens``,
-        ``requests`` (1), ``cost`` (else priced from ``model``)) to the run, its task, name and
-        group (docs/usage.md). ``LeaseLost`` once the run lost its task."""
+        ``requests`` (1), ``cost`` (else priced from ``model``)); docs/usage.md."""
         self.check_lease()
         return await self.usage.record_said(model, counts, _replaying(self._steps))
 
@@ -399,6 +393,12 @@ def _replaying(steps: RunSteps | None) -> bool:
     from mtask.steps.plan import _IN_STEP
 
     return steps is not None and _IN_STEP.get() is None and steps.journal.replaying()
+
+
+def _gated(steps: RunSteps, check: Callable[[], Coroutine[Any, Any, None]]) -> RunSteps:
+    """``steps`` whose call steps await ``check`` (the run's budgets) before they start."""
+    steps.calls.gate = check
+    return steps
 
 
 async def _checked(usage: RunUsage) -> None:
