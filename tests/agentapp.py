@@ -7,7 +7,11 @@ Every model call and every tool call inserts a row into the test's database (``a
 answers are decided by the conversation alone (how many responses it holds), so a takeover in
 another process continues it. ``hold`` (params: a worker id): that worker's tool ``c`` notes
 ``holding`` and waits forever before it does anything (the test kills it there: the third
-request is recorded, ``c`` is not). ``pause``: the last answer waits after its first delta."""
+request is recorded, ``c`` is not). ``pause``: the last answer waits after its first delta.
+``freeze`` (a worker id): that worker's third request notes ``blocked`` and waits until its
+run is stopped (the test freezes the worker there and resumes it after a takeover), then
+answers. ``bot``'s model is priced
+(``MODEL``); its plain requests report known usage (``reported``)."""
 
 from __future__ import annotations
 
@@ -19,14 +23,24 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic_ai import Agent, DeferredToolRequests, ModelRetry, RunContext
-from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelMessagesTypeAdapter,
+    ModelResponse,
+    TextPart,
+    ToolCallPart,
+)
 from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
+from pydantic_ai.usage import RequestUsage
 from pymongo import AsyncMongoClient
 
 from mtask import Registry, TaskContext
 from mtask.contrib.pydantic_ai import MtaskAgent
 
 registry = Registry()
+MODEL = "agent-model"
+"""``bot``'s model name, priced: 1 per million input tokens, 0.5 cached, 2 output."""
+registry.price(MODEL, input=1, output=2, cached=0.5)
 
 
 @dataclasses.dataclass
@@ -37,6 +51,8 @@ class Deps:
     worker: str
     hold: str | None
     pause: bool = False
+    freeze: str | None = None
+    ctx: TaskContext | None = None
 
 
 _DEPS: contextvars.ContextVar[Deps] = contextvars.ContextVar("agentapp_deps")
@@ -51,6 +67,8 @@ def _deps(params: dict[str, Any], ctx: TaskContext) -> Deps:
         ctx.worker_id,
         params.get("hold"),
         bool(params.get("pause")),
+        params.get("freeze"),
+        ctx,
     )
     _DEPS.set(deps)  # the model function has no deps: it reads them here
     return deps
@@ -65,14 +83,22 @@ def _answered(messages: list[ModelMessage]) -> int:
     return sum(isinstance(m, ModelResponse) for m in messages)
 
 
+def reported(n: int) -> RequestUsage:
+    """What the ``n``-th plain request (from 1) says it used: ``100 n`` tokens in (``20 (n -
+    1)`` of them from the cache), ``10 n`` out."""
+    return RequestUsage(input_tokens=100 * n, output_tokens=10 * n, cache_read_tokens=20 * (n - 1))
+
+
 def _plan(messages: list[ModelMessage]) -> ModelResponse:
     """Requests 1-3 call ``a``, ``b``, ``c``; the 4th answers ``draft`` (which the output
-    validator sends back), the 5th ``final``."""
+    validator sends back), the 5th ``final``; each reports its usage (``reported``)."""
     k = _answered(messages)
     if k < 3:
         tool = "abc"[k]
-        return ModelResponse(parts=[ToolCallPart(tool, {"n": k + 1}, tool_call_id=f"call-{tool}")])
-    return ModelResponse(parts=[TextPart("draft" if k == 3 else "final")])
+        parts: list[Any] = [ToolCallPart(tool, {"n": k + 1}, tool_call_id=f"call-{tool}")]
+    else:
+        parts = [TextPart("draft" if k == 3 else "final")]
+    return ModelResponse(parts=parts, usage=reported(k + 1))
 
 
 async def plain(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
@@ -82,6 +108,9 @@ async def plain(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
 
 async def streamed(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[Any]:
     await _count("model")
+    deps = _DEPS.get()
+    if _answered(messages) == 2 and deps.freeze == deps.worker:
+        await _until_stopped(deps)
     response = _plan(messages)
     part = response.parts[0]
     if isinstance(part, ToolCallPart):
@@ -104,7 +133,33 @@ async def _until_released(deps: Deps) -> None:
         await asyncio.sleep(0.05)
 
 
-bot = Agent(FunctionModel(plain, stream_function=streamed), name="bot", deps_type=Deps)
+async def _until_stopped(deps: Deps) -> None:
+    """``freeze``: note ``blocked``, then wait until the worker stops the run (its lease lost),
+    ignoring the cancellation wherever it comes, and go on answering as if nothing happened."""
+
+    async def blocked() -> None:
+        assert deps.ctx is not None
+        await deps.db["agent_notes"].insert_one({"task": deps.key, "event": "blocked"})
+        async with asyncio.timeout(120):
+            await deps.ctx.cancelled.wait()
+
+    inner = asyncio.ensure_future(blocked())
+    while True:
+        try:
+            await asyncio.shield(inner)
+            return
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            if inner.done():
+                inner.result()
+                return
+
+
+bot = Agent(
+    FunctionModel(plain, stream_function=streamed, model_name=MODEL), name="bot", deps_type=Deps
+)
 
 
 @bot.output_validator
@@ -137,7 +192,27 @@ async def c(ctx: RunContext[Deps], n: int) -> str:
     return await _tool(ctx, "c", n)
 
 
-MtaskAgent(bot).register(registry, deps=_deps)
+bot_agent = MtaskAgent(bot)
+bot_agent.register(registry, deps=_deps)
+
+
+@registry.task("bot_noted")
+async def bot_noted(params: dict[str, Any], ctx: TaskContext) -> Any:
+    """``bot`` (its steps ``bot__…``) in a handler that notes how its run ended in
+        ``agent_notes`` (``event: "ended"``, ``error``: the exception's class name, or ``None``);
+    its result: ``{"output", "messages"}`` (all of the run's, as JSON)."""
+    deps = _deps(params, ctx)
+    note = {"task": ctx.key, "event": "ended", "run_id": ctx.run_id}
+    try:
+        result = await bot_agent.run(params["prompt"], ctx=ctx, deps=deps)
+    except BaseException as exc:
+        await deps.db["agent_notes"].insert_one({**note, "error": type(exc).__name__})
+        raise
+    await deps.db["agent_notes"].insert_one({**note, "error": None})
+    messages = ModelMessagesTypeAdapter.dump_python(result.all_messages(), mode="json")
+    return {"output": result.output, "messages": messages}
+
+
 MtaskAgent(bot, name="quiet", emit=False).register(registry, "bot_plain", deps=_deps)
 
 

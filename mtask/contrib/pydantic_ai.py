@@ -40,6 +40,8 @@ from pydantic_ai.durable_exec import (
     DurableOperationId,
     EventStreamHandlerId,
     JournalCallableOperationBackend,
+    ModelCompactMessagesId,
+    ModelRequestId,
     RoleBasedOperationConfig,
     ToolsetKind,
     conversation_id_from_run_id,
@@ -113,7 +115,10 @@ class _Backend(JournalCallableOperationBackend[Any]):
         async def call() -> str:
             nonlocal called
             called = True
-            return json.dumps(await body(), separators=(",", ":"))
+            result = await body()
+            if isinstance(operation_id, ModelRequestId | ModelCompactMessagesId):
+                await _charge(current.ctx, result, operation_id.model_name)
+            return json.dumps(result, separators=(",", ":"))
 
         text = await current.ctx.step(name, call, policy=_policy(config))
         current.last_replayed = not called
@@ -268,7 +273,6 @@ class MtaskAgent(Generic[DepsT, OutputT]):
                 )
                 out = result.output
                 if not isinstance(out, DeferredToolRequests) or not out.approvals or out.calls:
-                    await _record_usage(ctx, result)
                     return result
                 results = await self._approvals(ctx, out)
                 history, prompt = result.all_messages(), None
@@ -346,12 +350,16 @@ def _say(ctx: TaskContext, data: Any) -> None:
     ctx.emit(data)
 
 
-async def _record_usage(ctx: TaskContext, result: AgentRunResult[Any]) -> None:
-    """The run's tokens to the task's usage (``ctx.record_usage``, docs/usage.md)."""
-    usage = result.usage()
+async def _charge(ctx: TaskContext, response: Any, model: str) -> None:
+    """A model response's usage (``ModelResponse.usage``, as the JSON codec wrote it) charged
+    to the task (``ctx.record_usage``, docs/usage.md) under the response's model name (else the
+    request's model's), priced from ``registry.price``. Called in the request's step, before its
+    record: a replayed request is not called, so it charges nothing again."""
+    fields: dict[str, Any] = response if isinstance(response, dict) else {}
+    usage = fields.get("usage") or {}
     await ctx.record_usage(
-        None,
-        input_tokens=usage.input_tokens,
-        output_tokens=usage.output_tokens,
-        requests=usage.requests,
+        fields.get("model_name") or model or None,
+        input_tokens=int(usage.get("input_tokens") or 0),
+        output_tokens=int(usage.get("output_tokens") or 0),
+        cached_tokens=int(usage.get("cache_read_tokens") or 0),
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections import Counter
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -44,6 +45,30 @@ def _written(client: TaskClient, key: str) -> list[Any]:
     """The chunks of ``key``'s output written so far, in order (read once, not followed)."""
     docs = client.db["tasks.output"].find({"task": key, "kind": "chunk"}).sort("seq", 1)
     return [d["data"] for d in docs]
+
+
+USAGE = ("input_tokens", "output_tokens", "cached_tokens", "requests", "cost_nanos")
+
+
+def _usage(doc: dict[str, Any]) -> dict[str, int]:
+    """A task's (or a run's) usage totals."""
+    return {k: doc["usage"][k] for k in USAGE}
+
+
+def _reported(messages: list[dict[str, Any]]) -> dict[str, int]:
+    """What the model's responses among ``messages`` (as JSON) said they used, summed, and its
+    price (agentapp's: 1 per million tokens in, 0.5 cached, 2 out; in nano-units, per token:
+    1000, 500, 2000)."""
+    used = [m["usage"] for m in messages if m["kind"] == "response"]
+    total = {
+        "input_tokens": sum(u["input_tokens"] for u in used),
+        "output_tokens": sum(u["output_tokens"] for u in used),
+        "cached_tokens": sum(u["cache_read_tokens"] for u in used),
+        "requests": len(used),
+    }
+    fresh = total["input_tokens"] - total["cached_tokens"]
+    cost = 1000 * fresh + 500 * total["cached_tokens"] + 2000 * total["output_tokens"]
+    return {**total, "cost_nanos": cost}
 
 
 def _params(uri: str, db: str, **more: Any) -> dict[str, Any]:
@@ -101,6 +126,62 @@ async def test_a_killed_workers_agent_run_is_finished_by_the_takeover_sending_no
         if p["part_kind"] == "tool-return"
     ]
     assert ids == ["call-a", "call-b", "call-c"]
+    # each request charged once, by the run that sent it: the victim's three, the rescuer's two
+    messages = doc["result"]["messages"]
+    responses = [i for i, m in enumerate(messages) if m["kind"] == "response"]
+    assert _usage(doc) == _reported(messages)
+    assert _usage(doc["runs"][0]) == _reported(messages[: responses[2] + 1])
+    assert _usage(doc["runs"][1]) == _reported(messages[responses[2] + 1 :])
+    assert [m["model"] for m in doc["usage"]["models"]] == ["agent-model"]
+
+
+async def test_a_frozen_workers_late_request_is_refused_after_the_takeover(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """The zombie records two requests and two tool calls and is frozen (SIGSTOP) inside its
+    third request, past its lease; the rescuer takes over, replays the four steps and
+    finishes the run. Resumed (SIGCONT), the zombie's request answers, and its charge and its
+    record meet the fence (``LeaseLost``): nothing of it is written, and it sends nothing more.
+    The recorded requests were sent once each; the third, never recorded by the zombie, twice
+    (once per run: at least once)."""
+    params = _params(mongo_uri, db_name, freeze="zombie")
+    client.publish("bot_noted", "z", params, options=OPTIONS)
+    notes = client.db["agent_notes"]
+    with worker_process(mongo_uri, db_name, "--worker-id", "zombie", app=APP) as zombie:
+        await wait_for(lambda: notes.find_one({"task": "z", "event": "blocked"}), timeout=60)
+        zombie.send_signal(signal.SIGSTOP)
+        try:
+            with worker_process(mongo_uri, db_name, "--worker-id", "rescuer", app=APP):
+                await wait_for(lambda: _task(client, "z")["status"] == "succeeded", timeout=60)
+            finished = _task(client, "z")
+        finally:
+            zombie.send_signal(signal.SIGCONT)
+        first, second = (r["run_id"] for r in finished["runs"])
+        ended = {"task": "z", "event": "ended", "run_id": first}
+        noted = await wait_for(lambda: notes.find_one(ended), timeout=30)
+    assert noted["error"] == "LeaseLost"
+    doc = _task(client, "z")
+    assert [(r["worker_id"], r["state"]) for r in doc["runs"]] == [
+        ("zombie", "TIMEOUT"),
+        ("rescuer", "SUCCESS"),
+    ]
+    # the zombie wrote nothing after the takeover: no step, no run's change, no charge
+    assert doc["steps"] == finished["steps"] and doc["runs"] == finished["runs"]
+    assert doc["usage"] == finished["usage"]
+    assert [(s["name"], s["run_id"]) for s in doc["steps"]] == [
+        (name, first if i < 4 else second) for i, name in enumerate(BOT_STEPS)
+    ]
+    assert _usage(doc) == _reported(doc["result"]["messages"])
+    assert doc["runs"][0]["usage"]["requests"] == 2
+    by_run = Counter((d["run_id"], d["what"]) for d in client.db["agent_calls"].find({"task": "z"}))
+    assert by_run == {
+        (first, "model"): 3,
+        (first, "tool:a"): 1,
+        (first, "tool:b"): 1,
+        (second, "model"): 3,
+        (second, "tool:c"): 1,
+    }
+    assert doc["result"]["output"] == "final"
 
 
 async def test_plain_model_requests_are_steps_too(
@@ -117,6 +198,51 @@ async def test_plain_model_requests_are_steps_too(
         "bot__", "quiet__") for n in BOT_STEPS]  # fmt: skip
     assert _calls(client, "p") == {"model": 5, "tool:a": 1, "tool:b": 1, "tool:c": 1}
     assert doc["result"]["output"] == "final"
+
+
+async def test_each_model_request_charges_what_it_reported_priced(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """Request n reports ``100 n`` tokens in (``20 (n - 1)`` cached) and ``10 n`` out: the
+    task's usage is their sum, 5 requests, under the model's name, priced from
+    ``registry.price`` (1 per million in, 0.5 cached, 2 out)."""
+    client.publish("bot_plain", "u", _params(mongo_uri, db_name), options=OPTIONS)
+    with worker_process(mongo_uri, db_name, app=APP):
+        await wait_for(lambda: _task(client, "u")["status"] == "succeeded", timeout=60)
+    doc = _task(client, "u")
+    fresh, cached, out = 1500 - 200, 200, 150  # n = 1..5
+    assert _usage(doc) == {
+        "input_tokens": 1500,
+        "output_tokens": 150,
+        "cached_tokens": 200,
+        "requests": 5,
+        "cost_nanos": 1000 * fresh + 500 * cached + 2000 * out,
+    }
+    assert _usage(doc) == _reported(doc["result"]["messages"])
+    assert [(m["model"], m["requests"]) for m in doc["usage"]["models"]] == [("agent-model", 5)]
+    assert client.get("u").usage.cost == Decimal("0.0017")
+
+
+async def test_a_task_budget_stops_the_agent_before_the_next_model_request(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """A budget of 1,000 tokens: requests 1-3 spend 660 (110 n each), request 4 is sent whole
+    and charged (1,100 in all: a request in flight is never stopped), then request 5 does not
+    start: the task fails with ``BudgetExceeded`` naming the budget, the model called 4 times."""
+    options = {**OPTIONS, "budget": {"tokens": 1000}}
+    client.publish("bot_plain", "b", _params(mongo_uri, db_name), options=options)
+    with worker_process(mongo_uri, db_name, app=APP):
+        await wait_for(lambda: _task(client, "b")["status"] == "failed", timeout=60)
+    doc = _task(client, "b")
+    assert _calls(client, "b") == {"model": 4, "tool:a": 1, "tool:b": 1, "tool:c": 1}
+    assert doc["usage"]["input_tokens"] + doc["usage"]["output_tokens"] == 1100
+    assert doc["usage"]["requests"] == 4
+    names = [s["name"] for s in doc["steps"]]
+    assert names[-1] == "quiet__model.request#4" and len(names) == 7
+    assert len(doc["runs"]) == 1  # failed for good, no retry
+    assert client.get("b").error == (
+        "failed: budget exceeded: the task budget of 1000 tokens (1100 tokens spent)"
+    )
 
 
 async def test_the_streamed_events_reach_the_tasks_output_in_order(
