@@ -13,7 +13,10 @@ The model's streamed events go to the run's output as they come (``ctx.emit``, u
 ``mtask.follow.output.live``); a tool that needs approval (``requires_approval=True``) ends the
 run ``WAITING`` (``ctx.wait_for``: no slot held) until ``client.signal(key,
 "approval:<tool_call_id>", {"approved": bool, "message": str})``; a refusal reaches the agent as
-Pydantic AI's ``ToolDenied``. Needs ``pip install 'mtask[pydantic-ai]'``.
+Pydantic AI's ``ToolDenied``. Each model request charges its response's usage to the task in
+its step (``ctx.record_usage``, under the model's name: ``registry.price`` prices it; a replay
+charges nothing), and a budget stops the agent before its next step. Needs ``pip install
+'mtask[pydantic-ai]'``.
 """
 
 from __future__ import annotations
