@@ -20,6 +20,7 @@ import contextvars
 import dataclasses
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from pydantic_ai import Agent, DeferredToolRequests, ModelRetry, RunContext
@@ -53,6 +54,7 @@ class Deps:
     pause: bool = False
     freeze: str | None = None
     ctx: TaskContext | None = None
+    uri: str = ""
 
 
 _DEPS: contextvars.ContextVar[Deps] = contextvars.ContextVar("agentapp_deps")
@@ -69,6 +71,7 @@ def _deps(params: dict[str, Any], ctx: TaskContext) -> Deps:
         bool(params.get("pause")),
         params.get("freeze"),
         ctx,
+        params["uri"],
     )
     _DEPS.set(deps)  # the model function has no deps: it reads them here
     return deps
@@ -240,3 +243,32 @@ async def pay(ctx: RunContext[Deps], amount: int) -> str:
 
 
 MtaskAgent(gated, emit=False).register(registry, deps=_deps)
+
+
+async def mcp_model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    """Calls the MCP server's ``note`` (telling it where to count), then says what came back;
+    ``hold`` (a worker id): that worker's second request waits forever (the test kills it)."""
+    await _count("model")
+    deps = _DEPS.get()
+    if _answered(messages) == 0:
+        where = {"uri": deps.uri, "db": deps.db.name, "task": deps.key, "run_id": deps.run_id}
+        return ModelResponse(parts=[ToolCallPart("note", {**where, "n": 1}, tool_call_id="note-1")])
+    if deps.hold == deps.worker:
+        await deps.db["agent_notes"].insert_one({"task": deps.key, "event": "holding"})
+        await asyncio.sleep(3600)
+    last = messages[-1].parts[-1]
+    return ModelResponse(parts=[TextPart(f"mcp said: {getattr(last, 'content', '')}")])
+
+
+try:
+    from pydantic_ai.mcp import MCPToolset
+except ImportError:  # pragma: no cover - pydantic-ai-slim[mcp] is not installed: no mcpbot
+    pass
+else:
+    mcpbot = Agent(
+        FunctionModel(mcp_model, model_name=MODEL),
+        name="mcpbot",
+        deps_type=Deps,
+        toolsets=[MCPToolset(Path(__file__).with_name("mcpserver.py"), id="notes")],
+    )
+    MtaskAgent(mcpbot, emit=False).register(registry, deps=_deps)

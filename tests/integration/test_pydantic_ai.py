@@ -22,6 +22,7 @@ except ImportError:  # pragma: no cover - CI installs the extra
     pydantic_ai = None
 
 OPTIONS = {"worker_timeout_ms": 2000, "ping_interval_ms": 200, "retry_delay_ms": 0}
+MCP_OPTIONS = {**OPTIONS, "worker_timeout_ms": 8000}
 APP = "agentapp:registry"
 
 
@@ -346,3 +347,38 @@ async def test_a_reader_sees_the_models_tokens_before_the_request_is_recorded(
     assert seqs == sorted(set(seqs))
     later = [c["event"] for c in every[len(early) :] if c["event"]["event_kind"] == "part_delta"]
     assert later[0]["delta"]["content_delta"] == "nal"
+
+
+async def test_an_mcp_tool_call_is_a_step_replayed_after_a_takeover(
+    mongo_uri: str, db_name: str, client: TaskClient
+) -> None:
+    """``mcpbot`` calls the tool ``note`` of a stdio MCP server (``tests/mcpserver.py``, which
+    counts its calls), and its worker is killed (SIGKILL) in the next model request; the
+    rescuer replays the MCP call from the record (the server is not asked again) and finishes
+    with what the victim's call answered. A longer lease: the MCP client's first connection
+    in a worker may hold its event loop a while on a loaded machine."""
+    try:
+        import pydantic_ai.mcp  # noqa: F401
+    except ImportError:
+        missing("the MCP client is not installed (pip install 'mtask[pydantic-ai]')")
+    client.publish("mcpbot", "m", _params(mongo_uri, db_name, hold="victim"), options=MCP_OPTIONS)
+    notes = client.db["agent_notes"]
+    with worker_process(
+        mongo_uri, db_name, "--worker-id", "victim", app=APP, crash_expected=True
+    ) as victim:
+        await wait_for(lambda: notes.find_one({"task": "m", "event": "holding"}), timeout=60)
+        victim.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(victim.wait, 10)
+    assert _calls(client, "m") == {"model": 2, "mcp:note": 1}
+    with worker_process(mongo_uri, db_name, "--worker-id", "rescuer", app=APP):
+        await wait_for(lambda: _task(client, "m")["status"] == "succeeded", timeout=60)
+    doc = _task(client, "m")
+    assert _calls(client, "m") == {"model": 3, "mcp:note": 1}
+    assert [(r["worker_id"], r["state"]) for r in doc["runs"]] == [
+        ("victim", "TIMEOUT"),
+        ("rescuer", "SUCCESS"),
+    ]
+    first = doc["runs"][0]["run_id"]
+    calls = [s for s in doc["steps"] if s["name"].startswith("mcpbot__mcp_server__notes.call_tool")]
+    assert [(s["state"], s["attempts"], s["run_id"]) for s in calls] == [("done", 1, first)]
+    assert doc["result"]["output"] == "mcp said: noted 1"
