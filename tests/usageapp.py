@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from pymongo import AsyncMongoClient
+
 from mtask.registry import Registry, TaskContext
 
 registry = Registry()
@@ -27,3 +29,28 @@ async def racer(params: dict[str, Any], ctx: TaskContext) -> int:
     for n in range(params["steps"]):
         await ctx.step(f"call{n}", _slow_call, ctx, n)
     return params["steps"]
+
+
+METERED_TOKENS = 100
+"""What one run of ``metered`` charges to the resource ``llm`` (60 in, 40 out)."""
+_side_clients: dict[str, Any] = {}
+
+
+def _side(params: dict[str, Any]) -> Any:
+    uri = str(params["uri"])
+    if uri not in _side_clients:
+        _side_clients[uri] = AsyncMongoClient(uri, w="majority", tz_aware=True)
+    return _side_clients[uri][str(params["db"])]
+
+
+@registry.task("metered", uses=["llm"], options={"retry_delay_ms": 0})
+async def metered(params: dict[str, Any], ctx: TaskContext) -> int:
+    """One model call through the shared resource ``llm``: its charge bracketed by two notes
+    of the server's time (``charges``: ``before`` and ``after``, by run)."""
+    db = _side(params)
+    notes = db["charges"]
+    await notes.update_one({"_id": ctx.run_id}, [{"$set": {"before": "$$NOW"}}], upsert=True)
+    await ctx.record_usage("small", input_tokens=60, output_tokens=40)
+    after = {"after": "$$NOW", "tokens": METERED_TOKENS, "key": ctx.key}
+    await notes.update_one({"_id": ctx.run_id}, [{"$set": after}])
+    return METERED_TOKENS

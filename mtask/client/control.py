@@ -97,6 +97,7 @@ class Control:
         group_burst: int | None = None,
         overflow: str | None = None,
         names: Sequence[str] | None = None,
+        tokens_per: tuple[int, float] | None = None,
     ) -> Op[dict[str, Any]]:
         """Limit ``name`` across all workers: at most ``concurrency`` runs at once, at most
         ``rate`` claims per second (bursts of ``burst``); and each of its groups
@@ -111,7 +112,11 @@ class Control:
 
         ``overflow``: what the limit does with a task it refuses: ``"queue"`` (the default: it
         waits for a slot), ``"drop"`` (cancelled at once) or ``"fail"`` (failed for good at
-        once), its ``error`` saying why (a lossy limit)."""
+        once), its ``error`` saying why (a lossy limit).
+
+        ``tokens_per=(N, seconds)`` (a resource's only): at most ``N`` tokens charged in each
+        window of that many seconds by the runs that use it (``ctx.record_usage``); a run takes
+        the resource only while the window's count is below ``N``."""
         own = limits.Limit(concurrency, rate, burst)
         group = limits.Limit(group_concurrency, group_rate, group_burst)
         now = self.core.clock.now()
@@ -120,9 +125,14 @@ class Control:
                 raise InvalidTask(
                     "a resource's limit takes no name and no group_…", field="resource"
                 )
-            return (yield from store_limits.set_resource_limit(resource, own, now, overflow, names))
-        if names is not None:
-            raise InvalidTask("only a resource's limit takes names", field="names")
+            return (
+                yield from store_limits.set_resource_limit(
+                    resource, own, now, overflow, names, tokens_per
+                )
+            )
+        if names is not None or tokens_per is not None:
+            field = "names" if names is not None else "tokens_per"
+            raise InvalidTask(f"only a resource's limit takes {field}", field=field)
         return (
             yield from store_limits.set_limit(
                 validate_name(name), own, group, now, overflow=overflow

@@ -38,6 +38,7 @@ from bson.decimal128 import Decimal128
 
 from mtask.driver import Doc
 from mtask.errors import InvalidTask
+from mtask.limits import measured
 from mtask.models import MAX_NAME_LENGTH, UNENCODABLE, encodable, validate_name
 
 MAX_LIMIT_CONCURRENCY = 1_000_000
@@ -182,6 +183,8 @@ CONFIG_FIELDS = {
     "group_rate": 1,
     "group_burst": 1,
     "overflow": 1,
+    measured.LIMIT: 1,
+    measured.WINDOW: 1,
 }
 
 GROUP_SEPARATOR = "\x00"
@@ -387,6 +390,8 @@ READ_FIELDS = {
     "tokens": 1,
     "refilled_at": 1,
     SLOT_RUNS: 1,
+    measured.AT: 1,
+    measured.USED: 1,
 }
 
 
@@ -422,7 +427,8 @@ def retry_at(doc: Doc, now: dt.datetime, group: str | None = None) -> dt.datetim
     (a slot may free sooner, when a run ends: the worker hears of that from the change
     stream), and the back-off holding it back has ended."""
     waits = [0.0, *_hold_waits(doc, now, group)]
-    waits += [w for w in (_token_wait(doc, now), _slot_wait(doc, now)) if w is not None]
+    found = (_token_wait(doc, now), _slot_wait(doc, now), measured.window_wait(doc, now))
+    waits += [w for w in found if w is not None]
     return now + dt.timedelta(seconds=max(waits) + 0.001)
 
 
@@ -617,6 +623,7 @@ def restricts(doc: Mapping[str, Any]) -> bool:
         or group_limit(doc).set
         or any(o.limits for o in overrides(doc).values())
         or has_holds(doc)
+        or measured.of(doc) is not None
     )
 
 

@@ -11,6 +11,7 @@ from pymongo import ReturnDocument
 
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask
+from mtask.limits import measured
 from mtask.limits.rules import (
     CONFIG_FIELDS,
     GROUP_SEPARATOR,
@@ -44,18 +45,22 @@ def set_resource_limit(
     now: dt.datetime,
     overflow: str | None = None,
     names: Sequence[str] | None = None,
+    tokens_per: object = None,
 ) -> Op[Doc]:
     """Create or change the limit of the shared resource ``resource``: every task
     whose name uses it (``@registry.task(uses=[...])``, or ``names`` here) takes a slot of it
     too, exactly as of a name's own limit, in the same bulk write. A resource has no groups.
-    ``names``: its declared users from now on (``None``: as they were)."""
+    ``names``: its declared users from now on (``None``: as they were). ``tokens_per``: ``(N,
+    seconds)``, at most ``N`` tokens charged a window (``mtask.limits.measured``); ``None``:
+    none (the current window's count is kept)."""
     resource = validate_resource(resource)
     users_now = None if names is None else validate_users(names)
-    if not own.set:
-        raise InvalidTask("give concurrency or rate", field="limit")
+    per = None if tokens_per is None else measured.validate(tokens_per)
+    if not own.set and per is None:
+        raise InvalidTask("give concurrency, rate or tokens_per", field="limit")
     slot = resource_slot(resource)
     doc: Doc = yield from set_limit(
-        slot, own, Limit(), now, resource=resource, overflow=overflow, users=users_now
+        slot, own, Limit(), now, resource=resource, overflow=overflow, users=users_now, per=per
     )
     return doc
 
@@ -68,6 +73,7 @@ def set_limit(
     resource: str | None = None,
     overflow: str | None = None,
     users: list[str] | None = None,
+    per: tuple[int, int] | None = None,
 ) -> Op[Doc]:
     """Create or change the limit of ``name`` (and of each of its groups). Slots held and
     tokens left are kept; a new bucket starts full. The groups' documents take the new
@@ -75,11 +81,14 @@ def set_limit(
     in towards the new limit when it hears of it (``slots.join``). A limit that makes the groups
     sequences notes when (``SLOT_RUNS``). ``resource``: ``name`` is the ``_id`` of that shared
     resource's document (``set_resource_limit`` checked it), which says its name; ``users``:
-    its declared users (``RESOURCE_USERS``), if given."""
+    its declared users (``RESOURCE_USERS``), if given; ``per``: its limit in tokens (``N``,
+    window in milliseconds), if any."""
     extra: Doc = {"overflow": validate_overflow(overflow)}
     if resource is not None:
         own = _validate_one(own, "")
         extra["resource"] = {"$literal": resource}
+        extra[measured.LIMIT] = None if per is None else per[0]
+        extra[measured.WINDOW] = None if per is None else per[1]
         if users is not None:
             extra[RESOURCE_USERS] = {"$literal": users}
     else:

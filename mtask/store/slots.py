@@ -12,6 +12,7 @@ from pymongo import UpdateMany, UpdateOne
 from pymongo.errors import BulkWriteError
 
 from mtask.driver import DUPLICATE_KEY, Call, Doc, Op
+from mtask.limits import measured
 from mtask.limits.rules import (
     BUCKET_CLOCK_SLACK,
     GROUP_HOLDS,
@@ -102,6 +103,7 @@ def _filter(request: Request, now: dt.datetime) -> Doc:
             {"$or": [{"$not": [{"$isNumber": conc}]}, room]},
             {"$or": [{"$not": [{"$isNumber": rate}]}, {"$gte": [tokens, units]}]},
             *_not_held(request, now),
+            *([measured.room()] if is_resource(request.slot) else []),
         ]
     }
     # a name's document must exist: a cleared limit is not made again (one written by hand
@@ -307,6 +309,7 @@ def _take_exact(
                 "refilled_at": 1,
                 HELD_UNTIL: 1,
                 GROUP_HOLDS: 1,
+                **dict.fromkeys(measured.FIELDS, 1),
             },
         ),
         collection="limits",
@@ -423,6 +426,21 @@ def join(
         yield Call("bulk_write", (ops,), {"ordered": True}, collection="limits")
     for slot in made:
         known.add(slot)
+
+
+def charge_measured(slots: Sequence[str], tokens: int) -> Op[None]:
+    """Charge ``tokens`` to the current window of each shared resource of ``slots`` that has a
+    limit in tokens (``mtask.limits.measured``): one update, on the server's clock."""
+    if not slots or tokens <= 0:
+        return
+    yield Call(
+        "update_many",
+        (
+            {"_id": {"$in": sorted(slots)}, measured.LIMIT: {"$type": "number"}},
+            measured.charged(tokens, TAKEN_AT),
+        ),
+        collection="limits",
+    )
 
 
 def release(by_slot: Mapping[str, Sequence[str]]) -> Op[None]:

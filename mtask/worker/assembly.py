@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ from pymongo.asynchronous.database import AsyncDatabase
 from mtask import driver
 from mtask.clock import Clock, ServerClock
 from mtask.connection.clients import WORKER_CLIENT_OPTIONS, async_client, sync_client
+from mtask.limits.measured import slots_of as measured_slots
 from mtask.registry import Registry
 from mtask.worker import claiming, finding, maintenance, reacting, running
 from mtask.worker.claim_queue import ClaimQueue, GroupWeights
@@ -169,6 +171,7 @@ def build(
         slots=gate.slots,
         held=gate.gate.apply,
         stats=stats,
+        measured=functools.partial(measured_slots, uses=gate.gate.uses, docs=gate.gate.limited),
         emit=emit,
         wake=wake,
         wires=wires,

@@ -134,6 +134,7 @@ def build(
     slots: RunSlots | None,
     held: Callable[[str, Doc], None],
     stats: WorkerStats,
+    measured: Callable[[str], tuple[str, ...]] | None = None,
     emit: Emitter,
     wake: asyncio.Event,
     wires: Wires,
@@ -169,7 +170,7 @@ def build(
             adriver, clock, transactions, watched=registry.watched, options_for=registry.options_for
         ),
         leases=pinger,
-        usages=RunUsages(adriver, clock, registry.prices),
+        usages=RunUsages(adriver, clock, registry.prices, measured=measured),
     )
     calls = HandlerCalls(
         outcomes,

@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from mtask import metrics
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver, Doc
+from mtask.store import slots
 from mtask.store import usage as store_usage
 from mtask.usage.charges import RunUsage
 from mtask.usage.rules import Price, Usage
@@ -65,8 +66,11 @@ class TaskUsage:
         run_id: str,
         name: str,
         group: str | None,
+        resources: tuple[str, ...] = (),
     ) -> None:
         self.driver = driver
+        self.resources = resources
+        """The slots of the shared resources with a limit in tokens the run's name takes."""
         self.clock = clock
         self.budgets = budgets
         self.key = key
@@ -79,6 +83,8 @@ class TaskUsage:
         return self.clock.now()
 
     async def charge(self, usage: Usage) -> None:
+        if self.resources:  # first: the provider counted these tokens, whatever the run's fate
+            await self.driver.run(slots.charge_measured(self.resources, usage.tokens))
         await self.driver.run(store_usage.charge_task(self.key, self.run_id, usage))
         await self.driver.run(store_usage.charge_scopes(self.scopes, usage))
 
@@ -108,9 +114,15 @@ class RunUsages:
     """Makes each run's ``RunUsage`` on first use (``TaskContext.usage_for``)."""
 
     def __init__(
-        self, driver: AsyncDriver, clock: Clock, prices: Mapping[str, Price] | None = None
+        self,
+        driver: AsyncDriver,
+        clock: Clock,
+        prices: Mapping[str, Price] | None = None,
+        measured: Callable[[str], tuple[str, ...]] | None = None,
     ) -> None:
         self.driver = driver
+        self.measured = measured
+        """The slots of the resources with a limit in tokens a name's runs take (the gate's)."""
         self.clock = clock
         self.prices = dict(prices or {})
         self.budgets = Budgets(driver)
@@ -127,6 +139,7 @@ class RunUsages:
             ctx.run_id,
             ctx.name,
             options.get("group"),
+            () if self.measured is None else self.measured(ctx.name),
         )
         return RunUsage(
             store,

@@ -1,0 +1,128 @@
+"""A shared resource's limit in measured units (docs/flow-control.md#limits-in-tokens): at most
+``N`` tokens a window (``set_limit(resource=…, tokens_per=(N, seconds))``), counted as the
+runs that use it charge them (``ctx.record_usage``: input + output tokens), since a call's size
+is known only once it has returned.
+
+The resource's document holds the limit and the current window::
+
+    {measured_limit: N, measured_window_ms: W, measured_at: date, measured_used: tokens}
+
+Windows are fixed, ``W`` milliseconds long, aligned on the epoch of the server's clock
+(``$$NOW``): ``measured_at`` is the start of the window ``measured_used`` counts. A take of the
+resource's slot is admitted only while the current window's count is below ``N`` (a
+``measured_at`` of an older window counts nothing): one more term of the take's filter
+(``room``). A charge adds its tokens to the current window, starting it afresh if the stored one
+is older (``charged``): one update. Both read the window from ``$$NOW``, never a worker's clock.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from mtask.driver import Doc
+from mtask.errors import InvalidTask
+
+LIMIT = "measured_limit"
+WINDOW = "measured_window_ms"
+AT = "measured_at"
+USED = "measured_used"
+FIELDS = (LIMIT, WINDOW, AT, USED)
+
+MAX_TOKENS = 10**15
+MAX_WINDOW_S = 31 * 24 * 3600.0
+
+
+def validate(tokens_per: object) -> tuple[int, int]:
+    """``tokens_per=(N, seconds)``: ``N`` an integer from 1 to ``MAX_TOKENS``, the window a
+    number of seconds above 0 (at least a millisecond) and at most 31 days. Returns ``(N,
+    window in milliseconds)``."""
+    if not isinstance(tokens_per, tuple | list) or len(tokens_per) != 2:
+        raise InvalidTask("must be a pair (tokens, seconds)", field="tokens_per")
+    tokens, seconds = tokens_per
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_TOKENS:
+        raise InvalidTask(
+            f"the tokens must be an integer from 1 to {MAX_TOKENS}", field="tokens_per"
+        )
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, int | float)
+        or not math.isfinite(seconds)
+        or not 0.001 <= seconds <= MAX_WINDOW_S
+    ):
+        raise InvalidTask(
+            "the window must be a number of seconds from 0.001 to 31 days", field="tokens_per"
+        )
+    return tokens, round(seconds * 1000)
+
+
+def of(doc: Mapping[str, Any] | None) -> tuple[int, int] | None:
+    """A document's limit in tokens ``(N, window ms)``, or ``None`` if it sets none (as the
+    take reads it: both numbers)."""
+    if doc is None:
+        return None
+    limit, window = doc.get(LIMIT), doc.get(WINDOW)
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (limit, window)):
+        return None
+    return int(limit), max(1, int(window))  # type: ignore[arg-type]
+
+
+def _window_start() -> Doc:
+    """The start of the current window, on the server's clock (a window written by hand below
+    a millisecond is read as one)."""
+    width = {"$max": [1, {"$toLong": f"${WINDOW}"}]}
+    return {"$subtract": ["$$NOW", {"$mod": [{"$toLong": "$$NOW"}, width]}]}
+
+
+def _is_set() -> Doc:
+    return {"$and": [{"$isNumber": f"${LIMIT}"}, {"$isNumber": f"${WINDOW}"}]}
+
+
+def room() -> Doc:
+    """The take's term: no limit in tokens, or a window with room (its count below ``N``; a
+    stored window older than the current one counts nothing)."""
+    return {
+        "$or": [
+            {"$not": [_is_set()]},
+            {"$ne": [f"${AT}", _window_start()]},
+            {"$lt": [{"$ifNull": [f"${USED}", 0]}, f"${LIMIT}"]},
+        ]
+    }
+
+
+def charged(tokens: int, taken_at: str) -> list[Doc]:
+    """The update of a resource's document charging ``tokens`` to its current window (a
+    stored window older than it starts afresh); ``taken_at``: the field the workers' change
+    streams leave out (a charge frees no room: nobody waiting needs to hear of it)."""
+    start = _window_start()
+    used = {
+        "$cond": [
+            {"$eq": [f"${AT}", start]},
+            {"$add": [{"$ifNull": [f"${USED}", 0]}, tokens]},
+            tokens,
+        ]
+    }
+    return [{"$set": {USED: used, AT: start, taken_at: "$$NOW"}}]
+
+
+def window_wait(doc: Mapping[str, Any], now: dt.datetime) -> float | None:
+    """Seconds until a resource whose current window is full (as read) has room again: the
+    window's end (``None``: no limit in tokens, or room now)."""
+    limit = of(doc)
+    at, used = doc.get(AT), doc.get(USED)
+    if limit is None or not isinstance(at, dt.datetime) or not isinstance(used, int | float):
+        return None
+    ends = at + dt.timedelta(milliseconds=limit[1])
+    if used < limit[0] or ends <= now:
+        return None
+    return (ends - now).total_seconds()
+
+
+def slots_of(
+    name: str, uses: Mapping[str, tuple[str, ...]], docs: Mapping[str, Mapping[str, Any]]
+) -> tuple[str, ...]:
+    """The slots of the shared resources with a limit in tokens that ``name``'s runs take
+    (``uses``: a worker's ``LimitGate.uses``; ``docs``: its limit documents as last read)."""
+    return tuple(s for s in uses.get(name, ()) if of(docs.get(s)) is not None)
