@@ -47,8 +47,9 @@ def cmd_limit(args: argparse.Namespace) -> int:
         raise UsageError("give a task name, or --resource NAME (a shared resource), not both")
     if args.resource is not None:
         return _resource_limit(args)
-    if args.names is not None:
-        raise UsageError("--names belongs to a shared resource's limit: give --resource")
+    if args.names is not None or args.tokens is not None:
+        flag = "--names" if args.names is not None else "--tokens"
+        raise UsageError(f"{flag} belongs to a shared resource's limit: give --resource")
     if args.group is not None:
         return _group_limit(args)
     if args.weight is not None:
@@ -93,19 +94,24 @@ def _resource_limit(args: argparse.Namespace) -> int:
         raise UsageError("a resource has no groups: --concurrency, --rate and --burst only")
     with task_client(args) as client:
         if args.clear:
-            given = (args.concurrency, args.rate, args.burst, args.overflow, args.names)
-            if any(v is not None for v in given):
+            settings = (
+                args.concurrency, args.rate, args.burst, args.overflow, args.names, args.tokens
+            )  # fmt: skip
+            if any(v is not None for v in settings):
                 raise UsageError(
-                    "--clear takes no --concurrency, --rate, --burst, --overflow or --names"
+                    "--clear takes no --concurrency, --rate, --burst, --overflow, --names or "
+                    "--tokens"
                 )
             found = client.clear_limit(resource=args.resource)
             said = "limit removed" if found else "had no limit"
             out.print(f"resource {args.resource}: {said}", markup=False)
             return 0
+        from mtask.limits import measured
         from mtask.limits.rules import parse_rate
 
         doc = client.set_limit(
             resource=args.resource,
+            tokens_per=None if args.tokens is None else measured.parse(args.tokens),
             concurrency=args.concurrency,
             rate=parse_rate(args.rate) if args.rate is not None else None,
             burst=args.burst,
@@ -191,6 +197,9 @@ def _describe_limit(doc: Mapping[str, Any]) -> str:
     if doc.get("group_rate") is not None:
         burst = doc.get("group_burst") or 1
         parts.append(f"{doc['group_rate']:g}/s per group (bursts of {burst:g})")
+    if doc.get("measured_limit") is not None and doc.get("measured_window_ms") is not None:
+        window = doc["measured_window_ms"] / 1000
+        parts.append(f"at most {doc['measured_limit']} tokens each {window:g} s")
     if doc.get("overflow") in ("drop", "fail"):
         parts.append(f"the excess {'dropped' if doc['overflow'] == 'drop' else 'failed'} at once")
     if isinstance(found := doc.get("group_overrides"), list) and found:
@@ -433,6 +442,12 @@ def register(sub: Any) -> None:
         "--names",
         help="with --resource: the task names that take a slot of it besides those whose "
         "handler declares uses=, comma-separated (replaces the list; '' empties it)",
+    )
+    p.add_argument(
+        "--tokens",
+        help="with --resource: at most this many tokens charged (ctx.record_usage) in each "
+        "window, e.g. 90000/m, 5000/s, 500/30 (a window of 30 s); a run takes the resource "
+        "only while its window's count is below it",
     )
     p.add_argument("--concurrency", type=int, help="at most this many runs at once")
     p.add_argument("--rate", help="at most this many claims, e.g. 10/s, 600/m, 3600/h")

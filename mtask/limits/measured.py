@@ -58,6 +58,30 @@ def validate(tokens_per: object) -> tuple[int, int]:
     return tokens, round(seconds * 1000)
 
 
+def parse(text: str) -> tuple[int, float]:
+    """``"90000/m"``, ``"5000/s"``, ``"2000000/h"`` or ``"500/30"`` (a window of 30 seconds):
+    ``(tokens, seconds)``, checked by ``validate``."""
+    value, _, unit = text.strip().partition("/")
+    unit = unit.strip().lower()
+    seconds: float | None = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}.get(unit)
+    if seconds is None:
+        try:
+            seconds = float(unit)
+        except ValueError:
+            seconds = None
+    try:
+        tokens = int(value)
+    except ValueError:
+        tokens = None
+    if seconds is None or tokens is None:
+        raise InvalidTask(
+            f"{text!r} is not a number of tokens a window like 90000/m, 5000/s or 500/30",
+            field="tokens_per",
+        )
+    validate((tokens, seconds))
+    return tokens, seconds
+
+
 def of(doc: Mapping[str, Any] | None) -> tuple[int, int] | None:
     """A document's limit in tokens ``(N, window ms)``, or ``None`` if it sets none (as the
     take reads it: both numbers)."""

@@ -159,6 +159,12 @@ class ResourceLimitBody(BaseModel):
         description="task names whose every run takes a slot of it, besides those whose "
         "handler declares uses= (replaces the list; absent: as it was)",
     )
+    tokens_per: tuple[int, float] | None = Field(
+        None,
+        description="[tokens, seconds]: at most that many tokens charged (ctx.record_usage) in "
+        "each window of that many seconds; a run takes the resource only while its window's "
+        "count is below it",
+    )
 
 
 class GroupLimitBody(BaseModel):
@@ -671,6 +677,7 @@ async def set_resource_limit(resource: str, body: ResourceLimitBody, client: Cli
         burst=body.burst,
         overflow=body.overflow,
         names=body.names,
+        tokens_per=body.tokens_per,
     )
 
 

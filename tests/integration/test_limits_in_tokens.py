@@ -13,11 +13,14 @@ from typing import Any
 
 import pytest
 import usageapp
-from harness import wait_for, worker_process
+from fastapi.testclient import TestClient
+from harness import running_worker, wait_for, worker_process
+from harness.cli import run_cli
 from pymongo import MongoClient
 
 from mtask import AsyncTaskClient, InvalidTask
 from mtask.limits import measured
+from mtask.web import create_app
 
 APP = "usageapp:registry"
 LIMIT = 250
@@ -97,3 +100,44 @@ async def test_only_a_resource_takes_a_limit_in_tokens_and_one_without_charges_n
     doc = await aclient.set_limit(resource="llm", tokens_per=(100, 60))  # tokens alone
     assert (doc[measured.LIMIT], doc[measured.WINDOW]) == (100, 60_000)
     assert measured.slots_of("metered", {"metered": ("\x00llm",)}, {"\x00llm": doc}) == ("\x00llm",)
+
+
+def test_a_limit_in_tokens_is_set_by_the_cli_and_rest_and_bad_input_refused(
+    mongo: MongoClient[dict[str, Any]], mongo_uri: str, db_name: str
+) -> None:
+    at = ("--uri", mongo_uri, "--database", db_name)
+    code, out, _ = run_cli("limit", "--resource", "llm", "--tokens", "500/30", *at, width=160)
+    assert code == 0 and "at most 500 tokens each 30 s" in out, out
+    doc = mongo[db_name]["limits"].find_one({"_id": "\x00llm"})
+    assert doc is not None and (doc[measured.LIMIT], doc[measured.WINDOW]) == (500, 30_000)
+    for bad in ("-5/m", "5/0", "many/m", "5/fortnight"):
+        code, _, err = run_cli("limit", "--resource", "llm", f"--tokens={bad}", *at)
+        assert code == 2 and "tokens_per" in err, (bad, err)
+    code, _, err = run_cli("limit", "work", "--tokens", "5/m", *at)
+    assert code == 2 and "--tokens belongs to a shared resource's limit" in err
+    with TestClient(create_app(mongo_uri, database=db_name, token="t")) as http:
+        auth = {"Authorization": "Bearer t"}
+        put = http.put("/resources/llm", json={"tokens_per": [9000, 60]}, headers=auth)
+        assert put.status_code == 200 and put.json()[measured.LIMIT] == 9000, put.text
+        for bad in ([-1, 60], [100, 0], [100]):
+            answer = http.put("/resources/llm", json={"tokens_per": bad}, headers=auth)
+            assert answer.status_code == 422, (bad, answer.text)
+    doc = mongo[db_name]["limits"].find_one({"_id": "\x00llm"})
+    assert doc is not None and (doc[measured.LIMIT], doc[measured.WINDOW]) == (9000, 60_000)
+
+
+async def test_a_limit_in_tokens_alone_holds_the_next_run_until_the_next_window(
+    aclient: AsyncTaskClient, mongo: MongoClient[dict[str, Any]], mongo_uri: str, db_name: str
+) -> None:
+    """No concurrency, no rate: a run that charged the window full (100 of 50) keeps the next
+    one out until the window ends, on the server's clock."""
+    width_ms = 3000
+    await aclient.set_limit(resource="llm", tokens_per=(50, width_ms / 1000))
+    params = {"uri": mongo_uri, "db": db_name}
+    async with running_worker(usageapp.registry, mongo_uri, db_name):
+        for key in ("a1", "a2"):  # one after the other: both in flight would both be admitted
+            await aclient.publish("metered", key, params)
+            assert (await asyncio.wait_for(aclient.wait(key), 60)).status.value == "succeeded"
+    notes = {n["key"]: n for n in mongo[db_name]["charges"].find()}
+    first = int(notes["a1"]["after"].timestamp() * 1000) // width_ms
+    assert int(notes["a2"]["before"].timestamp() * 1000) // width_ms > first, notes
