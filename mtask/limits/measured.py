@@ -33,6 +33,7 @@ FIELDS = (LIMIT, WINDOW, AT, USED)
 
 MAX_TOKENS = 10**15
 MAX_WINDOW_S = 31 * 24 * 3600.0
+MAX_WINDOW_MS = int(MAX_WINDOW_S * 1000)
 
 
 def validate(tokens_per: object) -> tuple[int, int]:
@@ -84,19 +85,35 @@ def parse(text: str) -> tuple[int, float]:
 
 def of(doc: Mapping[str, Any] | None) -> tuple[int, int] | None:
     """A document's limit in tokens ``(N, window ms)``, or ``None`` if it sets none (as the
-    take reads it: both numbers)."""
+    take reads it: both numbers; a window written by hand out of range is read as the take
+    reads it, ``_width``)."""
     if doc is None:
         return None
     limit, window = doc.get(LIMIT), doc.get(WINDOW)
     if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (limit, window)):
         return None
-    return int(limit), max(1, int(window))  # type: ignore[arg-type]
+    assert isinstance(limit, int | float) and isinstance(window, int | float)
+    width = 1 if window != window else int(max(1, min(window, MAX_WINDOW_MS)))
+    if limit != limit:  # NaN: no count is below it
+        return 0, width
+    return (math.ceil(limit) if math.isfinite(limit) else MAX_TOKENS), width
+
+
+def _width() -> Doc:
+    """The window in milliseconds, as a long: one written by hand below a millisecond (or NaN,
+    or no number) is read as one, above 31 days as 31 days (no conversion can fail)."""
+    bounded = {"$max": [1, {"$min": [f"${WINDOW}", MAX_WINDOW_MS]}]}
+    return {"$toLong": {"$cond": [{"$isNumber": f"${WINDOW}"}, bounded, 1]}}
+
+
+def _used() -> Doc:
+    """The stored window's count (one written by hand that is no number: none)."""
+    return {"$cond": [{"$isNumber": f"${USED}"}, f"${USED}", 0]}
 
 
 def _window_start() -> Doc:
-    """The start of the current window, on the server's clock (a window written by hand below
-    a millisecond is read as one)."""
-    width = {"$max": [1, {"$toLong": f"${WINDOW}"}]}
+    """The start of the current window, on the server's clock."""
+    width = _width()
     return {"$subtract": ["$$NOW", {"$mod": [{"$toLong": "$$NOW"}, width]}]}
 
 
@@ -111,7 +128,7 @@ def room() -> Doc:
         "$or": [
             {"$not": [_is_set()]},
             {"$ne": [f"${AT}", _window_start()]},
-            {"$lt": [{"$ifNull": [f"${USED}", 0]}, f"${LIMIT}"]},
+            {"$lt": [_used(), f"${LIMIT}"]},
         ]
     }
 
@@ -124,7 +141,7 @@ def charged(tokens: int, taken_at: str) -> list[Doc]:
     used = {
         "$cond": [
             {"$eq": [f"${AT}", start]},
-            {"$add": [{"$ifNull": [f"${USED}", 0]}, tokens]},
+            {"$add": [_used(), tokens]},
             tokens,
         ]
     }

@@ -436,7 +436,11 @@ def charge_measured(slots: Sequence[str], tokens: int) -> Op[None]:
     yield Call(
         "update_many",
         (
-            {"_id": {"$in": sorted(slots)}, measured.LIMIT: {"$type": "number"}},
+            {
+                "_id": {"$in": sorted(slots)},
+                measured.LIMIT: {"$type": "number"},
+                measured.WINDOW: {"$type": "number"},
+            },
             measured.charged(tokens, TAKEN_AT),
         ),
         collection="limits",

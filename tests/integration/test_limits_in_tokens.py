@@ -141,3 +141,27 @@ async def test_a_limit_in_tokens_alone_holds_the_next_run_until_the_next_window(
     notes = {n["key"]: n for n in mongo[db_name]["charges"].find()}
     first = int(notes["a1"]["after"].timestamp() * 1000) // width_ms
     assert int(notes["a2"]["before"].timestamp() * 1000) // width_ms > first, notes
+
+
+@pytest.mark.parametrize(
+    ("window", "used", "room"),
+    [
+        ("60000", 10**6, True),  # a window that is no number: no limit in tokens
+        (float("nan"), 5, True),  # read as 1 ms: the stored window is an older one
+        (-3, 5, True),
+        (float("inf"), 99, True),  # read as 31 days, the stored window's start is not it
+        (60_000, "many", True),  # a count that is no number counts nothing
+    ],
+)
+def test_a_limit_in_tokens_written_by_hand_never_breaks_a_take_or_a_charge(
+    mongo: MongoClient[dict[str, Any]], db_name: str, window: Any, used: Any, room: bool
+) -> None:
+    limits = mongo[db_name]["limits"]
+    at = dt.datetime(2020, 1, 1, tzinfo=dt.UTC)
+    fields = {measured.LIMIT: 10, measured.WINDOW: window, measured.AT: at, measured.USED: used}
+    limits.insert_one({"_id": "\x00llm", **fields})
+    [found] = limits.aggregate([{"$project": {"room": measured.room()}}])
+    assert found["room"] is room
+    limits.update_one({"_id": "\x00llm"}, measured.charged(7, "taken_at"))
+    doc = limits.find_one({"_id": "\x00llm"})
+    assert doc is not None and (isinstance(window, str) or doc[measured.USED] == 7), doc
