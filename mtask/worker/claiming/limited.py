@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mtask.limits import measured
 from mtask.limits import rules as limits
 from mtask.limits.slots import Request
 from mtask.worker.finding.placement import TaskMeta
@@ -277,7 +278,9 @@ class _Planner:
         for slot in self.uses.get(name, ()):
             doc = self.limited.get(slot)
             if isinstance(doc, Mapping) and (
-                (limit := limits.own_limit(doc)).set or limits.has_holds(doc)
+                (limit := limits.own_limit(doc)).set
+                or limits.has_holds(doc)
+                or measured.of(doc) is not None  # its take decides the window's room
             ):
                 out.append((slot, limit))
         return out
