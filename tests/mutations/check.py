@@ -11,7 +11,8 @@ once on an unmutated copy and must pass there, so that a test that fails anyway 
 a missing tool) can never count as a kill; and a mutated run whose tests end in a setup error,
 a timeout or a crash instead of a failed assertion fails the check as inconclusive. A mutation
 that survives means a promise whose test passes when the promise breaks. Run it with ``python
-tests/mutations/check.py`` (``--only NAME`` for one); ``.ci/run`` runs it before the suite.
+tests/mutations/check.py`` (``--only NAME`` for one); ``.ci/run`` runs it after the suite, whose
+JUnit report stands for the unmutated run (``--baseline-from``).
 """
 
 from __future__ import annotations
@@ -417,9 +418,17 @@ def pytest_run(
     return Verdicts(tuple(failed), tuple(broken), passed, tail)
 
 
-def baseline(mutations: list[Mutation]) -> None:
-    """Every named test passes on an unmutated copy; ``SystemExit`` naming those that do not."""
+def baseline(mutations: list[Mutation], report: Path | None = None) -> None:
+    """Every named test passes on an unmutated copy; ``SystemExit`` naming those that do not.
+    With ``report`` (the JUnit report of the suite just run on this tree), the tests it holds
+    as passed are not run again."""
     tests = tuple(dict.fromkeys(t for m in mutations for t in m.tests))
+    if report is not None:
+        seen = passed_in(report, tests)
+        print(f"unmutated: {len(seen)} named tests passed in the suite's run ({report.name})")
+        tests = tuple(t for t in tests if t not in seen)
+        if not tests:
+            return
     with tempfile.TemporaryDirectory(prefix="mutant-none-") as tmp:
         tree = Path(tmp)
         copy_tree(tree)
@@ -432,6 +441,29 @@ def baseline(mutations: list[Mutation]) -> None:
             f"{', '.join(bad) or 'none ran'}\n{verdicts.tail}"
         )
     print(f"unmutated: {verdicts.passed} named tests passed in {time.monotonic() - started:.1f}s")
+
+
+def passed_in(report: Path, tests: tuple[str, ...]) -> tuple[str, ...]:
+    """Which of ``tests`` (a file, a test, or one parameter of it) the JUnit ``report`` of a
+    run on this same tree (the suite's, in ``.ci/run``) holds as passed: each of its cases
+    passed, none failed, errored or was skipped. A test it holds no case of is not among them."""
+    cases: list[tuple[str, str, bool]] = []
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        path = f"{str(case.get('classname', '')).replace('.', '/')}.py"
+        name = str(case.get("name", ""))
+        ok = all(case.find(tag) is None for tag in ("failure", "error", "skipped"))
+        cases.append((path, name, ok))
+
+    def held(test: str) -> bool:
+        path, _, name = test.partition("::")
+        mine = [
+            ok
+            for at, case, ok in cases
+            if at == path and (not name or case == name or case.split("[", 1)[0] == name)
+        ]
+        return bool(mine) and all(mine)
+
+    return tuple(t for t in tests if held(t))
 
 
 def run(mutation: Mutation) -> tuple[bool, float, str]:
@@ -457,10 +489,17 @@ def main() -> int:
     parser.add_argument(
         "--skip-baseline", action="store_true", help="do not run the named tests unmutated first"
     )
+    parser.add_argument(
+        "--baseline-from",
+        type=Path,
+        metavar="REPORT",
+        help="the JUnit report of the suite run on this tree: its passed named tests are the "
+        "unmutated run (the others are run unmutated first)",
+    )
     args = parser.parse_args()
     chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
     with shared_mongod():
-        return check(chosen, baseline_first=not args.skip_baseline)
+        return check(chosen, baseline_first=not args.skip_baseline, report=args.baseline_from)
 
 
 @contextlib.contextmanager
@@ -488,10 +527,10 @@ JOBS = int(os.environ.get("MTASK_MUTATION_JOBS", "3"))
 mongod and worker processes, as the suite's three processes do)."""
 
 
-def check(chosen: list[Mutation], *, baseline_first: bool) -> int:
+def check(chosen: list[Mutation], *, baseline_first: bool, report: Path | None = None) -> int:
     """Each mutation's verdict printed as it comes, ``JOBS`` at once; 1 if one survived."""
     if baseline_first:
-        baseline(chosen)
+        baseline(chosen, report)
     survived = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, JOBS)) as pool:
         runs = {pool.submit(run, mutation): mutation for mutation in chosen}

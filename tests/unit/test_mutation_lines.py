@@ -1,6 +1,6 @@
 """Every mutation of the curated check (tests/mutations/check.py) still finds its one line, and
 names tests that exist: a refactor that moves the line fails here, in seconds, rather than in
-CI's mutation step after the benchmark."""
+CI's mutation step after the suite."""
 
 from __future__ import annotations
 
@@ -42,3 +42,32 @@ def test_the_mutations_tests_exist(mutation: object) -> None:
         path, _, name = test.partition("::")
         source = (ROOT / path).read_text()  # a whole file is a target too
         assert not name or f"def {name.split('[')[0]}(" in source, f"{test} is not in {path}"
+
+
+def test_the_suites_report_stands_for_the_unmutated_run_only_where_every_case_passed(
+    tmp_path: Path,
+) -> None:
+    report = tmp_path / "suite.xml"
+    report.write_text(
+        "<testsuites><testsuite>"
+        '<testcase classname="tests.integration.test_a" name="test_one"/>'
+        '<testcase classname="tests.integration.test_a" name="test_two[x]"/>'
+        '<testcase classname="tests.integration.test_a" name="test_two[y]"><failure/></testcase>'
+        '<testcase classname="tests.integration.test_b" name="test_skipped"><skipped/></testcase>'
+        '<testcase classname="tests.integration.test_c" name="test_c"/>'
+        "</testsuite></testsuites>"
+    )
+    asked = (
+        "tests/integration/test_a.py::test_one",
+        "tests/integration/test_a.py::test_two",  # one of its cases failed
+        "tests/integration/test_a.py::test_two[x]",
+        "tests/integration/test_a.py",  # the whole file: test_two[y] failed
+        "tests/integration/test_b.py::test_skipped",
+        "tests/integration/test_c.py",
+        "tests/integration/test_d.py::test_absent",
+    )
+    assert CHECK.passed_in(report, asked) == (
+        "tests/integration/test_a.py::test_one",
+        "tests/integration/test_a.py::test_two[x]",
+        "tests/integration/test_c.py",
+    )
