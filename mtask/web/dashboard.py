@@ -36,7 +36,7 @@ from mtask.security import encryption
 from mtask.steps import NEVER, signal_fate
 from mtask.store import bulk
 from mtask.usage.rules import usage_text
-from mtask.web import access
+from mtask.web import access, graph
 from mtask.web.audit import set_outcome, status_of
 from mtask.web.auth import (
     COOKIE,
@@ -377,6 +377,7 @@ async def task_page(key: str, request: Request) -> HTMLResponse:
         "task.html",
         task=task,
         said=said,
+        graph=graph.build(task, [(c, cs.state.value) for c, cs in kids], said.state.value, now),
         shown_error=task.error if said.state in SHOWN_ERROR else None,
         changed=task.options.changed(),
         resettable=task.status is not None
@@ -551,8 +552,8 @@ async def form_of(request: Request) -> dict[str, str]:
 
 @router.post("/ui/act")
 async def act(request: Request) -> Response:
-    """One action: retry or cancel a task, reset its steps, pause or resume a name, stop a
-    worker."""
+    """One action: retry or cancel a task (retry from one of its steps: ``step``), reset its
+    steps, pause or resume a name, stop a worker."""
     form = await form_of(request)
     client = client_of(request)
     action, target = form.get("action", ""), form.get("target", "")
@@ -564,6 +565,10 @@ async def act(request: Request) -> Response:
         if action == "reset":
             done = await client.reset_step(target, form.get("step", ""))
             return outcome(request, 200, next_url, flash=_reset_said(done))
+        if action == "retry" and form.get("step"):
+            task = await client.retry(target, from_step=form["step"])
+            said = f"retry: {target} is {task.status or 'unknown'} now, from step {form['step']}"
+            return outcome(request, 200, next_url, flash=said)
         if action in ("retry", "cancel"):
             task = await (client.retry(target) if action == "retry" else client.cancel(target))
             said = f"{action}: {target} is {task.status or 'unknown'} now"
