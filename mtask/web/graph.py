@@ -115,8 +115,8 @@ class Earlier:
 @dataclass(frozen=True)
 class End:
     """How the graph ends: the task's derived ``state``; ``outside``: it failed with no
-    failed step (its handler raised between steps, or a run's time ran out), ``error`` its
-    line; ``at``: when it finished."""
+    failed step (its handler raised between steps, or a run's time ran out); ``error``: the
+    line of its error, unless a failed step shows it; ``at``: when it finished."""
 
     state: str
     error: str
@@ -156,7 +156,7 @@ def build(task: Task, children: Sequence[tuple[Task, str]], state: str, now: dt.
     attempts = {s.run_id: s.attempt for s in task.steps if s.attempt is not None}
     stages: list[Stage] = []
     for place, step in enumerate(task.steps, 1):
-        node = _node(place, step, now, by_step, retriable, ended=step.name == failed_at)
+        node = _node(place, step, now, by_step, retriable, ended=place == failed_at)
         last = stages[-1] if stages else None
         if step.group and last is not None and last.group == step.group:
             stages[-1] = Stage((*last.nodes, node), step.group)
@@ -169,9 +169,10 @@ def build(task: Task, children: Sequence[tuple[Task, str]], state: str, now: dt.
     error = last_line(task.error) or last_line(task.invalid_reason)
     if not error and task.runs:
         error = last_line(task.runs[-1].error)
+    said = state in ("failed", "invalid", "retrying", "cancelled") and failed_at is None
     end = End(
         state,
-        error if state in ("failed", "invalid", "retrying", "cancelled") else "",
+        error if said else "",  # a failed step shows its own error
         state in ("failed", "invalid") and failed_at is None,
         task.finished_at,
     )
@@ -186,12 +187,22 @@ def build(task: Task, children: Sequence[tuple[Task, str]], state: str, now: dt.
     )
 
 
-def _failed_at(task: Task) -> str | None:
-    """The step the task failed in: its last failed step, if the task failed (or retries)."""
-    if task.status not in (TaskStatus.FAILED, TaskStatus.PENDING):
+def _failed_at(task: Task) -> int | None:
+    """Where the task failed (its place, from 1), if it failed (or waits for its retry): the
+    last failed step of the journal's last stage. A failed step with steps after it (in other
+    stages) was caught by the handler. By place: a hand-edited journal may repeat a name."""
+    if task.status not in (TaskStatus.FAILED, TaskStatus.PENDING) or not task.steps:
         return None
-    failed = [s.name for s in task.steps if s.state == "failed"]
-    return failed[-1] if failed else None
+    group = task.steps[-1].group
+    place = len(task.steps)
+    while place > 0:
+        step = task.steps[place - 1]
+        if step.state == "failed":
+            return place
+        if not group or step.group != group:
+            return None
+        place -= 1
+    return None
 
 
 def seconds_between(start: dt.datetime | None, end: dt.datetime | None) -> float | None:

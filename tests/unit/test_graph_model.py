@@ -158,6 +158,7 @@ def test_any_document_makes_a_graph_the_page_draws(
         assert before.group is None or before.group != after.group  # one stage per gather
     ended = [n for n in nodes if n.ended_task]
     assert len(ended) <= 1 and all(n.failed for n in ended)
+    assert not ended or ended[0] in graph.stages[-1].nodes  # a step after it: it was caught
     assert graph.end.outside is False or not ended
     offered = any(n.retry_from for n in nodes)
     assert not offered or (task.status is not None and task.status.value in ("failed", "cancelled"))
@@ -217,7 +218,7 @@ def test_a_gather_stands_side_by_side_and_a_failed_spawn_lists_its_children() ->
     assert not graph.end.outside
     page = drawn(graph, "p")
     assert "the task failed here" in page and 'href="/ui/tasks/p/kids/0"' in page
-    assert page.count("retry from this step") == 6
+    assert page.count("retry from here") == 6
 
 
 def test_a_failure_between_steps_is_said_at_the_end_and_an_open_wait_counts_to_now() -> None:
@@ -234,3 +235,7 @@ def test_a_failure_between_steps_is_said_at_the_end_and_an_open_wait_counts_to_n
     assert w.so_far and w.seconds == 300 and w.detail == "signal go, no deadline"
     assert graph.end.outside and graph.end.error == "KeyError: 'x'"
     assert "failed outside any step" in drawn(graph, "q")
+    caught = {**doc, "steps": [step("a", state="failed", error="E: no"), step("b")]}
+    graph = build(Task.from_document(caught), [], "failed", NOW)
+    assert graph.stages[0].nodes[0].failed and not graph.stages[0].nodes[0].ended_task
+    assert graph.end.outside
