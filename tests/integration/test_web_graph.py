@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import html
 import re
+import urllib.parse
 
 from fastapi.testclient import TestClient
 from graphapp import registry
@@ -17,6 +18,7 @@ from harness import running_worker
 
 from mtask import AsyncTaskClient, TaskClient
 from mtask.web import create_app
+from mtask.web.auth import Principal
 
 TOKEN = "graph-token"
 KEY = "order:o-7"
@@ -52,12 +54,26 @@ def node(graph: str, step: str) -> str:
     return found.group(0)
 
 
+def sign_in(http: TestClient, token: str) -> None:
+    http.cookies.clear()
+    login = http.get("/login").text
+    signed = http.post("/login", data={"token": token, "csrf": csrf_of(login)}, headers=ORIGIN)
+    assert signed.status_code == 303
+
+
 def check_page(mongo_uri: str, db_name: str, client: TaskClient) -> None:
-    app = create_app(mongo_uri, database=db_name, token=TOKEN, sample_seconds=3600)
+    viewer = {"view-token": Principal("viewer", "vera")}
+    app = create_app(mongo_uri, database=db_name, token=TOKEN, tokens=viewer, sample_seconds=3600)
     with TestClient(app, follow_redirects=False) as http:
-        login = http.get("/login").text
-        signed = http.post("/login", data={"token": TOKEN, "csrf": csrf_of(login)}, headers=ORIGIN)
-        assert signed.status_code == 303
+        sign_in(http, "view-token")  # a viewer sees the graph, no retry, and may not post it
+        page = http.get(f"/ui/tasks/{KEY}")
+        assert 'data-step="spawn#1"' in section(page.text)
+        assert "g-retry" not in section(page.text)
+        form = {"action": "retry", "target": KEY, "step": "spawn#1", "next": "/"}
+        answer = http.post("/ui/act", data={**form, "csrf": csrf_of(page.text)}, headers=ORIGIN)
+        assert answer.status_code == 303
+        assert "a viewer may not retry" in urllib.parse.unquote_plus(answer.headers["location"])
+        sign_in(http, TOKEN)
         page = http.get(f"/ui/tasks/{KEY}")
         assert page.status_code == 200
         graph = section(page.text)
