@@ -154,9 +154,11 @@ def build(task: Task, children: Sequence[tuple[Task, str]], state: str, now: dt.
         spawned_by = kid.spawn.step if kid.spawn is not None else ""
         by_step.setdefault(spawned_by, []).append(_child(kid, kid_state))
     attempts = {s.run_id: s.attempt for s in task.steps if s.attempt is not None}
+    waits = task.waiting is not None and task.status is TaskStatus.PENDING
+    current = task.waiting.index + 1 if task.waiting is not None and waits else None
     stages: list[Stage] = []
     for place, step in enumerate(task.steps, 1):
-        node = _node(place, step, now, by_step, retriable, ended=place == failed_at)
+        node = _node(place, step, now, by_step, retriable, place == failed_at, place == current)
         last = stages[-1] if stages else None
         if step.group and last is not None and last.group == step.group:
             stages[-1] = Stage((*last.nodes, node), step.group)
@@ -173,7 +175,7 @@ def build(task: Task, children: Sequence[tuple[Task, str]], state: str, now: dt.
     end = End(
         state,
         error if said else "",  # a failed step shows its own error
-        state in ("failed", "invalid") and failed_at is None,
+        state == "failed" and failed_at is None,
         task.finished_at,
     )
     return Graph(
@@ -225,6 +227,7 @@ def _node(
     by_step: dict[str, list[Child]],
     retriable: bool,
     ended: bool,
+    current: bool,
 ) -> Node:
     so_far = step.state == "waiting" or (step.finished_at is None and step.kind in WAITS)
     if step.kind == "call" and step.ms is not None:
@@ -247,7 +250,7 @@ def _node(
             for t in step.tries
             if t.error
         ),
-        detail=_detail(step),
+        detail=_detail(step, current),
         error=last_line(step.error),
         run=step.run_id[:8],
         attempt=step.attempt,
@@ -286,16 +289,17 @@ def _until(value: dt.datetime | None) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _detail(step: Step) -> str:
-    """What the step is about, in a few words: the signal, the collection, the sleep's end."""
+def _detail(step: Step, current: bool) -> str:
+    """What the step is about, in a few words: the signal, the collection, the sleep's end
+    (not for the wait the task is in: the page's reason says when it ends)."""
+    end = "" if current else _until(step.until)
     if step.kind == "sleep":
-        return f"until {_until(step.until)}" if step.until else ""
+        return f"until {end}" if end else ""
+    deadline = f"deadline {end}" if end and end != "no deadline" else end
     if step.kind == "signal":
         nth = f" #{step.nth + 1}" if step.nth else ""
-        deadline = _until(step.until)
         return f"signal {step.signal or '?'}{nth}" + (f", {deadline}" if deadline else "")
     if step.kind == "data":
-        deadline = _until(step.until)
         return f"data in {step.collection or '?'}" + (f", {deadline}" if deadline else "")
     if step.kind == "children":
         failed = f", {step.failed} failed" if step.failed else ""

@@ -50,6 +50,13 @@ def failed(client: TaskClient) -> bool:
     return task is not None and task.status is not None and task.status.value == "failed"
 
 
+def spawn_run(client: TaskClient) -> str:
+    """The run that recorded the order's spawn."""
+    task = client.get(KEY)
+    assert task is not None and task.steps[-1].name == "spawn#1"
+    return task.steps[-1].run_id
+
+
 def test_the_graph_of_a_failed_workflow_in_the_browser(
     browser: Any, mongo_uri: str, db_name: str, client: TaskClient, tmp_path: Path
 ) -> None:
@@ -88,8 +95,11 @@ def test_the_graph_of_a_failed_workflow_in_the_browser(
                 kept(page, out, "graph" if js else "graph-nojs", scheme, size, viewport)
                 spawn.locator(".g-child-failed a").click()  # the child's own page
                 expect(page.locator("h2.key")).to_have_text(f"{KEY}/spawn#1/1")
-        with signed_in(browser, url, TOKEN, "dark", "desktop") as page:
-            page.goto(f"{url}/ui/tasks/{KEY}")
-            page.locator("#retry-from-6 button").click()
-            expect(page.locator(".flash.ok")).to_contain_text("from step spawn#1")
-        wait_until(lambda: failed(client))  # its spawn, run again, fails again
+        for js in (False, True):  # a plain form; with JavaScript, submitted in place
+            spawned_by = spawn_run(client)
+            with signed_in(browser, url, TOKEN, "dark", "desktop", js=js) as page:
+                page.goto(f"{url}/ui/tasks/{KEY}")
+                page.locator("#retry-from-6 button").click()
+                expect(page.locator(".flash.ok")).to_contain_text("from step spawn#1")
+            wait_until(lambda: failed(client))  # its spawn, run again, fails again
+            assert spawn_run(client) != spawned_by

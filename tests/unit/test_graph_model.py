@@ -235,6 +235,9 @@ def test_a_failure_between_steps_is_said_at_the_end_and_an_open_wait_counts_to_n
     assert w.so_far and w.seconds == 300 and w.detail == "signal go, no deadline"
     assert graph.end.outside and graph.end.error == "KeyError: 'x'"
     assert "failed outside any step" in drawn(graph, "q")
+    waits = {**doc, "status": "pending", "waiting": {"until": NOW, "index": 0, "signal": "go"}}
+    graph = build(Task.from_document(waits), [], "waiting", NOW)
+    assert graph.stages[0].nodes[0].detail == "signal go"  # the reason says when it ends
     caught = {**doc, "steps": [step("a", state="failed", error="E: no"), step("b")]}
     graph = build(Task.from_document(caught), [], "failed", NOW)
     assert graph.stages[0].nodes[0].failed and not graph.stages[0].nodes[0].ended_task
