@@ -235,7 +235,8 @@ def _node(
     else:
         seconds = seconds_between(step.started_at, now if so_far else step.finished_at)
     kids = tuple(by_step.get(step.name, ())) if step.kind == "children" else ()
-    kids = kids or _failures(step)
+    read = {c.key for c in kids}
+    kids += tuple(c for c in _failures(step) if c.key not in read)  # failed, not read
     total = step.total or 0
     return Node(
         place=place,
@@ -263,7 +264,7 @@ def _node(
 
 
 def _failures(step: Step) -> tuple[Child, ...]:
-    """A spawn's failed children as its entry names them (when none of them was read)."""
+    """A spawn's failed children as its entry names them (its first 20)."""
     found = []
     for f in step.failures:
         key = f.get("key")

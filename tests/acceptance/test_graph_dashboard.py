@@ -36,7 +36,8 @@ CONTRAST = """els => els.map(e => {
         return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
     let n = e, bg = null;
     while (n) { const c = rgb(getComputedStyle(n).backgroundColor);
-        if (c.length === 3 || (c.length === 4 && c[3] > 0.5)) { bg = c; break; } n = n.parentElement; }
+        if (c.length === 3 || (c.length === 4 && c[3] > 0.5)) { bg = c; break; }
+        n = n.parentElement; }
     const fg = rgb(getComputedStyle(e).color), a = lum(fg), b = lum(bg || [255, 255, 255]);
     return [e.textContent.trim().slice(0, 30), (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05)];
 })"""

@@ -214,7 +214,8 @@ def test_a_gather_stands_side_by_side_and_a_failed_spawn_lists_its_children() ->
     assert [t.error for t in a.tries] == ["E: boom"]
     assert nap.seconds == 60 and not nap.so_far and nap.detail.startswith("until ")
     assert kids.ended_task and kids.failed and kids.retry_from
-    assert [c.key for c in kids.children] == ["p/kids/0"] and kids.children_more == 2
+    assert [c.key for c in kids.children] == ["p/kids/0", "p/kids/2"]  # read, and failed
+    assert kids.children_more == 1 and kids.children[1].error == "V"
     assert not graph.end.outside
     page = drawn(graph, "p")
     assert "the task failed here" in page and 'href="/ui/tasks/p/kids/0"' in page
