@@ -18,6 +18,7 @@ from mtask.steps.plan import Plan, _Io
 from mtask.steps.policy import NO_POLICY, StepPolicy
 from mtask.steps.rules import Doc, StepError, error_text
 from mtask.steps.runner import Runner
+from mtask.steps.spans import OPEN
 from mtask.steps.tries import tries
 
 
@@ -75,11 +76,18 @@ class Calls:
                 "use the worker's AsyncClientSession (docs/transactions.md)"
             )
         await self.runner.run_async(self.journal.flush())
+        before = OPEN.get() if self.journal.spans is not None else None
         index, prior = self.journal.begin(name, "call")
+        error: BaseException | None = None
         try:
             return await self._transact(name, fn, args, kw, index, prior)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             self.journal.inside = None
+            if self.journal.spans is not None:
+                self.journal.span_ended(before, error)
 
     async def _transact(
         self,

@@ -171,6 +171,7 @@ def spawn_plan(
             tag = entry["tag"] = generation(step, journal.run_id)
             specs = build(parent, tag, children)
     waiting = Suspended(Wait(index, None, NEVER, children=tag))
+    linked(specs)
     if prior is None:
         entry["state"] = "waiting"
         yield _Io(lambda: journal.store.spawn(index, entry, specs))
@@ -182,13 +183,25 @@ def spawn_plan(
             f"{len(specs)}: the children must be the recorded ones"
         )
     if tag != step:
-        specs = build(parent, tag, children)
+        specs = linked(build(parent, tag, children))
     found: list[Doc] = yield _Io(lambda: journal.store.children(tag))
     if len(found) < len(specs):  # the run that spawned them died before it published all
         yield _Io(lambda: journal.store.publish(tag, specs))
     if len(found) < len(specs) or any(c.get("status") not in FINISHED for c in found):
         raise waiting  # woken early (a sweep, a takeover): the count decides again
     return (yield from _finished(journal, index, entry, prior, found))
+
+
+def linked(specs: list[Doc]) -> list[Doc]:
+    """``specs``, each holding the spawning step's trace context (``trace``), where its span
+    is: the children's runs join its trace, linked to it (``mtask.tracing``)."""
+    from mtask.steps.spans import carrier
+
+    context = carrier()
+    if context:
+        for spec in specs:
+            spec["trace"] = context
+    return specs
 
 
 def generation(step: str, run_id: str) -> str:

@@ -34,8 +34,10 @@ from mtask.steps.rules import (
     encode,
     replays,
 )
+from mtask.steps.spans import OPEN
 
 if TYPE_CHECKING:
+    from mtask.steps.spans import StepSpans
     from mtask.steps.stores import StepStore
 
 T = TypeVar("T")
@@ -52,7 +54,8 @@ class Journal:
     """One run's entries: ``recorded`` is the claimed document's ``steps``, written through
     ``store`` by run ``run_id`` (the task's attempt ``attempt``); ``frontier`` is called with
     each step asked for that the journal does not replay (``mtask.steps.preflight`` stops its dry
-    replay there; ``None``: nothing)."""
+    replay there; ``None``: nothing); ``spans`` is told of each step begun, replayed or run,
+    and of its end (``mtask.steps.spans``; ``None``: no tracer, nothing is asked)."""
 
     def __init__(
         self,
@@ -62,8 +65,10 @@ class Journal:
         run_id: str,
         attempt: int,
         frontier: Callable[[int, str, str, Doc | None], None] | None = None,
+        spans: StepSpans | None = None,
     ) -> None:
         self.store = store
+        self.spans = spans
         self.recorded: list[Doc] = [
             dict(e) for e in (recorded if isinstance(recorded, list) else []) if isinstance(e, dict)
         ]
@@ -104,6 +109,9 @@ class Journal:
                 index, prior = self._begin_alone(name, kind, hold)
         if self.frontier is not None and not replays(prior):
             self.frontier(index, name, kind, prior)
+        if self.spans is not None and hold:  # its span, current until its plan ends (``one``)
+            label = group.label if group is not None else None
+            OPEN.set(self.spans.step(name, kind, replays(prior), label))
         return index, prior
 
     def _begin_alone(self, name: str, kind: str, hold: bool) -> tuple[int, Doc | None]:
@@ -162,14 +170,29 @@ class Journal:
         decided without I/O before it are written first (``pending``)."""
         yield from self.flush()
         asked = len(self.asked)
+        before = OPEN.get() if self.spans is not None else None
+        error: BaseException | None = None
         try:
             value = yield from plan
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             # it began (a refused one leaves the running one be); a group's steps leave the
             # group's hold to the group
             if len(self.asked) > asked and self.group() is None:
                 self.inside = None
+            if self.spans is not None:
+                self.span_ended(before, error)
         return value
+
+    def span_ended(self, before: Any, error: BaseException | None) -> None:
+        """The span the step begun here opened (if any: ``before`` was current) is closed,
+        ``error`` its end (a ``Suspended``: the run ends waiting there)."""
+        opened = OPEN.get()
+        if opened is not None and opened is not before:
+            OPEN.set(before)
+            opened.close(error)
 
     # -- names ----------------------------------------------------------------------------------
 

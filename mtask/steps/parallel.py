@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from mtask.steps import CURRENT, Group, RunSteps, StepError
+from mtask.steps.spans import StepSpans
 
 T = TypeVar("T")
 MAX_BRANCHES = 1000
@@ -36,18 +37,41 @@ async def gather(
     _check(branches)
     await journal.run_plan(journal.flush())  # what was decided before comes before it
     group = journal.open_group(name)
+    spans = journal.journal.spans
+    opened = spans.part("gather", gather=group.label) if spans is not None else None
     completed = False
+    error: BaseException | None = None
     try:
         token = CURRENT.set(group)
         try:  # each task copies the context now: its steps are the group's
-            tasks = [asyncio.ensure_future(b) for b in branches]
+            tasks = [
+                asyncio.ensure_future(b if spans is None else _branch(spans, group, i, b))
+                for i, b in enumerate(branches)
+            ]
         finally:
             CURRENT.reset(token)
         results = await _first_error(tasks)
         completed = True
         return results
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
+        if opened is not None:
+            opened.close(error)
         journal.close_group(group, completed)
+
+
+async def _branch(spans: StepSpans, group: Group, index: int, branch: Awaitable[T]) -> T:
+    """A gather's branch, in a ``branch`` span (where there is a tracer)."""
+    opened = spans.part("branch", gather=group.label, branch=index)
+    try:
+        value = await branch
+    except BaseException as exc:
+        opened.close(exc)
+        raise
+    opened.close()
+    return value
 
 
 async def _first_error(tasks: Sequence[asyncio.Future[Any]]) -> list[Any]:
@@ -85,23 +109,49 @@ def gather_sync(
         )
     journal.run_plan_sync(journal.flush())
     group = journal.open_group(name)
+    spans = journal.journal.spans
+    opened = spans.part("gather", gather=group.label) if spans is not None else None
     completed = False
+    error: BaseException | None = None
     try:
-        results = _threads(group, branches)
+        results = _threads(spans, group, branches)
         completed = True
         return results
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
+        if opened is not None:
+            opened.close(error)
         journal.close_group(group, completed)
 
 
-def _threads(group: Group, branches: Sequence[Callable[[], Any]]) -> list[Any]:
+def _branch_sync(spans: StepSpans, group: Group, index: int, branch: Callable[[], T]) -> T:
+    opened = spans.part("branch", gather=group.label, branch=index)
+    try:
+        value = branch()
+    except BaseException as exc:
+        opened.close(exc)
+        raise
+    opened.close()
+    return value
+
+
+def _threads(
+    spans: StepSpans | None, group: Group, branches: Sequence[Callable[[], Any]]
+) -> list[Any]:
     token = CURRENT.set(group)
     try:
         contexts = [contextvars.copy_context() for _ in branches]
     finally:
         CURRENT.reset(token)
     with concurrent.futures.ThreadPoolExecutor(len(branches), "mtask-branch") as pool:
-        futures = [pool.submit(c.run, b) for c, b in zip(contexts, branches, strict=True)]
+        futures = [
+            pool.submit(c.run, b)
+            if spans is None
+            else pool.submit(c.run, _branch_sync, spans, group, i, b)
+            for i, (c, b) in enumerate(zip(contexts, branches, strict=True))
+        ]
         concurrent.futures.wait(futures)
     for future in futures:
         error = future.exception()

@@ -19,6 +19,7 @@ from mtask.steps.plan import Plan
 from mtask.steps.policy import NO_POLICY, StepPolicy
 from mtask.steps.rules import Doc, StepError
 from mtask.steps.runner import Runner
+from mtask.steps.spans import StepSpans
 from mtask.steps.stores import StepStore
 from mtask.steps.values import Values
 from mtask.steps.waits import Suspended, Waits
@@ -36,7 +37,8 @@ class RunSteps:
     ``recorded`` is the claimed document's ``steps``; ``loop`` the worker's event loop, where a
     thread handler's I/O runs (``blocking_io``: how it runs instead); ``release`` where what a
     step's function said goes once its record is written; ``frontier`` what is called with each
-    step the journal does not replay (``mtask.steps.preflight``)."""
+    step the journal does not replay (``mtask.steps.preflight``); ``spans`` what is told of each
+    step, gather and back-off (``mtask.steps.spans``; ``None``: no tracer)."""
 
     def __init__(
         self,
@@ -49,8 +51,11 @@ class RunSteps:
         blocking_io: Callable[[Coroutine[Any, Any, Any]], Any] | None = None,
         release: Callable[[list[Any]], None] | None = None,
         frontier: Callable[[int, str, str, Doc | None], None] | None = None,
+        spans: StepSpans | None = None,
     ) -> None:
-        self.journal = Journal(store, recorded, run_id=run_id, attempt=attempt, frontier=frontier)
+        self.journal = Journal(
+            store, recorded, run_id=run_id, attempt=attempt, frontier=frontier, spans=spans
+        )
         self.runner = Runner(loop, blocking_io)
         self.calls = Calls(self.journal, self.runner, release)
         self.waits = Waits(self.journal)

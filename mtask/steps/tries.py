@@ -41,7 +41,7 @@ def tries(
             if failed > policy.retries:
                 entry.update(state="failed", error=error_text(exc))
                 raise
-            yield _Pause(policy.delay(failed))
+            yield from _backoff(journal, entry["name"], policy.delay(failed), failed)
             continue
         ms = round((time.monotonic() - started) * 1000)
         entry["state"] = "done"
@@ -85,3 +85,19 @@ def timed_sync(call: _Call, seconds: float) -> Any:
         if future.done():
             raise
         raise StepTimeout(f"step {call.step!r} took more than {seconds:g} s") from None
+
+
+def _backoff(journal: Journal, step: str, seconds: float, failed: int) -> Plan[None]:
+    """The wait in place between two tries, in a ``backoff`` span where there is a tracer."""
+    if journal.spans is None:
+        yield _Pause(seconds)
+        return
+    opened = journal.spans.part("backoff", step=step, delay_s=seconds, tries=failed)
+    error: BaseException | None = None
+    try:
+        yield _Pause(seconds)
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        opened.close(error)

@@ -85,7 +85,8 @@ def publish(
 ) -> Op[int]:
     """Publish the children of ``parent``'s step ``step`` (``mtask.steps.children.build``'s), each
     idempotently: one that exists stays as it is. ``options_for``: a name's declared defaults
-    (``Registry.options_for``), when the worker knows the name.
+    (``Registry.options_for``), when the worker knows the name. A child's ``trace`` (the
+    spawning step's trace context, ``mtask.steps.children.linked``) is stored as its ``trace``.
 
     In batches of ``PUBLISH_BATCH``, the parent looked at before each and after the last: once
     it is cancelled, no batch more is published, the children published are cancelled and
@@ -104,11 +105,12 @@ def publish(
         )
         for c in children
     ]
+    trace = next((c["trace"] for c in children if c.get("trace")), None)  # the step's, or none
     created = 0
     for start in range(0, len(tasks), PUBLISH_BATCH):
         yield from _not_cancelled(parent, now)
         batch = tasks[start : start + PUBLISH_BATCH]
-        made = yield from publish_many(batch, now)
+        made = yield from publish_many(batch, now, trace=trace)
         if made < len(batch):  # some keys were taken: by these children, or by another task
             yield from _not_taken(parent, step, [t.key for t in batch])
         created += made

@@ -404,7 +404,7 @@ def invalid_reason_expr() -> Doc:
 
 
 CLAIMED_FIELDS = {"name": 1, "params": 1, "options": 1, "attempts": 1, "has_dependents": 1}
-CLAIMED_FIELDS["trace"] = 1  # the publisher's trace context, parent of the run span
+CLAIMED_FIELDS["trace"] = 1  # the task's trace context (mtask.tracing), parent of each run span
 # earlier runs' states and transaction sessions: a transactional run kills the sessions of
 # runs whose lease expired (store.transactional.stale_sessions)
 CLAIMED_FIELDS.update({"runs.state": 1, "runs.txn": 1})

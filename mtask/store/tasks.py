@@ -600,3 +600,18 @@ def scan(
         options["batch_size"] = batch_size
     docs: list[Doc] = yield Call("find", (filt, PLACEMENT_FIELDS), options)
     return docs
+
+
+def keep_trace(key: str, run_id: str, trace: Mapping[str, str]) -> Op[bool]:
+    """Store ``trace`` as the task's trace context (``mtask.tracing.run_span``: its first
+    run's, when its publisher stored none), fenced by the run (its task running, the run
+    RUNNING) and only where none is stored: every later run of the task joins that trace.
+    Whether it was stored."""
+    filt: Doc = {
+        "_id": key,
+        "status": TaskStatus.RUNNING.value,
+        "runs": {"$elemMatch": {"run_id": run_id, "state": RUNNING}},
+        "trace": {"$exists": False},
+    }
+    result = yield Call("update_one", (filt, {"$set": {"trace": dict(trace)}}))
+    return bool(result.modified_count)

@@ -304,7 +304,13 @@ async def test_trace_context_follows_the_task(
         for s in exporter.get_finished_spans()
     }
     publish, run = spans["mtask.publish", "traced"], spans["mtask.run", "traced"]
-    assert spans["mtask.run", "untraced"].parent is None  # no context stored: a root span
+    # no context stored: its first run began the task's trace (a root ``mtask.task`` span),
+    # and stored it, fenced by the run, for every later run to join
+    begun, untraced = spans["mtask.task", None], spans["mtask.run", "untraced"]
+    assert begun.parent is None and begun.attributes["mtask.key"] == "untraced"
+    assert untraced.parent is not None and untraced.parent.span_id == begun.context.span_id
+    kept = client.collection.find_one({"_id": "untraced"}, {"trace": 1})
+    assert kept["trace"]["traceparent"].split("-")[2] == f"{begun.context.span_id:016x}"
     assert publish.kind == trace.SpanKind.PRODUCER and run.kind == trace.SpanKind.CONSUMER
     assert run.parent is not None and run.parent.span_id == publish.context.span_id
     assert run.context.trace_id == spans["request", None].context.trace_id

@@ -38,6 +38,7 @@ from mtask.worker.running.recorder import OutcomeRecorder
 from mtask.worker.running.sealing import from_env as sealing_from_env
 from mtask.worker.running.step_stores import RunStepStores
 from mtask.worker.running.task_deadlines import TaskDeadlines
+from mtask.worker.running.traces import RunTraces
 from mtask.worker.running.transactional import Transactions
 from mtask.worker.running.usage_stores import RunUsages
 from mtask.worker.stats import WorkerStats
@@ -183,6 +184,7 @@ def build(
         sealing=sealing_from_env(sclient, config.database, wires.unopened),
         batches=Batches(emit, slots=config.concurrency),
         holds=Holds(adriver, clock, held),
+        traces=RunTraces(adriver),
     )
     executor = Executor(
         registry=registry,

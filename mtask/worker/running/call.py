@@ -31,7 +31,7 @@ from mtask.registry import Handler
 from mtask.statemachine import keep_ms
 from mtask.steps import Suspended
 from mtask.store import Outcome, RunState
-from mtask.tracing import run_span
+from mtask.tracing import run_ended, run_span
 from mtask.worker.inflight import ActiveRun
 from mtask.worker.running.backoffs import Holds
 from mtask.worker.running.batches import Batches
@@ -47,6 +47,7 @@ from mtask.worker.running.pool.errors import (
     TimeLimitExceeded,
 )
 from mtask.worker.running.sealing import Plain, Sealing, Unopened
+from mtask.worker.running.traces import RunTraces
 from mtask.worker.running.transactional import RunFence, TransactionEnded, TransactionTooLong
 from mtask.worker.worker_events import Emitter, Event
 
@@ -175,7 +176,10 @@ class HandlerCalls:
         sealing: Sealing | None = None,
         batches: Batches | None = None,
         holds: Holds | None = None,
+        traces: RunTraces | None = None,
     ) -> None:
+        self.traces = traces
+        """Where a task's first traced run stores the trace it began (``None``: nowhere)."""
         self.batches = batches or Batches()
         """The open batches of batch handlers, each called once for its tasks."""
         self.holds = holds
@@ -212,29 +216,38 @@ class HandlerCalls:
             return self.outcomes.given_back(run)
 
     async def _run(self, run: ActiveRun, handler: Handler, doc: dict[str, Any]) -> Outcome:
+        """Run the handler in its run's span and say how the run ended."""
+        # the CONSUMER run span, child of the task's stored trace context (the publisher's,
+        # or the one its first run made: stored here, fenced by the run)
+        with run_span(doc, run.name, run.key, run.ctx.attempt, run.run_id) as made:
+            if made is not None and self.traces is not None:
+                await self.traces.keep(run.key, run.run_id, made)
+            outcome = await self._called(run, handler, doc)
+            run_ended(outcome.state.value, outcome.retry_delay_ms, outcome.permanent)
+            return outcome
+
+    async def _called(self, run: ActiveRun, handler: Handler, doc: dict[str, Any]) -> Outcome:
         """Run the handler and say how the run ended (an exception is the task's failure)."""
         try:
-            # the CONSUMER run span, child of the publisher's stored trace context
-            with run_span(doc, run.name, run.key, run.ctx.attempt):
-                if handler.transactional:
-                    return await self._transactional(run, handler, doc)
-                if handler.batch is not None:  # this task's entry of its batch
-                    params = await self.sealing.params(doc)
-                    result = await self.batches.call(run.key, handler, params, run.ctx)
-                    stored = self.sealing.result(doc, result)
-                    return self.outcomes.success(
-                        run, stored, keep_ms(doc.get("options") or {}, "succeeded")
-                    )
-                result = await invoke(
-                    handler,
-                    await self.sealing.params(doc),
-                    run.ctx,
-                    pool=self.pool,
-                    isolation=self.isolation,
-                    thread_name=f"mtask-run-{run.key}",
-                    lease=self._lease_watch(run),
-                    held=RunHeld(run, self.outcomes.emit) if run.slots else None,
+            if handler.transactional:
+                return await self._transactional(run, handler, doc)
+            if handler.batch is not None:  # this task's entry of its batch
+                params = await self.sealing.params(doc)
+                result = await self.batches.call(run.key, handler, params, run.ctx)
+                stored = self.sealing.result(doc, result)
+                return self.outcomes.success(
+                    run, stored, keep_ms(doc.get("options") or {}, "succeeded")
                 )
+            result = await invoke(
+                handler,
+                await self.sealing.params(doc),
+                run.ctx,
+                pool=self.pool,
+                isolation=self.isolation,
+                thread_name=f"mtask-run-{run.key}",
+                lease=self._lease_watch(run),
+                held=RunHeld(run, self.outcomes.emit) if run.slots else None,
+            )
             # the retention the plain SUCCESS updates write
             stored = self.sealing.result(doc, result)
             return self.outcomes.success(

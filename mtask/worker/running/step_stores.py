@@ -24,6 +24,7 @@ from mtask.store import children as store_children
 from mtask.store import datawaits
 from mtask.store import steps as store_steps
 from mtask.store.output import keep_until
+from mtask.tracing import step_tracer
 from mtask.worker.running.transactional import RunFence, Transactions
 
 
@@ -201,4 +202,6 @@ class RunStepStores:
             attempt=ctx.attempt,
             loop=loop,
             release=ctx.release,
+            # each step's span, under the run's (None without a tracer provider)
+            spans=step_tracer(dict(doc), ctx.name, ctx.key, ctx.attempt, ctx.run_id),
         )

@@ -1,0 +1,123 @@
+"""The step engine's spans (``mtask.steps.spans``, told to ``mtask.tracing.StepTracer``) on
+``MemorySteps``, with an SDK of the test's own: each step a span under what is current, run or
+replayed; a step policy's back-off under its step; a gather's branches under the gather and
+their steps under them; a sleep that ends the run ends its span waiting, and a later run's
+span of it done. Without a tracer (``spans=None``) the engine is told nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from mtask.steps import MemorySteps, RunSteps, Suspended
+from mtask.steps.parallel import gather
+from mtask.steps.policy import StepPolicy
+from mtask.tracing import StepTracer
+
+T0 = dt.datetime(2026, 11, 24, 12, 0, tzinfo=dt.UTC)
+
+
+def _attr(span: ReadableSpan, name: str) -> Any:
+    return (span.attributes or {}).get(name)
+
+
+async def _handler(steps: RunSteps, tried: list[str]) -> None:
+    def flaky() -> str:
+        tried.append("flaky")
+        if tried.count("flaky") == 1:
+            raise ValueError("once")
+        return "ok"
+
+    await steps.step("a", lambda: 1)
+    await steps.step("flaky", flaky, policy=StepPolicy(retries=1, backoff=0))
+    await gather(steps, [steps.step("p1", lambda: 1), steps.step("p2", lambda: 2)], None)
+    await steps.sleep(60, name="nap")
+    await steps.step("c", lambda: 3)
+
+
+def _run(store: MemorySteps, attempt: int, exporter: InMemorySpanExporter) -> list[ReadableSpan]:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    attributes = {"mtask.key": "k", "mtask.name": "n", "mtask.run_id": f"run-{attempt}"}
+    steps = RunSteps(
+        store,
+        list(store.recorded),
+        run_id=f"run-{attempt}",
+        attempt=attempt,
+        spans=StepTracer(tracer, attributes),
+    )
+
+    async def run() -> None:
+        with tracer.start_as_current_span("mtask.run"):
+            try:
+                await _handler(steps, [])
+            except Suspended as waits:  # the worker records the wait with the run's outcome
+                assert waits.wait.entry is not None and waits.wait.index == len(store.recorded)
+                store.recorded.append(waits.wait.entry)
+
+    exporter.clear()
+    asyncio.run(run())
+    return list(exporter.get_finished_spans())
+
+
+def test_each_step_is_a_span_run_or_replayed_under_its_run() -> None:
+    now = [T0]
+    store = MemorySteps(clock=lambda: now[0])
+    exporter = InMemorySpanExporter()
+    first = _run(store, 1, exporter)
+    by_name = {(s.name, _attr(s, "mtask.step")): s for s in first}
+    run = by_name["mtask.run", None]
+    for step in ("a", "flaky"):
+        span = by_name["mtask.step", step]
+        assert span.parent is not None and span.parent.span_id == run.context.span_id
+        assert _attr(span, "mtask.replayed") is False and _attr(span, "mtask.outcome") == "done"
+        assert _attr(span, "mtask.key") == "k" and _attr(span, "mtask.run_id") == "run-1"
+    (backoff,) = [s for s in first if s.name == "mtask.backoff"]
+    assert backoff.parent is not None
+    assert backoff.parent.span_id == by_name["mtask.step", "flaky"].context.span_id
+    assert _attr(backoff, "mtask.step") == "flaky" and _attr(backoff, "mtask.tries") == 1
+    (group,) = [s for s in first if s.name == "mtask.gather"]
+    branches = [s for s in first if s.name == "mtask.branch"]
+    assert sorted(_attr(b, "mtask.branch") for b in branches) == [0, 1]
+    assert all(b.parent is not None and b.parent.span_id == group.context.span_id for b in branches)
+    for step in ("p1", "p2"):
+        span = by_name["mtask.step", step]
+        assert span.parent is not None
+        assert span.parent.span_id in {b.context.span_id for b in branches}
+        assert _attr(span, "mtask.gather") == "gather#1"
+    nap = by_name["mtask.sleep", "nap"]
+    assert _attr(nap, "mtask.outcome") == "waiting" and ("mtask.step", "c") not in by_name
+
+    now[0] = T0 + dt.timedelta(minutes=2)  # the sleep is over: the next run replays the rest
+    second = _run(store, 2, exporter)
+    again = {(s.name, _attr(s, "mtask.step")): s for s in second}
+    for step in ("a", "flaky", "p1", "p2"):
+        assert _attr(again["mtask.step", step], "mtask.replayed") is True
+    assert not [s for s in second if s.name == "mtask.backoff"]  # a replay calls nothing
+    assert _attr(again["mtask.sleep", "nap"], "mtask.outcome") == "done"
+    assert _attr(again["mtask.step", "c"], "mtask.replayed") is False
+
+
+def test_a_failed_step_fails_its_span() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    steps = RunSteps(
+        MemorySteps(), None, run_id="r", attempt=1, spans=StepTracer(provider.get_tracer("t"), {})
+    )
+
+    def boom() -> None:
+        raise RuntimeError("no")
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(steps.step("boom", boom))
+    (span,) = exporter.get_finished_spans()
+    assert _attr(span, "mtask.outcome") == "failed" and span.status.status_code.name == "ERROR"
+    assert [e.name for e in span.events] == ["exception"]
