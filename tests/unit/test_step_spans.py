@@ -121,3 +121,44 @@ def test_a_failed_step_fails_its_span() -> None:
     (span,) = exporter.get_finished_spans()
     assert _attr(span, "mtask.outcome") == "failed" and span.status.status_code.name == "ERROR"
     assert [e.name for e in span.events] == ["exception"]
+
+
+def test_a_run_to_be_run_again_marks_its_backoff_or_snooze(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mtask import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("mtask")
+    monkeypatch.setattr(tracing, "_tracer", tracer)
+    monkeypatch.setattr(tracing, "_configured", lambda: True)
+    ends = (
+        ("FAIL", None, False),
+        ("SNOOZED", 5000, False),
+        ("FAIL", None, True),
+        ("SUCCESS", None, False),
+    )
+    for n, (state, delay, permanent) in enumerate(ends):
+        with tracer.start_as_current_span("mtask.run", attributes={"mtask.key": f"k{n}"}):
+            tracing.run_ended(state, delay, permanent)
+    spans = exporter.get_finished_spans()
+    runs = [s for s in spans if s.name == "mtask.run"]
+    assert [_attr(s, "mtask.outcome") for s in runs] == ["FAIL", "SNOOZED", "FAIL", "SUCCESS"]
+    marks = [
+        (s.name, _attr(s, "mtask.key"), _attr(s, "mtask.delay_ms"), s.parent and s.parent.span_id)
+        for s in spans
+        if s.name != "mtask.run"
+    ]
+    assert marks == [
+        ("mtask.backoff", "k0", None, runs[0].context.span_id),
+        ("mtask.snooze", "k1", 5000, runs[1].context.span_id),
+    ]  # a permanent failure and a success are not run again
+
+
+def test_without_a_tracer_provider_nothing_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mtask import tracing
+
+    monkeypatch.setattr(tracing, "_configured", lambda: False)
+    with tracing.run_span({}, "n", "k", 1, "r") as made:
+        assert made is None
+    assert tracing.step_tracer({}, "n", "k", 1, "r") is None  # the engine is told nothing
