@@ -162,3 +162,30 @@ def test_without_a_tracer_provider_nothing_is_made(monkeypatch: pytest.MonkeyPat
     with tracing.run_span({}, "n", "k", 1, "r") as made:
         assert made is None
     assert tracing.step_tracer({}, "n", "k", 1, "r") is None  # the engine is told nothing
+
+
+def test_a_wait_for_a_signal_is_a_wait_span_ended_waiting_then_done() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    store = MemorySteps()
+
+    def run(attempt: int) -> None:
+        spans = StepTracer(provider.get_tracer("t"), {"mtask.run_id": f"r{attempt}"})
+        steps = RunSteps(store, list(store.recorded), run_id=f"r{attempt}", attempt=1, spans=spans)
+        try:
+            asyncio.run(steps.wait_for("approved"))
+        except Suspended as waits:
+            assert waits.wait.entry is not None
+            store.recorded.append(waits.wait.entry)
+
+    run(1)
+    store.sent.append({"name": "approved", "payload": {"by": "ann"}, "at": T0})
+    run(2)
+    waits = [s for s in exporter.get_finished_spans() if s.name == "mtask.wait"]
+    assert [(_attr(s, "mtask.run_id"), _attr(s, "mtask.outcome")) for s in waits] == [
+        ("r1", "waiting"),
+        ("r2", "done"),
+    ]
+    assert {_attr(s, "mtask.step_kind") for s in waits} == {"signal"}
+    assert {_attr(s, "mtask.step") for s in waits} == {"wait:approved"}
