@@ -217,6 +217,36 @@ def run_ended(state: str, delay_ms: int | None = None, permanent: bool = False) 
     _tracer.start_span(what[state], attributes=attributes).end()
 
 
+def current_context() -> dict[str, str] | None:
+    """The W3C context of the current span (a run's, for the child process that runs its
+    handler), or None without a tracer provider."""
+    if not _configured() or _tracer is None:
+        return None
+    from opentelemetry import trace
+
+    span = trace.get_current_span()
+    return _carrier(span) if span.get_span_context().is_valid else None
+
+
+def joined(carrier: dict[str, str] | None) -> contextlib.AbstractContextManager[None]:
+    """``carrier`` (``current_context``'s, from the worker) current for the block: the spans
+    begun in it are its children. Nothing without it or without a tracer provider here."""
+    if not carrier or not _configured():
+        return _NO_SPAN
+    return _joined(carrier)
+
+
+@contextlib.contextmanager
+def _joined(carrier: dict[str, str]) -> Iterator[None]:
+    from opentelemetry import context, propagate
+
+    token = context.attach(propagate.extract(carrier))
+    try:
+        yield
+    finally:
+        context.detach(token)
+
+
 # -- the spans of a run's steps ---------------------------------------------------------------
 
 STEP_SPANS = {

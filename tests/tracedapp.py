@@ -100,3 +100,9 @@ async def traced_parent(params: dict[str, Any], ctx: TaskContext) -> list[Any]:
 @registry.task("traced_child")
 async def traced_child(params: dict[str, Any], ctx: TaskContext) -> int:
     return int(await ctx.step("work", lambda: params["n"] * 10))
+
+
+@registry.task("traced_isolated", isolation="process")
+def traced_isolated(params: dict[str, Any], ctx: TaskContext) -> int:
+    """Its steps run in a child process of the worker's pool."""
+    return int(ctx.step_sync("one", lambda: 1)) + int(ctx.step_sync("two", lambda: 2))

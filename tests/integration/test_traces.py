@@ -169,3 +169,25 @@ async def test_a_workflow_taken_over_after_a_kill_is_one_trace_with_every_step(
     # what a backend filters on
     assert {"mtask.key", "mtask.name", "mtask.attempt", "mtask.run_id", "mtask.step",
             "mtask.replayed"} <= set(a_fresh["attributes"])  # fmt: skip
+
+
+async def test_an_isolated_handlers_steps_are_spans_under_its_run(
+    mongo_uri: str, db_name: str, tmp_path: Path
+) -> None:
+    folder = tmp_path / "spans"
+    folder.mkdir()
+    with (
+        TaskClient(mongo_uri, database=db_name) as client,
+        workers(mongo_uri, db_name, tmp_path) as cluster,
+    ):
+        cluster.spawn("w1", env={"MTASK_SPANS_DIR": str(folder)})
+        client.publish("traced_isolated", "iso")
+        done = await asyncio.to_thread(client.wait, "iso", 30)
+        assert done.result == 3
+    spans = spans_in(folder)
+    (run,) = _of(spans, "iso", "mtask.run")
+    steps = _of(spans, "iso", "mtask.step")
+    assert sorted(s["attributes"]["mtask.step"] for s in steps) == ["one", "two"]
+    for step in steps:  # made in the child process, under the worker's run span
+        assert (step["trace_id"], step["parent_id"]) == (run["trace_id"], run["span_id"])
+        assert step["attributes"]["mtask.run_id"] == run["attributes"]["mtask.run_id"]

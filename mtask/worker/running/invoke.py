@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from mtask import metrics
 from mtask.registry import Handler, TaskContext
 from mtask.steps import Suspended
+from mtask.tracing import current_context
 from mtask.worker.running.failures import class_path, short_traceback
 from mtask.worker.running.pool.errors import HandlerError, TimeLimitExceeded
 
@@ -71,7 +72,8 @@ async def invoke(
         from mtask.worker.running.pool.child_steps import ParentSteps  # with the pool alone
         from mtask.worker.running.pool.pipe import RunInfo
 
-        info = RunInfo(ctx.key, ctx.name, ctx.attempt, ctx.run_id, ctx.worker_id)
+        trace = current_context()  # the run span's: the child's spans join it
+        info = RunInfo(ctx.key, ctx.name, ctx.attempt, ctx.run_id, ctx.worker_id, trace)
         try:
             return await pool.run(
                 handler,

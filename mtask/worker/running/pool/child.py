@@ -32,6 +32,7 @@ from mtask.follow.output import RunOutput
 from mtask.limits.snooze import Snooze
 from mtask.registry import Fail, Handler, Retry, TaskContext
 from mtask.steps import SignalTimeout, StepError, Suspended
+from mtask.tracing import joined
 from mtask.usage.charges import RefusedUsage, RunUsage
 from mtask.worker.running.failures import class_path, result_too_large, said, short_traceback
 from mtask.worker.running.pool import pipe
@@ -155,7 +156,8 @@ def _call(call: Call, cancelled: Any, output: _ChildOutput, steps: ChildSteps) -
         usage_for=_no_usage,
     )
     try:
-        return _reply(call.handler, call.params, ctx)
+        with joined(info.trace):  # the worker's run span is the parent of the spans here
+            return _reply(call.handler, call.params, ctx)
     finally:
         steps.close()  # a request a thread it left behind makes now is refused
         output.close()  # what the handler said reaches the worker before its reply

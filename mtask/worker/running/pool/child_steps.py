@@ -31,6 +31,7 @@ from mtask.errors import LeaseLost, MtaskError
 from mtask.registry import TaskContext
 from mtask.steps import Doc, Journal, RunSteps, StepError
 from mtask.steps import complete_now as complete
+from mtask.tracing import step_tracer
 from mtask.worker.running.pool import pipe
 from mtask.worker.running.pool.pipe import StepAsk, StepOp
 
@@ -88,6 +89,9 @@ class ChildSteps:
             attempt=ctx.attempt,
             blocking_io=complete,
             release=ctx.release,
+            # each step's span, under the worker's run span (``RunInfo.trace``), where this
+            # process has a tracer provider (the application's module set one)
+            spans=step_tracer({}, ctx.name, ctx.key, ctx.attempt, ctx.run_id),
         )
 
     def close(self) -> None:

@@ -97,6 +97,9 @@ class RunInfo:
     attempt: int
     run_id: str
     worker_id: str
+    trace: dict[str, str] | None = None
+    """The run span's W3C context (``mtask.tracing.current_context``): the child's spans, its
+    steps' and the handler's own, are its children. ``None`` without a tracer provider."""
 
 
 # -- the kinds ------------------------------------------------------------------------------------
