@@ -170,7 +170,8 @@ def _run_span(
         parent = propagate.extract(carrier)
         if isinstance(doc.get("spawn"), dict):  # a child: linked to the step that spawned it
             spawner = trace.get_current_span(parent).get_span_context()
-            links.append(trace.Link(spawner, {"mtask.link": "spawned_by"}))
+            if spawner.is_valid:
+                links.append(trace.Link(spawner, {"mtask.link": "spawned_by"}))
     else:  # the task's trace begins here: every later run is a child of this span too
         root = tracer.start_span(
             "mtask.task", context=context.Context(), attributes={
