@@ -23,7 +23,7 @@ import socket
 import subprocess
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,15 +169,18 @@ class EmbeddedMongo:
         cache_size_gb: float = CACHE_SIZE_GB,
         extra_args: tuple[str, ...] = (),
         tls: Tls | None = None,
+        environment: Mapping[str, str] | None = None,
     ) -> None:
         """``extra_args`` go to mongod as they are (``--auth --keyFile FILE``: the localhost
         exception lets this class initiate the replica set, and create the first user);
-        ``tls`` makes it require TLS, and every URI it returns says so."""
+        ``tls`` makes it require TLS, and every URI it returns says so; ``environment``: more
+        variables of mongod's environment (``mtask.testing.clock`` runs it under libfaketime)."""
         self.data_dir = Path(data_dir or default_data_dir()).absolute()
         self.port = port
         self.cache_size_gb = cache_size_gb
         self.extra_args = extra_args
         self.tls = tls
+        self.environment = dict(environment or {})
 
     # -- state file ---------------------------------------------------------------------------
 
@@ -280,6 +283,7 @@ class EmbeddedMongo:
                     timeout=timeout,
                     check=False,
                     start_new_session=True,
+                    env={**os.environ, **self.environment} if self.environment else None,
                 )
             except (OSError, subprocess.TimeoutExpired) as exc:
                 raise EmbeddedUnavailable(

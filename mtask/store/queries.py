@@ -13,8 +13,10 @@ from pymongo import ASCENDING, DESCENDING
 from pymongo.errors import OperationFailure
 
 from mtask.driver import Call, Doc, Op
+from mtask.statemachine import OPEN, RUNNING
 from mtask.store import counts
 from mtask.store.bulk import ERROR_TEXT
+from mtask.store.schedules import next_due
 
 INDEX_NOT_FOUND = 27
 """The server's code for a ``$text`` query on a collection without a text index."""
@@ -107,3 +109,23 @@ def finished_since(since: dt.datetime) -> Op[dict[str, int]]:
         {"hint": "finished"},
     )
     return {str(row["_id"]): int(row["n"]) for row in rows}
+
+
+def quiet_until(now: dt.datetime) -> Op[tuple[bool, dt.datetime | None]]:
+    """Whether nothing is to do at ``now`` (no open task with a RUNNING run, none claimable by
+    ``now``), and the earliest time something will be: the soonest ``next_claim_at`` of an open
+    task and ``next_tick_at`` of a schedule (``None``: nothing is waiting for a time, only for
+    a signal, data or nothing). For ``mtask.testing``'s automatic skips; the sorted find reads
+    the open tasks (no index orders them by ``next_claim_at`` alone: see ``delayed``)."""
+    running = yield Call(
+        "find_one", ({"status": {"$in": list(OPEN)}, "runs.state": RUNNING}, {"_id": 1})
+    )
+    soonest = yield Call(
+        "find_one",
+        ({"status": {"$in": list(OPEN)}, "next_claim_at": {"$type": "date"}}, SUMMARY),
+        {"sort": [("next_claim_at", ASCENDING)]},
+    )
+    tick: dt.datetime | None = yield from next_due()
+    at = None if soonest is None else soonest["next_claim_at"]
+    soonest_at = min([t for t in (at, tick) if isinstance(t, dt.datetime)], default=None)
+    return running is None and (soonest_at is None or soonest_at > now), soonest_at

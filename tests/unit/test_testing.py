@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import threading
 from typing import Any
@@ -12,10 +13,11 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from mtask import Fail, LeaseLost, Next, Registry, Retry, RunState, TaskContext
+from mtask.errors import ConfigError
 from mtask.follow.output import RecordedOutput, RunOutput
 from mtask.models import MAX_RETRY_DELAY_MS
 from mtask.registry import retry_delay_ms
-from mtask.testing import MemorySteps, arun_handler, run_handler
+from mtask.testing import MemorySteps, TimeSkippingEnv, arun_handler, run_handler, timeskip
 
 registry = Registry()
 
@@ -232,3 +234,15 @@ def test_steps_and_signals_between_calls() -> None:
     second = run_handler(registry, "approve", {"amount": 5}, steps=steps, attempt=2)
     assert second.state is RunState.SUCCESS
     assert second.result == {"charged": 1, "decision": "yes"} and CHARGES == [5]  # replayed
+
+
+def test_a_missing_libfaketime_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TimeSkippingEnv`` needs libfaketime: where there is none, a ``ConfigError`` names it
+    and how to install it, before anything starts."""
+    monkeypatch.delenv("MTASK_LIBFAKETIME", raising=False)
+    monkeypatch.setattr(timeskip, "LIBFAKETIME_GLOBS", ("/nonexistent/libfaketime.so.1",))
+    with pytest.raises(ConfigError, match=r"libfaketime is not installed.*apt-get install"):
+        asyncio.run(TimeSkippingEnv(Registry()).__aenter__())
+    monkeypatch.setenv("MTASK_LIBFAKETIME", "/nonexistent/lib.so")
+    with pytest.raises(ConfigError, match="MTASK_LIBFAKETIME=/nonexistent/lib.so is not a file"):
+        timeskip.find_libfaketime()

@@ -21,6 +21,9 @@ in a worker: give ``mongo_client`` (a ``pymongo.AsyncMongoClient`` to a replica 
 (the task's own SUCCESS, which a worker writes in the same transaction, is left out: there is
 no task document), and none lands when it raises. Without one, ``arun_handler`` raises
 ``ConfigError`` naming the handler.
+
+``TimeSkippingEnv`` (``mtask.testing.timeskip``) runs workers and a client against an embedded
+MongoDB whose clock ``skip`` moves forward: a workflow that sleeps for a month runs in seconds.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from mtask.models import DEFAULT_MAX_PARAMS_BYTES
 from mtask.registry import Registry, TaskContext
 from mtask.steps import MemorySteps, RunSteps
 from mtask.store import Outcome
+from mtask.testing.timeskip import TimeSkippingEnv, find_libfaketime
 from mtask.usage.charges import MemoryUsage, RunUsage
 from mtask.worker.config import DEFAULT_MAX_RESULT_BYTES
 from mtask.worker.inflight import ActiveRun
@@ -52,7 +56,15 @@ from mtask.worker.running.transactional import RunFence, TransactionEnded
 from mtask.worker.stats import WorkerStats
 from mtask.worker.worker_events import Emitter
 
-__all__ = ["MemorySteps", "Outcome", "arun_handler", "run_handler", "worker_argv"]
+__all__ = [
+    "MemorySteps",
+    "Outcome",
+    "TimeSkippingEnv",
+    "arun_handler",
+    "find_libfaketime",
+    "run_handler",
+    "worker_argv",
+]
 
 
 async def arun_handler(
