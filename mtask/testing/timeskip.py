@@ -58,6 +58,8 @@ LIBFAKETIME_GLOBS = (
 SETTLE = 0.1
 """Seconds between the two looks that must both find nothing to do before an automatic skip
 (a run that just ended may publish its follow-ups, its children, right after its outcome)."""
+STOP_WITHIN = 1.0
+"""Seconds a server in a temporary directory has to shut down before it is killed."""
 FOLLOW_WITHIN = 20.0
 """Seconds the server and each worker have to show a skipped clock before ``skip`` fails."""
 
@@ -112,6 +114,7 @@ class TimeSkippingEnv:
         self.worker_count = workers
         self.worker_options = {"heartbeat_interval": 0.2, **worker_options}
         self._data_dir = data_dir
+        self._temporary = data_dir is None
         self._stack = contextlib.AsyncExitStack()
         self.offset = 0.0
         """Seconds the server's clock is ahead of real time: the sum of the skips."""
@@ -159,7 +162,10 @@ class TimeSkippingEnv:
             },
         )
         self.uri = await asyncio.to_thread(server.start)
-        self._stack.push_async_callback(asyncio.to_thread, server.stop)
+        # a server of its own in a temporary directory needs no clean shutdown: killed after
+        # STOP_WITHIN seconds (its files are removed next)
+        stop_within = STOP_WITHIN if self._temporary else 30.0
+        self._stack.push_async_callback(asyncio.to_thread, server.stop, stop_within)
         self._mongo: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(self.uri, tz_aware=True)
         self._stack.push_async_callback(self._mongo.close)
         db = self._mongo[self.database]

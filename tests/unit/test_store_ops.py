@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -20,6 +21,7 @@ from mtask.errors import InvalidTask, StorageError, TaskNotFound
 from mtask.models import NewTask
 from mtask.store import claims
 from mtask.store import flows as store_flows
+from mtask.store import queries as store_queries
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -363,3 +365,31 @@ def test_a_sequences_claim_gives_up_its_retries_after_four_busy_groups() -> None
 def test_a_sequences_claim_of_nothing_sends_nothing() -> None:
     driver = ScriptedDriver()
     assert driver.run(store.claim_locked({}, ["n"], "w1", NOW)) == ([], set(), {})
+
+
+def test_quiet_until_is_quiet_only_with_nothing_running_nor_due() -> None:
+    """``quiet_until`` (the automatic skips of ``mtask.testing``): a RUNNING run, or a task or
+    schedule due by ``now``, is something to do; else the soonest time something will be."""
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    later, latest = now + dt.timedelta(days=1), now + dt.timedelta(days=2)
+
+    def script(running: Any, task_at: Any, tick_at: Any) -> tuple[bool, Any]:
+        driver = ScriptedDriver(
+            Step("find_one", running),
+            Step("find_one", None if task_at is None else {"next_claim_at": task_at}),
+            Step(
+                "find_one",
+                None if tick_at is None else {"next_tick_at": tick_at},
+                collection="schedules",
+            ),
+        )
+        answer = driver.run(store_queries.quiet_until(now))
+        assert driver.done
+        return answer
+
+    assert script(None, later, latest) == (True, later)
+    assert script(None, latest, later) == (True, later)
+    assert script(None, None, None) == (True, None)
+    assert script({"_id": "k"}, later, None) == (False, later)  # a run in a worker's hands
+    assert script(None, now, None) == (False, now)  # due now
+    assert script(None, None, now) == (False, now)  # a schedule's tick due now
