@@ -72,6 +72,15 @@ async def hold(params: dict[str, Any], ctx: TaskContext) -> int:
     return ctx.attempt
 
 
+ticking = Registry()
+ticking.schedule("daily", cron="0 9 * * *")
+
+
+@ticking.task("daily")
+async def daily(params: Any, ctx: TaskContext) -> str:
+    return ctx.key
+
+
 def needs_libfaketime() -> None:
     try:
         find_libfaketime()
@@ -199,3 +208,22 @@ async def test_skip_ends_a_lease_when_the_clock_passes_it(env: TimeSkippingEnv) 
         held.set()
     assert done.result == 2
     assert done.runs[-1].claimed_at >= first.lease_expires_at
+
+
+async def test_a_daily_schedule_ticks_once_a_skipped_day(db_name: str) -> None:
+    """A cron schedule at 09:00 every day, skipped through by itself for three days: one task a
+    day, each published at its tick by the server's clock."""
+    needs_libfaketime()
+    async with TimeSkippingEnv(ticking, database=db_name) as env:
+        start = await env.now()
+
+        async def three_days() -> list[Task] | None:
+            done = await env.client.list(name="daily", status="succeeded")
+            return done if len(done) >= 3 else None
+
+        done = await env.run_until(wait_for(three_days, timeout=90), timeout=90)
+    ticks = sorted(t.created_at for t in done if t.created_at is not None)
+    assert len(ticks) >= 3 and all(t > start for t in ticks)
+    assert all((t.hour, t.minute) == (9, 0) for t in ticks[:3])
+    gaps = [b - a for a, b in itertools.pairwise(ticks[:3])]
+    assert all(abs(gap - DAY) < dt.timedelta(minutes=5) for gap in gaps)
