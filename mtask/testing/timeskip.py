@@ -51,10 +51,9 @@ LIBFAKETIME_GLOBS = (
     "/usr/lib/*/faketime/libfaketime.so.1",
     "/usr/lib/faketime/libfaketime.so.1",
     "/usr/local/lib/faketime/libfaketime.so.1",
-    "/opt/homebrew/lib/faketime/libfaketime.1.dylib",
-    "/usr/local/lib/faketime/libfaketime.1.dylib",
 )
-"""Where libfaketime's preload library is installed (Debian, a source build, Homebrew)."""
+"""Where libfaketime's preload library is installed (Debian and Ubuntu, a source build). Linux
+only: mongod is started with ``LD_PRELOAD``."""
 SETTLE = 0.1
 """Seconds between the two looks that must both find nothing to do before an automatic skip
 (a run that just ended may publish its follow-ups, its children, right after its outcome)."""
@@ -77,8 +76,8 @@ def find_libfaketime() -> Path:
             return Path(found)
     raise ConfigError(
         "libfaketime is not installed: TimeSkippingEnv runs MongoDB under it to skip time "
-        "(Debian/Ubuntu: apt-get install libfaketime; macOS: brew install libfaketime; or set "
-        "MTASK_LIBFAKETIME to its libfaketime.so.1)"
+        "(Linux only; Debian/Ubuntu: apt-get install libfaketime; or set MTASK_LIBFAKETIME to "
+        "its libfaketime.so.1)"
     )
 
 
