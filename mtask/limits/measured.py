@@ -9,10 +9,11 @@ The resource's document holds the limit and the current window::
 
 Windows are fixed, ``W`` milliseconds long, aligned on the epoch of the server's clock
 (``$$NOW``): ``measured_at`` is the start of the window ``measured_used`` counts. A take of the
-resource's slot is admitted only while the current window's count is below ``N`` (a
-``measured_at`` of an older window counts nothing): one more term of the take's filter
-(``room``). A charge adds its tokens to the current window, starting it afresh if the stored one
-is older (``charged``): one update. Both read the window from ``$$NOW``, never a worker's clock.
+resource's slot, and each step of a run that holds it, is admitted only while the current
+window's count is below ``N`` (a ``measured_at`` of an older window counts nothing): one more
+term of the take's filter, the whole filter of a step's admission (``room``; ``admitted``). A
+charge adds its tokens to the current window, starting it afresh if the stored one is older
+(``charged``): one update. All read the window from ``$$NOW``, never a worker's clock.
 """
 
 from __future__ import annotations
@@ -145,6 +146,16 @@ def charged(tokens: int, taken_at: str) -> list[Doc]:
             tokens,
         ]
     }
+    return [{"$set": {USED: used, AT: start, taken_at: "$$NOW"}}]
+
+
+def admitted(taken_at: str) -> list[Doc]:
+    """The update of a resource's document that admits a step (its filter: ``room``): the
+    current window made the stored one (a stored window older than it starts afresh, at
+    nothing), so what a reader sees is the window the step is charged to; ``taken_at``: as
+    ``charged``'s (an admission frees no room)."""
+    start = _window_start()
+    used = {"$cond": [{"$eq": [f"${AT}", start]}, _used(), 0]}
     return [{"$set": {USED: used, AT: start, taken_at: "$$NOW"}}]
 
 

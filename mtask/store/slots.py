@@ -447,6 +447,36 @@ def charge_measured(slots: Sequence[str], tokens: int) -> Op[None]:
     )
 
 
+def admit_measured(slots: Sequence[str], now: dt.datetime) -> Op[float | None]:
+    """Admit a step of a run that takes the shared resources ``slots`` (docs/flow-control.md
+    #limits-in-tokens): for each one with a limit in tokens, one update whose filter is its
+    window's room (``measured.room``, on ``$$NOW``) and that makes its current window the
+    stored one. ``None``: admitted by all; else the seconds until the first that refused has
+    room again (its window's end, from the document as read then and ``now``, the server's
+    time as the worker estimates it: at least a millisecond, the server decides again).
+    A resource whose limit in tokens was removed admits."""
+    for slot in sorted(slots):
+        limited = {
+            "_id": slot,
+            measured.LIMIT: {"$type": "number"},
+            measured.WINDOW: {"$type": "number"},
+        }
+        result = yield Call(
+            "update_one",
+            ({**limited, "$expr": measured.room()}, measured.admitted(TAKEN_AT)),
+            collection="limits",
+        )
+        if result.matched_count:
+            continue
+        doc: Doc | None = yield Call(
+            "find_one", (limited, dict.fromkeys(measured.FIELDS, 1)), collection="limits"
+        )
+        if doc is None:
+            continue
+        return max(measured.window_wait(doc, now) or 0.0, 0.001)
+    return None
+
+
 def release(by_slot: Mapping[str, Sequence[str]]) -> Op[None]:
     """Give back the slots of runs that ended (or whose claim missed): one write for all."""
     if not by_slot:

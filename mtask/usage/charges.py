@@ -1,7 +1,7 @@
 """One run's usage (``RunUsage``): ``ctx.record_usage`` charges through a ``UsageStore``
 (the worker's, ``mtask.worker.running.usage_stores``; ``MemoryUsage`` for tests), and a step
-checks the budgets before it starts (``check``: the run's durable steps call it,
-``mtask.steps.calls``).
+checks the budgets before it starts, then asks the windows of the resources limited in tokens
+the run takes to admit it (``check``: the run's durable steps call it, ``mtask.steps.calls``).
 
 A task's own budget is checked here, against what its task spent: one run at a time owns the
 task, and only the owner's fenced charges change its total, so the run's count is the
@@ -22,6 +22,13 @@ from mtask.models import MAX_RETRY_DELAY_MS, Budget
 from mtask.usage.rules import Price, Usage, next_period
 
 Doc = dict[str, Any]
+
+IN_PLACE_S = 1.0
+"""A step refused by a window of tokens that ends within this many seconds waits for it in
+place; one that ends later snoozes its run (``RunUsage.admitted``)."""
+IN_PLACE_TRIES = 3
+"""How many waits in place a step makes before its run snoozes (each one until a window's
+end: a refusal after one is another worker's step admitted first)."""
 
 
 class UsageStore(Protocol):
@@ -46,6 +53,12 @@ class UsageStore(Protocol):
         decides, on its clock)."""
         ...
 
+    async def admit(self) -> float | None:
+        """Admit a step on the shared resources limited in tokens the run takes (the server
+        decides, on its clock): ``None`` if admitted (or none), else the seconds until the
+        window that refused it ends."""
+        ...
+
 
 class MemoryUsage:
     """A ``UsageStore`` in memory (``mtask.testing``, a dry replay): charges kept in a list,
@@ -66,6 +79,9 @@ class MemoryUsage:
 
     async def over(self) -> list[Doc]:
         return []
+
+    async def admit(self) -> float | None:
+        return None
 
 
 class RefusedUsage(MemoryUsage):
@@ -169,11 +185,34 @@ class RunUsage:
             cost = self.cost_nanos if budget.cost is not None else None
             spent = {"input_tokens": self.tokens, "cost_nanos": cost}
             raise BudgetSpent("task", budget, spent)
-        if not await self.store.budgeted():
-            return
-        over = await self.store.over()
-        if over:
-            raise self.stopped(over)
+        if await self.store.budgeted():
+            over = await self.store.over()
+            if over:
+                raise self.stopped(over)
+        await self.admitted()
+
+    async def admitted(self) -> None:
+        """Before a step starts, after its budgets: admitted by the windows of the resources
+        limited in tokens the run takes (``UsageStore.admit``). A window that ends within
+        ``IN_PLACE_S`` is waited for in place (a snooze, a new claim and the replay of the
+        run's steps cost more than that); one that ends later, or a third refusal in a row,
+        snoozes the run until the window's end: it holds no slot meanwhile, and spends no
+        try (``Snooze``)."""
+        for _ in range(IN_PLACE_TRIES):
+            wait = await self.store.admit()
+            if wait is None:
+                return
+            if wait > IN_PLACE_S:
+                break
+            await asyncio.sleep(wait)
+        else:
+            wait = await self.store.admit()
+            if wait is None:
+                return
+        wait = min(wait, MAX_RETRY_DELAY_MS / 1000)
+        raise Snooze(
+            wait, "tokens of a shared resource spent for this window: waiting for the next"
+        )
 
     def stopped(self, over: list[Doc]) -> Exception:
         """Why a step does not start: the first scope past its budget without a period

@@ -1,8 +1,9 @@
 """A shared resource limited in tokens (docs/flow-control.md#limits-in-tokens): runs take the
-resource while its window's charged tokens are below the limit, charge what they spent when
-they return (``ctx.record_usage``), and the next take waits for the next window: with three
-worker processes, no window (on the server's clock) is charged more than the limit plus one
-run's tokens."""
+resource while its window's charged tokens are below the limit, each step of a run is admitted
+the same way before it starts, each charges what it spent when it returns
+(``ctx.record_usage``), and the next take or step waits for the next window: with three worker
+processes, no window (on the server's clock) is charged more than the limit plus one step's
+tokens per step in flight (a run without steps: one run's)"""
 
 from __future__ import annotations
 
@@ -73,6 +74,79 @@ async def test_three_workers_never_charge_a_window_past_the_limit_plus_one_run(
     assert len(spent) >= 3, spent  # 900 tokens at most 350 a window: spread over windows
     doc = mongo[db_name]["limits"].find_one({"_id": "\x00llm"})
     assert doc is not None and doc[measured.USED] <= bound  # its current window's count
+
+
+STEPS_LIMIT = 250
+STEPS_WINDOW_S = 1.5
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+async def test_three_workers_admit_each_step_so_no_window_passes_the_limit_plus_one_step(
+    aclient: AsyncTaskClient,
+    mongo: MongoClient[dict[str, Any]],
+    mongo_uri: str,
+    db_name: str,
+    concurrency: int,
+) -> None:
+    """Runs of four steps of 100 tokens each: admitted per run, a run admitted with room
+    would charge a window 400 (past 250 + 100); each step admitted while the window has room
+    keeps every window within 250 + 100 times the steps in flight at once (the resource's
+    concurrency: a run's steps follow one another), on the server's clock."""
+    await aclient.set_limit(
+        resource="llm", concurrency=concurrency, tokens_per=(STEPS_LIMIT, STEPS_WINDOW_S)
+    )
+    keys = [f"s{i}" for i in range(3)]
+    params = {"uri": mongo_uri, "db": db_name, "steps": 4}
+    with contextlib.ExitStack() as stack:
+        for _ in range(3):
+            stack.enter_context(worker_process(mongo_uri, db_name, app=APP))
+        await wait_for(lambda: _registered(aclient, 3), timeout=60, every=0.2)
+        for key in keys:
+            await aclient.publish("metered_steps", key, params)
+        tasks = [await asyncio.wait_for(aclient.wait(key), 60) for key in keys]
+    assert all(t.status.value == "succeeded" for t in tasks), tasks
+    notes = list(mongo[db_name]["charges"].find({"after": {"$type": "date"}}))
+    assert len(notes) == 4 * len(keys), notes  # one charge per step, none sent twice
+    bound = STEPS_LIMIT + concurrency * usageapp.STEP_CHARGE
+    spent = _within_bound(notes, round(STEPS_WINDOW_S * 1000), bound)
+    assert len(spent) >= 1200 // bound, spent  # 1200 tokens at most 350 (450) a window
+    doc = mongo[db_name]["limits"].find_one({"_id": "\x00llm"})
+    assert doc is not None and doc[measured.USED] <= bound
+
+
+async def test_a_step_refused_by_a_long_window_snoozes_its_run_holding_no_slot(
+    aclient: AsyncTaskClient, mongo: MongoClient[dict[str, Any]], mongo_uri: str, db_name: str
+) -> None:
+    """A window of 50 tokens a minute: the first step charges 100, the second is refused
+    for most of a minute, so its run snoozes until the window's end (on the server's clock)
+    instead of waiting in place; its first step is recorded and not called again."""
+    await aclient.set_limit(resource="llm", concurrency=1, tokens_per=(50, 60))
+    params = {"uri": mongo_uri, "db": db_name, "steps": 2}
+    tasks = mongo[db_name]["tasks"]
+    async with running_worker(usageapp.registry, mongo_uri, db_name):
+        await aclient.publish("metered_steps", "w1", params)
+        await wait_for(lambda: _snoozed(tasks, "w1"), timeout=30, every=0.05)
+        doc = mongo[db_name]["limits"].find_one({"_id": "\x00llm"})
+        assert doc is not None and doc[measured.USED] == usageapp.STEP_CHARGE
+        window_ends = doc[measured.AT] + dt.timedelta(minutes=1)
+        task = tasks.find_one({"_id": "w1"})
+        assert task is not None and task["status"] == "pending" and task["snoozes"] == 1, task
+        due = task["available_at"]  # the window's end, as the worker estimated the server's time
+        assert abs((due - window_ends).total_seconds()) < 1, (due, window_ends)
+        limits = mongo[db_name]["limits"]
+        await wait_for(lambda: _given_back(limits), timeout=30, every=0.05)  # no slot held
+    notes = list(mongo[db_name]["charges"].find())
+    assert [n["step"] for n in notes] == [0], notes  # the second step never started
+
+
+async def _given_back(limits: Any) -> bool:
+    doc = limits.find_one({"_id": "\x00llm"}, {"holders": 1})
+    return doc is not None and not doc.get("holders")
+
+
+async def _snoozed(tasks: Any, key: str) -> bool:
+    doc = tasks.find_one({"_id": key}, {"snoozes": 1})
+    return bool(doc and doc.get("snoozes"))
 
 
 async def _registered(aclient: AsyncTaskClient, count: int) -> bool:
