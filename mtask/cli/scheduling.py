@@ -223,7 +223,7 @@ def cmd_limits(args: argparse.Namespace) -> int:
     table.columns[1].ratio = 1
     for u in uses:
         if u.resource:  # a shared resource: its tasks are counted under the names using it
-            said = _describe_limit(u.limit) + _holds_of(u) + _users_of(u)
+            said = _describe_limit(u.limit) + _window_of(u) + _holds_of(u) + _users_of(u)
             add_row(table, f"resource {u.name}", said, _in_use(u), u.due, u.blocked)
             continue
         said = _describe_limit(u.limit) + _holds_of(u) + _state_of(u)
@@ -245,6 +245,16 @@ def _use_json(u: Any) -> dict[str, Any]:
 
 SHOWN_USERS = 5
 """The names a shared resource's row says take its slot (``--json``: all of them)."""
+
+
+def _window_of(u: Any) -> str:
+    """A shared resource's current window of tokens: what it charged, and until when it is
+    full (its limit, ``tokens_per``, is in ``_describe_limit``)."""
+    window = u.token_window
+    if window is None:
+        return ""
+    full = f", full until {window.end:%H:%M:%S} UTC" if window.full else ""
+    return f" ({window.charged} charged in this window{full})"
 
 
 def _users_of(u: Any) -> str:

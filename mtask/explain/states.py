@@ -38,6 +38,7 @@ from enum import StrEnum
 from typing import Any
 
 from mtask.explain.wording import plural, relative, span, when
+from mtask.limits import measured
 from mtask.limits.rules import (
     Limit,
     is_sequence,
@@ -450,6 +451,10 @@ def _resource(name: str, cluster: Cluster) -> Explained | None:
         full = _full(doc, cluster.now)
         if full is not None:
             return Explained(State.BLOCKED, "limit", f"{resource} is full: {full}")
+        window = measured.current(doc, cluster.now)
+        if window is not None and window.full:
+            said = f"{resource} has spent its tokens: {window.describe()}"
+            return Explained(State.BLOCKED, "limit", said)
     return None
 
 

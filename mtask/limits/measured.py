@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from mtask.driver import Doc
@@ -170,6 +171,45 @@ def window_wait(doc: Mapping[str, Any], now: dt.datetime) -> float | None:
     if used < limit[0] or ends <= now:
         return None
     return (ends - now).total_seconds()
+
+
+@dataclass(frozen=True)
+class Window:
+    """A resource's current window of tokens, as shown (``mtask limits``, the dashboard, why a
+    task waits): its limit ``tokens_per`` (N, seconds), the tokens ``charged`` in it, its
+    ``start`` and ``end``."""
+
+    limit: int
+    seconds: float
+    charged: int
+    start: dt.datetime
+    end: dt.datetime
+
+    @property
+    def full(self) -> bool:
+        """No take nor step is admitted until ``end``."""
+        return self.charged >= self.limit
+
+    def describe(self) -> str:
+        said = f"{self.charged} of {self.limit} tokens charged in this {self.seconds:g} s window"
+        return said + (f", full until {self.end:%H:%M:%S} UTC" if self.full else "")
+
+
+def current(doc: Mapping[str, Any] | None, now: dt.datetime) -> Window | None:
+    """``doc``'s current window at ``now`` (the server's time), as its take reads it: a
+    stored window older than the current one counted nothing of it. ``None``: no limit in
+    tokens."""
+    limit = of(doc)
+    if limit is None:
+        return None
+    assert doc is not None
+    tokens, width = limit
+    epoch_ms = math.floor(now.timestamp() * 1000)
+    start = dt.datetime.fromtimestamp((epoch_ms - epoch_ms % width) / 1000, dt.UTC)
+    at, used = doc.get(AT), doc.get(USED)
+    same = isinstance(at, dt.datetime) and at.astimezone(dt.UTC) == start
+    charged = int(used) if same and isinstance(used, int | float) and used == used else 0
+    return Window(tokens, width / 1000, charged, start, start + dt.timedelta(milliseconds=width))
 
 
 def slots_of(

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtask.driver import Call, Doc, Op, gather
+from mtask.limits import measured
 from mtask.limits import rules as limits
 from mtask.limits.holds import held_until
 from mtask.limits.rules import (
@@ -104,6 +105,8 @@ class NameUse:
     """Until when a handler's ``BackOff`` holds the name (or the resource) back, if it does."""
     held_groups: dict[str, dt.datetime] = field(default_factory=dict)
     """The groups a ``BackOff`` holds back, each until when."""
+    token_window: measured.Window | None = None
+    """A shared resource's limit in tokens and its current window's charge, if it has one."""
 
     @property
     def own(self) -> Limit:
@@ -364,6 +367,7 @@ def _resource_uses(
                 resource=True,
                 held_until=held,
                 users=names,
+                token_window=measured.current(doc, now),
             )
         )
     return found

@@ -20,6 +20,7 @@ from mtask.limits.rules import (
     HELD_UNTIL,
     is_group_slot,
     is_resource,
+    resource_of,
     runs_at_once,
 )
 from mtask.limits.slots import GRANTED_KEPT, TAKEN_AT, Request, Taken, decide, expire_at, is_lock
@@ -447,14 +448,15 @@ def charge_measured(slots: Sequence[str], tokens: int) -> Op[None]:
     )
 
 
-def admit_measured(slots: Sequence[str], now: dt.datetime) -> Op[float | None]:
+def admit_measured(slots: Sequence[str], now: dt.datetime) -> Op[tuple[float, str] | None]:
     """Admit a step of a run that takes the shared resources ``slots`` (docs/flow-control.md
     #limits-in-tokens): for each one with a limit in tokens, one update whose filter is its
     window's room (``measured.room``, on ``$$NOW``) and that makes its current window the
     stored one. ``None``: admitted by all; else the seconds until the first that refused has
     room again (its window's end, from the document as read then and ``now``, the server's
-    time as the worker estimates it: at least a millisecond, the server decides again).
-    A resource whose limit in tokens was removed admits."""
+    time as the worker estimates it: at least a millisecond, the server decides again) and
+    what to say of it (the resource, its window's charge). A resource whose limit in tokens
+    was removed admits."""
     for slot in sorted(slots):
         limited = {
             "_id": slot,
@@ -473,7 +475,10 @@ def admit_measured(slots: Sequence[str], now: dt.datetime) -> Op[float | None]:
         )
         if doc is None:
             continue
-        return max(measured.window_wait(doc, now) or 0.0, 0.001)
+        window = measured.current(doc, now)
+        said = "" if window is None else f": {window.describe()}"
+        wait = max(measured.window_wait(doc, now) or 0.0, 0.001)
+        return wait, f"resource `{resource_of(slot)}`{said}"
     return None
 
 

@@ -53,10 +53,10 @@ class UsageStore(Protocol):
         decides, on its clock)."""
         ...
 
-    async def admit(self) -> float | None:
+    async def admit(self) -> tuple[float, str] | None:
         """Admit a step on the shared resources limited in tokens the run takes (the server
         decides, on its clock): ``None`` if admitted (or none), else the seconds until the
-        window that refused it ends."""
+        window that refused it ends, and what to say of it (the resource and its window)."""
         ...
 
 
@@ -80,7 +80,7 @@ class MemoryUsage:
     async def over(self) -> list[Doc]:
         return []
 
-    async def admit(self) -> float | None:
+    async def admit(self) -> tuple[float, str] | None:
         return None
 
 
@@ -199,20 +199,19 @@ class RunUsage:
         snoozes the run until the window's end: it holds no slot meanwhile, and spends no
         try (``Snooze``)."""
         for _ in range(IN_PLACE_TRIES):
-            wait = await self.store.admit()
-            if wait is None:
+            refused = await self.store.admit()
+            if refused is None:
                 return
-            if wait > IN_PLACE_S:
+            if refused[0] > IN_PLACE_S:
                 break
-            await asyncio.sleep(wait)
+            await asyncio.sleep(refused[0])
         else:
-            wait = await self.store.admit()
-            if wait is None:
+            refused = await self.store.admit()
+            if refused is None:
                 return
+        wait, said = refused
         wait = min(wait, MAX_RETRY_DELAY_MS / 1000)
-        raise Snooze(
-            wait, "tokens of a shared resource spent for this window: waiting for the next"
-        )
+        raise Snooze(wait, f"waiting for the next window of tokens of {said}")
 
     def stopped(self, over: list[Doc]) -> Exception:
         """Why a step does not start: the first scope past its budget without a period

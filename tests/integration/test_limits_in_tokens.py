@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import itertools
+import json
 from typing import Any
 
 import pytest
@@ -131,12 +132,48 @@ async def test_a_step_refused_by_a_long_window_snoozes_its_run_holding_no_slot(
         window_ends = doc[measured.AT] + dt.timedelta(minutes=1)
         task = tasks.find_one({"_id": "w1"})
         assert task is not None and task["status"] == "pending" and task["snoozes"] == 1, task
+        said = (await aclient.explain(await aclient.get("w1"))).reason
+        assert "waiting for the next window of tokens of resource `llm`: 100 of 50" in said, said
         due = task["available_at"]  # the window's end, as the worker estimated the server's time
         assert abs((due - window_ends).total_seconds()) < 1, (due, window_ends)
         limits = mongo[db_name]["limits"]
         await wait_for(lambda: _given_back(limits), timeout=30, every=0.05)  # no slot held
     notes = list(mongo[db_name]["charges"].find())
     assert [n["step"] for n in notes] == [0], notes  # the second step never started
+
+
+async def test_a_resource_s_window_of_tokens_is_shown_and_a_task_it_keeps_says_why(
+    aclient: AsyncTaskClient, mongo: MongoClient[dict[str, Any]], mongo_uri: str, db_name: str
+) -> None:
+    """A run charged a window of 50 tokens an hour 100: ``mtask limits``, ``GET /limits?use``
+    and the dashboard show the window's charge, and a task of a name that uses the resource
+    says it waits for it."""
+    await aclient.set_limit(resource="llm", tokens_per=(50, 3600))
+    params = {"uri": mongo_uri, "db": db_name}
+    async with running_worker(usageapp.registry, mongo_uri, db_name):
+        await aclient.publish("metered", "a1", params)
+        assert (await asyncio.wait_for(aclient.wait("a1"), 60)).status.value == "succeeded"
+        await aclient.publish("metered", "a2", params)
+        explained = await aclient.explain(await aclient.get("a2"))
+        said = "resource `llm`, which `metered` uses, has spent its tokens: 100 of 50 tokens"
+        assert explained.why == "limit" and explained.reason.startswith(said), explained
+        assert "charged in this 3600 s window, full until" in explained.reason
+        at = ("--uri", mongo_uri, "--database", db_name)
+        code, out, _ = run_cli("limits", *at, width=250)
+        shown = "at most 50 tokens each 3600 s (100 charged in this window, full until"
+        assert code == 0 and shown in out, out
+        code, out, _ = run_cli("limits", "--json", *at)
+        (used,) = [u["use"] for u in json.loads(out) if u["use"]["resource"]]
+        assert used["token_window"]["charged"] == 100 and used["token_window"]["limit"] == 50
+        with TestClient(create_app(mongo_uri, database=db_name, token="t")) as http:
+            auth = {"Authorization": "Bearer t"}
+            answer = http.get("/limits", params={"use": "true"}, headers=auth).json()
+            (window,) = [u["use"]["token_window"] for u in answer if u["use"]["resource"]]
+            assert (window["charged"], window["limit"], window["seconds"]) == (100, 50, 3600)
+            page = http.get("/ui/limits", headers=auth).text
+            assert 'class="token-window">at most 50 each 3600 s · 100 charged' in page, page
+            assert "full until" in page
+        await aclient.cancel("a2")
 
 
 async def _given_back(limits: Any) -> bool:

@@ -19,9 +19,10 @@ class Windows(MemoryUsage):
         self.answers = list(answers)
         self.asked = 0
 
-    async def admit(self) -> float | None:
+    async def admit(self) -> tuple[float, str] | None:
         self.asked += 1
-        return self.answers.pop(0)
+        wait = self.answers.pop(0)
+        return None if wait is None else (wait, "resource `llm`: 120 of 100 tokens charged")
 
 
 async def test_a_step_admitted_at_once_starts() -> None:
@@ -41,7 +42,7 @@ async def test_a_window_that_ends_later_snoozes_the_run_until_its_end() -> None:
     with pytest.raises(Snooze) as snoozed:
         await RunUsage(store).check()
     assert snoozed.value.seconds == pytest.approx(charges.IN_PLACE_S + 5)
-    assert store.asked == 1 and "tokens" in snoozed.value.reason
+    assert store.asked == 1 and "resource `llm`: 120 of 100" in snoozed.value.reason
 
 
 async def test_refusals_after_each_wait_in_place_snooze_the_run_in_the_end() -> None:

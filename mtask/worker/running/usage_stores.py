@@ -94,7 +94,7 @@ class TaskUsage:
     async def over(self) -> list[Doc]:
         return await self.driver.run(store_usage.over_budget(self.scopes))
 
-    async def admit(self) -> float | None:
+    async def admit(self) -> tuple[float, str] | None:
         if not self.resources:  # a name that takes no resource limited in tokens: no read
             return None
         return await self.driver.run(slots.admit_measured(self.resources, self.clock.now()))
