@@ -83,6 +83,7 @@ MODULE_COMMANDS = {
     "step": ("step", "steps"),
     "worker": ("worker",),
     "scheduling": ("limit", "limits", "schedule", "flow"),
+    "budgets": ("usage", "budget"),
     "triggers": ("triggers",),
     "retention": ("purge", "retention"),
     "live": ("top",),
@@ -106,6 +107,7 @@ def command_modules(command: str | None = None) -> list[CommandModule]:
         module = importlib.import_module(f"mtask.cli.{_MODULE_OF[command]}")
         return [(module.register, module.run)]
     from mtask.cli import (
+        budgets,
         collection,
         live,
         local,
@@ -129,6 +131,7 @@ def command_modules(command: str | None = None) -> list[CommandModule]:
         (step.register, step.run),  # mtask step reset
         (worker.register, worker.run),
         (scheduling.register, scheduling.run),
+        (budgets.register, budgets.run),  # mtask usage, mtask budget
         (triggers.register, triggers.run),  # mtask triggers
         (retention.register, retention.run),
         (live.register, live.run),

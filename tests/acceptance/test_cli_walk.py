@@ -85,6 +85,12 @@ REFERENCE_RUNS: dict[str, list[list[str]]] = {  # each reference command: what r
         ["schedule", "remove", "nightly"],
     ],
     "mtask flow": [["flow", "walk-steps"]],
+    "mtask usage": [["usage"], ["usage", "--name", "add"]],
+    "mtask budget": [
+        ["budget", "set", "--group", "walk", "--tokens", "1000", "--period", "day"],
+        ["budget", "list"],
+        ["budget", "clear", "--group", "walk"],
+    ],
     "mtask triggers": [["triggers"], ["triggers", "list"]],
     "mtask purge": [["purge", "--dry-run"], ["purge", "--key", "walk-done", "--yes"]],
     "mtask retention": [["retention"], ["retention", "nap", "--succeeded", "2d"]],
