@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pymongo import ReturnDocument
+from pymongo import ASCENDING, IndexModel, ReturnDocument
 
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask
@@ -34,6 +34,11 @@ from mtask.usage.rules import Usage
 
 COLLECTION = "usage"
 """The key of the side collection in ``driver.collections``: ``<tasks>.usage``."""
+BUDGETED = IndexModel(
+    [("budget", ASCENDING)], name="budgeted", partialFilterExpression={"budget": {"$exists": True}}
+)
+"""The scopes that have a budget, alone: whether any has one is one index key read (none: an
+empty index), however many names and groups were charged."""
 SCOPES = ("name", "group")
 COUNTS = ("input_tokens", "output_tokens", "cached_tokens", "requests", "cost_nanos")
 
@@ -248,6 +253,24 @@ def over_budget(scopes: Sequence[Doc]) -> Op[list[Doc]]:
         collection=COLLECTION,
     )
     return found
+
+
+def ensure_indexes() -> Op[None]:
+    """The side collection's index of budgets (a worker creates it before its first read of
+    them)."""
+    yield Call("create_indexes", ([BUDGETED],), collection=COLLECTION)
+
+
+def any_budget() -> Op[bool]:
+    """Whether any name or group has a budget: one read of the ``budgeted`` index (one key at
+    most; none without budgets)."""
+    found: Doc | None = yield Call(
+        "find_one",
+        ({"budget": {"$exists": True}}, {"_id": 1}),
+        {"hint": BUDGETED.document["name"]},
+        collection=COLLECTION,
+    )
+    return found is not None
 
 
 def budgets_of(scopes: Sequence[Doc]) -> Op[list[Doc]]:

@@ -17,8 +17,11 @@ from prometheus_client import REGISTRY
 from pymongo import AsyncMongoClient
 
 from mtask import AsyncTaskClient
+from mtask.driver import AsyncDriver, collections
 from mtask.registry import Registry, Retry, TaskContext
+from mtask.store import usage as store_usage
 from mtask.web import create_app
+from mtask.worker.running.usage_stores import Budgets
 
 APP = "usageapp:registry"
 registry = Registry()
@@ -289,3 +292,41 @@ async def test_usage_is_shown_by_mtask_get_rest_and_the_dashboard_and_budgets_se
             assert 'id="usage"' in page and "1,255 tokens" in page and "90000 tokens" in page
 
     await asyncio.to_thread(rest)
+
+
+class _Counted(AsyncDriver):
+    """A driver that keeps each call made to the usage collection."""
+
+    def __init__(self, collections: Any) -> None:
+        super().__init__(collections)
+        self.usage_calls: list[str] = []
+
+    async def _call(self, call: Any, session: Any) -> Any:
+        if call.collection == "usage":
+            self.usage_calls.append(call.method)
+        return await super()._call(call, session)
+
+
+async def test_without_budgets_a_worker_reads_one_key_a_period_whatever_its_scopes(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    """Budgets nobody set cost one read of an empty index per period per worker, not one read
+    per name and group; a budget set later is heard within the period."""
+    amongo: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
+    try:
+        driver = _Counted(collections(amongo[db_name]))
+        budgets = Budgets(driver, ttl=0.5)
+        scopes = [store_usage.scope_id("group", f"g{i}") for i in range(20)]
+        for scope in scopes:
+            assert not await budgets.any_of([store_usage.scope_id("name", "n"), scope])
+        assert driver.usage_calls == ["create_indexes", "find_one"]  # no read per scope
+        await aclient.set_budget(group="g7", tokens=10)
+
+        async def heard() -> bool:
+            return await budgets.any_of([scopes[7]])
+
+        await wait_for(heard, timeout=10, every=0.1)
+        assert "find" in driver.usage_calls  # some budget: the scopes' are read
+        assert not await budgets.any_of([scopes[3]])
+    finally:
+        await amongo.close()

@@ -1,7 +1,8 @@
 """The worker's side of usage (docs/usage.md): each run's ``UsageStore`` on MongoDB
 (``TaskUsage``), made the first time its handler records usage or takes a step
 (``RunUsages.usage_for``), so a handler that does neither costs nothing; the budgets of names
-and groups, cached a few seconds per scope (``Budgets``); the Prometheus counters.
+and groups, cached a few seconds (``Budgets``: nothing per scope while no budget exists); the
+Prometheus counters.
 """
 
 from __future__ import annotations
@@ -24,20 +25,31 @@ if TYPE_CHECKING:
     from mtask.registry import TaskContext
 
 BUDGETS_TTL = 5.0
-"""How long a worker trusts what it read of a scope's budget (a budget set, changed or cleared
-takes effect on the next read, within this many seconds)."""
+"""How long a worker trusts what it read of whether any budget exists, and of a scope's budget
+(a budget set, changed or cleared takes effect on the next read, within this many seconds)."""
 
 
 class Budgets:
-    """Which scopes have a budget, read at most once every ``BUDGETS_TTL`` seconds per scope
-    (by the process's monotonic clock: only how stale the cache may be)."""
+    """Which scopes have a budget. First whether any scope has one, read at most once every
+    ``BUDGETS_TTL`` seconds for the whole worker (its index created before the first read):
+    while none has, nothing more is read, however many names and groups the runs charge. Once
+    some have, which of a run's scopes have one, read at most once every ``BUDGETS_TTL``
+    seconds per scope. Both by the process's monotonic clock: only how stale the cache may
+    be."""
 
     def __init__(self, driver: AsyncDriver, ttl: float = BUDGETS_TTL) -> None:
         self.driver = driver
         self.ttl = ttl
         self.known: dict[tuple[str, str], tuple[float, bool]] = {}
+        self.anywhere: tuple[float, bool] | None = None
+        """When it was last read whether any scope has a budget, and the answer."""
+        self.lock = asyncio.Lock()
+        """Held while that is read: runs asking at once wait for one read."""
+        self.indexed = False
 
     async def any_of(self, scopes: list[Doc]) -> bool:
+        if not await self._any():
+            return False
         now = time.monotonic()
         keys = [(s["scope"], s["id"]) for s in scopes]
         stale = [s for s, k in zip(scopes, keys, strict=True) if not self._fresh(k, now)]
@@ -48,6 +60,17 @@ class Budgets:
                 key = (scope["scope"], scope["id"])
                 self.known[key] = (now, key in with_budget)
         return any(self.known[k][1] for k in keys)
+
+    async def _any(self) -> bool:
+        """Whether any scope has a budget, as last read (again once ``ttl`` passed)."""
+        async with self.lock:
+            now = time.monotonic()
+            if self.anywhere is None or now - self.anywhere[0] >= self.ttl:
+                if not self.indexed:
+                    await self.driver.run(store_usage.ensure_indexes())
+                    self.indexed = True
+                self.anywhere = (now, await self.driver.run(store_usage.any_budget()))
+            return self.anywhere[1]
 
     def _fresh(self, key: tuple[str, str], now: float) -> bool:
         seen = self.known.get(key)
