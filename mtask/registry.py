@@ -31,6 +31,7 @@ from mtask.models import (
 )
 from mtask.schedules import Schedule
 from mtask.steps import MemorySteps, RunSteps, caller
+from mtask.steps.calls import Gate
 from mtask.steps.policy import StepPolicy
 from mtask.triggers import Trigger, check_collection
 
@@ -108,13 +109,19 @@ class TaskContext:
     """Makes the run's ``RunOutput`` the first time the handler reports (the worker's writer
     follows it from then on); a run that reports nothing makes none."""
     _output: RunOutput | None = field(default=None, repr=False)
-    steps_for: Callable[[TaskContext], RunSteps] = field(
-        default=lambda ctx: RunSteps(
-            MemorySteps(), [], run_id=ctx.run_id, attempt=ctx.attempt, release=ctx.release
+    steps_for: Callable[[TaskContext, Gate], RunSteps] = field(
+        default=lambda ctx, gate: RunSteps(
+            MemorySteps(),
+            [],
+            run_id=ctx.run_id,
+            attempt=ctx.attempt,
+            release=ctx.release,
+            gate=gate,
         )
     )
     """Makes the run's journal of durable steps the first time the handler asks for a step,
-    sleeps or waits (docs/steps.md); a run that does none of these makes none."""
+    sleeps or waits (docs/steps.md), each call step awaiting the gate it is given (its budgets
+    and windows of tokens); a run that does none of these makes none."""
     _steps: RunSteps | None = field(default=None, repr=False)
     usage_for: Callable[[TaskContext], RunUsage] = field(default=lambda _ctx: _memory_usage())
     """Makes the run's usage (docs/usage.md) on its first charge or step, if it has one."""
@@ -160,10 +167,10 @@ class TaskContext:
     def journal(self) -> RunSteps:
         """The run's durable steps (docs/steps.md): made on first use; each checks the budgets."""
         if self._steps is None:
-            check = functools.partial(_checked, self.usage)  # first: the lock is not reentrant
+            gate = functools.partial(_checked, self.usage)  # first: the lock is not reentrant
             with _OUTPUT_LOCK:
                 if self._steps is None:
-                    self._steps = _gated(self.steps_for(self), check)
+                    self._steps = self.steps_for(self, gate)
         return self._steps
 
     @property
@@ -390,15 +397,9 @@ def _memory_usage() -> RunUsage:
 def _replaying(steps: RunSteps | None) -> bool:
     """Whether a charge said here was made by an earlier run: outside a step's function, while
     the run replays steps an earlier run recorded past this point (docs/usage.md)."""
-    from mtask.steps.plan import _IN_STEP
+    from mtask.steps.plan import IN_STEP
 
-    return steps is not None and _IN_STEP.get() is None and steps.journal.replaying()
-
-
-def _gated(steps: RunSteps, check: Callable[[], Coroutine[Any, Any, None]]) -> RunSteps:
-    """``steps`` whose call steps await ``check`` (the run's budgets) before they start."""
-    steps.calls.gate = check
-    return steps
+    return steps is not None and IN_STEP.get() is None and steps.journal.replaying()
 
 
 async def _checked(usage: RunUsage) -> None:

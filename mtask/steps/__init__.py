@@ -11,8 +11,8 @@ and resume it on the server's clock.
   own policy: ``tries``), ``waits`` (``sleep``, ``wait_for``, ``wait_until``: ``Suspended``),
   ``values`` (``ctx.now``, ``ctx.uuid``, patch markers); children are ``mtask.steps.children``'s
   plan;
-- ``runner``: how a plan is run (``plan``: it yields what it needs done, ``_Io`` through the
-  ``StepStore``, ``_Call`` of the user's function), on the worker's loop or on a thread;
+- ``runner``: how a plan is run (``plan``: it yields what it needs done, ``Io`` through the
+  ``StepStore``, ``Invoke`` of the user's function), on the worker's loop or on a thread;
 - ``rules`` (limits, names, errors, BSON results) and ``stores`` (the ``StepStore`` protocol,
   and ``MemorySteps``, for tests).
 
@@ -33,7 +33,7 @@ each wake-up) or its timeout passed (``ConditionTimeout``, recorded likewise).
 
 Workflows add, each through the same ``StepStore``: parallel steps (``Group``, recorded by
 name: ``StepStore.record_named``; ``mtask.steps.parallel`` runs the branches); a step's own policy
-(``mtask.steps.policy``: ``_Pause`` between tries, ``StepTimeout``); values decided once and
+(``mtask.steps.policy``: ``Pause`` between tries, ``StepTimeout``); values decided once and
 patch markers (``value``, ``patched``: entries decided without I/O, ``pending`` until the next
 step); what a step's function says held until its record (``mtask.follow.output.holding``); children
 (``mtask.steps.children``'s plan, run here with ``run_plan``); and a ``frontier`` where a dry replay
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from mtask.steps.calls import Calls
     from mtask.steps.gather import CURRENT, Group, close_group, open_group
     from mtask.steps.journal import Journal, caller
-    from mtask.steps.plan import _IN_STEP, Plan, _Call, _Io, _Pause
+    from mtask.steps.plan import IN_STEP, Invoke, Io, Pause, Plan
     from mtask.steps.run import RunSteps
     from mtask.steps.runner import Runner, complete_now
     from mtask.steps.stores import MemorySteps, StepStore
@@ -85,7 +85,7 @@ _WHERE = {
     "mtask.steps.calls": ("Calls",),
     "mtask.steps.gather": ("CURRENT", "Group", "close_group", "open_group"),
     "mtask.steps.journal": ("Journal", "caller"),
-    "mtask.steps.plan": ("_IN_STEP", "Plan", "_Call", "_Io", "_Pause"),
+    "mtask.steps.plan": ("IN_STEP", "Plan", "Invoke", "Io", "Pause"),
     "mtask.steps.run": ("RunSteps",),
     "mtask.steps.runner": ("Runner", "complete_now"),
     "mtask.steps.stores": ("MemorySteps", "StepStore"),
@@ -106,6 +106,7 @@ __all__ = [
     "CURRENT",
     "INLINE_BYTES",
     "INLINE_TOTAL_BYTES",
+    "IN_STEP",
     "KINDS",
     "MAX_SPILL_BYTES",
     "MAX_STEPS",
@@ -116,13 +117,15 @@ __all__ = [
     "REFUSED_OPERATORS",
     "SPILL_CHUNK_BYTES",
     "STATES",
-    "_IN_STEP",
     "Calls",
     "ConditionTimeout",
     "Doc",
     "Group",
+    "Invoke",
+    "Io",
     "Journal",
     "MemorySteps",
+    "Pause",
     "Plan",
     "RunSteps",
     "Runner",
@@ -134,9 +137,6 @@ __all__ = [
     "Values",
     "Wait",
     "Waits",
-    "_Call",
-    "_Io",
-    "_Pause",
     "caller",
     "check_name",
     "check_patch",

@@ -14,31 +14,36 @@ from typing import Any
 
 from mtask.errors import MtaskError
 from mtask.steps.journal import Journal
-from mtask.steps.plan import Plan, _Io
+from mtask.steps.plan import Io, Plan
 from mtask.steps.policy import NO_POLICY, StepPolicy
 from mtask.steps.rules import Doc, StepError, error_text
 from mtask.steps.runner import Runner
 from mtask.steps.spans import OPEN
 from mtask.steps.tries import tries
 
+Gate = Callable[[], Coroutine[Any, Any, None]]
+"""Awaited before a step's function is called (not before a replay): the run's budgets'
+check and its admission by the windows of tokens it takes (``mtask.usage.charges.RunUsage
+.check``), which may stop the step or snooze the run."""
+
 
 class Calls:
     """A run's call steps, recorded in ``journal``; a transactional one's I/O run by
     ``runner``; ``release`` is where what a step's function said goes once its record is
-    written (the run's ``RunOutput.release``; ``None``: it is not held)."""
+    written (the run's ``RunOutput.release``; ``None``: it is not held); ``gate`` what each
+    step awaits before its function is called (``None``: nothing)."""
 
     def __init__(
         self,
         journal: Journal,
         runner: Runner,
         release: Callable[[list[Any]], None] | None = None,
+        gate: Gate | None = None,
     ) -> None:
         self.journal = journal
         self.runner = runner
         self.release = release
-        self.gate: Callable[[], Coroutine[Any, Any, None]] | None = None
-        """Awaited before a step's function is called (not before a replay): the run's
-        budgets' check (``mtask.usage.charges.RunUsage.check``), which may stop the step."""
+        self.gate = gate
 
     def step(self, name: str, call: Callable[[], Any], policy: StepPolicy = NO_POLICY) -> Plan[Any]:
         journal = self.journal
@@ -47,7 +52,7 @@ class Calls:
             value = yield from journal.read(prior)
             return value
         if self.gate is not None:
-            yield _Io(self.gate)
+            yield Io(self.gate)
         entry = journal.entry(name, "call", prior, journal.store.now())
         said: list[Any] | None = [] if self.release is not None else None
         try:

@@ -151,7 +151,7 @@ def spawn_plan(
 ) -> Plan[list[Any]]:
     """The step (see the module's docstring), recorded in the run's journal: spawn, wait, then
     the results."""
-    from mtask.steps import Suspended, Wait, _Io
+    from mtask.steps import Io, Suspended, Wait
 
     journal = steps.journal
     if journal.group() is not None:
@@ -166,7 +166,7 @@ def spawn_plan(
     entry["total"] = len(specs)
     tag = _tag(prior, step)
     if prior is None:  # a spawn of this step's name before (a retry, a reset): new children
-        earlier: list[Doc] = yield _Io(lambda: journal.store.children(step))
+        earlier: list[Doc] = yield Io(lambda: journal.store.children(step))
         if earlier:
             tag = entry["tag"] = generation(step, journal.run_id)
             specs = build(parent, tag, children)
@@ -174,7 +174,7 @@ def spawn_plan(
     linked(specs)
     if prior is None:
         entry["state"] = "waiting"
-        yield _Io(lambda: journal.store.spawn(index, entry, specs))
+        yield Io(lambda: journal.store.spawn(index, entry, specs))
         journal.keep(index, entry)
         raise waiting
     if prior.get("total") != len(specs):
@@ -184,9 +184,9 @@ def spawn_plan(
         )
     if tag != step:
         specs = linked(build(parent, tag, children))
-    found: list[Doc] = yield _Io(lambda: journal.store.children(tag))
+    found: list[Doc] = yield Io(lambda: journal.store.children(tag))
     if len(found) < len(specs):  # the run that spawned them died before it published all
-        yield _Io(lambda: journal.store.publish(tag, specs))
+        yield Io(lambda: journal.store.publish(tag, specs))
     if len(found) < len(specs) or any(c.get("status") not in FINISHED for c in found):
         raise waiting  # woken early (a sweep, a takeover): the count decides again
     return (yield from _finished(journal, index, entry, prior, found))

@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from mtask.steps.plan import _IN_STEP
+from mtask.steps.plan import IN_STEP
 from mtask.steps.rules import Doc, StepError, StepMismatch, check_name
 
 
@@ -42,7 +42,7 @@ class Group:
     def begin(self, name: str, kind: str) -> tuple[int, Doc | None]:
         """Where step ``name`` of this group is (recorded or new) and what was recorded."""
         journal = self.journal
-        inside = _IN_STEP.get()
+        inside = IN_STEP.get()
         if inside is not None:
             raise StepError(
                 f"step {name!r} was asked for while step {inside!r} runs: one step at a time "

@@ -1,7 +1,7 @@
 """A run's journal (docs/steps.md): the entries earlier runs recorded (from the claimed
 document); where each step asked for goes and what is recorded there (``begin``: the replay
 rules); the names steps are given (a loop's are numbered); and how an entry is made, kept and
-written (plans of ``_Io``: no I/O here).
+written (plans of ``Io``: no I/O here).
 
 A run asks for its steps in the recorded order: the n-th step asked is the n-th recorded, same
 name and kind (a ``ctx.gather``'s steps are one place, matched among themselves by name:
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from mtask.models import storable_depth
 from mtask.steps.gather import CURRENT, Group
-from mtask.steps.plan import Plan, _Io
+from mtask.steps.plan import Io, Plan
 from mtask.steps.rules import (
     INLINE_BYTES,
     INLINE_TOTAL_BYTES,
@@ -270,13 +270,13 @@ class Journal:
         referred to (``spill``)."""
         data = self.store_result(entry, result)
         if data is not None:
-            entry["spill"] = yield _Io(lambda: self.store.spill(data))
+            entry["spill"] = yield Io(lambda: self.store.spill(data))
             self.spilled = True
 
     def read(self, prior: Doc) -> Plan[Any]:
         spill = prior.get("spill")
         if isinstance(spill, dict):
-            data = yield _Io(lambda: self.store.load(spill))
+            data = yield Io(lambda: self.store.load(spill))
             return decode(data)
         return prior.get("result")
 
@@ -295,11 +295,11 @@ class Journal:
 
     def write(self, index: int, entry: Doc, prior: Doc | None) -> Plan[None]:
         if "group" in entry:  # a parallel step: by its name, wherever it ends (``Group``)
-            yield _Io(lambda: self.store.record_named(entry, prior))
+            yield Io(lambda: self.store.record_named(entry, prior))
             with self.lock:
                 self.keep_named(entry)
             return
-        yield _Io(lambda: self.store.record(index, entry, prior))
+        yield Io(lambda: self.store.record(index, entry, prior))
         self.keep(index, entry)
 
     def flush(self) -> Plan[None]:

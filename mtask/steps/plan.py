@@ -1,5 +1,5 @@
-"""What a step's plan yields (a generator, no I/O): ``_Io``, a write or read through the run's
-``StepStore``; ``_Call``, the step's function; ``_Pause``, a wait in place. A ``Runner``
+"""What a step's plan yields (a generator, no I/O): ``Io``, a write or read through the run's
+``StepStore``; ``Invoke``, the step's function; ``Pause``, a wait in place. A ``Runner``
 (``mtask.steps.runner``) does what it asks, on the loop or on a thread, and sends back the
 answer (or throws the error in)."""
 
@@ -16,15 +16,15 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class _Io:
+class Io:
     make: Callable[[], Coroutine[Any, Any, Any]]
 
 
 @dataclass(frozen=True)
-class _Call:
+class Invoke:
     fn: Callable[[], Any]
     step: str | None = None
-    """The step whose function this is (``_IN_STEP`` while it runs: nothing nests in it)."""
+    """The step whose function this is (``IN_STEP`` while it runs: nothing nests in it)."""
     timeout: float | None = None
     """Its policy's time limit, in seconds (``StepTimeout`` past it)."""
     said: list[Doc] | None = None
@@ -32,13 +32,13 @@ class _Call:
 
 
 @dataclass(frozen=True)
-class _Pause:
+class Pause:
     """Wait ``seconds`` in place (a step policy's backoff between two tries)."""
 
     seconds: float
 
 
-Plan = Generator[_Io | _Call | _Pause, Any, T]
+Plan = Generator[Io | Invoke | Pause, Any, T]
 
-_IN_STEP: contextvars.ContextVar[str | None] = contextvars.ContextVar("mtask_in_step", default=None)
+IN_STEP: contextvars.ContextVar[str | None] = contextvars.ContextVar("mtask_in_step", default=None)
 """The step whose function runs in this context (a thread, a task of ``ctx.gather``)."""

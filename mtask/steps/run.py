@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, NoReturn, TypeVar
 
-from mtask.steps.calls import Calls
+from mtask.steps.calls import Calls, Gate
 from mtask.steps.gather import Group, close_group, open_group
 from mtask.steps.journal import Journal, caller
 from mtask.steps.plan import Plan
@@ -38,7 +38,8 @@ class RunSteps:
     thread handler's I/O runs (``blocking_io``: how it runs instead); ``release`` where what a
     step's function said goes once its record is written; ``frontier`` what is called with each
     step the journal does not replay (``mtask.steps.preflight``); ``spans`` what is told of each
-    step, gather and back-off (``mtask.steps.spans``; ``None``: no tracer)."""
+    step, gather and back-off (``mtask.steps.spans``; ``None``: no tracer); ``gate`` what each
+    call step awaits before its function is called (the run's budgets and windows of tokens)."""
 
     def __init__(
         self,
@@ -52,12 +53,13 @@ class RunSteps:
         release: Callable[[list[Any]], None] | None = None,
         frontier: Callable[[int, str, str, Doc | None], None] | None = None,
         spans: StepSpans | None = None,
+        gate: Gate | None = None,
     ) -> None:
         self.journal = Journal(
             store, recorded, run_id=run_id, attempt=attempt, frontier=frontier, spans=spans
         )
         self.runner = Runner(loop, blocking_io)
-        self.calls = Calls(self.journal, self.runner, release)
+        self.calls = Calls(self.journal, self.runner, release, gate)
         self.waits = Waits(self.journal)
         self.values = Values(self.journal)
 

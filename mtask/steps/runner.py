@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from mtask.follow.output import holding
-from mtask.steps.plan import _IN_STEP, Plan, _Call, _Io, _Pause
+from mtask.steps.plan import IN_STEP, Invoke, Io, Pause, Plan
 from mtask.steps.rules import StepError
 from mtask.steps.tries import timed_async, timed_sync
 
@@ -42,9 +42,9 @@ class Runner:
                 return need  # type: ignore[no-any-return]
             value, error = None, None
             try:
-                if isinstance(need, _Io):
+                if isinstance(need, Io):
                     value = await need.make()
-                elif isinstance(need, _Pause):
+                elif isinstance(need, Pause):
                     await asyncio.sleep(need.seconds)
                 else:
                     value = await call_async(need)
@@ -63,9 +63,9 @@ class Runner:
                 return need  # type: ignore[no-any-return]
             value, error = None, None
             try:
-                if isinstance(need, _Io):
+                if isinstance(need, Io):
                     value = self.blocking(need.make())
-                elif isinstance(need, _Pause):
+                elif isinstance(need, Pause):
                     time.sleep(need.seconds)
                 else:
                     value = call_sync(need)
@@ -96,10 +96,10 @@ def _advance(plan: Plan[Any], value: Any, error: BaseException | None) -> tuple[
         return stop.value, True
 
 
-async def call_async(call: _Call) -> Any:
+async def call_async(call: Invoke) -> Any:
     """A step's function called on the loop (in a thread when it has a time limit), with what
-    it says held (``_Call.said``)."""
-    token = _IN_STEP.set(call.step)
+    it says held (``Invoke.said``)."""
+    token = IN_STEP.set(call.step)
     try:
         with holding(call.said):
             if call.timeout is not None:
@@ -109,11 +109,11 @@ async def call_async(call: _Call) -> Any:
                 value = await value
             return value
     finally:
-        _IN_STEP.reset(token)
+        IN_STEP.reset(token)
 
 
-def call_sync(call: _Call) -> Any:
-    token = _IN_STEP.set(call.step)
+def call_sync(call: Invoke) -> Any:
+    token = IN_STEP.set(call.step)
     try:
         with holding(call.said):
             value = call.fn() if call.timeout is None else timed_sync(call, call.timeout)
@@ -127,7 +127,7 @@ def call_sync(call: _Call) -> Any:
             )
         return value
     finally:
-        _IN_STEP.reset(token)
+        IN_STEP.reset(token)
 
 
 def complete_now(coro: Coroutine[Any, Any, Any]) -> Any:

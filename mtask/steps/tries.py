@@ -1,5 +1,5 @@
 """A call step's own policy (``mtask.steps.policy``), spent in place: its function tried again
-after a backoff (``_Pause``), each try noted in its entry; and each try given up past its time
+after a backoff (``Pause``), each try noted in its entry; and each try given up past its time
 limit (``StepTimeout``), on the loop or on a thread."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mtask.steps.journal import Journal
-from mtask.steps.plan import Plan, _Call, _Pause
+from mtask.steps.plan import Invoke, Pause, Plan
 from mtask.steps.policy import StepPolicy, StepTimeout
 from mtask.steps.rules import Doc, error_text
 
@@ -33,7 +33,7 @@ def tries(
     while True:
         started = time.monotonic()
         try:
-            result = yield _Call(call, entry["name"], policy.timeout, said)
+            result = yield Invoke(call, entry["name"], policy.timeout, said)
         except Exception as exc:
             ms = round((time.monotonic() - started) * 1000)
             journal.tried(entry, journal.store.now(), ms, error_text(exc))
@@ -49,7 +49,7 @@ def tries(
         return result
 
 
-async def timed_async(call: _Call, seconds: float) -> Any:
+async def timed_async(call: Invoke, seconds: float) -> Any:
     """The function in a thread (an ``async def``'s coroutine on the loop), given up after
     ``seconds``: ``StepTimeout`` (a plain function's thread cannot be stopped: it is left to
     end on its own, and its result is dropped)."""
@@ -66,7 +66,7 @@ async def timed_async(call: _Call, seconds: float) -> Any:
         raise
 
 
-def timed_sync(call: _Call, seconds: float) -> Any:
+def timed_sync(call: Invoke, seconds: float) -> Any:
     """``timed_async`` for a plain-def handler: the function on a thread of its own (a daemon:
     one that never ends does not hold the process)."""
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -90,12 +90,12 @@ def timed_sync(call: _Call, seconds: float) -> Any:
 def _backoff(journal: Journal, step: str, seconds: float, failed: int) -> Plan[None]:
     """The wait in place between two tries, in a ``backoff`` span where there is a tracer."""
     if journal.spans is None:
-        yield _Pause(seconds)
+        yield Pause(seconds)
         return
     opened = journal.spans.part("backoff", step=step, delay_s=seconds, tries=failed)
     error: BaseException | None = None
     try:
-        yield _Pause(seconds)
+        yield Pause(seconds)
     except BaseException as exc:
         error = exc
         raise

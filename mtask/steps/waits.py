@@ -18,7 +18,7 @@ import bson
 
 from mtask.errors import MtaskError
 from mtask.steps.journal import Journal
-from mtask.steps.plan import Plan, _Io
+from mtask.steps.plan import Io, Plan
 from mtask.steps.rules import (
     NEVER,
     ConditionTimeout,
@@ -193,7 +193,7 @@ class Waits:
         now = journal.store.now()
         entry = journal.entry(step, "signal", prior, now)
         entry.update(signal=signal, nth=nth)
-        came = yield _Io(lambda: journal.store.signals(signal))
+        came = yield Io(lambda: journal.store.signals(signal))
         if len(came) > nth:
             payload = came[nth].get("payload")
             entry["state"] = "done"
@@ -236,10 +236,10 @@ class Waits:
         entry["collection"] = collection
         until = _deadline(prior, timeout, now)
         wait = Wait(index, None if prior is not None else entry, until, data=data)
-        found = yield _Io(lambda: journal.store.holds(collection, filt, None))
+        found = yield Io(lambda: journal.store.holds(collection, filt, None))
         if found is None and now < until:  # announced, then looked at again: no change is lost
             announce = wait.to_document()
-            found = yield _Io(lambda: journal.store.holds(collection, filt, announce))
+            found = yield Io(lambda: journal.store.holds(collection, filt, announce))
         value = yield from self._settled(wait, entry, prior, now, found)
         return value
 

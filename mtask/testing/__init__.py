@@ -107,13 +107,14 @@ async def arun_handler(
         worker_id=worker_id,
         publisher=publisher,
         output_for=(lambda _ctx: RunOutput()) if output is None else (lambda _ctx: output),
-        steps_for=lambda made: RunSteps(
+        steps_for=lambda made, gate: RunSteps(
             journal,
             journal.recorded,
             run_id=run_id,
             attempt=attempt,
             loop=loop,
             release=made.release,  # what a step says is written once it is recorded
+            gate=gate,
         ),
         # usage priced from the registry's table, kept in memory (``ctx.usage.recorded``)
         usage_for=lambda _ctx: RunUsage(MemoryUsage(), prices=registry.prices, loop=loop),

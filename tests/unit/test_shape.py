@@ -150,7 +150,7 @@ def driver_calls(tree: ast.AST) -> list[int]:
 def test_every_mongodb_call_is_made_in_the_store() -> None:
     """All database interaction in one room (Oban's engine): no ``driver.Call`` is made outside
     ``mtask/store/`` and ``mtask/driver.py``. The pool's pipe message named ``Call`` is its own
-    (``pipe.Call``), and the step engine's ``_Call`` a plan's request: neither is the driver's."""
+    (``pipe.Call``), and the step engine's ``Invoke`` a plan's request: neither is the driver's."""
     outside = [
         f"{path.relative_to(PACKAGE)}:{line}"
         for path in sorted(PACKAGE.rglob("*.py"))

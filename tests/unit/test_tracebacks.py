@@ -30,7 +30,7 @@ STEP_FAILURE = """Traceback (most recent call last):
   File "/tmp/ux4/repo/mtask/steps.py", line 265, in _one
     value = yield from plan
   File "/tmp/ux4/repo/mtask/steps.py", line 423, in _step
-    result = yield _Call(call)
+    result = yield Invoke(call)
   File "/tmp/ux4/repo/mtask/steps.py", line 286, in _run_async
     value = await value
   File "/tmp/ux4/app/ux4app.py", line 32, in sometimes

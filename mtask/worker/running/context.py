@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from mtask.follow.output import RunOutput
 from mtask.registry import Registry, TaskContext
 from mtask.steps import RunSteps, StepError
+from mtask.steps.calls import Gate
 from mtask.store import Outcome
 from mtask.store.transactional import stale_sessions
 from mtask.worker.inflight import ActiveRun, InFlight
@@ -87,6 +88,7 @@ class RunJournals(Protocol):
     def steps_for(
         self,
         ctx: TaskContext,
+        gate: Gate,
         *,
         doc: Mapping[str, Any],
         transactional: bool,
@@ -213,7 +215,12 @@ class RunContexts:
         return {"usage_for": functools.partial(self.usages.usage_for, doc=doc, loop=loop)}
 
     def _steps_for(
-        self, made: TaskContext, *, doc: Mapping[str, Any], loop: asyncio.AbstractEventLoop
+        self,
+        made: TaskContext,
+        gate: Gate,
+        *,
+        doc: Mapping[str, Any],
+        loop: asyncio.AbstractEventLoop,
     ) -> RunSteps:
         """``TaskContext.steps_for``: the run's journal, made when its handler first asks for a
         step, a sleep or a wait (while it runs: the run is in flight)."""
@@ -222,6 +229,7 @@ class RunContexts:
             raise StepError(f"the run {made.run_id[:8]} of {made.key!r} has ended: no more steps")
         return self.journals.steps_for(
             made,
+            gate,
             doc=doc,
             transactional=self.registry[run.name].transactional,
             fence=lambda: self.fence(run, doc),

@@ -20,6 +20,7 @@ from mtask.driver import AsyncDriver, Doc, Op
 from mtask.errors import ConfigError
 from mtask.registry import TaskContext
 from mtask.steps import RunSteps, StepError
+from mtask.steps.calls import Gate
 from mtask.store import children as store_children
 from mtask.store import datawaits
 from mtask.store import steps as store_steps
@@ -166,6 +167,7 @@ class RunStepStores:
     def steps_for(
         self,
         ctx: TaskContext,
+        gate: Gate,
         *,
         doc: Mapping[str, Any],
         transactional: bool,
@@ -204,4 +206,5 @@ class RunStepStores:
             release=ctx.release,
             # each step's span, under the run's (None without a tracer provider)
             spans=step_tracer(dict(doc), ctx.name, ctx.key, ctx.attempt, ctx.run_id),
+            gate=gate,
         )

@@ -31,6 +31,7 @@ from mtask.errors import LeaseLost, MtaskError
 from mtask.registry import TaskContext
 from mtask.steps import Doc, Journal, RunSteps, StepError
 from mtask.steps import complete_now as complete
+from mtask.steps.calls import Gate
 from mtask.tracing import step_tracer
 from mtask.worker.running.pool import pipe
 from mtask.worker.running.pool.pipe import StepAsk, StepOp
@@ -80,7 +81,7 @@ class ChildSteps:
                 raise LeaseLost("the worker is gone: the run's steps cannot be recorded") from None
         return answer.result()
 
-    def steps_for(self, ctx: TaskContext) -> RunSteps:
+    def steps_for(self, ctx: TaskContext, gate: Gate) -> RunSteps:
         recorded = self.ask(StepOp.JOURNAL)
         return RunSteps(
             PipeSteps(self),
@@ -92,6 +93,7 @@ class ChildSteps:
             # each step's span, under the worker's run span (``RunInfo.trace``), where this
             # process has a tracer provider (the application's module set one)
             spans=step_tracer({}, ctx.name, ctx.key, ctx.attempt, ctx.run_id),
+            gate=gate,
         )
 
     def close(self) -> None:
