@@ -392,9 +392,10 @@ class OutputCounts(Stored):
     chunks_dropped: int = Field(0, ge=0)
 
 
-class UsageTotals(Stored):
-    """What a run or a task spent (``ctx.record_usage``; docs/usage.md): tokens, requests and,
-    where a price was known, the cost; a task's also per model."""
+class UsageCounts(Stored):
+    """What was spent (``ctx.record_usage``; docs/usage.md): tokens, requests and, where a
+    price was known, the cost. The fields of a run's or a task's ``usage`` and of each of its
+    models'."""
 
     input_tokens: int = Field(0, ge=0)
     output_tokens: int = Field(0, ge=0)
@@ -408,26 +409,19 @@ class UsageTotals(Stored):
     def cost(self) -> Decimal | None:
         """The cost in the currency, exactly."""
         return None if self.cost_nanos is None else Decimal(self.cost_nanos).scaleb(-9)
+
+
+class UsageTotals(UsageCounts):
+    """What a run or a task spent (``ctx.record_usage``; docs/usage.md): tokens, requests and,
+    where a price was known, the cost; a task's also per model."""
 
     models: list[ModelUsage] | None = None
 
 
-class ModelUsage(Stored):
+class ModelUsage(UsageCounts):
     """A task's usage of one model."""
 
     model: str
-    input_tokens: int = Field(0, ge=0)
-    output_tokens: int = Field(0, ge=0)
-    cached_tokens: int = Field(0, ge=0)
-    requests: int = Field(0, ge=0)
-    cost_nanos: int | None = Field(None, ge=0)
-    """The cost in nano-units of the currency (an integer: exact), ``None`` if no charge had
-    a price."""
-
-    @property
-    def cost(self) -> Decimal | None:
-        """The cost in the currency, exactly."""
-        return None if self.cost_nanos is None else Decimal(self.cost_nanos).scaleb(-9)
 
 
 class Run(Stored):

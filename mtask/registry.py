@@ -109,16 +109,7 @@ class TaskContext:
     """Makes the run's ``RunOutput`` the first time the handler reports (the worker's writer
     follows it from then on); a run that reports nothing makes none."""
     _output: RunOutput | None = field(default=None, repr=False)
-    steps_for: Callable[[TaskContext, Gate], RunSteps] = field(
-        default=lambda ctx, gate: RunSteps(
-            MemorySteps(),
-            [],
-            run_id=ctx.run_id,
-            attempt=ctx.attempt,
-            release=ctx.release,
-            gate=gate,
-        )
-    )
+    steps_for: Callable[[TaskContext, Gate], RunSteps] = field(default=lambda c, g: _memory(c, g))
     """Makes the run's journal of durable steps the first time the handler asks for a step,
     sleeps or waits (docs/steps.md), each call step awaiting the gate it is given (its budgets
     and windows of tokens); a run that does none of these makes none."""
@@ -386,6 +377,13 @@ class TaskContext:
         if self.publisher is None:
             raise MtaskError("this context cannot publish")
         return await self.publisher(name, key, params, **kwargs)
+
+
+def _memory(ctx: TaskContext, gate: Gate) -> RunSteps:
+    """A run's journal in memory (a context made outside a worker)."""
+    return RunSteps(
+        MemorySteps(), [], run_id=ctx.run_id, attempt=ctx.attempt, release=ctx.release, gate=gate
+    )
 
 
 def _memory_usage() -> RunUsage:
