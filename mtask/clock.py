@@ -55,8 +55,13 @@ def _faster(best: Sample | None, sample: Sample) -> Sample:
 class ServerClock:
     """Server time as ``offset + monotonic``; ``calibrate*`` measures the offset."""
 
-    def __init__(self, monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, monotonic: Callable[[], float] = time.monotonic, *, samples: int = 3
+    ) -> None:
         self.monotonic = monotonic
+        self.samples = samples
+        """Round trips a calibration takes, the fastest kept (1: a command line's, which reads
+        the time to show it and ends; a worker's claims decide by it: 3)."""
         """The monotonic clock the calibration runs on (a round trip to check is timed by it)."""
         # (server time, monotonic time) read together: one attribute, so a thread calling
         # now() while another calibrates never sees half of an update.
@@ -119,19 +124,19 @@ class ServerClock:
         if isinstance(server_time, dt.datetime):
             self._apply(before, after, {"localTime": server_time})
 
-    def calibrate(self, db: Any, samples: int = 3) -> None:
+    def calibrate(self, db: Any, samples: int | None = None) -> None:
         """Measure the offset with a sync ``Database`` (the fastest of ``samples`` trips)."""
         best: tuple[float, float, Mapping[str, Any]] | None = None
-        for _ in range(samples):
+        for _ in range(samples or self.samples):
             before = self.monotonic()
             reply = db.command("hello")
             best = _faster(best, (before, self.monotonic(), reply))
         self._apply(*best)  # type: ignore[misc]
 
-    async def calibrate_async(self, db: Any, samples: int = 3) -> None:
+    async def calibrate_async(self, db: Any, samples: int | None = None) -> None:
         """Measure the offset with an async ``AsyncDatabase`` (the fastest of ``samples``)."""
         best: tuple[float, float, Mapping[str, Any]] | None = None
-        for _ in range(samples):
+        for _ in range(samples or self.samples):
             before = self.monotonic()
             reply = await db.command("hello")
             best = _faster(best, (before, self.monotonic(), reply))

@@ -5,6 +5,8 @@ of its shape (``PublishedDocument`` the least a publisher in another language wr
 others validate what goes in (``TaskOptions``, ``NewTask``) and give a typed view of what
 comes out (``Task``, tolerant of any document). The hot paths of the worker use plain dicts;
 the store's filters and the JSON Schema (``mtask.jsonschema``) are derived from these models.
+Every model is built on its first use (``defer_build``): a worker's start, and a command's,
+builds none it does not use (``tests/unit/test_lazy_imports.py``).
 """
 
 from __future__ import annotations
@@ -188,7 +190,7 @@ class Budget(BaseModel):
     ``"month"``, in UTC, or a number of seconds). Past it, a step does not start: the task
     fails with ``BudgetExceeded``, or, with a period, waits for the next one holding no slot."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
     tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
     cost: float | None = Field(None, ge=0, le=MAX_COST)

@@ -81,7 +81,7 @@ class Schedule(BaseModel):
     to what ``build`` accepts: a hand-edited ``every_s`` of ``Infinity``, ``-5`` or ``1e-6``
     is refused there, never handed to a trigger."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
     id: str
     task: str

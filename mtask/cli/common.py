@@ -340,16 +340,25 @@ def add_common(p: argparse.ArgumentParser) -> None:
     add_json(p)
 
 
-def task_client(args: argparse.Namespace) -> TaskClient:
+def task_client(args: argparse.Namespace, *, reads: bool = False) -> TaskClient:
     """The command's client; with ``MTASK_ENCRYPTION_KEY_FILE`` set it decrypts encrypted
-    params and results (``mtask.security.encryption``), else they read as ``encrypted``."""
+    params and results (``mtask.security.encryption``), else they read as ``encrypted``.
+    ``reads``: a command that only reads and shows (``get``, ``list``, ``stats``): its clock
+    is calibrated in one round trip (it shows times, and decides none), and it makes no
+    index (a viewer's role may not: the workers and ``mtask collection init`` do)."""
     from mtask.client import TaskClient
+    from mtask.clock import ServerClock
     from mtask.security.encryption import Encryption
 
     uri = mongodb_uri(args.uri)
     encryption = Encryption.from_env(uri, args.database)
     return TaskClient(
-        uri, database=args.database, collection=args.collection, encryption=encryption
+        uri,
+        database=args.database,
+        collection=args.collection,
+        encryption=encryption,
+        clock=ServerClock(samples=1) if reads else None,
+        make_indexes=not reads,
     )
 
 

@@ -141,7 +141,7 @@ def refuse_missing(missing: list[str]) -> None:
 
 @commands.command("get")
 def cmd_get(args: argparse.Namespace) -> int:
-    with task_client(args) as client:
+    with task_client(args, reads=True) as client:
         task = client.get(args.key)
         if task is None:
             raise TaskNotFound(args.key)
@@ -164,7 +164,7 @@ def cmd_get(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     if args.state is not None and (args.status is not None or args.order != "newest"):
         raise UsageError("--state lists newest first, without --status or --order")
-    with task_client(args) as client:
+    with task_client(args, reads=True) as client:
         if args.state is not None:
             page = client.search_state(
                 args.state, name=args.name, group=args.group, after=args.after, limit=args.limit
@@ -196,7 +196,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     if args.groups < 0:
         raise UsageError("--groups must not be negative")
-    with task_client(args) as client:
+    with task_client(args, reads=True) as client:
         split = client.state_counts(exact=args.exact) if args.by == "state" else None
         stored = client.stats(exact=args.exact) if split is None else split.stored
         groups = client.groups(top=args.groups) if args.groups else []

@@ -10,6 +10,10 @@ operations from ``mtask.store``.
 a transaction open; then the task exists if and only if that transaction commits
 (docs/transactions.md).
 
+A client makes the collection's indexes at its first call (``ensure_indexes``);
+``make_indexes=False`` leaves them to the workers and ``mtask collection init`` (a reader's
+client: ``mtask get``, ``list`` and ``stats``, which reads whether they are there or not).
+
 How the package is laid out. Every operation is written once (``core.operation``), as a
 generator of the store's ``Call``s, in the part of the client its concern belongs to:
 
@@ -86,12 +90,14 @@ class TaskClient(Operations):
         mongo_client: MongoClient[dict[str, Any]] | None = None,
         registry: Registry | None = None,
         encryption: Encryption | None = None,
+        make_indexes: bool = True,
     ) -> None:
         self._owns_client = mongo_client is None
         self.mongo: MongoClient[dict[str, Any]] = mongo_client or sync_client(uri)
         super().__init__(
             database, collection, clock, max_params_bytes, registry, encryption, self.mongo
         )
+        self._make_indexes = make_indexes
         self.db = self.mongo.get_database(database, codec_options=CODEC_OPTIONS)  # a caller's
         self.collection = self.db[collection]  # client too: timezone-aware UTC dates
         self._driver = driver.SyncDriver(driver.collections(self.db, collection))
@@ -110,7 +116,8 @@ class TaskClient(Operations):
     def _run(self, op: Op[T], session: ClientSession | None = None) -> T:
         if not self._ready:  # never in the caller's transaction
             self.now()
-            self._driver.run(store.ensure_indexes())
+            if self._make_indexes:
+                self._driver.run(store.ensure_indexes())
             self._ready = True
         elif self._calibration_due() is not None:
             self.now()  # calibrated again: a long-lived client follows the server's clock
@@ -195,12 +202,14 @@ class AsyncTaskClient(Operations):
         mongo_client: AsyncMongoClient[dict[str, Any]] | None = None,
         registry: Registry | None = None,
         encryption: Encryption | None = None,
+        make_indexes: bool = True,
     ) -> None:
         self._owns_client = mongo_client is None
         self.mongo: AsyncMongoClient[dict[str, Any]] = mongo_client or async_client(uri)
         super().__init__(
             database, collection, clock, max_params_bytes, registry, encryption, self.mongo
         )
+        self._make_indexes = make_indexes
         self.db = self.mongo.get_database(database, codec_options=CODEC_OPTIONS)
         self.collection = self.db[collection]
         self._driver = driver.AsyncDriver(driver.collections(self.db, collection))
@@ -222,7 +231,8 @@ class AsyncTaskClient(Operations):
     async def _run(self, op: Op[T], session: AsyncClientSession | None = None) -> T:
         if not self._ready:  # never in the caller's transaction
             await self.now()
-            await self._driver.run(store.ensure_indexes())
+            if self._make_indexes:
+                await self._driver.run(store.ensure_indexes())
             self._ready = True
         elif self._calibration_due() is not None:
             await self.now()  # calibrated again: a long-lived client follows the server's clock

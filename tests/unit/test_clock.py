@@ -115,3 +115,18 @@ def test_a_heartbeats_server_time_asks_for_a_calibration_only_when_it_disagrees_
     assert round(clock.rtt, 6) == 0.012
     assert not beat(0.012, 0.006)
     assert abs((clock.now() - (T0 + dt.timedelta(seconds=mono[0]))).total_seconds()) <= 0.007
+
+
+def test_a_calibration_takes_the_clocks_samples_the_fastest_kept() -> None:
+    """Three round trips by default (a worker's claims decide by the clock), one for a
+    clock made with ``samples=1`` (a command line's, which only shows times)."""
+    mono = [100.0]
+    server = Hello(mono)
+    server.trips = [(0.030, 0.029), (0.002, 0.001), (0.040, 0.001)]
+    clock = ServerClock(lambda: mono[0])
+    clock.calibrate(server)
+    assert server.trips == [] and round(clock.rtt, 6) == 0.002
+    once = ServerClock(lambda: mono[0], samples=1)
+    server.trips = [(0.030, 0.029), (0.002, 0.001)]
+    once.calibrate(server)
+    assert server.trips == [(0.002, 0.001)] and round(once.rtt, 6) == 0.030

@@ -163,6 +163,39 @@ def test_a_worker_and_the_reading_commands_load_no_server_side_or_rich() -> None
         assert under(names, *SERVER_SIDE) == [], line
 
 
+def built_models(code: str) -> list[str]:
+    """The pydantic models a fresh interpreter has built (their validators made) after
+    ``code``: a model is built on its first use (``defer_build``), not at its import."""
+    probe = (
+        f"{code}\nimport json, pydantic\n"
+        "def below(c):\n    for s in c.__subclasses__():\n        yield s\n"
+        "        yield from below(s)\n"
+        "print(json.dumps(sorted(f'{c.__module__}.{c.__qualname__}' "
+        "for c in below(pydantic.BaseModel) if c.__pydantic_complete__)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT.parent
+    ).stdout
+    names: list[str] = json.loads(out.splitlines()[-1])
+    return names
+
+
+def test_a_worker_start_builds_no_model() -> None:
+    """A worker's start (its registry loaded, handlers without declared options, the worker
+    built) builds no pydantic model before its first claim (building the first cost a worker
+    tens of ms); ``mtask get`` builds the one it reads, ``Task``, when it reads it."""
+    worker = (
+        "from mtask.cli import worker\n"
+        "args = worker.build_parser().parse_args(['bench.peer_app:registry', '--uri', "
+        "'mongodb://127.0.0.1:1/'])\nworker._log_handler()\nworker.build_worker(args)"
+    )
+    assert built_models(worker) == []
+    assert built_models("from mtask.cli import build_parser\nimport mtask.client") == []
+    assert "mtask.models.Task" in built_models(
+        "from mtask.models import Task\nTask.model_validate({'_id': 'k', 'name': 'n'})"
+    )
+
+
 def test_spans_follow_a_tracer_provider_set_after_mtask_loaded() -> None:
     """``mtask.tracing`` imports no OpenTelemetry of its own, and still sees a provider the
     application sets later, or one ``OTEL_PYTHON_TRACER_PROVIDER`` names."""
