@@ -110,6 +110,9 @@ class Worker:
         self._side: list[asyncio.Task[None]] = []
         self._crash: BaseException | None = None
         self._registered = False
+        self._role_read = False
+        """Whether the start-up read the user's privileges (once, beside its first attempt
+        to reach MongoDB that got that far)."""
         """The worker's document was written (startup reached MongoDB): deregister on exit."""
         self._pinger_ready: asyncio.Future[Any] | None = None
         """The pinger's client's first ping, under way from the start-up on."""
@@ -187,8 +190,9 @@ class Worker:
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             try:
-                await self._reach()
-                await self._say_what_the_role_lacks()
+                # the privileges read beside the rest: a word in the log, which no claim waits
+                # for (one round trip fewer before the first claim)
+                await together(self._reach(), self._say_what_the_role_lacks())
                 return
             except (StorageError, PyMongoError) as exc:
                 error = exc if isinstance(exc, StorageError) else driver.storage_error(exc)
@@ -220,12 +224,15 @@ class Worker:
         """Once: the privileges its part needs (``security.roles``) that its user lacks. It
         runs without them as far as it can: without its change stream it finds new work only
         by its sweep."""
+        if self._role_read:  # said at an attempt before, which failed elsewhere
+            return
         config = self.config
         try:
             status = await self.parts.driver.run(store_roles.connection_status())
         except StorageError as exc:  # a server (or proxy) that will not say: nothing to say
             log.debug("cannot read the user's privileges: %s", exc)
             return
+        self._role_read = True
         part = "worker" if config.stream == "own" else "relay"
         if lacks := roles.lacking(part, status, config.database, config.collection):
             log.error(
