@@ -28,8 +28,8 @@ Each also reports its CPU time (user + system), which the machine's load stretch
 than wall-clock. The processes are the console scripts next to the interpreter (``mtask``,
 ``mtask-worker``, ``arq``), as a user runs them. ``MTASK_STARTUP_ROUNDS`` sets the rounds
 (default 15, quick 5); ``MTASK_STARTUP_BEFORE=/path/to/another/checkout`` measures that tree's
-``mtask`` too, in the same rounds (an A/B on a shared machine: only figures of one run
-compare).
+``mtask`` too, in the same rounds, each tree first in every other round (an A/B on a shared
+machine: only figures of one run compare).
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def startup(bench: Bench) -> None:
         with _arq_redis() as port:
             for r in range(rounds + 1):  # round 0 writes the caches, uncounted
                 load.append(os.getloadavg()[0])
-                seen = _round(bench, database, port, fresh=r % FRESH_EVERY == 1)
+                seen = _round(bench, database, port, fresh=r % FRESH_EVERY == 1, turn=r)
                 for name, value in seen.items() if r else ():
                     got.setdefault(name, []).append(value)
     finally:
@@ -186,16 +186,20 @@ def _sides() -> list[tuple[str, dict[str, str]]]:
     return sides
 
 
-def _round(bench: Bench, database: str, port: int | None, fresh: bool) -> dict[str, float]:
-    """One round: each measure once, in the same order, for each tree; ``fresh``: also a
-    worker against a new database (it makes the indexes)."""
+def _round(
+    bench: Bench, database: str, port: int | None, fresh: bool, turn: int = 0
+) -> dict[str, float]:
+    """One round: each measure once, in the same order, for each tree, the trees in turn
+    (``turn``: which goes first, so that neither is always measured first nor second);
+    ``fresh``: also a worker against a new database (it makes the indexes)."""
     seen: dict[str, float] = {}
     seen["floor"], seen["floor_cpu"] = _timed([sys.executable, "-c", "pass"], child_env())
     find = [sys.executable, "-c", FIND, bench.uri, database, "shown"]
     seen["find"], seen["find_cpu"] = _timed(find, child_env())
     mtask = script("mtask", "mtask")
     where = ["--uri", bench.uri, "--database", database]
-    for side, env in _sides():
+    sides = _sides()
+    for side, env in sides[turn % len(sides) :] + sides[: turn % len(sides)]:
         seen[f"{side}help"], seen[f"{side}help_cpu"] = _timed([*mtask, "--help"], env)
         seen[f"{side}get"], seen[f"{side}get_cpu"] = _timed([*mtask, "get", "shown", *where], env)
         seen[f"{side}list"], seen[f"{side}list_cpu"] = _timed([*mtask, "list", *where], env)
