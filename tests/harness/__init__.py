@@ -4,6 +4,7 @@ CLI in-process, and what a test needs from the machine. One module per concern; 
 ``harness``."""
 
 from .cli import run_cli
+from .commands import Commands
 from .documents import T0, hand_written, in_groups, pad_to_the_limit
 from .events import Events, poll, until_finished, wait_for
 from .examples import on_a_server
@@ -42,6 +43,7 @@ __all__ = [
     "T0",
     "TESTS",
     "Cluster",
+    "Commands",
     "Events",
     "Proxies",
     "ReplicaSet",

@@ -7,29 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pymongo import monitoring
+from harness import Commands
 
 import mtask.client
 from mtask import TaskClient
 from mtask.cli import main
 from mtask.connection.clients import sync_client
-
-
-class Commands(monitoring.CommandListener):
-    """The commands a client sent, by name (``collection`` for a command on one)."""
-
-    def __init__(self) -> None:
-        self.sent: list[str] = []
-
-    def started(self, event: monitoring.CommandStartedEvent) -> None:
-        name, on = event.command_name, event.command.get(event.command_name)
-        self.sent.append(f"{name} {on}" if isinstance(on, str) else name)
-
-    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
-        pass
-
-    def failed(self, event: monitoring.CommandFailedEvent) -> None:
-        pass
 
 
 @pytest.fixture

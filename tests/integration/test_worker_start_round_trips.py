@@ -7,29 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from harness import running_worker
-from pymongo import monitoring
+from harness import Commands, running_worker
 
 from mtask import Registry, TaskClient
 from mtask.connection.clients import async_client
 from mtask.worker import assembly
-
-
-class Commands(monitoring.CommandListener):
-    """The commands a client sent, by name (``collection`` for a command on one)."""
-
-    def __init__(self) -> None:
-        self.sent: list[str] = []
-
-    def started(self, event: monitoring.CommandStartedEvent) -> None:
-        name, on = event.command_name, event.command.get(event.command_name)
-        self.sent.append(f"{name} {on}" if isinstance(on, str) else name)
-
-    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
-        pass
-
-    def failed(self, event: monitoring.CommandFailedEvent) -> None:
-        pass
 
 
 async def test_a_workers_start_before_its_first_claim(
