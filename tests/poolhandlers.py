@@ -457,3 +457,31 @@ def big_chunk(params: dict[str, Any], ctx: TaskContext) -> str:
 @registry.task("big_and_no_bson", isolation="process")
 def big_and_no_bson(params: dict[str, Any]) -> Any:
     return {"blob": "x" * params["size"], "odd": {1, 2}}  # pickle takes a set, BSON does not
+
+
+registry.price("small", input=1.0, output=4.0)  # per million tokens
+
+
+def _charged(ctx: TaskContext, model: str | None, inp: int, out: int) -> int:
+    """A model's call in a step: its usage charged from the child (once per call)."""
+    ctx.record_usage_sync(model, input_tokens=inp, output_tokens=out)
+    return inp
+
+
+@registry.task("usage_in_child", isolation="process", options={"retry_delay_ms": 0})
+def usage_in_child(params: dict[str, Any], ctx: TaskContext) -> int:
+    """Charges in steps; its first run fails after them (the retry replays them, charging
+    nothing), the second charges once more outside any step."""
+    for n, (model, inp, out) in enumerate(params["calls"]):
+        ctx.step_sync(f"call{n}", _charged, ctx, model, inp, out)
+    if ctx.attempt == 1:
+        raise RuntimeError("failed once after its steps")
+    ctx.record_usage_sync(None, input_tokens=1, cost=0.5)
+    return os.getpid()
+
+
+@registry.task("spender_in_child", isolation="process", options={"retry_delay_ms": 0})
+def spender_in_child(params: dict[str, Any], ctx: TaskContext) -> int:
+    for n in range(params["steps"]):
+        ctx.step_sync(f"call{n}", _charged, ctx, "small", 60, 40)
+    return params["steps"]

@@ -84,18 +84,6 @@ class MemoryUsage:
         return None
 
 
-class RefusedUsage(MemoryUsage):
-    """Where usage cannot be recorded (a handler in a child process, ``isolation="process"``):
-    a charge is refused, saying why; no budget is checked."""
-
-    def __init__(self, why: str) -> None:
-        super().__init__()
-        self.why = why
-
-    async def charge(self, usage: Usage) -> None:
-        raise MtaskError(self.why)
-
-
 class BudgetSpent(MtaskError):
     """A step would start past a budget (``budget``: ``"task"``, ``"name 'n'"``, ``"group
     'g'"``): the run's durable steps raise ``mtask.BudgetExceeded`` for it."""
@@ -103,6 +91,10 @@ class BudgetSpent(MtaskError):
     def __init__(self, budget: str, limit: Budget, spent: Mapping[str, Any]) -> None:
         super().__init__(budget)
         self.budget, self.limit, self.spent = budget, limit, spent
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled whole: a child process's step raises it as the worker found it."""
+        return (type(self), (self.budget, self.limit, dict(self.spent)))
 
 
 def said(model: str | None, counts: Mapping[str, Any]) -> Usage:

@@ -16,6 +16,7 @@ from typing import Any
 import poolhandlers
 import pytest
 from harness import running_worker
+from prometheus_client import REGISTRY
 from test_pool import INFO
 from test_steps import woke_after_its_sleep
 
@@ -217,3 +218,51 @@ async def test_a_step_answer_that_hangs_does_not_keep_the_run_from_its_time_limi
     assert asked == ["journal"]
     await asyncio.wait_for(given_up.wait(), 5)  # the answer is abandoned with the run
     assert pool.state()["time_limit_kills"] == 1
+
+
+async def test_usage_recorded_in_a_child_is_the_workers_per_run_and_model(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    """``ctx.record_usage_sync`` in a process-isolated handler's steps (and outside them) is
+    charged by the worker: priced, per run and per model, to its name, and a retry's replayed
+    steps charge nothing."""
+    calls = [["small", 1000, 200], ["big", 50, 5], ["small", 2000, 100]]
+    metric = {"name": "usage_in_child", "model": "small", "kind": "input"}
+    before = REGISTRY.get_sample_value("mtask_tokens_total", metric) or 0.0
+    async with running_worker(poolhandlers.registry, mongo_uri, db_name, pool="process"):
+        await aclient.publish("usage_in_child", "u1", {"calls": calls})
+        task = await _finished(aclient, "u1")
+    assert task.status.value == "succeeded", task.error
+    assert task.result != os.getpid() and len(task.runs) == 2
+    usage = task.usage
+    assert (usage.input_tokens, usage.output_tokens, usage.requests) == (3051, 305, 4)
+    # 3000 x 1 + 300 x 4 per million tokens (4_200_000 nanos), and 0.5 said outside any step
+    assert usage.cost_nanos == 4_200_000 + 500_000_000
+    by_model = {m.model: m for m in usage.models}
+    assert (by_model["small"].input_tokens, by_model["small"].output_tokens) == (3000, 300)
+    assert by_model["small"].cost_nanos == 4_200_000 and by_model["small"].requests == 2
+    assert by_model["big"].input_tokens == 50 and by_model["big"].cost_nanos is None
+    first, second = task.runs
+    assert first.usage is not None and first.usage.input_tokens == 3050
+    assert second.usage is not None and (second.usage.input_tokens, second.usage.requests) == (1, 1)
+    scopes = aclient.collection.database["tasks.usage"]
+    name = await scopes.find_one({"_id.scope": "name", "_id.id": "usage_in_child"})
+    assert name is not None and name["input_tokens"] == 3051 and name["requests"] == 4
+    after = REGISTRY.get_sample_value("mtask_tokens_total", metric) or 0.0
+    assert after - before == 3000
+
+
+async def test_a_budget_stops_a_process_isolated_handlers_next_step(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    async with running_worker(poolhandlers.registry, mongo_uri, db_name, pool="process"):
+        await aclient.publish(
+            "spender_in_child", "b1", {"steps": 5}, options={"budget": {"tokens": 250}}
+        )
+        task = await _finished(aclient, "b1")
+    assert task.status.value == "failed" and task.failed_permanently, task
+    assert task.error is not None and "budget exceeded: the task budget of 250 tokens" in task.error
+    assert "300 tokens spent" in task.error
+    assert [s.name for s in task.steps] == ["call0", "call1", "call2"]  # call3 never started
+    assert task.usage.input_tokens + task.usage.output_tokens == 300
+    assert len(task.runs) == 1  # a budget spent is for good: no retry

@@ -33,7 +33,6 @@ from mtask.limits.snooze import Snooze
 from mtask.registry import Fail, Handler, Retry, TaskContext
 from mtask.steps import SignalTimeout, StepError, Suspended
 from mtask.tracing import joined
-from mtask.usage.charges import RefusedUsage, RunUsage
 from mtask.worker.running.failures import class_path, result_too_large, said, short_traceback
 from mtask.worker.running.pool import pipe
 from mtask.worker.running.pool.child_steps import ChildSteps, plain
@@ -153,7 +152,7 @@ def _call(call: Call, cancelled: Any, output: _ChildOutput, steps: ChildSteps) -
         cancelled=cast(asyncio.Event, cancelled),  # a multiprocessing Event: is_set() works
         output_for=output.made,
         steps_for=steps.steps_for,
-        usage_for=_no_usage,
+        usage_for=steps.usage_for,
     )
     try:
         with joined(info.trace):  # the worker's run span is the parent of the spans here
@@ -161,15 +160,6 @@ def _call(call: Call, cancelled: Any, output: _ChildOutput, steps: ChildSteps) -
     finally:
         steps.close()  # a request a thread it left behind makes now is refused
         output.close()  # what the handler said reaches the worker before its reply
-
-
-def _no_usage(ctx: TaskContext) -> RunUsage:
-    return RunUsage(
-        RefusedUsage(
-            "ctx.record_usage is not available to a handler in a child process "
-            "(isolation='process'): record usage from a thread or async handler"
-        )
-    )
 
 
 def _reply(handler: Handler, params: dict[str, Any], ctx: TaskContext) -> Reply:

@@ -12,6 +12,11 @@ thread). The first request, ``JOURNAL``, brings the steps the claimed document r
 ``NOW`` is the worker's estimate of the server's clock. Nothing is asked of the worker by a run
 that takes no step.
 
+The run's usage (docs/usage.md) is the worker's too: ``ctx.record_usage`` in the child is a
+``pipe.StepAsk`` (``USAGE``) that the worker records with the run's own ``RunUsage`` (priced,
+fenced by the run, counted in its metrics and its windows of tokens), and the gate before each
+step (``GATE``) checks the budgets and windows of tokens there (``PipeUsage``).
+
 How the run ends travels back as itself too: ``Suspended`` (with its ``Wait``) ends the run
 WAITING; ``StepError``, ``StepMismatch`` and ``SignalTimeout`` fail it for good (``pipe.Reply``).
 """
@@ -33,6 +38,8 @@ from mtask.steps import Doc, Journal, RunSteps, StepError
 from mtask.steps import complete_now as complete
 from mtask.steps.calls import Gate
 from mtask.tracing import step_tracer
+from mtask.usage.charges import MemoryUsage, RunUsage
+from mtask.usage.rules import Usage
 from mtask.worker.running.pool import pipe
 from mtask.worker.running.pool.pipe import StepAsk, StepOp
 
@@ -96,6 +103,9 @@ class ChildSteps:
             gate=gate,
         )
 
+    def usage_for(self, _ctx: TaskContext) -> RunUsage:
+        return PipeUsage(self)
+
     def close(self) -> None:
         """The run's reply is next: no request may come between (waits for one in flight)."""
         with self._lock:
@@ -148,6 +158,41 @@ class PipeSteps:
         return found
 
 
+COUNTS = ("input_tokens", "output_tokens", "cached_tokens", "requests")
+
+
+class PipeUsage(RunUsage):
+    """The child's ``RunUsage``: each charge and each step's check is a request to the worker,
+    which keeps the run's usage (``ParentSteps``). Its async methods never await."""
+
+    def __init__(self, steps: ChildSteps) -> None:
+        super().__init__(MemoryUsage())
+        self.steps = steps
+
+    async def record_said(
+        self, model: str | None, counts: Mapping[str, Any], replaying: bool
+    ) -> Usage:
+        return self.record_said_sync(model, counts, replaying)
+
+    def record_said_sync(
+        self, model: str | None, counts: Mapping[str, Any], replaying: bool
+    ) -> Usage:
+        usage: Usage = self.steps.ask(StepOp.USAGE, model, dict(counts), replaying)
+        if not replaying:
+            self.recorded.append(usage)
+        return usage
+
+    async def record(self, usage: Usage) -> Usage:
+        return self.record_sync(usage)
+
+    def record_sync(self, usage: Usage) -> Usage:
+        counts = {k: getattr(usage, k) for k in COUNTS}
+        return self.record_said_sync(usage.model, {**counts, "cost": usage.cost}, False)
+
+    async def check(self) -> None:
+        self.steps.ask(StepOp.GATE)
+
+
 # -- the worker side ------------------------------------------------------------------------------
 
 
@@ -160,6 +205,12 @@ class ParentSteps:
         self.ctx = ctx
 
     async def answer(self, op: StepOp, args: tuple[Any, ...]) -> Any:
+        if op == StepOp.USAGE:  # as ctx.record_usage on a thread (a run may take no step)
+            model, counts, replaying = args
+            self.ctx.check_lease()
+            return await self.ctx.usage.record_said(model, counts, replaying)
+        if op == StepOp.GATE:  # BudgetSpent or Snooze raised in the child as itself
+            return await self.ctx.usage.check()
         journal = self.ctx.journal.journal  # made on the first request; may refuse (StepError)
         store = journal.store
         if op == StepOp.JOURNAL:

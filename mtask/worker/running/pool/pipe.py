@@ -144,6 +144,9 @@ class StepOp(StrEnum):
     SPAWN = "spawn_children"
     PUBLISH = "publish"
     CHILDREN = "children"
+    # usage (docs/usage.md): the run's usage is the worker's
+    USAGE = "usage"  # ctx.record_usage: (model, counts, replaying), answered with the Usage
+    GATE = "gate"  # before a step: its budgets and windows of tokens (RunUsage.check)
 
 
 # -- the messages ---------------------------------------------------------------------------------
