@@ -485,3 +485,11 @@ def spender_in_child(params: dict[str, Any], ctx: TaskContext) -> int:
     for n in range(params["steps"]):
         ctx.step_sync(f"call{n}", _charged, ctx, "small", 60, 40)
     return params["steps"]
+
+
+@registry.task("metered_in_child", isolation="process", uses=["llm"], options={"retry_delay_ms": 0})
+def metered_in_child(params: dict[str, Any], ctx: TaskContext) -> int:
+    """Steps through the shared resource ``llm``, each admitted by its window of tokens."""
+    for n in range(params["steps"]):
+        ctx.step_sync(f"call{n}", _charged, ctx, "small", 70, 30)
+    return params["steps"]

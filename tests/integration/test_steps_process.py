@@ -15,12 +15,13 @@ from typing import Any
 
 import poolhandlers
 import pytest
-from harness import running_worker
+from harness import running_worker, wait_for
 from prometheus_client import REGISTRY
 from test_pool import INFO
 from test_steps import woke_after_its_sleep
 
 from mtask import AsyncTaskClient, TaskContext
+from mtask.limits import measured
 from mtask.steps import StepError, Suspended
 from mtask.worker.running.pool.child_steps import ParentSteps
 from mtask.worker.running.pool.errors import TimeLimitExceeded
@@ -266,3 +267,21 @@ async def test_a_budget_stops_a_process_isolated_handlers_next_step(
     assert [s.name for s in task.steps] == ["call0", "call1", "call2"]  # call3 never started
     assert task.usage.input_tokens + task.usage.output_tokens == 300
     assert len(task.runs) == 1  # a budget spent is for good: no retry
+
+
+async def test_a_window_of_tokens_admits_a_process_isolated_handlers_steps(
+    aclient: AsyncTaskClient, mongo_uri: str, db_name: str
+) -> None:
+    """A window of 50 tokens a minute: the child's first step charges 100 to it, its second
+    is refused for most of a minute, so the run snoozes, as on a thread."""
+    await aclient.set_limit(resource="llm", concurrency=1, tokens_per=(50, 60))
+    snoozed = {"_id": "w1", "snoozes": 1}
+    async with running_worker(poolhandlers.registry, mongo_uri, db_name, pool="process"):
+        await aclient.publish("metered_in_child", "w1", {"steps": 2})
+        await wait_for(lambda: aclient.collection.find_one(snoozed), timeout=30, every=0.05)
+    limit = await aclient.collection.database["limits"].find_one({"_id": "\x00llm"})
+    assert limit is not None and limit[measured.USED] == 100
+    task = await aclient.get("w1")
+    assert task.status.value == "pending" and [s.name for s in task.steps] == ["call0"]
+    said = (await aclient.explain(task)).reason
+    assert "waiting for the next window of tokens of resource `llm`: 100 of 50" in said, said
