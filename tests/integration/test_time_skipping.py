@@ -14,7 +14,7 @@ import pytest
 from harness import running_worker, wait_for
 from needs import missing
 
-from mtask import AsyncTaskClient, Registry, Spawn, TaskContext
+from mtask import AsyncTaskClient, Registry, Snooze, Spawn, TaskContext
 from mtask.errors import ConfigError
 from mtask.models import Task
 from mtask.testing import TimeSkippingEnv, find_libfaketime
@@ -72,12 +72,35 @@ async def hold(params: dict[str, Any], ctx: TaskContext) -> int:
     return ctx.attempt
 
 
+naps: dict[str, int] = {}
+"""How often ``nap`` was called, per key: its first call snoozes for a day."""
+
+
+@registry.task("nap")
+async def nap(params: dict[str, Any], ctx: TaskContext) -> int:
+    naps[ctx.key] = naps.get(ctx.key, 0) + 1
+    if naps[ctx.key] == 1:
+        raise Snooze(DAY, "back tomorrow")
+    return naps[ctx.key]
+
+
+@registry.task("overdue")
+async def overdue(params: dict[str, Any], ctx: TaskContext) -> None:
+    await ctx.sleep(2 * DAY.total_seconds())  # its deadline, a day away, ends the sleep
+
+
 ticking = Registry()
 ticking.schedule("daily", cron="0 9 * * *")
+ticking.schedule("pulse", every=dt.timedelta(hours=12))
 
 
 @ticking.task("daily")
 async def daily(params: Any, ctx: TaskContext) -> str:
+    return ctx.key
+
+
+@ticking.task("pulse")
+async def pulse(params: Any, ctx: TaskContext) -> str:
     return ctx.key
 
 
@@ -210,9 +233,52 @@ async def test_skip_ends_a_lease_when_the_clock_passes_it(env: TimeSkippingEnv) 
     assert done.runs[-1].claimed_at >= first.lease_expires_at
 
 
+async def test_a_snooze_a_debounce_window_and_a_deadline_end_after_their_day(
+    env: TimeSkippingEnv, db_name: str
+) -> None:
+    """A handler snoozing for a day, a publish debounced for a day and a task whose deadline is
+    a day away (its handler sleeping for two): a skip to a minute before the day leaves all
+    three as they were (a task due now, published then, runs meanwhile); a skip past it runs
+    the snoozed task again and the debounced one, and fails the task past its deadline."""
+    naps.pop("napper", None)
+    start = await env.now()
+    await env.client.publish("nap", "napper", {})
+    window = await env.client.publish("report", "debounced", {"invoice": "d"}, debounce=DAY)
+    debounced_key = window.task.key  # the window's own key
+    deadline = {"deadline": start + DAY}
+    await env.client.publish("overdue", "overdue", {}, options=deadline)
+
+    async def settled() -> bool | None:
+        """The snooze raised and the sleep begun, each by its run's end."""
+        napper, late = await env.client.get("napper"), await env.client.get("overdue")
+        ended = [t is not None and t.runs and t.runs[0].finished_at for t in (napper, late)]
+        return True if all(ended) else None
+
+    await wait_for(settled, timeout=30)
+    assert naps["napper"] == 1
+    before = await env.skip(start + DAY - dt.timedelta(minutes=1) - await env.now())
+    assert before < start + DAY
+    await env.client.publish("report", "probe", {"invoice": "p"})
+    await env.client.wait("probe", timeout=30)
+    assert naps["napper"] == 1
+    assert (await env.client.get(debounced_key)).runs == []  # type: ignore[union-attr]
+    assert (await env.client.get("overdue")).status not in ("succeeded", "failed")  # type: ignore[union-attr]
+
+    after = await env.skip(dt.timedelta(minutes=5))
+    napped = await env.client.wait("napper", timeout=30)
+    assert napped.result == 2 and napped.runs[-1].claimed_at >= start + DAY
+    debounced = await env.client.wait(debounced_key, timeout=30)
+    assert debounced.status == "succeeded" and debounced.runs[0].claimed_at >= start + DAY
+    late = await env.client.wait("overdue", timeout=30)
+    assert late.status == "failed" and "deadline passed" in (late.runs[-1].error or "")
+    assert late.finished_at is not None and start + DAY <= late.finished_at
+    assert after >= start + DAY
+
+
 async def test_a_daily_schedule_ticks_once_a_skipped_day(db_name: str) -> None:
-    """A cron schedule at 09:00 every day, skipped through by itself for three days: one task a
-    day, each published at its tick by the server's clock."""
+    """A cron schedule at 09:00 every day and an interval one every twelve hours, skipped through
+    by themselves for three days: one task a day, one each twelve hours, each published at its
+    tick by the server's clock (never before)."""
     needs_libfaketime()
     async with TimeSkippingEnv(ticking, database=db_name) as env:
         start = await env.now()
@@ -222,8 +288,14 @@ async def test_a_daily_schedule_ticks_once_a_skipped_day(db_name: str) -> None:
             return done if len(done) >= 3 else None
 
         done = await env.run_until(wait_for(three_days, timeout=90), timeout=90)
+        pulsed = await env.client.list(name="pulse", status="succeeded", limit=100)
     ticks = sorted(t.created_at for t in done if t.created_at is not None)
     assert len(ticks) >= 3 and all(t > start for t in ticks)
     assert all((t.hour, t.minute) == (9, 0) for t in ticks[:3])
     gaps = [b - a for a, b in itertools.pairwise(ticks[:3])]
     assert all(abs(gap - DAY) < dt.timedelta(minutes=5) for gap in gaps)
+    pulses = sorted(t.created_at for t in pulsed if t.created_at is not None)
+    assert len(pulses) >= 4  # the first when the schedule was created, then one each 12 h
+    half_day = dt.timedelta(hours=12)
+    gaps = [b - a for a, b in itertools.pairwise(pulses)]
+    assert all(abs(gap - half_day) < dt.timedelta(minutes=5) for gap in gaps), gaps
