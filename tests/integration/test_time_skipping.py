@@ -14,7 +14,7 @@ import pytest
 from harness import running_worker, wait_for
 from needs import missing
 
-from mtask import AsyncTaskClient, Registry, Snooze, Spawn, TaskContext
+from mtask import AsyncTaskClient, BackOff, Registry, Snooze, Spawn, TaskContext
 from mtask.errors import ConfigError
 from mtask.models import Task
 from mtask.testing import TimeSkippingEnv, find_libfaketime
@@ -81,6 +81,14 @@ async def nap(params: dict[str, Any], ctx: TaskContext) -> int:
     naps[ctx.key] = naps.get(ctx.key, 0) + 1
     if naps[ctx.key] == 1:
         raise Snooze(DAY, "back tomorrow")
+    return naps[ctx.key]
+
+
+@registry.task("polite")
+async def polite(params: dict[str, Any], ctx: TaskContext) -> int:
+    naps[ctx.key] = naps.get(ctx.key, 0) + 1
+    if params.get("back_off") and naps[ctx.key] == 1:
+        raise BackOff(DAY.total_seconds(), group=True, reason="429 from the provider")
     return naps[ctx.key]
 
 
@@ -233,16 +241,21 @@ async def test_skip_ends_a_lease_when_the_clock_passes_it(env: TimeSkippingEnv) 
     assert done.runs[-1].claimed_at >= first.lease_expires_at
 
 
-async def test_a_snooze_a_debounce_window_and_a_deadline_end_after_their_day(
+async def test_a_snooze_a_hold_a_debounce_window_and_a_deadline_end_after_their_day(
     env: TimeSkippingEnv, db_name: str
 ) -> None:
-    """A handler snoozing for a day, a publish debounced for a day and a task whose deadline is
-    a day away (its handler sleeping for two): a skip to a minute before the day leaves all
-    three as they were (a task due now, published then, runs meanwhile); a skip past it runs
-    the snoozed task again and the debounced one, and fails the task past its deadline."""
+    """A handler snoozing for a day, one holding its group back for a day (``BackOff``), a
+    publish debounced for a day and a task whose deadline is a day away (its handler sleeping
+    for two): a skip to a minute before the day leaves all four as they were, and the group's
+    other task unclaimed (a task due now, published then, runs meanwhile); a skip past it runs
+    the snoozed task again, the held group's two and the debounced one, and fails the task
+    past its deadline."""
     naps.pop("napper", None)
+    naps.pop("polite", None)
+    naps.pop("sibling", None)
     start = await env.now()
     await env.client.publish("nap", "napper", {})
+    await env.client.publish("polite", "polite", {"back_off": True}, options={"group": "acme"})
     window = await env.client.publish("report", "debounced", {"invoice": "d"}, debounce=DAY)
     debounced_key = window.task.key  # the window's own key
     deadline = {"deadline": start + DAY}
@@ -250,23 +263,28 @@ async def test_a_snooze_a_debounce_window_and_a_deadline_end_after_their_day(
 
     async def settled() -> bool | None:
         """The snooze raised and the sleep begun, each by its run's end."""
-        napper, late = await env.client.get("napper"), await env.client.get("overdue")
-        ended = [t is not None and t.runs and t.runs[0].finished_at for t in (napper, late)]
+        ran = [await env.client.get(key) for key in ("napper", "polite", "overdue")]
+        ended = [t is not None and t.runs and t.runs[0].finished_at for t in ran]
         return True if all(ended) else None
 
     await wait_for(settled, timeout=30)
-    assert naps["napper"] == 1
+    assert naps["napper"] == 1 and naps["polite"] == 1
+    await env.client.publish("polite", "sibling", {}, options={"group": "acme"})
     before = await env.skip(start + DAY - dt.timedelta(minutes=1) - await env.now())
     assert before < start + DAY
     await env.client.publish("report", "probe", {"invoice": "p"})
     await env.client.wait("probe", timeout=30)
-    assert naps["napper"] == 1
+    assert naps["napper"] == 1 and naps["polite"] == 1
+    assert (await env.client.get("sibling")).runs == []  # type: ignore[union-attr]
     assert (await env.client.get(debounced_key)).runs == []  # type: ignore[union-attr]
     assert (await env.client.get("overdue")).status not in ("succeeded", "failed")  # type: ignore[union-attr]
 
     after = await env.skip(dt.timedelta(minutes=5))
     napped = await env.client.wait("napper", timeout=30)
     assert napped.result == 2 and napped.runs[-1].claimed_at >= start + DAY
+    for key in ("polite", "sibling"):  # the group's hold ended: both run
+        held_back = await env.client.wait(key, timeout=30)
+        assert held_back.status == "succeeded" and held_back.runs[-1].claimed_at >= start + DAY
     debounced = await env.client.wait(debounced_key, timeout=30)
     assert debounced.status == "succeeded" and debounced.runs[0].claimed_at >= start + DAY
     late = await env.client.wait("overdue", timeout=30)
