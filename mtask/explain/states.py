@@ -546,6 +546,60 @@ def _full(doc: Mapping[str, Any], now: dt.datetime) -> str | None:
     return f"{rate:g} per second, the next in {span(wait_for_token(have, float(rate)))}"
 
 
+HELD = frozenset({"backoff", "limit", "group"})
+"""The reasons a due task is held back by something that ends by time alone."""
+
+
+def held_ends(task: Task, cluster: Cluster) -> dt.datetime | None:
+    """The soonest time after ``cluster.now`` at which what holds a due ``task`` back (a
+    back-off, a full limit or token window of its name, its group or a shared resource it
+    takes) ends, as ``explain`` reads it; ``None`` if ``explain`` does not say it is held so,
+    or nothing of it ends by time."""
+    said = explain(task, cluster)
+    if said.state is not State.BLOCKED or said.why not in HELD or task.name is None:
+        return None
+    group = task.options.group
+    facts = cluster.groups.get((task.name, group)) if group is not None else None
+    docs = [cluster.limits.get(task.name)]
+    docs += [cluster.limits.get(s) for s in cluster.resources.get(task.name, ())]
+    ends = [end for doc in docs if doc is not None for end in doc_ends(doc, group, cluster.now)]
+    if facts is not None and facts.slot is not None:
+        ends += doc_ends(facts.slot, None, cluster.now)
+    return min(ends, default=None)
+
+
+def doc_ends(doc: Mapping[str, Any], group: str | None, now: dt.datetime) -> list[dt.datetime]:
+    """The future times at which a limit document (a name's, a group's, a resource's) could
+    stop holding a task (of ``group``) back: its hold's end, its live holders' expiries, its
+    bucket's next token, its full token window's end."""
+    from mtask.limits.holds import held_until
+
+    ends = [at for at in (held_until(doc, group, now),) if at is not None]
+    holders = doc.get("holders")
+    ends += [
+        h["expires"]
+        for h in (holders if isinstance(holders, list) else ())
+        if isinstance(h, dict) and isinstance(h.get("expires"), dt.datetime) and h["expires"] > now
+    ]
+    rate, refilled, tokens = doc.get("rate"), doc.get("refilled_at"), doc.get("tokens")
+    if (
+        isinstance(rate, int | float)
+        and not isinstance(rate, bool)
+        and rate > 0
+        and isinstance(refilled, dt.datetime)
+        and isinstance(tokens, int | float)
+    ):
+        burst = doc.get("burst")
+        size = float(burst) if isinstance(burst, int | float) and not isinstance(burst, bool) else 1
+        wait = wait_for_token(refill(float(tokens), refilled, now, float(rate), size), float(rate))
+        if wait > 0:
+            ends.append(now + dt.timedelta(seconds=wait))
+    window = measured.current(doc, now)
+    if window is not None and window.full:
+        ends.append(window.end)
+    return ends
+
+
 # -- the words the pages share -----------------------------------------------------------------
 
 

@@ -13,8 +13,10 @@ from pymongo import ASCENDING, DESCENDING
 from pymongo.errors import OperationFailure
 
 from mtask.driver import Call, Doc, Op
+from mtask.explain.states import held_ends
+from mtask.models import Task
 from mtask.statemachine import OPEN, RUNNING
-from mtask.store import counts
+from mtask.store import cluster, counts
 from mtask.store.bulk import ERROR_TEXT
 from mtask.store.schedules import next_due
 
@@ -115,8 +117,11 @@ def quiet_until(now: dt.datetime) -> Op[tuple[bool, dt.datetime | None]]:
     """Whether nothing is to do at ``now`` (no open task with a RUNNING run, none claimable by
     ``now``), and the earliest time something will be: the soonest ``next_claim_at`` of an open
     task and ``next_tick_at`` of a schedule (``None``: nothing is waiting for a time, only for
-    a signal, data or nothing). For ``mtask.testing``'s automatic skips; the sorted find reads
-    the open tasks (no index orders them by ``next_claim_at`` alone: see ``delayed``)."""
+    a signal, data or nothing). A due task held back (a back-off, a full limit or token window,
+    as ``explain`` says: ``held_ends``) is not claimable: then the earliest is the soonest end
+    of what holds the due tasks, if sooner. For ``mtask.testing``'s automatic skips; the sorted
+    find reads the open tasks (no index orders them by ``next_claim_at`` alone: see
+    ``delayed``)."""
     running = yield Call(
         "find_one", ({"status": {"$in": list(OPEN)}, "runs.state": RUNNING}, {"_id": 1})
     )
@@ -128,4 +133,40 @@ def quiet_until(now: dt.datetime) -> Op[tuple[bool, dt.datetime | None]]:
     tick: dt.datetime | None = yield from next_due()
     at = None if soonest is None else soonest["next_claim_at"]
     soonest_at = min([t for t in (at, tick) if isinstance(t, dt.datetime)], default=None)
-    return running is None and (soonest_at is None or soonest_at > now), soonest_at
+    if running is not None or soonest_at is None or soonest_at > now:
+        return running is None, soonest_at
+    if tick is not None and tick <= now:
+        return False, soonest_at
+    ends = yield from held_due_ends(now)
+    return ends is not None, soonest_at if ends is None else min([ends, *([tick] if tick else [])])
+
+
+HELD_READ = 100
+"""How many due tasks ``held_due_ends`` reads (more due at once: not quiet)."""
+
+
+def held_due_ends(now: dt.datetime) -> Op[dt.datetime | None]:
+    """If every open task due by ``now`` is held back by something that ends by time, the
+    soonest of those ends or of the next ``next_claim_at`` after ``now`` (``None``: some due
+    task is claimable, or held by what no time ends)."""
+    due: list[Doc] = yield Call(
+        "find",
+        ({"status": {"$in": list(OPEN)}, "next_claim_at": {"$lte": now}},),
+        {"limit": HELD_READ + 1},
+    )
+    if not due or len(due) > HELD_READ:
+        return None
+    tasks = [Task.from_document(d) for d in due]
+    facts = yield from cluster.read(tasks, now)
+    ends = [held_ends(t, facts) for t in tasks]
+    if any(e is None for e in ends):
+        return None
+    later = yield Call(
+        "find_one",
+        ({"status": {"$in": list(OPEN)}, "next_claim_at": {"$gt": now}}, SUMMARY),
+        {"sort": [("next_claim_at", ASCENDING)]},
+    )
+    found = [e for e in ends if e is not None]
+    if later is not None and isinstance(later.get("next_claim_at"), dt.datetime):
+        found.append(later["next_claim_at"])
+    return min(found)

@@ -92,6 +92,14 @@ async def polite(params: dict[str, Any], ctx: TaskContext) -> int:
     return naps[ctx.key]
 
 
+@registry.task("shy")
+async def shy(params: dict[str, Any], ctx: TaskContext) -> int:
+    naps[ctx.key] = naps.get(ctx.key, 0) + 1
+    if params.get("back_off") and naps[ctx.key] == 1:
+        raise BackOff(3600, name=True, reason="429 from the provider")
+    return naps[ctx.key]
+
+
 @registry.task("overdue")
 async def overdue(params: dict[str, Any], ctx: TaskContext) -> None:
     await ctx.sleep(2 * DAY.total_seconds())  # its deadline, a day away, ends the sleep
@@ -214,6 +222,23 @@ async def test_skip_never_makes_a_task_due_early(env: TimeSkippingEnv) -> None:
     await env.client.publish("report", "next-month", {"invoice": "z"})
     after = await env.client.wait("next-month", timeout=30)
     assert after.runs[0].claimed_at >= month_later
+    # a name held back for an hour (its handler's BackOff), another of its tasks due: the
+    # automatic mode skips to the hold's end, not past it
+    await env.client.set_limit("shy", concurrency=10)  # the take reads the hold at once
+    naps.pop("shy-1", None)
+    await env.client.publish("shy", "shy-1", {"back_off": True})
+
+    async def released() -> Task | None:
+        task = await env.client.get("shy-1")
+        return task if task is not None and task.runs and task.runs[0].finished_at else None
+
+    backed = (await wait_for(released, timeout=30)).runs[0]
+    assert backed.finished_at is not None
+    await env.client.publish("shy", "shy-2", {})
+    second = await env.wait("shy-2", timeout=30)
+    claimed = second.runs[0].claimed_at
+    assert backed.claimed_at + dt.timedelta(hours=1) <= claimed  # the hold began after it
+    assert claimed < backed.finished_at + dt.timedelta(hours=1, minutes=1)
 
 
 async def test_skip_ends_a_lease_when_the_clock_passes_it(env: TimeSkippingEnv) -> None:

@@ -391,5 +391,67 @@ def test_quiet_until_is_quiet_only_with_nothing_running_nor_due() -> None:
     assert script(None, latest, later) == (True, later)
     assert script(None, None, None) == (True, None)
     assert script({"_id": "k"}, later, None) == (False, later)  # a run in a worker's hands
-    assert script(None, now, None) == (False, now)  # due now
     assert script(None, None, now) == (False, now)  # a schedule's tick due now
+    driver = ScriptedDriver(  # due now, not held back: nothing to skip to
+        Step("find_one", None),
+        Step("find_one", {"next_claim_at": now}),
+        Step("find_one", None, collection="schedules"),
+        Step("find", []),
+    )
+    assert driver.run(store_queries.quiet_until(now)) == (False, now)
+    assert driver.done
+
+
+def test_quiet_until_skips_to_the_soonest_end_of_what_holds_the_due_tasks() -> None:
+    """A due task held back by its name's back-off, one by its name's full bucket (a claim an
+    hour) and one by its resource's full token window: quiet until the soonest end among
+    them, a later task's ``next_claim_at`` and a schedule's tick; not quiet once a due task is
+    claimable (no hold), or held by what no time ends (no live worker for it)."""
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    hour = dt.timedelta(hours=1)
+
+    def task(key: str, name: str) -> dict[str, Any]:
+        return {"_id": key, "name": name, "status": "pending", "next_claim_at": now, "runs": []}
+
+    held = {"_id": "held", "held_until": now + 3 * hour}
+    slow = {"_id": "slow", "rate": 1 / 3600, "burst": 1, "tokens": 0.5, "refilled_at": now}
+    window = {"_id": "\x00api", "names": ["spend"], "measured_limit": 10}
+    window |= {"measured_window_ms": 7_200_000, "measured_at": now, "measured_used": 10}
+
+    def script(due: list[Any], later: Any, tick: Any, names: list[str]) -> Any:
+        steps = [
+            Step("find_one", None),
+            Step("find_one", {"next_claim_at": now}),
+            Step(
+                "find_one", None if tick is None else {"next_tick_at": tick}, collection="schedules"
+            ),
+            Step("find", due),
+            Step("find", [], collection="controls"),
+            Step("find", [{"_id": "w", "names": names}], collection="workers"),
+            Step("find", [held, slow, window], collection="limits"),
+        ]
+        if later is not ...:
+            steps.append(Step("find_one", None if later is None else {"next_claim_at": later}))
+        driver = ScriptedDriver(*steps)
+        answer = driver.run(store_queries.quiet_until(now))
+        assert driver.done
+        return answer
+
+    everyone = ["held", "slow", "spend", "free"]
+    assert script([task("a", "held")], None, None, everyone) == (True, now + 3 * hour)
+    half = now + dt.timedelta(minutes=30)  # the bucket's next token
+    both = [task("a", "held"), task("b", "slow")]
+    assert script(both, None, None, everyone) == (True, half)
+    assert script(both, now + dt.timedelta(minutes=10), None, everyone) == (
+        True,
+        now + dt.timedelta(minutes=10),
+    )
+    assert script(both, None, now + dt.timedelta(minutes=5), everyone) == (
+        True,
+        now + dt.timedelta(minutes=5),
+    )
+    spend = [task("c", "spend")]  # the window's end, two hours from its start
+    assert script(spend, None, None, everyone) == (True, now + 2 * hour)
+    free = [task("a", "held"), task("d", "free")]
+    assert script(free, ..., None, everyone) == (False, now)
+    assert script([task("a", "held")], ..., None, ["free"]) == (False, now)
