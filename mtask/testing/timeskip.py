@@ -16,7 +16,9 @@ the server's time; none has a path of its own for tests (docs/design.md, "The ti
 The offset only grows: ``skip`` refuses a negative or unknown amount, so the clock never runs
 backward. ``wait`` (and ``run_until``) skip automatically: whenever nothing is running and
 nothing is due (``store.queries.quiet_until``), twice ``SETTLE`` apart, time jumps to the
-soonest due time (a task's ``next_claim_at``, a schedule's ``next_tick_at``).
+soonest due time (a task's ``next_claim_at``, a schedule's ``next_tick_at``). A due task held
+back by a back-off or a full limit counts as not due: then time jumps to the soonest end of what
+holds the due tasks, if sooner (``store.queries.held_due_ends``).
 """
 
 from __future__ import annotations
@@ -253,8 +255,8 @@ class TimeSkippingEnv:
     # -- skipping by itself ---------------------------------------------------------------
 
     async def skip_if_idle(self) -> bool:
-        """Skip to the soonest due time if nothing is running or due, twice ``SETTLE``
-        apart; whether it skipped."""
+        """Skip to the soonest due time (or end of what holds the due tasks back) if nothing
+        is running or claimable, twice ``SETTLE`` apart; whether it skipped."""
         first = await self._idle_until()
         if first is None:
             return False
