@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import itertools
 
 from bson import ObjectId
 from scripted import AsyncScriptedDriver, Step
@@ -135,7 +136,7 @@ async def test_an_idle_worker_of_the_shared_stream_beats_once_a_minute_live_mean
             assert [c.collection for c in driver.calls[calls:]] == ["workers", "controls"]
         driver.steps.clear()
     assert len(driver.calls) <= 2 * (minutes + 1)  # a write and a read a minute
-    gaps = [(b - a) * heart.interval for a, b in zip(written, written[1:], strict=False)]
+    gaps = [(b - a) * heart.interval for a, b in itertools.pairwise(written)]
     assert gaps and max(gaps) == 60.0
     live = heart.live_for().total_seconds()
     assert live > max(gaps)  # listed as live until past its next beat
