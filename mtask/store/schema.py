@@ -162,7 +162,11 @@ INDEXES: dict[str, list[IndexModel]] = {
             },
         ),
     ],
-    "workers": [IndexModel([("last_seen", ASCENDING)], name="last_seen")],
+    # who is live: a beat in a reader's window, or a next beat not yet due (an idle worker's)
+    "workers": [
+        IndexModel([("last_seen", ASCENDING)], name="last_seen"),
+        IndexModel([("live_until", ASCENDING)], name="live_until"),
+    ],
     # A group's limit document (mtask.limits.slots) is removed once unused for slots.GROUP_TTL.
     "limits": [
         IndexModel(
