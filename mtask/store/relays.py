@@ -197,22 +197,11 @@ def holder(tasks: str) -> Op[str | None]:
     return relay if isinstance(relay, str) else None
 
 
-class Seen(NamedTuple):
-    """What a subscriber's look at its relay's lease found (``seen``)."""
-
-    ago_ms: int
-    """Milliseconds since the relay last renewed the lease, by the server's clock."""
-    watched: bool
-    """Whether a standby holds its post (by the server's clock): it takes the lease over
-    within a second of the relay's last renewal, and moves every subscriber."""
-
-
-def seen(tasks: str, relay: str, ttl_ms: int) -> Op[Seen | None]:
-    """How long ago ``relay`` last renewed its lease of ``tasks``, on the server's clock (its
-    renewals set the end ``ttl_ms`` ahead), and whether a standby watches it; ``None`` if the
-    lease is not its own or has run out. A relay that stopped renewing (dead, frozen, cut off)
-    is found out before its lease runs out, and how late it is tells a subscriber when to look
-    again."""
+def renewed_ago(tasks: str, relay: str, ttl_ms: int) -> Op[int | None]:
+    """Milliseconds since ``relay`` last renewed its lease of ``tasks``, on the server's clock
+    (its renewals set the end ``ttl_ms`` ahead); ``None`` if the lease is not its own or has run
+    out. A relay that stopped renewing (dead, frozen, cut off) is found out before its lease runs
+    out, and how late it is tells a subscriber when to look again."""
     docs: list[Doc] = yield Call(
         "find",
         (
@@ -222,24 +211,12 @@ def seen(tasks: str, relay: str, ttl_ms: int) -> Op[Seen | None]:
                 "expires_at": {"$type": "date"},
                 "$expr": {"$gt": ["$expires_at", "$$NOW"]},
             },
-            {
-                "_id": 0,
-                "ago": {"$subtract": [{"$add": ["$$NOW", ttl_ms]}, "$expires_at"]},
-                "watched": {"$gt": ["$standby_until", "$$NOW"]},
-            },
+            {"_id": 0, "ago": {"$subtract": [{"$add": ["$$NOW", ttl_ms]}, "$expires_at"]}},
         ),
         collection=COLLECTION,
     )
     ago = docs[0].get("ago") if docs else None
-    if not isinstance(ago, int | float) or isinstance(ago, bool):
-        return None
-    return Seen(int(ago), docs[0].get("watched") is True)
-
-
-def renewed_ago(tasks: str, relay: str, ttl_ms: int) -> Op[int | None]:
-    """``seen``'s milliseconds alone (``None``: not ``relay``'s lease, or it ran out)."""
-    look = yield from seen(tasks, relay, ttl_ms)
-    return None if look is None else look.ago_ms
+    return int(ago) if isinstance(ago, int | float) and not isinstance(ago, bool) else None
 
 
 def release(tasks: str, relay: str) -> Op[None]:

@@ -217,12 +217,6 @@ async def test_a_look_at_the_relays_lease_reads_how_long_ago_it_was_renewed(
     leases.update_one({"_id": "tasks"}, [{"$set": {"expires_at": {"$add": ["$$NOW", 7_000]}}}])
     late = run(relays.renewed_ago("tasks", "a/1", 10_000))
     assert late is not None and 3_000 <= late < 4_000
-    # whether a standby watches it: its post held, by the server's clock
-    assert run(relays.seen("tasks", "a/1", 10_000)).watched is False  # type: ignore[union-attr]
-    assert run(relays.stand_by("tasks", "a/1", "s", 3_000))
-    assert run(relays.seen("tasks", "a/1", 10_000)).watched is True  # type: ignore[union-attr]
-    leases.update_one({"_id": "tasks"}, {"$set": {"standby_until": client.now()}})  # lapsed
-    assert run(relays.seen("tasks", "a/1", 10_000)).watched is False  # type: ignore[union-attr]
     past = client.now() - dt.timedelta(seconds=1)  # run out
     leases.update_one({"_id": "tasks"}, {"$set": {"expires_at": past}})
     assert run(relays.renewed_ago("tasks", "a/1", 10_000)) is None

@@ -21,7 +21,6 @@ from mtask.worker.finding.shared.subscription import (
     LOOK_EVERY,
     LOOK_MARGIN,
     STALE_AFTER,
-    WATCHED_LOOK_EVERY,
     InboxSubscription,
     RelaySilent,
     look_after,
@@ -93,44 +92,4 @@ async def test_a_look_reads_the_lease_unless_a_frame_came_within_late_after() ->
     script.expect(Step("find", [], collection="relays"))
     with pytest.raises(RelaySilent):
         await sub._lease_read()  # another's, or run out
-    assert script.done
-
-
-def _subscription(script: AsyncScriptedDriver) -> InboxSubscription:
-    tasks = SimpleNamespace(name="tasks", database=_Database())
-    script.collections = {"tasks": tasks, "inboxes": tasks}
-    return InboxSubscription(cast(AsyncDriver, script), "r/1", "w/1", on_look=lambda: None)
-
-
-async def test_a_lease_a_standby_watches_is_read_once_a_watched_look_every() -> None:
-    """An idle host reads a watched lease once a minute, not every ``LOOK_EVERY``: the standby
-    takes a silent relay over and moves every subscriber (the read is for a relay lost with
-    its standby)."""
-    script = AsyncScriptedDriver()
-    sub = _subscription(script)
-    script.expect(Step("find", [{"ago": 100, "watched": True}], collection="relays"))
-    assert await sub._lease_read() == 0.1
-    reads = 0
-    for _ in range(int(WATCHED_LOOK_EVERY // LOOK_EVERY)):  # a minute of looks: none reads it
-        reads += await sub._lease_read() is not None
-    assert reads == 0 and script.done
-    assert WATCHED_LOOK_EVERY >= 10 * LOOK_EVERY
-    sub.watched_until = time.monotonic()  # a minute on: read again, a standby no more
-    script.expect(Step("find", [{"ago": 100, "watched": False}], collection="relays"))
-    assert await sub._lease_read() == 0.1
-    script.expect(Step("find", [{"ago": 200}], collection="relays"))
-    assert await sub._lease_read() == 0.2  # unwatched: read at every look, as before
-    assert script.done
-
-
-async def test_a_late_relay_is_read_again_though_watched() -> None:
-    """A watched relay that is late (its standby has not taken it over: frozen too) is read
-    again as it goes stale, and left."""
-    script = AsyncScriptedDriver()
-    sub = _subscription(script)
-    script.expect(Step("find", [{"ago": 3_000, "watched": True}], collection="relays"))
-    assert await sub._lease_read() == 3.0
-    script.expect(Step("find", [{"ago": 5_100, "watched": True}], collection="relays"))
-    with pytest.raises(RelaySilent):
-        await sub._lease_read()
     assert script.done

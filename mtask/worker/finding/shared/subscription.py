@@ -26,14 +26,7 @@ from mtask.worker.finding.shared.lease import LEASE_TTL, RENEW_EVERY
 from mtask.worker.service import event_or_timeout
 
 LOOK_EVERY = 4.5
-"""Seconds without a frame between two reads of the relay's lease (the worker's look at its
-credit, ``on_look``, comes this often whatever)."""
-WATCHED_LOOK_EVERY = 60.0
-"""Seconds between two reads of a lease that the last read found watched by a standby: the
-standby takes a silent relay's lease over within a second and moves every subscriber, so the
-subscriber's own read is left for a relay lost with its standby (then finding work waits up to
-this long, plus ``LOOK_EVERY``). Each idle host read the lease every ``LOOK_EVERY``: the
-largest per-host share of an idle cluster's commands."""
+"""Seconds without a frame between two reads of the relay's lease."""
 STALE_AFTER = 5.0
 """A relay that has not renewed its lease for this long (it renews every 2 s) is left."""
 UNAUTHORIZED = 13
@@ -139,8 +132,6 @@ class InboxSubscription:
         self.heard_at = float("-inf")
         """When (monotonic) the last frame came: a relay heard from within ``LATE_AFTER`` is
         alive, and its lease is not read."""
-        self.watched_until = float("-inf")
-        """Until when (monotonic) the lease is not read: its last read found a standby."""
         self._failed: list[Exception] = []
         self._out = mailbox.Writer(
             self.database[mailbox.reports_name(self.tasks)], self._failed.append
@@ -213,9 +204,8 @@ class InboxSubscription:
 
     async def _watch_lease(self) -> None:
         """Every ``LOOK_EVERY``: the worker's look (``on_look``), then a read of the relay's
-        lease unless a frame came within ``LATE_AFTER`` or the last read, under
-        ``WATCHED_LOOK_EVERY`` ago, found a standby watching it; while the relay is late, once
-        more just after it would go stale (``look_after``), until it renewed or is left."""
+        lease unless a frame came within ``LATE_AFTER``; while the relay is late, once more
+        just after it would go stale (``look_after``), until it renewed or is left."""
         while True:
             await asyncio.sleep(LOOK_EVERY)
             self.on_look()
@@ -225,22 +215,14 @@ class InboxSubscription:
                 ago = await self._lease_read()
 
     async def _lease_read(self) -> float | None:
-        """Seconds since the relay renewed its lease, or ``None`` if it was not read (a frame
-        came within ``LATE_AFTER``, or a standby watched it at the last read, under
-        ``WATCHED_LOOK_EVERY`` ago); ``RelaySilent`` if it has gone stale or is another's."""
-        now = time.monotonic()
-        if now - self.heard_at < LATE_AFTER or now < self.watched_until:
+        """Seconds since the relay renewed its lease, or ``None`` if a frame came within
+        ``LATE_AFTER``; ``RelaySilent`` if it has gone stale or is another's."""
+        if time.monotonic() - self.heard_at < LATE_AFTER:
             return None
         try:
-            look = await self.driver.run(
-                relays.seen(self.tasks, self.relay_id, int(LEASE_TTL * 1000))
-            )
+            ago = await renewed_ago(self.driver, self.tasks, self.relay_id)
         except StorageError as exc:
             raise RelaySilent(self.relay_id, f"cannot read the lease: {exc}") from exc
-        if look is None or look.ago_ms / 1000 >= STALE_AFTER:
+        if ago is None or ago >= STALE_AFTER:
             raise RelaySilent(self.relay_id, "its lease went stale or changed hands")
-        ago = look.ago_ms / 1000
-        # (a late relay is read again as it goes stale, watched or not: its standby is late too)
-        watched = look.watched and ago < LATE_AFTER
-        self.watched_until = now + WATCHED_LOOK_EVERY if watched else float("-inf")
         return ago
