@@ -1046,9 +1046,6 @@ class WorkerView(Stored):
     last_seen: BsonDate | None = None
     beat_at: BsonDate | None = None
     """The server's time of the last heartbeat's write."""
-    live_until: BsonDate | None = None
-    """When its next heartbeat is due at the latest (an idle worker of the shared stream beats
-    once a minute): live until then, or while ``last_seen`` is in a reader's window."""
     stop_requested: bool = False
     problems: list[str] = Field(default_factory=list)
     """Fields held in a shape mtask does not write (a hand edit, another version), one line

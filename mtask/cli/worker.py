@@ -117,7 +117,7 @@ def add_run_options(p: argparse.ArgumentParser, *, names: bool = True) -> None:
         type=float,
         metavar="SECONDS",
         help="read every cluster-wide limit this often whatever happens, the safety net for a "
-        "lost change event (a change applies on its event; default 5 with --stream own, 60 "
+        "lost change event (a change applies on its event; default 5 with --stream own, 30 "
         "with shared)",
     )
     p.add_argument(

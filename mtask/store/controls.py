@@ -18,26 +18,18 @@ majority write made the server flush its journal for each (docs/journal/2026-11.
 "Heartbeats")."""
 
 
-STOP = {"stop": True}
-"""The ``_id`` of the control a remote stop touches: its change event, which the shared
-stream's relay passes on to every worker, makes each beat at once, so an idle worker (whose
-beats are a minute apart) sees its stop within a round trip."""
-
-
-def heartbeat(info: Mapping[str, Any], now: dt.datetime, live_for: dt.timedelta) -> Op[Doc]:
+def heartbeat(info: Mapping[str, Any], now: dt.datetime) -> Op[Doc]:
     """Register or refresh a worker; returns its document (with ``stop_requested``, and the
     server's time of the write in ``beat_at``, which checks the worker's clock at no extra round
-    trip: ``ServerClock.needs_calibration``). ``live_until`` (``now + live_for``) is when its
-    next beat is due at the latest: it counts as live until then (``live_workers``). A plain
-    ``findAndModify`` with ``BEAT_CONCERN``, not a retryable write: a beat that fails is
-    written again by the next."""
+    trip: ``ServerClock.needs_calibration``). A plain ``findAndModify`` with ``BEAT_CONCERN``,
+    not a retryable write: a beat that fails is written again by the next."""
     fields = {k: v for k, v in info.items() if k != "_id"}
     doc: Doc = yield Call(
         MODIFY_ONCE,
         (
             {"_id": info["_id"]},
             {
-                "$set": {**fields, "last_seen": now, "live_until": now + live_for},
+                "$set": {**fields, "last_seen": now},
                 "$currentDate": {"beat_at": True},
                 "$setOnInsert": {"stop_requested": False, "started_at": now},
             },
@@ -55,14 +47,12 @@ def deregister(worker_id: str) -> Op[None]:
 def live_workers(
     now: dt.datetime, within: dt.timedelta, fields: Mapping[str, int] | None = None
 ) -> Op[list[Doc]]:
-    """Workers whose last heartbeat is more recent than ``within``, or whose next one is not
-    due yet (``live_until``: an idle worker of the shared stream beats once a minute); only
-    ``fields`` of them, if given: every worker reads its peers' names at each heartbeat, and N
-    workers reading N whole documents each is N² of them."""
-    live = {"$or": [{"last_seen": {"$gt": now - within}}, {"live_until": {"$gt": now}}]}
+    """Workers whose last heartbeat is more recent than ``within`` (only ``fields`` of them,
+    if given: every worker reads its peers' names at each heartbeat, and N workers reading N
+    whole documents each is N² of them)."""
     docs: list[Doc] = yield Call(
         "find",
-        (live, fields),
+        ({"last_seen": {"$gt": now - within}}, fields),
         {"sort": [("_id", ASCENDING)]},
         collection="workers",
     )
@@ -70,22 +60,13 @@ def live_workers(
 
 
 def request_stop(worker_id: str) -> Op[bool]:
-    """Ask a worker to drain and exit: it sees this at its next heartbeat, which the change of
-    the ``STOP`` control brings at once (with the shared stream; else within a beat)."""
+    """Ask a worker to drain and exit (it sees this at its next heartbeat)."""
     result = yield Call(
         "update_one",
         ({"_id": worker_id}, {"$set": {"stop_requested": True}}),
         collection="workers",
     )
-    if not result.matched_count:
-        return False
-    yield Call(
-        "update_one",
-        ({"_id": STOP}, {"$set": {"worker": worker_id}, "$currentDate": {"at": True}}),
-        {"upsert": True},
-        collection="controls",
-    )
-    return True
+    return bool(result.matched_count)
 
 
 def set_paused(name: str, paused: bool, now: dt.datetime) -> Op[None]:

@@ -162,11 +162,7 @@ INDEXES: dict[str, list[IndexModel]] = {
             },
         ),
     ],
-    # who is live: a beat in a reader's window, or a next beat not yet due (an idle worker's)
-    "workers": [
-        IndexModel([("last_seen", ASCENDING)], name="last_seen"),
-        IndexModel([("live_until", ASCENDING)], name="live_until"),
-    ],
+    "workers": [IndexModel([("last_seen", ASCENDING)], name="last_seen")],
     # A group's limit document (mtask.limits.slots) is removed once unused for slots.GROUP_TTL.
     "limits": [
         IndexModel(

@@ -52,13 +52,9 @@ SHARED_READ_EVERY = 5
 """With the shared stream, the heartbeat reads the paused names (and, while the worker finds its
 own work, the peers: ``Finding.ranks``) every this many beats, and at once on a control's event,
 which the relay passes on, or when the worker begins to find its own work."""
-SHARED_QUIET_EVERY = 30
+SHARED_QUIET_EVERY = 3
 """With the shared stream, an idle worker whose heartbeat would say nothing new writes it every
-this many intervals (60 s by default; each beat says until when it is live, ``live_until``, so
-``client.workers`` lists it meanwhile: 68 s after its last beat if it died idle). A remote stop
-or a pause reaches it at once (their controls' change events, which the relay passes on, make
-it beat); each idle host wrote every 6 s, the largest per-host share of an idle cluster's
-commands once its looks at the relay's lease were made rare."""
+this many intervals (6 s by default: live in ``client.workers``' 10 s window)."""
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,6 @@ from mtask.worker.worker_events import Emitter, Event
 log = logging.getLogger(__name__)
 
 WorkerState = Literal["ready", "running", "stopping", "stopped"]
-LIVE_SLACK = 8.0
-"""Seconds a worker counts as live past its next beat's due time (``live_until``): a beat late
-by a busy event loop or a slow write; with the default 2 s interval a working worker is live
-10 s after its last beat (``client.workers``' window), an idle one of the shared stream 68 s."""
 CALIBRATE_EARLY = frozenset({2, 5})
 """Heartbeats soon after the start that calibrate too: workers started together measure their
 first round trips on a loaded host (the clock keeps the most precise: ``mtask.clock``)."""
@@ -139,9 +135,6 @@ class Presence(PeriodicService):
         with the shared stream an idle worker writes every ``quiet_every`` intervals (live
         within ``client.workers``' window all the same); a remote stop reaches it then."""
         self.beats = 0
-        self._read_at = 0
-        """The beat that last read the paused names (and the peers): the next read comes
-        ``read_every`` beats later, at the first beat then written."""
         self._read = True
         """Whether this beat reads the paused names (and the peers) whatever ``read_every``
         says: a change of the controls, and the start-up's beat, before the first claim (a
@@ -183,7 +176,7 @@ class Presence(PeriodicService):
         self._written = (self.beats, document)
         clock = self.server_clock
         sent = clock.monotonic() if clock is not None else 0.0
-        doc = await self.driver.run(control.heartbeat(document, now, self.live_for()))
+        doc = await self.driver.run(control.heartbeat(document, now))
         if clock is not None:
             back, beat_at = clock.monotonic(), doc.get("beat_at")
             if clock.needs_calibration(sent, back, beat_at):
@@ -192,9 +185,8 @@ class Presence(PeriodicService):
         if doc.get("stop_requested") and self.lifecycle.state == "running":
             log.info("stop requested remotely", extra={"worker_id": self.worker_id})
             self.lifecycle.stop()
-        if not self._read and self.beats - self._read_at < self.read_every:
+        if not (self._read or self.beats % self.read_every == 1 % self.read_every):
             return
-        self._read_at = self.beats
         paused = await self.driver.run(control.paused_names())
         assignment = self.assignment
         if self.ranks():
@@ -219,12 +211,6 @@ class Presence(PeriodicService):
                 if isinstance(name, str):
                     table.setdefault(name, []).append(worker)
         return table
-
-    def live_for(self) -> dt.timedelta:
-        """How long after this beat the next is due at the latest, with ``LIVE_SLACK``: a
-        quiet worker's next write may be ``quiet_every`` intervals away."""
-        beats = self.quiet_every if not self.inflight.runs else 1
-        return dt.timedelta(seconds=beats * self.interval + LIVE_SLACK)
 
     def _quiet(self, document: dict[str, Any]) -> bool:
         """Whether this beat may go unwritten: idle, nothing changed, written lately."""

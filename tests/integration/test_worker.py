@@ -682,46 +682,6 @@ async def test_a_document_with_no_room_for_a_run_is_marked_invalid(
     assert "16777216" in doc["invalid_reason"]
 
 
-async def test_remote_stop_reaches_a_worker_without_waiting_for_a_heartbeat(
-    mongo_uri: str, db_name: str, client: TaskClient
-) -> None:
-    """An idle worker of the shared stream beats once a minute: the stop's control change makes
-    it beat at once (here its beats are an hour apart)."""
-    async with running_worker(
-        registry, mongo_uri, db_name, worker_id="remote", heartbeat_interval=3600
-    ) as (w, events):
-        await wait_for(lambda: [x["_id"] for x in client.workers()] == ["remote"])
-        assert client.stop_worker("remote")
-        await events.wait("stopped", timeout=10)
-    assert w.state == "stopped"
-
-
-async def test_a_worker_is_listed_until_its_next_beat_is_due(
-    mongo_uri: str, db_name: str, client: TaskClient
-) -> None:
-    """``client.workers`` lists a worker whose last beat is older than its window while its
-    next beat is not due yet (``live_until``: an idle worker beats once a minute), and not
-    after."""
-    workers = client.collection.database.workers
-    now = client.now()
-    workers.insert_one(
-        {
-            "_id": "quiet",
-            "last_seen": now - dt.timedelta(seconds=40),
-            "live_until": now + dt.timedelta(seconds=28),
-        }
-    )
-    workers.insert_one(
-        {
-            "_id": "dead",
-            "last_seen": now - dt.timedelta(seconds=70),
-            "live_until": now - dt.timedelta(seconds=2),
-        }
-    )
-    assert [x["_id"] for x in client.workers()] == ["quiet"]
-    assert client.workers()[0]["live_until"] is not None
-
-
 async def test_pause_reaches_workers_without_waiting_for_a_heartbeat(
     mongo_uri: str, db_name: str, client: TaskClient
 ) -> None:

@@ -10,10 +10,10 @@ from mtask.errors import StorageError
 URI = "mongodb://127.0.0.1:1/?directConnection=true"
 
 
-def test_a_workers_clients_check_the_server_every_5_minutes() -> None:
+def test_a_workers_clients_check_the_server_every_60_s() -> None:
     sync = sync_client(URI, defaults=WORKER_CLIENT_OPTIONS, connect=False)
     for client in (sync, async_client(URI, defaults=WORKER_CLIENT_OPTIONS, connect=False)):
-        assert client.options.heartbeat_frequency == 300
+        assert client.options.heartbeat_frequency == 60
         assert client.options.write_concern.document == {"w": "majority"}
         assert client.codec_options.tz_aware
     sync.close()

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import itertools
 
 from bson import ObjectId
 from scripted import AsyncScriptedDriver, Step
 
 from mtask.clock import FixedClock
 from mtask.driver import MODIFY_ONCE
-from mtask.worker.assembly import SHARED_QUIET_EVERY, SHARED_READ_EVERY
 from mtask.worker.inflight import InFlight
 from mtask.worker.presence import Assignment, Presence, WorkerState
 from mtask.worker.worker_events import Emitter
@@ -99,52 +97,3 @@ async def test_peers_of_any_shape_stop_nothing() -> None:
     await heart.run_once()
     assert driver.done
     assert heart.assignment.peers == {"a": ["w1", "w3"]}
-
-
-async def test_an_idle_worker_of_the_shared_stream_beats_once_a_minute_live_meanwhile() -> None:
-    """An idle worker handed its tasks by the relay writes its heartbeat and reads the paused
-    names once a minute (it was every 6 s: the largest per-host share of an idle cluster's
-    commands), and each beat says it is live until past its next one (``live_until``)."""
-    driver = AsyncScriptedDriver()
-    heart = Presence(
-        driver,  # type: ignore[arg-type]
-        FixedClock(NOW),
-        worker_id="w1",
-        concurrency=4,
-        interval=2.0,
-        inflight=InFlight(),
-        lifecycle=Running(),
-        emit=Emitter(),
-        assignment=Assignment(("a",)),
-        rescanner=NoRescan(),
-        controls_changed=asyncio.Event(),
-        read_every=SHARED_READ_EVERY,
-        quiet_every=SHARED_QUIET_EVERY,
-        ranks=lambda: False,
-    )
-    minutes = 5
-    beats = int(minutes * 60 / heart.interval)
-    written: list[int] = []
-    for n in range(beats):
-        driver.expect(beat(), Step("find", [], collection="controls"))
-        calls = len(driver.calls)
-        await heart.run_once()
-        heart._read = False  # no control changed (``wait`` says so)
-        if len(driver.calls) > calls:
-            written.append(n)
-            assert driver.calls[calls].collection == "workers"
-            assert [c.collection for c in driver.calls[calls:]] == ["workers", "controls"]
-        driver.steps.clear()
-    assert len(driver.calls) <= 2 * (minutes + 1)  # a write and a read a minute
-    gaps = [(b - a) * heart.interval for a, b in itertools.pairwise(written)]
-    assert gaps and max(gaps) == 60.0
-    live = heart.live_for().total_seconds()
-    assert live > max(gaps)  # listed as live until past its next beat
-    assert live <= max(gaps) + 10  # and no longer than a working worker's window after it
-
-
-async def test_a_working_worker_is_live_for_the_window_it_always_had() -> None:
-    heart = presence(AsyncScriptedDriver(), [False])
-    heart.quiet_every = SHARED_QUIET_EVERY
-    heart.inflight.runs["k"] = object()  # type: ignore[assignment]
-    assert heart.live_for() == dt.timedelta(seconds=10)  # as ``client.workers``' 10 s

@@ -37,7 +37,7 @@ from mtask.worker.stats import WorkerStats
 from mtask.worker.wiring import Wires
 from mtask.worker.worker_events import Emitter
 
-SHARED_LIMITS_REFRESH = 60.0
+SHARED_LIMITS_REFRESH = 30.0
 """With the shared stream, the limit gate's bounding read (the relay passes the limits' change
 events on as they come, and a change applies on its event), as the sweep bounds a lost task
 event."""
