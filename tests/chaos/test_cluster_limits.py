@@ -65,20 +65,19 @@ async def test_concurrency_limit_holds_across_three_workers_and_changes_apply(
 ) -> None:
     client.set_limit("work", concurrency=2)
     for worker in ("a", "b", "c"):
-        cluster.spawn(worker, "--concurrency", "8")
+        # no periodic read of the limits: only a change's event can apply it
+        cluster.spawn(worker, "--concurrency", "8", "--limits-refresh", "3600")
     first = publish(client, "c2-", 60, 40)
     await until_finished(client, 60, timeout=120)
     # the limit was reached, never passed (else: who overlapped, and how)
     assert peak(spans(mongo, db_name, first)) == 2, crowd(mongo, db_name)
 
-    changed_at = client.now()
     client.set_limit("work", concurrency=4)
     second = publish(client, "c4-", 80, 40)
     await until_finished(client, 140, timeout=120)
     runs = spans(mongo, db_name, second)
     assert peak(runs) <= 4
-    soon = [r for r in runs if r[0] <= changed_at + dt.timedelta(seconds=1)]
-    assert peak(soon) > 2, "the raised limit was in use within a second"
+    assert peak(runs) > 2, "the raised limit was applied on its event"
 
     client.set_limit("work", concurrency=1)
     third = publish(client, "c1-", 20, 20)

@@ -43,7 +43,13 @@ async def test_a_thousand_concurrent_publishes_of_a_hundred_keys(
     assert client.collection.count_documents({}) == 100
     await until_finished(client, 100, timeout=120)
     report = assert_invariants(mongo, db_name, {f"p{i}" for i in range(100)})
-    assert report.by_status["succeeded"] == 100 and report.runs == 100  # each ran once
+    assert report.by_status["succeeded"] == 100
+    # each ran once: one handler start a key; any other run is one claimed ahead that waited
+    # over a second for a slot (a loaded machine) and was given back before its handler began
+    starts = mongo[db_name]["execlog"].count_documents({"event": "start"})
+    states = [r["state"] for d in mongo[db_name]["tasks"].find() for r in d["runs"]]
+    assert starts == 100 and states.count("SUCCESS") == 100, (starts, states)
+    assert set(states) <= {"SUCCESS", "RELEASED"}, states
 
 
 async def test_hanging_handlers_are_stopped_by_cancel(
@@ -117,4 +123,9 @@ async def test_workers_with_skewed_clocks(
         assert task is not None and task.options.run_at is not None
         claimed = task.runs[0].claimed_at
         assert task.options.run_at <= claimed < task.options.run_at + dt.timedelta(seconds=5)
-    assert report.timeouts == 0  # no worker took a live lease for an expired one
+    timed_out = [
+        (t["_id"], r.get("worker_id"), r.get("claimed_at"), r.get("lease_expires_at"), r)
+        for t in mongo[db_name]["tasks"].find({"runs.state": "TIMEOUT"})
+        for r in t["runs"]
+    ]
+    assert report.timeouts == 0, timed_out  # no worker took a live lease for an expired one
