@@ -8,7 +8,7 @@ of its own, made by the first claim that needs it (``mtask.limits.slots``)::
     {_id: name, concurrency: N | null, rate: per second | null, burst: tokens | null,
      group_concurrency: N | null, group_rate: per second | null, group_burst: tokens | null,
      holders: [{run_id, key, worker_id, expires}], tokens: float, refilled_at: date,
-     slot_runs_since: date | null}
+     slot_runs_since: date | null, lock_runs_since: date | null}
     {_id: "<name>\\x00<group>", name, group, concurrency, rate, burst, holders, tokens, ...}
 
 ``group_concurrency: 1`` makes each group a **sequence**: its tasks run one at a time, in
@@ -282,6 +282,22 @@ SETTLE_AFTER = dt.timedelta(minutes=1)
 a second; a lost event within the periodic read's interval, 30 s at most by default)."""
 
 
+LOCK_RUNS = "lock_runs_since"
+"""When ``set_limit`` made the name's groups no sequences any more while they were (``None``:
+it did not): a sequence's running task holds its group's lock, not a place in the group's slot
+document, until its worker counts it in (``slots.join``) once it hears of the change. Another
+worker may hear of it first: while ``SETTLE_AFTER`` has not passed, a worker counts the
+groups' lock holders in itself before it takes a place in their slots
+(``store_slots.count_lock_runs``), so that its take counts them."""
+
+
+def lock_runs(doc: Mapping[str, Any], now: dt.datetime) -> bool:
+    """Whether a name's document's groups were sequences until less than ``SETTLE_AFTER``
+    before ``now`` (``LOCK_RUNS``)."""
+    since = doc.get(LOCK_RUNS)
+    return isinstance(since, dt.datetime) and now - since < SETTLE_AFTER
+
+
 def validate_resource(resource: object) -> str:
     """A shared resource's name: as a task name (1 to 200 characters, no NUL)."""
     if not isinstance(resource, str) or not resource.strip():
@@ -390,6 +406,7 @@ READ_FIELDS = {
     "tokens": 1,
     "refilled_at": 1,
     SLOT_RUNS: 1,
+    LOCK_RUNS: 1,
     measured.AT: 1,
     measured.USED: 1,
 }

@@ -33,7 +33,11 @@ When a limit changes, each worker counts its runs in flight in at once (``join``
 write): every run of the name takes a place in each slot the new limit counts that it holds
 none in (a name's concurrency set where there was none, a group's limit of runs at once where
 its groups had none, or a lock; a sequence's lock given up for a slot), so from then on the
-slots hold every run in flight, and new runs wait until fewer than the limit run.
+slots hold every run in flight, and new runs wait until fewer than the limit run. A worker that
+hears of a sequence's change before the worker whose task holds a group's lock does would take
+the group's places without that run: for a while after the change (``rules.LOCK_RUNS``), a
+take first gives the lock holders' live runs places (``lock_runs_of``,
+``store_slots.count_lock_runs``).
 
 A take (or a join) sets ``taken_at``: the workers' change streams leave out those events (a
 slot taken frees none: nobody waiting for the slot needs to hear of it); a release, a new
@@ -46,10 +50,14 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mtask.driver import Doc
 from mtask.limits.rules import (
+    GROUP_SEPARATOR,
     Limit,
+    is_group_slot,
+    lock_runs,
     retry_at,
     runs_at_once,
 )
@@ -112,6 +120,25 @@ def is_lock(request: Request) -> bool:
     """A group's slot limiting only runs at once, one unit a run: taken by ``_lock`` (which
     counts its holders by their places in the array)."""
     return request.limit is not None and request.units == 1 and is_lock_limit(request.limit)
+
+
+def lock_runs_of(
+    requests: Sequence[Request], limited: Mapping[str, Mapping[str, Any]], now: dt.datetime
+) -> list[str]:
+    """The group's slots among ``requests`` that limit runs at once and whose name's groups
+    were sequences until a moment ago (``rules.LOCK_RUNS``, from the names' documents
+    ``limited``): their lock holders are counted in before the take
+    (``store_slots.count_lock_runs``)."""
+    found = set()
+    for request in requests:
+        if request.limit is None or request.limit.concurrency is None:
+            continue
+        if not is_group_slot(request.slot):
+            continue
+        doc = limited.get(request.slot.partition(GROUP_SEPARATOR)[0])
+        if doc is not None and lock_runs(doc, now):
+            found.add(request.slot)
+    return sorted(found)
 
 
 def decide(requests: Sequence[Request], docs: Mapping[str, Doc], now: dt.datetime) -> list[Taken]:

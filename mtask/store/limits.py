@@ -15,6 +15,7 @@ from mtask.limits import measured
 from mtask.limits.rules import (
     CONFIG_FIELDS,
     GROUP_SEPARATOR,
+    LOCK_RUNS,
     MAX_OVERRIDES,
     NAME_LIMITS,
     OVERRIDES,
@@ -112,6 +113,7 @@ def set_limit(
                         "refilled_at": {"$ifNull": ["$refilled_at", now]},
                         "updated_at": now,
                         SLOT_RUNS: now if is_sequence(group) else None,
+                        LOCK_RUNS: _lock_runs(group, now),
                         **extra,
                     }
                 }
@@ -121,6 +123,23 @@ def set_limit(
         collection="limits",
     )
     return doc
+
+
+def _lock_runs(group: Limit, now: dt.datetime) -> Doc | dt.datetime | None:
+    """``LOCK_RUNS`` as ``set_limit`` writes it: ``now`` if the groups were sequences (the
+    stored ``group_concurrency`` admits one run, with no group rate) and the new group limit
+    counts runs at once in slot documents; kept if it still does; else none."""
+    if group.concurrency is None or is_sequence(group):
+        return None
+    was_sequence = {
+        "$and": [
+            {"$isNumber": "$group_concurrency"},
+            {"$gt": ["$group_concurrency", 0]},
+            {"$lte": ["$group_concurrency", 1]},
+            {"$not": [{"$isNumber": "$group_rate"}]},
+        ]
+    }
+    return {"$cond": [was_sequence, now, {"$ifNull": [f"${LOCK_RUNS}", None]}]}
 
 
 def settle_slot_runs(name: str, since: dt.datetime, now: dt.datetime) -> Op[bool]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from mtask.driver import Call, Doc, Op, gather
 from mtask.limits.rules import group_slot
-from mtask.statemachine import live_run_expr
+from mtask.statemachine import RUNNING, live_run_expr
 from mtask.store.schema import GROUP_LOCK, LOCK_STATUSES, OPEN_LIST, SEQUENCE_LOCK
 
 MAX_TOP = 100
@@ -118,6 +118,38 @@ def _lock_holders(match: Doc) -> Call:
     ones that still do (whose run has not stopped yet, or whose worker died meanwhile)."""
     holders = {**match, "status": {"$in": LOCK_STATUSES}}
     return Call("find", ({**holders, GROUP_LOCK: True}, HEAD_FIELDS), {"hint": SEQUENCE_LOCK})
+
+
+def lock_runs(pairs: Sequence[tuple[str, str]]) -> Call:
+    """The runs of the tasks that hold the locks of ``pairs`` (``(name, group)``) that run on a
+    live lease by the server's clock (``runs``: each ``run_id``, ``worker_id`` and
+    ``lease_expires_at``), with ``name`` and ``options.group``: through the ``sequence_lock``
+    index, one key per group at most."""
+    match = {**_heads_match(pairs), "status": {"$in": LOCK_STATUSES}, GROUP_LOCK: True}
+    runs = {
+        "$map": {
+            "input": {
+                "$filter": {
+                    "input": {"$cond": [{"$isArray": "$runs"}, "$runs", []]},
+                    "as": "r",
+                    "cond": {
+                        "$and": [
+                            {"$eq": ["$$r.state", RUNNING]},
+                            {"$gt": ["$$r.lease_expires_at", "$$NOW"]},
+                        ]
+                    },
+                }
+            },
+            "as": "r",
+            "in": {
+                "run_id": "$$r.run_id",
+                "worker_id": "$$r.worker_id",
+                "lease_expires_at": "$$r.lease_expires_at",
+            },
+        }
+    }
+    fields = {"name": 1, "options.group": 1, "runs": runs}
+    return Call("find", (match, fields), {"hint": SEQUENCE_LOCK})
 
 
 def _without_stale(holders: list[Doc]) -> Op[list[Doc]]:

@@ -24,6 +24,7 @@ from mtask.limits.rules import (
     runs_at_once,
 )
 from mtask.limits.slots import GRANTED_KEPT, TAKEN_AT, Request, Taken, decide, expire_at, is_lock
+from mtask.store.open_groups import lock_runs
 from mtask.store.schema import literal
 
 
@@ -240,12 +241,17 @@ def take(
     worker_id: str,
     now: dt.datetime,
     known: MutableSet[str] | None = None,
+    count_in: Sequence[str] = (),
 ) -> Op[list[Taken]]:
     """Take each requested slot if it is free (and a token there): the locks in one bulk
     write, the others (and the locks refused with a lease that had ended) in one more and a
     read. Returns what became of each request, in order. ``known``: the groups' documents
-    this worker has seen exist (not made again by the exact path; kept up to date)."""
+    this worker has seen exist (not made again by the exact path; kept up to date).
+    ``count_in``: groups' slots whose sequences' running tasks are counted in first
+    (``count_lock_runs``: their names' groups were sequences until a moment ago)."""
     known = set() if known is None else known
+    if count_in:
+        yield from count_lock_runs(count_in, now, known)
     out: list[Taken | None] = [None] * len(requests)
     locks = [i for i, r in enumerate(requests) if is_lock(r)]
     if locks:
@@ -427,6 +433,84 @@ def join(
         yield Call("bulk_write", (ops,), {"ordered": True}, collection="limits")
     for slot in made:
         known.add(slot)
+
+
+COUNTED_FOR = dt.timedelta(seconds=5)
+"""How long a place ``count_lock_runs`` gives a sequence's running task lasts at most (its
+lease's end, if sooner): every take before ``limits.SETTLE_AFTER`` counts the running tasks in
+again first, and its own worker's ping keeps the place once that worker counted it in
+(``join``, ``extend``); a run that ended before then holds it no longer than this."""
+
+
+def count_lock_runs(slots: Sequence[str], now: dt.datetime, known: MutableSet[str]) -> Op[int]:
+    """Give each live run of a task that holds the lock of the group of one of ``slots`` (a
+    group's slot documents of names whose groups were sequences until a moment ago:
+    ``limits.LOCK_RUNS``) a place among that slot's holders, if it holds no live one, however
+    full the slot is, as its own worker does once it hears of the change (``join``): a take
+    that follows counts it. One read (``open_groups.lock_runs``), then one ordered bulk write:
+    a group's document made first if this worker has not seen it (``known``), then one update
+    per run whose filter matches only if the run holds no place whose lease has not ended at
+    ``now`` (a place its worker keeps is never shortened). The place ends with the run's lease,
+    ``COUNTED_FOR`` from ``now`` at the latest. Returns how many runs it counted in."""
+    by_pair = {_pair(slot): slot for slot in slots if is_group_slot(slot)}
+    if not by_pair:
+        return 0
+    docs: list[Doc] = yield lock_runs(sorted(by_pair))
+    ops: list[UpdateOne] = []
+    counted: set[str] = set()
+    for doc in docs:
+        options = doc.get("options")
+        group = options.get("group") if isinstance(options, dict) else None
+        slot = by_pair.get((str(doc.get("name")), str(group)))
+        for run in doc.get("runs") or ():
+            if slot is None or not isinstance(run.get("lease_expires_at"), dt.datetime):
+                continue
+            expires = min(run["lease_expires_at"], now + COUNTED_FOR)
+            ops.append(_count_in(slot, doc["_id"], run, expires, now))
+            counted.add(slot)
+    if not ops:
+        return 0
+    made = sorted(counted - set(known))
+    upserts = [
+        UpdateOne({"_id": slot}, {"$setOnInsert": _new_group(slot, now)}, upsert=True)
+        for slot in made
+    ]
+    yield Call("bulk_write", ([*upserts, *ops],), {"ordered": True}, collection="limits")
+    for slot in made:
+        known.add(slot)
+    return len(ops)
+
+
+def _pair(slot: str) -> tuple[str, str]:
+    name, _, group = slot.partition(GROUP_SEPARATOR)
+    return name, group
+
+
+def _count_in(slot: str, key: str, run: Doc, expires: dt.datetime, now: dt.datetime) -> UpdateOne:
+    """``run`` (of the task ``key``) holds a place in ``slot`` until ``expires``, unless it
+    holds a live one: any place of it that ended is replaced."""
+    run_id = run.get("run_id")
+    holder = {"run_id": run_id, "key": key, "worker_id": run.get("worker_id"), "expires": expires}
+    others = {"$ne": ["$$h.run_id", literal(run_id)]}
+    return UpdateOne(
+        {
+            "_id": slot,
+            "holders": {"$not": {"$elemMatch": {"run_id": run_id, "expires": {"$gt": now}}}},
+        },
+        [
+            {
+                "$set": {
+                    "holders": {
+                        "$concatArrays": [
+                            {"$filter": {"input": HOLDERS, "as": "h", "cond": others}},
+                            [literal(holder)],
+                        ]
+                    },
+                    TAKEN_AT: now,
+                }
+            }
+        ],
+    )
 
 
 def charge_measured(slots: Sequence[str], tokens: int) -> Op[None]:

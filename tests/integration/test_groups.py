@@ -406,3 +406,119 @@ async def test_a_lowered_group_limit_never_stalls_its_group(
     holders = client.collection.database.limits.find_one({"_id": group_slot("work", "g")})
     assert holders is not None and holders["holders"] == []
     assert refused and max(refused.count(r) for r in refused) == 1  # then given back
+
+
+async def test_a_sequence_raised_counts_its_running_task_before_its_worker_does(
+    mongo_uri: str, mongo: MongoClient[Any], db_name: str, client: TaskClient
+) -> None:
+    """A group's sequence raised to 3 at once while its lock's task runs on another worker
+    that has not counted that run in yet (its change event late, or the worker frozen): a
+    worker that applies the raised limit first counts that run towards the 3 before it takes
+    a place, so its own runs of the group are 2 at once at most while that run goes on. It
+    took the 3 places itself: 4 runs of the group at once."""
+    db = mongo[db_name]
+    driver = SyncDriver(collections(db))
+    client.set_limit("work", group_concurrency=1)
+    client.publish("work", "held", options={"group": "g"})
+    docs, _, _ = driver.run(
+        store.claim_locked({"held": ("work", "g")}, ["work"], "elsewhere", client.now())
+    )
+    assert [d["_id"] for d in docs] == ["held"]  # its run goes on, on its live lease
+    keys = [f"k{i}" for i in range(4)]
+    client.publish_many([{"name": "work", "key": k, "options": {"group": "g"}} for k in keys])
+    client.set_limit("work", group_concurrency=3)
+    registry = Registry()
+    go = asyncio.Event()
+    running: list[str] = []
+    most = 0
+
+    @registry.task("work")
+    async def work(params: dict[str, Any], ctx: TaskContext) -> None:
+        nonlocal most
+        running.append(ctx.key)
+        most = max(most, len(running))
+        await go.wait()
+        running.remove(ctx.key)
+
+    async with running_worker(registry, mongo_uri, db_name, concurrency=4) as (worker, events):
+        slot = group_slot("work", "g")
+
+        def decided() -> bool:  # every key runs, or waits for the group's slot
+            claimed = {e["key"] for e in events.matching("claimed")}
+            return len(claimed) >= 2 and claimed | set(
+                worker.parts.gate.waiting_for_lock(slot, 4)
+            ) == set(keys)
+
+        await wait_for(decided)
+        claimed = sorted(e["key"] for e in events.matching("claimed"))
+        assert len(claimed) == 2, f"{claimed} ran beside `held`: more than 3 at once"
+        go.set()
+        await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 4)
+    assert most == 2  # the raised limit is used, `held` counted in all along
+    assert db.tasks.find_one({"_id": "held"})["status"] == "running"
+
+
+def test_a_sequence_raised_says_so_and_its_lock_holders_are_counted_in(
+    mongo: MongoClient[Any], db_name: str, client: TaskClient
+) -> None:
+    """``set_limit`` notes when a name's groups stop being sequences (``LOCK_RUNS``), only
+    then; ``count_lock_runs`` gives the live run of each group's lock holder a place in its
+    slot, which a take counts, never shortens a place kept live, and counts no run that
+    ended."""
+    db = mongo[db_name]
+    driver = SyncDriver(collections(db))
+
+    def since() -> Any:
+        return db.limits.find_one({"_id": "work"}).get("lock_runs_since")
+
+    client.set_limit("work", group_concurrency=3)  # no sequence before
+    assert since() is None
+    client.set_limit("work", group_concurrency=1)
+    assert since() is None
+    client.set_limit("work", group_concurrency=3)
+    raised = since()
+    assert isinstance(raised, dt.datetime)
+    client.set_limit("work", group_concurrency=4)  # still no sequence: kept
+    assert since() == raised
+    client.set_limit("work", group_concurrency=1)
+    assert since() is None
+    client.set_limit("work", group_rate=5.0)  # a rate alone counts no runs at once
+    assert since() is None
+    client.set_limit("work", group_concurrency=3)  # from a rate, not from a sequence
+    assert since() is None
+    client.set_limit("work", group_concurrency=1)
+    client.set_limit("work", group_concurrency=1, group_rate=5.0)  # a slot of one, no lock
+    assert isinstance(since(), dt.datetime)
+
+    for key, group in (("held", "g"), ("other", "h")):
+        client.publish("work", key, options={"group": group})
+        docs, _, _ = driver.run(
+            store.claim_locked({key: ("work", group)}, ["work"], "elsewhere", client.now())
+        )
+        assert [d["_id"] for d in docs] == [key]
+    run_id = db.tasks.find_one({"_id": "held"})["runs"][0]["run_id"]
+    slot, now, known = group_slot("work", "g"), client.now(), set[str]()
+    assert driver.run(store_slots.count_lock_runs([slot], now, known)) == 1
+    holders = db.limits.find_one({"_id": slot})["holders"]
+    assert [(h["run_id"], h["key"], h["worker_id"]) for h in holders] == [
+        (run_id, "held", "elsewhere")
+    ]
+    assert now < holders[0]["expires"] <= now + store_slots.COUNTED_FOR
+    assert known == {slot}  # the group's document was made (the other group's was not)
+    assert db.limits.find_one({"_id": group_slot("work", "h")}) is None
+    limit = Limit(concurrency=2)
+    requests = [slots.Request(slot, f"r{i}", f"k{i}", 1000, limit) for i in range(2)]
+    assert [t.taken for t in driver.run(store_slots.take(requests, "w", now))] == [True, False]
+    # its own worker counted it in since: a place kept live is left alone
+    kept = now + dt.timedelta(minutes=5)
+    db.limits.update_one(
+        {"_id": slot, "holders.run_id": run_id}, {"$set": {"holders.$.expires": kept}}
+    )
+    driver.run(store_slots.count_lock_runs([slot], now, known))
+    places = {h["run_id"]: h["expires"] for h in db.limits.find_one({"_id": slot})["holders"]}
+    assert places[run_id] == kept
+    # a run whose lease ended is counted in no more
+    db.tasks.update_one({"_id": "held"}, {"$set": {"runs.0.lease_expires_at": now}})
+    db.limits.update_one({"_id": slot}, {"$set": {"holders": []}})
+    assert driver.run(store_slots.count_lock_runs([slot], client.now(), known)) == 0
+    assert db.limits.find_one({"_id": slot})["holders"] == []

@@ -500,3 +500,21 @@ async def test_a_name_a_resource_no_longer_lists_is_claimed_plainly_again() -> N
     gate.limit_set(crm)
     await gate.run_once()
     assert not gate.is_limited("sync") and gate.uses == {} and driver.done
+
+
+def test_the_groups_slots_whose_names_were_sequences_a_moment_ago_count_their_locks_in() -> None:
+    """``lock_runs_of``: a group's slot that limits runs at once, of a name whose document says
+    its groups were sequences less than ``SETTLE_AFTER`` ago; no name's slot, no slot of a
+    rate alone, none once that has passed."""
+    group = limits.group_slot("n", "g")
+    recent = {"n": {limits.LOCK_RUNS: NOW - dt.timedelta(seconds=5)}, "m": {}}
+    requests = [
+        slots.Request(group, "r1", "k1", 1000, Limit(concurrency=3)),
+        slots.Request(group, "r2", "k2", 1000, Limit(concurrency=3)),
+        slots.Request("n", "r1", "k1", 1000),
+        slots.Request(limits.group_slot("n", "h"), "r3", "k3", 1000, Limit(rate=2.0)),
+        slots.Request(limits.group_slot("m", "g"), "r4", "k4", 1000, Limit(concurrency=3)),
+    ]
+    assert slots.lock_runs_of(requests, recent, NOW) == [group]
+    assert slots.lock_runs_of(requests, recent, NOW + limits.SETTLE_AFTER) == []
+    assert slots.lock_runs_of(requests, {"n": {limits.LOCK_RUNS: None}}, NOW) == []

@@ -283,7 +283,11 @@ class LimitGate(PeriodicService):
         try:
             if len(self.made) > MADE_KEPT:
                 self.made.clear()  # bounded: a group's document is upserted again, once
-            return await self.driver.run(store_slots.take(requests, self.worker_id, now, self.made))
+            # a sequence's running task, on a worker that may not have counted it in yet
+            count_in = slots.lock_runs_of(requests, self.limited, now)
+            return await self.driver.run(
+                store_slots.take(requests, self.worker_id, now, self.made, count_in)
+            )
         except StorageError as exc:
             log.warning(
                 "cannot take %d limit slot(s), retrying shortly: %s",
