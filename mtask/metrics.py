@@ -188,27 +188,56 @@ def label(value: object) -> str:
     return value if isinstance(value, str) and value and value != "None" else UNKNOWN
 
 
-class Fetched(Generic[T]):
-    """What ``fetch`` read of the cluster, read again at most once every ``DEPTH_TTL`` seconds
-    (one scrape after another, or several scrapers, cost MongoDB one read); a failed read
-    reports the last figures (MongoDB out of reach)."""
+class Passes:
+    """When the cluster gauges of a process are read again: all of them in the same pass. The
+    first gauge a scrape asks for once the last pass is ``DEPTH_TTL`` seconds old begins a new
+    pass, and every gauge reads again in it, in the scrape's order (the queue depth first, the
+    limits' gauges last). Each gauge timed on its own, a slow read between two of them left the
+    later one's figures up to a scrape behind: a scrape could say that a task's queue was empty
+    while its limit still counted the run that had just ended there."""
 
-    def __init__(self, fetch: Callable[[], T], empty: T) -> None:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._at = float("-inf")
+        self.number = 0
+
+    def current(self) -> int:
+        """The pass a gauge asked for now belongs to (a new one if the last is stale)."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._at >= DEPTH_TTL:
+                self.number += 1
+                self._at = now
+            return self.number
+
+
+CLUSTER_PASSES = Passes()
+"""The passes of this process's cluster gauges (``register_cluster_metrics``)."""
+
+
+class Fetched(Generic[T]):
+    """What ``fetch`` read of the cluster, read again once per pass of ``passes`` (at most one
+    every ``DEPTH_TTL`` seconds: one scrape after another, or several scrapers, cost MongoDB
+    one read); a failed read reports the last figures (MongoDB out of reach)."""
+
+    def __init__(self, fetch: Callable[[], T], empty: T, passes: Passes | None = None) -> None:
         self.fetch = fetch
+        self.passes = CLUSTER_PASSES if passes is None else passes
         self._lock = threading.Lock()
         self._value = empty
-        self._at = float("-inf")
+        self._read_in = 0
+        """The pass of the last read (0: none yet)."""
 
     def __call__(self) -> T:
         with self._lock:
-            if time.monotonic() - self._at >= DEPTH_TTL:
+            current = self.passes.current()
+            if current != self._read_in:
+                self._read_in = current
                 try:
                     self._value = self.fetch()
                 except Exception as exc:  # noqa: BLE001 - MongoDB out of reach: the last figures
                     log.warning("cluster metrics: %s failed, its last figures kept: %r",
                                 getattr(self.fetch, "__name__", "a read"), exc)  # fmt: skip
-                finally:
-                    self._at = time.monotonic()
             return self._value
 
 
