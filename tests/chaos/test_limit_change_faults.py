@@ -198,19 +198,53 @@ async def test_a_lowered_concurrency_starts_no_run_while_the_runs_in_flight_exce
     assert sum(1 for s, _, _ in runs if s > after) >= 5, "runs started under the new limit"
 
 
+def recording_slots(mongo: Any, db_name: str) -> Any:
+    """Keep the post-image of every change to the ``limits`` collection from now on, and
+    return the cluster time to read them from (``taken_at``)."""
+    db = mongo[db_name]
+    images = {"changeStreamPreAndPostImages": {"enabled": True}}
+    if "limits" in db.list_collection_names():
+        db.command("collMod", "limits", **images)
+    else:
+        db.create_collection("limits", **images)
+    return db.command("ping")["operationTime"]
+
+
+def taken_at(mongo: Any, db_name: str, since: Any) -> dict[str, dt.datetime]:
+    """When each run first held a place in a slot (the server's time of the write that put it
+    among the holders), from the ``limits`` collection's changes since ``since``."""
+    first: dict[str, dt.datetime] = {}
+    with mongo[db_name]["limits"].watch(
+        start_at_operation_time=since, full_document="required", max_await_time_ms=200
+    ) as stream:
+        while (event := stream.try_next()) is not None:
+            for holder in (event.get("fullDocument") or {}).get("holders") or ():
+                first.setdefault(holder["run_id"], event["wallTime"])
+    return first
+
+
 @STREAMS
 async def test_a_limit_set_where_there_was_none_counts_the_runs_in_flight(
     cluster: Cluster, client: TaskClient, mongo: Any, db_name: str, stream: str
 ) -> None:
+    """Each worker counts its own runs in flight in (``limits_applied``): a place taken before
+    the last of them did may be taken beside runs not counted in yet, so the runs judged are
+    those whose place was taken once every worker applied the change."""
+    since = recording_slots(mongo, db_name)
     scenario = Scenario(
         36, 400, None, None, lambda c: c.set_limit("work", concurrency=2),
         lambda runs: running(runs) >= 6,
     )  # fmt: skip
     changed_at, after, by_run = await changed(cluster, client, mongo, db_name, stream, scenario)
+    taken = taken_at(mongo, db_name, since)
     runs = list(by_run.values())
     assert crowd(runs, changed_at) >= 6
-    assert not respects(runs, after, 2), respects(runs, after, 2)
-    assert sum(1 for s, _, _ in runs if s > after) >= 5
+    # every run started after the cut held a place (the recording saw each take)
+    assert all(rid in taken for rid, span in by_run.items() if span[0] > after), taken
+    early = {span[2] for rid, span in by_run.items() if rid in taken and taken[rid] <= after}
+    over = [said for said in respects(runs, after, 2) if said.split(" ", 1)[0] not in early]
+    assert not over, (over, sorted(early))
+    assert sum(1 for s, _, k in runs if s > after and k not in early) >= 5
 
 
 @STREAMS
