@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import shutil
 import subprocess
 import sys
 from typing import Any
@@ -16,6 +15,8 @@ from sizes import Size
 from test_kills import assert_invariants, work_items
 
 from mtask import TaskClient
+from mtask.errors import ConfigError
+from mtask.testing import find_libfaketime
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800)]
 
@@ -100,11 +101,16 @@ async def test_workers_with_skewed_clocks(
 ) -> None:
     """Host clocks 10 minutes ahead and behind (libfaketime) change nothing: every time
     decision is taken on MongoDB's clock."""
-    if shutil.which("faketime") is None:
-        missing("needs faketime (Debian: apt-get install faketime)")
-    quiet = {"FAKETIME_DONT_FAKE_MONOTONIC": "1"}
-    cluster.spawn("ahead", "--concurrency", "8", prefix=["faketime", "-f", "+600s"], env=quiet)
-    cluster.spawn("behind", "--concurrency", "8", prefix=["faketime", "-f", "-600s"], env=quiet)
+    try:
+        library = str(find_libfaketime())
+    except ConfigError as exc:
+        missing(f"needs libfaketime (Debian: apt-get install faketime): {exc}")
+    # libfaketime preloaded, not the ``faketime`` wrapper: the wrapper makes a named semaphore
+    # after its PID that a killed wrapper leaves behind, and a later wrapper given the same PID
+    # fails to start ("sem_open: File exists")
+    for worker, offset in (("ahead", "+600s"), ("behind", "-600s")):
+        skewed = {"LD_PRELOAD": library, "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+        cluster.spawn(worker, "--concurrency", "8", env=skewed)
     cluster.spawn("true", "--concurrency", "8")
     # leases long enough that none runs out on a loaded machine: any TIMEOUT would be a
     # worker whose clock made it take a live lease for an expired one
