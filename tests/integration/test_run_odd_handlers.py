@@ -165,6 +165,45 @@ async def test_a_handler_that_ignores_its_stop_records_nothing_once_its_lease_ra
     assert [r.state.value for r in task.runs] == ["RUNNING"]
 
 
+CALLED: list[str] = []
+
+
+@registry.task("noted")
+async def noted(params: dict[str, Any], ctx: TaskContext) -> str:
+    CALLED.append(ctx.run_id)
+    return "done"
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])  # no slot to wait for; a slot waited for
+async def test_a_run_whose_lease_ran_out_before_its_handler_began_never_calls_it(
+    mongo_uri: str, db_name: str, client: TaskClient, prefetch: int
+) -> None:
+    """The worker froze between sending its claim and starting the run (here: its claim is
+    dated a minute back, as a SIGSTOP right after the send leaves it): by its own clock the
+    run's lease, and any limit's place its claim took, has run out, so another worker may hold
+    them. Its handler is not called, and nothing is recorded; the task is taken over once its
+    lease ran out on the server's clock, and its handler runs once, there."""
+    CALLED.clear()
+    async with running_worker(registry, mongo_uri, db_name, prefetch=prefetch) as (worker, events):
+        executor = worker.parts.executor
+        start = executor.start
+        executor.start = lambda doc, sent, *held: start(doc, sent - 60, *held)  # type: ignore[method-assign]
+        client.publish("noted", "late", options={"worker_timeout_ms": 1000, "retry_delay_ms": 0})
+        await events.wait("stopping_run", key="late", reason="lost")
+        await wait_for(lambda: worker.in_flight == 0)
+        await wait_for(lambda: worker.parts.recorder.unwritten == 0)
+        assert not events.matching("recorded", key="late")
+        assert CALLED == []
+        first = client.get("late")
+        assert first is not None and [r.state.value for r in first.runs] == ["RUNNING"]
+    async with running_worker(registry, mongo_uri, db_name) as (_, events):
+        await events.wait("recorded", key="late", timeout=60)
+    task = client.get("late")
+    assert task is not None and task.status == "succeeded"
+    assert [r.state.value for r in task.runs] == ["TIMEOUT", "SUCCESS"]
+    assert [task.runs[1].run_id] == CALLED
+
+
 @registry.task("deep")
 async def deep(params: dict[str, int]) -> Any:
     result: Any = "bottom"

@@ -97,6 +97,13 @@ class RunHeld:
         self.emit(Event.HELD, key=self.run.key, run_id=self.run.run_id, released=True)
 
 
+class LeaseRanOut(Exception):
+    """The run's lease ran out by this process's clock before its handler began: the process
+    was frozen (or MongoDB out of reach) between its claim, or its last ping, and its start. Its
+    task, and any limit's place it took, may be another run's by now, so its handler is not
+    called (the run is lost, as when the lease runs out while the handler runs)."""
+
+
 class TransactionRunner(Protocol):
     """How a transactional handler's writes and its run's SUCCESS commit together
     (``transactional.Transactions`` in a worker)."""
@@ -206,11 +213,15 @@ class HandlerCalls:
 
     async def call(self, run: ActiveRun, handler: Handler, doc: dict[str, Any]) -> Outcome:
         """Take a slot (only a run claimed ahead may wait for one), run the handler in it, and
-        say how the run ended."""
+        say how the run ended. Raises ``LeaseRanOut`` instead of calling a handler whose run's
+        lease has already run out (the timer that stops such runs may not have fired yet)."""
         try:
             async with self.slots:
                 run.waiting = False
                 run.running_since = time.monotonic()
+                expiry = self.leases.expiry(run.run_id)
+                if expiry is not None and expiry <= run.running_since:
+                    raise LeaseRanOut
                 return await self._run(run, handler, doc)
         except GiveBack:  # claimed ahead, it waited too long for its slot (claiming/ahead.py)
             return self.outcomes.given_back(run)

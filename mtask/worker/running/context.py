@@ -100,6 +100,8 @@ class RunJournals(Protocol):
 class RunLeases(Protocol):
     """The leases of the runs in flight, as a run sees them (``LeasePinger`` in a worker)."""
 
+    def expiry(self, run_id: str) -> float | None: ...
+
     def watch(self, run_id: str, on_expiry: Callable[[float], None]) -> Callable[[], None]: ...
 
     def pause(self, run_id: str) -> None: ...
@@ -111,6 +113,9 @@ class RunLeases(Protocol):
 
 class NoLeases:
     """Outside a worker: nothing pings, nothing expires."""
+
+    def expiry(self, run_id: str) -> float | None:
+        return None
 
     def watch(self, run_id: str, on_expiry: Callable[[float], None]) -> Callable[[], None]:
         return lambda: None

@@ -27,7 +27,7 @@ from mtask.limits import rules as limits
 from mtask.registry import Registry
 from mtask.store import Outcome
 from mtask.worker.inflight import ActiveRun, InFlight
-from mtask.worker.running.call import HandlerCalls
+from mtask.worker.running.call import HandlerCalls, LeaseRanOut
 from mtask.worker.running.context import RunContexts
 from mtask.worker.running.deadlines import Deadlines
 from mtask.worker.running.invoke import ASYNC_CANCEL_GRACE
@@ -167,7 +167,9 @@ class Executor:
                 outcome = None  # its handler ignored its stop: its lease is gone (a SUCCESS
                 # its transaction committed, fenced by the lease, still has what follows it)
             outcome = await self.contexts.ended(run, doc, outcome)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, LeaseRanOut) as stopped:
+            if isinstance(stopped, LeaseRanOut):  # frozen between its claim and its start
+                self._lease_ran_out(run)
             outcome = self.outcomes.stopped(run)
             if outcome is None and run.stop_reason is None:
                 raise
@@ -252,7 +254,9 @@ class Executor:
         if reason != "shutdown":
             self.emit(Event.STOPPING_RUN, key=run.key, run_id=run.run_id, reason=reason)
         run.ctx.cancelled.set()
-        if run.task is not None and run.begun:  # else it sees stop_reason as it begins
+        # a task that has not begun sees stop_reason as it begins; one that stops itself (its
+        # lease ran out as it began) is not cancelled: it is already on its way out
+        if run.task is not None and run.begun and run.task is not asyncio.current_task():
             run.task.cancel()
 
     async def drain(self, grace: float, stop_now: asyncio.Event) -> None:
