@@ -78,6 +78,34 @@ async def relay_and_standby(
     return relay_host(mongo, db), standby_host(mongo, db)
 
 
+async def taken_over(
+    mongo: MongoClient[dict[str, Any]],
+    db: str,
+    client: TaskClient,
+    holder: str,
+    end: dt.datetime,
+) -> tuple[str, dt.datetime, dt.datetime]:
+    """Once another host holds the relay's lease: that host, when it was first seen holding it,
+    and when ``holder``'s lease was to run out (``end``, read before its fault, or its last
+    renewal seen after), both on the server's clock."""
+    holders_end = [end]
+    seen: list[tuple[str, dt.datetime]] = []
+
+    def other_host() -> bool:
+        lease = mongo[db]["relays"].find_one({"_id": "tasks"}) or {}
+        relay, until = lease.get("relay"), lease.get("expires_at")
+        host = relay.split("/")[0] if isinstance(relay, str) else None
+        if host == holder and isinstance(until, dt.datetime):
+            holders_end.append(until)
+        elif host is not None and host != holder:
+            seen.append((host, client.now()))
+        return bool(seen)
+
+    await wait_for(other_host, timeout=60)
+    (successor, at), end = seen[0], max(holders_end)
+    return successor, at, end
+
+
 def published_after(client: TaskClient, keys: list[str], cut: dt.datetime) -> list[str]:
     """Those of ``keys`` created after ``cut`` (the server's clock), in their order."""
     after = {
@@ -133,6 +161,7 @@ async def test_the_relays_holder_cut_off_frozen_and_killed(
         for fault in ("cut off", "frozen", "killed"):
             holder, standby = await relay_and_standby(mongo, db_name)
             assert holder is not None and standby not in (None, holder), (fault, standby)
+            holders_end = (mongo[db_name]["relays"].find_one({"_id": "tasks"}) or {})["expires_at"]
             if fault == "cut off":
                 proxies.signal(holder, signal.SIGSTOP)
             else:
@@ -141,11 +170,13 @@ async def test_the_relays_holder_cut_off_frozen_and_killed(
             # published as the signal went may have been claimed by it a moment before: a
             # rehearsal saw one; its key reached the list only after the signal)
             began, cut = len(publisher.keys), client.now()
-            successor = await wait_for(
-                lambda h=holder: (r := relay_host(mongo, db_name)) not in (None, h) and r,
-                timeout=60,
+            successor, seen, holders_end = await taken_over(
+                mongo, db_name, client, holder, holders_end
             )
-            assert successor == standby, (fault, holder, standby, successor)  # it took over
+            assert successor == standby, (fault, holder, standby, successor)  # it took over,
+            # long before the holder's lease ran out (a successor that only took a lease that had
+            # run out is seen after its end), both on the server's clock
+            assert seen < holders_end, (fault, "taken over only once the lease ran out", seen)
             await asyncio.sleep(1.0)  # more tasks published with the holder still away
             during = published_after(client, publisher.keys[began:], cut)
             # claimed by the live hosts while the holder is still away, without the sweep
