@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import replica_set_with_workers, until_finished, wait_for
+from harness import Cluster, replica_set_with_workers, until_finished, wait_for
 from pymongo import MongoClient
 from sizes import Size
 from test_kills import assert_invariants, work_items
@@ -103,10 +103,16 @@ def published(client: TaskClient, key: str, options: dict[str, Any]) -> bool:
 
 
 async def probe(
-    client: TaskClient, mongo: MongoClient[dict[str, Any]], db: str, workers: list[str], tag: str
+    client: TaskClient,
+    mongo: MongoClient[dict[str, Any]],
+    db: str,
+    cluster: Cluster,
+    workers: list[str],
+    tag: str,
 ) -> None:
     """A new task for each worker (only it may run it, ahead of any backlog) runs within
-    ``RECOVERY`` seconds."""
+    ``RECOVERY`` seconds; if one does not, the failure shows its document and its worker's
+    last log lines."""
     options = {"priority": 100, **LEASE}
     for name in workers:
         key = f"{tag}-{name}"
@@ -115,7 +121,11 @@ async def probe(
         await wait_for(lambda k=key, o=only: published(client, k, o), RECOVERY, 0.5)  # type: ignore[misc]
     for name in workers:
         key = f"{tag}-{name}"
-        await wait_for(lambda k=key: outcome_of(mongo, db, k) == "succeeded", RECOVERY, 0.1)  # type: ignore[misc]
+        try:
+            await wait_for(lambda k=key: outcome_of(mongo, db, k) == "succeeded", RECOVERY, 0.1)  # type: ignore[misc]
+        except TimeoutError:
+            doc = mongo[db]["tasks"].find_one({"_id": key}, {"params": 0})
+            raise AssertionError((key, doc, cluster.log_of(name)[-3000:])) from None
 
 
 async def test_whole_replica_set_killed_and_restarted_under_load(
@@ -163,7 +173,7 @@ async def test_whole_replica_set_killed_and_restarted_under_load(
                     assert len(publishers.acked) <= phases[n]
                     publishers.limit = phases[n + 1]
                     # each worker runs a new task soon after the set is back
-                    await probe(client, mongo, db_name, workers, f"back{n}")
+                    await probe(client, mongo, db_name, cluster, workers, f"back{n}")
                     print(f"outage {n}: {downtimes[-1]:.1f}s; {publishers.errors} failed publishes")
                 await wait_for(publishers.done, timeout=120 + size.tasks / 5)
             finally:
@@ -193,7 +203,7 @@ async def test_whole_replica_set_killed_and_restarted_under_load(
                 assert proc.pid == pids[name] and proc.poll() is None, (name, log[-3000:])
                 assert "died" not in log and "stopping the worker" not in log, (name, log[-3000:])
             # and a task published now still runs within the bound
-            await probe(client, mongo, db_name, workers, "after")
+            await probe(client, mongo, db_name, cluster, workers, "after")
     finally:
         cluster.close()
         replica_set.stop()

@@ -6,7 +6,7 @@ CLI in-process, and what a test needs from the machine. One module per concern; 
 from .cli import run_cli
 from .commands import Commands
 from .documents import T0, hand_written, in_groups, pad_to_the_limit
-from .events import Events, poll, until_finished, wait_for
+from .events import Events, clear_of_a_window_end, poll, until_finished, wait_for
 from .examples import on_a_server
 from .inloop import drained, running_worker, until_recorded
 from .machine import need_proc, node, required
@@ -48,6 +48,7 @@ __all__ = [
     "Proxies",
     "ReplicaSet",
     "change_streams",
+    "clear_of_a_window_end",
     "count_streams",
     "dead",
     "drained",

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mtask import TaskClient
@@ -53,6 +54,20 @@ async def wait_for(check: Callable[[], Any], timeout: float = 20.0, every: float
             await asyncio.sleep(every)
 
     return await asyncio.wait_for(until(), timeout)
+
+
+async def clear_of_a_window_end(
+    now: Callable[[], Awaitable[dt.datetime]], seconds: float, margin: float = 30.0
+) -> None:
+    """Until the server's time (``now``: a client's ``now``) is ``margin`` seconds or more from
+    the end of its current window of ``seconds`` (windows of tokens are aligned on the epoch):
+    a test whose step must be refused by a full window then never meets the next window, which
+    would admit it."""
+
+    async def clear() -> bool:
+        return (await now()).timestamp() % seconds < seconds - margin
+
+    await wait_for(clear, timeout=margin + 30, every=0.5)
 
 
 def poll(check: Callable[[], Any], limit: float, what: str, every: float = 0.02) -> float:

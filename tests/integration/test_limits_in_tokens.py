@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import usageapp
 from fastapi.testclient import TestClient
-from harness import running_worker, wait_for, worker_process
+from harness import clear_of_a_window_end, running_worker, wait_for, worker_process
 from harness.cli import run_cli
 from pymongo import MongoClient
 
@@ -118,18 +118,19 @@ async def test_three_workers_admit_each_step_so_no_window_passes_the_limit_plus_
 async def test_a_step_refused_by_a_long_window_snoozes_its_run_holding_no_slot(
     aclient: AsyncTaskClient, mongo: MongoClient[dict[str, Any]], mongo_uri: str, db_name: str
 ) -> None:
-    """A window of 50 tokens a minute: the first step charges 100, the second is refused
-    for most of a minute, so its run snoozes until the window's end (on the server's clock)
-    instead of waiting in place; its first step is recorded and not called again."""
-    await aclient.set_limit(resource="llm", concurrency=1, tokens_per=(50, 60))
+    """A window of 50 tokens an hour: the first step charges 100, the second is refused
+    until the window's end, so its run snoozes until then (on the server's clock) instead of
+    waiting in place; its first step is recorded and not called again."""
+    await aclient.set_limit(resource="llm", concurrency=1, tokens_per=(50, 3600))
     params = {"uri": mongo_uri, "db": db_name, "steps": 2}
     tasks = mongo[db_name]["tasks"]
+    await clear_of_a_window_end(aclient.now, 3600)  # both steps in one window
     async with running_worker(usageapp.registry, mongo_uri, db_name):
         await aclient.publish("metered_steps", "w1", params)
         await wait_for(lambda: _snoozed(tasks, "w1"), timeout=30, every=0.05)
         doc = mongo[db_name]["limits"].find_one({"_id": "\x00llm"})
         assert doc is not None and doc[measured.USED] == usageapp.STEP_CHARGE
-        window_ends = doc[measured.AT] + dt.timedelta(minutes=1)
+        window_ends = doc[measured.AT] + dt.timedelta(hours=1)
         task = tasks.find_one({"_id": "w1"})
         assert task is not None and task["status"] == "pending" and task["snoozes"] == 1, task
         said = (await aclient.explain(await aclient.get("w1"))).reason
@@ -150,6 +151,7 @@ async def test_a_resource_s_window_of_tokens_is_shown_and_a_task_it_keeps_says_w
     says it waits for it."""
     await aclient.set_limit(resource="llm", tokens_per=(50, 3600))
     params = {"uri": mongo_uri, "db": db_name}
+    await clear_of_a_window_end(aclient.now, 3600)  # the charge still in its window when shown
     async with running_worker(usageapp.registry, mongo_uri, db_name):
         await aclient.publish("metered", "a1", params)
         assert (await asyncio.wait_for(aclient.wait("a1"), 60)).status.value == "succeeded"

@@ -15,7 +15,7 @@ from typing import Any
 
 import poolhandlers
 import pytest
-from harness import running_worker, wait_for
+from harness import clear_of_a_window_end, running_worker, wait_for
 from prometheus_client import REGISTRY
 from test_pool import INFO
 from test_steps import woke_after_its_sleep
@@ -272,10 +272,11 @@ async def test_a_budget_stops_a_process_isolated_handlers_next_step(
 async def test_a_window_of_tokens_admits_a_process_isolated_handlers_steps(
     aclient: AsyncTaskClient, mongo_uri: str, db_name: str
 ) -> None:
-    """A window of 50 tokens a minute: the child's first step charges 100 to it, its second
-    is refused for most of a minute, so the run snoozes, as on a thread."""
-    await aclient.set_limit(resource="llm", concurrency=1, tokens_per=(50, 60))
+    """A window of 50 tokens an hour: the child's first step charges 100 to it, its second
+    is refused until the window's end, so the run snoozes, as on a thread."""
+    await aclient.set_limit(resource="llm", concurrency=1, tokens_per=(50, 3600))
     snoozed = {"_id": "w1", "snoozes": 1}
+    await clear_of_a_window_end(aclient.now, 3600)  # both steps in one window
     async with running_worker(poolhandlers.registry, mongo_uri, db_name, pool="process"):
         await aclient.publish("metered_in_child", "w1", {"steps": 2})
         await wait_for(lambda: aclient.collection.find_one(snoozed), timeout=30, every=0.05)
