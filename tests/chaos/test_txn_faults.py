@@ -139,7 +139,13 @@ async def test_failover_during_commit(tmp_path: Path, db_name: str, rolled_back:
             primary = replica_set.direct(old)
             try:  # the three commits applied on the primary (read there, "local")
                 counters = primary[db_name]["counters"]
-                await wait_for(lambda: counters.count_documents({"n": 1}) == 3, timeout=60)
+                try:
+                    await wait_for(lambda: counters.count_documents({"n": 1}) == 3, timeout=60)
+                except TimeoutError:  # say what the primary holds and what the worker did
+                    raise AssertionError(
+                        (list(counters.find()), list(log.find({}, {"_id": 0})),
+                         cluster.log_of("a")[-3000:])
+                    ) from None  # fmt: skip
                 with contextlib.suppress(PyMongoError):  # the step-down drops the connection
                     primary.admin.command(
                         "replSetStepDown", 60, secondaryCatchUpPeriodSecs=1, force=True
