@@ -198,6 +198,9 @@ def _failed(done: subprocess.CompletedProcess[str]) -> bool:
     return done.returncode != 0 or "Traceback" in done.stdout + done.stderr
 
 
+# every command of the reference, each a process of its own: 50 s on a quiet machine, twice
+# that beside another suite, near the default hang guard of 120 s
+@pytest.mark.timeout(600)
 def test_every_reference_command_runs_against_a_worker(
     mongo_uri: str, db_name: str, client: TaskClient, tmp_path: Path
 ) -> None:

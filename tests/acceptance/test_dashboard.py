@@ -107,6 +107,9 @@ def test_the_operator_round(
         wait_until(lambda: process.poll() is not None)  # the stop ends the process, with 0
 
 
+# every page at two widths and two schemes, each kept as a screenshot: 40-60 s on a quiet
+# machine, more than the default hang guard of 120 s beside another suite
+@pytest.mark.timeout(600)
 def test_phone_width_dark_mode_and_screenshots(
     browser: Any, mongo_uri: str, db_name: str, client: TaskClient, tmp_path: Path
 ) -> None:

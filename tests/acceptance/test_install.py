@@ -22,7 +22,8 @@ from mtask.embedded import free_port
 
 ROOT = Path(__file__).parents[2]
 TESTS = Path(__file__).parents[1]
-pytestmark = pytest.mark.slow
+# fresh venvs, each installed offline from the wheelhouse: up to a minute each beside another suite
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

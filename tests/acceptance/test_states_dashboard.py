@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 import states_scenario as scenario
 from harness import BACKGROUND, DESKTOP, PHONE, sign_in, worker_process
 from test_dashboard import SHOWN_RIGHT, shots_dir, wait_until
@@ -67,6 +68,9 @@ def _listed(client: TaskClient) -> tuple[list[Any], list[Any]]:
     return tasks, client.explain_all(tasks)
 
 
+# four contexts, each through every page: 70-80 s on a quiet machine, twice that beside another
+# suite, more than the default hang guard of 120 s
+@pytest.mark.timeout(600)
 def test_every_state_and_reason_on_the_dashboard(
     browser: Any, mongo_uri: str, db_name: str, client: TaskClient, tmp_path: Path
 ) -> None:
