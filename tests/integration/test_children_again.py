@@ -80,7 +80,11 @@ async def test_a_retried_parent_spawns_its_children_again(
             again = await aclient.retry("p1")
         else:
             again = await aclient.retry("p1", from_step="kids")
-        assert again.status.value == "pending" and again.steps == []
+        # open again; ``retry(from_step=...)`` reads the task back after its update, by when
+        # the running worker may have claimed it (and, once it runs, journaled a new spawn)
+        assert again.status.value in ("pending", "running")
+        if how == "retry":  # the retry's own update's document: nothing ran since
+            assert again.status.value == "pending" and again.steps == []
         await events.wait("recorded", key="p1", state="WAITING", count=2)
         async with asyncio.timeout(60):
             task = await aclient.wait("p1")

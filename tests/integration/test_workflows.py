@@ -258,7 +258,10 @@ async def test_run_again_from_a_step_keeps_the_steps_before_it(
         with pytest.raises(InvalidTask, match="no step 'nope'"):
             await aclient.retry("r1", from_step="nope")
         again = await aclient.retry("r1", from_step="sleep#1")
-        assert again.status.value == "pending" and [s.name for s in again.steps] == ["before"]
+        # read back after its update: the running worker may have claimed it (and, once it
+        # runs, journaled its sleep) by then; the kept step is there either way
+        assert again.status.value in ("pending", "running")
+        assert [s.name for s in again.steps][:1] == ["before"]
         await events.wait("recorded", key="r1", state="FAIL", count=2)
     assert effects(mongo, db_name, key="r1", what="before") == 1  # kept, replayed
 
