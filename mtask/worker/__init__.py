@@ -108,6 +108,8 @@ class Worker:
         """When (``time.monotonic``) the waits of stopping after the drain end, once it ended."""
         self._stop_now_at: float | None = None
         self._side: list[asyncio.Task[None]] = []
+        self._side_cancelled = False
+        """Set once stopping cancels the side services (``_shutdown``)."""
         self._crash: BaseException | None = None
         self._registered = False
         self._role_read = False
@@ -274,6 +276,11 @@ class Worker:
         if task.cancelled() or self._crash is not None:
             return
         exc = task.exception()
+        if self._side_cancelled and exc is not None:
+            # told to end by ``_shutdown``: an error instead of the cancel (the driver's async
+            # lock, cancelled with MongoDB gone, raises its own) is no part dying mid-work
+            log.warning("stopping: %s ended with %r", task.get_name(), exc)
+            return
         self._crash = exc or RuntimeError(f"{task.get_name()} ended unexpectedly")
         log.error(
             "%s died: %r; stopping the worker",
@@ -328,6 +335,7 @@ class Worker:
             log.warning("stopping: %s failed: %s", what, exc, extra={"worker_id": self.worker_id})
 
     async def _shutdown(self) -> None:
+        self._side_cancelled = True
         for task in self._side:
             task.cancel()
         if self._side:

@@ -441,6 +441,29 @@ async def test_a_dying_side_task_stops_the_worker_loudly(
     assert worker.state == "stopped"
 
 
+async def test_a_side_task_that_raises_as_stopping_cancels_it_is_no_crash(
+    mongo_uri: str, db_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pymongo's async lock, cancelled with MongoDB gone, can raise ``RuntimeError`` instead
+    of the cancel: a side service told to end by the worker's stop is not a part that died."""
+    began = asyncio.Event()
+
+    async def raises_when_cancelled(self: LoopTicker) -> None:
+        began.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise RuntimeError("Lock is not acquired") from None
+
+    monkeypatch.setattr(LoopTicker, "run", raises_when_cancelled)
+    worker = Worker(registry, uri=mongo_uri, database=db_name)
+    running = asyncio.create_task(worker.run())
+    await asyncio.wait_for(began.wait(), 30)
+    worker.stop()
+    await asyncio.wait_for(running, 30)  # no WorkerCrashed
+    assert worker.state == "stopped"
+
+
 def test_bad_worker_arguments() -> None:
     with pytest.raises(ConfigError, match="^names: no handler registered for nope"):
         Worker(registry, names=["nope"])
