@@ -29,6 +29,8 @@ async function refresh() {
   if (document.querySelector("form #note .flash.error")) return;
   const typed = document.querySelector("form.signal textarea");
   if (typed && typed.value) return;
+  // a fold with a form the person opened (the reset's step): not swapped under them
+  if (document.querySelector("#content details[open] form")) return;
   const url = new URL(location.href);
   for (const key of MESSAGE_KEYS) if (key !== "at") url.searchParams.delete(key);
   const note = document.getElementById("note");
