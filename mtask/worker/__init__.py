@@ -276,10 +276,11 @@ class Worker:
         if task.cancelled() or self._crash is not None:
             return
         exc = task.exception()
-        if self._side_cancelled and exc is not None:
+        if self._side_cancelled:
             # told to end by ``_shutdown``: an error instead of the cancel (the driver's async
-            # lock, cancelled with MongoDB gone, raises its own) is no part dying mid-work
-            log.warning("stopping: %s ended with %r", task.get_name(), exc)
+            # lock, cancelled with MongoDB gone, raises its own), or a return, is no part dying
+            if exc is not None:
+                log.warning("stopping: %s ended with %r", task.get_name(), exc)
             return
         self._crash = exc or RuntimeError(f"{task.get_name()} ended unexpectedly")
         log.error(
