@@ -17,7 +17,7 @@ from bson.codec_options import CodecOptions, DatetimeConversion
 from pymongo import AsyncMongoClient, MongoClient
 from pymongo.errors import ConfigurationError, InvalidURI
 
-from mtask.connection import sockets
+from mtask.connection import lock_waits, sockets
 from mtask.errors import StorageError
 
 ENV_URI = "MTASK_MONGODB_URI"
@@ -119,6 +119,14 @@ def sync_client(
         raise StorageError(f"invalid MongoDB URI: {_said(exc, resolved)}") from None
 
 
+def mend_pymongo() -> None:
+    """Install mtask's workarounds for pymongo's asynchronous API, once, before an async
+    client of mtask's is made: a cancelled connect closes its socket (``sockets``), and on
+    Python 3.11 a cancelled condition wait takes its lock back (``lock_waits``)."""
+    sockets.install()
+    lock_waits.install()
+
+
 def async_client(
     uri: str | None = None, *, defaults: Mapping[str, Any] = CLIENT_OPTIONS, **options: Any
 ) -> AsyncMongoClient[dict[str, Any]]:
@@ -126,7 +134,7 @@ def async_client(
     ``options`` say otherwise."""
     resolved = resolve_uri(uri)
     _check(resolved)
-    sockets.install()  # a cancelled connect closes its socket (pymongo leaks it)
+    mend_pymongo()
     try:
         return AsyncMongoClient(resolved, **_options(resolved, options, defaults))
     except (ConfigurationError, InvalidURI, ValueError) as exc:

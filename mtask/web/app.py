@@ -66,11 +66,10 @@ def _clients(
         )
     from pymongo import AsyncMongoClient, MongoClient
 
-    from mtask.connection import sockets
-    from mtask.connection.clients import CLIENT_OPTIONS
+    from mtask.connection.clients import CLIENT_OPTIONS, mend_pymongo
 
     options = {**CLIENT_OPTIONS, **mongo_options}
-    sockets.install()  # as connection.clients.async_client: a cancelled connect's socket closed
+    mend_pymongo()  # as connection.clients.async_client does
     return (
         AsyncTaskClient(
             database=database, collection=collection, mongo_client=AsyncMongoClient(**options)

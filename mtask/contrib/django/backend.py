@@ -111,8 +111,9 @@ class MtaskBackend(BaseTaskBackend):  # type: ignore[misc]
             if self.database_alias is not None:
                 from pymongo import AsyncMongoClient
 
-                from mtask.connection.clients import CLIENT_OPTIONS
+                from mtask.connection.clients import CLIENT_OPTIONS, mend_pymongo
 
+                mend_pymongo()  # as mtask's own async clients
                 params = self.connection().get_connection_params()
                 mongo = AsyncMongoClient(**{**CLIENT_OPTIONS, **params})
             client = AsyncTaskClient(
