@@ -269,6 +269,11 @@ else:
         FunctionModel(mcp_model, model_name=MODEL),
         name="mcpbot",
         deps_type=Deps,
-        toolsets=[MCPToolset(Path(__file__).with_name("mcpserver.py"), id="notes")],
+        # the server's start and handshake within a minute, not Pydantic AI's 5 s: a loaded
+        # machine took longer to start the Python process, and the run failed before its
+        # first model request
+        toolsets=[
+            MCPToolset(Path(__file__).with_name("mcpserver.py"), id="notes", init_timeout=60)
+        ],
     )
     MtaskAgent(mcpbot, emit=False).register(registry, deps=_deps)

@@ -308,8 +308,11 @@ async def test_a_lowered_group_rate_applies(
         assert len(starts) >= 4, (group, starts)
         # a token bucket: in any t seconds at most burst + rate * t starts. The starts are the
         # handlers', each some milliseconds after its claim, more on a loaded host (as the
-        # claims' times in test_cluster_limits.py): a quarter of a second of slack
-        slack = 0.25
+        # claims' times in test_cluster_limits.py; two starts 0.23 s apart beside another
+        # suite): one token's interval of slack, so two starts pass however close, three
+        # need a quarter of a second and four three quarters (the old 20 a second made four
+        # starts in 0.15 s)
+        slack = 1 / rate
         for i in range(len(starts)):
             for j in range(i, len(starts)):
                 window = (starts[j] - starts[i]).total_seconds() + slack

@@ -377,7 +377,7 @@ async def test_an_mcp_tool_call_is_a_step_replayed_after_a_takeover(
     assert [(r["worker_id"], r["state"]) for r in doc["runs"]] == [
         ("victim", "TIMEOUT"),
         ("rescuer", "SUCCESS"),
-    ]
+    ], [(r["worker_id"], r["state"], r.get("error")) for r in doc["runs"]]
     first = doc["runs"][0]["run_id"]
     calls = [s for s in doc["steps"] if s["name"].startswith("mcpbot__mcp_server__notes.call_tool")]
     assert [(s["state"], s["attempts"], s["run_id"]) for s in calls] == [("done", 1, first)]
