@@ -86,5 +86,4 @@ class Spending:
     def clear_budget(self, name: str | None = None, *, group: str | None = None) -> Op[bool]:
         """Remove the budget of ``name`` (or ``group``); its totals stay. ``False`` if it had
         none."""
-        doc = yield from store_usage.set_budget(_one(name, group), None)
-        return doc is not None
+        return (yield from store_usage.clear_budget(_one(name, group)))

@@ -283,17 +283,9 @@ def budgets_of(scopes: Sequence[Doc]) -> Op[list[Doc]]:
     return found
 
 
-def set_budget(scope: Doc, budget: Budget | None) -> Op[Doc | None]:
+def set_budget(scope: Doc, budget: Budget) -> Op[Doc | None]:
     """Set a scope's budget (its totals are kept; a scope nobody charged yet is made): the
-    scope's document as it is now. With ``None``, clear it: the document as it was, or
-    ``None`` if it had no budget."""
-    if budget is None:
-        before: Doc | None = yield Call(
-            "find_one_and_update",
-            ({"_id": scope, "budget": {"$exists": True}}, [{"$unset": ["budget", "window"]}]),
-            collection=COLLECTION,
-        )
-        return before
+    scope's document as it is now."""
     stored = budget.to_document()
     if budget.cost is not None:
         stored["cost_nanos"] = budget.cost_nanos()
@@ -304,6 +296,19 @@ def set_budget(scope: Doc, budget: Budget | None) -> Op[Doc | None]:
         collection=COLLECTION,
     )
     return doc
+
+
+def clear_budget(scope: Doc) -> Op[bool]:
+    """Remove a scope's budget and its period's window (its totals are kept); ``False`` if it
+    had none. An ``update_one``: whether it matched is all the caller needs (a
+    ``findAndModify`` would send the document back and, as a retryable write, keep an image
+    of it on the server)."""
+    result = yield Call(
+        "update_one",
+        ({"_id": scope, "budget": {"$exists": True}}, [{"$unset": ["budget", "window"]}]),
+        collection=COLLECTION,
+    )
+    return bool(result.matched_count)
 
 
 def totals(scopes: Sequence[Doc] | None = None) -> Op[list[Doc]]:

@@ -22,6 +22,7 @@ from mtask.models import NewTask
 from mtask.store import claims
 from mtask.store import flows as store_flows
 from mtask.store import queries as store_queries
+from mtask.store import usage as store_usage
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -455,3 +456,22 @@ def test_quiet_until_skips_to_the_soonest_end_of_what_holds_the_due_tasks() -> N
     free = [task("a", "held"), task("d", "free")]
     assert script(free, ..., None, everyone) == (False, now)
     assert script([task("a", "held")], ..., None, ["free"]) == (False, now)
+
+
+def test_clearing_a_budget_is_one_update_whose_match_is_the_answer() -> None:
+    """No document is sent back (an ``update_one``, not a ``findAndModify``): a match is a
+    budget removed, counted by ``matched_count`` (a match that changed nothing still had one)."""
+    scope = {"scope": "group", "id": "acme"}
+
+    def fenced(call: Call) -> None:
+        filt, update = call.args
+        assert filt == {"_id": scope, "budget": {"$exists": True}}
+        assert update == [{"$unset": ["budget", "window"]}]
+
+    for reply, cleared in (
+        (UpdateResult({"n": 1, "nModified": 1}, True), True),
+        (UpdateResult({"n": 1, "nModified": 0}, True), True),
+        (updated(0), False),
+    ):
+        driver = ScriptedDriver(Step("update_one", reply, collection="usage", check=fenced))
+        assert driver.run(store_usage.clear_budget(scope)) is cleared and driver.done
