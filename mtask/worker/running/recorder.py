@@ -143,8 +143,8 @@ class OutcomeRecorder:
                 and not self.inflight.busy(outcome.key)
             ):
                 self.sink.succeeded(outcome.key)  # an own stream skips the event
-            if all_landed and self.due_at_once(outcome):  # a hint (the claim decides)
-                self.sink.requeue_at(outcome.key, self.clock.now())
+            if all_landed and outcome.state is RunState.CONTINUED:  # due at once: a hint
+                self.sink.requeue_at(outcome.key, self.clock.now())  # (the claim decides)
             self.emit(
                 Event.RECORDED, key=outcome.key, run_id=outcome.run_id, state=outcome.state.value
             )
@@ -159,21 +159,6 @@ class OutcomeRecorder:
                     )
         self.wake.set()  # their slots are free now
         self.inflight.on_free()  # and the backpressure may have eased
-
-    @staticmethod
-    def due_at_once(outcome: Outcome) -> bool:
-        """Whether ``outcome`` leaves its task due at once, for this worker's claimer too: a
-        CONTINUED run, and a run given back with no delay and no reason to skip it (its slot
-        lost or waited for too long, its worker stopping or no longer named). Its change event
-        says so as well, but an event is a hint that may come late or not at all (a stream
-        being resumed, a relay changing hands): then only the sweep found the task again."""
-        if outcome.state is RunState.CONTINUED:
-            return True
-        return (
-            outcome.state is RunState.RELEASED
-            and not outcome.retry_delay_ms
-            and outcome.error is None
-        )
 
     async def record(self, batch: list[Outcome]) -> Written:
         """Write the outcomes not yet written (a transactional SUCCESS is committed already and
