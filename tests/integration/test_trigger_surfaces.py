@@ -56,7 +56,10 @@ async def test_a_worker_process_exports_its_triggers_metrics_and_the_cluster_lag
     port, proc = worker
     await wait_for(lambda: [v for v in client.triggers() if v["held"] and v.get("through")], 60)
     mongo[db_name].orders.insert_one({"_id": "o1", "status": "paid", "total": 3})
-    await wait_for(lambda: mongo[db_name].tasks.find_one({"name": "ship"}), 30)
+    try:
+        await wait_for(lambda: mongo[db_name].tasks.find_one({"name": "ship"}), 30)
+    except TimeoutError:  # what the triggers held then, and whether the worker still ran
+        raise AssertionError(("no task from the insert", proc.poll(), client.triggers())) from None
 
     def scraped() -> str:
         assert proc.poll() is None
