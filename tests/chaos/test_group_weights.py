@@ -77,10 +77,14 @@ async def test_a_three_to_one_weight_holds_over_two_thousand_tasks_and_four_work
         nets = {w: net_of(p.pid) for w, p in hosts.procs.items()}
         assert nets["h1a"] == nets["h1b"] != nets["h2a"] == nets["h2b"] != net_of("self")
         await until_finished(client, 2000, timeout=300)
+    # A run claimed ahead that waited over a second for its slot (a starved machine) is given
+    # back before it starts (RELEASED, docs/isolation.md): a claim, not a run of the handler.
+    shown = {"runs.claimed_at": 1, "runs.worker_id": 1, "runs.state": 1}
     claims = sorted(
         (run["claimed_at"], doc["_id"], run["worker_id"])
-        for doc in client.collection.find({}, {"runs.claimed_at": 1, "runs.worker_id": 1})
+        for doc in client.collection.find({}, shown)
         for run in doc["runs"]
+        if run["state"] != "RELEASED"
     )
     # each ran once (else: the tasks run more than once, each run's worker, state and error)
     assert len(claims) == 2000, [
