@@ -28,7 +28,7 @@ from pymongo import ASCENDING, DESCENDING, IndexModel, ReturnDocument
 from mtask.driver import Call, Doc, Op
 from mtask.models import FINISHED_STATUSES, KEEP_FIELDS, TaskStatus
 from mtask.statemachine import RUNNING, keep_ms
-from mtask.store.transactional import lease_alive_expr
+from mtask.store.transactional import OUTPUT_TXN_FIELD, lease_alive_expr
 
 COLLECTION = "output"
 """The key of the side collection in ``driver.collections``: ``<tasks>.output``."""
@@ -66,6 +66,31 @@ def keep_until(options: Mapping[str, Any], now: dt.datetime) -> dt.datetime | No
     return now + dt.timedelta(milliseconds=max(k for k in keeps if k is not None))
 
 
+def run_fence(key: str, run_id: str, **also: Any) -> Doc:
+    """The filter of a run's output writes: the run RUNNING (with ``also`` on its entry), its
+    task ``running``, its lease unexpired on the server's clock."""
+    fenced: Doc = {
+        "_id": key,
+        "status": TaskStatus.RUNNING.value,
+        "runs": {"$elemMatch": {"run_id": run_id, "state": RUNNING, **also}},
+        "$expr": lease_alive_expr(run_id),
+    }
+    return fenced
+
+
+def record_session(key: str, run_id: str, session_uuid: Any) -> Op[bool]:
+    """Before a run's first transaction of output: the id of the session its transactions use
+    (``lsid.id``) into its run entry (``output_txn``), fenced as ``write`` is, outside any
+    transaction. A run frozen or killed between a transaction's fenced update and its commit
+    leaves that transaction open, holding the task document: a claim taking the task over
+    would wait for it until the server gives it up (a minute or more); with the id recorded,
+    the claimer kills it (``store.transactional.expired_transactions``). ``False``: the run no
+    longer owns its task."""
+    set_it = {"$set": {f"runs.$.{OUTPUT_TXN_FIELD}": session_uuid}}
+    result = yield Call("update_one", (run_fence(key, run_id), set_it))
+    return bool(result.matched_count)
+
+
 def write(
     key: str,
     run_id: str,
@@ -89,12 +114,7 @@ def write(
     update records the batch's number in the run entry (``output_batch``) and matches only a
     run that has not recorded it; a run that has is answered ``True`` without writing."""
     run = {"run_id": run_id, "state": RUNNING}
-    filt: Doc = {
-        "_id": key,
-        "status": TaskStatus.RUNNING.value,
-        "runs": {"$elemMatch": {**run, "output_batch": {"$not": {"$gte": batch}}}},
-        "$expr": lease_alive_expr(run_id),
-    }
+    filt = run_fence(key, run_id, output_batch={"$not": {"$gte": batch}})
     sets: Doc = {"runs.$.output_batch": batch}
     if progress is not None:
         sets["progress"] = {**progress, "run_id": run_id, "attempt": attempt, "at": now}

@@ -407,7 +407,7 @@ CLAIMED_FIELDS = {"name": 1, "params": 1, "options": 1, "attempts": 1, "has_depe
 CLAIMED_FIELDS["trace"] = 1  # the task's trace context (mtask.tracing), parent of each run span
 # earlier runs' states and transaction sessions: a transactional run kills the sessions of
 # runs whose lease expired (store.transactional.stale_sessions)
-CLAIMED_FIELDS.update({"runs.state": 1, "runs.txn": 1})
+CLAIMED_FIELDS.update({"runs.state": 1, "runs.txn": 1, "runs.output_txn": 1})
 # when it may be claimed next (its lease's end): a dispatched worker tells the host's relay
 CLAIMED_FIELDS["next_claim_at"] = 1
 CLAIMED_FIELDS["steps"] = 1  # durable steps to replay (docs/steps.md); absent: no bytes

@@ -15,7 +15,8 @@ before the takeover. Read-only fences would not conflict.
 ``begin_run_transaction`` and ``kill_sessions`` keep a dead or frozen run's open transaction from
 blocking the run that takes its task over (docs/transactions.md, "Under faults"). Before its
 transaction starts, a run writes its session's id (``lsid``) into its run entry, fenced like
-every run write; a run that takes the task over kills the sessions of the earlier runs whose
+every run write (``txn``; the session of its live output's transactions: ``output_txn``); a
+run that takes the task over kills the sessions of the earlier runs whose
 lease expired (``killSessions``), which aborts their transactions at once. Without it the server
 keeps such a transaction, and the locks its writes hold, until ``transactionLifetimeLimitSeconds``
 (60 s by default; the reaper ran up to ~30 s later in the runs observed), and every other
@@ -88,6 +89,12 @@ for nothing; bounded all the same, since they run when MongoDB may be in trouble
 
 TXN_FIELD = "txn"
 """The run entry's field holding the id (``lsid.id``, a UUID) of its transaction's session."""
+OUTPUT_TXN_FIELD = "output_txn"
+"""The run entry's field holding the id of the session its live output's transactions use
+(``store.output.record_session``): a field of its own, since a transactional step sets and
+clears ``txn`` while the run's output goes on."""
+SESSION_FIELDS = (TXN_FIELD, OUTPUT_TXN_FIELD)
+"""The run entry's fields that may name a session with a transaction open on the server."""
 
 
 def begin_run_transaction(
@@ -111,12 +118,13 @@ def stale_sessions(runs: Any, run_id: str) -> list[Any]:
     """The session ids of the earlier runs in ``runs`` (a claimed document's) whose lease
     expired: their transactions may still be open on the server."""
     return [
-        r[TXN_FIELD]
+        r[field]
         for r in runs or ()
         if isinstance(r, dict)
         and r.get("run_id") != run_id
         and r.get("state") == RunState.TIMEOUT.value
-        and r.get(TXN_FIELD) is not None
+        for field in SESSION_FIELDS
+        if r.get(field) is not None
     ]
 
 
@@ -125,24 +133,27 @@ def expired_transactions(keys: list[str], now: dt.datetime) -> Op[list[Any]]:
     that recorded a transaction: a claim taking such a task over waits if the transaction wrote
     its document and is still open (read without waiting: a read outside a transaction sees the
     last committed version)."""
-    expired = {"state": RUNNING, "lease_expires_at": {"$lte": now}, TXN_FIELD: {"$ne": None}}
+    recorded = [{field: {"$ne": None}} for field in SESSION_FIELDS]
+    expired = {"state": RUNNING, "lease_expires_at": {"$lte": now}, "$or": recorded}
+    shown = {"runs.state": 1, "runs.lease_expires_at": 1}
     docs: list[Doc] = yield Call(
         "find",
         (
             {"_id": {"$in": list(keys)}, "runs": {"$elemMatch": expired}},
-            {"runs.state": 1, "runs.lease_expires_at": 1, f"runs.{TXN_FIELD}": 1},
+            {**shown, **{f"runs.{field}": 1 for field in SESSION_FIELDS}},
         ),
         timeout=KILL_TIMEOUT_S,
     )
     return [
-        r[TXN_FIELD]
+        r[field]
         for doc in docs
         for r in doc.get("runs") or ()
         if isinstance(r, dict)
         and r.get("state") == RUNNING
         and isinstance(r.get("lease_expires_at"), dt.datetime)
         and r["lease_expires_at"] <= now
-        and r.get(TXN_FIELD) is not None
+        for field in SESSION_FIELDS
+        if r.get(field) is not None
     ]
 
 

@@ -14,11 +14,13 @@ from typing import Any
 import pytest
 from bson.decimal128 import Decimal128
 from harness import running_worker, wait_for, worker_process
+from pymongo.errors import OperationFailure
 
 from mtask import AsyncTaskClient, TaskClient, driver, metrics
 from mtask.errors import InvalidTask, TaskNotFound
 from mtask.follow.events import events as events_of
 from mtask.registry import Registry, Retry, TaskContext
+from mtask.store import claim
 from mtask.store import output as store_output
 
 registry = Registry()
@@ -409,3 +411,51 @@ def test_a_batch_sent_again_is_written_once_and_a_stale_lease_writes_nothing(
     client.collection.update_one({"_id": "b"}, {"$set": {"runs": [{**run, **expired}]}})
     assert not write(3)
     assert client.db["tasks.output"].count_documents({"task": "b"}) == 4
+
+
+async def test_each_run_that_writes_lines_records_the_session_of_its_transactions(
+    aclient: AsyncTaskClient, drain: Any
+) -> None:
+    """A run's lines and chunks are written in transactions of one session, whose id is on its
+    run entry (``output_txn``) before the first: each run its own; progress alone, none."""
+    await drain(registry, aclient.publish("twice", "t", {}), "t", state="SUCCESS")
+    await drain(registry, aclient.publish("progress_storm", "p", {"n": 10}), "p")
+    runs = (await aclient.collection.find_one({"_id": "t"}))["runs"]  # type: ignore[index]
+    sessions = [r.get("output_txn") for r in runs]
+    assert len(runs) == 2 and None not in sessions and sessions[0] != sessions[1]
+    progress_only = await aclient.collection.find_one({"_id": "p"})
+    assert progress_only is not None and "output_txn" not in progress_only["runs"][0]
+
+
+async def test_a_claim_kills_an_output_transaction_left_open_on_the_task_document(
+    mongo_uri: str, db_name: str, aclient: AsyncTaskClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run frozen or killed between its output transaction's fenced update and its commit
+    leaves that transaction open, holding the task document, and the server keeps it for a
+    minute or more: a claim taking the task over waits for it. With the session recorded on
+    the run entry, the claim runs out of time, the claimer kills it, and the next claim goes
+    through, long before the server would have given it up; the zombie's lines never land."""
+    options = {"worker_timeout_ms": 1000, "ping_interval_ms": 200}
+    await aclient.publish("chunks", "c", {"n": 3}, options=options)
+    docs = await aclient._run(claim(["c"], ["chunks"], "zombie", await aclient.now()))
+    run_id = docs[0]["claim_run_id"]
+    zombie = aclient.mongo.start_session()
+    recorded = store_output.record_session("c", run_id, zombie.session_id["id"])
+    assert await aclient._run(recorded)
+    await zombie.start_transaction()
+    said = store_output.write(
+        "c", run_id, 1, 1, progress=None, counts={"chunks": 1},
+        entries=[{"kind": "chunk", "data": "zombie"}], expire_at=None, now=await aclient.now(),
+    )  # fmt: skip
+    assert await aclient._driver.run(said, zombie)  # then frozen: no commit
+    with caplog.at_level("WARNING", logger="mtask"):
+        async with running_worker(registry, mongo_uri, db_name) as (_, events):
+            await events.wait("recorded", key="c", state="SUCCESS", timeout=40)
+    assert "killed 1 open transaction(s)" in caplog.text
+    with pytest.raises(OperationFailure):
+        await zombie.commit_transaction()  # killed
+    await zombie.end_session()
+    task = await aclient.get("c")
+    assert task is not None and [r.state for r in task.runs] == ["TIMEOUT", "SUCCESS"]
+    stored = [e.data async for e in aclient.stream("c")]
+    assert stored == [1, 2, 3]  # the rescuer's, numbered from 1: the zombie's never landed

@@ -75,20 +75,20 @@ MUTATIONS = [
         "output-fence",
         "a run's output is written only while it owns the task",
         "mtask/store/output.py",
-        "filt: Doc = {",
-        'filt: Doc = {"_id": key} or {',
+        "fenced: Doc = {",
+        'fenced: Doc = {"_id": key} or {',
         (
             "tests/chaos/test_zombie_writes.py::"
             "test_a_zombies_step_record_and_output_reach_mongodb_and_are_refused",
         ),
-        after="def write(",
+        after="def run_fence(",
     ),
     Mutation(
         "output-once",
         "a batch of output sent again is written once",
         "mtask/store/output.py",
-        '"runs": {"$elemMatch": {**run, "output_batch": {"$not": {"$gte": batch}}}},',
-        '"runs": {"$elemMatch": {**run}},',
+        'filt = run_fence(key, run_id, output_batch={"$not": {"$gte": batch}})',
+        "filt = run_fence(key, run_id)",
         (
             "tests/integration/test_output.py::"
             "test_a_batch_sent_again_is_written_once_and_a_stale_lease_writes_nothing",

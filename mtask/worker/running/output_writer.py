@@ -35,6 +35,7 @@ from mtask.errors import StorageError
 from mtask.follow.output import DEFAULT_LIMITS, Batch, OutputLimits, RunOutput
 from mtask.registry import TaskContext
 from mtask.store import output as store_output
+from mtask.worker.running.transactional import discard_session
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,11 @@ class _Followed:
     lost: bool = False
     refused: bool = False
     """A batch of it could not be sent at all (not a MongoDB error): said once."""
+    session: Any = None
+    """The session of its transactions of output, taken for its first one: its id is on the
+    run entry (``output_txn``), so that a run taking the task over can kill a transaction of
+    it left open. At the run's end it goes back to the driver's pool, unless the run lost its
+    task (then a kill may come for it: it is dropped)."""
 
 
 class OutputWriter:
@@ -176,6 +182,7 @@ class OutputWriter:
                     await asyncio.sleep(0.2)
         if run.progress_counted:
             metrics.RUNS_IN_PROGRESS.dec()
+        await _end_session(run, taken_over=run.lost or not write)
         return run.wrote_entries
 
     async def write_in(self, output: RunOutput, session: Any) -> None:
@@ -246,7 +253,9 @@ class OutputWriter:
             if not batch.entries:
                 return bool(await self.driver.run(op(self.clock.now())))
             try:
-                return await self._transaction(lambda s: self.driver.run(op(self.clock.now()), s))
+                return await self._transaction(
+                    run, lambda s: self.driver.run(op(self.clock.now()), s)
+                )
             except StorageError as exc:
                 # entries of an earlier task of this key outlived it: number after them, once
                 if not _duplicate_key(exc.__cause__) or not await self.driver.run(
@@ -254,7 +263,9 @@ class OutputWriter:
                 ):
                     raise
                 log.info("output of %s: numbered after the entries stored before", run.key)
-                return await self._transaction(lambda s: self.driver.run(op(self.clock.now()), s))
+                return await self._transaction(
+                    run, lambda s: self.driver.run(op(self.clock.now()), s)
+                )
         except (StorageError, PyMongoError):
             raise
         except Exception as exc:
@@ -272,14 +283,43 @@ class OutputWriter:
                 )
             raise StorageError(f"cannot write the output: {type(exc).__name__}: {exc}") from exc
 
-    async def _transaction(self, body: Callable[[Any], Any]) -> bool:
+    async def _transaction(self, run: _Followed, body: Callable[[Any], Any]) -> bool:
+        """``body`` in a transaction of the run's output session, recorded on its run entry
+        first (``store.output.record_session``): a worker frozen or killed before a commit
+        leaves the transaction open on the task document, and the claim taking the task over
+        kills it instead of waiting for the server to give it up (docs/output.md). ``False``:
+        the run no longer owns its task."""
         try:
-            async with self.mongo.start_session() as session:
-                return bool(
-                    await session.with_transaction(body, write_concern=WriteConcern("majority"))
-                )
+            if run.session is None:
+                session = self.mongo.start_session()
+                lsid = session.session_id["id"]
+                try:
+                    recorded = await self.driver.run(
+                        store_output.record_session(run.key, run.run_id, lsid)
+                    )
+                except BaseException:  # it may have been written: never reused
+                    discard_session(session)
+                    await session.end_session()
+                    raise
+                if not recorded:  # not written: the session goes back to the pool
+                    await session.end_session()
+                    return False
+                run.session = session
+            return bool(
+                await run.session.with_transaction(body, write_concern=WriteConcern("majority"))
+            )
         except PyMongoError as exc:
             raise storage_error(exc) from exc
+
+
+async def _end_session(run: _Followed, *, taken_over: bool) -> None:
+    """The run's output session back to the driver's pool, or dropped if the run lost its task:
+    a run taking it over may kill that session (its id is on the run entry), which must then
+    interrupt nothing else of this worker."""
+    if run.session is not None:
+        if taken_over:
+            discard_session(run.session)
+        await run.session.end_session()
 
 
 def _duplicate_key(exc: BaseException | None) -> bool:

@@ -178,7 +178,7 @@ async def transact(
             if fence is not None:
                 fence.resume()
                 if not committed:
-                    _discard(session)
+                    discard_session(session)
 
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ async def _kill(driver: AsyncDriver, sessions: tuple[Any, ...]) -> None:
         log.warning("cannot kill the open transactions of earlier runs: %s", exc)
 
 
-def _discard(session: AsyncClientSession) -> None:
+def discard_session(session: AsyncClientSession) -> None:
     """Keep the session's server session out of pymongo's pool: its id is on the run entry, and
     a later takeover may kill it; it must not be reused meanwhile by another operation of this
     worker (which the kill would interrupt). pymongo has no public call for this; its own
