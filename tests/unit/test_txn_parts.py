@@ -22,8 +22,11 @@ def test_a_takeover_kills_the_sessions_of_expired_runs_only() -> None:
         {"run_id": "r3", "state": "TIMEOUT"},  # not transactional
         {"run_id": "r4", "state": "RUNNING", "txn": None},  # this run: nothing recorded yet
         "not a run",
+        {"run_id": "r5", "state": "TIMEOUT", "output_txn": "o5"},  # its output's session
+        {"run_id": "r6", "state": "SUCCESS", "output_txn": "o6"},  # ended by its own worker
+        {"run_id": "r7", "state": "TIMEOUT", "txn": "s7", "output_txn": "o7"},
     ]
-    assert stale_sessions(runs, "r4") == ["s1"]
+    assert stale_sessions(runs, "r4") == ["s1", "o5", "s7", "o7"]
     assert stale_sessions(None, "r4") == []
 
 
