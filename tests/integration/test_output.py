@@ -417,12 +417,13 @@ async def test_each_run_that_writes_lines_records_the_session_of_its_transaction
     aclient: AsyncTaskClient, drain: Any
 ) -> None:
     """A run's lines and chunks are written in transactions of one session, whose id is on its
-    run entry (``output_txn``) before the first: each run its own; progress alone, none."""
+    run entry (``output_txn``) before the first; progress alone, none. (A run that ended on
+    its own worker gives its session back to the driver's pool: a later run may use it.)"""
     await drain(registry, aclient.publish("twice", "t", {}), "t", state="SUCCESS")
     await drain(registry, aclient.publish("progress_storm", "p", {"n": 10}), "p")
     runs = (await aclient.collection.find_one({"_id": "t"}))["runs"]  # type: ignore[index]
     sessions = [r.get("output_txn") for r in runs]
-    assert len(runs) == 2 and None not in sessions and sessions[0] != sessions[1]
+    assert len(runs) == 2 and None not in sessions, runs
     progress_only = await aclient.collection.find_one({"_id": "p"})
     assert progress_only is not None and "output_txn" not in progress_only["runs"][0]
 
