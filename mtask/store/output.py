@@ -26,9 +26,9 @@ from typing import Any
 from pymongo import ASCENDING, DESCENDING, IndexModel, ReturnDocument
 
 from mtask.driver import Call, Doc, Op
-from mtask.models import FINISHED_STATUSES, KEEP_FIELDS, TaskStatus
+from mtask.models import FINISHED_STATUSES, KEEP_FIELDS
 from mtask.statemachine import RUNNING, keep_ms
-from mtask.store.transactional import OUTPUT_TXN_FIELD, lease_alive_expr
+from mtask.store.transactional import OUTPUT_TXN_FIELD, run_fence
 
 COLLECTION = "output"
 """The key of the side collection in ``driver.collections``: ``<tasks>.output``."""
@@ -64,18 +64,6 @@ def keep_until(options: Mapping[str, Any], now: dt.datetime) -> dt.datetime | No
     if any(k is None for k in keeps):
         return None
     return now + dt.timedelta(milliseconds=max(k for k in keeps if k is not None))
-
-
-def run_fence(key: str, run_id: str, **also: Any) -> Doc:
-    """The filter of a run's output writes: the run RUNNING (with ``also`` on its entry), its
-    task ``running``, its lease unexpired on the server's clock."""
-    fenced: Doc = {
-        "_id": key,
-        "status": TaskStatus.RUNNING.value,
-        "runs": {"$elemMatch": {"run_id": run_id, "state": RUNNING, **also}},
-        "$expr": lease_alive_expr(run_id),
-    }
-    return fenced
 
 
 def record_session(key: str, run_id: str, session_uuid: Any) -> Op[bool]:
@@ -163,14 +151,7 @@ def skip_past_stored(key: str, run_id: str) -> Op[bool]:
     highest = docs[0].get("seq") if docs else None
     if not isinstance(highest, int) or isinstance(highest, bool):
         return False
-    run = {"run_id": run_id, "state": RUNNING}
-    filt: Doc = {
-        "_id": key,
-        "status": TaskStatus.RUNNING.value,
-        "runs": {"$elemMatch": run},
-        "$expr": lease_alive_expr(run_id),
-    }
-    result = yield Call("update_one", (filt, {"$max": {"output_seq": highest}}))
+    result = yield Call("update_one", (run_fence(key, run_id), {"$max": {"output_seq": highest}}))
     return bool(result.matched_count)
 
 

@@ -35,7 +35,7 @@ from mtask.models import (
 from mtask.statemachine import RUNNING
 from mtask.steps import MAX_STEPS, SPILL_CHUNK_BYTES, StepError, check_name, check_signal_name
 from mtask.store.output import seal_in
-from mtask.store.transactional import TXN_FIELD, lease_alive_expr
+from mtask.store.transactional import TXN_FIELD, run_fence
 
 COLLECTION = "steps"
 """The key of the side collection in ``driver.collections``: ``<tasks>.steps``."""
@@ -65,12 +65,7 @@ def ensure_indexes() -> Op[None]:
 def fence(key: str, run_id: str) -> Doc:
     """The filter of a run's step writes: its task running, the run RUNNING with its lease
     alive on the server's clock."""
-    return {
-        "_id": key,
-        "status": TaskStatus.RUNNING.value,
-        "runs": {"$elemMatch": {"run_id": run_id, "state": RUNNING}},
-        "$expr": lease_alive_expr(run_id),
-    }
+    return run_fence(key, run_id)
 
 
 def record_update(

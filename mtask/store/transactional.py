@@ -59,6 +59,18 @@ def lease_alive_expr(run_id: str) -> Doc:
     }
 
 
+def run_fence(key: str, run_id: str, **also: Any) -> Doc:
+    """The filter of a run's own writes (its steps, its output): its task ``running``, the run
+    RUNNING (with ``also`` on its entry) and its lease unexpired on the server's clock."""
+    fenced: Doc = {
+        "_id": key,
+        "status": TaskStatus.RUNNING.value,
+        "runs": {"$elemMatch": {"run_id": run_id, "state": RUNNING, **also}},
+        "$expr": lease_alive_expr(run_id),
+    }
+    return fenced
+
+
 def complete_filter_and_pipeline(outcome: Outcome, now: dt.datetime) -> tuple[Doc, list[Doc]]:
     """``finish_update``'s SUCCESS with the transactional fence added to its filter."""
     if outcome.state is not RunState.SUCCESS:

@@ -74,7 +74,7 @@ MUTATIONS = [
     Mutation(
         "output-fence",
         "a run's output is written only while it owns the task",
-        "mtask/store/output.py",
+        "mtask/store/transactional.py",
         "fenced: Doc = {",
         'fenced: Doc = {"_id": key} or {',
         (
@@ -233,14 +233,14 @@ MUTATIONS = [
     Mutation(
         "step-lease",
         "a run whose lease ran out records nothing, even before another run takes its task",
-        "mtask/store/steps.py",
+        "mtask/store/transactional.py",
         '"$expr": lease_alive_expr(run_id),',
         "# (no lease)",
         (
             "tests/integration/test_zombie_fences.py::"
             "test_a_zombies_parallel_step_is_refused_and_the_takeovers_is_recorded",
         ),
-        after="def fence(",
+        after="def run_fence(",
     ),
     Mutation(
         "data-wait-fence",
