@@ -26,11 +26,12 @@ if TYPE_CHECKING:
     from mtask.flows import Next
     from mtask.limits.holds import BackOff
     from mtask.limits.snooze import Snooze
-    from mtask.models import PublishResult, Run, RunState, Task, TaskOptions, TaskStatus
+    from mtask.models import PublishResult, Run, Task, TaskOptions
     from mtask.registry import BatchItem, BudgetExceeded, Fail, Registry, Retry, TaskContext
     from mtask.security.encryption import Encryption, rotate_local
     from mtask.steps.children import ChildFailed, Spawn
     from mtask.steps.policy import StepPolicy, StepTimeout
+    from mtask.vocabulary import RunState, TaskStatus
     from mtask.worker import Worker
 
 

@@ -21,13 +21,16 @@ import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pymongo import UpdateOne
 
 from mtask.driver import Doc
 from mtask.errors import InvalidTask
-from mtask.models import MAX_KEY_LENGTH, NewTask, TaskStatus
+from mtask.vocabulary import MAX_KEY_LENGTH, TaskStatus
+
+if TYPE_CHECKING:
+    from mtask.models import NewTask
 
 FAILED_FOR_GOOD = (TaskStatus.FAILED.value, TaskStatus.CANCELLED.value, TaskStatus.INVALID.value)
 MAX_TREE_NODES = 10_000
@@ -68,6 +71,8 @@ def child_key(parent: str, name: str, ordinal: int | None) -> str:
 
 def build_steps(parent: str, result: Any, max_params_bytes: int) -> list[NewTask]:
     """Validate the steps a handler returned (``InvalidTask`` names the bad one)."""
+    from mtask.models import NewTask
+
     steps = [result] if isinstance(result, Next) else list(result)
     names = [s.name for s in steps]
     seen: dict[str, int] = {}
@@ -104,6 +109,8 @@ def outbox_entry(task: NewTask) -> Doc:
 
 def from_outbox(parent: object, entry: object) -> NewTask:
     """The step an outbox entry describes; ``InvalidTask`` says what is wrong with it."""
+    from mtask.models import NewTask
+
     if not isinstance(parent, str):
         raise InvalidTask(f"must be a string, not {type(parent).__name__}", field="parent key")
     if not isinstance(entry, Mapping):

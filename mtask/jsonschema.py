@@ -20,8 +20,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mtask.models import REQUIRED_FIELDS, PublishedDocument, TaskDocument
-
 VERSION = 1
 SCHEMA_DIR = Path(__file__).parent / "schema"
 FILES = {
@@ -52,11 +50,15 @@ def _with_ids(schema: Schema, name: str) -> Schema:
 
 def publish_schema() -> Schema:
     """The minimal shape a publisher writes (standard JSON Schema; dates are BSON dates)."""
+    from mtask.models import PublishedDocument
+
     return _with_ids(_mark_dates(PublishedDocument.model_json_schema(by_alias=True)), "publish")
 
 
 def stored_schema() -> Schema:
     """The full stored shape (standard JSON Schema; dates are BSON dates)."""
+    from mtask.models import TaskDocument
+
     return _with_ids(_mark_dates(TaskDocument.model_json_schema(by_alias=True)), "task")
 
 
@@ -74,6 +76,8 @@ def _mark_dates(schema: Any) -> Any:
 
 def validator_schema() -> Schema:
     """The MongoDB ``$jsonSchema`` of a task document, published or stored."""
+    from mtask.models import REQUIRED_FIELDS, PublishedDocument, TaskDocument
+
     stored = _to_bson(TaskDocument.model_json_schema(by_alias=True))
     published = _to_bson(PublishedDocument.model_json_schema(by_alias=True))
     properties = {**published["properties"], **stored["properties"]}
@@ -151,6 +155,14 @@ def generated() -> dict[str, Schema]:
 def shipped(name: str) -> Schema:
     data: Schema = json.loads((SCHEMA_DIR / name).read_text())
     return data
+
+
+def shipped_validator() -> Schema:
+    """The MongoDB ``$jsonSchema`` as shipped (``mongodb-validator.v1.json``): what
+    ``validator_schema`` generates (``test_jsonschema.py`` keeps the file equal to it), read
+    without building a model or importing pydantic (a worker's completion of a published
+    document checks it: ``store.complete``)."""
+    return shipped(f"mongodb-validator.v{VERSION}.json")
 
 
 def dump(schema: Schema) -> str:

@@ -31,8 +31,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
-from mtask.models import OPEN_STATUSES
 from mtask.triggers import follower_label
+from mtask.vocabulary import OPEN_STATUSES
 
 log = logging.getLogger(__name__)
 DEPTH_TTL = 5.0

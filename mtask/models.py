@@ -3,25 +3,23 @@
 The document stored in MongoDB is the source of truth. ``TaskDocument`` is the one definition
 of its shape (``PublishedDocument`` the least a publisher in another language writes); the
 others validate what goes in (``TaskOptions``, ``NewTask``) and give a typed view of what
-comes out (``Task``, tolerant of any document). The hot paths of the worker use plain dicts;
-the store's filters and the JSON Schema (``mtask.jsonschema``) are derived from these models.
-Every model is built on its first use (``defer_build``): a worker's start, and a command's,
-builds none it does not use (``tests/unit/test_lazy_imports.py``).
+comes out (``Task``, tolerant of any document). The words and bounds they are built on (the
+statuses, the limits, each option's default) are ``mtask.vocabulary``'s, without pydantic: the
+worker and the store import those alone, and work on plain dicts. The JSON Schema
+(``mtask.jsonschema``) is derived from these models. Every model is built on its first use
+(``defer_build``): a command builds none it does not use, and a worker's start imports no
+pydantic at all (``tests/unit/test_lazy_imports.py``).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import functools
-import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from decimal import ROUND_HALF_EVEN, Decimal
-from enum import StrEnum
-from typing import Annotated, Any, Literal, TypeGuard
+from typing import Annotated, Any, Literal
 
-import bson
-from bson import json_util
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -37,151 +35,40 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from mtask.errors import InvalidTask
-
-MAX_KEY_LENGTH = 512
-MAX_NAME_LENGTH = 200
-NO_NUL = "^[^\\x00]*$"
-"""The pattern of a key and of a name: no NUL character (a C string ends there; the server
-refuses one in a regular expression, and no worker can register such a name)."""
-DEFAULT_MAX_PARAMS_BYTES = 1024 * 1024
-PARAMS_BYTES_CEILING = 12 * 1024 * 1024
-"""Params are refused above this size whatever ``max_params_bytes`` allows: with the longest
-key, name and ``depends_on`` the task document stays below MongoDB's 16 MiB, so a validated
-task is always written (``publish_many`` never fails half-way on one document)."""
-MAX_PARAMS_DEPTH = 64
-"""Nesting levels allowed in params (MongoDB refuses documents nested past 100 levels, and a
-task document holds params a level down, plus room for the stored result)."""
-MAX_STORED_DEPTH = 97
-"""Nesting levels allowed in a value stored three levels down in a task document (a run's
-result in ``runs.<i>.result``, a step's in ``steps.<i>.result``): MongoDB holds no document
-nested past 100 levels, and refuses the update that would make one."""
-NESTED_BYTES = 7
-"""The fewest BSON bytes one level of nesting takes (an object under an empty name): a value
-of fewer than ``NESTED_BYTES * MAX_STORED_DEPTH`` bytes cannot nest too deep."""
-
-
-def storable_depth(value: object, size: int) -> bool:
-    """Whether ``value`` (``size`` BSON bytes) nests at most ``MAX_STORED_DEPTH`` levels;
-    walked only if it is large enough not to."""
-    if size <= NESTED_BYTES * MAX_STORED_DEPTH:
-        return True
-    try:
-        check_depth(value, MAX_STORED_DEPTH)
-    except InvalidTask:
-        return False
-    return True
-
-
-MAX_RUNS_KEPT = 20
-"""Finished runs beyond this many are folded into ``runs_folded``; RUNNING runs are always kept."""
-MAX_CONCURRENCY = 1000
-FOREVER = -1
-"""A retention (``keep_*_ms``) that never expires the finished task."""
-MAX_KEEP_MS = 100 * 365 * 86_400_000
-MAX_AGE_SECONDS = MAX_KEEP_MS // 1000
-"""The longest age a filter compares (``older_than``: 100 years, as long as a retention)."""
-DAY_MS = 86_400_000
-PING_INTERVAL_MS = (50, 3_600_000)
-WORKER_TIMEOUT_MS = (100, DAY_MS)
-"""The ranges of ``ping_interval_ms`` and ``worker_timeout_ms``: the worker computes each run's
-lease and pings from them, so a document holding another value is not claimed
-(``store.schema.WELL_FORMED``)."""
-
-
-UNENCODABLE = "must be valid Unicode: a lone surrogate (such as '\\ud800') has no UTF-8 form"
-
-
-def encodable(text: str) -> bool:
-    """Whether ``text`` can be stored (BSON strings are UTF-8; a lone surrogate is not)."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def in_range(value: object, bounds: tuple[int, int]) -> TypeGuard[int]:
-    """``value`` is an int (not a bool) within ``bounds``: a stored option the worker may
-    compute with (a lease's end from ``worker_timeout_ms``), whatever a document holds."""
-    return (
-        isinstance(value, int) and not isinstance(value, bool) and bounds[0] <= value <= bounds[1]
-    )
-
-
-MAX_RETRY_DELAY_MS = 30 * DAY_MS
-"""The longest wait before a retry: ``max_retry_delay_ms``'s ceiling, and ``Retry``'s."""
-
-
-def delay_ms(value: object) -> int | None:
-    """``value`` seconds (a number or a timedelta) from 0 to ``MAX_RETRY_DELAY_MS`` (30 days)
-    in milliseconds, or ``None`` if it is not such a delay (the caller's error names it): a
-    ``Retry``'s delay, a snooze's, a debounce's."""
-    seconds = value.total_seconds() if isinstance(value, dt.timedelta) else value
-    if (
-        isinstance(seconds, bool)
-        or not isinstance(seconds, int | float)
-        or not 0 <= seconds <= MAX_RETRY_DELAY_MS / 1000
-    ):
-        return None
-    return round(seconds * 1000)
-
-
-DEFAULT_KEEP_MS: dict[str, int] = {
-    "succeeded": 7 * DAY_MS,
-    "failed": 30 * DAY_MS,
-    "cancelled": 7 * DAY_MS,
-}
-"""Built-in retention per finished status, used when neither the task, its name nor the global
-default (``mtask.store.retention``) sets one. ``invalid`` tasks are kept until purged."""
-KEEP_FIELDS = {status: f"keep_{status}_ms" for status in DEFAULT_KEEP_MS}
-"""The option (under ``options``) holding each finished status's retention."""
-
-
-class TaskStatus(StrEnum):
-    PENDING = "pending"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    INVALID = "invalid"
-    """Set by a worker on a document no claim can match (inserted by hand with missing or
-    mistyped fields); ``invalid_reason`` says why. Never claimed again."""
-
-    @property
-    def finished(self) -> bool:
-        return self in FINISHED_STATUSES
-
-
-FINISHED_STATUSES = frozenset(
-    {TaskStatus.SUCCEEDED, TaskStatus.FAILED, TaskStatus.CANCELLED, TaskStatus.INVALID}
+from mtask.vocabulary import (
+    DEFAULT_KEEP_MS,
+    DEFAULT_MAX_PARAMS_BYTES,
+    FOREVER,
+    KEEP_FIELDS,
+    MAX_CONCURRENCY,
+    MAX_COST,
+    MAX_KEEP_MS,
+    MAX_KEY_LENGTH,
+    MAX_NAME_LENGTH,
+    MAX_PARAMS_DEPTH,
+    MAX_PROGRESS_LABEL,
+    MAX_RETRY_DELAY_MS,
+    MAX_TOKENS,
+    NO_NUL,
+    OPTION_DEFAULTS,
+    OPTION_FIELD_DEFAULTS,
+    OPTION_NAMES,
+    PARAMS_BYTES_CEILING,
+    PING_INTERVAL_MS,
+    UNENCODABLE,
+    WORKER_TIMEOUT_MS,
+    Period,
+    RunState,
+    TaskStatus,
+    bson_json,
+    bson_size,
+    check_depth,
+    encodable,
+    options_document,
+    validate_depends_on,
+    validate_key,
+    validate_name,
 )
-OPEN_STATUSES = (TaskStatus.PENDING.value, TaskStatus.RUNNING.value)
-
-
-class RunState(StrEnum):
-    RUNNING = "RUNNING"
-    SUCCESS = "SUCCESS"
-    FAIL = "FAIL"
-    TIMEOUT = "TIMEOUT"
-    RELEASED = "RELEASED"
-    CANCELLED = "CANCELLED"
-    WAITING = "WAITING"
-    """The handler slept or waits for a signal (``ctx.sleep``, ``ctx.wait_for``): the run
-    ended, the task is claimed again when the wait is over (docs/steps.md)."""
-    SNOOZED = "SNOOZED"
-    """The handler raised ``Snooze(seconds)``: the run ended without spending a retry, the
-    task is claimed again after those seconds (``mtask.limits.snooze``)."""
-    CONTINUED = "CONTINUED"
-    """The handler called ``ctx.continue_as_new(params)``: the run ended, the task starts
-    afresh at once with those params and a new journal (docs/steps.md)."""
-
-
-MAX_TOKENS = 10**15
-"""The most tokens one charge or one budget counts."""
-MAX_COST = 10**9
-"""The most one charge or one budget costs, in the currency (in nano-units, 10¹⁸: an int64)."""
-
-Period = Literal["hour", "day", "week", "month"] | float
 
 
 class Budget(BaseModel):
@@ -239,9 +126,14 @@ class TaskOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
-    priority: int = Field(0, ge=-1_000_000, le=1_000_000, description="Higher runs first.")
+    priority: int = Field(
+        OPTION_FIELD_DEFAULTS["priority"],
+        ge=-1_000_000,
+        le=1_000_000,
+        description="Higher runs first.",
+    )
     group: str | None = Field(
-        None,
+        OPTION_FIELD_DEFAULTS["group"],
         min_length=1,
         max_length=MAX_NAME_LENGTH,
         pattern=NO_NUL,
@@ -249,46 +141,59 @@ class TaskOptions(BaseModel):
         "turns at being claimed, so one group's backlog does not starve another's tasks.",
     )
     concurrency: int = Field(
-        1,
+        OPTION_FIELD_DEFAULTS["concurrency"],
         ge=1,
         le=MAX_CONCURRENCY,
         description="How many distinct workers must run the task successfully; at most this "
         "many run it at once.",
     )
-    ping_interval_ms: int = Field(5_000, ge=PING_INTERVAL_MS[0], le=PING_INTERVAL_MS[1])
-    worker_timeout_ms: int = Field(30_000, ge=WORKER_TIMEOUT_MS[0], le=WORKER_TIMEOUT_MS[1])
-    specific_worker_ids: tuple[str, ...] = Field(
-        (), description="If not empty, only these workers may run the task."
+    ping_interval_ms: int = Field(
+        OPTION_FIELD_DEFAULTS["ping_interval_ms"], ge=PING_INTERVAL_MS[0], le=PING_INTERVAL_MS[1]
     )
-    max_retries: int = Field(3, ge=0, le=1_000_000)
-    retry_delay_ms: int = Field(1_000, ge=0, le=86_400_000)
-    retry_backoff: float = Field(2.0, ge=1.0, le=100.0)
-    max_retry_delay_ms: int = Field(3_600_000, ge=0, le=MAX_RETRY_DELAY_MS)
+    worker_timeout_ms: int = Field(
+        OPTION_FIELD_DEFAULTS["worker_timeout_ms"], ge=WORKER_TIMEOUT_MS[0], le=WORKER_TIMEOUT_MS[1]
+    )
+    specific_worker_ids: tuple[str, ...] = Field(
+        OPTION_FIELD_DEFAULTS["specific_worker_ids"],
+        description="If not empty, only these workers may run the task.",
+    )
+    max_retries: int = Field(OPTION_FIELD_DEFAULTS["max_retries"], ge=0, le=1_000_000)
+    retry_delay_ms: int = Field(OPTION_FIELD_DEFAULTS["retry_delay_ms"], ge=0, le=86_400_000)
+    retry_backoff: float = Field(OPTION_FIELD_DEFAULTS["retry_backoff"], ge=1.0, le=100.0)
+    max_retry_delay_ms: int = Field(
+        OPTION_FIELD_DEFAULTS["max_retry_delay_ms"], ge=0, le=MAX_RETRY_DELAY_MS
+    )
     max_backoffs: int = Field(
-        100,
+        OPTION_FIELD_DEFAULTS["max_backoffs"],
         ge=0,
         le=1_000_000,
         description="How many times its handler may raise BackOff (each releases the run, no "
         "retry spent) before the task fails for good, saying so: a handler that always answers "
         "a 429 does not back off forever.",
     )
-    run_at: dt.datetime | None = Field(None, description="Not claimed before this time.")
+    run_at: dt.datetime | None = Field(
+        OPTION_FIELD_DEFAULTS["run_at"], description="Not claimed before this time."
+    )
     keep_succeeded_ms: int | None = Field(
-        None,
+        OPTION_FIELD_DEFAULTS["keep_succeeded_ms"],
         ge=FOREVER,
         le=MAX_KEEP_MS,
         description="How long a succeeded task is kept after it finished (-1: forever; unset: "
         "the name's or the global default, resolved at publish).",
     )
-    keep_failed_ms: int | None = Field(None, ge=FOREVER, le=MAX_KEEP_MS)
-    keep_cancelled_ms: int | None = Field(None, ge=FOREVER, le=MAX_KEEP_MS)
+    keep_failed_ms: int | None = Field(
+        OPTION_FIELD_DEFAULTS["keep_failed_ms"], ge=FOREVER, le=MAX_KEEP_MS
+    )
+    keep_cancelled_ms: int | None = Field(
+        OPTION_FIELD_DEFAULTS["keep_cancelled_ms"], ge=FOREVER, le=MAX_KEEP_MS
+    )
     deadline: dt.datetime | None = Field(
-        None,
+        OPTION_FIELD_DEFAULTS["deadline"],
         description="The whole task's deadline, across its runs, retries, sleeps and waits: "
         "past it the task fails for good, saying so.",
     )
     budget: Budget | None = Field(
-        None,
+        OPTION_FIELD_DEFAULTS["budget"],
         description="The most tokens (input + output) and/or cost its runs may spend: a step "
         "that would start past it does not, and the task fails with BudgetExceeded.",
     )
@@ -323,33 +228,11 @@ class TaskOptions(BaseModel):
         return value
 
     def to_document(self) -> dict[str, Any]:
-        return _options_document(self.model_dump())
-
-
-def _options_document(doc: dict[str, Any]) -> dict[str, Any]:
-    """The options (``TaskOptions.model_dump``'s) as stored."""
-    doc["specific_worker_ids"] = list(doc["specific_worker_ids"])
-    if doc["group"] is None:
-        del doc["group"]  # an option nobody set costs no bytes
-    if doc["deadline"] is None:
-        del doc["deadline"]
-    if doc.get("budget") is None:
-        doc.pop("budget", None)
-    else:
-        doc["budget"] = {k: v for k, v in doc["budget"].items() if v is not None}
-    return doc
+        return options_document(self.model_dump())
 
 
 BsonDate = Annotated[dt.datetime, Strict()]
 """A BSON date: an ISO string where a date belongs is a mistake, not a date."""
-
-
-def bson_json(value: Any) -> Any:
-    """A value read from a document, as JSON: MongoDB Extended JSON, relaxed (``bson.json_util``)
-    — an ObjectId is ``{"$oid": …}``, bytes ``{"$binary": …}``, a date ``{"$date": …}``, NaN
-    ``{"$numberDouble": "NaN"}``, a Decimal128 ``{"$numberDecimal": …}``; strings, numbers, bools,
-    arrays and objects as themselves. The one way the API writes what a document holds."""
-    return json.loads(json_util.dumps(value, json_options=json_util.RELAXED_JSON_OPTIONS))
 
 
 BsonAny = Annotated[Any, PlainSerializer(bson_json, when_used="json")]
@@ -370,9 +253,6 @@ class Stored(BaseModel):
         extra="allow", json_schema_extra={"additionalProperties": True}, defer_build=True
     )
     __pydantic_extra__: dict[str, BsonAny] = Field(init=False)
-
-
-MAX_PROGRESS_LABEL = 200
 
 
 class Progress(Stored):
@@ -575,29 +455,12 @@ class Continued(Stored):
     journals: list[Journaled] = Field(default_factory=list)
 
 
-MAX_JOURNALS_KEPT = 10
-"""The journals a task that continues as new keeps summarised (``continued.journals``)."""
-
-
 class SpawnedBy(Stored):
     """A spawned child's parent, the step that spawned it and its place among its siblings."""
 
     parent: str
     step: str
     index: int = Field(ge=0)
-
-
-OPTION_NAMES: tuple[str, ...] = tuple(TaskOptions.model_fields)
-OPTION_DEFAULTS: dict[str, Any] = _options_document(
-    {
-        name: field.get_default(call_default_factory=True)
-        for name, field in TaskOptions.model_fields.items()
-    }
-)
-"""Every option's default: what ``publish`` writes and what the worker completes a published
-document with (``mtask.store.complete``), from the one definition, ``TaskOptions`` (its fields'
-defaults, read without building its validator: a worker whose handlers declare no options
-builds none before its first claim)."""
 
 
 class Debounce(Stored):
@@ -1105,61 +968,6 @@ class PublishResult(BaseModel):
     each key is published and succeeds (a typo waits forever; ``mtask publish`` warns)."""
 
 
-OnConflict = Literal["ignore", "update_params", "reset"]
-ON_CONFLICT_CHOICES: tuple[str, ...] = ("ignore", "update_params", "reset")
-
-
-def _bson_size(params: dict[str, Any]) -> int:
-    try:
-        return len(bson.encode(params))
-    except (bson.errors.InvalidDocument, TypeError, OverflowError, ValueError) as exc:
-        # ValueError: a lone surrogate (UnicodeEncodeError), a date out of range in UTC
-        raise InvalidTask(f"not BSON-encodable: {exc}", field="params") from None
-
-
-def check_depth(value: object, limit: int, field: str = "params") -> None:
-    """Refuse a value nested more than ``limit`` levels of mappings and lists (``{}`` is one
-    level), iteratively so that no depth makes Python recurse."""
-    if not isinstance(value, dict | list | tuple):
-        return
-    stack: list[tuple[object, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            raise InvalidTask(f"is nested more than {limit} levels deep", field=field)
-        children = item.values() if isinstance(item, dict) else item
-        assert isinstance(children, Iterable)
-        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list | tuple))
-
-
-def validate_key(key: object) -> str:
-    if not isinstance(key, str):
-        raise InvalidTask(f"must be a string, not {type(key).__name__}", field="key")
-    if not key.strip():
-        raise InvalidTask("must not be empty", field="key")
-    if len(key) > MAX_KEY_LENGTH:
-        raise InvalidTask(f"is {len(key)} characters; at most {MAX_KEY_LENGTH}", field="key")
-    if "\x00" in key:
-        raise InvalidTask("must not contain NUL characters", field="key")
-    if not encodable(key):
-        raise InvalidTask(UNENCODABLE, field="key")
-    return key
-
-
-def validate_name(name: object) -> str:
-    if not isinstance(name, str):
-        raise InvalidTask(f"must be a string, not {type(name).__name__}", field="name")
-    if not name.strip():
-        raise InvalidTask("must not be empty", field="name")
-    if len(name) > MAX_NAME_LENGTH:
-        raise InvalidTask(f"is {len(name)} characters; at most {MAX_NAME_LENGTH}", field="name")
-    if "\x00" in name:
-        raise InvalidTask("must not contain NUL characters", field="name")
-    if not encodable(name):
-        raise InvalidTask(UNENCODABLE, field="name")
-    return name
-
-
 def _as_field(validate: Callable[[object], str]) -> Callable[[str], str]:
     """``validate`` for a pydantic field: its ``InvalidTask`` as the error pydantic reports
     (over HTTP, the 422 an ``InvalidTask`` is: ``type`` ``invalid_task``, the same message)."""
@@ -1189,7 +997,7 @@ def validate_params(params: object, max_bytes: int = DEFAULT_MAX_PARAMS_BYTES) -
     if not isinstance(params, dict):
         raise InvalidTask(f"must be a mapping, not {type(params).__name__}", field="params")
     check_depth(params, MAX_PARAMS_DEPTH)
-    size = _bson_size(params)
+    size = bson_size(params)
     limit = min(max_bytes, PARAMS_BYTES_CEILING)
     if size > limit:
         raise InvalidTask(f"is {size} bytes as BSON; the limit is {limit}", field="params")
@@ -1207,6 +1015,19 @@ def validate_options(options: object) -> TaskOptions:
         return TaskOptions.model_validate(options)
     except ValidationError as exc:
         raise InvalidTask(describe_validation_error(exc, prefix="options")) from None
+
+
+def explicit_options(options: TaskOptions | Mapping[str, Any] | None) -> dict[str, Any]:
+    """The options ``options`` sets itself (a ``TaskOptions``' set fields, a mapping's keys),
+    checked: a handler's or a trigger's declared defaults. ``InvalidTask`` names a bad one."""
+    if isinstance(options, TaskOptions):
+        return options.model_dump(include=options.model_fields_set)
+    given = dict(options or {})
+    try:
+        checked = TaskOptions.model_validate(given)
+    except ValidationError as exc:
+        raise InvalidTask(describe_validation_error(exc, prefix="options")) from None
+    return checked.model_dump(include=set(given))
 
 
 def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
@@ -1265,26 +1086,3 @@ class NewTask(BaseModel):
             spawn=spawn,
             triggered_by=triggered_by,
         )
-
-
-MAX_DEPENDENCIES = 1000
-
-
-def validate_depends_on(value: object, key: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str) or not isinstance(value, list | tuple):
-        raise InvalidTask("must be a list of task keys", field="depends_on")
-    if len(value) > MAX_DEPENDENCIES:
-        raise InvalidTask(f"has {len(value)} keys; at most {MAX_DEPENDENCIES}", field="depends_on")
-    keys: list[str] = []
-    for index, dep in enumerate(value):
-        try:
-            dep = validate_key(dep)
-        except InvalidTask as exc:
-            raise InvalidTask(f"depends_on[{index}]: {exc.message.removeprefix('key: ')}") from None
-        if dep == key:
-            raise InvalidTask("a task cannot depend on itself", field="depends_on")
-        if dep not in keys:
-            keys.append(dep)
-    return tuple(keys)

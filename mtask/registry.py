@@ -14,26 +14,23 @@ import typing
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NoReturn, TypeVar
-
-from pydantic import BaseModel, ValidationError
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 
 from mtask.errors import InvalidParams, InvalidTask, LeaseLost, MtaskError, RegistryNotFound
 from mtask.follow.output import RunLog, RunOutput
 from mtask.limits.batches import DEFAULT_BATCH_TIMEOUT
 from mtask.limits.batches import check as check_batch
-from mtask.models import (
-    MAX_RETRY_DELAY_MS,
-    Budget,
-    TaskOptions,
-    delay_ms,
-    describe_validation_error,
-)
-from mtask.schedules import Schedule
 from mtask.steps import MemorySteps, RunSteps, caller
 from mtask.steps.calls import Gate
 from mtask.steps.policy import StepPolicy
 from mtask.triggers import Trigger, check_collection
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from mtask.models import Budget, TaskOptions
+    from mtask.schedules import Schedule
+from mtask.vocabulary import MAX_RETRY_DELAY_MS, delay_ms
 
 if typing.TYPE_CHECKING:
     from mtask.usage.charges import RunUsage
@@ -472,6 +469,10 @@ class Handler:
     def parse(self, params: Mapping[str, Any]) -> Any:
         if self.params_model is None:
             return dict(params)
+        from pydantic import ValidationError  # loaded: the handler's model is one
+
+        from mtask.models import describe_validation_error
+
         try:
             return self.params_model.model_validate(params)
         except ValidationError as exc:
@@ -496,7 +497,13 @@ def _inspect(fn: Callable[..., Any]) -> tuple[type[BaseModel] | None, bool]:
             f"not {len(params)} parameters"
         )
     model = hints.get(params[0].name)
-    params_model = model if isinstance(model, type) and issubclass(model, BaseModel) else None
+    # a model's class can only come from a pydantic some module loaded already: a registry
+    # whose handlers take plain dicts loads none (a worker's start: test_lazy_imports.py)
+    pydantic = sys.modules.get("pydantic")
+    base = None if pydantic is None else pydantic.BaseModel
+    params_model = (
+        model if base is not None and isinstance(model, type) and issubclass(model, base) else None
+    )
     return params_model, len(params) == 2
 
 
@@ -514,16 +521,11 @@ def _declarations(
             raise InvalidTask("must be a positive number of seconds", field=label)
     if time_limit is not None and soft_time_limit is not None and soft_time_limit > time_limit:
         raise InvalidTask("must not exceed time_limit", field="soft_time_limit")
-    if isinstance(options, TaskOptions):
-        defaults = options.model_dump(include=options.model_fields_set)
-    elif not options:  # nothing declared: nothing to check (nor a validator to build)
-        defaults = {}
-    else:
-        try:
-            given = TaskOptions.model_validate(dict(options or {}))
-        except ValidationError as exc:
-            raise InvalidTask(describe_validation_error(exc, prefix="options")) from None
-        defaults = given.model_dump(include=set(dict(options or {})))
+    defaults: dict[str, Any] = {}
+    if options:  # nothing declared: nothing to check (nor pydantic to load)
+        from mtask.models import explicit_options
+
+        defaults = explicit_options(options)
     for fixed in ("run_at", "deadline"):
         if fixed in defaults:
             raise InvalidTask("a handler default cannot be a fixed time", field=f"options.{fixed}")
@@ -598,6 +600,8 @@ class Registry:
         ``params``, ``options``, ``catch_up``, ``misfire_grace_s``: see ``Schedule.build``).
         Workers running this registry create (or update) the schedule in MongoDB when they
         start; the schedule's id is ``id`` or the task name."""
+        from mtask.schedules import Schedule  # its model: loaded by a registry that has one
+
         schedule = Schedule.build(id or task, task, **definition)
         if schedule.id in self.schedules:
             raise InvalidTask(f"a schedule {schedule.id!r} is already declared", field="id")
@@ -710,6 +714,8 @@ class Registry:
         handler = self.handlers.get(name)
         if handler is None or not handler.options:
             return options
+        from mtask.models import TaskOptions  # loaded: the handler declared its options
+
         if isinstance(options, TaskOptions):
             given = options.model_dump(include=options.model_fields_set)
         else:

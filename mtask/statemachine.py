@@ -24,7 +24,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mtask.models import (
+from mtask.vocabulary import (
     DEFAULT_KEEP_MS,
     KEEP_FIELDS,
     MAX_KEEP_MS,

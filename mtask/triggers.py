@@ -24,21 +24,16 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import bson
 from bson import ObjectId, json_util
-from pydantic import ValidationError
 
 from mtask.errors import InvalidTask
-from mtask.models import (
-    MAX_KEY_LENGTH,
-    TaskOptions,
-    bson_json,
-    describe_validation_error,
-    encodable,
-    validate_name,
-)
+from mtask.vocabulary import MAX_KEY_LENGTH, bson_json, encodable, validate_name
+
+if TYPE_CHECKING:
+    from mtask.models import TaskOptions
 
 Doc = dict[str, Any]
 
@@ -153,14 +148,11 @@ def _check_debounce(debounce: object) -> float | None:
 
 
 def _check_options(options: TaskOptions | Mapping[str, Any] | None) -> Doc:
-    if isinstance(options, TaskOptions):
-        given = options.model_dump(include=options.model_fields_set)
-    else:
-        try:
-            checked = TaskOptions.model_validate(dict(options or {}))
-        except ValidationError as exc:
-            raise InvalidTask(describe_validation_error(exc, prefix="options")) from None
-        given = checked.model_dump(include=set(dict(options or {})))
+    given: Doc = {}
+    if options:  # none given: nothing to check (nor pydantic to load)
+        from mtask.models import explicit_options
+
+        given = explicit_options(options)
     if "run_at" in given:
         raise _refuse("options.run_at", "a trigger's tasks run when their change comes")
     return given

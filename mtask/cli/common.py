@@ -300,7 +300,7 @@ class Choices(Sequence[str]):
 
 def statuses() -> list[str]:
     """The task statuses, in their order (``models.TaskStatus``)."""
-    from mtask.models import TaskStatus
+    from mtask.vocabulary import TaskStatus
 
     return [s.value for s in TaskStatus]
 
@@ -415,7 +415,7 @@ DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)?")
 def parse_duration(text: str, what: str) -> dt.timedelta:
     """``90`` (seconds), ``90s``, ``15m``, ``12h``, ``7d``, ``2w``, ``500ms``: at most 100
     years (``models.MAX_AGE_SECONDS``, as the API allows), else ``UsageError`` (exit 2)."""
-    from mtask.models import MAX_AGE_SECONDS
+    from mtask.vocabulary import MAX_AGE_SECONDS
 
     match = DURATION.fullmatch(text.strip())
     if match is None:

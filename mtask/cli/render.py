@@ -180,7 +180,7 @@ def _deadline(at: dt.datetime | None) -> str:
 
 def _waiting_rows(task: Task) -> list[tuple[str, str]]:
     """What a waiting task waits for, and the signals it was sent."""
-    from mtask.models import TaskStatus, bson_json
+    from mtask.vocabulary import TaskStatus, bson_json
 
     rows = []
     w = task.waiting
@@ -413,7 +413,7 @@ def _columns(cells: tuple[str, ...], widths: list[int]) -> str:
 def stats_table(counts: Counts) -> Any:
     """Counts per name and stored status (``mtask stats --by status``), readable at 80 columns:
     a status no task is in takes no column, and a name is never cut short."""
-    from mtask.models import TaskStatus
+    from mtask.vocabulary import TaskStatus
 
     statuses = status_columns(counts, [s.value for s in TaskStatus])
     notes = _bound_note(counts)

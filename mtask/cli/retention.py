@@ -32,7 +32,7 @@ def _purgeable() -> tuple[str, ...]:
 
 
 def _forever() -> int:
-    from mtask.models import FOREVER
+    from mtask.vocabulary import FOREVER
 
     return FOREVER
 
@@ -145,7 +145,7 @@ def cmd_retention(args: argparse.Namespace) -> int:
 
 def _built_in(any_set: bool) -> str:
     """The line under the table: the built-in defaults, which apply where nothing is set."""
-    from mtask.models import DEFAULT_KEEP_MS
+    from mtask.vocabulary import DEFAULT_KEEP_MS
 
     kept = ", ".join(f"{s} {_shown(ms)}" for s, ms in DEFAULT_KEEP_MS.items())
     head = "elsewhere" if any_set else "no retention set: every name keeps"

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 
 def _on_conflict() -> tuple[str, ...]:
-    from mtask.models import ON_CONFLICT_CHOICES
+    from mtask.vocabulary import ON_CONFLICT_CHOICES
 
     return ON_CONFLICT_CHOICES
 

@@ -57,7 +57,8 @@ from mtask.driver import Op
 from mtask.errors import TaskNotFound
 from mtask.follow import events, streams
 from mtask.follow.waiters import AsyncWaiter, SyncWaiter, async_waiter_for, finished, waiter_for
-from mtask.models import DEFAULT_MAX_PARAMS_BYTES, Task
+from mtask.models import Task
+from mtask.vocabulary import DEFAULT_MAX_PARAMS_BYTES
 
 if TYPE_CHECKING:
     from mtask.registry import Registry

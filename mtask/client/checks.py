@@ -8,10 +8,10 @@ from typing import Any
 
 from mtask import store
 from mtask.errors import InvalidTask
-from mtask.models import MAX_AGE_SECONDS, ON_CONFLICT_CHOICES, TaskStatus, in_range
 from mtask.store import debounce as debounce_store
 from mtask.store import output as store_output
 from mtask.store import supersede as supersede_store
+from mtask.vocabulary import MAX_AGE_SECONDS, ON_CONFLICT_CHOICES, TaskStatus, in_range
 
 
 def check_on_conflict(on_conflict: str) -> None:

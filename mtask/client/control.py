@@ -14,12 +14,13 @@ from mtask.client.core import Core, operation
 from mtask.driver import Op
 from mtask.errors import InvalidTask, TriggerNotFound
 from mtask.limits import rules as limits
-from mtask.models import MAX_AGE_SECONDS, read_worker, validate_name
+from mtask.models import read_worker
 from mtask.store import controls as control
 from mtask.store import followers, occupancy, retention
 from mtask.store import limits as store_limits
 from mtask.store import schedules as store_schedules
 from mtask.triggers import follower_of
+from mtask.vocabulary import MAX_AGE_SECONDS, validate_name
 
 
 class Control:

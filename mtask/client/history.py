@@ -11,9 +11,9 @@ from typing import Any
 from mtask.client.checks import check_number
 from mtask.client.core import Core, operation
 from mtask.driver import Op
-from mtask.models import MAX_AGE_SECONDS
 from mtask.store import audit as store_audit
 from mtask.store import queries, throughput
+from mtask.vocabulary import MAX_AGE_SECONDS
 
 
 class History:

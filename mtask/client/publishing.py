@@ -21,18 +21,12 @@ from mtask.client.checks import (
 from mtask.client.core import Core, operation
 from mtask.driver import Op
 from mtask.errors import InvalidTask
-from mtask.models import (
-    DEFAULT_MAX_PARAMS_BYTES,
-    NewTask,
-    OnConflict,
-    PublishResult,
-    Task,
-    TaskOptions,
-)
+from mtask.models import NewTask, PublishResult, Task, TaskOptions
 from mtask.store import debounce as debounce_store
 from mtask.store import flows as store_flows
 from mtask.store import retention
 from mtask.store import supersede as supersede_store
+from mtask.vocabulary import DEFAULT_MAX_PARAMS_BYTES, OnConflict
 
 MAX_DELAY_SECONDS = 10 * 366 * 86400
 

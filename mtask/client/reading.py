@@ -17,11 +17,12 @@ from mtask.driver import Op
 from mtask.errors import InvalidTask
 from mtask.explain.states import Explained, State, explain
 from mtask.follow import streams
-from mtask.models import Task, validate_name
+from mtask.models import Task
 from mtask.store import bulk, cluster, counts, throughput
 from mtask.store import children as store_children
 from mtask.store import output as store_output
 from mtask.store import parked as store_parked
+from mtask.vocabulary import validate_name
 
 
 class Reading:

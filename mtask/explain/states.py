@@ -47,9 +47,10 @@ from mtask.limits.rules import (
     runs_at_once,
     wait_for_token,
 )
-from mtask.models import RunState, Task, TaskStatus, WaitingData, bson_json
+from mtask.models import Task, WaitingData
 from mtask.security.encryption import UNOPENED
 from mtask.steps import NEVER
+from mtask.vocabulary import RunState, TaskStatus, bson_json
 
 
 class State(StrEnum):

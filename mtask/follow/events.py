@@ -49,7 +49,7 @@ from pymongo.synchronous.database import Database
 
 from mtask.driver import UNAUTHORIZED, Doc, cancel_requests, raise_if_cancelled
 from mtask.errors import EventsLost, StorageError
-from mtask.models import FINISHED_STATUSES
+from mtask.vocabulary import FINISHED_STATUSES
 
 log = logging.getLogger("mtask.events")  # the name operators filter on, kept
 FINISHED = sorted(s.value for s in FINISHED_STATUSES)

@@ -32,7 +32,7 @@ from typing import Any
 
 import bson
 
-from mtask.models import MAX_PROGRESS_LABEL
+from mtask.vocabulary import MAX_PROGRESS_LABEL
 
 LEVELS = ("debug", "info", "warning", "error")
 MAX_MESSAGE_CHARS = 8192

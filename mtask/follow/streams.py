@@ -31,9 +31,9 @@ from pymongo.synchronous.database import Database
 from mtask.driver import AsyncDriver, Doc, Op, SyncDriver
 from mtask.errors import TaskNotFound
 from mtask.follow.events import Position, follow_waits, sync_follow
-from mtask.models import FINISHED_STATUSES
 from mtask.store import output as store_output
 from mtask.store import streams as store_streams
+from mtask.vocabulary import FINISHED_STATUSES
 
 FINISHED = frozenset(s.value for s in FINISHED_STATUSES)
 

@@ -35,7 +35,7 @@ from mtask.limits.rules import (
     validate_group,
     validate_resource,
 )
-from mtask.models import validate_name
+from mtask.vocabulary import validate_name
 
 MAX_BACKOFF_S = 86_400.0
 """A back-off holds for at most a day."""

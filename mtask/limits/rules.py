@@ -39,7 +39,7 @@ from bson.decimal128 import Decimal128
 from mtask.driver import Doc
 from mtask.errors import InvalidTask
 from mtask.limits import measured
-from mtask.models import MAX_NAME_LENGTH, UNENCODABLE, encodable, validate_name
+from mtask.vocabulary import MAX_NAME_LENGTH, UNENCODABLE, encodable, validate_name
 
 MAX_LIMIT_CONCURRENCY = 1_000_000
 MAX_RATE = 1_000_000.0

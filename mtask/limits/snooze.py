@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from mtask.models import MAX_RETRY_DELAY_MS, delay_ms
+from mtask.vocabulary import MAX_RETRY_DELAY_MS, delay_ms
 
 
 class Snooze(Exception):

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mtask.errors import InvalidTask, MtaskError
-from mtask.models import MAX_KEY_LENGTH, NewTask, TaskStatus
 from mtask.steps import NEVER, Doc, StepError, StepMismatch
+from mtask.vocabulary import MAX_KEY_LENGTH, TaskStatus
 
 if TYPE_CHECKING:  # the step engine: loaded by a run's steps, not by the client's store
     from mtask.steps import Journal, Plan, RunSteps
@@ -95,6 +95,8 @@ def child_key(parent: str, step: str, part: str) -> str:
 def build(parent: str, step: str, children: Iterable[Any]) -> list[Doc]:
     """The children to publish, validated: each ``{index, name, key, params, options}``.
     ``StepError`` names a bad one (the run fails for good: it would on every replay)."""
+    from mtask.models import NewTask
+
     built: list[Doc] = []
     parts: set[str] = set()
     for index, child in enumerate(children):

@@ -17,7 +17,6 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from mtask.models import storable_depth
 from mtask.steps.gather import CURRENT, Group
 from mtask.steps.plan import Io, Plan
 from mtask.steps.rules import (
@@ -35,6 +34,7 @@ from mtask.steps.rules import (
     replays,
 )
 from mtask.steps.spans import OPEN
+from mtask.vocabulary import storable_depth
 
 if TYPE_CHECKING:
     from mtask.steps.spans import StepSpans

@@ -8,7 +8,11 @@ one. The answer says so, instead of "kept", and names the step to reset to hand 
 
 from __future__ import annotations
 
-from mtask.models import Task
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mtask.models import Task
+
 
 NEXT_WAIT = "kept for the task's next wait for it"
 """The answer when no recorded wait of the name exists yet: the first one takes it."""

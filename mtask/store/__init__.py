@@ -9,7 +9,6 @@ names one task), so a run whose lease was lost (taken over, released, cancelled)
 nothing. Every transition ends with ``statemachine.recompute_stages(now)``.
 """
 
-from mtask.models import RunState
 from mtask.store.claims import (
     claim,
     claim_fast_update,
@@ -66,6 +65,7 @@ from mtask.store.tasks import (
     retry,
     scan,
 )
+from mtask.vocabulary import RunState
 
 __all__ = [
     "CLAIMED_FIELDS",

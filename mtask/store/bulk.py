@@ -27,7 +27,8 @@ from pymongo import ASCENDING, DESCENDING, TEXT, IndexModel
 
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask, InvalidTransition, TaskNotFound
-from mtask.models import (
+from mtask.store import across, children, counts, tasks
+from mtask.vocabulary import (
     FINISHED_STATUSES,
     MAX_AGE_SECONDS,
     OPEN_STATUSES,
@@ -35,7 +36,6 @@ from mtask.models import (
     TaskStatus,
     encodable,
 )
-from mtask.store import across, children, counts, tasks
 
 Action = Literal["retry", "cancel", "purge"]
 MAX_PER_CALL = 1000

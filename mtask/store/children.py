@@ -15,19 +15,22 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bson.int64 import Int64
 from pymongo import UpdateOne
 
 from mtask.driver import Call, Doc, Op
 from mtask.errors import LeaseLost
-from mtask.models import NewTask, TaskStatus
 from mtask.steps import StepError
 from mtask.steps.children import FINISHED, MAX_CHILDREN, word_bit, words
 from mtask.store import steps as store_steps
 from mtask.store.schema import OPEN_LIST, WELL_FORMED
 from mtask.store.tasks import CANCEL_CHILDREN, cancel, cancel_pipeline, publish_many
+from mtask.vocabulary import TaskStatus
+
+if TYPE_CHECKING:
+    pass
 
 PAGE = 1000
 """Children read per page when their parent resumes; parents whose children a cancel reaches
@@ -94,6 +97,8 @@ def publish(
     written, then the parent read: whichever comes second sees the other, so no child stays
     open (a run that dies between the two leaves its batch to the flow sweep:
     ``tasks.CANCEL_CHILDREN``)."""
+    from mtask.models import NewTask
+
     tasks = [
         NewTask.build(
             c["name"],

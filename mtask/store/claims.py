@@ -13,7 +13,6 @@ from pymongo import UpdateOne
 from pymongo.errors import BulkWriteError, WriteError
 
 from mtask.driver import DUPLICATE_KEY, MODIFY_ONCE, Call, Doc, Op
-from mtask.models import RunState, TaskStatus
 from mtask.security.encryption import MARK, UNOPENED
 from mtask.statemachine import (
     OPEN,
@@ -32,6 +31,7 @@ from mtask.store.schema import (
     claim_tag,
     literal,
 )
+from mtask.vocabulary import RunState, TaskStatus
 
 CLAIM_TIMEOUT_S = 5.0
 """The most a claim call may take (``Call.timeout``). A claim that would take over a task

@@ -15,7 +15,7 @@ import datetime as dt
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mtask.driver import Call, Doc, Op, gather
 from mtask.explain.states import (
@@ -37,11 +37,14 @@ from mtask.limits.rules import (
     resource_slot,
     resource_users,
 )
-from mtask.models import OPEN_STATUSES, RunState, Task, TaskStatus
 from mtask.store import bulk
 from mtask.store import controls as control
 from mtask.store.counts import Counts, stats
 from mtask.store.schema import GROUP_LOCK, OPEN_LIST, SEQUENCE_LOCK
+from mtask.vocabulary import OPEN_STATUSES, RunState, TaskStatus
+
+if TYPE_CHECKING:
+    from mtask.models import Task
 
 LIVE = dt.timedelta(seconds=10)
 """A worker is live if its heartbeat is this recent (as ``client.workers``)."""
@@ -191,6 +194,8 @@ def _grouped(pairs: Iterable[tuple[str, str]]) -> Doc:
 def _groups(
     tasks: Sequence[Task], limits: Mapping[str, Doc], ahead: bool
 ) -> Op[dict[tuple[str, str], Group]]:
+    from mtask.models import Task
+
     pairs = _pairs(tasks, limits)
     if not pairs:
         return {}
@@ -276,6 +281,7 @@ def explain_all(tasks: Sequence[Task], now: dt.datetime) -> Op[list[Explained]]:
 def explained_flow(key: str, now: dt.datetime) -> Op[Doc | None]:
     """The flow below ``key`` (``flows.tree``), each node with its derived ``state``, ``why``
     and ``reason``, as ``mtask get`` and the dashboard say them (one read of the cluster)."""
+    from mtask.models import Task
     from mtask.store.flows import tree as flow_tree
 
     root = yield from flow_tree(key)
@@ -348,6 +354,8 @@ def search(
     """A page of tasks in ``state`` (and the other filters), newest first: the candidates
     (``candidates``) a page at a time, each explained, until ``limit`` are found or
     ``EXAMINED_PAGES`` pages were read; ``after`` is then the last key read."""
+    from mtask.models import Task
+
     status, where = candidates(state, now)
     found: list[tuple[Task, Explained]] = []
     examined = 0
@@ -401,6 +409,8 @@ def state_counts(
     read and explained. Costs what the backlog costs, at most ``split_up_to`` documents a
     name. ``exact``: the finished ones counted exactly (``counts.stats``); ``statuses``: count
     only the tasks of those stored statuses (``OPEN_STATUSES``: the open states alone)."""
+    from mtask.models import Task
+
     stored = yield from stats(statuses, exact=exact)
     pending = [n for n, row in stored.items() if row.get(TaskStatus.PENDING.value)]
     calls = [

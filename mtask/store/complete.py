@@ -12,7 +12,8 @@ key, a bad name, params that are not an object) is marked ``invalid`` in one upd
 same fence, with ``invalid_reason`` naming the first bad field.
 
 The checks are derived from the MongoDB validator schema (``mtask.jsonschema``), itself
-generated from ``models.TaskDocument``/``PublishedDocument``: one definition.
+generated from ``models.TaskDocument``/``PublishedDocument``: one definition (read from the shipped
+file, which a test keeps equal to what they generate, so that a worker imports no pydantic).
 """
 
 from __future__ import annotations
@@ -22,12 +23,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from mtask.driver import Call, Doc, Op
-from mtask.jsonschema import validator_schema
-from mtask.models import DEFAULT_MAX_PARAMS_BYTES, FINISHED_STATUSES, OPTION_DEFAULTS, TaskStatus
+from mtask.jsonschema import shipped_validator
 from mtask.statemachine import OPEN, recompute_stages
 from mtask.store import counts
 from mtask.store.across import NOT_A_NAME, string_names
 from mtask.store.schema import WELL_FORMED, keys_in, unknown_option_check
+from mtask.vocabulary import (
+    DEFAULT_MAX_PARAMS_BYTES,
+    FINISHED_STATUSES,
+    OPTION_DEFAULTS,
+    TaskStatus,
+)
 
 NOW = "$$NOW"
 ABSENT = ["missing", "null"]
@@ -125,7 +131,7 @@ def _text(expr: Any) -> Doc:
 
 
 def _checks() -> list[tuple[Doc, Any]]:
-    schema = validator_schema()
+    schema = shipped_validator()
     props: Doc = schema["properties"]
     checks: list[tuple[Doc, Any]] = [
         ({"$in": [_type("name"), ABSENT]}, "'name' is missing"),

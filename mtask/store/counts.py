@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from mtask.driver import Call, Op, gather
-from mtask.models import OPEN_STATUSES, TaskStatus
+from mtask.vocabulary import OPEN_STATUSES, TaskStatus
 
 STATUSES = [s.value for s in TaskStatus]
 INCOMPLETE = "incomplete"

@@ -23,9 +23,9 @@ from pymongo.errors import OperationFailure
 from mtask.connection.clients import CODEC_OPTIONS
 from mtask.driver import Call, Doc, Op
 from mtask.errors import LeaseLost
-from mtask.models import OPEN_STATUSES, TaskStatus
 from mtask.store.schema import literal
 from mtask.store.steps import fence
+from mtask.vocabulary import OPEN_STATUSES, TaskStatus
 
 COLLECTION = "waiting.data.collection"
 IDS = "waiting.data.ids"

@@ -24,16 +24,20 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError
 
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask, StorageError
-from mtask.models import MAX_KEY_LENGTH, NewTask, TaskStatus, delay_ms
 from mtask.statemachine import recompute_stages
 from mtask.store.retention import resolve
 from mtask.store.schema import literal, new_document
+from mtask.vocabulary import MAX_KEY_LENGTH, TaskStatus, delay_ms
+
+if TYPE_CHECKING:
+    from mtask.models import NewTask
 
 FIELD = "debounce"
 INDEX = "debounce"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pymongo import UpdateOne
 
@@ -20,8 +20,11 @@ from mtask.flows import (
     log,
     read_outbox,
 )
-from mtask.models import NewTask, TaskStatus
 from mtask.statemachine import recompute_stages
+from mtask.vocabulary import TaskStatus
+
+if TYPE_CHECKING:
+    from mtask.models import NewTask
 
 
 def flush_outboxes(

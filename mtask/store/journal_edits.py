@@ -14,11 +14,11 @@ from typing import Any
 
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask, TaskNotFound
-from mtask.models import TaskStatus
 from mtask.statemachine import RUNNING
 from mtask.steps import MAX_STEPS, StepError, check_name
 from mtask.store import steps as store_steps
 from mtask.store.tasks import RETRIABLE, retry_filter, retry_pipeline
+from mtask.vocabulary import TaskStatus
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from mtask.limits.rules import (
     validate_resource,
     validate_users,
 )
-from mtask.models import validate_name
+from mtask.vocabulary import validate_name
 
 
 def set_resource_limit(

@@ -11,13 +11,6 @@ import bson
 from pymongo import ReturnDocument, UpdateOne
 
 from mtask.driver import Call, Doc, Op
-from mtask.models import (
-    DEFAULT_KEEP_MS,
-    MAX_JOURNALS_KEPT,
-    OPTION_DEFAULTS,
-    RunState,
-    TaskStatus,
-)
 from mtask.statemachine import (
     RUNNING,
     recompute_stages,
@@ -25,6 +18,13 @@ from mtask.statemachine import (
 )
 from mtask.store.claims import run_filter
 from mtask.store.schema import LAST_WRITE, literal, marked_invalid, success_tag
+from mtask.vocabulary import (
+    DEFAULT_KEEP_MS,
+    MAX_JOURNALS_KEPT,
+    OPTION_DEFAULTS,
+    RunState,
+    TaskStatus,
+)
 
 if TYPE_CHECKING:
     from mtask.steps import Wait  # the step engine: not for a command that only reads

@@ -26,9 +26,9 @@ from typing import Any
 from pymongo import ASCENDING, DESCENDING, IndexModel, ReturnDocument
 
 from mtask.driver import Call, Doc, Op
-from mtask.models import FINISHED_STATUSES, KEEP_FIELDS
 from mtask.statemachine import RUNNING, keep_ms
 from mtask.store.transactional import OUTPUT_TXN_FIELD, run_fence
+from mtask.vocabulary import FINISHED_STATUSES, KEEP_FIELDS
 
 COLLECTION = "output"
 """The key of the side collection in ``driver.collections``: ``<tasks>.output``."""

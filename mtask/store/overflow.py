@@ -13,9 +13,9 @@ import datetime as dt
 from collections.abc import Sequence
 
 from mtask.driver import Call, Op
-from mtask.models import TaskStatus
 from mtask.statemachine import RUNNING, recompute_stages
 from mtask.store.schema import WELL_FORMED, literal
+from mtask.vocabulary import TaskStatus
 
 OVERFLOWS = ("queue", "drop", "fail")
 """What a full limit does with the excess: ``queue`` (the default: it waits for a slot), or

@@ -8,8 +8,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from mtask.driver import Call, Doc, Op
-from mtask.models import TaskStatus
 from mtask.store import steps as store_steps
+from mtask.vocabulary import TaskStatus
 
 PAGE = 1000
 STEP_FIELDS = (

@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pymongo import ASCENDING, DESCENDING
 from pymongo.errors import OperationFailure
 
 from mtask.driver import Call, Doc, Op
 from mtask.explain.states import held_ends
-from mtask.models import Task
 from mtask.statemachine import OPEN, RUNNING
 from mtask.store import cluster, counts
 from mtask.store.bulk import ERROR_TEXT
 from mtask.store.schedules import next_due
+
+if TYPE_CHECKING:
+    pass
 
 INDEX_NOT_FOUND = 27
 """The server's code for a ``$text`` query on a collection without a text index."""
@@ -149,6 +151,8 @@ def held_due_ends(now: dt.datetime) -> Op[dt.datetime | None]:
     """If every open task due by ``now`` is held back by something that ends by time, the
     soonest of those ends or of the next ``next_claim_at`` after ``now`` (``None``: some due
     task is claimable, or held by what no time ends)."""
+    from mtask.models import Task
+
     due: list[Doc] = yield Call(
         "find",
         ({"status": {"$in": list(OPEN)}, "next_claim_at": {"$lte": now}},),

@@ -22,25 +22,27 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pymongo import ReturnDocument
 
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask
-from mtask.models import (
+from mtask.statemachine import OPEN, keep_ms
+from mtask.store import output, steps
+from mtask.vocabulary import (
     DEFAULT_KEEP_MS,
     FOREVER,
     KEEP_FIELDS,
     MAX_AGE_SECONDS,
     MAX_KEEP_MS,
-    NewTask,
     TaskStatus,
     validate_key,
     validate_name,
 )
-from mtask.statemachine import OPEN, keep_ms
-from mtask.store import output, steps
+
+if TYPE_CHECKING:
+    from mtask.models import NewTask
 
 COLLECTION = "retention"
 GLOBAL = "*"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -16,23 +17,18 @@ from mtask import store
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask
 from mtask.errors import ScheduleNotFound as ScheduleNotFound
-from mtask.models import (
-    NewTask,
-)
-from mtask.schedules import (
-    BUFFER_RECHECK_S,
-    INDEXES,
-    Schedule,
-    _ms,
-    first_tick,
-    log,
-    overlap_step,
-    plan,
-    tick_key,
-)
+from mtask.ticks import BUFFER_RECHECK_S, first_tick, overlap_step, plan, tick_key, whole_ms
 
 if TYPE_CHECKING:
     from apscheduler.triggers.base import BaseTrigger
+
+    from mtask.schedules import Schedule
+
+
+log = logging.getLogger("mtask.schedules")
+
+INDEXES = [("paused", ASCENDING), ("next_tick_at", ASCENDING)]
+"""The due schedules' index: the scheduler's read of what has come."""
 
 
 def ensure_indexes() -> Op[None]:
@@ -42,7 +38,7 @@ def ensure_indexes() -> Op[None]:
 def put(schedule: Schedule, now: dt.datetime) -> Op[Doc]:
     """Create the schedule, or change its definition (its next tick is then computed afresh);
     the same definition again changes nothing. A paused schedule stays paused."""
-    start = _ms(now)
+    start = whole_ms(now)
     definition = schedule.definition()
     fields = {
         **schedule.model_dump(exclude={"id"}),
@@ -150,6 +146,9 @@ def fire(doc: Mapping[str, Any], now: dt.datetime) -> Op[int]:
     """Publish the due ticks of one schedule document and advance it; returns the tasks
     created. A document that does not describe a valid schedule (edited by hand) gets an
     ``error`` and no next tick, instead of stopping the scheduler."""
+    from mtask.models import NewTask
+    from mtask.schedules import Schedule  # the models: loaded by the first due schedule
+
     try:
         schedule = Schedule.read(
             {k: doc.get(k) for k in Schedule.model_fields if k in doc} | {"id": doc["_id"]}
@@ -184,6 +183,8 @@ def _is_open(key: object) -> Op[bool]:
 def _fire_overlapping(
     doc: Mapping[str, Any], schedule: Schedule, trigger: BaseTrigger, now: dt.datetime
 ) -> Op[int]:
+    from mtask.models import NewTask
+
     buffered = (
         doc.get("buffered_tick") if isinstance(doc.get("buffered_tick"), dt.datetime) else None
     )

@@ -5,20 +5,22 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.errors import OperationFailure
 
 from mtask.driver import UNAUTHORIZED, Call, Doc, Op
-from mtask.models import (
+from mtask.vocabulary import (
     OPEN_STATUSES,
     OPTION_NAMES,
     PING_INTERVAL_MS,
     WORKER_TIMEOUT_MS,
-    NewTask,
     TaskStatus,
 )
+
+if TYPE_CHECKING:
+    from mtask.models import NewTask
 
 GROUP_LOCK = "group_lock"
 """``true`` on the task that holds its group's lock (a sequence's: set by its claim, in the

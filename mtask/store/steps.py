@@ -24,7 +24,11 @@ from pymongo import ASCENDING, IndexModel
 
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask, InvalidTransition, LeaseLost, TaskNotFound
-from mtask.models import (
+from mtask.statemachine import RUNNING
+from mtask.steps import MAX_STEPS, SPILL_CHUNK_BYTES, StepError, check_name, check_signal_name
+from mtask.store.output import seal_in
+from mtask.store.transactional import TXN_FIELD, run_fence
+from mtask.vocabulary import (
     MAX_PARAMS_DEPTH,
     OPEN_STATUSES,
     UNENCODABLE,
@@ -32,10 +36,6 @@ from mtask.models import (
     check_depth,
     encodable,
 )
-from mtask.statemachine import RUNNING
-from mtask.steps import MAX_STEPS, SPILL_CHUNK_BYTES, StepError, check_name, check_signal_name
-from mtask.store.output import seal_in
-from mtask.store.transactional import TXN_FIELD, run_fence
 
 COLLECTION = "steps"
 """The key of the side collection in ``driver.collections``: ``<tasks>.steps``."""

@@ -26,17 +26,20 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pymongo.errors import DuplicateKeyError
 
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask, StorageError
-from mtask.models import NewTask, TaskStatus
 from mtask.statemachine import OPEN
 from mtask.store.retention import resolve
 from mtask.store.schema import OPEN_LIST, WELL_FORMED, new_document
 from mtask.store.tasks import cancel_pipeline
+from mtask.vocabulary import TaskStatus
+
+if TYPE_CHECKING:
+    from mtask.models import NewTask
 
 Policy = Literal["drop_newer", "cancel_queued", "cancel_running"]
 POLICIES: tuple[str, ...] = ("drop_newer", "cancel_queued", "cancel_running")

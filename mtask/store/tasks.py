@@ -6,14 +6,13 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pymongo import ASCENDING, DESCENDING, ReturnDocument, UpdateOne
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from mtask.driver import DUPLICATE_KEY, UNAUTHORIZED, Call, Doc, Op
 from mtask.errors import InvalidTransition, TaskNotFound
-from mtask.models import NewTask, OnConflict, TaskStatus
 from mtask.statemachine import (
     OPEN,
     RUNNING,
@@ -34,6 +33,10 @@ from mtask.store.schema import (
     new_document,
     well_formed_expr,
 )
+from mtask.vocabulary import OnConflict, TaskStatus
+
+if TYPE_CHECKING:
+    from mtask.models import NewTask
 
 # ---------------------------------------------------------------------------------------------
 # Publishing

@@ -31,11 +31,11 @@ from typing import Any
 from pymongo import ReturnDocument
 
 from mtask.driver import Call, Doc, Op
-from mtask.models import RunState, TaskStatus
 from mtask.statemachine import RUNNING
 from mtask.store.claims import lease_update
 from mtask.store.outcomes import Outcome, finish_update
 from mtask.store.schema import literal
+from mtask.vocabulary import RunState, TaskStatus
 
 
 def lease_alive_expr(run_id: str) -> Doc:

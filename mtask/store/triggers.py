@@ -20,16 +20,19 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pymongo import ASCENDING
 
 from mtask.connection.clients import CODEC_OPTIONS
 from mtask.driver import Call, Doc, Op
-from mtask.models import NewTask, TaskStatus
 from mtask.statemachine import recompute_stages
 from mtask.store.schema import literal
 from mtask.store.tasks import FINISHED, Published, publish
+from mtask.vocabulary import TaskStatus
+
+if TYPE_CHECKING:
+    from mtask.models import NewTask
 
 Outcome = Literal["created", "joined", "reset", "follow-up", "own"]
 

@@ -22,15 +22,17 @@ they spend: the overshoot is bounded by the steps in flight (docs/usage.md).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pymongo import ASCENDING, IndexModel, ReturnDocument
 
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask
-from mtask.models import Budget
 from mtask.store.steps import fence
 from mtask.usage.rules import Usage
+
+if TYPE_CHECKING:
+    from mtask.models import Budget
 
 COLLECTION = "usage"
 """The key of the side collection in ``driver.collections``: ``<tasks>.usage``."""

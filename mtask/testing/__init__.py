@@ -41,12 +41,12 @@ from pymongo.write_concern import WriteConcern
 from mtask.connection.clients import WORKER_CLIENT_OPTIONS, async_client
 from mtask.errors import ConfigError
 from mtask.follow.output import RunOutput
-from mtask.models import DEFAULT_MAX_PARAMS_BYTES
 from mtask.registry import Registry, TaskContext
 from mtask.steps import MemorySteps, RunSteps
 from mtask.store import Outcome
 from mtask.testing.timeskip import TimeSkippingEnv, find_libfaketime
 from mtask.usage.charges import MemoryUsage, RunUsage
+from mtask.vocabulary import DEFAULT_MAX_PARAMS_BYTES
 from mtask.worker.config import DEFAULT_MAX_RESULT_BYTES
 from mtask.worker.inflight import ActiveRun
 from mtask.worker.running.call import HandlerCalls, NoTransactions

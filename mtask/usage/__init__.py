@@ -12,7 +12,9 @@ Their writes live in ``mtask.store.usage``; the worker's ``UsageStore`` in
 ``mtask.worker.running.usage_stores``.
 """
 
-from mtask.models import Budget
+from typing import TYPE_CHECKING
+
+from mtask._version import lazy_exports
 from mtask.usage.rules import (
     KINDS,
     PERIODS,
@@ -21,6 +23,12 @@ from mtask.usage.rules import (
     next_period,
     period_start,
 )
+
+if TYPE_CHECKING:
+    from mtask.models import Budget
+
+# ``Budget`` is a pydantic model: imported on its first use (a worker's start loads no pydantic)
+__getattr__, __dir__ = lazy_exports(__name__, {"mtask.models": ("Budget",)}, globals())
 
 __all__ = [
     "KINDS",

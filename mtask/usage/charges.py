@@ -14,12 +14,15 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mtask.errors import InvalidTask, MtaskError
 from mtask.limits.snooze import Snooze
-from mtask.models import MAX_RETRY_DELAY_MS, Budget
 from mtask.usage.rules import Price, Usage, next_period
+from mtask.vocabulary import MAX_RETRY_DELAY_MS
+
+if TYPE_CHECKING:
+    from mtask.models import Budget
 
 Doc = dict[str, Any]
 
@@ -121,6 +124,8 @@ class RunUsage:
         counted: Callable[[Usage], None] | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
+        from mtask.models import Budget
+
         self.store = store
         self.prices = dict(prices or {})
         self.budget = None if not budget else Budget.model_validate(dict(budget))
@@ -208,6 +213,8 @@ class RunUsage:
     def stopped(self, over: list[Doc]) -> Exception:
         """Why a step does not start: the first scope past its budget without a period
         (``BudgetSpent``); if all have one, a ``Snooze`` until the latest next period."""
+        from mtask.models import Budget
+
         until: dt.datetime | None = None
         for doc in over:
             scope = doc["_id"]

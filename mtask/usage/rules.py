@@ -19,14 +19,14 @@ from dataclasses import dataclass, replace
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from typing import Any
 
-from mtask.models import Period
+from mtask.vocabulary import Period
 
 KINDS = ("input", "output", "cached")
 """The kinds of token (``mtask_tokens_total{kind}``)."""
 PERIODS = ("hour", "day", "week", "month")
 """A budget's named periods, on the server's clock, in UTC (a week starts on Sunday, as
 MongoDB's ``$dateTrunc`` has it); a number of seconds is a period too (aligned on the epoch)."""
-from mtask.models import MAX_COST, MAX_TOKENS  # noqa: E402
+from mtask.vocabulary import MAX_COST, MAX_TOKENS  # noqa: E402
 
 MAX_MODEL = 200
 NANOS = 10**9

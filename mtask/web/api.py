@@ -21,17 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mtask.client import MAX_DELAY_SECONDS, AsyncTaskClient
 from mtask.errors import InvalidTask, TaskNotFound, WaitTimeout
-from mtask.models import (
-    MAX_AGE_SECONDS,
-    MAX_COST,
-    MAX_TOKENS,
-    TaskKey,
-    TaskName,
-    TaskOptions,
-    WorkerView,
-    validate_name,
-)
+from mtask.models import TaskKey, TaskName, TaskOptions, WorkerView
 from mtask.store import bulk
+from mtask.vocabulary import MAX_AGE_SECONDS, MAX_COST, MAX_TOKENS, validate_name
 from mtask.web.access import authorize
 from mtask.web.auth import bearer_scheme
 from mtask.web.schemas import (

@@ -224,7 +224,7 @@ def _extra(request: Request, loc: tuple[Any, ...]) -> str:
     import difflib
 
     if len(loc) > 2 and loc[-2] == "options":
-        from mtask.models import OPTION_NAMES
+        from mtask.vocabulary import OPTION_NAMES
 
         known: list[str] = list(OPTION_NAMES)
         what = "unknown option"  # the loc names it

@@ -31,11 +31,12 @@ from mtask.errors import MtaskError
 from mtask.explain import states, tracebacks
 from mtask.explain.wording import plural, relative, span
 from mtask.flows import MAX_TREE_NODES
-from mtask.models import Task, TaskStatus
+from mtask.models import Task
 from mtask.security import encryption
 from mtask.steps import NEVER, signal_fate
 from mtask.store import bulk
 from mtask.usage.rules import usage_text
+from mtask.vocabulary import TaskStatus
 from mtask.web import access, graph
 from mtask.web.audit import set_outcome, status_of
 from mtask.web.auth import (

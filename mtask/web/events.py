@@ -30,7 +30,7 @@ from fastapi.responses import StreamingResponse
 from mtask.client import AsyncTaskClient
 from mtask.errors import InvalidTask, MtaskError
 from mtask.follow import events
-from mtask.models import TaskStatus, validate_name
+from mtask.vocabulary import TaskStatus, validate_name
 from mtask.web.access import authorize
 from mtask.web.api import Client, Status
 

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mtask.explain.states import last_line
-from mtask.models import Run, Step, Task, TaskStatus
+from mtask.models import Run, Step, Task
+from mtask.vocabulary import TaskStatus
 
 RETRIABLE = (TaskStatus.FAILED, TaskStatus.CANCELLED)
 """The statuses a task is retried from a step in (``client.retry(key, from_step=…)``)."""

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from pymongo import MongoClient
 from pymongo.errors import DuplicateKeyError, WriteError
 
-from mtask.models import TaskStatus
+from mtask.vocabulary import TaskStatus
 from mtask.web import create_app
 
 pytestmark = pytest.mark.chaos

@@ -21,8 +21,8 @@ from mtask import (
     TaskStatus,
 )
 from mtask.clock import KEEP_BEST, ServerClock
-from mtask.models import MAX_PARAMS_DEPTH
 from mtask.store import Outcome, RunState, bulk, claim, finish
+from mtask.vocabulary import MAX_PARAMS_DEPTH
 
 
 def test_publish_creates_a_pending_document(client: TaskClient) -> None:

@@ -18,12 +18,12 @@ from prometheus_client import REGISTRY
 from pymongo import MongoClient
 
 from mtask import AsyncTaskClient, TaskClient
-from mtask.models import MAX_JOURNALS_KEPT, RunState
 from mtask.registry import Registry, TaskContext
 from mtask.steps.children import Spawn
 from mtask.store import Outcome, claim
 from mtask.store import steps as store_steps
 from mtask.store.outcomes import finish
+from mtask.vocabulary import MAX_JOURNALS_KEPT, RunState
 from mtask.web import create_app
 from mtask.web.auth import COOKIE, Keys
 

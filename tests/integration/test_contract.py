@@ -22,18 +22,10 @@ from mtask.cli import main as cli_main
 from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver, SyncDriver, collections
 from mtask.errors import InvalidTask
-from mtask.models import (
-    OPTION_DEFAULTS,
-    REQUIRED_FIELDS,
-    NewTask,
-    RunState,
-    StoredOptions,
-    Task,
-    TaskDocument,
-    TaskOptions,
-)
+from mtask.models import REQUIRED_FIELDS, NewTask, StoredOptions, Task, TaskDocument, TaskOptions
 from mtask.registry import Registry, TaskContext
 from mtask.store.complete import INVALID_FILL
+from mtask.vocabulary import OPTION_DEFAULTS, RunState
 from mtask.worker.finding.scan import Sweep
 
 registry = Registry()

@@ -17,18 +17,12 @@ from hypothesis import strategies as st
 from mtask import TaskClient
 from mtask.clock import FixedClock
 from mtask.errors import InvalidTask
-from mtask.models import MAX_KEY_LENGTH, NewTask
+from mtask.models import NewTask
 from mtask.registry import Registry
-from mtask.schedules import (
-    Schedule,
-    ScheduleNotFound,
-    first_tick,
-    latest_tick,
-    next_after,
-    plan,
-    tick_key,
-)
+from mtask.schedules import Schedule, ScheduleNotFound
 from mtask.store.schedules import due, fire
+from mtask.ticks import first_tick, latest_tick, next_after, plan, tick_key
+from mtask.vocabulary import MAX_KEY_LENGTH
 
 
 def ticks_between(trigger: Any, start: dt.datetime, now: dt.datetime) -> list[dt.datetime]:

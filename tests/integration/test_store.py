@@ -22,9 +22,9 @@ from mtask import TaskClient, store
 from mtask.clock import FixedClock
 from mtask.driver import AsyncDriver, Call, Op, T, collections, gather
 from mtask.errors import StorageError
-from mtask.models import MAX_RUNS_KEPT
 from mtask.store import Outcome, RunState, claim, extend_lease, finish, finish_many, scan
 from mtask.store.outcomes import _groups
+from mtask.vocabulary import MAX_RUNS_KEPT
 from mtask.worker.finding.stream import stream_pipeline
 
 

@@ -18,7 +18,8 @@ from test_snooze_worker import flow_worker, polled
 
 from mtask import TaskClient
 from mtask.errors import InvalidTask
-from mtask.models import PublishResult, RunState
+from mtask.models import PublishResult
+from mtask.vocabulary import RunState
 
 RACERS = 20
 

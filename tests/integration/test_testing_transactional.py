@@ -12,9 +12,9 @@ from pymongo import AsyncMongoClient, MongoClient
 
 from mtask import Registry, TaskContext
 from mtask.errors import ConfigError
-from mtask.models import RunState
 from mtask.registry import Retry
 from mtask.testing import arun_handler, run_handler
+from mtask.vocabulary import RunState
 
 registry = Registry()
 

@@ -17,8 +17,8 @@ from promtool import check_metrics
 from mtask import TaskClient
 from mtask.clock import FixedClock
 from mtask.errors import MtaskError
-from mtask.models import TaskStatus
 from mtask.store import Outcome, RunState, claim, finish
+from mtask.vocabulary import TaskStatus
 from mtask.web import create_app
 from mtask.web.api import Status
 from mtask.web.auth import check_bind, load_token

@@ -30,7 +30,7 @@ from pymongo import MongoClient
 from mtask import TaskClient
 from mtask.cli import main
 from mtask.cli.common import out
-from mtask.models import bson_json
+from mtask.vocabulary import bson_json
 from mtask.web import create_app
 
 TOKEN = "odd-token"

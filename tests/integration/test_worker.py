@@ -22,8 +22,8 @@ from workerapp import registry
 from mtask import TaskClient, store
 from mtask.clock import ServerClock
 from mtask.errors import ConfigError, WorkerCrashed
-from mtask.models import DEFAULT_KEEP_MS
 from mtask.registry import Registry
+from mtask.vocabulary import DEFAULT_KEEP_MS
 from mtask.worker import Worker
 from mtask.worker.running.executor import Executor
 from mtask.worker.running.pinger import LeasePinger, LoopTicker

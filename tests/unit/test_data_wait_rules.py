@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from scripted import ScriptedDriver, Step
 
-from mtask.models import RunState, Waiting
 from mtask.models import Step as StepModel
+from mtask.models import Waiting
 from mtask.steps import (
     NEVER,
     ConditionTimeout,
@@ -29,6 +29,7 @@ from mtask.steps import (
 )
 from mtask.store import datawaits
 from mtask.store.outcomes import Outcome, finish_update
+from mtask.vocabulary import RunState
 
 T0 = dt.datetime(2026, 11, 28, 12, 0, tzinfo=dt.UTC)
 SETTLED = {"_id": "inv-1", "status": "settled"}

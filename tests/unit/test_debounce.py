@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mtask.errors import InvalidTask
-from mtask.models import MAX_KEY_LENGTH, NewTask
+from mtask.models import NewTask
 from mtask.store.debounce import (
     MAX_DEBOUNCED_KEY,
     Quiet,
@@ -21,6 +21,7 @@ from mtask.store.debounce import (
     window_document,
     window_key,
 )
+from mtask.vocabulary import MAX_KEY_LENGTH
 
 NOW = dt.datetime(2026, 11, 28, 3, 12, 17, 123000, tzinfo=dt.UTC)
 

@@ -138,8 +138,8 @@ SERVER_SIDE = ("fastapi", "starlette", "uvicorn", "jinja2", "httpx", "mtask.web"
 
 def test_a_worker_and_the_reading_commands_load_no_server_side_or_rich() -> None:
     """A worker's start (its registry loaded, the worker built, its log handler made on a
-    pipe) loads no server-side module, no rich, no ``mtask.cli.render`` and no client (its
-    handlers' publisher is made on their first publish); ``mtask get``,
+    pipe) loads no server-side module, no rich, no ``mtask.cli.render``, no client (its
+    handlers' publisher is made on their first publish) and no pydantic; ``mtask get``,
     ``list`` and ``stats`` (their modules and every module their handlers import) no
     server-side module. Structural: bench WST measures the time."""
     worker = loaded(
@@ -150,6 +150,10 @@ def test_a_worker_and_the_reading_commands_load_no_server_side_or_rich() -> None
     )
     assert "mtask.worker.assembly" in worker and "bench.peer_app" in worker
     assert under(worker, *SERVER_SIDE, "rich", "mtask.cli.render", "mtask.client") == []
+    # no pydantic: the store, the worker and the registry read the task's words and bounds from
+    # mtask.vocabulary; a model is imported by the first handler, trigger or schedule that
+    # declares one (bench WST: a tenth of a worker's start)
+    assert under(worker, "pydantic", "pydantic_core", "mtask.models", "mtask.schedules") == []
     for line in (["get", "k"], ["list"], ["stats"]):
         names = loaded(
             f"from mtask.cli import build_parser\nbuild_parser({line[0]!r}).parse_args({line!r})\n"
@@ -251,7 +255,7 @@ def test_choices_read_on_first_use_are_still_checked_and_shown(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from mtask.cli import build_parser
-    from mtask.models import ON_CONFLICT_CHOICES, TaskStatus
+    from mtask.vocabulary import ON_CONFLICT_CHOICES, TaskStatus
 
     parser = build_parser()
     assert parser.parse_args(["list", "--status", "failed"]).status == "failed"

@@ -13,15 +13,15 @@ from hypothesis import strategies as st
 
 from mtask import InvalidTask, MtaskError, TaskOptions
 from mtask.client import build_many, build_task
-from mtask.models import (
-    MAX_KEY_LENGTH,
-    PARAMS_BYTES_CEILING,
-    NewTask,
-    Task,
-    _read_each_option,
-    _read_options,
-)
+from mtask.models import NewTask, Task, _read_each_option, _read_options
 from mtask.store.schema import new_document
+from mtask.vocabulary import (
+    MAX_KEY_LENGTH,
+    OPTION_DEFAULTS,
+    OPTION_FIELD_DEFAULTS,
+    OPTION_NAMES,
+    PARAMS_BYTES_CEILING,
+)
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 PLUS_14 = dt.timezone(dt.timedelta(hours=14))
@@ -136,6 +136,18 @@ def test_options_defaults_and_document() -> None:
     doc = opts.to_document()
     assert doc["concurrency"] == 1 and doc["specific_worker_ids"] == ["w1"]
     assert doc["max_retries"] == 3 and doc["run_at"] is None
+
+
+def test_every_option_takes_its_default_from_the_one_table() -> None:
+    """``TaskOptions``' fields and ``vocabulary.OPTION_FIELD_DEFAULTS`` name the same options in
+    the same order, each field's default the table's (a field given a default of its own would
+    leave the worker, which reads the table, completing documents with another one)."""
+    fields = TaskOptions.model_fields
+    assert tuple(fields) == OPTION_NAMES
+    assert {name: f.get_default(call_default_factory=True) for name, f in fields.items()} == (
+        OPTION_FIELD_DEFAULTS
+    )
+    assert TaskOptions().to_document() == OPTION_DEFAULTS
 
 
 _OPTION_VALUES = st.one_of(

@@ -16,12 +16,13 @@ from pymongo import UpdateOne
 from mtask import store
 from mtask.driver import MODIFY_ONCE, Call, Op
 from mtask.limits import rules as limits
-from mtask.models import NewTask, RunState
+from mtask.models import NewTask
 from mtask.store import Outcome
 from mtask.store import flows as store_flows
 from mtask.store import limits as store_limits
 from mtask.store import schedules as store_schedules
 from mtask.store.retention import purge, purge_filter
+from mtask.vocabulary import RunState
 
 Doc = dict[str, Any]
 KEYS = ["k1", "k2", "k3"]

@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from mtask import Registry, RunState, Snooze
 from mtask.explain.states import Cluster, State, explain, timing
 from mtask.limits.snooze import snooze_delay_ms
-from mtask.models import MAX_RETRY_DELAY_MS, Task
+from mtask.models import Task
 from mtask.store import Outcome
 from mtask.store.outcomes import finish_update
 from mtask.testing import run_handler
+from mtask.vocabulary import MAX_RETRY_DELAY_MS
 
 NOW = dt.datetime(2026, 11, 28, 3, 12, 17, tzinfo=dt.UTC)
 registry = Registry()

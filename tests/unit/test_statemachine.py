@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pymongo import MongoClient
 
-from mtask.models import MAX_RUNS_KEPT, RunState, TaskStatus
 from mtask.statemachine import backoff_ms, compute_next_claim_at, derive_status, recompute_stages
+from mtask.vocabulary import MAX_RUNS_KEPT, RunState, TaskStatus
 
 BASE = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 times = st.integers(min_value=-600_000, max_value=600_000).map(

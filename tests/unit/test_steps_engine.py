@@ -15,7 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtask.models import RunState
 from mtask.steps import (
     INLINE_BYTES,
     NEVER,
@@ -28,6 +27,7 @@ from mtask.steps import (
 )
 from mtask.store import steps as store_steps
 from mtask.store.outcomes import Outcome, finish_update
+from mtask.vocabulary import RunState
 
 T0 = dt.datetime(2026, 11, 24, 12, 0, tzinfo=dt.UTC)
 

@@ -15,9 +15,9 @@ from pydantic import BaseModel
 from mtask import Fail, LeaseLost, Next, Registry, Retry, RunState, TaskContext
 from mtask.errors import ConfigError
 from mtask.follow.output import RecordedOutput, RunOutput
-from mtask.models import MAX_RETRY_DELAY_MS
 from mtask.registry import retry_delay_ms
 from mtask.testing import MemorySteps, TimeSkippingEnv, arun_handler, run_handler, timeskip
+from mtask.vocabulary import MAX_RETRY_DELAY_MS
 
 registry = Registry()
 

@@ -17,11 +17,12 @@ from pymongo.results import UpdateResult
 from scripted import ScriptedDriver, Step
 
 from mtask.errors import InvalidTask
-from mtask.models import MAX_KEY_LENGTH, NewTask, TaskOptions
+from mtask.models import NewTask, TaskOptions
 from mtask.registry import Registry
 from mtask.store import followers
 from mtask.store import triggers as store_triggers
 from mtask.triggers import Trigger, cluster_time, digest, id_text, prefixed
+from mtask.vocabulary import MAX_KEY_LENGTH
 
 T0 = dt.datetime(2026, 11, 28, 12, 0, tzinfo=dt.UTC)
 

@@ -397,9 +397,9 @@ def test_a_failed_child_raises_in_the_parent_and_again_on_replay() -> None:
 
 
 def test_run_handler_spawns_children_a_test_ends_them() -> None:
-    from mtask.models import RunState
     from mtask.registry import Registry, TaskContext
     from mtask.testing import run_handler
+    from mtask.vocabulary import RunState
 
     registry = Registry()
 

@@ -14,13 +14,13 @@ from pymongo.results import BulkWriteResult, UpdateResult
 from scripted import ScriptedDriver, Step
 
 from mtask.driver import Call
-from mtask.models import RunState
 from mtask.steps import NEVER, Wait
 from mtask.steps.children import BITS
 from mtask.store import children, journal_edits
 from mtask.store import steps as store_steps
 from mtask.store.outcomes import Outcome, finish_update
 from mtask.store.schema import OPEN_LIST
+from mtask.vocabulary import RunState
 
 NOW = dt.datetime(2026, 11, 28, 3, 0, tzinfo=dt.UTC)
 

@@ -28,8 +28,9 @@ from mtask.contrib.django.compat import (
     TaskResultStatus,
 )
 from mtask.contrib.django.tasks import parse_name
-from mtask.models import Run, RunState, TaskStatus
+from mtask.models import Run
 from mtask.models import Task as MtaskDocument
+from mtask.vocabulary import RunState, TaskStatus
 
 STATUSES = {
     TaskStatus.PENDING: TaskResultStatus.READY,

@@ -29,7 +29,7 @@ from mtask.driver import AsyncDriver
 from mtask.errors import StorageError
 from mtask.limits import rules as limits
 from mtask.limits import slots
-from mtask.models import WORKER_TIMEOUT_MS, in_range
+from mtask.vocabulary import WORKER_TIMEOUT_MS, in_range
 from mtask.worker.claiming import limited
 from mtask.worker.claiming.claim_calls import RETRY_SOON, ClaimCalls
 from mtask.worker.claiming.gate import DEFAULT_SLOT_LEASE_MS, LimitGate

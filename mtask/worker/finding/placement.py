@@ -18,7 +18,7 @@ import hashlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from mtask.models import WORKER_TIMEOUT_MS, in_range
+from mtask.vocabulary import WORKER_TIMEOUT_MS, in_range
 from mtask.worker.claim_queue import ClaimQueue, Group
 from mtask.worker.presence import Assignment
 

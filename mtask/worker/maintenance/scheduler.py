@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
-from mtask.schedules import Schedule
 from mtask.store.schedules import due, ensure_indexes, fire, next_due, put
+
+if TYPE_CHECKING:
+    from mtask.schedules import Schedule
 from mtask.worker.service import PeriodicService, event_or_timeout
 
 POLL_SECONDS = 10.0

@@ -13,17 +13,20 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mtask import metrics
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver, Doc
 from mtask.errors import InvalidTask
-from mtask.models import DEFAULT_MAX_PARAMS_BYTES, NewTask
 from mtask.store import publish_many, retention
 from mtask.store import triggers as store_triggers
 from mtask.triggers import Trigger, cluster_time
+from mtask.vocabulary import DEFAULT_MAX_PARAMS_BYTES
 from mtask.worker.reacting.protocols import SaveScan
+
+if TYPE_CHECKING:
+    from mtask.models import NewTask
 
 SCAN_PAGE = 500
 
@@ -86,6 +89,8 @@ class Publishing:
         return self._task(key_for(doc_id, change["_id"]), params, when)
 
     def _task(self, key: str, params: Doc, at: dt.datetime | None) -> NewTask:
+        from mtask.models import NewTask
+
         options = dict(self.options)
         run_at = self.trigger.run_at(at)
         if run_at is not None:

@@ -20,8 +20,8 @@ from pymongo import AsyncMongoClient, MongoClient
 from mtask import driver
 from mtask.clock import Clock
 from mtask.driver import Doc
-from mtask.models import DEFAULT_MAX_PARAMS_BYTES
 from mtask.registry import Registry
+from mtask.vocabulary import DEFAULT_MAX_PARAMS_BYTES
 from mtask.worker.config import WorkerConfig
 from mtask.worker.inflight import InFlight
 from mtask.worker.running.backoffs import Holds

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from mtask import metrics
 from mtask.errors import ConfigError, InvalidTask, LeaseLost, StorageError
 from mtask.limits.holds import BackOff
-from mtask.models import OPTION_DEFAULTS
 from mtask.registry import Handler
 from mtask.statemachine import keep_ms
 from mtask.steps import Suspended
 from mtask.store import Outcome, RunState
 from mtask.tracing import run_ended, run_span
+from mtask.vocabulary import OPTION_DEFAULTS
 from mtask.worker.inflight import ActiveRun
 from mtask.worker.running.backoffs import Holds
 from mtask.worker.running.batches import Batches

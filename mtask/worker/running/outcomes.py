@@ -22,12 +22,12 @@ import bson
 from mtask import flows, metrics
 from mtask.errors import InvalidParams, InvalidTask
 from mtask.limits.snooze import Snooze, snooze_delay_ms
-from mtask.models import DEFAULT_KEEP_MS, MAX_STORED_DEPTH, RunState, storable_depth
 from mtask.registry import Fail, Retry, retry_delay_ms
 from mtask.security.encryption import UNOPENED
 from mtask.steps import SignalTimeout, StepError, Suspended, Wait
 from mtask.steps.children import ChildFailed
 from mtask.store import Outcome
+from mtask.vocabulary import DEFAULT_KEEP_MS, MAX_STORED_DEPTH, RunState, storable_depth
 from mtask.worker.inflight import ActiveRun
 from mtask.worker.running.failures import class_path, result_too_large, said, short_traceback
 from mtask.worker.stats import WorkerStats
