@@ -29,10 +29,13 @@ async def running_worker(
     try:
         await asyncio.wait_for(_ready(worker, task), 30)
         yield worker, events
-    except BaseException:
+    except BaseException as exc:
         worker.stop(immediate=True)
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await asyncio.wait_for(task, STOP_WITHIN)
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            # the test failed on what a crashed worker left undone: say the crash too
+            exc.add_note(f"the worker had crashed: {task.exception()!r}")
         raise
     worker.stop(immediate=True)
     await _verdict(task, crash_expected)

@@ -24,6 +24,7 @@ from mtask.steps.children import ChildFailed, Spawn
 from mtask.steps.policy import StepPolicy
 from mtask.store import bulk
 from mtask.store import children as store_children
+from mtask.worker.maintenance import flow_sweep
 
 registry = Registry()
 URI: dict[str, str] = {}
@@ -138,10 +139,19 @@ async def test_cancelling_a_parent_cancels_its_open_children(
 
 
 async def test_a_lost_count_is_found_by_the_sweep(
-    aclient: AsyncTaskClient, mongo_uri: str, db_name: str, mongo: MongoClient[dict[str, Any]]
+    aclient: AsyncTaskClient,
+    mongo_uri: str,
+    db_name: str,
+    mongo: MongoClient[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The worker that recorded the children's outcomes died before counting them: their
-    parent's count stays short. The sweep counts the children itself and wakes it."""
+    parent's count stays short. The sweep counts the children itself and wakes it.
+
+    The sweep counts a waiting parent at most once a minute (``CHILDREN_RECHECK_S``): one that
+    came while a child still ran (its handler slowed by a loaded machine) would leave the parent
+    for a minute, past this test's wait; here each sweep counts again."""
+    monkeypatch.setattr(flow_sweep, "CHILDREN_RECHECK_S", 0.0)
     original = store_children.count_finished
 
     def lost(keys: Any) -> Any:  # the count never reaches MongoDB
