@@ -427,9 +427,17 @@ def parse_duration(text: str, what: str) -> dt.timedelta:
 
 
 def json_default(value: Any) -> Any:
+    """A value ``json`` cannot write: a date in ISO 8601; a BSON value (an ObjectId, bytes, a
+    Decimal128, a session's id on a run, …) as MongoDB Extended JSON, as the REST API writes it
+    (``vocabulary.bson_json``); anything else as its text."""
     if isinstance(value, dt.datetime):
         return value.isoformat()
-    return str(value)
+    from mtask.vocabulary import bson_json
+
+    try:
+        return bson_json(value)
+    except (TypeError, ValueError):  # not a BSON value
+        return str(value)
 
 
 def print_json(value: Any) -> None:

@@ -52,10 +52,10 @@ class Outcome:
     steps: tuple[Doc, ...] = ()
     """SUCCESS: next steps (``flows.outbox_entry``), written to the outbox with the success."""
     has_dependents: bool = False
+    """Other tasks depend on this one: resolve them once the outcome is recorded."""
     has_output: bool = False
     """The run stored log lines or chunks: seal them once the outcome is recorded
     (``store.output.seal``)."""
-    """Other tasks depend on this one: resolve them once the outcome is recorded."""
     worker_id: str | None = None
     """The worker whose run this is: a SUCCESS it records is tagged ``last_write``."""
     result_bytes: int | None = None

@@ -5,6 +5,7 @@ hand-edited worker heartbeats. Each renders; never a 500."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
 import re
 from collections.abc import Iterator
@@ -134,6 +135,26 @@ def test_a_task_holding_any_bson_value_reads_as_extended_json(
     assert [t["key"] for t in page.json()["tasks"]] == [kind]
     after = api.get("/tasks", params={"name": "odd", "after": kind}, headers=AUTH)
     assert [t["result"] for t in after.json()["tasks"]] == [want]
+
+
+@pytest.mark.parametrize("kind", sorted(set(VALUES) - {"date", "nan", "infinity", "code"}))
+def test_mtask_get_json_writes_any_bson_value_as_the_api_does(
+    capsys: pytest.CaptureFixture[str],
+    mongo: MongoClient[dict[str, Any]],
+    mongo_uri: str,
+    db_name: str,
+    kind: str,
+) -> None:
+    """``mtask get --json`` writes a BSON value as the REST API does, in Extended JSON (a date
+    stays ISO 8601 and a NaN JSON's own, as the command always wrote them; a ``Code``, a string
+    to Python's ``json``, its text)."""
+    value = VALUES[kind]
+    mongo[db_name]["tasks"].insert_one(odd_document(kind, value))
+    assert main(["get", kind, "--uri", mongo_uri, "--database", db_name, "--json"]) == 0
+    task = json.loads(capsys.readouterr().out)
+    want = bson_json(value)
+    assert (task["params"], task["result"]) == ({"v": want}, want)
+    assert (task["runs"][0]["junk"], task["signals"][0]["payload"]) == (want, want)
 
 
 def test_dates_no_python_date_can_hold_read_as_the_first_and_last(
