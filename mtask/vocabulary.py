@@ -194,32 +194,28 @@ def check_depth(value: object, limit: int, field: str = "params") -> None:
         stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list | tuple))
 
 
+def _text(value: object, field: str, most: int) -> str:
+    """``value`` if a key or a name may be it: a string, not blank, at most ``most``
+    characters, without NUL, valid Unicode; else ``InvalidTask`` naming ``field``."""
+    if not isinstance(value, str):
+        raise InvalidTask(f"must be a string, not {type(value).__name__}", field=field)
+    if not value.strip():
+        raise InvalidTask("must not be empty", field=field)
+    if len(value) > most:
+        raise InvalidTask(f"is {len(value)} characters; at most {most}", field=field)
+    if "\x00" in value:
+        raise InvalidTask("must not contain NUL characters", field=field)
+    if not encodable(value):
+        raise InvalidTask(UNENCODABLE, field=field)
+    return value
+
+
 def validate_key(key: object) -> str:
-    if not isinstance(key, str):
-        raise InvalidTask(f"must be a string, not {type(key).__name__}", field="key")
-    if not key.strip():
-        raise InvalidTask("must not be empty", field="key")
-    if len(key) > MAX_KEY_LENGTH:
-        raise InvalidTask(f"is {len(key)} characters; at most {MAX_KEY_LENGTH}", field="key")
-    if "\x00" in key:
-        raise InvalidTask("must not contain NUL characters", field="key")
-    if not encodable(key):
-        raise InvalidTask(UNENCODABLE, field="key")
-    return key
+    return _text(key, "key", MAX_KEY_LENGTH)
 
 
 def validate_name(name: object) -> str:
-    if not isinstance(name, str):
-        raise InvalidTask(f"must be a string, not {type(name).__name__}", field="name")
-    if not name.strip():
-        raise InvalidTask("must not be empty", field="name")
-    if len(name) > MAX_NAME_LENGTH:
-        raise InvalidTask(f"is {len(name)} characters; at most {MAX_NAME_LENGTH}", field="name")
-    if "\x00" in name:
-        raise InvalidTask("must not contain NUL characters", field="name")
-    if not encodable(name):
-        raise InvalidTask(UNENCODABLE, field="name")
-    return name
+    return _text(name, "name", MAX_NAME_LENGTH)
 
 
 MAX_PROGRESS_LABEL = 200
