@@ -159,7 +159,7 @@ def shipped(name: str) -> Schema:
 
 def shipped_validator() -> Schema:
     """The MongoDB ``$jsonSchema`` as shipped (``mongodb-validator.v1.json``): what
-    ``validator_schema`` generates (``test_jsonschema.py`` keeps the file equal to it), read
+    ``validator_schema`` generates (``test_contract.py`` keeps the file equal to it), read
     without building a model or importing pydantic (a worker's completion of a published
     document checks it: ``store.complete``)."""
     return shipped(f"mongodb-validator.v{VERSION}.json")

@@ -497,8 +497,8 @@ def _inspect(fn: Callable[..., Any]) -> tuple[type[BaseModel] | None, bool]:
             f"not {len(params)} parameters"
         )
     model = hints.get(params[0].name)
-    # a model's class can only come from a pydantic some module loaded already: a registry
-    # whose handlers take plain dicts loads none (a worker's start: test_lazy_imports.py)
+    # a params model exists only if some module imported pydantic already: a registry whose
+    # handlers take plain dicts loads none (a worker's start: test_lazy_imports.py)
     pydantic = sys.modules.get("pydantic")
     base = None if pydantic is None else pydantic.BaseModel
     params_model = (

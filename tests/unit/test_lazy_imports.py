@@ -152,7 +152,7 @@ def test_a_worker_and_the_reading_commands_load_no_server_side_or_rich() -> None
     assert under(worker, *SERVER_SIDE, "rich", "mtask.cli.render", "mtask.client") == []
     # no pydantic: the store, the worker and the registry read the task's words and bounds from
     # mtask.vocabulary; a model is imported by the first handler, trigger or schedule that
-    # declares one (bench WST: a tenth of a worker's start)
+    # declares one (bench WST measures what that saves)
     assert under(worker, "pydantic", "pydantic_core", "mtask.models", "mtask.schedules") == []
     for line in (["get", "k"], ["list"], ["stats"]):
         names = loaded(
