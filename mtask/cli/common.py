@@ -299,7 +299,7 @@ class Choices(Sequence[str]):
 
 
 def statuses() -> list[str]:
-    """The task statuses, in their order (``models.TaskStatus``)."""
+    """The task statuses, in their order (``vocabulary.TaskStatus``)."""
     from mtask.vocabulary import TaskStatus
 
     return [s.value for s in TaskStatus]
@@ -414,7 +414,7 @@ DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)?")
 
 def parse_duration(text: str, what: str) -> dt.timedelta:
     """``90`` (seconds), ``90s``, ``15m``, ``12h``, ``7d``, ``2w``, ``500ms``: at most 100
-    years (``models.MAX_AGE_SECONDS``, as the API allows), else ``UsageError`` (exit 2)."""
+    years (``vocabulary.MAX_AGE_SECONDS``, as the API allows), else ``UsageError`` (exit 2)."""
     from mtask.vocabulary import MAX_AGE_SECONDS
 
     match = DURATION.fullmatch(text.strip())

@@ -4,7 +4,7 @@ A service in any language may publish with just ``{_id, name, params}`` (optiona
 any subset, and ``run_at``), upserted with ``$setOnInsert`` (``docs/publishing.md``). Such a
 document has no ``status``. The first worker (or sweep) that meets it completes it on the
 server, in one update whose filter is "still without a status and completable": the options
-it lacks get their defaults (``models.OPTION_DEFAULTS``), ``status``, the counters, ``runs``,
+it lacks get their defaults (``vocabulary.OPTION_DEFAULTS``), ``status``, the counters, ``runs``,
 ``available_at`` (``run_at``, else ``$$NOW``), ``created_at`` (``$$NOW``) are set, and the
 state machine's ``recompute_stages`` derives ``next_claim_at``. A document that cannot be
 completed (a field of the wrong BSON type, an ISO string where a date belongs, an unknown option
@@ -101,7 +101,7 @@ def _field_checks(path: str, spec: Doc) -> list[tuple[Doc, Any]]:
                 f"'{path}' must be at most {spec['maxLength']} characters",
             )
         )
-    if "pattern" in spec:  # models.NO_NUL, the only pattern
+    if "pattern" in spec:  # vocabulary.NO_NUL, the only pattern
         checks.append(
             (
                 {
@@ -348,7 +348,7 @@ def stranded_open(names: Sequence[Any]) -> Doc:
             # scan (and the claim) skip it, so only its insert event could have brought it to a
             # worker; a worker that was down then never would
             *({field: {"$not": spec}} for field, spec in WELL_FORMED.items()),
-            {"name": {"$regex": "\\x00"}},  # a name no worker can have (models.NO_NUL)
+            {"name": {"$regex": "\\x00"}},  # a name no worker can have (vocabulary.NO_NUL)
             # a key that is a symbol: read as a string, but no batch claim ($type "string")
             # matches it; NOT_A_STRING leaves it out (its bounds would be every string key)
             {"_id": {"$type": "symbol"}},

@@ -15,7 +15,7 @@ They are resolved when a task is published (from this small collection, which a 
 at most once every ``CACHE_SECONDS``) and written into the task's options, so every document
 states its own retention, whoever reads it and in whatever language; a change of defaults
 applies to tasks published afterwards. A document inserted without these options (by hand, by
-another language's driver) gets the built-in defaults (``models.DEFAULT_KEEP_MS``).
+another language's driver) gets the built-in defaults (``vocabulary.DEFAULT_KEEP_MS``).
 """
 
 from __future__ import annotations

@@ -260,7 +260,7 @@ _NUL_NAME: Doc = {
         "regex": "\\x00",
     }
 }
-"""A name no worker can have: it holds a NUL character (``models.NO_NUL``)."""
+"""A name no worker can have: it holds a NUL character (``vocabulary.NO_NUL``)."""
 
 _UNREACHABLE: Doc = {  # open, no date to be claimed at, not waiting for dependencies
     "$and": [

@@ -63,7 +63,7 @@ DEFAULT_MAX_BODY = 8 * 1024 * 1024
 """Fits a 1 MiB params document and a batch of small tasks."""
 LOGIN_MAX_BODY = 16 * 1024
 MAX_JSON_DEPTH = 80
-"""Nesting levels of a JSON body (params are limited further, to ``models.MAX_PARAMS_DEPTH``)."""
+"""Nesting levels of a JSON body (params are limited further: ``vocabulary.MAX_PARAMS_DEPTH``)."""
 SAFE = frozenset({"GET", "HEAD", "OPTIONS"})
 PUBLIC = ("/healthz", "/static/", "/docs", "/redoc", "/openapi.json", "/favicon.ico", "/login")
 PIECE = 64 * 1024

@@ -108,7 +108,7 @@ class TaskPage(BaseModel):
 
 class Open(Stored):
     """A document of a small collection: the fields named are always there, others may be (as
-    stored, written as JSON with ``models.bson_json``)."""
+    stored, written as JSON with ``vocabulary.bson_json``)."""
 
 
 class LimitView(Open):

@@ -328,7 +328,7 @@ async def test_a_small_result_too_deep_for_the_task_document_is_stored_aside(
     assert task.status.value == "succeeded", task.error
     assert task.result == 250 and CALLS["d1:deep"] == 1
     assert task.steps[0].spill is not None
-    # the most a value stored three levels down may nest (models.MAX_STORED_DEPTH): inline
+    # the most a value stored three levels down may nest (vocabulary.MAX_STORED_DEPTH): inline
     assert at_most.status.value == "succeeded", at_most.error
     assert at_most.result == 97 and at_most.steps[0].spill is None
     assert past.result == 98 and past.steps[0].spill is not None
