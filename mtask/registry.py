@@ -24,13 +24,13 @@ from mtask.steps import MemorySteps, RunSteps, caller
 from mtask.steps.calls import Gate
 from mtask.steps.policy import StepPolicy
 from mtask.triggers import Trigger, check_collection
+from mtask.vocabulary import MAX_RETRY_DELAY_MS, delay_ms
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from mtask.models import Budget, TaskOptions
-    from mtask.schedules import Schedule
-from mtask.vocabulary import MAX_RETRY_DELAY_MS, delay_ms
+    from mtask.schedules.definition import Schedule
 
 if typing.TYPE_CHECKING:
     from mtask.usage.charges import RunUsage
@@ -600,7 +600,9 @@ class Registry:
         ``params``, ``options``, ``catch_up``, ``misfire_grace_s``: see ``Schedule.build``).
         Workers running this registry create (or update) the schedule in MongoDB when they
         start; the schedule's id is ``id`` or the task name."""
-        from mtask.schedules import Schedule  # its model: loaded by a registry that has one
+        from mtask.schedules.definition import (
+            Schedule,  # its model: loaded by a registry that has one
+        )
 
         schedule = Schedule.build(id or task, task, **definition)
         if schedule.id in self.schedules:

@@ -26,13 +26,13 @@ if TYPE_CHECKING:
 
 
 def _overlaps() -> tuple[str, ...]:
-    from mtask.schedules import OVERLAP_CHOICES
+    from mtask.schedules.definition import OVERLAP_CHOICES
 
     return OVERLAP_CHOICES
 
 
 def _catch_up() -> tuple[str, ...]:
-    from mtask.schedules import CATCH_UP_CHOICES
+    from mtask.schedules.definition import CATCH_UP_CHOICES
 
     return CATCH_UP_CHOICES
 

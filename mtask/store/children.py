@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bson.int64 import Int64
 from pymongo import UpdateOne
@@ -28,9 +28,6 @@ from mtask.store import steps as store_steps
 from mtask.store.schema import OPEN_LIST, WELL_FORMED
 from mtask.store.tasks import CANCEL_CHILDREN, cancel, cancel_pipeline, publish_many
 from mtask.vocabulary import TaskStatus
-
-if TYPE_CHECKING:
-    pass
 
 PAGE = 1000
 """Children read per page when their parent resumes; parents whose children a cancel reaches

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pymongo import ASCENDING, DESCENDING
 from pymongo.errors import OperationFailure
@@ -18,9 +18,6 @@ from mtask.statemachine import OPEN, RUNNING
 from mtask.store import cluster, counts
 from mtask.store.bulk import ERROR_TEXT
 from mtask.store.schedules import next_due
-
-if TYPE_CHECKING:
-    pass
 
 INDEX_NOT_FOUND = 27
 """The server's code for a ``$text`` query on a collection without a text index."""

@@ -17,12 +17,19 @@ from mtask import store
 from mtask.driver import Call, Doc, Op
 from mtask.errors import InvalidTask
 from mtask.errors import ScheduleNotFound as ScheduleNotFound
-from mtask.ticks import BUFFER_RECHECK_S, first_tick, overlap_step, plan, tick_key, whole_ms
+from mtask.schedules.ticks import (
+    BUFFER_RECHECK_S,
+    first_tick,
+    overlap_step,
+    plan,
+    tick_key,
+    whole_ms,
+)
 
 if TYPE_CHECKING:
     from apscheduler.triggers.base import BaseTrigger
 
-    from mtask.schedules import Schedule
+    from mtask.schedules.definition import Schedule
 
 
 log = logging.getLogger("mtask.schedules")
@@ -147,7 +154,7 @@ def fire(doc: Mapping[str, Any], now: dt.datetime) -> Op[int]:
     created. A document that does not describe a valid schedule (edited by hand) gets an
     ``error`` and no next tick, instead of stopping the scheduler."""
     from mtask.models import NewTask
-    from mtask.schedules import Schedule  # the models: loaded by the first due schedule
+    from mtask.schedules.definition import Schedule  # the models: loaded by the first due schedule
 
     try:
         schedule = Schedule.read(

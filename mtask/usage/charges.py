@@ -124,11 +124,13 @@ class RunUsage:
         counted: Callable[[Usage], None] | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
-        from mtask.models import Budget
-
         self.store = store
         self.prices = dict(prices or {})
-        self.budget = None if not budget else Budget.model_validate(dict(budget))
+        self.budget: Budget | None = None
+        if budget:  # the model (pydantic) imported by a task that has a budget, not by each run
+            from mtask.models import Budget
+
+            self.budget = Budget.model_validate(dict(budget))
         spent = spent or {}
         self.tokens = int(spent.get("input_tokens") or 0) + int(spent.get("output_tokens") or 0)
         self.cost_nanos = int(spent.get("cost_nanos") or 0)

@@ -23,11 +23,11 @@ from mtask.client import AsyncTaskClient, TaskClient
 from mtask.errors import (
     InvalidTask,
     InvalidTransition,
+    ScheduleNotFound,
     StorageError,
     TaskNotFound,
     TriggerNotFound,
 )
-from mtask.schedules import ScheduleNotFound
 from mtask.store import throughput
 from mtask.web import api, dashboard, events, output, triggers
 from mtask.web.access import RedactTokens

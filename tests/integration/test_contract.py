@@ -62,6 +62,11 @@ def test_shipped_schemas_are_the_generated_ones() -> None:
     refuses documents the previous version accepted)."""
     for name, schema in jsonschema.generated().items():
         assert jsonschema.shipped(name) == schema, f"{name} is stale"
+        # in the same order too: the worker's completion names a document's first bad field
+        # by the shipped validator's order (``store.complete``), the models' order
+        assert (jsonschema.SCHEMA_DIR / name).read_text() == jsonschema.dump(schema), (
+            f"{name} is stale"
+        )
     validator = jsonschema.shipped("mongodb-validator.v1.json")
     assert validator["properties"]["options"]["additionalProperties"] is False
     assert validator["properties"]["created_at"]["bsonType"] == "date"

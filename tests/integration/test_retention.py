@@ -15,12 +15,12 @@ from mtask import TaskClient
 from mtask.cli import main
 from mtask.clock import FixedClock
 from mtask.errors import InvalidTask
+from mtask.schedules.ticks import tick_key
 from mtask.statemachine import compute_expire_at
 from mtask.store import CLAIMED_FIELDS, Outcome, RunState, claim, finish, finish_many, retention
 from mtask.store.flows import flush_outboxes
 from mtask.store.retention import release_parents
 from mtask.store.schedules import due, fire
-from mtask.ticks import tick_key
 from mtask.vocabulary import DAY_MS, DEFAULT_KEEP_MS, FOREVER, TaskStatus
 
 Doc = dict[str, Any]

@@ -13,7 +13,7 @@ from test_snooze_worker import flow_worker, polled
 
 from mtask import TaskClient
 from mtask.errors import InvalidTask
-from mtask.ticks import tick_key
+from mtask.schedules.ticks import tick_key
 
 FAST = {"ping_interval_ms": 100}
 

@@ -20,8 +20,8 @@ from mtask.errors import InvalidTask
 from mtask.models import NewTask
 from mtask.registry import Registry
 from mtask.schedules import Schedule, ScheduleNotFound
+from mtask.schedules.ticks import first_tick, latest_tick, next_after, plan, tick_key
 from mtask.store.schedules import due, fire
-from mtask.ticks import first_tick, latest_tick, next_after, plan, tick_key
 from mtask.vocabulary import MAX_KEY_LENGTH
 
 

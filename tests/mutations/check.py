@@ -267,7 +267,7 @@ MUTATIONS = [
     Mutation(
         "cron-tick-key",
         "of schedulers racing for one tick, one publishes its task (the tick is its key)",
-        "mtask/ticks.py",
+        "mtask/schedules/ticks.py",
         'return f"{schedule_id}@{stamp}"',
         'return f"{schedule_id}@{dt.datetime.now(dt.UTC).isoformat()}"',
         ("tests/integration/test_schedules.py::test_concurrent_schedulers_publish_each_tick_once",),

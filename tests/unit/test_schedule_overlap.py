@@ -9,7 +9,7 @@ import pytest
 
 from mtask.errors import InvalidTask
 from mtask.schedules import Schedule
-from mtask.ticks import overlap_step
+from mtask.schedules.ticks import overlap_step
 
 T0 = dt.datetime(2026, 11, 28, 3, 0, tzinfo=dt.UTC)
 T1 = T0 + dt.timedelta(minutes=1)

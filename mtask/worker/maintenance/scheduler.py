@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, ClassVar
 from mtask.clock import Clock
 from mtask.driver import AsyncDriver
 from mtask.store.schedules import due, ensure_indexes, fire, next_due, put
+from mtask.worker.service import PeriodicService, event_or_timeout
 
 if TYPE_CHECKING:
-    from mtask.schedules import Schedule
-from mtask.worker.service import PeriodicService, event_or_timeout
+    from mtask.schedules.definition import Schedule
 
 POLL_SECONDS = 10.0
 """The longest a scheduler sleeps. A schedule added, changed or resumed wakes it at once (its

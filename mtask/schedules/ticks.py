@@ -1,6 +1,6 @@
 """A schedule's ticks, pure rules on its APScheduler trigger (property-tested): the first tick,
 the next and the latest, which ticks a pass publishes (``plan``, under ``catch_up``), a tick's
-task key, and ``overlap``'s step. The definition they read is ``mtask.schedules.Schedule``;
+task key, and ``overlap``'s step. The definition they read is ``schedules.definition.Schedule``;
 the store operations are ``mtask.store.schedules``. No model here: a worker whose cluster has
 no schedule imports no pydantic."""
 
@@ -22,7 +22,7 @@ MAX_TICKS_PER_PASS = 1000
 
 
 class CatchingUp(Protocol):
-    """What ``plan`` reads of a schedule (``mtask.schedules.Schedule`` is one)."""
+    """What ``plan`` reads of a schedule (``schedules.definition.Schedule`` is one)."""
 
     @property
     def catch_up(self) -> str: ...
