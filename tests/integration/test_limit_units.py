@@ -4,8 +4,10 @@ unit in a shared resource; held by in-process workers."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
+import time
 from typing import Any
 
 import pytest
@@ -25,9 +27,47 @@ T0 = dt.datetime(2099, 1, 1, 9, tzinfo=dt.UTC)
 registry = Registry()
 
 
-# each sleeps, and returns its start and end on this process's clock (workerapp)
-registry.task("big", uses=["gpu"], units=3)(timed_sleep)
-registry.task("small", uses=["gpu"])(timed_sleep)
+class Gate:
+    """Open once the runs in flight hold ``ENOUGH`` units: until then each run waits at it (at
+    most ``HOLD`` seconds), so that as many units as the limit lets run do run at once. (Runs of
+    0.1 s alone need not overlap on a starved machine: each may end before the next starts.)"""
+
+    ENOUGH = 4
+    HOLD = 20.0
+
+    def __init__(self) -> None:
+        self.units = 0
+        self.opened = asyncio.Event()
+
+    async def run(self, units: int, seconds: float) -> list[float]:
+        """A run of ``units``: when it started and ended on this process's monotonic clock
+        (one clock for every run: the workers run in the test's process)."""
+        start = time.monotonic()
+        self.units += units
+        try:
+            if self.units >= self.ENOUGH:
+                self.opened.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.opened.wait(), self.HOLD)
+            await asyncio.sleep(seconds)
+        finally:
+            self.units -= units
+        return [start, time.monotonic()]
+
+
+GATE = Gate()
+
+
+async def big(params: dict[str, float]) -> list[float]:
+    return await GATE.run(3, params["seconds"])
+
+
+async def small(params: dict[str, float]) -> list[float]:
+    return await GATE.run(1, params["seconds"])
+
+
+registry.task("big", uses=["gpu"], units=3)(big)
+registry.task("small", uses=["gpu"])(small)
 
 
 def test_the_servers_take_counts_units_of_runs_at_once_and_tokens(
@@ -76,6 +116,8 @@ def load(db: Any) -> int:
 async def test_workers_hold_a_resource_to_its_units(
     mongo_uri: str, mongo: MongoClient[Any], db_name: str, client: TaskClient
 ) -> None:
+    global GATE
+    GATE = Gate()  # this test's loop's
     client.set_limit(resource="gpu", concurrency=5)
     client.publish_many(
         [
@@ -91,4 +133,6 @@ async def test_workers_hold_a_resource_to_its_units(
             )
         db = mongo[db_name]
         await wait_for(lambda: db.tasks.count_documents({"status": "succeeded"}) == 16, 60)
-    assert 3 < load(db) <= 5  # a big run (3) and two small ones at most, never two big
+    # 4 units or more at once (the gate held the first runs until they were), and never more
+    # than the limit: a big run (3) and two small ones at most, never two big
+    assert 3 < load(db) <= 5
