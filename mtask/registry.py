@@ -31,10 +31,9 @@ if TYPE_CHECKING:
 
     from mtask.models import Budget, TaskOptions
     from mtask.schedules.definition import Schedule
-
-if typing.TYPE_CHECKING:
     from mtask.usage.charges import RunUsage
     from mtask.usage.rules import Price, Usage
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 Isolation = Literal["thread", "process"]

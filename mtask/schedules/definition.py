@@ -13,7 +13,15 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from mtask.errors import InvalidTask
 from mtask.models import describe_validation_error, validate_options, validate_params
@@ -28,6 +36,8 @@ log = logging.getLogger("mtask.schedules")
 CatchUp = Literal["none", "latest", "all"]
 CATCH_UP_CHOICES = ("none", "latest", "all")
 OVERLAP_CHOICES = ("all", "skip", "buffer")
+CHOICES = {"catch_up": CATCH_UP_CHOICES, "overlap": OVERLAP_CHOICES}
+"""The values each of a schedule's choice fields may take."""
 VALIDATION_ANCHOR = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
 """Any instant: building a trigger checks its definition; no time is decided by it."""
 
@@ -103,18 +113,12 @@ class Schedule(BaseModel):
         dumped: dict[str, Any] = task_options.model_dump(exclude_defaults=True, mode="json")
         return dumped
 
-    @field_validator("catch_up", mode="before")
+    @field_validator("catch_up", "overlap", mode="before")
     @classmethod
-    def _check_catch_up(cls, value: object) -> object:
-        if value not in CATCH_UP_CHOICES:
-            raise InvalidTask(f"must be one of {', '.join(CATCH_UP_CHOICES)}", field="catch_up")
-        return value
-
-    @field_validator("overlap", mode="before")
-    @classmethod
-    def _check_overlap(cls, value: object) -> object:
-        if value not in OVERLAP_CHOICES:
-            raise InvalidTask(f"must be one of {', '.join(OVERLAP_CHOICES)}", field="overlap")
+    def _check_choice(cls, value: object, info: ValidationInfo) -> object:
+        choices = CHOICES[info.field_name or ""]
+        if value not in choices:
+            raise InvalidTask(f"must be one of {', '.join(choices)}", field=info.field_name)
         return value
 
     @field_validator("misfire_grace_s")
