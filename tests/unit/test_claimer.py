@@ -200,6 +200,46 @@ async def test_missed_keys_are_requeued_only_if_they_were_not_due() -> None:
     )
 
 
+def outcome_event(key: str, claim_at: dt.datetime) -> dict[str, Any]:
+    """Another writer's update of ``key`` as a worker's own stream shows it."""
+    return {
+        "operationType": "update",
+        "ns": {"db": "mtask", "coll": "tasks"},
+        "documentKey": {"_id": key},
+        "updateDescription": {"updatedFields": {"next_claim_at": claim_at}},
+    }
+
+
+async def test_an_event_heard_during_a_claim_that_missed_queues_the_key_again() -> None:
+    """A claim is sent while the task's previous run is being recorded: it misses (the run
+    still holds the task), and the outcome's event (a retry due at once) arrives while the claim
+    is on its way, when the key is in flight and the event cannot queue it. The re-read shows
+    the task due: without the event, a due key that missed is another's and waits for the sweep;
+    with it, it is queued for one more claim. A second miss with no event in between is final."""
+    heard: list[Finder] = []
+
+    def outcome_during_claim(call: Call) -> None:
+        heard[0].on_change(outcome_event("odd", NOW))
+        assert "odd" not in heard[0].placement.queue  # in flight: not queued by the event
+
+    driver = AsyncScriptedDriver(
+        Step(MODIFY_ONCE, reply=None, check=outcome_during_claim),  # a claim of one key
+        Step("find", reply=[placement("odd", NOW)]),  # pending, due: the retry
+        Step(MODIFY_ONCE, reply=None),  # taken by another in between
+        Step("find", reply=[placement("odd", NOW)]),
+    )
+    claimer, watcher, started = build(driver)
+    heard.append(watcher)
+    watcher.placement.place(placement("odd", NOW - dt.timedelta(seconds=1)))
+    watcher.placement.queue.discard("odd")  # taken from the queue to be claimed
+    await claimer.claim(["odd"], ["add"], NOW)
+    assert watcher.placement.queue.entries["odd"].claim_at == NOW  # one more claim
+    watcher.placement.queue.discard("odd")
+    await claimer.claim(["odd"], ["add"], NOW)
+    assert driver.done and started.docs == []
+    assert "odd" not in watcher.placement.queue  # no event: another's, as before
+
+
 async def test_a_failed_claim_call_puts_its_keys_back_shortly() -> None:
     """Not a document's fault (MongoDB away): what the call took is read back; nothing was,
     so the keys wait a second in the queue."""

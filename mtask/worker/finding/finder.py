@@ -115,7 +115,13 @@ class Finder:
         self, keys: list[str], later_than: dt.datetime | None = None
     ) -> Requeued | None:
         """``requeue``, saying what it found (``None``: MongoDB did not answer; the sweep
-        brings them back)."""
+        brings them back).
+
+        A key due by ``later_than`` (when the claim that missed it was sent) is someone else's,
+        or not this worker's to run, and is left to the next event or the sweep; unless its
+        claim time changed while the claim was on its way (an event heard then is not queued):
+        then it is queued as its document says now, for one more claim."""
+        changed = {key for key in keys if self.placement.changed_while_busy(key)}
         try:
             docs = await self.scanner.read(keys)
         except StorageError as exc:
@@ -127,7 +133,7 @@ class Finder:
             key = doc.get("_id")
             if isinstance(doc.get("next_claim_at"), dt.datetime):
                 gone.discard(key)
-            if doc.get("well_formed") is False or not due_by(doc, later_than):
+            if doc.get("well_formed") is False or not due_by(doc, later_than) or key in changed:
                 self.scanner.place_safely(doc)  # a malformed one is noted for quarantine
                 if key in self.placement.meta:
                     found.held.append(key)

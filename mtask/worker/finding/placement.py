@@ -127,6 +127,9 @@ class Placement:
         self.meta: dict[str, TaskMeta] = {}
         self.ignored: set[str] = set()
         """Keys of documents that could not even be marked invalid: never queued again."""
+        self.changed_busy: set[str] = set()
+        """Known keys whose claim time changed while they were in flight (the event was not
+        queued): a claim of one that misses is not the last word (``changed_while_busy``)."""
 
     def place(self, doc: Mapping[str, Any]) -> None:
         """Queue a task from its document (an insert event, a scan, a lookup); raises
@@ -149,6 +152,7 @@ class Placement:
             return
         if len(self.meta) >= 4 * self.queue.max_size:
             self.meta.clear()  # bounded memory; unknown keys are looked up again
+            self.changed_busy.clear()
         priority, timeout = options.get("priority", 0), options.get("worker_timeout_ms")
         concurrency, group = options.get("concurrency"), options.get("group")
         place = doc.get("available_at")
@@ -173,7 +177,9 @@ class Placement:
             self.meta[key] = self.meta[key]._replace(place=place)
         if self.in_flight(key):
             self.queue.discard(key)
+            self.changed_busy.add(key)
             return
+        self.changed_busy.discard(key)
         meta = self.meta[key]
         try:
             at = claim_at + self.scope.rank(key, meta.name) * self.stagger
@@ -221,6 +227,17 @@ class Placement:
     def forget(self, key: str) -> None:
         self.queue.discard(key)
         self.meta.pop(key, None)
+        self.changed_busy.discard(key)
+
+    def changed_while_busy(self, key: str) -> bool:
+        """Whether ``key``'s claim time changed while it was in flight (and since it last was):
+        a claim of it sent before that change may have missed because of what changed (an
+        outcome written while the claim was on its way), so the claim's miss is not final. Asked
+        once: the answer is forgotten."""
+        if key in self.changed_busy:
+            self.changed_busy.discard(key)
+            return True
+        return False
 
     def ignore(self, key: str) -> None:
         """Never queue ``key`` again (its document cannot even be marked invalid)."""
@@ -230,6 +247,7 @@ class Placement:
     def clear(self) -> None:
         self.queue.clear()
         self.meta.clear()
+        self.changed_busy.clear()
 
     def known(self, key: str) -> TaskMeta | None:
         return self.meta.get(key)
