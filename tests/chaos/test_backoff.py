@@ -35,7 +35,7 @@ async def test_no_task_of_a_group_is_claimed_while_its_back_off_holds(
             for g in ("acme", "beta")
         ]
     )
-    await until_finished(client, 81, timeout=240)
+    await until_finished(client, 81, timeout=240, explain=cluster.explainer(client))
     assert client.stats()["call_api"] == {"succeeded": 81}
     hold = mongo[db_name]["limits"].find_one({"_id": "call_api"})
     (until,) = [h["until"] for h in hold["group_holds"] if h["group"] == "acme"]

@@ -70,7 +70,7 @@ async def test_mongodb_with_authentication(tmp_path: Path, db_name: str) -> None
             with TaskClient(good, database=db_name) as client:
                 client.publish("work", "authed", {"ms": 10})
                 cluster.spawn("w", "--concurrency", "1")
-                await until_finished(client, 1, timeout=60)
+                await until_finished(client, 1, timeout=60, explain=cluster.explainer(client))
                 task = client.get("authed")
                 assert task is not None and task.status == "succeeded"
         finally:

@@ -68,20 +68,20 @@ async def test_concurrency_limit_holds_across_three_workers_and_changes_apply(
         # no periodic read of the limits: only a change's event can apply it
         cluster.spawn(worker, "--concurrency", "8", "--limits-refresh", "3600")
     first = publish(client, "c2-", 60, 40)
-    await until_finished(client, 60, timeout=120)
+    await until_finished(client, 60, timeout=120, explain=cluster.explainer(client))
     # the limit was reached, never passed (else: who overlapped, and how)
     assert peak(spans(mongo, db_name, first)) == 2, crowd(mongo, db_name)
 
     client.set_limit("work", concurrency=4)
     second = publish(client, "c4-", 80, 40)
-    await until_finished(client, 140, timeout=120)
+    await until_finished(client, 140, timeout=120, explain=cluster.explainer(client))
     runs = spans(mongo, db_name, second)
     assert peak(runs) <= 4
     assert peak(runs) > 2, "the raised limit was applied on its event"
 
     client.set_limit("work", concurrency=1)
     third = publish(client, "c1-", 20, 20)
-    await until_finished(client, 160, timeout=120)
+    await until_finished(client, 160, timeout=120, explain=cluster.explainer(client))
     assert peak(spans(mongo, db_name, third)) == 1
     # every place given back: each after its run's outcome is written, so the last one may
     # land just after the last task finished (a loaded machine showed one still held then)
@@ -97,7 +97,7 @@ async def test_rate_limit_holds_across_three_workers(
     for worker in ("a", "b", "c"):
         cluster.spawn(worker, "--concurrency", "8")
     keys = publish(client, "r-", 25, 5)
-    await until_finished(client, 25, timeout=120)
+    await until_finished(client, 25, timeout=120, explain=cluster.explainer(client))
     claims = sorted(
         run["claimed_at"]
         for doc in client.collection.find({"_id": {"$in": list(keys)}})

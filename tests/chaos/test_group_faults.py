@@ -122,7 +122,7 @@ async def test_sequences_run_one_at_a_time_in_publish_order_through_kills_and_fr
     cluster.signal("b", signal.SIGSTOP)
     await asyncio.sleep(FAST["worker_timeout_ms"] / 1000 + 1.5)  # the fault: past its leases
     cluster.signal("b", signal.SIGCONT)
-    await until_finished(client, 200, timeout=300)
+    await until_finished(client, 200, timeout=300, explain=cluster.explainer(client))
     assert client.stats()["work"] == {"succeeded": 200}
 
     runs = runs_of(mongo, db_name)
@@ -146,7 +146,7 @@ async def test_group_concurrency_holds_across_three_workers(
     for worker in ("a", "b", "c"):
         cluster.spawn(worker, "--concurrency", "8")
     client.publish_many(in_groups("work", "e", groups=5, each=40, params={"ms": 30}))
-    await until_finished(client, 200, timeout=300)
+    await until_finished(client, 200, timeout=300, explain=cluster.explainer(client))
     assert client.stats()["work"] == {"succeeded": 200}
     runs = runs_of(mongo, db_name)
     for g in range(5):
@@ -235,7 +235,7 @@ async def test_group_concurrency_above_one_and_a_group_rate_hold_through_kills_a
     tasks, log = mongo[db_name]["tasks"], mongo[db_name]["execlog"]
     await wait_for(lambda: tasks.count_documents({"status": "succeeded"}) >= 20, timeout=120)
     cuts, stopped, resumed = await kill_a_and_freeze_b(cluster, client, log)
-    await until_finished(client, 120, timeout=300)
+    await until_finished(client, 120, timeout=300, explain=cluster.explainer(client))
     assert client.stats()["work"] == {"succeeded": 120}
     # the runs frozen mid-run were stopped at their first step after the freeze
     frozen = ends_of_frozen(log, stopped)

@@ -76,7 +76,7 @@ async def test_a_three_to_one_weight_holds_over_two_thousand_tasks_and_four_work
     with two_hosts(mongo_uri, db_name, tmp_path) as hosts:
         nets = {w: net_of(p.pid) for w, p in hosts.procs.items()}
         assert nets["h1a"] == nets["h1b"] != nets["h2a"] == nets["h2b"] != net_of("self")
-        await until_finished(client, 2000, timeout=300)
+        await until_finished(client, 2000, timeout=300, explain=hosts.explainer(client))
     # A run claimed ahead that waited over a second for its slot (a starved machine) is given
     # back before it starts (RELEASED, docs/isolation.md): a claim, not a run of the handler.
     shown = {"runs.claimed_at": 1, "runs.worker_id": 1, "runs.state": 1}
@@ -111,13 +111,13 @@ async def test_each_group_keeps_its_own_limit_across_three_workers_and_a_change_
         cluster.spawn(worker, "--concurrency", "8")
     pro = publish(client, "pro-", "pro", 60, 80)
     free = publish(client, "free-", "free", 30, 80)
-    await until_finished(client, 90, timeout=240)
+    await until_finished(client, 90, timeout=240, explain=cluster.explainer(client))
     assert 2 < peak(spans(mongo, db_name, pro)) <= 5, crowd(mongo, db_name)
     assert peak(spans(mongo, db_name, free)) <= 2, crowd(mongo, db_name)
 
     client.set_group_limit("work", "pro", concurrency=3)
     await asyncio.sleep(1.5)  # "applies within a second" (no run in flight: nothing to await)
     again = publish(client, "again-", "pro", 45, 80)
-    await until_finished(client, 135, timeout=240)
+    await until_finished(client, 135, timeout=240, explain=cluster.explainer(client))
     assert peak(spans(mongo, db_name, again)) <= 3, crowd(mongo, db_name)
     assert client.stats()["work"] == {"succeeded": 135}

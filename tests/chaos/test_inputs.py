@@ -42,7 +42,7 @@ async def test_a_thousand_concurrent_publishes_of_a_hundred_keys(
         created += int(out)
     assert created == 100  # each key created by exactly one of the 1000 publishes
     assert client.collection.count_documents({}) == 100
-    await until_finished(client, 100, timeout=120)
+    await until_finished(client, 100, timeout=120, explain=cluster.explainer(client))
     report = assert_invariants(mongo, db_name, {f"p{i}" for i in range(100)})
     assert report.by_status["succeeded"] == 100
     # each ran once: one handler start a key; any other run is one claimed ahead that waited
@@ -88,7 +88,7 @@ async def test_handler_blocking_the_loop_past_its_lease(
     )
     await wait_for(lambda: client.get("b").status == "running", timeout=60)  # type: ignore[union-attr]
     cluster.spawn("other", "--concurrency", "1")
-    await until_finished(client, 1, timeout=60)
+    await until_finished(client, 1, timeout=60, explain=cluster.explainer(client))
     task = client.get("b")
     assert task is not None and task.status == "succeeded"
     assert [(r.worker_id, r.state) for r in task.runs] == [("blocker", "SUCCESS")]
@@ -118,7 +118,9 @@ async def test_workers_with_skewed_clocks(
     client.publish_many(items)
     for i in range(20):  # ahead of the backlog when due (priority), not before (run_at)
         client.publish("work", f"delayed{i}", {"ms": 10}, delay=0.5, options={"priority": 10})
-    await until_finished(client, len(items) + 20, timeout=120 + size.tasks / 5)
+    await until_finished(
+        client, len(items) + 20, timeout=120 + size.tasks / 5, explain=cluster.explainer(client)
+    )
     keys = {i["key"] for i in items} | {f"delayed{i}" for i in range(20)}
     report = assert_invariants(mongo, db_name, keys)
     assert report.by_status["succeeded"] == len(keys)

@@ -61,7 +61,9 @@ async def test_workers_killed_at_random_and_restarted(
         names.remove(victim)
         names.append(f"w{generation + 3}")
         cluster.spawn(names[-1], "--concurrency", "8", "--sweep-interval", "2")
-    await until_finished(client, len(items), timeout=60 + size.tasks / 5)
+    await until_finished(
+        client, len(items), timeout=60 + size.tasks / 5, explain=cluster.explainer(client)
+    )
     report = assert_invariants(mongo, db_name, {i["key"] for i in items})
     assert cluster.kills == size.kill_rounds
     assert report.by_status["succeeded"] == len(items)  # the retry budget covers every kill
@@ -97,7 +99,7 @@ async def test_frozen_worker_is_preempted_and_writes_nothing(
     zombie.send_signal(signal.SIGSTOP)
     try:
         cluster.spawn("rescuer", "--concurrency", "4")
-        await until_finished(client, len(keys), timeout=60)
+        await until_finished(client, len(keys), timeout=60, explain=cluster.explainer(client))
     finally:
         zombie.send_signal(signal.SIGCONT)
     try:

@@ -171,7 +171,7 @@ async def changed(
     scenario.change(client)
     await until_applied(cluster, before)
     after = await cut(client, mongo, db_name)
-    await until_finished(client, scenario.tasks, timeout=120)
+    await until_finished(client, scenario.tasks, timeout=120, explain=cluster.explainer(client))
     return changed_at, after, spans(mongo, db_name)
 
 

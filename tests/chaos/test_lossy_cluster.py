@@ -23,7 +23,7 @@ async def test_a_lossy_limit_runs_its_limit_and_drops_the_rest(
         cluster.spawn(worker, "--concurrency", "8")
     keys = {f"l{i:02d}" for i in range(60)}
     client.publish_many([{"name": "work", "key": k, "params": {"ms": 150}} for k in keys])
-    await until_finished(client, 60, timeout=240)
+    await until_finished(client, 60, timeout=240, explain=cluster.explainer(client))
     counts = client.stats(exact=True)["work"]
     assert set(counts) <= {"succeeded", "cancelled"} and sum(counts.values()) == 60, counts
     assert counts.get("cancelled", 0) > 0, "the excess was dropped"

@@ -184,7 +184,12 @@ async def test_whole_replica_set_killed_and_restarted_under_load(
             assert publishers.errors > 0  # publishing did meet the outage
             probes = {f"{t}-{w}" for t in [f"back{n}" for n in range(outages)] for w in workers}
             try:
-                await until_finished(client, len(acked) + len(probes), timeout=120 + size.tasks / 5)
+                await until_finished(
+                    client,
+                    len(acked) + len(probes),
+                    timeout=120 + size.tasks / 5,
+                    explain=cluster.explainer(client),
+                )
             except AssertionError:
                 for doc in client.collection.find(
                     {"status": {"$in": ["pending", "running"]}}, {"params": 0}

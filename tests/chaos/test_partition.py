@@ -191,7 +191,7 @@ async def test_the_relays_holder_cut_off_frozen_and_killed(
             await until_some_finished(client, during)
     finally:
         keys = publisher.stop()
-    await until_finished(client, len(keys), timeout=120)
+    await until_finished(client, len(keys), timeout=120, explain=cluster.explainer(client))
     report = check(mongo[db_name], set(keys))
     assert not report.problems, "\n".join(report.problems)
     assert report.by_status["succeeded"] == len(keys)

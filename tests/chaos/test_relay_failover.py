@@ -77,7 +77,7 @@ async def test_the_relays_holder_lost_while_the_primary_fails_over(
             keys = publisher.stop()
             publisher = None
             await until_some_finished(client, during, timeout=120)
-            await until_finished(client, len(keys), timeout=180)
+            await until_finished(client, len(keys), timeout=180, explain=cluster.explainer(client))
             report = assert_invariants(mongo, db_name, set(keys))
             assert report.by_status["succeeded"] == len(keys)
             for worker_id, proc in cluster.procs.items():

@@ -49,7 +49,12 @@ async def test_mongodb_restarted_under_load(tmp_path: Path, db_name: str, size: 
                 await asyncio.sleep(1.0)
                 assert await asyncio.to_thread(server.start) == uri
             try:
-                await until_finished(client, len(items), timeout=120 + size.tasks / 5)
+                await until_finished(
+                    client,
+                    len(items),
+                    timeout=120 + size.tasks / 5,
+                    explain=cluster.explainer(client),
+                )
             except AssertionError:
                 for doc in client.collection.find({"status": "pending"}, {"params": 0}).limit(3):
                     print("STUCK", doc)
@@ -83,7 +88,9 @@ async def test_primary_stepped_down_mid_run(tmp_path: Path, db_name: str, size: 
                     client.publish_many(items[half:])
             if not failovers:
                 client.publish_many(items[half:])
-            await until_finished(client, len(items), timeout=120 + size.tasks / 5)
+            await until_finished(
+                client, len(items), timeout=120 + size.tasks / 5, explain=cluster.explainer(client)
+            )
             with MongoClient(uri, tz_aware=True) as mongo:
                 report = assert_invariants(mongo, db_name, {i["key"] for i in items})
             assert report.by_status["succeeded"] == len(items)
@@ -110,7 +117,7 @@ async def test_change_stream_cursors_killed(  # noqa: C901 - one scenario, its w
             kills += kill_change_streams(mongo, db_name)
         await asyncio.sleep(rng.uniform(0, 0.02))
     try:
-        await until_finished(client, len(items), timeout=120)
+        await until_finished(client, len(items), timeout=120, explain=cluster.explainer(client))
     except AssertionError:
         for name in ("a", "b"):
             print(name, cluster.procs[name].poll(), cluster.log_of(name)[-3000:])
@@ -133,7 +140,7 @@ async def test_change_stream_cursors_killed(  # noqa: C901 - one scenario, its w
     for name in ("a", "b"):  # (concurrency 1: a task of concurrency 2 needs two workers)
         client.publish("work", f"after-{name}", {"ms": 50}, options={"specific_worker_ids": [name]})
     try:
-        await until_finished(client, len(items) + 2, timeout=60)
+        await until_finished(client, len(items) + 2, timeout=60, explain=cluster.explainer(client))
     except AssertionError:
         for doc in client.collection.find({"_id": {"$in": ["after-a", "after-b"]}}):
             print("OPEN", doc)

@@ -43,7 +43,7 @@ async def test_a_concurrency_shared_by_three_names_holds_through_a_kill_and_a_fr
     tasks, log = mongo[db_name]["tasks"], mongo[db_name]["execlog"]
     await wait_for(lambda: tasks.count_documents({"status": "succeeded"}) >= 10, timeout=120)
     cuts, stopped, resumed = await kill_a_and_freeze_b(cluster, client, log)
-    await until_finished(client, 90, timeout=300)
+    await until_finished(client, 90, timeout=300, explain=cluster.explainer(client))
     assert client.stats() == {name: {"succeeded": 30} for name in NAMES}
     frozen = ends_of_frozen(log, stopped)
     assert frozen and set(frozen.values()) == {"cancelled"}, frozen  # none went on working

@@ -78,7 +78,7 @@ async def test_killed_between_the_handlers_writes_and_commit(
     await wait_for(lambda: log.count_documents({"worker_id": "victim", "event": "written"}) == 3)
     cluster.signal("victim", signal.SIGKILL)  # its transactions are open, uncommitted
     cluster.spawn("rescuer", "--concurrency", "4")
-    await until_finished(client, len(KEYS), timeout=TAKEOVER_S)
+    await until_finished(client, len(KEYS), timeout=TAKEOVER_S, explain=cluster.explainer(client))
     assert_exactly_once(client, "rescuer")
     for task in client.list():
         assert [(r.worker_id, r.state) for r in task.runs] == [
@@ -101,7 +101,9 @@ async def test_frozen_past_its_lease_mid_handler_then_resumed(
     zombie.send_signal(signal.SIGSTOP)
     try:
         cluster.spawn("rescuer", "--concurrency", "4")
-        await until_finished(client, len(KEYS), timeout=TAKEOVER_S)
+        await until_finished(
+            client, len(KEYS), timeout=TAKEOVER_S, explain=cluster.explainer(client)
+        )
     finally:
         zombie.send_signal(signal.SIGCONT)
     cluster.signal("zombie", signal.SIGTERM)  # once it exited, nothing of it can land
@@ -157,7 +159,7 @@ async def test_failover_during_commit(tmp_path: Path, db_name: str, rolled_back:
             for port in secondaries:
                 replica_set.fail_point(port, "stopReplProducer", mode="off")
             new = await asyncio.to_thread(replica_set.wait_primary, 60, old)
-            await until_finished(client, len(KEYS), timeout=120)
+            await until_finished(client, len(KEYS), timeout=120, explain=cluster.explainer(client))
             assert new != old
             assert_exactly_once(client, "a")
             for task in client.list():  # the same run committed, on its first or second try

@@ -30,6 +30,7 @@ from .processes import (
 from .proxies import Proxies
 from .replicaset import ReplicaSet, replica_set_with_workers
 from .sse import server_sent
+from .stall import stall_report
 from .streams import change_streams, count_streams, kill_change_streams
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "sign_in",
     "signed_in",
     "spawn_worker",
+    "stall_report",
     "stop_process",
     "tree_env",
     "until_finished",

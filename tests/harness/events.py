@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -80,8 +81,15 @@ def poll(check: Callable[[], Any], limit: float, what: str, every: float = 0.02)
     return time.monotonic()
 
 
-async def until_finished(client: TaskClient, total: int, timeout: float) -> None:
-    """Wait until ``total`` tasks exist and none is pending or running."""
+async def until_finished(
+    client: TaskClient,
+    total: int,
+    timeout: float,
+    explain: Callable[[], str] | None = None,
+) -> None:
+    """Wait until ``total`` tasks exist and none is pending or running. If they do not in
+    ``timeout`` seconds, the failure says what ``explain`` reports then (a cluster's
+    ``explainer``: the open tasks, the workers' logs…), or why it could not."""
     deadline = time.monotonic() + timeout
     counts: dict[str, int] = {}
     while time.monotonic() < deadline:
@@ -97,4 +105,10 @@ async def until_finished(client: TaskClient, total: int, timeout: float) -> None
         if sum(counts.values()) >= total and open_ == 0:
             return
         await asyncio.sleep(0.2)
-    raise AssertionError(f"tasks still open after {timeout}s: {counts}")
+    message = f"tasks still open after {timeout}s (of {total} expected): {counts}"
+    if explain is not None:
+        try:
+            message += "\n" + explain()
+        except Exception:  # noqa: BLE001 - the timeout is the failure, not its explanation
+            message += "\n(explain failed)\n" + traceback.format_exc(limit=5)
+    raise AssertionError(message)

@@ -4,15 +4,21 @@ a process in /proc, and a process stopped at the end of a test whatever state it
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mtask
 from mtask.testing import worker_argv
+
+from .stall import stall_report
+
+if TYPE_CHECKING:
+    from mtask import TaskClient
 
 TESTS = Path(__file__).resolve().parents[1]
 """tests/: the registries worker processes run (``workerapp``, ``poolhandlers``…) live here."""
@@ -134,6 +140,8 @@ class Cluster:
         """The registry the workers run (``module:attribute`` in ``home``)."""
         self.home = home
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.spawned: list[str] = []
+        """Every worker id spawned, in order (those killed too: ``explain`` shows their logs)."""
         self.kills = 0
         self.expected_exits: set[str] = set()
 
@@ -157,6 +165,8 @@ class Cluster:
         )  # fmt: skip
         log.close()
         self.procs[worker_id] = proc
+        if worker_id not in self.spawned:
+            self.spawned.append(worker_id)
         return proc
 
     def signal(self, worker_id: str, sig: signal.Signals) -> None:
@@ -169,6 +179,28 @@ class Cluster:
 
     def log_of(self, worker_id: str) -> str:
         return (self.logs / f"{worker_id}.log").read_text(errors="replace")
+
+    def state_of(self, worker_id: str) -> str:
+        """What ``worker_id``'s process is at, in words (for ``explain``)."""
+        proc = self.procs.get(worker_id)
+        if proc is None:
+            return "killed with SIGKILL by the test"
+        if (code := proc.poll()) is not None:
+            return f"pid {proc.pid}, exited with {code}"
+        frozen = process_state(proc.pid) == "T"
+        return f"pid {proc.pid}, {'stopped (SIGSTOP)' if frozen else 'running'}"
+
+    def explain(self, client: TaskClient) -> str:
+        """What the queue of ``client`` is at and what each worker spawned logged
+        (``harness.stall``): for a wait that timed out (``until_finished``'s ``explain``)."""
+        logs = {
+            f"{w} ({self.state_of(w)})": functools.partial(self.log_of, w) for w in self.spawned
+        }
+        return stall_report(client.db, client.collection.name, logs)
+
+    def explainer(self, client: TaskClient) -> Callable[[], str]:
+        """``explain`` of ``client``, to call later: ``until_finished(…, explain=…)``."""
+        return functools.partial(self.explain, client)
 
     def expect_exit(self, worker_id: str) -> None:
         """The test makes ``worker_id`` exit with an error on purpose: ``close`` accepts it."""
