@@ -19,7 +19,7 @@ from mtask.follow import events
 from mtask.worker import Worker
 from mtask.worker.claim_queue import ClaimQueue
 from mtask.worker.finding import stream
-from mtask.worker.finding.finder import Others
+from mtask.worker.finding.finder import Others, ReportingSink
 from mtask.worker.finding.shared import credit, mailbox, wire
 from mtask.worker.finding.shared.channels import FRAME_BYTES
 from mtask.worker.finding.shared.dispatch import Dispatcher
@@ -372,6 +372,38 @@ async def test_finding_alone_reads_the_peers_at_once_and_a_worker_without_inboxe
     falling.cancel()
     stream.alone.stop()
     await asyncio.gather(falling, return_exceptions=True)
+
+
+async def test_keys_said_held_stay_with_the_worker_when_a_relay_hands_it_work_again() -> None:
+    """A key a limit holds back is said ``held``, and the relay forgets it: it is this worker's.
+    When a relay hands this worker its tasks again (it was let go and said hello again, or
+    another relay took over), what it found alone goes, but a key it said it keeps stays in its
+    queue where it was (else nobody would claim it until the relay's sweep); one it claimed
+    since is not kept."""
+    tasks = FakeInbox("tasks")
+    tasks.database = FakeDatabase()  # type: ignore[attr-defined]
+    fake_driver = cast(AsyncDriver, type("D", (), {"collections": {"tasks": tasks}})())
+    finder = finder_for(None, FixedClock(WHEN), ["n"])
+    stream = SharedStream(fake_driver, FixedClock(WHEN), "w1", finder, lambda: 1)
+    sink = ReportingSink(finder, stream.reports)
+    later = WHEN + dt.timedelta(seconds=3)
+    for key in ("held", "claimed", "alone"):
+        finder.placement.place({"_id": key, "name": "n", "next_claim_at": WHEN, "options": {}})
+    stream._enter(SubscriberState.DISPATCHED)  # (what it found alone so far goes)
+    assert len(finder.placement.queue) == 0
+    for key in ("held", "claimed", "alone"):
+        finder.placement.hand(key, "n", 0, None, WHEN)
+    sink.requeue_at("held", later)  # a limit holds them back: the relay forgets them
+    sink.requeue_at("claimed", later)
+    sink.claimed({"_id": "claimed", "next_claim_at": later})
+    stream._enter(SubscriberState.BETWEEN)  # let go, or its relay went
+    stream._enter(SubscriberState.DISPATCHED)
+    assert set(finder.placement.queue.entries) == {"held"} == set(finder.placement.meta)
+    assert finder.placement.queue.entries["held"].claim_at == later
+    sink.succeeded("held")
+    stream._enter(SubscriberState.BETWEEN)
+    stream._enter(SubscriberState.DISPATCHED)
+    assert len(finder.placement.queue) == 0 and not stream.reports.kept
 
 
 async def test_the_end_of_a_sequences_run_reaches_only_who_waits_for_its_group() -> None:

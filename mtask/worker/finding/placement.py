@@ -244,10 +244,17 @@ class Placement:
         self.ignored.add(key)
         self.forget(key)
 
-    def clear(self) -> None:
-        self.queue.clear()
-        self.meta.clear()
-        self.changed_busy.clear()
+    def clear(self, keep: Collection[str] = ()) -> None:
+        """Forget every known task, except the known ones in ``keep`` (they stay where they
+        are in the queue)."""
+        kept = {key: self.meta[key] for key in keep if key in self.meta}
+        if not kept:
+            self.queue.clear()
+        else:
+            for key in [k for k in self.queue.entries if k not in kept]:
+                self.queue.discard(key)
+        self.meta = kept
+        self.changed_busy.intersection_update(kept)
 
     def known(self, key: str) -> TaskMeta | None:
         return self.meta.get(key)

@@ -28,6 +28,9 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+KEPT_AT_MOST = 100_000
+"""The keys said ``held`` a reporter remembers at most (``Reporter.kept``)."""
+
 
 class Reporter:
     def __init__(self, capacity: Callable[[], int], names: Callable[[], Sequence[str]]) -> None:
@@ -55,6 +58,10 @@ class Reporter:
         self._acted = False
         """A claim or a success since the last look (the relay heard it through its stream)."""
         self._got_at_look = 0
+        self.kept: set[str] = set()
+        """Keys said ``held`` to a relay and neither claimed nor let go since: that relay
+        forgot them (they are this worker's), so they stay in this worker's queue when a relay
+        hands it its tasks again (``Subscriber``); bounded by ``KEPT_AT_MOST``."""
 
     def connect(self, send: Callable[[dict[str, Any]], None], names: list[str]) -> None:
         """A new subscription: report through ``send`` (the relay knows ``names`` already)."""
@@ -94,20 +101,28 @@ class Reporter:
     def claimed(self, key: str, claim_at: Any) -> None:
         """Nothing to say: the claim's event shows it (and that this worker is alive)."""
         self._acted = True
+        self.kept.discard(key)
 
     def held(self, key: str) -> None:
+        if self.active:
+            if len(self.kept) >= KEPT_AT_MOST:  # bounded: a key still held back comes back
+                self.kept.clear()  # by the relay's sweep
+            self.kept.add(key)
         self._say("held", key)
 
     def succeeded(self, key: str) -> None:
         """Nothing to say: the success's event gives the relay the slot back."""
         self._acted = True
+        self.kept.discard(key)
         if self.active:
             self.done += 1
 
     def missed(self, key: str) -> None:
+        self.kept.discard(key)
         self._say("missed", key)
 
     def gone(self, key: str) -> None:
+        self.kept.discard(key)
         self._say("gone", key)
 
     def _say(self, field: str, item: Any) -> None:

@@ -172,9 +172,9 @@ class SharedStream:
         """Enter ``state`` (the transitions of ``SubscriberState``)."""
         was, self.state = self.state, state
         if state is SubscriberState.DISPATCHED:
-            if was is not state:  # what it found alone goes
-                self.alone.stop()
-                self.finder.placement.clear()
+            if was is not state:  # what it found alone goes; what it said it keeps stays
+                self.alone.stop()  # (a relay forgets the keys said held)
+                self.finder.placement.clear(keep=self.reports.kept)
                 self.finder.ready.set()
                 self.reports.resume()
             return
