@@ -29,7 +29,7 @@ import datetime as dt
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping
 from typing import NamedTuple
 
 Group = Hashable
@@ -403,3 +403,11 @@ class ClaimQueue:
         self._latest.clear()
         self._aged_at = None
         self.resume = None
+
+    def retain(self, keys: Collection[str]) -> None:
+        """``clear`` (what was left out too: ``resume``), except the entries of ``keys``, queued
+        again as they were."""
+        kept = [(key, entry) for key, entry in self.entries.items() if key in keys]
+        self.clear()
+        for key, e in kept:
+            self.push(key, e.claim_at, e.priority, e.specific, group=e.group, place=e.place)

@@ -208,14 +208,12 @@ async def test_a_step_answer_that_hangs_does_not_keep_the_run_from_its_time_limi
         finally:
             given_up.set()
 
+    handler = poolhandlers.registry["steps_without_a_worker"]
+    with pytest.raises(StepError, match="no journal"):  # a child started and idle: the time
+        await pool.run(handler, {}, INFO)  # limit below counts the run, not a child's start
+    assert pool.state()["idle"] == 1
     with pytest.raises(TimeLimitExceeded):
-        await pool.run(
-            poolhandlers.registry["steps_without_a_worker"],
-            {},
-            INFO,
-            hard_timeout=3.0,  # room for a child's start on a loaded host: it must ask first
-            on_step=hang,
-        )
+        await pool.run(handler, {}, INFO, hard_timeout=3.0, on_step=hang)
     assert asked == ["journal"]
     await asyncio.wait_for(given_up.wait(), 5)  # the answer is abandoned with the run
     assert pool.state()["time_limit_kills"] == 1

@@ -240,6 +240,23 @@ async def test_an_event_heard_during_a_claim_that_missed_queues_the_key_again() 
     assert "odd" not in watcher.placement.queue  # no event: another's, as before
 
 
+async def test_a_key_that_changed_during_its_claim_and_is_no_longer_ours_is_said_missed() -> None:
+    """The task changed while the claim was on its way, and its re-read shows it due but no
+    longer this worker's (it names another worker now): it is not queued, and it is said to be
+    missed, as a due key that did not change is (a relay hands it to another)."""
+    driver = AsyncScriptedDriver(
+        Step("find", reply=[{**placement("k", NOW), "options": {"specific_worker_ids": ["w2"]}}]),
+    )
+    claimer, watcher, _ = build(driver)
+    watcher.placement.place(placement("k", NOW))
+    with claimer.inflight.claiming(["k"]):
+        watcher.on_change(outcome_event("k", NOW))
+    found = await watcher.requeue_found(["k"], later_than=NOW)
+    assert driver.done and found is not None
+    assert (found.held, found.missed, found.gone) == ([], ["k"], [])
+    assert "k" not in watcher.placement.queue and watcher.known("k") is None
+
+
 async def test_a_failed_claim_call_puts_its_keys_back_shortly() -> None:
     """Not a document's fault (MongoDB away): what the call took is read back; nothing was,
     so the keys wait a second in the queue."""

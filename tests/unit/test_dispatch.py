@@ -386,6 +386,46 @@ def test_a_key_whose_hand_over_lapses_goes_to_another_and_its_subscriber_gets_no
     assert d.hand_out(NOW) == 1 and a.got() == ["k0", "k2"]
 
 
+def test_a_subscriber_unheard_after_its_last_report_is_let_go_not_starved() -> None:
+    """A subscriber acknowledged the key it was handed (its report counted it), then said
+    nothing of it (its claim came back empty, its re-read failed), and is idle: nothing it does
+    would be heard again. Its key lapses and goes to another; it is handed nothing more until
+    heard from, and if it is not, it goes silent and is let go (it says hello again): a relay
+    whose every subscriber is unheard would otherwise hand nothing out for good."""
+    d, _ = build()
+    a, b = Channel(), Channel()
+    d.add(a, "a", ["n"], 2)
+    d.add(b, "b", ["n"], 2)
+    d.host.place(task("k0"))
+    assert d.hand_out(NOW) == 1 and a.got() == ["k0"]
+    d.report(a, free=1, got=1, done=0)  # received: acknowledged, nothing left unacknowledged
+    assert account(d, a).unacked_since is None
+    handed_to, _ = d.awaiting["k0"]
+    d.awaiting["k0"] = (handed_to, 0.0)  # no claim heard in time
+    lapsed_at = time.monotonic()
+    d.run_once()
+    assert b.got() == ["k0"] and account(d, a).room == 0
+    d.report(b, free=1, got=1, done=0)  # b acknowledges what it got: not silent
+    since = account(d, a).unacked_since
+    assert since is not None and since >= lapsed_at
+    assert d.accounts.silent(since + credit.SILENT_SUBSCRIBER + 1) == [a]
+
+
+def test_a_key_said_held_then_missed_is_read_again() -> None:
+    """A subscriber said it keeps a key (a limit held it back): the relay forgot it. When its
+    next claim of it misses although it was due, the relay reads the task again to hand it to
+    another (it cannot place a key it does not know)."""
+    d, _ = build()
+    a = Channel()
+    d.add(a, "a", ["n"], 2)
+    d.host.place(task("k"))
+    d.hand_out(NOW)
+    d.held("k", a)
+    assert d.host.known("k") is None
+    d.missed("k", a)
+    assert "k" in d.host.scanner.unknown  # looked up at the next settle
+
+
 @given(st.lists(st.floats(min_value=0.0, max_value=60.0), max_size=40))
 def test_a_hand_over_lapses_after_half_a_second_unless_every_claim_takes_longer(
     took: list[float],

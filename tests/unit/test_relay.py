@@ -397,7 +397,9 @@ async def test_keys_said_held_stay_with_the_worker_when_a_relay_hands_it_work_ag
     sink.requeue_at("claimed", later)
     sink.claimed({"_id": "claimed", "next_claim_at": later})
     stream._enter(SubscriberState.BETWEEN)  # let go, or its relay went
+    finder.placement.queue.note_overflow(later, "left-out")  # found alone: a full queue
     stream._enter(SubscriberState.DISPATCHED)
+    assert finder.placement.queue.resume is None  # (a top-up would never come: no sweep)
     assert set(finder.placement.queue.entries) == {"held"} == set(finder.placement.meta)
     assert finder.placement.queue.entries["held"].claim_at == later
     sink.succeeded("held")

@@ -133,12 +133,16 @@ class Finder:
             key = doc.get("_id")
             if isinstance(doc.get("next_claim_at"), dt.datetime):
                 gone.discard(key)
-            if doc.get("well_formed") is False or not due_by(doc, later_than) or key in changed:
+            malformed = doc.get("well_formed") is False
+            if malformed or not due_by(doc, later_than) or key in changed:
                 self.scanner.place_safely(doc)  # a malformed one is noted for quarantine
                 if key in self.placement.meta:
                     found.held.append(key)
-            elif isinstance(key, str) and key not in gone:
-                found.missed.append(key)
+                    continue
+                if malformed or key not in changed:
+                    continue
+            if isinstance(key, str) and key not in gone:
+                found.missed.append(key)  # due, and not this worker's to take
         found.gone = sorted(gone)
         return found
 

@@ -219,6 +219,7 @@ class Placement:
         if self.in_flight(key):
             return False
         grouped = (name, group) if isinstance(group, str) else None
+        self.changed_busy.discard(key)
         self.meta[key] = TaskMeta(name, priority, frozenset(), timeout, group=grouped)
         self.queue.push(key, now, priority, group=grouped)
         self.wake()
@@ -245,14 +246,10 @@ class Placement:
         self.forget(key)
 
     def clear(self, keep: Collection[str] = ()) -> None:
-        """Forget every known task, except the known ones in ``keep`` (they stay where they
-        are in the queue)."""
+        """Forget every known task (and what the queue left out), except the known ones in
+        ``keep``: they stay where they are in the queue."""
         kept = {key: self.meta[key] for key in keep if key in self.meta}
-        if not kept:
-            self.queue.clear()
-        else:
-            for key in [k for k in self.queue.entries if k not in kept]:
-                self.queue.discard(key)
+        self.queue.retain(kept)
         self.meta = kept
         self.changed_busy.intersection_update(kept)
 

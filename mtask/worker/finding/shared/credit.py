@@ -103,6 +103,15 @@ class Account:
         self.unacked_since = None if got >= self.sent else now_mono
         self.unheard = False
 
+    def lapsed(self, now_mono: float) -> None:
+        """A key handed to it waited out its hand-over: nothing more is handed to it until it
+        is heard from, and if it is not within ``SILENT_SUBSCRIBER`` (an idle subscriber whose
+        last report counted that key says nothing more), it is let go as silent and says hello
+        again: never handed nothing for good."""
+        self.unheard = True
+        if self.unacked_since is None:
+            self.unacked_since = now_mono
+
     def heard(self, waiting: bool, now_mono: float) -> None:
         """Its claim or success came through the stream: alive (the clock starts again for
         the keys it still has to claim, if any)."""

@@ -64,11 +64,15 @@ class KeyNews:
         self.forget(key)
 
     def missed(self, key: str, by: Channel | None = None) -> None:
-        """A subscriber's claim of ``key`` missed although it was due: hand it to another."""
+        """A subscriber's claim of ``key`` missed although it was due: hand it to another (a
+        key this relay forgot, said ``held`` before, is read again first)."""
         self.said["missed"] += 1
         self.awaiting.end(key, by)
         self.refused.add(key, self.accounts.get(by))
-        self.host.requeue_at(key, self.now())
+        if self.host.known(key) is None:
+            self.host.read_again(key)
+        else:
+            self.host.requeue_at(key, self.now())
 
     def gone(self, key: str) -> None:
         """A subscriber found ``key`` finished or deleted."""
