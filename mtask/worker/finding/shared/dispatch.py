@@ -18,7 +18,8 @@ writes to a task. So a task costs one claim attempt however many workers and hos
   queue, and its subscriber is *unheard* (``credit.Account.unheard``): it is handed nothing
   more until it is heard from (a claim or success in the stream, a report), so the keys a dead,
   frozen or cut-off subscriber was handed reach another within a second, and no more are lost
-  to it; one not heard from within ``credit.SILENT_SUBSCRIBER`` is let go (it says hello again). A subscriber that goes gives its awaited keys back at once. Any event for an awaited
+  to it; one not heard from within ``credit.SILENT_SUBSCRIBER`` is let go (it says hello
+  again). A subscriber that goes gives its awaited keys back at once. Any event for an awaited
   key ends the wait.
 - **A claim that misses is said.** The key goes back in the host queue for another subscriber,
   and is refused to that one for a while (``credit.Refusals``). A task of ``concurrency`` > 1
