@@ -451,7 +451,7 @@ def many_hosts(bench: Bench) -> None:
     stream modes at each size, in one run."""
     if shutil.which("unshare") is None:
         raise RuntimeError("W9H needs unshare (util-linux) to give each worker a host of its own")
-    sizes, rate, seconds = ([1, 4], 100, 3.0) if _quick(bench) else ([1, 8, 32, 64], 100, 3.0)
+    sizes, rate, seconds = ([1, 4], 100, 3.0) if _quick(bench) else ([1, 8, 32, 64, 128], 100, 3.0)
     # idle: heartbeats, lease looks and tails come seconds apart, the bounding reads of the
     # limits, paused names and schedules every 30 and 60 s: a minute holds each as often as
     # it comes (12 s windows read 3.6 to 6.3 % at 64 hosts, by whether a read fell in them)
