@@ -495,7 +495,8 @@ def many_hosts(bench: Bench) -> None:
         bench.record(
             _result(
                 f"W9H many hosts x{row['workers']:.0f} ({mode} streams)",
-                f"mongod {row['cpu_ms_per_task']:.2f} ms CPU/task ({cpu:.2f}x of 1 host"
+                f"mongod {row['cpu_ms_per_task']:.2f} ms CPU/task ({cpu:.2f}x of "
+                + ("1 host" if one["workers"] == 1 else f"{one['workers']:.0f} hosts")
                 + (
                     f"; within each pass {', '.join(f'{r:.2f}' for r in by_pass)}x"
                     if passes > 1
